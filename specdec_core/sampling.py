@@ -1,0 +1,86 @@
+"""Sampling parameters and the one logits -> probabilities transform.
+
+Target and drafter go through :func:`logits_to_probs` with the same :class:`SamplingParams`, so the
+verifier compares the distributions that would actually be sampled from (temperature, then top-k,
+then top-p), exactly as speculative sampling requires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+from .errors import SpecDecError
+
+
+class InvalidSamplingParams(SpecDecError, ValueError):
+    """A sampling parameter is out of range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is chosen from logits.
+
+    temperature: 0 means greedy (argmax); > 0 divides the logits before the softmax.
+    top_k:       keep the k most likely tokens (0: keep all).
+    top_p:       keep the smallest set of most likely tokens whose mass reaches top_p (1.0: keep all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise InvalidSamplingParams(
+                f"temperature={self.temperature!r}: must be >= 0 (0 means greedy decoding)")
+        if self.top_k < 0:
+            raise InvalidSamplingParams(f"top_k={self.top_k!r}: must be >= 0 (0 disables top-k)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams(f"top_p={self.top_p!r}: must be in (0, 1] (1.0 disables top-p)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] (float32) that `params` samples from, given logits [..., V].
+
+    Greedy gives a one-hot distribution on the argmax, so exact verification of greedy drafts
+    degenerates to "accept while equal to the argmax".
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        # keep logits >= the k-th largest (ties at the threshold are kept)
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first one stays)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token index per row of probs [..., V] -> LongTensor [...].
+
+    Uses the exponential race: argmax(p / E) with E ~ Exp(1) picks index i with probability
+    p_i / sum(p). Unnormalised weights are fine, zero weights are never picked, and there is no
+    host-device synchronisation (unlike torch.multinomial on CUDA).
+    """
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_(min=1e-30)
+    return (probs / race).argmax(-1)

@@ -1,0 +1,158 @@
+"""The `specdec` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from specdec_core.drafters import DRAFTER_KINDS
+from specdec_core.errors import SpecDecError
+from specdec_core.models import DEFAULT_MODEL
+
+from .prompts import PromptFileError
+
+console = Console()
+
+
+def parse_drafter(text: str) -> tuple[str, dict]:
+    """'prompt_lookup', 'layer_skip:num_layers=8', 'draft_model:model=PATH' -> (kind, params)."""
+    kind, _, rest = text.partition(":")
+    if kind not in DRAFTER_KINDS:
+        raise argparse.ArgumentTypeError(
+            f"drafter {text!r}: kind must be one of {list(DRAFTER_KINDS)} (params as kind:key=value,...)")
+    params: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"drafter {text!r}: parameter {item!r} is not key=value")
+        params[key] = int(value) if value.lstrip("-").isdigit() else value
+    return kind, params
+
+
+def drafter_label(kind: str, params: dict) -> str:
+    return kind + ("(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"target: HF id, local dir, GGUF file or {DEFAULT_MODEL} (default)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _sampling(args):
+    from specdec_core import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def cmd_generate(args) -> int:
+    from specdec_core import SpecDecoder, load_model
+    from specdec_core.drafters import make_drafter
+
+    from .prompts import encode
+
+    model, tokenizer = load_model(args.model, device=args.device)
+    drafter = None
+    if args.drafter:
+        kind, params = args.drafter
+        drafter = make_drafter(kind, params, model, tokenizer)
+    decoder = SpecDecoder(model, drafter, k=args.k, tokenizer=tokenizer)
+    ids, mask = encode(tokenizer, [args.prompt], chat=not args.no_chat, device=model.device)
+    run = decoder.generate if drafter is not None else decoder.generate_plain
+    result = run(ids, max_new_tokens=args.max_new_tokens, sampling=_sampling(args), seed=args.seed,
+                 attention_mask=mask, eos_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(result.tokens[0, : result.num_tokens[0]], skip_special_tokens=True)
+    print(text)
+    print(("plain " if drafter is None else drafter_label(*args.drafter) + f" k={args.k} ")
+          + result.stats.summary(), file=sys.stderr if args.stats_to_stderr else sys.stdout)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from specdec_core import load_model
+    from specdec_core.drafters import make_drafter
+
+    from .compare import compare
+    from .prompts import load_prompts
+
+    prompts = load_prompts(args.prompts)
+    if args.domains:
+        wanted = set(args.domains.split(","))
+        prompts = [p for p in prompts if p.domain in wanted]
+        if not prompts:
+            raise PromptFileError(f"no prompt has a domain in {sorted(wanted)}")
+    model, tokenizer = load_model(args.model, device=args.device)
+    specs = args.drafter or [("prompt_lookup", {}), ("layer_skip", {"num_layers": 8})]
+    drafters = {drafter_label(kind, params): make_drafter(kind, params, model, tokenizer)
+                for kind, params in specs}
+    rows = compare(model, tokenizer, drafters, prompts, k=args.k,
+                   max_new_tokens=args.max_new_tokens, sampling=_sampling(args), seed=args.seed)
+    if args.format == "json":
+        print(json.dumps([row.to_dict() for row in rows], indent=2))
+        return 0
+    table = Table(title=f"{args.model}: plain vs drafters, k={args.k}, "
+                        f"{len(prompts)} prompts, batch 1")
+    for column in ("domain", "contender", "decode tok/s", "acceptance rate",
+                   "mean accepted length", "speedup"):
+        table.add_column(column, justify="left" if column in ("domain", "contender") else "right")
+    for row in rows:
+        plain = row.contender == "plain"
+        table.add_row(row.domain, row.contender, f"{row.stats.decode_tokens_per_s:.1f}",
+                      "-" if plain else f"{row.stats.acceptance_rate:.3f}",
+                      "-" if plain else f"{row.stats.mean_accepted_length:.2f}",
+                      f"{row.speedup:.2f}x")
+    console.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate for one prompt: text, then a stats line")
+    _add_model_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--drafter", type=parse_drafter, default=None,
+                     help="prompt_lookup | layer_skip[:num_layers=N] | draft_model:model=SPEC "
+                          "(default: plain decoding)")
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--stats-to-stderr", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+
+    cmp_ = sub.add_parser("compare", help="plain vs each drafter on a prompt set: a table")
+    _add_model_args(cmp_)
+    cmp_.add_argument("--prompts", default=None,
+                      help="a .jsonl ({prompt, domain?, id?}) or .txt file (default: built-in set)")
+    cmp_.add_argument("--domains", default=None, help="comma-separated domains to keep")
+    cmp_.add_argument("--drafter", type=parse_drafter, action="append",
+                      help="repeatable (default: prompt_lookup and layer_skip:num_layers=8)")
+    cmp_.add_argument("--format", choices=["table", "json"], default="table")
+    cmp_.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (SpecDecError, PromptFileError) as exc:
+        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
