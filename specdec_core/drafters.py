@@ -220,11 +220,13 @@ class PromptLookup(Drafter):
     """Prompt-lookup (n-gram) drafting: copy what followed the current suffix earlier in the text.
 
     No model. Proposes fewer than K tokens, or none, when nothing (or too little) matches.
+    min_ngram defaults to 2: on the embedded default, single-token matches are accepted too rarely
+    to pay for the wider verify pass (benchmarks/decode_cpu.py).
     """
 
     name = "prompt_lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"PromptLookup(max_ngram={max_ngram}, min_ngram={min_ngram}): need "
                              "1 <= min_ngram <= max_ngram")

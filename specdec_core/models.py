@@ -137,7 +137,10 @@ def load_model(spec: str | os.PathLike, device: str | torch.device | None = None
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    text = str(spec)
+    text = str(spec).strip()
+    if not text:
+        raise ModelNotFound("empty model spec: no such file or directory; give an HF id, a local "
+                            f"path, a GGUF file or one of {sorted(EMBEDDED_MODELS)}")
     path = Path(text).expanduser()
     if text.lower() in EMBEDDED_MODELS:
         model, tokenizer = _load_embedded(EMBEDDED_MODELS[text.lower()], device, dtype)
@@ -150,7 +153,7 @@ def load_model(spec: str | os.PathLike, device: str | torch.device | None = None
             raise ModelNotFound(f"directory {text!r} has no config.json: not a transformers model "
                                 "directory (save one with model.save_pretrained)")
         model, tokenizer = _load_pretrained(path, device, dtype)
-    elif text.startswith((".", "/", "~")) or os.sep in text.strip("/").replace("/", "", 1) or not text:
+    elif text.startswith((".", "/", "~")) or text.count("/") > 1:
         raise ModelNotFound(f"model {text!r}: no such file or directory; give an existing local "
                             f"path, a GGUF file, an HF id, or one of {sorted(EMBEDDED_MODELS)}")
     else:

