@@ -65,10 +65,15 @@ class SpecDecoder:
     verifier: "exact" (rejection sampling; the default), "relaxed" (LOSSY, for comparison) or a
     callable with rejection_sample's signature. Greedy decoding (temperature 0) verifies with
     greedy_verify unless a verifier is given explicitly.
+    verify_widths: optional {needed width: width to run}, from profile.calibrate_verify_widths.
+    On some hardware a verify pass over more tokens is cheaper than over fewer (CPU matmul kernels
+    pick different paths by row count); the extra positions are filler after the drafts, so the
+    causal target's logits for the real positions are unchanged, and the cache rollback drops them.
     """
 
     def __init__(self, target_model: torch.nn.Module, drafter: Drafter | None, k: int = 4,
-                 tokenizer=None, verifier: str | Verifier | None = None):
+                 tokenizer=None, verifier: str | Verifier | None = None,
+                 verify_widths: dict[int, int] | None = None):
         if not isinstance(k, int) or k < 1:
             raise InvalidDecodeInput(f"k={k!r}: the number of draft tokens per round must be an "
                                      "integer >= 1 (use generate_plain for no speculation)")
@@ -81,6 +86,7 @@ class SpecDecoder:
                 raise InvalidDecodeInput(f"verifier={verifier!r}: choose one of {sorted(VERIFIERS)}")
             verifier = VERIFIERS[verifier]
         self.verifier = verifier
+        self.verify_widths = {int(n): int(w) for n, w in (verify_widths or {}).items() if int(w) >= int(n)}
         if drafter is not None:
             drafter.check_compatible(target_model, tokenizer)
 
@@ -213,7 +219,11 @@ class SpecDecoder:
             t0 = time.perf_counter()
             pending = state.out.gather(1, state.n_out[:, None] - 1)
             verify_input = pending if proposal is None else torch.cat([pending, proposal.tokens], 1)
-            logits = target.forward(verify_input)
+            width = verify_input.shape[1]
+            run_width = self.verify_widths.get(width, width) if width > 1 else 1
+            if run_width > width:  # filler after the drafts: the causal logits before it are unchanged
+                verify_input = torch.cat([verify_input, pending.expand(-1, run_width - width)], 1)
+            logits = target.forward(verify_input)[:, :width]
             # 4. accept
             out_tokens, num_accepted = self._verify_step(
                 proposal, logits, sampling, generator, verifier, use_greedy_verify, device)

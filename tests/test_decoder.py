@@ -263,3 +263,19 @@ def test_right_padding_is_refused(target):
     ids, mask = left_padded_batch()
     with pytest.raises(InvalidDecodeInput, match="left-padded"):
         SpecDecoder(target, PromptLookup()).generate(ids, 4, attention_mask=mask.flip(1))
+
+
+def test_verify_width_padding_keeps_outputs_exact(target, draft):
+    # running verify passes wider than needed (filler after the drafts) changes no token
+    ids, mask = left_padded_batch()
+    widths = {2: 5, 3: 5, 4: 5, 5: 5}
+    padded = SpecDecoder(target, DraftModel(draft), k=3, verify_widths=widths).generate(
+        ids, MAX_NEW, attention_mask=mask)
+    assert torch.equal(padded.tokens, hf_greedy(target, ids, mask))
+
+
+def test_verify_width_plan_picks_the_cheapest_wider_width():
+    from specdec_core.profile import verify_width_plan
+
+    costs = {1: 1.0, 2: 1.6, 3: 2.0, 4: 1.5, 5: 1.3, 6: 1.45}
+    assert verify_width_plan(costs) == {1: 1, 2: 5, 3: 5, 4: 5, 5: 5, 6: 6}

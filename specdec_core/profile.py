@@ -1,0 +1,60 @@
+"""Measuring costs on the hardware at hand: target step and verify(K) passes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .cache import SequenceCache
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256, batch_size: int = 1,
+                          repeats: int = 5, seed: int = 0) -> dict[int, float]:
+    """Median seconds of one cached forward pass over `width` new tokens, per width.
+
+    The cache holds `context_len` tokens of random ids; widths are interleaved across repeats so
+    drift of the machine's speed hits all alike.
+    """
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, vocab, (batch_size, context_len), generator=generator).to(device)
+    cache = SequenceCache(model)
+    cache.forward(context)
+    keep = torch.full((batch_size,), context_len, device=device)
+    times: dict[int, list[float]] = {int(w): [] for w in widths}
+    for repeat in range(repeats + 1):
+        for width in times:
+            tokens = torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)
+            _sync(device)
+            start = time.perf_counter()
+            cache.forward(tokens)
+            _sync(device)
+            if repeat:  # the first pass over each width is a warm-up
+                times[width].append(time.perf_counter() - start)
+            cache.rollback_to(keep)
+    return {width: float(np.median(values)) for width, values in times.items()}
+
+
+def verify_width_plan(costs: dict[int, float]) -> dict[int, int]:
+    """{needed width n: the cheapest measured width >= n} (n itself when nothing wider is cheaper)."""
+    widths = sorted(costs)
+    plan = {}
+    for n in widths:
+        plan[n] = min((w for w in widths if w >= n), key=lambda w: (costs[w], w))
+    return plan
+
+
+def calibrate_verify_widths(model: torch.nn.Module, max_width: int, context_len: int = 256,
+                            repeats: int = 5) -> dict[int, int]:
+    """Measure verify passes of 1..max_width tokens and return the width plan for SpecDecoder."""
+    return verify_width_plan(measure_forward_costs(model, range(1, max_width + 1), context_len,
+                                                   repeats=repeats))
