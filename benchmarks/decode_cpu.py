@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from specdec_core import LayerSkip, PromptLookup, SpecDecoder, load_model
+from specdec_core.profile import calibrate_verify_widths
 from tasks.prompts import builtin_prompts, encode
 
 RESULTS = Path(__file__).parent / "results" / "decode_cpu.md"
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--domains", default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="do not pad verify passes to the cheapest measured width")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -54,10 +57,15 @@ def main() -> None:
         prompts = [p for p in prompts if p.domain in args.domains.split(",")]
     eos = tokenizer.eos_token_id
     new = args.max_new_tokens
+    widths = None
+    if not args.no_calibrate:
+        # verify passes over some widths are cheaper than over fewer tokens on CPU: measure once
+        widths = calibrate_verify_widths(model, max(args.k_lookup, args.k_skip) + 1)
     plain = SpecDecoder(model, None, tokenizer=tokenizer)
-    lookup = SpecDecoder(model, PromptLookup(max_ngram=3), k=args.k_lookup, tokenizer=tokenizer)
+    lookup = SpecDecoder(model, PromptLookup(max_ngram=3), k=args.k_lookup, tokenizer=tokenizer,
+                         verify_widths=widths)
     skip = SpecDecoder(model, LayerSkip(model, num_layers=args.skip_layers), k=args.k_skip,
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, verify_widths=widths)
 
     def ours(decoder, speculative):
         def run(ids, mask):
@@ -84,6 +92,8 @@ def main() -> None:
         "layer_skip": ours(skip, True),
     }
     seconds = defaultdict(float)      # (contender, domain) -> wall seconds
+    decode_seconds = defaultdict(float)  # (contender, domain) -> decode-phase seconds
+    hf_decode: list = []
     tokens = defaultdict(int)
     stats = {}
     mismatches = []
@@ -95,24 +105,42 @@ def main() -> None:
         for prompt in prompts:
             ids, mask = encode(tokenizer, [prompt.text])
             reference = None
+            prefill_s = None
             for name, run in contenders.items():
                 t0 = time.perf_counter()
                 out, st = run(ids, mask)
                 elapsed = time.perf_counter() - t0
+                if name == "plain":
+                    prefill_s = st.prefill_s
+                # decode phase: ours from its stats; transformers' = wall time - the same prefill
+                decode_s = st.decode_s if st is not None else None
                 if reference is None:
                     reference = out
                 elif not torch.equal(out, reference):
                     mismatches.append((prompt.id, name))
+                if st is None:
+                    hf_decode.append((name, prompt.domain, elapsed))
                 for domain in (prompt.domain, "all"):
                     seconds[name, domain] += elapsed
                     tokens[name, domain] += len(out)
                     if st is not None:
+                        decode_seconds[name, domain] += decode_s
+                    if st is not None:
                         stats[name, domain] = stats[name, domain].merge(st) if (name, domain) in stats else st
                 bar.update(1)
+            for name, domain, elapsed in hf_decode:
+                for key in ((name, domain), (name, "all")):
+                    decode_seconds[key] += max(elapsed - prefill_s, 1e-9)
+            hf_decode.clear()
     bar.close()
 
     domains = list(dict.fromkeys(p.domain for p in prompts)) + ["all"]
+    prompts_per = {d: sum(p.domain == d for p in prompts) for d in domains[:-1]}
+    prompts_per["all"] = len(prompts)
     tps = {key: tokens[key] / seconds[key] for key in seconds}
+    # decode phase: tokens after the first (prefill) one, per decode second
+    dps = {key: (tokens[key] - prompts_per[key[1]] * args.repeats) / decode_seconds[key]
+           for key in decode_seconds}
     header = ("| domain | hf_generate tok/s | plain tok/s | plain / hf_generate | prompt_lookup / plain "
               "| hf_prompt_lookup / plain | prompt_lookup / hf_prompt_lookup | layer_skip / plain "
               "| prompt_lookup accept. rate, tokens/round | layer_skip accept. rate, tokens/round |")
@@ -129,6 +157,17 @@ def main() -> None:
             f"| {pl.acceptance_rate:.2f}, {pl.mean_accepted_length:.2f} "
             f"| {ls.acceptance_rate:.2f}, {ls.mean_accepted_length:.2f} |")
     table = "\n".join(lines)
+    dheader = ("| domain | plain decode tok/s | plain / hf_generate | prompt_lookup / plain "
+               "| hf_prompt_lookup / plain | prompt_lookup / hf_prompt_lookup | layer_skip / plain |")
+    dlines = [dheader, "|" + "---|" * (dheader.count("|") - 1)]
+    for d in domains:
+        dlines.append(
+            f"| {d} | {dps['plain', d]:.1f} | {dps['plain', d] / dps['hf_generate', d]:.2f}x "
+            f"| {dps['prompt_lookup', d] / dps['plain', d]:.2f}x "
+            f"| {dps['hf_prompt_lookup', d] / dps['plain', d]:.2f}x "
+            f"| {dps['prompt_lookup', d] / dps['hf_prompt_lookup', d]:.2f}x "
+            f"| {dps['layer_skip', d] / dps['plain', d]:.2f}x |")
+    decode_table = "\n".join(dlines)
     meta = (f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}, model {args.model} fp32, "
             f"batch 1, greedy, max_new_tokens {new}, EOS on, {len(prompts)} prompts x {args.repeats}, "
@@ -137,7 +176,11 @@ def main() -> None:
             "end to end (prefill included) over identical outputs.")
     note = ("All contenders produced identical tokens." if not mismatches else
             f"Outputs differed from hf_generate for {mismatches} (fp32 near-ties).")
-    text = f"# decode_cpu\n\n{meta}\n\n{table}\n\n{note}\n"
+    calib = f"Verify widths run (needed -> run): {widths}." if widths else "No verify-width padding."
+    text = (f"# decode_cpu\n\n{meta}\n\n## Decode phase (tokens after the first, per second after "
+            f"the prefill; transformers' decode time = its wall time - our prefill of the same "
+            f"prompt)\n\n{decode_table}\n\n## End to end (prefill included)\n\n{table}\n\n{note} "
+            f"{calib}\n")
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
