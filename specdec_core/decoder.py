@@ -275,7 +275,7 @@ class SpecDecoder:
             draft_tokens, num_draft = proposal.tokens, proposal.num_draft
         if use_greedy_verify:
             return greedy_verify(draft_tokens, logits, num_draft)
-        target_probs = logits_to_probs(logits, sampling)
+        target_probs = self._target_probs(logits, sampling)
         k = draft_tokens.shape[1]
         if proposal is not None and proposal.probs is not None:
             draft_probs = proposal.probs
@@ -284,6 +284,10 @@ class SpecDecoder:
             draft_probs.scatter_(-1, draft_tokens[..., None], 1.0)
         return verifier(draft_tokens, draft_probs, target_probs, generator=generator,
                         num_draft=num_draft)
+
+    def _target_probs(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """The target's distributions the verifier compares against (the drafter's transform)."""
+        return logits_to_probs(logits, sampling)
 
     @staticmethod
     def _result(tokens, num_tokens, rounds, drafted, accepted, emitted, reached_at, accepted_at,

@@ -1,0 +1,147 @@
+"""Losslessness checks: they pass the exact engine and catch broken verifiers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdec_core import DraftModel, PromptLookup, SpecDecoder
+from specdec_core.sampling import SamplingParams, logits_to_probs, sample_from
+from specdec_core.validation import (compare_fingerprints, g_test, greedy_check, sampling_check,
+                                     target_fingerprint)
+from specdec_core.verify import _assemble, _num_draft, rejection_sample, relaxed_verify
+
+from .conftest import tiny_llama
+
+VOCAB_V = 24
+
+
+@pytest.fixture(scope="module")
+def spread_target():
+    """A tiny target whose next-token distributions are spread over several tokens (power needs
+    more than one likely token)."""
+    return tiny_llama(vocab=VOCAB_V, hidden=32, layers=2, heads=2, seed=31, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def spread_draft(spread_target):
+    """A perturbed copy of the target: q close to p but not equal, so drafts are often accepted
+    (bonus tokens occur) and often corrected (residual draws occur)."""
+    draft = copy.deepcopy(spread_target)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.5 * param.std())
+    return draft
+
+
+PROMPT = torch.tensor([3, 7, 1, 9, 4])
+
+
+def swapped_verifier(draft_tokens, draft_probs, target_probs, generator=None, num_draft=None):
+    """BROKEN: p and q swapped at the draft positions."""
+    k = draft_tokens.shape[1]
+    swapped_target = torch.cat([draft_probs, target_probs[:, k:]], 1)
+    return rejection_sample(draft_tokens, target_probs[:, :k], swapped_target, generator, num_draft)
+
+
+def off_by_one_bonus(draft_tokens, draft_probs, target_probs, generator=None, num_draft=None):
+    """BROKEN: after all drafts are accepted, the bonus is drawn from p one position too early."""
+    out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, generator, num_draft)
+    batch, k = draft_tokens.shape
+    nd = _num_draft(num_draft, batch, k, target_probs.device)
+    all_in = (num_accepted == nd) & (nd > 0)
+    rows = torch.arange(batch)
+    early = sample_from(target_probs[rows, (num_accepted - 1).clamp(min=0)], generator)
+    fixed = torch.where(all_in, early, out.gather(1, num_accepted[:, None]).squeeze(1))
+    return _assemble(draft_tokens, num_accepted, fixed), num_accepted
+
+
+class IgnoresTemperature(SpecDecoder):
+    """BROKEN: verifies against the target at temperature 1 whatever the request's temperature."""
+
+    def _target_probs(self, logits, sampling):
+        return logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=sampling.top_k,
+                                                      top_p=sampling.top_p))
+
+
+def test_greedy_check_passes_the_exact_engine(target, draft):
+    # speculative == plain for a prompt-lookup and a draft-model drafter
+    ids = torch.randint(3, 97, (3, 10), generator=torch.Generator().manual_seed(2))
+    for drafter in (PromptLookup(min_ngram=1), DraftModel(draft)):
+        report = greedy_check(target, drafter, 3, ids, max_new_tokens=20)
+        assert report.passed and report.exact_rows == 3 and not report.divergences
+
+
+def test_greedy_check_reports_a_divergence_with_its_margin(target, draft):
+    # a verifier that accepts anything (relaxed, huge gap) diverges; the report names row and step
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(3))
+
+    class AcceptsAll(SpecDecoder):
+        def __init__(self, *a, **kw):
+            kw["verifier"] = lambda *args, **kws: relaxed_verify(*args, top_k=97, log_gap=1e9, **kws)
+            super().__init__(*a, **kw)
+
+    report = greedy_check(target, DraftModel(draft), 3, ids, max_new_tokens=12, decoder_cls=AcceptsAll)
+    assert not report.passed and report.divergences
+    assert all(d.margin >= 1e-4 and not d.acceptable for d in report.divergences)
+
+
+def test_g_test_flags_an_impossible_token():
+    from collections import Counter
+
+    statistic, _, _ = g_test(Counter({0: 10, 2: 1}), torch.tensor([0.5, 0.5, 0.0]))
+    assert statistic == float("inf")
+
+
+def test_sampling_check_passes_the_exact_verifier(spread_target, spread_draft):
+    # the exact engine passes every position, K in {1, 2}, three sampling settings
+    report = sampling_check(spread_target, DraftModel(spread_draft), PROMPT, rows=3000, seed=1)
+    assert report.passed, [t for t in report.tests if not t.passed]
+    assert len(report.tests) == 2 * 3 * 3
+    assert min(t.bins for t in report.tests) >= 5      # every test has bins to compare
+    assert min(t.rows for t in report.tests) >= 300    # and enough rows on the most frequent path
+
+
+@pytest.mark.parametrize("broken", ["relaxed", "swapped", "ignores_temperature", "off_by_one_bonus"])
+def test_sampling_check_catches_broken_verifiers(spread_target, spread_draft, broken):
+    # each broken verifier fails the check (power measured in benchmarks/validation_power.py)
+    kwargs = {"relaxed": {"verifier": relaxed_verify}, "swapped": {"verifier": swapped_verifier},
+              "off_by_one_bonus": {"verifier": off_by_one_bonus},
+              "ignores_temperature": {"decoder_cls": IgnoresTemperature}}[broken]
+    report = sampling_check(spread_target, DraftModel(spread_draft), PROMPT, rows=3000, seed=1,
+                            **kwargs)
+    assert not report.passed
+    worst = min(report.tests, key=lambda t: t.p_value)
+    assert worst.p_value < worst.threshold and worst.position >= 0
+
+
+def test_fingerprint_changes_with_one_weight_and_not_on_reload(tmp_path):
+    # changing one weight changes the digest; an identical reload does not
+    model = tiny_llama(seed=5)
+    first = target_fingerprint(model)
+    model.save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    again = target_fingerprint(reloaded)
+    assert again["weights_sha256"] == first["weights_sha256"]
+    assert compare_fingerprints(first, again)["same_model"]
+    with torch.no_grad():
+        reloaded.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
+    changed = target_fingerprint(reloaded)
+    assert changed["weights_sha256"] != first["weights_sha256"]
+    assert not compare_fingerprints(first, changed)["same_weights"]
+
+
+def test_fingerprint_across_dtypes_matches_within_tolerance():
+    # a bf16 copy of the same model: other digest, canaries within the 16-bit tolerance
+    model = tiny_llama(seed=6, initializer_range=0.05)
+    fp32 = target_fingerprint(model)
+    bf16 = target_fingerprint(tiny_llama(seed=6, initializer_range=0.05).to(torch.bfloat16))
+    verdict = compare_fingerprints(fp32, bf16)
+    assert not verdict["same_weights"] and verdict["same_model"]
+    other = target_fingerprint(tiny_llama(seed=7, initializer_range=0.05))
+    assert not compare_fingerprints(fp32, other)["same_model"]
