@@ -93,19 +93,30 @@ def cmd_compare(args) -> int:
         if not prompts:
             raise PromptFileError(f"no prompt has a domain in {sorted(wanted)}")
     model, tokenizer = load_model(args.model, device=args.device)
-    specs = args.drafter or [("prompt_lookup", {}), ("layer_skip", {"num_layers": 8})]
-    drafters = {drafter_label(kind, params): make_drafter(kind, params, model, tokenizer)
-                for kind, params in specs}
+    specs = args.drafter or [("prompt_lookup", {"k": 8}), ("layer_skip", {"num_layers": 8, "k": 2})]
+    drafters = {}
+    for kind, params in specs:
+        params = dict(params)
+        drafter_k = int(params.pop("k", args.k))
+        drafters[drafter_label(kind, params) + f" k={drafter_k}"] = (
+            make_drafter(kind, params, model, tokenizer), drafter_k)
+    widths = None
+    if not args.no_calibrate:
+        from specdec_core.profile import calibrate_verify_widths
+
+        widths = calibrate_verify_widths(model, max(k for _, k in drafters.values()) + 1)
     rows = compare(model, tokenizer, drafters, prompts, k=args.k,
-                   max_new_tokens=args.max_new_tokens, sampling=_sampling(args), seed=args.seed)
+                   max_new_tokens=args.max_new_tokens, sampling=_sampling(args), seed=args.seed,
+                   verify_widths=widths)
     if args.format == "json":
         print(json.dumps([row.to_dict() for row in rows], indent=2))
         return 0
-    table = Table(title=f"{args.model}: plain vs drafters, k={args.k}, "
-                        f"{len(prompts)} prompts, batch 1")
+    table = Table(title=f"{args.model}: plain vs drafters, {len(prompts)} prompts, batch 1, "
+                        "decode phase")
     for column in ("domain", "contender", "decode tok/s", "acceptance rate",
                    "mean accepted length", "speedup"):
-        table.add_column(column, justify="left" if column in ("domain", "contender") else "right")
+        table.add_column(column, justify="left" if column in ("domain", "contender") else "right",
+                         no_wrap=column == "contender")
     for row in rows:
         plain = row.contender == "plain"
         table.add_row(row.domain, row.contender, f"{row.stats.decode_tokens_per_s:.1f}",
@@ -137,7 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a .jsonl ({prompt, domain?, id?}) or .txt file (default: built-in set)")
     cmp_.add_argument("--domains", default=None, help="comma-separated domains to keep")
     cmp_.add_argument("--drafter", type=parse_drafter, action="append",
-                      help="repeatable (default: prompt_lookup and layer_skip:num_layers=8)")
+                      help="repeatable; k=N in the params gives that drafter its own K (default: "
+                           "prompt_lookup:k=8 and layer_skip:num_layers=8,k=2)")
+    cmp_.add_argument("--no-calibrate", action="store_true",
+                      help="do not measure verify-pass widths (by default a verify pass runs at the "
+                           "cheapest measured width >= the one needed; outputs are unchanged)")
     cmp_.add_argument("--format", choices=["table", "json"], default="table")
     cmp_.set_defaults(func=cmd_compare)
     return parser

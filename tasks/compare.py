@@ -37,13 +37,20 @@ class CompareRow:
                 "total_s": self.stats.total_s}
 
 
-def compare(model, tokenizer, drafters: dict[str, Drafter], prompts: list[Prompt], k: int = 4,
-            max_new_tokens: int = 64, sampling: SamplingParams | None = None, seed: int = 0,
-            progress: bool = True) -> list[CompareRow]:
-    """Rows per (contender, domain) and per contender over all prompts (domain "all")."""
+def compare(model, tokenizer, drafters: dict[str, Drafter | tuple[Drafter, int]],
+            prompts: list[Prompt], k: int = 4, max_new_tokens: int = 64,
+            sampling: SamplingParams | None = None, seed: int = 0, progress: bool = True,
+            verify_widths: dict[int, int] | None = None) -> list[CompareRow]:
+    """Rows per (contender, domain) and per contender over all prompts (domain "all").
+
+    drafters: name -> drafter, or name -> (drafter, its own K); verify_widths: see SpecDecoder.
+    """
     sampling = sampling or SamplingParams()
-    decoders = {name: SpecDecoder(model, drafter, k=k, tokenizer=tokenizer)
-                for name, drafter in drafters.items()}
+    decoders = {}
+    for name, entry in drafters.items():
+        drafter, drafter_k = entry if isinstance(entry, tuple) else (entry, k)
+        decoders[name] = SpecDecoder(model, drafter, k=drafter_k, tokenizer=tokenizer,
+                                     verify_widths=verify_widths)
     plain = SpecDecoder(model, None, k=k, tokenizer=tokenizer)
     per: dict[tuple[str, str], SpecStats] = {}
     device = next(model.parameters()).device

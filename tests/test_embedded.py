@@ -75,10 +75,11 @@ def test_cli_compare_prints_a_table_per_domain(embedded, capsys):
     from tasks.cli import main
 
     assert main(["compare", "--domains", "json", "--max-new-tokens", "6", "--format", "json",
-                 "--drafter", "prompt_lookup"]) == 0
+                 "--drafter", "prompt_lookup:k=6", "--no-calibrate"]) == 0
     import json
 
     rows = json.loads(capsys.readouterr().out)
     assert {(r["domain"], r["contender"]) for r in rows} == {
-        ("json", "plain"), ("json", "prompt_lookup"), ("all", "plain"), ("all", "prompt_lookup")}
+        ("json", "plain"), ("json", "prompt_lookup k=6"), ("all", "plain"),
+        ("all", "prompt_lookup k=6")}
     assert all(r["speedup"] > 0 for r in rows)
