@@ -14,6 +14,8 @@ from specdec_core.drafters import DRAFTER_KINDS
 from specdec_core.errors import SpecDecError
 from specdec_core.models import DEFAULT_MODEL
 
+from . import cli_data
+from .errors import SpecdecTaskError
 from .prompts import PromptFileError
 
 console = Console()
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="repeatable (default: prompt_lookup and layer_skip:num_layers=8)")
     cmp_.add_argument("--format", choices=["table", "json"], default="table")
     cmp_.set_defaults(func=cmd_compare)
+    cli_data.register(sub)
     return parser
 
 
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (SpecDecError, PromptFileError) as exc:
+    except (SpecDecError, PromptFileError, SpecdecTaskError) as exc:
         console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
         return 2
 
