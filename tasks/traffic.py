@@ -155,15 +155,17 @@ class Normalizer:
         domain, domain_source = self._domain(row.get("domain"), last_user)
 
         # privacy: redact before anything is stored; token ids of a redacted text would leak it
-        prompt, prompt_hits = self.redact(prompt)
         response, response_hits = self.redact(response)
-        if messages is not None:
-            redacted_messages = []
+        if messages is None:
+            prompt, prompt_hits = self.redact(prompt)
+        else:
+            prompt_hits, redacted_messages = 0, []
             for message in messages:
                 content, hits = self.redact(message["content"])
                 prompt_hits += hits
                 redacted_messages.append({**message, "content": content})
             messages = redacted_messages
+            prompt = _join_messages(messages)
         if prompt_hits:
             prompt_ids = None
         if response_hits:
@@ -291,14 +293,18 @@ def _prompt_of(row: dict) -> tuple[list | None, str, str]:
         users = [m["content"] for m in normalised if m["role"] == "user"]
         if not users:
             raise RowRejected(INVALID_FIELD, "\"messages\" has no user message")
-        prompt = "\n\n".join(m["content"] for m in normalised)
-        return normalised, prompt, users[-1]
+        return normalised, _join_messages(normalised), users[-1]
     prompt = row.get("prompt")
     if prompt is None or prompt == "":
         raise RowRejected(MISSING_FIELD, "neither \"messages\" nor \"prompt\" is given")
     if not isinstance(prompt, str):
         raise RowRejected(INVALID_FIELD, f"\"prompt\" must be a string, got {type(prompt).__name__}")
     return None, prompt, prompt
+
+
+def _join_messages(messages: list[dict]) -> str:
+    """The prompt text of a chat: every turn's content, separated by blank lines."""
+    return "\n\n".join(m["content"] for m in messages)
 
 
 def _number(value, name: str, reason: str) -> float:

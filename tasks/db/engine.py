@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from functools import lru_cache
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, inspect
@@ -54,8 +53,16 @@ def _on_sqlite_connect(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-@lru_cache(maxsize=16)
+_ENGINES: dict[str, Engine] = {}
+
+
 def _engine_for(url: str) -> Engine:
+    if url not in _ENGINES:
+        _ENGINES[url] = _create_engine(url)
+    return _ENGINES[url]
+
+
+def _create_engine(url: str) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
@@ -68,6 +75,13 @@ def _engine_for(url: str) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         event.listen(engine, "connect", _on_sqlite_connect)
     return engine
+
+
+def dispose_engines() -> None:
+    """Close every cached engine's connections (tests, and processes that switch databases)."""
+    for engine in list(_ENGINES.values()):
+        engine.dispose()
+    _ENGINES.clear()
 
 
 def get_engine(url: str | None = None, create_dir: bool = False) -> Engine:
