@@ -1,6 +1,7 @@
 -- Question: which speculative decoding setting is live (the champion) for each domain of each target?
 -- Reads: promotions (the latest champion promotion or rollback per target names the live run),
 --   domain_configs (that run's per-domain settings), traffic_requests (domains seen in traffic).
+-- enabled and forced are 1 / 0.
 -- A domain that has traffic but no row in the champion's config runs without speculation
 --   (the config's default is enabled = false); it is listed with status 'no config'.
 WITH champion AS (
@@ -10,10 +11,11 @@ WITH champion AS (
     WHERE p.alias = 'champion' AND p.action IN ('promote', 'rollback')
 ),
 live AS (
-    SELECT ch.target_id, c.domain, c.enabled, c.drafter, c.k, c.max_batch_size,
+    SELECT ch.target_id, c.domain,
+           CASE WHEN c.enabled THEN 1 ELSE 0 END AS enabled, c.drafter, c.k, c.max_batch_size,
            c.predicted_speedup, c.measured_speedup, c.samples, c.status,
            ch.run_id, ch.config_version, ch.created_at AS promoted_at, ch.actor AS promoted_by,
-           ch.forced
+           CASE WHEN ch.forced THEN 1 ELSE 0 END AS forced
     FROM champion ch
     JOIN domain_configs c ON c.run_id = ch.run_id
     WHERE ch.rn = 1

@@ -12,7 +12,8 @@ WITH champion AS (
     WHERE p.alias = 'champion' AND p.action IN ('promote', 'rollback')
 ),
 live AS (
-    SELECT ch.target_id, c.run_id, c.domain, c.enabled, c.drafter, c.k,
+    SELECT ch.target_id, c.run_id, c.domain, CASE WHEN c.enabled THEN 1 ELSE 0 END AS enabled,
+           c.drafter, c.k,
            COALESCE(c.measured_speedup, c.predicted_speedup) AS speedup
     FROM champion ch
     JOIN domain_configs c ON c.run_id = ch.run_id
@@ -34,7 +35,7 @@ SELECT tr.target_id, tr.domain, tr.requests, tr.response_tokens,
        l.enabled, l.drafter, l.k, l.speedup, r.plain_tokens_per_s,
        tr.response_tokens / r.plain_tokens_per_s AS plain_decode_s,
        CASE WHEN l.domain IS NULL THEN NULL
-            WHEN NOT l.enabled OR l.speedup IS NULL OR l.speedup <= 0 THEN 0.0
+            WHEN l.enabled = 0 OR l.speedup IS NULL OR l.speedup <= 0 THEN 0.0
             WHEN r.plain_tokens_per_s IS NULL THEN NULL
             ELSE tr.response_tokens / r.plain_tokens_per_s * (1.0 - 1.0 / l.speedup) END
            AS gpu_s_saved

@@ -64,7 +64,13 @@ def list_reports() -> dict[str, str]:
     return {path.stem: report_question(path) for path in sorted(sql_dir().glob("*.sql"))}
 
 
+# SQLite hands timestamps back as text: read them as datetimes so both databases print alike
+_SQLITE_DATETIME = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(\.\d{1,6})?$")
+
+
 def _plain(value):
+    if isinstance(value, str) and _SQLITE_DATETIME.match(value):
+        value = datetime.fromisoformat(value)
     if isinstance(value, Decimal):
         return float(value)
     if isinstance(value, (datetime, date)):

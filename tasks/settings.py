@@ -130,6 +130,16 @@ class Settings(BaseModel):
             return tuple(item.strip() for item in value.split(",") if item.strip())
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_rules_follow_known_domains(cls, data):
+        """Without explicit domain_rules, keep the default rules whose domain is known."""
+        if isinstance(data, dict) and "domain_rules" not in data and "known_domains" in data:
+            known = cls._comma_list(data["known_domains"])
+            data = {**data, "domain_rules": tuple(rule for rule in DEFAULT_DOMAIN_RULES
+                                                  if rule.domain in known)}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":
         if self.fallback_domain not in self.known_domains:

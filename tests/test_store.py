@@ -118,3 +118,9 @@ def test_cli_db_upgrade_and_current(empty_db_url, capsys):
     assert main(["db", "upgrade", "--url", empty_db_url]) == 0
     assert main(["db", "current", "--url", empty_db_url]) == 0
     assert "up to date" in capsys.readouterr().out
+
+
+def test_narrowing_known_domains_keeps_only_the_matching_default_rules():
+    # without explicit rules, the default rules for domains outside the known set are dropped
+    settings = load_settings({"SPECDEC_KNOWN_DOMAINS": "json,qa,general"})
+    assert {rule.domain for rule in settings.domain_rules} == {"json", "qa"}
