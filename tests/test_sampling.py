@@ -165,3 +165,13 @@ def test_cli_sample_prints_json(db_url, jsonl_file, make_request, capsys):
     assert main(["traffic", "sample", "cli-run", "--min", "2", "--max", "4", "--url", db_url]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["domains"]["json"] == {"available": 6, "sampled": 4, "status": "ok"}
+
+
+def test_default_window_covers_the_shipped_sample(db_url):
+    # whatever today's date is, the default window (ending at the newest request) holds every row
+    from tasks.traffic import sample_traffic_path
+
+    inserted = import_traffic(sample_traffic_path(), db_url=db_url, progress=False)["inserted"]
+    result = sample_traffic("shipped", db_url=db_url, max_per_domain=1000)
+    assert sum(info["available"] for info in result["domains"].values()) == inserted
+    assert result["insufficient"] == []
