@@ -18,13 +18,18 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specdec_core.models import specdec_home
-
 from .errors import SettingsError
 
 ENV_PREFIX = "SPECDEC_"
 DATABASE_URL_ENV = "SPECDEC_DATABASE_URL"
 SETTINGS_FILE_ENV = "SPECDEC_SETTINGS_FILE"
+
+
+def specdec_home() -> Path:
+    """$SPECDEC_HOME, default ./.specdec: the rule of specdec_core.models.specdec_home, repeated here
+    because importing specdec_core loads torch (seconds and ~250 MB for a data command); a test
+    keeps the two equal."""
+    return Path(os.environ.get("SPECDEC_HOME", ".specdec"))
 
 
 class DomainRule(BaseModel):

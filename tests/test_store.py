@@ -124,3 +124,26 @@ def test_narrowing_known_domains_keeps_only_the_matching_default_rules():
     # without explicit rules, the default rules for domains outside the known set are dropped
     settings = load_settings({"SPECDEC_KNOWN_DOMAINS": "json,qa,general"})
     assert {rule.domain for rule in settings.domain_rules} == {"json", "qa"}
+
+
+def test_specdec_home_agrees_with_the_engine(tmp_path, monkeypatch):
+    # tasks.settings repeats specdec_core's $SPECDEC_HOME rule (to avoid importing torch): same answer
+    from specdec_core.models import specdec_home as core_home
+
+    from tasks.settings import specdec_home
+
+    monkeypatch.delenv("SPECDEC_HOME", raising=False)
+    assert specdec_home() == core_home()
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    assert specdec_home() == core_home() == tmp_path
+
+
+def test_data_commands_do_not_import_torch():
+    # the store, import, sampling and report modules load without the engine's heavy dependencies
+    import subprocess
+    import sys
+
+    code = ("import sys, tasks.traffic, tasks.sampling, tasks.reports, tasks.cli_data; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
