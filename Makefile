@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= -c constraints.txt
 export SPECDEC_HOME ?= $(CURDIR)/.specdec
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-import clean
 
 setup: $(VENV)/.installed
 
@@ -30,3 +30,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV)
+
+# Traffic import throughput on the shipped sample and a generated 100,000-row file (SQLite, and
+# PostgreSQL when SPECDEC_TEST_POSTGRES_URL is set).
+bench-import: setup
+	$(PY) benchmarks/import_throughput.py

@@ -14,6 +14,8 @@ from specdec_core.drafters import DRAFTER_KINDS
 from specdec_core.errors import SpecDecError
 from specdec_core.models import DEFAULT_MODEL
 
+from . import cli_data
+from .errors import SpecdecTaskError
 from .prompts import PromptFileError
 
 console = Console()
@@ -155,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "cheapest measured width >= the one needed; outputs are unchanged)")
     cmp_.add_argument("--format", choices=["table", "json"], default="table")
     cmp_.set_defaults(func=cmd_compare)
+    cli_data.register(sub)
     return parser
 
 
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (SpecDecError, PromptFileError) as exc:
+    except (SpecDecError, PromptFileError, SpecdecTaskError) as exc:
         console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
         return 2
 

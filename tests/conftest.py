@@ -1,5 +1,11 @@
 """Shared fixtures: tiny random transformers models (built here, no downloads) and, for slow tests,
-the embedded default. Models are session-scoped: build once, share across tests."""
+the embedded default. Models are session-scoped: build once, share across tests.
+
+Database tests take the `db_url` fixture: every such test runs twice, on SQLite (a file in the
+test's tmp_path) and on PostgreSQL (a fresh schema per test in the server named by
+$SPECDEC_TEST_POSTGRES_URL, dropped afterwards). The PostgreSQL variant is skipped only when that
+variable is unset; CI always sets it (.ci/run starts a server on loopback).
+"""
 
 from __future__ import annotations
 
@@ -40,3 +46,117 @@ def embedded():
     from specdec_core import load_model
 
     return load_model("smollm2-135m-instruct", device="cpu")
+
+
+# --- database fixtures ----------------------------------------------------------------------
+import gzip
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+POSTGRES_ENV = "SPECDEC_TEST_POSTGRES_URL"
+
+
+def _postgres_schema_url(base_url: str, schema: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    url = make_url(base_url)
+    if url.drivername == "postgresql":
+        url = url.set(drivername="postgresql+psycopg")
+    return url.update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+        hide_password=False)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_backend(request) -> str:
+    if request.param == "postgresql" and not os.environ.get(POSTGRES_ENV):
+        pytest.skip(f"{POSTGRES_ENV} is not set: no PostgreSQL server configured")
+    return request.param
+
+
+@pytest.fixture
+def empty_db_url(db_backend, tmp_path, monkeypatch):
+    """A URL of an empty database (no schema yet) on the backend under test."""
+    from sqlalchemy import create_engine, text
+
+    from tasks.db import dispose_engines
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPECDEC_DATABASE_URL", raising=False)
+    if db_backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'specdec.db'}"
+        dispose_engines()
+        return
+    base = os.environ[POSTGRES_ENV]
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(_postgres_schema_url(base, "public"))
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield _postgres_schema_url(base, schema)
+    finally:
+        dispose_engines()
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def db_url(empty_db_url):
+    """A migrated (empty) specdec database on the backend under test."""
+    from tasks.db import upgrade
+
+    upgrade(empty_db_url)
+    return empty_db_url
+
+
+# ------------------------------------------------------------------------------------------------
+# traffic rows
+def request_row(index: int = 1, **overrides) -> dict:
+    """One valid JSONL request; overrides replace fields (a value of None removes the field)."""
+    row = {
+        "id": f"req-{index:05d}",
+        "timestamp": f"2025-11-{1 + index % 14:02d}T{index % 24:02d}:15:00Z",
+        "domain": "qa",
+        "messages": [{"role": "user", "content": f"What is the capital of country number {index}?"}],
+        "response": f"The capital of country {index} is City {index}.",
+        "temperature": 0.0 if index % 2 else 0.7,
+        "top_p": 1.0 if index % 2 else 0.9,
+        "model": "smollm2-135m-instruct",
+        "target_fingerprint": "sha256:test",
+        "prompt_token_ids": [1, 2, 3, index % 1000],
+        "response_token_ids": [4, 5, 6],
+    }
+    for key, value in overrides.items():
+        if value is None:
+            row.pop(key, None)
+        else:
+            row[key] = value
+    return row
+
+
+def write_jsonl(path: Path, rows, compress: bool = False) -> Path:
+    """Rows (dicts, or strings written as they are) one per line."""
+    lines = "".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
+    if compress:
+        with gzip.open(path, "wt", encoding="utf-8") as handle:
+            handle.write(lines)
+    else:
+        path.write_text(lines, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def make_request():
+    return request_row
+
+
+@pytest.fixture
+def jsonl_file(tmp_path):
+    """jsonl_file(rows, name="traffic.jsonl", compress=False) -> Path"""
+    def write(rows, name: str = "traffic.jsonl", compress: bool = False) -> Path:
+        return write_jsonl(tmp_path / name, rows, compress=compress)
+    return write

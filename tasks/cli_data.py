@@ -1,0 +1,193 @@
+"""`specdec db|traffic|report`: the data commands of the CLI (registered by tasks.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+console = Console()
+
+
+def _url_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None,
+                        help="database URL (default: $SPECDEC_DATABASE_URL, else "
+                             "sqlite:///$SPECDEC_HOME/specdec.db)")
+
+
+def _print_json(value) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+# ------------------------------------------------------------------------------------------------
+def cmd_db_upgrade(args) -> int:
+    from .db import upgrade
+
+    result = upgrade(args.url)
+    console.print(f"database {escape(result['url'])}: schema {result['from'] or '(none)'} -> {result['to']}")
+    return 0
+
+
+def cmd_db_current(args) -> int:
+    from .db import current_revision, database_url, display_url, head_revision
+
+    current, head = current_revision(args.url), head_revision()
+    state = "up to date" if current == head else "run `specdec db upgrade`"
+    console.print(f"database {escape(display_url(database_url(args.url)))}: revision {current or '(none)'}, "
+                  f"head {head} ({state})")
+    return 0 if current == head else 1
+
+
+def cmd_traffic_import(args) -> int:
+    from .settings import load_settings
+    from .traffic import import_traffic, sample_traffic_path
+
+    if args.sample == (args.file is not None):
+        raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
+    path = sample_traffic_path() if args.sample else args.file
+    settings = load_settings(import_batch_size=args.batch_size)
+    report = import_traffic(path, db_url=args.url, settings=settings, file_format=args.format,
+                            progress=not args.no_progress)
+    if args.json:
+        _print_json(report)
+        return 0
+    console.print(f"{escape(str(path))} -> {escape(report['database'])}: {report['rows_read']} rows read, "
+                  f"{report['inserted']} inserted, {report['skipped_existing']} already stored, "
+                  f"{report['quarantined']} quarantined ({report['quarantined_new']} new), "
+                  f"{report['rows_per_s']:.0f} rows/s")
+    if report["domains_by_rule"]:
+        console.print("domain taken from: " + ", ".join(
+            f"{escape(source)} {count}" for source, count in sorted(report["domains_by_rule"].items())))
+    if report["redacted_rows"]:
+        console.print(f"redacted rows: {report['redacted_rows']}")
+    if report["quarantined"]:
+        table = Table(title=f"quarantined rows by reason (first {len(report['quarantine_examples'])} shown)")
+        for column in ("line", "reason", "detail"):
+            table.add_column(column)
+        for example in report["quarantine_examples"]:
+            table.add_row(str(example["line"]), example["reason"], escape(example["detail"]))
+        console.print(table)
+        console.print("by reason: " + ", ".join(f"{reason} {count}" for reason, count
+                                                in sorted(report["quarantined_by_reason"].items())))
+    return 0
+
+
+def cmd_traffic_purge(args) -> int:
+    from .traffic import purge_traffic
+
+    result = purge_traffic(args.older_than, db_url=args.url, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    console.print(f"{verb} {result['traffic_requests']} traffic rows and "
+                  f"{result['quarantined_requests']} quarantined rows older than {result['cutoff']}")
+    return 0
+
+
+def cmd_traffic_sample(args) -> int:
+    from .sampling import sample_traffic
+
+    window = (args.start, args.end) if args.start or args.end else args.days
+    if (args.start is None) != (args.end is None):
+        raise SystemExit("specdec traffic sample: give both --start and --end, or --days")
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()] if args.domains else None
+    _print_json(sample_traffic(args.run_id, db_url=args.url, domains=domains, window=window,
+                               min_per_domain=args.min, max_per_domain=args.max, model=args.model))
+    return 0
+
+
+def cmd_traffic_check(args) -> int:
+    from .quality import check_traffic_sample
+
+    result = check_traffic_sample(args.run_id, db_url=args.url)
+    table = Table(title=f"run {escape(args.run_id)}: traffic sample passed {result['expectations']} "
+                        f"table-level expectations ({result['rows']} rows)")
+    for column in ("domain", "rows", "min rows", "status"):
+        table.add_column(column)
+    for domain, info in result["domains"].items():
+        table.add_row(domain, str(info["rows"]), str(info["min_rows"]), info["status"])
+    console.print(table)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .reports import cell_text, format_report, list_reports, run_report
+
+    if args.list or not args.name:
+        for name, question in list_reports().items():
+            console.print(f"[bold]{name}[/bold]: {escape(question)}")
+        return 0
+    report = run_report(args.name, db_url=args.url)
+    if args.format != "table":
+        print(format_report(report, args.format), end="")
+        return 0
+    cells = [[cell_text(value) for value in row] for row in report["rows"]]
+    table = Table(title=escape(f"{report['name']}: {report['question']}"), title_justify="left")
+    for column in report["columns"]:
+        table.add_column(column, overflow="fold")
+    for row in cells:
+        table.add_row(*(escape(cell) for cell in row))
+    # as wide as the content needs (reports have many columns; a pipe would otherwise get 80)
+    widths = [max([len(name)] + [len(row[i]) for row in cells]) for i, name in enumerate(report["columns"])]
+    Console(width=max(console.width, min(400, sum(widths) + 3 * len(widths) + 1))).print(table)
+    if not report["rows"]:
+        console.print("(no rows)")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+def register(sub) -> None:
+    """Add the db, traffic and report commands to the `specdec` subparsers."""
+    db = sub.add_parser("db", help="specdec's database: migrate, show the schema revision")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_sub.add_parser("upgrade", help="create or migrate the schema (Alembic, own version table)")
+    _url_arg(upgrade)
+    upgrade.set_defaults(func=cmd_db_upgrade)
+    current = db_sub.add_parser("current", help="the schema revision of the database vs this code")
+    _url_arg(current)
+    current.set_defaults(func=cmd_db_current)
+
+    traffic = sub.add_parser("traffic", help="import, sample, check and purge logged traffic")
+    t_sub = traffic.add_subparsers(dest="traffic_command", required=True)
+    imp = t_sub.add_parser("import", help="import a JSONL or CSV file (optionally .gz); idempotent")
+    imp.add_argument("file", nargs="?", default=None)
+    imp.add_argument("--sample", action="store_true", help="import the shipped sample traffic")
+    imp.add_argument("--format", choices=["jsonl", "csv"], default=None,
+                     help="default: from the file name")
+    imp.add_argument("--batch-size", type=int, default=None, help="rows per transaction")
+    imp.add_argument("--no-progress", action="store_true")
+    imp.add_argument("--json", action="store_true", help="print the import report as JSON")
+    _url_arg(imp)
+    imp.set_defaults(func=cmd_traffic_import)
+
+    purge = t_sub.add_parser("purge", help="retention: delete traffic older than N days (UTC now)")
+    purge.add_argument("--older-than", type=float, required=True, metavar="DAYS")
+    purge.add_argument("--dry-run", action="store_true", help="count only")
+    _url_arg(purge)
+    purge.set_defaults(func=cmd_traffic_purge)
+
+    sample = t_sub.add_parser("sample", help="draw a run's stratified per-domain sample (JSON out)")
+    sample.add_argument("run_id")
+    sample.add_argument("--domains", default=None, help="comma-separated (default: all with traffic)")
+    sample.add_argument("--days", type=float, default=None,
+                        help="window length ending at the newest stored request (default: settings)")
+    sample.add_argument("--start", default=None, help="explicit window start (ISO 8601)")
+    sample.add_argument("--end", default=None, help="explicit window end (ISO 8601)")
+    sample.add_argument("--min", type=int, default=None, help="minimum rows per domain")
+    sample.add_argument("--max", type=int, default=None, help="maximum rows per domain")
+    sample.add_argument("--model", default=None, help="only requests answered by this target")
+    _url_arg(sample)
+    sample.set_defaults(func=cmd_traffic_sample)
+
+    check = t_sub.add_parser("check", help="Great Expectations gates on a run's sample")
+    check.add_argument("run_id")
+    _url_arg(check)
+    check.set_defaults(func=cmd_traffic_check)
+
+    report = sub.add_parser("report", help="run an ops SQL report from sql/")
+    report.add_argument("name", nargs="?", default=None)
+    report.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    report.add_argument("--list", action="store_true", help="list the reports and their questions")
+    _url_arg(report)
+    report.set_defaults(func=cmd_report)

@@ -1,0 +1,9 @@
+"""specdec's database: SQLAlchemy models (the schema), Alembic migrations, engines and sessions."""
+
+from .engine import (VERSION_TABLE, current_revision, database_url, display_url, dispose_engines,
+                     ensure_ready, get_engine, head_revision, session_scope, upgrade)
+from .models import Base
+
+__all__ = ["Base", "VERSION_TABLE", "current_revision", "database_url", "display_url",
+           "dispose_engines", "ensure_ready", "get_engine", "head_revision", "session_scope",
+           "upgrade"]

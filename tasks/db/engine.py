@@ -1,0 +1,203 @@
+"""Connecting to specdec's database, migrating it, and refusing to work on one that is not ready.
+
+URL: the argument, else $SPECDEC_DATABASE_URL, else sqlite:///$SPECDEC_HOME/specdec.db.
+Never point it at MLflow's or Airflow's database: all three use Alembic (specdec keeps its own
+version table, `specdec_alembic_version`, but the schemas must stay apart).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import create_engine, event, inspect
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..errors import DatabaseNotMigrated, DatabaseUnavailable
+from ..settings import DATABASE_URL_ENV, load_settings
+
+log = logging.getLogger(__name__)
+
+VERSION_TABLE = "specdec_alembic_version"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+
+def database_url(url: str | None = None) -> str:
+    """The URL to use: `url`, else $SPECDEC_DATABASE_URL, else SQLite under $SPECDEC_HOME."""
+    return url or load_settings().resolved_database_url
+
+
+def display_url(url: str) -> str:
+    """The URL with its password hidden, for messages and logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def _sqlite_path(url: str) -> Path | None:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+def _on_sqlite_connect(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")     # readers do not block the importer
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+_ENGINES: dict[str, Engine] = {}
+
+
+def _engine_for(url: str) -> Engine:
+    if url not in _ENGINES:
+        _ENGINES[url] = _create_engine(url)
+    return _ENGINES[url]
+
+
+def _create_engine(url: str) -> Engine:
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise DatabaseUnavailable(f"database URL {url!r} is not a SQLAlchemy URL ({exc}); set "
+                                  f"{DATABASE_URL_ENV} to e.g. postgresql+psycopg://user:pw@host/db "
+                                  "or sqlite:///path/specdec.db") from exc
+    if parsed.drivername == "postgresql":   # psycopg 3 is the driver we install, not psycopg2
+        url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    engine = create_engine(url, pool_pre_ping=True, future=True)
+    if parsed.get_backend_name() == "sqlite":
+        event.listen(engine, "connect", _on_sqlite_connect)
+    return engine
+
+
+def dispose_engines() -> None:
+    """Close every cached engine's connections (tests, and processes that switch databases)."""
+    for engine in list(_ENGINES.values()):
+        engine.dispose()
+    _ENGINES.clear()
+
+
+def get_engine(url: str | None = None, create_dir: bool = False) -> Engine:
+    """A (cached) engine for the URL. SQLite's directory is created only when create_dir is set."""
+    url = database_url(url)
+    path = _sqlite_path(url)
+    if path is not None and create_dir:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return _engine_for(url)
+
+
+def _alembic_config(url: str):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    config.set_main_option("version_table", VERSION_TABLE)
+    return config
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head()
+
+
+def current_revision(url: str | None = None) -> str | None:
+    """The revision the database is at (None: never migrated). Raises DatabaseUnavailable."""
+    from alembic.runtime.migration import MigrationContext
+
+    url = database_url(url)
+    engine = _connectable(url)
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+            return context.get_current_revision()
+    except OperationalError as exc:
+        raise _unavailable(url, exc) from exc
+
+
+def _unavailable(url: str, exc: Exception) -> DatabaseUnavailable:
+    reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0][:300]
+    return DatabaseUnavailable(
+        f"cannot connect to the specdec database {display_url(url)} ({reason}); check that the "
+        f"server is running and {DATABASE_URL_ENV} is right, then run `specdec db upgrade`")
+
+
+def _connectable(url: str) -> Engine:
+    path = _sqlite_path(url)
+    if path is not None and not path.exists():
+        raise DatabaseUnavailable(
+            f"the specdec database {display_url(url)} does not exist; create it with `specdec db "
+            f"upgrade` (or set {DATABASE_URL_ENV} to the database you meant)")
+    return get_engine(url)
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> dict:
+    """Create or migrate the schema to `revision`. Returns {"url", "from", "to"}."""
+    from alembic import command
+
+    url = database_url(url)
+    engine = get_engine(url, create_dir=True)
+    before = None
+    try:
+        with engine.begin() as connection:
+            from alembic.runtime.migration import MigrationContext
+
+            before = MigrationContext.configure(
+                connection, opts={"version_table": VERSION_TABLE}).get_current_revision()
+            config = _alembic_config(url)
+            config.attributes["connection"] = connection
+            command.upgrade(config, revision)
+    except OperationalError as exc:
+        raise _unavailable(url, exc) from exc
+    after = current_revision(url)
+    log.info("database %s: %s -> %s", display_url(url), before, after)
+    return {"url": display_url(url), "from": before, "to": after}
+
+
+def ensure_ready(url: str | None = None) -> Engine:
+    """The engine, after checking that the database exists and is migrated to head.
+
+    Raises DatabaseUnavailable (cannot connect / no such SQLite file) or DatabaseNotMigrated.
+    """
+    url = database_url(url)
+    current = current_revision(url)
+    head = head_revision()
+    if current != head:
+        state = "has no specdec schema" if current is None else f"is at revision {current}, not {head}"
+        existing = []
+        if current is None:
+            try:
+                existing = inspect(get_engine(url)).get_table_names()
+            except SQLAlchemyError:
+                existing = []
+        hint = ""
+        if current is None and any(name in existing for name in ("alembic_version", "dag", "experiments")):
+            hint = (" It holds another application's tables (MLflow or Airflow?): give specdec its "
+                    "own database.")
+        raise DatabaseNotMigrated(f"the database {display_url(url)} {state}; run `specdec db upgrade` "
+                                  f"(with {DATABASE_URL_ENV} set the same way).{hint}")
+    return get_engine(url)
+
+
+@contextmanager
+def session_scope(url: str | None = None):
+    """A session in one transaction on a ready database: committed on success, rolled back on error."""
+    engine = ensure_ready(url)
+    factory = sessionmaker(bind=engine, expire_on_commit=False)
+    session: Session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

@@ -1,0 +1,266 @@
+"""specdec's tables: the single source of the schema (Alembic migrations are written from these).
+
+Conventions: every time is a naive UTC datetime (portable: SQLite has no time zones, and the SQL
+reports group by `date(...)` the same way on both databases). Every row a run writes carries its
+`run_id`; a re-run deletes its own rows and writes them again inside one transaction.
+Requests are named by `request_id` everywhere outside traffic_requests, never by prompt text.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, MetaData, String,
+                        Text, UniqueConstraint)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Deterministic constraint names: migrations and both databases agree on them.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+ID = String(200)      # request ids, run ids
+NAME = String(200)    # drafter labels, model names, fingerprints
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class TrafficRequest(Base):
+    """One logged production request with the target's response (imported from serving logs)."""
+
+    __tablename__ = "traffic_requests"
+
+    id: Mapped[str] = mapped_column(ID, primary_key=True)
+    requested_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    domain: Mapped[str] = mapped_column(String(64))
+    domain_source: Mapped[str] = mapped_column(String(100))   # "row", "rule:<name>" or "fallback"
+    prompt: Mapped[str] = mapped_column(Text)                  # user-visible text, redacted
+    messages: Mapped[list | None] = mapped_column(JSON)        # OpenAI chat format, redacted
+    response: Mapped[str] = mapped_column(Text)
+    temperature: Mapped[float] = mapped_column(Float)
+    top_k: Mapped[int] = mapped_column(Integer, default=0)
+    top_p: Mapped[float] = mapped_column(Float, default=1.0)
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(NAME)
+    target_fingerprint: Mapped[str | None] = mapped_column(NAME)
+    prompt_token_ids: Mapped[list | None] = mapped_column(JSON)
+    response_token_ids: Mapped[list | None] = mapped_column(JSON)
+    prompt_chars: Mapped[int] = mapped_column(Integer)
+    response_chars: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    response_tokens: Mapped[int | None] = mapped_column(Integer)
+    redactions: Mapped[int] = mapped_column(Integer, default=0)
+    content_hash: Mapped[str] = mapped_column(String(64))      # sha256 of the normalised row
+    source_file: Mapped[str] = mapped_column(String(500))
+    source_line: Mapped[int] = mapped_column(Integer)
+    imported_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (Index("ix_traffic_requests_domain_requested_at", "domain", "requested_at"),)
+
+
+class QuarantinedRequest(Base):
+    """An import row that was rejected, with where it came from and why (raw text truncated, redacted)."""
+
+    __tablename__ = "quarantined_requests"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    source_file: Mapped[str] = mapped_column(String(500))
+    line_number: Mapped[int] = mapped_column(Integer)
+    request_id: Mapped[str | None] = mapped_column(ID)
+    reason: Mapped[str] = mapped_column(String(64), index=True)
+    detail: Mapped[str] = mapped_column(Text)
+    raw: Mapped[str | None] = mapped_column(Text)
+    imported_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+
+    __table_args__ = (UniqueConstraint("source_file", "line_number"),)
+
+
+class EvalRun(Base):
+    """One evaluation run: its id, window and parameters, and how far it got."""
+
+    __tablename__ = "eval_runs"
+
+    run_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    updated_at: Mapped[datetime] = mapped_column(DateTime)
+    status: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str | None] = mapped_column(NAME)
+    target_fingerprint: Mapped[str | None] = mapped_column(NAME)
+    hardware_profile: Mapped[str | None] = mapped_column(NAME)
+    window_start: Mapped[datetime | None] = mapped_column(DateTime)
+    window_end: Mapped[datetime | None] = mapped_column(DateTime)
+    params: Mapped[dict | None] = mapped_column(JSON)
+
+
+class EvalSample(Base):
+    """A request drawn into a run's sample. request_id has no foreign key on purpose: retention
+    purges traffic rows, and a run's record of what it sampled must outlive them."""
+
+    __tablename__ = "eval_samples"
+
+    run_id: Mapped[str] = mapped_column(ID, ForeignKey("eval_runs.run_id", ondelete="CASCADE"),
+                                        primary_key=True)
+    request_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    domain: Mapped[str] = mapped_column(String(64))
+    position: Mapped[int] = mapped_column(Integer)   # order within the domain's draw
+
+
+class QualityResult(Base):
+    """One expectation's outcome in a data-quality check of a run (Great Expectations)."""
+
+    __tablename__ = "quality_results"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ID, index=True)
+    suite: Mapped[str] = mapped_column(String(100))
+    scope: Mapped[str] = mapped_column(String(64))        # "table" or a domain name
+    expectation: Mapped[str] = mapped_column(String(100))
+    column_name: Mapped[str | None] = mapped_column(String(100))
+    success: Mapped[bool] = mapped_column(Boolean)
+    status: Mapped[str] = mapped_column(String(32))       # pass | fail | insufficient
+    observed: Mapped[dict | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class AcceptanceEstimate(Base):
+    """Per run, domain, drafter and K: acceptance estimated offline from logged responses."""
+
+    __tablename__ = "acceptance_estimates"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ID, index=True)
+    domain: Mapped[str] = mapped_column(String(64))
+    drafter: Mapped[str] = mapped_column(NAME)
+    k: Mapped[int] = mapped_column(Integer)
+    requests: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(Integer)
+    acceptance_rate: Mapped[float] = mapped_column(Float)
+    mean_accepted_length: Mapped[float] = mapped_column(Float)
+    conditional_acceptance: Mapped[list | None] = mapped_column(JSON)
+    predicted_speedup: Mapped[float | None] = mapped_column(Float)
+    predicted_speedup_lo: Mapped[float | None] = mapped_column(Float)
+    predicted_speedup_hi: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (UniqueConstraint("run_id", "domain", "drafter", "k"),)
+
+
+class CostProfile(Base):
+    """Per run and hardware profile: seconds of one target step, verify(K) or draft step at a batch size."""
+
+    __tablename__ = "cost_profiles"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ID, index=True)
+    hardware_profile: Mapped[str] = mapped_column(NAME)
+    component: Mapped[str] = mapped_column(String(32))    # target_step | verify | draft_step
+    drafter: Mapped[str | None] = mapped_column(NAME)
+    k: Mapped[int | None] = mapped_column(Integer)
+    batch_size: Mapped[int] = mapped_column(Integer)
+    seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class LiveMeasurement(Base):
+    """Per run, domain, drafter, K and batch size: real speculative decoding on a subset."""
+
+    __tablename__ = "live_measurements"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ID, index=True)
+    domain: Mapped[str] = mapped_column(String(64))
+    drafter: Mapped[str] = mapped_column(NAME)
+    k: Mapped[int] = mapped_column(Integer)
+    batch_size: Mapped[int] = mapped_column(Integer, default=1)
+    requests: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(Integer)
+    acceptance_rate: Mapped[float | None] = mapped_column(Float)
+    mean_accepted_length: Mapped[float | None] = mapped_column(Float)
+    plain_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    spec_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    predicted_speedup: Mapped[float | None] = mapped_column(Float)
+    measured_speedup: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class Validation(Base):
+    """One losslessness check of a run (greedy exact match, sampling test, target fingerprint)."""
+
+    __tablename__ = "validations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ID, index=True)
+    domain: Mapped[str | None] = mapped_column(String(64))
+    check_name: Mapped[str] = mapped_column(String(64))
+    drafter: Mapped[str | None] = mapped_column(NAME)
+    k: Mapped[int | None] = mapped_column(Integer)
+    request_id: Mapped[str | None] = mapped_column(ID)   # the request a failure was seen on
+    passed: Mapped[bool] = mapped_column(Boolean)
+    statistic: Mapped[float | None] = mapped_column(Float)
+    p_value: Mapped[float | None] = mapped_column(Float)
+    details: Mapped[dict | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class DomainConfig(Base):
+    """The per-domain part of the config a run produced (mirrors the promoted JSON config)."""
+
+    __tablename__ = "domain_configs"
+
+    run_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    domain: Mapped[str] = mapped_column(String(64), primary_key=True)
+    enabled: Mapped[bool] = mapped_column(Boolean)
+    drafter: Mapped[str | None] = mapped_column(NAME)
+    k: Mapped[int | None] = mapped_column(Integer)
+    max_batch_size: Mapped[int | None] = mapped_column(Integer)
+    predicted_speedup: Mapped[float | None] = mapped_column(Float)
+    measured_speedup: Mapped[float | None] = mapped_column(Float)
+    samples: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(32), default="ok")   # ok | insufficient (champion kept)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class Promotion(Base):
+    """Audit trail of the champion alias: who moved it to which run's config, when, with which gates."""
+
+    __tablename__ = "promotions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ID, index=True)
+    target_id: Mapped[str] = mapped_column(NAME)
+    config_name: Mapped[str | None] = mapped_column(NAME)
+    config_version: Mapped[str | None] = mapped_column(String(32))
+    alias: Mapped[str] = mapped_column(String(32))           # champion | challenger
+    action: Mapped[str] = mapped_column(String(32))          # promote | reject | rollback
+    forced: Mapped[bool] = mapped_column(Boolean, default=False)
+    actor: Mapped[str | None] = mapped_column(NAME)
+    gates: Mapped[dict | None] = mapped_column(JSON)
+    reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class DraftModelRecord(Base):
+    """A trained draft model and the target it was trained for."""
+
+    __tablename__ = "draft_models"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(NAME, unique=True)
+    run_id: Mapped[str | None] = mapped_column(ID, index=True)
+    base_model: Mapped[str | None] = mapped_column(NAME)
+    model_uri: Mapped[str | None] = mapped_column(String(500))
+    target_id: Mapped[str] = mapped_column(NAME)
+    target_fingerprint: Mapped[str | None] = mapped_column(NAME)
+    domains: Mapped[list | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+# Tables whose rows belong to one run (deleted and rewritten when that run's step re-runs).
+RUN_TABLES = ("eval_samples", "quality_results", "acceptance_estimates", "cost_profiles",
+              "live_measurements", "validations", "domain_configs")

@@ -1,0 +1,44 @@
+"""Errors a user can cause in the pipeline steps, one type per kind; each message names the input
+and the fix. The CLI prints them without a traceback."""
+
+from __future__ import annotations
+
+
+class SpecdecTaskError(Exception):
+    """Base class of the user-facing errors raised by tasks/."""
+
+
+class SettingsError(SpecdecTaskError, ValueError):
+    """A setting (environment variable or settings file) is malformed."""
+
+
+class DatabaseUnavailable(SpecdecTaskError, RuntimeError):
+    """The database cannot be reached or does not exist."""
+
+
+class DatabaseNotMigrated(SpecdecTaskError, RuntimeError):
+    """The database exists but its schema is missing or older than this code."""
+
+
+class TrafficFileError(SpecdecTaskError, ValueError):
+    """A traffic file cannot be read at all (missing, unknown format, bad CSV header)."""
+
+
+class SampleError(SpecdecTaskError, ValueError):
+    """A sampling request cannot be served (bad window, no traffic, unknown run)."""
+
+
+class QualityGateFailed(SpecdecTaskError):
+    """A table-level data-quality expectation failed: the run must stop.
+
+    `summary` is the readable text; `failures` the failed expectations as JSON-able dicts.
+    """
+
+    def __init__(self, summary: str, failures: list[dict]):
+        super().__init__(summary)
+        self.summary = summary
+        self.failures = failures
+
+
+class UnknownReport(SpecdecTaskError, LookupError):
+    """No SQL report of that name exists."""

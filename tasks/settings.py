@@ -1,0 +1,202 @@
+"""The one settings object of the data steps: defaults here, overridable from the environment.
+
+Precedence (highest first): keyword overrides in code, `SPECDEC_<FIELD>` environment variables,
+the JSON file named by `SPECDEC_SETTINGS_FILE`, the defaults below. List-valued fields take JSON in
+the environment (`SPECDEC_KNOWN_DOMAINS='["json","code"]'`); `known_domains` also takes a comma list.
+
+    from tasks.settings import load_settings
+    settings = load_settings()                      # env + file + defaults
+    settings = load_settings(import_batch_size=50)  # and an override
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import SettingsError
+
+ENV_PREFIX = "SPECDEC_"
+DATABASE_URL_ENV = "SPECDEC_DATABASE_URL"
+SETTINGS_FILE_ENV = "SPECDEC_SETTINGS_FILE"
+
+
+def specdec_home() -> Path:
+    """$SPECDEC_HOME, default ./.specdec: the rule of specdec_core.models.specdec_home, repeated here
+    because importing specdec_core loads torch (seconds and ~250 MB for a data command); a test
+    keeps the two equal."""
+    return Path(os.environ.get("SPECDEC_HOME", ".specdec"))
+
+
+class DomainRule(BaseModel):
+    """Assigns `domain` to a request without one when `pattern` (a regular expression, searched
+    case-insensitively in the prompt text) matches. Rules are tried in order; the first match wins."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    domain: str
+    pattern: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from exc
+        return pattern
+
+
+class RedactionRule(BaseModel):
+    """Replaces every match of `pattern` in prompts and responses with `replacement` at import."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    pattern: str
+    replacement: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from exc
+        return pattern
+
+
+DEFAULT_DOMAIN_RULES = (
+    DomainRule(name="json-keyword", domain="json", pattern=r"\bjson\b"),
+    DomainRule(name="code-markers", domain="code",
+               pattern=r"```|\bdef \w+\(|\bclass \w+[:(]|\b(python|javascript|typescript|rust|golang|"
+                       r"sql query|regex|function|stack ?trace|compile|refactor|unit tests?)\b"),
+    DomainRule(name="summarize-keyword", domain="summarize",
+               pattern=r"\b(summari[sz]e|summary|tl;?dr|gist|abstract|key points)\b"),
+    DomainRule(name="creative-keyword", domain="creative",
+               pattern=r"\b(poem|haiku|limerick|story|lyrics|slogan|toast|fairy tale)\b"),
+    DomainRule(name="question-form", domain="qa",
+               pattern=r"^\s*(what|who|when|where|why|which|how many|how much|is|are|does|do)\b[^\n]*\?\s*$"),
+)
+
+# E-mail addresses, and strings shaped like well-known API keys and bearer tokens.
+DEFAULT_REDACTION_RULES = (
+    RedactionRule(name="email", pattern=r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}",
+                  replacement="[EMAIL]"),
+    RedactionRule(name="api-key",
+                  pattern=r"\b(?:sk|pk|rk)-(?:[A-Za-z0-9_-]{2,}-)?[A-Za-z0-9_-]{16,}"
+                          r"|\bAKIA[0-9A-Z]{16}\b|\bgh[pousr]_[A-Za-z0-9]{20,}\b"
+                          r"|\bxox[abprs]-[A-Za-z0-9-]{10,}\b|\bAIza[0-9A-Za-z_-]{30,}\b",
+                  replacement="[API_KEY]"),
+    RedactionRule(name="bearer-token", pattern=r"(?i)\bbearer\s+[A-Za-z0-9._~+/-]{20,}=*",
+                  replacement="Bearer [TOKEN]"),
+)
+
+
+class Settings(BaseModel):
+    """Defaults of the data steps (store, traffic import, sampling, quality gates, reports)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; None: sqlite:///$SPECDEC_HOME/specdec.db")
+    known_domains: tuple[str, ...] = ("json", "code", "summarize", "qa", "chat", "creative", "general")
+    fallback_domain: str = "general"
+    domain_rules: tuple[DomainRule, ...] = DEFAULT_DOMAIN_RULES
+    redaction_rules: tuple[RedactionRule, ...] = DEFAULT_REDACTION_RULES
+    # import
+    import_batch_size: int = Field(default=500, ge=1, le=100_000)
+    max_row_bytes: int = Field(default=1_000_000, ge=1024,
+                               description="a line (JSONL) or record (CSV) longer than this is quarantined")
+    default_temperature: float | None = Field(
+        default=None, description="used when a row has no temperature; None: such rows are quarantined")
+    # sampling
+    sample_window_days: float = Field(default=14.0, gt=0,
+                                      description="the default window ends at the newest stored request")
+    min_per_domain: int = Field(default=20, ge=1)
+    max_per_domain: int = Field(default=200, ge=1)
+    # quality gates (traffic sample)
+    min_prompt_chars: int = 1
+    max_prompt_chars: int = 200_000
+    max_response_chars: int = 200_000
+    min_response_tokens: int = 1
+    max_prompt_tokens: int = 32_768
+    max_response_tokens: int = 8_192
+    # quality gates (result tables)
+    k_max: int = Field(default=16, ge=1)
+
+    @field_validator("known_domains", mode="before")
+    @classmethod
+    def _comma_list(cls, value):
+        if isinstance(value, str):
+            return tuple(item.strip() for item in value.split(",") if item.strip())
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_rules_follow_known_domains(cls, data):
+        """Without explicit domain_rules, keep the default rules whose domain is known."""
+        if isinstance(data, dict) and "domain_rules" not in data and "known_domains" in data:
+            known = cls._comma_list(data["known_domains"])
+            data = {**data, "domain_rules": tuple(rule for rule in DEFAULT_DOMAIN_RULES
+                                                  if rule.domain in known)}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Settings":
+        if self.fallback_domain not in self.known_domains:
+            raise ValueError(f"fallback_domain {self.fallback_domain!r} is not in known_domains "
+                             f"{list(self.known_domains)}")
+        unknown = [rule.name for rule in self.domain_rules if rule.domain not in self.known_domains]
+        if unknown:
+            raise ValueError(f"domain rules {unknown} assign a domain outside known_domains")
+        if self.min_per_domain > self.max_per_domain:
+            raise ValueError(f"min_per_domain {self.min_per_domain} > max_per_domain {self.max_per_domain}")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        """database_url, else $SPECDEC_HOME/specdec.db as SQLite."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(specdec_home() / 'specdec.db').resolve()}"
+
+
+def _from_env(environ) -> dict:
+    values: dict = {}
+    path = environ.get(SETTINGS_FILE_ENV)
+    if path:
+        try:
+            values.update(json.loads(Path(path).read_text("utf-8")))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SettingsError(f"{SETTINGS_FILE_ENV}={path!r}: cannot read a JSON object from it "
+                                f"({exc}); fix the file or unset the variable") from exc
+    for name, field in Settings.model_fields.items():
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        complex_value = name in ("domain_rules", "redaction_rules") or (
+            name == "known_domains" and raw.lstrip().startswith("["))
+        if complex_value:
+            try:
+                values[name] = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be JSON ({exc})") from exc
+        else:
+            values[name] = raw
+    return values
+
+
+def load_settings(environ=None, **overrides) -> Settings:
+    """Settings from defaults, $SPECDEC_SETTINGS_FILE, SPECDEC_* variables and `overrides`."""
+    environ = os.environ if environ is None else environ
+    values = _from_env(environ)
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise SettingsError(f"invalid settings (from {ENV_PREFIX}* variables, {SETTINGS_FILE_ENV} or "
+                            f"arguments): {exc}") from exc

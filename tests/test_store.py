@@ -1,0 +1,149 @@
+"""The schema: Alembic migrations match the models, own version table, clear errors when not ready."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import create_engine, inspect, text
+
+from tasks.db import VERSION_TABLE, current_revision, ensure_ready, head_revision, upgrade
+from tasks.db.models import Base
+from tasks.errors import DatabaseNotMigrated, DatabaseUnavailable, SettingsError
+from tasks.settings import load_settings
+
+
+def test_upgrade_creates_every_model_table_and_its_own_version_table(empty_db_url):
+    # the first upgrade goes from nothing to head; the version table is specdec's, not "alembic_version"
+    result = upgrade(empty_db_url)
+    assert result["from"] is None and result["to"] == head_revision()
+    tables = set(inspect(create_engine(empty_db_url)).get_table_names())
+    assert set(Base.metadata.tables) <= tables
+    assert VERSION_TABLE in tables and "alembic_version" not in tables
+
+
+def test_upgrade_twice_is_a_no_op(db_url):
+    # re-running the migration on a current database changes nothing
+    again = upgrade(db_url)
+    assert (again["from"], again["to"]) == (head_revision(), head_revision())
+
+
+def test_migrations_match_the_models(db_url):
+    # the models are the one schema: autogenerate finds nothing left to migrate
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE,
+                                                               "compare_type": True})
+        diffs = compare_metadata(context, Base.metadata)
+    engine.dispose()
+    assert diffs == []
+
+
+def test_missing_sqlite_file_names_the_url_and_the_fix(tmp_path):
+    # a database that does not exist is not created behind the user's back
+    url = f"sqlite:///{tmp_path / 'nowhere' / 'specdec.db'}"
+    with pytest.raises(DatabaseUnavailable) as caught:
+        ensure_ready(url)
+    assert str(tmp_path / "nowhere" / "specdec.db") in str(caught.value)
+    assert "specdec db upgrade" in str(caught.value)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_unreachable_postgres_is_a_clear_error():
+    # nothing listens on port 1: the message names the URL (password hidden) and the fix
+    url = "postgresql+psycopg://specdec:secret@127.0.0.1:1/specdec?connect_timeout=2"
+    with pytest.raises(DatabaseUnavailable) as caught:
+        current_revision(url)
+    message = str(caught.value)
+    assert "127.0.0.1:1" in message and "secret" not in message and "SPECDEC_DATABASE_URL" in message
+
+
+def test_database_without_schema_says_run_upgrade(empty_db_url):
+    # an existing but empty database: DatabaseNotMigrated with the command to run
+    create_engine(empty_db_url).connect().close()
+    with pytest.raises(DatabaseNotMigrated, match="specdec db upgrade"):
+        ensure_ready(empty_db_url)
+
+
+def test_another_applications_database_is_recognised(empty_db_url):
+    # MLflow and Airflow keep an "alembic_version" table: specdec must not share their database
+    engine = create_engine(empty_db_url)
+    with engine.begin() as connection:
+        connection.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)"))
+    engine.dispose()
+    with pytest.raises(DatabaseNotMigrated, match="another application"):
+        ensure_ready(empty_db_url)
+
+
+def test_default_url_is_sqlite_under_specdec_home(tmp_path, monkeypatch):
+    # no SPECDEC_DATABASE_URL: $SPECDEC_HOME/specdec.db; with it: that URL
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECDEC_DATABASE_URL", raising=False)
+    assert load_settings().resolved_database_url == f"sqlite:///{tmp_path.resolve() / 'specdec.db'}"
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", "postgresql+psycopg://u@h/db")
+    assert load_settings().resolved_database_url == "postgresql+psycopg://u@h/db"
+
+
+def test_settings_take_environment_overrides(tmp_path):
+    # one settings object: env variables (comma lists, JSON rules) and a JSON file override defaults
+    settings_file = tmp_path / "settings.json"
+    settings_file.write_text('{"min_per_domain": 3, "max_per_domain": 9}')
+    environ = {"SPECDEC_KNOWN_DOMAINS": "json, legal ,general",
+               "SPECDEC_DOMAIN_RULES": '[{"name": "law", "domain": "legal", "pattern": "contract"}]',
+               "SPECDEC_SETTINGS_FILE": str(settings_file), "SPECDEC_IMPORT_BATCH_SIZE": "77"}
+    settings = load_settings(environ)
+    assert settings.known_domains == ("json", "legal", "general")
+    assert [rule.name for rule in settings.domain_rules] == ["law"]
+    assert (settings.min_per_domain, settings.max_per_domain, settings.import_batch_size) == (3, 9, 77)
+
+
+@pytest.mark.parametrize("environ, fragment", [
+    ({"SPECDEC_KNOWN_DOMAINS": "json,code"}, "fallback_domain"),          # general missing
+    ({"SPECDEC_IMPORT_BATCH_SIZE": "zero"}, "import_batch_size"),
+    ({"SPECDEC_DOMAIN_RULES": '[{"name": "x", "domain": "qa", "pattern": "("}]'}, "regular expression"),
+    ({"SPECDEC_SETTINGS_FILE": "/nonexistent/settings.json"}, "SPECDEC_SETTINGS_FILE"),
+])
+def test_bad_settings_name_the_setting(environ, fragment):
+    # a malformed setting is a SettingsError naming what to fix
+    with pytest.raises(SettingsError, match=fragment):
+        load_settings(environ)
+
+
+def test_cli_db_upgrade_and_current(empty_db_url, capsys):
+    # `specdec db current` exits 1 before the upgrade and 0 after it
+    from tasks.cli import main
+
+    assert main(["db", "current", "--url", empty_db_url]) in (1, 2)
+    assert main(["db", "upgrade", "--url", empty_db_url]) == 0
+    assert main(["db", "current", "--url", empty_db_url]) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_narrowing_known_domains_keeps_only_the_matching_default_rules():
+    # without explicit rules, the default rules for domains outside the known set are dropped
+    settings = load_settings({"SPECDEC_KNOWN_DOMAINS": "json,qa,general"})
+    assert {rule.domain for rule in settings.domain_rules} == {"json", "qa"}
+
+
+def test_specdec_home_agrees_with_the_engine(tmp_path, monkeypatch):
+    # tasks.settings repeats specdec_core's $SPECDEC_HOME rule (to avoid importing torch): same answer
+    from specdec_core.models import specdec_home as core_home
+
+    from tasks.settings import specdec_home
+
+    monkeypatch.delenv("SPECDEC_HOME", raising=False)
+    assert specdec_home() == core_home()
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    assert specdec_home() == core_home() == tmp_path
+
+
+def test_data_commands_do_not_import_torch():
+    # the store, import, sampling and report modules load without the engine's heavy dependencies
+    import subprocess
+    import sys
+
+    code = ("import sys, tasks.traffic, tasks.sampling, tasks.reports, tasks.cli_data; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
