@@ -70,10 +70,13 @@ def _postgres_schema_url(base_url: str, schema: str) -> str:
         hide_password=False)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=[
+    "sqlite",
+    pytest.param("postgresql", marks=pytest.mark.skipif(
+        not os.environ.get(POSTGRES_ENV),
+        reason=f"{POSTGRES_ENV} is not set: no PostgreSQL server configured (CI always sets it)")),
+])
 def db_backend(request) -> str:
-    if request.param == "postgresql" and not os.environ.get(POSTGRES_ENV):
-        pytest.skip(f"{POSTGRES_ENV} is not set: no PostgreSQL server configured")
     return request.param
 
 
