@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specdec_core import DraftModel, PromptLookup, SpecDecoder
-from specdec_core.sampling import SamplingParams, logits_to_probs, sample_from
+from specdec_core.faults import BROKEN_VARIANTS
 from specdec_core.validation import (compare_fingerprints, g_test, greedy_check, sampling_check,
                                      target_fingerprint)
-from specdec_core.verify import _assemble, _num_draft, rejection_sample, relaxed_verify
+from specdec_core.verify import relaxed_verify
 
 from .conftest import tiny_llama
 
@@ -38,33 +38,6 @@ def spread_draft(spread_target):
 
 
 PROMPT = torch.tensor([3, 7, 1, 9, 4])
-
-
-def swapped_verifier(draft_tokens, draft_probs, target_probs, generator=None, num_draft=None):
-    """BROKEN: p and q swapped at the draft positions."""
-    k = draft_tokens.shape[1]
-    swapped_target = torch.cat([draft_probs, target_probs[:, k:]], 1)
-    return rejection_sample(draft_tokens, target_probs[:, :k], swapped_target, generator, num_draft)
-
-
-def off_by_one_bonus(draft_tokens, draft_probs, target_probs, generator=None, num_draft=None):
-    """BROKEN: after all drafts are accepted, the bonus is drawn from p one position too early."""
-    out, num_accepted = rejection_sample(draft_tokens, draft_probs, target_probs, generator, num_draft)
-    batch, k = draft_tokens.shape
-    nd = _num_draft(num_draft, batch, k, target_probs.device)
-    all_in = (num_accepted == nd) & (nd > 0)
-    rows = torch.arange(batch)
-    early = sample_from(target_probs[rows, (num_accepted - 1).clamp(min=0)], generator)
-    fixed = torch.where(all_in, early, out.gather(1, num_accepted[:, None]).squeeze(1))
-    return _assemble(draft_tokens, num_accepted, fixed), num_accepted
-
-
-class IgnoresTemperature(SpecDecoder):
-    """BROKEN: verifies against the target at temperature 1 whatever the request's temperature."""
-
-    def _target_probs(self, logits, sampling):
-        return logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=sampling.top_k,
-                                                      top_p=sampling.top_p))
 
 
 def test_greedy_check_passes_the_exact_engine(target, draft):
@@ -105,14 +78,11 @@ def test_sampling_check_passes_the_exact_verifier(spread_target, spread_draft):
     assert min(t.rows for t in report.tests) >= 300    # and enough rows on the most frequent path
 
 
-@pytest.mark.parametrize("broken", ["relaxed", "swapped", "ignores_temperature", "off_by_one_bonus"])
+@pytest.mark.parametrize("broken", sorted(BROKEN_VARIANTS))
 def test_sampling_check_catches_broken_verifiers(spread_target, spread_draft, broken):
     # each broken verifier fails the check (power measured in benchmarks/validation_power.py)
-    kwargs = {"relaxed": {"verifier": relaxed_verify}, "swapped": {"verifier": swapped_verifier},
-              "off_by_one_bonus": {"verifier": off_by_one_bonus},
-              "ignores_temperature": {"decoder_cls": IgnoresTemperature}}[broken]
     report = sampling_check(spread_target, DraftModel(spread_draft), PROMPT, rows=3000, seed=1,
-                            **kwargs)
+                            **BROKEN_VARIANTS[broken])
     assert not report.passed
     worst = min(report.tests, key=lambda t: t.p_value)
     assert worst.p_value < worst.threshold and worst.position >= 0
