@@ -32,7 +32,24 @@ def specdec_home() -> Path:
     return Path(os.environ.get("SPECDEC_HOME", ".specdec"))
 
 
-class DomainRule(BaseModel):
+class _PatternRule(BaseModel):
+    """A named rule whose `pattern` must be a valid regular expression."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    pattern: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from exc
+        return pattern
+
+
+class DomainRule(_PatternRule):
     """Assigns `domain` to a request without one when `pattern` (a regular expression, searched
     case-insensitively in the prompt text) matches. Rules are tried in order; the first match wins."""
 
@@ -41,32 +58,14 @@ class DomainRule(BaseModel):
     domain: str
     pattern: str
 
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, pattern: str) -> str:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from exc
-        return pattern
 
-
-class RedactionRule(BaseModel):
+class RedactionRule(_PatternRule):
     """Replaces every match of `pattern` in prompts and responses with `replacement` at import."""
 
     model_config = ConfigDict(frozen=True)
     name: str
     pattern: str
     replacement: str
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, pattern: str) -> str:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from exc
-        return pattern
 
 
 DEFAULT_DOMAIN_RULES = (
