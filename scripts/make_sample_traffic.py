@@ -391,12 +391,10 @@ def build_requests(per_domain: int, seed: int = 20251117) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------
 def weights_fingerprint(model) -> str:
-    """sha256 over the target's parameters (name, dtype, shape, bytes), in name order."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return "sha256:" + digest.hexdigest()[:32]
+    """The target's fingerprint id (specdec_core.validation.fingerprint_id of target_fingerprint)."""
+    from specdec_core.validation import fingerprint_id, target_fingerprint
+
+    return fingerprint_id(target_fingerprint(model))
 
 
 def generate(requests: list[dict], partial: Path, batch_size: int) -> None:

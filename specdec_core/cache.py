@@ -30,6 +30,8 @@ class SequenceCache:
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Append tokens [B, T] (valid [B, T] bool: False = a hole) and return logits [B, T, V]."""
         batch, length = tokens.shape
+        if self.mask is None and valid is None and batch > 1 and bool((tokens == tokens[:1]).all()):
+            return self._shared_prefill(tokens)
         if valid is None:
             valid_l = torch.ones_like(tokens)
         else:
@@ -46,6 +48,15 @@ class SequenceCache:
                          position_ids=position_ids, past_key_values=self.cache, use_cache=True)
         self.count = self.count + valid_l.sum(1)
         return out.logits
+
+    def _shared_prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Identical unpadded rows (n samples of one prompt): prefill one row, copy its cache."""
+        batch = tokens.shape[0]
+        logits = self.forward(tokens[:1])
+        self.cache.batch_repeat_interleave(batch)
+        self.mask = self.mask.expand(batch, -1).clone()
+        self.count = self.count.expand(batch).clone()
+        return logits.expand(batch, -1, -1)
 
     def rollback_to(self, keep: torch.Tensor) -> None:
         """Keep the first keep[b] valid tokens of each row [B]; later ones become holes or are cropped."""

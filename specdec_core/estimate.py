@@ -50,10 +50,17 @@ class RoundTotals:
     rounds: float = 0.0           # expected rounds
     reached: np.ndarray = None    # [K] expected rounds in which draft i was proposed with 0..i-1 accepted
     accepted: np.ndarray = None   # [K] expected rounds in which draft i was accepted
+    widths: np.ndarray = None     # [K+1] expected rounds that drafted w tokens (verify width w + 1)
 
     def __add__(self, other: "RoundTotals") -> "RoundTotals":
         return RoundTotals(self.tokens + other.tokens, self.rounds + other.rounds,
-                           self.reached + other.reached, self.accepted + other.accepted)
+                           self.reached + other.reached, self.accepted + other.accepted,
+                           self.widths + other.widths)
+
+    @property
+    def width_share(self) -> list[float]:
+        """Share of rounds by number of tokens drafted, 0..K."""
+        return [float(w / self.rounds) if self.rounds else 0.0 for w in self.widths]
 
     @property
     def expected_tokens_per_round(self) -> float:
@@ -76,6 +83,7 @@ def simulate_rounds(beta: np.ndarray, k: int) -> RoundTotals:
         start[1] = 1.0
     reached = np.zeros(k)
     accepted = np.zeros(k)
+    widths = np.zeros(k + 1)
     rounds = 0.0
     for t in range(1, length):
         weight = start[t]
@@ -83,6 +91,7 @@ def simulate_rounds(beta: np.ndarray, k: int) -> RoundTotals:
             continue
         rounds += weight
         drafts = min(k, length - 1 - t)
+        widths[drafts] += weight
         survive = 1.0                          # P(drafts 0..i-1 accepted)
         for i in range(drafts):
             reached[i] += weight * survive
@@ -93,7 +102,7 @@ def simulate_rounds(beta: np.ndarray, k: int) -> RoundTotals:
             survive = p_next
         start[t + drafts + 1] += weight * survive
     return RoundTotals(tokens=float(max(length - 1, 0)), rounds=rounds, reached=reached,
-                       accepted=accepted)
+                       accepted=accepted, widths=widths)
 
 
 def lookup_rounds(prompt_ids: Sequence[int], response_ids: Sequence[int], k: int,
@@ -101,7 +110,7 @@ def lookup_rounds(prompt_ids: Sequence[int], response_ids: Sequence[int], k: int
     """Rounds of K for a prompt-lookup drafter along a logged response (deterministic)."""
     sequence = np.asarray(list(prompt_ids) + list(response_ids), dtype=np.int64)
     prompt_len, length = len(prompt_ids), len(response_ids)
-    reached, accepted = np.zeros(k), np.zeros(k)
+    reached, accepted, widths = np.zeros(k), np.zeros(k), np.zeros(k + 1)
     rounds, t = 0, 1
     while t < length:
         drafts = min(k, length - 1 - t)
@@ -111,10 +120,11 @@ def lookup_rounds(prompt_ids: Sequence[int], response_ids: Sequence[int], k: int
         n = int(np.argmin(proposal == truth)) if not (proposal == truth).all() else len(proposal)
         reached[: min(n + 1, len(proposal))] += 1
         accepted[:n] += 1
+        widths[len(proposal)] += 1
         rounds += 1
         t += n + 1
     return RoundTotals(tokens=float(max(length - 1, 0)), rounds=float(rounds), reached=reached,
-                       accepted=accepted)
+                       accepted=accepted, widths=widths)
 
 
 def _pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,13 +192,21 @@ class DomainEstimate:
     expected_tokens_per_round: float
     ci95: tuple[float, float]                  # bootstrap over requests
     conditional_acceptance: list[float]
+    width_share: list[float] = field(default_factory=list)   # share of rounds drafting 0..K tokens
     per_request: list[RoundTotals] = field(repr=False, default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted over the expected rounds (depends on K; not alpha)."""
+        drafted = sum(w * share for w, share in enumerate(self.width_share)) * self.rounds
+        return float((self.tokens - self.rounds) / drafted) if drafted > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {"domain": self.domain, "k": self.k, "requests": self.requests,
                 "tokens": self.tokens, "rounds": self.rounds,
                 "expected_tokens_per_round": self.expected_tokens_per_round,
-                "ci95": list(self.ci95), "conditional_acceptance": self.conditional_acceptance}
+                "ci95": list(self.ci95), "conditional_acceptance": self.conditional_acceptance,
+                "width_share": self.width_share, "acceptance_rate": self.acceptance_rate}
 
 
 def bootstrap_ratio(numerators: np.ndarray, denominators: np.ndarray, n_boot: int = 1000,
@@ -236,5 +254,6 @@ def estimate_acceptance(target: torch.nn.Module, drafter: Drafter, requests: lis
                 domain=domain, k=k, requests=len(totals), tokens=summed.tokens, rounds=summed.rounds,
                 expected_tokens_per_round=summed.expected_tokens_per_round,
                 ci95=bootstrap_ratio(tokens, rounds, n_boot=n_boot, seed=seed),
-                conditional_acceptance=summed.conditional_acceptance, per_request=totals)
+                conditional_acceptance=summed.conditional_acceptance,
+                width_share=summed.width_share, per_request=totals)
     return result

@@ -58,3 +58,50 @@ def calibrate_verify_widths(model: torch.nn.Module, max_width: int, context_len:
     """Measure verify passes of 1..max_width tokens and return the width plan for SpecDecoder."""
     return verify_width_plan(measure_forward_costs(model, range(1, max_width + 1), context_len,
                                                    repeats=repeats))
+
+
+def measure_lookup_cost(drafter, k: int, context_len: int = 256, batch_size: int = 1,
+                        repeats: int = 5, seed: int = 0) -> float:
+    """Median seconds of one prompt-lookup proposal of up to k tokens for a batch (host-side search).
+
+    The sequence repeats a short random pattern, so the search finds matches and copies k tokens
+    (the expensive case).
+    """
+    from .drafters import find_continuation
+
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(0, 30_000, size=max(8, context_len // 8))
+    sequence = np.resize(pattern, context_len)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for _row in range(batch_size):
+            find_continuation(sequence, drafter.max_ngram, k, drafter.min_ngram)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
+def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batch_size: int = 1,
+                       context_len: int = 256, repeats: int = 5) -> dict:
+    """Seconds on this hardware at one batch size: {"target_step", "verify": {K: s},
+    "draft_step": {label: s}} for K = 1..k_max.
+
+    verify(K) is one cached target pass over K + 1 tokens. A model drafter's step is one cached
+    forward of one token through its own model; prompt lookup's is one proposal (per round).
+    """
+    from .drafters import DraftModel, PromptLookup
+
+    target_costs = measure_forward_costs(target, range(1, k_max + 2), context_len, batch_size,
+                                         repeats=repeats)
+    draft = {}
+    for label, drafter in drafters.items():
+        if isinstance(drafter, PromptLookup):
+            draft[label] = measure_lookup_cost(drafter, k_max, context_len, batch_size, repeats)
+        elif isinstance(drafter, DraftModel):
+            draft[label] = measure_forward_costs(drafter.model, [1], context_len, batch_size,
+                                                 repeats=repeats)[1]
+        else:
+            raise TypeError(f"no cost measurement for drafter {type(drafter).__name__}")
+    return {"target_step": target_costs[1],
+            "verify": {k: target_costs[k + 1] for k in range(1, k_max + 1)},
+            "draft_step": draft}

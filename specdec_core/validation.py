@@ -251,3 +251,9 @@ def compare_fingerprints(expected: dict, actual: dict, tolerance: float | None =
         tolerance = 0.1 if sixteen else 1e-3
     return {"same_weights": same_weights, "canary_max_abs_diff": diff, "tolerance": tolerance,
             "same_model": same_weights or diff <= tolerance}
+
+
+def fingerprint_id(fingerprint: dict) -> str:
+    """The short form stored with traffic rows, runs and configs: "sha256:" + 32 hex digits of the
+    weights digest. Equal ids mean equal weights; the canaries are compared separately."""
+    return "sha256:" + fingerprint["weights_sha256"][:32]

@@ -10,11 +10,11 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from specdec_core.drafters import DRAFTER_KINDS
 from specdec_core.errors import SpecDecError
 from specdec_core.models import DEFAULT_MODEL
 
-from . import cli_data
+from . import cli_data, cli_eval
+from .candidates import CandidateError, candidate_label, parse_candidate
 from .errors import SpecdecTaskError
 from .prompts import PromptFileError
 
@@ -23,21 +23,15 @@ console = Console()
 
 def parse_drafter(text: str) -> tuple[str, dict]:
     """'prompt_lookup', 'layer_skip:num_layers=8', 'draft_model:model=PATH' -> (kind, params)."""
-    kind, _, rest = text.partition(":")
-    if kind not in DRAFTER_KINDS:
-        raise argparse.ArgumentTypeError(
-            f"drafter {text!r}: kind must be one of {list(DRAFTER_KINDS)} (params as kind:key=value,...)")
-    params: dict = {}
-    for item in filter(None, rest.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"drafter {text!r}: parameter {item!r} is not key=value")
-        params[key] = int(value) if value.lstrip("-").isdigit() else value
-    return kind, params
+    try:
+        spec = parse_candidate(text)
+    except CandidateError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec["kind"], spec["params"]
 
 
 def drafter_label(kind: str, params: dict) -> str:
-    return kind + ("(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+    return candidate_label({"kind": kind, "params": params})
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--format", choices=["table", "json"], default="table")
     cmp_.set_defaults(func=cmd_compare)
     cli_data.register(sub)
+    cli_eval.register(sub)
     return parser
 
 

@@ -116,7 +116,9 @@ class Settings(BaseModel):
     sample_window_days: float = Field(default=14.0, gt=0,
                                       description="the default window ends at the newest stored request")
     min_per_domain: int = Field(default=20, ge=1)
-    max_per_domain: int = Field(default=200, ge=1)
+    max_per_domain: int = Field(default=30, ge=1, description=(
+        "sized for the 2-core CPU (an evaluation scores tens of requests per domain per minute); "
+        "raise it on a GPU"))
     # quality gates (traffic sample)
     min_prompt_chars: int = 1
     max_prompt_chars: int = 200_000
@@ -126,6 +128,41 @@ class Settings(BaseModel):
     max_response_tokens: int = 8_192
     # quality gates (result tables)
     k_max: int = Field(default=16, ge=1)
+    # evaluation: candidates, costs, plan, live confirmation, validation (CPU-sized defaults)
+    candidates: tuple[str, ...] = Field(
+        default=("prompt_lookup:max_ngram=3", "layer_skip:num_layers=8"),
+        description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.candidates)")
+    eval_k_max: int = Field(default=8, ge=1, le=32, description="largest K planned and profiled")
+    hardware_profile: str | None = Field(
+        default=None, description="cost profile to plan with; None: measure this machine")
+    profile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    profile_context_len: int = Field(default=256, ge=8)
+    profile_repeats: int = Field(default=3, ge=1)
+    min_speedup: float = Field(default=1.1, gt=0, description=(
+        "policy: a domain is on only when the lower end of its predicted speedup's 95% interval "
+        "clears this"))
+    estimate_batch_size: int = Field(default=4, ge=1)
+    bootstrap_samples: int = Field(default=1000, ge=100)
+    confirm_requests: int = Field(default=3, ge=1, description="live requests per domain")
+    confirm_max_new_tokens: int = Field(default=48, ge=2)
+    confirm_tolerance: float = Field(default=0.25, gt=0, description=(
+        "flag a domain when |measured / predicted speedup - 1| exceeds this"))
+    validation_rows: int = Field(default=300, ge=50, description=(
+        "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
+    validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
+    validation_per_domain: bool = Field(default=False, description=(
+        "run the sampling test for every domain; False: once per distinct drafter, shared by the "
+        "domains that use it (the test checks the decoder, not the traffic)"))
+    greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
+    greedy_check_tokens: int = Field(default=24, ge=2)
+
+    @field_validator("candidates", mode="before")
+    @classmethod
+    def _spaced_list(cls, value):
+        """Candidates as text: separated by spaces or `;` (commas may separate their params)."""
+        if isinstance(value, str):
+            return tuple(item for item in re.split(r"[;\s]+", value) if item)
+        return value
 
     @field_validator("known_domains", mode="before")
     @classmethod
@@ -177,8 +214,8 @@ def _from_env(environ) -> dict:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None:
             continue
-        complex_value = name in ("domain_rules", "redaction_rules") or (
-            name == "known_domains" and raw.lstrip().startswith("["))
+        complex_value = name in ("domain_rules", "redaction_rules", "profile_batch_sizes") or (
+            name in ("known_domains", "candidates") and raw.lstrip().startswith("["))
         if complex_value:
             try:
                 values[name] = json.loads(raw)

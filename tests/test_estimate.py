@@ -69,3 +69,119 @@ def test_greedy_estimate_equals_live_rounds_exactly(target, draft, name, k):
         summed = summed + item
     assert summed.reached.tolist() == live.reached_at_position
     assert summed.accepted.tolist() == live.accepted_at_position
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling: the offline estimate against live speculative sampling over many seeded runs
+class GatedDraft(torch.nn.Module):
+    """A draft built so that acceptance at one position predicts acceptance at the next.
+
+    After a token in `good`, q = p (the target itself: always accepted). After any other token,
+    q is uniform over `good`: accepted with probability ~p(good), and an accepted token is good,
+    so the next draft is accepted too. Along a path drawn from p the next token is good only with
+    probability p(good): multiplying sum_v min(p, q) along logged paths underestimates E(K),
+    while beta_t = min(1, q(x_t) / p(x_t)) is exact (DESIGN.md, "Measuring acceptance cheaply").
+    """
+
+    def __init__(self, target, good: torch.Tensor):
+        super().__init__()
+        self.inner = target
+        self.config = target.config
+        self.register_buffer("good", good)
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids=None, **kwargs):
+        out = self.inner(input_ids=input_ids, **kwargs)
+        logits = out.logits
+        after_good = self.good[input_ids[:, -logits.shape[1]:]]          # [B, T] per position
+        uniform_good = torch.where(self.good, 0.0, float("-inf")).to(logits.dtype)
+        out.logits = torch.where(after_good[..., None], logits, uniform_good.expand_as(logits))
+        return out
+
+
+def sum_min_rounds(target, draft_model, logged, k, sampling):
+    """The biased estimator: alpha_t = sum_v min(p_t, q_t) along each logged path, in rounds of K.
+    (Logged rows here share one prompt length and response length: one batched pass.)"""
+    from specdec_core.sampling import logits_to_probs
+
+    ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids) for r in logged])
+    n = len(logged[0].response_ids)
+    with torch.inference_mode():
+        p = logits_to_probs(target(ids).logits[:, -n - 1:-1], sampling)
+        q = logits_to_probs(draft_model(input_ids=ids).logits[:, -n - 1:-1], sampling)
+    alpha = torch.minimum(p, q).sum(-1).double().numpy()
+    totals = simulate_rounds(alpha[0], k)
+    for row in alpha[1:]:
+        totals = totals + simulate_rounds(row, k)
+    return totals.expected_tokens_per_round
+
+
+def live_interval(target, drafter, prompts, new, k, sampling, seeds):
+    """Mean E(K) of live speculative decoding over seeded runs, and its standard error."""
+    values = []
+    decoder = SpecDecoder(target, drafter, k=k)
+    for seed in range(seeds):
+        stats = decoder.generate(prompts, new, sampling=sampling, seed=1000 + seed).stats
+        values.append(stats.mean_accepted_length)
+    values = np.array(values)
+    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(len(values)))
+
+
+def sampled_logged(target, prompts, new, sampling, seed):
+    out = SpecDecoder(target, None).generate_plain(prompts, new, sampling=sampling, seed=seed)
+    return [LoggedRequest(f"r{i}", prompts[i].tolist(), out.tokens[i].tolist(), sampling, "d")
+            for i in range(prompts.shape[0])]
+
+
+@pytest.fixture(scope="module")
+def spread_pair():
+    from .conftest import tiny_llama
+
+    target = tiny_llama(seed=3, initializer_range=0.05)
+    good = torch.arange(VOCAB) % 2 == 0
+    return target, GatedDraft(target, good)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0),
+                                      SamplingParams(temperature=0.7, top_p=0.9)],
+                         ids=["t1", "t0.7-top_p0.9"])
+def test_sampling_estimate_agrees_with_live_where_sum_min_is_biased(spread_pair, sampling):
+    target, gated = spread_pair
+    k, new = 3, 24
+    torch.manual_seed(5)
+    prompts = torch.randint(3, VOCAB, (128, 6))
+    # logged responses: the target's own samples (plain decoding), scored under their params
+    logged = sampled_logged(target, prompts.repeat(8, 1), new, sampling, seed=7)
+    drafter = DraftModel(gated)
+    estimate = estimate_acceptance(target, drafter, logged, ks=[k], progress=False)["d"][k]
+    est_se = (estimate.ci95[1] - estimate.ci95[0]) / (2 * 1.96)
+    live_mean, live_se = live_interval(target, drafter, prompts, new, k, sampling, seeds=24)
+    bound = 3.0 * np.hypot(live_se, est_se)      # a 3-sigma interval of the difference
+    assert abs(estimate.expected_tokens_per_round - live_mean) <= bound, (
+        estimate.expected_tokens_per_round, live_mean, bound)
+    # the product of sum(min(p, q)) along the same paths falls outside it (it overestimates here:
+    # after a rejection the correction comes from p - q, so live rounds start after "bad" tokens
+    # more often than positions along p-distributed paths do)
+    biased = sum_min_rounds(target, gated, logged, k, sampling)
+    assert abs(biased - live_mean) > bound, (biased, live_mean, bound)
+
+
+def test_sampling_estimate_agrees_with_live_on_a_model_pair(spread_pair):
+    from .conftest import tiny_llama
+
+    target, draft = spread_pair[0], tiny_llama(hidden=32, layers=2, heads=2, seed=4,
+                                               initializer_range=0.05)
+    sampling = SamplingParams(temperature=1.0)
+    k, new = 2, 16
+    torch.manual_seed(6)
+    prompts = torch.randint(3, VOCAB, (48, 5))
+    logged = sampled_logged(target, prompts.repeat(4, 1), new, sampling, seed=3)
+    drafter = DraftModel(draft)
+    estimate = estimate_acceptance(target, drafter, logged, ks=[k], progress=False)["d"][k]
+    est_se = (estimate.ci95[1] - estimate.ci95[0]) / (2 * 1.96)
+    live_mean, live_se = live_interval(target, drafter, prompts, new, k, sampling, seeds=12)
+    assert abs(estimate.expected_tokens_per_round - live_mean) <= 3.0 * np.hypot(live_se, est_se)
+    # and the estimate is informative: neither "never accepted" nor "always accepted"
+    assert 1.05 < estimate.expected_tokens_per_round < k + 0.95

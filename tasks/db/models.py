@@ -147,6 +147,13 @@ class AcceptanceEstimate(Base):
     predicted_speedup_lo: Mapped[float | None] = mapped_column(Float)
     predicted_speedup_hi: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # 0002: the interval of E(K) (bootstrap over requests), expected rounds, and the share of rounds
+    # by number of tokens drafted (prompt lookup drafts fewer than K; costs follow the widths)
+    mean_accepted_length_lo: Mapped[float | None] = mapped_column(Float)
+    mean_accepted_length_hi: Mapped[float | None] = mapped_column(Float)
+    rounds: Mapped[float | None] = mapped_column(Float)
+    draft_width_share: Mapped[list | None] = mapped_column(JSON)
+    drafter_spec: Mapped[dict | None] = mapped_column(JSON)   # {kind, params}
 
     __table_args__ = (UniqueConstraint("run_id", "domain", "drafter", "k"),)
 
@@ -165,6 +172,18 @@ class CostProfile(Base):
     batch_size: Mapped[int] = mapped_column(Integer)
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class HardwareProfile(Base):
+    """A named serving hardware profile (device, dtype) that cost profiles were measured on."""
+
+    __tablename__ = "hardware_profiles"
+
+    name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    device: Mapped[str] = mapped_column(NAME)          # e.g. "cpu (2 threads)", "NVIDIA H100 80GB HBM3"
+    dtype: Mapped[str] = mapped_column(String(32))
+    details: Mapped[dict | None] = mapped_column(JSON)  # torch version, threads, context length, ...
+    updated_at: Mapped[datetime] = mapped_column(DateTime)
 
 
 class LiveMeasurement(Base):
@@ -187,6 +206,11 @@ class LiveMeasurement(Base):
     predicted_speedup: Mapped[float | None] = mapped_column(Float)
     measured_speedup: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # 0002: end-to-end latency (prefill included) per request, reported beside the decode speedup;
+    # gap: |measured / predicted - 1| beyond the tolerance
+    plain_latency_s: Mapped[float | None] = mapped_column(Float)
+    spec_latency_s: Mapped[float | None] = mapped_column(Float)
+    gap: Mapped[bool | None] = mapped_column(Boolean)
 
 
 class Validation(Base):
@@ -224,6 +248,15 @@ class DomainConfig(Base):
     samples: Mapped[int | None] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(32), default="ok")   # ok | insufficient (champion kept)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # 0002: the rest of the promoted per-domain config, and why the planner chose it
+    drafter_spec: Mapped[dict | None] = mapped_column(JSON)          # {kind, params}
+    mean_accepted_length: Mapped[float | None] = mapped_column(Float)
+    conditional_acceptance: Mapped[list | None] = mapped_column(JSON)
+    predicted_speedup_lo: Mapped[float | None] = mapped_column(Float)
+    predicted_speedup_hi: Mapped[float | None] = mapped_column(Float)
+    validation: Mapped[str | None] = mapped_column(String(32))       # passed | failed | not_run
+    promotable: Mapped[bool | None] = mapped_column(Boolean)
+    reason: Mapped[str | None] = mapped_column(Text)
 
 
 class Promotion(Base):

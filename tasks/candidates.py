@@ -1,0 +1,82 @@
+"""Candidate drafters: their text form, labels, and construction.
+
+Text form (settings, CLI, Airflow Params): KIND[:PARAM=VALUE[:PARAM=VALUE...]] (`,` works between
+parameters too), e.g.
+`prompt_lookup`, `prompt_lookup:max_ngram=4:min_ngram=2`, `layer_skip:num_layers=8`,
+`draft_model:model=/models/my-draft`. The config form is DESIGN.md's {kind, params}; the label
+(`layer_skip(num_layers=8)`) names a candidate in tables and reports.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import SpecdecTaskError
+
+KINDS = ("prompt_lookup", "layer_skip", "draft_model")   # = specdec_core.drafters.DRAFTER_KINDS
+
+
+class CandidateError(SpecdecTaskError, ValueError):
+    """A candidate drafter is malformed or cannot be used with this target."""
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_candidate(candidate) -> dict:
+    """{kind, params} from the text form or a dict (validated)."""
+    if isinstance(candidate, dict):
+        kind, params = candidate.get("kind"), dict(candidate.get("params") or {})
+    elif isinstance(candidate, str) and candidate.strip():
+        kind, _, rest = candidate.strip().partition(":")
+        kind = kind.strip()
+        pairs = [part.strip() for part in re.split(r"[:,]", rest) if part.strip()]
+        params = {}
+        for pair in pairs:
+            name, sep, value = pair.partition("=")
+            if not sep or not name.strip() or not value.strip():
+                raise CandidateError(f"candidate {candidate!r}: parameter {pair!r} is not NAME=VALUE "
+                                     "(form: KIND[:NAME=VALUE...], e.g. layer_skip:num_layers=8)")
+            params[name.strip()] = _value(value.strip())
+    else:
+        raise CandidateError(f"candidate {candidate!r}: give KIND[:NAME=VALUE...] or {{kind, params}}")
+    if kind not in KINDS:
+        raise CandidateError(f"candidate {candidate!r}: unknown drafter kind {kind!r}; choose one of "
+                             f"{list(KINDS)}")
+    if kind == "draft_model" and "model" not in params:
+        raise CandidateError(f"candidate {candidate!r}: draft_model needs model=<HF id, path or GGUF>")
+    return {"kind": kind, "params": params}
+
+
+def candidate_label(spec: dict) -> str:
+    """`kind(name=value,...)`, params sorted; the bare kind without params."""
+    params = spec.get("params") or {}
+    if not params:
+        return spec["kind"]
+    return spec["kind"] + "(" + ",".join(f"{k}={params[k]}" for k in sorted(params)) + ")"
+
+
+def build_drafters(candidates, target, tokenizer=None) -> dict[str, tuple[dict, object]]:
+    """{label: (spec, drafter)} for the candidates, each checked against the target's vocabulary."""
+    from specdec_core.drafters import make_drafter
+    from specdec_core.errors import SpecDecError
+
+    built = {}
+    for candidate in candidates:
+        spec = parse_candidate(candidate)
+        label = candidate_label(spec)
+        if label in built:
+            continue
+        try:
+            drafter = make_drafter(spec["kind"], spec["params"], target, tokenizer)
+            drafter.check_compatible(target, tokenizer)
+        except (SpecDecError, TypeError, ValueError) as exc:
+            raise CandidateError(f"candidate {label}: {exc}") from exc
+        built[label] = (spec, drafter)
+    return built

@@ -1,0 +1,179 @@
+"""`specdec evaluate|profile`: the evaluation commands of the CLI (registered by tasks.cli)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .cli_data import _print_json, _url_arg
+
+console = Console()
+
+
+def _fmt(value, digits: int = 2, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def evaluation_rich_table(result: dict) -> Table:
+    table = Table(title=escape(f"run {result['run_id']}: {result['target']} on "
+                               f"{result['hardware_profile']} ({result['seconds']:.0f} s)"),
+                  title_justify="left")
+    for column in ("domain", "on", "drafter", "K", "max batch", "E[tokens/round]",
+                   "predicted speedup [95% CI]", "measured", "validation", "note"):
+        table.add_column(column, justify="left" if column in ("domain", "drafter", "note", "on",
+                                                              "validation") else "right")
+    for row in result["table"]:
+        predicted = "-" if row["predicted_speedup"] is None else (
+            f"{row['predicted_speedup']:.2f}x [{row['predicted_speedup_lo']:.2f}, "
+            f"{row['predicted_speedup_hi']:.2f}]")
+        note = [] if row["status"] == "ok" else [row["status"]]
+        if row["gap"]:
+            note.append("measured vs predicted gap")
+        if row["promotable"] is False:
+            note.append("NOT promotable")
+        table.add_row(row["domain"], "on" if row["enabled"] else "off", escape(row["drafter"] or "-"),
+                      str(row["k"] or "-"), str(row["max_batch_size"] or "-"),
+                      _fmt(row["mean_accepted_length"]), predicted,
+                      _fmt(row["measured_speedup"], suffix="x"), row["validation"] or "-",
+                      ", ".join(note))
+    return table
+
+
+def cmd_evaluate(args) -> int:
+    from .evaluate import evaluate
+    from .settings import load_settings
+
+    settings = load_settings(hardware_profile=args.hardware_profile)
+    result = evaluate(run_id=args.run_id, target=args.model, db_url=args.url, settings=settings,
+                      domains=args.domains.split(",") if args.domains else None,
+                      window=args.days, candidates=args.candidate or None, k_max=args.k_max,
+                      max_per_domain=args.max, min_per_domain=args.min, device=args.device,
+                      progress=not args.no_progress)
+    if args.json:
+        _print_json(result)
+        return 0
+    console.print(evaluation_rich_table(result))
+    fp = result["fingerprint"]
+    console.print(f"target fingerprint {fp['id']}: {'ok' if fp['passed'] else 'FAILED: ' + '; '.join(fp['reasons'])}"
+                  f"; steps (s): " + ", ".join(f"{k} {v:.0f}" for k, v in result["steps"].items()))
+    return 0
+
+
+def _profile_model(args):
+    from specdec_core import load_model
+
+    from .candidates import build_drafters
+    from .settings import load_settings
+
+    settings = load_settings()
+    model, tokenizer = load_model(args.model, device=args.device)
+    drafters = build_drafters(args.candidate or settings.candidates, model, tokenizer)
+    return settings, model, {label: d for label, (_, d) in drafters.items()}
+
+
+def cmd_profile_measure(args) -> int:
+    from .costs import profile_costs
+    from .evaluate import default_run_id
+
+    settings, model, drafters = _profile_model(args)
+    sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
+    result = profile_costs(args.run_id or "profile__" + default_run_id().split("__")[1], model,
+                           drafters, db_url=args.url, hardware_profile=args.name, settings=settings,
+                           k_max=args.k_max, batch_sizes=sizes)
+    args.name, args.run = result["hardware_profile"]["name"], result["run_id"]
+    return cmd_profile_show(args)
+
+
+def cmd_profile_show(args) -> int:
+    from .costs import load_costs
+
+    costs = load_costs(args.name, args.url, getattr(args, "run", None))
+    table = Table(title=escape(f"cost profile {costs.hardware_profile} (run {costs.run_id}): "
+                               "ratios to one target step"), title_justify="left")
+    table.add_column("batch", justify="right")
+    table.add_column("target step ms", justify="right")
+    k_max = max(costs.k_max(b) for b in costs.batch_sizes)
+    for k in range(1, k_max + 1):
+        table.add_column(f"v({k})", justify="right")
+    drafters = sorted(costs.draft_step)
+    for label in drafters:
+        table.add_column(escape(f"draft {label}"), justify="right")
+    for b in costs.batch_sizes:
+        ratios = costs.verify_ratios(b)
+        table.add_row(str(b), f"{1000 * costs.target_step[b]:.1f}", *[f"{r:.2f}" for r in ratios],
+                      *[f"{costs.draft_ratio(label, b):.3f}" for label in drafters])
+    console.print(table)
+    return 0
+
+
+def cmd_profile_export(args) -> int:
+    from .costs import export_costs
+
+    document = export_costs(args.name, args.file, args.url, args.run)
+    console.print(f"wrote {len(document['costs'])} cost rows of {escape(args.name)} (run "
+                  f"{escape(document['run_id'])}) to {escape(args.file)}")
+    return 0
+
+
+def cmd_profile_import(args) -> int:
+    from .costs import import_costs
+
+    result = import_costs(args.file, args.url, name=args.name)
+    console.print(f"imported {result['rows']} cost rows as profile "
+                  f"{escape(result['hardware_profile']['name'])} (run {escape(result['run_id'])})")
+    return 0
+
+
+def register(sub) -> None:
+    from specdec_core.models import DEFAULT_MODEL
+
+    ev = sub.add_parser("evaluate", help="sample -> check -> profile -> estimate -> plan -> confirm "
+                                         "-> validate, then a per-domain table")
+    ev.add_argument("--run-id", default=None, help="default: manual__<UTC time>; re-running replaces it")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help="target (default: the embedded default)")
+    ev.add_argument("--device", default=None)
+    ev.add_argument("--domains", default=None, help="comma-separated (default: all with traffic)")
+    ev.add_argument("--days", type=float, default=None, help="window ending at the newest request")
+    ev.add_argument("--candidate", action="append", default=None,
+                    help="repeatable drafter KIND[:NAME=VALUE...] (default: settings.candidates)")
+    ev.add_argument("--hardware-profile", default=None,
+                    help="plan with this stored (imported) cost profile instead of measuring here")
+    ev.add_argument("--k-max", type=int, default=None)
+    ev.add_argument("--min", type=int, default=None, help="minimum requests per domain")
+    ev.add_argument("--max", type=int, default=None, help="requests sampled per domain")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument("--json", action="store_true")
+    _url_arg(ev)
+    ev.set_defaults(func=cmd_evaluate)
+
+    prof = sub.add_parser("profile", help="cost profiles: measure, show, export, import")
+    p_sub = prof.add_subparsers(dest="profile_command", required=True)
+    measure = p_sub.add_parser("measure", help="time target step, verify(K), draft steps here")
+    measure.add_argument("--name", default=None, help="profile name (default: from device and dtype)")
+    measure.add_argument("--run-id", default=None)
+    measure.add_argument("--model", default=DEFAULT_MODEL)
+    measure.add_argument("--device", default=None)
+    measure.add_argument("--candidate", action="append", default=None)
+    measure.add_argument("--k-max", type=int, default=None)
+    measure.add_argument("--batch-sizes", default=None, help="comma-separated (default: settings)")
+    _url_arg(measure)
+    measure.set_defaults(func=cmd_profile_measure)
+    show = p_sub.add_parser("show", help="a stored profile as ratios to one target step")
+    show.add_argument("name")
+    show.add_argument("--run", default=None, help="default: the newest run of that profile")
+    _url_arg(show)
+    show.set_defaults(func=cmd_profile_show)
+    export = p_sub.add_parser("export", help="write a stored profile to a JSON file")
+    export.add_argument("name")
+    export.add_argument("file")
+    export.add_argument("--run", default=None)
+    _url_arg(export)
+    export.set_defaults(func=cmd_profile_export)
+    imp = p_sub.add_parser("import", help="store a profile from a JSON file (from `profile export`)")
+    imp.add_argument("file")
+    imp.add_argument("--name", default=None, help="store it under another name")
+    _url_arg(imp)
+    imp.set_defaults(func=cmd_profile_import)

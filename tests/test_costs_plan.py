@@ -1,0 +1,560 @@
+"""Candidates, cost profiles (measure, store, load, export/import, timing lock) and the per-domain
+plan (round cost, speedup interval, on/off, max batch size) computed by hand from built cost tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime
+
+import pytest
+from sqlalchemy import create_engine, func, insert, select
+
+from tasks.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
+from tasks.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware, export_costs,
+                         import_costs, load_costs, profile_costs, timing_lock)
+from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, HardwareProfile
+from tasks.plan import plan_domain, round_cost, speedups
+from tasks.settings import load_settings
+
+LS = "layer_skip(num_layers=2)"
+LS_SPEC = {"kind": "layer_skip", "params": {"num_layers": 2}}
+PL = "prompt_lookup"
+PL_SPEC = {"kind": "prompt_lookup", "params": {}}
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+def execute(db_url, statement, *args):
+    engine = create_engine(db_url)
+    with engine.begin() as connection:
+        connection.execute(statement, *args)
+    engine.dispose()
+
+
+def fetch(db_url, statement):
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        rows = connection.execute(statement).mappings().all()
+    engine.dispose()
+    return [dict(row) for row in rows]
+
+
+def add_estimate(db_url, run_id, domain, spec, k, e, lo, hi, share, requests=30):
+    execute(db_url, insert(AcceptanceEstimate).values(
+        run_id=run_id, domain=domain, drafter=candidate_label(spec), drafter_spec=spec, k=k,
+        requests=requests, tokens=20 * requests, acceptance_rate=0.5, mean_accepted_length=e,
+        mean_accepted_length_lo=lo, mean_accepted_length_hi=hi, conditional_acceptance=[0.6] * k,
+        draft_width_share=share, created_at=datetime(2025, 1, 1)))
+
+
+def estimates(db_url, run_id, domain):
+    return {(row["drafter"], row["k"]): row for row in fetch(db_url, select(AcceptanceEstimate).where(
+        (AcceptanceEstimate.run_id == run_id) & (AcceptanceEstimate.domain == domain)))}
+
+
+def configs(db_url):
+    return fetch(db_url, select(DomainConfig).order_by(DomainConfig.run_id, DomainConfig.domain))
+
+
+# Hand-built costs: ratios to one target step grow with the batch size.
+STEP = {1: 0.020, 2: 0.025, 4: 0.040}
+VERIFY = {1: [1.2, 1.4], 2: [1.5, 2.0], 4: [2.0, 3.0]}     # v(1), v(2)
+LS_DRAFT = {1: 0.25, 2: 0.3, 4: 0.4}                       # per drafted token
+PL_DRAFT = {1: 0.05, 2: 0.1, 4: 0.2}                       # per round
+
+
+def cost_table(step=STEP, verify=VERIFY, ls=LS_DRAFT, pl=PL_DRAFT, name="test-gpu") -> CostTable:
+    return CostTable(name, "costs-run", dict(step),
+                     {b: {k + 1: r * step[b] for k, r in enumerate(ratios)} for b, ratios in verify.items()},
+                     {LS: {b: r * step[b] for b, r in ls.items()}, PL: {b: r * step[b] for b, r in pl.items()}})
+
+
+def seed_qa(db_url, run_id="plan-run"):
+    # b=1 costs: LS K=1: 0.25 + 1.2 = 1.45; LS K=2: 2*0.25 + 1.4 = 1.9;
+    # PL K=2 (half the rounds draft nothing): 0.5*(0.05 + 1) + 0.5*(0.05 + 1.4) = 1.25
+    add_estimate(db_url, run_id, "qa", LS_SPEC, 1, 1.6, 1.5, 1.7, [0.0, 1.0])
+    add_estimate(db_url, run_id, "qa", LS_SPEC, 2, 2.2, 2.0, 2.4, [0.0, 0.0, 1.0])
+    add_estimate(db_url, run_id, "qa", PL_SPEC, 2, 2.0, 1.9, 2.1, [0.5, 0.0, 0.5])
+    # K=3 is beyond the profiled K (2): never chosen, however good
+    add_estimate(db_url, run_id, "qa", PL_SPEC, 3, 3.9, 3.8, 4.0, [0.0, 0.0, 0.0, 1.0])
+
+
+def settings(**overrides):
+    return load_settings({}, **overrides)
+
+
+# ------------------------------------------------------------------------------------------------
+# candidates
+def test_parse_candidate_text_and_dict_forms():
+    assert parse_candidate("prompt_lookup") == {"kind": "prompt_lookup", "params": {}}
+    assert parse_candidate("prompt_lookup:max_ngram=4:min_ngram=2") == {
+        "kind": "prompt_lookup", "params": {"max_ngram": 4, "min_ngram": 2}}
+    # `,` separates parameters too; spaces around names and values are dropped
+    assert parse_candidate(" layer_skip:num_layers = 8, scale=0.5 ") == {
+        "kind": "layer_skip", "params": {"num_layers": 8, "scale": 0.5}}
+    spec = parse_candidate("draft_model:model=/models/my-draft")
+    assert spec == {"kind": "draft_model", "params": {"model": "/models/my-draft"}}
+    params = parse_candidate("prompt_lookup:a=3,b=2.5,c=x")["params"]
+    assert type(params["a"]) is int and type(params["b"]) is float and params["c"] == "x"
+    # dict form: the config form {kind, params}; params are copied
+    source = {"kind": "layer_skip", "params": {"num_layers": 2}}
+    parsed = parse_candidate(source)
+    assert parsed == source and parsed["params"] is not source["params"]
+    assert parse_candidate({"kind": "prompt_lookup"}) == {"kind": "prompt_lookup", "params": {}}
+
+
+def test_candidate_label_sorts_params():
+    assert candidate_label(parse_candidate("prompt_lookup")) == "prompt_lookup"
+    assert candidate_label(parse_candidate("prompt_lookup:min_ngram=2:max_ngram=4")) == \
+        "prompt_lookup(max_ngram=4,min_ngram=2)"
+    assert candidate_label({"kind": "layer_skip", "params": {"num_layers": 8}}) == "layer_skip(num_layers=8)"
+
+
+@pytest.mark.parametrize("candidate, words", [
+    ("bogus:x=1", ["'bogus:x=1'", "unknown drafter kind 'bogus'"]),
+    ({"kind": "medusa", "params": {}}, ["medusa", "unknown drafter kind"]),
+    ("prompt_lookup:max_ngram", ["'prompt_lookup:max_ngram'", "'max_ngram'", "NAME=VALUE"]),
+    ("prompt_lookup:=3", ["'prompt_lookup:=3'", "NAME=VALUE"]),
+    ("layer_skip:num_layers=", ["'layer_skip:num_layers='", "NAME=VALUE"]),
+    ("draft_model", ["'draft_model'", "model="]),
+    ({"kind": "draft_model", "params": {}}, ["draft_model", "model="]),
+    ("", ["KIND[:NAME=VALUE...]"]),
+    (42, ["42", "KIND[:NAME=VALUE...]"]),
+])
+def test_malformed_candidates_are_errors_naming_the_candidate(candidate, words):
+    with pytest.raises(CandidateError) as caught:
+        parse_candidate(candidate)
+    assert isinstance(caught.value, ValueError)
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_build_drafters_on_the_target(target):
+    from specdec_core.drafters import LayerSkip, PromptLookup
+
+    built = build_drafters(["prompt_lookup", "layer_skip:num_layers=2",
+                            {"kind": "layer_skip", "params": {"num_layers": 2}}], target)
+    assert list(built) == [PL, LS]   # the repeated candidate is built once
+    spec, drafter = built[PL]
+    assert spec == PL_SPEC and isinstance(drafter, PromptLookup)
+    spec, drafter = built[LS]
+    assert spec == LS_SPEC and isinstance(drafter, LayerSkip) and drafter.num_layers == 2
+
+
+def test_build_drafters_wraps_a_bad_parameter_as_candidate_error(target):
+    with pytest.raises(CandidateError) as caught:
+        build_drafters(["prompt_lookup:max_ngram=1:min_ngram=3"], target)
+    assert "prompt_lookup(max_ngram=1,min_ngram=3)" in str(caught.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# round cost and speedups by hand
+def test_round_cost_by_hand():
+    # model drafter: w drafted tokens cost w * draft ratio; no draft costs one target step
+    assert round_cost([0.5, 0.0, 0.5], [1.5, 2.0], 0.1, False) == pytest.approx(0.5 * 1 + 0.5 * (2 * 0.1 + 2.0))
+    assert round_cost([0.25, 0.25, 0.5], [1.5, 2.0], 0.1, False) == pytest.approx(
+        0.25 * 1 + 0.25 * (0.1 + 1.5) + 0.5 * (0.2 + 2.0))
+    # prompt lookup: one lookup per round, whatever it drafts (including nothing)
+    assert round_cost([0.25, 0.25, 0.5], [1.5, 2.0], 0.1, True) == pytest.approx(
+        0.25 * (0.1 + 1) + 0.25 * (0.1 + 1.5) + 0.5 * (0.1 + 2.0))
+    assert round_cost([0.0, 0.0, 1.0], [1.5, 2.0], 0.1, False) == pytest.approx(2.2)
+    assert round_cost([1.0], [], 0.3, True) == pytest.approx(1.3)
+
+
+def test_cost_table_ratios_and_rows_round_trip():
+    costs = cost_table()
+    assert costs.batch_sizes == [1, 2, 4] and costs.k_max(1) == 2 and costs.k_max(8) == 0
+    assert costs.verify_ratios(2) == pytest.approx([1.5, 2.0])
+    assert costs.draft_ratio(LS, 4) == pytest.approx(0.4)
+    with pytest.raises(CostProfileError) as caught:
+        costs.draft_ratio("layer_skip(num_layers=9)", 1)
+    assert "layer_skip(num_layers=9)" in str(caught.value) and "test-gpu" in str(caught.value)
+    rows = costs.rows()
+    assert len(rows) == 3 * (1 + 2) + 2 * 3
+    again = CostTable.from_rows("test-gpu", "costs-run", rows)
+    assert again == costs
+
+
+def test_speedups_of_an_estimate_by_hand():
+    estimate = {"drafter": PL, "drafter_spec": PL_SPEC, "draft_width_share": [0.5, 0.0, 0.5],
+                "mean_accepted_length": 2.0, "mean_accepted_length_lo": 1.9, "mean_accepted_length_hi": 2.1}
+    cost_b2 = 0.5 * (0.1 + 1) + 0.5 * (0.1 + 2.0)
+    assert speedups(estimate, cost_table(), 2) == pytest.approx((2.0 / cost_b2, 1.9 / cost_b2, 2.1 / cost_b2))
+    # the same widths with a model drafter pay per drafted token
+    estimate.update(drafter=LS, drafter_spec=LS_SPEC)
+    cost_b2 = 0.5 * 1 + 0.5 * (2 * 0.3 + 2.0)
+    assert speedups(estimate, cost_table(), 2)[0] == pytest.approx(2.0 / cost_b2)
+
+
+# ------------------------------------------------------------------------------------------------
+# plan_domain
+def test_plan_picks_the_best_drafter_and_k_and_the_largest_paying_batch(db_url):
+    seed_qa(db_url)
+    row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
+    # PL K=2 at b=1: 2.0 / 1.25 = 1.6 [1.52, 1.68] beats LS K=1 (1.6/1.45) and LS K=2 (2.2/1.9)
+    assert (row["drafter"], row["k"]) == (PL, 2)
+    assert row["drafter_spec"] == PL_SPEC
+    assert row["predicted_speedup"] == pytest.approx(2.0 / 1.25)
+    assert row["predicted_speedup_lo"] == pytest.approx(1.9 / 1.25)
+    assert row["predicted_speedup_hi"] == pytest.approx(2.1 / 1.25)
+    # lower end at b=2: 1.9 / (0.5*1.1 + 0.5*2.1) = 1.19 >= 1.1; at b=4: 1.9 / (0.5*1.2 + 0.5*3.2) = 0.86
+    assert row["enabled"] is True and row["max_batch_size"] == 2
+    assert row["status"] == "ok" and row["samples"] == 30
+    assert row["mean_accepted_length"] == 2.0 and row["conditional_acceptance"] == [0.6, 0.6]
+    assert "on:" in row["reason"] and "test-gpu" in row["reason"]
+    [stored] = configs(db_url)
+    assert (stored["run_id"], stored["domain"], stored["enabled"], stored["drafter"], stored["k"],
+            stored["max_batch_size"], stored["status"]) == ("plan-run", "qa", True, PL, 2, 2, "ok")
+    assert stored["predicted_speedup"] == pytest.approx(1.6)
+    assert stored["drafter_spec"] == PL_SPEC and stored["reason"] == row["reason"]
+
+
+def test_plan_fills_predicted_speedups_of_the_estimates(db_url):
+    seed_qa(db_url)
+    plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
+    rows = estimates(db_url, "plan-run", "qa")
+    expected = {(LS, 1): (1.6, 1.5, 1.7, 1.45), (LS, 2): (2.2, 2.0, 2.4, 1.9),
+                (PL, 2): (2.0, 1.9, 2.1, 1.25)}
+    for key, (e, lo, hi, cost) in expected.items():
+        got = rows[key]
+        assert (got["predicted_speedup"], got["predicted_speedup_lo"], got["predicted_speedup_hi"]) == \
+            pytest.approx((e / cost, lo / cost, hi / cost)), key
+    # K beyond the profile's k_max is not planned: no prediction
+    assert rows[(PL, 3)]["predicted_speedup"] is None
+
+
+def test_plan_is_off_when_the_lower_end_misses_the_minimum(db_url):
+    # LS K=2 alone: 2.2 / 1.9 = 1.16 > 1.1, but its lower end 2.0 / 1.9 = 1.05 is not
+    add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.2, 2.0, 2.4, [0.0, 0.0, 1.0])
+    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings())
+    assert row["predicted_speedup"] == pytest.approx(2.2 / 1.9) and row["predicted_speedup"] > 1.1
+    assert row["enabled"] is False and row["max_batch_size"] is None
+    assert (row["drafter"], row["k"], row["status"]) == (LS, 2, "ok")
+    assert "lower end" in row["reason"] and "1.10x" in row["reason"] and LS in row["reason"]
+    [stored] = configs(db_url)
+    assert stored["enabled"] is False and stored["reason"] == row["reason"]
+    # a lower policy minimum (settings or argument) turns it on, at batch 1 only (b=2: 2.0/2.6)
+    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings(min_speedup=1.05))
+    assert row["enabled"] is True and row["max_batch_size"] == 1
+    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings(), min_speedup=1.0)
+    assert row["enabled"] is True and row["max_batch_size"] == 1
+
+
+def test_max_batch_size_is_contiguous_from_the_smallest(db_url):
+    # b=2 is expensive, b=4 cheap again: speculation pays up to 1 only
+    seed_qa(db_url)
+    verify = {1: [1.2, 1.4], 2: [3.0, 4.0], 4: [1.2, 1.4]}
+    row = plan_domain("plan-run", "qa", cost_table(verify=verify), db_url=db_url, settings=settings())
+    assert row["enabled"] is True and row["max_batch_size"] == 1
+
+
+def test_insufficient_domain_stays_off_and_keeps_the_champion(db_url):
+    seed_qa(db_url)
+    row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings(),
+                      status="insufficient")
+    assert row["enabled"] is False and row["status"] == "insufficient"
+    assert "champion's setting is kept" in row["reason"]
+    [stored] = configs(db_url)
+    assert stored["enabled"] is False and stored["status"] == "insufficient"
+    assert "champion's setting is kept" in stored["reason"]
+
+
+def test_domain_without_estimates_is_insufficient(db_url):
+    seed_qa(db_url)
+    row = plan_domain("plan-run", "json", cost_table(), db_url=db_url, settings=settings())
+    assert row["enabled"] is False and row["status"] == "insufficient" and row["drafter"] is None
+    assert "no usable estimate" in row["reason"] and row["samples"] == 0
+
+
+def test_replanning_replaces_the_row_and_leaves_other_runs_alone(db_url):
+    seed_qa(db_url, "plan-run")
+    seed_qa(db_url, "other-run")
+    add_estimate(db_url, "plan-run", "code", LS_SPEC, 1, 1.6, 1.5, 1.7, [0.0, 1.0])
+    execute(db_url, insert(DomainConfig).values(
+        run_id="other-run", domain="qa", enabled=False, drafter=None, k=None, status="ok",
+        reason="kept", created_at=datetime(2024, 1, 1)))
+    plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings(min_speedup=2.0))
+    stored = configs(db_url)
+    assert [(r["run_id"], r["domain"]) for r in stored] == [("other-run", "qa"), ("plan-run", "qa")]
+    assert stored[0]["reason"] == "kept" and stored[0]["created_at"] == datetime(2024, 1, 1)
+    assert stored[1]["enabled"] is False and stored[1]["reason"] == row["reason"]
+    # only this run's and this domain's estimates get predictions
+    assert all(r["predicted_speedup"] is None for r in estimates(db_url, "other-run", "qa").values())
+    assert all(r["predicted_speedup"] is None for r in estimates(db_url, "plan-run", "code").values())
+
+
+def test_plan_with_a_profile_that_starts_above_batch_1(db_url):
+    seed_qa(db_url)
+    costs = cost_table(step={2: 0.025, 4: 0.040}, verify={2: VERIFY[2], 4: VERIFY[4]},
+                       ls={2: 0.3, 4: 0.4}, pl={2: 0.1, 4: 0.2})
+    row = plan_domain("plan-run", "qa", costs, db_url=db_url, settings=settings())
+    # b=2 is the smallest: PL K=2 costs 1.6 there -> 2.0 / 1.6 = 1.25 [1.19, 1.31], on up to 2
+    assert (row["drafter"], row["k"]) == (PL, 2)
+    assert row["predicted_speedup"] == pytest.approx(2.0 / 1.6)
+    assert row["enabled"] is True and row["max_batch_size"] == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# measured cost profiles
+PROFILE_SETTINGS = dict(profile_repeats=1, profile_context_len=16)
+
+
+@pytest.fixture
+def drafters(target):
+    return {label: drafter for label, (_, drafter) in
+            build_drafters(["prompt_lookup", "layer_skip:num_layers=2"], target).items()}
+
+
+def measure(db_url, target, drafters, run_id, name="tiny-cpu"):
+    return profile_costs(run_id, target, drafters, db_url=db_url, hardware_profile=name,
+                         settings=settings(**PROFILE_SETTINGS), k_max=2, batch_sizes=[2, 1, 2],
+                         progress=False)
+
+
+def cost_rows(db_url, name=None):
+    statement = select(CostProfile.run_id, CostProfile.hardware_profile, CostProfile.component,
+                       CostProfile.drafter, CostProfile.k, CostProfile.batch_size, CostProfile.seconds)
+    if name:
+        statement = statement.where(CostProfile.hardware_profile == name)
+    return fetch(db_url, statement)
+
+
+def keys(rows):
+    return sorted((r["component"], r["drafter"] or "", r["k"] or 0, r["batch_size"]) for r in rows)
+
+
+EXPECTED_KEYS = sorted(
+    [("target_step", "", 0, b) for b in (1, 2)] + [("verify", "", k, b) for k in (1, 2) for b in (1, 2)]
+    + [("draft_step", d, 0, b) for d in (LS, PL) for b in (1, 2)])
+
+
+def test_profile_costs_stores_every_component_and_load_costs_reads_it(db_url, target, drafters):
+    result = measure(db_url, target, drafters, "run-1")
+    assert result["run_id"] == "run-1" and result["hardware_profile"]["name"] == "tiny-cpu"
+    assert result["hardware_profile"]["dtype"] == "float32" and result["seconds"] >= 0
+    stored = cost_rows(db_url)
+    assert keys(stored) == EXPECTED_KEYS and keys(result["costs"]) == EXPECTED_KEYS
+    assert all(r["seconds"] > 0 and r["run_id"] == "run-1" and r["hardware_profile"] == "tiny-cpu"
+               for r in stored)
+    [hardware] = fetch(db_url, select(HardwareProfile))
+    assert hardware["name"] == "tiny-cpu" and hardware["dtype"] == "float32"
+    assert hardware["device"].startswith("cpu") and "torch" in hardware["details"]
+    costs = load_costs("tiny-cpu", db_url)
+    assert (costs.hardware_profile, costs.run_id, costs.batch_sizes) == ("tiny-cpu", "run-1", [1, 2])
+    assert costs.k_max(1) == costs.k_max(2) == 2 and sorted(costs.draft_step) == [LS, PL]
+    by_key = {(r["component"], r["drafter"], r["k"], r["batch_size"]): r["seconds"] for r in stored}
+    assert costs.target_step[2] == by_key[("target_step", None, None, 2)]
+    assert costs.verify[1][2] == by_key[("verify", None, 2, 1)]
+    assert costs.draft_step[LS][1] == by_key[("draft_step", LS, None, 1)]
+
+
+def test_rerun_replaces_and_newest_run_wins(db_url, target, drafters):
+    measure(db_url, target, drafters, "run-1")
+    measure(db_url, target, drafters, "run-1")
+    assert keys(cost_rows(db_url)) == EXPECTED_KEYS     # replaced, not duplicated
+    assert len(fetch(db_url, select(HardwareProfile))) == 1
+    measure(db_url, target, drafters, "run-2")
+    assert len(cost_rows(db_url)) == 2 * len(EXPECTED_KEYS)
+    assert load_costs("tiny-cpu", db_url).run_id == "run-2"
+    older = load_costs("tiny-cpu", db_url, run_id="run-1")
+    assert older.run_id == "run-1"
+    run_1 = {(r["component"], r["drafter"], r["k"], r["batch_size"]): r["seconds"]
+             for r in cost_rows(db_url) if r["run_id"] == "run-1"}
+    assert {(r["component"], r["drafter"], r["k"], r["batch_size"]): r["seconds"]
+            for r in older.rows()} == run_1
+
+
+def test_unknown_profile_or_run_names_the_known_profiles(db_url, target, drafters):
+    with pytest.raises(CostProfileError) as caught:
+        load_costs("nothing-yet", db_url)
+    assert "'nothing-yet'" in str(caught.value) and "none" in str(caught.value)
+    measure(db_url, target, drafters, "run-1")
+    measure(db_url, target, drafters, "run-1", name="other-cpu")
+    with pytest.raises(CostProfileError) as caught:
+        load_costs("h100-bf16", db_url)
+    assert "'h100-bf16'" in str(caught.value)
+    assert "['other-cpu', 'tiny-cpu']" in str(caught.value)
+    with pytest.raises(CostProfileError) as caught:
+        load_costs("tiny-cpu", db_url, run_id="run-9")
+    assert "run-9" in str(caught.value) and "tiny-cpu" in str(caught.value)
+
+
+def test_describe_hardware_default_name(target):
+    import torch
+
+    described = describe_hardware(target)
+    assert described["name"] == f"cpu-{torch.get_num_threads()}t-float32"
+    assert described["dtype"] == "float32" and described["details"]["torch"] == torch.__version__
+    assert describe_hardware(target, "serving")["name"] == "serving"
+
+
+# ------------------------------------------------------------------------------------------------
+# export / import
+def test_export_import_round_trip_under_another_name(db_url, target, drafters, tmp_path):
+    measure(db_url, target, drafters, "run-1")
+    path = tmp_path / "profile.json"
+    document = export_costs("tiny-cpu", path, db_url)
+    on_disk = json.loads(path.read_text("utf-8"))
+    assert on_disk["format"] == FILE_FORMAT == "specdec-cost-profile/1"
+    assert on_disk["run_id"] == "run-1" and on_disk["hardware_profile"]["name"] == "tiny-cpu"
+    assert len(on_disk["costs"]) == len(EXPECTED_KEYS) and document["costs"] == on_disk["costs"]
+    result = import_costs(path, db_url, name="serving-gpu")
+    assert result["rows"] == len(EXPECTED_KEYS) and result["run_id"] == "run-1"
+    assert result["hardware_profile"]["name"] == "serving-gpu"
+
+    def without_name(rows):
+        return sorted((r["run_id"], r["component"], r["drafter"] or "", r["k"] or 0, r["batch_size"],
+                       r["seconds"]) for r in rows)
+
+    assert without_name(cost_rows(db_url, "serving-gpu")) == without_name(cost_rows(db_url, "tiny-cpu"))
+    assert load_costs("serving-gpu", db_url) == CostTable.from_rows(
+        "serving-gpu", "run-1", load_costs("tiny-cpu", db_url).rows())
+    hardware = {r["name"]: r for r in fetch(db_url, select(HardwareProfile))}
+    assert set(hardware) == {"tiny-cpu", "serving-gpu"}
+    assert (hardware["serving-gpu"]["device"], hardware["serving-gpu"]["dtype"],
+            hardware["serving-gpu"]["details"]) == (hardware["tiny-cpu"]["device"],
+                                                    hardware["tiny-cpu"]["dtype"],
+                                                    hardware["tiny-cpu"]["details"])
+    # importing again is idempotent
+    import_costs(path, db_url, name="serving-gpu")
+    assert len(cost_rows(db_url, "serving-gpu")) == len(EXPECTED_KEYS)
+
+
+def good_document():
+    return {"format": FILE_FORMAT, "run_id": "r", "hardware_profile": {
+        "name": "x", "device": "d", "dtype": "float32", "details": None},
+        "costs": [{"component": "target_step", "drafter": None, "k": None, "batch_size": 1, "seconds": 0.01},
+                  {"component": "verify", "drafter": None, "k": 1, "batch_size": 1, "seconds": 0.012}]}
+
+
+@pytest.mark.parametrize("content", [
+    "{not json",
+    json.dumps(dict(good_document(), format="specdec-cost-profile/0")),
+    json.dumps([good_document()]),
+    json.dumps(dict(good_document(), costs=[{"component": "verify", "k": None, "batch_size": 1,
+                                             "seconds": 0.01}])),
+    json.dumps(dict(good_document(), costs=[{"component": "warp", "batch_size": 1,
+                                             "seconds": 0.01}])),
+    json.dumps(dict(good_document(), costs=good_document()["costs"][:1])),   # no verify costs
+    json.dumps(dict(good_document(), costs=[])),
+], ids=["broken-json", "wrong-format", "not-an-object", "verify-without-k", "unknown-component",
+        "no-verify", "no-rows"])
+def test_malformed_profile_file_is_an_error_naming_the_file(db_url, tmp_path, content):
+    path = tmp_path / "bad-profile.json"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(CostProfileError) as caught:
+        import_costs(path, db_url)
+    assert str(path) in str(caught.value)
+    assert cost_rows(db_url) == []
+
+
+def test_missing_profile_file_is_an_error_naming_the_file(db_url, tmp_path):
+    with pytest.raises(CostProfileError) as caught:
+        import_costs(tmp_path / "absent.json", db_url)
+    assert str(tmp_path / "absent.json") in str(caught.value)
+
+
+def test_hand_written_profile_imports(db_url, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(good_document()), encoding="utf-8")
+    assert import_costs(path, db_url)["rows"] == 2
+    costs = load_costs("x", db_url)
+    assert costs.verify_ratios(1) == pytest.approx([1.2]) and costs.run_id == "r"
+
+
+def test_profile_file_without_hardware_profile_is_an_error_naming_the_file(db_url, tmp_path):
+    document = good_document()
+    del document["hardware_profile"]
+    path = tmp_path / "bad-profile.json"
+    path.write_text(json.dumps(document), encoding="utf-8")
+    with pytest.raises(CostProfileError) as caught:
+        import_costs(path, db_url)
+    assert str(path) in str(caught.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# timing lock
+PROBE = """
+import fcntl, os, sys
+path = os.path.join(os.environ["SPECDEC_HOME"], "locks", "timing.lock")
+with open(path, "a") as handle:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print("busy")
+    else:
+        print("free")
+"""
+
+
+def probe() -> str:
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_timing_lock_is_exclusive_across_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    with timing_lock():
+        assert (tmp_path / "locks" / "timing.lock").exists()
+        assert probe() == "busy"
+    assert probe() == "free"
+    # released when the work inside raises, too
+    with pytest.raises(RuntimeError):
+        with timing_lock():
+            assert probe() == "busy"
+            raise RuntimeError("boom")
+    assert probe() == "free"
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+@pytest.fixture
+def wide_console(monkeypatch):
+    """Print the CLI's tables without wrapping (capsys is not a terminal: rich would use 80 columns)."""
+    from rich.console import Console
+
+    import tasks.cli
+    import tasks.cli_eval
+
+    monkeypatch.setattr(tasks.cli_eval, "console", Console(width=400))
+    monkeypatch.setattr(tasks.cli, "console", Console(width=400))
+
+
+def test_cli_profile_export_import_show(db_url, target, drafters, tmp_path, capsys, wide_console):
+    from tasks.cli import main
+
+    measure(db_url, target, drafters, "run-1")
+    path = tmp_path / "exported.json"
+    assert main(["profile", "export", "tiny-cpu", str(path), "--url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {len(EXPECTED_KEYS)} cost rows of tiny-cpu (run run-1) to {path}" in out
+    assert json.loads(path.read_text("utf-8"))["format"] == FILE_FORMAT
+    assert main(["profile", "import", str(path), "--name", "serving-gpu", "--url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert f"imported {len(EXPECTED_KEYS)} cost rows as profile serving-gpu (run run-1)" in out
+    assert main(["profile", "show", "serving-gpu", "--url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "cost profile serving-gpu (run run-1)" in out
+    for header in ("batch", "target step ms", "v(1)", "v(2)", f"draft {LS}", f"draft {PL}"):
+        assert header in out
+    batch_column = [line.split("│")[1].strip() for line in out.splitlines()
+                    if line.count("│") >= 7 and "batch" not in line]
+    assert batch_column == ["1", "2"]
+    # v(K) shown as ratios: v(1) at batch 1 equals the stored ratio
+    costs = load_costs("serving-gpu", db_url)
+    row_1 = [line for line in out.splitlines() if line.count("│") >= 7 and line.split("│")[1].strip() == "1"][0]
+    assert row_1.split("│")[3].strip() == f"{costs.verify_ratios(1)[0]:.2f}"
+
+
+def test_cli_profile_show_unknown_is_exit_2(db_url, capsys, wide_console):
+    from tasks.cli import main
+
+    assert main(["profile", "show", "unknown", "--url", db_url]) == 2
+    out = capsys.readouterr().out
+    assert "error" in out and "CostProfileError" in out and "'unknown'" in out
+    assert main(["profile", "export", "unknown", "x.json", "--url", db_url]) == 2
+    assert "'unknown'" in capsys.readouterr().out
