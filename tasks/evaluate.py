@@ -57,11 +57,12 @@ def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
              db_url: str | None = None, settings: Settings | None = None, domains=None, window=None,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
              max_per_domain: int | None = None, min_per_domain: int | None = None,
-             device: str | None = None, progress: bool = True) -> dict:
+             device: str | None = None, progress: bool = True, model=None, tokenizer=None) -> dict:
     """Run every step for one run id; returns {"run_id", "table", "steps": {step: seconds}, ...}.
 
     hardware_profile: plan with that stored cost profile (measured elsewhere and imported);
     default (settings.hardware_profile None): measure this machine in this run.
+    model/tokenizer: an already loaded target (then `target` only names it).
     """
     from specdec_core import load_model
 
@@ -87,7 +88,8 @@ def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
     status = {domain: info["status"] for domain, info in checked["domains"].items()}
     lap("check")
 
-    model, tokenizer = load_model(target, device=device)
+    if model is None:
+        model, tokenizer = load_model(target, device=device)
     drafters = build_drafters(candidates or settings.candidates, model, tokenizer)
     lap("load")
     profile_name = hardware_profile or settings.hardware_profile
@@ -105,14 +107,20 @@ def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
     ok_domains = [d for d, s in status.items() if s == "ok"]
     requests, excluded = load_sample_requests(run_id, db_url, domains=ok_domains, tokenizer=tokenizer,
                                               fingerprint=fid)
-    estimates = estimate_domains(run_id, model, drafters, requests, db_url=db_url, settings=settings,
-                                 k_max=k_max, progress=progress)
+    usable = {domain: (len(requests.get(domain, [])) if domain in ok_domains
+                       else sample["domains"].get(domain, {}).get("sampled", 0)) for domain in status}
+    for domain in ok_domains:      # rows of other targets were excluded: count what is left
+        if usable[domain] < sample["min_per_domain"]:
+            status[domain] = "insufficient"
+            log.warning("run %s, domain %s: %d usable requests of this target < minimum %d", run_id,
+                        domain, usable[domain], sample["min_per_domain"])
+    requests = {domain: items for domain, items in requests.items() if status[domain] == "ok"}
+    estimate_domains(run_id, model, drafters, requests, db_url=db_url, settings=settings,
+                     k_max=k_max, progress=progress)
     lap("estimate")
-    plans = {}
     for domain in sorted(status):
-        domain_status = status[domain] if requests.get(domain) or status[domain] != "ok" else "insufficient"
-        plans[domain] = plan_domain(run_id, domain, costs, db_url=db_url, settings=settings,
-                                    status=domain_status)
+        plan_domain(run_id, domain, costs, db_url=db_url, settings=settings, status=status[domain],
+                    samples=usable[domain])
     lap("plan")
     for domain in sorted(requests):
         confirm_domain(run_id, domain, model, drafters, requests[domain], db_url=db_url,
@@ -125,7 +133,9 @@ def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
     verdicts = validate_run(run_id, model, tokenizer, drafters, requests, target_id=target,
                             db_url=db_url, settings=settings, excluded=excluded)
     lap("greedy_and_fingerprint")
-    for table in ("acceptance_estimates", "live_measurements", "domain_configs"):
+    checked_tables = ["domain_configs"] + (["acceptance_estimates", "live_measurements"]
+                                           if requests else [])   # all insufficient: nothing measured
+    for table in checked_tables:
         check_result_table(run_id, table, db_url=db_url, settings=settings)
     _set_status(engine, run_id, "evaluated")
     lap("check_results")

@@ -51,11 +51,12 @@ def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, 
 
 def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None = None,
                 settings: Settings | None = None, status: str = "ok",
-                min_speedup: float | None = None) -> dict:
+                min_speedup: float | None = None, samples: int | None = None) -> dict:
     """Choose and store the domain's setting (domain_configs) from the run's estimates.
 
     status: the sample's verdict for the domain ("ok" or "insufficient": the domain is off in this
-    config and the champion's setting is kept). Output: the domain_configs row as a dict.
+    config and the champion's setting is kept). samples: usable requests of the domain (default:
+    those the estimates scored). Output: the domain_configs row as a dict.
     """
     settings = settings or load_settings()
     min_speedup = settings.min_speedup if min_speedup is None else min_speedup
@@ -76,7 +77,8 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
                         "predicted_speedup_lo": lo, "predicted_speedup_hi": hi})
         if best is None or predicted > best[1]:
             best = (estimate, predicted, lo, hi)
-    samples = max((e["requests"] for e in estimates), default=0)
+    if samples is None:
+        samples = max((e["requests"] for e in estimates), default=0)
     row = {"run_id": run_id, "domain": domain, "enabled": False, "drafter": None,
            "drafter_spec": None, "k": None, "max_batch_size": None, "predicted_speedup": None,
            "predicted_speedup_lo": None, "predicted_speedup_hi": None, "measured_speedup": None,
@@ -95,8 +97,8 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
             max_batch = b
         row["max_batch_size"] = max_batch
     if status == "insufficient":
-        row["reason"] = (f"insufficient samples ({samples} < the minimum): off in this config; the "
-                         "champion's setting is kept")
+        row["reason"] = (f"insufficient samples ({samples} usable requests of this target, fewer "
+                         "than the minimum): off in this config; the champion's setting is kept")
     elif best is None:
         row["status"] = "insufficient"
         row["reason"] = "no usable estimate (no sampled request with a response of 2+ tokens)"

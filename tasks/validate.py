@@ -77,9 +77,11 @@ def validation_context(target, requests: list, candidates: int = 4):
 
 
 def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
-                    db_url: str | None = None, settings: Settings | None = None) -> dict:
+                    db_url: str | None = None, settings: Settings | None = None,
+                    check_kwargs: dict | None = None) -> dict:
     """Run (or share) the sampling test for the domain's planned drafter; store it.
 
+    check_kwargs: extra arguments of sampling_check (fault injection: specdec_core.faults).
     Output: {"domain", "validation": passed | failed | not_needed, "shared_from", "failures"}.
     """
     from specdec_core.validation import sampling_check
@@ -116,7 +118,7 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     seed = int.from_bytes(f"{run_id}/{domain}".encode()[-8:].rjust(8, b"\0"), "big") % (2 ** 31)
     report = sampling_check(target, drafter, context, ks=(1, 2), rows=settings.validation_rows,
                             alpha=settings.validation_alpha, seed=seed,
-                            chunk=settings.validation_rows)
+                            chunk=settings.validation_rows, **(check_kwargs or {}))
     failures = [{"domain": domain, "k": t.k, "sampling": t.sampling, "position": t.position,
                  "statistic": t.statistic, "p_value": t.p_value, "threshold": t.threshold}
                 for t in report.failures]

@@ -1,0 +1,175 @@
+"""`specdec evaluate` end to end on a tiny target whose own responses are the logged traffic:
+every step's rows stored by run id, idempotent re-runs, fingerprint exclusion, validation verdicts,
+and a broken verifier that makes a domain unpromotable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sqlalchemy import create_engine, func, select
+
+from specdec_core import SamplingParams, SpecDecoder
+from specdec_core.validation import fingerprint_id, target_fingerprint
+from tasks.db.models import (AcceptanceEstimate, CostProfile, DomainConfig, EvalRun, LiveMeasurement,
+                             Validation)
+from tasks.evaluate import evaluate
+from tasks.settings import load_settings
+from tasks.traffic import import_traffic
+
+from .conftest import VOCAB, tiny_llama, write_jsonl
+
+SETTINGS = dict(min_per_domain=5, max_per_domain=10, eval_k_max=3, profile_batch_sizes=(1, 2),
+                profile_repeats=1, profile_context_len=32, confirm_requests=2,
+                confirm_max_new_tokens=12, validation_rows=100, greedy_check_requests=2,
+                greedy_check_tokens=8, bootstrap_samples=200,
+                candidates=("prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"))
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny_llama(seed=0)
+
+
+def traffic_rows(target, per_domain: int = 10, foreign: int = 2) -> list[dict]:
+    """Requests answered by `target` (its fingerprint), plus `foreign` from another target."""
+    fid = fingerprint_id(target_fingerprint(target))
+    decoder = SpecDecoder(target, None)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for domain in ("json", "qa"):
+        for i in range(per_domain + (foreign if domain == "qa" else 0)):
+            if domain == "json":     # repetitive prompts: prompt lookup finds continuations
+                chunk = torch.randint(3, VOCAB, (5,), generator=generator)
+                prompt = torch.cat([chunk, torch.randint(3, VOCAB, (3,), generator=generator), chunk[:3]])
+            else:
+                prompt = torch.randint(3, VOCAB, (8,), generator=generator)
+            sampling = SamplingParams() if i % 2 else SamplingParams(temperature=0.7, top_p=0.9)
+            response = decoder.generate_plain(prompt[None], 12, sampling=sampling, seed=i).tokens[0]
+            other = i >= per_domain
+            rows.append({
+                "id": f"{domain}-{i:03d}", "timestamp": f"2025-11-{1 + i % 9:02d}T10:00:00Z",
+                "domain": domain, "prompt": "tokens " + " ".join(map(str, prompt.tolist())),
+                "response": "tokens " + " ".join(map(str, response.tolist())),
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "model": "tiny",
+                "target_fingerprint": "sha256:" + "0" * 32 if other else fid,
+                "prompt_token_ids": prompt.tolist(), "response_token_ids": response.tolist()})
+    return rows
+
+
+@pytest.fixture
+def tiny_db(db_url, tmp_path, tiny_target):
+    import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target)), db_url=db_url,
+                   progress=False)
+    return db_url
+
+
+def counts(db_url, run_id):
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        out = {model.__tablename__: connection.execute(
+            select(func.count()).select_from(model).where(model.run_id == run_id)).scalar()
+            for model in (AcceptanceEstimate, CostProfile, DomainConfig, LiveMeasurement, Validation)}
+    engine.dispose()
+    return out
+
+
+def run(db_url, target, run_id, **overrides):
+    settings = load_settings({}, **{**SETTINGS, **overrides})
+    return evaluate(run_id=run_id, target="tiny", db_url=db_url, settings=settings, model=target,
+                    progress=False)
+
+
+def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
+    result = run(tiny_db, tiny_target, "e2e", min_speedup=0.01)   # every domain on: all steps run
+    table = {row["domain"]: row for row in result["table"]}
+    assert set(table) == {"json", "qa"}
+    assert result["excluded"]["other_fingerprint"] == 2          # the foreign rows are not scored
+    for row in table.values():
+        assert row["enabled"] and row["status"] == "ok" and row["k"] in (1, 2, 3)
+        assert row["predicted_speedup_lo"] <= row["predicted_speedup"] <= row["predicted_speedup_hi"]
+        assert row["measured_speedup"] > 0 and row["gap"] in (True, False)
+        assert row["validation"] == "passed" and row["promotable"] is True
+        assert row["max_batch_size"] in (1, 2)
+    stored = counts(tiny_db, "e2e")
+    # 2 domains x 2 drafters x K = 1..3; target step + 3 verify + 2 drafts at 2 batch sizes;
+    # per domain a config, a live measurement, a sampling test and a greedy check; 1 fingerprint
+    assert stored == {"acceptance_estimates": 12, "cost_profiles": 12, "domain_configs": 2,
+                      "live_measurements": 2, "validations": 5}
+    engine = create_engine(tiny_db)
+    with engine.connect() as connection:
+        status = connection.execute(select(EvalRun.status, EvalRun.target_fingerprint)
+                                    .where(EvalRun.run_id == "e2e")).one()
+        shared = connection.execute(select(Validation.domain, Validation.details).where(
+            (Validation.run_id == "e2e") & (Validation.check_name == "sampling"))).all()
+    engine.dispose()
+    assert status.status == "evaluated"
+    assert status.target_fingerprint == fingerprint_id(target_fingerprint(tiny_target))
+    # the two domains use one drafter or two; when one, the second shares the first's test
+    drafters = {row["drafter"] for row in table.values()}
+    shared_from = [d["shared_from"] for _, d in shared]
+    assert shared_from.count(None) == len(drafters)
+
+    # re-running the run id replaces its rows; another run's rows stay
+    run(tiny_db, tiny_target, "other", min_speedup=0.01)
+    again = run(tiny_db, tiny_target, "e2e", min_speedup=0.01)
+    assert counts(tiny_db, "e2e") == stored and counts(tiny_db, "other") == stored
+    assert [r["domain"] for r in again["table"]] == ["json", "qa"]
+
+
+def test_policy_minimum_turns_domains_off_and_skips_validation(tiny_db, tiny_target):
+    result = run(tiny_db, tiny_target, "strict", min_speedup=50.0, validation_rows=50)
+    for row in result["table"]:
+        assert not row["enabled"] and row["max_batch_size"] is None
+        assert row["validation"] == "not_needed" and row["drafter"] is not None
+        assert row["measured_speedup"] is not None        # the best candidate is still measured
+
+
+def test_insufficient_domain_stays_off_and_the_rest_goes_on(tiny_db, tiny_target):
+    # json has 10 requests and qa 12, 2 of them from another target: a minimum of 10 passes both at
+    # sampling, but qa keeps only 10 usable rows; a minimum of 11 leaves json short at sampling
+    # and qa short after the fingerprint exclusion
+    result = run(tiny_db, tiny_target, "ten", min_speedup=0.01, min_per_domain=10, max_per_domain=12)
+    assert all(row["status"] == "ok" and row["enabled"] for row in result["table"])
+    result = run(tiny_db, tiny_target, "thin", min_speedup=0.01, min_per_domain=11,
+                 max_per_domain=12)
+    table = {row["domain"]: row for row in result["table"]}
+    for domain in ("json", "qa"):
+        assert table[domain]["status"] == "insufficient" and not table[domain]["enabled"]
+        assert table[domain]["drafter"] is None and table[domain]["measured_speedup"] is None
+    assert counts(tiny_db, "thin")["live_measurements"] == 0
+    engine = create_engine(tiny_db)
+    with engine.connect() as connection:
+        reasons = dict(connection.execute(select(DomainConfig.domain, DomainConfig.reason)
+                                          .where(DomainConfig.run_id == "thin")).all())
+    engine.dispose()
+    assert "10 usable requests" in reasons["json"] and "10 usable requests" in reasons["qa"]
+    assert "champion's setting is kept" in reasons["qa"]
+
+
+def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_target):
+    from specdec_core.faults import BROKEN_VARIANTS
+    from tasks.candidates import build_drafters
+    from tasks.measure import load_sample_requests
+    from tasks.validate import validate_domain, validate_run
+
+    settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01, "validation_rows": 400})
+    run(tiny_db, tiny_target, "broken", min_speedup=0.01)
+    drafters = build_drafters(settings.candidates, tiny_target)
+    requests, _ = load_sample_requests("broken", tiny_db)
+    verdict = validate_domain("broken", "qa", tiny_target, drafters, requests["qa"], db_url=tiny_db,
+                              settings=load_settings({}, **{**SETTINGS, "validation_per_domain": True,
+                                                            "validation_rows": 400}),
+                              check_kwargs=BROKEN_VARIANTS["swapped_p_q"])
+    assert verdict["validation"] == "failed"
+    failure = verdict["failures"][0]
+    assert failure["domain"] == "qa" and failure["position"] in (0, 1, 2)
+    assert failure["p_value"] < failure["threshold"] and failure["statistic"] > 0
+    summary = validate_run("broken", tiny_target, None, drafters, requests, target_id="tiny",
+                           db_url=tiny_db, settings=settings)
+    assert summary["domains"]["qa"] == "failed"
+    engine = create_engine(tiny_db)
+    with engine.connect() as connection:
+        promotable = dict(connection.execute(select(DomainConfig.domain, DomainConfig.promotable)
+                                             .where(DomainConfig.run_id == "broken")).all())
+    engine.dispose()
+    assert promotable["qa"] is False
