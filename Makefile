@@ -19,8 +19,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet $(CONSTRAINTS) -e ".[test]"
 	touch $@
 
+# The main job on the embedded default: schema, shipped traffic (idempotent), one evaluation run.
 demo: setup
-	$(VENV)/bin/specdec compare --model smollm2-135m-instruct
+	$(VENV)/bin/specdec db upgrade
+	$(VENV)/bin/specdec traffic import --sample --no-progress
+	$(VENV)/bin/specdec evaluate --run-id demo
 
 test: setup
 	$(PY) -m pytest -q

@@ -83,3 +83,34 @@ def test_cli_compare_prints_a_table_per_domain(embedded, capsys):
         ("json", "plain"), ("json", "prompt_lookup k=6"), ("all", "plain"),
         ("all", "prompt_lookup k=6")}
     assert all(r["speedup"] > 0 for r in rows)
+
+
+def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path, monkeypatch):
+    # the whole evaluation on the real target and its own logged responses, at small sizes
+    from tasks.db import dispose_engines, upgrade
+    from tasks.evaluate import evaluate
+    from tasks.settings import load_settings
+    from tasks.traffic import import_traffic, sample_traffic_path
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    url = f"sqlite:///{tmp_path / 'specdec.db'}"
+    upgrade(url)
+    import_traffic(sample_traffic_path(), db_url=url, progress=False)
+    settings = load_settings({}, min_per_domain=5, max_per_domain=8, eval_k_max=4,
+                             profile_batch_sizes=(1,), profile_repeats=1, confirm_requests=1,
+                             confirm_max_new_tokens=16, validation_rows=100, greedy_check_requests=1,
+                             greedy_check_tokens=12, candidates=("prompt_lookup",), min_speedup=1.0)
+    model, tokenizer = embedded
+    result = evaluate(run_id="embedded", target="smollm2-135m-instruct", db_url=url,
+                      settings=settings, domains=["json", "creative"], model=model,
+                      tokenizer=tokenizer, progress=False)
+    dispose_engines()
+    table = {row["domain"]: row for row in result["table"]}
+    assert result["excluded"]["other_fingerprint"] == 0   # the shipped rows carry this target's id
+    assert result["fingerprint"]["passed"]
+    # JSON answers repeat their prompts: prompt lookup accepts far more there than in stories
+    assert table["json"]["mean_accepted_length"] > table["creative"]["mean_accepted_length"]
+    assert table["json"]["predicted_speedup"] > table["creative"]["predicted_speedup"]
+    for row in table.values():
+        assert row["measured_speedup"] > 0
+        assert row["validation"] == ("passed" if row["enabled"] else "not_needed")
