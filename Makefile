@@ -23,7 +23,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(VENV)/bin/specdec db upgrade
 	$(VENV)/bin/specdec traffic import --sample --no-progress
-	$(VENV)/bin/specdec evaluate --run-id demo
+	$(VENV)/bin/specdec evaluate --run-id demo --promote
+	$(VENV)/bin/specdec config show champion
 
 test: setup
 	$(PY) -m pytest -q

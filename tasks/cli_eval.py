@@ -51,7 +51,8 @@ def cmd_evaluate(args) -> int:
                       domains=args.domains.split(",") if args.domains else None,
                       window=args.days, candidates=args.candidate or None, k_max=args.k_max,
                       max_per_domain=args.max, min_per_domain=args.min, device=args.device,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, register=not args.no_register,
+                      promote=args.promote, tracking_uri=args.tracking_uri)
     if args.json:
         _print_json(result)
         return 0
@@ -59,6 +60,14 @@ def cmd_evaluate(args) -> int:
     fp = result["fingerprint"]
     console.print(f"target fingerprint {fp['id']}: {'ok' if fp['passed'] else 'FAILED: ' + '; '.join(fp['reasons'])}"
                   f"; steps (s): " + ", ".join(f"{k} {v:.0f}" for k, v in result["steps"].items()))
+    if result["registered"]:
+        reg = result["registered"]
+        console.print(f"MLflow: {reg['name']} version {reg['version']} (alias challenger"
+                      f"{', reused' if reg['reused'] else ''}); validation {reg['validation']}")
+    if result["promoted"]:
+        from .cli_config import print_gates
+
+        print_gates(result["promoted"])
     return 0
 
 
@@ -146,6 +155,12 @@ def register(sub) -> None:
     ev.add_argument("--max", type=int, default=None, help="requests sampled per domain")
     ev.add_argument("--no-progress", action="store_true")
     ev.add_argument("--json", action="store_true")
+    ev.add_argument("--no-register", action="store_true",
+                    help="do not track the run in MLflow nor register its config")
+    ev.add_argument("--promote", action="store_true",
+                    help="after registering, gate the config and move the champion alias")
+    ev.add_argument("--tracking-uri", default=None,
+                    help="MLflow (default: $MLFLOW_TRACKING_URI, else sqlite:///$SPECDEC_HOME/mlflow.db)")
     _url_arg(ev)
     ev.set_defaults(func=cmd_evaluate)
 

@@ -57,12 +57,15 @@ def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
              db_url: str | None = None, settings: Settings | None = None, domains=None, window=None,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
              max_per_domain: int | None = None, min_per_domain: int | None = None,
-             device: str | None = None, progress: bool = True, model=None, tokenizer=None) -> dict:
+             device: str | None = None, progress: bool = True, model=None, tokenizer=None,
+             register: bool = False, promote: bool = False, tracking_uri: str | None = None) -> dict:
     """Run every step for one run id; returns {"run_id", "table", "steps": {step: seconds}, ...}.
 
     hardware_profile: plan with that stored cost profile (measured elsewhere and imported);
     default (settings.hardware_profile None): measure this machine in this run.
     model/tokenizer: an already loaded target (then `target` only names it).
+    register: track the run in MLflow and register its config (alias challenger); promote: then
+    gate it and move the champion alias (implies register).
     """
     from specdec_core import load_model
 
@@ -139,7 +142,20 @@ def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
         check_result_table(run_id, table, db_url=db_url, settings=settings)
     _set_status(engine, run_id, "evaluated")
     lap("check_results")
+    registered = promoted = None
+    if register or promote:
+        from .registry import promote as promote_version
+        from .registry import register_config
+
+        registered = register_config(run_id, db_url=db_url, uri=tracking_uri, settings=settings)
+        lap("register")
+        if promote:
+            promoted = promote_version(registered["name"], registered["version"], db_url=db_url,
+                                       uri=tracking_uri, settings=settings,
+                                       expected_champion=registered["champion_version"])
+            lap("promote")
     return {"run_id": run_id, "target": target, "fingerprint": verdicts["fingerprint"],
+            "registered": registered, "promoted": promoted,
             "hardware_profile": profile_name, "sample": sample, "excluded": {
                 key: len(value) for key, value in excluded.items()},
             "table": evaluation_table(run_id, db_url), "steps": steps,

@@ -155,6 +155,9 @@ class Settings(BaseModel):
         "domains that use it (the test checks the decoder, not the traffic)"))
     greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
     greedy_check_tokens: int = Field(default=24, ge=2)
+    # promotion gates
+    promotion_regression_tolerance: float = Field(default=0.1, ge=0, lt=1, description=(
+        "refuse a config when a domain's speedup falls more than this below the champion's"))
 
     @field_validator("candidates", mode="before")
     @classmethod

@@ -1,0 +1,123 @@
+"""`specdec config show|register|promote|rollback|export`: the config registry (MLflow)."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .cli_data import _print_json, _url_arg
+
+console = Console()
+
+
+def _name(args) -> str:
+    from .config_schema import config_model_name
+
+    return config_model_name(args.target)
+
+
+def print_gates(result: dict) -> None:
+    table = Table(title=escape(f"gates for version {result['version']}"), title_justify="left")
+    for column in ("gate", "result", "figure"):
+        table.add_column(column)
+    for gate in result["gates"]:
+        table.add_row(gate["name"], "pass" if gate["passed"] else "[red]FAIL[/red]", escape(gate["figure"]))
+    console.print(table)
+    verdict = "promoted to champion" + (" (FORCED)" if result["forced"] else "") if result["promoted"] \
+        else "NOT promoted"
+    console.print(f"version {result['version']}: {verdict}: {escape(result['reason'])}")
+
+
+def cmd_show(args) -> int:
+    from .registry import show_version
+
+    shown = show_version(_name(args), args.which, args.tracking_uri)
+    if args.json:
+        _print_json(shown)
+        return 0
+    console.print(f"[bold]{shown['name']}[/bold] version {shown['version']} aliases {shown['aliases']}")
+    console.print("tags: " + ", ".join(f"{k}={escape(str(v))}" for k, v in sorted(shown["tags"].items())))
+    console.print(escape(shown["description"] or ""))
+    return 0
+
+
+def cmd_register(args) -> int:
+    from .registry import register_config
+
+    result = register_config(args.run_id, db_url=args.url, uri=args.tracking_uri)
+    console.print(f"{result['name']} version {result['version']} "
+                  f"({'reused' if result['reused'] else 'registered'}), alias challenger; validation "
+                  f"{result['validation']}; champion {result['champion_version'] or 'none'}")
+    return 0
+
+
+def cmd_promote(args) -> int:
+    from .registry import promote
+
+    expected = "current" if args.expected_champion is None else (
+        None if args.expected_champion == "none" else args.expected_champion)
+    result = promote(_name(args), args.version, db_url=args.url, uri=args.tracking_uri,
+                     force=args.force, expected_champion=expected)
+    print_gates(result)
+    return 0 if result["promoted"] else 1
+
+
+def cmd_rollback(args) -> int:
+    from .registry import rollback
+
+    result = rollback(_name(args), db_url=args.url, uri=args.tracking_uri)
+    console.print(f"{_name(args)}: champion {result['champion_before']} -> {result['champion']}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .registry import client, load_version_config, show_version, vllm_export
+
+    version = show_version(_name(args), args.which, args.tracking_uri)["version"]
+    config = load_version_config(client(args.tracking_uri), _name(args), version)
+    print(json.dumps(vllm_export(config) if args.format == "vllm" else json.loads(config.to_json()),
+                     indent=2))
+    return 0
+
+
+def register(sub) -> None:
+    from specdec_core.models import DEFAULT_MODEL
+
+    config = sub.add_parser("config", help="the promoted config in the MLflow registry")
+    c_sub = config.add_subparsers(dest="config_command", required=True)
+
+    def common(parser, url: bool = False):
+        parser.add_argument("--target", default=DEFAULT_MODEL, help="target id (names the registered model)")
+        parser.add_argument("--tracking-uri", default=None,
+                            help="default: $MLFLOW_TRACKING_URI, else sqlite:///$SPECDEC_HOME/mlflow.db")
+        if url:
+            _url_arg(parser)
+
+    show = c_sub.add_parser("show", help="a version: aliases, tags, description (per-domain table)")
+    show.add_argument("which", nargs="?", default="champion", help="champion | challenger | VERSION")
+    show.add_argument("--json", action="store_true")
+    common(show)
+    show.set_defaults(func=cmd_show)
+    reg = c_sub.add_parser("register", help="track a run in MLflow and register its config (challenger)")
+    reg.add_argument("run_id")
+    common(reg, url=True)
+    reg.set_defaults(func=cmd_register)
+    prom = c_sub.add_parser("promote", help="gate, then move the champion alias (compare-and-set)")
+    prom.add_argument("version")
+    prom.add_argument("--force", action="store_true", help="promote past failed gates (recorded)")
+    prom.add_argument("--expected-champion", default=None,
+                      help="the champion version the gates were reviewed against ('none' if none); "
+                           "refused if it has changed")
+    common(prom, url=True)
+    prom.set_defaults(func=cmd_promote)
+    back = c_sub.add_parser("rollback", help="champion back to the version it replaced")
+    common(back, url=True)
+    back.set_defaults(func=cmd_rollback)
+    export = c_sub.add_parser("export", help="a version as JSON, or as vLLM speculative_config per domain")
+    export.add_argument("which", nargs="?", default="champion")
+    export.add_argument("--format", choices=["json", "vllm"], default="json")
+    common(export)
+    export.set_defaults(func=cmd_export)

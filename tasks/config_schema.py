@@ -1,0 +1,131 @@
+"""The promoted config: one pydantic schema (DESIGN.md, "What gets promoted").
+
+    {schema_version, target: {id, fingerprint}, hardware_profile, run_id, created_at,
+     domains: {NAME: {enabled, drafter, k, max_batch_size, conditional_acceptance,
+                      mean_accepted_length, predicted_speedup, predicted_speedup_ci95,
+                      measured_speedup, samples (requests)}},
+     default: {enabled: false}}
+
+`drafter` is {kind: prompt_lookup | layer_skip | draft_model, params, model_uri ("models:/...",
+draft_model only)}. Beside DESIGN's fields a domain carries `validation` (passed | failed |
+not_needed) and `source` ("run": measured in this run; "champion": an insufficient domain that
+kept the champion's setting; "off": insufficient with no champion to keep).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import SpecdecTaskError
+
+SCHEMA_VERSION = 1
+
+
+class ConfigError(SpecdecTaskError, ValueError):
+    """A config does not satisfy the schema; the message lists every problem with its field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DrafterSpec(_Strict):
+    kind: Literal["prompt_lookup", "layer_skip", "draft_model"]
+    params: dict = Field(default_factory=dict)
+    model_uri: str | None = None
+
+    @model_validator(mode="after")
+    def _model_uri_only_for_draft_models(self) -> "DrafterSpec":
+        if self.model_uri is not None and self.kind != "draft_model":
+            raise ValueError(f"model_uri is only for draft_model drafters, not {self.kind}")
+        if self.model_uri is not None and not self.model_uri.startswith("models:/"):
+            raise ValueError(f"model_uri {self.model_uri!r} must be an MLflow models:/ URI")
+        return self
+
+
+Rate = Field(ge=0.0, le=1.0)
+
+
+class DomainSetting(_Strict):
+    enabled: bool
+    drafter: DrafterSpec | None = None
+    k: int = Field(default=0, ge=0)
+    max_batch_size: int | None = Field(default=None, ge=1)
+    conditional_acceptance: list[float] = Field(default_factory=list)
+    mean_accepted_length: float | None = Field(default=None, ge=1.0)
+    predicted_speedup: float | None = Field(default=None, gt=0)
+    predicted_speedup_ci95: tuple[float, float] | None = None
+    measured_speedup: float | None = Field(default=None, gt=0)
+    samples: int = Field(default=0, ge=0)
+    validation: Literal["passed", "failed", "not_needed", "incomplete"] | None = None
+    source: Literal["run", "champion", "off"] = "run"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DomainSetting":
+        bad = [rate for rate in self.conditional_acceptance if not 0.0 <= rate <= 1.0]
+        if bad:
+            raise ValueError(f"conditional_acceptance rates must lie in [0, 1], got {bad}")
+        if self.enabled and (self.drafter is None or self.k < 1):
+            raise ValueError("an enabled domain needs a drafter and k >= 1")
+        if self.predicted_speedup_ci95 is not None:
+            low, high = self.predicted_speedup_ci95
+            if not 0 < low <= high:
+                raise ValueError(f"predicted_speedup_ci95 {list(self.predicted_speedup_ci95)} must be "
+                                 "0 < low <= high")
+        return self
+
+
+class TargetRef(_Strict):
+    id: str
+    fingerprint: str
+
+
+class DefaultSetting(_Strict):
+    enabled: Literal[False] = False
+
+
+class SpecdecConfig(_Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    target: TargetRef
+    hardware_profile: str
+    run_id: str
+    created_at: datetime
+    domains: dict[str, DomainSetting]
+    default: DefaultSetting = Field(default_factory=DefaultSetting)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    @property
+    def domains_on(self) -> list[str]:
+        return sorted(name for name, setting in self.domains.items() if setting.enabled)
+
+
+def parse_config(data: dict | str) -> SpecdecConfig:
+    """Validate a config (dict or JSON text); ConfigError lists each problem as field: message."""
+    try:
+        if isinstance(data, str):
+            data = json.loads(data)
+        return SpecdecConfig.model_validate(data)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config is not JSON: {exc}") from exc
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in error['loc']) or '(config)'}: {error['msg']}"
+                             for error in exc.errors())
+        raise ConfigError(f"invalid specdec config ({exc.error_count()} problems): {problems}") from exc
+
+
+def target_slug(target_id: str) -> str:
+    """Lowercase, [a-z0-9-] only, '/' becomes '--' (DESIGN.md)."""
+    slug = target_id.lower().replace("/", "--")
+    slug = re.sub(r"[^a-z0-9-]+", "-", slug)
+    return slug.strip("-") or "target"
+
+
+def config_model_name(target_id: str) -> str:
+    return f"specdec-config-{target_slug(target_id)}"
