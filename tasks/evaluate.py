@@ -1,7 +1,7 @@
-"""One evaluation run end to end, without Airflow:
-sample -> check -> profile -> estimate -> plan -> confirm -> validate (per domain) -> greedy and
-fingerprint (once). Every step stores its rows by run id; re-running a run id replaces them.
-The DAG (dags/specdec_evaluate.py) wires the same step functions one task each.
+"""One evaluation run end to end, without Airflow: the steps of tasks.pipeline in order, in one
+process (the model is loaded once). The DAG (dags/specdec_evaluate.py) wires the same steps.
+A domain whose step fails is recorded as failed (off; the champion's setting is kept) and the
+other domains go on, as in the DAG.
 """
 
 from __future__ import annotations
@@ -10,25 +10,21 @@ import logging
 import time
 from datetime import datetime, timezone
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
-from .candidates import build_drafters
-from .costs import load_costs, profile_costs
 from .db.engine import database_url, ensure_ready
-from .db.models import DomainConfig, EvalRun, LiveMeasurement
-from .measure import estimate_domains, load_sample_requests
-from .plan import plan_domain
-from .confirm import confirm_domain
-from .quality import check_result_table, check_traffic_sample
-from .sampling import sample_traffic
+from .db.models import DomainConfig, LiveMeasurement
+from .errors import SpecdecTaskError
+from .pipeline import (RunSpec, record_domain_failure, step_check, step_confirm, step_estimate,
+                       step_finish, step_profile, step_promote, step_register, step_sample,
+                       step_validate, use_model)
 from .settings import Settings, load_settings
-from .validate import validate_domain, validate_run
 
 log = logging.getLogger(__name__)
 
 TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_accepted_length",
                  "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
-                 "measured_speedup", "gap", "enabled", "validation", "promotable")
+                 "measured_speedup", "gap", "enabled", "validation", "promotable", "reason")
 
 
 def default_run_id() -> str:
@@ -47,12 +43,6 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
              for column in TABLE_COLUMNS} for row in configs]
 
 
-def _set_status(engine, run_id: str, status: str, **values) -> None:
-    with engine.begin() as connection:
-        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
-            status=status, updated_at=datetime.now(timezone.utc).replace(tzinfo=None), **values))
-
-
 def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
              db_url: str | None = None, settings: Settings | None = None, domains=None, window=None,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
@@ -67,13 +57,16 @@ def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
     register: track the run in MLflow and register its config (alias challenger); promote: then
     gate it and move the champion alias (implies register).
     """
-    from specdec_core import load_model
-
     settings = settings or load_settings()
-    run_id = run_id or default_run_id()
-    db_url = database_url(db_url or settings.database_url)
-    engine = ensure_ready(db_url)
-    k_max = k_max or settings.eval_k_max
+    spec = RunSpec(run_id=run_id or default_run_id(), target=target, device=device,
+                   db_url=database_url(db_url or settings.database_url), tracking_uri=tracking_uri,
+                   domains=list(domains) if domains else None, window_days=window,
+                   min_per_domain=min_per_domain, max_per_domain=max_per_domain,
+                   candidates=list(candidates) if candidates else None,
+                   hardware_profile=hardware_profile, k_max=k_max, promote=promote,
+                   overrides=settings.model_dump(mode="json", exclude_defaults=True))
+    if model is not None:
+        use_model(target, model, tokenizer, device)
     steps: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -82,81 +75,37 @@ def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
         now = time.perf_counter()
         steps[name] = round(now - clock, 2)
         clock = now
-        log.info("run %s: %s done in %.1f s", run_id, name, steps[name])
+        log.info("run %s: %s done in %.1f s", spec.run_id, name, steps[name])
 
-    sample = sample_traffic(run_id, db_url=db_url, domains=domains, window=window, settings=settings,
-                            max_per_domain=max_per_domain, min_per_domain=min_per_domain)
+    sample = step_sample(spec)
     lap("sample")
-    checked = check_traffic_sample(run_id, db_url=db_url, settings=settings)   # raises on table level
-    status = {domain: info["status"] for domain, info in checked["domains"].items()}
+    checked = step_check(spec)       # raises QualityGateFailed on table-level failures
     lap("check")
-
-    if model is None:
-        model, tokenizer = load_model(target, device=device)
-    drafters = build_drafters(candidates or settings.candidates, model, tokenizer)
-    lap("load")
-    profile_name = hardware_profile or settings.hardware_profile
-    if profile_name is None:
-        measured = profile_costs(run_id, model, {label: d for label, (_, d) in drafters.items()},
-                                 db_url=db_url, settings=settings, k_max=k_max, progress=progress)
-        profile_name = measured["hardware_profile"]["name"]
-    costs = load_costs(profile_name, db_url)
-    _set_status(engine, run_id, "profiled", hardware_profile=profile_name)
+    profile = step_profile(spec)
     lap("profile")
-
-    from specdec_core.validation import fingerprint_id, target_fingerprint
-
-    fid = fingerprint_id(target_fingerprint(model))
-    ok_domains = [d for d, s in status.items() if s == "ok"]
-    requests, excluded = load_sample_requests(run_id, db_url, domains=ok_domains, tokenizer=tokenizer,
-                                              fingerprint=fid)
-    usable = {domain: (len(requests.get(domain, [])) if domain in ok_domains
-                       else sample["domains"].get(domain, {}).get("sampled", 0)) for domain in status}
-    for domain in ok_domains:      # rows of other targets were excluded: count what is left
-        if usable[domain] < sample["min_per_domain"]:
-            status[domain] = "insufficient"
-            log.warning("run %s, domain %s: %d usable requests of this target < minimum %d", run_id,
-                        domain, usable[domain], sample["min_per_domain"])
-    requests = {domain: items for domain, items in requests.items() if status[domain] == "ok"}
-    estimate_domains(run_id, model, drafters, requests, db_url=db_url, settings=settings,
-                     k_max=k_max, progress=progress)
-    lap("estimate")
-    for domain in sorted(status):
-        plan_domain(run_id, domain, costs, db_url=db_url, settings=settings, status=status[domain],
-                    samples=usable[domain])
-    lap("plan")
-    for domain in sorted(requests):
-        confirm_domain(run_id, domain, model, drafters, requests[domain], db_url=db_url,
-                       settings=settings, progress=progress)
-    lap("confirm")
-    for domain in sorted(requests):
-        validate_domain(run_id, domain, model, drafters, requests[domain], db_url=db_url,
-                        settings=settings)
-    lap("validate")
-    verdicts = validate_run(run_id, model, tokenizer, drafters, requests, target_id=target,
-                            db_url=db_url, settings=settings, excluded=excluded)
-    lap("greedy_and_fingerprint")
-    checked_tables = ["domain_configs"] + (["acceptance_estimates", "live_measurements"]
-                                           if requests else [])   # all insufficient: nothing measured
-    for table in checked_tables:
-        check_result_table(run_id, table, db_url=db_url, settings=settings)
-    _set_status(engine, run_id, "evaluated")
-    lap("check_results")
+    per_domain = [("estimate", lambda d: step_estimate(spec, d, profile)),
+                  ("confirm", lambda d: step_confirm(spec, d)),
+                  ("validate", lambda d: step_validate(spec, d))]
+    active = list(checked["ok"])
+    for name, step in per_domain:
+        for domain in list(active):
+            try:
+                step(domain)
+            except (SpecdecTaskError, ValueError, RuntimeError) as exc:   # this domain only
+                record_domain_failure(spec, domain, f"{name}: {type(exc).__name__}: {exc}")
+                active.remove(domain)
+        lap(name)
+    finished = step_finish(spec, insufficient=checked["insufficient"])
+    lap("finish")
     registered = promoted = None
     if register or promote:
-        from .registry import promote as promote_version
-        from .registry import register_config
-
-        registered = register_config(run_id, db_url=db_url, uri=tracking_uri, settings=settings)
+        registered = step_register(spec)
         lap("register")
         if promote:
-            promoted = promote_version(registered["name"], registered["version"], db_url=db_url,
-                                       uri=tracking_uri, settings=settings,
-                                       expected_champion=registered["champion_version"])
+            promoted = step_promote(spec, registered)
             lap("promote")
-    return {"run_id": run_id, "target": target, "fingerprint": verdicts["fingerprint"],
-            "registered": registered, "promoted": promoted,
-            "hardware_profile": profile_name, "sample": sample, "excluded": {
-                key: len(value) for key, value in excluded.items()},
-            "table": evaluation_table(run_id, db_url), "steps": steps,
+    return {"run_id": spec.run_id, "target": target, "fingerprint": finished["fingerprint"],
+            "registered": registered, "promoted": promoted, "failed": finished["failed"],
+            "hardware_profile": profile, "sample": sample, "excluded": finished["excluded"],
+            "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
             "seconds": round(sum(steps.values()), 1)}

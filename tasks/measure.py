@@ -87,7 +87,7 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
             sampling=SamplingParams(temperature=row.temperature, top_k=row.top_k or 0,
                                     top_p=row.top_p if row.top_p is not None else 1.0)))
     if excluded["other_fingerprint"]:
-        log.warning("run %s: %d sampled requests were answered by a target with another fingerprint "
+        log.info("run %s: %d sampled requests were answered by a target with another fingerprint "
                     "and are excluded (e.g. %s)", run_id, len(excluded["other_fingerprint"]),
                     excluded["other_fingerprint"][:3])
     return by_domain, excluded
@@ -107,6 +107,14 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
     k_max = k_max or settings.eval_k_max
     engine = ensure_ready(database_url(db_url or settings.database_url))
     requests = [r for items in requests_by_domain.values() for r in items]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    for request in requests:
+        top = max(max(request.prompt_ids, default=0), max(request.response_ids, default=0))
+        if top >= vocab or min(min(request.prompt_ids, default=0), min(request.response_ids, default=0)) < 0:
+            raise SampleError(
+                f"request {request.request_id} ({request.domain}): token id {top} outside the target's "
+                f"vocabulary of {vocab}: its token ids come from another tokenizer. Re-import it with "
+                "the target's token ids (or without them, to tokenize its text) or purge it")
     ks = list(range(1, k_max + 1))
     out: dict[str, dict] = {domain: {} for domain in requests_by_domain}
     rows = []

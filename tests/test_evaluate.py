@@ -173,3 +173,18 @@ def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_targe
                                              .where(DomainConfig.run_id == "broken")).all())
     engine.dispose()
     assert promotable["qa"] is False
+
+
+def test_a_failing_domain_is_recorded_and_the_others_go_on(db_url, tmp_path, tiny_target):
+    rows = traffic_rows(tiny_target, foreign=0)
+    broken = [dict(row, id=row["id"].replace("qa", "code"), domain="code",
+                   response_token_ids=[VOCAB + 5] + row["response_token_ids"][1:])
+              for row in rows if row["domain"] == "qa"]
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows + broken), db_url=db_url, progress=False)
+    result = run(db_url, tiny_target, "partial", min_speedup=0.01)
+    table = {row["domain"]: row for row in result["table"]}
+    assert result["failed"] == [] and table["code"]["status"] == "failed"
+    assert not table["code"]["enabled"] and "outside the target's vocabulary" in table["code"]["reason"]
+    assert "code-" in table["code"]["reason"]               # the request is named by its id
+    for domain in ("json", "qa"):
+        assert table[domain]["status"] == "ok" and table[domain]["validation"] == "passed"

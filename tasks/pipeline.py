@@ -1,0 +1,339 @@
+"""The evaluation run as steps: plain functions taking a JSON-able RunSpec and returning small
+JSON-able results, so the same run works from the CLI (tasks.evaluate), tests and Airflow
+(dags/specdec_evaluate.py wires one task per step, the per-domain steps mapped over domains).
+
+Walk (DESIGN.md): sample -> check -> profile -> per domain: estimate + plan -> confirm -> validate
+-> finish (insufficient and failed domains recorded, greedy check and fingerprint once, result
+checks) -> register -> promote -> report. Every step stores its rows by run id, so a retried step
+replaces its own rows; a domain's failure is recorded and does not touch the other domains.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+from sqlalchemy import func, select, update
+
+from .db.engine import database_url, ensure_ready
+from .db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, QualityResult
+from .settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSpec:
+    """Everything a step needs besides the database contents (Airflow passes it through XCom)."""
+
+    run_id: str
+    target: str = "smollm2-135m-instruct"
+    device: str | None = None
+    db_url: str | None = None
+    tracking_uri: str | None = None
+    domains: list[str] | None = None
+    window_days: float | None = None
+    min_per_domain: int | None = None
+    max_per_domain: int | None = None
+    candidates: list[str] | None = None
+    hardware_profile: str | None = None
+    k_max: int | None = None
+    min_speedup: float | None = None
+    promote: bool = False
+    overrides: dict = field(default_factory=dict)     # any other Settings field
+
+    def settings(self) -> Settings:
+        values = dict(self.overrides)
+        for name in ("min_per_domain", "max_per_domain", "hardware_profile", "min_speedup"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        if self.candidates:
+            values["candidates"] = tuple(self.candidates)
+        if self.k_max:
+            values["eval_k_max"] = self.k_max
+        return load_settings(**values)
+
+    @property
+    def url(self) -> str:
+        return database_url(self.db_url or self.settings().database_url)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, value) -> "RunSpec":
+        return value if isinstance(value, RunSpec) else cls(**value)
+
+
+# ------------------------------------------------------------------------------------------------
+# models: loaded once per process (every task of `dag.test()` or `specdec evaluate` shares them)
+_MODELS: dict[tuple[str, str | None], dict] = {}
+
+
+def use_model(target: str, model, tokenizer=None, device: str | None = None) -> None:
+    """Make an already loaded model the one steps use for `target` (tests, notebooks)."""
+    _MODELS[(target, device)] = {"model": model, "tokenizer": tokenizer}
+
+
+def loaded(spec: RunSpec) -> dict:
+    """{"model", "tokenizer", "fingerprint" (id), "drafters"} for the spec's target, cached."""
+    key = (spec.target, spec.device)
+    entry = _MODELS.get(key)
+    if entry is None:
+        from specdec_core import load_model
+
+        model, tokenizer = load_model(spec.target, device=spec.device)
+        entry = _MODELS[key] = {"model": model, "tokenizer": tokenizer}
+    if "fingerprint" not in entry:
+        from specdec_core.validation import fingerprint_id, target_fingerprint
+
+        entry["fingerprint"] = fingerprint_id(target_fingerprint(entry["model"]))
+    candidates = tuple(spec.settings().candidates)
+    drafters = entry.setdefault("drafters", {})
+    if candidates not in drafters:
+        from .candidates import build_drafters
+
+        drafters[candidates] = build_drafters(candidates, entry["model"], entry["tokenizer"])
+    return {**entry, "drafters": drafters[candidates]}
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+# ------------------------------------------------------------------------------------------------
+# steps
+def step_sample(spec) -> dict:
+    from .sampling import sample_traffic
+
+    spec = RunSpec.of(spec)
+    return sample_traffic(spec.run_id, db_url=spec.url, domains=spec.domains, window=spec.window_days,
+                          settings=spec.settings())
+
+
+def step_check(spec) -> dict:
+    """Data-quality gates; raises QualityGateFailed on table-level failures (the run stops).
+    Output: {"ok": [domains], "insufficient": [domains]}."""
+    from .quality import check_traffic_sample
+
+    spec = RunSpec.of(spec)
+    checked = check_traffic_sample(spec.run_id, db_url=spec.url, settings=spec.settings())
+    status = {domain: info["status"] for domain, info in checked["domains"].items()}
+    return {"ok": sorted(d for d, s in status.items() if s == "ok"),
+            "insufficient": sorted(d for d, s in status.items() if s != "ok")}
+
+
+def step_profile(spec) -> str:
+    """Measure costs here (under the timing lock), or check the named stored profile; its name."""
+    from .costs import load_costs, profile_costs
+
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    name = settings.hardware_profile
+    if name is None:
+        models = loaded(spec)
+        measured = profile_costs(spec.run_id, models["model"],
+                                 {label: d for label, (_, d) in models["drafters"].items()},
+                                 db_url=spec.url, settings=settings, k_max=settings.eval_k_max)
+        name = measured["hardware_profile"]["name"]
+    costs = load_costs(name, spec.url)
+    engine = ensure_ready(spec.url)
+    with engine.begin() as connection:
+        connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
+            hardware_profile=name, status="profiled", updated_at=_utcnow()))
+    log.info("run %s: planning with cost profile %s (run %s)", spec.run_id, name, costs.run_id)
+    return name
+
+
+def _domain_requests(spec: RunSpec, domain: str):
+    from .measure import load_sample_requests
+
+    models = loaded(spec)
+    requests, excluded = load_sample_requests(spec.run_id, spec.url, domains=[domain],
+                                              tokenizer=models["tokenizer"],
+                                              fingerprint=models["fingerprint"])
+    return requests.get(domain, []), excluded
+
+
+def step_estimate(spec, domain: str, profile: str) -> dict:
+    """Offline estimate and plan of one domain. Output: the domain's plan (domain_configs row)."""
+    from .costs import load_costs
+    from .measure import estimate_domains
+    from .plan import plan_domain
+
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    requests, excluded = _domain_requests(spec, domain)
+    costs = load_costs(profile, spec.url)
+    minimum = _sample_minimum(spec)
+    if len(requests) < minimum:
+        log.warning("run %s, domain %s: %d usable requests of this target < minimum %d (%d from other "
+                    "fingerprints)", spec.run_id, domain, len(requests), minimum,
+                    len(excluded["other_fingerprint"]))
+        return _plain(plan_domain(spec.run_id, domain, costs, db_url=spec.url, settings=settings,
+                                  status="insufficient", samples=len(requests)))
+    models = loaded(spec)
+    estimate_domains(spec.run_id, models["model"], models["drafters"], {domain: requests},
+                     db_url=spec.url, settings=settings, k_max=settings.eval_k_max, progress=False)
+    return _plain(plan_domain(spec.run_id, domain, costs, db_url=spec.url, settings=settings,
+                              samples=len(requests)))
+
+
+def _sample_minimum(spec: RunSpec) -> int:
+    engine = ensure_ready(spec.url)
+    with engine.connect() as connection:
+        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == spec.run_id)).scalar()
+    return int((params or {}).get("min_per_domain") or spec.settings().min_per_domain)
+
+
+def _plain(row: dict) -> dict:
+    return {key: (value.isoformat() if isinstance(value, datetime) else value) for key, value in row.items()}
+
+
+def step_confirm(spec, domain: str) -> dict | None:
+    """Live confirmation of one domain's plan (under the timing lock)."""
+    from .confirm import confirm_domain
+
+    spec = RunSpec.of(spec)
+    requests, _ = _domain_requests(spec, domain)
+    models = loaded(spec)
+    row = confirm_domain(spec.run_id, domain, models["model"], models["drafters"], requests,
+                         db_url=spec.url, settings=spec.settings(), progress=False)
+    return None if row is None else _plain(row)
+
+
+def step_validate(spec, domain: str) -> dict:
+    """The sampling test of one domain's planned drafter (or the run's shared result for it)."""
+    from .validate import validate_domain
+
+    spec = RunSpec.of(spec)
+    requests, _ = _domain_requests(spec, domain)
+    models = loaded(spec)
+    return validate_domain(spec.run_id, domain, models["model"], models["drafters"], requests,
+                           db_url=spec.url, settings=spec.settings())
+
+
+def record_domain_failure(spec, domain: str, error: str) -> None:
+    """A domain whose step failed: off in this run's config (the champion's setting is kept)."""
+    spec = RunSpec.of(spec)
+    engine = ensure_ready(spec.url)
+    reason = f"failed: {error}"[:2000]
+    with engine.begin() as connection:
+        exists = connection.execute(select(DomainConfig.domain).where(
+            (DomainConfig.run_id == spec.run_id) & (DomainConfig.domain == domain))).scalar()
+        if exists is None:
+            connection.execute(DomainConfig.__table__.insert().values(
+                run_id=spec.run_id, domain=domain, enabled=False, status="failed", reason=reason,
+                created_at=_utcnow()))
+        else:
+            connection.execute(update(DomainConfig).where(
+                (DomainConfig.run_id == spec.run_id) & (DomainConfig.domain == domain)).values(
+                enabled=False, status="failed", reason=reason, validation=None, promotable=None))
+    log.error("run %s, domain %s %s; the champion's setting is kept", spec.run_id, domain, reason)
+
+
+def step_finish(spec, insufficient: list[str] | None = None) -> dict:
+    """After the per-domain steps (whatever their outcome): record insufficient domains and domains
+    whose steps did not complete, run the greedy and fingerprint checks, check the result tables.
+    Output: {"fingerprint", "greedy", "domains": {domain: validation}, "failed": [...]}."""
+    from .costs import load_costs
+    from .plan import plan_domain
+    from .quality import check_result_table
+    from .validate import validate_run
+
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    engine = ensure_ready(spec.url)
+    with engine.connect() as connection:
+        sampled = dict(connection.execute(select(EvalSample.domain, func.count()).where(
+            EvalSample.run_id == spec.run_id).group_by(EvalSample.domain)).all())
+        configs = {row["domain"]: dict(row) for row in connection.execute(
+            select(DomainConfig).where(DomainConfig.run_id == spec.run_id)).mappings()}
+        profile = connection.execute(select(EvalRun.hardware_profile).where(
+            EvalRun.run_id == spec.run_id)).scalar()
+    insufficient = set(insufficient or [])
+    failed = []
+    for domain in sorted(sampled):
+        config = configs.get(domain)
+        if config is None and domain in insufficient:
+            plan_domain(spec.run_id, domain, load_costs(profile, spec.url), db_url=spec.url,
+                        settings=settings, status="insufficient", samples=sampled[domain])
+        elif config is None:
+            record_domain_failure(spec, domain, "no plan was stored (its estimate step failed)")
+            failed.append(domain)
+        elif config["status"] == "ok" and config["enabled"] and config["validation"] is None \
+                and not _has_sampling_test(engine, spec.run_id, domain):
+            record_domain_failure(spec, domain, "its confirm or validate step did not complete")
+            failed.append(domain)
+    models = loaded(spec)
+    from .measure import load_sample_requests
+
+    with engine.connect() as connection:
+        ok_domains = sorted(connection.execute(select(DomainConfig.domain).where(
+            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).scalars())
+    requests, excluded = ({}, {}) if not ok_domains else load_sample_requests(
+        spec.run_id, spec.url, domains=ok_domains, tokenizer=models["tokenizer"],
+        fingerprint=models["fingerprint"])
+    verdicts = validate_run(spec.run_id, models["model"], models["tokenizer"], models["drafters"],
+                            requests, target_id=spec.target, db_url=spec.url, settings=settings,
+                            excluded=excluded)
+    tables = ["domain_configs"]
+    with engine.connect() as connection:
+        measured = connection.execute(select(LiveMeasurement.id).where(
+            LiveMeasurement.run_id == spec.run_id).limit(1)).scalar()
+    if ok_domains:
+        tables.append("acceptance_estimates")
+    if measured is not None:
+        tables.append("live_measurements")
+    for table in tables:
+        check_result_table(spec.run_id, table, db_url=spec.url, settings=settings)
+    with engine.begin() as connection:
+        connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
+            status="evaluated", updated_at=_utcnow()))
+    return {**verdicts, "failed": failed,
+            "excluded": {key: len(value) for key, value in (excluded or {}).items()}}
+
+
+def _has_sampling_test(engine, run_id: str, domain: str) -> bool:
+    from .db.models import Validation
+
+    with engine.connect() as connection:
+        return connection.execute(select(Validation.id).where(
+            (Validation.run_id == run_id) & (Validation.domain == domain)
+            & (Validation.check_name == "sampling")).limit(1)).scalar() is not None
+
+
+def step_register(spec) -> dict:
+    from .registry import register_config
+
+    spec = RunSpec.of(spec)
+    return register_config(spec.run_id, db_url=spec.url, uri=spec.tracking_uri, settings=spec.settings())
+
+
+def step_promote(spec, registered: dict) -> dict:
+    from .registry import promote
+
+    spec = RunSpec.of(spec)
+    return promote(registered["name"], registered["version"], db_url=spec.url, uri=spec.tracking_uri,
+                   settings=spec.settings(), expected_champion=registered["champion_version"])
+
+
+def low_acceptance_domains(spec, threshold: float) -> list[dict]:
+    """Domains whose planned drafter's expected tokens per round fell below `threshold`."""
+    spec = RunSpec.of(spec)
+    engine = ensure_ready(spec.url)
+    with engine.connect() as connection:
+        rows = connection.execute(select(DomainConfig.domain, DomainConfig.drafter, DomainConfig.k,
+                                         DomainConfig.mean_accepted_length).where(
+            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).all()
+    return [{"domain": r.domain, "drafter": r.drafter, "k": r.k, "mean_accepted_length": r.mean_accepted_length}
+            for r in rows if r.mean_accepted_length is not None and r.mean_accepted_length < threshold]
+
+
+def quality_failures(spec) -> int:
+    spec = RunSpec.of(spec)
+    engine = ensure_ready(spec.url)
+    with engine.connect() as connection:
+        return len(connection.execute(select(QualityResult.id).where(
+            (QualityResult.run_id == spec.run_id) & (QualityResult.status == "fail"))).all())
