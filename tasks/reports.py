@@ -123,3 +123,18 @@ def cell_text(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def materialise_report(name: str, db_url: str | None = None, directory: str | Path | None = None) -> dict:
+    """Run a report and write it as CSV to `directory` (default $SPECDEC_HOME/reports), atomically.
+    Output: {"name", "rows", "path"}."""
+    from .settings import specdec_home
+
+    report = run_report(name, db_url)
+    directory = Path(directory) if directory else specdec_home() / "reports"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{report['name']}.csv"
+    tmp = path.with_suffix(".csv.tmp")
+    tmp.write_text(format_report(report, "csv"), encoding="utf-8")
+    tmp.replace(path)
+    return {"name": report["name"], "rows": len(report["rows"]), "path": str(path)}

@@ -163,3 +163,18 @@ def jsonl_file(tmp_path):
     def write(rows, name: str = "traffic.jsonl", compress: bool = False) -> Path:
         return write_jsonl(tmp_path / name, rows, compress=compress)
     return write
+
+
+def save_tiny_target(model, directory: Path) -> Path:
+    """Save a tiny model with a word-level tokenizer (t0..tN) as a local model directory that
+    load_model reads like any other."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", bos_token="t1",
+                            eos_token="t2").save_pretrained(directory)
+    return directory

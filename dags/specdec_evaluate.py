@@ -1,0 +1,246 @@
+"""
+### specdec_evaluate: per-domain speculative decoding settings, proven lossless, promoted by review
+
+Daily (or on demand from the trigger form), for the target model:
+
+1. **sample** logged traffic per domain over the time window (seeded by the run id);
+2. **check** it with Great Expectations: table-level failures stop the run; a domain below its
+   minimum is *insufficient* and keeps the champion's setting;
+3. **profile** target step, verify(K) and draft steps on this worker (pool `specdec_timing`,
+   one slot: timing never overlaps other timing), or use a stored hardware profile;
+4. per domain (mapped): **estimate** acceptance offline and **plan** drafter, K, max batch size and
+   on/off; **confirm** live (pool `specdec_timing`); **validate** the sampling distribution;
+5. **finish**: domains whose steps failed are recorded as failed (the champion's setting is kept),
+   greedy exact match and target fingerprint once, result-table checks;
+6. **register** the config in MLflow (alias `challenger`), **promote** it when asked and the gates
+   pass (alias `champion`, compare-and-set), and publish the assets below.
+
+Assets: `specdec://config/champion` (a new champion config), `specdec://alerts/low-acceptance`
+(domains whose expected tokens per round fell below the alert threshold), and
+`specdec://evaluations` (which triggers `specdec_reports`).
+
+Connections and secrets: the specdec database comes from the Airflow connection `specdec_db`
+(or `$SPECDEC_DATABASE_URL`), MLflow from `$MLFLOW_TRACKING_URI`. Every step is a function of
+`tasks.pipeline`; this file only wires them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import Asset, Param, dag, get_current_context, task, task_group
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+TIMING_POOL = "specdec_timing"
+CHAMPION_ASSET = Asset("specdec://config/champion")
+LOW_ACCEPTANCE_ASSET = Asset("specdec://alerts/low-acceptance")
+EVALUATIONS_ASSET = Asset("specdec://evaluations")
+
+DEFAULT_ARGS = {
+    "owner": "specdec",
+    "retries": 2,                        # database / tracking-server hiccups; user errors fail at once
+    "retry_delay": timedelta(seconds=30),
+    "retry_exponential_backoff": True,
+    "max_retry_delay": timedelta(minutes=10),
+}
+
+PARAMS = {
+    "target": Param("smollm2-135m-instruct", type="string", title="Target model",
+                    description="HF id, local directory, GGUF file, or the embedded default"),
+    "domains": Param([], type="array", items={"type": "string"}, title="Domains",
+                     description="Empty: every domain with traffic in the window"),
+    "window_days": Param(14, type="number", minimum=0.01, maximum=365, title="Time window (days)",
+                         description="Ends at the newest stored request"),
+    "samples_per_domain": Param(30, type="integer", minimum=1, maximum=100000,
+                                title="Samples per domain", description="Requests drawn per domain"),
+    "min_per_domain": Param(20, type="integer", minimum=1, maximum=100000,
+                            title="Minimum samples per domain",
+                            description="Fewer: the domain is insufficient and keeps the champion's setting"),
+    "candidates": Param(["prompt_lookup:max_ngram=3", "layer_skip:num_layers=8"], type="array",
+                        items={"type": "string"}, title="Candidate drafters",
+                        description="KIND[:NAME=VALUE...], e.g. draft_model:model=/models/draft"),
+    "hardware_profile": Param("", type="string", title="Hardware profile",
+                              description="A stored cost profile to plan with; empty: measure this worker"),
+    "k_max": Param(8, type="integer", minimum=1, maximum=32, title="Largest K"),
+    "min_speedup": Param(1.1, type="number", minimum=0.01, maximum=10.0, title="Minimum speedup",
+                         description="A domain is on only when its interval's lower end clears this "
+                                     "(below 1.0 only for testing: it turns on predicted slowdowns)"),
+    "acceptance_alert": Param(1.2, type="number", minimum=1.0, maximum=33.0,
+                              title="Low-acceptance alert",
+                              description="Alert when a domain's expected tokens per round falls below this"),
+    "promote": Param(False, type="boolean", title="Promote",
+                     description="Move the champion alias when every gate passes"),
+}
+
+
+def _database_url() -> str | None:
+    """The `specdec_db` Airflow connection when defined, else None (settings / environment)."""
+    from airflow.sdk import BaseHook
+
+    try:
+        return BaseHook.get_connection("specdec_db").get_uri()
+    except Exception:   # no such connection: SPECDEC_DATABASE_URL or the SQLite default
+        return None
+
+
+def _user_errors():
+    """User errors (bad input, failed gates) fail the task at once; others are retried."""
+    from contextlib import contextmanager
+
+    from tasks.errors import SpecdecTaskError
+
+    @contextmanager
+    def guard():
+        try:
+            yield
+        except SpecdecTaskError as exc:
+            raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+    return guard()
+
+
+@dag(dag_id="specdec_evaluate", schedule="@daily", start_date=datetime(2025, 1, 1), catchup=False,
+     max_active_runs=1, default_args=DEFAULT_ARGS, params=PARAMS, doc_md=__doc__,
+     tags=["specdec"], render_template_as_native_obj=True)
+def specdec_evaluate():
+    @task
+    def sample() -> dict:
+        from tasks.pipeline import RunSpec, step_sample
+
+        context = get_current_context()
+        params = context["params"]
+        spec = RunSpec(run_id=context["run_id"], target=params["target"], db_url=_database_url(),
+                       domains=params["domains"] or None, window_days=params["window_days"],
+                       max_per_domain=params["samples_per_domain"],
+                       min_per_domain=params["min_per_domain"], candidates=params["candidates"],
+                       hardware_profile=params["hardware_profile"] or None, k_max=params["k_max"],
+                       min_speedup=params["min_speedup"], promote=params["promote"])
+        with _user_errors():
+            step_sample(spec)
+        return spec.to_dict()
+
+    @task
+    def check(spec: dict) -> dict:
+        from tasks.pipeline import step_check
+
+        with _user_errors():
+            return step_check(spec)
+
+    @task(pool=TIMING_POOL)
+    def profile(spec: dict) -> str:
+        from tasks.pipeline import step_profile
+
+        with _user_errors():
+            return step_profile(spec)
+
+    @task
+    def domains_of(checked: dict) -> list[str]:
+        return checked["ok"]
+
+    @task(retries=0)
+    def estimate(domain: str, spec: dict, profile_name: str) -> str:
+        from tasks.pipeline import step_estimate
+
+        with _user_errors():
+            step_estimate(spec, domain, profile_name)
+        return domain
+
+    @task(pool=TIMING_POOL, retries=0)
+    def confirm(domain: str, spec: dict) -> str:
+        from tasks.pipeline import step_confirm
+
+        with _user_errors():
+            step_confirm(spec, domain)
+        return domain
+
+    @task(retries=0)
+    def validate(domain: str, spec: dict) -> str:
+        from tasks.pipeline import step_validate
+
+        with _user_errors():
+            step_validate(spec, domain)
+        return domain
+
+    @task(trigger_rule="all_done")
+    def finish(spec: dict, checked: dict) -> dict:
+        """Runs whatever the domains' outcome: failed domains keep the champion's setting."""
+        from tasks.pipeline import step_finish
+
+        with _user_errors():
+            return step_finish(spec, insufficient=checked["insufficient"])
+
+    @task
+    def register(spec: dict, finished: dict) -> dict:
+        from tasks.pipeline import step_register
+
+        with _user_errors():
+            return step_register(spec)
+
+    @task(outlets=[CHAMPION_ASSET])
+    def promote(spec: dict, registered: dict) -> dict:
+        from tasks.pipeline import step_promote
+
+        if not spec["promote"]:
+            raise AirflowSkipException("promotion not requested (param promote=false)")
+        with _user_errors():
+            result = step_promote(spec, registered)
+        if not result["promoted"]:
+            raise AirflowSkipException(f"not promoted: {result['reason']}")
+        get_current_context()["outlet_events"][CHAMPION_ASSET].extra = {
+            "name": registered["name"], "version": result["version"], "run_id": spec["run_id"]}
+        return result
+
+    @task(outlets=[LOW_ACCEPTANCE_ASSET])
+    def acceptance_alert(spec: dict, finished: dict) -> list[dict]:
+        from tasks.pipeline import low_acceptance_domains
+
+        context = get_current_context()
+        low = low_acceptance_domains(spec, context["params"]["acceptance_alert"])
+        if not low:
+            raise AirflowSkipException("no domain below the acceptance alert")
+        context["outlet_events"][LOW_ACCEPTANCE_ASSET].extra = {"run_id": spec["run_id"], "domains": low}
+        return low
+
+    @task(outlets=[EVALUATIONS_ASSET], trigger_rule="none_failed_min_one_success")
+    def report(spec: dict, finished: dict) -> list[dict]:
+        """The run's per-domain table (logged, and the XCom return value)."""
+        from tasks.evaluate import evaluation_table
+        from tasks.pipeline import RunSpec
+
+        table = evaluation_table(spec["run_id"], RunSpec.of(spec).url)
+        for row in table:
+            print({key: row[key] for key in ("domain", "enabled", "drafter", "k", "max_batch_size",
+                                             "predicted_speedup", "measured_speedup", "validation")})
+        get_current_context()["outlet_events"][EVALUATIONS_ASSET].extra = {"run_id": spec["run_id"]}
+        return table
+
+    @task_group
+    def per_domain(domain: str, spec: dict, profile_name: str):
+        """One domain's chain; mapped over domains, so a failure stays inside its own domain."""
+        return validate(confirm(estimate(domain, spec, profile_name), spec), spec)
+
+    @task
+    def domain_failures(finished: dict) -> None:
+        """Last: fails the run (after everything else is stored) when a domain's steps failed."""
+        if finished["failed"]:
+            raise AirflowFailException(
+                f"domains {finished['failed']} failed (off in this config; the champion's setting is "
+                "kept): see their tasks' logs and the domain_configs reasons")
+
+    spec = sample()
+    checked = check(spec)
+    profile_name = profile(spec)
+    checked >> profile_name
+    validated = per_domain.partial(spec=spec, profile_name=profile_name).expand(
+        domain=domains_of(checked))
+    finished = finish(spec, checked)
+    validated >> finished
+    registered = register(spec, finished)
+    promoted = promote(spec, registered)
+    acceptance_alert(spec, finished)
+    reported = report(spec, finished)
+    reported << promoted
+    reported >> domain_failures(finished)
+
+
+specdec_evaluate()

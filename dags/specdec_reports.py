@@ -1,0 +1,44 @@
+"""
+### specdec_reports: materialise the ops SQL reports after each evaluation
+
+Triggered by the `specdec://evaluations` asset that `specdec_evaluate` publishes. Runs every
+report in `sql/` (portable SQL: SQLite and PostgreSQL) against the specdec database and writes
+each as CSV under `$SPECDEC_HOME/reports/` (one file per report, replaced each time), so ops teams
+read them from a file share or open them in a notebook. Every step is a function of `tasks.reports`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from airflow.sdk import Asset, dag, task
+
+EVALUATIONS_ASSET = Asset("specdec://evaluations")
+
+
+@dag(dag_id="specdec_reports", schedule=[EVALUATIONS_ASSET], start_date=datetime(2025, 1, 1),
+     catchup=False, doc_md=__doc__, tags=["specdec"],
+     default_args={"retries": 2, "retry_exponential_backoff": True})
+def specdec_reports():
+    @task
+    def report_names() -> list[str]:
+        from tasks.reports import list_reports
+
+        return sorted(list_reports())
+
+    @task
+    def materialise(name: str) -> dict:
+        from tasks.reports import materialise_report
+
+        try:
+            from airflow.sdk import BaseHook
+
+            url = BaseHook.get_connection("specdec_db").get_uri()
+        except Exception:
+            url = None
+        return materialise_report(name, db_url=url)
+
+    materialise.expand(name=report_names())
+
+
+specdec_reports()

@@ -1,0 +1,158 @@
+"""The Airflow DAGs: DagBag import, and `specdec_evaluate` end to end through Airflow's own
+`dag.test()` on a tiny target (specdec database on SQLite and PostgreSQL, MLflow local store)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, update
+
+from .conftest import save_tiny_target, tiny_llama, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONF = {"samples_per_domain": 10, "min_per_domain": 5, "k_max": 3, "min_speedup": 0.01,
+             "candidates": ["prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"]}
+SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2]",
+         "SPECDEC_PROFILE_REPEATS": "1", "SPECDEC_PROFILE_CONTEXT_LEN": "32",
+         "SPECDEC_CONFIRM_REQUESTS": "2", "SPECDEC_CONFIRM_MAX_NEW_TOKENS": "12",
+         "SPECDEC_GREEDY_CHECK_TOKENS": "8", "SPECDEC_BOOTSTRAP_SAMPLES": "200",
+         "SPECDEC_PROMOTION_REGRESSION_TOLERANCE": "0.99"}   # tiny-model timings are noise
+
+
+@pytest.fixture(scope="session")
+def airflow_env():
+    """An Airflow home with a migrated SQLite metadata database and the timing pool; the DAG
+    folder is the repository's dags/. Set before airflow is first imported in this process."""
+    home = Path(tempfile.mkdtemp(prefix="airflow-home-"))
+    env = {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+           "AIRFLOW__CORE__UNIT_TEST_MODE": "False"}
+    os.environ.update(env)
+    for command in (["db", "migrate"], ["pools", "set", "specdec_timing", "1", "one timing task at a time"]):
+        done = subprocess.run([sys.executable, "-m", "airflow", *command], capture_output=True,
+                              text=True, env=os.environ.copy())
+        assert done.returncode == 0, done.stderr[-2000:]
+    return env
+
+
+@pytest.fixture(scope="session")
+def dagbag(airflow_env):
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(REPO / "dags"))
+
+
+def test_dagbag_imports_without_errors(dagbag):
+    assert dagbag.import_errors == {}
+    assert set(dagbag.dag_ids) == {"specdec_evaluate", "specdec_reports"}
+    evaluate = dagbag.get_dag("specdec_evaluate")
+    assert {t.task_id for t in evaluate.tasks} == {
+        "sample", "check", "profile", "domains_of", "per_domain.estimate", "per_domain.confirm",
+        "per_domain.validate", "finish", "register", "promote", "acceptance_alert", "report", "domain_failures"}
+    assert evaluate.schedule == "@daily" and evaluate.timetable.expression == "0 0 * * *"
+    assert not evaluate.catchup and evaluate.max_active_runs == 1
+    assert evaluate.doc_md and "specdec_evaluate" in evaluate.doc_md
+    timing = {t.task_id for t in evaluate.tasks if t.pool == "specdec_timing"}
+    assert timing == {"profile", "per_domain.confirm"}
+    assert evaluate.get_task("finish").trigger_rule == "all_done"
+    params = evaluate.params
+    for name in ("domains", "window_days", "samples_per_domain", "candidates", "hardware_profile",
+                 "k_max", "min_speedup", "promote"):
+        assert params.get_param(name).schema.get("title"), name
+    assert params.get_param("k_max").schema["maximum"] == 32
+    outlets = {t.task_id: [o.uri for o in t.outlets] for t in evaluate.tasks if t.outlets}
+    assert outlets == {"promote": ["specdec://config/champion"],
+                       "acceptance_alert": ["specdec://alerts/low-acceptance"],
+                       "report": ["specdec://evaluations/"]}
+    reports = dagbag.get_dag("specdec_reports")
+    assert type(reports.timetable).__name__ == "AssetTriggeredTimetable"
+    assert [asset.uri for asset in reports.schedule] == ["specdec://evaluations/"]
+
+
+def test_dag_files_only_wire_tasks_functions():
+    for path in (REPO / "dags").glob("*.py"):
+        source = path.read_text()
+        assert "sqlalchemy" not in source and "torch" not in source and "mlflow" not in source, path
+
+
+@pytest.fixture
+def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
+    """Tiny target saved as a model directory, its own traffic imported, MLflow in tmp_path."""
+    from tasks.traffic import import_traffic
+
+    from .test_evaluate import traffic_rows
+
+    target = tiny_llama(seed=0)
+    model_dir = save_tiny_target(target, tmp_path / "tiny-target")
+    from specdec_core import load_model
+
+    model, _ = load_model(str(model_dir), device="cpu")
+    rows = traffic_rows(model, foreign=0)
+    rows += [dict(row, id=row["id"].replace("qa", "code"), domain="code") for row in rows
+             if row["domain"] == "qa"]
+    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
+    for key, value in SMALL.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", db_url)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    from tasks import pipeline
+
+    pipeline._MODELS.clear()
+    return {"target": str(model_dir), "db_url": db_url}
+
+
+def run_dag(dagbag, conf: dict):
+    dag = dagbag.get_dag("specdec_evaluate")
+    run = dag.test(run_conf=conf)
+    states = {}
+    for ti in run.get_task_instances():
+        states.setdefault(ti.task_id, []).append(ti.state)
+    return run, states
+
+
+def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_env):
+    from tasks.config_schema import config_model_name
+    from tasks.registry import client, load_version_config
+
+    conf = {**TINY_CONF, "target": tiny_env["target"], "promote": True}
+    run, states = run_dag(dagbag, conf)
+    assert run.state == "success", states
+    assert states["per_domain.estimate"] == ["success"] * 3 and states["promote"] == ["success"]
+    name = config_model_name(tiny_env["target"])
+    mlflow_client = client()
+    first = mlflow_client.get_model_version_by_alias(name, "champion").version
+    champion = load_version_config(mlflow_client, name, first)
+    assert champion.run_id == run.run_id and set(champion.domains) == {"code", "json", "qa"}
+    assert champion.domains["code"].enabled
+
+    # corrupt the code domain's logged token ids: its estimate fails, the others go on
+    from tasks.db.models import TrafficRequest
+
+    engine = create_engine(tiny_env["db_url"])
+    with engine.begin() as connection:
+        connection.execute(update(TrafficRequest).where(TrafficRequest.domain == "code")
+                           .values(response_token_ids=[500, 501, 502]))
+    engine.dispose()
+    run2, states2 = run_dag(dagbag, conf)
+    assert run2.state == "failed"                              # a domain failed: the run says so
+    assert states2["domain_failures"] == ["failed"] and states2["report"] == ["success"]
+    assert sorted(states2["per_domain.estimate"]).count("failed") == 1
+    assert states2["per_domain.validate"].count("success") == 2           # json and qa were validated
+    assert states2["finish"] == ["success"] and states2["register"] == ["success"]
+    second = mlflow_client.get_model_version_by_alias(name, "challenger").version
+    config = load_version_config(mlflow_client, name, second)
+    assert config.run_id == run2.run_id
+    assert config.domains["code"].source == "champion"         # the champion's setting is kept
+    assert config.domains["code"].model_dump(exclude={"source"}) == \
+        champion.domains["code"].model_dump(exclude={"source"})
+    for domain in ("json", "qa"):
+        assert config.domains[domain].source == "run" and config.domains[domain].validation == "passed"
+    now = mlflow_client.get_model_version_by_alias(name, "champion").version
+    assert now in (first, second)                              # promoted or not: never corrupted
+    kept = load_version_config(mlflow_client, name, now)
+    assert kept.domains["code"].enabled

@@ -1,0 +1,683 @@
+"""The config registry (MLflow): registration reused on retry, gated compare-and-set promotion,
+refusals that leave the champion, rollback, the vLLM export, the config schema, the serving-side
+reader surviving a stopped tracking server, and `specdec config ...` on the command line.
+
+No evaluation runs here: `finished_run` writes the rows an evaluation leaves (eval_runs,
+domain_configs, optionally acceptance_estimates) straight into the specdec database.
+
+Backends: each registry test runs on three combinations of (specdec database, MLflow tracking):
+(sqlite, local store), (sqlite, `mlflow server`), (postgresql, local store). The PostgreSQL
+database only changes where the promotions table lives, so pairing it with the server as well
+would add minutes for no new path. The local store is a copy of one migrated MLflow database per
+test (a fresh MLflow database spends seconds in its migrations); the server is started once for
+the module, and every test uses its own target id, hence its own experiment and registered model.
+The serving test starts (and stops) a server of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, insert, select
+
+from tasks.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
+                                 target_slug)
+from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun, Promotion
+from tasks.registry import (RegistryError, build_config, check_gates, client, promote,
+                            register_config, rollback, show_version, tracking_uri,
+                            validation_status, vllm_export)
+from tasks.settings import load_settings
+
+from .conftest import POSTGRES_ENV
+
+MLFLOW = Path(sys.executable).with_name("mlflow")
+DEFAULTS = load_settings({})          # the documented defaults, whatever SPECDEC_* says
+LABEL = "prompt_lookup(max_ngram=3)"
+SPEC = {"kind": "prompt_lookup", "params": {"max_ngram": 3}}
+
+
+# ------------------------------------------------------------------------------------------------
+# rows an evaluation leaves behind
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def domain_row(run_id: str, domain: str, enabled: bool = True, **overrides) -> dict:
+    """A finished domain_configs row: on (prompt lookup, K=3, 1.5x measured, validation passed)
+    or off (no drafter, validation not needed)."""
+    row = dict(run_id=run_id, domain=domain, enabled=enabled, status="ok", samples=25,
+               created_at=_now(), reason="test row")
+    if enabled:
+        row.update(drafter=LABEL, drafter_spec=SPEC, k=3, max_batch_size=4, predicted_speedup=1.6,
+                   predicted_speedup_lo=1.3, predicted_speedup_hi=1.9, measured_speedup=1.5,
+                   mean_accepted_length=2.2, conditional_acceptance=[0.8, 0.6, 0.4],
+                   validation="passed", promotable=True)
+    else:
+        row.update(drafter=None, drafter_spec=None, k=None, max_batch_size=None, predicted_speedup=None,
+                   predicted_speedup_lo=None, predicted_speedup_hi=None, measured_speedup=0.9,
+                   mean_accepted_length=None, conditional_acceptance=None, validation="not_needed",
+                   promotable=False)
+    row.update(overrides)
+    return row
+
+
+def finished_run(db_url: str, run_id: str, domains: dict, target_id: str = "tiny-target",
+                 fingerprint: str | None = "sha256:aaa", hardware: str | None = "cpu-test",
+                 estimates: bool = False) -> None:
+    """An evaluated run: an eval_runs row and one domain_configs row per domain.
+
+    domains: {name: overrides of domain_row (e.g. {"enabled": False}, {"validation": "failed"})}.
+    estimates: also acceptance_estimates for K = 1..3 of each enabled domain (the plots' data).
+    """
+    now = _now()
+    engine = create_engine(db_url)
+    with engine.begin() as connection:
+        connection.execute(insert(EvalRun).values(
+            run_id=run_id, created_at=now - timedelta(minutes=5), updated_at=now, status="evaluated",
+            target_id=target_id, target_fingerprint=fingerprint, hardware_profile=hardware,
+            params={"min_per_domain": 20, "max_per_domain": 30}))
+        for name, overrides in domains.items():
+            row = domain_row(run_id, name, **overrides)
+            connection.execute(insert(DomainConfig).values(**row))
+            if estimates and row["enabled"]:
+                for k in (1, 2, 3):
+                    rates = [0.8, 0.6, 0.4][:k]
+                    connection.execute(insert(AcceptanceEstimate).values(
+                        run_id=run_id, domain=name, drafter=LABEL, k=k, requests=25, tokens=400,
+                        acceptance_rate=sum(rates) / k, mean_accepted_length=1 + sum(rates),
+                        conditional_acceptance=rates, predicted_speedup=1.0 + 0.2 * k,
+                        predicted_speedup_lo=0.9 + 0.2 * k, predicted_speedup_hi=1.1 + 0.2 * k,
+                        created_at=now, drafter_spec=SPEC))
+    engine.dispose()
+
+
+def promotions(db_url: str) -> list[dict]:
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        rows = [dict(r) for r in connection.execute(select(Promotion).order_by(Promotion.id)).mappings()]
+    engine.dispose()
+    return rows
+
+
+def champion_of(uri: str, name: str) -> str:
+    return str(client(uri).get_model_version_by_alias(name, "champion").version)
+
+
+def register(run_id: str, db_url: str, uri: str) -> dict:
+    return register_config(run_id, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest")
+
+
+def promote_(name: str, version: str, db_url: str, uri: str, **kwargs) -> dict:
+    return promote(name, version, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest", **kwargs)
+
+
+def gate(result: dict, name: str) -> dict:
+    return next(g for g in result["gates"] if g["name"] == name)
+
+
+# ------------------------------------------------------------------------------------------------
+# MLflow: a migrated local store to copy, and a real tracking server
+@pytest.fixture(scope="module")
+def mlflow_template(tmp_path_factory) -> Path:
+    """One MLflow SQLite store with its schema created (copied per test: migrations take seconds)."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    uri = f"sqlite:///{path}"
+    template = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    template.search_experiments()
+    template.search_registered_models()
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1 at a free port, in its own process group."""
+
+    def __init__(self, directory: Path, template: Path | None = None, timeout_s: float = 60.0):
+        directory.mkdir(parents=True, exist_ok=True)
+        backend = directory / "srv.db"
+        if template is not None:
+            shutil.copy(template, backend)
+        self.port = _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.log = directory / "server.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"     # no job runner: registry only
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{backend}",
+                 "--artifacts-destination", str(directory / "artifacts"), "--host", "127.0.0.1",
+                 "--port", str(self.port), "--workers", "1"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=directory, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"mlflow server on port {self.port} did not answer /health within "
+                            f"{timeout_s:.0f} s (exit {self.process.returncode}); its output:\n"
+                            + self.log.read_text(errors="replace")[-4000:])
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group (server, uvicorn worker, job runner), then SIGKILL."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)    # leftovers of the group, if any
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory, mlflow_template):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"), mlflow_template)
+    yield server.uri
+    server.stop()
+
+
+COMBOS = [
+    pytest.param(("sqlite", "local"), id="sqlite-local"),
+    pytest.param(("sqlite", "server"), id="sqlite-server"),
+    pytest.param(("postgresql", "local"), id="postgresql-local", marks=pytest.mark.skipif(
+        not os.environ.get(POSTGRES_ENV), reason=f"{POSTGRES_ENV} is not set: no PostgreSQL server")),
+]
+
+
+@pytest.fixture(params=COMBOS)
+def combo(request) -> tuple[str, str]:
+    return request.param
+
+
+@pytest.fixture
+def db_backend(combo) -> str:
+    """Overrides conftest's db_backend: the specdec database of this module's combination."""
+    return combo[0]
+
+
+@pytest.fixture
+def tracking(combo, tmp_path, request, mlflow_template, monkeypatch) -> str:
+    """The MLflow tracking URI: a local SQLite store of this test, or the module's server."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    if combo[1] == "server":
+        return request.getfixturevalue("mlflow_server")
+    path = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def target_id() -> str:
+    """A target of this test only: its own experiment and registered model on a shared server."""
+    return f"Test-Org/Tiny-Target-{uuid.uuid4().hex[:10]}"
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. register and promote
+def test_register_then_promote_first_champion(db_url, tracking, target_id):
+    finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False}}, target_id=target_id,
+                 estimates=True)
+    registered = register("run-1", db_url, tracking)
+    name = config_model_name(target_id)
+    assert registered["name"] == name == f"specdec-config-{target_slug(target_id)}"
+    assert registered["version"] == "1" and registered["reused"] is False
+    assert registered["champion_version"] is None and registered["validation"] == "passed"
+
+    mlflow_client = client(tracking)
+    version = mlflow_client.get_model_version_by_alias(name, "challenger")
+    assert str(version.version) == "1"
+    assert version.tags == {"run_id": "run-1", "domains_on": "json", "validation": "passed",
+                            "hardware_profile": "cpu-test", "target_fingerprint": "sha256:aaa"}
+    description = version.description
+    assert "| json | on | prompt_lookup(max_ngram=3) | 3 | 4 |" in description
+    assert "| chat | off |" in description
+    assert "No champion yet" in description
+    with pytest.raises(Exception):                       # no champion before the promotion
+        mlflow_client.get_model_version_by_alias(name, "champion")
+
+    # the tracked MLflow run: params, per-domain metrics, the config and the plots
+    run = mlflow_client.get_run(registered["mlflow_run_id"])
+    assert run.data.tags["specdec.run_id"] == "run-1"
+    assert run.data.params["target"] == target_id and run.data.params["hardware_profile"] == "cpu-test"
+    assert run.data.params["candidates"] == LABEL and run.data.params["domains"] == "chat,json"
+    assert run.data.metrics["json.measured_speedup"] == pytest.approx(1.5)
+    assert run.data.metrics["json.enabled"] == 1.0 and run.data.metrics["chat.enabled"] == 0.0
+    assert {a.path for a in mlflow_client.list_artifacts(run.info.run_id, "plots")} == {
+        "plots/conditional_acceptance.png", "plots/predicted_speedup_vs_k.png"}
+    shown = show_version(name, "challenger", tracking)
+    assert shown["config"]["run_id"] == "run-1" and shown["config"]["target"]["id"] == target_id
+    assert shown["config"]["domains"]["json"]["drafter"]["kind"] == "prompt_lookup"
+    assert shown["config"]["domains"]["chat"]["enabled"] is False
+
+    result = promote_(name, "1", db_url, tracking)
+    assert result["promoted"] is True and result["forced"] is False
+    assert result["champion_before"] is None and result["reason"] == "all gates passed"
+    assert [g["name"] for g in result["gates"]] == ["validation", "no_regression", "min_samples",
+                                                   "same_target"]
+    assert all(g["passed"] for g in result["gates"])
+    assert champion_of(tracking, name) == "1"
+    assert set(mlflow_client.get_model_version(name, "1").aliases) == {"champion", "challenger"}
+
+    rows = promotions(db_url)
+    assert [(r["action"], r["alias"], r["config_version"]) for r in rows] == [
+        ("register", "challenger", "1"), ("promote", "champion", "1")]
+    assert all(r["run_id"] == "run-1" and r["target_id"] == target_id and r["config_name"] == name
+               and r["actor"] == "pytest" for r in rows)
+    assert rows[1]["forced"] is False and rows[1]["gates"]["champion_before"] is None
+    assert [g["name"] for g in rows[1]["gates"]["gates"]] == [g["name"] for g in result["gates"]]
+
+
+# 2. a retried registration
+def test_retried_registration_reuses_the_run_and_the_version(db_url, tracking, target_id):
+    finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
+    first = register("run-1", db_url, tracking)
+    again = register("run-1", db_url, tracking)
+    assert (first["version"], first["reused"]) == ("1", False)
+    assert (again["version"], again["reused"]) == ("1", True)
+    assert again["mlflow_run_id"] == first["mlflow_run_id"]
+
+    mlflow_client = client(tracking)
+    name = config_model_name(target_id)
+    assert [str(v.version) for v in mlflow_client.search_model_versions(f"name='{name}'")] == ["1"]
+    experiment = mlflow_client.get_experiment_by_name(f"specdec/{target_slug(target_id)}")
+    assert experiment is not None
+    tagged = mlflow_client.search_runs([experiment.experiment_id],
+                                       filter_string="tags.`specdec.run_id` = 'run-1'")
+    assert [r.info.run_id for r in tagged] == [first["mlflow_run_id"]]
+    assert len(mlflow_client.search_runs([experiment.experiment_id])) == 1
+
+    rows = promotions(db_url)
+    assert [r["action"] for r in rows] == ["register", "register"]
+    assert "reused" in rows[1]["reason"] and rows[1]["config_version"] == "1"
+
+
+# 3. failing gates leave the champion
+def test_failed_validation_gate_leaves_the_champion(db_url, tracking, target_id):
+    name = config_model_name(target_id)
+    finished_run(db_url, "run-1", {"json": {}, "qa": {}}, target_id=target_id)
+    assert promote_(name, register("run-1", db_url, tracking)["version"], db_url, tracking)["promoted"]
+
+    finished_run(db_url, "run-2", {"json": {"validation": "failed", "promotable": False},
+                                   "qa": {}}, target_id=target_id)
+    registered = register("run-2", db_url, tracking)
+    assert registered["version"] == "2" and registered["validation"] == "failed"
+    assert registered["champion_version"] == "1"
+    assert client(tracking).get_model_version(name, "2").tags["validation"] == "failed"
+
+    result = promote_(name, "2", db_url, tracking)
+    assert result["promoted"] is False and result["champion"] == "1"
+    assert "validation" in result["reason"] and "'json'" in result["reason"]
+    assert not gate(result, "validation")["passed"]
+    assert "1/2 enabled domains passed" in gate(result, "validation")["figure"]
+    assert all(g["passed"] for g in result["gates"] if g["name"] != "validation")
+    assert champion_of(tracking, name) == "1"
+    # the challenger alias moved to the new version; the champion did not
+    assert str(client(tracking).get_model_version_by_alias(name, "challenger").version) == "2"
+
+    last = promotions(db_url)[-1]
+    assert (last["action"], last["config_version"], last["run_id"]) == ("reject", "2", "run-2")
+    assert last["forced"] is False and last["gates"]["champion_before"] == "1"
+    assert "validation" in last["reason"]
+
+
+def test_regression_is_refused_unless_forced(db_url, tracking, target_id):
+    name = config_model_name(target_id)
+    finished_run(db_url, "run-1", {"json": {}, "qa": {}}, target_id=target_id)
+    assert promote_(name, register("run-1", db_url, tracking)["version"], db_url, tracking)["promoted"]
+
+    # qa measured 0.5x where the champion measured 1.5x: a third of the champion's speedup
+    finished_run(db_url, "run-2", {"json": {}, "qa": {"measured_speedup": 0.5}}, target_id=target_id)
+    assert register("run-2", db_url, tracking)["version"] == "2"
+    refused = promote_(name, "2", db_url, tracking)
+    assert refused["promoted"] is False and "no_regression" in refused["reason"]
+    assert not gate(refused, "no_regression")["passed"]
+    assert "worst domain qa: 0.33x" in gate(refused, "no_regression")["figure"]
+    assert all(g["passed"] for g in refused["gates"] if g["name"] != "no_regression")
+    assert champion_of(tracking, name) == "1"
+
+    forced = promote_(name, "2", db_url, tracking, force=True)
+    assert forced["promoted"] is True and forced["forced"] is True
+    assert forced["champion_before"] == "1" and "no_regression" in forced["reason"]
+    assert champion_of(tracking, name) == "2"
+    rows = promotions(db_url)
+    assert [r["action"] for r in rows] == ["register", "promote", "register", "reject", "promote"]
+    assert rows[-1]["forced"] is True and rows[-1]["reason"].startswith("FORCED")
+    assert rows[-1]["gates"]["champion_before"] == "1" and rows[-1]["config_version"] == "2"
+    assert rows[1]["forced"] is False
+
+
+# 4. rollback
+def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
+    name = config_model_name(target_id)
+    finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
+    register("run-1", db_url, tracking)
+    with pytest.raises(RegistryError, match="no champion"):
+        rollback(name, db_url=db_url, uri=tracking)
+    assert promote_(name, "1", db_url, tracking)["promoted"]
+    finished_run(db_url, "run-2", {"json": {"measured_speedup": 1.7}}, target_id=target_id)
+    register("run-2", db_url, tracking)
+    assert promote_(name, "2", db_url, tracking)["champion_before"] == "1"
+    assert champion_of(tracking, name) == "2"
+
+    assert rollback(name, db_url=db_url, uri=tracking, actor="pytest") == {
+        "champion": "1", "champion_before": "2"}
+    assert champion_of(tracking, name) == "1"
+    last = promotions(db_url)[-1]
+    assert (last["action"], last["alias"], last["config_version"], last["run_id"]) == (
+        "rollback", "champion", "1", "run-1")
+    assert last["gates"] == {"champion_before": "2"}
+
+    # version 1 replaced no champion: nothing further to roll back to, and nothing moves
+    with pytest.raises(RegistryError, match="replaced no earlier champion"):
+        rollback(name, db_url=db_url, uri=tracking)
+    assert champion_of(tracking, name) == "1"
+    assert [r["action"] for r in promotions(db_url)].count("rollback") == 1
+
+
+# 5. compare-and-set
+def test_promotion_is_compare_and_set_on_the_reviewed_champion(db_url, tracking, target_id):
+    name = config_model_name(target_id)
+    for run_id in ("run-1", "run-2", "run-3"):
+        finished_run(db_url, run_id, {"json": {}}, target_id=target_id)
+        register(run_id, db_url, tracking)
+    assert promote_(name, "1", db_url, tracking, expected_champion=None)["promoted"]
+    assert promote_(name, "2", db_url, tracking, expected_champion="1")["promoted"]
+
+    # gates of version 3 were reviewed against champion 1, but the champion is now 2
+    stale = promote_(name, "3", db_url, tracking, expected_champion="1")
+    assert stale["promoted"] is False and stale["champion"] == "2"
+    assert "champion 1" in stale["reason"] and "now 2" in stale["reason"]
+    assert champion_of(tracking, name) == "2"
+    # reviewed against "no champion" while one exists
+    none = promote_(name, "3", db_url, tracking, expected_champion=None)
+    assert none["promoted"] is False and "champion none" in none["reason"]
+    assert champion_of(tracking, name) == "2"
+    rejects = [r for r in promotions(db_url) if r["action"] == "reject"]
+    assert [(r["config_version"], r["gates"]["champion_before"]) for r in rejects] == [("3", "2")] * 2
+
+    # reviewed against the actual champion: promoted
+    fresh = promote_(name, "3", db_url, tracking, expected_champion="2")
+    assert fresh["promoted"] is True and fresh["champion_before"] == "2"
+    assert champion_of(tracking, name) == "3"
+    # and the champion itself is not promoted again
+    same = promote_(name, "3", db_url, tracking)
+    assert same["promoted"] is False and "already the champion" in same["reason"]
+
+
+# 6. target change
+def test_another_target_fingerprint_fails_same_target(db_url, tracking, target_id):
+    name = config_model_name(target_id)
+    finished_run(db_url, "run-1", {"json": {}}, target_id=target_id, fingerprint="sha256:aaa")
+    register("run-1", db_url, tracking)
+    assert promote_(name, "1", db_url, tracking)["promoted"]
+    finished_run(db_url, "run-2", {"json": {}}, target_id=target_id, fingerprint="sha256:bbb")
+    register("run-2", db_url, tracking)
+    assert "target changed" in client(tracking).get_model_version(name, "2").description
+
+    result = promote_(name, "2", db_url, tracking)
+    assert result["promoted"] is False and "same_target" in result["reason"]
+    assert not gate(result, "same_target")["passed"]
+    assert "sha256:bbb vs champion sha256:aaa" in gate(result, "same_target")["figure"]
+    assert all(g["passed"] for g in result["gates"] if g["name"] != "same_target")
+    assert champion_of(tracking, name) == "1"
+    assert promotions(db_url)[-1]["action"] == "reject"
+
+
+# ------------------------------------------------------------------------------------------------
+# the config of a run (database only)
+@pytest.mark.parametrize("db_backend", [
+    "sqlite", pytest.param("postgresql", marks=pytest.mark.skipif(
+        not os.environ.get(POSTGRES_ENV), reason=f"{POSTGRES_ENV} is not set"))])
+def test_build_config_keeps_the_champions_setting_for_insufficient_domains(db_url):
+    finished_run(db_url, "run-1", {"json": {}, "code": {"status": "insufficient", "enabled": False,
+                                                        "samples": 7}})
+    alone = build_config("run-1", db_url)
+    assert alone.domains_on == ["json"]
+    assert alone.domains["code"].source == "off" and alone.domains["code"].samples == 7
+    json_setting = alone.domains["json"]
+    assert json_setting.drafter.kind == "prompt_lookup" and json_setting.drafter.params == {"max_ngram": 3}
+    assert json_setting.predicted_speedup_ci95 == (1.3, 1.9) and json_setting.max_batch_size == 4
+    assert validation_status(alone) == "passed"
+
+    champion = alone.model_copy(update={"domains": {**alone.domains, "code": json_setting}})
+    kept = build_config("run-1", db_url, champion=champion)
+    assert kept.domains["code"].enabled and kept.domains["code"].source == "champion"
+    assert kept.domains_on == ["code", "json"]
+
+    finished_run(db_url, "run-2", {"json": {}}, fingerprint=None)
+    with pytest.raises(RegistryError, match="not finished"):
+        build_config("run-2", db_url)
+    with pytest.raises(RegistryError, match="does not exist"):
+        build_config("no-such-run", db_url)
+
+
+def test_min_samples_gate_counts_measured_enabled_domains():
+    config = parse_config(config_dict(json=enabled_domain(samples=5), chat={"enabled": False}))
+    gates = {g["name"]: g for g in check_gates(config, None, DEFAULTS)}
+    assert not gates["min_samples"]["passed"] and "short: ['json']" in gates["min_samples"]["figure"]
+    assert gates["no_regression"]["passed"] and gates["same_target"]["passed"]
+
+
+def test_tracking_uri_default_and_refuses_specdecs_database(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    assert tracking_uri() == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    assert tracking_uri("http://mlflow:5000") == "http://mlflow:5000"
+    own = f"sqlite:///{tmp_path / 'specdec.db'}"
+    with pytest.raises(RegistryError, match="specdec's own database"):
+        tracking_uri(own, db_url=own)
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. the schema
+def enabled_domain(**overrides) -> dict:
+    return {"enabled": True, "drafter": {"kind": "prompt_lookup", "params": {"max_ngram": 3}}, "k": 3,
+            "max_batch_size": 4, "conditional_acceptance": [0.8, 0.5], "samples": 25,
+            "validation": "passed", **overrides}
+
+
+def config_dict(**domains) -> dict:
+    return {"target": {"id": "tiny", "fingerprint": "sha256:aaa"}, "hardware_profile": "cpu-test",
+            "run_id": "run-1", "created_at": "2025-11-01T10:00:00", "domains": domains}
+
+
+def test_a_valid_config_round_trips():
+    config = parse_config(config_dict(json=enabled_domain(), chat={"enabled": False}))
+    assert isinstance(config, SpecdecConfig) and config.domains_on == ["json"]
+    assert config.default.enabled is False and config.schema_version == 1
+    assert parse_config(config.to_json()) == config
+
+
+@pytest.mark.parametrize("domain, field, words", [
+    (enabled_domain(k=-1), "domains.json.k", "greater than or equal to 0"),
+    (enabled_domain(conditional_acceptance=[0.9, 1.5]), "domains.json", "conditional_acceptance"),
+    (enabled_domain(conditional_acceptance=[-0.1]), "domains.json", "[0, 1]"),
+    (enabled_domain(drafter={"kind": "medusa"}), "domains.json.drafter.kind", "prompt_lookup"),
+    ({"enabled": True, "k": 3}, "domains.json", "needs a drafter"),
+    (enabled_domain(k=0), "domains.json", "k >= 1"),
+    (enabled_domain(speedup=2.0), "domains.json.speedup", "Extra inputs"),
+], ids=["negative-k", "rate-above-1", "rate-below-0", "unknown-drafter", "no-drafter", "k-zero",
+        "unknown-field"])
+def test_schema_rejects_bad_configs_naming_the_field(domain, field, words):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(config_dict(json=domain, chat={"enabled": False}))
+    message = str(caught.value)
+    assert f"{field}: " in message and words in message
+
+
+def test_schema_lists_every_problem_and_rejects_non_json():
+    with pytest.raises(ConfigError) as caught:
+        parse_config(config_dict(json=enabled_domain(k=-2), code=enabled_domain(drafter=None)))
+    message = str(caught.value)
+    assert "(2 problems)" in message and "domains.json.k" in message and "domains.code:" in message
+    with pytest.raises(ConfigError, match="not JSON"):
+        parse_config("{not json")
+    with pytest.raises(ConfigError, match="target: Field required"):
+        parse_config({k: v for k, v in config_dict(json=enabled_domain()).items() if k != "target"})
+
+
+def test_target_slug_and_model_name():
+    assert target_slug("HuggingFaceTB/SmolLM2-135M") == "huggingfacetb--smollm2-135m"
+    assert target_slug("a b_c.d") == "a-b-c-d"
+    assert target_slug("!!!") == "target" and target_slug("///") == "target"
+    assert config_model_name("HuggingFaceTB/SmolLM2-135M") == "specdec-config-huggingfacetb--smollm2-135m"
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. vLLM export
+def test_vllm_export_per_domain():
+    config = parse_config(config_dict(
+        json=enabled_domain(drafter={"kind": "prompt_lookup", "params": {"max_ngram": 4, "min_ngram": 1}},
+                            k=5, max_batch_size=8),
+        qa=enabled_domain(drafter={"kind": "prompt_lookup", "params": {}}, k=2, max_batch_size=None),
+        code=enabled_domain(drafter={"kind": "layer_skip", "params": {"num_layers": 2}}),
+        summarize=enabled_domain(drafter={"kind": "draft_model", "params": {},
+                                          "model_uri": "models:/tiny-drafter/3"}, k=4),
+        chat={"enabled": False}))
+    exported = vllm_export(config)
+    assert exported["target"] == "tiny" and exported["run_id"] == "run-1" and exported["default"] is None
+    spec = exported["speculative_config"]
+    assert spec["json"] == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                            "prompt_lookup_min": 1, "disable_by_batch_size": 8}
+    assert spec["qa"] == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                          "prompt_lookup_min": 2}
+    assert spec["summarize"] == {"method": "draft_model", "model": "models:/tiny-drafter/3",
+                                 "num_speculative_tokens": 4, "disable_by_batch_size": 4}
+    assert spec["code"] is None and spec["chat"] is None
+    assert set(exported["unsupported"]) == {"code"} and "layer_skip" in exported["unsupported"]["code"]
+    assert json.loads(json.dumps(exported)) == exported
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. serving survives the tracking server being stopped
+@pytest.mark.parametrize("db_backend", ["sqlite"])
+def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlflow_template,
+                                                           target_id, monkeypatch):
+    from tasks.serving import ChampionReader
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    server = MlflowServer(tmp_path / "server", mlflow_template)
+    try:
+        finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False}}, target_id=target_id)
+        name = register("run-1", db_url, server.uri)["name"]
+        assert promote_(name, "1", db_url, server.uri)["promoted"]
+
+        now = [0.0]
+        cache = tmp_path / "cache" / "champion.json"
+        reader = ChampionReader(server.uri, target_id, ttl_s=30, cache_path=cache, clock=lambda: now[0])
+        setting = reader.domain("json")
+        assert setting["enabled"] is True and setting["k"] == 3 and setting["max_batch_size"] == 4
+        assert setting["drafter"] == {"kind": "prompt_lookup", "params": {"max_ngram": 3},
+                                      "model_uri": None}
+        assert reader.version == "1" and reader.last_error is None
+        assert parse_config(cache.read_text("utf-8")).run_id == "run-1"
+        assert reader.domain("chat")["enabled"] is False
+    finally:
+        server.stop()
+
+    # within the TTL: served from memory, no registry read at all
+    now[0] = 10.0
+    assert reader.domain("json") == setting and reader.last_error is None
+    # past the TTL: the refresh fails fast and the last good config is served
+    now[0] = 100.0
+    started = time.monotonic()
+    assert reader.domain("json") == setting
+    assert time.monotonic() - started < 20, "a serving read must not hang on a stopped server"
+    assert reader.last_error
+    assert reader.version == "1"
+
+    # a restart with the server still down: the cached config from disk
+    restarted = ChampionReader(server.uri, target_id, ttl_s=0, cache_path=cache)
+    started = time.monotonic()
+    assert restarted.domain("json") == setting
+    assert time.monotonic() - started < 20
+    assert restarted.last_error
+    assert restarted.domain("no-such-domain") == {"enabled": False}
+    # no cache and no server: speculation off
+    cold = ChampionReader(server.uri, target_id, ttl_s=0, cache_path=tmp_path / "none" / "c.json")
+    assert cold.domain("json") == {"enabled": False} and cold.last_error
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. the command line
+def test_cli_config_register_show_export_promote(db_url, tracking, target_id, capsys, monkeypatch):
+    from rich.console import Console
+
+    from tasks import cli, cli_config
+    from tasks.cli import main
+
+    monkeypatch.setattr(cli_config, "console", Console(width=400))   # no wrapping at 80 columns
+    monkeypatch.setattr(cli, "console", Console(width=400))
+    common = ["--target", target_id, "--tracking-uri", tracking]
+    finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False}}, target_id=target_id)
+    assert main(["config", "register", "run-1", *common, "--url", db_url]) == 0
+    assert "version 1 (registered), alias challenger" in capsys.readouterr().out
+    assert main(["config", "promote", "1", *common, "--url", db_url,
+                 "--expected-champion", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "version 1: promoted to champion: all gates passed" in out
+
+    assert main(["config", "show", "champion", *common]) == 0
+    out = capsys.readouterr().out
+    assert f"{config_model_name(target_id)} version 1 aliases" in out
+    assert "| json | on | prompt_lookup(max_ngram=3) | 3 | 4 |" in out and "| chat | off |" in out
+    assert "run_id=run-1" in out
+
+    assert main(["config", "show", "champion", *common, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["version"] == "1" and "champion" in shown["aliases"]
+
+    assert main(["config", "export", "--format", "vllm", *common]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["speculative_config"]["json"]["method"] == "ngram"
+    assert exported["speculative_config"]["json"]["num_speculative_tokens"] == 3
+    assert exported["speculative_config"]["chat"] is None
+    assert main(["config", "export", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["run_id"] == "run-1"
+
+    # a failing gate: exit code 1, champion unchanged
+    finished_run(db_url, "run-2", {"json": {"validation": "failed"}}, target_id=target_id)
+    assert main(["config", "register", "run-2", *common, "--url", db_url]) == 0
+    assert "version 2 (registered)" in capsys.readouterr().out
+    assert main(["config", "promote", "2", *common, "--url", db_url]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "NOT promoted" in out and "validation" in out
+    assert champion_of(tracking, config_model_name(target_id)) == "1"
+
+    # errors: exit code 2
+    assert main(["config", "promote", "99", *common, "--url", db_url]) == 2
+    assert "RegistryError" in capsys.readouterr().out
+    assert main(["config", "rollback", *common, "--url", db_url]) == 2
+    assert "nothing to roll back" in capsys.readouterr().out
