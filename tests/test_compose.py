@@ -1,0 +1,90 @@
+"""The deployment files: docker-compose.yml parsed and checked (services, health checks, three
+databases, LocalExecutor, GPU profile, no inline secrets), .env.example complete."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+LONG_RUNNING = ("postgres", "mlflow", "airflow-api-server", "airflow-scheduler",
+                "airflow-dag-processor", "airflow-triggerer")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())   # merge keys resolved
+
+
+def strings(value):
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+    elif isinstance(value, str):
+        yield value
+
+
+def test_services_and_health_checks(compose):
+    services = compose["services"]
+    assert set(LONG_RUNNING) | {"airflow-init", "airflow-scheduler-gpu"} == set(services)
+    for name in LONG_RUNNING:
+        check = services[name].get("healthcheck")
+        assert check and check["test"], f"{name} has no health check"
+    for name in ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"):
+        env = services[name]["environment"]
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+        assert services[name]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
+        assert "specdec-data:/data/specdec" in services[name]["volumes"]
+    assert services["mlflow"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert "api-server" in services["airflow-api-server"]["command"]
+    assert "dag-processor" in services["airflow-dag-processor"]["command"]
+    assert {"postgres-data", "specdec-data"} <= set(compose["volumes"])
+
+
+def test_three_databases_one_per_system(compose):
+    script = (REPO / "deploy/postgres/init-databases.sh").read_text()
+    assert re.findall(r"^create (\w+) (\w+)", script, re.M) == [
+        ("airflow", "airflow"), ("specdec", "specdec"), ("mlflow", "mlflow")]
+    env = compose["services"]["airflow-scheduler"]["environment"]
+    urls = {"airflow": env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"], "specdec": env["SPECDEC_DATABASE_URL"],
+            "mlflow": compose["services"]["mlflow"]["command"]}
+    for database, text in urls.items():
+        assert re.search(rf"@postgres:5432/{database}\b", text), (database, text)
+    mount = compose["services"]["postgres"]["volumes"]
+    assert any("init-databases.sh:/docker-entrypoint-initdb.d/" in m for m in mount)
+
+
+def test_no_inline_secrets(compose):
+    for text in strings(compose):
+        for user, password in re.findall(r"://([^:/@\s]+):([^@\s]+)@", text):
+            assert password.startswith("${"), f"inline password for {user}: {text}"
+    for service in compose["services"].values():
+        for key, value in (service.get("environment") or {}).items():
+            if re.search(r"PASSWORD|SECRET|TOKEN", key):
+                assert str(value).startswith("${") and ":?" in str(value), key
+    referenced = set(re.findall(r"\$\{(\w+)", (REPO / "docker-compose.yml").read_text()))
+    example = dict(line.split("=", 1) for line in (REPO / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    assert referenced <= set(example), referenced - set(example)
+    assert all(value == "change-me" for key, value in example.items() if re.search(r"PASSWORD|SECRET", key))
+    assert ".env" in (REPO / ".gitignore").read_text().split()
+
+
+def test_gpu_worker_is_optional_and_reserves_a_device(compose):
+    gpu = compose["services"]["airflow-scheduler-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+
+
+def test_image_installs_torch_before_the_pinned_rest():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    torch_at = dockerfile.index('pip install "$TORCH_SPEC"')
+    assert torch_at < dockerfile.index("pip install -c /tmp/constraints.txt .")
+    assert "COPY dags /opt/airflow/dags" in dockerfile
