@@ -19,12 +19,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet $(CONSTRAINTS) -e ".[test]"
 	touch $@
 
-# The main job on the embedded default: schema, shipped traffic (idempotent), one evaluation run.
+# The main job on the embedded default: the shipped traffic and specdec_evaluate end to end
+# through Airflow's dag.test() (SQLite + local MLflow store under $SPECDEC_HOME), then the table,
+# the champion config and how to open the UIs.
 demo: setup
-	$(VENV)/bin/specdec db upgrade
-	$(VENV)/bin/specdec traffic import --sample --no-progress
-	$(VENV)/bin/specdec evaluate --run-id demo --promote
-	$(VENV)/bin/specdec config show champion
+	$(VENV)/bin/specdec main-job
 
 test: setup
 	$(PY) -m pytest -q

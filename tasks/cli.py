@@ -13,7 +13,7 @@ from rich.table import Table
 from specdec_core.errors import SpecDecError
 from specdec_core.models import DEFAULT_MODEL
 
-from . import cli_config, cli_data, cli_eval
+from . import cli_config, cli_data, cli_eval, main_job
 from .candidates import CandidateError, candidate_label, parse_candidate
 from .errors import SpecdecTaskError
 from .prompts import PromptFileError
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_data.register(sub)
     cli_eval.register(sub)
     cli_config.register(sub)
+    main_job.register(sub)
     return parser
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -48,7 +48,7 @@ class DrafterSpec(_Strict):
         return self
 
 
-Rate = Field(ge=0.0, le=1.0)
+Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class DomainSetting(_Strict):
@@ -56,7 +56,7 @@ class DomainSetting(_Strict):
     drafter: DrafterSpec | None = None
     k: int = Field(default=0, ge=0)
     max_batch_size: int | None = Field(default=None, ge=1)
-    conditional_acceptance: list[float] = Field(default_factory=list)
+    conditional_acceptance: list[Rate] = Field(default_factory=list)
     mean_accepted_length: float | None = Field(default=None, ge=1.0)
     predicted_speedup: float | None = Field(default=None, gt=0)
     predicted_speedup_ci95: tuple[float, float] | None = None
@@ -67,9 +67,6 @@ class DomainSetting(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "DomainSetting":
-        bad = [rate for rate in self.conditional_acceptance if not 0.0 <= rate <= 1.0]
-        if bad:
-            raise ValueError(f"conditional_acceptance rates must lie in [0, 1], got {bad}")
         if self.enabled and (self.drafter is None or self.k < 1):
             raise ValueError("an enabled domain needs a drafter and k >= 1")
         if self.predicted_speedup_ci95 is not None:

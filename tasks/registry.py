@@ -325,8 +325,10 @@ def _alias_version(mlflow_client, name: str, alias: str) -> str | None:
 
     try:
         return str(mlflow_client.get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
+    except MlflowException as exc:   # no such model or alias: None; anything else (server down) raises
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
 
 
 def load_version_config(mlflow_client, name: str, version: str) -> SpecdecConfig:

@@ -8,7 +8,7 @@ domain_configs, optionally acceptance_estimates) straight into the specdec datab
 Backends: each registry test runs on three combinations of (specdec database, MLflow tracking):
 (sqlite, local store), (sqlite, `mlflow server`), (postgresql, local store). The PostgreSQL
 database only changes where the promotions table lives, so pairing it with the server as well
-would add minutes for no new path. The local store is a copy of one migrated MLflow database per
+would add run time (about a third) for no new path. The local store is a copy of one migrated MLflow database per
 test (a fresh MLflow database spends seconds in its migrations); the server is started once for
 the module, and every test uses its own target id, hence its own experiment and registered model.
 The serving test starts (and stops) a server of its own.
@@ -407,7 +407,8 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
 
 
 # 5. compare-and-set
-def test_promotion_is_compare_and_set_on_the_reviewed_champion(db_url, tracking, target_id):
+def test_promotion_is_compare_and_set_on_the_reviewed_champion(db_url, tracking, target_id,
+                                                                monkeypatch):
     name = config_model_name(target_id)
     for run_id in ("run-1", "run-2", "run-3"):
         finished_run(db_url, run_id, {"json": {}}, target_id=target_id)
@@ -434,6 +435,24 @@ def test_promotion_is_compare_and_set_on_the_reviewed_champion(db_url, tracking,
     # and the champion itself is not promoted again
     same = promote_(name, "3", db_url, tracking)
     assert same["promoted"] is False and "already the champion" in same["reason"]
+
+    # another promotion lands between the gates and the alias move: the champion it set stays
+    from tasks import registry
+
+    real, reads = registry._alias_version, []
+
+    def racing(mlflow_client, model_name, alias):
+        reads.append(alias)
+        if len(reads) == 2:        # the compare-and-set re-read: someone moved the champion to 1
+            mlflow_client.set_registered_model_alias(model_name, "champion", "1")
+        return real(mlflow_client, model_name, alias)
+
+    monkeypatch.setattr(registry, "_alias_version", racing)
+    raced = promote_(name, "2", db_url, tracking)
+    assert reads == ["champion", "champion"]
+    assert raced["promoted"] is False and "moved from 3 to 1" in raced["reason"]
+    assert champion_of(tracking, name) == "1"
+    assert promotions(db_url)[-1]["action"] == "reject"
 
 
 # 6. target change
@@ -522,8 +541,10 @@ def test_a_valid_config_round_trips():
 
 @pytest.mark.parametrize("domain, field, words", [
     (enabled_domain(k=-1), "domains.json.k", "greater than or equal to 0"),
-    (enabled_domain(conditional_acceptance=[0.9, 1.5]), "domains.json", "conditional_acceptance"),
-    (enabled_domain(conditional_acceptance=[-0.1]), "domains.json", "[0, 1]"),
+    (enabled_domain(conditional_acceptance=[0.9, 1.5]), "domains.json.conditional_acceptance.1",
+     "less than or equal to 1"),
+    (enabled_domain(conditional_acceptance=[-0.1]), "domains.json.conditional_acceptance.0",
+     "greater than or equal to 0"),
     (enabled_domain(drafter={"kind": "medusa"}), "domains.json.drafter.kind", "prompt_lookup"),
     ({"enabled": True, "k": 3}, "domains.json", "needs a drafter"),
     (enabled_domain(k=0), "domains.json", "k >= 1"),
@@ -546,6 +567,14 @@ def test_schema_lists_every_problem_and_rejects_non_json():
         parse_config("{not json")
     with pytest.raises(ConfigError, match="target: Field required"):
         parse_config({k: v for k, v in config_dict(json=enabled_domain()).items() if k != "target"})
+
+
+def test_schema_lists_both_problems_of_one_domain():
+    with pytest.raises(ConfigError) as caught:
+        parse_config(config_dict(json=enabled_domain(k=-1, conditional_acceptance=[1.5])))
+    message = str(caught.value)
+    assert "(2 problems)" in message
+    assert "domains.json.k" in message and "domains.json.conditional_acceptance.0" in message
 
 
 def test_target_slug_and_model_name():
@@ -604,11 +633,24 @@ def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlf
         assert reader.version == "1" and reader.last_error is None
         assert parse_config(cache.read_text("utf-8")).run_id == "run-1"
         assert reader.domain("chat")["enabled"] is False
+
+        # a new champion: seen once the TTL has passed, not before
+        finished_run(db_url, "run-2", {"json": {"k": 5, "measured_speedup": 1.8},
+                                       "chat": {"enabled": False}}, target_id=target_id)
+        register("run-2", db_url, server.uri)
+        assert promote_(name, "2", db_url, server.uri)["promoted"]
+        now[0] = 10.0
+        assert reader.domain("json") == setting and reader.version == "1"
+        now[0] = 40.0
+        setting = reader.domain("json")
+        assert setting["k"] == 5 and setting["measured_speedup"] == 1.8
+        assert reader.version == "2" and reader.last_error is None
+        assert parse_config(cache.read_text("utf-8")).run_id == "run-2"
     finally:
         server.stop()
 
     # within the TTL: served from memory, no registry read at all
-    now[0] = 10.0
+    now[0] = 50.0
     assert reader.domain("json") == setting and reader.last_error is None
     # past the TTL: the refresh fails fast and the last good config is served
     now[0] = 100.0
@@ -616,7 +658,7 @@ def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlf
     assert reader.domain("json") == setting
     assert time.monotonic() - started < 20, "a serving read must not hang on a stopped server"
     assert reader.last_error
-    assert reader.version == "1"
+    assert reader.version == "2"
 
     # a restart with the server still down: the cached config from disk
     restarted = ChampionReader(server.uri, target_id, ttl_s=0, cache_path=cache)

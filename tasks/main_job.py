@@ -1,0 +1,135 @@
+"""The README's main job: the embedded default, the shipped traffic, and `specdec_evaluate` run end
+to end through Airflow's own `dag.test()` on SQLite (specdec and Airflow metadata) and the local
+MLflow store, all under $SPECDEC_HOME; then the per-domain table, the champion config, and how to
+open the Airflow and MLflow UIs on them.
+
+    specdec main-job [--no-promote] [--conf '{"samples_per_domain": 20}']
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .settings import specdec_home
+
+
+def airflow_environment(home: Path, dags_folder: Path) -> dict:
+    """Environment of a local Airflow under $SPECDEC_HOME/airflow (SQLite metadata)."""
+    airflow_home = home / "airflow"
+    return {"AIRFLOW_HOME": str(airflow_home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": os.environ.get("AIRFLOW__LOGGING__LOGGING_LEVEL", "WARNING")}
+
+
+def default_dags_folder() -> Path:
+    return Path(os.environ.get("AIRFLOW__CORE__DAGS_FOLDER")
+                or Path(__file__).resolve().parents[1] / "dags")
+
+
+class _TaskProgress(logging.Handler):
+    """Prints one line per task that dag.test() starts (Airflow's own logs are kept at WARNING)."""
+
+    def __init__(self, console):
+        super().__init__(logging.INFO)
+        self.console = console
+        self.started = time.perf_counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = re.search(r"\[DAG TEST\] starting task_id=(\S+) map_index=(-?\d+)", record.getMessage())
+        if match:
+            task, index = match.groups()
+            label = task if index == "-1" else f"{task}[{index}]"
+            self.console.print(f"      {time.perf_counter() - self.started:6.0f} s  {label}")
+
+
+def prepare_airflow(env: dict) -> None:
+    """Migrate the metadata database and create the one-slot timing pool (both idempotent)."""
+    os.environ.update(env)
+    for command in (["db", "migrate"],
+                    ["pools", "set", "specdec_timing", "1", "timing work never overlaps"]):
+        done = subprocess.run([sys.executable, "-m", "airflow", *command], capture_output=True,
+                              text=True, env=os.environ.copy())
+        if done.returncode != 0:
+            raise RuntimeError(f"`airflow {' '.join(command)}` failed:\n{done.stderr[-3000:]}")
+
+
+def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None = None) -> dict:
+    from rich.console import Console
+
+    console = Console()
+    home = specdec_home().resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    env = airflow_environment(home, dags_folder or default_dags_folder())
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
+    started = time.perf_counter()
+    console.print(f"[bold]1/4[/bold] Airflow metadata database and pool under {env['AIRFLOW_HOME']}")
+    prepare_airflow(env)
+    console.print("[bold]2/4[/bold] specdec database and the shipped traffic")
+    from .db import upgrade
+    from .traffic import import_traffic, sample_traffic_path
+
+    upgrade()
+    report = import_traffic(sample_traffic_path(), progress=False)
+    console.print(f"      {report['inserted']} new requests ({report['rows_read']} read, {report['skipped_existing']} already stored)")
+    console.print("[bold]3/4[/bold] specdec_evaluate through dag.test() (about 6 minutes on 2 CPU cores)")
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=env["AIRFLOW__CORE__DAGS_FOLDER"]).get_dag("specdec_evaluate")
+    progress_logger = logging.getLogger("airflow.sdk.definitions.dag")
+    progress = _TaskProgress(console)
+    progress_logger.addHandler(progress)
+    progress_logger.setLevel(logging.INFO)
+    try:
+        dag_run = dag.test(run_conf={"promote": promote, **(conf or {})})
+    finally:
+        progress_logger.removeHandler(progress)
+    states = {}
+    for ti in dag_run.get_task_instances():
+        states.setdefault(ti.task_id, []).append(str(ti.state))
+    console.print(f"      run {dag_run.run_id}: {dag_run.state}; tasks: "
+                  + ", ".join(f"{task} {'/'.join(sorted(set(s)))}" for task, s in sorted(states.items())))
+    console.print("[bold]4/4[/bold] results")
+    from .cli_eval import evaluation_rich_table
+    from .evaluate import evaluation_table
+    from .registry import RegistryError, show_version
+
+    table = evaluation_table(dag_run.run_id)
+    console.print(evaluation_rich_table({"run_id": dag_run.run_id, "target": "smollm2-135m-instruct",
+                                         "hardware_profile": "this machine", "table": table,
+                                         "seconds": time.perf_counter() - started}))
+    from .config_schema import config_model_name
+
+    try:
+        champion = show_version(config_model_name(dag_run.conf.get("target") or "smollm2-135m-instruct"))
+        console.print(f"champion: {champion['name']} version {champion['version']} (run "
+                      f"{champion['config']['run_id']})")
+        console.print_json(json.dumps(champion["config"]))
+    except RegistryError as exc:
+        champion = None
+        console.print(f"no champion: {exc}")
+    console.print(
+        "\nOpen the UIs on these stores:\n"
+        f"  Airflow: AIRFLOW_HOME={env['AIRFLOW_HOME']} AIRFLOW__CORE__DAGS_FOLDER={env['AIRFLOW__CORE__DAGS_FOLDER']} "
+        ".venv/bin/airflow standalone   # then http://localhost:8080 (login printed at start)\n"
+        f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {os.environ['MLFLOW_TRACKING_URI']} "
+        "--port 5000   # then http://localhost:5000 (experiment specdec/..., model specdec-config-...)\n"
+        f"  total {time.perf_counter() - started:.0f} s")
+    return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": table,
+            "champion": champion, "task_states": states}
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("main-job", help="the README's main job: specdec_evaluate through Airflow's "
+                                             "dag.test() on the embedded default and shipped traffic")
+    parser.add_argument("--no-promote", action="store_true", help="register only (alias challenger)")
+    parser.add_argument("--conf", default=None, help="JSON run conf for specdec_evaluate's Params")
+    parser.set_defaults(func=lambda args: 0 if run(json.loads(args.conf) if args.conf else None,
+                                                   promote=not args.no_promote)["state"] == "success" else 1)
