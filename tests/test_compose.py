@@ -39,6 +39,8 @@ def test_services_and_health_checks(compose):
     for name in ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"):
         env = services[name]["environment"]
         assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+        # no asyncpg installed: the async URL must name the psycopg driver too
+        assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC"] == env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
         assert services[name]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
         assert "specdec-data:/data/specdec" in services[name]["volumes"]
     assert services["mlflow"]["depends_on"]["postgres"]["condition"] == "service_healthy"
