@@ -82,26 +82,58 @@ def measure_lookup_cost(drafter, k: int, context_len: int = 256, batch_size: int
 
 
 def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batch_size: int = 1,
-                       context_len: int = 256, repeats: int = 5) -> dict:
+                       context_len: int = 256, repeats: int = 5, seed: int = 0) -> dict:
     """Seconds on this hardware at one batch size: {"target_step", "verify": {K: s},
-    "draft_step": {label: s}} for K = 1..k_max.
+    "draft_step": {label: s}} for K = 1..k_max (medians).
 
     verify(K) is one cached target pass over K + 1 tokens. A model drafter's step is one cached
     forward of one token through its own model; prompt lookup's is one proposal (per round).
+    Every component is timed once per repeat, interleaved, so drift of the machine's speed (other
+    load, frequency changes) hits the ratios' numerators and denominators alike.
     """
     from .drafters import DraftModel, PromptLookup
 
-    target_costs = measure_forward_costs(target, range(1, k_max + 2), context_len, batch_size,
-                                         repeats=repeats)
-    draft = {}
+    device = next(target.parameters()).device
+    vocab = target.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, vocab, (batch_size, context_len), generator=generator).to(device)
+    keep = torch.full((batch_size,), context_len, device=device)
+    caches = {"target": SequenceCache(target)}
     for label, drafter in drafters.items():
-        if isinstance(drafter, PromptLookup):
-            draft[label] = measure_lookup_cost(drafter, k_max, context_len, batch_size, repeats)
-        elif isinstance(drafter, DraftModel):
-            draft[label] = measure_forward_costs(drafter.model, [1], context_len, batch_size,
-                                                 repeats=repeats)[1]
-        else:
+        if isinstance(drafter, DraftModel):
+            caches[label] = SequenceCache(drafter.model)
+        elif not isinstance(drafter, PromptLookup):
             raise TypeError(f"no cost measurement for drafter {type(drafter).__name__}")
-    return {"target_step": target_costs[1],
-            "verify": {k: target_costs[k + 1] for k in range(1, k_max + 1)},
-            "draft_step": draft}
+    with torch.inference_mode():
+        for cache in caches.values():
+            cache.forward(context)
+
+    def timed_forward(cache: SequenceCache, width: int) -> float:
+        tokens = torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)
+        _sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            cache.forward(tokens)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        cache.rollback_to(keep)
+        return elapsed
+
+    times: dict[tuple[str, int], list[float]] = {}
+    for repeat in range(repeats + 1):          # the first round is a warm-up
+        for width in range(1, k_max + 2):
+            elapsed = timed_forward(caches["target"], width)
+            if repeat:
+                times.setdefault(("target", width), []).append(elapsed)
+        for label, drafter in drafters.items():
+            if isinstance(drafter, PromptLookup):
+                elapsed = measure_lookup_cost(drafter, k_max, context_len, batch_size, repeats=1,
+                                              seed=seed + repeat)
+            else:
+                elapsed = timed_forward(caches[label], 1)
+            if repeat:
+                times.setdefault((label, 1), []).append(elapsed)
+    median = {key: float(np.median(values)) for key, values in times.items()}
+    return {"target_step": median[("target", 1)],
+            "verify": {k: median[("target", k + 1)] for k in range(1, k_max + 1)},
+            "draft_step": {label: median[(label, 1)] for label in drafters}}

@@ -98,10 +98,12 @@ class CostTable:
         return max(self.verify.get(batch_size, {0: 0}))
 
     def verify_ratios(self, batch_size: int) -> list[float]:
-        """[v(1), v(2), ...] = t_verify(K) / t_step at this batch size."""
+        """[v(1), v(2), ...] = t_verify(K) / t_step at this batch size, at least 1: a verify pass
+        does at least a step's work, and a lower ratio is measurement noise (a step timed while the
+        machine was busier) that would promise a speedup no acceptance rate can deliver."""
         step = self.target_step[batch_size]
         verify = self.verify[batch_size]
-        return [verify[k] / step for k in range(1, max(verify) + 1)]
+        return [max(verify[k] / step, 1.0) for k in range(1, max(verify) + 1)]
 
     def draft_ratio(self, drafter: str, batch_size: int) -> float:
         """t_draft / t_step at this batch size (per token for models, per round for prompt lookup)."""
