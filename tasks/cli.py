@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 
-from rich.console import Console
 from rich.table import Table
 
 from specdec_core.errors import SpecDecError
@@ -15,10 +14,11 @@ from specdec_core.models import DEFAULT_MODEL
 
 from . import cli_config, cli_data, cli_eval, main_job
 from .candidates import CandidateError, candidate_label, parse_candidate
+from .console import make_console
 from .errors import SpecdecTaskError
 from .prompts import PromptFileError
 
-console = Console()
+console = make_console()
 
 
 def parse_drafter(text: str) -> tuple[str, dict]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from .cli_data import _print_json, _url_arg
+from .console import make_console
 
-console = Console()
+console = make_console()
 
 
 def _name(args) -> str:

@@ -9,7 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-console = Console()
+from .console import make_console
+
+console = make_console()
 
 
 def _url_arg(parser: argparse.ArgumentParser) -> None:

@@ -62,9 +62,9 @@ def prepare_airflow(env: dict) -> None:
 
 
 def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None = None) -> dict:
-    from rich.console import Console
+    from .console import make_console
 
-    console = Console()
+    console = make_console()
     home = specdec_home().resolve()
     home.mkdir(parents=True, exist_ok=True)
     env = airflow_environment(home, dags_folder or default_dags_folder())
