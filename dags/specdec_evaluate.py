@@ -1,7 +1,8 @@
 """
 ### specdec_evaluate: per-domain speculative decoding settings, proven lossless, promoted by review
 
-Daily (or on demand from the trigger form), for the target model:
+Daily, when `specdec_retrain_draft` registers a new draft (asset `specdec://drafts/new`), or on
+demand from the trigger form, for the target model:
 
 1. **sample** logged traffic per domain over the time window (seeded by the run id);
 2. **check** it with Great Expectations: table-level failures stop the run; a domain below its
@@ -30,11 +31,14 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import Asset, Param, dag, get_current_context, task, task_group
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from airflow.timetables.assets import AssetOrTimeSchedule
+from airflow.timetables.trigger import CronTriggerTimetable
 
 TIMING_POOL = "specdec_timing"
 CHAMPION_ASSET = Asset("specdec://config/champion")
 LOW_ACCEPTANCE_ASSET = Asset("specdec://alerts/low-acceptance")
 EVALUATIONS_ASSET = Asset("specdec://evaluations")
+NEW_DRAFT_ASSET = Asset("specdec://drafts/new")      # published by specdec_retrain_draft
 
 DEFAULT_ARGS = {
     "owner": "specdec",
@@ -99,7 +103,10 @@ def _user_errors():
     return guard()
 
 
-@dag(dag_id="specdec_evaluate", schedule="@daily", start_date=datetime(2025, 1, 1), catchup=False,
+@dag(dag_id="specdec_evaluate",
+     schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 0 * * *", timezone="UTC"),
+                                  assets=[NEW_DRAFT_ASSET]),
+     start_date=datetime(2025, 1, 1), catchup=False,
      max_active_runs=1, default_args=DEFAULT_ARGS, params=PARAMS, doc_md=__doc__,
      tags=["specdec"], render_template_as_native_obj=True)
 def specdec_evaluate():

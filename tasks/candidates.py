@@ -62,8 +62,10 @@ def candidate_label(spec: dict) -> str:
     return spec["kind"] + "(" + ",".join(f"{k}={params[k]}" for k in sorted(params)) + ")"
 
 
-def build_drafters(candidates, target, tokenizer=None) -> dict[str, tuple[dict, object]]:
-    """{label: (spec, drafter)} for the candidates, each checked against the target's vocabulary."""
+def build_drafters(candidates, target, tokenizer=None,
+                   tracking_uri: str | None = None) -> dict[str, tuple[dict, object]]:
+    """{label: (spec, drafter)} for the candidates, each checked against the target's vocabulary.
+    A draft_model given as an MLflow `models:/NAME/VERSION` URI is downloaded first."""
     from specdec_core.drafters import make_drafter
     from specdec_core.errors import SpecDecError
 
@@ -73,8 +75,13 @@ def build_drafters(candidates, target, tokenizer=None) -> dict[str, tuple[dict, 
         label = candidate_label(spec)
         if label in built:
             continue
+        params = dict(spec["params"])
         try:
-            drafter = make_drafter(spec["kind"], spec["params"], target, tokenizer)
+            if spec["kind"] == "draft_model" and str(params["model"]).startswith("models:/"):
+                from .draft_training import resolve_model_uri
+
+                params["model"] = resolve_model_uri(params["model"], tracking_uri)
+            drafter = make_drafter(spec["kind"], params, target, tokenizer)
             drafter.check_compatible(target, tokenizer)
         except (SpecDecError, TypeError, ValueError) as exc:
             raise CandidateError(f"candidate {label}: {exc}") from exc

@@ -12,7 +12,7 @@ from rich.table import Table
 from specdec_core.errors import SpecDecError
 from specdec_core.models import DEFAULT_MODEL
 
-from . import cli_config, cli_data, cli_eval, main_job
+from . import cli_config, cli_data, cli_draft, cli_eval, main_job
 from .candidates import CandidateError, candidate_label, parse_candidate
 from .console import make_console
 from .errors import SpecdecTaskError
@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_eval.register(sub)
     cli_config.register(sub)
     main_job.register(sub)
+    cli_draft.register(sub)
     return parser
 
 

@@ -1,5 +1,6 @@
-"""The CLI's rich console: the terminal's width on a terminal, 200 columns when writing to a file
-or pipe (logs, CI), where rich would otherwise wrap tables at 80 columns."""
+"""The CLI's rich console: the terminal's width on a terminal; when writing to a file or pipe
+(logs, CI), tables get 200 columns (rich would otherwise wrap them at 80) and text lines are not
+wrapped at all (a wrapped line can split a figure from its label)."""
 
 from __future__ import annotations
 
@@ -9,4 +10,6 @@ from rich.console import Console
 
 
 def make_console() -> Console:
-    return Console(width=None if sys.stdout.isatty() else 200)
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=200, soft_wrap=True)

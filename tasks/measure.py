@@ -44,11 +44,13 @@ def _token_ids(row, tokenizer) -> tuple[list[int], list[int]]:
 
 
 def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, tokenizer=None,
-                         fingerprint: str | None = None, limit_per_domain: int | None = None):
+                         fingerprint: str | None = None, limit_per_domain: int | None = None,
+                         exclude_ids: set[str] | None = None):
     """(requests by domain {domain: [LoggedRequest]}, excluded {"other_fingerprint": [ids], ...}).
 
     Requests come in the sample's draw order. With `fingerprint`, rows logged with another target
     fingerprint are excluded; rows without one are kept (and counted as "unverified").
+    exclude_ids: requests never to score (e.g. the training rows of a draft under evaluation).
     """
     from specdec_core import SamplingParams
     from specdec_core.estimate import LoggedRequest
@@ -61,7 +63,8 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
     if domains is not None:
         query = query.where(EvalSample.domain.in_(list(domains)))
     by_domain: dict[str, list] = {}
-    excluded: dict[str, list[str]] = {"other_fingerprint": [], "too_short": [], "unverified": []}
+    excluded: dict[str, list[str]] = {"other_fingerprint": [], "too_short": [], "unverified": [],
+                                      "trained_on": []}
     with Session(engine) as session:
         rows = session.execute(query).all()
         session.expunge_all()
@@ -69,6 +72,9 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
         raise SampleError(f"run {run_id!r} has no sampled requests{' in ' + str(list(domains)) if domains else ''}; "
                           "run the sample step (`specdec traffic sample RUN_ID`) first")
     for domain, _position, row in rows:
+        if exclude_ids and row.id in exclude_ids:
+            excluded["trained_on"].append(row.id)
+            continue
         if fingerprint is not None:
             if row.target_fingerprint is None:
                 excluded["unverified"].append(row.id)

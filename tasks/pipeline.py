@@ -89,13 +89,28 @@ def loaded(spec: RunSpec) -> dict:
         from specdec_core.validation import fingerprint_id, target_fingerprint
 
         entry["fingerprint"] = fingerprint_id(target_fingerprint(entry["model"]))
-    candidates = tuple(spec.settings().candidates)
-    drafters = entry.setdefault("drafters", {})
-    if candidates not in drafters:
-        from .candidates import build_drafters
+    settings = spec.settings()
+    candidates = list(settings.candidates)
+    if settings.auto_draft_candidates:
+        from .draft_training import draft_candidates
 
-        drafters[candidates] = build_drafters(candidates, entry["model"], entry["tokenizer"])
-    return {**entry, "drafters": drafters[candidates]}
+        candidates += draft_candidates(spec.target, entry["fingerprint"], spec.tracking_uri)
+    from .candidates import build_drafters, candidate_label, parse_candidate
+
+    key = tuple(candidate_label(parse_candidate(c)) for c in candidates)
+    drafters = entry.setdefault("drafters", {})
+    if key not in drafters:
+        drafters[key] = build_drafters(candidates, entry["model"], entry["tokenizer"], spec.tracking_uri)
+    return {**entry, "drafters": drafters[key]}
+
+
+def trained_on(spec: RunSpec, drafters: dict) -> set[str]:
+    """Request ids that a candidate draft was trained on: never scored in this run."""
+    from .draft_training import trained_request_ids
+
+    uris = [s["params"]["model"] for s, _ in drafters.values()
+            if s["kind"] == "draft_model" and str(s["params"].get("model", "")).startswith("models:/")]
+    return trained_request_ids(spec.url, uris)
 
 
 def _utcnow() -> datetime:
@@ -152,7 +167,8 @@ def _domain_requests(spec: RunSpec, domain: str):
     models = loaded(spec)
     requests, excluded = load_sample_requests(spec.run_id, spec.url, domains=[domain],
                                               tokenizer=models["tokenizer"],
-                                              fingerprint=models["fingerprint"])
+                                              fingerprint=models["fingerprint"],
+                                              exclude_ids=trained_on(spec, models["drafters"]))
     return requests.get(domain, []), excluded
 
 
@@ -274,7 +290,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
             (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).scalars())
     requests, excluded = ({}, {}) if not ok_domains else load_sample_requests(
         spec.run_id, spec.url, domains=ok_domains, tokenizer=models["tokenizer"],
-        fingerprint=models["fingerprint"])
+        fingerprint=models["fingerprint"], exclude_ids=trained_on(spec, models["drafters"]))
     verdicts = validate_run(spec.run_id, models["model"], models["tokenizer"], models["drafters"],
                             requests, target_id=spec.target, db_url=spec.url, settings=settings,
                             excluded=excluded)

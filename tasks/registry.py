@@ -408,14 +408,17 @@ def _actor() -> str:
         return "unknown"
 
 
-def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings) -> list[dict]:
-    """Each gate: {name, passed, figure}."""
+def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
+                fingerprint_passed: bool | None = None) -> list[dict]:
+    """Each gate: {name, passed, figure}. fingerprint_passed: the run's target-fingerprint check
+    (None: not recorded)."""
     gates = []
     measured = {n: s for n, s in config.domains.items() if s.enabled and s.source == "run"}
     failed = sorted(n for n, s in measured.items() if s.validation != "passed")
-    gates.append({"name": "validation", "passed": not failed,
+    gates.append({"name": "validation", "passed": not failed and fingerprint_passed is not False,
                   "figure": f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
-                            + (f"; not passed: {failed}" if failed else "")})
+                            + (f"; not passed: {failed}" if failed else "")
+                            + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")})
     tolerance = settings.promotion_regression_tolerance
     if champion is None:
         gates.append({"name": "no_regression", "passed": True, "figure": "no champion to compare"})
@@ -452,7 +455,10 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
     config = _version_config_or_error(mlflow_client, name, version)
     before = _alias_version(mlflow_client, name, CHAMPION)
     champion = load_version_config(mlflow_client, name, before) if before else None
-    gates = check_gates(config, champion, settings)
+    with ensure_ready(db_url).connect() as connection:
+        fingerprint_passed = connection.execute(select(Validation.passed).where(
+            (Validation.run_id == config.run_id) & (Validation.check_name == "fingerprint"))).scalar()
+    gates = check_gates(config, champion, settings, fingerprint_passed)
     record = dict(run_id=config.run_id, target_id=config.target.id, config_name=name,
                   config_version=version, alias=CHAMPION, actor=actor or _actor())
     summary = {"gates": gates, "champion_before": before}

@@ -132,6 +132,8 @@ class Settings(BaseModel):
     candidates: tuple[str, ...] = Field(
         default=("prompt_lookup:max_ngram=3", "layer_skip:num_layers=8"),
         description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.candidates)")
+    auto_draft_candidates: bool = Field(default=True, description=(
+        "add the drafts registered for this target (alias candidate, else the newest) to the candidates"))
     eval_k_max: int = Field(default=8, ge=1, le=32, description="largest K planned and profiled")
     hardware_profile: str | None = Field(
         default=None, description="cost profile to plan with; None: measure this machine")

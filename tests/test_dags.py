@@ -49,12 +49,14 @@ def dagbag(airflow_env):
 
 def test_dagbag_imports_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert set(dagbag.dag_ids) == {"specdec_evaluate", "specdec_reports"}
+    assert set(dagbag.dag_ids) == {"specdec_evaluate", "specdec_reports", "specdec_retrain_draft"}
     evaluate = dagbag.get_dag("specdec_evaluate")
     assert {t.task_id for t in evaluate.tasks} == {
         "sample", "check", "profile", "domains_of", "per_domain.estimate", "per_domain.confirm",
         "per_domain.validate", "finish", "register", "promote", "acceptance_alert", "report", "domain_failures"}
-    assert evaluate.schedule == "@daily" and evaluate.timetable.expression == "0 0 * * *"
+    # daily, or when a new draft is registered
+    assert evaluate.timetable.timetable.summary == "0 0 * * *"
+    assert [a.uri for a in evaluate.timetable.asset_condition.objects] == ["specdec://drafts/new"]
     assert not evaluate.catchup and evaluate.max_active_runs == 1
     assert evaluate.doc_md and "specdec_evaluate" in evaluate.doc_md
     timing = {t.task_id for t in evaluate.tasks if t.pool == "specdec_timing"}
@@ -72,6 +74,11 @@ def test_dagbag_imports_without_errors(dagbag):
     reports = dagbag.get_dag("specdec_reports")
     assert type(reports.timetable).__name__ == "AssetTriggeredTimetable"
     assert [asset.uri for asset in reports.schedule] == ["specdec://evaluations/"]
+    retrain = dagbag.get_dag("specdec_retrain_draft")
+    assert retrain.timetable.timetable.summary == "0 3 * * 0"          # weekly
+    assert [a.uri for a in retrain.timetable.asset_condition.objects] == ["specdec://alerts/low-acceptance"]
+    assert [o.uri for o in retrain.get_task("register").outlets] == ["specdec://drafts/new"]
+    assert retrain.get_task("train").pool == "specdec_timing"
 
 
 def test_dag_files_only_wire_tasks_functions():
@@ -156,3 +163,33 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     assert now in (first, second)                              # promoted or not: never corrupted
     kept = load_version_config(mlflow_client, name, now)
     assert kept.domains["code"].enabled
+
+
+def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(dagbag, tiny_env):
+    from tasks.draft_training import draft_model_name
+    from tasks.registry import client
+
+    retrain = dagbag.get_dag("specdec_retrain_draft")
+    run = retrain.test(run_conf={"target": tiny_env["target"], "num_layers": 1, "steps": 10,
+                                 "eval_every": 5, "batch_size": 4, "lr": 0.003})
+    states = {ti.task_id: ti.state for ti in run.get_task_instances()}
+    assert run.state == "success", states
+    version = client().get_model_version_by_alias(draft_model_name(tiny_env["target"]), "candidate")
+    uri = f"models:/{version.name}/{version.version}"
+    assert version.tags["target_fingerprint"].startswith("sha256:")
+
+    # the draft was trained on 80% of the rows: an evaluation scores only the rest
+    conf = {**TINY_CONF, "target": tiny_env["target"], "candidates": ["prompt_lookup"],
+            "min_per_domain": 1}
+    evaluation, states = run_dag(dagbag, conf)
+    assert evaluation.state == "success", states
+    from sqlalchemy import select
+
+    from tasks.db.models import AcceptanceEstimate
+
+    engine = create_engine(tiny_env["db_url"])
+    with engine.connect() as connection:
+        drafters = set(connection.execute(select(AcceptanceEstimate.drafter).where(
+            AcceptanceEstimate.run_id == evaluation.run_id)).scalars())
+    engine.dispose()
+    assert drafters == {"prompt_lookup", f"draft_model(model={uri})"}

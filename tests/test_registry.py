@@ -352,6 +352,26 @@ def test_failed_validation_gate_leaves_the_champion(db_url, tracking, target_id)
     assert "validation" in last["reason"]
 
 
+def test_failed_fingerprint_check_fails_the_validation_gate(db_url, tracking, target_id):
+    from tasks.db.models import Validation
+
+    name = config_model_name(target_id)
+    finished_run(db_url, "run-fp", {"json": {}}, target_id=target_id)
+    engine = create_engine(db_url)
+    with engine.begin() as connection:
+        connection.execute(insert(Validation).values(
+            run_id="run-fp", check_name="fingerprint", passed=False, created_at=_now(),
+            details={"reasons": ["no sampled request was answered by this target"]}))
+    engine.dispose()
+    result = promote_(name, register("run-fp", db_url, tracking)["version"], db_url, tracking)
+    assert result["promoted"] is False
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException):    # no champion alias was set
+        champion_of(tracking, name)
+    assert "target fingerprint check FAILED" in gate(result, "validation")["figure"]
+
+
 def test_regression_is_refused_unless_forced(db_url, tracking, target_id):
     name = config_model_name(target_id)
     finished_run(db_url, "run-1", {"json": {}, "qa": {}}, target_id=target_id)

@@ -292,6 +292,26 @@ class DraftModelRecord(Base):
     target_fingerprint: Mapped[str | None] = mapped_column(NAME)
     domains: Mapped[list | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # 0003: lineage and held-out results of a draft trained on the traffic it serves
+    status: Mapped[str | None] = mapped_column(String(32))            # training | registered
+    version: Mapped[str | None] = mapped_column(String(32))           # MLflow model version
+    window_start: Mapped[datetime | None] = mapped_column(DateTime)
+    window_end: Mapped[datetime | None] = mapped_column(DateTime)
+    train_requests: Mapped[int | None] = mapped_column(Integer)
+    heldout_requests: Mapped[int | None] = mapped_column(Integer)
+    params: Mapped[dict | None] = mapped_column(JSON)
+    heldout: Mapped[dict | None] = mapped_column(JSON)                # acceptance per domain
+
+
+class DraftTrainingRequest(Base):
+    """Which logged requests a draft was trained on (split "train") or held out on ("heldout"):
+    an evaluation of that draft never scores its training rows."""
+
+    __tablename__ = "draft_training_requests"
+
+    draft_name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    request_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    split: Mapped[str] = mapped_column(String(16))
 
 
 # Tables whose rows belong to one run (deleted and rewritten when that run's step re-runs).

@@ -1,0 +1,102 @@
+"""
+### specdec_retrain_draft: distil a draft from the target's own logged responses
+
+Weekly, and whenever `specdec_evaluate` reports domains whose acceptance fell below its alert
+threshold (asset `specdec://alerts/low-acceptance`):
+
+1. **train**: stored requests answered by this target (same fingerprint) in the window, split
+   train / held-out by request id (recorded: evaluations never score a draft's training rows);
+   a small draft initialised from the target is trained (KL from the target's top-k, or
+   cross-entropy on the logged tokens), and the checkpoint with the best *held-out predicted
+   speedup* is kept. Runs in the `specdec_timing` pool (it would distort timing work). A retried
+   task resumes from its last checkpoint.
+2. **register**: the draft goes to the MLflow registry as a version of `specdec-draft-<target>`
+   with alias `candidate` and its lineage (window, domains, training parameters, fingerprint,
+   held-out acceptance per domain); the asset `specdec://drafts/new` then triggers a fresh
+   `specdec_evaluate`, whose candidates include the new draft.
+
+Every step is a function of `tasks.draft_training`; this file only wires them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import Asset, Param, dag, get_current_context, task
+from airflow.sdk.exceptions import AirflowFailException
+from airflow.timetables.assets import AssetOrTimeSchedule
+from airflow.timetables.trigger import CronTriggerTimetable
+
+LOW_ACCEPTANCE_ASSET = Asset("specdec://alerts/low-acceptance")
+NEW_DRAFT_ASSET = Asset("specdec://drafts/new")
+
+PARAMS = {
+    "target": Param("smollm2-135m-instruct", type="string", title="Target model"),
+    "domains": Param([], type="array", items={"type": "string"}, title="Domains",
+                     description="Empty: pooled over every domain"),
+    "window_days": Param(28, type="number", minimum=1, maximum=365, title="Time window (days)"),
+    "max_requests": Param(2000, type="integer", minimum=10, maximum=10_000_000,
+                          title="Most requests used"),
+    "num_layers": Param(2, type="integer", minimum=1, maximum=32, title="Draft layers"),
+    "steps": Param(300, type="integer", minimum=1, maximum=1_000_000, title="Training steps"),
+    "batch_size": Param(8, type="integer", minimum=1, maximum=1024, title="Batch size"),
+    "lr": Param(5e-4, type="number", exclusiveMinimum=0, maximum=1, title="Peak learning rate"),
+    "eval_every": Param(100, type="integer", minimum=1, title="Held-out evaluation every N steps"),
+    "teacher_topk": Param(0, type="integer", minimum=0, maximum=1024, title="Teacher top-k",
+                          description="0: cross-entropy on the logged tokens; k > 0: KL from the "
+                                      "target's top-k probabilities (one extra target pass)"),
+    "heldout_fraction": Param(0.2, type="number", minimum=0.01, maximum=0.9, title="Held-out share"),
+}
+
+
+def _database_url() -> str | None:
+    from airflow.sdk import BaseHook
+
+    try:
+        return BaseHook.get_connection("specdec_db").get_uri()
+    except Exception:
+        return None
+
+
+@dag(dag_id="specdec_retrain_draft", start_date=datetime(2025, 1, 1), catchup=False, max_active_runs=1,
+     schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 0", timezone="UTC"),
+                                  assets=[LOW_ACCEPTANCE_ASSET]),
+     params=PARAMS, doc_md=__doc__, tags=["specdec"],
+     default_args={"owner": "specdec", "retries": 2, "retry_delay": timedelta(minutes=1),
+                   "retry_exponential_backoff": True})
+def specdec_retrain_draft():
+    @task(pool="specdec_timing")
+    def train() -> dict:
+        from specdec_core.train import TrainConfig
+        from tasks.draft_training import train_draft_from_traffic
+        from tasks.errors import SpecdecTaskError
+
+        context = get_current_context()
+        p = context["params"]
+        config = TrainConfig(steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"],
+                             eval_every=p["eval_every"], teacher_topk=p["teacher_topk"],
+                             warmup_steps=max(1, p["steps"] // 10))
+        try:
+            return train_draft_from_traffic(
+                context["run_id"].replace(":", "-").replace("+", "-"), target=p["target"],
+                db_url=_database_url(), domains=p["domains"] or None, window_days=p["window_days"],
+                num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
+                max_requests=p["max_requests"], config=config, register=False, progress=False)
+        except SpecdecTaskError as exc:
+            raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+    @task(outlets=[NEW_DRAFT_ASSET])
+    def register(trained: dict) -> dict:
+        from tasks.draft_training import register_draft
+
+        registered = register_draft(trained["train_id"], get_current_context()["params"]["target"],
+                                    trained["fingerprint"], trained["best_dir"], trained["result"],
+                                    db_url=_database_url())
+        get_current_context()["outlet_events"][NEW_DRAFT_ASSET].extra = {
+            "model_uri": registered["model_uri"], "train_id": trained["train_id"]}
+        return registered
+
+    register(train())
+
+
+specdec_retrain_draft()

@@ -1,0 +1,315 @@
+"""Training a draft on the traffic it will serve: distillation from the target's logged responses.
+
+- init_draft_from_target: a small causal LM of the target's architecture (fewer layers, optionally
+  a smaller hidden size) whose embeddings, output head and final norm start from the target's
+  (projected onto the top singular directions of the embedding when the hidden size is smaller);
+  with the target's hidden size its layers start as the target's first layers (LayerSkip's
+  starting point, which training then turns into a real draft).
+- train_draft: AdamW with warm-up and a cosine schedule, gradient clipping, fp32 on CPU and bf16
+  autocast on CUDA, safetensors checkpoints and resume. Loss on response positions only: KL from
+  the target's top-k distribution when teacher_topk > 0 (one batched target pass, cached), else
+  cross-entropy on the logged tokens (the target's own samples).
+- Model selection by what serving needs: every `eval_every` steps the held-out requests are scored
+  with the offline acceptance estimator, and the checkpoint with the best predicted speedup
+  (optimal K on measured costs) is kept, not the one with the lowest loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .drafters import DraftModel, output_size
+from .errors import TokenizerMismatch
+from .estimate import LoggedRequest, estimate_acceptance
+from .planner import optimal_k
+
+log = logging.getLogger(__name__)
+
+
+def init_draft_from_target(target: torch.nn.Module, num_layers: int = 2, hidden_size: int | None = None,
+                           num_heads: int | None = None, intermediate_size: int | None = None,
+                           seed: int = 0) -> torch.nn.Module:
+    """A draft of the target's architecture with num_layers layers, initialised from the target."""
+    torch.manual_seed(seed)
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:num_layers]
+    same_width = hidden_size is None or hidden_size == target.config.hidden_size
+    if not same_width:
+        heads = num_heads or max(1, hidden_size // getattr(target.config, "head_dim", 64))
+        config.hidden_size = hidden_size
+        config.num_attention_heads = heads
+        config.num_key_value_heads = max(1, min(getattr(config, "num_key_value_heads", heads), heads))
+        while heads % config.num_key_value_heads:
+            config.num_key_value_heads -= 1
+        config.head_dim = hidden_size // heads
+        config.intermediate_size = intermediate_size or 4 * hidden_size
+    elif intermediate_size is not None:
+        config.intermediate_size = intermediate_size
+    draft = type(target)(config).to(next(target.parameters()).device)
+    with torch.no_grad():
+        source_embed = target.get_input_embeddings().weight.float()
+        if same_width:
+            draft.get_input_embeddings().weight.copy_(source_embed)
+            state = target.state_dict()
+            own = draft.state_dict()
+            for name, tensor in own.items():   # first layers + final norm + head: the target's
+                if name in state and state[name].shape == tensor.shape and "embed_tokens" not in name:
+                    tensor.copy_(state[name])
+        else:   # project onto the embedding's top singular directions
+            _, _, vh = torch.linalg.svd(source_embed - source_embed.mean(0), full_matrices=False)
+            projection = vh[:hidden_size].T                     # [H_target, H_draft]
+            draft.get_input_embeddings().weight.copy_(source_embed @ projection)
+            head = target.get_output_embeddings().weight.float()
+            draft_head = draft.get_output_embeddings()
+            if draft_head.weight.data_ptr() != draft.get_input_embeddings().weight.data_ptr():
+                draft_head.weight.copy_(head @ projection)
+    return draft.eval()
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8
+    lr: float = 5e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 20
+    max_grad_norm: float = 1.0
+    eval_every: int = 50
+    k_max: int = 8
+    max_length: int = 512
+    teacher_topk: int = 0            # > 0: KL from the target's top-k distribution
+    seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    step: int
+    best_step: int
+    best: dict
+    history: list[dict] = field(default_factory=list)
+    best_dir: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_vocab(draft, target) -> None:
+    if output_size(draft) != output_size(target):
+        raise TokenizerMismatch(f"draft vocab {output_size(draft)} != target vocab {output_size(target)} "
+                                "(model output sizes): train a draft with the target's tokenizer")
+
+
+def _batch(requests: list[LoggedRequest], max_length: int, device):
+    """Right-padded ids [B, T], attention mask, and the response mask (positions predicting a
+    response token), keeping the last max_length tokens of each row."""
+    rows = [(list(r.prompt_ids) + list(r.response_ids))[-max_length:] for r in requests]
+    response_len = [min(len(r.response_ids), len(row)) for r, row in zip(requests, rows)]
+    width = max(len(row) for row in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    target_mask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+        # logits at position t predict token t + 1: response tokens sit at len-response_len..len-1
+        target_mask[i, len(row) - response_len[i] - 1: len(row) - 1] = True
+    return ids.to(device), mask.to(device), target_mask.to(device)
+
+
+def _teacher_topk(target, requests, k, max_length, batch_size, device, progress):
+    """Per request: (log-probs [L, k], indices [L, k]) of the target at its response positions."""
+    cache = []
+    with torch.inference_mode():
+        for start in tqdm(range(0, len(requests), batch_size), desc="teacher top-k", disable=not progress):
+            chunk = requests[start: start + batch_size]
+            ids, mask, target_mask = _batch(chunk, max_length, device)
+            logp = target(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+            for i in range(len(chunk)):
+                values, index = logp[i][target_mask[i]].topk(k, dim=-1)
+                cache.append((values.cpu(), index.cpu()))
+    return cache
+
+
+def _loss(draft, ids, mask, target_mask, teacher=None):
+    logits = draft(input_ids=ids, attention_mask=mask).logits.float()
+    picked = logits[target_mask]                                   # [N, V] response positions
+    if teacher is None:
+        labels = ids[:, 1:][target_mask[:, :-1]]
+        return F.cross_entropy(picked, labels)
+    values, index = teacher                                        # [N, k] each
+    p = values.to(picked.device).exp()
+    p = p / p.sum(-1, keepdim=True)
+    log_q = picked.log_softmax(-1).gather(-1, index.to(picked.device))
+    return (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
+
+
+@torch.inference_mode()
+def heldout_kl(draft, target, requests, max_length: int = 512, batch_size: int = 8) -> float:
+    """Mean KL(p_target || q_draft) over the held-out requests' response positions (full vocab)."""
+    device = next(draft.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(requests), batch_size):
+        ids, mask, target_mask = _batch(requests[start: start + batch_size], max_length, device)
+        log_p = target(input_ids=ids, attention_mask=mask).logits.float()[target_mask].log_softmax(-1)
+        log_q = draft(input_ids=ids, attention_mask=mask).logits.float()[target_mask].log_softmax(-1)
+        total += float((log_p.exp() * (log_p - log_q)).sum())
+        count += int(target_mask.sum())
+    return total / max(count, 1)
+
+
+def evaluate_draft(draft, target, heldout: list[LoggedRequest], k_max: int, draft_cost_ratio: float,
+                   verify_cost_ratios: list[float] | None) -> dict:
+    """Held-out acceptance (offline estimator) and the predicted speedup at the best K, pooled and
+    per domain: {"k", "predicted_speedup", "expected_tokens_per_round", "conditional_acceptance",
+    "domains": {domain: {...}}}."""
+    pooled = [LoggedRequest(r.request_id, r.prompt_ids, r.response_ids, r.sampling, "all")
+              for r in heldout]
+    ks = list(range(1, k_max + 1))
+    drafter = DraftModel(draft)
+    out = {}
+    for name, requests in [("all", pooled), *[(d, [r for r in heldout if r.domain == d])
+                                              for d in sorted({r.domain for r in heldout})]]:
+        estimates = estimate_acceptance(target, drafter, requests, ks, progress=False, n_boot=200)
+        estimates = next(iter(estimates.values()))
+        rates = estimates[k_max].conditional_acceptance
+        k, speedup = optimal_k(rates, draft_cost_ratio, k_max, verify_cost_ratios)
+        best = estimates[max(k, 1)]
+        out[name] = {"k": k, "predicted_speedup": speedup,
+                     "expected_tokens_per_round": best.expected_tokens_per_round,
+                     "acceptance_rate": best.acceptance_rate, "conditional_acceptance": rates,
+                     "requests": best.requests}
+    result = dict(out.pop("all"))
+    result["domains"] = out
+    return result
+
+
+def _save(draft, directory: Path) -> None:
+    from safetensors.torch import save_model
+
+    directory.mkdir(parents=True, exist_ok=True)
+    draft.config.save_pretrained(directory)
+    save_model(draft, str(directory / "model.safetensors"))
+
+
+def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[LoggedRequest],
+                heldout: list[LoggedRequest], config: TrainConfig, checkpoint_dir: str | Path,
+                costs: tuple[float, list[float] | None] | None = None, progress: bool = True,
+                stop_after: int | None = None) -> TrainResult:
+    """Train `draft` in place; checkpoints under checkpoint_dir/{last,best}; resumes from last.
+
+    costs: (draft step / target step, [verify(K) / target step]) for the predicted speedup;
+    measured here at batch 1 when None. stop_after: stop after this many steps of this call
+    (simulates an interruption in tests; the schedule still spans config.steps).
+    """
+    from safetensors.torch import load_model
+
+    _check_vocab(draft, target)
+    if not train or not heldout:
+        raise ValueError(f"need training and held-out requests (got {len(train)} and {len(heldout)})")
+    device = next(draft.parameters()).device
+    checkpoint_dir = Path(checkpoint_dir)
+    last, best_dir = checkpoint_dir / "last", checkpoint_dir / "best"
+    if costs is None:
+        from .profile import measure_forward_costs
+
+        target_costs = measure_forward_costs(target, range(1, config.k_max + 2), context_len=128,
+                                             repeats=3)
+        draft_cost = measure_forward_costs(draft, [1], context_len=128, repeats=3)[1]
+        step_cost = target_costs[1]
+        costs = (draft_cost / step_cost,
+                 [max(target_costs[k + 1] / step_cost, 1.0) for k in range(1, config.k_max + 1)])
+    draft_ratio, verify_ratios = costs
+    parameters = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+
+    def schedule(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress_ = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(progress_, 1.0)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    step, history, best = 0, [], {"predicted_speedup": -1.0, "step": -1}
+    if (last / "state.pt").exists():
+        load_model(draft, str(last / "model.safetensors"))
+        state = torch.load(last / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, history, best = state["step"], state["history"], state["best"]
+        random.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        log.info("resumed draft training at step %d from %s", step, last)
+    else:
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+    teacher = None
+    if config.teacher_topk > 0:
+        teacher = _teacher_topk(target, train, config.teacher_topk, config.max_length,
+                                config.batch_size, device, progress)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+
+    def evaluate(at_step: int, train_loss: float | None) -> None:
+        nonlocal best
+        draft.eval()
+        scores = evaluate_draft(draft, target, heldout, config.k_max, draft_ratio, verify_ratios)
+        kl = heldout_kl(draft, target, heldout, config.max_length, config.batch_size)
+        record = {"step": at_step, "train_loss": train_loss, "heldout_kl": kl, **scores}
+        history.append(record)
+        if scores["predicted_speedup"] > best["predicted_speedup"]:
+            best = {"step": at_step, **{k: v for k, v in record.items() if k != "step"}}
+            _save(draft, best_dir)
+        log.info("draft step %d: held-out KL %.4f, E %.3f at K=%d, predicted %.3fx", at_step, kl,
+                 scores["expected_tokens_per_round"], scores["k"], scores["predicted_speedup"])
+        draft.train()
+
+    if step == 0:
+        evaluate(0, None)
+    draft.train()
+    order = list(range(len(train)))
+    bar = tqdm(total=config.steps, initial=step, desc="draft training", disable=not progress)
+    losses: list[float] = []
+    started = step
+    while step < config.steps and (stop_after is None or step - started < stop_after):
+        picks = random.sample(order, min(config.batch_size, len(order)))
+        ids, mask, target_mask = _batch([train[i] for i in picks], config.max_length, device)
+        batch_teacher = None
+        if teacher is not None:
+            batch_teacher = (torch.cat([teacher[i][0] for i in picks]), torch.cat([teacher[i][1] for i in picks]))
+        with autocast:
+            loss = _loss(draft, ids, mask, target_mask, batch_teacher)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if step % config.eval_every == 0 or step == config.steps:
+            evaluate(step, sum(losses) / len(losses))
+            losses = []
+            _save(draft, last)
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                        "step": step, "history": history, "best": best, "config": asdict(config),
+                        "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
+                       last / "state.pt")
+    bar.close()
+    draft.eval()
+    (checkpoint_dir / "history.json").write_text(json.dumps(history, indent=1))
+    return TrainResult(step=step, best_step=best["step"], best=best, history=history,
+                       best_dir=str(best_dir) if best_dir.exists() else None)

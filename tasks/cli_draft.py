@@ -1,0 +1,104 @@
+"""`specdec draft train|list`: drafts trained on the traffic they serve (tasks.draft_training)."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+from rich.table import Table
+
+from .cli_data import _print_json, _url_arg
+from .console import make_console
+
+console = make_console()
+
+
+def heldout_table(best: dict, title: str) -> Table:
+    table = Table(title=escape(title), title_justify="left")
+    for column in ("domain", "held-out requests", "E[tokens/round]", "acceptance", "K", "predicted speedup"):
+        table.add_column(column, justify="left" if column == "domain" else "right")
+    rows = [("all", best)] + sorted(best.get("domains", {}).items())
+    for name, scores in rows:
+        table.add_row(name, str(scores.get("requests", "-")), f"{scores['expected_tokens_per_round']:.3f}",
+                      f"{scores['acceptance_rate']:.3f}", str(scores["k"]), f"{scores['predicted_speedup']:.2f}x")
+    return table
+
+
+def cmd_train(args) -> int:
+    from specdec_core.train import TrainConfig
+
+    from .draft_training import train_draft_from_traffic
+    from .evaluate import default_run_id
+
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                         eval_every=args.eval_every, teacher_topk=args.teacher_topk,
+                         warmup_steps=max(1, args.steps // 10), k_max=args.k_max)
+    result = train_draft_from_traffic(
+        args.id or "draft__" + default_run_id().split("__")[1].replace(":", "-"), target=args.model,
+        db_url=args.url, tracking_uri=args.tracking_uri,
+        domains=args.domains.split(",") if args.domains else None, window_days=args.days,
+        num_layers=args.layers, hidden_size=args.hidden, max_requests=args.max_requests,
+        heldout_fraction=args.heldout_fraction, max_eval_requests=args.max_eval_requests,
+        config=config, device=args.device, register=not args.no_register)
+    if args.json:
+        _print_json({k: v for k, v in result.items() if k != "result"})
+        return 0
+    best = result["best"]
+    console.print(heldout_table(best, f"draft {result['train_id']}: best step {best['step']} of "
+                                      f"{result['steps']} ({result['train_requests']} train / "
+                                      f"{result['heldout_requests']} held-out requests)"))
+    console.print(f"held-out KL {best['heldout_kl']:.4f}; checkpoint {escape(result['best_dir'])}; "
+                  + (f"registered {result['model_uri']} (alias candidate)" if result["model_uri"] else "not registered"))
+    return 0
+
+
+def cmd_list(args) -> int:
+    from .draft_training import draft_model_name
+    from .registry import client
+
+    name = draft_model_name(args.model)
+    versions = client(args.tracking_uri).search_model_versions(f"name='{name}'")
+    table = Table(title=f"{name}: registered drafts", title_justify="left")
+    for column in ("version", "aliases", "train id", "domains", "window", "held-out speedup", "fingerprint"):
+        table.add_column(column)
+    for v in sorted(versions, key=lambda v: int(v.version)):
+        tags = v.tags or {}
+        table.add_row(str(v.version), ",".join(v.aliases or []), escape(tags.get("train_id", "")),
+                      tags.get("domains", ""), tags.get("window", ""),
+                      tags.get("heldout_predicted_speedup", ""), tags.get("target_fingerprint", ""))
+    console.print(table)
+    return 0
+
+
+def register(sub) -> None:
+    from specdec_core.models import DEFAULT_MODEL
+
+    draft = sub.add_parser("draft", help="train drafts on logged traffic; list registered drafts")
+    d_sub = draft.add_subparsers(dest="draft_command", required=True)
+    train = d_sub.add_parser("train", help="distil a draft from the target's logged responses")
+    train.add_argument("--id", default=None, help="training id (re-running it resumes); default: a timestamp")
+    train.add_argument("--model", default=DEFAULT_MODEL, help="target")
+    train.add_argument("--device", default=None)
+    train.add_argument("--domains", default=None, help="comma-separated (default: pooled, all domains)")
+    train.add_argument("--days", type=float, default=None, help="window ending at the newest request")
+    train.add_argument("--max-requests", type=int, default=None)
+    train.add_argument("--heldout-fraction", type=float, default=0.2,
+                       help="share of requests held out (by request id): never trained on")
+    train.add_argument("--max-eval-requests", type=int, default=60,
+                       help="held-out requests scored at each evaluation during training")
+    train.add_argument("--layers", type=int, default=2)
+    train.add_argument("--hidden", type=int, default=None, help="hidden size (default: the target's)")
+    train.add_argument("--steps", type=int, default=200)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--lr", type=float, default=5e-4)
+    train.add_argument("--eval-every", type=int, default=50)
+    train.add_argument("--k-max", type=int, default=8)
+    train.add_argument("--teacher-topk", type=int, default=0,
+                       help="KL from the target's top-k (0: cross-entropy on the logged tokens)")
+    train.add_argument("--no-register", action="store_true")
+    train.add_argument("--tracking-uri", default=None)
+    train.add_argument("--json", action="store_true")
+    _url_arg(train)
+    train.set_defaults(func=cmd_train)
+    listing = d_sub.add_parser("list", help="registered drafts of a target")
+    listing.add_argument("--model", default=DEFAULT_MODEL)
+    listing.add_argument("--tracking-uri", default=None)
+    listing.set_defaults(func=cmd_list)

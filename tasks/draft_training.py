@@ -1,0 +1,305 @@
+"""Drafts trained on the traffic they serve: data, training, registration, selection.
+
+- Data: stored requests answered by this target (same fingerprint) in a time window, per domain
+  or pooled; split train / held-out by a hash of (training id, request id). The split is recorded
+  in draft_training_requests, and an evaluation never scores the training rows of a draft it
+  evaluates (tasks.pipeline excludes them).
+- Training: specdec_core.train (checkpoints under $SPECDEC_HOME/drafts/<train id>/: re-running
+  the same training id resumes); the best checkpoint by held-out predicted speedup is kept.
+- Registration: an MLflow run in experiment `specdec/<target-slug>` (tag specdec.draft_train_id)
+  whose `draft/` artifact (weights, config, the target's tokenizer) is registered as a version of
+  `specdec-draft-<target-slug>` with alias `candidate` and its lineage as tags.
+- Selection: draft_candidates() lists the registered drafts of this target's fingerprint (alias
+  `candidate`, else the newest version); evaluations add them to their candidates, and
+  resolve_model_uri() downloads a version to $SPECDEC_HOME/models/drafts/ before specdec_core
+  loads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from sqlalchemy import delete, func, insert, select, update
+
+from .config_schema import target_slug
+from .db.engine import database_url, ensure_ready
+from .db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
+from .errors import SampleError, SpecdecTaskError
+from .settings import specdec_home
+
+log = logging.getLogger(__name__)
+
+CANDIDATE_ALIAS = "candidate"
+TRAIN_TAG = "specdec.draft_train_id"
+
+
+class DraftTrainingError(SpecdecTaskError, ValueError):
+    """Draft training cannot run on this input (no traffic, another vocabulary, bad sizes)."""
+
+
+def draft_model_name(target_id: str) -> str:
+    return f"specdec-draft-{target_slug(target_id)}"
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def in_heldout(train_id: str, request_id: str, fraction: float) -> bool:
+    digest = hashlib.sha256(f"{train_id}\x00{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
+
+
+def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
+                      window_days: float | None = None, max_requests: int | None = None):
+    """(requests [LoggedRequest], (window start, end)) of this target's stored traffic."""
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+
+    from .measure import _token_ids
+
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        newest = connection.execute(select(func.max(TrafficRequest.requested_at))).scalar()
+        if newest is None:
+            raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)")
+        start = newest - timedelta(days=window_days) if window_days else datetime(1970, 1, 1)
+        query = (select(TrafficRequest).where((TrafficRequest.requested_at >= start)
+                                              & (TrafficRequest.target_fingerprint == fingerprint))
+                 .order_by(TrafficRequest.id))
+        if domains:
+            query = query.where(TrafficRequest.domain.in_(list(domains)))
+        rows = connection.execute(query).all()
+    requests = []
+    for row in rows:
+        prompt, response = _token_ids(row, tokenizer)
+        if len(response) >= 2:
+            requests.append(LoggedRequest(row.id, prompt, response, SamplingParams(
+                temperature=row.temperature, top_k=row.top_k or 0,
+                top_p=row.top_p if row.top_p is not None else 1.0), row.domain))
+    if max_requests:
+        requests = requests[:max_requests]
+    if len(requests) < 10:
+        raise DraftTrainingError(
+            f"only {len(requests)} stored requests answered by this target (fingerprint {fingerprint})"
+            f"{' in ' + str(list(domains)) if domains else ''}: a draft needs at least 10; import more "
+            "traffic or widen the window")
+    return requests, (start, newest)
+
+
+def _round_robin(requests: list, limit: int | None) -> list:
+    """Up to `limit` requests taken in turn from each domain (all when limit is None)."""
+    if limit is None or len(requests) <= limit:
+        return requests
+    by_domain: dict[str, list] = {}
+    for request in requests:
+        by_domain.setdefault(request.domain, []).append(request)
+    queues = [list(items) for _, items in sorted(by_domain.items())]
+    chosen = []
+    while len(chosen) < limit:
+        for queue in queues:
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return chosen
+
+
+def _record(db_url: str, train_id: str, values: dict, splits: dict[str, str] | None = None) -> None:
+    engine = ensure_ready(db_url)
+    with engine.begin() as connection:
+        exists = connection.execute(select(DraftModelRecord.id).where(
+            DraftModelRecord.name == train_id)).scalar()
+        if exists is None:
+            connection.execute(insert(DraftModelRecord).values(name=train_id, run_id=train_id,
+                                                               created_at=_utcnow(), **values))
+        else:
+            connection.execute(update(DraftModelRecord).where(DraftModelRecord.name == train_id)
+                               .values(**values))
+        if splits is not None:
+            connection.execute(delete(DraftTrainingRequest).where(
+                DraftTrainingRequest.draft_name == train_id))
+            connection.execute(insert(DraftTrainingRequest), [
+                {"draft_name": train_id, "request_id": rid, "split": split} for rid, split in splits.items()])
+
+
+def train_draft_from_traffic(train_id: str, target: str = "smollm2-135m-instruct",
+                             db_url: str | None = None, tracking_uri: str | None = None,
+                             domains=None, window_days: float | None = None,
+                             num_layers: int = 2, hidden_size: int | None = None,
+                             heldout_fraction: float = 0.2, max_requests: int | None = None,
+                             max_eval_requests: int | None = 60,
+                             config=None, device: str | None = None, model=None, tokenizer=None,
+                             register: bool = True, progress: bool = True) -> dict:
+    """Build the data, train (resuming a previous attempt of the same id), register. Output:
+    {"train_id", "train_requests", "heldout_requests", "best", "model_uri", "version"}.
+    max_eval_requests: held-out requests scored at each evaluation during training, taken round
+    robin over domains (the whole held-out split stays out of training either way)."""
+    from specdec_core.train import TrainConfig, init_draft_from_target, train_draft
+    from specdec_core.validation import fingerprint_id, target_fingerprint
+
+    db_url = database_url(db_url)
+    if model is None:
+        from specdec_core import load_model
+
+        model, tokenizer = load_model(target, device=device)
+    fingerprint = fingerprint_id(target_fingerprint(model))
+    requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, domains, window_days,
+                                               max_requests)
+    splits = {r.request_id: ("heldout" if in_heldout(train_id, r.request_id, heldout_fraction)
+                             else "train") for r in requests}
+    train = [r for r in requests if splits[r.request_id] == "train"]
+    heldout = [r for r in requests if splits[r.request_id] == "heldout"]
+    if not heldout or not train:
+        raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / {len(heldout)} "
+                                 f"held-out: change heldout_fraction ({heldout_fraction}) or add traffic")
+    config = config or TrainConfig()
+    params = {"num_layers": num_layers, "hidden_size": hidden_size, "heldout_fraction": heldout_fraction,
+              "train": config.__dict__ if hasattr(config, "__dict__") else dict(config)}
+    _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
+                               "domains": sorted({r.domain for r in requests}), "window_start": start,
+                               "window_end": end, "train_requests": len(train),
+                               "heldout_requests": len(heldout), "params": params,
+                               "base_model": f"{target} (first {num_layers} layers)"}, splits)
+    draft = init_draft_from_target(model, num_layers=num_layers, hidden_size=hidden_size)
+    directory = specdec_home() / "drafts" / train_id
+    result = train_draft(draft, model, train, _round_robin(heldout, max_eval_requests), config,
+                         directory, progress=progress)
+    best_dir = Path(result.best_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(best_dir)
+    out = {"train_id": train_id, "train_requests": len(train), "heldout_requests": len(heldout),
+           "best": result.best, "steps": result.step, "best_dir": str(best_dir),
+           "model_uri": None, "version": None, "fingerprint": fingerprint,
+           "result": json.loads(json.dumps(result.to_dict(), default=float))}
+    _record(db_url, train_id, {"heldout": out["result"]["best"]})
+    if register:
+        out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], db_url,
+                                  tracking_uri))
+    return out
+
+
+def register_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
+                   db_url: str | None = None, tracking_uri: str | None = None) -> dict:
+    """Log the draft and its lineage to MLflow and register it (alias `candidate`); idempotent.
+    result: TrainResult.to_dict() of the training."""
+    from mlflow.exceptions import MlflowException
+
+    from .registry import _experiment_id, client, tracking_uri as resolve_uri
+
+    db_url = database_url(db_url)
+    mlflow_client = client(resolve_uri(tracking_uri, db_url))
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        record = connection.execute(select(DraftModelRecord).where(
+            DraftModelRecord.name == train_id)).mappings().one()
+    experiment_id = _experiment_id(mlflow_client, target)
+    runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{TRAIN_TAG}` = '{train_id}'",
+                                     max_results=1)
+    run_id = runs[0].info.run_id if runs else mlflow_client.create_run(
+        experiment_id, run_name=f"draft {train_id}", tags={TRAIN_TAG: train_id}).info.run_id
+    logged = mlflow_client.get_run(run_id).data.params
+    lineage = {"target": target, "target_fingerprint": fingerprint,
+               "window_start": record["window_start"].isoformat(), "window_end": record["window_end"].isoformat(),
+               "domains": ",".join(record["domains"] or []), "train_requests": record["train_requests"],
+               "heldout_requests": record["heldout_requests"],
+               "train_params": json.dumps(record["params"], sort_keys=True)[:6000]}
+    for key, value in lineage.items():
+        if key not in logged:
+            mlflow_client.log_param(run_id, key, str(value))
+    for entry in result["history"]:
+        mlflow_client.log_metric(run_id, "heldout_kl", entry["heldout_kl"], step=entry["step"])
+        mlflow_client.log_metric(run_id, "heldout_predicted_speedup", entry["predicted_speedup"],
+                                 step=entry["step"])
+        for domain, scores in entry["domains"].items():
+            mlflow_client.log_metric(run_id, f"{domain}.heldout_expected_tokens_per_round",
+                                     scores["expected_tokens_per_round"], step=entry["step"])
+    mlflow_client.log_artifacts(run_id, str(best_dir), artifact_path="draft")
+    mlflow_client.set_tag(run_id, "specdec.heldout", json.dumps(result["best"]["domains"], default=float)[:4900])
+    name = draft_model_name(target)
+    try:
+        mlflow_client.get_registered_model(name)
+    except MlflowException:
+        mlflow_client.create_registered_model(name, description=f"specdec drafts trained for {target}")
+    existing = mlflow_client.search_model_versions(f"name='{name}' and tag.train_id='{train_id}'")
+    tags = {"train_id": train_id, "target_fingerprint": fingerprint, "domains": lineage["domains"],
+            "window": f"{lineage['window_start']}..{lineage['window_end']}",
+            "heldout_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
+            "heldout_k": str(result["best"]["k"])}
+    description = ("Draft trained on logged traffic. Held-out (offline estimate, requests never trained "
+                   "on):\n\n| domain | E[tokens/round] | K | predicted speedup |\n|---|---|---|---|\n"
+                   + "\n".join(f"| {d} | {s['expected_tokens_per_round']:.3f} | {s['k']} | "
+                               f"{s['predicted_speedup']:.2f}x |" for d, s in result["best"]["domains"].items()))
+    if existing:
+        version = str(existing[0].version)
+    else:
+        version = str(mlflow_client.create_model_version(
+            name, source=f"runs:/{run_id}/draft", run_id=run_id, tags=tags, description=description).version)
+    mlflow_client.set_registered_model_alias(name, CANDIDATE_ALIAS, version)
+    uri = f"models:/{name}/{version}"
+    _record(db_url, train_id, {"status": "registered", "version": version, "model_uri": uri})
+    return {"model_uri": uri, "version": version, "mlflow_run_id": run_id}
+
+
+def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = None) -> list[dict]:
+    """Registered drafts for this target fingerprint, as candidate specs: the version with alias
+    `candidate`, else the newest. Drafts of another fingerprint are never offered."""
+    from mlflow.exceptions import MlflowException
+
+    from .registry import client
+    from .registry import tracking_uri as resolve_uri
+
+    uri = resolve_uri(tracking_uri)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        return []          # no local tracking store yet: nothing registered (and none created)
+    try:
+        mlflow_client = client(uri)
+        versions = mlflow_client.search_model_versions(f"name='{draft_model_name(target)}'")
+    except MlflowException as exc:
+        log.warning("no registered drafts listed (%s)", exc)
+        return []
+    versions = [v for v in versions if (v.tags or {}).get("target_fingerprint") == fingerprint]
+    if not versions:
+        return []
+    chosen = [v for v in versions if CANDIDATE_ALIAS in (v.aliases or [])] or \
+        [max(versions, key=lambda v: int(v.version))]
+    return [{"kind": "draft_model", "params": {"model": f"models:/{v.name}/{v.version}"}} for v in chosen]
+
+
+def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
+    """A local directory holding the registered version (downloaded once under $SPECDEC_HOME)."""
+    from .registry import client
+
+    name, _, version = uri[len("models:/"):].partition("/")
+    if not name or not version:
+        raise DraftTrainingError(f"model URI {uri!r}: expected models:/NAME/VERSION")
+    local = specdec_home() / "models" / "drafts" / name / version
+    if (local / "config.json").exists():
+        return str(local)
+    mlflow_client = client(tracking_uri)
+    detail = mlflow_client.get_model_version(name, version)
+    tmp = local.with_name(version + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    path = Path(mlflow_client.download_artifacts(detail.run_id, "draft", str(tmp)))
+    shutil.rmtree(local, ignore_errors=True)
+    path.rename(local)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return str(local)
+
+
+def trained_request_ids(db_url: str, model_uris: list[str]) -> set[str]:
+    """Request ids the drafts behind these model URIs were trained on."""
+    if not model_uris:
+        return set()
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        names = connection.execute(select(DraftModelRecord.name).where(
+            DraftModelRecord.model_uri.in_(model_uris))).scalars().all()
+        if not names:
+            return set()
+        return set(connection.execute(select(DraftTrainingRequest.request_id).where(
+            DraftTrainingRequest.draft_name.in_(names) & (DraftTrainingRequest.split == "train"))).scalars())

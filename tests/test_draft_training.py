@@ -1,0 +1,155 @@
+"""Drafts trained on the traffic they serve: the trainer on a tiny target (held-out KL down,
+estimated acceptance up, resume, vocabulary check), and the tasks around it (data split recorded,
+MLflow registration, the next evaluation takes the draft as a candidate and never scores its
+training rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sqlalchemy import create_engine, select
+
+from specdec_core import SamplingParams, SpecDecoder, TokenizerMismatch
+from specdec_core.estimate import LoggedRequest
+from specdec_core.train import TrainConfig, init_draft_from_target, train_draft
+
+from .conftest import VOCAB, save_tiny_target, tiny_llama, write_jsonl
+
+COSTS = (0.3, [1.2] * 4)        # fixed cost ratios: no timing in unit tests
+
+
+@pytest.fixture(scope="module")
+def logged():
+    """A peaked tiny target and 200 of its own sampled responses (T = 1)."""
+    torch.manual_seed(0)
+    target = tiny_llama(seed=0)
+    prompts = torch.randint(3, VOCAB, (200, 6))
+    sampling = SamplingParams(temperature=1.0)
+    out = SpecDecoder(target, None).generate_plain(prompts, 16, sampling=sampling, seed=1)
+    requests = [LoggedRequest(f"r{i}", prompts[i].tolist(), out.tokens[i].tolist(), sampling,
+                              "json" if i % 2 else "qa") for i in range(200)]
+    return target, requests[:160], requests[160:]
+
+
+def test_training_lowers_heldout_kl_and_raises_estimated_acceptance(logged, tmp_path):
+    target, train, heldout = logged
+    draft = init_draft_from_target(target, num_layers=1)
+    config = TrainConfig(steps=80, eval_every=40, k_max=4, warmup_steps=5, lr=3e-3)
+    result = train_draft(draft, target, train, heldout, config, tmp_path, costs=COSTS, progress=False)
+    first, last = result.history[0], result.history[-1]
+    assert [h["step"] for h in result.history] == [0, 40, 80]
+    assert last["heldout_kl"] < first["heldout_kl"] - 0.3
+    assert last["expected_tokens_per_round"] > first["expected_tokens_per_round"]
+    assert last["acceptance_rate"] > first["acceptance_rate"]
+    assert set(last["domains"]) == {"json", "qa"}
+    # the kept checkpoint is the best by predicted speedup, not by loss
+    best = max(result.history, key=lambda h: h["predicted_speedup"])
+    assert result.best_step == best["step"] and (tmp_path / "best" / "model.safetensors").exists()
+
+
+def test_teacher_topk_kl_trains_a_narrower_draft(logged, tmp_path):
+    target, train, heldout = logged
+    draft = init_draft_from_target(target, num_layers=1, hidden_size=32)
+    assert draft.config.hidden_size == 32 and draft(torch.tensor([[3, 4, 5]])).logits.shape[-1] == VOCAB
+    config = TrainConfig(steps=40, eval_every=40, k_max=4, warmup_steps=5, lr=3e-3, teacher_topk=8)
+    result = train_draft(draft, target, train[:80], heldout, config, tmp_path, costs=COSTS, progress=False)
+    assert result.history[-1]["heldout_kl"] < result.history[0]["heldout_kl"]
+
+
+def test_resumed_training_continues_from_the_checkpoint_step(logged, tmp_path):
+    target, train, heldout = logged
+    config = TrainConfig(steps=40, eval_every=10, k_max=3, warmup_steps=4, lr=3e-3)
+    straight = init_draft_from_target(target, num_layers=1)
+    whole = train_draft(straight, target, train, heldout, config, tmp_path / "a", costs=COSTS,
+                        progress=False)
+    interrupted = init_draft_from_target(target, num_layers=1)
+    first = train_draft(interrupted, target, train, heldout, config, tmp_path / "b", costs=COSTS,
+                        progress=False, stop_after=20)
+    assert first.step == 20
+    again = init_draft_from_target(target, num_layers=1)          # a new process: fresh weights
+    resumed = train_draft(again, target, train, heldout, config, tmp_path / "b", costs=COSTS,
+                          progress=False)
+    assert resumed.step == 40
+    assert [h["step"] for h in resumed.history] == [0, 10, 20, 30, 40]
+    for a, b in zip(straight.state_dict().values(), again.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6)                     # same run as without the stop
+
+
+def test_a_draft_with_another_vocabulary_is_refused(logged, tmp_path):
+    target, train, heldout = logged
+    other = tiny_llama(vocab=VOCAB + 8, seed=2)
+    with pytest.raises(TokenizerMismatch, match="target's tokenizer"):
+        train_draft(other, target, train, heldout, TrainConfig(steps=1), tmp_path, costs=COSTS,
+                    progress=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# tasks: data, registration, the next evaluation
+@pytest.fixture
+def tiny_store(db_url, tmp_path, monkeypatch):
+    from specdec_core import load_model
+    from tasks.traffic import import_traffic
+
+    from .test_evaluate import traffic_rows
+
+    model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
+    model, tokenizer = load_model(str(model_dir), device="cpu")
+    rows = traffic_rows(model, per_domain=16, foreign=0)
+    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    from tasks import pipeline
+
+    pipeline._MODELS.clear()
+    return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}
+
+
+def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
+    from tasks.db.models import DraftModelRecord, DraftTrainingRequest
+    from tasks.draft_training import draft_candidates, train_draft_from_traffic
+    from tasks.evaluate import evaluate
+    from tasks.settings import load_settings
+
+    from .test_evaluate import SETTINGS
+
+    db_url = tiny_store["db_url"]
+    config = TrainConfig(steps=20, eval_every=10, k_max=3, warmup_steps=2, lr=3e-3)
+    result = train_draft_from_traffic("draft-1", target=tiny_store["target"], db_url=db_url,
+                                      num_layers=1, config=config, model=tiny_store["model"],
+                                      tokenizer=tiny_store["tokenizer"], progress=False)
+    assert result["model_uri"].endswith("/1") and result["train_requests"] + result["heldout_requests"] == 32
+    again = train_draft_from_traffic("draft-1", target=tiny_store["target"], db_url=db_url,
+                                     num_layers=1, config=config, model=tiny_store["model"],
+                                     tokenizer=tiny_store["tokenizer"], progress=False)
+    assert again["version"] == "1" and again["steps"] == 20          # resumed and reused, not redone
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        record = connection.execute(select(DraftModelRecord).where(DraftModelRecord.name == "draft-1")).one()
+        trained = set(connection.execute(select(DraftTrainingRequest.request_id).where(
+            DraftTrainingRequest.split == "train")).scalars())
+    engine.dispose()
+    assert record.status == "registered" and record.model_uri == result["model_uri"]
+    assert record.window_start is not None and len(trained) == result["train_requests"]
+    candidates = draft_candidates(tiny_store["target"], result["fingerprint"])
+    assert candidates == [{"kind": "draft_model", "params": {"model": result["model_uri"]}}]
+    assert draft_candidates(tiny_store["target"], "sha256:" + "1" * 32) == []   # another target: never
+
+    settings = load_settings({}, **{**SETTINGS, "candidates": ("prompt_lookup",), "min_per_domain": 1,
+                                    "max_per_domain": 16, "min_speedup": 0.01})
+    run = evaluate(run_id="after-draft", target=tiny_store["target"], db_url=db_url, settings=settings,
+                   model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
+    assert run["excluded"]["trained_on"] == len(trained)               # all sampled: 16 per domain
+    from tasks.db.models import AcceptanceEstimate
+
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        scored = connection.execute(select(AcceptanceEstimate.drafter, AcceptanceEstimate.requests)
+                                    .where((AcceptanceEstimate.run_id == "after-draft")
+                                           & (AcceptanceEstimate.k == 1))).all()
+    engine.dispose()
+    draft_label = f"draft_model(model={result['model_uri']})"
+    per_drafter = {}
+    for label, requests in scored:
+        per_drafter[label] = per_drafter.get(label, 0) + requests
+    # both drafters scored exactly the held-out rows, never a row the draft was trained on
+    assert per_drafter == {"prompt_lookup": result["heldout_requests"],
+                           draft_label: result["heldout_requests"]}
