@@ -11,7 +11,9 @@
   cross-entropy on the logged tokens (the target's own samples).
 - Model selection by what serving needs: every `eval_every` steps the held-out requests are scored
   with the offline acceptance estimator, and the checkpoint with the best predicted speedup
-  (optimal K on measured costs) is kept, not the one with the lowest loss.
+  (optimal K on measured costs) is kept, not the one with the lowest loss; among checkpoints that
+  predict the same speedup (e.g. none pays yet on this hardware), the one with the higher
+  expected tokens per round.
 """
 
 from __future__ import annotations
@@ -269,7 +271,9 @@ def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[Log
         kl = heldout_kl(draft, target, heldout, config.max_length, config.batch_size)
         record = {"step": at_step, "train_loss": train_loss, "heldout_kl": kl, **scores}
         history.append(record)
-        if scores["predicted_speedup"] > best["predicted_speedup"]:
+        # by predicted speedup; where nothing pays yet (every K "off": 1.0), by acceptance
+        key = (scores["predicted_speedup"], scores["expected_tokens_per_round"])
+        if key > (best["predicted_speedup"], best.get("expected_tokens_per_round", 0.0)):
             best = {"step": at_step, **{k: v for k, v in record.items() if k != "step"}}
             _save(draft, best_dir)
         log.info("draft step %d: held-out KL %.4f, E %.3f at K=%d, predicted %.3fx", at_step, kl,

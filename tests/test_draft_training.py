@@ -47,6 +47,18 @@ def test_training_lowers_heldout_kl_and_raises_estimated_acceptance(logged, tmp_
     assert result.best_step == best["step"] and (tmp_path / "best" / "model.safetensors").exists()
 
 
+def test_where_nothing_pays_the_most_accepting_checkpoint_is_kept(logged, tmp_path):
+    # a draft as expensive as the target: every K is "off" (1.0x) at every checkpoint
+    target, train, heldout = logged
+    draft = init_draft_from_target(target, num_layers=1)
+    config = TrainConfig(steps=40, eval_every=20, k_max=3, warmup_steps=4, lr=3e-3)
+    result = train_draft(draft, target, train, heldout, config, tmp_path, costs=(1.0, [2.0] * 3),
+                         progress=False)
+    assert {h["predicted_speedup"] for h in result.history} == {1.0}
+    best = max(result.history, key=lambda h: h["expected_tokens_per_round"])
+    assert best["step"] > 0 and result.best_step == best["step"]
+
+
 def test_teacher_topk_kl_trains_a_narrower_draft(logged, tmp_path):
     target, train, heldout = logged
     draft = init_draft_from_target(target, num_layers=1, hidden_size=32)
