@@ -53,6 +53,7 @@ import gzip
 import json
 import os
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,6 @@ def db_backend(request) -> str:
 @pytest.fixture
 def empty_db_url(db_backend, tmp_path, monkeypatch):
     """A URL of an empty database (no schema yet) on the backend under test."""
-    from sqlalchemy import create_engine, text
-
     from tasks.db import dispose_engines
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
@@ -93,15 +92,26 @@ def empty_db_url(db_backend, tmp_path, monkeypatch):
         yield f"sqlite:///{tmp_path / 'specdec.db'}"
         dispose_engines()
         return
+    with postgres_schema("t", before_drop=dispose_engines) as url:
+        yield url
+
+
+@contextmanager
+def postgres_schema(prefix: str, before_drop=None):
+    """A fresh schema in the server named by $SPECDEC_TEST_POSTGRES_URL, as a SQLAlchemy URL whose
+    search_path is that schema; dropped afterwards (after calling before_drop)."""
+    from sqlalchemy import create_engine, text
+
     base = os.environ[POSTGRES_ENV]
-    schema = f"t_{uuid.uuid4().hex[:12]}"
+    schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = create_engine(_postgres_schema_url(base, "public"))
     with admin.begin() as connection:
         connection.execute(text(f'CREATE SCHEMA "{schema}"'))
     try:
         yield _postgres_schema_url(base, schema)
     finally:
-        dispose_engines()
+        if before_drop is not None:
+            before_drop()
         with admin.begin() as connection:
             connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()

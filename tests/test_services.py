@@ -24,12 +24,11 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from .conftest import POSTGRES_ENV, _postgres_schema_url, save_tiny_target, tiny_llama, write_jsonl
+from .conftest import POSTGRES_ENV, postgres_schema, save_tiny_target, tiny_llama, write_jsonl
 
 pytestmark = [
     pytest.mark.slow,
@@ -100,19 +99,8 @@ def db_backend() -> str:
 @pytest.fixture
 def airflow_db_url():
     """A fresh schema for Airflow's metadata (dropped afterwards, once every service is stopped)."""
-    from sqlalchemy import create_engine, text
-
-    base = os.environ[POSTGRES_ENV]
-    schema = f"af_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(_postgres_schema_url(base, "public"))
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        yield _postgres_schema_url(base, schema)
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with postgres_schema("af") as url:
+        yield url
 
 
 @pytest.fixture
