@@ -42,8 +42,8 @@ def test_training_lowers_heldout_kl_and_raises_estimated_acceptance(logged, tmp_
     assert last["expected_tokens_per_round"] > first["expected_tokens_per_round"]
     assert last["acceptance_rate"] > first["acceptance_rate"]
     assert set(last["domains"]) == {"json", "qa"}
-    # the kept checkpoint is the best by predicted speedup, not by loss
-    best = max(result.history, key=lambda h: h["predicted_speedup"])
+    # the kept checkpoint is the best by predicted speedup (then acceptance), not by loss
+    best = max(result.history, key=lambda h: (h["predicted_speedup"], h["expected_tokens_per_round"]))
     assert result.best_step == best["step"] and (tmp_path / "best" / "model.safetensors").exists()
 
 
