@@ -15,7 +15,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
+class _TimedCache:
+    """A model's cache holding `context_len` random tokens; times cached forward passes of random
+    tokens and rolls the cache back after each (the vocabulary of `vocab_model` picks the ids)."""
+
+    def __init__(self, model: torch.nn.Module, context_len: int, batch_size: int, generator,
+                 vocab: int):
+        self.device = next(model.parameters()).device
+        self.generator, self.vocab, self.batch_size = generator, vocab, batch_size
+        self.cache = SequenceCache(model)
+        with torch.inference_mode():
+            self.cache.forward(self._tokens(context_len))
+        self.keep = torch.full((batch_size,), context_len, device=self.device)
+
+    def _tokens(self, width: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (self.batch_size, width),
+                             generator=self.generator).to(self.device)
+
+    def time(self, width: int) -> float:
+        tokens = self._tokens(width)
+        _sync(self.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.cache.forward(tokens)
+        _sync(self.device)
+        elapsed = time.perf_counter() - start
+        self.cache.rollback_to(self.keep)
+        return elapsed
+
+
 def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256, batch_size: int = 1,
                           repeats: int = 5, seed: int = 0) -> dict[int, float]:
     """Median seconds of one cached forward pass over `width` new tokens, per width.
@@ -23,24 +51,14 @@ def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256
     The cache holds `context_len` tokens of random ids; widths are interleaved across repeats so
     drift of the machine's speed hits all alike.
     """
-    device = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, vocab, (batch_size, context_len), generator=generator).to(device)
-    cache = SequenceCache(model)
-    cache.forward(context)
-    keep = torch.full((batch_size,), context_len, device=device)
+    bench = _TimedCache(model, context_len, batch_size, torch.Generator().manual_seed(seed), vocab)
     times: dict[int, list[float]] = {int(w): [] for w in widths}
     for repeat in range(repeats + 1):
         for width in times:
-            tokens = torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)
-            _sync(device)
-            start = time.perf_counter()
-            cache.forward(tokens)
-            _sync(device)
+            elapsed = bench.time(width)
             if repeat:  # the first pass over each width is a warm-up
-                times[width].append(time.perf_counter() - start)
-            cache.rollback_to(keep)
+                times[width].append(elapsed)
     return {width: float(np.median(values)) for width, values in times.items()}
 
 
@@ -93,36 +111,19 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
     """
     from .drafters import DraftModel, PromptLookup
 
-    device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, vocab, (batch_size, context_len), generator=generator).to(device)
-    keep = torch.full((batch_size,), context_len, device=device)
-    caches = {"target": SequenceCache(target)}
+    caches = {"target": _TimedCache(target, context_len, batch_size, generator, vocab)}
     for label, drafter in drafters.items():
         if isinstance(drafter, DraftModel):
-            caches[label] = SequenceCache(drafter.model)
+            caches[label] = _TimedCache(drafter.model, context_len, batch_size, generator, vocab)
         elif not isinstance(drafter, PromptLookup):
             raise TypeError(f"no cost measurement for drafter {type(drafter).__name__}")
-    with torch.inference_mode():
-        for cache in caches.values():
-            cache.forward(context)
-
-    def timed_forward(cache: SequenceCache, width: int) -> float:
-        tokens = torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)
-        _sync(device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            cache.forward(tokens)
-        _sync(device)
-        elapsed = time.perf_counter() - start
-        cache.rollback_to(keep)
-        return elapsed
 
     times: dict[tuple[str, int], list[float]] = {}
     for repeat in range(repeats + 1):          # the first round is a warm-up
         for width in range(1, k_max + 2):
-            elapsed = timed_forward(caches["target"], width)
+            elapsed = caches["target"].time(width)
             if repeat:
                 times.setdefault(("target", width), []).append(elapsed)
         for label, drafter in drafters.items():
@@ -130,7 +131,7 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
                 elapsed = measure_lookup_cost(drafter, k_max, context_len, batch_size, repeats=1,
                                               seed=seed + repeat)
             else:
-                elapsed = timed_forward(caches[label], 1)
+                elapsed = caches[label].time(1)
             if repeat:
                 times.setdefault((label, 1), []).append(elapsed)
     median = {key: float(np.median(values)) for key, values in times.items()}

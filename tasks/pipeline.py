@@ -85,10 +85,11 @@ def loaded(spec: RunSpec) -> dict:
 
         model, tokenizer = load_model(spec.target, device=spec.device)
         entry = _MODELS[key] = {"model": model, "tokenizer": tokenizer}
-    if "fingerprint" not in entry:
+    if "fingerprint" not in entry:    # a digest of every weight: computed once per process
         from specdec_core.validation import fingerprint_id, target_fingerprint
 
-        entry["fingerprint"] = fingerprint_id(target_fingerprint(entry["model"]))
+        entry["target_fingerprint"] = target_fingerprint(entry["model"])
+        entry["fingerprint"] = fingerprint_id(entry["target_fingerprint"])
     settings = spec.settings()
     candidates = list(settings.candidates)
     if settings.auto_draft_candidates:
@@ -293,7 +294,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
         fingerprint=models["fingerprint"], exclude_ids=trained_on(spec, models["drafters"]))
     verdicts = validate_run(spec.run_id, models["model"], models["tokenizer"], models["drafters"],
                             requests, target_id=spec.target, db_url=spec.url, settings=settings,
-                            excluded=excluded)
+                            excluded=excluded, fingerprint=models["target_fingerprint"])
     tables = ["domain_configs"]
     with engine.connect() as connection:
         measured = connection.execute(select(LiveMeasurement.id).where(

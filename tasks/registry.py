@@ -242,14 +242,16 @@ def _plots(run_id: str, connection, directory: Path) -> list[Path]:
 # ------------------------------------------------------------------------------------------------
 # tracked evaluation
 def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = None,
-                     settings: Settings | None = None) -> dict:
-    """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts."""
+                     settings: Settings | None = None, champion=None) -> dict:
+    """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
+    champion: (version, config) of the current champion when the caller already read it."""
     settings = settings or load_settings()
     db_url = database_url(db_url or settings.database_url)
     mlflow_client = client(tracking_uri(uri, db_url))
     engine = ensure_ready(db_url)
-    config = build_config(run_id, db_url, champion=current_champion(uri=uri, target_id=None,
-                                                                    run_id=run_id, db_url=db_url)[1])
+    if champion is None:
+        champion = current_champion(uri=uri, target_id=None, run_id=run_id, db_url=db_url)
+    config = build_config(run_id, db_url, champion=champion[1])
     experiment_id = _experiment_id(mlflow_client, config.target.id)
     existing = _find_run(mlflow_client, experiment_id, run_id)
     if existing is None:
@@ -364,11 +366,11 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
 
     settings = settings or load_settings()
     db_url = database_url(db_url or settings.database_url)
-    tracked = track_evaluation(run_id, db_url, uri, settings)
+    champion_version, champion = current_champion(uri, target_id=None, run_id=run_id, db_url=db_url)
+    tracked = track_evaluation(run_id, db_url, uri, settings, champion=(champion_version, champion))
     config = parse_config(tracked["config"])
     mlflow_client = client(tracking_uri(uri, db_url))
     name = config_model_name(config.target.id)
-    champion_version, champion = current_champion(uri, config.target.id)
     try:
         mlflow_client.get_registered_model(name)
     except MlflowException:

@@ -141,9 +141,10 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
 
 def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_domain: dict,
                  target_id: str, db_url: str | None = None, settings: Settings | None = None,
-                 excluded: dict | None = None) -> dict:
+                 excluded: dict | None = None, fingerprint: dict | None = None) -> dict:
     """Fingerprint and greedy checks once per run, then each domain's verdict and promotability.
 
+    fingerprint: the target's target_fingerprint() when already computed (it digests every weight).
     Output: {"fingerprint": {...}, "greedy": {domain: passed}, "domains": {domain: validation}}.
     """
     import torch
@@ -153,7 +154,7 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
 
     settings = settings or load_settings()
     engine = ensure_ready(database_url(db_url or settings.database_url))
-    fingerprint = target_fingerprint(target)
+    fingerprint = fingerprint or target_fingerprint(target)
     fid = fingerprint_id(fingerprint)
     with engine.connect() as connection:
         previous = connection.execute(

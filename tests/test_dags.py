@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,15 +25,10 @@ SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2
 def airflow_env():
     """An Airflow home with a migrated SQLite metadata database and the timing pool; the DAG
     folder is the repository's dags/. Set before airflow is first imported in this process."""
-    home = Path(tempfile.mkdtemp(prefix="airflow-home-"))
-    env = {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
-           "AIRFLOW__CORE__UNIT_TEST_MODE": "False"}
-    os.environ.update(env)
-    for command in (["db", "migrate"], ["pools", "set", "specdec_timing", "1", "one timing task at a time"]):
-        done = subprocess.run([sys.executable, "-m", "airflow", *command], capture_output=True,
-                              text=True, env=os.environ.copy())
-        assert done.returncode == 0, done.stderr[-2000:]
+    from tasks.main_job import airflow_environment, prepare_airflow
+
+    env = airflow_environment(Path(tempfile.mkdtemp(prefix="airflow-home-")), REPO / "dags")
+    prepare_airflow(env)        # the main job's own setup: migrate, the one-slot timing pool
     return env
 
 
