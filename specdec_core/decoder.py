@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from . import fast
 from .cache import SequenceCache
 from .drafters import Drafter, Proposal
 from .errors import InvalidDecodeInput
@@ -40,6 +41,11 @@ class DecodeState:
     out: torch.Tensor            # LongTensor [B, max_new_tokens + K + 1], generated tokens
     n_out: torch.Tensor          # LongTensor [B], generated tokens so far
     prompt_has_padding: bool
+    # the static fast path (fast.py) keeps its batch: finished rows are marked inactive instead,
+    # caches come from its pool, and the host knows the round's largest accepted count
+    active: torch.Tensor | None = None                   # BoolTensor [B] or None (all active)
+    cache_factory: Callable[[torch.nn.Module], object] = SequenceCache
+    accepted_max: int | None = None
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for name in ("prompt_ids", "prompt_mask", "prompt_len", "out", "n_out"):
@@ -69,11 +75,20 @@ class SpecDecoder:
     On some hardware a verify pass over more tokens is cheaper than over fewer (CPU matmul kernels
     pick different paths by row count); the extra positions are filler after the drafts, so the
     causal target's logits for the real positions are unchanged, and the cache rollback drops them.
+    static_cache: "auto" (the default) runs the fast path of fast.py -- preallocated static KV
+    caches, fixed shapes, one host synchronisation per round -- on CUDA when the models allow it,
+    and the general dynamic-cache path otherwise; True forces the fast path (also on CPU), False
+    the general one. Both give the same tokens for the same seed.
+    cuda_graphs: "auto" captures the fast path's draft steps and verify passes as CUDA graphs on
+    CUDA; False runs them eagerly.
+    phase_timing: synchronise around the draft and verify phases to fill stats.draft_s/verify_s
+    (on by default; benchmarks turn it off on the fast path, where they stay 0).
     """
 
     def __init__(self, target_model: torch.nn.Module, drafter: Drafter | None, k: int = 4,
                  tokenizer=None, verifier: str | Verifier | None = None,
-                 verify_widths: dict[int, int] | None = None):
+                 verify_widths: dict[int, int] | None = None, static_cache: bool | str = "auto",
+                 cuda_graphs: bool | str = "auto", phase_timing: bool = True):
         if not isinstance(k, int) or k < 1:
             raise InvalidDecodeInput(f"k={k!r}: the number of draft tokens per round must be an "
                                      "integer >= 1 (use generate_plain for no speculation)")
@@ -89,10 +104,33 @@ class SpecDecoder:
         self.verify_widths = {int(n): int(w) for n, w in (verify_widths or {}).items() if int(w) >= int(n)}
         if drafter is not None:
             drafter.check_compatible(target_model, tokenizer)
+        for name, value in (("static_cache", static_cache), ("cuda_graphs", cuda_graphs)):
+            if value not in ("auto", True, False):
+                raise InvalidDecodeInput(f"{name}={value!r}: use 'auto', True or False")
+        self.static_cache = static_cache
+        self.cuda_graphs = cuda_graphs
+        self.phase_timing = phase_timing
+        self._static_pool = None
 
     @property
     def device(self) -> torch.device:
         return next(self.target.parameters()).device
+
+    def uses_static_cache(self) -> bool:
+        """Whether generate runs the static-cache fast path (see static_cache)."""
+        if self.static_cache == "auto":
+            models = [self.target] + ([self.drafter.model] if isinstance(
+                getattr(self.drafter, "model", None), torch.nn.Module) else [])
+            return self.device.type == "cuda" and all(fast.supports_static(m) for m in models)
+        return bool(self.static_cache)
+
+    @property
+    def static_pool(self) -> "fast.StaticCachePool":
+        """The fast path's static caches (and CUDA graphs), kept across generate calls."""
+        if self._static_pool is None:
+            graphs = self.cuda_graphs is True or (self.cuda_graphs == "auto" and self.device.type == "cuda")
+            self._static_pool = fast.StaticCachePool(cuda_graphs=graphs)
+        return self._static_pool
 
     def generate(self, input_ids, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  seed: int = 0, attention_mask=None, eos_token_id: int | None = None,
@@ -149,6 +187,9 @@ class SpecDecoder:
         batch = input_ids.shape[0]
         if pad_token_id is None:
             pad_token_id = eos_token_id if eos_token_id is not None else 0
+        if self.uses_static_cache():
+            return fast.run_static(self, drafter, k, input_ids, attention_mask, max_new_tokens,
+                                   sampling, seed, eos_token_id, pad_token_id)
         generator = torch.Generator(device=device).manual_seed(seed)
         verifier = self.verifier
         use_greedy_verify = sampling.greedy and verifier is None

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .cache import SequenceCache
 from .errors import TokenizerMismatch, UnsupportedArchitecture
 from .sampling import SamplingParams, logits_to_probs, sample_from
 
@@ -74,10 +73,11 @@ class DraftModel(Drafter):
     def __init__(self, draft_model: torch.nn.Module, tokenizer=None):
         self.model = draft_model
         self.tokenizer = tokenizer
-        self._cache: SequenceCache | None = None
+        self._cache = None                              # SequenceCache or fast.StaticSequenceCache
         self._cached_gen: torch.Tensor | None = None   # [B] generated tokens already in the cache
         self._round_start: torch.Tensor | None = None  # [B] generated count when the round began
         self._round_k = 0
+        self._round_base = 0                            # static cache: its write column at propose
         self._vocab: int | None = None
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
@@ -105,20 +105,31 @@ class DraftModel(Drafter):
         return torch.cat([logits, pad], dim=-1)
 
     def start(self, state) -> None:
-        self._cache = SequenceCache(self.model)
+        self._cache = state.cache_factory(self.model)
         valid = state.prompt_mask.bool() if state.prompt_has_padding else None
-        self._cache.forward(state.prompt_ids, valid)
+        if getattr(self._cache, "fixed_shapes", False):
+            self._cache.forward(state.prompt_ids, valid, logits_to_keep=1)
+        else:
+            self._cache.forward(state.prompt_ids, valid)
         self._cached_gen = torch.zeros_like(state.n_out)
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
         cache = self._cache
-        # catch up on generated tokens the draft has not seen (1, or 2 after an all-accepted round)
+        fixed = getattr(cache, "fixed_shapes", False)
+        # catch up on generated tokens the draft has not seen (1, or 2 after an all-accepted round);
+        # the static fast path always feeds 2 (the first a hole when only 1 is new): no host sync
         behind = state.n_out - self._cached_gen                                  # [B]
-        width = int(behind.max())
+        width = 2 if fixed else int(behind.max())
         idx = state.n_out[:, None] - width + torch.arange(width, device=state.n_out.device)
         valid = idx >= self._cached_gen[:, None]
         tokens = state.out.gather(1, idx.clamp(min=0))
-        logits = self._fit_vocab(cache.forward(tokens, None if bool(valid.all()) else valid)[:, -1])
+        if fixed:
+            active = state.active[:, None]
+            self._round_base = cache.w
+            logits = self._fit_vocab(cache.forward(tokens, valid & active, logits_to_keep=1)[:, -1])
+        else:
+            active = None
+            logits = self._fit_vocab(cache.forward(tokens, None if bool(valid.all()) else valid)[:, -1])
         draft_tokens, draft_probs = [], []
         for i in range(k):
             if sampling.greedy:
@@ -129,7 +140,7 @@ class DraftModel(Drafter):
                 draft_probs.append(probs)
             draft_tokens.append(token)
             if i < k - 1:
-                logits = self._fit_vocab(cache.forward(token[:, None])[:, -1])
+                logits = self._fit_vocab(cache.forward(token[:, None], active)[:, -1])
         self._round_start = state.n_out.clone()
         self._round_k = k
         self._cached_gen = state.n_out + (k - 1)
@@ -139,7 +150,13 @@ class DraftModel(Drafter):
     def commit(self, state, num_accepted) -> None:
         # the cache holds the round's first k-1 drafts; keep those that were accepted
         kept_gen = self._round_start + num_accepted.clamp(max=self._round_k - 1)
-        self._cache.rollback_to(state.prompt_len + kept_gen)
+        if getattr(self._cache, "fixed_shapes", False) and state.accepted_max is not None:
+            # written this round: 2 catch-up columns, then k - 1 drafts of which rows keep
+            # min(accepted, k - 1): writing resumes after the furthest kept column (host-known)
+            width = self._round_base + 2 + min(state.accepted_max, self._round_k - 1)
+            self._cache.rollback_to(state.prompt_len + kept_gen, width=width)
+        else:
+            self._cache.rollback_to(state.prompt_len + kept_gen)
         self._cached_gen = kept_gen
 
     def select_rows(self, rows) -> None:

@@ -1,0 +1,414 @@
+"""The fast path of SpecDecoder: preallocated (static) KV caches, fixed shapes, CUDA graphs.
+
+At batch 1 on a GPU a decoding step of a small model is bound by reading the weights, and Python
+and kernel-launch overhead easily costs as much as the math. The fast path removes both:
+
+* `StaticSequenceCache` -- the `SequenceCache` interface over a transformers `StaticCache` of
+  fixed batch and length. Rows hold different numbers of tokens the same way (rejected positions
+  become holes hidden by the mask), but every shape is fixed: the attention mask is a 4-D
+  [B, 1, T, L] tensor built on the device from a [B, L] validity buffer, the write position lives
+  in a device scalar, and rollback only edits the validity buffer and moves the write position.
+  So a forward over T new tokens is the same kernels every time, and on CUDA it is captured once
+  per width as a CUDA graph and replayed (one launch instead of hundreds).
+* `run_static` -- the decoding loop for those caches: the batch never shrinks (finished rows
+  become inactive and write holes), every round drafts K and verifies K + 1 tokens (rows with
+  fewer drafts are limited by num_draft), and the only host-device synchronisation in a round is
+  one read of the emitted counts (needed to know which rows finished and how far the caches'
+  write position may move back). Drafting, verification (greedy or rejection sampling: sampling
+  never synchronises, see sampling.sample_from) and bookkeeping stay on the device.
+
+Columns are only ever appended until a rollback; a row's kept columns stay in order, so the causal
+rule "a query sees valid columns up to its own" holds for every row. When the write position would
+pass the end of the cache (batches whose rows accept very different numbers of drafts), the valid
+columns of each row are compacted to the front -- keys are stored after RoPE, so moving them keeps
+their positions -- at the cost of one synchronisation.
+
+The CPU runs the same code without graphs (tests compare it with the general path); on CPU the
+general path is the default because the dynamic cache attends over fewer columns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from transformers import StaticCache
+
+from .errors import UnsupportedArchitecture
+
+log = logging.getLogger(__name__)
+
+# Widths of at most this many tokens are captured as CUDA graphs (draft steps and verify passes);
+# prefill runs eagerly.
+MAX_GRAPH_WIDTH = 33
+# Cache lengths are rounded up to this multiple, so prompts of similar lengths share caches and graphs.
+LENGTH_BUCKET = 256
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def supports_static(model: torch.nn.Module) -> bool:
+    """True when transformers' StaticCache for this model has full-attention layers only."""
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=8)
+    except Exception:  # noqa: BLE001 - any construction failure means "not supported"
+        return False
+    return all(type(layer).__name__ == "StaticLayer" for layer in cache.layers)
+
+
+def bucket_length(needed: int) -> int:
+    return -(-needed // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+class _Graph:
+    """One captured forward of a fixed width: static inputs, the graph, its output."""
+
+    def __init__(self, tokens: torch.Tensor, valid: torch.Tensor):
+        self.tokens = tokens
+        self.valid = valid
+        self.graph = torch.cuda.CUDAGraph()
+        self.out: torch.Tensor | None = None
+
+
+class StaticSequenceCache:
+    """model + StaticCache [batch, max_len] + validity [B, L] + valid count per row [B].
+
+    forward(tokens [B, T], valid [B, T] | None, logits_to_keep=0) -> logits [B, T', V]
+    rollback_to(keep [B], width=None): keep each row's first keep[b] valid tokens; `width` (host
+    int) is where writing resumes -- pass it when the caller knows it, else it is read from the
+    device (a synchronisation).
+    Logits returned by a captured width are the graph's output buffer: valid until the next call
+    of the same width.
+    """
+
+    fixed_shapes = True
+
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int,
+                 cuda_graphs: bool = False, graph_pool=None):
+        if not supports_static(model):
+            raise UnsupportedArchitecture(
+                f"{type(model).__name__}: the static-cache fast path needs full attention in every "
+                "layer (no sliding-window or recurrent layers); use static_cache=False")
+        weight = next(model.parameters())
+        self.model = model
+        self.device, self.dtype = weight.device, weight.dtype
+        self.batch, self.max_len = batch, max_len
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
+        self.count = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.w = 0                                   # host: next column to write
+        self.last_start = 0                          # host: first column of the latest forward
+        self._w = torch.zeros((), dtype=torch.long, device=self.device)
+        self._cols = torch.arange(max_len, device=self.device)
+        self._min = torch.finfo(self.dtype).min
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self._pool = graph_pool
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.compactions = 0
+
+    # -- SequenceCache interface ---------------------------------------------------------------
+    @property
+    def width(self) -> int:
+        return self.w
+
+    def reset(self) -> None:
+        """Empty the cache for a new batch of prompts (buffers and graphs are kept)."""
+        self.valid.zero_()
+        self.count.zero_()
+        self._set_w(0)
+        self.last_start = 0
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        batch, width = tokens.shape
+        if batch != self.batch:
+            raise ValueError(f"batch {batch} != the static cache's {self.batch}")
+        if valid is None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        if self.w + width > self.max_len:
+            self._compact()
+            if self.w + width > self.max_len:
+                raise ValueError(f"static cache of {self.max_len} columns is full ({self.w} used, "
+                                 f"{width} more needed): size it for prompt + max_new_tokens + K + 1")
+        self.last_start = self.w
+        if self.cuda_graphs and width <= MAX_GRAPH_WIDTH:
+            logits = self._replay(tokens, valid.bool(), logits_to_keep)
+        else:
+            logits = self._body(tokens, valid.bool(), logits_to_keep)
+        self.w += width
+        return logits
+
+    def rollback_to(self, keep: torch.Tensor, width: int | None = None) -> None:
+        kept = self.valid & (self.valid.long().cumsum(1) <= keep[:, None])
+        self.valid.copy_(kept)
+        torch.minimum(self.count, keep, out=self.count)
+        if width is None:   # the last column any row still uses (a synchronisation)
+            used = kept.any(0).nonzero()
+            width = int(used.max()) + 1 if used.numel() else 0
+        self._set_w(min(int(width), self.w))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        raise NotImplementedError("a static cache keeps its batch: mark finished rows inactive")
+
+    # -- internals -----------------------------------------------------------------------------
+    def _set_w(self, w: int) -> None:
+        self.w = w
+        self._w.fill_(w)
+        for layer in self.cache.layers:
+            cumulative = getattr(layer, "cumulative_length", None)
+            if isinstance(cumulative, torch.Tensor):
+                cumulative.fill_(w)
+
+    def _body(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        """One forward, device-side only (capturable): write validity, positions, mask, run."""
+        width = tokens.shape[1]
+        columns = self._w + self._cols[:width]                                    # [T]
+        self.valid.index_copy_(1, columns, valid)
+        valid_l = valid.long()
+        position_ids = (self.count[:, None] + valid_l.cumsum(1) - 1).clamp_(min=0)
+        self.count.add_(valid_l.sum(1))
+        seen = self._cols[None, :] <= columns[:, None]                            # [T, L] causal
+        itself = self._cols[None, :] == columns[:, None]    # a hole query sees itself: no empty row
+        allowed = (self.valid[:, None, :] & seen[None]) | itself[None]            # [B, T, L]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, self._min)
+        out = self.model(input_ids=tokens, attention_mask=mask[:, None], position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        self._w.add_(width)
+        return out.logits
+
+    def _replay(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        key = (tokens.shape[1], logits_to_keep)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(tokens, valid, logits_to_keep)
+            self._graphs[key] = graph
+        graph.tokens.copy_(tokens)
+        graph.valid.copy_(valid)
+        graph.graph.replay()
+        return graph.out
+
+    def _capture(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> _Graph:
+        """Warm up (side stream, as torch.cuda.graphs asks), capture, restore the cache state."""
+        graph = _Graph(tokens.clone(), valid.clone())
+        saved = (self.valid.clone(), self.count.clone(), self.w)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+
+        def restore():
+            self.valid.copy_(saved[0])
+            self.count.copy_(saved[1])
+            self._set_w(saved[2])
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body(graph.tokens, graph.valid, logits_to_keep)
+                restore()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        with torch.cuda.graph(graph.graph, pool=self._pool):
+            graph.out = self._body(graph.tokens, graph.valid, logits_to_keep)
+        restore()
+        log.debug("captured a CUDA graph of width %d for %s", tokens.shape[1],
+                  type(self.model).__name__)
+        return graph
+
+    def _compact(self) -> None:
+        """Move each row's valid columns to the front, in order (one synchronisation)."""
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)    # valid first
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
+                    index = order[:, None, :, None].expand_as(tensor)
+                    tensor.copy_(tensor.gather(2, index))
+        self.valid.copy_(self._cols[None, :] < self.count[:, None])
+        self._set_w(int(self.count.max()))
+        self.compactions += 1
+
+
+class StaticCachePool:
+    """Static caches (with their graphs) kept across generate calls, per model, batch and length."""
+
+    def __init__(self, cuda_graphs: bool):
+        self.cuda_graphs = cuda_graphs
+        self._caches: dict[tuple, StaticSequenceCache] = {}
+        self._graph_pool = None
+
+    def get(self, model: torch.nn.Module, batch: int, needed_len: int,
+            role: str = "target") -> StaticSequenceCache:
+        """A reset cache; `role` keeps the target's and a drafter's apart (a draft may be the target)."""
+        length = bucket_length(needed_len)
+        key = (role, id(model), batch, length)
+        cache = self._caches.get(key)
+        if cache is None or cache.model is not model:
+            if self.cuda_graphs and self._graph_pool is None and torch.cuda.is_available():
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            cache = StaticSequenceCache(model, batch, length, self.cuda_graphs, self._graph_pool)
+            self._caches[key] = cache
+        cache.reset()
+        return cache
+
+    def clear(self) -> None:
+        self._caches.clear()
+
+
+def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               max_new_tokens: int, sampling, seed: int, eos_token_id: int | None,
+               pad_token_id: int):
+    """SpecDecoder's loop on static caches (see the module docstring); same result as _run."""
+    from .decoder import DecodeState
+    from .verify import rejection_sample
+
+    device = decoder.device
+    batch, prompt_width = input_ids.shape
+    width = k + 1
+    needed = prompt_width + max_new_tokens + width + 2
+    pool = decoder.static_pool
+    generator = torch.Generator(device=device).manual_seed(seed)
+    use_greedy_verify = sampling.greedy and decoder.verifier is None
+    verifier = decoder.verifier or rejection_sample
+    phase_timing = decoder.phase_timing
+
+    rounds = torch.zeros(batch, dtype=torch.long, device=device)
+    drafted, accepted, emitted = rounds.clone(), rounds.clone(), rounds.clone()
+    reached_at = torch.zeros(batch, max(k, 1), dtype=torch.long, device=device)
+    accepted_at = reached_at.clone()
+    positions = torch.arange(width, device=device)
+    draft_s = verify_s = 0.0
+
+    _sync(device)
+    t_start = time.perf_counter()
+    target = pool.get(decoder.target, batch, needed)
+    prompt_len = attention_mask.sum(1)
+    state = DecodeState(
+        prompt_ids=input_ids, prompt_mask=attention_mask, prompt_len=prompt_len,
+        out=torch.full((batch, max_new_tokens + width), pad_token_id, dtype=torch.long,
+                       device=device),
+        n_out=torch.ones(batch, dtype=torch.long, device=device),
+        prompt_has_padding=not bool(attention_mask.all()),
+        active=torch.ones(batch, dtype=torch.bool, device=device),
+        cache_factory=lambda model: pool.get(model, batch, needed, role="draft"))
+    logits = target.forward(input_ids, attention_mask.bool(), logits_to_keep=1)
+    first, _ = decoder._verify_step(None, logits[:, -1:], sampling, generator, verifier,
+                                    use_greedy_verify, device)
+    state.out[:, 0] = first[:, 0]
+    if drafter is not None:
+        drafter.start(state)
+    n_host = np.ones(batch, dtype=np.int64)
+    done_host = n_host >= max_new_tokens
+    if eos_token_id is not None:
+        done_host |= first[:, 0].cpu().numpy() == eos_token_id
+    state.active.copy_(torch.from_numpy(~done_host))
+    _sync(device)
+    prefill_s = time.perf_counter() - t_start
+    # plain decoding without EOS: every active row emits one token per step, known on the host
+    needs_counts = drafter is not None or eos_token_id is not None
+
+    while not done_host.all():
+        active = state.active
+        num_draft = (max_new_tokens - state.n_out - 1).clamp(min=0, max=k) * active
+        proposal = None
+        if drafter is not None:
+            t0 = time.perf_counter()
+            proposal = drafter.propose(state, k, num_draft, sampling, generator)
+            proposal.num_draft = torch.minimum(proposal.num_draft, num_draft)
+            if phase_timing:
+                _sync(device)
+                draft_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pending = state.out.gather(1, state.n_out[:, None] - 1)
+        verify_input = pending if proposal is None else torch.cat([pending, proposal.tokens], 1)
+        logits = target.forward(verify_input, active[:, None].expand(-1, width))
+        out_tokens, num_accepted = decoder._verify_step(
+            proposal, logits, sampling, generator, verifier, use_greedy_verify, device)
+        num_accepted = num_accepted * active
+        count = (num_accepted + 1) * active
+        if eos_token_id is not None:
+            is_eos = (out_tokens == eos_token_id) & (positions < count[:, None])
+            hit = is_eos.any(1)
+            count = torch.where(hit, is_eos.long().argmax(1) + 1, count)
+        else:
+            hit = torch.zeros_like(active)
+        written = torch.where(positions < count[:, None], out_tokens,
+                              torch.full_like(out_tokens, pad_token_id))
+        state.out.scatter_(1, state.n_out[:, None] + positions, written)
+        state.n_out = state.n_out + count
+        nd = proposal.num_draft if proposal is not None else torch.zeros_like(count)
+        rounds += active
+        drafted += nd
+        accepted += num_accepted
+        emitted += count
+        if k > 0:
+            pos = positions[:k]
+            live = active[:, None]
+            reached_at += ((pos < nd[:, None]) & (pos <= num_accepted[:, None]) & live).long()
+            accepted_at += ((pos < num_accepted[:, None]) & live).long()
+        state.active = active & ~hit & (state.n_out < max_new_tokens)
+        # the round's one synchronisation: how many tokens each row emitted
+        if needs_counts:
+            counts_host, active_host = torch.stack([count, state.active.long()]).cpu().numpy()
+        else:
+            counts_host = (~done_host).astype(np.int64)
+            active_host = n_host + counts_host < max_new_tokens
+        n_host = n_host + counts_host
+        done_host = ~active_host.astype(bool)
+        kept_max = max(int(counts_host.max()), 1)
+        state.accepted_max = max(kept_max - 1, 0)
+        target.rollback_to(prompt_len + state.n_out - 1, width=target.last_start + kept_max)
+        if drafter is not None:
+            drafter.commit(state, num_accepted)
+        if phase_timing:
+            _sync(device)
+            verify_s += time.perf_counter() - t0
+    _sync(device)
+    total_s = time.perf_counter() - t_start
+    result = state.out[:, :max_new_tokens].clone()
+    return decoder._result(result, state.n_out, rounds, drafted, accepted,
+                           emitted, reached_at, accepted_at, k, draft_s, verify_s, total_s,
+                           prefill_s, prompt_len)
+
+
+@torch.inference_mode()
+def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256,
+                          batch_size: int = 1, repeats: int = 20, cuda_graphs="auto",
+                          seed: int = 0) -> dict[int, float]:
+    """Median seconds of one forward over `width` new tokens on a static cache holding context_len
+    random tokens (captured as CUDA graphs on CUDA when cuda_graphs is "auto" or True).
+
+    Widths are interleaved within each repeat; the first repeat is a warm-up (and the capture).
+    """
+    weight = next(model.parameters())
+    device = weight.device
+    if cuda_graphs == "auto":
+        cuda_graphs = device.type == "cuda"
+    widths = [int(w) for w in widths]
+    cache = StaticSequenceCache(model, batch_size, bucket_length(context_len + max(widths) + 1),
+                                cuda_graphs=cuda_graphs)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+
+    def tokens(width):
+        return torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)
+
+    cache.forward(tokens(context_len))
+    keep = torch.full((batch_size,), context_len, device=device)
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for repeat in range(repeats + 1):
+        for width in widths:
+            batch_tokens = tokens(width)
+            _sync(device)
+            start = time.perf_counter()
+            cache.forward(batch_tokens)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            cache.rollback_to(keep, width=context_len)
+            if repeat:
+                times[width].append(elapsed)
+    return {width: float(np.median(values)) for width, values in times.items()}
