@@ -375,40 +375,12 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
                            prefill_s, prompt_len)
 
 
-@torch.inference_mode()
 def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256,
-                          batch_size: int = 1, repeats: int = 20, cuda_graphs="auto",
-                          seed: int = 0) -> dict[int, float]:
+                          batch_size: int = 1, repeats: int = 20, seed: int = 0,
+                          cuda_graphs: bool | str = "auto") -> dict[int, float]:
     """Median seconds of one forward over `width` new tokens on a static cache holding context_len
-    random tokens (captured as CUDA graphs on CUDA when cuda_graphs is "auto" or True).
+    random tokens (captured as CUDA graphs on CUDA); see profile.measure_forward_costs."""
+    from .profile import measure_forward_costs as measure
 
-    Widths are interleaved within each repeat; the first repeat is a warm-up (and the capture).
-    """
-    weight = next(model.parameters())
-    device = weight.device
-    if cuda_graphs == "auto":
-        cuda_graphs = device.type == "cuda"
-    widths = [int(w) for w in widths]
-    cache = StaticSequenceCache(model, batch_size, bucket_length(context_len + max(widths) + 1),
-                                cuda_graphs=cuda_graphs)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(seed)
-
-    def tokens(width):
-        return torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)
-
-    cache.forward(tokens(context_len))
-    keep = torch.full((batch_size,), context_len, device=device)
-    times: dict[int, list[float]] = {w: [] for w in widths}
-    for repeat in range(repeats + 1):
-        for width in widths:
-            batch_tokens = tokens(width)
-            _sync(device)
-            start = time.perf_counter()
-            cache.forward(batch_tokens)
-            _sync(device)
-            elapsed = time.perf_counter() - start
-            cache.rollback_to(keep, width=context_len)
-            if repeat:
-                times[width].append(elapsed)
-    return {width: float(np.median(values)) for width, values in times.items()}
+    return measure(model, widths, context_len, batch_size, repeats, seed, static=True,
+                   cuda_graphs=cuda_graphs in ("auto", True))

@@ -1,4 +1,8 @@
-"""Measuring costs on the hardware at hand: target step and verify(K) passes."""
+"""Measuring costs on the hardware at hand: target step and verify(K) passes.
+
+On CUDA the passes are timed on the fast path's static caches with CUDA graphs (fast.py), the
+path SpecDecoder takes there; on CPU on the general path's dynamic cache.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from . import fast
 from .cache import SequenceCache
 
 
@@ -15,15 +20,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def use_static(model: torch.nn.Module, static: bool | str = "auto") -> bool:
+    """Whether costs are measured on the fast path's static cache: "auto" -- on CUDA, where
+    SpecDecoder runs that path by default, so the planner gets the costs decoding will have."""
+    if static == "auto":
+        return next(model.parameters()).device.type == "cuda" and fast.supports_static(model)
+    return bool(static)
+
+
 class _TimedCache:
     """A model's cache holding `context_len` random tokens; times cached forward passes of random
-    tokens and rolls the cache back after each (the vocabulary of `vocab_model` picks the ids)."""
+    tokens and rolls the cache back after each (`vocab` bounds the ids). static: a fast-path
+    StaticSequenceCache (CUDA graphs on CUDA) with room for widths up to max_width."""
 
     def __init__(self, model: torch.nn.Module, context_len: int, batch_size: int, generator,
-                 vocab: int):
+                 vocab: int, static: bool = False, max_width: int = 64, cuda_graphs: bool = True):
         self.device = next(model.parameters()).device
         self.generator, self.vocab, self.batch_size = generator, vocab, batch_size
-        self.cache = SequenceCache(model)
+        self.context_len = context_len
+        if static:
+            self.cache = fast.StaticSequenceCache(
+                model, batch_size, fast.bucket_length(context_len + max_width + 1),
+                cuda_graphs=cuda_graphs and self.device.type == "cuda")
+        else:
+            self.cache = SequenceCache(model)
         with torch.inference_mode():
             self.cache.forward(self._tokens(context_len))
         self.keep = torch.full((batch_size,), context_len, device=self.device)
@@ -40,19 +60,27 @@ class _TimedCache:
             self.cache.forward(tokens)
         _sync(self.device)
         elapsed = time.perf_counter() - start
-        self.cache.rollback_to(self.keep)
+        if isinstance(self.cache, fast.StaticSequenceCache):
+            self.cache.rollback_to(self.keep, width=self.context_len)
+        else:
+            self.cache.rollback_to(self.keep)
         return elapsed
 
 
 def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256, batch_size: int = 1,
-                          repeats: int = 5, seed: int = 0) -> dict[int, float]:
+                          repeats: int = 5, seed: int = 0, static: bool | str = "auto",
+                          cuda_graphs: bool = True) -> dict[int, float]:
     """Median seconds of one cached forward pass over `width` new tokens, per width.
 
     The cache holds `context_len` tokens of random ids; widths are interleaved across repeats so
-    drift of the machine's speed hits all alike.
+    drift of the machine's speed hits all alike. static: see use_static; cuda_graphs: replay
+    captured graphs on the static cache on CUDA (False: eager kernels, to see what graphs save).
     """
     vocab = model.get_output_embeddings().weight.shape[0]
-    bench = _TimedCache(model, context_len, batch_size, torch.Generator().manual_seed(seed), vocab)
+    widths = [int(w) for w in widths]
+    bench = _TimedCache(model, context_len, batch_size, torch.Generator().manual_seed(seed), vocab,
+                        static=use_static(model, static), max_width=max(widths),
+                        cuda_graphs=cuda_graphs)
     times: dict[int, list[float]] = {int(w): [] for w in widths}
     for repeat in range(repeats + 1):
         for width in times:
@@ -113,10 +141,12 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
 
     vocab = target.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    caches = {"target": _TimedCache(target, context_len, batch_size, generator, vocab)}
+    caches = {"target": _TimedCache(target, context_len, batch_size, generator, vocab,
+                                    static=use_static(target), max_width=k_max + 1)}
     for label, drafter in drafters.items():
         if isinstance(drafter, DraftModel):
-            caches[label] = _TimedCache(drafter.model, context_len, batch_size, generator, vocab)
+            caches[label] = _TimedCache(drafter.model, context_len, batch_size, generator, vocab,
+                                        static=use_static(drafter.model), max_width=2)
         elif not isinstance(drafter, PromptLookup):
             raise TypeError(f"no cost measurement for drafter {type(drafter).__name__}")
 

@@ -1,0 +1,227 @@
+"""The static-cache fast path (specdec_core/fast.py) against the general path, on CPU and -- where a
+GPU is present -- on CUDA with captured graphs (those variants are skipped on CPU machines).
+
+Greedy outputs must be identical token for token; sampling must keep the target's distribution
+(the same G-test the validation step runs); the acceptance-controlled drafter must accept at the
+rate it was given.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from specdec_core import (DraftModel, InvalidDecodeInput, LayerSkip, PromptLookup, SamplingParams,
+                          SpecDecoder, fast)
+from specdec_core.cache import SequenceCache
+from specdec_core.errors import UnsupportedArchitecture
+from specdec_core.faults import off_by_one_bonus
+from specdec_core.synthetic import ControlledAcceptance
+from specdec_core.validation import sampling_check
+from specdec_core.verify import relaxed_verify
+
+from .conftest import VOCAB, tiny_llama
+from .test_decoder import left_padded_batch, repetitive_prompt
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def pair(request, target, draft):
+    """(device, target, draft): the session's tiny fp32 models, copied to the device."""
+    if request.param == "cpu":
+        return "cpu", target, draft
+    return "cuda", copy.deepcopy(target).to("cuda"), copy.deepcopy(draft).to("cuda")
+
+
+def make_drafter(name, target, draft, reference=None):
+    return {
+        "plain": lambda: None,
+        "prompt_lookup": lambda: PromptLookup(max_ngram=3, min_ngram=1),
+        "layer_skip": lambda: LayerSkip(target, num_layers=2),
+        "draft_model": lambda: DraftModel(draft),
+        "draft_is_target": lambda: DraftModel(target),
+        "controlled": lambda: ControlledAcceptance(reference, 0.7, seed=2),
+    }[name]()
+
+
+def decode(target, drafter, k, ids, mask, static, eos=None, sampling=None, seed=0, **kwargs):
+    decoder = SpecDecoder(target, drafter, k=k, static_cache=static, **kwargs)
+    run = decoder.generate if drafter is not None else decoder.generate_plain
+    return run(ids, MAX_NEW, attention_mask=mask, eos_token_id=eos, sampling=sampling, seed=seed)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("name", ["plain", "prompt_lookup", "layer_skip", "draft_model",
+                                  "draft_is_target", "controlled"])
+def test_greedy_fast_path_equals_general_path(pair, name, k):
+    # same tokens, same counts and the same rounds / acceptance, single prompt and a left-padded
+    # batch whose rows finish at different times (EOS on and off)
+    device, target, draft = pair
+    for ids, mask in ((repetitive_prompt(), None), left_padded_batch()):
+        ids = ids.to(device)
+        mask = None if mask is None else mask.to(device)
+        reference = decode(target, None, k, ids, mask, static=False).tokens
+        for eos in (None, 5):
+            drafter = make_drafter(name, target, draft, reference)
+            general = decode(target, drafter, k, ids, mask, static=False, eos=eos)
+            drafter = make_drafter(name, target, draft, reference)
+            fast_run = decode(target, drafter, k, ids, mask, static=True, eos=eos)
+            assert torch.equal(fast_run.tokens, general.tokens), (name, k, eos)
+            assert fast_run.num_tokens == general.num_tokens
+            if name != "controlled":  # its random stream is drawn per round, K at a time
+                assert (fast_run.stats.rounds, fast_run.stats.accepted, fast_run.stats.emitted) == (
+                    general.stats.rounds, general.stats.accepted, general.stats.emitted)
+            assert fast_run.stats.emitted == sum(fast_run.num_tokens) - ids.shape[0]
+
+
+def test_fast_path_writes_rows_that_stopped_early_as_padding(pair):
+    device, target, draft = pair
+    ids, mask = (t.to(device) for t in left_padded_batch())
+    result = decode(target, DraftModel(draft), 3, ids, mask, static=True, eos=5)
+    for row, n in enumerate(result.num_tokens):
+        if n < MAX_NEW:
+            assert int(result.tokens[row, n - 1]) == 5
+            assert (result.tokens[row, n:] == 5).all()  # pad defaults to EOS
+
+
+def test_compaction_keeps_outputs_when_the_cache_is_tight(target, draft, monkeypatch):
+    # rows of a batch accept different numbers of drafts, so the write position outruns every
+    # row's length; with caches sized to the minimum, the valid columns must be compacted -- and
+    # the output must not change
+    monkeypatch.setattr(fast, "LENGTH_BUCKET", 1)
+    ids, mask = left_padded_batch()
+    reference = decode(target, None, 5, ids, mask, static=False).tokens
+    drafter = ControlledAcceptance(reference, 0.6, seed=1)
+    decoder = SpecDecoder(target, drafter, k=5, static_cache=True)
+    result = decoder.generate(ids, MAX_NEW, attention_mask=mask)
+    assert torch.equal(result.tokens, reference)
+    compactions = sum(cache.compactions for cache in decoder.static_pool._caches.values())
+    assert compactions > 0
+
+
+def test_static_cache_logits_equal_the_dynamic_cache(target):
+    # one sequence of appends with holes and rollbacks, both caches side by side
+    torch.manual_seed(0)
+    ids, mask = left_padded_batch()
+    dynamic, static = SequenceCache(target), fast.StaticSequenceCache(target, 3, 64)
+    with torch.inference_mode():
+        steps = [(ids, mask.bool()), (torch.randint(3, VOCAB, (3, 4)), None),
+                 (torch.randint(3, VOCAB, (3, 1)), torch.tensor([[True], [False], [True]]))]
+        keeps = [None, torch.tensor([10, 13, 15]), None]
+        for (tokens, valid), keep in zip(steps, keeps):
+            a = dynamic.forward(tokens, valid)
+            b = static.forward(tokens, valid)
+            rows = torch.ones(tokens.shape, dtype=torch.bool) if valid is None else valid
+            torch.testing.assert_close(b[rows], a[rows], rtol=1e-4, atol=1e-4)
+            if keep is not None:
+                dynamic.rollback_to(keep)
+                static.rollback_to(keep)
+                assert torch.equal(static.count, dynamic.count)
+
+
+def test_controlled_acceptance_accepts_at_alpha_and_keeps_greedy_output(target):
+    # the drafter proposes the target's own next token with probability alpha: its conditional
+    # acceptance is alpha at every position (binomial bounds), and the output is the target's
+    ids, _ = left_padded_batch()
+    ids = ids.repeat(4, 1)                                  # 12 rows
+    reference = decode(target, None, 4, ids, None, static=False).tokens
+    for alpha in (0.0, 0.5, 0.9, 1.0):
+        drafter = ControlledAcceptance(reference, alpha, seed=7)
+        result = decode(target, drafter, 4, ids, None, static=True)
+        assert torch.equal(result.tokens, reference)
+        stats = result.stats
+        reached, accepted = stats.reached_at_position[0], stats.accepted_at_position[0]
+        rate = accepted / reached
+        spread = 4 * (alpha * (1 - alpha) / reached) ** 0.5 + 1e-9
+        assert abs(rate - alpha) <= spread, (alpha, rate, reached)
+        if alpha == 1.0:
+            assert stats.accepted == stats.drafted
+        if alpha == 0.0:
+            assert stats.accepted == 0
+
+
+def test_controlled_acceptance_rejects_sampling_and_bad_alpha(target):
+    reference = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(InvalidDecodeInput, match="alpha"):
+        ControlledAcceptance(reference, 1.5)
+    decoder = SpecDecoder(target, ControlledAcceptance(reference, 0.5), k=2)
+    with pytest.raises(InvalidDecodeInput, match="greedy"):
+        decoder.generate(repetitive_prompt(), 4, sampling=SamplingParams(temperature=1.0))
+
+
+def test_phase_timing_off_keeps_tokens_and_skips_phase_clocks(target, draft):
+    ids = repetitive_prompt()
+    timed = decode(target, DraftModel(draft), 3, ids, None, static=True)
+    untimed = decode(target, DraftModel(draft), 3, ids, None, static=True, phase_timing=False)
+    assert torch.equal(timed.tokens, untimed.tokens)
+    assert timed.stats.verify_s > 0 and untimed.stats.verify_s == 0 and untimed.stats.draft_s == 0
+    assert untimed.stats.total_s > 0
+
+
+def test_static_cache_refuses_sliding_window_models_and_auto_falls_back():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                           sliding_window=4)
+    model = MistralForCausalLM(config).eval()
+    with pytest.raises(UnsupportedArchitecture, match="static_cache=False"):
+        SpecDecoder(model, PromptLookup(), k=2, static_cache=True).generate(repetitive_prompt(), 4)
+    auto = SpecDecoder(model, PromptLookup(), k=2)
+    assert not auto.uses_static_cache()
+    assert auto.generate(repetitive_prompt(), 4).num_tokens == [4]
+    with pytest.raises(InvalidDecodeInput, match="static_cache"):
+        SpecDecoder(model, PromptLookup(), k=2, static_cache="yes")
+
+
+def test_auto_uses_the_fast_path_only_on_cuda(target):
+    decoder = SpecDecoder(target, PromptLookup(), k=2)
+    assert decoder.uses_static_cache() == (target.device.type == "cuda")
+
+
+def test_forward_costs_on_the_static_cache(pair):
+    device, target, _ = pair
+    costs = fast.measure_forward_costs(target, [1, 2, 5], context_len=32, repeats=2)
+    assert set(costs) == {1, 2, 5} and all(seconds > 0 for seconds in costs.values())
+
+
+# --- sampling: the target's distribution is kept ------------------------------------------------
+VOCAB_V = 24
+PROMPT = torch.tensor([3, 7, 1, 9, 4])
+
+
+@pytest.fixture(scope="module")
+def spread_pair(request):
+    """A target with spread next-token distributions and a perturbed copy as the draft."""
+    spread = tiny_llama(vocab=VOCAB_V, hidden=32, layers=2, heads=2, seed=31, initializer_range=0.3)
+    perturbed = copy.deepcopy(spread)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in perturbed.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.5 * param.std())
+    return spread, perturbed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_sampling_keeps_the_target_distribution(spread_pair, device):
+    # on the device: the batched rejection sampler through the fast path, G-test per position
+    spread, perturbed = (copy.deepcopy(m).to(device) for m in spread_pair)
+    static = functools.partial(SpecDecoder, static_cache=True)
+    report = sampling_check(spread, DraftModel(perturbed), PROMPT, rows=3000, seed=1,
+                            decoder_cls=static)
+    assert report.passed, [t for t in report.tests if not t.passed]
+
+
+@pytest.mark.parametrize("verifier", [relaxed_verify, off_by_one_bonus], ids=["relaxed", "off_by_one"])
+def test_fast_path_sampling_check_still_catches_broken_verifiers(spread_pair, verifier):
+    spread, perturbed = spread_pair
+    static = functools.partial(SpecDecoder, static_cache=True)
+    report = sampling_check(spread, DraftModel(perturbed), PROMPT, rows=3000, seed=1,
+                            decoder_cls=static, verifier=verifier)
+    assert not report.passed
