@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from . import fast
+from .fast import synchronize as _sync
 from .cache import SequenceCache
 from .drafters import Drafter, Proposal
 from .errors import InvalidDecodeInput
@@ -59,10 +60,6 @@ class GenerateResult:
     row_stats: list[SpecStats] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # valid new tokens per row (EOS included)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class SpecDecoder:

@@ -108,7 +108,7 @@ class DraftModel(Drafter):
         self._cache = state.cache_factory(self.model)
         valid = state.prompt_mask.bool() if state.prompt_has_padding else None
         if getattr(self._cache, "fixed_shapes", False):
-            self._cache.forward(state.prompt_ids, valid, logits_to_keep=1)
+            self._cache.forward(state.prompt_ids, valid, logits_to_keep=1, graphed=False)
         else:
             self._cache.forward(state.prompt_ids, valid)
         self._cached_gen = torch.zeros_like(state.n_out)

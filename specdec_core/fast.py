@@ -47,7 +47,8 @@ MAX_GRAPH_WIDTH = 33
 LENGTH_BUCKET = 256
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU): before reading a clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -124,7 +125,9 @@ class StaticSequenceCache:
         self.last_start = 0
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
+                logits_to_keep: int = 0, graphed: bool = True) -> torch.Tensor:
+        """Append tokens [B, T] (valid: False = a hole) and return logits [B, T', V]; graphed=False
+        runs eagerly (prefill: its width changes with every prompt, not worth a capture)."""
         batch, width = tokens.shape
         if batch != self.batch:
             raise ValueError(f"batch {batch} != the static cache's {self.batch}")
@@ -136,7 +139,7 @@ class StaticSequenceCache:
                 raise ValueError(f"static cache of {self.max_len} columns is full ({self.w} used, "
                                  f"{width} more needed): size it for prompt + max_new_tokens + K + 1")
         self.last_start = self.w
-        if self.cuda_graphs and width <= MAX_GRAPH_WIDTH:
+        if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH:
             logits = self._replay(tokens, valid.bool(), logits_to_keep)
         else:
             logits = self._body(tokens, valid.bool(), logits_to_keep)
@@ -283,7 +286,7 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
     positions = torch.arange(width, device=device)
     draft_s = verify_s = 0.0
 
-    _sync(device)
+    synchronize(device)
     t_start = time.perf_counter()
     target = pool.get(decoder.target, batch, needed)
     prompt_len = attention_mask.sum(1)
@@ -295,7 +298,7 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
         prompt_has_padding=not bool(attention_mask.all()),
         active=torch.ones(batch, dtype=torch.bool, device=device),
         cache_factory=lambda model: pool.get(model, batch, needed, role="draft"))
-    logits = target.forward(input_ids, attention_mask.bool(), logits_to_keep=1)
+    logits = target.forward(input_ids, attention_mask.bool(), logits_to_keep=1, graphed=False)
     first, _ = decoder._verify_step(None, logits[:, -1:], sampling, generator, verifier,
                                     use_greedy_verify, device)
     state.out[:, 0] = first[:, 0]
@@ -306,7 +309,7 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
     if eos_token_id is not None:
         done_host |= first[:, 0].cpu().numpy() == eos_token_id
     state.active.copy_(torch.from_numpy(~done_host))
-    _sync(device)
+    synchronize(device)
     prefill_s = time.perf_counter() - t_start
     # plain decoding without EOS: every active row emits one token per step, known on the host
     needs_counts = drafter is not None or eos_token_id is not None
@@ -320,7 +323,7 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
             proposal = drafter.propose(state, k, num_draft, sampling, generator)
             proposal.num_draft = torch.minimum(proposal.num_draft, num_draft)
             if phase_timing:
-                _sync(device)
+                synchronize(device)
                 draft_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         pending = state.out.gather(1, state.n_out[:, None] - 1)
@@ -365,9 +368,9 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
         if drafter is not None:
             drafter.commit(state, num_accepted)
         if phase_timing:
-            _sync(device)
+            synchronize(device)
             verify_s += time.perf_counter() - t0
-    _sync(device)
+    synchronize(device)
     total_s = time.perf_counter() - t_start
     result = state.out[:, :max_new_tokens].clone()
     return decoder._result(result, state.n_out, rounds, drafted, accepted,

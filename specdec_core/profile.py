@@ -12,12 +12,9 @@ import numpy as np
 import torch
 
 from . import fast
+from .fast import synchronize as _sync
 from .cache import SequenceCache
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def use_static(model: torch.nn.Module, static: bool | str = "auto") -> bool:
@@ -45,7 +42,10 @@ class _TimedCache:
         else:
             self.cache = SequenceCache(model)
         with torch.inference_mode():
-            self.cache.forward(self._tokens(context_len))
+            if static:
+                self.cache.forward(self._tokens(context_len), graphed=False)
+            else:
+                self.cache.forward(self._tokens(context_len))
         self.keep = torch.full((batch_size,), context_len, device=self.device)
 
     def _tokens(self, width: int) -> torch.Tensor:
