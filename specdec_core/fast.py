@@ -89,8 +89,7 @@ class StaticSequenceCache:
 
     fixed_shapes = True
 
-    def __init__(self, model: torch.nn.Module, batch: int, max_len: int,
-                 cuda_graphs: bool = False, graph_pool=None):
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int, cuda_graphs: bool = False):
         if not supports_static(model):
             raise UnsupportedArchitecture(
                 f"{type(model).__name__}: the static-cache fast path needs full attention in every "
@@ -108,7 +107,6 @@ class StaticSequenceCache:
         self._cols = torch.arange(max_len, device=self.device)
         self._min = torch.finfo(self.dtype).min
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        self._pool = graph_pool
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.compactions = 0
 
@@ -200,8 +198,6 @@ class StaticSequenceCache:
         """Warm up (side stream, as torch.cuda.graphs asks), capture, restore the cache state."""
         graph = _Graph(tokens.clone(), valid.clone())
         saved = (self.valid.clone(), self.count.clone(), self.w)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
 
         def restore():
             self.valid.copy_(saved[0])
@@ -215,7 +211,8 @@ class StaticSequenceCache:
                 self._body(graph.tokens, graph.valid, logits_to_keep)
                 restore()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        with torch.cuda.graph(graph.graph, pool=self._pool):
+        # each graph keeps its own memory pool: outputs of one are read while others replay
+        with torch.cuda.graph(graph.graph):
             graph.out = self._body(graph.tokens, graph.valid, logits_to_keep)
         restore()
         log.debug("captured a CUDA graph of width %d for %s", tokens.shape[1],
@@ -242,7 +239,6 @@ class StaticCachePool:
     def __init__(self, cuda_graphs: bool):
         self.cuda_graphs = cuda_graphs
         self._caches: dict[tuple, StaticSequenceCache] = {}
-        self._graph_pool = None
 
     def get(self, model: torch.nn.Module, batch: int, needed_len: int,
             role: str = "target") -> StaticSequenceCache:
@@ -251,9 +247,7 @@ class StaticCachePool:
         key = (role, id(model), batch, length)
         cache = self._caches.get(key)
         if cache is None or cache.model is not model:
-            if self.cuda_graphs and self._graph_pool is None and torch.cuda.is_available():
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            cache = StaticSequenceCache(model, batch, length, self.cuda_graphs, self._graph_pool)
+            cache = StaticSequenceCache(model, batch, length, self.cuda_graphs)
             self._caches[key] = cache
         cache.reset()
         return cache
