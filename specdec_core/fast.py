@@ -101,7 +101,7 @@ class StaticSequenceCache:
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
         self.count = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self.w = 0                                   # host: next column to write
+        self.w = 0                  # host: next column to write (== self._w on the device)
         self.last_start = 0                          # host: first column of the latest forward
         self._w = torch.zeros((), dtype=torch.long, device=self.device)
         self._cols = torch.arange(max_len, device=self.device)
@@ -158,12 +158,18 @@ class StaticSequenceCache:
 
     # -- internals -----------------------------------------------------------------------------
     def _set_w(self, w: int) -> None:
-        self.w = w
-        self._w.fill_(w)
-        for layer in self.cache.layers:
-            cumulative = getattr(layer, "cumulative_length", None)
-            if isinstance(cumulative, torch.Tensor):
-                cumulative.fill_(w)
+        """Move the write column (host and device) and every layer's StaticCache write position."""
+        delta, self.w = w - self.w, w
+        if delta == 0:
+            return
+        positions = [layer.cumulative_length for layer in self.cache.layers
+                     if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        positions.append(self._w)
+        if all(t.device == self.device for t in positions):
+            torch._foreach_add_(positions, delta)          # one launch for all layers
+        else:                                              # before the first forward (CPU scalars)
+            for tensor in positions:
+                tensor.fill_(w)
 
     def _body(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         """One forward, device-side only (capturable): write validity, positions, mask, run."""
@@ -358,7 +364,8 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
         done_host = ~active_host.astype(bool)
         kept_max = max(int(counts_host.max()), 1)
         state.accepted_max = max(kept_max - 1, 0)
-        target.rollback_to(prompt_len + state.n_out - 1, width=target.last_start + kept_max)
+        if k > 0:   # plain decoding keeps every token: nothing to roll back
+            target.rollback_to(prompt_len + state.n_out - 1, width=target.last_start + kept_max)
         if drafter is not None:
             drafter.commit(state, num_accepted)
         if phase_timing:
