@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= -c constraints.txt
 export SPECDEC_HOME ?= $(CURDIR)/.specdec
 
-.PHONY: setup demo test bench bench-import clean
+.PHONY: setup demo test bench bench-gpu bench-import clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/decode_cpu.py
+
+# On a CUDA machine (see README, "The CUDA fast path"): writes benchmarks/results/gpu_decode.md
+bench-gpu: setup
+	$(PY) benchmarks/gpu_decode.py
 
 clean:
 	rm -rf $(VENV)
