@@ -262,6 +262,39 @@ class StaticCachePool:
         self._caches.clear()
 
 
+def _plain_steps(decoder, target: StaticSequenceCache, state, done_host: np.ndarray,
+                 max_new_tokens: int, sampling, generator, verifier, use_greedy_verify: bool,
+                 eos_token_id: int | None, pad_token_id: int) -> float:
+    """Plain decoding on the static cache: one (graphed) step per token. Without EOS every row
+    emits one token per step, so the host knows when to stop and reads nothing; with EOS it reads
+    which rows go on, once per step. Returns the seconds of the steps (when phase timing)."""
+    device = state.out.device
+    steps_s, steps = 0.0, 1                  # every row holds its first token (from the prefill)
+    while not done_host.all():
+        t0 = time.perf_counter()
+        active = state.active
+        pending = state.out.gather(1, state.n_out[:, None] - 1)
+        logits = target.forward(pending, active[:, None])
+        if use_greedy_verify:
+            token = logits[:, 0].argmax(-1)
+        else:
+            token = decoder._verify_step(None, logits[:, :1], sampling, generator, verifier,
+                                         False, device)[0][:, 0]
+        token = torch.where(active, token, pad_token_id)
+        state.out.scatter_(1, state.n_out[:, None], token[:, None])
+        state.n_out = state.n_out + active
+        steps += 1
+        if eos_token_id is None:
+            done_host = np.full_like(done_host, steps >= max_new_tokens)
+        else:
+            state.active = active & (token != eos_token_id) & (state.n_out < max_new_tokens)
+            done_host = ~state.active.cpu().numpy()
+        if decoder.phase_timing:
+            synchronize(device)
+            steps_s += time.perf_counter() - t0
+    return steps_s
+
+
 def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                max_new_tokens: int, sampling, seed: int, eos_token_id: int | None,
                pad_token_id: int):
@@ -304,30 +337,29 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
     state.out[:, 0] = first[:, 0]
     if drafter is not None:
         drafter.start(state)
-    n_host = np.ones(batch, dtype=np.int64)
-    done_host = n_host >= max_new_tokens
+    done_host = np.full(batch, max_new_tokens <= 1)
     if eos_token_id is not None:
         done_host |= first[:, 0].cpu().numpy() == eos_token_id
     state.active.copy_(torch.from_numpy(~done_host))
     synchronize(device)
     prefill_s = time.perf_counter() - t_start
-    # plain decoding without EOS: every active row emits one token per step, known on the host
-    needs_counts = drafter is not None or eos_token_id is not None
+    if drafter is None:
+        verify_s = _plain_steps(decoder, target, state, done_host, max_new_tokens, sampling,
+                                generator, verifier, use_greedy_verify, eos_token_id, pad_token_id)
+        rounds = emitted = state.n_out - 1
 
-    while not done_host.all():
+    while drafter is not None and not done_host.all():
         active = state.active
         num_draft = (max_new_tokens - state.n_out - 1).clamp(min=0, max=k) * active
-        proposal = None
-        if drafter is not None:
-            t0 = time.perf_counter()
-            proposal = drafter.propose(state, k, num_draft, sampling, generator)
-            proposal.num_draft = torch.minimum(proposal.num_draft, num_draft)
-            if phase_timing:
-                synchronize(device)
-                draft_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        proposal = drafter.propose(state, k, num_draft, sampling, generator)
+        proposal.num_draft = torch.minimum(proposal.num_draft, num_draft)
+        if phase_timing:
+            synchronize(device)
+            draft_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         pending = state.out.gather(1, state.n_out[:, None] - 1)
-        verify_input = pending if proposal is None else torch.cat([pending, proposal.tokens], 1)
+        verify_input = torch.cat([pending, proposal.tokens], 1)
         logits = target.forward(verify_input, active[:, None].expand(-1, width))
         out_tokens, num_accepted = decoder._verify_step(
             proposal, logits, sampling, generator, verifier, use_greedy_verify, device)
@@ -343,31 +375,22 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
                               torch.full_like(out_tokens, pad_token_id))
         state.out.scatter_(1, state.n_out[:, None] + positions, written)
         state.n_out = state.n_out + count
-        nd = proposal.num_draft if proposal is not None else torch.zeros_like(count)
+        nd = proposal.num_draft
         rounds += active
         drafted += nd
         accepted += num_accepted
         emitted += count
-        if k > 0:
-            pos = positions[:k]
-            live = active[:, None]
-            reached_at += ((pos < nd[:, None]) & (pos <= num_accepted[:, None]) & live).long()
-            accepted_at += ((pos < num_accepted[:, None]) & live).long()
+        pos, live = positions[:k], active[:, None]
+        reached_at += ((pos < nd[:, None]) & (pos <= num_accepted[:, None]) & live).long()
+        accepted_at += ((pos < num_accepted[:, None]) & live).long()
         state.active = active & ~hit & (state.n_out < max_new_tokens)
-        # the round's one synchronisation: how many tokens each row emitted
-        if needs_counts:
-            counts_host, active_host = torch.stack([count, state.active.long()]).cpu().numpy()
-        else:
-            counts_host = (~done_host).astype(np.int64)
-            active_host = n_host + counts_host < max_new_tokens
-        n_host = n_host + counts_host
+        # the round's one synchronisation: how many tokens each row emitted, which rows go on
+        counts_host, active_host = torch.stack([count, state.active.long()]).cpu().numpy()
         done_host = ~active_host.astype(bool)
         kept_max = max(int(counts_host.max()), 1)
         state.accepted_max = max(kept_max - 1, 0)
-        if k > 0:   # plain decoding keeps every token: nothing to roll back
-            target.rollback_to(prompt_len + state.n_out - 1, width=target.last_start + kept_max)
-        if drafter is not None:
-            drafter.commit(state, num_accepted)
+        target.rollback_to(prompt_len + state.n_out - 1, width=target.last_start + kept_max)
+        drafter.commit(state, num_accepted)
         if phase_timing:
             synchronize(device)
             verify_s += time.perf_counter() - t0

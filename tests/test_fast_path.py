@@ -8,6 +8,8 @@ rate it was given.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import functools
 
@@ -225,3 +227,62 @@ def test_fast_path_sampling_check_still_catches_broken_verifiers(spread_pair, ve
     report = sampling_check(spread, DraftModel(perturbed), PROMPT, rows=3000, seed=1,
                             decoder_cls=static, verifier=verifier)
     assert not report.passed
+
+
+# --- host-device synchronisation ------------------------------------------------------------------
+HOST_READS = ("__bool__", "__int__", "__index__", "__float__", "item", "tolist", "cpu", "numpy",
+              "nonzero")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Counts calls of the Tensor methods that read a device tensor on the host (each one a
+    synchronisation on CUDA; on CPU they are counted all the same)."""
+    counts = collections.Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name, method):
+        def wrapper(self, *args, **kwargs):
+            counts[name] += 1
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    for name, method in saved.items():
+        setattr(torch.Tensor, name, counting(name, method))
+    try:
+        yield counts
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.parametrize("name,sampling", [("plain", SamplingParams()),
+                                           ("draft_model", SamplingParams(temperature=1.0)),
+                                           ("draft_model", SamplingParams()),
+                                           ("controlled", SamplingParams())])
+def test_fast_path_reads_the_device_once_per_round(target, draft, name, sampling):
+    # inside the loop the fast path reads one tensor per round (the emitted counts; none in plain
+    # decoding without EOS); everything else it reads is per call, so it does not grow with the
+    # number of tokens. The general path reads several times per round (the counter sees them).
+    ids, mask = left_padded_batch()
+    reference = decode(target, None, 3, ids, mask, static=False).tokens
+    reads = {}
+    for static in (True, False):
+        for new in (8, 20):
+            decoder = SpecDecoder(target, make_drafter(name, target, draft, reference), k=3,
+                                  static_cache=static)
+            run = decoder.generate if name != "plain" else decoder.generate_plain
+            with count_host_reads() as counts:
+                result = run(ids, new, attention_mask=mask, sampling=sampling)
+            rounds = max(row.rounds for row in result.row_stats)
+            reads[static, new] = (dict(counts), rounds)
+    for new in (8, 20):
+        counts, rounds = reads[True, new]
+        per_round = counts.get("cpu", 0)
+        assert per_round == (rounds if name != "plain" else 0), (counts, rounds)
+        assert counts.get("numpy", 0) == per_round
+    fixed = [{key: value for key, value in reads[True, new][0].items() if key not in ("cpu", "numpy")}
+             for new in (8, 20)]
+    assert fixed[0] == fixed[1]
+    general = [sum(reads[False, new][0].values()) for new in (8, 20)]
+    assert general[1] > general[0] + 10
