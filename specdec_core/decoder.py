@@ -123,10 +123,11 @@ class SpecDecoder:
 
     @property
     def static_pool(self) -> "fast.StaticCachePool":
-        """The fast path's static caches (and CUDA graphs), kept across generate calls."""
+        """The fast path's static caches (and CUDA graphs), kept across generate calls and shared
+        by every SpecDecoder of this target model (captured once, whatever the drafter or K)."""
         if self._static_pool is None:
             graphs = self.cuda_graphs is True or (self.cuda_graphs == "auto" and self.device.type == "cuda")
-            self._static_pool = fast.StaticCachePool(cuda_graphs=graphs)
+            self._static_pool = fast.StaticCachePool.of(self.target, cuda_graphs=graphs)
         return self._static_pool
 
     def generate(self, input_ids, max_new_tokens: int = 64, sampling: SamplingParams | None = None,

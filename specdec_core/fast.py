@@ -30,6 +30,7 @@ general path is the default because the dynamic cache attends over fewer columns
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -240,11 +241,24 @@ class StaticSequenceCache:
 
 
 class StaticCachePool:
-    """Static caches (with their graphs) kept across generate calls, per model, batch and length."""
+    """Static caches (with their graphs) kept across generate calls, per model, batch and length.
+
+    One pool per target model (`of`), shared by its decoders; `lock` is held for a whole generate
+    call, so two threads never run the same caches at once.
+    """
 
     def __init__(self, cuda_graphs: bool):
         self.cuda_graphs = cuda_graphs
         self._caches: dict[tuple, StaticSequenceCache] = {}
+        self.lock = threading.RLock()
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, cuda_graphs: bool) -> "StaticCachePool":
+        """The pool attached to `model` (created on first use; it goes when the model goes)."""
+        pools = model.__dict__.setdefault("_specdec_static_pools", {})
+        if cuda_graphs not in pools:
+            pools[cuda_graphs] = cls(cuda_graphs)
+        return pools[cuda_graphs]
 
     def get(self, model: torch.nn.Module, batch: int, needed_len: int,
             role: str = "target") -> StaticSequenceCache:
@@ -299,6 +313,14 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
                max_new_tokens: int, sampling, seed: int, eos_token_id: int | None,
                pad_token_id: int):
     """SpecDecoder's loop on static caches (see the module docstring); same result as _run."""
+    pool = decoder.static_pool
+    with pool.lock:
+        return _run_locked(decoder, pool, drafter, k, input_ids, attention_mask, max_new_tokens,
+                           sampling, seed, eos_token_id, pad_token_id)
+
+
+def _run_locked(decoder, pool: StaticCachePool, drafter, k, input_ids, attention_mask,
+                max_new_tokens, sampling, seed, eos_token_id, pad_token_id):
     from .decoder import DecodeState
     from .verify import rejection_sample
 
@@ -306,7 +328,6 @@ def run_static(decoder, drafter, k: int, input_ids: torch.Tensor, attention_mask
     batch, prompt_width = input_ids.shape
     width = k + 1
     needed = prompt_width + max_new_tokens + width + 2
-    pool = decoder.static_pool
     generator = torch.Generator(device=device).manual_seed(seed)
     use_greedy_verify = sampling.greedy and decoder.verifier is None
     verifier = decoder.verifier or rejection_sample

@@ -101,10 +101,14 @@ def test_compaction_keeps_outputs_when_the_cache_is_tight(target, draft, monkeyp
     reference = decode(target, None, 5, ids, mask, static=False).tokens
     drafter = ControlledAcceptance(reference, 0.6, seed=1)
     decoder = SpecDecoder(target, drafter, k=5, static_cache=True)
+
+    def compactions():   # the pool is shared by every decoder of this target
+        return sum(cache.compactions for cache in decoder.static_pool._caches.values())
+
+    before = compactions()
     result = decoder.generate(ids, MAX_NEW, attention_mask=mask)
     assert torch.equal(result.tokens, reference)
-    compactions = sum(cache.compactions for cache in decoder.static_pool._caches.values())
-    assert compactions > 0
+    assert compactions() > before
 
 
 def test_static_cache_logits_equal_the_dynamic_cache(target):
@@ -185,6 +189,18 @@ def test_static_cache_refuses_sliding_window_models_and_auto_falls_back():
 def test_auto_uses_the_fast_path_only_on_cuda(target):
     decoder = SpecDecoder(target, PromptLookup(), k=2)
     assert decoder.uses_static_cache() == (target.device.type == "cuda")
+
+
+def test_decoders_of_one_target_share_their_static_caches(target, draft):
+    # captured graphs are per cache: a second decoder (another drafter, another K) reuses them
+    ids = repetitive_prompt()
+    first = SpecDecoder(target, DraftModel(draft), k=3, static_cache=True)
+    first.generate(ids, 8)
+    second = SpecDecoder(target, PromptLookup(), k=5, static_cache=True)
+    assert second.static_pool is first.static_pool
+    caches = dict(first.static_pool._caches)
+    second.generate(ids, 8)
+    assert all(second.static_pool._caches[key] is cache for key, cache in caches.items())
 
 
 def test_forward_costs_on_the_static_cache(pair):
