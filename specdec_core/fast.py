@@ -55,12 +55,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def supports_static(model: torch.nn.Module) -> bool:
-    """True when transformers' StaticCache for this model has full-attention layers only."""
+    """True when transformers' StaticCache for this model has full-attention layers only, each
+    writing at its own device-side position counter (`cumulative_length`, transformers >= 5.2x;
+    older StaticLayers take a cache_position argument instead, which this path does not pass)."""
     try:
         cache = StaticCache(config=model.config, max_cache_len=8)
     except Exception:  # noqa: BLE001 - any construction failure means "not supported"
         return False
-    return all(type(layer).__name__ == "StaticLayer" for layer in cache.layers)
+    return all(type(layer).__name__ == "StaticLayer"
+               and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+               for layer in cache.layers)
 
 
 def bucket_length(needed: int) -> int:
