@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 import torch
+import transformers
 from transformers import StaticCache
 
 from .errors import UnsupportedArchitecture
@@ -98,7 +99,9 @@ class StaticSequenceCache:
         if not supports_static(model):
             raise UnsupportedArchitecture(
                 f"{type(model).__name__}: the static-cache fast path needs full attention in every "
-                "layer (no sliding-window or recurrent layers); use static_cache=False")
+                "layer (no sliding-window or recurrent layers) and a transformers whose StaticCache "
+                f"layers keep a device-side write position (5.23 is tested; this is "
+                f"{transformers.__version__}); use static_cache=False")
         weight = next(model.parameters())
         self.model = model
         self.device, self.dtype = weight.device, weight.dtype
