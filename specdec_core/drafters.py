@@ -29,6 +29,8 @@ class Proposal:
     tokens: torch.Tensor              # LongTensor [B, k]
     probs: torch.Tensor | None        # FloatTensor [B, k, V]; None: deterministic (one-hot) or greedy
     num_draft: torch.Tensor           # LongTensor [B]: valid tokens per row (0..k)
+    max_draft: int | None = None      # host-side max of num_draft when known for free (the fast
+                                      # path then verifies only max_draft + 1 tokens)
 
 
 def output_size(model: torch.nn.Module) -> int:
@@ -267,7 +269,7 @@ class PromptLookup(Drafter):
             counts[row] = len(found)
         device = state.out.device
         return Proposal(torch.from_numpy(tokens).to(device), None,
-                        torch.from_numpy(counts).to(device))
+                        torch.from_numpy(counts).to(device), max_draft=int(counts.max(initial=0)))
 
     def describe(self) -> dict:
         return {"kind": self.name, "params": {"max_ngram": self.max_ngram,

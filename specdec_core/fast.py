@@ -385,32 +385,41 @@ def _run_locked(decoder, pool: StaticCachePool, drafter, k, input_ids, attention
         if phase_timing:
             synchronize(device)
             draft_s += time.perf_counter() - t0
+        # the round's width: K, unless the drafter knows on the host that it drafted fewer
+        # (prompt lookup without matches: a plain step); one graph per width
+        round_k = k if proposal.max_draft is None else min(k, proposal.max_draft)
+        if round_k < k:
+            proposal.tokens = proposal.tokens[:, :round_k]
+            if proposal.probs is not None:
+                proposal.probs = proposal.probs[:, :round_k]
         t0 = time.perf_counter()
         pending = state.out.gather(1, state.n_out[:, None] - 1)
         verify_input = torch.cat([pending, proposal.tokens], 1)
-        logits = target.forward(verify_input, active[:, None].expand(-1, width))
+        logits = target.forward(verify_input, active[:, None].expand(-1, round_k + 1))
         out_tokens, num_accepted = decoder._verify_step(
-            proposal, logits, sampling, generator, verifier, use_greedy_verify, device)
+            proposal if round_k else None, logits, sampling, generator, verifier,
+            use_greedy_verify, device)
         num_accepted = num_accepted * active
         count = (num_accepted + 1) * active
+        cols = positions[: round_k + 1]
         if eos_token_id is not None:
-            is_eos = (out_tokens == eos_token_id) & (positions < count[:, None])
+            is_eos = (out_tokens == eos_token_id) & (cols < count[:, None])
             hit = is_eos.any(1)
             count = torch.where(hit, is_eos.long().argmax(1) + 1, count)
         else:
             hit = torch.zeros_like(active)
-        written = torch.where(positions < count[:, None], out_tokens,
+        written = torch.where(cols < count[:, None], out_tokens,
                               torch.full_like(out_tokens, pad_token_id))
-        state.out.scatter_(1, state.n_out[:, None] + positions, written)
+        state.out.scatter_(1, state.n_out[:, None] + cols, written)
         state.n_out = state.n_out + count
         nd = proposal.num_draft
         rounds += active
         drafted += nd
         accepted += num_accepted
         emitted += count
-        pos, live = positions[:k], active[:, None]
-        reached_at += ((pos < nd[:, None]) & (pos <= num_accepted[:, None]) & live).long()
-        accepted_at += ((pos < num_accepted[:, None]) & live).long()
+        pos, live = positions[:round_k], active[:, None]
+        reached_at[:, :round_k] += ((pos < nd[:, None]) & (pos <= num_accepted[:, None]) & live).long()
+        accepted_at[:, :round_k] += ((pos < num_accepted[:, None]) & live).long()
         state.active = active & ~hit & (state.n_out < max_new_tokens)
         # the round's one synchronisation: how many tokens each row emitted, which rows go on
         counts_host, active_host = torch.stack([count, state.active.long()]).cpu().numpy()
