@@ -77,7 +77,8 @@ class SpecDecoder:
     and the general dynamic-cache path otherwise; True forces the fast path (also on CPU), False
     the general one. Both give the same tokens for the same seed.
     cuda_graphs: "auto" captures the fast path's draft steps and verify passes as CUDA graphs on
-    CUDA; False runs them eagerly.
+    CUDA; False runs them eagerly; True off CUDA replays them by running them again on the same
+    static buffers (a stand-in that tests the graph plumbing on CPU).
     phase_timing: synchronise around the draft and verify phases to fill stats.draft_s/verify_s
     (on by default; benchmarks turn it off on the fast path, where they stay 0).
     """

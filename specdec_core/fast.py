@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -73,13 +74,48 @@ def bucket_length(needed: int) -> int:
 
 
 class _Graph:
-    """One captured forward of a fixed width: static inputs, the graph, its output."""
+    """One forward of a fixed width captured as a CUDA graph: static inputs, replay, and the same
+    output tensor after every replay."""
 
     def __init__(self, tokens: torch.Tensor, valid: torch.Tensor):
         self.tokens = tokens
         self.valid = valid
-        self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None
+        self.graph = None
+
+    def capture(self, body: Callable[[], torch.Tensor], restore: Callable[[], None],
+                device: torch.device) -> None:
+        """Warm up on a side stream (as torch.cuda.graphs asks), capture; restore() undoes each
+        run's writes to the cache state. Each graph keeps its own memory pool: outputs of one are
+        read while others replay."""
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+                restore()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = body()
+        restore()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _RerunGraph(_Graph):
+    """Stands in for a CUDA graph off CUDA (cuda_graphs=True on CPU, for tests): a replay runs the
+    body again on the same static inputs into the same output tensor, so everything around the
+    graphs -- static input buffers, reused outputs, the state the body reads -- is exercised."""
+
+    def capture(self, body, restore, device) -> None:
+        self._body = body
+        self.out = body()
+        restore()
+
+    def replay(self) -> None:
+        self.out.copy_(self._body())
 
 
 class StaticSequenceCache:
@@ -114,7 +150,8 @@ class StaticSequenceCache:
         self._w = torch.zeros((), dtype=torch.long, device=self.device)
         self._cols = torch.arange(max_len, device=self.device)
         self._min = torch.finfo(self.dtype).min
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.cuda_graphs = bool(cuda_graphs)     # off CUDA: _RerunGraph stands in (tests)
+        self._graph_cls = _Graph if self.device.type == "cuda" else _RerunGraph
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.compactions = 0
 
@@ -205,12 +242,12 @@ class StaticSequenceCache:
             self._graphs[key] = graph
         graph.tokens.copy_(tokens)
         graph.valid.copy_(valid)
-        graph.graph.replay()
+        graph.replay()
         return graph.out
 
     def _capture(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> _Graph:
-        """Warm up (side stream, as torch.cuda.graphs asks), capture, restore the cache state."""
-        graph = _Graph(tokens.clone(), valid.clone())
+        """Capture the body for this width; the cache state is the same afterwards."""
+        graph = self._graph_cls(tokens.clone(), valid.clone())
         saved = (self.valid.clone(), self.count.clone(), self.w)
 
         def restore():
@@ -218,19 +255,9 @@ class StaticSequenceCache:
             self.count.copy_(saved[1])
             self._set_w(saved[2])
 
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._body(graph.tokens, graph.valid, logits_to_keep)
-                restore()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        # each graph keeps its own memory pool: outputs of one are read while others replay
-        with torch.cuda.graph(graph.graph):
-            graph.out = self._body(graph.tokens, graph.valid, logits_to_keep)
-        restore()
-        log.debug("captured a CUDA graph of width %d for %s", tokens.shape[1],
-                  type(self.model).__name__)
+        graph.capture(lambda: self._body(graph.tokens, graph.valid, logits_to_keep), restore,
+                      self.device)
+        log.debug("captured width %d of %s", tokens.shape[1], type(self.model).__name__)
         return graph
 
     def _compact(self) -> None:

@@ -82,6 +82,29 @@ def test_greedy_fast_path_equals_general_path(pair, name, k):
             assert fast_run.stats.emitted == sum(fast_run.num_tokens) - ids.shape[0]
 
 
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("name", ["plain", "prompt_lookup", "layer_skip", "draft_model", "controlled"])
+def test_graph_plumbing_keeps_outputs(target, draft, name, k):
+    # cuda_graphs=True off CUDA: every draft step and verify pass goes through static input
+    # buffers and one reused output per width (a replay reruns the body), as with CUDA graphs
+    ids, mask = left_padded_batch()
+    reference = decode(target, None, k, ids, mask, static=False).tokens
+    for eos in (None, 5):
+        general = decode(target, make_drafter(name, target, draft, reference), k, ids, mask,
+                         static=False, eos=eos)
+        decoder = SpecDecoder(target, make_drafter(name, target, draft, reference), k=k,
+                              static_cache=True, cuda_graphs=True)
+        run = decoder.generate if name != "plain" else decoder.generate_plain
+        replayed = run(ids, MAX_NEW, attention_mask=mask, eos_token_id=eos)
+        assert torch.equal(replayed.tokens, general.tokens), (name, k, eos)
+        assert replayed.num_tokens == general.num_tokens
+    captured = {key[0]: sorted(cache._graphs) for key, cache in decoder.static_pool._caches.items()
+                if cache._graphs}
+    assert (1, 0) in captured["target"] or (k + 1, 0) in captured["target"]
+    if name in ("draft_model", "layer_skip"):
+        assert (2, 1) in captured["draft"]        # the draft's catch-up step
+
+
 def test_fast_path_writes_rows_that_stopped_early_as_padding(pair):
     device, target, draft = pair
     ids, mask = (t.to(device) for t in left_padded_batch())
@@ -233,6 +256,14 @@ def test_fast_path_sampling_keeps_the_target_distribution(spread_pair, device):
     static = functools.partial(SpecDecoder, static_cache=True)
     report = sampling_check(spread, DraftModel(perturbed), PROMPT, rows=3000, seed=1,
                             decoder_cls=static)
+    assert report.passed, [t for t in report.tests if not t.passed]
+
+
+def test_graph_plumbing_sampling_keeps_the_target_distribution(spread_pair):
+    spread, perturbed = spread_pair
+    replayed = functools.partial(SpecDecoder, static_cache=True, cuda_graphs=True)
+    report = sampling_check(spread, DraftModel(perturbed), PROMPT, rows=3000, seed=2,
+                            decoder_cls=replayed)
     assert report.passed, [t for t in report.tests if not t.passed]
 
 
