@@ -164,7 +164,7 @@ class StaticSequenceCache:
         """Empty the cache for a new batch of prompts (buffers and graphs are kept)."""
         self.valid.zero_()
         self.count.zero_()
-        self._set_w(0)
+        self._set_w(0, absolute=True)
         self.last_start = 0
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None,
@@ -202,19 +202,21 @@ class StaticSequenceCache:
         raise NotImplementedError("a static cache keeps its batch: mark finished rows inactive")
 
     # -- internals -----------------------------------------------------------------------------
-    def _set_w(self, w: int) -> None:
-        """Move the write column (host and device) and every layer's StaticCache write position."""
+    def _set_w(self, w: int, absolute: bool = False) -> None:
+        """Move the write column (host and device) and every layer's StaticCache write position.
+
+        Normally the device counters equal the host's `w` and move by the difference in one
+        launch; absolute=True writes the value into each (after runs whose device-side advance the
+        host did not follow: graph warm-ups and captures; and on reset)."""
         delta, self.w = w - self.w, w
-        if delta == 0:
-            return
         positions = [layer.cumulative_length for layer in self.cache.layers
                      if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
         positions.append(self._w)
-        if all(t.device == self.device for t in positions):
-            torch._foreach_add_(positions, delta)          # one launch for all layers
-        else:                                              # before the first forward (CPU scalars)
+        if absolute or any(t.device != self.device for t in positions):
             for tensor in positions:
                 tensor.fill_(w)
+        elif delta:
+            torch._foreach_add_(positions, delta)          # one launch for all layers
 
     def _body(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         """One forward, device-side only (capturable): write validity, positions, mask, run."""
@@ -253,7 +255,7 @@ class StaticSequenceCache:
         def restore():
             self.valid.copy_(saved[0])
             self.count.copy_(saved[1])
-            self._set_w(saved[2])
+            self._set_w(saved[2], absolute=True)    # the body moved the device counters
 
         graph.capture(lambda: self._body(graph.tokens, graph.valid, logits_to_keep), restore,
                       self.device)

@@ -98,6 +98,11 @@ def test_graph_plumbing_keeps_outputs(target, draft, name, k):
         replayed = run(ids, MAX_NEW, attention_mask=mask, eos_token_id=eos)
         assert torch.equal(replayed.tokens, general.tokens), (name, k, eos)
         assert replayed.num_tokens == general.num_tokens
+    for cache in decoder.static_pool._caches.values():
+        # captures ran the body without the host following: the device write positions must
+        # still equal the host's (else writes drift towards the end of the cache)
+        positions = [int(layer.cumulative_length) for layer in cache.cache.layers] + [int(cache._w)]
+        assert positions == [cache.w] * len(positions)
     captured = {key[0]: sorted(cache._graphs) for key, cache in decoder.static_pool._caches.items()
                 if cache._graphs}
     assert (1, 0) in captured["target"] or (k + 1, 0) in captured["target"]
@@ -115,7 +120,8 @@ def test_fast_path_writes_rows_that_stopped_early_as_padding(pair):
             assert (result.tokens[row, n:] == 5).all()  # pad defaults to EOS
 
 
-def test_compaction_keeps_outputs_when_the_cache_is_tight(target, draft, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_compaction_keeps_outputs_when_the_cache_is_tight(target, draft, monkeypatch, graphs):
     # rows of a batch accept different numbers of drafts, so the write position outruns every
     # row's length; with caches sized to the minimum, the valid columns must be compacted -- and
     # the output must not change
@@ -123,7 +129,7 @@ def test_compaction_keeps_outputs_when_the_cache_is_tight(target, draft, monkeyp
     ids, mask = left_padded_batch()
     reference = decode(target, None, 5, ids, mask, static=False).tokens
     drafter = ControlledAcceptance(reference, 0.6, seed=1)
-    decoder = SpecDecoder(target, drafter, k=5, static_cache=True)
+    decoder = SpecDecoder(target, drafter, k=5, static_cache=True, cuda_graphs=graphs)
 
     def compactions():   # the pool is shared by every decoder of this target
         return sum(cache.compactions for cache in decoder.static_pool._caches.values())
