@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import numpy as np
@@ -280,12 +281,15 @@ class StaticCachePool:
     """Static caches (with their graphs) kept across generate calls, per model, batch and length.
 
     One pool per target model (`of`), shared by its decoders; `lock` is held for a whole generate
-    call, so two threads never run the same caches at once.
+    call, so two threads never run the same caches at once. At most `max_caches` are kept (the
+    least recently used go first): each holds a KV cache of its batch x length on the device.
     """
+
+    max_caches = 8
 
     def __init__(self, cuda_graphs: bool):
         self.cuda_graphs = cuda_graphs
-        self._caches: dict[tuple, StaticSequenceCache] = {}
+        self._caches: OrderedDict[tuple, StaticSequenceCache] = OrderedDict()
         self.lock = threading.RLock()
 
     @classmethod
@@ -305,6 +309,9 @@ class StaticCachePool:
         if cache is None or cache.model is not model:
             cache = StaticSequenceCache(model, batch, length, self.cuda_graphs)
             self._caches[key] = cache
+        self._caches.move_to_end(key)
+        while len(self._caches) > self.max_caches:
+            self._caches.popitem(last=False)
         cache.reset()
         return cache
 

@@ -220,6 +220,16 @@ def test_auto_uses_the_fast_path_only_on_cuda(target):
     assert decoder.uses_static_cache() == (target.device.type == "cuda")
 
 
+def test_the_pool_keeps_the_most_recently_used_caches(target, monkeypatch):
+    monkeypatch.setattr(fast.StaticCachePool, "max_caches", 2)
+    pool = fast.StaticCachePool(cuda_graphs=False)
+    first = pool.get(target, 1, 10)
+    pool.get(target, 2, 10)
+    assert pool.get(target, 1, 10) is first          # reused, and now the most recent
+    pool.get(target, 3, 10)                          # evicts batch 2, not batch 1
+    assert [key[2] for key in pool._caches] == [1, 3]
+
+
 def test_decoders_of_one_target_share_their_static_caches(target, draft):
     # captured graphs are per cache: a second decoder (another drafter, another K) reuses them
     ids = repetitive_prompt()
