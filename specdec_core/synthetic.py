@@ -40,7 +40,7 @@ class ControlledAcceptance(Drafter):
         self.alpha = float(alpha)
         self.seed = seed
         self._vocab: int | None = None
-        self._rows: torch.Tensor | None = None      # original batch row of each active row
+        self._rows: torch.Tensor | None = None      # original row of each active row (None: all)
         self._generator: torch.Generator | None = None
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
@@ -52,7 +52,7 @@ class ControlledAcceptance(Drafter):
             raise InvalidDecodeInput(f"reference has {self.reference.shape[0]} rows, the batch has "
                                      f"{state.out.shape[0]}: give one reference row per prompt")
         self.reference = self.reference.to(device)
-        self._rows = torch.arange(state.out.shape[0], device=device)
+        self._rows = None                      # all rows (the fast path never drops any)
         self._generator = torch.Generator(device=device).manual_seed(self.seed)
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
@@ -65,7 +65,8 @@ class ControlledAcceptance(Drafter):
         last = self.reference.shape[1] - 1
         # state.n_out tokens are out, so the next one is reference[n_out]; positions n_out .. + k - 1
         idx = (state.n_out[:, None] + torch.arange(k, device=state.n_out.device)).clamp(max=last)
-        own = self.reference[self._rows].gather(1, idx)
+        reference = self.reference if self._rows is None else self.reference[self._rows]
+        own = reference.gather(1, idx)
         shape = own.shape
         hit = torch.rand(shape, generator=self._generator, device=own.device) < self.alpha
         shift = torch.randint(1, self._vocab, shape, generator=self._generator, device=own.device)
@@ -73,7 +74,7 @@ class ControlledAcceptance(Drafter):
         return Proposal(tokens, None, num_draft)
 
     def select_rows(self, rows) -> None:
-        self._rows = self._rows[rows]
+        self._rows = rows if self._rows is None else self._rows[rows]
 
     def describe(self) -> dict:
         return {"kind": self.name, "params": {"alpha": self.alpha, "seed": self.seed}}
