@@ -369,19 +369,10 @@ def _run_locked(decoder, pool: StaticCachePool, drafter, k, input_ids, attention
 
     device = decoder.device
     batch, prompt_width = input_ids.shape
-    width = k + 1
-    needed = prompt_width + max_new_tokens + width + 2
+    needed = prompt_width + max_new_tokens + k + 3
     generator = torch.Generator(device=device).manual_seed(seed)
     use_greedy_verify = sampling.greedy and decoder.verifier is None
     verifier = decoder.verifier or rejection_sample
-    phase_timing = decoder.phase_timing
-
-    rounds = torch.zeros(batch, dtype=torch.long, device=device)
-    drafted, accepted, emitted = rounds.clone(), rounds.clone(), rounds.clone()
-    reached_at = torch.zeros(batch, max(k, 1), dtype=torch.long, device=device)
-    accepted_at = reached_at.clone()
-    positions = torch.arange(width, device=device)
-    draft_s = verify_s = 0.0
 
     synchronize(device)
     t_start = time.perf_counter()
@@ -389,7 +380,7 @@ def _run_locked(decoder, pool: StaticCachePool, drafter, k, input_ids, attention
     prompt_len = attention_mask.sum(1)
     state = DecodeState(
         prompt_ids=input_ids, prompt_mask=attention_mask, prompt_len=prompt_len,
-        out=torch.full((batch, max_new_tokens + width), pad_token_id, dtype=torch.long,
+        out=torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long,
                        device=device),
         n_out=torch.ones(batch, dtype=torch.long, device=device),
         prompt_has_padding=not bool(attention_mask.all()),
@@ -407,18 +398,62 @@ def _run_locked(decoder, pool: StaticCachePool, drafter, k, input_ids, attention
     state.active.copy_(torch.from_numpy(~done_host))
     synchronize(device)
     prefill_s = time.perf_counter() - t_start
+
+    zeros = torch.zeros(batch, dtype=torch.long, device=device)
     if drafter is None:
         verify_s = _plain_steps(decoder, target, state, done_host, max_new_tokens, sampling,
                                 generator, verifier, use_greedy_verify, eos_token_id, pad_token_id)
-        rounds = emitted = state.n_out - 1
+        history = torch.stack([zeros, zeros, state.n_out - 1])[None]      # one "round" of totals
+        draft_s = 0.0
+    else:
+        history, draft_s, verify_s = _spec_rounds(
+            decoder, drafter, k, target, state, done_host, max_new_tokens, sampling, generator,
+            verifier, use_greedy_verify, eos_token_id, pad_token_id)
+    synchronize(device)
+    total_s = time.perf_counter() - t_start
+    # the per-row stats, from the rounds' history [R, 3, B] (drafted, accepted, emitted; 0 for a
+    # row that was no longer active) -- computed once instead of a dozen small kernels a round
+    drafted, accepted, emitted = history.sum(0)
+    live = history[:, 2] > 0                                                  # [R, B]
+    if drafter is None:
+        rounds = emitted
+    else:
+        rounds = live.sum(0)
+    pos = torch.arange(max(k, 1), device=device)
+    nd, acc = history[:, 0, :, None], history[:, 1, :, None]
+    reached_at = ((pos < nd) & (pos <= acc) & live[..., None]).sum(0)        # [B, K]
+    accepted_at = ((pos < acc) & live[..., None]).sum(0)
+    result = state.out[:, :max_new_tokens].clone()
+    return decoder._result(result, state.n_out, rounds, drafted, accepted, emitted, reached_at,
+                           accepted_at, k, draft_s, verify_s, total_s, prefill_s, prompt_len)
 
-    while drafter is not None and not done_host.all():
+
+def _greedy_accept(draft_tokens: torch.Tensor, logits: torch.Tensor, num_draft: torch.Tensor):
+    """Greedy verification in few kernels: (the target's argmax [B, k+1], accepted drafts [B]).
+
+    Accepted drafts equal the argmax at their positions, so the round's emitted tokens are the
+    argmax itself up to and including position num_accepted (no assembly needed)."""
+    argmax = logits.argmax(-1)
+    k = draft_tokens.shape[1]
+    match = (draft_tokens == argmax[:, :k]) & (torch.arange(k, device=logits.device) < num_draft[:, None])
+    return argmax, match.long().cumprod(1).sum(1)
+
+
+def _spec_rounds(decoder, drafter, k, target: StaticSequenceCache, state, done_host, max_new_tokens,
+                 sampling, generator, verifier, use_greedy_verify, eos_token_id, pad_token_id):
+    """The speculative rounds of the fast path; returns (history [R, 3, B], draft_s, verify_s)."""
+    device = state.out.device
+    positions = torch.arange(k + 1, device=device)
+    history = torch.zeros(max_new_tokens, 3, state.out.shape[0], dtype=torch.long, device=device)
+    rounds, draft_s, verify_s = 0, 0.0, 0.0
+    prompt_len = state.prompt_len
+    while not done_host.all():
         active = state.active
-        num_draft = (max_new_tokens - state.n_out - 1).clamp(min=0, max=k) * active
+        num_draft = (max_new_tokens - 1 - state.n_out).clamp_(min=0, max=k) * active
         t0 = time.perf_counter()
         proposal = drafter.propose(state, k, num_draft, sampling, generator)
-        proposal.num_draft = torch.minimum(proposal.num_draft, num_draft)
-        if phase_timing:
+        proposal.num_draft = nd = torch.minimum(proposal.num_draft, num_draft)
+        if decoder.phase_timing:
             synchronize(device)
             draft_s += time.perf_counter() - t0
         # the round's width: K, unless the drafter knows on the host that it drafted fewer
@@ -430,49 +465,39 @@ def _run_locked(decoder, pool: StaticCachePool, drafter, k, input_ids, attention
                 proposal.probs = proposal.probs[:, :round_k]
         t0 = time.perf_counter()
         pending = state.out.gather(1, state.n_out[:, None] - 1)
-        verify_input = torch.cat([pending, proposal.tokens], 1)
-        logits = target.forward(verify_input, active[:, None].expand(-1, round_k + 1))
-        out_tokens, num_accepted = decoder._verify_step(
-            proposal if round_k else None, logits, sampling, generator, verifier,
-            use_greedy_verify, device)
-        num_accepted = num_accepted * active
+        logits = target.forward(torch.cat([pending, proposal.tokens], 1),
+                                active[:, None].expand(-1, round_k + 1))
+        # rows no longer active have num_draft 0, so they accept nothing
+        if use_greedy_verify:
+            out_tokens, num_accepted = _greedy_accept(proposal.tokens, logits, nd)
+        else:
+            out_tokens, num_accepted = decoder._verify_step(
+                proposal if round_k else None, logits, sampling, generator, verifier, False, device)
         count = (num_accepted + 1) * active
         cols = positions[: round_k + 1]
+        still = state.n_out + count < max_new_tokens
         if eos_token_id is not None:
             is_eos = (out_tokens == eos_token_id) & (cols < count[:, None])
             hit = is_eos.any(1)
             count = torch.where(hit, is_eos.long().argmax(1) + 1, count)
-        else:
-            hit = torch.zeros_like(active)
-        written = torch.where(cols < count[:, None], out_tokens,
-                              torch.full_like(out_tokens, pad_token_id))
-        state.out.scatter_(1, state.n_out[:, None] + cols, written)
+            still = still & ~hit
+        state.out.scatter_(1, state.n_out[:, None] + cols,
+                           torch.where(cols < count[:, None], out_tokens, pad_token_id))
         state.n_out = state.n_out + count
-        nd = proposal.num_draft
-        rounds += active
-        drafted += nd
-        accepted += num_accepted
-        emitted += count
-        pos, live = positions[:round_k], active[:, None]
-        reached_at[:, :round_k] += ((pos < nd[:, None]) & (pos <= num_accepted[:, None]) & live).long()
-        accepted_at[:, :round_k] += ((pos < num_accepted[:, None]) & live).long()
-        state.active = active & ~hit & (state.n_out < max_new_tokens)
+        history[rounds] = torch.stack([nd, num_accepted, count])
+        rounds += 1
+        state.active = active & still
         # the round's one synchronisation: how many tokens each row emitted, which rows go on
         counts_host, active_host = torch.stack([count, state.active.long()]).cpu().numpy()
         done_host = ~active_host.astype(bool)
         kept_max = max(int(counts_host.max()), 1)
-        state.accepted_max = max(kept_max - 1, 0)
+        state.accepted_max = kept_max - 1
         target.rollback_to(prompt_len + state.n_out - 1, width=target.last_start + kept_max)
         drafter.commit(state, num_accepted)
-        if phase_timing:
+        if decoder.phase_timing:
             synchronize(device)
             verify_s += time.perf_counter() - t0
-    synchronize(device)
-    total_s = time.perf_counter() - t_start
-    result = state.out[:, :max_new_tokens].clone()
-    return decoder._result(result, state.n_out, rounds, drafted, accepted,
-                           emitted, reached_at, accepted_at, k, draft_s, verify_s, total_s,
-                           prefill_s, prompt_len)
+    return history[:rounds], draft_s, verify_s
 
 
 def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256,
