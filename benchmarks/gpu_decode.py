@@ -64,6 +64,11 @@ TARGET_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, nu
 DRAFT_SMALL = dict(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                    num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
                    rope_theta=500000.0, max_position_embeddings=4096, tie_word_embeddings=True)
+# the embedded default's architecture (SmolLM2-135M), for runs on a CPU
+TARGET_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                   rope_theta=100000.0, max_position_embeddings=2048, tie_word_embeddings=True)
+TARGET_SHAPES = {"llama-3.2-1b": TARGET_1B, "smollm2-135m": TARGET_135M}
 TARGET_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     max_position_embeddings=512, tie_word_embeddings=True)
@@ -138,6 +143,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="timed repeats per contender (default 3; --quick 2; --smoke 1)")
     parser.add_argument("--static-cache", default="auto", choices=["auto", "on", "off"],
                         help="SpecDecoder static_cache (auto: static on CUDA)")
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(TARGET_SHAPES),
+                        help="the target's architecture (random weights); smollm2-135m suits a CPU")
+    parser.add_argument("--batches", default=None,
+                        help="comma-separated batch sizes for item 5 (default 1,4,16,64)")
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                         help="SpecDecoder cuda_graphs (auto: on with the static cache on CUDA)")
     return parser.parse_args(argv)
@@ -160,12 +169,15 @@ def make_setup(args: argparse.Namespace) -> Setup:
                       target_shape=TARGET_SMOKE, draft_shape=DRAFT_SMOKE, cost_repeats=2,
                       copy_bytes=16 << 20, engine=engine)
     new = args.max_new_tokens or (64 if args.quick else 128)
-    batches = (1, 4, 16, 64)
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (1, 4, 16, 64)
+    if 1 not in batches:
+        batches = (1, *batches)          # items 1-4 run at batch 1
     return Setup(device=device, dtype=getattr(torch, dtype_name), smoke=False, compile=compile_on,
                  repeats=args.repeats or (2 if args.quick else 3), prompt_len=32,
                  new_tokens={b: (new if b < 16 else max(new // 2, 8)) for b in batches},
                  batches=batches, alphas=(0.5, 0.7, 0.85, 0.95), ks=(1, 2, 4, 6, 8),
-                 assist_k=4, batch_alpha=0.8, target_shape=TARGET_1B, draft_shape=DRAFT_SMALL,
+                 assist_k=4, batch_alpha=0.8, target_shape=TARGET_SHAPES[args.shape],
+                 draft_shape=dict(DRAFT_SMALL, vocab_size=TARGET_SHAPES[args.shape]["vocab_size"]),
                  cost_repeats=10 if args.quick else 20,
                  copy_bytes=(1 << 30) if device.type == "cuda" else (256 << 20), engine=engine)
 
