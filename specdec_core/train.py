@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import random
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 
 from rich.markup import escape
 from rich.table import Table

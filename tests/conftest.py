@@ -9,11 +9,23 @@ variable is unset; CI always sets it (.ci/run starts a server on loopback).
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 97
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative_path: str, name: str):
+    """A script of the repository (benchmarks/, scripts/) imported as a module, for its tests."""
+    spec = importlib.util.spec_from_file_location(name, REPO / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_llama(vocab: int = VOCAB, hidden: int = 64, layers: int = 4, heads: int = 4, seed: int = 0,

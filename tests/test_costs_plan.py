@@ -9,7 +9,7 @@ import sys
 from datetime import datetime
 
 import pytest
-from sqlalchemy import create_engine, func, insert, select
+from sqlalchemy import create_engine, insert, select
 
 from tasks.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
 from tasks.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware, export_costs,

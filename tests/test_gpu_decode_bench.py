@@ -4,25 +4,20 @@ timing thresholds: on a loaded CPU the timings mean nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from specdec_core.planner import expected_tokens_per_round
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_decode.py"
+from .conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("gpu_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_decode.py", "gpu_decode")
 
 
 # the engine's general path (CPU default) and its static-cache fast path (the GPU's, without graphs)

@@ -206,7 +206,7 @@ def test_redaction_at_import(db_url, jsonl_file, make_request):
                                   {"role": "user", "content": f"Mail ana.lima@example.org, my key is {key}"}],
                      response="Sent to ana.lima@example.org."),
         make_request(2),
-        f'{{"id": "bad", "note": "contact bob@example.com", "timestamp": "soon"}}',
+        '{"id": "bad", "note": "contact bob@example.com", "timestamp": "soon"}',
     ])
     report = import_traffic(path, db_url=db_url, progress=False)
     stored = traffic(db_url)
