@@ -42,6 +42,28 @@ def test_greedy_equivalence_on_the_embedded_default(embedded, drafter_name):
         assert result.stats.accepted > 0  # the json/summarize prompts are copied from
 
 
+@pytest.mark.parametrize("drafter_name", ["prompt_lookup", "layer_skip"])
+def test_fast_path_on_the_embedded_default(embedded, drafter_name):
+    # the static-cache path (with the CPU stand-in for graph replay) on the real architecture:
+    # the same greedy tokens as the general path, except at fp32 near-ties
+    model, tokenizer = embedded
+    prompts = [p.text for p in builtin_prompts() if p.domain in ("json", "code")][:2]
+    ids, mask = encode(tokenizer, prompts)
+
+    def run(**options):
+        drafter = PromptLookup() if drafter_name == "prompt_lookup" else LayerSkip(model, num_layers=8)
+        return SpecDecoder(model, drafter, k=4, tokenizer=tokenizer, **options).generate(
+            ids, NEW, attention_mask=mask, eos_token_id=tokenizer.eos_token_id)
+
+    general = run(static_cache=False)
+    fast = run(static_cache=True, cuda_graphs=True)
+    margin = first_divergence_margin(model, ids, mask, fast.tokens, general.tokens)
+    assert margin is None or margin < 1e-4, f"diverged where the top-2 margin is {margin}"
+    if margin is None:
+        assert fast.num_tokens == general.num_tokens
+        assert fast.stats.accepted == general.stats.accepted
+
+
 def test_embedded_default_is_cached_after_the_first_fetch(embedded):
     # the second load reads the converted copy in $SPECDEC_HOME/models, not the GGUF
     from specdec_core.models import models_dir
