@@ -81,7 +81,10 @@ def test_grid_of_two_alphas_by_two_ks_with_acceptance_close_to_alpha(smoke):
         assert n > 0
         # generous binomial bound: 4 standard deviations plus one count
         assert abs(row["measured_alpha"] - alpha) <= 4 * math.sqrt(alpha * (1 - alpha) / n) + 1 / n
-        assert 1.0 <= row["tokens_per_round"] <= row["k"] + 1
+        # the prediction at the measured tokens per round uses the same measured costs
+        cost_k = item["c_round"][str(row["k"])] + smoke["raw"]["item2"]["verify_ratio"][str(row["k"])]
+        assert row["predicted_at_measured_tokens_per_round"] == pytest.approx(
+            row["tokens_per_round"] / cost_k)
         # the prediction is the planner's formula on the measured costs
         k = str(row["k"])
         cost = item["c_round"][k] + smoke["raw"]["item2"]["verify_ratio"][k]
