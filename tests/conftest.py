@@ -9,7 +9,11 @@ variable is unset; CI always sets it (.ci/run starts a server on loopback).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,25 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 97
 REPO = Path(__file__).resolve().parent.parent
+
+
+def stop_process_group(process, timeout_s: float) -> None:
+    """SIGTERM to a process started with start_new_session=True and to its whole group (workers,
+    supervisors), then SIGKILL to whatever is left of the group."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=timeout_s)
 
 
 def load_script(relative_path: str, name: str):
@@ -52,6 +75,28 @@ def draft():
     return tiny_llama(hidden=32, layers=2, heads=2, seed=1)
 
 
+SPREAD_VOCAB = 24
+
+
+@pytest.fixture(scope="session")
+def spread_target():
+    """A tiny target whose next-token distributions are spread over several tokens (power needs
+    more than one likely token)."""
+    return tiny_llama(vocab=SPREAD_VOCAB, hidden=32, layers=2, heads=2, seed=31, initializer_range=0.3)
+
+
+@pytest.fixture(scope="session")
+def spread_draft(spread_target):
+    """A perturbed copy of the target: q close to p but not equal, so drafts are often accepted
+    (bonus tokens occur) and often corrected (residual draws occur)."""
+    draft = copy.deepcopy(spread_target)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.5 * param.std())
+    return draft
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """(model, tokenizer) of the embedded default, fetched into $SPECDEC_HOME/models once."""
@@ -63,10 +108,8 @@ def embedded():
 # --- database fixtures ----------------------------------------------------------------------
 import gzip
 import json
-import os
 import uuid
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 

@@ -144,6 +144,14 @@ def spread_pair():
     return target, GatedDraft(target, good)
 
 
+def estimate_and_live(target, drafter, logged, prompts, new, k, sampling, seeds):
+    """(offline estimate at K, live mean tokens per round, 3-sigma bound of their difference)."""
+    estimate = estimate_acceptance(target, drafter, logged, ks=[k], progress=False)["d"][k]
+    est_se = (estimate.ci95[1] - estimate.ci95[0]) / (2 * 1.96)
+    live_mean, live_se = live_interval(target, drafter, prompts, new, k, sampling, seeds=seeds)
+    return estimate, live_mean, 3.0 * np.hypot(live_se, est_se)
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0),
                                       SamplingParams(temperature=0.7, top_p=0.9)],
                          ids=["t1", "t0.7-top_p0.9"])
@@ -154,11 +162,8 @@ def test_sampling_estimate_agrees_with_live_where_sum_min_is_biased(spread_pair,
     prompts = torch.randint(3, VOCAB, (128, 6))
     # logged responses: the target's own samples (plain decoding), scored under their params
     logged = sampled_logged(target, prompts.repeat(8, 1), new, sampling, seed=7)
-    drafter = DraftModel(gated)
-    estimate = estimate_acceptance(target, drafter, logged, ks=[k], progress=False)["d"][k]
-    est_se = (estimate.ci95[1] - estimate.ci95[0]) / (2 * 1.96)
-    live_mean, live_se = live_interval(target, drafter, prompts, new, k, sampling, seeds=24)
-    bound = 3.0 * np.hypot(live_se, est_se)      # a 3-sigma interval of the difference
+    estimate, live_mean, bound = estimate_and_live(target, DraftModel(gated), logged, prompts, new,
+                                                   k, sampling, seeds=24)
     assert abs(estimate.expected_tokens_per_round - live_mean) <= bound, (
         estimate.expected_tokens_per_round, live_mean, bound)
     # the product of sum(min(p, q)) along the same paths falls outside it (it overestimates here:
@@ -178,11 +183,8 @@ def test_sampling_estimate_agrees_with_live_on_a_model_pair(spread_pair):
     torch.manual_seed(6)
     prompts = torch.randint(3, VOCAB, (48, 5))
     logged = sampled_logged(target, prompts.repeat(4, 1), new, sampling, seed=3)
-    drafter = DraftModel(draft)
-    estimate = estimate_acceptance(target, drafter, logged, ks=[k], progress=False)["d"][k]
-    est_se = (estimate.ci95[1] - estimate.ci95[0]) / (2 * 1.96)
-    live_mean, live_se = live_interval(target, drafter, prompts, new, k, sampling, seeds=12)
-    bound = 3.0 * np.hypot(live_se, est_se)
+    estimate, live_mean, bound = estimate_and_live(target, DraftModel(draft), logged, prompts, new,
+                                                   k, sampling, seeds=12)
     assert abs(estimate.expected_tokens_per_round - live_mean) <= bound
     # the agreement discriminates: the interval is narrower than the distance to either extreme
     # (1 token per round: nothing accepted; K + 1: everything accepted)

@@ -25,8 +25,9 @@ from specdec_core.synthetic import ControlledAcceptance
 from specdec_core.validation import sampling_check
 from specdec_core.verify import relaxed_verify
 
-from .conftest import VOCAB, tiny_llama
+from .conftest import VOCAB
 from .test_decoder import left_padded_batch, repetitive_prompt
+from .test_validation import PROMPT
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))]
@@ -249,34 +250,18 @@ def test_forward_costs_on_the_static_cache(pair):
 
 
 # --- sampling: the target's distribution is kept ------------------------------------------------
-VOCAB_V = 24
-PROMPT = torch.tensor([3, 7, 1, 9, 4])
-
-
-@pytest.fixture(scope="module")
-def spread_pair(request):
-    """A target with spread next-token distributions and a perturbed copy as the draft."""
-    spread = tiny_llama(vocab=VOCAB_V, hidden=32, layers=2, heads=2, seed=31, initializer_range=0.3)
-    perturbed = copy.deepcopy(spread)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in perturbed.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.5 * param.std())
-    return spread, perturbed
-
-
 @pytest.mark.parametrize("device", DEVICES)
-def test_fast_path_sampling_keeps_the_target_distribution(spread_pair, device):
+def test_fast_path_sampling_keeps_the_target_distribution(spread_target, spread_draft, device):
     # on the device: the batched rejection sampler through the fast path, G-test per position
-    spread, perturbed = (copy.deepcopy(m).to(device) for m in spread_pair)
+    spread, perturbed = (copy.deepcopy(m).to(device) for m in (spread_target, spread_draft))
     static = functools.partial(SpecDecoder, static_cache=True)
     report = sampling_check(spread, DraftModel(perturbed), PROMPT, rows=3000, seed=1,
                             decoder_cls=static)
     assert report.passed, [t for t in report.tests if not t.passed]
 
 
-def test_graph_plumbing_sampling_keeps_the_target_distribution(spread_pair):
-    spread, perturbed = spread_pair
+def test_graph_plumbing_sampling_keeps_the_target_distribution(spread_target, spread_draft):
+    spread, perturbed = spread_target, spread_draft
     replayed = functools.partial(SpecDecoder, static_cache=True, cuda_graphs=True)
     report = sampling_check(spread, DraftModel(perturbed), PROMPT, rows=3000, seed=2,
                             decoder_cls=replayed)
@@ -284,8 +269,9 @@ def test_graph_plumbing_sampling_keeps_the_target_distribution(spread_pair):
 
 
 @pytest.mark.parametrize("verifier", [relaxed_verify, off_by_one_bonus], ids=["relaxed", "off_by_one"])
-def test_fast_path_sampling_check_still_catches_broken_verifiers(spread_pair, verifier):
-    spread, perturbed = spread_pair
+def test_fast_path_sampling_check_still_catches_broken_verifiers(spread_target, spread_draft,
+                                                                verifier):
+    spread, perturbed = spread_target, spread_draft
     static = functools.partial(SpecDecoder, static_cache=True)
     report = sampling_check(spread, DraftModel(perturbed), PROMPT, rows=3000, seed=1,
                             decoder_cls=static, verifier=verifier)

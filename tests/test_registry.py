@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from tasks.registry import (RegistryError, build_config, check_gates, client, pr
                             validation_status, vllm_export)
 from tasks.settings import load_settings
 
-from .conftest import POSTGRES_ENV
+from .conftest import POSTGRES_ENV, stop_process_group
 
 MLFLOW = Path(sys.executable).with_name("mlflow")
 DEFAULTS = load_settings({})          # the documented defaults, whatever SPECDEC_* says
@@ -183,21 +182,8 @@ class MlflowServer:
             time.sleep(0.3)
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group (server, uvicorn worker, job runner), then SIGKILL."""
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)    # leftovers of the group, if any
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=15)
+        """The server's process group (server, uvicorn worker, job runner)."""
+        stop_process_group(self.process, 15)
 
 
 @pytest.fixture(scope="module")

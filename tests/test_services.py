@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import POSTGRES_ENV, postgres_schema, save_tiny_target, tiny_llama, write_jsonl
+from .conftest import (POSTGRES_ENV, postgres_schema, save_tiny_target, stop_process_group,
+                       tiny_llama, write_jsonl)
 
 pytestmark = [
     pytest.mark.slow,
@@ -69,21 +69,8 @@ class Service:
         return self.process.poll() is None
 
     def stop(self) -> None:
-        """SIGTERM to the whole group (workers, task supervisors), then SIGKILL to what is left."""
-        if self.alive():
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=20)
+        """The whole group (workers, task supervisors)."""
+        stop_process_group(self.process, 20)
 
     def describe(self, chars: int = 4000) -> str:
         state = "running" if self.alive() else f"exited {self.process.returncode}"

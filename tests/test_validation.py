@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -15,29 +14,7 @@ from specdec_core.verify import relaxed_verify
 
 from .conftest import tiny_llama
 
-VOCAB_V = 24
-
-
-@pytest.fixture(scope="module")
-def spread_target():
-    """A tiny target whose next-token distributions are spread over several tokens (power needs
-    more than one likely token)."""
-    return tiny_llama(vocab=VOCAB_V, hidden=32, layers=2, heads=2, seed=31, initializer_range=0.3)
-
-
-@pytest.fixture(scope="module")
-def spread_draft(spread_target):
-    """A perturbed copy of the target: q close to p but not equal, so drafts are often accepted
-    (bonus tokens occur) and often corrected (residual draws occur)."""
-    draft = copy.deepcopy(spread_target)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.5 * param.std())
-    return draft
-
-
-PROMPT = torch.tensor([3, 7, 1, 9, 4])
+PROMPT = torch.tensor([3, 7, 1, 9, 4])   # for the spread_target / spread_draft fixtures (conftest)
 
 
 def test_greedy_check_passes_the_exact_engine(target, draft):
