@@ -61,7 +61,6 @@ class GenerateResult:
     num_tokens: list[int] = field(default_factory=list)  # valid new tokens per row (EOS included)
 
 
-
 class SpecDecoder:
     """Speculative decoding of `target_model` with `drafter`, k draft tokens per round.
 
@@ -109,6 +108,7 @@ class SpecDecoder:
         self.cuda_graphs = cuda_graphs
         self.phase_timing = phase_timing
         self._static_pool = None
+        self._static: bool | None = None          # uses_static_cache(), decided on first use
 
     @property
     def device(self) -> torch.device:
@@ -116,11 +116,14 @@ class SpecDecoder:
 
     def uses_static_cache(self) -> bool:
         """Whether generate runs the static-cache fast path (see static_cache)."""
-        if self.static_cache == "auto":
-            models = [self.target] + ([self.drafter.model] if isinstance(
-                getattr(self.drafter, "model", None), torch.nn.Module) else [])
-            return self.device.type == "cuda" and all(fast.supports_static(m) for m in models)
-        return bool(self.static_cache)
+        if self._static is None:
+            if self.static_cache == "auto":
+                draft = getattr(self.drafter, "model", None)
+                models = [self.target] + ([draft] if isinstance(draft, torch.nn.Module) else [])
+                self._static = all(fast.static_by_default(m) for m in models)
+            else:
+                self._static = bool(self.static_cache)
+        return self._static
 
     @property
     def static_pool(self) -> "fast.StaticCachePool":

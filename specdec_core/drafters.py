@@ -80,6 +80,7 @@ class DraftModel(Drafter):
         self._round_start: torch.Tensor | None = None  # [B] generated count when the round began
         self._round_k = 0
         self._round_base = 0                            # static cache: its write column at propose
+        self._fixed = False                             # the cache is a static one (fast path)
         self._vocab: int | None = None
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
@@ -108,16 +109,16 @@ class DraftModel(Drafter):
 
     def start(self, state) -> None:
         self._cache = state.cache_factory(self.model)
+        self._fixed = getattr(self._cache, "fixed_shapes", False)    # fast.StaticSequenceCache
         valid = state.prompt_mask.bool() if state.prompt_has_padding else None
-        if getattr(self._cache, "fixed_shapes", False):
+        if self._fixed:
             self._cache.forward(state.prompt_ids, valid, logits_to_keep=1, graphed=False)
         else:
             self._cache.forward(state.prompt_ids, valid)
         self._cached_gen = torch.zeros_like(state.n_out)
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
-        cache = self._cache
-        fixed = getattr(cache, "fixed_shapes", False)
+        cache, fixed = self._cache, self._fixed
         # catch up on generated tokens the draft has not seen (1, or 2 after an all-accepted round);
         # the static fast path always feeds 2 (the first a hole when only 1 is new): no host sync
         behind = state.n_out - self._cached_gen                                  # [B]
@@ -152,7 +153,7 @@ class DraftModel(Drafter):
     def commit(self, state, num_accepted) -> None:
         # the cache holds the round's first k-1 drafts; keep those that were accepted
         kept_gen = self._round_start + num_accepted.clamp(max=self._round_k - 1)
-        if getattr(self._cache, "fixed_shapes", False) and state.accepted_max is not None:
+        if self._fixed and state.accepted_max is not None:
             # written this round: 2 catch-up columns, then k - 1 drafts of which rows keep
             # min(accepted, k - 1): writing resumes after the furthest kept column (host-known)
             width = self._round_base + 2 + min(state.accepted_max, self._round_k - 1)

@@ -70,6 +70,11 @@ def supports_static(model: torch.nn.Module) -> bool:
                for layer in cache.layers)
 
 
+def static_by_default(model: torch.nn.Module) -> bool:
+    """What static_cache="auto" means for a model: on CUDA, where the model allows it."""
+    return next(model.parameters()).device.type == "cuda" and supports_static(model)
+
+
 def bucket_length(needed: int) -> int:
     return -(-needed // LENGTH_BUCKET) * LENGTH_BUCKET
 

@@ -16,13 +16,10 @@ from .fast import synchronize as _sync
 from .cache import SequenceCache
 
 
-
 def use_static(model: torch.nn.Module, static: bool | str = "auto") -> bool:
-    """Whether costs are measured on the fast path's static cache: "auto" -- on CUDA, where
-    SpecDecoder runs that path by default, so the planner gets the costs decoding will have."""
-    if static == "auto":
-        return next(model.parameters()).device.type == "cuda" and fast.supports_static(model)
-    return bool(static)
+    """Whether costs are measured on the fast path's static cache: "auto" -- where SpecDecoder
+    runs that path by default, so the planner gets the costs decoding will have."""
+    return fast.static_by_default(model) if static == "auto" else bool(static)
 
 
 class _TimedCache:
