@@ -25,7 +25,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(VENV)/bin/specdec main-job
 
+# the architecture contracts (pyproject's [tool.importlinter]: layers, no cycles), then the tests
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 bench: setup

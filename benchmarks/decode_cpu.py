@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from specdec_core import LayerSkip, PromptLookup, SpecDecoder, load_model
 from specdec_core.profile import calibrate_verify_widths
-from tasks.prompts import builtin_prompts, encode
+from tasks.cli.prompts import builtin_prompts, encode
 
 RESULTS = Path(__file__).parent / "results" / "decode_cpu.md"
 

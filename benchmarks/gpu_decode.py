@@ -50,7 +50,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specdec_core import DraftModel, SamplingParams, SpecDecoder
-from specdec_core.decoder import DecodeState
+from specdec_core.records import DecodeState
 from specdec_core.planner import expected_tokens_per_round, optimal_k, predicted_speedup
 from specdec_core.synthetic import ControlledAcceptance
 
@@ -324,15 +324,9 @@ def make_decoder(target: torch.nn.Module, drafter, k: int = 4, **options) -> Spe
 
 def forward_costs(model: torch.nn.Module, widths, context_len: int, repeats: int) -> tuple[dict, str]:
     """{width: median seconds of one cached target pass over width new tokens}, and its source."""
-    try:
-        from specdec_core.fast import measure_forward_costs
-        source = "specdec_core.fast.measure_forward_costs (static cache)"
-        extra = {"cuda_graphs": "auto"} if "cuda_graphs" in inspect.signature(
-            measure_forward_costs).parameters else {}
-    except ImportError:
-        from specdec_core.profile import measure_forward_costs
-        source = "specdec_core.profile.measure_forward_costs (dynamic cache)"
-        extra = {}
+    from specdec_core.profile import measure_forward_costs
+    source = "specdec_core.profile.measure_forward_costs (static cache)"
+    extra = {"static": True}
     costs = measure_forward_costs(model, list(widths), context_len=context_len, batch_size=1,
                                   repeats=repeats, **extra)
     return {int(w): float(s) for w, s in costs.items()}, source

@@ -21,8 +21,12 @@ Assets: `specdec://config/champion` (a new champion config), `specdec://alerts/l
 `specdec://evaluations` (which triggers `specdec_reports`).
 
 Connections and secrets: the specdec database comes from the Airflow connection `specdec_db`
-(or `$SPECDEC_DATABASE_URL`), MLflow from `$MLFLOW_TRACKING_URI`. Every step is a function of
-`tasks.pipeline`; this file only wires them.
+(or `$SPECDEC_DATABASE_URL`), MLflow from `$MLFLOW_TRACKING_URI`. Retries: a database or
+tracking-server outage is retried; bad input and failed gates fail the task at once.
+
+Every step is a function of `tasks.pipeline`; this file only wires them (the glue shared by the
+DAGs is `tasks.airflow_glue`). The Param `samples_per_domain` was renamed `max_per_domain`; the
+old name is still read from the run conf (with a warning in the `sample` task's log).
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-TIMING_POOL = "specdec_timing"
-CHAMPION_ASSET = Asset("specdec://config/champion")
-LOW_ACCEPTANCE_ASSET = Asset("specdec://alerts/low-acceptance")
-EVALUATIONS_ASSET = Asset("specdec://evaluations")
-NEW_DRAFT_ASSET = Asset("specdec://drafts/new")      # published by specdec_retrain_draft
+from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_MODEL, EVALUATIONS_URI, LOW_ACCEPTANCE_URI,
+                                NEW_DRAFT_URI, TIMING_POOL, evaluate_spec, task_errors)
+
+CHAMPION_ASSET = Asset(CHAMPION_URI)
+LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
+EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
+NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)      # published by specdec_retrain_draft
 
 DEFAULT_ARGS = {
     "owner": "specdec",
@@ -49,14 +55,15 @@ DEFAULT_ARGS = {
 }
 
 PARAMS = {
-    "target": Param("smollm2-135m-instruct", type="string", title="Target model",
+    "target": Param(DEFAULT_MODEL, type="string", title="Target model",
                     description="HF id, local directory, GGUF file, or the embedded default"),
     "domains": Param([], type="array", items={"type": "string"}, title="Domains",
                      description="Empty: every domain with traffic in the window"),
     "window_days": Param(14, type="number", minimum=0.01, maximum=365, title="Time window (days)",
                          description="Ends at the newest stored request"),
-    "samples_per_domain": Param(30, type="integer", minimum=1, maximum=100000,
-                                title="Samples per domain", description="Requests drawn per domain"),
+    "max_per_domain": Param(30, type="integer", minimum=1, maximum=100000,
+                            title="Samples per domain",
+                            description="Requests drawn per domain (formerly samples_per_domain)"),
     "min_per_domain": Param(20, type="integer", minimum=1, maximum=100000,
                             title="Minimum samples per domain",
                             description="Fewer: the domain is insufficient and keeps the champion's setting"),
@@ -77,32 +84,6 @@ PARAMS = {
 }
 
 
-def _database_url() -> str | None:
-    """The `specdec_db` Airflow connection when defined, else None (settings / environment)."""
-    from airflow.sdk import BaseHook
-
-    try:
-        return BaseHook.get_connection("specdec_db").get_uri()
-    except Exception:   # no such connection: SPECDEC_DATABASE_URL or the SQLite default
-        return None
-
-
-def _user_errors():
-    """User errors (bad input, failed gates) fail the task at once; others are retried."""
-    from contextlib import contextmanager
-
-    from tasks.errors import SpecdecTaskError
-
-    @contextmanager
-    def guard():
-        try:
-            yield
-        except SpecdecTaskError as exc:
-            raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
-
-    return guard()
-
-
 @dag(dag_id="specdec_evaluate",
      schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 0 * * *", timezone="UTC"),
                                   assets=[NEW_DRAFT_ASSET]),
@@ -112,17 +93,11 @@ def _user_errors():
 def specdec_evaluate():
     @task
     def sample() -> dict:
-        from tasks.pipeline import RunSpec, step_sample
+        from tasks.pipeline import step_sample
 
         context = get_current_context()
-        params = context["params"]
-        spec = RunSpec(run_id=context["run_id"], target=params["target"], db_url=_database_url(),
-                       domains=params["domains"] or None, window_days=params["window_days"],
-                       max_per_domain=params["samples_per_domain"],
-                       min_per_domain=params["min_per_domain"], candidates=params["candidates"],
-                       hardware_profile=params["hardware_profile"] or None, k_max=params["k_max"],
-                       min_speedup=params["min_speedup"], promote=params["promote"])
-        with _user_errors():
+        with task_errors():
+            spec = evaluate_spec(context["run_id"], context["params"], context["dag_run"].conf)
             step_sample(spec)
         return spec.to_dict()
 
@@ -130,14 +105,14 @@ def specdec_evaluate():
     def check(spec: dict) -> dict:
         from tasks.pipeline import step_check
 
-        with _user_errors():
+        with task_errors():
             return step_check(spec)
 
     @task(pool=TIMING_POOL)
     def profile(spec: dict) -> str:
         from tasks.pipeline import step_profile
 
-        with _user_errors():
+        with task_errors():
             return step_profile(spec)
 
     @task
@@ -148,7 +123,7 @@ def specdec_evaluate():
     def estimate(domain: str, spec: dict, profile_name: str) -> str:
         from tasks.pipeline import step_estimate
 
-        with _user_errors():
+        with task_errors():
             step_estimate(spec, domain, profile_name)
         return domain
 
@@ -156,7 +131,7 @@ def specdec_evaluate():
     def confirm(domain: str, spec: dict) -> str:
         from tasks.pipeline import step_confirm
 
-        with _user_errors():
+        with task_errors():
             step_confirm(spec, domain)
         return domain
 
@@ -164,7 +139,7 @@ def specdec_evaluate():
     def validate(domain: str, spec: dict) -> str:
         from tasks.pipeline import step_validate
 
-        with _user_errors():
+        with task_errors():
             step_validate(spec, domain)
         return domain
 
@@ -173,14 +148,16 @@ def specdec_evaluate():
         """Runs whatever the domains' outcome: failed domains keep the champion's setting."""
         from tasks.pipeline import step_finish
 
-        with _user_errors():
+        if spec is None or checked is None:     # sample or check failed: the run has nothing to finish
+            raise AirflowSkipException("sample or check did not complete")
+        with task_errors():
             return step_finish(spec, insufficient=checked["insufficient"])
 
     @task
     def register(spec: dict, finished: dict) -> dict:
         from tasks.pipeline import step_register
 
-        with _user_errors():
+        with task_errors():
             return step_register(spec)
 
     @task(outlets=[CHAMPION_ASSET])
@@ -189,7 +166,7 @@ def specdec_evaluate():
 
         if not spec["promote"]:
             raise AirflowSkipException("promotion not requested (param promote=false)")
-        with _user_errors():
+        with task_errors():
             result = step_promote(spec, registered)
         if not result["promoted"]:
             raise AirflowSkipException(f"not promoted: {result['reason']}")
@@ -202,7 +179,8 @@ def specdec_evaluate():
         from tasks.pipeline import low_acceptance_domains
 
         context = get_current_context()
-        low = low_acceptance_domains(spec, context["params"]["acceptance_alert"])
+        with task_errors():
+            low = low_acceptance_domains(spec, context["params"]["acceptance_alert"])
         if not low:
             raise AirflowSkipException("no domain below the acceptance alert")
         context["outlet_events"][LOW_ACCEPTANCE_ASSET].extra = {"run_id": spec["run_id"], "domains": low}
@@ -214,7 +192,8 @@ def specdec_evaluate():
         from tasks.evaluate import evaluation_table
         from tasks.pipeline import RunSpec
 
-        table = evaluation_table(spec["run_id"], RunSpec.of(spec).url)
+        with task_errors():
+            table = evaluation_table(spec["run_id"], RunSpec.of(spec).url)
         for row in table:
             print({key: row[key] for key in ("domain", "enabled", "drafter", "k", "max_batch_size",
                                              "predicted_speedup", "measured_speedup", "validation")})

@@ -4,7 +4,8 @@
 Triggered by the `specdec://evaluations` asset that `specdec_evaluate` publishes. Runs every
 report in `sql/` (portable SQL: SQLite and PostgreSQL) against the specdec database and writes
 each as CSV under `$SPECDEC_HOME/reports/` (one file per report, replaced each time), so ops teams
-read them from a file share or open them in a notebook. Every step is a function of `tasks.reports`.
+read them from a file share or open them in a notebook. Every step is a function of `tasks.reports`
+(the glue shared by the DAGs is `tasks.airflow_glue`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from datetime import datetime
 
 from airflow.sdk import Asset, dag, task
 
-EVALUATIONS_ASSET = Asset("specdec://evaluations")
+from tasks.airflow_glue import EVALUATIONS_URI, database_url, task_errors
+
+EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
 
 
 @dag(dag_id="specdec_reports", schedule=[EVALUATIONS_ASSET], start_date=datetime(2025, 1, 1),
@@ -30,13 +33,8 @@ def specdec_reports():
     def materialise(name: str) -> dict:
         from tasks.reports import materialise_report
 
-        try:
-            from airflow.sdk import BaseHook
-
-            url = BaseHook.get_connection("specdec_db").get_uri()
-        except Exception:
-            url = None
-        return materialise_report(name, db_url=url)
+        with task_errors():
+            return materialise_report(name, db_url=database_url())
 
     materialise.expand(name=report_names())
 

@@ -14,8 +14,14 @@ threshold (asset `specdec://alerts/low-acceptance`):
    with alias `candidate` and its lineage (window, domains, training parameters, fingerprint,
    held-out acceptance per domain); the asset `specdec://drafts/new` then triggers a fresh
    `specdec_evaluate`, whose candidates include the new draft.
+3. **refresh_suffix_indexes** (beside the training): each domain's suffix index over its logged
+   responses in the window is rebuilt and registered as a version of `specdec-suffix-<target>`
+   with its lineage (window, requests, tokens, fingerprint); evaluations can use one as the
+   candidate `suffix:index=models:/...`.
 
-Every step is a function of `tasks.draft_training`; this file only wires them.
+Every step is a function of `tasks.draft_training`; this file only wires them (the glue shared by
+the DAGs is `tasks.airflow_glue`: a database or tracking-server outage is retried, bad input fails
+the task at once).
 """
 
 from __future__ import annotations
@@ -23,15 +29,17 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from airflow.sdk import Asset, Param, dag, get_current_context, task
-from airflow.sdk.exceptions import AirflowFailException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-LOW_ACCEPTANCE_ASSET = Asset("specdec://alerts/low-acceptance")
-NEW_DRAFT_ASSET = Asset("specdec://drafts/new")
+from tasks.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
+                                database_url, task_errors)
+
+LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
+NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)
 
 PARAMS = {
-    "target": Param("smollm2-135m-instruct", type="string", title="Target model"),
+    "target": Param(DEFAULT_MODEL, type="string", title="Target model"),
     "domains": Param([], type="array", items={"type": "string"}, title="Domains",
                      description="Empty: pooled over every domain"),
     "window_days": Param(28, type="number", minimum=1, maximum=365, title="Time window (days)"),
@@ -49,15 +57,6 @@ PARAMS = {
 }
 
 
-def _database_url() -> str | None:
-    from airflow.sdk import BaseHook
-
-    try:
-        return BaseHook.get_connection("specdec_db").get_uri()
-    except Exception:
-        return None
-
-
 @dag(dag_id="specdec_retrain_draft", start_date=datetime(2025, 1, 1), catchup=False, max_active_runs=1,
      schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 0", timezone="UTC"),
                                   assets=[LOW_ACCEPTANCE_ASSET]),
@@ -65,38 +64,46 @@ def _database_url() -> str | None:
      default_args={"owner": "specdec", "retries": 2, "retry_delay": timedelta(minutes=1),
                    "retry_exponential_backoff": True})
 def specdec_retrain_draft():
-    @task(pool="specdec_timing")
+    @task(pool=TIMING_POOL)
     def train() -> dict:
         from specdec_core.train import TrainConfig
         from tasks.draft_training import train_draft_from_traffic
-        from tasks.errors import SpecdecTaskError
 
         context = get_current_context()
         p = context["params"]
         config = TrainConfig(steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"],
                              eval_every=p["eval_every"], teacher_topk=p["teacher_topk"],
                              warmup_steps=max(1, p["steps"] // 10))
-        try:
+        with task_errors():
             return train_draft_from_traffic(
                 context["run_id"].replace(":", "-").replace("+", "-"), target=p["target"],
-                db_url=_database_url(), domains=p["domains"] or None, window_days=p["window_days"],
+                db_url=database_url(), domains=p["domains"] or None, window_days=p["window_days"],
                 num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
                 max_requests=p["max_requests"], config=config, register=False, progress=False)
-        except SpecdecTaskError as exc:
-            raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
     @task(outlets=[NEW_DRAFT_ASSET])
     def register(trained: dict) -> dict:
         from tasks.draft_training import register_draft
 
-        registered = register_draft(trained["train_id"], get_current_context()["params"]["target"],
-                                    trained["fingerprint"], trained["best_dir"], trained["result"],
-                                    db_url=_database_url())
+        with task_errors():
+            registered = register_draft(trained["train_id"], get_current_context()["params"]["target"],
+                                        trained["fingerprint"], trained["best_dir"], trained["result"],
+                                        db_url=database_url())
         get_current_context()["outlet_events"][NEW_DRAFT_ASSET].extra = {
             "model_uri": registered["model_uri"], "train_id": trained["train_id"]}
         return registered
 
+    @task
+    def refresh_suffix_indexes() -> dict:
+        from tasks.suffix_index import refresh_indexes
+
+        p = get_current_context()["params"]
+        with task_errors():
+            return refresh_indexes(p["target"], p["domains"] or None, db_url=database_url(),
+                                   window_days=p["window_days"])
+
     register(train())
+    refresh_suffix_indexes()
 
 
 specdec_retrain_draft()

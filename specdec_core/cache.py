@@ -9,12 +9,21 @@ Trailing columns that no row uses any more are cropped, so a single row never ha
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 
 
 class SequenceCache:
-    """model + DynamicCache + attention mask [B, S] over cache columns + valid count per row [B]."""
+    """model + DynamicCache + attention mask [B, S] over cache columns + valid count per row [B].
+
+    The dynamic counterpart of static_cache.StaticSequenceCache, with the same interface: forward,
+    rollback_to, select_rows (finished rows leave the batch: fixed_shapes is False), width and
+    last_start (the first column of the latest forward).
+    """
+
+    fixed_shapes = False
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -22,16 +31,20 @@ class SequenceCache:
         self.mask: torch.Tensor | None = None    # LongTensor [B, S]: 1 = valid cached token
         self.count: torch.Tensor | None = None   # LongTensor [B]: valid tokens = next position id
         self.has_holes = False                   # host-side: may the mask contain zeros?
+        self.last_start = 0
 
     @property
     def width(self) -> int:
         return 0 if self.mask is None else self.mask.shape[1]
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Append tokens [B, T] (valid [B, T] bool: False = a hole) and return logits [B, T, V]."""
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None,
+                logits_to_keep: int = 0, graphed: bool = True) -> torch.Tensor:
+        """Append tokens [B, T] (valid [B, T] bool: False = a hole) and return logits [B, T', V]
+        (the last logits_to_keep positions; 0 = all). `graphed` has no meaning here."""
         batch, length = tokens.shape
+        self.last_start = self.width
         if self.mask is None and valid is None and batch > 1 and bool((tokens == tokens[:1]).all()):
-            return self._shared_prefill(tokens)
+            return self._shared_prefill(tokens, logits_to_keep)
         if valid is None:
             valid_l = torch.ones_like(tokens)
         else:
@@ -45,21 +58,24 @@ class SequenceCache:
         position_ids = (self.count[:, None] + valid_l.cumsum(1) - 1).clamp_(min=0)
         out = self.model(input_ids=tokens,
                          attention_mask=self.mask if self.has_holes else None,
-                         position_ids=position_ids, past_key_values=self.cache, use_cache=True)
+                         position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=logits_to_keep)
         self.count = self.count + valid_l.sum(1)
         return out.logits
 
-    def _shared_prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _shared_prefill(self, tokens: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         """Identical unpadded rows (n samples of one prompt): prefill one row, copy its cache."""
         batch = tokens.shape[0]
-        logits = self.forward(tokens[:1])
+        logits = self.forward(tokens[:1], logits_to_keep=logits_to_keep)
         self.cache.batch_repeat_interleave(batch)
         self.mask = self.mask.expand(batch, -1).clone()
         self.count = self.count.expand(batch).clone()
         return logits.expand(batch, -1, -1)
 
-    def rollback_to(self, keep: torch.Tensor) -> None:
-        """Keep the first keep[b] valid tokens of each row [B]; later ones become holes or are cropped."""
+    def rollback_to(self, keep: torch.Tensor, width: int | None = None) -> None:
+        """Keep the first keep[b] valid tokens of each row [B]; later ones become holes or are
+        cropped to the last column a row still uses (`width`, a static cache's hint, is not
+        needed: the mask gives the exact width)."""
         assert self.mask is not None
         if self.mask.shape[0] == 1 and not self.has_holes:
             drop = self.mask.shape[1] - int(keep[0])
@@ -85,3 +101,10 @@ class SequenceCache:
         self.count = self.count[rows]
         if self.mask.shape[0] == 1:
             self.has_holes = not bool(self.mask.all())
+
+
+@contextlib.contextmanager
+def dynamic_session(target: torch.nn.Module, batch: int, needed_len: int):
+    """For one generate call: (the target's cache, a factory of drafter caches); the dynamic
+    counterpart of StaticCachePool.session (a dynamic cache grows as needed)."""
+    yield SequenceCache(target), SequenceCache

@@ -11,26 +11,14 @@ Every drafter implements the same four steps, driven by SpecDecoder:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .errors import TokenizerMismatch, UnsupportedArchitecture
+from .records import DecodeState, Proposal
 from .sampling import SamplingParams, logits_to_probs, sample_from
-
-if TYPE_CHECKING:
-    from .decoder import DecodeState
-
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor              # LongTensor [B, k]
-    probs: torch.Tensor | None        # FloatTensor [B, k, V]; None: deterministic (one-hot) or greedy
-    num_draft: torch.Tensor           # LongTensor [B]: valid tokens per row (0..k)
-    max_draft: int | None = None      # host-side max of num_draft when known for free (the fast
-                                      # path then verifies only max_draft + 1 tokens)
+from .suffix import SuffixIndex, propose_path
 
 
 def output_size(model: torch.nn.Module) -> int:
@@ -49,14 +37,14 @@ class Drafter:
     def check_compatible(self, target_model: torch.nn.Module, target_tokenizer=None) -> None:
         """Raise TokenizerMismatch when this drafter cannot propose tokens of the target's vocabulary."""
 
-    def start(self, state: "DecodeState") -> None:
+    def start(self, state: DecodeState) -> None:
         pass
 
-    def propose(self, state: "DecodeState", k: int, num_draft: torch.Tensor,
+    def propose(self, state: DecodeState, k: int, num_draft: torch.Tensor,
                 sampling: SamplingParams, generator: torch.Generator | None) -> Proposal:
         raise NotImplementedError
 
-    def commit(self, state: "DecodeState", num_accepted: torch.Tensor) -> None:
+    def commit(self, state: DecodeState, num_accepted: torch.Tensor) -> None:
         pass
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -75,12 +63,12 @@ class DraftModel(Drafter):
     def __init__(self, draft_model: torch.nn.Module, tokenizer=None):
         self.model = draft_model
         self.tokenizer = tokenizer
-        self._cache = None                              # SequenceCache or fast.StaticSequenceCache
+        self._cache = None                              # SequenceCache or StaticSequenceCache
         self._cached_gen: torch.Tensor | None = None   # [B] generated tokens already in the cache
         self._round_start: torch.Tensor | None = None  # [B] generated count when the round began
         self._round_k = 0
         self._round_base = 0                            # static cache: its write column at propose
-        self._fixed = False                             # the cache is a static one (fast path)
+        self._fixed = False                             # the cache is a static one
         self._vocab: int | None = None
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
@@ -109,18 +97,15 @@ class DraftModel(Drafter):
 
     def start(self, state) -> None:
         self._cache = state.cache_factory(self.model)
-        self._fixed = getattr(self._cache, "fixed_shapes", False)    # fast.StaticSequenceCache
+        self._fixed = self._cache.fixed_shapes
         valid = state.prompt_mask.bool() if state.prompt_has_padding else None
-        if self._fixed:
-            self._cache.forward(state.prompt_ids, valid, logits_to_keep=1, graphed=False)
-        else:
-            self._cache.forward(state.prompt_ids, valid)
+        self._cache.forward(state.prompt_ids, valid, logits_to_keep=1, graphed=False)
         self._cached_gen = torch.zeros_like(state.n_out)
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
         cache, fixed = self._cache, self._fixed
         # catch up on generated tokens the draft has not seen (1, or 2 after an all-accepted round);
-        # the static fast path always feeds 2 (the first a hole when only 1 is new): no host sync
+        # a static cache always takes 2 (the first a hole when only 1 is new): no host sync
         behind = state.n_out - self._cached_gen                                  # [B]
         width = 2 if fixed else int(behind.max())
         idx = state.n_out[:, None] - width + torch.arange(width, device=state.n_out.device)
@@ -236,7 +221,35 @@ def find_continuation(sequence: np.ndarray, max_ngram: int, k: int, min_ngram: i
     return sequence[:0]
 
 
-class PromptLookup(Drafter):
+class HostDrafter(Drafter):
+    """A drafter that searches on the host, row by row: propose_tokens(sequence, limit) gives up
+    to `limit` tokens continuing one row's prompt + output (deterministic: the offline estimate
+    walks rounds with the same function). Proposes fewer than K tokens, or none, per row."""
+
+    def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
+        prompts = state.prompt_ids.cpu().numpy()
+        masks = state.prompt_mask.cpu().numpy().astype(bool)
+        outs = state.out.cpu().numpy()
+        n_out = state.n_out.tolist()
+        limits = num_draft.tolist()
+        tokens = np.zeros((len(n_out), k), dtype=np.int64)
+        counts = np.zeros(len(n_out), dtype=np.int64)
+        for row, (generated, limit) in enumerate(zip(n_out, limits)):
+            if limit <= 0:
+                continue
+            sequence = np.concatenate([prompts[row][masks[row]], outs[row, :generated]])
+            found = self.propose_tokens(sequence, min(k, limit))
+            tokens[row, : len(found)] = found
+            counts[row] = len(found)
+        device = state.out.device
+        return Proposal(torch.from_numpy(tokens).to(device), None,
+                        torch.from_numpy(counts).to(device), max_draft=int(counts.max(initial=0)))
+
+
+class PromptLookup(HostDrafter):
     """Prompt-lookup (n-gram) drafting: copy what followed the current suffix earlier in the text.
 
     No model. Proposes fewer than K tokens, or none, when nothing (or too little) matches.
@@ -253,43 +266,78 @@ class PromptLookup(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
-        prompts = state.prompt_ids.cpu().numpy()
-        masks = state.prompt_mask.cpu().numpy().astype(bool)
-        outs = state.out.cpu().numpy()
-        n_out = state.n_out.tolist()
-        limits = num_draft.tolist()
-        tokens = np.zeros((len(n_out), k), dtype=np.int64)
-        counts = np.zeros(len(n_out), dtype=np.int64)
-        for row, (generated, limit) in enumerate(zip(n_out, limits)):
-            if limit <= 0:
-                continue
-            sequence = np.concatenate([prompts[row][masks[row]], outs[row, :generated]])
-            found = find_continuation(sequence, self.max_ngram, min(k, limit), self.min_ngram)
-            tokens[row, : len(found)] = found
-            counts[row] = len(found)
-        device = state.out.device
-        return Proposal(torch.from_numpy(tokens).to(device), None,
-                        torch.from_numpy(counts).to(device), max_draft=int(counts.max(initial=0)))
+    def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
+        return find_continuation(sequence, self.max_ngram, limit, self.min_ngram)
 
     def describe(self) -> dict:
         return {"kind": self.name, "params": {"max_ngram": self.max_ngram,
                                               "min_ngram": self.min_ngram}}
 
 
-DRAFTER_KINDS = ("prompt_lookup", "layer_skip", "draft_model")
+class SuffixDrafter(HostDrafter):
+    """Suffix decoding: continuations of the longest matched suffix of prompt + output, found in
+    the request itself and in a suffix index over a domain's logged responses (suffix.py).
+
+    index: a SuffixIndex, a path to a saved one, or None (the request's own text only).
+    max_depth: longest suffix matched; min_token_prob: a draft token needs at least this share of
+    the matched occurrences; max_spec_factor: at most this many tokens per matched token.
+    """
+
+    name = "suffix"
+
+    def __init__(self, index=None, max_depth: int = 24, min_token_prob: float = 0.1,
+                 max_spec_factor: float = 1.0):
+        if not (isinstance(max_depth, int) and max_depth >= 1 and 0.0 <= min_token_prob <= 1.0
+                and max_spec_factor > 0):
+            raise ValueError(f"SuffixDrafter(max_depth={max_depth!r}, min_token_prob="
+                             f"{min_token_prob!r}, max_spec_factor={max_spec_factor!r}): need an "
+                             "integer max_depth >= 1, min_token_prob in [0, 1], max_spec_factor > 0")
+        if index is not None and not isinstance(index, SuffixIndex):
+            index = SuffixIndex.load(index)
+        self.index = index
+        self.max_depth = max_depth
+        self.min_token_prob = float(min_token_prob)
+        self.max_spec_factor = float(max_spec_factor)
+
+    def check_compatible(self, target_model, target_tokenizer=None) -> None:
+        if self.index is None:
+            return
+        vocab = output_size(target_model)
+        built_for = self.index.meta.get("vocab_size")
+        if built_for is not None and int(built_for) != vocab:
+            raise TokenizerMismatch(
+                f"suffix index built for a vocabulary of {built_for} tokens, the target has {vocab}: "
+                "build the index from traffic of this target's tokenizer")
+        if self.index.text.size and int(self.index.text.max()) >= vocab:
+            raise TokenizerMismatch(
+                f"suffix index holds token id {int(self.index.text.max())} >= the target's "
+                f"vocabulary {vocab}: build the index from traffic of this target's tokenizer")
+
+    def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
+        return propose_path(sequence, limit, self.index, self.max_depth, self.min_token_prob,
+                            self.max_spec_factor)
+
+    def describe(self) -> dict:
+        return {"kind": self.name, "params": {"max_depth": self.max_depth,
+                                              "min_token_prob": self.min_token_prob,
+                                              "max_spec_factor": self.max_spec_factor}}
+
+
+DRAFTER_KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model")
 
 
 def make_drafter(kind: str, params: dict | None, target_model: torch.nn.Module,
                  target_tokenizer=None) -> Drafter:
-    """A drafter from its config form {kind, params} (see DESIGN.md, "What gets promoted").
+    """A drafter from its config form {kind, params} (see docs/design.md, "Public contracts").
 
     draft_model takes params {"model": spec} (anything load_model accepts); it is loaded on the
-    target's device and dtype.
+    target's device and dtype. suffix takes its parameters and optionally {"index": path}.
     """
     params = dict(params or {})
     if kind == "prompt_lookup":
         return PromptLookup(**params)
+    if kind == "suffix":
+        return SuffixDrafter(**params)
     if kind == "layer_skip":
         return LayerSkip(target_model, **params)
     if kind == "draft_model":

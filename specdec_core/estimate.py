@@ -8,8 +8,9 @@ beta_t that a draft at t is accepted, given that the emitted token is x_t:
                        P(draft accepted | y) = min(p(y), q(y)) / p(y), so along a logged path
                        acceptances are independent Bernoulli(beta_t).)
   greedy:              beta_t = 1 when the drafter's argmax equals x_t, else 0.
-  prompt lookup:       the proposal d is deterministic: beta = 1 when d = x_t, else 0; the proposal
-                       depends on where a round starts, so rounds are walked directly.
+  host drafters:       prompt lookup and suffix decoding propose deterministically: beta = 1 when
+                       the proposal d = x_t, else 0; the proposal depends on where a round starts,
+                       so rounds are walked directly (walk_rounds).
 Rounds of K are then simulated along each response in exact expectation (dynamic programming over
 the beta_t), mirroring SpecDecoder: the first response token comes from the prefill, a round at
 position t drafts min(K, L - 1 - t) tokens. Per domain, E(K) = total tokens / total expected
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .drafters import DraftModel, Drafter, PromptLookup, find_continuation
+from .drafters import DraftModel, Drafter, HostDrafter
 from .sampling import SamplingParams, logits_to_probs
 
 log = logging.getLogger(__name__)
@@ -105,17 +106,17 @@ def simulate_rounds(beta: np.ndarray, k: int) -> RoundTotals:
                        accepted=accepted, widths=widths)
 
 
-def lookup_rounds(prompt_ids: Sequence[int], response_ids: Sequence[int], k: int,
-                  drafter: PromptLookup) -> RoundTotals:
-    """Rounds of K for a prompt-lookup drafter along a logged response (deterministic)."""
+def walk_rounds(prompt_ids: Sequence[int], response_ids: Sequence[int], k: int,
+                drafter: HostDrafter) -> RoundTotals:
+    """Rounds of K for a deterministic host drafter (prompt lookup, suffix) along a logged
+    response: each round proposes from the text so far, exactly as decoding would."""
     sequence = np.asarray(list(prompt_ids) + list(response_ids), dtype=np.int64)
     prompt_len, length = len(prompt_ids), len(response_ids)
     reached, accepted, widths = np.zeros(k), np.zeros(k), np.zeros(k + 1)
     rounds, t = 0, 1
     while t < length:
         drafts = min(k, length - 1 - t)
-        proposal = find_continuation(sequence[: prompt_len + t], drafter.max_ngram, drafts,
-                                     drafter.min_ngram)
+        proposal = drafter.propose_tokens(sequence[: prompt_len + t], drafts)
         truth = sequence[prompt_len + t: prompt_len + t + len(proposal)]
         n = int(np.argmin(proposal == truth)) if not (proposal == truth).all() else len(proposal)
         reached[: min(n + 1, len(proposal))] += 1
@@ -230,8 +231,8 @@ def estimate_acceptance(target: torch.nn.Module, drafter: Drafter, requests: lis
     Requests with fewer than 2 response tokens carry no rounds and are skipped.
     """
     usable = [r for r in requests if len(r.response_ids) >= 2]
-    if isinstance(drafter, PromptLookup):
-        per_k = {k: [lookup_rounds(r.prompt_ids, r.response_ids, k, drafter) for r in usable]
+    if isinstance(drafter, HostDrafter):
+        per_k = {k: [walk_rounds(r.prompt_ids, r.response_ids, k, drafter) for r in usable]
                  for k in ks}
     elif isinstance(drafter, DraftModel):
         betas = token_acceptance(target, drafter, usable, batch_size=batch_size, progress=progress)

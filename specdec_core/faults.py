@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .decoder import SpecDecoder
-from .sampling import SamplingParams, logits_to_probs, sample_from
-from .verify import _assemble, _num_draft, rejection_sample, relaxed_verify
+from .sampling import SamplingParams, sample_from
+from .verify import _assemble, _num_draft, rejection_sample, relaxed_verify, verify_round
 
 
 def swapped_verifier(draft_tokens, draft_probs, target_probs, generator=None, num_draft=None):
@@ -32,18 +31,18 @@ def off_by_one_bonus(draft_tokens, draft_probs, target_probs, generator=None, nu
     return _assemble(draft_tokens, num_accepted, fixed), num_accepted
 
 
-class IgnoresTemperature(SpecDecoder):
-    """BROKEN: verifies against the target at temperature 1 whatever the request's temperature."""
-
-    def _target_probs(self, logits, sampling):
-        return logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=sampling.top_k,
-                                                      top_p=sampling.top_p))
+def ignores_temperature(logits, proposal, sampling, generator=None, verifier=None):
+    """BROKEN verify round: compares the drafts with the target at temperature 1, whatever the
+    request's temperature (the drafter still samples at the request's)."""
+    if not sampling.greedy:
+        sampling = SamplingParams(temperature=1.0, top_k=sampling.top_k, top_p=sampling.top_p)
+    return verify_round(logits, proposal, sampling, generator, verifier)
 
 
 # name -> keyword arguments for validation.sampling_check
 BROKEN_VARIANTS = {
     "relaxed": {"verifier": relaxed_verify},
     "swapped_p_q": {"verifier": swapped_verifier},
-    "ignores_temperature": {"decoder_cls": IgnoresTemperature},
+    "ignores_temperature": {"verify_round": ignores_temperature},
     "off_by_one_bonus": {"verifier": off_by_one_bonus},
 }

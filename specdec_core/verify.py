@@ -11,13 +11,22 @@ draft tokens, then one more token, then -1; row b emits num_accepted[b] + 1 toke
 
 `rejection_sample` (exact) and `greedy_verify` preserve the target's output distribution.
 `relaxed_verify` does NOT: it exists only to compare against, and validation must catch it.
+
+`verify_round` is one round's verification as the decode loop runs it: from the target's logits
+and a drafter's Proposal to the accepted counts, greedy or sampled. Anything with its signature can
+replace it in SpecDecoder (faults.py does, to show that validation catches broken rounds).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from .sampling import sample_from
+from .records import Proposal
+from .sampling import SamplingParams, logits_to_probs, sample_from
+
+Verifier = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 # Below this total mass the residual max(0, p - q) is treated as empty and p is used instead.
 _RESIDUAL_EPS = 1e-12
@@ -127,3 +136,36 @@ def relaxed_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
         num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     next_token = sample_from(target_probs[rows, num_accepted], generator)
     return _assemble(draft_tokens, num_accepted, next_token), num_accepted
+
+
+def verify_round(logits: torch.Tensor, proposal: Proposal | None, sampling: SamplingParams,
+                 generator: torch.Generator | None = None,
+                 verifier: Verifier | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round's verification: (tokens [B, w+1], num_accepted [B]) from the target's logits
+    [B, w+1, V] over [pending token, w drafts] (proposal None: w = 0, a plain decoding step).
+
+    Row b emits tokens[b, :num_accepted[b] + 1]; later positions are unspecified (the loop masks
+    them). Greedy sampling without an explicit verifier accepts while the draft equals the
+    target's argmax -- then the emitted tokens are the argmax itself, read without assembly.
+    Otherwise `verifier` (default rejection_sample) compares the target's distributions with the
+    drafter's; a proposal without probabilities (prompt lookup, greedy drafts) is one-hot.
+    """
+    if proposal is None:
+        draft_tokens = logits.new_zeros((logits.shape[0], 0), dtype=torch.long)
+        num_draft = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    else:
+        draft_tokens, num_draft = proposal.tokens, proposal.num_draft
+    width = draft_tokens.shape[1]
+    if sampling.greedy and verifier is None:
+        argmax = logits.argmax(-1)
+        match = (draft_tokens == argmax[:, :width]) & (
+            torch.arange(width, device=logits.device) < num_draft[:, None])
+        return argmax, _first_rejection(match)
+    target_probs = logits_to_probs(logits, sampling)
+    if proposal is not None and proposal.probs is not None:
+        draft_probs = proposal.probs
+    else:
+        draft_probs = torch.zeros(logits.shape[0], width, logits.shape[-1], device=logits.device)
+        draft_probs.scatter_(-1, draft_tokens[..., None], 1.0)
+    return (verifier or rejection_sample)(draft_tokens, draft_probs, target_probs,
+                                          generator=generator, num_draft=num_draft)

@@ -3,7 +3,8 @@
 Text form (settings, CLI, Airflow Params): KIND[:PARAM=VALUE[:PARAM=VALUE...]] (`,` works between
 parameters too), e.g.
 `prompt_lookup`, `prompt_lookup:max_ngram=4:min_ngram=2`, `layer_skip:num_layers=8`,
-`draft_model:model=/models/my-draft`. The config form is DESIGN.md's {kind, params}; the label
+`draft_model:model=/models/my-draft`, `suffix:max_depth=24,min_token_prob=0.1` (an index per
+domain, built for the run) or `suffix:index=models:/specdec-suffix-<target>/3` (a registered one). The config form is docs/design.md's {kind, params}; the label
 (`layer_skip(num_layers=8)`) names a candidate in tables and reports.
 """
 
@@ -13,7 +14,9 @@ import re
 
 from .errors import SpecdecTaskError
 
-KINDS = ("prompt_lookup", "layer_skip", "draft_model")   # = specdec_core.drafters.DRAFTER_KINDS
+KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model")   # = specdec_core.drafters.DRAFTER_KINDS
+# drafters that search on the host once per round (their cost is per round, not per token)
+HOST_DRAFTERS = ("prompt_lookup", "suffix")
 
 
 class CandidateError(SpecdecTaskError, ValueError):
@@ -36,7 +39,9 @@ def parse_candidate(candidate) -> dict:
     elif isinstance(candidate, str) and candidate.strip():
         kind, _, rest = candidate.strip().partition(":")
         kind = kind.strip()
-        pairs = [part.strip() for part in re.split(r"[:,]", rest) if part.strip()]
+        # separators are `:` or `,` before the next NAME=, so values may hold them (models:/...)
+        pairs = [part.strip() for part in re.split(r"[:,](?=\s*[A-Za-z_]\w*\s*=)", rest)
+                 if part.strip()]
         params = {}
         for pair in pairs:
             name, sep, value = pair.partition("=")
@@ -81,6 +86,10 @@ def build_drafters(candidates, target, tokenizer=None,
                 from .draft_training import resolve_model_uri
 
                 params["model"] = resolve_model_uri(params["model"], tracking_uri)
+            if spec["kind"] == "suffix" and str(params.get("index", "")).startswith("models:/"):
+                from .suffix_index import resolve_index_uri
+
+                params["index"] = resolve_index_uri(params["index"], tracking_uri)
             drafter = make_drafter(spec["kind"], params, target, tokenizer)
             drafter.check_compatible(target, tokenizer)
         except (SpecDecError, TypeError, ValueError) as exc:

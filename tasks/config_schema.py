@@ -1,4 +1,4 @@
-"""The promoted config: one pydantic schema (DESIGN.md, "What gets promoted").
+"""The promoted config: one pydantic schema (docs/design.md, "Public contracts").
 
     {schema_version, target: {id, fingerprint}, hardware_profile, run_id, created_at,
      domains: {NAME: {enabled, drafter, k, max_batch_size, conditional_acceptance,
@@ -6,8 +6,9 @@
                       measured_speedup, samples (requests)}},
      default: {enabled: false}}
 
-`drafter` is {kind: prompt_lookup | layer_skip | draft_model, params, model_uri ("models:/...",
-draft_model only)}. Beside DESIGN's fields a domain carries `validation` (passed | failed |
+`drafter` is {kind: prompt_lookup | suffix | layer_skip | draft_model, params, model_uri
+("models:/...": a registered draft_model, or a suffix drafter's registered index)}. A suffix
+drafter without model_uri uses an index built per domain from the traffic. Beside the design's fields a domain carries `validation` (passed | failed |
 not_needed) and `source` ("run": measured in this run; "champion": an insufficient domain that
 kept the champion's setting; "off": insufficient with no champion to keep).
 """
@@ -35,14 +36,14 @@ class _Strict(BaseModel):
 
 
 class DrafterSpec(_Strict):
-    kind: Literal["prompt_lookup", "layer_skip", "draft_model"]
+    kind: Literal["prompt_lookup", "suffix", "layer_skip", "draft_model"]
     params: dict = Field(default_factory=dict)
     model_uri: str | None = None
 
     @model_validator(mode="after")
-    def _model_uri_only_for_draft_models(self) -> "DrafterSpec":
-        if self.model_uri is not None and self.kind != "draft_model":
-            raise ValueError(f"model_uri is only for draft_model drafters, not {self.kind}")
+    def _model_uri_only_for_models_and_indexes(self) -> "DrafterSpec":
+        if self.model_uri is not None and self.kind not in ("draft_model", "suffix"):
+            raise ValueError(f"model_uri is only for draft_model and suffix drafters, not {self.kind}")
         if self.model_uri is not None and not self.model_uri.startswith("models:/"):
             raise ValueError(f"model_uri {self.model_uri!r} must be an MLflow models:/ URI")
         return self
@@ -118,7 +119,7 @@ def parse_config(data: dict | str) -> SpecdecConfig:
 
 
 def target_slug(target_id: str) -> str:
-    """Lowercase, [a-z0-9-] only, '/' becomes '--' (DESIGN.md)."""
+    """Lowercase, [a-z0-9-] only, '/' becomes '--' (docs/design.md)."""
     slug = target_id.lower().replace("/", "--")
     slug = re.sub(r"[^a-z0-9-]+", "-", slug)
     return slug.strip("-") or "target"

@@ -11,7 +11,6 @@ Runs under the timing lock.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
 
 from sqlalchemy import delete, insert, select, update
 
@@ -19,6 +18,7 @@ from .costs import timing_lock
 from .db.engine import database_url, ensure_ready
 from .db.models import DomainConfig, LiveMeasurement
 from .settings import Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
            "predicted_speedup": predicted, "measured_speedup": measured,
            "plain_latency_s": plain_latency / len(subset), "spec_latency_s": spec_latency / len(subset),
            "gap": gap}
-    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    now = utcnow()
     with engine.begin() as connection:
         connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
                                                          & (LiveMeasurement.domain == domain)))

@@ -18,7 +18,6 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import delete, insert, select
@@ -27,6 +26,7 @@ from .db.engine import database_url, ensure_ready
 from .db.models import CostProfile, HardwareProfile
 from .errors import SpecdecTaskError
 from .settings import Settings, load_settings, specdec_home
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,6 @@ FILE_FORMAT = "specdec-cost-profile/1"
 
 class CostProfileError(SpecdecTaskError, LookupError):
     """No usable cost profile (unknown name, missing batch sizes or K, unreadable file)."""
-
-
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 @contextmanager
@@ -148,7 +144,7 @@ class CostTable:
 
 
 def _store(engine, run_id: str, hardware: dict, table: CostTable) -> None:
-    now = _utcnow()
+    now = utcnow()
     with engine.begin() as connection:
         connection.execute(delete(CostProfile).where(
             (CostProfile.run_id == run_id) & (CostProfile.hardware_profile == hardware["name"])))
@@ -163,8 +159,13 @@ def _store(engine, run_id: str, hardware: dict, table: CostTable) -> None:
 
 def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None,
                   hardware_profile: str | None = None, settings: Settings | None = None,
-                  k_max: int | None = None, batch_sizes=None, progress: bool = True) -> dict:
+                  k_max: int | None = None, batch_sizes=None, progress: bool = True,
+                  tokenizer=None) -> dict:
     """Measure and store the costs of `target` and the drafters ({label: Drafter}) on this machine.
+
+    A suffix drafter without an index of its own is timed with an index over every stored
+    response (its lookups cost more with more indexed tokens); tokenizer: for stored requests
+    without token ids.
 
     Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": CostTable rows,
              "seconds"}. Re-running a run id replaces its rows for that profile.
@@ -178,6 +179,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     batch_sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
     engine = ensure_ready(database_url(db_url or settings.database_url))
     hardware = describe_hardware(target, hardware_profile)
+    drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
     table = CostTable(hardware["name"], run_id, {}, {}, {})
     start = time.perf_counter()
     with timing_lock():
@@ -194,6 +196,23 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     log.info("run %s: profiled %s at batch sizes %s in %.1f s", run_id, hardware["name"],
              batch_sizes, elapsed)
     return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(), "seconds": elapsed}
+
+
+def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) -> dict:
+    from specdec_core.drafters import SuffixDrafter, output_size
+
+    from .suffix_index import timing_index
+
+    index = None
+    out = {}
+    for label, drafter in drafters.items():
+        if isinstance(drafter, SuffixDrafter) and drafter.index is None:
+            if index is None:
+                index = timing_index(db_url, None, tokenizer, output_size(target))
+            drafter = SuffixDrafter(index, drafter.max_depth, drafter.min_token_prob,
+                                    drafter.max_spec_factor)
+        out[label] = drafter
+    return out
 
 
 def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | None = None) -> CostTable:
@@ -231,7 +250,7 @@ def export_costs(hardware_profile: str, path: str | Path, db_url: str | None = N
                                      "device": hardware["device"] if hardware else "unknown",
                                      "dtype": hardware["dtype"] if hardware else "unknown",
                                      "details": hardware["details"] if hardware else None},
-                "exported_at": _utcnow().isoformat(), "costs": table.rows()}
+                "exported_at": utcnow().isoformat(), "costs": table.rows()}
     Path(path).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     return document
 

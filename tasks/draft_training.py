@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import shutil
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import delete, func, insert, select, update
@@ -30,7 +30,8 @@ from .config_schema import target_slug
 from .db.engine import database_url, ensure_ready
 from .db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
 from .errors import SampleError, SpecdecTaskError
-from .settings import specdec_home
+from .settings import DEFAULT_MODEL, specdec_home
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,6 @@ def draft_model_name(target_id: str) -> str:
     return f"specdec-draft-{target_slug(target_id)}"
 
 
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
 def in_heldout(train_id: str, request_id: str, fraction: float) -> bool:
     digest = hashlib.sha256(f"{train_id}\x00{request_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
@@ -61,7 +58,7 @@ def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=Non
     from specdec_core import SamplingParams
     from specdec_core.estimate import LoggedRequest
 
-    from .measure import _token_ids
+    from .measure import request_token_ids
 
     engine = ensure_ready(db_url)
     with engine.connect() as connection:
@@ -77,7 +74,7 @@ def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=Non
         rows = connection.execute(query).all()
     requests = []
     for row in rows:
-        prompt, response = _token_ids(row, tokenizer)
+        prompt, response = request_token_ids(row, tokenizer)
         if len(response) >= 2:
             requests.append(LoggedRequest(row.id, prompt, response, SamplingParams(
                 temperature=row.temperature, top_k=row.top_k or 0,
@@ -115,7 +112,7 @@ def _record(db_url: str, train_id: str, values: dict, splits: dict[str, str] | N
             DraftModelRecord.name == train_id)).scalar()
         if exists is None:
             connection.execute(insert(DraftModelRecord).values(name=train_id, run_id=train_id,
-                                                               created_at=_utcnow(), **values))
+                                                               created_at=utcnow(), **values))
         else:
             connection.execute(update(DraftModelRecord).where(DraftModelRecord.name == train_id)
                                .values(**values))
@@ -126,7 +123,7 @@ def _record(db_url: str, train_id: str, values: dict, splits: dict[str, str] | N
                 {"draft_name": train_id, "request_id": rid, "split": split} for rid, split in splits.items()])
 
 
-def train_draft_from_traffic(train_id: str, target: str = "smollm2-135m-instruct",
+def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              db_url: str | None = None, tracking_uri: str | None = None,
                              domains=None, window_days: float | None = None,
                              num_layers: int = 2, hidden_size: int | None = None,
@@ -188,7 +185,8 @@ def register_draft(train_id: str, target: str, fingerprint: str, best_dir, resul
     result: TrainResult.to_dict() of the training."""
     from mlflow.exceptions import MlflowException
 
-    from .registry import _experiment_id, client, tracking_uri as resolve_uri
+    from .tracking import client, experiment_for_target
+    from .tracking import tracking_uri as resolve_uri
 
     db_url = database_url(db_url)
     mlflow_client = client(resolve_uri(tracking_uri, db_url))
@@ -196,7 +194,7 @@ def register_draft(train_id: str, target: str, fingerprint: str, best_dir, resul
     with engine.connect() as connection:
         record = connection.execute(select(DraftModelRecord).where(
             DraftModelRecord.name == train_id)).mappings().one()
-    experiment_id = _experiment_id(mlflow_client, target)
+    experiment_id = experiment_for_target(mlflow_client, target)
     runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{TRAIN_TAG}` = '{train_id}'",
                                      max_results=1)
     run_id = runs[0].info.run_id if runs else mlflow_client.create_run(
@@ -249,8 +247,8 @@ def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = N
     `candidate`, else the newest. Drafts of another fingerprint are never offered."""
     from mlflow.exceptions import MlflowException
 
-    from .registry import client
-    from .registry import tracking_uri as resolve_uri
+    from .tracking import client
+    from .tracking import tracking_uri as resolve_uri
 
     uri = resolve_uri(tracking_uri)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
@@ -271,7 +269,7 @@ def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = N
 
 def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
     """A local directory holding the registered version (downloaded once under $SPECDEC_HOME)."""
-    from .registry import client
+    from .tracking import client
 
     name, _, version = uri[len("models:/"):].partition("/")
     if not name or not version:

@@ -42,3 +42,7 @@ class QualityGateFailed(SpecdecTaskError):
 
 class UnknownReport(SpecdecTaskError, LookupError):
     """No SQL report of that name exists."""
+
+
+class RegistryError(SpecdecTaskError, RuntimeError):
+    """The tracking server / registry refused or the requested version does not exist."""

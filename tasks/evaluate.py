@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timezone
 
 from sqlalchemy import select
 
@@ -18,7 +17,8 @@ from .errors import SpecdecTaskError
 from .pipeline import (RunSpec, record_domain_failure, step_check, step_confirm, step_estimate,
                        step_finish, step_profile, step_promote, step_register, step_sample,
                        step_validate, use_model)
-from .settings import Settings, load_settings
+from .settings import DEFAULT_MODEL, Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_acc
 
 
 def default_run_id() -> str:
-    return "manual__" + datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return "manual__" + utcnow().strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
@@ -43,7 +43,7 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
              for column in TABLE_COLUMNS} for row in configs]
 
 
-def evaluate(run_id: str | None = None, target: str = "smollm2-135m-instruct",
+def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
              db_url: str | None = None, settings: Settings | None = None, domains=None, window=None,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
              max_per_domain: int | None = None, min_per_domain: int | None = None,

@@ -8,7 +8,6 @@ to acceptance_estimates, keyed by run id: re-running replaces that run's rows.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
 
 from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
@@ -17,15 +16,13 @@ from .db.engine import database_url, ensure_ready
 from .db.models import AcceptanceEstimate, EvalSample, TrafficRequest
 from .errors import SampleError
 from .settings import Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
 
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
-def _token_ids(row, tokenizer) -> tuple[list[int], list[int]]:
+def request_token_ids(row, tokenizer) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of a stored request: its logged ids, else its text tokenized."""
     prompt, response = row.prompt_token_ids, row.response_token_ids
     if prompt and response:
         return list(prompt), list(response)
@@ -45,12 +42,13 @@ def _token_ids(row, tokenizer) -> tuple[list[int], list[int]]:
 
 def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, tokenizer=None,
                          fingerprint: str | None = None, limit_per_domain: int | None = None,
-                         exclude_ids: set[str] | None = None):
+                         exclude_ids: set[str] | None = None, indexed_ids: set[str] | None = None):
     """(requests by domain {domain: [LoggedRequest]}, excluded {"other_fingerprint": [ids], ...}).
 
     Requests come in the sample's draw order. With `fingerprint`, rows logged with another target
     fingerprint are excluded; rows without one are kept (and counted as "unverified").
-    exclude_ids: requests never to score (e.g. the training rows of a draft under evaluation).
+    exclude_ids: requests never to score (e.g. the training rows of a draft under evaluation);
+    indexed_ids: the same for requests inside a candidate's registered suffix index.
     """
     from specdec_core import SamplingParams
     from specdec_core.estimate import LoggedRequest
@@ -64,7 +62,7 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
         query = query.where(EvalSample.domain.in_(list(domains)))
     by_domain: dict[str, list] = {}
     excluded: dict[str, list[str]] = {"other_fingerprint": [], "too_short": [], "unverified": [],
-                                      "trained_on": []}
+                                      "trained_on": [], "indexed": []}
     with Session(engine) as session:
         rows = session.execute(query).all()
         session.expunge_all()
@@ -75,13 +73,16 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
         if exclude_ids and row.id in exclude_ids:
             excluded["trained_on"].append(row.id)
             continue
+        if indexed_ids and row.id in indexed_ids:
+            excluded["indexed"].append(row.id)
+            continue
         if fingerprint is not None:
             if row.target_fingerprint is None:
                 excluded["unverified"].append(row.id)
             elif row.target_fingerprint != fingerprint:
                 excluded["other_fingerprint"].append(row.id)
                 continue
-        prompt, response = _token_ids(row, tokenizer)
+        prompt, response = request_token_ids(row, tokenizer)
         if len(response) < 2:
             excluded["too_short"].append(row.id)
             continue
@@ -124,7 +125,7 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
     ks = list(range(1, k_max + 1))
     out: dict[str, dict] = {domain: {} for domain in requests_by_domain}
     rows = []
-    now = _utcnow()
+    now = utcnow()
     for label, (spec, drafter) in drafters.items():
         estimates = estimate_acceptance(target, drafter, requests, ks,
                                         batch_size=settings.estimate_batch_size,

@@ -2,7 +2,7 @@
 JSON-able results, so the same run works from the CLI (tasks.evaluate), tests and Airflow
 (dags/specdec_evaluate.py wires one task per step, the per-domain steps mapped over domains).
 
-Walk (DESIGN.md): sample -> check -> profile -> per domain: estimate + plan -> confirm -> validate
+Walk (docs/design.md): sample -> check -> profile -> per domain: estimate + plan -> confirm -> validate
 -> finish (insufficient and failed domains recorded, greedy check and fingerprint once, result
 checks) -> register -> promote -> report. Every step stores its rows by run id, so a retried step
 replaces its own rows; a domain's failure is recorded and does not touch the other domains.
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 
 from sqlalchemy import func, select, update
 
 from .db.engine import database_url, ensure_ready
-from .db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, QualityResult
-from .settings import Settings, load_settings
+from .db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement
+from .settings import DEFAULT_MODEL, Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class RunSpec:
     """Everything a step needs besides the database contents (Airflow passes it through XCom)."""
 
     run_id: str
-    target: str = "smollm2-135m-instruct"
+    target: str = DEFAULT_MODEL
     device: str | None = None
     db_url: str | None = None
     tracking_uri: str | None = None
@@ -114,10 +115,6 @@ def trained_on(spec: RunSpec, drafters: dict) -> set[str]:
     return trained_request_ids(spec.url, uris)
 
 
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
 # ------------------------------------------------------------------------------------------------
 # steps
 def step_sample(spec) -> dict:
@@ -151,26 +148,39 @@ def step_profile(spec) -> str:
         models = loaded(spec)
         measured = profile_costs(spec.run_id, models["model"],
                                  {label: d for label, (_, d) in models["drafters"].items()},
-                                 db_url=spec.url, settings=settings, k_max=settings.eval_k_max)
+                                 db_url=spec.url, settings=settings, k_max=settings.eval_k_max,
+                                 tokenizer=models["tokenizer"])
         name = measured["hardware_profile"]["name"]
     costs = load_costs(name, spec.url)
     engine = ensure_ready(spec.url)
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
-            hardware_profile=name, status="profiled", updated_at=_utcnow()))
+            hardware_profile=name, status="profiled", updated_at=utcnow()))
     log.info("run %s: planning with cost profile %s (run %s)", spec.run_id, name, costs.run_id)
     return name
 
 
 def _domain_requests(spec: RunSpec, domain: str):
     from .measure import load_sample_requests
+    from .suffix_index import indexed_request_ids
 
     models = loaded(spec)
     requests, excluded = load_sample_requests(spec.run_id, spec.url, domains=[domain],
                                               tokenizer=models["tokenizer"],
                                               fingerprint=models["fingerprint"],
-                                              exclude_ids=trained_on(spec, models["drafters"]))
+                                              exclude_ids=trained_on(spec, models["drafters"]),
+                                              indexed_ids=indexed_request_ids(models["drafters"]))
     return requests.get(domain, []), excluded
+
+
+def domain_drafters(spec: RunSpec, domain: str) -> dict:
+    """The run's candidates for one domain: a suffix candidate without an index of its own gets
+    the run's index of this domain (tasks.suffix_index)."""
+    from .suffix_index import domain_drafters as for_domain
+
+    models = loaded(spec)
+    return for_domain(models["drafters"], spec.run_id, domain, spec.url, models["fingerprint"],
+                      models["tokenizer"], models["model"])
 
 
 def step_estimate(spec, domain: str, profile: str) -> dict:
@@ -191,7 +201,7 @@ def step_estimate(spec, domain: str, profile: str) -> dict:
         return _plain(plan_domain(spec.run_id, domain, costs, db_url=spec.url, settings=settings,
                                   status="insufficient", samples=len(requests)))
     models = loaded(spec)
-    estimate_domains(spec.run_id, models["model"], models["drafters"], {domain: requests},
+    estimate_domains(spec.run_id, models["model"], domain_drafters(spec, domain), {domain: requests},
                      db_url=spec.url, settings=settings, k_max=settings.eval_k_max, progress=False)
     return _plain(plan_domain(spec.run_id, domain, costs, db_url=spec.url, settings=settings,
                               samples=len(requests)))
@@ -215,7 +225,7 @@ def step_confirm(spec, domain: str) -> dict | None:
     spec = RunSpec.of(spec)
     requests, _ = _domain_requests(spec, domain)
     models = loaded(spec)
-    row = confirm_domain(spec.run_id, domain, models["model"], models["drafters"], requests,
+    row = confirm_domain(spec.run_id, domain, models["model"], domain_drafters(spec, domain), requests,
                          db_url=spec.url, settings=spec.settings(), progress=False)
     return None if row is None else _plain(row)
 
@@ -227,7 +237,7 @@ def step_validate(spec, domain: str) -> dict:
     spec = RunSpec.of(spec)
     requests, _ = _domain_requests(spec, domain)
     models = loaded(spec)
-    return validate_domain(spec.run_id, domain, models["model"], models["drafters"], requests,
+    return validate_domain(spec.run_id, domain, models["model"], domain_drafters(spec, domain), requests,
                            db_url=spec.url, settings=spec.settings())
 
 
@@ -242,7 +252,7 @@ def record_domain_failure(spec, domain: str, error: str) -> None:
         if exists is None:
             connection.execute(DomainConfig.__table__.insert().values(
                 run_id=spec.run_id, domain=domain, enabled=False, status="failed", reason=reason,
-                created_at=_utcnow()))
+                created_at=utcnow()))
         else:
             connection.execute(update(DomainConfig).where(
                 (DomainConfig.run_id == spec.run_id) & (DomainConfig.domain == domain)).values(
@@ -289,12 +299,16 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     with engine.connect() as connection:
         ok_domains = sorted(connection.execute(select(DomainConfig.domain).where(
             (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).scalars())
+    from .suffix_index import indexed_request_ids
+
     requests, excluded = ({}, {}) if not ok_domains else load_sample_requests(
         spec.run_id, spec.url, domains=ok_domains, tokenizer=models["tokenizer"],
-        fingerprint=models["fingerprint"], exclude_ids=trained_on(spec, models["drafters"]))
+        fingerprint=models["fingerprint"], exclude_ids=trained_on(spec, models["drafters"]),
+        indexed_ids=indexed_request_ids(models["drafters"]))
     verdicts = validate_run(spec.run_id, models["model"], models["tokenizer"], models["drafters"],
                             requests, target_id=spec.target, db_url=spec.url, settings=settings,
-                            excluded=excluded, fingerprint=models["target_fingerprint"])
+                            excluded=excluded, fingerprint=models["target_fingerprint"],
+                            drafters_by_domain={d: domain_drafters(spec, d) for d in ok_domains})
     tables = ["domain_configs"]
     with engine.connect() as connection:
         measured = connection.execute(select(LiveMeasurement.id).where(
@@ -307,7 +321,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
         check_result_table(spec.run_id, table, db_url=spec.url, settings=settings)
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
-            status="evaluated", updated_at=_utcnow()))
+            status="evaluated", updated_at=utcnow()))
     return {**verdicts, "failed": failed,
             "excluded": {key: len(value) for key, value in (excluded or {}).items()}}
 
@@ -322,14 +336,14 @@ def _has_sampling_test(engine, run_id: str, domain: str) -> bool:
 
 
 def step_register(spec) -> dict:
-    from .registry import register_config
+    from .registration import register_config
 
     spec = RunSpec.of(spec)
     return register_config(spec.run_id, db_url=spec.url, uri=spec.tracking_uri, settings=spec.settings())
 
 
 def step_promote(spec, registered: dict) -> dict:
-    from .registry import promote
+    from .promotion import promote
 
     spec = RunSpec.of(spec)
     return promote(registered["name"], registered["version"], db_url=spec.url, uri=spec.tracking_uri,
@@ -346,11 +360,3 @@ def low_acceptance_domains(spec, threshold: float) -> list[dict]:
             (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).all()
     return [{"domain": r.domain, "drafter": r.drafter, "k": r.k, "mean_accepted_length": r.mean_accepted_length}
             for r in rows if r.mean_accepted_length is not None and r.mean_accepted_length < threshold]
-
-
-def quality_failures(spec) -> int:
-    spec = RunSpec.of(spec)
-    engine = ensure_ready(spec.url)
-    with engine.connect() as connection:
-        return len(connection.execute(select(QualityResult.id).where(
-            (QualityResult.run_id == spec.run_id) & (QualityResult.status == "fail"))).all())

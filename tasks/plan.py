@@ -6,7 +6,7 @@ hardware profile at batch size b, one round costs, in target steps,
     cost_b = sum_w share_w * (draft_b(w) + v_b(w)),  v_b(w) = t_verify(w) / t_step  (v_b(0) = 1)
 with draft_b(w) = w * t_draft / t_step for a model drafter and t_lookup / t_step per round for
 prompt lookup. Predicted speedup = E(K) / cost_b; its interval is E's interval over the same cost
-(the model of DESIGN.md's E(K) / (K c + v(K)), with the widths the traffic actually drafts).
+(the model of docs/design.md's E(K) / (K c + v(K)), with the widths the traffic actually drafts).
 The best (drafter, K) at batch size 1 is chosen; the domain is on only when the lower end of its
 interval clears the policy minimum and the sample is large enough; max_batch_size is the largest
 profiled batch size up to which the lower end still clears it.
@@ -15,14 +15,15 @@ profiled batch size up to which the lower end still clears it.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
 
 from sqlalchemy import delete, insert, select, update
 
+from .candidates import HOST_DRAFTERS
 from .costs import CostTable
 from .db.engine import database_url, ensure_ready
 from .db.models import AcceptanceEstimate, DomainConfig
 from .settings import Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ def round_cost(width_share: list[float], verify_ratios: list[float], draft_ratio
 
 def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, float, float]:
     """(predicted, lo, hi) speedup of one acceptance_estimates row at a batch size."""
-    per_round = (estimate["drafter_spec"] or {}).get("kind") == "prompt_lookup"
+    # a host drafter (prompt lookup, suffix) pays one search per round, not one step per token
+    per_round = (estimate["drafter_spec"] or {}).get("kind") in HOST_DRAFTERS
     cost = round_cost(estimate["draft_width_share"], costs.verify_ratios(batch_size),
                       costs.draft_ratio(estimate["drafter"], batch_size), per_round)
     return (estimate["mean_accepted_length"] / cost, estimate["mean_accepted_length_lo"] / cost,
@@ -111,7 +113,7 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
         row["reason"] = (f"on: {row['drafter']} K={row['k']} predicts {row['predicted_speedup']:.2f}x "
                          f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}] at batch "
                          f"1; pays up to batch {row['max_batch_size']} on {costs.hardware_profile}")
-    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    now = utcnow()
     with engine.begin() as connection:
         for item in updates:
             connection.execute(update(AcceptanceEstimate).where(AcceptanceEstimate.id == item["id"])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 from sqlalchemy import delete, insert, select, update
 
@@ -28,6 +27,7 @@ from .db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
 from .errors import QualityGateFailed, SampleError
 from .sampling import SAMPLE_SUITE
 from .settings import Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def load_sample_frame(connection, run_id: str):
 
 
 def _store(connection, run_id: str, suites: tuple[str, ...], outcomes: list[tuple[str, Outcome, str]]) -> None:
-    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    now = utcnow()
     connection.execute(delete(QualityResult).where((QualityResult.run_id == run_id)
                                                    & QualityResult.suite.in_(suites)))
     if outcomes:
@@ -247,7 +247,7 @@ def check_traffic_sample(run_id: str, db_url: str | None = None,
         _store(connection, run_id, (SAMPLE_SUITE, DOMAIN_SUITE), stored + domain_outcomes)
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
             status="quality_failed" if failures else "checked",
-            updated_at=datetime.now(timezone.utc).replace(tzinfo=None)))
+            updated_at=utcnow()))
     insufficient = sorted(d for d, info in per_domain.items() if info["status"] == "insufficient")
     if failures:
         summary = _failure_summary(

@@ -19,6 +19,7 @@ from .db.engine import database_url, ensure_ready
 from .db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
 from .errors import SampleError
 from .settings import Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
             per_domain[domain] = {"available": available, "sampled": len(chosen),
                                   "status": "ok" if len(chosen) >= min_rows else "insufficient"}
 
-        now = datetime.now(timezone.utc).replace(tzinfo=None)
+        now = utcnow()
         params = {"domains": sorted(per_domain), "min_per_domain": min_rows,
                   "max_per_domain": max_rows, "model": model}
         existing = connection.execute(select(EvalRun.run_id).where(EvalRun.run_id == run_id)).scalar()

@@ -40,11 +40,11 @@ class ChampionReader:
                 log.warning("ignoring unreadable champion cache %s: %s", self.cache_path, exc)
 
     def _refresh(self) -> None:
-        from .registry import _alias_version, _fail_fast, client, load_version_config
+        from .tracking import CHAMPION, alias_version, client, fail_fast, load_version_config
 
-        with _fail_fast():
+        with fail_fast():
             mlflow_client = client(self.registry_uri)
-            version = _alias_version(mlflow_client, self.name, "champion")
+            version = alias_version(mlflow_client, self.name, CHAMPION)
             if version is None:
                 raise LookupError(f"{self.name} has no champion")
             if version != self._version or self._config is None:

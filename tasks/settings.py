@@ -18,18 +18,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specdec_core.home import DEFAULT_MODEL, specdec_home  # noqa: F401 - re-exported (torch-free)
+
 from .errors import SettingsError
 
 ENV_PREFIX = "SPECDEC_"
 DATABASE_URL_ENV = "SPECDEC_DATABASE_URL"
 SETTINGS_FILE_ENV = "SPECDEC_SETTINGS_FILE"
-
-
-def specdec_home() -> Path:
-    """$SPECDEC_HOME, default ./.specdec: the rule of specdec_core.models.specdec_home, repeated here
-    because importing specdec_core loads torch (seconds and ~250 MB for a data command); a test
-    keeps the two equal."""
-    return Path(os.environ.get("SPECDEC_HOME", ".specdec"))
 
 
 class _PatternRule(BaseModel):
@@ -130,7 +125,7 @@ class Settings(BaseModel):
     k_max: int = Field(default=16, ge=1)
     # evaluation: candidates, costs, plan, live confirmation, validation (CPU-sized defaults)
     candidates: tuple[str, ...] = Field(
-        default=("prompt_lookup:max_ngram=3", "layer_skip:num_layers=8"),
+        default=("prompt_lookup:max_ngram=3", "suffix", "layer_skip:num_layers=8"),
         description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.candidates)")
     auto_draft_candidates: bool = Field(default=True, description=(
         "add the drafts registered for this target (alias candidate, else the newest) to the candidates"))
@@ -152,6 +147,11 @@ class Settings(BaseModel):
     validation_rows: int = Field(default=300, ge=50, description=(
         "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
     validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
+    validation_seed: int | None = Field(default=None, ge=0, description=(
+        "seed of the sampling test's random streams (mixed with the domain); None: derived from "
+        "the run id, so a re-run of a run id repeats its test. A fixed seed makes runs with "
+        "generated ids (a DAG run's) reproducible, as the tests need: at alpha 0.01 about one "
+        "correct run in a hundred fails by chance"))
     validation_per_domain: bool = Field(default=False, description=(
         "run the sampling test for every domain; False: once per distinct drafter, shared by the "
         "domains that use it (the test checks the decoder, not the traffic)"))

@@ -44,6 +44,7 @@ from .db.engine import database_url, display_url, ensure_ready
 from .db.models import QuarantinedRequest, TrafficRequest
 from .errors import TrafficFileError
 from .settings import Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class Normalizer:
                       for rule in settings.domain_rules]
         self.redactions = [(re.compile(rule.pattern), rule.replacement)
                            for rule in settings.redaction_rules]
-        self.latest_allowed = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(days=1)
+        self.latest_allowed = utcnow() + timedelta(days=1)
 
     def redact(self, text: str) -> tuple[str, int]:
         total = 0
@@ -487,7 +488,7 @@ class _BatchWriter:
         self.rejected.append({"source_file": self.source_file, "line_number": line,
                               "request_id": request_id, "reason": rejection.reason,
                               "detail": rejection.detail[:2000], "raw": raw,
-                              "imported_at": _utcnow()})
+                              "imported_at": utcnow()})
 
     def pending(self) -> int:
         return len(self.rows) + len(self.rejected)
@@ -495,7 +496,7 @@ class _BatchWriter:
     def flush(self) -> None:
         if not self.rows and not self.rejected:
             return
-        now = _utcnow()
+        now = utcnow()
         with self.engine.begin() as connection:
             ids = list({row["id"] for row in self.rows})
             stored = {}
@@ -537,10 +538,6 @@ class _BatchWriter:
                 self.report.quarantined_new += len(set(lines) - seen)
         self.rows.clear()
         self.rejected.clear()
-
-
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 def import_traffic(path: str | Path, db_url: str | None = None, settings: Settings | None = None,
@@ -620,7 +617,7 @@ def purge_traffic(older_than_days: float, db_url: str | None = None, now: dateti
     if not older_than_days >= 0:
         raise TrafficFileError(f"--older-than {older_than_days}: give a number of days >= 0")
     engine = ensure_ready(db_url)
-    cutoff = (now or _utcnow()) - timedelta(days=older_than_days)
+    cutoff = (now or utcnow()) - timedelta(days=older_than_days)
     with engine.begin() as connection:
         counts = {}
         for model, column in ((TrafficRequest, TrafficRequest.requested_at),

@@ -1,4 +1,4 @@
-"""Losslessness of a run's config: the three checks of DESIGN.md "Losslessness", stored by run id.
+"""Losslessness of a run's config: the three checks of docs/design.md ("What output unchanged means"), stored by run id.
 
 - sampling (per domain, with the domain's planned drafter): specdec_core.validation.sampling_check
   from a context drawn from the domain's sample: K in {1, 2}, 3-token continuations, plain
@@ -19,19 +19,15 @@ test statistic.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
 
 from sqlalchemy import delete, insert, select, update
 
 from .db.engine import database_url, ensure_ready
 from .db.models import DomainConfig, EvalRun, Validation
 from .settings import Settings, load_settings
+from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
-
-
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 def _jsonable(value):
@@ -50,7 +46,7 @@ def _replace(connection, run_id: str, check: str, domain: str | None, rows: list
     if domain is not None:
         where = where & (Validation.domain == domain)
     connection.execute(delete(Validation).where(where))
-    now = _utcnow()
+    now = utcnow()
     for row in rows:
         row = dict(row, details=_jsonable(row.get("details")))
         connection.execute(insert(Validation).values(**row, run_id=run_id, check_name=check,
@@ -115,7 +111,8 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
 
     drafter = drafters[config["drafter"]][1]
     request_id, context = validation_context(target, requests)
-    seed = int.from_bytes(f"{run_id}/{domain}".encode()[-8:].rjust(8, b"\0"), "big") % (2 ** 31)
+    stem = run_id if settings.validation_seed is None else f"seed-{settings.validation_seed}"
+    seed = int.from_bytes(f"{stem}/{domain}".encode()[-8:].rjust(8, b"\0"), "big") % (2 ** 31)
     report = sampling_check(target, drafter, context, ks=(1, 2), rows=settings.validation_rows,
                             alpha=settings.validation_alpha, seed=seed,
                             chunk=settings.validation_rows, **(check_kwargs or {}))
@@ -141,10 +138,13 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
 
 def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_domain: dict,
                  target_id: str, db_url: str | None = None, settings: Settings | None = None,
-                 excluded: dict | None = None, fingerprint: dict | None = None) -> dict:
+                 excluded: dict | None = None, fingerprint: dict | None = None,
+                 drafters_by_domain: dict | None = None) -> dict:
     """Fingerprint and greedy checks once per run, then each domain's verdict and promotability.
 
     fingerprint: the target's target_fingerprint() when already computed (it digests every weight).
+    drafters_by_domain: {domain: candidates} where a domain's drafters differ from `drafters`
+    (a suffix candidate's per-domain index).
     Output: {"fingerprint": {...}, "greedy": {domain: passed}, "domains": {domain: validation}}.
     """
     import torch
@@ -200,7 +200,8 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
         for i, request in enumerate(subset):
             ids[i, width - len(request.prompt_ids):] = torch.tensor(list(request.prompt_ids))
             mask[i, width - len(request.prompt_ids):] = 1
-        report = greedy_check(target, drafters[config["drafter"]][1], int(config["k"]), ids.to(device),
+        candidates = (drafters_by_domain or {}).get(domain, drafters)
+        report = greedy_check(target, candidates[config["drafter"]][1], int(config["k"]), ids.to(device),
                               mask.to(device), max_new_tokens=settings.greedy_check_tokens)
         divergences = [dict(d.__dict__, request_id=subset[d.row].request_id) for d in report.divergences]
         failed = [d for d in divergences if not d["acceptable"]]
@@ -235,7 +236,7 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
                 (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))
                 .values(validation=verdict, promotable=promotable))
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id)
-                           .values(target_id=target_id, target_fingerprint=fid, updated_at=_utcnow()))
+                           .values(target_id=target_id, target_fingerprint=fid, updated_at=utcnow()))
     return {"fingerprint": {"id": fid, "passed": fp_passed, "reasons": reasons,
                             "previous_run": previous.run_id if previous else None},
             "greedy": greedy, "domains": verdicts}

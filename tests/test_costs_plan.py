@@ -517,11 +517,11 @@ def wide_console(monkeypatch):
     """Print the CLI's tables without wrapping (capsys is not a terminal: rich would use 80 columns)."""
     from rich.console import Console
 
-    import tasks.cli
-    import tasks.cli_eval
+    import tasks.cli.app
+    import tasks.cli.evaluation
 
-    monkeypatch.setattr(tasks.cli_eval, "console", Console(width=400))
-    monkeypatch.setattr(tasks.cli, "console", Console(width=400))
+    monkeypatch.setattr(tasks.cli.evaluation, "console", Console(width=400))
+    monkeypatch.setattr(tasks.cli.app, "console", Console(width=400))
 
 
 def test_cli_profile_export_import_show(db_url, target, drafters, tmp_path, capsys, wide_console):

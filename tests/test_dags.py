@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from sqlalchemy import create_engine, update
 from .conftest import save_tiny_target, tiny_llama, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_CONF = {"samples_per_domain": 10, "min_per_domain": 5, "k_max": 3, "min_speedup": 0.01,
+TINY_CONF = {"max_per_domain": 10, "min_per_domain": 5, "k_max": 3, "min_speedup": 0.01,
              "candidates": ["prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"]}
 SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2]",
          "SPECDEC_PROFILE_REPEATS": "1", "SPECDEC_PROFILE_CONTEXT_LEN": "32",
@@ -25,7 +26,7 @@ SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2
 def airflow_env():
     """An Airflow home with a migrated SQLite metadata database and the timing pool; the DAG
     folder is the repository's dags/. Set before airflow is first imported in this process."""
-    from tasks.main_job import airflow_environment, prepare_airflow
+    from tasks.cli.main_job import airflow_environment, prepare_airflow
 
     env = airflow_environment(Path(tempfile.mkdtemp(prefix="airflow-home-")), REPO / "dags")
     prepare_airflow(env)        # the main job's own setup: migrate, the one-slot timing pool
@@ -55,7 +56,7 @@ def test_dagbag_imports_without_errors(dagbag):
     assert timing == {"profile", "per_domain.confirm"}
     assert evaluate.get_task("finish").trigger_rule == "all_done"
     params = evaluate.params
-    for name in ("domains", "window_days", "samples_per_domain", "candidates", "hardware_profile",
+    for name in ("domains", "window_days", "max_per_domain", "candidates", "hardware_profile",
                  "k_max", "min_speedup", "promote"):
         assert params.get_param(name).schema.get("title"), name
     assert params.get_param("k_max").schema["maximum"] == 32
@@ -116,7 +117,7 @@ def run_dag(dagbag, conf: dict):
 
 def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_env):
     from tasks.config_schema import config_model_name
-    from tasks.registry import client, load_version_config
+    from tasks.tracking import client, load_version_config
 
     conf = {**TINY_CONF, "target": tiny_env["target"], "promote": True}
     run, states = run_dag(dagbag, conf)
@@ -159,7 +160,7 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
 
 def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(dagbag, tiny_env):
     from tasks.draft_training import draft_model_name
-    from tasks.registry import client
+    from tasks.tracking import client
 
     retrain = dagbag.get_dag("specdec_retrain_draft")
     run = retrain.test(run_conf={"target": tiny_env["target"], "num_layers": 1, "steps": 10,
@@ -185,3 +186,118 @@ def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(da
             AcceptanceEstimate.run_id == evaluation.run_id)).scalars())
     engine.dispose()
     assert drafters == {"prompt_lookup", f"draft_model(model={uri})"}
+
+
+# ------------------------------------------------------------------------------------------------
+# retries: an outage is retried, bad input fails at once
+UNREACHABLE = "postgresql+psycopg://specdec:secret@127.0.0.1:9/specdec"   # nothing listens on port 9
+
+
+def tries(run) -> dict:
+    return {ti.task_id: (ti.state, ti.try_number) for ti in run.get_task_instances() if ti.map_index == -1}
+
+
+def test_database_outage_is_retried(dagbag, monkeypatch, tmp_path):
+    # the database cannot be reached at run time: `sample` fails, is retried (its `retries`), and
+    # only then the run fails; nothing downstream runs on its missing output
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", UNREACHABLE)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    dag = dagbag.get_dag("specdec_evaluate")
+    sample = dag.get_task("sample")
+    assert sample.retries == 2
+    monkeypatch.setattr(sample, "retry_delay", timedelta(0))     # retry at once, not after 30 s
+    monkeypatch.setattr(sample, "retry_exponential_backoff", False)
+    run = dag.test(run_conf={})
+    states = tries(run)
+    assert run.state == "failed"
+    assert states["sample"] == ("failed", 1 + sample.retries), states     # tried, then retried twice
+    assert states["check"][0] == "upstream_failed" and states["finish"] == ("skipped", 1), states
+
+
+def test_bad_input_fails_at_once(dagbag, monkeypatch, tmp_path):
+    # a user error (here a minimum above the maximum per domain) fails the task without a retry
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", f"sqlite:///{tmp_path / 'specdec.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    dag = dagbag.get_dag("specdec_evaluate")
+    run = dag.test(run_conf={"max_per_domain": 5, "min_per_domain": 10})
+    states = tries(run)
+    assert run.state == "failed"
+    assert states["sample"] == ("failed", 1) and dag.get_task("sample").retries == 2, states
+    assert states["finish"] == ("skipped", 1), states
+
+
+def _raised(make, *args):
+    try:
+        make(*args)
+    except Exception as exc:    # noqa: BLE001 - the exception itself is the value under test
+        return exc
+    raise AssertionError("nothing raised")
+
+
+def test_error_mapping(tmp_path):
+    # which errors the DAGs leave to their retries (outages) and which fail the task at once
+    import requests
+    from airflow.sdk.exceptions import AirflowFailException
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    from tasks.airflow_glue import is_outage, task_errors
+    from tasks.db import ensure_ready
+    from tasks.errors import DatabaseUnavailable, QualityGateFailed, RegistryError, SampleError
+
+    unavailable = _raised(ensure_ready, UNREACHABLE)
+    assert isinstance(unavailable, DatabaseUnavailable) and is_outage(unavailable)
+    refused = _raised(lambda: create_engine(UNREACHABLE).connect())
+    assert isinstance(refused, OperationalError) and is_outage(refused)
+    missing_table = _raised(lambda: create_engine(f"sqlite:///{tmp_path / 'x.db'}").connect()
+                            .execute(text("select * from nowhere")))
+    assert isinstance(missing_table, OperationalError) and not is_outage(missing_table)
+
+    def mlflow_down():
+        try:
+            raise requests.ConnectionError("Max retries exceeded: connection refused")
+        except requests.ConnectionError as exc:          # how MLflow's REST client reports it
+            raise MlflowException(f"API request failed with exception {exc}")
+
+    down = _raised(mlflow_down)
+    assert is_outage(down)
+
+    def no_such_version(cause):
+        try:
+            cause()
+        except MlflowException:
+            raise RegistryError("no version '9'") from None
+
+    assert is_outage(_raised(no_such_version, mlflow_down))      # refused, whatever it says
+    assert not is_outage(_raised(no_such_version, lambda: _raise(MlflowException("no such version"))))
+    for user_error in (SampleError("no traffic in the window"), QualityGateFailed("2 rows", []),
+                       RegistryError("no version '9'")):
+        assert not is_outage(user_error)
+        failed = _raised(_in_task_errors, task_errors, user_error)
+        assert isinstance(failed, AirflowFailException) and type(user_error).__name__ in str(failed)
+    for retried in (unavailable, down, ValueError("a bug")):
+        assert _raised(_in_task_errors, task_errors, retried) is retried
+
+
+def _raise(exc):
+    raise exc
+
+
+def _in_task_errors(task_errors, exc):
+    with task_errors():
+        raise exc
+
+
+def test_deprecated_param_name_still_works(caplog):
+    # `samples_per_domain` (the Param's old name) is read from the run conf, with a warning; when
+    # the conf gives both names, `max_per_domain` wins
+    from tasks.airflow_glue import current_params
+
+    params = {"max_per_domain": 30, "min_per_domain": 20}         # the Params' defaults
+    assert current_params(params, {}) == params and not caplog.text
+    old = {"samples_per_domain": 12}
+    assert current_params({**params, **old}, old) == {"max_per_domain": 12, "min_per_domain": 20}
+    assert "'samples_per_domain' is deprecated: use 'max_per_domain'" in caplog.text
+    both = {"samples_per_domain": 12, "max_per_domain": 9}
+    assert current_params({**params, **both}, both) == {"max_per_domain": 9, "min_per_domain": 20}

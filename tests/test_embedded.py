@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec_core import LayerSkip, ModelNotFound, PromptLookup, SpecDecoder, load_model
-from tasks.prompts import builtin_prompts, encode
+from tasks.cli.prompts import builtin_prompts, encode
 
 pytestmark = pytest.mark.slow
 NEW = 32
@@ -93,13 +93,32 @@ def test_cli_generate_prints_text_then_stats(embedded, capsys):
 
 
 def test_cli_compare_prints_a_table_per_domain(embedded, capsys):
-    # `specdec compare`: plain and each drafter, per domain, with a speedup column
+    # `specdec compare`: a table with a row per (domain, contender): plain and each drafter, per
+    # domain and over all prompts, with a speedup column; --format json carries the same rows
+    import json
+    import re
+
     from tasks.cli import main
 
-    assert main(["compare", "--domains", "json", "--max-new-tokens", "6", "--format", "json",
-                 "--drafter", "prompt_lookup:k=6", "--no-calibrate"]) == 0
-    import json
+    args = ["compare", "--domains", "json", "--max-new-tokens", "6", "--drafter", "prompt_lookup:k=6",
+            "--no-calibrate"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "contender" in line)
+    assert re.findall(r"[a-z/]+(?: [a-z/]+)*", header) == [
+        "domain", "contender", "decode tok/s", "acceptance rate", "mean accepted length", "speedup"]
+    cells = [[cell.strip() for cell in re.split(r"[│┃|]", line)[1:-1]] for line in lines
+             if re.match(r"\s*[│|]\s*(json|all)\s", line)]
+    assert [row[:2] for row in cells] == [["json", "plain"], ["json", "prompt_lookup k=6"],
+                                          ["all", "plain"], ["all", "prompt_lookup k=6"]]
+    for domain, contender, tokens_per_s, acceptance, accepted_length, speedup in cells:
+        assert float(tokens_per_s) > 0 and float(speedup.removesuffix("x")) > 0
+        if contender == "plain":
+            assert (acceptance, accepted_length, speedup) == ("-", "-", "1.00x")
+        else:
+            assert 0 <= float(acceptance) <= 1 and float(accepted_length) >= 1
 
+    assert main([*args, "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {(r["domain"], r["contender"]) for r in rows} == {
         ("json", "plain"), ("json", "prompt_lookup k=6"), ("all", "plain"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec_core import DraftModel, LayerSkip, PromptLookup, SamplingParams, SpecDecoder
-from specdec_core.estimate import (LoggedRequest, estimate_acceptance, lookup_rounds,
+from specdec_core.estimate import (LoggedRequest, estimate_acceptance, walk_rounds,
                                    simulate_rounds)
 
 from .conftest import VOCAB
@@ -34,10 +34,10 @@ def test_half_acceptance_by_hand():
     assert totals.reached.tolist() == [1.0] and totals.accepted.tolist() == [0.5]
 
 
-def test_lookup_rounds_by_hand():
+def test_walk_rounds_by_hand():
     # prompt 5 6 7 5 6 ; response 7 5 6 9: at t = 1 the suffix "7" ... proposals copy "5 6 7 ..."
     drafter = PromptLookup(max_ngram=2, min_ngram=1)
-    totals = lookup_rounds([5, 6, 7, 5, 6], [7, 5, 6, 9], 3, drafter)
+    totals = walk_rounds([5, 6, 7, 5, 6], [7, 5, 6, 9], 3, drafter)
     # round at t=1: context ...5 6 7, suffix (6,7)->continuation "5 6" (2 drafts allowed): both match,
     # bonus 9 -> done in one round
     assert totals.rounds == 1 and totals.accepted.tolist() == [1, 1, 0]
@@ -80,7 +80,7 @@ class GatedDraft(torch.nn.Module):
     q is uniform over `good`: accepted with probability ~p(good), and an accepted token is good,
     so the next draft is accepted too. Along a path drawn from p the next token is good only with
     probability p(good): multiplying sum_v min(p, q) along logged paths underestimates E(K),
-    while beta_t = min(1, q(x_t) / p(x_t)) is exact (DESIGN.md, "Measuring acceptance cheaply").
+    while beta_t = min(1, q(x_t) / p(x_t)) is exact (docs/design.md, "Estimating acceptance offline").
     """
 
     def __init__(self, target, good: torch.Tensor):

@@ -1,4 +1,4 @@
-"""The static-cache fast path (specdec_core/fast.py) against the general path, on CPU and -- where a
+"""The static-cache fast path (specdec_core/static_cache.py) against the general path, on CPU and -- where a
 GPU is present -- on CUDA with captured graphs (those variants are skipped on CPU machines).
 
 Greedy outputs must be identical token for token; sampling must keep the target's distribution
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from specdec_core import (DraftModel, InvalidDecodeInput, LayerSkip, PromptLookup, SamplingParams,
-                          SpecDecoder, fast)
+                          SpecDecoder, profile, static_cache)
 from specdec_core.cache import SequenceCache
 from specdec_core.errors import UnsupportedArchitecture
 from specdec_core.faults import off_by_one_bonus
@@ -126,7 +126,7 @@ def test_compaction_keeps_outputs_when_the_cache_is_tight(target, draft, monkeyp
     # rows of a batch accept different numbers of drafts, so the write position outruns every
     # row's length; with caches sized to the minimum, the valid columns must be compacted -- and
     # the output must not change
-    monkeypatch.setattr(fast, "LENGTH_BUCKET", 1)
+    monkeypatch.setattr(static_cache, "LENGTH_BUCKET", 1)
     ids, mask = left_padded_batch()
     reference = decode(target, None, 5, ids, mask, static=False).tokens
     drafter = ControlledAcceptance(reference, 0.6, seed=1)
@@ -145,7 +145,7 @@ def test_static_cache_logits_equal_the_dynamic_cache(target):
     # one sequence of appends with holes and rollbacks, both caches side by side
     torch.manual_seed(0)
     ids, mask = left_padded_batch()
-    dynamic, static = SequenceCache(target), fast.StaticSequenceCache(target, 3, 64)
+    dynamic, static = SequenceCache(target), static_cache.StaticSequenceCache(target, 3, 64)
     with torch.inference_mode():
         steps = [(ids, mask.bool()), (torch.randint(3, VOCAB, (3, 4)), None),
                  (torch.randint(3, VOCAB, (3, 1)), torch.tensor([[True], [False], [True]]))]
@@ -216,14 +216,21 @@ def test_static_cache_refuses_sliding_window_models_and_auto_falls_back():
         SpecDecoder(model, PromptLookup(), k=2, static_cache="yes")
 
 
-def test_auto_uses_the_fast_path_only_on_cuda(target):
-    decoder = SpecDecoder(target, PromptLookup(), k=2)
-    assert decoder.uses_static_cache() == (target.device.type == "cuda")
+def test_auto_decodes_on_static_caches_on_cuda_and_dynamic_ones_on_cpu(pair):
+    # "auto" picks the kind by device (the CPU default follows benchmarks/cache_kinds_cpu.py),
+    # and generate really runs on it: a static decode leaves a cache in the model's pool
+    device, target, _ = pair
+    model = copy.deepcopy(target)
+    decoder = SpecDecoder(model, PromptLookup(), k=2)
+    decoder.generate(repetitive_prompt().to(device), 4)
+    on_cuda = device == "cuda"
+    assert decoder.uses_static_cache() is on_cuda
+    assert len(static_cache.StaticCachePool.of(model, cuda_graphs=on_cuda)._caches) == int(on_cuda)
 
 
 def test_the_pool_keeps_the_most_recently_used_caches(target, monkeypatch):
-    monkeypatch.setattr(fast.StaticCachePool, "max_caches", 2)
-    pool = fast.StaticCachePool(cuda_graphs=False)
+    monkeypatch.setattr(static_cache.StaticCachePool, "max_caches", 2)
+    pool = static_cache.StaticCachePool(cuda_graphs=False)
     first = pool.get(target, 1, 10)
     pool.get(target, 2, 10)
     assert pool.get(target, 1, 10) is first          # reused, and now the most recent
@@ -245,7 +252,8 @@ def test_decoders_of_one_target_share_their_static_caches(target, draft):
 
 def test_forward_costs_on_the_static_cache(pair):
     device, target, _ = pair
-    costs = fast.measure_forward_costs(target, [1, 2, 5], context_len=32, repeats=2)
+    costs = profile.measure_forward_costs(target, [1, 2, 5], context_len=32, repeats=2,
+                                          static=True)
     assert set(costs) == {1, 2, 5} and all(seconds > 0 for seconds in costs.values())
 
 
@@ -335,3 +343,59 @@ def test_fast_path_reads_the_device_once_per_round(target, draft, name, sampling
     assert fixed[0] == fixed[1]
     general = [sum(reads[False, new][0].values()) for new in (8, 20)]
     assert general[1] > general[0] + 10
+
+
+# --- the fast path on CUDA: what a first GPU run found (issue 18), reproduced on CPU ----------------
+def test_a_model_stays_copyable_and_picklable_after_a_static_cache_decode(target):
+    import gc
+    import pickle
+    import weakref
+
+    model = copy.deepcopy(target)
+    ids = repetitive_prompt()
+    decoder = SpecDecoder(model, DraftModel(copy.deepcopy(target)), k=3, static_cache=True)
+    first = decoder.generate(ids, 8)
+    copied = copy.deepcopy(model)                    # the CUDA tests' fixture does exactly this
+    restored = pickle.loads(pickle.dumps(model))
+    for other in (copied, restored):
+        again = SpecDecoder(other, PromptLookup(), k=3, static_cache=True).generate(ids, 8)
+        assert torch.equal(again.tokens, first.tokens)
+    # the pool (and its caches) still goes away with its model
+    pool = weakref.ref(decoder.static_pool)
+    gone = weakref.ref(model)
+    del decoder, model
+    gc.collect()
+    assert gone() is None and pool() is None
+
+
+@pytest.fixture
+def counters_as_on_cuda(monkeypatch):
+    """On CUDA the StaticCache's write counters are moved to the device during the first forward,
+    which runs under torch.inference_mode(): they become inference tensors (and the profile's
+    rollback, outside inference mode, crashed on them). Building the StaticCache under inference
+    mode gives the same tensors on CPU."""
+    built = static_cache.StaticCache
+
+    def under_inference_mode(*args, **kwargs):
+        with torch.inference_mode():
+            return built(*args, **kwargs)
+
+    monkeypatch.setattr(static_cache, "StaticCache", under_inference_mode)
+
+
+def test_profile_timing_with_cache_counters_created_under_inference_mode(target, counters_as_on_cuda):
+    for graphs in (False, True):
+        costs = profile.measure_forward_costs(target, [1, 2], context_len=16, repeats=2,
+                                              static=True, cuda_graphs=graphs)
+        assert set(costs) == {1, 2} and all(seconds > 0 for seconds in costs.values())
+
+
+def test_step_costs_on_the_path_cuda_takes_by_default(target, counters_as_on_cuda):
+    # on CUDA, measure_step_costs times static caches with replayed graphs (profile measure's
+    # path there); static=True, cuda_graphs=True takes that branch on CPU
+    drafters = {"layer_skip": LayerSkip(target, num_layers=2), "lookup": PromptLookup()}
+    costs = profile.measure_step_costs(target, drafters, k_max=3, context_len=16, repeats=2,
+                                       static=True, cuda_graphs=True)
+    assert set(costs["verify"]) == {1, 2, 3} and costs["target_step"] > 0
+    assert set(costs["draft_step"]) == {"layer_skip", "lookup"}
+    assert all(seconds > 0 for seconds in costs["draft_step"].values())

@@ -34,9 +34,12 @@ from sqlalchemy import create_engine, insert, select
 from tasks.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
                                  target_slug)
 from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun, Promotion
-from tasks.registry import (RegistryError, build_config, check_gates, client, promote,
-                            register_config, rollback, show_version, tracking_uri,
-                            validation_status, vllm_export)
+from tasks.errors import RegistryError
+from tasks.promotion import check_gates, promote, rollback
+from tasks.registration import register_config
+from tasks.run_config import build_config, validation_status
+from tasks.tracking import client, show_version, tracking_uri
+from tasks.vllm import vllm_export
 from tasks.settings import load_settings
 
 from .conftest import POSTGRES_ENV, stop_process_group
@@ -443,9 +446,9 @@ def test_promotion_is_compare_and_set_on_the_reviewed_champion(db_url, tracking,
     assert same["promoted"] is False and "already the champion" in same["reason"]
 
     # another promotion lands between the gates and the alias move: the champion it set stays
-    from tasks import registry
+    from tasks import promotion
 
-    real, reads = registry._alias_version, []
+    real, reads = promotion.alias_version, []
 
     def racing(mlflow_client, model_name, alias):
         reads.append(alias)
@@ -453,7 +456,7 @@ def test_promotion_is_compare_and_set_on_the_reviewed_champion(db_url, tracking,
             mlflow_client.set_registered_model_alias(model_name, "champion", "1")
         return real(mlflow_client, model_name, alias)
 
-    monkeypatch.setattr(registry, "_alias_version", racing)
+    monkeypatch.setattr(promotion, "alias_version", racing)
     raced = promote_(name, "2", db_url, tracking)
     assert reads == ["champion", "champion"]
     assert raced["promoted"] is False and "moved from 3 to 1" in raced["reason"]
@@ -683,11 +686,10 @@ def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlf
 def test_cli_config_register_show_export_promote(db_url, tracking, target_id, capsys, monkeypatch):
     from rich.console import Console
 
-    from tasks import cli, cli_config
-    from tasks.cli import main
+    from tasks.cli import app, config, main
 
-    monkeypatch.setattr(cli_config, "console", Console(width=400))   # no wrapping at 80 columns
-    monkeypatch.setattr(cli, "console", Console(width=400))
+    monkeypatch.setattr(config, "console", Console(width=400))   # no wrapping at 80 columns
+    monkeypatch.setattr(app, "console", Console(width=400))
     common = ["--target", target_id, "--tracking-uri", tracking]
     finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False}}, target_id=target_id)
     assert main(["config", "register", "run-1", *common, "--url", db_url]) == 0

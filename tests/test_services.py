@@ -226,7 +226,7 @@ def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services,
     import requests
 
     from tasks.config_schema import config_model_name
-    from tasks.registry import client, load_version_config
+    from tasks.tracking import client, load_version_config
 
     from .test_dags import TINY_CONF
 

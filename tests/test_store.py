@@ -126,16 +126,25 @@ def test_narrowing_known_domains_keeps_only_the_matching_default_rules():
     assert {rule.domain for rule in settings.domain_rules} == {"json", "qa"}
 
 
-def test_specdec_home_agrees_with_the_engine(tmp_path, monkeypatch):
-    # tasks.settings repeats specdec_core's $SPECDEC_HOME rule (to avoid importing torch): same answer
-    from specdec_core.models import specdec_home as core_home
+def test_specdec_home_and_default_model_have_one_definition_that_loads_no_torch(tmp_path,
+                                                                              monkeypatch):
+    # tasks.settings re-exports the engine's own definitions (specdec_core.home), and importing
+    # them loads no torch (data commands and DAG parses stay light)
+    import subprocess
+    import sys
 
-    from tasks.settings import specdec_home
+    from specdec_core import home, models
 
-    monkeypatch.delenv("SPECDEC_HOME", raising=False)
-    assert specdec_home() == core_home()
+    from tasks import settings
+
+    assert settings.specdec_home is home.specdec_home is models.specdec_home
+    assert settings.DEFAULT_MODEL == models.DEFAULT_MODEL == "smollm2-135m-instruct"
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    assert specdec_home() == core_home() == tmp_path
+    assert settings.specdec_home() == tmp_path
+    probe = ("import sys, tasks.settings, tasks.airflow_glue; "
+             "print('torch' in sys.modules, tasks.settings.DEFAULT_MODEL)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "smollm2-135m-instruct"]
 
 
 def test_data_commands_do_not_import_torch():
@@ -143,7 +152,7 @@ def test_data_commands_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tasks.traffic, tasks.sampling, tasks.reports, tasks.cli_data; "
+    code = ("import sys, tasks.traffic, tasks.sampling, tasks.reports, tasks.cli.data, tasks.airflow_glue; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -162,9 +162,20 @@ def test_cli_sample_prints_json(db_url, jsonl_file, make_request, capsys):
     from tasks.cli import main
 
     load(db_url, jsonl_file, traffic_rows(make_request, {"json": 6}))
-    assert main(["traffic", "sample", "cli-run", "--min", "2", "--max", "4", "--url", db_url]) == 0
-    result = json.loads(capsys.readouterr().out)
+    assert main(["traffic", "sample", "cli-run", "--min-per-domain", "2", "--max-per-domain", "4",
+                 "--url", db_url]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
     assert result["domains"]["json"] == {"available": 6, "sampled": 4, "status": "ok"}
+    assert (result["min_per_domain"], result["max_per_domain"]) == (2, 4) and not captured.err
+    # the old option names still work, with a warning on stderr
+    assert main(["traffic", "sample", "cli-run", "--min", "3", "--max", "5", "--url", db_url]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert (result["min_per_domain"], result["max_per_domain"]) == (3, 5)
+    assert result["domains"]["json"]["sampled"] == 5
+    assert "--min is deprecated; use --min-per-domain" in captured.err
+    assert "--max is deprecated; use --max-per-domain" in captured.err
 
 
 def test_default_window_covers_the_shipped_sample(db_url):

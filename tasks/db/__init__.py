@@ -1,9 +1,8 @@
-"""specdec's database: SQLAlchemy models (the schema), Alembic migrations, engines and sessions."""
+"""specdec's database: SQLAlchemy models (the schema), Alembic migrations and engines."""
 
 from .engine import (VERSION_TABLE, current_revision, database_url, display_url, dispose_engines,
-                     ensure_ready, get_engine, head_revision, session_scope, upgrade)
+                     ensure_ready, get_engine, head_revision, upgrade)
 from .models import Base
 
 __all__ = ["Base", "VERSION_TABLE", "current_revision", "database_url", "display_url",
-           "dispose_engines", "ensure_ready", "get_engine", "head_revision", "session_scope",
-           "upgrade"]
+           "dispose_engines", "ensure_ready", "get_engine", "head_revision", "upgrade"]

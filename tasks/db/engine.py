@@ -8,13 +8,11 @@ version table, `specdec_alembic_version`, but the schemas must stay apart).
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import DatabaseNotMigrated, DatabaseUnavailable
 from ..settings import DATABASE_URL_ENV, load_settings
@@ -185,19 +183,3 @@ def ensure_ready(url: str | None = None) -> Engine:
         raise DatabaseNotMigrated(f"the database {display_url(url)} {state}; run `specdec db upgrade` "
                                   f"(with {DATABASE_URL_ENV} set the same way).{hint}")
     return get_engine(url)
-
-
-@contextmanager
-def session_scope(url: str | None = None):
-    """A session in one transaction on a ready database: committed on success, rolled back on error."""
-    engine = ensure_ready(url)
-    factory = sessionmaker(bind=engine, expire_on_commit=False)
-    session: Session = factory()
-    try:
-        yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()

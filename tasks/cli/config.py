@@ -7,14 +7,14 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
-from .cli_data import _print_json, _url_arg
+from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
 
 
 def _name(args) -> str:
-    from .config_schema import config_model_name
+    from ..config_schema import config_model_name
 
     return config_model_name(args.target)
 
@@ -32,11 +32,11 @@ def print_gates(result: dict) -> None:
 
 
 def cmd_show(args) -> int:
-    from .registry import show_version
+    from ..tracking import show_version
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
     if args.json:
-        _print_json(shown)
+        print_json(shown)
         return 0
     console.print(f"[bold]{shown['name']}[/bold] version {shown['version']} aliases {shown['aliases']}")
     console.print("tags: " + ", ".join(f"{k}={escape(str(v))}" for k, v in sorted(shown["tags"].items())))
@@ -45,7 +45,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_register(args) -> int:
-    from .registry import register_config
+    from ..registration import register_config
 
     result = register_config(args.run_id, db_url=args.url, uri=args.tracking_uri)
     console.print(f"{result['name']} version {result['version']} "
@@ -55,7 +55,7 @@ def cmd_register(args) -> int:
 
 
 def cmd_promote(args) -> int:
-    from .registry import promote
+    from ..promotion import promote
 
     expected = "current" if args.expected_champion is None else (
         None if args.expected_champion == "none" else args.expected_champion)
@@ -66,7 +66,7 @@ def cmd_promote(args) -> int:
 
 
 def cmd_rollback(args) -> int:
-    from .registry import rollback
+    from ..promotion import rollback
 
     result = rollback(_name(args), db_url=args.url, uri=args.tracking_uri)
     console.print(f"{_name(args)}: champion {result['champion_before']} -> {result['champion']}")
@@ -74,7 +74,8 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .registry import client, load_version_config, show_version, vllm_export
+    from ..tracking import client, load_version_config, show_version
+    from ..vllm import vllm_export
 
     version = show_version(_name(args), args.which, args.tracking_uri)["version"]
     config = load_version_config(client(args.tracking_uri), _name(args), version)
@@ -91,10 +92,9 @@ def register(sub) -> None:
 
     def common(parser, url: bool = False):
         parser.add_argument("--target", default=DEFAULT_MODEL, help="target id (names the registered model)")
-        parser.add_argument("--tracking-uri", default=None,
-                            help="default: $MLFLOW_TRACKING_URI, else sqlite:///$SPECDEC_HOME/mlflow.db")
+        tracking_uri_arg(parser)
         if url:
-            _url_arg(parser)
+            url_arg(parser)
 
     show = c_sub.add_parser("show", help="a version: aliases, tags, description (per-domain table)")
     show.add_argument("which", nargs="?", default="champion", help="champion | challenger | VERSION")

@@ -3,7 +3,7 @@ to end through Airflow's own `dag.test()` on SQLite (specdec and Airflow metadat
 MLflow store, all under $SPECDEC_HOME; then the per-domain table, the champion config, and how to
 open the Airflow and MLflow UIs on them.
 
-    specdec main-job [--no-promote] [--conf '{"samples_per_domain": 20}']
+    specdec main-job [--no-promote] [--conf '{"max_per_domain": 20}']
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from .settings import specdec_home
+from ..airflow_glue import TIMING_POOL
+from ..settings import specdec_home
 
 
 def airflow_environment(home: Path, dags_folder: Path) -> dict:
@@ -31,7 +32,7 @@ def airflow_environment(home: Path, dags_folder: Path) -> dict:
 
 def default_dags_folder() -> Path:
     return Path(os.environ.get("AIRFLOW__CORE__DAGS_FOLDER")
-                or Path(__file__).resolve().parents[1] / "dags")
+                or Path(__file__).resolve().parents[2] / "dags")
 
 
 class _TaskProgress(logging.Handler):
@@ -54,7 +55,7 @@ def prepare_airflow(env: dict) -> None:
     """Migrate the metadata database and create the one-slot timing pool (both idempotent)."""
     os.environ.update(env)
     for command in (["db", "migrate"],
-                    ["pools", "set", "specdec_timing", "1", "timing work never overlaps"]):
+                    ["pools", "set", TIMING_POOL, "1", "timing work never overlaps"]):
         done = subprocess.run([sys.executable, "-m", "airflow", *command], capture_output=True,
                               text=True, env=os.environ.copy())
         if done.returncode != 0:
@@ -73,8 +74,8 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"[bold]1/4[/bold] Airflow metadata database and pool under {env['AIRFLOW_HOME']}")
     prepare_airflow(env)
     console.print("[bold]2/4[/bold] specdec database and the shipped traffic")
-    from .db import upgrade
-    from .traffic import import_traffic, sample_traffic_path
+    from ..db import upgrade
+    from ..traffic import import_traffic, sample_traffic_path
 
     upgrade()
     report = import_traffic(sample_traffic_path(), progress=False)
@@ -97,18 +98,20 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"      run {dag_run.run_id}: {dag_run.state}; tasks: "
                   + ", ".join(f"{task} {'/'.join(sorted(set(s)))}" for task, s in sorted(states.items())))
     console.print("[bold]4/4[/bold] results")
-    from .cli_eval import evaluation_rich_table
-    from .evaluate import evaluation_table
-    from .registry import RegistryError, show_version
+    from specdec_core.models import DEFAULT_MODEL
+
+    from ..config_schema import config_model_name
+    from ..errors import RegistryError
+    from ..evaluate import evaluation_table
+    from ..tracking import show_version
+    from .evaluation import evaluation_rich_table
 
     table = evaluation_table(dag_run.run_id)
-    console.print(evaluation_rich_table({"run_id": dag_run.run_id, "target": "smollm2-135m-instruct",
+    console.print(evaluation_rich_table({"run_id": dag_run.run_id, "target": DEFAULT_MODEL,
                                          "hardware_profile": "this machine", "table": table,
                                          "seconds": time.perf_counter() - started}))
-    from .config_schema import config_model_name
-
     try:
-        champion = show_version(config_model_name(dag_run.conf.get("target") or "smollm2-135m-instruct"))
+        champion = show_version(config_model_name(dag_run.conf.get("target") or DEFAULT_MODEL))
         console.print(f"champion: {champion['name']} version {champion['version']} (run "
                       f"{champion['config']['run_id']})")
         console.print_json(json.dumps(champion["config"]))

@@ -1,32 +1,20 @@
-"""`specdec db|traffic|report`: the data commands of the CLI (registered by tasks.cli)."""
+"""`specdec db|traffic|report`: the data commands of the CLI."""
 
 from __future__ import annotations
-
-import argparse
-import json
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .common import per_domain_args, print_json, url_arg
 from .console import make_console
 
 console = make_console()
 
 
-def _url_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None,
-                        help="database URL (default: $SPECDEC_DATABASE_URL, else "
-                             "sqlite:///$SPECDEC_HOME/specdec.db)")
-
-
-def _print_json(value) -> None:
-    print(json.dumps(value, indent=2, default=str))
-
-
 # ------------------------------------------------------------------------------------------------
 def cmd_db_upgrade(args) -> int:
-    from .db import upgrade
+    from ..db import upgrade
 
     result = upgrade(args.url)
     console.print(f"database {escape(result['url'])}: schema {result['from'] or '(none)'} -> {result['to']}")
@@ -34,7 +22,7 @@ def cmd_db_upgrade(args) -> int:
 
 
 def cmd_db_current(args) -> int:
-    from .db import current_revision, database_url, display_url, head_revision
+    from ..db import current_revision, database_url, display_url, head_revision
 
     current, head = current_revision(args.url), head_revision()
     state = "up to date" if current == head else "run `specdec db upgrade`"
@@ -44,8 +32,8 @@ def cmd_db_current(args) -> int:
 
 
 def cmd_traffic_import(args) -> int:
-    from .settings import load_settings
-    from .traffic import import_traffic, sample_traffic_path
+    from ..settings import load_settings
+    from ..traffic import import_traffic, sample_traffic_path
 
     if args.sample == (args.file is not None):
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
@@ -54,7 +42,7 @@ def cmd_traffic_import(args) -> int:
     report = import_traffic(path, db_url=args.url, settings=settings, file_format=args.format,
                             progress=not args.no_progress)
     if args.json:
-        _print_json(report)
+        print_json(report)
         return 0
     console.print(f"{escape(str(path))} -> {escape(report['database'])}: {report['rows_read']} rows read, "
                   f"{report['inserted']} inserted, {report['skipped_existing']} already stored, "
@@ -78,7 +66,7 @@ def cmd_traffic_import(args) -> int:
 
 
 def cmd_traffic_purge(args) -> int:
-    from .traffic import purge_traffic
+    from ..traffic import purge_traffic
 
     result = purge_traffic(args.older_than, db_url=args.url, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
@@ -88,19 +76,20 @@ def cmd_traffic_purge(args) -> int:
 
 
 def cmd_traffic_sample(args) -> int:
-    from .sampling import sample_traffic
+    from ..sampling import sample_traffic
 
     window = (args.start, args.end) if args.start or args.end else args.days
     if (args.start is None) != (args.end is None):
         raise SystemExit("specdec traffic sample: give both --start and --end, or --days")
     domains = [d.strip() for d in args.domains.split(",") if d.strip()] if args.domains else None
-    _print_json(sample_traffic(args.run_id, db_url=args.url, domains=domains, window=window,
-                               min_per_domain=args.min, max_per_domain=args.max, model=args.model))
+    print_json(sample_traffic(args.run_id, db_url=args.url, domains=domains, window=window,
+                              min_per_domain=args.min_per_domain, max_per_domain=args.max_per_domain,
+                              model=args.model))
     return 0
 
 
 def cmd_traffic_check(args) -> int:
-    from .quality import check_traffic_sample
+    from ..quality import check_traffic_sample
 
     result = check_traffic_sample(args.run_id, db_url=args.url)
     table = Table(title=f"run {escape(args.run_id)}: traffic sample passed {result['expectations']} "
@@ -114,7 +103,7 @@ def cmd_traffic_check(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .reports import cell_text, format_report, list_reports, run_report
+    from ..reports import cell_text, format_report, list_reports, run_report
 
     if args.list or not args.name:
         for name, question in list_reports().items():
@@ -144,10 +133,10 @@ def register(sub) -> None:
     db = sub.add_parser("db", help="specdec's database: migrate, show the schema revision")
     db_sub = db.add_subparsers(dest="db_command", required=True)
     upgrade = db_sub.add_parser("upgrade", help="create or migrate the schema (Alembic, own version table)")
-    _url_arg(upgrade)
+    url_arg(upgrade)
     upgrade.set_defaults(func=cmd_db_upgrade)
     current = db_sub.add_parser("current", help="the schema revision of the database vs this code")
-    _url_arg(current)
+    url_arg(current)
     current.set_defaults(func=cmd_db_current)
 
     traffic = sub.add_parser("traffic", help="import, sample, check and purge logged traffic")
@@ -160,13 +149,13 @@ def register(sub) -> None:
     imp.add_argument("--batch-size", type=int, default=None, help="rows per transaction")
     imp.add_argument("--no-progress", action="store_true")
     imp.add_argument("--json", action="store_true", help="print the import report as JSON")
-    _url_arg(imp)
+    url_arg(imp)
     imp.set_defaults(func=cmd_traffic_import)
 
     purge = t_sub.add_parser("purge", help="retention: delete traffic older than N days (UTC now)")
     purge.add_argument("--older-than", type=float, required=True, metavar="DAYS")
     purge.add_argument("--dry-run", action="store_true", help="count only")
-    _url_arg(purge)
+    url_arg(purge)
     purge.set_defaults(func=cmd_traffic_purge)
 
     sample = t_sub.add_parser("sample", help="draw a run's stratified per-domain sample (JSON out)")
@@ -176,20 +165,19 @@ def register(sub) -> None:
                         help="window length ending at the newest stored request (default: settings)")
     sample.add_argument("--start", default=None, help="explicit window start (ISO 8601)")
     sample.add_argument("--end", default=None, help="explicit window end (ISO 8601)")
-    sample.add_argument("--min", type=int, default=None, help="minimum rows per domain")
-    sample.add_argument("--max", type=int, default=None, help="maximum rows per domain")
+    per_domain_args(sample, min_help="minimum rows per domain", max_help="maximum rows per domain")
     sample.add_argument("--model", default=None, help="only requests answered by this target")
-    _url_arg(sample)
+    url_arg(sample)
     sample.set_defaults(func=cmd_traffic_sample)
 
     check = t_sub.add_parser("check", help="Great Expectations gates on a run's sample")
     check.add_argument("run_id")
-    _url_arg(check)
+    url_arg(check)
     check.set_defaults(func=cmd_traffic_check)
 
     report = sub.add_parser("report", help="run an ops SQL report from sql/")
     report.add_argument("name", nargs="?", default=None)
     report.add_argument("--format", choices=["table", "csv", "json"], default="table")
     report.add_argument("--list", action="store_true", help="list the reports and their questions")
-    _url_arg(report)
+    url_arg(report)
     report.set_defaults(func=cmd_report)

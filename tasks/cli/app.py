@@ -1,4 +1,5 @@
-"""The `specdec` command line."""
+"""The `specdec` command line: the root parser, `generate` and `compare`; the other command groups
+register themselves from their own modules."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from rich.table import Table
 from specdec_core.errors import SpecDecError
 from specdec_core.models import DEFAULT_MODEL
 
-from . import cli_config, cli_data, cli_draft, cli_eval, main_job
-from .candidates import CandidateError, candidate_label, parse_candidate
+from ..candidates import CandidateError, candidate_label, parse_candidate
+from ..errors import SpecdecTaskError
+from . import config, data, draft, evaluation, main_job
 from .console import make_console
-from .errors import SpecdecTaskError
 from .prompts import PromptFileError
 
 console = make_console()
@@ -124,7 +125,7 @@ def cmd_compare(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    parser = argparse.ArgumentParser(prog="specdec", description="The `specdec` command line.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -151,11 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "cheapest measured width >= the one needed; outputs are unchanged)")
     cmp_.add_argument("--format", choices=["table", "json"], default="table")
     cmp_.set_defaults(func=cmd_compare)
-    cli_data.register(sub)
-    cli_eval.register(sub)
-    cli_config.register(sub)
+    data.register(sub)
+    evaluation.register(sub)
+    config.register(sub)
     main_job.register(sub)
-    cli_draft.register(sub)
+    draft.register(sub)
     return parser
 
 

@@ -1,11 +1,12 @@
-"""`specdec draft train|list`: drafts trained on the traffic they serve (tasks.draft_training)."""
+"""`specdec draft train|list|index build`: drafts trained on the traffic they serve
+(tasks.draft_training) and suffix indexes over it (tasks.suffix_index)."""
 
 from __future__ import annotations
 
 from rich.markup import escape
 from rich.table import Table
 
-from .cli_data import _print_json, _url_arg
+from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -25,8 +26,8 @@ def heldout_table(best: dict, title: str) -> Table:
 def cmd_train(args) -> int:
     from specdec_core.train import TrainConfig
 
-    from .draft_training import train_draft_from_traffic
-    from .evaluate import default_run_id
+    from ..draft_training import train_draft_from_traffic
+    from ..evaluate import default_run_id
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, teacher_topk=args.teacher_topk,
@@ -39,7 +40,7 @@ def cmd_train(args) -> int:
         heldout_fraction=args.heldout_fraction, max_eval_requests=args.max_eval_requests,
         config=config, device=args.device, register=not args.no_register)
     if args.json:
-        _print_json({k: v for k, v in result.items() if k != "result"})
+        print_json({k: v for k, v in result.items() if k != "result"})
         return 0
     best = result["best"]
     console.print(heldout_table(best, f"draft {result['train_id']}: best step {best['step']} of "
@@ -51,8 +52,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .draft_training import draft_model_name
-    from .registry import client
+    from ..draft_training import draft_model_name
+    from ..tracking import client
 
     name = draft_model_name(args.model)
     versions = client(args.tracking_uri).search_model_versions(f"name='{name}'")
@@ -65,6 +66,27 @@ def cmd_list(args) -> int:
                       tags.get("domains", ""), tags.get("window", ""),
                       tags.get("heldout_predicted_speedup", ""), tags.get("target_fingerprint", ""))
     console.print(table)
+    return 0
+
+
+def cmd_index_build(args) -> int:
+    from ..suffix_index import build_and_register
+
+    results = {}
+    for domain in [d.strip() for d in args.domain.split(",") if d.strip()]:
+        results[domain] = build_and_register(args.model, domain, db_url=args.url,
+                                             tracking_uri=args.tracking_uri, window_days=args.days)
+    if args.json:
+        print_json(results)
+        return 0
+    table = Table(title=f"suffix indexes of {escape(args.model)}", title_justify="left")
+    for column in ("domain", "model URI", "requests", "tokens", "window"):
+        table.add_column(column)
+    for domain, out in results.items():
+        table.add_row(escape(domain), escape(out["model_uri"]), str(out["requests"]),
+                      str(out["tokens"]), escape(out["window"]))
+    console.print(table)
+    console.print("use one in an evaluation as candidate suffix:index=<model URI>")
     return 0
 
 
@@ -94,11 +116,23 @@ def register(sub) -> None:
     train.add_argument("--teacher-topk", type=int, default=0,
                        help="KL from the target's top-k (0: cross-entropy on the logged tokens)")
     train.add_argument("--no-register", action="store_true")
-    train.add_argument("--tracking-uri", default=None)
+    tracking_uri_arg(train)
     train.add_argument("--json", action="store_true")
-    _url_arg(train)
+    url_arg(train)
     train.set_defaults(func=cmd_train)
     listing = d_sub.add_parser("list", help="registered drafts of a target")
     listing.add_argument("--model", default=DEFAULT_MODEL)
-    listing.add_argument("--tracking-uri", default=None)
+    tracking_uri_arg(listing)
     listing.set_defaults(func=cmd_list)
+    index = d_sub.add_parser("index", help="suffix indexes over a domain's logged responses")
+    i_sub = index.add_subparsers(dest="index_command", required=True)
+    build = i_sub.add_parser("build", help="build a domain's index and register it in MLflow "
+                                           "(specdec-suffix-<target>) with its lineage")
+    build.add_argument("--domain", required=True, help="a domain, or several comma-separated")
+    build.add_argument("--model", default=DEFAULT_MODEL, help="target (its fingerprint selects rows)")
+    build.add_argument("--days", type=float, default=None,
+                       help="window ending at the domain's newest request (default: all)")
+    build.add_argument("--json", action="store_true")
+    tracking_uri_arg(build)
+    url_arg(build)
+    build.set_defaults(func=cmd_index_build)

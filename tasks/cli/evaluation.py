@@ -1,12 +1,11 @@
-"""`specdec evaluate|profile`: the evaluation commands of the CLI (registered by tasks.cli)."""
+"""`specdec evaluate|profile`: the evaluation commands of the CLI."""
 
 from __future__ import annotations
-
 
 from rich.markup import escape
 from rich.table import Table
 
-from .cli_data import _print_json, _url_arg
+from .common import per_domain_args, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -42,18 +41,19 @@ def evaluation_rich_table(result: dict) -> Table:
 
 
 def cmd_evaluate(args) -> int:
-    from .evaluate import evaluate
-    from .settings import load_settings
+    from ..evaluate import evaluate
+    from ..settings import load_settings
 
     settings = load_settings(hardware_profile=args.hardware_profile)
     result = evaluate(run_id=args.run_id, target=args.model, db_url=args.url, settings=settings,
                       domains=args.domains.split(",") if args.domains else None,
                       window=args.days, candidates=args.candidate or None, k_max=args.k_max,
-                      max_per_domain=args.max, min_per_domain=args.min, device=args.device,
+                      max_per_domain=args.max_per_domain, min_per_domain=args.min_per_domain,
+                      device=args.device,
                       progress=not args.no_progress, register=not args.no_register,
                       promote=args.promote, tracking_uri=args.tracking_uri)
     if args.json:
-        _print_json(result)
+        print_json(result)
         return 0
     console.print(evaluation_rich_table(result))
     fp = result["fingerprint"]
@@ -64,7 +64,7 @@ def cmd_evaluate(args) -> int:
         console.print(f"MLflow: {reg['name']} version {reg['version']} (alias challenger"
                       f"{', reused' if reg['reused'] else ''}); validation {reg['validation']}")
     if result["promoted"]:
-        from .cli_config import print_gates
+        from .config import print_gates
 
         print_gates(result["promoted"])
     return 0
@@ -73,30 +73,30 @@ def cmd_evaluate(args) -> int:
 def _profile_model(args):
     from specdec_core import load_model
 
-    from .candidates import build_drafters
-    from .settings import load_settings
+    from ..candidates import build_drafters
+    from ..settings import load_settings
 
     settings = load_settings()
     model, tokenizer = load_model(args.model, device=args.device)
     drafters = build_drafters(args.candidate or settings.candidates, model, tokenizer)
-    return settings, model, {label: d for label, (_, d) in drafters.items()}
+    return settings, model, tokenizer, {label: d for label, (_, d) in drafters.items()}
 
 
 def cmd_profile_measure(args) -> int:
-    from .costs import profile_costs
-    from .evaluate import default_run_id
+    from ..costs import profile_costs
+    from ..evaluate import default_run_id
 
-    settings, model, drafters = _profile_model(args)
+    settings, model, tokenizer, drafters = _profile_model(args)
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
     result = profile_costs(args.run_id or "profile__" + default_run_id().split("__")[1], model,
                            drafters, db_url=args.url, hardware_profile=args.name, settings=settings,
-                           k_max=args.k_max, batch_sizes=sizes)
+                           k_max=args.k_max, batch_sizes=sizes, tokenizer=tokenizer)
     args.name, args.run = result["hardware_profile"]["name"], result["run_id"]
     return cmd_profile_show(args)
 
 
 def cmd_profile_show(args) -> int:
-    from .costs import load_costs
+    from ..costs import load_costs
 
     costs = load_costs(args.name, args.url, getattr(args, "run", None))
     table = Table(title=escape(f"cost profile {costs.hardware_profile} (run {costs.run_id}): "
@@ -118,7 +118,7 @@ def cmd_profile_show(args) -> int:
 
 
 def cmd_profile_export(args) -> int:
-    from .costs import export_costs
+    from ..costs import export_costs
 
     document = export_costs(args.name, args.file, args.url, args.run)
     console.print(f"wrote {len(document['costs'])} cost rows of {escape(args.name)} (run "
@@ -127,7 +127,7 @@ def cmd_profile_export(args) -> int:
 
 
 def cmd_profile_import(args) -> int:
-    from .costs import import_costs
+    from ..costs import import_costs
 
     result = import_costs(args.file, args.url, name=args.name)
     console.print(f"imported {result['rows']} cost rows as profile "
@@ -150,17 +150,15 @@ def register(sub) -> None:
     ev.add_argument("--hardware-profile", default=None,
                     help="plan with this stored (imported) cost profile instead of measuring here")
     ev.add_argument("--k-max", type=int, default=None)
-    ev.add_argument("--min", type=int, default=None, help="minimum requests per domain")
-    ev.add_argument("--max", type=int, default=None, help="requests sampled per domain")
+    per_domain_args(ev, min_help="minimum requests per domain", max_help="requests sampled per domain")
     ev.add_argument("--no-progress", action="store_true")
     ev.add_argument("--json", action="store_true")
     ev.add_argument("--no-register", action="store_true",
                     help="do not track the run in MLflow nor register its config")
     ev.add_argument("--promote", action="store_true",
                     help="after registering, gate the config and move the champion alias")
-    ev.add_argument("--tracking-uri", default=None,
-                    help="MLflow (default: $MLFLOW_TRACKING_URI, else sqlite:///$SPECDEC_HOME/mlflow.db)")
-    _url_arg(ev)
+    tracking_uri_arg(ev)
+    url_arg(ev)
     ev.set_defaults(func=cmd_evaluate)
 
     prof = sub.add_parser("profile", help="cost profiles: measure, show, export, import")
@@ -173,21 +171,21 @@ def register(sub) -> None:
     measure.add_argument("--candidate", action="append", default=None)
     measure.add_argument("--k-max", type=int, default=None)
     measure.add_argument("--batch-sizes", default=None, help="comma-separated (default: settings)")
-    _url_arg(measure)
+    url_arg(measure)
     measure.set_defaults(func=cmd_profile_measure)
     show = p_sub.add_parser("show", help="a stored profile as ratios to one target step")
     show.add_argument("name")
     show.add_argument("--run", default=None, help="default: the newest run of that profile")
-    _url_arg(show)
+    url_arg(show)
     show.set_defaults(func=cmd_profile_show)
     export = p_sub.add_parser("export", help="write a stored profile to a JSON file")
     export.add_argument("name")
     export.add_argument("file")
     export.add_argument("--run", default=None)
-    _url_arg(export)
+    url_arg(export)
     export.set_defaults(func=cmd_profile_export)
     imp = p_sub.add_parser("import", help="store a profile from a JSON file (from `profile export`)")
     imp.add_argument("file")
     imp.add_argument("--name", default=None, help="store it under another name")
-    _url_arg(imp)
+    url_arg(imp)
     imp.set_defaults(func=cmd_profile_import)

@@ -1,0 +1,395 @@
+"""Where a decoding step's and a speculative round's time goes, with torch.profiler.
+
+Four configurations of the engine on one random-weight target (the shapes, model builder and
+sharpened greedy continuation of gpu_decode.py), batch 1, greedy, static caches:
+
+  plain_eager    SpecDecoder.generate_plain, CUDA graphs off
+  plain_graphs   SpecDecoder.generate_plain, CUDA graphs on
+  spec_k4        SpecDecoder.generate with ControlledAcceptance (alpha 0.8), K = 4, graphs on
+  spec_k8        the same with K = 8
+
+Each is warmed up twice (graph capture happens there), timed once wall-clock (synchronised), then
+run once more under torch.profiler (CPU activity, plus CUDA when available). Every figure is given
+per step (plain: per decoding step) or per round (speculative), dividing the whole generate call
+by result.stats.rounds; the prefill is part of the call, so it is spread over the steps.
+
+What is counted (host-side events only inside the profiled call's record_function range, so the
+synchronisation after it is left out; device-side events all, since the profiled session holds
+nothing else):
+  device busy    sum of the durations of device-side work (kernels, memcpy, memset: Kineto's
+                 activity types; not the range annotations and sync waits it also puts on the
+                 device's timeline); one stream here, so no overlap is double-counted
+  kernels        device-side work events with a duration > 0 (memcpy and memset included)
+  eager launches cudaLaunchKernel, cudaLaunchKernelExC, cuLaunchKernel, cuLaunchKernelEx calls
+  graph launches cudaGraphLaunch calls
+  host syncs     cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize calls (a copy
+                 to pageable host memory blocks too; those show under DtoH copies)
+  DtoH copies    device-side memcpy events with "DtoH" in the name (cudaMemcpyAsync calls of any
+                 direction are in the JSON as memcpy_calls)
+  aten ops       top-level aten:: operators on the host (not those called by other aten ops)
+Device-side figures are None ("n/a") when CUDA is not profiled (CPU runs). The top-10 tables list
+kernels by device time on CUDA, host operators by self CPU time on the CPU. Runtime call names may
+carry a CUPTI version suffix (_v7000); it is stripped before matching. Kernel durations inside CUDA
+graphs are as CUPTI reports them; the counts are exact.
+
+Every speculative run's tokens are compared with plain greedy tokens (mismatching rows reported).
+Progress goes to stderr; the Markdown to stdout and --out; the raw numbers to --json.
+
+    python benchmarks/gpu_breakdown.py [--shape llama-3.2-1b] [--new 64] [--json raw.json]
+    python benchmarks/gpu_breakdown.py --smoke      # tiny fp32 model on the CPU, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_decode as gd  # noqa: E402  -- shapes, model builder, decoder factory, report helpers
+
+from specdec_core.synthetic import ControlledAcceptance  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "gpu_breakdown.md"
+ALPHA = 0.8
+TOP = 10
+RUN_RANGE = "gpu_breakdown::run"
+
+EAGER_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+GRAPH_LAUNCHES = {"cudaGraphLaunch"}
+HOST_SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
+MEMCPY_CALLS = {"cudaMemcpyAsync", "cudaMemcpy"}
+DEVICE_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}
+DEVICE_WAITS = re.compile(r"Sync$|Wait Event")       # device-timeline waits, older torch only
+
+# name, label, speculative K (None: plain), CUDA graphs
+CONFIGS = (
+    ("plain_eager", "plain, CUDA graphs off", None, False),
+    ("plain_graphs", "plain, CUDA graphs on", None, True),
+    ("spec_k4", f"speculative K=4 (alpha {ALPHA}), graphs on", 4, True),
+    ("spec_k8", f"speculative K=8 (alpha {ALPHA}), graphs on", 8, True),
+)
+# per-step figures: (JSON key, Markdown header, total it comes from, scale)
+PER_STEP = (
+    ("wall_ms", "wall ms", None, None),
+    ("device_busy_ms", "device busy ms", "device_busy_us", 1e-3),
+    ("kernels", "kernels", "kernels", 1),
+    ("eager_launches", "eager launches", "eager_launches", 1),
+    ("graph_launches", "graph launches", "graph_launches", 1),
+    ("host_syncs", "host syncs", "host_syncs", 1),
+    ("dtoh_copies", "DtoH copies", "dtoh_copies", 1),
+    ("aten_ops", "aten ops", "aten_ops", 1),
+)
+SUMMARY_HEADER = (["configuration", "unit", "rounds", "tokens/round"]
+                  + [header for _, header, _, _ in PER_STEP] + ["busy % of wall", "mismatched rows"])
+
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[gpu_breakdown {time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(gd.TARGET_SHAPES),
+                        help="the target's architecture (random weights)")
+    parser.add_argument("--new", type=int, default=None,
+                        help="new tokens per generate call (default 64; --smoke 16)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the tiny fp32 test model on the CPU, few tokens (for tests)")
+    parser.add_argument("--device", default=None, help="default: cuda if available (and not "
+                                                       "--smoke), else cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"Markdown (default {RESULTS})")
+    parser.add_argument("--json", type=Path, default=None, help="also dump the raw numbers here")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# counting
+def base_name(name: str) -> str:
+    """A runtime call's name without a CUPTI version suffix (cudaLaunchKernel_v7000)."""
+    return re.sub(r"_v\d+$", "", name)
+
+
+def is_device_event(event) -> bool:
+    """Device-side work: a kernel, memcpy or memset (not a range annotation or a sync wait that the
+    profiler also draws on the device's timeline)."""
+    kind = getattr(event, "activity_type", None)      # Kineto's activity type (newer torch)
+    if kind:
+        return kind in DEVICE_WORK
+    return (event.device_type != DeviceType.CPU and not getattr(event, "is_user_annotation", False)
+            and event.name != RUN_RANGE and not DEVICE_WAITS.search(event.name))
+
+
+def is_host_event(event) -> bool:
+    return event.device_type == DeviceType.CPU and event.name != RUN_RANGE
+
+
+def duration_us(event) -> float:
+    return float(event.time_range.end - event.time_range.start)
+
+
+def nested_in_aten(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def count_events(events, window: tuple[float, float], device_profiled: bool) -> dict:
+    """Totals of one profiled call. events: FunctionEvents (name, device_type, time_range,
+    self_cpu_time_total, cpu_parent); window: the call's host time range (us). Device-side totals
+    (and the CUDA runtime counts) are None when device_profiled is False."""
+    start, end = window
+    host = [e for e in events if is_host_event(e)
+            and e.time_range.start >= start and e.time_range.end <= end]
+    device = [e for e in events if is_device_event(e)]
+    calls = defaultdict(int)
+    for event in host:
+        calls[base_name(event.name)] += 1
+    totals: dict[str, Any] = {
+        "aten_ops": sum(1 for e in host if e.name.startswith("aten::") and not nested_in_aten(e)),
+        "host_events": len(host),
+        "host_self_us": float(sum(e.self_cpu_time_total for e in host)),
+    }
+    if device_profiled:
+        busy = [e for e in device if duration_us(e) > 0]
+        totals.update({
+            "device_busy_us": float(sum(duration_us(e) for e in busy)),
+            "kernels": len(busy),
+            "eager_launches": sum(calls[n] for n in EAGER_LAUNCHES),
+            "graph_launches": sum(calls[n] for n in GRAPH_LAUNCHES),
+            "host_syncs": sum(calls[n] for n in HOST_SYNCS),
+            "dtoh_copies": sum(1 for e in device if "DtoH" in e.name),
+            "memcpy_calls": sum(calls[n] for n in MEMCPY_CALLS),
+        })
+    else:
+        totals.update(dict.fromkeys(("device_busy_us", "kernels", "eager_launches", "graph_launches",
+                                     "host_syncs", "dtoh_copies", "memcpy_calls")))
+    return totals
+
+
+def top_entries(events, window: tuple[float, float], device_profiled: bool, n: int = TOP) -> list[dict]:
+    """The n device-side events (by name) with the most device time; on the CPU the n host
+    operators with the most self CPU time. Each: name, calls, us (total), pct (of the total)."""
+    start, end = window
+    if device_profiled:
+        chosen = [(e.name, duration_us(e)) for e in events if is_device_event(e)]
+    else:
+        chosen = [(e.name, float(e.self_cpu_time_total)) for e in events
+                  if is_host_event(e) and e.time_range.start >= start and e.time_range.end <= end]
+    calls, spent = defaultdict(int), defaultdict(float)
+    for name, us in chosen:
+        calls[name] += 1
+        spent[name] += us
+    total = sum(spent.values()) or 1.0
+    ranked = sorted(spent, key=lambda name: -spent[name])[:n]
+    return [{"name": name, "calls": calls[name], "us": spent[name], "pct": 100 * spent[name] / total}
+            for name in ranked]
+
+
+def per_step(totals: dict, wall_s: float, wall_rounds: int, profiled_rounds: int) -> dict:
+    """The PER_STEP figures: the timed call's wall over its rounds, the profiled call's totals over
+    its rounds (the same number: both calls decode the same tokens), and busy % of wall."""
+    out = {"wall_ms": 1e3 * wall_s / wall_rounds}
+    for key, _, source, scale in PER_STEP[1:]:
+        value = totals[source]
+        out[key] = None if value is None else value * scale / profiled_rounds
+    out["busy_pct"] = (None if out["device_busy_ms"] is None
+                       else 100 * out["device_busy_ms"] / out["wall_ms"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring
+def profiled_call(fn, device: torch.device) -> tuple[Any, list, tuple[float, float], float]:
+    """(result, events, the call's host window in us, wall seconds under the profiler)."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    gd.sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        with record_function(RUN_RANGE):
+            result = fn()
+        gd.sync(device)
+        wall = time.perf_counter() - start
+    events = list(prof.events())
+    ranges = [e for e in events if e.name == RUN_RANGE]
+    if len(ranges) != 1:
+        raise RuntimeError(f"expected one {RUN_RANGE} range in the profile, found {len(ranges)}")
+    return result, events, (ranges[0].time_range.start, ranges[0].time_range.end), wall
+
+
+def measure_config(name: str, label: str, k: int | None, graphs: bool, target, ids, new: int,
+                   reference: torch.Tensor, device: torch.device) -> dict:
+    drafter = None if k is None else ControlledAcceptance(reference, ALPHA, seed=11)
+    decoder = gd.make_decoder(target, drafter, k=k or 1, static_cache=True, cuda_graphs=graphs,
+                              phase_timing=False)
+    run = (lambda: decoder.generate_plain(ids, new)) if k is None else (lambda: decoder.generate(ids, new))
+    for i in range(2):
+        seconds, _ = gd.timed(run, device)
+        log(f"{name}: warm-up {i + 1} {seconds:.3f}s")
+    wall, timed_result = gd.timed(run, device)
+    result, events, window, profiled_wall = profiled_call(run, device)
+    device_profiled = device.type == "cuda"
+    rounds = max(int(timed_result.stats.rounds), 1)
+    profiled_rounds = max(int(result.stats.rounds), 1)
+    totals = count_events(events, window, device_profiled)
+    top = top_entries(events, window, device_profiled)
+    record = {
+        "name": name, "label": label, "mode": "plain" if k is None else "speculative", "k": k,
+        "cuda_graphs": graphs, "alpha": None if k is None else ALPHA, "new_tokens": new,
+        "unit": "step" if k is None else "round",
+        "rounds": rounds, "profiled_rounds": profiled_rounds,
+        "tokens_per_round": float(timed_result.stats.mean_accepted_length),
+        "wall_s": wall, "profiled_wall_s": profiled_wall,
+        "totals": totals,
+        "per_round": per_step(totals, wall, rounds, profiled_rounds),
+        "profiled_wall_ms_per_round": 1e3 * profiled_wall / profiled_rounds,
+        "top_kind": "kernels by device time" if device_profiled else "host operators by self CPU time",
+        "top": [dict(entry, calls_per_round=entry["calls"] / profiled_rounds,
+                     us_per_round=entry["us"] / profiled_rounds) for entry in top],
+        "mismatched_rows": max(gd.mismatched_rows(r.tokens, reference)
+                               for r in (timed_result, result)),
+    }
+    per = record["per_round"]
+    log(f"{name}: {rounds} {record['unit']}s, {per['wall_ms']:.3f} ms per {record['unit']}, "
+        f"kernels {fmt(per['kernels'], '.1f')}, eager launches {fmt(per['eager_launches'], '.1f')}, "
+        f"graph launches {fmt(per['graph_launches'], '.1f')}, mismatched rows {record['mismatched_rows']}")
+    return record
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+def fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def cell(text: str, width: int = 100) -> str:
+    """A Markdown table cell: no pipes, no newlines, at most width characters."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def summary_row(record: dict) -> list:
+    if "error" in record:
+        return [record["name"], "failed", "", ""] + [""] * len(PER_STEP) + ["", ""]
+    per = record["per_round"]
+    figures = [fmt(per["wall_ms"], ".3f"), fmt(per["device_busy_ms"], ".3f")]
+    figures += [fmt(per[key], ".1f") for key, _, _, _ in PER_STEP[2:]]
+    return ([record["name"], record["unit"], record["rounds"], f"{record['tokens_per_round']:.2f}"]
+            + figures + [fmt(per["busy_pct"], ".0f"), record["mismatched_rows"]])
+
+
+def render(raw: dict) -> str:
+    meta = raw["meta"]
+    out = [f"# Where decoding time goes: {meta['device_name']}", "",
+           f"{meta['utc']} UTC; torch {meta['torch']}; transformers {meta['transformers']}; dtype "
+           f"{meta['dtype']}; target {meta['target']} ({gd.human(meta['target_params'])} params, "
+           f"random weights, sharpened greedy); batch 1, prompt of {meta['prompt_len']} tokens, "
+           f"{meta['new_tokens']} new tokens, greedy, static caches; ControlledAcceptance alpha "
+           f"{ALPHA}. Profiled: {meta['activities']}."
+           + (" SMOKE RUN: tiny model, timings meaningless." if meta["smoke"] else ""), "",
+           "## Summary (per step for plain decoding, per round for speculative decoding)", "",
+           gd.table(SUMMARY_HEADER, [summary_row(r) for r in raw["configs"]]), "",
+           "Wall: the unprofiled, synchronised call / its rounds (the prefill spread over them). "
+           "The other figures come from one more call under the profiler. Device busy: the sum of "
+           "device-side event durations; kernels: device-side events (memcpy and memset included); "
+           "eager launches: cudaLaunchKernel(ExC) / cuLaunchKernel(Ex) calls; graph launches: "
+           "cudaGraphLaunch calls; host syncs: cudaStream/Device/EventSynchronize calls; DtoH "
+           "copies: device-to-host memcpy events; aten ops: top-level aten operators on the host. "
+           "n/a: not measurable without CUDA. Mismatched rows: tokens differing from plain greedy "
+           "decoding (must be 0).", ""]
+    for record in raw["configs"]:
+        out += [f"## {record['name']}: {record['label']}", ""]
+        if "error" in record:
+            out += [f"**Failed:** `{record['error']}` (traceback on stderr).", ""]
+            continue
+        totals = record["totals"]
+        out += [f"Top {TOP} {record['top_kind']}, per {record['unit']} "
+                f"({record['profiled_rounds']} {record['unit']}s profiled; the profiled call took "
+                f"{record['profiled_wall_ms_per_round']:.3f} ms per {record['unit']}, "
+                f"{totals['host_events']} host events; cudaMemcpyAsync calls: "
+                f"{fmt(totals['memcpy_calls'], 'd')}).", "",
+                gd.table(["name", "calls", "us", "% of total"],
+                         [[cell(e["name"]), f"{e['calls_per_round']:.2f}", f"{e['us_per_round']:.1f}",
+                           f"{e['pct']:.1f}"] for e in record["top"]]), ""]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict:
+    """Measure the four configurations; returns the raw numbers (what --json writes). The report is
+    rewritten after every configuration, so a run cut short keeps what it measured."""
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke
+                                          else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" and not args.smoke else torch.float32
+    shape = gd.TARGET_SMOKE if args.smoke else gd.TARGET_SHAPES[args.shape]
+    new = args.new or (16 if args.smoke else 64)
+    prompt_len = 8 if args.smoke else 32
+    transformers.logging.set_verbosity_error()
+    started = time.perf_counter()
+    log(f"device {gd.device_name(device)}, {dtype}, shape {'smoke' if args.smoke else args.shape}, "
+        f"{new} new tokens")
+    target = gd.build_model(shape, device, dtype, seed=0)
+    usable = gd.sharpen_greedy(target, seed=0)
+    generator = torch.Generator().manual_seed(1001)
+    ids = torch.randint(0, usable, (1, prompt_len), generator=generator).to(device)
+    reference = gd.make_decoder(target, None, k=1, static_cache=True, cuda_graphs=False,
+                                phase_timing=False).generate_plain(ids, new).tokens
+    utc = dt.datetime.now(dt.timezone.utc)
+    raw: dict[str, Any] = {"meta": {
+        "utc": f"{utc:%Y-%m-%d %H:%M}", "device": str(device), "device_name": gd.device_name(device),
+        "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
+        "transformers": transformers.__version__, "smoke": args.smoke,
+        "shape": "smoke" if args.smoke else args.shape, "target": gd.shape_label(shape),
+        "target_params": gd.param_count(target), "prompt_len": prompt_len, "new_tokens": new,
+        "alpha": ALPHA, "activities": "CPU + CUDA" if device.type == "cuda" else "CPU only"},
+        "configs": []}
+
+    def write() -> str:
+        raw["meta"]["run_s"] = time.perf_counter() - started
+        text = render(raw)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(raw, indent=2))
+        return text
+
+    for name, label, k, graphs in CONFIGS:
+        try:
+            record = measure_config(name, label, k, graphs, target, ids, new, reference, device)
+        except Exception as error:  # noqa: BLE001 -- report it and measure the others
+            log(f"{name} failed: {type(error).__name__}: {error}")
+            traceback.print_exc(file=sys.stderr)
+            record = {"name": name, "label": label, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        raw["configs"].append(record)
+        write()
+    text = write()
+    print(text)
+    log(f"done in {time.perf_counter() - started:.1f}s; wrote {args.out}"
+        + (f" and {args.json}" if args.json else ""))
+    return raw
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Promotion of a registered config: the gates, the compare-and-set move of the `champion` alias,
+rollback, and the audit rows.
+
+Promotion checks the gates against the current champion, then moves `champion` only if the
+champion is still the version the gates compared against. Every registration, promotion, refusal,
+forced promotion and rollback is a row in specdec's `promotions` table.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+
+from sqlalchemy import insert, select
+
+from .config_schema import SpecdecConfig
+from .db.engine import database_url, ensure_ready
+from .db.models import Promotion, Validation
+from .errors import RegistryError
+from .run_config import effective_speedup
+from .settings import Settings, load_settings
+from .timeutil import utcnow
+from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
+
+log = logging.getLogger(__name__)
+
+
+def record_promotion(db_url: str, **values) -> None:
+    """One audit row in `promotions` (register, promote, reject, rollback), stamped now."""
+    engine = ensure_ready(db_url)
+    with engine.begin() as connection:
+        connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
+
+
+def current_user() -> str:
+    """Who acts, for the audit rows: the login name, or "unknown"."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
+                fingerprint_passed: bool | None = None) -> list[dict]:
+    """Each gate: {name, passed, figure}. fingerprint_passed: the run's target-fingerprint check
+    (None: not recorded)."""
+    gates = []
+    measured = {n: s for n, s in config.domains.items() if s.enabled and s.source == "run"}
+    failed = sorted(n for n, s in measured.items() if s.validation != "passed")
+    gates.append({"name": "validation", "passed": not failed and fingerprint_passed is not False,
+                  "figure": f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
+                            + (f"; not passed: {failed}" if failed else "")
+                            + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")})
+    tolerance = settings.promotion_regression_tolerance
+    if champion is None:
+        gates.append({"name": "no_regression", "passed": True, "figure": "no champion to compare"})
+    else:
+        ratios = {n: effective_speedup(config.domains.get(n)) / effective_speedup(champion.domains.get(n))
+                  for n in champion.domains}
+        worst = min(ratios.items(), key=lambda item: item[1], default=(None, 1.0))
+        gates.append({"name": "no_regression", "passed": worst[1] >= 1 - tolerance,
+                      "figure": f"worst domain {worst[0]}: {worst[1]:.2f}x the champion's speedup "
+                                f"(minimum {1 - tolerance:.2f})"})
+    short = sorted(n for n, s in measured.items() if s.samples < settings.min_per_domain)
+    gates.append({"name": "min_samples", "passed": not short,
+                  "figure": f"min samples {min((s.samples for s in measured.values()), default=0)} "
+                            f"(required {settings.min_per_domain})" + (f"; short: {short}" if short else "")})
+    same = champion is None or champion.target.fingerprint == config.target.fingerprint
+    gates.append({"name": "same_target", "passed": same,
+                  "figure": "no champion" if champion is None else
+                  f"{config.target.fingerprint} vs champion {champion.target.fingerprint}"})
+    return gates
+
+
+def promote(name: str, version: str, db_url: str | None = None, uri: str | None = None,
+            force: bool = False, actor: str | None = None, expected_champion: str | None = "current",
+            settings: Settings | None = None) -> dict:
+    """Gate and move `champion` to `version` (compare-and-set).
+
+    expected_champion: the champion the caller's gates compared against ("current": whatever is
+    champion now; None: there was none). Output: {"promoted", "forced", "gates", "reason", ...}.
+    """
+    settings = settings or load_settings()
+    db_url = database_url(db_url or settings.database_url)
+    mlflow_client = client(tracking_uri(uri, db_url))
+    version = str(version)
+    config = version_config(mlflow_client, name, version)
+    before = alias_version(mlflow_client, name, CHAMPION)
+    champion = load_version_config(mlflow_client, name, before) if before else None
+    with ensure_ready(db_url).connect() as connection:
+        fingerprint_passed = connection.execute(select(Validation.passed).where(
+            (Validation.run_id == config.run_id) & (Validation.check_name == "fingerprint"))).scalar()
+    gates = check_gates(config, champion, settings, fingerprint_passed)
+    record = dict(run_id=config.run_id, target_id=config.target.id, config_name=name,
+                  config_version=version, alias=CHAMPION, actor=actor or current_user())
+    summary = {"gates": gates, "champion_before": before}
+
+    def refuse(reason: str) -> dict:
+        record_promotion(db_url, action="reject", forced=force, gates=summary, reason=reason, **record)
+        log.warning("promotion of %s version %s refused: %s", name, version, reason)
+        return {"promoted": False, "forced": force, "version": version, "champion": before,
+                "gates": gates, "reason": reason}
+
+    if expected_champion != "current" and (expected_champion or None) != before:
+        return refuse(f"the gates compared against champion {expected_champion or 'none'}, but the "
+                      f"champion is now {before or 'none'}: re-run the gates")
+    if before == version:
+        return refuse(f"version {version} is already the champion")
+    failed = [g for g in gates if not g["passed"]]
+    if failed and not force:
+        return refuse("gates failed: " + "; ".join(f"{g['name']} ({g['figure']})" for g in failed))
+    now = alias_version(mlflow_client, name, CHAMPION)   # compare-and-set: still the same champion?
+    if now != before:
+        return refuse(f"the champion moved from {before or 'none'} to {now} during the promotion")
+    mlflow_client.set_registered_model_alias(name, CHAMPION, version)
+    reason = ("FORCED past failed gates: " + "; ".join(g["name"] for g in failed)) if failed and force \
+        else "all gates passed"
+    record_promotion(db_url, action="promote", forced=bool(force and failed), gates=summary, reason=reason,
+                     **record)
+    return {"promoted": True, "forced": bool(force and failed), "version": version, "champion": version,
+            "champion_before": before, "gates": gates, "reason": reason}
+
+
+def rollback(name: str, db_url: str | None = None, uri: str | None = None,
+             actor: str | None = None) -> dict:
+    """Move `champion` back to the version it replaced (from the promotions table)."""
+    db_url = database_url(db_url)
+    mlflow_client = client(tracking_uri(uri, db_url))
+    current = alias_version(mlflow_client, name, CHAMPION)
+    if current is None:
+        raise RegistryError(f"{name} has no champion to roll back")
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        row = connection.execute(
+            select(Promotion).where((Promotion.config_name == name) & (Promotion.alias == CHAMPION)
+                                    & (Promotion.action == "promote")
+                                    & (Promotion.config_version == current))
+            .order_by(Promotion.id.desc()).limit(1)).mappings().first()
+    previous = (row["gates"] or {}).get("champion_before") if row else None
+    if not previous:
+        raise RegistryError(f"{name} champion version {current} replaced no earlier champion (per the "
+                            "promotions table): nothing to roll back to")
+    config = load_version_config(mlflow_client, name, previous)
+    mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
+    record_promotion(db_url, run_id=config.run_id, target_id=config.target.id, config_name=name,
+                     config_version=previous, alias=CHAMPION, action="rollback", forced=False,
+                     actor=actor or current_user(), gates={"champion_before": current},
+                     reason=f"rolled back from version {current}")
+    return {"champion": previous, "champion_before": current}

@@ -1,0 +1,105 @@
+"""The suffix drafter in the pipeline: a candidate kind whose per-domain index never holds the
+requests it scores, registered indexes with their lineage, the config schema and the vLLM export."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import create_engine, select
+
+from specdec_core.drafters import SuffixDrafter
+from tasks.candidates import parse_candidate
+from tasks.config_schema import DrafterSpec
+from tasks.db.models import AcceptanceEstimate, DomainConfig, DraftTrainingRequest, EvalSample
+from tasks.suffix_index import SuffixIndexError, build_and_register, resolve_index_uri
+from tasks.traffic import import_traffic
+
+from .conftest import write_jsonl
+from tasks.evaluate import evaluate
+from tasks.settings import load_settings
+
+from .test_evaluate import SETTINGS, run, tiny_target, traffic_rows  # noqa: F401 - fixture
+
+SUFFIX = "suffix:max_depth=16,min_token_prob=0.1,max_spec_factor=1.0"
+
+
+@pytest.fixture
+def suffix_db(db_url, tmp_path, tiny_target):  # noqa: F811 - the fixture of test_evaluate
+    # 16 requests per domain, at most 10 sampled: the rest can be indexed
+    import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target, per_domain=16)),
+                   db_url=db_url, progress=False)
+    return db_url
+
+
+def test_a_runs_suffix_index_never_holds_the_requests_it_scores(suffix_db, tiny_target):  # noqa: F811
+    out = run(suffix_db, tiny_target, "suffix-run",
+              candidates=("prompt_lookup:max_ngram=3:min_ngram=1", SUFFIX))
+    assert not out["failed"]
+    engine = create_engine(suffix_db)
+    with engine.connect() as connection:
+        sampled = {(d, r) for d, r in connection.execute(
+            select(EvalSample.domain, EvalSample.request_id).where(EvalSample.run_id == "suffix-run"))}
+        indexed = connection.execute(select(DraftTrainingRequest.draft_name,
+                                            DraftTrainingRequest.request_id)).all()
+        labels = set(connection.execute(select(AcceptanceEstimate.drafter).where(
+            AcceptanceEstimate.run_id == "suffix-run")).scalars())
+    engine.dispose()
+    by_domain: dict[str, set[str]] = {}
+    for name, request_id in indexed:
+        assert name.startswith("suffix-index:suffix-run:")
+        by_domain.setdefault(name.rsplit(":", 1)[1], set()).add(request_id)
+    assert set(by_domain) == {"json", "qa"}
+    sampled_ids = {r for _, r in sampled}
+    for domain, ids in by_domain.items():
+        assert ids and not ids & sampled_ids                       # disjoint from the sample
+        assert all(i.startswith(domain) for i in ids)              # the domain's own traffic
+    assert any(label.startswith("suffix(") for label in labels)
+
+
+def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db, tiny_target,  # noqa: F811
+                                                                        tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    registered = build_and_register("tiny", "json", db_url=suffix_db, tracking_uri=tracking,
+                                    model=tiny_target)
+    assert registered["model_uri"].startswith("models:/specdec-suffix-tiny/")
+    assert registered["requests"] == 16 and registered["tokens"] > 0
+    path = resolve_index_uri(registered["model_uri"], tracking)
+    drafter = SuffixDrafter(path)
+    assert drafter.index.meta["domain"] == "json" and len(drafter.index.request_ids) == 16
+    # used as a candidate: every json request is in the index, so none is left to score
+    from tasks.pipeline import RunSpec, _domain_requests
+
+    candidates = (f"suffix:index={registered['model_uri']}",)
+    settings = load_settings({}, **{**SETTINGS, "candidates": candidates})
+    evaluate(run_id="registered-run", target="tiny", db_url=suffix_db, settings=settings,
+             model=tiny_target, progress=False, tracking_uri=tracking)
+    spec = RunSpec(run_id="registered-run", target="tiny", db_url=suffix_db, tracking_uri=tracking,
+                   overrides=settings.model_dump(mode="json", exclude_defaults=True))
+    json_requests, excluded = _domain_requests(spec, "json")
+    qa_requests, qa_excluded = _domain_requests(spec, "qa")
+    assert json_requests == [] and len(excluded["indexed"]) == 10     # all json rows are indexed
+    assert qa_requests and qa_excluded["indexed"] == []               # qa is scored as usual
+    engine = create_engine(suffix_db)
+    with engine.connect() as connection:
+        status = dict(connection.execute(select(DomainConfig.domain, DomainConfig.status).where(
+            DomainConfig.run_id == "registered-run")).all())
+    engine.dispose()
+    assert status == {"json": "insufficient", "qa": "ok"}
+    with pytest.raises(SuffixIndexError, match="no stored traffic"):
+        build_and_register("tiny", "chat", db_url=suffix_db, tracking_uri=tracking,
+                           model=tiny_target)
+
+
+def test_suffix_is_a_candidate_kind_a_config_kind_and_a_vllm_method():
+    spec = parse_candidate(SUFFIX)
+    assert spec == {"kind": "suffix", "params": {"max_depth": 16, "min_token_prob": 0.1,
+                                                 "max_spec_factor": 1.0}}
+    assert DrafterSpec(kind="suffix", params=spec["params"]).kind == "suffix"
+    from tasks.vllm import speculative_config
+
+    exported = speculative_config(DrafterSpec(kind="suffix", params=spec["params"]), k=6)
+    assert exported["method"] == "suffix"
+    assert exported["suffix_decoding_max_tree_depth"] == 16
+    assert exported["suffix_decoding_min_token_prob"] == 0.1
+    assert exported["suffix_decoding_max_spec_factor"] == 1.0
+    assert exported["num_speculative_tokens"] == 6
