@@ -45,6 +45,12 @@ PARAMS = {
     "window_days": Param(28, type="number", minimum=1, maximum=365, title="Time window (days)"),
     "max_requests": Param(2000, type="integer", minimum=10, maximum=10_000_000,
                           title="Most requests used"),
+    "kind": Param("draft_model", type="string", enum=["draft_model", "head"], title="Draft kind",
+                  description="draft_model: a small LM of the target's first layers; head: a draft "
+                              "head on the target's hidden states (EAGLE-style)"),
+    "vocab_size": Param(None, type=["null", "integer"], minimum=64, title="Head vocabulary",
+                        description="head: the N most frequent tokens of the training traffic; "
+                                    "empty: the target's full vocabulary"),
     "num_layers": Param(2, type="integer", minimum=1, maximum=32, title="Draft layers"),
     "steps": Param(300, type="integer", minimum=1, maximum=1_000_000, title="Training steps"),
     "batch_size": Param(8, type="integer", minimum=1, maximum=1024, title="Batch size"),
@@ -79,7 +85,8 @@ def specdec_retrain_draft():
                 context["run_id"].replace(":", "-").replace("+", "-"), target=p["target"],
                 db_url=database_url(), domains=p["domains"] or None, window_days=p["window_days"],
                 num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
-                max_requests=p["max_requests"], config=config, register=False, progress=False)
+                max_requests=p["max_requests"], config=config, register=False, progress=False,
+                kind=p["kind"], vocab_size=p["vocab_size"])
 
     @task(outlets=[NEW_DRAFT_ASSET])
     def register(trained: dict) -> dict:

@@ -38,12 +38,16 @@ class SequenceCache:
         return 0 if self.mask is None else self.mask.shape[1]
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None,
-                logits_to_keep: int = 0, graphed: bool = True) -> torch.Tensor:
+                logits_to_keep: int = 0, graphed: bool = True,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Append tokens [B, T] (valid [B, T] bool: False = a hole) and return logits [B, T', V]
-        (the last logits_to_keep positions; 0 = all). `graphed` has no meaning here."""
+        (the last logits_to_keep positions; 0 = all). `graphed` has no meaning here.
+        inputs_embeds [B, T, H]: the model's input vectors instead of the tokens' embeddings
+        (a draft head's fused features); `tokens` then only gives the shape."""
         batch, length = tokens.shape
         self.last_start = self.width
-        if self.mask is None and valid is None and batch > 1 and bool((tokens == tokens[:1]).all()):
+        if (self.mask is None and valid is None and inputs_embeds is None and batch > 1
+                and bool((tokens == tokens[:1]).all())):
             return self._shared_prefill(tokens, logits_to_keep)
         if valid is None:
             valid_l = torch.ones_like(tokens)
@@ -56,7 +60,8 @@ class SequenceCache:
         else:
             self.mask = torch.cat([self.mask, valid_l], dim=1)
         position_ids = (self.count[:, None] + valid_l.cumsum(1) - 1).clamp_(min=0)
-        out = self.model(input_ids=tokens,
+        inputs = {"input_ids": tokens} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+        out = self.model(**inputs,
                          attention_mask=self.mask if self.has_holes else None,
                          position_ids=position_ids, past_key_values=self.cache, use_cache=True,
                          logits_to_keep=logits_to_keep)

@@ -76,10 +76,23 @@ def simulate_rounds(beta: np.ndarray, k: int) -> RoundTotals:
     """Exact expectation of rounds of K along one response with per-position acceptance beta [L].
 
     beta[t] is the acceptance probability of a draft for response token t (beta[0] is unused: token
-    0 comes from the prefill). Forward DP over the position at which a round starts.
+    0 comes from the prefill). A draft model's acceptance depends only on the token it drafts.
     """
     length = len(beta)
-    start = np.zeros(length + 1)              # P(a round starts at position t)
+    padded = np.concatenate([np.asarray(beta, dtype=float), np.zeros(k)])
+    rates = np.stack([padded[i: i + length] for i in range(k)], 1) if k else np.zeros((length, 0))
+    return simulate_rounds_by_start(rates, k)
+
+
+def simulate_rounds_by_start(rates: np.ndarray, k: int) -> RoundTotals:
+    """Exact expectation of rounds of K along one response of L tokens, where the acceptance of a
+    round's draft i depends on where the round started: rates[t, i] [L, >= K] is the acceptance
+    probability of draft i in a round starting at response position t (it drafts token t + i).
+    A draft head's drafts after the first feed on its own features, so its rates do. Forward DP
+    over the position at which a round starts; 0/1 rates (greedy) give the exact walk.
+    """
+    length = len(rates)
+    start = np.zeros(length + k + 1)          # P(a round starts at position t)
     if length > 1:
         start[1] = 1.0
     reached = np.zeros(k)
@@ -96,7 +109,7 @@ def simulate_rounds(beta: np.ndarray, k: int) -> RoundTotals:
         survive = 1.0                          # P(drafts 0..i-1 accepted)
         for i in range(drafts):
             reached[i] += weight * survive
-            p_next = survive * beta[t + i]
+            p_next = survive * rates[t, i]
             accepted[i] += weight * p_next
             # exactly i accepted: the round emits i + 1 tokens
             start[t + i + 1] += weight * (survive - p_next)
@@ -234,6 +247,13 @@ def estimate_acceptance(target: torch.nn.Module, drafter: Drafter, requests: lis
     if isinstance(drafter, HostDrafter):
         per_k = {k: [walk_rounds(r.prompt_ids, r.response_ids, k, drafter) for r in usable]
                  for k in ks}
+    elif getattr(drafter, "needs_target_hidden", False):   # a draft head: rates by round start
+        from .head import head_round_rates
+
+        iterator = tqdm(usable, desc=f"acceptance {drafter.name}", disable=not progress)
+        rates = [head_round_rates(target, drafter.head, r.prompt_ids, r.response_ids, max(ks),
+                                  r.sampling) for r in iterator]
+        per_k = {k: [simulate_rounds_by_start(rate, k) for rate in rates] for k in ks}
     elif isinstance(drafter, DraftModel):
         betas = token_acceptance(target, drafter, usable, batch_size=batch_size, progress=progress)
         per_k = {k: [simulate_rounds(beta, k) for beta in betas] for k in ks}

@@ -23,6 +23,7 @@ per-row statistics come from the rounds' history, once at the end of the call.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -31,6 +32,7 @@ import torch
 
 from .drafters import Drafter
 from .graphs import synchronize
+from .head import HiddenTap, final_norm
 from .records import DecodeState, GenerateResult, Timings, result_from_history
 from .sampling import SamplingParams
 from .verify import Verifier, verify_round
@@ -78,9 +80,13 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
     generator = torch.Generator(device=device).manual_seed(seed)
     timings = Timings()
     verify_widths = verify_widths or {}
+    # a draft head reads the target's last-layer hidden states of every pass (eager passes: a
+    # replayed graph would not run the tap)
+    wants_hidden = drafter is not None and getattr(drafter, "needs_target_hidden", False)
+    tap = HiddenTap(final_norm(target_model)) if wants_hidden else contextlib.nullcontext()
     synchronize(device)
     t_start = time.perf_counter()
-    with session(target_model, batch, prompt_width + max_new_tokens + k + 3) as (target, caches):
+    with session(target_model, batch, prompt_width + max_new_tokens + k + 3) as (target, caches), tap:
         state = DecodeState(
             prompt_ids=input_ids, prompt_mask=attention_mask, prompt_len=attention_mask.sum(1),
             out=torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long,
@@ -90,6 +96,8 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
         # prefill: the prompt's last logits give the first token
         logits = target.forward(input_ids, attention_mask.bool() if state.prompt_has_padding else None,
                                 logits_to_keep=1, graphed=False)
+        if wants_hidden:   # identical rows prefill once (cache.py): the tap saw one row
+            state.hidden = tap.value.expand(batch, -1, -1) if tap.value.shape[0] != batch else tap.value
         first, _ = verify(logits[:, -1:], None, sampling, generator, verifier)
         state.out[:, 0] = first[:, 0]
         done = np.full(batch, max_new_tokens <= 1)              # host: rows that stopped
@@ -142,7 +150,10 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
             if run_width > width:  # filler after the drafts: causal logits before it are unchanged
                 parts.append(pending.expand(-1, run_width - width))
             valid = active[:, None].expand(-1, run_width) if target.fixed_shapes else None
-            logits = target.forward(torch.cat(parts, 1) if len(parts) > 1 else pending, valid)
+            logits = target.forward(torch.cat(parts, 1) if len(parts) > 1 else pending, valid,
+                                    graphed=not wants_hidden)
+            if wants_hidden:
+                state.hidden = tap.value
             # 4. accept; an inactive row drafted nothing and emits nothing
             out_tokens, num_accepted = verify(
                 logits[:, :width], proposal if width > 1 else None, sampling, generator, verifier)

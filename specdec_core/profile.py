@@ -30,7 +30,7 @@ class _TimedCache:
 
     def __init__(self, model: torch.nn.Module, context_len: int, batch_size: int, generator,
                  vocab: int, static: bool = False, max_width: int = 64,
-                 cuda_graphs: bool | str = "auto"):
+                 cuda_graphs: bool | str = "auto", inputs_fn=None):
         self.device = next(model.parameters()).device
         self.generator, self.vocab, self.batch_size = generator, vocab, batch_size
         self.context_len = context_len
@@ -41,9 +41,14 @@ class _TimedCache:
                                                     and self.device.type == "cuda"))
         else:
             self.cache = SequenceCache(model)
+        self.inputs_fn = inputs_fn      # tokens -> input vectors (a draft head's fused inputs)
         with torch.inference_mode():
-            self.cache.forward(self._tokens(context_len), graphed=False)
+            self._forward(self._tokens(context_len), graphed=False)
         self.keep = torch.full((batch_size,), context_len, device=self.device)
+
+    def _forward(self, tokens: torch.Tensor, graphed: bool = True) -> None:
+        embeds = self.inputs_fn(tokens) if self.inputs_fn is not None else None
+        self.cache.forward(tokens, graphed=graphed, inputs_embeds=embeds)
 
     def _tokens(self, width: int) -> torch.Tensor:
         return torch.randint(0, self.vocab, (self.batch_size, width),
@@ -54,7 +59,7 @@ class _TimedCache:
         synchronize(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
-            self.cache.forward(tokens)
+            self._forward(tokens)
         synchronize(self.device)
         elapsed = time.perf_counter() - start
         self.cache.rollback_to(self.keep, width=self.context_len)
@@ -152,6 +157,17 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
             caches[label] = _TimedCache(drafter.model, context_len, batch_size, generator, vocab,
                                         static=use_static(drafter.model, static), max_width=2,
                                         cuda_graphs=cuda_graphs)
+        elif getattr(drafter, "needs_target_hidden", False):   # a draft head: fuse + its layer + head
+            head = drafter.head
+            features = torch.randn(batch_size, 1, head.config.hidden_size, generator=generator).to(
+                dtype=next(target.parameters()).dtype, device=next(target.parameters()).device)
+
+            def fused(tokens, head=head, features=features):
+                return head.inputs(features.expand(-1, tokens.shape[1], -1), tokens)
+
+            caches[label] = _TimedCache(head.body, context_len, batch_size, generator, vocab,
+                                        static=use_static(target, static), max_width=2,
+                                        cuda_graphs=False, inputs_fn=fused)
         elif not isinstance(drafter, HostDrafter):
             raise TypeError(f"no cost measurement for drafter {type(drafter).__name__}")
 

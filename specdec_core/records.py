@@ -30,10 +30,14 @@ class DecodeState:
     # builds a drafter model's cache of the same kind as the target's
     cache_factory: Callable[[torch.nn.Module], object] | None = None
     accepted_max: int | None = None             # host: the latest round's largest accepted count
+    # the target's last-layer hidden states [B, T, H] of its latest pass (prefill, then each
+    # verify pass), for a drafter with needs_target_hidden (a draft head); else None
+    hidden: torch.Tensor | None = None
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        for name in ("prompt_ids", "prompt_mask", "prompt_len", "out", "n_out", "active"):
-            setattr(self, name, getattr(self, name)[rows])
+        for name in ("prompt_ids", "prompt_mask", "prompt_len", "out", "n_out", "active", "hidden"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[rows])
 
 
 @dataclass

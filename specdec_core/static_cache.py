@@ -134,9 +134,11 @@ class StaticSequenceCache:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None,
-                logits_to_keep: int = 0, graphed: bool = True) -> torch.Tensor:
+                logits_to_keep: int = 0, graphed: bool = True,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Append tokens [B, T] (valid: False = a hole) and return logits [B, T', V]; graphed=False
-        runs eagerly (prefill: its width changes with every prompt, not worth a capture)."""
+        runs eagerly (prefill: its width changes with every prompt, not worth a capture).
+        inputs_embeds [B, T, H]: input vectors instead of the tokens' embeddings (runs eagerly)."""
         batch, width = tokens.shape
         if batch != self.batch:
             raise ValueError(f"batch {batch} != the static cache's {self.batch}")
@@ -148,10 +150,10 @@ class StaticSequenceCache:
                 raise ValueError(f"static cache of {self.max_len} columns is full ({self.w} used, "
                                  f"{width} more needed): size it for prompt + max_new_tokens + K + 1")
         self.last_start = self.w
-        if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH:
+        if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH and inputs_embeds is None:
             logits = self._replay(tokens, valid.bool(), logits_to_keep)
         else:
-            logits = self._body(tokens, valid.bool(), logits_to_keep)
+            logits = self._body(tokens, valid.bool(), logits_to_keep, inputs_embeds)
         self.w += width
         return logits
 
@@ -185,7 +187,8 @@ class StaticSequenceCache:
         elif delta:
             torch._foreach_add_(positions, delta)          # one launch for all layers
 
-    def _body(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    def _body(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
+              inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One forward, device-side only (capturable): write validity, positions, mask, run."""
         width = tokens.shape[1]
         columns = self._w + self._cols[:width]                                    # [T]
@@ -198,7 +201,8 @@ class StaticSequenceCache:
         allowed = (self.valid[:, None, :] & seen[None]) | itself[None]            # [B, T, L]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, self._min)
-        out = self.model(input_ids=tokens, attention_mask=mask[:, None], position_ids=position_ids,
+        inputs = {"input_ids": tokens} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+        out = self.model(**inputs, attention_mask=mask[:, None], position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         self._w.add_(width)
         return out.logits

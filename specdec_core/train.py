@@ -173,13 +173,19 @@ def heldout_kl(draft, target, requests, max_length: int = 512, batch_size: int =
 
 def evaluate_draft(draft, target, heldout: list[LoggedRequest], k_max: int, draft_cost_ratio: float,
                    verify_cost_ratios: list[float] | None) -> dict:
+    """evaluate_drafter for a draft model."""
+    return evaluate_drafter(DraftModel(draft), target, heldout, k_max, draft_cost_ratio,
+                            verify_cost_ratios)
+
+
+def evaluate_drafter(drafter, target, heldout: list[LoggedRequest], k_max: int,
+                     draft_cost_ratio: float, verify_cost_ratios: list[float] | None) -> dict:
     """Held-out acceptance (offline estimator) and the predicted speedup at the best K, pooled and
     per domain: {"k", "predicted_speedup", "expected_tokens_per_round", "conditional_acceptance",
     "domains": {domain: {...}}}."""
     pooled = [LoggedRequest(r.request_id, r.prompt_ids, r.response_ids, r.sampling, "all")
               for r in heldout]
     ks = list(range(1, k_max + 1))
-    drafter = DraftModel(draft)
     out = {}
     for name, requests in [("all", pooled), *[(d, [r for r in heldout if r.domain == d])
                                               for d in sorted({r.domain for r in heldout})]]:
@@ -205,6 +211,79 @@ def _save(draft, directory: Path) -> None:
     save_model(draft, str(directory / "model.safetensors"))
 
 
+class Trainee:
+    """What the shared optimisation loop (optimise) trains: a draft model or a draft head."""
+
+    module: torch.nn.Module
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def prepare(self, config: "TrainConfig", progress: bool) -> None:
+        """Once per call, before any step (teacher passes, caches)."""
+
+    def loss(self, picks: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict:
+        """Held-out scores: evaluate_drafter's dict plus "heldout_kl"."""
+        raise NotImplementedError
+
+    def save(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def load(self, directory: Path) -> None:
+        raise NotImplementedError
+
+
+def measured_costs(target, draft_step: torch.nn.Module | None, k_max: int) -> tuple[float, list[float]]:
+    """(draft step / target step, [verify(K) / target step]) measured here at batch 1; draft_step:
+    a model whose one-token forward is the draft step (None: a drafter without one)."""
+    from .profile import measure_forward_costs
+
+    target_costs = measure_forward_costs(target, range(1, k_max + 2), context_len=128, repeats=3)
+    step_cost = target_costs[1]
+    draft_cost = (measure_forward_costs(draft_step, [1], context_len=128, repeats=3)[1]
+                  if draft_step is not None else 0.0)
+    return (draft_cost / step_cost,
+            [max(target_costs[k + 1] / step_cost, 1.0) for k in range(1, k_max + 1)])
+
+
+class _DraftTrainee(Trainee):
+    def __init__(self, draft, target, train, heldout, config, costs):
+        self.module, self.target, self.train, self.heldout = draft, target, train, heldout
+        self.config, self.costs, self.teacher = config, costs, None
+        self.device = next(draft.parameters()).device
+
+    def prepare(self, config, progress) -> None:
+        if config.teacher_topk > 0:
+            self.teacher = _teacher_topk(self.target, self.train, config.teacher_topk,
+                                         config.max_length, config.batch_size, self.device, progress)
+
+    def loss(self, picks):
+        ids, mask, target_mask = _batch([self.train[i] for i in picks], self.config.max_length,
+                                        self.device)
+        teacher = None
+        if self.teacher is not None:
+            teacher = (torch.cat([self.teacher[i][0] for i in picks]),
+                       torch.cat([self.teacher[i][1] for i in picks]))
+        return _loss(self.module, ids, mask, target_mask, teacher)
+
+    def evaluate(self):
+        scores = evaluate_draft(self.module, self.target, self.heldout, self.config.k_max, *self.costs)
+        scores["heldout_kl"] = heldout_kl(self.module, self.target, self.heldout,
+                                          self.config.max_length, self.config.batch_size)
+        return scores
+
+    def save(self, directory):
+        _save(self.module, directory)
+
+    def load(self, directory):
+        from safetensors.torch import load_model
+
+        load_model(self.module, str(directory / "model.safetensors"))
+
+
 def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[LoggedRequest],
                 heldout: list[LoggedRequest], config: TrainConfig, checkpoint_dir: str | Path,
                 costs: tuple[float, list[float] | None] | None = None, progress: bool = True,
@@ -215,25 +294,25 @@ def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[Log
     measured here at batch 1 when None. stop_after: stop after this many steps of this call
     (simulates an interruption in tests; the schedule still spans config.steps).
     """
-    from safetensors.torch import load_model
-
     _check_vocab(draft, target)
     if not train or not heldout:
         raise ValueError(f"need training and held-out requests (got {len(train)} and {len(heldout)})")
-    device = next(draft.parameters()).device
+    costs = costs or measured_costs(target, draft, config.k_max)
+    trainee = _DraftTrainee(draft, target, train, heldout, config, costs)
+    return optimise(trainee, len(train), config, checkpoint_dir, progress=progress,
+                    stop_after=stop_after, desc="draft training")
+
+
+def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir: str | Path,
+             progress: bool = True, stop_after: int | None = None,
+             desc: str = "training") -> TrainResult:
+    """The optimisation loop every trained drafter shares: AdamW, warm-up + cosine, clipping,
+    held-out evaluation every eval_every steps with the best checkpoint kept by predicted speedup,
+    and resume from checkpoint_dir/last (same result as an uninterrupted run)."""
+    device = next(trainee.module.parameters()).device
     checkpoint_dir = Path(checkpoint_dir)
     last, best_dir = checkpoint_dir / "last", checkpoint_dir / "best"
-    if costs is None:
-        from .profile import measure_forward_costs
-
-        target_costs = measure_forward_costs(target, range(1, config.k_max + 2), context_len=128,
-                                             repeats=3)
-        draft_cost = measure_forward_costs(draft, [1], context_len=128, repeats=3)[1]
-        step_cost = target_costs[1]
-        costs = (draft_cost / step_cost,
-                 [max(target_costs[k + 1] / step_cost, 1.0) for k in range(1, config.k_max + 1)])
-    draft_ratio, verify_ratios = costs
-    parameters = [p for p in draft.parameters() if p.requires_grad]
+    parameters = trainee.parameters()
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
 
     def schedule(step: int) -> float:
@@ -245,55 +324,48 @@ def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[Log
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     step, history, best = 0, [], {"predicted_speedup": -1.0, "step": -1}
     if (last / "state.pt").exists():
-        load_model(draft, str(last / "model.safetensors"))
+        trainee.load(last)
         state = torch.load(last / "state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, history, best = state["step"], state["history"], state["best"]
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
-        log.info("resumed draft training at step %d from %s", step, last)
+        log.info("resumed %s at step %d from %s", desc, step, last)
     else:
         random.seed(config.seed)
         torch.manual_seed(config.seed)
-    teacher = None
-    if config.teacher_topk > 0:
-        teacher = _teacher_topk(target, train, config.teacher_topk, config.max_length,
-                                config.batch_size, device, progress)
+    trainee.prepare(config, progress)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
 
     def evaluate(at_step: int, train_loss: float | None) -> None:
         nonlocal best
-        draft.eval()
-        scores = evaluate_draft(draft, target, heldout, config.k_max, draft_ratio, verify_ratios)
-        kl = heldout_kl(draft, target, heldout, config.max_length, config.batch_size)
-        record = {"step": at_step, "train_loss": train_loss, "heldout_kl": kl, **scores}
+        trainee.module.eval()
+        scores = trainee.evaluate()
+        record = {"step": at_step, "train_loss": train_loss, **scores}
         history.append(record)
         # by predicted speedup; where nothing pays yet (every K "off": 1.0), by acceptance
         key = (scores["predicted_speedup"], scores["expected_tokens_per_round"])
         if key > (best["predicted_speedup"], best.get("expected_tokens_per_round", 0.0)):
             best = {"step": at_step, **{k: v for k, v in record.items() if k != "step"}}
-            _save(draft, best_dir)
-        log.info("draft step %d: held-out KL %.4f, E %.3f at K=%d, predicted %.3fx", at_step, kl,
-                 scores["expected_tokens_per_round"], scores["k"], scores["predicted_speedup"])
-        draft.train()
+            trainee.save(best_dir)
+        log.info("%s step %d: held-out KL %.4f, E %.3f at K=%d, predicted %.3fx", desc, at_step,
+                 scores["heldout_kl"], scores["expected_tokens_per_round"], scores["k"],
+                 scores["predicted_speedup"])
+        trainee.module.train()
 
     if step == 0:
         evaluate(0, None)
-    draft.train()
-    order = list(range(len(train)))
-    bar = tqdm(total=config.steps, initial=step, desc="draft training", disable=not progress)
+    trainee.module.train()
+    order = list(range(n_train))
+    bar = tqdm(total=config.steps, initial=step, desc=desc, disable=not progress)
     losses: list[float] = []
     started = step
     while step < config.steps and (stop_after is None or step - started < stop_after):
         picks = random.sample(order, min(config.batch_size, len(order)))
-        ids, mask, target_mask = _batch([train[i] for i in picks], config.max_length, device)
-        batch_teacher = None
-        if teacher is not None:
-            batch_teacher = (torch.cat([teacher[i][0] for i in picks]), torch.cat([teacher[i][1] for i in picks]))
         with autocast:
-            loss = _loss(draft, ids, mask, target_mask, batch_teacher)
+            loss = trainee.loss(picks)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
@@ -306,13 +378,182 @@ def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[Log
         if step % config.eval_every == 0 or step == config.steps:
             evaluate(step, sum(losses) / len(losses))
             losses = []
-            _save(draft, last)
+            trainee.save(last)
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                         "step": step, "history": history, "best": best, "config": asdict(config),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
                        last / "state.pt")
     bar.close()
-    draft.eval()
+    trainee.module.eval()
     (checkpoint_dir / "history.json").write_text(json.dumps(history, indent=1))
     return TrainResult(step=step, best_step=best["step"], best=best, history=history,
                        best_dir=str(best_dir) if best_dir.exists() else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# draft heads (head.py): trained on cached target passes, with the same loop
+def head_vocabulary(requests: list[LoggedRequest], size: int, full_vocab: int) -> torch.Tensor:
+    """The `size` most frequent token ids of the requests (prompts and responses), ascending."""
+    counts = torch.zeros(full_vocab, dtype=torch.long)
+    for request in requests:
+        ids = torch.tensor(list(request.prompt_ids) + list(request.response_ids), dtype=torch.long)
+        counts += torch.bincount(ids, minlength=full_vocab)[:full_vocab]
+    size = min(size, full_vocab)
+    return counts.topk(size).indices.sort().values
+
+
+class _HeadTrainee(Trainee):
+    """Loss at every position j of prompt + response: KL(p_target(. | x_<=j+1) || q_head,j), with p
+    restricted to the head's vocabulary and renormalised (the mass outside it cannot be drafted),
+    plus `feature_weight` x the smooth-L1 distance of the normed head output to the target's
+    normed hidden state at j + 1 (EAGLE's feature regression)."""
+
+    def __init__(self, head, target, train, heldout, config, costs, feature_weight: float = 0.1,
+                 teacher_topk: int = 64):
+        self.module, self.target, self.train, self.heldout = head, target, train, heldout
+        self.config, self.costs = config, costs
+        self.feature_weight, self.topk = feature_weight, teacher_topk
+        self.cache: list[tuple] = []
+
+    def parameters(self):
+        return [p for _, p in self.module.own_named_parameters()]
+
+    def prepare(self, config, progress) -> None:
+        from .head import target_features
+
+        if self.cache:
+            return
+        head = self.module
+        inside = torch.ones(head.full_vocab, dtype=torch.bool)
+        if head.reduced:
+            inside[:] = False
+            inside[head.vocab_ids.cpu()] = True
+        local = torch.full((head.full_vocab,), -1, dtype=torch.long)
+        local[inside] = torch.arange(int(inside.sum()))
+        device = next(head.parameters()).device
+        for request in tqdm(self.train, desc="target passes", disable=not progress):
+            ids = torch.tensor((list(request.prompt_ids) + list(request.response_ids))[-config.max_length:],
+                               device=device)
+            features, logits = target_features(self.target, ids[None])
+            logp = logits[0, 1:].float().log_softmax(-1).cpu()        # predicts x_{j+2}
+            logp[:, ~inside] = float("-inf")
+            values, index = logp.topk(self.topk, -1)
+            self.cache.append((ids.cpu(), features[0].cpu(), values, local[index]))
+
+    def loss(self, picks):
+        head = self.module
+        device = next(head.parameters()).device
+        rows = [self.cache[i] for i in picks]
+        width = max(len(r[0]) for r in rows) - 1
+        hidden = rows[0][1].shape[-1]
+        feats = torch.zeros(len(rows), width, hidden, device=device)
+        nxt = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        truth = torch.zeros_like(feats)
+        values = torch.full((len(rows), width, self.topk), float("-inf"), device=device)
+        index = torch.zeros(len(rows), width, self.topk, dtype=torch.long, device=device)
+        for b, (ids, f, v, i) in enumerate(rows):
+            n = len(ids) - 1
+            feats[b, :n] = f[:-1].to(device)
+            nxt[b, :n] = ids[1:].to(device)
+            truth[b, :n] = f[1:].to(device)
+            mask[b, :n] = True
+            values[b, : n - 1] = v[: n - 1].to(device)
+            index[b, : n - 1] = i[: n - 1].clamp(min=0).to(device)
+        logits, g = head(feats, nxt, attention_mask=mask.long())
+        # the last position has no next target distribution in this row
+        scored = mask.clone()
+        scored[torch.arange(len(rows)), mask.sum(1) - 1] = False
+        p = values[scored].softmax(-1)
+        log_q = logits.float()[scored].log_softmax(-1).gather(-1, index[scored])
+        kl = (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
+        norm = head.body.model.norm
+        feature = F.smooth_l1_loss(norm(g)[mask].float(), norm(truth)[mask].float())
+        return kl + self.feature_weight * feature
+
+    def evaluate(self):
+        from .head import HeadDrafter
+
+        scores = evaluate_drafter(HeadDrafter(self.module), self.target, self.heldout,
+                                  self.config.k_max, *self.costs)
+        scores["heldout_kl"] = head_heldout_kl(self.module, self.target, self.heldout,
+                                               self.config.max_length)
+        return scores
+
+    def save(self, directory):
+        self.module.save(directory)
+
+    def load(self, directory):
+        from safetensors.torch import load_file
+
+        state = load_file(str(directory / "head.safetensors"))
+        own = dict(self.module.own_named_parameters())
+        with torch.no_grad():
+            for name, param in own.items():
+                param.copy_(state[name])
+
+
+@torch.inference_mode()
+def head_heldout_kl(head, target, requests: list[LoggedRequest], max_length: int = 512) -> float:
+    """Mean KL(p_target || q_head) over the held-out responses' positions (full vocabulary; a
+    reduced head's mass outside its ids counts through q's smoothing floor of 1e-30)."""
+    from .head import target_features
+
+    total, count = 0.0, 0
+    device = next(head.parameters()).device
+    for request in requests:
+        ids = torch.tensor((list(request.prompt_ids) + list(request.response_ids))[-max_length:],
+                           device=device)
+        n_resp = min(len(request.response_ids), len(ids) - 2)
+        features, logits = target_features(target, ids[None])
+        head_logits, _ = head(features[:, :-1], ids[None, 1:])
+        log_p = logits[0, 1:].float().log_softmax(-1)[-n_resp - 1: -1]
+        q = head.full_logits(head_logits[0].float()).softmax(-1)[-n_resp - 1: -1]
+        total += float((log_p.exp() * (log_p - q.clamp_min(1e-30).log())).sum())
+        count += n_resp
+    return total / max(count, 1)
+
+
+def train_head(head, target: torch.nn.Module, train: list[LoggedRequest],
+               heldout: list[LoggedRequest], config: TrainConfig, checkpoint_dir: str | Path,
+               costs: tuple[float, list[float] | None] | None = None, progress: bool = True,
+               stop_after: int | None = None, feature_weight: float = 0.1) -> TrainResult:
+    """Train a DraftHead in place with the shared loop (optimise); its held-out score is the
+    start-dependent offline estimate (head.head_round_rates). costs: as train_draft's, the draft
+    step being one head step; measured here when None."""
+    if not train or not heldout:
+        raise ValueError(f"need training and held-out requests (got {len(train)} and {len(heldout)})")
+    if costs is None:
+        costs = measured_costs(target, None, config.k_max)
+        costs = (measure_head_step(head, target), costs[1])
+    trainee = _HeadTrainee(head, target, train, heldout, config, costs, feature_weight)
+    return optimise(trainee, len(train), config, checkpoint_dir, progress=progress,
+                    stop_after=stop_after, desc="head training")
+
+
+def measure_head_step(head, target, context_len: int = 128, repeats: int = 5) -> float:
+    """One draft step of the head (a one-position pass on its cache: fuse, layer, norm, output
+    head) / one target step, both measured here at batch 1."""
+    import time
+
+    from .cache import SequenceCache
+    from .profile import measure_forward_costs
+
+    device = next(target.parameters()).device
+    hidden = head.config.hidden_size
+    cache = SequenceCache(head.body)
+    times = []
+    with torch.inference_mode():
+        feats = torch.randn(1, context_len, hidden, device=device)
+        tokens = torch.randint(0, head.full_vocab, (1, context_len), device=device)
+        cache.forward(tokens, inputs_embeds=head.inputs(feats, tokens))
+        keep = torch.full((1,), context_len, device=device)
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            logits = cache.forward(tokens[:, :1], logits_to_keep=1,
+                                   inputs_embeds=head.inputs(feats[:, :1], tokens[:, :1]))
+            head.full_logits(logits[:, -1]).argmax(-1).tolist()
+            times.append(time.perf_counter() - start)
+            cache.rollback_to(keep)
+    step = measure_forward_costs(target, [1], context_len=context_len, repeats=repeats)[1]
+    return float(sorted(times[1:])[len(times[1:]) // 2]) / step

@@ -4,6 +4,10 @@
   or pooled; split train / held-out by a hash of (training id, request id). The split is recorded
   in draft_training_requests, and an evaluation never scores the training rows of a draft it
   evaluates (tasks.pipeline excludes them).
+- Kinds: `draft_model` (a small causal LM, specdec_core.train.train_draft) or `head` (a draft head
+  on the target's hidden states, optionally with a vocabulary cut to the training traffic's most
+  frequent tokens: specdec_core.head, train.train_head). Both share the data, split, optimiser
+  loop, checkpoints and registration below; a version's tag `kind` says which it is.
 - Training: specdec_core.train (checkpoints under $SPECDEC_HOME/drafts/<train id>/: re-running
   the same training id resumes); the best checkpoint by held-out predicted speedup is kept.
 - Registration: an MLflow run in experiment `specdec/<target-slug>` (tag specdec.draft_train_id)
@@ -130,14 +134,19 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              heldout_fraction: float = 0.2, max_requests: int | None = None,
                              max_eval_requests: int | None = 60,
                              config=None, device: str | None = None, model=None, tokenizer=None,
-                             register: bool = True, progress: bool = True) -> dict:
+                             register: bool = True, progress: bool = True,
+                             kind: str = "draft_model", vocab_size: int | None = None) -> dict:
     """Build the data, train (resuming a previous attempt of the same id), register. Output:
     {"train_id", "train_requests", "heldout_requests", "best", "model_uri", "version"}.
     max_eval_requests: held-out requests scored at each evaluation during training, taken round
-    robin over domains (the whole held-out split stays out of training either way)."""
-    from specdec_core.train import TrainConfig, init_draft_from_target, train_draft
+    robin over domains (the whole held-out split stays out of training either way).
+    kind: "draft_model" (num_layers, hidden_size) or "head" (vocab_size: the reduced head's size,
+    None for the target's full head)."""
+    from specdec_core.train import TrainConfig, init_draft_from_target, train_draft, train_head
     from specdec_core.validation import fingerprint_id, target_fingerprint
 
+    if kind not in ("draft_model", "head"):
+        raise DraftTrainingError(f"draft kind {kind!r}: train a draft_model or a head")
     db_url = database_url(db_url)
     if model is None:
         from specdec_core import load_model
@@ -154,23 +163,36 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
         raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / {len(heldout)} "
                                  f"held-out: change heldout_fraction ({heldout_fraction}) or add traffic")
     config = config or TrainConfig()
-    params = {"num_layers": num_layers, "hidden_size": hidden_size, "heldout_fraction": heldout_fraction,
+    params = {"kind": kind, "heldout_fraction": heldout_fraction,
               "train": config.__dict__ if hasattr(config, "__dict__") else dict(config)}
+    params.update({"num_layers": num_layers, "hidden_size": hidden_size} if kind == "draft_model"
+                  else {"vocab_size": vocab_size})
+    base = (f"{target} (first {num_layers} layers)" if kind == "draft_model" else
+            f"{target} (draft head, {'full vocabulary' if vocab_size is None else f'{vocab_size} tokens'})")
     _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
                                "domains": sorted({r.domain for r in requests}), "window_start": start,
                                "window_end": end, "train_requests": len(train),
                                "heldout_requests": len(heldout), "params": params,
-                               "base_model": f"{target} (first {num_layers} layers)"}, splits)
-    draft = init_draft_from_target(model, num_layers=num_layers, hidden_size=hidden_size)
+                               "base_model": base}, splits)
     directory = specdec_home() / "drafts" / train_id
-    result = train_draft(draft, model, train, _round_robin(heldout, max_eval_requests), config,
-                         directory, progress=progress)
+    evaluation_rows = _round_robin(heldout, max_eval_requests)
+    if kind == "head":
+        from specdec_core.drafters import output_size
+        from specdec_core.head import DraftHead
+        from specdec_core.train import head_vocabulary
+
+        ids = None if vocab_size is None else head_vocabulary(train, vocab_size, output_size(model))
+        head = DraftHead(model, vocab_ids=ids)
+        result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress)
+    else:
+        draft = init_draft_from_target(model, num_layers=num_layers, hidden_size=hidden_size)
+        result = train_draft(draft, model, train, evaluation_rows, config, directory, progress=progress)
     best_dir = Path(result.best_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(best_dir)
     out = {"train_id": train_id, "train_requests": len(train), "heldout_requests": len(heldout),
            "best": result.best, "steps": result.step, "best_dir": str(best_dir),
-           "model_uri": None, "version": None, "fingerprint": fingerprint,
+           "model_uri": None, "version": None, "fingerprint": fingerprint, "kind": kind,
            "result": json.loads(json.dumps(result.to_dict(), default=float))}
     _record(db_url, train_id, {"heldout": out["result"]["best"]})
     if register:
@@ -223,10 +245,13 @@ def register_draft(train_id: str, target: str, fingerprint: str, best_dir, resul
     except MlflowException:
         mlflow_client.create_registered_model(name, description=f"specdec drafts trained for {target}")
     existing = mlflow_client.search_model_versions(f"name='{name}' and tag.train_id='{train_id}'")
-    tags = {"train_id": train_id, "target_fingerprint": fingerprint, "domains": lineage["domains"],
+    kind = (record["params"] or {}).get("kind", "draft_model")
+    tags = {"train_id": train_id, "kind": kind, "target_fingerprint": fingerprint, "domains": lineage["domains"],
             "window": f"{lineage['window_start']}..{lineage['window_end']}",
             "heldout_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
             "heldout_k": str(result["best"]["k"])}
+    if kind == "head":
+        tags["vocab_size"] = str((record["params"] or {}).get("vocab_size") or "full")
     description = ("Draft trained on logged traffic. Held-out (offline estimate, requests never trained "
                    "on):\n\n| domain | E[tokens/round] | K | predicted speedup |\n|---|---|---|---|\n"
                    + "\n".join(f"| {d} | {s['expected_tokens_per_round']:.3f} | {s['k']} | "
@@ -243,8 +268,9 @@ def register_draft(train_id: str, target: str, fingerprint: str, best_dir, resul
 
 
 def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = None) -> list[dict]:
-    """Registered drafts for this target fingerprint, as candidate specs: the version with alias
-    `candidate`, else the newest. Drafts of another fingerprint are never offered."""
+    """Registered drafts for this target fingerprint, as candidate specs, per kind (draft_model,
+    head): the version with alias `candidate`, else the newest of that kind. Drafts of another
+    fingerprint are never offered."""
     from mlflow.exceptions import MlflowException
 
     from .tracking import client
@@ -260,11 +286,13 @@ def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = N
         log.warning("no registered drafts listed (%s)", exc)
         return []
     versions = [v for v in versions if (v.tags or {}).get("target_fingerprint") == fingerprint]
-    if not versions:
-        return []
-    chosen = [v for v in versions if CANDIDATE_ALIAS in (v.aliases or [])] or \
-        [max(versions, key=lambda v: int(v.version))]
-    return [{"kind": "draft_model", "params": {"model": f"models:/{v.name}/{v.version}"}} for v in chosen]
+    offered = []
+    for kind in sorted({(v.tags or {}).get("kind", "draft_model") for v in versions}):
+        of_kind = [v for v in versions if (v.tags or {}).get("kind", "draft_model") == kind]
+        chosen = [v for v in of_kind if CANDIDATE_ALIAS in (v.aliases or [])] or \
+            [max(of_kind, key=lambda v: int(v.version))]
+        offered += [{"kind": kind, "params": {"model": f"models:/{v.name}/{v.version}"}} for v in chosen]
+    return offered
 
 
 def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
@@ -275,7 +303,7 @@ def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
     if not name or not version:
         raise DraftTrainingError(f"model URI {uri!r}: expected models:/NAME/VERSION")
     local = specdec_home() / "models" / "drafts" / name / version
-    if (local / "config.json").exists():
+    if (local / "config.json").exists() or (local / "head_config.json").exists():
         return str(local)
     mlflow_client = client(tracking_uri)
     detail = mlflow_client.get_model_version(name, version)

@@ -111,7 +111,8 @@ def trained_on(spec: RunSpec, drafters: dict) -> set[str]:
     from .draft_training import trained_request_ids
 
     uris = [s["params"]["model"] for s, _ in drafters.values()
-            if s["kind"] == "draft_model" and str(s["params"].get("model", "")).startswith("models:/")]
+            if s["kind"] in ("draft_model", "head")
+            and str(s["params"].get("model", "")).startswith("models:/")]
     return trained_request_ids(spec.url, uris)
 
 

@@ -9,7 +9,10 @@ def speculative_config(drafter: DrafterSpec, k: int) -> dict | None:
     """The vLLM `speculative_config` of one drafter at K tokens per round; None: no equivalent.
 
     suffix: vLLM's suffix decoding builds its own tree from the requests it serves, so the export
-    carries our tuned parameters, not our index (max_cached_requests is left to vLLM's default)."""
+    carries our tuned parameters, not our index (max_cached_requests is left to vLLM's default).
+    head: vLLM's `eagle` method loads EAGLE checkpoints in their own layout (a fuse layer and
+    decoder layer with the target's LM head, no final norm of their own, full vocabulary); our
+    head adds the target's final norm and may cut the vocabulary, so it has no equivalent."""
     if drafter.kind == "prompt_lookup":
         return {"method": "ngram", "num_speculative_tokens": k,
                 "prompt_lookup_max": int(drafter.params.get("max_ngram", 3)),

@@ -38,7 +38,8 @@ def cmd_train(args) -> int:
         domains=args.domains.split(",") if args.domains else None, window_days=args.days,
         num_layers=args.layers, hidden_size=args.hidden, max_requests=args.max_requests,
         heldout_fraction=args.heldout_fraction, max_eval_requests=args.max_eval_requests,
-        config=config, device=args.device, register=not args.no_register)
+        config=config, device=args.device, register=not args.no_register, kind=args.kind,
+        vocab_size=args.vocab_size)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})
         return 0
@@ -106,6 +107,12 @@ def register(sub) -> None:
                        help="share of requests held out (by request id): never trained on")
     train.add_argument("--max-eval-requests", type=int, default=60,
                        help="held-out requests scored at each evaluation during training")
+    train.add_argument("--kind", choices=("draft_model", "head"), default="draft_model",
+                       help="draft_model: a small LM (--layers, --hidden); head: a draft head on the "
+                            "target's hidden states (--vocab-size)")
+    train.add_argument("--vocab-size", type=int, default=None,
+                       help="head: score only the N most frequent tokens of the training traffic "
+                            "(default: the target's full vocabulary)")
     train.add_argument("--layers", type=int, default=2)
     train.add_argument("--hidden", type=int, default=None, help="hidden size (default: the target's)")
     train.add_argument("--steps", type=int, default=200)

@@ -1,0 +1,166 @@
+"""Draft heads (specdec_core.head): exact greedy decoding on both cache kinds, the sampling
+distribution test with a reduced vocabulary, the start-dependent offline estimate against live
+rounds, files, training resume, and candidates per target fingerprint.
+
+The "near-oracle" head: on a one-layer target, a head whose fuse passes the token embedding
+through (weights [0 | I]) and whose layer is the target's own layer computes what the target
+computes one position later (RoPE scores depend on relative positions only), missing only the
+first token of the context -- so its drafts are mostly, not always, accepted, also when it feeds
+on its own outputs. That exercises every path of the catch-up (0..K accepted) without training.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_core import SamplingParams, SpecDecoder, TokenizerMismatch
+from specdec_core.estimate import LoggedRequest, estimate_acceptance
+from specdec_core.head import DraftHead, HeadDrafter, HeadFileError
+from specdec_core.validation import sampling_check
+
+from .conftest import VOCAB, tiny_llama
+
+REDUCED = torch.tensor([t for t in range(VOCAB) if t % 7 != 3])      # 83 of 97 tokens
+
+
+def near_oracle(target, vocab_ids=None, noise: float = 0.0) -> DraftHead:
+    head = DraftHead(target, vocab_ids=vocab_ids, init_layer=-1)
+    hidden = target.config.hidden_size
+    with torch.no_grad():
+        head.fuse.weight.copy_(torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], 1))
+        if noise:
+            generator = torch.Generator().manual_seed(3)
+            for _, param in head.own_named_parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * noise * param.std())
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def one_layer():
+    return tiny_llama(layers=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (4, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0          # left padding
+    mask[3, :5] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("reduced", [False, True], ids=["full", "reduced"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_output_equals_plain(one_layer, prompts, static, reduced, k):
+    head = near_oracle(one_layer, REDUCED if reduced else None, noise=0.3)
+    ids, mask = prompts
+    decoder = SpecDecoder(one_layer, HeadDrafter(head), k=k, static_cache=static)
+    spec = decoder.generate(ids, 24, attention_mask=mask)
+    plain = decoder.generate_plain(ids, 24, attention_mask=mask)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert 0 < spec.stats.accepted < spec.stats.drafted      # accepted and rejected drafts occurred
+
+
+def test_near_oracle_accepts_most_drafts(one_layer, prompts):
+    ids, mask = prompts
+    result = SpecDecoder(one_layer, HeadDrafter(near_oracle(one_layer)), k=4).generate(
+        ids, 24, attention_mask=mask)
+    assert result.stats.accepted / result.stats.drafted > 0.5
+
+
+def test_reduced_head_never_proposes_outside_its_vocabulary(one_layer, prompts):
+    head = near_oracle(one_layer, REDUCED, noise=0.3)
+    drafter = HeadDrafter(head)
+    ids, mask = prompts
+    seen = []
+    original = drafter.propose
+
+    def spy(*args, **kwargs):
+        proposal = original(*args, **kwargs)
+        seen.append(proposal)
+        return proposal
+
+    drafter.propose = spy
+    SpecDecoder(one_layer, drafter, k=3).generate(ids, 16, attention_mask=mask,
+                                                 sampling=SamplingParams(temperature=1.0), seed=2)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[REDUCED] = False
+    assert seen and all(p.probs is not None for p in seen)
+    assert all(float(p.probs[..., outside].abs().max()) == 0.0 for p in seen)
+    assert all(not bool(outside[p.tokens].any()) for p in seen)
+
+
+def test_sampling_distribution_with_a_reduced_head(one_layer):
+    # q is zero outside the head's vocabulary: the residual distribution must restore p there
+    head = near_oracle(one_layer, REDUCED, noise=0.3)
+    prompt = torch.tensor([5, 17, 33, 8, 61, 17, 33])
+    report = sampling_check(one_layer, HeadDrafter(head), prompt, ks=(1, 3), rows=1500, seed=4,
+                            chunk=1500)
+    assert report.passed, [t for t in report.tests if not t.passed]
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full", "reduced"])
+def test_greedy_estimate_equals_live_rounds(one_layer, reduced):
+    head = near_oracle(one_layer, REDUCED if reduced else None, noise=0.3)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, VOCAB, (6, 7), generator=generator)
+    plain = SpecDecoder(one_layer, None).generate_plain(prompts, 20)
+    requests = [LoggedRequest(f"r{i}", prompts[i].tolist(), plain.tokens[i].tolist(),
+                              SamplingParams(), "json") for i in range(6)]
+    for k in (1, 3, 5):
+        estimate = estimate_acceptance(one_layer, HeadDrafter(head), requests, [k], progress=False,
+                                       n_boot=100)["json"][k]
+        for request, totals in zip(requests, estimate.per_request):
+            live = SpecDecoder(one_layer, HeadDrafter(head), k=k).generate(
+                torch.tensor([request.prompt_ids]), len(request.response_ids))
+            assert live.tokens[0].tolist() == list(request.response_ids)
+            assert totals.rounds == live.stats.rounds, (k, request.request_id)
+            assert totals.accepted.sum() == live.stats.accepted, (k, request.request_id)
+
+
+def test_save_load_round_trip_and_bad_files(one_layer, tmp_path):
+    head = near_oracle(one_layer, REDUCED, noise=0.3)
+    head.save(tmp_path / "head")
+    loaded = DraftHead.load(tmp_path / "head", one_layer)
+    assert loaded.vocab_size == len(REDUCED) and torch.equal(loaded.vocab_ids, head.vocab_ids)
+    for name, param in head.own_named_parameters():
+        assert torch.equal(param, dict(loaded.own_named_parameters())[name]), name
+    # corrupted weights: a clear error naming the directory
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "head_config.json").write_text((tmp_path / "head" / "head_config.json").read_text())
+    (tmp_path / "bad" / "head.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(HeadFileError, match="bad"):
+        DraftHead.load(tmp_path / "bad", one_layer)
+    # a target of another vocabulary
+    with pytest.raises(TokenizerMismatch, match="train a head for this target"):
+        DraftHead.load(tmp_path / "head", tiny_llama(vocab=64, layers=1, seed=3))
+
+
+def test_training_resume_equals_uninterrupted(one_layer, tmp_path):
+    from specdec_core.train import TrainConfig, train_head
+
+    generator = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, VOCAB, (24, 6), generator=generator)
+    out = SpecDecoder(one_layer, None).generate_plain(prompts, 10)
+    requests = [LoggedRequest(f"r{i}", prompts[i].tolist(), out.tokens[i].tolist(), SamplingParams(),
+                              "qa") for i in range(24)]
+    train, heldout = requests[:18], requests[18:]
+    config = TrainConfig(steps=6, eval_every=3, k_max=2, warmup_steps=1, lr=1e-3, batch_size=4)
+    costs = (0.1, [1.2, 1.3])
+    whole = train_head(DraftHead(one_layer, REDUCED), one_layer, train, heldout, config,
+                       tmp_path / "whole", costs=costs, progress=False)
+    interrupted_head = DraftHead(one_layer, REDUCED)
+    first = train_head(interrupted_head, one_layer, train, heldout, config, tmp_path / "cut",
+                       costs=costs, progress=False, stop_after=3)
+    assert first.step == 3
+    resumed = train_head(DraftHead(one_layer, REDUCED), one_layer, train, heldout, config,
+                         tmp_path / "cut", costs=costs, progress=False)
+    assert resumed.step == 6
+    assert [h["step"] for h in resumed.history] == [h["step"] for h in whole.history] == [0, 3, 6]
+    for a, b in zip(resumed.history, whole.history):
+        assert a["heldout_kl"] == pytest.approx(b["heldout_kl"], rel=1e-5)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5, nan_ok=True) \
+            if a["train_loss"] is not None else b["train_loss"] is None
