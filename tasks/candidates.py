@@ -14,7 +14,7 @@ import re
 
 from .errors import SpecdecTaskError
 
-KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head")   # = specdec_core.drafters.DRAFTER_KINDS
+KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head")   # = specdec_core.factory.DRAFTER_KINDS
 # drafters that search on the host once per round (their cost is per round, not per token)
 HOST_DRAFTERS = ("prompt_lookup", "suffix")
 
@@ -73,7 +73,7 @@ def build_drafters(candidates, target, tokenizer=None,
                    tracking_uri: str | None = None) -> dict[str, tuple[dict, object]]:
     """{label: (spec, drafter)} for the candidates, each checked against the target's vocabulary.
     A draft_model given as an MLflow `models:/NAME/VERSION` URI is downloaded first."""
-    from specdec_core.drafters import make_drafter
+    from specdec_core.factory import make_drafter
     from specdec_core.errors import SpecDecError
 
     built = {}

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specdec_core import SpecDecoder, TokenizerMismatch
-from specdec_core.drafters import SuffixDrafter, make_drafter
+from specdec_core.drafters import SuffixDrafter
+from specdec_core.factory import make_drafter
 from specdec_core.estimate import LoggedRequest, estimate_acceptance, walk_rounds
 from specdec_core.suffix import (SEPARATOR, IndexFileError, SuffixIndex, context_match, greedy_path,
                                  propose_path)

@@ -55,7 +55,7 @@ def _sampling(args):
 
 def cmd_generate(args) -> int:
     from specdec_core import SpecDecoder, load_model
-    from specdec_core.drafters import make_drafter
+    from specdec_core.factory import make_drafter
 
     from .prompts import encode
 
@@ -78,7 +78,7 @@ def cmd_generate(args) -> int:
 
 def cmd_compare(args) -> int:
     from specdec_core import load_model
-    from specdec_core.drafters import make_drafter
+    from specdec_core.factory import make_drafter
 
     from .compare import compare
     from .prompts import load_prompts
