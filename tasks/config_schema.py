@@ -65,6 +65,7 @@ class DomainSetting(_Strict):
     samples: int = Field(default=0, ge=0)
     validation: Literal["passed", "failed", "not_needed", "incomplete"] | None = None
     source: Literal["run", "champion", "off"] = "run"
+    note: str | None = None      # e.g. "kept on: within hysteresis" (the planner's reason)
 
     @model_validator(mode="after")
     def _consistent(self) -> "DomainSetting":

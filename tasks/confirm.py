@@ -1,10 +1,23 @@
 """Live confirmation: real speculative decoding with the planned config against plain decoding.
 
-On a per-domain subset of the run's sample (batch 1, each request with its own logged sampling
-params and up to its logged response length), plain and speculative decoding alternate request by
+Which requests: `confirm_requests` of the domain's sample, stratified on their offline E (the
+planned drafter at the planned K): ranked by E and taken at evenly spaced quantiles, so a few
+requests stand for the domain instead of happening to be its easiest or hardest.
+
+How: batch 1, each request with its own logged sampling params and up to its logged response
+length (at most confirm_max_new_tokens); plain and speculative decoding alternate request by
 request (the order flips every request, so drift of the machine hits both alike). Speedup is
 decode-phase tokens/s over plain's; end-to-end latency (prefill included) is stored beside it.
-A domain whose measured speedup differs from the prediction by more than the tolerance is flagged.
+
+Two errors, kept apart:
+- cost-model error: the measured speedup against the prediction for the SAME requests (their own
+  offline estimate -- rounds and draft widths of the truncated responses -- through the planner's
+  cost formula). This is what the live run can check, and what the gap flag fires on.
+- sampling error: the subset's offline E against the domain's E (a few requests are not the
+  domain); reported, never flagged.
+Greedy rows are checked for consistency: where the live output equals the logged response, the
+live accepted count and rounds must equal the offline estimate's exactly; any difference is an
+engine/estimator inconsistency and is logged and stored with the request.
 Runs under the timing lock.
 """
 
@@ -23,6 +36,59 @@ from .timeutil import utcnow
 log = logging.getLogger(__name__)
 
 
+def _stratified(requests: list, values: list[float], count: int) -> list:
+    """`count` requests at evenly spaced quantiles of `values` (ties keep the sample's order)."""
+    if count >= len(requests):
+        return list(requests)
+    order = sorted(range(len(requests)), key=lambda i: values[i])
+    picks = sorted({order[min(len(order) - 1, int((j + 0.5) * len(order) / count))]
+                    for j in range(count)})
+    return [requests[i] for i in picks]
+
+
+def _truncated(request, new_tokens: int):
+    from specdec_core.estimate import LoggedRequest
+
+    return LoggedRequest(request.request_id, request.prompt_ids, list(request.response_ids)[:new_tokens],
+                         request.sampling, request.domain)
+
+
+def _offline(target, drafter, requests: list, k: int) -> dict:
+    """{request id: RoundTotals} of the planned drafter at K (requests of 2+ response tokens)."""
+    from specdec_core.estimate import estimate_acceptance
+
+    usable = [r for r in requests if len(r.response_ids) >= 2]
+    if not usable:
+        return {}
+    pooled = [_truncated(r, len(r.response_ids)) for r in usable]
+    for request in pooled:
+        request.domain = "all"
+    estimate = estimate_acceptance(target, drafter, pooled, [k], progress=False, n_boot=100)
+    return {r.request_id: totals for r, totals in zip(usable, estimate["all"][k].per_request)}
+
+
+def _round_costs(run_id: str, engine, db_url: str, drafter_label: str, drafter_spec: dict | None):
+    """f(RoundTotals) -> expected cost of its rounds in target steps at batch 1; None without a
+    cost profile."""
+    from .costs import CostProfileError, load_costs
+    from .db.models import EvalRun
+    from .plan import speedup_factor
+
+    with engine.connect() as connection:
+        profile = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
+    if not profile:
+        return None
+    try:
+        costs = load_costs(profile, db_url)
+        costs.draft_ratio(drafter_label, 1)
+    except CostProfileError:
+        return None
+
+    def cost(totals) -> float:   # in plain-decoding steps (overheads included)
+        return totals.rounds / speedup_factor(drafter_label, drafter_spec, totals.width_share, costs, 1)
+    return cost
+
+
 def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
                    db_url: str | None = None, settings: Settings | None = None,
                    progress: bool = True) -> dict | None:
@@ -36,7 +102,8 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     from specdec_core import SpecDecoder, SpecStats
 
     settings = settings or load_settings()
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    url = database_url(db_url or settings.database_url)
+    engine = ensure_ready(url)
     with engine.connect() as connection:
         config = connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
@@ -44,32 +111,54 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
         return None
     drafter = drafters[config["drafter"]][1]
     k = int(config["k"])
-    subset = requests[: settings.confirm_requests]
+    # stratify on the requests' own offline E, then estimate exactly what will be decoded
+    whole = _offline(target, drafter, requests, k)
+    candidates = [r for r in requests if r.request_id in whole] or list(requests)
+    subset = _stratified(candidates, [whole[r.request_id].expected_tokens_per_round
+                                      if r.request_id in whole else 0.0 for r in candidates],
+                         settings.confirm_requests)
+    lengths = {r.request_id: min(len(r.response_ids), settings.confirm_max_new_tokens) for r in subset}
+    decoded = _offline(target, drafter, [_truncated(r, lengths[r.request_id]) for r in subset], k)
+    cost_of = _round_costs(run_id, engine, url, config["drafter"], config["drafter_spec"])
     device = next(target.parameters()).device
     spec_decoder = SpecDecoder(target, drafter, k=k)
     plain_stats, spec_stats = SpecStats.empty(0), SpecStats.empty(k)
     plain_latency = spec_latency = 0.0
+    per_request = []
     with timing_lock():
         for index, request in enumerate(tqdm(subset, desc=f"confirm {domain}", disable=not progress)):
             ids = torch.tensor([list(request.prompt_ids)], dtype=torch.long, device=device)
-            new_tokens = min(len(request.response_ids), settings.confirm_max_new_tokens)
+            new_tokens = lengths[request.request_id]
             kwargs = dict(max_new_tokens=new_tokens, sampling=request.sampling, seed=index)
             order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")
+            results = {}
             for which in order:
                 if which == "plain":
-                    result = spec_decoder.generate_plain(ids, **kwargs)
-                    plain_stats = plain_stats.merge(result.stats)
-                    plain_latency += result.stats.total_s
+                    results[which] = spec_decoder.generate_plain(ids, **kwargs)
+                    plain_stats = plain_stats.merge(results[which].stats)
+                    plain_latency += results[which].stats.total_s
                 else:
-                    result = spec_decoder.generate(ids, **kwargs)
-                    spec_stats = spec_stats.merge(result.stats)
-                    spec_latency += result.stats.total_s
+                    results[which] = spec_decoder.generate(ids, **kwargs)
+                    spec_stats = spec_stats.merge(results[which].stats)
+                    spec_latency += results[which].stats.total_s
+            per_request.append(_request_record(request, results, decoded.get(request.request_id),
+                                               cost_of, new_tokens))
     plain_tps, spec_tps = plain_stats.decode_tokens_per_s, spec_stats.decode_tokens_per_s
     measured = spec_tps / plain_tps if plain_tps > 0 else None
     predicted = config["predicted_speedup"]
-    gap = None
-    if measured is not None and predicted:
-        gap = abs(measured / predicted - 1.0) > settings.confirm_tolerance
+    scored = [decoded[r.request_id] for r in subset if r.request_id in decoded]
+    same = None
+    if cost_of is not None and scored:
+        spent = sum(cost_of(t) for t in scored)
+        same = sum(t.tokens for t in scored) / spent if spent > 0 else None
+    cost_error = measured / same - 1.0 if measured is not None and same else None
+    chosen = [whole[r.request_id] for r in subset if r.request_id in whole]
+    subset_e = (sum(t.tokens for t in chosen) / sum(t.rounds for t in chosen)
+                if chosen and sum(t.rounds for t in chosen) else None)
+    domain_e = config["mean_accepted_length"]
+    sampling_error = subset_e / domain_e - 1.0 if subset_e and domain_e else None
+    greedy = [item for item in per_request if item["greedy_comparable"]]
+    gap = None if cost_error is None else abs(cost_error) > settings.confirm_tolerance
     row = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": k, "batch_size": 1,
            "requests": len(subset), "tokens": int(spec_stats.new_tokens),
            "acceptance_rate": spec_stats.acceptance_rate,
@@ -77,7 +166,11 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
            "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps,
            "predicted_speedup": predicted, "measured_speedup": measured,
            "plain_latency_s": plain_latency / len(subset), "spec_latency_s": spec_latency / len(subset),
-           "gap": gap}
+           "gap": gap, "predicted_same_requests": same, "cost_model_error": cost_error,
+           "subset_expected_tokens": subset_e, "domain_expected_tokens": domain_e,
+           "sampling_error": sampling_error, "greedy_checked": len(greedy),
+           "greedy_consistent": sum(1 for item in greedy if item["consistent"]),
+           "per_request": per_request}
     now = utcnow()
     with engine.begin() as connection:
         connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
@@ -86,7 +179,40 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
         connection.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
                                                       & (DomainConfig.domain == domain))
                            .values(measured_speedup=measured))
+    for item in greedy:
+        if not item["consistent"]:
+            log.error("run %s, domain %s, request %s: engine/estimator inconsistency -- live greedy "
+                      "output equals the log but accepted %d drafts in %d rounds, the estimate %s in %s",
+                      run_id, domain, item["request_id"], item["live_accepted"], item["live_rounds"],
+                      item["offline_accepted"], item["offline_rounds"])
     if gap:
-        log.warning("run %s, domain %s: measured speedup %.2fx vs predicted %.2fx (tolerance %.0f%%)",
-                    run_id, domain, measured, predicted, 100 * settings.confirm_tolerance)
+        log.warning("run %s, domain %s: measured speedup %.2fx vs %.2fx predicted for the same requests "
+                    "(cost-model error %+.0f%%, tolerance %.0f%%)", run_id, domain, measured, same,
+                    100 * cost_error, 100 * settings.confirm_tolerance)
     return row
+
+
+def _request_record(request, results: dict, offline, cost_of, new_tokens: int) -> dict:
+    """Predicted and measured speedup of one confirm request side by side, and for a greedy row
+    whether its live rounds equal the offline estimate's."""
+    plain, spec = results["plain"].stats, results["spec"].stats
+    measured = (spec.decode_tokens_per_s / plain.decode_tokens_per_s
+                if plain.decode_tokens_per_s > 0 else None)
+    predicted = None
+    if offline is not None and cost_of is not None and cost_of(offline) > 0:
+        predicted = offline.tokens / cost_of(offline)
+    logged = list(request.response_ids)[:new_tokens]
+    live = results["spec"].tokens[0, : results["spec"].num_tokens[0]].tolist()
+    comparable = bool(request.sampling.greedy) and offline is not None and live == logged
+    first_difference = next((i for i, (a, b) in enumerate(zip(live, logged)) if a != b),
+                            None if len(live) == len(logged) else min(len(live), len(logged)))
+    offline_accepted = None if offline is None else int(round(float(offline.accepted.sum())))
+    offline_rounds = None if offline is None else int(round(float(offline.rounds)))
+    return {"request_id": request.request_id, "predicted": predicted, "measured": measured,
+            "offline_expected_tokens": None if offline is None else offline.expected_tokens_per_round,
+            "live_accepted": int(spec.accepted), "live_rounds": int(spec.rounds),
+            "offline_accepted": offline_accepted, "offline_rounds": offline_rounds,
+            "greedy_comparable": comparable,
+            "consistent": (comparable and offline_accepted == spec.accepted
+                           and offline_rounds == spec.rounds) if comparable else None,
+            "first_difference_from_log": first_difference}

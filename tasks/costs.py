@@ -85,6 +85,9 @@ class CostTable:
     target_step: dict[int, float]                          # {batch: s}
     verify: dict[int, dict[int, float]]                    # {batch: {K: s}}
     draft_step: dict[str, dict[int, float]] = field(default_factory=dict)  # {drafter: {batch: s}}
+    # per round outside the forward passes and proposals ({drafter or "plain": {batch: s}});
+    # empty in profiles measured before it was (they plan without it)
+    round_overhead: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -111,6 +114,13 @@ class CostTable:
                 f"{drafter} at batch size {batch_size}; run `specdec profile` with that candidate"
             ) from None
 
+    def overhead_ratios(self, drafter: str, batch_size: int) -> tuple[float, float]:
+        """(plain decoding's overhead per step, the drafter's per round) / t_step at this batch
+        size; 0 where the profile has none."""
+        step = self.target_step[batch_size]
+        plain = self.round_overhead.get("plain", {}).get(batch_size, 0.0)
+        return plain / step, self.round_overhead.get(drafter, {}).get(batch_size, 0.0) / step
+
     def rows(self) -> list[dict]:
         out = []
         for b, seconds in self.target_step.items():
@@ -123,11 +133,15 @@ class CostTable:
             for b, s in per_batch.items():
                 out.append({"component": "draft_step", "drafter": drafter, "k": None,
                             "batch_size": b, "seconds": s})
+        for drafter, per_batch in self.round_overhead.items():
+            for b, s in per_batch.items():
+                out.append({"component": "round_overhead", "drafter": drafter, "k": None,
+                            "batch_size": b, "seconds": s})
         return out
 
     @classmethod
     def from_rows(cls, hardware_profile: str, run_id: str, rows) -> "CostTable":
-        table = cls(hardware_profile, run_id, {}, {}, {})
+        table = cls(hardware_profile, run_id, {}, {}, {}, {})
         for row in rows:
             row = dict(row)
             b, s = int(row["batch_size"]), float(row["seconds"])
@@ -137,6 +151,8 @@ class CostTable:
                 table.verify.setdefault(b, {})[int(row["k"])] = s
             elif row["component"] == "draft_step":
                 table.draft_step.setdefault(row["drafter"], {})[b] = s
+            elif row["component"] == "round_overhead":
+                table.round_overhead.setdefault(row["drafter"], {})[b] = s
             else:
                 raise CostProfileError(f"cost profile {hardware_profile!r}: unknown component "
                                        f"{row['component']!r}")
@@ -180,7 +196,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     engine = ensure_ready(database_url(db_url or settings.database_url))
     hardware = describe_hardware(target, hardware_profile)
     drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
-    table = CostTable(hardware["name"], run_id, {}, {}, {})
+    table = CostTable(hardware["name"], run_id, {}, {}, {}, {})
     start = time.perf_counter()
     with timing_lock():
         for b in tqdm(batch_sizes, desc=f"profile {hardware['name']}", disable=not progress):
@@ -191,6 +207,8 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
             table.verify[b] = costs["verify"]
             for label, seconds in costs["draft_step"].items():
                 table.draft_step.setdefault(label, {})[b] = seconds
+            for label, seconds in costs.get("round_overhead", {}).items():
+                table.round_overhead.setdefault(label, {})[b] = seconds
     _store(engine, run_id, hardware, table)
     elapsed = time.perf_counter() - start
     log.info("run %s: profiled %s at batch sizes %s in %.1f s", run_id, hardware["name"],

@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_accepted_length",
                  "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
-                 "measured_speedup", "gap", "enabled", "validation", "promotable", "reason")
+                 "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",
+                 "predicted_same_requests", "cost_model_error", "sampling_error", "greedy_checked",
+                 "greedy_consistent")
+LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_error",
+                "greedy_checked", "greedy_consistent")
 
 
 def default_run_id() -> str:
@@ -37,10 +41,11 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
     with engine.connect() as connection:
         configs = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
                                      .order_by(DomainConfig.domain)).mappings().all()
-        gaps = dict(connection.execute(select(LiveMeasurement.domain, LiveMeasurement.gap)
-                                       .where(LiveMeasurement.run_id == run_id)).all())
-    return [{column: (gaps.get(row["domain"]) if column == "gap" else row[column])
-             for column in TABLE_COLUMNS} for row in configs]
+        live = {row["domain"]: row for row in connection.execute(
+            select(LiveMeasurement.domain, *[getattr(LiveMeasurement, c) for c in LIVE_COLUMNS])
+            .where(LiveMeasurement.run_id == run_id)).mappings()}
+    return [{column: ((live.get(row["domain"]) or {}).get(column) if column in LIVE_COLUMNS
+                      else row[column]) for column in TABLE_COLUMNS} for row in configs]
 
 
 def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,

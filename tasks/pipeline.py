@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from pathlib import Path
 
 from sqlalchemy import func, select, update
 
@@ -205,7 +206,29 @@ def step_estimate(spec, domain: str, profile: str) -> dict:
     estimate_domains(spec.run_id, models["model"], domain_drafters(spec, domain), {domain: requests},
                      db_url=spec.url, settings=settings, k_max=settings.eval_k_max, progress=False)
     return _plain(plan_domain(spec.run_id, domain, costs, db_url=spec.url, settings=settings,
-                              samples=len(requests)))
+                              samples=len(requests),
+                              currently_on=domain in champion_domains_on(spec)))
+
+
+def champion_domains_on(spec: RunSpec) -> set[str]:
+    """Domains on in the target's champion config (for the planner's hysteresis); empty when there
+    is no champion or no tracking store yet (none is created to find out)."""
+    from mlflow.exceptions import MlflowException
+
+    from .config_schema import config_model_name
+    from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
+
+    uri = tracking_uri(spec.tracking_uri, spec.url)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        return set()
+    try:
+        mlflow_client = client(uri)
+        name = config_model_name(spec.target)
+        version = alias_version(mlflow_client, name, CHAMPION)
+        return set() if version is None else set(load_version_config(mlflow_client, name, version).domains_on)
+    except MlflowException as exc:
+        log.warning("run %s: champion config not read (%s): planning without hysteresis", spec.run_id, exc)
+        return set()
 
 
 def _sample_minimum(spec: RunSpec) -> int:

@@ -5,11 +5,21 @@ interval, and the share of rounds drafting w = 0..K tokens (prompt lookup may dr
 hardware profile at batch size b, one round costs, in target steps,
     cost_b = sum_w share_w * (draft_b(w) + v_b(w)),  v_b(w) = t_verify(w) / t_step  (v_b(0) = 1)
 with draft_b(w) = w * t_draft / t_step for a model drafter and t_lookup / t_step per round for
-prompt lookup. Predicted speedup = E(K) / cost_b; its interval is E's interval over the same cost
-(the model of docs/design.md's E(K) / (K c + v(K)), with the widths the traffic actually drafts).
-The best (drafter, K) at batch size 1 is chosen; the domain is on only when the lower end of its
-interval clears the policy minimum and the sample is large enough; max_batch_size is the largest
-profiled batch size up to which the lower end still clears it.
+prompt lookup. Each round also pays o_b, the host work outside the forward passes and the
+proposal (sampling, acceptance, write-back, rollback, bookkeeping), and plain decoding pays its own
+o_plain per step; both measured by the cost profile (profile.measure_round_overhead) in target
+steps. Predicted speedup = E(K) (1 + o_plain) / (cost_b + o_b); its interval is E's interval over
+the same cost (the model of docs/design.md's E(K) / (K c + v(K)), with the widths the traffic
+actually drafts and the overhead a GPU does not hide).
+The best (drafter, K) at batch size 1 is chosen; the domain turns on only when the lower end of
+its interval clears the policy minimum and the sample is large enough; max_batch_size is the
+largest profiled batch size up to which the lower end still clears it.
+
+Hysteresis (settings.hysteresis): a domain that is on in the champion config stays on while its
+interval's upper end clears the minimum and its lower end clears 1.0 (speculation still does not
+lose), with max_batch_size the largest batch size where that holds; the reason says "kept on:
+within hysteresis". Without it a domain near the minimum flips on and off from run to run on
+sampling noise alone, and every flip is a new config version to review.
 """
 
 from __future__ import annotations
@@ -41,24 +51,50 @@ def round_cost(width_share: list[float], verify_ratios: list[float], draft_ratio
     return cost
 
 
+def speedup_factor(drafter: str, drafter_spec: dict | None, width_share: list[float],
+                   costs: CostTable, batch_size: int) -> float:
+    """Speedup per token of E: (1 + o_plain) / (round cost + o_round), all in target steps, so
+    predicted speedup = E x this (see the module docstring)."""
+    # a host drafter (prompt lookup, suffix) pays one search per round, not one step per token
+    per_round = (drafter_spec or {}).get("kind") in HOST_DRAFTERS
+    cost = round_cost(width_share, costs.verify_ratios(batch_size),
+                      costs.draft_ratio(drafter, batch_size), per_round)
+    plain, overhead = costs.overhead_ratios(drafter, batch_size)
+    return (1.0 + plain) / (cost + overhead)
+
+
 def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, float, float]:
     """(predicted, lo, hi) speedup of one acceptance_estimates row at a batch size."""
-    # a host drafter (prompt lookup, suffix) pays one search per round, not one step per token
-    per_round = (estimate["drafter_spec"] or {}).get("kind") in HOST_DRAFTERS
-    cost = round_cost(estimate["draft_width_share"], costs.verify_ratios(batch_size),
-                      costs.draft_ratio(estimate["drafter"], batch_size), per_round)
-    return (estimate["mean_accepted_length"] / cost, estimate["mean_accepted_length_lo"] / cost,
-            estimate["mean_accepted_length_hi"] / cost)
+    factor = speedup_factor(estimate["drafter"], estimate["drafter_spec"],
+                            estimate["draft_width_share"], costs, batch_size)
+    return (estimate["mean_accepted_length"] * factor, estimate["mean_accepted_length_lo"] * factor,
+            estimate["mean_accepted_length_hi"] * factor)
+
+
+def _max_batch(estimate: dict, costs: CostTable, pays) -> int | None:
+    """The largest profiled batch size up to which pays(lo, hi) holds at every size (None: not at 1)."""
+    best = None
+    for b in costs.batch_sizes:
+        if estimate["k"] > costs.k_max(b):
+            break
+        _, lo, hi = speedups(estimate, costs, b)
+        if not pays(lo, hi):
+            break
+        best = b
+    return best
 
 
 def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None = None,
                 settings: Settings | None = None, status: str = "ok",
-                min_speedup: float | None = None, samples: int | None = None) -> dict:
+                min_speedup: float | None = None, samples: int | None = None,
+                currently_on: bool = False) -> dict:
     """Choose and store the domain's setting (domain_configs) from the run's estimates.
 
     status: the sample's verdict for the domain ("ok" or "insufficient": the domain is off in this
     config and the champion's setting is kept). samples: usable requests of the domain (default:
-    those the estimates scored). Output: the domain_configs row as a dict.
+    those the estimates scored). currently_on: the domain is on in the champion config (with
+    settings.hysteresis it then stays on within the wider band, see the module docstring).
+    Output: the domain_configs row as a dict.
     """
     settings = settings or load_settings()
     min_speedup = settings.min_speedup if min_speedup is None else min_speedup
@@ -92,12 +128,11 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
                    k=estimate["k"], predicted_speedup=predicted, predicted_speedup_lo=lo,
                    predicted_speedup_hi=hi, mean_accepted_length=estimate["mean_accepted_length"],
                    conditional_acceptance=estimate["conditional_acceptance"])
-        max_batch = None
-        for b in batch_sizes:
-            if estimate["k"] > costs.k_max(b) or speedups(estimate, costs, b)[1] < min_speedup:
-                break
-            max_batch = b
-        row["max_batch_size"] = max_batch
+        row["max_batch_size"] = _max_batch(estimate, costs, lambda lo, hi: lo >= min_speedup)
+        kept = (settings.hysteresis and currently_on and row["max_batch_size"] is None
+                and _max_batch(estimate, costs, lambda lo, hi: hi >= min_speedup and lo >= 1.0))
+        if kept:
+            row["max_batch_size"] = kept
     if status == "insufficient":
         row["reason"] = (f"insufficient samples ({samples} usable requests of this target, fewer "
                          "than the minimum): off in this config; the champion's setting is kept")
@@ -108,6 +143,13 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
         row["reason"] = (f"off: best {row['drafter']} K={row['k']} predicts {row['predicted_speedup']:.2f}x "
                          f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}], whose "
                          f"lower end does not clear the minimum {min_speedup:.2f}x")
+    elif kept:
+        row["enabled"] = True
+        row["reason"] = (f"kept on: within hysteresis -- {row['drafter']} K={row['k']} predicts "
+                         f"{row['predicted_speedup']:.2f}x [{row['predicted_speedup_lo']:.2f}, "
+                         f"{row['predicted_speedup_hi']:.2f}]: on in the champion, upper end still "
+                         f">= {min_speedup:.2f}x and lower end >= 1.00x (up to batch "
+                         f"{row['max_batch_size']})")
     else:
         row["enabled"] = True
         row["reason"] = (f"on: {row['drafter']} K={row['k']} predicts {row['predicted_speedup']:.2f}x "

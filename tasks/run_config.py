@@ -56,7 +56,9 @@ def build_config(run_id: str, db_url: str | None = None,
             conditional_acceptance=row["conditional_acceptance"] or [],
             mean_accepted_length=row["mean_accepted_length"], predicted_speedup=row["predicted_speedup"],
             predicted_speedup_ci95=ci, measured_speedup=row["measured_speedup"],
-            samples=row["samples"] or 0, validation=row["validation"], source="run")
+            samples=row["samples"] or 0, validation=row["validation"], source="run",
+            note="kept on: within hysteresis" if str(row["reason"] or "").startswith("kept on")
+            else None)
     return SpecdecConfig(target={"id": run["target_id"], "fingerprint": run["target_fingerprint"]},
                          hardware_profile=run["hardware_profile"], run_id=run_id,
                          created_at=run["updated_at"], domains=domains)
@@ -79,7 +81,7 @@ def _x(value, digits: int = 2) -> str:
 def domain_table_markdown(config: SpecdecConfig) -> str:
     """One Markdown row per domain: setting, predicted and measured speedup, validation, source."""
     lines = ["| domain | on | drafter | K | max batch | E[tokens/round] | predicted (95% CI) | "
-             "measured | samples | validation | source |", "|" + "---|" * 11]
+             "measured | samples | validation | source | note |", "|" + "---|" * 12]
     for name, s in sorted(config.domains.items()):
         drafter = "-" if s.drafter is None else s.drafter.kind + (
             "(" + ",".join(f"{k}={v}" for k, v in sorted(s.drafter.params.items())) + ")"
@@ -90,7 +92,7 @@ def domain_table_markdown(config: SpecdecConfig) -> str:
                      f"{s.max_batch_size or '-'} | "
                      f"{'-' if s.mean_accepted_length is None else f'{s.mean_accepted_length:.2f}'} | "
                      f"{_x(s.predicted_speedup)}{ci} | {_x(s.measured_speedup)} | {s.samples} | "
-                     f"{s.validation or '-'} | {s.source} |")
+                     f"{s.validation or '-'} | {s.source} | {s.note or ''} |")
     return "\n".join(lines)
 
 

@@ -135,6 +135,10 @@ class Settings(BaseModel):
     profile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     profile_context_len: int = Field(default=256, ge=8)
     profile_repeats: int = Field(default=3, ge=1)
+    hysteresis: bool = Field(default=True, description=(
+        "a domain on in the champion config stays on while its predicted interval's upper end "
+        "clears min_speedup and its lower end clears 1.0; a domain that is off turns on only when "
+        "its lower end clears min_speedup (configs do not flap at the edge)"))
     min_speedup: float = Field(default=1.1, gt=0, description=(
         "policy: a domain is on only when the lower end of its predicted speedup's 95% interval "
         "clears this"))

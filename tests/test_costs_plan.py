@@ -188,6 +188,33 @@ def test_speedups_of_an_estimate_by_hand():
     assert speedups(estimate, cost_table(), 2)[0] == pytest.approx(2.0 / cost_b2)
 
 
+def test_speedups_include_the_round_overhead_and_plain_decodings_own():
+    estimate = {"drafter": PL, "drafter_spec": PL_SPEC, "draft_width_share": [0.5, 0.0, 0.5],
+                "mean_accepted_length": 2.0, "mean_accepted_length_lo": 1.9, "mean_accepted_length_hi": 2.1}
+    costs = cost_table()
+    without = speedups(estimate, costs, 2)[0]
+    # overhead per round 0.2 steps for the drafter, 0.05 per plain step (t_step at b=2: 25 ms)
+    costs.round_overhead = {PL: {2: 0.2 * STEP[2]}, "plain": {2: 0.05 * STEP[2]}}
+    assert costs.overhead_ratios(PL, 2) == pytest.approx((0.05, 0.2))
+    cost_b2 = 0.5 * (0.1 + 1) + 0.5 * (0.1 + 2.0)
+    assert speedups(estimate, costs, 2)[0] == pytest.approx(2.0 * 1.05 / (cost_b2 + 0.2))
+    assert speedups(estimate, costs, 2)[0] < without
+    # no overhead measured at a batch size (older profiles): planned as before
+    assert speedups(estimate, costs, 1)[0] == pytest.approx(speedups(estimate, cost_table(), 1)[0])
+    again = CostTable.from_rows(costs.hardware_profile, costs.run_id, costs.rows())
+    assert again.round_overhead == costs.round_overhead
+
+
+def test_round_overhead_is_the_decode_time_outside_forwards_and_proposals(target):
+    from specdec_core.drafters import PromptLookup
+    from specdec_core.profile import measure_round_overhead
+
+    for drafter in (None, PromptLookup(3, 1)):
+        seconds = measure_round_overhead(target, drafter, 3, batch_size=2, context_len=32, repeats=1)
+        # host work per round of a tiny model: positive, and far below a second
+        assert 0 <= seconds < 0.5
+
+
 # ------------------------------------------------------------------------------------------------
 # plan_domain
 def test_plan_picks_the_best_drafter_and_k_and_the_largest_paying_batch(db_url):
@@ -240,6 +267,40 @@ def test_plan_is_off_when_the_lower_end_misses_the_minimum(db_url):
     assert row["enabled"] is True and row["max_batch_size"] == 1
     row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings(), min_speedup=1.0)
     assert row["enabled"] is True and row["max_batch_size"] == 1
+
+
+def test_hysteresis_keeps_an_on_domain_on_inside_the_band_and_only_there(db_url):
+    # LS K=2 alone: 2.2 / 1.9 = 1.16 [1.05, 1.26] -- the lower end misses 1.1, the upper clears it
+    add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.2, 2.0, 2.4, [0.0, 0.0, 1.0])
+    off = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings())
+    assert off["enabled"] is False                       # off before: stays off (needs lo >= 1.1)
+    kept = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings(),
+                       currently_on=True)
+    # on in the champion: kept on while hi >= 1.1 and lo >= 1.0; at b=2 lo = 2.0/2.6 < 1.0
+    assert kept["enabled"] is True and kept["max_batch_size"] == 1
+    assert kept["reason"].startswith("kept on: within hysteresis")
+    [stored] = configs(db_url)
+    assert stored["enabled"] is True and stored["reason"] == kept["reason"]
+    # the setting switches it off
+    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url,
+                      settings=settings(hysteresis=False), currently_on=True)
+    assert row["enabled"] is False
+    # outside the band (lower end below 1.0) an on domain turns off
+    add_estimate(db_url, "plan-run", "json", LS_SPEC, 2, 2.2, 1.8, 2.4, [0.0, 0.0, 1.0])
+    row = plan_domain("plan-run", "json", cost_table(), db_url=db_url, settings=settings(),
+                      currently_on=True)
+    assert row["predicted_speedup_lo"] < 1.0 and row["enabled"] is False
+
+
+def test_the_config_description_says_a_domain_was_kept_on_by_hysteresis():
+    from tasks.config_schema import DomainSetting, DrafterSpec, SpecdecConfig
+    from tasks.run_config import domain_table_markdown
+
+    config = SpecdecConfig(target={"id": "t", "fingerprint": "sha256:0"}, hardware_profile="hw",
+                           run_id="r", created_at="2026-01-01T00:00:00Z",
+                           domains={"code": DomainSetting(enabled=True, drafter=DrafterSpec(kind="suffix"),
+                                                          k=2, note="kept on: within hysteresis")})
+    assert "| kept on: within hysteresis |" in domain_table_markdown(config)
 
 
 def test_max_batch_size_is_contiguous_from_the_smallest(db_url):
@@ -328,7 +389,8 @@ def keys(rows):
 
 EXPECTED_KEYS = sorted(
     [("target_step", "", 0, b) for b in (1, 2)] + [("verify", "", k, b) for k in (1, 2) for b in (1, 2)]
-    + [("draft_step", d, 0, b) for d in (LS, PL) for b in (1, 2)])
+    + [("draft_step", d, 0, b) for d in (LS, PL) for b in (1, 2)]
+    + [("round_overhead", d, 0, b) for d in (LS, PL, "plain") for b in (1, 2)])
 
 
 def test_profile_costs_stores_every_component_and_load_costs_reads_it(db_url, target, drafters):
@@ -337,8 +399,8 @@ def test_profile_costs_stores_every_component_and_load_costs_reads_it(db_url, ta
     assert result["hardware_profile"]["dtype"] == "float32" and result["seconds"] >= 0
     stored = cost_rows(db_url)
     assert keys(stored) == EXPECTED_KEYS and keys(result["costs"]) == EXPECTED_KEYS
-    assert all(r["seconds"] > 0 and r["run_id"] == "run-1" and r["hardware_profile"] == "tiny-cpu"
-               for r in stored)
+    assert all((r["seconds"] > 0 or r["component"] == "round_overhead" and r["seconds"] >= 0)
+               and r["run_id"] == "run-1" and r["hardware_profile"] == "tiny-cpu" for r in stored)
     [hardware] = fetch(db_url, select(HardwareProfile))
     assert hardware["name"] == "tiny-cpu" and hardware["dtype"] == "float32"
     assert hardware["device"].startswith("cpu") and "torch" in hardware["details"]

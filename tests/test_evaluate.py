@@ -188,3 +188,44 @@ def test_a_failing_domain_is_recorded_and_the_others_go_on(db_url, tmp_path, tin
     assert "code-" in table["code"]["reason"]               # the request is named by its id
     for domain in ("json", "qa"):
         assert table[domain]["status"] == "ok" and table[domain]["validation"] == "passed"
+
+
+def test_confirm_predicts_the_same_requests_and_checks_greedy_rows(tiny_db, tiny_target):
+    result = run(tiny_db, tiny_target, "same", min_speedup=0.01, confirm_requests=4,
+                 confirm_tolerance=0.25)
+    engine = create_engine(tiny_db)
+    with engine.connect() as connection:
+        rows = connection.execute(select(LiveMeasurement).where(LiveMeasurement.run_id == "same")
+                                  ).mappings().all()
+        configs = {r.domain: r for r in connection.execute(
+            select(DomainConfig).where(DomainConfig.run_id == "same")).all()}
+    engine.dispose()
+    assert {row["domain"] for row in rows} == {"json", "qa"} and result["table"]
+    for row in rows:
+        assert row["requests"] == 4 and len(row["per_request"]) == 4
+        # the flag fires on the cost-model error (same requests), not on the domain-level gap
+        assert row["cost_model_error"] == pytest.approx(
+            row["measured_speedup"] / row["predicted_same_requests"] - 1.0)
+        assert row["gap"] == (abs(row["cost_model_error"]) > 0.25)
+        assert row["domain_expected_tokens"] == pytest.approx(configs[row["domain"]].mean_accepted_length)
+        assert row["sampling_error"] == pytest.approx(
+            row["subset_expected_tokens"] / row["domain_expected_tokens"] - 1.0)
+        for item in row["per_request"]:
+            assert item["predicted"] > 0 and item["measured"] > 0
+        # the logged responses are the target's own: every greedy row decodes them again, and its
+        # live rounds and accepted drafts equal the offline estimate's
+        greedy = [item for item in row["per_request"] if item["greedy_comparable"]]
+        assert row["greedy_checked"] == len(greedy) >= 1
+        assert row["greedy_consistent"] == row["greedy_checked"]
+        assert all(item["first_difference_from_log"] is None for item in greedy)
+
+
+def test_confirm_requests_are_stratified_on_offline_e():
+    from tasks.confirm import _stratified
+
+    requests = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    values = [5.0, 1.0, 4.0, 2.0, 3.0, 0.0, 7.0, 6.0]
+    picked = _stratified(requests, values, 4)
+    # by value: f b d e c a h g; ranks 1, 3, 5, 7 are b, e, a, g -- kept in sample order
+    assert picked == ["a", "b", "e", "g"]
+    assert _stratified(requests, values, 10) == requests

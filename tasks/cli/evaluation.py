@@ -15,12 +15,17 @@ def _fmt(value, digits: int = 2, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:+.0f}%"
+
+
 def evaluation_rich_table(result: dict) -> Table:
     table = Table(title=escape(f"run {result['run_id']}: {result['target']} on "
                                f"{result['hardware_profile']} ({result['seconds']:.0f} s)"),
                   title_justify="left")
     for column in ("domain", "on", "drafter", "K", "max batch", "E[tokens/round]",
-                   "predicted speedup [95% CI]", "measured", "validation", "note"):
+                   "predicted speedup [95% CI]", "measured", "same requests", "cost-model err",
+                   "sampling err", "validation", "note"):
         table.add_column(column, justify="left" if column in ("domain", "drafter", "note", "on",
                                                               "validation") else "right")
     for row in result["table"]:
@@ -29,13 +34,19 @@ def evaluation_rich_table(result: dict) -> Table:
             f"{row['predicted_speedup_hi']:.2f}]")
         note = [] if row["status"] == "ok" else [row["status"]]
         if row["gap"]:
-            note.append("measured vs predicted gap")
+            note.append("cost-model gap")
+        if row.get("greedy_checked") and row["greedy_consistent"] != row["greedy_checked"]:
+            note.append(f"greedy inconsistent {row['greedy_checked'] - row['greedy_consistent']}"
+                        f"/{row['greedy_checked']}")
         if row["promotable"] is False:
             note.append("NOT promotable")
         table.add_row(row["domain"], "on" if row["enabled"] else "off", escape(row["drafter"] or "-"),
                       str(row["k"] or "-"), str(row["max_batch_size"] or "-"),
                       _fmt(row["mean_accepted_length"]), predicted,
-                      _fmt(row["measured_speedup"], suffix="x"), row["validation"] or "-",
+                      _fmt(row["measured_speedup"], suffix="x"),
+                      _fmt(row.get("predicted_same_requests"), suffix="x"),
+                      _percent(row.get("cost_model_error")), _percent(row.get("sampling_error")),
+                      row["validation"] or "-",
                       ", ".join(note))
     return table
 

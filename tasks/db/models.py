@@ -211,6 +211,17 @@ class LiveMeasurement(Base):
     plain_latency_s: Mapped[float | None] = mapped_column(Float)
     spec_latency_s: Mapped[float | None] = mapped_column(Float)
     gap: Mapped[bool | None] = mapped_column(Boolean)
+    # 0004: the prediction on the same requests (their own offline estimate and the cost model);
+    # cost-model error = measured / that - 1 (the gap flag's figure); sampling error = the subset's
+    # offline E / the domain's - 1; greedy rows whose live accepted counts equal the estimate's
+    predicted_same_requests: Mapped[float | None] = mapped_column(Float)
+    cost_model_error: Mapped[float | None] = mapped_column(Float)
+    subset_expected_tokens: Mapped[float | None] = mapped_column(Float)
+    domain_expected_tokens: Mapped[float | None] = mapped_column(Float)
+    sampling_error: Mapped[float | None] = mapped_column(Float)
+    greedy_checked: Mapped[int | None] = mapped_column(Integer)
+    greedy_consistent: Mapped[int | None] = mapped_column(Integer)
+    per_request: Mapped[list | None] = mapped_column(JSON)
 
 
 class Validation(Base):
