@@ -1,10 +1,15 @@
 """The promoted config: one pydantic schema (docs/design.md, "Public contracts").
 
     {schema_version, target: {id, fingerprint}, hardware_profile, run_id, created_at,
-     domains: {NAME: {enabled, drafter, k, max_batch_size, conditional_acceptance,
+     domains: {NAME: {enabled, drafter, k, max_batch_size, k_schedule, conditional_acceptance,
                       mean_accepted_length, predicted_speedup, predicted_speedup_ci95,
                       measured_speedup, samples (requests)}},
      default: {enabled: false}}
+
+Schema version 2 adds `k_schedule`: [[first batch size, last batch size, K], ...], ascending and
+contiguous from batch size 1, K = 0 where speculation stops paying (K by batch size, as serving
+engines take it); an enabled domain's max_batch_size is then the last batch size with K > 0.
+Version 1 configs (no schedule: K up to max_batch_size) still read.
 
 `drafter` is {kind: prompt_lookup | suffix | layer_skip | draft_model, params, model_uri
 ("models:/...": a registered draft_model, or a suffix drafter's registered index)}. A suffix
@@ -24,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import SpecdecTaskError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class ConfigError(SpecdecTaskError, ValueError):
@@ -57,6 +62,7 @@ class DomainSetting(_Strict):
     drafter: DrafterSpec | None = None
     k: int = Field(default=0, ge=0)
     max_batch_size: int | None = Field(default=None, ge=1)
+    k_schedule: list[tuple[int, int, int]] = Field(default_factory=list)
     conditional_acceptance: list[Rate] = Field(default_factory=list)
     mean_accepted_length: float | None = Field(default=None, ge=1.0)
     predicted_speedup: float | None = Field(default=None, gt=0)
@@ -76,6 +82,17 @@ class DomainSetting(_Strict):
             if not 0 < low <= high:
                 raise ValueError(f"predicted_speedup_ci95 {list(self.predicted_speedup_ci95)} must be "
                                  "0 < low <= high")
+        if self.k_schedule:
+            expected = 1
+            for start, end, k in self.k_schedule:
+                if start != expected or end < start or k < 0:
+                    raise ValueError(f"k_schedule {[list(r) for r in self.k_schedule]}: ranges must "
+                                     "run contiguously from batch size 1, each [first, last, K >= 0]")
+                expected = end + 1
+            paying = [end for _, end, k in self.k_schedule if k > 0]
+            if self.enabled and self.max_batch_size != (max(paying) if paying else None):
+                raise ValueError(f"max_batch_size {self.max_batch_size} != the last batch size with "
+                                 f"K > 0 in k_schedule ({max(paying) if paying else None})")
         return self
 
 
@@ -89,7 +106,7 @@ class DefaultSetting(_Strict):
 
 
 class SpecdecConfig(_Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     target: TargetRef
     hardware_profile: str
     run_id: str

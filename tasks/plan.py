@@ -71,6 +71,28 @@ def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, 
             estimate["mean_accepted_length_hi"] * factor)
 
 
+def k_schedule(estimates: list[dict], costs: CostTable, pays) -> list[list[int]]:
+    """K by batch size for one drafter: [[first, last, K], ...] over the profiled batch sizes. Each
+    range ends at a profiled size b and starts after the previous one, and its K is the one with
+    the best predicted speedup at b among those that pay there (pays(lo, hi)): costs grow with the
+    batch, so what pays at b pays below it. 0 from the first size where none pays; the largest
+    profiled size ends the schedule (beyond it nothing was measured: serving stays off)."""
+    sizes = costs.batch_sizes
+    schedule, stopped = [], False
+    for index, b in enumerate(sizes):
+        best = (0, 0.0)
+        if not stopped:
+            for estimate in estimates:
+                if estimate["k"] > costs.k_max(b):
+                    continue
+                predicted, lo, hi = speedups(estimate, costs, b)
+                if pays(lo, hi) and predicted > best[1]:
+                    best = (estimate["k"], predicted)
+        stopped = stopped or best[0] == 0
+        schedule.append([1 if index == 0 else sizes[index - 1] + 1, b, best[0]])
+    return schedule
+
+
 def _max_batch(estimate: dict, costs: CostTable, pays) -> int | None:
     """The largest profiled batch size up to which pays(lo, hi) holds at every size (None: not at 1)."""
     best = None
@@ -120,6 +142,7 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
     row = {"run_id": run_id, "domain": domain, "enabled": False, "drafter": None,
            "drafter_spec": None, "k": None, "max_batch_size": None, "predicted_speedup": None,
            "predicted_speedup_lo": None, "predicted_speedup_hi": None, "measured_speedup": None,
+           "k_schedule": None,
            "mean_accepted_length": None, "conditional_acceptance": None, "samples": samples,
            "status": status, "validation": None, "promotable": None, "reason": None}
     if best is not None:
@@ -129,10 +152,17 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
                    predicted_speedup_hi=hi, mean_accepted_length=estimate["mean_accepted_length"],
                    conditional_acceptance=estimate["conditional_acceptance"])
         row["max_batch_size"] = _max_batch(estimate, costs, lambda lo, hi: lo >= min_speedup)
+        pays = lambda lo, hi: lo >= min_speedup  # noqa: E731
         kept = (settings.hysteresis and currently_on and row["max_batch_size"] is None
                 and _max_batch(estimate, costs, lambda lo, hi: hi >= min_speedup and lo >= 1.0))
         if kept:
             row["max_batch_size"] = kept
+            pays = lambda lo, hi: hi >= min_speedup and lo >= 1.0  # noqa: E731
+        row["k_schedule"] = k_schedule(
+            [e for e in estimates if e["drafter"] == estimate["drafter"]], costs, pays)
+        paying = [last for _, last, k in row["k_schedule"] if k > 0]
+        if row["max_batch_size"] is not None:      # on: the schedule says up to which batch size
+            row["max_batch_size"] = max(paying)
     if status == "insufficient":
         row["reason"] = (f"insufficient samples ({samples} usable requests of this target, fewer "
                          "than the minimum): off in this config; the champion's setting is kept")

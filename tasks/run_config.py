@@ -53,6 +53,7 @@ def build_config(run_id: str, db_url: str | None = None,
         domains[row["domain"]] = DomainSetting(
             enabled=bool(row["enabled"]), drafter=drafter, k=row["k"] or 0,
             max_batch_size=row["max_batch_size"] if row["enabled"] else None,
+            k_schedule=[tuple(r) for r in row["k_schedule"] or []] if row["enabled"] else [],
             conditional_acceptance=row["conditional_acceptance"] or [],
             mean_accepted_length=row["mean_accepted_length"], predicted_speedup=row["predicted_speedup"],
             predicted_speedup_ci95=ci, measured_speedup=row["measured_speedup"],

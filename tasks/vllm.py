@@ -5,6 +5,9 @@ from __future__ import annotations
 from .config_schema import DrafterSpec, SpecdecConfig
 
 
+BEYOND = 1 << 20     # the end of the last range: speculation off above the profiled batch sizes
+
+
 def speculative_config(drafter: DrafterSpec, k: int) -> dict | None:
     """The vLLM `speculative_config` of one drafter at K tokens per round; None: no equivalent.
 
@@ -46,7 +49,13 @@ def vllm_export(config: SpecdecConfig) -> dict:
         if drafter.kind == "suffix":
             notes[name] = ("vLLM builds its suffix tree from the requests it serves: these are the "
                            "parameters tuned here, not the index the evaluation measured with")
-        if setting.max_batch_size:
+        if setting.k_schedule:   # K by batch size; inclusive ranges, 0 = off (gaps inherit in vLLM)
+            last = setting.k_schedule[-1][1]
+            spec["num_speculative_tokens"] = max(k for _, _, k in setting.k_schedule)
+            spec["num_speculative_tokens_per_batch_size"] = {
+                **{f"{first}-{end}": k for first, end, k in setting.k_schedule},
+                f"{last + 1}-{BEYOND}": 0}
+        elif setting.max_batch_size:   # a schema 1 config: one K up to a cut-off
             spec["disable_by_batch_size"] = setting.max_batch_size
         domains[name] = spec
     return {"target": config.target.id, "run_id": config.run_id, "speculative_config": domains,

@@ -238,6 +238,29 @@ def test_plan_picks_the_best_drafter_and_k_and_the_largest_paying_batch(db_url):
     assert stored["drafter_spec"] == PL_SPEC and stored["reason"] == row["reason"]
 
 
+def test_plan_stores_k_by_batch_size_and_derives_max_batch_size_from_it(db_url):
+    seed_qa(db_url)
+    row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
+    # PL is chosen; at b=1 and b=2 its only planned K (2) pays, at b=4 it does not: 0 from there
+    assert row["k_schedule"] == [[1, 1, 2], [2, 2, 2], [3, 4, 0]]
+    assert row["max_batch_size"] == 2
+    [stored] = configs(db_url)
+    assert stored["k_schedule"] == [[1, 1, 2], [2, 2, 2], [3, 4, 0]]
+
+
+def test_k_schedule_picks_the_best_paying_k_at_each_batch_size():
+    from tasks.plan import k_schedule
+
+    # LS K=1 and K=2 (widths all K): b=1: K=2 2.2/1.9 = 1.16 beats K=1 1.6/1.45 = 1.10;
+    # b=2: K=1 1.6/1.8 = 0.89, K=2 2.2/2.6 = 0.85: neither pays at 0.5 -- hand-check via pays
+    estimates = [{"drafter": LS, "drafter_spec": LS_SPEC, "k": k, "draft_width_share": share,
+                  "mean_accepted_length": e, "mean_accepted_length_lo": e, "mean_accepted_length_hi": e}
+                 for k, e, share in ((1, 1.6, [0.0, 1.0]), (2, 2.2, [0.0, 0.0, 1.0]))]
+    assert k_schedule(estimates, cost_table(), lambda lo, hi: lo >= 1.05) == [[1, 1, 2], [2, 2, 0], [3, 4, 0]]
+    assert k_schedule(estimates, cost_table(), lambda lo, hi: lo >= 0.8) == [[1, 1, 2], [2, 2, 1], [3, 4, 0]]
+    assert k_schedule(estimates, cost_table(), lambda lo, hi: lo >= 5) == [[1, 1, 0], [2, 2, 0], [3, 4, 0]]
+
+
 def test_plan_fills_predicted_speedups_of_the_estimates(db_url):
     seed_qa(db_url)
     plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())

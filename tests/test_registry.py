@@ -544,8 +544,22 @@ def config_dict(**domains) -> dict:
 def test_a_valid_config_round_trips():
     config = parse_config(config_dict(json=enabled_domain(), chat={"enabled": False}))
     assert isinstance(config, SpecdecConfig) and config.domains_on == ["json"]
-    assert config.default.enabled is False and config.schema_version == 1
+    assert config.default.enabled is False and config.schema_version == 2
     assert parse_config(config.to_json()) == config
+
+
+def test_schema_1_configs_still_read_and_schedules_are_checked():
+    old = parse_config({**config_dict(json=enabled_domain()), "schema_version": 1})
+    assert old.schema_version == 1 and old.domains["json"].k_schedule == []
+    scheduled = parse_config(config_dict(json=enabled_domain(
+        k=4, max_batch_size=4, k_schedule=[[1, 1, 4], [2, 2, 3], [3, 4, 2], [5, 8, 0]])))
+    assert scheduled.domains["json"].k_schedule[2] == (3, 4, 2)
+    for schedule, max_batch, words in (([[2, 4, 3]], 4, "contiguously from batch size 1"),
+                                       ([[1, 2, 3], [4, 8, 1]], 8, "contiguously"),
+                                       ([[1, 1, 4], [2, 4, 2]], 1, "max_batch_size 1 != ")):
+        with pytest.raises(ConfigError, match=words):
+            parse_config(config_dict(json=enabled_domain(k=4, max_batch_size=max_batch,
+                                                         k_schedule=schedule)))
 
 
 @pytest.mark.parametrize("domain, field, words", [
@@ -616,6 +630,28 @@ def test_vllm_export_per_domain():
     assert spec["code"] is None and spec["chat"] is None
     assert set(exported["unsupported"]) == {"code"} and "layer_skip" in exported["unsupported"]["code"]
     assert json.loads(json.dumps(exported)) == exported
+
+
+def test_k_by_batch_size_goes_to_each_engines_own_key():
+    from tasks.trtllm import trtllm_export
+
+    schedule = [[1, 1, 5], [2, 2, 4], [3, 4, 2], [5, 8, 0]]
+    config = parse_config(config_dict(
+        json=enabled_domain(drafter={"kind": "prompt_lookup", "params": {"max_ngram": 4}}, k=5,
+                            max_batch_size=4, k_schedule=schedule),
+        code=enabled_domain(drafter={"kind": "suffix", "params": {}}, k=3, max_batch_size=1,
+                            k_schedule=[[1, 1, 3], [2, 2, 0]]),
+        chat={"enabled": False}))
+    vllm = vllm_export(config)["speculative_config"]
+    assert vllm["json"]["num_speculative_tokens"] == 5 and "disable_by_batch_size" not in vllm["json"]
+    assert vllm["json"]["num_speculative_tokens_per_batch_size"] == {
+        "1-1": 5, "2-2": 4, "3-4": 2, "5-8": 0, f"9-{1 << 20}": 0}
+    trt = trtllm_export(config)
+    assert trt["speculative_config"]["json"] == {"decoding_type": "NGram", "max_draft_len": 5,
+                                                 "max_matching_ngram_size": 4,
+                                                 "draft_len_schedule": {1: 5, 2: 4, 4: 2}}
+    assert trt["speculative_config"]["code"] is None and "suffix" in trt["unsupported"]["code"]
+    assert trt["speculative_config"]["chat"] is None
 
 
 # ------------------------------------------------------------------------------------------------

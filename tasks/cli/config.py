@@ -75,12 +75,14 @@ def cmd_rollback(args) -> int:
 
 def cmd_export(args) -> int:
     from ..tracking import client, load_version_config, show_version
+    from ..trtllm import trtllm_export
     from ..vllm import vllm_export
 
     version = show_version(_name(args), args.which, args.tracking_uri)["version"]
     config = load_version_config(client(args.tracking_uri), _name(args), version)
-    print(json.dumps(vllm_export(config) if args.format == "vllm" else json.loads(config.to_json()),
-                     indent=2))
+    exports = {"vllm": vllm_export, "trtllm": trtllm_export}
+    print(json.dumps(exports[args.format](config) if args.format in exports
+                     else json.loads(config.to_json()), indent=2))
     return 0
 
 
@@ -118,6 +120,8 @@ def register(sub) -> None:
     back.set_defaults(func=cmd_rollback)
     export = c_sub.add_parser("export", help="a version as JSON, or as vLLM speculative_config per domain")
     export.add_argument("which", nargs="?", default="champion")
-    export.add_argument("--format", choices=["json", "vllm"], default="json")
+    export.add_argument("--format", choices=["json", "vllm", "trtllm"], default="json",
+                        help="json: the config; vllm / trtllm: each engine's speculative_config "
+                             "per domain (K by batch size in the engine's own key)")
     common(export)
     export.set_defaults(func=cmd_export)

@@ -268,6 +268,8 @@ class DomainConfig(Base):
     validation: Mapped[str | None] = mapped_column(String(32))       # passed | failed | not_run
     promotable: Mapped[bool | None] = mapped_column(Boolean)
     reason: Mapped[str | None] = mapped_column(Text)
+    # 0005: K by batch size, [[first, last, K], ...] (tasks.plan.k_schedule)
+    k_schedule: Mapped[list | None] = mapped_column(JSON)
 
 
 class Promotion(Base):
