@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from .config_schema import config_model_name, parse_config
 from .db.engine import database_url, ensure_ready
-from .db.models import AcceptanceEstimate, DomainConfig, QualityResult, Validation
+from .db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
 from .promotion import current_user, record_promotion
 from .run_config import build_config, changes_markdown, domain_table_markdown, run_row, validation_status
 from .settings import Settings, load_settings
@@ -69,6 +69,25 @@ def _plots(run_id: str, connection, directory: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+    live = connection.execute(select(LiveMeasurement.domain, LiveMeasurement.predicted_same_requests,
+                                     LiveMeasurement.measured_speedup)
+                              .where(LiveMeasurement.run_id == run_id)
+                              .order_by(LiveMeasurement.domain)).all()
+    live = [row for row in live if row.predicted_same_requests and row.measured_speedup]
+    if live:   # the cost model's calibration: predicted vs measured on the same requests
+        fig, ax = plt.subplots(figsize=(5, 5))
+        ax.scatter([r.predicted_same_requests for r in live], [r.measured_speedup for r in live])
+        for r in live:
+            ax.annotate(r.domain, (r.predicted_same_requests, r.measured_speedup), fontsize=7)
+        low = min(min(r.predicted_same_requests, r.measured_speedup) for r in live) * 0.9
+        high = max(max(r.predicted_same_requests, r.measured_speedup) for r in live) * 1.1
+        ax.plot([low, high], [low, high], color="grey", lw=0.8)
+        ax.set(xlabel="predicted speedup (same requests)", ylabel="measured speedup",
+               title=f"run {run_id}: cost-model calibration")
+        paths.append(directory / "calibration.png")
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
     return paths
 
 

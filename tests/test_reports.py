@@ -18,6 +18,7 @@ from tasks.traffic import import_traffic
 
 EXPECTED_REPORTS = {"acceptance_by_domain_per_day", "current_config_per_domain",
                     "gpu_seconds_saved_per_domain", "quarantined_by_reason", "speedup_trend",
+                    "calibration_trend",
                     "traffic_by_domain_per_day", "validation_failures"}
 CANARY = "CANARY-TEXT"
 
@@ -76,6 +77,9 @@ def fixture_db(db_url, jsonl_file, make_request):
             dict(run_id="r2", domain="qa", drafter="prompt_lookup", k=4, batch_size=1, requests=4,
                  tokens=200, acceptance_rate=0.68, mean_accepted_length=2.9, plain_tokens_per_s=20.0,
                  spec_tokens_per_s=30.0, predicted_speedup=1.4, measured_speedup=1.5,
+                 predicted_same_requests=1.6, cost_model_error=1.5 / 1.6 - 1,
+                 subset_expected_tokens=2.7, domain_expected_tokens=3.0, sampling_error=-0.1,
+                 greedy_checked=2, greedy_consistent=2, gap=False,
                  created_at=at("2025-11-03 16:00")),
             dict(run_id="r2", domain="code", drafter="layer_skip", k=2, batch_size=1, requests=2,
                  tokens=80, acceptance_rate=0.35, mean_accepted_length=1.5, plain_tokens_per_s=25.0,
@@ -165,6 +169,18 @@ def test_speedup_trend(fixture_db):
             for r in report] == [("2025-11-03", "qa", 1.4, 1.5, 1), ("2025-11-04", "code", 1.1, 0.9, None)]
     assert report[0]["measured_over_predicted"] == pytest.approx(1.5 / 1.4)
     assert (report[0]["predicted_ci95_lo"], report[0]["predicted_ci95_hi"]) == (1.2, 1.6)
+
+
+def test_calibration_trend(fixture_db):
+    # the cost model's error on the same requests apart from the subset's sampling error
+    report = rows_as_dicts(run_report("calibration_trend", db_url=fixture_db[0]))
+    assert [(r["day"], r["domain"]) for r in report] == [("2025-11-03", "qa"), ("2025-11-04", "code")]
+    qa, code = report
+    assert (qa["predicted_same_requests"], qa["measured_speedup"]) == (1.6, 1.5)
+    assert qa["cost_model_error"] == pytest.approx(1.5 / 1.6 - 1) and qa["sampling_error"] == -0.1
+    assert (qa["greedy_checked"], qa["greedy_consistent"], qa["gap"]) == (2, 2, 0)
+    # a measurement from before these figures existed: empty, not invented
+    assert code["cost_model_error"] is None and code["gap"] is None
 
 
 def test_validation_failures(fixture_db):
