@@ -29,6 +29,25 @@ def output_size(model: torch.nn.Module) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
+def draft_chain(logits: torch.Tensor, k: int, sampling: SamplingParams, generator,
+                step) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K tokens drafted one after the other: token i from `logits` (argmax, or sampled), then
+    logits = step(token [B]) for the next. (tokens [B, K], their distributions [B, K, V] or None
+    when greedy)."""
+    tokens, probs = [], []
+    for i in range(k):
+        if sampling.greedy:
+            token = logits.argmax(-1)
+        else:
+            p = logits_to_probs(logits, sampling)
+            token = sample_from(p, generator)
+            probs.append(p)
+        tokens.append(token)
+        if i < k - 1:
+            logits = step(token)
+    return torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None
+
+
 class Drafter:
     """Base class; see the module docstring for the protocol."""
 
@@ -118,22 +137,13 @@ class DraftModel(Drafter):
         else:
             active = None
             logits = self._fit_vocab(cache.forward(tokens, None if bool(valid.all()) else valid)[:, -1])
-        draft_tokens, draft_probs = [], []
-        for i in range(k):
-            if sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                probs = logits_to_probs(logits, sampling)
-                token = sample_from(probs, generator)
-                draft_probs.append(probs)
-            draft_tokens.append(token)
-            if i < k - 1:
-                logits = self._fit_vocab(cache.forward(token[:, None], active)[:, -1])
+        draft_tokens, draft_probs = draft_chain(
+            logits, k, sampling, generator,
+            lambda token: self._fit_vocab(cache.forward(token[:, None], active)[:, -1]))
         self._round_start = state.n_out.clone()
         self._round_k = k
         self._cached_gen = state.n_out + (k - 1)
-        return Proposal(torch.stack(draft_tokens, 1),
-                        torch.stack(draft_probs, 1) if draft_probs else None, num_draft)
+        return Proposal(draft_tokens, draft_probs, num_draft)
 
     def commit(self, state, num_accepted) -> None:
         # the cache holds the round's first k-1 drafts; keep those that were accepted

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from .drafters import Drafter, output_size
+from .drafters import Drafter, draft_chain, output_size
 from .errors import SpecDecError, TokenizerMismatch, UnsupportedArchitecture
 from .records import Proposal
-from .sampling import logits_to_probs, sample_from
+from .sampling import logits_to_probs
 
 FORMAT = "specdec-draft-head"
 VERSION = 1
@@ -257,19 +257,14 @@ class HeadDrafter(Drafter):
         logits, g = self._step(features, nxt, valid)
         self._draft_base = self._cache.count.clone()   # valid positions before the drafts
         self._round_w = self._cache.width
-        tokens, probs = [], []
         active = state.active[:, None] if self._fixed else None
-        for i in range(k):
-            if sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                p = logits_to_probs(logits, sampling)
-                token = sample_from(p, generator)
-                probs.append(p)
-            tokens.append(token)
-            if i < k - 1:
-                logits, g = self._step(g, token[:, None], active)
-        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, num_draft)
+        chained = {"g": g}
+
+        def step(token):   # the head feeds on its own output g
+            logits, chained["g"] = self._step(chained["g"], token[:, None], active)
+            return logits
+        tokens, probs = draft_chain(logits, k, sampling, generator, step)
+        return Proposal(tokens, probs, num_draft)
 
     def commit(self, state, num_accepted) -> None:
         # drop the round's own-feature positions, then queue the target's features of the pending
