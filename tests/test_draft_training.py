@@ -165,3 +165,48 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     # both drafters scored exactly the held-out rows, never a row the draft was trained on
     assert per_drafter == {"prompt_lookup": result["heldout_requests"],
                            draft_label: result["heldout_requests"]}
+
+
+def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_store):
+    from tasks.draft_training import draft_candidates, train_draft_from_traffic
+    from tasks.evaluate import evaluate
+    from tasks.settings import load_settings
+    from tasks.tracking import client
+
+    from .test_evaluate import SETTINGS
+
+    db_url = tiny_store["db_url"]
+    config = TrainConfig(steps=8, eval_every=4, k_max=2, warmup_steps=1, lr=3e-3)
+    result = train_draft_from_traffic("head-1", target=tiny_store["target"], db_url=db_url,
+                                      config=config, model=tiny_store["model"],
+                                      tokenizer=tiny_store["tokenizer"], progress=False,
+                                      kind="head", vocab_size=64)
+    version = client().get_model_version(result["model_uri"].split("/")[1], result["version"])
+    assert version.tags["kind"] == "head" and version.tags["vocab_size"] == "64"
+    # offered as a head for this fingerprint only; a head of another target is never offered
+    assert draft_candidates(tiny_store["target"], result["fingerprint"]) == [
+        {"kind": "head", "params": {"model": result["model_uri"]}}]
+    assert draft_candidates(tiny_store["target"], "sha256:" + "1" * 32) == []
+
+    settings = load_settings({}, **{**SETTINGS, "candidates": ("prompt_lookup",), "min_per_domain": 1,
+                                    "max_per_domain": 16, "min_speedup": 0.01})
+    run = evaluate(run_id="after-head", target=tiny_store["target"], db_url=db_url, settings=settings,
+                   model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
+    assert run["excluded"]["trained_on"] == result["train_requests"]
+    from tasks.db.models import AcceptanceEstimate, CostProfile
+
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        scored = connection.execute(select(AcceptanceEstimate.drafter, AcceptanceEstimate.requests)
+                                    .where((AcceptanceEstimate.run_id == "after-head")
+                                           & (AcceptanceEstimate.k == 1))).all()
+        costed = set(connection.execute(select(CostProfile.drafter).where(
+            (CostProfile.run_id == "after-head") & (CostProfile.component == "draft_step"))).scalars())
+    engine.dispose()
+    head_label = f"head(model={result['model_uri']})"
+    per_drafter = {}
+    for label, requests in scored:
+        per_drafter[label] = per_drafter.get(label, 0) + requests
+    assert per_drafter == {"prompt_lookup": result["heldout_requests"],
+                           head_label: result["heldout_requests"]}
+    assert head_label in costed                       # its step is profiled like every drafter's
