@@ -11,8 +11,9 @@ o_plain per step; both measured by the cost profile (profile.measure_round_overh
 steps. Predicted speedup = E(K) (1 + o_plain) / (cost_b + o_b); its interval is E's interval over
 the same cost (the model of docs/design.md's E(K) / (K c + v(K)), with the widths the traffic
 actually drafts and the overhead a GPU does not hide).
-The best (drafter, K) at batch size 1 is chosen; the domain turns on only when the lower end of
-its interval clears the policy minimum and the sample is large enough; max_batch_size is the
+The (drafter, K) with the best prediction at batch size 1 among those whose interval's lower end
+clears the policy minimum is chosen (the best prediction overall when none does); the domain
+turns on only when that lower end clears the minimum and the sample is large enough; max_batch_size is the
 largest profiled batch size up to which the lower end still clears it.
 
 Hysteresis (settings.hysteresis): a domain that is on in the champion config stays on while its
@@ -128,15 +129,24 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
             .order_by(AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
     batch_sizes = costs.batch_sizes
     updates = []
-    best = None
+    best = best_paying = best_kept = None
+    keeps = settings.hysteresis and currently_on
     for estimate in estimates:
         if estimate["k"] > costs.k_max(batch_sizes[0]):
             continue
         predicted, lo, hi = speedups(estimate, costs, batch_sizes[0])
         updates.append({"id": estimate["id"], "predicted_speedup": predicted,
                         "predicted_speedup_lo": lo, "predicted_speedup_hi": hi})
+        candidate = (estimate, predicted, lo, hi)
         if best is None or predicted > best[1]:
-            best = (estimate, predicted, lo, hi)
+            best = candidate
+        if lo >= min_speedup and (best_paying is None or predicted > best_paying[1]):
+            best_paying = candidate
+        if keeps and hi >= min_speedup and lo >= 1.0 and (best_kept is None or predicted > best_kept[1]):
+            best_kept = candidate
+    # the best prediction among the settings whose interval clears the bar (a K whose wide
+    # interval misses it must not turn the domain off when a smaller K clears it)
+    best = best_paying or best_kept or best
     if samples is None:
         samples = max((e["requests"] for e in estimates), default=0)
     row = {"run_id": run_id, "domain": domain, "enabled": False, "drafter": None,
@@ -158,11 +168,10 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
         if kept:
             row["max_batch_size"] = kept
             pays = lambda lo, hi: hi >= min_speedup and lo >= 1.0  # noqa: E731
-        row["k_schedule"] = k_schedule(
-            [e for e in estimates if e["drafter"] == estimate["drafter"]], costs, pays)
-        paying = [last for _, last, k in row["k_schedule"] if k > 0]
         if row["max_batch_size"] is not None:      # on: the schedule says up to which batch size
-            row["max_batch_size"] = max(paying)
+            row["k_schedule"] = k_schedule(
+                [e for e in estimates if e["drafter"] == estimate["drafter"]], costs, pays)
+            row["max_batch_size"] = max(last for _, last, k in row["k_schedule"] if k > 0)
     if status == "insufficient":
         row["reason"] = (f"insufficient samples ({samples} usable requests of this target, fewer "
                          "than the minimum): off in this config; the champion's setting is kept")

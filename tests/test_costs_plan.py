@@ -292,6 +292,16 @@ def test_plan_is_off_when_the_lower_end_misses_the_minimum(db_url):
     assert row["enabled"] is True and row["max_batch_size"] == 1
 
 
+def test_plan_prefers_a_k_that_clears_the_bar_over_a_better_guess_that_does_not(db_url):
+    # LS K=2: 2.4 [1.9, 2.9] / 1.9 = 1.26 [1.00, 1.53] -- best prediction, lower end misses 1.1;
+    # LS K=1: 1.75 [1.7, 1.8] / 1.45 = 1.21 [1.17, 1.24] -- clears it: chosen, and on
+    add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.4, 1.9, 2.9, [0.0, 0.0, 1.0])
+    add_estimate(db_url, "plan-run", "code", LS_SPEC, 1, 1.75, 1.7, 1.8, [0.0, 1.0])
+    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings())
+    assert (row["k"], row["enabled"]) == (1, True)
+    assert row["predicted_speedup"] == pytest.approx(1.75 / 1.45)
+
+
 def test_hysteresis_keeps_an_on_domain_on_inside_the_band_and_only_there(db_url):
     # LS K=2 alone: 2.2 / 1.9 = 1.16 [1.05, 1.26] -- the lower end misses 1.1, the upper clears it
     add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.2, 2.0, 2.4, [0.0, 0.0, 1.0])
