@@ -120,10 +120,15 @@ def cmd_profile_show(args) -> int:
     drafters = sorted(costs.draft_step)
     for label in drafters:
         table.add_column(escape(f"draft {label}"), justify="right")
+    overheads = sorted(costs.round_overhead)      # per round outside forwards and proposals
+    for label in overheads:
+        table.add_column(escape(f"overhead {label}"), justify="right")
     for b in costs.batch_sizes:
         ratios = costs.verify_ratios(b)
-        table.add_row(str(b), f"{1000 * costs.target_step[b]:.1f}", *[f"{r:.2f}" for r in ratios],
-                      *[f"{costs.draft_ratio(label, b):.3f}" for label in drafters])
+        step = costs.target_step[b]
+        table.add_row(str(b), f"{1000 * step:.1f}", *[f"{r:.2f}" for r in ratios],
+                      *[f"{costs.draft_ratio(label, b):.3f}" for label in drafters],
+                      *[f"{costs.round_overhead[label].get(b, 0.0) / step:.3f}" for label in overheads])
     console.print(table)
     return 0
 
