@@ -33,6 +33,8 @@ def evaluation_rich_table(result: dict) -> Table:
             f"{row['predicted_speedup']:.2f}x [{row['predicted_speedup_lo']:.2f}, "
             f"{row['predicted_speedup_hi']:.2f}]")
         note = [] if row["status"] == "ok" else [row["status"]]
+        if str(row.get("reason") or "").startswith("kept on"):
+            note.append("kept on: within hysteresis")
         if row["gap"]:
             note.append("cost-model gap")
         if row.get("greedy_checked") and row["greedy_consistent"] != row["greedy_checked"]:
