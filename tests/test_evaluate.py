@@ -91,9 +91,10 @@ def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
         assert row["validation"] == "passed" and row["promotable"] is True
         assert row["max_batch_size"] in (1, 2)
     stored = counts(tiny_db, "e2e")
-    # 2 domains x 2 drafters x K = 1..3; target step + 3 verify + 2 drafts at 2 batch sizes;
-    # per domain a config, a live measurement, a sampling test and a greedy check; 1 fingerprint
-    assert stored == {"acceptance_estimates": 12, "cost_profiles": 12, "domain_configs": 2,
+    # 2 domains x 2 drafters x K = 1..3; target step + 3 verify + 2 drafts + 3 round overheads
+    # (plain and each drafter) at 2 batch sizes; per domain a config, a live measurement, a
+    # sampling test and a greedy check; 1 fingerprint
+    assert stored == {"acceptance_estimates": 12, "cost_profiles": 18, "domain_configs": 2,
                       "live_measurements": 2, "validations": 5}
     engine = create_engine(tiny_db)
     with engine.connect() as connection:
