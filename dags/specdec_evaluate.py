@@ -38,8 +38,9 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_MODEL, EVALUATIONS_URI, LOW_ACCEPTANCE_URI,
-                                NEW_DRAFT_URI, TIMING_POOL, evaluate_spec, task_errors)
+from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, EVALUATIONS_URI,
+                                LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL, evaluate_spec,
+                                task_errors)
 
 CHAMPION_ASSET = Asset(CHAMPION_URI)
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
@@ -67,7 +68,7 @@ PARAMS = {
     "min_per_domain": Param(20, type="integer", minimum=1, maximum=100000,
                             title="Minimum samples per domain",
                             description="Fewer: the domain is insufficient and keeps the champion's setting"),
-    "candidates": Param(["prompt_lookup:max_ngram=3", "layer_skip:num_layers=8"], type="array",
+    "candidates": Param(DEFAULT_CANDIDATES, type="array",
                         items={"type": "string"}, title="Candidate drafters",
                         description="KIND[:NAME=VALUE...], e.g. draft_model:model=/models/draft"),
     "hardware_profile": Param("", type="string", title="Hardware profile",

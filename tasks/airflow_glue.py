@@ -23,7 +23,7 @@ import logging
 from contextlib import contextmanager
 
 from .errors import DatabaseUnavailable, SpecdecTaskError
-from .settings import DEFAULT_MODEL
+from .settings import DEFAULT_MODEL, Settings
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ LOW_ACCEPTANCE_URI = "specdec://alerts/low-acceptance"  # domains below the acce
 EVALUATIONS_URI = "specdec://evaluations"              # an evaluation run has finished
 NEW_DRAFT_URI = "specdec://drafts/new"                 # a new draft was registered
 
+# the candidates a run evaluates unless its conf names others (the settings' default)
+DEFAULT_CANDIDATES = list(Settings.model_fields["candidates"].default)
 DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name -> current name
 
 __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS",

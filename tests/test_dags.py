@@ -60,6 +60,11 @@ def test_dagbag_imports_without_errors(dagbag):
                  "k_max", "min_speedup", "promote"):
         assert params.get_param(name).schema.get("title"), name
     assert params.get_param("k_max").schema["maximum"] == 32
+    # a scheduled run evaluates the same candidates as `specdec evaluate` (the settings' default)
+    from tasks.settings import load_settings
+
+    assert params.get_param("candidates").value == list(load_settings({}).candidates)
+    assert "suffix" in params.get_param("candidates").value
     outlets = {t.task_id: [o.uri for o in t.outlets] for t in evaluate.tasks if t.outlets}
     assert outlets == {"promote": ["specdec://config/champion"],
                        "acceptance_alert": ["specdec://alerts/low-acceptance"],
