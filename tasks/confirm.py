@@ -118,7 +118,12 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
                                       if r.request_id in whole else 0.0 for r in candidates],
                          settings.confirm_requests)
     lengths = {r.request_id: min(len(r.response_ids), settings.confirm_max_new_tokens) for r in subset}
-    decoded = _offline(target, drafter, [_truncated(r, lengths[r.request_id]) for r in subset], k)
+    # only a response cut at confirm_max_new_tokens needs an estimate of its own
+    cut = [r for r in subset if lengths[r.request_id] < len(r.response_ids)]
+    cut_ids = {r.request_id for r in cut}
+    decoded = {r.request_id: whole[r.request_id] for r in subset
+               if r.request_id in whole and r.request_id not in cut_ids}
+    decoded.update(_offline(target, drafter, [_truncated(r, lengths[r.request_id]) for r in cut], k))
     cost_of = _round_costs(run_id, engine, url, config["drafter"], config["drafter_spec"])
     device = next(target.parameters()).device
     spec_decoder = SpecDecoder(target, drafter, k=k)

@@ -115,6 +115,22 @@ def tiny_store(db_url, tmp_path, monkeypatch):
     return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}
 
 
+def scored_per_drafter(db_url, run_id) -> dict[str, int]:
+    """{drafter label: requests its K=1 estimates scored, summed over domains} of a run."""
+    from tasks.db.models import AcceptanceEstimate
+
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        scored = connection.execute(select(AcceptanceEstimate.drafter, AcceptanceEstimate.requests)
+                                    .where((AcceptanceEstimate.run_id == run_id)
+                                           & (AcceptanceEstimate.k == 1))).all()
+    engine.dispose()
+    per_drafter: dict[str, int] = {}
+    for label, requests in scored:
+        per_drafter[label] = per_drafter.get(label, 0) + requests
+    return per_drafter
+
+
 def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     from tasks.db.models import DraftModelRecord, DraftTrainingRequest
     from tasks.draft_training import draft_candidates, train_draft_from_traffic
@@ -150,18 +166,8 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     run = evaluate(run_id="after-draft", target=tiny_store["target"], db_url=db_url, settings=settings,
                    model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     assert run["excluded"]["trained_on"] == len(trained)               # all sampled: 16 per domain
-    from tasks.db.models import AcceptanceEstimate
-
-    engine = create_engine(db_url)
-    with engine.connect() as connection:
-        scored = connection.execute(select(AcceptanceEstimate.drafter, AcceptanceEstimate.requests)
-                                    .where((AcceptanceEstimate.run_id == "after-draft")
-                                           & (AcceptanceEstimate.k == 1))).all()
-    engine.dispose()
     draft_label = f"draft_model(model={result['model_uri']})"
-    per_drafter = {}
-    for label, requests in scored:
-        per_drafter[label] = per_drafter.get(label, 0) + requests
+    per_drafter = scored_per_drafter(db_url, "after-draft")
     # both drafters scored exactly the held-out rows, never a row the draft was trained on
     assert per_drafter == {"prompt_lookup": result["heldout_requests"],
                            draft_label: result["heldout_requests"]}
@@ -193,20 +199,15 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
     run = evaluate(run_id="after-head", target=tiny_store["target"], db_url=db_url, settings=settings,
                    model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     assert run["excluded"]["trained_on"] == result["train_requests"]
-    from tasks.db.models import AcceptanceEstimate, CostProfile
+    from tasks.db.models import CostProfile
 
     engine = create_engine(db_url)
     with engine.connect() as connection:
-        scored = connection.execute(select(AcceptanceEstimate.drafter, AcceptanceEstimate.requests)
-                                    .where((AcceptanceEstimate.run_id == "after-head")
-                                           & (AcceptanceEstimate.k == 1))).all()
         costed = set(connection.execute(select(CostProfile.drafter).where(
             (CostProfile.run_id == "after-head") & (CostProfile.component == "draft_step"))).scalars())
     engine.dispose()
     head_label = f"head(model={result['model_uri']})"
-    per_drafter = {}
-    for label, requests in scored:
-        per_drafter[label] = per_drafter.get(label, 0) + requests
+    per_drafter = scored_per_drafter(db_url, "after-head")
     assert per_drafter == {"prompt_lookup": result["heldout_requests"],
                            head_label: result["heldout_requests"]}
     assert head_label in costed                       # its step is profiled like every drafter's
