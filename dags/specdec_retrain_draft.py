@@ -51,6 +51,8 @@ PARAMS = {
     "vocab_size": Param(None, type=["null", "integer"], minimum=64, title="Head vocabulary",
                         description="head: the N most frequent tokens of the training traffic; "
                                     "empty: the target's full vocabulary"),
+    "unroll": Param(1, type="integer", minimum=1, maximum=8, title="Head chain steps trained",
+                    description="head: draft steps trained on the head's own features"),
     "num_layers": Param(2, type="integer", minimum=1, maximum=32, title="Draft layers"),
     "steps": Param(300, type="integer", minimum=1, maximum=1_000_000, title="Training steps"),
     "batch_size": Param(8, type="integer", minimum=1, maximum=1024, title="Batch size"),
@@ -86,7 +88,7 @@ def specdec_retrain_draft():
                 db_url=database_url(), domains=p["domains"] or None, window_days=p["window_days"],
                 num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
                 max_requests=p["max_requests"], config=config, register=False, progress=False,
-                kind=p["kind"], vocab_size=p["vocab_size"])
+                kind=p["kind"], vocab_size=p["vocab_size"], unroll=p["unroll"])
 
     @task(outlets=[NEW_DRAFT_ASSET])
     def register(trained: dict) -> dict:

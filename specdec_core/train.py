@@ -402,17 +402,64 @@ def head_vocabulary(requests: list[LoggedRequest], size: int, full_vocab: int) -
     return counts.topk(size).indices.sort().values
 
 
+def chain_attention_mask(passes: int, width: int, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask [B, 1, L, L], L = passes x width, for training a head's draft chain in one
+    forward (a "training-time test"). Row (w, j) is chain step w at position j: a round that
+    started after teacher-forced position s = j - w. It sees the teacher-forced keys (pass 0) at
+    positions <= s and its own chain's earlier steps (pass v at s + v, 1 <= v <= w), exactly what
+    the head's cache holds when it drafts step w live. valid [B, width]: keys that exist."""
+    device = valid.device
+    step = torch.arange(passes, device=device).repeat_interleave(width)     # pass of each slot
+    pos = torch.arange(width, device=device).repeat(passes)                 # position of each slot
+    qw, qj = step[:, None], pos[:, None]
+    kv, ki = step[None], pos[None]
+    allowed = ((kv == 0) & (ki <= qj - qw)) | ((kv >= 1) & (kv <= qw) & (ki == qj - qw + kv))
+    allowed = allowed[None] & valid.bool().repeat(1, passes)[:, None, :]
+    allowed |= torch.eye(len(step), dtype=torch.bool, device=device)[None]  # no empty rows
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def head_chain_passes(head, feats: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor,
+                      steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits [B, T, N], outputs g [B, T, H]) of chain steps 0..steps-1 of a head over teacher
+    features [B, T, H]: step 0 is the teacher-forced pass; at step w, position j feeds on the
+    head's own step-(w-1) output at j - 1 (what a live round that started after j - w drafts).
+    Step w runs as one forward over all steps so far, under chain_attention_mask."""
+    from .head import HiddenTap
+
+    logits, g = head(feats, next_tokens, attention_mask=valid.long())
+    out = [(logits, g)]
+    width = feats.shape[1]
+    embeds = [head.inputs(feats, next_tokens)]
+    positions = torch.arange(width, device=feats.device)
+    for w in range(1, steps):
+        embeds.append(head.inputs(torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1), next_tokens))
+        with HiddenTap(head.body.model.norm) as tap:
+            step = head.body(inputs_embeds=torch.cat(embeds, 1),
+                             attention_mask=chain_attention_mask(w + 1, width, valid, embeds[0].dtype),
+                             position_ids=positions.repeat(w + 1)[None].expand(len(feats), -1),
+                             use_cache=False, logits_to_keep=width)
+            g = tap.value[:, -width:]
+        out.append((step.logits, g))
+    return out
+
+
 class _HeadTrainee(Trainee):
     """Loss at every position j of prompt + response: KL(p_target(. | x_<=j+1) || q_head,j), with p
     restricted to the head's vocabulary and renormalised (the mass outside it cannot be drafted),
     plus `feature_weight` x the smooth-L1 distance of the normed head output to the target's
-    normed hidden state at j + 1 (EAGLE's feature regression)."""
+    normed hidden state at j + 1 (EAGLE's feature regression).
+
+    unroll > 1 also trains the chain as it runs live: step w of a round feeds on the head's own
+    output of step w - 1, not on the target's feature (chain_attention_mask); the loss is the mean
+    over the steps. Without it, a head drafts well at step 1 and decays fast after."""
 
     def __init__(self, head, target, train, heldout, config, costs, feature_weight: float = 0.1,
-                 teacher_topk: int = 64):
+                 teacher_topk: int = 64, unroll: int = 1):
         self.module, self.target, self.train, self.heldout = head, target, train, heldout
         self.config, self.costs = config, costs
-        self.feature_weight, self.topk = feature_weight, teacher_topk
+        self.feature_weight, self.topk, self.unroll = feature_weight, teacher_topk, max(1, unroll)
         self.cache: list[tuple] = []
 
     def parameters(self):
@@ -460,16 +507,20 @@ class _HeadTrainee(Trainee):
             mask[b, :n] = True
             values[b, : n - 1] = v[: n - 1].to(device)
             index[b, : n - 1] = i[: n - 1].clamp(min=0).to(device)
-        logits, g = head(feats, nxt, attention_mask=mask.long())
         # the last position has no next target distribution in this row
         scored = mask.clone()
         scored[torch.arange(len(rows)), mask.sum(1) - 1] = False
-        p = values[scored].softmax(-1)
-        log_q = logits.float()[scored].log_softmax(-1).gather(-1, index[scored])
-        kl = (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
         norm = head.body.model.norm
-        feature = F.smooth_l1_loss(norm(g)[mask].float(), norm(truth)[mask].float())
-        return kl + self.feature_weight * feature
+        total = 0.0
+        for w, (logits, g) in enumerate(head_chain_passes(head, feats, nxt, mask, self.unroll)):
+            started = (torch.arange(width, device=device) >= w)[None]      # round start s >= 0
+            where, fmask = scored & started, mask & started
+            p = values[where].softmax(-1)
+            log_q = logits.float()[where].log_softmax(-1).gather(-1, index[where])
+            kl = (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
+            feature = F.smooth_l1_loss(norm(g)[fmask].float(), norm(truth)[fmask].float())
+            total = total + kl + self.feature_weight * feature
+        return total / self.unroll
 
     def evaluate(self):
         from .head import HeadDrafter
@@ -517,16 +568,18 @@ def head_heldout_kl(head, target, requests: list[LoggedRequest], max_length: int
 def train_head(head, target: torch.nn.Module, train: list[LoggedRequest],
                heldout: list[LoggedRequest], config: TrainConfig, checkpoint_dir: str | Path,
                costs: tuple[float, list[float] | None] | None = None, progress: bool = True,
-               stop_after: int | None = None, feature_weight: float = 0.1) -> TrainResult:
+               stop_after: int | None = None, feature_weight: float = 0.1,
+               unroll: int = 1) -> TrainResult:
     """Train a DraftHead in place with the shared loop (optimise); its held-out score is the
     start-dependent offline estimate (head.head_round_rates). costs: as train_draft's, the draft
-    step being one head step; measured here when None."""
+    step being one head step; measured here when None. unroll: draft steps trained as a chain on
+    the head's own features (_HeadTrainee)."""
     if not train or not heldout:
         raise ValueError(f"need training and held-out requests (got {len(train)} and {len(heldout)})")
     if costs is None:
         costs = measured_costs(target, None, config.k_max)
         costs = (measure_head_step(head, target), costs[1])
-    trainee = _HeadTrainee(head, target, train, heldout, config, costs, feature_weight)
+    trainee = _HeadTrainee(head, target, train, heldout, config, costs, feature_weight, unroll=unroll)
     return optimise(trainee, len(train), config, checkpoint_dir, progress=progress,
                     stop_after=stop_after, desc="head training")
 

@@ -135,13 +135,16 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              max_eval_requests: int | None = 60,
                              config=None, device: str | None = None, model=None, tokenizer=None,
                              register: bool = True, progress: bool = True,
-                             kind: str = "draft_model", vocab_size: int | None = None) -> dict:
+                             kind: str = "draft_model", vocab_size: int | None = None,
+                             unroll: int = 1, split_from: str | None = None) -> dict:
     """Build the data, train (resuming a previous attempt of the same id), register. Output:
     {"train_id", "train_requests", "heldout_requests", "best", "model_uri", "version"}.
     max_eval_requests: held-out requests scored at each evaluation during training, taken round
     robin over domains (the whole held-out split stays out of training either way).
     kind: "draft_model" (num_layers, hidden_size) or "head" (vocab_size: the reduced head's size,
-    None for the target's full head)."""
+    None for the target's full head; unroll: draft steps trained as a chain on the head's own
+    features). split_from: another training id whose train / held-out split to use (drafts compared
+    on the same held-out rows); default: this one's."""
     from specdec_core.train import TrainConfig, init_draft_from_target, train_draft, train_head
     from specdec_core.validation import fingerprint_id, target_fingerprint
 
@@ -155,7 +158,8 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
     fingerprint = fingerprint_id(target_fingerprint(model))
     requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, domains, window_days,
                                                max_requests)
-    splits = {r.request_id: ("heldout" if in_heldout(train_id, r.request_id, heldout_fraction)
+    split_key = split_from or train_id
+    splits = {r.request_id: ("heldout" if in_heldout(split_key, r.request_id, heldout_fraction)
                              else "train") for r in requests}
     train = [r for r in requests if splits[r.request_id] == "train"]
     heldout = [r for r in requests if splits[r.request_id] == "heldout"]
@@ -163,10 +167,10 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
         raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / {len(heldout)} "
                                  f"held-out: change heldout_fraction ({heldout_fraction}) or add traffic")
     config = config or TrainConfig()
-    params = {"kind": kind, "heldout_fraction": heldout_fraction,
+    params = {"kind": kind, "heldout_fraction": heldout_fraction, "split_from": split_key,
               "train": config.__dict__ if hasattr(config, "__dict__") else dict(config)}
     params.update({"num_layers": num_layers, "hidden_size": hidden_size} if kind == "draft_model"
-                  else {"vocab_size": vocab_size})
+                  else {"vocab_size": vocab_size, "unroll": unroll})
     base = (f"{target} (first {num_layers} layers)" if kind == "draft_model" else
             f"{target} (draft head, {'full vocabulary' if vocab_size is None else f'{vocab_size} tokens'})")
     _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
@@ -183,7 +187,8 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
 
         ids = None if vocab_size is None else head_vocabulary(train, vocab_size, output_size(model))
         head = DraftHead(model, vocab_ids=ids)
-        result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress)
+        result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress,
+                            unroll=unroll)
     else:
         draft = init_draft_from_target(model, num_layers=num_layers, hidden_size=hidden_size)
         result = train_draft(draft, model, train, evaluation_rows, config, directory, progress=progress)

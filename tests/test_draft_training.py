@@ -115,6 +115,18 @@ def tiny_store(db_url, tmp_path, monkeypatch):
     return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}
 
 
+def heldout_ids(db_url, train_id) -> set[str]:
+    from tasks.db.models import DraftTrainingRequest
+
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        ids = set(connection.execute(select(DraftTrainingRequest.request_id).where(
+            (DraftTrainingRequest.draft_name == train_id)
+            & (DraftTrainingRequest.split == "heldout"))).scalars())
+    engine.dispose()
+    return ids
+
+
 def scored_per_drafter(db_url, run_id) -> dict[str, int]:
     """{drafter label: requests its K=1 estimates scored, summed over domains} of a run."""
     from tasks.db.models import AcceptanceEstimate
@@ -186,9 +198,16 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
     result = train_draft_from_traffic("head-1", target=tiny_store["target"], db_url=db_url,
                                       config=config, model=tiny_store["model"],
                                       tokenizer=tiny_store["tokenizer"], progress=False,
-                                      kind="head", vocab_size=64)
+                                      kind="head", vocab_size=64, unroll=2)
     version = client().get_model_version(result["model_uri"].split("/")[1], result["version"])
     assert version.tags["kind"] == "head" and version.tags["vocab_size"] == "64"
+    # a draft trained with split_from is held out on exactly the same requests
+    other = train_draft_from_traffic("draft-same-split", target=tiny_store["target"], db_url=db_url,
+                                     config=TrainConfig(steps=1, eval_every=1, k_max=2, warmup_steps=1),
+                                     model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
+                                     progress=False, register=False, split_from="head-1")
+    assert other["heldout_requests"] == result["heldout_requests"]
+    assert heldout_ids(db_url, "draft-same-split") == heldout_ids(db_url, "head-1")
     # offered as a head for this fingerprint only; a head of another target is never offered
     assert draft_candidates(tiny_store["target"], result["fingerprint"]) == [
         {"kind": "head", "params": {"model": result["model_uri"]}}]

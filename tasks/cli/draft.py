@@ -39,7 +39,7 @@ def cmd_train(args) -> int:
         num_layers=args.layers, hidden_size=args.hidden, max_requests=args.max_requests,
         heldout_fraction=args.heldout_fraction, max_eval_requests=args.max_eval_requests,
         config=config, device=args.device, register=not args.no_register, kind=args.kind,
-        vocab_size=args.vocab_size)
+        vocab_size=args.vocab_size, unroll=args.unroll, split_from=args.split_from)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})
         return 0
@@ -113,6 +113,12 @@ def register(sub) -> None:
     train.add_argument("--vocab-size", type=int, default=None,
                        help="head: score only the N most frequent tokens of the training traffic "
                             "(default: the target's full vocabulary)")
+    train.add_argument("--unroll", type=int, default=1,
+                       help="head: draft steps trained as a chain on the head's own features "
+                            "(1: teacher-forced only; each step more costs one more pass)")
+    train.add_argument("--split-from", default=None, metavar="TRAIN_ID",
+                       help="use this training id's train / held-out split (compare drafts on the "
+                            "same held-out rows)")
     train.add_argument("--layers", type=int, default=2)
     train.add_argument("--hidden", type=int, default=None, help="hidden size (default: the target's)")
     train.add_argument("--steps", type=int, default=200)
