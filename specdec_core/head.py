@@ -89,6 +89,7 @@ class DraftHead(torch.nn.Module):
         full_vocab = output_size(target)
         self.reduced = vocab_ids is not None
         config.vocab_size = int(len(vocab_ids)) if self.reduced else 1
+        config.pad_token_id = None       # the body's own embedding is never used (inputs_embeds)
         weight = next(target.parameters())
         torch.manual_seed(seed)
         body = type(target)(config).to(device=weight.device, dtype=weight.dtype)

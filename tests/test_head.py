@@ -200,3 +200,14 @@ def test_chain_training_pass_computes_what_the_live_chain_computes(one_layer):
                                            rtol=1e-4, atol=1e-4)
                 checked += 1
     assert checked > 20
+
+
+def test_head_builds_when_the_targets_pad_id_lies_outside_its_vocabulary():
+    """A real target's pad id (SmolLM2: 2, others far higher) may not be a row of a small reduced
+    head, nor of the 1-row stub a full head's body carries: the head never embeds by id."""
+    target = tiny_llama(layers=1, seed=4)
+    target.config.pad_token_id = 90
+    for ids in (torch.arange(8), None):
+        head = DraftHead(target, vocab_ids=ids).eval()
+        logits, _ = head(torch.randn(1, 3, target.config.hidden_size), torch.tensor([[5, 6, 7]]))
+        assert logits.shape[-1] == (8 if ids is not None else VOCAB)
