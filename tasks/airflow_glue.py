@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
-from .errors import DatabaseUnavailable, SpecdecTaskError
+from .errors import DatabaseUnavailable, RegistryUnavailable, SpecdecTaskError
 from .settings import DEFAULT_MODEL, Settings
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def database_url() -> str | None:
 
 
 def _outage_here(exc: BaseException) -> bool:
-    if isinstance(exc, DatabaseUnavailable):
+    if isinstance(exc, (DatabaseUnavailable, RegistryUnavailable)):
         return True
     if isinstance(exc, (ConnectionError, TimeoutError)):    # refused, reset, socket timeouts
         return True

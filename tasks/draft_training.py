@@ -33,7 +33,8 @@ from sqlalchemy import delete, func, insert, select, update
 from .config_schema import target_slug
 from .db.engine import database_url, ensure_ready
 from .db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
-from .errors import SampleError, SpecdecTaskError
+from .errors import RegistryError, SampleError, SpecdecTaskError
+from .masking import mask_text
 from .settings import DEFAULT_MODEL, specdec_home
 from .timeutil import utcnow
 
@@ -287,8 +288,8 @@ def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = N
     try:
         mlflow_client = client(uri)
         versions = mlflow_client.search_model_versions(f"name='{draft_model_name(target)}'")
-    except MlflowException as exc:
-        log.warning("no registered drafts listed (%s)", exc)
+    except (MlflowException, RegistryError) as exc:    # unreachable: evaluate without them
+        log.warning("no registered drafts listed (%s)", mask_text(str(exc)))
         return []
     versions = [v for v in versions if (v.tags or {}).get("target_fingerprint") == fingerprint]
     offered = []

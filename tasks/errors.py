@@ -46,3 +46,7 @@ class UnknownReport(SpecdecTaskError, LookupError):
 
 class RegistryError(SpecdecTaskError, RuntimeError):
     """The tracking server / registry refused or the requested version does not exist."""
+
+
+class RegistryUnavailable(RegistryError):
+    """The MLflow tracking store cannot be reached (a retry may succeed)."""

@@ -70,6 +70,10 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
                    candidates=list(candidates) if candidates else None,
                    hardware_profile=hardware_profile, k_max=k_max, promote=promote,
                    overrides=settings.model_dump(mode="json", exclude_defaults=True))
+    if register or promote:     # fail in seconds, not after the expensive steps
+        from .tracking import check_reachable
+
+        check_reachable(tracking_uri)
     if model is not None:
         use_model(target, model, tokenizer, device)
     steps: dict[str, float] = {}

@@ -9,9 +9,11 @@ forced promotion and rollback is a row in specdec's `promotions` table.
 from __future__ import annotations
 
 import getpass
+import hashlib
 import logging
+from contextlib import contextmanager
 
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, text
 
 from .config_schema import SpecdecConfig
 from .db.engine import database_url, ensure_ready
@@ -25,11 +27,42 @@ from .tracking import CHAMPION, alias_version, client, load_version_config, trac
 log = logging.getLogger(__name__)
 
 
-def record_promotion(db_url: str, **values) -> None:
-    """One audit row in `promotions` (register, promote, reject, rollback), stamped now."""
+def record_promotion(db_url: str, connection=None, **values) -> None:
+    """One audit row in `promotions` (register, promote, reject, rollback), stamped now; in
+    `connection`'s transaction when given (inside alias_lock), else in its own."""
+    if connection is not None:
+        connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
+        return
     engine = ensure_ready(db_url)
     with engine.begin() as connection:
         connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
+
+
+def _lock_key(name: str) -> int:
+    digest = hashlib.sha256(f"specdec-alias:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@contextmanager
+def alias_lock(db_url: str, name: str):
+    """Serialise the alias moves of one registered model across processes and hosts, through
+    specdec's own database: a transaction-scoped advisory lock on PostgreSQL, a write transaction
+    (BEGIN IMMEDIATE) on SQLite. MLflow has no compare-and-set for aliases; every specdec move
+    reads the alias, checks it, sets it and writes its audit row inside this lock, so the row says
+    what was really replaced. Yields the connection to write the audit row with; it commits on
+    success and rolls back on error."""
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _lock_key(name)})
+        else:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")   # waits on the busy timeout (30 s)
+        try:
+            yield connection
+        except BaseException:
+            connection.rollback()
+            raise
+        connection.commit()
 
 
 def current_user() -> str:
@@ -95,10 +128,11 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
                   config_version=version, alias=CHAMPION, actor=actor or current_user())
     summary = {"gates": gates, "champion_before": before}
 
-    def refuse(reason: str) -> dict:
-        record_promotion(db_url, action="reject", forced=force, gates=summary, reason=reason, **record)
+    def refuse(reason: str, connection=None, champion: str | None = before) -> dict:
+        record_promotion(db_url, connection, action="reject", forced=force, gates=summary,
+                         reason=reason, **record)
         log.warning("promotion of %s version %s refused: %s", name, version, reason)
-        return {"promoted": False, "forced": force, "version": version, "champion": before,
+        return {"promoted": False, "forced": force, "version": version, "champion": champion,
                 "gates": gates, "reason": reason}
 
     if expected_champion != "current" and (expected_champion or None) != before:
@@ -109,41 +143,48 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
     failed = [g for g in gates if not g["passed"]]
     if failed and not force:
         return refuse("gates failed: " + "; ".join(f"{g['name']} ({g['figure']})" for g in failed))
-    now = alias_version(mlflow_client, name, CHAMPION)   # compare-and-set: still the same champion?
-    if now != before:
-        return refuse(f"the champion moved from {before or 'none'} to {now} during the promotion")
-    mlflow_client.set_registered_model_alias(name, CHAMPION, version)
-    reason = ("FORCED past failed gates: " + "; ".join(g["name"] for g in failed)) if failed and force \
-        else "all gates passed"
-    record_promotion(db_url, action="promote", forced=bool(force and failed), gates=summary, reason=reason,
-                     **record)
+    with alias_lock(db_url, name) as connection:
+        now = alias_version(mlflow_client, name, CHAMPION)   # compare-and-set: still the same?
+        if now != before:
+            return refuse(f"the champion moved from {before or 'none'} to {now} while the gates "
+                          "ran: re-run the gates", connection, champion=now)
+        mlflow_client.set_registered_model_alias(name, CHAMPION, version)
+        reason = ("FORCED past failed gates: " + "; ".join(g["name"] for g in failed)) \
+            if failed and force else "all gates passed"
+        record_promotion(db_url, connection, action="promote", forced=bool(force and failed),
+                         gates=summary, reason=reason, **record)
     return {"promoted": True, "forced": bool(force and failed), "version": version, "champion": version,
             "champion_before": before, "gates": gates, "reason": reason}
 
 
 def rollback(name: str, db_url: str | None = None, uri: str | None = None,
-             actor: str | None = None) -> dict:
-    """Move `champion` back to the version it replaced (from the promotions table)."""
+             actor: str | None = None, expected_champion: str | None = "current") -> dict:
+    """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
+    inside alias_lock. expected_champion: the champion the caller means to roll back ("current":
+    whatever it is when the lock is taken); a different champion refuses with RegistryError."""
     db_url = database_url(db_url)
     mlflow_client = client(tracking_uri(uri, db_url))
-    current = alias_version(mlflow_client, name, CHAMPION)
-    if current is None:
-        raise RegistryError(f"{name} has no champion to roll back")
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
+    with alias_lock(db_url, name) as connection:
+        current = alias_version(mlflow_client, name, CHAMPION)
+        if current is None:
+            raise RegistryError(f"{name} has no champion to roll back")
+        if expected_champion != "current" and str(expected_champion) != current:
+            raise RegistryError(f"{name}: asked to roll back champion {expected_champion}, but the "
+                                f"champion is now {current}; nothing was changed (check `specdec "
+                                "config show` and run the rollback again)")
         row = connection.execute(
             select(Promotion).where((Promotion.config_name == name) & (Promotion.alias == CHAMPION)
                                     & (Promotion.action == "promote")
                                     & (Promotion.config_version == current))
             .order_by(Promotion.id.desc()).limit(1)).mappings().first()
-    previous = (row["gates"] or {}).get("champion_before") if row else None
-    if not previous:
-        raise RegistryError(f"{name} champion version {current} replaced no earlier champion (per the "
-                            "promotions table): nothing to roll back to")
-    config = load_version_config(mlflow_client, name, previous)
-    mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
-    record_promotion(db_url, run_id=config.run_id, target_id=config.target.id, config_name=name,
-                     config_version=previous, alias=CHAMPION, action="rollback", forced=False,
-                     actor=actor or current_user(), gates={"champion_before": current},
-                     reason=f"rolled back from version {current}")
+        previous = (row["gates"] or {}).get("champion_before") if row else None
+        if not previous:
+            raise RegistryError(f"{name} champion version {current} replaced no earlier champion (per "
+                                "the promotions table): nothing to roll back to")
+        config = load_version_config(mlflow_client, name, previous)
+        mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
+        record_promotion(db_url, connection, run_id=config.run_id, target_id=config.target.id,
+                         config_name=name, config_version=previous, alias=CHAMPION, action="rollback",
+                         forced=False, actor=actor or current_user(),
+                         gates={"champion_before": current}, reason=f"rolled back from version {current}")
     return {"champion": previous, "champion_before": current}

@@ -10,6 +10,7 @@ registered config versions (aliases `challenger` and `champion`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -18,11 +19,20 @@ from pathlib import Path
 
 from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
 from .db.engine import database_url, display_url, ensure_ready
-from .errors import RegistryError
+from .errors import RegistryError, RegistryUnavailable
+from .masking import mask_text, mask_url
 from .run_config import run_row
 from .settings import specdec_home
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # no bars in logs and tables
+# Bounded retries (MLflow's own default retries an unreachable server for minutes). An explicit
+# environment variable wins; docs/design.md lists these.
+MLFLOW_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                          "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+for _key, _value in MLFLOW_CLIENT_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+SQL_STORE_CONNECT_TIMEOUT_S = 5
 
 RUN_TAG = "specdec.run_id"
 CHAMPION, CHALLENGER = "champion", "challenger"
@@ -38,11 +48,100 @@ def tracking_uri(uri: str | None = None, db_url: str | None = None) -> str:
     return uri
 
 
-def client(uri: str | None = None):
+def client(uri: str | None = None) -> "RegistryClient":
+    """An MlflowClient for the tracking URI whose calls fail fast and clearly (RegistryClient)."""
     from mlflow import MlflowClient
 
     uri = tracking_uri(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    _check_sql_store(uri)
+    return RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
+
+
+def unreachable(uri: str, exc: BaseException) -> RegistryUnavailable:
+    """The one-line error for a tracking store that cannot be reached: URI (credentials masked),
+    the cause, the fix."""
+    text = " ".join(str(exc).split())
+    causes = {"Connection refused": "connection refused", "timed out": "timed out",
+              "Name or service not known": "unknown host", "nodename nor servname": "unknown host",
+              "Temporary failure in name resolution": "unknown host"}
+    reason = next((short for marker, short in causes.items() if marker in text), mask_text(text)[:300])
+    return RegistryUnavailable(
+        f"MLflow tracking store {mask_url(uri)} is unreachable ({reason}). Start the tracking server "
+        "(or the database behind it), or set MLFLOW_TRACKING_URI to the right one; nothing was "
+        "changed in the registry")
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether an exception of an MLflow call means the store is down or unreachable (as opposed to
+    a refusal such as a missing version, which callers handle)."""
+    import requests
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import OperationalError
+
+    chain = [exc, exc.__cause__, exc.__context__]
+    if any(isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                          OperationalError)) for e in chain):
+        return True
+    return isinstance(exc, MlflowException) and str(exc.message).startswith("API request to") and (
+        "failed with" in str(exc.message) or exc.error_code in ("TEMPORARILY_UNAVAILABLE",))
+
+
+class RegistryClient:
+    """MlflowClient, with every call that finds the store unreachable raising one RegistryError
+    line (URI masked, the fix) instead of MLflow's traceback. Refusals (no such version or alias)
+    pass through as MlflowException for the callers that expect them."""
+
+    def __init__(self, inner, uri: str):
+        self._inner, self._uri = inner, uri
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except Exception as exc:
+                if is_unreachable(exc):
+                    raise unreachable(self._uri, exc) from None
+                raise
+        return call
+
+
+_SQL_STORES_CHECKED: set[str] = set()
+
+
+def _check_sql_store(uri: str) -> None:
+    """A database-backed tracking URI: one quick connection first (MLflow itself retries a
+    database that is down for about 100 s). Checked once per process and URI."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme not in ("postgresql", "mysql", "mssql") or uri in _SQL_STORES_CHECKED:
+        return
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import DBAPIError
+
+    connect_args = {"connect_timeout": SQL_STORE_CONNECT_TIMEOUT_S} if scheme == "postgresql" else {}
+    url = uri if "+" in uri.split(":", 1)[0] or scheme != "postgresql" else "postgresql+psycopg" + uri[len(scheme):]
+    try:
+        engine = create_engine(url, connect_args=connect_args)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except (DBAPIError, ImportError) as exc:
+        raise unreachable(uri, getattr(exc, "orig", exc)) from None
+    _SQL_STORES_CHECKED.add(uri)
+
+
+def check_reachable(uri: str | None = None) -> str:
+    """Raise RegistryError (one line) unless the tracking store answers now; the URI otherwise.
+    Run before expensive work that ends by registering."""
+    with fail_fast():
+        client(uri).search_registered_models(max_results=1)
+    return tracking_uri(uri)
 
 
 @contextmanager
@@ -110,6 +209,8 @@ def version_config(mlflow_client, name: str, version: str) -> SpecdecConfig:
     try:
         mlflow_client.get_model_version(name, version)
     except MlflowException as exc:
+        if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
         raise RegistryError(f"{name} has no version {version!r} ({exc.message if hasattr(exc, 'message') else exc}); "
                             "list them with `specdec config show`") from None
     return load_version_config(mlflow_client, name, version)

@@ -22,6 +22,7 @@ line number and reason ((file, line) is unique, so re-importing adds nothing the
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import hashlib
@@ -31,6 +32,7 @@ import logging
 import math
 import re
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from importlib import resources
@@ -39,8 +41,9 @@ from typing import Iterator
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 
-from .db.engine import database_url, display_url, ensure_ready
+from .db.engine import database_error, database_url, display_url, ensure_ready
 from .db.models import QuarantinedRequest, TrafficRequest
 from .errors import TrafficFileError
 from .settings import Settings, load_settings
@@ -59,6 +62,12 @@ UNKNOWN_DOMAIN = "unknown_domain"
 INVALID_SAMPLING = "invalid_sampling"
 TOO_LARGE = "too_large"
 DUPLICATE_ID = "duplicate_id"
+IMPLAUSIBLE_VALUE = "implausible_value"
+EMPTY_RESPONSE = "empty_response"
+NUL_CHARACTER = "nul_character"
+
+MAX_TOKENS_LIMIT = 10_000_000   # a max_tokens above it is a logging bug, not a request
+EXIT_QUARANTINED = 3            # `specdec traffic import` exit status when rows were quarantined
 
 RAW_KEEP_CHARS = 2000          # how much of a rejected row the quarantine keeps (after redaction)
 EARLIEST = datetime(2000, 1, 1)
@@ -141,6 +150,14 @@ class Normalizer:
             raise RowRejected(MISSING_FIELD, "no \"response\": the target's logged response is required")
         if not isinstance(response, str):
             raise RowRejected(INVALID_FIELD, f"\"response\" must be a string, got {type(response).__name__}")
+        if response == "" or row.get("response_token_ids") == []:
+            raise RowRejected(EMPTY_RESPONSE, "\"response\" is empty: there is nothing to score a "
+                                              "draft against (a failed or cancelled request?)")
+        for name, text in (("prompt", prompt), ("response", response), ("id", request_id),
+                           ("model", row.get("model")), ("domain", row.get("domain"))):
+            if isinstance(text, str) and "\x00" in text:
+                raise RowRejected(NUL_CHARACTER, f"\"{name}\" contains a NUL character (at "
+                                                 f"{text.index(chr(0))}): a binary or corrupted field")
         temperature, top_k, top_p, max_tokens = self._sampling(row)
         model = row.get("model")
         if model is None or (isinstance(model, str) and not model.strip()):
@@ -222,6 +239,9 @@ class Normalizer:
             max_tokens = _number(max_tokens, "max_tokens", INVALID_FIELD)
             if max_tokens < 1 or max_tokens != int(max_tokens):
                 raise RowRejected(INVALID_FIELD, f"max_tokens {max_tokens} must be an integer >= 1")
+            if max_tokens > MAX_TOKENS_LIMIT:
+                raise RowRejected(IMPLAUSIBLE_VALUE, f"max_tokens {max_tokens:.0f} is implausible "
+                                                     f"(above {MAX_TOKENS_LIMIT:,})")
             max_tokens = int(max_tokens)
         return float(temperature), int(top_k), float(top_p), max_tokens
 
@@ -369,6 +389,8 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
         if not line:
             return
         number += 1
+        if number == 1 and line.startswith(codecs.BOM_UTF8):    # a UTF-8 byte order mark
+            line = line[len(codecs.BOM_UTF8):]
         if len(line) > max_bytes and not line.endswith(b"\n"):
             head = line[:RAW_KEEP_CHARS].decode("utf-8", "replace")
             size = len(line)
@@ -401,7 +423,7 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
 
 
 def _csv_rows(stream, max_bytes: int, path: Path):
-    text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline="")
+    text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline="")
     previous_limit = csv.field_size_limit()
     csv.field_size_limit(max_bytes)
     try:
@@ -555,6 +577,9 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     settings = settings or load_settings()
     url = database_url(db_url or settings.database_url)
     path = Path(path)
+    if path.is_dir():
+        raise TrafficFileError(f"traffic file {str(path)!r} is a directory; give a .jsonl or .csv "
+                               "file (optionally .gz) in it, one import per file")
     if not path.is_file():
         raise TrafficFileError(f"traffic file {str(path)!r} does not exist; give a .jsonl or .csv "
                                "file (optionally .gz)")
@@ -568,6 +593,7 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     raw, stream = _open_binary(path)
     size = path.stat().st_size
     try:
+        line = 0
         rows = (_jsonl_rows(stream, settings.max_row_bytes) if file_format == "jsonl"
                 else _csv_rows(stream, settings.max_row_bytes, path))
         with tqdm(total=size, unit="B", unit_scale=True, desc=path.name, disable=not progress,
@@ -596,10 +622,14 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
             writer.flush()
             bar.n = size
             bar.refresh()
-    except OSError as exc:   # a truncated gzip, an unreadable disk: what is committed stays
-        writer.flush()
-        raise TrafficFileError(f"{path}: read failed after {report.rows_read} rows ({exc}); the rows "
-                               "before it are stored, fix the file and import it again") from exc
+    except DBAPIError as exc:                          # read-only, full or gone mid-import
+        raise database_error(url, exc) from None
+    except (OSError, EOFError, zlib.error) as exc:   # a truncated or corrupt gzip, a bad disk
+        writer.flush()                                  # every complete row before the break
+        raise TrafficFileError(
+            f"{path}: reading stopped at line {line + 1} ({type(exc).__name__}: {exc}); the "
+            f"{report.inserted} new rows before it are stored ({report.quarantined} quarantined). "
+            "Fix or re-copy the file and import it again: stored rows are skipped") from exc
     finally:
         stream.close()
         raw.close()

@@ -320,11 +320,13 @@ def test_purge_older_than(db_url, jsonl_file, make_request):
 
 
 def test_cli_import_reports_quarantine_lines(db_url, jsonl_file, make_request, capsys):
-    # the CLI prints the counts and the rejected line numbers with reasons
+    # the CLI prints the counts and the rejected line numbers with reasons; exit status 3 says
+    # rows were quarantined
     from tasks.cli import main
+    from tasks.traffic import EXIT_QUARANTINED
 
     path = jsonl_file([make_request(1), "nonsense", make_request(3, domain="astrology")])
-    assert main(["traffic", "import", str(path), "--url", db_url, "--no-progress"]) == 0
+    assert main(["traffic", "import", str(path), "--url", db_url, "--no-progress"]) == EXIT_QUARANTINED
     out = capsys.readouterr().out
     assert "1 inserted" in out and "2 quarantined" in out
     assert "malformed_json" in out and "unknown_domain" in out

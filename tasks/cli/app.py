@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 
+from rich.markup import escape
 from rich.table import Table
 
 from specdec_core.errors import SpecDecError
@@ -15,6 +16,7 @@ from specdec_core.models import DEFAULT_MODEL
 
 from ..candidates import CandidateError, candidate_label, parse_candidate
 from ..errors import SpecdecTaskError
+from ..masking import mask_text
 from . import config, data, draft, evaluation, main_job
 from .console import make_console
 from .prompts import PromptFileError
@@ -160,14 +162,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _MaskingFilter(logging.Filter):
+    """Hides URL credentials in every log record (tasks.masking)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = mask_text(message)
+        if masked != message:
+            record.msg, record.args = masked, ()
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_MaskingFilter())
+    if not args.verbose:    # urllib3's per-retry warnings: the error line says it once
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     try:
         return args.func(args)
     except (SpecDecError, PromptFileError, SpecdecTaskError) as exc:
-        console.print(f"[red]error:[/red] {type(exc).__name__}: {exc}")
+        console.print(f"[red]error:[/red] {type(exc).__name__}: {escape(mask_text(str(exc)))}")
+        return 2
+    except Exception as exc:    # MLflow's own refusals: one line, credentials hidden
+        from mlflow.exceptions import MlflowException
+
+        if not isinstance(exc, MlflowException):
+            raise
+        console.print(f"[red]error:[/red] MLflow: {escape(mask_text(' '.join(str(exc.message).split())))[:500]}")
         return 2
 
 

@@ -33,7 +33,7 @@ def cmd_db_current(args) -> int:
 
 def cmd_traffic_import(args) -> int:
     from ..settings import load_settings
-    from ..traffic import import_traffic, sample_traffic_path
+    from ..traffic import EXIT_QUARANTINED, import_traffic, sample_traffic_path
 
     if args.sample == (args.file is not None):
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
@@ -41,9 +41,10 @@ def cmd_traffic_import(args) -> int:
     settings = load_settings(import_batch_size=args.batch_size)
     report = import_traffic(path, db_url=args.url, settings=settings, file_format=args.format,
                             progress=not args.no_progress)
+    status = EXIT_QUARANTINED if report["quarantined"] else 0
     if args.json:
         print_json(report)
-        return 0
+        return status
     console.print(f"{escape(str(path))} -> {escape(report['database'])}: {report['rows_read']} rows read, "
                   f"{report['inserted']} inserted, {report['skipped_existing']} already stored, "
                   f"{report['quarantined']} quarantined ({report['quarantined_new']} new), "
@@ -62,7 +63,7 @@ def cmd_traffic_import(args) -> int:
         console.print(table)
         console.print("by reason: " + ", ".join(f"{reason} {count}" for reason, count
                                                 in sorted(report["quarantined_by_reason"].items())))
-    return 0
+    return status
 
 
 def cmd_traffic_purge(args) -> int:
@@ -141,7 +142,13 @@ def register(sub) -> None:
 
     traffic = sub.add_parser("traffic", help="import, sample, check and purge logged traffic")
     t_sub = traffic.add_subparsers(dest="traffic_command", required=True)
-    imp = t_sub.add_parser("import", help="import a JSONL or CSV file (optionally .gz); idempotent")
+    imp = t_sub.add_parser(
+        "import", help="import a JSONL or CSV file (optionally .gz); idempotent",
+        description="Import a JSONL or CSV traffic file (optionally .gz). Rows already stored are "
+                    "skipped; bad rows are quarantined with their line and reason.",
+        epilog="exit status: 0 every row stored or already there; 3 rows were quarantined (the "
+               "others are stored: see `specdec traffic quarantine`); 2 the file or the database "
+               "cannot be used (rows before a break in the file are stored).")
     imp.add_argument("file", nargs="?", default=None)
     imp.add_argument("--sample", action="store_true", help="import the shipped sample traffic")
     imp.add_argument("--format", choices=["jsonl", "csv"], default=None,

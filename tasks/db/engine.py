@@ -8,13 +8,15 @@ version table, `specdec_alembic_version`, but the schemas must stay apart).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
 from ..errors import DatabaseNotMigrated, DatabaseUnavailable
+from ..masking import mask_text, mask_url
 from ..settings import DATABASE_URL_ENV, load_settings
 
 log = logging.getLogger(__name__)
@@ -29,18 +31,36 @@ def database_url(url: str | None = None) -> str:
 
 
 def display_url(url: str) -> str:
-    """The URL with its password hidden, for messages and logs."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return url
+    """The URL with its password hidden, for messages and logs (tasks.redaction.mask_url)."""
+    return mask_url(url)
 
 
 def _sqlite_path(url: str) -> Path | None:
-    parsed = make_url(url)
+    parsed = _parse(url)
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return None
-    return Path(parsed.database)
+    database = parsed.database
+    if parsed.query.get("uri") == "true" and database.startswith("file:"):   # sqlite URI filenames
+        database = database[len("file:"):].split("?", 1)[0]
+    return Path(database)
+
+
+def _parse(url: str):
+    """make_url, or DatabaseUnavailable naming the fix for a URL specdec cannot use."""
+    fix = (f"set {DATABASE_URL_ENV} to e.g. postgresql+psycopg://user@host:5432/specdec "
+           "or sqlite:////path/specdec.db")
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise DatabaseUnavailable(f"database URL {display_url(url)!r} cannot be parsed ({exc}); "
+                                  f"{fix}") from None
+    if parsed.get_backend_name() == "postgres":
+        raise DatabaseUnavailable(f"database URL {display_url(url)!r}: the scheme is postgresql, not "
+                                  f"postgres; {fix}")
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise DatabaseUnavailable(f"database URL {display_url(url)!r}: {parsed.get_backend_name()} is "
+                                  f"not supported (specdec runs on PostgreSQL or SQLite); {fix}")
+    return parsed
 
 
 def _on_sqlite_connect(dbapi_connection, _record) -> None:
@@ -61,15 +81,14 @@ def _engine_for(url: str) -> Engine:
 
 
 def _create_engine(url: str) -> Engine:
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise DatabaseUnavailable(f"database URL {url!r} is not a SQLAlchemy URL ({exc}); set "
-                                  f"{DATABASE_URL_ENV} to e.g. postgresql+psycopg://user:pw@host/db "
-                                  "or sqlite:///path/specdec.db") from exc
+    parsed = _parse(url)
     if parsed.drivername == "postgresql":   # psycopg 3 is the driver we install, not psycopg2
         url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
-    engine = create_engine(url, pool_pre_ping=True, future=True)
+    try:
+        engine = create_engine(url, pool_pre_ping=True, future=True)
+    except (ArgumentError, ImportError) as exc:     # e.g. a driver that is not installed
+        raise DatabaseUnavailable(f"database URL {display_url(url)!r} cannot be used ({exc}); use "
+                                  "postgresql+psycopg:// or sqlite:///") from None
     if parsed.get_backend_name() == "sqlite":
         event.listen(engine, "connect", _on_sqlite_connect)
     return engine
@@ -87,7 +106,15 @@ def get_engine(url: str | None = None, create_dir: bool = False) -> Engine:
     url = database_url(url)
     path = _sqlite_path(url)
     if path is not None and create_dir:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(path.parent, os.W_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as exc:
+            raise DatabaseUnavailable(
+                f"cannot create the specdec database in {str(path.parent)!r} ({exc.strerror or exc}); "
+                f"set SPECDEC_HOME to a writable directory (now {os.environ.get('SPECDEC_HOME', '.specdec')!r}) "
+                f"or {DATABASE_URL_ENV} to another database") from None
     return _engine_for(url)
 
 
@@ -117,12 +144,24 @@ def current_revision(url: str | None = None) -> str | None:
         with engine.connect() as connection:
             context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
             return context.get_current_revision()
-    except OperationalError as exc:
-        raise _unavailable(url, exc) from exc
+    except DBAPIError as exc:
+        raise database_error(url, exc) from None
 
 
-def _unavailable(url: str, exc: Exception) -> DatabaseUnavailable:
-    reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0][:300]
+def database_error(url: str, exc: Exception) -> DatabaseUnavailable:
+    """The clear error for a database that fails (cannot connect, corrupt, read-only), naming the
+    database (password hidden) and the fix."""
+    reason = mask_text(str(getattr(exc, "orig", exc)).strip().splitlines()[0][:300])
+    lowered = reason.lower()
+    if "not a database" in lowered or "malformed" in lowered:
+        return DatabaseUnavailable(
+            f"the specdec database {display_url(url)} is not a readable SQLite database ({reason}): it "
+            "is corrupt or another kind of file. Move it aside and run `specdec db upgrade` for a new "
+            "one, or restore it from a backup")
+    if "readonly" in lowered or "read-only" in lowered or "read only" in lowered:
+        return DatabaseUnavailable(
+            f"the specdec database {display_url(url)} is read-only ({reason}); nothing was written. "
+            f"Make it writable, or set {DATABASE_URL_ENV} to a database this user can write")
     return DatabaseUnavailable(
         f"cannot connect to the specdec database {display_url(url)} ({reason}); check that the "
         f"server is running and {DATABASE_URL_ENV} is right, then run `specdec db upgrade`")
@@ -153,8 +192,8 @@ def upgrade(url: str | None = None, revision: str = "head") -> dict:
             config = _alembic_config(url)
             config.attributes["connection"] = connection
             command.upgrade(config, revision)
-    except OperationalError as exc:
-        raise _unavailable(url, exc) from exc
+    except DBAPIError as exc:
+        raise database_error(url, exc) from None
     after = current_revision(url)
     log.info("database %s: %s -> %s", display_url(url), before, after)
     return {"url": display_url(url), "from": before, "to": after}
