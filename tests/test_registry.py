@@ -408,6 +408,10 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
         "rollback", "champion", "1", "run-1")
     assert last["gates"] == {"champion_before": "2"}
 
+    # a rollback meant for champion 2 while 1 is champion: refused, nothing moves
+    with pytest.raises(RegistryError, match="asked to roll back champion 2, but the champion is now 1"):
+        rollback(name, db_url=db_url, uri=tracking, expected_champion="2")
+    assert champion_of(tracking, name) == "1"
     # version 1 replaced no champion: nothing further to roll back to, and nothing moves
     with pytest.raises(RegistryError, match="replaced no earlier champion"):
         rollback(name, db_url=db_url, uri=tracking)

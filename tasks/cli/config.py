@@ -68,7 +68,8 @@ def cmd_promote(args) -> int:
 def cmd_rollback(args) -> int:
     from ..promotion import rollback
 
-    result = rollback(_name(args), db_url=args.url, uri=args.tracking_uri)
+    result = rollback(_name(args), db_url=args.url, uri=args.tracking_uri,
+                      expected_champion=args.expected_champion or "current")
     console.print(f"{_name(args)}: champion {result['champion_before']} -> {result['champion']}")
     return 0
 
@@ -116,6 +117,8 @@ def register(sub) -> None:
     common(prom, url=True)
     prom.set_defaults(func=cmd_promote)
     back = c_sub.add_parser("rollback", help="champion back to the version it replaced")
+    back.add_argument("--expected-champion", default=None, metavar="N",
+                      help="roll back only if version N is still the champion (default: whatever is)")
     common(back, url=True)
     back.set_defaults(func=cmd_rollback)
     export = c_sub.add_parser("export", help="a version as JSON, or as vLLM speculative_config per domain")
