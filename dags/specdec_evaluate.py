@@ -38,9 +38,9 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, EVALUATIONS_URI,
-                                LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL, evaluate_spec,
-                                task_errors)
+from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, MAP_LABEL,
+                                EVALUATIONS_URI, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
+                                evaluate_spec, label_mapped, task_errors)
 
 CHAMPION_ASSET = Asset(CHAMPION_URI)
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
@@ -71,7 +71,7 @@ PARAMS = {
     "candidates": Param(DEFAULT_CANDIDATES, type="array",
                         items={"type": "string"}, title="Candidate drafters",
                         description="KIND[:NAME=VALUE...], e.g. draft_model:model=/models/draft"),
-    "hardware_profile": Param("", type="string", title="Hardware profile",
+    "hardware_profile": Param(None, type=["null", "string"], title="Hardware profile",
                               description="A stored cost profile to plan with; empty: measure this worker"),
     "k_max": Param(8, type="integer", minimum=1, maximum=32, title="Largest K"),
     "min_speedup": Param(1.1, type="number", minimum=0.01, maximum=10.0, title="Minimum speedup",
@@ -120,26 +120,29 @@ def specdec_evaluate():
     def domains_of(checked: dict) -> list[str]:
         return checked["ok"]
 
-    @task(retries=0)
+    @task(retries=0, map_index_template=MAP_LABEL)
     def estimate(domain: str, spec: dict, profile_name: str) -> str:
         from tasks.pipeline import step_estimate
 
+        label_mapped(domain)
         with task_errors():
             step_estimate(spec, domain, profile_name)
         return domain
 
-    @task(pool=TIMING_POOL, retries=0)
+    @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL)
     def confirm(domain: str, spec: dict) -> str:
         from tasks.pipeline import step_confirm
 
+        label_mapped(domain)
         with task_errors():
             step_confirm(spec, domain)
         return domain
 
-    @task(retries=0)
+    @task(retries=0, map_index_template=MAP_LABEL)
     def validate(domain: str, spec: dict) -> str:
         from tasks.pipeline import step_validate
 
+        label_mapped(domain)
         with task_errors():
             step_validate(spec, domain)
         return domain

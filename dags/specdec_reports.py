@@ -14,7 +14,7 @@ from datetime import datetime
 
 from airflow.sdk import Asset, dag, task
 
-from tasks.airflow_glue import EVALUATIONS_URI, database_url, task_errors
+from tasks.airflow_glue import EVALUATIONS_URI, MAP_LABEL, database_url, label_mapped, task_errors
 
 EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
 
@@ -29,10 +29,11 @@ def specdec_reports():
 
         return sorted(list_reports())
 
-    @task
+    @task(map_index_template=MAP_LABEL)
     def materialise(name: str) -> dict:
         from tasks.reports import materialise_report
 
+        label_mapped(name)
         with task_errors():
             return materialise_report(name, db_url=database_url())
 

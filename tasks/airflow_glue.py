@@ -135,3 +135,16 @@ def evaluate_spec(run_id: str, params, conf: dict | None = None):
                    max_per_domain=p["max_per_domain"], min_per_domain=p["min_per_domain"],
                    candidates=p["candidates"], hardware_profile=p["hardware_profile"] or None,
                    k_max=p["k_max"], min_speedup=p["min_speedup"], promote=p["promote"])
+
+
+# mapped tasks are labelled in the UI by what they ran for (a domain, a report): Airflow renders
+# map_index_template with the task's context after it ran
+MAP_LABEL = "{{ specdec_label }}"
+
+
+def label_mapped(label: str) -> None:
+    """Inside a mapped task: its map index shows as `label` (map_index_template MAP_LABEL), e.g.
+    the domain it ran for."""
+    from airflow.sdk import get_current_context
+
+    get_current_context()["specdec_label"] = label

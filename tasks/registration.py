@@ -91,6 +91,19 @@ def _plots(run_id: str, connection, directory: Path) -> list[Path]:
     return paths
 
 
+def end_run(mlflow_client, mlflow_run_id: str, exc: BaseException | None = None) -> None:
+    """Set the MLflow run's final status: FINISHED (no exc), KILLED (an interrupt or a task
+    terminated by Airflow: not an Exception), FAILED (an error). Best effort: the original error,
+    if any, is what the caller raises."""
+    status = "FINISHED" if exc is None else ("FAILED" if isinstance(exc, Exception) else "KILLED")
+    try:
+        mlflow_client.set_terminated(mlflow_run_id, status)
+    except Exception as error:     # the store may be what failed
+        if exc is None:
+            raise
+        log.warning("MLflow run %s: could not set status %s (%s)", mlflow_run_id, status, error)
+
+
 def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = None,
                      settings: Settings | None = None, champion=None) -> dict:
     """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
@@ -109,57 +122,61 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
         mlflow_run_id = run.info.run_id
     else:
         mlflow_run_id = existing.info.run_id
-    with engine.connect() as connection:
-        eval_run = run_row(connection, run_id)
-        params = dict(eval_run["params"] or {})
-        validations = [dict(r) for r in connection.execute(
-            select(Validation.domain, Validation.check_name, Validation.drafter, Validation.k,
-                   Validation.request_id, Validation.passed, Validation.statistic,
-                   Validation.p_value, Validation.details)
-            .where(Validation.run_id == run_id)).mappings()]
-        quality = [dict(r) for r in connection.execute(
-            select(QualityResult.suite, QualityResult.scope, QualityResult.expectation,
-                   QualityResult.column_name, QualityResult.success, QualityResult.status,
-                   QualityResult.observed).where(QualityResult.run_id == run_id)).mappings()]
-        estimates = connection.execute(select(AcceptanceEstimate.drafter).where(
-            AcceptanceEstimate.run_id == run_id).distinct()).scalars().all()
+    try:
+        with engine.connect() as connection:
+            eval_run = run_row(connection, run_id)
+            params = dict(eval_run["params"] or {})
+            validations = [dict(r) for r in connection.execute(
+                select(Validation.domain, Validation.check_name, Validation.drafter, Validation.k,
+                       Validation.request_id, Validation.passed, Validation.statistic,
+                       Validation.p_value, Validation.details)
+                .where(Validation.run_id == run_id)).mappings()]
+            quality = [dict(r) for r in connection.execute(
+                select(QualityResult.suite, QualityResult.scope, QualityResult.expectation,
+                       QualityResult.column_name, QualityResult.success, QualityResult.status,
+                       QualityResult.observed).where(QualityResult.run_id == run_id)).mappings()]
+            estimates = connection.execute(select(AcceptanceEstimate.drafter).where(
+                AcceptanceEstimate.run_id == run_id).distinct()).scalars().all()
+            with tempfile.TemporaryDirectory() as tmp:
+                plots = _plots(run_id, connection, Path(tmp))
+                for path in plots:
+                    mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
+        wanted = {"target": config.target.id, "target_fingerprint": config.target.fingerprint,
+                  "hardware_profile": config.hardware_profile, "candidates": ",".join(sorted(estimates)),
+                  "min_per_domain": params.get("min_per_domain"), "max_per_domain": params.get("max_per_domain"),
+                  "k_max": settings.eval_k_max, "min_speedup": settings.min_speedup,
+                  "validation_rows": settings.validation_rows, "domains": ",".join(sorted(config.domains))}
+        logged = mlflow_client.get_run(mlflow_run_id).data.params
+        for key, value in wanted.items():
+            value = str(value)
+            if key not in logged:
+                mlflow_client.log_param(mlflow_run_id, key, value)
+            elif logged[key] != value:   # params are immutable in MLflow: keep the first, say so
+                log.warning("MLflow run %s: param %s was %r, now %r (kept; see tag)", mlflow_run_id, key,
+                            logged[key], value)
+                mlflow_client.set_tag(mlflow_run_id, f"specdec.rerun.{key}", value)
+        for name, setting in config.domains.items():
+            metrics = {"enabled": float(setting.enabled), "samples": float(setting.samples),
+                       "k": float(setting.k), "mean_accepted_length": setting.mean_accepted_length,
+                       "predicted_speedup": setting.predicted_speedup,
+                       "measured_speedup": setting.measured_speedup}
+            for metric, value in metrics.items():
+                if value is not None:
+                    mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", float(value))
         with tempfile.TemporaryDirectory() as tmp:
-            plots = _plots(run_id, connection, Path(tmp))
-            for path in plots:
-                mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
-    wanted = {"target": config.target.id, "target_fingerprint": config.target.fingerprint,
-              "hardware_profile": config.hardware_profile, "candidates": ",".join(sorted(estimates)),
-              "min_per_domain": params.get("min_per_domain"), "max_per_domain": params.get("max_per_domain"),
-              "k_max": settings.eval_k_max, "min_speedup": settings.min_speedup,
-              "validation_rows": settings.validation_rows, "domains": ",".join(sorted(config.domains))}
-    logged = mlflow_client.get_run(mlflow_run_id).data.params
-    for key, value in wanted.items():
-        value = str(value)
-        if key not in logged:
-            mlflow_client.log_param(mlflow_run_id, key, value)
-        elif logged[key] != value:   # params are immutable in MLflow: keep the first, say so
-            log.warning("MLflow run %s: param %s was %r, now %r (kept; see tag)", mlflow_run_id, key,
-                        logged[key], value)
-            mlflow_client.set_tag(mlflow_run_id, f"specdec.rerun.{key}", value)
-    for name, setting in config.domains.items():
-        metrics = {"enabled": float(setting.enabled), "samples": float(setting.samples),
-                   "k": float(setting.k), "mean_accepted_length": setting.mean_accepted_length,
-                   "predicted_speedup": setting.predicted_speedup,
-                   "measured_speedup": setting.measured_speedup}
-        for metric, value in metrics.items():
-            if value is not None:
-                mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", float(value))
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        (directory / "config").mkdir()
-        (directory / "config" / "config.json").write_text(config.to_json(), encoding="utf-8")
-        (directory / "validation.json").write_text(json.dumps(validations, indent=1, default=str))
-        (directory / "data_quality.json").write_text(json.dumps(quality, indent=1, default=str))
-        (directory / "domains.md").write_text(domain_table_markdown(config) + "\n")
-        mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
-        for name in ("validation.json", "data_quality.json", "domains.md"):
-            mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
-    mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
+            directory = Path(tmp)
+            (directory / "config").mkdir()
+            (directory / "config" / "config.json").write_text(config.to_json(), encoding="utf-8")
+            (directory / "validation.json").write_text(json.dumps(validations, indent=1, default=str))
+            (directory / "data_quality.json").write_text(json.dumps(quality, indent=1, default=str))
+            (directory / "domains.md").write_text(domain_table_markdown(config) + "\n")
+            mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
+            for name in ("validation.json", "data_quality.json", "domains.md"):
+                mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
+        mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
+    except BaseException as exc:
+        end_run(mlflow_client, mlflow_run_id, exc)
+        raise
     return {"mlflow_run_id": mlflow_run_id, "experiment_id": experiment_id, "reused": existing is not None,
             "config": json.loads(config.to_json())}
 
@@ -178,35 +195,40 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
     tracked = track_evaluation(run_id, db_url, uri, settings, champion=(champion_version, champion))
     config = parse_config(tracked["config"])
     mlflow_client = client(tracking_uri(uri, db_url))
-    name = config_model_name(config.target.id)
     try:
-        mlflow_client.get_registered_model(name)
-    except MlflowException:
-        mlflow_client.create_registered_model(
-            name, description=f"specdec speculative-decoding configs of target {config.target.id}")
-    existing = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{run_id}'")
-    description = (f"## specdec config of run {run_id}\n\ntarget `{config.target.id}` "
-                   f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`, "
-                   f"validation **{validation_status(config)}**\n\n{domain_table_markdown(config)}\n\n"
-                   f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
-                   "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`.")
-    tags = {"run_id": run_id, "domains_on": ",".join(config.domains_on) or "none",
-            "validation": validation_status(config), "hardware_profile": config.hardware_profile,
-            "target_fingerprint": config.target.fingerprint}
-    if existing:
-        version = str(existing[0].version)
-        mlflow_client.update_model_version(name, version, description=description)
-        for key, value in tags.items():
-            mlflow_client.set_model_version_tag(name, version, key, value)
-    else:
-        version = str(mlflow_client.create_model_version(
-            name, source=f"runs:/{tracked['mlflow_run_id']}/config", run_id=tracked["mlflow_run_id"],
-            tags=tags, description=description).version)
-    mlflow_client.set_registered_model_alias(name, CHALLENGER, version)
-    record_promotion(db_url, run_id=run_id, target_id=config.target.id, config_name=name,
-                     config_version=version, alias=CHALLENGER, action="register", forced=False,
-                     actor=actor or current_user(), gates=None,
-                     reason="retried registration: version reused" if existing else "registered")
+        name = config_model_name(config.target.id)
+        try:
+            mlflow_client.get_registered_model(name)
+        except MlflowException:
+            mlflow_client.create_registered_model(
+                name, description=f"specdec speculative-decoding configs of target {config.target.id}")
+        existing = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{run_id}'")
+        description = (f"## specdec config of run {run_id}\n\ntarget `{config.target.id}` "
+                       f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`, "
+                       f"validation **{validation_status(config)}**\n\n{domain_table_markdown(config)}\n\n"
+                       f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
+                       "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`.")
+        tags = {"run_id": run_id, "domains_on": ",".join(config.domains_on) or "none",
+                "validation": validation_status(config), "hardware_profile": config.hardware_profile,
+                "target_fingerprint": config.target.fingerprint}
+        if existing:
+            version = str(existing[0].version)
+            mlflow_client.update_model_version(name, version, description=description)
+            for key, value in tags.items():
+                mlflow_client.set_model_version_tag(name, version, key, value)
+        else:
+            version = str(mlflow_client.create_model_version(
+                name, source=f"runs:/{tracked['mlflow_run_id']}/config", run_id=tracked["mlflow_run_id"],
+                tags=tags, description=description).version)
+        mlflow_client.set_registered_model_alias(name, CHALLENGER, version)
+        record_promotion(db_url, run_id=run_id, target_id=config.target.id, config_name=name,
+                         config_version=version, alias=CHALLENGER, action="register", forced=False,
+                         actor=actor or current_user(), gates=None,
+                         reason="retried registration: version reused" if existing else "registered")
+    except BaseException as exc:
+        end_run(mlflow_client, tracked["mlflow_run_id"], exc)
+        raise
+    end_run(mlflow_client, tracked["mlflow_run_id"])
     return {"name": name, "version": version, "reused": bool(existing),
             "champion_version": champion_version, "validation": tags["validation"],
             "mlflow_run_id": tracked["mlflow_run_id"]}

@@ -35,6 +35,8 @@ for _key, _value in MLFLOW_CLIENT_DEFAULTS.items():
 SQL_STORE_CONNECT_TIMEOUT_S = 5
 
 RUN_TAG = "specdec.run_id"
+# MLflow's UI opens an experiment in its runs/metrics/artifacts view for this kind (not GenAI's)
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 CHAMPION, CHALLENGER = "champion", "challenger"
 
 
@@ -166,11 +168,14 @@ def experiment_for_target(mlflow_client, target_id: str) -> str:
     name = f"specdec/{target_slug(target_id)}"
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is not None:
+        if (experiment.tags or {}).get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+            mlflow_client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
     location = None
     if mlflow_client.tracking_uri.startswith("sqlite:"):   # a local store: artifacts beside it
         location = (specdec_home() / "mlartifacts" / target_slug(target_id)).resolve().as_uri()
-    return mlflow_client.create_experiment(name, artifact_location=location)
+    return mlflow_client.create_experiment(name, artifact_location=location,
+                                           tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
 
 
 def find_run(mlflow_client, experiment_id: str, run_id: str):

@@ -128,6 +128,9 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     run, states = run_dag(dagbag, conf)
     assert run.state == "success", states
     assert states["per_domain.estimate"] == ["success"] * 3 and states["promote"] == ["success"]
+    for task_id in ("per_domain.estimate", "per_domain.confirm", "per_domain.validate"):
+        labels = {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == task_id}
+        assert labels == {"code", "json", "qa"}, task_id        # the UI shows the domain, not [2]
     name = config_model_name(tiny_env["target"])
     mlflow_client = client()
     first = mlflow_client.get_model_version_by_alias(name, "champion").version
@@ -306,3 +309,19 @@ def test_deprecated_param_name_still_works(caplog):
     assert "'samples_per_domain' is deprecated: use 'max_per_domain'" in caplog.text
     both = {"samples_per_domain": 12, "max_per_domain": 9}
     assert current_params({**params, **both}, both) == {"max_per_domain": 9, "min_per_domain": 20}
+
+
+def test_every_params_default_validates_as_the_trigger_form_submits_it(dagbag):
+    """Airflow's own validation of each DAG's Params with their defaults, and with what the trigger
+    form submits for an untouched form (an empty text field arrives as null): a manual run from
+    the UI needs no guessing. A string Param that may be empty must allow null."""
+    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports"):
+        dag = dagbag.get_dag(dag_id)
+        dag.params.validate()
+        for key in dag.params:
+            param = dag.params.get_param(key)
+            submitted = None if param.value == "" else param.value
+            param.resolve(value=submitted)       # raises ParamValidationError when the form would fail
+            schema_type = param.schema.get("type")
+            if param.value in (None, ""):
+                assert "null" in (schema_type if isinstance(schema_type, list) else [schema_type]), key

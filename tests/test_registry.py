@@ -771,3 +771,27 @@ def test_cli_config_register_show_export_promote(db_url, tracking, target_id, ca
     assert "RegistryError" in capsys.readouterr().out
     assert main(["config", "rollback", *common, "--url", db_url]) == 2
     assert "nothing to roll back" in capsys.readouterr().out
+
+
+# 12. the MLflow run of an evaluation ends with the right status
+@pytest.mark.parametrize("error, status", [(None, "FINISHED"), (RuntimeError("store broke"), "FAILED"),
+                                           (KeyboardInterrupt(), "KILLED")])
+def test_evaluation_run_ends_finished_failed_or_killed(db_url, tracking, target_id, monkeypatch,
+                                                        error, status):
+    from tasks import registration
+    from tasks.tracking import RUN_TAG
+
+    finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
+    if error is not None:
+        def broken(*args, **kwargs):
+            raise error
+        monkeypatch.setattr(registration, "record_promotion", broken)   # after the run exists
+        with pytest.raises(type(error)):
+            register("run-1", db_url, tracking)
+    else:
+        register("run-1", db_url, tracking)
+    mlflow_client = client(tracking)
+    experiment = mlflow_client.get_experiment_by_name(f"specdec/{target_slug(target_id)}")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"   # runs view
+    run = mlflow_client.search_runs([experiment.experiment_id], filter_string=f"tags.`{RUN_TAG}` = 'run-1'")[0]
+    assert run.info.status == status
