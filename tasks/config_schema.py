@@ -72,6 +72,7 @@ class DomainSetting(_Strict):
     validation: Literal["passed", "failed", "not_needed", "incomplete"] | None = None
     source: Literal["run", "champion", "off"] = "run"
     note: str | None = None      # e.g. "kept on: within hysteresis" (the planner's reason)
+    reason: str | None = Field(default=None, max_length=600)   # why on or off, in words
 
     @model_validator(mode="after")
     def _consistent(self) -> "DomainSetting":

@@ -23,6 +23,7 @@ from .run_config import effective_speedup
 from .settings import Settings, load_settings
 from .timeutil import utcnow
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
+from .version_page import refresh_champion_lines, write_gates
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,15 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
     return gates
 
 
+def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
+              db_url: str) -> list[dict]:
+    """check_gates with the run's recorded target-fingerprint check."""
+    with ensure_ready(db_url).connect() as connection:
+        fingerprint_passed = connection.execute(select(Validation.passed).where(
+            (Validation.run_id == config.run_id) & (Validation.check_name == "fingerprint"))).scalar()
+    return check_gates(config, champion, settings, fingerprint_passed)
+
+
 def promote(name: str, version: str, db_url: str | None = None, uri: str | None = None,
             force: bool = False, actor: str | None = None, expected_champion: str | None = "current",
             settings: Settings | None = None) -> dict:
@@ -120,18 +130,23 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
     config = version_config(mlflow_client, name, version)
     before = alias_version(mlflow_client, name, CHAMPION)
     champion = load_version_config(mlflow_client, name, before) if before else None
-    with ensure_ready(db_url).connect() as connection:
-        fingerprint_passed = connection.execute(select(Validation.passed).where(
-            (Validation.run_id == config.run_id) & (Validation.check_name == "fingerprint"))).scalar()
-    gates = check_gates(config, champion, settings, fingerprint_passed)
+    gates = gates_for(config, champion, settings, db_url)
     record = dict(run_id=config.run_id, target_id=config.target.id, config_name=name,
                   config_version=version, alias=CHAMPION, actor=actor or current_user())
     summary = {"gates": gates, "champion_before": before}
+
+    def page_gates(outcome: str) -> None:
+        try:
+            write_gates(mlflow_client, name, version, gates, f"`specdec config promote` against "
+                        f"champion {before or 'none'}, {utcnow():%Y-%m-%d %H:%M} UTC: {outcome}")
+        except Exception as exc:     # the page is documentation; the decision stands
+            log.warning("%s version %s: gates not written on the page (%s)", name, version, exc)
 
     def refuse(reason: str, connection=None, champion: str | None = before) -> dict:
         record_promotion(db_url, connection, action="reject", forced=force, gates=summary,
                          reason=reason, **record)
         log.warning("promotion of %s version %s refused: %s", name, version, reason)
+        page_gates(f"NOT promoted: {reason}"[:300])
         return {"promoted": False, "forced": force, "version": version, "champion": champion,
                 "gates": gates, "reason": reason}
 
@@ -153,6 +168,9 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
             if failed and force else "all gates passed"
         record_promotion(db_url, connection, action="promote", forced=bool(force and failed),
                          gates=summary, reason=reason, **record)
+    page_gates(f"promoted ({reason})")
+    refresh_champion_lines(mlflow_client, name, version, "promoted with `specdec config promote`"
+                           + (" FORCED past failed gates" if force and failed else ""), also=(before,))
     return {"promoted": True, "forced": bool(force and failed), "version": version, "champion": version,
             "champion_before": before, "gates": gates, "reason": reason}
 
@@ -187,4 +205,6 @@ def rollback(name: str, db_url: str | None = None, uri: str | None = None,
                          config_name=name, config_version=previous, alias=CHAMPION, action="rollback",
                          forced=False, actor=actor or current_user(),
                          gates={"champion_before": current}, reason=f"rolled back from version {current}")
+    refresh_champion_lines(mlflow_client, name, previous,
+                           f"restored by `specdec config rollback` from version {current}", also=(current,))
     return {"champion": previous, "champion_before": current}

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import delete, insert, select, update
 
@@ -26,7 +28,7 @@ from .db.engine import database_url, ensure_ready
 from .db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
 from .errors import QualityGateFailed, SampleError
 from .sampling import SAMPLE_SUITE
-from .settings import Settings, load_settings
+from .settings import Settings, load_settings, specdec_home
 from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -83,9 +85,30 @@ def _context():
     return gx.get_context(mode="ephemeral", project_config=config)
 
 
+def data_docs_dir(run_id: str) -> Path:
+    """Where a run's rendered Data Docs pages go ($SPECDEC_HOME/reports/<run>/data_docs); the
+    registration attaches them to the run's MLflow page."""
+    return specdec_home() / "reports" / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id) / "data_docs"
+
+
+def render_data_docs(result, path: Path) -> None:
+    """Great Expectations' own Data Docs page of one validation result, as a standalone HTML file.
+    Best effort: a rendering failure is logged, the check's outcome stands."""
+    try:
+        from great_expectations.render.renderer import ValidationResultsPageRenderer
+        from great_expectations.render.view import DefaultJinjaPageView
+
+        html = DefaultJinjaPageView().render(ValidationResultsPageRenderer().render(result))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(html, encoding="utf-8")
+    except Exception as exc:
+        log.warning("Data Docs page %s not rendered (%s)", path, exc)
+
+
 def run_suite(context, name: str, frame, expectations: list, scope: str = "table",
-              id_column: str | None = None) -> list[Outcome]:
-    """Validate `frame` (a pandas DataFrame) against `expectations` as the suite `name`."""
+              id_column: str | None = None, docs: Path | None = None) -> list[Outcome]:
+    """Validate `frame` (a pandas DataFrame) against `expectations` as the suite `name`; with
+    `docs` (a directory), also write GX's Data Docs page of the result there."""
     gx = _gx()
     source = context.data_sources.add_pandas(f"{name}-{scope}-source")
     asset = source.add_dataframe_asset(name=f"{name}-{scope}")
@@ -98,6 +121,8 @@ def run_suite(context, name: str, frame, expectations: list, scope: str = "table
     result = validation.run(batch_parameters={"dataframe": frame},
                             result_format={"result_format": "COMPLETE" if id_column else "SUMMARY",
                                            "unexpected_index_column_names": [id_column] if id_column else []})
+    if docs is not None:
+        render_data_docs(result, docs / (re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}-{scope}") + ".html"))
     outcomes = []
     for item in result.results:
         config = item.expectation_config
@@ -229,7 +254,8 @@ def check_traffic_sample(run_id: str, db_url: str | None = None,
     domains = list(params.get("domains") or sorted(frame["domain"].dropna().unique()))
 
     context = _context()
-    table = run_suite(context, SAMPLE_SUITE, frame, sample_expectations(settings), id_column="id")
+    table = run_suite(context, SAMPLE_SUITE, frame, sample_expectations(settings), id_column="id",
+                      docs=data_docs_dir(run_id))
     per_domain = {}
     domain_outcomes = []
     gx = _gx()
@@ -327,7 +353,8 @@ def check_result_table(run_id: str, table: str, db_url: str | None = None,
         if column not in ("run_id", "domain", "drafter", "status", "created_at", "enabled"):
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
     suite = f"results:{table}"
-    outcomes = run_suite(_context(), suite, frame, result_expectations(table, settings, frame.columns))
+    outcomes = run_suite(_context(), suite, frame, result_expectations(table, settings, frame.columns),
+                         docs=data_docs_dir(run_id))
     failures = [o for o in outcomes if not o.success]
     with engine.begin() as connection:
         _store(connection, run_id, (suite,),

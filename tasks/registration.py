@@ -16,9 +16,11 @@ from sqlalchemy import select
 from .config_schema import config_model_name, parse_config
 from .db.engine import database_url, ensure_ready
 from .db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
-from .promotion import current_user, record_promotion
+from .promotion import current_user, gates_for, record_promotion
+from .quality import data_docs_dir
 from .run_config import build_config, changes_markdown, domain_table_markdown, run_row, validation_status
 from .settings import Settings, load_settings
+from .version_page import champion_audit, champion_line, gates_markdown
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
                        tracking_uri)
 
@@ -89,6 +91,24 @@ def _plots(run_id: str, connection, directory: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
+
+
+def data_docs_index(run_id: str, pages: list[Path], quality: list[dict]) -> str:
+    """One HTML page: the run's data-quality verdicts per suite, linking GX's Data Docs pages."""
+    from html import escape
+
+    verdict: dict[str, bool] = {}
+    for row in quality:
+        verdict[row["suite"]] = verdict.get(row["suite"], True) and bool(row["success"])
+    items = "".join(f'<li><a href="data_docs/{escape(p.name)}">{escape(p.stem)}</a></li>' for p in pages)
+    rows = "".join(f"<tr><td>{escape(suite)}</td><td>{'passed' if ok else 'FAILED'}</td></tr>"
+                   for suite, ok in sorted(verdict.items()))
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Data quality of run "
+            f"{escape(run_id)}</title></head><body style='font-family: sans-serif'>"
+            f"<h2>Data quality of run {escape(run_id)}</h2><table border='1' cellpadding='4'>"
+            f"<tr><th>suite</th><th>result</th></tr>{rows}</table>"
+            f"<p>Great Expectations Data Docs, one page per validation:</p><ul>{items}</ul>"
+            f"<p>The same results as JSON: <code>reports/data_quality.json</code>.</p></body></html>")
 
 
 def end_run(mlflow_client, mlflow_run_id: str, exc: BaseException | None = None) -> None:
@@ -173,6 +193,13 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
             for name in ("validation.json", "data_quality.json", "domains.md"):
                 mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
+            pages = sorted(data_docs_dir(run_id).glob("*.html"))
+            for page in pages:          # Great Expectations' Data Docs, beside the JSON
+                mlflow_client.log_artifact(mlflow_run_id, str(page), artifact_path="reports/data_docs")
+            if pages:
+                index = directory / "data_quality.html"
+                index.write_text(data_docs_index(run_id, pages, quality), encoding="utf-8")
+                mlflow_client.log_artifact(mlflow_run_id, str(index), artifact_path="reports")
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
     except BaseException as exc:
         end_run(mlflow_client, mlflow_run_id, exc)
@@ -203,11 +230,19 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
             mlflow_client.create_registered_model(
                 name, description=f"specdec speculative-decoding configs of target {config.target.id}")
         existing = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{run_id}'")
-        description = (f"## specdec config of run {run_id}\n\ntarget `{config.target.id}` "
+        audit = champion_audit(db_url, name, champion_version)
+        warning = "" if audit["gated"] else f"**WARNING: {audit['detail']}.**\n\n"
+        gates = gates_for(config, champion, settings, db_url)
+        description = (f"## specdec config of run {run_id}\n\n{warning}target `{config.target.id}` "
                        f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`, "
                        f"validation **{validation_status(config)}**\n\n{domain_table_markdown(config)}\n\n"
                        f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
-                       "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`.")
+                       + gates_markdown(gates, f"preview at registration against champion "
+                                               f"{champion_version or 'none'}; `specdec config promote` "
+                                               "checks them again") + "\n\n"
+                       "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`; "
+                       "data quality: `reports/data_quality.html` (Great Expectations).\n\n"
+                       + champion_line(champion_version, "as of this registration"))
         tags = {"run_id": run_id, "domains_on": ",".join(config.domains_on) or "none",
                 "validation": validation_status(config), "hardware_profile": config.hardware_profile,
                 "target_fingerprint": config.target.fingerprint}
@@ -225,10 +260,17 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                          config_version=version, alias=CHALLENGER, action="register", forced=False,
                          actor=actor or current_user(), gates=None,
                          reason="retried registration: version reused" if existing else "registered")
+        if not audit["gated"]:       # for the ops report (sql/ungated_champions.sql)
+            log.warning("%s: %s", name, audit["detail"])
+            record_promotion(db_url, run_id=run_id, target_id=config.target.id, config_name=name,
+                             config_version=champion_version, alias="champion", action="ungated",
+                             forced=False, actor=actor or current_user(), gates=None,
+                             reason=audit["detail"])
     except BaseException as exc:
         end_run(mlflow_client, tracked["mlflow_run_id"], exc)
         raise
     end_run(mlflow_client, tracked["mlflow_run_id"])
     return {"name": name, "version": version, "reused": bool(existing),
             "champion_version": champion_version, "validation": tags["validation"],
+            "champion_audit": audit,
             "mlflow_run_id": tracked["mlflow_run_id"]}

@@ -36,9 +36,12 @@ def build_config(run_id: str, db_url: str | None = None,
     for row in rows:
         if row["status"] != "ok":
             kept = champion.domains.get(row["domain"]) if champion else None
-            domains[row["domain"]] = (kept.model_copy(update={"source": "champion"}) if kept
-                                      else DomainSetting(enabled=False, samples=row["samples"] or 0,
-                                                         source="off"))
+            why = (row["reason"] or row["status"])[:400]
+            domains[row["domain"]] = (
+                kept.model_copy(update={"source": "champion",
+                                        "reason": f"{why}; the champion's setting is kept"[:600]})
+                if kept else DomainSetting(enabled=False, samples=row["samples"] or 0, source="off",
+                                           reason=f"{why}; off (no champion setting to keep)"[:600]))
             continue
         spec = row["drafter_spec"]
         drafter = None
@@ -59,10 +62,19 @@ def build_config(run_id: str, db_url: str | None = None,
             predicted_speedup_ci95=ci, measured_speedup=row["measured_speedup"],
             samples=row["samples"] or 0, validation=row["validation"], source="run",
             note="kept on: within hysteresis" if str(row["reason"] or "").startswith("kept on")
-            else None)
+            else None, reason=_with_validation(row["reason"], row["validation"]))
     return SpecdecConfig(target={"id": run["target_id"], "fingerprint": run["target_fingerprint"]},
                          hardware_profile=run["hardware_profile"], run_id=run_id,
                          created_at=run["updated_at"], domains=domains)
+
+
+def _with_validation(reason: str | None, validation: str | None) -> str | None:
+    """The planner's reason, with a failed validation said first (it keeps the domain from
+    promotion)."""
+    if validation == "failed":
+        reason = "validation FAILED: the output distribution check did not pass" + (
+            f"; planner: {reason}" if reason else "")
+    return None if reason is None else reason[:600]
 
 
 def validation_status(config: SpecdecConfig) -> str:
@@ -82,7 +94,7 @@ def _x(value, digits: int = 2) -> str:
 def domain_table_markdown(config: SpecdecConfig) -> str:
     """One Markdown row per domain: setting, predicted and measured speedup, validation, source."""
     lines = ["| domain | on | drafter | K | max batch | E[tokens/round] | predicted (95% CI) | "
-             "measured | samples | validation | source | note |", "|" + "---|" * 12]
+             "measured | samples | validation | source | why |", "|" + "---|" * 12]
     for name, s in sorted(config.domains.items()):
         drafter = "-" if s.drafter is None else s.drafter.kind + (
             "(" + ",".join(f"{k}={v}" for k, v in sorted(s.drafter.params.items())) + ")"
@@ -93,7 +105,7 @@ def domain_table_markdown(config: SpecdecConfig) -> str:
                      f"{s.max_batch_size or '-'} | "
                      f"{'-' if s.mean_accepted_length is None else f'{s.mean_accepted_length:.2f}'} | "
                      f"{_x(s.predicted_speedup)}{ci} | {_x(s.measured_speedup)} | {s.samples} | "
-                     f"{s.validation or '-'} | {s.source} | {s.note or ''} |")
+                     f"{s.validation or '-'} | {s.source} | {(s.reason or s.note or '').replace('|', '/')} |")
     return "\n".join(lines)
 
 

@@ -795,3 +795,57 @@ def test_evaluation_run_ends_finished_failed_or_killed(db_url, tracking, target_
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"   # runs view
     run = mlflow_client.search_runs([experiment.experiment_id], filter_string=f"tags.`{RUN_TAG}` = 'run-1'")[0]
     assert run.info.status == status
+
+
+# 13. the version page a reviewer decides from; a champion moved by hand is flagged
+def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_flagged(
+        db_url, tracking, target_id, capsys):
+    from tasks.cli.app import main
+    from tasks.reports import run_report
+
+    name = config_model_name(target_id)
+    off_reason = "off: best prompt_lookup K=2 predicts 1.04x [0.98, 1.09]; lower end below min_speedup 1.1"
+    finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False, "reason": off_reason}},
+                 target_id=target_id)
+    register("run-1", db_url, tracking)
+    page = client(tracking).get_model_version(name, "1").description
+    assert off_reason in page                                  # why chat is off, in the table
+    assert "| json | on |" in page and "[1.30, 1.90]" in page  # predicted with its interval
+    assert "### Gates (preview at registration against champion none" in page
+    assert "**Current champion:** none yet" in page
+    assert promote_(name, "1", db_url, tracking)["promoted"]
+    page = client(tracking).get_model_version(name, "1").description
+    assert "**Current champion:** version 1 (promoted with `specdec config promote`" in page
+    assert "promoted (all gates passed)" in page and "preview at registration" not in page
+
+    finished_run(db_url, "run-2", {"json": {"validation": "failed"}}, target_id=target_id)
+    register("run-2", db_url, tracking)
+    assert "validation FAILED" in client(tracking).get_model_version(name, "2").description
+    # a reviewer presses MLflow's own "Promote": the alias moves past the gates
+    client(tracking).set_registered_model_alias(name, "champion", "2")
+    capsys.readouterr()
+    assert main(["config", "show", "champion", "--target", target_id, "--url", db_url,
+                 "--tracking-uri", tracking]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "WARNING: champion version 2 was moved outside specdec" in shown
+    assert "specdec last moved it to version 1 (promote)" in shown
+    assert main(["config", "export", "champion", "--target", target_id, "--url", db_url,
+                 "--tracking-uri", tracking]) == 0
+    captured = capsys.readouterr()
+    assert "moved outside specdec" in " ".join(captured.err.split())
+    json.loads(captured.out)                                   # the export itself stays clean JSON
+    # the next pipeline run notices it, on its page and in the ops report
+    finished_run(db_url, "run-3", {"json": {}}, target_id=target_id)
+    registered = register("run-3", db_url, tracking)
+    assert registered["champion_audit"]["gated"] is False
+    assert "WARNING: champion version 2 was moved outside specdec" in \
+        client(tracking).get_model_version(name, "3").description
+    report = run_report("ungated_champions", db_url=db_url)
+    rows = [dict(zip(report["columns"], row)) for row in report["rows"]]
+    assert [(r["champion_version"], r["noticed_by_run"]) for r in rows] == [("2", "run-3")]
+    # promoting through specdec clears it
+    assert promote_(name, "3", db_url, tracking, force=True)["promoted"]
+    capsys.readouterr()
+    assert main(["config", "show", "champion", "--target", target_id, "--url", db_url,
+                 "--tracking-uri", tracking, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["champion_audit"]["gated"] is True

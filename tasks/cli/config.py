@@ -31,13 +31,39 @@ def print_gates(result: dict) -> None:
     console.print(f"version {result['version']}: {verdict}: {escape(result['reason'])}")
 
 
+def _champion_audit(args, shown: dict) -> dict | None:
+    """The audit of the champion when the shown version is it (tasks.version_page)."""
+    from ..db.engine import database_url
+    from ..version_page import champion_audit
+
+    from ..errors import DatabaseNotMigrated, DatabaseUnavailable
+
+    if "champion" not in shown["aliases"]:
+        return None
+    try:
+        return champion_audit(database_url(args.url), shown["name"], shown["version"])
+    except (DatabaseUnavailable, DatabaseNotMigrated) as exc:   # the registry alone still answers
+        return {"champion": shown["version"], "gated": None,
+                "detail": f"gate record not checked: {exc}"}
+
+
+def _warn_ungated(audit: dict | None, err: bool = False) -> None:
+    out = make_console(stderr=True) if err else console
+    if audit and audit["gated"] is False:
+        out.print(f"[red]WARNING:[/red] {escape(audit['detail'])}")
+    elif audit and audit["gated"] is None:
+        out.print(f"[yellow]note:[/yellow] {escape(audit['detail'])}")
+
+
 def cmd_show(args) -> int:
     from ..tracking import show_version
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
+    audit = _champion_audit(args, shown)
     if args.json:
-        print_json(shown)
+        print_json({**shown, "champion_audit": audit})
         return 0
+    _warn_ungated(audit)
     console.print(f"[bold]{shown['name']}[/bold] version {shown['version']} aliases {shown['aliases']}")
     console.print("tags: " + ", ".join(f"{k}={escape(str(v))}" for k, v in sorted(shown["tags"].items())))
     console.print(escape(shown["description"] or ""))
@@ -79,7 +105,9 @@ def cmd_export(args) -> int:
     from ..trtllm import trtllm_export
     from ..vllm import vllm_export
 
-    version = show_version(_name(args), args.which, args.tracking_uri)["version"]
+    shown = show_version(_name(args), args.which, args.tracking_uri)
+    _warn_ungated(_champion_audit(args, shown), err=True)      # stdout stays the JSON
+    version = shown["version"]
     config = load_version_config(client(args.tracking_uri), _name(args), version)
     exports = {"vllm": vllm_export, "trtllm": trtllm_export}
     print(json.dumps(exports[args.format](config) if args.format in exports
@@ -102,7 +130,7 @@ def register(sub) -> None:
     show = c_sub.add_parser("show", help="a version: aliases, tags, description (per-domain table)")
     show.add_argument("which", nargs="?", default="champion", help="champion | challenger | VERSION")
     show.add_argument("--json", action="store_true")
-    common(show)
+    common(show, url=True)
     show.set_defaults(func=cmd_show)
     reg = c_sub.add_parser("register", help="track a run in MLflow and register its config (challenger)")
     reg.add_argument("run_id")
@@ -126,5 +154,5 @@ def register(sub) -> None:
     export.add_argument("--format", choices=["json", "vllm", "trtllm"], default="json",
                         help="json: the config; vllm / trtllm: each engine's speculative_config "
                              "per domain (K by batch size in the engine's own key)")
-    common(export)
+    common(export, url=True)
     export.set_defaults(func=cmd_export)

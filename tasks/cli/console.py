@@ -9,7 +9,8 @@ import sys
 from rich.console import Console
 
 
-def make_console() -> Console:
-    if sys.stdout.isatty():
-        return Console()
-    return Console(width=200, soft_wrap=True)
+def make_console(stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr)
+    return Console(width=200, soft_wrap=True, stderr=stderr)

@@ -76,6 +76,9 @@ def cmd_evaluate(args) -> int:
         reg = result["registered"]
         console.print(f"MLflow: {reg['name']} version {reg['version']} (alias challenger"
                       f"{', reused' if reg['reused'] else ''}); validation {reg['validation']}")
+        audit = reg.get("champion_audit") or {}
+        if audit.get("gated") is False:
+            console.print(f"[red]WARNING:[/red] {escape(audit['detail'])}")
     if result["promoted"]:
         from .config import print_gates
 
