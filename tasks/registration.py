@@ -41,6 +41,8 @@ def _plots(run_id: str, connection, directory: Path) -> list[Path]:
                                      .where(DomainConfig.run_id == run_id)).all())
     if not rows:
         return []
+    from matplotlib.ticker import MaxNLocator
+
     domains = sorted({r["domain"] for r in rows})
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -51,25 +53,39 @@ def _plots(run_id: str, connection, directory: Path) -> list[Path]:
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{domain} ({best[0]['drafter']})")
     ax.set(xlabel="draft position i", ylabel="conditional acceptance a_i", ylim=(0, 1),
            title=f"run {run_id}: per-position acceptance (planned drafter)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8, loc="upper right")
     paths.append(directory / "conditional_acceptance.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
-    fig, axes = plt.subplots(1, len(domains), figsize=(3 * len(domains), 3), sharey=True, squeeze=False)
-    for ax, domain in zip(axes[0], domains):
+    # at most 3 panels a row: the page shows images about 900 px wide, so every panel stays legible
+    columns = min(3, len(domains))
+    grid = (len(domains) + columns - 1) // columns
+    fig, axes = plt.subplots(grid, columns, figsize=(4 * columns, 3.2 * grid), sharey=True,
+                             squeeze=False)
+    for ax in axes.flat[len(domains):]:
+        ax.set_visible(False)
+    for ax, domain in zip(axes.flat, domains):
         for drafter in sorted({r["drafter"] for r in rows if r["domain"] == domain}):
             points = [(r["k"], r["predicted_speedup"]) for r in rows
                       if r["domain"] == domain and r["drafter"] == drafter and r["predicted_speedup"]]
             if points:
                 ax.plot(*zip(*points), marker=".", label=drafter)
         ax.axhline(1.0, color="grey", lw=0.8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(title=domain, xlabel="K")
-    axes[0][0].set_ylabel("predicted speedup (batch 1)")
-    axes[0][-1].legend(fontsize=6)
+    for row in axes:
+        row[0].set_ylabel("predicted speedup (batch 1)")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    for ax in axes.flat[1:len(domains)]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
     paths.append(directory / "predicted_speedup_vs_k.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=100)
+    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(labels) + 1) // 2) / grid, 1, 1))
+    fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     live = connection.execute(select(LiveMeasurement.domain, LiveMeasurement.predicted_same_requests,
                                      LiveMeasurement.measured_speedup)
