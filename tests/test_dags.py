@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -112,8 +114,12 @@ def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
 
 
 def run_dag(dagbag, conf: dict):
+    from tasks.airflow_logs import recording, write_task_logs
+
     dag = dagbag.get_dag("specdec_evaluate")
-    run = dag.test(run_conf=conf)
+    with recording() as recorder:
+        run = dag.test(run_conf=conf)
+    run.log_files = write_task_logs(run, recorder)
     states = {}
     for ti in run.get_task_instances():
         states.setdefault(ti.task_id, []).append(ti.state)
@@ -131,6 +137,18 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     for task_id in ("per_domain.estimate", "per_domain.confirm", "per_domain.validate"):
         labels = {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == task_id}
         assert labels == {"code", "json", "qa"}, task_id        # the UI shows the domain, not [2]
+    # every task that ran has a log file where the UI reads it, with lines; mapped ones too
+    from tasks.airflow_logs import log_path
+
+    base = Path(os.environ["AIRFLOW_HOME"]) / "logs"
+    ran = [ti for ti in run.get_task_instances() if ti.state == "success"]
+    for ti in ran:
+        path = log_path(ti, max(ti.try_number, 1), base)
+        assert path in run.log_files, path
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert lines and all({"timestamp", "level", "event"} <= set(line) for line in lines)
+    estimate_logs = [p for p in run.log_files if "task_id=per_domain.estimate" in str(p)]
+    assert len(estimate_logs) == 3 and all("map_index=" in str(p) for p in estimate_logs)
     name = config_model_name(tiny_env["target"])
     mlflow_client = client()
     first = mlflow_client.get_model_version_by_alias(name, "champion").version
@@ -156,8 +174,9 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     config = load_version_config(mlflow_client, name, second)
     assert config.run_id == run2.run_id
     assert config.domains["code"].source == "champion"         # the champion's setting is kept
-    assert config.domains["code"].model_dump(exclude={"source"}) == \
-        champion.domains["code"].model_dump(exclude={"source"})
+    assert config.domains["code"].model_dump(exclude={"source", "reason"}) == \
+        champion.domains["code"].model_dump(exclude={"source", "reason"})
+    assert config.domains["code"].reason.endswith("the champion's setting is kept")
     for domain in ("json", "qa"):
         assert config.domains[domain].source == "run" and config.domains[domain].validation == "passed"
     now = mlflow_client.get_model_version_by_alias(name, "champion").version

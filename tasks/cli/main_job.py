@@ -88,15 +88,20 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     progress = _TaskProgress(console)
     progress_logger.addHandler(progress)
     progress_logger.setLevel(logging.INFO)
+    from ..airflow_logs import recording, write_task_logs
+
     try:
-        dag_run = dag.test(run_conf={"promote": promote, **(conf or {})})
+        with recording() as recorder:
+            dag_run = dag.test(run_conf={"promote": promote, **(conf or {})})
     finally:
         progress_logger.removeHandler(progress)
+    logs = write_task_logs(dag_run, recorder, Path(env["AIRFLOW_HOME"]) / "logs")
     states = {}
     for ti in dag_run.get_task_instances():
         states.setdefault(ti.task_id, []).append(str(ti.state))
     console.print(f"      run {dag_run.run_id}: {dag_run.state}; tasks: "
                   + ", ".join(f"{task} {'/'.join(sorted(set(s)))}" for task, s in sorted(states.items())))
+    console.print(f"      task logs for the UI: {len(logs)} files under {env['AIRFLOW_HOME']}/logs")
     console.print("[bold]4/4[/bold] results")
     from specdec_core.models import DEFAULT_MODEL
 
