@@ -36,12 +36,12 @@ def build_config(run_id: str, db_url: str | None = None,
     for row in rows:
         if row["status"] != "ok":
             kept = champion.domains.get(row["domain"]) if champion else None
-            why = (row["reason"] or row["status"])[:400]
+            why = (row["reason"] or row["status"])[:400].split("; the champion's setting is kept")[0]
             domains[row["domain"]] = (
                 kept.model_copy(update={"source": "champion",
-                                        "reason": f"{why}; the champion's setting is kept"[:600]})
+                                        "reason": f"{why}; the champion's setting is kept"})
                 if kept else DomainSetting(enabled=False, samples=row["samples"] or 0, source="off",
-                                           reason=f"{why}; off (no champion setting to keep)"[:600]))
+                                           reason=f"{why}; there is no champion setting to keep"))
             continue
         spec = row["drafter_spec"]
         drafter = None
@@ -94,7 +94,7 @@ def _x(value, digits: int = 2) -> str:
 def domain_table_markdown(config: SpecdecConfig) -> str:
     """One Markdown row per domain: setting, predicted and measured speedup, validation, source."""
     lines = ["| domain | on | drafter | K | max batch | E[tokens/round] | predicted (95% CI) | "
-             "measured | samples | validation | source | why |", "|" + "---|" * 12]
+             "measured | samples | validation | source |", "|" + "---|" * 11]
     for name, s in sorted(config.domains.items()):
         drafter = "-" if s.drafter is None else s.drafter.kind + (
             "(" + ",".join(f"{k}={v}" for k, v in sorted(s.drafter.params.items())) + ")"
@@ -105,7 +105,10 @@ def domain_table_markdown(config: SpecdecConfig) -> str:
                      f"{s.max_batch_size or '-'} | "
                      f"{'-' if s.mean_accepted_length is None else f'{s.mean_accepted_length:.2f}'} | "
                      f"{_x(s.predicted_speedup)}{ci} | {_x(s.measured_speedup)} | {s.samples} | "
-                     f"{s.validation or '-'} | {s.source} | {(s.reason or s.note or '').replace('|', '/')} |")
+                     f"{s.validation or '-'} | {s.source} |")
+    lines += ["", "Why each domain is on or off:", ""]
+    lines += [f"- **{name}** ({'on' if s.enabled else 'off'}): {s.reason or s.note or 'no reason recorded'}"
+              for name, s in sorted(config.domains.items())]
     return "\n".join(lines)
 
 
@@ -120,7 +123,7 @@ def changes_markdown(config: SpecdecConfig, champion: SpecdecConfig | None,
                      champion_version: str | None) -> str:
     """Markdown: each domain whose setting differs from the champion's, with both speedups."""
     if champion is None:
-        return "No champion yet: this is the first config of this target."
+        return "There was no champion when this version was registered: nothing to compare with."
     lines = [f"Against champion version {champion_version} (run {champion.run_id}):"]
     if champion.target.fingerprint != config.target.fingerprint:
         lines.append(f"- **target changed**: fingerprint {champion.target.fingerprint} -> "

@@ -247,3 +247,25 @@ def save_tiny_target(model, directory: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", bos_token="t1",
                             eos_token="t2").save_pretrained(directory)
     return directory
+
+
+# ------------------------------------------------------------------------------------------------
+# Airflow (the DAG tests and the browser test share one metadata database per session)
+@pytest.fixture(scope="session")
+def airflow_env():
+    """An Airflow home with a migrated SQLite metadata database and the timing pool; the DAG
+    folder is the repository's dags/. Set before airflow is first imported in this process."""
+    import tempfile
+
+    from tasks.cli.main_job import airflow_environment, prepare_airflow
+
+    env = airflow_environment(Path(tempfile.mkdtemp(prefix="airflow-home-")), REPO / "dags")
+    prepare_airflow(env)        # the main job's own setup: migrate, the one-slot timing pool
+    return env
+
+
+@pytest.fixture(scope="session")
+def dagbag(airflow_env):
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(REPO / "dags"))

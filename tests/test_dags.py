@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,24 +21,6 @@ SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2
          "SPECDEC_CONFIRM_REQUESTS": "2", "SPECDEC_CONFIRM_MAX_NEW_TOKENS": "12",
          "SPECDEC_GREEDY_CHECK_TOKENS": "8", "SPECDEC_BOOTSTRAP_SAMPLES": "200",
          "SPECDEC_PROMOTION_REGRESSION_TOLERANCE": "0.99"}   # tiny-model timings are noise
-
-
-@pytest.fixture(scope="session")
-def airflow_env():
-    """An Airflow home with a migrated SQLite metadata database and the timing pool; the DAG
-    folder is the repository's dags/. Set before airflow is first imported in this process."""
-    from tasks.cli.main_job import airflow_environment, prepare_airflow
-
-    env = airflow_environment(Path(tempfile.mkdtemp(prefix="airflow-home-")), REPO / "dags")
-    prepare_airflow(env)        # the main job's own setup: migrate, the one-slot timing pool
-    return env
-
-
-@pytest.fixture(scope="session")
-def dagbag(airflow_env):
-    from airflow.dag_processing.dagbag import DagBag
-
-    return DagBag(dag_folder=str(REPO / "dags"))
 
 
 def test_dagbag_imports_without_errors(dagbag):

@@ -252,7 +252,7 @@ def test_register_then_promote_first_champion(db_url, tracking, target_id):
     description = version.description
     assert "| json | on | prompt_lookup(max_ngram=3) | 3 | 4 |" in description
     assert "| chat | off |" in description
-    assert "No champion yet" in description
+    assert "There was no champion when this version was registered" in description
     with pytest.raises(Exception):                       # no champion before the promotion
         mlflow_client.get_model_version_by_alias(name, "champion")
 
@@ -809,8 +809,9 @@ def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_
                  target_id=target_id)
     register("run-1", db_url, tracking)
     page = client(tracking).get_model_version(name, "1").description
-    assert off_reason in page                                  # why chat is off, in the table
+    assert f"- **chat** (off): {off_reason}" in page           # why chat is off
     assert "| json | on |" in page and "[1.30, 1.90]" in page  # predicted with its interval
+    assert "- **json** (on): test row" in page
     assert "### Gates (preview at registration against champion none" in page
     assert "**Current champion:** none yet" in page
     assert promote_(name, "1", db_url, tracking)["promoted"]
