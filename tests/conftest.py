@@ -269,3 +269,36 @@ def dagbag(airflow_env):
     from airflow.dag_processing.dagbag import DagBag
 
     return DagBag(dag_folder=str(REPO / "dags"))
+
+
+class LoopbackServer:
+    """A server process on 127.0.0.1 in its own process group, up once `health` answers 200 (else
+    the test fails with the server's output)."""
+
+    def __init__(self, name: str, command: list[str], health: str, env: dict, log: Path,
+                 cwd: Path | None = None, timeout_s: float = 120.0):
+        import time
+        import urllib.request
+
+        self.name, self.log = name, log
+        with open(log, "wb") as handle:
+            self.process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                            cwd=cwd, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(health, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{name} did not answer {health} within {timeout_s:.0f} s (exit "
+                            f"{self.process.returncode}); its output:\n"
+                            + log.read_text(errors="replace")[-4000:])
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        """The server's whole process group (server, workers)."""
+        stop_process_group(self.process, 15)

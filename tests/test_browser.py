@@ -16,16 +16,14 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, save_tiny_target, stop_process_group, tiny_llama, write_jsonl
+from .conftest import REPO, LoopbackServer, save_tiny_target, tiny_llama, write_jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_BROWSER") == "1"
@@ -50,33 +48,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Service:
-    """A server process on 127.0.0.1, in its own process group, up when `health` answers 200."""
-
-    def __init__(self, name: str, command: list[str], health: str, env: dict, log: Path,
-                 timeout_s: float = 120.0):
-        self.name, self.log = name, log
-        with open(log, "wb") as handle:
-            self.process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(health, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"{name} did not answer {health} within {timeout_s:.0f} s; its output:\n"
-                            + log.read_text(errors="replace")[-4000:])
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        stop_process_group(self.process, 15)
-
-
 @pytest.fixture(scope="module")
 def stores(airflow_env, dagbag, tmp_path_factory):
     """A finished specdec_evaluate run (promoted) on a tiny target, its task logs written."""
@@ -90,13 +61,11 @@ def stores(airflow_env, dagbag, tmp_path_factory):
     from .test_evaluate import traffic_rows
 
     base = tmp_path_factory.mktemp("ui-stores")
-    saved = {k: os.environ.get(k) for k in (*SMALL, "SPECDEC_DATABASE_URL", "MLFLOW_TRACKING_URI",
-                                            "SPECDEC_HOME")}
-    os.environ.update(SMALL)
-    os.environ.update({"SPECDEC_DATABASE_URL": f"sqlite:///{base / 'specdec.db'}",
-                       "MLFLOW_TRACKING_URI": f"sqlite:///{base / 'mlflow.db'}",
-                       "SPECDEC_HOME": str(base)})
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {**SMALL, "SPECDEC_DATABASE_URL": f"sqlite:///{base / 'specdec.db'}",
+                           "MLFLOW_TRACKING_URI": f"sqlite:///{base / 'mlflow.db'}",
+                           "SPECDEC_HOME": str(base)}.items():
+            patch.setenv(key, value)
         upgrade()
         model_dir = save_tiny_target(tiny_llama(seed=0), base / "tiny-target")
         model, _ = load_model(str(model_dir), device="cpu")
@@ -111,12 +80,6 @@ def stores(airflow_env, dagbag, tmp_path_factory):
         assert run.state == "success"
         write_task_logs(run, recorder, Path(airflow_env["AIRFLOW_HOME"]) / "logs")
         yield {"base": base, "run_id": run.run_id, "target": str(model_dir)}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
@@ -126,17 +89,18 @@ def servers(stores, airflow_env):
     env.update({"AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True"})   # no login page
     airflow_port, mlflow_port = _free_port(), _free_port()
     env["AIRFLOW__API__BASE_URL"] = f"http://127.0.0.1:{airflow_port}"
-    airflow = Service("airflow api-server",
-                      [str(BIN / "airflow"), "api-server", "-H", "127.0.0.1", "-p", str(airflow_port),
-                       "-w", "1"], f"http://127.0.0.1:{airflow_port}/api/v2/version", env,
-                      stores["base"] / "api-server.log")
+    airflow = LoopbackServer(
+        "airflow api-server", [str(BIN / "airflow"), "api-server", "-H", "127.0.0.1", "-p",
+                               str(airflow_port), "-w", "1"],
+        f"http://127.0.0.1:{airflow_port}/api/v2/version", env, stores["base"] / "api-server.log")
     mlflow_env = {k: v for k, v in env.items() if not k.startswith("AIRFLOW")}
     mlflow_env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     try:
-        mlflow = Service("mlflow ui", [str(BIN / "mlflow"), "server", "--backend-store-uri",
-                                       f"sqlite:///{stores['base'] / 'mlflow.db'}", "--host", "127.0.0.1",
-                                       "--port", str(mlflow_port), "--workers", "1"],
-                         f"http://127.0.0.1:{mlflow_port}/health", mlflow_env, stores["base"] / "mlflow.log")
+        mlflow = LoopbackServer(
+            "mlflow ui", [str(BIN / "mlflow"), "server", "--backend-store-uri",
+                          f"sqlite:///{stores['base'] / 'mlflow.db'}", "--host", "127.0.0.1",
+                          "--port", str(mlflow_port), "--workers", "1"],
+            f"http://127.0.0.1:{mlflow_port}/health", mlflow_env, stores["base"] / "mlflow.log")
     except BaseException:
         airflow.stop()
         raise

@@ -20,10 +20,8 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -42,7 +40,7 @@ from tasks.tracking import client, show_version, tracking_uri
 from tasks.vllm import vllm_export
 from tasks.settings import load_settings
 
-from .conftest import POSTGRES_ENV, stop_process_group
+from .conftest import POSTGRES_ENV, LoopbackServer
 
 MLFLOW = Path(sys.executable).with_name("mlflow")
 DEFAULTS = load_settings({})          # the documented defaults, whatever SPECDEC_* says
@@ -150,7 +148,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class MlflowServer:
+class MlflowServer(LoopbackServer):
     """`mlflow server` on 127.0.0.1 at a free port, in its own process group."""
 
     def __init__(self, directory: Path, template: Path | None = None, timeout_s: float = 60.0):
@@ -160,33 +158,14 @@ class MlflowServer:
             shutil.copy(template, backend)
         self.port = _free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
-        self.log = directory / "server.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"     # no job runner: registry only
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(
-                [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{backend}",
-                 "--artifacts-destination", str(directory / "artifacts"), "--host", "127.0.0.1",
-                 "--port", str(self.port), "--workers", "1"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=directory, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"mlflow server on port {self.port} did not answer /health within "
-                            f"{timeout_s:.0f} s (exit {self.process.returncode}); its output:\n"
-                            + self.log.read_text(errors="replace")[-4000:])
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        """The server's process group (server, uvicorn worker, job runner)."""
-        stop_process_group(self.process, 15)
+        super().__init__(f"mlflow server on port {self.port}",
+                         [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{backend}",
+                          "--artifacts-destination", str(directory / "artifacts"), "--host", "127.0.0.1",
+                          "--port", str(self.port), "--workers", "1"],
+                         f"{self.uri}/health", env, directory / "server.log", cwd=directory,
+                         timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
