@@ -333,7 +333,7 @@ def test_the_config_description_says_a_domain_was_kept_on_by_hysteresis():
                            run_id="r", created_at="2026-01-01T00:00:00Z",
                            domains={"code": DomainSetting(enabled=True, drafter=DrafterSpec(kind="suffix"),
                                                           k=2, note="kept on: within hysteresis")})
-    assert "| kept on: within hysteresis |" in domain_table_markdown(config)
+    assert "- **code** (on): kept on: within hysteresis" in domain_table_markdown(config)
 
 
 def test_max_batch_size_is_contiguous_from_the_smallest(db_url):
