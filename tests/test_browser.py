@@ -152,7 +152,7 @@ def test_a_mapped_task_is_labelled_by_domain_and_its_log_has_lines(page, servers
     page.goto(f"{base}/mapped/0", wait_until="networkidle")
     page.get_by_text("per_domain.estimate [json]").first.wait_for()
     page.get_by_text("[DAG TEST] starting task_id=per_domain.estimate map_index=0").wait_for()
-    page.get_by_text("domain json: on: prompt_lookup").first.wait_for()   # the planner's own line
+    page.get_by_text("domain json: on: ").first.wait_for()      # the planner's own line
     shot(page, "3-mapped-task-log")
 
 
@@ -166,7 +166,7 @@ def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, st
     if close.count():
         close.first.click()
     page.get_by_text("code (off): insufficient samples").first.wait_for()       # why code is off
-    page.get_by_text("json (on): on: prompt_lookup").first.wait_for()          # why json is on
+    page.get_by_text("json (on): on: ").first.wait_for()      # why json is on
     body = " ".join(page.inner_text("body").split())
     assert "Gates (specdec config promote against champion none" in body
     assert "validation pass" in body and "no_regression pass" in body
