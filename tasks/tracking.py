@@ -121,19 +121,21 @@ def _check_sql_store(uri: str) -> None:
     scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
     if scheme not in ("postgresql", "mysql", "mssql") or uri in _SQL_STORES_CHECKED:
         return
-    from sqlalchemy import create_engine
-    from sqlalchemy.exc import DBAPIError
+    from sqlalchemy import create_engine, make_url
+    from sqlalchemy.exc import ArgumentError, DBAPIError
 
     connect_args = {"connect_timeout": SQL_STORE_CONNECT_TIMEOUT_S} if scheme == "postgresql" else {}
-    url = uri if "+" in uri.split(":", 1)[0] or scheme != "postgresql" else "postgresql+psycopg" + uri[len(scheme):]
     try:
+        url = make_url(uri)
+        if url.drivername == "postgresql":      # psycopg 3 is the driver we install
+            url = url.set(drivername="postgresql+psycopg")
         engine = create_engine(url, connect_args=connect_args)
         try:
             with engine.connect():
                 pass
         finally:
             engine.dispose()
-    except (DBAPIError, ImportError) as exc:
+    except (DBAPIError, ImportError, ArgumentError, ValueError) as exc:
         raise unreachable(uri, getattr(exc, "orig", exc)) from None
     _SQL_STORES_CHECKED.add(uri)
 

@@ -302,3 +302,13 @@ class LoopbackServer:
     def stop(self) -> None:
         """The server's whole process group (server, workers)."""
         stop_process_group(self.process, 15)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now (a server may take it, or a test may count on
+    nothing answering there)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import urllib.parse
 import urllib.request
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, LoopbackServer, save_tiny_target, tiny_llama, write_jsonl
+from .conftest import REPO, LoopbackServer, free_port, save_tiny_target, tiny_llama, write_jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_BROWSER") == "1"
@@ -32,20 +31,15 @@ try:
     HAVE_PLAYWRIGHT = True
 except ImportError:
     HAVE_PLAYWRIGHT = False
-if not (CHROMIUM and HAVE_PLAYWRIGHT):
-    if REQUIRED:
-        raise RuntimeError("SPECDEC_REQUIRE_BROWSER=1 but Chromium or Playwright is missing: install "
-                           "Debian's chromium and the test extra (pip install -e '.[test]')")
-    pytest.skip("no Chromium or Playwright here (CI installs both)", allow_module_level=True)
+if REQUIRED and not (CHROMIUM and HAVE_PLAYWRIGHT):
+    raise RuntimeError("SPECDEC_REQUIRE_BROWSER=1 but Chromium or Playwright is missing: install "
+                       "Debian's chromium and the test extra (pip install -e '.[test]')")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and HAVE_PLAYWRIGHT),
+                                reason="no Chromium or Playwright here (CI installs both and sets "
+                                       "SPECDEC_REQUIRE_BROWSER=1)")
 
 BIN = Path(sys.executable).parent
 SHOTS = Path(os.environ.get("SPECDEC_SCREENSHOTS", REPO / "screenshots"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +81,7 @@ def servers(stores, airflow_env):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(airflow_env)
     env.update({"AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True"})   # no login page
-    airflow_port, mlflow_port = _free_port(), _free_port()
+    airflow_port, mlflow_port = free_port(), free_port()
     env["AIRFLOW__API__BASE_URL"] = f"http://127.0.0.1:{airflow_port}"
     airflow = LoopbackServer(
         "airflow api-server", [str(BIN / "airflow"), "api-server", "-H", "127.0.0.1", "-p",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 import uuid
@@ -40,7 +39,7 @@ from tasks.tracking import client, show_version, tracking_uri
 from tasks.vllm import vllm_export
 from tasks.settings import load_settings
 
-from .conftest import POSTGRES_ENV, LoopbackServer
+from .conftest import POSTGRES_ENV, LoopbackServer, free_port
 
 MLFLOW = Path(sys.executable).with_name("mlflow")
 DEFAULTS = load_settings({})          # the documented defaults, whatever SPECDEC_* says
@@ -142,12 +141,6 @@ def mlflow_template(tmp_path_factory) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class MlflowServer(LoopbackServer):
     """`mlflow server` on 127.0.0.1 at a free port, in its own process group."""
 
@@ -156,7 +149,7 @@ class MlflowServer(LoopbackServer):
         backend = directory / "srv.db"
         if template is not None:
             shutil.copy(template, backend)
-        self.port = _free_port()
+        self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"     # no job runner: registry only

@@ -8,7 +8,6 @@ from __future__ import annotations
 import codecs
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,23 +16,16 @@ import pytest
 from sqlalchemy import create_engine, func, select
 
 from tasks.cli.app import main
-from tasks.db.models import Promotion, QuarantinedRequest, TrafficRequest
+from tasks.db.models import Promotion, QuarantinedRequest
 from tasks.errors import DatabaseUnavailable, RegistryUnavailable, TrafficFileError
 from tasks.masking import mask_text, mask_url
 from tasks.traffic import EXIT_QUARANTINED, import_traffic
 
-from .conftest import request_row, write_jsonl
+from .conftest import free_port, request_row, write_jsonl
+from .test_traffic_import import traffic
 
 REPO = Path(__file__).resolve().parent.parent
 PLANTED = "Pl4nted-S3cret"
-
-
-def stored_ids(db_url: str) -> set[str]:
-    engine = create_engine(db_url)
-    with engine.connect() as connection:
-        ids = set(connection.execute(select(TrafficRequest.id)).scalars())
-    engine.dispose()
-    return ids
 
 
 def quarantined(db_url: str) -> dict[str, str]:
@@ -42,13 +34,6 @@ def quarantined(db_url: str) -> dict[str, str]:
         rows = dict(connection.execute(select(QuarantinedRequest.request_id, QuarantinedRequest.reason)).all())
     engine.dispose()
     return rows
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cli(*args: str, env: dict | None = None, home: Path | None = None) -> subprocess.CompletedProcess:
@@ -72,7 +57,7 @@ def test_a_truncated_gzip_keeps_every_complete_row_and_names_the_line(db_url, tm
     with pytest.raises(TrafficFileError, match=r"reading stopped at line (\d+)") as info:
         import_traffic(path, db_url=db_url, progress=False)   # default batch size (500 rows)
     line = int(info.value.args[0].split("reading stopped at line ")[1].split(" ")[0])
-    stored = stored_ids(db_url)
+    stored = set(traffic(db_url))
     assert stored == {f"req-{i:05d}" for i in range(1, line)}   # all complete rows before the break
     assert 50 < len(stored) < 300
     assert f"the {len(stored)} new rows before it are stored" in str(info.value)
@@ -106,7 +91,7 @@ def test_implausible_rows_are_quarantined_with_reasons_and_the_exit_status_says_
         request_row(6, messages=[{"role": "user", "content": "nul \x00 in the prompt"}]),
     ])
     assert main(["traffic", "import", str(bad), "--url", db_url, "--no-progress"]) == EXIT_QUARANTINED
-    assert stored_ids(db_url) == {"req-00001", "req-00002"}
+    assert set(traffic(db_url)) == {"req-00001", "req-00002"}
     assert quarantined(db_url) == {"req-00003": "implausible_value", "req-00004": "nul_character",
                                    "req-00005": "empty_response", "req-00006": "nul_character"}
 
@@ -157,7 +142,7 @@ def test_a_read_only_database_says_so_and_loses_nothing(tmp_path):
     with pytest.raises(DatabaseUnavailable, match="is read-only"):
         import_traffic(write_jsonl(tmp_path / "b.jsonl", [request_row(2)]), db_url=read_only,
                        progress=False)
-    assert stored_ids(f"sqlite:///{path}") == {"req-00001"}
+    assert set(traffic(f"sqlite:///{path}")) == {"req-00001"}
 
 
 def test_specdec_home_under_a_file(tmp_path):
@@ -182,7 +167,7 @@ def test_unreachable_mlflow_fails_fast_with_one_masked_line_and_no_planted_passw
     """Every command of a failing session with a planted password in both URLs: the exit status,
     a line naming the masked URI and the fix, and the password nowhere in what was printed
     (verbose logging included)."""
-    port = closed_port()
+    port = free_port()
     http = f"http://admin:{PLANTED}@127.0.0.1:{port}"
     sql = f"postgresql://mlflow:{PLANTED}@127.0.0.1:{port}/mlflow"
     assert cli("db", "upgrade", home=tmp_path).returncode == 0
@@ -211,7 +196,7 @@ def test_evaluate_checks_the_registry_before_the_expensive_steps(db_url, monkeyp
     from tasks.db.models import EvalRun
     from tasks.evaluate import evaluate
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(RegistryUnavailable, match="is unreachable"):
         evaluate(run_id="never-sampled", db_url=db_url, register=True, progress=False)
     engine = create_engine(db_url)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -27,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import (POSTGRES_ENV, postgres_schema, save_tiny_target, stop_process_group,
-                       tiny_llama, write_jsonl)
+from .conftest import (POSTGRES_ENV, free_port, postgres_schema, save_tiny_target,
+                       stop_process_group, tiny_llama, write_jsonl)
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,12 +39,6 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[1]
 DAG_ID = "specdec_evaluate"
 RUN_TIMEOUT_S = 15 * 60
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(path: Path, chars: int = 4000) -> str:
@@ -120,7 +113,7 @@ def services(tmp_path, airflow_db_url, db_url):
         password = secrets.token_hex(8)
         passwords = home / "passwords.json"
         passwords.write_text(json.dumps({"admin": password}))
-        port = _free_port()
+        port = free_port()
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("AIRFLOW", "MLFLOW_", "SPECDEC_"))}
         env.update(SMALL)
