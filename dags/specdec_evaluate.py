@@ -24,6 +24,11 @@ Connections and secrets: the specdec database comes from the Airflow connection 
 (or `$SPECDEC_DATABASE_URL`), MLflow from `$MLFLOW_TRACKING_URI`. Retries: a database or
 tracking-server outage is retried; bad input and failed gates fail the task at once.
 
+Queues: the tasks that run the model (profile, estimate, confirm, validate, finish) take the
+queue `gpu_queue` of the settings (default `gpu`), the others `cpu_queue` (default `default`): with
+the CeleryExecutor, GPU workers listen on the first. Tasks pass only small JSON (XCom), the
+database and the MLflow store between them: no shared disk. The timing pool spans every worker.
+
 Every step is a function of `tasks.pipeline`; this file only wires them (the glue shared by the
 DAGs is `tasks.airflow_glue`). The Param `samples_per_domain` was renamed `max_per_domain`; the
 old name is still read from the run conf (with a warning in the `sample` task's log).
@@ -40,15 +45,17 @@ from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, MAP_LABEL,
                                 EVALUATIONS_URI, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                evaluate_spec, label_mapped, task_errors)
+                                evaluate_spec, label_mapped, queues, task_errors)
 
 CHAMPION_ASSET = Asset(CHAMPION_URI)
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
 EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
 NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)      # published by specdec_retrain_draft
+CPU_QUEUE, GPU_QUEUE = queues()             # database/registry tasks; tasks that run the model
 
 DEFAULT_ARGS = {
     "owner": "specdec",
+    "queue": CPU_QUEUE,
     "retries": 2,                        # database / tracking-server hiccups; user errors fail at once
     "retry_delay": timedelta(seconds=30),
     "retry_exponential_backoff": True,
@@ -109,7 +116,7 @@ def specdec_evaluate():
         with task_errors():
             return step_check(spec)
 
-    @task(pool=TIMING_POOL)
+    @task(pool=TIMING_POOL, queue=GPU_QUEUE)
     def profile(spec: dict) -> str:
         from tasks.pipeline import step_profile
 
@@ -120,7 +127,7 @@ def specdec_evaluate():
     def domains_of(checked: dict) -> list[str]:
         return checked["ok"]
 
-    @task(retries=0, map_index_template=MAP_LABEL)
+    @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def estimate(domain: str, spec: dict, profile_name: str) -> str:
         from tasks.pipeline import step_estimate
 
@@ -129,7 +136,7 @@ def specdec_evaluate():
             step_estimate(spec, domain, profile_name)
         return domain
 
-    @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL)
+    @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def confirm(domain: str, spec: dict) -> str:
         from tasks.pipeline import step_confirm
 
@@ -138,7 +145,7 @@ def specdec_evaluate():
             step_confirm(spec, domain)
         return domain
 
-    @task(retries=0, map_index_template=MAP_LABEL)
+    @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def validate(domain: str, spec: dict) -> str:
         from tasks.pipeline import step_validate
 
@@ -147,7 +154,7 @@ def specdec_evaluate():
             step_validate(spec, domain)
         return domain
 
-    @task(trigger_rule="all_done")
+    @task(trigger_rule="all_done", queue=GPU_QUEUE)
     def finish(spec: dict, checked: dict) -> dict:
         """Runs whatever the domains' outcome: failed domains keep the champion's setting."""
         from tasks.pipeline import step_finish

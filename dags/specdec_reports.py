@@ -4,7 +4,9 @@
 Triggered by the `specdec://evaluations` asset that `specdec_evaluate` publishes. Runs every
 report in `sql/` (portable SQL: SQLite and PostgreSQL) against the specdec database and writes
 each as CSV under `$SPECDEC_HOME/reports/` (one file per report, replaced each time), so ops teams
-read them from a file share or open them in a notebook. Every step is a function of `tasks.reports`
+read them from a file share or open them in a notebook. With several workers (CeleryExecutor), the
+files land on the worker that ran the task (queue `cpu_queue`): mount `$SPECDEC_HOME/reports` from
+a shared volume there, or run the same reports from any machine with `specdec report`. Every step is a function of `tasks.reports`
 (the glue shared by the DAGs is `tasks.airflow_glue`).
 """
 
@@ -14,14 +16,16 @@ from datetime import datetime
 
 from airflow.sdk import Asset, dag, task
 
-from tasks.airflow_glue import EVALUATIONS_URI, MAP_LABEL, database_url, label_mapped, task_errors
+from tasks.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, database_url, label_mapped, queues,
+                                task_errors)
 
 EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
+CPU_QUEUE, _ = queues()
 
 
 @dag(dag_id="specdec_reports", schedule=[EVALUATIONS_ASSET], start_date=datetime(2025, 1, 1),
      catchup=False, doc_md=__doc__, tags=["specdec"],
-     default_args={"retries": 2, "retry_exponential_backoff": True})
+     default_args={"queue": CPU_QUEUE, "retries": 2, "retry_exponential_backoff": True})
 def specdec_reports():
     @task
     def report_names() -> list[str]:

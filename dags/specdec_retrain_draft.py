@@ -10,7 +10,9 @@ threshold (asset `specdec://alerts/low-acceptance`):
    cross-entropy on the logged tokens), and the checkpoint with the best *held-out predicted
    speedup* is kept. Runs in the `specdec_timing` pool (it would distort timing work). A retried
    task resumes from its last checkpoint.
-2. **register**: the draft goes to the MLflow registry as a version of `specdec-draft-<target>`
+   The kept checkpoint is uploaded to the training's MLflow run from the training worker (queue
+   `gpu_queue` of the settings, default `gpu`).
+2. **register** (queue `cpu_queue`, default `default`): the uploaded draft goes to the MLflow registry as a version of `specdec-draft-<target>`
    with alias `candidate` and its lineage (window, domains, training parameters, fingerprint,
    held-out acceptance per domain); the asset `specdec://drafts/new` then triggers a fresh
    `specdec_evaluate`, whose candidates include the new draft.
@@ -33,10 +35,11 @@ from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                database_url, task_errors)
+                                database_url, queues, task_errors)
 
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
 NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)
+CPU_QUEUE, GPU_QUEUE = queues()
 
 PARAMS = {
     "target": Param(DEFAULT_MODEL, type="string", title="Target model"),
@@ -69,13 +72,15 @@ PARAMS = {
      schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 0", timezone="UTC"),
                                   assets=[LOW_ACCEPTANCE_ASSET]),
      params=PARAMS, doc_md=__doc__, tags=["specdec"],
-     default_args={"owner": "specdec", "retries": 2, "retry_delay": timedelta(minutes=1),
+     default_args={"owner": "specdec", "queue": CPU_QUEUE, "retries": 2, "retry_delay": timedelta(minutes=1),
                    "retry_exponential_backoff": True})
 def specdec_retrain_draft():
-    @task(pool=TIMING_POOL)
+    @task(pool=TIMING_POOL, queue=GPU_QUEUE)
     def train() -> dict:
+        """Train, then upload the kept checkpoint to MLflow from this worker: the registration
+        (another task, maybe on another machine) reads no local file."""
         from specdec_core.train import TrainConfig
-        from tasks.draft_training import train_draft_from_traffic
+        from tasks.draft_training import log_draft, train_draft_from_traffic
 
         context = get_current_context()
         p = context["params"]
@@ -83,21 +88,25 @@ def specdec_retrain_draft():
                              eval_every=p["eval_every"], teacher_topk=p["teacher_topk"],
                              warmup_steps=max(1, p["steps"] // 10))
         with task_errors():
-            return train_draft_from_traffic(
+            trained = train_draft_from_traffic(
                 context["run_id"].replace(":", "-").replace("+", "-"), target=p["target"],
                 db_url=database_url(), domains=p["domains"] or None, window_days=p["window_days"],
                 num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
                 max_requests=p["max_requests"], config=config, register=False, progress=False,
                 kind=p["kind"], vocab_size=p["vocab_size"], unroll=p["unroll"])
+            trained["tracking_run_id"] = log_draft(trained["train_id"], p["target"], trained["fingerprint"],
+                                                 trained["best_dir"], trained["result"],
+                                                 db_url=database_url())
+        return trained
 
     @task(outlets=[NEW_DRAFT_ASSET])
     def register(trained: dict) -> dict:
-        from tasks.draft_training import register_draft
+        from tasks.draft_training import register_logged_draft
 
         with task_errors():
-            registered = register_draft(trained["train_id"], get_current_context()["params"]["target"],
-                                        trained["fingerprint"], trained["best_dir"], trained["result"],
-                                        db_url=database_url())
+            registered = register_logged_draft(
+                trained["train_id"], get_current_context()["params"]["target"], trained["fingerprint"],
+                trained["tracking_run_id"], trained["result"], db_url=database_url())
         get_current_context()["outlet_events"][NEW_DRAFT_ASSET].extra = {
             "model_uri": registered["model_uri"], "train_id": trained["train_id"]}
         return registered

@@ -1,5 +1,5 @@
-"""What the three DAG files share: the names they agree on (connection, pool, assets), the
-specdec database from the Airflow connection, and which errors fail a task at once and which
+"""What the three DAG files share: the names they agree on (connection, pool, assets, queues),
+the specdec database from the Airflow connection, and which errors fail a task at once and which
 are left to the task's retries.
 
 Importing this module loads no Airflow, engine (torch) or database code, so a DAG file's parse
@@ -42,7 +42,17 @@ DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name 
 
 __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS",
            "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "current_params",
-           "database_url", "evaluate_spec", "is_outage", "task_errors"]
+           "database_url", "evaluate_spec", "is_outage", "queues", "task_errors"]
+
+
+def queues() -> tuple[str, str]:
+    """(cpu queue, gpu queue): the Airflow queues of database/registry tasks and of the tasks that
+    run the model, from the settings ($SPECDEC_CPU_QUEUE, $SPECDEC_GPU_QUEUE; defaults `default`
+    and `gpu`). Read when a DAG file is parsed; the LocalExecutor ignores queues."""
+    from .settings import load_settings
+
+    settings = load_settings()
+    return settings.cpu_queue, settings.gpu_queue
 
 
 def database_url() -> str | None:

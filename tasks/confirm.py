@@ -19,6 +19,12 @@ Greedy rows are checked for consistency: where the live output equals the logged
 live accepted count and rounds must equal the offline estimate's exactly; any difference is an
 engine/estimator inconsistency and is logged and stored with the request.
 Runs under the timing lock.
+
+Hardware: live timings check costs only on the hardware class they were measured on (device and
+dtype). When the run measured its own cost profile (its profile task), confirm on a worker of
+another class is refused (HardwareMismatch, naming both: route profile and confirm to one class
+of worker). A stored profile (`--hardware-profile`) plans for its hardware from anywhere; on a
+worker of another class, confirm is skipped with a warning (nothing to compare).
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ import logging
 
 from sqlalchemy import delete, insert, select, update
 
-from .costs import timing_lock
+from .costs import HardwareMismatch, describe_hardware, hardware_text, same_hardware, timing_lock
 from .db.engine import database_url, ensure_ready
-from .db.models import DomainConfig, LiveMeasurement
+from .db.models import DomainConfig, EvalRun, HardwareProfile, LiveMeasurement
 from .settings import Settings, load_settings
 from .timeutil import utcnow
 
@@ -89,6 +95,42 @@ def _round_costs(run_id: str, engine, db_url: str, drafter_label: str, drafter_s
     return cost
 
 
+def confirm_hardware(run_id: str, domain: str, engine, target) -> dict | None:
+    """This worker's hardware description (stored with the live measurement), or None when the
+    run plans with a stored profile of another hardware class (confirm is skipped). Raises
+    HardwareMismatch when the run's own profile was measured on another class."""
+    from .settings import worker_name
+
+    here = dict(describe_hardware(target), worker=worker_name())
+    with engine.connect() as connection:
+        run = connection.execute(select(EvalRun.hardware_profile, EvalRun.worker_hardware).where(
+            EvalRun.run_id == run_id)).mappings().first()
+        profile = None if run is None else run["hardware_profile"]
+        stored = None if profile is None else connection.execute(select(
+            HardwareProfile.device, HardwareProfile.dtype).where(
+            HardwareProfile.name == profile)).mappings().first()
+    if profile is None:
+        return here          # no cost profile: nothing is compared
+    worker = run["worker_hardware"] or {}
+    if worker.get("measured"):
+        if not same_hardware(here, worker):
+            raise HardwareMismatch(
+                f"run {run_id}, domain {domain}: its cost profile {profile!r} was measured on "
+                f"{hardware_text(worker)}, but confirm runs on {hardware_text(here)}: live timings "
+                "on one hardware class cannot check costs measured on another. Route the profile "
+                "and confirm tasks to workers of one hardware class (both take the queue "
+                "`gpu_queue`; give each class of GPU worker its own queue), or plan with a stored "
+                "profile of the serving hardware (`hardware_profile`).")
+        return here
+    if stored is not None and not same_hardware(here, dict(stored)):
+        log.warning("run %s, domain %s: confirm skipped: the plan is for hardware profile %r (%s), "
+                    "this worker is %s; live timings here cannot check it (run confirm on that "
+                    "hardware class to compare)", run_id, domain, profile, hardware_text(dict(stored)),
+                    hardware_text(here))
+        return None
+    return here
+
+
 def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
                    db_url: str | None = None, settings: Settings | None = None,
                    progress: bool = True) -> dict | None:
@@ -108,6 +150,9 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
         config = connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
     if config is None or config["drafter"] is None or config["status"] != "ok" or not requests:
+        return None
+    hardware = confirm_hardware(run_id, domain, engine, target)
+    if hardware is None:
         return None
     drafter = drafters[config["drafter"]][1]
     k = int(config["k"])
@@ -175,7 +220,7 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
            "subset_expected_tokens": subset_e, "domain_expected_tokens": domain_e,
            "sampling_error": sampling_error, "greedy_checked": len(greedy),
            "greedy_consistent": sum(1 for item in greedy if item["consistent"]),
-           "per_request": per_request}
+           "per_request": per_request, "hardware": hardware}
     now = utcnow()
     with engine.begin() as connection:
         connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)

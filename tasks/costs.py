@@ -60,20 +60,41 @@ def _slug(text: str) -> str:
 
 def describe_hardware(model, name: str | None = None) -> dict:
     """{name, device, dtype, details} of the device and dtype `model` runs on."""
+    weight = next(model.parameters())
+    return describe_device(weight.device, weight.dtype, name)
+
+
+def describe_device(device, dtype, name: str | None = None) -> dict:
+    """{name, device, dtype, details} of a torch device and dtype on this machine (a hardware
+    class: two workers with equal device and dtype time alike)."""
     import torch
 
-    weight = next(model.parameters())
-    dtype = str(weight.dtype).replace("torch.", "")
-    if weight.device.type == "cuda":
-        device = torch.cuda.get_device_name(weight.device)
+    device = torch.device(device)
+    dtype = str(dtype).replace("torch.", "")
+    if device.type == "cuda":
+        label = torch.cuda.get_device_name(device)
         details = {"cuda": torch.version.cuda}
     else:
-        device = f"cpu {platform.machine()} ({torch.get_num_threads()} threads)"
+        label = f"cpu {platform.machine()} ({torch.get_num_threads()} threads)"
         details = {"processor": platform.processor() or platform.machine()}
     details["torch"] = torch.__version__
     if name is None:
-        name = _slug(f"{device if weight.device.type == 'cuda' else 'cpu-' + str(torch.get_num_threads()) + 't'}-{dtype}")
-    return {"name": name, "device": device, "dtype": dtype, "details": details}
+        name = _slug(f"{label if device.type == 'cuda' else 'cpu-' + str(torch.get_num_threads()) + 't'}-{dtype}")
+    return {"name": name, "device": label, "dtype": dtype, "details": details}
+
+
+class HardwareMismatch(SpecdecTaskError, RuntimeError):
+    """Live timings on one hardware class compared with costs measured on another."""
+
+
+def same_hardware(a: dict, b: dict) -> bool:
+    """Whether two hardware descriptions are one class: the same device and dtype."""
+    return (a.get("device"), a.get("dtype")) == (b.get("device"), b.get("dtype"))
+
+
+def hardware_text(hardware: dict) -> str:
+    worker = f" on worker {hardware['worker']}" if hardware.get("worker") else ""
+    return f"{hardware.get('device')} {hardware.get('dtype')}{worker}"
 
 
 @dataclass

@@ -211,28 +211,43 @@ def register_draft(train_id: str, target: str, fingerprint: str, best_dir, resul
                    db_url: str | None = None, tracking_uri: str | None = None) -> dict:
     """Log the draft and its lineage to MLflow and register it (alias `candidate`); idempotent.
     result: TrainResult.to_dict() of the training."""
-    from mlflow.exceptions import MlflowException
+    mlflow_run_id = log_draft(train_id, target, fingerprint, best_dir, result, db_url, tracking_uri)
+    return register_logged_draft(train_id, target, fingerprint, mlflow_run_id, result, db_url,
+                                 tracking_uri)
 
+
+def _lineage(db_url: str, train_id: str, target: str, fingerprint: str) -> tuple[dict, dict]:
+    """(the training's record, its lineage as MLflow params)."""
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        record = connection.execute(select(DraftModelRecord).where(
+            DraftModelRecord.name == train_id)).mappings().one()
+    return record, {"target": target, "target_fingerprint": fingerprint,
+                    "window_start": record["window_start"].isoformat(),
+                    "window_end": record["window_end"].isoformat(),
+                    "domains": ",".join(record["domains"] or []), "train_requests": record["train_requests"],
+                    "heldout_requests": record["heldout_requests"],
+                    "train_params": json.dumps(record["params"], sort_keys=True)[:6000]}
+
+
+def log_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
+              db_url: str | None = None, tracking_uri: str | None = None) -> str:
+    """Upload the draft (the files in best_dir), its lineage and held-out curve to the MLflow run
+    tagged with the training id (created once; idempotent); the MLflow run id. Runs where the
+    draft was trained: the registration (register_logged_draft) then needs no local file, so it
+    may run on another machine."""
     from .tracking import client, experiment_for_target
     from .tracking import tracking_uri as resolve_uri
 
     db_url = database_url(db_url)
     mlflow_client = client(resolve_uri(tracking_uri, db_url))
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
-        record = connection.execute(select(DraftModelRecord).where(
-            DraftModelRecord.name == train_id)).mappings().one()
+    _, lineage = _lineage(db_url, train_id, target, fingerprint)
     experiment_id = experiment_for_target(mlflow_client, target)
     runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{TRAIN_TAG}` = '{train_id}'",
                                      max_results=1)
     run_id = runs[0].info.run_id if runs else mlflow_client.create_run(
         experiment_id, run_name=f"draft {train_id}", tags={TRAIN_TAG: train_id}).info.run_id
     logged = mlflow_client.get_run(run_id).data.params
-    lineage = {"target": target, "target_fingerprint": fingerprint,
-               "window_start": record["window_start"].isoformat(), "window_end": record["window_end"].isoformat(),
-               "domains": ",".join(record["domains"] or []), "train_requests": record["train_requests"],
-               "heldout_requests": record["heldout_requests"],
-               "train_params": json.dumps(record["params"], sort_keys=True)[:6000]}
     for key, value in lineage.items():
         if key not in logged:
             mlflow_client.log_param(run_id, key, str(value))
@@ -245,6 +260,23 @@ def register_draft(train_id: str, target: str, fingerprint: str, best_dir, resul
                                      scores["expected_tokens_per_round"], step=entry["step"])
     mlflow_client.log_artifacts(run_id, str(best_dir), artifact_path="draft")
     mlflow_client.set_tag(run_id, "specdec.heldout", json.dumps(result["best"]["domains"], default=float)[:4900])
+    return run_id
+
+
+def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_run_id: str,
+                          result: dict, db_url: str | None = None,
+                          tracking_uri: str | None = None) -> dict:
+    """Register the draft that log_draft uploaded to MLflow run `mlflow_run_id` as a version of
+    `specdec-draft-<target>` (alias `candidate`; reused on retry). Reads no local file."""
+    from mlflow.exceptions import MlflowException
+
+    from .tracking import client
+    from .tracking import tracking_uri as resolve_uri
+
+    db_url = database_url(db_url)
+    mlflow_client = client(resolve_uri(tracking_uri, db_url))
+    record, lineage = _lineage(db_url, train_id, target, fingerprint)
+    run_id = mlflow_run_id
     name = draft_model_name(target)
     try:
         mlflow_client.get_registered_model(name)

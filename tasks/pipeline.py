@@ -146,6 +146,7 @@ def step_profile(spec) -> str:
     spec = RunSpec.of(spec)
     settings = spec.settings()
     name = settings.hardware_profile
+    measured = None
     if name is None:
         models = loaded(spec)
         measured = profile_costs(spec.run_id, models["model"],
@@ -154,12 +155,36 @@ def step_profile(spec) -> str:
                                  tokenizer=models["tokenizer"])
         name = measured["hardware_profile"]["name"]
     costs = load_costs(name, spec.url)
+    worker = worker_hardware(spec, None if measured is None else measured["hardware_profile"])
     engine = ensure_ready(spec.url)
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
-            hardware_profile=name, status="profiled", updated_at=utcnow()))
-    log.info("run %s: planning with cost profile %s (run %s)", spec.run_id, name, costs.run_id)
+            hardware_profile=name, worker_hardware=worker, status="profiled", updated_at=utcnow()))
+    log.info("run %s: planning with cost profile %s (run %s); profile task on worker %s (%s %s)",
+             spec.run_id, name, costs.run_id, worker["worker"], worker["device"], worker["dtype"])
     return name
+
+
+def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
+    """This worker's hardware description ({name, device, dtype, details}, plus `worker`, its
+    name, and `measured`: whether this run's costs were measured here). Without a measurement,
+    the device and dtype the target loads with here (no model is loaded for it)."""
+    from .costs import describe_device, describe_hardware
+    from .settings import worker_name
+
+    if measured is not None:
+        hardware = dict(measured)
+    elif (spec.target, spec.device) in _MODELS:
+        hardware = describe_hardware(_MODELS[(spec.target, spec.device)]["model"])
+    else:
+        import torch
+
+        from specdec_core.models import default_device, default_dtype
+
+        device = torch.device(spec.device) if spec.device else default_device()
+        hardware = describe_device(device, default_dtype(device))
+    hardware.update(worker=worker_name(), measured=measured is not None)
+    return hardware
 
 
 def _domain_requests(spec: RunSpec, domain: str):

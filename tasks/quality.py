@@ -10,8 +10,10 @@ Two kinds of suite:
   domain_configs): rates in [0, 1], K in 1..k_max, speedups > 0, at least one row.
 
 Each check runs in a fresh ephemeral GX context (nothing is written to disk by GX); the outcome of
-every expectation is stored in quality_results, replacing that run's earlier results of the suite.
-Failure details name requests by id, never by prompt text.
+every expectation is stored in quality_results, replacing that run's earlier results of the suite,
+and GX's Data Docs page of each validation in data_docs_pages (the registration attaches them to the
+run's MLflow page; no worker's disk is involved). Failure details name requests by id, never by
+prompt text.
 """
 
 from __future__ import annotations
@@ -20,15 +22,14 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from sqlalchemy import delete, insert, select, update
 
 from .db.engine import database_url, ensure_ready
-from .db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
+from .db.models import DataDocsPage, EvalRun, EvalSample, QualityResult, TrafficRequest
 from .errors import QualityGateFailed, SampleError
 from .sampling import SAMPLE_SUITE
-from .settings import Settings, load_settings, specdec_home
+from .settings import Settings, load_settings
 from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -85,30 +86,43 @@ def _context():
     return gx.get_context(mode="ephemeral", project_config=config)
 
 
-def data_docs_dir(run_id: str) -> Path:
-    """Where a run's rendered Data Docs pages go ($SPECDEC_HOME/reports/<run>/data_docs); the
-    registration attaches them to the run's MLflow page."""
-    return specdec_home() / "reports" / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id) / "data_docs"
-
-
-def render_data_docs(result, path: Path) -> None:
-    """Great Expectations' own Data Docs page of one validation result, as a standalone HTML file.
-    Best effort: a rendering failure is logged, the check's outcome stands."""
+def render_data_docs(result, page: str) -> str | None:
+    """Great Expectations' own Data Docs page of one validation result, as standalone HTML; None
+    when it cannot be rendered (best effort: the failure is logged, the check's outcome stands)."""
     try:
         from great_expectations.render.renderer import ValidationResultsPageRenderer
         from great_expectations.render.view import DefaultJinjaPageView
 
-        html = DefaultJinjaPageView().render(ValidationResultsPageRenderer().render(result))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(html, encoding="utf-8")
+        return DefaultJinjaPageView().render(ValidationResultsPageRenderer().render(result))
     except Exception as exc:
-        log.warning("Data Docs page %s not rendered (%s)", path, exc)
+        log.warning("Data Docs page %s not rendered (%s)", page, exc)
+        return None
+
+
+def store_data_docs(connection, run_id: str, pages: dict[str, str]) -> None:
+    """Replace the run's Data Docs pages of these names (in the caller's transaction)."""
+    if not pages:
+        return
+    connection.execute(delete(DataDocsPage).where((DataDocsPage.run_id == run_id)
+                                                  & DataDocsPage.page.in_(list(pages))))
+    now = utcnow()
+    connection.execute(insert(DataDocsPage), [{"run_id": run_id, "page": page, "html": html,
+                                                "created_at": now} for page, html in pages.items()])
+
+
+def data_docs_pages(run_id: str, db_url: str | None = None) -> dict[str, str]:
+    """{page file name: HTML} of the run's Data Docs, from the database (any worker wrote them)."""
+    engine = ensure_ready(database_url(db_url))
+    with engine.connect() as connection:
+        rows = connection.execute(select(DataDocsPage.page, DataDocsPage.html).where(
+            DataDocsPage.run_id == run_id).order_by(DataDocsPage.page)).all()
+    return {page: html for page, html in rows}
 
 
 def run_suite(context, name: str, frame, expectations: list, scope: str = "table",
-              id_column: str | None = None, docs: Path | None = None) -> list[Outcome]:
+              id_column: str | None = None, docs: dict | None = None) -> list[Outcome]:
     """Validate `frame` (a pandas DataFrame) against `expectations` as the suite `name`; with
-    `docs` (a directory), also write GX's Data Docs page of the result there."""
+    `docs` (a dict), also render GX's Data Docs page of the result into it ({file name: HTML})."""
     gx = _gx()
     source = context.data_sources.add_pandas(f"{name}-{scope}-source")
     asset = source.add_dataframe_asset(name=f"{name}-{scope}")
@@ -122,7 +136,10 @@ def run_suite(context, name: str, frame, expectations: list, scope: str = "table
                             result_format={"result_format": "COMPLETE" if id_column else "SUMMARY",
                                            "unexpected_index_column_names": [id_column] if id_column else []})
     if docs is not None:
-        render_data_docs(result, docs / (re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}-{scope}") + ".html"))
+        page = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}-{scope}") + ".html"
+        html = render_data_docs(result, page)
+        if html is not None:
+            docs[page] = html
     outcomes = []
     for item in result.results:
         config = item.expectation_config
@@ -254,8 +271,9 @@ def check_traffic_sample(run_id: str, db_url: str | None = None,
     domains = list(params.get("domains") or sorted(frame["domain"].dropna().unique()))
 
     context = _context()
+    pages: dict[str, str] = {}
     table = run_suite(context, SAMPLE_SUITE, frame, sample_expectations(settings), id_column="id",
-                      docs=data_docs_dir(run_id))
+                      docs=pages)
     per_domain = {}
     domain_outcomes = []
     gx = _gx()
@@ -271,6 +289,7 @@ def check_traffic_sample(run_id: str, db_url: str | None = None,
     stored = [(SAMPLE_SUITE, outcome, "pass" if outcome.success else "fail") for outcome in table]
     with engine.begin() as connection:
         _store(connection, run_id, (SAMPLE_SUITE, DOMAIN_SUITE), stored + domain_outcomes)
+        store_data_docs(connection, run_id, pages)
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
             status="quality_failed" if failures else "checked",
             updated_at=utcnow()))
@@ -353,12 +372,14 @@ def check_result_table(run_id: str, table: str, db_url: str | None = None,
         if column not in ("run_id", "domain", "drafter", "status", "created_at", "enabled"):
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
     suite = f"results:{table}"
+    pages: dict[str, str] = {}
     outcomes = run_suite(_context(), suite, frame, result_expectations(table, settings, frame.columns),
-                         docs=data_docs_dir(run_id))
+                         docs=pages)
     failures = [o for o in outcomes if not o.success]
     with engine.begin() as connection:
         _store(connection, run_id, (suite,),
                [(suite, o, "pass" if o.success else "fail") for o in outcomes])
+        store_data_docs(connection, run_id, pages)
     if failures:
         summary = _failure_summary(f"{table} of run {run_id!r} ({len(frame)} rows)", failures,
                                    f"The step that wrote {table} produced impossible values; fix it "

@@ -17,7 +17,7 @@ from .config_schema import config_model_name, parse_config
 from .db.engine import database_url, ensure_ready
 from .db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
 from .promotion import current_user, gates_for, record_promotion
-from .quality import data_docs_dir
+from .quality import data_docs_pages
 from .run_config import build_config, changes_markdown, domain_table_markdown, run_row, validation_status
 from .settings import Settings, load_settings
 from .version_page import champion_audit, champion_line, gates_markdown
@@ -109,14 +109,15 @@ def _plots(run_id: str, connection, directory: Path) -> list[Path]:
     return paths
 
 
-def data_docs_index(run_id: str, pages: list[Path], quality: list[dict]) -> str:
+def data_docs_index(run_id: str, pages: list[str], quality: list[dict]) -> str:
     """One HTML page: the run's data-quality verdicts per suite, linking GX's Data Docs pages."""
     from html import escape
 
     verdict: dict[str, bool] = {}
     for row in quality:
         verdict[row["suite"]] = verdict.get(row["suite"], True) and bool(row["success"])
-    items = "".join(f'<li><a href="data_docs/{escape(p.name)}">{escape(p.stem)}</a></li>' for p in pages)
+    items = "".join(f'<li><a href="data_docs/{escape(page)}">{escape(Path(page).stem)}</a></li>'
+                    for page in pages)
     rows = "".join(f"<tr><td>{escape(suite)}</td><td>{'passed' if ok else 'FAILED'}</td></tr>"
                    for suite, ok in sorted(verdict.items()))
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Data quality of run "
@@ -209,12 +210,15 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
             for name in ("validation.json", "data_quality.json", "domains.md"):
                 mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
-            pages = sorted(data_docs_dir(run_id).glob("*.html"))
-            for page in pages:          # Great Expectations' Data Docs, beside the JSON
-                mlflow_client.log_artifact(mlflow_run_id, str(page), artifact_path="reports/data_docs")
+            pages = data_docs_pages(run_id, db_url)   # Great Expectations' Data Docs, beside the JSON
             if pages:
+                (directory / "data_docs").mkdir()
+                for page, html in pages.items():
+                    (directory / "data_docs" / page).write_text(html, encoding="utf-8")
+                mlflow_client.log_artifacts(mlflow_run_id, str(directory / "data_docs"),
+                                            artifact_path="reports/data_docs")
                 index = directory / "data_quality.html"
-                index.write_text(data_docs_index(run_id, pages, quality), encoding="utf-8")
+                index.write_text(data_docs_index(run_id, list(pages), quality), encoding="utf-8")
                 mlflow_client.log_artifact(mlflow_run_id, str(index), artifact_path="reports")
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
     except BaseException as exc:

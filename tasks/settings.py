@@ -161,6 +161,13 @@ class Settings(BaseModel):
         "domains that use it (the test checks the decoder, not the traffic)"))
     greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
     greedy_check_tokens: int = Field(default=24, ge=2)
+    # Airflow queues (CeleryExecutor / KubernetesExecutor workers; the LocalExecutor ignores them)
+    gpu_queue: str = Field(default="gpu", min_length=1, description=(
+        "queue of the tasks that run the model: profile, estimate, confirm, validate, the run's "
+        "greedy and fingerprint checks (finish), draft training"))
+    cpu_queue: str = Field(default="default", min_length=1, description=(
+        "queue of the database and registry tasks: sample, check, plan bookkeeping, register, "
+        "promote, reports (Airflow's [operators] default_queue is `default`)"))
     # promotion gates
     promotion_regression_tolerance: float = Field(default=0.1, ge=0, lt=1, description=(
         "refuse a config when a domain's speedup falls more than this below the champion's"))
@@ -245,3 +252,16 @@ def load_settings(environ=None, **overrides) -> Settings:
     except ValidationError as exc:
         raise SettingsError(f"invalid settings (from {ENV_PREFIX}* variables, {SETTINGS_FILE_ENV} or "
                             f"arguments): {exc}") from exc
+
+
+WORKER_NAME_ENV = "SPECDEC_WORKER_NAME"
+
+
+def worker_name() -> str:
+    """This worker's name: $SPECDEC_WORKER_NAME, else the host's fully qualified name. Airflow
+    records it as a task instance's hostname when `[core] hostname_callable` names this function
+    (`tasks.settings.worker_name`): workers sharing a host (or a container image's host name) stay
+    apart. The profile task stores it with the hardware it measured."""
+    import socket
+
+    return os.environ.get(WORKER_NAME_ENV) or socket.getfqdn()

@@ -96,6 +96,8 @@ class EvalRun(Base):
     window_start: Mapped[datetime | None] = mapped_column(DateTime)
     window_end: Mapped[datetime | None] = mapped_column(DateTime)
     params: Mapped[dict | None] = mapped_column(JSON)
+    # the worker the profile task ran on: {name, device, dtype, details, worker}
+    worker_hardware: Mapped[dict | None] = mapped_column(JSON)
 
 
 class EvalSample(Base):
@@ -125,6 +127,19 @@ class QualityResult(Base):
     success: Mapped[bool] = mapped_column(Boolean)
     status: Mapped[str] = mapped_column(String(32))       # pass | fail | insufficient
     observed: Mapped[dict | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class DataDocsPage(Base):
+    """One Great Expectations Data Docs page (standalone HTML) of a run's data-quality check. Kept
+    in the database, not on the worker's disk: the registration, maybe on another machine,
+    attaches the pages to the run's MLflow page."""
+
+    __tablename__ = "data_docs_pages"
+
+    run_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    page: Mapped[str] = mapped_column(NAME, primary_key=True)    # file name, e.g. traffic_sample-table.html
+    html: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime)
 
 
@@ -222,6 +237,7 @@ class LiveMeasurement(Base):
     greedy_checked: Mapped[int | None] = mapped_column(Integer)
     greedy_consistent: Mapped[int | None] = mapped_column(Integer)
     per_request: Mapped[list | None] = mapped_column(JSON)
+    hardware: Mapped[dict | None] = mapped_column(JSON)    # the worker it ran on (as eval_runs)
 
 
 class Validation(Base):
