@@ -4,8 +4,12 @@
 (keyed by run id and hardware profile) with the profile's description in hardware_profiles.
 `export_costs` / `import_costs` move a profile through a JSON file, so costs measured on the
 serving GPU can plan for it from any machine. Timing work holds an exclusive file lock
-($SPECDEC_HOME/locks/timing.lock): two timing steps never share the CPU/GPU, whichever process
-(CLI, test, Airflow task) runs them.
+($SPECDEC_HOME/locks/timing.lock): two timing steps never share this machine's CPU/GPU, whichever
+process (CLI, test, Airflow task) runs them. Across machines, the Airflow pool `specdec_timing`
+does that job; the lock is only the per-machine guard.
+
+A hardware description (describe_hardware / describe_device) is a device and dtype: timings are
+comparable only within one (same_hardware); confirm refuses the others (HardwareMismatch).
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
 """The deployment files: docker-compose.yml parsed and checked (services, health checks, three
-databases, LocalExecutor, GPU profile, no inline secrets), .env.example complete."""
+databases, LocalExecutor by default, GPU profile, celery profile with one worker per queue, no
+inline secrets), .env.example complete; `docker-compose --profile celery config` validates the
+file where a Compose client is installed."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 LONG_RUNNING = ("postgres", "mlflow", "airflow-api-server", "airflow-scheduler",
                 "airflow-dag-processor", "airflow-triggerer")
+CELERY = ("redis", "airflow-worker", "airflow-worker-gpu")
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +37,13 @@ def strings(value):
 
 def test_services_and_health_checks(compose):
     services = compose["services"]
-    assert set(LONG_RUNNING) | {"airflow-init", "airflow-scheduler-gpu"} == set(services)
+    assert set(LONG_RUNNING) | {"airflow-init", "airflow-scheduler-gpu"} | set(CELERY) == set(services)
     for name in LONG_RUNNING:
         check = services[name].get("healthcheck")
         assert check and check["test"], f"{name} has no health check"
     for name in ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"):
         env = services[name]["environment"]
-        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "${AIRFLOW_EXECUTOR:-LocalExecutor}"
         # no asyncpg installed: the async URL must name the psycopg driver too
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC"] == env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
         assert services[name]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully"
@@ -70,7 +75,8 @@ def test_no_inline_secrets(compose):
         for key, value in (service.get("environment") or {}).items():
             if re.search(r"PASSWORD|SECRET|TOKEN", key):
                 assert str(value).startswith("${") and ":?" in str(value), key
-    referenced = set(re.findall(r"\$\{(\w+)", (REPO / "docker-compose.yml").read_text()))
+    # ${VAR} is substituted from .env; $${VAR} is a literal for the container shell
+    referenced = set(re.findall(r"(?<!\$)\$\{(\w+)", (REPO / "docker-compose.yml").read_text()))
     example = dict(line.split("=", 1) for line in (REPO / ".env.example").read_text().splitlines()
                    if line and not line.startswith("#"))
     assert referenced <= set(example), referenced - set(example)
@@ -90,3 +96,48 @@ def test_image_installs_torch_before_the_pinned_rest():
     torch_at = dockerfile.index('pip install "$TORCH_SPEC"')
     assert torch_at < dockerfile.index("pip install -c /tmp/constraints.txt .")
     assert "COPY dags /opt/airflow/dags" in dockerfile
+
+
+def test_celery_profile_one_worker_per_queue_the_gpu_one_with_a_device(compose):
+    services = compose["services"]
+    for name in CELERY:
+        assert services[name]["profiles"] == ["celery"], name
+        assert services[name]["healthcheck"]["test"], name
+    assert "redis-cli" in " ".join(services["redis"]["healthcheck"]["test"])
+    queues = {}
+    for name in ("airflow-worker", "airflow-worker-gpu"):
+        command = services[name]["command"]
+        assert command[:3] == ["airflow", "celery", "worker"], command
+        queues[name] = command[command.index("--queues") + 1]
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        env = services[name]["environment"]
+        assert env["AIRFLOW__CELERY__BROKER_URL"] == "redis://redis:6379/0"
+        # the result backend is the Airflow metadata database (psycopg 3 is the driver installed)
+        assert env["AIRFLOW__CELERY__RESULT_BACKEND"].startswith("db+postgresql+psycopg://airflow:")
+        assert env["AIRFLOW__CELERY__RESULT_BACKEND"].endswith("@postgres:5432/airflow")
+    assert queues == {"airflow-worker": "${SPECDEC_CPU_QUEUE:-default}",
+                      "airflow-worker-gpu": "${SPECDEC_GPU_QUEUE:-gpu}"}
+    # the DAGs read the same queue names (SPECDEC_*_QUEUE) as the workers serve
+    env = services["airflow-scheduler"]["environment"]
+    assert env["SPECDEC_GPU_QUEUE"] == "${SPECDEC_GPU_QUEUE:-gpu}"
+    assert env["SPECDEC_CPU_QUEUE"] == "${SPECDEC_CPU_QUEUE:-default}"
+    device = services["airflow-worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "deploy" not in services["airflow-worker"]
+
+
+COMPOSE = shutil.which("docker-compose")
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="no Compose client (Debian: apt-get install docker-compose)")
+def test_compose_config_validates_with_the_celery_profile(tmp_path):
+    env = tmp_path / ".env"
+    env.write_text((REPO / ".env.example").read_text().replace("AIRFLOW_EXECUTOR=LocalExecutor",
+                                                                "AIRFLOW_EXECUTOR=CeleryExecutor"))
+    done = subprocess.run([COMPOSE, "--project-directory", str(REPO), "--env-file", str(env),
+                           "--profile", "celery", "config"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resolved = yaml.safe_load(done.stdout)["services"]
+    assert {"redis", "airflow-worker", "airflow-worker-gpu", "airflow-scheduler"} <= set(resolved)
+    assert resolved["airflow-scheduler"]["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert resolved["airflow-worker-gpu"]["command"][-3:] == ["gpu", "--concurrency", "1"]
