@@ -279,6 +279,18 @@ class PromptLookup(HostDrafter):
     def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
         return find_continuation(sequence, self.max_ngram, limit, self.min_ngram)
 
+    def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
+        """The whole batch in one compiled call (lookup.lookup_batch; equal to propose_tokens
+        row by row)."""
+        from .lookup import lookup_batch
+
+        tokens, counts = lookup_batch(state.prompt_ids.cpu().numpy(), state.prompt_len.cpu().numpy(),
+                                      state.out.cpu().numpy(), state.n_out.cpu().numpy(),
+                                      num_draft.cpu().numpy(), k, self.max_ngram, self.min_ngram)
+        device = state.out.device
+        return Proposal(torch.from_numpy(tokens).to(device), None, torch.from_numpy(counts).to(device),
+                        max_draft=int(counts.max(initial=0)))
+
     def describe(self) -> dict:
         return {"kind": self.name, "params": {"max_ngram": self.max_ngram,
                                               "min_ngram": self.min_ngram}}

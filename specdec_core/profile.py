@@ -110,7 +110,9 @@ def calibrate_verify_widths(model: torch.nn.Module, max_width: int, context_len:
 def measure_host_draft_cost(drafter, k: int, context_len: int = 256, batch_size: int = 1,
                             repeats: int = 5, seed: int = 0) -> float:
     """Median seconds of one proposal of up to k tokens for a batch by a host drafter (prompt
-    lookup, suffix): its search runs on the host, row by row.
+    lookup, suffix): the drafter's propose() on a decode state of batch_size rows, as the decode
+    loop calls it (prompt lookup searches the whole batch in one compiled call, the suffix drafter
+    row by row).
 
     The contexts are the expensive case: a short random pattern repeated (the search finds
     matches and copies k tokens), or -- for a drafter with a suffix index -- stretches of the
@@ -125,11 +127,17 @@ def measure_host_draft_cost(drafter, k: int, context_len: int = 256, batch_size:
     else:
         pattern = rng.integers(0, 30_000, size=max(8, context_len // 8))
         sequences = [np.resize(pattern, context_len)] * batch_size
+    from .records import DecodeState
+
+    prompts = torch.from_numpy(np.stack(sequences).astype(np.int64))
+    state = DecodeState(prompts, torch.ones_like(prompts), torch.full((batch_size,), prompts.shape[1]),
+                        torch.zeros((batch_size, k + 1), dtype=torch.long),
+                        torch.zeros(batch_size, dtype=torch.long), prompt_has_padding=False)
+    budget = torch.full((batch_size,), k)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        for sequence in sequences:
-            drafter.propose_tokens(sequence, k)
+        drafter.propose(state, k, budget, None, None)
         times.append(time.perf_counter() - start)
     return float(np.median(times[1:]))
 

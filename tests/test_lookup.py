@@ -1,0 +1,60 @@
+"""Batched prompt lookup (specdec_core.lookup) equals the per-row search it replaces, on the
+decode state's own layout: left-padded prompts, generated tokens after them, per-row limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec_core.drafters import HostDrafter, PromptLookup, find_continuation
+from specdec_core.lookup import lookup_batch
+from specdec_core.records import DecodeState
+
+
+def _random_batch(rng, batch: int, width: int, generated: int, vocab: int):
+    """Left-padded prompts (pad id 0, ids >= 1), generated tokens with junk past n_out."""
+    prompt_len = rng.integers(0, width + 1, batch)
+    prompt_len[0] = width                          # one row without padding
+    prompts = np.zeros((batch, width), dtype=np.int64)
+    for b, length in enumerate(prompt_len):
+        prompts[b, width - length:] = rng.integers(1, vocab, length)
+    n_out = rng.integers(0, generated + 1, batch)
+    out = rng.integers(1, vocab, (batch, generated + 8)).astype(np.int64)
+    return prompts, prompt_len, out, n_out
+
+
+@pytest.mark.parametrize("vocab", [3, 6, 50])          # small vocabularies: many matches
+@pytest.mark.parametrize("ngrams", [(3, 1), (3, 2), (4, 4), (1, 1)])
+def test_batch_lookup_equals_the_per_row_search(vocab, ngrams):
+    rng = np.random.default_rng(vocab * 10 + ngrams[0])
+    max_ngram, min_ngram = ngrams
+    k = 5
+    for _ in range(20):
+        prompts, prompt_len, out, n_out = _random_batch(rng, batch=9, width=12, generated=10, vocab=vocab)
+        limits = rng.integers(-1, k + 3, 9)
+        tokens, counts = lookup_batch(prompts, prompt_len, out, n_out, limits, k, max_ngram, min_ngram)
+        assert tokens.shape == (9, k)
+        for b in range(9):
+            sequence = np.concatenate([prompts[b, 12 - prompt_len[b]:], out[b, :n_out[b]]])
+            expected = (find_continuation(sequence, max_ngram, min(k, limits[b]), min_ngram)
+                        if limits[b] > 0 else sequence[:0])
+            assert counts[b] == len(expected), (b, sequence, limits[b])
+            assert tokens[b, :counts[b]].tolist() == expected.tolist()
+            assert not tokens[b, counts[b]:].any()
+
+
+def test_prompt_lookup_proposes_what_the_row_by_row_host_drafter_proposes():
+    """PromptLookup.propose (batched) against HostDrafter.propose (one search per row)."""
+    rng = np.random.default_rng(3)
+    prompts, prompt_len, out, n_out = _random_batch(rng, batch=16, width=20, generated=12, vocab=5)
+    mask = (np.arange(20)[None, :] >= 20 - prompt_len[:, None]).astype(np.int64)
+    state = DecodeState(torch.from_numpy(prompts), torch.from_numpy(mask), torch.from_numpy(prompt_len),
+                        torch.from_numpy(out), torch.from_numpy(n_out), prompt_has_padding=True)
+    drafter = PromptLookup(max_ngram=3, min_ngram=1)
+    num_draft = torch.from_numpy(rng.integers(0, 5, 16))
+    batched = drafter.propose(state, 4, num_draft, None, None)
+    per_row = HostDrafter.propose(drafter, state, 4, num_draft, None, None)
+    assert torch.equal(batched.num_draft, per_row.num_draft) and batched.num_draft.any()
+    assert torch.equal(batched.tokens, per_row.tokens)
+    assert batched.max_draft == per_row.max_draft
