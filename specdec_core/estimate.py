@@ -225,10 +225,17 @@ class DomainEstimate:
 
 def bootstrap_ratio(numerators: np.ndarray, denominators: np.ndarray, n_boot: int = 1000,
                     seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of sum(num) / sum(den) over requests resampled with replacement."""
+    """95% percentile interval of sum(num) / sum(den) over requests resampled with replacement.
+
+    A function of the requests, not of their order: the pairs are put in a canonical order before
+    resampling, so two runs that drew the same requests in another order (their samples are seeded
+    by the run id) get the same interval."""
     count = len(numerators)
     if count == 0:
         return (0.0, 0.0)
+    numerators, denominators = np.asarray(numerators), np.asarray(denominators)
+    order = np.lexsort((denominators, numerators))
+    numerators, denominators = numerators[order], denominators[order]
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, count, size=(n_boot, count))
     ratios = numerators[picks].sum(1) / np.maximum(denominators[picks].sum(1), 1e-12)

@@ -190,3 +190,17 @@ def test_sampling_estimate_agrees_with_live_on_a_model_pair(spread_pair):
     # (1 token per round: nothing accepted; K + 1: everything accepted)
     e = estimate.expected_tokens_per_round
     assert bound < min(e - 1.0, k + 1.0 - e), (e, bound)
+
+
+def test_bootstrap_interval_depends_on_the_requests_not_their_order():
+    from specdec_core.estimate import bootstrap_ratio
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 60, 25).astype(float)
+    rounds = rng.integers(1, 30, 25).astype(float)
+    interval = bootstrap_ratio(tokens, rounds, n_boot=300)
+    order = rng.permutation(25)
+    assert bootstrap_ratio(tokens[order], rounds[order], n_boot=300) == interval
+    assert interval[0] < tokens.sum() / rounds.sum() < interval[1]
+    # another seed draws other resamples: the interval moves (the test above is not vacuous)
+    assert bootstrap_ratio(tokens, rounds, n_boot=300, seed=1) != interval
