@@ -50,6 +50,15 @@ class CapturedGraph:
         self.graph.replay()
 
 
+_REPLAYING = [0]
+
+
+def replaying() -> bool:
+    """Whether a stand-in graph's body is running now: its operators are what a captured graph
+    would launch as one replay (counters of eager work outside graphs leave them out)."""
+    return _REPLAYING[0] > 0
+
+
 class RerunGraph(CapturedGraph):
     """Stands in for a CUDA graph off CUDA (cuda_graphs=True on CPU, for tests): a replay runs the
     body again on the same static inputs into the same output tensor, so everything around the
@@ -61,4 +70,8 @@ class RerunGraph(CapturedGraph):
         restore()
 
     def replay(self) -> None:
-        self.out.copy_(self._body())
+        _REPLAYING[0] += 1
+        try:
+            self.out.copy_(self._body())
+        finally:
+            _REPLAYING[0] -= 1
