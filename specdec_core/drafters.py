@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -279,14 +281,21 @@ class PromptLookup(HostDrafter):
     def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
         return find_continuation(sequence, self.max_ngram, limit, self.min_ngram)
 
+    _prompts: tuple | None = None      # (weakref to the state.prompt_ids read, prompts, prompt_len)
+
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
         """The whole batch in one compiled call (lookup.lookup_batch; equal to propose_tokens
-        row by row)."""
+        row by row). The prompts are read to the host once per decode (again only when finished
+        rows leave the batch); then two reads a round: the outputs, and their lengths with the
+        draft budget."""
         from .lookup import lookup_batch
 
-        tokens, counts = lookup_batch(state.prompt_ids.cpu().numpy(), state.prompt_len.cpu().numpy(),
-                                      state.out.cpu().numpy(), state.n_out.cpu().numpy(),
-                                      num_draft.cpu().numpy(), k, self.max_ngram, self.min_ngram)
+        if self._prompts is None or self._prompts[0]() is not state.prompt_ids:
+            self._prompts = (weakref.ref(state.prompt_ids), state.prompt_ids.cpu().numpy(),
+                             state.prompt_len.cpu().numpy())
+        n_out, limits = torch.stack([state.n_out, num_draft.to(state.n_out.dtype)]).cpu().numpy()
+        tokens, counts = lookup_batch(self._prompts[1], self._prompts[2], state.out.cpu().numpy(), n_out,
+                                      limits, k, self.max_ngram, self.min_ngram)
         device = state.out.device
         return Proposal(torch.from_numpy(tokens).to(device), None, torch.from_numpy(counts).to(device),
                         max_draft=int(counts.max(initial=0)))
