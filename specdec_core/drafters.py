@@ -11,7 +11,6 @@ Every drafter implements the same four steps, driven by SpecDecoder:
 from __future__ import annotations
 
 import copy
-
 import weakref
 
 import numpy as np
