@@ -34,6 +34,7 @@ from .test_services import (Service, _logs, _task_logs, _wait, airflow_db_url,  
                             db_backend)
 
 REQUIRE_ENV = "SPECDEC_REQUIRE_CELERY"
+REPORT_ENV = "SPECDEC_CELERY_REPORT"       # where to write the runs' tables (CI prints the file)
 REDIS = shutil.which("redis-server")
 DAG_ID = "specdec_evaluate"
 DOMAINS = ("json", "qa")
@@ -360,8 +361,11 @@ def test_celery_workers_by_queue_then_the_same_results_as_the_local_executor(
                 assert other[field] == pytest.approx(plan[field], rel=1e-6), (domain, field)
             else:
                 assert other[field] == plan[field], (domain, field)
-    print(f"\nCeleryExecutor run {celery_run} ({celery_seconds:.0f} s), tasks by queue and worker:")
-    for where, tasks in sorted(per_queue.items()):
-        print(f"  {where}: {', '.join(sorted(tasks))}")
-    print(_table(f"CeleryExecutor run {celery_run}", celery["plans"]))
-    print(_table(f"LocalExecutor run {local_run} ({local_seconds:.0f} s)", local["plans"]))
+    report = [f"CeleryExecutor run {celery_run} ({celery_seconds:.0f} s), tasks by queue and worker:"]
+    report += [f"- {where}: {', '.join(sorted(tasks))}" for where, tasks in sorted(per_queue.items())]
+    report += ["", _table(f"CeleryExecutor run {celery_run}", celery["plans"]), "",
+               _table(f"LocalExecutor run {local_run} ({local_seconds:.0f} s)", local["plans"])]
+    print("\n" + "\n".join(report))
+    if os.environ.get(REPORT_ENV):          # CI prints it after the tests (.ci/run)
+        Path(os.environ[REPORT_ENV]).parent.mkdir(parents=True, exist_ok=True)
+        Path(os.environ[REPORT_ENV]).write_text("\n".join(report) + "\n")
