@@ -122,12 +122,15 @@ def stored_profile(embedded, db_url, shipped_two_domains):
 CANDIDATES = ["prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"]
 
 
-def _worker_home(root: Path, name: str, embedded_dir: Path) -> Path:
-    """A worker's own SPECDEC_HOME whose model cache holds the embedded default (linked)."""
+def _worker_home(root: Path, name: str, embedded_dir: Path | None) -> Path:
+    """A worker's own SPECDEC_HOME; with embedded_dir, its model cache holds the embedded default
+    (linked)."""
     home = root / f"home-{name}"
-    cache = home / "models" / "smollm2-135m-instruct"
-    cache.mkdir(parents=True)
-    (cache / "transformers").symlink_to(embedded_dir, target_is_directory=True)
+    home.mkdir()
+    if embedded_dir is not None:
+        cache = home / "models" / "smollm2-135m-instruct"
+        cache.mkdir(parents=True)
+        (cache / "transformers").symlink_to(embedded_dir, target_is_directory=True)
     return home
 
 
@@ -202,7 +205,9 @@ def cluster(tmp_path, airflow_db_url, db_url, redis_url, embedded):  # noqa: F81
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
     })
-    homes = {name: _worker_home(tmp_path, name, embedded_dir) for name in ("cpu", "gpu", "local")}
+    # the CPU worker gets no model: its tasks (database, registry) must not load one
+    homes = {name: _worker_home(tmp_path, name, None if name == "cpu" else embedded_dir)
+             for name in ("cpu", "gpu", "local")}
     env["SPECDEC_HOME"] = str(homes["local"])
     cluster = Cluster(tmp_path, env)
     cluster.mlflow = mlflow
@@ -333,6 +338,8 @@ def test_celery_workers_by_queue_then_the_same_results_as_the_local_executor(
         per_queue.setdefault(f"{ti['queue']} on {ti['hostname']}", set()).add(
             ti["task_id"] + (f"[{ti['rendered_map_index']}]" if ti["map_index"] >= 0 else ""))
     assert {ti["task_id"] for ti in ran} >= GPU_TASKS | {"sample", "check", "register", "report"}
+    # the database and registry tasks never loaded (nor fetched) a model on the CPU worker
+    assert not (cluster.homes["cpu"] / "models").exists(), sorted(cluster.homes["cpu"].rglob("*"))[:10]
     for worker in workers:
         cluster.stop(worker)
     cluster.stop(next(s for s in cluster.services if s.name == "scheduler"))
