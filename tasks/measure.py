@@ -107,13 +107,16 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
 
     Output: {domain: {drafter label: {K: DomainEstimate.to_dict()}}}. Replaces the run's rows for
     these domains only (a domain estimated alone, e.g. by a mapped Airflow task, keeps the others).
+    Requests are estimated in request-id order, not in the order they were drawn: the same sample
+    gives the same batches (padding neighbours), hence the same figures to the last bit.
     """
     from specdec_core.estimate import estimate_acceptance
 
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
     engine = ensure_ready(database_url(db_url or settings.database_url))
-    requests = [r for items in requests_by_domain.values() for r in items]
+    requests = sorted((r for items in requests_by_domain.values() for r in items),
+                      key=lambda r: (r.domain, r.request_id))
     vocab = target.get_output_embeddings().weight.shape[0]
     for request in requests:
         top = max(max(request.prompt_ids, default=0), max(request.response_ids, default=0))
