@@ -276,6 +276,9 @@ class PromptLookup(HostDrafter):
                              "1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        from .lookup import warm_up
+
+        warm_up()    # compiled (or loaded from numba's cache) here, never inside a timed decode
 
     def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
         return find_continuation(sequence, self.max_ngram, limit, self.min_ngram)

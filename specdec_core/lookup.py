@@ -108,3 +108,10 @@ def lookup_batch(prompts: np.ndarray, prompt_len: np.ndarray, out: np.ndarray, n
               np.ascontiguousarray(out, dtype=np.int64), np.asarray(n_out, dtype=np.int64), limits,
               int(max_ngram), int(min_ngram), tokens, counts)
     return tokens[:, :k], counts
+
+
+def warm_up() -> None:
+    """Compile the kernel now (once per process; numba's cache makes later processes fast), so
+    that no decode -- a timed one above all -- pays for it."""
+    empty = np.zeros((1, 2), dtype=np.int64)
+    lookup_batch(empty, np.array([2]), empty, np.array([0]), np.array([1]), 1, 1, 1)
