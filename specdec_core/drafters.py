@@ -6,18 +6,25 @@ Every drafter implements the same four steps, driven by SpecDecoder:
   commit(state, num_accepted)       the verifier accepted num_accepted [B] of the proposal
   select_rows(rows)                 finished rows left the batch
 `state` is the decoder's DecodeState: prompts, generated tokens so far and counts per row.
+
+On static caches (fixed shapes) a drafter with `device_side = True` (draft models, LayerSkip,
+ControlledAcceptance) proposes and commits as device work only, on buffers that persist across
+rounds: the decode loop captures both inside the round's graph. Their host part runs around it:
+  reserve(state, k)                 before the round (columns of the drafter's own cache)
+  follow(state)                     after the round's one read (state.accepted_max is known)
+A drafter with `reads_host_state = True` (prompt lookup, suffix) searches on the host: the loop
+keeps state.host (prompts, outputs, lengths and limits on the host) so it never reads the device.
 """
 
 from __future__ import annotations
 
 import copy
-import weakref
 
 import numpy as np
 import torch
 
 from .errors import TokenizerMismatch, UnsupportedArchitecture
-from .records import DecodeState, Proposal
+from .records import DecodeState, HostView, Proposal
 from .sampling import SamplingParams, logits_to_probs, sample_from
 from .suffix import SuffixIndex, propose_path
 
@@ -53,6 +60,8 @@ class Drafter:
     """Base class; see the module docstring for the protocol."""
 
     name = "drafter"
+    device_side = False          # propose/commit are capturable device work on static caches
+    reads_host_state = False     # propose reads state.host, not the device
 
     def check_compatible(self, target_model: torch.nn.Module, target_tokenizer=None) -> None:
         """Raise TokenizerMismatch when this drafter cannot propose tokens of the target's vocabulary."""
@@ -70,6 +79,20 @@ class Drafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         pass
 
+    def reserve(self, state: DecodeState, k: int) -> None:
+        """Host part before a device-side proposal of k tokens (static caches)."""
+
+    def follow(self, state: DecodeState) -> None:
+        """Host part after a device-side commit (static caches): state.accepted_max is known."""
+
+    def generators(self) -> tuple:
+        """Random generators of its own that propose() draws from (registered with CUDA graphs)."""
+        return ()
+
+    def graph_key(self) -> tuple:
+        """What a captured round of this drafter depends on besides its own identity."""
+        return ()
+
     def describe(self) -> dict:
         """JSON-able {kind, params} for configs and reports."""
         return {"kind": self.name, "params": {}}
@@ -79,6 +102,7 @@ class DraftModel(Drafter):
     """A small causal LM with the target's vocabulary, run autoregressively with its own KV cache."""
 
     name = "draft_model"
+    device_side = True
 
     def __init__(self, draft_model: torch.nn.Module, tokenizer=None):
         self.model = draft_model
@@ -88,6 +112,7 @@ class DraftModel(Drafter):
         self._round_start: torch.Tensor | None = None  # [B] generated count when the round began
         self._round_k = 0
         self._round_base = 0                            # static cache: its write column at propose
+        self._base: torch.Tensor | None = None          # static cache: the same on the device
         self._fixed = False                             # the cache is a static one
         self._vocab: int | None = None
 
@@ -120,7 +145,25 @@ class DraftModel(Drafter):
         self._fixed = self._cache.fixed_shapes
         valid = state.prompt_mask.bool() if state.prompt_has_padding else None
         self._cache.forward(state.prompt_ids, valid, logits_to_keep=1, graphed=False)
-        self._cached_gen = torch.zeros_like(state.n_out)
+        if self._fixed:   # buffers that captured rounds read and write: one set per static cache
+            bufs = self._cache.extras.get("draft_model")
+            if bufs is None:
+                bufs = self._cache.extras["draft_model"] = {
+                    name: torch.zeros_like(state.n_out) for name in ("cached_gen", "round_start")}
+                bufs["base"] = torch.zeros((), dtype=torch.long, device=state.n_out.device)
+            bufs["cached_gen"].zero_()
+            self._cached_gen, self._round_start, self._base = (
+                bufs["cached_gen"], bufs["round_start"], bufs["base"])
+        else:
+            self._cached_gen = torch.zeros_like(state.n_out)
+
+    def graph_key(self) -> tuple:
+        return (id(self._cache),)
+
+    def reserve(self, state, k) -> None:
+        # a static round writes 2 catch-up columns, then the first k - 1 drafts
+        self._round_k = k
+        self._round_base = self._cache.reserve(k + 1)
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
         cache, fixed = self._cache, self._fixed
@@ -131,9 +174,9 @@ class DraftModel(Drafter):
         idx = state.n_out[:, None] - width + torch.arange(width, device=state.n_out.device)
         valid = idx >= self._cached_gen[:, None]
         tokens = state.out.gather(1, idx.clamp(min=0))
-        if fixed:
+        if fixed:   # device work only (reserve() did the host part): in-place buffer updates
             active = state.active[:, None]
-            self._round_base = cache.w
+            self._base.copy_(cache._w)
             logits = self._fit_vocab(cache.forward(tokens, valid & active, logits_to_keep=1)[:, -1])
         else:
             active = None
@@ -141,22 +184,30 @@ class DraftModel(Drafter):
         draft_tokens, draft_probs = draft_chain(
             logits, k, sampling, generator,
             lambda token: self._fit_vocab(cache.forward(token[:, None], active)[:, -1]))
-        self._round_start = state.n_out.clone()
-        self._round_k = k
-        self._cached_gen = state.n_out + (k - 1)
+        if fixed:
+            self._round_start.copy_(state.n_out)
+            self._cached_gen.copy_(state.n_out + (k - 1))
+        else:
+            self._round_start = state.n_out.clone()
+            self._round_k = k
+            self._cached_gen = state.n_out + (k - 1)
         return Proposal(draft_tokens, draft_probs, num_draft)
 
     def commit(self, state, num_accepted) -> None:
         # the cache holds the round's first k-1 drafts; keep those that were accepted
         kept_gen = self._round_start + num_accepted.clamp(max=self._round_k - 1)
-        if self._fixed and state.accepted_max is not None:
+        if self._fixed:
             # written this round: 2 catch-up columns, then k - 1 drafts of which rows keep
-            # min(accepted, k - 1): writing resumes after the furthest kept column (host-known)
-            width = self._round_base + 2 + min(state.accepted_max, self._round_k - 1)
-            self._cache.rollback_to(state.prompt_len + kept_gen, width=width)
+            # min(accepted, k - 1): writing resumes after the furthest kept column
+            width = self._base + 2 + (state.kept_max - 1).clamp(max=self._round_k - 1)
+            self._cache.rollback_device(state.prompt_len + kept_gen, width)
+            self._cached_gen.copy_(kept_gen)
         else:
             self._cache.rollback_to(state.prompt_len + kept_gen)
-        self._cached_gen = kept_gen
+            self._cached_gen = kept_gen
+
+    def follow(self, state) -> None:
+        self._cache.follow(self._round_base + 2 + min(state.accepted_max, self._round_k - 1))
 
     def select_rows(self, rows) -> None:
         self._cache.select_rows(rows)
@@ -232,32 +283,48 @@ def find_continuation(sequence: np.ndarray, max_ngram: int, k: int, min_ngram: i
     return sequence[:0]
 
 
+def host_view(state: DecodeState, num_draft: torch.Tensor | None) -> HostView:
+    """state.host with this round's limits; built from the device (reads) when the caller keeps
+    no host view (a decode state made by hand, as the cost profiles do)."""
+    if state.host is None:
+        state.host = HostView(state.prompt_ids.cpu().numpy(), state.prompt_len.cpu().numpy(),
+                              state.out.cpu().numpy(), state.n_out.cpu().numpy())
+    if num_draft is not None:
+        state.host.limits = num_draft.cpu().numpy()
+    return state.host
+
+
 class HostDrafter(Drafter):
     """A drafter that searches on the host, row by row: propose_tokens(sequence, limit) gives up
     to `limit` tokens continuing one row's prompt + output (deterministic: the offline estimate
     walks rounds with the same function). Proposes fewer than K tokens, or none, per row."""
 
+    reads_host_state = True
+
     def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
         raise NotImplementedError
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
-        prompts = state.prompt_ids.cpu().numpy()
-        masks = state.prompt_mask.cpu().numpy().astype(bool)
-        outs = state.out.cpu().numpy()
-        n_out = state.n_out.tolist()
-        limits = num_draft.tolist()
-        tokens = np.zeros((len(n_out), k), dtype=np.int64)
-        counts = np.zeros(len(n_out), dtype=np.int64)
-        for row, (generated, limit) in enumerate(zip(n_out, limits)):
+        """propose_host as a Proposal (host tensors)."""
+        tokens, counts = self.propose_host(host_view(state, num_draft), k)
+        return Proposal(torch.from_numpy(tokens), None, torch.from_numpy(counts),
+                        max_draft=int(counts.max(initial=0)))
+
+    def propose_host(self, host: HostView, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [B, k], counts [B]) searched on the host, row by row, within host.limits (the
+        decode loop calls this directly and stages the result for the device in one copy)."""
+        tokens = np.zeros((len(host.n_out), k), dtype=np.int64)
+        counts = np.zeros(len(host.n_out), dtype=np.int64)
+        width = host.prompts.shape[1]
+        for row, (generated, limit) in enumerate(zip(host.n_out.tolist(), host.limits.tolist())):
             if limit <= 0:
                 continue
-            sequence = np.concatenate([prompts[row][masks[row]], outs[row, :generated]])
+            sequence = np.concatenate([host.prompts[row, width - host.prompt_len[row]:],
+                                       host.out[row, :generated]])
             found = self.propose_tokens(sequence, min(k, limit))
             tokens[row, : len(found)] = found
             counts[row] = len(found)
-        device = state.out.device
-        return Proposal(torch.from_numpy(tokens).to(device), None,
-                        torch.from_numpy(counts).to(device), max_draft=int(counts.max(initial=0)))
+        return tokens, counts
 
 
 class PromptLookup(HostDrafter):
@@ -283,24 +350,13 @@ class PromptLookup(HostDrafter):
     def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
         return find_continuation(sequence, self.max_ngram, limit, self.min_ngram)
 
-    _prompts: tuple | None = None      # (weakref to the state.prompt_ids read, prompts, prompt_len)
-
-    def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
+    def propose_host(self, host, k):
         """The whole batch in one compiled call (lookup.lookup_batch; equal to propose_tokens
-        row by row). The prompts are read to the host once per decode (again only when finished
-        rows leave the batch); then two reads a round: the outputs, and their lengths with the
-        draft budget."""
+        row by row)."""
         from .lookup import lookup_batch
 
-        if self._prompts is None or self._prompts[0]() is not state.prompt_ids:
-            self._prompts = (weakref.ref(state.prompt_ids), state.prompt_ids.cpu().numpy(),
-                             state.prompt_len.cpu().numpy())
-        n_out, limits = torch.stack([state.n_out, num_draft.to(state.n_out.dtype)]).cpu().numpy()
-        tokens, counts = lookup_batch(self._prompts[1], self._prompts[2], state.out.cpu().numpy(), n_out,
-                                      limits, k, self.max_ngram, self.min_ngram)
-        device = state.out.device
-        return Proposal(torch.from_numpy(tokens).to(device), None, torch.from_numpy(counts).to(device),
-                        max_draft=int(counts.max(initial=0)))
+        return lookup_batch(host.prompts, host.prompt_len, host.out, host.n_out, host.limits, k,
+                            self.max_ngram, self.min_ngram)
 
     def describe(self) -> dict:
         return {"kind": self.name, "params": {"max_ngram": self.max_ngram,

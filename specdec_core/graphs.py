@@ -23,7 +23,7 @@ class CapturedGraph:
     """One forward of a fixed width captured as a CUDA graph: static inputs, replay, and the same
     output tensor after every replay."""
 
-    def __init__(self, tokens: torch.Tensor, valid: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor | None = None, valid: torch.Tensor | None = None):
         self.tokens = tokens
         self.valid = valid
         self.out: torch.Tensor | None = None
@@ -45,6 +45,19 @@ class CapturedGraph:
         with torch.cuda.graph(self.graph):
             self.out = body()
         restore()
+
+    def record(self, body: Callable[[], object], device: torch.device,
+               generators: tuple = ()) -> None:
+        """Capture body() as it stands, without warming it up or running it: the caller has run it
+        eagerly before (real work, so nothing to undo). `generators`: the random generators it
+        draws from besides the default one (registered, so each replay draws fresh numbers)."""
+        self.graph = torch.cuda.CUDAGraph()
+        for generator in generators:
+            register = getattr(self.graph, "register_generator_state", None)
+            if register is not None and generator.device.type == "cuda":
+                register(generator)
+        with torch.cuda.graph(self.graph):
+            self.out = body()
 
     def replay(self) -> None:
         self.graph.replay()
@@ -69,9 +82,21 @@ class RerunGraph(CapturedGraph):
         self.out = body()
         restore()
 
+    def record(self, body, device, generators=()) -> None:
+        self._body = body
+        self.out = None           # the first replay's result; later replays write into it
+
     def replay(self) -> None:
         _REPLAYING[0] += 1
         try:
-            self.out.copy_(self._body())
+            result = self._body()
+            if self.out is None:
+                self.out = result
+            elif isinstance(self.out, torch.Tensor):
+                self.out.copy_(result)
+            else:                 # a tuple of tensors (or None)
+                for old, new in zip(self.out, result):
+                    if old is not None:
+                        old.copy_(new)
         finally:
             _REPLAYING[0] -= 1

@@ -6,13 +6,12 @@ SpecDecoder decodes on there; on CPU on the dynamic cache (cache.py).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
 import torch
 
-from .cache import SequenceCache, dynamic_session
+from .cache import SequenceCache
 from .graphs import synchronize
 from .static_cache import StaticSequenceCache, bucket_length, static_by_default
 
@@ -196,47 +195,33 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
             if repeat:
                 times.setdefault((label, 1), []).append(elapsed)
     median = {key: float(np.median(values)) for key, values in times.items()}
-    overhead = {"plain": measure_round_overhead(target, None, 1, batch_size, context_len, seed=seed)}
+    forward_s = {w: median[("target", w)] for w in range(1, k_max + 2)}
+    overhead = {"plain": measure_round_overhead(target, None, 1, batch_size, context_len, seed=seed,
+                                                forward_s=forward_s)}
     for label, drafter in drafters.items():
         overhead[label] = measure_round_overhead(target, drafter, k_max, batch_size, context_len,
-                                                 seed=seed)
+                                                 seed=seed, forward_s=forward_s)
     return {"target_step": median[("target", 1)],
             "verify": {k: median[("target", k + 1)] for k in range(1, k_max + 1)},
             "draft_step": {label: median[(label, 1)] for label in drafters},
             "round_overhead": overhead}
 
 
-class _ForwardClock:
-    """A target cache whose forward passes are timed (synchronised); the rest is delegated."""
-
-    def __init__(self, cache, clock: dict):
-        self._cache, self._clock = cache, clock
-
-    def forward(self, *args, **kwargs):
-        device = self._clock["device"]
-        synchronize(device)
-        start = time.perf_counter()
-        out = self._cache.forward(*args, **kwargs)
-        synchronize(device)
-        self._clock["calls"].append(time.perf_counter() - start)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._cache, name)
-
-
 def measure_round_overhead(target: torch.nn.Module, drafter, k: int, batch_size: int = 1,
                            context_len: int = 256, new_tokens: int = 12, repeats: int = 2,
-                           seed: int = 0) -> float:
+                           seed: int = 0, forward_s: dict[int, float] | None = None) -> float:
     """Median seconds per round of a real decode outside the cost model's terms: the call's decode
-    time minus the target's forward passes and the drafter's proposals (drafter=None: plain
-    decoding, per step). What is left is sampling, acceptance, write-back, rollback, the drafter's
-    commit and the loop's bookkeeping -- host work that a GPU does not hide.
+    time minus its proposals (timed by the loop around the draft phase) and minus one target
+    forward per round at that round's verify width (drafter=None: plain decoding, per step).
+    What is left is sampling, acceptance, write-back, rollback, the drafter's commit and the
+    loop's bookkeeping -- host work that a GPU does not hide. Where rounds are captured whole
+    (static caches with CUDA graphs) a forward cannot be timed inside them: the forwards are
+    priced at `forward_s` {width: seconds} (the cost profile's own step costs), and widths it
+    lacks are measured here on the same cache kind.
 
     Prompts are random tokens with a repeated pattern (host drafters find matches and draft).
     """
     from .decoder import SpecDecoder
-    from .loop import decode
     from .sampling import SamplingParams
 
     device = next(target.parameters()).device
@@ -244,27 +229,24 @@ def measure_round_overhead(target: torch.nn.Module, drafter, k: int, batch_size:
     vocab = target.get_output_embeddings().weight.shape[0]
     pattern = torch.randint(0, vocab, (batch_size, max(8, context_len // 8)), generator=generator)
     prompts = pattern.repeat(1, context_len // pattern.shape[1] + 1)[:, :context_len].to(device)
-    decoder = SpecDecoder(target, drafter, k=max(k, 1))
-    base = decoder.static_pool.session if decoder.uses_static_cache() else None
+    decoder = SpecDecoder(target, drafter, k=max(k, 1), phase_timing=True)
+    run = decoder.generate if drafter is not None else decoder.generate_plain
+    results = [run(prompts, new_tokens, sampling=SamplingParams(), seed=seed + repeat)
+               for repeat in range(repeats + 1)]          # the first call is a warm-up
+    forward_s = dict(forward_s or {})
+    missing = sorted({w for result in results for w in result.round_widths} - set(forward_s))
+    if missing:
+        forward_s.update(measure_forward_costs(target, missing, context_len, batch_size,
+                                               repeats=max(repeats, 2), seed=seed,
+                                               static=decoder.uses_static_cache(),
+                                               cuda_graphs=decoder.cuda_graphs))
     per_round = []
-    for repeat in range(repeats + 1):
-        clock = {"calls": [], "device": device}
-
-        @contextlib.contextmanager
-        def session(model, batch, needed, clock=clock):
-            with (base or dynamic_session)(model, batch, needed) as (cache, factory):
-                yield _ForwardClock(cache, clock), factory
-
-        with torch.inference_mode():
-            result = decode(target, drafter, max(k, 1), prompts, torch.ones_like(prompts), new_tokens,
-                            SamplingParams(), seed + repeat, None, 0, session,
-                            decoder.verify_round, verifier=decoder.verifier,
-                            verify_widths=decoder.verify_widths, phase_timing=True)
+    for result in results[1:]:
         stats = result.stats
-        # the first forward is the prefill (outside the decode phase); each later one is a round
-        rounds = max(len(clock["calls"]) - 1, 1)
-        outside = (stats.total_s - stats.prefill_s) - sum(clock["calls"][1:]) - stats.draft_s
-        if repeat:
-            per_round.append(max(outside, 0.0) / rounds)
+        forwards = sum(forward_s[w] for w in result.round_widths)
+        outside = (stats.total_s - stats.prefill_s) - stats.draft_s - forwards
+        per_round.append(max(outside, 0.0) / max(len(result.round_widths), 1))
     return float(np.median(per_round))
+
+
 

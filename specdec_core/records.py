@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .stats import SpecStats
@@ -33,9 +34,41 @@ class DecodeState:
     # the target's last-layer hidden states [B, T, H] of its latest pass (prefill, then each
     # verify pass), for a drafter with needs_target_hidden (a draft head); else None
     hidden: torch.Tensor | None = None
+    # the device's state as the host follows it, for drafters that search on the host
+    # (HostDrafter.reads_host_state): no device read in a round. Kept by the decode loop.
+    host: "HostView | None" = None
+    # device work of one round (the decode loop sets them for a drafter's commit): the round's
+    # largest emitted count [] (>= 1), and its accepted counts [B]
+    kept_max: torch.Tensor | None = None
+    num_accepted: torch.Tensor | None = None
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for name in ("prompt_ids", "prompt_mask", "prompt_len", "out", "n_out", "active", "hidden"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[rows])
+        if self.host is not None:
+            self.host.select_rows(rows.cpu().numpy())
+
+
+@dataclass
+class HostView:
+    """Host copies of what a host drafter reads: the prompts (read once per call), the outputs
+    (updated from each round's one read), the output lengths and the round's draft limits."""
+
+    prompts: np.ndarray          # [B, T] left-padded prompt ids
+    prompt_len: np.ndarray       # [B]
+    out: np.ndarray              # [B, N] generated tokens
+    n_out: np.ndarray            # [B] generated tokens so far
+    limits: np.ndarray | None = None   # [B] draft tokens each row may propose this round
+
+    def append(self, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """Write each row's first counts[b] tokens [B, W] after its output."""
+        rows, cols = np.nonzero(np.arange(tokens.shape[1])[None, :] < counts[:, None])
+        self.out[rows, self.n_out[rows] + cols] = tokens[rows, cols]
+        self.n_out += counts
+
+    def select_rows(self, rows: np.ndarray) -> None:
+        for name in ("prompts", "prompt_len", "out", "n_out", "limits"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[rows])
 
@@ -47,6 +80,10 @@ class Proposal:
     num_draft: torch.Tensor           # LongTensor [B]: valid tokens per row (0..k)
     max_draft: int | None = None      # host-side max of num_draft when known for free (the loop
                                       # then verifies only max_draft + 1 tokens)
+
+    def parts(self) -> tuple:
+        """(tokens, probs, num_draft): what a captured draft returns; Proposal(*parts) again."""
+        return self.tokens, self.probs, self.num_draft
 
     def narrow(self, width: int) -> None:
         """Keep the first `width` draft positions."""
@@ -61,6 +98,7 @@ class GenerateResult:
     stats: SpecStats                        # summed over rows
     row_stats: list[SpecStats] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # valid new tokens per row (EOS included)
+    round_widths: list[int] = field(default_factory=list)  # tokens of each round's verify pass
 
 
 @dataclass
@@ -69,6 +107,7 @@ class Timings:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    widths: list = field(default_factory=list)   # each round's verify width
 
 
 def result_from_history(tokens: torch.Tensor, num_tokens: torch.Tensor, history: torch.Tensor,
@@ -98,4 +137,5 @@ def result_from_history(tokens: torch.Tensor, num_tokens: torch.Tensor, history:
         summed = summed.merge(row)
     summed.draft_s, summed.verify_s = timings.draft_s, timings.verify_s
     summed.total_s, summed.prefill_s = timings.total_s, timings.prefill_s
-    return GenerateResult(tokens=tokens, stats=summed, row_stats=row_stats, num_tokens=lengths)
+    return GenerateResult(tokens=tokens, stats=summed, row_stats=row_stats, num_tokens=lengths,
+                          round_widths=list(timings.widths))

@@ -38,6 +38,25 @@ from .graphs import CapturedGraph, RerunGraph
 
 log = logging.getLogger(__name__)
 
+_DEVICE_ONLY = threading.local()
+
+
+@contextlib.contextmanager
+def device_only():
+    """Forwards of static caches inside this block do device work only: no host bookkeeping, no
+    per-forward graph, no compaction. The decode loop runs a whole round this way (captured as one
+    graph per shape) and does the host part itself (`reserve` before, `follow` after)."""
+    depth = getattr(_DEVICE_ONLY, "depth", 0)
+    _DEVICE_ONLY.depth = depth + 1
+    try:
+        yield
+    finally:
+        _DEVICE_ONLY.depth = depth
+
+
+def in_device_only() -> bool:
+    return getattr(_DEVICE_ONLY, "depth", 0) > 0
+
 # Widths of at most this many tokens are captured as CUDA graphs (draft steps and verify passes);
 # prefill runs eagerly.
 MAX_GRAPH_WIDTH = 33
@@ -107,6 +126,9 @@ class StaticSequenceCache:
         self._graph_cls = CapturedGraph if self.device.type == "cuda" else RerunGraph
         self._graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.compactions = 0
+        # what the decode loop keeps with this cache across calls: its persistent buffers and its
+        # captured rounds (loop.py), keyed by the loop
+        self.extras: dict = {}
 
     @property
     def model(self) -> torch.nn.Module:
@@ -144,18 +166,39 @@ class StaticSequenceCache:
             raise ValueError(f"batch {batch} != the static cache's {self.batch}")
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
+        if in_device_only():        # the caller reserved the columns (and follows them)
+            return self._body(tokens, valid.bool(), logits_to_keep, inputs_embeds)
+        self.reserve(width)
+        if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH and inputs_embeds is None:
+            logits = self._replay(tokens, valid.bool(), logits_to_keep)
+        else:
+            logits = self._body(tokens, valid.bool(), logits_to_keep, inputs_embeds)
+        return logits
+
+    def reserve(self, width: int) -> int:
+        """The host part of forwards over `width` columns in all: compact first when they would
+        not fit, then move the host's write column past them. Returns the first column."""
         if self.w + width > self.max_len:
             self._compact()
             if self.w + width > self.max_len:
                 raise ValueError(f"static cache of {self.max_len} columns is full ({self.w} used, "
                                  f"{width} more needed): size it for prompt + max_new_tokens + K + 1")
-        self.last_start = self.w
-        if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH and inputs_embeds is None:
-            logits = self._replay(tokens, valid.bool(), logits_to_keep)
-        else:
-            logits = self._body(tokens, valid.bool(), logits_to_keep, inputs_embeds)
+        self.last_start = start = self.w
         self.w += width
-        return logits
+        return start
+
+    @torch.inference_mode()
+    def rollback_device(self, keep: torch.Tensor, width: torch.Tensor) -> None:
+        """rollback_to as device work only (capturable): `width` is a device scalar; the host
+        follows with follow(the same width) once it knows it."""
+        kept = self.valid & (self.valid.long().cumsum(1) <= keep[:, None])
+        self.valid.copy_(kept)
+        torch.minimum(self.count, keep, out=self.count)
+        torch._foreach_add_(self._positions(), torch.minimum(width, self._w) - self._w)
+
+    def follow(self, width: int) -> None:
+        """The host part of rollback_device: writing resumes at `width` (as on the device)."""
+        self.w = min(int(width), self.w)
 
     @torch.inference_mode()
     def rollback_to(self, keep: torch.Tensor, width: int | None = None) -> None:
@@ -178,14 +221,19 @@ class StaticSequenceCache:
         launch; absolute=True writes the value into each (after runs whose device-side advance the
         host did not follow: graph warm-ups and captures; and on reset)."""
         delta, self.w = w - self.w, w
-        positions = [layer.cumulative_length for layer in self.cache.layers
-                     if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
-        positions.append(self._w)
+        positions = self._positions()
         if absolute:
             for tensor in positions:
                 tensor.fill_(w)
         elif delta:
             torch._foreach_add_(positions, delta)          # one launch for all layers
+
+    def _positions(self) -> list[torch.Tensor]:
+        """The device-side write positions: every layer's StaticCache counter, then our own."""
+        positions = [layer.cumulative_length for layer in self.cache.layers
+                     if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        positions.append(self._w)
+        return positions
 
     def _body(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
               inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,12 +269,14 @@ class StaticSequenceCache:
     def _capture(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> CapturedGraph:
         """Capture the body for this width; the cache state is the same afterwards."""
         graph = self._graph_cls(tokens.clone(), valid.clone())
-        saved = (self.valid.clone(), self.count.clone(), self.w)
+        # the host has reserved the columns already (forward): the device is at last_start
+        saved = (self.valid.clone(), self.count.clone(), self.last_start, self.w)
 
         def restore():
             self.valid.copy_(saved[0])
             self.count.copy_(saved[1])
             self._set_w(saved[2], absolute=True)    # the body moved the device counters
+            self.w = saved[3]
 
         graph.capture(lambda: self._body(graph.tokens, graph.valid, logits_to_keep), restore,
                       self.device)

@@ -30,6 +30,7 @@ class ControlledAcceptance(Drafter):
     """
 
     name = "controlled_acceptance"
+    device_side = True     # device work only: captured inside the round on static caches
 
     def __init__(self, reference: torch.Tensor, alpha: float, seed: int = 0):
         if not 0.0 <= float(alpha) <= 1.0:
@@ -54,7 +55,13 @@ class ControlledAcceptance(Drafter):
                                      f"{state.out.shape[0]}: give one reference row per prompt")
         self.reference = self.reference.to(device)
         self._rows = None                      # all rows (a static cache never drops any)
-        self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        # one generator for the drafter's life, re-seeded per call (captured rounds draw from it)
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(self.seed)
+
+    def generators(self) -> tuple:
+        return (self._generator,) if self._generator is not None else ()
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
         if not sampling.greedy:
