@@ -79,7 +79,7 @@ DRAFT_SMOKE = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hid
 SEED_REFERENCE = {"alpha": 0.8, "draft_verify_ratio": 0.07, "speedup": 2.8}
 WITHIN = 0.15          # "within 15% of the planner"
 BANDWIDTH_GOAL = 0.60  # "plain decoding >= 60% of the bandwidth limit"
-ENGINE_OPTIONS = ("static_cache", "cuda_graphs", "phase_timing")
+ENGINE_OPTIONS = ("static_cache", "cuda_graphs", "phase_timing", "compile")
 PAD = 0
 
 _T0 = time.perf_counter()
@@ -115,7 +115,7 @@ class Setup(NamedTuple):
     draft_shape: dict
     cost_repeats: int
     copy_bytes: int
-    engine: dict                    # SpecDecoder options (static_cache, cuda_graphs, phase_timing)
+    engine: dict                    # SpecDecoder options (static_cache, cuda_graphs, phase_timing, compile)
     seed: int = 0
 
 
@@ -149,6 +149,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated batch sizes for item 5 (default 1,4,16,64)")
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                         help="SpecDecoder cuda_graphs (auto: on with the static cache on CUDA)")
+    parser.add_argument("--engine-compile", default="auto", choices=["auto", "on", "off"],
+                        help="SpecDecoder compile: its static-cache forwards through torch.compile "
+                             "(auto: on CUDA)")
     return parser.parse_args(argv)
 
 
@@ -160,7 +163,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
     compile_on = device.type == "cuda" and (args.compile if args.compile is not None else not args.smoke)
     tri = {"auto": "auto", "on": True, "off": False}
     engine = {"static_cache": tri[args.static_cache], "cuda_graphs": tri[args.cuda_graphs],
-              "phase_timing": False}
+              "phase_timing": False, "compile": tri[args.engine_compile]}
     if args.smoke:
         new = args.max_new_tokens or 16
         return Setup(device=device, dtype=getattr(torch, dtype_name), smoke=True, compile=compile_on,
@@ -316,7 +319,7 @@ def engine_options_supported() -> set[str]:
 
 
 def make_decoder(target: torch.nn.Module, drafter, k: int = 4, **options) -> SpecDecoder:
-    """SpecDecoder with the engine options (static_cache, cuda_graphs, phase_timing) this version of
+    """SpecDecoder with the engine options (static_cache, cuda_graphs, phase_timing, compile) this version of
     specdec_core accepts; the others are left out (and listed in the report's header)."""
     supported = engine_options_supported()
     return SpecDecoder(target, drafter, k=k, **{n: v for n, v in options.items() if n in supported})

@@ -16,7 +16,7 @@ from .errors import InvalidDecodeInput
 from .loop import decode
 from .records import GenerateResult
 from .sampling import SamplingParams
-from .static_cache import StaticCachePool, static_by_default
+from .static_cache import StaticCachePool, compile_by_default, static_by_default
 from .verify import Verifier, rejection_sample, relaxed_verify, verify_round
 
 VERIFIERS: dict[str, Verifier] = {"exact": rejection_sample, "relaxed": relaxed_verify}
@@ -43,13 +43,17 @@ class SpecDecoder:
     static buffers (a stand-in that tests the graph plumbing on CPU).
     phase_timing: synchronise around the draft and verify phases to fill stats.draft_s/verify_s
     (on by default; benchmarks turn it off, and they stay 0).
+    compile: run the static caches' decode-width forwards through torch.compile (inductor), one
+    compiled body per width, inside the engine's graphs. "auto": on CUDA (where it pays); False
+    never; True also on a CPU (inductor's C++ backend). Static caches only. `engine()` says what
+    was chosen; cost profiles record it.
     """
 
     def __init__(self, target_model: torch.nn.Module, drafter: Drafter | None, k: int = 4,
                  tokenizer=None, verifier: str | Verifier | None = None,
                  verify_widths: dict[int, int] | None = None, static_cache: bool | str = "auto",
                  cuda_graphs: bool | str = "auto", phase_timing: bool = True,
-                 verify_round: Callable = verify_round):
+                 verify_round: Callable = verify_round, compile: bool | str = "auto"):
         if not isinstance(k, int) or k < 1:
             raise InvalidDecodeInput(f"k={k!r}: the number of draft tokens per round must be an "
                                      "integer >= 1 (use generate_plain for no speculation)")
@@ -66,11 +70,13 @@ class SpecDecoder:
         self.verify_widths = {int(n): int(w) for n, w in (verify_widths or {}).items() if int(w) >= int(n)}
         if drafter is not None:
             drafter.check_compatible(target_model, tokenizer)
-        for name, value in (("static_cache", static_cache), ("cuda_graphs", cuda_graphs)):
+        for name, value in (("static_cache", static_cache), ("cuda_graphs", cuda_graphs),
+                            ("compile", compile)):
             if value not in ("auto", True, False):
                 raise InvalidDecodeInput(f"{name}={value!r}: use 'auto', True or False")
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
+        self.compile = compile
         self.phase_timing = phase_timing
         self._static_pool = None
         self._static: bool | None = None          # uses_static_cache(), decided on first use
@@ -95,9 +101,20 @@ class SpecDecoder:
         """The static caches (and CUDA graphs), kept across generate calls and shared
         by every SpecDecoder of this target model (captured once, whatever the drafter or K)."""
         if self._static_pool is None:
-            graphs = self.cuda_graphs is True or (self.cuda_graphs == "auto" and self.device.type == "cuda")
-            self._static_pool = StaticCachePool.of(self.target, cuda_graphs=graphs)
+            self._static_pool = StaticCachePool.of(self.target, *self._static_options())
         return self._static_pool
+
+    def _static_options(self) -> tuple[bool, bool]:
+        graphs = self.cuda_graphs is True or (self.cuda_graphs == "auto" and self.device.type == "cuda")
+        compiled = self.compile is True or (self.compile == "auto" and compile_by_default(self.target))
+        return graphs, compiled
+
+    def engine(self) -> dict:
+        """The engine options as resolved on this device: {static_cache, cuda_graphs, compile}
+        (graphs and compile apply to static caches only)."""
+        static = self.uses_static_cache()
+        graphs, compiled = self._static_options()
+        return {"static_cache": static, "cuda_graphs": static and graphs, "compile": static and compiled}
 
     def generate(self, input_ids, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  seed: int = 0, attention_mask=None, eos_token_id: int | None = None,

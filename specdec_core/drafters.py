@@ -387,6 +387,9 @@ class SuffixDrafter(HostDrafter):
         self.max_depth = max_depth
         self.min_token_prob = float(min_token_prob)
         self.max_spec_factor = float(max_spec_factor)
+        from .lookup import warm_up_suffix
+
+        warm_up_suffix(index)   # compiled (or loaded from numba's cache) here, not in a decode
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
         if self.index is None:
@@ -405,6 +408,14 @@ class SuffixDrafter(HostDrafter):
     def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
         return propose_path(sequence, limit, self.index, self.max_depth, self.min_token_prob,
                             self.max_spec_factor)
+
+    def propose_host(self, host, k):
+        """The whole batch in one compiled call (lookup.suffix_batch; equal to propose_tokens
+        row by row)."""
+        from .lookup import suffix_batch
+
+        return suffix_batch(host.prompts, host.prompt_len, host.out, host.n_out, host.limits, k,
+                            self.index, self.max_depth, self.min_token_prob, self.max_spec_factor)
 
     def describe(self) -> dict:
         return {"kind": self.name, "params": {"max_depth": self.max_depth,

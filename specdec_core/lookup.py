@@ -115,3 +115,198 @@ def warm_up() -> None:
     that no decode -- a timed one above all -- pays for it."""
     empty = np.zeros((1, 2), dtype=np.int64)
     lookup_batch(empty, np.array([2]), empty, np.array([0]), np.array([1]), 1, 1, 1)
+
+
+# --- suffix decoding over a batch ------------------------------------------------------------------
+SEPARATOR = -1             # suffix.SEPARATOR (the index's sequence separator)
+
+
+def _greedy_path(windows, rows, cap, min_token_prob, out):
+    """suffix.greedy_path on windows[:rows]: the most frequent continuation (ties: the smallest
+    token, as np.unique + argmax pick), written to out; returns (tokens, score)."""
+    alive = np.ones(rows, dtype=np.bool_)
+    n_alive = rows
+    values = np.empty(rows, dtype=np.int64)
+    score, running, count = 0.0, 1.0, 0
+    for column in range(min(cap, windows.shape[1])):
+        if n_alive == 0:
+            break
+        n_values = 0
+        for r in range(rows):
+            if alive[r] and windows[r, column] != SEPARATOR:
+                values[n_values] = windows[r, column]
+                n_values += 1
+        if n_values == 0:
+            break
+        ordered = np.sort(values[:n_values])
+        best_token, best_count, run = ordered[0], 0, 1
+        for i in range(1, n_values + 1):
+            if i < n_values and ordered[i] == ordered[i - 1]:
+                run += 1
+            else:
+                if run > best_count:
+                    best_count, best_token = run, ordered[i - 1]
+                run = 1
+        probability = best_count / n_alive
+        if probability < min_token_prob:
+            break
+        out[count] = best_token
+        count += 1
+        running *= probability
+        score += running
+        n_alive = 0
+        for r in range(rows):
+            if alive[r]:
+                if windows[r, column] == best_token:
+                    n_alive += 1
+                else:
+                    alive[r] = False
+    return count, score
+
+
+def _suffix_rows(prompts, prompt_len, out, n_out, limits, k, use_index, reversed_text, order,
+                 padded_text, n_text, depth, max_depth, min_token_prob, max_spec_factor,
+                 most, tokens, counts):
+    """suffix.propose_path for every row (see suffix_batch): the row's own text, then the index."""
+    batch, width = prompts.shape
+    found = np.empty(k, dtype=np.int64)
+    for b in range(batch):
+        counts[b] = 0
+        limit = min(k, limits[b])
+        if limit <= 0:
+            continue
+        start = width - prompt_len[b]
+        n = prompt_len[b] + n_out[b]
+        seq = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            p = start + i
+            seq[i] = prompts[b, p] if p < width else out[b, p - width]
+        best_score, best_length, best_count = 0.0, 0, 0
+        # 1. the row's own text: the longest suffix that occurs earlier in it
+        if n >= 2:
+            ends = np.empty(n, dtype=np.int64)
+            m = 0
+            for i in range(n - 1):
+                if seq[i] == seq[n - 1]:
+                    ends[m] = i
+                    m += 1
+            length = 1 if m else 0
+            while m and length < max_depth:
+                kept = 0
+                for j in range(m):
+                    back = ends[j] - length
+                    if back >= 0 and seq[back] == seq[n - 1 - length]:
+                        ends[kept] = ends[j]
+                        kept += 1
+                if kept == 0:
+                    break
+                m, length = kept, length + 1
+            if length:
+                first = max(m - most, 0)
+                rows = m - first
+                windows = np.empty((rows, limit), dtype=np.int64)
+                for r in range(rows):
+                    for j in range(limit):
+                        p = ends[first + r] + 1 + j
+                        windows[r, j] = seq[p] if p < n else SEPARATOR
+                cap = min(limit, max(1, int(max_spec_factor * length)))
+                got, score = _greedy_path(windows, rows, cap, min_token_prob, found)
+                if score > best_score or (score == best_score and length > best_length):
+                    best_score, best_length, best_count = score, length, got
+                    for j in range(got):
+                        tokens[b, j] = found[j]
+        # 2. the index: ranges of occurrences narrowed one token at a time (binary search)
+        if use_index:
+            lo, hi, length = 0, len(order), 0
+            for column in range(min(depth, max_depth, n)):
+                token = seq[n - 1 - column]
+                a, z = lo, hi
+                while a < z:                                  # first key >= token
+                    mid = (a + z) // 2
+                    if reversed_text[order[mid] + column] < token:
+                        a = mid + 1
+                    else:
+                        z = mid
+                new_lo = a
+                z = hi
+                while a < z:                                  # first key > token
+                    mid = (a + z) // 2
+                    if reversed_text[order[mid] + column] <= token:
+                        a = mid + 1
+                    else:
+                        z = mid
+                if new_lo >= a:
+                    break
+                lo, hi, length = new_lo, a, column + 1
+            if length:
+                rows = min(hi - lo, most)
+                windows = np.empty((rows, limit), dtype=np.int64)
+                step = (hi - 1 - lo) / (most - 1) if hi - lo > most else 0.0
+                for r in range(rows):
+                    if hi - lo <= most:
+                        j_order = lo + r
+                    elif r == rows - 1:                       # np.linspace: the end exactly
+                        j_order = hi - 1
+                    else:
+                        j_order = int(r * step + lo)
+                    s = n_text - order[j_order]
+                    for j in range(limit):
+                        windows[r, j] = padded_text[s + j]
+                cap = min(limit, max(1, int(max_spec_factor * length)))
+                got, score = _greedy_path(windows, rows, cap, min_token_prob, found)
+                if score > best_score or (score == best_score and length > best_length):
+                    best_score, best_length, best_count = score, length, got
+                    for j in range(got):
+                        tokens[b, j] = found[j]
+        for j in range(best_count, k):
+            tokens[b, j] = 0
+        counts[b] = best_count
+
+
+_suffix_compiled = None
+
+
+def _suffix_kernel():
+    global _suffix_compiled
+    if _suffix_compiled is None:
+        if numba is None:
+            _suffix_compiled = _suffix_rows
+        else:
+            jit = numba.njit(cache=True, nogil=True)
+            global _greedy_path
+            _greedy_path = jit(_greedy_path)
+            _suffix_compiled = jit(_suffix_rows)
+    return _suffix_compiled
+
+
+def suffix_batch(prompts: np.ndarray, prompt_len: np.ndarray, out: np.ndarray, n_out: np.ndarray,
+                 limits: np.ndarray, k: int, index, max_depth: int, min_token_prob: float,
+                 max_spec_factor: float) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, k], counts [B]): suffix.propose_path for every row of the batch in one compiled
+    call (equal to it row by row; tested), on the same left-padded layout as lookup_batch.
+    index: a suffix.SuffixIndex or None (the rows' own text only)."""
+    from .suffix import MAX_OCCURRENCES
+
+    batch = prompts.shape[0]
+    tokens = np.zeros((batch, k), dtype=np.int64)
+    counts = np.zeros(batch, dtype=np.int64)
+    use_index = index is not None and len(index.order) > 0
+    if use_index:      # read in place (int32 text; the kernel is compiled for their dtypes)
+        arrays = (index._reversed, index.order, index._padded, len(index.text), index.depth)
+    else:
+        empty = np.zeros(1, dtype=np.int32)
+        arrays = (empty, empty, empty, 0, 0)
+    _suffix_kernel()(np.ascontiguousarray(prompts, dtype=np.int64), np.asarray(prompt_len, dtype=np.int64),
+                     np.ascontiguousarray(out, dtype=np.int64), np.asarray(n_out, dtype=np.int64),
+                     np.minimum(np.asarray(limits, dtype=np.int64), k), int(k), use_index, *arrays,
+                     int(max_depth), float(min_token_prob), float(max_spec_factor),
+                     int(MAX_OCCURRENCES), tokens, counts)
+    return tokens, counts
+
+
+def warm_up_suffix(index=None) -> None:
+    """Compile the suffix kernel for this index's array types (and for no index) now, not inside
+    a timed decode."""
+    empty = np.zeros((1, 2), dtype=np.int64)
+    for each in (None, index):
+        suffix_batch(empty, np.array([2]), empty, np.array([0]), np.array([1]), 1, each, 4, 0.1, 1.0)

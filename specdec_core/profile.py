@@ -13,7 +13,7 @@ import torch
 
 from .cache import SequenceCache
 from .graphs import synchronize
-from .static_cache import StaticSequenceCache, bucket_length, static_by_default
+from .static_cache import StaticSequenceCache, bucket_length, compile_by_default, static_by_default
 
 
 def use_static(model: torch.nn.Module, static: bool | str = "auto") -> bool:
@@ -30,7 +30,7 @@ class _TimedCache:
 
     def __init__(self, model: torch.nn.Module, context_len: int, batch_size: int, generator,
                  vocab: int, static: bool = False, max_width: int = 64,
-                 cuda_graphs: bool | str = "auto", inputs_fn=None):
+                 cuda_graphs: bool | str = "auto", inputs_fn=None, compile: bool | str = "auto"):
         self.device = next(model.parameters()).device
         self.generator, self.vocab, self.batch_size = generator, vocab, batch_size
         self.context_len = context_len
@@ -38,7 +38,8 @@ class _TimedCache:
             self.cache = StaticSequenceCache(
                 model, batch_size, bucket_length(context_len + max_width + 1),
                 cuda_graphs=cuda_graphs is True or (cuda_graphs == "auto"
-                                                    and self.device.type == "cuda"))
+                                                    and self.device.type == "cuda"),
+                compile=compile is True or (compile == "auto" and compile_by_default(model)))
         else:
             self.cache = SequenceCache(model)
         self.inputs_fn = inputs_fn      # tokens -> input vectors (a draft head's fused inputs)
@@ -68,7 +69,8 @@ class _TimedCache:
 
 def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256, batch_size: int = 1,
                           repeats: int = 5, seed: int = 0, static: bool | str = "auto",
-                          cuda_graphs: bool | str = "auto") -> dict[int, float]:
+                          cuda_graphs: bool | str = "auto",
+                          compile: bool | str = "auto") -> dict[int, float]:
     """Median seconds of one cached forward pass over `width` new tokens, per width.
 
     The cache holds `context_len` tokens of random ids; widths are interleaved across repeats so
@@ -80,7 +82,7 @@ def measure_forward_costs(model: torch.nn.Module, widths, context_len: int = 256
     widths = [int(w) for w in widths]
     bench = _TimedCache(model, context_len, batch_size, torch.Generator().manual_seed(seed), vocab,
                         static=use_static(model, static), max_width=max(widths),
-                        cuda_graphs=cuda_graphs)
+                        cuda_graphs=cuda_graphs, compile=compile)
     times: dict[int, list[float]] = {int(w): [] for w in widths}
     for repeat in range(repeats + 1):
         for width in times:
@@ -143,7 +145,8 @@ def measure_host_draft_cost(drafter, k: int, context_len: int = 256, batch_size:
 
 def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batch_size: int = 1,
                        context_len: int = 256, repeats: int = 5, seed: int = 0,
-                       static: bool | str = "auto", cuda_graphs: bool | str = "auto") -> dict:
+                       static: bool | str = "auto", cuda_graphs: bool | str = "auto",
+                       compile: bool | str = "auto") -> dict:
     """Seconds on this hardware at one batch size: {"target_step", "verify": {K: s},
     "draft_step": {label: s}, "round_overhead": {label or "plain": s}} for K = 1..k_max (medians;
     round_overhead: measure_round_overhead).
@@ -160,12 +163,12 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
     generator = torch.Generator().manual_seed(seed)
     caches = {"target": _TimedCache(target, context_len, batch_size, generator, vocab,
                                     static=use_static(target, static), max_width=k_max + 1,
-                                    cuda_graphs=cuda_graphs)}
+                                    cuda_graphs=cuda_graphs, compile=compile)}
     for label, drafter in drafters.items():
         if isinstance(drafter, DraftModel):
             caches[label] = _TimedCache(drafter.model, context_len, batch_size, generator, vocab,
                                         static=use_static(drafter.model, static), max_width=2,
-                                        cuda_graphs=cuda_graphs)
+                                        cuda_graphs=cuda_graphs, compile=compile)
         elif getattr(drafter, "needs_target_hidden", False):   # a draft head: fuse + its layer + head
             head = drafter.head
             features = torch.randn(batch_size, 1, head.config.hidden_size, generator=generator).to(
@@ -239,7 +242,8 @@ def measure_round_overhead(target: torch.nn.Module, drafter, k: int, batch_size:
         forward_s.update(measure_forward_costs(target, missing, context_len, batch_size,
                                                repeats=max(repeats, 2), seed=seed,
                                                static=decoder.uses_static_cache(),
-                                               cuda_graphs=decoder.cuda_graphs))
+                                               cuda_graphs=decoder.cuda_graphs,
+                                               compile=decoder.compile))
     per_round = []
     for result in results[1:]:
         stats = result.stats

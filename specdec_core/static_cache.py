@@ -99,7 +99,8 @@ class StaticSequenceCache:
 
     fixed_shapes = True
 
-    def __init__(self, model: torch.nn.Module, batch: int, max_len: int, cuda_graphs: bool = False):
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int, cuda_graphs: bool = False,
+                 compile: bool = False):
         if not supports_static(model):
             raise UnsupportedArchitecture(
                 f"{type(model).__name__}: the static-cache fast path needs full attention in every "
@@ -123,6 +124,8 @@ class StaticSequenceCache:
         self._cols = torch.arange(max_len, device=self.device)
         self._min = torch.finfo(self.dtype).min
         self.cuda_graphs = bool(cuda_graphs)     # off CUDA: RerunGraph stands in (tests)
+        self.compile = bool(compile)             # decode-width forwards run a compiled body
+        self._compiled = None
         self._graph_cls = CapturedGraph if self.device.type == "cuda" else RerunGraph
         self._graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.compactions = 0
@@ -167,13 +170,23 @@ class StaticSequenceCache:
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         if in_device_only():        # the caller reserved the columns (and follows them)
-            return self._body(tokens, valid.bool(), logits_to_keep, inputs_embeds)
+            return self._run(tokens, valid.bool(), logits_to_keep, inputs_embeds)
         self.reserve(width)
         if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH and inputs_embeds is None:
             logits = self._replay(tokens, valid.bool(), logits_to_keep)
         else:
-            logits = self._body(tokens, valid.bool(), logits_to_keep, inputs_embeds)
+            logits = self._run(tokens, valid.bool(), logits_to_keep, inputs_embeds)
         return logits
+
+    def _run(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
+             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The body, compiled for decode widths when compile is on (prefill and input vectors
+        run eagerly: their shapes change with every prompt)."""
+        if self.compile and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH:
+            if self._compiled is None:
+                self._compiled = compiled_body(self)
+            return self._compiled(tokens, valid, logits_to_keep)
+        return self._body(tokens, valid, logits_to_keep, inputs_embeds)
 
     def reserve(self, width: int) -> int:
         """The host part of forwards over `width` columns in all: compact first when they would
@@ -278,7 +291,7 @@ class StaticSequenceCache:
             self._set_w(saved[2], absolute=True)    # the body moved the device counters
             self.w = saved[3]
 
-        graph.capture(lambda: self._body(graph.tokens, graph.valid, logits_to_keep), restore,
+        graph.capture(lambda: self._run(graph.tokens, graph.valid, logits_to_keep), restore,
                       self.device)
         log.debug("captured width %d of %s", tokens.shape[1], type(self.model).__name__)
         return graph
@@ -298,9 +311,33 @@ class StaticSequenceCache:
         self.compactions += 1
 
 
-# model -> {cuda_graphs: StaticCachePool}. The caches hold their models weakly, so an entry goes
+def compiled_body(cache: StaticSequenceCache):
+    """cache._body compiled by torch.compile (inductor): mask building, the model's layers and
+    the cache writes fused into few kernels. Shapes are static (dynamic=False): one compiled body
+    per width, compiled on the first forward of that width and reused for the process; on CUDA
+    the engine's own graphs then capture it. Every cache and width is one entry of the body's
+    compile cache, so its recompile limit is raised to hold them all."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, COMPILED_ENTRIES)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, COMPILED_ENTRIES)
+    return torch.compile(cache._body, dynamic=False)
+
+
+# compiled bodies one process may hold: caches x widths
+COMPILED_ENTRIES = 512
+
+
+def compile_by_default(model: torch.nn.Module) -> bool:
+    """What compile="auto" means: on CUDA. On a CPU the compiled body costs minutes of compiling
+    per model and width for less than it saves there (benchmarks/compile_cpu.py)."""
+    return next(model.parameters()).device.type == "cuda"
+
+
+# model -> {(cuda_graphs, compile): StaticCachePool}. The caches hold their models weakly, so an entry goes
 # when its model is collected.
-_POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, StaticCachePool]]" = (
+_POOLS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StaticCachePool]]" = (
     weakref.WeakKeyDictionary())
 _POOLS_LOCK = threading.Lock()
 
@@ -315,20 +352,22 @@ class StaticCachePool:
 
     max_caches = 8
 
-    def __init__(self, cuda_graphs: bool):
+    def __init__(self, cuda_graphs: bool, compile: bool = False):
         self.cuda_graphs = cuda_graphs
+        self.compile = compile
         self._caches: OrderedDict[tuple, StaticSequenceCache] = OrderedDict()
         self.lock = threading.RLock()
 
     @classmethod
-    def of(cls, model: torch.nn.Module, cuda_graphs: bool) -> "StaticCachePool":
+    def of(cls, model: torch.nn.Module, cuda_graphs: bool, compile: bool = False) -> "StaticCachePool":
         """The pool of `model` (created on first use; it goes when the model goes). Pools live
         beside the model, keyed weakly, not in it: the model stays copyable and picklable."""
         with _POOLS_LOCK:
             pools = _POOLS.setdefault(model, {})
-            if cuda_graphs not in pools:
-                pools[cuda_graphs] = cls(cuda_graphs)
-            return pools[cuda_graphs]
+            key = (bool(cuda_graphs), bool(compile))
+            if key not in pools:
+                pools[key] = cls(*key)
+            return pools[key]
 
     def get(self, model: torch.nn.Module, batch: int, needed_len: int,
             role: str = "target") -> StaticSequenceCache:
@@ -337,7 +376,7 @@ class StaticCachePool:
         key = (role, id(model), batch, length)
         cache = self._caches.get(key)
         if cache is None or cache._model() is not model:
-            cache = StaticSequenceCache(model, batch, length, self.cuda_graphs)
+            cache = StaticSequenceCache(model, batch, length, self.cuda_graphs, self.compile)
             self._caches[key] = cache
         self._caches.move_to_end(key)
         while len(self._caches) > self.max_caches:

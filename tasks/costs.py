@@ -213,6 +213,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     """
     from tqdm.auto import tqdm
 
+    from specdec_core import SpecDecoder
     from specdec_core.profile import measure_step_costs
 
     settings = settings or load_settings()
@@ -220,6 +221,8 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     batch_sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
     engine = ensure_ready(database_url(db_url or settings.database_url))
     hardware = describe_hardware(target, hardware_profile)
+    # which engine the costs describe: static caches, CUDA graphs, compiled forwards
+    hardware["details"]["engine"] = SpecDecoder(target, None).engine()
     drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
     table = CostTable(hardware["name"], run_id, {}, {}, {}, {})
     start = time.perf_counter()

@@ -437,6 +437,9 @@ def test_profile_costs_stores_every_component_and_load_costs_reads_it(db_url, ta
     [hardware] = fetch(db_url, select(HardwareProfile))
     assert hardware["name"] == "tiny-cpu" and hardware["dtype"] == "float32"
     assert hardware["device"].startswith("cpu") and "torch" in hardware["details"]
+    # the engine the costs describe: on a CPU, dynamic caches (no graphs, nothing compiled)
+    assert hardware["details"]["engine"] == {"static_cache": False, "cuda_graphs": False,
+                                             "compile": False}
     costs = load_costs("tiny-cpu", db_url)
     assert (costs.hardware_profile, costs.run_id, costs.batch_sizes) == ("tiny-cpu", "run-1", [1, 2])
     assert costs.k_max(1) == costs.k_max(2) == 2 and sorted(costs.draft_step) == [LS, PL]

@@ -453,3 +453,31 @@ def test_step_costs_on_the_path_cuda_takes_by_default(target, counters_as_on_cud
     assert set(costs["verify"]) == {1, 2, 3} and costs["target_step"] > 0
     assert set(costs["draft_step"]) == {"layer_skip", "lookup"}
     assert all(seconds > 0 for seconds in costs["draft_step"].values())
+
+
+# --- compiled forwards (torch.compile inside the engine's graphs) ---------------------------------
+def test_compiled_forwards_keep_greedy_outputs(target, draft):
+    # compile=True on a CPU: inductor's C++ backend compiles each decode width once; rounds
+    # captured around the compiled bodies emit exactly the general path's tokens
+    ids, mask = left_padded_batch()
+    for name in ("plain", "prompt_lookup", "draft_model"):
+        general = decode(target, make_drafter(name, target, draft), 2, ids, mask, static=False, eos=5)
+        decoder = SpecDecoder(target, make_drafter(name, target, draft), k=2, static_cache=True,
+                              cuda_graphs=True, compile=True)
+        assert decoder.engine() == {"static_cache": True, "cuda_graphs": True, "compile": True}
+        run = decoder.generate if name != "plain" else decoder.generate_plain
+        for _ in range(2):                       # the second call replays captured rounds
+            compiled = run(ids, MAX_NEW, attention_mask=mask, eos_token_id=5)
+            assert torch.equal(compiled.tokens, general.tokens), name
+            assert compiled.num_tokens == general.num_tokens
+        assert all(cache._compiled is not None for cache in decoder.static_pool._caches.values())
+    # "auto" compiles on CUDA only; the CPU default path has no static caches at all
+    assert SpecDecoder(target, None).engine() == {"static_cache": CUDA, "cuda_graphs": CUDA,
+                                                  "compile": CUDA}
+
+
+def test_compiled_sampling_keeps_the_target_distribution(spread_target, spread_draft):
+    compiled = functools.partial(SpecDecoder, static_cache=True, cuda_graphs=True, compile=True)
+    report = sampling_check(spread_target, DraftModel(spread_draft), PROMPT, ks=(2,), rows=3000,
+                            seed=3, decoder_cls=compiled)
+    assert report.passed, [t for t in report.tests if not t.passed]

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_core.drafters import HostDrafter, PromptLookup, find_continuation
-from specdec_core.lookup import lookup_batch
+from specdec_core.drafters import HostDrafter, PromptLookup, find_continuation, host_view
+from specdec_core.lookup import lookup_batch, suffix_batch
+from specdec_core.suffix import SuffixIndex, propose_path
 from specdec_core.records import DecodeState
 
 
@@ -54,7 +55,50 @@ def test_prompt_lookup_proposes_what_the_row_by_row_host_drafter_proposes():
     drafter = PromptLookup(max_ngram=3, min_ngram=1)
     num_draft = torch.from_numpy(rng.integers(0, 5, 16))
     batched = drafter.propose(state, 4, num_draft, None, None)
-    per_row = HostDrafter.propose(drafter, state, 4, num_draft, None, None)
-    assert torch.equal(batched.num_draft, per_row.num_draft) and batched.num_draft.any()
-    assert torch.equal(batched.tokens, per_row.tokens)
-    assert batched.max_draft == per_row.max_draft
+    tokens, counts = HostDrafter.propose_host(drafter, host_view(state, num_draft), 4)   # per row
+    assert batched.num_draft.tolist() == counts.tolist() and counts.any()
+    assert batched.tokens.tolist() == tokens.tolist()
+    assert batched.max_draft == counts.max()
+
+
+# --- suffix decoding ---------------------------------------------------------------------------
+def _index(rng, vocab: int, sequences: int = 12):
+    """An index over random sequences with repeated stretches (deep matches, many occurrences)."""
+    motif = rng.integers(1, vocab, 6)
+    rows = [np.concatenate([rng.integers(1, vocab, rng.integers(0, 6)), motif[: rng.integers(1, 7)],
+                            rng.integers(1, vocab, rng.integers(1, 8))]) for _ in range(sequences)]
+    return SuffixIndex.build(rows, depth=8)
+
+
+@pytest.mark.parametrize("vocab", [3, 7, 40])
+@pytest.mark.parametrize("with_index", [False, True])
+def test_batch_suffix_search_equals_the_per_row_search(vocab, with_index):
+    rng = np.random.default_rng(vocab + 100 * with_index)
+    k = 6
+    for trial in range(12):
+        index = _index(rng, vocab) if with_index else None
+        max_depth = int(rng.choice([1, 3, 24]))
+        min_prob = float(rng.choice([0.0, 0.1, 0.5]))
+        factor = float(rng.choice([0.5, 1.0, 2.5]))
+        prompts, prompt_len, out, n_out = _random_batch(rng, batch=8, width=14, generated=10, vocab=vocab)
+        limits = rng.integers(-1, k + 3, 8)
+        tokens, counts = suffix_batch(prompts, prompt_len, out, n_out, limits, k, index, max_depth,
+                                      min_prob, factor)
+        for b in range(8):
+            sequence = np.concatenate([prompts[b, 14 - prompt_len[b]:], out[b, :n_out[b]]])
+            expected = propose_path(sequence, min(k, limits[b]), index, max_depth, min_prob, factor)
+            assert tokens[b, :counts[b]].tolist() == expected.tolist(), (trial, b)
+            assert not tokens[b, counts[b]:].any()
+
+
+def test_batch_suffix_search_spreads_over_many_occurrences_as_the_per_row_search():
+    # more matched occurrences than the search looks at: both spread their picks alike
+    rng = np.random.default_rng(5)
+    index = SuffixIndex.build([rng.integers(1, 3, 40) for _ in range(400)], depth=6)
+    prompts, prompt_len, out, n_out = _random_batch(rng, batch=6, width=10, generated=6, vocab=3)
+    limits = np.full(6, 5)
+    tokens, counts = suffix_batch(prompts, prompt_len, out, n_out, limits, 5, index, 2, 0.0, 3.0)
+    assert counts.any()
+    for b in range(6):
+        sequence = np.concatenate([prompts[b, 10 - prompt_len[b]:], out[b, :n_out[b]]])
+        assert tokens[b, :counts[b]].tolist() == propose_path(sequence, 5, index, 2, 0.0, 3.0).tolist()
