@@ -104,17 +104,21 @@ class SpecDecoder:
             self._static_pool = StaticCachePool.of(self.target, *self._static_options())
         return self._static_pool
 
-    def _static_options(self) -> tuple[bool, bool]:
+    def _static_options(self) -> tuple[bool, bool | str]:
+        """(cuda_graphs, compile) of the static caches; compile "auto" where chosen by default
+        (the caches then fall back to eager forwards if compiling fails)."""
         graphs = self.cuda_graphs is True or (self.cuda_graphs == "auto" and self.device.type == "cuda")
-        compiled = self.compile is True or (self.compile == "auto" and compile_by_default(self.target))
-        return graphs, compiled
+        if self.compile == "auto":
+            return graphs, "auto" if compile_by_default(self.target) else False
+        return graphs, bool(self.compile)
 
     def engine(self) -> dict:
         """The engine options as resolved on this device: {static_cache, cuda_graphs, compile}
         (graphs and compile apply to static caches only)."""
         static = self.uses_static_cache()
         graphs, compiled = self._static_options()
-        return {"static_cache": static, "cuda_graphs": static and graphs, "compile": static and compiled}
+        return {"static_cache": static, "cuda_graphs": static and graphs,
+                "compile": static and bool(compiled)}
 
     def generate(self, input_ids, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  seed: int = 0, attention_mask=None, eos_token_id: int | None = None,

@@ -164,6 +164,19 @@ def _greedy_path(windows, rows, cap, min_token_prob, out):
     return count, score
 
 
+def _take_better(windows, rows, length, limit, max_spec_factor, min_token_prob, found, out,
+                 best_score, best_length, best_count):
+    """The greedy path of one candidate (a match of `length` tokens and its continuations): it
+    replaces the best so far in `out` when (score, length) is larger, as propose_path compares."""
+    cap = min(limit, max(1, int(max_spec_factor * length)))
+    got, score = _greedy_path(windows, rows, cap, min_token_prob, found)
+    if score > best_score or (score == best_score and length > best_length):
+        for j in range(got):
+            out[j] = found[j]
+        return score, length, got
+    return best_score, best_length, best_count
+
+
 def _suffix_rows(prompts, prompt_len, out, n_out, limits, k, use_index, reversed_text, order,
                  padded_text, n_text, depth, max_depth, min_token_prob, max_spec_factor,
                  most, tokens, counts):
@@ -209,12 +222,9 @@ def _suffix_rows(prompts, prompt_len, out, n_out, limits, k, use_index, reversed
                     for j in range(limit):
                         p = ends[first + r] + 1 + j
                         windows[r, j] = seq[p] if p < n else SEPARATOR
-                cap = min(limit, max(1, int(max_spec_factor * length)))
-                got, score = _greedy_path(windows, rows, cap, min_token_prob, found)
-                if score > best_score or (score == best_score and length > best_length):
-                    best_score, best_length, best_count = score, length, got
-                    for j in range(got):
-                        tokens[b, j] = found[j]
+                best_score, best_length, best_count = _take_better(
+                    windows, rows, length, limit, max_spec_factor, min_token_prob, found, tokens[b],
+                    best_score, best_length, best_count)
         # 2. the index: ranges of occurrences narrowed one token at a time (binary search)
         if use_index:
             lo, hi, length = 0, len(order), 0
@@ -252,12 +262,9 @@ def _suffix_rows(prompts, prompt_len, out, n_out, limits, k, use_index, reversed
                     s = n_text - order[j_order]
                     for j in range(limit):
                         windows[r, j] = padded_text[s + j]
-                cap = min(limit, max(1, int(max_spec_factor * length)))
-                got, score = _greedy_path(windows, rows, cap, min_token_prob, found)
-                if score > best_score or (score == best_score and length > best_length):
-                    best_score, best_length, best_count = score, length, got
-                    for j in range(got):
-                        tokens[b, j] = found[j]
+                best_score, best_length, best_count = _take_better(
+                    windows, rows, length, limit, max_spec_factor, min_token_prob, found, tokens[b],
+                    best_score, best_length, best_count)
         for j in range(best_count, k):
             tokens[b, j] = 0
         counts[b] = best_count
@@ -273,8 +280,9 @@ def _suffix_kernel():
             _suffix_compiled = _suffix_rows
         else:
             jit = numba.njit(cache=True, nogil=True)
-            global _greedy_path
+            global _greedy_path, _take_better        # the kernel calls the compiled helpers
             _greedy_path = jit(_greedy_path)
+            _take_better = jit(_take_better)
             _suffix_compiled = jit(_suffix_rows)
     return _suffix_compiled
 

@@ -39,7 +39,8 @@ class _TimedCache:
                 model, batch_size, bucket_length(context_len + max_width + 1),
                 cuda_graphs=cuda_graphs is True or (cuda_graphs == "auto"
                                                     and self.device.type == "cuda"),
-                compile=compile is True or (compile == "auto" and compile_by_default(model)))
+                compile=("auto" if compile == "auto" and compile_by_default(model)
+                         else compile is True))
         else:
             self.cache = SequenceCache(model)
         self.inputs_fn = inputs_fn      # tokens -> input vectors (a draft head's fused inputs)

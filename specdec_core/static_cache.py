@@ -124,7 +124,10 @@ class StaticSequenceCache:
         self._cols = torch.arange(max_len, device=self.device)
         self._min = torch.finfo(self.dtype).min
         self.cuda_graphs = bool(cuda_graphs)     # off CUDA: RerunGraph stands in (tests)
-        self.compile = bool(compile)             # decode-width forwards run a compiled body
+        # decode-width forwards run a compiled body; "auto": fall back to eager ones (with a
+        # warning) if compiling fails on this setup
+        self.compile = bool(compile)
+        self._compile_fallback = compile == "auto"
         self._compiled = None
         self._graph_cls = CapturedGraph if self.device.type == "cuda" else RerunGraph
         self._graphs: dict[tuple[int, int], CapturedGraph] = {}
@@ -185,7 +188,15 @@ class StaticSequenceCache:
         if self.compile and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH:
             if self._compiled is None:
                 self._compiled = compiled_body(self)
-            return self._compiled(tokens, valid, logits_to_keep)
+            if not self._compile_fallback:
+                return self._compiled(tokens, valid, logits_to_keep)
+            try:                  # compiling traces before it runs: a failure wrote nothing
+                return self._compiled(tokens, valid, logits_to_keep)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
+                log.warning("torch.compile of %s's forward failed (%s: %s); running it eagerly "
+                            "(pass compile=False to skip the attempt)", type(self.model).__name__,
+                            type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+                self.compile = False
         return self._body(tokens, valid, logits_to_keep, inputs_embeds)
 
     def reserve(self, width: int) -> int:
@@ -352,19 +363,20 @@ class StaticCachePool:
 
     max_caches = 8
 
-    def __init__(self, cuda_graphs: bool, compile: bool = False):
+    def __init__(self, cuda_graphs: bool, compile: bool | str = False):
         self.cuda_graphs = cuda_graphs
         self.compile = compile
         self._caches: OrderedDict[tuple, StaticSequenceCache] = OrderedDict()
         self.lock = threading.RLock()
 
     @classmethod
-    def of(cls, model: torch.nn.Module, cuda_graphs: bool, compile: bool = False) -> "StaticCachePool":
+    def of(cls, model: torch.nn.Module, cuda_graphs: bool,
+           compile: bool | str = False) -> "StaticCachePool":
         """The pool of `model` (created on first use; it goes when the model goes). Pools live
         beside the model, keyed weakly, not in it: the model stays copyable and picklable."""
         with _POOLS_LOCK:
             pools = _POOLS.setdefault(model, {})
-            key = (bool(cuda_graphs), bool(compile))
+            key = (bool(cuda_graphs), compile if compile == "auto" else bool(compile))
             if key not in pools:
                 pools[key] = cls(*key)
             return pools[key]

@@ -481,3 +481,27 @@ def test_compiled_sampling_keeps_the_target_distribution(spread_target, spread_d
     report = sampling_check(spread_target, DraftModel(spread_draft), PROMPT, ks=(2,), rows=3000,
                             seed=3, decoder_cls=compiled)
     assert report.passed, [t for t in report.tests if not t.passed]
+
+
+def test_compile_auto_falls_back_to_eager_forwards_when_compiling_fails(target, monkeypatch, caplog):
+    # compile="auto" (on by default on CUDA) must not cost a run when the compiler fails on some
+    # setup: the cache warns and runs eagerly; compile=True surfaces the failure
+    def broken(cache):
+        def fails(*args):
+            raise RuntimeError("inductor: no compiler for this setup")
+        return fails
+
+    monkeypatch.setattr(static_cache, "compiled_body", broken)
+    monkeypatch.setattr(static_cache, "compile_by_default", lambda model: True)
+    monkeypatch.setattr("specdec_core.decoder.compile_by_default", lambda model: True)
+    ids = repetitive_prompt()
+    expected = SpecDecoder(target, None, static_cache=False).generate_plain(ids, 8).tokens
+    model = copy.deepcopy(target)            # its own cache pool
+    with caplog.at_level("WARNING", logger="specdec_core.static_cache"):
+        auto = SpecDecoder(model, None, static_cache=True, cuda_graphs=True)
+        assert auto.engine()["compile"] is True
+        assert torch.equal(auto.generate_plain(ids, 8).tokens, expected)
+    assert "running it eagerly" in caplog.text
+    forced = SpecDecoder(copy.deepcopy(target), None, static_cache=True, compile=True)
+    with pytest.raises(RuntimeError, match="no compiler"):
+        forced.generate_plain(ids, 8)
