@@ -49,10 +49,10 @@ class EagerOps(TorchDispatchMode):
 
 
 @contextmanager
-def host_reads():
-    """Counts calls of the Tensor methods that read device values on the host."""
+def host_reads(names=READS):
+    """Counts calls of the Tensor methods (`names`) that read device values on the host."""
     counts: Counter = Counter()
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
+    originals = {name: getattr(torch.Tensor, name) for name in names}
 
     def counting(name, original):
         def method(self, *args, **kwargs):

@@ -8,8 +8,6 @@ rate it was given.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import copy
 import functools
 
@@ -25,7 +23,7 @@ from specdec_core.synthetic import ControlledAcceptance
 from specdec_core.validation import sampling_check
 from specdec_core.verify import relaxed_verify
 
-from .conftest import VOCAB
+from .conftest import VOCAB, load_script
 from .test_decoder import left_padded_batch, repetitive_prompt
 from .test_validation import PROMPT
 
@@ -345,26 +343,10 @@ HOST_READS = ("__bool__", "__int__", "__index__", "__float__", "item", "tolist",
               "nonzero")
 
 
-@contextlib.contextmanager
 def count_host_reads():
     """Counts calls of the Tensor methods that read a device tensor on the host (each one a
-    synchronisation on CUDA; on CPU they are counted all the same)."""
-    counts = collections.Counter()
-    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-    def counting(name, method):
-        def wrapper(self, *args, **kwargs):
-            counts[name] += 1
-            return method(self, *args, **kwargs)
-        return wrapper
-
-    for name, method in saved.items():
-        setattr(torch.Tensor, name, counting(name, method))
-    try:
-        yield counts
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
+    synchronisation on CUDA; on CPU they are counted all the same): round_ops' counter."""
+    return load_script("benchmarks/round_ops.py", "round_ops").host_reads(HOST_READS)
 
 
 @pytest.mark.parametrize("name,sampling", [("plain", SamplingParams()),
