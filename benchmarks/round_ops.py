@@ -1,8 +1,8 @@
 """Eager work and host reads per decode round, outside captured graphs, counted on the CPU.
 
 On the static cache with `cuda_graphs=True` the CPU runs the CUDA path's stand-in graphs
-(graphs.RerunGraph): a forward that CUDA would replay as one graph runs here as a body whose
-operators are left out of the count (graphs.replaying()). Everything else the round does --
+(graphs.RecordedGraph for rounds): what CUDA would replay as graphs runs here as recorded
+operators, left out of the count (graphs.replaying()). Everything else the round does --
 drafting outside graphs, acceptance, write-back, rollback, bookkeeping -- is counted:
 
 - eager operator calls: every ATen operator dispatched outside a replay (a TorchDispatchMode);
@@ -127,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = measure()
     lines = [f"# Eager operator calls and host reads per round ({dt.date.today()}, CPU stand-in graphs)",
-             "", "`python benchmarks/round_ops.py --write`: static cache, cuda_graphs=True (graphs.RerunGraph "
+             "", "`python benchmarks/round_ops.py --write`: static cache, cuda_graphs=True (graphs.RecordedGraph "
              "on the CPU), greedy, batch 1, K = 4; per round = (41-token call - 9-token call) / rounds.",
              "", "| drafter | eager operator calls per round | host reads per round | most frequent operators |",
              "|---|---|---|---|"]

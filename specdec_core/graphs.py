@@ -1,9 +1,14 @@
-"""CUDA graphs for fixed-width forwards, and the one place that waits for the device.
+"""CUDA graphs for fixed-width forwards and whole rounds, and the one place that waits for the device.
 
 A forward over a fixed number of tokens on a static cache launches the same kernels every time;
-CapturedGraph records it once and replays it (one launch instead of hundreds). RerunGraph stands
-in for it off CUDA: a replay runs the body again on the same static buffers, so CPU tests
-exercise everything around the graphs.
+CapturedGraph records it once and replays it (one launch instead of hundreds). Off CUDA two
+stand-ins exercise everything around the graphs on the CPU:
+- RerunGraph: a replay runs the body again on the same static buffers;
+- RecordedGraph: the first replay runs the body and records the operators it dispatches; later
+  replays run exactly those again, on the same tensors -- every intermediate keeps its address
+  and every Python value is the one seen at the recording -- and a host read inside the body
+  fails. That is what a CUDA graph does, so a body that would break under capture (reading Python
+  state that changes later, holding on to a fresh tensor per run, synchronising) breaks here too.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def synchronize(device: torch.device) -> None:
@@ -97,6 +104,61 @@ class RerunGraph(CapturedGraph):
             else:                 # a tuple of tensors (or None)
                 for old, new in zip(self.out, result):
                     if old is not None:
+                        old.copy_(new)
+        finally:
+            _REPLAYING[0] -= 1
+
+
+# operators that read device values on the host (a CUDA graph capture fails on them)
+_HOST_READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "item"}
+
+
+class _Recording(TorchDispatchMode):
+    """Records every ATen operator call (function, arguments, result) under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in _HOST_READS:
+            raise RuntimeError(f"{func} reads the device on the host inside a captured body: a CUDA "
+                               "graph capture fails there (keep the value on the device)")
+        result = func(*args, **kwargs)
+        self.calls.append((func, args, kwargs, result))
+        return result
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+class RecordedGraph(RerunGraph):
+    """The CPU stand-in with a CUDA graph's semantics (see the module docstring): record() keeps
+    the body, the first replay runs it under a recording, later replays rerun the recorded
+    operators with the recorded arguments and write each result into the tensor the recording
+    produced (static addresses: a tensor the body handed out is updated in place)."""
+
+    def record(self, body, device, generators=()) -> None:
+        self._body = body
+        self.out = None
+        self._calls = None
+
+    def replay(self) -> None:
+        _REPLAYING[0] += 1
+        try:
+            if self._calls is None:
+                recording = _Recording()
+                with recording:
+                    self.out = self._body()
+                self._calls = recording.calls
+                return
+            for func, args, kwargs, recorded in self._calls:
+                result = func(*args, **kwargs)
+                for old, new in zip(tree_leaves(recorded), tree_leaves(result)):
+                    if isinstance(old, torch.Tensor) and not _same_memory(old, new):
                         old.copy_(new)
         finally:
             _REPLAYING[0] -= 1

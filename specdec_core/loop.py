@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .drafters import Drafter
-from .graphs import CapturedGraph, RerunGraph, synchronize
+from .graphs import CapturedGraph, RecordedGraph, synchronize
 from .head import HiddenTap, final_norm
 from .records import DecodeState, GenerateResult, HostView, Proposal, Timings, result_from_history
 from .sampling import SamplingParams
@@ -139,7 +139,7 @@ class RoundGraph:
     def run(self, part: str, body: Callable):
         graph = self.parts.get(part)
         if graph is None:
-            graph = self.parts[part] = (CapturedGraph if self.device.type == "cuda" else RerunGraph)()
+            graph = self.parts[part] = (CapturedGraph if self.device.type == "cuda" else RecordedGraph)()
             graph.record(body, self.device, self.generators)
         graph.replay()
         return graph.out
@@ -361,7 +361,7 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
             # 3-5. one target pass over [pending, drafts], accept, write back, record, roll back
             t0 = time.perf_counter()
             if graph is not None:
-                # the body is bound to this round's values: a replay reruns it later (RerunGraph)
+                # the body is bound to this round's values (a stand-in may rerun it later)
                 report = graph.run("accept", functools.partial(
                     accept_captured, round_, graph.parts.get("draft"), source, width, run_width))
             else:

@@ -218,7 +218,8 @@ class StaticSequenceCache:
         kept = self.valid & (self.valid.long().cumsum(1) <= keep[:, None])
         self.valid.copy_(kept)
         torch.minimum(self.count, keep, out=self.count)
-        torch._foreach_add_(self._positions(), torch.minimum(width, self._w) - self._w)
+        positions = self._positions()
+        torch._foreach_copy_(positions, [torch.minimum(width, self._w)] * len(positions))
 
     def follow(self, width: int) -> None:
         """The host part of rollback_device: writing resumes at `width` (as on the device)."""

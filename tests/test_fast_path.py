@@ -114,6 +114,33 @@ def test_graph_plumbing_keeps_outputs(target, draft, name, k):
         assert shapes[("device", k, k + 1)] == ["accept", "draft"]
 
 
+def test_recorded_graph_replays_what_it_recorded_as_a_cuda_graph_would():
+    # the CPU stand-in for captured rounds: Python runs once, later replays rerun the recorded
+    # operators on the same tensors -- a value read from Python after the recording is stale
+    # (as under CUDA), and a tensor the body handed out is updated in place
+    from specdec_core.graphs import RecordedGraph
+
+    counter, settings = torch.zeros(3), {"scale": 2.0}
+    graph = RecordedGraph()
+    graph.record(lambda: counter.add_(1).mul(settings["scale"]), torch.device("cpu"))
+    graph.replay()
+    out = graph.out
+    assert out.tolist() == [2.0] * 3
+    settings["scale"] = 10.0
+    graph.replay()
+    assert graph.out is out and out.tolist() == [4.0] * 3 and counter.tolist() == [2.0] * 3
+
+
+def test_recorded_graph_refuses_a_host_read_inside_the_body():
+    from specdec_core.graphs import RecordedGraph
+
+    counter = torch.ones(2)
+    graph = RecordedGraph()
+    graph.record(lambda: counter * int(counter.sum()), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="reads the device on the host"):
+        graph.replay()
+
+
 def loop_buffers(decoder):
     """The decode loop's persistent buffers (and captured rounds) of the decoder's target cache."""
     caches = [cache for key, cache in decoder.static_pool._caches.items() if key[0] == "target"]
