@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec_core import DraftModel, LayerSkip, PromptLookup, SpecDecoder
 from specdec_core.graphs import replaying
+from specdec_core.head import DraftHead, HeadDrafter
 
 RESULTS = Path(__file__).parent / "results" / "round_ops.md"
 READS = ("cpu", "item", "tolist", "__bool__", "__int__", "__float__")
@@ -108,7 +109,8 @@ def contenders():
     prompt = torch.tensor([[1] + [5, 6, 7, 8, 9, 10, 11, 12] * 4])    # repetitive: lookup matches
     return target, prompt, [("plain", None, True), ("prompt lookup", PromptLookup(3, 1), False),
                             ("draft model", DraftModel(draft), False),
-                            ("LayerSkip(2)", LayerSkip(target, num_layers=2), False)]
+                            ("LayerSkip(2)", LayerSkip(target, num_layers=2), False),
+                            ("draft head", HeadDrafter(DraftHead(target).eval()), False)]
 
 
 def measure(k: int = 4) -> list[dict]:

@@ -93,6 +93,11 @@ class Drafter:
         """What a captured round of this drafter depends on besides its own identity."""
         return ()
 
+    def capturable(self) -> bool:
+        """Whether this round's proposal may be captured (a device-side drafter's first round
+        may read per-call tensors and run eagerly)."""
+        return True
+
     def describe(self) -> dict:
         """JSON-able {kind, params} for configs and reports."""
         return {"kind": self.name, "params": {}}

@@ -209,19 +209,27 @@ class HeadDrafter(Drafter):
     """Drafts with a DraftHead from the target's hidden states (see the module docstring).
 
     The decode loop sees `needs_target_hidden` and hands the target's last-layer hidden states of
-    the prefill and of each verify pass over in state.hidden.
+    the prefill and of each verify pass over in state.hidden. On static caches it proposes and
+    commits as device work on buffers of fixed width (K + 1 positions a round, the unaccepted ones
+    holes), so rounds after the first are captured; the first round takes the prompt's positions
+    and runs eagerly.
     """
 
     name = "head"
     needs_target_hidden = True
+    device_side = True
 
     def __init__(self, head: DraftHead):
         self.head = head
         self._cache = None
         self._fixed = False
-        self._pending = None        # (features [B, W, H], next tokens [B, W], valid [B, W])
+        # (features [B, W, H], next tokens [B, W], valid [B, W]) to catch up on: the prompt's
+        # (eager) or, on a dynamic cache, each round's accepted positions; None: the buffers
+        self._pending = None
+        self._bufs: dict | None = None   # static cache: pending positions and round marks
         self._draft_base = None     # head cache's valid count per row before this round's drafts
-        self._round_w = 0           # static cache: write column before this round's drafts
+        self._round_w = 0           # write column before this round's drafts (host)
+        self._round_k = 0
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
         if (output_size(target_model) != self.head.full_vocab
@@ -239,6 +247,35 @@ class HeadDrafter(Drafter):
         nxt = torch.cat([state.prompt_ids[:, 1:], state.out[:, :1]], 1)
         valid = state.prompt_mask.bool()
         self._pending = (features, nxt, valid)
+        if self._fixed:
+            width = state.k + 1
+            key = ("head", width)
+            if key not in self._cache.extras:
+                batch, device = features.shape[0], features.device
+                self._cache.extras[key] = {
+                    "features": features.new_zeros(batch, width, features.shape[-1]),
+                    "nxt": torch.zeros(batch, width, dtype=torch.long, device=device),
+                    "valid": torch.zeros(batch, width, dtype=torch.bool, device=device),
+                    "draft_base": torch.zeros(batch, dtype=torch.long, device=device),
+                    "round_w": torch.zeros((), dtype=torch.long, device=device)}
+            self._bufs = self._cache.extras[key]
+
+    def capturable(self) -> bool:
+        return self._pending is None
+
+    def graph_key(self) -> tuple:
+        return (id(self._cache),)
+
+    def _inputs(self):
+        if self._pending is not None:
+            return self._pending
+        return self._bufs["features"], self._bufs["nxt"], self._bufs["valid"]
+
+    def reserve(self, state, k) -> None:
+        # the pending positions, then the first k - 1 drafts
+        width = self._inputs()[0].shape[1]
+        self._round_k = k
+        self._round_w = self._cache.reserve(width + k - 1) + width
 
     def _step(self, features, tokens, valid) -> tuple[torch.Tensor, torch.Tensor]:
         """Append positions to the head's cache; (full-vocabulary logits, g) of the last column."""
@@ -250,14 +287,18 @@ class HeadDrafter(Drafter):
         return self.head.full_logits(logits[:, -1]), g
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
-        features, nxt, valid = self._pending
+        features, nxt, valid = self._inputs()
         if self._fixed:
             valid = valid & state.active[:, None]
         elif bool(valid.all()):
             valid = None
         logits, g = self._step(features, nxt, valid)
-        self._draft_base = self._cache.count.clone()   # valid positions before the drafts
-        self._round_w = self._cache.width
+        if self._fixed:      # device work only (reserve() did the host part)
+            self._bufs["draft_base"].copy_(self._cache.count)   # valid positions before the drafts
+            self._bufs["round_w"].copy_(self._cache._w)
+        else:
+            self._draft_base = self._cache.count.clone()
+            self._round_w = self._cache.width
         active = state.active[:, None] if self._fixed else None
         chained = {"g": g}
 
@@ -270,10 +311,14 @@ class HeadDrafter(Drafter):
     def commit(self, state, num_accepted) -> None:
         # drop the round's own-feature positions, then queue the target's features of the pending
         # token and the accepted drafts, each with the token that followed it (right-aligned)
-        self._cache.rollback_to(self._draft_base, width=self._round_w)
         hidden = state.hidden                                       # [B, W, H] of the verify pass
-        width = int(state.accepted_max) + 1 if state.accepted_max is not None else hidden.shape[1]
-        width = max(1, min(width, hidden.shape[1]))
+        if self._fixed:      # device work: fixed width, the positions not accepted are holes
+            self._cache.rollback_device(self._bufs["draft_base"], self._bufs["round_w"])
+            width = self._bufs["valid"].shape[1]
+        else:
+            self._cache.rollback_to(self._draft_base, width=self._round_w)
+            width = int(state.accepted_max) + 1 if state.accepted_max is not None else hidden.shape[1]
+            width = max(1, min(width, hidden.shape[1]))
         a = num_accepted.clamp(max=width - 1)
         idx = torch.arange(width, device=a.device)[None] + a[:, None] - (width - 1)
         valid = idx >= 0
@@ -281,7 +326,15 @@ class HeadDrafter(Drafter):
         features = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
         start = state.n_out - (a + 1)                               # first token emitted this round
         nxt = state.out.gather(1, (start[:, None] + idx).clamp(min=0))
-        self._pending = (features, nxt, valid)
+        if self._fixed:
+            for name, value in (("features", features), ("nxt", nxt), ("valid", valid)):
+                self._bufs[name].copy_(value)
+        else:
+            self._pending = (features, nxt, valid)
+
+    def follow(self, state) -> None:
+        self._cache.follow(self._round_w)
+        self._pending = None      # from now on the buffers hold what to catch up on
 
     def select_rows(self, rows) -> None:
         self._cache.select_rows(rows)

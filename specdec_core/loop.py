@@ -41,7 +41,7 @@ from .graphs import CapturedGraph, RecordedGraph, synchronize
 from .head import HiddenTap, final_norm
 from .records import DecodeState, GenerateResult, HostView, Proposal, Timings, result_from_history
 from .sampling import SamplingParams
-from .static_cache import device_only
+from .static_cache import device_only, eager_forwards
 from .verify import Verifier, verify_round
 
 
@@ -186,8 +186,10 @@ class Round:
             if run_width > width:  # filler after the drafts: causal logits before it are unchanged
                 parts.append(pending.expand(-1, run_width - width))
             valid = active[:, None].expand(-1, run_width) if self.fixed else None
-            logits = target.forward(torch.cat(parts, 1) if len(parts) > 1 else pending, valid,
-                                    graphed=False)
+            with eager_forwards() if self.tap is not None else contextlib.nullcontext():
+                # (a hook inside a compiled body would not hand out its tensor: not compiled)
+                logits = target.forward(torch.cat(parts, 1) if len(parts) > 1 else pending, valid,
+                                        graphed=False)
             if self.tap is not None:
                 state.hidden = self.tap.value
             # an inactive row drafted nothing and emits nothing
@@ -248,8 +250,8 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
     batch, prompt_width = input_ids.shape
     timings = Timings()
     verify_widths = verify_widths or {}
-    # a draft head reads the target's last-layer hidden states of every pass (eager passes: a
-    # replayed graph would not run the tap)
+    # a draft head reads the target's last-layer hidden states of every pass: a tap on the final
+    # norm (inside a captured round it hands out the graph's own tensor, updated by each replay)
     wants_hidden = drafter is not None and getattr(drafter, "needs_target_hidden", False)
     tap = HiddenTap(final_norm(target_model)) if wants_hidden else contextlib.nullcontext()
     host_drafter = drafter is not None and drafter.reads_host_state
@@ -265,7 +267,7 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
         state = DecodeState(
             prompt_ids=input_ids, prompt_mask=attention_mask, prompt_len=bufs.prompt_len,
             out=bufs.out, n_out=bufs.n_out, active=bufs.active,
-            prompt_has_padding=not bool(attention_mask.all()), cache_factory=caches)
+            prompt_has_padding=not bool(attention_mask.all()), cache_factory=caches, k=k)
         # prefill: the prompt's last logits give the first token
         logits = target.forward(input_ids, attention_mask.bool() if state.prompt_has_padding else None,
                                 logits_to_keep=1, graphed=False)
@@ -292,7 +294,7 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
         num_tokens = torch.zeros(batch, dtype=torch.long, device=device)
         round_ = Round(target, drafter, state, bufs, k, sampling, eos_token_id, pad_token_id, verify,
                        verifier, tap if wants_hidden else None)
-        graphs_on = fixed and target.cuda_graphs and not wants_hidden
+        graphs_on = fixed and target.cuda_graphs
         generators = (bufs.generator,) + (drafter.generators() if drafter is not None else ())
         custom_commit = drafter is not None and type(drafter).commit is not Drafter.commit
         synchronize(device)
@@ -333,7 +335,7 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
             width = 1 + drafted
             run_width = verify_widths.get(width, width) if width > 1 else 1
             graph = None
-            if graphs_on:
+            if graphs_on and (source != "device" or drafter.capturable()):
                 key = (source, drafted, run_width, k, id(drafter),
                        drafter.graph_key() if drafter is not None else (), eos_token_id,
                        pad_token_id, sampling, verify, verifier)

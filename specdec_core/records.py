@@ -31,6 +31,7 @@ class DecodeState:
     # builds a drafter model's cache of the same kind as the target's
     cache_factory: Callable[[torch.nn.Module], object] | None = None
     accepted_max: int | None = None             # host: the latest round's largest accepted count
+    k: int = 0                                  # draft tokens per round at most (the decoder's K)
     # the target's last-layer hidden states [B, T, H] of its latest pass (prefill, then each
     # verify pass), for a drafter with needs_target_hidden (a draft head); else None
     hidden: torch.Tensor | None = None

@@ -57,6 +57,18 @@ def device_only():
 def in_device_only() -> bool:
     return getattr(_DEVICE_ONLY, "depth", 0) > 0
 
+
+@contextlib.contextmanager
+def eager_forwards():
+    """Forwards inside this block run their eager body even where compile is on (a forward hook
+    that hands out a tensor, as the draft head's tap does, needs the eager module calls)."""
+    depth = getattr(_DEVICE_ONLY, "eager", 0)
+    _DEVICE_ONLY.eager = depth + 1
+    try:
+        yield
+    finally:
+        _DEVICE_ONLY.eager = depth
+
 # Widths of at most this many tokens are captured as CUDA graphs (draft steps and verify passes);
 # prefill runs eagerly.
 MAX_GRAPH_WIDTH = 33
@@ -185,7 +197,8 @@ class StaticSequenceCache:
              inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The body, compiled for decode widths when compile is on (prefill and input vectors
         run eagerly: their shapes change with every prompt)."""
-        if self.compile and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH:
+        if (self.compile and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH
+                and not getattr(_DEVICE_ONLY, "eager", 0)):
             if self._compiled is None:
                 self._compiled = compiled_body(self)
             if not self._compile_fallback:

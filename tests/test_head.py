@@ -11,6 +11,8 @@ on its own outputs. That exercises every path of the catch-up (0..K accepted) wi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -51,17 +53,28 @@ def prompts():
     return ids, mask
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("engine", ["dynamic", "static", "graphs"])
 @pytest.mark.parametrize("reduced", [False, True], ids=["full", "reduced"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_output_equals_plain(one_layer, prompts, static, reduced, k):
+def test_greedy_output_equals_plain(one_layer, prompts, engine, reduced, k):
+    # "graphs": rounds after the first are captured (the CPU stand-in with a CUDA graph's
+    # semantics), the target's hidden states handed over by the tap inside the capture
     head = near_oracle(one_layer, REDUCED if reduced else None, noise=0.3)
     ids, mask = prompts
-    decoder = SpecDecoder(one_layer, HeadDrafter(head), k=k, static_cache=static)
-    spec = decoder.generate(ids, 24, attention_mask=mask)
+    decoder = SpecDecoder(one_layer, HeadDrafter(head), k=k, static_cache=engine != "dynamic",
+                          cuda_graphs=engine == "graphs")
     plain = decoder.generate_plain(ids, 24, attention_mask=mask)
-    assert torch.equal(spec.tokens, plain.tokens)
-    assert 0 < spec.stats.accepted < spec.stats.drafted      # accepted and rejected drafts occurred
+    general = SpecDecoder(one_layer, HeadDrafter(head), k=k, static_cache=False).generate(
+        ids, 24, attention_mask=mask)
+    for _ in range(2 if engine == "graphs" else 1):          # the second call replays
+        spec = decoder.generate(ids, 24, attention_mask=mask)
+        assert torch.equal(spec.tokens, plain.tokens)
+        assert 0 < spec.stats.accepted < spec.stats.drafted  # accepted and rejected drafts occurred
+        # the same drafts on every engine: fixed-width catch-up holes change nothing
+        assert (spec.stats.rounds, spec.stats.accepted) == (general.stats.rounds, general.stats.accepted)
+    if engine == "graphs":
+        caches = [c for key, c in decoder.static_pool._caches.items() if key[0] == "target"]
+        assert any(key[0] == "device" for key in caches[0].extras["loop"].graphs)
 
 
 def test_near_oracle_accepts_most_drafts(one_layer, prompts):
@@ -99,6 +112,15 @@ def test_sampling_distribution_with_a_reduced_head(one_layer):
     prompt = torch.tensor([5, 17, 33, 8, 61, 17, 33])
     report = sampling_check(one_layer, HeadDrafter(head), prompt, ks=(1, 3), rows=1500, seed=4,
                             chunk=1500)
+    assert report.passed, [t for t in report.tests if not t.passed]
+
+
+def test_sampling_distribution_with_a_head_in_captured_rounds(one_layer):
+    head = near_oracle(one_layer, REDUCED, noise=0.3)
+    prompt = torch.tensor([5, 17, 33, 8, 61, 17, 33])
+    captured = functools.partial(SpecDecoder, static_cache=True, cuda_graphs=True)
+    report = sampling_check(one_layer, HeadDrafter(head), prompt, ks=(3,), rows=1500, seed=5,
+                            chunk=500, decoder_cls=captured)
     assert report.passed, [t for t in report.tests if not t.passed]
 
 

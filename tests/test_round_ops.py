@@ -9,7 +9,8 @@ import pytest
 from .conftest import load_script
 
 # today's counts (benchmarks/results/round_ops.md) and the most each may grow to
-BOUNDS = {"plain": (0, 0), "prompt lookup": (7, 1), "draft model": (5, 1), "LayerSkip(2)": (5, 1)}
+BOUNDS = {"plain": (0, 0), "prompt lookup": (7, 1), "draft model": (5, 1), "LayerSkip(2)": (5, 1),
+          "draft head": (5, 1)}
 MARGIN = 1.15
 # the goal: a round is (at most) a draft replay, a verify replay and one read of the device
 GOAL_OPS, GOAL_READS = 10, 1
@@ -33,5 +34,5 @@ def test_plain_decoding_without_eos_is_all_captured_and_never_reads_the_device(c
     assert counted["plain"]["host_reads"] == 0
     assert counted["plain"]["eager_ops"] == 0
     # speculative rounds read the device exactly once: emitted counts, active rows, tokens
-    for drafter in ("prompt lookup", "draft model", "LayerSkip(2)"):
+    for drafter in ("prompt lookup", "draft model", "LayerSkip(2)", "draft head"):
         assert counted[drafter]["host_reads"] == 1
