@@ -190,14 +190,15 @@ class StaticSequenceCache:
         if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH and inputs_embeds is None:
             logits = self._replay(tokens, valid.bool(), logits_to_keep)
         else:
-            logits = self._run(tokens, valid.bool(), logits_to_keep, inputs_embeds)
+            logits = self._run(tokens, valid.bool(), logits_to_keep, inputs_embeds, decode=graphed)
         return logits
 
     def _run(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
-             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """The body, compiled for decode widths when compile is on (prefill and input vectors
-        run eagerly: their shapes change with every prompt)."""
-        if (self.compile and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH
+             inputs_embeds: torch.Tensor | None = None, decode: bool = True) -> torch.Tensor:
+        """The body, compiled for decode widths when compile is on. Prefills (graphed=False:
+        their width changes with every prompt, and the first one initialises the cache) and
+        input vectors run eagerly."""
+        if (self.compile and decode and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH
                 and not getattr(_DEVICE_ONLY, "eager", 0)):
             if self._compiled is None:
                 self._compiled = compiled_body(self)

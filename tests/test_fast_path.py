@@ -468,6 +468,8 @@ def test_step_costs_on_the_path_cuda_takes_by_default(target, counters_as_on_cud
 def test_compiled_forwards_keep_greedy_outputs(target, draft):
     # compile=True on a CPU: inductor's C++ backend compiles each decode width once; rounds
     # captured around the compiled bodies emit exactly the general path's tokens
+    from torch._dynamo.utils import counters as dynamo_counters
+
     ids, mask = left_padded_batch()
     for name in ("plain", "prompt_lookup", "draft_model"):
         general = decode(target, make_drafter(name, target, draft), 2, ids, mask, static=False, eos=5)
@@ -475,10 +477,13 @@ def test_compiled_forwards_keep_greedy_outputs(target, draft):
                               cuda_graphs=True, compile=True)
         assert decoder.engine() == {"static_cache": True, "cuda_graphs": True, "compile": True}
         run = decoder.generate if name != "plain" else decoder.generate_plain
+        compiles = []
         for _ in range(2):                       # the second call replays captured rounds
             compiled = run(ids, MAX_NEW, attention_mask=mask, eos_token_id=5)
             assert torch.equal(compiled.tokens, general.tokens), name
             assert compiled.num_tokens == general.num_tokens
+            compiles.append(dynamo_counters["stats"]["unique_graphs"])
+        assert compiles[1] == compiles[0]        # compiled once per width: no recompiles later
         assert all(cache._compiled is not None for cache in decoder.static_pool._caches.values())
     # "auto" compiles on CUDA only; the CPU default path has no static caches at all
     assert SpecDecoder(target, None).engine() == {"static_cache": CUDA, "cuda_graphs": CUDA,
