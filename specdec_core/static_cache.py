@@ -38,36 +38,36 @@ from .graphs import CapturedGraph, RerunGraph
 
 log = logging.getLogger(__name__)
 
-_DEVICE_ONLY = threading.local()
+# modes of the forwards on this thread (each a nesting depth)
+_MODES = threading.local()
 
 
 @contextlib.contextmanager
+def _mode(name: str):
+    depth = getattr(_MODES, name, 0)
+    setattr(_MODES, name, depth + 1)
+    try:
+        yield
+    finally:
+        setattr(_MODES, name, depth)
+
+
+def _in_mode(name: str) -> bool:
+    return getattr(_MODES, name, 0) > 0
+
+
 def device_only():
     """Forwards of static caches inside this block do device work only: no host bookkeeping, no
     per-forward graph, no compaction. The decode loop runs a whole round this way (captured as one
     graph per shape) and does the host part itself (`reserve` before, `follow` after)."""
-    depth = getattr(_DEVICE_ONLY, "depth", 0)
-    _DEVICE_ONLY.depth = depth + 1
-    try:
-        yield
-    finally:
-        _DEVICE_ONLY.depth = depth
+    return _mode("device_only")
 
 
-def in_device_only() -> bool:
-    return getattr(_DEVICE_ONLY, "depth", 0) > 0
-
-
-@contextlib.contextmanager
 def eager_forwards():
     """Forwards inside this block run their eager body even where compile is on (a forward hook
     that hands out a tensor, as the draft head's tap does, needs the eager module calls)."""
-    depth = getattr(_DEVICE_ONLY, "eager", 0)
-    _DEVICE_ONLY.eager = depth + 1
-    try:
-        yield
-    finally:
-        _DEVICE_ONLY.eager = depth
+    return _mode("eager")
+
 
 # Widths of at most this many tokens are captured as CUDA graphs (draft steps and verify passes);
 # prefill runs eagerly.
@@ -184,7 +184,7 @@ class StaticSequenceCache:
             raise ValueError(f"batch {batch} != the static cache's {self.batch}")
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
-        if in_device_only():        # the caller reserved the columns (and follows them)
+        if _in_mode("device_only"):   # the caller reserved the columns (and follows them)
             return self._run(tokens, valid.bool(), logits_to_keep, inputs_embeds)
         self.reserve(width)
         if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH and inputs_embeds is None:
@@ -199,7 +199,7 @@ class StaticSequenceCache:
         their width changes with every prompt, and the first one initialises the cache) and
         input vectors run eagerly."""
         if (self.compile and decode and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH
-                and not getattr(_DEVICE_ONLY, "eager", 0)):
+                and not _in_mode("eager")):
             if self._compiled is None:
                 self._compiled = compiled_body(self)
             if not self._compile_fallback:
