@@ -16,7 +16,7 @@ from .errors import InvalidDecodeInput
 from .loop import decode
 from .records import GenerateResult
 from .sampling import SamplingParams
-from .static_cache import StaticCachePool, compile_by_default, static_by_default
+from .static_cache import StaticCachePool, resolve_compile, static_by_default
 from .verify import Verifier, rejection_sample, relaxed_verify, verify_round
 
 VERIFIERS: dict[str, Verifier] = {"exact": rejection_sample, "relaxed": relaxed_verify}
@@ -108,9 +108,7 @@ class SpecDecoder:
         """(cuda_graphs, compile) of the static caches; compile "auto" where chosen by default
         (the caches then fall back to eager forwards if compiling fails)."""
         graphs = self.cuda_graphs is True or (self.cuda_graphs == "auto" and self.device.type == "cuda")
-        if self.compile == "auto":
-            return graphs, "auto" if compile_by_default(self.target) else False
-        return graphs, bool(self.compile)
+        return graphs, resolve_compile(self.compile, self.target)
 
     def engine(self) -> dict:
         """The engine options as resolved on this device: {static_cache, cuda_graphs, compile}

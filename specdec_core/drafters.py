@@ -181,7 +181,7 @@ class DraftModel(Drafter):
         tokens = state.out.gather(1, idx.clamp(min=0))
         if fixed:   # device work only (reserve() did the host part): in-place buffer updates
             active = state.active[:, None]
-            self._base.copy_(cache._w)
+            self._base.copy_(cache.write_column)
             logits = self._fit_vocab(cache.forward(tokens, valid & active, logits_to_keep=1)[:, -1])
         else:
             active = None

@@ -295,7 +295,7 @@ class HeadDrafter(Drafter):
         logits, g = self._step(features, nxt, valid)
         if self._fixed:      # device work only (reserve() did the host part)
             self._bufs["draft_base"].copy_(self._cache.count)   # valid positions before the drafts
-            self._bufs["round_w"].copy_(self._cache._w)
+            self._bufs["round_w"].copy_(self._cache.write_column)
         else:
             self._draft_base = self._cache.count.clone()
             self._round_w = self._cache.width

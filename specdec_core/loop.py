@@ -70,8 +70,6 @@ def write_back(out: torch.Tensor, n_out: torch.Tensor, tokens: torch.Tensor, cou
     return n_out + count
 
 
-
-
 # Eager runs of a round shape before it is captured: real work, which also warms up everything
 # the capture needs (kernels chosen, workspaces allocated)
 WARMUP_ROUNDS = 1
@@ -113,8 +111,7 @@ class LoopBuffers:
         self.n_out.fill_(1)
         self.active.fill_(True)
         self.prompt_len.copy_(prompt_len)
-        self.history.zero_()
-        self.round.zero_()
+        self.round.zero_()      # every row of the history a call reads, its rounds write whole
         self.max_new.fill_(max_new_tokens)
         self.generator.manual_seed(seed)
 
@@ -180,7 +177,7 @@ class Round:
             proposal = Proposal(staged[:, :-1], None, staged[:, -1])
         active = state.active
         with self.device_work():
-            start = target._w.clone() if self.fixed else None
+            start = target.write_column.clone() if self.fixed else None
             pending = state.out.gather(1, state.n_out[:, None] - 1)
             parts = [pending] + ([proposal.tokens] if proposal is not None else [])
             if run_width > width:  # filler after the drafts: causal logits before it are unchanged

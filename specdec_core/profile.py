@@ -13,7 +13,7 @@ import torch
 
 from .cache import SequenceCache
 from .graphs import synchronize
-from .static_cache import StaticSequenceCache, bucket_length, compile_by_default, static_by_default
+from .static_cache import StaticSequenceCache, bucket_length, resolve_compile, static_by_default
 
 
 def use_static(model: torch.nn.Module, static: bool | str = "auto") -> bool:
@@ -39,8 +39,7 @@ class _TimedCache:
                 model, batch_size, bucket_length(context_len + max_width + 1),
                 cuda_graphs=cuda_graphs is True or (cuda_graphs == "auto"
                                                     and self.device.type == "cuda"),
-                compile=("auto" if compile == "auto" and compile_by_default(model)
-                         else compile is True))
+                compile=resolve_compile(compile, model))
         else:
             self.cache = SequenceCache(model)
         self.inputs_fn = inputs_fn      # tokens -> input vectors (a draft head's fused inputs)

@@ -149,6 +149,11 @@ class StaticSequenceCache:
         self.extras: dict = {}
 
     @property
+    def write_column(self) -> torch.Tensor:
+        """The next column to write, on the device (a 0-dim tensor): what captured work reads."""
+        return self._w
+
+    @property
     def model(self) -> torch.nn.Module:
         model = self._model()
         if model is None:
@@ -357,8 +362,16 @@ COMPILED_ENTRIES = 512
 
 def compile_by_default(model: torch.nn.Module) -> bool:
     """What compile="auto" means: on CUDA. On a CPU the compiled body costs minutes of compiling
-    per model and width for less than it saves there (benchmarks/compile_cpu.py)."""
+    per model and width for less than it saves there (benchmarks/engine_cpu.py)."""
     return next(model.parameters()).device.type == "cuda"
+
+
+def resolve_compile(compile: bool | str, model: torch.nn.Module) -> bool | str:
+    """A static cache's compile option from a decoder's: "auto" where compiling is the default
+    (the cache then falls back to eager forwards if it fails), else True or False."""
+    if compile == "auto":
+        return "auto" if compile_by_default(model) else False
+    return compile is True
 
 
 # model -> {(cuda_graphs, compile): StaticCachePool}. The caches hold their models weakly, so an entry goes

@@ -507,7 +507,6 @@ def test_compile_auto_falls_back_to_eager_forwards_when_compiling_fails(target, 
 
     monkeypatch.setattr(static_cache, "compiled_body", broken)
     monkeypatch.setattr(static_cache, "compile_by_default", lambda model: True)
-    monkeypatch.setattr("specdec_core.decoder.compile_by_default", lambda model: True)
     ids = repetitive_prompt()
     expected = SpecDecoder(target, None, static_cache=False).generate_plain(ids, 8).tokens
     model = copy.deepcopy(target)            # its own cache pool
