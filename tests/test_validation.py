@@ -8,8 +8,8 @@ import torch
 
 from specdec_core import DraftModel, PromptLookup, SpecDecoder
 from specdec_core.faults import BROKEN_VARIANTS
-from specdec_core.validation import (compare_fingerprints, g_test, greedy_check, sampling_check,
-                                     target_fingerprint)
+from specdec_core.validation import (chi2_sf, compare_fingerprints, g_test, greedy_check,
+                                     monte_carlo_p, sampling_check, target_fingerprint)
 from specdec_core.verify import relaxed_verify
 
 from .conftest import tiny_llama
@@ -44,6 +44,38 @@ def test_g_test_flags_an_impossible_token():
 
     statistic, _, _ = g_test(Counter({0: 10, 2: 1}), torch.tensor([0.5, 0.5, 0.0]))
     assert statistic == float("inf")
+
+
+def test_monte_carlo_p_keeps_the_false_alarm_rate_at_small_samples():
+    # 100 tokens from the target's own distribution, many near-threshold bins: the chi-square
+    # p-value rejects more often than alpha says; the simulated one does not (binomial 3-sigma)
+    from collections import Counter
+
+    probs = torch.tensor([0.06] * 10 + [0.4 / 80] * 80)
+    nulls, alpha = 3000, 0.01
+    samples = torch.multinomial(probs.expand(nulls, -1).contiguous(), 100, replacement=True,
+                                generator=torch.Generator().manual_seed(1))
+    chi2_hits = simulated_hits = 0
+    for index in range(nulls):
+        counts = Counter(samples[index].tolist())
+        statistic, dof, _ = g_test(counts, probs)
+        p_chi2 = chi2_sf(statistic, dof)
+        chi2_hits += p_chi2 < alpha
+        if p_chi2 < 10 * alpha:    # far from the threshold both agree it passes
+            simulated_hits += monte_carlo_p(counts, probs, statistic, draws=4000, seed=index) < alpha
+    sigma = (alpha * (1 - alpha) / nulls) ** 0.5
+    assert simulated_hits / nulls <= alpha + 3 * sigma
+    assert chi2_hits > simulated_hits       # the case the simulation is there for
+
+
+def test_monte_carlo_p_still_flags_a_wrong_distribution():
+    from collections import Counter
+
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    counts = Counter({0: 30, 1: 30, 2: 40})     # 100 tokens from (0.3, 0.3, 0.4)
+    statistic, _, _ = g_test(counts, probs)
+    assert monte_carlo_p(counts, probs, statistic, draws=20000, seed=0) == 1 / 20001
+    assert monte_carlo_p(Counter({0: 1, 2: 1}), torch.tensor([0.5, 0.5, 0.0]), float("inf"), 10) == 0.0
 
 
 def test_sampling_check_passes_the_exact_verifier(spread_target, spread_draft):
