@@ -18,6 +18,7 @@ test statistic.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 from sqlalchemy import delete, insert, select, update
@@ -112,7 +113,7 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     drafter = drafters[config["drafter"]][1]
     request_id, context = validation_context(target, requests)
     stem = run_id if settings.validation_seed is None else f"seed-{settings.validation_seed}"
-    seed = int.from_bytes(f"{stem}/{domain}".encode()[-8:].rjust(8, b"\0"), "big") % (2 ** 31)
+    seed = int.from_bytes(hashlib.sha256(f"{stem}/{domain}".encode()).digest()[:4], "big") % (2 ** 31)
     report = sampling_check(target, drafter, context, ks=(1, 2), rows=settings.validation_rows,
                             alpha=settings.validation_alpha, seed=seed,
                             chunk=settings.validation_rows, **(check_kwargs or {}))
