@@ -153,9 +153,9 @@ class Settings(BaseModel):
     validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
     validation_seed: int | None = Field(default=None, ge=0, description=(
         "seed of the sampling test's random streams (mixed with the domain); None: derived from "
-        "the run id, so a re-run of a run id repeats its test. A fixed seed makes runs with "
-        "generated ids (a DAG run's) reproducible, as the tests need: at alpha 0.01 about one "
-        "correct run in a hundred fails by chance"))
+        "the run id, so a re-run of a run id repeats its test. A fixed seed fixes the random "
+        "streams for every run id; the validated context still comes from the run's own sample. "
+        "At alpha 0.01 about one correct run in a hundred fails by chance"))
     validation_per_domain: bool = Field(default=False, description=(
         "run the sampling test for every domain; False: once per distinct drafter, shared by the "
         "domains that use it (the test checks the decoder, not the traffic)"))
