@@ -87,6 +87,19 @@ def test_sampling_check_passes_the_exact_verifier(spread_target, spread_draft):
     assert min(t.rows for t in report.tests) >= 300    # and enough rows on the most frequent path
 
 
+def test_sampling_check_simulates_the_p_values_near_its_threshold(spread_target, spread_draft):
+    # alpha 0.5 over 18 tests: threshold 0.028, so p-values in [0.00028, 0.28) are simulated
+    report = sampling_check(spread_target, DraftModel(spread_draft), PROMPT, rows=300, seed=3,
+                            alpha=0.5)
+    threshold = report.tests[0].threshold
+    simulated = [t for t in report.tests if t.method == "monte_carlo"]
+    assert simulated                  # (at alpha 0.5 a correct engine may fail a test: not asserted)
+    assert all(t.passed == (t.p_value >= threshold) for t in report.tests)
+    assert all(t.p_value >= 1 / (1 + 50 / threshold) for t in simulated)
+    assert all(t.p_value >= 10 * threshold or t.p_value < threshold / 100
+               for t in report.tests if t.method == "chi2")
+
+
 @pytest.mark.parametrize("broken", sorted(BROKEN_VARIANTS))
 def test_sampling_check_catches_broken_verifiers(spread_target, spread_draft, broken):
     # each broken verifier fails the check (power measured in benchmarks/validation_power.py)
