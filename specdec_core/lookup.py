@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .suffix import MAX_OCCURRENCES, SEPARATOR
+
 try:
     import numba
 except ImportError:          # pragma: no cover - numba is a dependency; kept importable without it
@@ -118,7 +120,6 @@ def warm_up() -> None:
 
 
 # --- suffix decoding over a batch ------------------------------------------------------------------
-SEPARATOR = -1             # suffix.SEPARATOR (the index's sequence separator)
 
 
 def _greedy_path(windows, rows, cap, min_token_prob, out):
@@ -293,8 +294,6 @@ def suffix_batch(prompts: np.ndarray, prompt_len: np.ndarray, out: np.ndarray, n
     """(tokens [B, k], counts [B]): suffix.propose_path for every row of the batch in one compiled
     call (equal to it row by row; tested), on the same left-padded layout as lookup_batch.
     index: a suffix.SuffixIndex or None (the rows' own text only)."""
-    from .suffix import MAX_OCCURRENCES
-
     batch = prompts.shape[0]
     tokens = np.zeros((batch, k), dtype=np.int64)
     counts = np.zeros(batch, dtype=np.int64)

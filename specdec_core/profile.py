@@ -251,6 +251,3 @@ def measure_round_overhead(target: torch.nn.Module, drafter, k: int, batch_size:
         outside = (stats.total_s - stats.prefill_s) - stats.draft_s - forwards
         per_round.append(max(outside, 0.0) / max(len(result.round_widths), 1))
     return float(np.median(per_round))
-
-
-
