@@ -368,6 +368,7 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
                                        rows, rounds)
             rounds += 1
             timings.widths.append(run_width)
+            timings.rows.append(int(rows.shape[0]))     # finished rows left the batch (dynamic)
             if reads:   # the round's one read of the device
                 report = report.cpu().numpy()
                 counts = report[:, 0]

@@ -143,71 +143,254 @@ def measure_host_draft_cost(drafter, k: int, context_len: int = 256, batch_size:
     return float(np.median(times[1:]))
 
 
+def relative_spread(values) -> float:
+    """Interquartile range / median of repeated timings of one figure (0 for fewer than 2)."""
+    values = np.asarray(list(values), dtype=float)
+    if len(values) < 2:
+        return 0.0
+    median = float(np.median(values))
+    q1, q3 = np.percentile(values, [25, 75])
+    return float(q3 - q1) / median if median > 0 else 0.0
+
+
+class CostSampler:
+    """Repeated timings of every figure of a cost profile on this machine, all batch sizes at once.
+
+    Figures: the target's cached forward over `width` tokens (width 1: a decode step; K + 1: a
+    verify pass of K drafts), each drafter's step (a model drafter: one cached forward of one
+    token through its own model; a host drafter: one proposal of up to k_max tokens per round),
+    and each drafter's per-round overhead (plus plain decoding's per step) from a real decode (see
+    measure_round_overhead). `sample(repeats)` times every figure once per repeat, interleaved
+    across batch sizes, widths and drafters, so a slow phase of the machine (another process, a
+    frequency change) spreads over all of them instead of inflating one; `costs()` gives the
+    medians and `spreads()` the interquartile range over the median of each figure.
+    static and cuda_graphs: see measure_forward_costs ("auto": the path SpecDecoder takes here).
+    """
+
+    def __init__(self, target: torch.nn.Module, drafters: dict, k_max: int, batch_sizes,
+                 context_len: int = 256, seed: int = 0, static: bool | str = "auto",
+                 cuda_graphs: bool | str = "auto", compile: bool | str = "auto",
+                 overhead_tokens: int = 12):
+        from .drafters import DraftModel, HostDrafter
+
+        self.target, self.drafters, self.k_max = target, dict(drafters), int(k_max)
+        self.batch_sizes = sorted({int(b) for b in batch_sizes})
+        self.context_len, self.seed = context_len, seed
+        vocab = target.get_output_embeddings().weight.shape[0]
+        generator = torch.Generator().manual_seed(seed)
+        self.caches: dict[tuple[str, int], _TimedCache] = {}
+        self.host = {label for label, d in self.drafters.items() if isinstance(d, HostDrafter)}
+        self.probes: dict[tuple[str, int], _OverheadProbe] = {}
+        for b in self.batch_sizes:
+            self.caches[("target", b)] = _TimedCache(
+                target, context_len, b, generator, vocab, static=use_static(target, static),
+                max_width=self.k_max + 1, cuda_graphs=cuda_graphs, compile=compile)
+            for label, drafter in self.drafters.items():
+                if isinstance(drafter, DraftModel):
+                    self.caches[(label, b)] = _TimedCache(
+                        drafter.model, context_len, b, generator, vocab,
+                        static=use_static(drafter.model, static), max_width=2,
+                        cuda_graphs=cuda_graphs, compile=compile)
+                elif getattr(drafter, "needs_target_hidden", False):   # a head: fuse + layer + head
+                    self.caches[(label, b)] = _head_cache(target, drafter.head, context_len, b,
+                                                          generator, vocab, static)
+                elif label not in self.host:
+                    raise TypeError(f"no cost measurement for drafter {type(drafter).__name__}")
+            for label, drafter in [("plain", None), *self.drafters.items()]:
+                self.probes[(label, b)] = _OverheadProbe(
+                    target, drafter, self.k_max if drafter is not None else 1, b, context_len,
+                    overhead_tokens, seed)
+        self._passes = 0       # passes run so far (the first: a warm-up)
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the timings taken so far (a re-measurement starts afresh)."""
+        self.forward: dict[tuple[int, int], list[float]] = {}        # (batch, width): s
+        self.draft: dict[tuple[str, int], list[float]] = {}          # (label, batch): s
+        self.outside: dict[tuple[str, int], list[tuple]] = {}      # _OverheadProbe.run's
+
+    def _pass(self, repeat: int, keep: bool) -> None:
+        for b in self.batch_sizes:
+            for width in range(1, self.k_max + 2):
+                elapsed = self.caches[("target", b)].time(width)
+                if keep:
+                    self.forward.setdefault((b, width), []).append(elapsed)
+            for label, drafter in self.drafters.items():
+                if label in self.host:
+                    elapsed = measure_host_draft_cost(drafter, self.k_max, self.context_len, b,
+                                                      repeats=1, seed=self.seed + repeat)
+                else:
+                    elapsed = self.caches[(label, b)].time(1)
+                if keep:
+                    self.draft.setdefault((label, b), []).append(elapsed)
+            for (label, size), probe in self.probes.items():
+                if size == b:
+                    sample = probe.run(self.seed + repeat)
+                    if keep:
+                        self.outside.setdefault((label, b), []).append(sample)
+
+    def sample(self, repeats: int, progress=None) -> None:
+        """Time every figure `repeats` more times (the first call also runs one warm-up pass).
+        progress: called with 1 after each pass (a tqdm's update)."""
+        if not self._passes:
+            self._pass(0, keep=False)
+            self._passes = 1
+        for _ in range(repeats):
+            self._pass(self._passes, keep=True)
+            self._passes += 1
+            if progress is not None:
+                progress(1)
+
+    def forward_costs(self, b: int) -> dict[int, float]:
+        return {w: float(np.median(self.forward[(b, w)])) for w in range(1, self.k_max + 2)}
+
+    def _overheads(self) -> dict[tuple[str, int], list[float]]:
+        """Seconds per round outside the forwards and proposals, one per decode (may be negative
+        when the forwards priced at their medians took longer than the decode did)."""
+        by_batch = {b: self.forward_costs(b) for b in self.batch_sizes}
+        return {(label, b): [self.probes[(label, b)].per_round(sample, by_batch) for sample in samples]
+                for (label, b), samples in self.outside.items()}
+
+    def costs(self) -> dict[int, dict]:
+        """{batch: {"target_step", "verify": {K: s}, "draft_step": {label: s},
+        "round_overhead": {label or "plain": s}}}: medians (overheads clipped at 0)."""
+        overheads = self._overheads()
+        out = {}
+        for b in self.batch_sizes:
+            forward_s = self.forward_costs(b)
+            out[b] = {"target_step": forward_s[1],
+                      "verify": {k: forward_s[k + 1] for k in range(1, self.k_max + 1)},
+                      "draft_step": {label: float(np.median(self.draft[(label, b)]))
+                                     for label in self.drafters},
+                      "round_overhead": {label: max(float(np.median(overheads[(label, size)])), 0.0)
+                                         for label, size in self.probes if size == b}}
+        return out
+
+    def raw_overheads(self) -> dict[int, dict[str, float]]:
+        """{batch: {label: median seconds per round}}, negative medians kept (a consistency check:
+        a decode cannot take less than its own forwards)."""
+        overheads = self._overheads()
+        return {b: {label: float(np.median(overheads[(label, size)]))
+                    for label, size in self.probes if size == b} for b in self.batch_sizes}
+
+    def spreads(self) -> dict[int, dict]:
+        """The same shape as costs(): interquartile range / median per figure. For overheads and
+        draft steps the range is taken over the target step instead (their own medians can be near
+        zero: what matters to the planner is their share of a step)."""
+        overheads = self._overheads()
+        out = {}
+        for b in self.batch_sizes:
+            step = float(np.median(self.forward[(b, 1)]))
+
+            def of_step(values):
+                values = np.asarray(values, dtype=float)
+                if len(values) < 2 or step <= 0:
+                    return 0.0
+                q1, q3 = np.percentile(values, [25, 75])
+                return float(q3 - q1) / step
+
+            out[b] = {"target_step": relative_spread(self.forward[(b, 1)]),
+                      "verify": {k: relative_spread(self.forward[(b, k + 1)])
+                                 for k in range(1, self.k_max + 1)},
+                      "draft_step": {label: of_step(self.draft[(label, b)]) for label in self.drafters},
+                      "round_overhead": {label: of_step(overheads[(label, size)])
+                                         for label, size in self.probes if size == b}}
+        return out
+
+
+def _head_cache(target, head, context_len, batch_size, generator, vocab, static) -> "_TimedCache":
+    """A timed cache of a draft head's step: its fused inputs, its layer and its LM head."""
+    features = torch.randn(batch_size, 1, head.config.hidden_size, generator=generator).to(
+        dtype=next(target.parameters()).dtype, device=next(target.parameters()).device)
+
+    def fused(tokens, head=head, features=features):
+        return head.inputs(features.expand(-1, tokens.shape[1], -1), tokens)
+
+    return _TimedCache(head.body, context_len, batch_size, generator, vocab,
+                       static=use_static(target, static), max_width=2, cuda_graphs=False,
+                       inputs_fn=fused)
+
+
 def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batch_size: int = 1,
                        context_len: int = 256, repeats: int = 5, seed: int = 0,
                        static: bool | str = "auto", cuda_graphs: bool | str = "auto",
                        compile: bool | str = "auto") -> dict:
     """Seconds on this hardware at one batch size: {"target_step", "verify": {K: s},
-    "draft_step": {label: s}, "round_overhead": {label or "plain": s}} for K = 1..k_max (medians;
-    round_overhead: measure_round_overhead).
+    "draft_step": {label: s}, "round_overhead": {label or "plain": s}} for K = 1..k_max (medians
+    of `repeats` interleaved timings after a warm-up; see CostSampler).
 
     verify(K) is one cached target pass over K + 1 tokens. A model drafter's step is one cached
     forward of one token through its own model; a host drafter's is one proposal (per round).
-    Every component is timed once per repeat, interleaved, so drift of the machine's speed (other
-    load, frequency changes) hits the ratios' numerators and denominators alike. static and
-    cuda_graphs: see measure_forward_costs ("auto": the path SpecDecoder takes on this device).
     """
-    from .drafters import DraftModel, HostDrafter
+    sampler = CostSampler(target, drafters, k_max, [batch_size], context_len, seed, static,
+                          cuda_graphs, compile)
+    sampler.sample(repeats)
+    return sampler.costs()[batch_size]
 
-    vocab = target.get_output_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(seed)
-    caches = {"target": _TimedCache(target, context_len, batch_size, generator, vocab,
-                                    static=use_static(target, static), max_width=k_max + 1,
-                                    cuda_graphs=cuda_graphs, compile=compile)}
-    for label, drafter in drafters.items():
-        if isinstance(drafter, DraftModel):
-            caches[label] = _TimedCache(drafter.model, context_len, batch_size, generator, vocab,
-                                        static=use_static(drafter.model, static), max_width=2,
-                                        cuda_graphs=cuda_graphs, compile=compile)
-        elif getattr(drafter, "needs_target_hidden", False):   # a draft head: fuse + its layer + head
-            head = drafter.head
-            features = torch.randn(batch_size, 1, head.config.hidden_size, generator=generator).to(
-                dtype=next(target.parameters()).dtype, device=next(target.parameters()).device)
 
-            def fused(tokens, head=head, features=features):
-                return head.inputs(features.expand(-1, tokens.shape[1], -1), tokens)
+class _OverheadProbe:
+    """One real decode of a drafter (None: plain decoding) on random prompts with a repeated
+    pattern (host drafters find matches and draft); `run` times one call, `per_round` prices its
+    forwards and gives the seconds per round left outside them and the proposals."""
 
-            caches[label] = _TimedCache(head.body, context_len, batch_size, generator, vocab,
-                                        static=use_static(target, static), max_width=2,
-                                        cuda_graphs=False, inputs_fn=fused)
-        elif not isinstance(drafter, HostDrafter):
-            raise TypeError(f"no cost measurement for drafter {type(drafter).__name__}")
+    def __init__(self, target: torch.nn.Module, drafter, k: int, batch_size: int, context_len: int,
+                 new_tokens: int = 12, seed: int = 0):
+        from .decoder import SpecDecoder
 
-    times: dict[tuple[str, int], list[float]] = {}
-    for repeat in range(repeats + 1):          # the first round is a warm-up
-        for width in range(1, k_max + 2):
-            elapsed = caches["target"].time(width)
-            if repeat:
-                times.setdefault(("target", width), []).append(elapsed)
-        for label, drafter in drafters.items():
-            if isinstance(drafter, HostDrafter):
-                elapsed = measure_host_draft_cost(drafter, k_max, context_len, batch_size,
-                                                  repeats=1, seed=seed + repeat)
-            else:
-                elapsed = caches[label].time(1)
-            if repeat:
-                times.setdefault((label, 1), []).append(elapsed)
-    median = {key: float(np.median(values)) for key, values in times.items()}
-    forward_s = {w: median[("target", w)] for w in range(1, k_max + 2)}
-    overhead = {"plain": measure_round_overhead(target, None, 1, batch_size, context_len, seed=seed,
-                                                forward_s=forward_s)}
-    for label, drafter in drafters.items():
-        overhead[label] = measure_round_overhead(target, drafter, k_max, batch_size, context_len,
-                                                 seed=seed, forward_s=forward_s)
-    return {"target_step": median[("target", 1)],
-            "verify": {k: median[("target", k + 1)] for k in range(1, k_max + 1)},
-            "draft_step": {label: median[(label, 1)] for label in drafters},
-            "round_overhead": overhead}
+        device = next(target.parameters()).device
+        generator = torch.Generator().manual_seed(seed)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        pattern = torch.randint(0, vocab, (batch_size, max(8, context_len // 8)), generator=generator)
+        self.prompts = pattern.repeat(1, context_len // pattern.shape[1] + 1)[:, :context_len].to(device)
+        self.decoder = SpecDecoder(target, drafter, k=max(k, 1), phase_timing=True)
+        self.plain = drafter is None
+        self.new_tokens, self.batch_size, self.context_len = new_tokens, batch_size, context_len
+        self.priced: dict[int, float] = {}
+
+    def run(self, seed: int) -> tuple[float, list[int], list[int]]:
+        """(seconds of the decode phase minus the proposals, verify width of each round, rows of
+        each round: on dynamic caches finished rows leave the batch)."""
+        from .sampling import SamplingParams
+
+        run = self.decoder.generate_plain if self.plain else self.decoder.generate
+        result = run(self.prompts, self.new_tokens, sampling=SamplingParams(), seed=seed)
+        stats = result.stats
+        return ((stats.total_s - stats.prefill_s) - stats.draft_s, list(result.round_widths),
+                list(result.round_rows) or [self.batch_size] * len(result.round_widths))
+
+    def per_round(self, sample: tuple, forward_s: dict) -> float:
+        """Seconds per round outside the forwards and proposals. forward_s: {width: s} at this
+        probe's batch size, or {batch: {width: s}} (a round over fewer rows, after some
+        finished, is priced between the two nearest batch sizes)."""
+        outside, widths, rows = sample
+        by_batch = forward_s if forward_s and isinstance(next(iter(forward_s.values())), dict) \
+            else {self.batch_size: dict(forward_s)}
+        own = {**self.priced, **by_batch.get(self.batch_size, {})}
+        missing = sorted(set(widths) - set(own))
+        if missing:     # widths the caller's costs lack: measured once, on the same cache kind
+            self.priced.update(measure_forward_costs(
+                self.decoder.target, missing, self.context_len, self.batch_size, repeats=2,
+                static=self.decoder.uses_static_cache(), cuda_graphs=self.decoder.cuda_graphs,
+                compile=self.decoder.compile))
+            own.update(self.priced)
+        by_batch = {**by_batch, self.batch_size: own}
+        forwards = sum(_priced_at(by_batch, n, w) for w, n in zip(widths, rows))
+        return (outside - forwards) / max(len(widths), 1)
+
+
+def _priced_at(by_batch: dict[int, dict[int, float]], rows: int, width: int) -> float:
+    """A forward's seconds over `rows` rows and `width` tokens, interpolated linearly between
+    the nearest measured batch sizes that have the width (the nearest one outside their range)."""
+    sizes = sorted(b for b, costs in by_batch.items() if width in costs)
+    below = [b for b in sizes if b <= rows]
+    above = [b for b in sizes if b >= rows]
+    if not below or not above:
+        return by_batch[(below or above)[-1 if below else 0]][width]
+    low, high = below[-1], above[0]
+    if low == high:
+        return by_batch[low][width]
+    share = (rows - low) / (high - low)
+    return (1 - share) * by_batch[low][width] + share * by_batch[high][width]
 
 
 def measure_round_overhead(target: torch.nn.Module, drafter, k: int, batch_size: int = 1,
@@ -224,30 +407,6 @@ def measure_round_overhead(target: torch.nn.Module, drafter, k: int, batch_size:
 
     Prompts are random tokens with a repeated pattern (host drafters find matches and draft).
     """
-    from .decoder import SpecDecoder
-    from .sampling import SamplingParams
-
-    device = next(target.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    pattern = torch.randint(0, vocab, (batch_size, max(8, context_len // 8)), generator=generator)
-    prompts = pattern.repeat(1, context_len // pattern.shape[1] + 1)[:, :context_len].to(device)
-    decoder = SpecDecoder(target, drafter, k=max(k, 1), phase_timing=True)
-    run = decoder.generate if drafter is not None else decoder.generate_plain
-    results = [run(prompts, new_tokens, sampling=SamplingParams(), seed=seed + repeat)
-               for repeat in range(repeats + 1)]          # the first call is a warm-up
-    forward_s = dict(forward_s or {})
-    missing = sorted({w for result in results for w in result.round_widths} - set(forward_s))
-    if missing:
-        forward_s.update(measure_forward_costs(target, missing, context_len, batch_size,
-                                               repeats=max(repeats, 2), seed=seed,
-                                               static=decoder.uses_static_cache(),
-                                               cuda_graphs=decoder.cuda_graphs,
-                                               compile=decoder.compile))
-    per_round = []
-    for result in results[1:]:
-        stats = result.stats
-        forwards = sum(forward_s[w] for w in result.round_widths)
-        outside = (stats.total_s - stats.prefill_s) - stats.draft_s - forwards
-        per_round.append(max(outside, 0.0) / max(len(result.round_widths), 1))
-    return float(np.median(per_round))
+    probe = _OverheadProbe(target, drafter, k, batch_size, context_len, new_tokens, seed)
+    samples = [probe.run(seed + repeat) for repeat in range(repeats + 1)][1:]   # 1st: warm-up
+    return float(np.median([max(probe.per_round(sample, forward_s or {}), 0.0) for sample in samples]))

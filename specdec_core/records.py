@@ -100,6 +100,7 @@ class GenerateResult:
     row_stats: list[SpecStats] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # valid new tokens per row (EOS included)
     round_widths: list[int] = field(default_factory=list)  # tokens of each round's verify pass
+    round_rows: list[int] = field(default_factory=list)    # rows in each round's verify pass
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Timings:
     verify_s: float = 0.0
     total_s: float = 0.0
     widths: list = field(default_factory=list)   # each round's verify width
+    rows: list = field(default_factory=list)     # rows each round's verify pass ran over
 
 
 def result_from_history(tokens: torch.Tensor, num_tokens: torch.Tensor, history: torch.Tensor,
@@ -139,4 +141,4 @@ def result_from_history(tokens: torch.Tensor, num_tokens: torch.Tensor, history:
     summed.draft_s, summed.verify_s = timings.draft_s, timings.verify_s
     summed.total_s, summed.prefill_s = timings.total_s, timings.prefill_s
     return GenerateResult(tokens=tokens, stats=summed, row_stats=row_stats, num_tokens=lengths,
-                          round_widths=list(timings.widths))
+                          round_widths=list(timings.widths), round_rows=list(timings.rows))

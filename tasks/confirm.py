@@ -41,6 +41,8 @@ from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
+WEAK_EVIDENCE = 5     # confirm requests below which a live verdict says its evidence is weak
+
 
 def _stratified(requests: list, values: list[float], count: int) -> list:
     """`count` requests at evenly spaced quantiles of `values` (ties keep the sample's order)."""
@@ -209,6 +211,7 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     sampling_error = subset_e / domain_e - 1.0 if subset_e and domain_e else None
     greedy = [item for item in per_request if item["greedy_comparable"]]
     gap = None if cost_error is None else abs(cost_error) > settings.confirm_tolerance
+    verdict = live_verdict(per_request, config, settings, same)
     row = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": k, "batch_size": 1,
            "requests": len(subset), "tokens": int(spec_stats.new_tokens),
            "acceptance_rate": spec_stats.acceptance_rate,
@@ -220,15 +223,24 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
            "subset_expected_tokens": subset_e, "domain_expected_tokens": domain_e,
            "sampling_error": sampling_error, "greedy_checked": len(greedy),
            "greedy_consistent": sum(1 for item in greedy if item["consistent"]),
-           "per_request": per_request, "hardware": hardware}
+           "per_request": per_request, "hardware": hardware,
+           "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
     now = utcnow()
     with engine.begin() as connection:
         connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
                                                          & (LiveMeasurement.domain == domain)))
         connection.execute(insert(LiveMeasurement).values(**row, created_at=now))
+        values = {"measured_speedup": measured, "live_check": verdict}
+        if verdict["verdict"] == "veto":     # the domain stays at the champion's setting: off
+            values.update(enabled=False, max_batch_size=None, k_schedule=None,
+                          reason=f"{verdict['reason']}; the champion's setting is kept (off). "
+                                 f"Planner: {config['reason']}"[:2000])
         connection.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
                                                       & (DomainConfig.domain == domain))
-                           .values(measured_speedup=measured))
+                           .values(**values))
+    if verdict["verdict"] == "veto":
+        log.warning("run %s, domain %s: %s; it stays off (the champion's setting)", run_id, domain,
+                    verdict["reason"])
     for item in greedy:
         if not item["consistent"]:
             log.error("run %s, domain %s, request %s: engine/estimator inconsistency -- live greedy "
@@ -259,6 +271,10 @@ def _request_record(request, results: dict, offline, cost_of, new_tokens: int) -
     offline_accepted = None if offline is None else int(round(float(offline.accepted.sum())))
     offline_rounds = None if offline is None else int(round(float(offline.rounds)))
     return {"request_id": request.request_id, "predicted": predicted, "measured": measured,
+            "plain_tokens": int(plain.emitted), "plain_decode_s": plain.decode_s,
+            "spec_tokens": int(spec.emitted), "spec_decode_s": spec.decode_s,
+            "offline_tokens": None if offline is None else float(offline.tokens),
+            "offline_cost": None if offline is None or cost_of is None else float(cost_of(offline)),
             "offline_expected_tokens": None if offline is None else offline.expected_tokens_per_round,
             "live_accepted": int(spec.accepted), "live_rounds": int(spec.rounds),
             "offline_accepted": offline_accepted, "offline_rounds": offline_rounds,
@@ -266,3 +282,80 @@ def _request_record(request, results: dict, offline, cost_of, new_tokens: int) -
             "consistent": (comparable and offline_accepted == spec.accepted
                            and offline_rounds == spec.rounds) if comparable else None,
             "first_difference_from_log": first_difference}
+
+
+def speedup_interval(per_request: list[dict], samples: int = 2000, seed: int = 0) -> dict:
+    """The measured speedup over confirm requests and its 95% interval by bootstrap over them:
+    {measured, lo, hi, error_lo, error_hi} where measured = spec tokens/s over plain tokens/s of the
+    decode phases summed over the requests, and error_* bound measured / predicted - 1 on the same
+    requests (None where the requests carry no prediction)."""
+    import numpy as np
+
+    rows = [r for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s")]
+    if not rows:
+        return {"measured": None, "lo": None, "hi": None, "error_lo": None, "error_hi": None}
+    columns = {key: np.array([float(r[key]) for r in rows]) for key in
+               ("plain_tokens", "plain_decode_s", "spec_tokens", "spec_decode_s")}
+
+    def speedup(index):
+        plain = columns["plain_tokens"][index].sum(-1) / columns["plain_decode_s"][index].sum(-1)
+        spec = columns["spec_tokens"][index].sum(-1) / columns["spec_decode_s"][index].sum(-1)
+        return spec / plain
+
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(rows), size=(samples, len(rows)))
+    boot = speedup(draws)
+    out = {"measured": float(speedup(np.arange(len(rows)))),
+           "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
+           "error_lo": None, "error_hi": None}
+    if all(r.get("offline_tokens") and r.get("offline_cost") for r in rows):
+        tokens = np.array([r["offline_tokens"] for r in rows])
+        cost = np.array([r["offline_cost"] for r in rows])
+        error = boot / (tokens[draws].sum(-1) / cost[draws].sum(-1)) - 1.0
+        out["error_lo"], out["error_hi"] = (float(np.percentile(error, 2.5)),
+                                            float(np.percentile(error, 97.5)))
+    return out
+
+
+def live_verdict(per_request: list[dict], config: dict, settings: Settings,
+                 predicted_same: float | None) -> dict:
+    """Whether the live measurement lets a domain the plan turns on actually turn on.
+
+    Only a domain that would turn on (on in the plan, off in the champion config) can be vetoed:
+    - its measured speedup on the confirm requests is below 1.0 (slower than plain decoding);
+    - the upper end of that speedup's 95% interval is below min_speedup (it confidently does not
+      pay the policy minimum);
+    - the upper end of the cost-model error's interval is below -confirm_tolerance (slower than
+      predicted for the same requests, beyond the tolerance, whatever the requests' own noise).
+    The bootstrap interval is over the confirm requests: with few of them it is wide, so a quiet
+    machine's correct "on" (measured well above the minimum) stands; the verdict says how many
+    requests it rests on ("weak": fewer than 5).
+    Output: {verdict: pass | flag (a problem, in a domain that is not turning on) | veto | none,
+    weak, measured, lo, hi, error_lo, error_hi, predicted, requests, reason}.
+    """
+    interval = speedup_interval(per_request)
+    requests = sum(1 for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s"))
+    predicted = predicted_same or config.get("predicted_speedup")
+    out = {**interval, "predicted": predicted, "requests": requests, "verdict": "none",
+           "reason": "no live measurement"}
+    measured = interval["measured"]
+    if measured is None:
+        return out
+    text = (f"live check: {measured:.2f}x measured [{interval['lo']:.2f}, {interval['hi']:.2f}] over "
+            f"{requests} request{'s' if requests != 1 else ''}" + (
+                f" vs {predicted:.2f}x predicted" if predicted else ""))
+    turning_on = (settings.live_veto and bool(config.get("enabled"))
+                  and not config.get("champion_on"))
+    why = None
+    if measured < 1.0:
+        why = "slower than plain decoding"
+    elif interval["hi"] < settings.min_speedup:
+        why = f"the interval's upper end is below min_speedup {settings.min_speedup:.2f}x"
+    elif interval["error_hi"] is not None and interval["error_hi"] < -settings.confirm_tolerance:
+        why = (f"slower than predicted beyond the {100 * settings.confirm_tolerance:.0f}% tolerance "
+               f"(cost-model error {100 * interval['error_lo']:+.0f}% to {100 * interval['error_hi']:+.0f}%)")
+    weak = requests < WEAK_EVIDENCE
+    out.update(verdict="pass" if why is None else ("veto" if turning_on else "flag"), weak=weak,
+               reason=text + (f": {why}" if why else "") + (
+                   f" (weak evidence: {requests} request{'s' if requests != 1 else ''})" if weak else ""))
+    return out

@@ -27,7 +27,7 @@ from pathlib import Path
 from sqlalchemy import delete, insert, select
 
 from .db.engine import database_url, ensure_ready
-from .db.models import CostProfile, HardwareProfile
+from .db.models import CostProfile, CostProfileCheck, HardwareProfile
 from .errors import SpecdecTaskError
 from .settings import Settings, load_settings, specdec_home
 from .timeutil import utcnow
@@ -113,6 +113,24 @@ class CostTable:
     # per round outside the forward passes and proposals ({drafter or "plain": {batch: s}});
     # empty in profiles measured before it was (they plan without it)
     round_overhead: dict[str, dict[int, float]] = field(default_factory=dict)
+    # interquartile range / median of each figure's repeated timings, keyed as rows() are:
+    # (component, drafter, k, batch_size); draft steps and overheads over the target step
+    spread: dict[tuple, float] = field(default_factory=dict)
+    # the profile's own check (check_costs): {status: ok | noisy, reasons, attempts, max_spread};
+    # None for profiles measured or imported without one
+    check: dict | None = None
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the profile failed its consistency or spread checks (tasks.plan then turns no
+        domain on from it that the champion has off)."""
+        return bool(self.check) and self.check.get("status") == "noisy"
+
+    def noise_text(self, limit: int = 3) -> str:
+        """The first reasons of a noisy profile, in words."""
+        reasons = list((self.check or {}).get("reasons") or [])
+        more = f" (+{len(reasons) - limit} more)" if len(reasons) > limit else ""
+        return "; ".join(reasons[:limit]) + more
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -147,6 +165,13 @@ class CostTable:
         return plain / step, self.round_overhead.get(drafter, {}).get(batch_size, 0.0) / step
 
     def rows(self) -> list[dict]:
+        out = self._rows()
+        for row in out:
+            row["spread"] = self.spread.get((row["component"], row["drafter"], row["k"],
+                                             row["batch_size"]))
+        return out
+
+    def _rows(self) -> list[dict]:
         out = []
         for b, seconds in self.target_step.items():
             out.append({"component": "target_step", "drafter": None, "k": None, "batch_size": b,
@@ -170,6 +195,9 @@ class CostTable:
         for row in rows:
             row = dict(row)
             b, s = int(row["batch_size"]), float(row["seconds"])
+            if row.get("spread") is not None:
+                table.spread[(row["component"], row.get("drafter"),
+                              None if row.get("k") is None else int(row["k"]), b)] = float(row["spread"])
             if row["component"] == "target_step":
                 table.target_step[b] = s
             elif row["component"] == "verify":
@@ -186,16 +214,101 @@ class CostTable:
 
 def _store(engine, run_id: str, hardware: dict, table: CostTable) -> None:
     now = utcnow()
+    where = (lambda model: (model.run_id == run_id) & (model.hardware_profile == hardware["name"]))
     with engine.begin() as connection:
-        connection.execute(delete(CostProfile).where(
-            (CostProfile.run_id == run_id) & (CostProfile.hardware_profile == hardware["name"])))
+        connection.execute(delete(CostProfile).where(where(CostProfile)))
         connection.execute(insert(CostProfile), [
             dict(row, run_id=run_id, hardware_profile=hardware["name"], created_at=now)
             for row in table.rows()])
+        connection.execute(delete(CostProfileCheck).where(where(CostProfileCheck)))
+        if table.check is not None:
+            connection.execute(insert(CostProfileCheck).values(
+                run_id=run_id, hardware_profile=hardware["name"], status=table.check["status"],
+                reasons=table.check.get("reasons") or [], attempts=int(table.check.get("attempts") or 1),
+                max_spread=table.check.get("max_spread"), details=table.check.get("details"),
+                created_at=now))
         connection.execute(delete(HardwareProfile).where(HardwareProfile.name == hardware["name"]))
         connection.execute(insert(HardwareProfile).values(
             name=hardware["name"], device=hardware["device"], dtype=hardware["dtype"],
             details=hardware.get("details"), updated_at=now))
+
+
+def check_costs(table: CostTable, raw_overhead: dict[int, dict[str, float]] | None = None,
+                max_spread: float = 0.15, noise_floor: float = 0.05,
+                verify_dip: float = 0.25, overhead_floor: float = 0.2) -> list[str]:
+    """What makes a profile untrustworthy, in words (empty: consistent and quiet enough).
+
+    A fall counts only beyond noise: by more than max(noise_floor, the two figures' spreads).
+    - the target step must not fall as the batch grows;
+    - verify(K) must cost at least one step, and must not fall as K grows by more than
+      max(verify_dip, the spreads): a CPU's matrix kernels change path with the width, and a
+      quiet 2-core machine measured v(6) = 2.33-2.43 but v(7) = 2.05 at batch 2 in every
+      measurement (spreads 2-3%), where a busy one gave v(2) = 1.80 but v(3) = 1.40;
+    - a round's overhead must not be negative beyond max(overhead_floor, its spread) of a step
+      (raw_overhead: the medians before clipping at 0). An overhead is the small difference of a
+      short decode's time and its forwards priced at the profile's medians: on the quiet 2-core
+      machine it came out as low as -0.12 of a step for host drafters at batch 1;
+    - no figure's spread (interquartile range / median; draft steps and overheads over the
+      target step) may exceed max_spread.
+    """
+    reasons = []
+    spread = lambda component, drafter, k, b: table.spread.get((component, drafter, k, b), 0.0)  # noqa: E731
+    tolerance = lambda *spreads: max(noise_floor, *spreads)  # noqa: E731
+    sizes = table.batch_sizes
+    for small, large in zip(sizes, sizes[1:]):
+        a, b = table.target_step[small], table.target_step[large]
+        if b < a * (1 - tolerance(spread("target_step", None, None, small),
+                                  spread("target_step", None, None, large))):
+            reasons.append(f"target step falls as the batch grows: {1000 * a:.1f} ms at batch {small}, "
+                           f"{1000 * b:.1f} ms at batch {large}")
+    for size in sizes:
+        step = table.target_step[size]
+        step_spread = spread("target_step", None, None, size)
+        verify = table.verify.get(size, {})
+        below = [k for k, seconds in sorted(verify.items())
+                 if seconds < step * (1 - tolerance(step_spread, spread("verify", None, k, size)))]
+        if below:
+            reasons.append(f"verify cheaper than one step at batch {size}: v({below[0]}) = "
+                           f"{verify[below[0]] / step:.2f}" + (f" (and {len(below) - 1} more K)"
+                                                               if len(below) > 1 else ""))
+        peak = None
+        for k, seconds in sorted(verify.items()):
+            if peak is not None and seconds < verify[peak] * (1 - max(
+                    verify_dip, spread("verify", None, peak, size), spread("verify", None, k, size))):
+                reasons.append(f"verify falls as K grows at batch {size}: v({peak}) = "
+                               f"{verify[peak] / step:.2f} but v({k}) = {seconds / step:.2f}")
+                break
+            if peak is None or seconds > verify[peak]:
+                peak = k
+        for label, seconds in sorted((raw_overhead or {}).get(size, {}).items()):
+            if seconds < -step * max(overhead_floor, spread("round_overhead", label, None, size)):
+                reasons.append(f"negative overhead at batch {size}: {label} {seconds / step:+.2f} of a "
+                               "step (its decode took less than its own forwards)")
+    widest = max(table.spread.items(), key=lambda item: item[1], default=None)
+    if widest is not None and widest[1] > max_spread:
+        (component, drafter, k, size), value = widest
+        name = component if drafter is None and k is None else (
+            f"v({k})" if k is not None else f"{component} {drafter}")
+        over = sum(1 for v in table.spread.values() if v > max_spread)
+        reasons.append(f"spread {100 * value:.0f}% > {100 * max_spread:.0f}% ({name} at batch {size}"
+                       + (f"; {over} figures in all" if over > 1 else "") + ")")
+    return reasons
+
+
+def _table_of(sampler, hardware_profile: str, run_id: str) -> CostTable:
+    table = CostTable(hardware_profile, run_id, {}, {}, {}, {})
+    spreads = sampler.spreads()
+    for b, costs in sampler.costs().items():
+        table.target_step[b] = costs["target_step"]
+        table.verify[b] = costs["verify"]
+        table.spread[("target_step", None, None, b)] = spreads[b]["target_step"]
+        for k, value in spreads[b]["verify"].items():
+            table.spread[("verify", None, k, b)] = value
+        for component in ("draft_step", "round_overhead"):
+            for label, seconds in costs[component].items():
+                getattr(table, component).setdefault(label, {})[b] = seconds
+                table.spread[(component, label, None, b)] = spreads[b][component][label]
+    return table
 
 
 def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None,
@@ -204,17 +317,24 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
                   tokenizer=None) -> dict:
     """Measure and store the costs of `target` and the drafters ({label: Drafter}) on this machine.
 
+    Every figure is timed settings.profile_repeats times, interleaved over batch sizes, widths and
+    drafters (specdec_core.profile.CostSampler), and stored as its median with its spread. The
+    profile is then checked (check_costs); one that fails is measured afresh, up to
+    settings.profile_attempts times in all, and if it still fails it is stored marked `noisy`
+    with the reasons (the planner turns nothing on from it that the champion has off).
+
     A suffix drafter without an index of its own is timed with an index over every stored
     response (its lookups cost more with more indexed tokens); tokenizer: for stored requests
     without token ids.
 
     Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": CostTable rows,
-             "seconds"}. Re-running a run id replaces its rows for that profile.
+             "check": {status, reasons, attempts, max_spread}, "seconds"}. Re-running a run id
+    replaces its rows for that profile.
     """
     from tqdm.auto import tqdm
 
     from specdec_core import SpecDecoder
-    from specdec_core.profile import measure_step_costs
+    from specdec_core.profile import CostSampler
 
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
@@ -224,24 +344,54 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     # which engine the costs describe: static caches, CUDA graphs, compiled forwards
     hardware["details"]["engine"] = SpecDecoder(target, None).engine()
     drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
-    table = CostTable(hardware["name"], run_id, {}, {}, {}, {})
     start = time.perf_counter()
+    earlier = []
     with timing_lock():
-        for b in tqdm(batch_sizes, desc=f"profile {hardware['name']}", disable=not progress):
-            costs = measure_step_costs(target, drafters, k_max, batch_size=b,
-                                       context_len=settings.profile_context_len,
-                                       repeats=settings.profile_repeats)
-            table.target_step[b] = costs["target_step"]
-            table.verify[b] = costs["verify"]
-            for label, seconds in costs["draft_step"].items():
-                table.draft_step.setdefault(label, {})[b] = seconds
-            for label, seconds in costs.get("round_overhead", {}).items():
-                table.round_overhead.setdefault(label, {})[b] = seconds
+        sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile_context_len)
+        for attempt in range(1, settings.profile_attempts + 1):
+            if attempt > 1:
+                log.warning("run %s: cost profile %s is not trustworthy (%s); measuring again "
+                            "(attempt %d of %d)", run_id, hardware["name"], "; ".join(reasons),
+                            attempt, settings.profile_attempts)
+                sampler.clear()
+            with tqdm(total=settings.profile_repeats, disable=not progress,
+                      desc=f"profile {hardware['name']}" + (f" (attempt {attempt})" if attempt > 1 else "")
+                      ) as bar:
+                sampler.sample(settings.profile_repeats, progress=bar.update)
+            table = _table_of(sampler, hardware["name"], run_id)
+            reasons = check_costs(table, sampler.raw_overheads(), settings.profile_max_spread,
+                                  settings.profile_noise_floor, settings.profile_verify_dip,
+                                  settings.profile_overhead_floor)
+            if not reasons or not settings.profile_checks:
+                break
+            earlier.append(reasons)
+    if not settings.profile_checks:     # measured once, trusted as it is: say what a check saw
+        table.check = {"status": "unchecked", "reasons": [], "attempts": attempt,
+                       "max_spread": max(table.spread.values(), default=0.0),
+                       "details": {"would_flag": reasons}}
+        reasons = []
+    else:
+        table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": attempt,
+                       "max_spread": max(table.spread.values(), default=0.0),
+                       "details": {"max_spread_allowed": settings.profile_max_spread,
+                                   "noise_floor": settings.profile_noise_floor,
+                                   "verify_dip": settings.profile_verify_dip,
+                                   "overhead_floor": settings.profile_overhead_floor,
+                                   "repeats": settings.profile_repeats,
+                                   "earlier_attempts": earlier[:-1] if reasons else earlier}}
+    if reasons:
+        log.warning("run %s: cost profile %s marked noisy after %d measurements: %s. No domain turns "
+                    "on from it that the champion has off; measure on a quiet machine or plan with a "
+                    "stored profile (`--hardware-profile NAME`)", run_id, hardware["name"], attempt,
+                    "; ".join(reasons))
     _store(engine, run_id, hardware, table)
     elapsed = time.perf_counter() - start
-    log.info("run %s: profiled %s at batch sizes %s in %.1f s", run_id, hardware["name"],
-             batch_sizes, elapsed)
-    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(), "seconds": elapsed}
+    log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d measurement%s, %s)", run_id,
+             hardware["name"], batch_sizes, elapsed, attempt, "s" if attempt > 1 else "",
+             table.check["status"])
+    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
+            "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
+            "seconds": elapsed}
 
 
 def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) -> dict:
@@ -271,16 +421,55 @@ def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | N
                 .order_by(CostProfile.created_at.desc(), CostProfile.id.desc()).limit(1)).scalar()
         rows = [] if run_id is None else connection.execute(
             select(CostProfile.component, CostProfile.drafter, CostProfile.k, CostProfile.batch_size,
-                   CostProfile.seconds)
+                   CostProfile.seconds, CostProfile.spread)
             .where((CostProfile.hardware_profile == hardware_profile) & (CostProfile.run_id == run_id))
         ).mappings().all()
         known = connection.execute(select(HardwareProfile.name)).scalars().all()
+        check = None if run_id is None else connection.execute(
+            select(CostProfileCheck.status, CostProfileCheck.reasons, CostProfileCheck.attempts,
+                   CostProfileCheck.max_spread)
+            .where((CostProfileCheck.hardware_profile == hardware_profile)
+                   & (CostProfileCheck.run_id == run_id))).mappings().first()
     if not rows:
         raise CostProfileError(
             f"no cost profile {hardware_profile!r}{'' if run_id is None else f' from run {run_id}'}; "
             f"known profiles: {sorted(known) or 'none'}. Measure one with `specdec profile` or import "
             "one with `specdec profile import FILE`")
-    return CostTable.from_rows(hardware_profile, run_id, rows)
+    table = CostTable.from_rows(hardware_profile, run_id, rows)
+    table.check = None if check is None else dict(check)
+    return table
+
+
+def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
+    """The check of the cost profile the run planned with: {hardware_profile, profile_run, status,
+    reasons, attempts, max_spread}; None before the profile step (or for a profile without one)."""
+    from .db.models import EvalRun
+
+    engine = ensure_ready(database_url(db_url))
+    with engine.connect() as connection:
+        name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
+    if not name:
+        return None
+    try:
+        costs = load_costs(name, db_url)
+    except CostProfileError:
+        return None
+    if costs.check is None:
+        return None
+    return {"hardware_profile": name, "profile_run": costs.run_id, **costs.check}
+
+
+def profile_check_text(check: dict | None) -> str:
+    """One line on the cost profile's check, for tables and logs."""
+    if check is None:
+        return "cost profile: no check recorded (measured or imported without one)"
+    head = (f"cost profile {check['hardware_profile']} (run {check['profile_run']}): "
+            f"{check['status']}, {check['attempts']} measurement{'s' if check['attempts'] != 1 else ''}, "
+            f"largest spread {100 * (check.get('max_spread') or 0):.0f}%")
+    if check["status"] == "noisy":
+        head += ("; too noisy to turn a domain on: " + "; ".join(check.get("reasons") or [])
+                 + ". Plan with a stored profile: --hardware-profile NAME")
+    return head
 
 
 def export_costs(hardware_profile: str, path: str | Path, db_url: str | None = None,
@@ -296,7 +485,7 @@ def export_costs(hardware_profile: str, path: str | Path, db_url: str | None = N
                                      "device": hardware["device"] if hardware else "unknown",
                                      "dtype": hardware["dtype"] if hardware else "unknown",
                                      "details": hardware["details"] if hardware else None},
-                "exported_at": utcnow().isoformat(), "costs": table.rows()}
+                "exported_at": utcnow().isoformat(), "costs": table.rows(), "check": table.check}
     Path(path).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     return document
 
@@ -315,6 +504,12 @@ def import_costs(path: str | Path, db_url: str | None = None, name: str | None =
         if name:
             hardware["name"] = name
         table = CostTable.from_rows(hardware["name"], document["run_id"], document["costs"])
+        check = document.get("check")
+        if check is not None:
+            if not isinstance(check, dict) or check.get("status") not in ("ok", "noisy", "unchecked"):
+                raise ValueError(f"check must be an object with status ok, noisy or unchecked, got "
+                                 f"{check!r}")
+            table.check = dict(check)
     except (CostProfileError, KeyError, TypeError, ValueError) as exc:
         raise CostProfileError(f"cost profile file {path}: malformed ({type(exc).__name__}: {exc}); "
                                "make it with `specdec profile export`") from exc

@@ -17,6 +17,7 @@ from .errors import SpecdecTaskError
 from .pipeline import (RunSpec, record_domain_failure, step_check, step_confirm, step_estimate,
                        step_finish, step_profile, step_promote, step_register, step_sample,
                        step_validate, use_model)
+from .costs import profile_check
 from .settings import DEFAULT_MODEL, Settings, load_settings
 from .timeutil import utcnow
 
@@ -26,9 +27,9 @@ TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_acc
                  "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
                  "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",
                  "predicted_same_requests", "cost_model_error", "sampling_error", "greedy_checked",
-                 "greedy_consistent")
+                 "greedy_consistent", "live_check", "measured_speedup_lo", "measured_speedup_hi")
 LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_error",
-                "greedy_checked", "greedy_consistent")
+                "greedy_checked", "greedy_consistent", "measured_speedup_lo", "measured_speedup_hi")
 
 
 def default_run_id() -> str:
@@ -117,4 +118,5 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
             "registered": registered, "promoted": promoted, "failed": finished["failed"],
             "hardware_profile": profile, "sample": sample, "excluded": finished["excluded"],
             "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
+            "profile_check": profile_check(spec.run_id, spec.url),
             "seconds": round(sum(steps.values()), 1)}

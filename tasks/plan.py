@@ -21,6 +21,11 @@ interval's upper end clears the minimum and its lower end clears 1.0 (speculatio
 lose), with max_batch_size the largest batch size where that holds; the reason says "kept on:
 within hysteresis". Without it a domain near the minimum flips on and off from run to run on
 sampling noise alone, and every flip is a new config version to review.
+
+A noisy cost profile (CostTable.noisy: it failed its consistency or spread checks, see
+tasks.costs.check_costs) turns no domain on that the champion has off: its reason says "cost
+profile too noisy: ..." and how to plan with a stored profile instead. The live check after the
+plan can veto an "on" as well (tasks.confirm.live_verdict).
 """
 
 from __future__ import annotations
@@ -154,7 +159,8 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
            "predicted_speedup_lo": None, "predicted_speedup_hi": None, "measured_speedup": None,
            "k_schedule": None,
            "mean_accepted_length": None, "conditional_acceptance": None, "samples": samples,
-           "status": status, "validation": None, "promotable": None, "reason": None}
+           "status": status, "validation": None, "promotable": None, "reason": None,
+           "champion_on": bool(currently_on), "live_check": None}
     if best is not None:
         estimate, predicted, lo, hi = best
         row.update(drafter=estimate["drafter"], drafter_spec=estimate["drafter_spec"],
@@ -189,11 +195,21 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
                          f"{row['predicted_speedup_hi']:.2f}]: on in the champion, upper end still "
                          f">= {min_speedup:.2f}x and lower end >= 1.00x (up to batch "
                          f"{row['max_batch_size']})")
+    elif costs.noisy and not currently_on:
+        row.update(max_batch_size=None, k_schedule=None)
+        row["reason"] = (f"off: cost profile too noisy: {costs.noise_text()}. {row['drafter']} "
+                         f"K={row['k']} would predict {row['predicted_speedup']:.2f}x "
+                         f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}], but no "
+                         "domain turns on from a noisy profile that the champion has off. Measure on a "
+                         "quiet machine, or plan with a stored profile (`specdec evaluate "
+                         "--hardware-profile NAME`, setting `hardware_profile`)")
     else:
         row["enabled"] = True
         row["reason"] = (f"on: {row['drafter']} K={row['k']} predicts {row['predicted_speedup']:.2f}x "
                          f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}] at batch "
                          f"1; pays up to batch {row['max_batch_size']} on {costs.hardware_profile}")
+        if costs.noisy:
+            row["reason"] += (f" (on in the champion; the cost profile is noisy: {costs.noise_text(1)})")
     now = utcnow()
     with engine.begin() as connection:
         for item in updates:

@@ -14,6 +14,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from .config_schema import config_model_name, parse_config
+from .costs import profile_check
 from .db.engine import database_url, ensure_ready
 from .db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
 from .promotion import current_user, gates_for, record_promotion
@@ -253,8 +254,18 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
         audit = champion_audit(db_url, name, champion_version)
         warning = "" if audit["gated"] else f"**WARNING: {audit['detail']}.**\n\n"
         gates = gates_for(config, champion, settings, db_url)
-        description = (f"## specdec config of run {run_id}\n\n{warning}target `{config.target.id}` "
-                       f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`, "
+        check = profile_check(run_id, db_url)
+        noise = ("" if check is None or check["status"] != "noisy" else
+                 f"**Cost profile too noisy**: {'; '.join(check.get('reasons') or [])}. No domain "
+                 "was turned on from it that the champion has off.\n\n")
+        vetoes = [f"- **{name}**: {s.reason}" for name, s in sorted(config.domains.items())
+                  if s.reason and s.reason.startswith("live check:")]
+        veto_text = ("**Vetoed by the live check** (planned on, measured too slow; off):\n\n"
+                     + "\n".join(vetoes) + "\n\n") if vetoes else ""
+        description = (f"## specdec config of run {run_id}\n\n{warning}{noise}{veto_text}target "
+                       f"`{config.target.id}` "
+                       f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`"
+                       f"{'' if check is None else ' (' + check['status'] + ')'}, "
                        f"validation **{validation_status(config)}**\n\n{domain_table_markdown(config)}\n\n"
                        f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
                        + gates_markdown(gates, f"preview at registration against champion "

@@ -134,7 +134,28 @@ class Settings(BaseModel):
         default=None, description="cost profile to plan with; None: measure this machine")
     profile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     profile_context_len: int = Field(default=256, ge=8)
-    profile_repeats: int = Field(default=3, ge=1)
+    profile_repeats: int = Field(default=3, ge=1, description=(
+        "timings of every cost figure per measurement (interleaved; the median is stored)"))
+    profile_attempts: int = Field(default=3, ge=1, description=(
+        "measurements of a profile that fails its checks before it is stored marked noisy"))
+    profile_max_spread: float = Field(default=0.15, gt=0, description=(
+        "largest spread of a cost figure (interquartile range of its timings over the median; "
+        "draft steps and overheads over the target step) in a trustworthy profile"))
+    profile_checks: bool = Field(default=True, description=(
+        "check each measured cost profile for consistency and spread, re-measure a failing one "
+        "and mark it noisy (off: every measurement is trusted; tests of orchestration on tiny "
+        "models, whose timings are noise)"))
+    profile_verify_dip: float = Field(default=0.25, ge=0, lt=1, description=(
+        "how far verify(K) may fall as K grows in a trustworthy profile: CPU matrix kernels "
+        "change path with the width (a quiet 2-core machine: -12% to -16%, repeatably)"))
+    profile_overhead_floor: float = Field(default=0.2, ge=0, description=(
+        "how negative (in target steps) a round's measured overhead may be in a trustworthy "
+        "profile: it is the difference of a short decode and its priced forwards (a quiet 2-core "
+        "machine: down to -0.12)"))
+    profile_noise_floor: float = Field(default=0.05, ge=0, lt=1, description=(
+        "a cost that falls where it must not (the step as the batch grows, verify as K grows, "
+        "verify below one step) is inconsistent only when it falls by more than this and than "
+        "the figures' spreads"))
     hysteresis: bool = Field(default=True, description=(
         "a domain on in the champion config stays on while its predicted interval's upper end "
         "clears min_speedup and its lower end clears 1.0; a domain that is off turns on only when "
@@ -148,6 +169,10 @@ class Settings(BaseModel):
     confirm_max_new_tokens: int = Field(default=48, ge=2)
     confirm_tolerance: float = Field(default=0.25, gt=0, description=(
         "flag a domain when |measured / predicted speedup - 1| exceeds this"))
+    live_veto: bool = Field(default=True, description=(
+        "a domain that would turn on stays at the champion's setting when confirm measures it "
+        "slower than plain decoding, confidently below min_speedup, or confidently slower than "
+        "predicted beyond confirm_tolerance (tasks.confirm.live_verdict)"))
     validation_rows: int = Field(default=300, ge=50, description=(
         "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
     validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")

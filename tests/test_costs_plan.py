@@ -393,7 +393,7 @@ def test_plan_with_a_profile_that_starts_above_batch_1(db_url):
 
 # ------------------------------------------------------------------------------------------------
 # measured cost profiles
-PROFILE_SETTINGS = dict(profile_repeats=1, profile_context_len=16)
+PROFILE_SETTINGS = dict(profile_repeats=1, profile_context_len=16, profile_checks=False)
 
 
 @pytest.fixture
@@ -508,8 +508,10 @@ def test_export_import_round_trip_under_another_name(db_url, target, drafters, t
                        r["seconds"]) for r in rows)
 
     assert without_name(cost_rows(db_url, "serving-gpu")) == without_name(cost_rows(db_url, "tiny-cpu"))
-    assert load_costs("serving-gpu", db_url) == CostTable.from_rows(
-        "serving-gpu", "run-1", load_costs("tiny-cpu", db_url).rows())
+    expected = CostTable.from_rows("serving-gpu", "run-1", load_costs("tiny-cpu", db_url).rows())
+    expected.check = load_costs("tiny-cpu", db_url).check    # the profile's check travels with it
+    assert expected.check["status"] == "unchecked" and expected.spread
+    assert load_costs("serving-gpu", db_url) == expected
     hardware = {r["name"]: r for r in fetch(db_url, select(HardwareProfile))}
     assert set(hardware) == {"tiny-cpu", "serving-gpu"}
     assert (hardware["serving-gpu"]["device"], hardware["serving-gpu"]["dtype"],
@@ -645,7 +647,9 @@ def test_cli_profile_export_import_show(db_url, target, drafters, tmp_path, caps
     # v(K) shown as ratios: v(1) at batch 1 equals the stored ratio
     costs = load_costs("serving-gpu", db_url)
     row_1 = [line for line in out.splitlines() if line.count("│") >= 7 and line.split("│")[1].strip() == "1"][0]
-    assert row_1.split("│")[3].strip() == f"{costs.verify_ratios(1)[0]:.2f}"
+    spread = costs.spread[("verify", None, 1, 1)]
+    assert row_1.split("│")[3].strip() == f"{costs.verify_ratios(1)[0]:.2f} ±{100 * spread:.0f}%"
+    assert "check: unchecked (1 measurement(s), largest spread 0%)" in out   # one repeat: no spread
 
 
 def test_cli_profile_show_unknown_is_exit_2(db_url, capsys, wide_console):

@@ -21,6 +21,9 @@ SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2
          "SPECDEC_CONFIRM_REQUESTS": "2", "SPECDEC_CONFIRM_MAX_NEW_TOKENS": "12",
          "SPECDEC_GREEDY_CHECK_TOKENS": "8", "SPECDEC_BOOTSTRAP_SAMPLES": "200",
          "SPECDEC_PROMOTION_REGRESSION_TOLERANCE": "0.99",   # tiny-model timings are noise
+         # and so are their profiles and live speedups: the noise checks and the live veto are
+         # tested on their own (test_costs_plan.py, test_confirm_veto.py)
+         "SPECDEC_PROFILE_CHECKS": "false", "SPECDEC_LIVE_VETO": "false",
          # these runs test orchestration: a run's sample (and so the validated context) follows its
          # timestamped run id, and at the default alpha = 0.01 one run in a hundred fails validation
          # by design, which would fail a test about something else (statistics: test_validation.py)

@@ -139,6 +139,7 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
     import_traffic(sample_traffic_path(), db_url=url, progress=False)
     settings = load_settings({}, min_per_domain=5, max_per_domain=8, eval_k_max=4,
                              profile_batch_sizes=(1,), profile_repeats=1, confirm_requests=1,
+                             profile_checks=False, live_veto=False,   # one timing: no spread known
                              confirm_max_new_tokens=16, validation_rows=100, greedy_check_requests=1,
                              greedy_check_tokens=12, candidates=("prompt_lookup",), min_speedup=1.0)
     model, tokenizer = embedded

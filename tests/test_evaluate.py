@@ -20,6 +20,7 @@ from .conftest import VOCAB, tiny_llama, write_jsonl
 
 SETTINGS = dict(min_per_domain=5, max_per_domain=10, eval_k_max=3, profile_batch_sizes=(1, 2),
                 profile_repeats=1, profile_context_len=32, confirm_requests=2,
+                profile_checks=False, live_veto=False,     # tiny-model timings are noise
                 confirm_max_new_tokens=12, validation_rows=100, greedy_check_requests=2,
                 greedy_check_tokens=8, bootstrap_samples=200,
                 candidates=("prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"))
@@ -230,3 +231,87 @@ def test_confirm_requests_are_stratified_on_offline_e():
     # by value: f b d e c a h g; ranks 1, 3, 5, 7 are b, e, a, g -- kept in sample order
     assert picked == ["a", "b", "e", "g"]
     assert _stratified(requests, values, 10) == requests
+
+
+# ------------------------------------------------------------------------------------------------
+# live evidence can veto a domain turning on
+def timed(speedups, tokens=40, plain_s=1.0, predicted=None):
+    """per_request records of confirm: each request's measured speedup (and its prediction)."""
+    rows = []
+    for i, speedup in enumerate(speedups):
+        row = {"request_id": f"r{i}", "plain_tokens": tokens, "plain_decode_s": plain_s,
+               "spec_tokens": tokens, "spec_decode_s": plain_s / speedup,
+               "offline_tokens": None, "offline_cost": None}
+        if predicted is not None:     # cost in plain steps: tokens / predicted speedup
+            row.update(offline_tokens=float(tokens), offline_cost=tokens / predicted[i])
+        rows.append(row)
+    return rows
+
+
+def test_live_verdict_rules():
+    from tasks.confirm import live_verdict
+
+    settings = load_settings({})          # min_speedup 1.1, confirm_tolerance 0.25
+    turning_on = {"enabled": True, "champion_on": False, "predicted_speedup": 1.4}
+    # a quiet machine's correct "on": measured well above the minimum stands, and says it is weak
+    verdict = live_verdict(timed([1.5, 1.7, 1.6]), turning_on, settings, 1.55)
+    assert verdict["verdict"] == "pass" and verdict["weak"] and verdict["requests"] == 3
+    assert verdict["lo"] <= verdict["measured"] <= verdict["hi"]
+    assert verdict["reason"].startswith("live check: 1.60x measured [") and "weak evidence: 3" in verdict["reason"]
+    # slower than plain decoding
+    verdict = live_verdict(timed([0.95, 0.99, 0.97]), turning_on, settings, 1.35)
+    assert verdict["verdict"] == "veto" and "predicted: slower than plain decoding (weak" in verdict["reason"]
+    assert "vs 1.35x predicted" in verdict["reason"]
+    # confidently below the policy minimum: 1.02x with every request below 1.1
+    verdict = live_verdict(timed([1.0, 1.03, 1.05, 1.02, 1.01]), turning_on, settings, 1.34)
+    assert verdict["verdict"] == "veto" and "below min_speedup 1.10x" in verdict["reason"]
+    assert verdict["weak"] is False
+    # slower than predicted beyond the tolerance, on every request
+    verdict = live_verdict(timed([1.3, 1.3, 1.3], predicted=[2.0, 2.0, 2.0]), turning_on, settings, 2.0)
+    assert verdict["verdict"] == "veto" and "beyond the 25% tolerance" in verdict["reason"]
+    # one request far off is not confident: the interval reaches past the bar
+    verdict = live_verdict(timed([1.0, 1.6, 1.5]), turning_on, settings, 1.5)
+    assert verdict["verdict"] == "pass"
+    # a domain already on in the champion is not vetoed (flagged), nor is one the plan keeps off
+    for config in ({**turning_on, "champion_on": True}, {**turning_on, "enabled": False}):
+        assert live_verdict(timed([0.95, 0.99, 0.97]), config, settings, 1.35)["verdict"] == "flag"
+    # the setting switches the veto off
+    assert live_verdict(timed([0.95, 0.99, 0.97]), turning_on, load_settings({}, live_veto=False),
+                        1.35)["verdict"] == "flag"
+
+
+def test_confirm_vetoes_a_domain_turning_on_and_it_keeps_the_champions_setting(tiny_db, tiny_target):
+    from tasks.pipeline import RunSpec, step_confirm
+    from tasks.run_config import build_config
+
+    run(tiny_db, tiny_target, "veto", min_speedup=0.01)          # planned: every domain on
+    # the live check against a minimum no tiny model reaches: the domain turning on is vetoed
+    overrides = {**SETTINGS, "candidates": list(SETTINGS["candidates"]), "min_speedup": 100.0,
+                 "live_veto": True}
+    spec = RunSpec(run_id="veto", target="tiny", db_url=tiny_db, overrides=overrides)
+    engine = create_engine(tiny_db)
+    with engine.begin() as connection:      # qa is on in the champion: not vetoed, only flagged
+        connection.execute(DomainConfig.__table__.update().where(
+            (DomainConfig.run_id == "veto") & (DomainConfig.domain == "qa")).values(champion_on=True))
+    step_confirm(spec, "json")
+    step_confirm(spec, "qa")
+    with engine.connect() as connection:
+        rows = {r.domain: r for r in connection.execute(
+            select(DomainConfig).where(DomainConfig.run_id == "veto")).all()}
+        live = {r.domain: r for r in connection.execute(
+            select(LiveMeasurement).where(LiveMeasurement.run_id == "veto")).all()}
+    engine.dispose()
+    json_row, qa_row = rows["json"], rows["qa"]
+    assert json_row.enabled is False and json_row.live_check["verdict"] == "veto"
+    assert json_row.reason.startswith("live check: ")
+    # a tiny model may even measure slower than plain decoding: that veto reason comes first
+    assert ("below min_speedup 100.00x" in json_row.reason
+            or "slower than plain decoding" in json_row.reason)
+    assert "the champion's setting is kept (off)" in json_row.reason
+    assert json_row.k_schedule is None and json_row.max_batch_size is None
+    assert live["json"].measured_speedup_lo <= live["json"].measured_speedup <= live["json"].measured_speedup_hi
+    assert qa_row.enabled is True and qa_row.live_check["verdict"] == "flag"
+    config = build_config("veto", tiny_db)
+    assert config.domains["json"].enabled is False
+    assert config.domains["json"].reason.startswith("live check: ")
+    assert config.domains["qa"].enabled is True

@@ -24,7 +24,7 @@ def evaluation_rich_table(result: dict) -> Table:
                                f"{result['hardware_profile']} ({result['seconds']:.0f} s)"),
                   title_justify="left")
     for column in ("domain", "on", "drafter", "K", "max batch", "E[tokens/round]",
-                   "predicted speedup [95% CI]", "measured", "same requests", "cost-model err",
+                   "predicted speedup [95% CI]", "measured [95% CI]", "same requests", "cost-model err",
                    "sampling err", "validation", "note"):
         table.add_column(column, justify="left" if column in ("domain", "drafter", "note", "on",
                                                               "validation") else "right")
@@ -35,6 +35,13 @@ def evaluation_rich_table(result: dict) -> Table:
         note = [] if row["status"] == "ok" else [row["status"]]
         if str(row.get("reason") or "").startswith("kept on"):
             note.append("kept on: within hysteresis")
+        live = row.get("live_check") or {}
+        if live.get("verdict") == "veto":
+            note.append("live veto: " + live["reason"].split(": ", 1)[-1])
+        elif live.get("verdict") == "flag":
+            note.append("live flag")
+        if str(row.get("reason") or "").startswith("off: cost profile too noisy"):
+            note.append("cost profile too noisy")
         if row["gap"]:
             note.append("cost-model gap")
         if row.get("greedy_checked") and row["greedy_consistent"] != row["greedy_checked"]:
@@ -45,7 +52,9 @@ def evaluation_rich_table(result: dict) -> Table:
         table.add_row(row["domain"], "on" if row["enabled"] else "off", escape(row["drafter"] or "-"),
                       str(row["k"] or "-"), str(row["max_batch_size"] or "-"),
                       _fmt(row["mean_accepted_length"]), predicted,
-                      _fmt(row["measured_speedup"], suffix="x"),
+                      _fmt(row["measured_speedup"], suffix="x") + (
+                          "" if row.get("measured_speedup_lo") is None else
+                          f" [{row['measured_speedup_lo']:.2f}, {row['measured_speedup_hi']:.2f}]"),
                       _fmt(row.get("predicted_same_requests"), suffix="x"),
                       _percent(row.get("cost_model_error")), _percent(row.get("sampling_error")),
                       row["validation"] or "-",
@@ -69,6 +78,9 @@ def cmd_evaluate(args) -> int:
         print_json(result)
         return 0
     console.print(evaluation_rich_table(result))
+    from ..costs import profile_check_text
+
+    console.print(escape(profile_check_text(result.get("profile_check"))))
     fp = result["fingerprint"]
     console.print(f"target fingerprint {fp['id']}: {'ok' if fp['passed'] else 'FAILED: ' + '; '.join(fp['reasons'])}"
                   f"; steps (s): " + ", ".join(f"{k} {v:.0f}" for k, v in result["steps"].items()))
@@ -116,7 +128,9 @@ def cmd_profile_show(args) -> int:
 
     costs = load_costs(args.name, args.url, getattr(args, "run", None))
     table = Table(title=escape(f"cost profile {costs.hardware_profile} (run {costs.run_id}): "
-                               "ratios to one target step"), title_justify="left")
+                               "ratios to one target step, each with its spread (interquartile "
+                               "range / median; draft and overhead: over the step)"),
+                  title_justify="left")
     table.add_column("batch", justify="right")
     table.add_column("target step ms", justify="right")
     k_max = max(costs.k_max(b) for b in costs.batch_sizes)
@@ -128,13 +142,33 @@ def cmd_profile_show(args) -> int:
     overheads = sorted(costs.round_overhead)      # per round outside forwards and proposals
     for label in overheads:
         table.add_column(escape(f"overhead {label}"), justify="right")
+
+    def cell(value: str, key: tuple) -> str:
+        spread = costs.spread.get(key)
+        return value if spread is None else f"{value} ±{100 * spread:.0f}%"
+
     for b in costs.batch_sizes:
         ratios = costs.verify_ratios(b)
         step = costs.target_step[b]
-        table.add_row(str(b), f"{1000 * step:.1f}", *[f"{r:.2f}" for r in ratios],
-                      *[f"{costs.draft_ratio(label, b):.3f}" for label in drafters],
-                      *[f"{costs.round_overhead[label].get(b, 0.0) / step:.3f}" for label in overheads])
+        table.add_row(str(b), cell(f"{1000 * step:.1f}", ("target_step", None, None, b)),
+                      *[cell(f"{r:.2f}", ("verify", None, k, b)) for k, r in enumerate(ratios, 1)],
+                      *[cell(f"{costs.draft_ratio(label, b):.3f}", ("draft_step", label, None, b))
+                        for label in drafters],
+                      *[cell(f"{costs.round_overhead[label].get(b, 0.0) / step:.3f}",
+                             ("round_overhead", label, None, b)) for label in overheads])
     console.print(table)
+    check = costs.check
+    if check is None:
+        console.print("check: none recorded (measured or imported without one)")
+    elif check["status"] == "noisy":
+        console.print(f"[red]NOISY[/red] after {check['attempts']} measurement(s): "
+                      + escape("; ".join(check.get("reasons") or []))
+                      + ". The planner turns no domain on from it that the champion has off; "
+                        "measure again on a quiet machine or plan with a stored profile "
+                        "(--hardware-profile NAME).")
+    else:
+        console.print(f"check: {check['status']} ({check['attempts']} measurement(s), largest spread "
+                      f"{100 * (check.get('max_spread') or 0):.0f}%)")
     return 0
 
 

@@ -107,14 +107,19 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
 
     from ..config_schema import config_model_name
     from ..errors import RegistryError
+    from rich.markup import escape
+
+    from ..costs import profile_check, profile_check_text
     from ..evaluate import evaluation_table
     from ..tracking import show_version
     from .evaluation import evaluation_rich_table
 
     table = evaluation_table(dag_run.run_id)
+    check = profile_check(dag_run.run_id)
     console.print(evaluation_rich_table({"run_id": dag_run.run_id, "target": DEFAULT_MODEL,
                                          "hardware_profile": "this machine", "table": table,
                                          "seconds": time.perf_counter() - started}))
+    console.print(escape(profile_check_text(check)))
     try:
         champion = show_version(config_model_name(dag_run.conf.get("target") or DEFAULT_MODEL))
         console.print(f"champion: {champion['name']} version {champion['version']} (run "
@@ -131,7 +136,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
         "--port 5000   # then http://localhost:5000 (experiment specdec/..., model specdec-config-...)\n"
         f"  total {time.perf_counter() - started:.0f} s")
     return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": table,
-            "champion": champion, "task_states": states}
+            "champion": champion, "task_states": states, "profile_check": check}
 
 
 def register(sub) -> None:

@@ -187,6 +187,24 @@ class CostProfile(Base):
     batch_size: Mapped[int] = mapped_column(Integer)
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # 0007: interquartile range of the repeated timings over the median (draft steps and overheads:
+    # over the target step); None in profiles measured or imported without it
+    spread: Mapped[float | None] = mapped_column(Float)
+
+
+class CostProfileCheck(Base):
+    """Per run and hardware profile: whether its costs are consistent and quiet enough to plan on."""
+
+    __tablename__ = "cost_profile_checks"
+
+    run_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    hardware_profile: Mapped[str] = mapped_column(NAME, primary_key=True)
+    status: Mapped[str] = mapped_column(String(32))        # ok | noisy | unchecked (checks off)
+    reasons: Mapped[list | None] = mapped_column(JSON)     # what failed, in words
+    attempts: Mapped[int] = mapped_column(Integer)         # measurements taken (the last one is stored)
+    max_spread: Mapped[float | None] = mapped_column(Float)
+    details: Mapped[dict | None] = mapped_column(JSON)     # settings of the check, earlier attempts
+    created_at: Mapped[datetime] = mapped_column(DateTime)
 
 
 class HardwareProfile(Base):
@@ -238,6 +256,9 @@ class LiveMeasurement(Base):
     greedy_consistent: Mapped[int | None] = mapped_column(Integer)
     per_request: Mapped[list | None] = mapped_column(JSON)
     hardware: Mapped[dict | None] = mapped_column(JSON)    # the worker it ran on (as eval_runs)
+    # 0007: 95% interval of measured_speedup by bootstrap over the confirm requests
+    measured_speedup_lo: Mapped[float | None] = mapped_column(Float)
+    measured_speedup_hi: Mapped[float | None] = mapped_column(Float)
 
 
 class Validation(Base):
@@ -286,6 +307,11 @@ class DomainConfig(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     # 0005: K by batch size, [[first, last, K], ...] (tasks.plan.k_schedule)
     k_schedule: Mapped[list | None] = mapped_column(JSON)
+    # 0007: whether the domain is on in the champion config the plan compared against, and the
+    # live check's verdict ({verdict: pass | flag | veto | none, weak, measured, lo, hi, predicted,
+    # requests, reason}; tasks.confirm.live_verdict)
+    champion_on: Mapped[bool | None] = mapped_column(Boolean)
+    live_check: Mapped[dict | None] = mapped_column(JSON)
 
 
 class Promotion(Base):

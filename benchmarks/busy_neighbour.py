@@ -1,0 +1,126 @@
+"""The main job with and without a busy neighbour on the profile step (issue: decisions that
+survive a busy machine). Runs `specdec main-job` N times quiet and N times busy, alternating, each
+in its own SPECDEC_HOME (a fresh store: no champion, so every "on" is a domain turning on); in the
+busy runs, while the profile task runs, two other processes keep this machine's CPU busy (one
+spinning all the time, one in 3-second bursts, as a large pip install or a shared host does).
+Prints one table per run (per domain: on/off, predicted, measured, veto or noisy reason), the
+profile checks, and writes benchmarks/results/busy_neighbour.md.
+
+    python benchmarks/busy_neighbour.py --runs 3 --models .specdec/models --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SPIN = "import time\nwhile True:\n    pass\n"
+BURSTS = ("import time\nwhile True:\n    end = time.time() + 3\n    while time.time() < end:\n"
+          "        pass\n    time.sleep(3)\n")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_main_job(home: Path, models: Path, busy: bool, log: Path) -> float:
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "models").exists():
+        (home / "models").symlink_to(models.resolve())
+    env = dict(os.environ, SPECDEC_HOME=str(home), COLUMNS="250")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    start = time.perf_counter()
+    neighbours: list[subprocess.Popen] = []
+    with log.open("w") as out:
+        job = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "main-job"], cwd=ROOT,
+                               env=env, stdout=out, stderr=subprocess.STDOUT)
+        while job.poll() is None:
+            time.sleep(1)
+            text = log.read_text(errors="replace")
+            profiling = " s  profile" in text and " s  domains_of" not in text
+            if busy and profiling and not neighbours:
+                neighbours = [subprocess.Popen([sys.executable, "-c", code]) for code in (SPIN, BURSTS)]
+            if neighbours and not profiling:
+                for process in neighbours:
+                    process.kill()
+                    process.wait()
+                neighbours = []
+        for process in neighbours:
+            process.kill()
+    return time.perf_counter() - start
+
+
+def results(home: Path) -> dict:
+    db = sqlite3.connect(home / "specdec.db")
+    db.row_factory = sqlite3.Row
+    [run] = db.execute("SELECT run_id, hardware_profile FROM eval_runs ORDER BY created_at DESC LIMIT 1")
+    rows = [dict(r) for r in db.execute(
+        "SELECT d.domain, d.enabled, d.drafter, d.k, d.predicted_speedup, d.measured_speedup, "
+        "l.predicted_same_requests, l.cost_model_error, l.measured_speedup_lo, l.measured_speedup_hi, "
+        "d.reason FROM domain_configs d LEFT JOIN live_measurements l ON l.run_id = d.run_id AND "
+        "l.domain = d.domain WHERE d.run_id = ? ORDER BY d.domain", (run["run_id"],))]
+    check = db.execute("SELECT status, reasons, attempts, max_spread FROM cost_profile_checks "
+                       "WHERE run_id = ?", (run["run_id"],)).fetchone()
+    seconds = db.execute("SELECT MAX(created_at), MIN(created_at) FROM cost_profiles WHERE run_id = ?",
+                         (run["run_id"],)).fetchone()
+    return {"run_id": run["run_id"], "rows": rows, "check": dict(check) if check else None,
+            "profile_written": seconds[0]}
+
+
+def held_back(reason: str | None) -> str:
+    reason = reason or ""
+    if reason.startswith("off: cost profile too noisy"):
+        return "noisy profile"
+    if reason.startswith("live check:"):
+        return "live veto: " + reason.split(": ", 2)[-1].split(";")[0]
+    return ""
+
+
+def table(label: str, result: dict, seconds: float) -> str:
+    check = result["check"] or {}
+    reasons = json.loads(check["reasons"]) if isinstance(check.get("reasons"), str) else check.get("reasons")
+    lines = [f"### {label}: run {result['run_id']} ({seconds:.0f} s)", "",
+             f"cost profile: {check.get('status')}, {check.get('attempts')} measurement(s), largest "
+             f"spread {100 * (check.get('max_spread') or 0):.0f}%"
+             + (f"; reasons: {'; '.join(reasons)}" if reasons else ""), "",
+             "| domain | on | drafter, K | predicted | same requests | measured [95% CI] | cost-model err | held back by |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        x = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        ci = "" if r["measured_speedup_lo"] is None else f" [{r['measured_speedup_lo']:.2f}, {r['measured_speedup_hi']:.2f}]"
+        err = "-" if r["cost_model_error"] is None else f"{100 * r['cost_model_error']:+.0f}%"
+        lines.append(f"| {r['domain']} | {'on' if r['enabled'] else 'off'} | {r['drafter']} K={r['k']} | "
+                     f"{x(r['predicted_speedup'])} | {x(r['predicted_same_requests'])} | "
+                     f"{x(r['measured_speedup'])}{ci} | {err} | {held_back(r['reason'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--models", type=Path, default=ROOT / ".specdec" / "models")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/busy_neighbour"))
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    sections = []
+    for index in range(args.runs):
+        for busy in (False, True):
+            label = f"{'busy' if busy else 'quiet'} {index + 1}"
+            home = args.work / label.replace(" ", "-")
+            seconds = run_main_job(home, args.models, busy, args.work / f"{label.replace(' ', '-')}.log")
+            sections.append(table(label, results(home), seconds))
+            print(sections[-1] + "\n", flush=True)
+    if args.write:
+        out = ROOT / "benchmarks" / "results" / "busy_neighbour.md"
+        out.write_text("# The main job, quiet and with a busy neighbour on the profile step\n\n"
+                       "Command: `python benchmarks/busy_neighbour.py --runs "
+                       f"{args.runs} --write` (fresh store per run: no champion).\n\n"
+                       + "\n\n".join(sections) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
