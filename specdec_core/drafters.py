@@ -269,10 +269,11 @@ class LayerSkip(DraftModel):
         return {"kind": self.name, "params": {"num_layers": self.num_layers}}
 
 
-def find_continuation(sequence: np.ndarray, max_ngram: int, k: int, min_ngram: int = 1) -> np.ndarray:
-    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens.
-
-    Tries n = max_ngram down to min_ngram; empty when nothing matches.
+def find_continuation(sequence: np.ndarray, max_ngram: int, k: int, min_ngram: int = 1,
+                      occurrence: str = "earliest") -> np.ndarray:
+    """Up to k tokens that followed an earlier occurrence of the sequence's last n tokens: the
+    longest n from max_ngram down to min_ngram that occurs, at its earliest occurrence (vLLM's
+    `ngram` proposer's rule) or its latest (occurrence="latest"). Empty when nothing matches.
     """
     length = len(sequence)
     for n in range(max_ngram, min_ngram - 1, -1):
@@ -283,7 +284,7 @@ def find_continuation(sequence: np.ndarray, max_ngram: int, k: int, min_ngram: i
         windows = np.lib.stride_tricks.sliding_window_view(sequence[: length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[0 if occurrence == "earliest" else -1]) + n
             return sequence[start: start + k]
     return sequence[:0]
 
@@ -338,22 +339,29 @@ class PromptLookup(HostDrafter):
     No model. Proposes fewer than K tokens, or none, when nothing (or too little) matches.
     min_ngram defaults to 2: on the embedded default, single-token matches are accepted too rarely
     to pay for the wider verify pass (benchmarks/decode_cpu.py).
+    occurrence: which occurrence of the longest matched n-gram is copied from. "earliest" is vLLM's
+    `ngram` proposer's rule (the longest n in [min_ngram, max_ngram], its earliest occurrence, up
+    to K tokens until the end of the text), so the offline estimate scores what vLLM proposes and
+    the config exports as vLLM's `ngram` with these parameters; "latest" copies from the nearest
+    occurrence instead (no vLLM equivalent).
     """
 
     name = "prompt_lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"PromptLookup(max_ngram={max_ngram}, min_ngram={min_ngram}): need "
-                             "1 <= min_ngram <= max_ngram")
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, occurrence: str = "earliest"):
+        if not 1 <= min_ngram <= max_ngram or occurrence not in ("earliest", "latest"):
+            raise ValueError(f"PromptLookup(max_ngram={max_ngram}, min_ngram={min_ngram}, "
+                             f"occurrence={occurrence!r}): need 1 <= min_ngram <= max_ngram and "
+                             "occurrence 'earliest' or 'latest'")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.occurrence = occurrence
         from .lookup import warm_up
 
         warm_up()    # compiled (or loaded from numba's cache) here, never inside a timed decode
 
     def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
-        return find_continuation(sequence, self.max_ngram, limit, self.min_ngram)
+        return find_continuation(sequence, self.max_ngram, limit, self.min_ngram, self.occurrence)
 
     def propose_host(self, host, k):
         """The whole batch in one compiled call (lookup.lookup_batch; equal to propose_tokens
@@ -361,11 +369,13 @@ class PromptLookup(HostDrafter):
         from .lookup import lookup_batch
 
         return lookup_batch(host.prompts, host.prompt_len, host.out, host.n_out, host.limits, k,
-                            self.max_ngram, self.min_ngram)
+                            self.max_ngram, self.min_ngram, earliest=self.occurrence == "earliest")
 
     def describe(self) -> dict:
-        return {"kind": self.name, "params": {"max_ngram": self.max_ngram,
-                                              "min_ngram": self.min_ngram}}
+        params = {"max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+        if self.occurrence != "earliest":
+            params["occurrence"] = self.occurrence
+        return {"kind": self.name, "params": params}
 
 
 class SuffixDrafter(HostDrafter):

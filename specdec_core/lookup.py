@@ -3,9 +3,9 @@
 `find_continuation` (drafters.py) searches one row with numpy; over a batch that is one Python
 search per row, about 37 us each, so at batch 64 the host alone costs more than half a GPU step.
 `lookup_batch` runs the same search for every row in one call compiled by numba (the n-gram
-proposer of vLLM is compiled the same way): each row is scanned backwards from its end once, for
-every n at the same time, and the latest occurrence of the longest n -- usually close by -- ends
-the scan early. It reads the decode state's
+proposer of vLLM is compiled the same way): each row is scanned once, for every n at the same
+time, and the first full-length match ends the scan early (forwards for the earliest occurrence,
+vLLM's rule; backwards for the latest). It reads the decode state's
 left-padded prompts and the generated tokens in place (no concatenated copy): position p of row b
 is prompts[b, p] for p < T, else out[b, p - T]; a row's text starts after its padding and ends
 after its n_out[b] generated tokens.
@@ -26,14 +26,16 @@ except ImportError:          # pragma: no cover - numba is a dependency; kept im
     numba = None
 
 
-def _lookup_rows(prompts, prompt_len, out, n_out, limits, max_ngram, min_ngram, tokens, counts):
+def _lookup_rows(prompts, prompt_len, out, n_out, limits, max_ngram, min_ngram, earliest, tokens,
+                 counts):
     """Fill tokens[b, :counts[b]] with row b's continuation (see lookup_batch).
 
-    One backward pass per row: at each earlier position m holding the row's last token, the match
-    length L (tokens equal going back from m and from the row's end, at most max_ngram) says for
-    which n the window ending at m matches; the latest m for each n is kept, and an m with
-    L = max_ngram ends the scan (no n can do better). The largest n >= min_ngram found wins, as
-    find_continuation's loop from max_ngram down picks it."""
+    One pass per row over the earlier positions m holding the row's last token (forwards from the
+    text's start when `earliest`, else backwards from its end): the match length L (tokens equal
+    going back from m and from the row's end, at most max_ngram) says for which n the window
+    ending at m matches; the first m met for each n is kept, and an m with L = max_ngram ends the
+    scan (no n can do better). The largest n >= min_ngram found wins, as find_continuation's loop
+    from max_ngram down picks it."""
     batch, width = prompts.shape
     best = np.full(max_ngram + 1, -1, dtype=np.int64)
     for b in range(batch):
@@ -49,7 +51,8 @@ def _lookup_rows(prompts, prompt_len, out, n_out, limits, max_ngram, min_ngram, 
         q = end - 1
         last = prompts[b, q] if q < width else out[b, q - width]
         # m: the last position of a window; the window needs a token after it (m <= end - 2)
-        for m in range(end - 2, start - 1, -1):
+        first_m, stop, step = (start, end - 1, 1) if earliest else (end - 2, start - 1, -1)
+        for m in range(first_m, stop, step):
             a = prompts[b, m] if m < width else out[b, m - width]
             if a != last:
                 continue
@@ -91,9 +94,10 @@ def _kernel():
 
 def lookup_batch(prompts: np.ndarray, prompt_len: np.ndarray, out: np.ndarray, n_out: np.ndarray,
                  limits: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1,
-                 tokens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 tokens: np.ndarray | None = None, earliest: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [B, k], counts [B]): for each row, up to min(k, limits[b]) tokens that followed the
-    latest earlier occurrence of its text's last n tokens, n = max_ngram down to min_ngram.
+    earliest (earliest=False: the latest) earlier occurrence of its text's longest matched last n
+    tokens, n = max_ngram down to min_ngram (find_continuation's rule).
 
     prompts [B, T] left-padded (the last prompt_len[b] columns are row b's prompt), out [B, N]
     generated tokens (the first n_out[b] are row b's), limits [B] (0: nothing for that row).
@@ -108,7 +112,7 @@ def lookup_batch(prompts: np.ndarray, prompt_len: np.ndarray, out: np.ndarray, n
     limits = np.minimum(np.asarray(limits, dtype=np.int64), k)
     _kernel()(np.ascontiguousarray(prompts, dtype=np.int64), np.asarray(prompt_len, dtype=np.int64),
               np.ascontiguousarray(out, dtype=np.int64), np.asarray(n_out, dtype=np.int64), limits,
-              int(max_ngram), int(min_ngram), tokens, counts)
+              int(max_ngram), int(min_ngram), bool(earliest), tokens, counts)
     return tokens[:, :k], counts
 
 

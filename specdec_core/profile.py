@@ -203,8 +203,16 @@ class CostSampler:
         self._passes = 0       # passes run so far (the first: a warm-up)
         self.clear()
 
+    def keep_last(self, passes: int) -> None:
+        """Forget all but the last `passes` timings of every figure (each pass adds one to each):
+        a re-measurement then pools them with its own, so a single hiccup among few timings is
+        outvoted, while a slow phase that spoiled an earlier measurement ages out."""
+        for store in (self.forward, self.draft, self.outside):
+            for key in store:
+                store[key] = store[key][len(store[key]) - passes:] if passes > 0 else []
+
     def clear(self) -> None:
-        """Forget the timings taken so far (a re-measurement starts afresh)."""
+        """Forget the timings taken so far."""
         self.forward: dict[tuple[int, int], list[float]] = {}        # (batch, width): s
         self.draft: dict[tuple[str, int], list[float]] = {}          # (label, batch): s
         self.outside: dict[tuple[str, int], list[tuple]] = {}      # _OverheadProbe.run's

@@ -319,9 +319,12 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
 
     Every figure is timed settings.profile_repeats times, interleaved over batch sizes, widths and
     drafters (specdec_core.profile.CostSampler), and stored as its median with its spread. The
-    profile is then checked (check_costs); one that fails is measured afresh, up to
-    settings.profile_attempts times in all, and if it still fails it is stored marked `noisy`
-    with the reasons (the planner turns nothing on from it that the champion has off).
+    profile is then checked (check_costs); one that fails is measured again, up to
+    settings.profile_attempts times in all, each time pooling the new timings with the previous
+    measurement's only (one hiccup among three timings is outvoted by six; a slow phase that
+    spoiled the first measurement ages out of the third), and if it still fails it is stored
+    marked `noisy` with the reasons (the planner turns nothing on from it that the champion has
+    off).
 
     A suffix drafter without an index of its own is timed with an index over every stored
     response (its lookups cost more with more indexed tokens); tokenizer: for stored requests
@@ -353,7 +356,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
                 log.warning("run %s: cost profile %s is not trustworthy (%s); measuring again "
                             "(attempt %d of %d)", run_id, hardware["name"], "; ".join(reasons),
                             attempt, settings.profile_attempts)
-                sampler.clear()
+                sampler.keep_last(settings.profile_repeats)    # pooled with the last measurement
             with tqdm(total=settings.profile_repeats, disable=not progress,
                       desc=f"profile {hardware['name']}" + (f" (attempt {attempt})" if attempt > 1 else "")
                       ) as bar:

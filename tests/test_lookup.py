@@ -27,18 +27,20 @@ def _random_batch(rng, batch: int, width: int, generated: int, vocab: int):
 
 @pytest.mark.parametrize("vocab", [3, 6, 50])          # small vocabularies: many matches
 @pytest.mark.parametrize("ngrams", [(3, 1), (3, 2), (4, 4), (1, 1)])
-def test_batch_lookup_equals_the_per_row_search(vocab, ngrams):
+@pytest.mark.parametrize("occurrence", ["earliest", "latest"])
+def test_batch_lookup_equals_the_per_row_search(vocab, ngrams, occurrence):
     rng = np.random.default_rng(vocab * 10 + ngrams[0])
     max_ngram, min_ngram = ngrams
     k = 5
     for _ in range(20):
         prompts, prompt_len, out, n_out = _random_batch(rng, batch=9, width=12, generated=10, vocab=vocab)
         limits = rng.integers(-1, k + 3, 9)
-        tokens, counts = lookup_batch(prompts, prompt_len, out, n_out, limits, k, max_ngram, min_ngram)
+        tokens, counts = lookup_batch(prompts, prompt_len, out, n_out, limits, k, max_ngram, min_ngram,
+                                      earliest=occurrence == "earliest")
         assert tokens.shape == (9, k)
         for b in range(9):
             sequence = np.concatenate([prompts[b, 12 - prompt_len[b]:], out[b, :n_out[b]]])
-            expected = (find_continuation(sequence, max_ngram, min(k, limits[b]), min_ngram)
+            expected = (find_continuation(sequence, max_ngram, min(k, limits[b]), min_ngram, occurrence)
                         if limits[b] > 0 else sequence[:0])
             assert counts[b] == len(expected), (b, sequence, limits[b])
             assert tokens[b, :counts[b]].tolist() == expected.tolist()
@@ -102,3 +104,17 @@ def test_batch_suffix_search_spreads_over_many_occurrences_as_the_per_row_search
     for b in range(6):
         sequence = np.concatenate([prompts[b, 10 - prompt_len[b]:], out[b, :n_out[b]]])
         assert tokens[b, :counts[b]].tolist() == propose_path(sequence, 5, index, 2, 0.0, 3.0).tolist()
+
+
+def test_the_occurrence_rule_picks_the_earliest_or_the_latest_match():
+    # the longest matched n-gram [2, 3] occurs at 1 and at 5; vLLM's ngram rule copies from the first
+    sequence = np.array([1, 2, 3, 7, 8, 2, 3, 9, 2, 3])
+    assert find_continuation(sequence, 3, 4, 2).tolist() == [7, 8, 2, 3]
+    assert find_continuation(sequence, 3, 4, 2, "latest").tolist() == [9, 2, 3]
+    # a longer match wins over an earlier shorter one, whatever the rule
+    sequence = np.array([5, 3, 1, 4, 5, 2, 3, 6, 2, 3])
+    assert find_continuation(sequence, 3, 2, 1).tolist() == [6, 2]
+    assert PromptLookup().describe() == {"kind": "prompt_lookup", "params": {"max_ngram": 3, "min_ngram": 2}}
+    assert PromptLookup(occurrence="latest").describe()["params"]["occurrence"] == "latest"
+    with pytest.raises(ValueError, match="occurrence"):
+        PromptLookup(occurrence="nearest")

@@ -597,15 +597,28 @@ def test_vllm_export_per_domain():
     exported = vllm_export(config)
     assert exported["target"] == "tiny" and exported["run_id"] == "run-1" and exported["default"] is None
     spec = exported["speculative_config"]
+    # a schema 1 cut-off becomes vLLM's schedule of inclusive [first, last, K] ranges (no V0 keys)
     assert spec["json"] == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
-                            "prompt_lookup_min": 1, "disable_by_batch_size": 8}
+                            "prompt_lookup_min": 1,
+                            "num_speculative_tokens_per_batch_size": [[1, 8, 5], [9, 1 << 20, 0]]}
     assert spec["qa"] == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                           "prompt_lookup_min": 2}
     assert spec["summarize"] == {"method": "draft_model", "model": "models:/tiny-drafter/3",
-                                 "num_speculative_tokens": 4, "disable_by_batch_size": 4}
+                                 "num_speculative_tokens": 4,
+                                 "num_speculative_tokens_per_batch_size": [[1, 4, 4], [5, 1 << 20, 0]]}
     assert spec["code"] is None and spec["chat"] is None
+    assert not any("disable_by_batch_size" in s for s in spec.values() if s)
     assert set(exported["unsupported"]) == {"code"} and "layer_skip" in exported["unsupported"]["code"]
     assert json.loads(json.dumps(exported)) == exported
+    # one deployment per distinct config: the domains without speculation share one
+    deployments = {tuple(d["domains"]): d for d in exported["deployments"]}
+    assert set(deployments) == {("json",), ("qa",), ("summarize",), ("chat", "code")}
+    assert deployments[("chat", "code")]["command"] == "vllm serve tiny"
+    command = deployments[("qa",)]["command"]
+    assert command.startswith("vllm serve tiny --speculative-config '")
+    assert json.loads(command.split("--speculative-config ")[1].strip("'")) == spec["qa"]
+    assert vllm_export(config, target_path="/models/tiny")["deployments"][0]["command"].startswith(
+        "vllm serve /models/tiny")
 
 
 def test_k_by_batch_size_goes_to_each_engines_own_key():
@@ -620,8 +633,8 @@ def test_k_by_batch_size_goes_to_each_engines_own_key():
         chat={"enabled": False}))
     vllm = vllm_export(config)["speculative_config"]
     assert vllm["json"]["num_speculative_tokens"] == 5 and "disable_by_batch_size" not in vllm["json"]
-    assert vllm["json"]["num_speculative_tokens_per_batch_size"] == {
-        "1-1": 5, "2-2": 4, "3-4": 2, "5-8": 0, f"9-{1 << 20}": 0}
+    assert vllm["json"]["num_speculative_tokens_per_batch_size"] == [
+        [1, 1, 5], [2, 2, 4], [3, 4, 2], [5, 8, 0], [9, 1 << 20, 0]]
     trt = trtllm_export(config)
     assert trt["speculative_config"]["json"] == {"decoding_type": "NGram", "max_draft_len": 5,
                                                  "max_matching_ngram_size": 4,
