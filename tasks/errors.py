@@ -50,3 +50,11 @@ class RegistryError(SpecdecTaskError, RuntimeError):
 
 class RegistryUnavailable(RegistryError):
     """The MLflow tracking store cannot be reached (a retry may succeed)."""
+
+
+class ServingEnvUnavailable(SpecdecTaskError, RuntimeError):
+    """No serving environment (vLLM in its own virtual environment) is set up or configured."""
+
+
+class ServingProbeError(SpecdecTaskError, RuntimeError):
+    """The serving environment failed to answer (vLLM crashed, hung, or printed no answer)."""

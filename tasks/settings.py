@@ -186,6 +186,10 @@ class Settings(BaseModel):
         "domains that use it (the test checks the decoder, not the traffic)"))
     greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
     greedy_check_tokens: int = Field(default=24, ge=2)
+    # the serving engine: vLLM in its own virtual environment (`make serving-env`)
+    serving_python: str | None = Field(default=None, description=(
+        "python of the serving environment that has vLLM; None: .venv-serving/bin/python beside "
+        "the repository when it exists (`make serving-env`)"))
     # Airflow queues (CeleryExecutor / KubernetesExecutor workers; the LocalExecutor ignores them)
     gpu_queue: str = Field(default="gpu", min_length=1, description=(
         "queue of the tasks that run the model: profile, estimate, confirm, validate, the run's "
