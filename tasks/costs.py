@@ -234,7 +234,7 @@ def _store(engine, run_id: str, hardware: dict, table: CostTable) -> None:
 
 
 def check_costs(table: CostTable, raw_overhead: dict[int, dict[str, float]] | None = None,
-                max_spread: float = 0.15, noise_floor: float = 0.05,
+                max_spread: float = 0.25, noise_floor: float = 0.05,
                 verify_dip: float = 0.25, overhead_floor: float = 0.2) -> list[str]:
     """What makes a profile untrustworthy, in words (empty: consistent and quiet enough).
 

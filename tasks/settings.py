@@ -138,9 +138,10 @@ class Settings(BaseModel):
         "timings of every cost figure per measurement (interleaved; the median is stored)"))
     profile_attempts: int = Field(default=3, ge=1, description=(
         "measurements of a profile that fails its checks before it is stored marked noisy"))
-    profile_max_spread: float = Field(default=0.15, gt=0, description=(
+    profile_max_spread: float = Field(default=0.25, gt=0, description=(
         "largest spread of a cost figure (interquartile range of its timings over the median; "
-        "draft steps and overheads over the target step) in a trustworthy profile"))
+        "draft steps and overheads over the target step) in a trustworthy profile; a quiet 2-core "
+        "machine running the main job gave up to 19%, from one of three timings off"))
     profile_checks: bool = Field(default=True, description=(
         "check each measured cost profile for consistency and spread, re-measure a failing one "
         "and mark it noisy (off: every measurement is trusted; tests of orchestration on tiny "
