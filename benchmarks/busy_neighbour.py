@@ -1,12 +1,14 @@
 """The main job with and without a busy neighbour on the profile step (issue: decisions that
 survive a busy machine). Runs `specdec main-job` N times quiet and N times busy, alternating, each
 in its own SPECDEC_HOME (a fresh store: no champion, so every "on" is a domain turning on); in the
-busy runs, while the profile task runs, two other processes keep this machine's CPU busy (one
-spinning all the time, one in 3-second bursts, as a large pip install or a shared host does).
+busy runs, while the profile task runs, other processes keep this machine's CPU busy (default: one
+process in 3-second bursts, about what a large pip install does; --neighbours 2 adds one spinning
+all the time, which slows the profile's passes from about 27 s to 3-7 minutes on 2 cores).
 Prints one table per run (per domain: on/off, predicted, measured, veto or noisy reason), the
 profile checks, and writes benchmarks/results/busy_neighbour.md.
 
     python benchmarks/busy_neighbour.py --runs 3 --models .specdec/models --write
+    python benchmarks/busy_neighbour.py --plan quiet-2,busy-1 --models .specdec/models
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ BURSTS = ("import time\nwhile True:\n    end = time.time() + 3\n    while time.t
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_main_job(home: Path, models: Path, busy: bool, log: Path) -> float:
+def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: int = 1) -> float:
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "models").exists():
         (home / "models").symlink_to(models.resolve())
@@ -39,7 +41,7 @@ def run_main_job(home: Path, models: Path, busy: bool, log: Path) -> float:
         job = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "main-job"], cwd=ROOT,
                                env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _follow(job, log, busy, neighbours)
+            _follow(job, log, busy, neighbours, neighbours_n)
         finally:       # never leave a neighbour spinning (an interrupt included)
             for process in neighbours:
                 process.kill()
@@ -48,14 +50,15 @@ def run_main_job(home: Path, models: Path, busy: bool, log: Path) -> float:
     return time.perf_counter() - start
 
 
-def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list) -> None:
+def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list, count: int) -> None:
     """Wait for the job; while its profile task runs (busy runs only), keep two neighbours busy."""
     while job.poll() is None:
         time.sleep(1)
         text = log.read_text(errors="replace")
         profiling = " s  profile" in text and " s  domains_of" not in text
         if busy and profiling and not neighbours:
-            neighbours.extend(subprocess.Popen([sys.executable, "-c", code]) for code in (SPIN, BURSTS))
+            neighbours.extend(subprocess.Popen([sys.executable, "-c", code])
+                              for code in (BURSTS, SPIN)[:count])
         if neighbours and not profiling:
             for process in neighbours:
                 process.kill()
@@ -114,16 +117,21 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=ROOT / ".specdec" / "models")
     parser.add_argument("--work", type=Path, default=Path("/tmp/busy_neighbour"))
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--neighbours", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--plan", default=None, help="runs to make, e.g. quiet-2,busy-1 (default: "
+                                                    "quiet-1,busy-1,... alternating, --runs each)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # run the cleanup on a kill
     sections = []
-    for index in range(args.runs):
-        for busy in (False, True):
-            label = f"{'busy' if busy else 'quiet'} {index + 1}"
-            home = args.work / label.replace(" ", "-")
-            seconds = run_main_job(home, args.models, busy, args.work / f"{label.replace(' ', '-')}.log")
-            sections.append(table(label, results(home), seconds))
-            print(sections[-1] + "\n", flush=True)
+    plan = (args.plan.split(",") if args.plan else
+            [f"{kind}-{index + 1}" for index in range(args.runs) for kind in ("quiet", "busy")])
+    for name in plan:
+        busy = name.startswith("busy")
+        label = name.replace("-", " ")
+        home = args.work / name
+        seconds = run_main_job(home, args.models, busy, args.work / f"{name}.log", args.neighbours)
+        sections.append(table(label, results(home), seconds))
+        print(sections[-1] + "\n", flush=True)
     if args.write:
         out = ROOT / "benchmarks" / "results" / "busy_neighbour.md"
         out.write_text("# The main job, quiet and with a busy neighbour on the profile step\n\n"
