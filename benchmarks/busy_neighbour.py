@@ -55,7 +55,9 @@ def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list, coun
     while job.poll() is None:
         time.sleep(1)
         text = log.read_text(errors="replace")
-        profiling = " s  profile" in text and " s  domains_of" not in text
+        # the profile task runs from its start line until the first estimate starts (estimates
+        # wait for it; other tasks, such as domains_of, may start beside it)
+        profiling = " s  profile" in text and " s  per_domain.estimate" not in text
         if busy and profiling and not neighbours:
             neighbours.extend(subprocess.Popen([sys.executable, "-c", code])
                               for code in (BURSTS, SPIN)[:count])
