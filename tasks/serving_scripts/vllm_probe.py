@@ -33,13 +33,13 @@ def check_configs(request: dict) -> dict:
     for name, spec in request["configs"].items():
         try:
             EngineArgs(model=request["model"], speculative_config=spec,
-                       max_model_len=int(request.get("max_model_len", 2048)),
+                       max_model_len=request.get("max_model_len"),   # None: the model's own
                        enforce_eager=True).create_engine_config()
             out[name] = {"ok": True, "error": None}
         except Exception as exc:  # noqa: BLE001 - vLLM's own refusal, reported as it is
-            lines = [line for line in str(exc).splitlines() if line.strip()]
-            out[name] = {"ok": False, "error": f"{type(exc).__name__}: "
-                                                f"{lines[-1] if lines else ''}"[:1000]}
+            lines = [line.strip() for line in str(exc).splitlines()
+                     if line.strip() and "errors.pydantic.dev" not in line]
+            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {' | '.join(lines[-3:])}"[:1000]}
     return out
 
 
