@@ -140,7 +140,7 @@ def test_a_quiet_profile_of_the_tiny_model_is_not_marked_noisy(db_url, small_tar
     settings = load_settings({}, profile_repeats=5, profile_context_len=32)
     result = profile_costs("quiet", small_target, drafters, db_url=db_url,
                            hardware_profile="tiny-quiet", settings=settings, k_max=3,
-                           batch_sizes=[1, 2], progress=False)
+                           batch_sizes=[1, 8], progress=False)   # (1 and 2 rows cost alike here)
     assert result["check"]["status"] == "ok", result["check"]["reasons"]
     row = stored_check(db_url, "quiet")
     assert (row["status"], row["reasons"]) == ("ok", [])
