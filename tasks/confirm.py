@@ -78,17 +78,14 @@ def _offline(target, drafter, requests: list, k: int) -> dict:
 def _round_costs(run_id: str, engine, db_url: str, drafter_label: str, drafter_spec: dict | None):
     """f(RoundTotals) -> expected cost of its rounds in target steps at batch 1; None without a
     cost profile."""
-    from .costs import CostProfileError, load_costs
-    from .db.models import EvalRun
+    from .costs import CostProfileError, run_costs
     from .plan import speedup_factor
 
-    with engine.connect() as connection:
-        profile = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
-    if not profile:
+    costs = run_costs(run_id, db_url)
+    if costs is None:
         return None
     try:
-        costs = load_costs(profile, db_url)
-        costs.draft_ratio(drafter_label, 1)
+        costs.draft_ratio(drafter_label, 1)     # the profile has this drafter's step
     except CostProfileError:
         return None
 

@@ -443,9 +443,9 @@ def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | N
     return table
 
 
-def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
-    """The check of the cost profile the run planned with: {hardware_profile, profile_run, status,
-    reasons, attempts, max_spread}; None before the profile step (or for a profile without one)."""
+def run_costs(run_id: str, db_url: str | None = None) -> CostTable | None:
+    """The cost profile the run plans with (eval_runs.hardware_profile, its newest run); None
+    before the profile step or when that profile is gone."""
     from .db.models import EvalRun
 
     engine = ensure_ready(database_url(db_url))
@@ -454,12 +454,18 @@ def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
     if not name:
         return None
     try:
-        costs = load_costs(name, db_url)
+        return load_costs(name, db_url)
     except CostProfileError:
         return None
-    if costs.check is None:
+
+
+def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
+    """The check of the cost profile the run planned with: {hardware_profile, profile_run, status,
+    reasons, attempts, max_spread}; None before the profile step (or for a profile without one)."""
+    costs = run_costs(run_id, db_url)
+    if costs is None or costs.check is None:
         return None
-    return {"hardware_profile": name, "profile_run": costs.run_id, **costs.check}
+    return {"hardware_profile": costs.hardware_profile, "profile_run": costs.run_id, **costs.check}
 
 
 def profile_check_text(check: dict | None) -> str:
