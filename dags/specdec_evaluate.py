@@ -12,7 +12,10 @@ demand from the trigger form, for the target model:
 4. per domain (mapped): **estimate** acceptance offline and **plan** drafter, K, max batch size and
    on/off; **confirm** live (pool `specdec_timing`); **validate** the sampling distribution;
 5. **finish**: domains whose steps failed are recorded as failed (the champion's setting is kept),
-   greedy exact match and target fingerprint once, result-table checks;
+   greedy exact match and target fingerprint once, result-table checks; **engine_check**: each
+   domain the plan turns on is served by vLLM (the serving environment) with its exported config,
+   its requests replayed, vLLM's acceptance counters compared with the estimate (a domain that
+   falls short, or whose config vLLM refuses, is turned off; no serving environment: skipped);
 6. **register** the config in MLflow (alias `challenger`), **promote** it when asked and the gates
    pass (alias `champion`, compare-and-set), and publish the assets below.
 
@@ -24,10 +27,11 @@ Connections and secrets: the specdec database comes from the Airflow connection 
 (or `$SPECDEC_DATABASE_URL`), MLflow from `$MLFLOW_TRACKING_URI`. Retries: a database or
 tracking-server outage is retried; bad input and failed gates fail the task at once.
 
-Queues: the tasks that run the model (profile, estimate, confirm, validate, finish) take the
-queue `gpu_queue` of the settings (default `gpu`), the others `cpu_queue` (default `default`): with
-the CeleryExecutor, GPU workers listen on the first. Tasks pass only small JSON (XCom), the
-database and the MLflow store between them: no shared disk. The timing pool spans every worker.
+Queues: the tasks that run the model (profile, estimate, confirm, validate, finish, engine_check)
+take the queue `gpu_queue` of the settings (default `gpu`), the others `cpu_queue` (default
+`default`): with the CeleryExecutor, GPU workers listen on the first. Tasks pass only small JSON
+(XCom), the database and the MLflow store between them: no shared disk. The timing pool spans
+every worker.
 
 Every step is a function of `tasks.pipeline`; this file only wires them (the glue shared by the
 DAGs is `tasks.airflow_glue`). The Param `samples_per_domain` was renamed `max_per_domain`; the
@@ -164,6 +168,22 @@ def specdec_evaluate():
         with task_errors():
             return step_finish(spec, insufficient=checked["insufficient"])
 
+    @task(retries=0, queue=GPU_QUEUE)
+    def engine_check(spec: dict, finished: dict) -> dict:
+        """Each domain the plan turns on, served by vLLM with its exported config (skipped, with
+        one line saying how to make one, when there is no serving environment)."""
+        from tasks.pipeline import step_engine_check
+
+        with task_errors():
+            result = step_engine_check(spec)
+        if result["skipped"]:
+            print(result["skipped"])
+        for domain, row in sorted(result["domains"].items()):
+            print(f"{domain}: {row['status']}: {row['reason']}")
+        return {"skipped": result["skipped"],
+                "domains": {d: {"status": r["status"], "passed": r["passed"]}
+                            for d, r in result["domains"].items()}}
+
     @task
     def register(spec: dict, finished: dict) -> dict:
         from tasks.pipeline import step_register
@@ -232,7 +252,9 @@ def specdec_evaluate():
         domain=domains_of(checked))
     finished = finish(spec, checked)
     validated >> finished
+    engine_checked = engine_check(spec, finished)
     registered = register(spec, finished)
+    engine_checked >> registered
     promoted = promote(spec, registered)
     acceptance_alert(spec, finished)
     reported = report(spec, finished)

@@ -90,19 +90,29 @@ def _load_pretrained(source: str | Path, device, dtype, **kwargs):
     return model, tokenizer
 
 
-def _save_dequantized(model, tokenizer, directory: Path) -> None:
-    """Save a model loaded from GGUF as a plain transformers directory (fp32 safetensors).
+def save_transformers_dir(model, tokenizer, directory: Path) -> None:
+    """Save a model as a plain transformers directory (safetensors) that other loaders read too.
 
     save_pretrained refuses models loaded from GGUF (they are flagged as quantized), although the
-    weights are already dequantized; write config, weights and tokenizer directly instead.
+    weights are already dequantized; write config, weights and tokenizer directly instead. The
+    config names the architecture (a serving engine resolves the class from it), and tied
+    embeddings are stored under the input embedding's name (a loader that ties them, vLLM's
+    included, reads that one and skips the output layer's).
     """
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = [type(model).__name__]
     config.save_pretrained(directory)
-    save_model(model, str(directory / "model.safetensors"))
+    state = model.state_dict()
+    output = model.get_output_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and output is not None:
+        state = {name: tensor for name, tensor in state.items()
+                 if not (tensor.data_ptr() == output.weight.data_ptr() and name.startswith("lm_head"))}
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(directory)
 
 
@@ -116,7 +126,7 @@ def _load_embedded(entry: EmbeddedModel, device, dtype):
                                             gguf_file=gguf_path.name)
         staging = Path(tempfile.mkdtemp(dir=cache_dir))
         try:
-            _save_dequantized(model, tokenizer, staging)
+            save_transformers_dir(model, tokenizer, staging)
             if converted.exists():
                 shutil.rmtree(converted)
             os.replace(staging, converted)

@@ -54,21 +54,21 @@ def _stratified(requests: list, values: list[float], count: int) -> list:
     return [requests[i] for i in picks]
 
 
-def _truncated(request, new_tokens: int):
+def truncated(request, new_tokens: int):
     from specdec_core.estimate import LoggedRequest
 
     return LoggedRequest(request.request_id, request.prompt_ids, list(request.response_ids)[:new_tokens],
                          request.sampling, request.domain)
 
 
-def _offline(target, drafter, requests: list, k: int) -> dict:
+def offline_totals(target, drafter, requests: list, k: int) -> dict:
     """{request id: RoundTotals} of the planned drafter at K (requests of 2+ response tokens)."""
     from specdec_core.estimate import estimate_acceptance
 
     usable = [r for r in requests if len(r.response_ids) >= 2]
     if not usable:
         return {}
-    pooled = [_truncated(r, len(r.response_ids)) for r in usable]
+    pooled = [truncated(r, len(r.response_ids)) for r in usable]
     for request in pooled:
         request.domain = "all"
     estimate = estimate_acceptance(target, drafter, pooled, [k], progress=False, n_boot=100)
@@ -156,7 +156,7 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     drafter = drafters[config["drafter"]][1]
     k = int(config["k"])
     # stratify on the requests' own offline E, then estimate exactly what will be decoded
-    whole = _offline(target, drafter, requests, k)
+    whole = offline_totals(target, drafter, requests, k)
     candidates = [r for r in requests if r.request_id in whole] or list(requests)
     subset = _stratified(candidates, [whole[r.request_id].expected_tokens_per_round
                                       if r.request_id in whole else 0.0 for r in candidates],
@@ -167,7 +167,7 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     cut_ids = {r.request_id for r in cut}
     decoded = {r.request_id: whole[r.request_id] for r in subset
                if r.request_id in whole and r.request_id not in cut_ids}
-    decoded.update(_offline(target, drafter, [_truncated(r, lengths[r.request_id]) for r in cut], k))
+    decoded.update(offline_totals(target, drafter, [truncated(r, lengths[r.request_id]) for r in cut], k))
     cost_of = _round_costs(run_id, engine, url, config["drafter"], config["drafter_spec"])
     device = next(target.parameters()).device
     spec_decoder = SpecDecoder(target, drafter, k=k)

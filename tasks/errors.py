@@ -58,3 +58,7 @@ class ServingEnvUnavailable(SpecdecTaskError, RuntimeError):
 
 class ServingProbeError(SpecdecTaskError, RuntimeError):
     """The serving environment failed to answer (vLLM crashed, hung, or printed no answer)."""
+
+
+class EngineTimeout(ServingProbeError):
+    """A serving engine did not start or finish its replay in time (killed; its log is named)."""

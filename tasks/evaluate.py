@@ -12,22 +12,25 @@ import time
 from sqlalchemy import select
 
 from .db.engine import database_url, ensure_ready
-from .db.models import DomainConfig, LiveMeasurement
+from .db.models import DomainConfig, EngineCheck, LiveMeasurement
 from .errors import SpecdecTaskError
-from .pipeline import (RunSpec, record_domain_failure, step_check, step_confirm, step_estimate,
-                       step_finish, step_profile, step_promote, step_register, step_sample,
-                       step_validate, use_model)
+from .pipeline import (RunSpec, record_domain_failure, step_check, step_confirm, step_engine_check,
+                       step_estimate, step_finish, step_profile, step_promote, step_register,
+                       step_sample, step_validate, use_model)
 from .costs import profile_check
 from .settings import DEFAULT_MODEL, Settings, load_settings
 from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
+ENGINE_COLUMNS = {"engine_status": "status", "engine_e": "engine_e", "engine_estimate_e": "estimate_e",
+                  "engine_passed": "passed"}     # the engine check (tasks.engine_check) on vLLM
 TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_accepted_length",
                  "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
                  "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",
                  "predicted_same_requests", "cost_model_error", "sampling_error", "greedy_checked",
-                 "greedy_consistent", "live_check", "measured_speedup_lo", "measured_speedup_hi")
+                 "greedy_consistent", "live_check", "measured_speedup_lo", "measured_speedup_hi",
+                 *ENGINE_COLUMNS)
 LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_error",
                 "greedy_checked", "greedy_consistent", "measured_speedup_lo", "measured_speedup_hi")
 
@@ -45,8 +48,17 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
         live = {row["domain"]: row for row in connection.execute(
             select(LiveMeasurement.domain, *[getattr(LiveMeasurement, c) for c in LIVE_COLUMNS])
             .where(LiveMeasurement.run_id == run_id)).mappings()}
-    return [{column: ((live.get(row["domain"]) or {}).get(column) if column in LIVE_COLUMNS
-                      else row[column]) for column in TABLE_COLUMNS} for row in configs]
+        checked = {row["domain"]: row for row in connection.execute(
+            select(EngineCheck.domain, *[getattr(EngineCheck, c) for c in ENGINE_COLUMNS.values()])
+            .where(EngineCheck.run_id == run_id)).mappings()}
+
+    def value(row, column):
+        if column in LIVE_COLUMNS:
+            return (live.get(row["domain"]) or {}).get(column)
+        if column in ENGINE_COLUMNS:
+            return (checked.get(row["domain"]) or {}).get(ENGINE_COLUMNS[column])
+        return row[column]
+    return [{column: value(row, column) for column in TABLE_COLUMNS} for row in configs]
 
 
 def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
@@ -107,6 +119,8 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
         lap(name)
     finished = step_finish(spec, insufficient=checked["insufficient"])
     lap("finish")
+    engine_checked = step_engine_check(spec)
+    lap("engine_check")
     registered = promoted = None
     if register or promote:
         registered = step_register(spec)
@@ -118,5 +132,5 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
             "registered": registered, "promoted": promoted, "failed": finished["failed"],
             "hardware_profile": profile, "sample": sample, "excluded": finished["excluded"],
             "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
-            "profile_check": profile_check(spec.run_id, spec.url),
+            "profile_check": profile_check(spec.run_id, spec.url), "engine_check": engine_checked,
             "seconds": round(sum(steps.values()), 1)}

@@ -4,12 +4,13 @@ JSON-able results, so the same run works from the CLI (tasks.evaluate), tests an
 
 Walk (docs/design.md): sample -> check -> profile -> per domain: estimate + plan -> confirm -> validate
 -> finish (insufficient and failed domains recorded, greedy check and fingerprint once, result
-checks) -> register -> promote -> report. Every step stores its rows by run id, so a retried step
-replaces its own rows; a domain's failure is recorded and does not touch the other domains.
+checks) -> engine check (each config served by vLLM) -> register -> promote -> report. Every step
+stores its rows by run id, so a retried step replaces its own rows; a domain's failure is recorded and does not touch the other domains.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -382,6 +383,28 @@ def _has_sampling_test(engine, run_id: str, domain: str) -> bool:
         return connection.execute(select(Validation.id).where(
             (Validation.run_id == run_id) & (Validation.domain == domain)
             & (Validation.check_name == "sampling")).limit(1)).scalar() is not None
+
+
+def step_engine_check(spec) -> dict:
+    """Serve each domain the plan turns on with its exported config on vLLM (tasks.engine_check);
+    a domain whose engine check fails is turned off before register."""
+    from .engine_check import engine_check
+
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    if not settings.engine_check:
+        return {"skipped": "engine check off (setting engine_check)", "domains": {}, "engines": []}
+    engine = ensure_ready(spec.url)
+    with engine.connect() as connection:
+        domains = sorted(connection.execute(select(DomainConfig.domain).where(
+            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok")
+            & DomainConfig.enabled.is_(True))).scalars())
+    models = loaded(spec)
+    result = engine_check(spec.run_id, spec.target, models["model"],
+                          {d: domain_drafters(spec, d) for d in domains},
+                          {d: _domain_requests(spec, d)[0] for d in domains},
+                          db_url=spec.url, settings=settings)
+    return json.loads(json.dumps(result, default=str))
 
 
 def step_register(spec) -> dict:

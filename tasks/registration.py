@@ -17,6 +17,7 @@ from .config_schema import config_model_name, parse_config
 from .costs import profile_check
 from .db.engine import database_url, ensure_ready
 from .db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
+from .engine_check import engine_checks, engine_markdown
 from .promotion import current_user, gates_for, record_promotion
 from .quality import data_docs_pages
 from .run_config import build_config, changes_markdown, domain_table_markdown, run_row, validation_status
@@ -262,11 +263,16 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                   if s.reason and s.reason.startswith("live check:")]
         veto_text = ("**Vetoed by the live check** (planned on, measured too slow; off):\n\n"
                      + "\n".join(vetoes) + "\n\n") if vetoes else ""
+        held = [f"- **{name}**: {s.reason}" for name, s in sorted(config.domains.items())
+                if s.reason and s.reason.startswith("engine check:")]
+        veto_text += ("**Turned off by the engine check** (planned on; on vLLM it refused, died or "
+                      "accepted less than estimated):\n\n" + "\n".join(held) + "\n\n") if held else ""
         description = (f"## specdec config of run {run_id}\n\n{warning}{noise}{veto_text}target "
                        f"`{config.target.id}` "
                        f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`"
                        f"{'' if check is None else ' (' + check['status'] + ')'}, "
                        f"validation **{validation_status(config)}**\n\n{domain_table_markdown(config)}\n\n"
+                       f"### On vLLM (engine check)\n\n{engine_markdown(engine_checks(run_id, db_url))}\n\n"
                        f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
                        + gates_markdown(gates, f"preview at registration against champion "
                                                f"{champion_version or 'none'}; `specdec config promote` "

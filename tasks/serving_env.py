@@ -62,19 +62,84 @@ def probe(command: str, request: dict, settings: Settings | None = None,
     return json.loads(answer[0])
 
 
+def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
+               settings: Settings | None = None) -> dict:
+    """One engine in the serving environment (vllm_probe.py replay): started with the request's
+    speculative config, in-process (no engine-core child to leave behind), its log written to
+    `log_path`. Past `timeout_s` it is killed: EngineTimeout names `what` and the log."""
+    import os
+
+    from .errors import EngineTimeout
+
+    python = serving_python(settings)
+    settings = settings or load_settings()
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_KVCACHE_SPACE=str(settings.engine_kv_cache_gib))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log_file:
+        try:
+            done = subprocess.run([str(python), str(PROBE), "replay"], input=json.dumps(request),
+                                  stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                  timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise EngineTimeout(f"{what}: the engine did not finish within {timeout_s:.0f} s "
+                                f"(engine_check_timeout_s); its log: {log_path}") from None
+    answer = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+    if done.returncode != 0 or not answer:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+        raise ServingProbeError(f"{what}: the engine exited with {done.returncode}: {tail[0][:500]}; "
+                                f"its log: {log_path}")
+    return json.loads(answer[0])
+
+
+SERVED_MARK = "specdec_served.json"     # written beside a target directory made for serving
+
+
 def served_model_dir(target: str) -> Path:
-    """The transformers directory a serving engine loads for `target`: the embedded default's
-    dequantized copy under $SPECDEC_HOME/models (made on its first load), or the target's own
-    directory."""
-    from specdec_core.models import EMBEDDED_MODELS, load_model, models_dir
+    """The transformers directory a serving engine loads for `target`, with its fingerprint.
+
+    The embedded default: its dequantized copy under $SPECDEC_HOME/models, (re)written once in the
+    form serving engines load (the architecture named, tied embeddings under the input
+    embedding's name) with the weights' fingerprint in `specdec_served.json` beside them. Any
+    other target: its own transformers directory, as it is."""
+    from specdec_core.models import EMBEDDED_MODELS, models_dir
 
     if target.lower() in EMBEDDED_MODELS:
         directory = models_dir() / target.lower() / "transformers"
-        if not (directory / "config.json").exists():
-            load_model(target, device="cpu")
+        if not (directory / SERVED_MARK).exists():
+            _write_served(target, directory)
         return directory
     path = Path(target).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise ServingEnvUnavailable(f"target {target!r} is not the embedded default nor a transformers "
                                 "directory: give the serving engine the target's directory")
+
+
+def served_fingerprint(directory: Path) -> str | None:
+    """The fingerprint recorded beside a directory made for serving (None: not one of ours)."""
+    mark = Path(directory) / SERVED_MARK
+    return json.loads(mark.read_text())["fingerprint"] if mark.exists() else None
+
+
+def _write_served(target: str, directory: Path) -> None:
+    import os
+    import shutil
+    import tempfile
+
+    from specdec_core.models import load_model, save_transformers_dir
+    from specdec_core.validation import fingerprint_id, target_fingerprint
+
+    model, tokenizer = load_model(target, device="cpu")       # writes the directory on first use
+    staging = Path(tempfile.mkdtemp(dir=directory.parent))
+    try:
+        save_transformers_dir(model, tokenizer, staging)
+        (staging / SERVED_MARK).write_text(json.dumps(
+            {"target": target, "fingerprint": fingerprint_id(target_fingerprint(model))}))
+        old = directory.with_name(directory.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        os.replace(staging, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -191,6 +191,26 @@ class Settings(BaseModel):
     serving_python: str | None = Field(default=None, description=(
         "python of the serving environment that has vLLM; None: .venv-serving/bin/python beside "
         "the repository when it exists (`make serving-env`)"))
+    engine_check: bool = Field(default=True, description=(
+        "before register: serve each domain the plan turns on with its exported config on vLLM "
+        "in the serving environment, replay its requests and compare vLLM's own acceptance "
+        "counters with the estimate (skipped, with one line, when there is no serving environment)"))
+    engine_check_required: bool = Field(default=False, description=(
+        "a missing serving environment fails the engine check instead of skipping it"))
+    engine_check_requests: int = Field(default=8, ge=1, description=(
+        "requests per domain the engine check replays: the domain's confirm requests first, then "
+        "the sample's next ones in draw order"))
+    engine_check_tolerance: float = Field(default=0.05, ge=0, description=(
+        "gate: a domain is not promotable as on when vLLM's mean accepted length falls below the "
+        "lower end of the estimate's 95% interval by more than this fraction"))
+    engine_check_history: int = Field(default=16, ge=0, description=(
+        "suffix decoding: requests of the domain's sample served first (not measured), so vLLM's "
+        "suffix tree holds the domain's history before the replay"))
+    engine_check_timeout_s: float = Field(default=900.0, gt=0, description=(
+        "one engine's start and replay; past it the engine is killed and its domains fail the "
+        "check, naming the engine log"))
+    engine_kv_cache_gib: int = Field(default=2, ge=1, description=(
+        "VLLM_CPU_KVCACHE_SPACE of a CPU engine (GiB)"))
     # Airflow queues (CeleryExecutor / KubernetesExecutor workers; the LocalExecutor ignores them)
     gpu_queue: str = Field(default="gpu", min_length=1, description=(
         "queue of the tasks that run the model: profile, estimate, confirm, validate, the run's "

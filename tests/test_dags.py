@@ -24,6 +24,7 @@ SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2
          # and so are their profiles and live speedups: the noise checks and the live veto are
          # tested on their own (test_costs_plan.py, test_confirm_veto.py)
          "SPECDEC_PROFILE_CHECKS": "false", "SPECDEC_LIVE_VETO": "false",
+         "SPECDEC_ENGINE_CHECK": "false",   # vLLM: test_vllm_serving.py and test_embedded.py
          # these runs test orchestration: a run's sample (and so the validated context) follows its
          # timestamped run id, and at the default alpha = 0.01 one run in a hundred fails validation
          # by design, which would fail a test about something else (statistics: test_validation.py)

@@ -141,7 +141,8 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
                              profile_batch_sizes=(1,), profile_repeats=1, confirm_requests=1,
                              profile_checks=False, live_veto=False,   # one timing: no spread known
                              confirm_max_new_tokens=16, validation_rows=100, greedy_check_requests=1,
-                             greedy_check_tokens=12, candidates=("prompt_lookup",), min_speedup=1.0)
+                             greedy_check_tokens=12, candidates=("prompt_lookup",), min_speedup=1.0,
+                             engine_check_requests=3)
     model, tokenizer = embedded
     result = evaluate(run_id="embedded", target="smollm2-135m-instruct", db_url=url,
                       settings=settings, domains=["json", "creative"], model=model,
@@ -156,3 +157,15 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
     for row in table.values():
         assert row["measured_speedup"] > 0
         assert row["validation"] == ("passed" if row["enabled"] else "not_needed")
+    # the engine check: what the plan turns on, served by vLLM (where a serving environment is)
+    from tasks import serving_env
+
+    checked = result["engine_check"]
+    if not serving_env.available():
+        assert "make serving-env" in checked["skipped"]
+        return
+    assert checked["skipped"] is None and "json" in checked["domains"]
+    json_check = checked["domains"]["json"]
+    assert json_check["status"] == "ok" and json_check["engine_e"] > 1.0, json_check["reason"]
+    assert json_check["greedy_equal"] == json_check["greedy_checked"]
+    assert table["json"]["engine_e"] == pytest.approx(json_check["engine_e"])

@@ -109,3 +109,133 @@ def test_ngram_proposals_equal_vllms(serving):
                                           np.full(len(chunk), k), k, max_n, min_n)
             for row in range(len(chunk)):
                 assert tokens[row, :counts[row]].tolist() == answer[start + row]
+
+
+# --- the engine check: configs served by vLLM, its counters beside the estimate -----------------
+ENGINE_DOMAINS = {
+    # domain: (candidate, K, sampling of its requests)
+    "loops": ("prompt_lookup:max_ngram=3,min_ngram=1", 3, {"temperature": 0.0}),
+    "sampled": ("prompt_lookup:max_ngram=3,min_ngram=1", 3, {"temperature": 0.8, "top_p": 0.9}),
+    "topk": ("prompt_lookup:max_ngram=3", 2, {"temperature": 0.8, "top_k": 5}),
+    "missing": ("draft_model:model=/nonexistent/draft", 2, {"temperature": 0.0}),
+    "layers": ("layer_skip:num_layers=1", 2, {"temperature": 0.0}),
+}
+
+
+def _logged_requests(model, domain: str, sampling: dict, count: int = 6, new_tokens: int = 24):
+    """Requests of a domain logged as the target answered them: our own decoding with the
+    domain's sampling parameters (greedy rows are what vLLM must reproduce), cut after the
+    first end-of-sequence token (where vLLM stops too)."""
+    import torch
+
+    from specdec_core import SamplingParams, SpecDecoder
+    from specdec_core.drafters import PromptLookup
+    from specdec_core.estimate import LoggedRequest
+
+    decoder = SpecDecoder(model, PromptLookup(), k=2)
+    rng = np.random.default_rng(len(domain))
+    requests = []
+    for index in range(count):
+        motif = rng.integers(3, 24, 5).tolist()
+        prompt = [1] + (motif * 4)[: 12 + index] + rng.integers(3, 24, 6).tolist()
+        params = SamplingParams(**sampling)
+        result = decoder.generate_plain(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                        sampling=params, seed=index)
+        response = result.tokens[0, : result.num_tokens[0]].tolist()
+        if 2 in response:
+            response = response[: response.index(2) + 1]
+        requests.append(LoggedRequest(f"{domain}-{index}", prompt, response, params, domain))
+    return requests
+
+
+@pytest.fixture(scope="module")
+def engine_run(serving, tmp_path_factory):
+    """One engine check over the scenario domains: a finished run in its own database."""
+    from specdec_core import load_model
+    from tasks.candidates import build_drafters, candidate_label, parse_candidate
+    from tasks.db import upgrade
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, EvalRun
+    from tasks.engine_check import engine_check
+    from tasks.settings import load_settings
+    from tasks.timeutil import utcnow
+
+    base = tmp_path_factory.mktemp("engine-check")
+    # a small vocabulary: the random target's answers repeat themselves, so n-grams match
+    target_dir = save_tiny_target(tiny_llama(vocab=24, hidden=128, heads=4, layers=2), base / "target")
+    model, tokenizer = load_model(str(target_dir), device="cpu")
+    url = f"sqlite:///{base / 'specdec.db'}"
+    upgrade(url)
+    now = utcnow()
+    requests, drafters = {}, {}
+    with ensure_ready(url).begin() as connection:
+        connection.execute(EvalRun.__table__.insert().values(
+            run_id="r1", created_at=now, updated_at=now, status="evaluated", target_id=str(target_dir),
+            target_fingerprint="sha256:test", hardware_profile="cpu"))
+        for domain, (candidate, k, sampling) in ENGINE_DOMAINS.items():
+            spec = parse_candidate(candidate)
+            label = candidate_label(spec)
+            if spec["kind"] != "draft_model":
+                drafters[domain] = build_drafters([candidate], model, tokenizer, None)
+            requests[domain] = _logged_requests(model, domain, sampling)
+            connection.execute(DomainConfig.__table__.insert().values(
+                run_id="r1", domain=domain, enabled=True, drafter=label, k=k, status="ok",
+                drafter_spec=spec, mean_accepted_length=1.5, samples=30, reason="planned on",
+                created_at=now))
+    settings = load_settings(engine_check_requests=6, confirm_max_new_tokens=24)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_HOME", str(base / "home"))
+        result = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
+                              settings=settings)
+        again = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
+                             settings=settings)
+    return {"result": result, "again": again, "url": url, "requests": requests}
+
+
+def test_engine_check_counts_equal_the_estimate_on_greedy_requests(engine_run):
+    row = engine_run["result"]["domains"]["loops"]
+    assert row["status"] == "ok" and row["passed"] is True, row["reason"]
+    assert row["greedy_checked"] >= 3, row["per_request"]       # vLLM reproduced the logged outputs
+    assert row["greedy_equal"] == row["greedy_checked"], row["per_request"]
+    assert row["engine_e"] > 1.0                                # the prompts' loops are drafted
+    assert row["engine_e"] == pytest.approx(row["estimate_e"], rel=1e-9)
+    assert row["engine_rates"] == pytest.approx(row["estimate_rates"])
+    # vLLM's own counters agree with its per-request counts
+    counters = row["counters"]
+    assert counters["accepted_tokens"] >= sum(r["engine_accepted"] for r in row["per_request"])
+    assert row["plain_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
+
+
+def test_engine_check_sampled_domain_is_compared_in_expectation(engine_run):
+    row = engine_run["result"]["domains"]["sampled"]
+    assert row["status"] in ("ok", "below") and row["greedy_checked"] == 0
+    assert row["estimate_e_lo"] <= row["estimate_e"] <= row["estimate_e_hi"]
+    # sampled requests share the greedy domain's config: one engine served both
+    engines = engine_run["result"]["engines"]
+    shared = [e for e in engines if "loops" in e["domains"] and e["speculative_config"]]
+    assert len(shared) == 1 and "sampled" in shared[0]["domains"]
+
+
+def test_engine_failures_turn_the_domain_off_with_vllms_own_line(engine_run):
+    from sqlalchemy import select
+
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, EngineCheck
+
+    domains = engine_run["result"]["domains"]
+    # vLLM 0.32's CPU rejection sampler fails on a top-k request under ngram speculation
+    assert domains["topk"]["passed"] is False and domains["topk"]["status"] == "died"
+    assert "topk-0" in domains["topk"]["reason"] and "log" in domains["topk"]["reason"]
+    assert domains["missing"]["status"] == "refused" and domains["missing"]["passed"] is False
+    assert "/nonexistent/draft" in domains["missing"]["reason"]
+    assert domains["layers"]["status"] == "unsupported" and domains["layers"]["passed"] is None
+    with ensure_ready(engine_run["url"]).connect() as connection:
+        configs = {r.domain: r for r in connection.execute(select(DomainConfig))}
+        stored = {r.domain: r for r in connection.execute(select(EngineCheck))}
+    assert not configs["topk"].enabled and configs["topk"].reason.startswith("engine check:")
+    assert not configs["missing"].enabled
+    assert configs["loops"].enabled and configs["layers"].enabled    # passed / not gated: unchanged
+    # a re-run replaces its rows (one per domain), the earlier gate's row stays
+    assert set(stored) == set(ENGINE_DOMAINS)
+    assert set(engine_run["again"]["domains"]) == {"loops", "sampled", "layers"}
+

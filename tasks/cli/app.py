@@ -17,7 +17,7 @@ from specdec_core.models import DEFAULT_MODEL
 from ..candidates import CandidateError, candidate_label, parse_candidate
 from ..errors import SpecdecTaskError
 from ..masking import mask_text
-from . import config, data, draft, evaluation, main_job
+from . import config, data, draft, engine, evaluation, main_job
 from .console import make_console
 from .prompts import PromptFileError
 
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.register(sub)
     main_job.register(sub)
     draft.register(sub)
+    engine.register(sub)
     return parser
 
 

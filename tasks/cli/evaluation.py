@@ -25,7 +25,7 @@ def evaluation_rich_table(result: dict) -> Table:
                   title_justify="left")
     for column in ("domain", "on", "drafter", "K", "max batch", "E[tokens/round]",
                    "predicted speedup [95% CI]", "measured [95% CI]", "same requests", "cost-model err",
-                   "sampling err", "validation", "note"):
+                   "sampling err", "vLLM E / est.", "validation", "note"):
         table.add_column(column, justify="left" if column in ("domain", "drafter", "note", "on",
                                                               "validation") else "right")
     for row in result["table"]:
@@ -47,6 +47,8 @@ def evaluation_rich_table(result: dict) -> Table:
         if row.get("greedy_checked") and row["greedy_consistent"] != row["greedy_checked"]:
             note.append(f"greedy inconsistent {row['greedy_checked'] - row['greedy_consistent']}"
                         f"/{row['greedy_checked']}")
+        if row.get("engine_passed") is False:
+            note.append(f"engine check: {row['engine_status']}")
         if row["promotable"] is False:
             note.append("NOT promotable")
         table.add_row(row["domain"], "on" if row["enabled"] else "off", escape(row["drafter"] or "-"),
@@ -57,6 +59,8 @@ def evaluation_rich_table(result: dict) -> Table:
                           f" [{row['measured_speedup_lo']:.2f}, {row['measured_speedup_hi']:.2f}]"),
                       _fmt(row.get("predicted_same_requests"), suffix="x"),
                       _percent(row.get("cost_model_error")), _percent(row.get("sampling_error")),
+                      "-" if row.get("engine_e") is None else
+                      f"{row['engine_e']:.2f} / {_fmt(row.get('engine_estimate_e'))}",
                       row["validation"] or "-",
                       ", ".join(note))
     return table

@@ -261,6 +261,40 @@ class LiveMeasurement(Base):
     measured_speedup_hi: Mapped[float | None] = mapped_column(Float)
 
 
+class EngineCheck(Base):
+    """Per run and domain: the domain's exported config served by the serving engine (vLLM) on the
+    domain's requests, vLLM's own acceptance counters beside the offline estimate of the same
+    requests at the same K, and the gate's verdict (tasks.engine_check)."""
+
+    __tablename__ = "engine_checks"
+
+    run_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    domain: Mapped[str] = mapped_column(String(64), primary_key=True)
+    engine: Mapped[str] = mapped_column(String(32))                 # vllm
+    engine_version: Mapped[str | None] = mapped_column(String(64))
+    speculative_config: Mapped[dict | None] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(32))     # ok | below | unsupported | refused | died | timeout
+    passed: Mapped[bool | None] = mapped_column(Boolean)
+    reason: Mapped[str | None] = mapped_column(String(2000))
+    requests: Mapped[int | None] = mapped_column(Integer)
+    k: Mapped[int | None] = mapped_column(Integer)
+    estimate_e: Mapped[float | None] = mapped_column(Float)
+    estimate_e_lo: Mapped[float | None] = mapped_column(Float)
+    estimate_e_hi: Mapped[float | None] = mapped_column(Float)
+    engine_e: Mapped[float | None] = mapped_column(Float)
+    estimate_rates: Mapped[list | None] = mapped_column(JSON)       # per position: accepted / drafted rounds
+    engine_rates: Mapped[list | None] = mapped_column(JSON)
+    greedy_checked: Mapped[int | None] = mapped_column(Integer)     # greedy requests whose output equals the log
+    greedy_equal: Mapped[int | None] = mapped_column(Integer)       # ... whose accepted counts equal the estimate's
+    plain_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    spec_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    start_s: Mapped[float | None] = mapped_column(Float)            # the engine's start
+    counters: Mapped[dict | None] = mapped_column(JSON)             # vLLM's vllm:spec_decode_* counters
+    per_request: Mapped[list | None] = mapped_column(JSON)
+    log_path: Mapped[str | None] = mapped_column(String(1000))
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
 class Validation(Base):
     """One losslessness check of a run (greedy exact match, sampling test, target fingerprint)."""
 
@@ -371,4 +405,4 @@ class DraftTrainingRequest(Base):
 
 # Tables whose rows belong to one run (deleted and rewritten when that run's step re-runs).
 RUN_TABLES = ("eval_samples", "quality_results", "acceptance_estimates", "cost_profiles",
-              "live_measurements", "validations", "domain_configs")
+              "live_measurements", "validations", "domain_configs", "engine_checks")

@@ -9,6 +9,13 @@ Commands:
                   --speculative-config` does before it starts an engine)
   ngram           {min_n, max_n, k, sequences: [[token, ...], ...]} -> {proposals: [[...], ...]}:
                   what vLLM's `ngram` proposer proposes after each whole sequence
+  replay          {model, speculative_config (null: plain), requests: [{id, prompt_ids, max_tokens,
+                  temperature, top_k, top_p, seed}], max_model_len, max_num_seqs}
+                  -> {start_s, vllm, requests: {id: {token_ids, seconds, drafted, accepted}},
+                  counters: {drafts, draft_tokens, accepted_tokens, accepted_per_pos}}: one engine
+                  started with the config, the requests served one at a time; per request, vLLM's
+                  own per-step drafted/accepted counts (--per-request-spec-decode-metrics
+                  detailed) and the engine's spec_decode counters from LLM.get_metrics()
 """
 
 from __future__ import annotations
@@ -26,6 +33,14 @@ def versions(_request: dict) -> dict:
             "transformers": transformers.__version__}
 
 
+def _error_line(exc: BaseException) -> str:
+    """vLLM's own error in one line: its first two lines (a validation error's header and what
+    failed), without pydantic's links and input dumps."""
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and "errors.pydantic.dev" not in line and not line.strip().startswith("[type=")]
+    return f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:1000]
+
+
 def check_configs(request: dict) -> dict:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -37,9 +52,7 @@ def check_configs(request: dict) -> dict:
                        enforce_eager=True).create_engine_config()
             out[name] = {"ok": True, "error": None}
         except Exception as exc:  # noqa: BLE001 - vLLM's own refusal, reported as it is
-            lines = [line.strip() for line in str(exc).splitlines()
-                     if line.strip() and "errors.pydantic.dev" not in line]
-            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {' | '.join(lines[-3:])}"[:1000]}
+            out[name] = {"ok": False, "error": _error_line(exc)}
     return out
 
 
@@ -57,7 +70,72 @@ def ngram(request: dict) -> dict:
     return {"proposals": proposals}
 
 
-COMMANDS = {"versions": versions, "check-configs": check_configs, "ngram": ngram}
+def _counters(llm) -> dict:
+    """vLLM's own vllm:spec_decode_* counters (summed over label sets)."""
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+    out = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            out[names[metric.name]] += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            values = [int(v) for v in metric.values]
+            have = out["accepted_per_pos"]
+            out["accepted_per_pos"] = [a + b for a, b in zip(have + [0] * len(values),
+                                                             values + [0] * len(have))][:max(len(have), len(values))]
+    return out
+
+
+def replay(request: dict) -> dict:
+    import time
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = request.get("speculative_config")
+    answer = {"vllm": vllm.__version__, "start_s": None, "requests": {}, "counters": None,
+              "refused": None, "died": None}
+    started = time.perf_counter()
+    try:
+        llm = LLM(model=request["model"], speculative_config=spec, enforce_eager=True,
+                  disable_log_stats=False, max_model_len=request.get("max_model_len"),
+                  max_num_seqs=int(request.get("max_num_seqs", 1)), seed=0,
+                  dtype=request.get("dtype", "auto"),
+                  per_request_spec_decode_metrics="detailed" if spec else "none")
+    except Exception as exc:  # noqa: BLE001 - vLLM's own refusal, reported as it is
+        answer["refused"] = _error_line(exc)
+        return answer
+    answer["start_s"] = time.perf_counter() - started
+
+    def serve(item: dict):
+        params = SamplingParams(max_tokens=int(item["max_tokens"]),
+                                temperature=float(item.get("temperature", 0.0)),
+                                top_k=int(item.get("top_k") or 0), top_p=float(item.get("top_p", 1.0)),
+                                seed=item.get("seed"), detokenize=False)
+        began = time.perf_counter()
+        [result] = llm.generate([TokensPrompt(prompt_token_ids=list(item["prompt_ids"]))], params,
+                                use_tqdm=False)
+        return result.outputs[0], time.perf_counter() - began
+
+    item = None
+    try:
+        for item in request.get("history", []):       # served first, not measured (suffix trees)
+            serve(item)
+        for item in request["requests"]:
+            completion, seconds = serve(item)
+            metrics = completion.spec_decode_metrics
+            answer["requests"][str(item["id"])] = {
+                "token_ids": [int(t) for t in completion.token_ids], "seconds": seconds,
+                "drafted": None if metrics is None else [int(v) for v in metrics.per_step_drafted],
+                "accepted": None if metrics is None else [int(v) for v in metrics.per_step_accepted]}
+        answer["counters"] = _counters(llm) if spec else None
+    except Exception as exc:  # noqa: BLE001 - the engine died: what it said, and on which request
+        answer["died"] = {"error": _error_line(exc), "request": None if item is None else str(item["id"])}
+    return answer
+
+
+COMMANDS = {"versions": versions, "check-configs": check_configs, "ngram": ngram, "replay": replay}
 
 
 def main() -> int:

@@ -1,0 +1,85 @@
+"""The engine check's comparison and gate (tasks.engine_check) without an engine: vLLM's per-step
+counts against the estimate's expected rounds, the tolerance, and the skip without a serving
+environment. The check against the real vLLM is in test_vllm_serving.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec_core import SamplingParams
+from specdec_core.estimate import LoggedRequest, RoundTotals
+from tasks.engine_check import (batch_one_k, compare_request, domain_verdict, engine_check,
+                                engine_markdown)
+
+
+def _request(response, greedy=True):
+    return LoggedRequest("q1", [1, 2, 3], response, SamplingParams(temperature=0.0 if greedy else 0.7), "d")
+
+
+def _totals(accepted, rounds, widths):
+    return RoundTotals(tokens=0.0, rounds=rounds, reached=np.zeros(len(accepted)),
+                       accepted=np.asarray(accepted, float), widths=np.asarray(widths, float))
+
+
+def test_batch_one_k_reads_the_schedule():
+    assert batch_one_k({"num_speculative_tokens": 4}) == 4
+    assert batch_one_k({"num_speculative_tokens": 4,
+                        "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 4], [9, 1 << 20, 0]]}) == 3
+
+
+def test_compare_request_counts_drafted_steps_only():
+    response = [5, 6, 7, 8, 9, 10]
+    # vLLM: 3 verify steps had drafts (2 accepted, then 0, then 1), one step none
+    answer = {"token_ids": response, "seconds": 1.0, "drafted": [3, 0, 3, 3], "accepted": [2, 0, 0, 1]}
+    # the estimate: 4 rounds, one of them without drafts (width 0), accepted 2 / 1 at positions 0 / 1
+    offline = _totals([2, 1, 0], rounds=4, widths=[1, 0, 0, 3])
+    row = compare_request(_request(response), answer, offline)
+    assert row["engine_steps"] == 3 and row["engine_accepted"] == 3
+    assert row["engine_accepted_per_pos"] == [2, 1, 0]
+    assert row["estimate_steps"] == 3 and row["estimate_accepted"] == 3
+    assert row["equal_to_log"] and row["counts_equal"] is True
+    # one accepted draft more on vLLM's side: a mismatch, named by the request
+    row = compare_request(_request(response), dict(answer, accepted=[3, 0, 0, 1]), offline)
+    assert row["counts_equal"] is False
+    # an output that departs from the log: reported at its first differing position, not compared
+    row = compare_request(_request(response), dict(answer, token_ids=[5, 6, 0, 8, 9, 10]), offline)
+    assert row["first_difference"] == 2 and row["counts_equal"] is None
+    # a sampled request is compared in expectation only
+    assert compare_request(_request(response, greedy=False), answer, offline)["counts_equal"] is None
+
+
+def _rows(engine_accepted, estimate_accepted, steps=10, n=8):
+    return [{"engine_accepted": engine_accepted, "engine_steps": steps,
+             "engine_accepted_per_pos": [engine_accepted], "estimate_accepted": estimate_accepted + 0.5 * (i % 2),
+             "estimate_steps": float(steps), "estimate_accepted_per_pos": [estimate_accepted],
+             "counts_equal": None} for i in range(n)]
+
+
+def test_gate_fails_a_domain_below_the_interval_beyond_the_tolerance():
+    fine = domain_verdict(_rows(6, 6), k=1, tolerance=0.05)
+    assert fine["passed"] is True and fine["status"] == "ok"
+    assert fine["engine_e"] == pytest.approx(1.6)
+    assert fine["estimate_e_lo"] <= fine["estimate_e"] <= fine["estimate_e_hi"]
+    low = domain_verdict(_rows(2, 6), k=1, tolerance=0.05)
+    assert low["passed"] is False and low["status"] == "below"
+    assert "engine_check_tolerance" in low["reason"] and "1.20" in low["reason"]
+    # within the tolerance under the interval: passes
+    edge = domain_verdict(_rows(6, 6), k=1, tolerance=0.05)
+    lo = edge["estimate_e_lo"]
+    just = domain_verdict(_rows(round((lo * 0.97 - 1) * 10), 6), k=1, tolerance=0.05)
+    assert just["engine_e"] < lo and just["passed"] is True
+    assert "below" in engine_markdown([{"domain": "d", **low}])
+
+
+def test_no_serving_environment_skips_with_how_to_make_one(db_url, tmp_path):
+    from tasks.errors import ServingEnvUnavailable
+    from tasks.settings import load_settings
+
+    missing = str(tmp_path / "nowhere" / "python")
+    result = engine_check("r1", "smollm2-135m-instruct", None, {}, {}, db_url=db_url,
+                          settings=load_settings(serving_python=missing))
+    assert result["skipped"] and "make serving-env" in result["skipped"] and not result["domains"]
+    with pytest.raises(ServingEnvUnavailable, match="make serving-env"):
+        engine_check("r1", "smollm2-135m-instruct", None, {}, {}, db_url=db_url,
+                     settings=load_settings(serving_python=missing, engine_check_required=True))
