@@ -253,27 +253,23 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                  json.dumps(spec) if spec else "no speculation", len(items),
                  f" after {len(history)} of history" if history else "")
         began = time.perf_counter()
+        log_name = "plain" if spec is None else "spec-" + "+".join(domains)[:100]
         record = {"engine": name, "domains": domains, "speculative_config": spec,
-                  "log": str(directory / f"{name}.log"), "start_s": None, "status": "ok"}
-        try:
-            answer = serving_env.run_engine(
-                {"model": str(model_dir), "speculative_config": spec, "requests": items,
-                 "history": history, "dtype": _dtype(target_model), "max_num_seqs": 1},
-                directory / f"{name}.log", settings.engine_check_timeout_s, what, settings)
-        except (EngineTimeout, ServingProbeError) as exc:
-            answer = {"failed": ("timeout" if isinstance(exc, EngineTimeout) else "died", str(exc))}
+                  "log": str(directory / f"{log_name}.log"), "start_s": None, "status": "ok"}
+        answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
+                        {"model": str(model_dir), "speculative_config": spec, "requests": items,
+                         "history": history, "dtype": _dtype(target_model), "max_num_seqs": 1})
         record["seconds"] = round(time.perf_counter() - began, 1)
         record["start_s"] = answer.get("start_s")
+        record["starts"] = answer.get("starts")
         if answer.get("failed"):
             record["status"], reason = answer["failed"]
         elif answer.get("refused"):
             record["status"], reason = "refused", f"vLLM refused the config: {answer['refused']}"
-        elif answer.get("died"):
-            record["status"] = "died"
-            reason = (f"the engine died on request {answer['died']['request']}: "
-                      f"{answer['died']['error']}; its log: {record['log']}")
         else:
             reason = None
+            if answer["died"]:
+                record["status"] = f"died on {len(answer['died'])} requests (started again)"
         log.info("%s: %s in %.0f s (engine start %s)", what, record["status"], record["seconds"],
                  "-" if record["start_s"] is None else f"{record['start_s']:.1f} s")
         engines.append(record)
@@ -297,6 +293,18 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             rows[domain] = {**base, **domain_verdict(compared, k, settings.engine_check_tolerance),
                             "per_request": compared,
                             "spec_tokens_per_s": _tokens_per_s(compared)}
+            failed = [d for d in answer.get("died") or [] if d["request"] in
+                      {r.request_id for r in picked[domain]}]
+            unserved = [i for i in answer.get("unserved") or [] if i in
+                        {r.request_id for r in picked[domain]}]
+            if failed or unserved:
+                first = failed[0] if failed else None
+                rows[domain].update(status="died", passed=False, reason=(
+                    f"engine check: the engine died on {len(failed)} of {len(picked[domain])} "
+                    "requests" + (f" ({len(unserved)} left unserved)" if unserved else "")
+                    + (f", first on request {first['request']}: {first['error']}" if first else "")
+                    + f"; its log: {record['log']}. On the {len(compared)} it served: "
+                    + rows[domain]["reason"].removeprefix("engine check: "))[:2000])
     plain = answers.get("plain") or {}
     for domain in picked:
         if domain in rows and plain.get("requests"):
@@ -314,6 +322,61 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         (log.warning if row.get("passed") is False else log.info)("run %s, domain %s: %s", run_id,
                                                                    domain, row["reason"])
     return {"skipped": None, "domains": rows, "engines": engines}
+
+
+RESTARTS = 5      # fresh engines after a request killed one, before the rest is left unserved
+
+
+def _serve(serving_env, settings: Settings, what: str, log_path, request: dict) -> dict:
+    """One engine's replay; a request that kills the engine is recorded with vLLM's error and a
+    fresh engine (a new process: vLLM does not start twice in one) serves the requests after it,
+    at most RESTARTS times. Output: the probe's answer with died: [{request, error}], unserved:
+    [ids], starts: engines started, counters summed; or {"failed": (status, reason)}."""
+    history, items = list(request.get("history", [])), list(request["requests"])
+    total = {"requests": {}, "died": [], "unserved": [], "counters": None, "starts": 0}
+    while True:
+        try:
+            answer = serving_env.run_engine(dict(request, history=history, requests=items),
+                                            log_path.with_suffix(f".{total['starts']}.log")
+                                            if total["starts"] else log_path,
+                                            settings.engine_check_timeout_s, what, settings)
+        except (EngineTimeout, ServingProbeError) as exc:
+            return {**total, "failed": ("timeout" if isinstance(exc, EngineTimeout) else "died",
+                                        str(exc))}
+        total["starts"] += 1
+        if answer.get("refused"):
+            return {**total, **answer, "died": total["died"]}
+        total.setdefault("vllm", answer.get("vllm"))
+        total.setdefault("start_s", answer.get("start_s"))
+        total["requests"].update(answer["requests"])
+        if answer.get("counters"):
+            total["counters"] = _add_counters(total["counters"], answer["counters"])
+        dead = answer.get("died")
+        if not dead:
+            return total
+        total["died"].append(dead)
+        ids = [str(item["id"]) for item in history + items]
+        after = ids.index(dead["request"]) + 1
+        history, items = history[after:], items[max(0, after - len(history)):]
+        if not items:
+            return total
+        if total["starts"] > RESTARTS:
+            total["unserved"] = [str(item["id"]) for item in items]
+            return total
+
+
+def _add_counters(total: dict | None, more: dict) -> dict:
+    if total is None:
+        return dict(more)
+    width = max(len(total["accepted_per_pos"]), len(more["accepted_per_pos"]))
+
+    def padded(values):
+        return list(values) + [0] * (width - len(values))
+    return {"drafts": total["drafts"] + more["drafts"],
+            "draft_tokens": total["draft_tokens"] + more["draft_tokens"],
+            "accepted_tokens": total["accepted_tokens"] + more["accepted_tokens"],
+            "accepted_per_pos": [a + b for a, b in zip(padded(total["accepted_per_pos"]),
+                                                       padded(more["accepted_per_pos"]))]}
 
 
 def _dtype(model) -> str:

@@ -109,10 +109,25 @@ def cmd_export(args) -> int:
     _warn_ungated(_champion_audit(args, shown), err=True)      # stdout stays the JSON
     version = shown["version"]
     config = load_version_config(client(args.tracking_uri), _name(args), version)
-    exports = {"vllm": vllm_export, "trtllm": trtllm_export}
-    print(json.dumps(exports[args.format](config) if args.format in exports
+    if args.format == "vllm":
+        print(json.dumps(vllm_export(config, target_path=args.model_dir or _served_dir(config.target.id)),
+                         indent=2))
+        return 0
+    print(json.dumps(trtllm_export(config) if args.format == "trtllm"
                      else json.loads(config.to_json()), indent=2))
     return 0
+
+
+def _served_dir(target: str) -> str | None:
+    """The directory a serving engine loads for the embedded default, once it has been written
+    (by the engine check); None: the export names the target id."""
+    from specdec_core.models import EMBEDDED_MODELS, models_dir
+
+    from ..serving_env import SERVED_MARK
+
+    directory = models_dir() / target.lower() / "transformers"
+    return str(directory.resolve()) if target.lower() in EMBEDDED_MODELS and (
+        directory / SERVED_MARK).exists() else None
 
 
 def register(sub) -> None:
@@ -154,5 +169,9 @@ def register(sub) -> None:
     export.add_argument("--format", choices=["json", "vllm", "trtllm"], default="json",
                         help="json: the config; vllm / trtllm: each engine's speculative_config "
                              "per domain (K by batch size in the engine's own key)")
+    export.add_argument("--model-dir", default=None,
+                        help="vllm: the target directory `vllm serve` loads (default: the embedded "
+                             "default's served copy under $SPECDEC_HOME/models once the engine check "
+                             "wrote it, else the target id)")
     common(export, url=True)
     export.set_defaults(func=cmd_export)

@@ -10,12 +10,16 @@ Commands:
   ngram           {min_n, max_n, k, sequences: [[token, ...], ...]} -> {proposals: [[...], ...]}:
                   what vLLM's `ngram` proposer proposes after each whole sequence
   replay          {model, speculative_config (null: plain), requests: [{id, prompt_ids, max_tokens,
-                  temperature, top_k, top_p, seed}], max_model_len, max_num_seqs}
+                  temperature, top_k, top_p, seed}], history: [...], max_model_len, max_num_seqs,
+                  dtype}
                   -> {start_s, vllm, requests: {id: {token_ids, seconds, drafted, accepted}},
-                  counters: {drafts, draft_tokens, accepted_tokens, accepted_per_pos}}: one engine
+                  counters: {drafts, draft_tokens, accepted_tokens, accepted_per_pos}, refused,
+                  died: {request, error}}: one engine
                   started with the config, the requests served one at a time; per request, vLLM's
                   own per-step drafted/accepted counts (--per-request-spec-decode-metrics
-                  detailed) and the engine's spec_decode counters from LLM.get_metrics()
+                  detailed) and the engine's spec_decode counters from LLM.get_metrics(); a
+                  request that kills the engine ends the replay there, with vLLM's error (the
+                  caller starts a fresh process for the requests after it)
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ def _counters(llm) -> dict:
 
 def replay(request: dict) -> dict:
     import time
+    import traceback
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -107,31 +112,31 @@ def replay(request: dict) -> dict:
         answer["refused"] = _error_line(exc)
         return answer
     answer["start_s"] = time.perf_counter() - started
-
-    def serve(item: dict):
+    items = [(item, False) for item in request.get("history", [])]   # served first, not measured
+    items += [(item, True) for item in request["requests"]]
+    for item, measured in items:
         params = SamplingParams(max_tokens=int(item["max_tokens"]),
                                 temperature=float(item.get("temperature", 0.0)),
                                 top_k=int(item.get("top_k") or 0), top_p=float(item.get("top_p", 1.0)),
                                 seed=item.get("seed"), detokenize=False)
         began = time.perf_counter()
-        [result] = llm.generate([TokensPrompt(prompt_token_ids=list(item["prompt_ids"]))], params,
-                                use_tqdm=False)
-        return result.outputs[0], time.perf_counter() - began
-
-    item = None
-    try:
-        for item in request.get("history", []):       # served first, not measured (suffix trees)
-            serve(item)
-        for item in request["requests"]:
-            completion, seconds = serve(item)
-            metrics = completion.spec_decode_metrics
-            answer["requests"][str(item["id"])] = {
-                "token_ids": [int(t) for t in completion.token_ids], "seconds": seconds,
-                "drafted": None if metrics is None else [int(v) for v in metrics.per_step_drafted],
-                "accepted": None if metrics is None else [int(v) for v in metrics.per_step_accepted]}
-        answer["counters"] = _counters(llm) if spec else None
-    except Exception as exc:  # noqa: BLE001 - the engine died: what it said, and on which request
-        answer["died"] = {"error": _error_line(exc), "request": None if item is None else str(item["id"])}
+        try:
+            [result] = llm.generate([TokensPrompt(prompt_token_ids=list(item["prompt_ids"]))],
+                                    params, use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001 - the engine died on this request: said, and stop
+            traceback.print_exc()             # into the engine's log
+            answer["died"] = {"request": str(item["id"]), "error": _error_line(exc)}
+            break
+        if not measured:
+            continue
+        completion = result.outputs[0]
+        metrics = completion.spec_decode_metrics
+        answer["requests"][str(item["id"])] = {
+            "token_ids": [int(t) for t in completion.token_ids],
+            "seconds": time.perf_counter() - began,
+            "drafted": None if metrics is None else [int(v) for v in metrics.per_step_drafted],
+            "accepted": None if metrics is None else [int(v) for v in metrics.per_step_accepted]}
+    answer["counters"] = _counters(llm) if spec else None
     return answer
 
 
