@@ -203,7 +203,7 @@ class Settings(BaseModel):
     engine_check_tolerance: float = Field(default=0.05, ge=0, description=(
         "gate: a domain is not promotable as on when vLLM's mean accepted length falls below the "
         "lower end of the estimate's 95% interval by more than this fraction"))
-    engine_check_history: int = Field(default=16, ge=0, description=(
+    engine_check_history: int = Field(default=8, ge=0, description=(
         "suffix decoding: requests of the domain's sample served first (not measured), so vLLM's "
         "suffix tree holds the domain's history before the replay"))
     engine_check_timeout_s: float = Field(default=900.0, gt=0, description=(

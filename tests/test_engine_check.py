@@ -83,3 +83,22 @@ def test_no_serving_environment_skips_with_how_to_make_one(db_url, tmp_path):
     with pytest.raises(ServingEnvUnavailable, match="make serving-env"):
         engine_check("r1", "smollm2-135m-instruct", None, {}, {}, db_url=db_url,
                      settings=load_settings(serving_python=missing, engine_check_required=True))
+
+
+def test_drafts_vllm_accepts_past_the_response_are_left_out():
+    from specdec_core.drafters import PromptLookup
+
+    from tasks.engine_check import engine_walk
+
+    # the prompt repeats: after the first answer token, lookup proposes the next three, and
+    # vLLM (K = 3 whatever max_tokens leaves) accepts all three, the last one past the response
+    prompt, output = [1, 2, 3, 4, 1, 2, 3, 4], [1, 2, 3]
+    drafter = PromptLookup(max_ngram=3, min_ngram=1)
+    assert engine_walk(prompt, output, [3], [3], drafter, 3) == [1]
+    assert engine_walk(prompt, output, [2], [2], drafter, 3) is None     # another proposal length
+    answer = {"token_ids": output, "seconds": 1.0, "drafted": [3], "accepted": [3]}
+    offline = _totals([1, 1, 0], rounds=1, widths=[0, 0, 1, 0])         # the estimate: 2 in the log
+    request = LoggedRequest("q1", prompt, output, SamplingParams(), "d")
+    row = compare_request(request, answer, offline, exact=True, drafter=drafter, k=3)
+    assert row["engine_accepted"] == 3 and row["engine_accepted_in_log"] == 2
+    assert row["counts_equal"] is True
