@@ -40,7 +40,8 @@ DAG_ID = "specdec_evaluate"
 DOMAINS = ("json", "qa")
 ROWS_PER_DOMAIN = 6
 RUN_TIMEOUT_S = 20 * 60
-GPU_TASKS = {"profile", "per_domain.estimate", "per_domain.confirm", "per_domain.validate", "finish"}
+GPU_TASKS = {"profile", "per_domain.estimate", "per_domain.confirm", "per_domain.validate", "finish",
+             "engine_check"}
 
 pytestmark = [
     pytest.mark.slow,
@@ -178,6 +179,7 @@ def cluster(tmp_path, airflow_db_url, db_url, redis_url, embedded):  # noqa: F81
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "SPECDEC_"))}
     env.update(SMALL)
     env["SPECDEC_VALIDATION_ROWS"] = "50"      # the least the settings allow (135M model, 2 cores)
+    env["SPECDEC_ENGINE_CHECK"] = "false"      # vLLM: test_vllm_serving.py and test_embedded.py
     result_backend = "db+" + airflow_db_url
     env.update({
         "AIRFLOW_HOME": str(home),

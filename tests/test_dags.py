@@ -37,7 +37,8 @@ def test_dagbag_imports_without_errors(dagbag):
     evaluate = dagbag.get_dag("specdec_evaluate")
     assert {t.task_id for t in evaluate.tasks} == {
         "sample", "check", "profile", "domains_of", "per_domain.estimate", "per_domain.confirm",
-        "per_domain.validate", "finish", "register", "promote", "acceptance_alert", "report", "domain_failures"}
+        "per_domain.validate", "finish", "engine_check", "register", "promote", "acceptance_alert",
+        "report", "domain_failures"}
     # daily, or when a new draft is registered
     assert evaluate.timetable.timetable.summary == "0 0 * * *"
     assert [a.uri for a in evaluate.timetable.asset_condition.objects] == ["specdec://drafts/new"]

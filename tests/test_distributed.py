@@ -15,7 +15,7 @@ from tasks.db.models import EvalRun, HardwareProfile, LiveMeasurement
 from .test_evaluate import run, tiny_db, tiny_target  # noqa: F401 - fixtures
 
 GPU_TASKS = {"specdec_evaluate": {"profile", "per_domain.estimate", "per_domain.confirm",
-                                  "per_domain.validate", "finish"},
+                                  "per_domain.validate", "finish", "engine_check"},
              "specdec_retrain_draft": {"train"},
              "specdec_reports": set()}
 
