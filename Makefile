@@ -56,7 +56,7 @@ test: setup
 bench: setup
 	$(PY) benchmarks/decode_cpu.py
 
-# On a CUDA machine (see README, "The CUDA fast path"): writes benchmarks/results/gpu_decode.md
+# On a CUDA machine (see README, "Installing on a CUDA machine"): writes benchmarks/results/gpu_decode.md
 bench-gpu: setup
 	$(PY) benchmarks/gpu_decode.py
 
