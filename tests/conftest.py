@@ -312,3 +312,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# one line at the end: what this machine skipped, and how to run it (.ci/run sets everything up)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    import re
+    from collections import Counter
+
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = Counter()
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = re.sub(r"^Skipped: ", "", reason)
+        reasons[reason.split(":")[0].split(" (")[0][:60]] += 1
+    summary = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
+    terminalreporter.write_line(
+        f"skipped {len(skipped)} here ({summary}); `bash .ci/run` sets up PostgreSQL, Chromium, "
+        "Redis and the serving environment and runs them all (a CUDA GPU for the GPU-only ones)")
