@@ -63,9 +63,10 @@ def pick_requests(requests: list, confirm_ids: list[str], count: int, max_new_to
     max_new_tokens (requests of fewer than 2 response tokens have no round to compare)."""
     from .confirm import truncated
 
+    confirmed = set(confirm_ids)
     usable = [r for r in requests if len(r.response_ids) >= 2]
-    chosen = [r for r in usable if r.request_id in set(confirm_ids)]
-    chosen += [r for r in usable if r.request_id not in set(confirm_ids)][:max(0, count - len(chosen))]
+    chosen = [r for r in usable if r.request_id in confirmed]
+    chosen += [r for r in usable if r.request_id not in confirmed][:max(0, count - len(chosen))]
     return [truncated(r, min(len(r.response_ids), max_new_tokens)) for r in chosen[:count]]
 
 
@@ -226,7 +227,6 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     """Run the engine check of one run (see the module's docstring). Output: {"skipped": line or
     None, "domains": {domain: row}, "engines": [{domains, start_s, seconds, status}]}."""
     from . import serving_env
-    from .confirm import offline_totals
     from .run_config import build_config
     from .vllm import vllm_export
 
@@ -274,9 +274,8 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     engines = []
     answers: dict[str, dict] = {}
     directory = _log_dir(run_id)
-    plain_items = [_item(r, i) for d in sorted(picked) for i, r in enumerate(picked[d])]
     plan = [(f"spec-{n}", g["spec"], g["domains"]) for n, g in enumerate(groups.values())]
-    if plain_items:
+    if picked:
         plan.append(("plain", None, sorted(picked)))
     for name, spec, domains in plan:
         items = [_item(r, i) for d in domains for i, r in enumerate(picked[d])]
@@ -323,33 +322,9 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                 rows[domain] = {**base, "status": record["status"], "passed": False,
                                 "reason": f"engine check: {reason}"[:2000]}
                 continue
-            k = batch_one_k(spec)
             drafter = drafters_by_domain[domain][on[domain]["drafter"]][1]
-            offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked[domain]], k)
-            compared = [compare_request(r, answer["requests"][r.request_id], offline.get(r.request_id),
-                                        exact=spec["method"] in EXACT_METHODS, drafter=drafter, k=k)
-                        for r in picked[domain] if r.request_id in answer["requests"]]
-            ungated = None
-            if spec["method"] == "suffix":
-                ungated = (f"vLLM's suffix tree held the {len(history)} requests served before the "
-                           "replay, the estimate's index the run's whole history; a serving vLLM "
-                           "grows its tree from all it serves")
-            rows[domain] = {**base, **domain_verdict(compared, k, settings.engine_check_tolerance,
-                                                     ungated),
-                            "per_request": compared,
-                            "spec_tokens_per_s": _tokens_per_s(compared)}
-            failed = [d for d in answer.get("died") or [] if d["request"] in
-                      {r.request_id for r in picked[domain]}]
-            unserved = [i for i in answer.get("unserved") or [] if i in
-                        {r.request_id for r in picked[domain]}]
-            if failed or unserved:
-                first = failed[0] if failed else None
-                rows[domain].update(status="died", passed=False, reason=(
-                    f"engine check: the engine died on {len(failed)} of {len(picked[domain])} "
-                    "requests" + (f" ({len(unserved)} left unserved)" if unserved else "")
-                    + (f", first on request {first['request']}: {first['error']}" if first else "")
-                    + f"; its log: {record['log']}. On the {len(compared)} it served: "
-                    + rows[domain]["reason"].removeprefix("engine check: "))[:2000])
+            rows[domain] = {**base, **_domain_row(picked[domain], answer, spec, drafter, target_model,
+                                                  len(history), record["log"], settings)}
     plain = answers.get("plain") or {}
     for domain in picked:
         if domain in rows and plain.get("requests"):
@@ -424,6 +399,39 @@ def _add_counters(total: dict | None, more: dict) -> dict:
             "accepted_tokens": total["accepted_tokens"] + more["accepted_tokens"],
             "accepted_per_pos": [a + b for a, b in zip(padded(total["accepted_per_pos"]),
                                                        padded(more["accepted_per_pos"]))]}
+
+
+def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, history: int,
+                log_path: str, settings: Settings) -> dict:
+    """One domain's comparison of what its engine served with the estimate of the same requests
+    at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
+    figures on the requests that were served."""
+    from .confirm import offline_totals
+
+    k = batch_one_k(spec)
+    offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked], k)
+    compared = [compare_request(r, answer["requests"][r.request_id], offline.get(r.request_id),
+                                exact=spec["method"] in EXACT_METHODS, drafter=drafter, k=k)
+                for r in picked if r.request_id in answer["requests"]]
+    ungated = None
+    if spec["method"] == "suffix":
+        ungated = (f"vLLM's suffix tree held the {history} requests served before the replay, the "
+                   "estimate's index the run's whole history; a serving vLLM grows its tree from "
+                   "all it serves")
+    row = {**domain_verdict(compared, k, settings.engine_check_tolerance, ungated),
+           "per_request": compared, "spec_tokens_per_s": _tokens_per_s(compared)}
+    ids = {r.request_id for r in picked}
+    failed = [d for d in answer.get("died") or [] if d["request"] in ids]
+    unserved = [i for i in answer.get("unserved") or [] if i in ids]
+    if failed or unserved:
+        first = failed[0] if failed else None
+        row.update(status="died", passed=False, reason=(
+            f"engine check: the engine died on {len(failed)} of {len(picked)} requests"
+            + (f" ({len(unserved)} left unserved)" if unserved else "")
+            + (f", first on request {first['request']}: {first['error']}" if first else "")
+            + f"; its log: {log_path}. On the {len(compared)} it served: "
+            + row["reason"].removeprefix("engine check: "))[:2000])
+    return row
 
 
 def _dtype(model) -> str:

@@ -55,11 +55,8 @@ def probe(command: str, request: dict, settings: Settings | None = None,
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
         raise ServingProbeError(f"serving environment {python}: `{command}` did not answer within "
                                 f"{timeout_s:.0f} s; its last output:\n{tail}") from None
-    answer = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
-    if done.returncode != 0 or not answer:
-        raise ServingProbeError(f"serving environment {python}: `{command}` failed (exit "
-                                f"{done.returncode}); its last output:\n{done.stderr[-2000:]}")
-    return json.loads(answer[0])
+    return _answer(done, lambda: f"serving environment {python}: `{command}` failed (exit "
+                                 f"{done.returncode}); its last output:\n{done.stderr[-2000:]}")
 
 
 def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
@@ -84,15 +81,21 @@ def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
         except subprocess.TimeoutExpired:
             raise EngineTimeout(f"{what}: the engine did not finish within {timeout_s:.0f} s "
                                 f"(engine_check_timeout_s); its log: {log_path}") from None
-    answer = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
-    if done.returncode != 0 or not answer:
+    def failure() -> str:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
-        raise ServingProbeError(f"{what}: the engine exited with {done.returncode}: {tail[0][:500]}; "
-                                f"its log: {log_path}")
-    return json.loads(answer[0])
+        return f"{what}: the engine exited with {done.returncode}: {tail[0][:500]}; its log: {log_path}"
+    return _answer(done, failure)
 
 
 SERVED_MARK = "specdec_served.json"     # written beside a target directory made for serving
+
+
+def _answer(done: subprocess.CompletedProcess, failure) -> dict:
+    """The probe's one JSON answer (its last stdout line); ServingProbeError(failure()) without."""
+    answer = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+    if done.returncode != 0 or not answer:
+        raise ServingProbeError(failure())
+    return json.loads(answer[0])
 
 
 def served_model_dir(target: str) -> Path:
