@@ -1,27 +1,92 @@
-"""A causal LM with its KV cache, for a batch whose rows hold different numbers of tokens.
+"""KV caches for a batch whose rows hold different numbers of tokens, and the protocol both kinds keep.
 
 Rows of one batch accept different numbers of draft tokens, so after a rollback their cached
 lengths differ. Instead of rebuilding or re-padding the cache, rejected positions become holes:
-their cache entries stay, and the 2-D attention mask (the transformers convention) hides them.
-Position ids are counted per row over valid entries only, so RoPE sees each row's true positions.
-Trailing columns that no row uses any more are cropped, so a single row never has holes.
+their cache entries stay, and the attention mask hides them. Position ids are counted per row over
+valid entries only, so RoPE sees each row's true positions.
+
+Two kinds implement `KVCache`: `SequenceCache` here (dynamic: transformers' DynamicCache, grows as
+needed, finished rows leave the batch, trailing columns no row uses are cropped) and
+static_cache.StaticSequenceCache (preallocated, fixed shapes, CUDA graphs).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import ClassVar, Protocol
 
 import torch
 from transformers import DynamicCache
 
 
-class SequenceCache:
-    """model + DynamicCache + attention mask [B, S] over cache columns + valid count per row [B].
+class KVCache(Protocol):
+    """What the decode loop and the drafters use of a model's KV cache. A round's forwards run
+    between `reserve` (the host's part, before) and `follow` (the host's part, after the round's
+    one read of the device); a kind that needs no host part makes them no-ops.
 
-    The dynamic counterpart of static_cache.StaticSequenceCache, with the same interface: forward,
-    rollback_to, select_rows (finished rows leave the batch: fixed_shapes is False), width and
-    last_start (the first column of the latest forward).
+    fixed_shapes   static caches: the batch never shrinks (finished rows turn inactive) and a
+                   round's forwards and rollbacks are device work only, capturable as graphs
+    width          host: columns written so far; last_start: first column of the latest forward
+    forward(tokens [B, T], valid [B, T] | None, logits_to_keep, graphed, inputs_embeds) -> logits
+    mark()         where the next forward writes, as a value that stays: a device scalar (static)
+                   or the host column (dynamic); a round's rollback width is computed from it
+    reserve(w)     the host part of device-only forwards over w columns; returns the first one
+    rollback(keep [B], width)  keep each row's first keep[b] valid tokens; writing resumes at
+                   `width` (static: device work, width a device scalar, the host follows later;
+                   dynamic: at once, the mask gives the width)
+    follow(w)      the host part of a rollback: writing resumes at host column w
+    rollback_to(keep [B], width=None)  a rollback outside rounds, host and device at once
+    select_rows(rows)  finished rows leave the batch (called only where fixed_shapes is False)
     """
+
+    fixed_shapes: ClassVar[bool]
+    last_start: int
+
+    @property
+    def width(self) -> int: ...
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None,
+                logits_to_keep: int = 0, graphed: bool = True,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def mark(self) -> torch.Tensor | int: ...
+
+    def reserve(self, width: int) -> int: ...
+
+    def rollback(self, keep: torch.Tensor, width: torch.Tensor | int) -> None: ...
+
+    def follow(self, width: int) -> None: ...
+
+    def mark(self) -> int:
+        return self.width
+
+    def reserve(self, width: int) -> int:
+        """Nothing to reserve: a dynamic cache grows in forward."""
+        return self.width
+
+    def rollback(self, keep: torch.Tensor, width: torch.Tensor | int) -> None:
+        self.rollback_to(keep)
+
+    def follow(self, width: int) -> None:
+        """Nothing to follow: rollback already cropped the cache."""
+
+    def expand_prefixes(self, lengths: torch.Tensor) -> None:
+        """The cache's one row, copied once per entry of lengths [N]: copy i keeps its first
+        lengths[i] columns (the later ones become holes). Forwards then extend every copy."""
+        self.cache.batch_repeat_interleave(len(lengths))
+        columns = torch.arange(self.width, device=lengths.device)
+        self.mask = (columns[None] < lengths[:, None]).long()
+        self.count = lengths.clone()
+        self.has_holes = True
+
+    def rollback_to(self, keep: torch.Tensor, width: int | None = None) -> None: ...
+
+    def select_rows(self, rows: torch.Tensor) -> None: ...
+
+
+class SequenceCache:
+    """model + DynamicCache + attention mask [B, S] over cache columns + valid count per row [B]:
+    the dynamic KVCache (finished rows leave the batch: fixed_shapes is False)."""
 
     fixed_shapes = False
 
@@ -76,6 +141,28 @@ class SequenceCache:
         self.mask = self.mask.expand(batch, -1).clone()
         self.count = self.count.expand(batch).clone()
         return logits.expand(batch, -1, -1)
+
+    def mark(self) -> int:
+        return self.width
+
+    def reserve(self, width: int) -> int:
+        """Nothing to reserve: a dynamic cache grows in forward."""
+        return self.width
+
+    def rollback(self, keep: torch.Tensor, width: torch.Tensor | int) -> None:
+        self.rollback_to(keep)
+
+    def follow(self, width: int) -> None:
+        """Nothing to follow: rollback already cropped the cache."""
+
+    def expand_prefixes(self, lengths: torch.Tensor) -> None:
+        """The cache's one row, copied once per entry of lengths [N]: copy i keeps its first
+        lengths[i] columns (the later ones become holes). Forwards then extend every copy."""
+        self.cache.batch_repeat_interleave(len(lengths))
+        columns = torch.arange(self.width, device=lengths.device)
+        self.mask = (columns[None] < lengths[:, None]).long()
+        self.count = lengths.clone()
+        self.has_holes = True
 
     def rollback_to(self, keep: torch.Tensor, width: int | None = None) -> None:
         """Keep the first keep[b] valid tokens of each row [B]; later ones become holes or are

@@ -89,8 +89,7 @@ class SpecDecoder:
         """Whether generate runs on static caches (see static_cache)."""
         if self._static is None:
             if self.static_cache == "auto":
-                draft = getattr(self.drafter, "model", None)
-                models = [self.target] + ([draft] if isinstance(draft, torch.nn.Module) else [])
+                models = [self.target] + list(self.drafter.cached_models() if self.drafter else ())
                 self._static = all(static_by_default(m) for m in models)
             else:
                 self._static = bool(self.static_cache)
@@ -117,6 +116,27 @@ class SpecDecoder:
         graphs, compiled = self._static_options()
         return {"static_cache": static, "cuda_graphs": static and graphs,
                 "compile": static and bool(compiled)}
+
+    def engine_state(self) -> dict:
+        """What the engine holds now (for tests and diagnostics): engine() and, on static caches,
+        every cache in this target's pool -- {role, batch, length, width (host write column),
+        device_positions (every layer's and the cache's own: equal to width between calls),
+        compactions, compiled, forward_graphs (captured (width, logits_to_keep))} -- with, for the
+        target's caches, the captured round shapes {source, drafted, run_width, parts} and the
+        eager runs of shapes not captured yet (warm-ups)."""
+        state = {**self.engine(), "caches": []}
+        if not self.uses_static_cache():
+            return state
+        for role, cache in self.static_pool.caches():
+            entry = {"role": role, **cache.state()}
+            if cache.loop is not None:
+                graphs = cache.loop.graphs
+                entry["round_graphs"] = [
+                    {"source": key[0], "drafted": key[1], "run_width": key[2], "parts": parts}
+                    for key, parts in graphs.shapes().items()]
+                entry["eager_rounds"] = sum(graphs.seen.values())
+            state["caches"].append(entry)
+        return state
 
     def generate(self, input_ids, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  seed: int = 0, attention_mask=None, eos_token_id: int | None = None,

@@ -1,24 +1,27 @@
 """Drafters: propose up to K tokens per row for the target to verify.
 
-Every drafter implements the same four steps, driven by SpecDecoder:
-  start(state)                      the batch's prompts are known (prefill a draft model here)
-  propose(state, k, num_draft, sampling, generator) -> Proposal
-  commit(state, num_accepted)       the verifier accepted num_accepted [B] of the proposal
-  select_rows(rows)                 finished rows left the batch
+`Drafter` is the protocol: it declares every member the decode loop (loop.py), the offline
+estimate and the cost profiles use, with defaults for a drafter that keeps no cache of its own.
+Its flags are class attributes:
+  device_side          propose and commit are device work only on static caches (draft models,
+                       LayerSkip, draft heads, ControlledAcceptance): the loop captures them with
+                       the round; around it the host reserves (before) and follows (after)
+  reads_host_state     proposes on the host (prompt lookup, suffix): propose_host reads
+                       state.host, which the loop keeps, so the round never reads the device for it
+  needs_target_hidden  reads the target's last-layer hidden states (state.hidden) of the prefill
+                       and of every verify pass (draft heads)
+One call:  check_compatible (at construction), cached_models (the cache kind), start(state) once
+           the prompts are known, select_rows(rows) when finished rows leave a dynamic batch.
+One round: reserve(state, k) -> propose(...) or propose_host(host, k) -> the target verifies ->
+           commit(state, num_accepted) -> follow(state) after the round's one read.
 `state` is the decoder's DecodeState: prompts, generated tokens so far and counts per row.
-
-On static caches (fixed shapes) a drafter with `device_side = True` (draft models, LayerSkip,
-ControlledAcceptance) proposes and commits as device work only, on buffers that persist across
-rounds: the decode loop captures both inside the round's graph. Their host part runs around it:
-  reserve(state, k)                 before the round (columns of the drafter's own cache)
-  follow(state)                     after the round's one read (state.accepted_max is known)
-A drafter with `reads_host_state = True` (prompt lookup, suffix) searches on the host: the loop
-keeps state.host (prompts, outputs, lengths and limits on the host) so it never reads the device.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +29,7 @@ import torch
 from .errors import TokenizerMismatch, UnsupportedArchitecture
 from .records import DecodeState, HostView, Proposal
 from .sampling import SamplingParams, logits_to_probs, sample_from
+from .lookup import lookup_batch, suffix_batch, warm_up, warm_up_suffix
 from .suffix import SuffixIndex, propose_path
 
 
@@ -57,33 +61,47 @@ def draft_chain(logits: torch.Tensor, k: int, sampling: SamplingParams, generato
 
 
 class Drafter:
-    """Base class; see the module docstring for the protocol."""
+    """The drafter protocol (see the module docstring); subclasses override what they need."""
 
     name = "drafter"
     device_side = False          # propose/commit are capturable device work on static caches
-    reads_host_state = False     # propose reads state.host, not the device
+    reads_host_state = False     # proposes on the host (propose_host), from state.host
+    needs_target_hidden = False  # reads state.hidden: the target's last-layer hidden states
 
     def check_compatible(self, target_model: torch.nn.Module, target_tokenizer=None) -> None:
         """Raise TokenizerMismatch when this drafter cannot propose tokens of the target's vocabulary."""
 
     def start(self, state: DecodeState) -> None:
-        pass
+        """A call begins: the prompts are in state (prefill a draft model's cache here)."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Finished rows left a dynamic batch: keep only `rows` of per-row state."""
+
+    def reserve(self, state: DecodeState, k: int) -> None:
+        """Host part before a device-side proposal of k tokens on static caches (columns of the
+        drafter's own cache)."""
 
     def propose(self, state: DecodeState, k: int, num_draft: torch.Tensor,
                 sampling: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        raise NotImplementedError
+        """Up to k draft tokens per row (at most num_draft[b]) on the device."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement propose")
+
+    def propose_host(self, host: HostView, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [B, k], counts [B]) searched on the host within host.limits
+        (drafters with reads_host_state)."""
+        raise NotImplementedError(f"{type(self).__name__} does not propose on the host")
 
     def commit(self, state: DecodeState, num_accepted: torch.Tensor) -> None:
-        pass
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        pass
-
-    def reserve(self, state: DecodeState, k: int) -> None:
-        """Host part before a device-side proposal of k tokens (static caches)."""
+        """The verifier accepted num_accepted [B] of the proposal (inside the captured round for
+        device-side drafters on static caches; after the round's read otherwise)."""
 
     def follow(self, state: DecodeState) -> None:
-        """Host part after a device-side commit (static caches): state.accepted_max is known."""
+        """Host part after a device-side commit on static caches: state.accepted_max is known."""
+
+    def cached_models(self) -> tuple:
+        """Models it runs with KV caches of their own (static caches by default need them all to
+        allow it)."""
+        return ()
 
     def generators(self) -> tuple:
         """Random generators of its own that propose() draws from (registered with CUDA graphs)."""
@@ -103,6 +121,21 @@ class Drafter:
         return {"kind": self.name, "params": {}}
 
 
+@dataclass
+class _RoundMarks:
+    """A draft model's marks of the round in progress, on the device (static caches: one set per
+    cache, read and written by captured rounds)."""
+
+    cached_gen: torch.Tensor      # [B] generated tokens already in the draft's cache
+    round_start: torch.Tensor     # [B] generated count when the round began
+    base: torch.Tensor            # [] the cache's write column when the round's proposal began
+
+    @classmethod
+    def like(cls, n_out: torch.Tensor) -> "_RoundMarks":
+        return cls(torch.zeros_like(n_out), torch.zeros_like(n_out),
+                   torch.zeros((), dtype=torch.long, device=n_out.device))
+
+
 class DraftModel(Drafter):
     """A small causal LM with the target's vocabulary, run autoregressively with its own KV cache."""
 
@@ -120,6 +153,7 @@ class DraftModel(Drafter):
         self._base: torch.Tensor | None = None          # static cache: the same on the device
         self._fixed = False                             # the cache is a static one
         self._vocab: int | None = None
+        self._marks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # cache -> _RoundMarks
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
         target_size = output_size(target_model)
@@ -150,17 +184,18 @@ class DraftModel(Drafter):
         self._fixed = self._cache.fixed_shapes
         valid = state.prompt_mask.bool() if state.prompt_has_padding else None
         self._cache.forward(state.prompt_ids, valid, logits_to_keep=1, graphed=False)
-        if self._fixed:   # buffers that captured rounds read and write: one set per static cache
-            bufs = self._cache.extras.get("draft_model")
-            if bufs is None:
-                bufs = self._cache.extras["draft_model"] = {
-                    name: torch.zeros_like(state.n_out) for name in ("cached_gen", "round_start")}
-                bufs["base"] = torch.zeros((), dtype=torch.long, device=state.n_out.device)
-            bufs["cached_gen"].zero_()
+        if self._fixed:   # marks that captured rounds read and write: one set per static cache
+            marks = self._marks.get(self._cache)
+            if marks is None:
+                marks = self._marks[self._cache] = _RoundMarks.like(state.n_out)
+            marks.cached_gen.zero_()
             self._cached_gen, self._round_start, self._base = (
-                bufs["cached_gen"], bufs["round_start"], bufs["base"])
+                marks.cached_gen, marks.round_start, marks.base)
         else:
             self._cached_gen = torch.zeros_like(state.n_out)
+
+    def cached_models(self) -> tuple:
+        return (self.model,)
 
     def graph_key(self) -> tuple:
         return (id(self._cache),)
@@ -205,7 +240,7 @@ class DraftModel(Drafter):
             # written this round: 2 catch-up columns, then k - 1 drafts of which rows keep
             # min(accepted, k - 1): writing resumes after the furthest kept column
             width = self._base + 2 + (state.kept_max - 1).clamp(max=self._round_k - 1)
-            self._cache.rollback_device(state.prompt_len + kept_gen, width)
+            self._cache.rollback(state.prompt_len + kept_gen, width)
             self._cached_gen.copy_(kept_gen)
         else:
             self._cache.rollback_to(state.prompt_len + kept_gen)
@@ -356,8 +391,6 @@ class PromptLookup(HostDrafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.occurrence = occurrence
-        from .lookup import warm_up
-
         warm_up()    # compiled (or loaded from numba's cache) here, never inside a timed decode
 
     def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
@@ -366,8 +399,6 @@ class PromptLookup(HostDrafter):
     def propose_host(self, host, k):
         """The whole batch in one compiled call (lookup.lookup_batch; equal to propose_tokens
         row by row)."""
-        from .lookup import lookup_batch
-
         return lookup_batch(host.prompts, host.prompt_len, host.out, host.n_out, host.limits, k,
                             self.max_ngram, self.min_ngram, earliest=self.occurrence == "earliest")
 
@@ -402,8 +433,6 @@ class SuffixDrafter(HostDrafter):
         self.max_depth = max_depth
         self.min_token_prob = float(min_token_prob)
         self.max_spec_factor = float(max_spec_factor)
-        from .lookup import warm_up_suffix
-
         warm_up_suffix(index)   # compiled (or loaded from numba's cache) here, not in a decode
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
@@ -427,8 +456,6 @@ class SuffixDrafter(HostDrafter):
     def propose_host(self, host, k):
         """The whole batch in one compiled call (lookup.suffix_batch; equal to propose_tokens
         row by row)."""
-        from .lookup import suffix_batch
-
         return suffix_batch(host.prompts, host.prompt_len, host.out, host.n_out, host.limits, k,
                             self.index, self.max_depth, self.min_token_prob, self.max_spec_factor)
 

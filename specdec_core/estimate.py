@@ -254,7 +254,7 @@ def estimate_acceptance(target: torch.nn.Module, drafter: Drafter, requests: lis
     if isinstance(drafter, HostDrafter):
         per_k = {k: [walk_rounds(r.prompt_ids, r.response_ids, k, drafter) for r in usable]
                  for k in ks}
-    elif getattr(drafter, "needs_target_hidden", False):   # a draft head: rates by round start
+    elif drafter.needs_target_hidden:   # a draft head: rates by round start
         from .head import head_round_rates
 
         iterator = tqdm(usable, desc=f"acceptance {drafter.name}", disable=not progress)

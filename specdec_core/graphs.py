@@ -1,4 +1,5 @@
-"""CUDA graphs for fixed-width forwards and whole rounds, and the one place that waits for the device.
+"""CUDA graphs for fixed-width forwards and whole rounds, the cache of captured round shapes, and
+the one place that waits for the device.
 
 A forward over a fixed number of tokens on a static cache launches the same kernels every time;
 CapturedGraph records it once and replays it (one launch instead of hundreds). Off CUDA two
@@ -13,6 +14,7 @@ stand-ins exercise everything around the graphs on the CPU:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -162,3 +164,51 @@ class RecordedGraph(RerunGraph):
                         old.copy_(new)
         finally:
             _REPLAYING[0] -= 1
+
+
+class RoundGraph:
+    """One round shape captured: its parts ("draft", "accept"), each recorded on its first run and
+    replayed from then on (a CUDA graph on CUDA, a RecordedGraph elsewhere)."""
+
+    def __init__(self, device: torch.device, generators: tuple, holds: tuple):
+        self.device, self.generators = device, generators
+        self.holds = holds              # what the shape's key names by id: kept alive with the graphs
+        self.parts: dict[str, CapturedGraph] = {}
+
+    def run(self, part: str, body: Callable):
+        graph = self.parts.get(part)
+        if graph is None:
+            graph = self.parts[part] = (CapturedGraph if self.device.type == "cuda" else RecordedGraph)()
+            graph.record(body, self.device, self.generators)
+        graph.replay()
+        return graph.out
+
+
+class RoundGraphs:
+    """The captured round shapes of one static cache. A shape runs eagerly `warmup` times (real
+    work, which also picks kernels and allocates workspaces), is captured on its next run and
+    replayed from then on; the `capacity` most recently used shapes are kept."""
+
+    def __init__(self, warmup: int, capacity: int):
+        self.warmup, self.capacity = warmup, capacity
+        self.graphs: OrderedDict[tuple, RoundGraph] = OrderedDict()
+        self.seen: dict[tuple, int] = {}        # shape -> eager runs so far
+
+    def get(self, key: tuple, device: torch.device, generators: tuple,
+            holds: tuple) -> RoundGraph | None:
+        """The shape's graph, or None while it still runs eagerly."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            return graph
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] <= self.warmup:
+            return None
+        graph = self.graphs[key] = RoundGraph(device, generators, holds)
+        while len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+        return graph
+
+    def shapes(self) -> dict[tuple, list[str]]:
+        """{shape key: its captured parts}, least recently used first."""
+        return {key: sorted(graph.parts) for key, graph in self.graphs.items()}

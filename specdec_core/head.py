@@ -24,14 +24,19 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from .cache import SequenceCache
 from .drafters import Drafter, draft_chain, output_size
-from .errors import SpecDecError, TokenizerMismatch, UnsupportedArchitecture
+from .errors import SpecDecError, TokenizerMismatch
 from .records import Proposal
 from .sampling import logits_to_probs
+from .tap import HiddenTap, final_norm
 
 FORMAT = "specdec-draft-head"
 VERSION = 1
@@ -39,36 +44,6 @@ VERSION = 1
 
 class HeadFileError(SpecDecError, ValueError):
     """A saved draft head that cannot be read (missing, corrupted, another format or target)."""
-
-
-def final_norm(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's final norm (its input is the last layer's hidden state)."""
-    decoder = getattr(model, "model", None)
-    norm = getattr(decoder, "norm", None)
-    if norm is None or not hasattr(decoder, "layers"):
-        raise UnsupportedArchitecture(
-            f"a draft head needs a decoder-only model with .model.layers and .model.norm (Llama, "
-            f"Mistral, Qwen2, ...); {type(model).__name__} has another structure")
-    return norm
-
-
-class HiddenTap:
-    """Context manager: while open, `value` is the input of `module` in its latest forward (for a
-    model's final norm: the last layer's hidden states [B, T, H])."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module, self.value, self._handle = module, None, None
-
-    def _hook(self, module, args):
-        self.value = args[0]
-
-    def __enter__(self) -> "HiddenTap":
-        self._handle = self.module.register_forward_pre_hook(self._hook)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
-        self.value = None
 
 
 class DraftHead(torch.nn.Module):
@@ -205,6 +180,27 @@ class DraftHead(torch.nn.Module):
         return head.eval()
 
 
+@dataclass
+class _HeadBuffers:
+    """A head drafter's round state on a static cache, at fixed width W = K + 1 (captured rounds
+    read and write it): the positions to catch up on and the marks of the round's drafts."""
+
+    features: torch.Tensor        # [B, W, H] the target's features of the pending positions
+    nxt: torch.Tensor             # [B, W] the token that followed each
+    valid: torch.Tensor           # [B, W] False: a hole (not accepted)
+    draft_base: torch.Tensor      # [B] the head cache's valid count before the round's drafts
+    round_w: torch.Tensor         # [] its write column before the round's drafts
+
+    @classmethod
+    def like(cls, features: torch.Tensor, width: int) -> "_HeadBuffers":
+        batch, device = features.shape[0], features.device
+        return cls(features.new_zeros(batch, width, features.shape[-1]),
+                   torch.zeros(batch, width, dtype=torch.long, device=device),
+                   torch.zeros(batch, width, dtype=torch.bool, device=device),
+                   torch.zeros(batch, dtype=torch.long, device=device),
+                   torch.zeros((), dtype=torch.long, device=device))
+
+
 class HeadDrafter(Drafter):
     """Drafts with a DraftHead from the target's hidden states (see the module docstring).
 
@@ -226,7 +222,8 @@ class HeadDrafter(Drafter):
         # (features [B, W, H], next tokens [B, W], valid [B, W]) to catch up on: the prompt's
         # (eager) or, on a dynamic cache, each round's accepted positions; None: the buffers
         self._pending = None
-        self._bufs: dict | None = None   # static cache: pending positions and round marks
+        self._bufs: _HeadBuffers | None = None   # static cache: pending positions and round marks
+        self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {W: _HeadBuffers}
         self._draft_base = None     # head cache's valid count per row before this round's drafts
         self._round_w = 0           # write column before this round's drafts (host)
         self._round_k = 0
@@ -247,18 +244,12 @@ class HeadDrafter(Drafter):
         nxt = torch.cat([state.prompt_ids[:, 1:], state.out[:, :1]], 1)
         valid = state.prompt_mask.bool()
         self._pending = (features, nxt, valid)
-        if self._fixed:
+        if self._fixed:      # one set per static cache and width (captured rounds read them)
+            by_width = self._buffers.setdefault(self._cache, {})
             width = state.k + 1
-            key = ("head", width)
-            if key not in self._cache.extras:
-                batch, device = features.shape[0], features.device
-                self._cache.extras[key] = {
-                    "features": features.new_zeros(batch, width, features.shape[-1]),
-                    "nxt": torch.zeros(batch, width, dtype=torch.long, device=device),
-                    "valid": torch.zeros(batch, width, dtype=torch.bool, device=device),
-                    "draft_base": torch.zeros(batch, dtype=torch.long, device=device),
-                    "round_w": torch.zeros((), dtype=torch.long, device=device)}
-            self._bufs = self._cache.extras[key]
+            if width not in by_width:
+                by_width[width] = _HeadBuffers.like(features, width)
+            self._bufs = by_width[width]
 
     def capturable(self) -> bool:
         return self._pending is None
@@ -269,7 +260,7 @@ class HeadDrafter(Drafter):
     def _inputs(self):
         if self._pending is not None:
             return self._pending
-        return self._bufs["features"], self._bufs["nxt"], self._bufs["valid"]
+        return self._bufs.features, self._bufs.nxt, self._bufs.valid
 
     def reserve(self, state, k) -> None:
         # the pending positions, then the first k - 1 drafts
@@ -294,8 +285,8 @@ class HeadDrafter(Drafter):
             valid = None
         logits, g = self._step(features, nxt, valid)
         if self._fixed:      # device work only (reserve() did the host part)
-            self._bufs["draft_base"].copy_(self._cache.count)   # valid positions before the drafts
-            self._bufs["round_w"].copy_(self._cache.write_column)
+            self._bufs.draft_base.copy_(self._cache.count)   # valid positions before the drafts
+            self._bufs.round_w.copy_(self._cache.write_column)
         else:
             self._draft_base = self._cache.count.clone()
             self._round_w = self._cache.width
@@ -313,8 +304,8 @@ class HeadDrafter(Drafter):
         # token and the accepted drafts, each with the token that followed it (right-aligned)
         hidden = state.hidden                                       # [B, W, H] of the verify pass
         if self._fixed:      # device work: fixed width, the positions not accepted are holes
-            self._cache.rollback_device(self._bufs["draft_base"], self._bufs["round_w"])
-            width = self._bufs["valid"].shape[1]
+            self._cache.rollback(self._bufs.draft_base, self._bufs.round_w)
+            width = self._bufs.valid.shape[1]
         else:
             self._cache.rollback_to(self._draft_base, width=self._round_w)
             width = int(state.accepted_max) + 1 if state.accepted_max is not None else hidden.shape[1]
@@ -327,8 +318,9 @@ class HeadDrafter(Drafter):
         start = state.n_out - (a + 1)                               # first token emitted this round
         nxt = state.out.gather(1, (start[:, None] + idx).clamp(min=0))
         if self._fixed:
-            for name, value in (("features", features), ("nxt", nxt), ("valid", valid)):
-                self._bufs[name].copy_(value)
+            self._bufs.features.copy_(features)
+            self._bufs.nxt.copy_(nxt)
+            self._bufs.valid.copy_(valid)
         else:
             self._pending = (features, nxt, valid)
 
@@ -356,7 +348,7 @@ def target_features(target: torch.nn.Module, ids: torch.Tensor,
 
 @torch.inference_mode()
 def head_round_rates(target: torch.nn.Module, head: DraftHead, prompt_ids, response_ids, k: int,
-                     sampling=None) -> "np.ndarray":
+                     sampling=None) -> np.ndarray:
     """Acceptance rates [L, K] of a head's drafts by round start, along one logged response.
 
     rates[t, i]: draft i of a round that starts with t response tokens emitted (it drafts response
@@ -367,10 +359,6 @@ def head_round_rates(target: torch.nn.Module, head: DraftHead, prompt_ids, respo
     positions before its start, then to its own chain. Greedy: argmax == logged token (0/1);
     sampling: min(1, q(x) / p(x)) at the logged token x, as token_acceptance scores draft models.
     """
-    import numpy as np
-
-    from .cache import SequenceCache
-
     device = next(target.parameters()).device
     prompt, response = list(prompt_ids), list(response_ids)
     seq = torch.tensor(prompt + response, dtype=torch.long, device=device)
@@ -388,12 +376,7 @@ def head_round_rates(target: torch.nn.Module, head: DraftHead, prompt_ids, respo
     greedy = sampling is None or sampling.greedy
     step_logits = head.full_logits(logits[0, j0])                    # [S, V]: draft 0
     g = g_tf[j0][:, None]
-    n = len(starts)
-    cache.cache.batch_repeat_interleave(n)
-    columns = torch.arange(total - 1, device=device)
-    cache.mask = (columns[None] <= j0[:, None]).long()
-    cache.count = j0 + 1
-    cache.has_holes = True
+    cache.expand_prefixes(j0 + 1)
     for i in range(k):
         pos = (p_len + starts + i).clamp(max=total - 1)              # abs position drafted
         x = seq[pos]

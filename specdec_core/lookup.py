@@ -182,6 +182,78 @@ def _take_better(windows, rows, length, limit, max_spec_factor, min_token_prob, 
     return best_score, best_length, best_count
 
 
+def _own_windows(seq, n, limit, max_depth, most):
+    """The row's own text: the longest suffix that occurs earlier in it; (windows [rows, limit] of
+    what followed its last `most` occurrences, their number, the matched length)."""
+    ends = np.empty(n, dtype=np.int64)
+    m = 0
+    for i in range(n - 1):
+        if seq[i] == seq[n - 1]:
+            ends[m] = i
+            m += 1
+    length = 1 if m else 0
+    while m and length < max_depth:
+        kept = 0
+        for j in range(m):
+            back = ends[j] - length
+            if back >= 0 and seq[back] == seq[n - 1 - length]:
+                ends[kept] = ends[j]
+                kept += 1
+        if kept == 0:
+            break
+        m, length = kept, length + 1
+    first = max(m - most, 0) if length else m
+    rows = m - first
+    windows = np.empty((rows, limit), dtype=np.int64)
+    for r in range(rows):
+        for j in range(limit):
+            p = ends[first + r] + 1 + j
+            windows[r, j] = seq[p] if p < n else SEPARATOR
+    return windows, rows, length
+
+
+def _index_windows(seq, n, limit, reversed_text, order, padded_text, n_text, depth, max_depth,
+                   most):
+    """The index: the range of occurrences of the row's suffix, narrowed one token at a time
+    (binary search); (windows [rows, limit] of what followed up to `most` of them, spread as
+    np.linspace picks, their number, the matched length)."""
+    lo, hi, length = 0, len(order), 0
+    for column in range(min(depth, max_depth, n)):
+        token = seq[n - 1 - column]
+        a, z = lo, hi
+        while a < z:                                  # first key >= token
+            mid = (a + z) // 2
+            if reversed_text[order[mid] + column] < token:
+                a = mid + 1
+            else:
+                z = mid
+        new_lo = a
+        z = hi
+        while a < z:                                  # first key > token
+            mid = (a + z) // 2
+            if reversed_text[order[mid] + column] <= token:
+                a = mid + 1
+            else:
+                z = mid
+        if new_lo >= a:
+            break
+        lo, hi, length = new_lo, a, column + 1
+    rows = min(hi - lo, most) if length else 0
+    windows = np.empty((rows, limit), dtype=np.int64)
+    step = (hi - 1 - lo) / (most - 1) if hi - lo > most else 0.0
+    for r in range(rows):
+        if hi - lo <= most:
+            j_order = lo + r
+        elif r == rows - 1:                       # np.linspace: the end exactly
+            j_order = hi - 1
+        else:
+            j_order = int(r * step + lo)
+        s = n_text - order[j_order]
+        for j in range(limit):
+            windows[r, j] = padded_text[s + j]
+    return windows, rows, length
+
+
 def _suffix_rows(prompts, prompt_len, out, n_out, limits, k, use_index, reversed_text, order,
                  padded_text, n_text, depth, max_depth, min_token_prob, max_spec_factor,
                  most, tokens, counts):
@@ -200,73 +272,16 @@ def _suffix_rows(prompts, prompt_len, out, n_out, limits, k, use_index, reversed
             p = start + i
             seq[i] = prompts[b, p] if p < width else out[b, p - width]
         best_score, best_length, best_count = 0.0, 0, 0
-        # 1. the row's own text: the longest suffix that occurs earlier in it
         if n >= 2:
-            ends = np.empty(n, dtype=np.int64)
-            m = 0
-            for i in range(n - 1):
-                if seq[i] == seq[n - 1]:
-                    ends[m] = i
-                    m += 1
-            length = 1 if m else 0
-            while m and length < max_depth:
-                kept = 0
-                for j in range(m):
-                    back = ends[j] - length
-                    if back >= 0 and seq[back] == seq[n - 1 - length]:
-                        ends[kept] = ends[j]
-                        kept += 1
-                if kept == 0:
-                    break
-                m, length = kept, length + 1
+            windows, rows, length = _own_windows(seq, n, limit, max_depth, most)
             if length:
-                first = max(m - most, 0)
-                rows = m - first
-                windows = np.empty((rows, limit), dtype=np.int64)
-                for r in range(rows):
-                    for j in range(limit):
-                        p = ends[first + r] + 1 + j
-                        windows[r, j] = seq[p] if p < n else SEPARATOR
                 best_score, best_length, best_count = _take_better(
                     windows, rows, length, limit, max_spec_factor, min_token_prob, found, tokens[b],
                     best_score, best_length, best_count)
-        # 2. the index: ranges of occurrences narrowed one token at a time (binary search)
         if use_index:
-            lo, hi, length = 0, len(order), 0
-            for column in range(min(depth, max_depth, n)):
-                token = seq[n - 1 - column]
-                a, z = lo, hi
-                while a < z:                                  # first key >= token
-                    mid = (a + z) // 2
-                    if reversed_text[order[mid] + column] < token:
-                        a = mid + 1
-                    else:
-                        z = mid
-                new_lo = a
-                z = hi
-                while a < z:                                  # first key > token
-                    mid = (a + z) // 2
-                    if reversed_text[order[mid] + column] <= token:
-                        a = mid + 1
-                    else:
-                        z = mid
-                if new_lo >= a:
-                    break
-                lo, hi, length = new_lo, a, column + 1
+            windows, rows, length = _index_windows(seq, n, limit, reversed_text, order, padded_text,
+                                                   n_text, depth, max_depth, most)
             if length:
-                rows = min(hi - lo, most)
-                windows = np.empty((rows, limit), dtype=np.int64)
-                step = (hi - 1 - lo) / (most - 1) if hi - lo > most else 0.0
-                for r in range(rows):
-                    if hi - lo <= most:
-                        j_order = lo + r
-                    elif r == rows - 1:                       # np.linspace: the end exactly
-                        j_order = hi - 1
-                    else:
-                        j_order = int(r * step + lo)
-                    s = n_text - order[j_order]
-                    for j in range(limit):
-                        windows[r, j] = padded_text[s + j]
                 best_score, best_length, best_count = _take_better(
                     windows, rows, length, limit, max_spec_factor, min_token_prob, found, tokens[b],
                     best_score, best_length, best_count)
@@ -285,9 +300,12 @@ def _suffix_kernel():
             _suffix_compiled = _suffix_rows
         else:
             jit = numba.njit(cache=True, nogil=True)
-            global _greedy_path, _take_better        # the kernel calls the compiled helpers
+            global _greedy_path, _take_better, _own_windows, _index_windows
+            # the kernel calls the compiled helpers
             _greedy_path = jit(_greedy_path)
             _take_better = jit(_take_better)
+            _own_windows = jit(_own_windows)
+            _index_windows = jit(_index_windows)
             _suffix_compiled = jit(_suffix_rows)
     return _suffix_compiled
 

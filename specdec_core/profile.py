@@ -192,7 +192,7 @@ class CostSampler:
                         drafter.model, context_len, b, generator, vocab,
                         static=use_static(drafter.model, static), max_width=2,
                         cuda_graphs=cuda_graphs, compile=compile)
-                elif getattr(drafter, "needs_target_hidden", False):   # a head: fuse + layer + head
+                elif drafter.needs_target_hidden:   # a head: fuse + layer + head
                     self.caches[(label, b)] = _head_cache(target, drafter.head, context_len, b,
                                                           generator, vocab, static)
                 elif label not in self.host:

@@ -1,7 +1,9 @@
 """The records the decode loop, the drafters and the verifiers pass between each other.
 
 DecodeState  what the loop knows about the batch's rows (drafters read it)
+HostView     the host's copy of prompts and outputs, for drafters that search on the host
 Proposal     what a drafter proposes for one round
+LoopBuffers  what rounds read and write besides the caches (kept with a static cache)
 GenerateResult, result_from_history   what generate returns, built once at the end of a call
 """
 
@@ -13,7 +15,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .graphs import RoundGraphs
 from .stats import SpecStats
+
+# Eager runs of a round shape before it is captured: real work, which also warms up everything
+# the capture needs (kernels chosen, workspaces allocated)
+WARMUP_ROUNDS = 1
+# Captured round shapes kept per static cache (the least recently used go first)
+MAX_ROUND_GRAPHS = 64
 
 
 @dataclass
@@ -91,6 +100,58 @@ class Proposal:
         self.tokens = self.tokens[:, :width]
         if self.probs is not None:
             self.probs = self.probs[:, :width]
+
+
+class LoopBuffers:
+    """What rounds read and write besides the caches. On a static cache they are allocated once
+    and kept with it (cache.loop), so rounds captured in one call replay in the next; on a
+    dynamic cache they are made per call."""
+
+    def __init__(self, batch: int, out_width: int, max_rounds: int, device: torch.device):
+        as_long = {"dtype": torch.long, "device": device}
+        self.out = torch.zeros(batch, out_width, **as_long)          # generated tokens
+        self.n_out = torch.ones(batch, **as_long)                    # their counts
+        self.active = torch.ones(batch, dtype=torch.bool, device=device)
+        self.prompt_len = torch.zeros(batch, **as_long)
+        self.history = torch.zeros(max_rounds, 3, batch, **as_long)  # (drafted, accepted, emitted)
+        self.round = torch.zeros(1, **as_long)                       # next row of the history
+        self.max_new = torch.zeros((), **as_long)
+        self.generator = torch.Generator(device=device)
+        self.staged: dict[tuple, torch.Tensor] = {}  # host proposals of w drafts: [B, w + 1]
+        self.graphs = RoundGraphs(WARMUP_ROUNDS, MAX_ROUND_GRAPHS)
+
+    @classmethod
+    def of(cls, target, batch: int, max_new_tokens: int, k: int, device: torch.device) -> "LoopBuffers":
+        """The buffers of a call on `target` (a KVCache): a static cache's own, else new ones."""
+        if not target.fixed_shapes:
+            return cls(batch, max_new_tokens + k + 1, max_new_tokens, device)
+        # a static cache holds prompt + max_new_tokens + K + 1 columns at least: as many suffice
+        if target.loop is None:
+            target.loop = cls(batch, target.max_len, target.max_len, device)
+        return target.loop
+
+    def reset(self, prompt_len: torch.Tensor, max_new_tokens: int, pad_token_id: int, seed: int) -> None:
+        self.out.fill_(pad_token_id)
+        self.n_out.fill_(1)
+        self.active.fill_(True)
+        self.prompt_len.copy_(prompt_len)
+        self.round.zero_()      # every row of the history a call reads, its rounds write whole
+        self.max_new.fill_(max_new_tokens)
+        self.generator.manual_seed(seed)
+
+    def stage(self, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """A host proposal (tokens [B, w], counts [B]) on the device, in one copy."""
+        staged = self.staged.get(tokens.shape)   # (rows: a dynamic batch shrinks, width)
+        if staged is None:
+            staged = self.staged[tokens.shape] = torch.zeros(
+                len(counts), tokens.shape[1] + 1, dtype=torch.long, device=self.out.device)
+        staged.copy_(torch.from_numpy(np.concatenate([tokens, counts[:, None]], 1)))
+
+    def staged_proposal(self, rows: int, width: int) -> "Proposal":
+        """The staged host proposal of `width` drafts as a Proposal (views of the staged buffer:
+        what a captured round reads)."""
+        staged = self.staged[(rows, width)]
+        return Proposal(staged[:, :-1], None, staged[:, -1])
 
 
 @dataclass

@@ -3,13 +3,13 @@
 At batch 1 on a GPU a decoding step of a small model is bound by reading the weights, and Python
 and kernel-launch overhead easily costs as much as the math. A static cache removes both:
 
-* `StaticSequenceCache` -- a transformers `StaticCache` of fixed batch and length behind the same
-  interface as the dynamic `SequenceCache`. Rows hold different numbers of tokens the same way
+* `StaticSequenceCache` -- a transformers `StaticCache` of fixed batch and length, a KVCache
+  (cache.py) like the dynamic `SequenceCache`. Rows hold different numbers of tokens the same way
   (rejected positions become holes hidden by the mask), but every shape is fixed: the attention
   mask is a 4-D [B, 1, T, L] tensor built on the device from a [B, L] validity buffer, the write
   position lives in a device scalar, and rollback only edits the validity buffer and moves the
-  write position. A forward over T new tokens is the same kernels every time, and on CUDA it is
-  captured once per width as a CUDA graph and replayed (graphs.py).
+  write position. A forward over T new tokens is the same kernels every time; `ForwardRuns`
+  captures it once per width as a CUDA graph and replays it (graphs.py), optionally compiled.
 * `StaticCachePool` -- the caches (and their graphs) of one target model, kept across generate
   calls and shared by its decoders.
 
@@ -35,6 +35,7 @@ from transformers import StaticCache
 
 from .errors import UnsupportedArchitecture
 from .graphs import CapturedGraph, RerunGraph
+from .records import LoopBuffers
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +100,10 @@ def bucket_length(needed: int) -> int:
 
 
 class StaticSequenceCache:
-    """model + StaticCache [batch, max_len] + validity [B, L] + valid count per row [B].
+    """Storage: model + StaticCache [batch, max_len] + validity [B, L] + valid count per row [B],
+    and the write position (the host's `width`, the device's `write_column`). A KVCache (cache.py)
+    with fixed shapes; its forwards run through `runs` (ForwardRuns: graphs per width, compile).
 
-    forward(tokens [B, T], valid [B, T] | None, logits_to_keep=0) -> logits [B, T', V]
-    rollback_to(keep [B], width=None): keep each row's first keep[b] valid tokens; `width` (host
-    int) is where writing resumes -- pass it when the caller knows it, else it is read from the
-    device (a synchronisation).
     Logits returned by a captured width are the graph's output buffer: valid until the next call
     of the same width.
     """
@@ -112,7 +111,7 @@ class StaticSequenceCache:
     fixed_shapes = True
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, cuda_graphs: bool = False,
-                 compile: bool = False):
+                 compile: bool | str = False):
         if not supports_static(model):
             raise UnsupportedArchitecture(
                 f"{type(model).__name__}: the static-cache fast path needs full attention in every "
@@ -130,28 +129,16 @@ class StaticSequenceCache:
             layer.cumulative_length = layer.cumulative_length.to(self.device)
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
         self.count = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self.w = 0                  # host: next column to write (== self._w on the device)
-        self.last_start = 0                          # host: first column of the latest forward
-        self._w = torch.zeros((), dtype=torch.long, device=self.device)
+        self._width = 0                  # host: the next column to write
+        self.last_start = 0              # host: first column of the latest forward
+        # the device's next column to write (a 0-dim tensor): what captured work reads
+        self.write_column = torch.zeros((), dtype=torch.long, device=self.device)
         self._cols = torch.arange(max_len, device=self.device)
         self._min = torch.finfo(self.dtype).min
-        self.cuda_graphs = bool(cuda_graphs)     # off CUDA: RerunGraph stands in (tests)
-        # decode-width forwards run a compiled body; "auto": fall back to eager ones (with a
-        # warning) if compiling fails on this setup
-        self.compile = bool(compile)
-        self._compile_fallback = compile == "auto"
-        self._compiled = None
-        self._graph_cls = CapturedGraph if self.device.type == "cuda" else RerunGraph
-        self._graphs: dict[tuple[int, int], CapturedGraph] = {}
+        self.runs = ForwardRuns(self, cuda_graphs, compile)
         self.compactions = 0
-        # what the decode loop keeps with this cache across calls: its persistent buffers and its
-        # captured rounds (loop.py), keyed by the loop
-        self.extras: dict = {}
-
-    @property
-    def write_column(self) -> torch.Tensor:
-        """The next column to write, on the device (a 0-dim tensor): what captured work reads."""
-        return self._w
+        # the decode loop's buffers and captured rounds kept with this cache across calls
+        self.loop: LoopBuffers | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -160,21 +147,24 @@ class StaticSequenceCache:
             raise RuntimeError("the model of this static cache was deleted")
         return model
 
-    # -- SequenceCache interface ---------------------------------------------------------------
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.runs.cuda_graphs
+
+    @property
+    def width(self) -> int:
+        return self._width
+
     # Every method that writes the cache's tensors runs under inference mode: the StaticCache
     # allocates (or moves to the device) its tensors inside the first forward, and a forward may
     # run under torch.inference_mode(), which makes them inference tensors -- updating those in
     # place outside inference mode is an error. The cache serves inference only.
-    @property
-    def width(self) -> int:
-        return self.w
-
     @torch.inference_mode()
     def reset(self) -> None:
         """Empty the cache for a new batch of prompts (buffers and graphs are kept)."""
         self.valid.zero_()
         self.count.zero_()
-        self._set_w(0, absolute=True)
+        self._set_width(0, absolute=True)
         self.last_start = 0
 
     @torch.inference_mode()
@@ -190,85 +180,74 @@ class StaticSequenceCache:
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         if _in_mode("device_only"):   # the caller reserved the columns (and follows them)
-            return self._run(tokens, valid.bool(), logits_to_keep, inputs_embeds)
+            return self.runs.run(tokens, valid.bool(), logits_to_keep, inputs_embeds)
         self.reserve(width)
-        if graphed and self.cuda_graphs and width <= MAX_GRAPH_WIDTH and inputs_embeds is None:
-            logits = self._replay(tokens, valid.bool(), logits_to_keep)
-        else:
-            logits = self._run(tokens, valid.bool(), logits_to_keep, inputs_embeds, decode=graphed)
-        return logits
+        return self.runs.forward(tokens, valid.bool(), logits_to_keep, inputs_embeds, graphed)
 
-    def _run(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
-             inputs_embeds: torch.Tensor | None = None, decode: bool = True) -> torch.Tensor:
-        """The body, compiled for decode widths when compile is on. Prefills (graphed=False:
-        their width changes with every prompt, and the first one initialises the cache) and
-        input vectors run eagerly."""
-        if (self.compile and decode and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH
-                and not _in_mode("eager")):
-            if self._compiled is None:
-                self._compiled = compiled_body(self)
-            if not self._compile_fallback:
-                return self._compiled(tokens, valid, logits_to_keep)
-            try:                  # compiling traces before it runs: a failure wrote nothing
-                return self._compiled(tokens, valid, logits_to_keep)
-            except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
-                log.warning("torch.compile of %s's forward failed (%s: %s); running it eagerly "
-                            "(pass compile=False to skip the attempt)", type(self.model).__name__,
-                            type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-                self.compile = False
-        return self._body(tokens, valid, logits_to_keep, inputs_embeds)
+    def mark(self) -> torch.Tensor:
+        return self.write_column.clone()
 
     def reserve(self, width: int) -> int:
         """The host part of forwards over `width` columns in all: compact first when they would
         not fit, then move the host's write column past them. Returns the first column."""
-        if self.w + width > self.max_len:
+        if self._width + width > self.max_len:
             self._compact()
-            if self.w + width > self.max_len:
-                raise ValueError(f"static cache of {self.max_len} columns is full ({self.w} used, "
-                                 f"{width} more needed): size it for prompt + max_new_tokens + K + 1")
-        self.last_start = start = self.w
-        self.w += width
+            if self._width + width > self.max_len:
+                raise ValueError(f"static cache of {self.max_len} columns is full ({self._width} "
+                                 f"used, {width} more needed): size it for prompt + max_new_tokens + K + 1")
+        self.last_start = start = self._width
+        self._width += width
         return start
 
     @torch.inference_mode()
-    def rollback_device(self, keep: torch.Tensor, width: torch.Tensor) -> None:
-        """rollback_to as device work only (capturable): `width` is a device scalar; the host
-        follows with follow(the same width) once it knows it."""
-        kept = self.valid & (self.valid.long().cumsum(1) <= keep[:, None])
-        self.valid.copy_(kept)
-        torch.minimum(self.count, keep, out=self.count)
+    def rollback(self, keep: torch.Tensor, width: torch.Tensor) -> None:
+        """A round's rollback as device work only (capturable): `width` is a device scalar; the
+        host follows with follow(the same width) once it knows it."""
+        self._keep_first(keep)
         positions = self._positions()
-        torch._foreach_copy_(positions, [torch.minimum(width, self._w)] * len(positions))
+        torch._foreach_copy_(positions, [torch.minimum(width, self.write_column)] * len(positions))
 
     def follow(self, width: int) -> None:
-        """The host part of rollback_device: writing resumes at `width` (as on the device)."""
-        self.w = min(int(width), self.w)
+        """The host part of rollback: writing resumes at `width` (as on the device)."""
+        self._width = min(int(width), self._width)
 
     @torch.inference_mode()
     def rollback_to(self, keep: torch.Tensor, width: int | None = None) -> None:
+        """A rollback outside rounds; `width` (host int) is where writing resumes -- pass it when
+        the caller knows it, else it is read from the device (a synchronisation)."""
+        kept = self._keep_first(keep)
+        if width is None:   # the last column any row still uses
+            used = kept.any(0).nonzero()
+            width = int(used.max()) + 1 if used.numel() else 0
+        self._set_width(min(int(width), self._width))
+
+    def state(self) -> dict:
+        """What engine_state() reports of this cache: its size, the write positions (host, device,
+        every layer's: they must agree between rounds), compactions and compiled forwards."""
+        return {"batch": self.batch, "length": self.max_len, "width": self._width,
+                "device_positions": [int(p) for p in self._positions()],
+                "compactions": self.compactions, "compiled": self.runs.compiled is not None,
+                "forward_graphs": sorted(self.runs.graphs)}
+
+    # -- internals -----------------------------------------------------------------------------
+    def _keep_first(self, keep: torch.Tensor) -> torch.Tensor:
+        """Keep each row's first keep[b] valid columns (the rest become holes); returns them."""
         kept = self.valid & (self.valid.long().cumsum(1) <= keep[:, None])
         self.valid.copy_(kept)
         torch.minimum(self.count, keep, out=self.count)
-        if width is None:   # the last column any row still uses (a synchronisation)
-            used = kept.any(0).nonzero()
-            width = int(used.max()) + 1 if used.numel() else 0
-        self._set_w(min(int(width), self.w))
+        return kept
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        raise NotImplementedError("a static cache keeps its batch: mark finished rows inactive")
-
-    # -- internals -----------------------------------------------------------------------------
-    def _set_w(self, w: int, absolute: bool = False) -> None:
+    def _set_width(self, width: int, absolute: bool = False) -> None:
         """Move the write column (host and device) and every layer's StaticCache write position.
 
-        Normally the device counters equal the host's `w` and move by the difference in one
+        Normally the device counters equal the host's width and move by the difference in one
         launch; absolute=True writes the value into each (after runs whose device-side advance the
         host did not follow: graph warm-ups and captures; and on reset)."""
-        delta, self.w = w - self.w, w
+        delta, self._width = width - self._width, width
         positions = self._positions()
         if absolute:
             for tensor in positions:
-                tensor.fill_(w)
+                tensor.fill_(width)
         elif delta:
             torch._foreach_add_(positions, delta)          # one launch for all layers
 
@@ -276,14 +255,14 @@ class StaticSequenceCache:
         """The device-side write positions: every layer's StaticCache counter, then our own."""
         positions = [layer.cumulative_length for layer in self.cache.layers
                      if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
-        positions.append(self._w)
+        positions.append(self.write_column)
         return positions
 
-    def _body(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
-              inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def body(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
+             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One forward, device-side only (capturable): write validity, positions, mask, run."""
         width = tokens.shape[1]
-        columns = self._w + self._cols[:width]                                    # [T]
+        columns = self.write_column + self._cols[:width]                          # [T]
         self.valid.index_copy_(1, columns, valid)
         valid_l = valid.long()
         position_ids = (self.count[:, None] + valid_l.cumsum(1) - 1).clamp_(min=0)
@@ -296,36 +275,19 @@ class StaticSequenceCache:
         inputs = {"input_ids": tokens} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         out = self.model(**inputs, attention_mask=mask[:, None], position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-        self._w.add_(width)
+        self.write_column.add_(width)
         return out.logits
 
-    def _replay(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        key = (tokens.shape[1], logits_to_keep)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._capture(tokens, valid, logits_to_keep)
-            self._graphs[key] = graph
-        graph.tokens.copy_(tokens)
-        graph.valid.copy_(valid)
-        graph.replay()
-        return graph.out
+    def snapshot(self):
+        """The state a capture's warm-up runs change (restore() puts it back)."""
+        return self.valid.clone(), self.count.clone(), self.last_start, self._width
 
-    def _capture(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> CapturedGraph:
-        """Capture the body for this width; the cache state is the same afterwards."""
-        graph = self._graph_cls(tokens.clone(), valid.clone())
-        # the host has reserved the columns already (forward): the device is at last_start
-        saved = (self.valid.clone(), self.count.clone(), self.last_start, self.w)
-
-        def restore():
-            self.valid.copy_(saved[0])
-            self.count.copy_(saved[1])
-            self._set_w(saved[2], absolute=True)    # the body moved the device counters
-            self.w = saved[3]
-
-        graph.capture(lambda: self._run(graph.tokens, graph.valid, logits_to_keep), restore,
-                      self.device)
-        log.debug("captured width %d of %s", tokens.shape[1], type(self.model).__name__)
-        return graph
+    def restore(self, saved) -> None:
+        valid, count, last_start, width = saved
+        self.valid.copy_(valid)
+        self.count.copy_(count)
+        self._set_width(last_start, absolute=True)    # the body moved the device counters
+        self._width = width
 
     @torch.inference_mode()
     def _compact(self) -> None:
@@ -338,12 +300,73 @@ class StaticSequenceCache:
                     index = order[:, None, :, None].expand_as(tensor)
                     tensor.copy_(tensor.gather(2, index))
         self.valid.copy_(self._cols[None, :] < self.count[:, None])
-        self._set_w(int(self.count.max()))
+        self._set_width(int(self.count.max()))
         self.compactions += 1
 
 
+class ForwardRuns:
+    """How a static cache's forwards run: decode widths captured as one graph per width (CUDA
+    graphs; RerunGraph off CUDA) and, with compile on, through a compiled body -- falling back to
+    eager forwards (with a warning) when compile="auto" and compiling fails on this setup."""
+
+    def __init__(self, cache: StaticSequenceCache, cuda_graphs: bool, compile: bool | str):
+        self.cache = cache
+        self.cuda_graphs = bool(cuda_graphs)     # off CUDA: RerunGraph stands in (tests)
+        self.compile = bool(compile)
+        self.fallback = compile == "auto"
+        self.compiled = None
+        self.graph_cls = CapturedGraph if cache.device.type == "cuda" else RerunGraph
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
+                inputs_embeds: torch.Tensor | None, graphed: bool) -> torch.Tensor:
+        """A forward whose columns the host reserved: replayed, compiled or eager."""
+        if graphed and self.cuda_graphs and tokens.shape[1] <= MAX_GRAPH_WIDTH and inputs_embeds is None:
+            return self._replay(tokens, valid, logits_to_keep)
+        return self.run(tokens, valid, logits_to_keep, inputs_embeds, decode=graphed)
+
+    def run(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int,
+            inputs_embeds: torch.Tensor | None = None, decode: bool = True) -> torch.Tensor:
+        """The body, compiled for decode widths when compile is on. Prefills (their width changes
+        with every prompt, and the first one initialises the cache) and input vectors run eagerly."""
+        if (self.compile and decode and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH
+                and not _in_mode("eager")):
+            if self.compiled is None:
+                self.compiled = compiled_body(self.cache)
+            if not self.fallback:
+                return self.compiled(tokens, valid, logits_to_keep)
+            try:                  # compiling traces before it runs: a failure wrote nothing
+                return self.compiled(tokens, valid, logits_to_keep)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
+                log.warning("torch.compile of %s's forward failed (%s: %s); running it eagerly "
+                            "(pass compile=False to skip the attempt)", type(self.cache.model).__name__,
+                            type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+                self.compile = False
+        return self.cache.body(tokens, valid, logits_to_keep, inputs_embeds)
+
+    def _replay(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        key = (tokens.shape[1], logits_to_keep)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._capture(tokens, valid, logits_to_keep)
+        graph.tokens.copy_(tokens)
+        graph.valid.copy_(valid)
+        graph.replay()
+        return graph.out
+
+    def _capture(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> CapturedGraph:
+        """Capture the body for this width; the cache state is the same afterwards (the host has
+        reserved the columns already: the device is at last_start)."""
+        graph = self.graph_cls(tokens.clone(), valid.clone())
+        saved = self.cache.snapshot()
+        graph.capture(lambda: self.run(graph.tokens, graph.valid, logits_to_keep),
+                      lambda: self.cache.restore(saved), self.cache.device)
+        log.debug("captured width %d of %s", tokens.shape[1], type(self.cache.model).__name__)
+        return graph
+
+
 def compiled_body(cache: StaticSequenceCache):
-    """cache._body compiled by torch.compile (inductor): mask building, the model's layers and
+    """cache.body compiled by torch.compile (inductor): mask building, the model's layers and
     the cache writes fused into few kernels. Shapes are static (dynamic=False): one compiled body
     per width, compiled on the first forward of that width and reused for the process; on CUDA
     the engine's own graphs then capture it. Every cache and width is one entry of the body's
@@ -353,7 +376,7 @@ def compiled_body(cache: StaticSequenceCache):
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, COMPILED_ENTRIES)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, COMPILED_ENTRIES)
-    return torch.compile(cache._body, dynamic=False)
+    return torch.compile(cache.body, dynamic=False)
 
 
 # compiled bodies one process may hold: caches x widths
@@ -423,6 +446,10 @@ class StaticCachePool:
             self._caches.popitem(last=False)
         cache.reset()
         return cache
+
+    def caches(self) -> list[tuple[str, StaticSequenceCache]]:
+        """(role, cache) of the caches kept now, least recently used first."""
+        return [(key[0], cache) for key, cache in self._caches.items()]
 
     @contextlib.contextmanager
     def session(self, target: torch.nn.Module, batch: int, needed_len: int):

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -303,6 +304,32 @@ def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[Log
                     stop_after=stop_after, desc="draft training")
 
 
+def lr_factor(config: TrainConfig, step: int) -> float:
+    """The learning-rate factor at `step`: linear warm-up, then cosine decay to 0 at config.steps."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _resume(trainee: Trainee, last: Path, optimizer, scheduler, config: TrainConfig,
+            desc: str) -> tuple[int, list, dict]:
+    """(step, history, best) from the checkpoint in `last` -- weights, optimizer, schedule and
+    random states restored -- or a fresh start, seeded."""
+    if not (last / "state.pt").exists():
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        return 0, [], {"predicted_speedup": -1.0, "step": -1}
+    trainee.load(last)
+    state = torch.load(last / "state.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    random.setstate(state["python_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    log.info("resumed %s at step %d from %s", desc, state["step"], last)
+    return state["step"], state["history"], state["best"]
+
+
 def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir: str | Path,
              progress: bool = True, stop_after: int | None = None,
              desc: str = "training") -> TrainResult:
@@ -314,27 +341,8 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
     last, best_dir = checkpoint_dir / "last", checkpoint_dir / "best"
     parameters = trainee.parameters()
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
-
-    def schedule(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress_ = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(progress_, 1.0)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    step, history, best = 0, [], {"predicted_speedup": -1.0, "step": -1}
-    if (last / "state.pt").exists():
-        trainee.load(last)
-        state = torch.load(last / "state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, history, best = state["step"], state["history"], state["best"]
-        random.setstate(state["python_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        log.info("resumed %s at step %d from %s", desc, step, last)
-    else:
-        random.seed(config.seed)
-        torch.manual_seed(config.seed)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, config))
+    step, history, best = _resume(trainee, last, optimizer, scheduler, config, desc)
     trainee.prepare(config, progress)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
@@ -382,7 +390,7 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                         "step": step, "history": history, "best": best, "config": asdict(config),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
-                       last / "state.pt")
+                       last / "state.pt")   # what _resume reads back
     bar.close()
     trainee.module.eval()
     (checkpoint_dir / "history.json").write_text(json.dumps(history, indent=1))

@@ -97,15 +97,14 @@ def test_graph_plumbing_keeps_outputs(target, draft, name, k):
         replayed = run(ids, MAX_NEW, attention_mask=mask, eos_token_id=eos)
         assert torch.equal(replayed.tokens, general.tokens), (name, k, eos)
         assert replayed.num_tokens == general.num_tokens
-    for cache in decoder.static_pool._caches.values():
+    for cache in decoder.engine_state()["caches"]:
         # captures ran the body without the host following: the device write positions must
         # still equal the host's (else writes drift towards the end of the cache)
-        positions = [int(layer.cumulative_length) for layer in cache.cache.layers] + [int(cache._w)]
-        assert positions == [cache.w] * len(positions)
+        assert cache["device_positions"] == [cache["width"]] * len(cache["device_positions"])
     # whole rounds were captured (with the target's cache): plain steps, or rounds of k drafts
     # whose drafting is part of the capture for device-side drafters
-    loop = [cache for key, cache in decoder.static_pool._caches.items() if key[0] == "target"]
-    shapes = {key[:3]: sorted(graph.parts) for key, graph in loop[0].extras["loop"].graphs.items()}
+    shapes = {(g["source"], g["drafted"], g["run_width"]): g["parts"]
+              for g in target_cache(decoder)["round_graphs"]}
     if name == "plain":
         assert shapes[(None, 0, 1)] == ["accept"]
     elif name == "prompt_lookup":
@@ -141,11 +140,11 @@ def test_recorded_graph_refuses_a_host_read_inside_the_body():
         graph.replay()
 
 
-def loop_buffers(decoder):
-    """The decode loop's persistent buffers (and captured rounds) of the decoder's target cache."""
-    caches = [cache for key, cache in decoder.static_pool._caches.items() if key[0] == "target"]
+def target_cache(decoder):
+    """engine_state() of the decoder's one target cache (with its captured rounds)."""
+    caches = [cache for cache in decoder.engine_state()["caches"] if cache["role"] == "target"]
     assert len(caches) == 1
-    return caches[0].extras["loop"]
+    return caches[0]
 
 
 @pytest.mark.parametrize("name", ["plain", "prompt_lookup", "draft_model", "controlled"])
@@ -168,8 +167,8 @@ def test_captured_rounds_replay_in_later_calls(target, draft, name):
         assert torch.equal(replayed.tokens, general.tokens), name
         assert (replayed.stats.rounds, replayed.stats.accepted) == (general.stats.rounds,
                                                                    general.stats.accepted)
-        bufs = loop_buffers(decoder)
-        shapes_after.append((len(bufs.graphs), sum(bufs.seen.values())))
+        cache = target_cache(decoder)
+        shapes_after.append((len(cache["round_graphs"]), cache["eager_rounds"]))
     # a shape runs eagerly once, then is captured: by the third call of each prompt set every
     # round replays -- nothing new captured, no eager round
     assert shapes_after[5] == shapes_after[4] == shapes_after[3], shapes_after
@@ -185,7 +184,7 @@ def test_captured_sampling_rounds_are_reseeded_per_call(target, draft):
     warm = SamplingParams(temperature=1.0)
     runs = [decoder.generate(ids, MAX_NEW, attention_mask=mask, sampling=warm, seed=seed).tokens
             for seed in (11, 11, 12, 11)]
-    assert len(loop_buffers(decoder).graphs) >= 1
+    assert len(target_cache(decoder)["round_graphs"]) >= 1
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[3])
     assert not torch.equal(runs[0], runs[2])
 
@@ -212,7 +211,7 @@ def test_compaction_keeps_outputs_when_the_cache_is_tight(target, draft, monkeyp
     decoder = SpecDecoder(target, drafter, k=5, static_cache=True, cuda_graphs=graphs)
 
     def compactions():   # the pool is shared by every decoder of this target
-        return sum(cache.compactions for cache in decoder.static_pool._caches.values())
+        return sum(cache["compactions"] for cache in decoder.engine_state()["caches"])
 
     before = compactions()
     result = decoder.generate(ids, MAX_NEW, attention_mask=mask)
@@ -304,7 +303,7 @@ def test_auto_decodes_on_static_caches_on_cuda_and_dynamic_ones_on_cpu(pair):
     decoder.generate(repetitive_prompt().to(device), 4)
     on_cuda = device == "cuda"
     assert decoder.uses_static_cache() is on_cuda
-    assert len(static_cache.StaticCachePool.of(model, cuda_graphs=on_cuda)._caches) == int(on_cuda)
+    assert len(static_cache.StaticCachePool.of(model, cuda_graphs=on_cuda).caches()) == int(on_cuda)
 
 
 def test_the_pool_keeps_the_most_recently_used_caches(target, monkeypatch):
@@ -314,7 +313,7 @@ def test_the_pool_keeps_the_most_recently_used_caches(target, monkeypatch):
     pool.get(target, 2, 10)
     assert pool.get(target, 1, 10) is first          # reused, and now the most recent
     pool.get(target, 3, 10)                          # evicts batch 2, not batch 1
-    assert [key[2] for key in pool._caches] == [1, 3]
+    assert [cache.batch for _, cache in pool.caches()] == [1, 3]
 
 
 def test_decoders_of_one_target_share_their_static_caches(target, draft):
@@ -324,9 +323,10 @@ def test_decoders_of_one_target_share_their_static_caches(target, draft):
     first.generate(ids, 8)
     second = SpecDecoder(target, PromptLookup(), k=5, static_cache=True)
     assert second.static_pool is first.static_pool
-    caches = dict(first.static_pool._caches)
+    caches = first.static_pool.caches()
     second.generate(ids, 8)
-    assert all(second.static_pool._caches[key] is cache for key, cache in caches.items())
+    kept = second.static_pool.caches()
+    assert all(any(cache is other for _, other in kept) for _, cache in caches)
 
 
 def test_forward_costs_on_the_static_cache(pair):
@@ -484,7 +484,7 @@ def test_compiled_forwards_keep_greedy_outputs(target, draft):
             assert compiled.num_tokens == general.num_tokens
             compiles.append(dynamo_counters["stats"]["unique_graphs"])
         assert compiles[1] == compiles[0]        # compiled once per width: no recompiles later
-        assert all(cache._compiled is not None for cache in decoder.static_pool._caches.values())
+        assert all(cache["compiled"] for cache in decoder.engine_state()["caches"])
     # "auto" compiles on CUDA only; the CPU default path has no static caches at all
     assert SpecDecoder(target, None).engine() == {"static_cache": CUDA, "cuda_graphs": CUDA,
                                                   "compile": CUDA}

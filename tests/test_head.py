@@ -73,8 +73,8 @@ def test_greedy_output_equals_plain(one_layer, prompts, engine, reduced, k):
         # the same drafts on every engine: fixed-width catch-up holes change nothing
         assert (spec.stats.rounds, spec.stats.accepted) == (general.stats.rounds, general.stats.accepted)
     if engine == "graphs":
-        caches = [c for key, c in decoder.static_pool._caches.items() if key[0] == "target"]
-        assert any(key[0] == "device" for key in caches[0].extras["loop"].graphs)
+        caches = [c for c in decoder.engine_state()["caches"] if c["role"] == "target"]
+        assert any(graph["source"] == "device" for graph in caches[0]["round_graphs"])
 
 
 def test_near_oracle_accepts_most_drafts(one_layer, prompts):
