@@ -1,12 +1,15 @@
 """specdec_core: the speculative decoding engine of specdec-rollout (torch + transformers only).
 
-Layers, each importing only the ones above it:
-  errors, home, stats, sampling, records   plain values: errors, paths, counts, params, records
-  verify                                  exact verification and the verify round
-  graphs, cache, static_cache             KV caches (dynamic; static with CUDA graphs)
-  suffix, drafters, synthetic             what proposes draft tokens
-  loop, decoder                           the one decode loop and SpecDecoder around it
-  profile, estimate, planner, validation, train, models, faults   measuring, planning, proving
+Layers, from the top; each module imports only from its own layer and those below it
+(pyproject.toml's "specdec_core layers" contract; docs/design.md has the same table):
+  around it     profile, estimate, planner, validation, train, models, faults, factory
+  decoding      loop, decoder
+  drafters      suffix, lookup, drafters, synthetic, head
+  caches        cache, static_cache
+  verification  verify
+  records       records
+  device        graphs, tap
+  values        errors, home, stats, sampling
 
 The package's names are imported on first use, so a torch-free module (home, errors) can be
 imported without loading torch.
