@@ -57,28 +57,6 @@ class KVCache(Protocol):
 
     def follow(self, width: int) -> None: ...
 
-    def mark(self) -> int:
-        return self.width
-
-    def reserve(self, width: int) -> int:
-        """Nothing to reserve: a dynamic cache grows in forward."""
-        return self.width
-
-    def rollback(self, keep: torch.Tensor, width: torch.Tensor | int) -> None:
-        self.rollback_to(keep)
-
-    def follow(self, width: int) -> None:
-        """Nothing to follow: rollback already cropped the cache."""
-
-    def expand_prefixes(self, lengths: torch.Tensor) -> None:
-        """The cache's one row, copied once per entry of lengths [N]: copy i keeps its first
-        lengths[i] columns (the later ones become holes). Forwards then extend every copy."""
-        self.cache.batch_repeat_interleave(len(lengths))
-        columns = torch.arange(self.width, device=lengths.device)
-        self.mask = (columns[None] < lengths[:, None]).long()
-        self.count = lengths.clone()
-        self.has_holes = True
-
     def rollback_to(self, keep: torch.Tensor, width: int | None = None) -> None: ...
 
     def select_rows(self, rows: torch.Tensor) -> None: ...

@@ -53,3 +53,29 @@ def test_every_engine_module_has_a_layer_and_imports_only_from_its_own_and_lower
                     if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
         upward = sorted(name for name in imported if rank[name] < rank[module])
         assert not upward, f"{module} imports {upward} from a layer above its own"
+
+
+def test_both_cache_kinds_keep_the_kv_cache_protocol():
+    # the decode loop and the drafters use only KVCache's members; a static cache never shrinks
+    # its batch, so select_rows is the dynamic kind's alone
+    from specdec_core.cache import KVCache, SequenceCache
+    from specdec_core.static_cache import StaticSequenceCache
+
+    members = {name for name, value in vars(KVCache).items()
+               if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+    members |= set(KVCache.__annotations__)
+    assert {"forward", "mark", "reserve", "rollback", "follow", "rollback_to", "width"} <= members
+    for kind, lacking in ((SequenceCache, set()), (StaticSequenceCache, {"select_rows"})):
+        has = {name for name in members if hasattr(kind, name)}
+        has |= {name for name in members if name in kind.__init__.__code__.co_names}
+        assert members - has == lacking, kind.__name__
+
+
+def test_the_drafter_protocol_declares_what_the_loop_reads():
+    # flags are class attributes on the base: the loop reads them without getattr
+    from specdec_core.drafters import Drafter
+
+    for flag in ("device_side", "reads_host_state", "needs_target_hidden"):
+        assert getattr(Drafter, flag) is False
+    loop = (REPO / "specdec_core" / "loop.py").read_text()
+    assert "getattr(" not in loop and "type(drafter)" not in loop
