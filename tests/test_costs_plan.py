@@ -9,7 +9,7 @@ import sys
 from datetime import datetime
 
 import pytest
-from sqlalchemy import create_engine, insert, select
+from sqlalchemy import insert, select
 
 from tasks.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
 from tasks.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware, export_costs,
@@ -18,57 +18,16 @@ from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, Hardw
 from tasks.plan import plan_domain, round_cost, speedups
 from tasks.settings import load_settings
 
-LS = "layer_skip(num_layers=2)"
-LS_SPEC = {"kind": "layer_skip", "params": {"num_layers": 2}}
-PL = "prompt_lookup"
-PL_SPEC = {"kind": "prompt_lookup", "params": {}}
+from .helpers.costs import (LS, LS_SPEC, PL, PL_SPEC, STEP, VERIFY, add_estimate, configs,
+                            cost_table)
+from .helpers.db import execute, fetch
 
 
 # ------------------------------------------------------------------------------------------------
-# helpers
-def execute(db_url, statement, *args):
-    engine = create_engine(db_url)
-    with engine.begin() as connection:
-        connection.execute(statement, *args)
-    engine.dispose()
-
-
-def fetch(db_url, statement):
-    engine = create_engine(db_url)
-    with engine.connect() as connection:
-        rows = connection.execute(statement).mappings().all()
-    engine.dispose()
-    return [dict(row) for row in rows]
-
-
-def add_estimate(db_url, run_id, domain, spec, k, e, lo, hi, share, requests=30):
-    execute(db_url, insert(AcceptanceEstimate).values(
-        run_id=run_id, domain=domain, drafter=candidate_label(spec), drafter_spec=spec, k=k,
-        requests=requests, tokens=20 * requests, acceptance_rate=0.5, mean_accepted_length=e,
-        mean_accepted_length_lo=lo, mean_accepted_length_hi=hi, conditional_acceptance=[0.6] * k,
-        draft_width_share=share, created_at=datetime(2025, 1, 1)))
-
-
+# helpers (the shared ones, and the hand-built costs: helpers/costs.py)
 def estimates(db_url, run_id, domain):
     return {(row["drafter"], row["k"]): row for row in fetch(db_url, select(AcceptanceEstimate).where(
         (AcceptanceEstimate.run_id == run_id) & (AcceptanceEstimate.domain == domain)))}
-
-
-def configs(db_url):
-    return fetch(db_url, select(DomainConfig).order_by(DomainConfig.run_id, DomainConfig.domain))
-
-
-# Hand-built costs: ratios to one target step grow with the batch size.
-STEP = {1: 0.020, 2: 0.025, 4: 0.040}
-VERIFY = {1: [1.2, 1.4], 2: [1.5, 2.0], 4: [2.0, 3.0]}     # v(1), v(2)
-LS_DRAFT = {1: 0.25, 2: 0.3, 4: 0.4}                       # per drafted token
-PL_DRAFT = {1: 0.05, 2: 0.1, 4: 0.2}                       # per round
-
-
-def cost_table(step=STEP, verify=VERIFY, ls=LS_DRAFT, pl=PL_DRAFT, name="test-gpu") -> CostTable:
-    return CostTable(name, "costs-run", dict(step),
-                     {b: {k + 1: r * step[b] for k, r in enumerate(ratios)} for b, ratios in verify.items()},
-                     {LS: {b: r * step[b] for b, r in ls.items()}, PL: {b: r * step[b] for b, r in pl.items()}})
 
 
 def seed_qa(db_url, run_id="plan-run"):

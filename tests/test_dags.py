@@ -11,24 +11,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, update
 
-from .conftest import save_tiny_target, tiny_llama, write_jsonl
-
-REPO = Path(__file__).resolve().parents[1]
-TINY_CONF = {"max_per_domain": 10, "min_per_domain": 5, "k_max": 3, "min_speedup": 0.01,
-             "candidates": ["prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"]}
-SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2]",
-         "SPECDEC_PROFILE_REPEATS": "1", "SPECDEC_PROFILE_CONTEXT_LEN": "32",
-         "SPECDEC_CONFIRM_REQUESTS": "2", "SPECDEC_CONFIRM_MAX_NEW_TOKENS": "12",
-         "SPECDEC_GREEDY_CHECK_TOKENS": "8", "SPECDEC_BOOTSTRAP_SAMPLES": "200",
-         "SPECDEC_PROMOTION_REGRESSION_TOLERANCE": "0.99",   # tiny-model timings are noise
-         # and so are their profiles and live speedups: the noise checks and the live veto are
-         # tested on their own (test_costs_plan.py, test_confirm_veto.py)
-         "SPECDEC_PROFILE_CHECKS": "false", "SPECDEC_LIVE_VETO": "false",
-         "SPECDEC_ENGINE_CHECK": "false",   # vLLM: test_vllm_serving.py and test_embedded.py
-         # these runs test orchestration: a run's sample (and so the validated context) follows its
-         # timestamped run id, and at the default alpha = 0.01 one run in a hundred fails validation
-         # by design, which would fail a test about something else (statistics: test_validation.py)
-         "SPECDEC_VALIDATION_ALPHA": "0.0001"}
+from .helpers import REPO
+from .helpers.airflow import SMALL, TINY_CONF
+from .helpers.models import save_tiny_target, tiny_llama
+from .helpers.traffic import traffic_rows, write_jsonl
 
 
 def test_dagbag_imports_without_errors(dagbag):
@@ -81,8 +67,6 @@ def test_dag_files_only_wire_tasks_functions():
 def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
     """Tiny target saved as a model directory, its own traffic imported, MLflow in tmp_path."""
     from tasks.traffic import import_traffic
-
-    from .test_evaluate import traffic_rows
 
     target = tiny_llama(seed=0)
     model_dir = save_tiny_target(target, tmp_path / "tiny-target")

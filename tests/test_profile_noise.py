@@ -17,7 +17,9 @@ from tasks.db.models import CostProfileCheck
 from tasks.plan import plan_domain
 from tasks.settings import load_settings
 
-from .test_costs_plan import LS, LS_SPEC, PL, PL_SPEC, add_estimate, configs, cost_table, fetch
+from .helpers.costs import LS, LS_SPEC, PL, PL_SPEC, add_estimate, configs, cost_table
+from .helpers.db import fetch
+from .helpers.models import tiny_llama
 
 SIZES = (1, 2, 4)
 
@@ -127,8 +129,6 @@ def stored_check(db_url, run_id):
 def small_target():
     # the tiny model with a wider hidden size: a step of a few ms instead of one, so that the
     # machine's idle jitter (a server of another test waking up) is not most of a figure
-    from .conftest import tiny_llama
-
     return tiny_llama(hidden=256, layers=4, heads=4, seed=1)
 
 

@@ -21,10 +21,11 @@ from tasks.errors import DatabaseUnavailable, RegistryUnavailable, TrafficFileEr
 from tasks.masking import mask_text, mask_url
 from tasks.traffic import EXIT_QUARANTINED, import_traffic
 
-from .conftest import free_port, request_row, write_jsonl
-from .test_traffic_import import traffic
+from .helpers import REPO
+from .helpers.processes import free_port
+from .helpers.registry import finished_run, register
+from .helpers.traffic import request_row, traffic, write_jsonl
 
-REPO = Path(__file__).resolve().parent.parent
 PLANTED = "Pl4nted-S3cret"
 
 
@@ -237,8 +238,6 @@ def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_u
     from tasks.config_schema import config_model_name
     from tasks.promotion import promote
     from tasks.settings import load_settings
-
-    from .test_registry import finished_run, register
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     target_id = "Test-Org/Race-Target"

@@ -20,6 +20,8 @@ from tasks.errors import DatabaseUnavailable, TrafficFileError
 from tasks.settings import load_settings
 from tasks.traffic import import_traffic, purge_traffic, sample_traffic_path
 
+from .helpers.traffic import traffic
+
 
 def rows_of(url, model, order_by=None):
     engine = create_engine(url)
@@ -38,14 +40,6 @@ def count(url, table: str) -> int:
         value = connection.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar()
     engine.dispose()
     return value
-
-
-def traffic(url) -> dict[str, dict]:
-    engine = create_engine(url)
-    with engine.connect() as connection:
-        rows = {row.id: dict(row._mapping) for row in connection.execute(select(TrafficRequest.__table__))}
-    engine.dispose()
-    return rows
 
 
 def quarantine(url) -> list[tuple[int, str]]:

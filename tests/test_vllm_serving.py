@@ -17,7 +17,7 @@ from tasks import serving_env
 from tasks.config_schema import parse_config
 from tasks.vllm import vllm_export
 
-from .conftest import save_tiny_target, tiny_llama
+from .helpers.models import save_tiny_target, tiny_llama
 
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_SERVING") == "1"
 pytestmark = [pytest.mark.integration,
