@@ -38,9 +38,12 @@ except ImportError:
 if REQUIRED and not (CHROMIUM and HAVE_PLAYWRIGHT):
     raise RuntimeError("SPECDEC_REQUIRE_BROWSER=1 but Chromium or Playwright is missing: install "
                        "Debian's chromium and the test extra (pip install -e '.[test]')")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and HAVE_PLAYWRIGHT),
-                                reason="no Chromium or Playwright here (CI installs both and sets "
-                                       "SPECDEC_REQUIRE_BROWSER=1)")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not (CHROMIUM and HAVE_PLAYWRIGHT),
+                       reason="no Chromium or Playwright here (CI installs both and sets "
+                              "SPECDEC_REQUIRE_BROWSER=1)"),
+]
 
 BIN = Path(sys.executable).parent
 SHOTS = Path(os.environ.get("SPECDEC_SCREENSHOTS", REPO / "screenshots"))

@@ -45,6 +45,7 @@ GPU_TASKS = {"profile", "per_domain.estimate", "per_domain.confirm", "per_domain
              "engine_check"}
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif(not os.environ.get(POSTGRES_ENV),
                        reason=f"{POSTGRES_ENV} is not set: the CeleryExecutor needs PostgreSQL"),

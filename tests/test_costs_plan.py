@@ -555,6 +555,7 @@ def probe() -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.integration
 def test_timing_lock_is_exclusive_across_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     with timing_lock():

@@ -1,5 +1,8 @@
 """The Airflow DAGs: DagBag import, and `specdec_evaluate` end to end through Airflow's own
-`dag.test()` on a tiny target (specdec database on SQLite and PostgreSQL, MLflow local store)."""
+`dag.test()` on a tiny target (specdec database on SQLite and PostgreSQL, MLflow local store).
+
+The tests that take `dagbag` are integration tests: the session's Airflow home is set up by
+`airflow db migrate` in a process of its own (conftest's airflow_env)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from .helpers.models import save_tiny_target, tiny_llama
 from .helpers.traffic import traffic_rows, write_jsonl
 
 
+@pytest.mark.integration
 def test_dagbag_imports_without_errors(dagbag):
     assert dagbag.import_errors == {}
     assert set(dagbag.dag_ids) == {"specdec_evaluate", "specdec_reports", "specdec_retrain_draft"}
@@ -100,6 +104,7 @@ def run_dag(dagbag, conf: dict):
     return run, states
 
 
+@pytest.mark.integration
 def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_env):
     from tasks.config_schema import config_model_name
     from tasks.tracking import client, load_version_config
@@ -159,6 +164,7 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     assert kept.domains["code"].enabled
 
 
+@pytest.mark.integration
 def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(dagbag, tiny_env):
     from tasks.draft_training import draft_model_name
     from tasks.tracking import client
@@ -198,6 +204,7 @@ def tries(run) -> dict:
     return {ti.task_id: (ti.state, ti.try_number) for ti in run.get_task_instances() if ti.map_index == -1}
 
 
+@pytest.mark.integration
 def test_database_outage_is_retried(dagbag, monkeypatch, tmp_path):
     # the database cannot be reached at run time: `sample` fails, is retried (its `retries`), and
     # only then the run fails; nothing downstream runs on its missing output
@@ -215,6 +222,7 @@ def test_database_outage_is_retried(dagbag, monkeypatch, tmp_path):
     assert states["check"][0] == "upstream_failed" and states["finish"] == ("skipped", 1), states
 
 
+@pytest.mark.integration
 def test_bad_input_fails_at_once(dagbag, monkeypatch, tmp_path):
     # a user error (here a minimum above the maximum per domain) fails the task without a retry
     monkeypatch.setenv("SPECDEC_DATABASE_URL", f"sqlite:///{tmp_path / 'specdec.db'}")
@@ -304,6 +312,7 @@ def test_deprecated_param_name_still_works(caplog):
     assert current_params({**params, **both}, both) == {"max_per_domain": 9, "min_per_domain": 20}
 
 
+@pytest.mark.integration
 def test_every_params_default_validates_as_the_trigger_form_submits_it(dagbag):
     """Airflow's own validation of each DAG's Params with their defaults, and with what the trigger
     form submits for an untouched form (an empty text field arrives as null): a manual run from

@@ -22,6 +22,7 @@ GPU_TASKS = {"specdec_evaluate": {"profile", "per_domain.estimate", "per_domain.
              "specdec_reports": set()}
 
 
+@pytest.mark.integration       # dagbag: `airflow db migrate` in a process
 def test_tasks_that_run_the_model_take_the_gpu_queue_the_others_the_default(dagbag):
     for dag_id, gpu in GPU_TASKS.items():
         dag = dagbag.get_dag(dag_id)

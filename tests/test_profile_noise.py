@@ -154,6 +154,7 @@ def test_a_quiet_profile_of_the_tiny_model_is_not_marked_noisy(db_url, small_tar
 BUSY = "import time\nend = time.time() + 120\nwhile time.time() < end:\n    pass\n"
 
 
+@pytest.mark.integration
 def test_a_profile_measured_beside_a_busy_process_is_consistent_or_marked_noisy(db_url, target, drafters):
     # two processes spinning on this machine's cores for part of the measurement (started a
     # moment after it begins, stopped before it ends), as a large pip install would

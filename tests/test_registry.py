@@ -11,7 +11,8 @@ database only changes where the promotions table lives, so pairing it with the s
 would add run time (about a third) for no new path. The local store is a copy of one migrated MLflow database per
 test (a fresh MLflow database spends seconds in its migrations); the server is started once for
 the module, and every test uses its own target id, hence its own experiment and registered model.
-The serving test starts (and stops) a server of its own.
+The serving test starts (and stops) a server of its own. What starts a server (the sqlite-server
+combination and the serving test) carries the `integration` marker.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def mlflow_server(tmp_path_factory, mlflow_template):
 
 COMBOS = [
     pytest.param(("sqlite", "local"), id="sqlite-local"),
-    pytest.param(("sqlite", "server"), id="sqlite-server"),
+    pytest.param(("sqlite", "server"), id="sqlite-server", marks=pytest.mark.integration),
     pytest.param(("postgresql", "local"), id="postgresql-local", marks=pytest.mark.skipif(
         not os.environ.get(POSTGRES_ENV), reason=f"{POSTGRES_ENV} is not set: no PostgreSQL server")),
 ]
@@ -558,6 +559,7 @@ def test_k_by_batch_size_goes_to_each_engines_own_key():
 
 # ------------------------------------------------------------------------------------------------
 # 9. serving survives the tracking server being stopped
+@pytest.mark.integration
 @pytest.mark.parametrize("db_backend", ["sqlite"])
 def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlflow_template,
                                                            target_id, monkeypatch):

@@ -33,6 +33,7 @@ from .helpers.processes import MlflowServer, Service, free_port
 from .helpers.traffic import traffic_rows, write_jsonl
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif(not os.environ.get(POSTGRES_ENV),
                        reason=f"{POSTGRES_ENV} is not set: the services test needs a PostgreSQL "

@@ -263,6 +263,7 @@ def test_import_into_a_database_that_does_not_exist(tmp_path, jsonl_file, make_r
         import_traffic(path, db_url=f"sqlite:///{tmp_path / 'missing.db'}", progress=False)
 
 
+@pytest.mark.integration
 def test_killed_import_loses_nothing_and_a_rerun_completes(db_url, jsonl_file, make_request, tmp_path):
     # SIGKILL mid-file: committed batches stay; the re-run ends with the same counts as one clean run
     total = 40_000
