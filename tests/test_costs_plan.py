@@ -164,14 +164,42 @@ def test_speedups_include_the_round_overhead_and_plain_decodings_own():
     assert again.round_overhead == costs.round_overhead
 
 
-def test_round_overhead_is_the_decode_time_outside_forwards_and_proposals(target):
+def test_round_overhead_is_the_decode_time_outside_forwards_and_proposals(target, monkeypatch):
+    import numpy as np
+
+    from specdec_core import SpecDecoder
     from specdec_core.drafters import PromptLookup
     from specdec_core.profile import measure_round_overhead
 
+    decodes = []       # every decode the measurement makes, as it returned it
+    for method in ("generate", "generate_plain"):
+        def recorded(self, *args, _real=getattr(SpecDecoder, method), **kwargs):
+            decodes.append(_real(self, *args, **kwargs))
+            return decodes[-1]
+        monkeypatch.setattr(SpecDecoder, method, recorded)
+
+    k = 3
     for drafter in (None, PromptLookup(3, 1)):
-        seconds = measure_round_overhead(target, drafter, 3, batch_size=2, context_len=32, repeats=1)
-        # host work per round of a tiny model: positive, and far below a second
-        assert 0 <= seconds < 0.5
+        # forwards priced at nothing, at 10 us, and far above a whole decode of the tiny model
+        for forward in (0.0, 1e-5, 10.0):
+            forward_s = dict.fromkeys(range(1, k + 2), forward)    # every verify width 1..K+1
+            decodes.clear()
+            seconds = measure_round_overhead(target, drafter, k, batch_size=2, context_len=32,
+                                             repeats=2, forward_s=forward_s)
+            # a warm-up decode, then one per repeat: the median of their seconds per round after
+            # the prefill, the proposals and one priced forward per round
+            assert len(decodes) == 3
+            per_round = []
+            for result in decodes[1:]:
+                widths, stats = list(result.round_widths), result.stats
+                assert widths and set(widths) <= set(forward_s)     # no width measured again
+                outside = stats.total_s - stats.prefill_s - stats.draft_s
+                per_round.append(max((outside - forward * len(widths)) / len(widths), 0.0))
+            assert seconds == pytest.approx(float(np.median(per_round)), rel=1e-9, abs=1e-12)
+            if forward == 0.0:
+                assert seconds > 0                  # a real decode: host work in every round
+            if forward == 10.0:
+                assert seconds == 0.0               # never below zero
 
 
 # ------------------------------------------------------------------------------------------------
