@@ -162,7 +162,8 @@ def dagbag(airflow_env):
 
 
 # ------------------------------------------------------------------------------------------------
-# one line at the end: what this machine skipped, and how to run it (.ci/run sets everything up)
+# one line at the end: what this machine skipped and why, and how to run it all (`make test-all`
+# sets up what .ci/run sets up)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     import re
     from collections import Counter
@@ -170,12 +171,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
         return
-    reasons = Counter()
+    reasons, files = Counter(), {}
     for report in skipped:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         reason = re.sub(r"^Skipped: ", "", reason)
-        reasons[reason.split(":")[0].split(" (")[0][:60]] += 1
-    summary = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
-    terminalreporter.write_line(
-        f"skipped {len(skipped)} here ({summary}); `bash .ci/run` sets up PostgreSQL, Chromium, "
-        "Redis and the serving environment and runs them all (a CUDA GPU for the GPU-only ones)")
+        why = reason.split(":")[0].split(" (")[0].split(";")[0][:60]
+        reasons[why] += 1
+        files.setdefault(why, set()).add(report.nodeid.split("::")[0].removeprefix("tests/"))
+    summary = ", ".join(
+        f"{count} {why} ({', '.join(sorted(files[why])[:3])}{', ...' if len(files[why]) > 3 else ''})"
+        for why, count in reasons.most_common())
+    cuda = any("CUDA" in why for why in reasons)
+    if all("CUDA" in why for why in reasons):
+        how = "they need a CUDA GPU (README: Installing on a CUDA machine)"
+    else:
+        how = ("run `make test-all` to set up PostgreSQL, Chromium, Redis and the serving environment "
+               "as CI does and run them all" + (" (the CUDA ones need a GPU)" if cuda else ""))
+    terminalreporter.write_line(f"skipped {len(skipped)} here: {summary}; {how}")

@@ -22,8 +22,8 @@ from .helpers.models import save_tiny_target, tiny_llama
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_SERVING") == "1"
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not REQUIRED and not serving_env.available(),
-                                 reason="no serving environment (make serving-env); .ci/run builds "
-                                        "one and sets SPECDEC_REQUIRE_SERVING=1")]
+                                 reason="no serving environment (make serving-env); `make test-all` "
+                                        "and CI build one and set SPECDEC_REQUIRE_SERVING=1")]
 
 
 @pytest.fixture(scope="module")
