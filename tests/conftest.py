@@ -163,14 +163,16 @@ def dagbag(airflow_env):
 
 # ------------------------------------------------------------------------------------------------
 # one line at the end: what this machine skipped and why, and how to run it all (`make test-all`
-# sets up what .ci/run sets up)
+# sets up what .ci/run sets up), printed last, after -ra's short summary and before the counts
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     import re
     from collections import Counter
 
+    result = yield
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
-        return
+        return result
     reasons, files = Counter(), {}
     for report in skipped:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
@@ -188,3 +190,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         how = ("run `make test-all` to set up PostgreSQL, Chromium, Redis and the serving environment "
                "as CI does and run them all" + (" (the CUDA ones need a GPU)" if cuda else ""))
     terminalreporter.write_line(f"skipped {len(skipped)} here: {summary}; {how}")
+    return result
