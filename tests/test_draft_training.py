@@ -148,6 +148,7 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     from tasks.draft_training import draft_candidates, train_draft_from_traffic
     from tasks.evaluate import evaluate
     from tasks.settings import load_settings
+
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=20, eval_every=10, k_max=3, warmup_steps=2, lr=3e-3)
     result = train_draft_from_traffic("draft-1", target=tiny_store["target"], db_url=db_url,
@@ -187,6 +188,7 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
     from tasks.evaluate import evaluate
     from tasks.settings import load_settings
     from tasks.tracking import client
+
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=8, eval_every=4, k_max=2, warmup_steps=1, lr=3e-3)
     result = train_draft_from_traffic("head-1", target=tiny_store["target"], db_url=db_url,
