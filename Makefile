@@ -1,4 +1,7 @@
 # The README's two commands: `make demo` (set up + main job) and `make test` (set up + tests).
+# Test tiers (pyproject's pytest markers): `make test-unit` (no process, no server, no embedded
+# model: the fast loop), `make test` (everything this machine can run; its last line says what it
+# skipped and why), `make test-all` (sets up what the rest need, as CI does, then everything).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= -c constraints.txt
 export SPECDEC_HOME ?= $(CURDIR)/.specdec
 
-.PHONY: setup serving-env demo test bench bench-gpu bench-import clean
+.PHONY: setup serving-env demo test test-unit test-all bench bench-gpu bench-import clean
 
 setup: $(VENV)/.installed
 
@@ -48,10 +51,22 @@ $(SERVING_VENV)/.installed: serving-constraints.txt
 demo: setup
 	$(VENV)/bin/specdec main-job
 
-# the architecture contracts (pyproject's [tool.importlinter]: layers, no cycles), then the tests
+# the architecture contracts (pyproject's [tool.importlinter]: layers, no cycles), then every test
+# this machine can run; the last line says what was skipped, why, and that `make test-all` runs it
 test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+
+# the fast loop: unit tests only (no process or server started, no embedded model), in seconds
+test-unit: setup
+	$(PY) -m pytest -q -m "not integration and not slow"
+
+# everything, as CI runs it (.ci/run): PostgreSQL, Chromium, Redis and docker-compose set up by
+# scripts/ci_services.sh (apt-get and the database cluster: root or sudo), the serving environment,
+# then `make test` with SPECDEC_REQUIRE_* set, so that a missing service fails instead of skipping.
+# What still skips needs a CUDA GPU (see "Installing on a CUDA machine" in the README).
+test-all: setup serving-env
+	bash scripts/ci_services.sh env SPECDEC_REQUIRE_SERVING=1 $(MAKE) --no-print-directory test
 
 bench: setup
 	$(PY) benchmarks/decode_cpu.py

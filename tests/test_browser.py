@@ -22,7 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, LoopbackServer, free_port, save_tiny_target, tiny_llama, write_jsonl
+from .helpers import REPO
+from .helpers.airflow import SMALL, TINY_CONF
+from .helpers.models import save_tiny_target, tiny_llama
+from .helpers.processes import LoopbackServer, free_port
+from .helpers.traffic import traffic_rows, write_jsonl
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_BROWSER") == "1"
@@ -34,9 +38,12 @@ except ImportError:
 if REQUIRED and not (CHROMIUM and HAVE_PLAYWRIGHT):
     raise RuntimeError("SPECDEC_REQUIRE_BROWSER=1 but Chromium or Playwright is missing: install "
                        "Debian's chromium and the test extra (pip install -e '.[test]')")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and HAVE_PLAYWRIGHT),
-                                reason="no Chromium or Playwright here (CI installs both and sets "
-                                       "SPECDEC_REQUIRE_BROWSER=1)")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not (CHROMIUM and HAVE_PLAYWRIGHT),
+                       reason="no Chromium or Playwright here (CI installs both and sets "
+                              "SPECDEC_REQUIRE_BROWSER=1)"),
+]
 
 BIN = Path(sys.executable).parent
 SHOTS = Path(os.environ.get("SPECDEC_SCREENSHOTS", REPO / "screenshots"))
@@ -50,9 +57,6 @@ def stores(airflow_env, dagbag, tmp_path_factory):
     from tasks.airflow_logs import recording, write_task_logs
     from tasks.db import upgrade
     from tasks.traffic import import_traffic
-
-    from .test_dags import SMALL, TINY_CONF
-    from .test_evaluate import traffic_rows
 
     base = tmp_path_factory.mktemp("ui-stores")
     with pytest.MonkeyPatch.context() as patch:

@@ -29,14 +29,15 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import POSTGRES_ENV, REPO, free_port, write_jsonl
-from .test_services import (Service, _logs, _task_logs, _wait, airflow_db_url,  # noqa: F401 - fixtures
-                            db_backend)
+from .helpers import REPO
+from .helpers.airflow import DAG_ID, SMALL, service_logs, task_logs, wait_for
+from .helpers.db import POSTGRES_ENV
+from .helpers.processes import MlflowServer, Service, free_port, stop_process_group
+from .helpers.traffic import write_jsonl
 
 REQUIRE_ENV = "SPECDEC_REQUIRE_CELERY"
 REPORT_ENV = "SPECDEC_CELERY_REPORT"       # where to write the runs' tables (CI prints the file)
 REDIS = shutil.which("redis-server")
-DAG_ID = "specdec_evaluate"
 DOMAINS = ("json", "qa")
 ROWS_PER_DOMAIN = 6
 RUN_TIMEOUT_S = 20 * 60
@@ -44,6 +45,7 @@ GPU_TASKS = {"profile", "per_domain.estimate", "per_domain.confirm", "per_domain
              "engine_check"}
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif(not os.environ.get(POSTGRES_ENV),
                        reason=f"{POSTGRES_ENV} is not set: the CeleryExecutor needs PostgreSQL"),
@@ -54,11 +56,15 @@ pytestmark = [
 
 
 @pytest.fixture
+def db_backend() -> str:
+    """Overrides conftest's: the specdec database is on PostgreSQL here, as in the compose file."""
+    return "postgresql"
+
+
+@pytest.fixture
 def redis_url(tmp_path):
     if REDIS is None:
         pytest.fail(f"{REQUIRE_ENV} is set but redis-server is not installed")
-    from .conftest import LoopbackServer  # noqa: F401 - same process-group handling
-
     port = free_port()
     log = tmp_path / "redis.log"
     with open(log, "wb") as handle:
@@ -80,8 +86,6 @@ def redis_url(tmp_path):
             pytest.fail(f"redis-server did not answer on port {port}:\n{log.read_text()[-2000:]}")
         time.sleep(0.2)
     yield f"redis://127.0.0.1:{port}/0"
-    from .conftest import stop_process_group
-
     stop_process_group(process, 10)
 
 
@@ -106,8 +110,6 @@ def stored_profile(embedded, db_url, shipped_two_domains):
     """A cost profile of the embedded default on this machine, measured once for both runs."""
     from tasks.costs import profile_costs
     from tasks.settings import load_settings
-
-    from .test_dags import SMALL
 
     model, tokenizer = embedded
     settings = load_settings(SMALL)
@@ -165,9 +167,6 @@ class Cluster:
 
 @pytest.fixture
 def cluster(tmp_path, airflow_db_url, db_url, redis_url, embedded):  # noqa: F811
-    from .test_dags import SMALL
-    from .test_registry import MlflowServer
-
     embedded_dir = Path(embedded[0].config._name_or_path).resolve()
     assert (embedded_dir / "config.json").exists(), embedded_dir
     mlflow = MlflowServer(tmp_path / "mlflow")
@@ -234,10 +233,10 @@ def _session(cluster: Cluster):
     import requests
 
     info = cluster.info()
-    _wait("the api-server's health", lambda: requests.get(
+    wait_for("the api-server's health", lambda: requests.get(
         f"{cluster.api}/api/v2/monitor/health", timeout=5).status_code == 200, 180, info)
     session = requests.Session()
-    token = _wait("a token", lambda: requests.post(
+    token = wait_for("a token", lambda: requests.post(
         f"{cluster.api}/auth/token", timeout=10, json={"username": "admin", "password": "celery-test"}
     ).json().get("access_token"), 60, info)
     session.headers["Authorization"] = f"Bearer {token}"
@@ -257,7 +256,7 @@ def _run(cluster: Cluster, session, conf: dict) -> tuple[str, list[dict]]:
         state = session.get(f"{api}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}", timeout=10).json()["state"]
         return state if state in ("success", "failed") else None
 
-    state = _wait(f"run {run_id} to finish", finished, RUN_TIMEOUT_S, info, interval_s=5)
+    state = wait_for(f"run {run_id} to finish", finished, RUN_TIMEOUT_S, info, interval_s=5)
     tis = session.get(f"{api}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances",
                       params={"limit": 100}, timeout=10).json()["task_instances"]
     if state != "success":
@@ -266,7 +265,7 @@ def _run(cluster: Cluster, session, conf: dict) -> tuple[str, list[dict]]:
         failed = sorted({ti["task_id"] for ti in tis if ti["state"] in ("failed", "upstream_failed")})
         pytest.fail(f"run {run_id} ended {state}; task instances (task, map index, state, host, "
                     "queue):\n" + "\n".join(map(str, states)) + "\n"
-                    + _task_logs(cluster.home, run_id, failed) + "\n" + _logs(info))
+                    + task_logs(cluster.home, run_id, failed) + "\n" + service_logs(info))
     return run_id, tis
 
 
@@ -316,7 +315,7 @@ def test_celery_workers_by_queue_then_the_same_results_as_the_local_executor(
     def parsed():
         return session.get(f"{cluster.api}/api/v2/dags/{DAG_ID}", timeout=10).status_code == 200
 
-    _wait(f"the dag-processor to parse {DAG_ID}", parsed, 300, info)
+    wait_for(f"the dag-processor to parse {DAG_ID}", parsed, 300, info)
     response = session.patch(f"{cluster.api}/api/v2/dags/{DAG_ID}", json={"is_paused": False}, timeout=10)
     assert response.status_code == 200, response.text
     conf = {"target": "smollm2-135m-instruct", "domains": list(DOMAINS), "window_days": 365,

@@ -129,6 +129,7 @@ def test_celery_profile_one_worker_per_queue_the_gpu_one_with_a_device(compose):
 COMPOSE = shutil.which("docker-compose")
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(COMPOSE is None, reason="no Compose client (Debian: apt-get install docker-compose)")
 def test_compose_config_validates_with_the_celery_profile(tmp_path):
     env = tmp_path / ".env"

@@ -9,7 +9,7 @@ import sys
 from datetime import datetime
 
 import pytest
-from sqlalchemy import create_engine, insert, select
+from sqlalchemy import insert, select
 
 from tasks.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
 from tasks.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware, export_costs,
@@ -18,57 +18,16 @@ from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, Hardw
 from tasks.plan import plan_domain, round_cost, speedups
 from tasks.settings import load_settings
 
-LS = "layer_skip(num_layers=2)"
-LS_SPEC = {"kind": "layer_skip", "params": {"num_layers": 2}}
-PL = "prompt_lookup"
-PL_SPEC = {"kind": "prompt_lookup", "params": {}}
+from .helpers.costs import (LS, LS_SPEC, PL, PL_SPEC, STEP, VERIFY, add_estimate, configs,
+                            cost_table)
+from .helpers.db import execute, fetch
 
 
 # ------------------------------------------------------------------------------------------------
-# helpers
-def execute(db_url, statement, *args):
-    engine = create_engine(db_url)
-    with engine.begin() as connection:
-        connection.execute(statement, *args)
-    engine.dispose()
-
-
-def fetch(db_url, statement):
-    engine = create_engine(db_url)
-    with engine.connect() as connection:
-        rows = connection.execute(statement).mappings().all()
-    engine.dispose()
-    return [dict(row) for row in rows]
-
-
-def add_estimate(db_url, run_id, domain, spec, k, e, lo, hi, share, requests=30):
-    execute(db_url, insert(AcceptanceEstimate).values(
-        run_id=run_id, domain=domain, drafter=candidate_label(spec), drafter_spec=spec, k=k,
-        requests=requests, tokens=20 * requests, acceptance_rate=0.5, mean_accepted_length=e,
-        mean_accepted_length_lo=lo, mean_accepted_length_hi=hi, conditional_acceptance=[0.6] * k,
-        draft_width_share=share, created_at=datetime(2025, 1, 1)))
-
-
+# helpers (the shared ones, and the hand-built costs: helpers/costs.py)
 def estimates(db_url, run_id, domain):
     return {(row["drafter"], row["k"]): row for row in fetch(db_url, select(AcceptanceEstimate).where(
         (AcceptanceEstimate.run_id == run_id) & (AcceptanceEstimate.domain == domain)))}
-
-
-def configs(db_url):
-    return fetch(db_url, select(DomainConfig).order_by(DomainConfig.run_id, DomainConfig.domain))
-
-
-# Hand-built costs: ratios to one target step grow with the batch size.
-STEP = {1: 0.020, 2: 0.025, 4: 0.040}
-VERIFY = {1: [1.2, 1.4], 2: [1.5, 2.0], 4: [2.0, 3.0]}     # v(1), v(2)
-LS_DRAFT = {1: 0.25, 2: 0.3, 4: 0.4}                       # per drafted token
-PL_DRAFT = {1: 0.05, 2: 0.1, 4: 0.2}                       # per round
-
-
-def cost_table(step=STEP, verify=VERIFY, ls=LS_DRAFT, pl=PL_DRAFT, name="test-gpu") -> CostTable:
-    return CostTable(name, "costs-run", dict(step),
-                     {b: {k + 1: r * step[b] for k, r in enumerate(ratios)} for b, ratios in verify.items()},
-                     {LS: {b: r * step[b] for b, r in ls.items()}, PL: {b: r * step[b] for b, r in pl.items()}})
 
 
 def seed_qa(db_url, run_id="plan-run"):
@@ -205,14 +164,42 @@ def test_speedups_include_the_round_overhead_and_plain_decodings_own():
     assert again.round_overhead == costs.round_overhead
 
 
-def test_round_overhead_is_the_decode_time_outside_forwards_and_proposals(target):
+def test_round_overhead_is_the_decode_time_outside_forwards_and_proposals(target, monkeypatch):
+    import numpy as np
+
+    from specdec_core import SpecDecoder
     from specdec_core.drafters import PromptLookup
     from specdec_core.profile import measure_round_overhead
 
+    decodes = []       # every decode the measurement makes, as it returned it
+    for method in ("generate", "generate_plain"):
+        def recorded(self, *args, _real=getattr(SpecDecoder, method), **kwargs):
+            decodes.append(_real(self, *args, **kwargs))
+            return decodes[-1]
+        monkeypatch.setattr(SpecDecoder, method, recorded)
+
+    k = 3
     for drafter in (None, PromptLookup(3, 1)):
-        seconds = measure_round_overhead(target, drafter, 3, batch_size=2, context_len=32, repeats=1)
-        # host work per round of a tiny model: positive, and far below a second
-        assert 0 <= seconds < 0.5
+        # forwards priced at nothing, at 10 us, and far above a whole decode of the tiny model
+        for forward in (0.0, 1e-5, 10.0):
+            forward_s = dict.fromkeys(range(1, k + 2), forward)    # every verify width 1..K+1
+            decodes.clear()
+            seconds = measure_round_overhead(target, drafter, k, batch_size=2, context_len=32,
+                                             repeats=2, forward_s=forward_s)
+            # a warm-up decode, then one per repeat: the median of their seconds per round after
+            # the prefill, the proposals and one priced forward per round
+            assert len(decodes) == 3
+            per_round = []
+            for result in decodes[1:]:
+                widths, stats = list(result.round_widths), result.stats
+                assert widths and set(widths) <= set(forward_s)     # no width measured again
+                outside = stats.total_s - stats.prefill_s - stats.draft_s
+                per_round.append(max((outside - forward * len(widths)) / len(widths), 0.0))
+            assert seconds == pytest.approx(float(np.median(per_round)), rel=1e-9, abs=1e-12)
+            if forward == 0.0:
+                assert seconds > 0                  # a real decode: host work in every round
+            if forward == 10.0:
+                assert seconds == 0.0               # never below zero
 
 
 # ------------------------------------------------------------------------------------------------
@@ -596,6 +583,7 @@ def probe() -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.integration
 def test_timing_lock_is_exclusive_across_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     with timing_lock():

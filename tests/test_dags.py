@@ -1,5 +1,8 @@
 """The Airflow DAGs: DagBag import, and `specdec_evaluate` end to end through Airflow's own
-`dag.test()` on a tiny target (specdec database on SQLite and PostgreSQL, MLflow local store)."""
+`dag.test()` on a tiny target (specdec database on SQLite and PostgreSQL, MLflow local store).
+
+The tests that take `dagbag` are integration tests: the session's Airflow home is set up by
+`airflow db migrate` in a process of its own (conftest's airflow_env)."""
 
 from __future__ import annotations
 
@@ -11,26 +14,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, update
 
-from .conftest import save_tiny_target, tiny_llama, write_jsonl
-
-REPO = Path(__file__).resolve().parents[1]
-TINY_CONF = {"max_per_domain": 10, "min_per_domain": 5, "k_max": 3, "min_speedup": 0.01,
-             "candidates": ["prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"]}
-SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2]",
-         "SPECDEC_PROFILE_REPEATS": "1", "SPECDEC_PROFILE_CONTEXT_LEN": "32",
-         "SPECDEC_CONFIRM_REQUESTS": "2", "SPECDEC_CONFIRM_MAX_NEW_TOKENS": "12",
-         "SPECDEC_GREEDY_CHECK_TOKENS": "8", "SPECDEC_BOOTSTRAP_SAMPLES": "200",
-         "SPECDEC_PROMOTION_REGRESSION_TOLERANCE": "0.99",   # tiny-model timings are noise
-         # and so are their profiles and live speedups: the noise checks and the live veto are
-         # tested on their own (test_costs_plan.py, test_confirm_veto.py)
-         "SPECDEC_PROFILE_CHECKS": "false", "SPECDEC_LIVE_VETO": "false",
-         "SPECDEC_ENGINE_CHECK": "false",   # vLLM: test_vllm_serving.py and test_embedded.py
-         # these runs test orchestration: a run's sample (and so the validated context) follows its
-         # timestamped run id, and at the default alpha = 0.01 one run in a hundred fails validation
-         # by design, which would fail a test about something else (statistics: test_validation.py)
-         "SPECDEC_VALIDATION_ALPHA": "0.0001"}
+from .helpers import REPO
+from .helpers.airflow import SMALL, TINY_CONF
+from .helpers.models import save_tiny_target, tiny_llama
+from .helpers.traffic import traffic_rows, write_jsonl
 
 
+@pytest.mark.integration
 def test_dagbag_imports_without_errors(dagbag):
     assert dagbag.import_errors == {}
     assert set(dagbag.dag_ids) == {"specdec_evaluate", "specdec_reports", "specdec_retrain_draft"}
@@ -82,8 +72,6 @@ def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
     """Tiny target saved as a model directory, its own traffic imported, MLflow in tmp_path."""
     from tasks.traffic import import_traffic
 
-    from .test_evaluate import traffic_rows
-
     target = tiny_llama(seed=0)
     model_dir = save_tiny_target(target, tmp_path / "tiny-target")
     from specdec_core import load_model
@@ -116,6 +104,7 @@ def run_dag(dagbag, conf: dict):
     return run, states
 
 
+@pytest.mark.integration
 def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_env):
     from tasks.config_schema import config_model_name
     from tasks.tracking import client, load_version_config
@@ -175,6 +164,7 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     assert kept.domains["code"].enabled
 
 
+@pytest.mark.integration
 def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(dagbag, tiny_env):
     from tasks.draft_training import draft_model_name
     from tasks.tracking import client
@@ -214,6 +204,7 @@ def tries(run) -> dict:
     return {ti.task_id: (ti.state, ti.try_number) for ti in run.get_task_instances() if ti.map_index == -1}
 
 
+@pytest.mark.integration
 def test_database_outage_is_retried(dagbag, monkeypatch, tmp_path):
     # the database cannot be reached at run time: `sample` fails, is retried (its `retries`), and
     # only then the run fails; nothing downstream runs on its missing output
@@ -231,6 +222,7 @@ def test_database_outage_is_retried(dagbag, monkeypatch, tmp_path):
     assert states["check"][0] == "upstream_failed" and states["finish"] == ("skipped", 1), states
 
 
+@pytest.mark.integration
 def test_bad_input_fails_at_once(dagbag, monkeypatch, tmp_path):
     # a user error (here a minimum above the maximum per domain) fails the task without a retry
     monkeypatch.setenv("SPECDEC_DATABASE_URL", f"sqlite:///{tmp_path / 'specdec.db'}")
@@ -320,6 +312,7 @@ def test_deprecated_param_name_still_works(caplog):
     assert current_params({**params, **both}, both) == {"max_per_domain": 9, "min_per_domain": 20}
 
 
+@pytest.mark.integration
 def test_every_params_default_validates_as_the_trigger_form_submits_it(dagbag):
     """Airflow's own validation of each DAG's Params with their defaults, and with what the trigger
     form submits for an untouched form (an empty text field arrives as null): a manual run from

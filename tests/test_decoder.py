@@ -10,7 +10,7 @@ from specdec_core import (DraftModel, InvalidDecodeInput, LayerSkip, PromptLooku
                           SpecDecoder, TokenizerMismatch)
 from specdec_core.cache import SequenceCache
 
-from .conftest import VOCAB, tiny_llama
+from .helpers.models import VOCAB, left_padded_batch, repetitive_prompt, tiny_llama
 
 MAX_NEW = 24
 
@@ -20,23 +20,6 @@ def hf_greedy(model, ids, mask=None, max_new=MAX_NEW):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
                          eos_token_id=None, pad_token_id=0, max_length=None)
     return out[:, ids.shape[1]:]
-
-
-def repetitive_prompt():
-    """A prompt with repeated n-grams, so prompt lookup finds matches."""
-    torch.manual_seed(3)
-    chunk = torch.randint(3, VOCAB, (6,))
-    return torch.cat([chunk, torch.randint(3, VOCAB, (3,)), chunk, chunk[:2]])[None]
-
-
-def left_padded_batch():
-    torch.manual_seed(4)
-    ids = torch.randint(3, VOCAB, (3, 14))
-    mask = torch.ones_like(ids)
-    for row, pad in ((0, 5), (1, 2)):
-        ids[row, :pad] = 0
-        mask[row, :pad] = 0
-    return ids, mask
 
 
 def drafters(target, draft):

@@ -12,7 +12,9 @@ from sqlalchemy import create_engine, select, update
 
 from tasks.db.models import EvalRun, HardwareProfile, LiveMeasurement
 
-from .test_evaluate import run, tiny_db, tiny_target  # noqa: F401 - fixtures
+from .helpers.evaluation import run
+from .helpers.models import save_tiny_target, tiny_llama
+from .helpers.traffic import traffic_rows, write_jsonl
 
 GPU_TASKS = {"specdec_evaluate": {"profile", "per_domain.estimate", "per_domain.confirm",
                                   "per_domain.validate", "finish", "engine_check"},
@@ -20,6 +22,7 @@ GPU_TASKS = {"specdec_evaluate": {"profile", "per_domain.estimate", "per_domain.
              "specdec_reports": set()}
 
 
+@pytest.mark.integration       # dagbag: `airflow db migrate` in a process
 def test_tasks_that_run_the_model_take_the_gpu_queue_the_others_the_default(dagbag):
     for dag_id, gpu in GPU_TASKS.items():
         dag = dagbag.get_dag(dag_id)
@@ -57,13 +60,10 @@ def test_worker_name_is_the_variable_else_the_host(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def evaluated(tmp_path_factory, tiny_target):  # noqa: F811
+def evaluated(tmp_path_factory, tiny_target):
     """One evaluation of the tiny target (SQLite), on 'worker A' (its own SPECDEC_HOME)."""
     from tasks.db import upgrade
     from tasks.traffic import import_traffic
-
-    from .conftest import write_jsonl
-    from .test_evaluate import traffic_rows
 
     root = tmp_path_factory.mktemp("distributed")
     url = f"sqlite:///{root / 'specdec.db'}"
@@ -122,7 +122,7 @@ def _set_run_hardware(url: str, **values) -> None:
     engine.dispose()
 
 
-def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tiny_target, caplog):  # noqa: F811
+def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tiny_target, caplog):
     from tasks.confirm import confirm_hardware
     from tasks.costs import HardwareMismatch
     from tasks.db.engine import ensure_ready
@@ -174,9 +174,6 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
     from tasks.draft_training import (log_draft, register_logged_draft, resolve_model_uri,
                                       train_draft_from_traffic)
     from tasks.traffic import import_traffic
-
-    from .conftest import save_tiny_target, tiny_llama, write_jsonl
-    from .test_evaluate import traffic_rows
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, _ = load_model(str(model_dir), device="cpu")

@@ -13,7 +13,9 @@ from specdec_core import SamplingParams, SpecDecoder, TokenizerMismatch
 from specdec_core.estimate import LoggedRequest
 from specdec_core.train import TrainConfig, init_draft_from_target, train_draft
 
-from .conftest import VOCAB, save_tiny_target, tiny_llama, write_jsonl
+from .helpers.evaluation import SETTINGS
+from .helpers.models import VOCAB, save_tiny_target, tiny_llama
+from .helpers.traffic import traffic_rows, write_jsonl
 
 COSTS = (0.3, [1.2] * 4)        # fixed cost ratios: no timing in unit tests
 
@@ -102,8 +104,6 @@ def tiny_store(db_url, tmp_path, monkeypatch):
     from specdec_core import load_model
     from tasks.traffic import import_traffic
 
-    from .test_evaluate import traffic_rows
-
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, tokenizer = load_model(str(model_dir), device="cpu")
     rows = traffic_rows(model, per_domain=16, foreign=0)
@@ -149,8 +149,6 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     from tasks.evaluate import evaluate
     from tasks.settings import load_settings
 
-    from .test_evaluate import SETTINGS
-
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=20, eval_every=10, k_max=3, warmup_steps=2, lr=3e-3)
     result = train_draft_from_traffic("draft-1", target=tiny_store["target"], db_url=db_url,
@@ -190,8 +188,6 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
     from tasks.evaluate import evaluate
     from tasks.settings import load_settings
     from tasks.tracking import client
-
-    from .test_evaluate import SETTINGS
 
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=8, eval_every=4, k_max=2, warmup_steps=1, lr=3e-3)

@@ -126,6 +126,7 @@ def test_cli_compare_prints_a_table_per_domain(embedded, capsys):
     assert all(r["speedup"] > 0 for r in rows)
 
 
+@pytest.mark.integration
 def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path, monkeypatch):
     # the whole evaluation on the real target and its own logged responses, at small sizes
     from tasks.db import dispose_engines, upgrade

@@ -10,7 +10,7 @@ from specdec_core import DraftModel, LayerSkip, PromptLookup, SamplingParams, Sp
 from specdec_core.estimate import (LoggedRequest, estimate_acceptance, walk_rounds,
                                    simulate_rounds)
 
-from .conftest import VOCAB
+from .helpers.models import VOCAB, tiny_llama
 
 
 def test_all_accepted_rounds_emit_k_plus_one():
@@ -137,8 +137,6 @@ def sampled_logged(target, prompts, new, sampling, seed):
 
 @pytest.fixture(scope="module")
 def spread_pair():
-    from .conftest import tiny_llama
-
     target = tiny_llama(seed=3, initializer_range=0.05)
     good = torch.arange(VOCAB) % 2 == 0
     return target, GatedDraft(target, good)
@@ -174,8 +172,6 @@ def test_sampling_estimate_agrees_with_live_where_sum_min_is_biased(spread_pair,
 
 
 def test_sampling_estimate_agrees_with_live_on_a_model_pair(spread_pair):
-    from .conftest import tiny_llama
-
     target, draft = spread_pair[0], tiny_llama(hidden=32, layers=2, heads=2, seed=4,
                                                initializer_range=0.05)
     sampling = SamplingParams(temperature=1.0)

@@ -5,64 +5,17 @@ and a broken verifier that makes a domain unpromotable."""
 from __future__ import annotations
 
 import pytest
-import torch
 from sqlalchemy import create_engine, func, select
 
-from specdec_core import SamplingParams, SpecDecoder
 from specdec_core.validation import fingerprint_id, target_fingerprint
 from tasks.db.models import (AcceptanceEstimate, CostProfile, DomainConfig, EvalRun, LiveMeasurement,
                              Validation)
-from tasks.evaluate import evaluate
 from tasks.settings import load_settings
 from tasks.traffic import import_traffic
 
-from .conftest import VOCAB, tiny_llama, write_jsonl
-
-SETTINGS = dict(min_per_domain=5, max_per_domain=10, eval_k_max=3, profile_batch_sizes=(1, 2),
-                profile_repeats=1, profile_context_len=32, confirm_requests=2,
-                profile_checks=False, live_veto=False,     # tiny-model timings are noise
-                engine_check=False,            # vLLM: test_vllm_serving.py and test_embedded.py
-                confirm_max_new_tokens=12, validation_rows=100, greedy_check_requests=2,
-                greedy_check_tokens=8, bootstrap_samples=200,
-                candidates=("prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"))
-
-
-@pytest.fixture(scope="module")
-def tiny_target():
-    return tiny_llama(seed=0)
-
-
-def traffic_rows(target, per_domain: int = 10, foreign: int = 2) -> list[dict]:
-    """Requests answered by `target` (its fingerprint), plus `foreign` from another target."""
-    fid = fingerprint_id(target_fingerprint(target))
-    decoder = SpecDecoder(target, None)
-    generator = torch.Generator().manual_seed(0)
-    rows = []
-    for domain in ("json", "qa"):
-        for i in range(per_domain + (foreign if domain == "qa" else 0)):
-            if domain == "json":     # repetitive prompts: prompt lookup finds continuations
-                chunk = torch.randint(3, VOCAB, (5,), generator=generator)
-                prompt = torch.cat([chunk, torch.randint(3, VOCAB, (3,), generator=generator), chunk[:3]])
-            else:
-                prompt = torch.randint(3, VOCAB, (8,), generator=generator)
-            sampling = SamplingParams() if i % 2 else SamplingParams(temperature=0.7, top_p=0.9)
-            response = decoder.generate_plain(prompt[None], 12, sampling=sampling, seed=i).tokens[0]
-            other = i >= per_domain
-            rows.append({
-                "id": f"{domain}-{i:03d}", "timestamp": f"2025-11-{1 + i % 9:02d}T10:00:00Z",
-                "domain": domain, "prompt": "tokens " + " ".join(map(str, prompt.tolist())),
-                "response": "tokens " + " ".join(map(str, response.tolist())),
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "model": "tiny",
-                "target_fingerprint": "sha256:" + "0" * 32 if other else fid,
-                "prompt_token_ids": prompt.tolist(), "response_token_ids": response.tolist()})
-    return rows
-
-
-@pytest.fixture
-def tiny_db(db_url, tmp_path, tiny_target):
-    import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target)), db_url=db_url,
-                   progress=False)
-    return db_url
+from .helpers.evaluation import SETTINGS, run
+from .helpers.models import VOCAB
+from .helpers.traffic import traffic_rows, write_jsonl
 
 
 def counts(db_url, run_id):
@@ -75,12 +28,6 @@ def counts(db_url, run_id):
     return out
 
 
-def run(db_url, target, run_id, **overrides):
-    settings = load_settings({}, **{**SETTINGS, **overrides})
-    return evaluate(run_id=run_id, target="tiny", db_url=db_url, settings=settings, model=target,
-                    progress=False)
-
-
 def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
     result = run(tiny_db, tiny_target, "e2e", min_speedup=0.01)   # every domain on: all steps run
     table = {row["domain"]: row for row in result["table"]}
@@ -89,7 +36,12 @@ def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
     for row in table.values():
         assert row["enabled"] and row["status"] == "ok" and row["k"] in (1, 2, 3)
         assert row["predicted_speedup_lo"] <= row["predicted_speedup"] <= row["predicted_speedup_hi"]
-        assert row["measured_speedup"] > 0 and row["gap"] in (True, False)
+        # the gap flag fires when the live speedup is off the cost model's prediction for the
+        # same requests by more than confirm_tolerance (the default here, 25%)
+        assert row["measured_speedup"] > 0 and row["predicted_same_requests"] > 0
+        assert row["cost_model_error"] == pytest.approx(
+            row["measured_speedup"] / row["predicted_same_requests"] - 1.0)
+        assert row["gap"] is (abs(row["cost_model_error"]) > load_settings({}).confirm_tolerance)
         assert row["validation"] == "passed" and row["promotable"] is True
         assert row["max_batch_size"] in (1, 2)
     stored = counts(tiny_db, "e2e")

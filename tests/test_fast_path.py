@@ -23,9 +23,8 @@ from specdec_core.synthetic import ControlledAcceptance
 from specdec_core.validation import sampling_check
 from specdec_core.verify import relaxed_verify
 
-from .conftest import VOCAB, load_script
-from .test_decoder import left_padded_batch, repetitive_prompt
-from .test_validation import PROMPT
+from .helpers.models import PROMPT, VOCAB, left_padded_batch, repetitive_prompt
+from .helpers.scripts import load_script
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))]

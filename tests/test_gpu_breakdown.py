@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from .conftest import load_script
+from .helpers.scripts import load_script
 
 CONFIGS = ["plain_eager", "plain_graphs", "spec_k4", "spec_k8"]
 SUMMARY_HEADER = ["configuration", "unit", "rounds", "tokens/round", "wall ms", "device busy ms",

@@ -12,7 +12,7 @@ import torch
 
 from specdec_core.planner import expected_tokens_per_round
 
-from .conftest import load_script
+from .helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from specdec_core.estimate import LoggedRequest, estimate_acceptance
 from specdec_core.head import DraftHead, HeadDrafter, HeadFileError
 from specdec_core.validation import sampling_check
 
-from .conftest import VOCAB, tiny_llama
+from .helpers.models import VOCAB, tiny_llama
 
 REDUCED = torch.tensor([t for t in range(VOCAB) if t % 7 != 3])      # 83 of 97 tokens
 

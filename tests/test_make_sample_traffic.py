@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from .conftest import load_script
+from .helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")

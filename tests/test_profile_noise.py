@@ -17,7 +17,9 @@ from tasks.db.models import CostProfileCheck
 from tasks.plan import plan_domain
 from tasks.settings import load_settings
 
-from .test_costs_plan import LS, LS_SPEC, PL, PL_SPEC, add_estimate, configs, cost_table, fetch
+from .helpers.costs import LS, LS_SPEC, PL, PL_SPEC, add_estimate, configs, cost_table
+from .helpers.db import fetch
+from .helpers.models import tiny_llama
 
 SIZES = (1, 2, 4)
 
@@ -127,8 +129,6 @@ def stored_check(db_url, run_id):
 def small_target():
     # the tiny model with a wider hidden size: a step of a few ms instead of one, so that the
     # machine's idle jitter (a server of another test waking up) is not most of a figure
-    from .conftest import tiny_llama
-
     return tiny_llama(hidden=256, layers=4, heads=4, seed=1)
 
 
@@ -154,6 +154,7 @@ def test_a_quiet_profile_of_the_tiny_model_is_not_marked_noisy(db_url, small_tar
 BUSY = "import time\nend = time.time() + 120\nwhile time.time() < end:\n    pass\n"
 
 
+@pytest.mark.integration
 def test_a_profile_measured_beside_a_busy_process_is_consistent_or_marked_noisy(db_url, target, drafters):
     # two processes spinning on this machine's cores for part of the measurement (started a
     # moment after it begins, stopped before it ends), as a large pip install would

@@ -9,7 +9,7 @@ import torch
 
 from specdec_core.models import load_model
 
-from .conftest import load_script
+from .helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ database only changes where the promotions table lives, so pairing it with the s
 would add run time (about a third) for no new path. The local store is a copy of one migrated MLflow database per
 test (a fresh MLflow database spends seconds in its migrations); the server is started once for
 the module, and every test uses its own target id, hence its own experiment and registered model.
-The serving test starts (and stops) a server of its own.
+The serving test starts (and stops) a server of its own. What starts a server (the sqlite-server
+combination and the serving test) carries the `integration` marker.
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
-import time
 import uuid
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -30,78 +28,21 @@ from sqlalchemy import create_engine, insert, select
 
 from tasks.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
                                  target_slug)
-from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun, Promotion
+from tasks.db.models import Promotion
 from tasks.errors import RegistryError
-from tasks.promotion import check_gates, promote, rollback
-from tasks.registration import register_config
+from tasks.promotion import check_gates, rollback
 from tasks.run_config import build_config, validation_status
 from tasks.tracking import client, show_version, tracking_uri
 from tasks.vllm import vllm_export
-from tasks.settings import load_settings
 
-from .conftest import POSTGRES_ENV, LoopbackServer, free_port
-
-MLFLOW = Path(sys.executable).with_name("mlflow")
-DEFAULTS = load_settings({})          # the documented defaults, whatever SPECDEC_* says
-LABEL = "prompt_lookup(max_ngram=3)"
-SPEC = {"kind": "prompt_lookup", "params": {"max_ngram": 3}}
+from .helpers.db import POSTGRES_ENV
+from .helpers.processes import MlflowServer
+from .helpers.registry import DEFAULTS, LABEL, finished_run, promote_, register
+from .helpers.registry import now as _now
 
 
 # ------------------------------------------------------------------------------------------------
-# rows an evaluation leaves behind
-def _now() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
-def domain_row(run_id: str, domain: str, enabled: bool = True, **overrides) -> dict:
-    """A finished domain_configs row: on (prompt lookup, K=3, 1.5x measured, validation passed)
-    or off (no drafter, validation not needed)."""
-    row = dict(run_id=run_id, domain=domain, enabled=enabled, status="ok", samples=25,
-               created_at=_now(), reason="test row")
-    if enabled:
-        row.update(drafter=LABEL, drafter_spec=SPEC, k=3, max_batch_size=4, predicted_speedup=1.6,
-                   predicted_speedup_lo=1.3, predicted_speedup_hi=1.9, measured_speedup=1.5,
-                   mean_accepted_length=2.2, conditional_acceptance=[0.8, 0.6, 0.4],
-                   validation="passed", promotable=True)
-    else:
-        row.update(drafter=None, drafter_spec=None, k=None, max_batch_size=None, predicted_speedup=None,
-                   predicted_speedup_lo=None, predicted_speedup_hi=None, measured_speedup=0.9,
-                   mean_accepted_length=None, conditional_acceptance=None, validation="not_needed",
-                   promotable=False)
-    row.update(overrides)
-    return row
-
-
-def finished_run(db_url: str, run_id: str, domains: dict, target_id: str = "tiny-target",
-                 fingerprint: str | None = "sha256:aaa", hardware: str | None = "cpu-test",
-                 estimates: bool = False) -> None:
-    """An evaluated run: an eval_runs row and one domain_configs row per domain.
-
-    domains: {name: overrides of domain_row (e.g. {"enabled": False}, {"validation": "failed"})}.
-    estimates: also acceptance_estimates for K = 1..3 of each enabled domain (the plots' data).
-    """
-    now = _now()
-    engine = create_engine(db_url)
-    with engine.begin() as connection:
-        connection.execute(insert(EvalRun).values(
-            run_id=run_id, created_at=now - timedelta(minutes=5), updated_at=now, status="evaluated",
-            target_id=target_id, target_fingerprint=fingerprint, hardware_profile=hardware,
-            params={"min_per_domain": 20, "max_per_domain": 30}))
-        for name, overrides in domains.items():
-            row = domain_row(run_id, name, **overrides)
-            connection.execute(insert(DomainConfig).values(**row))
-            if estimates and row["enabled"]:
-                for k in (1, 2, 3):
-                    rates = [0.8, 0.6, 0.4][:k]
-                    connection.execute(insert(AcceptanceEstimate).values(
-                        run_id=run_id, domain=name, drafter=LABEL, k=k, requests=25, tokens=400,
-                        acceptance_rate=sum(rates) / k, mean_accepted_length=1 + sum(rates),
-                        conditional_acceptance=rates, predicted_speedup=1.0 + 0.2 * k,
-                        predicted_speedup_lo=0.9 + 0.2 * k, predicted_speedup_hi=1.1 + 0.2 * k,
-                        created_at=now, drafter_spec=SPEC))
-    engine.dispose()
-
-
+# rows an evaluation leaves behind: helpers/registry.py
 def promotions(db_url: str) -> list[dict]:
     engine = create_engine(db_url)
     with engine.connect() as connection:
@@ -112,14 +53,6 @@ def promotions(db_url: str) -> list[dict]:
 
 def champion_of(uri: str, name: str) -> str:
     return str(client(uri).get_model_version_by_alias(name, "champion").version)
-
-
-def register(run_id: str, db_url: str, uri: str) -> dict:
-    return register_config(run_id, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest")
-
-
-def promote_(name: str, version: str, db_url: str, uri: str, **kwargs) -> dict:
-    return promote(name, version, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest", **kwargs)
 
 
 def gate(result: dict, name: str) -> dict:
@@ -141,26 +74,6 @@ def mlflow_template(tmp_path_factory) -> Path:
     return path
 
 
-class MlflowServer(LoopbackServer):
-    """`mlflow server` on 127.0.0.1 at a free port, in its own process group."""
-
-    def __init__(self, directory: Path, template: Path | None = None, timeout_s: float = 60.0):
-        directory.mkdir(parents=True, exist_ok=True)
-        backend = directory / "srv.db"
-        if template is not None:
-            shutil.copy(template, backend)
-        self.port = free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"     # no job runner: registry only
-        super().__init__(f"mlflow server on port {self.port}",
-                         [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{backend}",
-                          "--artifacts-destination", str(directory / "artifacts"), "--host", "127.0.0.1",
-                          "--port", str(self.port), "--workers", "1"],
-                         f"{self.uri}/health", env, directory / "server.log", cwd=directory,
-                         timeout_s=timeout_s)
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory, mlflow_template):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"), mlflow_template)
@@ -170,7 +83,7 @@ def mlflow_server(tmp_path_factory, mlflow_template):
 
 COMBOS = [
     pytest.param(("sqlite", "local"), id="sqlite-local"),
-    pytest.param(("sqlite", "server"), id="sqlite-server"),
+    pytest.param(("sqlite", "server"), id="sqlite-server", marks=pytest.mark.integration),
     pytest.param(("postgresql", "local"), id="postgresql-local", marks=pytest.mark.skipif(
         not os.environ.get(POSTGRES_ENV), reason=f"{POSTGRES_ENV} is not set: no PostgreSQL server")),
 ]
@@ -645,6 +558,29 @@ def test_k_by_batch_size_goes_to_each_engines_own_key():
 
 # ------------------------------------------------------------------------------------------------
 # 9. serving survives the tracking server being stopped
+FAIL_FAST_TIMEOUT_S = 5       # tasks.tracking.fail_fast: what a serving read waits, at most
+
+
+def http_requests(monkeypatch) -> list[dict]:
+    """Every HTTP request MLflow's client makes from now on, as the retries and the timeout it is
+    made with (the arguments it is given, else the environment's, as MLflow reads them)."""
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+    from mlflow.utils import rest_utils
+
+    made = []
+    real = rest_utils.http_request
+
+    def recorded(*args, **kwargs):
+        retries, timeout = kwargs.get("max_retries"), kwargs.get("timeout")
+        made.append({"retries": MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() if retries is None else retries,
+                     "timeout_s": MLFLOW_HTTP_REQUEST_TIMEOUT.get() if timeout is None else timeout})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rest_utils, "http_request", recorded)
+    return made
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("db_backend", ["sqlite"])
 def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlflow_template,
                                                            target_id, monkeypatch):
@@ -686,20 +622,22 @@ def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlf
     # within the TTL: served from memory, no registry read at all
     now[0] = 50.0
     assert reader.domain("json") == setting and reader.last_error is None
-    # past the TTL: the refresh fails fast and the last good config is served
+    # past the TTL: the refresh fails fast and the last good config is served. A serving read
+    # must not hang on a stopped server: each request is made once (MLflow's client retries for
+    # minutes by default) and waits at most a few seconds
+    requests = http_requests(monkeypatch)
     now[0] = 100.0
-    started = time.monotonic()
     assert reader.domain("json") == setting
-    assert time.monotonic() - started < 20, "a serving read must not hang on a stopped server"
     assert reader.last_error
     assert reader.version == "2"
+    assert requests and all(r == {"retries": 0, "timeout_s": FAIL_FAST_TIMEOUT_S} for r in requests), requests
 
     # a restart with the server still down: the cached config from disk
+    requests.clear()
     restarted = ChampionReader(server.uri, target_id, ttl_s=0, cache_path=cache)
-    started = time.monotonic()
     assert restarted.domain("json") == setting
-    assert time.monotonic() - started < 20
     assert restarted.last_error
+    assert requests and all(r == {"retries": 0, "timeout_s": FAIL_FAST_TIMEOUT_S} for r in requests), requests
     assert restarted.domain("no-such-domain") == {"enabled": False}
     # no cache and no server: speculation off
     cold = ChampionReader(server.uri, target_id, ttl_s=0, cache_path=tmp_path / "none" / "c.json")

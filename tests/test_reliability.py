@@ -21,10 +21,11 @@ from tasks.errors import DatabaseUnavailable, RegistryUnavailable, TrafficFileEr
 from tasks.masking import mask_text, mask_url
 from tasks.traffic import EXIT_QUARANTINED, import_traffic
 
-from .conftest import free_port, request_row, write_jsonl
-from .test_traffic_import import traffic
+from .helpers import REPO
+from .helpers.processes import free_port
+from .helpers.registry import finished_run, register
+from .helpers.traffic import request_row, traffic, write_jsonl
 
-REPO = Path(__file__).resolve().parent.parent
 PLANTED = "Pl4nted-S3cret"
 
 
@@ -145,6 +146,7 @@ def test_a_read_only_database_says_so_and_loses_nothing(tmp_path):
     assert set(traffic(f"sqlite:///{path}")) == {"req-00001"}
 
 
+@pytest.mark.integration
 def test_specdec_home_under_a_file(tmp_path):
     (tmp_path / "a-file").write_text("x")
     result = cli("db", "upgrade", home=tmp_path / "a-file" / "home")
@@ -163,6 +165,7 @@ def test_masking_hides_passwords_in_urls_and_text():
     assert PLANTED not in mask_text(f"API request to http://a:{PLANTED}@h:9/api/2.0 failed")
 
 
+@pytest.mark.integration
 def test_unreachable_mlflow_fails_fast_with_one_masked_line_and_no_planted_password(tmp_path):
     """Every command of a failing session with a planted password in both URLs: the exit status,
     a line naming the masked URI and the fix, and the password nowhere in what was printed
@@ -228,6 +231,7 @@ def _race_worker(action: str, name: str, db_url: str, uri: str, barrier, rounds:
         barrier.wait()             # done; the parent checks
 
 
+@pytest.mark.integration
 def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_url, tmp_path):
     """`promote 2 --force --expected-champion 3` against `rollback`, both started at once, many
     times. Whatever the order, the champion is the version of the last move in the audit rows,
@@ -237,8 +241,6 @@ def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_u
     from tasks.config_schema import config_model_name
     from tasks.promotion import promote
     from tasks.settings import load_settings
-
-    from .test_registry import finished_run, register
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     target_id = "Test-Org/Race-Target"

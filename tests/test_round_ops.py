@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import load_script
+from .helpers.scripts import load_script
 
 # today's counts (benchmarks/results/round_ops.md) and the most each may grow to
 BOUNDS = {"plain": (0, 0), "prompt lookup": (7, 1), "draft model": (5, 1), "LayerSkip(2)": (5, 1),

@@ -22,52 +22,25 @@ import secrets
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from .conftest import (POSTGRES_ENV, free_port, postgres_schema, save_tiny_target,
-                       stop_process_group, tiny_llama, write_jsonl)
+from .helpers import REPO
+from .helpers.airflow import DAG_ID, SMALL, TINY_CONF, service_logs, task_logs, wait_for
+from .helpers.db import POSTGRES_ENV
+from .helpers.models import save_tiny_target, tiny_llama
+from .helpers.processes import MlflowServer, Service, free_port
+from .helpers.traffic import traffic_rows, write_jsonl
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif(not os.environ.get(POSTGRES_ENV),
                        reason=f"{POSTGRES_ENV} is not set: the services test needs a PostgreSQL "
                               "server for Airflow's metadata and the specdec database"),
 ]
 
-REPO = Path(__file__).resolve().parents[1]
-DAG_ID = "specdec_evaluate"
 RUN_TIMEOUT_S = 15 * 60
-
-
-def _tail(path: Path, chars: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError as exc:
-        return f"<{path}: {exc}>"
-
-
-class Service:
-    """A long-running command in its own process group, its output in a log file."""
-
-    def __init__(self, name: str, command: list[str], env: dict, directory: Path):
-        self.name = name
-        self.log = directory / f"{name}.log"
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            cwd=directory, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self) -> None:
-        """The whole group (workers, task supervisors)."""
-        stop_process_group(self.process, 20)
-
-    def describe(self, chars: int = 4000) -> str:
-        state = "running" if self.alive() else f"exited {self.process.returncode}"
-        return f"--- {self.name} ({state}), {self.log}:\n{_tail(self.log, chars)}"
 
 
 @pytest.fixture
@@ -77,19 +50,10 @@ def db_backend() -> str:
 
 
 @pytest.fixture
-def airflow_db_url():
-    """A fresh schema for Airflow's metadata (dropped afterwards, once every service is stopped)."""
-    with postgres_schema("af") as url:
-        yield url
-
-
-@pytest.fixture
 def tiny_target_traffic(db_url, tmp_path):
     """A tiny target saved as a model directory, and its own traffic (json, qa) imported."""
     from specdec_core import load_model
     from tasks.traffic import import_traffic
-
-    from .test_evaluate import traffic_rows
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, _ = load_model(str(model_dir), device="cpu")
@@ -101,9 +65,6 @@ def tiny_target_traffic(db_url, tmp_path):
 @pytest.fixture
 def services(tmp_path, airflow_db_url, db_url):
     """MLflow server, then the Airflow home (migrated, pool) and its three long-running services."""
-    from .test_dags import SMALL
-    from .test_registry import MlflowServer
-
     started: list = []
     mlflow = MlflowServer(tmp_path / "mlflow")
     started.append(mlflow)
@@ -160,68 +121,11 @@ def services(tmp_path, airflow_db_url, db_url):
             service.stop()
 
 
-def _logs(services: dict, chars: int = 3000) -> str:
-    parts = [service.describe(chars) for service in services["services"]]
-    parts.append(f"--- mlflow server, {services['mlflow_server'].log}:\n"
-                 + _tail(services["mlflow_server"].log, chars))
-    return "\n".join(parts)
-
-
-def _log_lines(path: Path, lines: int = 25) -> str:
-    """The last lines of a task log (JSON lines) as `time level event`, exceptions' type and value
-    added (the frames left out)."""
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            out.append(line)
-            continue
-        text = f"{record.get('timestamp', '')} {record.get('level', '')} {record.get('event', '')}"
-        for error in record.get("error_detail") or []:
-            text += f"\n    {error.get('exc_type')}: {error.get('exc_value')}"
-        out.append(text)
-    return "\n".join(out[-lines:])
-
-
-def _task_logs(home: Path, run_id: str, task_ids: list[str]) -> str:
-    """The logs of the given tasks in this run (every map index and attempt), summarised."""
-    out = []
-    for run_dir in (home / "logs").glob(f"dag_id={DAG_ID}/run_id=*"):
-        if run_dir.name != f"run_id={run_id}":
-            continue
-        for task_id in task_ids:
-            for path in sorted(run_dir.glob(f"task_id={task_id}/**/*.log")):
-                out.append(f"--- task log {path.relative_to(home)}:\n{_log_lines(path)}")
-    return "\n".join(out)
-
-
-def _wait(what: str, check, timeout_s: float, services: dict, interval_s: float = 2.0):
-    """check() until it returns something truthy; fails with every service's log tail."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        for service in services["services"]:
-            if not service.alive():
-                pytest.fail(f"{service.name} exited while waiting for {what}\n{_logs(services)}")
-        try:
-            result = check()
-        except Exception as exc:   # connection refused while starting, ...
-            result, last = None, exc
-        if result:
-            return result
-        time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last!r})\n"
-                f"{_logs(services)}")
-
-
 def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services, tiny_target_traffic):
     import requests
 
     from tasks.config_schema import config_model_name
     from tasks.tracking import client, load_version_config
-
-    from .test_dags import TINY_CONF
 
     started = time.monotonic()
     api = services["api"]
@@ -230,7 +134,7 @@ def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services,
         response = requests.get(f"{api}/api/v2/monitor/health", timeout=5)
         return response.status_code == 200 and response.json()
 
-    health = _wait("the api-server's /api/v2/monitor/health", healthy, 180, services)
+    health = wait_for("the api-server's /api/v2/monitor/health", healthy, 180, services)
 
     def token():
         response = requests.post(f"{api}/auth/token", timeout=10,
@@ -238,7 +142,7 @@ def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services,
         return response.status_code in (200, 201) and response.json()["access_token"]
 
     session = requests.Session()
-    session.headers["Authorization"] = f"Bearer {_wait('a token from /auth/token', token, 60, services)}"
+    session.headers["Authorization"] = f"Bearer {wait_for('a token from /auth/token', token, 60, services)}"
 
     def parsed():
         response = session.get(f"{api}/api/v2/dags/{DAG_ID}", timeout=10)
@@ -246,10 +150,10 @@ def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services,
             return response.json()
         errors = session.get(f"{api}/api/v2/importErrors", timeout=10)
         if errors.status_code == 200 and errors.json().get("total_entries"):
-            pytest.fail(f"DAG import errors: {errors.json()}\n{_logs(services)}")
+            pytest.fail(f"DAG import errors: {errors.json()}\n{service_logs(services)}")
         return None
 
-    dag = _wait(f"the dag-processor to parse {DAG_ID}", parsed, 300, services)
+    dag = wait_for(f"the dag-processor to parse {DAG_ID}", parsed, 300, services)
     assert dag["dag_id"] == DAG_ID
     response = session.patch(f"{api}/api/v2/dags/{DAG_ID}", json={"is_paused": False}, timeout=10)
     assert response.status_code == 200 and response.json()["is_paused"] is False, response.text
@@ -265,7 +169,7 @@ def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services,
         state = session.get(f"{api}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}", timeout=10).json()["state"]
         return state if state in ("success", "failed") else None
 
-    state = _wait(f"run {run_id} to finish", finished, RUN_TIMEOUT_S, services, interval_s=5)
+    state = wait_for(f"run {run_id} to finish", finished, RUN_TIMEOUT_S, services, interval_s=5)
     if state != "success":
         tis = session.get(f"{api}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances",
                           params={"limit": 100}, timeout=10).json()["task_instances"]
@@ -273,7 +177,7 @@ def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services,
         failed = sorted({ti["task_id"] for ti in tis if ti["state"] in ("failed", "upstream_failed")})
         pytest.fail(f"run {run_id} ended {state}; task instances (task, map index, state, try):\n"
                     + "\n".join(map(str, states)) + "\n"
-                    + _task_logs(services["home"], run_id, failed) + "\n" + _logs(services))
+                    + task_logs(services["home"], run_id, failed) + "\n" + service_logs(services))
 
     tis = session.get(f"{api}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances",
                       params={"limit": 100}, timeout=10).json()["task_instances"]

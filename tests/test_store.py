@@ -126,6 +126,7 @@ def test_narrowing_known_domains_keeps_only_the_matching_default_rules():
     assert {rule.domain for rule in settings.domain_rules} == {"json", "qa"}
 
 
+@pytest.mark.integration
 def test_specdec_home_and_default_model_have_one_definition_that_loads_no_torch(tmp_path,
                                                                               monkeypatch):
     # tasks.settings re-exports the engine's own definitions (specdec_core.home), and importing
@@ -147,6 +148,7 @@ def test_specdec_home_and_default_model_have_one_definition_that_loads_no_torch(
     assert out.stdout.split() == ["False", "smollm2-135m-instruct"]
 
 
+@pytest.mark.integration
 def test_data_commands_do_not_import_torch():
     # the store, import, sampling and report modules load without the engine's heavy dependencies
     import subprocess

@@ -15,9 +15,7 @@ from specdec_core.suffix import (SEPARATOR, IndexFileError, SuffixIndex, context
                                  propose_path)
 from specdec_core.validation import sampling_check
 
-from .conftest import VOCAB
-from .test_decoder import left_padded_batch
-from .test_validation import PROMPT
+from .helpers.models import PROMPT, VOCAB, left_padded_batch
 
 
 def brute_force_match(sequences, context, depth):

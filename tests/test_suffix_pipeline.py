@@ -11,26 +11,25 @@ from tasks.candidates import parse_candidate
 from tasks.config_schema import DrafterSpec
 from tasks.db.models import AcceptanceEstimate, DomainConfig, DraftTrainingRequest, EvalSample
 from tasks.suffix_index import SuffixIndexError, build_and_register, resolve_index_uri
-from tasks.traffic import import_traffic
-
-from .conftest import write_jsonl
 from tasks.evaluate import evaluate
 from tasks.settings import load_settings
+from tasks.traffic import import_traffic
 
-from .test_evaluate import SETTINGS, run, tiny_target, traffic_rows  # noqa: F401 - fixture
+from .helpers.evaluation import SETTINGS, run
+from .helpers.traffic import traffic_rows, write_jsonl
 
 SUFFIX = "suffix:max_depth=16,min_token_prob=0.1,max_spec_factor=1.0"
 
 
 @pytest.fixture
-def suffix_db(db_url, tmp_path, tiny_target):  # noqa: F811 - the fixture of test_evaluate
+def suffix_db(db_url, tmp_path, tiny_target):
     # 16 requests per domain, at most 10 sampled: the rest can be indexed
     import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target, per_domain=16)),
                    db_url=db_url, progress=False)
     return db_url
 
 
-def test_a_runs_suffix_index_never_holds_the_requests_it_scores(suffix_db, tiny_target):  # noqa: F811
+def test_a_runs_suffix_index_never_holds_the_requests_it_scores(suffix_db, tiny_target):
     out = run(suffix_db, tiny_target, "suffix-run",
               candidates=("prompt_lookup:max_ngram=3:min_ngram=1", SUFFIX))
     assert not out["failed"]
@@ -55,7 +54,7 @@ def test_a_runs_suffix_index_never_holds_the_requests_it_scores(suffix_db, tiny_
     assert any(label.startswith("suffix(") for label in labels)
 
 
-def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db, tiny_target,  # noqa: F811
+def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db, tiny_target,
                                                                         tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"

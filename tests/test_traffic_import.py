@@ -20,6 +20,8 @@ from tasks.errors import DatabaseUnavailable, TrafficFileError
 from tasks.settings import load_settings
 from tasks.traffic import import_traffic, purge_traffic, sample_traffic_path
 
+from .helpers.traffic import traffic
+
 
 def rows_of(url, model, order_by=None):
     engine = create_engine(url)
@@ -38,14 +40,6 @@ def count(url, table: str) -> int:
         value = connection.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar()
     engine.dispose()
     return value
-
-
-def traffic(url) -> dict[str, dict]:
-    engine = create_engine(url)
-    with engine.connect() as connection:
-        rows = {row.id: dict(row._mapping) for row in connection.execute(select(TrafficRequest.__table__))}
-    engine.dispose()
-    return rows
 
 
 def quarantine(url) -> list[tuple[int, str]]:
@@ -269,6 +263,7 @@ def test_import_into_a_database_that_does_not_exist(tmp_path, jsonl_file, make_r
         import_traffic(path, db_url=f"sqlite:///{tmp_path / 'missing.db'}", progress=False)
 
 
+@pytest.mark.integration
 def test_killed_import_loses_nothing_and_a_rerun_completes(db_url, jsonl_file, make_request, tmp_path):
     # SIGKILL mid-file: committed batches stay; the re-run ends with the same counts as one clean run
     total = 40_000

@@ -12,9 +12,7 @@ from specdec_core.validation import (chi2_sf, compare_fingerprints, g_test, gree
                                      monte_carlo_p, sampling_check, target_fingerprint)
 from specdec_core.verify import relaxed_verify
 
-from .conftest import tiny_llama
-
-PROMPT = torch.tensor([3, 7, 1, 9, 4])   # for the spread_target / spread_draft fixtures (conftest)
+from .helpers.models import PROMPT, tiny_llama
 
 
 def test_greedy_check_passes_the_exact_engine(target, draft):

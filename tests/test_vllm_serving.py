@@ -17,13 +17,13 @@ from tasks import serving_env
 from tasks.config_schema import parse_config
 from tasks.vllm import vllm_export
 
-from .conftest import save_tiny_target, tiny_llama
+from .helpers.models import save_tiny_target, tiny_llama
 
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_SERVING") == "1"
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not REQUIRED and not serving_env.available(),
-                                 reason="no serving environment (make serving-env); .ci/run builds "
-                                        "one and sets SPECDEC_REQUIRE_SERVING=1")]
+                                 reason="no serving environment (make serving-env); `make test-all` "
+                                        "and CI build one and set SPECDEC_REQUIRE_SERVING=1")]
 
 
 @pytest.fixture(scope="module")

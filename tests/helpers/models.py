@@ -1,0 +1,59 @@
+"""Tiny random transformers models (built here, no downloads) and the prompts the decoder tests
+share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 97
+SPREAD_VOCAB = 24
+# for the spread_target / spread_draft fixtures (conftest.py)
+PROMPT = torch.tensor([3, 7, 1, 9, 4])
+
+
+def tiny_llama(vocab: int = VOCAB, hidden: int = 64, layers: int = 4, heads: int = 4, seed: int = 0,
+               initializer_range: float = 0.5) -> LlamaForCausalLM:
+    """A random Llama-style causal LM. A large initializer range gives peaked logits, so greedy
+    decoding has no near-ties and batched vs single-token passes agree exactly on the argmax."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=max(heads // 2, 1), max_position_embeddings=512,
+                         initializer_range=initializer_range, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def save_tiny_target(model, directory: Path) -> Path:
+    """Save a tiny model with a word-level tokenizer (t0..tN) as a local model directory that
+    load_model reads like any other."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", bos_token="t1",
+                            eos_token="t2").save_pretrained(directory)
+    return directory
+
+
+def repetitive_prompt():
+    """A prompt with repeated n-grams, so prompt lookup finds matches."""
+    torch.manual_seed(3)
+    chunk = torch.randint(3, VOCAB, (6,))
+    return torch.cat([chunk, torch.randint(3, VOCAB, (3,)), chunk, chunk[:2]])[None]
+
+
+def left_padded_batch():
+    torch.manual_seed(4)
+    ids = torch.randint(3, VOCAB, (3, 14))
+    mask = torch.ones_like(ids)
+    for row, pad in ((0, 5), (1, 2)):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids, mask
