@@ -110,8 +110,8 @@ def specdec_evaluate():
         context = get_current_context()
         with task_errors():
             spec = evaluate_spec(context["run_id"], context["params"], context["dag_run"].conf)
-            step_sample(spec)
-        return spec.to_dict()
+            sampled = step_sample(spec)
+        return sampled["spec"]      # the spec with its candidates frozen: every later task takes it
 
     @task
     def check(spec: dict) -> dict:
@@ -221,7 +221,7 @@ def specdec_evaluate():
     def report(spec: dict, finished: dict) -> list[dict]:
         """The run's per-domain table (logged, and the XCom return value)."""
         from tasks.evaluate import evaluation_table
-        from tasks.pipeline import RunSpec
+        from tasks.context import RunSpec
 
         with task_errors():
             table = evaluation_table(spec["run_id"], RunSpec.of(spec).url)

@@ -137,7 +137,7 @@ def current_params(params, conf: dict | None) -> dict:
 
 def evaluate_spec(run_id: str, params, conf: dict | None = None):
     """The RunSpec of a `specdec_evaluate` run from its Params (and run conf, for deprecated names)."""
-    from .pipeline import RunSpec
+    from .context import RunSpec
 
     p = current_params(params, conf)
     return RunSpec(run_id=run_id, target=p["target"], db_url=database_url(),

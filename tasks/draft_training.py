@@ -305,10 +305,11 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
     return {"model_uri": uri, "version": version, "mlflow_run_id": run_id}
 
 
-def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = None) -> list[dict]:
-    """Registered drafts for this target fingerprint, as candidate specs, per kind (draft_model,
-    head): the version with alias `candidate`, else the newest of that kind. Drafts of another
-    fingerprint are never offered."""
+def registered_drafts(target: str, tracking_uri: str | None = None) -> dict[str, list[dict]]:
+    """The drafts registered for this target now, as candidate specs by target fingerprint
+    ({fingerprint: [{kind, params: {model: models:/NAME/VERSION}}]}): per kind, the version with
+    alias `candidate`, else the newest of that kind. A version without a fingerprint is never
+    offered. {} when there is no tracking store or it cannot be reached."""
     from mlflow.exceptions import MlflowException
 
     from .tracking import client
@@ -316,21 +317,35 @@ def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = N
 
     uri = resolve_uri(tracking_uri)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
-        return []          # no local tracking store yet: nothing registered (and none created)
+        return {}          # no local tracking store yet: nothing registered (and none created)
     try:
         mlflow_client = client(uri)
         versions = mlflow_client.search_model_versions(f"name='{draft_model_name(target)}'")
     except (MlflowException, RegistryError) as exc:    # unreachable: evaluate without them
         log.warning("no registered drafts listed (%s)", mask_text(str(exc)))
-        return []
-    versions = [v for v in versions if (v.tags or {}).get("target_fingerprint") == fingerprint]
-    offered = []
-    for kind in sorted({(v.tags or {}).get("kind", "draft_model") for v in versions}):
-        of_kind = [v for v in versions if (v.tags or {}).get("kind", "draft_model") == kind]
-        chosen = [v for v in of_kind if CANDIDATE_ALIAS in (v.aliases or [])] or \
-            [max(of_kind, key=lambda v: int(v.version))]
-        offered += [{"kind": kind, "params": {"model": f"models:/{v.name}/{v.version}"}} for v in chosen]
+        return {}
+    by_fingerprint: dict[str, list] = {}
+    for version in versions:
+        fingerprint = (version.tags or {}).get("target_fingerprint")
+        if fingerprint:
+            by_fingerprint.setdefault(fingerprint, []).append(version)
+    offered: dict[str, list[dict]] = {}
+    for fingerprint, of_target in sorted(by_fingerprint.items()):
+        offered[fingerprint] = []
+        for kind in sorted({(v.tags or {}).get("kind", "draft_model") for v in of_target}):
+            of_kind = [v for v in of_target if (v.tags or {}).get("kind", "draft_model") == kind]
+            chosen = [v for v in of_kind if CANDIDATE_ALIAS in (v.aliases or [])] or \
+                [max(of_kind, key=lambda v: int(v.version))]
+            offered[fingerprint] += [{"kind": kind, "params": {"model": f"models:/{v.name}/{v.version}"}}
+                                     for v in chosen]
     return offered
+
+
+def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = None) -> list[dict]:
+    """Registered drafts for this target fingerprint, as candidate specs, per kind (draft_model,
+    head): the version with alias `candidate`, else the newest of that kind. Drafts of another
+    fingerprint are never offered."""
+    return registered_drafts(target, tracking_uri).get(fingerprint, [])
 
 
 def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:

@@ -14,9 +14,10 @@ from sqlalchemy import select
 from .db.engine import database_url, ensure_ready
 from .db.models import DomainConfig, EngineCheck, LiveMeasurement
 from .errors import SpecdecTaskError
-from .pipeline import (RunSpec, record_domain_failure, step_check, step_confirm, step_engine_check,
+from .context import RunSpec, use_model
+from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check,
                        step_estimate, step_finish, step_profile, step_promote, step_register,
-                       step_sample, step_validate, use_model)
+                       step_sample, step_validate)
 from .costs import profile_check
 from .settings import DEFAULT_MODEL, Settings, load_settings
 from .timeutil import utcnow
@@ -100,6 +101,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
         log.info("run %s: %s done in %.1f s", spec.run_id, name, steps[name])
 
     sample = step_sample(spec)
+    spec = RunSpec.of(sample.pop("spec"))     # its candidates frozen: every later step sees these
     lap("sample")
     checked = step_check(spec)       # raises QualityGateFailed on table-level failures
     lap("check")

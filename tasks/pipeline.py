@@ -12,120 +12,37 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import func, select, update
 
-from .db.engine import database_url, ensure_ready
+from .context import RunContext, RunSpec, freeze_candidates, loaded_model
+from .db.engine import ensure_ready
 from .db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement
-from .settings import DEFAULT_MODEL, Settings, load_settings
 from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RunSpec:
-    """Everything a step needs besides the database contents (Airflow passes it through XCom)."""
-
-    run_id: str
-    target: str = DEFAULT_MODEL
-    device: str | None = None
-    db_url: str | None = None
-    tracking_uri: str | None = None
-    domains: list[str] | None = None
-    window_days: float | None = None
-    min_per_domain: int | None = None
-    max_per_domain: int | None = None
-    candidates: list[str] | None = None
-    hardware_profile: str | None = None
-    k_max: int | None = None
-    min_speedup: float | None = None
-    promote: bool = False
-    overrides: dict = field(default_factory=dict)     # any other Settings field
-
-    def settings(self) -> Settings:
-        values = dict(self.overrides)
-        for name in ("min_per_domain", "max_per_domain", "hardware_profile", "min_speedup"):
-            if getattr(self, name) is not None:
-                values[name] = getattr(self, name)
-        if self.candidates:
-            values["candidates"] = tuple(self.candidates)
-        if self.k_max:
-            values["eval_k_max"] = self.k_max
-        return load_settings(**values)
-
-    @property
-    def url(self) -> str:
-        return database_url(self.db_url or self.settings().database_url)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def of(cls, value) -> "RunSpec":
-        return value if isinstance(value, RunSpec) else cls(**value)
-
-
-# ------------------------------------------------------------------------------------------------
-# models: loaded once per process (every task of `dag.test()` or `specdec evaluate` shares them)
-_MODELS: dict[tuple[str, str | None], dict] = {}
-
-
-def use_model(target: str, model, tokenizer=None, device: str | None = None) -> None:
-    """Make an already loaded model the one steps use for `target` (tests, notebooks)."""
-    _MODELS[(target, device)] = {"model": model, "tokenizer": tokenizer}
-
-
-def loaded(spec: RunSpec) -> dict:
-    """{"model", "tokenizer", "fingerprint" (id), "drafters"} for the spec's target, cached."""
-    key = (spec.target, spec.device)
-    entry = _MODELS.get(key)
-    if entry is None:
-        from specdec_core import load_model
-
-        model, tokenizer = load_model(spec.target, device=spec.device)
-        entry = _MODELS[key] = {"model": model, "tokenizer": tokenizer}
-    if "fingerprint" not in entry:    # a digest of every weight: computed once per process
-        from specdec_core.validation import fingerprint_id, target_fingerprint
-
-        entry["target_fingerprint"] = target_fingerprint(entry["model"])
-        entry["fingerprint"] = fingerprint_id(entry["target_fingerprint"])
-    settings = spec.settings()
-    candidates = list(settings.candidates)
-    if settings.auto_draft_candidates:
-        from .draft_training import draft_candidates
-
-        candidates += draft_candidates(spec.target, entry["fingerprint"], spec.tracking_uri)
-    from .candidates import build_drafters, candidate_label, parse_candidate
-
-    key = tuple(candidate_label(parse_candidate(c)) for c in candidates)
-    drafters = entry.setdefault("drafters", {})
-    if key not in drafters:
-        drafters[key] = build_drafters(candidates, entry["model"], entry["tokenizer"], spec.tracking_uri)
-    return {**entry, "drafters": drafters[key]}
-
-
-def trained_on(spec: RunSpec, drafters: dict) -> set[str]:
-    """Request ids that a candidate draft was trained on: never scored in this run."""
-    from .draft_training import trained_request_ids
-
-    uris = [s["params"]["model"] for s, _ in drafters.values()
-            if s["kind"] in ("draft_model", "head")
-            and str(s["params"].get("model", "")).startswith("models:/")]
-    return trained_request_ids(spec.url, uris)
-
-
-# ------------------------------------------------------------------------------------------------
-# steps
 def step_sample(spec) -> dict:
+    """Draw the run's sample and freeze its candidates (tasks.context.freeze_candidates) into the
+    spec and into the run's eval_runs.params. Output: the sample (tasks.sampling.sample_traffic)
+    and "spec", the frozen spec as a dict: the spec every later step of the run takes."""
     from .sampling import sample_traffic
 
     spec = RunSpec.of(spec)
-    return sample_traffic(spec.run_id, db_url=spec.url, domains=spec.domains, window=spec.window_days,
-                          settings=spec.settings())
+    settings = spec.settings()
+    url = spec.resolved_url(settings)
+    spec = freeze_candidates(spec, settings)
+    sample = sample_traffic(spec.run_id, db_url=url, domains=spec.domains, window=spec.window_days,
+                            settings=settings)
+    engine = ensure_ready(url)
+    with engine.begin() as connection:
+        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == spec.run_id)).scalar()
+        connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
+            params={**(params or {}), "candidates": list(spec.candidates), "drafts": spec.drafts}))
+    return {**sample, "spec": spec.to_dict()}
 
 
 def step_check(spec) -> dict:
@@ -134,7 +51,8 @@ def step_check(spec) -> dict:
     from .quality import check_traffic_sample
 
     spec = RunSpec.of(spec)
-    checked = check_traffic_sample(spec.run_id, db_url=spec.url, settings=spec.settings())
+    settings = spec.settings()
+    checked = check_traffic_sample(spec.run_id, db_url=spec.resolved_url(settings), settings=settings)
     status = {domain: info["status"] for domain, info in checked["domains"].items()}
     return {"ok": sorted(d for d, s in status.items() if s == "ok"),
             "insufficient": sorted(d for d, s in status.items() if s != "ok")}
@@ -146,18 +64,19 @@ def step_profile(spec) -> str:
 
     spec = RunSpec.of(spec)
     settings = spec.settings()
+    url = spec.resolved_url(settings)
     name = settings.hardware_profile
     measured = None
     if name is None:
-        models = loaded(spec)
-        measured = profile_costs(spec.run_id, models["model"],
-                                 {label: d for label, (_, d) in models["drafters"].items()},
-                                 db_url=spec.url, settings=settings, k_max=settings.eval_k_max,
-                                 tokenizer=models["tokenizer"])
+        context = RunContext.build(spec)
+        measured = profile_costs(spec.run_id, context.model,
+                                 {label: d for label, (_, d) in context.drafters.items()},
+                                 db_url=url, settings=settings, k_max=settings.eval_k_max,
+                                 tokenizer=context.tokenizer)
         name = measured["hardware_profile"]["name"]
-    costs = load_costs(name, spec.url)
+    costs = load_costs(name, url)
     worker = worker_hardware(spec, None if measured is None else measured["hardware_profile"])
-    engine = ensure_ready(spec.url)
+    engine = ensure_ready(url)
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
             hardware_profile=name, worker_hardware=worker, status="profiled", updated_at=utcnow()))
@@ -173,10 +92,11 @@ def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
     from .costs import describe_device, describe_hardware
     from .settings import worker_name
 
+    model = loaded_model(spec.target, spec.device)
     if measured is not None:
         hardware = dict(measured)
-    elif (spec.target, spec.device) in _MODELS:
-        hardware = describe_hardware(_MODELS[(spec.target, spec.device)]["model"])
+    elif model is not None:
+        hardware = describe_hardware(model)
     else:
         import torch
 
@@ -188,55 +108,31 @@ def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
     return hardware
 
 
-def _domain_requests(spec: RunSpec, domain: str):
-    from .measure import load_sample_requests
-    from .suffix_index import indexed_request_ids
-
-    models = loaded(spec)
-    requests, excluded = load_sample_requests(spec.run_id, spec.url, domains=[domain],
-                                              tokenizer=models["tokenizer"],
-                                              fingerprint=models["fingerprint"],
-                                              exclude_ids=trained_on(spec, models["drafters"]),
-                                              indexed_ids=indexed_request_ids(models["drafters"]))
-    return requests.get(domain, []), excluded
-
-
-def domain_drafters(spec: RunSpec, domain: str) -> dict:
-    """The run's candidates for one domain: a suffix candidate without an index of its own gets
-    the run's index of this domain (tasks.suffix_index)."""
-    from .suffix_index import domain_drafters as for_domain
-
-    models = loaded(spec)
-    return for_domain(models["drafters"], spec.run_id, domain, spec.url, models["fingerprint"],
-                      models["tokenizer"], models["model"])
-
-
 def step_estimate(spec, domain: str, profile: str) -> dict:
     """Offline estimate and plan of one domain. Output: the domain's plan (domain_configs row)."""
     from .costs import load_costs
     from .measure import estimate_domains
     from .plan import plan_domain
 
-    spec = RunSpec.of(spec)
-    settings = spec.settings()
-    requests, excluded = _domain_requests(spec, domain)
-    costs = load_costs(profile, spec.url)
-    minimum = _sample_minimum(spec)
+    context = RunContext.build(spec)
+    settings, url, run_id = context.settings, context.url, context.run_id
+    requests, excluded = context.domain_requests(domain)
+    costs = load_costs(profile, url)
+    minimum = _sample_minimum(context)
     if len(requests) < minimum:
         log.warning("run %s, domain %s: %d usable requests of this target < minimum %d (%d from other "
-                    "fingerprints)", spec.run_id, domain, len(requests), minimum,
+                    "fingerprints)", run_id, domain, len(requests), minimum,
                     len(excluded["other_fingerprint"]))
-        return _plain(plan_domain(spec.run_id, domain, costs, db_url=spec.url, settings=settings,
+        return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                                   status="insufficient", samples=len(requests)))
-    models = loaded(spec)
-    estimate_domains(spec.run_id, models["model"], domain_drafters(spec, domain), {domain: requests},
-                     db_url=spec.url, settings=settings, k_max=settings.eval_k_max, progress=False)
-    return _plain(plan_domain(spec.run_id, domain, costs, db_url=spec.url, settings=settings,
+    estimate_domains(run_id, context.model, context.domain_drafters(domain), {domain: requests},
+                     db_url=url, settings=settings, k_max=settings.eval_k_max, progress=False)
+    return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                               samples=len(requests),
-                              currently_on=domain in champion_domains_on(spec)))
+                              currently_on=domain in champion_domains_on(context.spec, url)))
 
 
-def champion_domains_on(spec: RunSpec) -> set[str]:
+def champion_domains_on(spec: RunSpec, db_url: str | None = None) -> set[str]:
     """Domains on in the target's champion config (for the planner's hysteresis); empty when there
     is no champion or no tracking store yet (none is created to find out)."""
     from mlflow.exceptions import MlflowException
@@ -244,7 +140,7 @@ def champion_domains_on(spec: RunSpec) -> set[str]:
     from .config_schema import config_model_name
     from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
 
-    uri = tracking_uri(spec.tracking_uri, spec.url)
+    uri = tracking_uri(spec.tracking_uri, db_url or spec.url)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         return set()
     try:
@@ -257,11 +153,10 @@ def champion_domains_on(spec: RunSpec) -> set[str]:
         return set()
 
 
-def _sample_minimum(spec: RunSpec) -> int:
-    engine = ensure_ready(spec.url)
-    with engine.connect() as connection:
-        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == spec.run_id)).scalar()
-    return int((params or {}).get("min_per_domain") or spec.settings().min_per_domain)
+def _sample_minimum(context: RunContext) -> int:
+    with context.engine.connect() as connection:
+        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == context.run_id)).scalar()
+    return int((params or {}).get("min_per_domain") or context.settings.min_per_domain)
 
 
 def _plain(row: dict) -> dict:
@@ -272,11 +167,10 @@ def step_confirm(spec, domain: str) -> dict | None:
     """Live confirmation of one domain's plan (under the timing lock)."""
     from .confirm import confirm_domain
 
-    spec = RunSpec.of(spec)
-    requests, _ = _domain_requests(spec, domain)
-    models = loaded(spec)
-    row = confirm_domain(spec.run_id, domain, models["model"], domain_drafters(spec, domain), requests,
-                         db_url=spec.url, settings=spec.settings(), progress=False)
+    context = RunContext.build(spec)
+    requests, _ = context.domain_requests(domain)
+    row = confirm_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
+                         requests, db_url=context.url, settings=context.settings, progress=False)
     return None if row is None else _plain(row)
 
 
@@ -284,11 +178,10 @@ def step_validate(spec, domain: str) -> dict:
     """The sampling test of one domain's planned drafter (or the run's shared result for it)."""
     from .validate import validate_domain
 
-    spec = RunSpec.of(spec)
-    requests, _ = _domain_requests(spec, domain)
-    models = loaded(spec)
-    return validate_domain(spec.run_id, domain, models["model"], domain_drafters(spec, domain), requests,
-                           db_url=spec.url, settings=spec.settings())
+    context = RunContext.build(spec)
+    requests, _ = context.domain_requests(domain)
+    return validate_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
+                           requests, db_url=context.url, settings=context.settings)
 
 
 def record_domain_failure(spec, domain: str, error: str) -> None:
@@ -319,58 +212,50 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     from .quality import check_result_table
     from .validate import validate_run
 
-    spec = RunSpec.of(spec)
-    settings = spec.settings()
-    engine = ensure_ready(spec.url)
+    context = RunContext.build(spec)
+    spec, settings, url, engine, run_id = (context.spec, context.settings, context.url,
+                                           context.engine, context.run_id)
     with engine.connect() as connection:
         sampled = dict(connection.execute(select(EvalSample.domain, func.count()).where(
-            EvalSample.run_id == spec.run_id).group_by(EvalSample.domain)).all())
+            EvalSample.run_id == run_id).group_by(EvalSample.domain)).all())
         configs = {row["domain"]: dict(row) for row in connection.execute(
-            select(DomainConfig).where(DomainConfig.run_id == spec.run_id)).mappings()}
+            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
         profile = connection.execute(select(EvalRun.hardware_profile).where(
-            EvalRun.run_id == spec.run_id)).scalar()
+            EvalRun.run_id == run_id)).scalar()
     insufficient = set(insufficient or [])
     failed = []
     for domain in sorted(sampled):
         config = configs.get(domain)
         if config is None and domain in insufficient:
-            plan_domain(spec.run_id, domain, load_costs(profile, spec.url), db_url=spec.url,
+            plan_domain(run_id, domain, load_costs(profile, url), db_url=url,
                         settings=settings, status="insufficient", samples=sampled[domain])
         elif config is None:
             record_domain_failure(spec, domain, "no plan was stored (its estimate step failed)")
             failed.append(domain)
         elif config["status"] == "ok" and config["enabled"] and config["validation"] is None \
-                and not _has_sampling_test(engine, spec.run_id, domain):
+                and not _has_sampling_test(engine, run_id, domain):
             record_domain_failure(spec, domain, "its confirm or validate step did not complete")
             failed.append(domain)
-    models = loaded(spec)
-    from .measure import load_sample_requests
-
     with engine.connect() as connection:
         ok_domains = sorted(connection.execute(select(DomainConfig.domain).where(
-            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).scalars())
-    from .suffix_index import indexed_request_ids
-
-    requests, excluded = ({}, {}) if not ok_domains else load_sample_requests(
-        spec.run_id, spec.url, domains=ok_domains, tokenizer=models["tokenizer"],
-        fingerprint=models["fingerprint"], exclude_ids=trained_on(spec, models["drafters"]),
-        indexed_ids=indexed_request_ids(models["drafters"]))
-    verdicts = validate_run(spec.run_id, models["model"], models["tokenizer"], models["drafters"],
-                            requests, target_id=spec.target, db_url=spec.url, settings=settings,
-                            excluded=excluded, fingerprint=models["target_fingerprint"],
-                            drafters_by_domain={d: domain_drafters(spec, d) for d in ok_domains})
+            (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok"))).scalars())
+    requests, excluded = ({}, {}) if not ok_domains else context.sample_requests(ok_domains)
+    verdicts = validate_run(run_id, context.model, context.tokenizer, context.drafters,
+                            requests, target_id=spec.target, db_url=url, settings=settings,
+                            excluded=excluded, fingerprint=context.target_fingerprint,
+                            drafters_by_domain={d: context.domain_drafters(d) for d in ok_domains})
     tables = ["domain_configs"]
     with engine.connect() as connection:
         measured = connection.execute(select(LiveMeasurement.id).where(
-            LiveMeasurement.run_id == spec.run_id).limit(1)).scalar()
+            LiveMeasurement.run_id == run_id).limit(1)).scalar()
     if ok_domains:
         tables.append("acceptance_estimates")
     if measured is not None:
         tables.append("live_measurements")
     for table in tables:
-        check_result_table(spec.run_id, table, db_url=spec.url, settings=settings)
+        check_result_table(run_id, table, db_url=url, settings=settings)
     with engine.begin() as connection:
-        connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
+        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
             status="evaluated", updated_at=utcnow()))
     return {**verdicts, "failed": failed,
             "excluded": {key: len(value) for key, value in (excluded or {}).items()}}
@@ -394,16 +279,15 @@ def step_engine_check(spec) -> dict:
     settings = spec.settings()
     if not settings.engine_check:
         return {"skipped": "engine check off (setting engine_check)", "domains": {}, "engines": []}
-    engine = ensure_ready(spec.url)
-    with engine.connect() as connection:
+    context = RunContext.build(spec)
+    with context.engine.connect() as connection:
         domains = sorted(connection.execute(select(DomainConfig.domain).where(
             (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok")
             & DomainConfig.enabled.is_(True))).scalars())
-    models = loaded(spec)
-    result = engine_check(spec.run_id, spec.target, models["model"],
-                          {d: domain_drafters(spec, d) for d in domains},
-                          {d: _domain_requests(spec, d)[0] for d in domains},
-                          db_url=spec.url, settings=settings)
+    result = engine_check(spec.run_id, spec.target, context.model,
+                          {d: context.domain_drafters(d) for d in domains},
+                          {d: context.domain_requests(d)[0] for d in domains},
+                          db_url=context.url, settings=context.settings)
     return json.loads(json.dumps(result, default=str))
 
 
@@ -411,15 +295,19 @@ def step_register(spec) -> dict:
     from .registration import register_config
 
     spec = RunSpec.of(spec)
-    return register_config(spec.run_id, db_url=spec.url, uri=spec.tracking_uri, settings=spec.settings())
+    settings = spec.settings()
+    return register_config(spec.run_id, db_url=spec.resolved_url(settings), uri=spec.tracking_uri,
+                           settings=settings)
 
 
 def step_promote(spec, registered: dict) -> dict:
     from .promotion import promote
 
     spec = RunSpec.of(spec)
-    return promote(registered["name"], registered["version"], db_url=spec.url, uri=spec.tracking_uri,
-                   settings=spec.settings(), expected_champion=registered["champion_version"])
+    settings = spec.settings()
+    return promote(registered["name"], registered["version"], db_url=spec.resolved_url(settings),
+                   uri=spec.tracking_uri, settings=settings,
+                   expected_champion=registered["champion_version"])
 
 
 def low_acceptance_domains(spec, threshold: float) -> list[dict]:

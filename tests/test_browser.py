@@ -46,7 +46,7 @@ SHOTS = Path(os.environ.get("SPECDEC_SCREENSHOTS", REPO / "screenshots"))
 def stores(airflow_env, dagbag, tmp_path_factory):
     """A finished specdec_evaluate run (promoted) on a tiny target, its task logs written."""
     from specdec_core import load_model
-    from tasks import pipeline
+    from tasks import context
     from tasks.airflow_logs import recording, write_task_logs
     from tasks.db import upgrade
     from tasks.traffic import import_traffic
@@ -67,7 +67,7 @@ def stores(airflow_env, dagbag, tmp_path_factory):
         rows += [dict(row, id=row["id"].replace("qa", "code"), domain="code")    # 3 < min_per_domain
                  for row in rows if row["domain"] == "qa"][:3]
         import_traffic(write_jsonl(base / "traffic.jsonl", rows), progress=False)
-        pipeline._MODELS.clear()
+        context._MODELS.clear()
         with recording() as recorder:
             run = dagbag.get_dag("specdec_evaluate").test(
                 run_conf={**TINY_CONF, "target": str(model_dir), "promote": True})

@@ -97,9 +97,9 @@ def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("SPECDEC_DATABASE_URL", db_url)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    from tasks import pipeline
+    from tasks import context
 
-    pipeline._MODELS.clear()
+    context._MODELS.clear()
     return {"target": str(model_dir), "db_url": db_url}
 
 

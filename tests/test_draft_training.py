@@ -109,9 +109,9 @@ def tiny_store(db_url, tmp_path, monkeypatch):
     rows = traffic_rows(model, per_domain=16, foreign=0)
     import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    from tasks import pipeline
+    from tasks import context
 
-    pipeline._MODELS.clear()
+    context._MODELS.clear()
     return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}
 
 

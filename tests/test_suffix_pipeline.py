@@ -67,7 +67,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
     drafter = SuffixDrafter(path)
     assert drafter.index.meta["domain"] == "json" and len(drafter.index.request_ids) == 16
     # used as a candidate: every json request is in the index, so none is left to score
-    from tasks.pipeline import RunSpec, _domain_requests
+    from tasks.context import RunContext, RunSpec
 
     candidates = (f"suffix:index={registered['model_uri']}",)
     settings = load_settings({}, **{**SETTINGS, "candidates": candidates})
@@ -75,8 +75,8 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
              model=tiny_target, progress=False, tracking_uri=tracking)
     spec = RunSpec(run_id="registered-run", target="tiny", db_url=suffix_db, tracking_uri=tracking,
                    overrides=settings.model_dump(mode="json", exclude_defaults=True))
-    json_requests, excluded = _domain_requests(spec, "json")
-    qa_requests, qa_excluded = _domain_requests(spec, "qa")
+    json_requests, excluded = RunContext.build(spec).domain_requests("json")
+    qa_requests, qa_excluded = RunContext.build(spec).domain_requests("qa")
     assert json_requests == [] and len(excluded["indexed"]) == 10     # all json rows are indexed
     assert qa_requests and qa_excluded["indexed"] == []               # qa is scored as usual
     engine = create_engine(suffix_db)

@@ -41,10 +41,11 @@ def engine_rich_table(run_id: str, rows: list[dict]) -> Table:
 def cmd_check(args) -> int:
     from sqlalchemy import select
 
+    from ..context import RunSpec
     from ..db.engine import database_url, ensure_ready
     from ..db.models import EvalRun
     from ..engine_check import engine_checks
-    from ..pipeline import RunSpec, step_engine_check
+    from ..pipeline import step_engine_check
 
     url = database_url(args.url)
     with ensure_ready(url).connect() as connection:
