@@ -31,7 +31,7 @@ def main() -> int:
     from specdec_core.sampling import logits_to_probs
     from tasks import serving_env
     from tasks.engine_check import engine_walk
-    from tasks.measure import load_sample_requests
+    from tasks.offline_estimate import load_sample_requests
     from tasks.settings import load_settings
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -49,7 +49,7 @@ from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, MAP_LABEL,
                                 EVALUATIONS_URI, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                evaluate_spec, label_mapped, queues, task_errors)
+                                evaluate_spec, label_mapped, queues, setting_default, task_errors)
 
 CHAMPION_ASSET = Asset(CHAMPION_URI)
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
@@ -66,26 +66,32 @@ DEFAULT_ARGS = {
     "max_retry_delay": timedelta(minutes=10),
 }
 
+# defaults that are settings come from Settings (tasks.settings), never copied here
 PARAMS = {
     "target": Param(DEFAULT_MODEL, type="string", title="Target model",
                     description="HF id, local directory, GGUF file, or the embedded default"),
     "domains": Param([], type="array", items={"type": "string"}, title="Domains",
                      description="Empty: every domain with traffic in the window"),
-    "window_days": Param(14, type="number", minimum=0.01, maximum=365, title="Time window (days)",
+    "window_days": Param(setting_default("sample_window_days"), type="number", minimum=0.01,
+                         maximum=365, title="Time window (days)",
                          description="Ends at the newest stored request"),
-    "max_per_domain": Param(30, type="integer", minimum=1, maximum=100000,
-                            title="Samples per domain",
+    "max_per_domain": Param(setting_default("max_per_domain"), type="integer", minimum=1,
+                            maximum=100000, title="Samples per domain",
                             description="Requests drawn per domain (formerly samples_per_domain)"),
-    "min_per_domain": Param(20, type="integer", minimum=1, maximum=100000,
-                            title="Minimum samples per domain",
+    "min_per_domain": Param(setting_default("min_per_domain"), type="integer", minimum=1,
+                            maximum=100000, title="Minimum samples per domain",
                             description="Fewer: the domain is insufficient and keeps the champion's setting"),
     "candidates": Param(DEFAULT_CANDIDATES, type="array",
                         items={"type": "string"}, title="Candidate drafters",
                         description="KIND[:NAME=VALUE...], e.g. draft_model:model=/models/draft"),
-    "hardware_profile": Param(None, type=["null", "string"], title="Hardware profile",
+    "hardware_profile": Param(setting_default("hardware_profile"), type=["null", "string"],
+                              title="Hardware profile",
                               description="A stored cost profile to plan with; empty: measure this worker"),
-    "k_max": Param(8, type="integer", minimum=1, maximum=32, title="Largest K"),
-    "min_speedup": Param(1.1, type="number", minimum=0.01, maximum=10.0, title="Minimum speedup",
+    "k_max": Param(setting_default("eval_k_max"), type="integer", minimum=1, maximum=32,
+                   title="Largest K",
+                   description="Largest K profiled and planned (the setting eval_k_max)"),
+    "min_speedup": Param(setting_default("min_speedup"), type="number", minimum=0.01, maximum=10.0,
+                         title="Minimum speedup",
                          description="A domain is on only when its interval's lower end clears this "
                                      "(below 1.0 only for testing: it turns on predicted slowdowns)"),
     "acceptance_alert": Param(1.2, type="number", minimum=1.0, maximum=33.0,

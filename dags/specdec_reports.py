@@ -16,8 +16,8 @@ from datetime import datetime
 
 from airflow.sdk import Asset, dag, task
 
-from tasks.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, database_url, label_mapped, queues,
-                                task_errors)
+from tasks.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, connection_database_url, label_mapped,
+                                queues, task_errors)
 
 EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
 CPU_QUEUE, _ = queues()
@@ -39,7 +39,7 @@ def specdec_reports():
 
         label_mapped(name)
         with task_errors():
-            return materialise_report(name, db_url=database_url())
+            return materialise_report(name, db_url=connection_database_url())
 
     materialise.expand(name=report_names())
 

@@ -36,13 +36,21 @@ LOW_ACCEPTANCE_URI = "specdec://alerts/low-acceptance"  # domains below the acce
 EVALUATIONS_URI = "specdec://evaluations"              # an evaluation run has finished
 NEW_DRAFT_URI = "specdec://drafts/new"                 # a new draft was registered
 
+def setting_default(name: str):
+    """The default of a Settings field, for a DAG Param: the class default, not this machine's
+    environment (a Param's default is the same wherever the DAG file is parsed)."""
+    default = Settings.model_fields[name].default
+    return list(default) if isinstance(default, tuple) else default
+
+
 # the candidates a run evaluates unless its conf names others (the settings' default)
-DEFAULT_CANDIDATES = list(Settings.model_fields["candidates"].default)
+DEFAULT_CANDIDATES = setting_default("candidates")
 DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name -> current name
 
 __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS",
            "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "current_params",
-           "database_url", "evaluate_spec", "is_outage", "queues", "task_errors"]
+           "connection_database_url", "evaluate_spec", "is_outage", "queues", "setting_default",
+           "task_errors"]
 
 
 def queues() -> tuple[str, str]:
@@ -55,9 +63,10 @@ def queues() -> tuple[str, str]:
     return settings.cpu_queue, settings.gpu_queue
 
 
-def database_url() -> str | None:
-    """The URL of the `specdec_db` connection; None when it is not defined (then
-    $SPECDEC_DATABASE_URL, else the SQLite default, as everywhere else)."""
+def connection_database_url() -> str | None:
+    """The URL of the Airflow connection `specdec_db`; None when it is not defined. The steps
+    resolve None as everywhere else (tasks.db.engine.resolve_database_url: $SPECDEC_DATABASE_URL,
+    else the SQLite default)."""
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
 
@@ -140,7 +149,7 @@ def evaluate_spec(run_id: str, params, conf: dict | None = None):
     from .context import RunSpec
 
     p = current_params(params, conf)
-    return RunSpec(run_id=run_id, target=p["target"], db_url=database_url(),
+    return RunSpec(run_id=run_id, target=p["target"], db_url=connection_database_url(),
                    domains=p["domains"] or None, window_days=p["window_days"],
                    max_per_domain=p["max_per_domain"], min_per_domain=p["min_per_domain"],
                    candidates=p["candidates"], hardware_profile=p["hardware_profile"] or None,

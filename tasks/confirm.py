@@ -34,7 +34,7 @@ import logging
 from sqlalchemy import delete, insert, select, update
 
 from .costs import HardwareMismatch, describe_hardware, hardware_text, same_hardware, timing_lock
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DomainConfig, EvalRun, HardwareProfile, LiveMeasurement
 from .settings import Settings, load_settings
 from .timeutil import utcnow
@@ -143,7 +143,7 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     from specdec_core import SpecDecoder, SpecStats
 
     settings = settings or load_settings()
-    url = database_url(db_url or settings.database_url)
+    url = resolve_database_url(db_url or settings.database_url)
     engine = ensure_ready(url)
     with engine.connect() as connection:
         config = connection.execute(select(DomainConfig).where(

@@ -24,10 +24,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from .candidates import build_drafters, candidate_label, parse_candidate
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import EvalRun
 from .draft_training import registered_drafts, trained_request_ids
-from .measure import load_sample_requests
+from .offline_estimate import load_sample_requests
 from .settings import DEFAULT_MODEL, Settings, load_settings
 from .suffix_index import domain_drafters, indexed_request_ids
 
@@ -71,7 +71,7 @@ class RunSpec:
 
     def resolved_url(self, settings: Settings | None = None) -> str:
         """The run's database URL: db_url, else the settings' (resolved as everywhere)."""
-        return database_url(self.db_url or (settings or self.settings()).database_url)
+        return resolve_database_url(self.db_url or (settings or self.settings()).database_url)
 
     @property
     def url(self) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sqlalchemy import delete, insert, select
 
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import CostProfile, CostProfileCheck, HardwareProfile
 from .errors import SpecdecTaskError
 from .settings import Settings, load_settings, specdec_home
@@ -342,7 +342,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
     batch_sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     hardware = describe_hardware(target, hardware_profile)
     # which engine the costs describe: static caches, CUDA graphs, compiled forwards
     hardware["details"]["engine"] = SpecDecoder(target, None).engine()
@@ -416,7 +416,7 @@ def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) 
 
 def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | None = None) -> CostTable:
     """The profile's costs from `run_id`, or from the newest run that measured or imported it."""
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         if run_id is None:
             run_id = connection.execute(
@@ -448,7 +448,7 @@ def run_costs(run_id: str, db_url: str | None = None) -> CostTable | None:
     before the profile step or when that profile is gone."""
     from .db.models import EvalRun
 
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
     if not name:
@@ -485,7 +485,7 @@ def export_costs(hardware_profile: str, path: str | Path, db_url: str | None = N
                  run_id: str | None = None) -> dict:
     """Write the profile (newest run unless run_id) to a JSON file; returns what was written."""
     table = load_costs(hardware_profile, db_url, run_id)
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         hardware = connection.execute(select(HardwareProfile).where(
             HardwareProfile.name == hardware_profile)).mappings().first()
@@ -529,5 +529,5 @@ def import_costs(path: str | Path, db_url: str | None = None, name: str | None =
     if gaps:
         raise CostProfileError(f"cost profile file {path}: verify costs must cover K = 1..k_max at "
                                f"every batch size; got {gaps}")
-    _store(ensure_ready(database_url(db_url)), table.run_id, hardware, table)
+    _store(ensure_ready(resolve_database_url(db_url)), table.run_id, hardware, table)
     return {"hardware_profile": hardware, "run_id": table.run_id, "rows": len(table.rows())}

@@ -31,7 +31,7 @@ from pathlib import Path
 from sqlalchemy import delete, func, insert, select, update
 
 from .config_schema import target_slug
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
 from .errors import RegistryError, SampleError, SpecdecTaskError
 from .masking import mask_text
@@ -63,7 +63,7 @@ def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=Non
     from specdec_core import SamplingParams
     from specdec_core.estimate import LoggedRequest
 
-    from .measure import request_token_ids
+    from .offline_estimate import request_token_ids
 
     engine = ensure_ready(db_url)
     with engine.connect() as connection:
@@ -128,6 +128,21 @@ def _record(db_url: str, train_id: str, values: dict, splits: dict[str, str] | N
                 {"draft_name": train_id, "request_id": rid, "split": split} for rid, split in splits.items()])
 
 
+def train_id_of_run(run_id: str) -> str:
+    """The training id of an Airflow run: its run id with `:` and `+` made file-name safe (the
+    checkpoints live under $SPECDEC_HOME/drafts/<training id>/)."""
+    return run_id.replace(":", "-").replace("+", "-")
+
+
+def training_config(steps: int, batch_size: int, lr: float, eval_every: int, teacher_topk: int = 0):
+    """The TrainConfig of a scheduled retraining (dags/specdec_retrain_draft.py): the learning
+    rate warms up over a tenth of the steps (at least one)."""
+    from specdec_core.train import TrainConfig
+
+    return TrainConfig(steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every,
+                       teacher_topk=teacher_topk, warmup_steps=max(1, steps // 10))
+
+
 def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              db_url: str | None = None, tracking_uri: str | None = None,
                              domains=None, window_days: float | None = None,
@@ -151,7 +166,7 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
 
     if kind not in ("draft_model", "head"):
         raise DraftTrainingError(f"draft kind {kind!r}: train a draft_model or a head")
-    db_url = database_url(db_url)
+    db_url = resolve_database_url(db_url)
     if model is None:
         from specdec_core import load_model
 
@@ -239,7 +254,7 @@ def log_draft(train_id: str, target: str, fingerprint: str, best_dir, result: di
     from .tracking import client, experiment_for_target
     from .tracking import tracking_uri as resolve_uri
 
-    db_url = database_url(db_url)
+    db_url = resolve_database_url(db_url)
     mlflow_client = client(resolve_uri(tracking_uri, db_url))
     _, lineage = _lineage(db_url, train_id, target, fingerprint)
     experiment_id = experiment_for_target(mlflow_client, target)
@@ -273,7 +288,7 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
     from .tracking import client
     from .tracking import tracking_uri as resolve_uri
 
-    db_url = database_url(db_url)
+    db_url = resolve_database_url(db_url)
     mlflow_client = client(resolve_uri(tracking_uri, db_url))
     record, lineage = _lineage(db_url, train_id, target, fingerprint)
     run_id = mlflow_run_id

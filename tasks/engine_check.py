@@ -41,7 +41,7 @@ import time
 import numpy as np
 from sqlalchemy import delete, insert, select, update
 
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DomainConfig, EngineCheck, LiveMeasurement
 from .errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from .settings import Settings, load_settings, specdec_home
@@ -231,7 +231,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     from .vllm import vllm_export
 
     settings = settings or load_settings()
-    url = database_url(db_url or settings.database_url)
+    url = resolve_database_url(db_url or settings.database_url)
     engine = ensure_ready(url)
     try:
         serving_env.serving_python(settings)
@@ -471,7 +471,7 @@ def _store(engine, run_id: str, on: dict, rows: dict, settings: Settings) -> Non
 
 def engine_checks(run_id: str, db_url: str | None = None) -> list[dict]:
     """The run's stored engine_checks rows, by domain."""
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         return [dict(row) for row in connection.execute(select(EngineCheck).where(
             EngineCheck.run_id == run_id).order_by(EngineCheck.domain)).mappings()]

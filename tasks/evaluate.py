@@ -11,7 +11,7 @@ import time
 
 from sqlalchemy import select
 
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DomainConfig, EngineCheck, LiveMeasurement
 from .errors import SpecdecTaskError
 from .context import RunSpec, use_model
@@ -42,7 +42,7 @@ def default_run_id() -> str:
 
 def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
     """The run's per-domain table (domain_configs joined with its live measurement)."""
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         configs = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
                                      .order_by(DomainConfig.domain)).mappings().all()
@@ -78,7 +78,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
     """
     settings = settings or load_settings()
     spec = RunSpec(run_id=run_id or default_run_id(), target=target, device=device,
-                   db_url=database_url(db_url or settings.database_url), tracking_uri=tracking_uri,
+                   db_url=resolve_database_url(db_url or settings.database_url), tracking_uri=tracking_uri,
                    domains=list(domains) if domains else None, window_days=window,
                    min_per_domain=min_per_domain, max_per_domain=max_per_domain,
                    candidates=list(candidates) if candidates else None,

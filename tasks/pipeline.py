@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 
 def step_sample(spec) -> dict:
     """Draw the run's sample and freeze its candidates (tasks.context.freeze_candidates) into the
-    spec and into the run's eval_runs.params. Output: the sample (tasks.sampling.sample_traffic)
+    spec and into the run's eval_runs.params. Output: the sample (tasks.traffic_sample.sample_traffic)
     and "spec", the frozen spec as a dict: the spec every later step of the run takes."""
-    from .sampling import sample_traffic
+    from .traffic_sample import sample_traffic
 
     spec = RunSpec.of(spec)
     settings = spec.settings()
@@ -111,7 +111,7 @@ def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
 def step_estimate(spec, domain: str, profile: str) -> dict:
     """Offline estimate and plan of one domain. Output: the domain's plan (domain_configs row)."""
     from .costs import load_costs
-    from .measure import estimate_domains
+    from .offline_estimate import estimate_domains
     from .plan import plan_domain
 
     context = RunContext.build(spec)

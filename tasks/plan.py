@@ -36,7 +36,7 @@ from sqlalchemy import delete, insert, select, update
 
 from .candidates import HOST_DRAFTERS
 from .costs import CostTable
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import AcceptanceEstimate, DomainConfig
 from .settings import Settings, load_settings
 from .timeutil import utcnow
@@ -126,7 +126,7 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
     """
     settings = settings or load_settings()
     min_speedup = settings.min_speedup if min_speedup is None else min_speedup
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     with engine.connect() as connection:
         estimates = [dict(row) for row in connection.execute(
             select(AcceptanceEstimate).where((AcceptanceEstimate.run_id == run_id)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from sqlalchemy import insert, select, text
 
 from .config_schema import SpecdecConfig
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import Promotion, Validation
 from .errors import RegistryError
 from .run_config import effective_speedup
@@ -124,7 +124,7 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
     champion now; None: there was none). Output: {"promoted", "forced", "gates", "reason", ...}.
     """
     settings = settings or load_settings()
-    db_url = database_url(db_url or settings.database_url)
+    db_url = resolve_database_url(db_url or settings.database_url)
     mlflow_client = client(tracking_uri(uri, db_url))
     version = str(version)
     config = version_config(mlflow_client, name, version)
@@ -180,7 +180,7 @@ def rollback(name: str, db_url: str | None = None, uri: str | None = None,
     """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
     inside alias_lock. expected_champion: the champion the caller means to roll back ("current":
     whatever it is when the lock is taken); a different champion refuses with RegistryError."""
-    db_url = database_url(db_url)
+    db_url = resolve_database_url(db_url)
     mlflow_client = client(tracking_uri(uri, db_url))
     with alias_lock(db_url, name) as connection:
         current = alias_version(mlflow_client, name, CHAMPION)

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 from sqlalchemy import delete, insert, select, update
 
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DataDocsPage, EvalRun, EvalSample, QualityResult, TrafficRequest
 from .errors import QualityGateFailed, SampleError
-from .sampling import SAMPLE_SUITE
+from .traffic_sample import SAMPLE_SUITE
 from .settings import Settings, load_settings
 from .timeutil import utcnow
 
@@ -112,7 +112,7 @@ def store_data_docs(connection, run_id: str, pages: dict[str, str]) -> None:
 
 def data_docs_pages(run_id: str, db_url: str | None = None) -> dict[str, str]:
     """{page file name: HTML} of the run's Data Docs, from the database (any worker wrote them)."""
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         rows = connection.execute(select(DataDocsPage.page, DataDocsPage.html).where(
             DataDocsPage.run_id == run_id).order_by(DataDocsPage.page)).all()
@@ -259,7 +259,7 @@ def check_traffic_sample(run_id: str, db_url: str | None = None,
     Raises QualityGateFailed (after storing the results) when a table-level expectation fails.
     """
     settings = settings or load_settings()
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     with engine.connect() as connection:
         run = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).first()
         if run is None:
@@ -358,7 +358,7 @@ def check_result_table(run_id: str, table: str, db_url: str | None = None,
     if table not in RESULT_TABLES:
         raise SampleError(f"result table {table!r}: choose one of {list(RESULT_TABLES)}")
     settings = settings or load_settings()
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     if frame is None:
         with engine.connect() as connection:
             frame = load_result_frame(connection, table, run_id)

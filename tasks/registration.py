@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from .config_schema import config_model_name, parse_config
 from .costs import profile_check
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
 from .engine_check import engine_checks, engine_markdown
 from .promotion import current_user, gates_for, record_promotion
@@ -148,7 +148,7 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
     """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
     champion: (version, config) of the current champion when the caller already read it."""
     settings = settings or load_settings()
-    db_url = database_url(db_url or settings.database_url)
+    db_url = resolve_database_url(db_url or settings.database_url)
     mlflow_client = client(tracking_uri(uri, db_url))
     engine = ensure_ready(db_url)
     if champion is None:
@@ -239,7 +239,7 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
     from mlflow.exceptions import MlflowException
 
     settings = settings or load_settings()
-    db_url = database_url(db_url or settings.database_url)
+    db_url = resolve_database_url(db_url or settings.database_url)
     champion_version, champion = current_champion(uri, target_id=None, run_id=run_id, db_url=db_url)
     tracked = track_evaluation(run_id, db_url, uri, settings, champion=(champion_version, champion))
     config = parse_config(tracked["config"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DomainConfig, EvalRun
 from .errors import RegistryError
 
@@ -27,7 +27,7 @@ def run_row(connection, run_id: str):
 def build_config(run_id: str, db_url: str | None = None,
                  champion: SpecdecConfig | None = None) -> SpecdecConfig:
     """The run's config from domain_configs; insufficient domains keep the champion's setting."""
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         run = run_row(connection, run_id)
         rows = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)

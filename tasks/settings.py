@@ -122,14 +122,19 @@ class Settings(BaseModel):
     max_prompt_tokens: int = 32_768
     max_response_tokens: int = 8_192
     # quality gates (result tables)
-    k_max: int = Field(default=16, ge=1)
+    k_max: int = Field(default=16, ge=1, description=(
+        "quality gate of the result tables: the largest K a stored estimate or plan may carry. Not "
+        "the K a run plans up to: that is eval_k_max (the DAG Param and the CLI option `k_max` set "
+        "eval_k_max)"))
     # evaluation: candidates, costs, plan, live confirmation, validation (CPU-sized defaults)
     candidates: tuple[str, ...] = Field(
         default=("prompt_lookup:max_ngram=3", "suffix", "layer_skip:num_layers=8"),
         description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.candidates)")
     auto_draft_candidates: bool = Field(default=True, description=(
         "add the drafts registered for this target (alias candidate, else the newest) to the candidates"))
-    eval_k_max: int = Field(default=8, ge=1, le=32, description="largest K planned and profiled")
+    eval_k_max: int = Field(default=8, ge=1, le=32, description=(
+        "largest K a run profiles, estimates and plans (RunSpec.k_max, the DAG Param `k_max` and "
+        "`specdec evaluate --k-max` set it); at most k_max, the result tables' gate"))
     hardware_profile: str | None = Field(
         default=None, description="cost profile to plan with; None: measure this machine")
     profile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)

@@ -19,7 +19,7 @@ from pathlib import Path
 from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DraftTrainingRequest, EvalRun, EvalSample, TrafficRequest
 from .errors import SpecdecTaskError
 from .settings import specdec_home
@@ -49,9 +49,9 @@ def index_sequences(db_url: str | None, domain: str, fingerprint: str | None, to
                     exclude: set[str] | None = None) -> tuple[list[str], list[list[int]]]:
     """(request ids, response token ids) of a domain's stored requests answered by this target
     (rows of another fingerprint are left out), in [since, until], minus `exclude`; oldest first."""
-    from .measure import request_token_ids
+    from .offline_estimate import request_token_ids
 
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     query = (select(TrafficRequest).where(TrafficRequest.domain == domain)
              .order_by(TrafficRequest.requested_at, TrafficRequest.id))
     if until is not None:
@@ -84,7 +84,7 @@ def run_index(run_id: str, domain: str, db_url: str | None, fingerprint: str | N
               vocab_size: int):
     """The index a `suffix` candidate without its own index uses in this run for this domain
     (see the module docstring); its request ids are recorded."""
-    url = database_url(db_url)
+    url = resolve_database_url(db_url)
     key = (url, run_id, domain, fingerprint)
     if key in _RUN_INDEXES:
         return _RUN_INDEXES[key]
@@ -141,7 +141,7 @@ def indexed_request_ids(drafters: dict) -> set[str]:
 def timing_index(db_url: str | None, fingerprint: str | None, tokenizer, vocab_size: int):
     """An index over every stored response of this target (all domains), for timing a suffix
     drafter at the size it will have: its lookups cost more with more indexed tokens."""
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         domains = sorted(set(connection.execute(select(TrafficRequest.domain).distinct()).scalars()))
     ids, sequences = [], []
@@ -176,7 +176,7 @@ def build_and_register(target: str, domain: str, db_url: str | None = None,
     from specdec_core.validation import fingerprint_id, target_fingerprint
 
     fingerprint = fingerprint_id(target_fingerprint(model))
-    url = database_url(db_url)
+    url = resolve_database_url(db_url)
     engine = ensure_ready(url)
     with engine.connect() as connection:
         newest = connection.execute(select(TrafficRequest.requested_at)
@@ -229,7 +229,7 @@ def refresh_indexes(target: str, domains=None, db_url: str | None = None,
     The target is loaded once."""
     from specdec_core import load_model
 
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         stored = sorted(set(connection.execute(select(TrafficRequest.domain).distinct()).scalars()))
     model, tokenizer = load_model(target, device="cpu")

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
-from .db.engine import database_url, display_url, ensure_ready
+from .db.engine import display_url, ensure_ready, resolve_database_url
 from .errors import RegistryError, RegistryUnavailable
 from .masking import mask_text, mask_url
 from .run_config import run_row
@@ -44,7 +44,7 @@ def tracking_uri(uri: str | None = None, db_url: str | None = None) -> str:
     """The MLflow tracking URI to use; refuses specdec's own database."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or \
         f"sqlite:///{(specdec_home() / 'mlflow.db').resolve()}"
-    if db_url and uri == database_url(db_url):
+    if db_url and uri == resolve_database_url(db_url):
         raise RegistryError(f"MLflow's tracking store {display_url(uri)} is specdec's own database; "
                             "give MLflow its own (default sqlite:///$SPECDEC_HOME/mlflow.db)")
     return uri
@@ -227,7 +227,7 @@ def current_champion(uri: str | None = None, target_id: str | None = None, run_i
                      db_url: str | None = None) -> tuple[str | None, SpecdecConfig | None]:
     """(version, config) of the champion of the target (of `run_id`'s target when target_id is None)."""
     if target_id is None:
-        engine = ensure_ready(database_url(db_url))
+        engine = ensure_ready(resolve_database_url(db_url))
         with engine.connect() as connection:
             target_id = run_row(connection, run_id)["target_id"]
     mlflow_client = client(uri)

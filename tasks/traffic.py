@@ -43,7 +43,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
-from .db.engine import database_error, database_url, display_url, ensure_ready
+from .db.engine import database_error, display_url, ensure_ready, resolve_database_url
 from .db.models import QuarantinedRequest, TrafficRequest
 from .errors import TrafficFileError
 from .settings import Settings, load_settings
@@ -575,7 +575,7 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     from tqdm import tqdm
 
     settings = settings or load_settings()
-    url = database_url(db_url or settings.database_url)
+    url = resolve_database_url(db_url or settings.database_url)
     path = Path(path)
     if path.is_dir():
         raise TrafficFileError(f"traffic file {str(path)!r} is a directory; give a .jsonl or .csv "

@@ -23,7 +23,7 @@ import logging
 
 from sqlalchemy import delete, insert, select, update
 
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DomainConfig, EvalRun, Validation
 from .settings import Settings, load_settings
 from .timeutil import utcnow
@@ -84,7 +84,7 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     from specdec_core.validation import sampling_check
 
     settings = settings or load_settings()
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     with engine.connect() as connection:
         config = connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
@@ -154,7 +154,7 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
                                          target_fingerprint)
 
     settings = settings or load_settings()
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     fingerprint = fingerprint or target_fingerprint(target)
     fid = fingerprint_id(fingerprint)
     with engine.connect() as connection:

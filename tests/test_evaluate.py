@@ -152,7 +152,7 @@ def test_insufficient_domain_stays_off_and_the_rest_goes_on(tiny_db, tiny_target
 def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_target):
     from specdec_core.faults import BROKEN_VARIANTS
     from tasks.candidates import build_drafters
-    from tasks.measure import load_sample_requests
+    from tasks.offline_estimate import load_sample_requests
     from tasks.validate import validate_domain, validate_run
 
     settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01, "validation_rows": 400})

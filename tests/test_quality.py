@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, delete, insert, select
 from tasks.db.models import AcceptanceEstimate, EvalRun, QualityResult, TrafficRequest
 from tasks.errors import QualityGateFailed, SampleError
 from tasks.quality import check_result_table, check_traffic_sample
-from tasks.sampling import sample_traffic
+from tasks.traffic_sample import sample_traffic
 from tasks.settings import load_settings
 from tasks.traffic import import_traffic
 

@@ -152,7 +152,7 @@ def test_data_commands_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tasks.traffic, tasks.sampling, tasks.reports, tasks.cli.data, tasks.airflow_glue; "
+    code = ("import sys, tasks.traffic, tasks.traffic_sample, tasks.reports, tasks.cli.data, tasks.airflow_glue; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

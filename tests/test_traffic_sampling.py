@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, select
 
 from tasks.db.models import EvalRun, EvalSample
 from tasks.errors import SampleError
-from tasks.sampling import sample_traffic
+from tasks.traffic_sample import sample_traffic
 from tasks.traffic import import_traffic
 
 START = datetime(2021, 3, 1, 8, 0)

@@ -33,7 +33,7 @@ def print_gates(result: dict) -> None:
 
 def _champion_audit(args, shown: dict) -> dict | None:
     """The audit of the champion when the shown version is it (tasks.version_page)."""
-    from ..db.engine import database_url
+    from ..db.engine import resolve_database_url
     from ..version_page import champion_audit
 
     from ..errors import DatabaseNotMigrated, DatabaseUnavailable
@@ -41,7 +41,7 @@ def _champion_audit(args, shown: dict) -> dict | None:
     if "champion" not in shown["aliases"]:
         return None
     try:
-        return champion_audit(database_url(args.url), shown["name"], shown["version"])
+        return champion_audit(resolve_database_url(args.url), shown["name"], shown["version"])
     except (DatabaseUnavailable, DatabaseNotMigrated) as exc:   # the registry alone still answers
         return {"champion": shown["version"], "gated": None,
                 "detail": f"gate record not checked: {exc}"}

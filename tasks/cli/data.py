@@ -22,12 +22,12 @@ def cmd_db_upgrade(args) -> int:
 
 
 def cmd_db_current(args) -> int:
-    from ..db import current_revision, database_url, display_url, head_revision
+    from ..db import current_revision, display_url, head_revision, resolve_database_url
 
     current, head = current_revision(args.url), head_revision()
     state = "up to date" if current == head else "run `specdec db upgrade`"
-    console.print(f"database {escape(display_url(database_url(args.url)))}: revision {current or '(none)'}, "
-                  f"head {head} ({state})")
+    console.print(f"database {escape(display_url(resolve_database_url(args.url)))}: "
+                  f"revision {current or '(none)'}, head {head} ({state})")
     return 0 if current == head else 1
 
 
@@ -77,7 +77,7 @@ def cmd_traffic_purge(args) -> int:
 
 
 def cmd_traffic_sample(args) -> int:
-    from ..sampling import sample_traffic
+    from ..traffic_sample import sample_traffic
 
     window = (args.start, args.end) if args.start or args.end else args.days
     if (args.start is None) != (args.end is None):

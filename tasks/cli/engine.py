@@ -42,12 +42,12 @@ def cmd_check(args) -> int:
     from sqlalchemy import select
 
     from ..context import RunSpec
-    from ..db.engine import database_url, ensure_ready
+    from ..db.engine import ensure_ready, resolve_database_url
     from ..db.models import EvalRun
     from ..engine_check import engine_checks
     from ..pipeline import step_engine_check
 
-    url = database_url(args.url)
+    url = resolve_database_url(args.url)
     with ensure_ready(url).connect() as connection:
         target = args.target or connection.execute(select(EvalRun.target_id).where(
             EvalRun.run_id == args.run_id)).scalar()

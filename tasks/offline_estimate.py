@@ -12,7 +12,7 @@ import logging
 from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import AcceptanceEstimate, EvalSample, TrafficRequest
 from .errors import SampleError
 from .settings import Settings, load_settings
@@ -53,7 +53,7 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
     from specdec_core import SamplingParams
     from specdec_core.estimate import LoggedRequest
 
-    engine = ensure_ready(database_url(db_url))
+    engine = ensure_ready(resolve_database_url(db_url))
     query = (select(EvalSample.domain, EvalSample.position, TrafficRequest)
              .join(TrafficRequest, TrafficRequest.id == EvalSample.request_id)
              .where(EvalSample.run_id == run_id)
@@ -114,7 +114,7 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
 
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     requests = sorted((r for items in requests_by_domain.values() for r in items),
                       key=lambda r: (r.domain, r.request_id))
     vocab = target.get_output_embeddings().weight.shape[0]

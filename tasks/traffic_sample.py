@@ -15,7 +15,7 @@ from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import delete, func, insert, select
 
-from .db.engine import database_url, ensure_ready
+from .db.engine import ensure_ready, resolve_database_url
 from .db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
 from .errors import SampleError
 from .settings import Settings, load_settings
@@ -96,7 +96,7 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
         unknown = sorted(set(domains) - set(settings.known_domains))
         if unknown:
             raise SampleError(f"domains {unknown} are not in the known set {list(settings.known_domains)}")
-    engine = ensure_ready(database_url(db_url or settings.database_url))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
 
     with engine.begin() as connection:
         start, end = resolve_window(connection, window, settings)
