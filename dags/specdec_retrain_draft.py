@@ -37,6 +37,10 @@ from airflow.timetables.trigger import CronTriggerTimetable
 from tasks.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
                                 connection_database_url, queues, task_errors)
 
+# The steps are imported inside the tasks (tasks.draft_training pulls torch and MLflow): parsing a
+# DAG file loads only Airflow and tasks.airflow_glue (`python -X importtime -c "import
+# dags.specdec_retrain_draft"`).
+
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
 NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)
 CPU_QUEUE, GPU_QUEUE = queues()

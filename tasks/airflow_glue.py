@@ -23,7 +23,7 @@ import logging
 from contextlib import contextmanager
 
 from .errors import DatabaseUnavailable, RegistryUnavailable, SpecdecTaskError
-from .settings import DEFAULT_MODEL, Settings
+from .settings import DEFAULT_MODEL, Settings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ def queues() -> tuple[str, str]:
     """(cpu queue, gpu queue): the Airflow queues of database/registry tasks and of the tasks that
     run the model, from the settings ($SPECDEC_CPU_QUEUE, $SPECDEC_GPU_QUEUE; defaults `default`
     and `gpu`). Read when a DAG file is parsed; the LocalExecutor ignores queues."""
-    from .settings import load_settings
-
     settings = load_settings()
     return settings.cpu_queue, settings.gpu_queue
 
@@ -67,6 +65,7 @@ def connection_database_url() -> str | None:
     """The URL of the Airflow connection `specdec_db`; None when it is not defined. The steps
     resolve None as everywhere else (tasks.db.engine.resolve_database_url: $SPECDEC_DATABASE_URL,
     else the SQLite default)."""
+    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
 
@@ -81,6 +80,7 @@ def _outage_here(exc: BaseException) -> bool:
         return True
     if isinstance(exc, (ConnectionError, TimeoutError)):    # refused, reset, socket timeouts
         return True
+    # imported here: SQLAlchemy (~0.4 s): the CLI imports this module at start-up
     from sqlalchemy import exc as sa
 
     if isinstance(exc, (sa.DisconnectionError, sa.TimeoutError)):
@@ -115,6 +115,7 @@ def is_outage(exc: BaseException) -> bool:
 def task_errors():
     """Around a task's work: outages and unknown errors propagate (the task's retries apply);
     other user-facing errors fail the task at once."""
+    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
     from airflow.sdk.exceptions import AirflowFailException
 
     try:
@@ -146,6 +147,7 @@ def current_params(params, conf: dict | None) -> dict:
 
 def evaluate_spec(run_id: str, params, conf: dict | None = None):
     """The RunSpec of a `specdec_evaluate` run from its Params (and run conf, for deprecated names)."""
+    # imported here: DAG files import this module at parse time; the run context pulls torch and MLflow
     from .context import RunSpec
 
     p = current_params(params, conf)
@@ -164,6 +166,7 @@ MAP_LABEL = "{{ specdec_label }}"
 def label_mapped(label: str) -> None:
     """Inside a mapped task: its map index shows as `label` (map_index_template MAP_LABEL), e.g.
     the domain it ran for."""
+    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
     from airflow.sdk import get_current_context
 
     get_current_context()["specdec_label"] = label

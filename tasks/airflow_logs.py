@@ -72,6 +72,7 @@ def recording():
 
 def log_path(ti, try_number: int, base_folder: Path) -> Path:
     """The file Airflow's FileTaskHandler reads this task instance's try from."""
+    # imported here: Airflow: DAG files' glue: kept light
     from airflow.utils.log.file_task_handler import FileTaskHandler
 
     return base_folder / FileTaskHandler(str(base_folder))._render_filename(ti, try_number)

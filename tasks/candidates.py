@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from specdec_core.errors import SpecDecError
+
 from .errors import SpecdecTaskError
 
 KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head")   # = specdec_core.factory.DRAFTER_KINDS
@@ -73,8 +75,8 @@ def build_drafters(candidates, target, tokenizer=None,
                    tracking_uri: str | None = None) -> dict[str, tuple[dict, object]]:
     """{label: (spec, drafter)} for the candidates, each checked against the target's vocabulary.
     A draft_model given as an MLflow `models:/NAME/VERSION` URI is downloaded first."""
+    # imported here: torch: the CLI imports this module at start-up
     from specdec_core.factory import make_drafter
-    from specdec_core.errors import SpecDecError
 
     built = {}
     for candidate in candidates:

@@ -31,12 +31,20 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+import torch
 from sqlalchemy import delete, insert, select, update
+from tqdm.auto import tqdm
 
-from .costs import HardwareMismatch, describe_hardware, hardware_text, same_hardware, timing_lock
+from specdec_core import SpecDecoder, SpecStats
+from specdec_core.estimate import LoggedRequest, estimate_acceptance
+
+from .costs import (CostProfileError, HardwareMismatch, describe_hardware, hardware_text, run_costs,
+                    same_hardware, timing_lock)
 from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DomainConfig, EvalRun, HardwareProfile, LiveMeasurement
-from .settings import Settings, load_settings
+from .plan import speedup_factor
+from .settings import Settings, load_settings, worker_name
 from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -55,16 +63,12 @@ def _stratified(requests: list, values: list[float], count: int) -> list:
 
 
 def truncated(request, new_tokens: int):
-    from specdec_core.estimate import LoggedRequest
-
     return LoggedRequest(request.request_id, request.prompt_ids, list(request.response_ids)[:new_tokens],
                          request.sampling, request.domain)
 
 
 def offline_totals(target, drafter, requests: list, k: int) -> dict:
     """{request id: RoundTotals} of the planned drafter at K (requests of 2+ response tokens)."""
-    from specdec_core.estimate import estimate_acceptance
-
     usable = [r for r in requests if len(r.response_ids) >= 2]
     if not usable:
         return {}
@@ -78,9 +82,6 @@ def offline_totals(target, drafter, requests: list, k: int) -> dict:
 def _round_costs(run_id: str, engine, db_url: str, drafter_label: str, drafter_spec: dict | None):
     """f(RoundTotals) -> expected cost of its rounds in target steps at batch 1; None without a
     cost profile."""
-    from .costs import CostProfileError, run_costs
-    from .plan import speedup_factor
-
     costs = run_costs(run_id, db_url)
     if costs is None:
         return None
@@ -98,8 +99,6 @@ def confirm_hardware(run_id: str, domain: str, engine, target) -> dict | None:
     """This worker's hardware description (stored with the live measurement), or None when the
     run plans with a stored profile of another hardware class (confirm is skipped). Raises
     HardwareMismatch when the run's own profile was measured on another class."""
-    from .settings import worker_name
-
     here = dict(describe_hardware(target), worker=worker_name())
     with engine.connect() as connection:
         run = connection.execute(select(EvalRun.hardware_profile, EvalRun.worker_hardware).where(
@@ -137,11 +136,6 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     speedup in domain_configs. A domain that is off still has its best candidate measured (the
     prediction is checked either way). Returns the measurement, or None without a plan/requests.
     """
-    import torch
-    from tqdm.auto import tqdm
-
-    from specdec_core import SpecDecoder, SpecStats
-
     settings = settings or load_settings()
     url = resolve_database_url(db_url or settings.database_url)
     engine = ensure_ready(url)
@@ -286,8 +280,6 @@ def speedup_interval(per_request: list[dict], samples: int = 2000, seed: int = 0
     {measured, lo, hi, error_lo, error_hi} where measured = spec tokens/s over plain tokens/s of the
     decode phases summed over the requests, and error_* bound measured / predicted - 1 on the same
     requests (None where the requests carry no prediction)."""
-    import numpy as np
-
     rows = [r for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s")]
     if not rows:
         return {"measured": None, "lo": None, "hi": None, "error_lo": None, "error_hi": None}

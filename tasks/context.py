@@ -123,7 +123,7 @@ def loaded_model(target: str, device: str | None = None):
 def _model_entry(target: str, device: str | None) -> dict:
     entry = _MODELS.get((target, device))
     if entry is None:
-        from specdec_core import load_model    # torch and transformers: only the steps that run the model
+        from specdec_core import load_model  # torch and transformers: only the steps that run the model
 
         model, tokenizer = load_model(target, device=device)
         entry = _MODELS[(target, device)] = {"model": model, "tokenizer": tokenizer}

@@ -24,12 +24,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from sqlalchemy import delete, insert, select
+from tqdm.auto import tqdm
+
+from specdec_core import SpecDecoder
+from specdec_core.drafters import SuffixDrafter, output_size
+from specdec_core.profile import CostSampler
 
 from .db.engine import ensure_ready, resolve_database_url
-from .db.models import CostProfile, CostProfileCheck, HardwareProfile
+from .db.models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
 from .errors import SpecdecTaskError
 from .settings import Settings, load_settings, specdec_home
+from .suffix_index import timing_index
 from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -71,8 +78,6 @@ def describe_hardware(model, name: str | None = None) -> dict:
 def describe_device(device, dtype, name: str | None = None) -> dict:
     """{name, device, dtype, details} of a torch device and dtype on this machine (a hardware
     class: two workers with equal device and dtype time alike)."""
-    import torch
-
     device = torch.device(device)
     dtype = str(dtype).replace("torch.", "")
     if device.type == "cuda":
@@ -334,11 +339,6 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
              "check": {status, reasons, attempts, max_spread}, "seconds"}. Re-running a run id
     replaces its rows for that profile.
     """
-    from tqdm.auto import tqdm
-
-    from specdec_core import SpecDecoder
-    from specdec_core.profile import CostSampler
-
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
     batch_sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
@@ -398,10 +398,6 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
 
 
 def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) -> dict:
-    from specdec_core.drafters import SuffixDrafter, output_size
-
-    from .suffix_index import timing_index
-
     index = None
     out = {}
     for label, drafter in drafters.items():
@@ -446,8 +442,6 @@ def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | N
 def run_costs(run_id: str, db_url: str | None = None) -> CostTable | None:
     """The cost profile the run plans with (eval_runs.hardware_profile, its newest run); None
     before the profile step or when that profile is gone."""
-    from .db.models import EvalRun
-
     engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()

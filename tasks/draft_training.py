@@ -28,15 +28,24 @@ import shutil
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
 from sqlalchemy import delete, func, insert, select, update
+
+from specdec_core import SamplingParams
+from specdec_core.estimate import LoggedRequest
+from specdec_core.train import TrainConfig, init_draft_from_target, train_draft, train_head
+from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from .config_schema import target_slug
 from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
 from .errors import RegistryError, SampleError, SpecdecTaskError
 from .masking import mask_text
+from .offline_estimate import request_token_ids
 from .settings import DEFAULT_MODEL, specdec_home
 from .timeutil import utcnow
+from .tracking import client, experiment_for_target
+from .tracking import tracking_uri as resolve_uri
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +69,6 @@ def in_heldout(train_id: str, request_id: str, fraction: float) -> bool:
 def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
                       window_days: float | None = None, max_requests: int | None = None):
     """(requests [LoggedRequest], (window start, end)) of this target's stored traffic."""
-    from specdec_core import SamplingParams
-    from specdec_core.estimate import LoggedRequest
-
-    from .offline_estimate import request_token_ids
-
     engine = ensure_ready(db_url)
     with engine.connect() as connection:
         newest = connection.execute(select(func.max(TrafficRequest.requested_at))).scalar()
@@ -137,8 +141,6 @@ def train_id_of_run(run_id: str) -> str:
 def training_config(steps: int, batch_size: int, lr: float, eval_every: int, teacher_topk: int = 0):
     """The TrainConfig of a scheduled retraining (dags/specdec_retrain_draft.py): the learning
     rate warms up over a tenth of the steps (at least one)."""
-    from specdec_core.train import TrainConfig
-
     return TrainConfig(steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every,
                        teacher_topk=teacher_topk, warmup_steps=max(1, steps // 10))
 
@@ -161,9 +163,6 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
     None for the target's full head; unroll: draft steps trained as a chain on the head's own
     features). split_from: another training id whose train / held-out split to use (drafts compared
     on the same held-out rows); default: this one's."""
-    from specdec_core.train import TrainConfig, init_draft_from_target, train_draft, train_head
-    from specdec_core.validation import fingerprint_id, target_fingerprint
-
     if kind not in ("draft_model", "head"):
         raise DraftTrainingError(f"draft kind {kind!r}: train a draft_model or a head")
     db_url = resolve_database_url(db_url)
@@ -251,9 +250,6 @@ def log_draft(train_id: str, target: str, fingerprint: str, best_dir, result: di
     tagged with the training id (created once; idempotent); the MLflow run id. Runs where the
     draft was trained: the registration (register_logged_draft) then needs no local file, so it
     may run on another machine."""
-    from .tracking import client, experiment_for_target
-    from .tracking import tracking_uri as resolve_uri
-
     db_url = resolve_database_url(db_url)
     mlflow_client = client(resolve_uri(tracking_uri, db_url))
     _, lineage = _lineage(db_url, train_id, target, fingerprint)
@@ -283,11 +279,6 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
                           tracking_uri: str | None = None) -> dict:
     """Register the draft that log_draft uploaded to MLflow run `mlflow_run_id` as a version of
     `specdec-draft-<target>` (alias `candidate`; reused on retry). Reads no local file."""
-    from mlflow.exceptions import MlflowException
-
-    from .tracking import client
-    from .tracking import tracking_uri as resolve_uri
-
     db_url = resolve_database_url(db_url)
     mlflow_client = client(resolve_uri(tracking_uri, db_url))
     record, lineage = _lineage(db_url, train_id, target, fingerprint)
@@ -325,11 +316,6 @@ def registered_drafts(target: str, tracking_uri: str | None = None) -> dict[str,
     ({fingerprint: [{kind, params: {model: models:/NAME/VERSION}}]}): per kind, the version with
     alias `candidate`, else the newest of that kind. A version without a fingerprint is never
     offered. {} when there is no tracking store or it cannot be reached."""
-    from mlflow.exceptions import MlflowException
-
-    from .tracking import client
-    from .tracking import tracking_uri as resolve_uri
-
     uri = resolve_uri(tracking_uri)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         return {}          # no local tracking store yet: nothing registered (and none created)
@@ -365,8 +351,6 @@ def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = N
 
 def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
     """A local directory holding the registered version (downloaded once under $SPECDEC_HOME)."""
-    from .tracking import client
-
     name, _, version = uri[len("models:/"):].partition("/")
     if not name or not version:
         raise DraftTrainingError(f"model URI {uri!r}: expected models:/NAME/VERSION")

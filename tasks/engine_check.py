@@ -41,11 +41,17 @@ import time
 import numpy as np
 from sqlalchemy import delete, insert, select, update
 
+from specdec_core.estimate import LoggedRequest
+
+from . import serving_env
+from .confirm import offline_totals, truncated
 from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DomainConfig, EngineCheck, LiveMeasurement
 from .errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from .run_config import build_config
 from .settings import Settings, load_settings, specdec_home
 from .timeutil import utcnow
+from .vllm import vllm_export
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +67,6 @@ def batch_one_k(spec: dict) -> int:
 def pick_requests(requests: list, confirm_ids: list[str], count: int, max_new_tokens: int) -> list:
     """The confirm requests first, then the sample's next ones in draw order; each cut at
     max_new_tokens (requests of fewer than 2 response tokens have no round to compare)."""
-    from .confirm import truncated
-
     confirmed = set(confirm_ids)
     usable = [r for r in requests if len(r.response_ids) >= 2]
     chosen = [r for r in usable if r.request_id in confirmed]
@@ -77,8 +81,6 @@ def end_slot(request):
     the response's last token can be an accepted draft. The slot's token is never drafted nor
     counted as a drafted step; only its own round (no drafts) and its token are added, which E
     per drafted step does not read."""
-    from specdec_core.estimate import LoggedRequest
-
     response = list(request.response_ids)
     return LoggedRequest(request.request_id, request.prompt_ids, response + response[-1:],
                          request.sampling, request.domain)
@@ -226,10 +228,6 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                  settings: Settings | None = None) -> dict:
     """Run the engine check of one run (see the module's docstring). Output: {"skipped": line or
     None, "domains": {domain: row}, "engines": [{domains, start_s, seconds, status}]}."""
-    from . import serving_env
-    from .run_config import build_config
-    from .vllm import vllm_export
-
     settings = settings or load_settings()
     url = resolve_database_url(db_url or settings.database_url)
     engine = ensure_ready(url)
@@ -406,8 +404,6 @@ def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, h
     """One domain's comparison of what its engine served with the estimate of the same requests
     at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
     figures on the requests that were served."""
-    from .confirm import offline_totals
-
     k = batch_one_k(spec)
     offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked], k)
     compared = [compare_request(r, answer["requests"][r.request_id], offline.get(r.request_id),

@@ -12,6 +12,9 @@ import logging
 from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
+from specdec_core import SamplingParams
+from specdec_core.estimate import LoggedRequest, estimate_acceptance
+
 from .db.engine import ensure_ready, resolve_database_url
 from .db.models import AcceptanceEstimate, EvalSample, TrafficRequest
 from .errors import SampleError
@@ -50,9 +53,6 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
     exclude_ids: requests never to score (e.g. the training rows of a draft under evaluation);
     indexed_ids: the same for requests inside a candidate's registered suffix index.
     """
-    from specdec_core import SamplingParams
-    from specdec_core.estimate import LoggedRequest
-
     engine = ensure_ready(resolve_database_url(db_url))
     query = (select(EvalSample.domain, EvalSample.position, TrafficRequest)
              .join(TrafficRequest, TrafficRequest.id == EvalSample.request_id)
@@ -110,8 +110,6 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
     Requests are estimated in request-id order, not in the order they were drawn: the same sample
     gives the same batches (padding neighbours), hence the same figures to the last bit.
     """
-    from specdec_core.estimate import estimate_acceptance
-
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))

@@ -15,12 +15,26 @@ import logging
 from datetime import datetime
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
 from sqlalchemy import func, select, update
 
+from .config_schema import config_model_name
+from .confirm import confirm_domain
 from .context import RunContext, RunSpec, freeze_candidates, loaded_model
+from .costs import describe_device, describe_hardware, load_costs, profile_costs
 from .db.engine import ensure_ready
-from .db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement
+from .db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
+from .engine_check import engine_check
+from .offline_estimate import estimate_domains
+from .plan import plan_domain
+from .promotion import promote
+from .quality import check_result_table, check_traffic_sample
+from .registration import register_config
+from .settings import worker_name
 from .timeutil import utcnow
+from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
+from .traffic_sample import sample_traffic
+from .validate import validate_domain, validate_run
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +43,6 @@ def step_sample(spec) -> dict:
     """Draw the run's sample and freeze its candidates (tasks.context.freeze_candidates) into the
     spec and into the run's eval_runs.params. Output: the sample (tasks.traffic_sample.sample_traffic)
     and "spec", the frozen spec as a dict: the spec every later step of the run takes."""
-    from .traffic_sample import sample_traffic
-
     spec = RunSpec.of(spec)
     settings = spec.settings()
     url = spec.resolved_url(settings)
@@ -48,8 +60,6 @@ def step_sample(spec) -> dict:
 def step_check(spec) -> dict:
     """Data-quality gates; raises QualityGateFailed on table-level failures (the run stops).
     Output: {"ok": [domains], "insufficient": [domains]}."""
-    from .quality import check_traffic_sample
-
     spec = RunSpec.of(spec)
     settings = spec.settings()
     checked = check_traffic_sample(spec.run_id, db_url=spec.resolved_url(settings), settings=settings)
@@ -60,8 +70,6 @@ def step_check(spec) -> dict:
 
 def step_profile(spec) -> str:
     """Measure costs here (under the timing lock), or check the named stored profile; its name."""
-    from .costs import load_costs, profile_costs
-
     spec = RunSpec.of(spec)
     settings = spec.settings()
     url = spec.resolved_url(settings)
@@ -89,9 +97,6 @@ def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
     """This worker's hardware description ({name, device, dtype, details}, plus `worker`, its
     name, and `measured`: whether this run's costs were measured here). Without a measurement,
     the device and dtype the target loads with here (no model is loaded for it)."""
-    from .costs import describe_device, describe_hardware
-    from .settings import worker_name
-
     model = loaded_model(spec.target, spec.device)
     if measured is not None:
         hardware = dict(measured)
@@ -110,10 +115,6 @@ def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
 
 def step_estimate(spec, domain: str, profile: str) -> dict:
     """Offline estimate and plan of one domain. Output: the domain's plan (domain_configs row)."""
-    from .costs import load_costs
-    from .offline_estimate import estimate_domains
-    from .plan import plan_domain
-
     context = RunContext.build(spec)
     settings, url, run_id = context.settings, context.url, context.run_id
     requests, excluded = context.domain_requests(domain)
@@ -135,11 +136,6 @@ def step_estimate(spec, domain: str, profile: str) -> dict:
 def champion_domains_on(spec: RunSpec, db_url: str | None = None) -> set[str]:
     """Domains on in the target's champion config (for the planner's hysteresis); empty when there
     is no champion or no tracking store yet (none is created to find out)."""
-    from mlflow.exceptions import MlflowException
-
-    from .config_schema import config_model_name
-    from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
-
     uri = tracking_uri(spec.tracking_uri, db_url or spec.url)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         return set()
@@ -165,8 +161,6 @@ def _plain(row: dict) -> dict:
 
 def step_confirm(spec, domain: str) -> dict | None:
     """Live confirmation of one domain's plan (under the timing lock)."""
-    from .confirm import confirm_domain
-
     context = RunContext.build(spec)
     requests, _ = context.domain_requests(domain)
     row = confirm_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
@@ -176,8 +170,6 @@ def step_confirm(spec, domain: str) -> dict | None:
 
 def step_validate(spec, domain: str) -> dict:
     """The sampling test of one domain's planned drafter (or the run's shared result for it)."""
-    from .validate import validate_domain
-
     context = RunContext.build(spec)
     requests, _ = context.domain_requests(domain)
     return validate_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
@@ -207,11 +199,6 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     """After the per-domain steps (whatever their outcome): record insufficient domains and domains
     whose steps did not complete, run the greedy and fingerprint checks, check the result tables.
     Output: {"fingerprint", "greedy", "domains": {domain: validation}, "failed": [...]}."""
-    from .costs import load_costs
-    from .plan import plan_domain
-    from .quality import check_result_table
-    from .validate import validate_run
-
     context = RunContext.build(spec)
     spec, settings, url, engine, run_id = (context.spec, context.settings, context.url,
                                            context.engine, context.run_id)
@@ -262,8 +249,6 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
 
 
 def _has_sampling_test(engine, run_id: str, domain: str) -> bool:
-    from .db.models import Validation
-
     with engine.connect() as connection:
         return connection.execute(select(Validation.id).where(
             (Validation.run_id == run_id) & (Validation.domain == domain)
@@ -273,8 +258,6 @@ def _has_sampling_test(engine, run_id: str, domain: str) -> bool:
 def step_engine_check(spec) -> dict:
     """Serve each domain the plan turns on with its exported config on vLLM (tasks.engine_check);
     a domain whose engine check fails is turned off before register."""
-    from .engine_check import engine_check
-
     spec = RunSpec.of(spec)
     settings = spec.settings()
     if not settings.engine_check:
@@ -292,8 +275,6 @@ def step_engine_check(spec) -> dict:
 
 
 def step_register(spec) -> dict:
-    from .registration import register_config
-
     spec = RunSpec.of(spec)
     settings = spec.settings()
     return register_config(spec.run_id, db_url=spec.resolved_url(settings), uri=spec.tracking_uri,
@@ -301,8 +282,6 @@ def step_register(spec) -> dict:
 
 
 def step_promote(spec, registered: dict) -> dict:
-    from .promotion import promote
-
     spec = RunSpec.of(spec)
     settings = spec.settings()
     return promote(registered["name"], registered["version"], db_url=spec.resolved_url(settings),

@@ -23,14 +23,15 @@ import os
 import re
 from dataclasses import dataclass
 
+import pandas as pd
 from sqlalchemy import delete, insert, select, update
 
 from .db.engine import ensure_ready, resolve_database_url
-from .db.models import DataDocsPage, EvalRun, EvalSample, QualityResult, TrafficRequest
+from .db.models import Base, DataDocsPage, EvalRun, EvalSample, QualityResult, TrafficRequest
 from .errors import QualityGateFailed, SampleError
-from .traffic_sample import SAMPLE_SUITE
 from .settings import Settings, load_settings
 from .timeutil import utcnow
+from .traffic_sample import SAMPLE_SUITE
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def _kwargs_text(kwargs: dict) -> str:
 
 def _gx():
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+    # imported here: Great Expectations costs ~11 s to import: only the quality step pays it
     import great_expectations as gx
 
     return gx
@@ -76,8 +78,8 @@ def _gx():
 def _context():
     """A fresh in-memory GX context: no files, no data docs, no progress bars, no analytics."""
     gx = _gx()
-    from great_expectations.data_context.types.base import (DataContextConfig,
-                                                            InMemoryStoreBackendDefaults,
+    # imported here: Great Expectations costs ~11 s to import: only the quality step pays it
+    from great_expectations.data_context.types.base import (DataContextConfig, InMemoryStoreBackendDefaults,
                                                             ProgressBarsConfig)
 
     config = DataContextConfig(
@@ -211,8 +213,6 @@ def sample_expectations(settings: Settings) -> list:
 
 def load_sample_frame(connection, run_id: str):
     """The run's sample as a DataFrame; requests no longer stored come back with null fields."""
-    import pandas as pd
-
     t = TrafficRequest
     query = (select(EvalSample.request_id.label("id"), t.domain, t.prompt, t.response, t.requested_at,
                     t.temperature, t.top_k, t.top_p, t.prompt_chars, t.response_chars,
@@ -336,10 +336,6 @@ RESULT_TABLES = ("acceptance_estimates", "live_measurements", "domain_configs")
 
 
 def load_result_frame(connection, table: str, run_id: str):
-    import pandas as pd
-
-    from .db.models import Base
-
     model_table = Base.metadata.tables[table]
     rows = connection.execute(select(model_table).where(model_table.c.run_id == run_id)).mappings().all()
     frame = pd.DataFrame([dict(row) for row in rows], columns=[c.name for c in model_table.columns])
@@ -353,8 +349,6 @@ def check_result_table(run_id: str, table: str, db_url: str | None = None,
     Output: {"run_id", "table", "rows", "expectations"}. Raises QualityGateFailed (after storing
     the results) when an expectation fails.
     """
-    import pandas as pd
-
     if table not in RESULT_TABLES:
         raise SampleError(f"result table {table!r}: choose one of {list(RESULT_TABLES)}")
     settings = settings or load_settings()

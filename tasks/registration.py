@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from html import escape
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
 from sqlalchemy import select
 
 from .config_schema import config_model_name, parse_config
@@ -22,15 +24,16 @@ from .promotion import current_user, gates_for, record_promotion
 from .quality import data_docs_pages
 from .run_config import build_config, changes_markdown, domain_table_markdown, run_row, validation_status
 from .settings import Settings, load_settings
-from .version_page import champion_audit, champion_line, gates_markdown
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
                        tracking_uri)
+from .version_page import champion_audit, champion_line, gates_markdown
 
 log = logging.getLogger(__name__)
 
 
 def _plots(run_id: str, connection, directory: Path) -> list[Path]:
     """Per-position conditional acceptance per domain; predicted speedup vs K per domain/drafter."""
+    # imported here: matplotlib costs ~1.4 s to import: only the plots pay it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,8 +116,6 @@ def _plots(run_id: str, connection, directory: Path) -> list[Path]:
 
 def data_docs_index(run_id: str, pages: list[str], quality: list[dict]) -> str:
     """One HTML page: the run's data-quality verdicts per suite, linking GX's Data Docs pages."""
-    from html import escape
-
     verdict: dict[str, bool] = {}
     for row in quality:
         verdict[row["suite"]] = verdict.get(row["suite"], True) and bool(row["success"])
@@ -236,8 +237,6 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
 
     Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation"}.
     """
-    from mlflow.exceptions import MlflowException
-
     settings = settings or load_settings()
     db_url = resolve_database_url(db_url or settings.database_url)
     champion_version, champion = current_champion(uri, target_id=None, run_id=run_id, db_url=db_url)

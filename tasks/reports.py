@@ -23,6 +23,7 @@ from sqlalchemy import text
 
 from .db.engine import ensure_ready
 from .errors import UnknownReport
+from .settings import specdec_home
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,6 @@ def cell_text(value) -> str:
 def materialise_report(name: str, db_url: str | None = None, directory: str | Path | None = None) -> dict:
     """Run a report and write it as CSV to `directory` (default $SPECDEC_HOME/reports), atomically.
     Output: {"name", "rows", "path"}."""
-    from .settings import specdec_home
-
     report = run_report(name, db_url)
     directory = Path(directory) if directory else specdec_home() / "reports"
     directory.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .config_schema import SpecdecConfig, config_model_name, parse_config
+from .tracking import CHAMPION, alias_version, client, fail_fast, load_version_config
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ class ChampionReader:
                 log.warning("ignoring unreadable champion cache %s: %s", self.cache_path, exc)
 
     def _refresh(self) -> None:
-        from .tracking import CHAMPION, alias_version, client, fail_fast, load_version_config
-
         with fail_fast():
             mlflow_client = client(self.registry_uri)
             version = alias_version(mlflow_client, self.name, CHAMPION)

@@ -11,10 +11,13 @@ Where it is: the setting `serving_python` (SPECDEC_SERVING_PYTHON), else
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
-from .errors import ServingEnvUnavailable, ServingProbeError
+from .errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from .settings import Settings, load_settings
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -64,10 +67,6 @@ def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
     """One engine in the serving environment (vllm_probe.py replay): started with the request's
     speculative config, in-process (no engine-core child to leave behind), its log written to
     `log_path`. Past `timeout_s` it is killed: EngineTimeout names `what` and the log."""
-    import os
-
-    from .errors import EngineTimeout
-
     python = serving_python(settings)
     settings = settings or load_settings()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -105,6 +104,7 @@ def served_model_dir(target: str) -> Path:
     form serving engines load (the architecture named, tied embeddings under the input
     embedding's name) with the weights' fingerprint in `specdec_served.json` beside them. Any
     other target: its own transformers directory, as it is."""
+    # imported here: torch: the CLI's config commands import it
     from specdec_core.models import EMBEDDED_MODELS, models_dir
 
     if target.lower() in EMBEDDED_MODELS:
@@ -126,10 +126,7 @@ def served_fingerprint(directory: Path) -> str | None:
 
 
 def _write_served(target: str, directory: Path) -> None:
-    import os
-    import shutil
-    import tempfile
-
+    # imported here: torch: the CLI's config commands import it
     from specdec_core.models import load_model, save_transformers_dir
     from specdec_core.validation import fingerprint_id, target_fingerprint
 

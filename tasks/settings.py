@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -317,6 +318,4 @@ def worker_name() -> str:
     records it as a task instance's hostname when `[core] hostname_callable` names this function
     (`tasks.settings.worker_name`): workers sharing a host (or a container image's host name) stay
     apart. The profile task stores it with the hardware it measured."""
-    import socket
-
     return os.environ.get(WORKER_NAME_ENV) or socket.getfqdn()

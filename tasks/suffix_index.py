@@ -13,17 +13,28 @@ An index used to score a request never contains that request:
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+import tempfile
+from datetime import datetime, timedelta
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
 from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
+from specdec_core import load_model
+from specdec_core.drafters import SuffixDrafter, output_size
+from specdec_core.suffix import SuffixIndex
+from specdec_core.validation import fingerprint_id, target_fingerprint
+
+from .config_schema import target_slug
 from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DraftTrainingRequest, EvalRun, EvalSample, TrafficRequest
 from .errors import SpecdecTaskError
+from .offline_estimate import request_token_ids
 from .settings import specdec_home
 from .timeutil import utcnow
+from .tracking import client, experiment_for_target
+from .tracking import tracking_uri as resolve_uri
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +50,6 @@ class SuffixIndexError(SpecdecTaskError, ValueError):
 
 
 def suffix_model_name(target: str) -> str:
-    from .config_schema import target_slug
-
     return f"specdec-suffix-{target_slug(target)}"
 
 
@@ -49,8 +58,6 @@ def index_sequences(db_url: str | None, domain: str, fingerprint: str | None, to
                     exclude: set[str] | None = None) -> tuple[list[str], list[list[int]]]:
     """(request ids, response token ids) of a domain's stored requests answered by this target
     (rows of another fingerprint are left out), in [since, until], minus `exclude`; oldest first."""
-    from .offline_estimate import request_token_ids
-
     engine = ensure_ready(resolve_database_url(db_url))
     query = (select(TrafficRequest).where(TrafficRequest.domain == domain)
              .order_by(TrafficRequest.requested_at, TrafficRequest.id))
@@ -75,8 +82,6 @@ def index_sequences(db_url: str | None, domain: str, fingerprint: str | None, to
 
 
 def build_index(request_ids: list[str], sequences: list[list[int]], meta: dict):
-    from specdec_core.suffix import SuffixIndex
-
     return SuffixIndex.build(sequences, request_ids=request_ids, depth=32, meta=meta)
 
 
@@ -115,8 +120,6 @@ def domain_drafters(drafters: dict, run_id: str, domain: str, db_url: str | None
                     fingerprint: str | None, tokenizer, target) -> dict:
     """The run's candidates {label: (spec, drafter)} for one domain: a `suffix` candidate without
     an index of its own gets the run's index of this domain."""
-    from specdec_core.drafters import SuffixDrafter, output_size
-
     out = {}
     for label, (spec, drafter) in drafters.items():
         if isinstance(drafter, SuffixDrafter) and drafter.index is None:
@@ -129,8 +132,6 @@ def domain_drafters(drafters: dict, run_id: str, domain: str, db_url: str | None
 
 def indexed_request_ids(drafters: dict) -> set[str]:
     """Requests inside the candidates' own (registered) indexes: never scored with them."""
-    from specdec_core.drafters import SuffixDrafter
-
     ids: set[str] = set()
     for _, drafter in drafters.values():
         if isinstance(drafter, SuffixDrafter) and drafter.index is not None:
@@ -159,21 +160,10 @@ def build_and_register(target: str, domain: str, db_url: str | None = None,
     """Build a domain's index from its stored responses of this target (the last window_days
     days up to the newest request, or all) and register it as a version of
     specdec-suffix-<target> with its lineage. Output: {model_uri, version, requests, tokens}."""
-    import tempfile
-    from datetime import timedelta
-
-    from mlflow.exceptions import MlflowException
-
-    from specdec_core.drafters import output_size
-
-    from .tracking import client, experiment_for_target
-    from .tracking import tracking_uri as resolve_uri
-
     if model is None:
         from specdec_core import load_model
 
         model, tokenizer = load_model(target, device="cpu")
-    from specdec_core.validation import fingerprint_id, target_fingerprint
 
     fingerprint = fingerprint_id(target_fingerprint(model))
     url = resolve_database_url(db_url)
@@ -227,8 +217,6 @@ def refresh_indexes(target: str, domains=None, db_url: str | None = None,
                     tracking_uri: str | None = None, window_days: float | None = None) -> dict:
     """Build and register the index of every domain (default: each stored one); {domain: result}.
     The target is loaded once."""
-    from specdec_core import load_model
-
     engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         stored = sorted(set(connection.execute(select(TrafficRequest.domain).distinct()).scalars()))
@@ -241,8 +229,6 @@ def refresh_indexes(target: str, domains=None, db_url: str | None = None,
 def resolve_index_uri(uri: str, tracking_uri: str | None = None) -> str:
     """A local path of a registered index (`models:/NAME/VERSION`), downloaded once under
     $SPECDEC_HOME/models/suffix."""
-    from .tracking import client
-
     name, _, version = uri[len("models:/"):].partition("/")
     if not uri.startswith("models:/") or not name or not version:
         raise SuffixIndexError(f"index URI {uri!r}: expected models:/NAME/VERSION")

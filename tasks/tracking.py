@@ -17,6 +17,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import requests
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from sqlalchemy import create_engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+
 from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
 from .db.engine import display_url, ensure_ready, resolve_database_url
 from .errors import RegistryError, RegistryUnavailable
@@ -52,8 +58,6 @@ def tracking_uri(uri: str | None = None, db_url: str | None = None) -> str:
 
 def client(uri: str | None = None) -> "RegistryClient":
     """An MlflowClient for the tracking URI whose calls fail fast and clearly (RegistryClient)."""
-    from mlflow import MlflowClient
-
     uri = tracking_uri(uri)
     _check_sql_store(uri)
     return RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
@@ -76,10 +80,6 @@ def unreachable(uri: str, exc: BaseException) -> RegistryUnavailable:
 def is_unreachable(exc: BaseException) -> bool:
     """Whether an exception of an MLflow call means the store is down or unreachable (as opposed to
     a refusal such as a missing version, which callers handle)."""
-    import requests
-    from mlflow.exceptions import MlflowException
-    from sqlalchemy.exc import OperationalError
-
     chain = [exc, exc.__cause__, exc.__context__]
     if any(isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
                           OperationalError)) for e in chain):
@@ -121,8 +121,6 @@ def _check_sql_store(uri: str) -> None:
     scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
     if scheme not in ("postgresql", "mysql", "mssql") or uri in _SQL_STORES_CHECKED:
         return
-    from sqlalchemy import create_engine, make_url
-    from sqlalchemy.exc import ArgumentError, DBAPIError
 
     connect_args = {"connect_timeout": SQL_STORE_CONNECT_TIMEOUT_S} if scheme == "postgresql" else {}
     try:
@@ -191,8 +189,6 @@ def find_run(mlflow_client, experiment_id: str, run_id: str):
 # registered config versions
 def alias_version(mlflow_client, name: str, alias: str) -> str | None:
     """The version an alias points at; None when the model or the alias does not exist."""
-    from mlflow.exceptions import MlflowException
-
     try:
         return str(mlflow_client.get_model_version_by_alias(name, alias).version)
     except MlflowException as exc:   # no such model or alias: None; anything else (server down) raises
@@ -211,8 +207,6 @@ def load_version_config(mlflow_client, name: str, version: str) -> SpecdecConfig
 
 def version_config(mlflow_client, name: str, version: str) -> SpecdecConfig:
     """load_version_config, or a RegistryError naming the fix when there is no such version."""
-    from mlflow.exceptions import MlflowException
-
     try:
         mlflow_client.get_model_version(name, version)
     except MlflowException as exc:

@@ -572,6 +572,7 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     Raises TrafficFileError when the file cannot be read at all, DatabaseUnavailable /
     DatabaseNotMigrated when the database is not ready.
     """
+    # imported here: tqdm: the data commands load no torch (tests/test_store.py)
     from tqdm import tqdm
 
     settings = settings or load_settings()

@@ -7,7 +7,7 @@ our draft heads are not among its methods; LayerSkip is not either)."""
 
 from __future__ import annotations
 
-from .config_schema import DrafterSpec, DomainSetting, SpecdecConfig
+from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
 
 
 def draft_len_schedule(setting: DomainSetting) -> dict[int, int] | None:

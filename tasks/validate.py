@@ -21,7 +21,11 @@ from __future__ import annotations
 import hashlib
 import logging
 
+import torch
 from sqlalchemy import delete, insert, select, update
+
+from specdec_core.validation import (compare_fingerprints, fingerprint_id, greedy_check, sampling_check,
+                                     target_fingerprint)
 
 from .db.engine import ensure_ready, resolve_database_url
 from .db.models import DomainConfig, EvalRun, Validation
@@ -57,8 +61,6 @@ def _replace(connection, run_id: str, check: str, domain: str | None, rows: list
 def validation_context(target, requests: list, candidates: int = 4):
     """(request id, token ids) of the highest-entropy context among the first `candidates`
     requests: prompt + response prefix, cut where the target's next-token entropy peaks."""
-    import torch
-
     device = next(target.parameters()).device
     best = (-1.0, None, None)
     with torch.inference_mode():
@@ -81,8 +83,6 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     check_kwargs: extra arguments of sampling_check (fault injection: specdec_core.faults).
     Output: {"domain", "validation": passed | failed | not_needed, "shared_from", "failures"}.
     """
-    from specdec_core.validation import sampling_check
-
     settings = settings or load_settings()
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     with engine.connect() as connection:
@@ -148,11 +148,6 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
     (a suffix candidate's per-domain index).
     Output: {"fingerprint": {...}, "greedy": {domain: passed}, "domains": {domain: validation}}.
     """
-    import torch
-
-    from specdec_core.validation import (compare_fingerprints, fingerprint_id, greedy_check,
-                                         target_fingerprint)
-
     settings = settings or load_settings()
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     fingerprint = fingerprint or target_fingerprint(target)

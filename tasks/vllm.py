@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 from .config_schema import DrafterSpec, SpecdecConfig
-
 
 BEYOND = 1 << 20     # the end of the last range: speculation off above the profiled batch sizes
 
@@ -54,8 +54,6 @@ def batch_schedule(setting) -> list[list[int]] | None:
 
 def serve_command(target: str, spec: dict | None) -> str:
     """The `vllm serve` command line that serves `target` with one speculative config."""
-    import shlex
-
     command = f"vllm serve {shlex.quote(target)}"
     if spec is not None:
         command += " --speculative-config " + shlex.quote(json.dumps(spec, separators=(",", ":")))

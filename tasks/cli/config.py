@@ -7,6 +7,13 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
+from specdec_core.models import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
+
+from ..config_schema import config_model_name
+from ..errors import DatabaseNotMigrated, DatabaseUnavailable
+from ..serving_env import SERVED_MARK
+from ..trtllm import trtllm_export
+from ..vllm import vllm_export
 from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -14,8 +21,6 @@ console = make_console()
 
 
 def _name(args) -> str:
-    from ..config_schema import config_model_name
-
     return config_model_name(args.target)
 
 
@@ -33,10 +38,9 @@ def print_gates(result: dict) -> None:
 
 def _champion_audit(args, shown: dict) -> dict | None:
     """The audit of the champion when the shown version is it (tasks.version_page)."""
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db.engine import resolve_database_url
     from ..version_page import champion_audit
-
-    from ..errors import DatabaseNotMigrated, DatabaseUnavailable
 
     if "champion" not in shown["aliases"]:
         return None
@@ -56,6 +60,7 @@ def _warn_ungated(audit: dict | None, err: bool = False) -> None:
 
 
 def cmd_show(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..tracking import show_version
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
@@ -71,6 +76,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_register(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..registration import register_config
 
     result = register_config(args.run_id, db_url=args.url, uri=args.tracking_uri)
@@ -81,6 +87,7 @@ def cmd_register(args) -> int:
 
 
 def cmd_promote(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..promotion import promote
 
     expected = "current" if args.expected_champion is None else (
@@ -92,6 +99,7 @@ def cmd_promote(args) -> int:
 
 
 def cmd_rollback(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..promotion import rollback
 
     result = rollback(_name(args), db_url=args.url, uri=args.tracking_uri,
@@ -101,9 +109,8 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_export(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..tracking import client, load_version_config, show_version
-    from ..trtllm import trtllm_export
-    from ..vllm import vllm_export
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
     _warn_ungated(_champion_audit(args, shown), err=True)      # stdout stays the JSON
@@ -121,18 +128,12 @@ def cmd_export(args) -> int:
 def _served_dir(target: str) -> str | None:
     """The directory a serving engine loads for the embedded default, once it has been written
     (by the engine check); None: the export names the target id."""
-    from specdec_core.models import EMBEDDED_MODELS, models_dir
-
-    from ..serving_env import SERVED_MARK
-
     directory = models_dir() / target.lower() / "transformers"
     return str(directory.resolve()) if target.lower() in EMBEDDED_MODELS and (
         directory / SERVED_MARK).exists() else None
 
 
 def register(sub) -> None:
-    from specdec_core.models import DEFAULT_MODEL
-
     config = sub.add_parser("config", help="the promoted config in the MLflow registry")
     c_sub = config.add_subparsers(dest="config_command", required=True)
 

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..settings import load_settings
 from .common import per_domain_args, print_json, url_arg
 from .console import make_console
 
@@ -14,6 +15,7 @@ console = make_console()
 
 # ------------------------------------------------------------------------------------------------
 def cmd_db_upgrade(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db import upgrade
 
     result = upgrade(args.url)
@@ -22,6 +24,7 @@ def cmd_db_upgrade(args) -> int:
 
 
 def cmd_db_current(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db import current_revision, display_url, head_revision, resolve_database_url
 
     current, head = current_revision(args.url), head_revision()
@@ -32,7 +35,7 @@ def cmd_db_current(args) -> int:
 
 
 def cmd_traffic_import(args) -> int:
-    from ..settings import load_settings
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..traffic import EXIT_QUARANTINED, import_traffic, sample_traffic_path
 
     if args.sample == (args.file is not None):
@@ -67,6 +70,7 @@ def cmd_traffic_import(args) -> int:
 
 
 def cmd_traffic_purge(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..traffic import purge_traffic
 
     result = purge_traffic(args.older_than, db_url=args.url, dry_run=args.dry_run)
@@ -77,6 +81,7 @@ def cmd_traffic_purge(args) -> int:
 
 
 def cmd_traffic_sample(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..traffic_sample import sample_traffic
 
     window = (args.start, args.end) if args.start or args.end else args.days
@@ -90,6 +95,7 @@ def cmd_traffic_sample(args) -> int:
 
 
 def cmd_traffic_check(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..quality import check_traffic_sample
 
     result = check_traffic_sample(args.run_id, db_url=args.url)
@@ -104,6 +110,7 @@ def cmd_traffic_check(args) -> int:
 
 
 def cmd_report(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..reports import cell_text, format_report, list_reports, run_report
 
     if args.list or not args.name:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
+from specdec_core.models import DEFAULT_MODEL
+
 from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -24,6 +26,7 @@ def heldout_table(best: dict, title: str) -> Table:
 
 
 def cmd_train(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core.train import TrainConfig
 
     from ..draft_training import train_draft_from_traffic
@@ -53,6 +56,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_list(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..draft_training import draft_model_name
     from ..tracking import client
 
@@ -71,6 +75,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_index_build(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..suffix_index import build_and_register
 
     results = {}
@@ -92,8 +97,6 @@ def cmd_index_build(args) -> int:
 
 
 def register(sub) -> None:
-    from specdec_core.models import DEFAULT_MODEL
-
     draft = sub.add_parser("draft", help="train drafts on logged traffic; list registered drafts")
     d_sub = draft.add_subparsers(dest="draft_command", required=True)
     train = d_sub.add_parser("train", help="distil a draft from the target's logged responses")

@@ -39,6 +39,7 @@ def engine_rich_table(run_id: str, rows: list[dict]) -> Table:
 
 
 def cmd_check(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from sqlalchemy import select
 
     from ..context import RunSpec
@@ -75,6 +76,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_show(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..engine_check import engine_checks
 
     rows = engine_checks(args.run_id, args.url)

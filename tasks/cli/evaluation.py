@@ -5,6 +5,10 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
+from specdec_core.models import DEFAULT_MODEL
+
+from ..candidates import build_drafters
+from ..settings import load_settings
 from .common import per_domain_args, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -67,8 +71,8 @@ def evaluation_rich_table(result: dict) -> Table:
 
 
 def cmd_evaluate(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..evaluate import evaluate
-    from ..settings import load_settings
 
     settings = load_settings(hardware_profile=args.hardware_profile)
     result = evaluate(run_id=args.run_id, target=args.model, db_url=args.url, settings=settings,
@@ -103,10 +107,8 @@ def cmd_evaluate(args) -> int:
 
 
 def _profile_model(args):
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core import load_model
-
-    from ..candidates import build_drafters
-    from ..settings import load_settings
 
     settings = load_settings()
     model, tokenizer = load_model(args.model, device=args.device)
@@ -115,6 +117,7 @@ def _profile_model(args):
 
 
 def cmd_profile_measure(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..costs import profile_costs
     from ..evaluate import default_run_id
 
@@ -128,6 +131,7 @@ def cmd_profile_measure(args) -> int:
 
 
 def cmd_profile_show(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..costs import load_costs
 
     costs = load_costs(args.name, args.url, getattr(args, "run", None))
@@ -177,6 +181,7 @@ def cmd_profile_show(args) -> int:
 
 
 def cmd_profile_export(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..costs import export_costs
 
     document = export_costs(args.name, args.file, args.url, args.run)
@@ -186,6 +191,7 @@ def cmd_profile_export(args) -> int:
 
 
 def cmd_profile_import(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..costs import import_costs
 
     result = import_costs(args.file, args.url, name=args.name)
@@ -195,8 +201,6 @@ def cmd_profile_import(args) -> int:
 
 
 def register(sub) -> None:
-    from specdec_core.models import DEFAULT_MODEL
-
     ev = sub.add_parser("evaluate", help="sample -> check -> profile -> estimate -> plan -> confirm "
                                          "-> validate, then a per-domain table")
     ev.add_argument("--run-id", default=None, help="default: manual__<UTC time>; re-running replaces it")

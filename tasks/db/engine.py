@@ -11,6 +11,10 @@ import logging
 import os
 from pathlib import Path
 
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
@@ -119,8 +123,6 @@ def get_engine(url: str | None = None, create_dir: bool = False) -> Engine:
 
 
 def _alembic_config(url: str):
-    from alembic.config import Config
-
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -129,15 +131,11 @@ def _alembic_config(url: str):
 
 
 def head_revision() -> str:
-    from alembic.script import ScriptDirectory
-
     return ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head()
 
 
 def current_revision(url: str | None = None) -> str | None:
     """The revision the database is at (None: never migrated). Raises DatabaseUnavailable."""
-    from alembic.runtime.migration import MigrationContext
-
     url = resolve_database_url(url)
     engine = _connectable(url)
     try:
@@ -178,8 +176,6 @@ def _connectable(url: str) -> Engine:
 
 def upgrade(url: str | None = None, revision: str = "head") -> dict:
     """Create or migrate the schema to `revision`. Returns {"url", "from", "to"}."""
-    from alembic import command
-
     url = resolve_database_url(url)
     engine = get_engine(url, create_dir=True)
     before = None
