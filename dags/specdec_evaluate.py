@@ -33,8 +33,8 @@ take the queue `gpu_queue` of the settings (default `gpu`), the others `cpu_queu
 (XCom), the database and the MLflow store between them: no shared disk. The timing pool spans
 every worker.
 
-Every step is a function of `tasks.pipeline`; this file only wires them (the glue shared by the
-DAGs is `tasks.airflow_glue`). The Param `samples_per_domain` was renamed `max_per_domain`; the
+Every step is a function of `tasks.steps.pipeline`; this file only wires them (the glue shared by the
+DAGs is `tasks.orchestration.airflow_glue`). The Param `samples_per_domain` was renamed `max_per_domain`; the
 old name is still read from the run conf (with a warning in the `sample` task's log).
 """
 
@@ -47,12 +47,13 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, MAP_LABEL,
-                                EVALUATIONS_URI, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                evaluate_spec, label_mapped, queues, setting_default, task_errors)
+from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL,
+                                              EVALUATIONS_URI, LOW_ACCEPTANCE_URI, MAP_LABEL, NEW_DRAFT_URI,
+                                              TIMING_POOL, evaluate_spec, label_mapped, queues,
+                                              setting_default, task_errors)
 
-# The steps are imported inside the tasks (tasks.pipeline pulls torch and MLflow): parsing a DAG
-# file loads only Airflow and tasks.airflow_glue (`python -X importtime -c "import
+# The steps are imported inside the tasks (tasks.steps.pipeline pulls torch and MLflow): parsing a DAG
+# file loads only Airflow and tasks.orchestration.airflow_glue (`python -X importtime -c "import
 # dags.specdec_evaluate"`).
 
 CHAMPION_ASSET = Asset(CHAMPION_URI)
@@ -115,7 +116,7 @@ PARAMS = {
 def specdec_evaluate():
     @task
     def sample() -> dict:
-        from tasks.pipeline import step_sample
+        from tasks.steps.pipeline import step_sample
 
         context = get_current_context()
         with task_errors():
@@ -125,14 +126,14 @@ def specdec_evaluate():
 
     @task
     def check(spec: dict) -> dict:
-        from tasks.pipeline import step_check
+        from tasks.steps.pipeline import step_check
 
         with task_errors():
             return step_check(spec)
 
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
     def profile(spec: dict) -> str:
-        from tasks.pipeline import step_profile
+        from tasks.steps.pipeline import step_profile
 
         with task_errors():
             return step_profile(spec)
@@ -143,7 +144,7 @@ def specdec_evaluate():
 
     @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def estimate(domain: str, spec: dict, profile_name: str) -> str:
-        from tasks.pipeline import step_estimate
+        from tasks.steps.pipeline import step_estimate
 
         label_mapped(domain)
         with task_errors():
@@ -152,7 +153,7 @@ def specdec_evaluate():
 
     @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def confirm(domain: str, spec: dict) -> str:
-        from tasks.pipeline import step_confirm
+        from tasks.steps.pipeline import step_confirm
 
         label_mapped(domain)
         with task_errors():
@@ -161,7 +162,7 @@ def specdec_evaluate():
 
     @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def validate(domain: str, spec: dict) -> str:
-        from tasks.pipeline import step_validate
+        from tasks.steps.pipeline import step_validate
 
         label_mapped(domain)
         with task_errors():
@@ -171,7 +172,7 @@ def specdec_evaluate():
     @task(trigger_rule="all_done", queue=GPU_QUEUE)
     def finish(spec: dict, checked: dict) -> dict:
         """Runs whatever the domains' outcome: failed domains keep the champion's setting."""
-        from tasks.pipeline import step_finish
+        from tasks.steps.pipeline import step_finish
 
         if spec is None or checked is None:     # sample or check failed: the run has nothing to finish
             raise AirflowSkipException("sample or check did not complete")
@@ -182,7 +183,7 @@ def specdec_evaluate():
     def engine_check(spec: dict, finished: dict) -> dict:
         """Each domain the plan turns on, served by vLLM with its exported config (skipped, with
         one line saying how to make one, when there is no serving environment)."""
-        from tasks.pipeline import step_engine_check
+        from tasks.steps.pipeline import step_engine_check
 
         with task_errors():
             result = step_engine_check(spec)
@@ -196,14 +197,14 @@ def specdec_evaluate():
 
     @task
     def register(spec: dict, finished: dict) -> dict:
-        from tasks.pipeline import step_register
+        from tasks.steps.pipeline import step_register
 
         with task_errors():
             return step_register(spec)
 
     @task(outlets=[CHAMPION_ASSET])
     def promote(spec: dict, registered: dict) -> dict:
-        from tasks.pipeline import step_promote
+        from tasks.steps.pipeline import step_promote
 
         if not spec["promote"]:
             raise AirflowSkipException("promotion not requested (param promote=false)")
@@ -217,7 +218,7 @@ def specdec_evaluate():
 
     @task(outlets=[LOW_ACCEPTANCE_ASSET])
     def acceptance_alert(spec: dict, finished: dict) -> list[dict]:
-        from tasks.pipeline import low_acceptance_domains
+        from tasks.steps.pipeline import low_acceptance_domains
 
         context = get_current_context()
         with task_errors():
@@ -230,8 +231,8 @@ def specdec_evaluate():
     @task(outlets=[EVALUATIONS_ASSET], trigger_rule="none_failed_min_one_success")
     def report(spec: dict, finished: dict) -> list[dict]:
         """The run's per-domain table (logged, and the XCom return value)."""
-        from tasks.evaluate import evaluation_table
-        from tasks.context import RunSpec
+        from tasks.steps.context import RunSpec
+        from tasks.steps.evaluate import evaluation_table
 
         with task_errors():
             table = evaluation_table(spec["run_id"], RunSpec.of(spec).url)

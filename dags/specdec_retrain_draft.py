@@ -21,8 +21,8 @@ threshold (asset `specdec://alerts/low-acceptance`):
    with its lineage (window, requests, tokens, fingerprint); evaluations can use one as the
    candidate `suffix:index=models:/...`.
 
-Every step is a function of `tasks.draft_training`; this file only wires them (the glue shared by
-the DAGs is `tasks.airflow_glue`: a database or tracking-server outage is retried, bad input fails
+Every step is a function of `tasks.steps.draft_training`; this file only wires them (the glue shared by
+the DAGs is `tasks.orchestration.airflow_glue`: a database or tracking-server outage is retried, bad input fails
 the task at once).
 """
 
@@ -34,11 +34,11 @@ from airflow.sdk import Asset, Param, dag, get_current_context, task
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from tasks.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                connection_database_url, queues, task_errors)
+from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
+                                              connection_database_url, queues, task_errors)
 
-# The steps are imported inside the tasks (tasks.draft_training pulls torch and MLflow): parsing a
-# DAG file loads only Airflow and tasks.airflow_glue (`python -X importtime -c "import
+# The steps are imported inside the tasks (tasks.steps.draft_training pulls torch and MLflow): parsing a
+# DAG file loads only Airflow and tasks.orchestration.airflow_glue (`python -X importtime -c "import
 # dags.specdec_retrain_draft"`).
 
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
@@ -83,8 +83,8 @@ def specdec_retrain_draft():
     def train() -> dict:
         """Train, then upload the kept checkpoint to MLflow from this worker: the registration
         (another task, maybe on another machine) reads no local file."""
-        from tasks.draft_training import (log_draft, train_draft_from_traffic, train_id_of_run,
-                                          training_config)
+        from tasks.steps.draft_training import (log_draft, train_draft_from_traffic, train_id_of_run,
+                                                training_config)
 
         context = get_current_context()
         p = context["params"]
@@ -105,7 +105,7 @@ def specdec_retrain_draft():
 
     @task(outlets=[NEW_DRAFT_ASSET])
     def register(trained: dict) -> dict:
-        from tasks.draft_training import register_logged_draft
+        from tasks.steps.draft_training import register_logged_draft
 
         with task_errors():
             registered = register_logged_draft(
@@ -117,7 +117,7 @@ def specdec_retrain_draft():
 
     @task
     def refresh_suffix_indexes() -> dict:
-        from tasks.suffix_index import refresh_indexes
+        from tasks.steps.suffix_index import refresh_indexes
 
         p = get_current_context()["params"]
         with task_errors():

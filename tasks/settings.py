@@ -130,7 +130,7 @@ class Settings(BaseModel):
     # evaluation: candidates, costs, plan, live confirmation, validation (CPU-sized defaults)
     candidates: tuple[str, ...] = Field(
         default=("prompt_lookup:max_ngram=3", "suffix", "layer_skip:num_layers=8"),
-        description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.candidates)")
+        description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.steps.candidates)")
     auto_draft_candidates: bool = Field(default=True, description=(
         "add the drafts registered for this target (alias candidate, else the newest) to the candidates"))
     eval_k_max: int = Field(default=8, ge=1, le=32, description=(
@@ -179,7 +179,7 @@ class Settings(BaseModel):
     live_veto: bool = Field(default=True, description=(
         "a domain that would turn on stays at the champion's setting when confirm measures it "
         "slower than plain decoding, confidently below min_speedup, or confidently slower than "
-        "predicted beyond confirm_tolerance (tasks.confirm.live_verdict)"))
+        "predicted beyond confirm_tolerance (tasks.steps.confirm.live_verdict)"))
     validation_rows: int = Field(default=300, ge=50, description=(
         "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
     validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")

@@ -46,10 +46,10 @@ SHOTS = Path(os.environ.get("SPECDEC_SCREENSHOTS", REPO / "screenshots"))
 def stores(airflow_env, dagbag, tmp_path_factory):
     """A finished specdec_evaluate run (promoted) on a tiny target, its task logs written."""
     from specdec_core import load_model
-    from tasks import context
-    from tasks.airflow_logs import recording, write_task_logs
+    from tasks.steps import context
+    from tasks.orchestration.airflow_logs import recording, write_task_logs
     from tasks.db import upgrade
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     from .test_dags import SMALL, TINY_CONF
     from .test_evaluate import traffic_rows
@@ -151,7 +151,7 @@ def test_a_mapped_task_is_labelled_by_domain_and_its_log_has_lines(page, servers
 
 
 def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, stores):
-    from tasks.config_schema import config_model_name
+    from tasks.registry.config_schema import config_model_name
 
     name = config_model_name(stores["target"])
     page.goto(f"{servers['mlflow']}/#/models/{name}/versions/1", wait_until="load")

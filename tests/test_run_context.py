@@ -13,10 +13,10 @@ CONFIG = TrainConfig(steps=4, eval_every=2, k_max=2, warmup_steps=1, lr=3e-3)
 
 
 def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_store):  # noqa: F811
-    from tasks.context import RunContext, RunSpec, use_model
+    from tasks.steps.context import RunContext, RunSpec, use_model
     from tasks.db.models import AcceptanceEstimate, EvalRun, LiveMeasurement
-    from tasks.draft_training import draft_candidates, train_draft_from_traffic
-    from tasks.pipeline import step_check, step_confirm, step_estimate, step_profile, step_sample
+    from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
+    from tasks.steps.pipeline import step_check, step_confirm, step_estimate, step_profile, step_sample
 
     from .test_evaluate import SETTINGS
 

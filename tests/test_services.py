@@ -87,7 +87,7 @@ def airflow_db_url():
 def tiny_target_traffic(db_url, tmp_path):
     """A tiny target saved as a model directory, and its own traffic (json, qa) imported."""
     from specdec_core import load_model
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     from .test_evaluate import traffic_rows
 
@@ -218,8 +218,8 @@ def _wait(what: str, check, timeout_s: float, services: dict, interval_s: float 
 def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services, tiny_target_traffic):
     import requests
 
-    from tasks.config_schema import config_model_name
-    from tasks.tracking import client, load_version_config
+    from tasks.registry.config_schema import config_model_name
+    from tasks.registry.tracking import client, load_version_config
 
     from .test_dags import TINY_CONF
 

@@ -14,9 +14,9 @@ from rich.table import Table
 from specdec_core.errors import SpecDecError
 from specdec_core.models import DEFAULT_MODEL
 
-from ..candidates import CandidateError, candidate_label, parse_candidate
 from ..errors import SpecdecTaskError
 from ..masking import mask_text
+from ..steps.candidates import CandidateError, candidate_label, parse_candidate
 from . import config, data, draft, engine, evaluation, main_job
 from .console import make_console
 from .prompts import PromptFileError, encode, load_prompts

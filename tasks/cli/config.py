@@ -9,11 +9,11 @@ from rich.table import Table
 
 from specdec_core.models import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
 
-from ..config_schema import config_model_name
 from ..errors import DatabaseNotMigrated, DatabaseUnavailable
-from ..serving_env import SERVED_MARK
-from ..trtllm import trtllm_export
-from ..vllm import vllm_export
+from ..registry.config_schema import config_model_name
+from ..registry.trtllm_export import trtllm_export
+from ..registry.vllm_export import vllm_export
+from ..serving.environment import SERVED_MARK
 from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -37,10 +37,10 @@ def print_gates(result: dict) -> None:
 
 
 def _champion_audit(args, shown: dict) -> dict | None:
-    """The audit of the champion when the shown version is it (tasks.version_page)."""
+    """The audit of the champion when the shown version is it (tasks.registry.version_page)."""
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db.engine import resolve_database_url
-    from ..version_page import champion_audit
+    from ..registry.version_page import champion_audit
 
     if "champion" not in shown["aliases"]:
         return None
@@ -61,7 +61,7 @@ def _warn_ungated(audit: dict | None, err: bool = False) -> None:
 
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..tracking import show_version
+    from ..registry.tracking import show_version
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
     audit = _champion_audit(args, shown)
@@ -77,7 +77,7 @@ def cmd_show(args) -> int:
 
 def cmd_register(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registration import register_config
+    from ..registry.registration import register_config
 
     result = register_config(args.run_id, db_url=args.url, uri=args.tracking_uri)
     console.print(f"{result['name']} version {result['version']} "
@@ -88,7 +88,7 @@ def cmd_register(args) -> int:
 
 def cmd_promote(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..promotion import promote
+    from ..registry.promotion import promote
 
     expected = "current" if args.expected_champion is None else (
         None if args.expected_champion == "none" else args.expected_champion)
@@ -100,7 +100,7 @@ def cmd_promote(args) -> int:
 
 def cmd_rollback(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..promotion import rollback
+    from ..registry.promotion import rollback
 
     result = rollback(_name(args), db_url=args.url, uri=args.tracking_uri,
                       expected_champion=args.expected_champion or "current")
@@ -110,7 +110,7 @@ def cmd_rollback(args) -> int:
 
 def cmd_export(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..tracking import client, load_version_config, show_version
+    from ..registry.tracking import client, load_version_config, show_version
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
     _warn_ungated(_champion_audit(args, shown), err=True)      # stdout stays the JSON

@@ -36,7 +36,7 @@ def cmd_db_current(args) -> int:
 
 def cmd_traffic_import(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..traffic import EXIT_QUARANTINED, import_traffic, sample_traffic_path
+    from ..steps.traffic_import import EXIT_QUARANTINED, import_traffic, sample_traffic_path
 
     if args.sample == (args.file is not None):
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
@@ -71,7 +71,7 @@ def cmd_traffic_import(args) -> int:
 
 def cmd_traffic_purge(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..traffic import purge_traffic
+    from ..steps.traffic_import import purge_traffic
 
     result = purge_traffic(args.older_than, db_url=args.url, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
@@ -82,7 +82,7 @@ def cmd_traffic_purge(args) -> int:
 
 def cmd_traffic_sample(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..traffic_sample import sample_traffic
+    from ..steps.traffic_sample import sample_traffic
 
     window = (args.start, args.end) if args.start or args.end else args.days
     if (args.start is None) != (args.end is None):
@@ -96,7 +96,7 @@ def cmd_traffic_sample(args) -> int:
 
 def cmd_traffic_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..quality import check_traffic_sample
+    from ..steps.quality import check_traffic_sample
 
     result = check_traffic_sample(args.run_id, db_url=args.url)
     table = Table(title=f"run {escape(args.run_id)}: traffic sample passed {result['expectations']} "
@@ -111,7 +111,7 @@ def cmd_traffic_check(args) -> int:
 
 def cmd_report(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..reports import cell_text, format_report, list_reports, run_report
+    from ..steps.reports import cell_text, format_report, list_reports, run_report
 
     if args.list or not args.name:
         for name, question in list_reports().items():

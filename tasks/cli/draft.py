@@ -1,5 +1,5 @@
 """`specdec draft train|list|index build`: drafts trained on the traffic they serve
-(tasks.draft_training) and suffix indexes over it (tasks.suffix_index)."""
+(tasks.steps.draft_training) and suffix indexes over it (tasks.steps.suffix_index)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def cmd_train(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core.train import TrainConfig
 
-    from ..draft_training import train_draft_from_traffic
-    from ..evaluate import default_run_id
+    from ..steps.draft_training import train_draft_from_traffic
+    from ..steps.evaluate import default_run_id
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, teacher_topk=args.teacher_topk,
@@ -57,8 +57,8 @@ def cmd_train(args) -> int:
 
 def cmd_list(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..draft_training import draft_model_name
-    from ..tracking import client
+    from ..registry.tracking import client
+    from ..steps.draft_training import draft_model_name
 
     name = draft_model_name(args.model)
     versions = client(args.tracking_uri).search_model_versions(f"name='{name}'")
@@ -76,7 +76,7 @@ def cmd_list(args) -> int:
 
 def cmd_index_build(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..suffix_index import build_and_register
+    from ..steps.suffix_index import build_and_register
 
     results = {}
     for domain in [d.strip() for d in args.domain.split(",") if d.strip()]:

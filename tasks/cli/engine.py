@@ -1,4 +1,4 @@
-"""`specdec engine check|show RUN_ID`: a run's configs served by vLLM (tasks.engine_check)."""
+"""`specdec engine check|show RUN_ID`: a run's configs served by vLLM (tasks.steps.engine_check)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def cmd_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from sqlalchemy import select
 
-    from ..context import RunSpec
     from ..db.engine import ensure_ready, resolve_database_url
     from ..db.models import EvalRun
-    from ..engine_check import engine_checks
-    from ..pipeline import step_engine_check
+    from ..steps.context import RunSpec
+    from ..steps.engine_check import engine_checks
+    from ..steps.pipeline import step_engine_check
 
     url = resolve_database_url(args.url)
     with ensure_ready(url).connect() as connection:
@@ -77,7 +77,7 @@ def cmd_check(args) -> int:
 
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..engine_check import engine_checks
+    from ..steps.engine_check import engine_checks
 
     rows = engine_checks(args.run_id, args.url)
     if args.format == "json":

@@ -21,9 +21,9 @@ from rich.markup import escape
 
 from specdec_core.models import DEFAULT_MODEL
 
-from ..airflow_glue import TIMING_POOL
-from ..config_schema import config_model_name
 from ..errors import RegistryError
+from ..orchestration.airflow_glue import TIMING_POOL
+from ..registry.config_schema import config_model_name
 from ..settings import specdec_home
 from .console import make_console
 from .evaluation import evaluation_rich_table
@@ -82,7 +82,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print("[bold]2/4[/bold] specdec database and the shipped traffic")
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db import upgrade
-    from ..traffic import import_traffic, sample_traffic_path
+    from ..steps.traffic_import import import_traffic, sample_traffic_path
 
     upgrade()
     report = import_traffic(sample_traffic_path(), progress=False)
@@ -95,7 +95,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     progress = _TaskProgress(console)
     progress_logger.addHandler(progress)
     progress_logger.setLevel(logging.INFO)
-    from ..airflow_logs import recording, write_task_logs
+    from ..orchestration.airflow_logs import recording, write_task_logs
 
     try:
         with recording() as recorder:
@@ -111,9 +111,9 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"      task logs for the UI: {len(logs)} files under {env['AIRFLOW_HOME']}/logs")
     console.print("[bold]4/4[/bold] results")
 
-    from ..costs import profile_check, profile_check_text
-    from ..evaluate import evaluation_table
-    from ..tracking import show_version
+    from ..registry.tracking import show_version
+    from ..steps.costs import profile_check, profile_check_text
+    from ..steps.evaluate import evaluation_table
 
     table = evaluation_table(dag_run.run_id)
     check = profile_check(dag_run.run_id)

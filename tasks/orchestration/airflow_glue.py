@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
-from .errors import DatabaseUnavailable, RegistryUnavailable, SpecdecTaskError
-from .settings import DEFAULT_MODEL, Settings, load_settings
+from ..errors import DatabaseUnavailable, RegistryUnavailable, SpecdecTaskError
+from ..settings import DEFAULT_MODEL, Settings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def current_params(params, conf: dict | None) -> dict:
 def evaluate_spec(run_id: str, params, conf: dict | None = None):
     """The RunSpec of a `specdec_evaluate` run from its Params (and run conf, for deprecated names)."""
     # imported here: DAG files import this module at parse time; the run context pulls torch and MLflow
-    from .context import RunSpec
+    from ..steps.context import RunSpec
 
     p = current_params(params, conf)
     return RunSpec(run_id=run_id, target=p["target"], db_url=connection_database_url(),

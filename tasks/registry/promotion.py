@@ -15,13 +15,13 @@ from contextlib import contextmanager
 
 from sqlalchemy import insert, select, text
 
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import Promotion, Validation
+from ..errors import RegistryError
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
 from .config_schema import SpecdecConfig
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import Promotion, Validation
-from .errors import RegistryError
 from .run_config import effective_speedup
-from .settings import Settings, load_settings
-from .timeutil import utcnow
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
 from .version_page import refresh_champion_lines, write_gates
 

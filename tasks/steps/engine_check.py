@@ -1,7 +1,7 @@
 """The engine check: what we promote, served by the engine our users run, before it is registered.
 
-For every domain the plan turns on, the domain's exported vLLM config (tasks.vllm) is started in
-the serving environment (tasks.serving_env) and the domain's requests are replayed with their
+For every domain the plan turns on, the domain's exported vLLM config (tasks.registry.vllm_export) is started in
+the serving environment (tasks.serving.environment) and the domain's requests are replayed with their
 logged sampling parameters and lengths, one at a time. Which requests: the domain's confirm
 requests first, then the sample's next ones in draw order (engine_check_requests in all), each cut
 at confirm_max_new_tokens.
@@ -43,15 +43,15 @@ from sqlalchemy import delete, insert, select, update
 
 from specdec_core.estimate import LoggedRequest
 
-from . import serving_env
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
+from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ..registry.run_config import build_config
+from ..registry.vllm_export import vllm_export
+from ..serving import environment as serving_env
+from ..settings import Settings, load_settings, specdec_home
+from ..timeutil import utcnow
 from .confirm import offline_totals, truncated
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import DomainConfig, EngineCheck, LiveMeasurement
-from .errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from .run_config import build_config
-from .settings import Settings, load_settings, specdec_home
-from .timeutil import utcnow
-from .vllm import vllm_export
 
 log = logging.getLogger(__name__)
 

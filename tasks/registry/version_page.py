@@ -18,9 +18,9 @@ import re
 
 from sqlalchemy import select
 
-from .db.engine import ensure_ready
-from .db.models import Promotion
-from .timeutil import utcnow
+from ..db.engine import ensure_ready
+from ..db.models import Promotion
+from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

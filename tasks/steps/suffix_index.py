@@ -26,15 +26,15 @@ from specdec_core.drafters import SuffixDrafter, output_size
 from specdec_core.suffix import SuffixIndex
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
-from .config_schema import target_slug
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import DraftTrainingRequest, EvalRun, EvalSample, TrafficRequest
-from .errors import SpecdecTaskError
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DraftTrainingRequest, EvalRun, EvalSample, TrafficRequest
+from ..errors import SpecdecTaskError
+from ..registry.config_schema import target_slug
+from ..registry.tracking import client, experiment_for_target
+from ..registry.tracking import tracking_uri as resolve_uri
+from ..settings import specdec_home
+from ..timeutil import utcnow
 from .offline_estimate import request_token_ids
-from .settings import specdec_home
-from .timeutil import utcnow
-from .tracking import client, experiment_for_target
-from .tracking import tracking_uri as resolve_uri
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from sqlalchemy import delete, insert, select, update
 from specdec_core.validation import (compare_fingerprints, fingerprint_id, greedy_check, sampling_check,
                                      target_fingerprint)
 
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import DomainConfig, EvalRun, Validation
-from .settings import Settings, load_settings
-from .timeutil import utcnow
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EvalRun, Validation
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from .db.engine import ensure_ready
-from .errors import UnknownReport
-from .settings import specdec_home
+from ..db.engine import ensure_ready
+from ..errors import UnknownReport
+from ..settings import specdec_home
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def sql_dir() -> Path:
     candidates = []
     if os.environ.get(SQL_DIR_ENV):
         candidates.append(Path(os.environ[SQL_DIR_ENV]))
-    candidates.append(Path(__file__).resolve().parent.parent / "sql")
+    candidates.append(Path(__file__).resolve().parents[2] / "sql")
     candidates.append(Path(sys.prefix) / "share" / "specdec-rollout" / "sql")
     for candidate in candidates:
         if candidate.is_dir() and any(candidate.glob("*.sql")):

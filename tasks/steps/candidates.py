@@ -14,7 +14,7 @@ import re
 
 from specdec_core.errors import SpecDecError
 
-from .errors import SpecdecTaskError
+from ..errors import SpecdecTaskError
 
 KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head")   # = specdec_core.factory.DRAFTER_KINDS
 # drafters that search on the host once per round (their cost is per round, not per token)

@@ -43,11 +43,11 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
-from .db.engine import database_error, display_url, ensure_ready, resolve_database_url
-from .db.models import QuarantinedRequest, TrafficRequest
-from .errors import TrafficFileError
-from .settings import Settings, load_settings
-from .timeutil import utcnow
+from ..db.engine import database_error, display_url, ensure_ready, resolve_database_url
+from ..db.models import QuarantinedRequest, TrafficRequest
+from ..errors import TrafficFileError
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

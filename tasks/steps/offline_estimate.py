@@ -15,11 +15,11 @@ from sqlalchemy.orm import Session
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import AcceptanceEstimate, EvalSample, TrafficRequest
-from .errors import SampleError
-from .settings import Settings, load_settings
-from .timeutil import utcnow
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import AcceptanceEstimate, EvalSample, TrafficRequest
+from ..errors import SampleError
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One evaluation run end to end, without Airflow: the steps of tasks.pipeline in order, in one
+"""One evaluation run end to end, without Airflow: the steps of tasks.steps.pipeline in order, in one
 process (the model is loaded once). The DAG (dags/specdec_evaluate.py) wires the same steps.
 A domain whose step fails is recorded as failed (off; the champion's setting is kept) and the
 other domains go on, as in the DAG.
@@ -11,20 +11,20 @@ import time
 
 from sqlalchemy import select
 
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
+from ..errors import SpecdecTaskError
+from ..settings import DEFAULT_MODEL, Settings, load_settings
+from ..timeutil import utcnow
 from .context import RunSpec, use_model
 from .costs import profile_check
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import DomainConfig, EngineCheck, LiveMeasurement
-from .errors import SpecdecTaskError
 from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
                        step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
-from .settings import DEFAULT_MODEL, Settings, load_settings
-from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
 ENGINE_COLUMNS = {"engine_status": "status", "engine_e": "engine_e", "engine_estimate_e": "estimate_e",
-                  "engine_passed": "passed"}     # the engine check (tasks.engine_check) on vLLM
+                  "engine_passed": "passed"}     # the engine check (tasks.steps.engine_check) on vLLM
 TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_accepted_length",
                  "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
                  "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",
@@ -84,7 +84,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
                    hardware_profile=hardware_profile, k_max=k_max, promote=promote,
                    overrides=settings.model_dump(mode="json", exclude_defaults=True))
     if register or promote:     # fail in seconds, not after the expensive steps
-        from .tracking import check_reachable
+        from ..registry.tracking import check_reachable
 
         check_reachable(tracking_uri)
     if model is not None:

@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import SpecdecTaskError
+from ..errors import SpecdecTaskError
 
 SCHEMA_VERSION = 2
 

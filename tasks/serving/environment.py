@@ -1,7 +1,7 @@
 """The serving environment: vLLM in a virtual environment of its own (`make serving-env`), driven
 as a separate process. vLLM pins a transformers older than the pipeline's, and production runs the
 serving engine apart from the pipeline anyway, so this environment never imports vLLM: it runs
-`serving_scripts/vllm_probe.py` with the serving environment's python and reads one JSON answer.
+`scripts/vllm_probe.py` with the serving environment's python and reads one JSON answer.
 
 Where it is: the setting `serving_python` (SPECDEC_SERVING_PYTHON), else
 `.venv-serving/bin/python` beside the repository. A vLLM you already run elsewhere: point
@@ -17,11 +17,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from .settings import Settings, load_settings
+from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ..settings import Settings, load_settings
 
-REPOSITORY = Path(__file__).resolve().parents[1]
-PROBE = Path(__file__).resolve().parent / "serving_scripts" / "vllm_probe.py"
+REPOSITORY = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).resolve().parent / "scripts" / "vllm_probe.py"
 MAKE_ONE = ("make one with `make serving-env` (vLLM's CPU build in .venv-serving), or set "
             "SPECDEC_SERVING_PYTHON to the python of an environment that has vLLM")
 

@@ -23,12 +23,12 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import EvalRun
+from ..settings import DEFAULT_MODEL, Settings, load_settings
 from .candidates import build_drafters, candidate_label, parse_candidate
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import EvalRun
 from .draft_training import registered_drafts, trained_request_ids
 from .offline_estimate import load_sample_requests
-from .settings import DEFAULT_MODEL, Settings, load_settings
 from .suffix_index import domain_drafters, indexed_request_ids
 
 log = logging.getLogger(__name__)
@@ -208,6 +208,6 @@ class RunContext:
 
     def domain_drafters(self, domain: str) -> dict:
         """The run's candidates for one domain: a suffix candidate without an index of its own
-        gets the run's index of this domain (tasks.suffix_index)."""
+        gets the run's index of this domain (tasks.steps.suffix_index)."""
         return domain_drafters(self.drafters, self.run_id, domain, self.url, self.fingerprint,
                                self.tokenizer, self.model)

@@ -1,5 +1,5 @@
 """The evaluation run as steps: plain functions taking a JSON-able RunSpec and returning small
-JSON-able results, so the same run works from the CLI (tasks.evaluate), tests and Airflow
+JSON-able results, so the same run works from the CLI (tasks.steps.evaluate), tests and Airflow
 (dags/specdec_evaluate.py wires one task per step, the per-domain steps mapped over domains).
 
 Walk (docs/design.md): sample -> check -> profile -> per domain: estimate + plan -> confirm -> validate
@@ -18,21 +18,21 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 from sqlalchemy import func, select, update
 
-from .config_schema import config_model_name
+from ..db.engine import ensure_ready
+from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
+from ..registry.config_schema import config_model_name
+from ..registry.promotion import promote
+from ..registry.registration import register_config
+from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
+from ..settings import worker_name
+from ..timeutil import utcnow
 from .confirm import confirm_domain
 from .context import RunContext, RunSpec, freeze_candidates, loaded_model
 from .costs import describe_device, describe_hardware, load_costs, profile_costs
-from .db.engine import ensure_ready
-from .db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
 from .engine_check import engine_check
 from .offline_estimate import estimate_domains
 from .plan import plan_domain
-from .promotion import promote
 from .quality import check_result_table, check_traffic_sample
-from .registration import register_config
-from .settings import worker_name
-from .timeutil import utcnow
-from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
 from .traffic_sample import sample_traffic
 from .validate import validate_domain, validate_run
 
@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 
 def step_sample(spec) -> dict:
-    """Draw the run's sample and freeze its candidates (tasks.context.freeze_candidates) into the
-    spec and into the run's eval_runs.params. Output: the sample (tasks.traffic_sample.sample_traffic)
+    """Draw the run's sample and freeze its candidates (tasks.steps.context.freeze_candidates) into the
+    spec and into the run's eval_runs.params. Output: the sample (tasks.steps.traffic_sample.sample_traffic)
     and "spec", the frozen spec as a dict: the spec every later step of the run takes."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
@@ -256,7 +256,7 @@ def _has_sampling_test(engine, run_id: str, domain: str) -> bool:
 
 
 def step_engine_check(spec) -> dict:
-    """Serve each domain the plan turns on with its exported config on vLLM (tasks.engine_check);
+    """Serve each domain the plan turns on with its exported config on vLLM (tasks.steps.engine_check);
     a domain whose engine check fails is turned off before register."""
     spec = RunSpec.of(spec)
     settings = spec.settings()

@@ -3,7 +3,7 @@
 - Data: stored requests answered by this target (same fingerprint) in a time window, per domain
   or pooled; split train / held-out by a hash of (training id, request id). The split is recorded
   in draft_training_requests, and an evaluation never scores the training rows of a draft it
-  evaluates (tasks.pipeline excludes them).
+  evaluates (tasks.steps.pipeline excludes them).
 - Kinds: `draft_model` (a small causal LM, specdec_core.train.train_draft) or `head` (a draft head
   on the target's hidden states, optionally with a vocabulary cut to the training traffic's most
   frequent tokens: specdec_core.head, train.train_head). Both share the data, split, optimiser
@@ -36,16 +36,16 @@ from specdec_core.estimate import LoggedRequest
 from specdec_core.train import TrainConfig, init_draft_from_target, train_draft, train_head
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
-from .config_schema import target_slug
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
-from .errors import RegistryError, SampleError, SpecdecTaskError
-from .masking import mask_text
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
+from ..errors import RegistryError, SampleError, SpecdecTaskError
+from ..masking import mask_text
+from ..registry.config_schema import target_slug
+from ..registry.tracking import client, experiment_for_target
+from ..registry.tracking import tracking_uri as resolve_uri
+from ..settings import DEFAULT_MODEL, specdec_home
+from ..timeutil import utcnow
 from .offline_estimate import request_token_ids
-from .settings import DEFAULT_MODEL, specdec_home
-from .timeutil import utcnow
-from .tracking import client, experiment_for_target
-from .tracking import tracking_uri as resolve_uri
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import delete, func, insert, select
 
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
-from .errors import SampleError
-from .settings import Settings, load_settings
-from .timeutil import utcnow
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
+from ..errors import SampleError
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

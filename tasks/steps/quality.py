@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import pandas as pd
 from sqlalchemy import delete, insert, select, update
 
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import Base, DataDocsPage, EvalRun, EvalSample, QualityResult, TrafficRequest
-from .errors import QualityGateFailed, SampleError
-from .settings import Settings, load_settings
-from .timeutil import utcnow
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import Base, DataDocsPage, EvalRun, EvalSample, QualityResult, TrafficRequest
+from ..errors import QualityGateFailed, SampleError
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
 from .traffic_sample import SAMPLE_SUITE
 
 log = logging.getLogger(__name__)

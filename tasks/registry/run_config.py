@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EvalRun
+from ..errors import RegistryError
 from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import DomainConfig, EvalRun
-from .errors import RegistryError
 
 
 def run_row(connection, run_id: str):

@@ -23,9 +23,9 @@ within hysteresis". Without it a domain near the minimum flips on and off from r
 sampling noise alone, and every flip is a new config version to review.
 
 A noisy cost profile (CostTable.noisy: it failed its consistency or spread checks, see
-tasks.costs.check_costs) turns no domain on that the champion has off: its reason says "cost
+tasks.steps.costs.check_costs) turns no domain on that the champion has off: its reason says "cost
 profile too noisy: ..." and how to plan with a stored profile instead. The live check after the
-plan can veto an "on" as well (tasks.confirm.live_verdict).
+plan can veto an "on" as well (tasks.steps.confirm.live_verdict).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ import logging
 
 from sqlalchemy import delete, insert, select, update
 
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import AcceptanceEstimate, DomainConfig
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
 from .candidates import HOST_DRAFTERS
 from .costs import CostTable
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import AcceptanceEstimate, DomainConfig
-from .settings import Settings, load_settings
-from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ registered config versions (aliases `challenger` and `champion`).
 - Tracking URI: the argument, else $MLFLOW_TRACKING_URI, else sqlite:///$SPECDEC_HOME/mlflow.db
   (artifacts under $SPECDEC_HOME/mlartifacts). Never specdec's own database: both use Alembic.
 - Every evaluation is one MLflow run in experiment `specdec/<target-slug>`, tagged
-  `specdec.run_id`, so that a retried step finds and reuses it (tasks.registration logs it).
+  `specdec.run_id`, so that a retried step finds and reuses it (tasks.registry.registration logs it).
 - A target's configs are versions of the registered model `specdec-config-<target-slug>`.
 """
 
@@ -23,12 +23,12 @@ from mlflow.exceptions import MlflowException
 from sqlalchemy import create_engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
+from ..db.engine import display_url, ensure_ready, resolve_database_url
+from ..errors import RegistryError, RegistryUnavailable
+from ..masking import mask_text, mask_url
+from ..settings import specdec_home
 from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
-from .db.engine import display_url, ensure_ready, resolve_database_url
-from .errors import RegistryError, RegistryUnavailable
-from .masking import mask_text, mask_url
 from .run_config import run_row
-from .settings import specdec_home
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # no bars in logs and tables
 # Bounded retries (MLflow's own default retries an unreachable server for minutes). An explicit

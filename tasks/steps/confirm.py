@@ -39,13 +39,13 @@ from tqdm.auto import tqdm
 from specdec_core import SpecDecoder, SpecStats
 from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EvalRun, HardwareProfile, LiveMeasurement
+from ..settings import Settings, load_settings, worker_name
+from ..timeutil import utcnow
 from .costs import (CostProfileError, HardwareMismatch, describe_hardware, hardware_text, run_costs,
                     same_hardware, timing_lock)
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import DomainConfig, EvalRun, HardwareProfile, LiveMeasurement
 from .plan import speedup_factor
-from .settings import Settings, load_settings, worker_name
-from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from specdec_core import SpecDecoder
 from specdec_core.drafters import SuffixDrafter, output_size
 from specdec_core.profile import CostSampler
 
-from .db.engine import ensure_ready, resolve_database_url
-from .db.models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
-from .errors import SpecdecTaskError
-from .settings import Settings, load_settings, specdec_home
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
+from ..errors import SpecdecTaskError
+from ..settings import Settings, load_settings, specdec_home
+from ..timeutil import utcnow
 from .suffix_index import timing_index
-from .timeutil import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class CostTable:
 
     @property
     def noisy(self) -> bool:
-        """Whether the profile failed its consistency or spread checks (tasks.plan then turns no
+        """Whether the profile failed its consistency or spread checks (tasks.steps.plan then turns no
         domain on from it that the champion has off)."""
         return bool(self.check) and self.check.get("status") == "noisy"
 
