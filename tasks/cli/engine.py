@@ -44,8 +44,8 @@ def cmd_check(args) -> int:
 
     from ..db.engine import ensure_ready, resolve_database_url
     from ..db.models import EvalRun
+    from ..registry.run_results import engine_checks
     from ..steps.context import RunSpec
-    from ..steps.engine_check import engine_checks
     from ..steps.pipeline import step_engine_check
 
     url = resolve_database_url(args.url)
@@ -77,7 +77,7 @@ def cmd_check(args) -> int:
 
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.engine_check import engine_checks
+    from ..registry.run_results import engine_checks
 
     rows = engine_checks(args.run_id, args.url)
     if args.format == "json":

@@ -112,7 +112,8 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print("[bold]4/4[/bold] results")
 
     from ..registry.tracking import show_version
-    from ..steps.costs import profile_check, profile_check_text
+    from ..registry.run_results import profile_check
+    from ..steps.costs import profile_check_text
     from ..steps.evaluate import evaluation_table
 
     table = evaluation_table(dag_run.run_id)

@@ -18,12 +18,10 @@ from sqlalchemy import select
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
 from ..settings import Settings, load_settings
-from ..steps.costs import profile_check
-from ..steps.engine_check import engine_checks, engine_markdown
-from ..steps.quality import data_docs_pages
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
 from .run_config import build_config, changes_markdown, domain_table_markdown, run_row, validation_status
+from .run_results import data_docs_pages, engine_checks, engine_markdown, profile_check
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
                        tracking_uri)
 from .version_page import champion_audit, champion_line, gates_markdown

@@ -35,6 +35,7 @@ from specdec_core.profile import CostSampler
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
 from ..errors import SpecdecTaskError
+from ..registry.run_results import profile_check  # noqa: F401 - re-exported
 from ..settings import Settings, load_settings, specdec_home
 from ..timeutil import utcnow
 from .suffix_index import timing_index
@@ -451,15 +452,6 @@ def run_costs(run_id: str, db_url: str | None = None) -> CostTable | None:
         return load_costs(name, db_url)
     except CostProfileError:
         return None
-
-
-def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
-    """The check of the cost profile the run planned with: {hardware_profile, profile_run, status,
-    reasons, attempts, max_spread}; None before the profile step (or for a profile without one)."""
-    costs = run_costs(run_id, db_url)
-    if costs is None or costs.check is None:
-        return None
-    return {"hardware_profile": costs.hardware_profile, "profile_run": costs.run_id, **costs.check}
 
 
 def profile_check_text(check: dict | None) -> str:

@@ -47,6 +47,7 @@ from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.run_config import build_config
+from ..registry.run_results import engine_checks, engine_markdown  # noqa: F401 - re-exported
 from ..registry.vllm_export import vllm_export
 from ..serving import environment as serving_env
 from ..settings import Settings, load_settings, specdec_home
@@ -463,36 +464,3 @@ def _store(engine, run_id: str, on: dict, rows: dict, settings: Settings) -> Non
                     enabled=False, max_batch_size=None, k_schedule=None,
                     reason=(f"{row['reason']}; not promotable as on, the domain is off. "
                             f"Planner: {on[domain]['reason']}")[:2000]))
-
-
-def engine_checks(run_id: str, db_url: str | None = None) -> list[dict]:
-    """The run's stored engine_checks rows, by domain."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        return [dict(row) for row in connection.execute(select(EngineCheck).where(
-            EngineCheck.run_id == run_id).order_by(EngineCheck.domain)).mappings()]
-
-
-def engine_markdown(rows: list[dict]) -> str:
-    """The version page's section: each domain's config on vLLM beside the estimate."""
-    if not rows:
-        return ("Not checked on vLLM (no serving environment, or no domain on): "
-                "`specdec engine check RUN_ID` after `make serving-env`.")
-    lines = ["| domain | status | K | requests | estimate E [95% CI] | vLLM E | greedy equal "
-             "| vLLM tokens/s plain / config | reason |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        e = "-" if row.get("estimate_e") is None else f"{row['estimate_e']:.2f}" + (
-            "" if row.get("estimate_e_lo") is None else
-            f" [{row['estimate_e_lo']:.2f}, {row['estimate_e_hi']:.2f}]")
-        greedy = "-" if not row.get("greedy_checked") else f"{row['greedy_equal']}/{row['greedy_checked']}"
-        speed = ("-" if row.get("spec_tokens_per_s") is None or row.get("plain_tokens_per_s") is None
-                 else f"{row['plain_tokens_per_s']:.1f} / {row['spec_tokens_per_s']:.1f}")
-        reason = str(row.get("reason") or "").removeprefix("engine check: ").replace("|", "/")
-        lines.append(f"| {row['domain']} | {row['status']} | {row.get('k') or '-'} | "
-                     f"{row.get('requests') or '-'} | {e} | "
-                     f"{'-' if row.get('engine_e') is None else format(row['engine_e'], '.2f')} | "
-                     f"{greedy} | {speed} | {reason[:300]} |")
-    version = next((row["engine_version"] for row in rows if row.get("engine_version")), None)
-    return (f"vLLM {version or '?'}, each domain's exported config, the domain's requests one at a "
-            "time; E = 1 + accepted / verify steps with drafts, the estimate's on the same requests "
-            "at the same K.\n\n" + "\n".join(lines))

@@ -14,10 +14,10 @@ from sqlalchemy import select
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
 from ..errors import SpecdecTaskError
+from ..registry.run_results import profile_check
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 from ..timeutil import utcnow
 from .context import RunSpec, use_model
-from .costs import profile_check
 from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
                        step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
 

@@ -29,6 +29,7 @@ from sqlalchemy import delete, insert, select, update
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import Base, DataDocsPage, EvalRun, EvalSample, QualityResult, TrafficRequest
 from ..errors import QualityGateFailed, SampleError
+from ..registry.run_results import data_docs_pages  # noqa: F401 - re-exported
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .traffic_sample import SAMPLE_SUITE
@@ -110,15 +111,6 @@ def store_data_docs(connection, run_id: str, pages: dict[str, str]) -> None:
     now = utcnow()
     connection.execute(insert(DataDocsPage), [{"run_id": run_id, "page": page, "html": html,
                                                 "created_at": now} for page, html in pages.items()])
-
-
-def data_docs_pages(run_id: str, db_url: str | None = None) -> dict[str, str]:
-    """{page file name: HTML} of the run's Data Docs, from the database (any worker wrote them)."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        rows = connection.execute(select(DataDocsPage.page, DataDocsPage.html).where(
-            DataDocsPage.run_id == run_id).order_by(DataDocsPage.page)).all()
-    return {page: html for page, html in rows}
 
 
 def run_suite(context, name: str, frame, expectations: list, scope: str = "table",
