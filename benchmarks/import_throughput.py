@@ -29,7 +29,7 @@ from pathlib import Path
 def child_import(path: str, url: str, batch_size: int) -> None:
     """Runs in the child process: one import, then its figures as JSON on stdout."""
     from tasks.settings import load_settings
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     report = import_traffic(path, db_url=url, settings=load_settings(import_batch_size=batch_size),
@@ -100,7 +100,7 @@ def main() -> None:
         return
 
     from tasks.db import upgrade
-    from tasks.traffic import sample_traffic_path
+    from tasks.steps.traffic_import import sample_traffic_path
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="specdec-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)

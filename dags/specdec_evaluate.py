@@ -33,8 +33,8 @@ take the queue `gpu_queue` of the settings (default `gpu`), the others `cpu_queu
 (XCom), the database and the MLflow store between them: no shared disk. The timing pool spans
 every worker.
 
-Every step is a function of `tasks.pipeline`; this file only wires them (the glue shared by the
-DAGs is `tasks.airflow_glue`). The Param `samples_per_domain` was renamed `max_per_domain`; the
+Every step is a function of `tasks.steps.pipeline`; this file only wires them (the glue shared by the
+DAGs is `tasks.orchestration.airflow_glue`). The Param `samples_per_domain` was renamed `max_per_domain`; the
 old name is still read from the run conf (with a warning in the `sample` task's log).
 """
 
@@ -47,9 +47,14 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from tasks.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, MAP_LABEL,
-                                EVALUATIONS_URI, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                evaluate_spec, label_mapped, queues, task_errors)
+from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL,
+                                              EVALUATIONS_URI, LOW_ACCEPTANCE_URI, MAP_LABEL, NEW_DRAFT_URI,
+                                              TIMING_POOL, evaluate_spec, label_mapped, queues,
+                                              setting_default, task_errors)
+
+# The steps are imported inside the tasks (tasks.steps.pipeline pulls torch and MLflow): parsing a DAG
+# file loads only Airflow and tasks.orchestration.airflow_glue (`python -X importtime -c "import
+# dags.specdec_evaluate"`).
 
 CHAMPION_ASSET = Asset(CHAMPION_URI)
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
@@ -66,26 +71,32 @@ DEFAULT_ARGS = {
     "max_retry_delay": timedelta(minutes=10),
 }
 
+# defaults that are settings come from Settings (tasks.settings), never copied here
 PARAMS = {
     "target": Param(DEFAULT_MODEL, type="string", title="Target model",
                     description="HF id, local directory, GGUF file, or the embedded default"),
     "domains": Param([], type="array", items={"type": "string"}, title="Domains",
                      description="Empty: every domain with traffic in the window"),
-    "window_days": Param(14, type="number", minimum=0.01, maximum=365, title="Time window (days)",
+    "window_days": Param(setting_default("sample_window_days"), type="number", minimum=0.01,
+                         maximum=365, title="Time window (days)",
                          description="Ends at the newest stored request"),
-    "max_per_domain": Param(30, type="integer", minimum=1, maximum=100000,
-                            title="Samples per domain",
+    "max_per_domain": Param(setting_default("max_per_domain"), type="integer", minimum=1,
+                            maximum=100000, title="Samples per domain",
                             description="Requests drawn per domain (formerly samples_per_domain)"),
-    "min_per_domain": Param(20, type="integer", minimum=1, maximum=100000,
-                            title="Minimum samples per domain",
+    "min_per_domain": Param(setting_default("min_per_domain"), type="integer", minimum=1,
+                            maximum=100000, title="Minimum samples per domain",
                             description="Fewer: the domain is insufficient and keeps the champion's setting"),
     "candidates": Param(DEFAULT_CANDIDATES, type="array",
                         items={"type": "string"}, title="Candidate drafters",
                         description="KIND[:NAME=VALUE...], e.g. draft_model:model=/models/draft"),
-    "hardware_profile": Param(None, type=["null", "string"], title="Hardware profile",
+    "hardware_profile": Param(setting_default("hardware_profile"), type=["null", "string"],
+                              title="Hardware profile",
                               description="A stored cost profile to plan with; empty: measure this worker"),
-    "k_max": Param(8, type="integer", minimum=1, maximum=32, title="Largest K"),
-    "min_speedup": Param(1.1, type="number", minimum=0.01, maximum=10.0, title="Minimum speedup",
+    "k_max": Param(setting_default("eval_k_max"), type="integer", minimum=1, maximum=32,
+                   title="Largest K",
+                   description="Largest K profiled and planned (the setting eval_k_max)"),
+    "min_speedup": Param(setting_default("min_speedup"), type="number", minimum=0.01, maximum=10.0,
+                         title="Minimum speedup",
                          description="A domain is on only when its interval's lower end clears this "
                                      "(below 1.0 only for testing: it turns on predicted slowdowns)"),
     "acceptance_alert": Param(1.2, type="number", minimum=1.0, maximum=33.0,
@@ -105,24 +116,24 @@ PARAMS = {
 def specdec_evaluate():
     @task
     def sample() -> dict:
-        from tasks.pipeline import step_sample
+        from tasks.steps.pipeline import step_sample
 
         context = get_current_context()
         with task_errors():
             spec = evaluate_spec(context["run_id"], context["params"], context["dag_run"].conf)
-            step_sample(spec)
-        return spec.to_dict()
+            sampled = step_sample(spec)
+        return sampled["spec"]      # the spec with its candidates frozen: every later task takes it
 
     @task
     def check(spec: dict) -> dict:
-        from tasks.pipeline import step_check
+        from tasks.steps.pipeline import step_check
 
         with task_errors():
             return step_check(spec)
 
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
     def profile(spec: dict) -> str:
-        from tasks.pipeline import step_profile
+        from tasks.steps.pipeline import step_profile
 
         with task_errors():
             return step_profile(spec)
@@ -133,7 +144,7 @@ def specdec_evaluate():
 
     @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def estimate(domain: str, spec: dict, profile_name: str) -> str:
-        from tasks.pipeline import step_estimate
+        from tasks.steps.pipeline import step_estimate
 
         label_mapped(domain)
         with task_errors():
@@ -142,7 +153,7 @@ def specdec_evaluate():
 
     @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def confirm(domain: str, spec: dict) -> str:
-        from tasks.pipeline import step_confirm
+        from tasks.steps.pipeline import step_confirm
 
         label_mapped(domain)
         with task_errors():
@@ -151,7 +162,7 @@ def specdec_evaluate():
 
     @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def validate(domain: str, spec: dict) -> str:
-        from tasks.pipeline import step_validate
+        from tasks.steps.pipeline import step_validate
 
         label_mapped(domain)
         with task_errors():
@@ -161,7 +172,7 @@ def specdec_evaluate():
     @task(trigger_rule="all_done", queue=GPU_QUEUE)
     def finish(spec: dict, checked: dict) -> dict:
         """Runs whatever the domains' outcome: failed domains keep the champion's setting."""
-        from tasks.pipeline import step_finish
+        from tasks.steps.pipeline import step_finish
 
         if spec is None or checked is None:     # sample or check failed: the run has nothing to finish
             raise AirflowSkipException("sample or check did not complete")
@@ -172,7 +183,7 @@ def specdec_evaluate():
     def engine_check(spec: dict, finished: dict) -> dict:
         """Each domain the plan turns on, served by vLLM with its exported config (skipped, with
         one line saying how to make one, when there is no serving environment)."""
-        from tasks.pipeline import step_engine_check
+        from tasks.steps.pipeline import step_engine_check
 
         with task_errors():
             result = step_engine_check(spec)
@@ -186,14 +197,14 @@ def specdec_evaluate():
 
     @task
     def register(spec: dict, finished: dict) -> dict:
-        from tasks.pipeline import step_register
+        from tasks.steps.pipeline import step_register
 
         with task_errors():
             return step_register(spec)
 
     @task(outlets=[CHAMPION_ASSET])
     def promote(spec: dict, registered: dict) -> dict:
-        from tasks.pipeline import step_promote
+        from tasks.steps.pipeline import step_promote
 
         if not spec["promote"]:
             raise AirflowSkipException("promotion not requested (param promote=false)")
@@ -207,7 +218,7 @@ def specdec_evaluate():
 
     @task(outlets=[LOW_ACCEPTANCE_ASSET])
     def acceptance_alert(spec: dict, finished: dict) -> list[dict]:
-        from tasks.pipeline import low_acceptance_domains
+        from tasks.steps.pipeline import low_acceptance_domains
 
         context = get_current_context()
         with task_errors():
@@ -220,8 +231,8 @@ def specdec_evaluate():
     @task(outlets=[EVALUATIONS_ASSET], trigger_rule="none_failed_min_one_success")
     def report(spec: dict, finished: dict) -> list[dict]:
         """The run's per-domain table (logged, and the XCom return value)."""
-        from tasks.evaluate import evaluation_table
-        from tasks.pipeline import RunSpec
+        from tasks.steps.context import RunSpec
+        from tasks.steps.evaluate import evaluation_table
 
         with task_errors():
             table = evaluation_table(spec["run_id"], RunSpec.of(spec).url)

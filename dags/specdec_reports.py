@@ -6,8 +6,8 @@ report in `sql/` (portable SQL: SQLite and PostgreSQL) against the specdec datab
 each as CSV under `$SPECDEC_HOME/reports/` (one file per report, replaced each time), so ops teams
 read them from a file share or open them in a notebook. With several workers (CeleryExecutor), the
 files land on the worker that ran the task (queue `cpu_queue`): mount `$SPECDEC_HOME/reports` from
-a shared volume there, or run the same reports from any machine with `specdec report`. Every step is a function of `tasks.reports`
-(the glue shared by the DAGs is `tasks.airflow_glue`).
+a shared volume there, or run the same reports from any machine with `specdec report`. Every step is a function of `tasks.steps.reports`
+(the glue shared by the DAGs is `tasks.orchestration.airflow_glue`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from datetime import datetime
 
 from airflow.sdk import Asset, dag, task
 
-from tasks.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, database_url, label_mapped, queues,
-                                task_errors)
+from tasks.orchestration.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, connection_database_url,
+                                              label_mapped, queues, task_errors)
+
+# The steps are imported inside the tasks (tasks.steps.reports pulls SQLAlchemy): parsing a DAG file loads
+# only Airflow and tasks.orchestration.airflow_glue (`python -X importtime -c "import dags.specdec_reports"`).
 
 EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
 CPU_QUEUE, _ = queues()
@@ -29,17 +32,17 @@ CPU_QUEUE, _ = queues()
 def specdec_reports():
     @task
     def report_names() -> list[str]:
-        from tasks.reports import list_reports
+        from tasks.steps.reports import list_reports
 
         return sorted(list_reports())
 
     @task(map_index_template=MAP_LABEL)
     def materialise(name: str) -> dict:
-        from tasks.reports import materialise_report
+        from tasks.steps.reports import materialise_report
 
         label_mapped(name)
         with task_errors():
-            return materialise_report(name, db_url=database_url())
+            return materialise_report(name, db_url=connection_database_url())
 
     materialise.expand(name=report_names())
 

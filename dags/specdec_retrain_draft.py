@@ -21,8 +21,8 @@ threshold (asset `specdec://alerts/low-acceptance`):
    with its lineage (window, requests, tokens, fingerprint); evaluations can use one as the
    candidate `suffix:index=models:/...`.
 
-Every step is a function of `tasks.draft_training`; this file only wires them (the glue shared by
-the DAGs is `tasks.airflow_glue`: a database or tracking-server outage is retried, bad input fails
+Every step is a function of `tasks.steps.draft_training`; this file only wires them (the glue shared by
+the DAGs is `tasks.orchestration.airflow_glue`: a database or tracking-server outage is retried, bad input fails
 the task at once).
 """
 
@@ -34,8 +34,12 @@ from airflow.sdk import Asset, Param, dag, get_current_context, task
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from tasks.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                database_url, queues, task_errors)
+from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
+                                              connection_database_url, queues, task_errors)
+
+# The steps are imported inside the tasks (tasks.steps.draft_training pulls torch and MLflow): parsing a
+# DAG file loads only Airflow and tasks.orchestration.airflow_glue (`python -X importtime -c "import
+# dags.specdec_retrain_draft"`).
 
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
 NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)
@@ -79,45 +83,45 @@ def specdec_retrain_draft():
     def train() -> dict:
         """Train, then upload the kept checkpoint to MLflow from this worker: the registration
         (another task, maybe on another machine) reads no local file."""
-        from specdec_core.train import TrainConfig
-        from tasks.draft_training import log_draft, train_draft_from_traffic
+        from tasks.steps.draft_training import (log_draft, train_draft_from_traffic, train_id_of_run,
+                                                training_config)
 
         context = get_current_context()
         p = context["params"]
-        config = TrainConfig(steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"],
-                             eval_every=p["eval_every"], teacher_topk=p["teacher_topk"],
-                             warmup_steps=max(1, p["steps"] // 10))
+        config = training_config(steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"],
+                                 eval_every=p["eval_every"], teacher_topk=p["teacher_topk"])
         with task_errors():
             trained = train_draft_from_traffic(
-                context["run_id"].replace(":", "-").replace("+", "-"), target=p["target"],
-                db_url=database_url(), domains=p["domains"] or None, window_days=p["window_days"],
+                train_id_of_run(context["run_id"]), target=p["target"],
+                db_url=connection_database_url(), domains=p["domains"] or None,
+                window_days=p["window_days"],
                 num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
                 max_requests=p["max_requests"], config=config, register=False, progress=False,
                 kind=p["kind"], vocab_size=p["vocab_size"], unroll=p["unroll"])
             trained["tracking_run_id"] = log_draft(trained["train_id"], p["target"], trained["fingerprint"],
-                                                 trained["best_dir"], trained["result"],
-                                                 db_url=database_url())
+                                                   trained["best_dir"], trained["result"],
+                                                   db_url=connection_database_url())
         return trained
 
     @task(outlets=[NEW_DRAFT_ASSET])
     def register(trained: dict) -> dict:
-        from tasks.draft_training import register_logged_draft
+        from tasks.steps.draft_training import register_logged_draft
 
         with task_errors():
             registered = register_logged_draft(
                 trained["train_id"], get_current_context()["params"]["target"], trained["fingerprint"],
-                trained["tracking_run_id"], trained["result"], db_url=database_url())
+                trained["tracking_run_id"], trained["result"], db_url=connection_database_url())
         get_current_context()["outlet_events"][NEW_DRAFT_ASSET].extra = {
             "model_uri": registered["model_uri"], "train_id": trained["train_id"]}
         return registered
 
     @task
     def refresh_suffix_indexes() -> dict:
-        from tasks.suffix_index import refresh_indexes
+        from tasks.steps.suffix_index import refresh_indexes
 
         p = get_current_context()["params"]
         with task_errors():
-            return refresh_indexes(p["target"], p["domains"] or None, db_url=database_url(),
+            return refresh_indexes(p["target"], p["domains"] or None, db_url=connection_database_url(),
                                    window_days=p["window_days"])
 
     register(train())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -122,14 +123,19 @@ class Settings(BaseModel):
     max_prompt_tokens: int = 32_768
     max_response_tokens: int = 8_192
     # quality gates (result tables)
-    k_max: int = Field(default=16, ge=1)
+    k_max: int = Field(default=16, ge=1, description=(
+        "quality gate of the result tables: the largest K a stored estimate or plan may carry. Not "
+        "the K a run plans up to: that is eval_k_max (the DAG Param and the CLI option `k_max` set "
+        "eval_k_max)"))
     # evaluation: candidates, costs, plan, live confirmation, validation (CPU-sized defaults)
     candidates: tuple[str, ...] = Field(
         default=("prompt_lookup:max_ngram=3", "suffix", "layer_skip:num_layers=8"),
-        description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.candidates)")
+        description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.steps.candidates)")
     auto_draft_candidates: bool = Field(default=True, description=(
         "add the drafts registered for this target (alias candidate, else the newest) to the candidates"))
-    eval_k_max: int = Field(default=8, ge=1, le=32, description="largest K planned and profiled")
+    eval_k_max: int = Field(default=8, ge=1, le=32, description=(
+        "largest K a run profiles, estimates and plans (RunSpec.k_max, the DAG Param `k_max` and "
+        "`specdec evaluate --k-max` set it); at most k_max, the result tables' gate"))
     hardware_profile: str | None = Field(
         default=None, description="cost profile to plan with; None: measure this machine")
     profile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
@@ -173,7 +179,7 @@ class Settings(BaseModel):
     live_veto: bool = Field(default=True, description=(
         "a domain that would turn on stays at the champion's setting when confirm measures it "
         "slower than plain decoding, confidently below min_speedup, or confidently slower than "
-        "predicted beyond confirm_tolerance (tasks.confirm.live_verdict)"))
+        "predicted beyond confirm_tolerance (tasks.steps.confirm.live_verdict)"))
     validation_rows: int = Field(default=300, ge=50, description=(
         "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
     validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
@@ -312,6 +318,4 @@ def worker_name() -> str:
     records it as a task instance's hostname when `[core] hostname_callable` names this function
     (`tasks.settings.worker_name`): workers sharing a host (or a container image's host name) stay
     apart. The profile task stores it with the hardware it measured."""
-    import socket
-
     return os.environ.get(WORKER_NAME_ENV) or socket.getfqdn()

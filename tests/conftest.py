@@ -109,7 +109,7 @@ def db_url(empty_db_url):
 @pytest.fixture
 def tiny_db(db_url, tmp_path, tiny_target):
     """db_url with tiny_target's own traffic imported (json and qa, 10 each, and 2 foreign qa)."""
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target)), db_url=db_url,
                    progress=False)

@@ -53,10 +53,10 @@ SHOTS = Path(os.environ.get("SPECDEC_SCREENSHOTS", REPO / "screenshots"))
 def stores(airflow_env, dagbag, tmp_path_factory):
     """A finished specdec_evaluate run (promoted) on a tiny target, its task logs written."""
     from specdec_core import load_model
-    from tasks import pipeline
-    from tasks.airflow_logs import recording, write_task_logs
+    from tasks.steps import context
+    from tasks.orchestration.airflow_logs import recording, write_task_logs
     from tasks.db import upgrade
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     base = tmp_path_factory.mktemp("ui-stores")
     with pytest.MonkeyPatch.context() as patch:
@@ -71,7 +71,7 @@ def stores(airflow_env, dagbag, tmp_path_factory):
         rows += [dict(row, id=row["id"].replace("qa", "code"), domain="code")    # 3 < min_per_domain
                  for row in rows if row["domain"] == "qa"][:3]
         import_traffic(write_jsonl(base / "traffic.jsonl", rows), progress=False)
-        pipeline._MODELS.clear()
+        context._MODELS.clear()
         with recording() as recorder:
             run = dagbag.get_dag("specdec_evaluate").test(
                 run_conf={**TINY_CONF, "target": str(model_dir), "promote": True})
@@ -155,7 +155,7 @@ def test_a_mapped_task_is_labelled_by_domain_and_its_log_has_lines(page, servers
 
 
 def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, stores):
-    from tasks.config_schema import config_model_name
+    from tasks.registry.config_schema import config_model_name
 
     name = config_model_name(stores["target"])
     page.goto(f"{servers['mlflow']}/#/models/{name}/versions/1", wait_until="load")

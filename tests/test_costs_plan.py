@@ -11,11 +11,11 @@ from datetime import datetime
 import pytest
 from sqlalchemy import insert, select
 
-from tasks.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
-from tasks.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware, export_costs,
+from tasks.steps.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
+from tasks.steps.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware, export_costs,
                          import_costs, load_costs, profile_costs, timing_lock)
 from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, HardwareProfile
-from tasks.plan import plan_domain, round_cost, speedups
+from tasks.steps.plan import plan_domain, round_cost, speedups
 from tasks.settings import load_settings
 
 from .helpers.costs import (LS, LS_SPEC, PL, PL_SPEC, STEP, VERIFY, add_estimate, configs,
@@ -236,7 +236,7 @@ def test_plan_stores_k_by_batch_size_and_derives_max_batch_size_from_it(db_url):
 
 
 def test_k_schedule_picks_the_best_paying_k_at_each_batch_size():
-    from tasks.plan import k_schedule
+    from tasks.steps.plan import k_schedule
 
     # LS K=1 and K=2 (widths all K): b=1: K=2 2.2/1.9 = 1.16 beats K=1 1.6/1.45 = 1.10;
     # b=2: K=1 1.6/1.8 = 0.89, K=2 2.2/2.6 = 0.85: neither pays at 0.5 -- hand-check via pays
@@ -313,8 +313,8 @@ def test_hysteresis_keeps_an_on_domain_on_inside_the_band_and_only_there(db_url)
 
 
 def test_the_config_description_says_a_domain_was_kept_on_by_hysteresis():
-    from tasks.config_schema import DomainSetting, DrafterSpec, SpecdecConfig
-    from tasks.run_config import domain_table_markdown
+    from tasks.registry.config_schema import DomainSetting, DrafterSpec, SpecdecConfig
+    from tasks.registry.run_config import domain_table_markdown
 
     config = SpecdecConfig(target={"id": "t", "fingerprint": "sha256:0"}, hardware_profile="hw",
                            run_id="r", created_at="2026-01-01T00:00:00Z",

@@ -70,7 +70,7 @@ def test_dag_files_only_wire_tasks_functions():
 @pytest.fixture
 def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
     """Tiny target saved as a model directory, its own traffic imported, MLflow in tmp_path."""
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     target = tiny_llama(seed=0)
     model_dir = save_tiny_target(target, tmp_path / "tiny-target")
@@ -85,14 +85,13 @@ def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("SPECDEC_DATABASE_URL", db_url)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    from tasks import pipeline
-
-    pipeline._MODELS.clear()
+    from tasks.steps import context
+    context._MODELS.clear()
     return {"target": str(model_dir), "db_url": db_url}
 
 
 def run_dag(dagbag, conf: dict):
-    from tasks.airflow_logs import recording, write_task_logs
+    from tasks.orchestration.airflow_logs import recording, write_task_logs
 
     dag = dagbag.get_dag("specdec_evaluate")
     with recording() as recorder:
@@ -106,8 +105,8 @@ def run_dag(dagbag, conf: dict):
 
 @pytest.mark.integration
 def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_env):
-    from tasks.config_schema import config_model_name
-    from tasks.tracking import client, load_version_config
+    from tasks.registry.config_schema import config_model_name
+    from tasks.registry.tracking import client, load_version_config
 
     conf = {**TINY_CONF, "target": tiny_env["target"], "promote": True}
     run, states = run_dag(dagbag, conf)
@@ -117,7 +116,7 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
         labels = {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == task_id}
         assert labels == {"code", "json", "qa"}, task_id        # the UI shows the domain, not [2]
     # every task that ran has a log file where the UI reads it, with lines; mapped ones too
-    from tasks.airflow_logs import log_path
+    from tasks.orchestration.airflow_logs import log_path
 
     base = Path(os.environ["AIRFLOW_HOME"]) / "logs"
     ran = [ti for ti in run.get_task_instances() if ti.state == "success"]
@@ -166,8 +165,8 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
 
 @pytest.mark.integration
 def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(dagbag, tiny_env):
-    from tasks.draft_training import draft_model_name
-    from tasks.tracking import client
+    from tasks.steps.draft_training import draft_model_name
+    from tasks.registry.tracking import client
 
     retrain = dagbag.get_dag("specdec_retrain_draft")
     run = retrain.test(run_conf={"target": tiny_env["target"], "num_layers": 1, "steps": 10,
@@ -251,7 +250,7 @@ def test_error_mapping(tmp_path):
     from sqlalchemy import text
     from sqlalchemy.exc import OperationalError
 
-    from tasks.airflow_glue import is_outage, task_errors
+    from tasks.orchestration.airflow_glue import is_outage, task_errors
     from tasks.db import ensure_ready
     from tasks.errors import DatabaseUnavailable, QualityGateFailed, RegistryError, SampleError
 
@@ -301,7 +300,7 @@ def _in_task_errors(task_errors, exc):
 def test_deprecated_param_name_still_works(caplog):
     # `samples_per_domain` (the Param's old name) is read from the run conf, with a warning; when
     # the conf gives both names, `max_per_domain` wins
-    from tasks.airflow_glue import current_params
+    from tasks.orchestration.airflow_glue import current_params
 
     params = {"max_per_domain": 30, "min_per_domain": 20}         # the Params' defaults
     assert current_params(params, {}) == params and not caplog.text

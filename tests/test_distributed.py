@@ -36,7 +36,7 @@ def test_tasks_that_run_the_model_take_the_gpu_queue_the_others_the_default(dagb
 
 
 def test_queue_names_come_from_the_settings(monkeypatch):
-    from tasks.airflow_glue import queues
+    from tasks.orchestration.airflow_glue import queues
     from tasks.errors import SettingsError
 
     assert queues() == ("default", "gpu")
@@ -63,7 +63,7 @@ def test_worker_name_is_the_variable_else_the_host(monkeypatch):
 def evaluated(tmp_path_factory, tiny_target):
     """One evaluation of the tiny target (SQLite), on 'worker A' (its own SPECDEC_HOME)."""
     from tasks.db import upgrade
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     root = tmp_path_factory.mktemp("distributed")
     url = f"sqlite:///{root / 'specdec.db'}"
@@ -78,9 +78,9 @@ def evaluated(tmp_path_factory, tiny_target):
 
 
 def test_data_docs_reach_mlflow_from_a_worker_without_the_checks_disk(evaluated, monkeypatch):
-    from tasks.quality import data_docs_pages
-    from tasks.registration import register_config
-    from tasks.tracking import client
+    from tasks.steps.quality import data_docs_pages
+    from tasks.registry.registration import register_config
+    from tasks.registry.tracking import client
 
     pages = data_docs_pages("dist", evaluated["url"])
     assert "traffic_sample-table.html" in pages and any(p.startswith("results_") for p in pages)
@@ -122,9 +122,9 @@ def _set_run_hardware(url: str, **values) -> None:
     engine.dispose()
 
 
-def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tiny_target, caplog):
-    from tasks.confirm import confirm_hardware
-    from tasks.costs import HardwareMismatch
+def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tiny_target, caplog):  # noqa: F811
+    from tasks.steps.confirm import confirm_hardware
+    from tasks.steps.costs import HardwareMismatch
     from tasks.db.engine import ensure_ready
 
     url = evaluated["url"]
@@ -151,7 +151,7 @@ def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tin
             connection.execute(update(HardwareProfile).where(HardwareProfile.name == name).values(
                 device="NVIDIA H100 80GB HBM3", dtype="bfloat16"))
         try:
-            with caplog.at_level(logging.WARNING, logger="tasks.confirm"):
+            with caplog.at_level(logging.WARNING, logger="tasks.steps.confirm"):
                 assert confirm_hardware("dist", "json", engine, tiny_target) is None
             assert "confirm skipped" in caplog.text and "NVIDIA H100" in caplog.text
         finally:
@@ -171,9 +171,9 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
     and register_logged_draft still registers it; another worker downloads it by its URI."""
     from specdec_core import load_model
     from specdec_core.train import TrainConfig
-    from tasks.draft_training import (log_draft, register_logged_draft, resolve_model_uri,
+    from tasks.steps.draft_training import (log_draft, register_logged_draft, resolve_model_uri,
                                       train_draft_from_traffic)
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, _ = load_model(str(model_dir), device="cpu")

@@ -102,16 +102,15 @@ def test_a_draft_with_another_vocabulary_is_refused(logged, tmp_path):
 @pytest.fixture
 def tiny_store(db_url, tmp_path, monkeypatch):
     from specdec_core import load_model
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, tokenizer = load_model(str(model_dir), device="cpu")
     rows = traffic_rows(model, per_domain=16, foreign=0)
     import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    from tasks import pipeline
-
-    pipeline._MODELS.clear()
+    from tasks.steps import context
+    context._MODELS.clear()
     return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}
 
 
@@ -145,8 +144,8 @@ def scored_per_drafter(db_url, run_id) -> dict[str, int]:
 
 def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     from tasks.db.models import DraftModelRecord, DraftTrainingRequest
-    from tasks.draft_training import draft_candidates, train_draft_from_traffic
-    from tasks.evaluate import evaluate
+    from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
+    from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
 
     db_url = tiny_store["db_url"]
@@ -184,10 +183,10 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
 
 
 def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_store):
-    from tasks.draft_training import draft_candidates, train_draft_from_traffic
-    from tasks.evaluate import evaluate
+    from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
+    from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
-    from tasks.tracking import client
+    from tasks.registry.tracking import client
 
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=8, eval_every=4, k_max=2, warmup_steps=1, lr=3e-3)

@@ -130,9 +130,9 @@ def test_cli_compare_prints_a_table_per_domain(embedded, capsys):
 def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path, monkeypatch):
     # the whole evaluation on the real target and its own logged responses, at small sizes
     from tasks.db import dispose_engines, upgrade
-    from tasks.evaluate import evaluate
+    from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
-    from tasks.traffic import import_traffic, sample_traffic_path
+    from tasks.steps.traffic_import import import_traffic, sample_traffic_path
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     url = f"sqlite:///{tmp_path / 'specdec.db'}"
@@ -159,8 +159,7 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
         assert row["measured_speedup"] > 0
         assert row["validation"] == ("passed" if row["enabled"] else "not_needed")
     # the engine check: what the plan turns on, served by vLLM (where a serving environment is)
-    from tasks import serving_env
-
+    from tasks.serving import environment as serving_env
     checked = result["engine_check"]
     if not serving_env.available():
         assert "make serving-env" in checked["skipped"]

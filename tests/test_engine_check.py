@@ -1,4 +1,4 @@
-"""The engine check's comparison and gate (tasks.engine_check) without an engine: vLLM's per-step
+"""The engine check's comparison and gate (tasks.steps.engine_check) without an engine: vLLM's per-step
 counts against the estimate's expected rounds, the tolerance, and the skip without a serving
 environment. The check against the real vLLM is in test_vllm_serving.py."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, RoundTotals
-from tasks.engine_check import (batch_one_k, compare_request, domain_verdict, engine_check,
+from tasks.steps.engine_check import (batch_one_k, compare_request, domain_verdict, engine_check,
                                 engine_markdown)
 
 
@@ -88,7 +88,7 @@ def test_no_serving_environment_skips_with_how_to_make_one(db_url, tmp_path):
 def test_drafts_vllm_accepts_past_the_response_are_left_out():
     from specdec_core.drafters import PromptLookup
 
-    from tasks.engine_check import engine_walk
+    from tasks.steps.engine_check import engine_walk
 
     # the prompt repeats: after the first answer token, lookup proposes the next three, and
     # vLLM (K = 3 whatever max_tokens leaves) accepts all three, the last one past the response

@@ -10,8 +10,9 @@ from sqlalchemy import create_engine, func, select
 from specdec_core.validation import fingerprint_id, target_fingerprint
 from tasks.db.models import (AcceptanceEstimate, CostProfile, DomainConfig, EvalRun, LiveMeasurement,
                              Validation)
+from tasks.steps.evaluate import evaluate
 from tasks.settings import load_settings
-from tasks.traffic import import_traffic
+from tasks.steps.traffic_import import import_traffic
 
 from .helpers.evaluation import SETTINGS, run
 from .helpers.models import VOCAB
@@ -103,9 +104,9 @@ def test_insufficient_domain_stays_off_and_the_rest_goes_on(tiny_db, tiny_target
 
 def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_target):
     from specdec_core.faults import BROKEN_VARIANTS
-    from tasks.candidates import build_drafters
-    from tasks.measure import load_sample_requests
-    from tasks.validate import validate_domain, validate_run
+    from tasks.steps.candidates import build_drafters
+    from tasks.steps.offline_estimate import load_sample_requests
+    from tasks.steps.validate import validate_domain, validate_run
 
     settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01, "validation_rows": 400})
     run(tiny_db, tiny_target, "broken", min_speedup=0.01)
@@ -176,7 +177,7 @@ def test_confirm_predicts_the_same_requests_and_checks_greedy_rows(tiny_db, tiny
 
 
 def test_confirm_requests_are_stratified_on_offline_e():
-    from tasks.confirm import _stratified
+    from tasks.steps.confirm import _stratified
 
     requests = ["a", "b", "c", "d", "e", "f", "g", "h"]
     values = [5.0, 1.0, 4.0, 2.0, 3.0, 0.0, 7.0, 6.0]
@@ -202,7 +203,7 @@ def timed(speedups, tokens=40, plain_s=1.0, predicted=None):
 
 
 def test_live_verdict_rules():
-    from tasks.confirm import live_verdict
+    from tasks.steps.confirm import live_verdict
 
     settings = load_settings({})          # min_speedup 1.1, confirm_tolerance 0.25
     turning_on = {"enabled": True, "champion_on": False, "predicted_speedup": 1.4}
@@ -234,8 +235,8 @@ def test_live_verdict_rules():
 
 
 def test_confirm_vetoes_a_domain_turning_on_and_it_keeps_the_champions_setting(tiny_db, tiny_target):
-    from tasks.pipeline import RunSpec, step_confirm
-    from tasks.run_config import build_config
+    from tasks.steps.pipeline import RunSpec, step_confirm
+    from tasks.registry.run_config import build_config
 
     run(tiny_db, tiny_target, "veto", min_speedup=0.01)          # planned: every domain on
     # the live check against a minimum no tiny model reaches: the domain turning on is vetoed

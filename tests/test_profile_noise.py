@@ -12,9 +12,9 @@ import time
 import pytest
 from sqlalchemy import select
 
-from tasks.costs import CostTable, check_costs, load_costs, profile_costs
+from tasks.steps.costs import CostTable, check_costs, load_costs, profile_costs
 from tasks.db.models import CostProfileCheck
-from tasks.plan import plan_domain
+from tasks.steps.plan import plan_domain
 from tasks.settings import load_settings
 
 from .helpers.costs import LS, LS_SPEC, PL, PL_SPEC, add_estimate, configs, cost_table
@@ -114,7 +114,7 @@ def test_an_unchecked_or_ok_profile_plans_as_before(db_url):
 # real measurements of the tiny model
 @pytest.fixture
 def drafters(target):
-    from tasks.candidates import build_drafters
+    from tasks.steps.candidates import build_drafters
 
     return {label: d for label, (_, d) in build_drafters(["prompt_lookup", "layer_skip:num_layers=2"],
                                                           target).items()}
@@ -133,7 +133,7 @@ def small_target():
 
 
 def test_a_quiet_profile_of_the_tiny_model_is_not_marked_noisy(db_url, small_target):
-    from tasks.candidates import build_drafters
+    from tasks.steps.candidates import build_drafters
 
     drafters = {label: d for label, (_, d) in build_drafters(
         ["prompt_lookup", "layer_skip:num_layers=2"], small_target).items()}

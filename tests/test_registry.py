@@ -26,14 +26,16 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, insert, select
 
-from tasks.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
+from tasks.registry.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
                                  target_slug)
 from tasks.db.models import Promotion
 from tasks.errors import RegistryError
-from tasks.promotion import check_gates, rollback
-from tasks.run_config import build_config, validation_status
-from tasks.tracking import client, show_version, tracking_uri
-from tasks.vllm import vllm_export
+from tasks.registry.promotion import check_gates, promote, rollback
+from tasks.registry.registration import register_config
+from tasks.registry.run_config import build_config, validation_status
+from tasks.registry.tracking import client, show_version, tracking_uri
+from tasks.registry.vllm_export import vllm_export
+from tasks.settings import load_settings
 
 from .helpers.db import POSTGRES_ENV
 from .helpers.processes import MlflowServer
@@ -335,8 +337,7 @@ def test_promotion_is_compare_and_set_on_the_reviewed_champion(db_url, tracking,
     assert same["promoted"] is False and "already the champion" in same["reason"]
 
     # another promotion lands between the gates and the alias move: the champion it set stays
-    from tasks import promotion
-
+    from tasks.registry import promotion
     real, reads = promotion.alias_version, []
 
     def racing(mlflow_client, model_name, alias):
@@ -535,7 +536,7 @@ def test_vllm_export_per_domain():
 
 
 def test_k_by_batch_size_goes_to_each_engines_own_key():
-    from tasks.trtllm import trtllm_export
+    from tasks.registry.trtllm_export import trtllm_export
 
     schedule = [[1, 1, 5], [2, 2, 4], [3, 4, 2], [5, 8, 0]]
     config = parse_config(config_dict(
@@ -558,7 +559,7 @@ def test_k_by_batch_size_goes_to_each_engines_own_key():
 
 # ------------------------------------------------------------------------------------------------
 # 9. serving survives the tracking server being stopped
-FAIL_FAST_TIMEOUT_S = 5       # tasks.tracking.fail_fast: what a serving read waits, at most
+FAIL_FAST_TIMEOUT_S = 5       # tasks.registry.tracking.fail_fast: what a serving read waits, at most
 
 
 def http_requests(monkeypatch) -> list[dict]:
@@ -584,7 +585,7 @@ def http_requests(monkeypatch) -> list[dict]:
 @pytest.mark.parametrize("db_backend", ["sqlite"])
 def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlflow_template,
                                                            target_id, monkeypatch):
-    from tasks.serving import ChampionReader
+    from tasks.registry.serving_reader import ChampionReader
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     server = MlflowServer(tmp_path / "server", mlflow_template)
@@ -701,8 +702,8 @@ def test_cli_config_register_show_export_promote(db_url, tracking, target_id, ca
                                            (KeyboardInterrupt(), "KILLED")])
 def test_evaluation_run_ends_finished_failed_or_killed(db_url, tracking, target_id, monkeypatch,
                                                         error, status):
-    from tasks import registration
-    from tasks.tracking import RUN_TAG
+    from tasks.registry import registration
+    from tasks.registry.tracking import RUN_TAG
 
     finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
     if error is not None:
@@ -724,7 +725,7 @@ def test_evaluation_run_ends_finished_failed_or_killed(db_url, tracking, target_
 def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_flagged(
         db_url, tracking, target_id, capsys):
     from tasks.cli.app import main
-    from tasks.reports import run_report
+    from tasks.steps.reports import run_report
 
     name = config_model_name(target_id)
     off_reason = "off: best prompt_lookup K=2 predicts 1.04x [0.98, 1.09]; lower end below min_speedup 1.1"

@@ -19,7 +19,7 @@ from tasks.cli.app import main
 from tasks.db.models import Promotion, QuarantinedRequest
 from tasks.errors import DatabaseUnavailable, RegistryUnavailable, TrafficFileError
 from tasks.masking import mask_text, mask_url
-from tasks.traffic import EXIT_QUARANTINED, import_traffic
+from tasks.steps.traffic_import import EXIT_QUARANTINED, import_traffic
 
 from .helpers import REPO
 from .helpers.processes import free_port
@@ -197,7 +197,7 @@ def test_unreachable_mlflow_fails_fast_with_one_masked_line_and_no_planted_passw
 def test_evaluate_checks_the_registry_before_the_expensive_steps(db_url, monkeypatch):
     """With register on and MLflow down, evaluate stops before sampling: no run row is written."""
     from tasks.db.models import EvalRun
-    from tasks.evaluate import evaluate
+    from tasks.steps.evaluate import evaluate
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(RegistryUnavailable, match="is unreachable"):
@@ -212,7 +212,7 @@ def test_evaluate_checks_the_registry_before_the_expensive_steps(db_url, monkeyp
 # alias moves race in real processes
 def _race_worker(action: str, name: str, db_url: str, uri: str, barrier, rounds: int, results) -> None:
     from tasks.errors import RegistryError
-    from tasks.promotion import promote, rollback
+    from tasks.registry.promotion import promote, rollback
     from tasks.settings import load_settings
 
     settings = load_settings({}, database_url=db_url)
@@ -238,8 +238,8 @@ def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_u
     and every move's champion_before is the version the move before it set."""
     from mlflow import MlflowClient
 
-    from tasks.config_schema import config_model_name
-    from tasks.promotion import promote
+    from tasks.registry.config_schema import config_model_name
+    from tasks.registry.promotion import promote
     from tasks.settings import load_settings
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -13,8 +13,8 @@ from sqlalchemy import create_engine, insert
 
 from tasks.db.models import (AcceptanceEstimate, DomainConfig, LiveMeasurement, Promotion,
                              Validation)
-from tasks.reports import list_reports, report_header, run_report, sql_dir
-from tasks.traffic import import_traffic
+from tasks.steps.reports import list_reports, report_header, run_report, sql_dir
+from tasks.steps.traffic_import import import_traffic
 
 EXPECTED_REPORTS = {"acceptance_by_domain_per_day", "current_config_per_domain",
                     "gpu_seconds_saved_per_domain", "quarantined_by_reason", "speedup_trend",

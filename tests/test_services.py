@@ -53,7 +53,7 @@ def db_backend() -> str:
 def tiny_target_traffic(db_url, tmp_path):
     """A tiny target saved as a model directory, and its own traffic (json, qa) imported."""
     from specdec_core import load_model
-    from tasks.traffic import import_traffic
+    from tasks.steps.traffic_import import import_traffic
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, _ = load_model(str(model_dir), device="cpu")
@@ -124,8 +124,8 @@ def services(tmp_path, airflow_db_url, db_url):
 def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services, tiny_target_traffic):
     import requests
 
-    from tasks.config_schema import config_model_name
-    from tasks.tracking import client, load_version_config
+    from tasks.registry.config_schema import config_model_name
+    from tasks.registry.tracking import client, load_version_config
 
     started = time.monotonic()
     api = services["api"]

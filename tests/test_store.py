@@ -142,7 +142,7 @@ def test_specdec_home_and_default_model_have_one_definition_that_loads_no_torch(
     assert settings.DEFAULT_MODEL == models.DEFAULT_MODEL == "smollm2-135m-instruct"
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     assert settings.specdec_home() == tmp_path
-    probe = ("import sys, tasks.settings, tasks.airflow_glue; "
+    probe = ("import sys, tasks.settings, tasks.orchestration.airflow_glue; "
              "print('torch' in sys.modules, tasks.settings.DEFAULT_MODEL)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "smollm2-135m-instruct"]
@@ -154,7 +154,7 @@ def test_data_commands_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tasks.traffic, tasks.sampling, tasks.reports, tasks.cli.data, tasks.airflow_glue; "
+    code = ("import sys, tasks.steps.traffic_import, tasks.steps.traffic_sample, tasks.steps.reports, tasks.cli.data, tasks.orchestration.airflow_glue; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -7,13 +7,14 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from specdec_core.drafters import SuffixDrafter
-from tasks.candidates import parse_candidate
-from tasks.config_schema import DrafterSpec
+from tasks.steps.candidates import parse_candidate
+from tasks.registry.config_schema import DrafterSpec
 from tasks.db.models import AcceptanceEstimate, DomainConfig, DraftTrainingRequest, EvalSample
-from tasks.suffix_index import SuffixIndexError, build_and_register, resolve_index_uri
-from tasks.evaluate import evaluate
+from tasks.steps.suffix_index import SuffixIndexError, build_and_register, resolve_index_uri
+from tasks.steps.traffic_import import import_traffic
+
+from tasks.steps.evaluate import evaluate
 from tasks.settings import load_settings
-from tasks.traffic import import_traffic
 
 from .helpers.evaluation import SETTINGS, run
 from .helpers.traffic import traffic_rows, write_jsonl
@@ -66,7 +67,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
     drafter = SuffixDrafter(path)
     assert drafter.index.meta["domain"] == "json" and len(drafter.index.request_ids) == 16
     # used as a candidate: every json request is in the index, so none is left to score
-    from tasks.pipeline import RunSpec, _domain_requests
+    from tasks.steps.context import RunContext, RunSpec
 
     candidates = (f"suffix:index={registered['model_uri']}",)
     settings = load_settings({}, **{**SETTINGS, "candidates": candidates})
@@ -74,8 +75,8 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
              model=tiny_target, progress=False, tracking_uri=tracking)
     spec = RunSpec(run_id="registered-run", target="tiny", db_url=suffix_db, tracking_uri=tracking,
                    overrides=settings.model_dump(mode="json", exclude_defaults=True))
-    json_requests, excluded = _domain_requests(spec, "json")
-    qa_requests, qa_excluded = _domain_requests(spec, "qa")
+    json_requests, excluded = RunContext.build(spec).domain_requests("json")
+    qa_requests, qa_excluded = RunContext.build(spec).domain_requests("qa")
     assert json_requests == [] and len(excluded["indexed"]) == 10     # all json rows are indexed
     assert qa_requests and qa_excluded["indexed"] == []               # qa is scored as usual
     engine = create_engine(suffix_db)
@@ -94,7 +95,7 @@ def test_suffix_is_a_candidate_kind_a_config_kind_and_a_vllm_method():
     assert spec == {"kind": "suffix", "params": {"max_depth": 16, "min_token_prob": 0.1,
                                                  "max_spec_factor": 1.0}}
     assert DrafterSpec(kind="suffix", params=spec["params"]).kind == "suffix"
-    from tasks.vllm import speculative_config
+    from tasks.registry.vllm_export import speculative_config
 
     exported = speculative_config(DrafterSpec(kind="suffix", params=spec["params"]), k=6)
     assert exported["method"] == "suffix"

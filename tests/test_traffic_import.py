@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, func, select, text
 from tasks.db.models import QuarantinedRequest, TrafficRequest
 from tasks.errors import DatabaseUnavailable, TrafficFileError
 from tasks.settings import load_settings
-from tasks.traffic import import_traffic, purge_traffic, sample_traffic_path
+from tasks.steps.traffic_import import import_traffic, purge_traffic, sample_traffic_path
 
 from .helpers.traffic import traffic
 
@@ -318,7 +318,7 @@ def test_cli_import_reports_quarantine_lines(db_url, jsonl_file, make_request, c
     # the CLI prints the counts and the rejected line numbers with reasons; exit status 3 says
     # rows were quarantined
     from tasks.cli import main
-    from tasks.traffic import EXIT_QUARANTINED
+    from tasks.steps.traffic_import import EXIT_QUARANTINED
 
     path = jsonl_file([make_request(1), "nonsense", make_request(3, domain="astrology")])
     assert main(["traffic", "import", str(path), "--url", db_url, "--no-progress"]) == EXIT_QUARANTINED

@@ -13,9 +13,9 @@ import pytest
 
 from specdec_core.drafters import find_continuation
 from specdec_core.lookup import lookup_batch
-from tasks import serving_env
-from tasks.config_schema import parse_config
-from tasks.vllm import vllm_export
+from tasks.serving import environment as serving_env
+from tasks.registry.config_schema import parse_config
+from tasks.registry.vllm_export import vllm_export
 
 from .helpers.models import save_tiny_target, tiny_llama
 
@@ -79,7 +79,7 @@ def test_ngram_proposals_equal_vllms(serving):
     for vocab in (3, 5, 20):              # small vocabularies: many (and repeated) matches
         sequences += [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(1, 60, 60)]
     # real traffic: token ids of the shipped json and code responses
-    from tasks.traffic import sample_traffic_path
+    from tasks.steps.traffic_import import sample_traffic_path
     import gzip
     import json
 
@@ -152,7 +152,7 @@ def _logged_requests(model, domain: str, sampling: dict, count: int = 6, new_tok
 def _finished_run(url: str, target_dir, model, tokenizer) -> tuple[dict, dict]:
     """A run that finished its evaluation with every ENGINE_DOMAINS domain planned on:
     (requests by domain, drafters by domain)."""
-    from tasks.candidates import build_drafters, candidate_label, parse_candidate
+    from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate
     from tasks.db import upgrade
     from tasks.db.engine import ensure_ready
     from tasks.db.models import DomainConfig, EvalRun
@@ -185,7 +185,7 @@ def _finished_run(url: str, target_dir, model, tokenizer) -> tuple[dict, dict]:
 def engine_run(serving, tmp_path_factory):
     """Engine checks over the scenario domains, each on a finished run in its own database."""
     from specdec_core import load_model
-    from tasks.engine_check import engine_check
+    from tasks.steps.engine_check import engine_check
     from tasks.settings import load_settings
 
     base = tmp_path_factory.mktemp("engine-check")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv) and run the command; the exit status."""
+    # imported here: a command module (tasks.cli.data) is imported without the whole CLI
     from .app import main as run
 
     return run(argv)

@@ -14,12 +14,12 @@ from rich.table import Table
 from specdec_core.errors import SpecDecError
 from specdec_core.models import DEFAULT_MODEL
 
-from ..candidates import CandidateError, candidate_label, parse_candidate
 from ..errors import SpecdecTaskError
 from ..masking import mask_text
+from ..steps.candidates import CandidateError, candidate_label, parse_candidate
 from . import config, data, draft, engine, evaluation, main_job
 from .console import make_console
-from .prompts import PromptFileError
+from .prompts import PromptFileError, encode, load_prompts
 
 console = make_console()
 
@@ -50,16 +50,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args):
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
 def cmd_generate(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core import SpecDecoder, load_model
     from specdec_core.factory import make_drafter
-
-    from .prompts import encode
 
     model, tokenizer = load_model(args.model, device=args.device)
     drafter = None
@@ -79,11 +79,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core import load_model
     from specdec_core.factory import make_drafter
 
     from .compare import compare
-    from .prompts import load_prompts
 
     prompts = load_prompts(args.prompts)
     if args.domains:

@@ -7,6 +7,13 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
+from specdec_core.models import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
+
+from ..errors import DatabaseNotMigrated, DatabaseUnavailable
+from ..registry.config_schema import config_model_name
+from ..registry.trtllm_export import trtllm_export
+from ..registry.vllm_export import vllm_export
+from ..serving.environment import SERVED_MARK
 from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -14,8 +21,6 @@ console = make_console()
 
 
 def _name(args) -> str:
-    from ..config_schema import config_model_name
-
     return config_model_name(args.target)
 
 
@@ -32,16 +37,15 @@ def print_gates(result: dict) -> None:
 
 
 def _champion_audit(args, shown: dict) -> dict | None:
-    """The audit of the champion when the shown version is it (tasks.version_page)."""
-    from ..db.engine import database_url
-    from ..version_page import champion_audit
-
-    from ..errors import DatabaseNotMigrated, DatabaseUnavailable
+    """The audit of the champion when the shown version is it (tasks.registry.version_page)."""
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..db.engine import resolve_database_url
+    from ..registry.version_page import champion_audit
 
     if "champion" not in shown["aliases"]:
         return None
     try:
-        return champion_audit(database_url(args.url), shown["name"], shown["version"])
+        return champion_audit(resolve_database_url(args.url), shown["name"], shown["version"])
     except (DatabaseUnavailable, DatabaseNotMigrated) as exc:   # the registry alone still answers
         return {"champion": shown["version"], "gated": None,
                 "detail": f"gate record not checked: {exc}"}
@@ -56,7 +60,8 @@ def _warn_ungated(audit: dict | None, err: bool = False) -> None:
 
 
 def cmd_show(args) -> int:
-    from ..tracking import show_version
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..registry.tracking import show_version
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
     audit = _champion_audit(args, shown)
@@ -71,7 +76,8 @@ def cmd_show(args) -> int:
 
 
 def cmd_register(args) -> int:
-    from ..registration import register_config
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..registry.registration import register_config
 
     result = register_config(args.run_id, db_url=args.url, uri=args.tracking_uri)
     console.print(f"{result['name']} version {result['version']} "
@@ -81,7 +87,8 @@ def cmd_register(args) -> int:
 
 
 def cmd_promote(args) -> int:
-    from ..promotion import promote
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..registry.promotion import promote
 
     expected = "current" if args.expected_champion is None else (
         None if args.expected_champion == "none" else args.expected_champion)
@@ -92,7 +99,8 @@ def cmd_promote(args) -> int:
 
 
 def cmd_rollback(args) -> int:
-    from ..promotion import rollback
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..registry.promotion import rollback
 
     result = rollback(_name(args), db_url=args.url, uri=args.tracking_uri,
                       expected_champion=args.expected_champion or "current")
@@ -101,9 +109,8 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from ..tracking import client, load_version_config, show_version
-    from ..trtllm import trtllm_export
-    from ..vllm import vllm_export
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..registry.tracking import client, load_version_config, show_version
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
     _warn_ungated(_champion_audit(args, shown), err=True)      # stdout stays the JSON
@@ -121,18 +128,12 @@ def cmd_export(args) -> int:
 def _served_dir(target: str) -> str | None:
     """The directory a serving engine loads for the embedded default, once it has been written
     (by the engine check); None: the export names the target id."""
-    from specdec_core.models import EMBEDDED_MODELS, models_dir
-
-    from ..serving_env import SERVED_MARK
-
     directory = models_dir() / target.lower() / "transformers"
     return str(directory.resolve()) if target.lower() in EMBEDDED_MODELS and (
         directory / SERVED_MARK).exists() else None
 
 
 def register(sub) -> None:
-    from specdec_core.models import DEFAULT_MODEL
-
     config = sub.add_parser("config", help="the promoted config in the MLflow registry")
     c_sub = config.add_subparsers(dest="config_command", required=True)
 

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..settings import load_settings
 from .common import per_domain_args, print_json, url_arg
 from .console import make_console
 
@@ -14,6 +15,7 @@ console = make_console()
 
 # ------------------------------------------------------------------------------------------------
 def cmd_db_upgrade(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db import upgrade
 
     result = upgrade(args.url)
@@ -22,18 +24,19 @@ def cmd_db_upgrade(args) -> int:
 
 
 def cmd_db_current(args) -> int:
-    from ..db import current_revision, database_url, display_url, head_revision
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..db import current_revision, display_url, head_revision, resolve_database_url
 
     current, head = current_revision(args.url), head_revision()
     state = "up to date" if current == head else "run `specdec db upgrade`"
-    console.print(f"database {escape(display_url(database_url(args.url)))}: revision {current or '(none)'}, "
-                  f"head {head} ({state})")
+    console.print(f"database {escape(display_url(resolve_database_url(args.url)))}: "
+                  f"revision {current or '(none)'}, head {head} ({state})")
     return 0 if current == head else 1
 
 
 def cmd_traffic_import(args) -> int:
-    from ..settings import load_settings
-    from ..traffic import EXIT_QUARANTINED, import_traffic, sample_traffic_path
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.traffic_import import EXIT_QUARANTINED, import_traffic, sample_traffic_path
 
     if args.sample == (args.file is not None):
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
@@ -67,7 +70,8 @@ def cmd_traffic_import(args) -> int:
 
 
 def cmd_traffic_purge(args) -> int:
-    from ..traffic import purge_traffic
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.traffic_import import purge_traffic
 
     result = purge_traffic(args.older_than, db_url=args.url, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
@@ -77,7 +81,8 @@ def cmd_traffic_purge(args) -> int:
 
 
 def cmd_traffic_sample(args) -> int:
-    from ..sampling import sample_traffic
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.traffic_sample import sample_traffic
 
     window = (args.start, args.end) if args.start or args.end else args.days
     if (args.start is None) != (args.end is None):
@@ -90,7 +95,8 @@ def cmd_traffic_sample(args) -> int:
 
 
 def cmd_traffic_check(args) -> int:
-    from ..quality import check_traffic_sample
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.quality import check_traffic_sample
 
     result = check_traffic_sample(args.run_id, db_url=args.url)
     table = Table(title=f"run {escape(args.run_id)}: traffic sample passed {result['expectations']} "
@@ -104,7 +110,8 @@ def cmd_traffic_check(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from ..reports import cell_text, format_report, list_reports, run_report
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.reports import cell_text, format_report, list_reports, run_report
 
     if args.list or not args.name:
         for name, question in list_reports().items():

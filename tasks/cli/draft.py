@@ -1,10 +1,12 @@
 """`specdec draft train|list|index build`: drafts trained on the traffic they serve
-(tasks.draft_training) and suffix indexes over it (tasks.suffix_index)."""
+(tasks.steps.draft_training) and suffix indexes over it (tasks.steps.suffix_index)."""
 
 from __future__ import annotations
 
 from rich.markup import escape
 from rich.table import Table
+
+from specdec_core.models import DEFAULT_MODEL
 
 from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
@@ -24,10 +26,11 @@ def heldout_table(best: dict, title: str) -> Table:
 
 
 def cmd_train(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core.train import TrainConfig
 
-    from ..draft_training import train_draft_from_traffic
-    from ..evaluate import default_run_id
+    from ..steps.draft_training import train_draft_from_traffic
+    from ..steps.evaluate import default_run_id
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, teacher_topk=args.teacher_topk,
@@ -53,8 +56,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from ..draft_training import draft_model_name
-    from ..tracking import client
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..registry.tracking import client
+    from ..steps.draft_training import draft_model_name
 
     name = draft_model_name(args.model)
     versions = client(args.tracking_uri).search_model_versions(f"name='{name}'")
@@ -71,7 +75,8 @@ def cmd_list(args) -> int:
 
 
 def cmd_index_build(args) -> int:
-    from ..suffix_index import build_and_register
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.suffix_index import build_and_register
 
     results = {}
     for domain in [d.strip() for d in args.domain.split(",") if d.strip()]:
@@ -92,8 +97,6 @@ def cmd_index_build(args) -> int:
 
 
 def register(sub) -> None:
-    from specdec_core.models import DEFAULT_MODEL
-
     draft = sub.add_parser("draft", help="train drafts on logged traffic; list registered drafts")
     d_sub = draft.add_subparsers(dest="draft_command", required=True)
     train = d_sub.add_parser("train", help="distil a draft from the target's logged responses")

@@ -1,4 +1,4 @@
-"""`specdec engine check|show RUN_ID`: a run's configs served by vLLM (tasks.engine_check)."""
+"""`specdec engine check|show RUN_ID`: a run's configs served by vLLM (tasks.steps.engine_check)."""
 
 from __future__ import annotations
 
@@ -39,14 +39,16 @@ def engine_rich_table(run_id: str, rows: list[dict]) -> Table:
 
 
 def cmd_check(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from sqlalchemy import select
 
-    from ..db.engine import database_url, ensure_ready
+    from ..db.engine import ensure_ready, resolve_database_url
     from ..db.models import EvalRun
-    from ..engine_check import engine_checks
-    from ..pipeline import RunSpec, step_engine_check
+    from ..registry.run_results import engine_checks
+    from ..steps.context import RunSpec
+    from ..steps.pipeline import step_engine_check
 
-    url = database_url(args.url)
+    url = resolve_database_url(args.url)
     with ensure_ready(url).connect() as connection:
         target = args.target or connection.execute(select(EvalRun.target_id).where(
             EvalRun.run_id == args.run_id)).scalar()
@@ -74,7 +76,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from ..engine_check import engine_checks
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..registry.run_results import engine_checks
 
     rows = engine_checks(args.run_id, args.url)
     if args.format == "json":

@@ -5,6 +5,10 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
+from specdec_core.models import DEFAULT_MODEL
+
+from ..settings import load_settings
+from ..steps.candidates import build_drafters
 from .common import per_domain_args, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -67,8 +71,8 @@ def evaluation_rich_table(result: dict) -> Table:
 
 
 def cmd_evaluate(args) -> int:
-    from ..evaluate import evaluate
-    from ..settings import load_settings
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.evaluate import evaluate
 
     settings = load_settings(hardware_profile=args.hardware_profile)
     result = evaluate(run_id=args.run_id, target=args.model, db_url=args.url, settings=settings,
@@ -82,7 +86,7 @@ def cmd_evaluate(args) -> int:
         print_json(result)
         return 0
     console.print(evaluation_rich_table(result))
-    from ..costs import profile_check_text
+    from ..steps.costs import profile_check_text
 
     console.print(escape(profile_check_text(result.get("profile_check"))))
     fp = result["fingerprint"]
@@ -103,10 +107,8 @@ def cmd_evaluate(args) -> int:
 
 
 def _profile_model(args):
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core import load_model
-
-    from ..candidates import build_drafters
-    from ..settings import load_settings
 
     settings = load_settings()
     model, tokenizer = load_model(args.model, device=args.device)
@@ -115,8 +117,9 @@ def _profile_model(args):
 
 
 def cmd_profile_measure(args) -> int:
-    from ..costs import profile_costs
-    from ..evaluate import default_run_id
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.costs import profile_costs
+    from ..steps.evaluate import default_run_id
 
     settings, model, tokenizer, drafters = _profile_model(args)
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
@@ -128,7 +131,8 @@ def cmd_profile_measure(args) -> int:
 
 
 def cmd_profile_show(args) -> int:
-    from ..costs import load_costs
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.costs import load_costs
 
     costs = load_costs(args.name, args.url, getattr(args, "run", None))
     table = Table(title=escape(f"cost profile {costs.hardware_profile} (run {costs.run_id}): "
@@ -177,7 +181,8 @@ def cmd_profile_show(args) -> int:
 
 
 def cmd_profile_export(args) -> int:
-    from ..costs import export_costs
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.costs import export_costs
 
     document = export_costs(args.name, args.file, args.url, args.run)
     console.print(f"wrote {len(document['costs'])} cost rows of {escape(args.name)} (run "
@@ -186,7 +191,8 @@ def cmd_profile_export(args) -> int:
 
 
 def cmd_profile_import(args) -> int:
-    from ..costs import import_costs
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.costs import import_costs
 
     result = import_costs(args.file, args.url, name=args.name)
     console.print(f"imported {result['rows']} cost rows as profile "
@@ -195,8 +201,6 @@ def cmd_profile_import(args) -> int:
 
 
 def register(sub) -> None:
-    from specdec_core.models import DEFAULT_MODEL
-
     ev = sub.add_parser("evaluate", help="sample -> check -> profile -> estimate -> plan -> confirm "
                                          "-> validate, then a per-domain table")
     ev.add_argument("--run-id", default=None, help="default: manual__<UTC time>; re-running replaces it")

@@ -17,8 +17,16 @@ import sys
 import time
 from pathlib import Path
 
-from ..airflow_glue import TIMING_POOL
+from rich.markup import escape
+
+from specdec_core.models import DEFAULT_MODEL
+
+from ..errors import RegistryError
+from ..orchestration.airflow_glue import TIMING_POOL
+from ..registry.config_schema import config_model_name
 from ..settings import specdec_home
+from .console import make_console
+from .evaluation import evaluation_rich_table
 
 
 def airflow_environment(home: Path, dags_folder: Path) -> dict:
@@ -63,8 +71,6 @@ def prepare_airflow(env: dict) -> None:
 
 
 def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None = None) -> dict:
-    from .console import make_console
-
     console = make_console()
     home = specdec_home().resolve()
     home.mkdir(parents=True, exist_ok=True)
@@ -74,8 +80,9 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"[bold]1/4[/bold] Airflow metadata database and pool under {env['AIRFLOW_HOME']}")
     prepare_airflow(env)
     console.print("[bold]2/4[/bold] specdec database and the shipped traffic")
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db import upgrade
-    from ..traffic import import_traffic, sample_traffic_path
+    from ..steps.traffic_import import import_traffic, sample_traffic_path
 
     upgrade()
     report = import_traffic(sample_traffic_path(), progress=False)
@@ -88,7 +95,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     progress = _TaskProgress(console)
     progress_logger.addHandler(progress)
     progress_logger.setLevel(logging.INFO)
-    from ..airflow_logs import recording, write_task_logs
+    from ..orchestration.airflow_logs import recording, write_task_logs
 
     try:
         with recording() as recorder:
@@ -103,16 +110,11 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
                   + ", ".join(f"{task} {'/'.join(sorted(set(s)))}" for task, s in sorted(states.items())))
     console.print(f"      task logs for the UI: {len(logs)} files under {env['AIRFLOW_HOME']}/logs")
     console.print("[bold]4/4[/bold] results")
-    from specdec_core.models import DEFAULT_MODEL
 
-    from ..config_schema import config_model_name
-    from ..errors import RegistryError
-    from rich.markup import escape
-
-    from ..costs import profile_check, profile_check_text
-    from ..evaluate import evaluation_table
-    from ..tracking import show_version
-    from .evaluation import evaluation_rich_table
+    from ..registry.tracking import show_version
+    from ..registry.run_results import profile_check
+    from ..steps.costs import profile_check_text
+    from ..steps.evaluate import evaluation_table
 
     table = evaluation_table(dag_run.run_id)
     check = profile_check(dag_run.run_id)

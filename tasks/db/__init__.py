@@ -1,8 +1,8 @@
 """specdec's database: SQLAlchemy models (the schema), Alembic migrations and engines."""
 
-from .engine import (VERSION_TABLE, current_revision, database_url, display_url, dispose_engines,
-                     ensure_ready, get_engine, head_revision, upgrade)
+from .engine import (VERSION_TABLE, current_revision, display_url, dispose_engines, ensure_ready,
+                     get_engine, head_revision, resolve_database_url, upgrade)
 from .models import Base
 
-__all__ = ["Base", "VERSION_TABLE", "current_revision", "database_url", "display_url",
-           "dispose_engines", "ensure_ready", "get_engine", "head_revision", "upgrade"]
+__all__ = ["Base", "VERSION_TABLE", "current_revision", "display_url", "dispose_engines",
+           "ensure_ready", "get_engine", "head_revision", "resolve_database_url", "upgrade"]

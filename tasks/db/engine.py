@@ -11,6 +11,10 @@ import logging
 import os
 from pathlib import Path
 
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
@@ -25,7 +29,7 @@ VERSION_TABLE = "specdec_alembic_version"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 
-def database_url(url: str | None = None) -> str:
+def resolve_database_url(url: str | None = None) -> str:
     """The URL to use: `url`, else $SPECDEC_DATABASE_URL, else SQLite under $SPECDEC_HOME."""
     return url or load_settings().resolved_database_url
 
@@ -103,7 +107,7 @@ def dispose_engines() -> None:
 
 def get_engine(url: str | None = None, create_dir: bool = False) -> Engine:
     """A (cached) engine for the URL. SQLite's directory is created only when create_dir is set."""
-    url = database_url(url)
+    url = resolve_database_url(url)
     path = _sqlite_path(url)
     if path is not None and create_dir:
         try:
@@ -119,8 +123,6 @@ def get_engine(url: str | None = None, create_dir: bool = False) -> Engine:
 
 
 def _alembic_config(url: str):
-    from alembic.config import Config
-
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -129,16 +131,12 @@ def _alembic_config(url: str):
 
 
 def head_revision() -> str:
-    from alembic.script import ScriptDirectory
-
     return ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head()
 
 
 def current_revision(url: str | None = None) -> str | None:
     """The revision the database is at (None: never migrated). Raises DatabaseUnavailable."""
-    from alembic.runtime.migration import MigrationContext
-
-    url = database_url(url)
+    url = resolve_database_url(url)
     engine = _connectable(url)
     try:
         with engine.connect() as connection:
@@ -178,9 +176,7 @@ def _connectable(url: str) -> Engine:
 
 def upgrade(url: str | None = None, revision: str = "head") -> dict:
     """Create or migrate the schema to `revision`. Returns {"url", "from", "to"}."""
-    from alembic import command
-
-    url = database_url(url)
+    url = resolve_database_url(url)
     engine = get_engine(url, create_dir=True)
     before = None
     try:
@@ -204,7 +200,7 @@ def ensure_ready(url: str | None = None) -> Engine:
 
     Raises DatabaseUnavailable (cannot connect / no such SQLite file) or DatabaseNotMigrated.
     """
-    url = database_url(url)
+    url = resolve_database_url(url)
     current = current_revision(url)
     head = head_revision()
     if current != head:

@@ -264,7 +264,7 @@ class LiveMeasurement(Base):
 class EngineCheck(Base):
     """Per run and domain: the domain's exported config served by the serving engine (vLLM) on the
     domain's requests, vLLM's own acceptance counters beside the offline estimate of the same
-    requests at the same K, and the gate's verdict (tasks.engine_check)."""
+    requests at the same K, and the gate's verdict (tasks.steps.engine_check)."""
 
     __tablename__ = "engine_checks"
 
@@ -339,11 +339,11 @@ class DomainConfig(Base):
     validation: Mapped[str | None] = mapped_column(String(32))       # passed | failed | not_run
     promotable: Mapped[bool | None] = mapped_column(Boolean)
     reason: Mapped[str | None] = mapped_column(Text)
-    # 0005: K by batch size, [[first, last, K], ...] (tasks.plan.k_schedule)
+    # 0005: K by batch size, [[first, last, K], ...] (tasks.steps.plan.k_schedule)
     k_schedule: Mapped[list | None] = mapped_column(JSON)
     # 0007: whether the domain is on in the champion config the plan compared against, and the
     # live check's verdict ({verdict: pass | flag | veto | none, weak, measured, lo, hi, predicted,
-    # requests, reason}; tasks.confirm.live_verdict)
+    # requests, reason}; tasks.steps.confirm.live_verdict)
     champion_on: Mapped[bool | None] = mapped_column(Boolean)
     live_check: Mapped[dict | None] = mapped_column(JSON)
 

@@ -20,7 +20,7 @@ PL_DRAFT = {1: 0.05, 2: 0.1, 4: 0.2}                       # per round
 
 
 def cost_table(step=STEP, verify=VERIFY, ls=LS_DRAFT, pl=PL_DRAFT, name="test-gpu"):
-    from tasks.costs import CostTable
+    from tasks.steps.costs import CostTable
 
     return CostTable(name, "costs-run", dict(step),
                      {b: {k + 1: r * step[b] for k, r in enumerate(ratios)} for b, ratios in verify.items()},
@@ -30,7 +30,7 @@ def cost_table(step=STEP, verify=VERIFY, ls=LS_DRAFT, pl=PL_DRAFT, name="test-gp
 def add_estimate(db_url, run_id, domain, spec, k, e, lo, hi, share, requests=30) -> None:
     from sqlalchemy import insert
 
-    from tasks.candidates import candidate_label
+    from tasks.steps.candidates import candidate_label
     from tasks.db.models import AcceptanceEstimate
 
     execute(db_url, insert(AcceptanceEstimate).values(

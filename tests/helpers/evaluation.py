@@ -14,7 +14,7 @@ SETTINGS = dict(min_per_domain=5, max_per_domain=10, eval_k_max=3, profile_batch
 
 def run(db_url, target, run_id, **overrides):
     """Every step of `evaluate` for run_id on the already loaded tiny `target`."""
-    from tasks.evaluate import evaluate
+    from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
 
     settings = load_settings({}, **{**SETTINGS, **overrides})

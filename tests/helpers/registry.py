@@ -9,8 +9,8 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import create_engine, insert
 
 from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun
-from tasks.promotion import promote
-from tasks.registration import register_config
+from tasks.registry.promotion import promote
+from tasks.registry.registration import register_config
 from tasks.settings import load_settings
 
 DEFAULTS = load_settings({})          # the documented defaults, whatever SPECDEC_* says

@@ -1,0 +1,1 @@
+"""The Airflow glue shared by the DAG files, and task logs for `dag.test()` runs."""

@@ -1,0 +1,172 @@
+"""What the three DAG files share: the names they agree on (connection, pool, assets, queues),
+the specdec database from the Airflow connection, and which errors fail a task at once and which
+are left to the task's retries.
+
+Importing this module loads no Airflow, engine (torch) or database code, so a DAG file's parse
+stays light; Airflow is imported inside the functions that need it. DEFAULT_MODEL is the engine's
+(specdec_core.home, which imports no torch).
+
+Errors, by what a retry can change:
+- an outage of specdec's database or of the tracking server (DatabaseUnavailable; SQLAlchemy
+  connect / disconnect errors; requests and urllib3 connection errors; any of these found in an
+  exception's cause or context, e.g. an MlflowException or RegistryError raised from a refused
+  connection) is raised as is, so the task's `retries` apply;
+- the other user-facing errors (SpecdecTaskError: bad input, a failed data-quality gate, a
+  missing cost profile, a version that does not exist) raise AirflowFailException: failed at
+  once, no retry;
+- anything else (a bug, out of memory) is raised as is and retried too.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+from ..errors import DatabaseUnavailable, RegistryUnavailable, SpecdecTaskError
+from ..settings import DEFAULT_MODEL, Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+DATABASE_CONNECTION = "specdec_db"      # the Airflow connection holding specdec's database URL
+TIMING_POOL = "specdec_timing"          # one slot: timing work never overlaps other timing work
+
+# asset URIs
+CHAMPION_URI = "specdec://config/champion"             # a new champion config
+LOW_ACCEPTANCE_URI = "specdec://alerts/low-acceptance"  # domains below the acceptance alert
+EVALUATIONS_URI = "specdec://evaluations"              # an evaluation run has finished
+NEW_DRAFT_URI = "specdec://drafts/new"                 # a new draft was registered
+
+def setting_default(name: str):
+    """The default of a Settings field, for a DAG Param: the class default, not this machine's
+    environment (a Param's default is the same wherever the DAG file is parsed)."""
+    default = Settings.model_fields[name].default
+    return list(default) if isinstance(default, tuple) else default
+
+
+# the candidates a run evaluates unless its conf names others (the settings' default)
+DEFAULT_CANDIDATES = setting_default("candidates")
+DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name -> current name
+
+__all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS",
+           "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "current_params",
+           "connection_database_url", "evaluate_spec", "is_outage", "queues", "setting_default",
+           "task_errors"]
+
+
+def queues() -> tuple[str, str]:
+    """(cpu queue, gpu queue): the Airflow queues of database/registry tasks and of the tasks that
+    run the model, from the settings ($SPECDEC_CPU_QUEUE, $SPECDEC_GPU_QUEUE; defaults `default`
+    and `gpu`). Read when a DAG file is parsed; the LocalExecutor ignores queues."""
+    settings = load_settings()
+    return settings.cpu_queue, settings.gpu_queue
+
+
+def connection_database_url() -> str | None:
+    """The URL of the Airflow connection `specdec_db`; None when it is not defined. The steps
+    resolve None as everywhere else (tasks.db.engine.resolve_database_url: $SPECDEC_DATABASE_URL,
+    else the SQLite default)."""
+    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    try:
+        return BaseHook.get_connection(DATABASE_CONNECTION).get_uri()
+    except AirflowNotFoundException:
+        return None
+
+
+def _outage_here(exc: BaseException) -> bool:
+    if isinstance(exc, (DatabaseUnavailable, RegistryUnavailable)):
+        return True
+    if isinstance(exc, (ConnectionError, TimeoutError)):    # refused, reset, socket timeouts
+        return True
+    # imported here: SQLAlchemy (~0.4 s): the CLI imports this module at start-up
+    from sqlalchemy import exc as sa
+
+    if isinstance(exc, (sa.DisconnectionError, sa.TimeoutError)):
+        return True
+    if isinstance(exc, sa.DBAPIError) and (exc.connection_invalidated or (
+            isinstance(exc, (sa.OperationalError, sa.InterfaceError)) and exc.statement is None)):
+        return True     # lost the connection, or could not connect (no statement was sent)
+    try:
+        import requests
+        import urllib3
+    except ImportError:     # without MLflow's HTTP stack there is no such error to find
+        return False
+    return isinstance(exc, (requests.ConnectionError, requests.Timeout,
+                            urllib3.exceptions.NewConnectionError, urllib3.exceptions.MaxRetryError,
+                            urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError))
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from or while handling, says that the database
+    or the tracking server could not be reached (a retry may succeed)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if _outage_here(current):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ if current.__cause__ is not None else current.__context__
+    return False
+
+
+@contextmanager
+def task_errors():
+    """Around a task's work: outages and unknown errors propagate (the task's retries apply);
+    other user-facing errors fail the task at once."""
+    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        yield
+    except SpecdecTaskError as exc:
+        if is_outage(exc):
+            log.warning("database or tracking server unreachable, the task's retries apply: %s: %s",
+                        type(exc).__name__, exc)
+            raise
+        raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+
+def current_params(params, conf: dict | None) -> dict:
+    """The run's Params, with a value given under a deprecated name moved to the current one
+    (warned in the task log). The current name wins when the run conf gives both."""
+    values = dict(params)
+    conf = conf or {}
+    for old, new in DEPRECATED_PARAMS.items():
+        if old not in conf:
+            continue
+        if new in conf:
+            log.warning("param %r is deprecated and ignored: %r is also given", old, new)
+        else:
+            log.warning("param %r is deprecated: use %r", old, new)
+            values[new] = conf[old]
+        values.pop(old, None)
+    return values
+
+
+def evaluate_spec(run_id: str, params, conf: dict | None = None):
+    """The RunSpec of a `specdec_evaluate` run from its Params (and run conf, for deprecated names)."""
+    # imported here: DAG files import this module at parse time; the run context pulls torch and MLflow
+    from ..steps.context import RunSpec
+
+    p = current_params(params, conf)
+    return RunSpec(run_id=run_id, target=p["target"], db_url=connection_database_url(),
+                   domains=p["domains"] or None, window_days=p["window_days"],
+                   max_per_domain=p["max_per_domain"], min_per_domain=p["min_per_domain"],
+                   candidates=p["candidates"], hardware_profile=p["hardware_profile"] or None,
+                   k_max=p["k_max"], min_speedup=p["min_speedup"], promote=p["promote"])
+
+
+# mapped tasks are labelled in the UI by what they ran for (a domain, a report): Airflow renders
+# map_index_template with the task's context after it ran
+MAP_LABEL = "{{ specdec_label }}"
+
+
+def label_mapped(label: str) -> None:
+    """Inside a mapped task: its map index shows as `label` (map_index_template MAP_LABEL), e.g.
+    the domain it ran for."""
+    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
+    from airflow.sdk import get_current_context
+
+    get_current_context()["specdec_label"] = label

@@ -1,0 +1,210 @@
+"""Promotion of a registered config: the gates, the compare-and-set move of the `champion` alias,
+rollback, and the audit rows.
+
+Promotion checks the gates against the current champion, then moves `champion` only if the
+champion is still the version the gates compared against. Every registration, promotion, refusal,
+forced promotion and rollback is a row in specdec's `promotions` table.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import logging
+from contextlib import contextmanager
+
+from sqlalchemy import insert, select, text
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import Promotion, Validation
+from ..errors import RegistryError
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
+from .config_schema import SpecdecConfig
+from .run_config import effective_speedup
+from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
+from .version_page import refresh_champion_lines, write_gates
+
+log = logging.getLogger(__name__)
+
+
+def record_promotion(db_url: str, connection=None, **values) -> None:
+    """One audit row in `promotions` (register, promote, reject, rollback), stamped now; in
+    `connection`'s transaction when given (inside alias_lock), else in its own."""
+    if connection is not None:
+        connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
+        return
+    engine = ensure_ready(db_url)
+    with engine.begin() as connection:
+        connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
+
+
+def _lock_key(name: str) -> int:
+    digest = hashlib.sha256(f"specdec-alias:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@contextmanager
+def alias_lock(db_url: str, name: str):
+    """Serialise the alias moves of one registered model across processes and hosts, through
+    specdec's own database: a transaction-scoped advisory lock on PostgreSQL, a write transaction
+    (BEGIN IMMEDIATE) on SQLite. MLflow has no compare-and-set for aliases; every specdec move
+    reads the alias, checks it, sets it and writes its audit row inside this lock, so the row says
+    what was really replaced. Yields the connection to write the audit row with; it commits on
+    success and rolls back on error."""
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _lock_key(name)})
+        else:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")   # waits on the busy timeout (30 s)
+        try:
+            yield connection
+        except BaseException:
+            connection.rollback()
+            raise
+        connection.commit()
+
+
+def current_user() -> str:
+    """Who acts, for the audit rows: the login name, or "unknown"."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
+                fingerprint_passed: bool | None = None) -> list[dict]:
+    """Each gate: {name, passed, figure}. fingerprint_passed: the run's target-fingerprint check
+    (None: not recorded)."""
+    gates = []
+    measured = {n: s for n, s in config.domains.items() if s.enabled and s.source == "run"}
+    failed = sorted(n for n, s in measured.items() if s.validation != "passed")
+    gates.append({"name": "validation", "passed": not failed and fingerprint_passed is not False,
+                  "figure": f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
+                            + (f"; not passed: {failed}" if failed else "")
+                            + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")})
+    tolerance = settings.promotion_regression_tolerance
+    if champion is None:
+        gates.append({"name": "no_regression", "passed": True, "figure": "no champion to compare"})
+    else:
+        ratios = {n: effective_speedup(config.domains.get(n)) / effective_speedup(champion.domains.get(n))
+                  for n in champion.domains}
+        worst = min(ratios.items(), key=lambda item: item[1], default=(None, 1.0))
+        gates.append({"name": "no_regression", "passed": worst[1] >= 1 - tolerance,
+                      "figure": f"worst domain {worst[0]}: {worst[1]:.2f}x the champion's speedup "
+                                f"(minimum {1 - tolerance:.2f})"})
+    short = sorted(n for n, s in measured.items() if s.samples < settings.min_per_domain)
+    gates.append({"name": "min_samples", "passed": not short,
+                  "figure": f"min samples {min((s.samples for s in measured.values()), default=0)} "
+                            f"(required {settings.min_per_domain})" + (f"; short: {short}" if short else "")})
+    same = champion is None or champion.target.fingerprint == config.target.fingerprint
+    gates.append({"name": "same_target", "passed": same,
+                  "figure": "no champion" if champion is None else
+                  f"{config.target.fingerprint} vs champion {champion.target.fingerprint}"})
+    return gates
+
+
+def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
+              db_url: str) -> list[dict]:
+    """check_gates with the run's recorded target-fingerprint check."""
+    with ensure_ready(db_url).connect() as connection:
+        fingerprint_passed = connection.execute(select(Validation.passed).where(
+            (Validation.run_id == config.run_id) & (Validation.check_name == "fingerprint"))).scalar()
+    return check_gates(config, champion, settings, fingerprint_passed)
+
+
+def promote(name: str, version: str, db_url: str | None = None, uri: str | None = None,
+            force: bool = False, actor: str | None = None, expected_champion: str | None = "current",
+            settings: Settings | None = None) -> dict:
+    """Gate and move `champion` to `version` (compare-and-set).
+
+    expected_champion: the champion the caller's gates compared against ("current": whatever is
+    champion now; None: there was none). Output: {"promoted", "forced", "gates", "reason", ...}.
+    """
+    settings = settings or load_settings()
+    db_url = resolve_database_url(db_url or settings.database_url)
+    mlflow_client = client(tracking_uri(uri, db_url))
+    version = str(version)
+    config = version_config(mlflow_client, name, version)
+    before = alias_version(mlflow_client, name, CHAMPION)
+    champion = load_version_config(mlflow_client, name, before) if before else None
+    gates = gates_for(config, champion, settings, db_url)
+    record = dict(run_id=config.run_id, target_id=config.target.id, config_name=name,
+                  config_version=version, alias=CHAMPION, actor=actor or current_user())
+    summary = {"gates": gates, "champion_before": before}
+
+    def page_gates(outcome: str) -> None:
+        try:
+            write_gates(mlflow_client, name, version, gates, f"`specdec config promote` against "
+                        f"champion {before or 'none'}, {utcnow():%Y-%m-%d %H:%M} UTC: {outcome}")
+        except Exception as exc:     # the page is documentation; the decision stands
+            log.warning("%s version %s: gates not written on the page (%s)", name, version, exc)
+
+    def refuse(reason: str, connection=None, champion: str | None = before) -> dict:
+        record_promotion(db_url, connection, action="reject", forced=force, gates=summary,
+                         reason=reason, **record)
+        log.warning("promotion of %s version %s refused: %s", name, version, reason)
+        page_gates(f"NOT promoted: {reason}"[:300])
+        return {"promoted": False, "forced": force, "version": version, "champion": champion,
+                "gates": gates, "reason": reason}
+
+    if expected_champion != "current" and (expected_champion or None) != before:
+        return refuse(f"the gates compared against champion {expected_champion or 'none'}, but the "
+                      f"champion is now {before or 'none'}: re-run the gates")
+    if before == version:
+        return refuse(f"version {version} is already the champion")
+    failed = [g for g in gates if not g["passed"]]
+    if failed and not force:
+        return refuse("gates failed: " + "; ".join(f"{g['name']} ({g['figure']})" for g in failed))
+    with alias_lock(db_url, name) as connection:
+        now = alias_version(mlflow_client, name, CHAMPION)   # compare-and-set: still the same?
+        if now != before:
+            return refuse(f"the champion moved from {before or 'none'} to {now} while the gates "
+                          "ran: re-run the gates", connection, champion=now)
+        mlflow_client.set_registered_model_alias(name, CHAMPION, version)
+        reason = ("FORCED past failed gates: " + "; ".join(g["name"] for g in failed)) \
+            if failed and force else "all gates passed"
+        record_promotion(db_url, connection, action="promote", forced=bool(force and failed),
+                         gates=summary, reason=reason, **record)
+    page_gates(f"promoted ({reason})")
+    refresh_champion_lines(mlflow_client, name, version, "promoted with `specdec config promote`"
+                           + (" FORCED past failed gates" if force and failed else ""), also=(before,))
+    return {"promoted": True, "forced": bool(force and failed), "version": version, "champion": version,
+            "champion_before": before, "gates": gates, "reason": reason}
+
+
+def rollback(name: str, db_url: str | None = None, uri: str | None = None,
+             actor: str | None = None, expected_champion: str | None = "current") -> dict:
+    """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
+    inside alias_lock. expected_champion: the champion the caller means to roll back ("current":
+    whatever it is when the lock is taken); a different champion refuses with RegistryError."""
+    db_url = resolve_database_url(db_url)
+    mlflow_client = client(tracking_uri(uri, db_url))
+    with alias_lock(db_url, name) as connection:
+        current = alias_version(mlflow_client, name, CHAMPION)
+        if current is None:
+            raise RegistryError(f"{name} has no champion to roll back")
+        if expected_champion != "current" and str(expected_champion) != current:
+            raise RegistryError(f"{name}: asked to roll back champion {expected_champion}, but the "
+                                f"champion is now {current}; nothing was changed (check `specdec "
+                                "config show` and run the rollback again)")
+        row = connection.execute(
+            select(Promotion).where((Promotion.config_name == name) & (Promotion.alias == CHAMPION)
+                                    & (Promotion.action == "promote")
+                                    & (Promotion.config_version == current))
+            .order_by(Promotion.id.desc()).limit(1)).mappings().first()
+        previous = (row["gates"] or {}).get("champion_before") if row else None
+        if not previous:
+            raise RegistryError(f"{name} champion version {current} replaced no earlier champion (per "
+                                "the promotions table): nothing to roll back to")
+        config = load_version_config(mlflow_client, name, previous)
+        mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
+        record_promotion(db_url, connection, run_id=config.run_id, target_id=config.target.id,
+                         config_name=name, config_version=previous, alias=CHAMPION, action="rollback",
+                         forced=False, actor=actor or current_user(),
+                         gates={"champion_before": current}, reason=f"rolled back from version {current}")
+    refresh_champion_lines(mlflow_client, name, previous,
+                           f"restored by `specdec config rollback` from version {current}", also=(current,))
+    return {"champion": previous, "champion_before": current}

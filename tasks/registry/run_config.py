@@ -1,0 +1,140 @@
+"""The config of an evaluated run: built from its domain_configs rows (a domain without a usable
+result keeps the champion's setting), and described for people (the per-domain table, what
+changed against the champion). Descriptions name requests by id, never by prompt text.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EvalRun
+from ..errors import RegistryError
+from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
+
+
+def run_row(connection, run_id: str):
+    """The run's eval_runs row; RegistryError unless it exists and has finished its evaluation."""
+    row = connection.execute(select(EvalRun).where(EvalRun.run_id == run_id)).mappings().first()
+    if row is None:
+        raise RegistryError(f"run {run_id!r} does not exist in specdec's database; evaluate it first")
+    if not row["target_fingerprint"] or not row["hardware_profile"]:
+        raise RegistryError(f"run {run_id!r} has not finished its evaluation (status {row['status']}); "
+                            "run the evaluation steps before registering it")
+    return row
+
+
+def build_config(run_id: str, db_url: str | None = None,
+                 champion: SpecdecConfig | None = None) -> SpecdecConfig:
+    """The run's config from domain_configs; insufficient domains keep the champion's setting."""
+    engine = ensure_ready(resolve_database_url(db_url))
+    with engine.connect() as connection:
+        run = run_row(connection, run_id)
+        rows = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
+                                  .order_by(DomainConfig.domain)).mappings().all()
+    domains: dict[str, DomainSetting] = {}
+    for row in rows:
+        if row["status"] != "ok":
+            kept = champion.domains.get(row["domain"]) if champion else None
+            why = (row["reason"] or row["status"])[:400].split("; the champion's setting is kept")[0]
+            domains[row["domain"]] = (
+                kept.model_copy(update={"source": "champion",
+                                        "reason": f"{why}; the champion's setting is kept"})
+                if kept else DomainSetting(enabled=False, samples=row["samples"] or 0, source="off",
+                                           reason=f"{why}; there is no champion setting to keep"))
+            continue
+        spec = row["drafter_spec"]
+        drafter = None
+        if spec:
+            params = dict(spec.get("params") or {})
+            source = params.get("index" if spec["kind"] == "suffix" else "model", "")
+            model_uri = source if str(source).startswith("models:/") else None
+            drafter = DrafterSpec(kind=spec["kind"], params=params, model_uri=model_uri)
+        ci = None
+        if row["predicted_speedup_lo"] is not None:
+            ci = (row["predicted_speedup_lo"], row["predicted_speedup_hi"])
+        domains[row["domain"]] = DomainSetting(
+            enabled=bool(row["enabled"]), drafter=drafter, k=row["k"] or 0,
+            max_batch_size=row["max_batch_size"] if row["enabled"] else None,
+            k_schedule=[tuple(r) for r in row["k_schedule"] or []] if row["enabled"] else [],
+            conditional_acceptance=row["conditional_acceptance"] or [],
+            mean_accepted_length=row["mean_accepted_length"], predicted_speedup=row["predicted_speedup"],
+            predicted_speedup_ci95=ci, measured_speedup=row["measured_speedup"],
+            samples=row["samples"] or 0, validation=row["validation"], source="run",
+            note="kept on: within hysteresis" if str(row["reason"] or "").startswith("kept on")
+            else None, reason=_with_validation(row["reason"], row["validation"]))
+    return SpecdecConfig(target={"id": run["target_id"], "fingerprint": run["target_fingerprint"]},
+                         hardware_profile=run["hardware_profile"], run_id=run_id,
+                         created_at=run["updated_at"], domains=domains)
+
+
+def _with_validation(reason: str | None, validation: str | None) -> str | None:
+    """The planner's reason, with a failed validation said first (it keeps the domain from
+    promotion)."""
+    if validation == "failed":
+        reason = "validation FAILED: the output distribution check did not pass" + (
+            f"; planner: {reason}" if reason else "")
+    return None if reason is None else reason[:600]
+
+
+def validation_status(config: SpecdecConfig) -> str:
+    """passed: every measured enabled domain passed; failed: one failed; incomplete otherwise."""
+    verdicts = [s.validation for s in config.domains.values() if s.enabled and s.source == "run"]
+    if any(v == "failed" for v in verdicts):
+        return "failed"
+    return "passed" if all(v == "passed" for v in verdicts) else "incomplete"
+
+
+# ------------------------------------------------------------------------------------------------
+# descriptions
+def _x(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}x"
+
+
+def domain_table_markdown(config: SpecdecConfig) -> str:
+    """One Markdown row per domain: setting, predicted and measured speedup, validation, source."""
+    lines = ["| domain | on | drafter | K | max batch | E[tokens/round] | predicted (95% CI) | "
+             "measured | samples | validation | source |", "|" + "---|" * 11]
+    for name, s in sorted(config.domains.items()):
+        drafter = "-" if s.drafter is None else s.drafter.kind + (
+            "(" + ",".join(f"{k}={v}" for k, v in sorted(s.drafter.params.items())) + ")"
+            if s.drafter.params else "")
+        ci = "" if s.predicted_speedup_ci95 is None else (
+            f" [{s.predicted_speedup_ci95[0]:.2f}, {s.predicted_speedup_ci95[1]:.2f}]")
+        lines.append(f"| {name} | {'on' if s.enabled else 'off'} | {drafter} | {s.k or '-'} | "
+                     f"{s.max_batch_size or '-'} | "
+                     f"{'-' if s.mean_accepted_length is None else f'{s.mean_accepted_length:.2f}'} | "
+                     f"{_x(s.predicted_speedup)}{ci} | {_x(s.measured_speedup)} | {s.samples} | "
+                     f"{s.validation or '-'} | {s.source} |")
+    lines += ["", "Why each domain is on or off:", ""]
+    lines += [f"- **{name}** ({'on' if s.enabled else 'off'}): {s.reason or s.note or 'no reason recorded'}"
+              for name, s in sorted(config.domains.items())]
+    return "\n".join(lines)
+
+
+def effective_speedup(setting: DomainSetting | None) -> float:
+    """Decode speedup a domain gets from a setting: measured when on, plain (1.0) when off."""
+    if setting is None or not setting.enabled:
+        return 1.0
+    return setting.measured_speedup or setting.predicted_speedup or 1.0
+
+
+def changes_markdown(config: SpecdecConfig, champion: SpecdecConfig | None,
+                     champion_version: str | None) -> str:
+    """Markdown: each domain whose setting differs from the champion's, with both speedups."""
+    if champion is None:
+        return "There was no champion when this version was registered: nothing to compare with."
+    lines = [f"Against champion version {champion_version} (run {champion.run_id}):"]
+    if champion.target.fingerprint != config.target.fingerprint:
+        lines.append(f"- **target changed**: fingerprint {champion.target.fingerprint} -> "
+                     f"{config.target.fingerprint}")
+    for name in sorted(set(config.domains) | set(champion.domains)):
+        new, old = config.domains.get(name), champion.domains.get(name)
+        describe = lambda s: "absent" if s is None else (  # noqa: E731
+            "off" if not s.enabled else f"{s.drafter.kind} K={s.k} max batch {s.max_batch_size}")
+        if describe(new) != describe(old):
+            lines.append(f"- {name}: {describe(old)} -> {describe(new)} (speedup "
+                         f"{effective_speedup(old):.2f}x -> {effective_speedup(new):.2f}x)")
+    if len(lines) == 1:
+        lines.append("- no setting changed")
+    return "\n".join(lines)

@@ -1,0 +1,244 @@
+"""MLflow: where the tracking store is, the experiment and run of an evaluation, and reading the
+registered config versions (aliases `challenger` and `champion`).
+
+- Tracking URI: the argument, else $MLFLOW_TRACKING_URI, else sqlite:///$SPECDEC_HOME/mlflow.db
+  (artifacts under $SPECDEC_HOME/mlartifacts). Never specdec's own database: both use Alembic.
+- Every evaluation is one MLflow run in experiment `specdec/<target-slug>`, tagged
+  `specdec.run_id`, so that a retried step finds and reuses it (tasks.registry.registration logs it).
+- A target's configs are versions of the registered model `specdec-config-<target-slug>`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from sqlalchemy import create_engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+
+from ..db.engine import display_url, ensure_ready, resolve_database_url
+from ..errors import RegistryError, RegistryUnavailable
+from ..masking import mask_text, mask_url
+from ..settings import specdec_home
+from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
+from .run_config import run_row
+
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # no bars in logs and tables
+# Bounded retries (MLflow's own default retries an unreachable server for minutes). An explicit
+# environment variable wins; docs/design.md lists these.
+MLFLOW_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                          "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+for _key, _value in MLFLOW_CLIENT_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+SQL_STORE_CONNECT_TIMEOUT_S = 5
+
+RUN_TAG = "specdec.run_id"
+# MLflow's UI opens an experiment in its runs/metrics/artifacts view for this kind (not GenAI's)
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+CHAMPION, CHALLENGER = "champion", "challenger"
+
+
+def tracking_uri(uri: str | None = None, db_url: str | None = None) -> str:
+    """The MLflow tracking URI to use; refuses specdec's own database."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or \
+        f"sqlite:///{(specdec_home() / 'mlflow.db').resolve()}"
+    if db_url and uri == resolve_database_url(db_url):
+        raise RegistryError(f"MLflow's tracking store {display_url(uri)} is specdec's own database; "
+                            "give MLflow its own (default sqlite:///$SPECDEC_HOME/mlflow.db)")
+    return uri
+
+
+def client(uri: str | None = None) -> "RegistryClient":
+    """An MlflowClient for the tracking URI whose calls fail fast and clearly (RegistryClient)."""
+    uri = tracking_uri(uri)
+    _check_sql_store(uri)
+    return RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
+
+
+def unreachable(uri: str, exc: BaseException) -> RegistryUnavailable:
+    """The one-line error for a tracking store that cannot be reached: URI (credentials masked),
+    the cause, the fix."""
+    text = " ".join(str(exc).split())
+    causes = {"Connection refused": "connection refused", "timed out": "timed out",
+              "Name or service not known": "unknown host", "nodename nor servname": "unknown host",
+              "Temporary failure in name resolution": "unknown host"}
+    reason = next((short for marker, short in causes.items() if marker in text), mask_text(text)[:300])
+    return RegistryUnavailable(
+        f"MLflow tracking store {mask_url(uri)} is unreachable ({reason}). Start the tracking server "
+        "(or the database behind it), or set MLFLOW_TRACKING_URI to the right one; nothing was "
+        "changed in the registry")
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether an exception of an MLflow call means the store is down or unreachable (as opposed to
+    a refusal such as a missing version, which callers handle)."""
+    chain = [exc, exc.__cause__, exc.__context__]
+    if any(isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                          OperationalError)) for e in chain):
+        return True
+    return isinstance(exc, MlflowException) and str(exc.message).startswith("API request to") and (
+        "failed with" in str(exc.message) or exc.error_code in ("TEMPORARILY_UNAVAILABLE",))
+
+
+class RegistryClient:
+    """MlflowClient, with every call that finds the store unreachable raising one RegistryError
+    line (URI masked, the fix) instead of MLflow's traceback. Refusals (no such version or alias)
+    pass through as MlflowException for the callers that expect them."""
+
+    def __init__(self, inner, uri: str):
+        self._inner, self._uri = inner, uri
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except Exception as exc:
+                if is_unreachable(exc):
+                    raise unreachable(self._uri, exc) from None
+                raise
+        return call
+
+
+_SQL_STORES_CHECKED: set[str] = set()
+
+
+def _check_sql_store(uri: str) -> None:
+    """A database-backed tracking URI: one quick connection first (MLflow itself retries a
+    database that is down for about 100 s). Checked once per process and URI."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme not in ("postgresql", "mysql", "mssql") or uri in _SQL_STORES_CHECKED:
+        return
+
+    connect_args = {"connect_timeout": SQL_STORE_CONNECT_TIMEOUT_S} if scheme == "postgresql" else {}
+    try:
+        url = make_url(uri)
+        if url.drivername == "postgresql":      # psycopg 3 is the driver we install
+            url = url.set(drivername="postgresql+psycopg")
+        engine = create_engine(url, connect_args=connect_args)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except (DBAPIError, ImportError, ArgumentError, ValueError) as exc:
+        raise unreachable(uri, getattr(exc, "orig", exc)) from None
+    _SQL_STORES_CHECKED.add(uri)
+
+
+def check_reachable(uri: str | None = None) -> str:
+    """Raise RegistryError (one line) unless the tracking store answers now; the URI otherwise.
+    Run before expensive work that ends by registering."""
+    with fail_fast():
+        client(uri).search_registered_models(max_results=1)
+    return tracking_uri(uri)
+
+
+@contextmanager
+def fail_fast():
+    """Within it, MLflow's HTTP client neither retries nor waits long (by default it retries for
+    minutes): for reads that must fail fast, such as serving's."""
+    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    saved = {key: os.environ.get(key) for key in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def experiment_for_target(mlflow_client, target_id: str) -> str:
+    """The id of the target's experiment `specdec/<target-slug>`, created on first use."""
+    name = f"specdec/{target_slug(target_id)}"
+    experiment = mlflow_client.get_experiment_by_name(name)
+    if experiment is not None:
+        if (experiment.tags or {}).get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+            mlflow_client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return experiment.experiment_id
+    location = None
+    if mlflow_client.tracking_uri.startswith("sqlite:"):   # a local store: artifacts beside it
+        location = (specdec_home() / "mlartifacts" / target_slug(target_id)).resolve().as_uri()
+    return mlflow_client.create_experiment(name, artifact_location=location,
+                                           tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+
+
+def find_run(mlflow_client, experiment_id: str, run_id: str):
+    """The MLflow run tagged with specdec's run id, or None."""
+    runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run_id}'",
+                                     max_results=1)
+    return runs[0] if runs else None
+
+
+# ------------------------------------------------------------------------------------------------
+# registered config versions
+def alias_version(mlflow_client, name: str, alias: str) -> str | None:
+    """The version an alias points at; None when the model or the alias does not exist."""
+    try:
+        return str(mlflow_client.get_model_version_by_alias(name, alias).version)
+    except MlflowException as exc:   # no such model or alias: None; anything else (server down) raises
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def load_version_config(mlflow_client, name: str, version: str) -> SpecdecConfig:
+    """The config.json a version was registered from (its run's config/ artifact)."""
+    detail = mlflow_client.get_model_version(name, version)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = mlflow_client.download_artifacts(detail.run_id, "config", tmp)
+        return parse_config(Path(path, "config.json").read_text("utf-8"))
+
+
+def version_config(mlflow_client, name: str, version: str) -> SpecdecConfig:
+    """load_version_config, or a RegistryError naming the fix when there is no such version."""
+    try:
+        mlflow_client.get_model_version(name, version)
+    except MlflowException as exc:
+        if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
+        raise RegistryError(f"{name} has no version {version!r} ({exc.message if hasattr(exc, 'message') else exc}); "
+                            "list them with `specdec config show`") from None
+    return load_version_config(mlflow_client, name, version)
+
+
+def current_champion(uri: str | None = None, target_id: str | None = None, run_id: str | None = None,
+                     db_url: str | None = None) -> tuple[str | None, SpecdecConfig | None]:
+    """(version, config) of the champion of the target (of `run_id`'s target when target_id is None)."""
+    if target_id is None:
+        engine = ensure_ready(resolve_database_url(db_url))
+        with engine.connect() as connection:
+            target_id = run_row(connection, run_id)["target_id"]
+    mlflow_client = client(uri)
+    name = config_model_name(target_id)
+    version = alias_version(mlflow_client, name, CHAMPION)
+    if version is None:
+        return None, None
+    return version, load_version_config(mlflow_client, name, version)
+
+
+def show_version(name: str, which: str = CHAMPION, uri: str | None = None) -> dict:
+    """{name, version, aliases, tags, description, config} of an alias or a version number."""
+    mlflow_client = client(uri)
+    version = which if which.isdigit() else alias_version(mlflow_client, name, which)
+    if version is None:
+        raise RegistryError(f"{name} has no version with alias {which!r}")
+    detail = mlflow_client.get_model_version(name, version)
+    return {"name": name, "version": version, "aliases": list(detail.aliases or []),
+            "tags": dict(detail.tags or {}), "description": detail.description,
+            "config": json.loads(load_version_config(mlflow_client, name, version).to_json())}

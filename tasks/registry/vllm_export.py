@@ -1,0 +1,103 @@
+"""A registered config as vLLM takes it: per domain, a `speculative_config` (or none)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from .config_schema import DrafterSpec, SpecdecConfig
+
+BEYOND = 1 << 20     # the end of the last range: speculation off above the profiled batch sizes
+
+
+def speculative_config(drafter: DrafterSpec, k: int) -> dict | None:
+    """The vLLM `speculative_config` of one drafter at K tokens per round; None: no equivalent.
+
+    prompt_lookup: vLLM's `ngram` with the estimate's own min/max n (PromptLookup's default
+    occurrence rule is vLLM's; occurrence=latest has no equivalent).
+
+    suffix: vLLM's suffix decoding builds its own tree from the requests it serves, so the export
+    carries our tuned parameters, not our index (max_cached_requests is left to vLLM's default).
+    head: vLLM's `eagle` method loads EAGLE checkpoints in their own layout (a fuse layer and
+    decoder layer with the target's LM head, no final norm of their own, full vocabulary); our
+    head adds the target's final norm and may cut the vocabulary, so it has no equivalent."""
+    if drafter.kind == "prompt_lookup":
+        if drafter.params.get("occurrence", "earliest") != "earliest":
+            return None      # vLLM's ngram copies from the earliest occurrence only
+        return {"method": "ngram", "num_speculative_tokens": k,
+                "prompt_lookup_max": int(drafter.params.get("max_ngram", 3)),
+                "prompt_lookup_min": int(drafter.params.get("min_ngram", 2))}
+    if drafter.kind == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k,
+                "suffix_decoding_max_tree_depth": int(drafter.params.get("max_depth", 24)),
+                "suffix_decoding_min_token_prob": float(drafter.params.get("min_token_prob", 0.1)),
+                "suffix_decoding_max_spec_factor": float(drafter.params.get("max_spec_factor", 1.0))}
+    if drafter.kind == "draft_model":
+        return {"method": "draft_model", "model": drafter.model_uri or drafter.params.get("model"),
+                "num_speculative_tokens": k}
+    return None
+
+
+def batch_schedule(setting) -> list[list[int]] | None:
+    """vLLM's `num_speculative_tokens_per_batch_size`: [[first, last, K], ...] over inclusive
+    batch-size ranges (K = 0: speculation off), closed by [last + 1, BEYOND, 0] above the profiled
+    sizes; None when the setting has neither a schedule nor a batch-size cut-off. vLLM 0.32 types
+    it as a list of triples and refuses anything else (an object of "lo-hi" keys included)."""
+    if setting.k_schedule:
+        rows = [[int(first), int(last), int(k)] for first, last, k in setting.k_schedule]
+    elif setting.max_batch_size:           # a schema 1 config: one K up to a cut-off
+        rows = [[1, int(setting.max_batch_size), int(setting.k)]]
+    else:
+        return None
+    return rows + [[rows[-1][1] + 1, BEYOND, 0]]
+
+
+def serve_command(target: str, spec: dict | None) -> str:
+    """The `vllm serve` command line that serves `target` with one speculative config."""
+    command = f"vllm serve {shlex.quote(target)}"
+    if spec is not None:
+        command += " --speculative-config " + shlex.quote(json.dumps(spec, separators=(",", ":")))
+    return command
+
+
+def vllm_export(config: SpecdecConfig, target_path: str | None = None) -> dict:
+    """Per domain, the `speculative_config` a vLLM server takes as it is (None: no speculation),
+    the domains whose drafter has no vLLM equivalent, notes on what the mapping leaves out, and
+    the deployments: one vLLM server takes one speculative config, so domains with equal configs
+    share a deployment, and each deployment has its `vllm serve` command (target_path: the model
+    directory the server loads; default: the config's target id)."""
+    domains, unsupported, notes = {}, {}, {}
+    for name, setting in sorted(config.domains.items()):
+        if not setting.enabled or setting.drafter is None:
+            domains[name] = None
+            continue
+        drafter = setting.drafter
+        spec = speculative_config(drafter, setting.k)
+        if spec is None:
+            unsupported[name] = (
+                "prompt_lookup with occurrence=latest is not vLLM's ngram rule (the earliest "
+                "occurrence): evaluate prompt_lookup with the default occurrence to serve it on vLLM"
+                if drafter.kind == "prompt_lookup" else
+                f"{drafter.kind} has no vLLM equivalent; serve this domain without speculation or "
+                "with another drafter")
+            domains[name] = None
+            continue
+        if drafter.kind == "suffix":
+            notes[name] = ("vLLM builds its suffix tree from the requests it serves: these are the "
+                           "parameters tuned here, not the index the evaluation measured with")
+        schedule = batch_schedule(setting)
+        if schedule is not None:
+            spec["num_speculative_tokens"] = max(max(k for _, _, k in schedule), 1)
+            spec["num_speculative_tokens_per_batch_size"] = schedule
+        domains[name] = spec
+    target = target_path or config.target.id
+    groups: dict[str, dict] = {}
+    for name, spec in domains.items():
+        key = json.dumps(spec, sort_keys=True)
+        groups.setdefault(key, {"domains": [], "speculative_config": spec,
+                                "command": serve_command(target, spec)})["domains"].append(name)
+    return {"target": config.target.id, "run_id": config.run_id, "speculative_config": domains,
+            "deployments": sorted(groups.values(), key=lambda g: g["domains"]),
+            "routing": ("one vLLM server takes one speculative config: route each domain's "
+                        "requests to the deployment that lists it"),
+            "unsupported": unsupported, "notes": notes, "default": None}

@@ -1,0 +1,1 @@
+"""The serving environment: vLLM in its own virtual environment, driven as a process."""

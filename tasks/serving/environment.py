@@ -1,0 +1,145 @@
+"""The serving environment: vLLM in a virtual environment of its own (`make serving-env`), driven
+as a separate process. vLLM pins a transformers older than the pipeline's, and production runs the
+serving engine apart from the pipeline anyway, so this environment never imports vLLM: it runs
+`scripts/vllm_probe.py` with the serving environment's python and reads one JSON answer.
+
+Where it is: the setting `serving_python` (SPECDEC_SERVING_PYTHON), else
+`.venv-serving/bin/python` beside the repository. A vLLM you already run elsewhere: point
+`serving_python` at the python of its environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ..settings import Settings, load_settings
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).resolve().parent / "scripts" / "vllm_probe.py"
+MAKE_ONE = ("make one with `make serving-env` (vLLM's CPU build in .venv-serving), or set "
+            "SPECDEC_SERVING_PYTHON to the python of an environment that has vLLM")
+
+
+def serving_python(settings: Settings | None = None) -> Path:
+    """The serving environment's python; ServingEnvUnavailable (saying how to make one) if none."""
+    settings = settings or load_settings()
+    configured = settings.serving_python
+    path = Path(configured).expanduser() if configured else REPOSITORY / ".venv-serving" / "bin" / "python"
+    if not path.exists():
+        where = f"serving_python {configured!r} does not exist" if configured else (
+            f"no serving environment at {path.parent.parent}")
+        raise ServingEnvUnavailable(f"{where}; {MAKE_ONE}")
+    return path
+
+
+def available(settings: Settings | None = None) -> bool:
+    try:
+        serving_python(settings)
+    except ServingEnvUnavailable:
+        return False
+    return True
+
+
+def probe(command: str, request: dict, settings: Settings | None = None,
+          timeout_s: float = 600.0) -> dict:
+    """Run one vllm_probe.py command in the serving environment; its JSON answer."""
+    python = serving_python(settings)
+    try:
+        done = subprocess.run([str(python), str(PROBE), command], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-2000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise ServingProbeError(f"serving environment {python}: `{command}` did not answer within "
+                                f"{timeout_s:.0f} s; its last output:\n{tail}") from None
+    return _answer(done, lambda: f"serving environment {python}: `{command}` failed (exit "
+                                 f"{done.returncode}); its last output:\n{done.stderr[-2000:]}")
+
+
+def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
+               settings: Settings | None = None) -> dict:
+    """One engine in the serving environment (vllm_probe.py replay): started with the request's
+    speculative config, in-process (no engine-core child to leave behind), its log written to
+    `log_path`. Past `timeout_s` it is killed: EngineTimeout names `what` and the log."""
+    python = serving_python(settings)
+    settings = settings or load_settings()
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_KVCACHE_SPACE=str(settings.engine_kv_cache_gib))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log_file:
+        try:
+            done = subprocess.run([str(python), str(PROBE), "replay"], input=json.dumps(request),
+                                  stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                  timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise EngineTimeout(f"{what}: the engine did not finish within {timeout_s:.0f} s "
+                                f"(engine_check_timeout_s); its log: {log_path}") from None
+    def failure() -> str:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
+        return f"{what}: the engine exited with {done.returncode}: {tail[0][:500]}; its log: {log_path}"
+    return _answer(done, failure)
+
+
+SERVED_MARK = "specdec_served.json"     # written beside a target directory made for serving
+
+
+def _answer(done: subprocess.CompletedProcess, failure) -> dict:
+    """The probe's one JSON answer (its last stdout line); ServingProbeError(failure()) without."""
+    answer = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+    if done.returncode != 0 or not answer:
+        raise ServingProbeError(failure())
+    return json.loads(answer[0])
+
+
+def served_model_dir(target: str) -> Path:
+    """The transformers directory a serving engine loads for `target`, with its fingerprint.
+
+    The embedded default: its dequantized copy under $SPECDEC_HOME/models, (re)written once in the
+    form serving engines load (the architecture named, tied embeddings under the input
+    embedding's name) with the weights' fingerprint in `specdec_served.json` beside them. Any
+    other target: its own transformers directory, as it is."""
+    # imported here: torch: the CLI's config commands import it
+    from specdec_core.models import EMBEDDED_MODELS, models_dir
+
+    if target.lower() in EMBEDDED_MODELS:
+        directory = models_dir() / target.lower() / "transformers"
+        if not (directory / SERVED_MARK).exists():
+            _write_served(target, directory)
+        return directory
+    path = Path(target).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise ServingEnvUnavailable(f"target {target!r} is not the embedded default nor a transformers "
+                                "directory: give the serving engine the target's directory")
+
+
+def served_fingerprint(directory: Path) -> str | None:
+    """The fingerprint recorded beside a directory made for serving (None: not one of ours)."""
+    mark = Path(directory) / SERVED_MARK
+    return json.loads(mark.read_text())["fingerprint"] if mark.exists() else None
+
+
+def _write_served(target: str, directory: Path) -> None:
+    # imported here: torch: the CLI's config commands import it
+    from specdec_core.models import load_model, save_transformers_dir
+    from specdec_core.validation import fingerprint_id, target_fingerprint
+
+    model, tokenizer = load_model(target, device="cpu")       # writes the directory on first use
+    staging = Path(tempfile.mkdtemp(dir=directory.parent))
+    try:
+        save_transformers_dir(model, tokenizer, staging)
+        (staging / SERVED_MARK).write_text(json.dumps(
+            {"target": target, "fingerprint": fingerprint_id(target_fingerprint(model))}))
+        old = directory.with_name(directory.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        os.replace(staging, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,350 @@
+"""Live confirmation: real speculative decoding with the planned config against plain decoding.
+
+Which requests: `confirm_requests` of the domain's sample, stratified on their offline E (the
+planned drafter at the planned K): ranked by E and taken at evenly spaced quantiles, so a few
+requests stand for the domain instead of happening to be its easiest or hardest.
+
+How: batch 1, each request with its own logged sampling params and up to its logged response
+length (at most confirm_max_new_tokens); plain and speculative decoding alternate request by
+request (the order flips every request, so drift of the machine hits both alike). Speedup is
+decode-phase tokens/s over plain's; end-to-end latency (prefill included) is stored beside it.
+
+Two errors, kept apart:
+- cost-model error: the measured speedup against the prediction for the SAME requests (their own
+  offline estimate -- rounds and draft widths of the truncated responses -- through the planner's
+  cost formula). This is what the live run can check, and what the gap flag fires on.
+- sampling error: the subset's offline E against the domain's E (a few requests are not the
+  domain); reported, never flagged.
+Greedy rows are checked for consistency: where the live output equals the logged response, the
+live accepted count and rounds must equal the offline estimate's exactly; any difference is an
+engine/estimator inconsistency and is logged and stored with the request.
+Runs under the timing lock.
+
+Hardware: live timings check costs only on the hardware class they were measured on (device and
+dtype). When the run measured its own cost profile (its profile task), confirm on a worker of
+another class is refused (HardwareMismatch, naming both: route profile and confirm to one class
+of worker). A stored profile (`--hardware-profile`) plans for its hardware from anywhere; on a
+worker of another class, confirm is skipped with a warning (nothing to compare).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from sqlalchemy import delete, insert, select, update
+from tqdm.auto import tqdm
+
+from specdec_core import SpecDecoder, SpecStats
+from specdec_core.estimate import LoggedRequest, estimate_acceptance
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EvalRun, HardwareProfile, LiveMeasurement
+from ..settings import Settings, load_settings, worker_name
+from ..timeutil import utcnow
+from .costs import (CostProfileError, HardwareMismatch, describe_hardware, hardware_text, run_costs,
+                    same_hardware, timing_lock)
+from .plan import speedup_factor
+
+log = logging.getLogger(__name__)
+
+WEAK_EVIDENCE = 5     # confirm requests below which a live verdict says its evidence is weak
+
+
+def _stratified(requests: list, values: list[float], count: int) -> list:
+    """`count` requests at evenly spaced quantiles of `values` (ties keep the sample's order)."""
+    if count >= len(requests):
+        return list(requests)
+    order = sorted(range(len(requests)), key=lambda i: values[i])
+    picks = sorted({order[min(len(order) - 1, int((j + 0.5) * len(order) / count))]
+                    for j in range(count)})
+    return [requests[i] for i in picks]
+
+
+def truncated(request, new_tokens: int):
+    return LoggedRequest(request.request_id, request.prompt_ids, list(request.response_ids)[:new_tokens],
+                         request.sampling, request.domain)
+
+
+def offline_totals(target, drafter, requests: list, k: int) -> dict:
+    """{request id: RoundTotals} of the planned drafter at K (requests of 2+ response tokens)."""
+    usable = [r for r in requests if len(r.response_ids) >= 2]
+    if not usable:
+        return {}
+    pooled = [truncated(r, len(r.response_ids)) for r in usable]
+    for request in pooled:
+        request.domain = "all"
+    estimate = estimate_acceptance(target, drafter, pooled, [k], progress=False, n_boot=100)
+    return {r.request_id: totals for r, totals in zip(usable, estimate["all"][k].per_request)}
+
+
+def _round_costs(run_id: str, engine, db_url: str, drafter_label: str, drafter_spec: dict | None):
+    """f(RoundTotals) -> expected cost of its rounds in target steps at batch 1; None without a
+    cost profile."""
+    costs = run_costs(run_id, db_url)
+    if costs is None:
+        return None
+    try:
+        costs.draft_ratio(drafter_label, 1)     # the profile has this drafter's step
+    except CostProfileError:
+        return None
+
+    def cost(totals) -> float:   # in plain-decoding steps (overheads included)
+        return totals.rounds / speedup_factor(drafter_label, drafter_spec, totals.width_share, costs, 1)
+    return cost
+
+
+def confirm_hardware(run_id: str, domain: str, engine, target) -> dict | None:
+    """This worker's hardware description (stored with the live measurement), or None when the
+    run plans with a stored profile of another hardware class (confirm is skipped). Raises
+    HardwareMismatch when the run's own profile was measured on another class."""
+    here = dict(describe_hardware(target), worker=worker_name())
+    with engine.connect() as connection:
+        run = connection.execute(select(EvalRun.hardware_profile, EvalRun.worker_hardware).where(
+            EvalRun.run_id == run_id)).mappings().first()
+        profile = None if run is None else run["hardware_profile"]
+        stored = None if profile is None else connection.execute(select(
+            HardwareProfile.device, HardwareProfile.dtype).where(
+            HardwareProfile.name == profile)).mappings().first()
+    if profile is None:
+        return here          # no cost profile: nothing is compared
+    worker = run["worker_hardware"] or {}
+    if worker.get("measured"):
+        if not same_hardware(here, worker):
+            raise HardwareMismatch(
+                f"run {run_id}, domain {domain}: its cost profile {profile!r} was measured on "
+                f"{hardware_text(worker)}, but confirm runs on {hardware_text(here)}: live timings "
+                "on one hardware class cannot check costs measured on another. Route the profile "
+                "and confirm tasks to workers of one hardware class (both take the queue "
+                "`gpu_queue`; give each class of GPU worker its own queue), or plan with a stored "
+                "profile of the serving hardware (`hardware_profile`).")
+        return here
+    if stored is not None and not same_hardware(here, dict(stored)):
+        log.warning("run %s, domain %s: confirm skipped: the plan is for hardware profile %r (%s), "
+                    "this worker is %s; live timings here cannot check it (run confirm on that "
+                    "hardware class to compare)", run_id, domain, profile, hardware_text(dict(stored)),
+                    hardware_text(here))
+        return None
+    return here
+
+
+def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
+                   db_url: str | None = None, settings: Settings | None = None,
+                   progress: bool = True) -> dict | None:
+    """Measure the domain's planned (drafter, K) live; store live_measurements and the measured
+    speedup in domain_configs. A domain that is off still has its best candidate measured (the
+    prediction is checked either way). Returns the measurement, or None without a plan/requests.
+    """
+    settings = settings or load_settings()
+    url = resolve_database_url(db_url or settings.database_url)
+    engine = ensure_ready(url)
+    with engine.connect() as connection:
+        config = connection.execute(select(DomainConfig).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
+    if config is None or config["drafter"] is None or config["status"] != "ok" or not requests:
+        return None
+    hardware = confirm_hardware(run_id, domain, engine, target)
+    if hardware is None:
+        return None
+    drafter = drafters[config["drafter"]][1]
+    k = int(config["k"])
+    # stratify on the requests' own offline E, then estimate exactly what will be decoded
+    whole = offline_totals(target, drafter, requests, k)
+    candidates = [r for r in requests if r.request_id in whole] or list(requests)
+    subset = _stratified(candidates, [whole[r.request_id].expected_tokens_per_round
+                                      if r.request_id in whole else 0.0 for r in candidates],
+                         settings.confirm_requests)
+    lengths = {r.request_id: min(len(r.response_ids), settings.confirm_max_new_tokens) for r in subset}
+    # only a response cut at confirm_max_new_tokens needs an estimate of its own
+    cut = [r for r in subset if lengths[r.request_id] < len(r.response_ids)]
+    cut_ids = {r.request_id for r in cut}
+    decoded = {r.request_id: whole[r.request_id] for r in subset
+               if r.request_id in whole and r.request_id not in cut_ids}
+    decoded.update(offline_totals(target, drafter, [truncated(r, lengths[r.request_id]) for r in cut], k))
+    cost_of = _round_costs(run_id, engine, url, config["drafter"], config["drafter_spec"])
+    device = next(target.parameters()).device
+    spec_decoder = SpecDecoder(target, drafter, k=k)
+    plain_stats, spec_stats = SpecStats.empty(0), SpecStats.empty(k)
+    plain_latency = spec_latency = 0.0
+    per_request = []
+    with timing_lock():
+        for index, request in enumerate(tqdm(subset, desc=f"confirm {domain}", disable=not progress)):
+            ids = torch.tensor([list(request.prompt_ids)], dtype=torch.long, device=device)
+            new_tokens = lengths[request.request_id]
+            kwargs = dict(max_new_tokens=new_tokens, sampling=request.sampling, seed=index)
+            order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")
+            results = {}
+            for which in order:
+                if which == "plain":
+                    results[which] = spec_decoder.generate_plain(ids, **kwargs)
+                    plain_stats = plain_stats.merge(results[which].stats)
+                    plain_latency += results[which].stats.total_s
+                else:
+                    results[which] = spec_decoder.generate(ids, **kwargs)
+                    spec_stats = spec_stats.merge(results[which].stats)
+                    spec_latency += results[which].stats.total_s
+            per_request.append(_request_record(request, results, decoded.get(request.request_id),
+                                               cost_of, new_tokens))
+    plain_tps, spec_tps = plain_stats.decode_tokens_per_s, spec_stats.decode_tokens_per_s
+    measured = spec_tps / plain_tps if plain_tps > 0 else None
+    predicted = config["predicted_speedup"]
+    scored = [decoded[r.request_id] for r in subset if r.request_id in decoded]
+    same = None
+    if cost_of is not None and scored:
+        spent = sum(cost_of(t) for t in scored)
+        same = sum(t.tokens for t in scored) / spent if spent > 0 else None
+    cost_error = measured / same - 1.0 if measured is not None and same else None
+    chosen = [whole[r.request_id] for r in subset if r.request_id in whole]
+    subset_e = (sum(t.tokens for t in chosen) / sum(t.rounds for t in chosen)
+                if chosen and sum(t.rounds for t in chosen) else None)
+    domain_e = config["mean_accepted_length"]
+    sampling_error = subset_e / domain_e - 1.0 if subset_e and domain_e else None
+    greedy = [item for item in per_request if item["greedy_comparable"]]
+    gap = None if cost_error is None else abs(cost_error) > settings.confirm_tolerance
+    verdict = live_verdict(per_request, config, settings, same)
+    row = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": k, "batch_size": 1,
+           "requests": len(subset), "tokens": int(spec_stats.new_tokens),
+           "acceptance_rate": spec_stats.acceptance_rate,
+           "mean_accepted_length": spec_stats.mean_accepted_length,
+           "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps,
+           "predicted_speedup": predicted, "measured_speedup": measured,
+           "plain_latency_s": plain_latency / len(subset), "spec_latency_s": spec_latency / len(subset),
+           "gap": gap, "predicted_same_requests": same, "cost_model_error": cost_error,
+           "subset_expected_tokens": subset_e, "domain_expected_tokens": domain_e,
+           "sampling_error": sampling_error, "greedy_checked": len(greedy),
+           "greedy_consistent": sum(1 for item in greedy if item["consistent"]),
+           "per_request": per_request, "hardware": hardware,
+           "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
+    now = utcnow()
+    with engine.begin() as connection:
+        connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
+                                                         & (LiveMeasurement.domain == domain)))
+        connection.execute(insert(LiveMeasurement).values(**row, created_at=now))
+        values = {"measured_speedup": measured, "live_check": verdict}
+        if verdict["verdict"] == "veto":     # the domain stays at the champion's setting: off
+            values.update(enabled=False, max_batch_size=None, k_schedule=None,
+                          reason=f"{verdict['reason']}; the champion's setting is kept (off). "
+                                 f"Planner: {config['reason']}"[:2000])
+        connection.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
+                                                      & (DomainConfig.domain == domain))
+                           .values(**values))
+    if verdict["verdict"] == "veto":
+        log.warning("run %s, domain %s: %s; it stays off (the champion's setting)", run_id, domain,
+                    verdict["reason"])
+    for item in greedy:
+        if not item["consistent"]:
+            log.error("run %s, domain %s, request %s: engine/estimator inconsistency -- live greedy "
+                      "output equals the log but accepted %d drafts in %d rounds, the estimate %s in %s",
+                      run_id, domain, item["request_id"], item["live_accepted"], item["live_rounds"],
+                      item["offline_accepted"], item["offline_rounds"])
+    if gap:
+        log.warning("run %s, domain %s: measured speedup %.2fx vs %.2fx predicted for the same requests "
+                    "(cost-model error %+.0f%%, tolerance %.0f%%)", run_id, domain, measured, same,
+                    100 * cost_error, 100 * settings.confirm_tolerance)
+    return row
+
+
+def _request_record(request, results: dict, offline, cost_of, new_tokens: int) -> dict:
+    """Predicted and measured speedup of one confirm request side by side, and for a greedy row
+    whether its live rounds equal the offline estimate's."""
+    plain, spec = results["plain"].stats, results["spec"].stats
+    measured = (spec.decode_tokens_per_s / plain.decode_tokens_per_s
+                if plain.decode_tokens_per_s > 0 else None)
+    predicted = None
+    if offline is not None and cost_of is not None and cost_of(offline) > 0:
+        predicted = offline.tokens / cost_of(offline)
+    logged = list(request.response_ids)[:new_tokens]
+    live = results["spec"].tokens[0, : results["spec"].num_tokens[0]].tolist()
+    comparable = bool(request.sampling.greedy) and offline is not None and live == logged
+    first_difference = next((i for i, (a, b) in enumerate(zip(live, logged)) if a != b),
+                            None if len(live) == len(logged) else min(len(live), len(logged)))
+    offline_accepted = None if offline is None else int(round(float(offline.accepted.sum())))
+    offline_rounds = None if offline is None else int(round(float(offline.rounds)))
+    return {"request_id": request.request_id, "predicted": predicted, "measured": measured,
+            "plain_tokens": int(plain.emitted), "plain_decode_s": plain.decode_s,
+            "spec_tokens": int(spec.emitted), "spec_decode_s": spec.decode_s,
+            "offline_tokens": None if offline is None else float(offline.tokens),
+            "offline_cost": None if offline is None or cost_of is None else float(cost_of(offline)),
+            "offline_expected_tokens": None if offline is None else offline.expected_tokens_per_round,
+            "live_accepted": int(spec.accepted), "live_rounds": int(spec.rounds),
+            "offline_accepted": offline_accepted, "offline_rounds": offline_rounds,
+            "greedy_comparable": comparable,
+            "consistent": (comparable and offline_accepted == spec.accepted
+                           and offline_rounds == spec.rounds) if comparable else None,
+            "first_difference_from_log": first_difference}
+
+
+def speedup_interval(per_request: list[dict], samples: int = 2000, seed: int = 0) -> dict:
+    """The measured speedup over confirm requests and its 95% interval by bootstrap over them:
+    {measured, lo, hi, error_lo, error_hi} where measured = spec tokens/s over plain tokens/s of the
+    decode phases summed over the requests, and error_* bound measured / predicted - 1 on the same
+    requests (None where the requests carry no prediction)."""
+    rows = [r for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s")]
+    if not rows:
+        return {"measured": None, "lo": None, "hi": None, "error_lo": None, "error_hi": None}
+    columns = {key: np.array([float(r[key]) for r in rows]) for key in
+               ("plain_tokens", "plain_decode_s", "spec_tokens", "spec_decode_s")}
+
+    def speedup(index):
+        plain = columns["plain_tokens"][index].sum(-1) / columns["plain_decode_s"][index].sum(-1)
+        spec = columns["spec_tokens"][index].sum(-1) / columns["spec_decode_s"][index].sum(-1)
+        return spec / plain
+
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(rows), size=(samples, len(rows)))
+    boot = speedup(draws)
+    out = {"measured": float(speedup(np.arange(len(rows)))),
+           "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
+           "error_lo": None, "error_hi": None}
+    if all(r.get("offline_tokens") and r.get("offline_cost") for r in rows):
+        tokens = np.array([r["offline_tokens"] for r in rows])
+        cost = np.array([r["offline_cost"] for r in rows])
+        error = boot / (tokens[draws].sum(-1) / cost[draws].sum(-1)) - 1.0
+        out["error_lo"], out["error_hi"] = (float(np.percentile(error, 2.5)),
+                                            float(np.percentile(error, 97.5)))
+    return out
+
+
+def live_verdict(per_request: list[dict], config: dict, settings: Settings,
+                 predicted_same: float | None) -> dict:
+    """Whether the live measurement lets a domain the plan turns on actually turn on.
+
+    Only a domain that would turn on (on in the plan, off in the champion config) can be vetoed:
+    - its measured speedup on the confirm requests is below 1.0 (slower than plain decoding);
+    - the upper end of that speedup's 95% interval is below min_speedup (it confidently does not
+      pay the policy minimum);
+    - the upper end of the cost-model error's interval is below -confirm_tolerance (slower than
+      predicted for the same requests, beyond the tolerance, whatever the requests' own noise).
+    The bootstrap interval is over the confirm requests: with few of them it is wide, so a quiet
+    machine's correct "on" (measured well above the minimum) stands; the verdict says how many
+    requests it rests on ("weak": fewer than 5).
+    Output: {verdict: pass | flag (a problem, in a domain that is not turning on) | veto | none,
+    weak, measured, lo, hi, error_lo, error_hi, predicted, requests, reason}.
+    """
+    interval = speedup_interval(per_request)
+    requests = sum(1 for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s"))
+    predicted = predicted_same or config.get("predicted_speedup")
+    out = {**interval, "predicted": predicted, "requests": requests, "verdict": "none",
+           "reason": "no live measurement"}
+    measured = interval["measured"]
+    if measured is None:
+        return out
+    text = (f"live check: {measured:.2f}x measured [{interval['lo']:.2f}, {interval['hi']:.2f}] over "
+            f"{requests} request{'s' if requests != 1 else ''}" + (
+                f" vs {predicted:.2f}x predicted" if predicted else ""))
+    turning_on = (settings.live_veto and bool(config.get("enabled"))
+                  and not config.get("champion_on"))
+    why = None
+    if measured < 1.0:
+        why = "slower than plain decoding"
+    elif interval["hi"] < settings.min_speedup:
+        why = f"the interval's upper end is below min_speedup {settings.min_speedup:.2f}x"
+    elif interval["error_hi"] is not None and interval["error_hi"] < -settings.confirm_tolerance:
+        why = (f"slower than predicted beyond the {100 * settings.confirm_tolerance:.0f}% tolerance "
+               f"(cost-model error {100 * interval['error_lo']:+.0f}% to {100 * interval['error_hi']:+.0f}%)")
+    weak = requests < WEAK_EVIDENCE
+    out.update(verdict="pass" if why is None else ("veto" if turning_on else "flag"), weak=weak,
+               reason=text + (f": {why}" if why else "") + (
+                   f" (weak evidence: {requests} request{'s' if requests != 1 else ''})" if weak else ""))
+    return out

@@ -1,0 +1,519 @@
+"""Cost profiles: what a target step, a verify(K) pass and a draft step cost on named hardware.
+
+`profile_costs` measures them on this machine at batch sizes 1..B and stores them in cost_profiles
+(keyed by run id and hardware profile) with the profile's description in hardware_profiles.
+`export_costs` / `import_costs` move a profile through a JSON file, so costs measured on the
+serving GPU can plan for it from any machine. Timing work holds an exclusive file lock
+($SPECDEC_HOME/locks/timing.lock): two timing steps never share this machine's CPU/GPU, whichever
+process (CLI, test, Airflow task) runs them. Across machines, the Airflow pool `specdec_timing`
+does that job; the lock is only the per-machine guard.
+
+A hardware description (describe_hardware / describe_device) is a device and dtype: timings are
+comparable only within one (same_hardware); confirm refuses the others (HardwareMismatch).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import platform
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from sqlalchemy import delete, insert, select
+from tqdm.auto import tqdm
+
+from specdec_core import SpecDecoder
+from specdec_core.drafters import SuffixDrafter, output_size
+from specdec_core.profile import CostSampler
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
+from ..errors import SpecdecTaskError
+from ..registry.run_results import profile_check  # noqa: F401 - re-exported
+from ..settings import Settings, load_settings, specdec_home
+from ..timeutil import utcnow
+from .suffix_index import timing_index
+
+log = logging.getLogger(__name__)
+
+FILE_FORMAT = "specdec-cost-profile/1"
+
+
+class CostProfileError(SpecdecTaskError, LookupError):
+    """No usable cost profile (unknown name, missing batch sizes or K, unreadable file)."""
+
+
+@contextmanager
+def timing_lock(name: str = "timing"):
+    """Exclusive lock across processes for timing work; waits (and says so) while another holds it."""
+    path = specdec_home() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for other timing work to finish (lock %s)", path)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def describe_hardware(model, name: str | None = None) -> dict:
+    """{name, device, dtype, details} of the device and dtype `model` runs on."""
+    weight = next(model.parameters())
+    return describe_device(weight.device, weight.dtype, name)
+
+
+def describe_device(device, dtype, name: str | None = None) -> dict:
+    """{name, device, dtype, details} of a torch device and dtype on this machine (a hardware
+    class: two workers with equal device and dtype time alike)."""
+    device = torch.device(device)
+    dtype = str(dtype).replace("torch.", "")
+    if device.type == "cuda":
+        label = torch.cuda.get_device_name(device)
+        details = {"cuda": torch.version.cuda}
+    else:
+        label = f"cpu {platform.machine()} ({torch.get_num_threads()} threads)"
+        details = {"processor": platform.processor() or platform.machine()}
+    details["torch"] = torch.__version__
+    if name is None:
+        name = _slug(f"{label if device.type == 'cuda' else 'cpu-' + str(torch.get_num_threads()) + 't'}-{dtype}")
+    return {"name": name, "device": label, "dtype": dtype, "details": details}
+
+
+class HardwareMismatch(SpecdecTaskError, RuntimeError):
+    """Live timings on one hardware class compared with costs measured on another."""
+
+
+def same_hardware(a: dict, b: dict) -> bool:
+    """Whether two hardware descriptions are one class: the same device and dtype."""
+    return (a.get("device"), a.get("dtype")) == (b.get("device"), b.get("dtype"))
+
+
+def hardware_text(hardware: dict) -> str:
+    worker = f" on worker {hardware['worker']}" if hardware.get("worker") else ""
+    return f"{hardware.get('device')} {hardware.get('dtype')}{worker}"
+
+
+@dataclass
+class CostTable:
+    """Seconds per component of one hardware profile, by batch size."""
+
+    hardware_profile: str
+    run_id: str
+    target_step: dict[int, float]                          # {batch: s}
+    verify: dict[int, dict[int, float]]                    # {batch: {K: s}}
+    draft_step: dict[str, dict[int, float]] = field(default_factory=dict)  # {drafter: {batch: s}}
+    # per round outside the forward passes and proposals ({drafter or "plain": {batch: s}});
+    # empty in profiles measured before it was (they plan without it)
+    round_overhead: dict[str, dict[int, float]] = field(default_factory=dict)
+    # interquartile range / median of each figure's repeated timings, keyed as rows() are:
+    # (component, drafter, k, batch_size); draft steps and overheads over the target step
+    spread: dict[tuple, float] = field(default_factory=dict)
+    # the profile's own check (check_costs): {status: ok | noisy, reasons, attempts, max_spread};
+    # None for profiles measured or imported without one
+    check: dict | None = None
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the profile failed its consistency or spread checks (tasks.steps.plan then turns no
+        domain on from it that the champion has off)."""
+        return bool(self.check) and self.check.get("status") == "noisy"
+
+    def noise_text(self, limit: int = 3) -> str:
+        """The first reasons of a noisy profile, in words."""
+        reasons = list((self.check or {}).get("reasons") or [])
+        more = f" (+{len(reasons) - limit} more)" if len(reasons) > limit else ""
+        return "; ".join(reasons[:limit]) + more
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.target_step)
+
+    def k_max(self, batch_size: int) -> int:
+        return max(self.verify.get(batch_size, {0: 0}))
+
+    def verify_ratios(self, batch_size: int) -> list[float]:
+        """[v(1), v(2), ...] = t_verify(K) / t_step at this batch size, at least 1: a verify pass
+        does at least a step's work, and a lower ratio is measurement noise (a step timed while the
+        machine was busier) that would promise a speedup no acceptance rate can deliver."""
+        step = self.target_step[batch_size]
+        verify = self.verify[batch_size]
+        return [max(verify[k] / step, 1.0) for k in range(1, max(verify) + 1)]
+
+    def draft_ratio(self, drafter: str, batch_size: int) -> float:
+        """t_draft / t_step at this batch size (per token for models, per round for prompt lookup)."""
+        try:
+            return self.draft_step[drafter][batch_size] / self.target_step[batch_size]
+        except KeyError:
+            raise CostProfileError(
+                f"cost profile {self.hardware_profile!r} (run {self.run_id}) has no draft step for "
+                f"{drafter} at batch size {batch_size}; run `specdec profile` with that candidate"
+            ) from None
+
+    def overhead_ratios(self, drafter: str, batch_size: int) -> tuple[float, float]:
+        """(plain decoding's overhead per step, the drafter's per round) / t_step at this batch
+        size; 0 where the profile has none."""
+        step = self.target_step[batch_size]
+        plain = self.round_overhead.get("plain", {}).get(batch_size, 0.0)
+        return plain / step, self.round_overhead.get(drafter, {}).get(batch_size, 0.0) / step
+
+    def rows(self) -> list[dict]:
+        out = self._rows()
+        for row in out:
+            row["spread"] = self.spread.get((row["component"], row["drafter"], row["k"],
+                                             row["batch_size"]))
+        return out
+
+    def _rows(self) -> list[dict]:
+        out = []
+        for b, seconds in self.target_step.items():
+            out.append({"component": "target_step", "drafter": None, "k": None, "batch_size": b,
+                        "seconds": seconds})
+            for k, s in self.verify.get(b, {}).items():
+                out.append({"component": "verify", "drafter": None, "k": k, "batch_size": b,
+                            "seconds": s})
+        for drafter, per_batch in self.draft_step.items():
+            for b, s in per_batch.items():
+                out.append({"component": "draft_step", "drafter": drafter, "k": None,
+                            "batch_size": b, "seconds": s})
+        for drafter, per_batch in self.round_overhead.items():
+            for b, s in per_batch.items():
+                out.append({"component": "round_overhead", "drafter": drafter, "k": None,
+                            "batch_size": b, "seconds": s})
+        return out
+
+    @classmethod
+    def from_rows(cls, hardware_profile: str, run_id: str, rows) -> "CostTable":
+        table = cls(hardware_profile, run_id, {}, {}, {}, {})
+        for row in rows:
+            row = dict(row)
+            b, s = int(row["batch_size"]), float(row["seconds"])
+            if row.get("spread") is not None:
+                table.spread[(row["component"], row.get("drafter"),
+                              None if row.get("k") is None else int(row["k"]), b)] = float(row["spread"])
+            if row["component"] == "target_step":
+                table.target_step[b] = s
+            elif row["component"] == "verify":
+                table.verify.setdefault(b, {})[int(row["k"])] = s
+            elif row["component"] == "draft_step":
+                table.draft_step.setdefault(row["drafter"], {})[b] = s
+            elif row["component"] == "round_overhead":
+                table.round_overhead.setdefault(row["drafter"], {})[b] = s
+            else:
+                raise CostProfileError(f"cost profile {hardware_profile!r}: unknown component "
+                                       f"{row['component']!r}")
+        return table
+
+
+def _store(engine, run_id: str, hardware: dict, table: CostTable) -> None:
+    now = utcnow()
+    where = (lambda model: (model.run_id == run_id) & (model.hardware_profile == hardware["name"]))
+    with engine.begin() as connection:
+        connection.execute(delete(CostProfile).where(where(CostProfile)))
+        connection.execute(insert(CostProfile), [
+            dict(row, run_id=run_id, hardware_profile=hardware["name"], created_at=now)
+            for row in table.rows()])
+        connection.execute(delete(CostProfileCheck).where(where(CostProfileCheck)))
+        if table.check is not None:
+            connection.execute(insert(CostProfileCheck).values(
+                run_id=run_id, hardware_profile=hardware["name"], status=table.check["status"],
+                reasons=table.check.get("reasons") or [], attempts=int(table.check.get("attempts") or 1),
+                max_spread=table.check.get("max_spread"), details=table.check.get("details"),
+                created_at=now))
+        connection.execute(delete(HardwareProfile).where(HardwareProfile.name == hardware["name"]))
+        connection.execute(insert(HardwareProfile).values(
+            name=hardware["name"], device=hardware["device"], dtype=hardware["dtype"],
+            details=hardware.get("details"), updated_at=now))
+
+
+def check_costs(table: CostTable, raw_overhead: dict[int, dict[str, float]] | None = None,
+                max_spread: float = 0.25, noise_floor: float = 0.05,
+                verify_dip: float = 0.25, overhead_floor: float = 0.2) -> list[str]:
+    """What makes a profile untrustworthy, in words (empty: consistent and quiet enough).
+
+    A fall counts only beyond noise: by more than max(noise_floor, the two figures' spreads).
+    - the target step must not fall as the batch grows;
+    - verify(K) must cost at least one step, and must not fall as K grows by more than
+      max(verify_dip, the spreads): a CPU's matrix kernels change path with the width, and a
+      quiet 2-core machine measured v(6) = 2.33-2.43 but v(7) = 2.05 at batch 2 in every
+      measurement (spreads 2-3%), where a busy one gave v(2) = 1.80 but v(3) = 1.40;
+    - a round's overhead must not be negative beyond max(overhead_floor, its spread) of a step
+      (raw_overhead: the medians before clipping at 0). An overhead is the small difference of a
+      short decode's time and its forwards priced at the profile's medians: on the quiet 2-core
+      machine it came out as low as -0.12 of a step for host drafters at batch 1;
+    - no figure's spread (interquartile range / median; draft steps and overheads over the
+      target step) may exceed max_spread.
+    """
+    reasons = []
+    spread = lambda component, drafter, k, b: table.spread.get((component, drafter, k, b), 0.0)  # noqa: E731
+    tolerance = lambda *spreads: max(noise_floor, *spreads)  # noqa: E731
+    sizes = table.batch_sizes
+    for small, large in zip(sizes, sizes[1:]):
+        a, b = table.target_step[small], table.target_step[large]
+        if b < a * (1 - tolerance(spread("target_step", None, None, small),
+                                  spread("target_step", None, None, large))):
+            reasons.append(f"target step falls as the batch grows: {1000 * a:.1f} ms at batch {small}, "
+                           f"{1000 * b:.1f} ms at batch {large}")
+    for size in sizes:
+        step = table.target_step[size]
+        step_spread = spread("target_step", None, None, size)
+        verify = table.verify.get(size, {})
+        below = [k for k, seconds in sorted(verify.items())
+                 if seconds < step * (1 - tolerance(step_spread, spread("verify", None, k, size)))]
+        if below:
+            reasons.append(f"verify cheaper than one step at batch {size}: v({below[0]}) = "
+                           f"{verify[below[0]] / step:.2f}" + (f" (and {len(below) - 1} more K)"
+                                                               if len(below) > 1 else ""))
+        peak = None
+        for k, seconds in sorted(verify.items()):
+            if peak is not None and seconds < verify[peak] * (1 - max(
+                    verify_dip, spread("verify", None, peak, size), spread("verify", None, k, size))):
+                reasons.append(f"verify falls as K grows at batch {size}: v({peak}) = "
+                               f"{verify[peak] / step:.2f} but v({k}) = {seconds / step:.2f}")
+                break
+            if peak is None or seconds > verify[peak]:
+                peak = k
+        for label, seconds in sorted((raw_overhead or {}).get(size, {}).items()):
+            if seconds < -step * max(overhead_floor, spread("round_overhead", label, None, size)):
+                reasons.append(f"negative overhead at batch {size}: {label} {seconds / step:+.2f} of a "
+                               "step (its decode took less than its own forwards)")
+    widest = max(table.spread.items(), key=lambda item: item[1], default=None)
+    if widest is not None and widest[1] > max_spread:
+        (component, drafter, k, size), value = widest
+        name = component if drafter is None and k is None else (
+            f"v({k})" if k is not None else f"{component} {drafter}")
+        over = sum(1 for v in table.spread.values() if v > max_spread)
+        reasons.append(f"spread {100 * value:.0f}% > {100 * max_spread:.0f}% ({name} at batch {size}"
+                       + (f"; {over} figures in all" if over > 1 else "") + ")")
+    return reasons
+
+
+def _table_of(sampler, hardware_profile: str, run_id: str) -> CostTable:
+    table = CostTable(hardware_profile, run_id, {}, {}, {}, {})
+    spreads = sampler.spreads()
+    for b, costs in sampler.costs().items():
+        table.target_step[b] = costs["target_step"]
+        table.verify[b] = costs["verify"]
+        table.spread[("target_step", None, None, b)] = spreads[b]["target_step"]
+        for k, value in spreads[b]["verify"].items():
+            table.spread[("verify", None, k, b)] = value
+        for component in ("draft_step", "round_overhead"):
+            for label, seconds in costs[component].items():
+                getattr(table, component).setdefault(label, {})[b] = seconds
+                table.spread[(component, label, None, b)] = spreads[b][component][label]
+    return table
+
+
+def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None,
+                  hardware_profile: str | None = None, settings: Settings | None = None,
+                  k_max: int | None = None, batch_sizes=None, progress: bool = True,
+                  tokenizer=None) -> dict:
+    """Measure and store the costs of `target` and the drafters ({label: Drafter}) on this machine.
+
+    Every figure is timed settings.profile_repeats times, interleaved over batch sizes, widths and
+    drafters (specdec_core.profile.CostSampler), and stored as its median with its spread. The
+    profile is then checked (check_costs); one that fails is measured again, up to
+    settings.profile_attempts times in all, each time pooling the new timings with the previous
+    measurement's only (one hiccup among three timings is outvoted by six; a slow phase that
+    spoiled the first measurement ages out of the third), and if it still fails it is stored
+    marked `noisy` with the reasons (the planner turns nothing on from it that the champion has
+    off).
+
+    A suffix drafter without an index of its own is timed with an index over every stored
+    response (its lookups cost more with more indexed tokens); tokenizer: for stored requests
+    without token ids.
+
+    Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": CostTable rows,
+             "check": {status, reasons, attempts, max_spread}, "seconds"}. Re-running a run id
+    replaces its rows for that profile.
+    """
+    settings = settings or load_settings()
+    k_max = k_max or settings.eval_k_max
+    batch_sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    hardware = describe_hardware(target, hardware_profile)
+    # which engine the costs describe: static caches, CUDA graphs, compiled forwards
+    hardware["details"]["engine"] = SpecDecoder(target, None).engine()
+    drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
+    start = time.perf_counter()
+    earlier = []
+    with timing_lock():
+        sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile_context_len)
+        for attempt in range(1, settings.profile_attempts + 1):
+            if attempt > 1:
+                log.warning("run %s: cost profile %s is not trustworthy (%s); measuring again "
+                            "(attempt %d of %d)", run_id, hardware["name"], "; ".join(reasons),
+                            attempt, settings.profile_attempts)
+                sampler.keep_last(settings.profile_repeats)    # pooled with the last measurement
+            with tqdm(total=settings.profile_repeats, disable=not progress,
+                      desc=f"profile {hardware['name']}" + (f" (attempt {attempt})" if attempt > 1 else "")
+                      ) as bar:
+                sampler.sample(settings.profile_repeats, progress=bar.update)
+            table = _table_of(sampler, hardware["name"], run_id)
+            reasons = check_costs(table, sampler.raw_overheads(), settings.profile_max_spread,
+                                  settings.profile_noise_floor, settings.profile_verify_dip,
+                                  settings.profile_overhead_floor)
+            if not reasons or not settings.profile_checks:
+                break
+            earlier.append(reasons)
+    if not settings.profile_checks:     # measured once, trusted as it is: say what a check saw
+        table.check = {"status": "unchecked", "reasons": [], "attempts": attempt,
+                       "max_spread": max(table.spread.values(), default=0.0),
+                       "details": {"would_flag": reasons}}
+        reasons = []
+    else:
+        table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": attempt,
+                       "max_spread": max(table.spread.values(), default=0.0),
+                       "details": {"max_spread_allowed": settings.profile_max_spread,
+                                   "noise_floor": settings.profile_noise_floor,
+                                   "verify_dip": settings.profile_verify_dip,
+                                   "overhead_floor": settings.profile_overhead_floor,
+                                   "repeats": settings.profile_repeats,
+                                   "earlier_attempts": earlier[:-1] if reasons else earlier}}
+    if reasons:
+        log.warning("run %s: cost profile %s marked noisy after %d measurements: %s. No domain turns "
+                    "on from it that the champion has off; measure on a quiet machine or plan with a "
+                    "stored profile (`--hardware-profile NAME`)", run_id, hardware["name"], attempt,
+                    "; ".join(reasons))
+    _store(engine, run_id, hardware, table)
+    elapsed = time.perf_counter() - start
+    log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d measurement%s, %s)", run_id,
+             hardware["name"], batch_sizes, elapsed, attempt, "s" if attempt > 1 else "",
+             table.check["status"])
+    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
+            "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
+            "seconds": elapsed}
+
+
+def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) -> dict:
+    index = None
+    out = {}
+    for label, drafter in drafters.items():
+        if isinstance(drafter, SuffixDrafter) and drafter.index is None:
+            if index is None:
+                index = timing_index(db_url, None, tokenizer, output_size(target))
+            drafter = SuffixDrafter(index, drafter.max_depth, drafter.min_token_prob,
+                                    drafter.max_spec_factor)
+        out[label] = drafter
+    return out
+
+
+def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | None = None) -> CostTable:
+    """The profile's costs from `run_id`, or from the newest run that measured or imported it."""
+    engine = ensure_ready(resolve_database_url(db_url))
+    with engine.connect() as connection:
+        if run_id is None:
+            run_id = connection.execute(
+                select(CostProfile.run_id).where(CostProfile.hardware_profile == hardware_profile)
+                .order_by(CostProfile.created_at.desc(), CostProfile.id.desc()).limit(1)).scalar()
+        rows = [] if run_id is None else connection.execute(
+            select(CostProfile.component, CostProfile.drafter, CostProfile.k, CostProfile.batch_size,
+                   CostProfile.seconds, CostProfile.spread)
+            .where((CostProfile.hardware_profile == hardware_profile) & (CostProfile.run_id == run_id))
+        ).mappings().all()
+        known = connection.execute(select(HardwareProfile.name)).scalars().all()
+        check = None if run_id is None else connection.execute(
+            select(CostProfileCheck.status, CostProfileCheck.reasons, CostProfileCheck.attempts,
+                   CostProfileCheck.max_spread)
+            .where((CostProfileCheck.hardware_profile == hardware_profile)
+                   & (CostProfileCheck.run_id == run_id))).mappings().first()
+    if not rows:
+        raise CostProfileError(
+            f"no cost profile {hardware_profile!r}{'' if run_id is None else f' from run {run_id}'}; "
+            f"known profiles: {sorted(known) or 'none'}. Measure one with `specdec profile` or import "
+            "one with `specdec profile import FILE`")
+    table = CostTable.from_rows(hardware_profile, run_id, rows)
+    table.check = None if check is None else dict(check)
+    return table
+
+
+def run_costs(run_id: str, db_url: str | None = None) -> CostTable | None:
+    """The cost profile the run plans with (eval_runs.hardware_profile, its newest run); None
+    before the profile step or when that profile is gone."""
+    engine = ensure_ready(resolve_database_url(db_url))
+    with engine.connect() as connection:
+        name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
+    if not name:
+        return None
+    try:
+        return load_costs(name, db_url)
+    except CostProfileError:
+        return None
+
+
+def profile_check_text(check: dict | None) -> str:
+    """One line on the cost profile's check, for tables and logs."""
+    if check is None:
+        return "cost profile: no check recorded (measured or imported without one)"
+    head = (f"cost profile {check['hardware_profile']} (run {check['profile_run']}): "
+            f"{check['status']}, {check['attempts']} measurement{'s' if check['attempts'] != 1 else ''}, "
+            f"largest spread {100 * (check.get('max_spread') or 0):.0f}%")
+    if check["status"] == "noisy":
+        head += ("; too noisy to turn a domain on: " + "; ".join(check.get("reasons") or [])
+                 + ". Plan with a stored profile: --hardware-profile NAME")
+    return head
+
+
+def export_costs(hardware_profile: str, path: str | Path, db_url: str | None = None,
+                 run_id: str | None = None) -> dict:
+    """Write the profile (newest run unless run_id) to a JSON file; returns what was written."""
+    table = load_costs(hardware_profile, db_url, run_id)
+    engine = ensure_ready(resolve_database_url(db_url))
+    with engine.connect() as connection:
+        hardware = connection.execute(select(HardwareProfile).where(
+            HardwareProfile.name == hardware_profile)).mappings().first()
+    document = {"format": FILE_FORMAT, "run_id": table.run_id,
+                "hardware_profile": {"name": hardware_profile,
+                                     "device": hardware["device"] if hardware else "unknown",
+                                     "dtype": hardware["dtype"] if hardware else "unknown",
+                                     "details": hardware["details"] if hardware else None},
+                "exported_at": utcnow().isoformat(), "costs": table.rows(), "check": table.check}
+    Path(path).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    return document
+
+
+def import_costs(path: str | Path, db_url: str | None = None, name: str | None = None) -> dict:
+    """Store a profile exported by export_costs (optionally under another name); idempotent."""
+    try:
+        document = json.loads(Path(path).read_text("utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CostProfileError(f"cost profile file {path}: cannot read JSON ({exc})") from exc
+    if not isinstance(document, dict) or document.get("format") != FILE_FORMAT:
+        raise CostProfileError(f"cost profile file {path}: not a {FILE_FORMAT} document (make it with "
+                               "`specdec profile export`)")
+    try:
+        hardware = dict(document["hardware_profile"])
+        if name:
+            hardware["name"] = name
+        table = CostTable.from_rows(hardware["name"], document["run_id"], document["costs"])
+        check = document.get("check")
+        if check is not None:
+            if not isinstance(check, dict) or check.get("status") not in ("ok", "noisy", "unchecked"):
+                raise ValueError(f"check must be an object with status ok, noisy or unchecked, got "
+                                 f"{check!r}")
+            table.check = dict(check)
+    except (CostProfileError, KeyError, TypeError, ValueError) as exc:
+        raise CostProfileError(f"cost profile file {path}: malformed ({type(exc).__name__}: {exc}); "
+                               "make it with `specdec profile export`") from exc
+    if not table.target_step or any(b not in table.verify for b in table.target_step):
+        raise CostProfileError(f"cost profile file {path}: every batch size needs a target step and "
+                               "verify costs")
+    gaps = {b: sorted(v) for b, v in table.verify.items() if sorted(v) != list(range(1, max(v) + 1))}
+    if gaps:
+        raise CostProfileError(f"cost profile file {path}: verify costs must cover K = 1..k_max at "
+                               f"every batch size; got {gaps}")
+    _store(ensure_ready(resolve_database_url(db_url)), table.run_id, hardware, table)
+    return {"hardware_profile": hardware, "run_id": table.run_id, "rows": len(table.rows())}

@@ -1,0 +1,383 @@
+"""Drafts trained on the traffic they serve: data, training, registration, selection.
+
+- Data: stored requests answered by this target (same fingerprint) in a time window, per domain
+  or pooled; split train / held-out by a hash of (training id, request id). The split is recorded
+  in draft_training_requests, and an evaluation never scores the training rows of a draft it
+  evaluates (tasks.steps.pipeline excludes them).
+- Kinds: `draft_model` (a small causal LM, specdec_core.train.train_draft) or `head` (a draft head
+  on the target's hidden states, optionally with a vocabulary cut to the training traffic's most
+  frequent tokens: specdec_core.head, train.train_head). Both share the data, split, optimiser
+  loop, checkpoints and registration below; a version's tag `kind` says which it is.
+- Training: specdec_core.train (checkpoints under $SPECDEC_HOME/drafts/<train id>/: re-running
+  the same training id resumes); the best checkpoint by held-out predicted speedup is kept.
+- Registration: an MLflow run in experiment `specdec/<target-slug>` (tag specdec.draft_train_id)
+  whose `draft/` artifact (weights, config, the target's tokenizer) is registered as a version of
+  `specdec-draft-<target-slug>` with alias `candidate` and its lineage as tags.
+- Selection: draft_candidates() lists the registered drafts of this target's fingerprint (alias
+  `candidate`, else the newest version); evaluations add them to their candidates, and
+  resolve_model_uri() downloads a version to $SPECDEC_HOME/models/drafts/ before specdec_core
+  loads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+from sqlalchemy import delete, func, insert, select, update
+
+from specdec_core import SamplingParams
+from specdec_core.estimate import LoggedRequest
+from specdec_core.train import TrainConfig, init_draft_from_target, train_draft, train_head
+from specdec_core.validation import fingerprint_id, target_fingerprint
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
+from ..errors import RegistryError, SampleError, SpecdecTaskError
+from ..masking import mask_text
+from ..registry.config_schema import target_slug
+from ..registry.tracking import client, experiment_for_target
+from ..registry.tracking import tracking_uri as resolve_uri
+from ..settings import DEFAULT_MODEL, specdec_home
+from ..timeutil import utcnow
+from .offline_estimate import request_token_ids
+
+log = logging.getLogger(__name__)
+
+CANDIDATE_ALIAS = "candidate"
+TRAIN_TAG = "specdec.draft_train_id"
+
+
+class DraftTrainingError(SpecdecTaskError, ValueError):
+    """Draft training cannot run on this input (no traffic, another vocabulary, bad sizes)."""
+
+
+def draft_model_name(target_id: str) -> str:
+    return f"specdec-draft-{target_slug(target_id)}"
+
+
+def in_heldout(train_id: str, request_id: str, fraction: float) -> bool:
+    digest = hashlib.sha256(f"{train_id}\x00{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
+
+
+def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
+                      window_days: float | None = None, max_requests: int | None = None):
+    """(requests [LoggedRequest], (window start, end)) of this target's stored traffic."""
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        newest = connection.execute(select(func.max(TrafficRequest.requested_at))).scalar()
+        if newest is None:
+            raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)")
+        start = newest - timedelta(days=window_days) if window_days else datetime(1970, 1, 1)
+        query = (select(TrafficRequest).where((TrafficRequest.requested_at >= start)
+                                              & (TrafficRequest.target_fingerprint == fingerprint))
+                 .order_by(TrafficRequest.id))
+        if domains:
+            query = query.where(TrafficRequest.domain.in_(list(domains)))
+        rows = connection.execute(query).all()
+    requests = []
+    for row in rows:
+        prompt, response = request_token_ids(row, tokenizer)
+        if len(response) >= 2:
+            requests.append(LoggedRequest(row.id, prompt, response, SamplingParams(
+                temperature=row.temperature, top_k=row.top_k or 0,
+                top_p=row.top_p if row.top_p is not None else 1.0), row.domain))
+    if max_requests:
+        requests = requests[:max_requests]
+    if len(requests) < 10:
+        raise DraftTrainingError(
+            f"only {len(requests)} stored requests answered by this target (fingerprint {fingerprint})"
+            f"{' in ' + str(list(domains)) if domains else ''}: a draft needs at least 10; import more "
+            "traffic or widen the window")
+    return requests, (start, newest)
+
+
+def _round_robin(requests: list, limit: int | None) -> list:
+    """Up to `limit` requests taken in turn from each domain (all when limit is None)."""
+    if limit is None or len(requests) <= limit:
+        return requests
+    by_domain: dict[str, list] = {}
+    for request in requests:
+        by_domain.setdefault(request.domain, []).append(request)
+    queues = [list(items) for _, items in sorted(by_domain.items())]
+    chosen = []
+    while len(chosen) < limit:
+        for queue in queues:
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return chosen
+
+
+def _record(db_url: str, train_id: str, values: dict, splits: dict[str, str] | None = None) -> None:
+    engine = ensure_ready(db_url)
+    with engine.begin() as connection:
+        exists = connection.execute(select(DraftModelRecord.id).where(
+            DraftModelRecord.name == train_id)).scalar()
+        if exists is None:
+            connection.execute(insert(DraftModelRecord).values(name=train_id, run_id=train_id,
+                                                               created_at=utcnow(), **values))
+        else:
+            connection.execute(update(DraftModelRecord).where(DraftModelRecord.name == train_id)
+                               .values(**values))
+        if splits is not None:
+            connection.execute(delete(DraftTrainingRequest).where(
+                DraftTrainingRequest.draft_name == train_id))
+            connection.execute(insert(DraftTrainingRequest), [
+                {"draft_name": train_id, "request_id": rid, "split": split} for rid, split in splits.items()])
+
+
+def train_id_of_run(run_id: str) -> str:
+    """The training id of an Airflow run: its run id with `:` and `+` made file-name safe (the
+    checkpoints live under $SPECDEC_HOME/drafts/<training id>/)."""
+    return run_id.replace(":", "-").replace("+", "-")
+
+
+def training_config(steps: int, batch_size: int, lr: float, eval_every: int, teacher_topk: int = 0):
+    """The TrainConfig of a scheduled retraining (dags/specdec_retrain_draft.py): the learning
+    rate warms up over a tenth of the steps (at least one)."""
+    return TrainConfig(steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every,
+                       teacher_topk=teacher_topk, warmup_steps=max(1, steps // 10))
+
+
+def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
+                             db_url: str | None = None, tracking_uri: str | None = None,
+                             domains=None, window_days: float | None = None,
+                             num_layers: int = 2, hidden_size: int | None = None,
+                             heldout_fraction: float = 0.2, max_requests: int | None = None,
+                             max_eval_requests: int | None = 60,
+                             config=None, device: str | None = None, model=None, tokenizer=None,
+                             register: bool = True, progress: bool = True,
+                             kind: str = "draft_model", vocab_size: int | None = None,
+                             unroll: int = 1, split_from: str | None = None) -> dict:
+    """Build the data, train (resuming a previous attempt of the same id), register. Output:
+    {"train_id", "train_requests", "heldout_requests", "best", "model_uri", "version"}.
+    max_eval_requests: held-out requests scored at each evaluation during training, taken round
+    robin over domains (the whole held-out split stays out of training either way).
+    kind: "draft_model" (num_layers, hidden_size) or "head" (vocab_size: the reduced head's size,
+    None for the target's full head; unroll: draft steps trained as a chain on the head's own
+    features). split_from: another training id whose train / held-out split to use (drafts compared
+    on the same held-out rows); default: this one's."""
+    if kind not in ("draft_model", "head"):
+        raise DraftTrainingError(f"draft kind {kind!r}: train a draft_model or a head")
+    db_url = resolve_database_url(db_url)
+    if model is None:
+        from specdec_core import load_model
+
+        model, tokenizer = load_model(target, device=device)
+    fingerprint = fingerprint_id(target_fingerprint(model))
+    requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, domains, window_days,
+                                               max_requests)
+    split_key = split_from or train_id
+    splits = {r.request_id: ("heldout" if in_heldout(split_key, r.request_id, heldout_fraction)
+                             else "train") for r in requests}
+    train = [r for r in requests if splits[r.request_id] == "train"]
+    heldout = [r for r in requests if splits[r.request_id] == "heldout"]
+    if not heldout or not train:
+        raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / {len(heldout)} "
+                                 f"held-out: change heldout_fraction ({heldout_fraction}) or add traffic")
+    config = config or TrainConfig()
+    params = {"kind": kind, "heldout_fraction": heldout_fraction, "split_from": split_key,
+              "train": config.__dict__ if hasattr(config, "__dict__") else dict(config)}
+    params.update({"num_layers": num_layers, "hidden_size": hidden_size} if kind == "draft_model"
+                  else {"vocab_size": vocab_size, "unroll": unroll})
+    base = (f"{target} (first {num_layers} layers)" if kind == "draft_model" else
+            f"{target} (draft head, {'full vocabulary' if vocab_size is None else f'{vocab_size} tokens'})")
+    _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
+                               "domains": sorted({r.domain for r in requests}), "window_start": start,
+                               "window_end": end, "train_requests": len(train),
+                               "heldout_requests": len(heldout), "params": params,
+                               "base_model": base}, splits)
+    directory = specdec_home() / "drafts" / train_id
+    evaluation_rows = _round_robin(heldout, max_eval_requests)
+    if kind == "head":
+        from specdec_core.drafters import output_size
+        from specdec_core.head import DraftHead
+        from specdec_core.train import head_vocabulary
+
+        ids = None if vocab_size is None else head_vocabulary(train, vocab_size, output_size(model))
+        head = DraftHead(model, vocab_ids=ids)
+        result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress,
+                            unroll=unroll)
+    else:
+        draft = init_draft_from_target(model, num_layers=num_layers, hidden_size=hidden_size)
+        result = train_draft(draft, model, train, evaluation_rows, config, directory, progress=progress)
+    best_dir = Path(result.best_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(best_dir)
+    out = {"train_id": train_id, "train_requests": len(train), "heldout_requests": len(heldout),
+           "best": result.best, "steps": result.step, "best_dir": str(best_dir),
+           "model_uri": None, "version": None, "fingerprint": fingerprint, "kind": kind,
+           "result": json.loads(json.dumps(result.to_dict(), default=float))}
+    _record(db_url, train_id, {"heldout": out["result"]["best"]})
+    if register:
+        out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], db_url,
+                                  tracking_uri))
+    return out
+
+
+def register_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
+                   db_url: str | None = None, tracking_uri: str | None = None) -> dict:
+    """Log the draft and its lineage to MLflow and register it (alias `candidate`); idempotent.
+    result: TrainResult.to_dict() of the training."""
+    mlflow_run_id = log_draft(train_id, target, fingerprint, best_dir, result, db_url, tracking_uri)
+    return register_logged_draft(train_id, target, fingerprint, mlflow_run_id, result, db_url,
+                                 tracking_uri)
+
+
+def _lineage(db_url: str, train_id: str, target: str, fingerprint: str) -> tuple[dict, dict]:
+    """(the training's record, its lineage as MLflow params)."""
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        record = connection.execute(select(DraftModelRecord).where(
+            DraftModelRecord.name == train_id)).mappings().one()
+    return record, {"target": target, "target_fingerprint": fingerprint,
+                    "window_start": record["window_start"].isoformat(),
+                    "window_end": record["window_end"].isoformat(),
+                    "domains": ",".join(record["domains"] or []), "train_requests": record["train_requests"],
+                    "heldout_requests": record["heldout_requests"],
+                    "train_params": json.dumps(record["params"], sort_keys=True)[:6000]}
+
+
+def log_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
+              db_url: str | None = None, tracking_uri: str | None = None) -> str:
+    """Upload the draft (the files in best_dir), its lineage and held-out curve to the MLflow run
+    tagged with the training id (created once; idempotent); the MLflow run id. Runs where the
+    draft was trained: the registration (register_logged_draft) then needs no local file, so it
+    may run on another machine."""
+    db_url = resolve_database_url(db_url)
+    mlflow_client = client(resolve_uri(tracking_uri, db_url))
+    _, lineage = _lineage(db_url, train_id, target, fingerprint)
+    experiment_id = experiment_for_target(mlflow_client, target)
+    runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{TRAIN_TAG}` = '{train_id}'",
+                                     max_results=1)
+    run_id = runs[0].info.run_id if runs else mlflow_client.create_run(
+        experiment_id, run_name=f"draft {train_id}", tags={TRAIN_TAG: train_id}).info.run_id
+    logged = mlflow_client.get_run(run_id).data.params
+    for key, value in lineage.items():
+        if key not in logged:
+            mlflow_client.log_param(run_id, key, str(value))
+    for entry in result["history"]:
+        mlflow_client.log_metric(run_id, "heldout_kl", entry["heldout_kl"], step=entry["step"])
+        mlflow_client.log_metric(run_id, "heldout_predicted_speedup", entry["predicted_speedup"],
+                                 step=entry["step"])
+        for domain, scores in entry["domains"].items():
+            mlflow_client.log_metric(run_id, f"{domain}.heldout_expected_tokens_per_round",
+                                     scores["expected_tokens_per_round"], step=entry["step"])
+    mlflow_client.log_artifacts(run_id, str(best_dir), artifact_path="draft")
+    mlflow_client.set_tag(run_id, "specdec.heldout", json.dumps(result["best"]["domains"], default=float)[:4900])
+    return run_id
+
+
+def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_run_id: str,
+                          result: dict, db_url: str | None = None,
+                          tracking_uri: str | None = None) -> dict:
+    """Register the draft that log_draft uploaded to MLflow run `mlflow_run_id` as a version of
+    `specdec-draft-<target>` (alias `candidate`; reused on retry). Reads no local file."""
+    db_url = resolve_database_url(db_url)
+    mlflow_client = client(resolve_uri(tracking_uri, db_url))
+    record, lineage = _lineage(db_url, train_id, target, fingerprint)
+    run_id = mlflow_run_id
+    name = draft_model_name(target)
+    try:
+        mlflow_client.get_registered_model(name)
+    except MlflowException:
+        mlflow_client.create_registered_model(name, description=f"specdec drafts trained for {target}")
+    existing = mlflow_client.search_model_versions(f"name='{name}' and tag.train_id='{train_id}'")
+    kind = (record["params"] or {}).get("kind", "draft_model")
+    tags = {"train_id": train_id, "kind": kind, "target_fingerprint": fingerprint, "domains": lineage["domains"],
+            "window": f"{lineage['window_start']}..{lineage['window_end']}",
+            "heldout_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
+            "heldout_k": str(result["best"]["k"])}
+    if kind == "head":
+        tags["vocab_size"] = str((record["params"] or {}).get("vocab_size") or "full")
+    description = ("Draft trained on logged traffic. Held-out (offline estimate, requests never trained "
+                   "on):\n\n| domain | E[tokens/round] | K | predicted speedup |\n|---|---|---|---|\n"
+                   + "\n".join(f"| {d} | {s['expected_tokens_per_round']:.3f} | {s['k']} | "
+                               f"{s['predicted_speedup']:.2f}x |" for d, s in result["best"]["domains"].items()))
+    if existing:
+        version = str(existing[0].version)
+    else:
+        version = str(mlflow_client.create_model_version(
+            name, source=f"runs:/{run_id}/draft", run_id=run_id, tags=tags, description=description).version)
+    mlflow_client.set_registered_model_alias(name, CANDIDATE_ALIAS, version)
+    uri = f"models:/{name}/{version}"
+    _record(db_url, train_id, {"status": "registered", "version": version, "model_uri": uri})
+    return {"model_uri": uri, "version": version, "mlflow_run_id": run_id}
+
+
+def registered_drafts(target: str, tracking_uri: str | None = None) -> dict[str, list[dict]]:
+    """The drafts registered for this target now, as candidate specs by target fingerprint
+    ({fingerprint: [{kind, params: {model: models:/NAME/VERSION}}]}): per kind, the version with
+    alias `candidate`, else the newest of that kind. A version without a fingerprint is never
+    offered. {} when there is no tracking store or it cannot be reached."""
+    uri = resolve_uri(tracking_uri)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        return {}          # no local tracking store yet: nothing registered (and none created)
+    try:
+        mlflow_client = client(uri)
+        versions = mlflow_client.search_model_versions(f"name='{draft_model_name(target)}'")
+    except (MlflowException, RegistryError) as exc:    # unreachable: evaluate without them
+        log.warning("no registered drafts listed (%s)", mask_text(str(exc)))
+        return {}
+    by_fingerprint: dict[str, list] = {}
+    for version in versions:
+        fingerprint = (version.tags or {}).get("target_fingerprint")
+        if fingerprint:
+            by_fingerprint.setdefault(fingerprint, []).append(version)
+    offered: dict[str, list[dict]] = {}
+    for fingerprint, of_target in sorted(by_fingerprint.items()):
+        offered[fingerprint] = []
+        for kind in sorted({(v.tags or {}).get("kind", "draft_model") for v in of_target}):
+            of_kind = [v for v in of_target if (v.tags or {}).get("kind", "draft_model") == kind]
+            chosen = [v for v in of_kind if CANDIDATE_ALIAS in (v.aliases or [])] or \
+                [max(of_kind, key=lambda v: int(v.version))]
+            offered[fingerprint] += [{"kind": kind, "params": {"model": f"models:/{v.name}/{v.version}"}}
+                                     for v in chosen]
+    return offered
+
+
+def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = None) -> list[dict]:
+    """Registered drafts for this target fingerprint, as candidate specs, per kind (draft_model,
+    head): the version with alias `candidate`, else the newest of that kind. Drafts of another
+    fingerprint are never offered."""
+    return registered_drafts(target, tracking_uri).get(fingerprint, [])
+
+
+def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
+    """A local directory holding the registered version (downloaded once under $SPECDEC_HOME)."""
+    name, _, version = uri[len("models:/"):].partition("/")
+    if not name or not version:
+        raise DraftTrainingError(f"model URI {uri!r}: expected models:/NAME/VERSION")
+    local = specdec_home() / "models" / "drafts" / name / version
+    if (local / "config.json").exists() or (local / "head_config.json").exists():
+        return str(local)
+    mlflow_client = client(tracking_uri)
+    detail = mlflow_client.get_model_version(name, version)
+    tmp = local.with_name(version + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    path = Path(mlflow_client.download_artifacts(detail.run_id, "draft", str(tmp)))
+    shutil.rmtree(local, ignore_errors=True)
+    path.rename(local)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return str(local)
+
+
+def trained_request_ids(db_url: str, model_uris: list[str]) -> set[str]:
+    """Request ids the drafts behind these model URIs were trained on."""
+    if not model_uris:
+        return set()
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        names = connection.execute(select(DraftModelRecord.name).where(
+            DraftModelRecord.model_uri.in_(model_uris))).scalars().all()
+        if not names:
+            return set()
+        return set(connection.execute(select(DraftTrainingRequest.request_id).where(
+            DraftTrainingRequest.draft_name.in_(names) & (DraftTrainingRequest.split == "train"))).scalars())

@@ -1,0 +1,466 @@
+"""The engine check: what we promote, served by the engine our users run, before it is registered.
+
+For every domain the plan turns on, the domain's exported vLLM config (tasks.registry.vllm_export) is started in
+the serving environment (tasks.serving.environment) and the domain's requests are replayed with their
+logged sampling parameters and lengths, one at a time. Which requests: the domain's confirm
+requests first, then the sample's next ones in draw order (engine_check_requests in all), each cut
+at confirm_max_new_tokens.
+
+What it reads: vLLM's own counts, per request and per verify step (drafted and accepted tokens,
+`per_request_spec_decode_metrics="detailed"`), and its vllm:spec_decode_* counters.
+What it compares, on the same requests at the K vLLM runs at batch size 1:
+- mean accepted length E = 1 + accepted / verify steps that had drafts (vLLM's definition; a round
+  in which the drafter proposed nothing is not a draft), the estimate's the same way from its
+  expected rounds, with the estimate's 95% interval by bootstrap over the requests;
+- per position i, the share of drafted steps whose draft i was accepted (vLLM's
+  num_accepted_tokens_per_pos / num_drafts), side by side;
+- greedy requests whose vLLM output equals the logged response: the accepted tokens and drafted
+  steps must equal the estimate's exactly (a mismatch names the request); where the output departs
+  from the log (float ties), the first differing position is reported.
+Gate: a domain whose vLLM E falls below the estimate's interval by more than engine_check_tolerance
+is not promotable as on (suffix decoding: reported, not gated, since vLLM's tree holds only the
+engine_check_history requests served before the replay while our index holds the run's history);
+so is one whose config vLLM refuses or whose engine dies or hangs (the reason is vLLM's own error
+line, or the timeout naming the engine's log). Such a domain is turned off in the run's config
+with the reason. A drafter without a vLLM equivalent is reported, not gated.
+
+Cost: one engine per distinct config (domains sharing a config share it), plus one plain engine
+for the tokens/s beside it (for information), each started with enforce_eager in-process.
+No serving environment: the check is skipped with one line saying how to make one (a failure only
+when engine_check_required is set). Rows go to `engine_checks` (one per run and domain, replaced
+when the check re-runs); the run's other results are never touched except the gated domains'.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+
+import numpy as np
+from sqlalchemy import delete, insert, select, update
+
+from specdec_core.estimate import LoggedRequest
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
+from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ..registry.run_config import build_config
+from ..registry.run_results import engine_checks, engine_markdown  # noqa: F401 - re-exported
+from ..registry.vllm_export import vllm_export
+from ..serving import environment as serving_env
+from ..settings import Settings, load_settings, specdec_home
+from ..timeutil import utcnow
+from .confirm import offline_totals, truncated
+
+log = logging.getLogger(__name__)
+
+
+def batch_one_k(spec: dict) -> int:
+    """The K a vLLM config drafts at batch size 1 (its schedule's first range, else its K)."""
+    for first, last, k in spec.get("num_speculative_tokens_per_batch_size") or []:
+        if first <= 1 <= last:
+            return int(k)
+    return int(spec["num_speculative_tokens"])
+
+
+def pick_requests(requests: list, confirm_ids: list[str], count: int, max_new_tokens: int) -> list:
+    """The confirm requests first, then the sample's next ones in draw order; each cut at
+    max_new_tokens (requests of fewer than 2 response tokens have no round to compare)."""
+    confirmed = set(confirm_ids)
+    usable = [r for r in requests if len(r.response_ids) >= 2]
+    chosen = [r for r in usable if r.request_id in confirmed]
+    chosen += [r for r in usable if r.request_id not in confirmed][:max(0, count - len(chosen))]
+    return [truncated(r, min(len(r.response_ids), max_new_tokens)) for r in chosen[:count]]
+
+
+def end_slot(request):
+    """The request with one slot past its response, so the estimate walks the rounds the way the
+    engine does: our rounds keep room for the bonus token inside the response (the last token is
+    always the target's), while vLLM drafts up to K tokens whatever is left before max_tokens, so
+    the response's last token can be an accepted draft. The slot's token is never drafted nor
+    counted as a drafted step; only its own round (no drafts) and its token are added, which E
+    per drafted step does not read."""
+    response = list(request.response_ids)
+    return LoggedRequest(request.request_id, request.prompt_ids, response + response[-1:],
+                         request.sampling, request.domain)
+
+
+def _item(request, index: int) -> dict:
+    sampling = request.sampling
+    return {"id": request.request_id, "prompt_ids": [int(t) for t in request.prompt_ids],
+            "max_tokens": len(request.response_ids), "temperature": float(sampling.temperature),
+            "top_k": int(sampling.top_k), "top_p": float(sampling.top_p), "seed": index}
+
+
+EXACT_METHODS = ("ngram", "draft_model")   # vLLM proposes what our drafter proposes, token for token
+
+
+def engine_walk(prompt_ids, output, drafted: list[int], accepted: list[int], drafter,
+                k: int) -> list[int] | None:
+    """Where each of vLLM's drafted steps started along its own output: walk the output with the
+    same proposer (vLLM's per-request counts list only the steps that had drafts); a step with
+    no proposal emits one token. None when the walk and vLLM's steps disagree (a proposal of
+    another length, or steps left over)."""
+    sequence = np.asarray(list(prompt_ids) + list(output), dtype=np.int64)
+    starts, t, step = [], 1, 0
+    while t < len(output):
+        proposal = drafter.propose_tokens(sequence[: len(prompt_ids) + t], k)
+        if len(proposal) == 0:
+            t += 1
+            continue
+        if step >= len(drafted) or drafted[step] != len(proposal):
+            return None
+        starts.append(t)
+        t += accepted[step] + 1
+        step += 1
+    return starts if step == len(drafted) else None
+
+
+def compare_request(request, engine_answer: dict, offline, exact: bool = True,
+                    drafter=None, k: int | None = None) -> dict:
+    """One request: vLLM's per-step counts beside the estimate's expected rounds. exact: the
+    engine's drafter proposes what ours does (not so for suffix decoding, whose tree vLLM builds
+    from the requests it served), so a greedy request whose output equals the log must have equal
+    counts. vLLM drafts K tokens in its last rounds whatever max_tokens leaves, and counts drafts
+    accepted past the end (then cut): with a host drafter (prompt lookup) its steps are placed
+    along the output (engine_walk) and those drafts left out before counts are compared."""
+    logged = [int(t) for t in request.response_ids]
+    output = engine_answer["token_ids"]
+    drafted = engine_answer.get("drafted") or []
+    accepted = engine_answer.get("accepted") or []
+    first_difference = next((i for i, (a, b) in enumerate(zip(output, logged)) if a != b),
+                            None if len(output) == len(logged) else min(len(output), len(logged)))
+    steps = sum(1 for d in drafted if d > 0)
+    row = {"request_id": request.request_id, "greedy": bool(request.sampling.greedy),
+           "tokens": len(output), "seconds": engine_answer["seconds"],
+           "equal_to_log": first_difference is None, "first_difference": first_difference,
+           "engine_steps": steps, "engine_accepted": int(sum(accepted)),
+           "engine_accepted_per_pos": [sum(1 for a, d in zip(accepted, drafted) if d > 0 and a > i)
+                                       for i in range(max(drafted, default=0))],
+           "engine_accepted_in_log": None, "estimate_steps": None, "estimate_accepted": None,
+           "estimate_accepted_per_pos": None, "counts_equal": None}
+    if offline is None:
+        return row
+    row["estimate_steps"] = float(offline.rounds - offline.widths[0])
+    row["estimate_accepted"] = float(offline.accepted.sum())
+    row["estimate_accepted_per_pos"] = [float(a) for a in offline.accepted]
+    if not (exact and row["greedy"] and row["equal_to_log"]):
+        return row
+    in_log = row["engine_accepted"]
+    if drafter is not None and hasattr(drafter, "propose_tokens"):
+        starts = engine_walk(request.prompt_ids, output, drafted, accepted, drafter, k)
+        if starts is None:
+            row["counts_equal"] = False
+            return row
+        in_log = sum(min(a, len(output) - t) for a, t in zip(accepted, starts))
+    row["engine_accepted_in_log"] = int(in_log)
+    row["counts_equal"] = (round(row["estimate_accepted"]) == in_log
+                           and round(row["estimate_steps"]) == steps)
+    return row
+
+
+def mean_length(accepted, steps) -> float | None:
+    accepted, steps = float(np.sum(accepted)), float(np.sum(steps))
+    return 1.0 + accepted / steps if steps > 0 else None
+
+
+def position_rates(rows: list[dict], which: str, k: int) -> list[float]:
+    steps = sum(r[f"{which}_steps"] or 0 for r in rows)
+    per_pos = np.zeros(k)
+    for r in rows:
+        values = (r[f"{which}_accepted_per_pos"] or [])[:k]
+        per_pos[:len(values)] += values
+    return [float(v / steps) if steps else 0.0 for v in per_pos]
+
+
+def estimate_interval(rows: list[dict], samples: int = 2000, seed: int = 0) -> tuple:
+    """The estimate's E over the requests and its 95% interval by bootstrap over them."""
+    rows = [r for r in rows if r["estimate_steps"] is not None]
+    if not rows:
+        return None, None, None
+    accepted = np.array([r["estimate_accepted"] for r in rows])
+    steps = np.array([r["estimate_steps"] for r in rows])
+    draws = np.random.default_rng(seed).integers(0, len(rows), size=(samples, len(rows)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        boot = 1.0 + accepted[draws].sum(-1) / steps[draws].sum(-1)
+    boot = boot[np.isfinite(boot)]
+    point = mean_length(accepted, steps)
+    if point is None or not len(boot):
+        return point, None, None
+    return point, float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+
+
+def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None = None) -> dict:
+    """E, interval, rates, greedy counts and the gate of one domain's replayed requests.
+    gated: None, or why E is reported but not gated (passed stays None)."""
+    estimate_e, lo, hi = estimate_interval(rows)
+    engine_e = mean_length([r["engine_accepted"] for r in rows], [r["engine_steps"] for r in rows])
+    greedy = [r for r in rows if r["counts_equal"] is not None]
+    out = {"requests": len(rows), "k": k, "estimate_e": estimate_e, "estimate_e_lo": lo,
+           "estimate_e_hi": hi, "engine_e": engine_e,
+           "estimate_rates": position_rates(rows, "estimate", k),
+           "engine_rates": position_rates(rows, "engine", k),
+           "greedy_checked": len(greedy), "greedy_equal": sum(1 for r in greedy if r["counts_equal"])}
+    if engine_e is None or lo is None:
+        out.update(status="ok", passed=None, reason="no drafts on these requests: nothing to compare")
+        return out
+    floor = lo * (1.0 - tolerance)
+    text = (f"vLLM E {engine_e:.2f} vs estimate {estimate_e:.2f} [{lo:.2f}, {hi:.2f}] on "
+            f"{len(rows)} requests at K={k}")
+    if engine_e < floor:
+        out.update(status="below", passed=False, reason=(
+            f"engine check: {text}: below the interval by more than "
+            f"{100 * tolerance:.0f}% (engine_check_tolerance)"))
+    else:
+        out.update(status="ok", passed=True, reason=f"engine check: {text}")
+    if gated is not None:
+        out.update(passed=None, reason=f"{out['reason']} (reported, not gated: {gated})")
+    return out
+
+
+def _log_dir(run_id: str):
+    return specdec_home() / "engine_checks" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)
+
+
+def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dict,
+                 requests_by_domain: dict, db_url: str | None = None,
+                 settings: Settings | None = None) -> dict:
+    """Run the engine check of one run (see the module's docstring). Output: {"skipped": line or
+    None, "domains": {domain: row}, "engines": [{domains, start_s, seconds, status}]}."""
+    settings = settings or load_settings()
+    url = resolve_database_url(db_url or settings.database_url)
+    engine = ensure_ready(url)
+    try:
+        serving_env.serving_python(settings)
+        model_dir = serving_env.served_model_dir(target)
+    except ServingEnvUnavailable as exc:
+        if settings.engine_check_required:
+            raise
+        line = f"engine check skipped: {exc}"
+        log.warning("run %s: %s", run_id, line)
+        return {"skipped": line, "domains": {}, "engines": []}
+    with engine.connect() as connection:
+        on = {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok")
+            & DomainConfig.enabled.is_(True) & DomainConfig.drafter.is_not(None))).mappings()}
+        confirmed = {row.domain: [r["request_id"] for r in row.per_request or []] for row in
+                     connection.execute(select(LiveMeasurement.domain, LiveMeasurement.per_request)
+                                        .where(LiveMeasurement.run_id == run_id))}
+    config = build_config(run_id, url)
+    served = serving_env.served_fingerprint(model_dir)
+    if served is not None and served != config.target.fingerprint:
+        raise ServingProbeError(
+            f"run {run_id}: the served copy of {target} at {model_dir} has fingerprint {served}, the "
+            f"run evaluated {config.target.fingerprint}: delete {model_dir} to have it written again "
+            "from the target the run evaluated")
+    exported = vllm_export(config, target_path=str(model_dir))
+    rows: dict[str, dict] = {}
+    groups: dict[str, dict] = {}
+    picked: dict[str, list] = {}
+    for domain in sorted(on):
+        spec = exported["speculative_config"].get(domain)
+        if spec is None:
+            rows[domain] = {"status": "unsupported", "passed": None, "speculative_config": None,
+                            "reason": "engine check: " + exported["unsupported"].get(
+                                domain, "no vLLM config")}
+            continue
+        picked[domain] = pick_requests(requests_by_domain.get(domain, []), confirmed.get(domain, []),
+                                       settings.engine_check_requests, settings.confirm_max_new_tokens)
+        group = groups.setdefault(json.dumps(spec, sort_keys=True), {"spec": spec, "domains": []})
+        group["domains"].append(domain)
+    engines = []
+    answers: dict[str, dict] = {}
+    directory = _log_dir(run_id)
+    plan = [(f"spec-{n}", g["spec"], g["domains"]) for n, g in enumerate(groups.values())]
+    if picked:
+        plan.append(("plain", None, sorted(picked)))
+    for name, spec, domains in plan:
+        items = [_item(r, i) for d in domains for i, r in enumerate(picked[d])]
+        history = []
+        if spec is not None and spec["method"] == "suffix" and settings.engine_check_history:
+            for d in domains:
+                replayed = {r.request_id for r in picked[d]}
+                history += [_item(r, i) for i, r in enumerate(
+                    [r for r in requests_by_domain.get(d, []) if r.request_id not in replayed]
+                    [:settings.engine_check_history])]
+        what = f"run {run_id}, domains {', '.join(domains)} ({name} engine)"
+        log.info("%s: starting vLLM with %s; %d requests%s", what,
+                 json.dumps(spec) if spec else "no speculation", len(items),
+                 f" after {len(history)} of history" if history else "")
+        began = time.perf_counter()
+        log_name = "plain" if spec is None else "spec-" + "+".join(domains)[:100]
+        record = {"engine": name, "domains": domains, "speculative_config": spec,
+                  "log": str(directory / f"{log_name}.log"), "start_s": None, "status": "ok"}
+        answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
+                        {"model": str(model_dir), "speculative_config": spec, "requests": items,
+                         "history": history, "dtype": _dtype(target_model), "max_num_seqs": 1})
+        record["seconds"] = round(time.perf_counter() - began, 1)
+        record["start_s"] = answer.get("start_s")
+        record["starts"] = answer.get("starts")
+        if answer.get("failed"):
+            record["status"], reason = answer["failed"]
+        elif answer.get("refused"):
+            record["status"], reason = "refused", f"vLLM refused the config: {answer['refused']}"
+        else:
+            reason = None
+            if answer["died"]:
+                record["status"] = f"died on {len(answer['died'])} requests (started again)"
+        log.info("%s: %s in %.0f s (engine start %s)", what, record["status"], record["seconds"],
+                 "-" if record["start_s"] is None else f"{record['start_s']:.1f} s")
+        engines.append(record)
+        answers[name] = answer
+        if spec is None:
+            continue
+        for domain in domains:
+            base = {"speculative_config": spec, "log_path": record["log"],
+                    "engine_version": answer.get("vllm"), "start_s": record["start_s"],
+                    "counters": answer.get("counters")}
+            if reason is not None:
+                rows[domain] = {**base, "status": record["status"], "passed": False,
+                                "reason": f"engine check: {reason}"[:2000]}
+                continue
+            drafter = drafters_by_domain[domain][on[domain]["drafter"]][1]
+            rows[domain] = {**base, **_domain_row(picked[domain], answer, spec, drafter, target_model,
+                                                  len(history), record["log"], settings)}
+    plain = answers.get("plain") or {}
+    for domain in picked:
+        if domain in rows and plain.get("requests"):
+            replayed = [plain["requests"][r.request_id] for r in picked[domain]
+                        if r.request_id in plain["requests"]]
+            rows[domain]["plain_tokens_per_s"] = _tokens_per_s(replayed)
+    _store(engine, run_id, on, rows, settings)
+    for domain, row in sorted(rows.items()):
+        for item in row.get("per_request") or []:
+            if item["counts_equal"] is False:
+                log.error("run %s, domain %s, request %s: vLLM's greedy output equals the log but it "
+                          "accepted %s drafts inside it in %d drafted steps, the estimate %.0f in "
+                          "%.0f", run_id, domain, item["request_id"],
+                          item["engine_accepted_in_log"] if item["engine_accepted_in_log"] is not None
+                          else "(steps not placeable)", item["engine_steps"],
+                          item["estimate_accepted"], item["estimate_steps"])
+        (log.warning if row.get("passed") is False else log.info)("run %s, domain %s: %s", run_id,
+                                                                   domain, row["reason"])
+    return {"skipped": None, "domains": rows, "engines": engines}
+
+
+RESTARTS = 5      # fresh engines after a request killed one, before the rest is left unserved
+
+
+def _serve(serving_env, settings: Settings, what: str, log_path, request: dict) -> dict:
+    """One engine's replay; a request that kills the engine is recorded with vLLM's error and a
+    fresh engine (a new process: vLLM does not start twice in one) serves the requests after it,
+    at most RESTARTS times. Output: the probe's answer with died: [{request, error}], unserved:
+    [ids], starts: engines started, counters summed; or {"failed": (status, reason)}."""
+    history, items = list(request.get("history", [])), list(request["requests"])
+    total = {"requests": {}, "died": [], "unserved": [], "counters": None, "starts": 0}
+    while True:
+        try:
+            answer = serving_env.run_engine(dict(request, history=history, requests=items),
+                                            log_path.with_suffix(f".{total['starts']}.log")
+                                            if total["starts"] else log_path,
+                                            settings.engine_check_timeout_s, what, settings)
+        except (EngineTimeout, ServingProbeError) as exc:
+            return {**total, "failed": ("timeout" if isinstance(exc, EngineTimeout) else "died",
+                                        str(exc))}
+        total["starts"] += 1
+        if answer.get("refused"):
+            return {**total, **answer, "died": total["died"]}
+        total.setdefault("vllm", answer.get("vllm"))
+        total.setdefault("start_s", answer.get("start_s"))
+        total["requests"].update(answer["requests"])
+        if answer.get("counters"):
+            total["counters"] = _add_counters(total["counters"], answer["counters"])
+        dead = answer.get("died")
+        if not dead:
+            return total
+        total["died"].append(dead)
+        ids = [str(item["id"]) for item in history + items]
+        after = ids.index(dead["request"]) + 1
+        history, items = history[after:], items[max(0, after - len(history)):]
+        if not items:
+            return total
+        if total["starts"] > RESTARTS:
+            total["unserved"] = [str(item["id"]) for item in items]
+            return total
+
+
+def _add_counters(total: dict | None, more: dict) -> dict:
+    if total is None:
+        return dict(more)
+    width = max(len(total["accepted_per_pos"]), len(more["accepted_per_pos"]))
+
+    def padded(values):
+        return list(values) + [0] * (width - len(values))
+    return {"drafts": total["drafts"] + more["drafts"],
+            "draft_tokens": total["draft_tokens"] + more["draft_tokens"],
+            "accepted_tokens": total["accepted_tokens"] + more["accepted_tokens"],
+            "accepted_per_pos": [a + b for a, b in zip(padded(total["accepted_per_pos"]),
+                                                       padded(more["accepted_per_pos"]))]}
+
+
+def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, history: int,
+                log_path: str, settings: Settings) -> dict:
+    """One domain's comparison of what its engine served with the estimate of the same requests
+    at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
+    figures on the requests that were served."""
+    k = batch_one_k(spec)
+    offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked], k)
+    compared = [compare_request(r, answer["requests"][r.request_id], offline.get(r.request_id),
+                                exact=spec["method"] in EXACT_METHODS, drafter=drafter, k=k)
+                for r in picked if r.request_id in answer["requests"]]
+    ungated = None
+    if spec["method"] == "suffix":
+        ungated = (f"vLLM's suffix tree held the {history} requests served before the replay, the "
+                   "estimate's index the run's whole history; a serving vLLM grows its tree from "
+                   "all it serves")
+    row = {**domain_verdict(compared, k, settings.engine_check_tolerance, ungated),
+           "per_request": compared, "spec_tokens_per_s": _tokens_per_s(compared)}
+    ids = {r.request_id for r in picked}
+    failed = [d for d in answer.get("died") or [] if d["request"] in ids]
+    unserved = [i for i in answer.get("unserved") or [] if i in ids]
+    if failed or unserved:
+        first = failed[0] if failed else None
+        row.update(status="died", passed=False, reason=(
+            f"engine check: the engine died on {len(failed)} of {len(picked)} requests"
+            + (f" ({len(unserved)} left unserved)" if unserved else "")
+            + (f", first on request {first['request']}: {first['error']}" if first else "")
+            + f"; its log: {log_path}. On the {len(compared)} it served: "
+            + row["reason"].removeprefix("engine check: "))[:2000])
+    return row
+
+
+def _dtype(model) -> str:
+    dtype = next(model.parameters()).dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def _tokens_per_s(rows: list[dict]) -> float | None:
+    tokens = sum(len(r["token_ids"]) if "token_ids" in r else r["tokens"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    return tokens / seconds if seconds > 0 else None
+
+
+COLUMNS = ("engine_version", "speculative_config", "status", "passed", "reason", "requests", "k",
+           "estimate_e", "estimate_e_lo", "estimate_e_hi", "engine_e", "estimate_rates",
+           "engine_rates", "greedy_checked", "greedy_equal", "plain_tokens_per_s",
+           "spec_tokens_per_s", "start_s", "counters", "per_request", "log_path")
+
+
+def _store(engine, run_id: str, on: dict, rows: dict, settings: Settings) -> None:
+    """One transaction: the run's engine_checks rows replaced, gated domains turned off."""
+    now = utcnow()
+    with engine.begin() as connection:
+        connection.execute(delete(EngineCheck).where((EngineCheck.run_id == run_id)
+                                                     & EngineCheck.domain.in_(list(rows))))
+        for domain, row in rows.items():
+            connection.execute(insert(EngineCheck).values(
+                run_id=run_id, domain=domain, engine="vllm", created_at=now,
+                **{column: row.get(column) for column in COLUMNS}))
+            if row.get("passed") is False:
+                connection.execute(update(DomainConfig).where(
+                    (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(
+                    enabled=False, max_batch_size=None, k_schedule=None,
+                    reason=(f"{row['reason']}; not promotable as on, the domain is off. "
+                            f"Planner: {on[domain]['reason']}")[:2000]))

@@ -1,0 +1,137 @@
+"""One evaluation run end to end, without Airflow: the steps of tasks.steps.pipeline in order, in one
+process (the model is loaded once). The DAG (dags/specdec_evaluate.py) wires the same steps.
+A domain whose step fails is recorded as failed (off; the champion's setting is kept) and the
+other domains go on, as in the DAG.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sqlalchemy import select
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
+from ..errors import SpecdecTaskError
+from ..registry.run_results import profile_check
+from ..settings import DEFAULT_MODEL, Settings, load_settings
+from ..timeutil import utcnow
+from .context import RunSpec, use_model
+from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
+                       step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
+
+log = logging.getLogger(__name__)
+
+ENGINE_COLUMNS = {"engine_status": "status", "engine_e": "engine_e", "engine_estimate_e": "estimate_e",
+                  "engine_passed": "passed"}     # the engine check (tasks.steps.engine_check) on vLLM
+TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_accepted_length",
+                 "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
+                 "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",
+                 "predicted_same_requests", "cost_model_error", "sampling_error", "greedy_checked",
+                 "greedy_consistent", "live_check", "measured_speedup_lo", "measured_speedup_hi",
+                 *ENGINE_COLUMNS)
+LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_error",
+                "greedy_checked", "greedy_consistent", "measured_speedup_lo", "measured_speedup_hi")
+
+
+def default_run_id() -> str:
+    return "manual__" + utcnow().strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
+    """The run's per-domain table (domain_configs joined with its live measurement)."""
+    engine = ensure_ready(resolve_database_url(db_url))
+    with engine.connect() as connection:
+        configs = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
+                                     .order_by(DomainConfig.domain)).mappings().all()
+        live = {row["domain"]: row for row in connection.execute(
+            select(LiveMeasurement.domain, *[getattr(LiveMeasurement, c) for c in LIVE_COLUMNS])
+            .where(LiveMeasurement.run_id == run_id)).mappings()}
+        checked = {row["domain"]: row for row in connection.execute(
+            select(EngineCheck.domain, *[getattr(EngineCheck, c) for c in ENGINE_COLUMNS.values()])
+            .where(EngineCheck.run_id == run_id)).mappings()}
+
+    def value(row, column):
+        if column in LIVE_COLUMNS:
+            return (live.get(row["domain"]) or {}).get(column)
+        if column in ENGINE_COLUMNS:
+            return (checked.get(row["domain"]) or {}).get(ENGINE_COLUMNS[column])
+        return row[column]
+    return [{column: value(row, column) for column in TABLE_COLUMNS} for row in configs]
+
+
+def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
+             db_url: str | None = None, settings: Settings | None = None, domains=None, window=None,
+             candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
+             max_per_domain: int | None = None, min_per_domain: int | None = None,
+             device: str | None = None, progress: bool = True, model=None, tokenizer=None,
+             register: bool = False, promote: bool = False, tracking_uri: str | None = None) -> dict:
+    """Run every step for one run id; returns {"run_id", "table", "steps": {step: seconds}, ...}.
+
+    hardware_profile: plan with that stored cost profile (measured elsewhere and imported);
+    default (settings.hardware_profile None): measure this machine in this run.
+    model/tokenizer: an already loaded target (then `target` only names it).
+    register: track the run in MLflow and register its config (alias challenger); promote: then
+    gate it and move the champion alias (implies register).
+    """
+    settings = settings or load_settings()
+    spec = RunSpec(run_id=run_id or default_run_id(), target=target, device=device,
+                   db_url=resolve_database_url(db_url or settings.database_url), tracking_uri=tracking_uri,
+                   domains=list(domains) if domains else None, window_days=window,
+                   min_per_domain=min_per_domain, max_per_domain=max_per_domain,
+                   candidates=list(candidates) if candidates else None,
+                   hardware_profile=hardware_profile, k_max=k_max, promote=promote,
+                   overrides=settings.model_dump(mode="json", exclude_defaults=True))
+    if register or promote:     # fail in seconds, not after the expensive steps
+        from ..registry.tracking import check_reachable
+
+        check_reachable(tracking_uri)
+    if model is not None:
+        use_model(target, model, tokenizer, device)
+    steps: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        steps[name] = round(now - clock, 2)
+        clock = now
+        log.info("run %s: %s done in %.1f s", spec.run_id, name, steps[name])
+
+    sample = step_sample(spec)
+    spec = RunSpec.of(sample.pop("spec"))     # its candidates frozen: every later step sees these
+    lap("sample")
+    checked = step_check(spec)       # raises QualityGateFailed on table-level failures
+    lap("check")
+    profile = step_profile(spec)
+    lap("profile")
+    per_domain = [("estimate", lambda d: step_estimate(spec, d, profile)),
+                  ("confirm", lambda d: step_confirm(spec, d)),
+                  ("validate", lambda d: step_validate(spec, d))]
+    active = list(checked["ok"])
+    for name, step in per_domain:
+        for domain in list(active):
+            try:
+                step(domain)
+            except (SpecdecTaskError, ValueError, RuntimeError) as exc:   # this domain only
+                record_domain_failure(spec, domain, f"{name}: {type(exc).__name__}: {exc}")
+                active.remove(domain)
+        lap(name)
+    finished = step_finish(spec, insufficient=checked["insufficient"])
+    lap("finish")
+    engine_checked = step_engine_check(spec)
+    lap("engine_check")
+    registered = promoted = None
+    if register or promote:
+        registered = step_register(spec)
+        lap("register")
+        if promote:
+            promoted = step_promote(spec, registered)
+            lap("promote")
+    return {"run_id": spec.run_id, "target": target, "fingerprint": finished["fingerprint"],
+            "registered": registered, "promoted": promoted, "failed": finished["failed"],
+            "hardware_profile": profile, "sample": sample, "excluded": finished["excluded"],
+            "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
+            "profile_check": profile_check(spec.run_id, spec.url), "engine_check": engine_checked,
+            "seconds": round(sum(steps.values()), 1)}

@@ -1,0 +1,301 @@
+"""The evaluation run as steps: plain functions taking a JSON-able RunSpec and returning small
+JSON-able results, so the same run works from the CLI (tasks.steps.evaluate), tests and Airflow
+(dags/specdec_evaluate.py wires one task per step, the per-domain steps mapped over domains).
+
+Walk (docs/design.md): sample -> check -> profile -> per domain: estimate + plan -> confirm -> validate
+-> finish (insufficient and failed domains recorded, greedy check and fingerprint once, result
+checks) -> engine check (each config served by vLLM) -> register -> promote -> report. Every step
+stores its rows by run id, so a retried step replaces its own rows; a domain's failure is recorded and does not touch the other domains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+from sqlalchemy import func, select, update
+
+from ..db.engine import ensure_ready
+from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
+from ..registry.config_schema import config_model_name
+from ..registry.promotion import promote
+from ..registry.registration import register_config
+from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
+from ..settings import worker_name
+from ..timeutil import utcnow
+from .confirm import confirm_domain
+from .context import RunContext, RunSpec, freeze_candidates, loaded_model
+from .costs import describe_device, describe_hardware, load_costs, profile_costs
+from .engine_check import engine_check
+from .offline_estimate import estimate_domains
+from .plan import plan_domain
+from .quality import check_result_table, check_traffic_sample
+from .traffic_sample import sample_traffic
+from .validate import validate_domain, validate_run
+
+log = logging.getLogger(__name__)
+
+
+def step_sample(spec) -> dict:
+    """Draw the run's sample and freeze its candidates (tasks.steps.context.freeze_candidates) into the
+    spec and into the run's eval_runs.params. Output: the sample (tasks.steps.traffic_sample.sample_traffic)
+    and "spec", the frozen spec as a dict: the spec every later step of the run takes."""
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    url = spec.resolved_url(settings)
+    spec = freeze_candidates(spec, settings)
+    sample = sample_traffic(spec.run_id, db_url=url, domains=spec.domains, window=spec.window_days,
+                            settings=settings)
+    engine = ensure_ready(url)
+    with engine.begin() as connection:
+        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == spec.run_id)).scalar()
+        connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
+            params={**(params or {}), "candidates": list(spec.candidates), "drafts": spec.drafts}))
+    return {**sample, "spec": spec.to_dict()}
+
+
+def step_check(spec) -> dict:
+    """Data-quality gates; raises QualityGateFailed on table-level failures (the run stops).
+    Output: {"ok": [domains], "insufficient": [domains]}."""
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    checked = check_traffic_sample(spec.run_id, db_url=spec.resolved_url(settings), settings=settings)
+    status = {domain: info["status"] for domain, info in checked["domains"].items()}
+    return {"ok": sorted(d for d, s in status.items() if s == "ok"),
+            "insufficient": sorted(d for d, s in status.items() if s != "ok")}
+
+
+def step_profile(spec) -> str:
+    """Measure costs here (under the timing lock), or check the named stored profile; its name."""
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    url = spec.resolved_url(settings)
+    name = settings.hardware_profile
+    measured = None
+    if name is None:
+        context = RunContext.build(spec)
+        measured = profile_costs(spec.run_id, context.model,
+                                 {label: d for label, (_, d) in context.drafters.items()},
+                                 db_url=url, settings=settings, k_max=settings.eval_k_max,
+                                 tokenizer=context.tokenizer)
+        name = measured["hardware_profile"]["name"]
+    costs = load_costs(name, url)
+    worker = worker_hardware(spec, None if measured is None else measured["hardware_profile"])
+    engine = ensure_ready(url)
+    with engine.begin() as connection:
+        connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
+            hardware_profile=name, worker_hardware=worker, status="profiled", updated_at=utcnow()))
+    log.info("run %s: planning with cost profile %s (run %s); profile task on worker %s (%s %s)",
+             spec.run_id, name, costs.run_id, worker["worker"], worker["device"], worker["dtype"])
+    return name
+
+
+def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
+    """This worker's hardware description ({name, device, dtype, details}, plus `worker`, its
+    name, and `measured`: whether this run's costs were measured here). Without a measurement,
+    the device and dtype the target loads with here (no model is loaded for it)."""
+    model = loaded_model(spec.target, spec.device)
+    if measured is not None:
+        hardware = dict(measured)
+    elif model is not None:
+        hardware = describe_hardware(model)
+    else:
+        import torch
+
+        from specdec_core.models import default_device, default_dtype
+
+        device = torch.device(spec.device) if spec.device else default_device()
+        hardware = describe_device(device, default_dtype(device))
+    hardware.update(worker=worker_name(), measured=measured is not None)
+    return hardware
+
+
+def step_estimate(spec, domain: str, profile: str) -> dict:
+    """Offline estimate and plan of one domain. Output: the domain's plan (domain_configs row)."""
+    context = RunContext.build(spec)
+    settings, url, run_id = context.settings, context.url, context.run_id
+    requests, excluded = context.domain_requests(domain)
+    costs = load_costs(profile, url)
+    minimum = _sample_minimum(context)
+    if len(requests) < minimum:
+        log.warning("run %s, domain %s: %d usable requests of this target < minimum %d (%d from other "
+                    "fingerprints)", run_id, domain, len(requests), minimum,
+                    len(excluded["other_fingerprint"]))
+        return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
+                                  status="insufficient", samples=len(requests)))
+    estimate_domains(run_id, context.model, context.domain_drafters(domain), {domain: requests},
+                     db_url=url, settings=settings, k_max=settings.eval_k_max, progress=False)
+    return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
+                              samples=len(requests),
+                              currently_on=domain in champion_domains_on(context.spec, url)))
+
+
+def champion_domains_on(spec: RunSpec, db_url: str | None = None) -> set[str]:
+    """Domains on in the target's champion config (for the planner's hysteresis); empty when there
+    is no champion or no tracking store yet (none is created to find out)."""
+    uri = tracking_uri(spec.tracking_uri, db_url or spec.url)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        return set()
+    try:
+        mlflow_client = client(uri)
+        name = config_model_name(spec.target)
+        version = alias_version(mlflow_client, name, CHAMPION)
+        return set() if version is None else set(load_version_config(mlflow_client, name, version).domains_on)
+    except MlflowException as exc:
+        log.warning("run %s: champion config not read (%s): planning without hysteresis", spec.run_id, exc)
+        return set()
+
+
+def _sample_minimum(context: RunContext) -> int:
+    with context.engine.connect() as connection:
+        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == context.run_id)).scalar()
+    return int((params or {}).get("min_per_domain") or context.settings.min_per_domain)
+
+
+def _plain(row: dict) -> dict:
+    return {key: (value.isoformat() if isinstance(value, datetime) else value) for key, value in row.items()}
+
+
+def step_confirm(spec, domain: str) -> dict | None:
+    """Live confirmation of one domain's plan (under the timing lock)."""
+    context = RunContext.build(spec)
+    requests, _ = context.domain_requests(domain)
+    row = confirm_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
+                         requests, db_url=context.url, settings=context.settings, progress=False)
+    return None if row is None else _plain(row)
+
+
+def step_validate(spec, domain: str) -> dict:
+    """The sampling test of one domain's planned drafter (or the run's shared result for it)."""
+    context = RunContext.build(spec)
+    requests, _ = context.domain_requests(domain)
+    return validate_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
+                           requests, db_url=context.url, settings=context.settings)
+
+
+def record_domain_failure(spec, domain: str, error: str) -> None:
+    """A domain whose step failed: off in this run's config (the champion's setting is kept)."""
+    spec = RunSpec.of(spec)
+    engine = ensure_ready(spec.url)
+    reason = f"failed: {error}"[:2000]
+    with engine.begin() as connection:
+        exists = connection.execute(select(DomainConfig.domain).where(
+            (DomainConfig.run_id == spec.run_id) & (DomainConfig.domain == domain))).scalar()
+        if exists is None:
+            connection.execute(DomainConfig.__table__.insert().values(
+                run_id=spec.run_id, domain=domain, enabled=False, status="failed", reason=reason,
+                created_at=utcnow()))
+        else:
+            connection.execute(update(DomainConfig).where(
+                (DomainConfig.run_id == spec.run_id) & (DomainConfig.domain == domain)).values(
+                enabled=False, status="failed", reason=reason, validation=None, promotable=None))
+    log.error("run %s, domain %s %s; the champion's setting is kept", spec.run_id, domain, reason)
+
+
+def step_finish(spec, insufficient: list[str] | None = None) -> dict:
+    """After the per-domain steps (whatever their outcome): record insufficient domains and domains
+    whose steps did not complete, run the greedy and fingerprint checks, check the result tables.
+    Output: {"fingerprint", "greedy", "domains": {domain: validation}, "failed": [...]}."""
+    context = RunContext.build(spec)
+    spec, settings, url, engine, run_id = (context.spec, context.settings, context.url,
+                                           context.engine, context.run_id)
+    with engine.connect() as connection:
+        sampled = dict(connection.execute(select(EvalSample.domain, func.count()).where(
+            EvalSample.run_id == run_id).group_by(EvalSample.domain)).all())
+        configs = {row["domain"]: dict(row) for row in connection.execute(
+            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
+        profile = connection.execute(select(EvalRun.hardware_profile).where(
+            EvalRun.run_id == run_id)).scalar()
+    insufficient = set(insufficient or [])
+    failed = []
+    for domain in sorted(sampled):
+        config = configs.get(domain)
+        if config is None and domain in insufficient:
+            plan_domain(run_id, domain, load_costs(profile, url), db_url=url,
+                        settings=settings, status="insufficient", samples=sampled[domain])
+        elif config is None:
+            record_domain_failure(spec, domain, "no plan was stored (its estimate step failed)")
+            failed.append(domain)
+        elif config["status"] == "ok" and config["enabled"] and config["validation"] is None \
+                and not _has_sampling_test(engine, run_id, domain):
+            record_domain_failure(spec, domain, "its confirm or validate step did not complete")
+            failed.append(domain)
+    with engine.connect() as connection:
+        ok_domains = sorted(connection.execute(select(DomainConfig.domain).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok"))).scalars())
+    requests, excluded = ({}, {}) if not ok_domains else context.sample_requests(ok_domains)
+    verdicts = validate_run(run_id, context.model, context.tokenizer, context.drafters,
+                            requests, target_id=spec.target, db_url=url, settings=settings,
+                            excluded=excluded, fingerprint=context.target_fingerprint,
+                            drafters_by_domain={d: context.domain_drafters(d) for d in ok_domains})
+    tables = ["domain_configs"]
+    with engine.connect() as connection:
+        measured = connection.execute(select(LiveMeasurement.id).where(
+            LiveMeasurement.run_id == run_id).limit(1)).scalar()
+    if ok_domains:
+        tables.append("acceptance_estimates")
+    if measured is not None:
+        tables.append("live_measurements")
+    for table in tables:
+        check_result_table(run_id, table, db_url=url, settings=settings)
+    with engine.begin() as connection:
+        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
+            status="evaluated", updated_at=utcnow()))
+    return {**verdicts, "failed": failed,
+            "excluded": {key: len(value) for key, value in (excluded or {}).items()}}
+
+
+def _has_sampling_test(engine, run_id: str, domain: str) -> bool:
+    with engine.connect() as connection:
+        return connection.execute(select(Validation.id).where(
+            (Validation.run_id == run_id) & (Validation.domain == domain)
+            & (Validation.check_name == "sampling")).limit(1)).scalar() is not None
+
+
+def step_engine_check(spec) -> dict:
+    """Serve each domain the plan turns on with its exported config on vLLM (tasks.steps.engine_check);
+    a domain whose engine check fails is turned off before register."""
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    if not settings.engine_check:
+        return {"skipped": "engine check off (setting engine_check)", "domains": {}, "engines": []}
+    context = RunContext.build(spec)
+    with context.engine.connect() as connection:
+        domains = sorted(connection.execute(select(DomainConfig.domain).where(
+            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok")
+            & DomainConfig.enabled.is_(True))).scalars())
+    result = engine_check(spec.run_id, spec.target, context.model,
+                          {d: context.domain_drafters(d) for d in domains},
+                          {d: context.domain_requests(d)[0] for d in domains},
+                          db_url=context.url, settings=context.settings)
+    return json.loads(json.dumps(result, default=str))
+
+
+def step_register(spec) -> dict:
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    return register_config(spec.run_id, db_url=spec.resolved_url(settings), uri=spec.tracking_uri,
+                           settings=settings)
+
+
+def step_promote(spec, registered: dict) -> dict:
+    spec = RunSpec.of(spec)
+    settings = spec.settings()
+    return promote(registered["name"], registered["version"], db_url=spec.resolved_url(settings),
+                   uri=spec.tracking_uri, settings=settings,
+                   expected_champion=registered["champion_version"])
+
+
+def low_acceptance_domains(spec, threshold: float) -> list[dict]:
+    """Domains whose planned drafter's expected tokens per round fell below `threshold`."""
+    spec = RunSpec.of(spec)
+    engine = ensure_ready(spec.url)
+    with engine.connect() as connection:
+        rows = connection.execute(select(DomainConfig.domain, DomainConfig.drafter, DomainConfig.k,
+                                         DomainConfig.mean_accepted_length).where(
+            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).all()
+    return [{"domain": r.domain, "drafter": r.drafter, "k": r.k, "mean_accepted_length": r.mean_accepted_length}
+            for r in rows if r.mean_accepted_length is not None and r.mean_accepted_length < threshold]

@@ -1,0 +1,222 @@
+"""The per-domain plan: drafter, K, largest batch size at which speculation pays, on or off.
+
+For each candidate drafter and K the offline estimate gives E(K) (tokens per round) with a 95%
+interval, and the share of rounds drafting w = 0..K tokens (prompt lookup may draft fewer). On a
+hardware profile at batch size b, one round costs, in target steps,
+    cost_b = sum_w share_w * (draft_b(w) + v_b(w)),  v_b(w) = t_verify(w) / t_step  (v_b(0) = 1)
+with draft_b(w) = w * t_draft / t_step for a model drafter and t_lookup / t_step per round for
+prompt lookup. Each round also pays o_b, the host work outside the forward passes and the
+proposal (sampling, acceptance, write-back, rollback, bookkeeping), and plain decoding pays its own
+o_plain per step; both measured by the cost profile (profile.measure_round_overhead) in target
+steps. Predicted speedup = E(K) (1 + o_plain) / (cost_b + o_b); its interval is E's interval over
+the same cost (the model of docs/design.md's E(K) / (K c + v(K)), with the widths the traffic
+actually drafts and the overhead a GPU does not hide).
+The (drafter, K) with the best prediction at batch size 1 among those whose interval's lower end
+clears the policy minimum is chosen (the best prediction overall when none does); the domain
+turns on only when that lower end clears the minimum and the sample is large enough; max_batch_size is the
+largest profiled batch size up to which the lower end still clears it.
+
+Hysteresis (settings.hysteresis): a domain that is on in the champion config stays on while its
+interval's upper end clears the minimum and its lower end clears 1.0 (speculation still does not
+lose), with max_batch_size the largest batch size where that holds; the reason says "kept on:
+within hysteresis". Without it a domain near the minimum flips on and off from run to run on
+sampling noise alone, and every flip is a new config version to review.
+
+A noisy cost profile (CostTable.noisy: it failed its consistency or spread checks, see
+tasks.steps.costs.check_costs) turns no domain on that the champion has off: its reason says "cost
+profile too noisy: ..." and how to plan with a stored profile instead. The live check after the
+plan can veto an "on" as well (tasks.steps.confirm.live_verdict).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import delete, insert, select, update
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import AcceptanceEstimate, DomainConfig
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
+from .candidates import HOST_DRAFTERS
+from .costs import CostTable
+
+log = logging.getLogger(__name__)
+
+
+def round_cost(width_share: list[float], verify_ratios: list[float], draft_ratio: float,
+               per_round_draft: bool) -> float:
+    """Expected cost of one round in target steps (see the module docstring)."""
+    cost = 0.0
+    for width, share in enumerate(width_share):
+        if share <= 0:
+            continue
+        verify = 1.0 if width == 0 else verify_ratios[width - 1]
+        draft = draft_ratio if per_round_draft else width * draft_ratio
+        cost += share * (draft + verify)
+    return cost
+
+
+def speedup_factor(drafter: str, drafter_spec: dict | None, width_share: list[float],
+                   costs: CostTable, batch_size: int) -> float:
+    """Speedup per token of E: (1 + o_plain) / (round cost + o_round), all in target steps, so
+    predicted speedup = E x this (see the module docstring)."""
+    # a host drafter (prompt lookup, suffix) pays one search per round, not one step per token
+    per_round = (drafter_spec or {}).get("kind") in HOST_DRAFTERS
+    cost = round_cost(width_share, costs.verify_ratios(batch_size),
+                      costs.draft_ratio(drafter, batch_size), per_round)
+    plain, overhead = costs.overhead_ratios(drafter, batch_size)
+    return (1.0 + plain) / (cost + overhead)
+
+
+def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, float, float]:
+    """(predicted, lo, hi) speedup of one acceptance_estimates row at a batch size."""
+    factor = speedup_factor(estimate["drafter"], estimate["drafter_spec"],
+                            estimate["draft_width_share"], costs, batch_size)
+    return (estimate["mean_accepted_length"] * factor, estimate["mean_accepted_length_lo"] * factor,
+            estimate["mean_accepted_length_hi"] * factor)
+
+
+def k_schedule(estimates: list[dict], costs: CostTable, pays) -> list[list[int]]:
+    """K by batch size for one drafter: [[first, last, K], ...] over the profiled batch sizes. Each
+    range ends at a profiled size b and starts after the previous one, and its K is the one with
+    the best predicted speedup at b among those that pay there (pays(lo, hi)): costs grow with the
+    batch, so what pays at b pays below it. 0 from the first size where none pays; the largest
+    profiled size ends the schedule (beyond it nothing was measured: serving stays off)."""
+    sizes = costs.batch_sizes
+    schedule, stopped = [], False
+    for index, b in enumerate(sizes):
+        best = (0, 0.0)
+        if not stopped:
+            for estimate in estimates:
+                if estimate["k"] > costs.k_max(b):
+                    continue
+                predicted, lo, hi = speedups(estimate, costs, b)
+                if pays(lo, hi) and predicted > best[1]:
+                    best = (estimate["k"], predicted)
+        stopped = stopped or best[0] == 0
+        schedule.append([1 if index == 0 else sizes[index - 1] + 1, b, best[0]])
+    return schedule
+
+
+def _max_batch(estimate: dict, costs: CostTable, pays) -> int | None:
+    """The largest profiled batch size up to which pays(lo, hi) holds at every size (None: not at 1)."""
+    best = None
+    for b in costs.batch_sizes:
+        if estimate["k"] > costs.k_max(b):
+            break
+        _, lo, hi = speedups(estimate, costs, b)
+        if not pays(lo, hi):
+            break
+        best = b
+    return best
+
+
+def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None = None,
+                settings: Settings | None = None, status: str = "ok",
+                min_speedup: float | None = None, samples: int | None = None,
+                currently_on: bool = False) -> dict:
+    """Choose and store the domain's setting (domain_configs) from the run's estimates.
+
+    status: the sample's verdict for the domain ("ok" or "insufficient": the domain is off in this
+    config and the champion's setting is kept). samples: usable requests of the domain (default:
+    those the estimates scored). currently_on: the domain is on in the champion config (with
+    settings.hysteresis it then stays on within the wider band, see the module docstring).
+    Output: the domain_configs row as a dict.
+    """
+    settings = settings or load_settings()
+    min_speedup = settings.min_speedup if min_speedup is None else min_speedup
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    with engine.connect() as connection:
+        estimates = [dict(row) for row in connection.execute(
+            select(AcceptanceEstimate).where((AcceptanceEstimate.run_id == run_id)
+                                             & (AcceptanceEstimate.domain == domain))
+            .order_by(AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
+    batch_sizes = costs.batch_sizes
+    updates = []
+    best = best_paying = best_kept = None
+    keeps = settings.hysteresis and currently_on
+    for estimate in estimates:
+        if estimate["k"] > costs.k_max(batch_sizes[0]):
+            continue
+        predicted, lo, hi = speedups(estimate, costs, batch_sizes[0])
+        updates.append({"id": estimate["id"], "predicted_speedup": predicted,
+                        "predicted_speedup_lo": lo, "predicted_speedup_hi": hi})
+        candidate = (estimate, predicted, lo, hi)
+        if best is None or predicted > best[1]:
+            best = candidate
+        if lo >= min_speedup and (best_paying is None or predicted > best_paying[1]):
+            best_paying = candidate
+        if keeps and hi >= min_speedup and lo >= 1.0 and (best_kept is None or predicted > best_kept[1]):
+            best_kept = candidate
+    # the best prediction among the settings whose interval clears the bar (a K whose wide
+    # interval misses it must not turn the domain off when a smaller K clears it)
+    best = best_paying or best_kept or best
+    if samples is None:
+        samples = max((e["requests"] for e in estimates), default=0)
+    row = {"run_id": run_id, "domain": domain, "enabled": False, "drafter": None,
+           "drafter_spec": None, "k": None, "max_batch_size": None, "predicted_speedup": None,
+           "predicted_speedup_lo": None, "predicted_speedup_hi": None, "measured_speedup": None,
+           "k_schedule": None,
+           "mean_accepted_length": None, "conditional_acceptance": None, "samples": samples,
+           "status": status, "validation": None, "promotable": None, "reason": None,
+           "champion_on": bool(currently_on), "live_check": None}
+    if best is not None:
+        estimate, predicted, lo, hi = best
+        row.update(drafter=estimate["drafter"], drafter_spec=estimate["drafter_spec"],
+                   k=estimate["k"], predicted_speedup=predicted, predicted_speedup_lo=lo,
+                   predicted_speedup_hi=hi, mean_accepted_length=estimate["mean_accepted_length"],
+                   conditional_acceptance=estimate["conditional_acceptance"])
+        row["max_batch_size"] = _max_batch(estimate, costs, lambda lo, hi: lo >= min_speedup)
+        pays = lambda lo, hi: lo >= min_speedup  # noqa: E731
+        kept = (settings.hysteresis and currently_on and row["max_batch_size"] is None
+                and _max_batch(estimate, costs, lambda lo, hi: hi >= min_speedup and lo >= 1.0))
+        if kept:
+            row["max_batch_size"] = kept
+            pays = lambda lo, hi: hi >= min_speedup and lo >= 1.0  # noqa: E731
+        if row["max_batch_size"] is not None:      # on: the schedule says up to which batch size
+            row["k_schedule"] = k_schedule(
+                [e for e in estimates if e["drafter"] == estimate["drafter"]], costs, pays)
+            row["max_batch_size"] = max(last for _, last, k in row["k_schedule"] if k > 0)
+    if status == "insufficient":
+        row["reason"] = (f"insufficient samples ({samples} usable requests of this target, fewer "
+                         "than the minimum): off in this config; the champion's setting is kept")
+    elif best is None:
+        row["status"] = "insufficient"
+        row["reason"] = "no usable estimate (no sampled request with a response of 2+ tokens)"
+    elif row["max_batch_size"] is None:
+        row["reason"] = (f"off: best {row['drafter']} K={row['k']} predicts {row['predicted_speedup']:.2f}x "
+                         f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}], whose "
+                         f"lower end does not clear the minimum {min_speedup:.2f}x")
+    elif kept:
+        row["enabled"] = True
+        row["reason"] = (f"kept on: within hysteresis -- {row['drafter']} K={row['k']} predicts "
+                         f"{row['predicted_speedup']:.2f}x [{row['predicted_speedup_lo']:.2f}, "
+                         f"{row['predicted_speedup_hi']:.2f}]: on in the champion, upper end still "
+                         f">= {min_speedup:.2f}x and lower end >= 1.00x (up to batch "
+                         f"{row['max_batch_size']})")
+    elif costs.noisy and not currently_on:
+        row.update(max_batch_size=None, k_schedule=None)
+        row["reason"] = (f"off: cost profile too noisy: {costs.noise_text()}. {row['drafter']} "
+                         f"K={row['k']} would predict {row['predicted_speedup']:.2f}x "
+                         f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}], but no "
+                         "domain turns on from a noisy profile that the champion has off. Measure on a "
+                         "quiet machine, or plan with a stored profile (`specdec evaluate "
+                         "--hardware-profile NAME`, setting `hardware_profile`)")
+    else:
+        row["enabled"] = True
+        row["reason"] = (f"on: {row['drafter']} K={row['k']} predicts {row['predicted_speedup']:.2f}x "
+                         f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}] at batch "
+                         f"1; pays up to batch {row['max_batch_size']} on {costs.hardware_profile}")
+        if costs.noisy:
+            row["reason"] += (f" (on in the champion; the cost profile is noisy: {costs.noise_text(1)})")
+    now = utcnow()
+    with engine.begin() as connection:
+        for item in updates:
+            connection.execute(update(AcceptanceEstimate).where(AcceptanceEstimate.id == item["id"])
+                               .values(**{k: v for k, v in item.items() if k != "id"}))
+        connection.execute(delete(DomainConfig).where((DomainConfig.run_id == run_id)
+                                                      & (DomainConfig.domain == domain)))
+        connection.execute(insert(DomainConfig).values(**row, created_at=now))
+    log.info("run %s, domain %s: %s", run_id, domain, row["reason"])
+    return row

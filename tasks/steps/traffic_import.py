@@ -1,0 +1,661 @@
+"""Traffic import (JSONL / CSV, optionally gzipped) into traffic_requests, and retention purge.
+
+One request per line (JSONL) or record (CSV):
+
+    id          string, unique                       (alias: request_id)
+    timestamp   ISO 8601 (naive means UTC) or epoch seconds / milliseconds   (alias: created_at)
+    domain      optional; must be in the known set, else the row is quarantined; missing: rules
+    messages    OpenAI chat format [{"role", "content"}]  -- or --  prompt: a plain string
+    response    the target's response text            (alias: completion)
+    temperature, top_k, top_p, max_tokens   top level or under "sampling"
+    model       the target that answered; target_fingerprint optional
+    prompt_token_ids, response_token_ids    optional lists of token ids
+
+CSV has the same columns (messages and token ids as JSON text; an empty cell is a missing value).
+
+The import streams in constant memory: rows are normalised, redacted and written in batches, one
+transaction per batch, so a killed import keeps every batch it committed and a re-run skips them.
+Ids are unique: a row whose id is stored with the same content is skipped; with different content
+it is quarantined as `duplicate_id`. Rejected rows go to quarantined_requests with their file,
+line number and reason ((file, line) is unique, so re-importing adds nothing there either).
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import gzip
+import hashlib
+import io
+import json
+import logging
+import math
+import re
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
+
+from ..db.engine import database_error, display_url, ensure_ready, resolve_database_url
+from ..db.models import QuarantinedRequest, TrafficRequest
+from ..errors import TrafficFileError
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
+
+log = logging.getLogger(__name__)
+
+# Quarantine reasons: one per kind of defect.
+MALFORMED_JSON = "malformed_json"
+MALFORMED_CSV = "malformed_csv"
+NOT_AN_OBJECT = "not_an_object"
+MISSING_FIELD = "missing_field"
+INVALID_FIELD = "invalid_field"
+BAD_TIMESTAMP = "bad_timestamp"
+UNKNOWN_DOMAIN = "unknown_domain"
+INVALID_SAMPLING = "invalid_sampling"
+TOO_LARGE = "too_large"
+DUPLICATE_ID = "duplicate_id"
+IMPLAUSIBLE_VALUE = "implausible_value"
+EMPTY_RESPONSE = "empty_response"
+NUL_CHARACTER = "nul_character"
+
+MAX_TOKENS_LIMIT = 10_000_000   # a max_tokens above it is a logging bug, not a request
+EXIT_QUARANTINED = 3            # `specdec traffic import` exit status when rows were quarantined
+
+RAW_KEEP_CHARS = 2000          # how much of a rejected row the quarantine keeps (after redaction)
+EARLIEST = datetime(2000, 1, 1)
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+ALIASES = {"request_id": "id", "created_at": "timestamp", "completion": "response",
+           "fingerprint": "target_fingerprint"}
+CSV_REQUIRED = {"id", "timestamp", "response"}
+
+
+class RowRejected(Exception):
+    """A row cannot be stored: `reason` is one of the quarantine reasons above."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class ImportReport:
+    """What one import did. `quarantine_examples`: the first rejected rows (line, reason, detail)."""
+
+    file: str
+    database: str
+    rows_read: int = 0
+    inserted: int = 0
+    skipped_existing: int = 0
+    quarantined: int = 0
+    quarantined_new: int = 0
+    quarantined_by_reason: dict[str, int] = field(default_factory=dict)
+    quarantine_examples: list[dict] = field(default_factory=list)
+    domains_by_rule: dict[str, int] = field(default_factory=dict)
+    redacted_rows: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows_read / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rows_per_s": round(self.rows_per_s, 1)}
+
+
+def sample_traffic_path() -> Path:
+    """The shipped sample traffic file (tasks/data/sample_traffic.jsonl.gz)."""
+    return Path(str(resources.files("tasks").joinpath("data/sample_traffic.jsonl.gz")))
+
+
+# ------------------------------------------------------------------------------------------------
+# normalising one row
+class Normalizer:
+    """Turns one parsed row (a dict) into a traffic_requests record, or raises RowRejected."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.known = set(settings.known_domains)
+        self.rules = [(rule, re.compile(rule.pattern, re.IGNORECASE | re.MULTILINE))
+                      for rule in settings.domain_rules]
+        self.redactions = [(re.compile(rule.pattern), rule.replacement)
+                           for rule in settings.redaction_rules]
+        self.latest_allowed = utcnow() + timedelta(days=1)
+
+    def redact(self, text: str) -> tuple[str, int]:
+        total = 0
+        for pattern, replacement in self.redactions:
+            text, count = pattern.subn(replacement, text)
+            total += count
+        return text, total
+
+    def __call__(self, row: dict) -> dict:
+        row = {ALIASES.get(key, key): value for key, value in row.items()}
+        request_id = _request_id(row)
+        requested_at = parse_timestamp(row.get("timestamp"))
+        if requested_at < EARLIEST or requested_at > self.latest_allowed:
+            raise RowRejected(BAD_TIMESTAMP, f"timestamp {row.get('timestamp')!r} is outside "
+                                             f"{EARLIEST:%Y-%m-%d} .. now + 1 day")
+        messages, prompt, last_user = _prompt_of(row)
+        response = row.get("response")
+        if response is None:
+            raise RowRejected(MISSING_FIELD, "no \"response\": the target's logged response is required")
+        if not isinstance(response, str):
+            raise RowRejected(INVALID_FIELD, f"\"response\" must be a string, got {type(response).__name__}")
+        if response == "" or row.get("response_token_ids") == []:
+            raise RowRejected(EMPTY_RESPONSE, "\"response\" is empty: there is nothing to score a "
+                                              "draft against (a failed or cancelled request?)")
+        for name, text in (("prompt", prompt), ("response", response), ("id", request_id),
+                           ("model", row.get("model")), ("domain", row.get("domain"))):
+            if isinstance(text, str) and "\x00" in text:
+                raise RowRejected(NUL_CHARACTER, f"\"{name}\" contains a NUL character (at "
+                                                 f"{text.index(chr(0))}): a binary or corrupted field")
+        temperature, top_k, top_p, max_tokens = self._sampling(row)
+        model = row.get("model")
+        if model is None or (isinstance(model, str) and not model.strip()):
+            raise RowRejected(MISSING_FIELD, "no \"model\": name the target that produced the response")
+        if not isinstance(model, str) or len(model) > 200:
+            raise RowRejected(INVALID_FIELD, "\"model\" must be a string of at most 200 characters")
+        fingerprint = row.get("target_fingerprint")
+        if fingerprint is not None and (not isinstance(fingerprint, str) or len(fingerprint) > 200):
+            raise RowRejected(INVALID_FIELD, "\"target_fingerprint\" must be a string of at most 200 characters")
+        prompt_ids = _token_ids(row, "prompt_token_ids")
+        response_ids = _token_ids(row, "response_token_ids")
+
+        domain, domain_source = self._domain(row.get("domain"), last_user)
+
+        # privacy: redact before anything is stored; token ids of a redacted text would leak it
+        response, response_hits = self.redact(response)
+        if messages is None:
+            prompt, prompt_hits = self.redact(prompt)
+        else:
+            prompt_hits, redacted_messages = 0, []
+            for message in messages:
+                content, hits = self.redact(message["content"])
+                prompt_hits += hits
+                redacted_messages.append({**message, "content": content})
+            messages = redacted_messages
+            prompt = _join_messages(messages)
+        if prompt_hits:
+            prompt_ids = None
+        if response_hits:
+            response_ids = None
+        return {
+            "id": request_id, "requested_at": requested_at, "domain": domain,
+            "domain_source": domain_source, "prompt": prompt, "messages": messages,
+            "response": response, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+            "max_tokens": max_tokens, "model": model, "target_fingerprint": fingerprint,
+            "prompt_token_ids": prompt_ids, "response_token_ids": response_ids,
+            "prompt_chars": len(prompt), "response_chars": len(response),
+            "prompt_tokens": len(prompt_ids) if prompt_ids is not None else None,
+            "response_tokens": len(response_ids) if response_ids is not None else None,
+            "redactions": prompt_hits + response_hits,
+        }
+
+    def _domain(self, value, last_user: str) -> tuple[str, str]:
+        if value is not None and not (isinstance(value, str) and not value.strip()):
+            if not isinstance(value, str):
+                raise RowRejected(INVALID_FIELD, f"\"domain\" must be a string, got {type(value).__name__}")
+            domain = value.strip().lower()
+            if domain not in self.known:
+                raise RowRejected(UNKNOWN_DOMAIN, f"domain {value!r} is not in the known set "
+                                                  f"{sorted(self.known)} (setting known_domains)")
+            return domain, "row"
+        for rule, pattern in self.rules:
+            if pattern.search(last_user):
+                return rule.domain, f"rule:{rule.name}"
+        return self.settings.fallback_domain, "fallback"
+
+    def _sampling(self, row: dict) -> tuple[float, int, float, int | None]:
+        nested = row.get("sampling")
+        if nested is not None and not isinstance(nested, dict):
+            raise RowRejected(INVALID_SAMPLING, "\"sampling\" must be an object "
+                                                "{temperature, top_k, top_p}")
+        source = {**(nested or {}), **{k: row[k] for k in ("temperature", "top_k", "top_p",
+                                                             "max_tokens") if row.get(k) is not None}}
+        temperature = source.get("temperature", self.settings.default_temperature)
+        if temperature is None:
+            raise RowRejected(MISSING_FIELD, "no \"temperature\": the offline estimate needs the "
+                                             "logged sampling params (or set default_temperature)")
+        temperature = _number(temperature, "temperature", INVALID_SAMPLING)
+        top_k = _number(source.get("top_k", 0), "top_k", INVALID_SAMPLING)
+        top_p = _number(source.get("top_p", 1.0), "top_p", INVALID_SAMPLING)
+        if not 0.0 <= temperature <= 100.0:
+            raise RowRejected(INVALID_SAMPLING, f"temperature {temperature} must be in [0, 100] (0: greedy)")
+        if top_k < 0 or top_k != int(top_k):
+            raise RowRejected(INVALID_SAMPLING, f"top_k {top_k} must be an integer >= 0 (0: off)")
+        if not 0.0 < top_p <= 1.0:
+            raise RowRejected(INVALID_SAMPLING, f"top_p {top_p} must be in (0, 1] (1: off)")
+        max_tokens = source.get("max_tokens")
+        if max_tokens is not None:
+            max_tokens = _number(max_tokens, "max_tokens", INVALID_FIELD)
+            if max_tokens < 1 or max_tokens != int(max_tokens):
+                raise RowRejected(INVALID_FIELD, f"max_tokens {max_tokens} must be an integer >= 1")
+            if max_tokens > MAX_TOKENS_LIMIT:
+                raise RowRejected(IMPLAUSIBLE_VALUE, f"max_tokens {max_tokens:.0f} is implausible "
+                                                     f"(above {MAX_TOKENS_LIMIT:,})")
+            max_tokens = int(max_tokens)
+        return float(temperature), int(top_k), float(top_p), max_tokens
+
+
+def _request_id(row: dict) -> str:
+    value = row.get("id")
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise RowRejected(MISSING_FIELD, "no \"id\": every request needs a unique id")
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RowRejected(INVALID_FIELD, f"\"id\" must be a string or an integer, got {type(value).__name__}")
+    value = str(value).strip()
+    if len(value) > 200:
+        raise RowRejected(INVALID_FIELD, f"\"id\" is {len(value)} characters long; at most 200")
+    return value
+
+
+def parse_timestamp(value) -> datetime:
+    """A naive UTC datetime from ISO 8601 (naive = UTC) or epoch seconds/milliseconds."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise RowRejected(MISSING_FIELD, "no \"timestamp\" (ISO 8601 or epoch seconds)")
+    if isinstance(value, bool):
+        raise RowRejected(BAD_TIMESTAMP, f"timestamp {value!r} is not a time")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = float(text)
+        except ValueError:
+            try:
+                parsed = datetime.fromisoformat(text[:-1] + "+00:00" if text[-1:] in "zZ" else text)
+            except ValueError:
+                raise RowRejected(BAD_TIMESTAMP, f"timestamp {text[:60]!r} is neither ISO 8601 "
+                                                 "(2025-11-03T14:05:00Z) nor epoch seconds") from None
+            if parsed.tzinfo is not None:
+                parsed = parsed.astimezone(timezone.utc).replace(tzinfo=None)
+            return parsed
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise RowRejected(BAD_TIMESTAMP, f"timestamp {value!r} is not finite")
+        seconds = value / 1000.0 if abs(value) > 1e11 else float(value)   # milliseconds
+        try:
+            return datetime.fromtimestamp(seconds, timezone.utc).replace(tzinfo=None)
+        except (OverflowError, OSError, ValueError):
+            raise RowRejected(BAD_TIMESTAMP, f"timestamp {value!r} is out of range") from None
+    raise RowRejected(BAD_TIMESTAMP, f"timestamp of type {type(value).__name__} is not a time")
+
+
+def _prompt_of(row: dict) -> tuple[list | None, str, str]:
+    """(messages or None, prompt text, last user message) from `messages` or `prompt`."""
+    messages = row.get("messages")
+    if isinstance(messages, str) and messages.strip():
+        try:
+            messages = json.loads(messages)   # CSV carries messages as JSON text
+        except json.JSONDecodeError:
+            raise RowRejected(INVALID_FIELD, "\"messages\" is a string but not JSON") from None
+    if messages is not None and messages != "":
+        if not isinstance(messages, list) or not messages:
+            raise RowRejected(INVALID_FIELD, "\"messages\" must be a non-empty list of "
+                                             "{\"role\", \"content\"} objects")
+        normalised = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in ROLES:
+                raise RowRejected(INVALID_FIELD, f"messages[{index}] needs a \"role\" in {sorted(ROLES)}")
+            content = message.get("content")
+            if isinstance(content, list):   # content parts: keep the text parts
+                content = "".join(part.get("text", "") for part in content
+                                  if isinstance(part, dict) and part.get("type") == "text")
+            if not isinstance(content, str):
+                raise RowRejected(INVALID_FIELD, f"messages[{index}].content must be text")
+            normalised.append({"role": message["role"], "content": content})
+        users = [m["content"] for m in normalised if m["role"] == "user"]
+        if not users:
+            raise RowRejected(INVALID_FIELD, "\"messages\" has no user message")
+        return normalised, _join_messages(normalised), users[-1]
+    prompt = row.get("prompt")
+    if prompt is None or prompt == "":
+        raise RowRejected(MISSING_FIELD, "neither \"messages\" nor \"prompt\" is given")
+    if not isinstance(prompt, str):
+        raise RowRejected(INVALID_FIELD, f"\"prompt\" must be a string, got {type(prompt).__name__}")
+    return None, prompt, prompt
+
+
+def _join_messages(messages: list[dict]) -> str:
+    """The prompt text of a chat: every turn's content, separated by blank lines."""
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def _number(value, name: str, reason: str) -> float:
+    if isinstance(value, bool):
+        raise RowRejected(reason, f"{name} {value!r} is not a number")
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise RowRejected(reason, f"{name} {value[:40]!r} is not a number") from None
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RowRejected(reason, f"{name} {value!r} is not a finite number")
+    return value
+
+
+def _token_ids(row: dict, name: str) -> list[int] | None:
+    value = row.get(name)
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise RowRejected(INVALID_FIELD, f"{name} is a string but not a JSON array") from None
+    if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 10_000_000 for t in value):
+        raise RowRejected(INVALID_FIELD, f"{name} must be a list of token ids (integers >= 0)")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# reading files
+def _open_binary(path: Path):
+    raw = open(path, "rb")
+    magic = raw.read(2)
+    raw.seek(0)
+    stream = gzip.GzipFile(fileobj=raw, mode="rb") if magic == b"\x1f\x8b" else raw
+    return raw, stream
+
+
+def _detect_format(path: Path, file_format: str | None) -> str:
+    if file_format:
+        if file_format not in ("jsonl", "csv"):
+            raise TrafficFileError(f"format {file_format!r}: use jsonl or csv")
+        return file_format
+    suffixes = [s.lower() for s in path.suffixes if s.lower() != ".gz"]
+    if suffixes and suffixes[-1] in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    if suffixes and suffixes[-1] in (".csv",):
+        return "csv"
+    raise TrafficFileError(f"{path}: cannot tell the format from the name; name it .jsonl / .csv "
+                           "(optionally .gz) or pass --format jsonl|csv")
+
+
+def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str | None, RowRejected | None]]:
+    """(line number, row, raw text, rejection) per non-empty line; never holds more than
+    max_bytes of one line in memory."""
+    number = 0
+    while True:
+        line = stream.readline(max_bytes + 1)
+        if not line:
+            return
+        number += 1
+        if number == 1 and line.startswith(codecs.BOM_UTF8):    # a UTF-8 byte order mark
+            line = line[len(codecs.BOM_UTF8):]
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            head = line[:RAW_KEEP_CHARS].decode("utf-8", "replace")
+            size = len(line)
+            while True:   # skip the rest of the line in bounded chunks
+                chunk = stream.readline(max_bytes + 1)
+                size += len(chunk)
+                if not chunk or chunk.endswith(b"\n"):
+                    break
+            yield number, None, head, RowRejected(
+                TOO_LARGE, f"line is {size} bytes; the limit is {max_bytes} (setting max_row_bytes)")
+            continue
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield number, None, line[:RAW_KEEP_CHARS].decode("utf-8", "replace"), RowRejected(
+                MALFORMED_JSON, f"not UTF-8 ({exc.reason} at byte {exc.start})")
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            yield number, None, text, RowRejected(MALFORMED_JSON, f"{exc.msg} at column {exc.colno}")
+            continue
+        if not isinstance(row, dict):
+            yield number, None, text, RowRejected(NOT_AN_OBJECT,
+                                                  f"expected a JSON object, got {type(row).__name__}")
+            continue
+        yield number, row, text, None
+
+
+def _csv_rows(stream, max_bytes: int, path: Path):
+    text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline="")
+    previous_limit = csv.field_size_limit()
+    csv.field_size_limit(max_bytes)
+    try:
+        reader = csv.reader(text)
+        try:
+            header = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TrafficFileError(f"{path}: the CSV header cannot be read ({exc})") from exc
+        header = [ALIASES.get(name.strip(), name.strip()) for name in header]
+        missing = CSV_REQUIRED - set(header)
+        if missing or not ({"prompt", "messages"} & set(header)):
+            raise TrafficFileError(
+                f"{path}: the CSV header {header} lacks {sorted(missing) or ['prompt or messages']}; "
+                "the first line must name the columns (id, timestamp, domain, prompt or messages, "
+                "response, temperature, top_k, top_p, model, ...)")
+        last_line = reader.line_num
+        while True:
+            start = last_line + 1
+            try:
+                values = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                last_line = reader.line_num
+                reason = TOO_LARGE if "field larger" in str(exc) else MALFORMED_CSV
+                yield start, None, None, RowRejected(reason, f"{exc} (setting max_row_bytes: {max_bytes})"
+                                                     if reason == TOO_LARGE else str(exc))
+                continue
+            last_line = reader.line_num
+            if not any(v.strip() for v in values):
+                continue
+            raw = ",".join(values)
+            if len(values) != len(header):
+                yield start, None, raw, RowRejected(
+                    MALFORMED_CSV, f"{len(values)} fields, the header has {len(header)}")
+                continue
+            if sum(len(v) for v in values) > max_bytes:
+                yield start, None, raw[:RAW_KEEP_CHARS], RowRejected(
+                    TOO_LARGE, f"record is over {max_bytes} characters (setting max_row_bytes)")
+                continue
+            yield start, {k: (v if v != "" else None) for k, v in zip(header, values)}, raw, None
+    finally:
+        csv.field_size_limit(previous_limit)
+        text.detach()
+
+
+# ------------------------------------------------------------------------------------------------
+def _content_hash(row: dict) -> str:
+    return hashlib.sha256(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
+                          .encode("utf-8")).hexdigest()
+
+
+def _insert(connection, model):
+    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    return dialect.insert(model.__table__)
+
+
+class _BatchWriter:
+    """Writes normalised rows and rejections, one transaction per flush."""
+
+    def __init__(self, engine, source_file: str, report: ImportReport, redact):
+        self.engine = engine
+        self.source_file = source_file
+        self.report = report
+        self.redact = redact
+        self.rows: list[dict] = []
+        self.rejected: list[dict] = []
+
+    def add_row(self, record: dict) -> None:
+        self.rows.append(record)
+
+    def add_rejection(self, line: int, request_id: str | None, rejection: RowRejected,
+                      raw: str | None) -> None:
+        report = self.report
+        report.quarantined += 1
+        report.quarantined_by_reason[rejection.reason] = report.quarantined_by_reason.get(rejection.reason, 0) + 1
+        if len(report.quarantine_examples) < 20:
+            report.quarantine_examples.append({"line": line, "reason": rejection.reason,
+                                               "detail": rejection.detail})
+        if raw is not None:
+            raw = self.redact(raw[:RAW_KEEP_CHARS])[0]
+        self.rejected.append({"source_file": self.source_file, "line_number": line,
+                              "request_id": request_id, "reason": rejection.reason,
+                              "detail": rejection.detail[:2000], "raw": raw,
+                              "imported_at": utcnow()})
+
+    def pending(self) -> int:
+        return len(self.rows) + len(self.rejected)
+
+    def flush(self) -> None:
+        if not self.rows and not self.rejected:
+            return
+        now = utcnow()
+        with self.engine.begin() as connection:
+            ids = list({row["id"] for row in self.rows})
+            stored = {}
+            if ids:
+                stored = dict(connection.execute(
+                    select(TrafficRequest.id, TrafficRequest.content_hash)
+                    .where(TrafficRequest.id.in_(ids))).all())
+            new_rows = []
+            for row in self.rows:
+                known = stored.get(row["id"])
+                if known is None:
+                    stored[row["id"]] = row["content_hash"]
+                    row["imported_at"] = now
+                    new_rows.append(row)
+                elif known == row["content_hash"]:
+                    self.report.skipped_existing += 1
+                else:
+                    self.add_rejection(row["source_line"], row["id"], RowRejected(
+                        DUPLICATE_ID, f"id {row['id']!r} is already stored with different content"),
+                        None)
+            if new_rows:
+                statement = _insert(connection, TrafficRequest).on_conflict_do_nothing(
+                    index_elements=["id"])
+                connection.execute(statement, new_rows)
+                self.report.inserted += len(new_rows)
+                for row in new_rows:
+                    source = row["domain_source"]
+                    self.report.domains_by_rule[source] = self.report.domains_by_rule.get(source, 0) + 1
+                    self.report.redacted_rows += row["redactions"] > 0
+            if self.rejected:
+                lines = [row["line_number"] for row in self.rejected]
+                seen = set(connection.execute(
+                    select(QuarantinedRequest.line_number)
+                    .where(QuarantinedRequest.source_file == self.source_file,
+                           QuarantinedRequest.line_number.in_(lines))).scalars())
+                statement = _insert(connection, QuarantinedRequest).on_conflict_do_nothing(
+                    index_elements=["source_file", "line_number"])
+                connection.execute(statement, self.rejected)
+                self.report.quarantined_new += len(set(lines) - seen)
+        self.rows.clear()
+        self.rejected.clear()
+
+
+def import_traffic(path: str | Path, db_url: str | None = None, settings: Settings | None = None,
+                   file_format: str | None = None, progress: bool = True) -> dict:
+    """Import one traffic file (JSONL or CSV, gzipped or not) into traffic_requests.
+
+    Inputs: the file, the database URL (default: settings), settings (known domains, rules,
+    redaction, batch size, row size limit). Output: ImportReport.to_dict(): rows read, inserted,
+    skipped (already stored), quarantined by reason with the first examples (line numbers).
+    Raises TrafficFileError when the file cannot be read at all, DatabaseUnavailable /
+    DatabaseNotMigrated when the database is not ready.
+    """
+    # imported here: tqdm: the data commands load no torch (tests/test_store.py)
+    from tqdm import tqdm
+
+    settings = settings or load_settings()
+    url = resolve_database_url(db_url or settings.database_url)
+    path = Path(path)
+    if path.is_dir():
+        raise TrafficFileError(f"traffic file {str(path)!r} is a directory; give a .jsonl or .csv "
+                               "file (optionally .gz) in it, one import per file")
+    if not path.is_file():
+        raise TrafficFileError(f"traffic file {str(path)!r} does not exist; give a .jsonl or .csv "
+                               "file (optionally .gz)")
+    file_format = _detect_format(path, file_format)
+    engine = ensure_ready(url)
+    source_file = str(path.resolve())[-500:]
+    report = ImportReport(file=str(path), database=display_url(url))
+    normalize = Normalizer(settings)
+    writer = _BatchWriter(engine, source_file, report, normalize.redact)
+    started = time.perf_counter()
+    raw, stream = _open_binary(path)
+    size = path.stat().st_size
+    try:
+        line = 0
+        rows = (_jsonl_rows(stream, settings.max_row_bytes) if file_format == "jsonl"
+                else _csv_rows(stream, settings.max_row_bytes, path))
+        with tqdm(total=size, unit="B", unit_scale=True, desc=path.name, disable=not progress,
+                  leave=False) as bar:
+            for line, row, text, rejection in rows:
+                report.rows_read += 1
+                request_id = None
+                if rejection is None:
+                    try:
+                        record = normalize(row)
+                        request_id = record["id"]
+                        record["content_hash"] = _content_hash(row)
+                        record["source_file"] = source_file
+                        record["source_line"] = line
+                        writer.add_row(record)
+                    except RowRejected as exc:
+                        rejection = exc
+                        request_id = row.get("id") if isinstance(row.get("id"), str) else None
+                if rejection is not None:
+                    writer.add_rejection(line, request_id[:200] if request_id else None, rejection, text)
+                if writer.pending() >= settings.import_batch_size:
+                    writer.flush()
+                    bar.n = raw.tell()
+                    bar.set_postfix(rows=report.rows_read, refresh=False)
+                    bar.refresh()
+            writer.flush()
+            bar.n = size
+            bar.refresh()
+    except DBAPIError as exc:                          # read-only, full or gone mid-import
+        raise database_error(url, exc) from None
+    except (OSError, EOFError, zlib.error) as exc:   # a truncated or corrupt gzip, a bad disk
+        writer.flush()                                  # every complete row before the break
+        raise TrafficFileError(
+            f"{path}: reading stopped at line {line + 1} ({type(exc).__name__}: {exc}); the "
+            f"{report.inserted} new rows before it are stored ({report.quarantined} quarantined). "
+            "Fix or re-copy the file and import it again: stored rows are skipped") from exc
+    finally:
+        stream.close()
+        raw.close()
+    report.seconds = time.perf_counter() - started
+    log.info("imported %s: %d read, %d inserted, %d already stored, %d quarantined (%s) in %.1f s",
+             path, report.rows_read, report.inserted, report.skipped_existing, report.quarantined,
+             report.quarantined_by_reason, report.seconds)
+    return report.to_dict()
+
+
+def purge_traffic(older_than_days: float, db_url: str | None = None, now: datetime | None = None,
+                  dry_run: bool = False) -> dict:
+    """Retention: delete traffic rows requested, and quarantined rows imported, before
+    now - older_than_days (UTC). Returns {"cutoff", "traffic_requests", "quarantined_requests"}."""
+    if not older_than_days >= 0:
+        raise TrafficFileError(f"--older-than {older_than_days}: give a number of days >= 0")
+    engine = ensure_ready(db_url)
+    cutoff = (now or utcnow()) - timedelta(days=older_than_days)
+    with engine.begin() as connection:
+        counts = {}
+        for model, column in ((TrafficRequest, TrafficRequest.requested_at),
+                              (QuarantinedRequest, QuarantinedRequest.imported_at)):
+            counts[model.__tablename__] = connection.execute(
+                select(func.count()).select_from(model).where(column < cutoff)).scalar()
+            if not dry_run:
+                connection.execute(delete(model).where(column < cutoff))
+    log.info("purge before %s: %s%s", cutoff, counts, " (dry run)" if dry_run else "")
+    return {"cutoff": cutoff.isoformat(), "dry_run": dry_run, **counts}

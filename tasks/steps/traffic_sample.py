@@ -1,0 +1,152 @@
+"""Stratified per-domain sample of stored traffic for one evaluation run (recorded in eval_samples).
+
+Deterministic for a run id: each request gets the key sha256(run_id, request_id) and a domain's
+sample is the max_per_domain requests with the smallest keys in the window. The draw therefore
+does not depend on the database's row order, and streaming the candidate ids through a bounded
+heap keeps memory at O(max_per_domain) whatever the traffic volume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import delete, func, insert, select
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
+from ..errors import SampleError
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
+
+log = logging.getLogger(__name__)
+
+SAMPLE_SUITE = "traffic_sample"
+
+
+def selection_key(run_id: str, request_id: str) -> bytes:
+    """The order in which a run draws requests: smaller keys first."""
+    return hashlib.sha256(f"{run_id}\x00{request_id}".encode("utf-8")).digest()
+
+
+def _as_datetime(value, name: str) -> datetime:
+    if isinstance(value, datetime):
+        parsed = value
+    else:
+        try:
+            parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        except ValueError:
+            raise SampleError(f"window {name} {value!r} is not an ISO 8601 time "
+                              "(e.g. 2025-11-03 or 2025-11-03T12:00:00Z)") from None
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(timezone.utc).replace(tzinfo=None)
+    return parsed
+
+
+def resolve_window(connection, window, settings: Settings) -> tuple[datetime, datetime]:
+    """(start, end) in naive UTC, end inclusive.
+
+    window None or a number of days: that many days ending at the newest stored request (not at
+    "now", so a fixed data set such as the shipped sample is always covered); a (start, end) pair
+    of datetimes or ISO strings: taken as given.
+    """
+    if window is None or isinstance(window, (int, float)):
+        days = settings.sample_window_days if window is None else float(window)
+        if days <= 0:
+            raise SampleError(f"window of {days} days: give a positive number of days")
+        newest = connection.execute(select(func.max(TrafficRequest.requested_at))).scalar()
+        if newest is None:
+            raise SampleError("traffic_requests is empty: import traffic first "
+                              "(`specdec traffic import FILE`)")
+        return newest - timedelta(days=days), newest
+    try:
+        start, end = window
+    except (TypeError, ValueError):
+        raise SampleError(f"window {window!r}: give a number of days or a (start, end) pair") from None
+    start, end = _as_datetime(start, "start"), _as_datetime(end, "end")
+    if start > end:
+        raise SampleError(f"window start {start} is after its end {end}")
+    return start, end
+
+
+def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | None = None,
+                   window=None, min_per_domain: int | None = None,
+                   max_per_domain: int | None = None, model: str | None = None,
+                   settings: Settings | None = None) -> dict:
+    """Draw and record the run's sample: per domain up to max_per_domain requests in the window.
+
+    Inputs: run id (seeds the draw), database URL, domains (default: every domain with traffic in
+    the window), window (see resolve_window), min/max per domain (default: settings), model (only
+    requests answered by this target; default: all). A domain with fewer than min_per_domain
+    requests is "insufficient" (still recorded; the quality step and the planner decide).
+    Re-running a run id replaces that run's sample (and its sample-quality results) and nothing else.
+    Output: {"run_id", "window", "domains": {name: {"available", "sampled", "status"}},
+             "sampled", "insufficient"}.
+    """
+    if not run_id or not isinstance(run_id, str) or len(run_id) > 200:
+        raise SampleError(f"run id {run_id!r}: give a non-empty string of at most 200 characters")
+    settings = settings or load_settings()
+    min_rows = settings.min_per_domain if min_per_domain is None else int(min_per_domain)
+    max_rows = settings.max_per_domain if max_per_domain is None else int(max_per_domain)
+    if not 1 <= min_rows <= max_rows:
+        raise SampleError(f"min_per_domain {min_rows} / max_per_domain {max_rows}: need 1 <= min <= max")
+    if domains is not None:
+        unknown = sorted(set(domains) - set(settings.known_domains))
+        if unknown:
+            raise SampleError(f"domains {unknown} are not in the known set {list(settings.known_domains)}")
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+
+    with engine.begin() as connection:
+        start, end = resolve_window(connection, window, settings)
+        in_window = (TrafficRequest.requested_at >= start) & (TrafficRequest.requested_at <= end)
+        if model is not None:
+            in_window = in_window & (TrafficRequest.model == model)
+        if domains is None:
+            domains = sorted(connection.execute(
+                select(TrafficRequest.domain).where(in_window).distinct()).scalars())
+        per_domain: dict[str, dict] = {}
+        sample_rows: list[dict] = []
+        for domain in sorted(set(domains)):
+            heap: list[tuple[bytes, str]] = []    # max-heap by key (negated): the smallest keys stay
+            available = 0
+            result = connection.execute(
+                select(TrafficRequest.id).where(in_window & (TrafficRequest.domain == domain))
+                .execution_options(yield_per=5000))
+            for request_id in result.scalars():
+                available += 1
+                key = bytes(255 - b for b in selection_key(run_id, request_id))
+                if len(heap) < max_rows:
+                    heapq.heappush(heap, (key, request_id))
+                elif key > heap[0][0]:
+                    heapq.heapreplace(heap, (key, request_id))
+            chosen = sorted(heap, reverse=True)   # ascending selection key
+            sample_rows += [{"run_id": run_id, "request_id": request_id, "domain": domain,
+                             "position": position}
+                            for position, (_, request_id) in enumerate(chosen)]
+            per_domain[domain] = {"available": available, "sampled": len(chosen),
+                                  "status": "ok" if len(chosen) >= min_rows else "insufficient"}
+
+        now = utcnow()
+        params = {"domains": sorted(per_domain), "min_per_domain": min_rows,
+                  "max_per_domain": max_rows, "model": model}
+        existing = connection.execute(select(EvalRun.run_id).where(EvalRun.run_id == run_id)).scalar()
+        values = {"updated_at": now, "status": "sampled", "window_start": start, "window_end": end,
+                  "params": params}
+        if existing is None:
+            connection.execute(insert(EvalRun).values(run_id=run_id, created_at=now, **values))
+        else:
+            connection.execute(EvalRun.__table__.update().where(EvalRun.run_id == run_id).values(**values))
+        connection.execute(delete(EvalSample).where(EvalSample.run_id == run_id))
+        connection.execute(delete(QualityResult).where((QualityResult.run_id == run_id)
+                                                       & (QualityResult.suite == SAMPLE_SUITE)))
+        if sample_rows:
+            connection.execute(insert(EvalSample), sample_rows)
+
+    insufficient = sorted(d for d, info in per_domain.items() if info["status"] == "insufficient")
+    log.info("run %s: sampled %d requests over %d domains in [%s, %s]; insufficient: %s", run_id,
+             len(sample_rows), len(per_domain), start, end, insufficient or "none")
+    return {"run_id": run_id, "window": {"start": start.isoformat(), "end": end.isoformat()},
+            "domains": per_domain, "sampled": len(sample_rows), "insufficient": insufficient,
+            "min_per_domain": min_rows, "max_per_domain": max_rows}

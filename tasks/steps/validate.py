@@ -1,0 +1,238 @@
+"""Losslessness of a run's config: the three checks of docs/design.md ("What output unchanged means"), stored by run id.
+
+- sampling (per domain, with the domain's planned drafter): specdec_core.validation.sampling_check
+  from a context drawn from the domain's sample: K in {1, 2}, 3-token continuations, plain
+  sampling, temperature 0.7 and temperature 1.3 with top-p 0.9, G-tests Bonferroni-corrected to a
+  false-alarm rate of `validation_alpha` per check. The context is the sampled prompt plus the
+  prefix of its logged response at which the target's next-token entropy is highest (a peaked
+  distribution gives the test nothing to see). Unless `validation_per_domain`, a drafter's test
+  runs once per run and the other domains using it share the result (it checks the decoder and
+  verifier, not the traffic).
+- greedy (once per run): speculative greedy output equals plain greedy output over sampled
+  requests of every enabled domain; a divergence passes only at a near-tie (top-2 margin < 1e-4).
+- fingerprint (once per run): the target's fingerprint; its canary log-probabilities must agree
+  with the last run that measured the same weights, and the sample must hold traffic of this target.
+A domain whose check fails is never promotable; the stored details name the domain, position and
+test statistic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import torch
+from sqlalchemy import delete, insert, select, update
+
+from specdec_core.validation import (compare_fingerprints, fingerprint_id, greedy_check, sampling_check,
+                                     target_fingerprint)
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, EvalRun, Validation
+from ..settings import Settings, load_settings
+from ..timeutil import utcnow
+
+log = logging.getLogger(__name__)
+
+
+def _jsonable(value):
+    """JSON-safe copy: infinite or NaN floats (an impossible token makes G infinite) become strings."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    return value
+
+
+def _replace(connection, run_id: str, check: str, domain: str | None, rows: list[dict]) -> None:
+    where = (Validation.run_id == run_id) & (Validation.check_name == check)
+    if domain is not None:
+        where = where & (Validation.domain == domain)
+    connection.execute(delete(Validation).where(where))
+    now = utcnow()
+    for row in rows:
+        row = dict(row, details=_jsonable(row.get("details")))
+        connection.execute(insert(Validation).values(**row, run_id=run_id, check_name=check,
+                                                     created_at=now))
+
+
+def validation_context(target, requests: list, candidates: int = 4):
+    """(request id, token ids) of the highest-entropy context among the first `candidates`
+    requests: prompt + response prefix, cut where the target's next-token entropy peaks."""
+    device = next(target.parameters()).device
+    best = (-1.0, None, None)
+    with torch.inference_mode():
+        for request in requests[:candidates]:
+            ids = list(request.prompt_ids) + list(request.response_ids)
+            logits = target(torch.tensor([ids], device=device)).logits[0, len(request.prompt_ids) - 1:]
+            logp = logits.float().log_softmax(-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            cut = int(entropy.argmax())
+            if float(entropy[cut]) > best[0]:
+                best = (float(entropy[cut]), request.request_id, ids[: len(request.prompt_ids) + cut])
+    return best[1], best[2]
+
+
+def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
+                    db_url: str | None = None, settings: Settings | None = None,
+                    check_kwargs: dict | None = None) -> dict:
+    """Run (or share) the sampling test for the domain's planned drafter; store it.
+
+    check_kwargs: extra arguments of sampling_check (fault injection: specdec_core.faults).
+    Output: {"domain", "validation": passed | failed | not_needed, "shared_from", "failures"}.
+    """
+    settings = settings or load_settings()
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    with engine.connect() as connection:
+        config = connection.execute(select(DomainConfig).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
+        shared = None
+        if config is not None and config["enabled"] and not settings.validation_per_domain:
+            shared = connection.execute(select(Validation).where(
+                (Validation.run_id == run_id) & (Validation.check_name == "sampling")
+                & (Validation.drafter == config["drafter"]) & (Validation.domain != domain))
+                .order_by(Validation.id)).mappings().first()
+            if shared is not None and (shared["details"] or {}).get("shared_from"):
+                shared = None
+    if config is None or not config["enabled"]:
+        with engine.begin() as connection:
+            _replace(connection, run_id, "sampling", domain, [])
+        return {"domain": domain, "validation": "not_needed", "shared_from": None, "failures": []}
+    if shared is not None:
+        row = {key: shared[key] for key in ("drafter", "k", "request_id", "passed", "statistic",
+                                            "p_value")}
+        row.update(domain=domain, details={"shared_from": shared["domain"],
+                                           "failures": (shared["details"] or {}).get("failures", [])})
+        with engine.begin() as connection:
+            _replace(connection, run_id, "sampling", domain, [row])
+        return {"domain": domain, "validation": "passed" if row["passed"] else "failed",
+                "shared_from": shared["domain"], "failures": row["details"]["failures"]}
+
+    drafter = drafters[config["drafter"]][1]
+    request_id, context = validation_context(target, requests)
+    stem = run_id if settings.validation_seed is None else f"seed-{settings.validation_seed}"
+    seed = int.from_bytes(hashlib.sha256(f"{stem}/{domain}".encode()).digest()[:4], "big") % (2 ** 31)
+    report = sampling_check(target, drafter, context, ks=(1, 2), rows=settings.validation_rows,
+                            alpha=settings.validation_alpha, seed=seed,
+                            chunk=settings.validation_rows, **(check_kwargs or {}))
+    failures = [{"domain": domain, "k": t.k, "sampling": t.sampling, "position": t.position,
+                 "statistic": t.statistic, "p_value": t.p_value, "threshold": t.threshold}
+                for t in report.failures]
+    worst = min(report.tests, key=lambda t: t.p_value)
+    row = {"domain": domain, "drafter": config["drafter"], "k": None, "request_id": request_id,
+           "passed": report.passed, "statistic": worst.statistic if worst.statistic != float("inf") else 1e308,
+           "p_value": worst.p_value,
+           "details": {"shared_from": None, "context_tokens": len(context), "failures": failures,
+                       "report": report.to_dict()}}
+    with engine.begin() as connection:
+        _replace(connection, run_id, "sampling", domain, [row])
+    if failures:
+        first = failures[0]
+        log.error("run %s, domain %s: sampling test FAILED at K=%d %s position %d: G=%.1f, p=%.2g < %.2g",
+                  run_id, domain, first["k"], first["sampling"], first["position"], first["statistic"],
+                  first["p_value"], first["threshold"])
+    return {"domain": domain, "validation": "passed" if report.passed else "failed",
+            "shared_from": None, "failures": failures}
+
+
+def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_domain: dict,
+                 target_id: str, db_url: str | None = None, settings: Settings | None = None,
+                 excluded: dict | None = None, fingerprint: dict | None = None,
+                 drafters_by_domain: dict | None = None) -> dict:
+    """Fingerprint and greedy checks once per run, then each domain's verdict and promotability.
+
+    fingerprint: the target's target_fingerprint() when already computed (it digests every weight).
+    drafters_by_domain: {domain: candidates} where a domain's drafters differ from `drafters`
+    (a suffix candidate's per-domain index).
+    Output: {"fingerprint": {...}, "greedy": {domain: passed}, "domains": {domain: validation}}.
+    """
+    settings = settings or load_settings()
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    fingerprint = fingerprint or target_fingerprint(target)
+    fid = fingerprint_id(fingerprint)
+    with engine.connect() as connection:
+        previous = connection.execute(
+            select(Validation.run_id, Validation.details)
+            .join(EvalRun, EvalRun.run_id == Validation.run_id)
+            .where((Validation.check_name == "fingerprint") & (Validation.run_id != run_id)
+                   & (EvalRun.target_fingerprint == fid))
+            .order_by(Validation.created_at.desc()).limit(1)).first()
+        configs = {row["domain"]: dict(row) for row in connection.execute(
+            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
+    comparison = None
+    fp_passed = True
+    reasons = []
+    if previous is not None and previous.details and "fingerprint" in previous.details:
+        comparison = compare_fingerprints(previous.details["fingerprint"], fingerprint)
+        if not comparison["same_model"]:
+            fp_passed = False
+            reasons.append(f"same weights as run {previous.run_id} but canary log-probabilities differ "
+                           f"by {comparison['canary_max_abs_diff']:.3g} > {comparison['tolerance']}")
+    usable = sum(len(items) for items in requests_by_domain.values())
+    if usable == 0:
+        fp_passed = False
+        reasons.append("no sampled request was answered by this target "
+                       f"({len((excluded or {}).get('other_fingerprint', []))} from other fingerprints)")
+    fingerprint_row = {"domain": None, "drafter": None, "k": None, "request_id": None,
+                       "passed": fp_passed, "statistic": comparison["canary_max_abs_diff"] if comparison else None,
+                       "p_value": None,
+                       "details": {"fingerprint": fingerprint, "id": fid, "target": target_id,
+                                   "previous_run": previous.run_id if previous else None,
+                                   "comparison": comparison, "reasons": reasons,
+                                   "excluded_other_fingerprint": len((excluded or {}).get("other_fingerprint", []))}}
+
+    greedy_rows, greedy = [], {}
+    device = next(target.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    for domain, config in sorted(configs.items()):
+        if not config["enabled"] or not requests_by_domain.get(domain):
+            continue
+        subset = requests_by_domain[domain][: settings.greedy_check_requests]
+        width = max(len(r.prompt_ids) for r in subset)
+        ids = torch.full((len(subset), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, request in enumerate(subset):
+            ids[i, width - len(request.prompt_ids):] = torch.tensor(list(request.prompt_ids))
+            mask[i, width - len(request.prompt_ids):] = 1
+        candidates = (drafters_by_domain or {}).get(domain, drafters)
+        report = greedy_check(target, candidates[config["drafter"]][1], int(config["k"]), ids.to(device),
+                              mask.to(device), max_new_tokens=settings.greedy_check_tokens)
+        divergences = [dict(d.__dict__, request_id=subset[d.row].request_id) for d in report.divergences]
+        failed = [d for d in divergences if not d["acceptable"]]
+        greedy[domain] = report.passed
+        greedy_rows.append({"domain": domain, "drafter": config["drafter"], "k": config["k"],
+                            "request_id": failed[0]["request_id"] if failed else None,
+                            "passed": report.passed, "statistic": None, "p_value": None,
+                            "details": {"rows": report.rows, "tokens": report.tokens,
+                                        "exact_rows": report.exact_rows, "divergences": divergences}})
+        if failed:
+            log.error("run %s, domain %s: greedy output differs from plain decoding at request %s step "
+                      "%d (margin %.3g)", run_id, domain, failed[0]["request_id"], failed[0]["step"],
+                      failed[0]["margin"])
+
+    with engine.begin() as connection:
+        sampling = {row.domain: row.passed for row in connection.execute(
+            select(Validation.domain, Validation.passed).where(
+                (Validation.run_id == run_id) & (Validation.check_name == "sampling")))}
+        _replace(connection, run_id, "fingerprint", None, [fingerprint_row])
+        _replace(connection, run_id, "greedy", None, greedy_rows)
+        verdicts = {}
+        for domain, config in configs.items():
+            if not config["enabled"]:
+                verdict, promotable = "not_needed", fp_passed
+            else:
+                checks = [sampling.get(domain), greedy.get(domain), fp_passed]
+                verdict = "passed" if all(c is True for c in checks) else (
+                    "failed" if any(c is False for c in checks) else "incomplete")
+                promotable = verdict == "passed"
+            verdicts[domain] = verdict
+            connection.execute(update(DomainConfig).where(
+                (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))
+                .values(validation=verdict, promotable=promotable))
+        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id)
+                           .values(target_id=target_id, target_fingerprint=fid, updated_at=utcnow()))
+    return {"fingerprint": {"id": fid, "passed": fp_passed, "reasons": reasons,
+                            "previous_run": previous.run_id if previous else None},
+            "greedy": greedy, "domains": verdicts}
