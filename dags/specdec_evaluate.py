@@ -52,9 +52,9 @@ from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, 
                                               TIMING_POOL, evaluate_spec, label_mapped, queues,
                                               setting_default, task_errors)
 
-# The steps are imported inside the tasks (tasks.steps.pipeline pulls torch and MLflow): parsing a DAG
-# file loads only Airflow and tasks.orchestration.airflow_glue (`python -X importtime -c "import
-# dags.specdec_evaluate"`).
+# The steps (tasks.steps.pipeline) are imported inside the tasks: they load the engine, the
+# database and the registry client, and a DAG file's parse loads only Airflow and
+# tasks.orchestration.airflow_glue (`python -X importtime -c "import dags.specdec_evaluate"`).
 
 CHAMPION_ASSET = Asset(CHAMPION_URI)
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)

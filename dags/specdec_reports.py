@@ -19,8 +19,9 @@ from airflow.sdk import Asset, dag, task
 from tasks.orchestration.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, connection_database_url,
                                               label_mapped, queues, task_errors)
 
-# The steps are imported inside the tasks (tasks.steps.reports pulls SQLAlchemy): parsing a DAG file loads
-# only Airflow and tasks.orchestration.airflow_glue (`python -X importtime -c "import dags.specdec_reports"`).
+# The steps (tasks.steps.reports) are imported inside the tasks: they load the engine, the
+# database and the registry client, and a DAG file's parse loads only Airflow and
+# tasks.orchestration.airflow_glue (`python -X importtime -c "import dags.specdec_reports"`).
 
 EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
 CPU_QUEUE, _ = queues()

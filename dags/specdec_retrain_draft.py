@@ -37,9 +37,9 @@ from airflow.timetables.trigger import CronTriggerTimetable
 from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
                                               connection_database_url, queues, task_errors)
 
-# The steps are imported inside the tasks (tasks.steps.draft_training pulls torch and MLflow): parsing a
-# DAG file loads only Airflow and tasks.orchestration.airflow_glue (`python -X importtime -c "import
-# dags.specdec_retrain_draft"`).
+# The steps (tasks.steps.draft_training) are imported inside the tasks: they load the engine, the
+# database and the registry client, and a DAG file's parse loads only Airflow and
+# tasks.orchestration.airflow_glue (`python -X importtime -c "import dags.specdec_retrain_draft"`).
 
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
 NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)
