@@ -18,7 +18,7 @@ import torch
 
 from .helpers import REPO
 from .helpers.db import POSTGRES_ENV, postgres_schema
-from .helpers.models import SPREAD_VOCAB, tiny_llama
+from .helpers.models import SPREAD_VOCAB, save_tiny_target, tiny_llama
 from .helpers.traffic import request_row, traffic_rows, write_jsonl
 
 # The sampling test's streams come from this seed, not from run ids that carry the wall clock
@@ -191,3 +191,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                "as CI does and run them all" + (" (the CUDA ones need a GPU)" if cuda else ""))
     terminalreporter.write_line(f"skipped {len(skipped)} here: {summary}; {how}")
     return result
+
+
+@pytest.fixture
+def tiny_store(db_url, tmp_path, monkeypatch):
+    """A tiny target saved as a model directory, its traffic imported, a fresh MLflow store
+    (draft training and the run context's tests)."""
+    from specdec_core import load_model
+    from tasks.steps.traffic_import import import_traffic
+
+    model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
+    model, tokenizer = load_model(str(model_dir), device="cpu")
+    rows = traffic_rows(model, per_domain=16, foreign=0)
+    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    from tasks.steps import context
+    context._MODELS.clear()
+    return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}

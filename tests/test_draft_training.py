@@ -99,21 +99,6 @@ def test_a_draft_with_another_vocabulary_is_refused(logged, tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # tasks: data, registration, the next evaluation
-@pytest.fixture
-def tiny_store(db_url, tmp_path, monkeypatch):
-    from specdec_core import load_model
-    from tasks.steps.traffic_import import import_traffic
-
-    model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
-    model, tokenizer = load_model(str(model_dir), device="cpu")
-    rows = traffic_rows(model, per_domain=16, foreign=0)
-    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    from tasks.steps import context
-    context._MODELS.clear()
-    return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}
-
-
 def heldout_ids(db_url, train_id) -> set[str]:
     from tasks.db.models import DraftTrainingRequest
 

@@ -6,20 +6,17 @@ from __future__ import annotations
 from sqlalchemy import create_engine, select
 
 from specdec_core.train import TrainConfig
+from tasks.db.models import AcceptanceEstimate, EvalRun, LiveMeasurement
+from tasks.steps.context import RunContext, RunSpec, use_model
+from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
+from tasks.steps.pipeline import step_check, step_confirm, step_estimate, step_profile, step_sample
 
-from .test_draft_training import tiny_store  # noqa: F401 - fixture
+from .helpers.evaluation import SETTINGS
 
 CONFIG = TrainConfig(steps=4, eval_every=2, k_max=2, warmup_steps=1, lr=3e-3)
 
 
-def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_store):  # noqa: F811
-    from tasks.steps.context import RunContext, RunSpec, use_model
-    from tasks.db.models import AcceptanceEstimate, EvalRun, LiveMeasurement
-    from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
-    from tasks.steps.pipeline import step_check, step_confirm, step_estimate, step_profile, step_sample
-
-    from .test_evaluate import SETTINGS
-
+def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_store):
     db_url, target = tiny_store["db_url"], tiny_store["target"]
     train = dict(target=target, db_url=db_url, num_layers=1, config=CONFIG, model=tiny_store["model"],
                  tokenizer=tiny_store["tokenizer"], progress=False)
