@@ -132,7 +132,10 @@ def small_target():
     return tiny_llama(hidden=256, layers=4, heads=4, seed=1)
 
 
-def test_a_quiet_profile_of_the_tiny_model_is_not_marked_noisy(db_url, small_target):
+def test_a_profile_of_the_tiny_model_stores_its_check_and_every_spread(db_url, small_target):
+    # real measurements: whether they come out quiet depends on this machine at that moment (a
+    # shared CI machine may be busy), so the test holds either way; how often a quiet machine's
+    # profile passes is measured by benchmarks/busy_neighbour.py, not asserted here
     from tasks.steps.candidates import build_drafters
 
     drafters = {label: d for label, (_, d) in build_drafters(
@@ -141,11 +144,17 @@ def test_a_quiet_profile_of_the_tiny_model_is_not_marked_noisy(db_url, small_tar
     result = profile_costs("quiet", small_target, drafters, db_url=db_url,
                            hardware_profile="tiny-quiet", settings=settings, k_max=3,
                            batch_sizes=[1, 8], progress=False)   # (1 and 2 rows cost alike here)
-    assert result["check"]["status"] == "ok", result["check"]["reasons"]
     row = stored_check(db_url, "quiet")
-    assert (row["status"], row["reasons"]) == ("ok", [])
     costs = load_costs("tiny-quiet", db_url)
-    assert not costs.noisy and costs.check["status"] == "ok"
+    assert result["check"]["status"] == row["status"] == costs.check["status"]
+    if row["status"] == "ok":     # what was stored passes every check, with its own spreads
+        assert row["reasons"] == [] and not costs.noisy
+        assert check_costs(costs, max_spread=settings.profile_max_spread,
+                           noise_floor=settings.profile_noise_floor) == []
+    else:                         # re-measured as often as allowed, then stored with its reasons
+        assert row["status"] == "noisy" and costs.noisy
+        assert row["attempts"] == settings.profile_attempts
+        assert row["reasons"] == result["check"]["reasons"] != []
     # every figure carries its spread, and the stored maximum is theirs
     assert len(costs.spread) == len(costs.rows())
     assert row["max_spread"] == pytest.approx(max(costs.spread.values()))
