@@ -7,6 +7,10 @@ in turn, and the ratio of their median tokens/s is printed per case (> 1: this c
 The outputs are compared too: a case whose tokens differ is marked.
 
     python benchmarks/core_ab.py --base 719fa45 [--model smollm2-135m-instruct] [--repeats 7]
+                                 [--case 'draft model, static' --batch 4]
+
+On 2 cores a single busy process elsewhere slows either contender about tenfold (torch's
+threads wait on each other), so a neighbour that starts mid-run skews the medians: run it alone.
 
 Cases: plain decoding, prompt lookup, LayerSkip and a two-layer draft model on the CPU default
 (dynamic caches), and the draft model on static caches; greedy, batch 1 and 4.
@@ -69,6 +73,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--max-new", type=int, default=48)
+    parser.add_argument("--case", action="append", help="only these cases (repeatable), e.g. "
+                        "'draft model, static'; default: all")
+    parser.add_argument("--batch", type=int, action="append", help="only these batch sizes")
     args = parser.parse_args()
     torch.manual_seed(0)
     target, tokenizer = load_model(args.model, device="cpu")
@@ -80,9 +87,9 @@ def main() -> None:
         import specdec_core as head
         contenders = {"this": (head, cases(head, target, draft)), "base": (base, cases(base, target, draft))}
         rows = []
-        for batch in (1, 4):
+        for batch in args.batch or (1, 4):
             ids = prompt.expand(batch, -1)
-            for name in contenders["this"][1]:
+            for name in args.case or contenders["this"][1]:
                 speeds, outputs = {"this": [], "base": []}, {}
                 for repeat in range(args.repeats + 1):              # the first: warm-up
                     for who in (("this", "base") if repeat % 2 else ("base", "this")):
