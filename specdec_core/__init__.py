@@ -4,7 +4,7 @@ Layers, from the top; each module imports only from its own layer and those belo
 (pyproject.toml's "specdec_core layers" contract; docs/design.md has the same table):
   around it     profile, estimate, planner, validation, train, models, faults, factory
   decoding      loop, decoder
-  drafters      suffix, lookup, drafters, synthetic, head
+  drafters      suffix, lookup, drafters, synthetic, head, eagle3
   caches        cache, static_cache
   verification  verify
   records       records

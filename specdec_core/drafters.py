@@ -8,8 +8,8 @@ Its flags are class attributes:
                        the round; around it the host reserves (before) and follows (after)
   reads_host_state     proposes on the host (prompt lookup, suffix): propose_host reads
                        state.host, which the loop keeps, so the round never reads the device for it
-  needs_target_hidden  reads the target's last-layer hidden states (state.hidden) of the prefill
-                       and of every verify pass (draft heads)
+  needs_target_hidden  reads the target's hidden states (state.hidden, through its target_tap) of
+                       the prefill and of every verify pass (draft heads, EAGLE-3 heads)
 One call:  check_compatible (at construction), cached_models (the cache kind), start(state) once
            the prompts are known, select_rows(rows) when finished rows leave a dynamic batch.
 One round: reserve(state, k) -> propose(...) or propose_host(host, k) -> the target verifies ->
@@ -66,7 +66,12 @@ class Drafter:
     name = "drafter"
     device_side = False          # propose/commit are capturable device work on static caches
     reads_host_state = False     # proposes on the host (propose_host), from state.host
-    needs_target_hidden = False  # reads state.hidden: the target's last-layer hidden states
+    needs_target_hidden = False  # reads state.hidden: the target's hidden states (target_tap)
+
+    def target_tap(self, target_model: torch.nn.Module):
+        """With needs_target_hidden: the context manager whose `value` the loop hands over as
+        state.hidden after each target pass (tap.HiddenTap, tap.LayerInputsTap)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no target hidden states")
 
     def check_compatible(self, target_model: torch.nn.Module, target_tokenizer=None) -> None:
         """Raise TokenizerMismatch when this drafter cannot propose tokens of the target's vocabulary."""

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from .drafters import DraftModel, Drafter, LayerSkip, PromptLookup, SuffixDrafter
+from .eagle3 import Eagle3Head
 from .head import DraftHead, HeadDrafter
 
-DRAFTER_KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head")
+DRAFTER_KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head", "eagle3")
 
 
 def make_drafter(kind: str, params: dict | None, target_model: torch.nn.Module,
@@ -17,7 +18,8 @@ def make_drafter(kind: str, params: dict | None, target_model: torch.nn.Module,
 
     draft_model takes params {"model": spec} (anything load_model accepts); it is loaded on the
     target's device and dtype. suffix takes its parameters and optionally {"index": path}. head
-    takes {"model": directory of a saved DraftHead} (head.py), attached to the target.
+    takes {"model": directory of a saved DraftHead} (head.py), attached to the target; eagle3
+    {"model": directory of an EAGLE-3 checkpoint in the speculators format} (eagle3.py).
     """
     params = dict(params or {})
     if kind == "prompt_lookup":
@@ -38,4 +40,8 @@ def make_drafter(kind: str, params: dict | None, target_model: torch.nn.Module,
         if "model" not in params:
             raise ValueError("head needs params {'model': <directory of a saved draft head>}")
         return HeadDrafter(DraftHead.load(params["model"], target_model))
+    if kind == "eagle3":
+        if "model" not in params:
+            raise ValueError("eagle3 needs params {'model': <directory of an EAGLE-3 checkpoint>}")
+        return HeadDrafter(Eagle3Head.load(params["model"], target_model))
     raise ValueError(f"unknown drafter kind {kind!r}: choose one of {list(DRAFTER_KINDS)}")

@@ -51,6 +51,9 @@ class DraftHead(torch.nn.Module):
     and -- without vocab_ids -- LM head are shared, not copied); vocab_ids: token ids of a reduced
     output head, or None for the target's full head."""
 
+    kind = "head"                # its drafter kind in configs (factory.DRAFTER_KINDS)
+    feature_regression = True    # trained to reproduce the target's next feature (EAGLE-1/2)
+
     def __init__(self, target: torch.nn.Module, vocab_ids: torch.Tensor | None = None,
                  init_layer: int | None = -1, seed: int = 0):
         super().__init__()
@@ -107,10 +110,25 @@ class DraftHead(torch.nn.Module):
     def vocab_size(self) -> int:
         return int(self.vocab_ids.numel()) if self.reduced else self.full_vocab
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the head reads (its tap's value)."""
+        return self.config.hidden_size
+
+    def tap(self, target: torch.nn.Module):
+        """The tap on `target` whose value is this head's features of a pass: the last layer's
+        hidden states (the input of the final norm)."""
+        return HiddenTap(final_norm(target))
+
     def inputs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Fused input vectors [B, T, H] from features f [B, T, H] and the next tokens [B, T]."""
         embed = self._shared["embed"](next_tokens).to(features.dtype)
         return self.fuse(torch.cat([features, embed], -1))
+
+    def chained(self, outputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Input vectors of a chain step from the head's own outputs g [B, T, H] (they stand in
+        for the target's features here)."""
+        return self.inputs(outputs, next_tokens)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary: a reduced head's are -inf outside its ids."""
@@ -217,6 +235,7 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: DraftHead):
         self.head = head
+        self.name = head.kind
         self._cache = None
         self._fixed = False
         # (features [B, W, H], next tokens [B, W], valid [B, W]) to catch up on: the prompt's
@@ -227,6 +246,9 @@ class HeadDrafter(Drafter):
         self._draft_base = None     # head cache's valid count per row before this round's drafts
         self._round_w = 0           # write column before this round's drafts (host)
         self._round_k = 0
+
+    def target_tap(self, target_model):
+        return self.head.tap(target_model)
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
         if (output_size(target_model) != self.head.full_vocab
@@ -268,9 +290,9 @@ class HeadDrafter(Drafter):
         self._round_k = k
         self._round_w = self._cache.reserve(width + k - 1) + width
 
-    def _step(self, features, tokens, valid) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append positions to the head's cache; (full-vocabulary logits, g) of the last column."""
-        embeds = self.head.inputs(features, tokens)
+    def _step(self, embeds, tokens, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append positions (their input vectors) to the head's cache; (full-vocabulary logits, g)
+        of the last column."""
         with HiddenTap(self.head.body.model.norm) as tap:
             logits = self._cache.forward(tokens, valid, logits_to_keep=1, graphed=False,
                                          inputs_embeds=embeds)
@@ -283,7 +305,7 @@ class HeadDrafter(Drafter):
             valid = valid & state.active[:, None]
         elif bool(valid.all()):
             valid = None
-        logits, g = self._step(features, nxt, valid)
+        logits, g = self._step(self.head.inputs(features, nxt), nxt, valid)
         if self._fixed:      # device work only (reserve() did the host part)
             self._bufs.draft_base.copy_(self._cache.count)   # valid positions before the drafts
             self._bufs.round_w.copy_(self._cache.write_column)
@@ -294,7 +316,8 @@ class HeadDrafter(Drafter):
         chained = {"g": g}
 
         def step(token):   # the head feeds on its own output g
-            logits, chained["g"] = self._step(chained["g"], token[:, None], active)
+            logits, chained["g"] = self._step(self.head.chained(chained["g"], token[:, None]),
+                                              token[:, None], active)
             return logits
         tokens, probs = draft_chain(logits, k, sampling, generator, step)
         return Proposal(tokens, probs, num_draft)
@@ -334,14 +357,16 @@ class HeadDrafter(Drafter):
         self._pending = (features[rows], nxt[rows], valid[rows])
 
     def describe(self) -> dict:
-        return {"kind": self.name, "params": {"vocab_size": self.head.vocab_size}}
+        return {"kind": self.head.kind, "params": {"vocab_size": self.head.vocab_size}}
 
 
 @torch.inference_mode()
 def target_features(target: torch.nn.Module, ids: torch.Tensor,
-                    attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(last-layer hidden states [B, T, H], logits [B, T, V]) of a teacher-forced target pass."""
-    with HiddenTap(final_norm(target)) as tap:
+                    attention_mask: torch.Tensor | None = None,
+                    head: "DraftHead | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [B, T, F], logits [B, T, V]) of a teacher-forced target pass: what `head` reads
+    (its tap), by default the last layer's hidden states."""
+    with (head.tap(target) if head is not None else HiddenTap(final_norm(target))) as tap:
         logits = target(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits
         return tap.value, logits
 
@@ -366,7 +391,7 @@ def head_round_rates(target: torch.nn.Module, head: DraftHead, prompt_ids, respo
     rates = np.zeros((length, k))
     if length < 2 or k < 1:
         return rates
-    features, target_logits = target_features(target, seq[None])
+    features, target_logits = target_features(target, seq[None], head=head)
     cache = SequenceCache(head.body)
     with HiddenTap(head.body.model.norm) as tap:
         logits = cache.forward(seq[None, 1:], inputs_embeds=head.inputs(features[:, :-1], seq[None, 1:]))
@@ -390,7 +415,7 @@ def head_round_rates(target: torch.nn.Module, head: DraftHead, prompt_ids, respo
         rates[starts.cpu().numpy(), i] = torch.where(inside, rate, torch.zeros_like(rate)).cpu().numpy()
         if i < k - 1:
             with HiddenTap(head.body.model.norm) as tap:
-                step = cache.forward(x[:, None], inputs_embeds=head.inputs(g, x[:, None]))
+                step = cache.forward(x[:, None], inputs_embeds=head.chained(g, x[:, None]))
                 g = tap.value[:, -1:]
             step_logits = head.full_logits(step[:, -1])
     return rates

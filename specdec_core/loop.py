@@ -50,7 +50,7 @@ from .records import (DecodeState, GenerateResult, HostView, LoopBuffers, Propos
                       result_from_history)
 from .sampling import SamplingParams
 from .static_cache import device_only, eager_forwards
-from .tap import HiddenTap, final_norm
+from .tap import HiddenTap
 from .verify import Verifier, verify_round
 
 
@@ -458,8 +458,8 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
     phase_timing: synchronise around the draft and verify phases for stats.draft_s / verify_s.
     """
     device, (batch, prompt_width), timings = input_ids.device, input_ids.shape, Timings()
-    # a draft head reads the target's last-layer hidden states of every pass: a tap on the final norm
-    tap = HiddenTap(final_norm(target_model)) if drafter is not None and drafter.needs_target_hidden else None
+    # a draft head reads the target's hidden states of every pass: its tap (final norm or layers)
+    tap = drafter.target_tap(target_model) if drafter is not None and drafter.needs_target_hidden else None
     synchronize(device)
     t_start = time.perf_counter()
     with session(target_model, batch, prompt_width + max_new_tokens + k + 3) as (target, caches), \

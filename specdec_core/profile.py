@@ -317,7 +317,7 @@ class CostSampler:
 
 def _head_cache(target, head, context_len, batch_size, generator, vocab, static) -> "_TimedCache":
     """A timed cache of a draft head's step: its fused inputs, its layer and its LM head."""
-    features = torch.randn(batch_size, 1, head.config.hidden_size, generator=generator).to(
+    features = torch.randn(batch_size, 1, head.feature_size, generator=generator).to(
         dtype=next(target.parameters()).dtype, device=next(target.parameters()).device)
 
     def fused(tokens, head=head, features=features):

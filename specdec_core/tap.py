@@ -1,5 +1,6 @@
 """The target's hidden states, tapped: a draft head reads the input of the target's final norm
-(the last decoder layer's output) of every pass the target runs."""
+(the last decoder layer's output) of every pass the target runs; an EAGLE-3 head reads the inputs
+of three of its decoder layers (LayerInputsTap)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,33 @@ class HiddenTap:
     def __exit__(self, *exc) -> None:
         self._handle.remove()
         self.value = None
+
+
+class LayerInputsTap:
+    """Context manager like HiddenTap over several modules: while open, `value` is their latest
+    inputs concatenated on the last axis ([B, T, n x H] for n decoder layers: an EAGLE-3 head's
+    auxiliary hidden states). The concatenation runs where `value` is read (inside a captured
+    round: a graph tensor, updated by each replay)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.taps = [HiddenTap(module) for module in modules]
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        values = [tap.value for tap in self.taps]
+        return None if any(v is None for v in values) else torch.cat(values, -1)
+
+    def __enter__(self) -> "LayerInputsTap":
+        for tap in self.taps:
+            tap.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for tap in self.taps:
+            tap.__exit__(*exc)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder layers (.model.layers), checked as final_norm checks its norm."""
+    final_norm(model)
+    return model.model.layers

@@ -442,7 +442,7 @@ def head_chain_passes(head, feats: torch.Tensor, next_tokens: torch.Tensor, vali
     embeds = [head.inputs(feats, next_tokens)]
     positions = torch.arange(width, device=feats.device)
     for w in range(1, steps):
-        embeds.append(head.inputs(torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1), next_tokens))
+        embeds.append(head.chained(torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1), next_tokens))
         with HiddenTap(head.body.model.norm) as tap:
             step = head.body(inputs_embeds=torch.cat(embeds, 1),
                              attention_mask=chain_attention_mask(w + 1, width, valid, embeds[0].dtype),
@@ -489,7 +489,7 @@ class _HeadTrainee(Trainee):
         for request in tqdm(self.train, desc="target passes", disable=not progress):
             ids = torch.tensor((list(request.prompt_ids) + list(request.response_ids))[-config.max_length:],
                                device=device)
-            features, logits = target_features(self.target, ids[None])
+            features, logits = target_features(self.target, ids[None], head=head)
             logp = logits[0, 1:].float().log_softmax(-1).cpu()        # predicts x_{j+2}
             logp[:, ~inside] = float("-inf")
             values, index = logp.topk(self.topk, -1)
@@ -526,8 +526,10 @@ class _HeadTrainee(Trainee):
             p = values[where].softmax(-1)
             log_q = logits.float()[where].log_softmax(-1).gather(-1, index[where])
             kl = (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
-            feature = F.smooth_l1_loss(norm(g)[fmask].float(), norm(truth)[fmask].float())
-            total = total + kl + self.feature_weight * feature
+            total = total + kl
+            if self.feature_weight and head.feature_regression:
+                feature = F.smooth_l1_loss(norm(g)[fmask].float(), norm(truth)[fmask].float())
+                total = total + self.feature_weight * feature
         return total / self.unroll
 
     def evaluate(self):
@@ -543,13 +545,10 @@ class _HeadTrainee(Trainee):
         self.module.save(directory)
 
     def load(self, directory):
-        from safetensors.torch import load_file
-
-        state = load_file(str(directory / "head.safetensors"))
-        own = dict(self.module.own_named_parameters())
+        saved = dict(type(self.module).load(directory, self.target).own_named_parameters())
         with torch.no_grad():
-            for name, param in own.items():
-                param.copy_(state[name])
+            for name, param in self.module.own_named_parameters():
+                param.copy_(saved[name])
 
 
 @torch.inference_mode()
@@ -564,7 +563,7 @@ def head_heldout_kl(head, target, requests: list[LoggedRequest], max_length: int
         ids = torch.tensor((list(request.prompt_ids) + list(request.response_ids))[-max_length:],
                            device=device)
         n_resp = min(len(request.response_ids), len(ids) - 2)
-        features, logits = target_features(target, ids[None])
+        features, logits = target_features(target, ids[None], head=head)
         head_logits, _ = head(features[:, :-1], ids[None, 1:])
         log_p = logits[0, 1:].float().log_softmax(-1)[-n_resp - 1: -1]
         q = head.full_logits(head_logits[0].float()).softmax(-1)[-n_resp - 1: -1]
@@ -601,11 +600,10 @@ def measure_head_step(head, target, context_len: int = 128, repeats: int = 5) ->
     from .profile import measure_forward_costs
 
     device = next(target.parameters()).device
-    hidden = head.config.hidden_size
     cache = SequenceCache(head.body)
     times = []
     with torch.inference_mode():
-        feats = torch.randn(1, context_len, hidden, device=device)
+        feats = torch.randn(1, context_len, head.feature_size, device=device)
         tokens = torch.randint(0, head.full_vocab, (1, context_len), device=device)
         cache.forward(tokens, inputs_embeds=head.inputs(feats, tokens))
         keep = torch.full((1,), context_len, device=device)
