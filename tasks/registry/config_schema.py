@@ -41,14 +41,15 @@ class _Strict(BaseModel):
 
 
 class DrafterSpec(_Strict):
-    kind: Literal["prompt_lookup", "suffix", "layer_skip", "draft_model", "head"]
+    kind: Literal["prompt_lookup", "suffix", "layer_skip", "draft_model", "head", "eagle3"]
     params: dict = Field(default_factory=dict)
     model_uri: str | None = None
 
     @model_validator(mode="after")
     def _model_uri_only_for_models_and_indexes(self) -> "DrafterSpec":
-        if self.model_uri is not None and self.kind not in ("draft_model", "suffix", "head"):
-            raise ValueError(f"model_uri is only for draft_model, head and suffix drafters, not {self.kind}")
+        if self.model_uri is not None and self.kind not in ("draft_model", "suffix", "head", "eagle3"):
+            raise ValueError(f"model_uri is only for draft_model, head, eagle3 and suffix drafters, "
+                             f"not {self.kind}")
         if self.model_uri is not None and not self.model_uri.startswith("models:/"):
             raise ValueError(f"model_uri {self.model_uri!r} must be an MLflow models:/ URI")
         return self

@@ -16,7 +16,7 @@ from specdec_core.errors import SpecDecError
 
 from ..errors import SpecdecTaskError
 
-KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head")   # = specdec_core.factory.DRAFTER_KINDS
+KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head", "eagle3")   # = specdec_core.factory.DRAFTER_KINDS
 # drafters that search on the host once per round (their cost is per round, not per token)
 HOST_DRAFTERS = ("prompt_lookup", "suffix")
 
@@ -58,8 +58,8 @@ def parse_candidate(candidate) -> dict:
                              f"{list(KINDS)}")
     if kind == "draft_model" and "model" not in params:
         raise CandidateError(f"candidate {candidate!r}: draft_model needs model=<HF id, path or GGUF>")
-    if kind == "head" and "model" not in params:
-        raise CandidateError(f"candidate {candidate!r}: head needs model=<models:/ URI or directory>")
+    if kind in ("head", "eagle3") and "model" not in params:
+        raise CandidateError(f"candidate {candidate!r}: {kind} needs model=<models:/ URI or directory>")
     return {"kind": kind, "params": params}
 
 
@@ -86,7 +86,7 @@ def build_drafters(candidates, target, tokenizer=None,
             continue
         params = dict(spec["params"])
         try:
-            if spec["kind"] in ("draft_model", "head") and str(params["model"]).startswith("models:/"):
+            if spec["kind"] in ("draft_model", "head", "eagle3") and str(params["model"]).startswith("models:/"):
                 from .draft_training import resolve_model_uri
 
                 params["model"] = resolve_model_uri(params["model"], tracking_uri)

@@ -186,7 +186,7 @@ class RunContext:
         """Request ids that a candidate draft was trained on: never scored in this run."""
         if self._trained_on is None:
             uris = [s["params"]["model"] for s, _ in self.drafters.values()
-                    if s["kind"] in ("draft_model", "head")
+                    if s["kind"] in ("draft_model", "head", "eagle3")
                     and str(s["params"].get("model", "")).startswith("models:/")]
             self._trained_on = trained_request_ids(self.url, uris)
         return self._trained_on
