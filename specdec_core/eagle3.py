@@ -110,6 +110,7 @@ class Eagle3Head(DraftHead):
         self.norm_before_residual = bool(norm_before_residual)
         self.target_num_layers = n_layers
         self.target_config = copy.deepcopy(target.config)
+        self.target_class = type(target).__name__
         del self.fuse
         torch.manual_seed(seed + 1)
         self.fc = torch.nn.Linear(len(self.layer_ids) * hidden, hidden, bias=False,
@@ -195,7 +196,8 @@ class Eagle3Head(DraftHead):
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": verifier,
-                             "architectures": list(self.target_config.architectures or [])},
+                             "architectures": list(self.target_config.architectures
+                                                   or [self.target_class])},
             },
             "transformer_layer_config": layer_config,
             "draft_vocab_size": self.vocab_size,
@@ -230,14 +232,18 @@ class Eagle3Head(DraftHead):
         directory = Path(directory)
         try:
             config = json.loads((directory / CONFIG).read_text())
+        except (OSError, ValueError) as exc:
+            raise HeadFileError(f"EAGLE-3 head {directory}: cannot read {CONFIG} ({exc}); train or "
+                                "download it again") from exc
+        kind = config.get("speculators_model_type") if isinstance(config, dict) else None
+        if kind != MODEL_TYPE:
+            raise HeadFileError(f"EAGLE-3 head {directory / CONFIG}: speculators_model_type "
+                                f"{kind!r}, expected {MODEL_TYPE!r}")
+        try:
             state = load_file(str(directory / WEIGHTS))
         except (OSError, ValueError, SafetensorError) as exc:
-            raise HeadFileError(f"EAGLE-3 head {directory}: cannot read {CONFIG} / {WEIGHTS} "
-                                f"({exc}); train or download it again") from exc
-        if not isinstance(config, dict) or config.get("speculators_model_type") != MODEL_TYPE:
-            raise HeadFileError(f"EAGLE-3 head {directory / CONFIG}: speculators_model_type "
-                                f"{config.get('speculators_model_type') if isinstance(config, dict) else None!r}, "
-                                f"expected {MODEL_TYPE!r}")
+            raise HeadFileError(f"EAGLE-3 head {directory}: cannot read {WEIGHTS} ({exc}); train "
+                                "or download it again") from exc
         hidden, t2d = config.get("target_hidden_size"), state.get("t2d")
         if hidden != target.config.hidden_size or t2d is None or len(t2d) != output_size(target):
             raise TokenizerMismatch(

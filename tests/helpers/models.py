@@ -57,3 +57,31 @@ def left_padded_batch():
         ids[row, :pad] = 0
         mask[row, :pad] = 0
     return ids, mask
+
+
+def greedy_requests(target, count: int, prompt_len: int = 6, new_tokens: int = 16, seed: int = 2,
+                    domain: str = "qa") -> list:
+    """LoggedRequests whose responses are the target's own greedy continuations of random prompts."""
+    from specdec_core import SamplingParams, SpecDecoder
+    from specdec_core.estimate import LoggedRequest
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, target.config.vocab_size, (count, prompt_len), generator=generator)
+    out = SpecDecoder(target, None).generate_plain(prompts, new_tokens)
+    return [LoggedRequest(f"r{i}", prompts[i].tolist(), out.tokens[i].tolist(), SamplingParams(), domain)
+            for i in range(count)]
+
+
+def trained_eagle3_head(target, requests: list, checkpoint_dir: Path, steps: int = 150,
+                        vocab_ids: torch.Tensor | None = None):
+    """An EAGLE-3 head trained (unrolled 3 steps) on `requests` themselves: on those rows it drafts
+    right part of the time, so live rounds see accepted and rejected drafts."""
+    from specdec_core.eagle3 import Eagle3Head
+    from specdec_core.train import TrainConfig, train_head
+
+    vocab_ids = torch.arange(target.config.vocab_size) if vocab_ids is None else vocab_ids
+    head = Eagle3Head(target, vocab_ids)
+    config = TrainConfig(steps=steps, eval_every=steps, k_max=3, warmup_steps=2, lr=3e-3, batch_size=8)
+    train_head(head, target, requests, requests[:4], config, checkpoint_dir,
+               costs=(0.1, [1.2, 1.3, 1.4]), progress=False, unroll=3)
+    return head.eval()
