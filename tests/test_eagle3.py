@@ -215,3 +215,13 @@ def test_bad_checkpoints_name_the_file(target, head, tmp_path):
     save_file(state, str(shaped / "model.safetensors"))
     with pytest.raises(HeadFileError, match="fc.weight"):
         Eagle3Head.load(shaped, target)
+
+
+def test_its_step_is_profiled_like_any_drafter(target, head):
+    from specdec_core.profile import measure_step_costs
+    from specdec_core.train import measure_head_step
+
+    costs = measure_step_costs(target, {"eagle3": HeadDrafter(head)}, k_max=2, repeats=1,
+                               context_len=32)
+    assert costs["draft_step"]["eagle3"] > 0 and costs["round_overhead"]["eagle3"] >= 0
+    assert measure_head_step(head, target, context_len=32, repeats=1) > 0
