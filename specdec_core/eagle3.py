@@ -41,9 +41,10 @@ _PREFIXES = (("body.model.layers.0.", "layers.0."), ("body.model.norm.", "norm."
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's default auxiliary layers of an N-layer target: the inputs of layers 2, N/2, N-3
-    (clamped into 0..N-1 for shallow models)."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    """vLLM's default auxiliary layers of an N-layer target: the inputs of layers 2, N/2, N-3;
+    for shallow targets clamped into 0..N-1, distinct and ascending (vLLM collects them as a
+    sorted set, speculators refuses repeats), so fewer than three."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
 
 
 def is_eagle3_dir(directory: str | Path) -> bool:
@@ -104,9 +105,11 @@ class Eagle3Head(DraftHead):
         n_layers, hidden = len(layers), self.config.hidden_size
         self.layer_ids = [int(i) for i in (layer_ids if layer_ids is not None
                                           else default_layer_ids(n_layers))]
-        if not self.layer_ids or any(not 0 <= i <= n_layers for i in self.layer_ids):
-            raise ValueError(f"EAGLE-3 layer ids {self.layer_ids}: each must be in 0..{n_layers} "
-                             f"(the target has {n_layers} layers)")
+        if (not self.layer_ids or any(not 0 <= i <= n_layers for i in self.layer_ids)
+                or self.layer_ids != sorted(set(self.layer_ids))):
+            raise ValueError(f"EAGLE-3 layer ids {self.layer_ids}: distinct, ascending, each in "
+                             f"0..{n_layers} (the target has {n_layers} layers; engines collect "
+                             "them as a sorted set)")
         self.norm_before_residual = bool(norm_before_residual)
         self.target_num_layers = n_layers
         self.target_config = copy.deepcopy(target.config)
@@ -169,13 +172,15 @@ class Eagle3Head(DraftHead):
         return mask
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors under the speculators names."""
+        """The checkpoint's tensors under the speculators names; d2t and t2d only for a reduced
+        vocabulary (vLLM refuses them when the draft vocabulary is the target's)."""
         state = {}
         for name, param in self.own_named_parameters():
             for ours, theirs in _PREFIXES:
                 if name.startswith(ours):
                     state[theirs + name[len(ours):]] = param.detach().contiguous().cpu()
-        state["d2t"], state["t2d"] = self.d2t(), self.t2d()
+        if self.vocab_size != self.full_vocab:
+            state["d2t"], state["t2d"] = self.d2t(), self.t2d()
         return state
 
     def speculators_config(self, k: int = 3, verifier: str | None = None) -> dict:
@@ -244,16 +249,20 @@ class Eagle3Head(DraftHead):
         except (OSError, ValueError, SafetensorError) as exc:
             raise HeadFileError(f"EAGLE-3 head {directory}: cannot read {WEIGHTS} ({exc}); train "
                                 "or download it again") from exc
-        hidden, t2d = config.get("target_hidden_size"), state.get("t2d")
-        if hidden != target.config.hidden_size or t2d is None or len(t2d) != output_size(target):
+        hidden = config.get("target_hidden_size")
+        # the target vocabulary it was built for: t2d's length, or (full vocabulary, no t2d) the
+        # layer config's
+        t2d, d2t = state.pop("t2d", None), state.pop("d2t", None)
+        vocab = len(t2d) if t2d is not None else (config.get("transformer_layer_config") or {}).get("vocab_size")
+        if hidden != target.config.hidden_size or vocab != output_size(target):
             raise TokenizerMismatch(
                 f"EAGLE-3 head {directory / WEIGHTS} was built for width {hidden} and a vocabulary "
-                f"of {None if t2d is None else len(t2d)}; the target has "
-                f"{target.config.hidden_size} and {output_size(target)}: train a head for this target")
-        d2t = state.pop("d2t")
-        state.pop("t2d")
-        vocab_ids = torch.arange(len(d2t)) + d2t
-        if not torch.equal(t2d.nonzero()[:, 0], vocab_ids):
+                f"of {vocab}; the target has {target.config.hidden_size} and "
+                f"{output_size(target)}: train a head for this target")
+        if (t2d is None) != (d2t is None):
+            raise HeadFileError(f"EAGLE-3 head {directory / WEIGHTS}: has one of d2t and t2d")
+        vocab_ids = torch.arange(vocab) if d2t is None else torch.arange(len(d2t)) + d2t
+        if t2d is not None and not torch.equal(t2d.nonzero()[:, 0], vocab_ids):
             raise HeadFileError(f"EAGLE-3 head {directory / WEIGHTS}: d2t and t2d disagree")
         try:
             head = cls(target, vocab_ids=vocab_ids,

@@ -479,6 +479,7 @@ class _HeadTrainee(Trainee):
         if self.cache:
             return
         head = self.module
+        self.topk = min(self.topk, head.vocab_size)     # a small draft vocabulary: all of it
         inside = torch.ones(head.full_vocab, dtype=torch.bool)
         if head.reduced:
             inside[:] = False

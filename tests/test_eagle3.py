@@ -31,7 +31,7 @@ DRAFT_VOCAB = torch.tensor([t for t in range(VOCAB) if t % 5 != 4])      # 78 of
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_llama(layers=4, seed=3)
+    return tiny_llama(layers=8, seed=3)       # default aux layers: inputs of 2, 4, 5
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def head(target, requests, tmp_path_factory):
 def test_default_layer_ids_are_vllms():
     assert default_layer_ids(30) == [2, 15, 27]        # SmolLM2-135M: inputs of layers 2, N/2, N-3
     assert default_layer_ids(32) == [2, 16, 29]
-    assert default_layer_ids(2) == [1, 1, 0]           # clamped for shallow targets
+    assert default_layer_ids(4) == [1, 2]              # shallow: clamped, distinct, ascending
+    assert default_layer_ids(2) == [0, 1]
 
 
 def test_the_tap_reads_the_inputs_of_the_named_layers(target):
@@ -63,12 +64,14 @@ def test_the_tap_reads_the_inputs_of_the_named_layers(target):
     torch.testing.assert_close(value, expected)
     assert value.shape[-1] == head.feature_size == 3 * target.config.hidden_size
     # id N is the last layer's output: the input of the final norm
-    with torch.no_grad(), Eagle3Head(target, DRAFT_VOCAB, layer_ids=[4]).tap(target) as last, \
+    with torch.no_grad(), Eagle3Head(target, DRAFT_VOCAB, layer_ids=[8]).tap(target) as last, \
             HiddenTap(target.model.norm) as norm_input:
         target(ids)
         torch.testing.assert_close(last.value, norm_input.value)
-    with pytest.raises(ValueError, match="0..4"):
-        Eagle3Head(target, DRAFT_VOCAB, layer_ids=[1, 5])
+    with pytest.raises(ValueError, match="0..8"):
+        Eagle3Head(target, DRAFT_VOCAB, layer_ids=[1, 9])
+    with pytest.raises(ValueError, match="distinct, ascending"):
+        Eagle3Head(target, DRAFT_VOCAB, layer_ids=[2, 1, 3])
 
 
 def test_layer_inputs_tap_is_empty_outside_its_block(target):
@@ -164,7 +167,7 @@ def test_speculators_files(target, head, tmp_path):
     assert config["draft_vocab_size"] == len(DRAFT_VOCAB)
     assert config["norm_before_residual"] is True           # written: vLLM and speculators differ
     assert config["target_hidden_size"] == 64
-    assert config["eagle_aux_hidden_state_layer_ids"] == default_layer_ids(4)
+    assert config["eagle_aux_hidden_state_layer_ids"] == default_layer_ids(8) == [2, 4, 5]
     state = load_file(str(directory / "model.safetensors"))
     hidden = 64
     assert state["fc.weight"].shape == (hidden, 3 * hidden)
@@ -176,6 +179,10 @@ def test_speculators_files(target, head, tmp_path):
     assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
     assert torch.equal(torch.arange(len(DRAFT_VOCAB)) + state["d2t"], DRAFT_VOCAB)
     assert torch.equal(state["t2d"].nonzero()[:, 0], DRAFT_VOCAB)
+    # a full draft vocabulary has no mapping (vLLM refuses d2t then), and reads back
+    full = Eagle3Head(target, torch.arange(VOCAB)).save(tmp_path / "full")
+    assert not {"d2t", "t2d"} & set(load_file(str(full / "model.safetensors")))
+    assert Eagle3Head.load(full, target).vocab_size == VOCAB
     # read back: the same weights, and the same drafts
     loaded = Eagle3Head.load(directory, target)
     for (name, a), (_, b) in zip(head.own_named_parameters(), loaded.own_named_parameters()):
@@ -200,9 +207,9 @@ def test_bad_checkpoints_name_the_file(target, head, tmp_path):
         Eagle3Head.load(bad, target)
     # another target: other width, other vocabulary
     with pytest.raises(TokenizerMismatch, match="model.safetensors.*train a head for this target"):
-        Eagle3Head.load(directory, tiny_llama(hidden=32, layers=4, seed=3))
+        Eagle3Head.load(directory, tiny_llama(hidden=32, layers=8, seed=3))
     with pytest.raises(TokenizerMismatch, match="vocabulary of 97"):
-        Eagle3Head.load(directory, tiny_llama(vocab=120, layers=4, seed=3))
+        Eagle3Head.load(directory, tiny_llama(vocab=120, layers=8, seed=3))
     # a layer id the target does not have (a shallower target of the same width)
     with pytest.raises(HeadFileError, match="0..1"):
         Eagle3Head.load(directory, tiny_llama(layers=1, seed=3))
