@@ -535,6 +535,30 @@ def test_vllm_export_per_domain():
         "vllm serve /models/tiny")
 
 
+def test_vllm_export_of_eagle3_heads():
+    # an EAGLE-3 head (speculators format) is vLLM's own eagle3 method: the registered URI or the
+    # checkpoint directory as given, K, and the batch schedule as for the other kinds
+    config = parse_config(config_dict(
+        json=enabled_domain(drafter={"kind": "eagle3", "params": {"model": "models:/tiny-eagle3/2"},
+                                     "model_uri": "models:/tiny-eagle3/2"}, k=3,
+                            max_batch_size=4, k_schedule=[[1, 2, 3], [3, 4, 2], [5, 8, 0]]),
+        qa=enabled_domain(drafter={"kind": "eagle3", "params": {"model": "/ckpt/eagle3"}}, k=2,
+                          max_batch_size=None),
+        code=enabled_domain(drafter={"kind": "head", "params": {"model": "/ckpt/head"}}, k=2)))
+    exported = vllm_export(config)
+    spec = exported["speculative_config"]
+    assert spec["json"] == {"method": "eagle3", "model": "models:/tiny-eagle3/2",
+                            "num_speculative_tokens": 3,
+                            "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 2], [5, 8, 0],
+                                                                      [9, 1 << 20, 0]]}
+    assert spec["qa"] == {"method": "eagle3", "model": "/ckpt/eagle3", "num_speculative_tokens": 2}
+    # the EAGLE-1/2-style head still has no vLLM equivalent
+    assert spec["code"] is None and set(exported["unsupported"]) == {"code"}
+    assert "head has no vLLM equivalent" in exported["unsupported"]["code"]
+    command = {tuple(d["domains"]): d["command"] for d in exported["deployments"]}[("qa",)]
+    assert json.loads(command.split("--speculative-config ")[1].strip("'")) == spec["qa"]
+
+
 def test_k_by_batch_size_goes_to_each_engines_own_key():
     from tasks.registry.trtllm_export import trtllm_export
 
