@@ -268,3 +268,65 @@ def test_a_hung_engine_times_out_naming_the_domain_and_its_log(engine_run):
         assert timed[domain]["status"] == "timeout" and timed[domain]["passed"] is False
         assert domain in timed[domain]["reason"] and ".log" in timed[domain]["reason"]
         assert "engine_check_timeout_s" in timed[domain]["reason"]
+
+
+# --- EAGLE-3 heads: the speculators library's reading of our checkpoint, then vLLM serving it ---
+def _speculators(serving):
+    """The speculators library in the serving environment (make serving-env installs it);
+    skipped without it unless the serving environment is required."""
+    try:
+        return serving_env.probe("versions", {}, timeout_s=300, script=serving_env.EAGLE3_LOGITS)
+    except Exception as exc:  # noqa: BLE001 - an environment made before speculators was added
+        if REQUIRED:
+            raise
+        pytest.skip(f"no speculators in the serving environment (make serving-env again): {exc}")
+
+
+def _perturbed_eagle3_head(target, vocab_ids, norm_before_residual=True, scale=0.3, seed=7):
+    """An Eagle3Head whose every own weight (fc, the layer, its norms, the final norm, the reduced
+    LM head) is moved off its initialisation, so each one shows in the logits."""
+    import torch
+
+    from specdec_core.eagle3 import Eagle3Head
+
+    head = Eagle3Head(target, vocab_ids=vocab_ids, norm_before_residual=norm_before_residual)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in head.own_named_parameters():
+            spread = float(param.std()) if param.numel() > 1 and float(param.std()) > 0 else 1.0
+            param.add_(torch.randn(param.shape, generator=generator) * scale * spread)
+    return head.eval()
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_speculators_reads_our_eagle3_checkpoint_as_we_do(serving, tmp_path, norm_before_residual):
+    """Our Eagle3Head's teacher-forced logits equal those of speculators' Eagle3DraftModel loaded
+    from the checkpoint Eagle3Head.save wrote (fp32, eager attention): the file format, the
+    layer's wiring, the alignment (hidden state j with token j + 1) and the reduced vocabulary."""
+    import torch
+
+    from specdec_core.head import target_features
+
+    _speculators(serving)
+    # 8 layers: the default auxiliary layers [2, 4, 5] are distinct (speculators and vLLM
+    # refuse or collapse repeated ones)
+    target = tiny_llama(vocab=97, hidden=64, layers=8, heads=4, seed=1)
+    target_dir = save_tiny_target(target, tmp_path / "target")
+    vocab = torch.tensor([t for t in range(97) if t % 5 != 2])              # 78 of 97 tokens
+    head = _perturbed_eagle3_head(target, vocab, norm_before_residual)
+    head.save(tmp_path / "head", k=3, verifier=str(target_dir))
+    ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(3))
+    features, _ = target_features(target, ids, head=head)          # [B, T, 3H]
+    with torch.no_grad():
+        ours, _ = head(features[:, :-1], ids[:, 1:])                 # position j: (h_j, x_{j+1})
+    for row in range(ids.shape[0]):
+        answer = serving_env.probe("logits", {
+            "model": str(tmp_path / "head"), "hidden_states": features[row:row + 1, :-1].tolist(),
+            "input_ids": ids[row:row + 1, 1:].tolist()}, timeout_s=300, script=serving_env.EAGLE3_LOGITS)
+        assert answer["draft_vocab_size"] == len(vocab) and answer["layer_ids"] == head.layer_ids
+        assert torch.equal(torch.arange(len(vocab)) + torch.tensor(answer["d2t"]), vocab)
+        theirs = torch.tensor(answer["logits"])
+        assert ours[row].abs().max() > 1.0                             # not a degenerate head
+        # fp32 on both sides, the same operations in another order: a few 1e-6 on logits of ~20
+        torch.testing.assert_close(theirs, ours[row], rtol=0, atol=1e-4)
+        assert torch.equal(theirs.argmax(-1), ours[row].argmax(-1))
