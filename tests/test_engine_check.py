@@ -102,3 +102,24 @@ def test_drafts_vllm_accepts_past_the_response_are_left_out():
     row = compare_request(request, answer, offline, exact=True, drafter=drafter, k=3)
     assert row["engine_accepted"] == 3 and row["engine_accepted_in_log"] == 2
     assert row["counts_equal"] is True
+
+
+def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypatch):
+    from tasks.steps import draft_training, engine_check as check
+
+    fetched = []
+
+    def resolve(uri, tracking_uri=None):
+        fetched.append(uri)
+        return f"/home/drafts/{uri.removeprefix('models:/')}"
+    monkeypatch.setattr(draft_training, "resolve_model_uri", resolve)
+    spec = {"method": "eagle3", "model": "models:/tiny-eagle3/2", "num_speculative_tokens": 3}
+    assert check.local_spec(spec) == dict(spec, model="/home/drafts/tiny-eagle3/2")
+    assert spec["model"] == "models:/tiny-eagle3/2"              # the exported config keeps the URI
+    # a directory, a method without a model and no speculation: as they are, nothing fetched
+    local = {"method": "draft_model", "model": "/ckpt/draft", "num_speculative_tokens": 2}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert check.local_spec(local) == local and check.local_spec(ngram) == ngram
+    assert check.local_spec(None) is None
+    assert fetched == ["models:/tiny-eagle3/2"]
+    assert "eagle3" in check.EXACT_METHODS

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import uuid
 from pathlib import Path
@@ -535,6 +536,84 @@ def test_vllm_export_per_domain():
         "vllm serve /models/tiny")
 
 
+def test_vllm_export_of_eagle3_heads():
+    # an EAGLE-3 head (speculators format) is vLLM's own eagle3 method: the registered URI or the
+    # checkpoint directory as given, K, and the batch schedule as for the other kinds
+    config = parse_config(config_dict(
+        json=enabled_domain(drafter={"kind": "eagle3", "params": {"model": "models:/tiny-eagle3/2"},
+                                     "model_uri": "models:/tiny-eagle3/2"}, k=3,
+                            max_batch_size=4, k_schedule=[[1, 2, 3], [3, 4, 2], [5, 8, 0]]),
+        qa=enabled_domain(drafter={"kind": "eagle3", "params": {"model": "/ckpt/eagle3"}}, k=2,
+                          max_batch_size=None),
+        code=enabled_domain(drafter={"kind": "head", "params": {"model": "/ckpt/head"}}, k=2)))
+    exported = vllm_export(config)
+    spec = exported["speculative_config"]
+    assert spec["json"] == {"method": "eagle3", "model": "models:/tiny-eagle3/2",
+                            "num_speculative_tokens": 3,
+                            "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 2], [5, 8, 0],
+                                                                      [9, 1 << 20, 0]]}
+    assert spec["qa"] == {"method": "eagle3", "model": "/ckpt/eagle3", "num_speculative_tokens": 2}
+    # the EAGLE-1/2-style head still has no vLLM equivalent
+    assert spec["code"] is None and set(exported["unsupported"]) == {"code"}
+    assert "head has no vLLM equivalent" in exported["unsupported"]["code"]
+    command = {tuple(d["domains"]): d["command"] for d in exported["deployments"]}[("qa",)]
+    assert json.loads(command.split("--speculative-config ")[1].strip("'")) == spec["qa"]
+
+
+def test_sglang_export_per_domain():
+    from tasks.registry.sglang_export import sglang_export
+
+    schedule = [[1, 2, 4], [3, 4, 2], [5, 8, 0]]
+    config = parse_config(config_dict(
+        eagle=enabled_domain(drafter={"kind": "eagle3", "params": {"model": "models:/tiny-eagle3/2"},
+                                      "model_uri": "models:/tiny-eagle3/2"}, k=4, max_batch_size=4,
+                             k_schedule=schedule),
+        draft=enabled_domain(drafter={"kind": "draft_model", "params": {"model": "/ckpt/draft"}}, k=3,
+                             max_batch_size=None),
+        json=enabled_domain(drafter={"kind": "prompt_lookup", "params": {"max_ngram": 4, "min_ngram": 1}},
+                            k=5, max_batch_size=None),
+        code=enabled_domain(drafter={"kind": "suffix", "params": {}}, k=3),
+        layers=enabled_domain(drafter={"kind": "layer_skip", "params": {"num_layers": 2}}),
+        heads=enabled_domain(drafter={"kind": "head", "params": {"model": "/ckpt/head"}}),
+        chat={"enabled": False}))
+    exported = sglang_export(config, target_path="/models/tiny")
+    flags = exported["speculative_flags"]
+    # EAGLE-3 and a draft model: a chain (topk 1) of K steps, K + 1 tokens verified, at the K the
+    # plan drafts at batch size 1
+    assert flags["eagle"] == ["--speculative-algorithm", "EAGLE3",
+                              "--speculative-draft-model-path", "models:/tiny-eagle3/2",
+                              "--speculative-num-steps", "4", "--speculative-eagle-topk", "1",
+                              "--speculative-num-draft-tokens", "5"]
+    assert flags["draft"] == ["--speculative-algorithm", "STANDALONE",
+                              "--speculative-draft-model-path", "/ckpt/draft",
+                              "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                              "--speculative-num-draft-tokens", "4"]
+    assert flags["json"] == ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
+                             "--speculative-ngram-min-match-window-size", "1",
+                             "--speculative-ngram-max-match-window-size", "4",
+                             "--speculative-ngram-min-bfs-breadth", "1",
+                             "--speculative-ngram-max-bfs-breadth", "1"]
+    assert flags["chat"] is None
+    assert set(exported["unsupported"]) == {"code", "layers", "heads"}
+    for name, kind in (("code", "suffix"), ("layers", "layer_skip"), ("heads", "head")):
+        assert flags[name] is None and exported["unsupported"][name].startswith(f"{kind} has no SGLang")
+    # what the mapping leaves out is said: one K per server, the format, NGRAM's other rule
+    notes = exported["notes"]
+    assert "K=4" in notes["eagle"] and "K=[2]" in notes["eagle"] and "above batch size 4" in notes["eagle"]
+    assert "speculators format" in notes["eagle"]
+    assert "not prompt lookup's" in notes["json"] and "K=" not in notes["draft"]
+    assert json.loads(json.dumps(exported)) == exported
+    # one deployment per distinct set of flags, each with its launch command
+    deployments = {tuple(d["domains"]): d for d in exported["deployments"]}
+    assert set(deployments) == {("eagle",), ("draft",), ("json",), ("chat", "code", "heads", "layers")}
+    assert deployments[("chat", "code", "heads", "layers")]["command"] == (
+        "python -m sglang.launch_server --model-path /models/tiny")
+    command = deployments[("eagle",)]["command"]
+    assert command.startswith("python -m sglang.launch_server --model-path /models/tiny --speculative-")
+    assert shlex.split(command)[5:] == flags["eagle"]
+    assert sglang_export(config)["deployments"][0]["command"].endswith("--model-path tiny")
+
+
 def test_k_by_batch_size_goes_to_each_engines_own_key():
     from tasks.registry.trtllm_export import trtllm_export
 
@@ -678,6 +757,10 @@ def test_cli_config_register_show_export_promote(db_url, tracking, target_id, ca
     assert exported["speculative_config"]["json"]["method"] == "ngram"
     assert exported["speculative_config"]["json"]["num_speculative_tokens"] == 3
     assert exported["speculative_config"]["chat"] is None
+    assert main(["config", "export", "--format", "sglang", *common]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["speculative_flags"]["json"][:2] == ["--speculative-algorithm", "NGRAM"]
+    assert exported["speculative_flags"]["chat"] is None
     assert main(["config", "export", *common]) == 0
     assert json.loads(capsys.readouterr().out)["run_id"] == "run-1"
 

@@ -268,3 +268,160 @@ def test_a_hung_engine_times_out_naming_the_domain_and_its_log(engine_run):
         assert timed[domain]["status"] == "timeout" and timed[domain]["passed"] is False
         assert domain in timed[domain]["reason"] and ".log" in timed[domain]["reason"]
         assert "engine_check_timeout_s" in timed[domain]["reason"]
+
+
+# --- EAGLE-3 heads: the speculators library's reading of our checkpoint, then vLLM serving it ---
+def _speculators(serving):
+    """The speculators library in the serving environment (make serving-env installs it);
+    skipped without it unless the serving environment is required."""
+    try:
+        return serving_env.probe("versions", {}, timeout_s=300, script=serving_env.EAGLE3_LOGITS)
+    except Exception as exc:  # noqa: BLE001 - an environment made before speculators was added
+        if REQUIRED:
+            raise
+        pytest.skip(f"no speculators in the serving environment (make serving-env again): {exc}")
+
+
+def _perturbed_eagle3_head(target, vocab_ids, norm_before_residual=True, scale=0.3, seed=7):
+    """An Eagle3Head whose every own weight (fc, the layer, its norms, the final norm, the reduced
+    LM head) is moved off its initialisation, so each one shows in the logits."""
+    import torch
+
+    from specdec_core.eagle3 import Eagle3Head
+
+    head = Eagle3Head(target, vocab_ids=vocab_ids, norm_before_residual=norm_before_residual)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in head.own_named_parameters():
+            spread = float(param.std()) if param.numel() > 1 and float(param.std()) > 0 else 1.0
+            param.add_(torch.randn(param.shape, generator=generator) * scale * spread)
+    return head.eval()
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_speculators_reads_our_eagle3_checkpoint_as_we_do(serving, tmp_path, norm_before_residual):
+    """Our Eagle3Head's teacher-forced logits equal those of speculators' Eagle3DraftModel loaded
+    from the checkpoint Eagle3Head.save wrote (fp32, eager attention): the file format, the
+    layer's wiring, the alignment (hidden state j with token j + 1) and the reduced vocabulary."""
+    import torch
+
+    from specdec_core.head import target_features
+
+    _speculators(serving)
+    # 8 layers: the default auxiliary layers [2, 4, 5] are distinct (speculators and vLLM
+    # refuse or collapse repeated ones)
+    target = tiny_llama(vocab=97, hidden=64, layers=8, heads=4, seed=1)
+    target_dir = save_tiny_target(target, tmp_path / "target")
+    vocab = torch.tensor([t for t in range(97) if t % 5 != 2])              # 78 of 97 tokens
+    head = _perturbed_eagle3_head(target, vocab, norm_before_residual)
+    head.save(tmp_path / "head", k=3, verifier=str(target_dir))
+    ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(3))
+    features, _ = target_features(target, ids, head=head)          # [B, T, 3H]
+    with torch.no_grad():
+        ours, _ = head(features[:, :-1], ids[:, 1:])                 # position j: (h_j, x_{j+1})
+    for row in range(ids.shape[0]):
+        answer = serving_env.probe("logits", {
+            "model": str(tmp_path / "head"), "hidden_states": features[row:row + 1, :-1].tolist(),
+            "input_ids": ids[row:row + 1, 1:].tolist()}, timeout_s=300, script=serving_env.EAGLE3_LOGITS)
+        assert answer["draft_vocab_size"] == len(vocab) and answer["layer_ids"] == head.layer_ids
+        assert torch.equal(torch.arange(len(vocab)) + torch.tensor(answer["d2t"]), vocab)
+        theirs = torch.tensor(answer["logits"])
+        assert ours[row].abs().max() > 1.0                             # not a degenerate head
+        # fp32 on both sides, the same operations in another order: a few 1e-6 on logits of ~20
+        torch.testing.assert_close(theirs, ours[row], rtol=0, atol=1e-4)
+        assert torch.equal(theirs.argmax(-1), ours[row].argmax(-1))
+
+
+def _greedy_requests(model, count: int = 6, new_tokens: int = 24, vocab: int = 64):
+    """Greedy requests logged as the target answered them, cut after the first end-of-sequence
+    token (where vLLM stops too)."""
+    import torch
+
+    from specdec_core import SamplingParams, SpecDecoder
+    from specdec_core.estimate import LoggedRequest
+
+    prompts = torch.randint(3, vocab, (count, 9), generator=torch.Generator().manual_seed(11))
+    prompts[:, 0] = 1
+    out = SpecDecoder(model, None).generate_plain(prompts, new_tokens)
+    requests = []
+    for index in range(count):
+        response = out.tokens[index, : out.num_tokens[index]].tolist()
+        if 2 in response:
+            response = response[: response.index(2) + 1]
+        requests.append(LoggedRequest(f"eagle-{index}", prompts[index].tolist(), response,
+                                      SamplingParams(temperature=0.0), "eagle"))
+    return requests
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(serving, tmp_path_factory):
+    """The engine check of a run whose one domain drafts with an EAGLE-3 head: a tiny 8-layer
+    target as a transformers directory, a head trained a few dozen steps on the very requests
+    the check replays (so that it agrees with the target often, not always), saved with
+    Eagle3Head.save, served by vLLM's eagle3 method."""
+    import torch
+
+    from specdec_core import load_model
+    from specdec_core.eagle3 import Eagle3Head
+    from specdec_core.train import TrainConfig, train_head
+    from tasks.db import upgrade
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, EvalRun
+    from tasks.settings import load_settings
+    from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate
+    from tasks.steps.engine_check import engine_check
+    from tasks.timeutil import utcnow
+
+    base = tmp_path_factory.mktemp("eagle3-check")
+    # 8 layers: the default auxiliary layers [2, 4, 5] are distinct and ascending, as vLLM takes
+    # them (it captures a sorted set); head size 32 for vLLM's CPU kernels
+    target_dir = save_tiny_target(tiny_llama(vocab=64, hidden=128, heads=4, layers=8, seed=0),
+                                  base / "target")
+    model, tokenizer = load_model(str(target_dir), device="cpu")
+    requests = _greedy_requests(model)
+    # a reduced vocabulary (d2t/t2d in the file): vLLM 0.32 refuses a checkpoint that carries
+    # d2t when the draft vocabulary is the target's whole one ("no parameter named
+    # draft_id_to_target_id")
+    head = Eagle3Head(model, vocab_ids=torch.tensor([t for t in range(64) if t % 9 != 4]))
+    train_head(head, model, requests, requests[:2],
+               TrainConfig(steps=60, batch_size=6, lr=3e-3, warmup_steps=2, eval_every=1000, k_max=3),
+               base / "training", costs=(0.1, [1.1, 1.2, 1.3]), progress=False)
+    head_dir = head.eval().save(base / "head", k=3, verifier=str(target_dir))
+    candidate = f"eagle3:model={head_dir}"
+    drafters = {"eagle": build_drafters([candidate], model, tokenizer, None)}
+    url = f"sqlite:///{base / 'specdec.db'}"
+    upgrade(url)
+    now = utcnow()
+    spec = parse_candidate(candidate)
+    with ensure_ready(url).begin() as connection:
+        connection.execute(EvalRun.__table__.insert().values(
+            run_id="r1", created_at=now, updated_at=now, status="evaluated", target_id=str(target_dir),
+            target_fingerprint="sha256:test", hardware_profile="cpu"))
+        connection.execute(DomainConfig.__table__.insert().values(
+            run_id="r1", domain="eagle", enabled=True, drafter=candidate_label(spec), k=3,
+            status="ok", drafter_spec=spec, mean_accepted_length=1.5, samples=30,
+            reason="planned on", created_at=now))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_HOME", str(base / "home"))
+        result = engine_check("r1", str(target_dir), model, drafters, {"eagle": requests}, db_url=url,
+                              settings=load_settings(engine_check_requests=6, confirm_max_new_tokens=24,
+                                                     engine_check_tolerance=1.0))
+    return {"result": result, "requests": requests, "head_dir": head_dir}
+
+
+def test_vllm_serves_our_eagle3_head_and_its_greedy_counts_equal_the_estimate(eagle3_run):
+    """vLLM loads the checkpoint Eagle3Head.save wrote (method eagle3), drafts with it, and on
+    greedy requests whose output equals the log its accepted drafts and drafted steps equal our
+    estimate's request by request: the same head, read the same way (auxiliary layer i = the
+    input of target layer i, positions from 0, norm_before_residual), drafts the same tokens."""
+    row = eagle3_run["result"]["domains"]["eagle"]
+    assert row["speculative_config"] == {"method": "eagle3", "model": str(eagle3_run["head_dir"]),
+                                         "num_speculative_tokens": 3}
+    assert row["status"] == "ok" and row["passed"] is True, row["reason"]
+    assert row["greedy_checked"] >= 5, row["per_request"]          # vLLM reproduced the logs
+    assert row["greedy_equal"] == row["greedy_checked"], row["per_request"]
+    accepted = sum(r["engine_accepted"] for r in row["per_request"])
+    drafted = 3 * sum(r["engine_steps"] for r in row["per_request"])
+    assert 0 < accepted < drafted, row["per_request"]          # accepted and rejected drafts both
+    assert row["engine_e"] == pytest.approx(row["estimate_e"], rel=1e-9)
+    assert row["engine_rates"] == pytest.approx(row["estimate_rates"])

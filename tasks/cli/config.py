@@ -11,6 +11,7 @@ from specdec_core.models import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
 
 from ..errors import DatabaseNotMigrated, DatabaseUnavailable
 from ..registry.config_schema import config_model_name
+from ..registry.sglang_export import sglang_export
 from ..registry.trtllm_export import trtllm_export
 from ..registry.vllm_export import vllm_export
 from ..serving.environment import SERVED_MARK
@@ -116,8 +117,9 @@ def cmd_export(args) -> int:
     _warn_ungated(_champion_audit(args, shown), err=True)      # stdout stays the JSON
     version = shown["version"]
     config = load_version_config(client(args.tracking_uri), _name(args), version)
-    if args.format == "vllm":
-        print(json.dumps(vllm_export(config, target_path=args.model_dir or _served_dir(config.target.id)),
+    if args.format in ("vllm", "sglang"):
+        export = vllm_export if args.format == "vllm" else sglang_export
+        print(json.dumps(export(config, target_path=args.model_dir or _served_dir(config.target.id)),
                          indent=2))
         return 0
     print(json.dumps(trtllm_export(config) if args.format == "trtllm"
@@ -165,13 +167,15 @@ def register(sub) -> None:
                       help="roll back only if version N is still the champion (default: whatever is)")
     common(back, url=True)
     back.set_defaults(func=cmd_rollback)
-    export = c_sub.add_parser("export", help="a version as JSON, or as vLLM speculative_config per domain")
+    export = c_sub.add_parser("export", help="a version as JSON, or as each serving engine's "
+                                             "speculative settings per domain")
     export.add_argument("which", nargs="?", default="champion")
-    export.add_argument("--format", choices=["json", "vllm", "trtllm"], default="json",
+    export.add_argument("--format", choices=["json", "vllm", "trtllm", "sglang"], default="json",
                         help="json: the config; vllm / trtllm: each engine's speculative_config "
-                             "per domain (K by batch size in the engine's own key)")
+                             "per domain (K by batch size in the engine's own key); sglang: the "
+                             "launch_server flags per domain (one K per server)")
     export.add_argument("--model-dir", default=None,
-                        help="vllm: the target directory `vllm serve` loads (default: the embedded "
+                        help="vllm / sglang: the target directory the server loads (default: the embedded "
                              "default's served copy under $SPECDEC_HOME/models once the engine check "
                              "wrote it, else the target id)")
     common(export, url=True)

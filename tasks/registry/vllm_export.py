@@ -18,9 +18,16 @@ def speculative_config(drafter: DrafterSpec, k: int) -> dict | None:
 
     suffix: vLLM's suffix decoding builds its own tree from the requests it serves, so the export
     carries our tuned parameters, not our index (max_cached_requests is left to vLLM's default).
-    head: vLLM's `eagle` method loads EAGLE checkpoints in their own layout (a fuse layer and
-    decoder layer with the target's LM head, no final norm of their own, full vocabulary); our
-    head adds the target's final norm and may cut the vocabulary, so it has no equivalent."""
+    eagle3: vLLM's `eagle3` method loads the head's checkpoint as it is (the speculators format
+    Eagle3Head.save writes: config.json + model.safetensors); `model` is the checkpoint
+    directory or the registered models:/ URI as given (resolve it to a local directory before
+    vLLM loads it, as the engine check does). vLLM reads the auxiliary layer ids from the
+    checkpoint (id i: the input of target layer i), so they travel with it.
+
+    head (our EAGLE-1/2-style DraftHead): vLLM's `eagle` method loads EAGLE checkpoints in their
+    own layout (a fuse layer and decoder layer with the target's LM head, no final norm of their
+    own, full vocabulary); our head adds the target's final norm and may cut the vocabulary, so
+    it has no equivalent."""
     if drafter.kind == "prompt_lookup":
         if drafter.params.get("occurrence", "earliest") != "earliest":
             return None      # vLLM's ngram copies from the earliest occurrence only
@@ -32,8 +39,9 @@ def speculative_config(drafter: DrafterSpec, k: int) -> dict | None:
                 "suffix_decoding_max_tree_depth": int(drafter.params.get("max_depth", 24)),
                 "suffix_decoding_min_token_prob": float(drafter.params.get("min_token_prob", 0.1)),
                 "suffix_decoding_max_spec_factor": float(drafter.params.get("max_spec_factor", 1.0))}
-    if drafter.kind == "draft_model":
-        return {"method": "draft_model", "model": drafter.model_uri or drafter.params.get("model"),
+    if drafter.kind in ("draft_model", "eagle3"):
+        method = "draft_model" if drafter.kind == "draft_model" else "eagle3"
+        return {"method": method, "model": drafter.model_uri or drafter.params.get("model"),
                 "num_speculative_tokens": k}
     return None
 

@@ -22,6 +22,8 @@ from ..settings import Settings, load_settings
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "scripts" / "vllm_probe.py"
+# the speculators library's reading of an EAGLE-3 checkpoint (what specdec's Eagle3Head is held to)
+EAGLE3_LOGITS = Path(__file__).resolve().parent / "scripts" / "eagle3_logits.py"
 MAKE_ONE = ("make one with `make serving-env` (vLLM's CPU build in .venv-serving), or set "
             "SPECDEC_SERVING_PYTHON to the python of an environment that has vLLM")
 
@@ -47,11 +49,12 @@ def available(settings: Settings | None = None) -> bool:
 
 
 def probe(command: str, request: dict, settings: Settings | None = None,
-          timeout_s: float = 600.0) -> dict:
-    """Run one vllm_probe.py command in the serving environment; its JSON answer."""
+          timeout_s: float = 600.0, script: Path = PROBE) -> dict:
+    """Run one command of a serving-environment script (default vllm_probe.py) in the serving
+    environment; its JSON answer."""
     python = serving_python(settings)
     try:
-        done = subprocess.run([str(python), str(PROBE), command], input=json.dumps(request),
+        done = subprocess.run([str(python), str(script), command], input=json.dumps(request),
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-2000:]

@@ -94,7 +94,20 @@ def _item(request, index: int) -> dict:
             "top_k": int(sampling.top_k), "top_p": float(sampling.top_p), "seed": index}
 
 
-EXACT_METHODS = ("ngram", "draft_model")   # vLLM proposes what our drafter proposes, token for token
+# vLLM proposes what our drafter proposes, token for token (eagle3: the same checkpoint, read
+# the same way -- tests/test_vllm_serving.py holds our reading to speculators' and to vLLM's)
+EXACT_METHODS = ("ngram", "draft_model", "eagle3")
+
+
+def local_spec(spec: dict | None, tracking_uri: str | None = None) -> dict | None:
+    """The config as the probe's engine loads it: a drafter checkpoint given as a registered
+    models:/ URI (draft_model, eagle3) downloaded first -- vLLM reads local directories and
+    Hugging Face ids, not MLflow URIs. The export (and the engine check's rows) keep the URI."""
+    if spec is None or not str(spec.get("model") or "").startswith("models:/"):
+        return spec
+    from .draft_training import resolve_model_uri   # imported here: MLflow, for URIs only
+
+    return dict(spec, model=resolve_model_uri(spec["model"], tracking_uri))
 
 
 def engine_walk(prompt_ids, output, drafted: list[int], accepted: list[int], drafter,
@@ -293,9 +306,15 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         log_name = "plain" if spec is None else "spec-" + "+".join(domains)[:100]
         record = {"engine": name, "domains": domains, "speculative_config": spec,
                   "log": str(directory / f"{log_name}.log"), "start_s": None, "status": "ok"}
-        answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
-                        {"model": str(model_dir), "speculative_config": spec, "requests": items,
-                         "history": history, "dtype": _dtype(target_model), "max_num_seqs": 1})
+        try:
+            served = local_spec(spec)
+        except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
+            answer = {"failed": ("unresolved", f"the drafter's checkpoint {spec['model']} could not "
+                                               f"be fetched for the engine: {type(exc).__name__}: {exc}")}
+        else:
+            answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
+                            {"model": str(model_dir), "speculative_config": served, "requests": items,
+                             "history": history, "dtype": _dtype(target_model), "max_num_seqs": 1})
         record["seconds"] = round(time.perf_counter() - began, 1)
         record["start_s"] = answer.get("start_s")
         record["starts"] = answer.get("starts")
