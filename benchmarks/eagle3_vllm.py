@@ -1,0 +1,106 @@
+"""An EAGLE-3 head for the embedded default, served by vLLM: its accepted lengths against our
+estimate on the same held-out requests, and vLLM's tokens/s with the head against plain.
+
+    python benchmarks/eagle3_vllm.py HEAD_DIR [--domains json,code] [--requests 12] [--k 3]
+                                     [--out benchmarks/results/eagle3_vllm.md]
+
+HEAD_DIR: a checkpoint in the speculators format (benchmarks/eagle3_train.py --save writes one).
+The requests are the held-out rows of eagle3_train.py's split (never trained on). It runs the
+product's engine check (tasks.steps.engine_check) on a run whose domains are set on with the head
+at K, so the figures are the ones the pipeline gates on: vLLM's own per-request counts, E = 1 +
+accepted / drafting steps on both sides, greedy requests compared request by request, and the
+tokens/s of one engine with the head and one without, requests one at a time, on this CPU. Needs
+the serving environment (`make serving-env`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from eagle3_train import shipped_requests  # noqa: E402
+from specdec_core import load_model  # noqa: E402
+from specdec_core.validation import fingerprint_id, target_fingerprint  # noqa: E402
+from tasks.db import upgrade  # noqa: E402
+from tasks.db.engine import ensure_ready  # noqa: E402
+from tasks.db.models import DomainConfig, EvalRun  # noqa: E402
+from tasks.settings import load_settings  # noqa: E402
+from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate  # noqa: E402
+from tasks.steps.draft_training import in_heldout  # noqa: E402
+from tasks.steps.engine_check import engine_check  # noqa: E402
+from tasks.timeutil import utcnow  # noqa: E402
+
+TARGET = "smollm2-135m-instruct"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("head_dir")
+    parser.add_argument("--domains", default="json,code")
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    domains = args.domains.split(",")
+    model, tokenizer = load_model(TARGET, device="cpu")
+    heldout = [r for r in shipped_requests()
+               if in_heldout("eagle3-bench", r.request_id, 0.2) and r.domain in domains]
+    by_domain = {d: [r for r in heldout if r.domain == d] for d in domains}
+    candidate = f"eagle3:model={Path(args.head_dir).resolve()}"
+    spec = parse_candidate(candidate)
+    drafters = {d: build_drafters([candidate], model, tokenizer, None) for d in domains}
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{Path(tmp) / 'specdec.db'}"
+        upgrade(url)
+        now = utcnow()
+        with ensure_ready(url).begin() as connection:
+            connection.execute(EvalRun.__table__.insert().values(
+                run_id="eagle3-vllm", created_at=now, updated_at=now, status="evaluated",
+                target_id=TARGET, target_fingerprint=fingerprint_id(target_fingerprint(model)),
+                hardware_profile="cpu"))
+            for domain in domains:
+                connection.execute(DomainConfig.__table__.insert().values(
+                    run_id="eagle3-vllm", domain=domain, enabled=True, drafter=candidate_label(spec),
+                    k=args.k, status="ok", drafter_spec=spec, mean_accepted_length=1.0,
+                    samples=len(by_domain[domain]), reason="set on for this benchmark", created_at=now))
+        result = engine_check("eagle3-vllm", TARGET, model, drafters, by_domain, db_url=url,
+                              settings=load_settings(engine_check_requests=args.requests,
+                                                     confirm_max_new_tokens=args.max_new_tokens,
+                                                     engine_check_tolerance=1.0))
+    if result.get("skipped"):
+        sys.exit(result["skipped"])
+    lines = [f"# EAGLE-3 head on vLLM's CPU build: {TARGET}, K = {args.k}", "",
+             f"`python benchmarks/eagle3_vllm.py {args.head_dir} --domains {args.domains} "
+             f"--requests {args.requests} --k {args.k}`", "",
+             "| domain | requests | greedy equal / checked | E vLLM | E estimate (95% CI) | vLLM / estimate | "
+             "per-position vLLM | per-position estimate | plain tok/s | head tok/s | head / plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for domain, row in result["domains"].items():
+        ci = (row.get("estimate_e_lo"), row.get("estimate_e_hi"))
+        ratio = (row["engine_e"] / row["estimate_e"]) if row.get("engine_e") and row.get("estimate_e") else None
+        plain, spec_tps = row.get("plain_tokens_per_s"), row.get("spec_tokens_per_s")
+        lines.append(
+            f"| {domain} | {len(row.get('per_request') or [])} | {row.get('greedy_equal')} / "
+            f"{row.get('greedy_checked')} | {row.get('engine_e') or 0:.3f} | {row.get('estimate_e') or 0:.3f} "
+            f"({(ci[0] or 0):.3f}-{(ci[1] or 0):.3f}) | {ratio or 0:.3f} | "
+            + ", ".join(f"{x:.2f}" for x in row.get("engine_rates") or []) + " | "
+            + ", ".join(f"{x:.2f}" for x in row.get("estimate_rates") or [])
+            + f" | {plain or 0:.1f} | {spec_tps or 0:.1f} | "
+            + (f"{spec_tps / plain:.2f}" if plain and spec_tps else "-") + " |")
+        if row.get("status") != "ok":
+            lines.append(f"|  | status {row.get('status')}: {row.get('reason')} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
