@@ -18,7 +18,6 @@ Commands:
 
 from __future__ import annotations
 
-import json
 import sys
 
 
@@ -76,20 +75,7 @@ def logits(request: dict) -> dict:
 COMMANDS = {"versions": versions, "logits": logits}
 
 
-def main() -> int:
-    if len(sys.argv) != 2 or sys.argv[1] not in COMMANDS:
-        print(f"usage: eagle3_logits.py {{{'|'.join(COMMANDS)}}} < request.json", file=sys.stderr)
-        return 2
-    request = json.load(sys.stdin)
-    stdout = sys.stdout
-    sys.stdout = sys.stderr          # libraries print: only the answer goes to stdout
-    try:
-        answer = COMMANDS[sys.argv[1]](request)
-    finally:
-        sys.stdout = stdout
-    print(json.dumps(answer))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from json_command import run   # the sibling file: a script's directory is on sys.path
+
+    sys.exit(run("eagle3_logits.py", COMMANDS))

@@ -24,7 +24,6 @@ Commands:
 
 from __future__ import annotations
 
-import json
 import sys
 
 
@@ -143,20 +142,7 @@ def replay(request: dict) -> dict:
 COMMANDS = {"versions": versions, "check-configs": check_configs, "ngram": ngram, "replay": replay}
 
 
-def main() -> int:
-    if len(sys.argv) != 2 or sys.argv[1] not in COMMANDS:
-        print(f"usage: vllm_probe.py {{{'|'.join(COMMANDS)}}} < request.json", file=sys.stderr)
-        return 2
-    request = json.load(sys.stdin)
-    stdout = sys.stdout
-    sys.stdout = sys.stderr          # vLLM prints: only the answer goes to stdout
-    try:
-        answer = COMMANDS[sys.argv[1]](request)
-    finally:
-        sys.stdout = stdout
-    print(json.dumps(answer))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from json_command import run   # the sibling file: a script's directory is on sys.path
+
+    sys.exit(run("vllm_probe.py", COMMANDS))
