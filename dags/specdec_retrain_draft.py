@@ -6,9 +6,11 @@ threshold (asset `specdec://alerts/low-acceptance`):
 
 1. **train**: stored requests answered by this target (same fingerprint) in the window, split
    train / held-out by request id (recorded: evaluations never score a draft's training rows);
-   a small draft initialised from the target is trained (KL from the target's top-k, or
-   cross-entropy on the logged tokens), and the checkpoint with the best *held-out predicted
-   speedup* is kept. Runs in the `specdec_timing` pool (it would distort timing work). A retried
+   a draft is trained -- Param `kind`: a small draft initialised from the target (KL from the
+   target's top-k, or cross-entropy on the logged tokens), a draft head, or an EAGLE-3 head
+   (vocabulary: the training responses' most frequent tokens; training-time test over `unroll`
+   steps, default 3; saved in the speculators format vLLM serves) -- and the checkpoint with the
+   best *held-out predicted speedup* is kept. Runs in the `specdec_timing` pool (it would distort timing work). A retried
    task resumes from its last checkpoint.
    The kept checkpoint is uploaded to the training's MLflow run from the training worker (queue
    `gpu_queue` of the settings, default `gpu`).
@@ -52,14 +54,24 @@ PARAMS = {
     "window_days": Param(28, type="number", minimum=1, maximum=365, title="Time window (days)"),
     "max_requests": Param(2000, type="integer", minimum=10, maximum=10_000_000,
                           title="Most requests used"),
-    "kind": Param("draft_model", type="string", enum=["draft_model", "head"], title="Draft kind",
+    "kind": Param("draft_model", type="string", enum=["draft_model", "head", "eagle3"],
+                  title="Draft kind",
                   description="draft_model: a small LM of the target's first layers; head: a draft "
-                              "head on the target's hidden states (EAGLE-style)"),
+                              "head on the target's hidden states (EAGLE-style); eagle3: an EAGLE-3 "
+                              "head on three target layers, saved in the speculators format vLLM "
+                              "serves"),
     "vocab_size": Param(None, type=["null", "integer"], minimum=64, title="Head vocabulary",
                         description="head: the N most frequent tokens of the training traffic; "
-                                    "empty: the target's full vocabulary"),
-    "unroll": Param(1, type="integer", minimum=1, maximum=8, title="Head chain steps trained",
-                    description="head: draft steps trained on the head's own features"),
+                                    "eagle3: of the training responses; empty: the target's full "
+                                    "vocabulary"),
+    "unroll": Param(None, type=["null", "integer"], minimum=1, maximum=8,
+                    title="Head chain steps trained (training-time test)",
+                    description="head, eagle3: draft steps trained on the head's own features; "
+                                "empty: 1 for head, 3 for eagle3"),
+    "layer_ids": Param(None, type=["null", "array"], items={"type": "integer", "minimum": 0},
+                       title="EAGLE-3 target layers",
+                       description="eagle3: the target layers whose inputs it reads; empty: "
+                                   "vLLM's default (the inputs of layers 2, N/2 and N-3)"),
     "num_layers": Param(2, type="integer", minimum=1, maximum=32, title="Draft layers"),
     "steps": Param(300, type="integer", minimum=1, maximum=1_000_000, title="Training steps"),
     "batch_size": Param(8, type="integer", minimum=1, maximum=1024, title="Batch size"),
@@ -97,7 +109,8 @@ def specdec_retrain_draft():
                 window_days=p["window_days"],
                 num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
                 max_requests=p["max_requests"], config=config, register=False, progress=False,
-                kind=p["kind"], vocab_size=p["vocab_size"], unroll=p["unroll"])
+                kind=p["kind"], vocab_size=p["vocab_size"], unroll=p["unroll"],
+                layer_ids=p["layer_ids"] or None)
             trained["tracking_run_id"] = log_draft(trained["train_id"], p["target"], trained["fingerprint"],
                                                    trained["best_dir"], trained["result"],
                                                    db_url=connection_database_url())

@@ -59,6 +59,9 @@ def test_dagbag_imports_without_errors(dagbag):
     assert [a.uri for a in retrain.timetable.asset_condition.objects] == ["specdec://alerts/low-acceptance"]
     assert [o.uri for o in retrain.get_task("register").outlets] == ["specdec://drafts/new"]
     assert retrain.get_task("train").pool == "specdec_timing"
+    # the kinds it trains, and the EAGLE-3 head's options (empty: the kind's defaults)
+    assert retrain.params.get_param("kind").schema["enum"] == ["draft_model", "head", "eagle3"]
+    assert retrain.params["unroll"] is None and retrain.params["layer_ids"] is None
 
 
 def test_dag_files_only_wire_tasks_functions():

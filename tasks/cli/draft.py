@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from rich.markup import escape
 from rich.table import Table
 
@@ -25,6 +27,16 @@ def heldout_table(best: dict, title: str) -> Table:
     return table
 
 
+def _layer_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated layer ids, e.g. 2,16,29")
+    return ids
+
+
 def cmd_train(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core.train import TrainConfig
@@ -42,7 +54,8 @@ def cmd_train(args) -> int:
         num_layers=args.layers, hidden_size=args.hidden, max_requests=args.max_requests,
         heldout_fraction=args.heldout_fraction, max_eval_requests=args.max_eval_requests,
         config=config, device=args.device, register=not args.no_register, kind=args.kind,
-        vocab_size=args.vocab_size, unroll=args.unroll, split_from=args.split_from)
+        vocab_size=args.vocab_size, unroll=args.unroll, split_from=args.split_from,
+        layer_ids=args.layer_ids)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})
         return 0
@@ -63,11 +76,13 @@ def cmd_list(args) -> int:
     name = draft_model_name(args.model)
     versions = client(args.tracking_uri).search_model_versions(f"name='{name}'")
     table = Table(title=f"{name}: registered drafts", title_justify="left")
-    for column in ("version", "aliases", "train id", "domains", "window", "held-out speedup", "fingerprint"):
+    for column in ("version", "kind", "aliases", "train id", "domains", "window", "held-out speedup",
+                   "fingerprint"):
         table.add_column(column)
     for v in sorted(versions, key=lambda v: int(v.version)):
         tags = v.tags or {}
-        table.add_row(str(v.version), ",".join(v.aliases or []), escape(tags.get("train_id", "")),
+        table.add_row(str(v.version), tags.get("kind", "draft_model"), ",".join(v.aliases or []),
+                      escape(tags.get("train_id", "")),
                       tags.get("domains", ""), tags.get("window", ""),
                       tags.get("heldout_predicted_speedup", ""), tags.get("target_fingerprint", ""))
     console.print(table)
@@ -110,15 +125,20 @@ def register(sub) -> None:
                        help="share of requests held out (by request id): never trained on")
     train.add_argument("--max-eval-requests", type=int, default=60,
                        help="held-out requests scored at each evaluation during training")
-    train.add_argument("--kind", choices=("draft_model", "head"), default="draft_model",
+    train.add_argument("--kind", choices=("draft_model", "head", "eagle3"), default="draft_model",
                        help="draft_model: a small LM (--layers, --hidden); head: a draft head on the "
-                            "target's hidden states (--vocab-size)")
+                            "target's hidden states (--vocab-size); eagle3: an EAGLE-3 head in the "
+                            "speculators format vLLM serves (--vocab-size, --unroll, --layer-ids)")
     train.add_argument("--vocab-size", type=int, default=None,
-                       help="head: score only the N most frequent tokens of the training traffic "
-                            "(default: the target's full vocabulary)")
-    train.add_argument("--unroll", type=int, default=1,
-                       help="head: draft steps trained as a chain on the head's own features "
-                            "(1: teacher-forced only; each step more costs one more pass)")
+                       help="head: score only the N most frequent tokens of the training traffic; "
+                            "eagle3: of the training responses (default: the target's full vocabulary)")
+    train.add_argument("--unroll", type=int, default=None,
+                       help="head, eagle3: draft steps trained as a chain on the head's own features "
+                            "(training-time test; 1: teacher-forced only; each step more costs one "
+                            "more pass). Default: 1 for head, 3 for eagle3")
+    train.add_argument("--layer-ids", type=_layer_ids, default=None, metavar="I,J,K",
+                       help="eagle3: the target layers whose inputs it reads (default: vLLM's, the "
+                            "inputs of layers 2, N/2 and N-3)")
     train.add_argument("--split-from", default=None, metavar="TRAIN_ID",
                        help="use this training id's train / held-out split (compare drafts on the "
                             "same held-out rows)")

@@ -4,10 +4,13 @@
   or pooled; split train / held-out by a hash of (training id, request id). The split is recorded
   in draft_training_requests, and an evaluation never scores the training rows of a draft it
   evaluates (tasks.steps.pipeline excludes them).
-- Kinds: `draft_model` (a small causal LM, specdec_core.train.train_draft) or `head` (a draft head
+- Kinds: `draft_model` (a small causal LM, specdec_core.train.train_draft), `head` (a draft head
   on the target's hidden states, optionally with a vocabulary cut to the training traffic's most
-  frequent tokens: specdec_core.head, train.train_head). Both share the data, split, optimiser
-  loop, checkpoints and registration below; a version's tag `kind` says which it is.
+  frequent tokens: specdec_core.head, train.train_head) or `eagle3` (an EAGLE-3 head on three of
+  the target's layers, specdec_core.eagle3, trained by train_head with training-time test; its
+  vocabulary is the training responses' most frequent tokens; saved in the speculators format
+  that vLLM and SGLang load, with the planned K and the target as verifier). All share the data,
+  split, optimiser loop, checkpoints and registration below; a version's tag `kind` says which.
 - Training: specdec_core.train (checkpoints under $SPECDEC_HOME/drafts/<train id>/: re-running
   the same training id resumes); the best checkpoint by held-out predicted speedup is kept.
 - Registration: an MLflow run in experiment `specdec/<target-slug>` (tag specdec.draft_train_id)
@@ -51,6 +54,10 @@ log = logging.getLogger(__name__)
 
 CANDIDATE_ALIAS = "candidate"
 TRAIN_TAG = "specdec.draft_train_id"
+
+
+KINDS = ("draft_model", "head", "eagle3")
+DEFAULT_UNROLL = {"head": 1, "eagle3": 3}     # draft steps trained as a chain (training-time test)
 
 
 class DraftTrainingError(SpecdecTaskError, ValueError):
@@ -154,23 +161,39 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              config=None, device: str | None = None, model=None, tokenizer=None,
                              register: bool = True, progress: bool = True,
                              kind: str = "draft_model", vocab_size: int | None = None,
-                             unroll: int = 1, split_from: str | None = None) -> dict:
+                             unroll: int | None = None, split_from: str | None = None,
+                             layer_ids: list[int] | None = None) -> dict:
     """Build the data, train (resuming a previous attempt of the same id), register. Output:
     {"train_id", "train_requests", "heldout_requests", "best", "model_uri", "version"}.
     max_eval_requests: held-out requests scored at each evaluation during training, taken round
     robin over domains (the whole held-out split stays out of training either way).
-    kind: "draft_model" (num_layers, hidden_size) or "head" (vocab_size: the reduced head's size,
+    kind: "draft_model" (num_layers, hidden_size), "head" (vocab_size: the reduced head's size,
     None for the target's full head; unroll: draft steps trained as a chain on the head's own
-    features). split_from: another training id whose train / held-out split to use (drafts compared
-    on the same held-out rows); default: this one's."""
-    if kind not in ("draft_model", "head"):
-        raise DraftTrainingError(f"draft kind {kind!r}: train a draft_model or a head")
+    features, default 1) or "eagle3" (vocab_size: the N most frequent tokens of the training
+    responses, None for the full vocabulary; unroll: the training-time test's steps, default 3;
+    layer_ids: the target layers it reads, default vLLM's). split_from: another training id whose
+    train / held-out split to use (drafts compared on the same held-out rows); default: this one's."""
+    if kind not in KINDS:
+        raise DraftTrainingError(f"draft kind {kind!r}: train one of {list(KINDS)}")
+    if kind == "draft_model" and (layer_ids is not None or vocab_size is not None):
+        raise DraftTrainingError("vocab_size and layer_ids are for heads (kind head or eagle3), "
+                                 "not for kind draft_model")
+    if layer_ids is not None and kind != "eagle3":
+        raise DraftTrainingError(f"layer_ids {list(layer_ids)} are for kind eagle3, not {kind}")
+    unroll = DEFAULT_UNROLL.get(kind, 1) if unroll is None else int(unroll)
+    if unroll < 1:
+        raise DraftTrainingError(f"unroll {unroll}: train at least one draft step (>= 1)")
     db_url = resolve_database_url(db_url)
     if model is None:
         from specdec_core import load_model
 
         model, tokenizer = load_model(target, device=device)
     fingerprint = fingerprint_id(target_fingerprint(model))
+    if kind == "eagle3" and layer_ids is None:     # recorded as used, not as "default"
+        from specdec_core.eagle3 import default_layer_ids
+        from specdec_core.tap import decoder_layers
+
+        layer_ids = default_layer_ids(len(decoder_layers(model)))
     requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, domains, window_days,
                                                max_requests)
     split_key = split_from or train_id
@@ -186,8 +209,13 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
               "train": config.__dict__ if hasattr(config, "__dict__") else dict(config)}
     params.update({"num_layers": num_layers, "hidden_size": hidden_size} if kind == "draft_model"
                   else {"vocab_size": vocab_size, "unroll": unroll})
+    if kind == "eagle3":
+        params.update(layer_ids=None if layer_ids is None else [int(i) for i in layer_ids],
+                      vocab_from="responses")
+    vocabulary = "full vocabulary" if vocab_size is None else f"{vocab_size} tokens"
     base = (f"{target} (first {num_layers} layers)" if kind == "draft_model" else
-            f"{target} (draft head, {'full vocabulary' if vocab_size is None else f'{vocab_size} tokens'})")
+            f"{target} (draft head, {vocabulary})" if kind == "head" else
+            f"{target} (EAGLE-3 head, {vocabulary})")
     _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
                                "domains": sorted({r.domain for r in requests}), "window_start": start,
                                "window_end": end, "train_requests": len(train),
@@ -204,6 +232,18 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
         head = DraftHead(model, vocab_ids=ids)
         result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress,
                             unroll=unroll)
+    elif kind == "eagle3":
+        head = eagle3_head(model, train, vocab_size, layer_ids)
+        result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress,
+                            unroll=unroll)
+        if result.best_dir is not None:
+            # the kept checkpoint, rewritten with what serving reads: the planned K (k_max where
+            # nothing paid) and the target as the verifier, plus its lineage
+            best = type(head).load(result.best_dir, model)
+            best.save(result.best_dir, k=result.best["k"] or config.k_max, verifier=target,
+                      meta={"train_id": train_id, "target_fingerprint": fingerprint,
+                            "best_step": result.best_step, "unroll": unroll,
+                            "vocab_from": "responses", "train_requests": len(train)})
     else:
         draft = init_draft_from_target(model, num_layers=num_layers, hidden_size=hidden_size)
         result = train_draft(draft, model, train, evaluation_rows, config, directory, progress=progress)
@@ -219,6 +259,27 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
         out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], db_url,
                                   tracking_uri))
     return out
+
+
+def eagle3_head(model, train: list, vocab_size: int | None, layer_ids: list[int] | None = None):
+    """An untrained EAGLE-3 head for `model` whose draft vocabulary is the `vocab_size` most
+    frequent tokens of the training rows' responses (all of the target's ids when None)."""
+    import torch
+
+    from specdec_core.drafters import output_size
+    from specdec_core.eagle3 import Eagle3Head
+    from specdec_core.train import head_vocabulary
+
+    full = output_size(model)
+    if vocab_size is not None and vocab_size < 1:
+        raise DraftTrainingError(f"vocab_size {vocab_size}: give at least 1 token (or none: the "
+                                 "full vocabulary)")
+    ids = (torch.arange(full) if vocab_size is None
+           else head_vocabulary(train, vocab_size, full, responses_only=True))
+    try:
+        return Eagle3Head(model, vocab_ids=ids, layer_ids=layer_ids)
+    except ValueError as exc:          # layer ids outside the target
+        raise DraftTrainingError(f"eagle3: {exc}") from exc
 
 
 def register_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
@@ -294,8 +355,13 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
             "window": f"{lineage['window_start']}..{lineage['window_end']}",
             "heldout_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
             "heldout_k": str(result["best"]["k"])}
-    if kind == "head":
+    if kind in ("head", "eagle3"):
         tags["vocab_size"] = str((record["params"] or {}).get("vocab_size") or "full")
+        tags["unroll"] = str((record["params"] or {}).get("unroll") or 1)
+    if kind == "eagle3":
+        layer_ids = (record["params"] or {}).get("layer_ids")
+        tags["layer_ids"] = ",".join(map(str, layer_ids or []))
+        tags["format"] = "speculators"
     description = ("Draft trained on logged traffic. Held-out (offline estimate, requests never trained "
                    "on):\n\n| domain | E[tokens/round] | K | predicted speedup |\n|---|---|---|---|\n"
                    + "\n".join(f"| {d} | {s['expected_tokens_per_round']:.3f} | {s['k']} | "
