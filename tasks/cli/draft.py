@@ -1,5 +1,6 @@
-"""`specdec draft train|list|index build`: drafts trained on the traffic they serve
-(tasks.steps.draft_training) and suffix indexes over it (tasks.steps.suffix_index)."""
+"""`specdec draft train|generate|list|index build`: drafts trained on the traffic they serve
+(tasks.steps.draft_training), more training data answered by the target itself
+(tasks.steps.traffic_generate) and suffix indexes over the traffic (tasks.steps.suffix_index)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def cmd_train(args) -> int:
         heldout_fraction=args.heldout_fraction, max_eval_requests=args.max_eval_requests,
         config=config, device=args.device, register=not args.no_register, kind=args.kind,
         vocab_size=args.vocab_size, unroll=args.unroll, split_from=args.split_from,
-        layer_ids=args.layer_ids)
+        layer_ids=args.layer_ids, include_generated=args.include_generated)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})
         return 0
@@ -65,6 +66,32 @@ def cmd_train(args) -> int:
                                       f"{result['heldout_requests']} held-out requests)"))
     console.print(f"held-out KL {best['heldout_kl']:.4f}; checkpoint {escape(result['best_dir'])}; "
                   + (f"registered {result['model_uri']} (alias candidate)" if result["model_uri"] else "not registered"))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.evaluate import default_run_id
+    from ..steps.traffic_generate import generate_traffic
+
+    run_id = args.id or "generate__" + default_run_id().split("__")[1].replace(":", "-")
+    result = generate_traffic(run_id, [d.strip() for d in args.domain.split(",") if d.strip()],
+                              args.count, target=args.model, db_url=args.url, window_days=args.days,
+                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                              device=args.device)
+    if args.json:
+        print_json(result)
+        return 0
+    table = Table(title=f"generated traffic {escape(run_id)} (re-run this id to resume)",
+                  title_justify="left")
+    for column in ("domain", "logged prompts", "planned", "already there", "generated now", "rows"):
+        table.add_column(column, justify="left" if column == "domain" else "right")
+    for domain, counts in result["domains"].items():
+        table.add_row(escape(domain), *(str(counts[key]) for key in
+                                        ("available", "planned", "before", "generated", "rows")))
+    console.print(table)
+    console.print("train on them with `specdec draft train --include-generated`; they are never "
+                  "sampled, indexed or reported as production traffic")
     return 0
 
 
@@ -151,11 +178,33 @@ def register(sub) -> None:
     train.add_argument("--k-max", type=int, default=8)
     train.add_argument("--teacher-topk", type=int, default=0,
                        help="KL from the target's top-k (0: cross-entropy on the logged tokens)")
+    train.add_argument("--include-generated", action="store_true",
+                       help="also train on the rows the target generated (`specdec draft generate`; "
+                            "training split only)")
     train.add_argument("--no-register", action="store_true")
     tracking_uri_arg(train)
     train.add_argument("--json", action="store_true")
     url_arg(train)
     train.set_defaults(func=cmd_train)
+    generate = d_sub.add_parser("generate", help="more training data: the target answers logged "
+                                                 "prompts under their logged sampling params")
+    generate.add_argument("--domain", required=True, help="a domain, or several comma-separated")
+    generate.add_argument("--count", type=int, required=True,
+                          help="rows to generate per domain (one per logged prompt)")
+    generate.add_argument("--id", default=None,
+                          help="generation run id (re-running it resumes and skips what it "
+                               "generated); default: a timestamp")
+    generate.add_argument("--model", default=DEFAULT_MODEL, help="target (its fingerprint selects prompts)")
+    generate.add_argument("--device", default=None)
+    generate.add_argument("--days", type=float, default=None,
+                          help="prompts of this window ending at the newest request (default: all)")
+    generate.add_argument("--batch-size", type=int, default=8)
+    generate.add_argument("--max-new-tokens", type=int, default=256,
+                          help="at most this many tokens a response (else the row's max_tokens, "
+                               "or its logged response's length)")
+    generate.add_argument("--json", action="store_true")
+    url_arg(generate)
+    generate.set_defaults(func=cmd_generate)
     listing = d_sub.add_parser("list", help="registered drafts of a target")
     listing.add_argument("--model", default=DEFAULT_MODEL)
     tracking_uri_arg(listing)

@@ -40,7 +40,7 @@ from specdec_core.train import TrainConfig, init_draft_from_target, train_draft,
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
+from ..db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest, production_traffic
 from ..errors import RegistryError, SampleError, SpecdecTaskError
 from ..masking import mask_text
 from ..registry.config_schema import target_slug
@@ -73,28 +73,41 @@ def in_heldout(train_id: str, request_id: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
 
 
-def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
-                      window_days: float | None = None, max_requests: int | None = None):
-    """(requests [LoggedRequest], (window start, end)) of this target's stored traffic."""
+def _stored_requests(db_url: str, fingerprint: str, tokenizer, domains, start, generated: bool):
+    """[(LoggedRequest, the logged request it was generated from or None)] of this target's
+    stored rows since `start`: production traffic, or (generated) the rows the target generated
+    (tasks.steps.traffic_generate)."""
     engine = ensure_ready(db_url)
+    kept = TrafficRequest.generated_by.is_not(None) if generated else production_traffic()
+    query = (select(TrafficRequest).where(kept & (TrafficRequest.requested_at >= start)
+                                          & (TrafficRequest.target_fingerprint == fingerprint))
+             .order_by(TrafficRequest.id))
+    if domains:
+        query = query.where(TrafficRequest.domain.in_(list(domains)))
     with engine.connect() as connection:
-        newest = connection.execute(select(func.max(TrafficRequest.requested_at))).scalar()
-        if newest is None:
-            raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)")
-        start = newest - timedelta(days=window_days) if window_days else datetime(1970, 1, 1)
-        query = (select(TrafficRequest).where((TrafficRequest.requested_at >= start)
-                                              & (TrafficRequest.target_fingerprint == fingerprint))
-                 .order_by(TrafficRequest.id))
-        if domains:
-            query = query.where(TrafficRequest.domain.in_(list(domains)))
         rows = connection.execute(query).all()
     requests = []
     for row in rows:
         prompt, response = request_token_ids(row, tokenizer)
         if len(response) >= 2:
-            requests.append(LoggedRequest(row.id, prompt, response, SamplingParams(
+            requests.append((LoggedRequest(row.id, prompt, response, SamplingParams(
                 temperature=row.temperature, top_k=row.top_k or 0,
-                top_p=row.top_p if row.top_p is not None else 1.0), row.domain))
+                top_p=row.top_p if row.top_p is not None else 1.0), row.domain), row.generated_from))
+    return requests
+
+
+def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
+                      window_days: float | None = None, max_requests: int | None = None):
+    """(requests [LoggedRequest], (window start, end)) of this target's stored production traffic
+    (rows the target generated are never among them: generated_requests)."""
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        newest = connection.execute(select(func.max(TrafficRequest.requested_at))
+                                    .where(production_traffic())).scalar()
+    if newest is None:
+        raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)")
+    start = newest - timedelta(days=window_days) if window_days else datetime(1970, 1, 1)
+    requests = [r for r, _ in _stored_requests(db_url, fingerprint, tokenizer, domains, start, False)]
     if max_requests:
         requests = requests[:max_requests]
     if len(requests) < 10:
@@ -103,6 +116,14 @@ def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=Non
             f"{' in ' + str(list(domains)) if domains else ''}: a draft needs at least 10; import more "
             "traffic or widen the window")
     return requests, (start, newest)
+
+
+def generated_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
+                       start=None) -> list[tuple[LoggedRequest, str]]:
+    """[(request, the logged request it was generated from)] of the rows this target generated
+    for training (tasks.steps.traffic_generate) since `start`."""
+    return _stored_requests(db_url, fingerprint, tokenizer, domains, start or datetime(1970, 1, 1),
+                            True)
 
 
 def _round_robin(requests: list, limit: int | None) -> list:
@@ -162,7 +183,8 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              register: bool = True, progress: bool = True,
                              kind: str = "draft_model", vocab_size: int | None = None,
                              unroll: int | None = None, split_from: str | None = None,
-                             layer_ids: list[int] | None = None) -> dict:
+                             layer_ids: list[int] | None = None,
+                             include_generated: bool = False) -> dict:
     """Build the data, train (resuming a previous attempt of the same id), register. Output:
     {"train_id", "train_requests", "heldout_requests", "best", "model_uri", "version"}.
     max_eval_requests: held-out requests scored at each evaluation during training, taken round
@@ -172,7 +194,10 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
     features, default 1) or "eagle3" (vocab_size: the N most frequent tokens of the training
     responses, None for the full vocabulary; unroll: the training-time test's steps, default 3;
     layer_ids: the target layers it reads, default vLLM's). split_from: another training id whose
-    train / held-out split to use (drafts compared on the same held-out rows); default: this one's."""
+    train / held-out split to use (drafts compared on the same held-out rows); default: this one's.
+    include_generated: also train on the rows the target generated for these domains and window
+    (`specdec draft generate`); they join the training split only, and a row generated from a
+    held-out request is left out (it would show the draft a held-out prompt)."""
     if kind not in KINDS:
         raise DraftTrainingError(f"draft kind {kind!r}: train one of {list(KINDS)}")
     if kind == "draft_model" and (layer_ids is not None or vocab_size is not None):
@@ -201,12 +226,23 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              else "train") for r in requests}
     train = [r for r in requests if splits[r.request_id] == "train"]
     heldout = [r for r in requests if splits[r.request_id] == "heldout"]
+    generated, generated_dropped = [], 0
+    if include_generated:
+        for request, source in generated_requests(db_url, fingerprint, tokenizer, domains, start):
+            if in_heldout(split_key, source, heldout_fraction):
+                generated_dropped += 1
+            else:
+                generated.append(request)
+                splits[request.request_id] = "train"
+        train += generated
     if not heldout or not train:
         raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / {len(heldout)} "
                                  f"held-out: change heldout_fraction ({heldout_fraction}) or add traffic")
     config = config or TrainConfig()
     params = {"kind": kind, "heldout_fraction": heldout_fraction, "split_from": split_key,
-              "train": config.__dict__ if hasattr(config, "__dict__") else dict(config)}
+              "train": config.__dict__ if hasattr(config, "__dict__") else dict(config),
+              "include_generated": bool(include_generated), "generated_requests": len(generated),
+              "generated_left_out": generated_dropped}
     params.update({"num_layers": num_layers, "hidden_size": hidden_size} if kind == "draft_model"
                   else {"vocab_size": vocab_size, "unroll": unroll})
     if kind == "eagle3":
@@ -253,6 +289,7 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
     out = {"train_id": train_id, "train_requests": len(train), "heldout_requests": len(heldout),
            "best": result.best, "steps": result.step, "best_dir": str(best_dir),
            "model_uri": None, "version": None, "fingerprint": fingerprint, "kind": kind,
+           "generated_requests": len(generated),
            "result": json.loads(json.dumps(result.to_dict(), default=float))}
     _record(db_url, train_id, {"heldout": out["result"]["best"]})
     if register:
@@ -354,7 +391,11 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
     tags = {"train_id": train_id, "kind": kind, "target_fingerprint": fingerprint, "domains": lineage["domains"],
             "window": f"{lineage['window_start']}..{lineage['window_end']}",
             "heldout_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
-            "heldout_k": str(result["best"]["k"])}
+            "heldout_k": str(result["best"]["k"]),
+            # the data rows: logged requests trained on (generated ones among them) and held out
+            "train_requests": str(record["train_requests"]),
+            "heldout_requests": str(record["heldout_requests"]),
+            "generated_requests": str((record["params"] or {}).get("generated_requests", 0))}
     if kind in ("head", "eagle3"):
         tags["vocab_size"] = str((record["params"] or {}).get("vocab_size") or "full")
         tags["unroll"] = str((record["params"] or {}).get("unroll") or 1)
@@ -436,7 +477,8 @@ def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
 
 
 def trained_request_ids(db_url: str, model_uris: list[str]) -> set[str]:
-    """Request ids the drafts behind these model URIs were trained on."""
+    """Request ids the drafts behind these model URIs were trained on, and the logged requests
+    whose prompts the generated rows among them answered (the draft has seen those prompts)."""
     if not model_uris:
         return set()
     engine = ensure_ready(db_url)
@@ -445,5 +487,10 @@ def trained_request_ids(db_url: str, model_uris: list[str]) -> set[str]:
             DraftModelRecord.model_uri.in_(model_uris))).scalars().all()
         if not names:
             return set()
-        return set(connection.execute(select(DraftTrainingRequest.request_id).where(
-            DraftTrainingRequest.draft_name.in_(names) & (DraftTrainingRequest.split == "train"))).scalars())
+        trained = DraftTrainingRequest.draft_name.in_(names) & (DraftTrainingRequest.split == "train")
+        ids = set(connection.execute(select(DraftTrainingRequest.request_id).where(trained)).scalars())
+        ids |= set(connection.execute(
+            select(TrafficRequest.generated_from)
+            .join(DraftTrainingRequest, DraftTrainingRequest.request_id == TrafficRequest.id)
+            .where(trained & TrafficRequest.generated_from.is_not(None))).scalars())
+        return ids
