@@ -297,6 +297,8 @@ def test_eagle3_wrong_kind_or_another_target_is_a_clear_error_naming_the_input(t
         train_draft_from_traffic("x", kind="eagle", model=target)
     with pytest.raises(DraftTrainingError, match=r"layer_ids \[1, 2\] are for kind eagle3, not head"):
         train_draft_from_traffic("x", kind="head", layer_ids=[1, 2], model=target)
+    with pytest.raises(DraftTrainingError, match=r"layer_ids \[1, 9\]: each must be in 0..4 .* target tiny"):
+        train_draft_from_traffic("x", target="tiny", kind="eagle3", layer_ids=[1, 9], model=target)
     checkpoint = Eagle3Head(target, vocab_ids=torch.arange(10, 40)).save(tmp_path / "e3", k=2)
     # an EAGLE-3 checkpoint offered as a head (or a draft model): the message names it and the fix
     for kind in ("head", "draft_model"):

@@ -200,9 +200,6 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
     held-out request is left out (it would show the draft a held-out prompt)."""
     if kind not in KINDS:
         raise DraftTrainingError(f"draft kind {kind!r}: train one of {list(KINDS)}")
-    if kind == "draft_model" and (layer_ids is not None or vocab_size is not None):
-        raise DraftTrainingError("vocab_size and layer_ids are for heads (kind head or eagle3), "
-                                 "not for kind draft_model")
     if layer_ids is not None and kind != "eagle3":
         raise DraftTrainingError(f"layer_ids {list(layer_ids)} are for kind eagle3, not {kind}")
     unroll = DEFAULT_UNROLL.get(kind, 1) if unroll is None else int(unroll)
@@ -214,11 +211,17 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
 
         model, tokenizer = load_model(target, device=device)
     fingerprint = fingerprint_id(target_fingerprint(model))
-    if kind == "eagle3" and layer_ids is None:     # recorded as used, not as "default"
+    if kind == "eagle3":
         from specdec_core.eagle3 import default_layer_ids
         from specdec_core.tap import decoder_layers
 
-        layer_ids = default_layer_ids(len(decoder_layers(model)))
+        depth = len(decoder_layers(model))
+        if layer_ids is None:                      # recorded as used, not as "default"
+            layer_ids = default_layer_ids(depth)
+        if not layer_ids or any(not 0 <= int(i) <= depth for i in layer_ids):
+            raise DraftTrainingError(f"layer_ids {list(layer_ids)}: each must be in 0..{depth} "
+                                     f"(id i: the input of layer i; {depth}: the last layer's "
+                                     f"output) for target {target}")
     requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, domains, window_days,
                                                max_requests)
     split_key = split_from or train_id
