@@ -253,7 +253,7 @@ def test_eagle3_is_trained_from_the_cli_registered_and_served_as_a_candidate(tin
     tags = client().get_model_version(name, version).tags
     assert {k: tags[k] for k in ("kind", "vocab_size", "unroll", "layer_ids", "format", "train_id",
                                  "target_fingerprint")} == {
-        "kind": "eagle3", "vocab_size": "24", "unroll": "3", "layer_ids": "2,2,1",
+        "kind": "eagle3", "vocab_size": "24", "unroll": "3", "layer_ids": "1,2",
         "format": "speculators", "train_id": "eagle3-1",
         "target_fingerprint": out["fingerprint"]}
     # the registered artifact: the speculators files, with the planned K and the target as verifier
@@ -266,7 +266,7 @@ def test_eagle3_is_trained_from_the_cli_registered_and_served_as_a_candidate(tin
     assert config["specdec"]["train_id"] == "eagle3-1" and config["draft_vocab_size"] == 24
     assert config["specdec"]["target_fingerprint"] == out["fingerprint"]
     head = Eagle3Head.load(directory, model)
-    assert head.layer_ids == [2, 2, 1] and head.vocab_size == 24
+    assert head.layer_ids == [1, 2] and head.vocab_size == 24       # vLLM's default, 4 layers
     # its vocabulary: the 24 most frequent tokens of the training rows' responses, prompts aside
     engine = create_engine(db_url)
     with engine.connect() as connection:
@@ -297,8 +297,10 @@ def test_eagle3_wrong_kind_or_another_target_is_a_clear_error_naming_the_input(t
         train_draft_from_traffic("x", kind="eagle", model=target)
     with pytest.raises(DraftTrainingError, match=r"layer_ids \[1, 2\] are for kind eagle3, not head"):
         train_draft_from_traffic("x", kind="head", layer_ids=[1, 2], model=target)
-    with pytest.raises(DraftTrainingError, match=r"layer_ids \[1, 9\]: each must be in 0..4 .* target tiny"):
-        train_draft_from_traffic("x", target="tiny", kind="eagle3", layer_ids=[1, 9], model=target)
+    for wrong in ([1, 9], [2, 1]):
+        with pytest.raises(DraftTrainingError, match=rf"layer_ids \[{wrong[0]}, {wrong[1]}\]: "
+                                                     r"distinct, ascending, each in 0..4 .* target tiny"):
+            train_draft_from_traffic("x", target="tiny", kind="eagle3", layer_ids=wrong, model=target)
     checkpoint = Eagle3Head(target, vocab_ids=torch.arange(10, 40)).save(tmp_path / "e3", k=2)
     # an EAGLE-3 checkpoint offered as a head (or a draft model): the message names it and the fix
     for kind in ("head", "draft_model"):
@@ -312,3 +314,17 @@ def test_eagle3_wrong_kind_or_another_target_is_a_clear_error_naming_the_input(t
     message = str(caught.value)
     assert f"candidate eagle3(model={checkpoint})" in message
     assert str(checkpoint / "model.safetensors") in message and "train a head for this target" in message
+
+
+def test_eagle3_without_vocab_size_drafts_over_the_full_vocabulary(tmp_path):
+    from safetensors.torch import load_file
+
+    from specdec_core.eagle3 import Eagle3Head
+    from tasks.steps.draft_training import eagle3_head
+
+    target = tiny_llama(seed=0)
+    head = eagle3_head(target, [], None, [1, 3])
+    assert head.vocab_size == VOCAB and head.layer_ids == [1, 3]
+    saved = head.save(tmp_path / "full", k=2, verifier="tiny")
+    assert "d2t" not in load_file(str(saved / "model.safetensors"))     # as vLLM wants it
+    assert Eagle3Head.load(saved, target).vocab_size == VOCAB

@@ -218,8 +218,10 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
         depth = len(decoder_layers(model))
         if layer_ids is None:                      # recorded as used, not as "default"
             layer_ids = default_layer_ids(depth)
-        if not layer_ids or any(not 0 <= int(i) <= depth for i in layer_ids):
-            raise DraftTrainingError(f"layer_ids {list(layer_ids)}: each must be in 0..{depth} "
+        layer_ids = [int(i) for i in layer_ids]
+        if (not layer_ids or any(not 0 <= i <= depth for i in layer_ids)
+                or layer_ids != sorted(set(layer_ids))):
+            raise DraftTrainingError(f"layer_ids {layer_ids}: distinct, ascending, each in 0..{depth} "
                                      f"(id i: the input of layer i; {depth}: the last layer's "
                                      f"output) for target {target}")
     requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, domains, window_days,
@@ -249,8 +251,7 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
     params.update({"num_layers": num_layers, "hidden_size": hidden_size} if kind == "draft_model"
                   else {"vocab_size": vocab_size, "unroll": unroll})
     if kind == "eagle3":
-        params.update(layer_ids=None if layer_ids is None else [int(i) for i in layer_ids],
-                      vocab_from="responses")
+        params.update(layer_ids=layer_ids, vocab_from="responses")
     vocabulary = "full vocabulary" if vocab_size is None else f"{vocab_size} tokens"
     base = (f"{target} (first {num_layers} layers)" if kind == "draft_model" else
             f"{target} (draft head, {vocabulary})" if kind == "head" else
