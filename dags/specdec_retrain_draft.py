@@ -4,12 +4,22 @@
 Weekly, and whenever `specdec_evaluate` reports domains whose acceptance fell below its alert
 threshold (asset `specdec://alerts/low-acceptance`):
 
+0. **generate** (Param `generate_count` > 0; queue `gpu_queue`, the timing pool): more training
+   data from the target itself -- for up to that many logged prompts per domain it answers again
+   under each row's logged sampling parameters, stored as traffic rows marked as generated (never
+   sampled, indexed or reported as production traffic). A retried task resumes: the run id names
+   the generation, and the prompts it already answered are skipped
+   (`tasks.steps.traffic_generate`).
 1. **train**: stored requests answered by this target (same fingerprint) in the window, split
    train / held-out by request id (recorded: evaluations never score a draft's training rows);
-   a small draft initialised from the target is trained (KL from the target's top-k, or
-   cross-entropy on the logged tokens), and the checkpoint with the best *held-out predicted
-   speedup* is kept. Runs in the `specdec_timing` pool (it would distort timing work). A retried
-   task resumes from its last checkpoint.
+   a draft is trained -- Param `kind`: a small draft initialised from the target (KL from the
+   target's top-k, or cross-entropy on the logged tokens), a draft head, or an EAGLE-3 head
+   (vocabulary: the training responses' most frequent tokens; training-time test over `unroll`
+   steps, default 3; saved in the speculators format vLLM serves) -- and the checkpoint with the
+   best *held-out predicted speedup* is kept. Generated rows join the training split when Param
+   `include_generated` is on (empty: when this run generates some), none from a held-out prompt.
+   Runs in the `specdec_timing` pool (it would distort timing work). A retried task resumes from
+   its last checkpoint.
    The kept checkpoint is uploaded to the training's MLflow run from the training worker (queue
    `gpu_queue` of the settings, default `gpu`).
 2. **register** (queue `cpu_queue`, default `default`): the uploaded draft goes to the MLflow registry as a version of `specdec-draft-<target>`
@@ -21,7 +31,7 @@ threshold (asset `specdec://alerts/low-acceptance`):
    with its lineage (window, requests, tokens, fingerprint); evaluations can use one as the
    candidate `suffix:index=models:/...`.
 
-Every step is a function of `tasks.steps.draft_training`; this file only wires them (the glue shared by
+Every step is a function of `tasks.steps` (draft_training, traffic_generate, suffix_index); this file only wires them (the glue shared by
 the DAGs is `tasks.orchestration.airflow_glue`: a database or tracking-server outage is retried, bad input fails
 the task at once).
 """
@@ -52,14 +62,24 @@ PARAMS = {
     "window_days": Param(28, type="number", minimum=1, maximum=365, title="Time window (days)"),
     "max_requests": Param(2000, type="integer", minimum=10, maximum=10_000_000,
                           title="Most requests used"),
-    "kind": Param("draft_model", type="string", enum=["draft_model", "head"], title="Draft kind",
+    "kind": Param("draft_model", type="string", enum=["draft_model", "head", "eagle3"],
+                  title="Draft kind",
                   description="draft_model: a small LM of the target's first layers; head: a draft "
-                              "head on the target's hidden states (EAGLE-style)"),
+                              "head on the target's hidden states (EAGLE-style); eagle3: an EAGLE-3 "
+                              "head on three target layers, saved in the speculators format vLLM "
+                              "serves"),
     "vocab_size": Param(None, type=["null", "integer"], minimum=64, title="Head vocabulary",
                         description="head: the N most frequent tokens of the training traffic; "
-                                    "empty: the target's full vocabulary"),
-    "unroll": Param(1, type="integer", minimum=1, maximum=8, title="Head chain steps trained",
-                    description="head: draft steps trained on the head's own features"),
+                                    "eagle3: of the training responses; empty: the target's full "
+                                    "vocabulary"),
+    "unroll": Param(None, type=["null", "integer"], minimum=1, maximum=8,
+                    title="Head chain steps trained (training-time test)",
+                    description="head, eagle3: draft steps trained on the head's own features; "
+                                "empty: 1 for head, 3 for eagle3"),
+    "layer_ids": Param(None, type=["null", "array"], items={"type": "integer", "minimum": 0},
+                       title="EAGLE-3 target layers",
+                       description="eagle3: the target layers whose inputs it reads; empty: "
+                                   "vLLM's default (the inputs of layers 2, N/2 and N-3)"),
     "num_layers": Param(2, type="integer", minimum=1, maximum=32, title="Draft layers"),
     "steps": Param(300, type="integer", minimum=1, maximum=1_000_000, title="Training steps"),
     "batch_size": Param(8, type="integer", minimum=1, maximum=1024, title="Batch size"),
@@ -69,6 +89,15 @@ PARAMS = {
                           description="0: cross-entropy on the logged tokens; k > 0: KL from the "
                                       "target's top-k probabilities (one extra target pass)"),
     "heldout_fraction": Param(0.2, type="number", minimum=0.01, maximum=0.9, title="Held-out share"),
+    "generate_count": Param(0, type="integer", minimum=0, maximum=1_000_000,
+                            title="Rows generated per domain",
+                            description="before training, the target answers this many logged "
+                                        "prompts per domain again (their logged sampling params); "
+                                        "0: none"),
+    "include_generated": Param(None, type=["null", "boolean"], title="Train on generated rows",
+                               description="train on the rows the target generated too (this "
+                                           "run's and earlier ones); empty: when this run "
+                                           "generates some"),
 }
 
 
@@ -79,6 +108,22 @@ PARAMS = {
      default_args={"owner": "specdec", "queue": CPU_QUEUE, "retries": 2, "retry_delay": timedelta(minutes=1),
                    "retry_exponential_backoff": True})
 def specdec_retrain_draft():
+    @task(pool=TIMING_POOL, queue=GPU_QUEUE)
+    def generate() -> dict:
+        """Generated training rows (Param generate_count per domain; nothing when 0)."""
+        from tasks.steps.draft_training import train_id_of_run
+        from tasks.steps.traffic_generate import generate_traffic
+
+        context = get_current_context()
+        p = context["params"]
+        if not p["generate_count"]:
+            return {"generated": 0, "domains": {}}
+        with task_errors():
+            return generate_traffic(train_id_of_run(context["run_id"]), p["domains"] or None,
+                                    p["generate_count"], target=p["target"],
+                                    db_url=connection_database_url(),
+                                    window_days=p["window_days"], progress=False)
+
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
     def train() -> dict:
         """Train, then upload the kept checkpoint to MLflow from this worker: the registration
@@ -97,7 +142,10 @@ def specdec_retrain_draft():
                 window_days=p["window_days"],
                 num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
                 max_requests=p["max_requests"], config=config, register=False, progress=False,
-                kind=p["kind"], vocab_size=p["vocab_size"], unroll=p["unroll"])
+                kind=p["kind"], vocab_size=p["vocab_size"], unroll=p["unroll"],
+                layer_ids=p["layer_ids"] or None,
+                include_generated=(p["include_generated"] if p["include_generated"] is not None
+                                   else p["generate_count"] > 0))
             trained["tracking_run_id"] = log_draft(trained["train_id"], p["target"], trained["fingerprint"],
                                                    trained["best_dir"], trained["result"],
                                                    db_url=connection_database_url())
@@ -124,7 +172,9 @@ def specdec_retrain_draft():
             return refresh_indexes(p["target"], p["domains"] or None, db_url=connection_database_url(),
                                    window_days=p["window_days"])
 
-    register(train())
+    trained = train()
+    generate() >> trained
+    register(trained)
     refresh_suffix_indexes()
 
 

@@ -400,11 +400,14 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
 
 # ---------------------------------------------------------------------------------------------
 # draft heads (head.py): trained on cached target passes, with the same loop
-def head_vocabulary(requests: list[LoggedRequest], size: int, full_vocab: int) -> torch.Tensor:
-    """The `size` most frequent token ids of the requests (prompts and responses), ascending."""
+def head_vocabulary(requests: list[LoggedRequest], size: int, full_vocab: int,
+                    responses_only: bool = False) -> torch.Tensor:
+    """The `size` most frequent token ids of the requests (prompts and responses; with
+    responses_only, of the responses alone: what a draft proposes), ascending."""
     counts = torch.zeros(full_vocab, dtype=torch.long)
     for request in requests:
-        ids = torch.tensor(list(request.prompt_ids) + list(request.response_ids), dtype=torch.long)
+        ids = torch.tensor((([] if responses_only else list(request.prompt_ids))
+                            + list(request.response_ids)), dtype=torch.long)
         counts += torch.bincount(ids, minlength=full_vocab)[:full_vocab]
     size = min(size, full_vocab)
     return counts.topk(size).indices.sort().values

@@ -1,6 +1,8 @@
 -- Question: which speculative decoding setting is live (the champion) for each domain of each target?
 -- Reads: promotions (the latest champion promotion or rollback per target names the live run),
 --   domain_configs (that run's per-domain settings), traffic_requests (domains seen in traffic).
+-- Production traffic only: rows the target generated for draft training (generated_by set)
+--   are left out.
 -- enabled and forced are 1 / 0.
 -- A domain that has traffic but no row in the champion's config runs without speculation
 --   (the config's default is enabled = false); it is listed with status 'no config'.
@@ -23,6 +25,7 @@ live AS (
 seen AS (
     SELECT DISTINCT t.model AS target_id, t.domain
     FROM traffic_requests t
+    WHERE t.generated_by IS NULL
 )
 SELECT target_id, domain, enabled, drafter, k, max_batch_size, predicted_speedup,
        measured_speedup, samples, status, run_id, config_version, promoted_at, promoted_by, forced

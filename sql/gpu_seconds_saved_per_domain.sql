@@ -2,6 +2,8 @@
 -- Reads: traffic_requests (response tokens per target and domain; characters / 4 when a row has no
 --   token ids), promotions + domain_configs (the champion's setting), live_measurements (plain
 --   decode tokens per second for that run, domain, drafter and K).
+-- Production traffic only: rows the target generated for draft training (generated_by set)
+--   are left out.
 -- Estimate: plain_decode_s = response tokens / plain tokens per second;
 --   gpu_s_saved = plain_decode_s * (1 - 1 / speedup), speedup = measured, else predicted.
 --   0 when the domain's speculation is off; NULL when no config or no measured rate exists.
@@ -29,6 +31,7 @@ traffic AS (
     SELECT t.model AS target_id, t.domain, COUNT(*) AS requests,
            SUM(COALESCE(t.response_tokens, t.response_chars / 4)) AS response_tokens
     FROM traffic_requests t
+    WHERE t.generated_by IS NULL
     GROUP BY t.model, t.domain
 )
 SELECT tr.target_id, tr.domain, tr.requests, tr.response_tokens,

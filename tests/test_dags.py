@@ -59,6 +59,9 @@ def test_dagbag_imports_without_errors(dagbag):
     assert [a.uri for a in retrain.timetable.asset_condition.objects] == ["specdec://alerts/low-acceptance"]
     assert [o.uri for o in retrain.get_task("register").outlets] == ["specdec://drafts/new"]
     assert retrain.get_task("train").pool == "specdec_timing"
+    # the kinds it trains, and the EAGLE-3 head's options (empty: the kind's defaults)
+    assert retrain.params.get_param("kind").schema["enum"] == ["draft_model", "head", "eagle3"]
+    assert retrain.params["unroll"] is None and retrain.params["layer_ids"] is None
 
 
 def test_dag_files_only_wire_tasks_functions():
@@ -192,6 +195,32 @@ def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(da
             AcceptanceEstimate.run_id == evaluation.run_id)).scalars())
     engine.dispose()
     assert drafters == {"prompt_lookup", f"draft_model(model={uri})"}
+
+
+@pytest.mark.integration
+def test_retrain_dag_generates_rows_and_trains_an_eagle3_head_on_them(dagbag, tiny_env):
+    from sqlalchemy import select
+
+    from tasks.db.models import TrafficRequest
+    from tasks.registry.tracking import client
+    from tasks.steps.draft_training import draft_model_name, train_id_of_run
+
+    retrain = dagbag.get_dag("specdec_retrain_draft")
+    run = retrain.test(run_conf={"target": tiny_env["target"], "kind": "eagle3", "vocab_size": 64,
+                                 "layer_ids": [1, 2, 3], "generate_count": 3, "steps": 4,
+                                 "eval_every": 2, "batch_size": 4, "lr": 0.003})
+    states = {ti.task_id: ti.state for ti in run.get_task_instances()}
+    assert run.state == "success", states
+    engine = create_engine(tiny_env["db_url"])
+    with engine.connect() as connection:
+        generated = connection.execute(select(TrafficRequest.domain, TrafficRequest.generated_by)
+                                       .where(TrafficRequest.generated_by.is_not(None))).all()
+    engine.dispose()
+    assert sorted(d for d, _ in generated) == ["code"] * 3 + ["json"] * 3 + ["qa"] * 3
+    assert {g for _, g in generated} == {train_id_of_run(run.run_id)}
+    version = client().get_model_version_by_alias(draft_model_name(tiny_env["target"]), "candidate")
+    assert (version.tags["kind"], version.tags["layer_ids"], version.tags["unroll"]) == ("eagle3", "1,2,3", "3")
+    assert 0 < int(version.tags["generated_requests"]) <= 9       # those of training prompts
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ training rows)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from sqlalchemy import create_engine, select
@@ -210,3 +212,119 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
     assert per_drafter == {"prompt_lookup": result["heldout_requests"],
                            head_label: result["heldout_requests"]}
     assert head_label in costed                       # its step is profiled like every drafter's
+
+
+# ------------------------------------------------------------------------------------------------
+# EAGLE-3 heads: trained on the domain's traffic like a head, saved in the speculators format
+def test_head_vocabulary_from_responses_only_ignores_prompt_tokens():
+    from specdec_core.train import head_vocabulary
+
+    greedy = SamplingParams()
+    # prompts full of 50..59, responses of 3..9 (3 most often): a draft proposes response tokens
+    requests = [LoggedRequest(f"r{i}", [50 + i % 10] * 20, [3, 3, 3, 4 + i % 6], greedy, "qa")
+                for i in range(30)]
+    both = head_vocabulary(requests, 4, VOCAB)
+    responses = head_vocabulary(requests, 4, VOCAB, responses_only=True)
+    assert set(both.tolist()) <= set(range(50, 60)) | {3}       # prompts dominate the counts
+    assert responses[0] == 3 and set(responses.tolist()) <= set(range(3, 10))
+    assert responses.tolist() == sorted(responses.tolist())
+
+
+def test_eagle3_is_trained_from_the_cli_registered_and_served_as_a_candidate(tiny_store, capsys):
+    import json
+
+    from specdec_core.eagle3 import Eagle3Head, is_eagle3_dir
+    from specdec_core.train import head_vocabulary
+    from tasks.cli.app import main
+    from tasks.db.models import DraftTrainingRequest, TrafficRequest
+    from tasks.registry.tracking import client
+    from tasks.steps.candidates import build_drafters
+    from tasks.steps.draft_training import draft_candidates, resolve_model_uri
+    from tasks.steps.offline_estimate import request_token_ids
+
+    target, model, db_url = tiny_store["target"], tiny_store["model"], tiny_store["db_url"]
+    rc = main(["draft", "train", "--id", "eagle3-1", "--model", target, "--kind", "eagle3",
+               "--vocab-size", "24", "--steps", "6", "--eval-every", "3", "--batch-size", "4",
+               "--k-max", "2", "--lr", "3e-3", "--url", db_url, "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kind"] == "eagle3" and out["steps"] == 6 and out["model_uri"].endswith("/1")
+    name, version = out["model_uri"].split("/")[1:]
+    tags = client().get_model_version(name, version).tags
+    assert {k: tags[k] for k in ("kind", "vocab_size", "unroll", "layer_ids", "format", "train_id",
+                                 "target_fingerprint")} == {
+        "kind": "eagle3", "vocab_size": "24", "unroll": "3", "layer_ids": "1,2",
+        "format": "speculators", "train_id": "eagle3-1",
+        "target_fingerprint": out["fingerprint"]}
+    # the registered artifact: the speculators files, with the planned K and the target as verifier
+    directory = resolve_model_uri(out["model_uri"])
+    assert is_eagle3_dir(directory)
+    config = json.loads((Path(directory) / "config.json").read_text())
+    proposal = config["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == (out["best"]["k"] or 2)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == target
+    assert config["specdec"]["train_id"] == "eagle3-1" and config["draft_vocab_size"] == 24
+    assert config["specdec"]["target_fingerprint"] == out["fingerprint"]
+    head = Eagle3Head.load(directory, model)
+    assert head.layer_ids == [1, 2] and head.vocab_size == 24       # vLLM's default, 4 layers
+    # its vocabulary: the 24 most frequent tokens of the training rows' responses, prompts aside
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        trained = set(connection.execute(select(DraftTrainingRequest.request_id).where(
+            (DraftTrainingRequest.draft_name == "eagle3-1")
+            & (DraftTrainingRequest.split == "train"))).scalars())
+        rows = connection.execute(select(TrafficRequest).where(TrafficRequest.id.in_(trained))).all()
+    engine.dispose()
+    greedy = SamplingParams()
+    train = [LoggedRequest(r.id, *request_token_ids(r, None), greedy, r.domain) for r in rows]
+    assert head.vocab_ids.tolist() == head_vocabulary(train, 24, VOCAB, responses_only=True).tolist()
+    assert head.vocab_ids.tolist() != head_vocabulary(train, 24, VOCAB).tolist()
+    # offered to the next evaluation of this target as an eagle3 candidate, built as one
+    assert {"kind": "eagle3", "params": {"model": out["model_uri"]}} in draft_candidates(
+        target, out["fingerprint"])
+    built = build_drafters([f"eagle3:model={out['model_uri']}"], model, tiny_store["tokenizer"])
+    (_, drafter), = built.values()
+    assert drafter.head.kind == "eagle3" and drafter.head.vocab_size == 24
+
+
+def test_eagle3_wrong_kind_or_another_target_is_a_clear_error_naming_the_input(tmp_path):
+    from specdec_core.eagle3 import Eagle3Head
+    from tasks.steps.candidates import CandidateError, build_drafters
+    from tasks.steps.draft_training import DraftTrainingError, train_draft_from_traffic
+
+    target = tiny_llama(seed=0)
+    with pytest.raises(DraftTrainingError, match=r"draft kind 'eagle'.*'eagle3'"):
+        train_draft_from_traffic("x", kind="eagle", model=target)
+    with pytest.raises(DraftTrainingError, match=r"layer_ids \[1, 2\] are for kind eagle3, not head"):
+        train_draft_from_traffic("x", kind="head", layer_ids=[1, 2], model=target)
+    for wrong in ([1, 9], [2, 1]):
+        with pytest.raises(DraftTrainingError, match=rf"layer_ids \[{wrong[0]}, {wrong[1]}\]: "
+                                                     r"distinct, ascending, each in 0..4 .* target tiny"):
+            train_draft_from_traffic("x", target="tiny", kind="eagle3", layer_ids=wrong, model=target)
+    checkpoint = Eagle3Head(target, vocab_ids=torch.arange(10, 40)).save(tmp_path / "e3", k=2)
+    # an EAGLE-3 checkpoint offered as a head (or a draft model): the message names it and the fix
+    for kind in ("head", "draft_model"):
+        with pytest.raises(CandidateError, match=rf"{tmp_path / 'e3'} holds a eagle3 checkpoint, "
+                                                 rf"not a {kind} one: use eagle3:model="):
+            build_drafters([f"{kind}:model={checkpoint}"], target)
+    # a head trained for another target (another width): the candidate and the file are named
+    other = tiny_llama(hidden=32, heads=2, seed=3)
+    with pytest.raises(CandidateError) as caught:
+        build_drafters([f"eagle3:model={checkpoint}"], other)
+    message = str(caught.value)
+    assert f"candidate eagle3(model={checkpoint})" in message
+    assert str(checkpoint / "model.safetensors") in message and "train a head for this target" in message
+
+
+def test_eagle3_without_vocab_size_drafts_over_the_full_vocabulary(tmp_path):
+    from safetensors.torch import load_file
+
+    from specdec_core.eagle3 import Eagle3Head
+    from tasks.steps.draft_training import eagle3_head
+
+    target = tiny_llama(seed=0)
+    head = eagle3_head(target, [], None, [1, 3])
+    assert head.vocab_size == VOCAB and head.layer_ids == [1, 3]
+    saved = head.save(tmp_path / "full", k=2, verifier="tiny")
+    assert "d2t" not in load_file(str(saved / "model.safetensors"))     # as vLLM wants it
+    assert Eagle3Head.load(saved, target).vocab_size == VOCAB

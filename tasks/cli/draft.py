@@ -1,7 +1,10 @@
-"""`specdec draft train|list|index build`: drafts trained on the traffic they serve
-(tasks.steps.draft_training) and suffix indexes over it (tasks.steps.suffix_index)."""
+"""`specdec draft train|generate|list|index build`: drafts trained on the traffic they serve
+(tasks.steps.draft_training), more training data answered by the target itself
+(tasks.steps.traffic_generate) and suffix indexes over the traffic (tasks.steps.suffix_index)."""
 
 from __future__ import annotations
+
+import argparse
 
 from rich.markup import escape
 from rich.table import Table
@@ -25,6 +28,16 @@ def heldout_table(best: dict, title: str) -> Table:
     return table
 
 
+def _layer_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated layer ids, e.g. 2,16,29")
+    return ids
+
+
 def cmd_train(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from specdec_core.train import TrainConfig
@@ -42,7 +55,8 @@ def cmd_train(args) -> int:
         num_layers=args.layers, hidden_size=args.hidden, max_requests=args.max_requests,
         heldout_fraction=args.heldout_fraction, max_eval_requests=args.max_eval_requests,
         config=config, device=args.device, register=not args.no_register, kind=args.kind,
-        vocab_size=args.vocab_size, unroll=args.unroll, split_from=args.split_from)
+        vocab_size=args.vocab_size, unroll=args.unroll, split_from=args.split_from,
+        layer_ids=args.layer_ids, include_generated=args.include_generated)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})
         return 0
@@ -55,6 +69,32 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..steps.evaluate import default_run_id
+    from ..steps.traffic_generate import generate_traffic
+
+    run_id = args.id or "generate__" + default_run_id().split("__")[1].replace(":", "-")
+    result = generate_traffic(run_id, [d.strip() for d in args.domain.split(",") if d.strip()],
+                              args.count, target=args.model, db_url=args.url, window_days=args.days,
+                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                              device=args.device)
+    if args.json:
+        print_json(result)
+        return 0
+    table = Table(title=f"generated traffic {escape(run_id)} (re-run this id to resume)",
+                  title_justify="left")
+    for column in ("domain", "logged prompts", "planned", "already there", "generated now", "rows"):
+        table.add_column(column, justify="left" if column == "domain" else "right")
+    for domain, counts in result["domains"].items():
+        table.add_row(escape(domain), *(str(counts[key]) for key in
+                                        ("available", "planned", "before", "generated", "rows")))
+    console.print(table)
+    console.print("train on them with `specdec draft train --include-generated`; they are never "
+                  "sampled, indexed or reported as production traffic")
+    return 0
+
+
 def cmd_list(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..registry.tracking import client
@@ -63,11 +103,13 @@ def cmd_list(args) -> int:
     name = draft_model_name(args.model)
     versions = client(args.tracking_uri).search_model_versions(f"name='{name}'")
     table = Table(title=f"{name}: registered drafts", title_justify="left")
-    for column in ("version", "aliases", "train id", "domains", "window", "held-out speedup", "fingerprint"):
+    for column in ("version", "kind", "aliases", "train id", "domains", "window", "held-out speedup",
+                   "fingerprint"):
         table.add_column(column)
     for v in sorted(versions, key=lambda v: int(v.version)):
         tags = v.tags or {}
-        table.add_row(str(v.version), ",".join(v.aliases or []), escape(tags.get("train_id", "")),
+        table.add_row(str(v.version), tags.get("kind", "draft_model"), ",".join(v.aliases or []),
+                      escape(tags.get("train_id", "")),
                       tags.get("domains", ""), tags.get("window", ""),
                       tags.get("heldout_predicted_speedup", ""), tags.get("target_fingerprint", ""))
     console.print(table)
@@ -110,15 +152,20 @@ def register(sub) -> None:
                        help="share of requests held out (by request id): never trained on")
     train.add_argument("--max-eval-requests", type=int, default=60,
                        help="held-out requests scored at each evaluation during training")
-    train.add_argument("--kind", choices=("draft_model", "head"), default="draft_model",
+    train.add_argument("--kind", choices=("draft_model", "head", "eagle3"), default="draft_model",
                        help="draft_model: a small LM (--layers, --hidden); head: a draft head on the "
-                            "target's hidden states (--vocab-size)")
+                            "target's hidden states (--vocab-size); eagle3: an EAGLE-3 head in the "
+                            "speculators format vLLM serves (--vocab-size, --unroll, --layer-ids)")
     train.add_argument("--vocab-size", type=int, default=None,
-                       help="head: score only the N most frequent tokens of the training traffic "
-                            "(default: the target's full vocabulary)")
-    train.add_argument("--unroll", type=int, default=1,
-                       help="head: draft steps trained as a chain on the head's own features "
-                            "(1: teacher-forced only; each step more costs one more pass)")
+                       help="head: score only the N most frequent tokens of the training traffic; "
+                            "eagle3: of the training responses (default: the target's full vocabulary)")
+    train.add_argument("--unroll", type=int, default=None,
+                       help="head, eagle3: draft steps trained as a chain on the head's own features "
+                            "(training-time test; 1: teacher-forced only; each step more costs one "
+                            "more pass). Default: 1 for head, 3 for eagle3")
+    train.add_argument("--layer-ids", type=_layer_ids, default=None, metavar="I,J,K",
+                       help="eagle3: the target layers whose inputs it reads (default: vLLM's, the "
+                            "inputs of layers 2, N/2 and N-3)")
     train.add_argument("--split-from", default=None, metavar="TRAIN_ID",
                        help="use this training id's train / held-out split (compare drafts on the "
                             "same held-out rows)")
@@ -131,11 +178,33 @@ def register(sub) -> None:
     train.add_argument("--k-max", type=int, default=8)
     train.add_argument("--teacher-topk", type=int, default=0,
                        help="KL from the target's top-k (0: cross-entropy on the logged tokens)")
+    train.add_argument("--include-generated", action="store_true",
+                       help="also train on the rows the target generated (`specdec draft generate`; "
+                            "training split only)")
     train.add_argument("--no-register", action="store_true")
     tracking_uri_arg(train)
     train.add_argument("--json", action="store_true")
     url_arg(train)
     train.set_defaults(func=cmd_train)
+    generate = d_sub.add_parser("generate", help="more training data: the target answers logged "
+                                                 "prompts under their logged sampling params")
+    generate.add_argument("--domain", required=True, help="a domain, or several comma-separated")
+    generate.add_argument("--count", type=int, required=True,
+                          help="rows to generate per domain (one per logged prompt)")
+    generate.add_argument("--id", default=None,
+                          help="generation run id (re-running it resumes and skips what it "
+                               "generated); default: a timestamp")
+    generate.add_argument("--model", default=DEFAULT_MODEL, help="target (its fingerprint selects prompts)")
+    generate.add_argument("--device", default=None)
+    generate.add_argument("--days", type=float, default=None,
+                          help="prompts of this window ending at the newest request (default: all)")
+    generate.add_argument("--batch-size", type=int, default=8)
+    generate.add_argument("--max-new-tokens", type=int, default=256,
+                          help="at most this many tokens a response (else the row's max_tokens, "
+                               "or its logged response's length)")
+    generate.add_argument("--json", action="store_true")
+    url_arg(generate)
+    generate.set_defaults(func=cmd_generate)
     listing = d_sub.add_parser("list", help="registered drafts of a target")
     listing.add_argument("--model", default=DEFAULT_MODEL)
     tracking_uri_arg(listing)

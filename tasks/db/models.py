@@ -60,8 +60,19 @@ class TrafficRequest(Base):
     source_file: Mapped[str] = mapped_column(String(500))
     source_line: Mapped[int] = mapped_column(Integer)
     imported_at: Mapped[datetime] = mapped_column(DateTime)
+    # 0009: a row the target generated for draft training (tasks.steps.traffic_generate): the
+    # generation run, and the logged request whose prompt and sampling params it answered. NULL on
+    # production traffic; generated rows are never sampled, indexed or reported as traffic.
+    generated_by: Mapped[str | None] = mapped_column(ID, index=True)
+    generated_from: Mapped[str | None] = mapped_column(ID)
 
     __table_args__ = (Index("ix_traffic_requests_domain_requested_at", "domain", "requested_at"),)
+
+
+def production_traffic():
+    """The condition that keeps production traffic (what serving logged), leaving out the rows
+    the target generated for training."""
+    return TrafficRequest.generated_by.is_(None)
 
 
 class QuarantinedRequest(Base):

@@ -71,6 +71,25 @@ def candidate_label(spec: dict) -> str:
     return spec["kind"] + "(" + ",".join(f"{k}={params[k]}" for k in sorted(params)) + ")"
 
 
+def checkpoint_kind(path) -> str | None:
+    """The drafter kind whose checkpoint a directory holds: "head" (head_config.json), "eagle3"
+    (config.json in the speculators EAGLE-3 format) or "draft_model" (another config.json); None
+    for anything else (an HF id, a GGUF file, a missing path: the loader says what is wrong)."""
+    import json
+    from pathlib import Path
+
+    directory = Path(str(path))
+    if (directory / "head_config.json").is_file():
+        return "head"
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and config.get("speculators_model_type") == "eagle3":
+        return "eagle3"
+    return "draft_model"
+
+
 def build_drafters(candidates, target, tokenizer=None,
                    tracking_uri: str | None = None) -> dict[str, tuple[dict, object]]:
     """{label: (spec, drafter)} for the candidates, each checked against the target's vocabulary.
@@ -90,6 +109,11 @@ def build_drafters(candidates, target, tokenizer=None,
                 from .draft_training import resolve_model_uri
 
                 params["model"] = resolve_model_uri(params["model"], tracking_uri)
+            if spec["kind"] in ("draft_model", "head", "eagle3"):
+                held = checkpoint_kind(params["model"])
+                if held is not None and held != spec["kind"]:
+                    raise ValueError(f"{spec['params']['model']} holds a {held} checkpoint, not a "
+                                     f"{spec['kind']} one: use {held}:model={spec['params']['model']}")
             if spec["kind"] == "suffix" and str(params.get("index", "")).startswith("models:/"):
                 from .suffix_index import resolve_index_uri
 

@@ -4,10 +4,13 @@
   or pooled; split train / held-out by a hash of (training id, request id). The split is recorded
   in draft_training_requests, and an evaluation never scores the training rows of a draft it
   evaluates (tasks.steps.pipeline excludes them).
-- Kinds: `draft_model` (a small causal LM, specdec_core.train.train_draft) or `head` (a draft head
+- Kinds: `draft_model` (a small causal LM, specdec_core.train.train_draft), `head` (a draft head
   on the target's hidden states, optionally with a vocabulary cut to the training traffic's most
-  frequent tokens: specdec_core.head, train.train_head). Both share the data, split, optimiser
-  loop, checkpoints and registration below; a version's tag `kind` says which it is.
+  frequent tokens: specdec_core.head, train.train_head) or `eagle3` (an EAGLE-3 head on three of
+  the target's layers, specdec_core.eagle3, trained by train_head with training-time test; its
+  vocabulary is the training responses' most frequent tokens; saved in the speculators format
+  that vLLM and SGLang load, with the planned K and the target as verifier). All share the data,
+  split, optimiser loop, checkpoints and registration below; a version's tag `kind` says which.
 - Training: specdec_core.train (checkpoints under $SPECDEC_HOME/drafts/<train id>/: re-running
   the same training id resumes); the best checkpoint by held-out predicted speedup is kept.
 - Registration: an MLflow run in experiment `specdec/<target-slug>` (tag specdec.draft_train_id)
@@ -37,7 +40,7 @@ from specdec_core.train import TrainConfig, init_draft_from_target, train_draft,
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest
+from ..db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest, production_traffic
 from ..errors import RegistryError, SampleError, SpecdecTaskError
 from ..masking import mask_text
 from ..registry.config_schema import target_slug
@@ -53,6 +56,10 @@ CANDIDATE_ALIAS = "candidate"
 TRAIN_TAG = "specdec.draft_train_id"
 
 
+KINDS = ("draft_model", "head", "eagle3")
+DEFAULT_UNROLL = {"head": 1, "eagle3": 3}     # draft steps trained as a chain (training-time test)
+
+
 class DraftTrainingError(SpecdecTaskError, ValueError):
     """Draft training cannot run on this input (no traffic, another vocabulary, bad sizes)."""
 
@@ -66,28 +73,41 @@ def in_heldout(train_id: str, request_id: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
 
 
-def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
-                      window_days: float | None = None, max_requests: int | None = None):
-    """(requests [LoggedRequest], (window start, end)) of this target's stored traffic."""
+def _stored_requests(db_url: str, fingerprint: str, tokenizer, domains, start, generated: bool):
+    """[(LoggedRequest, the logged request it was generated from or None)] of this target's
+    stored rows since `start`: production traffic, or (generated) the rows the target generated
+    (tasks.steps.traffic_generate)."""
     engine = ensure_ready(db_url)
+    kept = TrafficRequest.generated_by.is_not(None) if generated else production_traffic()
+    query = (select(TrafficRequest).where(kept & (TrafficRequest.requested_at >= start)
+                                          & (TrafficRequest.target_fingerprint == fingerprint))
+             .order_by(TrafficRequest.id))
+    if domains:
+        query = query.where(TrafficRequest.domain.in_(list(domains)))
     with engine.connect() as connection:
-        newest = connection.execute(select(func.max(TrafficRequest.requested_at))).scalar()
-        if newest is None:
-            raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)")
-        start = newest - timedelta(days=window_days) if window_days else datetime(1970, 1, 1)
-        query = (select(TrafficRequest).where((TrafficRequest.requested_at >= start)
-                                              & (TrafficRequest.target_fingerprint == fingerprint))
-                 .order_by(TrafficRequest.id))
-        if domains:
-            query = query.where(TrafficRequest.domain.in_(list(domains)))
         rows = connection.execute(query).all()
     requests = []
     for row in rows:
         prompt, response = request_token_ids(row, tokenizer)
         if len(response) >= 2:
-            requests.append(LoggedRequest(row.id, prompt, response, SamplingParams(
+            requests.append((LoggedRequest(row.id, prompt, response, SamplingParams(
                 temperature=row.temperature, top_k=row.top_k or 0,
-                top_p=row.top_p if row.top_p is not None else 1.0), row.domain))
+                top_p=row.top_p if row.top_p is not None else 1.0), row.domain), row.generated_from))
+    return requests
+
+
+def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
+                      window_days: float | None = None, max_requests: int | None = None):
+    """(requests [LoggedRequest], (window start, end)) of this target's stored production traffic
+    (rows the target generated are never among them: generated_requests)."""
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
+        newest = connection.execute(select(func.max(TrafficRequest.requested_at))
+                                    .where(production_traffic())).scalar()
+    if newest is None:
+        raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)")
+    start = newest - timedelta(days=window_days) if window_days else datetime(1970, 1, 1)
+    requests = [r for r, _ in _stored_requests(db_url, fingerprint, tokenizer, domains, start, False)]
     if max_requests:
         requests = requests[:max_requests]
     if len(requests) < 10:
@@ -96,6 +116,14 @@ def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=Non
             f"{' in ' + str(list(domains)) if domains else ''}: a draft needs at least 10; import more "
             "traffic or widen the window")
     return requests, (start, newest)
+
+
+def generated_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
+                       start=None) -> list[tuple[LoggedRequest, str]]:
+    """[(request, the logged request it was generated from)] of the rows this target generated
+    for training (tasks.steps.traffic_generate) since `start`."""
+    return _stored_requests(db_url, fingerprint, tokenizer, domains, start or datetime(1970, 1, 1),
+                            True)
 
 
 def _round_robin(requests: list, limit: int | None) -> list:
@@ -154,23 +182,48 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              config=None, device: str | None = None, model=None, tokenizer=None,
                              register: bool = True, progress: bool = True,
                              kind: str = "draft_model", vocab_size: int | None = None,
-                             unroll: int = 1, split_from: str | None = None) -> dict:
+                             unroll: int | None = None, split_from: str | None = None,
+                             layer_ids: list[int] | None = None,
+                             include_generated: bool = False) -> dict:
     """Build the data, train (resuming a previous attempt of the same id), register. Output:
     {"train_id", "train_requests", "heldout_requests", "best", "model_uri", "version"}.
     max_eval_requests: held-out requests scored at each evaluation during training, taken round
     robin over domains (the whole held-out split stays out of training either way).
-    kind: "draft_model" (num_layers, hidden_size) or "head" (vocab_size: the reduced head's size,
+    kind: "draft_model" (num_layers, hidden_size), "head" (vocab_size: the reduced head's size,
     None for the target's full head; unroll: draft steps trained as a chain on the head's own
-    features). split_from: another training id whose train / held-out split to use (drafts compared
-    on the same held-out rows); default: this one's."""
-    if kind not in ("draft_model", "head"):
-        raise DraftTrainingError(f"draft kind {kind!r}: train a draft_model or a head")
+    features, default 1) or "eagle3" (vocab_size: the N most frequent tokens of the training
+    responses, None for the full vocabulary; unroll: the training-time test's steps, default 3;
+    layer_ids: the target layers it reads, default vLLM's). split_from: another training id whose
+    train / held-out split to use (drafts compared on the same held-out rows); default: this one's.
+    include_generated: also train on the rows the target generated for these domains and window
+    (`specdec draft generate`); they join the training split only, and a row generated from a
+    held-out request is left out (it would show the draft a held-out prompt)."""
+    if kind not in KINDS:
+        raise DraftTrainingError(f"draft kind {kind!r}: train one of {list(KINDS)}")
+    if layer_ids is not None and kind != "eagle3":
+        raise DraftTrainingError(f"layer_ids {list(layer_ids)} are for kind eagle3, not {kind}")
+    unroll = DEFAULT_UNROLL.get(kind, 1) if unroll is None else int(unroll)
+    if unroll < 1:
+        raise DraftTrainingError(f"unroll {unroll}: train at least one draft step (>= 1)")
     db_url = resolve_database_url(db_url)
     if model is None:
         from specdec_core import load_model
 
         model, tokenizer = load_model(target, device=device)
     fingerprint = fingerprint_id(target_fingerprint(model))
+    if kind == "eagle3":
+        from specdec_core.eagle3 import default_layer_ids
+        from specdec_core.tap import decoder_layers
+
+        depth = len(decoder_layers(model))
+        if layer_ids is None:                      # recorded as used, not as "default"
+            layer_ids = default_layer_ids(depth)
+        layer_ids = [int(i) for i in layer_ids]
+        if (not layer_ids or any(not 0 <= i <= depth for i in layer_ids)
+                or layer_ids != sorted(set(layer_ids))):
+            raise DraftTrainingError(f"layer_ids {layer_ids}: distinct, ascending, each in 0..{depth} "
+                                     f"(id i: the input of layer i; {depth}: the last layer's "
+                                     f"output) for target {target}")
     requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, domains, window_days,
                                                max_requests)
     split_key = split_from or train_id
@@ -178,16 +231,31 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                              else "train") for r in requests}
     train = [r for r in requests if splits[r.request_id] == "train"]
     heldout = [r for r in requests if splits[r.request_id] == "heldout"]
+    generated, generated_dropped = [], 0
+    if include_generated:
+        for request, source in generated_requests(db_url, fingerprint, tokenizer, domains, start):
+            if in_heldout(split_key, source, heldout_fraction):
+                generated_dropped += 1
+            else:
+                generated.append(request)
+                splits[request.request_id] = "train"
+        train += generated
     if not heldout or not train:
         raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / {len(heldout)} "
                                  f"held-out: change heldout_fraction ({heldout_fraction}) or add traffic")
     config = config or TrainConfig()
     params = {"kind": kind, "heldout_fraction": heldout_fraction, "split_from": split_key,
-              "train": config.__dict__ if hasattr(config, "__dict__") else dict(config)}
+              "train": config.__dict__ if hasattr(config, "__dict__") else dict(config),
+              "include_generated": bool(include_generated), "generated_requests": len(generated),
+              "generated_left_out": generated_dropped}
     params.update({"num_layers": num_layers, "hidden_size": hidden_size} if kind == "draft_model"
                   else {"vocab_size": vocab_size, "unroll": unroll})
+    if kind == "eagle3":
+        params.update(layer_ids=layer_ids, vocab_from="responses")
+    vocabulary = "full vocabulary" if vocab_size is None else f"{vocab_size} tokens"
     base = (f"{target} (first {num_layers} layers)" if kind == "draft_model" else
-            f"{target} (draft head, {'full vocabulary' if vocab_size is None else f'{vocab_size} tokens'})")
+            f"{target} (draft head, {vocabulary})" if kind == "head" else
+            f"{target} (EAGLE-3 head, {vocabulary})")
     _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
                                "domains": sorted({r.domain for r in requests}), "window_start": start,
                                "window_end": end, "train_requests": len(train),
@@ -204,6 +272,18 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
         head = DraftHead(model, vocab_ids=ids)
         result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress,
                             unroll=unroll)
+    elif kind == "eagle3":
+        head = eagle3_head(model, train, vocab_size, layer_ids)
+        result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress,
+                            unroll=unroll)
+        if result.best_dir is not None:
+            # the kept checkpoint, rewritten with what serving reads: the planned K (k_max where
+            # nothing paid) and the target as the verifier, plus its lineage
+            best = type(head).load(result.best_dir, model)
+            best.save(result.best_dir, k=result.best["k"] or config.k_max, verifier=target,
+                      meta={"train_id": train_id, "target_fingerprint": fingerprint,
+                            "best_step": result.best_step, "unroll": unroll,
+                            "vocab_from": "responses", "train_requests": len(train)})
     else:
         draft = init_draft_from_target(model, num_layers=num_layers, hidden_size=hidden_size)
         result = train_draft(draft, model, train, evaluation_rows, config, directory, progress=progress)
@@ -213,12 +293,34 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
     out = {"train_id": train_id, "train_requests": len(train), "heldout_requests": len(heldout),
            "best": result.best, "steps": result.step, "best_dir": str(best_dir),
            "model_uri": None, "version": None, "fingerprint": fingerprint, "kind": kind,
+           "generated_requests": len(generated),
            "result": json.loads(json.dumps(result.to_dict(), default=float))}
     _record(db_url, train_id, {"heldout": out["result"]["best"]})
     if register:
         out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], db_url,
                                   tracking_uri))
     return out
+
+
+def eagle3_head(model, train: list, vocab_size: int | None, layer_ids: list[int] | None = None):
+    """An untrained EAGLE-3 head for `model` whose draft vocabulary is the `vocab_size` most
+    frequent tokens of the training rows' responses (all of the target's ids when None)."""
+    import torch
+
+    from specdec_core.drafters import output_size
+    from specdec_core.eagle3 import Eagle3Head
+    from specdec_core.train import head_vocabulary
+
+    full = output_size(model)
+    if vocab_size is not None and vocab_size < 1:
+        raise DraftTrainingError(f"vocab_size {vocab_size}: give at least 1 token (or none: the "
+                                 "full vocabulary)")
+    ids = (torch.arange(full) if vocab_size is None
+           else head_vocabulary(train, vocab_size, full, responses_only=True))
+    try:
+        return Eagle3Head(model, vocab_ids=ids, layer_ids=layer_ids)
+    except ValueError as exc:          # layer ids outside the target
+        raise DraftTrainingError(f"eagle3: {exc}") from exc
 
 
 def register_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
@@ -293,9 +395,18 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
     tags = {"train_id": train_id, "kind": kind, "target_fingerprint": fingerprint, "domains": lineage["domains"],
             "window": f"{lineage['window_start']}..{lineage['window_end']}",
             "heldout_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
-            "heldout_k": str(result["best"]["k"])}
-    if kind == "head":
+            "heldout_k": str(result["best"]["k"]),
+            # the data rows: logged requests trained on (generated ones among them) and held out
+            "train_requests": str(record["train_requests"]),
+            "heldout_requests": str(record["heldout_requests"]),
+            "generated_requests": str((record["params"] or {}).get("generated_requests", 0))}
+    if kind in ("head", "eagle3"):
         tags["vocab_size"] = str((record["params"] or {}).get("vocab_size") or "full")
+        tags["unroll"] = str((record["params"] or {}).get("unroll") or 1)
+    if kind == "eagle3":
+        layer_ids = (record["params"] or {}).get("layer_ids")
+        tags["layer_ids"] = ",".join(map(str, layer_ids or []))
+        tags["format"] = "speculators"
     description = ("Draft trained on logged traffic. Held-out (offline estimate, requests never trained "
                    "on):\n\n| domain | E[tokens/round] | K | predicted speedup |\n|---|---|---|---|\n"
                    + "\n".join(f"| {d} | {s['expected_tokens_per_round']:.3f} | {s['k']} | "
@@ -370,7 +481,8 @@ def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
 
 
 def trained_request_ids(db_url: str, model_uris: list[str]) -> set[str]:
-    """Request ids the drafts behind these model URIs were trained on."""
+    """Request ids the drafts behind these model URIs were trained on, and the logged requests
+    whose prompts the generated rows among them answered (the draft has seen those prompts)."""
     if not model_uris:
         return set()
     engine = ensure_ready(db_url)
@@ -379,5 +491,10 @@ def trained_request_ids(db_url: str, model_uris: list[str]) -> set[str]:
             DraftModelRecord.model_uri.in_(model_uris))).scalars().all()
         if not names:
             return set()
-        return set(connection.execute(select(DraftTrainingRequest.request_id).where(
-            DraftTrainingRequest.draft_name.in_(names) & (DraftTrainingRequest.split == "train"))).scalars())
+        trained = DraftTrainingRequest.draft_name.in_(names) & (DraftTrainingRequest.split == "train")
+        ids = set(connection.execute(select(DraftTrainingRequest.request_id).where(trained)).scalars())
+        ids |= set(connection.execute(
+            select(TrafficRequest.generated_from)
+            .join(DraftTrainingRequest, DraftTrainingRequest.request_id == TrafficRequest.id)
+            .where(trained & TrafficRequest.generated_from.is_not(None))).scalars())
+        return ids

@@ -27,7 +27,7 @@ from specdec_core.suffix import SuffixIndex
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DraftTrainingRequest, EvalRun, EvalSample, TrafficRequest
+from ..db.models import DraftTrainingRequest, EvalRun, EvalSample, TrafficRequest, production_traffic
 from ..errors import SpecdecTaskError
 from ..registry.config_schema import target_slug
 from ..registry.tracking import client, experiment_for_target
@@ -59,7 +59,7 @@ def index_sequences(db_url: str | None, domain: str, fingerprint: str | None, to
     """(request ids, response token ids) of a domain's stored requests answered by this target
     (rows of another fingerprint are left out), in [since, until], minus `exclude`; oldest first."""
     engine = ensure_ready(resolve_database_url(db_url))
-    query = (select(TrafficRequest).where(TrafficRequest.domain == domain)
+    query = (select(TrafficRequest).where(production_traffic() & (TrafficRequest.domain == domain))
              .order_by(TrafficRequest.requested_at, TrafficRequest.id))
     if until is not None:
         query = query.where(TrafficRequest.requested_at <= until)
@@ -144,7 +144,7 @@ def timing_index(db_url: str | None, fingerprint: str | None, tokenizer, vocab_s
     drafter at the size it will have: its lookups cost more with more indexed tokens."""
     engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
-        domains = sorted(set(connection.execute(select(TrafficRequest.domain).distinct()).scalars()))
+        domains = sorted(set(connection.execute(select(TrafficRequest.domain).where(production_traffic()).distinct()).scalars()))
     ids, sequences = [], []
     for domain in domains:
         more_ids, more = index_sequences(db_url, domain, fingerprint, tokenizer)
@@ -170,7 +170,7 @@ def build_and_register(target: str, domain: str, db_url: str | None = None,
     engine = ensure_ready(url)
     with engine.connect() as connection:
         newest = connection.execute(select(TrafficRequest.requested_at)
-                                    .where(TrafficRequest.domain == domain)
+                                    .where(production_traffic() & (TrafficRequest.domain == domain))
                                     .order_by(TrafficRequest.requested_at.desc()).limit(1)).scalar()
     if newest is None:
         raise SuffixIndexError(f"domain {domain!r} has no stored traffic: import traffic first "
@@ -219,7 +219,7 @@ def refresh_indexes(target: str, domains=None, db_url: str | None = None,
     The target is loaded once."""
     engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
-        stored = sorted(set(connection.execute(select(TrafficRequest.domain).distinct()).scalars()))
+        stored = sorted(set(connection.execute(select(TrafficRequest.domain).where(production_traffic()).distinct()).scalars()))
     model, tokenizer = load_model(target, device="cpu")
     return {domain: build_and_register(target, domain, db_url, tracking_uri, window_days, model,
                                        tokenizer)

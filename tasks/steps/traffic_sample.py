@@ -16,7 +16,7 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import delete, func, insert, select
 
 from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import EvalRun, EvalSample, QualityResult, TrafficRequest
+from ..db.models import EvalRun, EvalSample, QualityResult, TrafficRequest, production_traffic
 from ..errors import SampleError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
@@ -56,7 +56,8 @@ def resolve_window(connection, window, settings: Settings) -> tuple[datetime, da
         days = settings.sample_window_days if window is None else float(window)
         if days <= 0:
             raise SampleError(f"window of {days} days: give a positive number of days")
-        newest = connection.execute(select(func.max(TrafficRequest.requested_at))).scalar()
+        newest = connection.execute(select(func.max(TrafficRequest.requested_at))
+                                    .where(production_traffic())).scalar()
         if newest is None:
             raise SampleError("traffic_requests is empty: import traffic first "
                               "(`specdec traffic import FILE`)")
@@ -100,7 +101,9 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
 
     with engine.begin() as connection:
         start, end = resolve_window(connection, window, settings)
-        in_window = (TrafficRequest.requested_at >= start) & (TrafficRequest.requested_at <= end)
+        # production traffic only: rows the target generated for training are never sampled
+        in_window = (production_traffic() & (TrafficRequest.requested_at >= start)
+                     & (TrafficRequest.requested_at <= end))
         if model is not None:
             in_window = in_window & (TrafficRequest.model == model)
         if domains is None:
