@@ -14,7 +14,6 @@ equals live rounds for greedy rows (tests/test_eagle3.py).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import sys
@@ -147,8 +146,7 @@ def main() -> None:
     requests = [r for r in shipped_requests() if len(r.response_ids) >= 2]
     heldout = [r for r in requests if in_heldout("eagle3-bench", r.request_id, 0.2)]
     train = [r for r in requests if not in_heldout("eagle3-bench", r.request_id, 0.2)]
-    responses_only = [dataclasses.replace(r, prompt_ids=[]) for r in train]
-    vocab = head_vocabulary(responses_only, args.vocab, output_size(target))
+    vocab = head_vocabulary(train, args.vocab, output_size(target), responses_only=True)
     head = Eagle3Head(target, vocab) if args.head is None else Eagle3Head.load(args.head, target)
     config = TrainConfig(steps=args.steps, eval_every=args.eval_every, k_max=args.k_max,
                          warmup_steps=20, lr=args.lr, batch_size=8, max_length=args.max_length)
