@@ -39,6 +39,16 @@ from tasks.timeutil import utcnow  # noqa: E402
 TARGET = "smollm2-135m-instruct"
 
 
+def split_e(rows: list[dict], greedy: bool) -> str:
+    """E = 1 + accepted / drafting steps on the greedy (or the sampled) requests, vLLM / estimate."""
+    rows = [r for r in rows if r["greedy"] == greedy and r["estimate_steps"] is not None]
+    engine_steps, estimate_steps = sum(r["engine_steps"] for r in rows), sum(r["estimate_steps"] for r in rows)
+    if not rows or not engine_steps or not estimate_steps:
+        return "-"
+    return (f"{1 + sum(r['engine_accepted'] for r in rows) / engine_steps:.2f} / "
+            f"{1 + sum(r['estimate_accepted'] for r in rows) / estimate_steps:.2f} ({len(rows)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("head_dir")
@@ -80,8 +90,9 @@ def main() -> None:
              f"`python benchmarks/eagle3_vllm.py {args.head_dir} --domains {args.domains} "
              f"--requests {args.requests} --k {args.k}`", "",
              "| domain | requests | greedy equal / checked | E vLLM | E estimate (95% CI) | vLLM / estimate | "
+             "E greedy rows vLLM / est. | E sampled rows vLLM / est. | "
              "per-position vLLM | per-position estimate | plain tok/s | head tok/s | head / plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for domain, row in result["domains"].items():
         ci = (row.get("estimate_e_lo"), row.get("estimate_e_hi"))
         ratio = (row["engine_e"] / row["estimate_e"]) if row.get("engine_e") and row.get("estimate_e") else None
@@ -90,6 +101,7 @@ def main() -> None:
             f"| {domain} | {len(row.get('per_request') or [])} | {row.get('greedy_equal')} / "
             f"{row.get('greedy_checked')} | {row.get('engine_e') or 0:.3f} | {row.get('estimate_e') or 0:.3f} "
             f"({(ci[0] or 0):.3f}-{(ci[1] or 0):.3f}) | {ratio or 0:.3f} | "
+            + " | ".join(split_e(row.get("per_request") or [], greedy) for greedy in (True, False)) + " | "
             + ", ".join(f"{x:.2f}" for x in row.get("engine_rates") or []) + " | "
             + ", ".join(f"{x:.2f}" for x in row.get("estimate_rates") or [])
             + f" | {plain or 0:.1f} | {spec_tps or 0:.1f} | "
