@@ -29,7 +29,7 @@ from specdec_core import SamplingParams, load_model  # noqa: E402
 from specdec_core.drafters import output_size  # noqa: E402
 from specdec_core.eagle3 import Eagle3Head  # noqa: E402
 from specdec_core.estimate import LoggedRequest, estimate_acceptance  # noqa: E402
-from specdec_core.head import HeadDrafter  # noqa: E402
+from specdec_core.head import DraftHead, HeadDrafter  # noqa: E402
 from specdec_core.train import (TrainConfig, head_vocabulary, measure_head_step, measured_costs,  # noqa: E402
                                 train_head)
 from tasks.steps.draft_training import in_heldout  # noqa: E402
@@ -135,6 +135,10 @@ def main() -> None:
                         help="tokens of a row trained on: its last ones (prompt end + response)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--save", default=None, help="write the best head here (speculators format)")
+    parser.add_argument("--kind", choices=("eagle3", "head"), default="eagle3",
+                        help="head: the earlier EAGLE-style head (specdec_core.head), same recipe")
+    parser.add_argument("--no-compare", action="store_true",
+                        help="skip the comparison with prompt lookup and suffix (its cost timings)")
     parser.add_argument("--head", default=None,
                         help="score this saved EAGLE-3 head instead of training one")
     parser.add_argument("--eval-requests", type=int, default=60,
@@ -147,7 +151,8 @@ def main() -> None:
     heldout = [r for r in requests if in_heldout("eagle3-bench", r.request_id, 0.2)]
     train = [r for r in requests if not in_heldout("eagle3-bench", r.request_id, 0.2)]
     vocab = head_vocabulary(train, args.vocab, output_size(target), responses_only=True)
-    head = Eagle3Head(target, vocab) if args.head is None else Eagle3Head.load(args.head, target)
+    kind = Eagle3Head if args.kind == "eagle3" else DraftHead
+    head = kind(target, vocab) if args.head is None else kind.load(args.head, target)
     config = TrainConfig(steps=args.steps, eval_every=args.eval_every, k_max=args.k_max,
                          warmup_steps=20, lr=args.lr, batch_size=8, max_length=args.max_length)
     step_ratio = measure_head_step(head, target)
@@ -162,17 +167,18 @@ def main() -> None:
     for request in heldout:
         by_domain.setdefault(request.domain, []).append(request)
     curve_rows = [r for group in zip(*by_domain.values()) for r in group][:args.eval_requests]
-    result = train_head(head, target, train, curve_rows, config, Path("/tmp/eagle3-bench"),
+    result = train_head(head, target, train, curve_rows, config, Path(f"/tmp/{args.kind}-bench"),
                         costs=(step_ratio, verify), unroll=args.unroll)
     minutes = (time.perf_counter() - started) / 60
     best_dir = Path(result.best_dir)
-    head = Eagle3Head.load(best_dir, target)
-    if args.save:
+    head = kind.load(best_dir, target)
+    if args.save and kind is Eagle3Head:
         head.save(args.save, k=result.best["k"], verifier="smollm2-135m-instruct")
     estimates = estimate_acceptance(target, HeadDrafter(head), heldout, list(range(1, args.k_max + 1)),
                                     progress=False, n_boot=200)
-    lines = [f"# EAGLE-3 head for smollm2-135m-instruct on the shipped traffic (CPU)", "",
-             f"`python benchmarks/eagle3_train.py --steps {args.steps} --eval-every {args.eval_every} "
+    title = "EAGLE-3 head" if kind is Eagle3Head else "EAGLE-style head (specdec_core.head)"
+    lines = [f"# {title} for smollm2-135m-instruct on the shipped traffic (CPU)", "",
+             f"`python benchmarks/eagle3_train.py --kind {args.kind} --steps {args.steps} --eval-every {args.eval_every} "
              f"--vocab {args.vocab} --unroll {args.unroll} --lr {args.lr} --max-length {args.max_length}`", "",
              f"{len(train)} training / {len(heldout)} held-out requests (split by request), draft "
              f"vocabulary {len(vocab)} (most frequent response tokens), training-time test "
@@ -192,7 +198,9 @@ def main() -> None:
         best_k = max(lengths, key=lengths.get)
         lines.append(f"| {domain} | {by_k[1].requests} | {by_k[1].conditional_acceptance[0]:.3f} | "
                      + ", ".join(f"{lengths[k]:.2f}" for k in sorted(lengths)) + f" | {best_k} |")
-    text = "\n".join(lines) + "\n\n" + compare(target, head, train, heldout, args.k_max)
+    text = "\n".join(lines) + "\n"
+    if not args.no_compare:
+        text += "\n" + compare(target, head, train, heldout, args.k_max)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
