@@ -47,7 +47,8 @@ def cmd_train(args) -> int:
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, teacher_topk=args.teacher_topk,
-                         warmup_steps=max(1, args.steps // 10), k_max=args.k_max)
+                         warmup_steps=max(1, args.steps // 10), k_max=args.k_max,
+                         max_length=args.max_length)
     result = train_draft_from_traffic(
         args.id or "draft__" + default_run_id().split("__")[1].replace(":", "-"), target=args.model,
         db_url=args.url, tracking_uri=args.tracking_uri,
@@ -176,6 +177,8 @@ def register(sub) -> None:
     train.add_argument("--lr", type=float, default=5e-4)
     train.add_argument("--eval-every", type=int, default=50)
     train.add_argument("--k-max", type=int, default=8)
+    train.add_argument("--max-length", type=int, default=512,
+                       help="tokens of a request trained on: its last ones (prompt end + response)")
     train.add_argument("--teacher-topk", type=int, default=0,
                        help="KL from the target's top-k (0: cross-entropy on the logged tokens)")
     train.add_argument("--include-generated", action="store_true",
