@@ -21,7 +21,7 @@ from specdec_core.estimate import LoggedRequest, estimate_acceptance
 from specdec_core.head import DraftHead, HeadDrafter, HeadFileError
 from specdec_core.validation import sampling_check
 
-from .helpers.models import VOCAB, tiny_llama
+from .helpers.models import VOCAB, chain_pass_checks, tiny_llama
 
 REDUCED = torch.tensor([t for t in range(VOCAB) if t % 7 != 3])      # 83 of 97 tokens
 
@@ -193,35 +193,7 @@ def test_chain_training_pass_computes_what_the_live_chain_computes(one_layer):
     """The unrolled training pass (head_chain_passes): chain step w at position j must see what a
     live round that started after position j - w sees -- the teacher-forced head positions up to
     there, then its own earlier steps -- and so give the same logits."""
-    from specdec_core.head import HiddenTap, target_features
-    from specdec_core.train import head_chain_passes
-
-    head = near_oracle(one_layer, noise=0.3)
-    generator = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, VOCAB, (2, 12), generator=generator)
-    valid = torch.ones(2, 11, dtype=torch.long)
-    valid[1, 8:] = 0                                         # a shorter, right-padded row
-    features, _ = target_features(one_layer, ids)
-    feats, nxt = features[:, :-1], ids[:, 1:]
-    passes = head_chain_passes(head, feats, nxt, valid, 3)
-    g1 = passes[0][1]
-    checked = 0
-    for b, last in ((0, 10), (1, 7)):
-        for s in range(0, last - 1):
-            # live: teacher-forced positions 0..s, then the chain's own steps at s + 1, s + 2
-            live = [head.inputs(feats[b:b + 1, : s + 1], nxt[b:b + 1, : s + 1])]
-            g_live = g1[b:b + 1, s: s + 1]
-            for w in (1, 2):
-                if s + w > last:
-                    break
-                live.append(head.inputs(g_live, nxt[b:b + 1, s + w: s + w + 1]))
-                with HiddenTap(head.body.model.norm) as tap:
-                    out = head.body(inputs_embeds=torch.cat(live, 1), use_cache=False)
-                    g_live = tap.value[:, -1:]
-                torch.testing.assert_close(out.logits[0, -1], passes[w][0][b, s + w],
-                                           rtol=1e-4, atol=1e-4)
-                checked += 1
-    assert checked > 20
+    assert chain_pass_checks(near_oracle(one_layer, noise=0.3), one_layer) > 20
 
 
 def test_head_builds_when_the_targets_pad_id_lies_outside_its_vocabulary():

@@ -85,3 +85,36 @@ def trained_eagle3_head(target, requests: list, checkpoint_dir: Path, steps: int
     train_head(head, target, requests, requests[:4], config, checkpoint_dir,
                costs=(0.1, [1.2, 1.3, 1.4]), progress=False, unroll=3)
     return head.eval()
+
+
+@torch.no_grad()
+def chain_pass_checks(head, target) -> int:
+    """Check the unrolled training pass (train.head_chain_passes) of `head` against the live chain:
+    step w at position j must give the logits of a live round that started after j - w (the
+    teacher-forced head positions up to there, then its own steps fed on its output g via
+    `head.chained`). Asserts each; returns how many were compared."""
+    from specdec_core.head import HiddenTap, target_features
+    from specdec_core.train import head_chain_passes
+
+    ids = torch.randint(3, target.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    valid = torch.ones(2, 11, dtype=torch.long)
+    valid[1, 8:] = 0                                         # a shorter, right-padded row
+    features, _ = target_features(target, ids, head=head)
+    feats, nxt = features[:, :-1], ids[:, 1:]
+    passes = head_chain_passes(head, feats, nxt, valid, 3)
+    checked = 0
+    for b, last in ((0, 10), (1, 7)):
+        for s in range(0, last - 1):
+            live = [head.inputs(feats[b:b + 1, : s + 1], nxt[b:b + 1, : s + 1])]
+            g_live = passes[0][1][b:b + 1, s: s + 1]
+            for w in (1, 2):
+                if s + w > last:
+                    break
+                live.append(head.chained(g_live, nxt[b:b + 1, s + w: s + w + 1]))
+                with HiddenTap(head.body.model.norm) as tap:
+                    out = head.body(inputs_embeds=torch.cat(live, 1), use_cache=False)
+                    g_live = tap.value[:, -1:]
+                torch.testing.assert_close(out.logits[0, -1], passes[w][0][b, s + w],
+                                           rtol=1e-4, atol=1e-4)
+                checked += 1
+    return checked
