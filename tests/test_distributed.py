@@ -18,7 +18,7 @@ from .helpers.traffic import traffic_rows, write_jsonl
 
 GPU_TASKS = {"specdec_evaluate": {"profile", "per_domain.estimate", "per_domain.confirm",
                                   "per_domain.validate", "finish", "engine_check"},
-             "specdec_retrain_draft": {"train"},
+             "specdec_retrain_draft": {"generate", "train"},   # generate: the target answers prompts
              "specdec_reports": set()}
 
 
