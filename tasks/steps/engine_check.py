@@ -318,6 +318,9 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         record["seconds"] = round(time.perf_counter() - began, 1)
         record["start_s"] = answer.get("start_s")
         record["starts"] = answer.get("starts")
+        record["mends"] = answer.get("mends") or []
+        for mend in record["mends"]:
+            log.warning("%s: %s", what, mend)
         if answer.get("failed"):
             record["status"], reason = answer["failed"]
         elif answer.get("refused"):
@@ -343,6 +346,9 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             drafter = drafters_by_domain[domain][on[domain]["drafter"]][1]
             rows[domain] = {**base, **_domain_row(picked[domain], answer, spec, drafter, target_model,
                                                   len(history), record["log"], settings)}
+            if record["mends"]:
+                rows[domain]["reason"] = (f"{rows[domain]['reason']} (served with {len(record['mends'])} "
+                                          "mend of vLLM's CPU build, named in the task log)")[:2000]
     plain = answers.get("plain") or {}
     for domain in picked:
         if domain in rows and plain.get("requests"):
@@ -388,6 +394,7 @@ def _serve(serving_env, settings: Settings, what: str, log_path, request: dict) 
             return {**total, **answer, "died": total["died"]}
         total.setdefault("vllm", answer.get("vllm"))
         total.setdefault("start_s", answer.get("start_s"))
+        total.setdefault("mends", answer.get("mends") or [])
         total["requests"].update(answer["requests"])
         if answer.get("counters"):
             total["counters"] = _add_counters(total["counters"], answer["counters"])

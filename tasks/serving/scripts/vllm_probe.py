@@ -14,12 +14,14 @@ Commands:
                   dtype}
                   -> {start_s, vllm, requests: {id: {token_ids, seconds, drafted, accepted}},
                   counters: {drafts, draft_tokens, accepted_tokens, accepted_per_pos}, refused,
-                  died: {request, error}}: one engine
+                  died: {request, error}, mends: [line, ...]}: one engine
                   started with the config, the requests served one at a time; per request, vLLM's
                   own per-step drafted/accepted counts (--per-request-spec-decode-metrics
                   detailed) and the engine's spec_decode counters from LLM.get_metrics(); a
                   request that kills the engine ends the replay there, with vLLM's error (the
-                  caller starts a fresh process for the requests after it)
+                  caller starts a fresh process for the requests after it); with speculation,
+                  the parts of vLLM's CPU sampler found broken are replaced first (mend_cpu_sampling),
+                  unless the request says "mend": false
 """
 
 from __future__ import annotations
@@ -89,6 +91,76 @@ def _counters(llm) -> dict:
     return out
 
 
+EXPAND_MEND = ("vLLM's CPU expand kernel (per-request temperature, top-k and top-p spread over "
+               "the draft tokens of a speculative round) wrote them into an int64 copy and left "
+               "the real output unset: its rejection sampler saw arbitrary sampling parameters "
+               "(fewer drafts accepted; a top-k request died). Replaced in this engine by one that "
+               "keeps the dtype.")
+
+
+def _expand_keeping_dtype(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+    """What vLLM's expand_batch_to_tokens computes, for any dtype: each request's value
+    (replace_from read as replace_to) repeated over its draft tokens."""
+    import torch
+
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    out = x.new_empty(num_tokens)
+    out[: int(ends[-1])] = torch.repeat_interleave(values, counts)
+    return out
+
+
+EMPTY_TOP_K_MEND = ("vLLM's CPU top-k mask (apply_top_k_only) takes k.max() of the round's draft "
+                    "tokens and fails when a round has none (a top-k request whose drafter proposed "
+                    "nothing killed the engine). Replaced in this engine's rejection sampler by one "
+                    "that leaves an empty round as it is.")
+
+
+def _top_k_top_p_allowing_empty(original):
+    def apply(logits, k, p):
+        return logits if logits.shape[0] == 0 else original(logits, k, p)
+    return apply
+
+
+def mend_cpu_sampling() -> list[str]:
+    """Both mends of vLLM's CPU rejection sampler that this engine's own code shows it needs."""
+    return mend_cpu_expand() + mend_cpu_empty_top_k()
+
+
+def mend_cpu_empty_top_k() -> list[str]:
+    """apply_top_k_top_p on a round without draft tokens: checked on this engine's own code, and
+    only where it fails, the rejection sampler's reference to it is wrapped (called from its own
+    module only) so that an empty round passes through. The mends made, as lines."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    try:
+        rejection_sampler.apply_top_k_top_p(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64), None)
+        return []
+    except RuntimeError:
+        rejection_sampler.apply_top_k_top_p = _top_k_top_p_allowing_empty(rejection_sampler.apply_top_k_top_p)
+        return [EMPTY_TOP_K_MEND]
+
+
+def mend_cpu_expand() -> list[str]:
+    """vLLM 0.32's CPU build replaces its Triton kernels with C++ ones; the expand kernel's casts
+    every tensor to int64 first, so a float32 temperature (or an int32 top-k) is expanded into a
+    temporary and the rejection sampler reads uninitialised memory. Checked here on this engine's
+    own code, and only where it is broken, the rejection sampler's expand_batch_to_tokens (called
+    from its own module only) is replaced by one that keeps the dtype. The mends made, as lines."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    probe = torch.tensor([0.7, 0.25], dtype=torch.float32)
+    cu = torch.tensor([3, 5], dtype=torch.int32)
+    expected = torch.tensor([0.7] * 3 + [0.25] * 2)
+    if torch.allclose(rejection_sampler.expand_batch_to_tokens(probe, cu, 5), expected):
+        return []
+    rejection_sampler.expand_batch_to_tokens = _expand_keeping_dtype
+    return [EXPAND_MEND]
+
+
 def replay(request: dict) -> dict:
     import time
     import traceback
@@ -99,7 +171,7 @@ def replay(request: dict) -> dict:
 
     spec = request.get("speculative_config")
     answer = {"vllm": vllm.__version__, "start_s": None, "requests": {}, "counters": None,
-              "refused": None, "died": None}
+              "refused": None, "died": None, "mends": []}
     started = time.perf_counter()
     try:
         llm = LLM(model=request["model"], speculative_config=spec, enforce_eager=True,
@@ -111,6 +183,9 @@ def replay(request: dict) -> dict:
         answer["refused"] = _error_line(exc)
         return answer
     answer["start_s"] = time.perf_counter() - started
+    if spec and request.get("mend", True):
+        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), its kernels loaded
+        answer["mends"] = mend_cpu_sampling()
     items = [(item, False) for item in request.get("history", [])]   # served first, not measured
     items += [(item, True) for item in request["requests"]]
     for item, measured in items:
