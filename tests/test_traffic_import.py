@@ -20,6 +20,7 @@ from tasks.errors import DatabaseUnavailable, TrafficFileError
 from tasks.settings import load_settings
 from tasks.steps.traffic_import import import_traffic, purge_traffic, sample_traffic_path
 
+from .helpers.processes import specdec
 from .helpers.traffic import traffic
 
 
@@ -349,3 +350,50 @@ def test_shipped_sample_imports_cleanly(db_url):
     assert 0 < greedy < report["inserted"]
     assert timedelta(days=10) < span[1] - span[0] <= timedelta(days=14)
     assert missing_ids == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 33: CSV bytes that are not UTF-8, a CSV without its header (the CLI in a new process)
+CSV_HEADER = b"id,timestamp,domain,prompt,response,temperature,model\n"
+
+
+@pytest.mark.integration
+def test_a_csv_row_with_a_byte_that_is_not_utf8_is_quarantined_with_its_line_and_offset(db_url, tmp_path):
+    # the row is not stored with U+FFFD in place of the byte: it is quarantined like a JSONL line
+    # (also inside a quoted cell spanning lines); the rows around it land
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(CSV_HEADER
+                     + b"c1,2025-11-03T10:00:00Z,qa,Why?,Because.,0,m\n"
+                     + b"c2,2025-11-03T11:00:00Z,qa,Why?,caf\xe9 au lait,0,m\n"
+                     + b"c3,2025-11-03T12:00:00Z,qa,Why?,Fine.,0,m\n"
+                     + b'c4,2025-11-03T13:00:00Z,qa,"two\nli\xffnes",Yes.,0,m\n'
+                     + b"c5,2025-11-03T14:00:00Z,qa,Why?,Also fine.,0,m\n")
+    for _ in range(2):                                        # a re-import adds nothing
+        result = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress", "--json")
+        assert result.returncode == 3, result.stdout + result.stderr
+    stored = traffic(db_url)
+    assert set(stored) == {"c1", "c3", "c5"}
+    assert not any("\ufffd" in row["response"] + row["prompt"] for row in stored.values())
+    assert quarantine(db_url) == [(3, "malformed_csv"), (5, "malformed_csv")]
+    details = {row["line_number"]: row["detail"] for row in rows_of(db_url, QuarantinedRequest)}
+    assert details[3] == ("not UTF-8 (invalid continuation byte at byte 35 of line 3, byte 134 of "
+                          "the file)")
+    assert "at byte 2 of line 6" in details[5]
+
+
+@pytest.mark.integration
+def test_a_csv_without_its_header_gets_a_short_redacted_line_naming_the_expected_columns(db_url, tmp_path):
+    row = ("r1,2025-11-03T10:00:00Z,qa,Please write to ana.lima@example.org about "
+           + "x" * 950 + ",Sure.,0,m\n")
+    path = tmp_path / "no-header.csv"
+    path.write_text(row * 3)
+    result = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress")
+    assert result.returncode == 2
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    message = lines[0]
+    assert str(path) in message and "has no header line" in message
+    assert "id, timestamp, response, prompt or messages" in message
+    assert "ana.lima@example.org" not in message and "[EMAIL]" in message   # redacted preview
+    assert "x" * 81 not in message and len(message) < 450 + len(str(path))
+    assert count(db_url, "traffic_requests") == 0

@@ -26,7 +26,6 @@ import codecs
 import csv
 import gzip
 import hashlib
-import io
 import json
 import logging
 import math
@@ -422,25 +421,84 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
         yield number, row, text, None
 
 
-def _csv_rows(stream, max_bytes: int, path: Path):
-    text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline="")
+class _CsvLines:
+    """The physical lines of a CSV file for csv.reader, each decoded on its own as UTF-8: a line
+    with an undecodable byte is passed on with U+FFFD in its place (so the reader keeps its
+    place) and noted in `bad` (line number -> where), and its record is quarantined. A UTF-8 byte
+    order mark before the first line is dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.number = 0
+        self.offset = 0                  # bytes of the (decompressed) file before this line
+        self.bad: dict[int, str] = {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = self.stream.readline()
+        if not line:
+            raise StopIteration
+        self.number += 1
+        start = self.offset
+        self.offset += len(line)
+        if self.number == 1 and line.startswith(codecs.BOM_UTF8):
+            line = line[len(codecs.BOM_UTF8):]
+            start += len(codecs.BOM_UTF8)
+        try:
+            return line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.bad[self.number] = (f"not UTF-8 ({exc.reason} at byte {exc.start} of line "
+                                     f"{self.number}, byte {start + exc.start} of the file)")
+            return line.decode("utf-8", "replace")
+
+    def first_bad(self, first: int, last: int) -> str | None:
+        """Where the first undecodable byte of lines first..last is, or None."""
+        return next((self.bad[n] for n in range(first, last + 1) if n in self.bad), None)
+
+
+CSV_COLUMNS = ("id", "timestamp", "domain", "prompt", "messages", "response", "temperature", "top_k",
+               "top_p", "max_tokens", "sampling", "model", "target_fingerprint", "prompt_token_ids",
+               "response_token_ids")
+PREVIEW_CHARS = 80   # how much of a bad header line an error message shows (redacted)
+
+
+def _header_error(path: Path, header: list[str], line: str, redact) -> TrafficFileError:
+    """The one-line error for a CSV whose first line does not name the needed columns: the file,
+    what is missing, the columns expected, and a short redacted preview of the line."""
+    missing = sorted(CSV_REQUIRED - set(header)) + ([] if {"prompt", "messages"} & set(header)
+                                                    else ["prompt or messages"])
+    preview = redact(line.strip())[0] if redact else line.strip()
+    preview = preview[:PREVIEW_CHARS] + ("..." if len(preview) > PREVIEW_CHARS else "")
+    known = set(CSV_COLUMNS) | set(ALIASES)
+    what = ("has no header line" if not known & set(header) else
+            f"has a header that lacks {', '.join(missing)}")
+    return TrafficFileError(
+        f"{path}: the CSV {what} (first line: {preview!r}); the first line must name the columns: "
+        f"id, timestamp, response, prompt or messages, and optionally "
+        f"{', '.join(c for c in CSV_COLUMNS if c not in CSV_REQUIRED | {'prompt', 'messages'})}")
+
+
+def _csv_rows(stream, max_bytes: int, path: Path, redact=None):
+    lines = _CsvLines(stream)
     previous_limit = csv.field_size_limit()
     csv.field_size_limit(max_bytes)
     try:
-        reader = csv.reader(text)
+        reader = csv.reader(lines)
         try:
             header = next(reader)
         except StopIteration:
             return
         except csv.Error as exc:
             raise TrafficFileError(f"{path}: the CSV header cannot be read ({exc})") from exc
+        bad = lines.first_bad(1, reader.line_num)
+        if bad:
+            raise TrafficFileError(f"{path}: the CSV header line is {bad}; save the file as UTF-8")
+        first_line = ",".join(header)
         header = [ALIASES.get(name.strip(), name.strip()) for name in header]
-        missing = CSV_REQUIRED - set(header)
-        if missing or not ({"prompt", "messages"} & set(header)):
-            raise TrafficFileError(
-                f"{path}: the CSV header {header} lacks {sorted(missing) or ['prompt or messages']}; "
-                "the first line must name the columns (id, timestamp, domain, prompt or messages, "
-                "response, temperature, top_k, top_p, model, ...)")
+        if (CSV_REQUIRED - set(header)) or not ({"prompt", "messages"} & set(header)):
+            raise _header_error(path, header, first_line, redact)
         last_line = reader.line_num
         while True:
             start = last_line + 1
@@ -458,6 +516,10 @@ def _csv_rows(stream, max_bytes: int, path: Path):
             if not any(v.strip() for v in values):
                 continue
             raw = ",".join(values)
+            bad = lines.first_bad(start, last_line)
+            if bad:
+                yield start, None, raw[:RAW_KEEP_CHARS], RowRejected(MALFORMED_CSV, bad)
+                continue
             if len(values) != len(header):
                 yield start, None, raw, RowRejected(
                     MALFORMED_CSV, f"{len(values)} fields, the header has {len(header)}")
@@ -469,7 +531,6 @@ def _csv_rows(stream, max_bytes: int, path: Path):
             yield start, {k: (v if v != "" else None) for k, v in zip(header, values)}, raw, None
     finally:
         csv.field_size_limit(previous_limit)
-        text.detach()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -596,7 +657,7 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     try:
         line = 0
         rows = (_jsonl_rows(stream, settings.max_row_bytes) if file_format == "jsonl"
-                else _csv_rows(stream, settings.max_row_bytes, path))
+                else _csv_rows(stream, settings.max_row_bytes, path, normalize.redact))
         with tqdm(total=size, unit="B", unit_scale=True, desc=path.name, disable=not progress,
                   leave=False) as bar:
             for line, row, text, rejection in rows:
