@@ -88,6 +88,13 @@ class QuarantinedRequest(Base):
     detail: Mapped[str] = mapped_column(Text)
     raw: Mapped[str | None] = mapped_column(Text)
     imported_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    # 0010: an entry quarantined by an import whose read of the file then failed (a corrupt gzip
+    # yields garbled lines before its checksum fails): that read error. A later complete import
+    # of the same file supersedes such entries: when, and the request id stored from that line
+    # (NULL: the line holds no row in the intact file). Reports count open entries only.
+    file_error: Mapped[str | None] = mapped_column(Text)
+    superseded_at: Mapped[datetime | None] = mapped_column(DateTime)
+    superseded_by: Mapped[str | None] = mapped_column(ID)
 
     __table_args__ = (UniqueConstraint("source_file", "line_number"),)
 

@@ -38,7 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
@@ -100,6 +100,7 @@ class ImportReport:
     quarantine_examples: list[dict] = field(default_factory=list)
     domains_by_rule: dict[str, int] = field(default_factory=dict)
     redacted_rows: int = 0
+    superseded: int = 0        # entries of an earlier broken read of this file, now superseded
     seconds: float = 0.0
 
     @property
@@ -554,6 +555,7 @@ class _BatchWriter:
         self.redact = redact
         self.rows: list[dict] = []
         self.rejected: list[dict] = []
+        self.quarantined_lines: set[int] = set()   # lines this import quarantined
 
     def add_row(self, record: dict) -> None:
         self.rows.append(record)
@@ -566,6 +568,7 @@ class _BatchWriter:
         if len(report.quarantine_examples) < 20:
             report.quarantine_examples.append({"line": line, "reason": rejection.reason,
                                                "detail": rejection.detail})
+        self.quarantined_lines.add(line)
         if raw is not None:
             raw = self.redact(raw[:RAW_KEEP_CHARS])[0]
         self.rejected.append({"source_file": self.source_file, "line_number": line,
@@ -611,16 +614,62 @@ class _BatchWriter:
                     self.report.redacted_rows += row["redactions"] > 0
             if self.rejected:
                 lines = [row["line_number"] for row in self.rejected]
-                seen = set(connection.execute(
-                    select(QuarantinedRequest.line_number)
+                seen = dict(connection.execute(
+                    select(QuarantinedRequest.line_number,
+                           QuarantinedRequest.file_error.is_not(None)
+                           | QuarantinedRequest.superseded_at.is_not(None))
                     .where(QuarantinedRequest.source_file == self.source_file,
-                           QuarantinedRequest.line_number.in_(lines))).scalars())
+                           QuarantinedRequest.line_number.in_(lines))).all())
+                # an entry of a broken read (or superseded) is replaced by what this read found
+                stale = [row for row in self.rejected if seen.get(row["line_number"])]
+                for row in stale:
+                    connection.execute(update(QuarantinedRequest).where(
+                        (QuarantinedRequest.source_file == self.source_file)
+                        & (QuarantinedRequest.line_number == row["line_number"])).values(
+                        **row, file_error=None, superseded_at=None, superseded_by=None))
                 statement = _insert(connection, QuarantinedRequest).on_conflict_do_nothing(
                     index_elements=["source_file", "line_number"])
                 connection.execute(statement, self.rejected)
-                self.report.quarantined_new += len(set(lines) - seen)
+                self.report.quarantined_new += len(set(lines) - set(seen)) + len(
+                    {row["line_number"] for row in stale})
         self.rows.clear()
         self.rejected.clear()
+
+
+    def mark_read_error(self, error: str) -> None:
+        """The read of the file failed: the entries this import quarantined may be garbled lines
+        of a corrupt stream (a gzip yields them before its checksum fails); say so on them."""
+        lines = sorted(self.quarantined_lines)
+        with self.engine.begin() as connection:
+            for first in range(0, len(lines), 500):
+                connection.execute(update(QuarantinedRequest).where(
+                    (QuarantinedRequest.source_file == self.source_file)
+                    & QuarantinedRequest.line_number.in_(lines[first:first + 500])
+                    & QuarantinedRequest.superseded_at.is_(None)).values(file_error=error[:2000]))
+
+    def supersede_broken_reads(self) -> int:
+        """The file was read to its end: the open entries an earlier, broken read of it left
+        (file_error set) are superseded, by the request stored from that line when there is one.
+        Returns how many."""
+        with self.engine.begin() as connection:
+            lines = list(connection.execute(select(QuarantinedRequest.line_number).where(
+                (QuarantinedRequest.source_file == self.source_file)
+                & QuarantinedRequest.file_error.is_not(None)
+                & QuarantinedRequest.superseded_at.is_(None))).scalars())
+            now = utcnow()
+            for first in range(0, len(lines), 500):
+                chunk = lines[first:first + 500]
+                stored = dict(connection.execute(
+                    select(TrafficRequest.source_line, TrafficRequest.id).where(
+                        (TrafficRequest.source_file == self.source_file)
+                        & TrafficRequest.source_line.in_(chunk))).all())
+                for line in chunk:
+                    connection.execute(update(QuarantinedRequest).where(
+                        (QuarantinedRequest.source_file == self.source_file)
+                        & (QuarantinedRequest.line_number == line)).values(
+                        superseded_at=now, superseded_by=stored.get(line)))
+        self.report.superseded = len(lines)
+        return len(lines)
 
 
 def import_traffic(path: str | Path, db_url: str | None = None, settings: Settings | None = None,
@@ -682,12 +731,14 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
                     bar.set_postfix(rows=report.rows_read, refresh=False)
                     bar.refresh()
             writer.flush()
+            writer.supersede_broken_reads()
             bar.n = size
             bar.refresh()
     except DBAPIError as exc:                          # read-only, full or gone mid-import
         raise database_error(url, exc) from None
     except (OSError, EOFError, zlib.error) as exc:   # a truncated or corrupt gzip, a bad disk
         writer.flush()                                  # every complete row before the break
+        writer.mark_read_error(f"reading stopped at line {line + 1} ({type(exc).__name__}: {exc})")
         raise TrafficFileError(
             f"{path}: reading stopped at line {line + 1} ({type(exc).__name__}: {exc}); the "
             f"{report.inserted} new rows before it are stored ({report.quarantined} quarantined). "
