@@ -372,12 +372,13 @@ class Promotion(Base):
     __tablename__ = "promotions"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ID, index=True)
-    target_id: Mapped[str] = mapped_column(NAME)
+    # 0011: NULL on a refused rollback of a model without a champion (no run, no target known)
+    run_id: Mapped[str | None] = mapped_column(ID, index=True)
+    target_id: Mapped[str | None] = mapped_column(NAME)
     config_name: Mapped[str | None] = mapped_column(NAME)
     config_version: Mapped[str | None] = mapped_column(String(32))
     alias: Mapped[str] = mapped_column(String(32))           # champion | challenger
-    action: Mapped[str] = mapped_column(String(32))          # promote | reject | rollback
+    action: Mapped[str] = mapped_column(String(32))          # register | promote | reject | rollback | ungated
     forced: Mapped[bool] = mapped_column(Boolean, default=False)
     actor: Mapped[str | None] = mapped_column(NAME)
     gates: Mapped[dict | None] = mapped_column(JSON)
