@@ -68,6 +68,7 @@ NUL_CHARACTER = "nul_character"
 MAX_TOKENS_LIMIT = 10_000_000   # a max_tokens above it is a logging bug, not a request
 EXIT_QUARANTINED = 3            # `specdec traffic import` exit status when rows were quarantined
 
+TOO_DEEP = "JSON nested too deeply (arrays or objects over about 1,000 levels)"
 RAW_KEEP_CHARS = 2000          # how much of a rejected row the quarantine keeps (after redaction)
 EARLIEST = datetime(2000, 1, 1)
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -296,6 +297,8 @@ def _prompt_of(row: dict) -> tuple[list | None, str, str]:
             messages = json.loads(messages)   # CSV carries messages as JSON text
         except json.JSONDecodeError:
             raise RowRejected(INVALID_FIELD, "\"messages\" is a string but not JSON") from None
+        except RecursionError:
+            raise RowRejected(INVALID_FIELD, f"\"messages\": {TOO_DEEP}") from None
     if messages is not None and messages != "":
         if not isinstance(messages, list) or not messages:
             raise RowRejected(INVALID_FIELD, "\"messages\" must be a non-empty list of "
@@ -350,6 +353,8 @@ def _token_ids(row: dict, name: str) -> list[int] | None:
             value = json.loads(value)
         except json.JSONDecodeError:
             raise RowRejected(INVALID_FIELD, f"{name} is a string but not a JSON array") from None
+        except RecursionError:
+            raise RowRejected(INVALID_FIELD, f"{name}: {TOO_DEEP}") from None
     if not isinstance(value, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 10_000_000 for t in value):
         raise RowRejected(INVALID_FIELD, f"{name} must be a list of token ids (integers >= 0)")
@@ -414,6 +419,9 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
             row = json.loads(text)
         except json.JSONDecodeError as exc:
             yield number, None, text, RowRejected(MALFORMED_JSON, f"{exc.msg} at column {exc.colno}")
+            continue
+        except RecursionError:
+            yield number, None, text, RowRejected(MALFORMED_JSON, TOO_DEEP)
             continue
         if not isinstance(row, dict):
             yield number, None, text, RowRejected(NOT_AN_OBJECT,
