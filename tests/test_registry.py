@@ -39,7 +39,7 @@ from tasks.registry.vllm_export import vllm_export
 from tasks.settings import load_settings
 
 from .helpers.db import POSTGRES_ENV
-from .helpers.processes import MlflowServer
+from .helpers.processes import MlflowServer, specdec
 from .helpers.registry import DEFAULTS, LABEL, finished_run, promote_, register
 from .helpers.registry import now as _now
 
@@ -305,6 +305,49 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
         rollback(name, db_url=db_url, uri=tracking)
     assert champion_of(tracking, name) == "1"
     assert [r["action"] for r in promotions(db_url)].count("rollback") == 1
+
+
+@pytest.mark.integration
+def test_refused_rollbacks_are_audit_rows_and_force_is_recorded_only_when_it_overrode_a_gate(
+        db_url, tracking, target_id):
+    """`specdec config rollback|promote` in new processes: every refused rollback (no champion,
+    nothing to roll back to, another champion than expected) is a committed `reject` row; a
+    --force the gates did not need is recorded as not forced, in promotions and refusals alike."""
+    name = config_model_name(target_id)
+    common = ["--target", target_id, "--tracking-uri", tracking, "--url", db_url]
+    for run_id in ("run-1", "run-2"):
+        finished_run(db_url, run_id, {"json": {}}, target_id=target_id)
+        register(run_id, db_url, tracking)
+
+    def run(*args: str, status: int, says: str) -> dict:
+        result = specdec("config", *args, *common)
+        assert result.returncode == status and says in " ".join(result.stdout.split()), \
+            result.stdout + result.stderr
+        return promotions(db_url)[-1]
+
+    row = run("rollback", status=2, says="has no champion to roll back")
+    assert (row["action"], row["config_version"], row["run_id"], row["forced"]) == (
+        "reject", None, None, False)
+    assert row["reason"].startswith("rollback refused:") and row["gates"]["command"] == "rollback"
+
+    row = run("promote", "1", "--force", status=0, says="version 1: promoted to champion: all gates passed")
+    assert (row["action"], row["config_version"], row["forced"]) == ("promote", "1", False)
+
+    row = run("rollback", status=2, says="nothing to roll back to")
+    assert (row["action"], row["config_version"], row["run_id"], row["target_id"]) == (
+        "reject", "1", "run-1", target_id)
+    row = run("rollback", "--expected-champion", "2", status=2, says="the champion is now 1")
+    assert row["action"] == "reject" and row["gates"]["expected_champion"] == "2"
+
+    row = run("promote", "1", "--force", status=1, says="version 1 is already the champion")
+    assert (row["action"], row["forced"], row["gates"]["force_requested"]) == ("reject", False, True)
+    row = run("promote", "2", "--force", "--expected-champion", "3", status=1, says="re-run the gates")
+    assert (row["action"], row["forced"]) == ("reject", False)
+
+    assert [(r["action"], r["forced"]) for r in promotions(db_url)] == [
+        ("register", False), ("register", False), ("reject", False), ("promote", False),
+        ("reject", False), ("reject", False), ("reject", False), ("reject", False)]
+    assert champion_of(tracking, name) == "1"
 
 
 # 5. compare-and-set

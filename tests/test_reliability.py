@@ -22,7 +22,7 @@ from tasks.masking import mask_text, mask_url
 from tasks.steps.traffic_import import EXIT_QUARANTINED, import_traffic
 
 from .helpers import REPO
-from .helpers.processes import free_port
+from .helpers.processes import free_port, specdec
 from .helpers.registry import finished_run, register
 from .helpers.traffic import request_row, traffic, write_jsonl
 
@@ -130,6 +130,35 @@ def test_a_corrupt_sqlite_file_is_named_and_left_alone(tmp_path):
     with pytest.raises(DatabaseUnavailable, match="not a readable SQLite database"):
         upgrade(url)
     assert path.read_bytes() == junk
+
+
+@pytest.mark.integration
+def test_a_sqlite_file_with_one_overwritten_page_is_refused_and_left_byte_for_byte(tmp_path):
+    """One page of a populated database overwritten with garbage: `db upgrade` and `traffic
+    import` (new processes) say what a garbage file gets, exit 2, and leave the file as it was: no
+    write, no switch to WAL (no -wal/-shm beside it)."""
+    import sqlite3
+
+    home = tmp_path / "home"
+    assert specdec("db", "upgrade", home=home).returncode == 0
+    rows = write_jsonl(tmp_path / "a.jsonl", [request_row(i) for i in range(1, 201)])
+    assert specdec("traffic", "import", str(rows), "--no-progress", home=home).returncode == 0
+    path = home / "specdec.db"
+    with sqlite3.connect(path) as connection:          # as a copy restored from a backup is
+        connection.execute("PRAGMA journal_mode=DELETE")
+    connection.close()
+    with open(path, "r+b") as handle:
+        handle.seek(4096 * 2)
+        handle.write(bytes((i * 37 + 11) % 256 for i in range(4096)))
+    damaged = path.read_bytes()
+    for args in (("db", "upgrade"), ("traffic", "import", str(rows), "--no-progress")):
+        result = specdec(*args, home=home)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "is not a readable SQLite database" in result.stdout, result.stdout
+        assert "Move it aside and run `specdec db upgrade`" in " ".join(result.stdout.split())
+        assert "Traceback" not in result.stdout + result.stderr
+        assert path.read_bytes() == damaged
+        assert sorted(p.name for p in home.iterdir() if p.name.startswith("specdec.db")) == ["specdec.db"]
 
 
 def test_a_read_only_database_says_so_and_loses_nothing(tmp_path):

@@ -20,7 +20,8 @@ from tasks.errors import DatabaseUnavailable, TrafficFileError
 from tasks.settings import load_settings
 from tasks.steps.traffic_import import import_traffic, purge_traffic, sample_traffic_path
 
-from .helpers.traffic import traffic
+from .helpers.processes import specdec
+from .helpers.traffic import request_row, traffic
 
 
 def rows_of(url, model, order_by=None):
@@ -349,3 +350,122 @@ def test_shipped_sample_imports_cleanly(db_url):
     assert 0 < greedy < report["inserted"]
     assert timedelta(days=10) < span[1] - span[0] <= timedelta(days=14)
     assert missing_ids == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 33: CSV bytes that are not UTF-8, a CSV without its header (the CLI in a new process)
+CSV_HEADER = b"id,timestamp,domain,prompt,response,temperature,model\n"
+
+
+@pytest.mark.integration
+def test_a_csv_row_with_a_byte_that_is_not_utf8_is_quarantined_with_its_line_and_offset(db_url, tmp_path):
+    # the row is not stored with U+FFFD in place of the byte: it is quarantined like a JSONL line
+    # (also inside a quoted cell spanning lines); the rows around it land
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(CSV_HEADER
+                     + b"c1,2025-11-03T10:00:00Z,qa,Why?,Because.,0,m\n"
+                     + b"c2,2025-11-03T11:00:00Z,qa,Why?,caf\xe9 au lait,0,m\n"
+                     + b"c3,2025-11-03T12:00:00Z,qa,Why?,Fine.,0,m\n"
+                     + b'c4,2025-11-03T13:00:00Z,qa,"two\nli\xffnes",Yes.,0,m\n'
+                     + b"c5,2025-11-03T14:00:00Z,qa,Why?,Also fine.,0,m\n")
+    for _ in range(2):                                        # a re-import adds nothing
+        result = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress", "--json")
+        assert result.returncode == 3, result.stdout + result.stderr
+    stored = traffic(db_url)
+    assert set(stored) == {"c1", "c3", "c5"}
+    assert not any("\ufffd" in row["response"] + row["prompt"] for row in stored.values())
+    assert quarantine(db_url) == [(3, "malformed_csv"), (5, "malformed_csv")]
+    details = {row["line_number"]: row["detail"] for row in rows_of(db_url, QuarantinedRequest)}
+    assert details[3] == ("not UTF-8 (invalid continuation byte at byte 35 of line 3, byte 134 of "
+                          "the file)")
+    assert "at byte 2 of line 6" in details[5]
+
+
+@pytest.mark.integration
+def test_a_csv_without_its_header_gets_a_short_redacted_line_naming_the_expected_columns(db_url, tmp_path):
+    row = ("r1,2025-11-03T10:00:00Z,qa,Please write to ana.lima@example.org about "
+           + "x" * 950 + ",Sure.,0,m\n")
+    path = tmp_path / "no-header.csv"
+    path.write_text(row * 3)
+    result = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress")
+    assert result.returncode == 2
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    message = lines[0]
+    assert str(path) in message and "has no header line" in message
+    assert "id, timestamp, response, prompt or messages" in message
+    assert "ana.lima@example.org" not in message and "[EMAIL]" in message   # redacted preview
+    assert "x" * 81 not in message and len(message) < 450 + len(str(path))
+    assert count(db_url, "traffic_requests") == 0
+
+
+def corrupt_gzip(data: bytes) -> tuple[bytes, bytes]:
+    """(intact gzip of data, the same with one bit flipped inside its deflate stream) where the
+    flipped stream still decodes to its end -- garbled lines, none of them valid JSON -- and only
+    the gzip checksum fails. Searched from the middle, so deterministic for a zlib build."""
+    import zlib
+
+    good = gzip.compress(data, mtime=0)
+    lines = data.split(b"\n")
+    for position in range(len(good) // 2, len(good) - 8):
+        for bit in range(8):
+            bad = bytearray(good)
+            bad[position] ^= 1 << bit
+            decoder = zlib.decompressobj(-15)          # raw deflate after the 10-byte header
+            try:
+                out = decoder.decompress(bytes(bad[10:]))
+            except zlib.error:
+                continue
+            garbled = [line for line in out.split(b"\n") if line and line not in lines]
+            if decoder.eof and len(garbled) >= 20 and all(_not_json(line) for line in garbled):
+                return good, bytes(bad)
+    raise AssertionError("no bit flip garbles this stream without breaking it")
+
+
+def _not_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.integration
+def test_a_corrupt_gzips_garbled_lines_are_superseded_by_the_intact_files_import(db_url, tmp_path):
+    # a bit flipped in the deflate stream: garbled lines are quarantined before the checksum fails;
+    # importing the intact file at the same path supersedes them, stores every real row once, and
+    # the report counts no open entry
+    from tasks.steps.reports import run_report
+
+    rows = [request_row(i) for i in range(1, 301)]
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    good, bad = corrupt_gzip(data)
+    path = tmp_path / "traffic.jsonl.gz"
+    path.write_bytes(bad)
+    broken = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress")
+    assert broken.returncode == 2 and "CRC check failed" in broken.stdout, broken.stdout
+    first = rows_of(db_url, QuarantinedRequest, QuarantinedRequest.line_number)
+    assert len(first) >= 20 and all(e["file_error"] and "CRC check failed" in e["file_error"]
+                                    and e["superseded_at"] is None for e in first)
+    assert sum(r["rows_rejected"] for r in report_rows(run_report("quarantined_by_reason", db_url))) \
+        == len(first)
+    assert set(traffic(db_url)) < {row["id"] for row in rows}
+
+    path.write_bytes(good)                                  # the repaired file, same source
+    for _ in range(2):
+        repaired = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress")
+        assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    after = rows_of(db_url, QuarantinedRequest, QuarantinedRequest.line_number)
+    assert [e["id"] for e in after] == [e["id"] for e in first]
+    assert all(e["superseded_at"] is not None for e in after)
+    by_line = {e["line_number"]: e["superseded_by"] for e in after}
+    assert {line: by for line, by in by_line.items() if line <= 300} == {
+        line: f"req-{line:05d}" for line in by_line if line <= 300}
+    assert report_rows(run_report("quarantined_by_reason", db_url)) == []
+    stored = traffic(db_url)
+    assert set(stored) == {row["id"] for row in rows} and count(db_url, "traffic_requests") == 300
+    assert all(stored[row["id"]]["response"] == row["response"] for row in rows)
+
+
+def report_rows(report: dict) -> list[dict]:
+    return [dict(zip(report["columns"], row)) for row in report["rows"]]

@@ -57,6 +57,9 @@ def cmd_traffic_import(args) -> int:
             f"{escape(source)} {count}" for source, count in sorted(report["domains_by_rule"].items())))
     if report["redacted_rows"]:
         console.print(f"redacted rows: {report['redacted_rows']}")
+    if report["superseded"]:
+        console.print(f"superseded {report['superseded']} quarantine entries that an earlier, broken "
+                      "read of this file left (no longer counted by `specdec report quarantined_by_reason`)")
     if report["quarantined"]:
         table = Table(title=f"quarantined rows by reason (first {len(report['quarantine_examples'])} shown)")
         for column in ("line", "reason", "detail"):

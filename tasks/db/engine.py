@@ -16,8 +16,9 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
 from ..errors import DatabaseNotMigrated, DatabaseUnavailable
 from ..masking import mask_text, mask_url
@@ -80,8 +81,43 @@ _ENGINES: dict[str, Engine] = {}
 
 def _engine_for(url: str) -> Engine:
     if url not in _ENGINES:
+        path = _sqlite_path(url)
+        if path is not None:
+            check_sqlite_file(url, path)    # once per process, before anything connects
         _ENGINES[url] = _create_engine(url)
     return _ENGINES[url]
+
+
+INTEGRITY_CHECK_MAX_BYTES = 64 * 2**20   # above it the cheaper quick_check (no index contents)
+
+
+def check_sqlite_file(url: str, path: Path) -> None:
+    """Raise DatabaseUnavailable (the corrupt-file line of database_error) when the SQLite file at
+    `path` is damaged: PRAGMA integrity_check on files up to INTEGRITY_CHECK_MAX_BYTES, else
+    PRAGMA quick_check, on a read-only connection of its own, so a damaged file is never written
+    to (no journal-mode switch). Runs before the engine's first connection, so once per process
+    and URL. A missing or empty file, or one that cannot be opened for another reason (locked,
+    unreadable), passes: creating it or the engine's own error handles those."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return
+    if size == 0:
+        return
+    pragma = "integrity_check" if size <= INTEGRITY_CHECK_MAX_BYTES else "quick_check"
+    checker = create_engine(URL.create("sqlite", database=f"{path.resolve().as_uri()}?mode=ro",
+                                       query={"uri": "true"}), poolclass=NullPool)
+    try:
+        with checker.connect() as connection:
+            problems = [row[0] for row in connection.exec_driver_sql(f"PRAGMA {pragma}(3)")]
+    except DBAPIError as exc:
+        if _is_corrupt(str(getattr(exc, "orig", exc))):
+            raise database_error(url, exc) from None
+        return
+    finally:
+        checker.dispose()
+    if problems != ["ok"]:
+        raise _corrupt_error(url, f"{pragma}: {'; '.join(problems)[:300]}")
 
 
 def _create_engine(url: str) -> Engine:
@@ -151,11 +187,8 @@ def database_error(url: str, exc: Exception) -> DatabaseUnavailable:
     database (password hidden) and the fix."""
     reason = mask_text(str(getattr(exc, "orig", exc)).strip().splitlines()[0][:300])
     lowered = reason.lower()
-    if "not a database" in lowered or "malformed" in lowered:
-        return DatabaseUnavailable(
-            f"the specdec database {display_url(url)} is not a readable SQLite database ({reason}): it "
-            "is corrupt or another kind of file. Move it aside and run `specdec db upgrade` for a new "
-            "one, or restore it from a backup")
+    if _is_corrupt(lowered):
+        return _corrupt_error(url, reason)
     if "readonly" in lowered or "read-only" in lowered or "read only" in lowered:
         return DatabaseUnavailable(
             f"the specdec database {display_url(url)} is read-only ({reason}); nothing was written. "
@@ -163,6 +196,18 @@ def database_error(url: str, exc: Exception) -> DatabaseUnavailable:
     return DatabaseUnavailable(
         f"cannot connect to the specdec database {display_url(url)} ({reason}); check that the "
         f"server is running and {DATABASE_URL_ENV} is right, then run `specdec db upgrade`")
+
+
+def _is_corrupt(message: str) -> bool:
+    lowered = message.lower()
+    return "not a database" in lowered or "malformed" in lowered
+
+
+def _corrupt_error(url: str, reason: str) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"the specdec database {display_url(url)} is not a readable SQLite database ({reason}): it "
+        "is corrupt or another kind of file. Move it aside and run `specdec db upgrade` for a new "
+        "one, or restore it from a backup")
 
 
 def _connectable(url: str) -> Engine:

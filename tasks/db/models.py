@@ -88,6 +88,13 @@ class QuarantinedRequest(Base):
     detail: Mapped[str] = mapped_column(Text)
     raw: Mapped[str | None] = mapped_column(Text)
     imported_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    # 0010: an entry quarantined by an import whose read of the file then failed (a corrupt gzip
+    # yields garbled lines before its checksum fails): that read error. A later complete import
+    # of the same file supersedes such entries: when, and the request id stored from that line
+    # (NULL: the line holds no row in the intact file). Reports count open entries only.
+    file_error: Mapped[str | None] = mapped_column(Text)
+    superseded_at: Mapped[datetime | None] = mapped_column(DateTime)
+    superseded_by: Mapped[str | None] = mapped_column(ID)
 
     __table_args__ = (UniqueConstraint("source_file", "line_number"),)
 
@@ -365,12 +372,13 @@ class Promotion(Base):
     __tablename__ = "promotions"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ID, index=True)
-    target_id: Mapped[str] = mapped_column(NAME)
+    # 0011: NULL on a refused rollback of a model without a champion (no run, no target known)
+    run_id: Mapped[str | None] = mapped_column(ID, index=True)
+    target_id: Mapped[str | None] = mapped_column(NAME)
     config_name: Mapped[str | None] = mapped_column(NAME)
     config_version: Mapped[str | None] = mapped_column(String(32))
     alias: Mapped[str] = mapped_column(String(32))           # champion | challenger
-    action: Mapped[str] = mapped_column(String(32))          # promote | reject | rollback
+    action: Mapped[str] = mapped_column(String(32))          # register | promote | reject | rollback | ungated
     forced: Mapped[bool] = mapped_column(Boolean, default=False)
     actor: Mapped[str | None] = mapped_column(NAME)
     gates: Mapped[dict | None] = mapped_column(JSON)

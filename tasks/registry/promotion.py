@@ -3,7 +3,8 @@ rollback, and the audit rows.
 
 Promotion checks the gates against the current champion, then moves `champion` only if the
 champion is still the version the gates compared against. Every registration, promotion, refusal,
-forced promotion and rollback is a row in specdec's `promotions` table.
+forced promotion and rollback (a refused one too) is a row in specdec's `promotions` table; a row is
+forced only when --force carried a promotion past a failing gate.
 """
 
 from __future__ import annotations
@@ -143,11 +144,13 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
             log.warning("%s version %s: gates not written on the page (%s)", name, version, exc)
 
     def refuse(reason: str, connection=None, champion: str | None = before) -> dict:
-        record_promotion(db_url, connection, action="reject", forced=force, gates=summary,
-                         reason=reason, **record)
+        # forced: only a promotion that --force carried past a failing gate; a refusal overrode
+        # nothing (that --force was asked is kept in the row's gates)
+        record_promotion(db_url, connection, action="reject", forced=False,
+                         gates={**summary, "force_requested": force}, reason=reason, **record)
         log.warning("promotion of %s version %s refused: %s", name, version, reason)
         page_gates(f"NOT promoted: {reason}"[:300])
-        return {"promoted": False, "forced": force, "version": version, "champion": champion,
+        return {"promoted": False, "forced": False, "version": version, "champion": champion,
                 "gates": gates, "reason": reason}
 
     if expected_champion != "current" and (expected_champion or None) != before:
@@ -179,32 +182,56 @@ def rollback(name: str, db_url: str | None = None, uri: str | None = None,
              actor: str | None = None, expected_champion: str | None = "current") -> dict:
     """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
     inside alias_lock. expected_champion: the champion the caller means to roll back ("current":
-    whatever it is when the lock is taken); a different champion refuses with RegistryError."""
+    whatever it is when the lock is taken); a different champion refuses with RegistryError.
+    A refusal (no champion, another champion than expected, nothing to roll back to) is an audit
+    row too (action "reject", gates {"command": "rollback", ...}), committed before the error."""
     db_url = resolve_database_url(db_url)
     mlflow_client = client(tracking_uri(uri, db_url))
+    actor = actor or current_user()
     with alias_lock(db_url, name) as connection:
         current = alias_version(mlflow_client, name, CHAMPION)
+        refusal = None
+        previous = None
         if current is None:
-            raise RegistryError(f"{name} has no champion to roll back")
-        if expected_champion != "current" and str(expected_champion) != current:
-            raise RegistryError(f"{name}: asked to roll back champion {expected_champion}, but the "
-                                f"champion is now {current}; nothing was changed (check `specdec "
-                                "config show` and run the rollback again)")
-        row = connection.execute(
-            select(Promotion).where((Promotion.config_name == name) & (Promotion.alias == CHAMPION)
-                                    & (Promotion.action == "promote")
-                                    & (Promotion.config_version == current))
-            .order_by(Promotion.id.desc()).limit(1)).mappings().first()
-        previous = (row["gates"] or {}).get("champion_before") if row else None
-        if not previous:
-            raise RegistryError(f"{name} champion version {current} replaced no earlier champion (per "
-                                "the promotions table): nothing to roll back to")
-        config = load_version_config(mlflow_client, name, previous)
-        mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
-        record_promotion(db_url, connection, run_id=config.run_id, target_id=config.target.id,
-                         config_name=name, config_version=previous, alias=CHAMPION, action="rollback",
-                         forced=False, actor=actor or current_user(),
-                         gates={"champion_before": current}, reason=f"rolled back from version {current}")
+            refusal = f"{name} has no champion to roll back"
+        elif expected_champion != "current" and str(expected_champion) != current:
+            refusal = (f"{name}: asked to roll back champion {expected_champion}, but the champion "
+                       f"is now {current}; nothing was changed (check `specdec config show` and run "
+                       "the rollback again)")
+        else:
+            row = connection.execute(
+                select(Promotion).where((Promotion.config_name == name) & (Promotion.alias == CHAMPION)
+                                        & (Promotion.action == "promote")
+                                        & (Promotion.config_version == current))
+                .order_by(Promotion.id.desc()).limit(1)).mappings().first()
+            previous = (row["gates"] or {}).get("champion_before") if row else None
+            if not previous:
+                refusal = (f"{name} champion version {current} replaced no earlier champion (per the "
+                           "promotions table): nothing to roll back to")
+        if refusal is not None:
+            # the champion's run and target, from its registration row (none without a champion)
+            known = connection.execute(
+                select(Promotion.run_id, Promotion.target_id)
+                .where((Promotion.config_name == name) & (Promotion.config_version == current))
+                .order_by(Promotion.id.desc()).limit(1)).first() if current else None
+            record_promotion(db_url, connection, run_id=known[0] if known else None,
+                             target_id=known[1] if known else None, config_name=name,
+                             config_version=current, alias=CHAMPION, action="reject", forced=False,
+                             actor=actor, reason=f"rollback refused: {refusal}"[:2000],
+                             gates={"command": "rollback", "champion_before": current,
+                                    "expected_champion": None if expected_champion == "current"
+                                    else str(expected_champion)})
+        else:
+            config = load_version_config(mlflow_client, name, previous)
+            mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
+            record_promotion(db_url, connection, run_id=config.run_id, target_id=config.target.id,
+                             config_name=name, config_version=previous, alias=CHAMPION,
+                             action="rollback", forced=False, actor=actor,
+                             gates={"champion_before": current},
+                             reason=f"rolled back from version {current}")
+    if refusal is not None:          # raised once the refusal's audit row is committed
+        log.info("rollback of %s refused: %s", name, refusal)   # the error says it once
+        raise RegistryError(refusal)
     refresh_champion_lines(mlflow_client, name, previous,
                            f"restored by `specdec config rollback` from version {current}", also=(current,))
     return {"champion": previous, "champion_before": current}

@@ -26,7 +26,6 @@ import codecs
 import csv
 import gzip
 import hashlib
-import io
 import json
 import logging
 import math
@@ -39,7 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
@@ -69,6 +68,7 @@ NUL_CHARACTER = "nul_character"
 MAX_TOKENS_LIMIT = 10_000_000   # a max_tokens above it is a logging bug, not a request
 EXIT_QUARANTINED = 3            # `specdec traffic import` exit status when rows were quarantined
 
+TOO_DEEP = "JSON nested too deeply (arrays or objects over about 1,000 levels)"
 RAW_KEEP_CHARS = 2000          # how much of a rejected row the quarantine keeps (after redaction)
 EARLIEST = datetime(2000, 1, 1)
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -101,6 +101,7 @@ class ImportReport:
     quarantine_examples: list[dict] = field(default_factory=list)
     domains_by_rule: dict[str, int] = field(default_factory=dict)
     redacted_rows: int = 0
+    superseded: int = 0        # entries of an earlier broken read of this file, now superseded
     seconds: float = 0.0
 
     @property
@@ -296,6 +297,8 @@ def _prompt_of(row: dict) -> tuple[list | None, str, str]:
             messages = json.loads(messages)   # CSV carries messages as JSON text
         except json.JSONDecodeError:
             raise RowRejected(INVALID_FIELD, "\"messages\" is a string but not JSON") from None
+        except RecursionError:
+            raise RowRejected(INVALID_FIELD, f"\"messages\": {TOO_DEEP}") from None
     if messages is not None and messages != "":
         if not isinstance(messages, list) or not messages:
             raise RowRejected(INVALID_FIELD, "\"messages\" must be a non-empty list of "
@@ -350,6 +353,8 @@ def _token_ids(row: dict, name: str) -> list[int] | None:
             value = json.loads(value)
         except json.JSONDecodeError:
             raise RowRejected(INVALID_FIELD, f"{name} is a string but not a JSON array") from None
+        except RecursionError:
+            raise RowRejected(INVALID_FIELD, f"{name}: {TOO_DEEP}") from None
     if not isinstance(value, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 10_000_000 for t in value):
         raise RowRejected(INVALID_FIELD, f"{name} must be a list of token ids (integers >= 0)")
@@ -415,6 +420,9 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
         except json.JSONDecodeError as exc:
             yield number, None, text, RowRejected(MALFORMED_JSON, f"{exc.msg} at column {exc.colno}")
             continue
+        except RecursionError:
+            yield number, None, text, RowRejected(MALFORMED_JSON, TOO_DEEP)
+            continue
         if not isinstance(row, dict):
             yield number, None, text, RowRejected(NOT_AN_OBJECT,
                                                   f"expected a JSON object, got {type(row).__name__}")
@@ -422,25 +430,84 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
         yield number, row, text, None
 
 
-def _csv_rows(stream, max_bytes: int, path: Path):
-    text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline="")
+class _CsvLines:
+    """The physical lines of a CSV file for csv.reader, each decoded on its own as UTF-8: a line
+    with an undecodable byte is passed on with U+FFFD in its place (so the reader keeps its
+    place) and noted in `bad` (line number -> where), and its record is quarantined. A UTF-8 byte
+    order mark before the first line is dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.number = 0
+        self.offset = 0                  # bytes of the (decompressed) file before this line
+        self.bad: dict[int, str] = {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = self.stream.readline()
+        if not line:
+            raise StopIteration
+        self.number += 1
+        start = self.offset
+        self.offset += len(line)
+        if self.number == 1 and line.startswith(codecs.BOM_UTF8):
+            line = line[len(codecs.BOM_UTF8):]
+            start += len(codecs.BOM_UTF8)
+        try:
+            return line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.bad[self.number] = (f"not UTF-8 ({exc.reason} at byte {exc.start} of line "
+                                     f"{self.number}, byte {start + exc.start} of the file)")
+            return line.decode("utf-8", "replace")
+
+    def first_bad(self, first: int, last: int) -> str | None:
+        """Where the first undecodable byte of lines first..last is, or None."""
+        return next((self.bad[n] for n in range(first, last + 1) if n in self.bad), None)
+
+
+CSV_COLUMNS = ("id", "timestamp", "domain", "prompt", "messages", "response", "temperature", "top_k",
+               "top_p", "max_tokens", "sampling", "model", "target_fingerprint", "prompt_token_ids",
+               "response_token_ids")
+PREVIEW_CHARS = 80   # how much of a bad header line an error message shows (redacted)
+
+
+def _header_error(path: Path, header: list[str], line: str, redact) -> TrafficFileError:
+    """The one-line error for a CSV whose first line does not name the needed columns: the file,
+    what is missing, the columns expected, and a short redacted preview of the line."""
+    missing = sorted(CSV_REQUIRED - set(header)) + ([] if {"prompt", "messages"} & set(header)
+                                                    else ["prompt or messages"])
+    preview = redact(line.strip())[0] if redact else line.strip()
+    preview = preview[:PREVIEW_CHARS] + ("..." if len(preview) > PREVIEW_CHARS else "")
+    known = set(CSV_COLUMNS) | set(ALIASES)
+    what = ("has no header line" if not known & set(header) else
+            f"has a header that lacks {', '.join(missing)}")
+    return TrafficFileError(
+        f"{path}: the CSV {what} (first line: {preview!r}); the first line must name the columns: "
+        f"id, timestamp, response, prompt or messages, and optionally "
+        f"{', '.join(c for c in CSV_COLUMNS if c not in CSV_REQUIRED | {'prompt', 'messages'})}")
+
+
+def _csv_rows(stream, max_bytes: int, path: Path, redact=None):
+    lines = _CsvLines(stream)
     previous_limit = csv.field_size_limit()
     csv.field_size_limit(max_bytes)
     try:
-        reader = csv.reader(text)
+        reader = csv.reader(lines)
         try:
             header = next(reader)
         except StopIteration:
             return
         except csv.Error as exc:
             raise TrafficFileError(f"{path}: the CSV header cannot be read ({exc})") from exc
+        bad = lines.first_bad(1, reader.line_num)
+        if bad:
+            raise TrafficFileError(f"{path}: the CSV header line is {bad}; save the file as UTF-8")
+        first_line = ",".join(header)
         header = [ALIASES.get(name.strip(), name.strip()) for name in header]
-        missing = CSV_REQUIRED - set(header)
-        if missing or not ({"prompt", "messages"} & set(header)):
-            raise TrafficFileError(
-                f"{path}: the CSV header {header} lacks {sorted(missing) or ['prompt or messages']}; "
-                "the first line must name the columns (id, timestamp, domain, prompt or messages, "
-                "response, temperature, top_k, top_p, model, ...)")
+        if (CSV_REQUIRED - set(header)) or not ({"prompt", "messages"} & set(header)):
+            raise _header_error(path, header, first_line, redact)
         last_line = reader.line_num
         while True:
             start = last_line + 1
@@ -458,6 +525,10 @@ def _csv_rows(stream, max_bytes: int, path: Path):
             if not any(v.strip() for v in values):
                 continue
             raw = ",".join(values)
+            bad = lines.first_bad(start, last_line)
+            if bad:
+                yield start, None, raw[:RAW_KEEP_CHARS], RowRejected(MALFORMED_CSV, bad)
+                continue
             if len(values) != len(header):
                 yield start, None, raw, RowRejected(
                     MALFORMED_CSV, f"{len(values)} fields, the header has {len(header)}")
@@ -469,7 +540,6 @@ def _csv_rows(stream, max_bytes: int, path: Path):
             yield start, {k: (v if v != "" else None) for k, v in zip(header, values)}, raw, None
     finally:
         csv.field_size_limit(previous_limit)
-        text.detach()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,6 +563,7 @@ class _BatchWriter:
         self.redact = redact
         self.rows: list[dict] = []
         self.rejected: list[dict] = []
+        self.quarantined_lines: set[int] = set()   # lines this import quarantined
 
     def add_row(self, record: dict) -> None:
         self.rows.append(record)
@@ -505,6 +576,7 @@ class _BatchWriter:
         if len(report.quarantine_examples) < 20:
             report.quarantine_examples.append({"line": line, "reason": rejection.reason,
                                                "detail": rejection.detail})
+        self.quarantined_lines.add(line)
         if raw is not None:
             raw = self.redact(raw[:RAW_KEEP_CHARS])[0]
         self.rejected.append({"source_file": self.source_file, "line_number": line,
@@ -550,16 +622,62 @@ class _BatchWriter:
                     self.report.redacted_rows += row["redactions"] > 0
             if self.rejected:
                 lines = [row["line_number"] for row in self.rejected]
-                seen = set(connection.execute(
-                    select(QuarantinedRequest.line_number)
+                seen = dict(connection.execute(
+                    select(QuarantinedRequest.line_number,
+                           QuarantinedRequest.file_error.is_not(None)
+                           | QuarantinedRequest.superseded_at.is_not(None))
                     .where(QuarantinedRequest.source_file == self.source_file,
-                           QuarantinedRequest.line_number.in_(lines))).scalars())
+                           QuarantinedRequest.line_number.in_(lines))).all())
+                # an entry of a broken read (or superseded) is replaced by what this read found
+                stale = [row for row in self.rejected if seen.get(row["line_number"])]
+                for row in stale:
+                    connection.execute(update(QuarantinedRequest).where(
+                        (QuarantinedRequest.source_file == self.source_file)
+                        & (QuarantinedRequest.line_number == row["line_number"])).values(
+                        **row, file_error=None, superseded_at=None, superseded_by=None))
                 statement = _insert(connection, QuarantinedRequest).on_conflict_do_nothing(
                     index_elements=["source_file", "line_number"])
                 connection.execute(statement, self.rejected)
-                self.report.quarantined_new += len(set(lines) - seen)
+                self.report.quarantined_new += len(set(lines) - set(seen)) + len(
+                    {row["line_number"] for row in stale})
         self.rows.clear()
         self.rejected.clear()
+
+
+    def mark_read_error(self, error: str) -> None:
+        """The read of the file failed: the entries this import quarantined may be garbled lines
+        of a corrupt stream (a gzip yields them before its checksum fails); say so on them."""
+        lines = sorted(self.quarantined_lines)
+        with self.engine.begin() as connection:
+            for first in range(0, len(lines), 500):
+                connection.execute(update(QuarantinedRequest).where(
+                    (QuarantinedRequest.source_file == self.source_file)
+                    & QuarantinedRequest.line_number.in_(lines[first:first + 500])
+                    & QuarantinedRequest.superseded_at.is_(None)).values(file_error=error[:2000]))
+
+    def supersede_broken_reads(self) -> int:
+        """The file was read to its end: the open entries an earlier, broken read of it left
+        (file_error set) are superseded, by the request stored from that line when there is one.
+        Returns how many."""
+        with self.engine.begin() as connection:
+            lines = list(connection.execute(select(QuarantinedRequest.line_number).where(
+                (QuarantinedRequest.source_file == self.source_file)
+                & QuarantinedRequest.file_error.is_not(None)
+                & QuarantinedRequest.superseded_at.is_(None))).scalars())
+            now = utcnow()
+            for first in range(0, len(lines), 500):
+                chunk = lines[first:first + 500]
+                stored = dict(connection.execute(
+                    select(TrafficRequest.source_line, TrafficRequest.id).where(
+                        (TrafficRequest.source_file == self.source_file)
+                        & TrafficRequest.source_line.in_(chunk))).all())
+                for line in chunk:
+                    connection.execute(update(QuarantinedRequest).where(
+                        (QuarantinedRequest.source_file == self.source_file)
+                        & (QuarantinedRequest.line_number == line)).values(
+                        superseded_at=now, superseded_by=stored.get(line)))
+        self.report.superseded = len(lines)
+        return len(lines)
 
 
 def import_traffic(path: str | Path, db_url: str | None = None, settings: Settings | None = None,
@@ -596,7 +714,7 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     try:
         line = 0
         rows = (_jsonl_rows(stream, settings.max_row_bytes) if file_format == "jsonl"
-                else _csv_rows(stream, settings.max_row_bytes, path))
+                else _csv_rows(stream, settings.max_row_bytes, path, normalize.redact))
         with tqdm(total=size, unit="B", unit_scale=True, desc=path.name, disable=not progress,
                   leave=False) as bar:
             for line, row, text, rejection in rows:
@@ -621,12 +739,14 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
                     bar.set_postfix(rows=report.rows_read, refresh=False)
                     bar.refresh()
             writer.flush()
+            writer.supersede_broken_reads()
             bar.n = size
             bar.refresh()
     except DBAPIError as exc:                          # read-only, full or gone mid-import
         raise database_error(url, exc) from None
     except (OSError, EOFError, zlib.error) as exc:   # a truncated or corrupt gzip, a bad disk
         writer.flush()                                  # every complete row before the break
+        writer.mark_read_error(f"reading stopped at line {line + 1} ({type(exc).__name__}: {exc})")
         raise TrafficFileError(
             f"{path}: reading stopped at line {line + 1} ({type(exc).__name__}: {exc}); the "
             f"{report.inserted} new rows before it are stored ({report.quarantined} quarantined). "

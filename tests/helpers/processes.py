@@ -125,3 +125,19 @@ class Service:
     def describe(self, chars: int = 4000) -> str:
         state = "running" if self.alive() else f"exited {self.process.returncode}"
         return f"--- {self.name} ({state}), {self.log}:\n{tail(self.log, chars)}"
+
+
+def specdec(*args: str, home: Path | None = None, env: dict | None = None,
+            timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """`specdec ARGS` as a new process of this checkout (`python -m tasks.cli`), without the
+    caller's MLflow and database variables: its exit status and what it printed (text)."""
+    from . import REPO
+
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("MLFLOW_TRACKING_URI", "SPECDEC_DATABASE_URL")}
+    environ.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    if home is not None:
+        environ["SPECDEC_HOME"] = str(home)
+    environ.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tasks.cli", *args], cwd=REPO, env=environ,
+                          capture_output=True, text=True, timeout=timeout_s)
