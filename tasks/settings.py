@@ -179,7 +179,13 @@ class Settings(BaseModel):
     live_veto: bool = Field(default=True, description=(
         "a domain that would turn on stays at the champion's setting when confirm measures it "
         "slower than plain decoding, confidently below min_speedup, or confidently slower than "
-        "predicted beyond confirm_tolerance (tasks.steps.confirm.live_verdict)"))
+        "predicted beyond confirm_tolerance (tasks.steps.confirm.live_verdict); a domain on in the "
+        "config that measured so fails the live_check gate (off: live timings are noise, the gate "
+        "reports and is not enforced)"))
+    acceptance_alert: float = Field(default=1.2, ge=1.0, description=(
+        "the low-acceptance alert: a domain whose planned drafter's expected tokens per round "
+        "falls below this is published on `specdec://alerts/low-acceptance` and named on the "
+        "version page"))
     validation_rows: int = Field(default=300, ge=50, description=(
         "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
     validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")

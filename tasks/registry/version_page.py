@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from html import escape, unescape
 
 from sqlalchemy import select
 
@@ -28,11 +29,47 @@ CHAMPION_LINE = "**Current champion:**"
 GATES_HEADING = "### Gates"
 
 
+def html_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A table MLflow's page renders legibly: HTML (the description is Markdown, whose tables MLflow
+    draws without cell padding, so adjacent cells run together) with borders and padding. Cells
+    are HTML already (`cell()` escapes text); one line per row, no blank line (Markdown would end
+    the HTML block there)."""
+    head = "".join(f'<th style="text-align: left">{escape(h)}</th>' for h in headers)
+    body = "\n".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return (f'<table border="1" cellpadding="6" style="border-collapse: collapse">\n<tr>{head}</tr>\n'
+            f"{body}\n</table>")
+
+
+def cell(text, bold: bool = False) -> str:
+    """One table cell's text, escaped for HTML (bold when asked)."""
+    text = escape("-" if text is None else str(text))
+    return f"<b>{text}</b>" if bold else text
+
+
+def description_text(description: str) -> str:
+    """The page for a terminal (`specdec config show`): each HTML table row as `| cell | cell |`,
+    tags dropped and entities decoded; the Markdown around the tables as it is."""
+    def row(match: re.Match) -> str:
+        cells = re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", match.group(1), re.DOTALL)
+        return "| " + " | ".join(unescape(re.sub(r"<[^>]+>", "", c)) for c in cells) + " |"
+
+    text = re.sub(r"<tr>(.*?)</tr>", row, description or "", flags=re.DOTALL)
+    return re.sub(r"</?table[^>]*>\n?", "", text)
+
+
+GATE_RESULTS = {"pass": "pass", "fail": "FAIL", "unsure": "UNSURE", "not enforced": "not enforced"}
+
+
+def gate_result(gate: dict) -> str:
+    """pass | fail | unsure (passes, but its evidence is noise: the figure says why) | not enforced
+    (reported, never failing: the setting that enforces it is off)."""
+    return gate.get("result") or ("pass" if gate["passed"] else "fail")
+
+
 def gates_markdown(gates: list[dict], title: str) -> str:
-    lines = [f"{GATES_HEADING} ({title})", "", "| gate | result | figure |", "|---|---|---|"]
-    lines += [f"| {g['name']} | {'pass' if g['passed'] else '**FAIL**'} | {g['figure'].replace('|', '/')} |"
-              for g in gates]
-    return "\n".join(lines)
+    rows = [[cell(g["name"]), cell(GATE_RESULTS[gate_result(g)], bold=gate_result(g) != "pass"),
+             cell(g["figure"])] for g in gates]
+    return f"{GATES_HEADING} ({title})\n\n" + html_table(["gate", "result", "figure"], rows)
 
 
 def champion_line(version: str | None, how: str) -> str:

@@ -23,6 +23,7 @@ from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Vali
 from ..registry.config_schema import config_model_name
 from ..registry.promotion import promote
 from ..registry.registration import register_config
+from ..registry.run_results import low_acceptance
 from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
 from ..settings import worker_name
 from ..timeutil import utcnow
@@ -290,12 +291,8 @@ def step_promote(spec, registered: dict) -> dict:
 
 
 def low_acceptance_domains(spec, threshold: float) -> list[dict]:
-    """Domains whose planned drafter's expected tokens per round fell below `threshold`."""
+    """Domains whose planned drafter's expected tokens per round fell below `threshold`
+    (tasks.registry.run_results.low_acceptance: the rule the version page states too)."""
     spec = RunSpec.of(spec)
-    engine = ensure_ready(spec.url)
-    with engine.connect() as connection:
-        rows = connection.execute(select(DomainConfig.domain, DomainConfig.drafter, DomainConfig.k,
-                                         DomainConfig.mean_accepted_length).where(
-            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).all()
-    return [{"domain": r.domain, "drafter": r.drafter, "k": r.k, "mean_accepted_length": r.mean_accepted_length}
-            for r in rows if r.mean_accepted_length is not None and r.mean_accepted_length < threshold]
+    return [{key: row[key] for key in ("domain", "drafter", "k", "mean_accepted_length")}
+            for row in low_acceptance(spec.run_id, threshold, spec.url)]
