@@ -195,8 +195,11 @@ class Settings(BaseModel):
         "streams for every run id; the validated context still comes from the run's own sample. "
         "At alpha 0.01 about one correct run in a hundred fails by chance"))
     validation_per_domain: bool = Field(default=False, description=(
-        "run the sampling test for every domain; False: once per distinct drafter, shared by the "
-        "domains that use it (the test checks the decoder, not the traffic)"))
+        "run the sampling test for every domain; False: once per distinct (drafter, planned K, "
+        "sampling settings), shared by the domains whose three are all equal"))
+    validation_samplings: int = Field(default=4, ge=1, description=(
+        "sampling settings per sampling test: the most frequent non-greedy settings of the "
+        "domain's sampled traffic"))
     greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
     greedy_check_tokens: int = Field(default=24, ge=2)
     # the serving engine: vLLM in its own virtual environment (`make serving-env`)

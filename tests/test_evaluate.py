@@ -60,10 +60,11 @@ def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
     engine.dispose()
     assert status.status == "evaluated"
     assert status.target_fingerprint == fingerprint_id(target_fingerprint(tiny_target))
-    # the two domains use one drafter or two; when one, the second shares the first's test
-    drafters = {row["drafter"] for row in table.values()}
+    # one sampling test per distinct (drafter, K, sampling settings): both domains' traffic is
+    # sampled at T0.7/top-p 0.9, so a second domain shares only when drafter and K are equal too
+    settings = {(row["drafter"], row["k"]) for row in table.values()}
     shared_from = [d["shared_from"] for _, d in shared]
-    assert shared_from.count(None) == len(drafters)
+    assert shared_from.count(None) == len(settings)
 
     # re-running the run id replaces its rows; another run's rows stay
     run(tiny_db, tiny_target, "other", min_speedup=0.01)
@@ -269,3 +270,68 @@ def test_confirm_vetoes_a_domain_turning_on_and_it_keeps_the_champions_setting(t
     assert config.domains["json"].enabled is False
     assert config.domains["json"].reason.startswith("live check: ")
     assert config.domains["qa"].enabled is True
+
+
+def test_each_domain_gets_its_own_sampling_test_unless_drafter_k_and_settings_are_equal(
+        db_url, tiny_target, caplog):
+    # json and qa planned with one drafter at K=3 and serving T0.7/top-p 0.9: qa shares json's test
+    # (and says so); a different K, or traffic at other settings, makes qa run its own test from
+    # its own context. Each test leaves a line in the task's log.
+    import logging
+
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+    from tasks.steps.candidates import build_drafters
+    from tasks.steps.validate import validate_domain
+
+    from .helpers.registry import finished_run
+
+    finished_run(db_url, "own", {"json": {}, "qa": {}})
+    drafters = build_drafters(("prompt_lookup:max_ngram=3",), tiny_target)
+    settings = load_settings({}, **{**SETTINGS, "validation_rows": 60, "validation_alpha": 0.0001})
+    rows = {domain: [r for r in traffic_rows(tiny_target, foreign=0) if r["domain"] == domain]
+            for domain in ("json", "qa")}
+
+    def requests(domain, sampling=None):
+        return [LoggedRequest(r["id"], r["prompt_token_ids"], r["response_token_ids"],
+                              sampling or SamplingParams(temperature=r["temperature"], top_p=r["top_p"]),
+                              domain) for r in rows[domain]]
+
+    def set_k(domain, k):
+        engine = create_engine(db_url)
+        with engine.begin() as connection:
+            connection.execute(DomainConfig.__table__.update().where(
+                (DomainConfig.run_id == "own") & (DomainConfig.domain == domain)).values(k=k))
+        engine.dispose()
+
+    caplog.set_level(logging.INFO, logger="tasks")
+    first = validate_domain("own", "json", tiny_target, drafters, requests("json"), db_url=db_url,
+                            settings=settings)
+    assert first["shared_from"] is None and first["validation"] == "passed"
+    assert first["key"]["ks"] == [1, 3] and first["key"]["samplings"] == [
+        {"temperature": 0.7, "top_k": 0, "top_p": 0.9}]
+    assert ("run own, domain json: sampling test of prompt_lookup(max_ngram=3) K=3 (tested at K 1, 3) "
+            "at T0.7 top-p 0.9 from request json-") in caplog.text
+    same = validate_domain("own", "qa", tiny_target, drafters, requests("qa"), db_url=db_url,
+                           settings=settings)
+    assert same["shared_from"] == "json" and same["key"] == first["key"]
+    assert "run own, domain qa: sampling test of prompt_lookup(max_ngram=3) K=3 (tested at K 1, 3) at " \
+           "T0.7 top-p 0.9 shared from json (same drafter, K and sampling settings): passed" in caplog.text
+
+    set_k("qa", 2)                                          # another K: its own test
+    other_k = validate_domain("own", "qa", tiny_target, drafters, requests("qa"), db_url=db_url,
+                              settings=settings)
+    assert other_k["shared_from"] is None and other_k["key"]["ks"] == [1, 2]
+    set_k("qa", 3)                                          # other sampling settings: its own test
+    hot = validate_domain("own", "qa", tiny_target, drafters, requests("qa", SamplingParams(temperature=1.0)),
+                          db_url=db_url, settings=settings)
+    assert hot["shared_from"] is None and hot["key"]["samplings"] == [{"temperature": 1.0, "top_k": 0,
+                                                                       "top_p": 1.0}]
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        stored = {row.domain: row for row in connection.execute(select(
+            Validation.domain, Validation.k, Validation.request_id, Validation.details).where(
+            (Validation.run_id == "own") & (Validation.check_name == "sampling")))}
+    engine.dispose()
+    assert stored["qa"].k == 3 and stored["qa"].request_id.startswith("qa-")    # qa's own context
+    assert stored["qa"].details["shared_from"] is None and stored["qa"].details["seconds"] > 0
