@@ -231,14 +231,10 @@ def specdec_evaluate():
     @task(outlets=[EVALUATIONS_ASSET], trigger_rule="none_failed_min_one_success")
     def report(spec: dict, finished: dict) -> list[dict]:
         """The run's per-domain table (logged, and the XCom return value)."""
-        from tasks.steps.context import RunSpec
-        from tasks.steps.evaluate import evaluation_table
+        from tasks.steps.evaluate import report_table
 
         with task_errors():
-            table = evaluation_table(spec["run_id"], RunSpec.of(spec).url)
-        for row in table:
-            print({key: row[key] for key in ("domain", "enabled", "drafter", "k", "max_batch_size",
-                                             "predicted_speedup", "measured_speedup", "validation")})
+            table = report_table(spec)
         get_current_context()["outlet_events"][EVALUATIONS_ASSET].extra = {"run_id": spec["run_id"]}
         return table
 

@@ -335,3 +335,44 @@ def test_each_domain_gets_its_own_sampling_test_unless_drafter_k_and_settings_ar
     engine.dispose()
     assert stored["qa"].k == 3 and stored["qa"].request_id.startswith("qa-")    # qa's own context
     assert stored["qa"].details["shared_from"] is None and stored["qa"].details["seconds"] > 0
+
+
+def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_db, tiny_target, tmp_path,
+                                                                          caplog):
+    # what the Airflow task log of finish, register, promote, acceptance_alert and report holds
+    # (the tasks call these functions; validate's line: the test above)
+    import logging
+
+    from tasks.steps.evaluate import report_table
+    from tasks.steps.pipeline import low_acceptance_domains
+    from tasks.steps.reports import materialise_report
+
+    caplog.set_level(logging.INFO, logger="tasks")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01})
+    result = evaluate(run_id="logged", target="tiny", db_url=tiny_db, settings=settings, model=tiny_target,
+                      progress=False, promote=True, tracking_uri=uri)
+    name, version = result["registered"]["name"], result["registered"]["version"]
+
+    def line(start):
+        messages = [record.getMessage() for record in caplog.records]
+        found = [m for m in messages if m.startswith(start)]
+        assert found, (start, messages)
+        return found[-1]
+
+    finish = line("run logged: finished: target fingerprint sha256:")
+    assert "greedy check json passed, qa passed; validation json passed, qa passed; failed domains none" in finish
+    register = line(f"run logged: registered {name} version {version} (alias challenger; champion none); "
+                    "validation passed; gates (preview): validation pass, live_check ")
+    assert f"page: #/models/{name}/versions/{version} of the MLflow UI on {uri}" in register
+    promote = line(f"run logged: {name} version {version} promoted to champion: all gates passed")
+    assert "; gates: validation pass, live_check " in promote
+    spec = {"run_id": "logged", "target": "tiny", "db_url": tiny_db}
+    assert {row["domain"] for row in low_acceptance_domains(spec, 50.0)} == {"json", "qa"}
+    assert line("run logged: low-acceptance alert (expected tokens per round below 50.00): json (on, ")
+    assert low_acceptance_domains(spec, 1.0) == []
+    assert line("run logged: no domain below the low-acceptance alert (E < 1.00)")
+    assert [row["domain"] for row in report_table(spec)] == ["json", "qa"]
+    assert line("run logged, domain qa: on, ") and "validation passed" in line("run logged, domain json: on, ")
+    written = materialise_report("current_config_per_domain", db_url=tiny_db, directory=tmp_path)
+    assert line(f"report current_config_per_domain: {written['rows']} rows written to {written['path']}")

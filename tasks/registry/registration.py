@@ -348,5 +348,5 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
     end_run(mlflow_client, tracked["mlflow_run_id"])
     return {"name": name, "version": version, "reused": bool(existing),
             "champion_version": champion_version, "validation": tags["validation"],
-            "champion_audit": audit,
+            "champion_audit": audit, "gates": gates,
             "mlflow_run_id": tracked["mlflow_run_id"]}

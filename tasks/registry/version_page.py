@@ -21,6 +21,7 @@ from sqlalchemy import select
 
 from ..db.engine import ensure_ready
 from ..db.models import Promotion
+from ..masking import mask_url
 from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,20 @@ def gates_markdown(gates: list[dict], title: str) -> str:
     rows = [[cell(g["name"]), cell(GATE_RESULTS[gate_result(g)], bold=gate_result(g) != "pass"),
              cell(g["figure"])] for g in gates]
     return f"{GATES_HEADING} ({title})\n\n" + html_table(["gate", "result", "figure"], rows)
+
+
+def gates_summary(gates: list[dict]) -> str:
+    """The gates in one line: `validation pass, live_check UNSURE, ...`."""
+    return ", ".join(f"{g['name']} {GATE_RESULTS[gate_result(g)]}" for g in gates)
+
+
+def version_url(tracking_uri: str, name: str, version: str) -> str:
+    """Where the version's page is: the tracking server's URL of it, or (a local store, opened
+    with `mlflow ui`) the page's path under the UI's address."""
+    path = f"#/models/{name}/versions/{version}"
+    if tracking_uri.startswith(("http://", "https://")):
+        return mask_url(tracking_uri.rstrip("/")) + "/" + path
+    return f"{path} of the MLflow UI on {mask_url(tracking_uri)}"
 
 
 def champion_line(version: str | None, how: str) -> str:
