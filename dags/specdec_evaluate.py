@@ -99,7 +99,7 @@ PARAMS = {
                          title="Minimum speedup",
                          description="A domain is on only when its interval's lower end clears this "
                                      "(below 1.0 only for testing: it turns on predicted slowdowns)"),
-    "acceptance_alert": Param(1.2, type="number", minimum=1.0, maximum=33.0,
+    "acceptance_alert": Param(setting_default("acceptance_alert"), type="number", minimum=1.0, maximum=33.0,
                               title="Low-acceptance alert",
                               description="Alert when a domain's expected tokens per round falls below this"),
     "promote": Param(False, type="boolean", title="Promote",

@@ -1,10 +1,14 @@
 """The registered version's page in MLflow: what a reviewer decides from.
 
-A config version's description is Markdown in sections: the per-domain table (on or off and why,
-predicted with its interval, measured, validation), what changed against the champion, the gates
-(a preview at registration, the real result once `specdec config promote` ran them), and one
-"Current champion" line that is written again on every version with an alias, and on the one that
-lost it, whenever specdec moves the champion.
+A config version's description is Markdown in sections, its first line "Promote only with
+`specdec config promote N`": warnings (a champion moved outside specdec, a noisy profile, domains
+vetoed or on although their live check fell short, the low-acceptance alert), the per-domain table
+(on or off and why, E with the proposal rate, predicted with its interval, the live check,
+validation and whose test it is), what changed against the champion, the gates (a preview at
+registration, the real result once `specdec config promote` ran them), and one "Current champion"
+line that is written again on every version with an alias, and on the one that lost it, whenever
+specdec moves the champion. Its tables are HTML with padding (html_table): MLflow draws Markdown
+tables without it, and adjacent cells ran together.
 
 It also tells a champion that passed specdec's gates from one moved by hand (MLflow's "Promote"
 button or alias pencil): the latest champion move in specdec's `promotions` table must be a
