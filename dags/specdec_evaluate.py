@@ -99,7 +99,7 @@ PARAMS = {
                          title="Minimum speedup",
                          description="A domain is on only when its interval's lower end clears this "
                                      "(below 1.0 only for testing: it turns on predicted slowdowns)"),
-    "acceptance_alert": Param(1.2, type="number", minimum=1.0, maximum=33.0,
+    "acceptance_alert": Param(setting_default("acceptance_alert"), type="number", minimum=1.0, maximum=33.0,
                               title="Low-acceptance alert",
                               description="Alert when a domain's expected tokens per round falls below this"),
     "promote": Param(False, type="boolean", title="Promote",
@@ -231,14 +231,10 @@ def specdec_evaluate():
     @task(outlets=[EVALUATIONS_ASSET], trigger_rule="none_failed_min_one_success")
     def report(spec: dict, finished: dict) -> list[dict]:
         """The run's per-domain table (logged, and the XCom return value)."""
-        from tasks.steps.context import RunSpec
-        from tasks.steps.evaluate import evaluation_table
+        from tasks.steps.evaluate import report_table
 
         with task_errors():
-            table = evaluation_table(spec["run_id"], RunSpec.of(spec).url)
-        for row in table:
-            print({key: row[key] for key in ("domain", "enabled", "drafter", "k", "max_batch_size",
-                                             "predicted_speedup", "measured_speedup", "validation")})
+            table = report_table(spec)
         get_current_context()["outlet_events"][EVALUATIONS_ASSET].extra = {"run_id": spec["run_id"]}
         return table
 

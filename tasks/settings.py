@@ -179,7 +179,13 @@ class Settings(BaseModel):
     live_veto: bool = Field(default=True, description=(
         "a domain that would turn on stays at the champion's setting when confirm measures it "
         "slower than plain decoding, confidently below min_speedup, or confidently slower than "
-        "predicted beyond confirm_tolerance (tasks.steps.confirm.live_verdict)"))
+        "predicted beyond confirm_tolerance (tasks.steps.confirm.live_verdict); a domain on in the "
+        "config that measured so fails the live_check gate (off: live timings are noise, the gate "
+        "reports and is not enforced)"))
+    acceptance_alert: float = Field(default=1.2, ge=1.0, description=(
+        "the low-acceptance alert: a domain whose planned drafter's expected tokens per round "
+        "falls below this is published on `specdec://alerts/low-acceptance` and named on the "
+        "version page"))
     validation_rows: int = Field(default=300, ge=50, description=(
         "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
     validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
@@ -189,8 +195,11 @@ class Settings(BaseModel):
         "streams for every run id; the validated context still comes from the run's own sample. "
         "At alpha 0.01 about one correct run in a hundred fails by chance"))
     validation_per_domain: bool = Field(default=False, description=(
-        "run the sampling test for every domain; False: once per distinct drafter, shared by the "
-        "domains that use it (the test checks the decoder, not the traffic)"))
+        "run the sampling test for every domain; False: once per distinct (drafter, planned K, "
+        "sampling settings), shared by the domains whose three are all equal"))
+    validation_samplings: int = Field(default=4, ge=1, description=(
+        "sampling settings per sampling test: the most frequent non-greedy settings of the "
+        "domain's sampled traffic"))
     greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
     greedy_check_tokens: int = Field(default=24, ge=2)
     # the serving engine: vLLM in its own virtual environment (`make serving-env`)

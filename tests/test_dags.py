@@ -128,6 +128,16 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
         assert path in run.log_files, path
         lines = [json.loads(line) for line in path.read_text().splitlines()]
         assert lines and all({"timestamp", "level", "event"} <= set(line) for line in lines)
+    # the summary line of each task a reviewer opens (validate: per domain)
+    events = {}
+    for ti in ran:
+        path = log_path(ti, max(ti.try_number, 1), base)
+        events.setdefault(ti.task_id, []).append(" ".join(
+            json.loads(line)["event"] for line in path.read_text().splitlines()))
+    for task_id, words in (("per_domain.validate", "sampling test of"), ("finish", "finished: target fingerprint"),
+                           ("register", "(alias challenger"), ("promote", "promoted to champion"),
+                           ("report", "validation passed")):
+        assert all(words in text for text in events[task_id]), (task_id, events[task_id])
     estimate_logs = [p for p in run.log_files if "task_id=per_domain.estimate" in str(p)]
     assert len(estimate_logs) == 3 and all("map_index=" in str(p) for p in estimate_logs)
     name = config_model_name(tiny_env["target"])
@@ -355,3 +365,15 @@ def test_every_params_default_validates_as_the_trigger_form_submits_it(dagbag):
             schema_type = param.schema.get("type")
             if param.value in (None, ""):
                 assert "null" in (schema_type if isinstance(schema_type, list) else [schema_type]), key
+
+
+def test_the_alert_threshold_of_a_run_reaches_its_version_page():
+    # the acceptance_alert Param is the run's setting, so the register task's page names the
+    # domains below the same threshold as the alert task
+    from tasks.orchestration.airflow_glue import evaluate_spec, setting_default
+
+    params = {"target": "t", "domains": [], "window_days": 1, "max_per_domain": 30, "min_per_domain": 20,
+              "candidates": ["prompt_lookup"], "hardware_profile": None, "k_max": 3, "min_speedup": 1.1,
+              "acceptance_alert": 1.5, "promote": False}
+    assert evaluate_spec("r", params).settings().acceptance_alert == 1.5
+    assert setting_default("acceptance_alert") == 1.2

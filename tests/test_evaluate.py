@@ -60,10 +60,11 @@ def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
     engine.dispose()
     assert status.status == "evaluated"
     assert status.target_fingerprint == fingerprint_id(target_fingerprint(tiny_target))
-    # the two domains use one drafter or two; when one, the second shares the first's test
-    drafters = {row["drafter"] for row in table.values()}
+    # one sampling test per distinct (drafter, K, sampling settings): both domains' traffic is
+    # sampled at T0.7/top-p 0.9, so a second domain shares only when drafter and K are equal too
+    settings = {(row["drafter"], row["k"]) for row in table.values()}
     shared_from = [d["shared_from"] for _, d in shared]
-    assert shared_from.count(None) == len(drafters)
+    assert shared_from.count(None) == len(settings)
 
     # re-running the run id replaces its rows; another run's rows stay
     run(tiny_db, tiny_target, "other", min_speedup=0.01)
@@ -269,3 +270,109 @@ def test_confirm_vetoes_a_domain_turning_on_and_it_keeps_the_champions_setting(t
     assert config.domains["json"].enabled is False
     assert config.domains["json"].reason.startswith("live check: ")
     assert config.domains["qa"].enabled is True
+
+
+def test_each_domain_gets_its_own_sampling_test_unless_drafter_k_and_settings_are_equal(
+        db_url, tiny_target, caplog):
+    # json and qa planned with one drafter at K=3 and serving T0.7/top-p 0.9: qa shares json's test
+    # (and says so); a different K, or traffic at other settings, makes qa run its own test from
+    # its own context. Each test leaves a line in the task's log.
+    import logging
+
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+    from tasks.steps.candidates import build_drafters
+    from tasks.steps.validate import validate_domain
+
+    from .helpers.registry import finished_run
+
+    finished_run(db_url, "own", {"json": {}, "qa": {}})
+    drafters = build_drafters(("prompt_lookup:max_ngram=3",), tiny_target)
+    settings = load_settings({}, **{**SETTINGS, "validation_rows": 60, "validation_alpha": 0.0001})
+    rows = {domain: [r for r in traffic_rows(tiny_target, foreign=0) if r["domain"] == domain]
+            for domain in ("json", "qa")}
+
+    def requests(domain, sampling=None):
+        return [LoggedRequest(r["id"], r["prompt_token_ids"], r["response_token_ids"],
+                              sampling or SamplingParams(temperature=r["temperature"], top_p=r["top_p"]),
+                              domain) for r in rows[domain]]
+
+    def set_k(domain, k):
+        engine = create_engine(db_url)
+        with engine.begin() as connection:
+            connection.execute(DomainConfig.__table__.update().where(
+                (DomainConfig.run_id == "own") & (DomainConfig.domain == domain)).values(k=k))
+        engine.dispose()
+
+    caplog.set_level(logging.INFO, logger="tasks")
+    first = validate_domain("own", "json", tiny_target, drafters, requests("json"), db_url=db_url,
+                            settings=settings)
+    assert first["shared_from"] is None and first["validation"] == "passed"
+    assert first["key"]["ks"] == [1, 3] and first["key"]["samplings"] == [
+        {"temperature": 0.7, "top_k": 0, "top_p": 0.9}]
+    assert ("run own, domain json: sampling test of prompt_lookup(max_ngram=3) K=3 (tested at K 1, 3) "
+            "at T0.7 top-p 0.9 from request json-") in caplog.text
+    same = validate_domain("own", "qa", tiny_target, drafters, requests("qa"), db_url=db_url,
+                           settings=settings)
+    assert same["shared_from"] == "json" and same["key"] == first["key"]
+    assert "run own, domain qa: sampling test of prompt_lookup(max_ngram=3) K=3 (tested at K 1, 3) at " \
+           "T0.7 top-p 0.9 shared from json (same drafter, K and sampling settings): passed" in caplog.text
+
+    set_k("qa", 2)                                          # another K: its own test
+    other_k = validate_domain("own", "qa", tiny_target, drafters, requests("qa"), db_url=db_url,
+                              settings=settings)
+    assert other_k["shared_from"] is None and other_k["key"]["ks"] == [1, 2]
+    set_k("qa", 3)                                          # other sampling settings: its own test
+    hot = validate_domain("own", "qa", tiny_target, drafters, requests("qa", SamplingParams(temperature=1.0)),
+                          db_url=db_url, settings=settings)
+    assert hot["shared_from"] is None and hot["key"]["samplings"] == [{"temperature": 1.0, "top_k": 0,
+                                                                       "top_p": 1.0}]
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        stored = {row.domain: row for row in connection.execute(select(
+            Validation.domain, Validation.k, Validation.request_id, Validation.details).where(
+            (Validation.run_id == "own") & (Validation.check_name == "sampling")))}
+    engine.dispose()
+    assert stored["qa"].k == 3 and stored["qa"].request_id.startswith("qa-")    # qa's own context
+    assert stored["qa"].details["shared_from"] is None and stored["qa"].details["seconds"] > 0
+
+
+def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_db, tiny_target, tmp_path,
+                                                                          caplog):
+    # what the Airflow task log of finish, register, promote, acceptance_alert and report holds
+    # (the tasks call these functions; validate's line: the test above)
+    import logging
+
+    from tasks.steps.evaluate import report_table
+    from tasks.steps.pipeline import low_acceptance_domains
+    from tasks.steps.reports import materialise_report
+
+    caplog.set_level(logging.INFO, logger="tasks")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01})
+    result = evaluate(run_id="logged", target="tiny", db_url=tiny_db, settings=settings, model=tiny_target,
+                      progress=False, promote=True, tracking_uri=uri)
+    name, version = result["registered"]["name"], result["registered"]["version"]
+
+    def line(start):
+        messages = [record.getMessage() for record in caplog.records]
+        found = [m for m in messages if m.startswith(start)]
+        assert found, (start, messages)
+        return found[-1]
+
+    finish = line("run logged: finished: target fingerprint sha256:")
+    assert "greedy check json passed, qa passed; validation json passed, qa passed; failed domains none" in finish
+    register = line(f"run logged: registered {name} version {version} (alias challenger; champion none); "
+                    "validation passed; gates (preview): validation pass, live_check ")
+    assert f"page: #/models/{name}/versions/{version} of the MLflow UI on {uri}" in register
+    promote = line(f"run logged: {name} version {version} promoted to champion: all gates passed")
+    assert "; gates: validation pass, live_check " in promote
+    spec = {"run_id": "logged", "target": "tiny", "db_url": tiny_db}
+    assert {row["domain"] for row in low_acceptance_domains(spec, 50.0)} == {"json", "qa"}
+    assert line("run logged: low-acceptance alert (expected tokens per round below 50.00): json (on, ")
+    assert low_acceptance_domains(spec, 1.0) == []
+    assert line("run logged: no domain below the low-acceptance alert (E < 1.00)")
+    assert [row["domain"] for row in report_table(spec)] == ["json", "qa"]
+    assert line("run logged, domain qa: on, ") and "validation passed" in line("run logged, domain json: on, ")
+    written = materialise_report("current_config_per_domain", db_url=tiny_db, directory=tmp_path)
+    assert line(f"report current_config_per_domain: {written['rows']} rows written to {written['path']}")

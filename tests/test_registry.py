@@ -40,7 +40,7 @@ from tasks.settings import load_settings
 
 from .helpers.db import POSTGRES_ENV
 from .helpers.processes import MlflowServer, specdec
-from .helpers.registry import DEFAULTS, LABEL, finished_run, promote_, register
+from .helpers.registry import DEFAULTS, LABEL, finished_run, live_evidence, page_text, promote_, register
 from .helpers.registry import now as _now
 
 
@@ -137,7 +137,7 @@ def test_register_then_promote_first_champion(db_url, tracking, target_id):
     assert str(version.version) == "1"
     assert version.tags == {"run_id": "run-1", "domains_on": "json", "validation": "passed",
                             "hardware_profile": "cpu-test", "target_fingerprint": "sha256:aaa"}
-    description = version.description
+    description = page_text(version.description)
     assert "| json | on | prompt_lookup(max_ngram=3) | 3 | 4 |" in description
     assert "| chat | off |" in description
     assert "There was no champion when this version was registered" in description
@@ -160,9 +160,11 @@ def test_register_then_promote_first_champion(db_url, tracking, target_id):
 
     result = promote_(name, "1", db_url, tracking)
     assert result["promoted"] is True and result["forced"] is False
-    assert result["champion_before"] is None and result["reason"] == "all gates passed"
-    assert [g["name"] for g in result["gates"]] == ["validation", "no_regression", "min_samples",
-                                                   "same_target"]
+    # json was never measured live here: the live_check gate is unsure, and the reason says so
+    assert result["champion_before"] is None and result["reason"] == (
+        "all gates passed (live_check: unsure or not enforced, see its figure)")
+    assert [g["name"] for g in result["gates"]] == ["validation", "live_check", "no_regression",
+                                                   "min_samples", "same_target"]
     assert all(g["passed"] for g in result["gates"])
     assert champion_of(tracking, name) == "1"
     assert set(mlflow_client.get_model_version(name, "1").aliases) == {"champion", "challenger"}
@@ -859,15 +861,17 @@ def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_
                  target_id=target_id)
     register("run-1", db_url, tracking)
     page = client(tracking).get_model_version(name, "1").description
-    assert f"- **chat** (off): {off_reason}" in page           # why chat is off
+    page = page_text(page)
+    # why chat is off, said once (not "(off): off: ...")
+    assert f"- chat (off): {off_reason.removeprefix('off: ')}" in page.splitlines()
     assert "| json | on |" in page and "[1.30, 1.90]" in page  # predicted with its interval
-    assert "- **json** (on): test row" in page
-    assert "### Gates (preview at registration against champion none" in page
-    assert "**Current champion:** none yet" in page
+    assert "- json (on): test row" in page
+    assert "Gates (preview at registration against champion none" in page
+    assert "Current champion: none yet" in page
     assert promote_(name, "1", db_url, tracking)["promoted"]
-    page = client(tracking).get_model_version(name, "1").description
-    assert "**Current champion:** version 1 (promoted with `specdec config promote`" in page
-    assert "promoted (all gates passed)" in page and "preview at registration" not in page
+    page = page_text(client(tracking).get_model_version(name, "1").description)
+    assert "Current champion: version 1 (promoted with specdec config promote" in page
+    assert "promoted (all gates passed" in page and "preview at registration" not in page
 
     finished_run(db_url, "run-2", {"json": {"validation": "failed"}}, target_id=target_id)
     register("run-2", db_url, tracking)
@@ -900,3 +904,79 @@ def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_
     assert main(["config", "show", "champion", "--target", target_id, "--url", db_url,
                  "--tracking-uri", tracking, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["champion_audit"]["gated"] is True
+
+
+# 14. what the page says must be what was measured: the live check, the alert, the proposal rate
+def test_version_page_shows_a_slow_live_check_the_alert_and_the_proposal_rate(db_url, tracking, target_id):
+    name = config_model_name(target_id)
+    on = "on: prompt_lookup K=3 predicts 1.46x [1.20, 1.70] at batch 1; pays up to batch 4 on cpu-test"
+    finished_run(db_url, "run-1", {d: {"reason": on, "champion_on": True,
+                                       "mean_accepted_length": 1.12 if d == "chat" else 2.2}
+                                   for d in ("json", "summarize", "chat")}, target_id=target_id)
+    live_evidence(db_url, "run-1", "json", 1.52, 1.46, (1.35, 1.70), requests=6)
+    # measured slower than plain decoding: the stored verdict flags it (the champion had it on)
+    live_evidence(db_url, "run-1", "summarize", 0.97, 1.46, (0.91, 1.03), verdict="flag")
+    # below min_speedup, but within its own noise; E 1.12 with drafts in 10% of the rounds
+    live_evidence(db_url, "run-1", "chat", 1.04, 1.30, (0.93, 1.18), e=1.12,
+                  width_share=[0.9, 0.0, 0.0, 0.1], shared_from="json")
+    registered = register("run-1", db_url, tracking)
+    page = page_text(client(tracking).get_model_version(name, registered["version"]).description)
+    lines = page.splitlines()
+    assert lines[0].startswith("Promote only with specdec config promote 1 ")
+    assert "MLflow's \"Promote model\" button" in lines[0]
+    header = next(line for line in lines if line.startswith("| domain |"))
+    assert header == ("| domain | on | drafter | K | max batch | E [tokens/round] | proposal rate | "
+                      "predicted (95% CI) | live check (same requests) | samples | validation | source |")
+    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ")}
+    assert rows["json"] == ("| json | on | prompt_lookup(max_ngram=3) | 3 | 4 | 2.20 | 100% | "
+                            "1.60x [1.30, 1.90] | 1.52x vs 1.46x | 25 | passed | run |")
+    assert "| 0.97x vs 1.46x WARNING: slower than plain decoding; -34% off the prediction for the " \
+           "same requests (tolerance 25%) |" in rows["summarize"]
+    assert "| 1.12 | 10% |" in rows["chat"]
+    assert "| 1.04x vs 1.30x WARNING: below min_speedup 1.10x |" in rows["chat"]
+    assert "| passed, shared from json | run |" in rows["chat"]
+    # each domain's reason says it once, and quotes the live check beside the prediction
+    assert ("- summarize (on): prompt_lookup K=3 predicts 1.46x [1.20, 1.70] at batch 1; pays up to "
+            "batch 4 on cpu-test. Live check: 0.97x measured [0.91, 1.03] vs 1.46x predicted on the "
+            "same 3 requests: slower than plain decoding; -34% off the prediction for the same "
+            "requests (tolerance 25%) (weak evidence: 3 requests)") in lines
+    assert "(on): on:" not in page
+    assert any(line.startswith("- chat (on):") and line.endswith(
+        "Sampling test shared from json (same drafter, K and sampling settings)") for line in lines)
+    assert not any(line.startswith("- json (on):") and "shared from" in line for line in lines)
+    assert ("WARNING: on, but the live check measured them below the bar (see the live_check gate):"
+            in lines)
+    assert ("Low-acceptance alert (expected tokens per round below 1.20; published as "
+            "specdec://alerts/low-acceptance, which triggers draft retraining): chat (on, "
+            f"{LABEL} K=3: E = 1.12, proposal rate 10%).") in lines
+    # the live check is a gate: summarize's measurement fails it, chat's is unsure, json passes
+    gate_row = next(line for line in lines if line.startswith("| live_check |"))
+    assert gate_row.startswith("| live_check | FAIL | 1/3 enabled domains measured at or above their "
+                               "bar; FAILED: ['summarize']; unsure: ['chat']")
+    assert "chat 1.04x measured [0.93, 1.18] vs 1.30x predicted on the same 3 requests: below " \
+           "min_speedup 1.10x, within the measurement's noise" in gate_row
+    result = promote_(name, registered["version"], db_url, tracking)
+    assert not result["promoted"] and "live_check" in result["reason"]
+    gate_row = next(line for line in page_text(client(tracking).get_model_version(
+        name, registered["version"]).description).splitlines() if line.startswith("| live_check |"))
+    assert gate_row.startswith("| live_check | FAIL |")
+
+
+def test_live_check_gate_is_unsure_not_silent_on_noise_and_reports_when_not_enforced(db_url):
+    from tasks.registry.promotion import live_gate
+    from tasks.registry.run_results import domain_evidence
+
+    finished_run(db_url, "run-1", {"json": {}, "chat": {}, "qa": {}})
+    live_evidence(db_url, "run-1", "json", 1.52, 1.46, (1.35, 1.70), requests=6)
+    live_evidence(db_url, "run-1", "chat", 1.04, 1.30, (0.93, 1.18))      # qa: never measured
+    config = build_config("run-1", db_url)
+    evidence = domain_evidence("run-1", db_url)
+    gate = live_gate(config, evidence, DEFAULTS)
+    assert gate["passed"] and gate["result"] == "unsure"
+    assert "unsure: ['chat', 'qa']" in gate["figure"] and "qa: not measured live" in gate["figure"]
+    assert live_gate(config, evidence, DEFAULTS, profile_noisy=True)["figure"].endswith(
+        "The cost profile is noisy: predictions are not evidence")
+    evidence["chat"]["live"]["verdict"] = "flag"
+    assert live_gate(config, evidence, DEFAULTS)["result"] == "fail"
+    off = live_gate(config, evidence, load_settings({}, live_veto=False))
+    assert off["passed"] and off["result"] == "not enforced" and "FAILED: ['chat']" in off["figure"]

@@ -63,6 +63,7 @@ def _warn_ungated(audit: dict | None, err: bool = False) -> None:
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..registry.tracking import show_version
+    from ..registry.version_page import description_text
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
     audit = _champion_audit(args, shown)
@@ -72,7 +73,7 @@ def cmd_show(args) -> int:
     _warn_ungated(audit)
     console.print(f"[bold]{shown['name']}[/bold] version {shown['version']} aliases {shown['aliases']}")
     console.print("tags: " + ", ".join(f"{k}={escape(str(v))}" for k, v in sorted(shown["tags"].items())))
-    console.print(escape(shown["description"] or ""))
+    console.print(escape(description_text(shown["description"] or "")))
     return 0
 
 

@@ -155,7 +155,9 @@ def evaluate_spec(run_id: str, params, conf: dict | None = None):
                    domains=p["domains"] or None, window_days=p["window_days"],
                    max_per_domain=p["max_per_domain"], min_per_domain=p["min_per_domain"],
                    candidates=p["candidates"], hardware_profile=p["hardware_profile"] or None,
-                   k_max=p["k_max"], min_speedup=p["min_speedup"], promote=p["promote"])
+                   k_max=p["k_max"], min_speedup=p["min_speedup"], promote=p["promote"],
+                   # the alert's threshold: the alert task and the version page state the same one
+                   overrides={"acceptance_alert": p["acceptance_alert"]} if "acceptance_alert" in p else {})
 
 
 # mapped tasks are labelled in the UI by what they ran for (a domain, a report): Airflow renders

@@ -22,7 +22,8 @@ from ..errors import RegistryError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .config_schema import SpecdecConfig
-from .run_config import effective_speedup
+from .run_config import effective_speedup, live_problems, live_text
+from .run_results import domain_evidence, profile_check
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
 from .version_page import refresh_champion_lines, write_gates
 
@@ -75,10 +76,64 @@ def current_user() -> str:
         return "unknown"
 
 
+def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
+              profile_noisy: bool = False) -> dict:
+    """The live_check gate over the domains this run turns on: what confirm measured for the
+    planned setting on a few requests, against min_speedup and the prediction for the same
+    requests.
+
+    It uses the live check's own rules for what is evidence (tasks.steps.confirm.live_verdict, the
+    busy-machine veto): a domain fails when its stored verdict found a problem (measured slower
+    than plain decoding, its interval's upper end below min_speedup, or its cost-model error
+    confidently beyond the tolerance on the slow side). A measurement below the bar that is within
+    its own noise, one off the prediction by more than the tolerance without being confidently
+    so, and a domain not measured live neither fail nor pass silently: the gate is UNSURE (it
+    does not stop a promotion) and its figure names each such domain. With `live_veto` off (the
+    run's live timings are declared noise) the gate reports and is "not enforced".
+    """
+    lines, failed, unsure, passed = [], [], [], []
+    enforced = settings.live_veto
+    for name, s in sorted(config.domains.items()):
+        if not s.enabled or s.source != "run":
+            continue
+        live = (evidence.get(name) or {}).get("live")
+        if not live:
+            unsure.append(name)
+            lines.append(f"{name}: not measured live")
+            continue
+        if live.get("enforced") is not None:
+            enforced = enforced and bool(live["enforced"])
+        problems = live_problems(live, settings.min_speedup, settings.confirm_tolerance)
+        text = f"{name} {live_text(live)}"
+        if live.get("verdict") in ("flag", "veto"):
+            failed.append(name)
+            lines.append(f"{text}: {'; '.join(problems) or live.get('reason')}")
+        elif problems:
+            unsure.append(name)
+            lines.append(f"{text}: {'; '.join(problems)}, within the measurement's noise")
+        else:
+            passed.append(name)
+            if live.get("weak"):
+                lines.append(f"{name} {live['measured']:.2f}x (weak evidence: {live['requests']} requests)")
+    total = len(failed) + len(unsure) + len(passed)
+    figure = (f"{len(passed)}/{total} enabled domains measured at or above their bar"
+              + (f"; FAILED: {failed}" if failed else "") + (f"; unsure: {unsure}" if unsure else "")
+              + ("" if not lines else ". " + ". ".join(lines))
+              + (". The cost profile is noisy: predictions are not evidence" if profile_noisy else ""))
+    if failed and not enforced:
+        return {"name": "live_check", "passed": True, "result": "not enforced",
+                "figure": figure + " (setting live_veto off: live timings are treated as noise)"}
+    result = "fail" if failed else ("unsure" if unsure or profile_noisy else "pass")
+    return {"name": "live_check", "passed": not failed, "result": result, "figure": figure}
+
+
 def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
-                fingerprint_passed: bool | None = None) -> list[dict]:
-    """Each gate: {name, passed, figure}. fingerprint_passed: the run's target-fingerprint check
-    (None: not recorded)."""
+                fingerprint_passed: bool | None = None, evidence: dict | None = None,
+                profile_noisy: bool = False) -> list[dict]:
+    """Each gate: {name, passed, figure} (and `result` where a gate can be unsure or not
+    enforced: see version_page.gate_result). fingerprint_passed: the run's target-fingerprint
+    check (None: not recorded). evidence: the run's run_results.domain_evidence; with it, the
+    live_check gate (live_gate) follows validation."""
     gates = []
     measured = {n: s for n, s in config.domains.items() if s.enabled and s.source == "run"}
     failed = sorted(n for n, s in measured.items() if s.validation != "passed")
@@ -86,6 +141,8 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
                   "figure": f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
                             + (f"; not passed: {failed}" if failed else "")
                             + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")})
+    if evidence is not None:
+        gates.append(live_gate(config, evidence, settings, profile_noisy))
     tolerance = settings.promotion_regression_tolerance
     if champion is None:
         gates.append({"name": "no_regression", "passed": True, "figure": "no champion to compare"})
@@ -109,11 +166,14 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
 
 def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
               db_url: str) -> list[dict]:
-    """check_gates with the run's recorded target-fingerprint check."""
+    """check_gates with the run's recorded target-fingerprint check, live checks and profile check."""
     with ensure_ready(db_url).connect() as connection:
         fingerprint_passed = connection.execute(select(Validation.passed).where(
             (Validation.run_id == config.run_id) & (Validation.check_name == "fingerprint"))).scalar()
-    return check_gates(config, champion, settings, fingerprint_passed)
+    check = profile_check(config.run_id, db_url)
+    return check_gates(config, champion, settings, fingerprint_passed,
+                       evidence=domain_evidence(config.run_id, db_url),
+                       profile_noisy=check is not None and check["status"] == "noisy")
 
 
 def promote(name: str, version: str, db_url: str | None = None, uri: str | None = None,
@@ -167,8 +227,10 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
             return refuse(f"the champion moved from {before or 'none'} to {now} while the gates "
                           "ran: re-run the gates", connection, champion=now)
         mlflow_client.set_registered_model_alias(name, CHAMPION, version)
+        doubts = [g["name"] for g in gates if g.get("result") in ("unsure", "not enforced")]
         reason = ("FORCED past failed gates: " + "; ".join(g["name"] for g in failed)) \
-            if failed and force else "all gates passed"
+            if failed and force else "all gates passed" + (
+                f" ({', '.join(doubts)}: unsure or not enforced, see its figure)" if doubts else "")
         record_promotion(db_url, connection, action="promote", forced=bool(force and failed),
                          gates=summary, reason=reason, **record)
     page_gates(f"promoted ({reason})")

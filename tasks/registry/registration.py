@@ -20,8 +20,10 @@ from ..db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, Quali
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
-from .run_config import build_config, changes_markdown, domain_table_markdown, run_row, validation_status
-from .run_results import data_docs_pages, engine_checks, engine_markdown, profile_check
+from .run_config import (build_config, changes_markdown, domain_table_markdown, live_problems, live_text,
+                         run_row, validation_status)
+from .run_results import (data_docs_pages, domain_evidence, engine_checks, engine_markdown, low_acceptance,
+                          profile_check)
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
                        tracking_uri)
 from .version_page import champion_audit, champion_line, gates_markdown
@@ -229,6 +231,36 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             "config": json.loads(config.to_json())}
 
 
+def below_bar_markdown(config, evidence: dict, settings: Settings) -> str:
+    """The page's warning about domains that are on although the live check measured them below
+    min_speedup or off the prediction beyond the tolerance ("" when none is)."""
+    lines = []
+    for name, s in sorted(config.domains.items()):
+        live = (evidence.get(name) or {}).get("live")
+        problems = live_problems(live, settings.min_speedup, settings.confirm_tolerance)
+        if s.enabled and s.source == "run" and problems:
+            lines.append(f"- **{name}**: {live_text(live)}: {'; '.join(problems)}")
+    if not lines:
+        return ""
+    return ("**WARNING: on, but the live check measured them below the bar** (see the live_check "
+            "gate):\n\n" + "\n".join(lines) + "\n\n")
+
+
+def alert_markdown(low: list[dict], evidence: dict, threshold: float) -> str:
+    """The page's line for the low-acceptance alert ("" when no domain is below it)."""
+    if not low:
+        return ""
+    parts = []
+    for row in low:
+        rate = (evidence.get(row["domain"]) or {}).get("proposal_rate")
+        parts.append(f"{row['domain']} ({'on' if row['enabled'] else 'off'}, {row['drafter']} K={row['k']}: "
+                     f"E = {row['mean_accepted_length']:.2f}"
+                     + ("" if rate is None else f", proposal rate {100 * rate:.0f}%") + ")")
+    return (f"**Low-acceptance alert** (expected tokens per round below {threshold:.2f}; published as "
+            f"`specdec://alerts/low-acceptance`, which triggers draft retraining): "
+            + ", ".join(parts) + ".\n\n")
+
+
 def register_config(run_id: str, db_url: str | None = None, uri: str | None = None,
                     settings: Settings | None = None, actor: str | None = None) -> dict:
     """Track the run, register its config/ artifact as a version (reused on retry), alias challenger.
@@ -264,31 +296,41 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                 if s.reason and s.reason.startswith("engine check:")]
         veto_text += ("**Turned off by the engine check** (planned on; on vLLM it refused, died or "
                       "accepted less than estimated):\n\n" + "\n".join(held) + "\n\n") if held else ""
-        description = (f"## specdec config of run {run_id}\n\n{warning}{noise}{veto_text}target "
-                       f"`{config.target.id}` "
-                       f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`"
-                       f"{'' if check is None else ' (' + check['status'] + ')'}, "
-                       f"validation **{validation_status(config)}**\n\n{domain_table_markdown(config)}\n\n"
-                       f"### On vLLM (engine check)\n\n{engine_markdown(engine_checks(run_id, db_url))}\n\n"
-                       f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
-                       + gates_markdown(gates, f"preview at registration against champion "
-                                               f"{champion_version or 'none'}; `specdec config promote` "
-                                               "checks them again") + "\n\n"
-                       "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`; "
-                       "data quality: `reports/data_quality.html` (Great Expectations).\n\n"
-                       + champion_line(champion_version, "as of this registration"))
+        evidence = domain_evidence(run_id, db_url)
+        veto_text += below_bar_markdown(config, evidence, settings)
+        veto_text += alert_markdown(low_acceptance(run_id, settings.acceptance_alert, db_url),
+                                    evidence, settings.acceptance_alert)
+
+        def describe(version: str) -> str:
+            return (f"**Promote only with `specdec config promote {version}`** (it checks the gates below "
+                    "and writes the audit row); MLflow's \"Promote model\" button and alias pencil move "
+                    "`champion` past both.\n\n"
+                    f"## specdec config of run {run_id}\n\n{warning}{noise}{veto_text}target "
+                    f"`{config.target.id}` "
+                    f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`"
+                    f"{'' if check is None else ' (' + check['status'] + ')'}, "
+                    f"validation **{validation_status(config)}**\n\n"
+                    f"{domain_table_markdown(config, evidence, settings.min_speedup, settings.confirm_tolerance)}\n\n"
+                    f"### On vLLM (engine check)\n\n{engine_markdown(engine_checks(run_id, db_url))}\n\n"
+                    f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
+                    + gates_markdown(gates, f"preview at registration against champion "
+                                            f"{champion_version or 'none'}; `specdec config promote` "
+                                            "checks them again") + "\n\n"
+                    "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`; "
+                    "data quality: `reports/data_quality.html` (Great Expectations).\n\n"
+                    + champion_line(champion_version, "as of this registration"))
         tags = {"run_id": run_id, "domains_on": ",".join(config.domains_on) or "none",
                 "validation": validation_status(config), "hardware_profile": config.hardware_profile,
                 "target_fingerprint": config.target.fingerprint}
         if existing:
             version = str(existing[0].version)
-            mlflow_client.update_model_version(name, version, description=description)
             for key, value in tags.items():
                 mlflow_client.set_model_version_tag(name, version, key, value)
-        else:
+        else:     # the page names its own version number: written once the version exists
             version = str(mlflow_client.create_model_version(
                 name, source=f"runs:/{tracked['mlflow_run_id']}/config", run_id=tracked["mlflow_run_id"],
-                tags=tags, description=description).version)
+                tags=tags, description=describe("N")).version)
+        mlflow_client.update_model_version(name, version, description=describe(version))
         mlflow_client.set_registered_model_alias(name, CHALLENGER, version)
         record_promotion(db_url, run_id=run_id, target_id=config.target.id, config_name=name,
                          config_version=version, alias=CHALLENGER, action="register", forced=False,
@@ -306,5 +348,5 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
     end_run(mlflow_client, tracked["mlflow_run_id"])
     return {"name": name, "version": version, "reused": bool(existing),
             "champion_version": champion_version, "validation": tags["validation"],
-            "champion_audit": audit,
+            "champion_audit": audit, "gates": gates,
             "mlflow_run_id": tracked["mlflow_run_id"]}

@@ -11,6 +11,7 @@ from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EvalRun
 from ..errors import RegistryError
 from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
+from .version_page import cell, html_table
 
 
 def run_row(connection, run_id: str):
@@ -91,25 +92,106 @@ def _x(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}x"
 
 
-def domain_table_markdown(config: SpecdecConfig) -> str:
-    """One Markdown row per domain: setting, predicted and measured speedup, validation, source."""
-    lines = ["| domain | on | drafter | K | max batch | E[tokens/round] | predicted (95% CI) | "
-             "measured | samples | validation | source |", "|" + "---|" * 11]
+def _drafter_text(s: DomainSetting) -> str:
+    if s.drafter is None:
+        return "-"
+    return s.drafter.kind + ("(" + ",".join(f"{k}={v}" for k, v in sorted(s.drafter.params.items())) + ")"
+                             if s.drafter.params else "")
+
+
+def live_problems(live: dict | None, min_speedup: float, tolerance: float) -> list[str]:
+    """What the live check found wrong with a domain's measurement, in words (empty: nothing):
+    measured below plain decoding or below `min_speedup`, off the prediction for the same requests
+    by more than `tolerance`."""
+    if not live or live.get("measured") is None:
+        return []
+    minimum = live.get("min_speedup") or min_speedup
+    limit = live.get("tolerance") or tolerance
+    problems = []
+    if live["measured"] < 1.0:
+        problems.append("slower than plain decoding")
+    elif live["measured"] < minimum:
+        problems.append(f"below min_speedup {minimum:.2f}x")
+    error = live.get("cost_model_error")
+    if error is not None and abs(error) > limit:
+        problems.append(f"{100 * error:+.0f}% off the prediction for the same requests "
+                        f"(tolerance {100 * limit:.0f}%)")
+    return problems
+
+
+def live_text(live: dict | None) -> str:
+    """A live check in words: measured [interval] vs predicted on the same requests, over N requests."""
+    if not live or live.get("measured") is None:
+        return "not measured live"
+    interval = "" if live.get("lo") is None else f" [{live['lo']:.2f}, {live['hi']:.2f}]"
+    predicted = live.get("predicted_same") or live.get("predicted")
+    requests = live.get("requests") or 0
+    return (f"{live['measured']:.2f}x measured{interval}"
+            + ("" if predicted is None else f" vs {predicted:.2f}x predicted")
+            + f" on the same {requests} request{'s' if requests != 1 else ''}")
+
+
+def _state_free(reason: str, enabled: bool) -> str:
+    """The planner's reason without its leading "on: " / "off: " (the page states on/off itself)."""
+    for prefix in ("on: ", "off: ") if enabled else ("off: ",):
+        if reason.startswith(prefix):
+            return reason[len(prefix):]
+    return reason
+
+
+def domain_table_markdown(config: SpecdecConfig, evidence: dict | None = None,
+                          min_speedup: float = 1.1, tolerance: float = 0.25) -> str:
+    """The per-domain table (HTML, see version_page.html_table) and why each domain is on or off.
+
+    evidence: tasks.registry.run_results.domain_evidence of the run (live check, proposal rate,
+    sampling test per domain); min_speedup, tolerance: the live check's bar and the cost model's
+    tolerance where the stored verdict does not carry them.
+    """
+    evidence = evidence or {}
+    headers = ["domain", "on", "drafter", "K", "max batch", "E [tokens/round]",
+               "proposal rate", "predicted (95% CI)", "live check (same requests)", "samples",
+               "validation", "source"]
+    rows, reasons = [], []
     for name, s in sorted(config.domains.items()):
-        drafter = "-" if s.drafter is None else s.drafter.kind + (
-            "(" + ",".join(f"{k}={v}" for k, v in sorted(s.drafter.params.items())) + ")"
-            if s.drafter.params else "")
+        found = (evidence.get(name) or {}) if s.source == "run" else {}
+        live = found.get("live")
+        problems = live_problems(live, min_speedup, tolerance)
         ci = "" if s.predicted_speedup_ci95 is None else (
             f" [{s.predicted_speedup_ci95[0]:.2f}, {s.predicted_speedup_ci95[1]:.2f}]")
-        lines.append(f"| {name} | {'on' if s.enabled else 'off'} | {drafter} | {s.k or '-'} | "
-                     f"{s.max_batch_size or '-'} | "
-                     f"{'-' if s.mean_accepted_length is None else f'{s.mean_accepted_length:.2f}'} | "
-                     f"{_x(s.predicted_speedup)}{ci} | {_x(s.measured_speedup)} | {s.samples} | "
-                     f"{s.validation or '-'} | {s.source} |")
-    lines += ["", "Why each domain is on or off:", ""]
-    lines += [f"- **{name}** ({'on' if s.enabled else 'off'}): {s.reason or s.note or 'no reason recorded'}"
-              for name, s in sorted(config.domains.items())]
-    return "\n".join(lines)
+        if live:
+            predicted = live.get("predicted_same") or live.get("predicted")
+            live_cell = cell(f"{live['measured']:.2f}x vs "
+                             + ("-" if predicted is None else f"{predicted:.2f}x"))
+            if problems:
+                live_cell += " " + cell("WARNING: " + "; ".join(problems), bold=True)
+        else:
+            live_cell = cell("-" if s.source != "run" or not s.enabled else "not measured")
+        rate = found.get("proposal_rate")
+        test = found.get("validation") or {}
+        validation = s.validation or "-"
+        if test.get("shared_from") and s.validation not in (None, "not_needed"):
+            validation += f", shared from {test['shared_from']}"
+        rows.append([cell(name), cell("on" if s.enabled else "off", bold=s.enabled),
+                     cell(_drafter_text(s)), cell(s.k or "-"), cell(s.max_batch_size or "-"),
+                     cell("-" if s.mean_accepted_length is None else f"{s.mean_accepted_length:.2f}"),
+                     cell("-" if rate is None else f"{100 * rate:.0f}%"),
+                     cell(f"{_x(s.predicted_speedup)}{ci}"), live_cell, cell(s.samples),
+                     cell(validation), cell(s.source)])
+        why = _state_free(s.reason or s.note or "no reason recorded", s.enabled)
+        if live and not (s.reason or "").startswith("live check:"):
+            why += (f". Live check: {live_text(live)}"
+                    + (f": **{'; '.join(problems)}**" if problems else "")
+                    + (f" (weak evidence: {live['requests']} requests)" if live.get("weak") else ""))
+        if test.get("shared_from") and s.enabled:
+            why += (f". Sampling test shared from {test['shared_from']} (same drafter, K and "
+                    "sampling settings)")
+        reasons.append(f"- **{name}** ({'on' if s.enabled else 'off'}): {why}")
+    return "\n".join([html_table(headers, rows), "",
+                      "E counts every round, with or without a proposal; the proposal rate is the "
+                      "share of rounds in which the drafter proposed at least one token. The live "
+                      "check decodes a few requests plain and speculative and compares the measured "
+                      "speedup with the prediction for the same requests.", "",
+                      "Why each domain is on or off:", "", *reasons])
 
 
 def effective_speedup(setting: DomainSetting | None) -> float:

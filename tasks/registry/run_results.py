@@ -1,5 +1,6 @@
 """What the registry reads of a run's stored step results: the cost profile's check, the engine
-check's rows and the Data Docs pages. Plain reads of specdec's tables, so that the registry needs
+check's rows, each domain's evidence (live check, proposal rate, sampling test), the domains below
+the low-acceptance alert and the Data Docs pages. Plain reads of specdec's tables, so that the registry needs
 none of the steps (pyproject.toml: the registry does not import steps); the steps that write these
 rows re-export their readers.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import CostProfile, CostProfileCheck, DataDocsPage, EngineCheck, EvalRun
+from ..db.models import (AcceptanceEstimate, CostProfile, CostProfileCheck, DataDocsPage, DomainConfig,
+                         EngineCheck, EvalRun, LiveMeasurement, Validation)
 
 
 def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
@@ -76,3 +78,77 @@ def data_docs_pages(run_id: str, db_url: str | None = None) -> dict[str, str]:
         rows = connection.execute(select(DataDocsPage.page, DataDocsPage.html).where(
             DataDocsPage.run_id == run_id).order_by(DataDocsPage.page)).all()
     return {page: html for page, html in rows}
+
+
+def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
+    """{domain: {"live", "proposal_rate", "validation"}} of a run, what the version page shows
+    beside the config:
+
+    - live: the confirm step's measurement of the planned (drafter, K) ({measured, lo, hi,
+      predicted_same (the prediction for the same requests), predicted, cost_model_error, gap,
+      requests, verdict, weak, reason, min_speedup, tolerance, enforced}; from live_measurements
+      and domain_configs.live_check), None when the domain was not measured live;
+    - proposal_rate: the share of the planned drafter's rounds at the planned K that drafted at
+      least one token (1 - the estimate's share of rounds of width 0), None without an estimate;
+      E counts every round, so a drafter that rarely proposes has a low E beside high per-position
+      rates;
+    - validation: the domain's sampling test ({shared_from, k, ks, samplings, request_id,
+      passed}), None when none is stored.
+    """
+    engine = ensure_ready(resolve_database_url(db_url))
+    with engine.connect() as connection:
+        configs = connection.execute(select(
+            DomainConfig.domain, DomainConfig.drafter, DomainConfig.k, DomainConfig.live_check)
+            .where(DomainConfig.run_id == run_id)).mappings().all()
+        lives = {row["domain"]: row for row in connection.execute(select(
+            LiveMeasurement.domain, LiveMeasurement.measured_speedup, LiveMeasurement.measured_speedup_lo,
+            LiveMeasurement.measured_speedup_hi, LiveMeasurement.predicted_same_requests,
+            LiveMeasurement.predicted_speedup, LiveMeasurement.cost_model_error, LiveMeasurement.gap,
+            LiveMeasurement.requests).where(LiveMeasurement.run_id == run_id)).mappings()}
+        shares = {(row.domain, row.drafter, row.k): row.draft_width_share for row in connection.execute(
+            select(AcceptanceEstimate.domain, AcceptanceEstimate.drafter, AcceptanceEstimate.k,
+                   AcceptanceEstimate.draft_width_share).where(AcceptanceEstimate.run_id == run_id))}
+        tests = {row.domain: row for row in connection.execute(
+            select(Validation.domain, Validation.k, Validation.request_id, Validation.passed,
+                   Validation.details).where((Validation.run_id == run_id)
+                                             & (Validation.check_name == "sampling")))}
+    out = {}
+    for config in configs:
+        domain = config["domain"]
+        live = None
+        row = lives.get(domain)
+        if row is not None and row["measured_speedup"] is not None:
+            verdict = dict(config["live_check"] or {})
+            live = {"measured": row["measured_speedup"], "lo": row["measured_speedup_lo"],
+                    "hi": row["measured_speedup_hi"], "predicted_same": row["predicted_same_requests"],
+                    "predicted": row["predicted_speedup"], "cost_model_error": row["cost_model_error"],
+                    "gap": row["gap"], "requests": row["requests"],
+                    "verdict": verdict.get("verdict"), "weak": verdict.get("weak"),
+                    "reason": verdict.get("reason"), "min_speedup": verdict.get("min_speedup"),
+                    "tolerance": verdict.get("tolerance"), "enforced": verdict.get("live_veto")}
+        share = shares.get((domain, config["drafter"], config["k"]))
+        test = tests.get(domain)
+        details = (test.details or {}) if test is not None else {}
+        out[domain] = {
+            "live": live,
+            "proposal_rate": None if not share else max(0.0, 1.0 - float(share[0])),
+            "validation": None if test is None else {
+                "shared_from": details.get("shared_from"), "k": test.k, "ks": details.get("ks"),
+                "samplings": details.get("samplings"), "request_id": test.request_id,
+                "passed": test.passed}}
+    return out
+
+
+def low_acceptance(run_id: str, threshold: float, db_url: str | None = None) -> list[dict]:
+    """Domains (planned, status ok) whose planned drafter's expected tokens per round fell below
+    `threshold`: [{domain, drafter, k, mean_accepted_length, enabled}] by domain. What the
+    low-acceptance alert publishes and the version page states."""
+    engine = ensure_ready(resolve_database_url(db_url))
+    with engine.connect() as connection:
+        rows = connection.execute(select(DomainConfig.domain, DomainConfig.drafter, DomainConfig.k,
+                                         DomainConfig.mean_accepted_length, DomainConfig.enabled).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok"))
+            .order_by(DomainConfig.domain)).all()
+    return [{"domain": r.domain, "drafter": r.drafter, "k": r.k, "mean_accepted_length": r.mean_accepted_length,
+             "enabled": bool(r.enabled)}
+            for r in rows if r.mean_accepted_length is not None and r.mean_accepted_length < threshold]

@@ -1,10 +1,14 @@
 """The registered version's page in MLflow: what a reviewer decides from.
 
-A config version's description is Markdown in sections: the per-domain table (on or off and why,
-predicted with its interval, measured, validation), what changed against the champion, the gates
-(a preview at registration, the real result once `specdec config promote` ran them), and one
-"Current champion" line that is written again on every version with an alias, and on the one that
-lost it, whenever specdec moves the champion.
+A config version's description is Markdown in sections, its first line "Promote only with
+`specdec config promote N`": warnings (a champion moved outside specdec, a noisy profile, domains
+vetoed or on although their live check fell short, the low-acceptance alert), the per-domain table
+(on or off and why, E with the proposal rate, predicted with its interval, the live check,
+validation and whose test it is), what changed against the champion, the gates (a preview at
+registration, the real result once `specdec config promote` ran them), and one "Current champion"
+line that is written again on every version with an alias, and on the one that lost it, whenever
+specdec moves the champion. Its tables are HTML with padding (html_table): MLflow draws Markdown
+tables without it, and adjacent cells ran together.
 
 It also tells a champion that passed specdec's gates from one moved by hand (MLflow's "Promote"
 button or alias pencil): the latest champion move in specdec's `promotions` table must be a
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import re
+from html import escape, unescape
 
 from sqlalchemy import select
 
 from ..db.engine import ensure_ready
 from ..db.models import Promotion
+from ..masking import mask_url
 from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -28,11 +34,61 @@ CHAMPION_LINE = "**Current champion:**"
 GATES_HEADING = "### Gates"
 
 
+def html_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A table MLflow's page renders legibly: HTML (the description is Markdown, whose tables MLflow
+    draws without cell padding, so adjacent cells run together) with borders and padding. Cells
+    are HTML already (`cell()` escapes text); one line per row, no blank line (Markdown would end
+    the HTML block there)."""
+    head = "".join(f'<th style="text-align: left">{escape(h)}</th>' for h in headers)
+    body = "\n".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return (f'<table border="1" cellpadding="6" style="border-collapse: collapse">\n<tr>{head}</tr>\n'
+            f"{body}\n</table>")
+
+
+def cell(text, bold: bool = False) -> str:
+    """One table cell's text, escaped for HTML (bold when asked)."""
+    text = escape("-" if text is None else str(text))
+    return f"<b>{text}</b>" if bold else text
+
+
+def description_text(description: str) -> str:
+    """The page for a terminal (`specdec config show`): each HTML table row as `| cell | cell |`,
+    tags dropped and entities decoded; the Markdown around the tables as it is."""
+    def row(match: re.Match) -> str:
+        cells = re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", match.group(1), re.DOTALL)
+        return "| " + " | ".join(unescape(re.sub(r"<[^>]+>", "", c)) for c in cells) + " |"
+
+    text = re.sub(r"<tr>(.*?)</tr>", row, description or "", flags=re.DOTALL)
+    return re.sub(r"</?table[^>]*>\n?", "", text)
+
+
+GATE_RESULTS = {"pass": "pass", "fail": "FAIL", "unsure": "UNSURE", "not enforced": "not enforced"}
+
+
+def gate_result(gate: dict) -> str:
+    """pass | fail | unsure (passes, but its evidence is noise: the figure says why) | not enforced
+    (reported, never failing: the setting that enforces it is off)."""
+    return gate.get("result") or ("pass" if gate["passed"] else "fail")
+
+
 def gates_markdown(gates: list[dict], title: str) -> str:
-    lines = [f"{GATES_HEADING} ({title})", "", "| gate | result | figure |", "|---|---|---|"]
-    lines += [f"| {g['name']} | {'pass' if g['passed'] else '**FAIL**'} | {g['figure'].replace('|', '/')} |"
-              for g in gates]
-    return "\n".join(lines)
+    rows = [[cell(g["name"]), cell(GATE_RESULTS[gate_result(g)], bold=gate_result(g) != "pass"),
+             cell(g["figure"])] for g in gates]
+    return f"{GATES_HEADING} ({title})\n\n" + html_table(["gate", "result", "figure"], rows)
+
+
+def gates_summary(gates: list[dict]) -> str:
+    """The gates in one line: `validation pass, live_check UNSURE, ...`."""
+    return ", ".join(f"{g['name']} {GATE_RESULTS[gate_result(g)]}" for g in gates)
+
+
+def version_url(tracking_uri: str, name: str, version: str) -> str:
+    """Where the version's page is: the tracking server's URL of it, or (a local store, opened
+    with `mlflow ui`) the page's path under the UI's address."""
+    path = f"#/models/{name}/versions/{version}"
+    if tracking_uri.startswith(("http://", "https://")):
+        return mask_url(tracking_uri.rstrip("/")) + "/" + path
+    return f"{path} of the MLflow UI on {mask_url(tracking_uri)}"
 
 
 def champion_line(version: str | None, how: str) -> str:

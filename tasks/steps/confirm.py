@@ -320,13 +320,15 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
     machine's correct "on" (measured well above the minimum) stands; the verdict says how many
     requests it rests on ("weak": fewer than 5).
     Output: {verdict: pass | flag (a problem, in a domain that is not turning on) | veto | none,
-    weak, measured, lo, hi, error_lo, error_hi, predicted, requests, reason}.
+    weak, measured, lo, hi, error_lo, error_hi, predicted, requests, reason, and the settings it
+    was judged by: min_speedup, tolerance, live_veto}.
     """
     interval = speedup_interval(per_request)
     requests = sum(1 for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s"))
     predicted = predicted_same or config.get("predicted_speedup")
     out = {**interval, "predicted": predicted, "requests": requests, "verdict": "none",
-           "reason": "no live measurement"}
+           "reason": "no live measurement", "min_speedup": settings.min_speedup,
+           "tolerance": settings.confirm_tolerance, "live_veto": settings.live_veto}
     measured = interval["measured"]
     if measured is None:
         return out

@@ -61,6 +61,22 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
     return [{column: value(row, column) for column in TABLE_COLUMNS} for row in configs]
 
 
+def report_table(spec) -> list[dict]:
+    """The run's per-domain table (evaluation_table); logs one line a domain (the report task's
+    log)."""
+    spec = RunSpec.of(spec)
+    table = evaluation_table(spec.run_id, spec.url)
+    for row in table:
+        measured = row.get("measured_speedup")
+        log.info("run %s, domain %s: %s, %s K=%s, max batch %s, E %s, predicted %s, measured %s, "
+                 "validation %s", spec.run_id, row["domain"], "on" if row["enabled"] else "off",
+                 row["drafter"] or "-", row["k"] or "-", row["max_batch_size"] or "-",
+                 "-" if row["mean_accepted_length"] is None else f"{row['mean_accepted_length']:.2f}",
+                 "-" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}x",
+                 "-" if measured is None else f"{measured:.2f}x", row["validation"] or "-")
+    return table
+
+
 def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
              db_url: str | None = None, settings: Settings | None = None, domains=None, window=None,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,

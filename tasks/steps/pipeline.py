@@ -23,6 +23,8 @@ from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Vali
 from ..registry.config_schema import config_model_name
 from ..registry.promotion import promote
 from ..registry.registration import register_config
+from ..registry.run_results import low_acceptance
+from ..registry.version_page import gates_summary, version_url
 from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
 from ..settings import worker_name
 from ..timeutil import utcnow
@@ -244,6 +246,12 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
             status="evaluated", updated_at=utcnow()))
+    log.info("run %s: finished: target fingerprint %s%s; greedy check %s; validation %s; failed "
+             "domains %s", run_id, verdicts["fingerprint"]["id"],
+             "" if verdicts["fingerprint"]["passed"] else " FAILED (" + "; ".join(verdicts["fingerprint"]["reasons"]) + ")",
+             ", ".join(f"{d} {'passed' if ok else 'FAILED'}" for d, ok in sorted(verdicts["greedy"].items())) or "none",
+             ", ".join(f"{d} {v}" for d, v in sorted(verdicts["domains"].items())) or "none",
+             failed or "none")
     return {**verdicts, "failed": failed,
             "excluded": {key: len(value) for key, value in (excluded or {}).items()}}
 
@@ -275,27 +283,43 @@ def step_engine_check(spec) -> dict:
 
 
 def step_register(spec) -> dict:
+    """Register the run's config (tasks.registry.registration.register_config); logs one line:
+    the version, its page, validation and the gates' preview."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    return register_config(spec.run_id, db_url=spec.resolved_url(settings), uri=spec.tracking_uri,
-                           settings=settings)
+    url = spec.resolved_url(settings)
+    registered = register_config(spec.run_id, db_url=url, uri=spec.tracking_uri, settings=settings)
+    log.info("run %s: registered %s version %s%s (alias challenger; champion %s); validation %s; "
+             "gates (preview): %s; page: %s", spec.run_id, registered["name"], registered["version"],
+             " (reused)" if registered["reused"] else "", registered["champion_version"] or "none",
+             registered["validation"], gates_summary(registered["gates"]),
+             version_url(tracking_uri(spec.tracking_uri, url), registered["name"], registered["version"]))
+    return registered
 
 
 def step_promote(spec, registered: dict) -> dict:
+    """Gate and promote the registered version (tasks.registry.promotion.promote); logs one line."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    return promote(registered["name"], registered["version"], db_url=spec.resolved_url(settings),
-                   uri=spec.tracking_uri, settings=settings,
-                   expected_champion=registered["champion_version"])
+    result = promote(registered["name"], registered["version"], db_url=spec.resolved_url(settings),
+                     uri=spec.tracking_uri, settings=settings,
+                     expected_champion=registered["champion_version"])
+    log.info("run %s: %s version %s %s: %s; gates: %s", spec.run_id, registered["name"],
+             registered["version"], "promoted to champion" if result["promoted"] else "NOT promoted",
+             result["reason"], gates_summary(result["gates"]))
+    return result
 
 
 def low_acceptance_domains(spec, threshold: float) -> list[dict]:
-    """Domains whose planned drafter's expected tokens per round fell below `threshold`."""
+    """Domains whose planned drafter's expected tokens per round fell below `threshold`
+    (tasks.registry.run_results.low_acceptance: the rule the version page states too)."""
     spec = RunSpec.of(spec)
-    engine = ensure_ready(spec.url)
-    with engine.connect() as connection:
-        rows = connection.execute(select(DomainConfig.domain, DomainConfig.drafter, DomainConfig.k,
-                                         DomainConfig.mean_accepted_length).where(
-            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok"))).all()
-    return [{"domain": r.domain, "drafter": r.drafter, "k": r.k, "mean_accepted_length": r.mean_accepted_length}
-            for r in rows if r.mean_accepted_length is not None and r.mean_accepted_length < threshold]
+    low = low_acceptance(spec.run_id, threshold, spec.url)
+    if low:
+        log.warning("run %s: low-acceptance alert (expected tokens per round below %.2f): %s", spec.run_id,
+                    threshold, ", ".join(f"{r['domain']} ({'on' if r['enabled'] else 'off'}, {r['drafter']} "
+                                         f"K={r['k']}: E = {r['mean_accepted_length']:.2f})" for r in low))
+    else:
+        log.info("run %s: no domain below the low-acceptance alert (E < %.2f)", spec.run_id, threshold)
+    return [{key: row[key] for key in ("domain", "drafter", "k", "mean_accepted_length")} for row in low]
+

@@ -136,4 +136,5 @@ def materialise_report(name: str, db_url: str | None = None, directory: str | Pa
     tmp = path.with_suffix(".csv.tmp")
     tmp.write_text(format_report(report, "csv"), encoding="utf-8")
     tmp.replace(path)
+    log.info("report %s: %d rows written to %s", report["name"], len(report["rows"]), path)
     return {"name": report["name"], "rows": len(report["rows"]), "path": str(path)}

@@ -1,13 +1,15 @@
 """Losslessness of a run's config: the three checks of docs/design.md ("What output unchanged means"), stored by run id.
 
-- sampling (per domain, with the domain's planned drafter): specdec_core.validation.sampling_check
-  from a context drawn from the domain's sample: K in {1, 2}, 3-token continuations, plain
-  sampling, temperature 0.7 and temperature 1.3 with top-p 0.9, G-tests Bonferroni-corrected to a
-  false-alarm rate of `validation_alpha` per check. The context is the sampled prompt plus the
-  prefix of its logged response at which the target's next-token entropy is highest (a peaked
-  distribution gives the test nothing to see). Unless `validation_per_domain`, a drafter's test
-  runs once per run and the other domains using it share the result (it checks the decoder and
-  verifier, not the traffic).
+- sampling (per domain, with the domain's planned setting): specdec_core.validation.sampling_check
+  from a context drawn from the domain's sample: K in {1, planned K}, 3-token continuations, at
+  the sampling settings of the domain's traffic (its `validation_samplings` most frequent
+  non-greedy ones; the engine's defaults -- plain, temperature 0.7, temperature 1.3 with top-p
+  0.9 -- for all-greedy traffic), G-tests Bonferroni-corrected to a false-alarm rate of
+  `validation_alpha` per check. The context is the sampled prompt plus the prefix of its logged
+  response at which the target's next-token entropy is highest (a peaked distribution gives the
+  test nothing to see). Unless `validation_per_domain`, a domain whose drafter, planned K and
+  sampling settings all equal those of a domain already tested in the run shares that test
+  ("shared_from" in its details); any difference runs a test of its own.
 - greedy (once per run): speculative greedy output equals plain greedy output over sampled
   requests of every enabled domain; a divergence passes only at a near-tie (top-2 margin < 1e-4).
 - fingerprint (once per run): the target's fingerprint; its canary log-probabilities must agree
@@ -20,12 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
+from collections import Counter
 
 import torch
 from sqlalchemy import delete, insert, select, update
 
-from specdec_core.validation import (compare_fingerprints, fingerprint_id, greedy_check, sampling_check,
-                                     target_fingerprint)
+from specdec_core import SamplingParams
+from specdec_core.validation import (DEFAULT_VALIDATION_SAMPLING, compare_fingerprints, fingerprint_id,
+                                     greedy_check, sampling_check, target_fingerprint)
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EvalRun, Validation
@@ -75,66 +80,127 @@ def validation_context(target, requests: list, candidates: int = 4):
     return best[1], best[2]
 
 
+def validation_samplings(requests: list, limit: int) -> list[SamplingParams]:
+    """The sampling settings a domain's sampling test runs at: the distinct non-greedy settings
+    of its sampled requests (what it serves; greedy rows are the greedy check's), the `limit` most
+    frequent, in a canonical order (so equal sets compare equal). A domain whose traffic is all
+    greedy gets the engine's defaults (specdec_core.validation.DEFAULT_VALIDATION_SAMPLING)."""
+    counts = Counter(request.sampling for request in requests if not request.sampling.greedy)
+    chosen = [sampling for sampling, _ in sorted(counts.items(), key=lambda item: (
+        -item[1], item[0].temperature, item[0].top_k, item[0].top_p))[:limit]]
+    if not chosen:
+        return list(DEFAULT_VALIDATION_SAMPLING)
+    return sorted(chosen, key=lambda s: (s.temperature, s.top_k, s.top_p))
+
+
+def _drafter_identity(label: str, drafter) -> str:
+    """The drafter as this domain uses it: its label, and for a suffix drafter a digest of the
+    requests its index holds (a run's per-domain indexes share one label)."""
+    index = getattr(drafter, "index", None)
+    ids = getattr(index, "request_ids", None)
+    if not ids:
+        return label
+    return label + "/index:" + hashlib.sha256("\n".join(sorted(map(str, ids))).encode()).hexdigest()[:12]
+
+
+def _sampling_text(sampling: dict) -> str:
+    text = f"T{sampling['temperature']:g}"
+    if sampling.get("top_k"):
+        text += f" top-k {sampling['top_k']}"
+    if sampling.get("top_p", 1.0) < 1.0:
+        text += f" top-p {sampling['top_p']:g}"
+    return text
+
+
 def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
                     db_url: str | None = None, settings: Settings | None = None,
                     check_kwargs: dict | None = None) -> dict:
-    """Run (or share) the sampling test for the domain's planned drafter; store it.
+    """Run (or share) the sampling test of the domain's planned setting; store it.
 
+    The test is the domain's own: its planned drafter at K in {1, planned K} (K = 1 covers the
+    bonus token), at the sampling settings of its traffic (validation_samplings), from a
+    high-entropy context of its sampled requests. It is shared only with another domain of the
+    run whose test has the same key -- drafter (as that domain uses it), planned K and sampling
+    settings -- and never when `validation_per_domain`; the stored details say "shared_from".
     check_kwargs: extra arguments of sampling_check (fault injection: specdec_core.faults).
-    Output: {"domain", "validation": passed | failed | not_needed, "shared_from", "failures"}.
+    Output: {"domain", "validation": passed | failed | not_needed, "shared_from", "failures",
+    "key", "seconds"}.
     """
     settings = settings or load_settings()
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     with engine.connect() as connection:
         config = connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
-        shared = None
-        if config is not None and config["enabled"] and not settings.validation_per_domain:
-            shared = connection.execute(select(Validation).where(
-                (Validation.run_id == run_id) & (Validation.check_name == "sampling")
-                & (Validation.drafter == config["drafter"]) & (Validation.domain != domain))
-                .order_by(Validation.id)).mappings().first()
-            if shared is not None and (shared["details"] or {}).get("shared_from"):
-                shared = None
     if config is None or not config["enabled"]:
         with engine.begin() as connection:
             _replace(connection, run_id, "sampling", domain, [])
-        return {"domain": domain, "validation": "not_needed", "shared_from": None, "failures": []}
+        log.info("run %s, domain %s: sampling test not needed (the domain is off)", run_id, domain)
+        return {"domain": domain, "validation": "not_needed", "shared_from": None, "failures": [],
+                "key": None, "seconds": 0.0}
+    drafter = drafters[config["drafter"]][1]
+    k = int(config["k"])
+    ks = sorted({1, k})
+    samplings = validation_samplings(requests, settings.validation_samplings)
+    key = {"drafter": _drafter_identity(config["drafter"], drafter), "k": k, "ks": ks,
+           "samplings": [sampling.to_dict() for sampling in samplings]}
+    what = (f"{config['drafter']} K={k} (tested at K {', '.join(map(str, ks))}) at "
+            + ", ".join(_sampling_text(item) for item in key["samplings"]))
+    shared = None
+    if not settings.validation_per_domain:
+        with engine.connect() as connection:
+            for row in connection.execute(select(Validation).where(
+                    (Validation.run_id == run_id) & (Validation.check_name == "sampling")
+                    & (Validation.domain != domain)).order_by(Validation.id)).mappings():
+                details = row["details"] or {}
+                if not details.get("shared_from") and details.get("key") == key:
+                    shared = row
+                    break
     if shared is not None:
-        row = {key: shared[key] for key in ("drafter", "k", "request_id", "passed", "statistic",
-                                            "p_value")}
-        row.update(domain=domain, details={"shared_from": shared["domain"],
+        row = {name: shared[name] for name in ("drafter", "k", "request_id", "passed", "statistic",
+                                               "p_value")}
+        row.update(domain=domain, details={"shared_from": shared["domain"], "key": key, "ks": ks,
+                                           "samplings": key["samplings"],
                                            "failures": (shared["details"] or {}).get("failures", [])})
         with engine.begin() as connection:
             _replace(connection, run_id, "sampling", domain, [row])
+        log.info("run %s, domain %s: sampling test of %s shared from %s (same drafter, K and sampling "
+                 "settings): %s", run_id, domain, what, shared["domain"],
+                 "passed" if row["passed"] else "FAILED")
         return {"domain": domain, "validation": "passed" if row["passed"] else "failed",
-                "shared_from": shared["domain"], "failures": row["details"]["failures"]}
+                "shared_from": shared["domain"], "failures": row["details"]["failures"], "key": key,
+                "seconds": 0.0}
 
-    drafter = drafters[config["drafter"]][1]
+    started = time.perf_counter()
     request_id, context = validation_context(target, requests)
     stem = run_id if settings.validation_seed is None else f"seed-{settings.validation_seed}"
     seed = int.from_bytes(hashlib.sha256(f"{stem}/{domain}".encode()).digest()[:4], "big") % (2 ** 31)
-    report = sampling_check(target, drafter, context, ks=(1, 2), rows=settings.validation_rows,
-                            alpha=settings.validation_alpha, seed=seed,
+    report = sampling_check(target, drafter, context, ks=tuple(ks), samplings=tuple(samplings),
+                            rows=settings.validation_rows, alpha=settings.validation_alpha, seed=seed,
                             chunk=settings.validation_rows, **(check_kwargs or {}))
+    seconds = time.perf_counter() - started
     failures = [{"domain": domain, "k": t.k, "sampling": t.sampling, "position": t.position,
                  "statistic": t.statistic, "p_value": t.p_value, "threshold": t.threshold}
                 for t in report.failures]
     worst = min(report.tests, key=lambda t: t.p_value)
-    row = {"domain": domain, "drafter": config["drafter"], "k": None, "request_id": request_id,
+    row = {"domain": domain, "drafter": config["drafter"], "k": k, "request_id": request_id,
            "passed": report.passed, "statistic": worst.statistic if worst.statistic != float("inf") else 1e308,
            "p_value": worst.p_value,
-           "details": {"shared_from": None, "context_tokens": len(context), "failures": failures,
+           "details": {"shared_from": None, "key": key, "ks": ks, "samplings": key["samplings"],
+                       "context_tokens": len(context), "seconds": seconds, "failures": failures,
                        "report": report.to_dict()}}
     with engine.begin() as connection:
         _replace(connection, run_id, "sampling", domain, [row])
+    log.info("run %s, domain %s: sampling test of %s from request %s (%d context tokens): %s; %d "
+             "G-tests of %d rows, smallest p %.3g (threshold %.3g); %.1f s", run_id, domain, what,
+             request_id, len(context), "passed" if report.passed else "FAILED", len(report.tests),
+             settings.validation_rows, worst.p_value, worst.threshold, seconds)
     if failures:
         first = failures[0]
         log.error("run %s, domain %s: sampling test FAILED at K=%d %s position %d: G=%.1f, p=%.2g < %.2g",
                   run_id, domain, first["k"], first["sampling"], first["position"], first["statistic"],
                   first["p_value"], first["threshold"])
     return {"domain": domain, "validation": "passed" if report.passed else "failed",
-            "shared_from": None, "failures": failures}
+            "shared_from": None, "failures": failures, "key": key, "seconds": seconds}
 
 
 def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_domain: dict,

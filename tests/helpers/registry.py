@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import create_engine, insert
 
-from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun
+from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun, LiveMeasurement, Validation
 from tasks.registry.promotion import promote
 from tasks.registry.registration import register_config
 from tasks.settings import load_settings
@@ -71,9 +71,100 @@ def finished_run(db_url: str, run_id: str, domains: dict, target_id: str = "tiny
     engine.dispose()
 
 
+def live_evidence(db_url: str, run_id: str, domain: str, measured: float, predicted: float,
+                  interval: tuple[float, float], verdict: str = "pass", requests: int = 3,
+                  e: float = 2.2, width_share: list[float] | None = None,
+                  shared_from: str | None = None, k: int = 3) -> None:
+    """What confirm, estimate and validate leave for a domain planned with LABEL at K: the live
+    measurement (and its stored verdict, judged at the default min_speedup and tolerance), the
+    chosen estimate's share of rounds by draft width, and a passed sampling test (its own, or
+    shared from another domain)."""
+    settings = DEFAULTS
+    error = measured / predicted - 1.0
+    reason = (f"live check: {measured:.2f}x measured [{interval[0]:.2f}, {interval[1]:.2f}] over "
+              f"{requests} requests vs {predicted:.2f}x predicted")
+    if verdict != "pass":
+        reason += ": slower than plain decoding" if measured < 1 else ": below min_speedup"
+    engine = create_engine(db_url)
+    with engine.begin() as connection:
+        connection.execute(insert(LiveMeasurement).values(
+            run_id=run_id, domain=domain, drafter=LABEL, k=k, batch_size=1, requests=requests,
+            tokens=100, measured_speedup=measured, predicted_speedup=predicted,
+            predicted_same_requests=predicted, cost_model_error=error,
+            gap=abs(error) > settings.confirm_tolerance, measured_speedup_lo=interval[0],
+            measured_speedup_hi=interval[1], created_at=now()))
+        connection.execute(DomainConfig.__table__.update().where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(
+            measured_speedup=measured, live_check={
+                "verdict": verdict, "measured": measured, "lo": interval[0], "hi": interval[1],
+                "requests": requests, "weak": requests < 5, "reason": reason,
+                "min_speedup": settings.min_speedup, "tolerance": settings.confirm_tolerance,
+                "live_veto": settings.live_veto}))
+        share = width_share or [0.0, 0.0, 0.0, 1.0]
+        connection.execute(insert(AcceptanceEstimate).values(
+            run_id=run_id, domain=domain, drafter=LABEL, k=k, requests=25, tokens=400,
+            acceptance_rate=0.5, mean_accepted_length=e, conditional_acceptance=[0.8, 0.6, 0.4][:k],
+            predicted_speedup=predicted, draft_width_share=share, created_at=now(), drafter_spec=SPEC))
+        connection.execute(insert(Validation).values(
+            run_id=run_id, domain=domain, check_name="sampling", drafter=LABEL, k=k,
+            request_id=f"{domain}-1", passed=True, statistic=1.0, p_value=0.5, created_at=now(),
+            details={"shared_from": shared_from, "ks": [1, k], "samplings": [], "failures": []}))
+    engine.dispose()
+
+
 def register(run_id: str, db_url: str, uri: str) -> dict:
     return register_config(run_id, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest")
 
 
 def promote_(name: str, version: str, db_url: str, uri: str, **kwargs) -> dict:
     return promote(name, version, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest", **kwargs)
+
+
+def page_text(description: str) -> str:
+    """A version page as a reviewer reads it: the description rendered as MLflow renders it
+    (Markdown with raw HTML: markdown-it, CommonMark + tables), then reduced to its text: a
+    table row becomes `| cell | cell |`, a list item `- text`, bold and code marks are gone."""
+    from html.parser import HTMLParser
+
+    from markdown_it import MarkdownIt
+
+    html = MarkdownIt("commonmark", {"html": True}).enable("table").render(description)
+
+    class Text(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.lines, self.current, self.row, self.cell = [], [], None, None
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "tr":
+                self.row = []
+            elif tag in ("td", "th"):
+                self.cell = []
+            elif tag in ("p", "li", "h1", "h2", "h3", "table"):
+                self.flush()
+                if tag == "li":
+                    self.current.append("- ")
+
+        def handle_endtag(self, tag):
+            if tag in ("td", "th") and self.row is not None:
+                self.row.append(" ".join("".join(self.cell or []).split()))
+                self.cell = None
+            elif tag == "tr" and self.row is not None:
+                self.lines.append("| " + " | ".join(self.row) + " |")
+                self.row = None
+            elif tag in ("p", "li", "h1", "h2", "h3"):
+                self.flush()
+
+        def handle_data(self, data):
+            (self.cell if self.cell is not None else self.current).append(data)
+
+        def flush(self):
+            text = " ".join("".join(self.current).split())
+            if text:
+                self.lines.append(text)
+            self.current = []
+
+    parser = Text()
+    parser.feed(html)
+    parser.flush()
+    return "\n".join(parser.lines)
