@@ -355,3 +355,81 @@ def test_every_params_default_validates_as_the_trigger_form_submits_it(dagbag):
             schema_type = param.schema.get("type")
             if param.value in (None, ""):
                 assert "null" in (schema_type if isinstance(schema_type, list) else [schema_type]), key
+
+
+CRONS = {"specdec_evaluate": "0 0 * * *", "specdec_retrain_draft": "0 3 * * 0"}
+
+
+@pytest.mark.integration
+def test_each_dag_names_its_schedule_and_triggers(dagbag):
+    """The DAG list shows a DAG's description; a cron next to an asset shows in the timetable's
+    summary (Airflow's AssetOrTimeSchedule over a CronTriggerTimetable) and in the description."""
+    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports"):
+        dag = dagbag.get_dag(dag_id)
+        assert dag.description, dag_id
+        assert "trigger form" in dag.description, dag_id
+        for asset in dag.timetable.asset_condition.objects if hasattr(dag.timetable, "asset_condition") else []:
+            assert asset.uri.rstrip("/") in dag.description, (dag_id, asset.uri)
+    for dag_id, cron in CRONS.items():
+        dag = dagbag.get_dag(dag_id)
+        assert type(dag.timetable).__name__ == "AssetOrTimeSchedule"
+        assert type(dag.timetable.timetable).__name__ == "CronTriggerTimetable"
+        assert cron in dag.timetable.summary and f"cron {cron}" in dag.description, dag_id
+    reports = dagbag.get_dag("specdec_reports")
+    assert "specdec://evaluations" in reports.description
+
+
+def _number(value) -> str:
+    return str(int(value)) if float(value) == int(value) else str(value)
+
+
+@pytest.mark.integration
+def test_trigger_form_requires_only_what_has_no_empty_meaning_and_states_ranges(dagbag):
+    """Airflow's form marks a field required unless its type allows null: the fields whose empty
+    value means something (every domain, the settings' candidates, measure here, do not promote)
+    allow it. Every range in a schema is written in the description too, and a run conf outside
+    it is refused, never clamped."""
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    optional = {"specdec_evaluate": {"domains", "candidates", "hardware_profile", "promote"},
+                "specdec_retrain_draft": {"domains", "vocab_size", "unroll", "layer_ids",
+                                          "include_generated"}}
+    for dag_id, names in optional.items():
+        params = dagbag.get_dag(dag_id).params
+        for key in params:
+            param = params.get_param(key)
+            schema, description = param.schema, param.description
+            types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            assert ("null" in types) == (key in names), (dag_id, key, types)
+            assert description, (dag_id, key)
+            for bound in ("minimum", "maximum", "exclusiveMinimum"):
+                if bound in schema:
+                    assert _number(schema[bound]) in description, (dag_id, key, bound)
+    evaluate = dagbag.get_dag("specdec_evaluate").params
+    k_max = evaluate.get_param("k_max")
+    assert k_max.schema["minimum"] == 1 and k_max.schema["maximum"] == 32
+    assert "draft tokens per round" in k_max.description
+    for outside in (0, 40):
+        with pytest.raises(ParamValidationError):
+            k_max.resolve(value=outside)
+    assert k_max.resolve(value=32) == 32
+    assert evaluate.get_param("promote").resolve(value=None) is None       # empty toggle: no promote
+    assert "Samples per domain" in evaluate.get_param("min_per_domain").description
+
+
+@pytest.mark.integration
+def test_a_minimum_above_the_maximum_fails_the_first_task_naming_both(dagbag, monkeypatch, tmp_path,
+                                                                      caplog):
+    # Airflow validates each Param alone: the form accepts min 500 with max 30, so `sample` checks
+    # the pair first and fails at once, before it loads anything
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", f"sqlite:///{tmp_path / 'specdec.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    dag = dagbag.get_dag("specdec_evaluate")
+    dag.params.validate()
+    with caplog.at_level("INFO"):
+        run = dag.test(run_conf={"max_per_domain": 30, "min_per_domain": 500})
+    states = tries(run)
+    assert run.state == "failed" and states["sample"] == ("failed", 1), states
+    assert ("Minimum samples per domain (min_per_domain=500) is above Samples per domain "
+            "(max_per_domain=30)") in caplog.text
+    assert not (tmp_path / "specdec.db").exists()       # failed before touching the database
