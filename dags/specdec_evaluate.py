@@ -215,8 +215,8 @@ def specdec_evaluate():
     def register(spec: dict, finished: dict) -> dict:
         from tasks.steps.pipeline import step_register
 
-        with task_errors():
-            return step_register(spec)
+        with task_errors():     # the MLflow run spans the evaluation: from the DAG run's start
+            return step_register(spec, started_at=get_current_context()["dag_run"].start_date)
 
     @task(outlets=[CHAMPION_ASSET])
     def promote(spec: dict, registered: dict) -> dict:

@@ -274,11 +274,12 @@ def step_engine_check(spec) -> dict:
     return json.loads(json.dumps(result, default=str))
 
 
-def step_register(spec) -> dict:
+def step_register(spec, started_at=None) -> dict:
+    """Register the run's config; started_at (its DAG run's start) is when its MLflow run starts."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
     return register_config(spec.run_id, db_url=spec.resolved_url(settings), uri=spec.tracking_uri,
-                           settings=settings)
+                           settings=settings, started_at=started_at)
 
 
 def step_promote(spec, registered: dict) -> dict:
