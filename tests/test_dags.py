@@ -433,3 +433,56 @@ def test_a_minimum_above_the_maximum_fails_the_first_task_naming_both(dagbag, mo
     assert ("Minimum samples per domain (min_per_domain=500) is above Samples per domain "
             "(max_per_domain=30)") in caplog.text
     assert not (tmp_path / "specdec.db").exists()       # failed before touching the database
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_path, monkeypatch):
+    """The Airflow line of the main job's last lines, pasted into a shell whose PATH does not
+    have this environment's bin directory (only the api-server's port changed to a free one):
+    every component starts, the api-server's health endpoint answers, and the generated
+    airflow.cfg loads no example DAGs."""
+    import subprocess
+    import time
+    import urllib.request
+
+    from tasks.cli.main_job import airflow_command, airflow_environment, prepare_airflow, ui_text
+
+    from .helpers.processes import free_port, stop_process_group, tail
+
+    env = airflow_environment(tmp_path / "home", REPO / "dags")
+    with monkeypatch.context() as patch:         # prepare_airflow sets these in os.environ
+        for key, value in env.items():
+            patch.setenv(key, value)
+        prepare_airflow(env)
+    config = (tmp_path / "home" / "airflow" / "airflow.cfg").read_text()
+    assert "\nload_examples = False\n" in config and f"\ndags_folder = {REPO / 'dags'}\n" in config
+    printed = ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2")
+    line = next(text for text in printed.splitlines() if text.strip().startswith("Airflow:"))
+    command = line.split("Airflow:", 1)[1].strip()
+    assert command == airflow_command(env) and "AIRFLOW__API__PORT=8080" in command
+    port = free_port()
+    shell = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+             # the scheduler's and triggerer's log servers bind fixed ports: free ones here
+             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port())}
+    log = tmp_path / "standalone.log"
+    with open(log, "wb") as handle:
+        process = subprocess.Popen(
+            ["bash", "-c", command.replace("AIRFLOW__API__PORT=8080", f"AIRFLOW__API__PORT={port}")],
+            env=shell, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    health = None
+    try:
+        deadline = time.monotonic() + 300
+        while health is None and process.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/monitor/health",
+                                            timeout=5) as response:
+                    health = json.load(response)
+            except OSError:
+                time.sleep(2)
+        assert health is not None, f"no health answer (exit {process.poll()}):\n{tail(log)}"
+        assert health["metadatabase"]["status"] == "healthy", health
+        assert "No such file or directory" not in log.read_text(errors="replace"), tail(log)
+    finally:
+        stop_process_group(process, 30)
