@@ -125,6 +125,7 @@ def task_errors():
             log.warning("database or tracking server unreachable, the task's retries apply: %s: %s",
                         type(exc).__name__, exc)
             raise
+        log.error("failed at once, no retry: %s: %s", type(exc).__name__, exc)   # in the task log
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
