@@ -71,43 +71,59 @@ DEFAULT_ARGS = {
     "max_retry_delay": timedelta(minutes=10),
 }
 
-# defaults that are settings come from Settings (tasks.settings), never copied here
+# defaults that are settings come from Settings (tasks.settings), never copied here. A Param whose
+# type allows null is optional in the trigger form (empty: the stated default); the others are
+# required and have a default. Ranges are in the schema (Airflow refuses a run conf outside them)
+# and in the description; min <= max per domain is checked by the first task (sample).
 PARAMS = {
     "target": Param(DEFAULT_MODEL, type="string", title="Target model",
                     description="HF id, local directory, GGUF file, or the embedded default"),
-    "domains": Param([], type="array", items={"type": "string"}, title="Domains",
-                     description="Empty: every domain with traffic in the window"),
+    "domains": Param([], type=["null", "array"], items={"type": "string"}, title="Domains",
+                     description="Optional; empty: every domain with traffic in the window"),
     "window_days": Param(setting_default("sample_window_days"), type="number", minimum=0.01,
                          maximum=365, title="Time window (days)",
-                         description="Ends at the newest stored request"),
+                         description="0.01 to 365 days, ending at the newest stored request"),
     "max_per_domain": Param(setting_default("max_per_domain"), type="integer", minimum=1,
                             maximum=100000, title="Samples per domain",
-                            description="Requests drawn per domain (formerly samples_per_domain)"),
+                            description="1 to 100000 requests drawn per domain; at least the "
+                                        "minimum below (formerly samples_per_domain)"),
     "min_per_domain": Param(setting_default("min_per_domain"), type="integer", minimum=1,
                             maximum=100000, title="Minimum samples per domain",
-                            description="Fewer: the domain is insufficient and keeps the champion's setting"),
-    "candidates": Param(DEFAULT_CANDIDATES, type="array",
+                            description="1 to 100000, at most Samples per domain (checked when the "
+                                        "run starts: the sample task fails naming both); fewer: "
+                                        "the domain is insufficient and keeps the champion's setting"),
+    "candidates": Param(DEFAULT_CANDIDATES, type=["null", "array"],
                         items={"type": "string"}, title="Candidate drafters",
-                        description="KIND[:NAME=VALUE...], e.g. draft_model:model=/models/draft"),
+                        description="Optional; KIND[:NAME=VALUE...], e.g. "
+                                    "draft_model:model=/models/draft; empty: the settings' candidates"),
     "hardware_profile": Param(setting_default("hardware_profile"), type=["null", "string"],
                               title="Hardware profile",
-                              description="A stored cost profile to plan with; empty: measure this worker"),
+                              description="Optional; a stored cost profile to plan with; empty: "
+                                          "measure this worker"),
     "k_max": Param(setting_default("eval_k_max"), type="integer", minimum=1, maximum=32,
                    title="Largest K",
-                   description="Largest K profiled and planned (the setting eval_k_max)"),
+                   description="1 to 32: the largest number of draft tokens per round (K) that "
+                               "is profiled and planned; the planner picks each domain's K up to "
+                               "it (the setting eval_k_max). A run conf outside 1 to 32 is refused"),
     "min_speedup": Param(setting_default("min_speedup"), type="number", minimum=0.01, maximum=10.0,
                          title="Minimum speedup",
-                         description="A domain is on only when its interval's lower end clears this "
-                                     "(below 1.0 only for testing: it turns on predicted slowdowns)"),
+                         description="0.01 to 10: a domain is on only when its interval's lower end "
+                                     "clears this (below 1.0 only for testing: it turns on "
+                                     "predicted slowdowns)"),
     "acceptance_alert": Param(setting_default("acceptance_alert"), type="number", minimum=1.0, maximum=33.0,
                               title="Low-acceptance alert",
-                              description="Alert when a domain's expected tokens per round falls below this"),
-    "promote": Param(False, type="boolean", title="Promote",
-                     description="Move the champion alias when every gate passes"),
+                              description="1 to 33 tokens per round: alert when a domain's expected "
+                                          "tokens per round falls below this"),
+    "promote": Param(False, type=["null", "boolean"], title="Promote",
+                     description="Optional; on: move the champion alias when every gate passes; "
+                                 "off or empty: register only (alias challenger)"),
 }
 
 
 @dag(dag_id="specdec_evaluate",
+     description="Daily at 00:00 UTC (cron 0 0 * * *), and whenever specdec_retrain_draft registers "
+                 "a new draft (asset specdec://drafts/new), or from the trigger form: per-domain "
+                 "speculative decoding settings, proven lossless, registered in MLflow",
      schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 0 * * *", timezone="UTC"),
                                   assets=[NEW_DRAFT_ASSET]),
      start_date=datetime(2025, 1, 1), catchup=False,
@@ -199,8 +215,8 @@ def specdec_evaluate():
     def register(spec: dict, finished: dict) -> dict:
         from tasks.steps.pipeline import step_register
 
-        with task_errors():
-            return step_register(spec)
+        with task_errors():     # the MLflow run spans the evaluation: from the DAG run's start
+            return step_register(spec, started_at=get_current_context()["dag_run"].start_date)
 
     @task(outlets=[CHAMPION_ASSET])
     def promote(spec: dict, registered: dict) -> dict:

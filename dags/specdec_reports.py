@@ -27,7 +27,9 @@ EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
 CPU_QUEUE, _ = queues()
 
 
-@dag(dag_id="specdec_reports", schedule=[EVALUATIONS_ASSET], start_date=datetime(2025, 1, 1),
+@dag(dag_id="specdec_reports", schedule=[EVALUATIONS_ASSET],
+     description="After each specdec_evaluate run (asset specdec://evaluations), or from the "
+                 "trigger form: writes the ops SQL reports as CSV under $SPECDEC_HOME/reports", start_date=datetime(2025, 1, 1),
      catchup=False, doc_md=__doc__, tags=["specdec"],
      default_args={"queue": CPU_QUEUE, "retries": 2, "retry_exponential_backoff": True})
 def specdec_reports():

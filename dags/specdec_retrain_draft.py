@@ -56,12 +56,15 @@ NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)
 CPU_QUEUE, GPU_QUEUE = queues()
 
 PARAMS = {
-    "target": Param(DEFAULT_MODEL, type="string", title="Target model"),
-    "domains": Param([], type="array", items={"type": "string"}, title="Domains",
-                     description="Empty: pooled over every domain"),
-    "window_days": Param(28, type="number", minimum=1, maximum=365, title="Time window (days)"),
+    "target": Param(DEFAULT_MODEL, type="string", title="Target model",
+                    description="HF id, local directory, GGUF file, or the embedded default"),
+    "domains": Param([], type=["null", "array"], items={"type": "string"}, title="Domains",
+                     description="Optional; empty: pooled over every domain"),
+    "window_days": Param(28, type="number", minimum=1, maximum=365, title="Time window (days)",
+                         description="1 to 365 days, ending at the newest stored request"),
     "max_requests": Param(2000, type="integer", minimum=10, maximum=10_000_000,
-                          title="Most requests used"),
+                          title="Most requests used",
+                          description="10 to 10000000 stored requests (train and held-out)"),
     "kind": Param("draft_model", type="string", enum=["draft_model", "head", "eagle3"],
                   title="Draft kind",
                   description="draft_model: a small LM of the target's first layers; head: a draft "
@@ -69,39 +72,49 @@ PARAMS = {
                               "head on three target layers, saved in the speculators format vLLM "
                               "serves"),
     "vocab_size": Param(None, type=["null", "integer"], minimum=64, title="Head vocabulary",
-                        description="head: the N most frequent tokens of the training traffic; "
+                        description="Optional, at least 64; head: the N most frequent tokens of the training traffic; "
                                     "eagle3: of the training responses; empty: the target's full "
                                     "vocabulary"),
     "unroll": Param(None, type=["null", "integer"], minimum=1, maximum=8,
                     title="Head chain steps trained (training-time test)",
-                    description="head, eagle3: draft steps trained on the head's own features; "
+                    description="Optional, 1 to 8; head, eagle3: draft steps trained on the head's own features; "
                                 "empty: 1 for head, 3 for eagle3"),
     "layer_ids": Param(None, type=["null", "array"], items={"type": "integer", "minimum": 0},
                        title="EAGLE-3 target layers",
-                       description="eagle3: the target layers whose inputs it reads; empty: "
+                       description="Optional; eagle3: the target layers whose inputs it reads; empty: "
                                    "vLLM's default (the inputs of layers 2, N/2 and N-3)"),
-    "num_layers": Param(2, type="integer", minimum=1, maximum=32, title="Draft layers"),
-    "steps": Param(300, type="integer", minimum=1, maximum=1_000_000, title="Training steps"),
-    "batch_size": Param(8, type="integer", minimum=1, maximum=1024, title="Batch size"),
-    "lr": Param(5e-4, type="number", exclusiveMinimum=0, maximum=1, title="Peak learning rate"),
-    "eval_every": Param(100, type="integer", minimum=1, title="Held-out evaluation every N steps"),
+    "num_layers": Param(2, type="integer", minimum=1, maximum=32, title="Draft layers",
+                        description="1 to 32: draft_model: the target's first layers it starts from"),
+    "steps": Param(300, type="integer", minimum=1, maximum=1_000_000, title="Training steps",
+                   description="1 to 1000000 optimiser steps"),
+    "batch_size": Param(8, type="integer", minimum=1, maximum=1024, title="Batch size",
+                        description="1 to 1024 requests per step"),
+    "lr": Param(5e-4, type="number", exclusiveMinimum=0, maximum=1, title="Peak learning rate",
+                description="above 0, at most 1"),
+    "eval_every": Param(100, type="integer", minimum=1, title="Held-out evaluation every N steps",
+                        description="at least 1; the kept checkpoint is the best of these evaluations"),
     "teacher_topk": Param(0, type="integer", minimum=0, maximum=1024, title="Teacher top-k",
-                          description="0: cross-entropy on the logged tokens; k > 0: KL from the "
+                          description="0 to 1024; 0: cross-entropy on the logged tokens; k > 0: KL from the "
                                       "target's top-k probabilities (one extra target pass)"),
-    "heldout_fraction": Param(0.2, type="number", minimum=0.01, maximum=0.9, title="Held-out share"),
+    "heldout_fraction": Param(0.2, type="number", minimum=0.01, maximum=0.9, title="Held-out share",
+                              description="0.01 to 0.9 of the requests, held out by request id"),
     "generate_count": Param(0, type="integer", minimum=0, maximum=1_000_000,
                             title="Rows generated per domain",
-                            description="before training, the target answers this many logged "
+                            description="0 to 1000000; before training, the target answers this many logged "
                                         "prompts per domain again (their logged sampling params); "
                                         "0: none"),
     "include_generated": Param(None, type=["null", "boolean"], title="Train on generated rows",
-                               description="train on the rows the target generated too (this "
+                               description="Optional; train on the rows the target generated too (this "
                                            "run's and earlier ones); empty: when this run "
                                            "generates some"),
 }
 
 
-@dag(dag_id="specdec_retrain_draft", start_date=datetime(2025, 1, 1), catchup=False, max_active_runs=1,
+@dag(dag_id="specdec_retrain_draft",
+     description="Weekly on Sunday at 03:00 UTC (cron 0 3 * * 0), and whenever specdec_evaluate "
+                 "reports low acceptance (asset specdec://alerts/low-acceptance), or from the "
+                 "trigger form: trains a draft on the logged traffic and refreshes suffix indexes",
+     start_date=datetime(2025, 1, 1), catchup=False, max_active_runs=1,
      schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 0", timezone="UTC"),
                                   assets=[LOW_ACCEPTANCE_ASSET]),
      params=PARAMS, doc_md=__doc__, tags=["specdec"],

@@ -2,9 +2,13 @@
 Airflow api-server and an MLflow server on loopback, on stores made by a small run of
 `specdec_evaluate` through dag.test() (tiny target; one domain short of samples, so it is off).
 
-It submits the trigger form with its defaults and sees a queued run, opens a mapped task's log and
-sees its lines, sees mapped tasks labelled by domain, and opens the registered version's page to
-find the per-domain reasons, the gates and the current-champion line. Screenshots go to
+It submits the trigger form with its defaults and sees a queued run (reading the ranges and the
+min <= max rule in the form's text), opens a mapped task's log and sees its lines, sees mapped
+tasks labelled by domain, reads each DAG's schedule and triggers, finds a refused run's first task
+naming a minimum above the maximum, follows the main job's MLflow link to the runs table, reads
+the run's description, and opens the registered version's page to find the per-domain reasons,
+the gates and the current-champion line; the data-quality report renders with no request to any
+host but 127.0.0.1. Assertions read the rendered text, not the markup. Screenshots go to
 $SPECDEC_SCREENSHOTS (default: screenshots/ in the repository); their names are printed.
 
 Skipped where Chromium or Playwright is missing, unless SPECDEC_REQUIRE_BROWSER=1 (CI sets it).
@@ -77,7 +81,14 @@ def stores(airflow_env, dagbag, tmp_path_factory):
                 run_conf={**TINY_CONF, "target": str(model_dir), "promote": True})
         assert run.state == "success"
         write_task_logs(run, recorder, Path(airflow_env["AIRFLOW_HOME"]) / "logs")
-        yield {"base": base, "run_id": run.run_id, "target": str(model_dir)}
+        with recording() as recorder:       # a minimum above the maximum: the first task fails
+            refused = dagbag.get_dag("specdec_evaluate").test(
+                run_conf={**TINY_CONF, "target": str(model_dir), "max_per_domain": 30,
+                          "min_per_domain": 500})
+        assert refused.state == "failed"
+        write_task_logs(refused, recorder, Path(airflow_env["AIRFLOW_HOME"]) / "logs")
+        yield {"base": base, "run_id": run.run_id, "target": str(model_dir),
+               "refused_run_id": refused.run_id}
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +138,45 @@ def shot(page, name: str) -> Path:
     return path
 
 
+def text_of(page) -> str:
+    """The page's rendered text (what a reader sees), whitespace collapsed."""
+    return " ".join(page.inner_text("body").split())
+
+
+def external_requests(page, action, frames_only: bool = False) -> list[str]:
+    """URLs of the requests to hosts other than 127.0.0.1 made while `action()` runs (frames_only:
+    those made by frames inside the page, e.g. an artifact shown in MLflow's pane)."""
+    seen: list[str] = []
+
+    def record(request):
+        host = urllib.parse.urlsplit(request.url).hostname
+        if not request.url.startswith(("http:", "https:", "ws:", "wss:")) or host == "127.0.0.1":
+            return
+        try:
+            inside = request.frame != page.main_frame
+        except Exception:       # a request of no frame (a service worker): not the report's
+            inside = False
+        if inside or not frames_only:
+            seen.append(request.url)
+
+    page.on("request", record)
+    try:
+        action()
+    finally:
+        page.remove_listener("request", record)
+    return seen
+
+
 def test_trigger_form_submits_its_defaults_and_queues_a_run(page, servers):
     page.goto(f"{servers['airflow']}/dags/specdec_evaluate", wait_until="networkidle")
     page.get_by_role("button", name="Trigger").first.click()
     dialog = page.get_by_role("dialog")
     dialog.get_by_text("Hardware profile").wait_for()
+    form = " ".join(dialog.inner_text().split())
+    # ranges and the cross-field rule are read where the fields are filled in
+    assert "1 to 32: the largest number of draft tokens per round (K)" in form, form
+    assert "at most Samples per domain (checked when the run starts" in form, form
+    assert "Optional; empty: every domain with traffic in the window" in form, form
     dialog.get_by_role("button", name="Trigger").click()       # every field as the form fills it
     page.get_by_text("Dag Run Triggered").first.wait_for()
     page.get_by_text("Queued").first.wait_for()
@@ -164,7 +209,7 @@ def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, st
     if close.count():
         close.first.click()
     page.get_by_text("code (off): insufficient samples").first.wait_for()       # why code is off
-    page.get_by_text("json (on): on: ").first.wait_for()      # why json is on
+    page.get_by_text("json (on): ").first.wait_for()      # why json is on
     body = " ".join(page.inner_text("body").split())
     assert "Gates (specdec config promote against champion none" in body
     assert "validation pass" in body and "no_regression pass" in body
@@ -178,3 +223,80 @@ def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, st
     ours = [e for e in experiments if e["name"].startswith("specdec/")]
     assert ours and all({"key": "mlflow.experimentKind", "value": "custom_model_development"}
                         in e.get("tags", []) for e in ours)
+
+
+def test_the_dag_list_and_details_name_schedules_and_triggers(page, servers):
+    page.goto(f"{servers['airflow']}/dags", wait_until="networkidle")
+    page.get_by_text("specdec_retrain_draft").first.wait_for()
+    listed = text_of(page)
+    shot(page, "6-dag-list")
+    page.goto(f"{servers['airflow']}/dags/specdec_evaluate/details", wait_until="networkidle")
+    page.get_by_text("Daily at 00:00 UTC (cron 0 0 * * *)").first.wait_for()
+    details = text_of(page)
+    shot(page, "7-dag-details")
+    assert "0 0 * * *" in details and "specdec://drafts/new" in details, details
+    assert "specdec_evaluate" in listed and "specdec_reports" in listed, listed
+
+
+def test_a_minimum_above_the_maximum_is_named_in_the_first_tasks_log(page, servers, stores):
+    run = urllib.parse.quote(stores["refused_run_id"], safe="")
+    page.goto(f"{servers['airflow']}/dags/specdec_evaluate/runs/{run}/tasks/sample",
+              wait_until="networkidle")
+    page.get_by_text("Minimum samples per domain (min_per_domain=500) is above Samples per "
+                     "domain (max_per_domain=30)").first.wait_for()
+    shot(page, "8-min-above-max")
+
+
+def mlflow_run(servers, stores) -> dict:
+    with urllib.request.urlopen(f"{servers['mlflow']}/api/2.0/mlflow/experiments/search?max_results=50") as r:
+        experiment = next(e for e in json.load(r)["experiments"] if e["name"].startswith("specdec/"))
+    query = json.dumps({"experiment_ids": [experiment["experiment_id"]],
+                        "filter": f"tags.`specdec.run_id` = '{stores['run_id']}'"}).encode()
+    request = urllib.request.Request(f"{servers['mlflow']}/api/2.0/mlflow/runs/search", data=query,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as r:
+        return {"experiment_id": experiment["experiment_id"], "run": json.load(r)["runs"][0]}
+
+
+def test_the_printed_mlflow_link_opens_the_runs_table_and_the_run_describes_itself(page, servers,
+                                                                                   stores):
+    from tasks.cli.main_job import mlflow_urls
+    from tasks.registry.config_schema import config_model_name
+
+    found = mlflow_run(servers, stores)
+    urls = mlflow_urls(servers["mlflow"], found["experiment_id"], config_model_name(stores["target"]), "1")
+    page.goto(urls["runs"], wait_until="load")
+    page.get_by_text(stores["run_id"]).first.wait_for()         # the run's row in the runs table
+    shot(page, "9-runs-table")
+    info = found["run"]["info"]
+    page.goto(f"{servers['mlflow']}/#/experiments/{found['experiment_id']}/runs/{info['run_id']}",
+              wait_until="load")
+    page.get_by_text(f"specdec evaluation {stores['run_id']}").first.wait_for()   # its description
+    shot(page, "10-run-page")
+    page.goto(urls["version"], wait_until="load")
+    page.get_by_text("Current champion: version 1").first.wait_for()
+
+
+def test_the_data_quality_report_renders_offline_with_every_expectation(page, servers, stores):
+    found = mlflow_run(servers, stores)
+    run_id = found["run"]["info"]["run_id"]
+    # as MLflow shows it: in the run's artifact pane
+    pane = (f"{servers['mlflow']}/#/experiments/{found['experiment_id']}/runs/{run_id}/artifacts/"
+            "reports/data_quality.html")
+    requests = external_requests(page, lambda: (
+        page.goto(pane, wait_until="load"),
+        page.frame_locator("iframe").first.get_by_text("Data quality of run").first.wait_for()),
+        frames_only=True)
+    shot(page, "11-data-quality-in-mlflow")
+    assert requests == [], requests
+    # the file itself (MLflow serves artifacts as downloads), rendered on its own: nothing fetched
+    with urllib.request.urlopen(f"{servers['mlflow']}/get-artifact?path=reports/data_quality.html"
+                                f"&run_uuid={run_id}") as r:
+        html = r.read().decode("utf-8")
+    requests = external_requests(page, lambda: page.set_content(html, wait_until="networkidle"))
+    report = text_of(page)
+    shot(page, "12-data-quality-report")
+    assert requests == [], requests
+    assert page.locator("a, script, link, img, iframe").count() == 0
+    assert "Data quality of run" in report and "expect_column_values_to_not_be_null" in report, report
+    assert "passed" in report and "reports/data_docs/" in report, report

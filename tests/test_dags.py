@@ -377,3 +377,134 @@ def test_the_alert_threshold_of_a_run_reaches_its_version_page():
               "acceptance_alert": 1.5, "promote": False}
     assert evaluate_spec("r", params).settings().acceptance_alert == 1.5
     assert setting_default("acceptance_alert") == 1.2
+
+
+CRONS = {"specdec_evaluate": "0 0 * * *", "specdec_retrain_draft": "0 3 * * 0"}
+
+
+@pytest.mark.integration
+def test_each_dag_names_its_schedule_and_triggers(dagbag):
+    """The DAG list shows a DAG's description; a cron next to an asset shows in the timetable's
+    summary (Airflow's AssetOrTimeSchedule over a CronTriggerTimetable) and in the description."""
+    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports"):
+        dag = dagbag.get_dag(dag_id)
+        assert dag.description, dag_id
+        assert "trigger form" in dag.description, dag_id
+        for asset in dag.timetable.asset_condition.objects if hasattr(dag.timetable, "asset_condition") else []:
+            assert asset.uri.rstrip("/") in dag.description, (dag_id, asset.uri)
+    for dag_id, cron in CRONS.items():
+        dag = dagbag.get_dag(dag_id)
+        assert type(dag.timetable).__name__ == "AssetOrTimeSchedule"
+        assert type(dag.timetable.timetable).__name__ == "CronTriggerTimetable"
+        assert cron in dag.timetable.summary and f"cron {cron}" in dag.description, dag_id
+    reports = dagbag.get_dag("specdec_reports")
+    assert "specdec://evaluations" in reports.description
+
+
+def _number(value) -> str:
+    return str(int(value)) if float(value) == int(value) else str(value)
+
+
+@pytest.mark.integration
+def test_trigger_form_requires_only_what_has_no_empty_meaning_and_states_ranges(dagbag):
+    """Airflow's form marks a field required unless its type allows null: the fields whose empty
+    value means something (every domain, the settings' candidates, measure here, do not promote)
+    allow it. Every range in a schema is written in the description too, and a run conf outside
+    it is refused, never clamped."""
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    optional = {"specdec_evaluate": {"domains", "candidates", "hardware_profile", "promote"},
+                "specdec_retrain_draft": {"domains", "vocab_size", "unroll", "layer_ids",
+                                          "include_generated"}}
+    for dag_id, names in optional.items():
+        params = dagbag.get_dag(dag_id).params
+        for key in params:
+            param = params.get_param(key)
+            schema, description = param.schema, param.description
+            types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            assert ("null" in types) == (key in names), (dag_id, key, types)
+            assert description, (dag_id, key)
+            for bound in ("minimum", "maximum", "exclusiveMinimum"):
+                if bound in schema:
+                    assert _number(schema[bound]) in description, (dag_id, key, bound)
+    evaluate = dagbag.get_dag("specdec_evaluate").params
+    k_max = evaluate.get_param("k_max")
+    assert k_max.schema["minimum"] == 1 and k_max.schema["maximum"] == 32
+    assert "draft tokens per round" in k_max.description
+    for outside in (0, 40):
+        with pytest.raises(ParamValidationError):
+            k_max.resolve(value=outside)
+    assert k_max.resolve(value=32) == 32
+    assert evaluate.get_param("promote").resolve(value=None) is None       # empty toggle: no promote
+    assert "Samples per domain" in evaluate.get_param("min_per_domain").description
+
+
+@pytest.mark.integration
+def test_a_minimum_above_the_maximum_fails_the_first_task_naming_both(dagbag, monkeypatch, tmp_path,
+                                                                      caplog):
+    # Airflow validates each Param alone: the form accepts min 500 with max 30, so `sample` checks
+    # the pair first and fails at once, before it loads anything
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", f"sqlite:///{tmp_path / 'specdec.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    dag = dagbag.get_dag("specdec_evaluate")
+    dag.params.validate()
+    with caplog.at_level("INFO"):
+        run = dag.test(run_conf={"max_per_domain": 30, "min_per_domain": 500})
+    states = tries(run)
+    assert run.state == "failed" and states["sample"] == ("failed", 1), states
+    assert ("Minimum samples per domain (min_per_domain=500) is above Samples per domain "
+            "(max_per_domain=30)") in caplog.text
+    assert not (tmp_path / "specdec.db").exists()       # failed before touching the database
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_path, monkeypatch):
+    """The Airflow line of the main job's last lines, pasted into a shell whose PATH does not
+    have this environment's bin directory (only the api-server's port changed to a free one):
+    every component starts, the api-server's health endpoint answers, and the generated
+    airflow.cfg loads no example DAGs."""
+    import subprocess
+    import time
+    import urllib.request
+
+    from tasks.cli.main_job import airflow_command, airflow_environment, prepare_airflow, ui_text
+
+    from .helpers.processes import free_port, stop_process_group, tail
+
+    env = airflow_environment(tmp_path / "home", REPO / "dags")
+    with monkeypatch.context() as patch:         # prepare_airflow sets these in os.environ
+        for key, value in env.items():
+            patch.setenv(key, value)
+        prepare_airflow(env)
+    config = (tmp_path / "home" / "airflow" / "airflow.cfg").read_text()
+    assert "\nload_examples = False\n" in config and f"\ndags_folder = {REPO / 'dags'}\n" in config
+    printed = ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2")
+    line = next(text for text in printed.splitlines() if text.strip().startswith("Airflow:"))
+    command = line.split("Airflow:", 1)[1].strip()
+    assert command == airflow_command(env) and "AIRFLOW__API__PORT=8080" in command
+    port = free_port()
+    shell = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+             # the scheduler's and triggerer's log servers bind fixed ports: free ones here
+             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port())}
+    log = tmp_path / "standalone.log"
+    with open(log, "wb") as handle:
+        process = subprocess.Popen(
+            ["bash", "-c", command.replace("AIRFLOW__API__PORT=8080", f"AIRFLOW__API__PORT={port}")],
+            env=shell, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    health = None
+    try:
+        deadline = time.monotonic() + 300
+        while health is None and process.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/monitor/health",
+                                            timeout=5) as response:
+                    health = json.load(response)
+            except OSError:
+                time.sleep(2)
+        assert health is not None, f"no health answer (exit {process.poll()}):\n{tail(log)}"
+        assert health["metadatabase"]["status"] == "healthy", health
+        assert "No such file or directory" not in log.read_text(errors="replace"), tail(log)
+    finally:
+        stop_process_group(process, 30)

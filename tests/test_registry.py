@@ -980,3 +980,166 @@ def test_live_check_gate_is_unsure_not_silent_on_noise_and_reports_when_not_enfo
     assert live_gate(config, evidence, DEFAULTS)["result"] == "fail"
     off = live_gate(config, evidence, load_settings({}, live_veto=False))
     assert off["passed"] and off["result"] == "not enforced" and "FAILED: ['chat']" in off["figure"]
+
+
+# ------------------------------------------------------------------------------------------------
+# what a reviewer sees of the MLflow run: its time span, its description, its data-quality report
+QUALITY_ROWS = [
+    {"suite": "sample", "scope": "table", "expectation": "expect_column_values_to_be_unique",
+     "column_name": "id", "success": True, "status": "pass",
+     "observed": {"unexpected_count": 0, "element_count": 60}},
+    {"suite": "sample", "scope": "table", "expectation": "expect_column_values_to_not_be_null",
+     "column_name": "prompt", "success": False, "status": "fail",
+     "observed": {"unexpected_count": 2, "examples": ["json-3", "json-9"]}},
+    {"suite": "per_domain", "scope": "code", "expectation": "expect_table_row_count_to_be_between",
+     "column_name": None, "success": False, "status": "insufficient", "observed": {"observed_value": 3}},
+]
+
+
+def test_the_mlflow_run_spans_the_evaluation_and_describes_itself(db_url, tracking, target_id):
+    import tempfile
+    from datetime import timedelta, timezone
+
+    from tasks.db.models import EvalRun, QualityResult
+
+    finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False}}, target_id=target_id)
+    engine = create_engine(db_url)
+    with engine.begin() as connection:
+        connection.execute(insert(QualityResult), [dict(row, run_id="run-1", created_at=_now())
+                                                   for row in QUALITY_ROWS])
+        recorded = connection.execute(select(EvalRun.created_at).where(EvalRun.run_id == "run-1")).scalar()
+    engine.dispose()
+    before = _now()
+    registered = register("run-1", db_url, tracking)
+    mlflow_client = client(tracking)
+    run = mlflow_client.get_run(registered["mlflow_run_id"])
+    # from when the sample step recorded the run (5 minutes before here), not from registration
+    assert run.info.start_time == int(recorded.replace(tzinfo=timezone.utc).timestamp() * 1000)
+    assert run.info.end_time >= int(before.replace(tzinfo=timezone.utc).timestamp() * 1000)
+    assert run.info.end_time - run.info.start_time >= timedelta(minutes=5).total_seconds() * 1000
+    note = run.data.tags["mlflow.note.content"]
+    assert "specdec evaluation `run-1`" in note and "Domains on: json (K=3). Off: chat." in note
+    assert "data quality (FAILED)" in note and "validation **passed**" in note
+    # the report inside MLflow's pane: every expectation with its result, nothing fetched
+    with tempfile.TemporaryDirectory() as tmp:
+        path = mlflow_client.download_artifacts(run.info.run_id, "reports/data_quality.html", tmp)
+        html = Path(path).read_text("utf-8")
+    assert_self_contained(html)
+    assert "expect_column_values_to_not_be_null" in html and "FAILED (fail)" in html
+    assert "insufficient" in html
+
+
+def test_the_mlflow_run_starts_at_the_dag_runs_start(db_url, tracking, target_id):
+    from datetime import datetime, timedelta, timezone
+
+    finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
+    dag_start = datetime.now(timezone.utc) - timedelta(minutes=10)      # before the sample step
+    registered = register_config("run-1", db_url=db_url, uri=tracking, settings=DEFAULTS,
+                                 actor="pytest", started_at=dag_start)
+    run = client(tracking).get_run(registered["mlflow_run_id"])
+    assert run.info.start_time == int(dag_start.timestamp() * 1000)
+    assert run.info.status == "FINISHED"
+
+
+def assert_self_contained(html: str) -> None:
+    """No scripts, stylesheets, images or links: nothing to load, nothing to navigate the pane to."""
+    import re
+
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I), html
+    for tag in ("<script", "<link", "<a ", "<img", "<iframe", "@import", "url("):
+        assert tag not in html.lower(), tag
+
+
+def test_data_quality_report_shows_every_expectation_and_loads_nothing():
+    import re
+
+    from tasks.registry.registration import data_quality_report
+
+    html = data_quality_report("run-1", QUALITY_ROWS, ["sample-table.html"])
+    assert_self_contained(html)
+    text = " ".join(re.sub(r"<[^>]+>", " ", html).split())
+    assert "sample FAILED" in text and "per_domain FAILED" in text
+    assert "table expect_column_values_to_be_unique id passed (pass)" in text
+    assert "table expect_column_values_to_not_be_null prompt FAILED (fail)" in text
+    assert "json-9" in text
+    assert "code expect_table_row_count_to_be_between FAILED (insufficient)" in text
+    assert "reports/data_docs/sample-table.html" in text        # GX's own pages: attached, named
+
+
+# ------------------------------------------------------------------------------------------------
+# the plots, read at 1280 px: short titles, legends off the data, the threshold, the chosen K
+RUN_ID = "manual__2026-05-04T10:11:12.345678+00:00"
+
+
+def estimate_rows() -> list[dict]:
+    rows = []
+    for domain, base in (("chat", 0.8), ("code", 1.1), ("json", 1.3), ("qa", 0.9)):
+        for drafter, lift in (("prompt_lookup(max_ngram=3)", 0.1), ("suffix", 0.15)):
+            for k in range(1, 9):
+                speedup = base + lift * min(k, 4) - 0.03 * max(k - 4, 0)
+                rows.append({"domain": domain, "drafter": drafter, "k": k,
+                             "predicted_speedup": speedup, "predicted_speedup_lo": speedup - 0.1,
+                             "predicted_speedup_hi": speedup + 0.1,
+                             "conditional_acceptance": [0.8 - 0.05 * i for i in range(k)]})
+    return rows
+
+
+def figure_texts(fig) -> list[str]:
+    return [t.get_text() for t in [fig._suptitle, *[ax.title for ax in fig.axes]] if t is not None
+            and t.get_text()]
+
+
+def assert_legends_off_the_data(fig) -> None:
+    fig.canvas.draw()
+    legends = [*fig.legends, *[ax.get_legend() for ax in fig.axes if ax.get_legend()]]
+    assert legends
+    for legend in legends:
+        box = legend.get_window_extent()
+        assert box.height >= 20                                      # readable, not a 6 px strip
+        for ax in fig.axes:
+            if ax.get_visible():
+                assert not box.overlaps(ax.get_window_extent()), (legend, ax.get_title())
+
+
+def test_speedup_plot_has_threshold_chosen_k_interval_and_a_legend_off_the_data():
+    from matplotlib.collections import PolyCollection
+
+    from tasks.registry.plots import speedup_figure
+
+    configs = {"json": {"drafter": "suffix", "k": 4, "enabled": True},
+               "code": {"drafter": "prompt_lookup(max_ngram=3)", "k": 3, "enabled": True},
+               "chat": {"drafter": None, "k": 0, "enabled": False}}
+    fig = speedup_figure(estimate_rows(), configs, 1.1, RUN_ID)
+    assert_legends_off_the_data(fig)
+    for title in figure_texts(fig):
+        assert len(title) <= 40 and RUN_ID not in title, title
+    assert any(RUN_ID in t.get_text() for t in fig.texts)           # the run id: a footnote
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert set(panels) == {"chat: off", "code: on, K=3", "json: on, K=4", "qa: off"}
+    for ax in panels.values():
+        thresholds = [line for line in ax.get_lines() if line.get_label() == "min_speedup 1.1"]
+        assert thresholds and list(thresholds[0].get_ydata()) == [1.1, 1.1]
+        assert any(isinstance(c, PolyCollection) for c in ax.collections)     # the 95% band
+    chosen = [line for line in panels["json: on, K=4"].get_lines() if line.get_label() == "chosen K"]
+    assert len(chosen) == 1 and list(chosen[0].get_xdata()) == [4]
+    assert list(chosen[0].get_ydata()) == [pytest.approx(1.3 + 0.15 * 4)]
+    assert not [line for line in panels["chat: off"].get_lines() if line.get_label() == "chosen K"]
+    assert "min_speedup 1.1" in [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_acceptance_and_calibration_plots_keep_labels_apart_and_titles_short():
+    from tasks.registry.plots import acceptance_figure, calibration_figure
+
+    rows = estimate_rows()
+    fig = acceptance_figure(rows, {d: "suffix" for d in ("chat", "code", "json", "qa")}, RUN_ID)
+    assert_legends_off_the_data(fig)
+    assert all(len(t) <= 60 and RUN_ID not in t for t in figure_texts(fig))
+    # chat and qa at nearly the same point: one legend entry each, no labels drawn on the data
+    live = [{"domain": "chat", "predicted": 1.02, "measured": 0.98},
+            {"domain": "qa", "predicted": 1.03, "measured": 0.99},
+            {"domain": "json", "predicted": 1.5, "measured": 1.4}]
+    fig = calibration_figure(live, RUN_ID)
+    assert_legends_off_the_data(fig)
+    assert not [t for ax in fig.axes for t in ax.texts]
+    assert {"chat", "qa", "json"} <= {t.get_text() for t in fig.legends[0].get_texts()}
+    assert all(len(t) <= 60 and RUN_ID not in t for t in figure_texts(fig))

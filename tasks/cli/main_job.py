@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from specdec_core.models import DEFAULT_MODEL
 
 from ..errors import RegistryError
 from ..orchestration.airflow_glue import TIMING_POOL
-from ..registry.config_schema import config_model_name
+from ..registry.config_schema import config_model_name, target_slug
 from ..settings import specdec_home
 from .console import make_console
 from .evaluation import evaluation_rich_table
@@ -60,7 +61,9 @@ class _TaskProgress(logging.Handler):
 
 
 def prepare_airflow(env: dict) -> None:
-    """Migrate the metadata database and create the one-slot timing pool (both idempotent)."""
+    """Migrate the metadata database and create the one-slot timing pool (both idempotent); the
+    airflow.cfg Airflow generates then gets this environment's settings (no example DAGs, our DAG
+    folder and database), so that an Airflow started on this home without them agrees."""
     os.environ.update(env)
     for command in (["db", "migrate"],
                     ["pools", "set", TIMING_POOL, "1", "timing work never overlaps"]):
@@ -68,6 +71,77 @@ def prepare_airflow(env: dict) -> None:
                               text=True, env=os.environ.copy())
         if done.returncode != 0:
             raise RuntimeError(f"`airflow {' '.join(command)}` failed:\n{done.stderr[-3000:]}")
+    write_airflow_cfg(Path(env["AIRFLOW_HOME"]) / "airflow.cfg", env)
+
+
+# airflow.cfg keys (section, key) set from the environment variables of airflow_environment
+CFG_KEYS = {"AIRFLOW__CORE__LOAD_EXAMPLES": ("core", "load_examples"),
+            "AIRFLOW__CORE__DAGS_FOLDER": ("core", "dags_folder"),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": ("database", "sql_alchemy_conn")}
+
+
+def write_airflow_cfg(path: Path, env: dict) -> None:
+    """Set the CFG_KEYS of `env` in the generated airflow.cfg (Airflow writes its defaults there,
+    `load_examples = True` among them, whatever the environment said)."""
+    if not path.exists():
+        return
+    section, lines = None, path.read_text().splitlines()
+    wanted = {keys: env[name] for name, keys in CFG_KEYS.items() if name in env}
+    for n, line in enumerate(lines):
+        header = re.fullmatch(r"\[(\w+)\]\s*", line)
+        if header:
+            section = header.group(1)
+            continue
+        key = re.match(r"(\w+)\s*=", line)
+        if key and (section, key.group(1)) in wanted:
+            lines[n] = f"{key.group(1)} = {wanted[(section, key.group(1))]}"
+    path.write_text("\n".join(lines) + "\n")
+
+
+def airflow_command(env: dict, port: int = 8080) -> str:
+    """The shell line that opens the Airflow UI on the main job's home: every component of
+    `airflow standalone` is started as `airflow` from PATH, so PATH names this environment's bin
+    directory; the environment of airflow_environment and the api-server's port are spelled out."""
+    bin_dir = Path(sys.executable).parent
+    names = ["AIRFLOW_HOME", "AIRFLOW__CORE__DAGS_FOLDER", "AIRFLOW__CORE__LOAD_EXAMPLES",
+             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    assignments = " ".join(f"{name}={shlex.quote(str(env[name]))}" for name in names)
+    return (f"PATH={shlex.quote(str(bin_dir))}:\"$PATH\" {assignments} AIRFLOW__API__HOST=127.0.0.1 "
+            f"AIRFLOW__API__PORT={port} "
+            f"{shlex.quote(str(bin_dir / 'airflow'))} standalone")
+
+
+def mlflow_command(tracking: str, port: int = 5000) -> str:
+    """The shell line that opens the MLflow UI on the main job's tracking store."""
+    mlflow = Path(sys.executable).parent / "mlflow"
+    return (f"{shlex.quote(str(mlflow))} ui --backend-store-uri {shlex.quote(tracking)} "
+            f"--host 127.0.0.1 --port {port}")
+
+
+def mlflow_urls(base: str, experiment_id: str | None, model: str | None, version: str | None) -> dict:
+    """Direct links: the experiment's runs table and a config version's page."""
+    urls = {}
+    if experiment_id is not None:
+        urls["runs"] = f"{base}/#/experiments/{experiment_id}/runs"
+    if model and version:
+        urls["version"] = f"{base}/#/models/{model}/versions/{version}"
+    return urls
+
+
+def ui_text(env: dict, tracking: str, experiment_id: str | None, model: str | None,
+            version: str | None) -> str:
+    """What the main job prints last: commands to paste as they are, then where to go."""
+    urls = mlflow_urls("http://127.0.0.1:5000", experiment_id, model, version)
+    lines = ["Open the UIs on these stores (paste each command as it is, in any shell):",
+             f"  Airflow: {airflow_command(env)}",
+             "           then http://127.0.0.1:8080 (user admin; its password is printed at start "
+             f"and kept in {env['AIRFLOW_HOME']}/simple_auth_manager_passwords.json.generated)",
+             f"  MLflow:  {mlflow_command(tracking)}"]
+    if "runs" in urls:
+        lines.append(f"           runs: {urls['runs']}")
+    if "version" in urls:
+        lines.append(f"           config {model} version {version}: {urls['version']}")
+    return "\n".join(lines)
 
 
 def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None = None) -> dict:
@@ -111,7 +185,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"      task logs for the UI: {len(logs)} files under {env['AIRFLOW_HOME']}/logs")
     console.print("[bold]4/4[/bold] results")
 
-    from ..registry.tracking import show_version
+    from ..registry.tracking import client, show_version
     from ..registry.run_results import profile_check
     from ..steps.costs import profile_check_text
     from ..steps.evaluate import evaluation_table
@@ -130,13 +204,16 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     except RegistryError as exc:
         champion = None
         console.print(f"no champion: {exc}")
-    console.print(
-        "\nOpen the UIs on these stores:\n"
-        f"  Airflow: AIRFLOW_HOME={env['AIRFLOW_HOME']} AIRFLOW__CORE__DAGS_FOLDER={env['AIRFLOW__CORE__DAGS_FOLDER']} "
-        ".venv/bin/airflow standalone   # then http://localhost:8080 (login printed at start)\n"
-        f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {os.environ['MLFLOW_TRACKING_URI']} "
-        "--port 5000   # then http://localhost:5000 (experiment specdec/..., model specdec-config-...)\n"
-        f"  total {time.perf_counter() - started:.0f} s")
+    tracking = os.environ["MLFLOW_TRACKING_URI"]
+    target = dag_run.conf.get("target") or DEFAULT_MODEL
+    mlflow_client, name = client(tracking), config_model_name(target)
+    experiment = mlflow_client.get_experiment_by_name(f"specdec/{target_slug(target)}")
+    versions = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{dag_run.run_id}'")
+    # soft_wrap: a command wrapped at the terminal's width would not paste
+    console.print("\n" + escape(ui_text(env, tracking, experiment.experiment_id if experiment else None,
+                                         name, str(versions[0].version) if versions else None)),
+                  soft_wrap=True, highlight=False)
+    console.print(f"  total {time.perf_counter() - started:.0f} s")
     return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": table,
             "champion": champion, "task_states": states, "profile_check": check}
 

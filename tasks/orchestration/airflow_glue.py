@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
-from ..errors import DatabaseUnavailable, RegistryUnavailable, SpecdecTaskError
+from ..errors import DatabaseUnavailable, RegistryUnavailable, SampleError, SpecdecTaskError
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ DEFAULT_CANDIDATES = setting_default("candidates")
 DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name -> current name
 
 __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS",
-           "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "current_params",
+           "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "check_per_domain_range", "current_params",
            "connection_database_url", "evaluate_spec", "is_outage", "queues", "setting_default",
            "task_errors"]
 
@@ -125,6 +125,7 @@ def task_errors():
             log.warning("database or tracking server unreachable, the task's retries apply: %s: %s",
                         type(exc).__name__, exc)
             raise
+        log.error("failed at once, no retry: %s: %s", type(exc).__name__, exc)   # in the task log
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -145,17 +146,27 @@ def current_params(params, conf: dict | None) -> dict:
     return values
 
 
+def check_per_domain_range(params) -> None:
+    """The cross-field check Airflow's per-Param validation cannot make: the minimum samples per
+    domain must not exceed the samples drawn per domain. SampleError (the task fails at once)."""
+    low, high = params.get("min_per_domain"), params.get("max_per_domain")
+    if low is not None and high is not None and int(low) > int(high):
+        raise SampleError(f"Minimum samples per domain (min_per_domain={low}) is above Samples per "
+                          f"domain (max_per_domain={high}): set min_per_domain <= max_per_domain")
+
+
 def evaluate_spec(run_id: str, params, conf: dict | None = None):
     """The RunSpec of a `specdec_evaluate` run from its Params (and run conf, for deprecated names)."""
     # imported here: DAG files import this module at parse time; the run context pulls torch and MLflow
     from ..steps.context import RunSpec
 
     p = current_params(params, conf)
+    check_per_domain_range(p)
     return RunSpec(run_id=run_id, target=p["target"], db_url=connection_database_url(),
                    domains=p["domains"] or None, window_days=p["window_days"],
                    max_per_domain=p["max_per_domain"], min_per_domain=p["min_per_domain"],
                    candidates=p["candidates"], hardware_profile=p["hardware_profile"] or None,
-                   k_max=p["k_max"], min_speedup=p["min_speedup"], promote=p["promote"],
+                   k_max=p["k_max"], min_speedup=p["min_speedup"], promote=bool(p["promote"]),
                    # the alert's threshold: the alert task and the version page state the same one
                    overrides={"acceptance_alert": p["acceptance_alert"]} if "acceptance_alert" in p else {})
 

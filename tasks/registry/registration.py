@@ -2,6 +2,10 @@
 reports go to one MLflow run (reused when a step is retried), and its `config/` artifact becomes a
 version of `specdec-config-<target-slug>` (tag `run_id`: a retried registration reuses the version)
 with the alias `challenger`. Every registration is a row in specdec's `promotions` table.
+
+The MLflow run starts when the evaluation started (its DAG run, else its sample step) and ends at
+registration; its description (tag mlflow.note.content) says what ran and which domains are on.
+The data-quality report is one self-contained HTML page; GX's Data Docs pages are attachments.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
 
@@ -24,110 +29,74 @@ from .run_config import (build_config, changes_markdown, domain_table_markdown, 
                          run_row, validation_status)
 from .run_results import (data_docs_pages, domain_evidence, engine_checks, engine_markdown, low_acceptance,
                           profile_check)
+from .plots import write_plots
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
                        tracking_uri)
 from .version_page import champion_audit, champion_line, gates_markdown
 
 log = logging.getLogger(__name__)
+NOTE_TAG = "mlflow.note.content"     # MLflow's run description (markdown, shown on the run's page)
 
 
-def _plots(run_id: str, connection, directory: Path) -> list[Path]:
-    """Per-position conditional acceptance per domain; predicted speedup vs K per domain/drafter."""
-    # imported here: matplotlib costs ~1.4 s to import: only the plots pay it
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = connection.execute(select(AcceptanceEstimate).where(AcceptanceEstimate.run_id == run_id)
-                              .order_by(AcceptanceEstimate.domain, AcceptanceEstimate.drafter,
-                                        AcceptanceEstimate.k)).mappings().all()
-    chosen = dict(connection.execute(select(DomainConfig.domain, DomainConfig.drafter)
-                                     .where(DomainConfig.run_id == run_id)).all())
-    if not rows:
-        return []
-    from matplotlib.ticker import MaxNLocator
-
-    domains = sorted({r["domain"] for r in rows})
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for domain in domains:
-        best = [r for r in rows if r["domain"] == domain and r["drafter"] == chosen.get(domain)]
-        if best:
-            rates = max(best, key=lambda r: r["k"])["conditional_acceptance"] or []
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{domain} ({best[0]['drafter']})")
-    ax.set(xlabel="draft position i", ylabel="conditional acceptance a_i", ylim=(0, 1),
-           title=f"run {run_id}: per-position acceptance (planned drafter)")
-    ax.legend(fontsize=8, loc="upper right")
-    paths.append(directory / "conditional_acceptance.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    # at most 3 panels a row: the page shows images about 900 px wide, so every panel stays legible
-    columns = min(3, len(domains))
-    grid = (len(domains) + columns - 1) // columns
-    fig, axes = plt.subplots(grid, columns, figsize=(4 * columns, 3.2 * grid), sharey=True,
-                             squeeze=False)
-    for ax in axes.flat[len(domains):]:
-        ax.set_visible(False)
-    for ax, domain in zip(axes.flat, domains):
-        for drafter in sorted({r["drafter"] for r in rows if r["domain"] == domain}):
-            points = [(r["k"], r["predicted_speedup"]) for r in rows
-                      if r["domain"] == domain and r["drafter"] == drafter and r["predicted_speedup"]]
-            if points:
-                ax.plot(*zip(*points), marker=".", label=drafter)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set(title=domain, xlabel="K")
-    for row in axes:
-        row[0].set_ylabel("predicted speedup (batch 1)")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    for ax in axes.flat[1:len(domains)]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            if label not in labels:
-                handles.append(handle)
-                labels.append(label)
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
-    paths.append(directory / "predicted_speedup_vs_k.png")
-    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(labels) + 1) // 2) / grid, 1, 1))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    live = connection.execute(select(LiveMeasurement.domain, LiveMeasurement.predicted_same_requests,
-                                     LiveMeasurement.measured_speedup)
-                              .where(LiveMeasurement.run_id == run_id)
-                              .order_by(LiveMeasurement.domain)).all()
-    live = [row for row in live if row.predicted_same_requests and row.measured_speedup]
-    if live:   # the cost model's calibration: predicted vs measured on the same requests
-        fig, ax = plt.subplots(figsize=(5, 5))
-        ax.scatter([r.predicted_same_requests for r in live], [r.measured_speedup for r in live])
-        for r in live:
-            ax.annotate(r.domain, (r.predicted_same_requests, r.measured_speedup), fontsize=7)
-        low = min(min(r.predicted_same_requests, r.measured_speedup) for r in live) * 0.9
-        high = max(max(r.predicted_same_requests, r.measured_speedup) for r in live) * 1.1
-        ax.plot([low, high], [low, high], color="grey", lw=0.8)
-        ax.set(xlabel="predicted speedup (same requests)", ylabel="measured speedup",
-               title=f"run {run_id}: cost-model calibration")
-        paths.append(directory / "calibration.png")
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
-    return paths
+def _plots(run_id: str, connection, directory: Path, min_speedup: float) -> list[Path]:
+    """The run's plots (tasks.registry.plots) from its estimates, plan and live checks."""
+    estimates = [dict(r) for r in connection.execute(
+        select(AcceptanceEstimate).where(AcceptanceEstimate.run_id == run_id)
+        .order_by(AcceptanceEstimate.domain, AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
+    configs = {r.domain: {"drafter": r.drafter, "k": r.k, "enabled": bool(r.enabled)}
+               for r in connection.execute(select(DomainConfig.domain, DomainConfig.drafter,
+                                                  DomainConfig.k, DomainConfig.enabled)
+                                           .where(DomainConfig.run_id == run_id))}
+    live = [{"domain": r.domain, "predicted": r.predicted_same_requests, "measured": r.measured_speedup}
+            for r in connection.execute(
+                select(LiveMeasurement.domain, LiveMeasurement.predicted_same_requests,
+                       LiveMeasurement.measured_speedup).where(LiveMeasurement.run_id == run_id)
+                .order_by(LiveMeasurement.domain))
+            if r.predicted_same_requests and r.measured_speedup]
+    return write_plots(run_id, estimates, configs, live, min_speedup, directory)
 
 
-def data_docs_index(run_id: str, pages: list[str], quality: list[dict]) -> str:
-    """One HTML page: the run's data-quality verdicts per suite, linking GX's Data Docs pages."""
+def _cell(value) -> str:
+    if isinstance(value, (dict, list)):
+        return escape(json.dumps(value, default=str, sort_keys=True))
+    return escape("" if value is None else str(value))
+
+
+def data_quality_report(run_id: str, quality: list[dict], pages: list[str]) -> str:
+    """The run's data-quality report as one self-contained HTML page (no scripts, stylesheets,
+    images or links: it renders inside MLflow's artifact pane and offline): per suite its verdict,
+    then every expectation with its scope, column, result and what was observed. Great
+    Expectations' own Data Docs pages are named as attachments (they load their scripts and
+    styles from a CDN, so they are opened apart, from a browser with internet access)."""
     verdict: dict[str, bool] = {}
     for row in quality:
         verdict[row["suite"]] = verdict.get(row["suite"], True) and bool(row["success"])
-    items = "".join(f'<li><a href="data_docs/{escape(page)}">{escape(Path(page).stem)}</a></li>'
-                    for page in pages)
-    rows = "".join(f"<tr><td>{escape(suite)}</td><td>{'passed' if ok else 'FAILED'}</td></tr>"
-                   for suite, ok in sorted(verdict.items()))
+    style = ("body{font-family:sans-serif;font-size:14px;margin:16px}table{border-collapse:collapse;"
+             "margin-bottom:18px}th,td{border:1px solid #bbb;padding:4px 8px;text-align:left;"
+             "vertical-align:top}th{background:#eee}.fail{color:#b00020;font-weight:bold}"
+             ".pass{color:#1b5e20}td.observed{font-family:monospace;font-size:12px;max-width:640px;"
+             "word-break:break-word}")
+    summary = "".join(f"<tr><td>{escape(suite)}</td><td class='{'pass' if ok else 'fail'}'>"
+                      f"{'passed' if ok else 'FAILED'}</td></tr>" for suite, ok in sorted(verdict.items()))
+    sections = []
+    for suite in sorted(verdict):
+        rows = "".join(
+            f"<tr><td>{_cell(r['scope'])}</td><td>{_cell(r['expectation'])}</td>"
+            f"<td>{_cell(r['column_name'])}</td><td class='{'pass' if r['success'] else 'fail'}'>"
+            f"{'passed' if r['success'] else 'FAILED'} ({_cell(r['status'])})</td>"
+            f"<td class='observed'>{_cell(r['observed'])}</td></tr>"
+            for r in sorted((r for r in quality if r["suite"] == suite),
+                            key=lambda r: (str(r["scope"]), str(r["expectation"]), str(r["column_name"]))))
+        sections.append(f"<h3>{escape(suite)}</h3><table><tr><th>scope</th><th>expectation</th>"
+                        f"<th>column</th><th>result</th><th>observed</th></tr>{rows}</table>")
+    attachments = "".join(f"<li><code>reports/data_docs/{escape(page)}</code></li>" for page in pages)
+    attached = (f"<p>Great Expectations' own Data Docs pages are attached beside this report (they "
+                f"load their scripts and styles from a CDN: open them from a browser with internet "
+                f"access):</p><ul>{attachments}</ul>") if pages else ""
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Data quality of run "
-            f"{escape(run_id)}</title></head><body style='font-family: sans-serif'>"
-            f"<h2>Data quality of run {escape(run_id)}</h2><table border='1' cellpadding='4'>"
-            f"<tr><th>suite</th><th>result</th></tr>{rows}</table>"
-            f"<p>Great Expectations Data Docs, one page per validation:</p><ul>{items}</ul>"
+            f"{escape(run_id)}</title><style>{style}</style></head><body>"
+            f"<h2>Data quality of run {escape(run_id)}</h2><table><tr><th>suite</th><th>result</th>"
+            f"</tr>{summary}</table>{''.join(sections)}{attached}"
             f"<p>The same results as JSON: <code>reports/data_quality.json</code>.</p></body></html>")
 
 
@@ -144,10 +113,35 @@ def end_run(mlflow_client, mlflow_run_id: str, exc: BaseException | None = None)
         log.warning("MLflow run %s: could not set status %s (%s)", mlflow_run_id, status, error)
 
 
+def _epoch_ms(moment: datetime) -> int:
+    """Milliseconds since the epoch (MLflow's run times); a naive datetime is UTC (specdec's rows)."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+def run_note(run_id: str, config, quality_ok: bool | None) -> str:
+    """The MLflow run's description (tag mlflow.note.content, shown on the run's page)."""
+    on = ", ".join(f"{name} (K={s.k})" for name, s in sorted(config.domains.items()) if s.enabled)
+    off = ", ".join(name for name, s in sorted(config.domains.items()) if not s.enabled)
+    quality = {None: "not recorded", True: "passed", False: "FAILED"}[quality_ok]
+    return (f"specdec evaluation `{run_id}` of target `{config.target.id}` on hardware profile "
+            f"`{config.hardware_profile}`: the traffic sampled per domain, checked for data "
+            f"quality ({quality}), acceptance estimated offline, K planned, confirmed live and "
+            f"validated (validation **{validation_status(config)}**).\n\n"
+            f"Domains on: {on or 'none'}. Off: {off or 'none'}.\n\n"
+            "The run spans the evaluation (from the start of its DAG run, or of its sample step, "
+            "to its registration). Artifacts: `config/` (the registered config), `plots/`, "
+            "`reports/` (validation, data quality, the per-domain table).")
+
+
 def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = None,
-                     settings: Settings | None = None, champion=None) -> dict:
+                     settings: Settings | None = None, champion=None,
+                     started_at: datetime | None = None) -> dict:
     """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
-    champion: (version, config) of the current champion when the caller already read it."""
+    champion: (version, config) of the current champion when the caller already read it.
+    started_at: when the evaluation started (its DAG run's start); default: when its sample step
+    recorded the run. A new MLflow run starts then, so its duration is the evaluation's."""
     settings = settings or load_settings()
     db_url = resolve_database_url(db_url or settings.database_url)
     mlflow_client = client(tracking_uri(uri, db_url))
@@ -158,7 +152,11 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
     experiment_id = experiment_for_target(mlflow_client, config.target.id)
     existing = find_run(mlflow_client, experiment_id, run_id)
     if existing is None:
-        run = mlflow_client.create_run(experiment_id, run_name=run_id, tags={RUN_TAG: run_id})
+        with engine.connect() as connection:
+            recorded = run_row(connection, run_id)["created_at"]
+        starts = [_epoch_ms(moment) for moment in (started_at, recorded) if moment is not None]
+        run = mlflow_client.create_run(experiment_id, start_time=min(starts, default=None), run_name=run_id,
+                                       tags={RUN_TAG: run_id})
         mlflow_run_id = run.info.run_id
     else:
         mlflow_run_id = existing.info.run_id
@@ -178,7 +176,7 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             estimates = connection.execute(select(AcceptanceEstimate.drafter).where(
                 AcceptanceEstimate.run_id == run_id).distinct()).scalars().all()
             with tempfile.TemporaryDirectory() as tmp:
-                plots = _plots(run_id, connection, Path(tmp))
+                plots = _plots(run_id, connection, Path(tmp), settings.min_speedup)
                 for path in plots:
                     mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
         wanted = {"target": config.target.id, "target_fingerprint": config.target.fingerprint,
@@ -213,17 +211,20 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
             for name in ("validation.json", "data_quality.json", "domains.md"):
                 mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
-            pages = data_docs_pages(run_id, db_url)   # Great Expectations' Data Docs, beside the JSON
+            pages = data_docs_pages(run_id, db_url)   # Great Expectations' Data Docs, attached
             if pages:
                 (directory / "data_docs").mkdir()
                 for page, html in pages.items():
                     (directory / "data_docs" / page).write_text(html, encoding="utf-8")
                 mlflow_client.log_artifacts(mlflow_run_id, str(directory / "data_docs"),
                                             artifact_path="reports/data_docs")
-                index = directory / "data_quality.html"
-                index.write_text(data_docs_index(run_id, list(pages), quality), encoding="utf-8")
-                mlflow_client.log_artifact(mlflow_run_id, str(index), artifact_path="reports")
+            if quality or pages:
+                report = directory / "data_quality.html"
+                report.write_text(data_quality_report(run_id, quality, sorted(pages)), encoding="utf-8")
+                mlflow_client.log_artifact(mlflow_run_id, str(report), artifact_path="reports")
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
+        mlflow_client.set_tag(mlflow_run_id, NOTE_TAG, run_note(
+            run_id, config, all(bool(r["success"]) for r in quality) if quality else None))
     except BaseException as exc:
         end_run(mlflow_client, mlflow_run_id, exc)
         raise
@@ -262,7 +263,8 @@ def alert_markdown(low: list[dict], evidence: dict, threshold: float) -> str:
 
 
 def register_config(run_id: str, db_url: str | None = None, uri: str | None = None,
-                    settings: Settings | None = None, actor: str | None = None) -> dict:
+                    settings: Settings | None = None, actor: str | None = None,
+                    started_at: datetime | None = None) -> dict:
     """Track the run, register its config/ artifact as a version (reused on retry), alias challenger.
 
     Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation"}.
@@ -270,7 +272,8 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
     settings = settings or load_settings()
     db_url = resolve_database_url(db_url or settings.database_url)
     champion_version, champion = current_champion(uri, target_id=None, run_id=run_id, db_url=db_url)
-    tracked = track_evaluation(run_id, db_url, uri, settings, champion=(champion_version, champion))
+    tracked = track_evaluation(run_id, db_url, uri, settings, champion=(champion_version, champion),
+                               started_at=started_at)
     config = parse_config(tracked["config"])
     mlflow_client = client(tracking_uri(uri, db_url))
     try:
@@ -317,7 +320,8 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                                             f"{champion_version or 'none'}; `specdec config promote` "
                                             "checks them again") + "\n\n"
                     "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`; "
-                    "data quality: `reports/data_quality.html` (Great Expectations).\n\n"
+                    "data quality: `reports/data_quality.html` (every expectation and its result; Great "
+                    "Expectations' Data Docs attached under `reports/data_docs/`).\n\n"
                     + champion_line(champion_version, "as of this registration"))
         tags = {"run_id": run_id, "domains_on": ",".join(config.domains_on) or "none",
                 "validation": validation_status(config), "hardware_profile": config.hardware_profile,

@@ -282,13 +282,15 @@ def step_engine_check(spec) -> dict:
     return json.loads(json.dumps(result, default=str))
 
 
-def step_register(spec) -> dict:
+def step_register(spec, started_at=None) -> dict:
     """Register the run's config (tasks.registry.registration.register_config); logs one line:
-    the version, its page, validation and the gates' preview."""
+    the version, its page, validation and the gates' preview. started_at (its DAG run's start) is
+    when its MLflow run starts."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
     url = spec.resolved_url(settings)
-    registered = register_config(spec.run_id, db_url=url, uri=spec.tracking_uri, settings=settings)
+    registered = register_config(spec.run_id, db_url=url, uri=spec.tracking_uri, settings=settings,
+                                 started_at=started_at)
     log.info("run %s: registered %s version %s%s (alias challenger; champion %s); validation %s; "
              "gates (preview): %s; page: %s", spec.run_id, registered["name"], registered["version"],
              " (reused)" if registered["reused"] else "", registered["champion_version"] or "none",

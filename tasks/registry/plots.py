@@ -1,0 +1,159 @@
+"""The evaluation run's plots, logged to its MLflow run under `plots/`. Sized to be read where
+MLflow shows them (an image about 900-1200 px wide in a 1280 px window): short titles (the run id
+is a footnote), legends outside the data, fonts of 10 pt and up.
+
+- conditional_acceptance.png: per domain, the planned drafter's conditional acceptance a_i at
+  each draft position;
+- predicted_speedup_vs_k.png: one panel per domain, predicted speedup (batch 1) against K for each
+  drafter, its 95% interval as a band where the estimate has one, the `min_speedup` threshold, the
+  plain-decoding line and the chosen (drafter, K) marked;
+- calibration.png: the cost model's calibration, predicted against measured speedup on the same
+  requests, one marker per domain.
+
+The figure builders take plain rows (dicts) and return matplotlib Figures; `write_plots` saves
+them. matplotlib is imported inside them (about 1.4 s): only the plots pay it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TITLE_FONT, TEXT_FONT, FOOT_FONT = 13, 11, 9
+MARKERS = "osD^vP*Xh<>"
+
+
+def _pyplot():
+    # imported here: matplotlib costs ~1.4 s to import: only the plots pay it
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _footnote(fig, run_id: str) -> None:
+    """The run id in a strip below everything the layout places (titles, axes, legends)."""
+    strip = 0.32 / fig.get_figheight()
+    fig.get_layout_engine().set(rect=(0, strip, 1, 1 - strip))     # left, bottom, width, height
+    fig.text(0.005, 0.005, f"run {run_id}", fontsize=FOOT_FONT, color="dimgrey", ha="left",
+             va="bottom")
+
+
+def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: str):
+    """Per-position conditional acceptance of each domain's planned drafter (at its largest K
+    estimated). rows: acceptance_estimates rows; chosen: {domain: planned drafter label}."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
+    for n, domain in enumerate(sorted({r["domain"] for r in rows})):
+        best = [r for r in rows if r["domain"] == domain and r["drafter"] == chosen.get(domain)]
+        if best:
+            rates = max(best, key=lambda r: r["k"])["conditional_acceptance"] or []
+            ax.plot(range(1, len(rates) + 1), rates, marker=MARKERS[n % len(MARKERS)],
+                    label=f"{domain} ({best[0]['drafter']})")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("draft position i", fontsize=TEXT_FONT)
+    ax.set_ylabel("conditional acceptance a_i", fontsize=TEXT_FONT)
+    ax.tick_params(labelsize=TEXT_FONT)
+    ax.set_title("Per-position acceptance of the planned drafter", fontsize=TITLE_FONT)
+    if ax.get_legend_handles_labels()[0]:
+        fig.legend(loc="outside right upper", fontsize=TEXT_FONT, frameon=False)
+    _footnote(fig, run_id)
+    return fig
+
+
+def speedup_figure(rows: list[dict], configs: dict[str, dict], min_speedup: float, run_id: str):
+    """Predicted speedup against K per domain and drafter. configs: {domain: {"drafter", "k",
+    "enabled"}} of the run's plan: the chosen (drafter, K) is marked."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    domains = sorted({r["domain"] for r in rows})
+    drafters = sorted({r["drafter"] for r in rows})
+    colours = {d: f"C{n % 10}" for n, d in enumerate(drafters)}
+    columns = min(2, len(domains))
+    grid = (len(domains) + columns - 1) // columns
+    fig, axes = plt.subplots(grid, columns, figsize=(4.6 * columns + 0.4, 3.4 * grid + 1.2),
+                             sharey=True, squeeze=False, layout="constrained")
+    for ax in axes.flat[len(domains):]:
+        ax.set_visible(False)
+    for ax, domain in zip(axes.flat, domains):
+        plan = configs.get(domain) or {}
+        for drafter in drafters:
+            points = sorted((r["k"], r["predicted_speedup"], r.get("predicted_speedup_lo"),
+                             r.get("predicted_speedup_hi")) for r in rows
+                            if r["domain"] == domain and r["drafter"] == drafter
+                            and r["predicted_speedup"] is not None)
+            if not points:
+                continue
+            ks = [p[0] for p in points]
+            ax.plot(ks, [p[1] for p in points], marker=".", color=colours[drafter], label=drafter)
+            band = [p for p in points if p[2] is not None and p[3] is not None]
+            if band:
+                ax.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band],
+                                color=colours[drafter], alpha=0.18, linewidth=0,
+                                label="95% interval")
+            if plan.get("drafter") == drafter and plan.get("k"):
+                at = [p[1] for p in points if p[0] == plan["k"]]
+                if at:
+                    ax.plot([plan["k"]], at, marker="*", markersize=16, linestyle="none",
+                            color="black", label="chosen K")
+        ax.axhline(1.0, color="grey", lw=0.9, label="plain decoding (1.0)")
+        ax.axhline(min_speedup, color="tab:red", lw=1.2, ls="--", label=f"min_speedup {min_speedup:g}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=TEXT_FONT)
+        state = (f"on, K={plan['k']}" if plan.get("enabled") and plan.get("k") else "off")
+        ax.set_title(f"{domain}: {state}", fontsize=TEXT_FONT + 1)
+        ax.set_xlabel("K (draft tokens per round)", fontsize=TEXT_FONT)
+    for row in axes:
+        row[0].set_ylabel("predicted speedup (batch 1)", fontsize=TEXT_FONT)
+    handles, labels = [], []
+    for ax in axes.flat[:len(domains)]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(labels)),
+               fontsize=TEXT_FONT, frameon=False)
+    fig.suptitle("Predicted speedup vs K", fontsize=TITLE_FONT)
+    _footnote(fig, run_id)
+    return fig
+
+
+def calibration_figure(live: list[dict], run_id: str):
+    """Predicted (same requests) against measured speedup, one marker per domain; the diagonal is
+    a perfect cost model. live: {"domain", "predicted", "measured"} rows."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5.5), layout="constrained")
+    for n, row in enumerate(sorted(live, key=lambda r: r["domain"])):
+        ax.plot([row["predicted"]], [row["measured"]], marker=MARKERS[n % len(MARKERS)],
+                markersize=9, linestyle="none", label=row["domain"])
+    low = min(min(r["predicted"], r["measured"]) for r in live) * 0.9
+    high = max(max(r["predicted"], r["measured"]) for r in live) * 1.1
+    ax.plot([low, high], [low, high], color="grey", lw=0.9, label="measured = predicted")
+    ax.set_xlabel("predicted speedup (same requests)", fontsize=TEXT_FONT)
+    ax.set_ylabel("measured speedup", fontsize=TEXT_FONT)
+    ax.tick_params(labelsize=TEXT_FONT)
+    ax.set_title("Cost-model calibration", fontsize=TITLE_FONT)
+    fig.legend(loc="outside right upper", fontsize=TEXT_FONT, frameon=False)
+    _footnote(fig, run_id)
+    return fig
+
+
+def write_plots(run_id: str, estimates: list[dict], configs: dict[str, dict], live: list[dict],
+                min_speedup: float, directory: Path) -> list[Path]:
+    """Save the run's figures as PNG files in `directory` (none without estimates)."""
+    if not estimates:
+        return []
+    plt = _pyplot()
+    figures = [("conditional_acceptance.png",
+                acceptance_figure(estimates, {d: c.get("drafter") for d, c in configs.items()}, run_id)),
+               ("predicted_speedup_vs_k.png", speedup_figure(estimates, configs, min_speedup, run_id))]
+    if live:
+        figures.append(("calibration.png", calibration_figure(live, run_id)))
+    paths = []
+    for name, fig in figures:
+        paths.append(directory / name)
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
