@@ -224,6 +224,10 @@ class Settings(BaseModel):
     engine_check_timeout_s: float = Field(default=900.0, gt=0, description=(
         "one engine's start and replay; past it the engine is killed and its domains fail the "
         "check, naming the engine log"))
+    engine_profile: str | None = Field(default=None, description=(
+        "the serving engine's cost profile (`specdec profile measure --engine vllm`) the engine "
+        "check predicts its speedups from; None: the newest stored profile of the served vLLM's "
+        "version"))
     engine_kv_cache_gib: int = Field(default=2, ge=1, description=(
         "VLLM_CPU_KVCACHE_SPACE of a CPU engine (GiB)"))
     # Airflow queues (CeleryExecutor / KubernetesExecutor workers; the LocalExecutor ignores them)

@@ -186,6 +186,7 @@ def engine_run(serving, tmp_path_factory):
     """Engine checks over the scenario domains, each on a finished run in its own database."""
     from specdec_core import load_model
     from tasks.steps.engine_check import engine_check
+    from tasks.steps.engine_costs import profile_vllm
     from tasks.settings import load_settings
 
     base = tmp_path_factory.mktemp("engine-check")
@@ -198,6 +199,10 @@ def engine_run(serving, tmp_path_factory):
     settings = dict(engine_check_requests=6, confirm_max_new_tokens=24)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_HOME", str(base / "home"))
+        # vLLM's own cost profile, stored first: the engine check predicts its speedups from it
+        profile = profile_vllm("vllm-costs", str(target_dir), ["prompt_lookup:max_ngram=3,min_ngram=1"],
+                               db_url=url, k_max=3, batch_sizes=[1, 2], ks=[1, 3], max_tokens=24,
+                               settings=load_settings(profile_repeats=2), progress=False)
         # the gate's tolerance is tested on its own (test_engine_check.py): none is applied here
         result = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
                               settings=load_settings(**settings, engine_check_tolerance=1.0))
@@ -206,7 +211,8 @@ def engine_run(serving, tmp_path_factory):
                              settings=load_settings(**settings, engine_check_tolerance=1.0))
         timed = engine_check("r1", str(target_dir), model, drafters, requests, db_url=timed_url,
                              settings=load_settings(**settings, engine_check_timeout_s=0.5))
-    return {"result": result, "again": again, "timed": timed, "url": url, "requests": requests}
+    return {"result": result, "again": again, "timed": timed, "url": url, "requests": requests,
+            "profile": profile}
 
 
 def test_engine_check_counts_equal_the_estimate_on_greedy_requests(engine_run):
@@ -221,6 +227,49 @@ def test_engine_check_counts_equal_the_estimate_on_greedy_requests(engine_run):
     counters = row["counters"]
     assert counters["accepted_tokens"] >= sum(r["engine_accepted"] for r in row["per_request"])
     assert row["plain_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
+
+
+def test_vllms_own_cost_profile_is_stored_and_the_planner_reads_it(engine_run):
+    from tasks.steps.costs import load_costs
+
+    profile = engine_run["profile"]
+    hardware = profile["hardware_profile"]
+    engine = hardware["details"]["engine"]
+    assert engine["name"] == "vllm"
+    assert engine["version"] == engine_run["result"]["domains"]["loops"]["engine_version"]
+    assert hardware["name"].startswith("vllm-") and hardware["device"].startswith("vLLM ")
+    # one engine each: plain, ngram at K = 1 and 3 (K = 2 interpolated between them)
+    assert [e["config"] for e in profile["engines"]] == ["plain", "ngram K=1", "ngram K=3"]
+    costs = load_costs(hardware["name"], engine_run["url"])
+    assert costs.batch_sizes == [1, 2] and all(costs.k_max(b) == 3 for b in (1, 2))
+    for b in (1, 2):
+        verify = costs.verify[b]
+        assert verify[2] == pytest.approx((verify[1] + verify[3]) / 2)
+        assert costs.target_step[b] > 0 and all(v > 0 for v in verify.values())
+        # vLLM's ngram search is inside its steps: prompt lookup's own draft step is 0
+        assert costs.draft_ratio("prompt_lookup(max_ngram=3,min_ngram=1)", b) == 0.0
+    assert profile["check"]["status"] in ("ok", "noisy")
+    assert all(isinstance(reason, str) for reason in profile["check"]["reasons"])
+
+
+def test_engine_check_measures_vllms_speedup_beside_the_profiles_prediction(engine_run):
+    from sqlalchemy import select
+
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import EngineCheck
+
+    row = engine_run["result"]["domains"]["loops"]
+    assert row["engine_profile"] == engine_run["profile"]["hardware_profile"]["name"]
+    assert row["plain_decode_tokens_per_s"] > 0 and row["spec_decode_tokens_per_s"] > 0
+    assert row["measured_speedup"] == pytest.approx(row["spec_decode_tokens_per_s"]
+                                                    / row["plain_decode_tokens_per_s"])
+    assert row["predicted_speedup"] is not None and row["predicted_speedup"] > 0
+    # decode phase only: prefill left out, so it is faster than the end-to-end figure
+    assert row["plain_decode_tokens_per_s"] > row["plain_tokens_per_s"]
+    with ensure_ready(engine_run["url"]).connect() as connection:
+        stored = connection.execute(select(EngineCheck).where(EngineCheck.domain == "loops")).one()
+    assert stored.measured_speedup == pytest.approx(row["measured_speedup"])
+    assert stored.predicted_speedup == pytest.approx(row["predicted_speedup"])
 
 
 def test_engine_check_sampled_domain_is_compared_in_expectation(engine_run):

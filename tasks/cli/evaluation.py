@@ -121,8 +121,17 @@ def cmd_profile_measure(args) -> int:
     from ..steps.costs import profile_costs
     from ..steps.evaluate import default_run_id
 
-    settings, model, tokenizer, drafters = _profile_model(args)
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
+    if args.engine == "vllm":
+        from ..steps.engine_costs import profile_vllm
+
+        result = profile_vllm(args.run_id or "vllm-profile__" + default_run_id().split("__")[1],
+                              args.model, args.candidate, db_url=args.url, name=args.name,
+                              k_max=args.k_max, batch_sizes=sizes, draft_k=args.draft_k,
+                              ks=[int(k) for k in args.ks.split(",")] if args.ks else None)
+        args.name, args.run = result["hardware_profile"]["name"], result["run_id"]
+        return cmd_profile_show(args)
+    settings, model, tokenizer, drafters = _profile_model(args)
     result = profile_costs(args.run_id or "profile__" + default_run_id().split("__")[1], model,
                            drafters, db_url=args.url, hardware_profile=args.name, settings=settings,
                            k_max=args.k_max, batch_sizes=sizes, tokenizer=tokenizer)
@@ -234,6 +243,15 @@ def register(sub) -> None:
     measure.add_argument("--candidate", action="append", default=None)
     measure.add_argument("--k-max", type=int, default=None)
     measure.add_argument("--batch-sizes", default=None, help="comma-separated (default: settings)")
+    measure.add_argument("--engine", choices=["specdec", "vllm"], default="specdec",
+                         help="whose decode steps to time: our engine here (default), or vLLM's in "
+                              "the serving environment (`make serving-env`): a profile the planner "
+                              "uses to predict speedups on vLLM")
+    measure.add_argument("--ks", default=None,
+                         help="--engine vllm: comma-separated K values given an engine of their own "
+                              "(default every K up to --k-max; the rest interpolated)")
+    measure.add_argument("--draft-k", type=int, default=3,
+                         help="--engine vllm: the K at which each --candidate's draft step is timed")
     url_arg(measure)
     measure.set_defaults(func=cmd_profile_measure)
     show = p_sub.add_parser("show", help="a stored profile as ratios to one target step")

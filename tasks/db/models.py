@@ -306,6 +306,13 @@ class EngineCheck(Base):
     greedy_equal: Mapped[int | None] = mapped_column(Integer)       # ... whose accepted counts equal the estimate's
     plain_tokens_per_s: Mapped[float | None] = mapped_column(Float)
     spec_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    # decode phase (first token to last, vLLM's own timestamps), plain vs the config, same requests
+    plain_decode_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    spec_decode_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    measured_speedup: Mapped[float | None] = mapped_column(Float)   # spec / plain decode tokens/s
+    # from the engine's own cost profile (`specdec profile measure --engine vllm`) and the estimate
+    predicted_speedup: Mapped[float | None] = mapped_column(Float)
+    engine_profile: Mapped[str | None] = mapped_column(NAME)
     start_s: Mapped[float | None] = mapped_column(Float)            # the engine's start
     counters: Mapped[dict | None] = mapped_column(JSON)             # vLLM's vllm:spec_decode_* counters
     per_request: Mapped[list | None] = mapped_column(JSON)

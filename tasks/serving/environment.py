@@ -66,8 +66,8 @@ def probe(command: str, request: dict, settings: Settings | None = None,
 
 
 def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
-               settings: Settings | None = None) -> dict:
-    """One engine in the serving environment (vllm_probe.py replay): started with the request's
+               settings: Settings | None = None, command: str = "replay") -> dict:
+    """One engine in the serving environment (vllm_probe.py replay, or `command`): started with the request's
     speculative config, in-process (no engine-core child to leave behind), its log written to
     `log_path`. Past `timeout_s` it is killed: EngineTimeout names `what` and the log."""
     python = serving_python(settings)
@@ -77,7 +77,7 @@ def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
         try:
-            done = subprocess.run([str(python), str(PROBE), "replay"], input=json.dumps(request),
+            done = subprocess.run([str(python), str(PROBE), command], input=json.dumps(request),
                                   stdout=subprocess.PIPE, stderr=log_file, text=True,
                                   timeout=timeout_s, env=env)
         except subprocess.TimeoutExpired:

@@ -218,7 +218,8 @@ class CostTable:
         return table
 
 
-def _store(engine, run_id: str, hardware: dict, table: CostTable) -> None:
+def store_costs(engine, run_id: str, hardware: dict, table: CostTable) -> None:
+    """One transaction: the profile's rows, check and hardware description of this run replaced."""
     now = utcnow()
     where = (lambda model: (model.run_id == run_id) & (model.hardware_profile == hardware["name"]))
     with engine.begin() as connection:
@@ -388,7 +389,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
                     "on from it that the champion has off; measure on a quiet machine or plan with a "
                     "stored profile (`--hardware-profile NAME`)", run_id, hardware["name"], attempt,
                     "; ".join(reasons))
-    _store(engine, run_id, hardware, table)
+    store_costs(engine, run_id, hardware, table)
     elapsed = time.perf_counter() - start
     log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d measurement%s, %s)", run_id,
              hardware["name"], batch_sizes, elapsed, attempt, "s" if attempt > 1 else "",
@@ -515,5 +516,5 @@ def import_costs(path: str | Path, db_url: str | None = None, name: str | None =
     if gaps:
         raise CostProfileError(f"cost profile file {path}: verify costs must cover K = 1..k_max at "
                                f"every batch size; got {gaps}")
-    _store(ensure_ready(resolve_database_url(db_url)), table.run_id, hardware, table)
+    store_costs(ensure_ready(resolve_database_url(db_url)), table.run_id, hardware, table)
     return {"hardware_profile": hardware, "run_id": table.run_id, "rows": len(table.rows())}

@@ -53,6 +53,9 @@ from ..serving import environment as serving_env
 from ..settings import Settings, load_settings, specdec_home
 from ..timeutil import utcnow
 from .confirm import offline_totals, truncated
+from .costs import CostProfileError, CostTable
+from .engine_costs import engine_profile
+from .plan import speedup_factor
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,7 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     steps = sum(1 for d in drafted if d > 0)
     row = {"request_id": request.request_id, "greedy": bool(request.sampling.greedy),
            "tokens": len(output), "seconds": engine_answer["seconds"],
+           "decode_s": engine_answer.get("decode_s"),
            "equal_to_log": first_difference is None, "first_difference": first_difference,
            "engine_steps": steps, "engine_accepted": int(sum(accepted)),
            "engine_accepted_per_pos": [sum(1 for a, d in zip(accepted, drafted) if d > 0 and a > i)
@@ -285,6 +289,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         group["domains"].append(domain)
     engines = []
     answers: dict[str, dict] = {}
+    profiles: dict[str, CostTable | None] = {}      # the serving engine's cost profile, by version
     directory = _log_dir(run_id)
     plan = [(f"spec-{n}", g["spec"], g["domains"]) for n, g in enumerate(groups.values())]
     if picked:
@@ -336,16 +341,21 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         if spec is None:
             continue
         for domain in domains:
+            if answer.get("vllm") and answer["vllm"] not in profiles:
+                profiles[answer["vllm"]] = engine_profile(url, answer["vllm"], settings.engine_profile)
+            costs = profiles.get(answer.get("vllm"))
             base = {"speculative_config": spec, "log_path": record["log"],
                     "engine_version": answer.get("vllm"), "start_s": record["start_s"],
-                    "counters": answer.get("counters")}
+                    "counters": answer.get("counters"),
+                    "engine_profile": None if costs is None else costs.hardware_profile}
             if reason is not None:
                 rows[domain] = {**base, "status": record["status"], "passed": False,
                                 "reason": f"engine check: {reason}"[:2000]}
                 continue
             drafter = drafters_by_domain[domain][on[domain]["drafter"]][1]
             rows[domain] = {**base, **_domain_row(picked[domain], answer, spec, drafter, target_model,
-                                                  len(history), record["log"], settings)}
+                                                  len(history), record["log"], settings, on[domain],
+                                                  costs)}
             if record["mends"]:
                 rows[domain]["reason"] = (f"{rows[domain]['reason']} (served with {len(record['mends'])} "
                                           "mend of vLLM's CPU build, named in the task log)")[:2000]
@@ -355,6 +365,11 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             replayed = [plain["requests"][r.request_id] for r in picked[domain]
                         if r.request_id in plain["requests"]]
             rows[domain]["plain_tokens_per_s"] = _tokens_per_s(replayed)
+            plain_decode = _decode_tokens_per_s(replayed)
+            rows[domain]["plain_decode_tokens_per_s"] = plain_decode
+            spec_decode = rows[domain].get("spec_decode_tokens_per_s")
+            rows[domain]["measured_speedup"] = (spec_decode / plain_decode
+                                                if spec_decode and plain_decode else None)
     _store(engine, run_id, on, rows, settings)
     for domain, row in sorted(rows.items()):
         for item in row.get("per_request") or []:
@@ -427,7 +442,8 @@ def _add_counters(total: dict | None, more: dict) -> dict:
 
 
 def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, history: int,
-                log_path: str, settings: Settings) -> dict:
+                log_path: str, settings: Settings, planned: dict | None = None,
+                costs: CostTable | None = None) -> dict:
     """One domain's comparison of what its engine served with the estimate of the same requests
     at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
     figures on the requests that were served."""
@@ -442,7 +458,12 @@ def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, h
                    "estimate's index the run's whole history; a serving vLLM grows its tree from "
                    "all it serves")
     row = {**domain_verdict(compared, k, settings.engine_check_tolerance, ungated),
-           "per_request": compared, "spec_tokens_per_s": _tokens_per_s(compared)}
+           "per_request": compared, "spec_tokens_per_s": _tokens_per_s(compared),
+           "spec_decode_tokens_per_s": _decode_tokens_per_s(compared),
+           "predicted_speedup": predicted_speedup(
+               costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
+               [offline[r.request_id] for r in picked if r.request_id in offline
+                and r.request_id in answer["requests"]])}
     ids = {r.request_id for r in picked}
     failed = [d for d in answer.get("died") or [] if d["request"] in ids]
     unserved = [i for i in answer.get("unserved") or [] if i in ids]
@@ -462,6 +483,32 @@ def _dtype(model) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: dict | None,
+                      totals: list) -> float | None:
+    """The speedup the serving engine's cost profile predicts for these requests (their
+    estimate's rounds, RoundTotals): plain steps (tokens) over the rounds' cost in plain steps,
+    as the planner prices them. None without a profile that prices the drafter."""
+    if costs is None or label is None or not totals:
+        return None
+    if label not in costs.draft_step and (drafter_spec or {}).get("kind") == "prompt_lookup":
+        # vLLM's ngram search is inside the profile's verify steps, whatever its n
+        costs.draft_step[label] = {b: 0.0 for b in costs.batch_sizes}
+    try:
+        factor = [speedup_factor(label, drafter_spec, t.width_share, costs, 1) for t in totals if t.rounds]
+    except CostProfileError:
+        return None
+    cost = sum(t.rounds / f for t, f in zip([t for t in totals if t.rounds], factor))
+    return sum(t.tokens for t in totals) / cost if cost > 0 else None
+
+
+def _decode_tokens_per_s(rows: list[dict]) -> float | None:
+    """Decode-phase tokens/s (first token to last, vLLM's own timestamps; prefill left out)."""
+    rows = [r for r in rows if r.get("decode_s")]
+    tokens = sum((len(r["token_ids"]) if "token_ids" in r else r["tokens"]) - 1 for r in rows)
+    seconds = sum(r["decode_s"] for r in rows)
+    return tokens / seconds if seconds > 0 else None
+
+
 def _tokens_per_s(rows: list[dict]) -> float | None:
     tokens = sum(len(r["token_ids"]) if "token_ids" in r else r["tokens"] for r in rows)
     seconds = sum(r["seconds"] for r in rows)
@@ -471,7 +518,9 @@ def _tokens_per_s(rows: list[dict]) -> float | None:
 COLUMNS = ("engine_version", "speculative_config", "status", "passed", "reason", "requests", "k",
            "estimate_e", "estimate_e_lo", "estimate_e_hi", "engine_e", "estimate_rates",
            "engine_rates", "greedy_checked", "greedy_equal", "plain_tokens_per_s",
-           "spec_tokens_per_s", "start_s", "counters", "per_request", "log_path")
+           "spec_tokens_per_s", "plain_decode_tokens_per_s", "spec_decode_tokens_per_s",
+           "measured_speedup", "predicted_speedup", "engine_profile", "start_s", "counters",
+           "per_request", "log_path")
 
 
 def _store(engine, run_id: str, on: dict, rows: dict, settings: Settings) -> None:

@@ -12,7 +12,8 @@ Commands:
   replay          {model, speculative_config (null: plain), requests: [{id, prompt_ids, max_tokens,
                   temperature, top_k, top_p, seed}], history: [...], max_model_len, max_num_seqs,
                   dtype}
-                  -> {start_s, vllm, requests: {id: {token_ids, seconds, drafted, accepted}},
+                  -> {start_s, vllm, requests: {id: {token_ids, seconds, decode_s, drafted,
+                  accepted}},
                   counters: {drafts, draft_tokens, accepted_tokens, accepted_per_pos}, refused,
                   died: {request, error}, mends: [line, ...]}: one engine
                   started with the config, the requests served one at a time; per request, vLLM's
@@ -22,6 +23,7 @@ Commands:
                   caller starts a fresh process for the requests after it); with speculation,
                   the parts of vLLM's CPU sampler found broken are replaced first (mend_cpu_sampling),
                   unless the request says "mend": false
+  time-steps      decode steps of one engine timed at batch sizes (see time_steps)
 """
 
 from __future__ import annotations
@@ -166,26 +168,15 @@ def replay(request: dict) -> dict:
     import traceback
 
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     spec = request.get("speculative_config")
     answer = {"vllm": vllm.__version__, "start_s": None, "requests": {}, "counters": None,
               "refused": None, "died": None, "mends": []}
-    started = time.perf_counter()
-    try:
-        llm = LLM(model=request["model"], speculative_config=spec, enforce_eager=True,
-                  disable_log_stats=False, max_model_len=request.get("max_model_len"),
-                  max_num_seqs=int(request.get("max_num_seqs", 1)), seed=0,
-                  dtype=request.get("dtype", "auto"),
-                  per_request_spec_decode_metrics="detailed" if spec else "none")
-    except Exception as exc:  # noqa: BLE001 - vLLM's own refusal, reported as it is
-        answer["refused"] = _error_line(exc)
+    llm = _start(request, spec, int(request.get("max_num_seqs", 1)), answer)
+    if llm is None:
         return answer
-    answer["start_s"] = time.perf_counter() - started
-    if spec and request.get("mend", True):
-        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), its kernels loaded
-        answer["mends"] = mend_cpu_sampling()
     items = [(item, False) for item in request.get("history", [])]   # served first, not measured
     items += [(item, True) for item in request["requests"]]
     for item, measured in items:
@@ -205,16 +196,107 @@ def replay(request: dict) -> dict:
             continue
         completion = result.outputs[0]
         metrics = completion.spec_decode_metrics
+        phase = _decode_phase(result)
         answer["requests"][str(item["id"])] = {
             "token_ids": [int(t) for t in completion.token_ids],
             "seconds": time.perf_counter() - began,
+            "decode_s": None if phase["first_token_ts"] is None
+            else phase["last_token_ts"] - phase["first_token_ts"],
             "drafted": None if metrics is None else [int(v) for v in metrics.per_step_drafted],
             "accepted": None if metrics is None else [int(v) for v in metrics.per_step_accepted]}
     answer["counters"] = _counters(llm) if spec else None
     return answer
 
 
-COMMANDS = {"versions": versions, "check-configs": check_configs, "ngram": ngram, "replay": replay}
+def _start(request: dict, spec, max_num_seqs: int, answer: dict):
+    """An engine for the request's model with `spec` (None: plain), in this process; its start
+    time, and any mends, in `answer`. None when vLLM refuses the config (answer["refused"])."""
+    import time
+
+    from vllm import LLM
+
+    started = time.perf_counter()
+    try:
+        llm = LLM(model=request["model"], speculative_config=spec, enforce_eager=True,
+                  disable_log_stats=False, max_model_len=request.get("max_model_len"),
+                  max_num_seqs=max_num_seqs, seed=0, dtype=request.get("dtype", "auto"),
+                  per_request_spec_decode_metrics="detailed" if spec else "none")
+    except Exception as exc:  # noqa: BLE001 - vLLM's own refusal, reported as it is
+        answer["refused"] = _error_line(exc)
+        return None
+    answer["start_s"] = time.perf_counter() - started
+    if spec and request.get("mend", True):
+        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), its kernels loaded
+        answer["mends"] = mend_cpu_sampling()
+    return llm
+
+
+def _decode_phase(result) -> dict:
+    """One finished request's decode phase from vLLM's own engine-core timestamps: seconds from
+    its first token to its last, tokens after the first, verify steps and drafts."""
+    completion = result.outputs[0]
+    stats = result.metrics
+    metrics = completion.spec_decode_metrics
+    accepted = 0 if metrics is None else sum(int(v) for v in metrics.per_step_accepted)
+    drafted = 0 if metrics is None else sum(int(v) for v in metrics.per_step_drafted)
+    tokens = len(completion.token_ids)
+    return {"first_token_ts": None if stats is None else float(stats.first_token_ts),
+            "last_token_ts": None if stats is None else float(stats.last_token_ts),
+            "decode_tokens": tokens - 1, "accepted": accepted, "drafted": drafted,
+            # every step after the first token yields one token plus the drafts it accepted
+            "steps": max(tokens - 1 - accepted, 0)}
+
+
+def time_steps(request: dict) -> dict:
+    """{model, speculative_config (null: plain), prompts: [[id, ...], ...], batch_sizes, max_tokens,
+    repeats, max_model_len, dtype} -> {vllm, start_s, refused, mends, timings: [{batch, batch_size,
+    repeat, wall_s, decode_s, steps, tokens, decode_tokens, drafted, accepted}]}: one engine; per
+    batch size (the first batch_size prompts sent at once, greedy, ignore_eos), repeats timed in
+    alternating order after one warm-up. Instead of batch_sizes, `batches` ([[prompt, ...], ...])
+    gives the batches themselves (batch: its index). wall_s: the whole call, prefill included;
+    decode_s: from the batch's last first token to its last token (vLLM's engine-core
+    timestamps); steps: the most decode steps of any request of the batch (they decode
+    together)."""
+    import time
+
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = request.get("speculative_config")
+    batches = request.get("batches") or [request["prompts"][:int(b)]
+                                         for b in sorted(int(b) for b in request["batch_sizes"])]
+    answer = {"vllm": vllm.__version__, "start_s": None, "refused": None, "mends": [], "timings": []}
+    llm = _start(request, spec, max(len(b) for b in batches), answer)
+    if llm is None:
+        return answer
+    params = SamplingParams(max_tokens=int(request["max_tokens"]), temperature=0.0, ignore_eos=True,
+                            detokenize=False)
+
+    def prompts(batch: list) -> list:
+        return [TokensPrompt(prompt_token_ids=list(p)) for p in batch]
+
+    llm.generate(prompts(max(batches, key=len)), params, use_tqdm=False)          # warm-up
+    order = list(range(len(batches)))
+    for repeat in range(int(request["repeats"])):
+        for index in (order if repeat % 2 == 0 else order[::-1]):
+            began = time.perf_counter()
+            results = llm.generate(prompts(batches[index]), params, use_tqdm=False)
+            wall = time.perf_counter() - began
+            phases = [_decode_phase(r) for r in results]
+            firsts = [p["first_token_ts"] for p in phases]
+            lasts = [p["last_token_ts"] for p in phases]
+            answer["timings"].append({
+                "batch": index, "batch_size": len(batches[index]), "repeat": repeat, "wall_s": wall,
+                "decode_s": None if None in firsts + lasts else max(lasts) - max(firsts),
+                "steps": max(p["steps"] for p in phases),
+                "tokens": sum(p["decode_tokens"] + 1 for p in phases),
+                **{key: sum(p[key] for p in phases) for key in ("decode_tokens", "drafted", "accepted")}})
+    return answer
+
+
+COMMANDS = {"versions": versions, "check-configs": check_configs, "ngram": ngram, "replay": replay,
+            "time-steps": time_steps}
 
 
 if __name__ == "__main__":

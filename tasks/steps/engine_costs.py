@@ -1,0 +1,231 @@
+"""Cost profiles of the serving engine: vLLM's own decode steps, timed in the serving environment
+(`specdec profile measure --engine vllm`), stored as a cost profile like our engine's, so the
+planner can say what a config gives *on vLLM* on this hardware.
+
+What is timed, per engine (one vLLM process per speculative config; vLLM does not start twice in
+one process), at each profiled batch size, `profile_repeats` times in alternating order of batch
+sizes after a warm-up: greedy requests with `ignore_eos`, sent at once, and the decode phase from
+vLLM's engine-core timestamps (the batch's last first token to its last token) over the decode
+steps taken (tokens after the first, less the drafts accepted).
+
+- target_step(b): the plain engine's seconds per step.
+- verify(b, K): the `ngram` engine's at K. Its prompts repeat a cycle of tokens, so n-gram
+  matching proposes K tokens in every step whatever the target answers: the step verifies K
+  drafts. vLLM verifies every proposed token, accepted or not, so the step's cost depends on how
+  many were proposed, not on how many are accepted (acceptance only changes how many steps a
+  request takes, which is counted): no synthetic acceptance is needed (vLLM's synthetic mode is
+  not implemented in its CPU sampler). The ngram search is in this figure, so prompt lookup's own
+  draft step is 0.
+- draft_step(drafter, b): for every other candidate vLLM serves, one engine at K = `draft_k`:
+  (its step - the ngram step at that K), per round for host drafters (suffix), per draft token
+  for models (an EAGLE-3 head, a draft model).
+- No round overhead apart: vLLM's per-step work outside the forward passes is inside the steps
+  timed.
+
+The profile's hardware description names the engine (`details.engine`: name, version, the CPU
+sampler mends the engine needed), its name says so (vllm-<version>-<device>), and its check
+flags spreads beyond `profile_max_spread` and ngram engines that proposed less than 90% of K.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import select
+from tqdm.auto import tqdm
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import HardwareProfile
+from ..errors import EngineTimeout, ServingProbeError
+from ..registry.config_schema import DrafterSpec
+from ..registry.vllm_export import speculative_config
+from ..serving import environment as serving_env
+from ..settings import Settings, load_settings, specdec_home
+from .candidates import HOST_DRAFTERS, candidate_label, parse_candidate
+from .costs import CostTable, _slug, describe_device, load_costs, store_costs, timing_lock
+
+log = logging.getLogger(__name__)
+
+CYCLE = 29              # tokens in the prompts' repeating cycle (ngram always finds a match)
+PROPOSED_FLOOR = 0.9    # an ngram engine that proposed less than this share of K is flagged
+
+
+def cycle_prompts(vocab_size: int, count: int, length: int, cycle: int = CYCLE) -> list[list[int]]:
+    """`count` prompts of `length` tokens, each a cycle of `cycle` distinct ids repeated (a
+    different cycle per prompt), from the middle of the vocabulary (ordinary tokens, not the
+    special ids at its ends)."""
+    rng = np.random.default_rng(0)
+    low, high = vocab_size // 8, vocab_size * 7 // 8
+    cycle = min(cycle, high - low)
+    prompts = []
+    for _ in range(count):
+        ids = rng.choice(np.arange(low, high), size=cycle, replace=False).tolist()
+        prompts.append((ids * (length // cycle + 1))[:length])
+    return prompts
+
+
+def _step_seconds(timings: list[dict], batch_size: int) -> tuple[float, float, list[float]]:
+    """(median seconds per decode step, spread = IQR / median, the per-repeat figures)."""
+    per_repeat = [t["decode_s"] / t["steps"] for t in timings
+                  if t["batch_size"] == batch_size and t["decode_s"] and t["steps"]]
+    if not per_repeat:
+        raise ServingProbeError(f"the engine timed no decode step at batch size {batch_size}")
+    median = float(np.median(per_repeat))
+    q1, q3 = np.percentile(per_repeat, [25, 75])
+    return median, float((q3 - q1) / median) if median > 0 else 0.0, per_repeat
+
+
+def _per_step(timings: list[dict], batch_size: int, key: str) -> float:
+    rows = [t for t in timings if t["batch_size"] == batch_size]
+    return sum(t[key] for t in rows) / max(sum(t["steps"] * batch_size for t in rows), 1)
+
+
+def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
+                 db_url: str | None = None, name: str | None = None,
+                 settings: Settings | None = None, k_max: int | None = None, batch_sizes=None,
+                 ks: list[int] | None = None, draft_k: int = 3, max_tokens: int = 96,
+                 progress: bool = True) -> dict:
+    """Time vLLM's decode steps for `target` in the serving environment and store them as a cost
+    profile (see the module's docstring). ks: the K values given an ngram engine (default 1..k_max;
+    the others are interpolated linearly between measured neighbours and the check says so);
+    candidates: drafters whose vLLM config gets an engine of its own for its draft step.
+
+    Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": rows, "check",
+    "seconds", "engines": [{config, start_s, seconds, mends}]}."""
+    settings = settings or load_settings()
+    k_max = k_max or settings.eval_k_max
+    sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
+    ks = sorted({k for k in (ks or range(1, k_max + 1)) if 1 <= k <= k_max} | {1, k_max})
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    serving_env.serving_python(settings)
+    model_dir = serving_env.served_model_dir(target)
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = {"bfloat16": "bfloat16", "float16": "float16"}.get(
+        str(model_config.get("torch_dtype") or model_config.get("dtype")), "float32")
+    context = min(settings.profile_context_len, int(model_config.get("max_position_embeddings", 2048))
+                  - max_tokens - k_max - 8)
+    prompts = cycle_prompts(int(model_config["vocab_size"]), max(sizes), context)
+    base = {"model": str(model_dir), "prompts": prompts, "batch_sizes": sizes, "max_tokens": max_tokens,
+            "repeats": settings.profile_repeats, "dtype": dtype,
+            "max_model_len": context + max_tokens + k_max + 8}
+    lookup = {"kind": "prompt_lookup", "params": {"max_ngram": 3, "min_ngram": 1}}
+    runs = [("plain", None, None)]
+    runs += [(f"ngram K={k}", speculative_config(DrafterSpec(**lookup), k), None) for k in ks]
+    lookups = {candidate_label({"kind": "prompt_lookup", "params": {}})}
+    for text in candidates or []:
+        spec = parse_candidate(text)
+        if spec["kind"] == "prompt_lookup":
+            lookups.add(candidate_label(spec))     # the ngram engines' own search: draft step 0
+            continue
+        served = speculative_config(DrafterSpec(kind=spec["kind"], params=spec["params"]), draft_k)
+        if served is None:
+            log.warning("profile %s: %s has no vLLM equivalent: no draft step measured for it",
+                        run_id, text)
+            continue
+        runs.append((candidate_label(spec), served, spec))
+    directory = specdec_home() / "engine_profiles" / run_id
+    answers, engines = {}, []
+    started = time.perf_counter()
+    with timing_lock(), tqdm(total=len(runs), disable=not progress, desc="vLLM engines") as bar:
+        for label, spec, _ in runs:
+            what = f"profile {run_id}: vLLM {label}"
+            log.info("%s: starting (%s)", what, json.dumps(spec) if spec else "no speculation")
+            began = time.perf_counter()
+            try:
+                answer = serving_env.run_engine(
+                    dict(base, speculative_config=spec), directory / (_slug(label) + ".log"),
+                    settings.engine_check_timeout_s, what, settings, command="time-steps")
+            except (EngineTimeout, ServingProbeError) as exc:
+                raise ServingProbeError(f"{exc}") from None
+            if answer.get("refused"):
+                raise ServingProbeError(f"{what}: vLLM refused the config: {answer['refused']}")
+            engines.append({"config": label, "speculative_config": spec, "start_s": answer["start_s"],
+                            "seconds": round(time.perf_counter() - began, 1),
+                            "mends": answer.get("mends") or []})
+            answers[label] = answer
+            bar.update(1)
+            log.info("%s: done in %.0f s (engine start %.1f s); per batch size: %s", what,
+                     engines[-1]["seconds"], answer["start_s"], "; ".join(
+                         f"{b}: {1000 * _step_seconds(answer['timings'], b)[0]:.1f} ms/step, "
+                         f"{_per_step(answer['timings'], b, 'drafted'):.2f} drafted and "
+                         f"{_per_step(answer['timings'], b, 'accepted'):.2f} accepted per request-step"
+                         for b in sizes))
+    table, reasons = _table(answers, runs, ks, k_max, sizes, draft_k, run_id, settings)
+    for label in lookups:
+        table.draft_step[label] = {b: 0.0 for b in sizes}
+    version = answers["plain"]["vllm"]
+    hardware = describe_device("cpu", dtype)
+    hardware_name = name or _slug(f"vllm-{version}-{hardware['name']}")
+    table.hardware_profile = hardware_name
+    hardware = {"name": hardware_name, "device": f"vLLM {version}, {hardware['device']}", "dtype": dtype,
+                "details": {**hardware["details"], "engine": {
+                    "name": "vllm", "version": version, "enforce_eager": True,
+                    "mends": sorted({m for e in engines for m in e["mends"]}),
+                    "ngram_ks": ks, "draft_k": draft_k, "max_tokens": max_tokens,
+                    "context_len": context}}}
+    table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": 1,
+                   "max_spread": max(table.spread.values(), default=0.0),
+                   "details": {"max_spread_allowed": settings.profile_max_spread,
+                               "repeats": settings.profile_repeats, "engines": engines}}
+    store_costs(engine, run_id, hardware, table)
+    elapsed = time.perf_counter() - started
+    log.info("profile %s: vLLM %s profiled at batch sizes %s in %.0f s (%s)", run_id, version, sizes,
+             elapsed, table.check["status"])
+    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
+            "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
+            "seconds": elapsed, "engines": engines}
+
+
+def _table(answers: dict, runs: list, ks: list[int], k_max: int, sizes: list[int], draft_k: int,
+           run_id: str, settings: Settings) -> tuple[CostTable, list[str]]:
+    table = CostTable("", run_id, {}, {}, {}, {})
+    reasons = []
+
+    def timed(label: str, b: int, component: str, k=None, drafter=None) -> float:
+        seconds, spread, _ = _step_seconds(answers[label]["timings"], b)
+        table.spread[(component, drafter, k, b)] = spread
+        if spread > settings.profile_max_spread:
+            reasons.append(f"{label} at batch {b}: spread {spread:.0%} over "
+                           f"{settings.profile_repeats} repeats")
+        return seconds
+
+    for b in sizes:
+        table.target_step[b] = timed("plain", b, "target_step")
+        measured = {}
+        for k in ks:
+            label = f"ngram K={k}"
+            measured[k] = timed(label, b, "verify", k=k)
+            proposed = _per_step(answers[label]["timings"], b, "drafted") / k
+            if proposed < PROPOSED_FLOOR:
+                reasons.append(f"{label} at batch {b}: proposed {proposed:.0%} of K per step, so its "
+                               "step is not a full verify of K drafts")
+        known = sorted(measured)
+        table.verify[b] = {k: float(np.interp(k, known, [measured[x] for x in known]))
+                           for k in range(1, k_max + 1)}
+        for label, _, spec in runs:
+            if spec is None:          # plain and the ngram engines
+                continue
+            step = timed(label, b, "draft_step", drafter=label)
+            ngram = table.verify[b][draft_k]
+            extra = max(step - ngram, 0.0)
+            table.draft_step.setdefault(label, {})[b] = (
+                extra if spec["kind"] in HOST_DRAFTERS else extra / draft_k)
+    return table, reasons
+
+
+def engine_profile(db_url: str, version: str | None, name: str | None = None) -> CostTable | None:
+    """The cost profile of the serving engine: `name` if given, else the newest stored profile
+    measured on vLLM `version` (None: none stored)."""
+    if name:
+        return load_costs(name, db_url)
+    with ensure_ready(db_url).connect() as connection:
+        rows = connection.execute(select(HardwareProfile).order_by(HardwareProfile.updated_at.desc())).all()
+    for row in rows:
+        engine = (row.details or {}).get("engine")
+        if isinstance(engine, dict) and engine.get("name") == "vllm" and engine.get("version") == version:
+            return load_costs(row.name, db_url)
+    return None
