@@ -22,6 +22,7 @@ from rich.markup import escape
 from specdec_core.models import DEFAULT_MODEL
 
 from ..errors import RegistryError
+from ..masking import mask_url
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name
 from ..settings import specdec_home
@@ -134,7 +135,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
         "\nOpen the UIs on these stores:\n"
         f"  Airflow: AIRFLOW_HOME={env['AIRFLOW_HOME']} AIRFLOW__CORE__DAGS_FOLDER={env['AIRFLOW__CORE__DAGS_FOLDER']} "
         ".venv/bin/airflow standalone   # then http://localhost:8080 (login printed at start)\n"
-        f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {os.environ['MLFLOW_TRACKING_URI']} "
+        f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri {escape(mask_url(os.environ['MLFLOW_TRACKING_URI']))} "
         "--port 5000   # then http://localhost:5000 (experiment specdec/..., model specdec-config-...)\n"
         f"  total {time.perf_counter() - started:.0f} s")
     return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": table,

@@ -23,6 +23,7 @@ import logging
 from contextlib import contextmanager
 
 from ..errors import DatabaseUnavailable, RegistryUnavailable, SpecdecTaskError
+from ..masking import mask_text
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,9 @@ def task_errors():
     except SpecdecTaskError as exc:
         if is_outage(exc):
             log.warning("database or tracking server unreachable, the task's retries apply: %s: %s",
-                        type(exc).__name__, exc)
+                        type(exc).__name__, mask_text(str(exc)))
             raise
-        raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+        raise AirflowFailException(f"{type(exc).__name__}: {mask_text(str(exc))}") from exc
 
 
 def current_params(params, conf: dict | None) -> dict:
