@@ -3,28 +3,70 @@
 Database URLs, MLflow tracking URIs (http://user:password@host, postgresql://user:password@...)
 and the error texts of their clients can carry a password. Everything specdec prints, logs, tags
 or stores about a URL goes through mask_url (one URL) or mask_text (free text that may hold URLs).
+
+The password is found by parsing, not by a pattern: `urllib.parse.urlsplit` takes the userinfo as
+everything before the netloc's last "@" and the password as what follows its first ":", so every
+character RFC 3986 allows there (unreserved, sub-delims such as ' ! $ & ( ) * + , ; =, percent
+escapes, and ":" itself) is hidden, and so is an unescaped "@" that a client would read as part of
+the password. (SQLAlchemy's make_url reads the password only up to the first "@", so its
+hide_password rendering would show the rest; urlsplit hides the superset.) In free text, each
+run of non-blank characters that starts with `scheme://` is a URL candidate and is parsed the same
+way; characters after the URL (a closing quote, a bracket) stay as they are.
 """
 
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote, urlsplit
 
 MASK = "***"
-# scheme://user:password@  -> scheme://user:***@
-_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/?#@\s'\"]*):(?P<secret>[^@\s'\"]*)@")
-# ?password=... &token=... (query parameters that name a secret)
-_QUERY = re.compile(r"(?P<head>[?&;](?:password|passwd|pwd|token|access_token|api_key|apikey|secret)=)"
-                    r"(?P<secret>[^&;\s'\"]+)", re.IGNORECASE)
+# query parameters that name a secret: ?password=... &token=...
+SECRET_QUERY_KEYS = frozenset({"password", "passwd", "pwd", "token", "access_token", "api_key",
+                               "apikey", "secret"})
+# where a URL may start in free text: a scheme (RFC 3986 3.1) and "//", up to the next blank
+_URL_CANDIDATE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://\S*")
 
 
-def mask_text(text: str) -> str:
-    """`text` with the password of every URL in it, and secret query parameters, replaced by ***."""
-    if not text:
-        return text
-    text = _USERINFO.sub(lambda m: f"{m.group('head')}:{MASK}@" if m.group("secret") else m.group(0), text)
-    return _QUERY.sub(lambda m: m.group("head") + MASK, text)
+def _mask_query(query: str) -> str:
+    """The query with the value of every secret parameter replaced (the other parameters kept
+    byte for byte). Parameters are separated by "&" alone, as urllib.parse.parse_qsl reads them."""
+    parts = query.split("&")
+    for i, part in enumerate(parts):
+        key, sep, value = part.partition("=")
+        if sep and value and unquote(key).lower() in SECRET_QUERY_KEYS:
+            parts[i] = f"{key}={MASK}"
+    return "&".join(parts)
 
 
 def mask_url(url: str | None) -> str:
-    """One URL, credentials hidden (a URL without any is returned as it is)."""
-    return mask_text(url or "")
+    """One URL, its password and secret query parameters replaced by ***; a URL without any (or
+    a string that is no URL) is returned as it is."""
+    url = url or ""
+    try:
+        parts = urlsplit(url)
+    except ValueError:      # e.g. an unbalanced "[" in the host: hide the whole authority
+        head, sep, rest = url.partition("://")
+        return f"{head}{sep}{MASK}" if sep and "@" in rest else url
+    masked = url
+    netloc = parts.netloc
+    if parts.password:
+        start = url.find("//") + 2
+        userinfo, _, hostport = netloc.rpartition("@")
+        if url[start:start + len(netloc)] != netloc:     # urlsplit dropped a tab or newline
+            return f"{url[:start]}{MASK}@{hostport}"
+        user = userinfo.partition(":")[0]
+        masked = f"{url[:start]}{user}:{MASK}@{hostport}{url[start + len(netloc):]}"
+    if parts.query:
+        query = _mask_query(parts.query)
+        if query != parts.query:
+            # the query is what lies between the first "?" after the authority and the fragment
+            head, sep, tail = masked.partition("?")
+            masked = head + sep + query + tail[len(parts.query):]
+    return masked
+
+
+def mask_text(text: str) -> str:
+    """`text` with the password and secret query parameters of every URL in it replaced by ***."""
+    if not text:
+        return text
+    return _URL_CANDIDATE.sub(lambda m: mask_url(m.group(0)), text)

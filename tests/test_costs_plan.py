@@ -644,7 +644,8 @@ def test_cli_profile_show_unknown_is_exit_2(db_url, capsys, wide_console):
     from tasks.cli import main
 
     assert main(["profile", "show", "unknown", "--url", db_url]) == 2
-    out = capsys.readouterr().out
-    assert "error" in out and "CostProfileError" in out and "'unknown'" in out
+    captured = capsys.readouterr()      # errors go to stderr, stdout stays empty
+    assert "error" in captured.err and "CostProfileError" in captured.err and "'unknown'" in captured.err
+    assert captured.out == ""
     assert main(["profile", "export", "unknown", "x.json", "--url", db_url]) == 2
-    assert "'unknown'" in capsys.readouterr().out
+    assert "'unknown'" in capsys.readouterr().err

@@ -185,5 +185,5 @@ def test_cli_check_prints_domains_and_fails_with_summary(db_url, jsonl_file, mak
     assert "insufficient" in out and "chat" in out
     execute(db_url, delete(TrafficRequest).where(TrafficRequest.id == "req-00001"))
     assert main(["traffic", "check", "cli", "--url", db_url]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "QualityGateFailed" in out and "req-00001" in out

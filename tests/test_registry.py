@@ -820,9 +820,9 @@ def test_cli_config_register_show_export_promote(db_url, tracking, target_id, ca
 
     # errors: exit code 2
     assert main(["config", "promote", "99", *common, "--url", db_url]) == 2
-    assert "RegistryError" in capsys.readouterr().out
+    assert "RegistryError" in capsys.readouterr().err
     assert main(["config", "rollback", *common, "--url", db_url]) == 2
-    assert "nothing to roll back" in capsys.readouterr().out
+    assert "nothing to roll back" in capsys.readouterr().err
 
 
 # 12. the MLflow run of an evaluation ends with the right status
@@ -881,7 +881,7 @@ def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_
     capsys.readouterr()
     assert main(["config", "show", "champion", "--target", target_id, "--url", db_url,
                  "--tracking-uri", tracking]) == 0
-    shown = " ".join(capsys.readouterr().out.split())
+    shown = " ".join(capsys.readouterr().err.split())        # a warning: on stderr
     assert "WARNING: champion version 2 was moved outside specdec" in shown
     assert "specdec last moved it to version 1 (promote)" in shown
     assert main(["config", "export", "champion", "--target", target_id, "--url", db_url,

@@ -116,7 +116,7 @@ def test_malformed_database_urls_get_one_clear_line(url, message, capsys):
         current_revision(url)
     assert "pw" not in str(info.value).replace("specdec", "")
     assert main(["db", "current", "--url", url]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert message in " ".join(out.split()) and "Traceback" not in out
 
 
@@ -180,7 +180,7 @@ def test_specdec_home_under_a_file(tmp_path):
     (tmp_path / "a-file").write_text("x")
     result = cli("db", "upgrade", home=tmp_path / "a-file" / "home")
     assert result.returncode == 2
-    assert "cannot create the specdec database" in result.stdout and "SPECDEC_HOME" in result.stdout
+    assert "cannot create the specdec database" in result.stderr and "SPECDEC_HOME" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
 
 
@@ -219,7 +219,7 @@ def test_unreachable_mlflow_fails_fast_with_one_masked_line_and_no_planted_passw
     result = cli("traffic", "import", "--sample", home=tmp_path,
                  env={"SPECDEC_DATABASE_URL": f"postgresql+psycopg://u:{PLANTED}@127.0.0.1:{port}/x"})
     printed.append(result.stdout + result.stderr)
-    assert result.returncode == 2 and "cannot connect to the specdec database" in result.stdout
+    assert result.returncode == 2 and "cannot connect to the specdec database" in result.stderr
     assert not any(PLANTED in text for text in printed)
 
 

@@ -246,4 +246,4 @@ def test_cli_report_formats(fixture_db, capsys):
     assert main(["report", "validation_failures", "--url", db_url]) == 0
     assert "which losslessness checks failed" in capsys.readouterr().out
     assert main(["report", "no_such_report", "--url", db_url]) == 2
-    assert "UnknownReport" in capsys.readouterr().out
+    assert "UnknownReport" in capsys.readouterr().err

@@ -110,7 +110,7 @@ def test_cli_generates_resumes_by_id_and_names_bad_input(tiny_store, capsys):
     assert out["generated"] == 0 and {d: c["rows"] for d, c in out["domains"].items()} == {"json": 2, "qa": 2}
     assert {v["generated_by"] for v in stored(tiny_store["db_url"], True).values()} == {"gen-cli"}
     assert main([*argv[:5], "-1", *argv[6:]]) == 2
-    assert "GenerationError: count -1" in capsys.readouterr().out
+    assert "GenerationError: count -1" in capsys.readouterr().err
     with pytest.raises(GenerationError, match=r"no logged requests answered by this target .*\['code'\]"):
         generate(tiny_store, "gen-x", "code", 4)
 

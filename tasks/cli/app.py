@@ -18,10 +18,11 @@ from ..errors import SpecdecTaskError
 from ..masking import mask_text
 from ..steps.candidates import CandidateError, candidate_label, parse_candidate
 from . import config, data, draft, engine, evaluation, main_job
-from .console import make_console
+from .console import emit, flush_stdout, make_console
 from .prompts import PromptFileError, encode, load_prompts
 
 console = make_console()
+errors = make_console(stderr=True)     # errors and warnings: stdout carries only results
 
 
 def parse_drafter(text: str) -> tuple[str, dict]:
@@ -72,9 +73,13 @@ def cmd_generate(args) -> int:
     result = run(ids, max_new_tokens=args.max_new_tokens, sampling=_sampling(args), seed=args.seed,
                  attention_mask=mask, eos_token_id=tokenizer.eos_token_id)
     text = tokenizer.decode(result.tokens[0, : result.num_tokens[0]], skip_special_tokens=True)
-    print(text)
-    print(("plain " if drafter is None else drafter_label(*args.drafter) + f" k={args.k} ")
-          + result.stats.summary(), file=sys.stderr if args.stats_to_stderr else sys.stdout)
+    emit(text)
+    stats = ("plain " if drafter is None else drafter_label(*args.drafter) + f" k={args.k} ") \
+        + result.stats.summary()
+    if args.stats_to_stderr:
+        print(stats, file=sys.stderr)
+    else:
+        emit(stats)
     return 0
 
 
@@ -108,7 +113,7 @@ def cmd_compare(args) -> int:
                    max_new_tokens=args.max_new_tokens, sampling=_sampling(args), seed=args.seed,
                    verify_widths=widths)
     if args.format == "json":
-        print(json.dumps([row.to_dict() for row in rows], indent=2))
+        emit(json.dumps([row.to_dict() for row in rows], indent=2))
         return 0
     table = Table(title=f"{args.model}: plain vs drafters, {len(prompts)} prompts, batch 1, "
                         "decode phase")
@@ -183,17 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:    # urllib3's per-retry warnings: the error line says it once
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     try:
-        return args.func(args)
+        status = args.func(args)
     except (SpecDecError, PromptFileError, SpecdecTaskError) as exc:
-        console.print(f"[red]error:[/red] {type(exc).__name__}: {escape(mask_text(str(exc)))}")
-        return 2
+        errors.print(f"[red]error:[/red] {type(exc).__name__}: {escape(mask_text(str(exc)))}")
+        status = 2
     except Exception as exc:    # MLflow's own refusals: one line, credentials hidden
         from mlflow.exceptions import MlflowException
 
         if not isinstance(exc, MlflowException):
             raise
-        console.print(f"[red]error:[/red] MLflow: {escape(mask_text(' '.join(str(exc.message).split())))[:500]}")
-        return 2
+        errors.print(f"[red]error:[/red] MLflow: {escape(mask_text(' '.join(str(exc.message).split())))[:500]}")
+        status = 2
+    flush_stdout()      # a reader that stopped early (`| head`) changes no exit status
+    return status
 
 
 if __name__ == "__main__":

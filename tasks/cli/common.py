@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from .console import emit
+
 
 def url_arg(parser: argparse.ArgumentParser) -> None:
     """--url: specdec's database."""
@@ -44,4 +46,4 @@ def per_domain_args(parser: argparse.ArgumentParser, min_help: str, max_help: st
 
 
 def print_json(value) -> None:
-    print(json.dumps(value, indent=2, default=str))
+    emit(json.dumps(value, indent=2, default=str))

@@ -16,9 +16,10 @@ from ..registry.trtllm_export import trtllm_export
 from ..registry.vllm_export import vllm_export
 from ..serving.environment import SERVED_MARK
 from .common import print_json, tracking_uri_arg, url_arg
-from .console import make_console
+from .console import emit, make_console
 
 console = make_console()
+errors = make_console(stderr=True)
 
 
 def _name(args) -> str:
@@ -52,12 +53,12 @@ def _champion_audit(args, shown: dict) -> dict | None:
                 "detail": f"gate record not checked: {exc}"}
 
 
-def _warn_ungated(audit: dict | None, err: bool = False) -> None:
-    out = make_console(stderr=True) if err else console
+def _warn_ungated(audit: dict | None) -> None:
+    """A champion moved past the gates: a warning (a note when unchecked), on stderr."""
     if audit and audit["gated"] is False:
-        out.print(f"[red]WARNING:[/red] {escape(audit['detail'])}")
+        errors.print(f"[red]WARNING:[/red] {escape(audit['detail'])}")
     elif audit and audit["gated"] is None:
-        out.print(f"[yellow]note:[/yellow] {escape(audit['detail'])}")
+        errors.print(f"[yellow]note:[/yellow] {escape(audit['detail'])}")
 
 
 def cmd_show(args) -> int:
@@ -115,16 +116,16 @@ def cmd_export(args) -> int:
     from ..registry.tracking import client, load_version_config, show_version
 
     shown = show_version(_name(args), args.which, args.tracking_uri)
-    _warn_ungated(_champion_audit(args, shown), err=True)      # stdout stays the JSON
+    _warn_ungated(_champion_audit(args, shown))      # stdout stays the JSON
     version = shown["version"]
     config = load_version_config(client(args.tracking_uri), _name(args), version)
     if args.format in ("vllm", "sglang"):
         export = vllm_export if args.format == "vllm" else sglang_export
-        print(json.dumps(export(config, target_path=args.model_dir or _served_dir(config.target.id)),
-                         indent=2))
+        emit(json.dumps(export(config, target_path=args.model_dir or _served_dir(config.target.id)),
+                        indent=2))
         return 0
-    print(json.dumps(trtllm_export(config) if args.format == "trtllm"
-                     else json.loads(config.to_json()), indent=2))
+    emit(json.dumps(trtllm_export(config) if args.format == "trtllm"
+                    else json.loads(config.to_json()), indent=2))
     return 0
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from ..settings import load_settings
 from .common import per_domain_args, print_json, url_arg
-from .console import make_console
+from .console import emit, make_console
 
 console = make_console()
 
@@ -122,7 +121,7 @@ def cmd_report(args) -> int:
         return 0
     report = run_report(args.name, db_url=args.url)
     if args.format != "table":
-        print(format_report(report, args.format), end="")
+        emit(format_report(report, args.format), end="")
         return 0
     cells = [[cell_text(value) for value in row] for row in report["rows"]]
     table = Table(title=escape(f"{report['name']}: {report['question']}"), title_justify="left")
@@ -132,7 +131,7 @@ def cmd_report(args) -> int:
         table.add_row(*(escape(cell) for cell in row))
     # as wide as the content needs (reports have many columns; a pipe would otherwise get 80)
     widths = [max([len(name)] + [len(row[i]) for row in cells]) for i, name in enumerate(report["columns"])]
-    Console(width=max(console.width, min(400, sum(widths) + 3 * len(widths) + 1))).print(table)
+    make_console(width=max(console.width, min(400, sum(widths) + 3 * len(widths) + 1))).print(table)
     if not report["rows"]:
         console.print("(no rows)")
     return 0

@@ -42,7 +42,7 @@ def cmd_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from sqlalchemy import select
 
-    from ..db.engine import ensure_ready, resolve_database_url
+    from ..db.engine import display_url, ensure_ready, resolve_database_url
     from ..db.models import EvalRun
     from ..registry.run_results import engine_checks
     from ..steps.context import RunSpec
@@ -53,7 +53,8 @@ def cmd_check(args) -> int:
         target = args.target or connection.execute(select(EvalRun.target_id).where(
             EvalRun.run_id == args.run_id)).scalar()
     if target is None:
-        console.print(f"run {escape(args.run_id)} does not exist in {escape(url)}: evaluate it first")
+        make_console(stderr=True).print(f"[red]error:[/red] run {escape(args.run_id)} does not exist in "
+                                        f"{escape(display_url(url))}: evaluate it first")
         return 2
     overrides = {"engine_check": True}       # asked for by name: on whatever the environment says
     if args.required:

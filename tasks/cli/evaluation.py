@@ -98,7 +98,7 @@ def cmd_evaluate(args) -> int:
                       f"{', reused' if reg['reused'] else ''}); validation {reg['validation']}")
         audit = reg.get("champion_audit") or {}
         if audit.get("gated") is False:
-            console.print(f"[red]WARNING:[/red] {escape(audit['detail'])}")
+            make_console(stderr=True).print(f"[red]WARNING:[/red] {escape(audit['detail'])}")
     if result["promoted"]:
         from .config import print_gates
 

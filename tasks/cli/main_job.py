@@ -23,6 +23,7 @@ from rich.markup import escape
 from specdec_core.models import DEFAULT_MODEL
 
 from ..errors import RegistryError
+from ..masking import mask_url
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name, target_slug
 from ..settings import specdec_home
@@ -114,7 +115,7 @@ def airflow_command(env: dict, port: int = 8080) -> str:
 def mlflow_command(tracking: str, port: int = 5000) -> str:
     """The shell line that opens the MLflow UI on the main job's tracking store."""
     mlflow = Path(sys.executable).parent / "mlflow"
-    return (f"{shlex.quote(str(mlflow))} ui --backend-store-uri {shlex.quote(tracking)} "
+    return (f"{shlex.quote(str(mlflow))} ui --backend-store-uri {shlex.quote(mask_url(tracking))} "
             f"--host 127.0.0.1 --port {port}")
 
 

@@ -27,6 +27,9 @@ from ..settings import DATABASE_URL_ENV, load_settings
 log = logging.getLogger(__name__)
 
 VERSION_TABLE = "specdec_alembic_version"
+# PostgreSQL: seconds libpq waits for a server to complete a connection (a server that accepts and
+# never answers would otherwise hang the command); a connect_timeout in the URL's query wins.
+CONNECT_TIMEOUT_S = 3
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 
@@ -38,6 +41,22 @@ def resolve_database_url(url: str | None = None) -> str:
 def display_url(url: str) -> str:
     """The URL with its password hidden, for messages and logs (tasks.redaction.mask_url)."""
     return mask_url(url)
+
+
+# the package that provides a driver module, where its name differs
+_DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]", "MySQLdb": "mysqlclient",
+                    "pymysql": "PyMySQL", "pyodbc": "pyodbc", "asyncpg": "asyncpg", "pg8000": "pg8000"}
+
+
+def missing_driver(url: str, exc: ImportError) -> str:
+    """What to say when SQLAlchemy cannot import a URL's DBAPI driver: the module, and the fix
+    (psycopg 3 is the PostgreSQL driver specdec installs)."""
+    module = (getattr(exc, "name", None) or str(exc)).split(".")[0]
+    scheme = url.split(":", 1)[0]
+    fix = f"pip install {_DRIVER_PACKAGES.get(module, module)} into this environment"
+    if scheme.split("+", 1)[0].lower() in ("postgresql", "postgres"):
+        fix = f"use postgresql+psycopg:// (psycopg 3, installed with specdec) instead of {scheme}://, or {fix}"
+    return f"its database driver module {module!r} is not installed; {fix}"
 
 
 def _sqlite_path(url: str) -> Path | None:
@@ -124,9 +143,14 @@ def _create_engine(url: str) -> Engine:
     parsed = _parse(url)
     if parsed.drivername == "postgresql":   # psycopg 3 is the driver we install, not psycopg2
         url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    connect_args = {}
+    if parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
+        connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
     try:
-        engine = create_engine(url, pool_pre_ping=True, future=True)
-    except (ArgumentError, ImportError) as exc:     # e.g. a driver that is not installed
+        engine = create_engine(url, pool_pre_ping=True, future=True, connect_args=connect_args)
+    except ImportError as exc:
+        raise DatabaseUnavailable(f"database URL {display_url(url)!r}: {missing_driver(url, exc)}") from None
+    except ArgumentError as exc:
         raise DatabaseUnavailable(f"database URL {display_url(url)!r} cannot be used ({exc}); use "
                                   "postgresql+psycopg:// or sqlite:///") from None
     if parsed.get_backend_name() == "sqlite":

@@ -23,6 +23,7 @@ import logging
 from contextlib import contextmanager
 
 from ..errors import DatabaseUnavailable, RegistryUnavailable, SampleError, SpecdecTaskError
+from ..masking import mask_text
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -123,10 +124,10 @@ def task_errors():
     except SpecdecTaskError as exc:
         if is_outage(exc):
             log.warning("database or tracking server unreachable, the task's retries apply: %s: %s",
-                        type(exc).__name__, exc)
+                        type(exc).__name__, mask_text(str(exc)))
             raise
-        log.error("failed at once, no retry: %s: %s", type(exc).__name__, exc)   # in the task log
-        raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+        log.error("failed at once, no retry: %s: %s", type(exc).__name__, mask_text(str(exc)))   # in the task log
+        raise AirflowFailException(f"{type(exc).__name__}: {mask_text(str(exc))}") from exc
 
 
 def current_params(params, conf: dict | None) -> dict:

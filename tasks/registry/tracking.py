@@ -16,6 +16,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 from mlflow import MlflowClient
@@ -23,7 +24,7 @@ from mlflow.exceptions import MlflowException
 from sqlalchemy import create_engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
-from ..db.engine import display_url, ensure_ready, resolve_database_url
+from ..db.engine import display_url, ensure_ready, missing_driver, resolve_database_url
 from ..errors import RegistryError, RegistryUnavailable
 from ..masking import mask_text, mask_url
 from ..settings import specdec_home
@@ -38,7 +39,10 @@ MLFLOW_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
                           "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 for _key, _value in MLFLOW_CLIENT_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
-SQL_STORE_CONNECT_TIMEOUT_S = 5
+SQL_STORE_CONNECT_TIMEOUT_S = 3
+# An HTTP tracking server is probed once per process before MLflow's first call: (connect, read)
+# seconds, so one that accepts connections and never answers fails within their sum.
+HTTP_PROBE_TIMEOUT_S = (3.0, 5.0)
 
 RUN_TAG = "specdec.run_id"
 # MLflow's UI opens an experiment in its runs/metrics/artifacts view for this kind (not GenAI's)
@@ -60,6 +64,7 @@ def client(uri: str | None = None) -> "RegistryClient":
     """An MlflowClient for the tracking URI whose calls fail fast and clearly (RegistryClient)."""
     uri = tracking_uri(uri)
     _check_sql_store(uri)
+    _check_http_store(uri)
     return RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
 
 
@@ -133,9 +138,30 @@ def _check_sql_store(uri: str) -> None:
                 pass
         finally:
             engine.dispose()
-    except (DBAPIError, ImportError, ArgumentError, ValueError) as exc:
+    except ImportError as exc:      # not an outage: a retry cannot help
+        raise RegistryError(f"MLflow tracking URI {mask_url(uri)}: {missing_driver(uri, exc)}") from None
+    except (DBAPIError, ArgumentError, ValueError) as exc:
         raise unreachable(uri, getattr(exc, "orig", exc)) from None
     _SQL_STORES_CHECKED.add(uri)
+
+
+def _check_http_store(uri: str) -> None:
+    """An http(s) tracking URI: one request first, bounded by HTTP_PROBE_TIMEOUT_S (MLflow's own
+    client waits MLFLOW_HTTP_REQUEST_TIMEOUT per try, over every retry). Any HTTP answer, even an
+    error status, or a TLS handshake MLflow may accept under its own settings, means the server
+    answers. Checked once per process and URI."""
+    if urlsplit(uri).scheme.lower() not in ("http", "https") or uri in _HTTP_STORES_CHECKED:
+        return
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=HTTP_PROBE_TIMEOUT_S, allow_redirects=False)
+    except requests.exceptions.SSLError:
+        pass
+    except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+        raise unreachable(uri, exc) from None
+    _HTTP_STORES_CHECKED.add(uri)
+
+
+_HTTP_STORES_CHECKED: set[str] = set()
 
 
 def check_reachable(uri: str | None = None) -> str:

@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from ..db.engine import ensure_ready
 from ..db.models import Promotion
-from ..masking import mask_url
+from ..masking import mask_text, mask_url
 from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def refresh_champion_lines(mlflow_client, name: str, champion: str | None, how: 
             mlflow_client.update_model_version(name, version, description=with_champion_line(
                 detail.description or "", line))
     except Exception as exc:     # the page is documentation; the alias move already happened
-        log.warning("%s: champion line not refreshed (%s)", name, exc)
+        log.warning("%s: champion line not refreshed (%s)", name, mask_text(str(exc)))
 
 
 def champion_audit(db_url: str, name: str, champion: str | None) -> dict:

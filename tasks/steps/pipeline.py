@@ -20,6 +20,7 @@ from sqlalchemy import func, select, update
 
 from ..db.engine import ensure_ready
 from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
+from ..masking import mask_text
 from ..registry.config_schema import config_model_name
 from ..registry.promotion import promote
 from ..registry.registration import register_config
@@ -147,7 +148,8 @@ def champion_domains_on(spec: RunSpec, db_url: str | None = None) -> set[str]:
         version = alias_version(mlflow_client, name, CHAMPION)
         return set() if version is None else set(load_version_config(mlflow_client, name, version).domains_on)
     except MlflowException as exc:
-        log.warning("run %s: champion config not read (%s): planning without hysteresis", spec.run_id, exc)
+        log.warning("run %s: champion config not read (%s): planning without hysteresis", spec.run_id,
+                    mask_text(str(exc)))
         return set()
 
 
