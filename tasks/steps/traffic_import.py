@@ -553,6 +553,12 @@ def _insert(connection, model):
     return dialect.insert(model.__table__)
 
 
+def _printable_nul(text: str | None) -> str | None:
+    """A quarantined field as stored: a NUL character (which PostgreSQL's text cannot hold, and
+    which is often the reason the row is quarantined) written as the four characters \\x00."""
+    return text.replace("\x00", "\\x00") if text else text
+
+
 class _BatchWriter:
     """Writes normalised rows and rejections, one transaction per flush."""
 
@@ -578,10 +584,10 @@ class _BatchWriter:
                                                "detail": rejection.detail})
         self.quarantined_lines.add(line)
         if raw is not None:
-            raw = self.redact(raw[:RAW_KEEP_CHARS])[0]
+            raw = _printable_nul(self.redact(raw[:RAW_KEEP_CHARS])[0])
         self.rejected.append({"source_file": self.source_file, "line_number": line,
-                              "request_id": request_id, "reason": rejection.reason,
-                              "detail": rejection.detail[:2000], "raw": raw,
+                              "request_id": _printable_nul(request_id), "reason": rejection.reason,
+                              "detail": _printable_nul(rejection.detail[:2000]), "raw": raw,
                               "imported_at": utcnow()})
 
     def pending(self) -> int:
