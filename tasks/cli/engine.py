@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
+from ..registry.run_results import engine_speedup_text
 from .common import print_json, url_arg
 from .console import make_console
 
@@ -20,7 +21,7 @@ def engine_rich_table(run_id: str, rows: list[dict]) -> Table:
                   title_justify="left")
     for column in ("domain", "status", "K", "requests", "estimate E [95% CI]", "vLLM E",
                    "rates per position: estimate / vLLM", "greedy equal", "tokens/s plain",
-                   "tokens/s config", "reason"):
+                   "tokens/s config", "speedup measured / predicted", "reason"):
         table.add_column(column, justify="left" if column in ("domain", "status", "reason")
                          else "right")
     for row in rows:
@@ -33,7 +34,7 @@ def engine_rich_table(run_id: str, rows: list[dict]) -> Table:
         table.add_row(escape(row["domain"]), row["status"], str(row.get("k") or "-"),
                       str(row.get("requests") or "-"), interval, _x(row.get("engine_e")), rates,
                       greedy, _x(row.get("plain_tokens_per_s"), 1),
-                      _x(row.get("spec_tokens_per_s"), 1),
+                      _x(row.get("spec_tokens_per_s"), 1), escape(engine_speedup_text(row)),
                       escape(str(row.get("reason") or "").removeprefix("engine check: ")[:160]))
     return table
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from rich.markup import escape
 from rich.table import Table
 
@@ -141,7 +143,7 @@ def cmd_profile_measure(args) -> int:
 
 def cmd_profile_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.costs import load_costs
+    from ..steps.costs import hardware_of, load_costs
 
     costs = load_costs(args.name, args.url, getattr(args, "run", None))
     table = Table(title=escape(f"cost profile {costs.hardware_profile} (run {costs.run_id}): "
@@ -174,6 +176,11 @@ def cmd_profile_show(args) -> int:
                       *[cell(f"{costs.round_overhead[label].get(b, 0.0) / step:.3f}",
                              ("round_overhead", label, None, b)) for label in overheads])
     console.print(table)
+    hardware = hardware_of(costs.hardware_profile, args.url)
+    if hardware is not None:
+        engine = hardware["details"].get("engine")
+        console.print(escape(f"hardware: {hardware['device']} {hardware['dtype']}; engine: "
+                             + (json.dumps(engine) if isinstance(engine, dict) else str(engine))))
     check = costs.check
     if check is None:
         console.print("check: none recorded (measured or imported without one)")

@@ -46,13 +46,27 @@ def engine_checks(run_id: str, db_url: str | None = None) -> list[dict]:
             EngineCheck.run_id == run_id).order_by(EngineCheck.domain)).mappings()]
 
 
+def engine_speedup_text(row: dict) -> str:
+    """vLLM's decode-phase speedup measured on the checked requests / the one its own cost profile
+    predicts for them ("-" where neither was taken)."""
+    measured, predicted = row.get("measured_speedup"), row.get("predicted_speedup")
+    if measured is None and predicted is None:
+        return "-"
+    text = (("-" if measured is None else f"{measured:.2f}x") + " / "
+            + ("no vLLM profile" if predicted is None else f"{predicted:.2f}x"))
+    if measured is not None and predicted:
+        text += f" ({100 * (measured / predicted - 1):+.0f}%)"
+    return text
+
+
 def engine_markdown(rows: list[dict]) -> str:
     """The version page's section: each domain's config on vLLM beside the estimate."""
     if not rows:
         return ("Not checked on vLLM (no serving environment, or no domain on): "
                 "`specdec engine check RUN_ID` after `make serving-env`.")
     lines = ["| domain | status | K | requests | estimate E [95% CI] | vLLM E | greedy equal "
-             "| vLLM tokens/s plain / config | reason |", "|---|---|---|---|---|---|---|---|---|"]
+             "| vLLM tokens/s plain / config | vLLM speedup measured / predicted | reason |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         e = "-" if row.get("estimate_e") is None else f"{row['estimate_e']:.2f}" + (
             "" if row.get("estimate_e_lo") is None else
@@ -64,7 +78,7 @@ def engine_markdown(rows: list[dict]) -> str:
         lines.append(f"| {row['domain']} | {row['status']} | {row.get('k') or '-'} | "
                      f"{row.get('requests') or '-'} | {e} | "
                      f"{'-' if row.get('engine_e') is None else format(row['engine_e'], '.2f')} | "
-                     f"{greedy} | {speed} | {reason[:300]} |")
+                     f"{greedy} | {speed} | {engine_speedup_text(row)} | {reason[:300]} |")
     version = next((row["engine_version"] for row in rows if row.get("engine_version")), None)
     return (f"vLLM {version or '?'}, each domain's exported config, the domain's requests one at a "
             "time; E = 1 + accepted / verify steps with drafts, the estimate's on the same requests "

@@ -412,6 +412,15 @@ def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) 
     return out
 
 
+def hardware_of(hardware_profile: str, db_url: str | None = None) -> dict | None:
+    """The stored hardware description of a profile: {name, device, dtype, details} (None: none)."""
+    with ensure_ready(resolve_database_url(db_url)).connect() as connection:
+        row = connection.execute(select(HardwareProfile).where(
+            HardwareProfile.name == hardware_profile)).first()
+    return None if row is None else {"name": row.name, "device": row.device, "dtype": row.dtype,
+                                     "details": row.details or {}}
+
+
 def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | None = None) -> CostTable:
     """The profile's costs from `run_id`, or from the newest run that measured or imported it."""
     engine = ensure_ready(resolve_database_url(db_url))

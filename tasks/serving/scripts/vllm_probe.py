@@ -178,6 +178,11 @@ def replay(request: dict) -> dict:
     if llm is None:
         return answer
     items = [(item, False) for item in request.get("history", [])]   # served first, not measured
+    if not items and request["requests"] and (spec or {}).get("method") != "suffix":
+        # a warm-up (not measured): the first request's prompt, a few tokens; the proposer's
+        # first call compiles (vLLM's ngram search is JIT-compiled) and must not be timed. Not
+        # for suffix decoding, whose tree grows from every request served
+        items = [(dict(request["requests"][0], id="warm-up", max_tokens=4), False)]
     items += [(item, True) for item in request["requests"]]
     for item, measured in items:
         params = SamplingParams(max_tokens=int(item["max_tokens"]),
@@ -190,7 +195,9 @@ def replay(request: dict) -> dict:
                                     params, use_tqdm=False)
         except Exception as exc:  # noqa: BLE001 - the engine died on this request: said, and stop
             traceback.print_exc()             # into the engine's log
-            answer["died"] = {"request": str(item["id"]), "error": _error_line(exc)}
+            # the warm-up shares the first request's prompt: what killed it is that request's
+            dead = request["requests"][0]["id"] if item["id"] == "warm-up" else item["id"]
+            answer["died"] = {"request": str(dead), "error": _error_line(exc)}
             break
         if not measured:
             continue
