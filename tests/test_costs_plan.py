@@ -649,3 +649,36 @@ def test_cli_profile_show_unknown_is_exit_2(db_url, capsys, wide_console):
     assert captured.out == ""
     assert main(["profile", "export", "unknown", "x.json", "--url", db_url]) == 2
     assert "'unknown'" in capsys.readouterr().err
+
+
+def _timings(batch: int, step_s: float, steps: int, drafted_per_step: float, repeats: int = 3) -> list:
+    return [{"batch_size": batch, "repeat": r, "wall_s": step_s * steps + 0.1, "decode_s": step_s * steps,
+             "steps": steps, "tokens": steps + 1, "decode_tokens": steps,
+             "drafted": drafted_per_step * steps * batch, "accepted": 0} for r in range(repeats)]
+
+
+def test_vllm_profile_solves_verify_from_the_steps_that_drafted_and_prices_other_drafters():
+    """tasks.steps.engine_costs._table: the timed steps of vLLM's engines (as the probe answers
+    them) become a cost profile: plain step, verify(K) solved from the share of steps whose n-gram
+    search proposed K, interpolated between the measured K, and a model drafter's step per token."""
+    from tasks.steps.engine_costs import _table
+
+    answers = {"plain": {"timings": _timings(1, 0.040, 50, 0.0)},
+               # every step proposed 1 token: the step is verify(1) itself
+               "ngram K=1": {"timings": _timings(1, 0.044, 50, 1.0)},
+               # half the steps proposed 3: 0.052 = 0.5 * verify(3) + 0.5 * 0.040
+               "ngram K=3": {"timings": _timings(1, 0.052, 50, 1.5)},
+               # an EAGLE-3 head at K = 3: 0.070 - verify(3) = 0.006, over 3 draft tokens
+               "eagle3(model=/h)": {"timings": _timings(1, 0.070, 50, 3.0)}}
+    runs = [("plain", None, None), ("ngram K=1", {}, None), ("ngram K=3", {}, None),
+            ("eagle3(model=/h)", {"method": "eagle3"}, {"kind": "eagle3", "params": {"model": "/h"}})]
+    table, reasons = _table(answers, runs, [1, 3], 3, [1], 3, "r", load_settings())
+    assert table.target_step[1] == pytest.approx(0.040)
+    assert table.verify[1][1] == pytest.approx(0.044)
+    assert table.verify[1][3] == pytest.approx(0.064)
+    assert table.verify[1][2] == pytest.approx((0.044 + 0.064) / 2)      # interpolated
+    assert table.draft_step["eagle3(model=/h)"][1] == pytest.approx(0.002)
+    assert reasons == []                                   # spreads 0, proposals at least half of K
+    answers["ngram K=3"] = {"timings": _timings(1, 0.052, 50, 0.9)}
+    _, reasons = _table(answers, runs, [1, 3], 3, [1], 3, "r", load_settings())
+    assert any("ngram K=3" in reason and "30%" in reason for reason in reasons)
