@@ -146,7 +146,8 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                 raise ServingProbeError(f"{what}: vLLM refused the config: {answer['refused']}")
             engines.append({"config": label, "speculative_config": spec, "start_s": answer["start_s"],
                             "seconds": round(time.perf_counter() - began, 1),
-                            "mends": answer.get("mends") or []})
+                            "mends": answer.get("mends") or [],
+                            "timings": answer["timings"]})     # kept: the profile can be re-derived
             answers[label] = answer
             bar.update(1)
             log.info("%s: done in %.0f s (engine start %.1f s); per batch size: %s", what,
