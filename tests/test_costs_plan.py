@@ -682,3 +682,13 @@ def test_vllm_profile_solves_verify_from_the_steps_that_drafted_and_prices_other
     answers["ngram K=3"] = {"timings": _timings(1, 0.052, 50, 0.9)}
     _, reasons = _table(answers, runs, [1, 3], 3, [1], 3, "r", load_settings())
     assert any("ngram K=3" in reason and "30%" in reason for reason in reasons)
+
+
+def test_a_profile_that_prices_prompt_lookup_as_a_kind_prices_every_prompt_lookup():
+    # a vLLM profile stores prompt lookup once ("prompt_lookup": 0, the search is inside its
+    # verify steps); a run's candidate carries its n, and a model drafter never falls back
+    table = CostTable("vllm-x", "r", {1: 0.04}, {1: {1: 0.044}},
+                      {"prompt_lookup": {1: 0.0}, "layer_skip": {1: 0.01}})
+    assert table.draft_ratio("prompt_lookup(max_ngram=3,min_ngram=1)", 1) == 0.0
+    with pytest.raises(CostProfileError):
+        table.draft_ratio("layer_skip(num_layers=9)", 1)

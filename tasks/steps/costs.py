@@ -154,9 +154,16 @@ class CostTable:
         return [max(verify[k] / step, 1.0) for k in range(1, max(verify) + 1)]
 
     def draft_ratio(self, drafter: str, batch_size: int) -> float:
-        """t_draft / t_step at this batch size (per token for models, per round for prompt lookup)."""
+        """t_draft / t_step at this batch size (per token for models, per round for prompt lookup).
+        A prompt lookup the profile has no figure for takes the kind's ("prompt_lookup" for
+        "prompt_lookup(max_ngram=3)") where the profile prices the kind as a whole: a serving
+        engine's profile does, its n-gram search being inside its verify steps."""
+        per_drafter = self.draft_step.get(drafter)
+        if per_drafter is None and drafter.startswith("prompt_lookup("):
+            per_drafter = self.draft_step.get("prompt_lookup")
+        per_drafter = per_drafter or {}
         try:
-            return self.draft_step[drafter][batch_size] / self.target_step[batch_size]
+            return per_drafter[batch_size] / self.target_step[batch_size]
         except KeyError:
             raise CostProfileError(
                 f"cost profile {self.hardware_profile!r} (run {self.run_id}) has no draft step for "
