@@ -62,8 +62,9 @@ def ours(decoder: SpecDecoder, batches: list, new_tokens: int, speculative: bool
         result = run(ids, max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0.0), seed=0,
                      attention_mask=mask, eos_token_id=None)
         stats = result.stats
-        tokens += int(result.num_tokens.sum())
-        decode_tokens += int(result.num_tokens.sum()) - len(batch)
+        made = int(sum(result.num_tokens))
+        tokens += made
+        decode_tokens += made - len(batch)
         decode_s += stats.decode_s
         wall_s += stats.total_s
         draft_s += stats.draft_s
