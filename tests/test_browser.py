@@ -172,6 +172,8 @@ def test_trigger_form_submits_its_defaults_and_queues_a_run(page, servers):
     page.get_by_role("button", name="Trigger").first.click()
     dialog = page.get_by_role("dialog")
     dialog.get_by_text("Hardware profile").wait_for()
+    page.wait_for_timeout(1500)          # the dialog fades in: let it settle for the screenshot
+    shot(page, "0-trigger-form")         # the open form: fields, ranges, required marks
     form = " ".join(dialog.inner_text().split())
     # ranges and the cross-field rule are read where the fields are filled in
     assert "1 to 32: the largest number of draft tokens per round (K)" in form, form
@@ -213,6 +215,25 @@ def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, st
     body = " ".join(page.inner_text("body").split())
     assert "Gates (specdec config promote against champion none" in body
     assert "validation pass" in body and "no_regression pass" in body
+    # what a reviewer must read before promoting: how to promote, the live check beside the
+    # prediction (a column and a gate), the proposal rate beside E, and whose sampling test each
+    # domain rests on, as stored for the run
+    from tasks.registry.run_results import domain_evidence
+
+    assert body.startswith("Promote only with specdec config promote 1") or \
+        "Promote only with specdec config promote 1 (it checks the gates below" in body
+    assert "live check (same requests)" in body and "proposal rate" in body
+    assert "live_check" in body                                 # the live check is a gate row
+    evidence = domain_evidence(stores["run_id"], f"sqlite:///{stores['base'] / 'specdec.db'}")
+    shared = {d: (e.get("validation") or {}).get("shared_from") for d, e in evidence.items()}
+    sharing = [(d, src) for d, src in shared.items() if src and f"{d} (on): " in body]
+    assert body.count("Sampling test shared from") == len(sharing), sharing
+    for domain, source in sharing:
+        assert f"Sampling test shared from {source}" in body, domain
+    for domain, found in evidence.items():
+        live = found.get("live")
+        if live and f"{domain} (on): " in body:
+            assert f"{live['measured']:.2f}x vs " in body, domain      # the live-check cell
     shot(page, "4-version-page")
     # the experiment opens in the runs view, and the run ended FINISHED
     page.goto(f"{servers['mlflow']}/#/experiments", wait_until="load")
