@@ -197,9 +197,10 @@ class Settings(BaseModel):
     validation_per_domain: bool = Field(default=False, description=(
         "run the sampling test for every domain; False: once per distinct (drafter, planned K, "
         "sampling settings), shared by the domains whose three are all equal"))
-    validation_samplings: int = Field(default=4, ge=1, description=(
+    validation_samplings: int = Field(default=2, ge=1, description=(
         "sampling settings per sampling test: the most frequent non-greedy settings of the "
-        "domain's sampled traffic"))
+        "domain's sampled traffic (each costs validation_rows continuations at K = 1 and at the "
+        "planned K)"))
     greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
     greedy_check_tokens: int = Field(default=24, ge=2)
     # the serving engine: vLLM in its own virtual environment (`make serving-env`)

@@ -325,7 +325,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         record["starts"] = answer.get("starts")
         record["mends"] = answer.get("mends") or []
         for mend in record["mends"]:
-            log.warning("%s: %s", what, mend)
+            log.info("%s: %s", what, mend)
         if answer.get("failed"):
             record["status"], reason = answer["failed"]
         elif answer.get("refused"):
@@ -371,6 +371,10 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             rows[domain]["measured_speedup"] = (spec_decode / plain_decode
                                                 if spec_decode and plain_decode else None)
     _store(engine, run_id, on, rows, settings)
+    mends = sorted({m for record in engines for m in record.get("mends") or []})
+    if mends:
+        log.warning("run %s: vLLM's CPU sampler was mended in %d engine(s) before serving: %s", run_id,
+                    sum(1 for record in engines if record.get("mends")), " ".join(mends))
     for domain, row in sorted(rows.items()):
         for item in row.get("per_request") or []:
             if item["counts_equal"] is False:
