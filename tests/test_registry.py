@@ -323,7 +323,8 @@ def test_refused_rollbacks_are_audit_rows_and_force_is_recorded_only_when_it_ove
 
     def run(*args: str, status: int, says: str) -> dict:
         result = specdec("config", *args, *common)
-        assert result.returncode == status and says in " ".join(result.stdout.split()), \
+        said = result.stderr if status == 2 else result.stdout      # errors on stderr, verdicts on stdout
+        assert result.returncode == status and says in " ".join(said.split()), \
             result.stdout + result.stderr
         return promotions(db_url)[-1]
 

@@ -154,8 +154,8 @@ def test_a_sqlite_file_with_one_overwritten_page_is_refused_and_left_byte_for_by
     for args in (("db", "upgrade"), ("traffic", "import", str(rows), "--no-progress")):
         result = specdec(*args, home=home)
         assert result.returncode == 2, result.stdout + result.stderr
-        assert "is not a readable SQLite database" in result.stdout, result.stdout
-        assert "Move it aside and run `specdec db upgrade`" in " ".join(result.stdout.split())
+        assert "is not a readable SQLite database" in result.stderr, result.stdout + result.stderr
+        assert "Move it aside and run `specdec db upgrade`" in " ".join(result.stderr.split())
         assert "Traceback" not in result.stdout + result.stderr
         assert path.read_bytes() == damaged
         assert sorted(p.name for p in home.iterdir() if p.name.startswith("specdec.db")) == ["specdec.db"]

@@ -389,7 +389,7 @@ def test_a_csv_without_its_header_gets_a_short_redacted_line_naming_the_expected
     path.write_text(row * 3)
     result = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress")
     assert result.returncode == 2
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]     # errors: stderr
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
     message = lines[0]
     assert str(path) in message and "has no header line" in message
@@ -443,7 +443,7 @@ def test_a_corrupt_gzips_garbled_lines_are_superseded_by_the_intact_files_import
     path = tmp_path / "traffic.jsonl.gz"
     path.write_bytes(bad)
     broken = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress")
-    assert broken.returncode == 2 and "CRC check failed" in broken.stdout, broken.stdout
+    assert broken.returncode == 2 and "CRC check failed" in broken.stderr, broken.stdout + broken.stderr
     first = rows_of(db_url, QuarantinedRequest, QuarantinedRequest.line_number)
     assert len(first) >= 20 and all(e["file_error"] and "CRC check failed" in e["file_error"]
                                     and e["superseded_at"] is None for e in first)
