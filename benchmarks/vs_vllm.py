@@ -119,6 +119,7 @@ def main() -> None:
                     print(f"round {round_ + 1}, batch {batch}, {name}: decode {result['decode']:.1f} tok/s, "
                           f"end to end {result['e2e']:.1f} tok/s", flush=True)
     version = figures[("vLLM plain", 1)][0]["version"]
+    kernels = plain.engine()["cpu_kernels"]
 
     def median(name, batch, key):
         return statistics.median(r[key] for r in figures[(name, batch)])
@@ -128,7 +129,9 @@ def main() -> None:
              f"--max-new-tokens {args.max_new_tokens} --rounds {args.rounds}`", "",
              f"{len(prompts)} greedy json/code requests of the shipped traffic, {args.max_new_tokens} new "
              f"tokens each, n-gram K = {args.k} (min/max n 1/3, the same proposals); medians over "
-             f"{args.rounds} interleaved rounds.", "",
+             f"{args.rounds} interleaved rounds. Our engine's CPU kernels: "
+             f"{kernels['packed_linear']} packed linear layers, grouped-query attention "
+             f"{'on' if kernels['gqa_attention'] else 'off'} (specdec_core.cpu_kernels).", "",
              "| batch | contender | decode tok/s ours | decode tok/s vLLM | ours / vLLM (decode) | "
              "end-to-end tok/s ours | end-to-end tok/s vLLM | ours / vLLM (end to end) |",
              "|---|---|---|---|---|---|---|---|"]

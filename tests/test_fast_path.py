@@ -474,7 +474,8 @@ def test_compiled_forwards_keep_greedy_outputs(target, draft):
         general = decode(target, make_drafter(name, target, draft), 2, ids, mask, static=False, eos=5)
         decoder = SpecDecoder(target, make_drafter(name, target, draft), k=2, static_cache=True,
                               cuda_graphs=True, compile=True)
-        assert decoder.engine() == {"static_cache": True, "cuda_graphs": True, "compile": True}
+        assert {**decoder.engine(), "cpu_kernels": None} == {"static_cache": True, "cuda_graphs": True,
+                                                             "compile": True, "cpu_kernels": None}
         run = decoder.generate if name != "plain" else decoder.generate_plain
         compiles = []
         for _ in range(2):                       # the second call replays captured rounds
@@ -485,8 +486,10 @@ def test_compiled_forwards_keep_greedy_outputs(target, draft):
         assert compiles[1] == compiles[0]        # compiled once per width: no recompiles later
         assert all(cache["compiled"] for cache in decoder.engine_state()["caches"])
     # "auto" compiles on CUDA only; the CPU default path has no static caches at all
-    assert SpecDecoder(target, None).engine() == {"static_cache": CUDA, "cuda_graphs": CUDA,
-                                                  "compile": CUDA}
+    linears = sum(1 for m in target.modules() if isinstance(m, torch.nn.Linear))
+    assert SpecDecoder(target, None).engine() == {
+        "static_cache": CUDA, "cuda_graphs": CUDA, "compile": CUDA,
+        "cpu_kernels": {"packed_linear": 0 if CUDA else linears, "gqa_attention": not CUDA}}
 
 
 def test_compiled_sampling_keeps_the_target_distribution(spread_target, spread_draft):

@@ -1,0 +1,127 @@
+"""CPU kernels for narrow forwards (specdec_core.cpu_kernels): packed linear weights for 4-48 rows
+and grouped-query SDPA under a mask give the same logits as transformers' own path at every width,
+follow weight changes, leave training alone, and the decoder turns them on by default on a CPU
+with the same tokens as before."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec_core import SpecDecoder, cpu_kernels
+from specdec_core.drafters import DraftModel, PromptLookup
+
+from .helpers.models import left_padded_batch, repetitive_prompt, tiny_llama
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="this torch build has no oneDNN")
+
+
+def _pair(seed: int = 0):
+    """Two equal tiny targets (grouped key/value heads); the second with the CPU kernels."""
+    plain, fast = tiny_llama(seed=seed), tiny_llama(seed=seed)
+    applied = cpu_kernels.prepare(fast)
+    return plain, fast, applied
+
+
+def _narrow_logits(model, ids, mask, width: int) -> torch.Tensor:
+    """Logits of a pass over `width` new positions after a cached prefix (a verify pass)."""
+    cache = DynamicCache(config=model.config)
+    prefix = ids.shape[1] - width
+    with torch.inference_mode():
+        model(ids[:, :prefix], attention_mask=mask[:, :prefix], past_key_values=cache, use_cache=True)
+        return model(ids[:, prefix:], attention_mask=mask, past_key_values=cache,
+                     use_cache=True).logits
+
+
+def test_every_width_gives_transformers_logits_and_packs_only_what_ran_narrow():
+    plain, fast, applied = _pair()
+    linears = sum(1 for m in fast.modules() if isinstance(m, torch.nn.Linear))
+    assert applied == {"packed_linear": linears, "gqa_attention": True}
+    assert fast.config._attn_implementation == cpu_kernels.ATTENTION
+    assert cpu_kernels.prepare(fast) == applied                    # idempotent
+    ids, mask = left_padded_batch()
+    # one row at a time (batch 1: widths 1-3 plain weight, 4+ packed) and the padded batch of 3
+    for batch_ids, batch_mask in ((ids[2:], mask[2:]), (ids, mask)):
+        for width in range(1, 9):
+            want = _narrow_logits(plain, batch_ids, batch_mask, width)
+            got = _narrow_logits(fast, batch_ids, batch_mask, width)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+    packed = [m for m in fast.modules() if isinstance(m, cpu_kernels.PackedLinear) and m._specdec_packed.tensor is not None]
+    assert len(packed) == linears
+
+    lazy = tiny_llama(seed=1)
+    cpu_kernels.prepare(lazy)
+    with torch.inference_mode():                                   # 1 row: the plain weight
+        lazy(ids[2:, -1:])
+    assert all(m._specdec_packed.tensor is None for m in lazy.modules() if isinstance(m, cpu_kernels.PackedLinear))
+
+
+def test_a_changed_weight_is_packed_again():
+    plain, fast, _ = _pair()
+    ids, mask = left_padded_batch()
+    _narrow_logits(fast, ids[2:], mask[2:], 5)
+    with torch.no_grad():
+        for model in (plain, fast):
+            model.lm_head.weight.mul_(-1.0)                        # in place: same storage
+            model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(
+                model.model.layers[0].mlp.down_proj.weight * 0.5)  # a new tensor
+    torch.testing.assert_close(_narrow_logits(fast, ids[2:], mask[2:], 5),
+                               _narrow_logits(plain, ids[2:], mask[2:], 5), rtol=1e-4, atol=1e-4)
+
+
+def test_a_forward_that_records_gradients_takes_transformers_path():
+    plain, fast, _ = _pair()
+    ids, mask = left_padded_batch()
+    grads = []
+    for model in (plain, fast):
+        model.zero_grad()
+        loss = model(ids, attention_mask=mask).logits[:, -5:].logsumexp(-1).sum()
+        loss.backward()
+        grads.append(model.model.layers[1].self_attn.q_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    assert all(m._specdec_packed.tensor is None for m in fast.modules() if isinstance(m, cpu_kernels.PackedLinear))
+
+
+def test_a_copy_of_a_prepared_model_packs_its_own_weights():
+    _, fast, _ = _pair()
+    ids, mask = left_padded_batch()
+    want = _narrow_logits(fast, ids, mask, 5)
+    restored = pickle.loads(pickle.dumps(fast))                     # pickles carry no packed weight
+    assert all(m._specdec_packed.tensor is None for m in restored.modules()
+               if isinstance(m, cpu_kernels.PackedLinear))
+    torch.testing.assert_close(_narrow_logits(restored, ids, mask, 5), want)
+    twin = copy.deepcopy(fast)
+    assert all(m._specdec_packed.tensor is None for m in twin.modules() if isinstance(m, cpu_kernels.PackedLinear))
+    with torch.no_grad():
+        twin.lm_head.weight.zero_()
+    assert _narrow_logits(twin, ids, mask, 5).abs().max() == 0      # the copy's own weight
+    torch.testing.assert_close(_narrow_logits(fast, ids, mask, 5), want)
+
+
+def test_another_dtype_is_left_alone():
+    model = tiny_llama().to(torch.bfloat16)
+    assert cpu_kernels.prepare(model) == {"packed_linear": 0, "gqa_attention": False}
+    assert not any(isinstance(m, cpu_kernels.PackedLinear) for m in model.modules())
+
+
+def test_the_decoder_uses_them_by_default_with_the_same_tokens():
+    plain, fast, _ = _pair()
+    prompt = repetitive_prompt()
+    # a draft model equal to the target: every draft accepted, so every round verifies K + 1 rows
+    off = SpecDecoder(plain, DraftModel(tiny_llama(seed=0)), k=4, cpu_kernels=False)
+    on = SpecDecoder(fast, DraftModel(tiny_llama(seed=0)), k=4)
+    assert off.engine()["cpu_kernels"] == {"packed_linear": 0, "gqa_attention": False}
+    assert on.engine()["cpu_kernels"]["gqa_attention"] is True
+    assert plain.config._attn_implementation == "sdpa"            # False left it alone
+    want = off.generate(prompt, max_new_tokens=24)
+    got = on.generate(prompt, max_new_tokens=24)
+    assert torch.equal(got.tokens, want.tokens)
+    assert got.stats.accepted == got.stats.drafted > 0             # rounds of width K + 1 ran
+    assert torch.equal(got.tokens, on.generate_plain(prompt, max_new_tokens=24).tokens)
+    lookup = SpecDecoder(fast, PromptLookup(max_ngram=3), k=4)
+    assert torch.equal(lookup.generate(prompt, max_new_tokens=24).tokens, want.tokens)
