@@ -1081,7 +1081,10 @@ def estimate_rows() -> list[dict]:
                 rows.append({"domain": domain, "drafter": drafter, "k": k,
                              "predicted_speedup": speedup, "predicted_speedup_lo": speedup - 0.1,
                              "predicted_speedup_hi": speedup + 0.1,
-                             "conditional_acceptance": [0.8 - 0.05 * i for i in range(k)]})
+                             "conditional_acceptance": [0.8 - 0.05 * i for i in range(k)],
+                             "mean_accepted_length": 1.0 + base * 0.5,
+                             "draft_width_share": [0.93 if domain == "chat" else 0.2,
+                                                   0.07 if domain == "chat" else 0.8]})
     return rows
 
 
@@ -1132,8 +1135,19 @@ def test_acceptance_and_calibration_plots_keep_labels_apart_and_titles_short():
     from tasks.registry.plots import acceptance_figure, calibration_figure
 
     rows = estimate_rows()
-    fig = acceptance_figure(rows, {d: "suffix" for d in ("chat", "code", "json", "qa")}, RUN_ID)
+    fig = acceptance_figure(rows, {d: "suffix" for d in ("chat", "code", "json", "qa")}, RUN_ID,
+                            {"chat": 3, "code": 4, "json": 8, "qa": 2})
     assert_legends_off_the_data(fig)
+    # the planned K's rates, and the share of rounds that drafted beside them (chat: 7%)
+    lines = {line.get_label().split(" ")[0]: line for line in fig.axes[0].get_lines()}
+    assert len(lines["json"].get_xdata()) == 8 and len(lines["qa"].get_xdata()) == 2
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "chat (suffix, drafts in 7% of rounds, E 1.40)" in labels
+    bars = {t.get_text(): patch.get_width()
+            for t, patch in zip(fig.axes[1].get_yticklabels(), fig.axes[1].patches)}
+    assert bars == {"chat": pytest.approx(0.07), "code": pytest.approx(0.8),
+                    "json": pytest.approx(0.8), "qa": pytest.approx(0.8)}
+    assert fig.axes[1].get_title() == "Rounds that drafted"
     assert all(len(t) <= 60 and RUN_ID not in t for t in figure_texts(fig))
     # chat and qa at nearly the same point: one legend entry each, no labels drawn on the data
     live = [{"domain": "chat", "predicted": 1.02, "measured": 0.98},

@@ -3,7 +3,8 @@ MLflow shows them (an image about 900-1200 px wide in a 1280 px window): short t
 is a footnote), legends outside the data, fonts of 10 pt and up.
 
 - conditional_acceptance.png: per domain, the planned drafter's conditional acceptance a_i at
-  each draft position;
+  each draft position, and beside it the share of its rounds that drafted at all (the rates
+  count only rounds that reached a position; E counts every round);
 - predicted_speedup_vs_k.png: one panel per domain, predicted speedup (batch 1) against K for each
   drafter, its 95% interval as a band where the estimate has one, the `min_speedup` threshold, the
   plain-decoding line and the chosen (drafter, K) marked;
@@ -40,24 +41,57 @@ def _footnote(fig, run_id: str) -> None:
              va="bottom")
 
 
-def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: str):
-    """Per-position conditional acceptance of each domain's planned drafter (at its largest K
-    estimated). rows: acceptance_estimates rows; chosen: {domain: planned drafter label}."""
+def proposal_rate(row: dict) -> float | None:
+    """Share of a drafter's rounds that drafted at least one token: 1 - the estimate's share of
+    rounds of width 0 (None without it). E counts every round; the per-position rates only the
+    rounds that reached a position, so a drafter that seldom proposes shows high rates and a low E."""
+    share = row.get("draft_width_share")
+    return None if not share else max(0.0, 1.0 - float(share[0]))
+
+
+def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: str,
+                      planned_k: dict[str, int | None] | None = None):
+    """Per-position conditional acceptance of each domain's planned drafter (at its planned K, or
+    the largest K estimated) and, in a second panel, the share of its rounds that proposed at all.
+    rows: acceptance_estimates rows; chosen: {domain: planned drafter label}; planned_k:
+    {domain: planned K}."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(11, 5.5), layout="constrained",
+                                   gridspec_kw={"width_ratios": [3, 1.2]})
+    names, rates_drafted = [], []
     for n, domain in enumerate(sorted({r["domain"] for r in rows})):
         best = [r for r in rows if r["domain"] == domain and r["drafter"] == chosen.get(domain)]
-        if best:
-            rates = max(best, key=lambda r: r["k"])["conditional_acceptance"] or []
-            ax.plot(range(1, len(rates) + 1), rates, marker=MARKERS[n % len(MARKERS)],
-                    label=f"{domain} ({best[0]['drafter']})")
+        if not best:
+            continue
+        at_k = [r for r in best if r["k"] == (planned_k or {}).get(domain)]
+        row = at_k[0] if at_k else max(best, key=lambda r: r["k"])
+        rates = row["conditional_acceptance"] or []
+        drafted = proposal_rate(row)
+        extra = "" if drafted is None else f", drafts in {100 * drafted:.0f}% of rounds"
+        length = row.get("mean_accepted_length")
+        extra += "" if length is None else f", E {length:.2f}"
+        line, = ax.plot(range(1, len(rates) + 1), rates, marker=MARKERS[n % len(MARKERS)],
+                        label=f"{domain} ({row['drafter']}{extra})")
+        if drafted is not None:
+            names.append(domain)
+            rates_drafted.append(drafted)
+            bars.barh(domain, drafted, color=line.get_color())
     ax.set_ylim(0, 1)
     ax.set_xlabel("draft position i", fontsize=TEXT_FONT)
     ax.set_ylabel("conditional acceptance a_i", fontsize=TEXT_FONT)
     ax.tick_params(labelsize=TEXT_FONT)
     ax.set_title("Per-position acceptance of the planned drafter", fontsize=TITLE_FONT)
+    bars.set_xlim(0, 1)
+    bars.invert_yaxis()
+    bars.set_xlabel("share of rounds with a draft", fontsize=TEXT_FONT)
+    bars.tick_params(labelsize=TEXT_FONT)
+    bars.set_title("Rounds that drafted", fontsize=TITLE_FONT)
+    for y, value in enumerate(rates_drafted):
+        bars.text(min(value, 0.78) + 0.02, y, f"{100 * value:.0f}%", va="center", fontsize=TEXT_FONT)
+    if not names:
+        bars.set_visible(False)
     if ax.get_legend_handles_labels()[0]:
-        fig.legend(loc="outside right upper", fontsize=TEXT_FONT, frameon=False)
+        fig.legend(loc="outside lower center", fontsize=TEXT_FONT, frameon=False)
     _footnote(fig, run_id)
     return fig
 
@@ -147,7 +181,8 @@ def write_plots(run_id: str, estimates: list[dict], configs: dict[str, dict], li
         return []
     plt = _pyplot()
     figures = [("conditional_acceptance.png",
-                acceptance_figure(estimates, {d: c.get("drafter") for d, c in configs.items()}, run_id)),
+                acceptance_figure(estimates, {d: c.get("drafter") for d, c in configs.items()}, run_id,
+                                  {d: c.get("k") for d, c in configs.items()})),
                ("predicted_speedup_vs_k.png", speedup_figure(estimates, configs, min_speedup, run_id))]
     if live:
         figures.append(("calibration.png", calibration_figure(live, run_id)))
