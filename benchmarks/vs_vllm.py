@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 
 from eagle3_train import shipped_requests  # noqa: E402
-from specdec_core import SamplingParams, SpecDecoder, load_model  # noqa: E402
+from specdec_core import SamplingParams, SpecDecoder, cpu_kernels, load_model  # noqa: E402
 from specdec_core.drafters import PromptLookup  # noqa: E402
 from tasks.serving import environment as serving_env  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
@@ -120,6 +120,7 @@ def main() -> None:
                           f"end to end {result['e2e']:.1f} tok/s", flush=True)
     version = figures[("vLLM plain", 1)][0]["version"]
     kernels = plain.engine()["cpu_kernels"]
+    first, last = cpu_kernels.packed_rows(model)
 
     def median(name, batch, key):
         return statistics.median(r[key] for r in figures[(name, batch)])
@@ -130,7 +131,8 @@ def main() -> None:
              f"{len(prompts)} greedy json/code requests of the shipped traffic, {args.max_new_tokens} new "
              f"tokens each, n-gram K = {args.k} (min/max n 1/3, the same proposals); medians over "
              f"{args.rounds} interleaved rounds. Our engine's CPU kernels: "
-             f"{kernels['packed_linear']} packed linear layers, grouped-query attention "
+             f"{kernels['packed_linear']} linear layers with packed weights for {first} to {last} rows "
+             f"(the first timed on this CPU), grouped-query attention "
              f"{'on' if kernels['gqa_attention'] else 'off'} (specdec_core.cpu_kernels).", "",
              "| batch | contender | decode tok/s ours | decode tok/s vLLM | ours / vLLM (decode) | "
              "end-to-end tok/s ours | end-to-end tok/s vLLM | ours / vLLM (end to end) |",

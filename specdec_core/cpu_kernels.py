@@ -4,12 +4,16 @@ A speculative round on a CPU costs one target forward over K + 1 positions. Two 
 forward dearer than it need be (measured on this project's 2-core CPU, float32, MKL and oneDNN,
 the embedded default at a 200-token context):
 
-- `nn.Linear` over 4 to about 48 rows. MKL's sgemm takes a gemv-like path for 1 to 3 rows and a
-  packing gemm from 4 rows on, which reorders the whole weight on every call: the model's
-  matmuls went from 20 ms at 1 row to 34 ms at 4 and 35 ms at 5. A weight packed once for oneDNN
-  (`torch.ops.mkldnn._reorder_linear_weight`, what torch's inductor does on a CPU) costs 29 ms at
-  4 rows and 31 ms at 5, but more than plain `F.linear` at 1 to 3 (25 ms at 1). So the packed weight
-  is used for 4 to 48 rows only, and the plain weight otherwise (prefill, plain decoding).
+- `nn.Linear` over a few rows. MKL's sgemm takes a gemv-like path for 1 to 3 rows and a packing
+  gemm from 4 rows on, which reorders the whole weight on every call. A weight packed once for
+  oneDNN (`torch.ops.mkldnn._reorder_linear_weight`, what torch's inductor does on a CPU) avoids
+  that. Where it starts to pay depends on the CPU: on an Intel development machine the model's
+  matmuls took 20 ms at 1 row plain and 25 ms packed, 34 ms at 4 rows plain and 29 ms packed; on
+  an AMD EPYC (Zen 4) machine MKL's small-row paths are slow (a whole forward: 55 ms at 1 row,
+  91 ms at 2, 110 ms at 3, against 38, 43 and 36 ms packed). So the first row count from which the
+  packed weight is used is timed once per process on the model's own layer shapes
+  (`packed_rows()`; 1 to 4, about a tenth of a second for the embedded default), and the packed weight serves up to 48 rows; wider passes (prefill)
+  keep the plain weight.
 - Attention over more than one new position after a cache. transformers hands grouped key/value
   heads to SDPA (`enable_gqa`) only when there is no mask, and a pass after a cache always has one,
   so it copies every layer's keys and values once per group first. torch's CPU SDPA takes
@@ -17,8 +21,9 @@ the embedded default at a 200-token context):
   other case (one position, no mask, position bias, soft-capping, another device) to transformers'
   own SDPA function.
 
-Together: a verify forward over 5 positions went from 50 ms to 42 ms, over 9 from 62 ms to 47 ms;
-one position is unchanged (`benchmarks/cpu_kernels.py` measures it on the machine at hand).
+Together, on the Intel machine: a verify forward over 5 positions went from 50 ms to 42 ms, over 9
+from 62 ms to 47 ms, one position unchanged; on the AMD one, 5 positions from 87 to 36 ms and one
+from 55 to 38 ms (`benchmarks/cpu_kernels.py` measures it on the machine at hand).
 Both give the same numbers up to float32 rounding (a different summation order).
 
 `prepare(model)` turns both on for a float32 model on a CPU whose attention is SDPA; it is
@@ -31,13 +36,18 @@ path runs, so training is unaffected.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-PACKED_ROWS = (4, 48)           # rows (tokens x batch) for which the packed weight is faster
+# rows (tokens x batch) for which the packed weight is used, (first, last): set here, it holds for
+# every model; None: packed_rows() times the first on this CPU, once per process and layer shapes
+PACKED_ROWS: tuple[int, int] | None = None
+MAX_PACKED_ROWS = 48
+_TIMED: dict[tuple, tuple[int, int]] = {}
 ATTENTION = "specdec_cpu_sdpa"  # the attention implementation's registered name
 _MARK = "_specdec_cpu_kernels"
 
@@ -79,7 +89,8 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if (PACKED_ROWS[0] <= rows <= PACKED_ROWS[1] and x.device.type == "cpu"
+        first, last = PACKED_ROWS or self.__dict__.get("_specdec_rows") or (4, MAX_PACKED_ROWS)
+        if (first <= rows <= last and x.device.type == "cpu"
                 and x.dtype == torch.float32 and weight.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             packed = self.__dict__.get("_specdec_packed")
@@ -87,6 +98,50 @@ class PackedLinear(torch.nn.Linear):
                 packed = self._specdec_packed = PackedWeight()
             return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), self.bias, "none", [], "")
         return F.linear(x, weight, self.bias)
+
+
+def _best_ms(run, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
+def packed_rows(model: torch.nn.Module) -> tuple[int, int]:
+    """(first, last) rows for which the packed weight is used in `model` (PACKED_ROWS where set).
+    The first is timed once per process and model shapes: for 1, 2 and 3 rows, plain `F.linear`
+    against the packed weight on the model's largest linear layer and its commonest shape (best of
+    5 each); the packed weight starts at the fewest rows from which it is faster at every count up
+    to 3 (4 if it never is)."""
+    if PACKED_ROWS is not None:
+        return PACKED_ROWS
+    shapes: dict[tuple, int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
+            shapes[tuple(module.weight.shape)] = shapes.get(tuple(module.weight.shape), 0) + 1
+    if not shapes:
+        return (4, MAX_PACKED_ROWS)
+    key = (max(shapes, key=lambda shape: shape[0] * shape[1]), max(shapes, key=shapes.get))
+    if key in _TIMED:
+        return _TIMED[key]
+    faster = {}
+    with torch.inference_mode():
+        for rows in (1, 2, 3):
+            plain = packed = 0.0
+            for out_features, in_features in set(key):
+                weight = torch.randn(out_features, in_features)
+                x = torch.randn(rows, in_features)
+                reordered = torch.ops.mkldnn._reorder_linear_weight(weight)
+                plain += _best_ms(lambda: F.linear(x, weight))
+                packed += _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], ""))
+            faster[rows] = packed < plain
+    first = next((r for r in (1, 2, 3) if all(faster[n] for n in range(r, 4))), 4)
+    _TIMED[key] = (first, MAX_PACKED_ROWS)
+    log.info("CPU kernels: packed linear weights from %d to %d rows for layers %s on this CPU "
+             "(timed)", first, MAX_PACKED_ROWS, sorted(set(key)))
+    return _TIMED[key]
 
 
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -131,9 +186,11 @@ def prepare(model: torch.nn.Module) -> dict:
         return applied
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not available():
         return applied
+    rows = packed_rows(model)
     for module in model.modules():
         if type(module) is torch.nn.Linear and "forward" not in module.__dict__:
             module._specdec_packed = PackedWeight()
+            module._specdec_rows = rows
             module.__class__ = PackedLinear
             applied["packed_linear"] += 1
     config = getattr(model, "config", None)

@@ -44,7 +44,7 @@ def test_every_width_gives_transformers_logits_and_packs_only_what_ran_narrow():
     assert fast.config._attn_implementation == cpu_kernels.ATTENTION
     assert cpu_kernels.prepare(fast) == applied                    # idempotent
     ids, mask = left_padded_batch()
-    # one row at a time (batch 1: widths 1-3 plain weight, 4+ packed) and the padded batch of 3
+    # one row at a time (widths on both sides of the first packed row count) and the padded batch of 3
     for batch_ids, batch_mask in ((ids[2:], mask[2:]), (ids, mask)):
         for width in range(1, 9):
             want = _narrow_logits(plain, batch_ids, batch_mask, width)
@@ -54,11 +54,38 @@ def test_every_width_gives_transformers_logits_and_packs_only_what_ran_narrow():
     packed = [m for m in fast.modules() if isinstance(m, cpu_kernels.PackedLinear) and m._specdec_packed.tensor is not None]
     assert len(packed) == linears
 
+
+def test_a_model_that_ran_no_narrow_forward_holds_no_packed_weight(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "PACKED_ROWS", (4, cpu_kernels.MAX_PACKED_ROWS))
+    ids, _ = left_padded_batch()
     lazy = tiny_llama(seed=1)
     cpu_kernels.prepare(lazy)
     with torch.inference_mode():                                   # 1 row: the plain weight
         lazy(ids[2:, -1:])
     assert all(m._specdec_packed.tensor is None for m in lazy.modules() if isinstance(m, cpu_kernels.PackedLinear))
+
+
+def test_the_first_packed_row_count_is_timed_once_on_the_models_shapes(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "PACKED_ROWS", None)
+    monkeypatch.setattr(cpu_kernels, "_TIMED", {})
+    model = tiny_llama()
+    first, last = cpu_kernels.packed_rows(model)
+    assert 1 <= first <= 4 and last == cpu_kernels.MAX_PACKED_ROWS
+    assert list(cpu_kernels._TIMED.values()) == [(first, last)]      # once per process and shapes
+    assert cpu_kernels.packed_rows(tiny_llama(seed=3)) == (first, last)
+    assert len(cpu_kernels._TIMED) == 1
+    cpu_kernels.prepare(model)
+    assert {m._specdec_rows for m in model.modules() if isinstance(m, cpu_kernels.PackedLinear)} == {
+        (first, last)}
+    # every row count in the range gives F.linear's numbers
+    layer = torch.nn.Linear(64, 97)
+    plain = copy.deepcopy(layer)
+    layer._specdec_packed = cpu_kernels.PackedWeight()
+    layer.__class__ = cpu_kernels.PackedLinear
+    with torch.inference_mode():
+        for rows in range(1, 50):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_changed_weight_is_packed_again():
