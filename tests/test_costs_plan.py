@@ -226,6 +226,36 @@ def test_plan_picks_the_best_drafter_and_k_and_the_largest_paying_batch(db_url):
     assert stored["drafter_spec"] == PL_SPEC and stored["reason"] == row["reason"]
 
 
+def test_plan_on_a_profile_with_sampled_steps_prices_the_domains_share_of_sampled_requests(db_url):
+    from tasks.db.models import EvalRun, EvalSample, TrafficRequest
+
+    seed_qa(db_url)
+    now = datetime(2026, 1, 1)
+    execute(db_url, insert(EvalRun), [{"run_id": "plan-run", "created_at": now, "updated_at": now,
+                                      "status": "running"}])
+    # 3 of the domain's 4 sampled requests sample (temperature > 0)
+    execute(db_url, insert(TrafficRequest), [
+        {"id": f"r{i}", "requested_at": now, "domain": "qa", "domain_source": "row", "prompt": "p",
+         "response": "r", "temperature": t, "model": "m", "prompt_chars": 1, "response_chars": 1,
+         "content_hash": f"h{i}", "source_file": "f", "source_line": i, "imported_at": now}
+        for i, t in enumerate((0.0, 0.7, 1.0, 0.3))])
+    execute(db_url, insert(EvalSample), [{"run_id": "plan-run", "request_id": f"r{i}", "domain": "qa",
+                                          "position": i} for i in range(4)])
+    greedy = cost_table()
+    sampled = cost_table()
+    # sampled requests: the same step, verify passes 0.4 steps dearer at every K and batch size
+    sampled.sampled_step = dict(greedy.target_step)
+    sampled.sampled_verify = {b: {k: v + 0.4 * greedy.target_step[b] for k, v in per_k.items()}
+                              for b, per_k in greedy.verify.items()}
+    plain = plan_domain("plan-run", "qa", greedy, db_url=db_url, settings=settings())
+    mixed = plan_domain("plan-run", "qa", sampled, db_url=db_url, settings=settings())
+    assert (plain["drafter"], plain["k"]) == (mixed["drafter"], mixed["k"]) == (PL, 2)
+    # PL K=2 at b=1: half the rounds draft nothing (a plain step, priced alike), half verify K = 2
+    # at 0.75 x 0.4 = 0.3 steps more: 1.25 + 0.15
+    assert mixed["predicted_speedup"] == pytest.approx(2.0 / (1.25 + 0.15))
+    assert plain["predicted_speedup"] == pytest.approx(2.0 / 1.25)
+
+
 def test_plan_stores_k_by_batch_size_and_derives_max_batch_size_from_it(db_url):
     seed_qa(db_url)
     row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
@@ -656,9 +686,10 @@ def test_cli_profile_show_unknown_is_exit_2(db_url, capsys, wide_console):
     assert "'unknown'" in capsys.readouterr().err
 
 
-def _timings(batch: int, step_s: float, steps: int, drafted_per_step: float, repeats: int = 3) -> list:
-    return [{"batch_size": batch, "repeat": r, "wall_s": step_s * steps + 0.1, "decode_s": step_s * steps,
-             "steps": steps, "tokens": steps + 1, "decode_tokens": steps,
+def _timings(batch: int, step_s: float, steps: int, drafted_per_step: float, repeats: int = 3,
+             sampling: str = "greedy") -> list:
+    return [{"batch_size": batch, "sampling": sampling, "repeat": r, "wall_s": step_s * steps + 0.1,
+             "decode_s": step_s * steps, "steps": steps, "tokens": steps + 1, "decode_tokens": steps,
              "drafted": drafted_per_step * steps * batch, "accepted": 0} for r in range(repeats)]
 
 
@@ -687,6 +718,46 @@ def test_vllm_profile_solves_verify_from_the_steps_that_drafted_and_prices_other
     answers["ngram K=3"] = {"timings": _timings(1, 0.052, 50, 0.9)}
     _, reasons = _table(answers, runs, [1, 3], 3, [1], 3, "r", load_settings())
     assert any("ngram K=3" in reason and "30%" in reason for reason in reasons)
+
+
+def test_vllm_profile_prices_sampled_requests_apart_and_plans_a_domains_mix():
+    """Sampled requests timed in the same engines become sampled_step / sampled_verify; for_sampling
+    blends them by a share of sampled requests (linear in K between the K timed), the rows survive
+    a store and load, and a profile without them plans as before."""
+    from tasks.steps.engine_costs import _table
+    from tasks.steps.engine_check import predicted_speedup
+    from specdec_core.estimate import RoundTotals
+    import numpy as np
+
+    answers = {"plain": {"timings": _timings(1, 0.040, 50, 0.0) + _timings(1, 0.042, 50, 0.0, sampling="sampled")},
+               "ngram K=1": {"timings": _timings(1, 0.044, 50, 1.0) + _timings(1, 0.050, 50, 1.0, sampling="sampled")},
+               "ngram K=2": {"timings": _timings(1, 0.046, 50, 2.0)},
+               # sampled: half the steps proposed 3, 0.059 = 0.5 * verify(3) + 0.5 * 0.042
+               "ngram K=3": {"timings": _timings(1, 0.048, 50, 3.0) + _timings(1, 0.059, 50, 1.5, sampling="sampled")}}
+    runs = [("plain", None, None), ("ngram K=1", {}, None), ("ngram K=2", {}, None), ("ngram K=3", {}, None)]
+    table, reasons = _table(answers, runs, [1, 2, 3], 3, [1], 3, "r", load_settings())
+    assert reasons == []          # a sampled engine's lower share of drafting steps is no noise
+    assert table.target_step[1] == pytest.approx(0.040) and table.verify[1][3] == pytest.approx(0.048)
+    assert table.sampled_step[1] == pytest.approx(0.042)
+    assert table.sampled_verify[1] == pytest.approx({1: 0.050, 3: 0.076})
+    greedy, sampled, half = table.for_sampling(0.0), table.for_sampling(1.0), table.for_sampling(0.5)
+    assert greedy is table
+    assert sampled.target_step[1] == pytest.approx(0.042)
+    assert sampled.verify[1] == pytest.approx({1: 0.050, 2: 0.063, 3: 0.076})   # K = 2 interpolated
+    assert half.target_step[1] == pytest.approx(0.041) and half.verify[1][2] == pytest.approx((0.046 + 0.063) / 2)
+    assert table.verify[1][2] == pytest.approx(0.046)                  # the table itself unchanged
+    again = CostTable.from_rows("p", "r", table.rows())
+    assert (again.sampled_step, again.sampled_verify) == (table.sampled_step, table.sampled_verify)
+    assert CostTable("p", "r", {1: 0.04}, {1: {1: 0.05}}).for_sampling(1.0).verify == {1: {1: 0.05}}
+    # the engine check prices each request with its own sampling: plain time over rounds' time
+    label, spec = "prompt_lookup(max_ngram=3,min_ngram=1)", {"kind": "prompt_lookup", "params": {}}
+    table.draft_step[label] = {1: 0.0}
+    totals = RoundTotals(tokens=30.0, rounds=10.0, reached=np.zeros(3), accepted=np.zeros(3),
+                         widths=np.array([0.0, 0.0, 0.0, 10.0]))       # every round verified K = 3
+    assert predicted_speedup(table, label, spec, [totals], [False]) == pytest.approx(30 * 0.040 / (10 * 0.048))
+    assert predicted_speedup(table, label, spec, [totals], [True]) == pytest.approx(30 * 0.042 / (10 * 0.076))
+    both = predicted_speedup(table, label, spec, [totals, totals], [False, True])
+    assert both == pytest.approx((30 * 0.040 + 30 * 0.042) / (10 * 0.048 + 10 * 0.076))
 
 
 def test_a_profile_that_prices_prompt_lookup_as_a_kind_prices_every_prompt_lookup():

@@ -176,6 +176,22 @@ def cmd_profile_show(args) -> int:
                       *[cell(f"{costs.round_overhead[label].get(b, 0.0) / step:.3f}",
                              ("round_overhead", label, None, b)) for label in overheads])
     console.print(table)
+    if costs.sampled_timed:
+        sampled = Table(title="sampled requests (timed apart: the serving engine's rejection sampler "
+                              "does more for them): step and v(K) = verify(K) / the sampled step",
+                        title_justify="left")
+        sampled.add_column("batch", justify="right")
+        sampled.add_column("sampled step ms", justify="right")
+        timed_ks = sorted({k for per_k in costs.sampled_verify.values() for k in per_k})
+        for k in timed_ks:
+            sampled.add_column(f"v({k})", justify="right")
+        for b in sorted(costs.sampled_step):
+            step = costs.sampled_step[b]
+            sampled.add_row(str(b), cell(f"{1000 * step:.1f}", ("sampled_step", None, None, b)),
+                            *[cell(f"{costs.sampled_verify.get(b, {})[k] / step:.2f}",
+                                   ("sampled_verify", None, k, b))
+                              if k in costs.sampled_verify.get(b, {}) else "-" for k in timed_ks])
+        console.print(sampled)
     hardware = hardware_of(costs.hardware_profile, args.url)
     if hardware is not None:
         engine = hardware["details"].get("engine")

@@ -21,9 +21,10 @@ import platform
 import re
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from sqlalchemy import delete, insert, select
 from tqdm.auto import tqdm
@@ -119,6 +120,11 @@ class CostTable:
     # per round outside the forward passes and proposals ({drafter or "plain": {batch: s}});
     # empty in profiles measured before it was (they plan without it)
     round_overhead: dict[str, dict[int, float]] = field(default_factory=dict)
+    # the same step and verify passes for sampled requests (temperature > 0), where the engine
+    # prices them apart (a serving engine's rejection sampler; {} in our engine's profiles):
+    # {batch: s} and {batch: {K: s}}, at the batch sizes and K timed; see for_sampling()
+    sampled_step: dict[int, float] = field(default_factory=dict)
+    sampled_verify: dict[int, dict[int, float]] = field(default_factory=dict)
     # interquartile range / median of each figure's repeated timings, keyed as rows() are:
     # (component, drafter, k, batch_size); draft steps and overheads over the target step
     spread: dict[tuple, float] = field(default_factory=dict)
@@ -170,6 +176,31 @@ class CostTable:
                 f"{drafter} at batch size {batch_size}; run `specdec profile` with that candidate"
             ) from None
 
+    def for_sampling(self, sampled_share: float) -> "CostTable":
+        """The table for traffic of which `sampled_share` of the requests sample (temperature > 0):
+        each step and verify pass the blend (1 - share) x greedy + share x sampled where the profile
+        timed sampled requests (linear in K between the K timed), itself where it did not."""
+        share = min(max(float(sampled_share), 0.0), 1.0)
+        if share == 0.0 or not self.sampled_step:
+            return self
+        steps, verify = dict(self.target_step), {b: dict(v) for b, v in self.verify.items()}
+        for b, sampled in self.sampled_step.items():
+            if b not in steps:
+                continue
+            steps[b] = (1 - share) * steps[b] + share * sampled
+            timed = self.sampled_verify.get(b) or {}
+            known = sorted(timed)
+            for k in verify.get(b, {}):
+                if known:
+                    at_k = float(np.interp(k, known, [timed[x] for x in known]))
+                    verify[b][k] = (1 - share) * verify[b][k] + share * at_k
+        return replace(self, target_step=steps, verify=verify)
+
+    @property
+    def sampled_timed(self) -> bool:
+        """Whether the profile prices sampled requests apart (see for_sampling)."""
+        return bool(self.sampled_step)
+
     def overhead_ratios(self, drafter: str, batch_size: int) -> tuple[float, float]:
         """(plain decoding's overhead per step, the drafter's per round) / t_step at this batch
         size; 0 where the profile has none."""
@@ -200,6 +231,13 @@ class CostTable:
             for b, s in per_batch.items():
                 out.append({"component": "round_overhead", "drafter": drafter, "k": None,
                             "batch_size": b, "seconds": s})
+        for b, s in self.sampled_step.items():
+            out.append({"component": "sampled_step", "drafter": None, "k": None, "batch_size": b,
+                        "seconds": s})
+        for b, per_k in self.sampled_verify.items():
+            for k, s in per_k.items():
+                out.append({"component": "sampled_verify", "drafter": None, "k": k, "batch_size": b,
+                            "seconds": s})
         return out
 
     @classmethod
@@ -219,6 +257,10 @@ class CostTable:
                 table.draft_step.setdefault(row["drafter"], {})[b] = s
             elif row["component"] == "round_overhead":
                 table.round_overhead.setdefault(row["drafter"], {})[b] = s
+            elif row["component"] == "sampled_step":
+                table.sampled_step[b] = s
+            elif row["component"] == "sampled_verify":
+                table.sampled_verify.setdefault(b, {})[int(row["k"])] = s
             else:
                 raise CostProfileError(f"cost profile {hardware_profile!r}: unknown component "
                                        f"{row['component']!r}")

@@ -453,6 +453,7 @@ def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, h
     figures on the requests that were served."""
     k = batch_one_k(spec)
     offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked], k)
+    served = [r for r in picked if r.request_id in offline and r.request_id in answer["requests"]]
     compared = [compare_request(r, answer["requests"][r.request_id], offline.get(r.request_id),
                                 exact=spec["method"] in EXACT_METHODS, drafter=drafter, k=k)
                 for r in picked if r.request_id in answer["requests"]]
@@ -466,8 +467,7 @@ def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, h
            "spec_decode_tokens_per_s": _decode_tokens_per_s(compared),
            "predicted_speedup": predicted_speedup(
                costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
-               [offline[r.request_id] for r in picked if r.request_id in offline
-                and r.request_id in answer["requests"]])}
+               [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])}
     ids = {r.request_id for r in picked}
     failed = [d for d in answer.get("died") or [] if d["request"] in ids]
     unserved = [i for i in answer.get("unserved") or [] if i in ids]
@@ -488,21 +488,29 @@ def _dtype(model) -> str:
 
 
 def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: dict | None,
-                      totals: list) -> float | None:
+                      totals: list, sampled: list[bool] | None = None) -> float | None:
     """The speedup the serving engine's cost profile predicts for these requests (their
-    estimate's rounds, RoundTotals): plain steps (tokens) over the rounds' cost in plain steps,
-    as the planner prices them. None without a profile that prices the drafter."""
+    estimate's rounds, RoundTotals; sampled: whether each samples, priced with the profile's
+    sampled steps where it has them): their plain decoding time over their rounds' time, as the
+    planner prices them. None without a profile that prices the drafter."""
     if costs is None or label is None or not totals:
         return None
     if label not in costs.draft_step and (drafter_spec or {}).get("kind") == "prompt_lookup":
         # vLLM's ngram search is inside the profile's verify steps, whatever its n
         costs.draft_step[label] = {b: 0.0 for b in costs.batch_sizes}
+    tables = {False: costs, True: costs.for_sampling(1.0)}
+    plain = spec = 0.0
     try:
-        factor = [speedup_factor(label, drafter_spec, t.width_share, costs, 1) for t in totals if t.rounds]
+        for t, is_sampled in zip(totals, sampled or [False] * len(totals)):
+            if not t.rounds:
+                continue
+            table = tables[bool(is_sampled)]
+            step = table.target_step[1]
+            plain += t.tokens * step
+            spec += t.rounds / speedup_factor(label, drafter_spec, t.width_share, table, 1) * step
     except CostProfileError:
         return None
-    cost = sum(t.rounds / f for t, f in zip([t for t in totals if t.rounds], factor))
-    return sum(t.tokens for t in totals) / cost if cost > 0 else None
+    return plain / spec if spec > 0 else None
 
 
 def _decode_tokens_per_s(rows: list[dict]) -> float | None:

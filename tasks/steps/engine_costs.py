@@ -20,6 +20,13 @@ steps taken (tokens after the first, less the drafts accepted).
 - draft_step(drafter, b): for every other candidate vLLM serves, one engine at K = `draft_k`:
   (its step - the ngram step at that K), per round for host drafters (suffix), per draft token
   for models (an EAGLE-3 head, a draft model).
+- sampled_step(b), sampled_verify(b, K): the same for sampled requests (SAMPLED: temperature 0.7,
+  top-p 0.9), timed in the plain engine and the ngram engines at the smallest, middle and largest
+  K, in the same engines and alternating with the greedy batches. vLLM's rejection sampler does
+  more for a sampled request (the K + 1 positions' distributions, top-p over them): on this CPU a
+  sampled ngram step cost 15-20% more than a greedy one while plain steps cost about the same, so
+  a greedy-only profile over-predicted half-sampled traffic. The planner and the engine check
+  price each request, or a domain's share of sampled requests, with them (CostTable.for_sampling).
 - No round overhead apart: vLLM's per-step work outside the forward passes is inside the steps
   timed.
 
@@ -52,6 +59,9 @@ from .costs import CostTable, _slug, describe_device, load_costs, store_costs, t
 log = logging.getLogger(__name__)
 
 CYCLE = 29              # tokens in the prompts' repeating cycle (ngram always finds a match)
+# sampled requests, timed apart: vLLM's rejection sampler does more for them (temperature, top-p
+# over the K + 1 positions' distributions); the shipped traffic's commonest sampled setting
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 0}
 PROPOSED_FLOOR = 0.5    # an ngram engine that proposed less than this share of K is flagged
 
 
@@ -69,10 +79,13 @@ def cycle_prompts(vocab_size: int, count: int, length: int, cycle: int = CYCLE) 
     return prompts
 
 
-def _step_seconds(timings: list[dict], batch_size: int) -> tuple[float, float, list[float]]:
-    """(median seconds per decode step, spread = IQR / median, the per-repeat figures)."""
+def _step_seconds(timings: list[dict], batch_size: int, sampling: str = "greedy"
+                  ) -> tuple[float, float, list[float]]:
+    """(median seconds per decode step, spread = IQR / median, the per-repeat figures) of the
+    batch size's timings under `sampling` (timings without one were greedy)."""
     per_repeat = [t["decode_s"] / t["steps"] for t in timings
-                  if t["batch_size"] == batch_size and t["decode_s"] and t["steps"]]
+                  if t["batch_size"] == batch_size and t.get("sampling", "greedy") == sampling
+                  and t["decode_s"] and t["steps"]]
     if not per_repeat:
         raise ServingProbeError(f"the engine timed no decode step at batch size {batch_size}")
     median = float(np.median(per_repeat))
@@ -80,8 +93,8 @@ def _step_seconds(timings: list[dict], batch_size: int) -> tuple[float, float, l
     return median, float((q3 - q1) / median) if median > 0 else 0.0, per_repeat
 
 
-def _per_step(timings: list[dict], batch_size: int, key: str) -> float:
-    rows = [t for t in timings if t["batch_size"] == batch_size]
+def _per_step(timings: list[dict], batch_size: int, key: str, sampling: str = "greedy") -> float:
+    rows = [t for t in timings if t["batch_size"] == batch_size and t.get("sampling", "greedy") == sampling]
     return sum(t[key] for t in rows) / max(sum(t["steps"] * batch_size for t in rows), 1)
 
 
@@ -116,6 +129,9 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     lookup = {"kind": "prompt_lookup", "params": {"max_ngram": 3, "min_ngram": 1}}
     runs = [("plain", None, None)]
     runs += [(f"ngram K={k}", speculative_config(DrafterSpec(**lookup), k), None) for k in ks]
+    # sampled requests at the smallest, middle and largest K (linear in K between them)
+    sampled_ks = sorted({ks[0], ks[len(ks) // 2], ks[-1]})
+    sampled = {"plain"} | {f"ngram K={k}" for k in sampled_ks}
     lookups = {candidate_label({"kind": "prompt_lookup", "params": {}})}
     for text in candidates or []:
         spec = parse_candidate(text)
@@ -137,8 +153,9 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
             log.info("%s: starting (%s)", what, json.dumps(spec) if spec else "no speculation")
             began = time.perf_counter()
             try:
+                samplings = {"greedy": {}, **({"sampled": SAMPLED} if label in sampled else {})}
                 answer = serving_env.run_engine(
-                    dict(base, speculative_config=spec), directory / (_slug(label) + ".log"),
+                    dict(base, speculative_config=spec, samplings=samplings), directory / (_slug(label) + ".log"),
                     settings.engine_check_timeout_s, what, settings, command="time-steps")
             except (EngineTimeout, ServingProbeError) as exc:
                 raise ServingProbeError(f"{exc}") from None
@@ -167,7 +184,8 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                 "details": {**hardware["details"], "engine": {
                     "name": "vllm", "version": version, "enforce_eager": True,
                     "mends": sorted({m for e in engines for m in e["mends"]}),
-                    "ngram_ks": ks, "draft_k": draft_k, "max_tokens": max_tokens,
+                    "ngram_ks": ks, "sampled_ks": sampled_ks, "sampled": SAMPLED,
+                    "draft_k": draft_k, "max_tokens": max_tokens,
                     "context_len": context}}}
     table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": 1,
                    "max_spread": max(table.spread.values(), default=0.0),
@@ -187,31 +205,40 @@ def _table(answers: dict, runs: list, ks: list[int], k_max: int, sizes: list[int
     table = CostTable("", run_id, {}, {}, {}, {})
     reasons = []
 
-    def timed(label: str, b: int, component: str, k=None, drafter=None) -> float:
-        seconds, spread, _ = _step_seconds(answers[label]["timings"], b)
+    def timed(label: str, b: int, component: str, k=None, drafter=None, sampling="greedy") -> float:
+        seconds, spread, _ = _step_seconds(answers[label]["timings"], b, sampling)
         table.spread[(component, drafter, k, b)] = spread
         if spread > settings.profile_max_spread:
-            reasons.append(f"{label} at batch {b}: spread {spread:.0%} over "
-                           f"{settings.profile_repeats} repeats")
+            reasons.append(f"{label}{' sampled' if sampling != 'greedy' else ''} at batch {b}: "
+                           f"spread {spread:.0%} over {settings.profile_repeats} repeats")
         return seconds
+
+    def verify_step(label: str, b: int, k: int, plain: float, component: str, sampling: str) -> float:
+        step = timed(label, b, component, k=k, sampling=sampling)
+        # a step in which the n-gram search found nothing is a plain step: the measured step
+        # is share x verify(K) + (1 - share) x plain step, solved for verify(K)
+        share = min(_per_step(answers[label]["timings"], b, "drafted", sampling) / k, 1.0)
+        if share < PROPOSED_FLOOR and sampling == "greedy":
+            # (sampled requests leave the cycle now and then: their share is lower by nature)
+            reasons.append(f"{label} at batch {b}: proposed {share:.0%} of K per step, so its "
+                           "verify step is mostly inferred, not timed")
+        return step if share >= 1.0 or share <= 0 else max((step - (1 - share) * plain) / share, step)
+
+    def has_sampled(label: str) -> bool:
+        return any(t.get("sampling") == "sampled" for t in answers[label]["timings"])
 
     for b in sizes:
         table.target_step[b] = timed("plain", b, "target_step")
-        measured = {}
-        for k in ks:
-            label = f"ngram K={k}"
-            step = timed(label, b, "verify", k=k)
-            # a step in which the n-gram search found nothing is a plain step: the measured step
-            # is share x verify(K) + (1 - share) x plain step, solved for verify(K)
-            share = min(_per_step(answers[label]["timings"], b, "drafted") / k, 1.0)
-            measured[k] = (step if share >= 1.0 or share <= 0 else
-                           max((step - (1 - share) * table.target_step[b]) / share, step))
-            if share < PROPOSED_FLOOR:
-                reasons.append(f"{label} at batch {b}: proposed {share:.0%} of K per step, so its "
-                               "verify step is mostly inferred, not timed")
+        measured = {k: verify_step(f"ngram K={k}", b, k, table.target_step[b], "verify", "greedy")
+                    for k in ks}
         known = sorted(measured)
         table.verify[b] = {k: float(np.interp(k, known, [measured[x] for x in known]))
                            for k in range(1, k_max + 1)}
+        if has_sampled("plain"):
+            table.sampled_step[b] = timed("plain", b, "sampled_step", sampling="sampled")
+            table.sampled_verify[b] = {
+                k: verify_step(f"ngram K={k}", b, k, table.sampled_step[b], "sampled_verify", "sampled")
+                for k in ks if has_sampled(f"ngram K={k}")}
         for label, _, spec in runs:
             if spec is None:          # plain and the ngram engines
                 continue

@@ -35,7 +35,7 @@ import logging
 from sqlalchemy import delete, insert, select, update
 
 from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import AcceptanceEstimate, DomainConfig
+from ..db.models import AcceptanceEstimate, DomainConfig, EvalSample, TrafficRequest
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .candidates import HOST_DRAFTERS
@@ -112,6 +112,14 @@ def _max_batch(estimate: dict, costs: CostTable, pays) -> int | None:
     return best
 
 
+def sampled_share(connection, run_id: str, domain: str) -> float:
+    """Share of the run's sampled requests of the domain that sample (temperature > 0)."""
+    rows = connection.execute(
+        select(TrafficRequest.temperature).join(EvalSample, EvalSample.request_id == TrafficRequest.id)
+        .where((EvalSample.run_id == run_id) & (EvalSample.domain == domain))).scalars().all()
+    return sum(1 for t in rows if t and t > 0) / len(rows) if rows else 0.0
+
+
 def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None = None,
                 settings: Settings | None = None, status: str = "ok",
                 min_speedup: float | None = None, samples: int | None = None,
@@ -132,6 +140,9 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
             select(AcceptanceEstimate).where((AcceptanceEstimate.run_id == run_id)
                                              & (AcceptanceEstimate.domain == domain))
             .order_by(AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
+        if costs.sampled_timed:
+            # a profile that prices sampled requests apart (a serving engine's): the domain's mix
+            costs = costs.for_sampling(sampled_share(connection, run_id, domain))
     batch_sizes = costs.batch_sizes
     updates = []
     best = best_paying = best_kept = None

@@ -256,10 +256,11 @@ def _decode_phase(result) -> dict:
 
 def time_steps(request: dict) -> dict:
     """{model, speculative_config (null: plain), prompts: [[id, ...], ...], batch_sizes, max_tokens,
-    repeats, max_model_len, dtype} -> {vllm, start_s, refused, mends, timings: [{batch, batch_size,
-    repeat, wall_s, decode_s, steps, tokens, decode_tokens, drafted, accepted}]}: one engine; per
-    batch size (the first batch_size prompts sent at once, greedy, ignore_eos), repeats timed in
-    alternating order after one warm-up. Instead of batch_sizes, `batches` ([[prompt, ...], ...])
+    repeats, max_model_len, dtype, samplings} -> {vllm, start_s, refused, mends, timings: [{batch,
+    batch_size, sampling, repeat, wall_s, decode_s, steps, tokens, decode_tokens, drafted,
+    accepted}]}: one engine; per batch size and sampling (the first batch_size prompts sent at once,
+    ignore_eos; samplings: {name: {temperature, top_k, top_p, seed}}, default {"greedy": {}}), one
+    warm-up per sampling, then repeats timed in alternating order. Instead of batch_sizes, `batches` ([[prompt, ...], ...])
     gives the batches themselves (batch: its index). wall_s: the whole call, prefill included;
     decode_s: from the batch's last first token to its last token (vLLM's engine-core
     timestamps); steps: the most decode steps of any request of the batch (they decode
@@ -277,24 +278,31 @@ def time_steps(request: dict) -> dict:
     llm = _start(request, spec, max(len(b) for b in batches), answer)
     if llm is None:
         return answer
-    params = SamplingParams(max_tokens=int(request["max_tokens"]), temperature=0.0, ignore_eos=True,
-                            detokenize=False)
+    samplings = request.get("samplings") or {"greedy": {}}
+
+    def params(sampling: dict):
+        return SamplingParams(max_tokens=int(request["max_tokens"]), ignore_eos=True, detokenize=False,
+                              temperature=float(sampling.get("temperature", 0.0)),
+                              top_k=int(sampling.get("top_k") or 0),
+                              top_p=float(sampling.get("top_p", 1.0)), seed=sampling.get("seed"))
 
     def prompts(batch: list) -> list:
         return [TokensPrompt(prompt_token_ids=list(p)) for p in batch]
 
-    llm.generate(prompts(max(batches, key=len)), params, use_tqdm=False)          # warm-up
-    order = list(range(len(batches)))
+    for sampling in samplings.values():                                          # warm-up
+        llm.generate(prompts(max(batches, key=len)), params(sampling), use_tqdm=False)
+    order = [(index, name) for name in samplings for index in range(len(batches))]
     for repeat in range(int(request["repeats"])):
-        for index in (order if repeat % 2 == 0 else order[::-1]):
+        for index, name in (order if repeat % 2 == 0 else order[::-1]):
             began = time.perf_counter()
-            results = llm.generate(prompts(batches[index]), params, use_tqdm=False)
+            results = llm.generate(prompts(batches[index]), params(samplings[name]), use_tqdm=False)
             wall = time.perf_counter() - began
             phases = [_decode_phase(r) for r in results]
             firsts = [p["first_token_ts"] for p in phases]
             lasts = [p["last_token_ts"] for p in phases]
             answer["timings"].append({
-                "batch": index, "batch_size": len(batches[index]), "repeat": repeat, "wall_s": wall,
+                "batch": index, "batch_size": len(batches[index]), "sampling": name, "repeat": repeat,
+                "wall_s": wall,
                 "decode_s": None if None in firsts + lasts else max(lasts) - max(firsts),
                 "steps": max(p["steps"] for p in phases),
                 "tokens": sum(p["decode_tokens"] + 1 for p in phases),
