@@ -38,6 +38,7 @@ from specdec_core import SamplingParams, SpecDecoder, cpu_kernels, load_model  #
 from specdec_core.drafters import PromptLookup  # noqa: E402
 from tasks.serving import environment as serving_env  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
+from tasks.steps.costs import cpu_model  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 
@@ -129,7 +130,8 @@ def main() -> None:
              f"`python benchmarks/vs_vllm.py --requests {args.requests} --k {args.k} "
              f"--max-new-tokens {args.max_new_tokens} --rounds {args.rounds}`", "",
              f"{len(prompts)} greedy json/code requests of the shipped traffic, {args.max_new_tokens} new "
-             f"tokens each, n-gram K = {args.k} (min/max n 1/3, the same proposals); medians over "
+             f"tokens each, n-gram K = {args.k} (min/max n 1/3, the same proposals), CPU {cpu_model()}, "
+             f"{torch.get_num_threads()} threads; medians over "
              f"{args.rounds} interleaved rounds. Our engine's CPU kernels: "
              f"{kernels['packed_linear']} linear layers with packed weights for {first} to {last} rows "
              f"(the first timed on this CPU), grouped-query attention "

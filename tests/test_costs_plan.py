@@ -746,6 +746,20 @@ def test_vllm_profile_prices_sampled_requests_apart_and_plans_a_domains_mix():
     assert sampled.verify[1] == pytest.approx({1: 0.050, 2: 0.063, 3: 0.076})   # K = 2 interpolated
     assert half.target_step[1] == pytest.approx(0.041) and half.verify[1][2] == pytest.approx((0.046 + 0.063) / 2)
     assert table.verify[1][2] == pytest.approx(0.046)                  # the table itself unchanged
+    # timed sampled at batch sizes 1 and 4 only: at 2 the extra over greedy is interpolated
+    figures = {"plain": ((0.040, 0.0), (0.042, 0.0)), "ngram K=1": ((0.044, 1.0), (0.050, 1.0)),
+               "ngram K=2": ((0.046, 2.0), None), "ngram K=3": ((0.048, 3.0), (0.059, 1.5))}
+    wide = {label: {"timings": [t for b, scale in ((1, 1), (2, 1), (4, 2))   # batch 4 costs twice as much
+                                for kind, figure in zip(("greedy", "sampled"), pair)
+                                if figure and (kind == "greedy" or b != 2)
+                                for t in _timings(b, scale * figure[0], 50, figure[1], sampling=kind)]}
+            for label, pair in figures.items()}
+    spread, _ = _table(wide, runs, [1, 2, 3], 3, [1, 2, 4], 3, "r", load_settings())
+    assert sorted(spread.sampled_step) == [1, 2, 4]
+    # greedy 0.040 / 0.040 / 0.080; sampled extra 0.002 at 1 and 0.004 at 4: 0.002 + 1/3 x 0.002
+    assert spread.sampled_step[2] == pytest.approx(0.040 + 0.002 + 0.002 / 3)
+    assert spread.sampled_verify[2][3] == pytest.approx(0.048 + 0.028 + 0.028 / 3)
+    assert spread.sampled_verify[4][1] == pytest.approx(0.100)
     again = CostTable.from_rows("p", "r", table.rows())
     assert (again.sampled_step, again.sampled_verify) == (table.sampled_step, table.sampled_verify)
     assert CostTable("p", "r", {1: 0.04}, {1: {1: 0.05}}).for_sampling(1.0).verify == {1: {1: 0.05}}

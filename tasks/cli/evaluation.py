@@ -272,7 +272,7 @@ def register(sub) -> None:
                               "uses to predict speedups on vLLM")
     measure.add_argument("--ks", default=None,
                          help="--engine vllm: comma-separated K values given an engine of their own "
-                              "(default every K up to --k-max; the rest interpolated)")
+                              "(default 1, 2, 4, 8, ... and --k-max; the rest interpolated)")
     measure.add_argument("--draft-k", type=int, default=3,
                          help="--engine vllm: the K at which each --candidate's draft step is timed")
     url_arg(measure)

@@ -77,6 +77,18 @@ def describe_hardware(model, name: str | None = None) -> dict:
     return describe_device(weight.device, weight.dtype, name)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo; elsewhere platform's), e.g. "AMD EPYC": the
+    same torch build takes different kernel paths on different CPUs (MKL's small-row matmuls)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def describe_device(device, dtype, name: str | None = None) -> dict:
     """{name, device, dtype, details} of a torch device and dtype on this machine (a hardware
     class: two workers with equal device and dtype time alike)."""
@@ -87,7 +99,7 @@ def describe_device(device, dtype, name: str | None = None) -> dict:
         details = {"cuda": torch.version.cuda}
     else:
         label = f"cpu {platform.machine()} ({torch.get_num_threads()} threads)"
-        details = {"processor": platform.processor() or platform.machine()}
+        details = {"processor": cpu_model()}
     details["torch"] = torch.__version__
     if name is None:
         name = _slug(f"{label if device.type == 'cuda' else 'cpu-' + str(torch.get_num_threads()) + 't'}-{dtype}")

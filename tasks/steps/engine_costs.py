@@ -22,7 +22,8 @@ steps taken (tokens after the first, less the drafts accepted).
   for models (an EAGLE-3 head, a draft model).
 - sampled_step(b), sampled_verify(b, K): the same for sampled requests (SAMPLED: temperature 0.7,
   top-p 0.9), timed in the plain engine and the ngram engines at the smallest, middle and largest
-  K, in the same engines and alternating with the greedy batches. vLLM's rejection sampler does
+  K, at the smallest and largest batch size, in the same engines and alternating with the greedy
+  batches; between those, the sampled extra over greedy is linear in K and in the batch size. vLLM's rejection sampler does
   more for a sampled request (the K + 1 positions' distributions, top-p over them): on this CPU a
   sampled ngram step cost 15-20% more than a greedy one while plain steps cost about the same, so
   a greedy-only profile over-predicted half-sampled traffic. The planner and the engine check
@@ -104,8 +105,8 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                  ks: list[int] | None = None, draft_k: int = 3, max_tokens: int = 96,
                  progress: bool = True) -> dict:
     """Time vLLM's decode steps for `target` in the serving environment and store them as a cost
-    profile (see the module's docstring). ks: the K values given an ngram engine (default 1..k_max;
-    the others are interpolated linearly between measured neighbours and the check says so);
+    profile (see the module's docstring). ks: the K values given an ngram engine (default 1, 2, 4,
+    8, ... and k_max; the others are interpolated linearly between measured neighbours);
     candidates: drafters whose vLLM config gets an engine of its own for its draft step.
 
     Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": rows, "check",
@@ -113,7 +114,9 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
     sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
-    ks = sorted({k for k in (ks or range(1, k_max + 1)) if 1 <= k <= k_max} | {1, k_max})
+    # default: 1, 2, 4, 8, ... and k_max (the rest interpolated): the profile within 10 minutes
+    ks = sorted({k for k in (ks or [2 ** i for i in range(k_max.bit_length())]) if 1 <= k <= k_max}
+                | {1, k_max})
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     serving_env.serving_python(settings)
     model_dir = serving_env.served_model_dir(target)
@@ -129,8 +132,10 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     lookup = {"kind": "prompt_lookup", "params": {"max_ngram": 3, "min_ngram": 1}}
     runs = [("plain", None, None)]
     runs += [(f"ngram K={k}", speculative_config(DrafterSpec(**lookup), k), None) for k in ks]
-    # sampled requests at the smallest, middle and largest K (linear in K between them)
+    # sampled requests at the smallest, middle and largest K and the smallest and largest batch
+    # size (their extra over greedy linear in K and in the batch size between them)
     sampled_ks = sorted({ks[0], ks[len(ks) // 2], ks[-1]})
+    sampled_sizes = sorted({sizes[0], sizes[-1]})
     sampled = {"plain"} | {f"ngram K={k}" for k in sampled_ks}
     lookups = {candidate_label({"kind": "prompt_lookup", "params": {}})}
     for text in candidates or []:
@@ -153,7 +158,8 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
             log.info("%s: starting (%s)", what, json.dumps(spec) if spec else "no speculation")
             began = time.perf_counter()
             try:
-                samplings = {"greedy": {}, **({"sampled": SAMPLED} if label in sampled else {})}
+                samplings = {"greedy": {}, **({"sampled": {**SAMPLED, "batch_sizes": sampled_sizes}}
+                                              if label in sampled else {})}
                 answer = serving_env.run_engine(
                     dict(base, speculative_config=spec, samplings=samplings), directory / (_slug(label) + ".log"),
                     settings.engine_check_timeout_s, what, settings, command="time-steps")
@@ -184,7 +190,8 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                 "details": {**hardware["details"], "engine": {
                     "name": "vllm", "version": version, "enforce_eager": True,
                     "mends": sorted({m for e in engines for m in e["mends"]}),
-                    "ngram_ks": ks, "sampled_ks": sampled_ks, "sampled": SAMPLED,
+                    "ngram_ks": ks, "sampled_ks": sampled_ks, "sampled_batch_sizes": sampled_sizes,
+                    "sampled": SAMPLED,
                     "draft_k": draft_k, "max_tokens": max_tokens,
                     "context_len": context}}}
     table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": 1,
@@ -224,8 +231,9 @@ def _table(answers: dict, runs: list, ks: list[int], k_max: int, sizes: list[int
                            "verify step is mostly inferred, not timed")
         return step if share >= 1.0 or share <= 0 else max((step - (1 - share) * plain) / share, step)
 
-    def has_sampled(label: str) -> bool:
-        return any(t.get("sampling") == "sampled" for t in answers[label]["timings"])
+    def has_sampled(label: str, b: int) -> bool:
+        return any(t.get("sampling") == "sampled" and t["batch_size"] == b
+                   for t in answers[label]["timings"])
 
     for b in sizes:
         table.target_step[b] = timed("plain", b, "target_step")
@@ -234,11 +242,11 @@ def _table(answers: dict, runs: list, ks: list[int], k_max: int, sizes: list[int
         known = sorted(measured)
         table.verify[b] = {k: float(np.interp(k, known, [measured[x] for x in known]))
                            for k in range(1, k_max + 1)}
-        if has_sampled("plain"):
+        if has_sampled("plain", b):
             table.sampled_step[b] = timed("plain", b, "sampled_step", sampling="sampled")
             table.sampled_verify[b] = {
                 k: verify_step(f"ngram K={k}", b, k, table.sampled_step[b], "sampled_verify", "sampled")
-                for k in ks if has_sampled(f"ngram K={k}")}
+                for k in ks if has_sampled(f"ngram K={k}", b)}
         for label, _, spec in runs:
             if spec is None:          # plain and the ngram engines
                 continue
@@ -247,7 +255,26 @@ def _table(answers: dict, runs: list, ks: list[int], k_max: int, sizes: list[int
             extra = max(step - ngram, 0.0)
             table.draft_step.setdefault(label, {})[b] = (
                 extra if spec["kind"] in HOST_DRAFTERS else extra / draft_k)
+    _fill_sampled(table, sizes)
     return table, reasons
+
+
+def _fill_sampled(table: CostTable, sizes: list[int]) -> None:
+    """Sampled steps at the batch sizes not timed with sampled requests: the greedy figure plus the
+    sampled extra over it, linear in the batch size between the sizes timed (the nearest beyond)."""
+    timed = sorted(table.sampled_step)
+    if not timed:
+        return
+    step_extra = [table.sampled_step[b] - table.target_step[b] for b in timed]
+    timed_ks = sorted(set.intersection(*(set(table.sampled_verify.get(b, {})) for b in timed)))
+    for b in sizes:
+        if b in table.sampled_step:
+            continue
+        table.sampled_step[b] = table.target_step[b] + float(np.interp(b, timed, step_extra))
+        table.sampled_verify[b] = {
+            k: table.verify[b][k] + float(np.interp(b, timed, [table.sampled_verify[t][k] - table.verify[t][k]
+                                                              for t in timed]))
+            for k in timed_ks}
 
 
 def engine_profile(db_url: str, version: str | None, name: str | None = None) -> CostTable | None:

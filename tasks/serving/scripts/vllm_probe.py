@@ -259,7 +259,8 @@ def time_steps(request: dict) -> dict:
     repeats, max_model_len, dtype, samplings} -> {vllm, start_s, refused, mends, timings: [{batch,
     batch_size, sampling, repeat, wall_s, decode_s, steps, tokens, decode_tokens, drafted,
     accepted}]}: one engine; per batch size and sampling (the first batch_size prompts sent at once,
-    ignore_eos; samplings: {name: {temperature, top_k, top_p, seed}}, default {"greedy": {}}), one
+    ignore_eos; samplings: {name: {temperature, top_k, top_p, seed, batch_sizes}}, default
+    {"greedy": {}}; a sampling's batch_sizes, if given, limit it to those batch sizes), one
     warm-up per sampling, then repeats timed in alternating order. Instead of batch_sizes, `batches` ([[prompt, ...], ...])
     gives the batches themselves (batch: its index). wall_s: the whole call, prefill included;
     decode_s: from the batch's last first token to its last token (vLLM's engine-core
@@ -291,7 +292,9 @@ def time_steps(request: dict) -> dict:
 
     for sampling in samplings.values():                                          # warm-up
         llm.generate(prompts(max(batches, key=len)), params(sampling), use_tqdm=False)
-    order = [(index, name) for name in samplings for index in range(len(batches))]
+    # a sampling may name the batch sizes it is timed at ("batch_sizes"; default: every batch)
+    order = [(index, name) for name, sampling in samplings.items() for index in range(len(batches))
+             if sampling.get("batch_sizes") is None or len(batches[index]) in sampling["batch_sizes"]]
     for repeat in range(int(request["repeats"])):
         for index, name in (order if repeat % 2 == 0 else order[::-1]):
             began = time.perf_counter()
