@@ -7,6 +7,7 @@ from sqlalchemy import create_engine, select
 
 from specdec_core.train import TrainConfig
 from tasks.db.models import AcceptanceEstimate, EvalRun, LiveMeasurement
+from tasks.settings import load_settings
 from tasks.steps.context import RunContext, RunSpec, use_model
 from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
 from tasks.steps.pipeline import step_check, step_confirm, step_estimate, step_profile, step_sample
@@ -45,6 +46,12 @@ def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_s
     # a spec without the frozen list (the CLI's engine check) reads the one stored at sample time
     unfrozen = RunSpec(run_id="frozen", target=target, db_url=db_url, overrides=overrides)
     assert RunContext.build(unfrozen).candidates == context.candidates
+    # ... and the configured candidates it was sampled with, not today's settings (the CLI's
+    # `engine check RUN_ID` of a run evaluated with --candidate)
+    bare = RunSpec(run_id="frozen", target=target, db_url=db_url,
+                   overrides={k: v for k, v in overrides.items() if k != "candidates"})
+    assert "prompt_lookup" not in load_settings(**bare.overrides).candidates
+    assert RunContext.build(bare).candidates == context.candidates
 
     domain = checked["ok"][0]
     plan = step_estimate(frozen, domain, profile)

@@ -96,12 +96,21 @@ def freeze_candidates(spec: RunSpec, settings: Settings | None = None) -> RunSpe
     return replace(spec, candidates=list(settings.candidates), drafts=drafts)
 
 
+def _stored_params(engine: Engine, run_id: str) -> dict:
+    with engine.connect() as connection:
+        return connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar() or {}
+
+
 def stored_drafts(engine: Engine, run_id: str) -> dict[str, list[dict]] | None:
     """The drafts the sample step froze into the run's eval_runs.params; None when it did not."""
-    with engine.connect() as connection:
-        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
-    drafts = (params or {}).get("drafts")
+    drafts = _stored_params(engine, run_id).get("drafts")
     return None if drafts is None else dict(drafts)
+
+
+def stored_candidates(engine: Engine, run_id: str) -> list[str] | None:
+    """The configured candidates the run was sampled with (eval_runs.params); None when it kept
+    none (the settings' then apply)."""
+    return _stored_params(engine, run_id).get("candidates") or None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,6 +167,13 @@ class RunContext:
         settings = spec.settings()
         url = spec.resolved_url(settings)
         engine = ensure_ready(url)
+        if spec.candidates is None:
+            # a spec made after the fact (the CLI's engine check): the run's own candidates, which
+            # its plan names, not the settings' of today
+            stored = stored_candidates(engine, spec.run_id)
+            if stored:
+                spec = replace(spec, candidates=list(stored))
+                settings = spec.settings()
         entry = _model_entry(spec.target, spec.device)
         drafts = spec.drafts
         if drafts is None:
