@@ -15,7 +15,6 @@ Contenders alternate within every round. Run it alone: a neighbour process on 2 
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -32,7 +31,7 @@ from transformers import DynamicCache  # noqa: E402
 from eagle3_train import shipped_requests  # noqa: E402
 from specdec_core import SamplingParams, SpecDecoder, cpu_kernels, load_model  # noqa: E402
 from specdec_core.drafters import PromptLookup  # noqa: E402
-from vs_vllm import TARGET, left_padded  # noqa: E402
+from vs_vllm import TARGET, arguments, left_padded  # noqa: E402
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 9)
 
@@ -69,13 +68,7 @@ def decode(decoder: SpecDecoder, batches: list, new_tokens: int, speculative: bo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = arguments(__doc__.splitlines()[0], rounds=3)
     models = {}
     for name in ("off", "on"):
         model, tokenizer = load_model(TARGET, device="cpu")

@@ -87,14 +87,19 @@ def vllm(batches: list, new_tokens: int, spec: dict | None, model_dir: Path, log
             "version": answer["vllm"], "mends": answer.get("mends") or []}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str, rounds: int) -> argparse.Namespace:
+    """The decode benchmarks' command line: --requests, --k, --max-new-tokens, --rounds, --out."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0], rounds=2)
     model, tokenizer = load_model(TARGET, device="cpu")
     model_dir = serving_env.served_model_dir(TARGET)
     picked = [r for r in shipped_requests() if r.domain in ("json", "code") and r.sampling.greedy]

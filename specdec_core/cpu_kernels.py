@@ -26,8 +26,8 @@ from 62 ms to 47 ms, one position unchanged; on the AMD one, 5 positions from 87
 from 55 to 38 ms (`benchmarks/cpu_kernels.py` measures it on the machine at hand).
 Both give the same numbers up to float32 rounding (a different summation order).
 
-`prepare(model)` turns both on for a float32 model on a CPU whose attention is SDPA; it is
-idempotent and returns what it did. Packed weights are made lazily, on a module's first narrow
+`prepare(model)` turns both on for a float32 model on a CPU whose attention is SDPA (unless the
+environment sets SPECDEC_CPU_KERNELS=0); it is idempotent and returns what it did. Packed weights are made lazily, on a module's first narrow
 forward, and made again when the weight changes (training, loading): a model that never runs a
 narrow forward holds no second copy. Under autograd (a forward that records gradients) the plain
 path runs, so training is unaffected.
@@ -36,6 +36,7 @@ path runs, so training is unaffected.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -184,7 +185,8 @@ def prepare(model: torch.nn.Module) -> dict:
         weight = next(model.parameters())
     except StopIteration:
         return applied
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not available():
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not available()
+            or os.environ.get("SPECDEC_CPU_KERNELS", "").strip().lower() in ("0", "false", "off")):
         return applied
     rows = packed_rows(model)
     for module in model.modules():

@@ -130,6 +130,14 @@ def test_a_copy_of_a_prepared_model_packs_its_own_weights():
     torch.testing.assert_close(_narrow_logits(fast, ids, mask, 5), want)
 
 
+def test_the_environment_can_turn_them_off(monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
+    model = tiny_llama()
+    assert cpu_kernels.prepare(model) == {"packed_linear": 0, "gqa_attention": False}
+    assert SpecDecoder(model, None).engine()["cpu_kernels"] == {"packed_linear": 0, "gqa_attention": False}
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_another_dtype_is_left_alone():
     model = tiny_llama().to(torch.bfloat16)
     assert cpu_kernels.prepare(model) == {"packed_linear": 0, "gqa_attention": False}
