@@ -15,7 +15,6 @@ Contenders alternate within every round. Run it alone: a neighbour process on 2 
 
 from __future__ import annotations
 
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from transformers import DynamicCache  # noqa: E402
 from eagle3_train import shipped_requests  # noqa: E402
 from specdec_core import SamplingParams, SpecDecoder, cpu_kernels, load_model  # noqa: E402
 from specdec_core.drafters import PromptLookup  # noqa: E402
+from tasks.steps.costs import cpu_model  # noqa: E402
 from vs_vllm import TARGET, arguments, left_padded  # noqa: E402
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 9)
@@ -107,8 +107,7 @@ def main() -> None:
              f"`python benchmarks/cpu_kernels.py --requests {args.requests} --k {args.k} "
              f"--max-new-tokens {args.max_new_tokens} --rounds {args.rounds}`", "",
              f"On: {engine['packed_linear']} linear layers with packed weights for "
-             f"{'-'.join(map(str, cpu_kernels.packed_rows(models['on'])))} rows (the first timed on "
-             f"this CPU: {platform.processor() or platform.machine()}), "
+             f"rows {cpu_kernels.packed_rows(models['on']).text()} (timed on this CPU: {cpu_model()}), "
              f"grouped-query attention {'on' if engine['gqa_attention'] else 'off'}. "
              f"Interleaved, {args.rounds} rounds; greedy tokens of on and off "
              f"{'equal in every case' if same else 'DIFFER in at least one case'}.", "",

@@ -126,7 +126,7 @@ def main() -> None:
                           f"end to end {result['e2e']:.1f} tok/s", flush=True)
     version = figures[("vLLM plain", 1)][0]["version"]
     kernels = plain.engine()["cpu_kernels"]
-    first, last = cpu_kernels.packed_rows(model)
+    plan = cpu_kernels.packed_rows(model)
 
     def median(name, batch, key):
         return statistics.median(r[key] for r in figures[(name, batch)])
@@ -138,8 +138,8 @@ def main() -> None:
              f"tokens each, n-gram K = {args.k} (min/max n 1/3, the same proposals), CPU {cpu_model()}, "
              f"{torch.get_num_threads()} threads; medians over "
              f"{args.rounds} interleaved rounds. Our engine's CPU kernels: "
-             f"{kernels['packed_linear']} linear layers with packed weights for {first} to {last} rows "
-             f"(the first timed on this CPU), grouped-query attention "
+             f"{kernels['packed_linear']} linear layers routed by rows ({plan.text()}; timed on this "
+             f"CPU), grouped-query attention "
              f"{'on' if kernels['gqa_attention'] else 'off'} (specdec_core.cpu_kernels).", "",
              "| batch | contender | decode tok/s ours | decode tok/s vLLM | ours / vLLM (decode) | "
              "end-to-end tok/s ours | end-to-end tok/s vLLM | ours / vLLM (end to end) |",

@@ -7,13 +7,15 @@ the embedded default at a 200-token context):
 - `nn.Linear` over a few rows. MKL's sgemm takes a gemv-like path for 1 to 3 rows and a packing
   gemm from 4 rows on, which reorders the whole weight on every call. A weight packed once for
   oneDNN (`torch.ops.mkldnn._reorder_linear_weight`, what torch's inductor does on a CPU) avoids
-  that. Where it starts to pay depends on the CPU: on an Intel development machine the model's
-  matmuls took 20 ms at 1 row plain and 25 ms packed, 34 ms at 4 rows plain and 29 ms packed; on
-  an AMD EPYC (Zen 4) machine MKL's small-row paths are slow (a whole forward: 55 ms at 1 row,
-  91 ms at 2, 110 ms at 3, against 38, 43 and 36 ms packed). So the first row count from which the
-  packed weight is used is timed once per process on the model's own layer shapes
-  (`packed_rows()`; 1 to 4, about a tenth of a second for the embedded default), and the packed weight serves up to 48 rows; wider passes (prefill)
-  keep the plain weight.
+  that. How a few rows are best multiplied depends on the CPU: on an Intel development machine
+  the model's matmuls took 20 ms at 1 row plain and 25 ms packed, 34 ms at 4 rows plain and 29 ms
+  packed; on an AMD EPYC (Zen 4) machine MKL's small-row paths are slow (a whole forward: 55 ms at
+  1 row, 91 ms at 2, 110 ms at 3) and oneDNN's are not monotone either (38, 43, 36 and 35 ms at 1
+  to 4 rows), so one token costs less padded to three or four rows. The route of 1 to 4 rows
+  (plain, packed, or packed padded with zero rows) is timed once per process on the model's own
+  layer shapes (`packed_rows()`, a RowPlan; under a second for the embedded default), and the
+  packed weight serves 5 to 48 rows; wider passes (prefill) keep the plain weight. A cost profile
+  then sees costs that grow with the rows, as its checks expect.
 - Attention over more than one new position after a cache. transformers hands grouped key/value
   heads to SDPA (`enable_gqa`) only when there is no mask, and a pass after a cache always has one,
   so it copies every layer's keys and values once per group first. torch's CPU SDPA takes
@@ -38,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +48,41 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 # rows (tokens x batch) for which the packed weight is used, (first, last): set here, it holds for
-# every model; None: packed_rows() times the first on this CPU, once per process and layer shapes
+# every model (no padding); None: packed_rows() times the few-row routes on this CPU, once per
+# process and layer shapes
 PACKED_ROWS: tuple[int, int] | None = None
 MAX_PACKED_ROWS = 48
-_TIMED: dict[tuple, tuple[int, int]] = {}
+SMALL_ROWS = 4                  # row counts 1..SMALL_ROWS are routed by RowPlan.route
+
+
+class RowPlan(NamedTuple):
+    """How a PackedLinear multiplies a few rows. route[r - 1], for r = 1..SMALL_ROWS rows: 0 = plain
+    F.linear, n >= r = the packed weight over the rows padded with zeros to n (oneDNN's small-row
+    kernels are not monotone in the row count on every CPU: on an AMD EPYC one token cost more
+    than four). From SMALL_ROWS + 1 to `last` rows: the packed weight; beyond: plain."""
+
+    route: tuple[int, ...]
+    last: int
+
+    @classmethod
+    def from_range(cls, first: int, last: int) -> "RowPlan":
+        return cls(tuple(r if r >= first else 0 for r in range(1, SMALL_ROWS + 1)), last)
+
+    def rows_for(self, rows: int) -> int:
+        """The rows to multiply packed (padding if more than `rows`), 0 for plain F.linear."""
+        if rows <= 0:
+            return 0
+        if rows <= SMALL_ROWS:
+            return self.route[rows - 1]
+        return rows if rows <= self.last else 0
+
+    def text(self) -> str:
+        parts = [f"{r}: {'plain' if n == 0 else 'packed' if n == r else f'packed as {n}'}"
+                 for r, n in enumerate(self.route, 1)]
+        return ", ".join(parts) + f", {SMALL_ROWS + 1}-{self.last}: packed"
+
+
+_TIMED: dict[tuple, RowPlan] = {}
 ATTENTION = "specdec_cpu_sdpa"  # the attention implementation's registered name
 _MARK = "_specdec_cpu_kernels"
 
@@ -90,14 +124,20 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        first, last = PACKED_ROWS or self.__dict__.get("_specdec_rows") or (4, MAX_PACKED_ROWS)
-        if (first <= rows <= last and x.device.type == "cpu"
-                and x.dtype == torch.float32 and weight.dtype == torch.float32
+        plan = (RowPlan.from_range(*PACKED_ROWS) if PACKED_ROWS is not None
+                else self.__dict__.get("_specdec_rows") or RowPlan.from_range(SMALL_ROWS, MAX_PACKED_ROWS))
+        target = plan.rows_for(rows)
+        if (target and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             packed = self.__dict__.get("_specdec_packed")
             if packed is None:                      # unpickled or built without prepare()
                 packed = self._specdec_packed = PackedWeight()
-            return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), self.bias, "none", [], "")
+            if target == rows:
+                return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), self.bias, "none", [], "")
+            flat = x.reshape(rows, x.shape[-1])
+            padded = torch.cat([flat, flat.new_zeros(target - rows, x.shape[-1])])
+            out = torch.ops.mkldnn._linear_pointwise(padded, packed.of(weight), self.bias, "none", [], "")
+            return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, weight, self.bias)
 
 
@@ -110,38 +150,44 @@ def _best_ms(run, repeats: int = 5) -> float:
     return best * 1000
 
 
-def packed_rows(model: torch.nn.Module) -> tuple[int, int]:
-    """(first, last) rows for which the packed weight is used in `model` (PACKED_ROWS where set).
-    The first is timed once per process and model shapes: for 1, 2 and 3 rows, plain `F.linear`
-    against the packed weight on the model's largest linear layer and its commonest shape (best of
-    5 each); the packed weight starts at the fewest rows from which it is faster at every count up
-    to 3 (4 if it never is)."""
+def packed_rows(model: torch.nn.Module) -> RowPlan:
+    """The RowPlan of `model`'s linear layers (PACKED_ROWS, where set, as a plain range). Timed
+    once per process and model shapes, on the model's largest linear layer and on copies of its
+    commonest shape that together outgrow the CPU's caches (as a forward streams every layer's
+    weight from memory): plain `F.linear` at 1 to SMALL_ROWS - 1 rows and the packed weight at 1 to
+    SMALL_ROWS rows, best of 5 each; each row count takes the cheapest of plain at its count and
+    packed at its count or padded to a larger one."""
     if PACKED_ROWS is not None:
-        return PACKED_ROWS
+        return RowPlan.from_range(*PACKED_ROWS)
     shapes: dict[tuple, int] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
             shapes[tuple(module.weight.shape)] = shapes.get(tuple(module.weight.shape), 0) + 1
     if not shapes:
-        return (4, MAX_PACKED_ROWS)
+        return RowPlan.from_range(SMALL_ROWS, MAX_PACKED_ROWS)
     key = (max(shapes, key=lambda shape: shape[0] * shape[1]), max(shapes, key=shapes.get))
     if key in _TIMED:
         return _TIMED[key]
-    faster = {}
+    weights = []
+    for out_features, in_features in set(key):
+        copies = 1 if (out_features, in_features) == key[0] else max(
+            1, min(32, (64 << 20) // (4 * out_features * in_features)))
+        weights += [torch.randn(out_features, in_features) for _ in range(copies)]
+    packed_weights = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    plain_ms, packed_ms = {}, {}
     with torch.inference_mode():
-        for rows in (1, 2, 3):
-            plain = packed = 0.0
-            for out_features, in_features in set(key):
-                weight = torch.randn(out_features, in_features)
-                x = torch.randn(rows, in_features)
-                reordered = torch.ops.mkldnn._reorder_linear_weight(weight)
-                plain += _best_ms(lambda: F.linear(x, weight))
-                packed += _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], ""))
-            faster[rows] = packed < plain
-    first = next((r for r in (1, 2, 3) if all(faster[n] for n in range(r, 4))), 4)
-    _TIMED[key] = (first, MAX_PACKED_ROWS)
-    log.info("CPU kernels: packed linear weights from %d to %d rows for layers %s on this CPU "
-             "(timed)", first, MAX_PACKED_ROWS, sorted(set(key)))
+        for rows in range(1, SMALL_ROWS + 1):
+            inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+            packed_ms[rows] = _best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(
+                inputs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed_weights)])
+            if rows < SMALL_ROWS:
+                plain_ms[rows] = _best_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
+    route = []
+    for rows in range(1, SMALL_ROWS + 1):
+        padded = min(range(rows, SMALL_ROWS + 1), key=lambda n: packed_ms[n])
+        route.append(0 if rows in plain_ms and plain_ms[rows] <= packed_ms[padded] else padded)
+    _TIMED[key] = RowPlan(tuple(route), MAX_PACKED_ROWS)
+    log.info("CPU kernels: linear layers %s on this CPU (timed): %s", sorted(set(key)), _TIMED[key].text())
     return _TIMED[key]
 
 

@@ -65,27 +65,34 @@ def test_a_model_that_ran_no_narrow_forward_holds_no_packed_weight(monkeypatch):
     assert all(m._specdec_packed.tensor is None for m in lazy.modules() if isinstance(m, cpu_kernels.PackedLinear))
 
 
-def test_the_first_packed_row_count_is_timed_once_on_the_models_shapes(monkeypatch):
+def test_the_few_row_routes_are_timed_once_on_the_models_shapes_and_padding_keeps_the_numbers(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "PACKED_ROWS", None)
     monkeypatch.setattr(cpu_kernels, "_TIMED", {})
     model = tiny_llama()
-    first, last = cpu_kernels.packed_rows(model)
-    assert 1 <= first <= 4 and last == cpu_kernels.MAX_PACKED_ROWS
-    assert list(cpu_kernels._TIMED.values()) == [(first, last)]      # once per process and shapes
-    assert cpu_kernels.packed_rows(tiny_llama(seed=3)) == (first, last)
-    assert len(cpu_kernels._TIMED) == 1
+    plan = cpu_kernels.packed_rows(model)
+    assert len(plan.route) == cpu_kernels.SMALL_ROWS and plan.last == cpu_kernels.MAX_PACKED_ROWS
+    assert all(n == 0 or r <= n <= cpu_kernels.SMALL_ROWS for r, n in enumerate(plan.route, 1))
+    assert plan.route[-1] == cpu_kernels.SMALL_ROWS                  # 4 rows: packed as they are
+    assert list(cpu_kernels._TIMED.values()) == [plan]               # once per process and shapes
+    assert cpu_kernels.packed_rows(tiny_llama(seed=3)) == plan and len(cpu_kernels._TIMED) == 1
     cpu_kernels.prepare(model)
-    assert {m._specdec_rows for m in model.modules() if isinstance(m, cpu_kernels.PackedLinear)} == {
-        (first, last)}
-    # every row count in the range gives F.linear's numbers
+    assert {m._specdec_rows for m in model.modules() if isinstance(m, cpu_kernels.PackedLinear)} == {plan}
+    # every route gives F.linear's numbers: plain, packed, packed padded with zero rows
     layer = torch.nn.Linear(64, 97)
     plain = copy.deepcopy(layer)
     layer._specdec_packed = cpu_kernels.PackedWeight()
     layer.__class__ = cpu_kernels.PackedLinear
-    with torch.inference_mode():
-        for rows in range(1, 50):
-            x = torch.randn(rows, 64)
-            torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
+    for route in ((0, 0, 0, 4), (1, 2, 3, 4), (4, 4, 4, 4), (3, 3, 3, 4)):
+        layer._specdec_rows = cpu_kernels.RowPlan(route, cpu_kernels.MAX_PACKED_ROWS)
+        with torch.inference_mode():
+            for shape in ((1, 64), (2, 64), (1, 3, 64), (2, 2, 64), (5, 64), (1, 49, 64)):
+                x = torch.randn(*shape)
+                got = layer(x)
+                assert got.shape == plain(x).shape
+                torch.testing.assert_close(got, plain(x), rtol=1e-5, atol=1e-5)
+    assert cpu_kernels.RowPlan((4, 4, 3, 4), 48).rows_for(1) == 4
+    assert cpu_kernels.RowPlan((4, 4, 3, 4), 48).rows_for(49) == 0
+    assert cpu_kernels.RowPlan.from_range(2, 48).route == (0, 2, 3, 4)
 
 
 def test_a_changed_weight_is_packed_again():
