@@ -31,7 +31,7 @@ from eagle3_train import shipped_requests  # noqa: E402
 from specdec_core import SamplingParams, SpecDecoder, cpu_kernels, load_model  # noqa: E402
 from specdec_core.drafters import PromptLookup  # noqa: E402
 from tasks.steps.costs import cpu_model  # noqa: E402
-from vs_vllm import TARGET, arguments, left_padded  # noqa: E402
+from vs_vllm import TARGET, arguments, left_padded, report  # noqa: E402
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 9)
 
@@ -124,10 +124,7 @@ def main() -> None:
             off = statistics.median(rates[("off", batch, what)])
             on = statistics.median(rates[("on", batch, what)])
             lines.append(f"| {batch} | {what} | {off:.1f} | {on:.1f} | {on / off:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

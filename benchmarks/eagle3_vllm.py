@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from eagle3_train import shipped_requests  # noqa: E402
+from vs_vllm import report  # noqa: E402
 from specdec_core import load_model  # noqa: E402
 from specdec_core.validation import fingerprint_id, target_fingerprint  # noqa: E402
 from tasks.db import upgrade  # noqa: E402
@@ -108,10 +109,7 @@ def main() -> None:
             + (f"{spec_tps / plain:.2f}" if plain and spec_tps else "-") + " |")
         if row.get("status") != "ok":
             lines.append(f"|  | status {row.get('status')}: {row.get('reason')} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

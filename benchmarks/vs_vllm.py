@@ -87,6 +87,14 @@ def vllm(batches: list, new_tokens: int, spec: dict | None, model_dir: Path, log
             "version": answer["vllm"], "mends": answer.get("mends") or []}
 
 
+def report(lines: list[str], out: str | None) -> None:
+    """Print a benchmark's markdown lines, and write them to `out` where given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        Path(out).write_text(text)
+
+
 def arguments(description: str, rounds: int) -> argparse.Namespace:
     """The decode benchmarks' command line: --requests, --k, --max-new-tokens, --rounds, --out."""
     parser = argparse.ArgumentParser(description=description)
@@ -161,10 +169,7 @@ def main() -> None:
     mends = sorted({m for rows in figures.values() for r in rows for m in r.get("mends", [])})
     if mends:
         lines += ["", f"vLLM ran with {len(mends)} mend(s) of its CPU sampler (no effect on greedy requests)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    report(lines, args.out)
 
 
 if __name__ == "__main__":
