@@ -153,12 +153,17 @@ class SpecDecoder:
 
     def generate(self, input_ids, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  seed: int = 0, attention_mask=None, eos_token_id: int | None = None,
-                 pad_token_id: int | None = None) -> GenerateResult:
-        """Speculative decoding; see docs/design.md ("Public contracts") for the arguments and result."""
+                 pad_token_id: int | None = None, stop_after: int | None = None) -> GenerateResult:
+        """Speculative decoding; see docs/design.md ("Public contracts") for the arguments and result.
+
+        stop_after: a row stops once it holds at least this many tokens, while every round drafts
+        as it would in a call of max_new_tokens (a test of the first positions that must see full
+        K-token rounds decodes no further than it needs).
+        """
         if self.drafter is None:
             raise InvalidDecodeInput("this SpecDecoder has no drafter: pass one, or call generate_plain")
         return self._run(self.drafter, self.k, input_ids, max_new_tokens, sampling, seed,
-                         attention_mask, eos_token_id, pad_token_id)
+                         attention_mask, eos_token_id, pad_token_id, stop_after)
 
     def generate_plain(self, input_ids, max_new_tokens: int = 64,
                        sampling: SamplingParams | None = None, seed: int = 0, attention_mask=None,
@@ -198,13 +203,17 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def _run(self, drafter: Drafter | None, k: int, input_ids, max_new_tokens, sampling, seed,
-             attention_mask, eos_token_id, pad_token_id) -> GenerateResult:
+             attention_mask, eos_token_id, pad_token_id, stop_after=None) -> GenerateResult:
         device = self.device
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 1):
+            raise InvalidDecodeInput(f"stop_after={stop_after!r}: must be an integer >= 1 (or None: "
+                                     "rows decode to max_new_tokens)")
         if pad_token_id is None:
             pad_token_id = eos_token_id if eos_token_id is not None else 0
         session = self.static_pool.session if self.uses_static_cache() else dynamic_session
         return decode(self.target, drafter, k, input_ids.to(device), attention_mask.to(device),
                       max_new_tokens, sampling or SamplingParams(), seed, eos_token_id,
                       pad_token_id, session, verify=self.verify_round, verifier=self.verifier,
-                      verify_widths=self.verify_widths, phase_timing=self.phase_timing)
+                      verify_widths=self.verify_widths, phase_timing=self.phase_timing,
+                      stop_after=stop_after)

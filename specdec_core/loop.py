@@ -11,8 +11,9 @@ One round for the batch's active rows:
      (the correction or the bonus); the count stops after an EOS;
   5. the emitted tokens are written back, the round is recorded in the history, and the caches
      roll back to the accepted length (rejected positions become holes; nothing is rebuilt);
-  6. rows that emitted EOS or reached max_new_tokens stop: a dynamic cache drops them from the
-     batch, a static cache keeps them as inactive rows (fixed shapes).
+  6. rows that emitted EOS or reached max_new_tokens (or `stop_after`, when given) stop: a
+     dynamic cache drops them from the batch, a static cache keeps them as inactive rows (fixed
+     shapes).
 Plain decoding (no drafter) is the same loop with an empty draft: one target step per token.
 
 The phases, as `decode` reads: `Round.plan` (host: budget, the draft source's host part, the round
@@ -207,9 +208,10 @@ class HostMirror:
     host's copy of prompts and outputs (state.host, whose output lengths are the mirror's)."""
 
     def __init__(self, batch: int, max_new_tokens: int, pad_token_id: int, reads: bool,
-                 device: torch.device):
+                 device: torch.device, stop_after: int | None = None):
         self.max_new, self.pad, self.reads = max_new_tokens, pad_token_id, reads
-        self.done = np.full(batch, max_new_tokens <= 1)
+        self.stop_after = max_new_tokens if stop_after is None else min(stop_after, max_new_tokens)
+        self.done = np.full(batch, self.stop_after <= 1)
         self._n_out = np.ones(batch, dtype=np.int64)
         self.host: HostView | None = None
         self.rows = torch.arange(batch, device=device)          # original index of each row
@@ -275,6 +277,12 @@ class HostMirror:
             counts = (~self.done).astype(np.int64)
             self._n_out += counts
             self.done = self._n_out >= self.max_new
+        if self.stop_after < self.max_new:
+            # rows with stop_after tokens stop early; the device learns it with the next round
+            stopped = (self.n_out >= self.stop_after) & ~self.done
+            if stopped.any():
+                self.done |= stopped
+                state.active.copy_(torch.from_numpy(~self.done))
         self.rounds += 1
         kept_max = max(int(counts.max()), 1)
         state.accepted_max = kept_max - 1
@@ -448,7 +456,8 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
            attention_mask: torch.Tensor, max_new_tokens: int, sampling: SamplingParams, seed: int,
            eos_token_id: int | None, pad_token_id: int, session: Callable,
            verify: Callable = verify_round, verifier: Verifier | None = None,
-           verify_widths: dict[int, int] | None = None, phase_timing: bool = True) -> GenerateResult:
+           verify_widths: dict[int, int] | None = None, phase_timing: bool = True,
+           stop_after: int | None = None) -> GenerateResult:
     """Decode checked inputs (on the target's device); see SpecDecoder.generate for the contract.
 
     session(target_model, batch, needed_len) is a context manager giving (the target's cache, a
@@ -456,6 +465,9 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
     verify: the verify round (verify_round's signature); verifier: passed on to it.
     verify_widths: {needed width: width to run} -- filler after the drafts (profile.py).
     phase_timing: synchronise around the draft and verify phases for stats.draft_s / verify_s.
+    stop_after: a row stops once it holds this many tokens (it may hold more: a round's accepted
+    drafts are kept); the draft budget still counts to max_new_tokens, so rounds draft as they
+    would in a longer call.
     """
     device, (batch, prompt_width), timings = input_ids.device, input_ids.shape, Timings()
     # a draft head reads the target's hidden states of every pass: its tap (final norm or layers)
@@ -474,7 +486,8 @@ def decode(target_model: torch.nn.Module, drafter: Drafter | None, k: int, input
                        verify, verifier, tap, verify_widths or {})
         # the host reads the device once a round unless it knows the counts (plain, no EOS)
         mirror = HostMirror(batch, max_new_tokens, pad_token_id,
-                            reads=drafter is not None or eos_token_id is not None, device=device)
+                            reads=drafter is not None or eos_token_id is not None, device=device,
+                            stop_after=stop_after)
         mirror.start(state, round_.prefill(), eos_token_id,
                      host_view=drafter is not None and drafter.reads_host_state)
         if drafter is not None:

@@ -67,14 +67,44 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first one stays)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        if logits.device.type == "cpu":
+            drop = _top_p_drop_from_head(logits, params.top_p)
+        else:
+            drop = _top_p_drop(logits, params.top_p)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens top-p drops [..., V] (bool): in descending order, a token is dropped when the
+    mass strictly before it already reaches top_p (the first one always stays)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    return torch.zeros_like(mass_before, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
+
+
+TOP_P_HEAD = 256
+
+
+def _top_p_drop_from_head(logits: torch.Tensor, top_p: float, head: int = TOP_P_HEAD) -> torch.Tensor:
+    """_top_p_drop's result without sorting the whole vocabulary (on a CPU a sort of a verify
+    pass's [rows, K + 1, V] logits costs seconds): where the `head` most likely tokens hold top_p,
+    every later token has that much mass before it and is dropped, so only the head is ranked;
+    the other rows (a flat distribution) take the full sort. Reads the result on the host, so
+    it is for the CPU (a captured CUDA round cannot branch on it)."""
+    vocab = logits.shape[-1]
+    if vocab <= head:
+        return _top_p_drop(logits, top_p)
+    flat = logits.reshape(-1, vocab)
+    probs = flat.softmax(-1)
+    top, order = probs.topk(head, dim=-1)
+    mass_before = top.cumsum(-1) - top
+    drop = torch.ones_like(flat, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
+    short = (mass_before[:, -1] + top[:, -1] < top_p).nonzero().flatten()
+    if short.numel():
+        drop[short] = _top_p_drop(flat[short], top_p)
+    return drop.view(logits.shape)
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

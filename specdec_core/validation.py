@@ -12,8 +12,9 @@
    corrected threshold sits), so a p-value between threshold / 100 and 10 x threshold is recomputed
    by simulating G under the target's own distribution (`monte_carlo_p`, about 50 / threshold
    draws); the report says which method decided each test. A token the target gives probability 0 (e.g.
-   outside top-p) fails at once. Rows decode L + K tokens so every round inside the first L
-   positions drafts a full K (accepted drafts, corrections and bonus tokens all occur).
+   outside top-p) fails at once. Rows decode as in a call of L + K tokens, so every round inside
+   the first L positions drafts a full K (accepted drafts, corrections and bonus tokens all
+   occur), and stop once they hold L tokens (`stop_after`): later rounds cannot change them.
 3. target_fingerprint: an exact digest of the weights plus canary log-probabilities, compared
    within a tolerance (they differ across devices and dtypes).
 """
@@ -235,7 +236,7 @@ def sampling_check(target: torch.nn.Module, drafter: Drafter, prompt_ids: torch.
         for start in range(0, rows, chunk):   # memory-bounded: rows decoded in chunks
             batch = min(chunk, rows - start)
             result = decoder.generate(prompt.expand(batch, -1), length + k, sampling=sampling,
-                                      seed=seed * 1000003 + index * 1009 + start)
+                                      seed=seed * 1000003 + index * 1009 + start, stop_after=length)
             outputs.append(result.tokens[:, :length].cpu())
         tokens = torch.cat(outputs)
         for position in range(length):
@@ -243,7 +244,7 @@ def sampling_check(target: torch.nn.Module, drafter: Drafter, prompt_ids: torch.
                 path: tuple[int, ...] = ()
                 followers = tokens
             else:
-                path = Counter(tuple(row[:position].tolist()) for row in tokens).most_common(1)[0][0]
+                path = Counter(map(tuple, tokens[:, :position].tolist())).most_common(1)[0][0]
                 followers = tokens[(tokens[:, :position] == torch.tensor(path)).all(1)]
             context = torch.cat([prompt, torch.tensor(path, dtype=torch.long, device=device)])
             probs = logits_to_probs(target(context[None]).logits[0, -1], sampling)

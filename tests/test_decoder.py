@@ -154,6 +154,25 @@ def test_no_draft_past_max_new_tokens(target):
     assert result.stats.drafted == 3 and result.stats.rounds == 1 and result.num_tokens == [5]
 
 
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_stop_after_ends_rows_early_while_rounds_draft_to_max_new_tokens(target, draft, static_cache):
+    # stop_after=3 of 24: every row stops once it holds 3 tokens (at most 3 - 1 + K + 1 after its
+    # last round), every round still drafts a full K (the budget counts to max_new_tokens), and the
+    # tokens are greedy decoding's
+    ids, mask = left_padded_batch()
+    reference = hf_greedy(target, ids, mask)
+    decoder = SpecDecoder(target, DraftModel(draft), k=4, static_cache=static_cache)
+    result = decoder.generate(ids, MAX_NEW, attention_mask=mask, stop_after=3)
+    assert all(3 <= n <= 3 + 4 for n in result.num_tokens)
+    for row, n in enumerate(result.num_tokens):
+        assert torch.equal(result.tokens[row, :n], reference[row, :n])
+    assert result.stats.drafted == 4 * result.stats.rounds
+    full = decoder.generate(ids, MAX_NEW, attention_mask=mask)
+    assert full.num_tokens == [MAX_NEW] * 3 and full.stats.rounds > result.stats.rounds
+    with pytest.raises(InvalidDecodeInput, match="stop_after=0"):
+        decoder.generate(ids, MAX_NEW, attention_mask=mask, stop_after=0)
+
+
 def test_prompt_lookup_without_matches_decodes_plainly(target):
     # no repeated n-gram: prompt lookup proposes nothing and the output is still exact
     ids = torch.arange(3, 3 + 20)[None]

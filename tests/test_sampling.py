@@ -117,6 +117,23 @@ def test_tiny_top_p_keeps_at_least_the_top_token():
     assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_from_the_head_drops_what_the_full_sort_drops(top_p):
+    """The CPU's top-p (rank only the 32 most likely tokens, sort the rows they do not cover)
+    drops exactly the tokens the full sort drops: peaked rows, flat rows (which fall back), and
+    rows with top-k's -inf, mixed in one [rows, positions, V] batch."""
+    from specdec_core.sampling import _top_p_drop, _top_p_drop_from_head
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.tensor([0.05, 1.0, 4.0, 12.0]).repeat(6)[:, None, None]
+    logits = torch.randn(24, 3, 2000, generator=generator) * scale
+    logits[::5, :, 1000:] = float("-inf")
+    head = 32
+    probs = logits.softmax(-1).reshape(-1, 2000)
+    covered = probs.topk(head, -1).values.sum(-1) >= top_p
+    assert covered.any() and not covered.all()      # both routes are taken
+    assert torch.equal(_top_p_drop_from_head(logits, top_p, head=head), _top_p_drop(logits, top_p))
+
+
 def test_top_k_is_applied_before_top_p():
     """(.4, .3, .2, .1), top_k = 2 then top_p = .5: renormalised (4/7, 3/7) keeps only the first."""
     logits = _logits([0.4, 0.3, 0.2, 0.1])
