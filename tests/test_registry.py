@@ -680,6 +680,12 @@ def test_k_by_batch_size_goes_to_each_engines_own_key():
                                                  "draft_len_schedule": {1: 5, 2: 4, 4: 2}}
     assert trt["speculative_config"]["code"] is None and "suffix" in trt["unsupported"]["code"]
     assert trt["speculative_config"]["chat"] is None
+    # vLLM's suffix decoding takes one K at every batch size (a schedule stops its engine): the
+    # batch-size-1 K, with a note naming the schedule left out and the batch size to route at
+    assert vllm["code"]["num_speculative_tokens"] == 3
+    assert "num_speculative_tokens_per_batch_size" not in vllm["code"]
+    note = vllm_export(config)["notes"]["code"]
+    assert "one K at every batch size" in note and "[[1, 1, 3], [2, 2, 0]]" in note and "above batch size 1" in note
 
 
 # ------------------------------------------------------------------------------------------------

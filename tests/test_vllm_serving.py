@@ -73,6 +73,63 @@ def test_every_exported_config_is_accepted_by_vllm(serving, tiny_dir):
     assert verdict["ok"] is False and verdict["error"]
 
 
+def test_exported_schedules_serve_batches_across_their_batch_sizes(serving, tiny_dir, tmp_path):
+    # accepted is not enough: each exported config with K by batch size serves 4 requests at once
+    # (batch sizes 4 down to 1 as they finish, so every K of its schedule runs). vLLM 0.32's suffix
+    # proposer stops the engine at a batch size whose K differs from num_speculative_tokens, which
+    # is why the export gives suffix one K: the raw schedule dies here, the export serves
+    schedule = [[1, 1, 4], [2, 4, 2], [5, 8, 0]]
+    config = parse_config({
+        "schema_version": 2, "target": {"id": "tiny", "fingerprint": "sha256:0"},
+        "hardware_profile": "cpu", "run_id": "r", "created_at": "2026-11-24T00:00:00",
+        "domains": {"ngram": domain("prompt_lookup", {"max_ngram": 4, "min_ngram": 1}, 4, schedule),
+                    "suffix": domain("suffix", {"max_depth": 16}, 4, schedule)},
+        "default": {"enabled": False}})
+    exported = vllm_export(config, target_path=str(tiny_dir))["speculative_config"]
+    assert "num_speculative_tokens_per_batch_size" in exported["ngram"]
+    raw_suffix = dict(exported["suffix"], num_speculative_tokens_per_batch_size=
+                      exported["ngram"]["num_speculative_tokens_per_batch_size"])
+    rng = np.random.default_rng(0)
+    pattern = rng.integers(3, 200, 12).tolist()
+    requests = [{"id": str(i), "prompt_ids": pattern * 4 + [int(i) + 3], "max_tokens": 24,
+                 "temperature": 0.0} for i in range(4)]
+    outcomes = {}
+    for name, spec in {**exported, "raw_suffix": raw_suffix}.items():
+        answer = serving_env.run_engine(
+            {"model": str(tiny_dir), "speculative_config": spec, "requests": requests,
+             "max_num_seqs": 4, "together": True, "dtype": "float32"},
+            tmp_path / f"{name}.log", 600, f"batched {name}")
+        outcomes[name] = answer
+    for name in exported:
+        assert outcomes[name]["refused"] is None and outcomes[name]["died"] is None, outcomes[name]
+        assert len(outcomes[name]["requests"]) == 4
+        assert all(len(r["token_ids"]) == 24 for r in outcomes[name]["requests"].values())
+    died = outcomes["raw_suffix"]["died"]
+    assert died is not None and "AssertionError" in died["error"]
+
+
+def test_replay_serves_the_history_batched_and_measures_only_the_requests(serving, tiny_dir, tmp_path):
+    # the engine check's suffix replay: 6 history requests in one batched call (not answered),
+    # then the 2 requests one at a time, each with its own timing and per-step counts
+    spec = vllm_export(parse_config({
+        "schema_version": 2, "target": {"id": "tiny", "fingerprint": "sha256:0"},
+        "hardware_profile": "cpu", "run_id": "r", "created_at": "2026-11-24T00:00:00",
+        "domains": {"suffix": domain("suffix", {"max_depth": 16}, 3)},
+        "default": {"enabled": False}}), target_path=str(tiny_dir))["speculative_config"]["suffix"]
+    pattern = np.random.default_rng(1).integers(3, 200, 10).tolist()
+    item = {"max_tokens": 16, "temperature": 0.0}
+    history = [dict(item, id=f"h{i}", prompt_ids=pattern * 3 + [i + 3]) for i in range(6)]
+    requests = [dict(item, id=f"r{i}", prompt_ids=pattern * 3 + [i + 3]) for i in range(2)]
+    answer = serving_env.run_engine(
+        {"model": str(tiny_dir), "speculative_config": spec, "requests": requests,
+         "history": history, "max_num_seqs": 6, "dtype": "float32"},
+        tmp_path / "history.log", 600, "history replay")
+    assert answer["died"] is None and set(answer["requests"]) == {"r0", "r1"}
+    for row in answer["requests"].values():
+        assert len(row["token_ids"]) == 16 and row["seconds"] > 0 and row["drafted"] is not None
+    assert answer["counters"]["drafts"] > 0
+
+
 def test_ngram_proposals_equal_vllms(serving):
     rng = np.random.default_rng(0)
     sequences = []

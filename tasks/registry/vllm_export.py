@@ -17,7 +17,8 @@ def speculative_config(drafter: DrafterSpec, k: int) -> dict | None:
     occurrence rule is vLLM's; occurrence=latest has no equivalent).
 
     suffix: vLLM's suffix decoding builds its own tree from the requests it serves, so the export
-    carries our tuned parameters, not our index (max_cached_requests is left to vLLM's default).
+    carries our tuned parameters, not our index (max_cached_requests is left to vLLM's default);
+    it takes no K by batch size (vllm_export says so in the domain's note).
     eagle3: vLLM's `eagle3` method loads the head's checkpoint as it is (the speculators format
     Eagle3Head.save writes: config.json + model.safetensors); `model` is the checkpoint
     directory or the registered models:/ URI as given (resolve it to a local directory before
@@ -94,6 +95,17 @@ def vllm_export(config: SpecdecConfig, target_path: str | None = None) -> dict:
             notes[name] = ("vLLM builds its suffix tree from the requests it serves: these are the "
                            "parameters tuned here, not the index the evaluation measured with")
         schedule = batch_schedule(setting)
+        if schedule is not None and drafter.kind == "suffix":
+            # vLLM 0.32's suffix proposer asserts that the K it is scheduled equals
+            # num_speculative_tokens: a schedule kills the engine at the first batch size whose
+            # K differs (K = 0 included), so suffix decoding takes one K at every batch size
+            notes[name] += (f"; vLLM's suffix decoding drafts one K at every batch size (it stops "
+                            f"the engine at a per-batch-size K), so K = {setting.k} throughout: "
+                            f"the plan's schedule {schedule[:-1]} is not exported")
+            if setting.max_batch_size:
+                notes[name] += (f"; above batch size {setting.max_batch_size}, where the plan turns "
+                                "speculation off, route this domain to a deployment without it")
+            schedule = None
         if schedule is not None:
             spec["num_speculative_tokens"] = max(max(k for _, _, k in schedule), 1)
             spec["num_speculative_tokens_per_batch_size"] = schedule

@@ -319,7 +319,9 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         else:
             answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
                             {"model": str(model_dir), "speculative_config": served, "requests": items,
-                             "history": history, "dtype": _dtype(target_model), "max_num_seqs": 1})
+                             "history": history, "dtype": _dtype(target_model),
+                             # the history is served batched; the replay one request at a time
+                             "max_num_seqs": max(1, min(len(history), HISTORY_BATCH))})
         record["seconds"] = round(time.perf_counter() - began, 1)
         record["start_s"] = answer.get("start_s")
         record["starts"] = answer.get("starts")
@@ -389,6 +391,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     return {"skipped": None, "domains": rows, "engines": engines}
 
 
+HISTORY_BATCH = 16   # the most history requests the engine serves at once (not measured)
 RESTARTS = 5      # fresh engines after a request killed one, before the rest is left unserved
 
 

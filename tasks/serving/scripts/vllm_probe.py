@@ -11,12 +11,14 @@ Commands:
                   what vLLM's `ngram` proposer proposes after each whole sequence
   replay          {model, speculative_config (null: plain), requests: [{id, prompt_ids, max_tokens,
                   temperature, top_k, top_p, seed}], history: [...], max_model_len, max_num_seqs,
-                  dtype}
+                  dtype, together}
                   -> {start_s, vllm, requests: {id: {token_ids, seconds, decode_s, drafted,
                   accepted}},
                   counters: {drafts, draft_tokens, accepted_tokens, accepted_per_pos}, refused,
                   died: {request, error}, mends: [line, ...]}: one engine
-                  started with the config, the requests served one at a time; per request, vLLM's
+                  started with the config, the history served first in one call (batched up to
+                  max_num_seqs, not measured), then the requests one at a time (together: all
+                  in one call, batched, answering only their token_ids); per request, vLLM's
                   own per-step drafted/accepted counts (--per-request-spec-decode-metrics
                   detailed) and the engine's spec_decode counters from LLM.get_metrics(); a
                   request that kills the engine ends the replay there, with vLLM's error (the
@@ -177,22 +179,51 @@ def replay(request: dict) -> dict:
     llm = _start(request, spec, int(request.get("max_num_seqs", 1)), answer)
     if llm is None:
         return answer
-    items = [(item, False) for item in request.get("history", [])]   # served first, not measured
-    if not items and request["requests"] and (spec or {}).get("method") != "suffix":
+    def params(item: dict):
+        return SamplingParams(max_tokens=int(item["max_tokens"]),
+                              temperature=float(item.get("temperature", 0.0)),
+                              top_k=int(item.get("top_k") or 0), top_p=float(item.get("top_p", 1.0)),
+                              seed=item.get("seed"), detokenize=False)
+
+    def prompt(item: dict):
+        return TokensPrompt(prompt_token_ids=list(item["prompt_ids"]))
+
+    history = request.get("history", [])
+    items = []
+    if history:
+        # served first, not measured, all in one call: the engine batches them up to max_num_seqs
+        try:
+            llm.generate([prompt(item) for item in history], [params(item) for item in history],
+                         use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001 - the engine died in the history: said, and stop
+            traceback.print_exc()
+            answer["died"] = {"request": str(history[-1]["id"]), "error": _error_line(exc)}
+            return answer
+    elif request["requests"] and (spec or {}).get("method") != "suffix":
         # a warm-up (not measured): the first request's prompt, a few tokens; the proposer's
         # first call compiles (vLLM's ngram search is JIT-compiled) and must not be timed. Not
         # for suffix decoding, whose tree grows from every request served
         items = [(dict(request["requests"][0], id="warm-up", max_tokens=4), False)]
     items += [(item, True) for item in request["requests"]]
+    if request.get("together"):
+        # the requests in one call (batches up to max_num_seqs), measured as one
+        try:
+            results = llm.generate([prompt(item) for item, _ in items],
+                                   [params(item) for item, _ in items], use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001 - the engine died in the batch: said
+            traceback.print_exc()
+            answer["died"] = {"request": str(items[0][0]["id"]), "error": _error_line(exc)}
+            return answer
+        for (item, measured), result in zip(items, results):
+            if measured:
+                answer["requests"][str(item["id"])] = {
+                    "token_ids": [int(t) for t in result.outputs[0].token_ids]}
+        answer["counters"] = _counters(llm) if spec else None
+        return answer
     for item, measured in items:
-        params = SamplingParams(max_tokens=int(item["max_tokens"]),
-                                temperature=float(item.get("temperature", 0.0)),
-                                top_k=int(item.get("top_k") or 0), top_p=float(item.get("top_p", 1.0)),
-                                seed=item.get("seed"), detokenize=False)
         began = time.perf_counter()
         try:
-            [result] = llm.generate([TokensPrompt(prompt_token_ids=list(item["prompt_ids"]))],
-                                    params, use_tqdm=False)
+            [result] = llm.generate([prompt(item)], params(item), use_tqdm=False)
         except Exception as exc:  # noqa: BLE001 - the engine died on this request: said, and stop
             traceback.print_exc()             # into the engine's log
             # the warm-up shares the first request's prompt: what killed it is that request's
