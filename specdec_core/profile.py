@@ -44,8 +44,8 @@ class _TimedCache:
         else:
             self.cache = SequenceCache(model)
         self.inputs_fn = inputs_fn      # tokens -> input vectors (a draft head's fused inputs)
-        with torch.inference_mode():
-            self._forward(self._tokens(context_len), graphed=False)
+        with torch.inference_mode():   # one context for every row: a dynamic cache prefills it once
+            self._forward(self._tokens(context_len)[:1].expand(batch_size, -1), graphed=False)
         self.keep = torch.full((batch_size,), context_len, device=self.device)
 
     def _forward(self, tokens: torch.Tensor, graphed: bool = True) -> None:
@@ -346,8 +346,8 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
 
 
 class _OverheadProbe:
-    """One real decode of a drafter (None: plain decoding) on random prompts with a repeated
-    pattern (host drafters find matches and draft); `run` times one call, `per_round` prices its
+    """One real decode of a drafter (None: plain decoding) on a random prompt with a repeated
+    pattern, in every row (host drafters find matches and draft); `run` times one call, `per_round` prices its
     forwards and gives the seconds per round left outside them and the proposals."""
 
     def __init__(self, target: torch.nn.Module, drafter, k: int, batch_size: int, context_len: int,
@@ -357,8 +357,10 @@ class _OverheadProbe:
         device = next(target.parameters()).device
         generator = torch.Generator().manual_seed(seed)
         vocab = target.get_output_embeddings().weight.shape[0]
-        pattern = torch.randint(0, vocab, (batch_size, max(8, context_len // 8)), generator=generator)
-        self.prompts = pattern.repeat(1, context_len // pattern.shape[1] + 1)[:, :context_len].to(device)
+        # one prompt for every row: a dynamic cache prefills it once and copies it (the prefill is
+        # not what is timed, and B distinct prompts cost most of a profile's time)
+        pattern = torch.randint(0, vocab, (1, max(8, context_len // 8)), generator=generator)
+        self.prompts = pattern.repeat(batch_size, context_len // pattern.shape[1] + 1)[:, :context_len].to(device)
         self.decoder = SpecDecoder(target, drafter, k=max(k, 1), phase_timing=True)
         self.plain = drafter is None
         self.new_tokens, self.batch_size, self.context_len = new_tokens, batch_size, context_len
