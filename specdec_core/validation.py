@@ -108,8 +108,8 @@ def _bins(counts: Counter, probs: torch.Tensor, min_expected: float):
     probs = probs.double().cpu()
     if any(probs[token] <= 0 for token in counts):
         return None
-    order = torch.argsort(probs, descending=True)
-    big = [int(t) for t in order if probs[t] * total >= min_expected]
+    ranked, order = torch.sort(probs, descending=True)
+    big = order[ranked * total >= min_expected].tolist()
     observed = [counts.get(t, 0) for t in big]
     shares = [float(probs[t]) for t in big]
     rest = 1.0 - sum(shares)
