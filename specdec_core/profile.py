@@ -347,8 +347,9 @@ def measure_step_costs(target: torch.nn.Module, drafters: dict, k_max: int, batc
 
 class _OverheadProbe:
     """One real decode of a drafter (None: plain decoding) on a random prompt with a repeated
-    pattern, in every row (host drafters find matches and draft); `run` times one call, `per_round` prices its
-    forwards and gives the seconds per round left outside them and the proposals."""
+    pattern, in every row (host drafters find matches and draft); `run` times one call,
+    `per_round` prices its forwards and gives the seconds per round left outside them and the
+    proposals."""
 
     def __init__(self, target: torch.nn.Module, drafter, k: int, batch_size: int, context_len: int,
                  new_tokens: int = 12, seed: int = 0):
@@ -360,7 +361,8 @@ class _OverheadProbe:
         # one prompt for every row: a dynamic cache prefills it once and copies it (the prefill is
         # not what is timed, and B distinct prompts cost most of a profile's time)
         pattern = torch.randint(0, vocab, (1, max(8, context_len // 8)), generator=generator)
-        self.prompts = pattern.repeat(batch_size, context_len // pattern.shape[1] + 1)[:, :context_len].to(device)
+        repeats = context_len // pattern.shape[1] + 1
+        self.prompts = pattern.repeat(batch_size, repeats)[:, :context_len].to(device)
         self.decoder = SpecDecoder(target, drafter, k=max(k, 1), phase_timing=True)
         self.plain = drafter is None
         self.new_tokens, self.batch_size, self.context_len = new_tokens, batch_size, context_len

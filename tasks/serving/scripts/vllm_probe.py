@@ -170,8 +170,6 @@ def replay(request: dict) -> dict:
     import traceback
 
     import vllm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     spec = request.get("speculative_config")
     answer = {"vllm": vllm.__version__, "start_s": None, "requests": {}, "counters": None,
@@ -179,25 +177,10 @@ def replay(request: dict) -> dict:
     llm = _start(request, spec, int(request.get("max_num_seqs", 1)), answer)
     if llm is None:
         return answer
-    def params(item: dict):
-        return SamplingParams(max_tokens=int(item["max_tokens"]),
-                              temperature=float(item.get("temperature", 0.0)),
-                              top_k=int(item.get("top_k") or 0), top_p=float(item.get("top_p", 1.0)),
-                              seed=item.get("seed"), detokenize=False)
-
-    def prompt(item: dict):
-        return TokensPrompt(prompt_token_ids=list(item["prompt_ids"]))
-
     history = request.get("history", [])
     items = []
-    if history:
-        # served first, not measured, all in one call: the engine batches them up to max_num_seqs
-        try:
-            llm.generate([prompt(item) for item in history], [params(item) for item in history],
-                         use_tqdm=False)
-        except Exception as exc:  # noqa: BLE001 - the engine died in the history: said, and stop
-            traceback.print_exc()
-            answer["died"] = {"request": str(history[-1]["id"]), "error": _error_line(exc)}
+    if history:      # served first, not measured
+        if _generate_all(llm, history, answer, blame=history[-1]["id"]) is None:
             return answer
     elif request["requests"] and (spec or {}).get("method") != "suffix":
         # a warm-up (not measured): the first request's prompt, a few tokens; the proposer's
@@ -206,13 +189,9 @@ def replay(request: dict) -> dict:
         items = [(dict(request["requests"][0], id="warm-up", max_tokens=4), False)]
     items += [(item, True) for item in request["requests"]]
     if request.get("together"):
-        # the requests in one call (batches up to max_num_seqs), measured as one
-        try:
-            results = llm.generate([prompt(item) for item, _ in items],
-                                   [params(item) for item, _ in items], use_tqdm=False)
-        except Exception as exc:  # noqa: BLE001 - the engine died in the batch: said
-            traceback.print_exc()
-            answer["died"] = {"request": str(items[0][0]["id"]), "error": _error_line(exc)}
+        # all in one call (batched up to max_num_seqs): the outputs, not timed
+        results = _generate_all(llm, [item for item, _ in items], answer, blame=items[0][0]["id"])
+        if results is None:
             return answer
         for (item, measured), result in zip(items, results):
             if measured:
@@ -223,7 +202,7 @@ def replay(request: dict) -> dict:
     for item, measured in items:
         began = time.perf_counter()
         try:
-            [result] = llm.generate([prompt(item)], params(item), use_tqdm=False)
+            [result] = llm.generate([_prompt(item)], _sampling_params(item), use_tqdm=False)
         except Exception as exc:  # noqa: BLE001 - the engine died on this request: said, and stop
             traceback.print_exc()             # into the engine's log
             # the warm-up shares the first request's prompt: what killed it is that request's
@@ -244,6 +223,36 @@ def replay(request: dict) -> dict:
             "accepted": None if metrics is None else [int(v) for v in metrics.per_step_accepted]}
     answer["counters"] = _counters(llm) if spec else None
     return answer
+
+
+def _generate_all(llm, items: list[dict], answer: dict, blame: str):
+    """The items' results from one call (the engine batches them up to max_num_seqs); None when
+    the engine died, with vLLM's error in answer["died"] under the request id `blame`."""
+    import traceback
+
+    try:
+        return llm.generate([_prompt(item) for item in items],
+                            [_sampling_params(item) for item in items], use_tqdm=False)
+    except Exception as exc:  # noqa: BLE001 - the engine died in the batch: said, and stop
+        traceback.print_exc()             # into the engine's log
+        answer["died"] = {"request": str(blame), "error": _error_line(exc)}
+        return None
+
+
+def _sampling_params(item: dict):
+    """vLLM's SamplingParams of one replayed request (its logged sampling and length)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=int(item["max_tokens"]),
+                          temperature=float(item.get("temperature", 0.0)),
+                          top_k=int(item.get("top_k") or 0), top_p=float(item.get("top_p", 1.0)),
+                          seed=item.get("seed"), detokenize=False)
+
+
+def _prompt(item: dict):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(item["prompt_ids"]))
 
 
 def _start(request: dict, spec, max_num_seqs: int, answer: dict):
