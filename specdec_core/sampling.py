@@ -99,9 +99,9 @@ def _top_p_drop_from_head(logits: torch.Tensor, top_p: float, head: int = TOP_P_
     flat = logits.reshape(-1, vocab)
     probs = flat.softmax(-1)
     top, order = probs.topk(head, dim=-1)
-    mass_before = top.cumsum(-1) - top
-    drop = torch.ones_like(flat, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
-    short = (mass_before[:, -1] + top[:, -1] < top_p).nonzero().flatten()
+    held = top.cumsum(-1)
+    drop = torch.ones_like(flat, dtype=torch.bool).scatter_(-1, order, held - top >= top_p)
+    short = (held[:, -1] < top_p).nonzero().flatten()
     if short.numel():
         drop[short] = _top_p_drop(flat[short], top_p)
     return drop.view(logits.shape)
