@@ -155,6 +155,10 @@ class Settings(BaseModel):
     profile_verify_dip: float = Field(default=0.25, ge=0, lt=1, description=(
         "how far verify(K) may fall as K grows in a trustworthy profile: CPU matrix kernels "
         "change path with the width (a quiet 2-core machine: -12% to -16%, repeatably)"))
+    profile_step_dip: float = Field(default=0.1, ge=0, lt=1, description=(
+        "how far below one target step verify(K) may cost in a trustworthy profile: on a CPU one "
+        "token takes the padded 4-row kernel path plus the padding (a quiet 2-core machine: v(4) "
+        "= 0.91-0.98 of a step, repeatably; a busy one gave 0.80)"))
     profile_overhead_floor: float = Field(default=0.2, ge=0, description=(
         "how negative (in target steps) a round's measured overhead may be in a trustworthy "
         "profile: it is the difference of a short decode and its priced forwards (a quiet 2-core "
