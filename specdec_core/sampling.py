@@ -110,9 +110,22 @@ def _top_p_drop_from_head(logits: torch.Tensor, top_p: float, head: int = TOP_P_
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token index per row of probs [..., V] -> LongTensor [...].
 
-    Uses the exponential race: argmax(p / E) with E ~ Exp(1) picks index i with probability
-    p_i / sum(p). Unnormalised weights are fine, zero weights are never picked, and there is no
-    host-device synchronisation (unlike torch.multinomial on CUDA).
+    Unnormalised weights are fine and zero weights are never picked; neither way synchronises
+    host and device.
+    - CUDA: the exponential race, argmax(p / E) with E ~ Exp(1), which picks index i with
+      probability p_i / sum(p).
+    - CPU: the inverse of the cumulative weights, summed in float64: the first index whose
+      cumulative weight exceeds u * total, u ~ U[0, 1) (a zero weight adds no width to step
+      into). Drawing a [V] exponential per row is the CPU's slow part: for [300, 49152] (a
+      sampling test's residuals) 340 ms against 71 ms on the 2-core machine.
     """
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_(min=1e-30)
-    return (probs / race).argmax(-1)
+    if probs.device.type != "cpu":
+        race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_(min=1e-30)
+        return (probs / race).argmax(-1)
+    cumulative = probs.cumsum(-1, dtype=torch.float64)
+    total = cumulative[..., -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64)
+    # u * total may round up to total itself: keep the point strictly below it, inside the last
+    # non-zero weight's interval
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, point, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
