@@ -200,3 +200,25 @@ def test_bootstrap_interval_depends_on_the_requests_not_their_order():
     assert interval[0] < tokens.sum() / rounds.sum() < interval[1]
     # another seed draws other resamples: the interval moves (the test above is not vacuous)
     assert bootstrap_ratio(tokens, rounds, n_boot=300, seed=1) != interval
+
+
+def test_model_drafter_scores_come_back_in_the_requests_order_whatever_the_batching(target, draft):
+    """token_acceptance batches sampled requests before greedy ones and like lengths together;
+    each request's beta_t must still be its own: equal to scoring it alone, in the given order."""
+    from specdec_core.estimate import token_acceptance
+
+    generator = torch.Generator().manual_seed(5)
+    requests = []
+    for i, (prompt, response) in enumerate([(9, 6), (3, 12), (14, 4), (5, 9), (11, 7), (4, 5), (7, 10)]):
+        sampling = SamplingParams() if i % 3 == 0 else SamplingParams(temperature=0.8, top_p=0.9)
+        requests.append(LoggedRequest(
+            f"r{i}", torch.randint(3, VOCAB, (prompt,), generator=generator).tolist(),
+            torch.randint(3, VOCAB, (response,), generator=generator).tolist(), sampling, "d"))
+    drafter = DraftModel(draft)
+    batched = token_acceptance(target, drafter, requests, batch_size=3, progress=False)
+    alone = [token_acceptance(target, drafter, [r], batch_size=1, progress=False)[0] for r in requests]
+    assert [len(b) for b in batched] == [len(r.response_ids) for r in requests]
+    for got, want in zip(batched, alone):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # the requests differ, so a mix-up of order would show
+    assert len({tuple(np.round(b, 4)) for b in alone}) == len(requests)
