@@ -162,7 +162,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     upgrade()
     report = import_traffic(sample_traffic_path(), progress=False)
     console.print(f"      {report['inserted']} new requests ({report['rows_read']} read, {report['skipped_existing']} already stored)")
-    console.print("[bold]3/4[/bold] specdec_evaluate through dag.test() (about 14 minutes on 2 CPU cores)")
+    console.print("[bold]3/4[/bold] specdec_evaluate through dag.test() (about 12 minutes on 2 CPU cores)")
     from airflow.dag_processing.dagbag import DagBag
 
     dag = DagBag(dag_folder=env["AIRFLOW__CORE__DAGS_FOLDER"]).get_dag("specdec_evaluate")
