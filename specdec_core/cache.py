@@ -13,10 +13,14 @@ static_cache.StaticSequenceCache (preallocated, fixed shapes, CUDA graphs).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import ClassVar, Protocol
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from . import cpu_kernels
 
 
 class KVCache(Protocol):
@@ -62,6 +66,57 @@ class KVCache(Protocol):
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
 
+_SHARE_PREFIX = contextvars.ContextVar("specdec_share_prefix", default=False)
+
+
+@contextlib.contextmanager
+def shared_prompt_cache():
+    """Within: a SequenceCache whose rows all start from one prompt (n samples of it, as the
+    sampling test draws) keeps the prompt's keys and values once instead of once per row, where the
+    model attends through the CPU kernels' attention (cpu_kernels.shared_prefix_ready). Every
+    later forward then attends over the prompt in place (cpu_kernels.shared_prefix_attention)
+    instead of copying and reading B copies of it: the same numbers up to float32 rounding. Off by
+    default: a cost profile times B rows as B distinct requests cost."""
+    token = _SHARE_PREFIX.set(True)
+    try:
+        yield
+    finally:
+        _SHARE_PREFIX.reset(token)
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """One layer of a cache whose rows share a prefix: its keys and values once (prefix_keys,
+    prefix_values [1, H, P, D]) and each row's later ones in keys / values [B, H, S, D], which
+    update, crop and the batch operations act on. Its length is P + S."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, batch: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.prefix_keys, self.prefix_values = keys, values
+        self.keys = keys.new_empty((batch, keys.shape[1], 0, keys.shape[3]))
+        self.values = values.new_empty((batch, values.shape[1], 0, values.shape[3]))
+
+    def get_seq_length(self) -> int:
+        return self.prefix_keys.shape[-2] + self.keys.shape[-2]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        if tokens_to_remove > 0 or -tokens_to_remove > self.keys.shape[-2]:
+            raise ValueError(f"crop({tokens_to_remove}) of a cache with a shared prefix: only the "
+                             f"{self.keys.shape[-2]} positions after the prefix can be removed")
+        self.keys = self.keys[..., :tokens_to_remove, :]
+        self.values = self.values[..., :tokens_to_remove, :]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.keys = self.keys.repeat_interleave(repeats, dim=0)
+        self.values = self.values.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys = self.keys[indices, ...]
+        self.values = self.values[indices, ...]
+
+
 class SequenceCache:
     """model + DynamicCache + attention mask [B, S] over cache columns + valid count per row [B]:
     the dynamic KVCache (finished rows leave the batch: fixed_shapes is False)."""
@@ -75,6 +130,7 @@ class SequenceCache:
         self.count: torch.Tensor | None = None   # LongTensor [B]: valid tokens = next position id
         self.has_holes = False                   # host-side: may the mask contain zeros?
         self.last_start = 0
+        self.shared_prefix = False               # layers keep the rows' common prompt once
 
     @property
     def width(self) -> int:
@@ -104,18 +160,27 @@ class SequenceCache:
             self.mask = torch.cat([self.mask, valid_l], dim=1)
         position_ids = (self.count[:, None] + valid_l.cumsum(1) - 1).clamp_(min=0)
         inputs = {"input_ids": tokens} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
-        out = self.model(**inputs,
-                         attention_mask=self.mask if self.has_holes else None,
-                         position_ids=position_ids, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=logits_to_keep)
+        with (cpu_kernels.shared_prefix_layers(self.cache.layers) if self.shared_prefix
+              else contextlib.nullcontext()):
+            out = self.model(**inputs,
+                             attention_mask=self.mask if self.has_holes else None,
+                             position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=logits_to_keep)
         self.count = self.count + valid_l.sum(1)
         return out.logits
 
     def _shared_prefill(self, tokens: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        """Identical unpadded rows (n samples of one prompt): prefill one row, copy its cache."""
+        """Identical unpadded rows (n samples of one prompt): prefill one row, then copy its cache
+        per row, or keep it once for all rows (shared_prompt_cache)."""
         batch = tokens.shape[0]
         logits = self.forward(tokens[:1], logits_to_keep=logits_to_keep)
-        self.cache.batch_repeat_interleave(batch)
+        if (_SHARE_PREFIX.get() and cpu_kernels.shared_prefix_ready(self.model)
+                and all(type(layer) is DynamicLayer for layer in self.cache.layers)):
+            self.cache.layers = [SharedPrefixLayer(layer.keys, layer.values, batch)
+                                 for layer in self.cache.layers]
+            self.shared_prefix = True
+        else:
+            self.cache.batch_repeat_interleave(batch)
         self.mask = self.mask.expand(batch, -1).clone()
         self.count = self.count.expand(batch).clone()
         return logits.expand(batch, -1, -1)

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from .cache import shared_prompt_cache
 from .decoder import SpecDecoder
 from .drafters import Drafter
 from .sampling import SamplingParams, logits_to_probs
@@ -235,8 +236,10 @@ def sampling_check(target: torch.nn.Module, drafter: Drafter, prompt_ids: torch.
         outputs = []
         for start in range(0, rows, chunk):   # memory-bounded: rows decoded in chunks
             batch = min(chunk, rows - start)
-            result = decoder.generate(prompt.expand(batch, -1), length + k, sampling=sampling,
-                                      seed=seed * 1000003 + index * 1009 + start, stop_after=length)
+            with shared_prompt_cache():       # the rows' common prompt cached once, not per row
+                result = decoder.generate(prompt.expand(batch, -1), length + k, sampling=sampling,
+                                          seed=seed * 1000003 + index * 1009 + start,
+                                          stop_after=length)
             outputs.append(result.tokens[:, :length].cpu())
         tokens = torch.cat(outputs)
         for position in range(length):

@@ -5,6 +5,7 @@ with the same tokens as before."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 
@@ -15,7 +16,7 @@ from transformers import DynamicCache
 from specdec_core import SpecDecoder, cpu_kernels
 from specdec_core.drafters import DraftModel, PromptLookup
 
-from .helpers.models import left_padded_batch, repetitive_prompt, tiny_llama
+from .helpers.models import VOCAB, left_padded_batch, repetitive_prompt, tiny_llama
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="this torch build has no oneDNN")
 
@@ -167,3 +168,77 @@ def test_the_decoder_uses_them_by_default_with_the_same_tokens():
     assert torch.equal(got.tokens, on.generate_plain(prompt, max_new_tokens=24).tokens)
     lookup = SpecDecoder(fast, PromptLookup(max_ngram=3), k=4)
     assert torch.equal(lookup.generate(prompt, max_new_tokens=24).tokens, want.tokens)
+
+
+def _cache_steps(model, shared: bool) -> tuple[list, list]:
+    """One prompt for 5 rows, then a pass with holes, a rollback to different lengths, two rows
+    leaving and a last pass; the logits of each forward and the cache's layer types."""
+    from specdec_core.cache import SequenceCache, shared_prompt_cache
+
+    torch.manual_seed(7)
+    prompt = torch.randint(3, VOCAB, (1, 11)).expand(5, -1)
+    verify = torch.randint(3, VOCAB, (5, 4))
+    valid = torch.ones(5, 4, dtype=torch.bool)
+    valid[1, 2:] = False
+    valid[3, 1:] = False
+    cache = SequenceCache(model)
+    logits = []
+    with torch.inference_mode(), (shared_prompt_cache() if shared else contextlib.nullcontext()):
+        logits.append(cache.forward(prompt, logits_to_keep=1))
+        types = [type(layer).__name__ for layer in cache.cache.layers]
+        logits.append(cache.forward(verify, valid))
+        cache.rollback_to(torch.tensor([12, 13, 11, 12, 15]))
+        cache.select_rows(torch.tensor([0, 1, 4]))
+        logits.append(cache.forward(torch.randint(3, VOCAB, (3, 3))))
+        logits.append(cache.forward(torch.randint(3, VOCAB, (3, 1))))
+    return logits, types
+
+
+def test_a_shared_prompt_cache_keeps_the_prompt_once_with_the_per_row_caches_logits():
+    _, fast, _ = _pair()
+    per_row, per_row_types = _cache_steps(fast, shared=False)
+    shared, shared_types = _cache_steps(fast, shared=True)
+    assert set(per_row_types) == {"DynamicLayer"}                 # off by default: B copies
+    assert set(shared_types) == {"SharedPrefixLayer"}
+    for want, got in zip(per_row, shared, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_shared_prompt_cache_holds_the_prompt_once_and_refuses_to_crop_into_it():
+    from specdec_core.cache import SequenceCache, shared_prompt_cache
+
+    _, fast, _ = _pair()
+    cache = SequenceCache(fast)
+    with torch.inference_mode(), shared_prompt_cache():
+        cache.forward(torch.arange(3, 12)[None].expand(6, -1))
+        cache.forward(torch.randint(3, VOCAB, (6, 2)))
+    layer = cache.cache.layers[0]
+    assert layer.prefix_keys.shape[0] == 1 and layer.prefix_keys.shape[2] == 9
+    assert layer.keys.shape[:3] == (6, layer.prefix_keys.shape[1], 2)
+    assert cache.cache.get_seq_length() == 11
+    with pytest.raises(ValueError, match="after the prefix"):
+        layer.crop(-3)
+    # a model that does not attend through the CPU kernels copies the prompt per row
+    plain = SequenceCache(tiny_llama())
+    with torch.inference_mode(), shared_prompt_cache():
+        plain.forward(torch.arange(3, 12)[None].expand(6, -1))
+    assert {type(layer).__name__ for layer in plain.cache.layers} == {"DynamicLayer"}
+
+
+def test_samples_of_one_prompt_are_the_same_with_the_prompt_cached_once():
+    from specdec_core import SamplingParams
+    from specdec_core.cache import shared_prompt_cache
+
+    _, fast, _ = _pair()
+    draft = tiny_llama(seed=5)
+    cpu_kernels.prepare(draft)
+    decoder = SpecDecoder(fast, DraftModel(draft), k=3)
+    prompt = repetitive_prompt().expand(40, -1)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    want = decoder.generate(prompt, max_new_tokens=10, sampling=sampling, seed=11)
+    with shared_prompt_cache():
+        got = decoder.generate(prompt, max_new_tokens=10, sampling=sampling, seed=11)
+    assert want.stats.drafted > want.stats.accepted > 0            # rounds accepted and rejected
+    assert torch.equal(got.tokens, want.tokens)
