@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections import Counter
@@ -223,8 +224,10 @@ def sampling_check(target: torch.nn.Module, drafter: Drafter, prompt_ids: torch.
                    ks=(1, 2), samplings=DEFAULT_VALIDATION_SAMPLING, rows: int = 2000,
                    length: int = 3, alpha: float = 0.01, seed: int = 0, chunk: int = 500,
                    decoder_cls=SpecDecoder, verifier=None,
-                   verify_round: Callable | None = None) -> SamplingReport:
-    """Distribution test of speculative sampling from one prompt (see the module docstring)."""
+                   verify_round: Callable | None = None, share_prompt: bool = True) -> SamplingReport:
+    """Distribution test of speculative sampling from one prompt (see the module docstring).
+    share_prompt: the rows' common prompt cached once (cache.shared_prompt_cache; the same draws),
+    False: copied per row, as a cache of distinct requests holds it."""
     device = next(target.parameters()).device
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)
     configs = [(k, s) for k in ks for s in samplings]
@@ -236,7 +239,7 @@ def sampling_check(target: torch.nn.Module, drafter: Drafter, prompt_ids: torch.
         outputs = []
         for start in range(0, rows, chunk):   # memory-bounded: rows decoded in chunks
             batch = min(chunk, rows - start)
-            with shared_prompt_cache():       # the rows' common prompt cached once, not per row
+            with shared_prompt_cache() if share_prompt else contextlib.nullcontext():
                 result = decoder.generate(prompt.expand(batch, -1), length + k, sampling=sampling,
                                           seed=seed * 1000003 + index * 1009 + start,
                                           stop_after=length)
