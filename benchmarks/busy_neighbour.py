@@ -98,7 +98,7 @@ def table(label: str, result: dict, seconds: float) -> str:
     check = result["check"] or {}
     reasons = json.loads(check["reasons"]) if isinstance(check.get("reasons"), str) else check.get("reasons")
     lines = [f"### {label}: run {result['run_id']} ({seconds:.0f} s)", "",
-             f"cost profile: {check.get('status')}, {check.get('attempts')} measurement(s), largest "
+             f"cost profile: {check.get('status')}, {check.get('attempts')} check(s), largest "
              f"spread {100 * (check.get('max_spread') or 0):.0f}%"
              + (f"; reasons: {'; '.join(reasons)}" if reasons else ""), "",
              "| domain | on | drafter, K | predicted | same requests | measured [95% CI] | cost-model err | held back by |",

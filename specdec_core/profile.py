@@ -210,7 +210,7 @@ class CostSampler:
         outvoted, while a slow phase that spoiled an earlier measurement ages out."""
         for store in (self.forward, self.draft, self.outside):
             for key in store:
-                store[key] = store[key][len(store[key]) - passes:] if passes > 0 else []
+                store[key] = store[key][max(0, len(store[key]) - passes):] if passes > 0 else []
 
     def clear(self) -> None:
         """Forget the timings taken so far."""

@@ -143,7 +143,9 @@ class Settings(BaseModel):
     profile_repeats: int = Field(default=3, ge=1, description=(
         "timings of every cost figure per measurement (interleaved; the median is stored)"))
     profile_attempts: int = Field(default=3, ge=1, description=(
-        "measurements of a profile that fails its checks before it is stored marked noisy"))
+        "a profile that fails its checks gets one more pass at a time, checked after each over "
+        "its last 2 x profile_repeats passes, up to profile_repeats x profile_attempts passes in "
+        "all; then it is stored marked noisy"))
     profile_max_spread: float = Field(default=0.25, gt=0, description=(
         "largest spread of a cost figure (interquartile range of its timings over the median; "
         "draft steps and overheads over the target step) in a trustworthy profile; a quiet 2-core "

@@ -672,7 +672,7 @@ def test_cli_profile_export_import_show(db_url, target, drafters, tmp_path, caps
     row_1 = [line for line in out.splitlines() if line.count("│") >= 7 and line.split("│")[1].strip() == "1"][0]
     spread = costs.spread[("verify", None, 1, 1)]
     assert row_1.split("│")[3].strip() == f"{costs.verify_ratios(1)[0]:.2f} ±{100 * spread:.0f}%"
-    assert "check: unchecked (1 measurement(s), largest spread 0%)" in out   # one repeat: no spread
+    assert "check: unchecked (1 check(s), largest spread 0%)" in out   # one repeat: no spread
 
 
 def test_cli_profile_show_unknown_is_exit_2(db_url, capsys, wide_console):

@@ -12,7 +12,8 @@ import time
 import pytest
 from sqlalchemy import select
 
-from tasks.steps.costs import CostTable, check_costs, load_costs, profile_costs
+from tasks.steps.costs import (CostTable, check_costs, load_costs, measure_until_consistent,
+                               profile_costs)
 from tasks.db.models import CostProfileCheck
 from tasks.steps.plan import plan_domain
 from tasks.settings import load_settings
@@ -158,11 +159,40 @@ def test_a_profile_of_the_tiny_model_stores_its_check_and_every_spread(db_url, s
                            noise_floor=settings.profile_noise_floor) == []
     else:                         # re-measured as often as allowed, then stored with its reasons
         assert row["status"] == "noisy" and costs.noisy
-        assert row["attempts"] == settings.profile_attempts
+        # checked after 5 passes, then after each more, up to 5 x 3 passes
+        assert row["attempts"] == 1 + 5 * 2 and row["details"]["passes"] == 15
+        assert len(row["details"]["earlier_attempts"]) == 10
         assert row["reasons"] == result["check"]["reasons"] != []
     # every figure carries its spread, and the stored maximum is theirs
     assert len(costs.spread) == len(costs.rows())
     assert row["max_spread"] == pytest.approx(max(costs.spread.values()))
+
+
+def test_a_failing_profile_gets_one_pass_at_a_time_over_a_sliding_window(target, drafters):
+    # the real sampler; the verdicts are scripted: the first two checks fail, the third passes
+    from specdec_core.profile import CostSampler
+
+    sampler = CostSampler(target, drafters, 2, [1], 16)
+    held, verdicts = [], [["spread 40% > 25%"], ["spread 30% > 25%"], []]
+
+    def check():
+        held.append(len(sampler.forward[(1, 1)]))
+        return "table", verdicts[len(held) - 1]
+
+    table, reasons, earlier, passes = measure_until_consistent(sampler, check, repeats=2, most=6,
+                                                               progress=False)
+    assert (table, reasons, passes) == ("table", [], 4)
+    assert earlier == verdicts[:2]
+    assert held == [2, 3, 4]            # checked after 2 passes, then after each one more
+
+    # a check that never passes stops at `most` passes, over the last 2 x repeats of them
+    held.clear()
+    table, reasons, earlier, passes = measure_until_consistent(
+        sampler, lambda: (held.append(len(sampler.forward[(1, 1)])) or "t", ["noisy"]),
+        repeats=2, most=7, progress=False)
+    assert passes == 7 and reasons == ["noisy"] and len(earlier) == 5
+    assert held == [6, 4, 4, 4, 4, 4]   # the 4 kept + 2 new, then a window of 4
+    assert all(len(v) == 4 for v in sampler.draft.values())
 
 
 BUSY = "import time\nend = time.time() + 120\nwhile time.time() < end:\n    pass\n"
@@ -202,5 +232,6 @@ def test_a_profile_measured_beside_a_busy_process_is_consistent_or_marked_noisy(
         assert max(costs.spread.values()) <= settings.profile_max_spread
     else:                         # re-measured as often as allowed, then stored with its reasons
         assert row["status"] == "noisy" and costs.noisy
-        assert row["attempts"] == 2 and row["reasons"] == result["check"]["reasons"] != []
+        assert row["attempts"] == 1 + 5 and row["details"]["passes"] == 10
+        assert row["reasons"] == result["check"]["reasons"] != []
     assert result["check"]["status"] == row["status"]

@@ -201,13 +201,13 @@ def cmd_profile_show(args) -> int:
     if check is None:
         console.print("check: none recorded (measured or imported without one)")
     elif check["status"] == "noisy":
-        console.print(f"[red]NOISY[/red] after {check['attempts']} measurement(s): "
+        console.print(f"[red]NOISY[/red] after {check['attempts']} check(s): "
                       + escape("; ".join(check.get("reasons") or []))
                       + ". The planner turns no domain on from it that the champion has off; "
                         "measure again on a quiet machine or plan with a stored profile "
                         "(--hardware-profile NAME).")
     else:
-        console.print(f"check: {check['status']} ({check['attempts']} measurement(s), largest spread "
+        console.print(f"check: {check['status']} ({check['attempts']} check(s), largest spread "
                       f"{100 * (check.get('max_spread') or 0):.0f}%)")
     return 0
 

@@ -392,12 +392,12 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
 
     Every figure is timed settings.profile_repeats times, interleaved over batch sizes, widths and
     drafters (specdec_core.profile.CostSampler), and stored as its median with its spread. The
-    profile is then checked (check_costs); one that fails is measured again, up to
-    settings.profile_attempts times in all, each time pooling the new timings with the previous
-    measurement's only (one hiccup among three timings is outvoted by six; a slow phase that
-    spoiled the first measurement ages out of the third), and if it still fails it is stored
-    marked `noisy` with the reasons (the planner turns nothing on from it that the champion has
-    off).
+    profile is then checked (check_costs); one that fails gets one more pass at a time and is
+    checked again after each (measure_until_consistent), over its last 2 x profile_repeats passes
+    (one hiccup among three timings is outvoted by the fourth; a slow phase that spoiled the
+    first passes ages out of the window), up to profile_repeats x profile_attempts passes in
+    all. If it still fails it is stored marked `noisy` with the reasons (the planner turns nothing
+    on from it that the champion has off).
 
     A suffix drafter without an index of its own is timed with an index over every stored
     response (its lookups cost more with more indexed tokens); tokenizer: for stored requests
@@ -416,26 +416,20 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     hardware["details"]["engine"] = SpecDecoder(target, None).engine()
     drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
     start = time.perf_counter()
-    earlier = []
     with timing_lock():
         sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile_context_len)
-        for attempt in range(1, settings.profile_attempts + 1):
-            if attempt > 1:
-                log.warning("run %s: cost profile %s is not trustworthy (%s); measuring again "
-                            "(attempt %d of %d)", run_id, hardware["name"], "; ".join(reasons),
-                            attempt, settings.profile_attempts)
-                sampler.keep_last(settings.profile_repeats)    # pooled with the last measurement
-            with tqdm(total=settings.profile_repeats, disable=not progress,
-                      desc=f"profile {hardware['name']}" + (f" (attempt {attempt})" if attempt > 1 else "")
-                      ) as bar:
-                sampler.sample(settings.profile_repeats, progress=bar.update)
+
+        def check() -> tuple[CostTable, list[str]]:
             table = _table_of(sampler, hardware["name"], run_id)
-            reasons = check_costs(table, sampler.raw_overheads(), settings.profile_max_spread,
-                                  settings.profile_noise_floor, settings.profile_verify_dip,
-                                  settings.profile_overhead_floor, settings.profile_step_dip)
-            if not reasons or not settings.profile_checks:
-                break
-            earlier.append(reasons)
+            return table, check_costs(table, sampler.raw_overheads(), settings.profile_max_spread,
+                                      settings.profile_noise_floor, settings.profile_verify_dip,
+                                      settings.profile_overhead_floor, settings.profile_step_dip)
+
+        table, reasons, earlier, passes = measure_until_consistent(
+            sampler, check, settings.profile_repeats,
+            most=settings.profile_repeats * (settings.profile_attempts if settings.profile_checks else 1),
+            progress=progress, label=f"profile {hardware['name']}", run_id=run_id)
+    attempt = len(earlier) + 1
     if not settings.profile_checks:     # measured once, trusted as it is: say what a check saw
         table.check = {"status": "unchecked", "reasons": [], "attempts": attempt,
                        "max_spread": max(table.spread.values(), default=0.0),
@@ -449,21 +443,56 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
                                    "verify_dip": settings.profile_verify_dip,
                                    "step_dip": settings.profile_step_dip,
                                    "overhead_floor": settings.profile_overhead_floor,
-                                   "repeats": settings.profile_repeats,
-                                   "earlier_attempts": earlier[:-1] if reasons else earlier}}
+                                   "repeats": settings.profile_repeats, "passes": passes,
+                                   "earlier_attempts": earlier}}
     if reasons:
-        log.warning("run %s: cost profile %s marked noisy after %d measurements: %s. No domain turns "
+        log.warning("run %s: cost profile %s marked noisy after %d checks: %s. No domain turns "
                     "on from it that the champion has off; measure on a quiet machine or plan with a "
                     "stored profile (`--hardware-profile NAME`)", run_id, hardware["name"], attempt,
                     "; ".join(reasons))
     store_costs(engine, run_id, hardware, table)
     elapsed = time.perf_counter() - start
-    log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d measurement%s, %s)", run_id,
-             hardware["name"], batch_sizes, elapsed, attempt, "s" if attempt > 1 else "",
+    log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d passes, %d check%s, %s)", run_id,
+             hardware["name"], batch_sizes, elapsed, passes, attempt, "s" if attempt > 1 else "",
              table.check["status"])
     return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
             "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
             "seconds": elapsed}
+
+
+def measure_until_consistent(sampler, check, repeats: int, most: int, progress: bool = True,
+                             label: str = "profile", run_id: str = "") -> tuple:
+    """Time `repeats` passes of every figure, then check; while the check fails and fewer than
+    `most` passes ran, time one more pass, keep the last 2 x `repeats` of them and check again.
+
+    One more pass is usually what a profile spoiled by a single slow timing needs (four timings
+    outvote one), at a third of the cost of measuring all `repeats` again; a machine that stays
+    busy fails every check and costs what a fresh measurement each time would. check() gives
+    (table, reasons) for the timings the sampler holds.
+    Returns (table, reasons of the last check, reasons of each earlier failed check, passes).
+    """
+    earlier: list[list[str]] = []
+    with tqdm(total=max(most, repeats), disable=not progress, desc=label) as bar:
+        sampler.sample(repeats, progress=bar.update)
+        passes = repeats
+        table, reasons = check()
+        while reasons and passes < most:
+            if not earlier:
+                log.warning("run %s: %s is not trustworthy (%s); timing one pass more at a time and "
+                            "checking the last %d passes after each (at most %d passes)", run_id,
+                            label, "; ".join(reasons), 2 * repeats, most)
+            else:
+                log.info("run %s: %s still fails after %d passes: %s", run_id, label, passes,
+                         "; ".join(reasons))
+            earlier.append(reasons)
+            bar.set_postfix_str(f"check {len(earlier) + 1}")
+            sampler.sample(1, progress=bar.update)
+            sampler.keep_last(2 * repeats)
+            passes += 1
+            table, reasons = check()
+        bar.total = passes      # a profile that passed early shows as complete
+        bar.refresh()
+    return table, reasons, earlier, passes
 
 
 def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) -> dict:
@@ -536,7 +565,7 @@ def profile_check_text(check: dict | None) -> str:
     if check is None:
         return "cost profile: no check recorded (measured or imported without one)"
     head = (f"cost profile {check['hardware_profile']} (run {check['profile_run']}): "
-            f"{check['status']}, {check['attempts']} measurement{'s' if check['attempts'] != 1 else ''}, "
+            f"{check['status']}, {check['attempts']} check{'s' if check['attempts'] != 1 else ''}, "
             f"largest spread {100 * (check.get('max_spread') or 0):.0f}%")
     if check["status"] == "noisy":
         head += ("; too noisy to turn a domain on: " + "; ".join(check.get("reasons") or [])
