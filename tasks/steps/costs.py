@@ -419,14 +419,9 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     with timing_lock():
         sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile_context_len)
 
-        def check() -> tuple[CostTable, list[str]]:
-            table = _table_of(sampler, hardware["name"], run_id)
-            return table, check_costs(table, sampler.raw_overheads(), settings.profile_max_spread,
-                                      settings.profile_noise_floor, settings.profile_verify_dip,
-                                      settings.profile_overhead_floor, settings.profile_step_dip)
-
         table, reasons, earlier, passes = measure_until_consistent(
-            sampler, check, settings.profile_repeats,
+            sampler, lambda: checked_table(sampler, settings, hardware["name"], run_id),
+            settings.profile_repeats,
             most=settings.profile_repeats * (settings.profile_attempts if settings.profile_checks else 1),
             progress=progress, label=f"profile {hardware['name']}", run_id=run_id)
     attempt = len(earlier) + 1
@@ -458,6 +453,16 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
             "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
             "seconds": elapsed}
+
+
+def checked_table(sampler, settings: Settings, hardware_profile: str = "",
+                  run_id: str = "") -> tuple[CostTable, list[str]]:
+    """The cost table of the timings a CostSampler holds, and what check_costs finds wrong with it
+    under the settings' bounds (empty: trustworthy)."""
+    table = _table_of(sampler, hardware_profile, run_id)
+    return table, check_costs(table, sampler.raw_overheads(), settings.profile_max_spread,
+                              settings.profile_noise_floor, settings.profile_verify_dip,
+                              settings.profile_overhead_floor, settings.profile_step_dip)
 
 
 def measure_until_consistent(sampler, check, repeats: int, most: int, progress: bool = True,
