@@ -219,7 +219,8 @@ class CostProfileCheck(Base):
     hardware_profile: Mapped[str] = mapped_column(NAME, primary_key=True)
     status: Mapped[str] = mapped_column(String(32))        # ok | noisy | unchecked (checks off)
     reasons: Mapped[list | None] = mapped_column(JSON)     # what failed, in words
-    attempts: Mapped[int] = mapped_column(Integer)         # checks made: after profile_repeats passes, then after each more (the last is stored)
+    # checks made: after profile_repeats passes, then after each further pass (the last is stored)
+    attempts: Mapped[int] = mapped_column(Integer)
     max_spread: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict | None] = mapped_column(JSON)     # settings of the check, earlier attempts
     created_at: Mapped[datetime] = mapped_column(DateTime)

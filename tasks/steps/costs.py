@@ -418,7 +418,6 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     start = time.perf_counter()
     with timing_lock():
         sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile_context_len)
-
         table, reasons, earlier, passes = measure_until_consistent(
             sampler, lambda: checked_table(sampler, settings, hardware["name"], run_id),
             settings.profile_repeats,
