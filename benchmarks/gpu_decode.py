@@ -325,11 +325,14 @@ def make_decoder(target: torch.nn.Module, drafter, k: int = 4, **options) -> Spe
     return SpecDecoder(target, drafter, k=k, **{n: v for n, v in options.items() if n in supported})
 
 
-def forward_costs(model: torch.nn.Module, widths, context_len: int, repeats: int) -> tuple[dict, str]:
-    """{width: median seconds of one cached target pass over width new tokens}, and its source."""
+def forward_costs(model: torch.nn.Module, widths, context_len: int, repeats: int,
+                  engine: dict) -> tuple[dict, str]:
+    """{width: median seconds of one cached target pass over width new tokens}, and its source.
+    engine: the decoders' options; the passes run as theirs do (graphs, compile)."""
     from specdec_core.profile import measure_forward_costs
     source = "specdec_core.profile.measure_forward_costs (static cache)"
-    extra = {"static": True}
+    extra = {"static": True, "cuda_graphs": engine.get("cuda_graphs", "auto"),
+             "compile": engine.get("compile", "auto")}
     costs = measure_forward_costs(model, list(widths), context_len=context_len, batch_size=1,
                                   repeats=repeats, **extra)
     return {int(w): float(s) for w, s in costs.items()}, source
@@ -513,7 +516,7 @@ class Bench:
         widths = range(1, max(s.ks) + 2)
         context = s.prompt_len + s.new_tokens[1] // 2
         log(f"item 2: forward costs of widths {list(widths)} at context {context}")
-        costs, source = forward_costs(self.target, widths, context, s.cost_repeats)
+        costs, source = forward_costs(self.target, widths, context, s.cost_repeats, s.engine)
         step = costs[1]
         return {"source": source, "context_len": context, "step_s": step,
                 "forward_s": {str(w): c for w, c in costs.items()},

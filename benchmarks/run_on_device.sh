@@ -16,6 +16,15 @@
 #                                                # the tiny test shapes (PATH must reach the venv)
 #   STEPS="profile breakdown" bash benchmarks/run_on_device.sh    # only some steps
 #                                                # (of: tests profile breakdown decode)
+#   LIMITS="tests=60 decode=300" bash benchmarks/run_on_device.sh  # each step's limit in seconds
+#                                                # (default tests=150 profile=150 breakdown=120
+#                                                # decode=240; LIMITS= for none): a step over its
+#                                                # limit is stopped, its log kept, the next one runs
+#
+# On an H100 (2026-11-26) the steps did not fit a 15-minute lease with torch.compile on (the engine's
+# default on CUDA): it compiles one body per forward width, so gpu_decode's item 2 (9 widths) ran
+# over 140 s and `profile measure` over 80 s before its first pass. `--engine-compile off` after the
+# script's name passes to gpu_decode (item 1 then measures the uncompiled engine).
 #
 # Wheels. The GPU image has torch, transformers, numpy, pandas, rich, safetensors, tokenizers,
 # pyyaml, requests and pytest, but not the pipeline's database and settings packages that
@@ -59,6 +68,8 @@ if [ "${1:-}" = "--smoke" ]; then
 fi
 OUT=${OUT:-/tmp/specdec-device-out}
 STEPS=${STEPS:-tests profile breakdown decode}
+# each step's limit in seconds: a 15-minute lease then brings back something of every step
+LIMITS=${LIMITS-tests=150 profile=150 breakdown=120 decode=240}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/specdec-device-work.XXXXXX)
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -93,7 +104,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "transformer
 PY
 
 fast_path_tests() {
-    python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py
+    python3 -m pytest -q -p no:cacheprovider --durations=15 tests/test_fast_path.py
 }
 
 profile_measure() {
@@ -133,14 +144,34 @@ gpu_decode() {
 
 declare -A RC=()
 ORDER=()
+limit_of() {   # limit_of KEY: the step's limit in seconds from LIMITS ("" when none)
+    local pair
+    for pair in $LIMITS; do
+        [ "${pair%%=*}" = "$1" ] && { echo "${pair#*=}"; return; }
+    done
+}
+
 run_step() {   # run_step KEY LOG FUNCTION [args]: tee the function's output into $OUT/LOG
     local key=$1 log=$2
     shift 2
     case " $STEPS " in *" $key "*) ;; *) return 0 ;; esac
     echo "=== $key: $(date -u +%H:%M:%S) UTC ===" | tee "$OUT/$log"
-    local start=$SECONDS
-    "$@" 2>&1 | tee -a "$OUT/$log"
-    RC[$key]=${PIPESTATUS[0]}
+    local start=$SECONDS limit
+    limit=$(limit_of "$key")
+    # a job of its own (job control on: its own process group), so that a step over its limit is
+    # stopped with all its processes (what it printed so far stays in its log) and the next runs
+    set -m
+    ( "$@" 2>&1 | tee -a "$OUT/$log"; exit "${PIPESTATUS[0]}" ) &
+    local pid=$! watch=
+    set +m
+    if [ -n "$limit" ]; then
+        ( sleep "$limit"; echo "=== $key: over its limit of ${limit}s, stopped ===" | tee -a "$OUT/$log"
+          kill -TERM -- -"$pid" 2>/dev/null; sleep 5; kill -KILL -- -"$pid" 2>/dev/null ) &
+        watch=$!
+    fi
+    wait "$pid"
+    RC[$key]=$?
+    [ -n "$watch" ] && { kill "$watch" 2>/dev/null; wait "$watch" 2>/dev/null; }
     ORDER+=("$key")
     echo "=== $key: rc=${RC[$key]} in $((SECONDS - start))s ===" | tee -a "$OUT/$log"
 }

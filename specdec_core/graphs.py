@@ -116,17 +116,23 @@ _HOST_READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_
 
 
 class _Recording(TorchDispatchMode):
-    """Records every ATen operator call (function, arguments, result) under it."""
+    """Records every ATen operator call (function, arguments, result) under it. `generators`: the
+    ones registered with the graph; drawing from any other fails, as a CUDA capture does."""
 
-    def __init__(self):
+    def __init__(self, generators: tuple = ()):
         super().__init__()
         self.calls: list = []
+        self.generators = {generator._cdata for generator in generators}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket.__name__ in _HOST_READS:
             raise RuntimeError(f"{func} reads the device on the host inside a captured body: a CUDA "
                                "graph capture fails there (keep the value on the device)")
+        generator = kwargs.get("generator")
+        if generator is not None and generator._cdata not in self.generators:
+            raise RuntimeError(f"{func} draws from a generator not registered with the graph: a CUDA "
+                               "graph capture fails there (pass it in `generators`)")
         result = func(*args, **kwargs)
         self.calls.append((func, args, kwargs, result))
         return result
@@ -147,12 +153,13 @@ class RecordedGraph(RerunGraph):
         self._body = body
         self.out = None
         self._calls = None
+        self._generators = tuple(generators)
 
     def replay(self) -> None:
         _REPLAYING[0] += 1
         try:
             if self._calls is None:
-                recording = _Recording()
+                recording = _Recording(self._generators)
                 with recording:
                     self.out = self._body()
                 self._calls = recording.calls

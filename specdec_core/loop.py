@@ -312,7 +312,6 @@ class Round:
         self.fixed = target.fixed_shapes
         self.device_work = device_only if self.fixed else contextlib.nullcontext
         self.graphs_on = self.fixed and target.cuda_graphs
-        self.generators = (bufs.generator,) + (drafter.generators() if drafter is not None else ())
 
     def prefill(self) -> torch.Tensor:
         """The prompts through the target; the first token of every row [B]."""
@@ -346,7 +345,9 @@ class Round:
         key = (plan.source.name if plan.source is not None else None, plan.drafted, plan.run_width,
                self.k, id(drafter), drafter.graph_key() if drafter is not None else (),
                self.eos_token_id, self.pad_token_id, self.sampling, self.verify, self.verifier)
-        return self.bufs.graphs.get(key, self.state.out.device, self.generators,
+        # the drafter's own generators exist once it has started (after this Round was made)
+        generators = (self.bufs.generator,) + (drafter.generators() if drafter is not None else ())
+        return self.bufs.graphs.get(key, self.state.out.device, generators,
                                     (drafter, self.verify, self.verifier))
 
     def run_draft(self, plan: RoundPlan) -> Proposal | None:

@@ -19,9 +19,12 @@ from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, Hardw
 from tasks.steps.plan import plan_domain, round_cost, speedups
 from tasks.settings import load_settings
 
+from .helpers import REPO
 from .helpers.costs import (LS, LS_SPEC, PL, PL_SPEC, STEP, VERIFY, add_estimate, configs,
                             cost_table)
 from .helpers.db import execute, fetch
+from .helpers.models import save_tiny_target, tiny_llama
+from .helpers.processes import specdec
 
 
 # ------------------------------------------------------------------------------------------------
@@ -500,6 +503,23 @@ def test_unknown_profile_or_run_names_the_known_profiles(db_url, target, drafter
     with pytest.raises(CostProfileError) as caught:
         load_costs("tiny-cpu", db_url, run_id="run-9")
     assert "run-9" in str(caught.value) and "tiny-cpu" in str(caught.value)
+
+
+def test_profile_measure_runs_where_mlflow_is_not_installed(tmp_path):
+    # a GPU machine's image has torch and transformers, not MLflow: `specdec profile measure`
+    # imports it nowhere on its path (an H100 run failed there on a module-level import)
+    blocker = tmp_path / "blocked" / "mlflow"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'mlflow'\")\n")
+    model = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
+    env = {"PYTHONPATH": f"{blocker.parent}:{REPO}", "SPECDEC_DATABASE_URL": f"sqlite:///{tmp_path}/p.db"}
+    assert specdec("db", "upgrade", home=tmp_path, env=env).returncode == 0
+    done = specdec("profile", "measure", "--model", str(model), "--device", "cpu", "--name", "no-mlflow",
+                   "--candidate", "prompt_lookup", "--batch-sizes", "1", "--k-max", "2",
+                   home=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no-mlflow" in done.stdout
+    assert len(cost_rows(env["SPECDEC_DATABASE_URL"], "no-mlflow")) > 0
 
 
 def test_describe_hardware_default_name(target):

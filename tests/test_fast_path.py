@@ -139,6 +139,24 @@ def test_recorded_graph_refuses_a_host_read_inside_the_body():
         graph.replay()
 
 
+def test_recorded_graph_draws_only_from_registered_generators():
+    # a CUDA capture fails on a generator the graph does not hold ("Attempt to increase offset
+    # for a CUDA generator not in capture mode"); the stand-in fails alike, and replays draw anew
+    from specdec_core.graphs import RecordedGraph
+
+    own, stray = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    graph = RecordedGraph()
+    graph.record(lambda: torch.rand(4, generator=stray), torch.device("cpu"), (own,))
+    with pytest.raises(RuntimeError, match="generator not registered with the graph"):
+        graph.replay()
+    graph = RecordedGraph()
+    graph.record(lambda: torch.rand(4, generator=own), torch.device("cpu"), (own,))
+    graph.replay()
+    first = graph.out.clone()
+    graph.replay()
+    assert not torch.equal(first, graph.out)
+
+
 def target_cache(decoder):
     """engine_state() of the decoder's one target cache (with its captured rounds)."""
     caches = [cache for cache in decoder.engine_state()["caches"] if cache["role"] == "target"]

@@ -80,6 +80,15 @@ def test_counts_follow_the_documented_rules(script, with_kind):
     assert totals["host_events"] == 7
 
 
+def test_the_call_window_is_the_host_range_not_its_device_annotation(script):
+    # with CUDA profiled, torch 2.11 lists the range twice: on the host and as a GPU annotation
+    events = fake_profile(script)
+    assert sum(e.name == script.RUN_RANGE for e in events) == 2
+    assert script.call_window(events) == (0, 100)
+    with pytest.raises(RuntimeError, match="expected one host"):
+        script.call_window([e for e in events if e.name != script.RUN_RANGE])
+
+
 def test_without_cuda_the_device_side_is_none(script):
     totals = script.count_events(fake_profile(script), (0, 100), device_profiled=False)
     assert all(totals[key] is None for key in DEVICE_SIDE)

@@ -43,7 +43,7 @@ def cmd_train(args) -> int:
     from specdec_core.train import TrainConfig
 
     from ..steps.draft_training import train_draft_from_traffic
-    from ..steps.evaluate import default_run_id
+    from ..timeutil import default_run_id
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, teacher_topk=args.teacher_topk,
@@ -72,7 +72,7 @@ def cmd_train(args) -> int:
 
 def cmd_generate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.evaluate import default_run_id
+    from ..timeutil import default_run_id
     from ..steps.traffic_generate import generate_traffic
 
     run_id = args.id or "generate__" + default_run_id().split("__")[1].replace(":", "-")

@@ -121,7 +121,7 @@ def _profile_model(args):
 def cmd_profile_measure(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.costs import profile_costs
-    from ..steps.evaluate import default_run_id
+    from ..timeutil import default_run_id
 
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
     if args.engine == "vllm":

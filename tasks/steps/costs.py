@@ -39,7 +39,6 @@ from ..errors import SpecdecTaskError
 from ..registry.run_results import profile_check  # noqa: F401 - re-exported
 from ..settings import Settings, load_settings, specdec_home
 from ..timeutil import utcnow
-from .suffix_index import timing_index
 
 log = logging.getLogger(__name__)
 
@@ -505,6 +504,10 @@ def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) 
     for label, drafter in drafters.items():
         if isinstance(drafter, SuffixDrafter) and drafter.index is None:
             if index is None:
+                # imported here: suffix_index reaches MLflow, which a GPU machine's
+                # `profile measure` (no MLflow installed there) never needs
+                from .suffix_index import timing_index
+
                 index = timing_index(db_url, None, tokenizer, output_size(target))
             drafter = SuffixDrafter(index, drafter.max_depth, drafter.min_token_prob,
                                     drafter.max_spec_factor)

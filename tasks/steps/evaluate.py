@@ -16,7 +16,7 @@ from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
 from ..errors import SpecdecTaskError
 from ..registry.run_results import profile_check
 from ..settings import DEFAULT_MODEL, Settings, load_settings
-from ..timeutil import utcnow
+from ..timeutil import default_run_id
 from .context import RunSpec, use_model
 from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
                        step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
@@ -33,10 +33,6 @@ TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_acc
                  *ENGINE_COLUMNS)
 LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_error",
                 "greedy_checked", "greedy_consistent", "measured_speedup_lo", "measured_speedup_hi")
-
-
-def default_run_id() -> str:
-    return "manual__" + utcnow().strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
