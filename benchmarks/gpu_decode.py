@@ -331,10 +331,9 @@ def forward_costs(model: torch.nn.Module, widths, context_len: int, repeats: int
     engine: the decoders' options; the passes run as theirs do (graphs, compile)."""
     from specdec_core.profile import measure_forward_costs
     source = "specdec_core.profile.measure_forward_costs (static cache)"
-    extra = {"static": True, "cuda_graphs": engine.get("cuda_graphs", "auto"),
-             "compile": engine.get("compile", "auto")}
     costs = measure_forward_costs(model, list(widths), context_len=context_len, batch_size=1,
-                                  repeats=repeats, **extra)
+                                  repeats=repeats, static=True, cuda_graphs=engine["cuda_graphs"],
+                                  compile=engine["compile"])
     return {int(w): float(s) for w, s in costs.items()}, source
 
 
