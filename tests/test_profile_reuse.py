@@ -33,7 +33,7 @@ NOISY = dict(SETTINGS, profile_repeats=2, profile_attempts=1, profile_max_spread
 
 
 @pytest.fixture(scope="module")
-def target():
+def one_layer():
     return tiny_llama(hidden=32, layers=1, heads=2, seed=0)
 
 
@@ -63,8 +63,8 @@ def backdate(db_url, days: float) -> None:
     execute(db_url, update(CostProfileCheck).values(measured_at=utcnow() - timedelta(days=days)))
 
 
-def test_a_second_run_reuses_the_profile_under_its_own_run_id(db_url, target, caplog):
-    first = profile(db_url, target, "run-1")
+def test_a_second_run_reuses_the_profile_under_its_own_run_id(db_url, one_layer, caplog):
+    first = profile(db_url, one_layer, "run-1")
     assert first["profile"]["reused"] is False and first["check"]["status"] == "ok"
     measured = check_row(db_url, "run-1")
     assert measured["reused_from"] is None and measured["measured_at"] is not None
@@ -72,14 +72,14 @@ def test_a_second_run_reuses_the_profile_under_its_own_run_id(db_url, target, ca
     assert measured["device"] == first["hardware_profile"]["device"] and measured["dtype"] == "float32"
 
     with caplog.at_level(logging.INFO, logger="tasks.steps.costs"):
-        second = profile(db_url, target, "run-2")
+        second = profile(db_url, one_layer, "run-2")
     provenance = second["profile"]
     assert provenance["reused"] is True and provenance["run_id"] == "run-1"
     assert provenance["text"].startswith("reused from run run-1, measured at ")
     assert provenance["text"].endswith(" 0.0 days old") and 0 <= provenance["age_days"] < 0.01
     assert provenance["text"] in caplog.text
     # the run's own rows: the same costs, which every reader of the run's costs finds as its own
-    assert costs_of(db_url, "run-2") == {key: value for key, value in costs_of(db_url, "run-1").items()}
+    assert costs_of(db_url, "run-2") == costs_of(db_url, "run-1")
     assert len(costs_of(db_url, "run-2")) == len(first["costs"])
     name = first["hardware_profile"]["name"]
     assert load_costs(name, db_url).run_id == "run-2" and run_costs("run-1", db_url) is None
@@ -94,54 +94,54 @@ def test_a_second_run_reuses_the_profile_under_its_own_run_id(db_url, target, ca
 
     # idempotent by run id: the step again replaces its rows; a third run names the run that
     # measured the costs, not the copy it found newest
-    profile(db_url, target, "run-2")
+    profile(db_url, one_layer, "run-2")
     assert costs_of(db_url, "run-2") == costs_of(db_url, "run-1")
-    third = profile(db_url, target, "run-3")
+    third = profile(db_url, one_layer, "run-3")
     assert third["profile"]["run_id"] == "run-1" and check_row(db_url, "run-3")["reused_from"] == "run-1"
 
 
-def test_a_profile_of_another_target_is_not_reused(db_url, target):
-    profile(db_url, target, "run-1")
+def test_a_profile_of_another_target_is_not_reused(db_url, one_layer):
+    profile(db_url, one_layer, "run-1")
     other = tiny_llama(hidden=32, layers=1, heads=2, seed=1)   # other weights: another fingerprint
     second = profile(db_url, other, "run-2")
     assert second["profile"]["reused"] is False and check_row(db_url, "run-2")["reused_from"] is None
     assert check_row(db_url, "run-2")["target_fingerprint"] != check_row(db_url, "run-1")["target_fingerprint"]
     assert costs_of(db_url, "run-2") != costs_of(db_url, "run-1")     # timed again
     # the first target's own profile is still found by its key, though not the newest stored
-    assert profile(db_url, target, "run-3")["profile"]["run_id"] == "run-1"
+    assert profile(db_url, one_layer, "run-3")["profile"]["run_id"] == "run-1"
 
 
-def test_a_profile_older_than_profile_max_age_days_is_measured_again(db_url, target):
+def test_a_profile_older_than_profile_max_age_days_is_measured_again(db_url, one_layer):
     assert load_settings({}).profile_max_age_days == 7
     assert load_settings({"SPECDEC_PROFILE_MAX_AGE_DAYS": "2.5"}).profile_max_age_days == 2.5
-    profile(db_url, target, "run-1")
+    profile(db_url, one_layer, "run-1")
     backdate(db_url, 6)
-    younger = profile(db_url, target, "run-2")
+    younger = profile(db_url, one_layer, "run-2")
     assert younger["profile"]["reused"] is True
     assert younger["profile"]["text"].endswith(", 6.0 days old")
     backdate(db_url, 8)
-    older = profile(db_url, target, "run-3")
+    older = profile(db_url, one_layer, "run-3")
     assert older["profile"]["reused"] is False and check_row(db_url, "run-3")["reused_from"] is None
     assert costs_of(db_url, "run-3") != costs_of(db_url, "run-1")
     # the setting decides: the same 8-day-old profile is reused under a 10-day limit
     backdate(db_url, 8)
-    assert profile(db_url, target, "run-4", profile_max_age_days=10)["profile"]["reused"] is True
-    assert profile(db_url, target, "run-5", profile_max_age_days=0)["profile"]["reused"] is False
+    assert profile(db_url, one_layer, "run-4", profile_max_age_days=10)["profile"]["reused"] is True
+    assert profile(db_url, one_layer, "run-5", profile_max_age_days=0)["profile"]["reused"] is False
 
 
-def test_a_noisy_profile_is_not_reused(db_url, target):
-    noisy = profile(db_url, target, "run-1", **NOISY)
+def test_a_noisy_profile_is_not_reused(db_url, one_layer):
+    noisy = profile(db_url, one_layer, "run-1", **NOISY)
     assert noisy["check"]["status"] == "noisy" and check_row(db_url, "run-1")["status"] == "noisy"
-    second = profile(db_url, target, "run-2")
+    second = profile(db_url, one_layer, "run-2")
     assert second["profile"]["reused"] is False and second["check"]["status"] == "ok"
     assert check_row(db_url, "run-2")["reused_from"] is None
     # the next run reuses the profile that passed, not the newer-or-older noisy one
-    assert profile(db_url, target, "run-3")["profile"]["run_id"] == "run-2"
+    assert profile(db_url, one_layer, "run-3")["profile"]["run_id"] == "run-2"
 
 
-def test_new_profile_measures_although_a_profile_could_be_reused(db_url, target):
-    first = profile(db_url, target, "run-1")
-    forced = profile(db_url, target, "run-2", new_profile=True)
+def test_new_profile_measures_although_a_profile_could_be_reused(db_url, one_layer):
+    first = profile(db_url, one_layer, "run-1")
+    forced = profile(db_url, one_layer, "run-2", new_profile=True)
     assert forced["profile"]["reused"] is False and forced["profile"]["text"].startswith(
         "measured by this run at ")
     row = check_row(db_url, "run-2")
@@ -150,21 +150,21 @@ def test_new_profile_measures_although_a_profile_could_be_reused(db_url, target)
     assert forced["hardware_profile"]["name"] == first["hardware_profile"]["name"]
 
 
-def test_a_profile_without_this_runs_candidates_or_k_is_measured_again(db_url, target):
-    profile(db_url, target, "run-1")
-    assert profile(db_url, target, "run-2", eval_k_max=2)["profile"]["reused"] is False
+def test_a_profile_without_this_runs_candidates_or_k_is_measured_again(db_url, one_layer):
+    profile(db_url, one_layer, "run-1")
+    assert profile(db_url, one_layer, "run-2", eval_k_max=2)["profile"]["reused"] is False
     settings = load_settings({}, **SETTINGS)
-    more = {**drafters_of(target), **{label: d for label, (_, d) in build_drafters(
-        ["prompt_lookup:max_ngram=2"], target).items()}}
-    result = measure_or_reuse("run-3", target, more, db_url=db_url, settings=settings, progress=False)
+    more = {**drafters_of(one_layer), **{label: d for label, (_, d) in build_drafters(
+        ["prompt_lookup:max_ngram=2"], one_layer).items()}}
+    result = measure_or_reuse("run-3", one_layer, more, db_url=db_url, settings=settings, progress=False)
     assert result["profile"]["reused"] is False
 
 
-def test_the_profile_step_says_which_profile_the_run_plans_with(db_url, target):
+def test_the_profile_step_says_which_profile_the_run_plans_with(db_url, one_layer):
     from tasks.steps.context import RunSpec, use_model
     from tasks.steps.pipeline import step_profile
 
-    use_model("tiny-reuse", target)
+    use_model("tiny-reuse", one_layer)
     for run_id in ("step-1", "step-2", "step-3"):
         execute(db_url, insert(EvalRun).values(run_id=run_id, created_at=utcnow(), updated_at=utcnow(),
                                                status="sampled"))
