@@ -11,11 +11,12 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import insert, select, update
 
-from tasks.db.models import CostProfile, CostProfileCheck, EvalRun
+from tasks.db.models import CostProfile, CostProfileCheck, DomainConfig, EvalRun
 from tasks.registry.run_results import profile_check
 from tasks.settings import load_settings
 from tasks.steps.candidates import build_drafters
 from tasks.steps.costs import load_costs, measure_or_reuse, profile_check_text, run_costs
+from tasks.steps.reports import run_report
 from tasks.timeutil import utcnow
 
 from .helpers.db import execute, fetch
@@ -187,6 +188,11 @@ def test_the_profile_step_says_which_profile_the_run_plans_with(db_url, one_laye
     check = profile_check("step-2", db_url)
     assert (check["profile_run"], check["status"], check["reused_from"]) == ("step-2", "ok", "step-1")
     assert "reused from run step-1, measured at " in profile_check_text(check)
+    execute(db_url, insert(DomainConfig).values(run_id="step-2", domain="qa", enabled=False,
+                                                status="ok", created_at=utcnow()))
+    [row] = [dict(zip(report["columns"], r)) for report in [run_report("planner_safeguards", db_url)]
+             for r in report["rows"]]
+    assert (row["run_id"], row["profile_status"], row["profile_reused_from"]) == ("step-2", "ok", "step-1")
     forced = step_profile(spec("step-3"), new_profile=True)
     assert forced["reused"] is False and forced["measured_by"] == "step-3"
 
