@@ -8,7 +8,9 @@ demand from the trigger form, for the target model:
 2. **check** it with Great Expectations: table-level failures stop the run; a domain below its
    minimum is *insufficient* and keeps the champion's setting;
 3. **profile** target step, verify(K) and draft steps on this worker (pool `specdec_timing`,
-   one slot: timing never overlaps other timing), or use a stored hardware profile;
+   one slot: timing never overlaps other timing), or reuse the newest stored profile of this
+   worker's hardware, engine, dtype and target that passed its checks and is younger than
+   `profile_max_age_days` (Param `new_profile`: measure anyway), or use a named stored profile;
 4. per domain (mapped): **estimate** acceptance offline and **plan** drafter, K, max batch size and
    on/off; **confirm** live (pool `specdec_timing`); **validate** the sampling distribution;
 5. **finish**: domains whose steps failed are recorded as failed (the champion's setting is kept),
@@ -100,6 +102,11 @@ PARAMS = {
                               title="Hardware profile",
                               description="Optional; a stored cost profile to plan with; empty: "
                                           "measure this worker"),
+    "new_profile": Param(False, type="boolean", title="New cost profile",
+                         description="On: the profile task measures this worker even where a stored "
+                                     "profile of its hardware, engine and target that passed its "
+                                     "checks and is younger than profile_max_age_days could be "
+                                     "reused; off: reuse such a profile"),
     "k_max": Param(setting_default("eval_k_max"), type="integer", minimum=1, maximum=32,
                    title="Largest K",
                    description="1 to 32: the largest number of draft tokens per round (K) that "
@@ -148,18 +155,20 @@ def specdec_evaluate():
             return step_check(spec)
 
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
-    def profile(spec: dict) -> str:
+    def profile(spec: dict) -> dict:
+        """The run's cost profile: reused (a stored one younger than profile_max_age_days) or
+        measured here; the Param new_profile forces a measurement."""
         from tasks.steps.pipeline import step_profile
 
         with task_errors():
-            return step_profile(spec)
+            return step_profile(spec, new_profile=bool(get_current_context()["params"].get("new_profile")))
 
     @task
     def domains_of(checked: dict) -> list[str]:
         return checked["ok"]
 
     @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
-    def estimate(domain: str, spec: dict, profile_name: str) -> str:
+    def estimate(domain: str, spec: dict, profile_name: dict) -> str:
         from tasks.steps.pipeline import step_estimate
 
         label_mapped(domain)
@@ -255,7 +264,7 @@ def specdec_evaluate():
         return table
 
     @task_group
-    def per_domain(domain: str, spec: dict, profile_name: str):
+    def per_domain(domain: str, spec: dict, profile_name: dict):
         """One domain's chain; mapped over domains, so a failure stays inside its own domain."""
         return validate(confirm(estimate(domain, spec, profile_name), spec), spec)
 

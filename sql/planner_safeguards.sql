@@ -2,14 +2,18 @@
 --   A run whose own cost profile was too noisy turns no domain on that the champion has off
 --   ("noisy profile"); a domain planned on whose live check measured it too slow stays off
 --   ("live veto"). One row per domain of every run, newest first.
--- Reads: domain_configs, eval_runs, cost_profile_checks (the profile a run measured itself; a
---   run planned with a stored profile shows no profile status), live_measurements.
+-- Reads: domain_configs, eval_runs, cost_profile_checks (the profile a run measured itself or
+--   reused, copied under its run id; a run planned with a named stored profile shows no profile
+--   status), live_measurements.
 -- Columns: profile_status ok | noisy (profile_measurements: how often it was measured before it
---   was stored; profile_max_spread: its largest interquartile range over the median);
+--   was stored; profile_max_spread: its largest interquartile range over the median;
+--   profile_reused_from: the run that measured a reused profile, NULL where the run measured it;
+--   profile_measured_at: when it was measured);
 --   held_off_by: noisy profile | live veto | NULL; measured_lo / measured_hi: the live speedup's
 --   95% interval over the confirm requests (how weak the evidence is: see requests).
 SELECT d.run_id, d.domain, e.hardware_profile, c.status AS profile_status,
        c.attempts AS profile_measurements, c.max_spread AS profile_max_spread,
+       c.reused_from AS profile_reused_from, c.measured_at AS profile_measured_at,
        CASE WHEN d.reason LIKE 'off: cost profile too noisy%' THEN 'noisy profile'
             WHEN d.reason LIKE 'live check:%' THEN 'live veto' END AS held_off_by,
        CASE WHEN d.enabled THEN 1 ELSE 0 END AS enabled,

@@ -165,6 +165,12 @@ class Settings(BaseModel):
         "how negative (in target steps) a round's measured overhead may be in a trustworthy "
         "profile: it is the difference of a short decode and its priced forwards (a quiet 2-core "
         "machine: down to -0.12)"))
+    profile_max_age_days: float = Field(default=7.0, ge=0, description=(
+        "a run reuses the newest stored cost profile that passed its checks, was measured on "
+        "this hardware (device, CPU model and threads), engine and engine version, dtype and "
+        "target fingerprint, covers the run's batch sizes, K and candidates, and is younger "
+        "than this many days; else it measures one (0: always measure; `specdec evaluate "
+        "--new-profile` and the DAG Param `new_profile` force a measurement)"))
     profile_noise_floor: float = Field(default=0.05, ge=0, lt=1, description=(
         "a cost that falls where it must not (the step as the batch grows, verify as K grows, "
         "verify below one step) is inconsistent only when it falls by more than this and than "

@@ -83,7 +83,8 @@ def cmd_evaluate(args) -> int:
                       max_per_domain=args.max_per_domain, min_per_domain=args.min_per_domain,
                       device=args.device,
                       progress=not args.no_progress, register=not args.no_register,
-                      promote=args.promote, tracking_uri=args.tracking_uri)
+                      promote=args.promote, tracking_uri=args.tracking_uri,
+                      new_profile=args.new_profile)
     if args.json:
         print_json(result)
         return 0
@@ -91,6 +92,7 @@ def cmd_evaluate(args) -> int:
     from ..steps.costs import profile_check_text
 
     console.print(escape(profile_check_text(result.get("profile_check"))))
+    console.print(escape(f"cost profile {result['hardware_profile']}: {result['profile']['text']}"))
     fp = result["fingerprint"]
     console.print(f"target fingerprint {fp['id']}: {'ok' if fp['passed'] else 'FAILED: ' + '; '.join(fp['reasons'])}"
                   f"; steps (s): " + ", ".join(f"{k} {v:.0f}" for k, v in result["steps"].items()))
@@ -244,6 +246,9 @@ def register(sub) -> None:
                     help="repeatable drafter KIND[:NAME=VALUE...] (default: settings.candidates)")
     ev.add_argument("--hardware-profile", default=None,
                     help="plan with this stored (imported) cost profile instead of measuring here")
+    ev.add_argument("--new-profile", action="store_true",
+                    help="measure a new cost profile here even where a stored one of this hardware, "
+                         "engine and target, younger than profile_max_age_days, could be reused")
     ev.add_argument("--k-max", type=int, default=None)
     per_domain_args(ev, min_help="minimum requests per domain", max_help="requests sampled per domain")
     ev.add_argument("--no-progress", action="store_true")
@@ -258,7 +263,8 @@ def register(sub) -> None:
 
     prof = sub.add_parser("profile", help="cost profiles: measure, show, export, import")
     p_sub = prof.add_subparsers(dest="profile_command", required=True)
-    measure = p_sub.add_parser("measure", help="time target step, verify(K), draft steps here")
+    measure = p_sub.add_parser("measure", help="time target step, verify(K), draft steps here "
+                                               "(always afresh; stored for later runs to reuse)")
     measure.add_argument("--name", default=None, help="profile name (default: from device and dtype)")
     measure.add_argument("--run-id", default=None)
     measure.add_argument("--model", default=DEFAULT_MODEL)

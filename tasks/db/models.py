@@ -224,6 +224,21 @@ class CostProfileCheck(Base):
     max_spread: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict | None] = mapped_column(JSON)     # settings of the check, earlier attempts
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # 0013: the profile's key, by which a later run reuses it (tasks.steps.costs.reusable_profile):
+    # the hardware as hardware_profiles describes it (device, with a CPU's thread count; the CPU
+    # model), the engine ("specdec" | "vllm") and its version, the dtype and the target's
+    # fingerprint; the full hardware description it was measured on; when its costs were
+    # measured, and the run that measured them when this run reused them (NULL: measured by this
+    # run). NULL throughout in profiles stored before 0013 and imported ones (never reused).
+    device: Mapped[str | None] = mapped_column(NAME)
+    processor: Mapped[str | None] = mapped_column(NAME)
+    engine: Mapped[str | None] = mapped_column(String(32))
+    engine_version: Mapped[str | None] = mapped_column(NAME)
+    dtype: Mapped[str | None] = mapped_column(String(32))
+    target_fingerprint: Mapped[str | None] = mapped_column(NAME, index=True)
+    hardware: Mapped[dict | None] = mapped_column(JSON)
+    measured_at: Mapped[datetime | None] = mapped_column(DateTime)
+    reused_from: Mapped[str | None] = mapped_column(ID)
 
 
 class HardwareProfile(Base):

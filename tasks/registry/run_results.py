@@ -16,8 +16,10 @@ from ..db.models import (AcceptanceEstimate, CostProfile, CostProfileCheck, Data
 
 def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
     """The check of the cost profile the run planned with: {hardware_profile, profile_run, status,
-    reasons, attempts, max_spread}; None before the profile step (or for a profile without one).
-    The profile's newest run is the one planned with (tasks.steps.costs.run_costs)."""
+    reasons, attempts, max_spread, reused_from, measured_at}; None before the profile step (or for
+    a profile without one). The profile's newest run is the one planned with
+    (tasks.steps.costs.run_costs); reused_from: the run that measured costs this run reused
+    (None: measured by profile_run itself), measured_at: when (ISO, UTC; None: not recorded)."""
     engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
@@ -30,12 +32,16 @@ def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
             return None
         check = connection.execute(
             select(CostProfileCheck.status, CostProfileCheck.reasons, CostProfileCheck.attempts,
-                   CostProfileCheck.max_spread)
+                   CostProfileCheck.max_spread, CostProfileCheck.reused_from,
+                   CostProfileCheck.measured_at)
             .where((CostProfileCheck.hardware_profile == name)
                    & (CostProfileCheck.run_id == profile_run))).mappings().first()
     if check is None:
         return None
-    return {"hardware_profile": name, "profile_run": profile_run, **dict(check)}
+    check = dict(check)
+    if check["measured_at"] is not None:
+        check["measured_at"] = check["measured_at"].isoformat()
+    return {"hardware_profile": name, "profile_run": profile_run, **check}
 
 
 def engine_checks(run_id: str, db_url: str | None = None) -> list[dict]:

@@ -10,11 +10,20 @@ does that job; the lock is only the per-machine guard.
 
 A hardware description (describe_hardware / describe_device) is a device and dtype: timings are
 comparable only within one (same_hardware); confirm refuses the others (HardwareMismatch).
+
+Profiles kept between runs: every stored profile carries its key (profile_key: the hardware as
+hardware_profiles describes it, with the CPU model and a CPU's thread count; the engine and its
+version; the dtype; the target's fingerprint) and when it was measured (cost_profile_checks).
+`measure_or_reuse` is the evaluation run's profile: it copies the newest stored profile of the
+same key that passed its checks, covers the run's batch sizes, K and candidates and is younger
+than `profile_max_age_days` under the run's own id (reuse_costs: every reader of a run's costs
+reads them as if measured), else measures one. `profile_costs` always measures.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import platform
@@ -22,6 +31,8 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
 
 import numpy as np
@@ -278,9 +289,38 @@ class CostTable:
         return table
 
 
-def store_costs(engine, run_id: str, hardware: dict, table: CostTable) -> None:
-    """One transaction: the profile's rows, check and hardware description of this run replaced."""
+def specdec_engine_version(options: dict) -> str:
+    """Our engine's version as a profile's key names it: the package's and torch's versions and a
+    digest of the engine options resolved for the target (SpecDecoder.engine(): static caches,
+    CUDA graphs, compiled forwards, CPU kernels), each of which changes what a step costs."""
+    try:
+        ours = package_version("specdec-rollout")
+    except PackageNotFoundError:        # run from a source tree that was never installed
+        ours = "source"
+    digest = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"specdec {ours}, torch {torch.__version__}, options {digest}"
+
+
+def profile_key(hardware: dict, engine: str, engine_version: str, fingerprint: str | None) -> dict:
+    """The key a stored profile is reused by: {device, processor, engine, engine_version, dtype,
+    target_fingerprint}. device and dtype are hardware_profiles' (a CPU's device names its thread
+    count), processor the CPU model (describe_device's details; None where not described)."""
+    return {"device": hardware["device"], "processor": (hardware.get("details") or {}).get("processor"),
+            "engine": engine, "engine_version": engine_version, "dtype": hardware["dtype"],
+            "target_fingerprint": fingerprint}
+
+
+KEY_COLUMNS = ("device", "processor", "engine", "engine_version", "dtype", "target_fingerprint")
+
+
+def store_costs(engine, run_id: str, hardware: dict, table: CostTable, key: dict | None = None) -> None:
+    """One transaction: the profile's rows, check and hardware description of this run replaced.
+    key (profile_key, with `measured_at` and `reused_from` where the costs were measured before,
+    by another run): stored with the check, so a later run can reuse the profile."""
     now = utcnow()
+    keyed = {} if key is None else {
+        **{column: key.get(column) for column in KEY_COLUMNS}, "hardware": hardware,
+        "measured_at": key.get("measured_at") or now, "reused_from": key.get("reused_from")}
     where = (lambda model: (model.run_id == run_id) & (model.hardware_profile == hardware["name"]))
     with engine.begin() as connection:
         connection.execute(delete(CostProfile).where(where(CostProfile)))
@@ -293,7 +333,7 @@ def store_costs(engine, run_id: str, hardware: dict, table: CostTable) -> None:
                 run_id=run_id, hardware_profile=hardware["name"], status=table.check["status"],
                 reasons=table.check.get("reasons") or [], attempts=int(table.check.get("attempts") or 1),
                 max_spread=table.check.get("max_spread"), details=table.check.get("details"),
-                created_at=now))
+                created_at=now, **keyed))
         connection.execute(delete(HardwareProfile).where(HardwareProfile.name == hardware["name"]))
         connection.execute(insert(HardwareProfile).values(
             name=hardware["name"], device=hardware["device"], dtype=hardware["dtype"],
@@ -386,7 +426,7 @@ def _table_of(sampler, hardware_profile: str, run_id: str) -> CostTable:
 def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None,
                   hardware_profile: str | None = None, settings: Settings | None = None,
                   k_max: int | None = None, batch_sizes=None, progress: bool = True,
-                  tokenizer=None) -> dict:
+                  tokenizer=None, fingerprint: str | None = None) -> dict:
     """Measure and store the costs of `target` and the drafters ({label: Drafter}) on this machine.
 
     Every figure is timed settings.profile_repeats times, interleaved over batch sizes, widths and
@@ -402,9 +442,14 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     response (its lookups cost more with more indexed tokens); tokenizer: for stored requests
     without token ids.
 
+    The profile is stored with its key (profile_key; fingerprint: the target's fingerprint id,
+    computed here when not given), so that later runs can reuse it (measure_or_reuse); this
+    function always measures.
+
     Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": CostTable rows,
-             "check": {status, reasons, attempts, max_spread}, "seconds"}. Re-running a run id
-    replaces its rows for that profile.
+             "check": {status, reasons, attempts, max_spread}, "seconds", "key",
+             "profile": {reused: False, ...} (profile_provenance)}. Re-running a run id replaces
+    its rows for that profile.
     """
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
@@ -413,6 +458,12 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     hardware = describe_hardware(target, hardware_profile)
     # which engine the costs describe: static caches, CUDA graphs, compiled forwards
     hardware["details"]["engine"] = SpecDecoder(target, None).engine()
+    if fingerprint is None:
+        from specdec_core.validation import fingerprint_id, target_fingerprint
+
+        fingerprint = fingerprint_id(target_fingerprint(target))
+    key = profile_key(hardware, "specdec", specdec_engine_version(hardware["details"]["engine"]),
+                      fingerprint)
     drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
     start = time.perf_counter()
     with timing_lock():
@@ -426,7 +477,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     if not settings.profile_checks:     # measured once, trusted as it is: say what a check saw
         table.check = {"status": "unchecked", "reasons": [], "attempts": attempt,
                        "max_spread": max(table.spread.values(), default=0.0),
-                       "details": {"would_flag": reasons}}
+                       "details": {"would_flag": reasons, "context_len": settings.profile_context_len}}
         reasons = []
     else:
         table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": attempt,
@@ -437,20 +488,23 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
                                    "step_dip": settings.profile_step_dip,
                                    "overhead_floor": settings.profile_overhead_floor,
                                    "repeats": settings.profile_repeats, "passes": passes,
-                                   "earlier_attempts": earlier}}
+                                   "earlier_attempts": earlier,
+                                   "context_len": settings.profile_context_len}}
     if reasons:
         log.warning("run %s: cost profile %s marked noisy after %d checks: %s. No domain turns "
                     "on from it that the champion has off; measure on a quiet machine or plan with a "
                     "stored profile (`--hardware-profile NAME`)", run_id, hardware["name"], attempt,
                     "; ".join(reasons))
-    store_costs(engine, run_id, hardware, table)
+    key["measured_at"] = utcnow()
+    store_costs(engine, run_id, hardware, table, key)
     elapsed = time.perf_counter() - start
     log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d passes, %d check%s, %s)", run_id,
              hardware["name"], batch_sizes, elapsed, passes, attempt, "s" if attempt > 1 else "",
              table.check["status"])
     return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
-            "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
-            "seconds": elapsed}
+            "check": {name: table.check[name] for name in ("status", "reasons", "attempts", "max_spread")},
+            "seconds": elapsed, "key": _plain_key(key),
+            "profile": profile_provenance(run_id, key["measured_at"], None)}
 
 
 def checked_table(sampler, settings: Settings, hardware_profile: str = "",
@@ -567,6 +621,160 @@ def run_costs(run_id: str, db_url: str | None = None) -> CostTable | None:
         return None
 
 
+def _plain_key(key: dict) -> dict:
+    return {name: (value.isoformat() if isinstance(value, datetime) else value)
+            for name, value in key.items()}
+
+
+def profile_provenance(run_id: str, measured_at: datetime | None, reused_from: str | None,
+                       now: datetime | None = None) -> dict:
+    """Which costs a run plans with, in words and figures: {reused, run_id (the run whose costs
+    they are), measured_at (ISO, UTC), age_days, text}, e.g. "reused from run X, measured at
+    2026-11-20 08:00:00 UTC, 2.3 days old"."""
+    now = now or utcnow()
+    origin = reused_from or run_id
+    age = None if measured_at is None else max((now - measured_at).total_seconds(), 0.0) / 86400
+    when = "at an unknown time" if measured_at is None else f"at {measured_at:%Y-%m-%d %H:%M:%S} UTC"
+    text = (f"reused from run {origin}, measured {when}, {age:.1f} days old" if reused_from
+            else f"measured by this run {when}")
+    return {"reused": reused_from is not None, "run_id": origin,
+            "measured_at": None if measured_at is None else measured_at.isoformat(),
+            "age_days": None if age is None else round(age, 3), "text": text}
+
+
+def reusable_profile(run_id: str, key: dict, settings: Settings, db_url: str | None = None,
+                     batch_sizes=None, k_max: int | None = None, drafters=(),
+                     now: datetime | None = None) -> dict | None:
+    """The newest stored profile run `run_id` may reuse, or None: one stored by another run whose
+    check passed (status ok), with the same key (profile_key: every field equal; none missing),
+    measured less than settings.profile_max_age_days ago, timed at the same batch sizes, K = 1..
+    k_max and context length as this run would time, with a draft step for each of `drafters`
+    (labels). Returns the cost_profile_checks row as a dict (its run_id: where to copy from)."""
+    if settings.profile_max_age_days <= 0 or any(key.get(name) is None for name in KEY_COLUMNS
+                                                 if name != "processor"):
+        return None
+    now = now or utcnow()
+    sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
+    k_max = k_max or settings.eval_k_max
+    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    with engine.connect() as connection:
+        rows = connection.execute(select(CostProfileCheck).where(
+            (CostProfileCheck.status == "ok") & (CostProfileCheck.run_id != run_id)
+            & (CostProfileCheck.target_fingerprint == key["target_fingerprint"])
+            & (CostProfileCheck.engine == key["engine"])
+            & (CostProfileCheck.engine_version == key["engine_version"])
+            & (CostProfileCheck.dtype == key["dtype"]) & (CostProfileCheck.device == key["device"])
+            & (CostProfileCheck.measured_at > now - timedelta(days=settings.profile_max_age_days)))
+            .order_by(CostProfileCheck.measured_at.desc(), CostProfileCheck.created_at.desc())
+        ).mappings().all()
+    for row in rows:
+        row = dict(row)
+        if row["processor"] != key.get("processor"):
+            continue
+        if (row["details"] or {}).get("context_len") != settings.profile_context_len:
+            log.info("run %s: stored cost profile of run %s not reused: timed at context length %s, "
+                     "this run's is %d", run_id, row["run_id"], (row["details"] or {}).get("context_len"),
+                     settings.profile_context_len)
+            continue
+        try:
+            table = load_costs(row["hardware_profile"], db_url or settings.database_url, row["run_id"])
+        except CostProfileError:
+            continue
+        missing = _coverage_gaps(table, sizes, k_max, drafters)
+        if missing:
+            log.info("run %s: stored cost profile of run %s not reused: %s", run_id, row["run_id"],
+                     missing)
+            continue
+        return row
+    return None
+
+
+def _coverage_gaps(table: CostTable, sizes: list[int], k_max: int, drafters) -> str:
+    """What a stored table lacks to plan this run as its own measurement would ("" : nothing)."""
+    if table.batch_sizes != sizes:
+        return f"batch sizes {table.batch_sizes}, this run's are {sizes}"
+    widths = {b: sorted(table.verify.get(b, {})) for b in sizes}
+    if any(w != list(range(1, k_max + 1)) for w in widths.values()):
+        return f"verify timed at K {widths}, this run plans K = 1..{k_max}"
+    # each drafter's own figure (not a kind's, as draft_ratio allows a serving engine's profile)
+    lacking = [label for label in drafters
+               if any(b not in table.draft_step.get(label, {}) for b in sizes)]
+    return f"no draft step for {lacking}" if lacking else ""
+
+
+def reuse_costs(run_id: str, source: dict, db_url: str | None = None) -> dict:
+    """Copy the stored profile `source` (a reusable_profile row) under `run_id`, in one
+    transaction that replaces the run's own rows of that profile (store_costs): cost_profiles,
+    its check (status ok, details saying where the costs came from) and the hardware
+    description. Every reader of a run's costs (the planner, confirm, the registry, sql/) reads
+    them as this run's. The copy keeps the measurement's time and the run that measured it (the
+    source's own origin when the source was itself a copy).
+
+    Output: as profile_costs's, with "seconds" the copy's and "profile": {reused: True, run_id,
+    measured_at, age_days, text}."""
+    start = time.perf_counter()
+    url = resolve_database_url(db_url)
+    name = source["hardware_profile"]
+    table = load_costs(name, url, source["run_id"])
+    table.run_id = run_id
+    provenance = profile_provenance(run_id, source["measured_at"], source["reused_from"] or source["run_id"])
+    table.check = {"status": source["status"], "reasons": list(source["reasons"] or []),
+                   "attempts": source["attempts"], "max_spread": source["max_spread"],
+                   "details": {**(source["details"] or {}),
+                               "reused": {"from_run": provenance["run_id"], "copied_from": source["run_id"],
+                                          "measured_at": provenance["measured_at"],
+                                          "age_days": provenance["age_days"], "text": provenance["text"]}}}
+    hardware = source["hardware"] or hardware_of(name, url)
+    key = {**{column: source[column] for column in KEY_COLUMNS},
+           "measured_at": source["measured_at"], "reused_from": provenance["run_id"]}
+    store_costs(ensure_ready(url), run_id, hardware, table, key)
+    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
+            "check": {field_: table.check[field_] for field_ in ("status", "reasons", "attempts", "max_spread")},
+            "seconds": time.perf_counter() - start, "key": _plain_key(key), "profile": provenance}
+
+
+def measure_or_reuse(run_id: str, target, drafters: dict, db_url: str | None = None,
+                     settings: Settings | None = None, k_max: int | None = None, tokenizer=None,
+                     fingerprint: str | None = None, new_profile: bool = False,
+                     progress: bool = True) -> dict:
+    """The evaluation run's cost profile: the newest stored one of this hardware, engine, dtype and
+    target that it may reuse (reusable_profile), copied under `run_id` (reuse_costs), else one
+    measured here (profile_costs). new_profile: measure whatever is stored (`specdec evaluate
+    --new-profile`, the DAG Param new_profile). Logs one line saying which it was; the output
+    (profile_costs's) says it in "profile" (profile_provenance)."""
+    settings = settings or load_settings()
+    k_max = k_max or settings.eval_k_max
+    url = resolve_database_url(db_url or settings.database_url)
+    if fingerprint is None:
+        from specdec_core.validation import fingerprint_id, target_fingerprint
+
+        fingerprint = fingerprint_id(target_fingerprint(target))
+    hardware = describe_hardware(target)
+    key = profile_key(hardware, "specdec", specdec_engine_version(SpecDecoder(target, None).engine()),
+                      fingerprint)
+    source = None
+    if new_profile:
+        why = "a new profile was asked for (new_profile)"
+    elif settings.profile_max_age_days <= 0:
+        why = "reuse is off (profile_max_age_days = 0)"
+    else:
+        source = reusable_profile(run_id, key, settings, url, settings.profile_batch_sizes, k_max,
+                                  list(drafters))
+        why = (f"no stored profile of this key passed its checks within the last "
+               f"{settings.profile_max_age_days:g} days and covers this run "
+               f"({key['device']}, {key['processor'] or '-'}, {key['dtype']}, {key['engine_version']}, "
+               f"target {fingerprint})")
+    if source is not None:
+        result = reuse_costs(run_id, source, url)
+        log.info("run %s: cost profile %s %s (not measured again; profile_max_age_days %g, "
+                 "--new-profile to measure)", run_id, source["hardware_profile"],
+                 result["profile"]["text"], settings.profile_max_age_days)
+        return result
+    log.info("run %s: measuring a cost profile: %s", run_id, why)
+    return profile_costs(run_id, target, drafters, db_url=url, settings=settings, k_max=k_max,
+                         progress=progress, tokenizer=tokenizer, fingerprint=fingerprint)
+
+
 def profile_check_text(check: dict | None) -> str:
     """One line on the cost profile's check, for tables and logs."""
     if check is None:
@@ -574,6 +782,9 @@ def profile_check_text(check: dict | None) -> str:
     head = (f"cost profile {check['hardware_profile']} (run {check['profile_run']}): "
             f"{check['status']}, {check['attempts']} check{'s' if check['attempts'] != 1 else ''}, "
             f"largest spread {100 * (check.get('max_spread') or 0):.0f}%")
+    if check.get("reused_from"):
+        head += (f"; reused from run {check['reused_from']}, measured at "
+                 f"{str(check.get('measured_at') or 'an unknown time').replace('T', ' ')}")
     if check["status"] == "noisy":
         head += ("; too noisy to turn a domain on: " + "; ".join(check.get("reasons") or [])
                  + ". Plan with a stored profile: --hardware-profile NAME")

@@ -34,6 +34,9 @@ steps taken (tokens after the first, less the drafts accepted).
 The profile's hardware description names the engine (`details.engine`: name, version, the CPU
 sampler mends the engine needed), its name says so (vllm-<version>-<device>), and its check
 flags spreads beyond `profile_max_spread` and ngram engines that proposed less than half of K.
+It is stored with its key (engine "vllm" and its version, the CPU and threads, the dtype, the
+served target's fingerprint; tasks.steps.costs.profile_key) like our engine's; `specdec profile
+measure --engine vllm` always measures afresh.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from ..registry.vllm_export import speculative_config
 from ..serving import environment as serving_env
 from ..settings import Settings, load_settings, specdec_home
 from .candidates import HOST_DRAFTERS, candidate_label, parse_candidate
-from .costs import CostTable, _slug, describe_device, load_costs, store_costs, timing_lock
+from .costs import CostTable, _slug, describe_device, load_costs, profile_key, store_costs, timing_lock
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +201,10 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                    "max_spread": max(table.spread.values(), default=0.0),
                    "details": {"max_spread_allowed": settings.profile_max_spread,
                                "repeats": settings.profile_repeats, "engines": engines}}
-    store_costs(engine, run_id, hardware, table)
+    # its key (tasks.steps.costs.profile_key): vLLM's version, and the fingerprint written beside
+    # the served directory (None for a directory that is not one of ours: never reused)
+    store_costs(engine, run_id, hardware, table, profile_key(
+        hardware, "vllm", version, serving_env.served_fingerprint(model_dir)))
     elapsed = time.perf_counter() - started
     log.info("profile %s: vLLM %s profiled at batch sizes %s in %.0f s (%s)", run_id, version, sizes,
              elapsed, table.check["status"])

@@ -78,11 +78,14 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
              max_per_domain: int | None = None, min_per_domain: int | None = None,
              device: str | None = None, progress: bool = True, model=None, tokenizer=None,
-             register: bool = False, promote: bool = False, tracking_uri: str | None = None) -> dict:
+             register: bool = False, promote: bool = False, tracking_uri: str | None = None,
+             new_profile: bool = False) -> dict:
     """Run every step for one run id; returns {"run_id", "table", "steps": {step: seconds}, ...}.
 
     hardware_profile: plan with that stored cost profile (measured elsewhere and imported);
-    default (settings.hardware_profile None): measure this machine in this run.
+    default (settings.hardware_profile None): reuse the newest stored profile of this machine,
+    engine, dtype and target younger than settings.profile_max_age_days that passed its checks,
+    else measure this machine in this run; new_profile: measure in any case.
     model/tokenizer: an already loaded target (then `target` only names it).
     register: track the run in MLflow and register its config (alias challenger); promote: then
     gate it and move the champion alias (implies register).
@@ -116,7 +119,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
     lap("sample")
     checked = step_check(spec)       # raises QualityGateFailed on table-level failures
     lap("check")
-    profile = step_profile(spec)
+    profile = step_profile(spec, new_profile=new_profile)
     lap("profile")
     per_domain = [("estimate", lambda d: step_estimate(spec, d, profile)),
                   ("confirm", lambda d: step_confirm(spec, d)),
@@ -143,7 +146,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
             lap("promote")
     return {"run_id": spec.run_id, "target": target, "fingerprint": finished["fingerprint"],
             "registered": registered, "promoted": promoted, "failed": finished["failed"],
-            "hardware_profile": profile, "sample": sample, "excluded": finished["excluded"],
+            "hardware_profile": profile["hardware_profile"], "profile": profile, "sample": sample, "excluded": finished["excluded"],
             "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
             "profile_check": profile_check(spec.run_id, spec.url), "engine_check": engine_checked,
             "seconds": round(sum(steps.values()), 1)}

@@ -31,7 +31,7 @@ from ..settings import worker_name
 from ..timeutil import utcnow
 from .confirm import confirm_domain
 from .context import RunContext, RunSpec, freeze_candidates, loaded_model
-from .costs import describe_device, describe_hardware, load_costs, profile_costs
+from .costs import describe_device, describe_hardware, load_costs, measure_or_reuse
 from .engine_check import engine_check
 from .engine_validate import engine_validate_run
 from .offline_estimate import estimate_domains
@@ -72,8 +72,16 @@ def step_check(spec) -> dict:
             "insufficient": sorted(d for d, s in status.items() if s != "ok")}
 
 
-def step_profile(spec) -> str:
-    """Measure costs here (under the timing lock), or check the named stored profile; its name."""
+def step_profile(spec, new_profile: bool = False) -> dict:
+    """The run's cost profile: the stored one the settings name (hardware_profile), else the
+    newest stored profile of this worker's hardware, engine, dtype and target that passed its
+    checks, covers the run and is younger than profile_max_age_days, copied under the run's id,
+    else one measured here under the timing lock (tasks.steps.costs.measure_or_reuse).
+    new_profile: measure whatever is stored (the DAG Param new_profile, `specdec evaluate
+    --new-profile`).
+
+    Output: {"hardware_profile": its name (what the estimate steps take), "reused",
+    "measured_by": the run that measured the costs, "measured_at", "age_days", "text"}."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
     url = spec.resolved_url(settings)
@@ -81,26 +89,45 @@ def step_profile(spec) -> str:
     measured = None
     if name is None:
         context = RunContext.build(spec)
-        measured = profile_costs(spec.run_id, context.model,
-                                 {label: d for label, (_, d) in context.drafters.items()},
-                                 db_url=url, settings=settings, k_max=settings.eval_k_max,
-                                 tokenizer=context.tokenizer)
+        measured = measure_or_reuse(spec.run_id, context.model,
+                                    {label: d for label, (_, d) in context.drafters.items()},
+                                    db_url=url, settings=settings, k_max=settings.eval_k_max,
+                                    tokenizer=context.tokenizer, fingerprint=context.fingerprint,
+                                    new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
     costs = load_costs(name, url)
+    if measured is not None:
+        provenance = dict(measured["profile"])
+    else:
+        provenance = {"reused": False, "run_id": costs.run_id, "measured_at": None, "age_days": None,
+                      "text": f"the stored profile {name} of run {costs.run_id}, named by the setting "
+                              "hardware_profile"}
     worker = worker_hardware(spec, None if measured is None else measured["hardware_profile"])
+    if provenance["reused"]:
+        worker["reused_from"] = provenance["run_id"]
     engine = ensure_ready(url)
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
             hardware_profile=name, worker_hardware=worker, status="profiled", updated_at=utcnow()))
-    log.info("run %s: planning with cost profile %s (run %s); profile task on worker %s (%s %s)",
-             spec.run_id, name, costs.run_id, worker["worker"], worker["device"], worker["dtype"])
-    return name
+    log.info("run %s: planning with cost profile %s (run %s; %s); profile task on worker %s (%s %s)",
+             spec.run_id, name, costs.run_id, provenance["text"], worker["worker"], worker["device"],
+             worker["dtype"])
+    return {"hardware_profile": name, "reused": provenance["reused"],
+            "measured_by": provenance["run_id"], "measured_at": provenance["measured_at"],
+            "age_days": provenance["age_days"], "text": provenance["text"]}
+
+
+def profile_name(profile) -> str:
+    """The cost profile's name from step_profile's output (or the name itself)."""
+    return profile["hardware_profile"] if isinstance(profile, dict) else profile
 
 
 def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
     """This worker's hardware description ({name, device, dtype, details}, plus `worker`, its
-    name, and `measured`: whether this run's costs were measured here). Without a measurement,
-    the device and dtype the target loads with here (no model is loaded for it)."""
+    name, and `measured`: whether this run's costs are of this worker's hardware class: measured
+    here, or reused from a profile of the same key, `reused_from` naming the run that measured
+    it). Without either, the device and dtype the target loads with here (no model is loaded for
+    it)."""
     model = loaded_model(spec.target, spec.device)
     if measured is not None:
         hardware = dict(measured)
@@ -117,12 +144,13 @@ def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
     return hardware
 
 
-def step_estimate(spec, domain: str, profile: str) -> dict:
-    """Offline estimate and plan of one domain. Output: the domain's plan (domain_configs row)."""
+def step_estimate(spec, domain: str, profile) -> dict:
+    """Offline estimate and plan of one domain with the run's cost profile (step_profile's output,
+    or its name). Output: the domain's plan (domain_configs row)."""
     context = RunContext.build(spec)
     settings, url, run_id = context.settings, context.url, context.run_id
     requests, excluded = context.domain_requests(domain)
-    costs = load_costs(profile, url)
+    costs = load_costs(profile_name(profile), url)
     minimum = _sample_minimum(context)
     if len(requests) < minimum:
         log.warning("run %s, domain %s: %d usable requests of this target < minimum %d (%d from other "
