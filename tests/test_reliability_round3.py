@@ -1,0 +1,93 @@
+"""Reliability, round 3: no MLflow password on stdout or stderr (MLflow's own "View run" lines
+included) and `--json` output that parses; concurrent imports of conflicting files that account for
+every row; identifiers that become paths kept under $SPECDEC_HOME."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import REPO
+from .helpers.processes import MlflowServer
+
+SECRET = "Pl4nted-S3cret"
+
+
+def specdec(*args: str, home: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`specdec ARGS` in a new process of this worktree: exit status, stdout and stderr apart."""
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("MLFLOW_") and k != "SPECDEC_DATABASE_URL"}
+    environ.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SPECDEC_HOME": str(home)})
+    environ.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tasks.cli", *args], cwd=REPO, env=environ,
+                          capture_output=True, text=True, timeout=300)
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. MLflow's "View run ... at: http://user:password@..." lines
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on loopback (sqlite backend); stopped by its process group."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.integration
+def test_registering_over_http_prints_no_password(mlflow_server, tmp_path):
+    from .helpers.registry import finished_run
+
+    home = tmp_path / "home"
+    uri = mlflow_server.uri.replace("http://", f"http://user:{SECRET}@")
+    assert specdec("db", "upgrade", home=home).returncode == 0
+    finished_run(f"sqlite:///{home / 'specdec.db'}", "run-1", {"json": {}}, target_id="Test-Org/Masked")
+    done = specdec("config", "register", "run-1", "--target", "Test-Org/Masked", home=home,
+                   env={"MLFLOW_TRACKING_URI": uri})
+    assert done.returncode == 0, done.stderr
+    assert SECRET not in done.stdout + done.stderr
+    assert "View run" not in done.stdout and "View experiment" not in done.stdout
+    assert "registered" in done.stdout      # the command's own result is still printed
+
+
+@pytest.mark.integration
+def test_evaluate_json_promote_over_http_prints_parseable_json_and_no_password(mlflow_server, tmp_path,
+                                                                                tiny_target):
+    from .helpers.evaluation import SETTINGS
+    from .helpers.models import save_tiny_target
+    from .helpers.traffic import traffic_rows, write_jsonl
+
+    home = tmp_path / "home"
+    directory = save_tiny_target(tiny_target, tmp_path / "tiny")
+    rows = [{**row, "model": str(directory)} for row in traffic_rows(tiny_target)]   # the target id
+    env = {f"SPECDEC_{key.upper()}": json.dumps(list(value) if isinstance(value, tuple) else value)
+           for key, value in SETTINGS.items()}
+    env["MLFLOW_TRACKING_URI"] = mlflow_server.uri.replace("http://", f"http://user:{SECRET}@")
+    assert specdec("db", "upgrade", home=home).returncode == 0
+    assert specdec("traffic", "import", str(write_jsonl(tmp_path / "t.jsonl", rows)), "--no-progress",
+                   home=home).returncode == 0
+    done = specdec("evaluate", "--model", str(directory), "--device", "cpu", "--json", "--promote",
+                   "--no-progress", home=home, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert SECRET not in done.stdout + done.stderr
+    result = json.loads(done.stdout)        # stdout is the JSON document and nothing else
+    assert result["registered"]["version"] and result["promoted"]
+
+
+def test_what_reaches_the_cli_streams_has_its_credentials_masked(capsys):
+    from tasks.cli.console import MaskingStream
+
+    stdout = MaskingStream(sys.stdout)
+    text = f"at: http://user:{SECRET}@127.0.0.1:5000/#/runs/1\n"
+    assert stdout.write(text) == len(text)
+    stdout.writelines([f"db postgresql://u:{SECRET}@db/x\n"])
+    print(f"cannot reach http://a:{SECRET}@h", file=MaskingStream(sys.stderr))
+    out, err = capsys.readouterr()
+    assert out == "at: http://user:***@127.0.0.1:5000/#/runs/1\ndb postgresql://u:***@db/x\n"
+    assert err == "cannot reach http://a:***@h\n"
