@@ -5,6 +5,7 @@ every row; identifiers that become paths kept under $SPECDEC_HOME."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -91,3 +92,73 @@ def test_what_reaches_the_cli_streams_has_its_credentials_masked(capsys):
     out, err = capsys.readouterr()
     assert out == "at: http://user:***@127.0.0.1:5000/#/runs/1\ndb postgresql://u:***@db/x\n"
     assert err == "cannot reach http://a:***@h\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. concurrent imports of files that carry the same ids
+IMPORTERS, IDS = 4, 1200
+
+
+def _import_worker(path: str, db_url: str, barrier, results) -> None:
+    """One import in a process of its own (its own connections), started with the others."""
+    from tasks.settings import load_settings
+    from tasks.steps.traffic_import import import_traffic
+
+    settings = load_settings({}, import_batch_size=100)     # many transactions to interleave
+    barrier.wait(timeout=120)
+    try:
+        results.put((path, import_traffic(path, db_url=db_url, settings=settings, progress=False)))
+    except Exception as exc:    # the assertion names it
+        results.put((path, f"{type(exc).__name__}: {exc}"))
+
+
+def test_concurrent_imports_of_conflicting_files_account_for_every_row(db_url, tmp_path):
+    from sqlalchemy import create_engine, func, select
+
+    from tasks.db.models import QuarantinedRequest, TrafficRequest
+
+    from .helpers.traffic import request_row, write_jsonl
+
+    # every file has the same ids; an even id has the same content in every file, an odd one
+    # the file's own response
+    paths = [str(write_jsonl(tmp_path / f"part-{n}.jsonl", [
+        request_row(i, response=f"answer {i}" if i % 2 == 0 else f"answer {i} from file {n}")
+        for i in range(1, IDS + 1)])) for n in range(IMPORTERS)]
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(IMPORTERS), context.Queue()
+    workers = [context.Process(target=_import_worker, args=(path, db_url, barrier, results))
+               for path in paths]
+    for worker in workers:
+        worker.start()
+    try:
+        reports = dict(results.get(timeout=240) for _ in workers)
+    finally:
+        for worker in workers:
+            worker.join(timeout=60)
+            if worker.is_alive():
+                worker.kill()
+    assert all(isinstance(report, dict) for report in reports.values()), reports
+
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        stored = connection.execute(select(TrafficRequest.id, TrafficRequest.source_file)).all()
+        held = dict(connection.execute(
+            select(QuarantinedRequest.source_file, func.count()).where(
+                QuarantinedRequest.reason == "duplicate_id").group_by(QuarantinedRequest.source_file)).all())
+    engine.dispose()
+    assert len(stored) == IDS               # every id once
+    for path, report in reports.items():
+        # each import: every row read is inserted, skipped (same content) or quarantined
+        assert report["rows_read"] == IDS
+        assert report["inserted"] + report["skipped_existing"] + report["quarantined"] == IDS, report
+        # ... and says what it did: its inserted rows are the stored rows from its file, its
+        # quarantined rows are the entries of its file
+        mine = sum(1 for _, source in stored if source.endswith(Path(path).name))
+        assert report["inserted"] == mine, (path, report, mine)
+        assert report["quarantined"] == report["quarantined_new"] == held.get(
+            next((f for f in held if f.endswith(Path(path).name)), None), 0), (path, report, held)
+    # across the imports: every id inserted once; an odd id quarantined by every other file, an
+    # even id skipped by every other file
+    assert sum(r["inserted"] for r in reports.values()) == IDS
+    assert sum(r["quarantined"] for r in reports.values()) == (IMPORTERS - 1) * (IDS // 2)
+    assert sum(r["skipped_existing"] for r in reports.values()) == (IMPORTERS - 1) * (IDS // 2)
