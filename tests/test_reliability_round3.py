@@ -162,3 +162,96 @@ def test_concurrent_imports_of_conflicting_files_account_for_every_row(db_url, t
     assert sum(r["inserted"] for r in reports.values()) == IDS
     assert sum(r["quarantined"] for r in reports.values()) == (IMPORTERS - 1) * (IDS // 2)
     assert sum(r["skipped_existing"] for r in reports.values()) == (IMPORTERS - 1) * (IDS // 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. identifiers that become paths
+HOSTILE = {"parent": "../..", "absolute": "/tmp/specdec-outside", "dot-dot": "..", "blank": "   ",
+           "long": "r" * 10_000, "bidi": "run\u202egpj.exe", "newline": "run\n1", "empty": ""}
+COMMANDS = {
+    "draft train --id": ("draft", "train", "--model", "smollm2-135m-instruct", "--id"),
+    "evaluate --run-id": ("evaluate", "--no-register", "--run-id"),
+    "profile measure --engine vllm --run-id": ("profile", "measure", "--engine", "vllm", "--run-id"),
+    "profile measure --name": ("profile", "measure", "--name"),
+    "profile import --name": ("profile", "import", "costs.json", "--name"),
+}
+
+
+def _tree(root: Path) -> set[Path]:
+    return set(root.rglob("*"))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_identifier_is_refused_with_one_line_and_creates_nothing(command, name, tmp_path,
+                                                                           monkeypatch, capsys):
+    from tasks.cli.app import main
+
+    value = HOSTILE[name].replace("/tmp/", f"{tmp_path}/")
+    home = tmp_path / "a" / "home"
+    home.mkdir(parents=True)
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    monkeypatch.chdir(home)
+    before = _tree(tmp_path)
+    assert main([*COMMANDS[command], value]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    what = "draft id" if "--id" in command else "profile name" if "--name" in command else "run id"
+    assert err.startswith(f"error: InvalidIdentifier: {what} ")
+    assert "is not allowed: use 1 to 200 of letters, digits and _ . ~ : + -" in err
+    assert len(err) < 400 and "\u202e" not in err           # truncated, control characters escaped
+    assert _tree(tmp_path) == before                        # nothing created, in the home or out
+
+
+@pytest.mark.integration
+def test_draft_train_with_a_parent_id_exits_2_and_creates_nothing(tmp_path):
+    home = tmp_path / "a" / "home"
+    done = specdec("draft", "train", "--id", "../..", "--model", "smollm2-135m-instruct", home=home)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: InvalidIdentifier: draft id '../..' is not allowed: use 1 to 200 of letters, digits "
+        "and _ . ~ : + -, starting with a letter, digit or _ (it names files under $SPECDEC_HOME)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_steps_refuse_a_hostile_identifier_before_any_work(tmp_path, monkeypatch):
+    from tasks.errors import InvalidIdentifier
+    from tasks.steps.draft_training import train_draft_from_traffic
+    from tasks.steps.engine_costs import profile_vllm
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    for value in HOSTILE.values():
+        # no database, no model: the identifier is checked first
+        with pytest.raises(InvalidIdentifier, match="draft id"):
+            train_draft_from_traffic(value, db_url="postgresql+psycopg://nowhere:1/none")
+        with pytest.raises(InvalidIdentifier, match="run id"):
+            profile_vllm(value, "tiny", db_url="postgresql+psycopg://nowhere:1/none")
+    assert not (tmp_path / "home").exists()
+
+
+def test_paths_built_from_identifiers_stay_under_the_home(tmp_path, monkeypatch):
+    from tasks.errors import InvalidIdentifier
+    from tasks.paths import check_identifier, home_path
+    from tasks.steps.draft_training import resolve_model_uri
+    from tasks.steps.engine_check import _log_dir
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    # a run id of ".." made the engine check's log folder $SPECDEC_HOME itself
+    for run_id in ("..", "."):
+        with pytest.raises(InvalidIdentifier, match="would leave its folder under"):
+            _log_dir(run_id)
+    assert _log_dir("scheduled__2025-11-03T00:00:00+00:00") == \
+        home / "engine_checks" / "scheduled__2025-11-03T00_00_00_00_00"
+    assert _log_dir("a/../..") == home / "engine_checks" / "a_.._.."
+    # a registered model's version is a path component too: models:/NAME/VERSION
+    with pytest.raises(InvalidIdentifier):
+        resolve_model_uri("models:/draft/../../../outside")
+    for parts in (("models", ".."), ("drafts", "/etc"), ("drafts", "a\\b"), ("drafts", "")):
+        with pytest.raises(InvalidIdentifier):
+            home_path(*parts)
+    assert home_path("drafts", "d-1") == home / "drafts" / "d-1"
+    for good in ("manual__2026-11-27T02:26:33", "draft__2026-11-27T02-26-33", "cpu-1t-float32",
+                 "_x", "a" * 200):
+        assert check_identifier(good) == good
+    assert not home.exists() and list(tmp_path.iterdir()) == []
