@@ -62,3 +62,8 @@ class ServingProbeError(SpecdecTaskError, RuntimeError):
 
 class EngineTimeout(ServingProbeError):
     """A serving engine did not start or finish its replay in time (killed; its log is named)."""
+
+
+class InvalidIdentifier(SpecdecTaskError, ValueError):
+    """An identifier that names files under $SPECDEC_HOME (a run id, a draft id, a profile name)
+    is malformed, or a path built from one would leave $SPECDEC_HOME."""

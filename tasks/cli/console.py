@@ -18,6 +18,30 @@ import sys
 
 from rich.console import Console
 
+from ..masking import mask_text
+
+
+class MaskingStream:
+    """A text stream whose every write has its URL credentials hidden (tasks.masking) before it
+    reaches `stream`: what a library prints by itself (MLflow's run links, its log lines, Python
+    warnings) shows no password. Everything else (fileno, isatty, flush, encoding) is the
+    stream's own. A URL split over two writes is not recognised; Python-level writes only (a child
+    process writing to the same file descriptor is not seen)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(mask_text(text) if isinstance(text, str) else text)
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
 
 def discard_stdout() -> None:
     """The reader of stdout has gone: send the rest of stdout to os.devnull."""

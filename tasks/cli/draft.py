@@ -11,6 +11,7 @@ from rich.table import Table
 
 from specdec_core.models import DEFAULT_MODEL
 
+from ..paths import check_identifier
 from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -45,6 +46,8 @@ def cmd_train(args) -> int:
     from ..steps.draft_training import train_draft_from_traffic
     from ..timeutil import default_run_id
 
+    if args.id is not None:
+        check_identifier(args.id, "draft id")      # before the target is loaded
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, teacher_topk=args.teacher_topk,
                          warmup_steps=max(1, args.steps // 10), k_max=args.k_max,

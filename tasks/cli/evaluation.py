@@ -9,6 +9,7 @@ from rich.table import Table
 
 from specdec_core.models import DEFAULT_MODEL
 
+from ..paths import check_identifier
 from ..settings import load_settings
 from ..steps.candidates import build_drafters
 from .common import per_domain_args, print_json, tracking_uri_arg, url_arg
@@ -76,6 +77,8 @@ def cmd_evaluate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.evaluate import evaluate
 
+    if args.run_id is not None:
+        check_identifier(args.run_id, "run id")
     settings = load_settings(hardware_profile=args.hardware_profile)
     result = evaluate(run_id=args.run_id, target=args.model, db_url=args.url, settings=settings,
                       domains=args.domains.split(",") if args.domains else None,
@@ -125,6 +128,10 @@ def cmd_profile_measure(args) -> int:
     from ..steps.costs import profile_costs
     from ..timeutil import default_run_id
 
+    if args.run_id is not None:
+        check_identifier(args.run_id, "run id")
+    if args.name is not None:
+        check_identifier(args.name, "profile name")
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
     if args.engine == "vllm":
         from ..steps.engine_costs import profile_vllm
@@ -228,6 +235,8 @@ def cmd_profile_import(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.costs import import_costs
 
+    if args.name is not None:
+        check_identifier(args.name, "profile name")
     result = import_costs(args.file, args.url, name=args.name)
     console.print(f"imported {result['rows']} cost rows as profile "
                   f"{escape(result['hardware_profile']['name'])} (run {escape(result['run_id'])})")

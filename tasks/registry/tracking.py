@@ -32,6 +32,11 @@ from .config_schema import SpecdecConfig, config_model_name, parse_config, targe
 from .run_config import run_row
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # no bars in logs and tables
+# MLflow's documented switch for the "🏃 View run NAME at: URL" / "🧪 View experiment at: URL" lines
+# it writes to stdout when a run ends on an http(s) store: the URL there is the tracking URI as given,
+# password included, and stdout carries results (JSON) only. The CLI forces it (tasks.cli.app).
+SUPPRESS_RUN_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+os.environ.setdefault(SUPPRESS_RUN_URL_ENV, "true")
 # Bounded retries (MLflow's own default retries an unreachable server for minutes). An explicit
 # environment variable wins; docs/design.md lists these.
 MLFLOW_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",

@@ -48,7 +48,8 @@ from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
 from ..errors import SpecdecTaskError
 from ..registry.run_results import profile_check  # noqa: F401 - re-exported
-from ..settings import Settings, load_settings, specdec_home
+from ..paths import home_path
+from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class CostProfileError(SpecdecTaskError, LookupError):
 @contextmanager
 def timing_lock(name: str = "timing"):
     """Exclusive lock across processes for timing work; waits (and says so) while another holds it."""
-    path = specdec_home() / "locks" / f"{name}.lock"
+    path = home_path("locks", f"{name}.lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as handle:
         try:

@@ -46,7 +46,8 @@ from ..masking import mask_text
 from ..registry.config_schema import target_slug
 from ..registry.tracking import client, experiment_for_target
 from ..registry.tracking import tracking_uri as resolve_uri
-from ..settings import DEFAULT_MODEL, specdec_home
+from ..paths import check_identifier, home_path
+from ..settings import DEFAULT_MODEL
 from ..timeutil import utcnow
 from .offline_estimate import request_token_ids
 
@@ -198,6 +199,7 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
     include_generated: also train on the rows the target generated for these domains and window
     (`specdec draft generate`); they join the training split only, and a row generated from a
     held-out request is left out (it would show the draft a held-out prompt)."""
+    check_identifier(train_id, "draft id")     # it names $SPECDEC_HOME/drafts/<train_id>
     if kind not in KINDS:
         raise DraftTrainingError(f"draft kind {kind!r}: train one of {list(KINDS)}")
     if layer_ids is not None and kind != "eagle3":
@@ -261,7 +263,7 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
                                "window_end": end, "train_requests": len(train),
                                "heldout_requests": len(heldout), "params": params,
                                "base_model": base}, splits)
-    directory = specdec_home() / "drafts" / train_id
+    directory = home_path("drafts", train_id)
     evaluation_rows = _round_robin(heldout, max_eval_requests)
     if kind == "head":
         from specdec_core.drafters import output_size
@@ -465,7 +467,7 @@ def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
     name, _, version = uri[len("models:/"):].partition("/")
     if not name or not version:
         raise DraftTrainingError(f"model URI {uri!r}: expected models:/NAME/VERSION")
-    local = specdec_home() / "models" / "drafts" / name / version
+    local = home_path("models", "drafts", name, version)
     if (local / "config.json").exists() or (local / "head_config.json").exists():
         return str(local)
     mlflow_client = client(tracking_uri)

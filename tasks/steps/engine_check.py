@@ -238,7 +238,8 @@ def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None
 
 
 def _log_dir(run_id: str):
-    return specdec_home() / "engine_checks" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)
+    from ..paths import home_path   # here: the rest of this module is edited on another branch
+    return home_path("engine_checks", re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
 
 
 def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dict,

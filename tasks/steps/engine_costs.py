@@ -56,7 +56,8 @@ from ..errors import EngineTimeout, ServingProbeError
 from ..registry.config_schema import DrafterSpec
 from ..registry.vllm_export import speculative_config
 from ..serving import environment as serving_env
-from ..settings import Settings, load_settings, specdec_home
+from ..paths import check_identifier, home_path
+from ..settings import Settings, load_settings
 from .candidates import HOST_DRAFTERS, candidate_label, parse_candidate
 from .costs import CostTable, _slug, describe_device, load_costs, profile_key, store_costs, timing_lock
 
@@ -114,6 +115,7 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
 
     Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": rows, "check",
     "seconds", "engines": [{config, start_s, seconds, mends}]}."""
+    check_identifier(run_id, "run id")     # it names $SPECDEC_HOME/engine_profiles/<run_id>
     settings = settings or load_settings()
     k_max = k_max or settings.eval_k_max
     sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
@@ -152,7 +154,7 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                         run_id, text)
             continue
         runs.append((candidate_label(spec), served, spec))
-    directory = specdec_home() / "engine_profiles" / run_id
+    directory = home_path("engine_profiles", run_id)
     answers, engines = {}, []
     started = time.perf_counter()
     with timing_lock(), tqdm(total=len(runs), disable=not progress, desc="vLLM engines") as bar:

@@ -32,7 +32,7 @@ from ..errors import SpecdecTaskError
 from ..registry.config_schema import target_slug
 from ..registry.tracking import client, experiment_for_target
 from ..registry.tracking import tracking_uri as resolve_uri
-from ..settings import specdec_home
+from ..paths import home_path
 from ..timeutil import utcnow
 from .offline_estimate import request_token_ids
 
@@ -232,7 +232,7 @@ def resolve_index_uri(uri: str, tracking_uri: str | None = None) -> str:
     name, _, version = uri[len("models:/"):].partition("/")
     if not uri.startswith("models:/") or not name or not version:
         raise SuffixIndexError(f"index URI {uri!r}: expected models:/NAME/VERSION")
-    local = specdec_home() / "models" / "suffix" / name / version / INDEX_FILE
+    local = home_path("models", "suffix", name, version, INDEX_FILE)
     if local.exists():
         return str(local)
     mlflow_client = client(tracking_uri)

@@ -594,61 +594,87 @@ class _BatchWriter:
         return len(self.rows) + len(self.rejected)
 
     def flush(self) -> None:
+        """Write the pending rows and rejections in one transaction. Each row is inserted
+        (INSERT ... ON CONFLICT DO NOTHING RETURNING id), and only a row the database did not take
+        is compared with the stored one: the same content is skipped, other content quarantined as
+        duplicate_id in the same transaction. So a concurrent import of the same ids can neither
+        make a row vanish nor be counted as inserted by both: every row read is inserted, skipped
+        or quarantined, and the report counts what this import did."""
         if not self.rows and not self.rejected:
             return
         now = utcnow()
+        inserted: list[dict] = []
+        skipped = 0
         with self.engine.begin() as connection:
-            ids = list({row["id"] for row in self.rows})
-            stored = {}
-            if ids:
-                stored = dict(connection.execute(
-                    select(TrafficRequest.id, TrafficRequest.content_hash)
-                    .where(TrafficRequest.id.in_(ids))).all())
-            new_rows = []
-            for row in self.rows:
-                known = stored.get(row["id"])
-                if known is None:
-                    stored[row["id"]] = row["content_hash"]
-                    row["imported_at"] = now
-                    new_rows.append(row)
-                elif known == row["content_hash"]:
-                    self.report.skipped_existing += 1
-                else:
-                    self.add_rejection(row["source_line"], row["id"], RowRejected(
-                        DUPLICATE_ID, f"id {row['id']!r} is already stored with different content"),
-                        None)
-            if new_rows:
-                statement = _insert(connection, TrafficRequest).on_conflict_do_nothing(
-                    index_elements=["id"])
-                connection.execute(statement, new_rows)
-                self.report.inserted += len(new_rows)
-                for row in new_rows:
-                    source = row["domain_source"]
-                    self.report.domains_by_rule[source] = self.report.domains_by_rule.get(source, 0) + 1
-                    self.report.redacted_rows += row["redactions"] > 0
-            if self.rejected:
-                lines = [row["line_number"] for row in self.rejected]
-                seen = dict(connection.execute(
-                    select(QuarantinedRequest.line_number,
-                           QuarantinedRequest.file_error.is_not(None)
-                           | QuarantinedRequest.superseded_at.is_not(None))
-                    .where(QuarantinedRequest.source_file == self.source_file,
-                           QuarantinedRequest.line_number.in_(lines))).all())
-                # an entry of a broken read (or superseded) is replaced by what this read found
-                stale = [row for row in self.rejected if seen.get(row["line_number"])]
-                for row in stale:
-                    connection.execute(update(QuarantinedRequest).where(
-                        (QuarantinedRequest.source_file == self.source_file)
-                        & (QuarantinedRequest.line_number == row["line_number"])).values(
-                        **row, file_error=None, superseded_at=None, superseded_by=None))
-                statement = _insert(connection, QuarantinedRequest).on_conflict_do_nothing(
-                    index_elements=["source_file", "line_number"])
-                connection.execute(statement, self.rejected)
-                self.report.quarantined_new += len(set(lines) - set(seen)) + len(
-                    {row["line_number"] for row in stale})
+            if self.rows:
+                inserted, skipped = self._insert_rows(connection, now)
+            quarantined_new = self._insert_rejections(connection) if self.rejected else 0
+        report = self.report
+        report.inserted += len(inserted)
+        report.skipped_existing += skipped
+        report.quarantined_new += quarantined_new
+        for row in inserted:
+            source = row["domain_source"]
+            report.domains_by_rule[source] = report.domains_by_rule.get(source, 0) + 1
+            report.redacted_rows += row["redactions"] > 0
         self.rows.clear()
         self.rejected.clear()
 
+    def _insert_rows(self, connection, now) -> tuple[list[dict], int]:
+        """Insert the batch's rows, the first of each id (in id order: concurrent imports take
+        their row locks in the same order, so PostgreSQL sees no deadlock); the others of the
+        batch, and the rows whose id the database already held, are compared with what is stored
+        now: skipped when equal, else quarantined (duplicate_id). Returns (inserted rows, skipped)."""
+        first: dict[str, dict] = {}
+        for row in self.rows:
+            first.setdefault(row["id"], row)
+        candidates = [first[key] for key in sorted(first)]
+        for row in candidates:
+            row["imported_at"] = now
+        statement = _insert(connection, TrafficRequest).on_conflict_do_nothing(
+            index_elements=["id"]).returning(TrafficRequest.id)
+        taken = set(connection.execute(statement, candidates).scalars())
+        inserted = [row for row in candidates if row["id"] in taken]
+        rest = [row for row in self.rows if not (row["id"] in taken and first[row["id"]] is row)]
+        ids = sorted({row["id"] for row in rest})
+        stored: dict[str, str] = {}
+        for offset in range(0, len(ids), 500):
+            stored.update(connection.execute(
+                select(TrafficRequest.id, TrafficRequest.content_hash)
+                .where(TrafficRequest.id.in_(ids[offset:offset + 500]))).all())
+        skipped = 0
+        for row in rest:
+            known = stored.get(row["id"])
+            if known is None:       # deleted (a purge) since our insert found it: nothing to skip
+                raise TrafficFileError(f"request {row['id']!r} was deleted while this import ran "
+                                       "(a concurrent purge?); import the file again")
+            if known == row["content_hash"]:
+                skipped += 1
+            else:
+                self.add_rejection(row["source_line"], row["id"], RowRejected(
+                    DUPLICATE_ID, f"id {row['id']!r} is already stored with different content"), None)
+        return inserted, skipped
+
+    def _insert_rejections(self, connection) -> int:
+        """Store the batch's rejections; how many lines of this file are newly quarantined."""
+        lines = [row["line_number"] for row in self.rejected]
+        seen = dict(connection.execute(
+            select(QuarantinedRequest.line_number,
+                   QuarantinedRequest.file_error.is_not(None)
+                   | QuarantinedRequest.superseded_at.is_not(None))
+            .where(QuarantinedRequest.source_file == self.source_file,
+                   QuarantinedRequest.line_number.in_(lines))).all())
+        # an entry of a broken read (or superseded) is replaced by what this read found
+        stale = [row for row in self.rejected if seen.get(row["line_number"])]
+        for row in stale:
+            connection.execute(update(QuarantinedRequest).where(
+                (QuarantinedRequest.source_file == self.source_file)
+                & (QuarantinedRequest.line_number == row["line_number"])).values(
+                **row, file_error=None, superseded_at=None, superseded_by=None))
+        statement = _insert(connection, QuarantinedRequest).on_conflict_do_nothing(
+            index_elements=["source_file", "line_number"]).returning(QuarantinedRequest.line_number)
+        added = set(connection.execute(statement, self.rejected).scalars())
+        return len(added) + len({row["line_number"] for row in stale})
 
     def mark_read_error(self, error: str) -> None:
         """The read of the file failed: the entries this import quarantined may be garbled lines
