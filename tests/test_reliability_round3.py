@@ -233,7 +233,7 @@ def test_paths_built_from_identifiers_stay_under_the_home(tmp_path, monkeypatch)
     from tasks.errors import InvalidIdentifier
     from tasks.paths import check_identifier, home_path
     from tasks.steps.draft_training import resolve_model_uri
-    from tasks.steps.engine_check import _log_dir
+    from tasks.serving.server import log_dir as _log_dir
 
     home = tmp_path / "home"
     monkeypatch.setenv("SPECDEC_HOME", str(home))

@@ -263,11 +263,14 @@ def engine_run(serving, tmp_path_factory):
         # the gate's tolerance is tested on its own (test_engine_check.py): none is applied here
         result = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
                               settings=load_settings(**settings, engine_check_tolerance=1.0))
-        # again: a re-run checks the domains still on and replaces their rows
+        # again: a re-run checks the domains still on and replaces their rows (the sampling test
+        # on vLLM ran above; it is off here and below, to save its servers' start)
         again = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
-                             settings=load_settings(**settings, engine_check_tolerance=1.0))
+                             settings=load_settings(**settings, engine_check_tolerance=1.0,
+                                                    engine_sampling=False))
         timed = engine_check("r1", str(target_dir), model, drafters, requests, db_url=timed_url,
-                             settings=load_settings(**settings, engine_check_timeout_s=0.5))
+                             settings=load_settings(**settings, engine_check_timeout_s=0.5,
+                                                    engine_sampling=False))
     return {"result": result, "again": again, "timed": timed, "url": url, "requests": requests,
             "profile": profile}
 
@@ -347,13 +350,40 @@ def test_vllms_cpu_sampler_is_mended_so_top_k_and_sampled_requests_are_served(en
     # checks both on the engine's own code and replaces them, and says so
     engines = engine_run["result"]["engines"]
     spec_engines = [e for e in engines if e["speculative_config"] and e["status"] != "refused"]
-    assert spec_engines and all(len(e["mends"]) == 2 for e in spec_engines), spec_engines
-    assert all(not e["mends"] for e in engines if not e["speculative_config"])
+
+    def sampler_mends(engine):
+        return [m for m in engine["mends"] if "expand kernel" in m or "top-k mask" in m]
+
+    assert spec_engines and all(len(sampler_mends(e)) == 2 for e in spec_engines), spec_engines
+    assert all(not sampler_mends(e) for e in engines if not e["speculative_config"])
     topk = engine_run["result"]["domains"]["topk"]
     assert topk["status"] == "ok" and topk["passed"] is True, topk["reason"]
     assert topk["engine_e"] is not None and "mend of vLLM's CPU build" in topk["reason"]
     sampled = engine_run["result"]["domains"]["sampled"]
     assert sampled["estimate_e_lo"] <= sampled["engine_e"] <= sampled["estimate_e_hi"], sampled
+
+
+def test_the_engine_check_runs_the_sampling_test_on_vllms_server_and_stores_it(engine_run):
+    from sqlalchemy import select
+
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import Validation
+
+    sampling = engine_run["result"]["sampling"]
+    # the domains the replay passed went through the test on the server; the failed ones did not
+    assert set(sampling) == {"loops", "sampled", "topk"}, sampling
+    for domain, row in sampling.items():
+        assert row["status"] == "passed" and row["passed"] is True, row
+        assert row["rows"] == 300 and row["positions"] >= 3 and 0 < row["min_p"] <= 1
+    with ensure_ready(engine_run["url"]).connect() as connection:
+        stored = {r.domain: r for r in connection.execute(select(Validation).where(
+            Validation.check_name == "engine_sampling"))}
+    assert set(stored) == set(sampling)
+    details = stored["topk"].details
+    assert details["engine"] == "vllm" and details["speculative_config"]["method"] == "ngram"
+    assert details["samplings"][0]["top_k"] > 0 and details["config"]["passed"] is True
+    assert details["log"].endswith(".log") and "engine_checks" in details["log"]
+    assert any("expand kernel" in m for m in details["mends"])
 
 
 def test_engine_failures_turn_the_domain_off_with_vllms_own_line(engine_run):

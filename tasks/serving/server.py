@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 
 from ..errors import EngineTimeout, ServingProbeError
-from ..settings import Settings, load_settings, specdec_home
+from ..paths import home_path
+from ..settings import Settings, load_settings
 from . import environment
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,12 @@ class VllmServer:
         found = [line.split(MEND_MARK, 1)[1].strip() for line in text.splitlines() if MEND_MARK in line]
         return list(dict.fromkeys(found))
 
+    def metrics(self) -> dict:
+        """vLLM's speculative-decoding counters from the server's /metrics (parsed with
+        prometheus-client's parser, summed over label sets): drafts, draft_tokens,
+        accepted_tokens, accepted_per_pos [per position]."""
+        return spec_decode_counters(httpx.get(self.url + "/metrics", timeout=30.0).text)
+
     def complete(self, prompt_ids: list[int], max_tokens: int, n: int = 1, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  ignore_eos: bool = True, timeout_s: float = 600.0) -> dict:
@@ -202,6 +209,31 @@ class VllmServer:
             raise ServingProbeError(f"vLLM server {self.name}: HTTP {response.status_code}: "
                                     f"{response.text[:300]}; its log: {self.log_path}")
         return response.json()
+
+
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
+                 "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+
+
+def spec_decode_counters(text: str) -> dict:
+    """The vllm:spec_decode_* counters of a Prometheus exposition (their `_total` samples, summed
+    over label sets; the per-position counter by its `position` label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
+    per_pos: dict[int, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue          # the counters' _created samples
+            if family.name in SPEC_COUNTERS:
+                out[SPEC_COUNTERS[family.name]] += int(sample.value)
+            elif family.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                position = int(sample.labels["position"])
+                per_pos[position] = per_pos.get(position, 0) + int(sample.value)
+    out["accepted_per_pos"] = [per_pos.get(i, 0) for i in range(max(per_pos, default=-1) + 1)]
+    return out
 
 
 class ServerPool:
@@ -257,5 +289,5 @@ class ServerPool:
 
 def log_dir(run_id: str) -> Path:
     """Where a run's engine logs go: $SPECDEC_HOME/engine_checks/RUN_ID (characters other than
-    letters, digits, `_`, `.` and `-` replaced)."""
-    return specdec_home() / "engine_checks" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)
+    letters, digits, `_`, `.` and `-` replaced; never outside the home)."""
+    return home_path("engine_checks", re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))

@@ -48,8 +48,8 @@ from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.run_results import engine_checks, engine_markdown  # noqa: F401 - re-exported
 from ..serving import environment as serving_env
-from ..serving.server import ServerPool
-from ..settings import Settings, load_settings, specdec_home
+from ..serving.server import ServerPool, log_dir
+from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .confirm import offline_totals, truncated
 from .costs import CostProfileError, CostTable
@@ -237,11 +237,6 @@ def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None
     return out
 
 
-def _log_dir(run_id: str):
-    from ..paths import home_path   # here: the rest of this module is edited on another branch
-    return home_path("engine_checks", re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
-
-
 def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dict,
                  requests_by_domain: dict, db_url: str | None = None,
                  settings: Settings | None = None) -> dict:
@@ -285,7 +280,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     engines = []
     answers: dict[str, dict] = {}
     profiles: dict[str, CostTable | None] = {}      # the serving engine's cost profile, by version
-    directory = _log_dir(run_id)
+    directory = log_dir(run_id)
     plan = [(f"spec-{n}", g["spec"], g["domains"]) for n, g in enumerate(groups.values())]
     if picked:
         plan.append(("plain", None, sorted(picked)))

@@ -1,0 +1,151 @@
+"""vLLM's OpenAI server as the pipeline's instrument (tasks.serving.server) and the sampling test
+on it (tasks.steps.engine_validate), against a real `python -m vllm.entrypoints.openai.api_server`
+of the serving environment on loopback, on a tiny target saved in the test.
+
+Skipped when there is no serving environment, unless SPECDEC_REQUIRE_SERVING=1 (.ci/run sets it).
+The statistical power on vLLM's unmended CPU sampler is shown on the embedded default
+(tests/test_embedded.py and benchmarks/engine_sampling_power.py): on a tiny target its
+uninitialised sampling parameters happen to read back close to the real ones."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tasks.serving import environment as serving_env
+
+from .helpers.models import save_tiny_target, tiny_llama
+
+REQUIRED = os.environ.get("SPECDEC_REQUIRE_SERVING") == "1"
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not REQUIRED and not serving_env.available(),
+                                 reason="no serving environment (make serving-env); `make test-all` "
+                                        "and CI build one and set SPECDEC_REQUIRE_SERVING=1")]
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(directory, model as loaded from it, context): a target with spread distributions, and a
+    context that holds the target's own greedy continuation of its last tokens, so that vLLM's
+    n-gram proposer drafts tokens the target finds likely (drafts accepted and rejected)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = save_tiny_target(tiny_llama(vocab=256, hidden=128, heads=4, layers=2, seed=31,
+                                            initializer_range=0.3),
+                                 tmp_path_factory.mktemp("tiny-served"))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = [5, 9, 17, 33, 41, 77]
+    with torch.inference_mode():
+        logits = None
+        sequence = list(prompt)
+        for _ in range(10):
+            logits = model(torch.tensor([sequence])).logits[0, -1]
+            sequence.append(int(logits.argmax()))
+    return directory, model, sequence + prompt
+
+
+@pytest.fixture(scope="module")
+def pool(tiny, tmp_path_factory):
+    from tasks.serving.server import ServerPool
+    from tasks.settings import load_settings
+
+    directory = tmp_path_factory.mktemp("servers")
+    with ServerPool("test-run", tiny[0], dtype="float32", settings=load_settings(),
+                    max_model_len=512, directory=directory) as servers:
+        yield servers
+    # every server the pool started is stopped, by its own PID
+    assert all(not server.alive() for server in servers.servers.values())
+
+
+def test_the_mended_server_passes_the_sampling_test_with_drafts_accepted_and_rejected(tiny, pool):
+    from specdec_core import SamplingParams
+    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
+
+    _, model, context = tiny
+    server = pool.get(NGRAM, block_size=BLOCK_SIZE)
+    before = server.metrics()
+    samplings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)]
+    report = engine_report(server, model, context, samplings, rows=300, length=3, alpha=0.01, seed=3)
+    after = server.metrics()
+    assert report.passed, [t for t in report.tests if not t.passed]
+    assert len(report.tests) == 6 and all(t.rows > 0 for t in report.tests)
+    # speculation ran: drafts proposed, some accepted, some rejected
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    assert drafted > 0 and 0 < accepted < drafted, (before, after)
+    # the plugin checked vLLM's own code in the server's processes and said what it mended
+    mends = server.mends()
+    assert any("expand kernel" in line for line in mends), mends
+    assert any("seeded request" in line for line in mends), mends
+
+
+def test_the_server_log_and_the_unmended_server_say_the_plugin_is_off(tiny, pool):
+    server = pool.get(NGRAM, mended=False)
+    assert server.mends() == []
+    assert "specdec mends: off" in server.log_path.read_text()
+    assert server.log_path.parent == pool.directory and server.log_path.name.endswith("-unmended.log")
+
+
+def test_seeded_requests_neither_kill_the_server_nor_lose_their_seed(tiny, pool):
+    from tasks.steps.engine_validate import BLOCK_SIZE
+
+    _, _, context = tiny
+    server = pool.get(NGRAM, block_size=BLOCK_SIZE)
+    outputs = [server.complete(context, max_tokens=24, temperature=1.0, seed=seed)["choices"][0]["token_ids"]
+               for seed in (1, 2, 1)]
+    assert server.alive()
+    assert outputs[0] == outputs[2] and outputs[0] != outputs[1]
+
+
+def test_a_config_vllm_cannot_sample_with_is_not_promotable_naming_its_log(tiny, pool):
+    from specdec_core import SamplingParams
+    from tasks.errors import ServingProbeError
+    from tasks.steps.engine_validate import engine_report
+
+    _, model, context = tiny
+    # vLLM's lossy synthetic acceptance: this CPU build refuses it at the first sampled request
+    # ("Synthetic acceptance not supported with CPU sampling") and its engine dies
+    synthetic = dict(NGRAM, rejection_sample_method="synthetic",
+                     synthetic_acceptance_rates=[0.9, 0.8, 0.7, 0.6])
+    server = pool.get(synthetic)
+    with pytest.raises(ServingProbeError, match="HTTP 500") as failure:
+        engine_report(server, model, context, [SamplingParams(temperature=1.0)], rows=60, length=3,
+                      alpha=0.01)
+    assert str(server.log_path) in str(failure.value)
+    assert "Synthetic acceptance not supported" in server.log_path.read_text()
+
+
+def test_the_verdict_needs_the_plain_control_to_blame_the_config():
+    from specdec_core.validation import PositionTest, SamplingReport
+    from tasks.steps.engine_validate import verdict
+
+    def report(p_value):
+        test = PositionTest(k=4, sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0}, position=2,
+                            rows=80, bins=5, statistic=40.0, p_value=p_value, threshold=0.001,
+                            passed=p_value >= 0.001)
+        return SamplingReport(alpha=0.01, rows_per_test=300, tests=[test])
+
+    assert verdict(report(0.5), None)[:2] == ("passed", True)
+    status, passed, reason = verdict(report(1e-9), report(0.5))
+    assert (status, passed) == ("failed", False)
+    assert "position 2" in reason and "G=40.0" in reason and "plain server passes" in reason
+    status, passed, reason = verdict(report(1e-9), report(1e-9))
+    assert (status, passed) == ("engine_differs", False) and "not called lossless" in reason
+
+
+def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_no_process(tiny, tmp_path):
+    from tasks.errors import ServingProbeError
+    from tasks.serving.server import VllmServer
+
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"hello": 1}')
+    server = VllmServer(str(broken), None, tmp_path / "bad.log")
+    with pytest.raises(ServingProbeError, match="exited with") as failure:
+        server.start(timeout_s=240)
+    assert "bad.log" in str(failure.value)
+    assert server.process is not None and server.process.poll() is not None
