@@ -16,6 +16,7 @@ import os
 import re
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -243,6 +244,11 @@ class Settings(BaseModel):
         "version"))
     engine_kv_cache_gib: int = Field(default=2, ge=1, description=(
         "VLLM_CPU_KVCACHE_SPACE of a CPU engine (GiB)"))
+    plan_engine: Literal["auto", "specdec", "vllm"] = Field(default="auto", description=(
+        "whose costs plan the run: vllm (a cost profile of vLLM's own steps, reused or measured; "
+        "the live check then measures vLLM on the same requests in the engine check), specdec (our "
+        "engine's profile and its confirm step), auto: vllm where the engine check is on and a "
+        "serving environment exists, else specdec"))
     engine_server_start_timeout_s: float = Field(default=300.0, gt=0, description=(
         "how long a vLLM OpenAI server may take to answer /health and /v1/models after its start"))
     engine_sampling: bool = Field(default=True, description=(

@@ -259,6 +259,22 @@ def test_plan_on_a_profile_with_sampled_steps_prices_the_domains_share_of_sample
     assert plain["predicted_speedup"] == pytest.approx(2.0 / 1.25)
 
 
+def test_a_serving_engines_profile_plans_only_the_drafters_it_serves(db_url):
+    # a vLLM profile has no draft step for layer skip (vLLM does not serve it): the domain is
+    # planned with the drafters it prices; our engine's profile without one is an error as before
+    from tasks.steps.costs import CostProfileError
+
+    seed_qa(db_url)
+    served = cost_table()
+    del served.draft_step[LS]
+    with pytest.raises(CostProfileError, match="no draft step"):
+        plan_domain("plan-run", "qa", served, db_url=db_url, settings=settings())
+    served.sampled_step = dict(served.target_step)          # a serving engine's profile
+    served.sampled_verify = {b: dict(v) for b, v in served.verify.items()}
+    row = plan_domain("plan-run", "qa", served, db_url=db_url, settings=settings())
+    assert row["drafter"] == PL and row["predicted_speedup"] == pytest.approx(2.0 / 1.25)
+
+
 def test_plan_stores_k_by_batch_size_and_derives_max_batch_size_from_it(db_url):
     seed_qa(db_url)
     row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())

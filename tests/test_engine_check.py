@@ -123,3 +123,33 @@ def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypat
     assert check.local_spec(None) is None
     assert fetched == ["models:/tiny-eagle3/2"]
     assert "eagle3" in check.EXACT_METHODS
+
+
+def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
+    # the live check of a run planned on vLLM's costs: the replayed requests' decode phases on
+    # vLLM, judged by confirm's rule (one rule for both engines)
+    from tasks.settings import load_settings
+    from tasks.steps.engine_check import vllm_live_check
+
+    requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(6)]
+    plain = {"requests": {r.request_id: {"token_ids": list(range(33)), "decode_s": 1.0, "seconds": 1.1}
+                          for r in requests}}
+
+    def served(decode_s):
+        return {"requests": {r.request_id: {"token_ids": list(range(33)), "decode_s": decode_s + i * 0.01,
+                                            "seconds": decode_s + 0.1} for i, r in enumerate(requests)}}
+
+    config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.5}
+    settings = load_settings({}, min_speedup=1.1)
+    slow = vllm_live_check("d", config, requests, served(1.25), plain, {"predicted_speedup": 1.5}, settings)
+    assert slow["verdict"]["verdict"] == "veto" and slow["verdict"]["engine"] == "vllm"
+    assert slow["verdict"]["reason"].startswith("on vLLM: live check: 0.7")
+    assert "slower than plain decoding" in slow["verdict"]["reason"]
+    assert len(slow["per_request"]) == 6 and slow["verdict"]["requests"] == 6
+    fast = vllm_live_check("d", config, requests, served(0.5), plain, {"predicted_speedup": 1.5}, settings)
+    assert fast["verdict"]["verdict"] == "pass" and fast["verdict"]["lo"] > 1.1
+    # on in the champion: the same measurement is a flag (the live_check gate fails), not a veto
+    kept = vllm_live_check("d", dict(config, champion_on=True), requests, served(1.25), plain, {}, settings)
+    assert kept["verdict"]["verdict"] == "flag"
+    # no timings of one engine: no verdict
+    assert vllm_live_check("d", config, requests, served(0.5), {"requests": {}}, {}, settings) is None

@@ -238,6 +238,25 @@ def _finished_run(url: str, target_dir, model, tokenizer) -> tuple[dict, dict]:
     return requests, drafters
 
 
+def _plan_on(url: str, run_id: str, profile: dict) -> None:
+    """Make `profile` (profile_vllm's output) the run's own cost profile, as a run planned on
+    vLLM's costs has it (a reused profile is copied this way)."""
+    from sqlalchemy import select, update
+
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import CostProfileCheck, EvalRun
+    from tasks.steps.costs import reuse_costs
+
+    engine = ensure_ready(url)
+    with engine.connect() as connection:
+        source = dict(connection.execute(select(CostProfileCheck).where(
+            CostProfileCheck.run_id == profile["run_id"])).mappings().one())
+    reuse_costs(run_id, source, url)
+    with engine.begin() as connection:
+        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
+            hardware_profile=source["hardware_profile"]))
+
+
 @pytest.fixture(scope="module")
 def engine_run(serving, tmp_path_factory):
     """Engine checks over the scenario domains, each on a finished run in its own database."""
@@ -263,11 +282,14 @@ def engine_run(serving, tmp_path_factory):
         # the gate's tolerance is tested on its own (test_engine_check.py): none is applied here
         result = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
                               settings=load_settings(**settings, engine_check_tolerance=1.0))
-        # again: a re-run checks the domains still on and replaces their rows (the sampling test
-        # on vLLM ran above; it is off here and below, to save its servers' start)
+        # again, as a run planned on vLLM's costs (the profile above copied as its own): a re-run
+        # checks the domains still on and replaces their rows, and its live check is vLLM's
+        # speedup (live_veto off: a tiny target's timings are noise). The sampling test on vLLM
+        # ran above; it is off here and below, to save its servers' start
+        _plan_on(url, "r1", profile)
         again = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
                              settings=load_settings(**settings, engine_check_tolerance=1.0,
-                                                    engine_sampling=False))
+                                                    engine_sampling=False, live_veto=False))
         timed = engine_check("r1", str(target_dir), model, drafters, requests, db_url=timed_url,
                              settings=load_settings(**settings, engine_check_timeout_s=0.5,
                                                     engine_sampling=False))
@@ -332,6 +354,27 @@ def test_engine_check_measures_vllms_speedup_beside_the_profiles_prediction(engi
     assert stored.measured_speedup == pytest.approx(again["measured_speedup"])
     assert stored.predicted_speedup == pytest.approx(again["predicted_speedup"])
     assert stored.engine_profile == row["engine_profile"]
+
+
+def test_a_run_planned_on_vllms_costs_is_live_checked_on_vllm(engine_run):
+    from sqlalchemy import select
+
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, LiveMeasurement
+
+    first, again = engine_run["result"]["domains"]["loops"], engine_run["again"]["domains"]["loops"]
+    assert "live_check" not in first             # planned on no vLLM profile: reported only
+    verdict = again["live_check"]
+    assert verdict["engine"] == "vllm" and verdict["reason"].startswith("on vLLM: live check:")
+    assert verdict["requests"] == again["requests"] and verdict["lo"] <= verdict["measured"] <= verdict["hi"]
+    assert verdict["measured"] == pytest.approx(again["measured_speedup"], rel=1e-6)
+    with ensure_ready(engine_run["url"]).connect() as connection:
+        live = connection.execute(select(LiveMeasurement).where(LiveMeasurement.domain == "loops")).one()
+        config = connection.execute(select(DomainConfig).where(DomainConfig.domain == "loops")).one()
+    assert live.measured_speedup == pytest.approx(verdict["measured"])
+    assert live.predicted_same_requests == pytest.approx(again["predicted_speedup"])
+    assert live.hardware["engine"] == "vllm" and len(live.per_request) == verdict["requests"]
+    assert config.live_check["engine"] == "vllm" and config.measured_speedup == pytest.approx(verdict["measured"])
 
 
 def test_engine_check_sampled_domain_is_compared_in_expectation(engine_run):

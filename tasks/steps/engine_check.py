@@ -44,16 +44,16 @@ from sqlalchemy import delete, insert, select, update
 from specdec_core.estimate import LoggedRequest
 
 from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
+from ..db.models import DomainConfig, EngineCheck, EvalRun, HardwareProfile, LiveMeasurement
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.run_results import engine_checks, engine_markdown  # noqa: F401 - re-exported
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
-from .confirm import offline_totals, truncated
+from .confirm import live_verdict, offline_totals, truncated
 from .costs import CostProfileError, CostTable
-from .engine_costs import engine_profile
+from .engine_costs import engine_profile, profile_engine
 from .engine_validate import own_sampling_gates, served_export, validate_on_engine
 from .plan import speedup_factor
 
@@ -362,6 +362,22 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             spec_decode = rows[domain].get("spec_decode_tokens_per_s")
             rows[domain]["measured_speedup"] = (spec_decode / plain_decode
                                                 if spec_decode and plain_decode else None)
+    if planned_on_vllm(engine, run_id):
+        # the run planned on vLLM's costs: the live check is vLLM's speedup on these requests
+        engine_of = {d: name for name, _, domains in plan if name != "plain" for d in domains}
+        for domain in picked:
+            row = rows.get(domain)
+            if row is None or row.get("passed") is False or domain not in engine_of:
+                continue
+            live = vllm_live_check(domain, on[domain], picked[domain],
+                                   answers.get(engine_of[domain]) or {}, plain, row, settings)
+            if live is not None:
+                _store_live(engine, run_id, domain, on[domain], live, row, settings)
+                row["live_check"] = live["verdict"]
+                if live["verdict"]["verdict"] == "veto":
+                    row.update(status="below", passed=False,
+                               reason=f"engine check: {live['verdict']['reason']}; "
+                                      f"{row['reason'].removeprefix('engine check: ')}"[:2000])
     sampling = {}
     if settings.engine_sampling:
         tested = {d: exported["speculative_config"][d] for d in picked if rows.get(d, {}).get("passed") is not False}
@@ -392,6 +408,79 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         (log.warning if row.get("passed") is False else log.info)("run %s, domain %s: %s", run_id,
                                                                    domain, row["reason"])
     return {"skipped": None, "domains": rows, "engines": engines, "sampling": sampling}
+
+
+def planned_on_vllm(engine, run_id: str) -> bool:
+    """Whether the run planned on a cost profile of vLLM's own steps (its hardware names vLLM)."""
+    with engine.connect() as connection:
+        name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
+        details = None if name is None else connection.execute(select(HardwareProfile.details).where(
+            HardwareProfile.name == name)).scalar()
+    return profile_engine({"details": details}) == "vllm"
+
+
+def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict, plain: dict,
+                    row: dict, settings: Settings) -> dict | None:
+    """The live check of a run planned on vLLM's costs, on vLLM: per replayed request, the decode
+    phase of the plain engine and of the config's (vLLM's own timestamps), judged by the same rule
+    as our engine's confirm step (tasks.steps.confirm.live_verdict: slower than plain decoding, the
+    interval's upper end below min_speedup, a veto for a domain turning on). None without both
+    engines' timings. Output: {"per_request", "verdict"}."""
+    served, base = spec_answer.get("requests") or {}, plain.get("requests") or {}
+    per_request = []
+    for request in requests:
+        spec, flat = served.get(request.request_id), base.get(request.request_id)
+        if not spec or not flat or not spec.get("decode_s") or not flat.get("decode_s"):
+            continue
+        per_request.append({"request_id": request.request_id,
+                            "plain_tokens": len(flat["token_ids"]) - 1, "plain_decode_s": flat["decode_s"],
+                            "spec_tokens": len(spec["token_ids"]) - 1, "spec_decode_s": spec["decode_s"],
+                            "plain_latency_s": flat.get("seconds"), "spec_latency_s": spec.get("seconds")})
+    if not per_request:
+        return None
+    verdict = live_verdict(per_request, config, settings, row.get("predicted_speedup"))
+    verdict["engine"] = "vllm"
+    verdict["reason"] = "on vLLM: " + verdict["reason"]
+    return {"per_request": per_request, "verdict": verdict}
+
+
+def _store_live(engine, run_id: str, domain: str, config: dict, live: dict, row: dict,
+                settings: Settings) -> None:
+    """The vLLM live check as the run's live measurement of the domain (live_measurements and
+    domain_configs' measured_speedup and live_check: what the live_check gate and the page read)."""
+    verdict, per_request = live["verdict"], live["per_request"]
+    same = row.get("predicted_speedup")
+    measured = verdict.get("measured")
+    counters = row.get("counters") or {}
+    record = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": row.get("k") or config["k"],
+              "batch_size": 1, "requests": len(per_request),
+              "tokens": sum(r["spec_tokens"] + 1 for r in per_request),
+              "acceptance_rate": (counters["accepted_tokens"] / counters["draft_tokens"]
+                                  if counters.get("draft_tokens") else None),
+              "mean_accepted_length": row.get("engine_e"),
+              "plain_tokens_per_s": row.get("plain_decode_tokens_per_s"),
+              "spec_tokens_per_s": row.get("spec_decode_tokens_per_s"),
+              "predicted_speedup": config.get("predicted_speedup"), "measured_speedup": measured,
+              "plain_latency_s": _mean([r["plain_latency_s"] for r in per_request]),
+              "spec_latency_s": _mean([r["spec_latency_s"] for r in per_request]),
+              "predicted_same_requests": same,
+              "cost_model_error": measured / same - 1.0 if measured is not None and same else None,
+              "gap": (abs(measured / same - 1.0) > settings.confirm_tolerance
+                      if measured is not None and same else None),
+              "per_request": per_request, "hardware": {"engine": "vllm", "version": row.get("engine_version")},
+              "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
+    with engine.begin() as connection:
+        connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
+                                                         & (LiveMeasurement.domain == domain)))
+        connection.execute(insert(LiveMeasurement).values(**record, created_at=utcnow()))
+        connection.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
+                                                      & (DomainConfig.domain == domain))
+                           .values(measured_speedup=measured, live_check=verdict))
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 HISTORY_BATCH = 16   # the most history requests the engine serves at once (not measured)

@@ -58,8 +58,10 @@ from ..registry.vllm_export import speculative_config
 from ..serving import environment as serving_env
 from ..paths import check_identifier, home_path
 from ..settings import Settings, load_settings
+from ..timeutil import utcnow
 from .candidates import HOST_DRAFTERS, candidate_label, parse_candidate
-from .costs import CostTable, _slug, describe_device, load_costs, profile_key, store_costs, timing_lock
+from .costs import (CostTable, _slug, describe_device, load_costs, profile_key, profile_provenance,
+                    reusable_profile, reuse_costs, store_costs, timing_lock)
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +128,7 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     serving_env.serving_python(settings)
     model_dir = serving_env.served_model_dir(target)
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    dtype = {"bfloat16": "bfloat16", "float16": "float16"}.get(
-        str(model_config.get("torch_dtype") or model_config.get("dtype")), "float32")
+    dtype = served_dtype(model_dir)
     context = min(settings.profile_context_len, int(model_config.get("max_position_embeddings", 2048))
                   - max_tokens - k_max - 8)
     prompts = cycle_prompts(int(model_config["vocab_size"]), max(sizes), context)
@@ -188,11 +189,9 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     for label in lookups:
         table.draft_step[label] = {b: 0.0 for b in sizes}
     version = answers["plain"]["vllm"]
-    hardware = describe_device("cpu", dtype)
-    hardware_name = name or _slug(f"vllm-{version}-{hardware['name']}")
-    table.hardware_profile = hardware_name
-    hardware = {"name": hardware_name, "device": f"vLLM {version}, {hardware['device']}", "dtype": dtype,
-                "details": {**hardware["details"], "engine": {
+    hardware = vllm_hardware(version, dtype, name)
+    table.hardware_profile = hardware["name"]
+    hardware = {**hardware, "details": {**hardware["details"], "engine": {
                     "name": "vllm", "version": version, "enforce_eager": True,
                     "mends": sorted({m for e in engines for m in e["mends"]}),
                     "ngram_ks": ks, "sampled_ks": sampled_ks, "sampled_batch_sizes": sampled_sizes,
@@ -202,7 +201,10 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": 1,
                    "max_spread": max(table.spread.values(), default=0.0),
                    "details": {"max_spread_allowed": settings.profile_max_spread,
-                               "repeats": settings.profile_repeats, "engines": engines}}
+                               "repeats": settings.profile_repeats, "engines": engines,
+                               # the setting it was timed under (what reuse compares), and the
+                               # context the prompts had (shorter where the model's is)
+                               "context_len": settings.profile_context_len, "timed_context": context}}
     # its key (tasks.steps.costs.profile_key): vLLM's version, and the fingerprint written beside
     # the served directory (None for a directory that is not one of ours: never reused)
     store_costs(engine, run_id, hardware, table, profile_key(
@@ -210,9 +212,75 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     elapsed = time.perf_counter() - started
     log.info("profile %s: vLLM %s profiled at batch sizes %s in %.0f s (%s)", run_id, version, sizes,
              elapsed, table.check["status"])
+    provenance = profile_provenance(run_id, utcnow(), None)
     return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
             "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
-            "seconds": elapsed, "engines": engines}
+            "seconds": elapsed, "engines": engines, "profile": provenance}
+
+
+def plans_on_vllm(settings: Settings) -> bool:
+    """Whether a run plans on vLLM's costs (setting plan_engine; auto: where the engine check is
+    on and a serving environment exists)."""
+    if settings.plan_engine != "auto":
+        return settings.plan_engine == "vllm"
+    return settings.engine_check and serving_env.available(settings)
+
+
+def profile_engine(hardware: dict | None) -> str:
+    """Which engine a cost profile's hardware description times: "vllm" or "specdec"."""
+    engine = ((hardware or {}).get("details") or {}).get("engine") or {}
+    return "vllm" if isinstance(engine, dict) and engine.get("name") == "vllm" else "specdec"
+
+
+def vllm_hardware(version: str, dtype: str, name: str | None = None) -> dict:
+    """The hardware description of a vLLM profile on this CPU: {name (vllm-<version>-<cpu>),
+    device ("vLLM <version>, <cpu device>"), dtype, details}."""
+    hardware = describe_device("cpu", dtype)
+    return {"name": name or _slug(f"vllm-{version}-{hardware['name']}"),
+            "device": f"vLLM {version}, {hardware['device']}", "dtype": dtype,
+            "details": dict(hardware["details"])}
+
+
+def served_dtype(model_dir) -> str:
+    """The dtype a vLLM engine serves the directory's model in (its config's; float32 otherwise)."""
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    return {"bfloat16": "bfloat16", "float16": "float16"}.get(
+        str(model_config.get("torch_dtype") or model_config.get("dtype")), "float32")
+
+
+def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None = None,
+                          db_url: str | None = None, settings: Settings | None = None,
+                          k_max: int | None = None, new_profile: bool = False,
+                          progress: bool = False) -> dict:
+    """The run's cost profile of the serving engine: the newest stored vLLM profile of this
+    vLLM version, CPU, dtype and served target that passed its checks, is younger than
+    profile_max_age_days and covers the run (the candidates vLLM serves), copied under `run_id`
+    (tasks.steps.costs.reuse_costs); else one measured here (profile_vllm). new_profile: measure
+    whatever is stored. Output: profile_vllm's (or reuse_costs's), with "profile" saying which."""
+    settings = settings or load_settings()
+    k_max = k_max or settings.eval_k_max
+    url = resolve_database_url(db_url or settings.database_url)
+    model_dir = serving_env.served_model_dir(target)
+    version = serving_env.probe("versions", {}, settings, timeout_s=300)["vllm"]
+    hardware = vllm_hardware(version, served_dtype(model_dir))
+    key = profile_key(hardware, "vllm", version, serving_env.served_fingerprint(model_dir))
+    served = [candidate_label(spec) for spec in map(parse_candidate, candidates or settings.candidates)
+              if spec["kind"] != "prompt_lookup"
+              and speculative_config(DrafterSpec(kind=spec["kind"], params=spec["params"]), 1) is not None]
+    source = None
+    if not new_profile:
+        source = reusable_profile(run_id, key, settings, url, settings.profile_batch_sizes, k_max, served)
+    if source is not None:
+        result = reuse_costs(run_id, source, url)
+        log.info("run %s: vLLM cost profile %s %s (not measured again; --new-profile to measure)",
+                 run_id, source["hardware_profile"], result["profile"]["text"])
+        return result
+    log.info("run %s: measuring vLLM's cost profile (%s)", run_id,
+             "a new profile was asked for" if new_profile else
+             f"none stored for vLLM {version}, {hardware['device']}, {hardware['dtype']}, target "
+             f"{key['target_fingerprint']} within {settings.profile_max_age_days:g} days")
+    return profile_vllm(run_id, target, candidates or list(settings.candidates), db_url=url,
+                        settings=settings, k_max=k_max, progress=progress)
 
 
 def _table(answers: dict, runs: list, ks: list[int], k_max: int, sizes: list[int], draft_k: int,

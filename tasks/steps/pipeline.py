@@ -31,7 +31,8 @@ from ..settings import worker_name
 from ..timeutil import utcnow
 from .confirm import confirm_domain
 from .context import RunContext, RunSpec, freeze_candidates, loaded_model
-from .costs import describe_device, describe_hardware, load_costs, measure_or_reuse
+from .costs import describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse
+from .engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
 from .engine_check import engine_check
 from .engine_validate import engine_validate_run
 from .offline_estimate import estimate_domains
@@ -87,7 +88,13 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     url = spec.resolved_url(settings)
     name = settings.hardware_profile
     measured = None
-    if name is None:
+    if name is None and plans_on_vllm(settings):
+        # the serving engine's costs plan the run (its own profile, reused or measured)
+        measured = vllm_profile_or_reuse(spec.run_id, spec.target, list(settings.candidates),
+                                         db_url=url, settings=settings, k_max=settings.eval_k_max,
+                                         new_profile=new_profile)
+        name = measured["hardware_profile"]["name"]
+    elif name is None:
         context = RunContext.build(spec)
         measured = measure_or_reuse(spec.run_id, context.model,
                                     {label: d for label, (_, d) in context.drafters.items()},
@@ -115,6 +122,12 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     return {"hardware_profile": name, "reused": provenance["reused"],
             "measured_by": provenance["run_id"], "measured_at": provenance["measured_at"],
             "age_days": provenance["age_days"], "text": provenance["text"]}
+
+
+def run_profile_name(context: RunContext) -> str | None:
+    with context.engine.connect() as connection:
+        return connection.execute(select(EvalRun.hardware_profile).where(
+            EvalRun.run_id == context.run_id)).scalar()
 
 
 def profile_name(profile) -> str:
@@ -193,8 +206,14 @@ def _plain(row: dict) -> dict:
 
 
 def step_confirm(spec, domain: str) -> dict | None:
-    """Live confirmation of one domain's plan (under the timing lock)."""
+    """Live confirmation of one domain's plan (under the timing lock) on our engine; none for a
+    run planned on vLLM's costs (the engine check measures the plan on vLLM, on the same
+    requests, and its verdict is the live check)."""
     context = RunContext.build(spec)
+    if profile_engine(hardware_of(run_profile_name(context), context.url)) == "vllm":
+        log.info("run %s, domain %s: planned on vLLM's costs: the live check runs on vLLM in the "
+                 "engine check, not on this engine", context.run_id, domain)
+        return None
     requests, _ = context.domain_requests(domain)
     row = confirm_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
                          requests, db_url=context.url, settings=context.settings, progress=False)

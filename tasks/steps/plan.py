@@ -39,7 +39,7 @@ from ..db.models import AcceptanceEstimate, DomainConfig, EvalSample, TrafficReq
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .candidates import HOST_DRAFTERS
-from .costs import CostTable
+from .costs import CostProfileError, CostTable
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,18 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
     updates = []
     best = best_paying = best_kept = None
     keeps = settings.hysteresis and currently_on
+    unpriced = set()
     for estimate in estimates:
         if estimate["k"] > costs.k_max(batch_sizes[0]):
             continue
-        predicted, lo, hi = speedups(estimate, costs, batch_sizes[0])
+        try:
+            predicted, lo, hi = speedups(estimate, costs, batch_sizes[0])
+        except CostProfileError:
+            if not costs.sampled_timed:
+                raise
+            # a serving engine's profile prices only the drafters that engine serves
+            unpriced.add(estimate["drafter"])
+            continue
         updates.append({"id": estimate["id"], "predicted_speedup": predicted,
                         "predicted_speedup_lo": lo, "predicted_speedup_hi": hi})
         candidate = (estimate, predicted, lo, hi)
@@ -221,6 +229,9 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
                          f"1; pays up to batch {row['max_batch_size']} on {costs.hardware_profile}")
         if costs.noisy:
             row["reason"] += (f" (on in the champion; the cost profile is noisy: {costs.noise_text(1)})")
+    if unpriced:
+        log.info("run %s, domain %s: not planned with %s: %s does not serve them (no draft step in "
+                 "its profile)", run_id, domain, ", ".join(sorted(unpriced)), costs.hardware_profile)
     now = utcnow()
     with engine.begin() as connection:
         for item in updates:
