@@ -62,7 +62,11 @@ $(SERVING_VENV)/.installed: serving-constraints.txt
 # The main job on the embedded default: the shipped traffic and specdec_evaluate end to end
 # through Airflow's dag.test() (SQLite + local MLflow store under $SPECDEC_HOME), then the table,
 # the champion config and how to open the UIs.
+# The serving environment first (as `make test-all` builds it), so the run plans on vLLM's costs,
+# serves its configs with vLLM's OpenAI server and runs the sampling test there; where it cannot be
+# built, the main job runs on specdec's own engine and says so in one line.
 demo: setup
+	@$(MAKE) --no-print-directory serving-env || echo "demo: the serving environment (vLLM's CPU build, .venv-serving) could not be built: the main job runs on specdec's own engine only; \`make serving-env\` shows why"
 	$(VENV)/bin/specdec main-job
 
 # the architecture contracts (pyproject's [tool.importlinter]: layers, no cycles), then every test

@@ -24,6 +24,12 @@ so is one whose config vLLM refuses or whose engine dies or hangs (the reason is
 line, or the timeout naming the engine's log). Such a domain is turned off in the run's config
 with the reason. A drafter without a vLLM equivalent is reported, not gated.
 
+Then, with `engine_sampling` on, the sampling test on vLLM's OpenAI server
+(tasks.steps.engine_validate) for every domain the replay passed; a domain that fails it is turned
+off ("lossy"). A run planned on vLLM's costs (tasks.steps.engine_costs.plans_on_vllm) gets its live
+check here: vLLM's decode-phase speedup on the replayed requests, plain and config, judged by
+confirm's live_verdict and stored as the run's live measurement; a veto turns the domain off.
+
 Cost: one engine per distinct config (domains sharing a config share it), plus one plain engine
 for the tokens/s beside it (for information), each started with enforce_eager in-process.
 No serving environment: the check is skipped with one line saying how to make one (a failure only
@@ -241,7 +247,8 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                  requests_by_domain: dict, db_url: str | None = None,
                  settings: Settings | None = None) -> dict:
     """Run the engine check of one run (see the module's docstring). Output: {"skipped": line or
-    None, "domains": {domain: row}, "engines": [{domains, start_s, seconds, status}]}."""
+    None, "domains": {domain: row}, "engines": [{domains, start_s, seconds, status}], "sampling":
+    {domain: the sampling test on vLLM (EngineSamplingResult.to_dict())}}."""
     settings = settings or load_settings()
     url = resolve_database_url(db_url or settings.database_url)
     engine = ensure_ready(url)
