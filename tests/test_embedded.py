@@ -143,7 +143,9 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
                              profile_checks=False, live_veto=False,   # one timing: no spread known
                              confirm_max_new_tokens=16, validation_rows=100, greedy_check_requests=1,
                              greedy_check_tokens=12, candidates=("prompt_lookup",), min_speedup=1.0,
-                             engine_check_requests=6)
+                             engine_check_requests=6,
+                             # our engine's costs and confirm (vLLM's profile: test_vllm_serving.py)
+                             plan_engine="specdec")
     model, tokenizer = embedded
     result = evaluate(run_id="embedded", target="smollm2-135m-instruct", db_url=url,
                       settings=settings, domains=["json", "creative"], model=model,
@@ -174,3 +176,7 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
     assert json_check["greedy_checked"] >= 1, json_check["per_request"]
     assert json_check["greedy_equal"] == json_check["greedy_checked"], json_check["per_request"]
     assert table["json"]["engine_e"] == pytest.approx(json_check["engine_e"])
+    # the sampling test on vLLM's OpenAI server (mended by the plugin): no false alarm on json
+    sampling = checked["sampling"]["json"]
+    assert sampling["status"] == "passed" and sampling["passed"] is True, sampling["reason"]
+    assert sampling["rows"] == 100 and sampling["positions"] >= 3

@@ -574,12 +574,13 @@ def test_vllm_export_per_domain():
     # one deployment per distinct config: the domains without speculation share one
     deployments = {tuple(d["domains"]): d for d in exported["deployments"]}
     assert set(deployments) == {("json",), ("qa",), ("summarize",), ("chat", "code")}
-    assert deployments[("chat", "code")]["command"] == "vllm serve tiny"
+    serve = "python -m vllm.entrypoints.openai.api_server --model"
+    assert deployments[("chat", "code")]["command"] == f"{serve} tiny"
     command = deployments[("qa",)]["command"]
-    assert command.startswith("vllm serve tiny --speculative-config '")
+    assert command.startswith(f"{serve} tiny --speculative-config '")
     assert json.loads(command.split("--speculative-config ")[1].strip("'")) == spec["qa"]
     assert vllm_export(config, target_path="/models/tiny")["deployments"][0]["command"].startswith(
-        "vllm serve /models/tiny")
+        f"{serve} /models/tiny")
 
 
 def test_vllm_export_of_eagle3_heads():

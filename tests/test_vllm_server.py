@@ -16,7 +16,7 @@ import torch
 
 from tasks.serving import environment as serving_env
 
-from .helpers.models import save_tiny_target, tiny_llama
+from .helpers.models import copying_llama, save_tiny_target
 
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_SERVING") == "1"
 pytestmark = [pytest.mark.integration,
@@ -29,23 +29,15 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(directory, model as loaded from it, context): a target with spread distributions, and a
-    context that holds the target's own greedy continuation of its last tokens, so that vLLM's
-    n-gram proposer drafts tokens the target finds likely (drafts accepted and rejected)."""
+    """(directory, model as loaded from it, context): a tiny target that continues x with x + 1
+    with probability about 0.66 (copying_llama), and a context that counts up past a full cycle of
+    its vocabulary, so that vLLM's n-gram proposer drafts what the target finds likely: drafts
+    accepted and rejected, corrections and bonus tokens all occur."""
     from transformers import AutoModelForCausalLM
 
-    directory = save_tiny_target(tiny_llama(vocab=256, hidden=128, heads=4, layers=2, seed=31,
-                                            initializer_range=0.3),
-                                 tmp_path_factory.mktemp("tiny-served"))
+    directory = save_tiny_target(copying_llama(vocab=64), tmp_path_factory.mktemp("tiny-served"))
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    prompt = [5, 9, 17, 33, 41, 77]
-    with torch.inference_mode():
-        logits = None
-        sequence = list(prompt)
-        for _ in range(10):
-            logits = model(torch.tensor([sequence])).logits[0, -1]
-            sequence.append(int(logits.argmax()))
-    return directory, model, sequence + prompt
+    return directory, model, [t % 64 for t in range(100)]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +62,7 @@ def test_the_mended_server_passes_the_sampling_test_with_drafts_accepted_and_rej
     before = server.metrics()
     samplings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)]
     report = engine_report(server, model, context, samplings, rows=300, length=3, alpha=0.01, seed=3)
+    # (a correct engine fails by chance at rate alpha = 0.01; the server's seed makes it repeatable)
     after = server.metrics()
     assert report.passed, [t for t in report.tests if not t.passed]
     assert len(report.tests) == 6 and all(t.rows > 0 for t in report.tests)
@@ -83,11 +76,24 @@ def test_the_mended_server_passes_the_sampling_test_with_drafts_accepted_and_rej
     assert any("seeded request" in line for line in mends), mends
 
 
-def test_the_server_log_and_the_unmended_server_say_the_plugin_is_off(tiny, pool):
-    server = pool.get(NGRAM, mended=False)
+def test_the_unmended_server_is_flagged_past_the_first_position(tiny, pool):
+    # vLLM as it ships (the plugin off): its CPU sampler spreads uninitialised temperature and
+    # top-p over draft tokens; the test flags it where drafts are verified (position 0 is drawn
+    # before any draft and passes)
+    from specdec_core import SamplingParams
+    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
+
+    _, model, context = tiny
+    server = pool.get(NGRAM, mended=False, block_size=BLOCK_SIZE)
     assert server.mends() == []
     assert "specdec mends: off" in server.log_path.read_text()
     assert server.log_path.parent == pool.directory and server.log_path.name.endswith("-unmended.log")
+    report = engine_report(server, model, context,
+                           [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],
+                           rows=300, length=3, alpha=0.01, seed=3)
+    assert not report.passed
+    assert {t.position for t in report.failures} <= {1, 2} and report.failures
+    assert all(t.passed for t in report.tests if t.position == 0)
 
 
 def test_seeded_requests_neither_kill_the_server_nor_lose_their_seed(tiny, pool):
@@ -149,3 +155,35 @@ def test_a_server_that_cannot_start_fails_with_its_log_and_leaves_no_process(tin
         server.start(timeout_s=240)
     assert "bad.log" in str(failure.value)
     assert server.process is not None and server.process.poll() is not None
+
+
+def test_the_exported_command_serves_as_printed_and_loads_the_mends(tiny, tmp_path):
+    # the deployment command `specdec config export` prints, run with the serving environment's
+    # python first on PATH (as its users run it), on a loopback port: it starts, drafts, and the
+    # plugin mended it
+    import shlex
+    import subprocess
+
+    from tasks.registry.vllm_export import serve_command
+    from tasks.serving.server import VllmServer, free_port
+
+    command = serve_command(str(tiny[0]), NGRAM)
+    assert command.startswith("python -m vllm.entrypoints.openai.api_server --model ")
+    port = free_port()
+    python = serving_env.serving_python()
+    env = dict(os.environ, PATH=f"{python.parent}:{os.environ['PATH']}", VLLM_CPU_KVCACHE_SPACE="1")
+    log = tmp_path / "exported.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(shlex.split(command) + ["--host", "127.0.0.1", "--port", str(port),
+                                                           "--max-model-len", "512", "--enforce-eager"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = VllmServer(str(tiny[0]), NGRAM, log, port=port, process=process)
+    try:
+        server._wait_ready(240)
+        answer = server.complete(tiny[2], max_tokens=8, temperature=1.0, n=4)
+        assert len(answer["choices"]) == 4
+        assert server.metrics()["draft_tokens"] > 0
+        assert any("expand kernel" in line for line in server.mends()), log.read_text()[-2000:]
+    finally:
+        server.stop()
+    assert process.poll() is not None

