@@ -337,6 +337,37 @@ def test_each_domain_gets_its_own_sampling_test_unless_drafter_k_and_settings_ar
     assert stored["qa"].details["shared_from"] is None and stored["qa"].details["seconds"] > 0
 
 
+def test_the_table_shows_the_sampling_test_on_vllm(db_url):
+    # `specdec evaluate`'s table: one "vLLM sampling" cell per domain from the stored rows, "-"
+    # where vLLM did not test the domain
+    from rich.console import Console
+
+    from tasks.cli.evaluation import evaluation_rich_table
+    from tasks.steps.evaluate import evaluation_table
+
+    from .helpers.registry import engine_sampling, finished_run
+
+    finished_run(db_url, "r1", {"json": {}, "qa": {}, "chat": {}})
+    engine_sampling(db_url, "r1", "json", rows=300, positions=6, min_p=0.021)
+    engine_sampling(db_url, "r1", "qa", status="failed", min_p=1e-9, control=True)
+    table = {row["domain"]: row for row in evaluation_table("r1", db_url)}
+    assert table["json"]["engine_sampling"]["status"] == "passed" and table["chat"]["engine_sampling"] is None
+    assert (table["qa"]["engine_sampling"]["rows"], table["qa"]["engine_sampling"]["positions"]) == (300, 6)
+    assert table["qa"]["validation"] == "failed" and table["qa"]["promotable"] is False
+    console = Console(width=400, record=True)
+    console.print(evaluation_rich_table({"run_id": "r1", "target": "t", "hardware_profile": "cpu-test",
+                                         "seconds": 1.0, "table": list(table.values())}))
+    lines = console.export_text().splitlines()
+    header = [c.strip() for c in next(line for line in lines if "┃ domain" in line).split("┃")]
+    column = header.index("vLLM sampling")
+    assert header[column - 1] == "validation"
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")] for line in lines
+            if line.count("│") > 3 and line.split("│")[1].strip() in table}
+    assert rows["json"][column] == "passed (300 rows, 6 tests, p>=0.021)"
+    assert rows["qa"][column] == "FAILED (300 rows, 6 tests, p>=1e-09, plain server passed)"
+    assert rows["chat"][column] == "-"
+
+
 def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_db, tiny_target, tmp_path,
                                                                           caplog):
     # what the Airflow task log of finish, register, promote, acceptance_alert and report holds

@@ -40,7 +40,8 @@ from tasks.settings import load_settings
 
 from .helpers.db import POSTGRES_ENV
 from .helpers.processes import MlflowServer, specdec
-from .helpers.registry import DEFAULTS, LABEL, finished_run, live_evidence, page_text, promote_, register
+from .helpers.registry import (DEFAULTS, LABEL, engine_sampling, finished_run, live_evidence, page_text,
+                               promote_, register)
 from .helpers.registry import now as _now
 
 
@@ -968,6 +969,37 @@ def test_version_page_shows_a_slow_live_check_the_alert_and_the_proposal_rate(db
     gate_row = next(line for line in page_text(client(tracking).get_model_version(
         name, registered["version"]).description).splitlines() if line.startswith("| live_check |"))
     assert gate_row.startswith("| live_check | FAIL |")
+
+
+def test_version_page_shows_the_sampling_test_on_vllm_beside_the_own_engines(db_url, tracking, target_id):
+    # per domain: vLLM's verdict with rows, tests and smallest p, and the own engine's; a domain
+    # whose vLLM test failed is failed and unpromotable; no vLLM test, no line
+    from tasks.registry.run_results import domain_evidence
+
+    name = config_model_name(target_id)
+    finished_run(db_url, "run-1", {d: {} for d in ("json", "chat", "qa")}, target_id=target_id)
+    for domain in ("json", "chat", "qa"):
+        live_evidence(db_url, "run-1", domain, 1.52, 1.46, (1.35, 1.70), requests=6)
+    engine_sampling(db_url, "run-1", "json", min_p=0.021)
+    engine_sampling(db_url, "run-1", "chat", status="failed", min_p=1e-9, control=True)
+    evidence = domain_evidence("run-1", db_url)
+    assert evidence["json"]["engine_sampling"] == {
+        "engine": "vllm", "status": "passed", "passed": True, "rows": 300, "positions": 6,
+        "min_p": 0.021, "reason": "vLLM sampling test passed: 6 G-tests of 300 rows, smallest p 0.021",
+        "control": None, "shared_from": None}
+    assert evidence["chat"]["engine_sampling"]["control"] == "passed"
+    assert evidence["qa"]["engine_sampling"] is None and evidence["qa"]["validation"]["min_p"] == 0.5
+    registered = register("run-1", db_url, tracking)
+    assert registered["validation"] == "failed"
+    lines = page_text(client(tracking).get_model_version(name, registered["version"]).description).splitlines()
+    assert ("- json: sampling test on vLLM: passed (300 rows, 6 tests, p>=0.021); own engine: "
+            "passed (p>=0.5)") in lines
+    assert next(line for line in lines if line.startswith("- chat: ")).startswith(
+        "- chat: sampling test on vLLM: FAILED (300 rows, 6 tests, p>=1e-09, plain server passed); "
+        "own engine: passed (p>=0.5). vLLM sampling test FAILED with the config at T0.7 position 2")
+    assert not any(line.startswith("- qa: sampling test") for line in lines)
+    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ")}
+    assert "| failed | run |" in rows["chat"] and "| passed | run |" in rows["json"]
 
 
 def test_live_check_gate_is_unsure_not_silent_on_noise_and_reports_when_not_enforced(db_url):

@@ -16,11 +16,13 @@ from tasks.db.models import (AcceptanceEstimate, DomainConfig, LiveMeasurement, 
 from tasks.steps.reports import list_reports, report_header, run_report, sql_dir
 from tasks.steps.traffic_import import import_traffic
 
+from .helpers.registry import engine_sampling, finished_run, live_evidence
+
 EXPECTED_REPORTS = {"acceptance_by_domain_per_day", "current_config_per_domain",
                     "gpu_seconds_saved_per_domain", "quarantined_by_reason", "speedup_trend",
                     "calibration_trend", "ungated_champions",
                     "traffic_by_domain_per_day", "validation_failures", "planner_safeguards",
-                    "engine_checks"}
+                    "engine_checks", "engine_sampling"}
 CANARY = "CANARY-TEXT"
 
 
@@ -190,6 +192,32 @@ def test_validation_failures(fixture_db):
     assert [(r["run_id"], r["check_name"], r["request_id"], r["checked_at"]) for r in report] == [
         ("r2", "greedy_exact", "q2", "2025-11-04 06:00:00"),
         ("r1", "fingerprint", None, "2025-11-03 09:00:00")]
+
+
+def test_engine_sampling(db_url):
+    # one row per run and domain with the vLLM test, beside the own engine's; a failing domain
+    # is unpromotable; a test that could not run is told apart; other checks are not listed
+    finished_run(db_url, "r1", {"json": {}, "qa": {}, "chat": {}, "code": {}})
+    for domain in ("json", "qa"):
+        live_evidence(db_url, "r1", domain, 1.5, 1.4, (1.3, 1.7))      # own engine: passed, p 0.5
+    engine_sampling(db_url, "r1", "json", min_p=0.021)
+    engine_sampling(db_url, "r1", "qa", status="failed", min_p=1e-9, control=True)
+    engine_sampling(db_url, "r1", "chat", status="error")
+    report = rows_as_dicts(run_report("engine_sampling", db_url=db_url))
+    assert [(r["run_id"], r["domain"], r["engine"], r["passed"], r["tested"], r["own_passed"],
+             r["validation"], r["promotable"]) for r in report] == [
+        ("r1", "chat", "vllm", 0, 0, None, "failed", 0),                    # newest first
+        ("r1", "qa", "vllm", 0, 1, 1, "failed", 0),
+        ("r1", "json", "vllm", 1, 1, 1, "passed", 1)]
+    chat, qa, json_ = report
+    assert (json_["smallest_p"], json_["statistic"], json_["own_smallest_p"], json_["k"]) == (0.021, 9.0, 0.5, 3)
+    assert qa["smallest_p"] == pytest.approx(1e-9) and qa["request_id"] == "qa-1"
+    assert chat["smallest_p"] is None and chat["statistic"] is None and chat["own_smallest_p"] is None
+    # a re-run replaces the domain's row: still one row, now passing
+    engine_sampling(db_url, "r1", "chat")
+    report = rows_as_dicts(run_report("engine_sampling", db_url=db_url))
+    assert len(report) == 3
+    assert [(r["passed"], r["tested"]) for r in report if r["domain"] == "chat"] == [(1, 1)]
 
 
 def test_quarantined_by_reason(fixture_db):

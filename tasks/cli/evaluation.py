@@ -10,6 +10,7 @@ from rich.table import Table
 from specdec_core.models import DEFAULT_MODEL
 
 from ..paths import check_identifier
+from ..registry.run_results import engine_sampling_text
 from ..settings import load_settings
 from ..steps.candidates import build_drafters
 from .common import per_domain_args, print_json, tracking_uri_arg, url_arg
@@ -32,9 +33,10 @@ def evaluation_rich_table(result: dict) -> Table:
                   title_justify="left")
     for column in ("domain", "on", "drafter", "K", "max batch", "E[tokens/round]",
                    "predicted speedup [95% CI]", "measured [95% CI]", "same requests", "cost-model err",
-                   "sampling err", "vLLM E / est.", "validation", "note"):
+                   "sampling err", "vLLM E / est.", "validation", "vLLM sampling", "note"):
         table.add_column(column, justify="left" if column in ("domain", "drafter", "note", "on",
-                                                              "validation") else "right")
+                                                              "validation", "vLLM sampling")
+                         else "right")
     for row in result["table"]:
         predicted = "-" if row["predicted_speedup"] is None else (
             f"{row['predicted_speedup']:.2f}x [{row['predicted_speedup_lo']:.2f}, "
@@ -68,7 +70,7 @@ def evaluation_rich_table(result: dict) -> Table:
                       _percent(row.get("cost_model_error")), _percent(row.get("sampling_error")),
                       "-" if row.get("engine_e") is None else
                       f"{row['engine_e']:.2f} / {_fmt(row.get('engine_estimate_e'))}",
-                      row["validation"] or "-",
+                      row["validation"] or "-", escape(engine_sampling_text(row.get("engine_sampling"))),
                       ", ".join(note))
     return table
 

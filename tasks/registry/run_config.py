@@ -11,6 +11,7 @@ from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EvalRun
 from ..errors import RegistryError
 from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
+from .run_results import engine_sampling_text, own_sampling_text
 from .version_page import cell, html_table
 
 
@@ -151,7 +152,7 @@ def domain_table_markdown(config: SpecdecConfig, evidence: dict | None = None,
     headers = ["domain", "on", "drafter", "K", "max batch", "E [tokens/round]",
                "proposal rate", "predicted (95% CI)", "live check (same requests)", "samples",
                "validation", "source"]
-    rows, reasons = [], []
+    rows, reasons, sampling = [], [], []
     for name, s in sorted(config.domains.items()):
         found = (evidence.get(name) or {}) if s.source == "run" else {}
         live = found.get("live")
@@ -186,12 +187,23 @@ def domain_table_markdown(config: SpecdecConfig, evidence: dict | None = None,
             why += (f". Sampling test shared from {test['shared_from']} (same drafter, K and "
                     "sampling settings)")
         reasons.append(f"- **{name}** ({'on' if s.enabled else 'off'}): {why}")
+        on_engine = found.get("engine_sampling")
+        if on_engine:
+            line = (f"- **{name}**: sampling test on vLLM: {engine_sampling_text(on_engine)}; "
+                    f"own engine: {own_sampling_text(found.get('validation'))}")
+            if not on_engine.get("passed") and on_engine.get("reason"):
+                line += f". {on_engine['reason']}"
+            sampling.append(line)
+    if sampling:
+        sampling = ["", "Sampling tests (does speculation change what users receive?), on vLLM's "
+                        "OpenAI server with the exported config, and on our engine; p: the smallest "
+                        "p-value over the G-tests:", "", *sampling]
     return "\n".join([html_table(headers, rows), "",
                       "E counts every round, with or without a proposal; the proposal rate is the "
                       "share of rounds in which the drafter proposed at least one token. The live "
                       "check decodes a few requests plain and speculative and compares the measured "
                       "speedup with the prediction for the same requests.", "",
-                      "Why each domain is on or off:", "", *reasons])
+                      "Why each domain is on or off:", "", *reasons, *sampling])
 
 
 def effective_speedup(setting: DomainSetting | None) -> float:

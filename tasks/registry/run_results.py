@@ -1,5 +1,6 @@
 """What the registry reads of a run's stored step results: the cost profile's check, the engine
-check's rows, each domain's evidence (live check, proposal rate, sampling test), the domains below
+check's rows, each domain's evidence (live check, proposal rate, sampling tests on our engine and
+on vLLM), the domains below
 the low-acceptance alert and the Data Docs pages. Plain reads of specdec's tables, so that the registry needs
 none of the steps (pyproject.toml: the registry does not import steps); the steps that write these
 rows re-export their readers.
@@ -112,8 +113,10 @@ def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
       least one token (1 - the estimate's share of rounds of width 0), None without an estimate;
       E counts every round, so a drafter that rarely proposes has a low E beside high per-position
       rates;
-    - validation: the domain's sampling test ({shared_from, k, ks, samplings, request_id,
-      passed}), None when none is stored.
+    - validation: the domain's sampling test on our engine ({shared_from, k, ks, samplings,
+      request_id, passed, min_p}), None when none is stored;
+    - engine_sampling: its sampling test on vLLM's OpenAI server (engine_sampling_tests), None
+      when none is stored.
     """
     engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
@@ -130,8 +133,9 @@ def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
                    AcceptanceEstimate.draft_width_share).where(AcceptanceEstimate.run_id == run_id))}
         tests = {row.domain: row for row in connection.execute(
             select(Validation.domain, Validation.k, Validation.request_id, Validation.passed,
-                   Validation.details).where((Validation.run_id == run_id)
-                                             & (Validation.check_name == "sampling")))}
+                   Validation.p_value, Validation.details).where(
+                (Validation.run_id == run_id) & (Validation.check_name == "sampling")))}
+        on_engine = _engine_sampling(connection, run_id)
     out = {}
     for config in configs:
         domain = config["domain"]
@@ -155,8 +159,75 @@ def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
             "validation": None if test is None else {
                 "shared_from": details.get("shared_from"), "k": test.k, "ks": details.get("ks"),
                 "samplings": details.get("samplings"), "request_id": test.request_id,
-                "passed": test.passed}}
+                "passed": test.passed, "min_p": test.p_value},
+            "engine_sampling": on_engine.get(domain)}
     return out
+
+
+ENGINE_SAMPLING = "engine_sampling"      # check_name of the sampling test on vLLM (steps.engine_validate)
+
+
+def _engine_sampling(connection, run_id: str) -> dict[str, dict]:
+    out = {}
+    for row in connection.execute(select(
+            Validation.domain, Validation.passed, Validation.p_value, Validation.details).where(
+            (Validation.run_id == run_id) & (Validation.check_name == ENGINE_SAMPLING))):
+        details = row.details or {}
+        summary = details.get("config") or {}
+        control = details.get("control")
+        out[row.domain] = {
+            "engine": details.get("engine") or "vllm", "status": details.get("status"),
+            "passed": row.passed, "rows": summary.get("rows"), "positions": summary.get("positions"),
+            "min_p": row.p_value, "reason": details.get("reason"),
+            "control": None if control is None else ("passed" if control.get("passed") else "failed"),
+            "shared_from": details.get("shared_from")}
+    return out
+
+
+def engine_sampling_tests(run_id: str, db_url: str | None = None) -> dict[str, dict]:
+    """{domain: the run's sampling test on vLLM's OpenAI server} (validations rows with check_name
+    "engine_sampling", written by tasks.steps.engine_validate): {engine, status (passed | failed |
+    engine_differs | error), passed, rows (per test), positions (G-tests), min_p (the smallest p
+    over them), reason, control (the plain server's verdict, "passed" | "failed", None where it
+    did not run), shared_from}. A test that could not run ("error") has no rows, positions nor
+    min_p."""
+    engine = ensure_ready(resolve_database_url(db_url))
+    with engine.connect() as connection:
+        return _engine_sampling(connection, run_id)
+
+
+ENGINE_SAMPLING_STATUS = {"passed": "passed", "failed": "FAILED", "engine_differs": "ENGINE DIFFERS",
+                          "error": "ERROR"}
+
+
+def engine_sampling_text(test: dict | None) -> str:
+    """One domain's sampling test on vLLM in a cell: "passed (300 rows, 6 tests, p>=0.021)",
+    "FAILED (..., plain server passed)", "ERROR (could not run)"; "-" when there is none."""
+    if not test:
+        return "-"
+    status = test.get("status") or ("passed" if test.get("passed") else "failed")
+    word = ENGINE_SAMPLING_STATUS.get(status, status)
+    if test.get("positions") is None:
+        return f"{word} (could not run)"
+    figures = [f"{test['rows']} rows", f"{test['positions']} tests"]
+    if test.get("min_p") is not None:
+        figures.append(f"p>={test['min_p']:.2g}")
+    if test.get("control"):
+        figures.append(f"plain server {test['control']}")
+    if test.get("shared_from"):
+        figures.append(f"shared from {test['shared_from']}")
+    return f"{word} ({', '.join(figures)})"
+
+
+def own_sampling_text(test: dict | None) -> str:
+    """One domain's sampling test on our engine (domain_evidence's "validation") in the same
+    words: "passed (p>=0.41)", "FAILED (...)"; "not run" when there is none."""
+    if not test:
+        return "not run"
+    figures = [] if test.get("min_p") is None else [f"p>={test['min_p']:.2g}"]
+    if test.get("shared_from"):
+        figures.append(f"shared from {test['shared_from']}")
+    return ("passed" if test.get("passed") else "FAILED") + (f" ({', '.join(figures)})" if figures else "")
 
 
 def low_acceptance(run_id: str, threshold: float, db_url: str | None = None) -> list[dict]:

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
 from ..errors import SpecdecTaskError
-from ..registry.run_results import profile_check
+from ..registry.run_results import engine_sampling_tests, profile_check
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 from ..timeutil import default_run_id
 from .context import RunSpec, use_model
@@ -30,13 +30,15 @@ TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_acc
                  "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",
                  "predicted_same_requests", "cost_model_error", "sampling_error", "greedy_checked",
                  "greedy_consistent", "live_check", "measured_speedup_lo", "measured_speedup_hi",
-                 *ENGINE_COLUMNS)
+                 *ENGINE_COLUMNS, "engine_sampling")
 LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_error",
                 "greedy_checked", "greedy_consistent", "measured_speedup_lo", "measured_speedup_hi")
 
 
 def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
-    """The run's per-domain table (domain_configs joined with its live measurement)."""
+    """The run's per-domain table (domain_configs joined with its live measurement, its engine
+    check and its sampling test on vLLM: "engine_sampling", run_results.engine_sampling_tests'
+    dict or None)."""
     engine = ensure_ready(resolve_database_url(db_url))
     with engine.connect() as connection:
         configs = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
@@ -47,8 +49,11 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
         checked = {row["domain"]: row for row in connection.execute(
             select(EngineCheck.domain, *[getattr(EngineCheck, c) for c in ENGINE_COLUMNS.values()])
             .where(EngineCheck.run_id == run_id)).mappings()}
+    on_engine = engine_sampling_tests(run_id, db_url)
 
     def value(row, column):
+        if column == "engine_sampling":
+            return on_engine.get(row["domain"])
         if column in LIVE_COLUMNS:
             return (live.get(row["domain"]) or {}).get(column)
         if column in ENGINE_COLUMNS:

@@ -112,6 +112,46 @@ def live_evidence(db_url: str, run_id: str, domain: str, measured: float, predic
     engine.dispose()
 
 
+def engine_sampling(db_url: str, run_id: str, domain: str, status: str = "passed", rows: int = 300,
+                    positions: int = 6, min_p: float = 0.021, control: bool | None = None,
+                    shared_from: str | None = None, k: int = 3) -> None:
+    """What the sampling test on vLLM leaves for a domain (tasks.steps.engine_validate, stored by
+    its own _store: a row that does not pass also marks the domain failed and unpromotable).
+    status: passed | failed | engine_differs | error (error: the server could not run, no
+    figures); control: the plain server's verdict where it ran."""
+    from tasks.steps.engine_validate import EngineSamplingResult, _store
+
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+    passed = status == "passed"
+    reason = {"passed": f"vLLM sampling test passed: {positions} G-tests of {rows} rows, smallest p "
+                        f"{min_p:.3g}",
+              "failed": "vLLM sampling test FAILED with the config at T0.7 position 2: G=80.0, "
+                        "p=1e-09 < 0.0021 (the plain server passes): vLLM with this config changes "
+                        "the output distribution",
+              "engine_differs": "vLLM sampling test failed at T0.7 position 2, and the plain server "
+                                "fails too: not called lossless",
+              "error": "vLLM sampling test could not run: the server died; its log: x.log"}[status]
+    if status == "error":
+        result = EngineSamplingResult(domain, status, False, reason,
+                                      details={"speculative_config": spec, "error": "the server died"})
+    else:
+        def summary(ok: bool) -> dict:
+            return {"passed": ok, "positions": positions, "rows": rows, "min_p": min_p,
+                    "statistic": 80.0 if not ok else 9.0, "threshold": 0.0021,
+                    "failures": [] if ok else [{"position": 2, "p_value": min_p}]}
+        result = EngineSamplingResult(
+            domain, status, passed, reason, rows=rows, positions=positions, min_p=min_p,
+            shared_from=shared_from,
+            details={"engine": "vllm", "speculative_config": spec, "mended": True, "mends": [],
+                     "log": "x.log", "tokens": 8, "context_tokens": 40, "samplings": [],
+                     "status": status, "reason": reason, "seconds": 1.0, "config": summary(passed),
+                     "report": {}, "control": None if control is None else summary(control),
+                     "shared_from": shared_from})
+    engine = create_engine(db_url)
+    _store(engine, run_id, result, {"drafter": LABEL}, spec, f"{domain}-1")
+    engine.dispose()
+
+
 def register(run_id: str, db_url: str, uri: str) -> dict:
     return register_config(run_id, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest")
 
