@@ -153,3 +153,51 @@ def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
     assert kept["verdict"]["verdict"] == "flag"
     # no timings of one engine: no verdict
     assert vllm_live_check("d", config, requests, served(0.5), {"requests": {}}, {}, settings) is None
+
+
+def test_where_the_check_cannot_run_the_own_engine_sampling_test_gates_again(db_url, tmp_path):
+    # validation let the own-engine sampling test pass unread, trusting the test on vLLM; when the
+    # engine check then cannot run, a domain whose own test failed is marked failed after all
+    from sqlalchemy import insert, select
+
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, Validation
+    from tasks.settings import load_settings
+    from tasks.timeutil import utcnow
+
+    engine = ensure_ready(db_url)
+    now = utcnow()
+    with engine.begin() as connection:
+        for domain, passed in (("json", False), ("code", True)):
+            connection.execute(insert(DomainConfig).values(
+                run_id="r1", domain=domain, enabled=True, status="ok", drafter="prompt_lookup", k=2,
+                validation="passed", promotable=True, created_at=now))
+            connection.execute(insert(Validation).values(
+                run_id="r1", check_name="sampling", domain=domain, passed=passed, created_at=now))
+    result = engine_check("r1", "smollm2-135m-instruct", None, {}, {}, db_url=db_url,
+                          settings=load_settings(serving_python=str(tmp_path / "none" / "python")))
+    assert result["skipped"] and result["sampling"] == {}
+    with engine.connect() as connection:
+        rows = {r.domain: r for r in connection.execute(select(DomainConfig))}
+    assert (rows["json"].validation, rows["json"].promotable) == ("failed", False)
+    assert (rows["code"].validation, rows["code"].promotable) == ("passed", True)
+
+
+def test_engine_validate_refuses_what_it_cannot_serve_before_starting_anything(db_url, capsys):
+    from sqlalchemy import insert
+
+    from tasks.cli.app import main
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import EvalRun
+    from tasks.timeutil import utcnow
+
+    now = utcnow()
+    with ensure_ready(db_url).begin() as connection:
+        connection.execute(insert(EvalRun).values(run_id="r1", created_at=now, updated_at=now,
+                                                  status="evaluated", target_id="tiny"))
+    assert main(["engine", "validate", "nosuch", "--url", db_url]) == 2
+    assert "run nosuch does not exist" in capsys.readouterr().err
+    assert main(["engine", "validate", "r1", "--url", db_url, "--speculative-config", "{bad"]) == 2
+    assert "--speculative-config is not JSON" in capsys.readouterr().err
+    assert main(["engine", "validate", "r1", "--url", db_url, "--speculative-config", "[4]"]) == 2
+    assert "must be a JSON object" in capsys.readouterr().err
