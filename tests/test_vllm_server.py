@@ -123,6 +123,9 @@ def test_a_config_vllm_cannot_sample_with_is_not_promotable_naming_its_log(tiny,
                       alpha=0.01)
     assert str(server.log_path) in str(failure.value)
     assert "Synthetic acceptance not supported" in server.log_path.read_text()
+    # a second n-gram config in the pool: every server keeps a log of its own
+    logs = [s.log_path for s in pool.servers.values()]
+    assert len(set(logs)) == len(logs) == 3, logs
 
 
 def test_the_verdict_needs_the_plain_control_to_blame_the_config():

@@ -263,7 +263,7 @@ class ServerPool:
             return server
         name = "plain" if spec is None else "spec-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.get("method", "x"))
         name += "" if mended else "-unmended"
-        taken = sum(1 for s in self.servers.values() if s.log_path.name.startswith(name))
+        taken = sum(1 for s in self.servers.values() if s.log_path.name.startswith(f"server-{name}"))
         path = self.directory / f"server-{name}{'' if not taken else f'-{taken}'}.log"
         server = VllmServer(self.model_dir, spec, path, mended=mended, dtype=self.dtype,
                             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
