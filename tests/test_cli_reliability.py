@@ -172,10 +172,12 @@ def test_an_error_goes_to_stderr_and_stdout_stays_empty(args, tmp_path):
 
 
 @pytest.mark.integration
-def test_results_alone_go_to_stdout(tmp_path):
+def test_results_alone_go_to_stdout(tmp_path, monkeypatch):
     from .helpers.registry import finished_run, register
 
     home = tmp_path / "home"
+    # the in-process register below writes MLflow artifacts under $SPECDEC_HOME: this test's
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
     db_url = f"sqlite:///{home / 'specdec.db'}"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert specdec("db", "upgrade", home=home).returncode == 0
@@ -187,6 +189,7 @@ def test_results_alone_go_to_stdout(tmp_path):
     target = "Test-Org/Streams"
     finished_run(db_url, "run-1", {"json": {}}, target_id=target)
     register("run-1", db_url, uri)
+    assert (home / "mlartifacts" / "test-org--streams").is_dir()
     export = specdec("config", "export", "challenger", "--target", target,
                      "--format", "trtllm", "--tracking-uri", uri, home=home)
     assert export.returncode == 0, export.stderr
