@@ -932,7 +932,9 @@ def test_version_page_shows_a_slow_live_check_the_alert_and_the_proposal_rate(db
     page = page_text(client(tracking).get_model_version(name, registered["version"]).description)
     lines = page.splitlines()
     assert lines[0].startswith("Promote only with specdec config promote 1 ")
-    assert "MLflow's \"Promote model\" button" in lines[0]
+    # MLflow 3's "Promote model" opens "Copy to model": the page says so, and names the pencil
+    assert "alias pencil moves champion past both" in lines[0]
+    assert "\"Promote model\" button does not move champion" in lines[0]
     header = next(line for line in lines if line.startswith("| domain |"))
     assert header == ("| domain | on | drafter | K | max batch | E [tokens/round] | proposal rate | "
                       "predicted (95% CI) | live check (same requests) | samples | validation | source |")

@@ -306,8 +306,9 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
 
         def describe(version: str) -> str:
             return (f"**Promote only with `specdec config promote {version}`** (it checks the gates below "
-                    "and writes the audit row); MLflow's \"Promote model\" button and alias pencil move "
-                    "`champion` past both.\n\n"
+                    "and writes the audit row); MLflow's alias pencil moves `champion` past both, and "
+                    "its \"Promote model\" button does not move `champion` at all (it copies the "
+                    "version into another registered model).\n\n"
                     f"## specdec config of run {run_id}\n\n{warning}{noise}{veto_text}target "
                     f"`{config.target.id}` "
                     f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`"
