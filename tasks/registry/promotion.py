@@ -25,7 +25,7 @@ from .config_schema import SpecdecConfig
 from .run_config import effective_speedup, live_problems, live_text
 from .run_results import domain_evidence, profile_check
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
-from .version_page import refresh_champion_lines, write_gates
+from .version_page import gate_counts, refresh_champion_lines, write_gates
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
                 lines.append(f"{name} {live['measured']:.2f}x (weak evidence: {live['requests']} requests)")
     total = len(failed) + len(unsure) + len(passed)
     figure = (f"{len(passed)}/{total} enabled domains measured at or above their bar"
-              + (f"; FAILED: {failed}" if failed else "") + (f"; unsure: {unsure}" if unsure else "")
+              + (f"; FAILED: {', '.join(failed)}" if failed else "")
+              + (f"; unsure: {', '.join(unsure)}" if unsure else "")
               + ("" if not lines else ". " + ". ".join(lines))
               + (". The cost profile is noisy: predictions are not evidence" if profile_noisy else ""))
     if failed and not enforced:
@@ -139,7 +140,7 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
     failed = sorted(n for n, s in measured.items() if s.validation != "passed")
     gates.append({"name": "validation", "passed": not failed and fingerprint_passed is not False,
                   "figure": f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
-                            + (f"; not passed: {failed}" if failed else "")
+                            + (f"; not passed: {', '.join(failed)}" if failed else "")
                             + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")})
     if evidence is not None:
         gates.append(live_gate(config, evidence, settings, profile_noisy))
@@ -233,7 +234,8 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
                 f" ({', '.join(doubts)}: unsure or not enforced, see its figure)" if doubts else "")
         record_promotion(db_url, connection, action="promote", forced=bool(force and failed),
                          gates=summary, reason=reason, **record)
-    page_gates(f"promoted ({reason})")
+    page_gates(("promoted FORCED past failed gates: " if failed and force else "promoted: ")
+               + gate_counts(gates))
     refresh_champion_lines(mlflow_client, name, version, "promoted with `specdec config promote`"
                            + (" FORCED past failed gates" if force and failed else ""), also=(before,))
     return {"promoted": True, "forced": bool(force and failed), "version": version, "champion": version,

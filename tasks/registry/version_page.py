@@ -77,6 +77,19 @@ def gates_markdown(gates: list[dict], title: str) -> str:
     return f"{GATES_HEADING} ({title})\n\n" + html_table(["gate", "result", "figure"], rows)
 
 
+def gate_counts(gates: list[dict]) -> str:
+    """The gates counted by result, naming those that did not pass: `5 passed, 1 unsure
+    (live_check)`."""
+    order = ("pass", "fail", "unsure", "not enforced")
+    words = {"pass": "passed", "fail": "FAILED", "unsure": "unsure", "not enforced": "not enforced"}
+    parts = []
+    for result in order:
+        names = [g["name"] for g in gates if gate_result(g) == result]
+        if names:
+            parts.append(f"{len(names)} {words[result]}" + ("" if result == "pass" else f" ({', '.join(names)})"))
+    return ", ".join(parts) or "no gates"
+
+
 def gates_summary(gates: list[dict]) -> str:
     """The gates in one line: `validation pass, live_check UNSURE, ...`."""
     return ", ".join(f"{g['name']} {GATE_RESULTS[gate_result(g)]}" for g in gates)
