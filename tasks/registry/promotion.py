@@ -22,7 +22,7 @@ from ..errors import RegistryError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .config_schema import SpecdecConfig
-from .run_config import effective_speedup, live_problems, live_text
+from .run_config import FASTER, effective_speedup, live_findings, live_problems, live_text
 from .run_results import domain_evidence, profile_check
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
 from .version_page import gate_counts, refresh_champion_lines, write_gates
@@ -104,6 +104,8 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
         if live.get("enforced") is not None:
             enforced = enforced and bool(live["enforced"])
         problems = live_problems(live, settings.min_speedup, settings.confirm_tolerance)
+        faster = [text for kind, text in live_findings(live, settings.min_speedup,
+                                                       settings.confirm_tolerance) if kind == FASTER]
         text = f"{name} {live_text(live)}"
         if live.get("verdict") in ("flag", "veto"):
             failed.append(name)
@@ -113,6 +115,8 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
             lines.append(f"{text}: {'; '.join(problems)}, within the measurement's noise")
         else:
             passed.append(name)
+            if faster:      # at or above the bar; the cost model under-predicts it
+                lines.append(f"{text}: at or above the bar, {'; '.join(faster)}")
             if live.get("weak"):
                 lines.append(f"{name} {live['measured']:.2f}x (weak evidence: {live['requests']} requests)")
     total = len(failed) + len(unsure) + len(passed)

@@ -243,8 +243,8 @@ def below_bar_markdown(config, evidence: dict, settings: Settings) -> str:
             lines.append(f"- **{name}**: {live_text(live)}: {'; '.join(problems)}")
     if not lines:
         return ""
-    return ("**WARNING: on, but the live check measured them below the bar** (see the live_check "
-            "gate):\n\n" + "\n".join(lines) + "\n\n")
+    return ("**WARNING: on, but the live check measured them below the bar or slower than predicted** "
+            "(see the live_check gate):\n\n" + "\n".join(lines) + "\n\n")
 
 
 def alert_markdown(low: list[dict], evidence: dict, threshold: float) -> str:

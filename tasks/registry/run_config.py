@@ -100,24 +100,37 @@ def _drafter_text(s: DomainSetting) -> str:
                              if s.drafter.params else "")
 
 
-def live_problems(live: dict | None, min_speedup: float, tolerance: float) -> list[str]:
-    """What the live check found wrong with a domain's measurement, in words (empty: nothing):
-    measured below plain decoding or below `min_speedup`, off the prediction for the same requests
-    by more than `tolerance`."""
+FASTER = "faster_than_predicted"
+
+
+def live_findings(live: dict | None, min_speedup: float, tolerance: float) -> list[tuple[str, str]]:
+    """What the live check found about a domain's measurement, as (kind, words): kind "slow"
+    (slower than plain decoding), "below" (below min_speedup), "slower_than_predicted" or
+    "faster_than_predicted" (off the prediction for the same requests by more than `tolerance`,
+    worded by its direction). Empty: nothing."""
     if not live or live.get("measured") is None:
         return []
     minimum = live.get("min_speedup") or min_speedup
     limit = live.get("tolerance") or tolerance
-    problems = []
+    found = []
     if live["measured"] < 1.0:
-        problems.append("slower than plain decoding")
+        found.append(("slow", "slower than plain decoding"))
     elif live["measured"] < minimum:
-        problems.append(f"below min_speedup {minimum:.2f}x")
+        found.append(("below", f"below min_speedup {minimum:.2f}x"))
     error = live.get("cost_model_error")
     if error is not None and abs(error) > limit:
-        problems.append(f"{100 * error:+.0f}% off the prediction for the same requests "
-                        f"(tolerance {100 * limit:.0f}%)")
-    return problems
+        direction = "faster" if error > 0 else "slower"
+        found.append((f"{direction}_than_predicted",
+                      f"{100 * abs(error):.0f}% {direction} than predicted for the same requests "
+                      f"(tolerance {100 * limit:.0f}%)"))
+    return found
+
+
+def live_problems(live: dict | None, min_speedup: float, tolerance: float) -> list[str]:
+    """What the live check found against a domain's measurement, in words (empty: nothing):
+    below plain decoding or min_speedup, or slower than predicted beyond the tolerance. Faster than
+    predicted is not a problem of the domain (live_findings reports it)."""
+    return [text for kind, text in live_findings(live, min_speedup, tolerance) if kind != FASTER]
 
 
 def live_text(live: dict | None) -> str:
@@ -157,6 +170,7 @@ def domain_table_markdown(config: SpecdecConfig, evidence: dict | None = None,
         found = (evidence.get(name) or {}) if s.source == "run" else {}
         live = found.get("live")
         problems = live_problems(live, min_speedup, tolerance)
+        faster = [text for kind, text in live_findings(live, min_speedup, tolerance) if kind == FASTER]
         ci = "" if s.predicted_speedup_ci95 is None else (
             f" [{s.predicted_speedup_ci95[0]:.2f}, {s.predicted_speedup_ci95[1]:.2f}]")
         if live:
@@ -165,6 +179,8 @@ def domain_table_markdown(config: SpecdecConfig, evidence: dict | None = None,
                              + ("-" if predicted is None else f"{predicted:.2f}x"))
             if problems:
                 live_cell += " " + cell("WARNING: " + "; ".join(problems), bold=True)
+            if faster:      # the cost model under-predicts: not a problem of the domain
+                live_cell += " " + cell("; ".join(faster))
         else:
             live_cell = cell("-" if s.source != "run" or not s.enabled else "not measured")
         rate = found.get("proposal_rate")
@@ -182,6 +198,7 @@ def domain_table_markdown(config: SpecdecConfig, evidence: dict | None = None,
         if live and not (s.reason or "").startswith("live check:"):
             why += (f". Live check: {live_text(live)}"
                     + (f": **{'; '.join(problems)}**" if problems else "")
+                    + (f" ({'; '.join(faster)})" if faster else "")
                     + (f" (weak evidence: {live['requests']} requests)" if live.get("weak") else ""))
         if test.get("shared_from") and s.enabled:
             why += (f". Sampling test shared from {test['shared_from']} (same drafter, K and "
