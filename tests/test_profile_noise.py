@@ -77,6 +77,9 @@ def test_negative_overheads_and_wide_spreads_are_flagged():
     table.spread[("draft_step", LS, None, 1)] = 0.2
     [reason] = check_costs(table, max_spread=0.15)
     assert reason == "spread 40% > 15% (v(2) at batch 4; 2 figures in all)"
+    # just over the bar: as many decimals as it takes to differ (not "spread 25% > 25%")
+    table.spread = {("verify", None, 2, 4): 0.2504}
+    assert check_costs(table, max_spread=0.25) == ["spread 25.04% > 25% (v(2) at batch 4)"]
 
 
 # ------------------------------------------------------------------------------------------------

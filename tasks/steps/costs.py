@@ -403,7 +403,9 @@ def check_costs(table: CostTable, raw_overhead: dict[int, dict[str, float]] | No
         name = component if drafter is None and k is None else (
             f"v({k})" if k is not None else f"{component} {drafter}")
         over = sum(1 for v in table.spread.values() if v > max_spread)
-        reasons.append(f"spread {100 * value:.0f}% > {100 * max_spread:.0f}% ({name} at batch {size}"
+        # as many decimals as it takes for the two figures to differ ("25.3% > 25%", not "25% > 25%")
+        digits = next((d for d in range(4) if round(100 * value, d) > round(100 * max_spread, d)), 4)
+        reasons.append(f"spread {100 * value:.{digits}f}% > {100 * max_spread:.0f}% ({name} at batch {size}"
                        + (f"; {over} figures in all" if over > 1 else "") + ")")
     return reasons
 
