@@ -483,6 +483,14 @@ def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_
     line = next(text for text in printed.splitlines() if text.strip().startswith("Airflow:"))
     command = line.split("Airflow:", 1)[1].strip()
     assert command == airflow_command(env) and "AIRFLOW__API__PORT=8080" in command
+    # the stores' home is spelled out: a run triggered from that UI, started anywhere, finds them
+    assert f"SPECDEC_HOME={tmp_path / 'home'} " in command
+    with monkeypatch.context() as patch:        # a database URL with a password: by reference
+        patch.setenv("SPECDEC_DATABASE_URL", "postgresql+psycopg://u:secret@127.0.0.1:5432/d")
+        patch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+        named = airflow_command(env)
+    assert 'SPECDEC_DATABASE_URL="$SPECDEC_DATABASE_URL"' in named and "secret" not in named
+    assert "MLFLOW_TRACKING_URI=http://127.0.0.1:5000" in named
     port = free_port()
     shell = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
              # the scheduler's and triggerer's log servers bind fixed ports: free ones here

@@ -26,7 +26,7 @@ from ..errors import RegistryError
 from ..masking import mask_url
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name, target_slug
-from ..settings import specdec_home
+from ..settings import DATABASE_URL_ENV, specdec_home
 from .console import make_console
 from .evaluation import evaluation_rich_table
 
@@ -106,7 +106,18 @@ def airflow_command(env: dict, port: int = 8080) -> str:
     bin_dir = Path(sys.executable).parent
     names = ["AIRFLOW_HOME", "AIRFLOW__CORE__DAGS_FOLDER", "AIRFLOW__CORE__LOAD_EXAMPLES",
              "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
-    assignments = " ".join(f"{name}={shlex.quote(str(env[name]))}" for name in names)
+    # SPECDEC_HOME first (the Airflow home is under it, airflow_environment): a run triggered from
+    # that UI, started from any directory, finds the main job's stores, not ./.specdec of wherever
+    home = Path(env["AIRFLOW_HOME"]).resolve().parent
+    assignments = f"SPECDEC_HOME={shlex.quote(str(home))} " + " ".join(
+        f"{name}={shlex.quote(str(env[name]))}" for name in names)
+    # the stores the tasks use, where this shell named them: as they are, or by reference where
+    # they carry a password (never printed)
+    for name in (DATABASE_URL_ENV, "MLFLOW_TRACKING_URI"):
+        value = os.environ.get(name)
+        if value:
+            assignments += (f" {name}={shlex.quote(value)}" if mask_url(value) == value
+                            else f' {name}="${name}"')
     return (f"PATH={shlex.quote(str(bin_dir))}:\"$PATH\" {assignments} AIRFLOW__API__HOST=127.0.0.1 "
             f"AIRFLOW__API__PORT={port} "
             f"{shlex.quote(str(bin_dir / 'airflow'))} standalone")
