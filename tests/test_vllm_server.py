@@ -9,6 +9,7 @@ uninitialised sampling parameters happen to read back close to the real ones."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -126,6 +127,9 @@ def test_a_config_vllm_cannot_sample_with_is_not_promotable_naming_its_log(tiny,
     # a second n-gram config in the pool: every server keeps a log of its own
     logs = [s.log_path for s in pool.servers.values()]
     assert len(set(logs)) == len(logs) == 3, logs
+    # the third server stopped the one used longest ago (the unmended one): at most 2 run at once
+    assert sum(s.alive() for s in pool.servers.values()) <= pool.max_running == 2
+    assert not pool.servers[json.dumps([NGRAM, False, None, 32], sort_keys=True)].alive()
 
 
 def test_the_verdict_needs_the_plain_control_to_blame_the_config():

@@ -241,7 +241,7 @@ class ServerPool:
 
     def __init__(self, run_id: str, model_dir: str | Path, dtype: str = "auto",
                  settings: Settings | None = None, max_model_len: int | None = None,
-                 directory: Path | None = None):
+                 directory: Path | None = None, max_running: int = 2):
         self.run_id = run_id
         self.model_dir = str(model_dir)
         self.dtype = dtype
@@ -250,6 +250,10 @@ class ServerPool:
         self.directory = directory or log_dir(run_id)
         self.servers: dict[str, VllmServer] = {}
         self.failures: dict[str, str] = {}
+        # at most this many servers at once (each holds the model, its KV cache and busy-polling
+        # workers): starting another stops the one used longest ago; asked again, it restarts
+        self.max_running = max(1, max_running)
+        self.used: list[str] = []
 
     def get(self, spec: dict | None, mended: bool = True, max_num_seqs: int | None = None,
             block_size: int | None = None) -> VllmServer:
@@ -259,12 +263,21 @@ class ServerPool:
         if key in self.failures:
             raise ServingProbeError(self.failures[key])
         server = self.servers.get(key)
+        if key in self.used:
+            self.used.remove(key)
+        self.used.append(key)
         if server is not None and server.alive():
             return server
+        running = [k for k in self.used if k != key and self.servers.get(k) and self.servers[k].alive()]
+        for old in running[: max(0, len(running) - self.max_running + 1)]:
+            self.servers[old].stop()
         name = "plain" if spec is None else "spec-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.get("method", "x"))
         name += "" if mended else "-unmended"
-        taken = sum(1 for s in self.servers.values() if s.log_path.name.startswith(f"server-{name}"))
-        path = self.directory / f"server-{name}{'' if not taken else f'-{taken}'}.log"
+        if server is not None:        # restarted (stopped to make room, or died): a log of its own
+            path = server.log_path.with_name(f"{server.log_path.stem}-again.log")
+        else:
+            taken = sum(1 for s in self.servers.values() if s.log_path.name.startswith(f"server-{name}"))
+            path = self.directory / f"server-{name}{'' if not taken else f'-{taken}'}.log"
         server = VllmServer(self.model_dir, spec, path, mended=mended, dtype=self.dtype,
                             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                             block_size=block_size, settings=self.settings)
