@@ -201,3 +201,27 @@ def test_engine_validate_refuses_what_it_cannot_serve_before_starting_anything(d
     assert "--speculative-config is not JSON" in capsys.readouterr().err
     assert main(["engine", "validate", "r1", "--url", db_url, "--speculative-config", "[4]"]) == 2
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_which_engines_costs_plan_a_run(tmp_path):
+    # auto: vLLM's where the engine check is on, a serving environment exists and it can serve the
+    # target (the embedded default or a transformers directory); the setting forces either
+    from tasks.serving import environment as serving_env
+    from tasks.settings import load_settings
+    from tasks.steps.engine_costs import plans_on_vllm
+
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text("")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    auto = load_settings({}, serving_python=str(python))
+    assert plans_on_vllm(auto, "smollm2-135m-instruct") and plans_on_vllm(auto, str(tmp_path / "model"))
+    assert not plans_on_vllm(auto, "org/some-hf-id")               # not servable here: our engine
+    assert not plans_on_vllm(load_settings({}, serving_python=str(tmp_path / "none")), "smollm2-135m-instruct")
+    assert not plans_on_vllm(load_settings({}, serving_python=str(python), engine_check=False),
+                             "smollm2-135m-instruct")
+    assert plans_on_vllm(load_settings({}, plan_engine="vllm"), "org/some-hf-id")
+    assert not plans_on_vllm(load_settings({}, serving_python=str(python), plan_engine="specdec"),
+                             "smollm2-135m-instruct")
+    assert serving_env.servable("SmolLM2-135M-Instruct")

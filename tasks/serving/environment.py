@@ -122,6 +122,16 @@ def served_model_dir(target: str) -> Path:
                                 "directory: give the serving engine the target's directory")
 
 
+def servable(target: str) -> bool:
+    """Whether served_model_dir can give a serving engine `target` (the embedded default, or a
+    transformers directory), without writing anything."""
+    # imported here: torch: the CLI's config commands import it
+    from specdec_core.models import EMBEDDED_MODELS
+
+    path = Path(target).expanduser()
+    return target.lower() in EMBEDDED_MODELS or (path.is_dir() and (path / "config.json").exists())
+
+
 def served_fingerprint(directory: Path) -> str | None:
     """The fingerprint recorded beside a directory made for serving (None: not one of ours)."""
     mark = Path(directory) / SERVED_MARK

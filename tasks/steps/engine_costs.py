@@ -218,12 +218,14 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
             "seconds": elapsed, "engines": engines, "profile": provenance}
 
 
-def plans_on_vllm(settings: Settings) -> bool:
+def plans_on_vllm(settings: Settings, target: str | None = None) -> bool:
     """Whether a run plans on vLLM's costs (setting plan_engine; auto: where the engine check is
-    on and a serving environment exists)."""
+    on, a serving environment exists and it can serve `target`: the embedded default or a
+    transformers directory)."""
     if settings.plan_engine != "auto":
         return settings.plan_engine == "vllm"
-    return settings.engine_check and serving_env.available(settings)
+    return (settings.engine_check and serving_env.available(settings)
+            and (target is None or serving_env.servable(target)))
 
 
 def profile_engine(hardware: dict | None) -> str:

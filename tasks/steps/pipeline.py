@@ -88,7 +88,7 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     url = spec.resolved_url(settings)
     name = settings.hardware_profile
     measured = None
-    if name is None and plans_on_vllm(settings):
+    if name is None and plans_on_vllm(settings, spec.target):
         # the serving engine's costs plan the run (its own profile, reused or measured)
         measured = vllm_profile_or_reuse(spec.run_id, spec.target, list(settings.candidates),
                                          db_url=url, settings=settings, k_max=settings.eval_k_max,
