@@ -220,7 +220,7 @@ def test_failed_validation_gate_leaves_the_champion(db_url, tracking, target_id)
 
     result = promote_(name, "2", db_url, tracking)
     assert result["promoted"] is False and result["champion"] == "1"
-    assert "validation" in result["reason"] and "'json'" in result["reason"]
+    assert "validation" in result["reason"] and "not passed: json" in result["reason"]
     assert not gate(result, "validation")["passed"]
     assert "1/2 enabled domains passed" in gate(result, "validation")["figure"]
     assert all(g["passed"] for g in result["gates"] if g["name"] != "validation")
