@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU machines: the pinned CPU wheel. On a CUDA machine see README ("Installing on a CUDA machine").
+# CPU machines: the pinned CPU wheel. On a CUDA machine see docs/operations.md ("Installing on a CUDA machine").
 TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= -c constraints.txt
 export SPECDEC_HOME ?= $(CURDIR)/.specdec
@@ -82,14 +82,14 @@ test-unit: setup
 # everything, as CI runs it (.ci/run): PostgreSQL, Chromium, Redis and docker-compose set up by
 # scripts/ci_services.sh (apt-get and the database cluster: root or sudo), the serving environment,
 # then `make test` with SPECDEC_REQUIRE_* set, so that a missing service fails instead of skipping.
-# What still skips needs a CUDA GPU (see "Installing on a CUDA machine" in the README).
+# What still skips needs a CUDA GPU (see "Installing on a CUDA machine" in docs/operations.md).
 test-all: setup serving-env
 	bash scripts/ci_services.sh env SPECDEC_REQUIRE_SERVING=1 $(MAKE) --no-print-directory test
 
 bench: setup
 	$(PY) benchmarks/decode_cpu.py
 
-# On a CUDA machine (see README, "Installing on a CUDA machine"): writes benchmarks/results/gpu_decode.md
+# On a CUDA machine (see docs/operations.md, "Installing on a CUDA machine"): writes benchmarks/results/gpu_decode.md
 bench-gpu: setup
 	$(PY) benchmarks/gpu_decode.py
 

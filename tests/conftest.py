@@ -185,7 +185,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for why, count in reasons.most_common())
     cuda = any("CUDA" in why for why in reasons)
     if all("CUDA" in why for why in reasons):
-        how = "they need a CUDA GPU (README: Installing on a CUDA machine)"
+        how = "they need a CUDA GPU (docs/operations.md: Installing on a CUDA machine)"
     else:
         how = ("run `make test-all` to set up PostgreSQL, Chromium, Redis and the serving environment "
                "as CI does and run them all" + (" (the CUDA ones need a GPU)" if cuda else ""))
