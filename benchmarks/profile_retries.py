@@ -66,18 +66,18 @@ def main(argv=None) -> int:
     from tasks.steps.costs import checked_table, cpu_model
 
     settings = load_settings()
-    passes = REPEATS * settings.profile_attempts
+    passes = REPEATS * settings.profile.attempts
     model, tokenizer = load_model(args.model)
     cpu_kernels.prepare(model)
-    drafters = {label: d for label, (_, d) in build_drafters(settings.candidates, model, tokenizer).items()}
+    drafters = {label: d for label, (_, d) in build_drafters(settings.plan.candidates, model, tokenizer).items()}
     lines = [f"# Cost-profile retries on {cpu_model()}, "
              f"{args.rounds} rounds of {passes} passes", "",
              "| round | policy | verdict | passes | seconds | largest spread | last reasons |",
              "|---|---|---|---|---|---|---|"]
     totals = {name: [0, 0.0] for name in POLICIES}
     for round_ in range(1, args.rounds + 1):
-        sampler = CostSampler(model, drafters, settings.eval_k_max, settings.profile_batch_sizes,
-                              settings.profile_context_len)
+        sampler = CostSampler(model, drafters, settings.plan.k_max, settings.profile.batch_sizes,
+                              settings.profile.context_len)
         start, ended = time.perf_counter(), []
         for n in range(passes):
             sampler.sample(1)

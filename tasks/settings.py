@@ -92,90 +92,71 @@ DEFAULT_REDACTION_RULES = (
 )
 
 
-class Settings(BaseModel):
-    """Defaults of the data steps (store, traffic import, sampling, quality gates, reports)."""
+class _Group(BaseModel):
+    """One concern's settings (a field of Settings)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    database_url: str | None = Field(
-        default=None, description="SQLAlchemy URL; None: sqlite:///$SPECDEC_HOME/specdec.db")
-    known_domains: tuple[str, ...] = ("json", "code", "summarize", "qa", "chat", "creative", "general")
-    fallback_domain: str = "general"
-    domain_rules: tuple[DomainRule, ...] = DEFAULT_DOMAIN_RULES
-    redaction_rules: tuple[RedactionRule, ...] = DEFAULT_REDACTION_RULES
-    # import
+
+class TrafficSettings(_Group):
+    """Importing logged traffic (`specdec traffic import`)."""
+
     import_batch_size: int = Field(default=500, ge=1, le=100_000)
     max_row_bytes: int = Field(default=1_000_000, ge=1024,
                                description="a line (JSONL) or record (CSV) longer than this is quarantined")
     default_temperature: float | None = Field(
         default=None, description="used when a row has no temperature; None: such rows are quarantined")
-    # sampling
-    sample_window_days: float = Field(default=14.0, gt=0,
-                                      description="the default window ends at the newest stored request")
+
+
+class SampleSettings(_Group):
+    """Drawing a run's sample per domain."""
+
+    window_days: float = Field(default=14.0, gt=0,
+                               description="the default window ends at the newest stored request")
     min_per_domain: int = Field(default=20, ge=1)
     max_per_domain: int = Field(default=30, ge=1, description=(
         "sized for the 2-core CPU (an evaluation scores tens of requests per domain per minute); "
         "raise it on a GPU"))
-    # quality gates (traffic sample)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SampleSettings":
+        if self.min_per_domain > self.max_per_domain:
+            raise ValueError(f"min_per_domain {self.min_per_domain} > max_per_domain {self.max_per_domain}")
+        return self
+
+
+class QualitySettings(_Group):
+    """The quality gates of a traffic sample and of the result tables."""
+
     min_prompt_chars: int = 1
     max_prompt_chars: int = 200_000
     max_response_chars: int = 200_000
     min_response_tokens: int = 1
     max_prompt_tokens: int = 32_768
     max_response_tokens: int = 8_192
-    # quality gates (result tables)
     k_max: int = Field(default=16, ge=1, description=(
-        "quality gate of the result tables: the largest K a stored estimate or plan may carry. Not "
-        "the K a run plans up to: that is eval_k_max (the DAG Param and the CLI option `k_max` set "
-        "eval_k_max)"))
-    # evaluation: candidates, costs, plan, live confirmation, validation (CPU-sized defaults)
+        "the largest K a stored estimate or plan may carry (a gate of the result tables). Not "
+        "the K a run plans up to: that is plan.k_max"))
+
+
+class PlanSettings(_Group):
+    """What a run evaluates and how it decides: candidates, K, policy (CPU-sized defaults)."""
+
     candidates: tuple[str, ...] = Field(
         default=("prompt_lookup:max_ngram=3", "suffix", "layer_skip:num_layers=8"),
         description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.steps.candidates)")
     auto_draft_candidates: bool = Field(default=True, description=(
         "add the drafts registered for this target (alias candidate, else the newest) to the candidates"))
-    eval_k_max: int = Field(default=8, ge=1, le=32, description=(
+    k_max: int = Field(default=8, ge=1, le=32, description=(
         "largest K a run profiles, estimates and plans (RunSpec.k_max, the DAG Param `k_max` and "
-        "`specdec evaluate --k-max` set it); at most k_max, the result tables' gate"))
+        "`specdec evaluate --k-max` set it); at most quality.k_max, the result tables' gate"))
     hardware_profile: str | None = Field(
         default=None, description="cost profile to plan with; None: measure this machine")
-    profile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    profile_context_len: int = Field(default=256, ge=8)
-    profile_repeats: int = Field(default=3, ge=1, description=(
-        "timings of every cost figure per measurement (interleaved; the median is stored)"))
-    profile_attempts: int = Field(default=3, ge=1, description=(
-        "a profile that fails its checks gets one more pass at a time, checked after each over "
-        "its last 2 x profile_repeats passes, up to profile_repeats x profile_attempts passes in "
-        "all; then it is stored marked noisy"))
-    profile_max_spread: float = Field(default=0.25, gt=0, description=(
-        "largest spread of a cost figure (interquartile range of its timings over the median; "
-        "draft steps and overheads over the target step) in a trustworthy profile; a quiet 2-core "
-        "machine running the main job gave up to 19%, from one of three timings off"))
-    profile_checks: bool = Field(default=True, description=(
-        "check each measured cost profile for consistency and spread, re-measure a failing one "
-        "and mark it noisy (off: every measurement is trusted; tests of orchestration on tiny "
-        "models, whose timings are noise)"))
-    profile_verify_dip: float = Field(default=0.25, ge=0, lt=1, description=(
-        "how far verify(K) may fall as K grows in a trustworthy profile: CPU matrix kernels "
-        "change path with the width (a quiet 2-core machine: -12% to -16%, repeatably)"))
-    profile_step_dip: float = Field(default=0.1, ge=0, lt=1, description=(
-        "how far below one target step verify(K) may cost in a trustworthy profile: on a CPU one "
-        "token takes the padded 4-row kernel path plus the padding (a quiet 2-core machine: v(4) "
-        "= 0.91-0.98 of a step, repeatably; a busy one gave 0.80)"))
-    profile_overhead_floor: float = Field(default=0.2, ge=0, description=(
-        "how negative (in target steps) a round's measured overhead may be in a trustworthy "
-        "profile: it is the difference of a short decode and its priced forwards (a quiet 2-core "
-        "machine: down to -0.12)"))
-    profile_max_age_days: float = Field(default=7.0, ge=0, description=(
-        "a run reuses the newest stored cost profile that passed its checks, was measured on "
-        "this hardware (device, CPU model and threads), engine and engine version, dtype and "
-        "target fingerprint, covers the run's batch sizes, K and candidates, and is younger "
-        "than this many days; else it measures one (0: always measure; `specdec evaluate "
-        "--new-profile` and the DAG Param `new_profile` force a measurement)"))
-    profile_noise_floor: float = Field(default=0.05, ge=0, lt=1, description=(
-        "a cost that falls where it must not (the step as the batch grows, verify as K grows, "
-        "verify below one step) is inconsistent only when it falls by more than this and than "
-        "the figures' spreads"))
+    engine: Literal["auto", "specdec", "vllm"] = Field(default="auto", description=(
+        "whose costs plan the run: vllm (a cost profile of vLLM's own steps, reused or measured; "
+        "the live check then measures vLLM on the same requests in the engine check), specdec (our "
+        "engine's profile and its confirm step), auto: vllm where the engine check is on and a "
+        "serving environment exists, else specdec"))
     hysteresis: bool = Field(default=True, description=(
         "a domain on in the champion config stays on while its predicted interval's upper end "
         "clears min_speedup and its lower end clears 1.0; a domain that is off turns on only when "
@@ -185,90 +166,10 @@ class Settings(BaseModel):
         "clears this"))
     estimate_batch_size: int = Field(default=4, ge=1)
     bootstrap_samples: int = Field(default=1000, ge=100)
-    confirm_requests: int = Field(default=3, ge=1, description="live requests per domain")
-    confirm_max_new_tokens: int = Field(default=48, ge=2)
-    confirm_tolerance: float = Field(default=0.25, gt=0, description=(
-        "flag a domain when |measured / predicted speedup - 1| exceeds this"))
-    live_veto: bool = Field(default=True, description=(
-        "a domain that would turn on stays at the champion's setting when confirm measures it "
-        "slower than plain decoding, confidently below min_speedup, or confidently slower than "
-        "predicted beyond confirm_tolerance (tasks.steps.confirm.live_verdict); a domain on in the "
-        "config that measured so fails the live_check gate (off: live timings are noise, the gate "
-        "reports and is not enforced)"))
     acceptance_alert: float = Field(default=1.2, ge=1.0, description=(
         "the low-acceptance alert: a domain whose planned drafter's expected tokens per round "
         "falls below this is published on `specdec://alerts/low-acceptance` and named on the "
         "version page"))
-    validation_rows: int = Field(default=300, ge=50, description=(
-        "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
-    validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
-    validation_seed: int | None = Field(default=None, ge=0, description=(
-        "seed of the sampling test's random streams (mixed with the domain); None: derived from "
-        "the run id, so a re-run of a run id repeats its test. A fixed seed fixes the random "
-        "streams for every run id; the validated context still comes from the run's own sample. "
-        "At alpha 0.01 about one correct run in a hundred fails by chance"))
-    validation_per_domain: bool = Field(default=False, description=(
-        "run the sampling test for every domain; False: once per distinct (drafter, planned K, "
-        "sampling settings), shared by the domains whose three are all equal"))
-    validation_samplings: int = Field(default=2, ge=1, description=(
-        "sampling settings per sampling test: the most frequent non-greedy settings of the "
-        "domain's sampled traffic (each costs validation_rows continuations at K = 1 and at the "
-        "planned K)"))
-    greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
-    greedy_check_tokens: int = Field(default=24, ge=2)
-    # the serving engine: vLLM in its own virtual environment (`make serving-env`)
-    serving_python: str | None = Field(default=None, description=(
-        "python of the serving environment that has vLLM; None: .venv-serving/bin/python beside "
-        "the repository when it exists (`make serving-env`)"))
-    engine_check: bool = Field(default=True, description=(
-        "before register: serve each domain the plan turns on with its exported config on vLLM "
-        "in the serving environment, replay its requests and compare vLLM's own acceptance "
-        "counters with the estimate (skipped, with one line, when there is no serving environment)"))
-    engine_check_required: bool = Field(default=False, description=(
-        "a missing serving environment fails the engine check instead of skipping it"))
-    engine_check_requests: int = Field(default=8, ge=1, description=(
-        "requests per domain the engine check replays: the domain's confirm requests first, then "
-        "the sample's next ones in draw order"))
-    engine_check_tolerance: float = Field(default=0.05, ge=0, description=(
-        "gate: a domain is not promotable as on when vLLM's mean accepted length falls below the "
-        "lower end of the estimate's 95% interval by more than this fraction"))
-    engine_check_history: int = Field(default=8, ge=0, description=(
-        "suffix decoding: requests of the domain's sample served first (not measured), so vLLM's "
-        "suffix tree holds the domain's history before the replay"))
-    engine_check_timeout_s: float = Field(default=900.0, gt=0, description=(
-        "one engine's start and replay; past it the engine is killed and its domains fail the "
-        "check, naming the engine log"))
-    engine_profile: str | None = Field(default=None, description=(
-        "the serving engine's cost profile (`specdec profile measure --engine vllm`) the engine "
-        "check predicts its speedups from; None: the newest stored profile of the served vLLM's "
-        "version"))
-    engine_kv_cache_gib: int = Field(default=2, ge=1, description=(
-        "VLLM_CPU_KVCACHE_SPACE of a CPU engine (GiB)"))
-    plan_engine: Literal["auto", "specdec", "vllm"] = Field(default="auto", description=(
-        "whose costs plan the run: vllm (a cost profile of vLLM's own steps, reused or measured; "
-        "the live check then measures vLLM on the same requests in the engine check), specdec (our "
-        "engine's profile and its confirm step), auto: vllm where the engine check is on and a "
-        "serving environment exists, else specdec"))
-    engine_server_start_timeout_s: float = Field(default=300.0, gt=0, description=(
-        "how long a vLLM OpenAI server may take to answer /health and /v1/models after its start"))
-    engine_sampling: bool = Field(default=True, description=(
-        "with the engine check: the sampling test on vLLM's OpenAI server (each config a run "
-        "would promote, and the plain server as a control); where it runs, it gates promotion "
-        "in place of the own-engine sampling test"))
-    engine_sampling_rows: int | None = Field(default=None, ge=50, description=(
-        "continuations per sampling setting in the sampling test on vLLM; None: validation_rows"))
-    engine_sampling_tokens: int = Field(default=3, ge=2, le=8, description=(
-        "tokens per continuation in the sampling test on vLLM (position 0 comes before any draft)"))
-    # Airflow queues (CeleryExecutor / KubernetesExecutor workers; the LocalExecutor ignores them)
-    gpu_queue: str = Field(default="gpu", min_length=1, description=(
-        "queue of the tasks that run the model: profile, estimate, confirm, validate, the run's "
-        "greedy and fingerprint checks (finish), draft training"))
-    cpu_queue: str = Field(default="default", min_length=1, description=(
-        "queue of the database and registry tasks: sample, check, plan bookkeeping, register, "
-        "promote, reports (Airflow's [operators] default_queue is `default`)"))
-    # promotion gates
-    promotion_regression_tolerance: float = Field(default=0.1, ge=0, lt=1, description=(
-        "refuse a config when a domain's speedup falls more than this below the champion's"))
 
     @field_validator("candidates", mode="before")
     @classmethod
@@ -277,6 +178,208 @@ class Settings(BaseModel):
         if isinstance(value, str):
             return tuple(item for item in re.split(r"[;\s]+", value) if item)
         return value
+
+
+class ProfileSettings(_Group):
+    """Measuring a cost profile, and judging whether it can be trusted or reused."""
+
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    context_len: int = Field(default=256, ge=8)
+    repeats: int = Field(default=3, ge=1, description=(
+        "timings of every cost figure per measurement (interleaved; the median is stored)"))
+    attempts: int = Field(default=3, ge=1, description=(
+        "a profile that fails its checks gets one more pass at a time, checked after each over "
+        "its last 2 x repeats passes, up to repeats x attempts passes in all; then it is stored "
+        "marked noisy"))
+    max_spread: float = Field(default=0.25, gt=0, description=(
+        "largest spread of a cost figure (interquartile range of its timings over the median; "
+        "draft steps and overheads over the target step) in a trustworthy profile; a quiet 2-core "
+        "machine running the main job gave up to 19%, from one of three timings off"))
+    checks: bool = Field(default=True, description=(
+        "check each measured cost profile for consistency and spread, re-measure a failing one "
+        "and mark it noisy (off: every measurement is trusted; tests of orchestration on tiny "
+        "models, whose timings are noise)"))
+    verify_dip: float = Field(default=0.25, ge=0, lt=1, description=(
+        "how far verify(K) may fall as K grows in a trustworthy profile: CPU matrix kernels "
+        "change path with the width (a quiet 2-core machine: -12% to -16%, repeatably)"))
+    step_dip: float = Field(default=0.1, ge=0, lt=1, description=(
+        "how far below one target step verify(K) may cost in a trustworthy profile: on a CPU one "
+        "token takes the padded 4-row kernel path plus the padding (a quiet 2-core machine: v(4) "
+        "= 0.91-0.98 of a step, repeatably; a busy one gave 0.80)"))
+    overhead_floor: float = Field(default=0.2, ge=0, description=(
+        "how negative (in target steps) a round's measured overhead may be in a trustworthy "
+        "profile: it is the difference of a short decode and its priced forwards (a quiet 2-core "
+        "machine: down to -0.12)"))
+    max_age_days: float = Field(default=7.0, ge=0, description=(
+        "a run reuses the newest stored cost profile that passed its checks, was measured on "
+        "this hardware (device, CPU model and threads), engine and engine version, dtype and "
+        "target fingerprint, covers the run's batch sizes, K and candidates, and is younger "
+        "than this many days; else it measures one (0: always measure; `specdec evaluate "
+        "--new-profile` and the DAG Param `new_profile` force a measurement)"))
+    noise_floor: float = Field(default=0.05, ge=0, lt=1, description=(
+        "a cost that falls where it must not (the step as the batch grows, verify as K grows, "
+        "verify below one step) is inconsistent only when it falls by more than this and than "
+        "the figures' spreads"))
+
+
+class LiveSettings(_Group):
+    """The live check on our own engine (the confirm step)."""
+
+    requests: int = Field(default=3, ge=1, description="live requests per domain")
+    max_new_tokens: int = Field(default=48, ge=2)
+    tolerance: float = Field(default=0.25, gt=0, description=(
+        "flag a domain when |measured / predicted speedup - 1| exceeds this"))
+    veto: bool = Field(default=True, description=(
+        "a domain that would turn on stays at the champion's setting when confirm measures it "
+        "slower than plain decoding, confidently below min_speedup, or confidently slower than "
+        "predicted beyond live.tolerance (tasks.steps.confirm.live_verdict); a domain on in the "
+        "config that measured so fails the live_check gate (off: live timings are noise, the gate "
+        "reports and is not enforced)"))
+
+
+class ValidationSettings(_Group):
+    """The sampling test and the greedy check (output distribution unchanged)."""
+
+    rows: int = Field(default=300, ge=50, description=(
+        "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
+    alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
+    seed: int | None = Field(default=None, ge=0, description=(
+        "seed of the sampling test's random streams (mixed with the domain); None: derived from "
+        "the run id, so a re-run of a run id repeats its test. A fixed seed fixes the random "
+        "streams for every run id; the validated context still comes from the run's own sample. "
+        "At alpha 0.01 about one correct run in a hundred fails by chance"))
+    per_domain: bool = Field(default=False, description=(
+        "run the sampling test for every domain; False: once per distinct (drafter, planned K, "
+        "sampling settings), shared by the domains whose three are all equal"))
+    samplings: int = Field(default=2, ge=1, description=(
+        "sampling settings per sampling test: the most frequent non-greedy settings of the "
+        "domain's sampled traffic (each costs validation rows continuations at K = 1 and at the "
+        "planned K)"))
+    greedy_check_requests: int = Field(default=2, ge=1, description="requests per domain")
+    greedy_check_tokens: int = Field(default=24, ge=2)
+
+
+class EngineSettings(_Group):
+    """The serving engine: vLLM in its own virtual environment (`make serving-env`)."""
+
+    serving_python: str | None = Field(default=None, description=(
+        "python of the serving environment that has vLLM; None: .venv-serving/bin/python beside "
+        "the repository when it exists (`make serving-env`)"))
+    check: bool = Field(default=True, description=(
+        "before register: serve each domain the plan turns on with its exported config on vLLM "
+        "in the serving environment, replay its requests and compare vLLM's own acceptance "
+        "counters with the estimate (skipped, with one line, when there is no serving environment)"))
+    check_required: bool = Field(default=False, description=(
+        "a missing serving environment fails the engine check instead of skipping it"))
+    check_requests: int = Field(default=8, ge=1, description=(
+        "requests per domain the engine check replays: the domain's confirm requests first, then "
+        "the sample's next ones in draw order"))
+    check_tolerance: float = Field(default=0.05, ge=0, description=(
+        "gate: a domain is not promotable as on when vLLM's mean accepted length falls below the "
+        "lower end of the estimate's 95% interval by more than this fraction"))
+    check_history: int = Field(default=8, ge=0, description=(
+        "suffix decoding: requests of the domain's sample served first (not measured), so vLLM's "
+        "suffix tree holds the domain's history before the replay"))
+    check_timeout_s: float = Field(default=900.0, gt=0, description=(
+        "one engine's start and replay; past it the engine is killed and its domains fail the "
+        "check, naming the engine log"))
+    profile: str | None = Field(default=None, description=(
+        "the serving engine's cost profile (`specdec profile measure --engine vllm`) the engine "
+        "check predicts its speedups from; None: the newest stored profile of the served vLLM's "
+        "version"))
+    kv_cache_gib: int = Field(default=2, ge=1, description=(
+        "VLLM_CPU_KVCACHE_SPACE of a CPU engine (GiB)"))
+    server_start_timeout_s: float = Field(default=300.0, gt=0, description=(
+        "how long a vLLM OpenAI server may take to answer /health and /v1/models after its start"))
+    sampling: bool = Field(default=True, description=(
+        "with the engine check: the sampling test on vLLM's OpenAI server (each config a run "
+        "would promote, and the plain server as a control); where it runs, it gates promotion "
+        "in place of the own-engine sampling test"))
+    sampling_rows: int | None = Field(default=None, ge=50, description=(
+        "continuations per sampling setting in the sampling test on vLLM; None: validation.rows"))
+    sampling_tokens: int = Field(default=3, ge=2, le=8, description=(
+        "tokens per continuation in the sampling test on vLLM (position 0 comes before any draft)"))
+
+
+class QueueSettings(_Group):
+    """Airflow queues (CeleryExecutor / KubernetesExecutor workers; the LocalExecutor ignores them)."""
+
+    gpu: str = Field(default="gpu", min_length=1, description=(
+        "queue of the tasks that run the model: profile, estimate, confirm, validate, the run's "
+        "greedy and fingerprint checks (finish), draft training"))
+    cpu: str = Field(default="default", min_length=1, description=(
+        "queue of the database and registry tasks: sample, check, plan bookkeeping, register, "
+        "promote, reports (Airflow's [operators] default_queue is `default`)"))
+
+
+class RegistrySettings(_Group):
+    """The promotion gates of the model registry."""
+
+    regression_tolerance: float = Field(default=0.1, ge=0, lt=1, description=(
+        "refuse a config when a domain's speedup falls more than this below the champion's"))
+
+
+GROUPS: dict[str, type[_Group]] = {
+    "traffic": TrafficSettings, "sample": SampleSettings, "quality": QualitySettings,
+    "plan": PlanSettings, "profile": ProfileSettings, "live": LiveSettings,
+    "validation": ValidationSettings, "engine": EngineSettings, "queues": QueueSettings,
+    "registry": RegistrySettings,
+}
+
+# Every setting's one public name: the SPECDEC_<NAME> environment variable, the key of the
+# settings file and of `load_settings(**overrides)`, the DAG Params and RunSpec.overrides; these
+# names predate the groups and keep working. Name -> (group, field).
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    **{name: ("traffic", name) for name in TrafficSettings.model_fields},
+    "sample_window_days": ("sample", "window_days"),
+    "min_per_domain": ("sample", "min_per_domain"), "max_per_domain": ("sample", "max_per_domain"),
+    **{name: ("quality", name) for name in QualitySettings.model_fields},
+    "candidates": ("plan", "candidates"), "auto_draft_candidates": ("plan", "auto_draft_candidates"),
+    "eval_k_max": ("plan", "k_max"), "hardware_profile": ("plan", "hardware_profile"),
+    "plan_engine": ("plan", "engine"), "hysteresis": ("plan", "hysteresis"),
+    "min_speedup": ("plan", "min_speedup"), "estimate_batch_size": ("plan", "estimate_batch_size"),
+    "bootstrap_samples": ("plan", "bootstrap_samples"), "acceptance_alert": ("plan", "acceptance_alert"),
+    **{f"profile_{name}": ("profile", name) for name in ProfileSettings.model_fields},
+    "confirm_requests": ("live", "requests"), "confirm_max_new_tokens": ("live", "max_new_tokens"),
+    "confirm_tolerance": ("live", "tolerance"), "live_veto": ("live", "veto"),
+    **{f"validation_{name}": ("validation", name) for name in ("rows", "alpha", "seed", "per_domain",
+                                                               "samplings")},
+    "greedy_check_requests": ("validation", "greedy_check_requests"),
+    "greedy_check_tokens": ("validation", "greedy_check_tokens"),
+    "serving_python": ("engine", "serving_python"),
+    **{f"engine_{name}": ("engine", name) for name in EngineSettings.model_fields
+       if name not in ("serving_python",)},
+    "gpu_queue": ("queues", "gpu"), "cpu_queue": ("queues", "cpu"),
+    "promotion_regression_tolerance": ("registry", "regression_tolerance"),
+}
+# settings whose environment value is JSON (lists of objects or numbers); known_domains and
+# candidates take JSON when the value starts with "["
+_JSON_SETTINGS = ("domain_rules", "redaction_rules", "profile_batch_sizes")
+
+
+class Settings(BaseModel):
+    """specdec's settings: the store and the domains at the top, the rest by concern
+    (`settings.profile.max_age_days`, `settings.engine.check`); see FLAT_NAMES for the name each
+    setting has in the environment, the settings file and overrides."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; None: sqlite:///$SPECDEC_HOME/specdec.db")
+    known_domains: tuple[str, ...] = ("json", "code", "summarize", "qa", "chat", "creative", "general")
+    fallback_domain: str = "general"
+    domain_rules: tuple[DomainRule, ...] = DEFAULT_DOMAIN_RULES
+    redaction_rules: tuple[RedactionRule, ...] = DEFAULT_REDACTION_RULES
+    traffic: TrafficSettings = TrafficSettings()
+    sample: SampleSettings = SampleSettings()
+    quality: QualitySettings = QualitySettings()
+    plan: PlanSettings = PlanSettings()
+    profile: ProfileSettings = ProfileSettings()
+    live: LiveSettings = LiveSettings()
+    validation: ValidationSettings = ValidationSettings()
+    engine: EngineSettings = EngineSettings()
+    queues: QueueSettings = QueueSettings()
+    registry: RegistrySettings = RegistrySettings()
 
     @field_validator("known_domains", mode="before")
     @classmethod
@@ -303,8 +406,6 @@ class Settings(BaseModel):
         unknown = [rule.name for rule in self.domain_rules if rule.domain not in self.known_domains]
         if unknown:
             raise ValueError(f"domain rules {unknown} assign a domain outside known_domains")
-        if self.min_per_domain > self.max_per_domain:
-            raise ValueError(f"min_per_domain {self.min_per_domain} > max_per_domain {self.max_per_domain}")
         return self
 
     @property
@@ -313,6 +414,64 @@ class Settings(BaseModel):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(specdec_home() / 'specdec.db').resolve()}"
+
+    def value(self, name: str):
+        """A setting by its public (flat) name: `settings.value("profile_max_age_days")`."""
+        if name in FLAT_NAMES:
+            group, field = FLAT_NAMES[name]
+            return getattr(getattr(self, group), field)
+        if name in _TOP_LEVEL:
+            return getattr(self, name)
+        raise SettingsError(f"unknown setting {name!r}; known: {', '.join(sorted(known_names()))}")
+
+    def overrides(self) -> dict:
+        """The settings that differ from the defaults, by public name (JSON values): what a
+        RunSpec carries so that every task of a run sees the same settings."""
+        default = Settings()
+        return {name: _json_value(self.value(name)) for name in known_names()
+                if self.value(name) != default.value(name)}
+
+
+_TOP_LEVEL = ("database_url", "known_domains", "fallback_domain", "domain_rules", "redaction_rules")
+
+
+def known_names() -> list[str]:
+    """Every setting's public name (environment variable SPECDEC_<NAME.upper()>)."""
+    return [*_TOP_LEVEL, *FLAT_NAMES]
+
+
+def setting_default(name: str):
+    """The class default of a setting by public name (a DAG Param's default is the same wherever
+    the DAG file is parsed, whatever the environment)."""
+    default = Settings().value(name)
+    return list(default) if isinstance(default, tuple) else default
+
+
+def _json_value(value):
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, tuple):
+        return [_json_value(item) for item in value]
+    return value
+
+
+def _nest(values: dict) -> dict:
+    """Settings(**) keywords from public names (flat) and group objects (nested dicts)."""
+    nested: dict = {}
+    for name, value in values.items():
+        if name in GROUPS:
+            if not isinstance(value, dict):
+                raise SettingsError(f"setting group {name!r} must be an object of its settings, "
+                                    f"got {value!r}")
+            nested.setdefault(name, {}).update(value)
+        elif name in FLAT_NAMES:
+            group, field = FLAT_NAMES[name]
+            nested.setdefault(group, {})[field] = value
+        elif name in _TOP_LEVEL:
+            nested[name] = value
+        else:
+            raise SettingsError(f"unknown setting {name!r}; known: {', '.join(sorted(known_names()))}")
+    return nested
 
 
 def _from_env(environ) -> dict:
@@ -324,11 +483,11 @@ def _from_env(environ) -> dict:
         except (OSError, json.JSONDecodeError) as exc:
             raise SettingsError(f"{SETTINGS_FILE_ENV}={path!r}: cannot read a JSON object from it "
                                 f"({exc}); fix the file or unset the variable") from exc
-    for name, field in Settings.model_fields.items():
+    for name in known_names():
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None:
             continue
-        complex_value = name in ("domain_rules", "redaction_rules", "profile_batch_sizes") or (
+        complex_value = name in _JSON_SETTINGS or (
             name in ("known_domains", "candidates") and raw.lstrip().startswith("["))
         if complex_value:
             try:
@@ -341,10 +500,16 @@ def _from_env(environ) -> dict:
 
 
 def load_settings(environ=None, **overrides) -> Settings:
-    """Settings from defaults, $SPECDEC_SETTINGS_FILE, SPECDEC_* variables and `overrides`."""
+    """Settings from defaults, $SPECDEC_SETTINGS_FILE, SPECDEC_* variables and `overrides` (public
+    names, e.g. `load_settings(import_batch_size=50)`, or a group's dict)."""
     environ = os.environ if environ is None else environ
-    values = _from_env(environ)
-    values.update({key: value for key, value in overrides.items() if value is not None})
+    values = _nest(_from_env(environ))
+    for group, fields in _nest({key: value for key, value in overrides.items()
+                                if value is not None}).items():
+        if group in GROUPS:
+            values.setdefault(group, {}).update(fields)
+        else:
+            values[group] = fields
     try:
         return Settings(**values)
     except ValidationError as exc:

@@ -45,7 +45,7 @@ def test_dagbag_imports_without_errors(dagbag):
     # a scheduled run evaluates the same candidates as `specdec evaluate` (the settings' default)
     from tasks.settings import load_settings
 
-    assert params.get_param("candidates").value == list(load_settings({}).candidates)
+    assert params.get_param("candidates").value == list(load_settings({}).plan.candidates)
     assert "suffix" in params.get_param("candidates").value
     outlets = {t.task_id: [o.uri for o in t.outlets] for t in evaluate.tasks if t.outlets}
     assert outlets == {"promote": ["specdec://config/champion"],
@@ -375,7 +375,7 @@ def test_the_alert_threshold_of_a_run_reaches_its_version_page():
     params = {"target": "t", "domains": [], "window_days": 1, "max_per_domain": 30, "min_per_domain": 20,
               "candidates": ["prompt_lookup"], "hardware_profile": None, "k_max": 3, "min_speedup": 1.1,
               "acceptance_alert": 1.5, "promote": False}
-    assert evaluate_spec("r", params).settings().acceptance_alert == 1.5
+    assert evaluate_spec("r", params).settings().plan.acceptance_alert == 1.5
     assert setting_default("acceptance_alert") == 1.2
 
 

@@ -42,7 +42,7 @@ def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
         assert row["measured_speedup"] > 0 and row["predicted_same_requests"] > 0
         assert row["cost_model_error"] == pytest.approx(
             row["measured_speedup"] / row["predicted_same_requests"] - 1.0)
-        assert row["gap"] is (abs(row["cost_model_error"]) > load_settings({}).confirm_tolerance)
+        assert row["gap"] is (abs(row["cost_model_error"]) > load_settings({}).live.tolerance)
         assert row["validation"] == "passed" and row["promotable"] is True
         assert row["max_batch_size"] in (1, 2)
     stored = counts(tiny_db, "e2e")
@@ -111,7 +111,7 @@ def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_targe
 
     settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01, "validation_rows": 400})
     run(tiny_db, tiny_target, "broken", min_speedup=0.01)
-    drafters = build_drafters(settings.candidates, tiny_target)
+    drafters = build_drafters(settings.plan.candidates, tiny_target)
     requests, _ = load_sample_requests("broken", tiny_db)
     verdict = validate_domain("broken", "qa", tiny_target, drafters, requests["qa"], db_url=tiny_db,
                               settings=load_settings({}, **{**SETTINGS, "validation_per_domain": True,

@@ -158,8 +158,8 @@ def test_a_profile_of_the_tiny_model_stores_its_check_and_every_spread(db_url, s
     assert result["check"]["status"] == row["status"] == costs.check["status"]
     if row["status"] == "ok":     # what was stored passes every check, with its own spreads
         assert row["reasons"] == [] and not costs.noisy
-        assert check_costs(costs, max_spread=settings.profile_max_spread,
-                           noise_floor=settings.profile_noise_floor) == []
+        assert check_costs(costs, max_spread=settings.profile.max_spread,
+                           noise_floor=settings.profile.noise_floor) == []
     else:                         # re-measured as often as allowed, then stored with its reasons
         assert row["status"] == "noisy" and costs.noisy
         # checked after 5 passes, then after each more, up to 5 x 3 passes
@@ -230,9 +230,9 @@ def test_a_profile_measured_beside_a_busy_process_is_consistent_or_marked_noisy(
     costs = load_costs("tiny-busy", db_url)
     row = stored_check(db_url, "busy")
     if row["status"] == "ok":     # what was stored passes every check, with its own spreads
-        assert check_costs(costs, max_spread=settings.profile_max_spread,
-                           noise_floor=settings.profile_noise_floor) == []
-        assert max(costs.spread.values()) <= settings.profile_max_spread
+        assert check_costs(costs, max_spread=settings.profile.max_spread,
+                           noise_floor=settings.profile.noise_floor) == []
+        assert max(costs.spread.values()) <= settings.profile.max_spread
     else:                         # re-measured as often as allowed, then stored with its reasons
         assert row["status"] == "noisy" and costs.noisy
         assert row["attempts"] == 1 + 5 and row["details"]["passes"] == 10

@@ -113,8 +113,8 @@ def test_a_profile_of_another_target_is_not_reused(db_url, one_layer):
 
 
 def test_a_profile_older_than_profile_max_age_days_is_measured_again(db_url, one_layer):
-    assert load_settings({}).profile_max_age_days == 7
-    assert load_settings({"SPECDEC_PROFILE_MAX_AGE_DAYS": "2.5"}).profile_max_age_days == 2.5
+    assert load_settings({}).profile.max_age_days == 7
+    assert load_settings({"SPECDEC_PROFILE_MAX_AGE_DAYS": "2.5"}).profile.max_age_days == 2.5
     profile(db_url, one_layer, "run-1")
     backdate(db_url, 6)
     younger = profile(db_url, one_layer, "run-2")

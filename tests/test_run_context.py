@@ -50,7 +50,7 @@ def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_s
     # `engine check RUN_ID` of a run evaluated with --candidate)
     bare = RunSpec(run_id="frozen", target=target, db_url=db_url,
                    overrides={k: v for k, v in overrides.items() if k != "candidates"})
-    assert "prompt_lookup" not in load_settings(**bare.overrides).candidates
+    assert "prompt_lookup" not in load_settings(**bare.overrides).plan.candidates
     assert RunContext.build(bare).candidates == context.candidates
 
     domain = checked["ok"][0]

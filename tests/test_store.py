@@ -95,7 +95,7 @@ def test_settings_take_environment_overrides(tmp_path):
     settings = load_settings(environ)
     assert settings.known_domains == ("json", "legal", "general")
     assert [rule.name for rule in settings.domain_rules] == ["law"]
-    assert (settings.min_per_domain, settings.max_per_domain, settings.import_batch_size) == (3, 9, 77)
+    assert (settings.sample.min_per_domain, settings.sample.max_per_domain, settings.traffic.import_batch_size) == (3, 9, 77)
 
 
 @pytest.mark.parametrize("environ, fragment", [

@@ -74,7 +74,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
     evaluate(run_id="registered-run", target="tiny", db_url=suffix_db, settings=settings,
              model=tiny_target, progress=False, tracking_uri=tracking)
     spec = RunSpec(run_id="registered-run", target="tiny", db_url=suffix_db, tracking_uri=tracking,
-                   overrides=settings.model_dump(mode="json", exclude_defaults=True))
+                   overrides=settings.overrides())
     json_requests, excluded = RunContext.build(spec).domain_requests("json")
     qa_requests, qa_excluded = RunContext.build(spec).domain_requests("qa")
     assert json_requests == [] and len(excluded["indexed"]) == 10     # all json rows are indexed

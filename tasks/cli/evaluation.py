@@ -121,7 +121,7 @@ def _profile_model(args):
 
     settings = load_settings()
     model, tokenizer = load_model(args.model, device=args.device)
-    drafters = build_drafters(args.candidate or settings.candidates, model, tokenizer)
+    drafters = build_drafters(args.candidate or settings.plan.candidates, model, tokenizer)
     return settings, model, tokenizer, {label: d for label, (_, d) in drafters.items()}
 
 
@@ -254,7 +254,7 @@ def register(sub) -> None:
     ev.add_argument("--domains", default=None, help="comma-separated (default: all with traffic)")
     ev.add_argument("--days", type=float, default=None, help="window ending at the newest request")
     ev.add_argument("--candidate", action="append", default=None,
-                    help="repeatable drafter KIND[:NAME=VALUE...] (default: settings.candidates)")
+                    help="repeatable drafter KIND[:NAME=VALUE...] (default: settings.plan.candidates)")
     ev.add_argument("--hardware-profile", default=None,
                     help="plan with this stored (imported) cost profile instead of measuring here")
     ev.add_argument("--new-profile", action="store_true",

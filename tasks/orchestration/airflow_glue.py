@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 from ..errors import DatabaseUnavailable, RegistryUnavailable, SampleError, SpecdecTaskError
 from ..masking import mask_text
-from ..settings import DEFAULT_MODEL, Settings, load_settings
+from ..settings import DEFAULT_MODEL, load_settings, setting_default
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +36,6 @@ CHAMPION_URI = "specdec://config/champion"             # a new champion config
 LOW_ACCEPTANCE_URI = "specdec://alerts/low-acceptance"  # domains below the acceptance alert
 EVALUATIONS_URI = "specdec://evaluations"              # an evaluation run has finished
 NEW_DRAFT_URI = "specdec://drafts/new"                 # a new draft was registered
-
-def setting_default(name: str):
-    """The default of a Settings field, for a DAG Param: the class default, not this machine's
-    environment (a Param's default is the same wherever the DAG file is parsed)."""
-    default = Settings.model_fields[name].default
-    return list(default) if isinstance(default, tuple) else default
-
 
 # the candidates a run evaluates unless its conf names others (the settings' default)
 DEFAULT_CANDIDATES = setting_default("candidates")
@@ -59,7 +52,7 @@ def queues() -> tuple[str, str]:
     run the model, from the settings ($SPECDEC_CPU_QUEUE, $SPECDEC_GPU_QUEUE; defaults `default`
     and `gpu`). Read when a DAG file is parsed; the LocalExecutor ignores queues."""
     settings = load_settings()
-    return settings.cpu_queue, settings.gpu_queue
+    return settings.queues.cpu, settings.queues.gpu
 
 
 def connection_database_url() -> str | None:

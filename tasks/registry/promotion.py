@@ -92,7 +92,7 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
     run's live timings are declared noise) the gate reports and is "not enforced".
     """
     lines, failed, unsure, passed = [], [], [], []
-    enforced = settings.live_veto
+    enforced = settings.live.veto
     for name, s in sorted(config.domains.items()):
         if not s.enabled or s.source != "run":
             continue
@@ -103,9 +103,9 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
             continue
         if live.get("enforced") is not None:
             enforced = enforced and bool(live["enforced"])
-        problems = live_problems(live, settings.min_speedup, settings.confirm_tolerance)
-        faster = [text for kind, text in live_findings(live, settings.min_speedup,
-                                                       settings.confirm_tolerance) if kind == FASTER]
+        problems = live_problems(live, settings.plan.min_speedup, settings.live.tolerance)
+        faster = [text for kind, text in live_findings(live, settings.plan.min_speedup,
+                                                       settings.live.tolerance) if kind == FASTER]
         text = f"{name} {live_text(live)}"
         if live.get("verdict") in ("flag", "veto"):
             failed.append(name)
@@ -148,7 +148,7 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
                             + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")})
     if evidence is not None:
         gates.append(live_gate(config, evidence, settings, profile_noisy))
-    tolerance = settings.promotion_regression_tolerance
+    tolerance = settings.registry.regression_tolerance
     if champion is None:
         gates.append({"name": "no_regression", "passed": True, "figure": "no champion to compare"})
     else:
@@ -158,10 +158,10 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
         gates.append({"name": "no_regression", "passed": worst[1] >= 1 - tolerance,
                       "figure": f"worst domain {worst[0]}: {worst[1]:.2f}x the champion's speedup "
                                 f"(minimum {1 - tolerance:.2f})"})
-    short = sorted(n for n, s in measured.items() if s.samples < settings.min_per_domain)
+    short = sorted(n for n, s in measured.items() if s.samples < settings.sample.min_per_domain)
     gates.append({"name": "min_samples", "passed": not short,
                   "figure": f"min samples {min((s.samples for s in measured.values()), default=0)} "
-                            f"(required {settings.min_per_domain})" + (f"; short: {short}" if short else "")})
+                            f"(required {settings.sample.min_per_domain})" + (f"; short: {short}" if short else "")})
     same = champion is None or champion.target.fingerprint == config.target.fingerprint
     gates.append({"name": "same_target", "passed": same,
                   "figure": "no champion" if champion is None else

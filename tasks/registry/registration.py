@@ -176,14 +176,14 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             estimates = connection.execute(select(AcceptanceEstimate.drafter).where(
                 AcceptanceEstimate.run_id == run_id).distinct()).scalars().all()
             with tempfile.TemporaryDirectory() as tmp:
-                plots = _plots(run_id, connection, Path(tmp), settings.min_speedup)
+                plots = _plots(run_id, connection, Path(tmp), settings.plan.min_speedup)
                 for path in plots:
                     mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
         wanted = {"target": config.target.id, "target_fingerprint": config.target.fingerprint,
                   "hardware_profile": config.hardware_profile, "candidates": ",".join(sorted(estimates)),
                   "min_per_domain": params.get("min_per_domain"), "max_per_domain": params.get("max_per_domain"),
-                  "k_max": settings.eval_k_max, "min_speedup": settings.min_speedup,
-                  "validation_rows": settings.validation_rows, "domains": ",".join(sorted(config.domains))}
+                  "k_max": settings.plan.k_max, "min_speedup": settings.plan.min_speedup,
+                  "validation_rows": settings.validation.rows, "domains": ",".join(sorted(config.domains))}
         logged = mlflow_client.get_run(mlflow_run_id).data.params
         for key, value in wanted.items():
             value = str(value)
@@ -238,7 +238,7 @@ def below_bar_markdown(config, evidence: dict, settings: Settings) -> str:
     lines = []
     for name, s in sorted(config.domains.items()):
         live = (evidence.get(name) or {}).get("live")
-        problems = live_problems(live, settings.min_speedup, settings.confirm_tolerance)
+        problems = live_problems(live, settings.plan.min_speedup, settings.live.tolerance)
         if s.enabled and s.source == "run" and problems:
             lines.append(f"- **{name}**: {live_text(live)}: {'; '.join(problems)}")
     if not lines:
@@ -301,8 +301,8 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                       "accepted less than estimated):\n\n" + "\n".join(held) + "\n\n") if held else ""
         evidence = domain_evidence(run_id, db_url)
         veto_text += below_bar_markdown(config, evidence, settings)
-        veto_text += alert_markdown(low_acceptance(run_id, settings.acceptance_alert, db_url),
-                                    evidence, settings.acceptance_alert)
+        veto_text += alert_markdown(low_acceptance(run_id, settings.plan.acceptance_alert, db_url),
+                                    evidence, settings.plan.acceptance_alert)
 
         def describe(version: str) -> str:
             return (f"**Promote only with `specdec config promote {version}`** (it checks the gates below "
@@ -314,7 +314,7 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                     f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`"
                     f"{'' if check is None else ' (' + check['status'] + ')'}, "
                     f"validation **{validation_status(config)}**\n\n"
-                    f"{domain_table_markdown(config, evidence, settings.min_speedup, settings.confirm_tolerance)}\n\n"
+                    f"{domain_table_markdown(config, evidence, settings.plan.min_speedup, settings.live.tolerance)}\n\n"
                     f"### On vLLM (engine check)\n\n{engine_markdown(engine_checks(run_id, db_url))}\n\n"
                     f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
                     + gates_markdown(gates, f"preview at registration against champion "

@@ -31,7 +31,7 @@ MAKE_ONE = ("make one with `make serving-env` (vLLM's CPU build in .venv-serving
 def serving_python(settings: Settings | None = None) -> Path:
     """The serving environment's python; ServingEnvUnavailable (saying how to make one) if none."""
     settings = settings or load_settings()
-    configured = settings.serving_python
+    configured = settings.engine.serving_python
     path = Path(configured).expanduser() if configured else REPOSITORY / ".venv-serving" / "bin" / "python"
     if not path.exists():
         where = f"serving_python {configured!r} does not exist" if configured else (
@@ -73,7 +73,7 @@ def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
     python = serving_python(settings)
     settings = settings or load_settings()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CPU_KVCACHE_SPACE=str(settings.engine_kv_cache_gib))
+               VLLM_CPU_KVCACHE_SPACE=str(settings.engine.kv_cache_gib))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
         try:

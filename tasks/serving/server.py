@@ -99,7 +99,7 @@ class VllmServer:
         settings = self.settings or load_settings()
         python = environment.serving_python(settings)
         self.port = self.port or free_port()
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings.engine_kv_cache_gib))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings.engine.kv_cache_gib))
         env[MENDS_OFF] = "1" if self.mended else "0"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = serve_command(python, self.model_dir, self.spec, self.port, self.dtype,
@@ -114,7 +114,7 @@ class VllmServer:
         log.info("vLLM server %s starting on %s (pid %d); log %s", self.name, self.url,
                  self.process.pid, self.log_path)
         try:
-            self._wait_ready(timeout_s or settings.engine_server_start_timeout_s)
+            self._wait_ready(timeout_s or settings.engine.server_start_timeout_s)
         except BaseException:
             self.stop()
             raise

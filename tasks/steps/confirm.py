@@ -154,8 +154,8 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     candidates = [r for r in requests if r.request_id in whole] or list(requests)
     subset = _stratified(candidates, [whole[r.request_id].expected_tokens_per_round
                                       if r.request_id in whole else 0.0 for r in candidates],
-                         settings.confirm_requests)
-    lengths = {r.request_id: min(len(r.response_ids), settings.confirm_max_new_tokens) for r in subset}
+                         settings.live.requests)
+    lengths = {r.request_id: min(len(r.response_ids), settings.live.max_new_tokens) for r in subset}
     # only a response cut at confirm_max_new_tokens needs an estimate of its own
     cut = [r for r in subset if lengths[r.request_id] < len(r.response_ids)]
     cut_ids = {r.request_id for r in cut}
@@ -201,7 +201,7 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     domain_e = config["mean_accepted_length"]
     sampling_error = subset_e / domain_e - 1.0 if subset_e and domain_e else None
     greedy = [item for item in per_request if item["greedy_comparable"]]
-    gap = None if cost_error is None else abs(cost_error) > settings.confirm_tolerance
+    gap = None if cost_error is None else abs(cost_error) > settings.live.tolerance
     verdict = live_verdict(per_request, config, settings, same)
     row = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": k, "batch_size": 1,
            "requests": len(subset), "tokens": int(spec_stats.new_tokens),
@@ -241,7 +241,7 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     if gap:
         log.warning("run %s, domain %s: measured speedup %.2fx vs %.2fx predicted for the same requests "
                     "(cost-model error %+.0f%%, tolerance %.0f%%)", run_id, domain, measured, same,
-                    100 * cost_error, 100 * settings.confirm_tolerance)
+                    100 * cost_error, 100 * settings.live.tolerance)
     return row
 
 
@@ -327,23 +327,23 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
     requests = sum(1 for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s"))
     predicted = predicted_same or config.get("predicted_speedup")
     out = {**interval, "predicted": predicted, "requests": requests, "verdict": "none",
-           "reason": "no live measurement", "min_speedup": settings.min_speedup,
-           "tolerance": settings.confirm_tolerance, "live_veto": settings.live_veto}
+           "reason": "no live measurement", "min_speedup": settings.plan.min_speedup,
+           "tolerance": settings.live.tolerance, "live_veto": settings.live.veto}
     measured = interval["measured"]
     if measured is None:
         return out
     text = (f"live check: {measured:.2f}x measured [{interval['lo']:.2f}, {interval['hi']:.2f}] over "
             f"{requests} request{'s' if requests != 1 else ''}" + (
                 f" vs {predicted:.2f}x predicted" if predicted else ""))
-    turning_on = (settings.live_veto and bool(config.get("enabled"))
+    turning_on = (settings.live.veto and bool(config.get("enabled"))
                   and not config.get("champion_on"))
     why = None
     if measured < 1.0:
         why = "slower than plain decoding"
-    elif interval["hi"] < settings.min_speedup:
-        why = f"the interval's upper end is below min_speedup {settings.min_speedup:.2f}x"
-    elif interval["error_hi"] is not None and interval["error_hi"] < -settings.confirm_tolerance:
-        why = (f"slower than predicted beyond the {100 * settings.confirm_tolerance:.0f}% tolerance "
+    elif interval["hi"] < settings.plan.min_speedup:
+        why = f"the interval's upper end is below min_speedup {settings.plan.min_speedup:.2f}x"
+    elif interval["error_hi"] is not None and interval["error_hi"] < -settings.live.tolerance:
+        why = (f"slower than predicted beyond the {100 * settings.live.tolerance:.0f}% tolerance "
                f"(cost-model error {100 * interval['error_lo']:+.0f}% to {100 * interval['error_hi']:+.0f}%)")
     weak = requests < WEAK_EVIDENCE
     out.update(verdict="pass" if why is None else ("veto" if turning_on else "flag"), weak=weak,

@@ -92,8 +92,8 @@ def freeze_candidates(spec: RunSpec, settings: Settings | None = None) -> RunSpe
         return spec
     settings = settings or spec.settings()
     drafts = (registered_drafts(spec.target, spec.tracking_uri)
-              if settings.auto_draft_candidates else {})
-    return replace(spec, candidates=list(settings.candidates), drafts=drafts)
+              if settings.plan.auto_draft_candidates else {})
+    return replace(spec, candidates=list(settings.plan.candidates), drafts=drafts)
 
 
 def _stored_params(engine: Engine, run_id: str) -> dict:
@@ -182,8 +182,8 @@ class RunContext:
             log.warning("run %s: no frozen candidate list (sample the run again to freeze one); "
                         "listing registered drafts now", spec.run_id)
             drafts = (registered_drafts(spec.target, spec.tracking_uri)
-                      if settings.auto_draft_candidates else {})
-        candidates = tuple(settings.candidates) + tuple(drafts.get(entry["fingerprint"], []))
+                      if settings.plan.auto_draft_candidates else {})
+        candidates = tuple(settings.plan.candidates) + tuple(drafts.get(entry["fingerprint"], []))
         key = tuple(candidate_label(parse_candidate(c)) for c in candidates)
         built = entry.setdefault("drafters", {})
         if key not in built:

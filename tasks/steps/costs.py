@@ -432,7 +432,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
                   tokenizer=None, fingerprint: str | None = None) -> dict:
     """Measure and store the costs of `target` and the drafters ({label: Drafter}) on this machine.
 
-    Every figure is timed settings.profile_repeats times, interleaved over batch sizes, widths and
+    Every figure is timed settings.profile.repeats times, interleaved over batch sizes, widths and
     drafters (specdec_core.profile.CostSampler), and stored as its median with its spread. The
     profile is then checked (check_costs); one that fails gets one more pass at a time and is
     checked again after each (measure_until_consistent), over its last 2 x profile_repeats passes
@@ -455,8 +455,8 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     its rows for that profile.
     """
     settings = settings or load_settings()
-    k_max = k_max or settings.eval_k_max
-    batch_sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
+    k_max = k_max or settings.plan.k_max
+    batch_sizes = sorted(set(batch_sizes or settings.profile.batch_sizes))
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     hardware = describe_hardware(target, hardware_profile)
     # which engine the costs describe: static caches, CUDA graphs, compiled forwards
@@ -470,29 +470,29 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
     start = time.perf_counter()
     with timing_lock():
-        sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile_context_len)
+        sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile.context_len)
         table, reasons, earlier, passes = measure_until_consistent(
             sampler, lambda: checked_table(sampler, settings, hardware["name"], run_id),
-            settings.profile_repeats,
-            most=settings.profile_repeats * (settings.profile_attempts if settings.profile_checks else 1),
+            settings.profile.repeats,
+            most=settings.profile.repeats * (settings.profile.attempts if settings.profile.checks else 1),
             progress=progress, label=f"profile {hardware['name']}", run_id=run_id)
     attempt = len(earlier) + 1
-    if not settings.profile_checks:     # measured once, trusted as it is: say what a check saw
+    if not settings.profile.checks:     # measured once, trusted as it is: say what a check saw
         table.check = {"status": "unchecked", "reasons": [], "attempts": attempt,
                        "max_spread": max(table.spread.values(), default=0.0),
-                       "details": {"would_flag": reasons, "context_len": settings.profile_context_len}}
+                       "details": {"would_flag": reasons, "context_len": settings.profile.context_len}}
         reasons = []
     else:
         table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": attempt,
                        "max_spread": max(table.spread.values(), default=0.0),
-                       "details": {"max_spread_allowed": settings.profile_max_spread,
-                                   "noise_floor": settings.profile_noise_floor,
-                                   "verify_dip": settings.profile_verify_dip,
-                                   "step_dip": settings.profile_step_dip,
-                                   "overhead_floor": settings.profile_overhead_floor,
-                                   "repeats": settings.profile_repeats, "passes": passes,
+                       "details": {"max_spread_allowed": settings.profile.max_spread,
+                                   "noise_floor": settings.profile.noise_floor,
+                                   "verify_dip": settings.profile.verify_dip,
+                                   "step_dip": settings.profile.step_dip,
+                                   "overhead_floor": settings.profile.overhead_floor,
+                                   "repeats": settings.profile.repeats, "passes": passes,
                                    "earlier_attempts": earlier,
-                                   "context_len": settings.profile_context_len}}
+                                   "context_len": settings.profile.context_len}}
     if reasons:
         log.warning("run %s: cost profile %s marked noisy after %d checks: %s. No domain turns "
                     "on from it that the champion has off; measure on a quiet machine or plan with a "
@@ -515,9 +515,9 @@ def checked_table(sampler, settings: Settings, hardware_profile: str = "",
     """The cost table of the timings a CostSampler holds, and what check_costs finds wrong with it
     under the settings' bounds (empty: trustworthy)."""
     table = _table_of(sampler, hardware_profile, run_id)
-    return table, check_costs(table, sampler.raw_overheads(), settings.profile_max_spread,
-                              settings.profile_noise_floor, settings.profile_verify_dip,
-                              settings.profile_overhead_floor, settings.profile_step_dip)
+    return table, check_costs(table, sampler.raw_overheads(), settings.profile.max_spread,
+                              settings.profile.noise_floor, settings.profile.verify_dip,
+                              settings.profile.overhead_floor, settings.profile.step_dip)
 
 
 def measure_until_consistent(sampler, check, repeats: int, most: int, progress: bool = True,
@@ -650,15 +650,15 @@ def reusable_profile(run_id: str, key: dict, settings: Settings, db_url: str | N
                      now: datetime | None = None) -> dict | None:
     """The newest stored profile run `run_id` may reuse, or None: one stored by another run whose
     check passed (status ok), with the same key (profile_key: every field equal; none missing),
-    measured less than settings.profile_max_age_days ago, timed at the same batch sizes, K = 1..
+    measured less than settings.profile.max_age_days ago, timed at the same batch sizes, K = 1..
     k_max and context length as this run would time, with a draft step for each of `drafters`
     (labels). Returns the cost_profile_checks row as a dict (its run_id: where to copy from)."""
-    if settings.profile_max_age_days <= 0 or any(key.get(name) is None for name in KEY_COLUMNS
+    if settings.profile.max_age_days <= 0 or any(key.get(name) is None for name in KEY_COLUMNS
                                                  if name != "processor"):
         return None
     now = now or utcnow()
-    sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
-    k_max = k_max or settings.eval_k_max
+    sizes = sorted(set(batch_sizes or settings.profile.batch_sizes))
+    k_max = k_max or settings.plan.k_max
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     with engine.connect() as connection:
         rows = connection.execute(select(CostProfileCheck).where(
@@ -667,17 +667,17 @@ def reusable_profile(run_id: str, key: dict, settings: Settings, db_url: str | N
             & (CostProfileCheck.engine == key["engine"])
             & (CostProfileCheck.engine_version == key["engine_version"])
             & (CostProfileCheck.dtype == key["dtype"]) & (CostProfileCheck.device == key["device"])
-            & (CostProfileCheck.measured_at > now - timedelta(days=settings.profile_max_age_days)))
+            & (CostProfileCheck.measured_at > now - timedelta(days=settings.profile.max_age_days)))
             .order_by(CostProfileCheck.measured_at.desc(), CostProfileCheck.created_at.desc())
         ).mappings().all()
     for row in rows:
         row = dict(row)
         if row["processor"] != key.get("processor"):
             continue
-        if (row["details"] or {}).get("context_len") != settings.profile_context_len:
+        if (row["details"] or {}).get("context_len") != settings.profile.context_len:
             log.info("run %s: stored cost profile of run %s not reused: timed at context length %s, "
                      "this run's is %d", run_id, row["run_id"], (row["details"] or {}).get("context_len"),
-                     settings.profile_context_len)
+                     settings.profile.context_len)
             continue
         try:
             table = load_costs(row["hardware_profile"], db_url or settings.database_url, row["run_id"])
@@ -746,7 +746,7 @@ def measure_or_reuse(run_id: str, target, drafters: dict, db_url: str | None = N
     --new-profile`, the DAG Param new_profile). Logs one line saying which it was; the output
     (profile_costs's) says it in "profile" (profile_provenance)."""
     settings = settings or load_settings()
-    k_max = k_max or settings.eval_k_max
+    k_max = k_max or settings.plan.k_max
     url = resolve_database_url(db_url or settings.database_url)
     if fingerprint is None:
         from specdec_core.validation import fingerprint_id, target_fingerprint
@@ -758,20 +758,20 @@ def measure_or_reuse(run_id: str, target, drafters: dict, db_url: str | None = N
     source = None
     if new_profile:
         why = "a new profile was asked for (new_profile)"
-    elif settings.profile_max_age_days <= 0:
+    elif settings.profile.max_age_days <= 0:
         why = "reuse is off (profile_max_age_days = 0)"
     else:
-        source = reusable_profile(run_id, key, settings, url, settings.profile_batch_sizes, k_max,
+        source = reusable_profile(run_id, key, settings, url, settings.profile.batch_sizes, k_max,
                                   list(drafters))
         why = (f"no stored profile of this key passed its checks within the last "
-               f"{settings.profile_max_age_days:g} days and covers this run "
+               f"{settings.profile.max_age_days:g} days and covers this run "
                f"({key['device']}, {key['processor'] or '-'}, {key['dtype']}, {key['engine_version']}, "
                f"target {fingerprint})")
     if source is not None:
         result = reuse_costs(run_id, source, url)
         log.info("run %s: cost profile %s %s (not measured again; profile_max_age_days %g, "
                  "--new-profile to measure)", run_id, source["hardware_profile"],
-                 result["profile"]["text"], settings.profile_max_age_days)
+                 result["profile"]["text"], settings.profile.max_age_days)
         return result
     log.info("run %s: measuring a cost profile: %s", run_id, why)
     return profile_costs(run_id, target, drafters, db_url=url, settings=settings, k_max=k_max,

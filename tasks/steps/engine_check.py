@@ -256,7 +256,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         serving_env.serving_python(settings)
         model_dir = serving_env.served_model_dir(target)
     except ServingEnvUnavailable as exc:
-        if settings.engine_check_required:
+        if settings.engine.check_required:
             raise
         line = f"engine check skipped: {exc}"
         log.warning("run %s: %s", run_id, line)
@@ -281,7 +281,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                                 domain, "no vLLM config")}
             continue
         picked[domain] = pick_requests(requests_by_domain.get(domain, []), confirmed.get(domain, []),
-                                       settings.engine_check_requests, settings.confirm_max_new_tokens)
+                                       settings.engine.check_requests, settings.live.max_new_tokens)
         group = groups.setdefault(json.dumps(spec, sort_keys=True), {"spec": spec, "domains": []})
         group["domains"].append(domain)
     engines = []
@@ -294,12 +294,12 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     for name, spec, domains in plan:
         items = [_item(r, i) for d in domains for i, r in enumerate(picked[d])]
         history = []
-        if spec is not None and spec["method"] == "suffix" and settings.engine_check_history:
+        if spec is not None and spec["method"] == "suffix" and settings.engine.check_history:
             for d in domains:
                 replayed = {r.request_id for r in picked[d]}
                 history += [_item(r, i) for i, r in enumerate(
                     [r for r in requests_by_domain.get(d, []) if r.request_id not in replayed]
-                    [:settings.engine_check_history])]
+                    [:settings.engine.check_history])]
         what = f"run {run_id}, domains {', '.join(domains)} ({name} engine)"
         log.info("%s: starting vLLM with %s; %d requests%s", what,
                  json.dumps(spec) if spec else "no speculation", len(items),
@@ -341,7 +341,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             continue
         for domain in domains:
             if answer.get("vllm") and answer["vllm"] not in profiles:
-                profiles[answer["vllm"]] = engine_profile(url, answer["vllm"], settings.engine_profile)
+                profiles[answer["vllm"]] = engine_profile(url, answer["vllm"], settings.engine.profile)
             costs = profiles.get(answer.get("vllm"))
             base = {"speculative_config": spec, "log_path": record["log"],
                     "engine_version": answer.get("vllm"), "start_s": record["start_s"],
@@ -386,7 +386,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                                reason=f"engine check: {live['verdict']['reason']}; "
                                       f"{row['reason'].removeprefix('engine check: ')}"[:2000])
     sampling = {}
-    if settings.engine_sampling:
+    if settings.engine.sampling:
         tested = {d: exported["speculative_config"][d] for d in picked if rows.get(d, {}).get("passed") is not False}
         if tested:
             with ServerPool(run_id, model_dir, dtype=_dtype(target_model), settings=settings) as pool:
@@ -472,7 +472,7 @@ def _store_live(engine, run_id: str, domain: str, config: dict, live: dict, row:
               "spec_latency_s": _mean([r["spec_latency_s"] for r in per_request]),
               "predicted_same_requests": same,
               "cost_model_error": measured / same - 1.0 if measured is not None and same else None,
-              "gap": (abs(measured / same - 1.0) > settings.confirm_tolerance
+              "gap": (abs(measured / same - 1.0) > settings.live.tolerance
                       if measured is not None and same else None),
               "per_request": per_request, "hardware": {"engine": "vllm", "version": row.get("engine_version")},
               "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
@@ -506,7 +506,7 @@ def _serve(serving_env, settings: Settings, what: str, log_path, request: dict) 
             answer = serving_env.run_engine(dict(request, history=history, requests=items),
                                             log_path.with_suffix(f".{total['starts']}.log")
                                             if total["starts"] else log_path,
-                                            settings.engine_check_timeout_s, what, settings)
+                                            settings.engine.check_timeout_s, what, settings)
         except (EngineTimeout, ServingProbeError) as exc:
             return {**total, "failed": ("timeout" if isinstance(exc, EngineTimeout) else "died",
                                         str(exc))}
@@ -564,7 +564,7 @@ def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, h
         ungated = (f"vLLM's suffix tree held the {history} requests served before the replay, the "
                    "estimate's index the run's whole history; a serving vLLM grows its tree from "
                    "all it serves")
-    row = {**domain_verdict(compared, k, settings.engine_check_tolerance, ungated),
+    row = {**domain_verdict(compared, k, settings.engine.check_tolerance, ungated),
            "per_request": compared, "spec_tokens_per_s": _tokens_per_s(compared),
            "spec_decode_tokens_per_s": _decode_tokens_per_s(compared),
            "predicted_speedup": predicted_speedup(

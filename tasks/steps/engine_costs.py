@@ -119,8 +119,8 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     "seconds", "engines": [{config, start_s, seconds, mends}]}."""
     check_identifier(run_id, "run id")     # it names $SPECDEC_HOME/engine_profiles/<run_id>
     settings = settings or load_settings()
-    k_max = k_max or settings.eval_k_max
-    sizes = sorted(set(batch_sizes or settings.profile_batch_sizes))
+    k_max = k_max or settings.plan.k_max
+    sizes = sorted(set(batch_sizes or settings.profile.batch_sizes))
     # default: 1, 2, 4, 8, ... and k_max (the rest interpolated): the profile within 10 minutes
     ks = sorted({k for k in (ks or [2 ** i for i in range(k_max.bit_length())]) if 1 <= k <= k_max}
                 | {1, k_max})
@@ -129,11 +129,11 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     model_dir = serving_env.served_model_dir(target)
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     dtype = served_dtype(model_dir)
-    context = min(settings.profile_context_len, int(model_config.get("max_position_embeddings", 2048))
+    context = min(settings.profile.context_len, int(model_config.get("max_position_embeddings", 2048))
                   - max_tokens - k_max - 8)
     prompts = cycle_prompts(int(model_config["vocab_size"]), max(sizes), context)
     base = {"model": str(model_dir), "prompts": prompts, "batch_sizes": sizes, "max_tokens": max_tokens,
-            "repeats": settings.profile_repeats, "dtype": dtype,
+            "repeats": settings.profile.repeats, "dtype": dtype,
             "max_model_len": context + max_tokens + k_max + 8}
     lookup = {"kind": "prompt_lookup", "params": {"max_ngram": 3, "min_ngram": 1}}
     runs = [("plain", None, None)]
@@ -168,7 +168,7 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                                               if label in sampled else {})}
                 answer = serving_env.run_engine(
                     dict(base, speculative_config=spec, samplings=samplings), directory / (_slug(label) + ".log"),
-                    settings.engine_check_timeout_s, what, settings, command="time-steps")
+                    settings.engine.check_timeout_s, what, settings, command="time-steps")
             except (EngineTimeout, ServingProbeError) as exc:
                 raise ServingProbeError(f"{exc}") from None
             if answer.get("refused"):
@@ -200,11 +200,11 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                     "context_len": context}}}
     table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": 1,
                    "max_spread": max(table.spread.values(), default=0.0),
-                   "details": {"max_spread_allowed": settings.profile_max_spread,
-                               "repeats": settings.profile_repeats, "engines": engines,
+                   "details": {"max_spread_allowed": settings.profile.max_spread,
+                               "repeats": settings.profile.repeats, "engines": engines,
                                # the setting it was timed under (what reuse compares), and the
                                # context the prompts had (shorter where the model's is)
-                               "context_len": settings.profile_context_len, "timed_context": context}}
+                               "context_len": settings.profile.context_len, "timed_context": context}}
     # its key (tasks.steps.costs.profile_key): vLLM's version, and the fingerprint written beside
     # the served directory (None for a directory that is not one of ours: never reused)
     store_costs(engine, run_id, hardware, table, profile_key(
@@ -222,9 +222,9 @@ def plans_on_vllm(settings: Settings, target: str | None = None) -> bool:
     """Whether a run plans on vLLM's costs (setting plan_engine; auto: where the engine check is
     on, a serving environment exists and it can serve `target`: the embedded default or a
     transformers directory)."""
-    if settings.plan_engine != "auto":
-        return settings.plan_engine == "vllm"
-    return (settings.engine_check and serving_env.available(settings)
+    if settings.plan.engine != "auto":
+        return settings.plan.engine == "vllm"
+    return (settings.engine.check and serving_env.available(settings)
             and (target is None or serving_env.servable(target)))
 
 
@@ -260,18 +260,18 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
     (tasks.steps.costs.reuse_costs); else one measured here (profile_vllm). new_profile: measure
     whatever is stored. Output: profile_vllm's (or reuse_costs's), with "profile" saying which."""
     settings = settings or load_settings()
-    k_max = k_max or settings.eval_k_max
+    k_max = k_max or settings.plan.k_max
     url = resolve_database_url(db_url or settings.database_url)
     model_dir = serving_env.served_model_dir(target)
     version = serving_env.probe("versions", {}, settings, timeout_s=300)["vllm"]
     hardware = vllm_hardware(version, served_dtype(model_dir))
     key = profile_key(hardware, "vllm", version, serving_env.served_fingerprint(model_dir))
-    served = [candidate_label(spec) for spec in map(parse_candidate, candidates or settings.candidates)
+    served = [candidate_label(spec) for spec in map(parse_candidate, candidates or settings.plan.candidates)
               if spec["kind"] != "prompt_lookup"
               and speculative_config(DrafterSpec(kind=spec["kind"], params=spec["params"]), 1) is not None]
     source = None
     if not new_profile:
-        source = reusable_profile(run_id, key, settings, url, settings.profile_batch_sizes, k_max, served)
+        source = reusable_profile(run_id, key, settings, url, settings.profile.batch_sizes, k_max, served)
     if source is not None:
         result = reuse_costs(run_id, source, url)
         log.info("run %s: vLLM cost profile %s %s (not measured again; --new-profile to measure)",
@@ -280,8 +280,8 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
     log.info("run %s: measuring vLLM's cost profile (%s)", run_id,
              "a new profile was asked for" if new_profile else
              f"none stored for vLLM {version}, {hardware['device']}, {hardware['dtype']}, target "
-             f"{key['target_fingerprint']} within {settings.profile_max_age_days:g} days")
-    return profile_vllm(run_id, target, candidates or list(settings.candidates), db_url=url,
+             f"{key['target_fingerprint']} within {settings.profile.max_age_days:g} days")
+    return profile_vllm(run_id, target, candidates or list(settings.plan.candidates), db_url=url,
                         settings=settings, k_max=k_max, progress=progress)
 
 
@@ -293,9 +293,9 @@ def _table(answers: dict, runs: list, ks: list[int], k_max: int, sizes: list[int
     def timed(label: str, b: int, component: str, k=None, drafter=None, sampling="greedy") -> float:
         seconds, spread, _ = _step_seconds(answers[label]["timings"], b, sampling)
         table.spread[(component, drafter, k, b)] = spread
-        if spread > settings.profile_max_spread:
+        if spread > settings.profile.max_spread:
             reasons.append(f"{label}{' sampled' if sampling != 'greedy' else ''} at batch {b}: "
-                           f"spread {spread:.0%} over {settings.profile_repeats} repeats")
+                           f"spread {spread:.0%} over {settings.profile.repeats} repeats")
         return seconds
 
     def verify_step(label: str, b: int, k: int, plain: float, component: str, sampling: str) -> float:

@@ -157,7 +157,7 @@ class EngineSamplingResult:
 
 
 def _seed(run_id: str, settings: Settings, domain: str) -> int:
-    stem = run_id if settings.validation_seed is None else f"seed-{settings.validation_seed}"
+    stem = run_id if settings.validation.seed is None else f"seed-{settings.validation.seed}"
     return int.from_bytes(hashlib.sha256(f"{stem}/{domain}/vllm".encode()).digest()[:4], "big") % (2 ** 31)
 
 
@@ -169,8 +169,8 @@ def validate_on_engine(run_id: str, engine, pool: ServerPool, target, specs: dic
     marked failed and unpromotable in domain_configs. planned: {domain: its domain_configs row}.
     A server that cannot start or dies: the domain's status is "error" (not promotable), the
     reason naming the server's log."""
-    rows = settings.engine_sampling_rows or settings.validation_rows
-    length = settings.engine_sampling_tokens
+    rows = settings.engine.sampling_rows or settings.validation.rows
+    length = settings.engine.sampling_tokens
     results: dict[str, EngineSamplingResult] = {}
     done: dict[str, EngineSamplingResult] = {}            # by test key: shared by equal configs
     controls: dict[str, SamplingReport | Exception] = {}  # by (context, samplings)
@@ -180,7 +180,7 @@ def validate_on_engine(run_id: str, engine, pool: ServerPool, target, specs: dic
         if not requests:
             continue
         request_id, context = validation_context(target, requests)
-        samplings = validation_samplings(requests, settings.validation_samplings)
+        samplings = validation_samplings(requests, settings.validation.samplings)
         base = json.dumps({"context": context, "samplings": [s.to_dict() for s in samplings]})
         key = json.dumps({"spec": spec, "base": base, "mended": mended}, sort_keys=True)
         if key in done:
@@ -208,7 +208,7 @@ def _test_domain(run_id, domain, pool, target, spec, context, samplings, rows, l
                  what, json.dumps(spec, sort_keys=True), server.name, rows, length,
                  ", ".join(json.dumps(s.to_dict()) for s in samplings), request_id, len(context))
         report = engine_report(server, target, context, samplings, rows, length,
-                               settings.validation_alpha, seed)
+                               settings.validation.alpha, seed)
         mends = server.mends()
         log_path = str(server.log_path)
     except (EngineTimeout, ServingProbeError) as exc:
@@ -220,7 +220,7 @@ def _test_domain(run_id, domain, pool, target, spec, context, samplings, rows, l
         if base not in controls:
             try:
                 controls[base] = engine_report(pool.get(None, block_size=BLOCK_SIZE), target, context,
-                                               samplings, rows, length, settings.validation_alpha,
+                                               samplings, rows, length, settings.validation.alpha,
                                                seed + 1)
             except (EngineTimeout, ServingProbeError) as exc:
                 controls[base] = exc

@@ -88,8 +88,8 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
     """Run every step for one run id; returns {"run_id", "table", "steps": {step: seconds}, ...}.
 
     hardware_profile: plan with that stored cost profile (measured elsewhere and imported);
-    default (settings.hardware_profile None): reuse the newest stored profile of this machine,
-    engine, dtype and target younger than settings.profile_max_age_days that passed its checks,
+    default (settings.plan.hardware_profile None): reuse the newest stored profile of this machine,
+    engine, dtype and target younger than settings.profile.max_age_days that passed its checks,
     else measure this machine in this run; new_profile: measure in any case.
     model/tokenizer: an already loaded target (then `target` only names it).
     register: track the run in MLflow and register its config (alias challenger); promote: then
@@ -102,7 +102,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
                    min_per_domain=min_per_domain, max_per_domain=max_per_domain,
                    candidates=list(candidates) if candidates else None,
                    hardware_profile=hardware_profile, k_max=k_max, promote=promote,
-                   overrides=settings.model_dump(mode="json", exclude_defaults=True))
+                   overrides=settings.overrides())
     if register or promote:     # fail in seconds, not after the expensive steps
         from ..registry.tracking import check_reachable
 

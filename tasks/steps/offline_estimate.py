@@ -111,7 +111,7 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
     gives the same batches (padding neighbours), hence the same figures to the last bit.
     """
     settings = settings or load_settings()
-    k_max = k_max or settings.eval_k_max
+    k_max = k_max or settings.plan.k_max
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     requests = sorted((r for items in requests_by_domain.values() for r in items),
                       key=lambda r: (r.domain, r.request_id))
@@ -129,8 +129,8 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
     now = utcnow()
     for label, (spec, drafter) in drafters.items():
         estimates = estimate_acceptance(target, drafter, requests, ks,
-                                        batch_size=settings.estimate_batch_size,
-                                        n_boot=settings.bootstrap_samples,
+                                        batch_size=settings.plan.estimate_batch_size,
+                                        n_boot=settings.plan.bootstrap_samples,
                                         seed=0,
                                         progress=progress)
         for domain, per_k in estimates.items():

@@ -86,19 +86,19 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     spec = RunSpec.of(spec)
     settings = spec.settings()
     url = spec.resolved_url(settings)
-    name = settings.hardware_profile
+    name = settings.plan.hardware_profile
     measured = None
     if name is None and plans_on_vllm(settings, spec.target):
         # the serving engine's costs plan the run (its own profile, reused or measured)
-        measured = vllm_profile_or_reuse(spec.run_id, spec.target, list(settings.candidates),
-                                         db_url=url, settings=settings, k_max=settings.eval_k_max,
+        measured = vllm_profile_or_reuse(spec.run_id, spec.target, list(settings.plan.candidates),
+                                         db_url=url, settings=settings, k_max=settings.plan.k_max,
                                          new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
     elif name is None:
         context = RunContext.build(spec)
         measured = measure_or_reuse(spec.run_id, context.model,
                                     {label: d for label, (_, d) in context.drafters.items()},
-                                    db_url=url, settings=settings, k_max=settings.eval_k_max,
+                                    db_url=url, settings=settings, k_max=settings.plan.k_max,
                                     tokenizer=context.tokenizer, fingerprint=context.fingerprint,
                                     new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
@@ -172,7 +172,7 @@ def step_estimate(spec, domain: str, profile) -> dict:
         return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                                   status="insufficient", samples=len(requests)))
     estimate_domains(run_id, context.model, context.domain_drafters(domain), {domain: requests},
-                     db_url=url, settings=settings, k_max=settings.eval_k_max, progress=False)
+                     db_url=url, settings=settings, k_max=settings.plan.k_max, progress=False)
     return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                               samples=len(requests),
                               currently_on=domain in champion_domains_on(context.spec, url)))
@@ -198,7 +198,7 @@ def champion_domains_on(spec: RunSpec, db_url: str | None = None) -> set[str]:
 def _sample_minimum(context: RunContext) -> int:
     with context.engine.connect() as connection:
         params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == context.run_id)).scalar()
-    return int((params or {}).get("min_per_domain") or context.settings.min_per_domain)
+    return int((params or {}).get("min_per_domain") or context.settings.sample.min_per_domain)
 
 
 def _plain(row: dict) -> dict:
@@ -318,7 +318,7 @@ def step_engine_check(spec) -> dict:
     a domain whose engine check fails is turned off before register."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    if not settings.engine_check:
+    if not settings.engine.check:
         return {"skipped": "engine check off (setting engine_check)", "domains": {}, "engines": []}
     context = RunContext.build(spec)
     with context.engine.connect() as connection:

@@ -16,7 +16,7 @@ clears the policy minimum is chosen (the best prediction overall when none does)
 turns on only when that lower end clears the minimum and the sample is large enough; max_batch_size is the
 largest profiled batch size up to which the lower end still clears it.
 
-Hysteresis (settings.hysteresis): a domain that is on in the champion config stays on while its
+Hysteresis (settings.plan.hysteresis): a domain that is on in the champion config stays on while its
 interval's upper end clears the minimum and its lower end clears 1.0 (speculation still does not
 lose), with max_batch_size the largest batch size where that holds; the reason says "kept on:
 within hysteresis". Without it a domain near the minimum flips on and off from run to run on
@@ -129,11 +129,11 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
     status: the sample's verdict for the domain ("ok" or "insufficient": the domain is off in this
     config and the champion's setting is kept). samples: usable requests of the domain (default:
     those the estimates scored). currently_on: the domain is on in the champion config (with
-    settings.hysteresis it then stays on within the wider band, see the module docstring).
+    settings.plan.hysteresis it then stays on within the wider band, see the module docstring).
     Output: the domain_configs row as a dict.
     """
     settings = settings or load_settings()
-    min_speedup = settings.min_speedup if min_speedup is None else min_speedup
+    min_speedup = settings.plan.min_speedup if min_speedup is None else min_speedup
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     with engine.connect() as connection:
         estimates = [dict(row) for row in connection.execute(
@@ -146,7 +146,7 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
     batch_sizes = costs.batch_sizes
     updates = []
     best = best_paying = best_kept = None
-    keeps = settings.hysteresis and currently_on
+    keeps = settings.plan.hysteresis and currently_on
     unpriced = set()
     for estimate in estimates:
         if estimate["k"] > costs.k_max(batch_sizes[0]):
@@ -188,7 +188,7 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
                    conditional_acceptance=estimate["conditional_acceptance"])
         row["max_batch_size"] = _max_batch(estimate, costs, lambda lo, hi: lo >= min_speedup)
         pays = lambda lo, hi: lo >= min_speedup  # noqa: E731
-        kept = (settings.hysteresis and currently_on and row["max_batch_size"] is None
+        kept = (settings.plan.hysteresis and currently_on and row["max_batch_size"] is None
                 and _max_batch(estimate, costs, lambda lo, hi: hi >= min_speedup and lo >= 1.0))
         if kept:
             row["max_batch_size"] = kept

@@ -189,14 +189,14 @@ def sample_expectations(settings: Settings) -> list:
           for column in ("id", "domain", "prompt", "response", "requested_at", "temperature")],
         e.ExpectColumnValuesToBeUnique(column="id"),
         e.ExpectColumnValuesToBeInSet(column="domain", value_set=list(settings.known_domains)),
-        e.ExpectColumnValuesToBeBetween(column="prompt_chars", min_value=settings.min_prompt_chars,
-                                        max_value=settings.max_prompt_chars),
+        e.ExpectColumnValuesToBeBetween(column="prompt_chars", min_value=settings.quality.min_prompt_chars,
+                                        max_value=settings.quality.max_prompt_chars),
         e.ExpectColumnValuesToBeBetween(column="response_chars", min_value=0,
-                                        max_value=settings.max_response_chars),
+                                        max_value=settings.quality.max_response_chars),
         e.ExpectColumnValuesToBeBetween(column="prompt_tokens", min_value=1,
-                                        max_value=settings.max_prompt_tokens),
-        e.ExpectColumnValuesToBeBetween(column="response_tokens", min_value=settings.min_response_tokens,
-                                        max_value=settings.max_response_tokens),
+                                        max_value=settings.quality.max_prompt_tokens),
+        e.ExpectColumnValuesToBeBetween(column="response_tokens", min_value=settings.quality.min_response_tokens,
+                                        max_value=settings.quality.max_response_tokens),
         e.ExpectColumnValuesToBeBetween(column="temperature", min_value=0, max_value=100),
         e.ExpectColumnValuesToBeBetween(column="top_p", min_value=0, max_value=1, strict_min=True),
         e.ExpectColumnValuesToBeBetween(column="top_k", min_value=0),
@@ -259,7 +259,7 @@ def check_traffic_sample(run_id: str, db_url: str | None = None,
                               f"`specdec traffic sample {run_id}`)")
         params = run.params or {}
         frame = load_sample_frame(connection, run_id)
-    min_rows = int(params.get("min_per_domain", settings.min_per_domain))
+    min_rows = int(params.get("min_per_domain", settings.sample.min_per_domain))
     domains = list(params.get("domains") or sorted(frame["domain"].dropna().unique()))
 
     context = _context()
@@ -305,7 +305,7 @@ def check_traffic_sample(run_id: str, db_url: str | None = None,
 def result_expectations(table: str, settings: Settings, columns) -> list:
     """Expectations for a result table's rows of one run (only on the columns it has)."""
     e = _gx().expectations
-    k_max = settings.k_max
+    k_max = settings.quality.k_max
     rate = lambda column: e.ExpectColumnValuesToBeBetween(column=column, min_value=0, max_value=1)  # noqa: E731
     positive = lambda column: e.ExpectColumnValuesToBeBetween(column=column, min_value=0,  # noqa: E731
                                                               strict_min=True)

@@ -222,7 +222,7 @@ class Normalizer:
                                                 "{temperature, top_k, top_p}")
         source = {**(nested or {}), **{k: row[k] for k in ("temperature", "top_k", "top_p",
                                                              "max_tokens") if row.get(k) is not None}}
-        temperature = source.get("temperature", self.settings.default_temperature)
+        temperature = source.get("temperature", self.settings.traffic.default_temperature)
         if temperature is None:
             raise RowRejected(MISSING_FIELD, "no \"temperature\": the offline estimate needs the "
                                              "logged sampling params (or set default_temperature)")
@@ -745,8 +745,8 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     size = path.stat().st_size
     try:
         line = 0
-        rows = (_jsonl_rows(stream, settings.max_row_bytes) if file_format == "jsonl"
-                else _csv_rows(stream, settings.max_row_bytes, path, normalize.redact))
+        rows = (_jsonl_rows(stream, settings.traffic.max_row_bytes) if file_format == "jsonl"
+                else _csv_rows(stream, settings.traffic.max_row_bytes, path, normalize.redact))
         with tqdm(total=size, unit="B", unit_scale=True, desc=path.name, disable=not progress,
                   leave=False) as bar:
             for line, row, text, rejection in rows:
@@ -765,7 +765,7 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
                         request_id = row.get("id") if isinstance(row.get("id"), str) else None
                 if rejection is not None:
                     writer.add_rejection(line, request_id[:200] if request_id else None, rejection, text)
-                if writer.pending() >= settings.import_batch_size:
+                if writer.pending() >= settings.traffic.import_batch_size:
                     writer.flush()
                     bar.n = raw.tell()
                     bar.set_postfix(rows=report.rows_read, refresh=False)

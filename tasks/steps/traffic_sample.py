@@ -53,7 +53,7 @@ def resolve_window(connection, window, settings: Settings) -> tuple[datetime, da
     of datetimes or ISO strings: taken as given.
     """
     if window is None or isinstance(window, (int, float)):
-        days = settings.sample_window_days if window is None else float(window)
+        days = settings.sample.window_days if window is None else float(window)
         if days <= 0:
             raise SampleError(f"window of {days} days: give a positive number of days")
         newest = connection.execute(select(func.max(TrafficRequest.requested_at))
@@ -89,8 +89,8 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
     if not run_id or not isinstance(run_id, str) or len(run_id) > 200:
         raise SampleError(f"run id {run_id!r}: give a non-empty string of at most 200 characters")
     settings = settings or load_settings()
-    min_rows = settings.min_per_domain if min_per_domain is None else int(min_per_domain)
-    max_rows = settings.max_per_domain if max_per_domain is None else int(max_per_domain)
+    min_rows = settings.sample.min_per_domain if min_per_domain is None else int(min_per_domain)
+    max_rows = settings.sample.max_per_domain if max_per_domain is None else int(max_per_domain)
     if not 1 <= min_rows <= max_rows:
         raise SampleError(f"min_per_domain {min_rows} / max_per_domain {max_rows}: need 1 <= min <= max")
     if domains is not None:

@@ -68,7 +68,7 @@ def engine_sampling_gates(settings: Settings) -> bool:
     """Whether the sampling test on vLLM (tasks.steps.engine_validate, run by the engine check)
     gates this run's promotion in place of the own-engine one: the engine check and its sampling
     test are on and a serving environment exists."""
-    return settings.engine_check and settings.engine_sampling and serving_env.available(settings)
+    return settings.engine.check and settings.engine.sampling and serving_env.available(settings)
 
 
 def validation_context(target, requests: list, candidates: int = 4):
@@ -148,13 +148,13 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     drafter = drafters[config["drafter"]][1]
     k = int(config["k"])
     ks = sorted({1, k})
-    samplings = validation_samplings(requests, settings.validation_samplings)
+    samplings = validation_samplings(requests, settings.validation.samplings)
     key = {"drafter": _drafter_identity(config["drafter"], drafter), "k": k, "ks": ks,
            "samplings": [sampling.to_dict() for sampling in samplings]}
     what = (f"{config['drafter']} K={k} (tested at K {', '.join(map(str, ks))}) at "
             + ", ".join(_sampling_text(item) for item in key["samplings"]))
     shared = None
-    if not settings.validation_per_domain:
+    if not settings.validation.per_domain:
         with engine.connect() as connection:
             for row in connection.execute(select(Validation).where(
                     (Validation.run_id == run_id) & (Validation.check_name == "sampling")
@@ -180,11 +180,11 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
 
     started = time.perf_counter()
     request_id, context = validation_context(target, requests)
-    stem = run_id if settings.validation_seed is None else f"seed-{settings.validation_seed}"
+    stem = run_id if settings.validation.seed is None else f"seed-{settings.validation.seed}"
     seed = int.from_bytes(hashlib.sha256(f"{stem}/{domain}".encode()).digest()[:4], "big") % (2 ** 31)
     report = sampling_check(target, drafter, context, ks=tuple(ks), samplings=tuple(samplings),
-                            rows=settings.validation_rows, alpha=settings.validation_alpha, seed=seed,
-                            chunk=settings.validation_rows, **(check_kwargs or {}))
+                            rows=settings.validation.rows, alpha=settings.validation.alpha, seed=seed,
+                            chunk=settings.validation.rows, **(check_kwargs or {}))
     seconds = time.perf_counter() - started
     failures = [{"domain": domain, "k": t.k, "sampling": t.sampling, "position": t.position,
                  "statistic": t.statistic, "p_value": t.p_value, "threshold": t.threshold}
@@ -201,7 +201,7 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     log.info("run %s, domain %s: sampling test of %s from request %s (%d context tokens): %s; %d "
              "G-tests of %d rows, smallest p %.3g (threshold %.3g); %.1f s", run_id, domain, what,
              request_id, len(context), "passed" if report.passed else "FAILED", len(report.tests),
-             settings.validation_rows, worst.p_value, worst.threshold, seconds)
+             settings.validation.rows, worst.p_value, worst.threshold, seconds)
     if failures:
         first = failures[0]
         log.error("run %s, domain %s: sampling test FAILED at K=%d %s position %d: G=%.1f, p=%.2g < %.2g",
@@ -263,7 +263,7 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
     for domain, config in sorted(configs.items()):
         if not config["enabled"] or not requests_by_domain.get(domain):
             continue
-        subset = requests_by_domain[domain][: settings.greedy_check_requests]
+        subset = requests_by_domain[domain][: settings.validation.greedy_check_requests]
         width = max(len(r.prompt_ids) for r in subset)
         ids = torch.full((len(subset), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -272,7 +272,7 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
             mask[i, width - len(request.prompt_ids):] = 1
         candidates = (drafters_by_domain or {}).get(domain, drafters)
         report = greedy_check(target, candidates[config["drafter"]][1], int(config["k"]), ids.to(device),
-                              mask.to(device), max_new_tokens=settings.greedy_check_tokens)
+                              mask.to(device), max_new_tokens=settings.validation.greedy_check_tokens)
         divergences = [dict(d.__dict__, request_id=subset[d.row].request_id) for d in report.divergences]
         failed = [d for d in divergences if not d["acceptable"]]
         greedy[domain] = report.passed

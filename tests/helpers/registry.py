@@ -91,15 +91,15 @@ def live_evidence(db_url: str, run_id: str, domain: str, measured: float, predic
             run_id=run_id, domain=domain, drafter=LABEL, k=k, batch_size=1, requests=requests,
             tokens=100, measured_speedup=measured, predicted_speedup=predicted,
             predicted_same_requests=predicted, cost_model_error=error,
-            gap=abs(error) > settings.confirm_tolerance, measured_speedup_lo=interval[0],
+            gap=abs(error) > settings.live.tolerance, measured_speedup_lo=interval[0],
             measured_speedup_hi=interval[1], created_at=now()))
         connection.execute(DomainConfig.__table__.update().where(
             (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(
             measured_speedup=measured, live_check={
                 "verdict": verdict, "measured": measured, "lo": interval[0], "hi": interval[1],
                 "requests": requests, "weak": requests < 5, "reason": reason,
-                "min_speedup": settings.min_speedup, "tolerance": settings.confirm_tolerance,
-                "live_veto": settings.live_veto}))
+                "min_speedup": settings.plan.min_speedup, "tolerance": settings.live.tolerance,
+                "live_veto": settings.live.veto}))
         share = width_share or [0.0, 0.0, 0.0, 1.0]
         connection.execute(insert(AcceptanceEstimate).values(
             run_id=run_id, domain=domain, drafter=LABEL, k=k, requests=25, tokens=400,
