@@ -112,6 +112,9 @@ class Settings(BaseModel):
     # sampling
     sample_window_days: float = Field(default=14.0, gt=0,
                                       description="the default window ends at the newest stored request")
+    future_tolerance_hours: float = Field(default=1.0, ge=0, description=(
+        "the default window ends at the newest request stamped at most this long after now; "
+        "rows stamped later (a skewed clock) are left out of it, and counted"))
     min_per_domain: int = Field(default=20, ge=1)
     max_per_domain: int = Field(default=30, ge=1, description=(
         "sized for the 2-core CPU (an evaluation scores tens of requests per domain per minute); "
