@@ -135,6 +135,73 @@ def _load_embedded(entry: EmbeddedModel, device, dtype):
     return _load_pretrained(converted, device, dtype)
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def check_model_dir(path: Path) -> None:
+    """ModelNotFound unless `path` holds a config.json that names a model type: the cheap check a
+    command makes before its expensive steps (a folder of anything else fails in one line)."""
+    import json
+
+    config = path / "config.json"
+    if not config.is_file():
+        raise ModelNotFound(f"directory {str(path)!r} has no config.json: not a transformers model "
+                            "directory (save one with model.save_pretrained)")
+    try:
+        document = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelNotFound(f"{str(config)!r} is not readable JSON ({_first_line(exc)}): not a "
+                            "transformers model directory") from exc
+    if not isinstance(document, dict) or not document.get("model_type"):
+        raise ModelNotFound(f"{str(config)!r} names no model_type: {str(path)!r} is not a "
+                            "transformers model directory (save one with model.save_pretrained)")
+
+
+def _hub_unreachable(text: str) -> str | None:
+    """Why the Hub cannot serve model `text` now (one try, no retries), or None when it can or
+    the answer is the loader's to give (e.g. a gated repository)."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    endpoint = huggingface_hub.constants.ENDPOINT
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return f"HF_HUB_OFFLINE is set and it is not in the model cache {models_dir() / 'hf'}"
+    try:
+        huggingface_hub.HfApi().model_info(text, timeout=15)
+    except RepositoryNotFoundError:
+        return f"the Hub ({endpoint}) has no model of that name (or it is private)"
+    except HfHubHTTPError:
+        return None
+    except Exception as exc:     # any transport failure: DNS, refused, timeout, proxy
+        return f"the Hub ({endpoint}) cannot be reached ({_first_line(exc)})"
+    return None
+
+
+def _load_hub(text: str, device, dtype):
+    """An HF id: from the model cache when there, else fetched, after one probe of the Hub so
+    that no network fails in seconds with one error instead of minutes of retries."""
+    cache_dir = str(models_dir() / "hf")
+    try:
+        return _load_pretrained(text, device, dtype, cache_dir=cache_dir, local_files_only=True)
+    except (OSError, ValueError):
+        pass    # not (wholly) in the cache: fetch it
+    why = _hub_unreachable(text)
+    if why is not None:
+        raise ModelNotFound(
+            f"model {text!r} is not a local path, a GGUF file or one of {sorted(EMBEDDED_MODELS)}, "
+            f"and as an HF id: {why}; check the name and the network (HF_ENDPOINT), or download "
+            "the model and pass its directory")
+    try:
+        return _load_pretrained(text, device, dtype, cache_dir=cache_dir)
+    except OSError as exc:
+        raise ModelNotFound(
+            f"model {text!r} is not a local path, a GGUF file or one of {sorted(EMBEDDED_MODELS)}, "
+            f"and loading it as an HF id failed ({str(exc).splitlines()[0][:200]}); check the "
+            "name, or download the model and pass its directory") from exc
+
+
 def load_model(spec: str | os.PathLike, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None):
     """(model, tokenizer) for spec: the embedded default name, a GGUF file, a local directory or an HF id.
@@ -156,22 +223,18 @@ def load_model(spec: str | os.PathLike, device: str | torch.device | None = None
             raise ModelNotFound(f"GGUF file {text!r} does not exist; check the path")
         model, tokenizer = _load_pretrained(path.parent, device, dtype, gguf_file=path.name)
     elif path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFound(f"directory {text!r} has no config.json: not a transformers model "
-                                "directory (save one with model.save_pretrained)")
-        model, tokenizer = _load_pretrained(path, device, dtype)
+        check_model_dir(path)
+        try:
+            model, tokenizer = _load_pretrained(path, device, dtype)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelNotFound(f"directory {text!r} is not a model transformers can load "
+                                f"({_first_line(exc)}); save one with model.save_pretrained and "
+                                "tokenizer.save_pretrained") from exc
     elif text.startswith((".", "/", "~")) or text.count("/") > 1:
         raise ModelNotFound(f"model {text!r}: no such file or directory; give an existing local "
                             f"path, a GGUF file, an HF id, or one of {sorted(EMBEDDED_MODELS)}")
     else:
-        try:
-            model, tokenizer = _load_pretrained(text, device, dtype,
-                                                cache_dir=str(models_dir() / "hf"))
-        except OSError as exc:
-            raise ModelNotFound(
-                f"model {text!r} is not a local path, a GGUF file or one of {sorted(EMBEDDED_MODELS)}, "
-                f"and loading it as an HF id failed ({str(exc).splitlines()[0][:200]}); check the "
-                "name, or download the model and pass its directory") from exc
+        model, tokenizer = _load_hub(text, device, dtype)
     model = model.to(device=device, dtype=dtype).eval()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:

@@ -11,6 +11,8 @@
 --   profile_measured_at: when it was measured);
 --   held_off_by: noisy profile | live veto | NULL; measured_lo / measured_hi: the live speedup's
 --   95% interval over the confirm requests (how weak the evidence is: see requests).
+-- Interrupted runs (eval_runs.status 'interrupted': stopped by a signal or a crash before they
+--   finished) are left out: their plans are provisional.
 SELECT d.run_id, d.domain, e.hardware_profile, c.status AS profile_status,
        c.attempts AS profile_measurements, c.max_spread AS profile_max_spread,
        c.reused_from AS profile_reused_from, c.measured_at AS profile_measured_at,
@@ -24,4 +26,5 @@ FROM domain_configs d
 JOIN eval_runs e ON e.run_id = d.run_id
 LEFT JOIN cost_profile_checks c ON c.run_id = d.run_id AND c.hardware_profile = e.hardware_profile
 LEFT JOIN live_measurements l ON l.run_id = d.run_id AND l.domain = d.domain
+WHERE e.status <> 'interrupted'
 ORDER BY d.created_at DESC, d.domain;

@@ -16,6 +16,11 @@ class DatabaseUnavailable(SpecdecTaskError, RuntimeError):
     """The database cannot be reached or does not exist."""
 
 
+class DiskFull(DatabaseUnavailable):
+    """The disk under the database (or under $SPECDEC_HOME) is full: nothing more can be written
+    until space is freed (the rows written so far are kept; a re-run by run id replaces them)."""
+
+
 class DatabaseNotMigrated(SpecdecTaskError, RuntimeError):
     """The database exists but its schema is missing or older than this code."""
 

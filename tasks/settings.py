@@ -113,6 +113,9 @@ class SampleSettings(_Group):
 
     window_days: float = Field(default=14.0, gt=0,
                                description="the default window ends at the newest stored request")
+    future_tolerance_hours: float = Field(default=1.0, ge=0, description=(
+        "the default window ends at the newest request stamped at most this long after now; "
+        "rows stamped later (a skewed clock) are left out of it, and counted"))
     min_per_domain: int = Field(default=20, ge=1)
     max_per_domain: int = Field(default=30, ge=1, description=(
         "sized for the 2-core CPU (an evaluation scores tens of requests per domain per minute); "
@@ -332,6 +335,7 @@ GROUPS: dict[str, type[_Group]] = {
 FLAT_NAMES: dict[str, tuple[str, str]] = {
     **{name: ("traffic", name) for name in TrafficSettings.model_fields},
     "sample_window_days": ("sample", "window_days"),
+    "future_tolerance_hours": ("sample", "future_tolerance_hours"),
     "min_per_domain": ("sample", "min_per_domain"), "max_per_domain": ("sample", "max_per_domain"),
     **{name: ("quality", name) for name in QualitySettings.model_fields},
     "candidates": ("plan", "candidates"), "auto_draft_candidates": ("plan", "auto_draft_candidates"),

@@ -17,6 +17,7 @@ from specdec_core.models import DEFAULT_MODEL
 
 from ..errors import SpecdecTaskError
 from ..masking import mask_text
+from ..paths import check_identifier
 from ..steps.candidates import CandidateError, candidate_label, parse_candidate
 from . import config, data, draft, engine, evaluation, main_job
 from .console import MaskingStream, emit, flush_stdout, make_console
@@ -205,19 +206,42 @@ def _main(argv: list[str] | None) -> int:
     if not args.verbose:    # urllib3's per-retry warnings: the error line says it once
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     try:
+        if getattr(args, "run_id", None) is not None:     # every command's run id, one rule
+            check_identifier(args.run_id, "run id")
         status = args.func(args)
     except (SpecDecError, PromptFileError, SpecdecTaskError) as exc:
         errors.print(f"[red]error:[/red] {type(exc).__name__}: {escape(mask_text(str(exc)))}")
         status = 2
-    except Exception as exc:    # MLflow's own refusals: one line, credentials hidden
-        from mlflow.exceptions import MlflowException
-
-        if not isinstance(exc, MlflowException):
-            raise
-        errors.print(f"[red]error:[/red] MLflow: {escape(mask_text(' '.join(str(exc.message).split())))[:500]}")
-        status = 2
+    except Exception as exc:    # MLflow's own refusals, a full disk: one line, credentials hidden
+        status = _known_failure(exc, args)
     flush_stdout()      # a reader that stopped early (`| head`) changes no exit status
     return status
+
+
+def _known_failure(exc: Exception, args) -> int:
+    """2 with one line on stderr for MLflow's refusals and a full disk (database or files);
+    anything else is re-raised (a traceback: a bug to report)."""
+    from mlflow.exceptions import MlflowException
+
+    from ..db.engine import database_error, is_disk_full, resolve_database_url
+
+    if isinstance(exc, MlflowException) and not is_disk_full(exc):
+        errors.print(f"[red]error:[/red] MLflow: {escape(mask_text(' '.join(str(exc.message).split())))[:500]}")
+        return 2
+    if not is_disk_full(exc):
+        raise exc
+    if isinstance(exc, OSError):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        errors.print(f"[red]error:[/red] DiskFull: disk full{escape(mask_text(where))} ({escape(exc.strerror or str(exc))}); "
+                     "free space there, then run the command again: a run or import repeats by its id")
+        return 2
+    try:
+        url = resolve_database_url(getattr(args, "url", None))
+    except SpecdecTaskError:
+        url = "(the configured database)"
+    failure = database_error(url, exc)
+    errors.print(f"[red]error:[/red] {type(failure).__name__}: {escape(mask_text(str(failure)))}")
+    return 2
 
 
 if __name__ == "__main__":

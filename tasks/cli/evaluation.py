@@ -77,22 +77,31 @@ def evaluation_rich_table(result: dict) -> Table:
 
 def cmd_evaluate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.evaluate import evaluate
+    import signal
 
-    if args.run_id is not None:
-        check_identifier(args.run_id, "run id")
+    from ..steps.evaluate import RunInterrupted, evaluate
+    from ..timeutil import default_run_id
+
+    run_id = default_run_id() if args.run_id is None else check_identifier(args.run_id, "run id")
     settings = load_settings(hardware_profile=args.hardware_profile)
-    result = evaluate(run_id=args.run_id, target=args.model, db_url=args.url, settings=settings,
-                      domains=args.domains.split(",") if args.domains else None,
-                      window=args.days, candidates=args.candidate or None, k_max=args.k_max,
-                      max_per_domain=args.max_per_domain, min_per_domain=args.min_per_domain,
-                      device=args.device,
-                      progress=not args.no_progress, register=not args.no_register,
-                      promote=args.promote, tracking_uri=args.tracking_uri,
-                      new_profile=args.new_profile)
+    try:
+        result = evaluate(run_id=run_id, target=args.model, db_url=args.url, settings=settings,
+                          domains=args.domains.split(",") if args.domains else None,
+                          window=args.days, candidates=args.candidate or None, k_max=args.k_max,
+                          max_per_domain=args.max_per_domain, min_per_domain=args.min_per_domain,
+                          device=args.device,
+                          progress=not args.no_progress, register=not args.no_register,
+                          promote=args.promote, tracking_uri=args.tracking_uri,
+                          new_profile=args.new_profile)
+    except (RunInterrupted, KeyboardInterrupt) as exc:
+        name = getattr(exc, "signal_name", "SIGINT")
+        make_console(stderr=True).print(
+            f"[red]run {escape(run_id)} interrupted by {name}[/red]: marked interrupted (reports "
+            "leave it out); run it again with the same --run-id to replace it")
+        return 128 + int(getattr(signal, name))
     if args.json:
         print_json(result)
-        return 0
+        return _failed_domains_status(result)
     console.print(evaluation_rich_table(result))
     from ..steps.costs import profile_check_text
 
@@ -112,7 +121,23 @@ def cmd_evaluate(args) -> int:
         from .config import print_gates
 
         print_gates(result["promoted"])
-    return 0
+    return _failed_domains_status(result)
+
+
+FAILED_DOMAINS_STATUS = 3     # the run finished, but a domain's step failed (that domain is off)
+
+
+def _failed_domains_status(result: dict) -> int:
+    """0, or FAILED_DOMAINS_STATUS with one line on stderr naming each failed domain and why."""
+    failed = [row for row in result["table"] if row["status"] == "failed"]
+    if not failed:
+        return 0
+    make_console(stderr=True).print(
+        f"[red]run {escape(result['run_id'])}: {len(failed)} domain(s) failed[/red] (off in this "
+        "run's config; the champion's setting is kept): " + escape("; ".join(
+            f"{row['domain']}: {str(row.get('reason') or '')[:300]}" for row in failed))
+        + f" (exit status {FAILED_DOMAINS_STATUS})")
+    return FAILED_DOMAINS_STATUS
 
 
 def _profile_model(args):

@@ -20,7 +20,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from ..errors import DatabaseNotMigrated, DatabaseUnavailable
+from ..errors import DatabaseNotMigrated, DatabaseUnavailable, DiskFull
 from ..masking import mask_text, mask_url
 from ..settings import DATABASE_URL_ENV, load_settings
 
@@ -213,6 +213,11 @@ def database_error(url: str, exc: Exception) -> DatabaseUnavailable:
     lowered = reason.lower()
     if _is_corrupt(lowered):
         return _corrupt_error(url, reason)
+    if is_disk_full(exc):
+        return DiskFull(
+            f"disk full: the specdec database {display_url(url)} cannot grow ({reason}); what was "
+            "written before is kept. Free space on its disk (or move the database, "
+            f"{DATABASE_URL_ENV}), then run the command again: a run or import repeats by its id")
     if "readonly" in lowered or "read-only" in lowered or "read only" in lowered:
         return DatabaseUnavailable(
             f"the specdec database {display_url(url)} is read-only ({reason}); nothing was written. "
@@ -220,6 +225,23 @@ def database_error(url: str, exc: Exception) -> DatabaseUnavailable:
     return DatabaseUnavailable(
         f"cannot connect to the specdec database {display_url(url)} ({reason}); check that the "
         f"server is running and {DATABASE_URL_ENV} is right, then run `specdec db upgrade`")
+
+
+_DISK_FULL = ("database or disk is full", "no space left on device", "disk full",
+              "could not extend file", "could not write to file")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether a database or file error says the disk is full (SQLite's SQLITE_FULL, PostgreSQL's
+    disk_full 53100 or a failed extend, an OSError ENOSPC)."""
+    import errno
+
+    original = getattr(exc, "orig", exc)
+    if isinstance(original, OSError) and original.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if getattr(original, "sqlstate", None) == "53100" or getattr(original, "sqlite_errorcode", None) == 13:
+        return True
+    return any(text in str(original).lower() for text in _DISK_FULL)
 
 
 def _is_corrupt(message: str) -> bool:

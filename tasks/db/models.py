@@ -424,7 +424,7 @@ class DraftModelRecord(Base):
     domains: Mapped[list | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     # 0003: lineage and held-out results of a draft trained on the traffic it serves
-    status: Mapped[str | None] = mapped_column(String(32))            # training | registered
+    status: Mapped[str | None] = mapped_column(String(32))            # training | trained | registered
     version: Mapped[str | None] = mapped_column(String(32))           # MLflow model version
     window_start: Mapped[datetime | None] = mapped_column(DateTime)
     window_end: Mapped[datetime | None] = mapped_column(DateTime)

@@ -221,13 +221,13 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
     if expected_champion != "current" and (expected_champion or None) != before:
         return refuse(f"the gates compared against champion {expected_champion or 'none'}, but the "
                       f"champion is now {before or 'none'}: re-run the gates")
-    if before == version:
-        return refuse(f"version {version} is already the champion")
     failed = [g for g in gates if not g["passed"]]
-    if failed and not force:
+    if failed and not force and before != version:
         return refuse("gates failed: " + "; ".join(f"{g['name']} ({g['figure']})" for g in failed))
     with alias_lock(db_url, name) as connection:
         now = alias_version(mlflow_client, name, CHAMPION)   # compare-and-set: still the same?
+        if now == version:      # read under the lock: a rollback that just ran is seen
+            return refuse(f"version {version} is already the champion", connection, champion=now)
         if now != before:
             return refuse(f"the champion moved from {before or 'none'} to {now} while the gates "
                           "ran: re-run the gates", connection, champion=now)

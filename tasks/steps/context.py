@@ -144,6 +144,18 @@ def _model_entry(target: str, device: str | None) -> dict:
     return entry
 
 
+def preload_model(target: str, device: str | None = None) -> None:
+    """Load the target now (once per process): a target that is not a model fails here, in one
+    line, before a run's first step."""
+    _model_entry(target, device)
+
+
+def context_tokens(model) -> int | None:
+    """The target's context in tokens (its config's max_position_embeddings); None: not stated."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 @dataclass
 class RunContext:
     """What a step of one run works with; built once per step call (`RunContext.build`)."""
@@ -213,7 +225,9 @@ class RunContext:
         candidate's registered suffix index left out."""
         return load_sample_requests(self.run_id, self.url, domains=domains, tokenizer=self.tokenizer,
                                     fingerprint=self.fingerprint, exclude_ids=self.trained_on,
-                                    indexed_ids=indexed_request_ids(self.drafters))
+                                    indexed_ids=indexed_request_ids(self.drafters),
+                                    max_tokens=context_tokens(self.model),
+                                    max_prompt_tokens=self.settings.quality.max_prompt_tokens)
 
     def domain_requests(self, domain: str):
         """(requests, excluded) of one domain; read once per context."""

@@ -297,7 +297,8 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
            "model_uri": None, "version": None, "fingerprint": fingerprint, "kind": kind,
            "generated_requests": len(generated),
            "result": json.loads(json.dumps(result.to_dict(), default=float))}
-    _record(db_url, train_id, {"heldout": out["result"]["best"]})
+    # trained: the checkpoint is kept (register_draft moves it on to "registered")
+    _record(db_url, train_id, {"heldout": out["result"]["best"], "status": "trained"})
     if register:
         out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], db_url,
                                   tracking_uri))

@@ -7,17 +7,21 @@ other domains go on, as in the DAG.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+from contextlib import contextmanager
 
 from sqlalchemy import select
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
+from ..db.queries_runs import mark_abandoned_runs, mark_interrupted, record_owner, this_process
 from ..errors import SpecdecTaskError
 from ..registry.run_results import engine_sampling_tests, profile_check
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 from ..timeutil import default_run_id
-from .context import RunSpec, use_model
+from .context import RunSpec, preload_model, use_model
 from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
                        step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
 
@@ -103,12 +107,59 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
                    candidates=list(candidates) if candidates else None,
                    hardware_profile=hardware_profile, k_max=k_max, promote=promote,
                    overrides=settings.overrides())
+    engine = ensure_ready(spec.db_url)
+    abandoned = mark_abandoned_runs(engine)     # runs of this host whose process was killed
+    if abandoned:
+        log.warning("marked %d run(s) interrupted: their process is gone (killed?): %s",
+                    len(abandoned), ", ".join(abandoned[:10]))
     if register or promote:     # fail in seconds, not after the expensive steps
         from ..registry.tracking import check_reachable
 
         check_reachable(tracking_uri)
     if model is not None:
         use_model(target, model, tokenizer, device)
+    else:       # a --model that is not a model: one line now, not a traceback at the estimate
+        preload_model(target, device)
+    with interruptible(engine, spec.run_id):
+        return _run_steps(spec, target, new_profile, register, promote)
+
+
+class RunInterrupted(BaseException):
+    """SIGTERM (or SIGINT) reached a running evaluation; a BaseException so that no step's
+    per-domain error handling takes it for a domain's failure."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+@contextmanager
+def interruptible(engine, run_id: str):
+    """Run the steps with SIGTERM and SIGINT turned into RunInterrupted; a run left unfinished by
+    them (or by any error) is marked interrupted in eval_runs (reports leave it out)."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        def stop(signum, _frame):
+            raise RunInterrupted(signal.Signals(signum).name)
+        for number in (signal.SIGTERM, signal.SIGINT):
+            previous[number] = signal.signal(number, stop)
+    try:
+        yield
+    except BaseException as exc:
+        how = exc.signal_name if isinstance(exc, RunInterrupted) else (
+            "SIGINT" if isinstance(exc, KeyboardInterrupt) else f"stopped by {type(exc).__name__}")
+        try:        # the error itself is the command's line: these are INFO
+            if mark_interrupted(engine, run_id, how):
+                log.info("run %s: marked interrupted (%s)", run_id, how)
+        except Exception as failure:    # e.g. the disk that stopped the run is still full
+            log.info("run %s: not marked interrupted (%s)", run_id, failure)
+        raise
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _run_steps(spec: RunSpec, target: str, new_profile: bool, register: bool, promote: bool) -> dict:
     steps: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -120,6 +171,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
         log.info("run %s: %s done in %.1f s", spec.run_id, name, steps[name])
 
     sample = step_sample(spec)
+    record_owner(ensure_ready(spec.db_url), spec.run_id, this_process())
     spec = RunSpec.of(sample.pop("spec"))     # its candidates frozen: every later step sees these
     lap("sample")
     checked = step_check(spec)       # raises QualityGateFailed on table-level failures

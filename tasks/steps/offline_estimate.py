@@ -45,13 +45,18 @@ def request_token_ids(row, tokenizer) -> tuple[list[int], list[int]]:
 
 def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, tokenizer=None,
                          fingerprint: str | None = None, limit_per_domain: int | None = None,
-                         exclude_ids: set[str] | None = None, indexed_ids: set[str] | None = None):
+                         exclude_ids: set[str] | None = None, indexed_ids: set[str] | None = None,
+                         max_tokens: int | None = None, max_prompt_tokens: int | None = None):
     """(requests by domain {domain: [LoggedRequest]}, excluded {"other_fingerprint": [ids], ...}).
 
     Requests come in the sample's draw order. With `fingerprint`, rows logged with another target
     fingerprint are excluded; rows without one are kept (and counted as "unverified").
     exclude_ids: requests never to score (e.g. the training rows of a draft under evaluation);
     indexed_ids: the same for requests inside a candidate's registered suffix index.
+    max_tokens: the target's context (prompt and response tokens together); max_prompt_tokens:
+    the prompt's limit (the setting). A request over either, counted in tokens here when no
+    token ids were logged, is excluded as "too_long": it is never scored (no estimate, live
+    check or sampling test allocates for it).
     """
     engine = ensure_ready(resolve_database_url(db_url))
     query = (select(EvalSample.domain, EvalSample.position, TrafficRequest)
@@ -62,7 +67,7 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
         query = query.where(EvalSample.domain.in_(list(domains)))
     by_domain: dict[str, list] = {}
     excluded: dict[str, list[str]] = {"other_fingerprint": [], "too_short": [], "unverified": [],
-                                      "trained_on": [], "indexed": []}
+                                      "trained_on": [], "indexed": [], "too_long": []}
     with Session(engine) as session:
         rows = session.execute(query).all()
         session.expunge_all()
@@ -86,6 +91,10 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
         if len(response) < 2:
             excluded["too_short"].append(row.id)
             continue
+        if (max_prompt_tokens is not None and len(prompt) > max_prompt_tokens) or (
+                max_tokens is not None and len(prompt) + len(response) > max_tokens):
+            excluded["too_long"].append(row.id)
+            continue
         items = by_domain.setdefault(domain, [])
         if limit_per_domain is not None and len(items) >= limit_per_domain:
             continue
@@ -93,6 +102,11 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
             request_id=row.id, prompt_ids=prompt, response_ids=response, domain=domain,
             sampling=SamplingParams(temperature=row.temperature, top_k=row.top_k or 0,
                                     top_p=row.top_p if row.top_p is not None else 1.0)))
+    if excluded["too_long"]:
+        log.warning("run %s: %d sampled requests are longer than the target's context (%s tokens) "
+                    "or the prompt limit max_prompt_tokens (%s) and are excluded (e.g. %s)", run_id,
+                    len(excluded["too_long"]), max_tokens, max_prompt_tokens,
+                    excluded["too_long"][:3])
     if excluded["other_fingerprint"]:
         log.info("run %s: %d sampled requests were answered by a target with another fingerprint "
                     "and are excluded (e.g. %s)", run_id, len(excluded["other_fingerprint"]),

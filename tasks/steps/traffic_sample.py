@@ -13,11 +13,14 @@ import heapq
 import logging
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import delete, insert, select
+from sqlalchemy.engine import Engine
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import EvalRun, EvalSample, QualityResult, TrafficRequest, production_traffic
+from ..db.queries_window import newest_request_at
 from ..errors import SampleError
+from ..paths import check_identifier
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 
@@ -45,23 +48,30 @@ def _as_datetime(value, name: str) -> datetime:
     return parsed
 
 
-def resolve_window(connection, window, settings: Settings) -> tuple[datetime, datetime]:
-    """(start, end) in naive UTC, end inclusive.
+def resolve_window(engine: Engine, window, settings: Settings) -> tuple[datetime, datetime, int]:
+    """(start, end, future rows left out) in naive UTC, end inclusive.
 
     window None or a number of days: that many days ending at the newest stored request (not at
-    "now", so a fixed data set such as the shipped sample is always covered); a (start, end) pair
-    of datetimes or ISO strings: taken as given.
+    "now", so a fixed data set such as the shipped sample is always covered), leaving out rows
+    stamped more than settings.sample.future_tolerance_hours after now (counted: the third value); a
+    (start, end) pair of datetimes or ISO strings: taken as given (0 left out).
     """
     if window is None or isinstance(window, (int, float)):
         days = settings.sample.window_days if window is None else float(window)
         if days <= 0:
             raise SampleError(f"window of {days} days: give a positive number of days")
-        newest = connection.execute(select(func.max(TrafficRequest.requested_at))
-                                    .where(production_traffic())).scalar()
+        cutoff = utcnow() + timedelta(hours=settings.sample.future_tolerance_hours)
+        newest, future = newest_request_at(engine, cutoff)
+        if future:
+            log.warning("%d stored request(s) are stamped more than %g h in the future (after %s "
+                        "UTC; setting future_tolerance_hours): the default window ignores them",
+                        future, settings.sample.future_tolerance_hours, cutoff.isoformat(timespec="seconds"))
         if newest is None:
             raise SampleError("traffic_requests is empty: import traffic first "
-                              "(`specdec traffic import FILE`)")
-        return newest - timedelta(days=days), newest
+                              "(`specdec traffic import FILE`)" if not future else
+                              f"every stored request ({future}) is stamped in the future: give the "
+                              "window as a (start, end) pair, or fix the clock that stamped them")
+        return newest - timedelta(days=days), newest, future
     try:
         start, end = window
     except (TypeError, ValueError):
@@ -69,7 +79,7 @@ def resolve_window(connection, window, settings: Settings) -> tuple[datetime, da
     start, end = _as_datetime(start, "start"), _as_datetime(end, "end")
     if start > end:
         raise SampleError(f"window start {start} is after its end {end}")
-    return start, end
+    return start, end, 0
 
 
 def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | None = None,
@@ -86,8 +96,7 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
     Output: {"run_id", "window", "domains": {name: {"available", "sampled", "status"}},
              "sampled", "insufficient"}.
     """
-    if not run_id or not isinstance(run_id, str) or len(run_id) > 200:
-        raise SampleError(f"run id {run_id!r}: give a non-empty string of at most 200 characters")
+    check_identifier(run_id, "run id")      # the run's files under $SPECDEC_HOME are named by it
     settings = settings or load_settings()
     min_rows = settings.sample.min_per_domain if min_per_domain is None else int(min_per_domain)
     max_rows = settings.sample.max_per_domain if max_per_domain is None else int(max_per_domain)
@@ -99,8 +108,8 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
             raise SampleError(f"domains {unknown} are not in the known set {list(settings.known_domains)}")
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
 
+    start, end, future = resolve_window(engine, window, settings)
     with engine.begin() as connection:
-        start, end = resolve_window(connection, window, settings)
         # production traffic only: rows the target generated for training are never sampled
         in_window = (production_traffic() & (TrafficRequest.requested_at >= start)
                      & (TrafficRequest.requested_at <= end))
@@ -150,6 +159,7 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
     insufficient = sorted(d for d, info in per_domain.items() if info["status"] == "insufficient")
     log.info("run %s: sampled %d requests over %d domains in [%s, %s]; insufficient: %s", run_id,
              len(sample_rows), len(per_domain), start, end, insufficient or "none")
-    return {"run_id": run_id, "window": {"start": start.isoformat(), "end": end.isoformat()},
+    return {"run_id": run_id, "window": {"start": start.isoformat(), "end": end.isoformat(),
+                                         "future_rows_ignored": future},
             "domains": per_domain, "sampled": len(sample_rows), "insufficient": insufficient,
             "min_per_domain": min_rows, "max_per_domain": max_rows}
