@@ -52,8 +52,9 @@ from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL,
                                               EVALUATIONS_URI, LOW_ACCEPTANCE_URI, MAP_LABEL, NEW_DRAFT_URI,
-                                              TIMING_POOL, evaluate_spec, label_mapped, queues,
-                                              setting_default, task_errors)
+                                              TIMING_POOL, domains_failed_text, evaluate_spec,
+                                              label_mapped, queues, setting_default, task_errors,
+                                              wire_in_order)
 
 # The steps (tasks.steps.pipeline) are imported inside the tasks: they load the engine, the
 # database and the registry client, and a DAG file's parse loads only Airflow and
@@ -278,22 +279,21 @@ def specdec_evaluate():
     def domain_failures(finished: dict) -> None:
         """Last: fails the run (after everything else is stored) when a domain's steps failed."""
         if finished["failed"]:
-            raise AirflowFailException(
-                f"domains {finished['failed']} failed (off in this config; the champion's setting is "
-                "kept): see their tasks' logs and the domain_configs reasons")
+            raise AirflowFailException(domains_failed_text(finished["failed"]))
 
     spec = sample()
     checked = check(spec)
     profile_name = profile(spec)
-    checked >> profile_name
     validated = per_domain.partial(spec=spec, profile_name=profile_name).expand(
         domain=domains_of(checked))
     finished = finish(spec, checked)
-    validated >> finished
     engine_checked = engine_check(spec, finished)
     registered = register(spec, finished)
-    engine_checked >> registered
     promoted = promote(spec, registered)
+    # the run's order, written once (tasks.steps.run_order.RUN_ORDER; `specdec evaluate` follows it)
+    wire_in_order({"sample": spec, "check": checked, "profile": profile_name, "per_domain": validated,
+                   "finish": finished, "engine_check": engine_checked, "register": registered,
+                   "promote": promoted})
     acceptance_alert(spec, finished)
     reported = report(spec, finished)
     reported << promoted

@@ -66,7 +66,7 @@ def cmd_evaluate(args) -> int:
                       new_profile=args.new_profile)
     if args.json:
         print_json(result)
-        return 0
+        return 1 if result["failed"] else 0
     from ..db.engine import ensure_ready, resolve_database_url
     from ..registry.run_view import build_run_view
 
@@ -90,6 +90,11 @@ def cmd_evaluate(args) -> int:
         from .config import print_gates
 
         print_gates(result["promoted"])
+    if result["failed"]:        # as the DAG's last task: stored, then the run fails
+        from ..steps.run_order import domains_failed_text
+
+        make_console(stderr=True).print(f"[red]FAILED:[/red] {escape(domains_failed_text(result['failed']))}")
+        return 1
     return 0
 
 

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from ..errors import DatabaseUnavailable, RegistryUnavailable, SampleError, SpecdecTaskError
 from ..masking import mask_text
 from ..settings import DEFAULT_MODEL, Settings, load_settings
+from ..steps.run_order import RUN_ORDER, domains_failed_text  # noqa: F401 - domains_failed_text: for the DAG
 
 log = logging.getLogger(__name__)
 
@@ -210,3 +211,13 @@ def label_mapped(label: str) -> None:
     from airflow.sdk import get_current_context
 
     get_current_context()["specdec_label"] = label
+
+
+def wire_in_order(tasks: dict) -> None:
+    """Set each step of tasks.steps.run_order.RUN_ORDER downstream of the one before it (the
+    run's order, written once; the XCom arguments add the data dependencies). tasks: {step name:
+    its task or XComArg}; a name missing from it (e.g. "promote" in a DAG without it) is passed
+    over."""
+    steps = [tasks[name] for name in RUN_ORDER if name in tasks]
+    for before, after in zip(steps, steps[1:]):
+        before >> after

@@ -66,6 +66,34 @@ def _cell(value) -> str:
     return escape("" if value is None else str(value))
 
 
+def _log_reports(mlflow_client, mlflow_run_id: str, view: RunView, validations: list[dict],
+                 quality: list[dict], pages: dict[str, str]) -> None:
+    """The run's artifacts: `config/` (config.json and its MLmodel), `reports/` (domains.md: the
+    run's view in Markdown, validation.json, data_quality.json and .html) and GX's Data Docs
+    pages (made self-contained) under `reports/data_docs/`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        (directory / "config").mkdir()
+        (directory / "config" / "config.json").write_text(view.config.to_json(), encoding="utf-8")
+        (directory / "config" / "MLmodel").write_text(mlmodel_text(view.run_id), encoding="utf-8")
+        (directory / "validation.json").write_text(json.dumps(validations, indent=1, default=str))
+        (directory / "data_quality.json").write_text(json.dumps(quality, indent=1, default=str))
+        (directory / "domains.md").write_text(run_markdown(view), encoding="utf-8")
+        mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
+        for name in ("validation.json", "data_quality.json", "domains.md"):
+            mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
+        if pages:
+            (directory / "data_docs").mkdir()
+            for page, html in pages.items():
+                (directory / "data_docs" / page).write_text(offline_html(html), encoding="utf-8")
+            mlflow_client.log_artifacts(mlflow_run_id, str(directory / "data_docs"),
+                                        artifact_path="reports/data_docs")
+        if quality or pages:
+            report = directory / "data_quality.html"
+            report.write_text(data_quality_report(view.run_id, quality, sorted(pages)), encoding="utf-8")
+            mlflow_client.log_artifact(mlflow_run_id, str(report), artifact_path="reports")
+
+
 def outcome_text(success: bool, status: str | None) -> str:
     """An expectation's outcome: "passed" or "FAILED", with its status only where it says more
     ("FAILED (insufficient)"; not "passed (pass)" beside "passed (ok)")."""
@@ -247,29 +275,9 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             for metric, value in metrics.items():
                 if value is not None:      # 4 significant digits: the figures' own precision
                     mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", rounded(value))
-        with tempfile.TemporaryDirectory() as tmp:
-            directory = Path(tmp)
-            (directory / "config").mkdir()
-            (directory / "config" / "config.json").write_text(config.to_json(), encoding="utf-8")
-            (directory / "config" / "MLmodel").write_text(mlmodel_text(run_id), encoding="utf-8")
-            (directory / "validation.json").write_text(json.dumps(validations, indent=1, default=str))
-            (directory / "data_quality.json").write_text(json.dumps(quality, indent=1, default=str))
-            view = build_run_view(run_id, engine, settings, config=config)
-            (directory / "domains.md").write_text(run_markdown(view), encoding="utf-8")
-            mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
-            for name in ("validation.json", "data_quality.json", "domains.md"):
-                mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
-            pages = data_docs_pages(run_id, db_url)   # Great Expectations' Data Docs, attached
-            if pages:
-                (directory / "data_docs").mkdir()
-                for page, html in pages.items():
-                    (directory / "data_docs" / page).write_text(offline_html(html), encoding="utf-8")
-                mlflow_client.log_artifacts(mlflow_run_id, str(directory / "data_docs"),
-                                            artifact_path="reports/data_docs")
-            if quality or pages:
-                report = directory / "data_quality.html"
-                report.write_text(data_quality_report(run_id, quality, sorted(pages)), encoding="utf-8")
-                mlflow_client.log_artifact(mlflow_run_id, str(report), artifact_path="reports")
+        view = build_run_view(run_id, engine, settings, config=config)
+        _log_reports(mlflow_client, mlflow_run_id, view, validations, quality,
+                     data_docs_pages(run_id, db_url))
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
         mlflow_client.set_tag(mlflow_run_id, NOTE_TAG, run_note(
             view, all(bool(r["success"]) for r in quality) if quality else None))
