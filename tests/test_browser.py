@@ -242,8 +242,9 @@ def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, st
     # domain rests on, as stored for the run
     from tasks.registry.run_results import domain_evidence
 
-    assert body.startswith("Promote only with specdec config promote 1") or \
-        "Promote only with specdec config promote 1 (it checks the gates below" in body
+    # promoted: the first line says it is the champion (not "Promote only with ... promote 1")
+    assert "This version (1) is the champion. specdec config rollback restores" in body, body
+    assert "Promote only with specdec config promote 1" not in body
     assert "live check (same requests)" in body and "proposal rate" in body
     assert "live_check" in body                                 # the live check is a gate row
     evidence = domain_evidence(stores["run_id"], f"sqlite:///{stores['base'] / 'specdec.db'}")
@@ -291,8 +292,11 @@ def test_a_minimum_above_the_maximum_is_named_in_the_first_tasks_log(page, serve
 
 
 def mlflow_run(servers, stores) -> dict:
+    from tasks.registry.config_schema import target_slug
+
     with urllib.request.urlopen(f"{servers['mlflow']}/api/2.0/mlflow/experiments/search?max_results=50") as r:
-        experiment = next(e for e in json.load(r)["experiments"] if e["name"].startswith("specdec/"))
+        experiment = next(e for e in json.load(r)["experiments"]
+                          if e["name"] == f"specdec/{target_slug(stores['target'])}")
     query = json.dumps({"experiment_ids": [experiment["experiment_id"]],
                         "filter": f"tags.`specdec.run_id` = '{stores['run_id']}'"}).encode()
     request = urllib.request.Request(f"{servers['mlflow']}/api/2.0/mlflow/runs/search", data=query,
@@ -387,7 +391,7 @@ def test_a_skipped_engine_check_is_skipped_and_the_page_says_not_checked(page, s
     page.set_viewport_size({"width": 1280, "height": 900})
     page.goto(f"{servers['airflow']}/dags/specdec_evaluate/runs/{run}/tasks/engine_check",
               wait_until="networkidle")
-    page.get_by_text("NOT checked on the serving engine").first.wait_for()     # the reason, logged
+    page.get_by_text("the config is NOT checked on the serving engine").first.wait_for()   # logged
     page.wait_for_timeout(1000)
     shot(page, "after-engine-check")
     text = text_of(page)

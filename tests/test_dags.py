@@ -518,7 +518,12 @@ def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_
         prepare_airflow(env)
     config = (tmp_path / "home" / "airflow" / "airflow.cfg").read_text()
     assert "\nload_examples = False\n" in config and f"\ndags_folder = {REPO / 'dags'}\n" in config
+    # schedules on: DAGs are created unpaused (specdec_reports follows each evaluation, and the
+    # trigger form has no "unpause on trigger" box ticked by default)
+    assert "\ndags_are_paused_at_creation = False\n" in config
     printed = ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2")
+    assert "schedules are on:" in printed and "airflow dags pause DAG_ID" in printed
+    assert "workflowType=machine_learning" in printed      # MLflow opens its model-training view
     line = next(text for text in printed.splitlines() if text.strip().startswith("Airflow:"))
     command = line.split("Airflow:", 1)[1].strip()
     assert command == airflow_command(env) and "AIRFLOW__API__PORT=8080" in command

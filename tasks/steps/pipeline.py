@@ -325,6 +325,7 @@ def step_engine_check(spec) -> dict:
     if not settings.engine_check:
         line = "engine check off (setting engine_check)"
         record_engine_check_skip(ensure_ready(spec.url), spec.run_id, line)     # the page says so
+        log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id, line)
         return {"skipped": line, "domains": {}, "engines": []}
     context = RunContext.build(spec)
     with context.engine.connect() as connection:
@@ -336,6 +337,9 @@ def step_engine_check(spec) -> dict:
                           {d: context.domain_requests(d)[0] for d in domains},
                           db_url=context.url, settings=context.settings)
     record_engine_check_skip(context.engine, spec.run_id, result["skipped"])
+    if result["skipped"]:
+        log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
+                    result["skipped"])
     return json.loads(json.dumps(result, default=str))
 
 
