@@ -360,17 +360,32 @@ def open_version(page, servers, name: str, version: str = "1", wait_for: str = "
     page.wait_for_timeout(500)
 
 
+def rendered_text_with(page, words: str, timeout_s: float = 60) -> str:
+    """The rendered text (whitespace collapsed) of the page or of the frame inside it that shows
+    `words`, once one does."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for frame in page.frames:
+            try:
+                text = " ".join(frame.inner_text("body", timeout=2000).split())
+            except Exception:       # a frame still loading, or gone
+                continue
+            if words in text:
+                return text
+        assert time.monotonic() < deadline, f"{words!r} not shown: {text_of(page)[:3000]}"
+        page.wait_for_timeout(1000)
+
+
 def test_the_run_artifact_domains_md_renders_the_pages_figures(page, servers, stores):
     found = mlflow_run(servers, stores)
     run_id = found["run"]["info"]["run_id"]
     page.set_viewport_size({"width": 1280, "height": 900})
     page.goto(f"{servers['mlflow']}/#/experiments/{found['experiment_id']}/runs/{run_id}/artifacts/"
               "reports/domains.md", wait_until="load")
-    pane = page.get_by_text("Why each domain is on or off").first
-    pane.wait_for()
-    page.wait_for_timeout(1000)
+    text = rendered_text_with(page, "Why each domain is on or off")   # MLflow's pane, or its frame
     shot(page, "after-domains-md")
-    text = text_of(page)
     assert "<table" not in text and "<td>" not in text, text        # Markdown, rendered as a table
     from tasks.registry.run_results import domain_evidence
 
