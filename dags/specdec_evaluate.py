@@ -17,7 +17,8 @@ demand from the trigger form, for the target model:
    greedy exact match and target fingerprint once, result-table checks; **engine_check**: each
    domain the plan turns on is served by vLLM (the serving environment) with its exported config,
    its requests replayed, vLLM's acceptance counters compared with the estimate (a domain that
-   falls short, or whose config vLLM refuses, is turned off; no serving environment: skipped);
+   falls short, or whose config vLLM refuses, is turned off; no serving environment: the task ends
+   skipped with the reason, and the version page and its engine_check gate say "not checked");
 6. **register** the config in MLflow (alias `challenger`), **promote** it when asked and the gates
    pass (alias `champion`, compare-and-set), and publish the assets below.
 
@@ -51,8 +52,9 @@ from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL,
                                               EVALUATIONS_URI, LOW_ACCEPTANCE_URI, MAP_LABEL, NEW_DRAFT_URI,
-                                              TIMING_POOL, evaluate_spec, label_mapped, queues,
-                                              setting_default, task_errors)
+                                              TIMING_POOL, domains_failed_text, evaluate_spec,
+                                              label_mapped, queues, setting_default, task_errors,
+                                              wire_in_order)
 
 # The steps (tasks.steps.pipeline) are imported inside the tasks: they load the engine, the
 # database and the registry client, and a DAG file's parse loads only Airflow and
@@ -75,22 +77,24 @@ DEFAULT_ARGS = {
 
 # defaults that are settings come from Settings (tasks.settings), never copied here. A Param whose
 # type allows null is optional in the trigger form (empty: the stated default); the others are
-# required and have a default. Ranges are in the schema (Airflow refuses a run conf outside them)
-# and in the description; min <= max per domain is checked by the first task (sample).
+# required and have a default. Ranges are in the description and in airflow_glue.PARAM_RANGES,
+# checked by the first task (sample), which fails naming the field: not in the schema, whose
+# minimum/maximum the trigger form enforces by changing the number typed (40 became 32). min <= max
+# per domain is checked there too.
 PARAMS = {
     "target": Param(DEFAULT_MODEL, type="string", title="Target model",
                     description="HF id, local directory, GGUF file, or the embedded default"),
     "domains": Param([], type=["null", "array"], items={"type": "string"}, title="Domains",
                      description="Optional; empty: every domain with traffic in the window"),
-    "window_days": Param(setting_default("sample_window_days"), type="number", minimum=0.01,
-                         maximum=365, title="Time window (days)",
+    "window_days": Param(setting_default("sample_window_days"), type="number",
+                         title="Time window (days)",
                          description="0.01 to 365 days, ending at the newest stored request"),
-    "max_per_domain": Param(setting_default("max_per_domain"), type="integer", minimum=1,
-                            maximum=100000, title="Samples per domain",
+    "max_per_domain": Param(setting_default("max_per_domain"), type="integer",
+                            title="Samples per domain",
                             description="1 to 100000 requests drawn per domain; at least the "
                                         "minimum below (formerly samples_per_domain)"),
-    "min_per_domain": Param(setting_default("min_per_domain"), type="integer", minimum=1,
-                            maximum=100000, title="Minimum samples per domain",
+    "min_per_domain": Param(setting_default("min_per_domain"), type="integer",
+                            title="Minimum samples per domain",
                             description="1 to 100000, at most Samples per domain (checked when the "
                                         "run starts: the sample task fails naming both); fewer: "
                                         "the domain is insufficient and keeps the champion's setting"),
@@ -107,17 +111,18 @@ PARAMS = {
                                      "profile of its hardware, engine and target that passed its "
                                      "checks and is younger than profile_max_age_days could be "
                                      "reused; off: reuse such a profile"),
-    "k_max": Param(setting_default("eval_k_max"), type="integer", minimum=1, maximum=32,
+    "k_max": Param(setting_default("eval_k_max"), type="integer",
                    title="Largest K",
                    description="1 to 32: the largest number of draft tokens per round (K) that "
                                "is profiled and planned; the planner picks each domain's K up to "
-                               "it (the setting eval_k_max). A run conf outside 1 to 32 is refused"),
-    "min_speedup": Param(setting_default("min_speedup"), type="number", minimum=0.01, maximum=10.0,
+                               "it (the setting eval_k_max). A value outside 1 to 32 is refused when the "
+                               "run starts (the sample task fails naming it), never changed"),
+    "min_speedup": Param(setting_default("min_speedup"), type="number",
                          title="Minimum speedup",
                          description="0.01 to 10: a domain is on only when its interval's lower end "
                                      "clears this (below 1.0 only for testing: it turns on "
                                      "predicted slowdowns)"),
-    "acceptance_alert": Param(setting_default("acceptance_alert"), type="number", minimum=1.0, maximum=33.0,
+    "acceptance_alert": Param(setting_default("acceptance_alert"), type="number",
                               title="Low-acceptance alert",
                               description="1 to 33 tokens per round: alert when a domain's expected "
                                           "tokens per round falls below this"),
@@ -206,21 +211,23 @@ def specdec_evaluate():
 
     @task(retries=0, queue=GPU_QUEUE)
     def engine_check(spec: dict, finished: dict) -> dict:
-        """Each domain the plan turns on, served by vLLM with its exported config (skipped, with
-        one line saying how to make one, when there is no serving environment)."""
+        """Each domain the plan turns on, served by vLLM with its exported config. No serving
+        environment (or the setting engine_check off): the task ends skipped, its reason in the
+        log, and register goes on (the page and the engine_check gate say "not checked")."""
         from tasks.steps.pipeline import step_engine_check
 
         with task_errors():
             result = step_engine_check(spec)
-        if result["skipped"]:
-            print(result["skipped"])
+        if result["skipped"]:       # a visible state: the task ends skipped, the page says why
+            raise AirflowSkipException(f"{result['skipped']}: the config is NOT checked on the "
+                                       "serving engine (the version page and its gates say so)")
         for domain, row in sorted(result["domains"].items()):
             print(f"{domain}: {row['status']}: {row['reason']}")
         return {"skipped": result["skipped"],
                 "domains": {d: {"status": r["status"], "passed": r["passed"]}
                             for d, r in result["domains"].items()}}
 
-    @task
+    @task(trigger_rule="none_failed")      # a skipped engine check is no reason to stop
     def register(spec: dict, finished: dict) -> dict:
         from tasks.steps.pipeline import step_register
 
@@ -272,22 +279,21 @@ def specdec_evaluate():
     def domain_failures(finished: dict) -> None:
         """Last: fails the run (after everything else is stored) when a domain's steps failed."""
         if finished["failed"]:
-            raise AirflowFailException(
-                f"domains {finished['failed']} failed (off in this config; the champion's setting is "
-                "kept): see their tasks' logs and the domain_configs reasons")
+            raise AirflowFailException(domains_failed_text(finished["failed"]))
 
     spec = sample()
     checked = check(spec)
     profile_name = profile(spec)
-    checked >> profile_name
     validated = per_domain.partial(spec=spec, profile_name=profile_name).expand(
         domain=domains_of(checked))
     finished = finish(spec, checked)
-    validated >> finished
     engine_checked = engine_check(spec, finished)
     registered = register(spec, finished)
-    engine_checked >> registered
     promoted = promote(spec, registered)
+    # the run's order, written once (tasks.steps.run_order.RUN_ORDER; `specdec evaluate` follows it)
+    wire_in_order({"sample": spec, "check": checked, "profile": profile_name, "per_domain": validated,
+                   "finish": finished, "engine_check": engine_checked, "register": registered,
+                   "promote": promoted})
     acceptance_alert(spec, finished)
     reported = report(spec, finished)
     reported << promoted

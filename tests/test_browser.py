@@ -8,7 +8,10 @@ tasks labelled by domain, reads each DAG's schedule and triggers, finds a refuse
 naming a minimum above the maximum, follows the main job's MLflow link to the runs table, reads
 the run's description, and opens the registered version's page to find the per-domain reasons,
 the gates and the current-champion line; the data-quality report renders with no request to any
-host but 127.0.0.1. Assertions read the rendered text, not the markup. Screenshots go to
+host but 127.0.0.1. What issue 52 mended is read as rendered too: the run artifact `domains.md`
+(Markdown, the page's live figures), a faster-than-predicted domain's wording, the skipped engine
+check (task state, page, Gates table), the page of a promoted version, the printed MLflow link's
+view, and the printed Airflow line started from another directory. Assertions read the rendered text, not the markup. Screenshots go to
 $SPECDEC_SCREENSHOTS (default: screenshots/ in the repository); their names are printed.
 
 Skipped where Chromium or Playwright is missing, unless SPECDEC_REQUIRE_BROWSER=1 (CI sets it).
@@ -87,8 +90,27 @@ def stores(airflow_env, dagbag, tmp_path_factory):
                           "min_per_domain": 500})
         assert refused.state == "failed"
         write_task_logs(refused, recorder, Path(airflow_env["AIRFLOW_HOME"]) / "logs")
+        faster = faster_than_predicted_version(f"sqlite:///{base / 'specdec.db'}",
+                                               f"sqlite:///{base / 'mlflow.db'}")
         yield {"base": base, "run_id": run.run_id, "target": str(model_dir),
-               "refused_run_id": refused.run_id}
+               "refused_run_id": refused.run_id, "faster": faster}
+
+
+FASTER_TARGET = "test-org/faster"
+
+
+def faster_than_predicted_version(db_url: str, tracking: str) -> str:
+    """A registered version whose code domain measured 1.93x [1.67, 2.47] live against 1.41x
+    predicted (faster: issue 52 item 2): its page's name."""
+    from tasks.registry.config_schema import config_model_name
+
+    from .helpers.registry import finished_run, live_evidence, register
+
+    on = "on: prompt_lookup K=3 predicts 1.41x [1.20, 1.70] at batch 1; pays up to batch 4 on cpu-test"
+    finished_run(db_url, "faster-run", {"code": {"reason": on}}, target_id=FASTER_TARGET)
+    live_evidence(db_url, "faster-run", "code", 1.93, 1.41, (1.67, 2.47), requests=8)
+    register("faster-run", db_url, tracking)
+    return config_model_name(FASTER_TARGET)
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +242,9 @@ def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, st
     # domain rests on, as stored for the run
     from tasks.registry.run_results import domain_evidence
 
-    assert body.startswith("Promote only with specdec config promote 1") or \
-        "Promote only with specdec config promote 1 (it checks the gates below" in body
+    # promoted: the first line says it is the champion (not "Promote only with ... promote 1")
+    assert "This version (1) is the champion. specdec config rollback restores" in body, body
+    assert "Promote only with specdec config promote 1" not in body
     assert "live check (same requests)" in body and "proposal rate" in body
     assert "live_check" in body                                 # the live check is a gate row
     evidence = domain_evidence(stores["run_id"], f"sqlite:///{stores['base'] / 'specdec.db'}")
@@ -269,8 +292,11 @@ def test_a_minimum_above_the_maximum_is_named_in_the_first_tasks_log(page, serve
 
 
 def mlflow_run(servers, stores) -> dict:
+    from tasks.registry.config_schema import target_slug
+
     with urllib.request.urlopen(f"{servers['mlflow']}/api/2.0/mlflow/experiments/search?max_results=50") as r:
-        experiment = next(e for e in json.load(r)["experiments"] if e["name"].startswith("specdec/"))
+        experiment = next(e for e in json.load(r)["experiments"]
+                          if e["name"] == f"specdec/{target_slug(stores['target'])}")
     query = json.dumps({"experiment_ids": [experiment["experiment_id"]],
                         "filter": f"tags.`specdec.run_id` = '{stores['run_id']}'"}).encode()
     request = urllib.request.Request(f"{servers['mlflow']}/api/2.0/mlflow/runs/search", data=query,
@@ -321,3 +347,154 @@ def test_the_data_quality_report_renders_offline_with_every_expectation(page, se
     assert page.locator("a, script, link, img, iframe").count() == 0
     assert "Data quality of run" in report and "expect_column_values_to_not_be_null" in report, report
     assert "passed" in report and "reports/data_docs/" in report, report
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 52: one rendering of the run, a skipped engine check that says so, words that mean it
+def open_version(page, servers, name: str, version: str = "1", wait_for: str = "Current champion"):
+    page.goto(f"{servers['mlflow']}/#/models/{name}/versions/{version}", wait_until="load")
+    page.get_by_text(wait_for).first.wait_for()
+    close = page.get_by_role("button", name="Close")           # MLflow's assistant panel
+    if close.count():
+        close.first.click()
+    page.wait_for_timeout(500)
+
+
+def rendered_text_with(page, words: str, timeout_s: float = 60) -> str:
+    """The rendered text (whitespace collapsed) of the page or of the frame inside it that shows
+    `words`, once one does."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for frame in page.frames:
+            try:
+                text = " ".join(frame.inner_text("body", timeout=2000).split())
+            except Exception:       # a frame still loading, or gone
+                continue
+            if words in text:
+                return text
+        assert time.monotonic() < deadline, f"{words!r} not shown: {text_of(page)[:3000]}"
+        page.wait_for_timeout(1000)
+
+
+def test_the_run_artifact_domains_md_renders_the_pages_figures(page, servers, stores):
+    found = mlflow_run(servers, stores)
+    run_id = found["run"]["info"]["run_id"]
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.goto(f"{servers['mlflow']}/#/experiments/{found['experiment_id']}/runs/{run_id}/artifacts/"
+              "reports/domains.md", wait_until="load")
+    text = rendered_text_with(page, "Why each domain is on or off")   # MLflow's pane, or its frame
+    shot(page, "after-domains-md")
+    assert "<table" not in text and "<td>" not in text, text        # Markdown, rendered as a table
+    from tasks.registry.run_results import domain_evidence
+
+    evidence = domain_evidence(stores["run_id"], f"sqlite:///{stores['base'] / 'specdec.db'}")
+    measured = [d for d, e in evidence.items() if e.get("live")]
+    assert measured, evidence
+    for domain in measured:                 # the live figures the version page has, not "not measured"
+        live = evidence[domain]["live"]
+        assert f"{live['measured']:.2f}x vs " in text, domain
+        rate = evidence[domain]["proposal_rate"]
+        if rate is not None:
+            assert f"{100 * rate:.0f}%" in text, domain
+    assert "NOT checked on the serving engine" in text, text
+
+
+def test_a_skipped_engine_check_is_skipped_and_the_page_says_not_checked(page, servers, stores):
+    run = urllib.parse.quote(stores["run_id"], safe="")
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.goto(f"{servers['airflow']}/dags/specdec_evaluate/runs/{run}/tasks/engine_check",
+              wait_until="networkidle")
+    page.get_by_text("the config is NOT checked on the serving engine").first.wait_for()   # logged
+    page.wait_for_timeout(1000)
+    shot(page, "after-engine-check")
+    text = text_of(page)
+    assert "Skipped" in text and "Success" not in text, text
+    assert "engine check off (setting engine_check)" in text, text
+    from tasks.registry.config_schema import config_model_name
+
+    open_version(page, servers, config_model_name(stores["target"]))
+    shot(page, "after-version-page-top")
+    top = text_of(page)
+    assert "NOT checked on the serving engine: engine check off (setting engine_check)" in top, top
+    assert "RUN_ID" not in top
+    page.get_by_text("Gates (specdec config promote").first.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    shot(page, "after-gates-table")
+    gates = top[top.index("Gates (specdec config promote"):]
+    assert "engine_check NOT CHECKED NOT checked on the serving engine" in gates, gates
+    assert "1 not checked (engine_check)" in gates, gates
+    # promoted: the page says it is the champion, and no longer asks to promote it
+    assert "This version (1) is the champion." in top and "Promote only with" not in top, top
+
+
+def test_a_domain_faster_than_predicted_is_worded_as_faster(page, servers, stores):
+    open_version(page, servers, stores["faster"])
+    page.get_by_text("Gates (preview at registration").first.scroll_into_view_if_needed()
+    shot(page, "after-faster-than-predicted")
+    text = text_of(page)
+    assert "1.93x vs 1.41x 37% faster than predicted for the same requests (tolerance 25%)" in text, text
+    assert "WARNING: on, but" not in text and "below the bar" not in text, text
+    assert "live_check pass 1/1 enabled domains measured at or above their bar" in text, text
+    assert "noise" not in text
+
+
+def test_the_printed_mlflow_link_opens_the_model_training_view(page, servers, stores):
+    from tasks.cli.main_job import mlflow_urls
+
+    found = mlflow_run(servers, stores)
+    urls = mlflow_urls(servers["mlflow"], found["experiment_id"], None, None)
+    assert urls["runs"].endswith("workflowType=machine_learning")
+    page.goto(urls["runs"], wait_until="load")
+    page.get_by_text(stores["run_id"]).first.wait_for()
+    toggle = page.get_by_role("radio", name="Model training")
+    if toggle.count():
+        assert toggle.first.is_checked()
+
+
+def test_the_printed_airflow_line_works_from_another_directory(page, stores, airflow_env, tmp_path):
+    """The main job's Airflow line, pasted in another directory with a PATH that lacks this
+    environment (`standalone` swapped for its api-server alone, on a free port): the UI it opens
+    lists the evaluation's runs, and the line names the specdec home under which its Airflow
+    lives, so a task started from that UI finds the stores wherever the shell stood."""
+    import shlex
+    import subprocess
+
+    from tasks.cli.main_job import airflow_command
+
+    port = free_port()
+    line = airflow_command(airflow_env, port=port)
+    assert f"SPECDEC_HOME={shlex.quote(str(Path(airflow_env['AIRFLOW_HOME']).resolve().parent))} " in line
+    line = line.replace(" standalone", f" api-server -H 127.0.0.1 -p {port} -w 1")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}"}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    log = (tmp_path / "api-server.log").open("w")
+    process = subprocess.Popen(["bash", "-c", line], cwd=elsewhere, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        import time
+
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/version", timeout=5):
+                    break
+            except OSError:
+                assert process.poll() is None, (tmp_path / "api-server.log").read_text()[-3000:]
+                time.sleep(2)
+        page.goto(f"http://127.0.0.1:{port}/dags/specdec_evaluate/runs", wait_until="networkidle")
+        page.get_by_text(stores["run_id"]).first.wait_for()
+        shot(page, "after-airflow-from-another-directory")
+    finally:
+        import signal
+
+        os.killpg(process.pid, signal.SIGTERM)      # bash and the api-server it started, by id
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()

@@ -364,13 +364,14 @@ def test_hysteresis_keeps_an_on_domain_on_inside_the_band_and_only_there(db_url)
 
 def test_the_config_description_says_a_domain_was_kept_on_by_hysteresis():
     from tasks.registry.config_schema import DomainSetting, DrafterSpec, SpecdecConfig
-    from tasks.registry.run_config import domain_table_markdown
+    from tasks.registry.run_view import DomainView, reason_line
 
     config = SpecdecConfig(target={"id": "t", "fingerprint": "sha256:0"}, hardware_profile="hw",
                            run_id="r", created_at="2026-01-01T00:00:00Z",
                            domains={"code": DomainSetting(enabled=True, drafter=DrafterSpec(kind="suffix"),
                                                           k=2, note="kept on: within hysteresis")})
-    assert "- **code** (on): kept on: within hysteresis" in domain_table_markdown(config)
+    assert reason_line(DomainView("code", config.domains["code"])) == (
+        "- **code** (on): kept on: within hysteresis")
 
 
 def test_max_batch_size_is_contiguous_from_the_smallest(db_url):

@@ -41,7 +41,16 @@ def test_dagbag_imports_without_errors(dagbag):
     for name in ("domains", "window_days", "max_per_domain", "candidates", "hardware_profile",
                  "k_max", "min_speedup", "promote"):
         assert params.get_param(name).schema.get("title"), name
-    assert params.get_param("k_max").schema["maximum"] == 32
+    assert "maximum" not in params.get_param("k_max").schema        # the form must not clamp it
+    # the run's order, written once (tasks.steps.run_order), is the DAG's: each step after the last
+    from tasks.steps.run_order import PER_DOMAIN, RUN_ORDER
+
+    first = {"per_domain": f"per_domain.{PER_DOMAIN[0]}"}
+    last = {"per_domain": f"per_domain.{PER_DOMAIN[-1]}"}
+    for before, after in zip(RUN_ORDER, RUN_ORDER[1:]):
+        upstream = evaluate.get_task(first.get(after, after)).get_flat_relative_ids(upstream=True)
+        assert last.get(before, before) in upstream, (before, after)
+    assert evaluate.get_task("register").trigger_rule == "none_failed"   # past a skipped engine check
     # a scheduled run evaluates the same candidates as `specdec evaluate` (the settings' default)
     from tasks.settings import load_settings
 
@@ -115,6 +124,17 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     run, states = run_dag(dagbag, conf)
     assert run.state == "success", states
     assert states["per_domain.estimate"] == ["success"] * 3 and states["promote"] == ["success"]
+    # no serving environment here (engine_check off): the engine check ends skipped, not green,
+    # and register goes on (issue 52 item 3)
+    assert states["engine_check"] == ["skipped"] and states["register"] == ["success"], states
+    # the reports DAG follows each evaluation: its asset event queued a specdec_reports run (the
+    # main job's Airflow creates DAGs unpaused)
+    from airflow.models.asset import AssetDagRunQueue
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        queued = {row.target_dag_id for row in session.query(AssetDagRunQueue)}
+    assert "specdec_reports" in queued, queued
     for task_id in ("per_domain.estimate", "per_domain.confirm", "per_domain.validate"):
         labels = {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == task_id}
         assert labels == {"code", "json", "qa"}, task_id        # the UI shows the domain, not [2]
@@ -427,14 +447,26 @@ def test_trigger_form_requires_only_what_has_no_empty_meaning_and_states_ranges(
             for bound in ("minimum", "maximum", "exclusiveMinimum"):
                 if bound in schema:
                     assert _number(schema[bound]) in description, (dag_id, key, bound)
+    from tasks.errors import SampleError
+    from tasks.orchestration.airflow_glue import PARAM_RANGES, check_param_ranges
+
     evaluate = dagbag.get_dag("specdec_evaluate").params
+    # no minimum/maximum in the numeric schemas: the trigger form would clamp 40 to 32 when the
+    # field loses focus; each range is in its description and refused by the first task
+    for name, (title, low, high) in PARAM_RANGES.items():
+        param = evaluate.get_param(name)
+        assert not {"minimum", "maximum"} & set(param.schema), name
+        assert param.schema["title"] == title, name
+        assert f"{_number(low)} to {_number(high)}" in param.description, name
     k_max = evaluate.get_param("k_max")
-    assert k_max.schema["minimum"] == 1 and k_max.schema["maximum"] == 32
     assert "draft tokens per round" in k_max.description
+    assert k_max.resolve(value=32) == 32 and k_max.resolve(value=40) == 40    # not changed
     for outside in (0, 40):
-        with pytest.raises(ParamValidationError):
-            k_max.resolve(value=outside)
-    assert k_max.resolve(value=32) == 32
+        with pytest.raises(SampleError, match=rf"Largest K \(k_max={outside}\) is outside 1 to 32"):
+            check_param_ranges({"k_max": outside})
+    check_param_ranges({"k_max": 32, "window_days": 0.01})
+    with pytest.raises(ParamValidationError):
+        k_max.resolve(value="many")
     assert evaluate.get_param("promote").resolve(value=None) is None       # empty toggle: no promote
     assert "Samples per domain" in evaluate.get_param("min_per_domain").description
 
@@ -455,6 +487,13 @@ def test_a_minimum_above_the_maximum_fails_the_first_task_naming_both(dagbag, mo
     assert ("Minimum samples per domain (min_per_domain=500) is above Samples per domain "
             "(max_per_domain=30)") in caplog.text
     assert not (tmp_path / "specdec.db").exists()       # failed before touching the database
+    # a Largest K typed as 40 reaches the run as 40 (the form no longer clamps it) and is refused
+    with caplog.at_level("INFO"):
+        run = dag.test(run_conf={"k_max": 40})
+    states = tries(run)
+    assert run.state == "failed" and states["sample"] == ("failed", 1), states
+    assert "Largest K (k_max=40) is outside 1 to 32" in caplog.text
+    assert not (tmp_path / "specdec.db").exists()
 
 
 @pytest.mark.integration
@@ -479,7 +518,12 @@ def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_
         prepare_airflow(env)
     config = (tmp_path / "home" / "airflow" / "airflow.cfg").read_text()
     assert "\nload_examples = False\n" in config and f"\ndags_folder = {REPO / 'dags'}\n" in config
+    # schedules on: DAGs are created unpaused (specdec_reports follows each evaluation, and the
+    # trigger form has no "unpause on trigger" box ticked by default)
+    assert "\ndags_are_paused_at_creation = False\n" in config
     printed = ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2")
+    assert "schedules are on:" in printed and "airflow dags pause DAG_ID" in printed
+    assert "workflowType=machine_learning" in printed      # MLflow opens its model-training view
     line = next(text for text in printed.splitlines() if text.strip().startswith("Airflow:"))
     command = line.split("Airflow:", 1)[1].strip()
     assert command == airflow_command(env) and "AIRFLOW__API__PORT=8080" in command

@@ -9,8 +9,7 @@ import pytest
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, RoundTotals
-from tasks.steps.engine_check import (batch_one_k, compare_request, domain_verdict, engine_check,
-                                engine_markdown)
+from tasks.steps.engine_check import batch_one_k, compare_request, domain_verdict, engine_check
 
 
 def _request(response, greedy=True):
@@ -69,7 +68,18 @@ def test_gate_fails_a_domain_below_the_interval_beyond_the_tolerance():
     lo = edge["estimate_e_lo"]
     just = domain_verdict(_rows(round((lo * 0.97 - 1) * 10), 6), k=1, tolerance=0.05)
     assert just["engine_e"] < lo and just["passed"] is True
-    assert "below" in engine_markdown([{"domain": "d", **low}])
+    assert "| d | below |" in engine_section([{"domain": "d", **low}])
+
+
+def engine_section(rows: list[dict]) -> str:
+    """The version page's engine-check section (tasks.registry.run_view) of these rows."""
+    from tasks.registry.config_schema import DomainSetting, DrafterSpec, SpecdecConfig
+    from tasks.registry.run_view import RunView, engine_markdown
+
+    config = SpecdecConfig(target={"id": "t", "fingerprint": "sha256:0"}, hardware_profile="hw",
+                           run_id="r", created_at="2026-01-01T00:00:00Z",
+                           domains={"d": DomainSetting(enabled=True, k=1, drafter=DrafterSpec(kind="suffix"))})
+    return engine_markdown(RunView("r", config, [], rows, None, [], None, 1.1, 0.25, 1.2))
 
 
 def test_no_serving_environment_skips_with_how_to_make_one(db_url, tmp_path):

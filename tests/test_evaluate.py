@@ -338,11 +338,13 @@ def test_each_domain_gets_its_own_sampling_test_unless_drafter_k_and_settings_ar
 
 
 def test_the_table_shows_the_sampling_test_on_vllm(db_url):
-    # `specdec evaluate`'s table: one "vLLM sampling" cell per domain from the stored rows, "-"
-    # where vLLM did not test the domain
+    # `specdec evaluate`'s table: the version page's rows (tasks.registry.run_view), one "vLLM
+    # sampling" cell per domain from the stored rows, "-" where vLLM did not test the domain
     from rich.console import Console
 
     from tasks.cli.evaluation import evaluation_rich_table
+    from tasks.db.engine import ensure_ready
+    from tasks.registry.run_view import build_run_view, table_rows
     from tasks.steps.evaluate import evaluation_table
 
     from .helpers.registry import engine_sampling, finished_run
@@ -354,9 +356,9 @@ def test_the_table_shows_the_sampling_test_on_vllm(db_url):
     assert table["json"]["engine_sampling"]["status"] == "passed" and table["chat"]["engine_sampling"] is None
     assert (table["qa"]["engine_sampling"]["rows"], table["qa"]["engine_sampling"]["positions"]) == (300, 6)
     assert table["qa"]["validation"] == "failed" and table["qa"]["promotable"] is False
+    view = build_run_view("r1", ensure_ready(db_url), load_settings({}))
     console = Console(width=400, record=True)
-    console.print(evaluation_rich_table({"run_id": "r1", "target": "t", "hardware_profile": "cpu-test",
-                                         "seconds": 1.0, "table": list(table.values())}))
+    console.print(evaluation_rich_table(view, 1.0))
     lines = console.export_text().splitlines()
     header = [c.strip() for c in next(line for line in lines if "┃ domain" in line).split("┃")]
     column = header.index("vLLM sampling")
@@ -366,6 +368,8 @@ def test_the_table_shows_the_sampling_test_on_vllm(db_url):
     assert rows["json"][column] == "passed (300 rows, 6 tests, p>=0.021)"
     assert rows["qa"][column] == "FAILED (300 rows, 6 tests, p>=1e-09, plain server passed)"
     assert rows["chat"][column] == "-"
+    # the same cells as the page's table, every one of them
+    assert [rows[r[0]][1:-1] for r in table_rows(view)] == table_rows(view)
 
 
 def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_db, tiny_target, tmp_path,

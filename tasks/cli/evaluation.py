@@ -10,7 +10,6 @@ from rich.table import Table
 from specdec_core.models import DEFAULT_MODEL
 
 from ..paths import check_identifier
-from ..registry.run_results import engine_sampling_text
 from ..settings import load_settings
 from ..steps.candidates import build_drafters
 from .common import per_domain_args, print_json, tracking_uri_arg, url_arg
@@ -19,60 +18,35 @@ from .console import make_console
 console = make_console()
 
 
-def _fmt(value, digits: int = 2, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+def evaluation_rich_table(view, seconds: float | None = None, hardware: str | None = None) -> Table:
+    """The run's per-domain table in the terminal: the same rows as the version page and
+    `reports/domains.md` (tasks.registry.run_view.table_rows of the run's RunView)."""
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..registry.run_view import HEADERS, table_rows
 
-
-def _percent(value) -> str:
-    return "-" if value is None else f"{100 * value:+.0f}%"
-
-
-def evaluation_rich_table(result: dict) -> Table:
-    table = Table(title=escape(f"run {result['run_id']}: {result['target']} on "
-                               f"{result['hardware_profile']} ({result['seconds']:.0f} s)"),
-                  title_justify="left")
-    for column in ("domain", "on", "drafter", "K", "max batch", "E[tokens/round]",
-                   "predicted speedup [95% CI]", "measured [95% CI]", "same requests", "cost-model err",
-                   "sampling err", "vLLM E / est.", "validation", "vLLM sampling", "note"):
-        table.add_column(column, justify="left" if column in ("domain", "drafter", "note", "on",
-                                                              "validation", "vLLM sampling")
-                         else "right")
-    for row in result["table"]:
-        predicted = "-" if row["predicted_speedup"] is None else (
-            f"{row['predicted_speedup']:.2f}x [{row['predicted_speedup_lo']:.2f}, "
-            f"{row['predicted_speedup_hi']:.2f}]")
-        note = [] if row["status"] == "ok" else [row["status"]]
-        if str(row.get("reason") or "").startswith("kept on"):
-            note.append("kept on: within hysteresis")
-        live = row.get("live_check") or {}
-        if live.get("verdict") == "veto":
-            note.append("live veto: " + live["reason"].split(": ", 1)[-1])
-        elif live.get("verdict") == "flag":
-            note.append("live flag")
-        if str(row.get("reason") or "").startswith("off: cost profile too noisy"):
-            note.append("cost profile too noisy")
-        if row["gap"]:
-            note.append("cost-model gap")
-        if row.get("greedy_checked") and row["greedy_consistent"] != row["greedy_checked"]:
-            note.append(f"greedy inconsistent {row['greedy_checked'] - row['greedy_consistent']}"
-                        f"/{row['greedy_checked']}")
-        if row.get("engine_passed") is False:
-            note.append(f"engine check: {row['engine_status']}")
-        if row["promotable"] is False:
-            note.append("NOT promotable")
-        table.add_row(row["domain"], "on" if row["enabled"] else "off", escape(row["drafter"] or "-"),
-                      str(row["k"] or "-"), str(row["max_batch_size"] or "-"),
-                      _fmt(row["mean_accepted_length"]), predicted,
-                      _fmt(row["measured_speedup"], suffix="x") + (
-                          "" if row.get("measured_speedup_lo") is None else
-                          f" [{row['measured_speedup_lo']:.2f}, {row['measured_speedup_hi']:.2f}]"),
-                      _fmt(row.get("predicted_same_requests"), suffix="x"),
-                      _percent(row.get("cost_model_error")), _percent(row.get("sampling_error")),
-                      "-" if row.get("engine_e") is None else
-                      f"{row['engine_e']:.2f} / {_fmt(row.get('engine_estimate_e'))}",
-                      row["validation"] or "-", escape(engine_sampling_text(row.get("engine_sampling"))),
-                      ", ".join(note))
+    config = view.config
+    took = "" if seconds is None else f" ({seconds:.0f} s)"
+    table = Table(title=escape(f"run {view.run_id}: {config.target.id} on "
+                               f"{hardware or config.hardware_profile}{took}"), title_justify="left")
+    right = {"K", "max batch", "E [tokens/round]", "proposal rate", "samples"}
+    for column in HEADERS:
+        table.add_column(column, justify="right" if column in right else "left")
+    for row in table_rows(view):
+        table.add_row(*[escape(cell) for cell in row])
     return table
+
+
+def print_run(view, seconds: float | None = None, hardware: str | None = None) -> None:
+    """The table, then why each domain is on or off and the engine check's state, as on the page."""
+    from ..registry.run_view import below_bar_markdown, alert_markdown, engine_state, reason_line
+
+    console.print(evaluation_rich_table(view, seconds, hardware))
+    notes = below_bar_markdown(view) + alert_markdown(view)
+    if notes:
+        console.print(escape(notes.replace("**", "").rstrip()), soft_wrap=True)
+    console.print(escape(f"engine check: {engine_state(view)}"), soft_wrap=True)
+    for d in view.domains:
+        console.print(escape(reason_line(d).replace("**", "")), soft_wrap=True)
 
 
 def cmd_evaluate(args) -> int:
@@ -102,7 +76,11 @@ def cmd_evaluate(args) -> int:
     if args.json:
         print_json(result)
         return _failed_domains_status(result)
-    console.print(evaluation_rich_table(result))
+    from ..db.engine import ensure_ready, resolve_database_url
+    from ..registry.run_view import build_run_view
+
+    print_run(build_run_view(result["run_id"], ensure_ready(resolve_database_url(args.url or settings.database_url)),
+                             settings), result["seconds"])
     from ..steps.costs import profile_check_text
 
     console.print(escape(profile_check_text(result.get("profile_check"))))

@@ -26,9 +26,9 @@ from ..errors import RegistryError
 from ..masking import mask_url
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name, target_slug
-from ..settings import DATABASE_URL_ENV, specdec_home
+from ..settings import DATABASE_URL_ENV, load_settings, specdec_home
 from .console import make_console
-from .evaluation import evaluation_rich_table
+from .evaluation import print_run
 
 
 def airflow_environment(home: Path, dags_folder: Path) -> dict:
@@ -37,6 +37,9 @@ def airflow_environment(home: Path, dags_folder: Path) -> dict:
     return {"AIRFLOW_HOME": str(airflow_home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
+            # schedules on from the start: specdec_reports follows each evaluation (its asset),
+            # and the trigger form has no "unpause on trigger" box to switch a schedule on by
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
             "AIRFLOW__LOGGING__LOGGING_LEVEL": os.environ.get("AIRFLOW__LOGGING__LOGGING_LEVEL", "WARNING")}
 
 
@@ -78,7 +81,8 @@ def prepare_airflow(env: dict) -> None:
 # airflow.cfg keys (section, key) set from the environment variables of airflow_environment
 CFG_KEYS = {"AIRFLOW__CORE__LOAD_EXAMPLES": ("core", "load_examples"),
             "AIRFLOW__CORE__DAGS_FOLDER": ("core", "dags_folder"),
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": ("database", "sql_alchemy_conn")}
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": ("database", "sql_alchemy_conn"),
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": ("core", "dags_are_paused_at_creation")}
 
 
 def write_airflow_cfg(path: Path, env: dict) -> None:
@@ -105,7 +109,7 @@ def airflow_command(env: dict, port: int = 8080) -> str:
     directory; the environment of airflow_environment and the api-server's port are spelled out."""
     bin_dir = Path(sys.executable).parent
     names = ["AIRFLOW_HOME", "AIRFLOW__CORE__DAGS_FOLDER", "AIRFLOW__CORE__LOAD_EXAMPLES",
-             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION"]
     # SPECDEC_HOME first (the Airflow home is under it, airflow_environment): a run triggered from
     # that UI, started from any directory, finds the main job's stores, not ./.specdec of wherever
     home = Path(env["AIRFLOW_HOME"]).resolve().parent
@@ -133,10 +137,11 @@ def mlflow_command(tracking: str, port: int = 5000) -> str:
 def mlflow_urls(base: str, experiment_id: str | None, model: str | None, version: str | None) -> dict:
     """Direct links: the experiment's runs table and a config version's page."""
     urls = {}
+    # workflowType: MLflow 3 opens its GenAI view without it, where runs and models are hidden
     if experiment_id is not None:
-        urls["runs"] = f"{base}/#/experiments/{experiment_id}/runs"
+        urls["runs"] = f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
     if model and version:
-        urls["version"] = f"{base}/#/models/{model}/versions/{version}"
+        urls["version"] = f"{base}/#/models/{model}/versions/{version}?workflowType=machine_learning"
     return urls
 
 
@@ -149,6 +154,10 @@ def ui_text(env: dict, tracking: str, experiment_id: str | None, model: str | No
              "           then http://127.0.0.1:8080 (user admin; its password is printed at start "
              f"and kept in {env['AIRFLOW_HOME']}/simple_auth_manager_passwords.json.generated)",
              f"  MLflow:  {mlflow_command(tracking)}"]
+    lines.append("           schedules are on: specdec_evaluate daily at 00:00 UTC and on each new "
+                 "draft, specdec_reports after each evaluation, specdec_retrain_draft Sundays 03:00 UTC "
+                 "and on the low-acceptance alert; switch one off with `airflow dags pause DAG_ID` (the "
+                 "environment above) or its toggle in the UI")
     if "runs" in urls:
         lines.append(f"           runs: {urls['runs']}")
     if "version" in urls:
@@ -201,12 +210,13 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     from ..registry.run_results import profile_check
     from ..steps.costs import profile_check_text
     from ..steps.evaluate import evaluation_table
+    from ..db.engine import ensure_ready
+    from ..registry.run_view import build_run_view
 
     table = evaluation_table(dag_run.run_id)
     check = profile_check(dag_run.run_id)
-    console.print(evaluation_rich_table({"run_id": dag_run.run_id, "target": DEFAULT_MODEL,
-                                         "hardware_profile": "this machine", "table": table,
-                                         "seconds": time.perf_counter() - started}))
+    print_run(build_run_view(dag_run.run_id, ensure_ready(), load_settings()),
+              time.perf_counter() - started)
     console.print(escape(profile_check_text(check)))
     try:
         champion = show_version(config_model_name(dag_run.conf.get("target") or DEFAULT_MODEL))

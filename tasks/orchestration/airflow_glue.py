@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from ..errors import DatabaseUnavailable, RegistryUnavailable, SampleError, SpecdecTaskError
 from ..masking import mask_text
 from ..settings import DEFAULT_MODEL, load_settings, setting_default
+from ..steps.run_order import RUN_ORDER, domains_failed_text  # noqa: F401 - domains_failed_text: for the DAG
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,38 @@ def check_per_domain_range(params) -> None:
                           f"domain (max_per_domain={high}): set min_per_domain <= max_per_domain")
 
 
+# The ranges of specdec_evaluate's numeric Params: (title in the trigger form, lowest, highest).
+# They are not in the Params' JSON schema: Airflow's form clamps a number to the schema's
+# minimum/maximum when the field loses focus (40 became 32 silently), so the first task (sample)
+# refuses a value outside its range instead, naming the field (check_param_ranges).
+PARAM_RANGES = {"window_days": ("Time window (days)", 0.01, 365),
+                "max_per_domain": ("Samples per domain", 1, 100000),
+                "min_per_domain": ("Minimum samples per domain", 1, 100000),
+                "k_max": ("Largest K", 1, 32),
+                "min_speedup": ("Minimum speedup", 0.01, 10.0),
+                "acceptance_alert": ("Low-acceptance alert", 1.0, 33.0)}
+
+
+def check_param_ranges(params) -> None:
+    """SampleError (the task fails at once, no retry) naming every numeric Param outside its
+    range (PARAM_RANGES), e.g. "Largest K (k_max=40) is outside 1 to 32"."""
+    problems = []
+    for name, (title, low, high) in PARAM_RANGES.items():
+        value = params.get(name)
+        if value is not None and not low <= value <= high:
+            problems.append(f"{title} ({name}={value}) is outside {low:g} to {high:g}")
+    if problems:
+        raise SampleError("; ".join(problems) + ": set a value inside the range (nothing was changed "
+                          "for you) and trigger again")
+
+
 def evaluate_spec(run_id: str, params, conf: dict | None = None):
     """The RunSpec of a `specdec_evaluate` run from its Params (and run conf, for deprecated names)."""
     # imported here: DAG files import this module at parse time; the run context pulls torch and MLflow
     from ..steps.context import RunSpec
 
     p = current_params(params, conf)
+    check_param_ranges(p)
     check_per_domain_range(p)
     return RunSpec(run_id=run_id, target=p["target"], db_url=connection_database_url(),
                    domains=p["domains"] or None, window_days=p["window_days"],
@@ -177,3 +204,13 @@ def label_mapped(label: str) -> None:
     from airflow.sdk import get_current_context
 
     get_current_context()["specdec_label"] = label
+
+
+def wire_in_order(tasks: dict) -> None:
+    """Set each step of tasks.steps.run_order.RUN_ORDER downstream of the one before it (the
+    run's order, written once; the XCom arguments add the data dependencies). tasks: {step name:
+    its task or XComArg}; a name missing from it (e.g. "promote" in a DAG without it) is passed
+    over."""
+    steps = [tasks[name] for name in RUN_ORDER if name in tasks]
+    for before, after in zip(steps, steps[1:]):
+        before >> after

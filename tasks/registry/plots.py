@@ -9,7 +9,7 @@ is a footnote), legends outside the data, fonts of 10 pt and up.
   drafter, its 95% interval as a band where the estimate has one, the `min_speedup` threshold, the
   plain-decoding line and the chosen (drafter, K) marked;
 - calibration.png: the cost model's calibration, predicted against measured speedup on the same
-  requests, one marker per domain.
+  requests, one marker per domain with the measurement's 95% interval as an error bar.
 
 The figure builders take plain rows (dicts) and return matplotlib Figures; `write_plots` saves
 them. matplotlib is imported inside them (about 1.4 s): only the plots pay it.
@@ -34,9 +34,24 @@ def _pyplot():
 
 
 def _footnote(fig, run_id: str) -> None:
-    """The run id in a strip below everything the layout places (titles, axes, legends)."""
-    strip = 0.32 / fig.get_figheight()
-    fig.get_layout_engine().set(rect=(0, strip, 1, 1 - strip))     # left, bottom, width, height
+    """The run id in a strip added below everything the layout placed (titles, axes, legends):
+    the constrained layout runs first, then is frozen, the figure grows by the strip and every
+    element moves up by it (a layout rect does not move a figure legend, whose entries the
+    footnote then overlapped)."""
+    fig.canvas.draw()
+    fig.set_layout_engine("none")
+    width, height = fig.get_size_inches()
+    strip = 0.32
+    scale, shift = height / (height + strip), strip / (height + strip)
+    for ax in fig.axes:
+        box = ax.get_position()
+        ax.set_position([box.x0, box.y0 * scale + shift, box.width, box.height * scale])
+    for legend in fig.legends:
+        legend.set_bbox_to_anchor((0, shift, 1, scale), transform=fig.transFigure)
+    for text in fig.texts + ([fig._suptitle] if fig._suptitle is not None else []):
+        x, y = text.get_position()
+        text.set_position((x, y * scale + shift))
+    fig.set_size_inches(width, height + strip)
     fig.text(0.005, 0.005, f"run {run_id}", fontsize=FOOT_FONT, color="dimgrey", ha="left",
              va="bottom")
 
@@ -99,6 +114,7 @@ def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: s
 def speedup_figure(rows: list[dict], configs: dict[str, dict], min_speedup: float, run_id: str):
     """Predicted speedup against K per domain and drafter. configs: {domain: {"drafter", "k",
     "enabled"}} of the run's plan: the chosen (drafter, K) is marked."""
+    from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
     plt = _pyplot()
@@ -125,8 +141,7 @@ def speedup_figure(rows: list[dict], configs: dict[str, dict], min_speedup: floa
             band = [p for p in points if p[2] is not None and p[3] is not None]
             if band:
                 ax.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band],
-                                color=colours[drafter], alpha=0.18, linewidth=0,
-                                label="95% interval")
+                                color=colours[drafter], alpha=0.18, linewidth=0)
             if plan.get("drafter") == drafter and plan.get("k"):
                 at = [p[1] for p in points if p[0] == plan["k"]]
                 if at:
@@ -147,6 +162,10 @@ def speedup_figure(rows: list[dict], configs: dict[str, dict], min_speedup: floa
             if label not in labels:
                 handles.append(handle)
                 labels.append(label)
+    if any(r.get("predicted_speedup_lo") is not None for r in rows):
+        # one swatch for every drafter's band: neutral grey, each band has its drafter's colour
+        handles.append(Patch(facecolor="grey", alpha=0.3, linewidth=0))
+        labels.append("95% interval (in the drafter's colour)")
     fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(labels)),
                fontsize=TEXT_FONT, frameon=False)
     fig.suptitle("Predicted speedup vs K", fontsize=TITLE_FONT)
@@ -155,18 +174,26 @@ def speedup_figure(rows: list[dict], configs: dict[str, dict], min_speedup: floa
 
 
 def calibration_figure(live: list[dict], run_id: str):
-    """Predicted (same requests) against measured speedup, one marker per domain; the diagonal is
-    a perfect cost model. live: {"domain", "predicted", "measured"} rows."""
+    """Predicted (same requests) against measured speedup, one marker per domain with the
+    measurement's 95% interval as an error bar (each rests on a few requests: the legend says how
+    many); the diagonal is a perfect cost model. live: {"domain", "predicted", "measured", and
+    optionally "lo", "hi", "requests"} rows."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5), layout="constrained")
     for n, row in enumerate(sorted(live, key=lambda r: r["domain"])):
-        ax.plot([row["predicted"]], [row["measured"]], marker=MARKERS[n % len(MARKERS)],
-                markersize=9, linestyle="none", label=row["domain"])
-    low = min(min(r["predicted"], r["measured"]) for r in live) * 0.9
-    high = max(max(r["predicted"], r["measured"]) for r in live) * 1.1
+        lo, hi = row.get("lo"), row.get("hi")
+        yerr = None if lo is None or hi is None else [[max(0.0, row["measured"] - lo)],
+                                                      [max(0.0, hi - row["measured"])]]
+        count = row.get("requests")
+        ax.errorbar([row["predicted"]], [row["measured"]], yerr=yerr, marker=MARKERS[n % len(MARKERS)],
+                    markersize=9, linestyle="none", capsize=4,
+                    label=row["domain"] + ("" if not count else f" ({count} requests)"))
+    values = [v for r in live for v in (r["predicted"], r["measured"], r.get("lo"), r.get("hi"))
+              if v is not None]
+    low, high = min(values) * 0.9, max(values) * 1.1
     ax.plot([low, high], [low, high], color="grey", lw=0.9, label="measured = predicted")
     ax.set_xlabel("predicted speedup (same requests)", fontsize=TEXT_FONT)
-    ax.set_ylabel("measured speedup", fontsize=TEXT_FONT)
+    ax.set_ylabel("measured speedup (95% interval)", fontsize=TEXT_FONT)
     ax.tick_params(labelsize=TEXT_FONT)
     ax.set_title("Cost-model calibration", fontsize=TITLE_FONT)
     fig.legend(loc="outside right upper", fontsize=TEXT_FONT, frameon=False)

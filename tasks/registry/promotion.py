@@ -22,8 +22,9 @@ from ..errors import RegistryError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .config_schema import SpecdecConfig
-from .run_config import FASTER, effective_speedup, live_findings, live_problems, live_text
-from .run_results import domain_evidence, profile_check
+from .live_check import judge_live, live_text
+from .run_config import effective_speedup
+from .run_view import RunView, build_run_view, engine_gate
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
 from .version_page import gate_counts, refresh_champion_lines, write_gates
 
@@ -80,16 +81,11 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
               profile_noisy: bool = False) -> dict:
     """The live_check gate over the domains this run turns on: what confirm measured for the
     planned setting on a few requests, against min_speedup and the prediction for the same
-    requests.
-
-    It uses the live check's own rules for what is evidence (tasks.steps.confirm.live_verdict, the
-    busy-machine veto): a domain fails when its stored verdict found a problem (measured slower
-    than plain decoding, its interval's upper end below min_speedup, or its cost-model error
-    confidently beyond the tolerance on the slow side). A measurement below the bar that is within
-    its own noise, one off the prediction by more than the tolerance without being confidently
-    so, and a domain not measured live neither fail nor pass silently: the gate is UNSURE (it
-    does not stop a promotion) and its figure names each such domain. With `live_veto` off (the
-    run's live timings are declared noise) the gate reports and is "not enforced".
+    requests, judged by the live check's one rule (tasks.registry.live_check.judge_live, the rule
+    confirm's veto uses): FAIL when it shows a problem (or confirm's stored verdict flagged or
+    vetoed it), UNSURE when an interval only reaches past a bar or a domain was not measured live
+    (it does not stop a promotion; the figure names each such domain), PASS otherwise. With
+    `live_veto` off (the run's live timings are declared noise) a failure is "not enforced".
     """
     lines, failed, unsure, passed = [], [], [], []
     enforced = settings.live.veto
@@ -103,20 +99,18 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
             continue
         if live.get("enforced") is not None:
             enforced = enforced and bool(live["enforced"])
-        problems = live_problems(live, settings.plan.min_speedup, settings.live.tolerance)
-        faster = [text for kind, text in live_findings(live, settings.plan.min_speedup,
-                                                       settings.live.tolerance) if kind == FASTER]
+        judged = judge_live(live, settings.plan.min_speedup, settings.live.tolerance)
         text = f"{name} {live_text(live)}"
-        if live.get("verdict") in ("flag", "veto"):
+        if judged.verdict == "fail" or live.get("verdict") in ("flag", "veto"):
             failed.append(name)
-            lines.append(f"{text}: {'; '.join(problems) or live.get('reason')}")
-        elif problems:
+            lines.append(f"{text}: {'; '.join(judged.problems) or live.get('reason')}")
+        elif judged.verdict == "unsure":
             unsure.append(name)
-            lines.append(f"{text}: {'; '.join(problems)}, within the measurement's noise")
+            lines.append(f"{text}: unsure, {'; '.join(judged.doubts)}")
         else:
             passed.append(name)
-            if faster:      # at or above the bar; the cost model under-predicts it
-                lines.append(f"{text}: at or above the bar, {'; '.join(faster)}")
+            if judged.notes:      # at or above the bar; the cost model under-predicts it
+                lines.append(f"{text}: at or above the bar, {'; '.join(judged.notes)}")
             if live.get("weak"):
                 lines.append(f"{name} {live['measured']:.2f}x (weak evidence: {live['requests']} requests)")
     total = len(failed) + len(unsure) + len(passed)
@@ -161,7 +155,8 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
     short = sorted(n for n, s in measured.items() if s.samples < settings.sample.min_per_domain)
     gates.append({"name": "min_samples", "passed": not short,
                   "figure": f"min samples {min((s.samples for s in measured.values()), default=0)} "
-                            f"(required {settings.sample.min_per_domain})" + (f"; short: {short}" if short else "")})
+                            f"(required {settings.sample.min_per_domain})"
+                            + (f"; short: {', '.join(short)}" if short else "")})
     same = champion is None or champion.target.fingerprint == config.target.fingerprint
     gates.append({"name": "same_target", "passed": same,
                   "figure": "no champion" if champion is None else
@@ -170,15 +165,19 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
 
 
 def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
-              db_url: str) -> list[dict]:
-    """check_gates with the run's recorded target-fingerprint check, live checks and profile check."""
-    with ensure_ready(db_url).connect() as connection:
+              db_url: str, view: RunView | None = None) -> list[dict]:
+    """check_gates with the run's recorded target-fingerprint check, live checks and profile
+    check, and the engine_check gate (run_view.engine_gate: whether the config ran on the serving
+    engine). view: the run's RunView when the caller built it already."""
+    engine = ensure_ready(db_url)
+    with engine.connect() as connection:
         fingerprint_passed = connection.execute(select(Validation.passed).where(
             (Validation.run_id == config.run_id) & (Validation.check_name == "fingerprint"))).scalar()
-    check = profile_check(config.run_id, db_url)
-    return check_gates(config, champion, settings, fingerprint_passed,
-                       evidence=domain_evidence(config.run_id, db_url),
-                       profile_noisy=check is not None and check["status"] == "noisy")
+    view = view or build_run_view(config.run_id, engine, settings, config=config)
+    gates = check_gates(config, champion, settings, fingerprint_passed,
+                        evidence={d.name: {"live": d.live} for d in view.domains},
+                        profile_noisy=view.profile is not None and view.profile["status"] == "noisy")
+    return gates + [engine_gate(view)]
 
 
 def promote(name: str, version: str, db_url: str | None = None, uri: str | None = None,
@@ -232,10 +231,12 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
             return refuse(f"the champion moved from {before or 'none'} to {now} while the gates "
                           "ran: re-run the gates", connection, champion=now)
         mlflow_client.set_registered_model_alias(name, CHAMPION, version)
-        doubts = [g["name"] for g in gates if g.get("result") in ("unsure", "not enforced")]
+        doubts = [f"{g['name']} {g['result']}" for g in gates
+                  if g.get("result") in ("unsure", "not enforced", "not checked")]
         reason = ("FORCED past failed gates: " + "; ".join(g["name"] for g in failed)) \
             if failed and force else "all gates passed" + (
-                f" ({', '.join(doubts)}: unsure or not enforced, see its figure)" if doubts else "")
+                f" ({', '.join(doubts)}: see {'its figure' if len(doubts) == 1 else 'their figures'})"
+                if doubts else "")
         record_promotion(db_url, connection, action="promote", forced=bool(force and failed),
                          gates=summary, reason=reason, **record)
     page_gates(("promoted FORCED past failed gates: " if failed and force else "promoted: ")

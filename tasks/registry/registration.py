@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import tempfile
 from datetime import datetime, timezone
 from html import escape
@@ -25,14 +27,13 @@ from ..db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, Quali
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
-from .run_config import (build_config, changes_markdown, domain_table_markdown, live_problems, live_text,
-                         run_row, validation_status)
-from .run_results import (data_docs_pages, domain_evidence, engine_checks, engine_markdown, low_acceptance,
-                          profile_check)
+from .run_config import build_config, run_row, validation_status
+from .run_results import data_docs_pages
+from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
 from .plots import write_plots
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
                        tracking_uri)
-from .version_page import champion_audit, champion_line, gates_markdown
+from .version_page import champion_audit, version_page_markdown
 
 log = logging.getLogger(__name__)
 NOTE_TAG = "mlflow.note.content"     # MLflow's run description (markdown, shown on the run's page)
@@ -47,10 +48,13 @@ def _plots(run_id: str, connection, directory: Path, min_speedup: float) -> list
                for r in connection.execute(select(DomainConfig.domain, DomainConfig.drafter,
                                                   DomainConfig.k, DomainConfig.enabled)
                                            .where(DomainConfig.run_id == run_id))}
-    live = [{"domain": r.domain, "predicted": r.predicted_same_requests, "measured": r.measured_speedup}
+    live = [{"domain": r.domain, "predicted": r.predicted_same_requests, "measured": r.measured_speedup,
+             "lo": r.measured_speedup_lo, "hi": r.measured_speedup_hi, "requests": r.requests}
             for r in connection.execute(
                 select(LiveMeasurement.domain, LiveMeasurement.predicted_same_requests,
-                       LiveMeasurement.measured_speedup).where(LiveMeasurement.run_id == run_id)
+                       LiveMeasurement.measured_speedup, LiveMeasurement.measured_speedup_lo,
+                       LiveMeasurement.measured_speedup_hi, LiveMeasurement.requests)
+                .where(LiveMeasurement.run_id == run_id)
                 .order_by(LiveMeasurement.domain))
             if r.predicted_same_requests and r.measured_speedup]
     return write_plots(run_id, estimates, configs, live, min_speedup, directory)
@@ -62,12 +66,75 @@ def _cell(value) -> str:
     return escape("" if value is None else str(value))
 
 
+def _log_reports(mlflow_client, mlflow_run_id: str, view: RunView, validations: list[dict],
+                 quality: list[dict], pages: dict[str, str]) -> None:
+    """The run's artifacts: `config/` (config.json and its MLmodel), `reports/` (domains.md: the
+    run's view in Markdown, validation.json, data_quality.json and .html) and GX's Data Docs
+    pages (made self-contained) under `reports/data_docs/`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        (directory / "config").mkdir()
+        (directory / "config" / "config.json").write_text(view.config.to_json(), encoding="utf-8")
+        (directory / "config" / "MLmodel").write_text(mlmodel_text(view.run_id), encoding="utf-8")
+        (directory / "validation.json").write_text(json.dumps(validations, indent=1, default=str))
+        (directory / "data_quality.json").write_text(json.dumps(quality, indent=1, default=str))
+        (directory / "domains.md").write_text(run_markdown(view), encoding="utf-8")
+        mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
+        for name in ("validation.json", "data_quality.json", "domains.md"):
+            mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
+        if pages:
+            (directory / "data_docs").mkdir()
+            for page, html in pages.items():
+                (directory / "data_docs" / page).write_text(offline_html(html), encoding="utf-8")
+            mlflow_client.log_artifacts(mlflow_run_id, str(directory / "data_docs"),
+                                        artifact_path="reports/data_docs")
+        if quality or pages:
+            report = directory / "data_quality.html"
+            report.write_text(data_quality_report(view.run_id, quality, sorted(pages)), encoding="utf-8")
+            mlflow_client.log_artifact(mlflow_run_id, str(report), artifact_path="reports")
+
+
+def outcome_text(success: bool, status: str | None) -> str:
+    """An expectation's outcome: "passed" or "FAILED", with its status only where it says more
+    ("FAILED (insufficient)"; not "passed (pass)" beside "passed (ok)")."""
+    word = "passed" if success else "FAILED"
+    return word if str(status or "") in ("", "pass", "ok", "fail", "failed") else f"{word} ({escape(str(status))})"
+
+
+EXTERNAL = re.compile(r"""(?:https?:)?//(?!127\.0\.0\.1[:/])[A-Za-z0-9.-]+\.[A-Za-z]{2,}[^\s"'<>)]*""")
+
+
+def offline_html(html: str) -> str:
+    """A Great Expectations Data Docs page that requests nothing from outside hosts: the
+    stylesheets, scripts and fonts it loads from CDNs are dropped (the page keeps its text and
+    tables, unstyled) and every other outside URL (links, images, CSS url()) is emptied."""
+    html = re.sub(r"<script\b[^>]*\bsrc=[\"'][^\"']*[\"'][^>]*>\s*</script>", "", html, flags=re.IGNORECASE)
+    html = re.sub(r"<link\b[^>]*>", lambda m: "" if EXTERNAL.search(m.group(0)) else m.group(0), html,
+                  flags=re.IGNORECASE)
+    html = re.sub(r"@import[^;]*;", lambda m: "" if EXTERNAL.search(m.group(0)) else m.group(0), html)
+    return EXTERNAL.sub("#", html)
+
+
+def rounded(value, digits: int = 4) -> float:
+    """A metric with `digits` significant digits (1.2346, not 1.2345678901234567)."""
+    value = float(value)
+    return value if value == 0 or not math.isfinite(value) else float(f"{value:.{digits}g}")
+
+
+def mlmodel_text(run_id: str) -> str:
+    """The `MLmodel` file of the config artifact: MLflow's version page reads one (for a model's
+    signature) and asked for a file that did not exist. A specdec config is no model: no flavors."""
+    return ("# a specdec speculative-decoding config (config.json), not a model: no flavors\n"
+            f"artifact_path: config\nflavors: {{}}\nrun_id: {json.dumps(run_id)}\n"
+            "metadata:\n  specdec: config.json\n")
+
+
 def data_quality_report(run_id: str, quality: list[dict], pages: list[str]) -> str:
     """The run's data-quality report as one self-contained HTML page (no scripts, stylesheets,
     images or links: it renders inside MLflow's artifact pane and offline): per suite its verdict,
     then every expectation with its scope, column, result and what was observed. Great
-    Expectations' own Data Docs pages are named as attachments (they load their scripts and
-    styles from a CDN, so they are opened apart, from a browser with internet access)."""
+    Expectations' own Data Docs pages are named as attachments (offline_html: they load nothing
+    from outside hosts, so they render unstyled)."""
     verdict: dict[str, bool] = {}
     for row in quality:
         verdict[row["suite"]] = verdict.get(row["suite"], True) and bool(row["success"])
@@ -83,16 +150,16 @@ def data_quality_report(run_id: str, quality: list[dict], pages: list[str]) -> s
         rows = "".join(
             f"<tr><td>{_cell(r['scope'])}</td><td>{_cell(r['expectation'])}</td>"
             f"<td>{_cell(r['column_name'])}</td><td class='{'pass' if r['success'] else 'fail'}'>"
-            f"{'passed' if r['success'] else 'FAILED'} ({_cell(r['status'])})</td>"
+            f"{outcome_text(r['success'], r['status'])}</td>"
             f"<td class='observed'>{_cell(r['observed'])}</td></tr>"
             for r in sorted((r for r in quality if r["suite"] == suite),
                             key=lambda r: (str(r["scope"]), str(r["expectation"]), str(r["column_name"]))))
         sections.append(f"<h3>{escape(suite)}</h3><table><tr><th>scope</th><th>expectation</th>"
                         f"<th>column</th><th>result</th><th>observed</th></tr>{rows}</table>")
     attachments = "".join(f"<li><code>reports/data_docs/{escape(page)}</code></li>" for page in pages)
-    attached = (f"<p>Great Expectations' own Data Docs pages are attached beside this report (they "
-                f"load their scripts and styles from a CDN: open them from a browser with internet "
-                f"access):</p><ul>{attachments}</ul>") if pages else ""
+    attached = (f"<p>Great Expectations' own Data Docs pages are attached beside this report "
+                f"(self-contained: their CDN styles and scripts removed, so they show unstyled):"
+                f"</p><ul>{attachments}</ul>") if pages else ""
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Data quality of run "
             f"{escape(run_id)}</title><style>{style}</style></head><body>"
             f"<h2>Data quality of run {escape(run_id)}</h2><table><tr><th>suite</th><th>result</th>"
@@ -120,19 +187,23 @@ def _epoch_ms(moment: datetime) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def run_note(run_id: str, config, quality_ok: bool | None) -> str:
-    """The MLflow run's description (tag mlflow.note.content, shown on the run's page)."""
+def run_note(view: RunView, quality_ok: bool | None) -> str:
+    """The MLflow run's description (tag mlflow.note.content, shown on the run's page), with the
+    low-acceptance alert and the engine check's state, as on the version page."""
+    config = view.config
     on = ", ".join(f"{name} (K={s.k})" for name, s in sorted(config.domains.items()) if s.enabled)
     off = ", ".join(name for name, s in sorted(config.domains.items()) if not s.enabled)
     quality = {None: "not recorded", True: "passed", False: "FAILED"}[quality_ok]
-    return (f"specdec evaluation `{run_id}` of target `{config.target.id}` on hardware profile "
+    return (f"specdec evaluation `{view.run_id}` of target `{config.target.id}` on hardware profile "
             f"`{config.hardware_profile}`: the traffic sampled per domain, checked for data "
             f"quality ({quality}), acceptance estimated offline, K planned, confirmed live and "
-            f"validated (validation **{validation_status(config)}**).\n\n"
-            f"Domains on: {on or 'none'}. Off: {off or 'none'}.\n\n"
-            "The run spans the evaluation (from the start of its DAG run, or of its sample step, "
+            f"validated (validation **{validation_status(config)}**); engine check: "
+            f"{engine_state(view)}.\n\n"
+            f"Domains on: {on or 'none'}. Off: {off or 'none'}.\n\n" + alert_markdown(view)
+            + "The run spans the evaluation (from the start of its DAG run, or of its sample step, "
             "to its registration). Artifacts: `config/` (the registered config), `plots/`, "
-            "`reports/` (validation, data quality, the per-domain table).")
+            "`reports/` (`domains.md`: the per-domain table with every figure of the version "
+            "page; validation, data quality).")
 
 
 def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = None,
@@ -183,7 +254,10 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
                   "hardware_profile": config.hardware_profile, "candidates": ",".join(sorted(estimates)),
                   "min_per_domain": params.get("min_per_domain"), "max_per_domain": params.get("max_per_domain"),
                   "k_max": settings.plan.k_max, "min_speedup": settings.plan.min_speedup,
-                  "validation_rows": settings.validation.rows, "domains": ",".join(sorted(config.domains))}
+                  "validation_rows": settings.validation.rows, "domains": ",".join(sorted(config.domains)),
+                  "window_days": params.get("window_days"),
+                  "acceptance_alert": params.get("acceptance_alert", settings.plan.acceptance_alert),
+                  "promote": params.get("promote")}
         logged = mlflow_client.get_run(mlflow_run_id).data.params
         for key, value in wanted.items():
             value = str(value)
@@ -199,67 +273,19 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
                        "predicted_speedup": setting.predicted_speedup,
                        "measured_speedup": setting.measured_speedup}
             for metric, value in metrics.items():
-                if value is not None:
-                    mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", float(value))
-        with tempfile.TemporaryDirectory() as tmp:
-            directory = Path(tmp)
-            (directory / "config").mkdir()
-            (directory / "config" / "config.json").write_text(config.to_json(), encoding="utf-8")
-            (directory / "validation.json").write_text(json.dumps(validations, indent=1, default=str))
-            (directory / "data_quality.json").write_text(json.dumps(quality, indent=1, default=str))
-            (directory / "domains.md").write_text(domain_table_markdown(config) + "\n")
-            mlflow_client.log_artifacts(mlflow_run_id, str(directory / "config"), artifact_path="config")
-            for name in ("validation.json", "data_quality.json", "domains.md"):
-                mlflow_client.log_artifact(mlflow_run_id, str(directory / name), artifact_path="reports")
-            pages = data_docs_pages(run_id, db_url)   # Great Expectations' Data Docs, attached
-            if pages:
-                (directory / "data_docs").mkdir()
-                for page, html in pages.items():
-                    (directory / "data_docs" / page).write_text(html, encoding="utf-8")
-                mlflow_client.log_artifacts(mlflow_run_id, str(directory / "data_docs"),
-                                            artifact_path="reports/data_docs")
-            if quality or pages:
-                report = directory / "data_quality.html"
-                report.write_text(data_quality_report(run_id, quality, sorted(pages)), encoding="utf-8")
-                mlflow_client.log_artifact(mlflow_run_id, str(report), artifact_path="reports")
+                if value is not None:      # 4 significant digits: the figures' own precision
+                    mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", rounded(value))
+        view = build_run_view(run_id, engine, settings, config=config)
+        _log_reports(mlflow_client, mlflow_run_id, view, validations, quality,
+                     data_docs_pages(run_id, db_url))
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
         mlflow_client.set_tag(mlflow_run_id, NOTE_TAG, run_note(
-            run_id, config, all(bool(r["success"]) for r in quality) if quality else None))
+            view, all(bool(r["success"]) for r in quality) if quality else None))
     except BaseException as exc:
         end_run(mlflow_client, mlflow_run_id, exc)
         raise
     return {"mlflow_run_id": mlflow_run_id, "experiment_id": experiment_id, "reused": existing is not None,
             "config": json.loads(config.to_json())}
-
-
-def below_bar_markdown(config, evidence: dict, settings: Settings) -> str:
-    """The page's warning about domains that are on although the live check measured them below
-    min_speedup or off the prediction beyond the tolerance ("" when none is)."""
-    lines = []
-    for name, s in sorted(config.domains.items()):
-        live = (evidence.get(name) or {}).get("live")
-        problems = live_problems(live, settings.plan.min_speedup, settings.live.tolerance)
-        if s.enabled and s.source == "run" and problems:
-            lines.append(f"- **{name}**: {live_text(live)}: {'; '.join(problems)}")
-    if not lines:
-        return ""
-    return ("**WARNING: on, but the live check measured them below the bar or slower than predicted** "
-            "(see the live_check gate):\n\n" + "\n".join(lines) + "\n\n")
-
-
-def alert_markdown(low: list[dict], evidence: dict, threshold: float) -> str:
-    """The page's line for the low-acceptance alert ("" when no domain is below it)."""
-    if not low:
-        return ""
-    parts = []
-    for row in low:
-        rate = (evidence.get(row["domain"]) or {}).get("proposal_rate")
-        parts.append(f"{row['domain']} ({'on' if row['enabled'] else 'off'}, {row['drafter']} K={row['k']}: "
-                     f"E = {row['mean_accepted_length']:.2f}"
-                     + ("" if rate is None else f", proposal rate {100 * rate:.0f}%") + ")")
-    return (f"**Low-acceptance alert** (expected tokens per round below {threshold:.2f}; published as "
-            f"`specdec://alerts/low-acceptance`, which triggers draft retraining): "
-            + ", ".join(parts) + ".\n\n")
 
 
 def register_config(run_id: str, db_url: str | None = None, uri: str | None = None,
@@ -285,45 +311,11 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                 name, description=f"specdec speculative-decoding configs of target {config.target.id}")
         existing = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{run_id}'")
         audit = champion_audit(db_url, name, champion_version)
-        warning = "" if audit["gated"] else f"**WARNING: {audit['detail']}.**\n\n"
-        gates = gates_for(config, champion, settings, db_url)
-        check = profile_check(run_id, db_url)
-        noise = ("" if check is None or check["status"] != "noisy" else
-                 f"**Cost profile too noisy**: {'; '.join(check.get('reasons') or [])}. No domain "
-                 "was turned on from it that the champion has off.\n\n")
-        vetoes = [f"- **{name}**: {s.reason}" for name, s in sorted(config.domains.items())
-                  if s.reason and s.reason.startswith("live check:")]
-        veto_text = ("**Vetoed by the live check** (planned on, measured too slow; off):\n\n"
-                     + "\n".join(vetoes) + "\n\n") if vetoes else ""
-        held = [f"- **{name}**: {s.reason}" for name, s in sorted(config.domains.items())
-                if s.reason and s.reason.startswith("engine check:")]
-        veto_text += ("**Turned off by the engine check** (planned on; on vLLM it refused, died or "
-                      "accepted less than estimated):\n\n" + "\n".join(held) + "\n\n") if held else ""
-        evidence = domain_evidence(run_id, db_url)
-        veto_text += below_bar_markdown(config, evidence, settings)
-        veto_text += alert_markdown(low_acceptance(run_id, settings.plan.acceptance_alert, db_url),
-                                    evidence, settings.plan.acceptance_alert)
+        view = build_run_view(run_id, ensure_ready(db_url), settings, config=config)
+        gates = gates_for(config, champion, settings, db_url, view=view)
 
         def describe(version: str) -> str:
-            return (f"**Promote only with `specdec config promote {version}`** (it checks the gates below "
-                    "and writes the audit row); MLflow's alias pencil moves `champion` past both, and "
-                    "its \"Promote model\" button does not move `champion` at all (it copies the "
-                    "version into another registered model).\n\n"
-                    f"## specdec config of run {run_id}\n\n{warning}{noise}{veto_text}target "
-                    f"`{config.target.id}` "
-                    f"({config.target.fingerprint}), hardware profile `{config.hardware_profile}`"
-                    f"{'' if check is None else ' (' + check['status'] + ')'}, "
-                    f"validation **{validation_status(config)}**\n\n"
-                    f"{domain_table_markdown(config, evidence, settings.plan.min_speedup, settings.live.tolerance)}\n\n"
-                    f"### On vLLM (engine check)\n\n{engine_markdown(engine_checks(run_id, db_url))}\n\n"
-                    f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
-                    + gates_markdown(gates, f"preview at registration against champion "
-                                            f"{champion_version or 'none'}; `specdec config promote` "
-                                            "checks them again") + "\n\n"
-                    "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`; "
-                    "data quality: `reports/data_quality.html` (every expectation and its result; Great "
-                    "Expectations' Data Docs attached under `reports/data_docs/`).\n\n"
-                    + champion_line(champion_version, "as of this registration"))
+            return version_page_markdown(view, version, gates, audit, champion, champion_version)
         tags = {"run_id": run_id, "domains_on": ",".join(config.domains_on) or "none",
                 "validation": validation_status(config), "hardware_profile": config.hardware_profile,
                 "target_fingerprint": config.target.fingerprint}

@@ -66,32 +66,6 @@ def engine_speedup_text(row: dict) -> str:
     return text
 
 
-def engine_markdown(rows: list[dict]) -> str:
-    """The version page's section: each domain's config on vLLM beside the estimate."""
-    if not rows:
-        return ("Not checked on vLLM (no serving environment, or no domain on): "
-                "`specdec engine check RUN_ID` after `make serving-env`.")
-    lines = ["| domain | status | K | requests | estimate E [95% CI] | vLLM E | greedy equal "
-             "| vLLM tokens/s plain / config | vLLM speedup measured / predicted | reason |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        e = "-" if row.get("estimate_e") is None else f"{row['estimate_e']:.2f}" + (
-            "" if row.get("estimate_e_lo") is None else
-            f" [{row['estimate_e_lo']:.2f}, {row['estimate_e_hi']:.2f}]")
-        greedy = "-" if not row.get("greedy_checked") else f"{row['greedy_equal']}/{row['greedy_checked']}"
-        speed = ("-" if row.get("spec_tokens_per_s") is None or row.get("plain_tokens_per_s") is None
-                 else f"{row['plain_tokens_per_s']:.1f} / {row['spec_tokens_per_s']:.1f}")
-        reason = str(row.get("reason") or "").removeprefix("engine check: ").replace("|", "/")
-        lines.append(f"| {row['domain']} | {row['status']} | {row.get('k') or '-'} | "
-                     f"{row.get('requests') or '-'} | {e} | "
-                     f"{'-' if row.get('engine_e') is None else format(row['engine_e'], '.2f')} | "
-                     f"{greedy} | {speed} | {engine_speedup_text(row)} | {reason[:300]} |")
-    version = next((row["engine_version"] for row in rows if row.get("engine_version")), None)
-    return (f"vLLM {version or '?'}, each domain's exported config, the domain's requests one at a "
-            "time; E = 1 + accepted / verify steps with drafts, the estimate's on the same requests "
-            "at the same K.\n\n" + "\n".join(lines))
-
-
 def data_docs_pages(run_id: str, db_url: str | None = None) -> dict[str, str]:
     """{page file name: HTML} of the run's Data Docs, from the database (any worker wrote them)."""
     engine = ensure_ready(resolve_database_url(db_url))
@@ -106,7 +80,8 @@ def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
     beside the config:
 
     - live: the confirm step's measurement of the planned (drafter, K) ({measured, lo, hi,
-      predicted_same (the prediction for the same requests), predicted, cost_model_error, gap,
+      predicted_same (the prediction for the same requests), predicted, cost_model_error, error_lo,
+      error_hi (its interval), gap,
       requests, verdict, weak, reason, min_speedup, tolerance, enforced}; from live_measurements
       and domain_configs.live_check), None when the domain was not measured live;
     - proposal_rate: the share of the planned drafter's rounds at the planned K that drafted at
@@ -147,6 +122,8 @@ def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
                     "hi": row["measured_speedup_hi"], "predicted_same": row["predicted_same_requests"],
                     "predicted": row["predicted_speedup"], "cost_model_error": row["cost_model_error"],
                     "gap": row["gap"], "requests": row["requests"],
+                    # the cost-model error's interval (confirm's verdict; None on older rows)
+                    "error_lo": verdict.get("error_lo"), "error_hi": verdict.get("error_hi"),
                     "verdict": verdict.get("verdict"), "weak": verdict.get("weak"),
                     "reason": verdict.get("reason"), "min_speedup": verdict.get("min_speedup"),
                     "tolerance": verdict.get("tolerance"), "enforced": verdict.get("live_veto")}

@@ -7,8 +7,9 @@ vetoed or on although their live check fell short, the low-acceptance alert), th
 validation and whose test it is), what changed against the champion, the gates (a preview at
 registration, the real result once `specdec config promote` ran them), and one "Current champion"
 line that is written again on every version with an alias, and on the one that lost it, whenever
-specdec moves the champion. Its tables are HTML with padding (html_table): MLflow draws Markdown
-tables without it, and adjacent cells ran together.
+specdec moves the champion. Its tables are Markdown (tasks.registry.run_view renders them, the
+same for the page, `reports/domains.md` and the terminal). The first line says how to promote
+the version; once it is the champion, it says so instead (status_line).
 
 It also tells a champion that passed specdec's gates from one moved by hand (MLflow's "Promote"
 button or alias pencil): the latest champion move in specdec's `promotions` table must be a
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import re
-from html import escape, unescape
 
 from sqlalchemy import select
 
@@ -27,6 +27,9 @@ from ..db.engine import ensure_ready
 from ..db.models import Promotion
 from ..masking import mask_text, mask_url
 from ..timeutil import utcnow
+from .run_config import changes_markdown, validation_status
+from .run_view import (RunView, alert_markdown, below_bar_markdown, domains_markdown, engine_markdown,
+                       engine_state, markdown_table)
 
 log = logging.getLogger(__name__)
 
@@ -34,54 +37,35 @@ CHAMPION_LINE = "**Current champion:**"
 GATES_HEADING = "### Gates"
 
 
-def html_table(headers: list[str], rows: list[list[str]]) -> str:
-    """A table MLflow's page renders legibly: HTML (the description is Markdown, whose tables MLflow
-    draws without cell padding, so adjacent cells run together) with borders and padding. Cells
-    are HTML already (`cell()` escapes text); one line per row, no blank line (Markdown would end
-    the HTML block there)."""
-    head = "".join(f'<th style="text-align: left">{escape(h)}</th>' for h in headers)
-    body = "\n".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return (f'<table border="1" cellpadding="6" style="border-collapse: collapse">\n<tr>{head}</tr>\n'
-            f"{body}\n</table>")
-
-
-def cell(text, bold: bool = False) -> str:
-    """One table cell's text, escaped for HTML (bold when asked)."""
-    text = escape("-" if text is None else str(text))
-    return f"<b>{text}</b>" if bold else text
-
-
 def description_text(description: str) -> str:
-    """The page for a terminal (`specdec config show`): each HTML table row as `| cell | cell |`,
-    tags dropped and entities decoded; the Markdown around the tables as it is."""
-    def row(match: re.Match) -> str:
-        cells = re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", match.group(1), re.DOTALL)
-        return "| " + " | ".join(unescape(re.sub(r"<[^>]+>", "", c)) for c in cells) + " |"
-
-    text = re.sub(r"<tr>(.*?)</tr>", row, description or "", flags=re.DOTALL)
-    return re.sub(r"</?table[^>]*>\n?", "", text)
+    """The page for a terminal (`specdec config show`): the Markdown as it is (its tables are
+    Markdown, run_view.markdown_table), the escaped "|" inside cells written plainly."""
+    return (description or "").replace("\\|", "/")
 
 
-GATE_RESULTS = {"pass": "pass", "fail": "FAIL", "unsure": "UNSURE", "not enforced": "not enforced"}
+GATE_RESULTS = {"pass": "pass", "fail": "FAIL", "unsure": "UNSURE", "not enforced": "not enforced",
+                "not checked": "NOT CHECKED"}
 
 
 def gate_result(gate: dict) -> str:
     """pass | fail | unsure (passes, but its evidence is noise: the figure says why) | not enforced
-    (reported, never failing: the setting that enforces it is off)."""
+    (reported, never failing: the setting that enforces it is off) | not checked (never failing:
+    the check did not run, e.g. no serving engine; the figure says why)."""
     return gate.get("result") or ("pass" if gate["passed"] else "fail")
 
 
 def gates_markdown(gates: list[dict], title: str) -> str:
-    rows = [[cell(g["name"]), cell(GATE_RESULTS[gate_result(g)], bold=gate_result(g) != "pass"),
-             cell(g["figure"])] for g in gates]
-    return f"{GATES_HEADING} ({title})\n\n" + html_table(["gate", "result", "figure"], rows)
+    rows = [[g["name"], GATE_RESULTS[gate_result(g)] if gate_result(g) == "pass"
+             else f"**{GATE_RESULTS[gate_result(g)]}**", g["figure"]] for g in gates]
+    return f"{GATES_HEADING} ({title})\n\n" + markdown_table(["gate", "result", "figure"], rows)
 
 
 def gate_counts(gates: list[dict]) -> str:
     """The gates counted by result, naming those that did not pass: `5 passed, 1 unsure
     (live_check)`."""
-    order = ("pass", "fail", "unsure", "not enforced")
-    words = {"pass": "passed", "fail": "FAILED", "unsure": "unsure", "not enforced": "not enforced"}
+    order = ("pass", "fail", "unsure", "not enforced", "not checked")
+    words = {"pass": "passed", "fail": "FAILED", "unsure": "unsure", "not enforced": "not enforced",
+             "not checked": "not checked"}
     parts = []
     for result in order:
         names = [g["name"] for g in gates if gate_result(g) == result]
@@ -123,8 +107,29 @@ def replace_section(description: str, heading: str, body: str) -> str:
     return head.rstrip() + "\n\n" + body.rstrip() + "\n\n" + (sep + tail if sep else "")
 
 
-def with_champion_line(description: str, line: str) -> str:
+def status_line(version: str, champion: str | None) -> str:
+    """The page's first paragraph: how to promote this version, or (it is the champion) that it
+    is, and how to undo that."""
+    if champion is not None and str(champion) == str(version):
+        return (f"**This version ({version}) is the champion.** `specdec config rollback` restores the "
+                "champion it replaced (gated, with an audit row); MLflow's alias pencil would move "
+                "`champion` past both.")
+    return (f"**Promote only with `specdec config promote {version}`** (it checks the gates below "
+            "and writes the audit row); MLflow's alias pencil moves `champion` past both, and "
+            "its \"Promote model\" button does not move `champion` at all (it copies the "
+            "version into another registered model).")
+
+
+STATUS_PREFIXES = ("**Promote only with `specdec config promote", "**This version (")
+
+
+def with_champion_line(description: str, line: str, version: str | None = None,
+                       champion: str | None = None) -> str:
+    """description with `line` as its champion line and, given the page's version, its first
+    paragraph (status_line) saying whether that version is the champion."""
     kept = [row for row in (description or "").rstrip().splitlines() if not row.startswith(CHAMPION_LINE)]
+    if version is not None and kept and kept[0].startswith(STATUS_PREFIXES):
+        kept[0] = status_line(version, champion)
     return "\n".join(kept).rstrip() + "\n\n" + line + "\n"
 
 
@@ -145,7 +150,7 @@ def refresh_champion_lines(mlflow_client, name: str, champion: str | None, how: 
         for version in sorted(versions, key=int):
             detail = mlflow_client.get_model_version(name, version)
             mlflow_client.update_model_version(name, version, description=with_champion_line(
-                detail.description or "", line))
+                detail.description or "", line, version, champion))
     except Exception as exc:     # the page is documentation; the alias move already happened
         log.warning("%s: champion line not refreshed (%s)", name, mask_text(str(exc)))
 
@@ -173,3 +178,49 @@ def champion_audit(db_url: str, name: str, champion: str | None) -> dict:
             "detail": f"champion version {champion} was moved outside specdec ({seen}): it never "
                       "passed the gates. Promote with `specdec config promote N` (gates + audit "
                       "row), or roll back"}
+
+
+def _notes_markdown(view: RunView, audit: dict) -> str:
+    """The page's warnings, before the table: a champion moved outside specdec, a noisy profile,
+    vetoes, domains turned off on vLLM, live checks that show a problem, the low-acceptance alert,
+    the engine check not run."""
+    config, check = view.config, view.profile
+    text = "" if audit["gated"] else f"**WARNING: {audit['detail']}.**\n\n"
+    if check is not None and check["status"] == "noisy":
+        text += (f"**Cost profile too noisy**: {'; '.join(check.get('reasons') or [])}. No domain "
+                 "was turned on from it that the champion has off.\n\n")
+    vetoes = [f"- **{n}**: {s.reason}" for n, s in sorted(config.domains.items())
+              if s.reason and s.reason.startswith("live check:")]
+    if vetoes:
+        text += "**Vetoed by the live check** (planned on, measured too slow; off):\n\n" + "\n".join(vetoes) + "\n\n"
+    held = [f"- **{n}**: {s.reason}" for n, s in sorted(config.domains.items())
+            if s.reason and s.reason.startswith("engine check:")]
+    if held:
+        text += ("**Turned off by the engine check** (planned on; on vLLM it refused, died or "
+                 "accepted less than estimated):\n\n" + "\n".join(held) + "\n\n")
+    text += below_bar_markdown(view) + alert_markdown(view)
+    if not view.engine_rows and config.domains_on:
+        text += f"**{engine_state(view)}** (see \"On vLLM\" below and the engine_check gate).\n\n"
+    return text
+
+
+def version_page_markdown(view: RunView, version: str, gates: list[dict], audit: dict,
+                          champion, champion_version: str | None) -> str:
+    """The registered version's page (its description), from the run's view."""
+    config, check = view.config, view.profile
+    return (status_line(version, champion_version) + "\n\n"
+            f"## specdec config of run {view.run_id}\n\n{_notes_markdown(view, audit)}target "
+            f"`{config.target.id}` ({config.target.fingerprint}), hardware profile "
+            f"`{config.hardware_profile}`{'' if check is None else ' (' + check['status'] + ')'}, "
+            f"validation **{validation_status(config)}**\n\n"
+            f"{domains_markdown(view)}\n\n"
+            f"### On vLLM (engine check)\n\n{engine_markdown(view)}\n\n"
+            f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
+            + gates_markdown(gates, f"preview at registration against champion "
+                                    f"{champion_version or 'none'}; `specdec config promote` "
+                                    "checks them again") + "\n\n"
+            "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`; "
+            "data quality: `reports/data_quality.html` (every expectation and its result; Great "
+            "Expectations' Data Docs attached under `reports/data_docs/`); this table alone: "
+            "`reports/domains.md`.\n\n"
+            + champion_line(champion_version, "as of this registration"))

@@ -41,6 +41,7 @@ from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EvalRun, HardwareProfile, LiveMeasurement
+from ..registry.live_check import judge_live
 from ..settings import Settings, load_settings, worker_name
 from ..timeutil import utcnow
 from .costs import (CostProfileError, HardwareMismatch, describe_hardware, hardware_text, run_costs,
@@ -311,11 +312,9 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
     """Whether the live measurement lets a domain the plan turns on actually turn on.
 
     Only a domain that would turn on (on in the plan, off in the champion config) can be vetoed:
-    - its measured speedup on the confirm requests is below 1.0 (slower than plain decoding);
-    - the upper end of that speedup's 95% interval is below min_speedup (it confidently does not
-      pay the policy minimum);
-    - the upper end of the cost-model error's interval is below -confirm_tolerance (slower than
-      predicted for the same requests, beyond the tolerance, whatever the requests' own noise).
+    the live check's one rule (tasks.registry.live_check.judge_live) finds a problem: measured
+    slower than plain decoding, the speedup's 95% interval below min_speedup, or the cost-model
+    error's interval below -confirm_tolerance (slower than predicted, whatever the noise).
     The bootstrap interval is over the confirm requests: with few of them it is wide, so a quiet
     machine's correct "on" (measured well above the minimum) stands; the verdict says how many
     requests it rests on ("weak": fewer than 5).
@@ -337,14 +336,11 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
                 f" vs {predicted:.2f}x predicted" if predicted else ""))
     turning_on = (settings.live.veto and bool(config.get("enabled"))
                   and not config.get("champion_on"))
-    why = None
-    if measured < 1.0:
-        why = "slower than plain decoding"
-    elif interval["hi"] < settings.plan.min_speedup:
-        why = f"the interval's upper end is below min_speedup {settings.plan.min_speedup:.2f}x"
-    elif interval["error_hi"] is not None and interval["error_hi"] < -settings.live.tolerance:
-        why = (f"slower than predicted beyond the {100 * settings.live.tolerance:.0f}% tolerance "
-               f"(cost-model error {100 * interval['error_lo']:+.0f}% to {100 * interval['error_hi']:+.0f}%)")
+    error = None if interval["error_lo"] is None else (
+        measured / predicted_same - 1.0 if predicted_same else (interval["error_lo"] + interval["error_hi"]) / 2)
+    judged = judge_live({**interval, "cost_model_error": error}, settings.plan.min_speedup,
+                        settings.live.tolerance)
+    why = judged.problems[0] if judged.problems else None     # the one rule (registry.live_check)
     weak = requests < WEAK_EVIDENCE
     out.update(verdict="pass" if why is None else ("veto" if turning_on else "flag"), weak=weak,
                reason=text + (f": {why}" if why else "") + (

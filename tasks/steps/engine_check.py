@@ -52,7 +52,7 @@ from specdec_core.estimate import LoggedRequest
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, EvalRun, HardwareProfile, LiveMeasurement
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.run_results import engine_checks, engine_markdown  # noqa: F401 - re-exported
+from ..registry.run_results import engine_checks  # noqa: F401 - re-exported
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings, load_settings

@@ -1,5 +1,6 @@
-"""One evaluation run end to end, without Airflow: the steps of tasks.steps.pipeline in order, in one
-process (the model is loaded once). The DAG (dags/specdec_evaluate.py) wires the same steps.
+"""One evaluation run end to end, without Airflow: the steps of tasks.steps.pipeline in the run's
+order (tasks.steps.run_order.RUN_ORDER, which the DAG dags/specdec_evaluate.py follows too), in one
+process (the model is loaded once).
 A domain whose step fails is recorded as failed (off; the champion's setting is kept) and the
 other domains go on, as in the DAG.
 """
@@ -22,6 +23,7 @@ from ..registry.run_results import engine_sampling_tests, profile_check
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 from ..timeutil import default_run_id
 from .context import RunSpec, preload_model, use_model
+from .run_order import PER_DOMAIN, RUN_ORDER
 from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
                        step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
 
@@ -170,40 +172,52 @@ def _run_steps(spec: RunSpec, target: str, new_profile: bool, register: bool, pr
         clock = now
         log.info("run %s: %s done in %.1f s", spec.run_id, name, steps[name])
 
-    sample = step_sample(spec)
-    record_owner(ensure_ready(spec.db_url), spec.run_id, this_process())
-    spec = RunSpec.of(sample.pop("spec"))     # its candidates frozen: every later step sees these
-    lap("sample")
-    checked = step_check(spec)       # raises QualityGateFailed on table-level failures
-    lap("check")
-    profile = step_profile(spec, new_profile=new_profile)
-    lap("profile")
-    per_domain = [("estimate", lambda d: step_estimate(spec, d, profile)),
-                  ("confirm", lambda d: step_confirm(spec, d)),
-                  ("validate", lambda d: step_validate(spec, d))]
-    active = list(checked["ok"])
-    for name, step in per_domain:
-        for domain in list(active):
-            try:
-                step(domain)
-            except (SpecdecTaskError, ValueError, RuntimeError) as exc:   # this domain only
-                record_domain_failure(spec, domain, f"{name}: {type(exc).__name__}: {exc}")
-                active.remove(domain)
+    done: dict = {}
+    wanted = {"register": register or promote, "promote": promote}
+    for name in RUN_ORDER:          # the run's order, written once (the DAG follows it too)
+        if not wanted.get(name, True):
+            continue
+        spec = _run_step(name, spec, done, new_profile)
         lap(name)
-    finished = step_finish(spec, insufficient=checked["insufficient"])
-    lap("finish")
-    engine_checked = step_engine_check(spec)
-    lap("engine_check")
-    registered = promoted = None
-    if register or promote:
-        registered = step_register(spec)
-        lap("register")
-        if promote:
-            promoted = step_promote(spec, registered)
-            lap("promote")
+    profile, finished = done["profile"], done["finish"]
     return {"run_id": spec.run_id, "target": target, "fingerprint": finished["fingerprint"],
-            "registered": registered, "promoted": promoted, "failed": finished["failed"],
-            "hardware_profile": profile["hardware_profile"], "profile": profile, "sample": sample, "excluded": finished["excluded"],
-            "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
-            "profile_check": profile_check(spec.run_id, spec.url), "engine_check": engine_checked,
+            "registered": done.get("register"), "promoted": done.get("promote"), "failed": finished["failed"],
+            "hardware_profile": profile["hardware_profile"], "profile": profile, "sample": done["sample"],
+            "excluded": finished["excluded"], "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
+            "profile_check": profile_check(spec.run_id, spec.url), "engine_check": done["engine_check"],
             "seconds": round(sum(steps.values()), 1)}
+
+
+def _run_step(name: str, spec: RunSpec, done: dict, new_profile: bool) -> RunSpec:
+    """Run one step of RUN_ORDER in this process, keeping its output in `done`; returns the spec
+    the later steps take (sample freezes its candidates). A domain whose step fails is recorded
+    as failed and left out of its later steps, as in the DAG."""
+    if name == "sample":
+        sample = step_sample(spec)
+        record_owner(ensure_ready(spec.db_url), spec.run_id, this_process())   # marks it if killed
+        spec = RunSpec.of(sample.pop("spec"))
+        done["sample"] = sample
+    elif name == "check":
+        done["check"] = step_check(spec)       # raises QualityGateFailed on table-level failures
+    elif name == "profile":
+        done["profile"] = step_profile(spec, new_profile=new_profile)
+    elif name == "per_domain":
+        active = list(done["check"]["ok"])
+        steps = {"estimate": lambda d: step_estimate(spec, d, done["profile"]),
+                 "confirm": lambda d: step_confirm(spec, d), "validate": lambda d: step_validate(spec, d)}
+        for step in PER_DOMAIN:
+            for domain in list(active):
+                try:
+                    steps[step](domain)
+                except (SpecdecTaskError, ValueError, RuntimeError) as exc:   # this domain only
+                    record_domain_failure(spec, domain, f"{step}: {type(exc).__name__}: {exc}")
+                    active.remove(domain)
+    elif name == "finish":
+        done["finish"] = step_finish(spec, insufficient=done["check"]["insufficient"])
+    elif name == "engine_check":
+        done["engine_check"] = step_engine_check(spec)
+    elif name == "register":
+        done["register"] = step_register(spec)
+    elif name == "promote":
+        done["promote"] = step_promote(spec, done["register"])
+    return spec

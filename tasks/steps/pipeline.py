@@ -20,6 +20,7 @@ from sqlalchemy import func, select, update
 
 from ..db.engine import ensure_ready
 from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
+from ..db.queries_run_view import record_engine_check_skip
 from ..masking import mask_text
 from ..registry.config_schema import config_model_name
 from ..registry.promotion import promote
@@ -58,7 +59,10 @@ def step_sample(spec) -> dict:
     with engine.begin() as connection:
         params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == spec.run_id)).scalar()
         connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
-            params={**(params or {}), "candidates": list(spec.candidates), "drafts": spec.drafts}))
+            params={**(params or {}), "candidates": list(spec.candidates), "drafts": spec.drafts,
+                    # the run's own choices, logged as its MLflow params (registration)
+                    "window_days": spec.window_days or settings.sample.window_days,
+                    "acceptance_alert": settings.plan.acceptance_alert, "promote": bool(spec.promote)}))
     return {**sample, "spec": spec.to_dict()}
 
 
@@ -319,7 +323,10 @@ def step_engine_check(spec) -> dict:
     spec = RunSpec.of(spec)
     settings = spec.settings()
     if not settings.engine.check:
-        return {"skipped": "engine check off (setting engine_check)", "domains": {}, "engines": []}
+        line = "engine check off (setting engine_check)"
+        record_engine_check_skip(ensure_ready(spec.url), spec.run_id, line)     # the page says so
+        log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id, line)
+        return {"skipped": line, "domains": {}, "engines": []}
     context = RunContext.build(spec)
     with context.engine.connect() as connection:
         domains = sorted(connection.execute(select(DomainConfig.domain).where(
@@ -329,6 +336,10 @@ def step_engine_check(spec) -> dict:
                           {d: context.domain_drafters(d) for d in domains},
                           {d: context.domain_requests(d)[0] for d in domains},
                           db_url=context.url, settings=context.settings)
+    record_engine_check_skip(context.engine, spec.run_id, result["skipped"])
+    if result["skipped"]:
+        log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
+                    result["skipped"])
     return json.loads(json.dumps(result, default=str))
 
 

@@ -1,0 +1,41 @@
+"""Reads and writes of a run's view (tasks.registry.run_view): whether its engine check ran or
+was skipped, and why. The skip is kept in the run's eval_runs.params under ENGINE_CHECK_SKIPPED
+(no column of its own): the reason in words, or absent once the check ran.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select, update
+from sqlalchemy.engine import Engine
+
+from .models import EvalRun
+
+ENGINE_CHECK_SKIPPED = "engine_check_skipped"
+
+
+def record_engine_check_skip(engine: Engine, run_id: str, reason: str | None) -> None:
+    """Keep why the run's engine check was skipped (None: it ran; an earlier skip is cleared).
+    One transaction; a run id with no eval_runs row changes nothing."""
+    with engine.begin() as connection:
+        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
+        if params is None and reason is None:
+            return
+        params = dict(params or {})
+        if reason is None:
+            params.pop(ENGINE_CHECK_SKIPPED, None)
+        else:
+            params[ENGINE_CHECK_SKIPPED] = reason[:600]
+        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(params=params))
+
+
+def engine_check_skip(engine: Engine, run_id: str) -> str | None:
+    """Why the run's engine check was skipped; None when it ran or nothing was recorded."""
+    with engine.connect() as connection:
+        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
+    return (params or {}).get(ENGINE_CHECK_SKIPPED)
+
+
+def run_params(engine: Engine, run_id: str) -> dict:
+    """The run's stored params ({} for an unknown run)."""
+    with engine.connect() as connection:
+        return connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar() or {}
