@@ -101,16 +101,6 @@ def validation_samplings(requests: list, limit: int) -> list[SamplingParams]:
     return sorted(chosen, key=lambda s: (s.temperature, s.top_k, s.top_p))
 
 
-def _drafter_identity(label: str, drafter) -> str:
-    """The drafter as this domain uses it: its label, and for a suffix drafter a digest of the
-    requests its index holds (a run's per-domain indexes share one label)."""
-    index = getattr(drafter, "index", None)
-    ids = getattr(index, "request_ids", None)
-    if not ids:
-        return label
-    return label + "/index:" + hashlib.sha256("\n".join(sorted(map(str, ids))).encode()).hexdigest()[:12]
-
-
 def _sampling_text(sampling: dict) -> str:
     text = f"T{sampling['temperature']:g}"
     if sampling.get("top_k"):
@@ -149,7 +139,7 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     k = int(config["k"])
     ks = sorted({1, k})
     samplings = validation_samplings(requests, settings.validation_samplings)
-    key = {"drafter": _drafter_identity(config["drafter"], drafter), "k": k, "ks": ks,
+    key = {"drafter": drafter.identity(config["drafter"]), "k": k, "ks": ks,
            "samplings": [sampling.to_dict() for sampling in samplings]}
     what = (f"{config['drafter']} K={k} (tested at K {', '.join(map(str, ks))}) at "
             + ", ".join(_sampling_text(item) for item in key["samplings"]))
