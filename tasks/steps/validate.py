@@ -101,6 +101,12 @@ def validation_samplings(requests: list, limit: int) -> list[SamplingParams]:
     return sorted(chosen, key=lambda s: (s.temperature, s.top_k, s.top_p))
 
 
+def _drafter_identity(label: str, drafter) -> str:
+    """The drafter as this domain uses it (Drafter.identity: its label, and for one with an index
+    a digest of the requests the index holds; a run's per-domain indexes share one label)."""
+    return drafter.identity(label)
+
+
 def _sampling_text(sampling: dict) -> str:
     text = f"T{sampling['temperature']:g}"
     if sampling.get("top_k"):
@@ -139,7 +145,7 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     k = int(config["k"])
     ks = sorted({1, k})
     samplings = validation_samplings(requests, settings.validation_samplings)
-    key = {"drafter": drafter.identity(config["drafter"]), "k": k, "ks": ks,
+    key = {"drafter": _drafter_identity(config["drafter"], drafter), "k": k, "ks": ks,
            "samplings": [sampling.to_dict() for sampling in samplings]}
     what = (f"{config['drafter']} K={k} (tested at K {', '.join(map(str, ks))}) at "
             + ", ".join(_sampling_text(item) for item in key["samplings"]))
