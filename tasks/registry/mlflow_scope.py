@@ -27,7 +27,7 @@ from contextvars import ContextVar
 # given, password included, and stdout carries results (JSON) only.
 SUPPRESS_RUN_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 # Bounded retries (MLflow's own default retries an unreachable server for minutes), no progress
-# bars in logs and tables, no run links on stdout. docs/design.md lists these.
+# bars in logs and tables, no run links on stdout (the README names them: unreachable MLflow).
 MLFLOW_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": 2,
                           "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 1,
                           "MLFLOW_HTTP_REQUEST_TIMEOUT": 20,

@@ -232,6 +232,7 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
     recipe, data = recipe or DraftModelRecipe(), data or TrainingData()
     db_url = resolve_database_url(db_url)
     if model is None:
+        # imported here: loading a target by name loads transformers; a caller's model does not
         from specdec_core import load_model
 
         model, tokenizer = load_model(target, device=device)
