@@ -46,10 +46,15 @@ from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
                                               connection_database_url, queues, task_errors)
+from tasks.steps.draft_recipes import KINDS, SCHEDULED_RETRAINING
 
 # The steps (tasks.steps.draft_training) are imported inside the tasks: they load the engine, the
-# database and the registry client, and a DAG file's parse loads only Airflow and
-# tasks.orchestration.airflow_glue (`python -X importtime -c "import dags.specdec_retrain_draft"`).
+# database and the registry client, and a DAG file's parse loads only Airflow,
+# tasks.orchestration.airflow_glue and the training defaults (tasks.steps.draft_recipes: no engine)
+# (`python -X importtime -c "import dags.specdec_retrain_draft"`).
+# The Params' defaults are SCHEDULED_RETRAINING: the library's and the CLI's training defaults,
+# with this schedule's deliberate choice of longer training on a bounded window.
+DEFAULTS = SCHEDULED_RETRAINING
 
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
 NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)
@@ -60,12 +65,12 @@ PARAMS = {
                     description="HF id, local directory, GGUF file, or the embedded default"),
     "domains": Param([], type=["null", "array"], items={"type": "string"}, title="Domains",
                      description="Optional; empty: pooled over every domain"),
-    "window_days": Param(28, type="number", minimum=1, maximum=365, title="Time window (days)",
+    "window_days": Param(DEFAULTS["window_days"], type="number", minimum=1, maximum=365, title="Time window (days)",
                          description="1 to 365 days, ending at the newest stored request"),
-    "max_requests": Param(2000, type="integer", minimum=10, maximum=10_000_000,
+    "max_requests": Param(DEFAULTS["max_requests"], type="integer", minimum=10, maximum=10_000_000,
                           title="Most requests used",
                           description="10 to 10000000 stored requests (train and held-out)"),
-    "kind": Param("draft_model", type="string", enum=["draft_model", "head", "eagle3"],
+    "kind": Param("draft_model", type="string", enum=list(KINDS),
                   title="Draft kind",
                   description="draft_model: a small LM of the target's first layers; head: a draft "
                               "head on the target's hidden states (EAGLE-style); eagle3: an EAGLE-3 "
@@ -83,20 +88,20 @@ PARAMS = {
                        title="EAGLE-3 target layers",
                        description="Optional; eagle3: the target layers whose inputs it reads; empty: "
                                    "vLLM's default (the inputs of layers 2, N/2 and N-3)"),
-    "num_layers": Param(2, type="integer", minimum=1, maximum=32, title="Draft layers",
+    "num_layers": Param(DEFAULTS["num_layers"], type="integer", minimum=1, maximum=32, title="Draft layers",
                         description="1 to 32: draft_model: the target's first layers it starts from"),
-    "steps": Param(300, type="integer", minimum=1, maximum=1_000_000, title="Training steps",
+    "steps": Param(DEFAULTS["steps"], type="integer", minimum=1, maximum=1_000_000, title="Training steps",
                    description="1 to 1000000 optimiser steps"),
-    "batch_size": Param(8, type="integer", minimum=1, maximum=1024, title="Batch size",
+    "batch_size": Param(DEFAULTS["batch_size"], type="integer", minimum=1, maximum=1024, title="Batch size",
                         description="1 to 1024 requests per step"),
-    "lr": Param(5e-4, type="number", exclusiveMinimum=0, maximum=1, title="Peak learning rate",
+    "lr": Param(DEFAULTS["lr"], type="number", exclusiveMinimum=0, maximum=1, title="Peak learning rate",
                 description="above 0, at most 1"),
-    "eval_every": Param(100, type="integer", minimum=1, title="Held-out evaluation every N steps",
+    "eval_every": Param(DEFAULTS["eval_every"], type="integer", minimum=1, title="Held-out evaluation every N steps",
                         description="at least 1; the kept checkpoint is the best of these evaluations"),
-    "teacher_topk": Param(0, type="integer", minimum=0, maximum=1024, title="Teacher top-k",
+    "teacher_topk": Param(DEFAULTS["teacher_topk"], type="integer", minimum=0, maximum=1024, title="Teacher top-k",
                           description="0 to 1024; 0: cross-entropy on the logged tokens; k > 0: KL from the "
                                       "target's top-k probabilities (one extra target pass)"),
-    "heldout_fraction": Param(0.2, type="number", minimum=0.01, maximum=0.9, title="Held-out share",
+    "heldout_fraction": Param(DEFAULTS["heldout_fraction"], type="number", minimum=0.01, maximum=0.9, title="Held-out share",
                               description="0.01 to 0.9 of the requests, held out by request id"),
     "generate_count": Param(0, type="integer", minimum=0, maximum=1_000_000,
                             title="Rows generated per domain",
@@ -141,24 +146,24 @@ def specdec_retrain_draft():
     def train() -> dict:
         """Train, then upload the kept checkpoint to MLflow from this worker: the registration
         (another task, maybe on another machine) reads no local file."""
-        from tasks.steps.draft_training import (log_draft, train_draft_from_traffic, train_id_of_run,
-                                                training_config)
+        from tasks.steps.draft_recipes import recipe_and_data
+        from tasks.steps.draft_training import log_draft, train_draft_from_traffic, train_id_of_run
 
         context = get_current_context()
         p = context["params"]
-        config = training_config(steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"],
-                                 eval_every=p["eval_every"], teacher_topk=p["teacher_topk"])
         with task_errors():
-            trained = train_draft_from_traffic(
-                train_id_of_run(context["run_id"]), target=p["target"],
-                db_url=connection_database_url(), domains=p["domains"] or None,
-                window_days=p["window_days"],
-                num_layers=p["num_layers"], heldout_fraction=p["heldout_fraction"],
-                max_requests=p["max_requests"], config=config, register=False, progress=False,
-                kind=p["kind"], vocab_size=p["vocab_size"], unroll=p["unroll"],
-                layer_ids=p["layer_ids"] or None,
+            recipe, data = recipe_and_data(
+                p["kind"], steps=p["steps"], batch_size=p["batch_size"], lr=p["lr"],
+                eval_every=p["eval_every"], teacher_topk=p["teacher_topk"],
+                num_layers=p["num_layers"], vocab_size=p["vocab_size"], unroll=p["unroll"],
+                layer_ids=p["layer_ids"] or None, domains=p["domains"] or None,
+                window_days=p["window_days"], max_requests=p["max_requests"],
+                heldout_fraction=p["heldout_fraction"],
                 include_generated=(p["include_generated"] if p["include_generated"] is not None
                                    else p["generate_count"] > 0))
+            trained = train_draft_from_traffic(
+                train_id_of_run(context["run_id"]), recipe, data, target=p["target"],
+                db_url=connection_database_url(), register=False, progress=False)
             trained["tracking_run_id"] = log_draft(trained["train_id"], p["target"], trained["fingerprint"],
                                                    trained["best_dir"], trained["result"],
                                                    db_url=connection_database_url())

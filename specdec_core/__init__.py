@@ -9,7 +9,7 @@ Layers, from the top; each module imports only from its own layer and those belo
   verification  verify
   records       records
   device        graphs, tap, cpu_kernels
-  values        errors, home, stats, sampling
+  values        errors, home, stats, sampling, train_config
 
 The package's names are imported on first use, so a torch-free module (home, errors) can be
 imported without loading torch.

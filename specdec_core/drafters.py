@@ -15,11 +15,22 @@ One call:  check_compatible (at construction), cached_models (the cache kind), s
 One round: reserve(state, k) -> propose(...) or propose_host(host, k) -> the target verifies ->
            commit(state, num_accepted) -> follow(state) after the round's one read.
 `state` is the decoder's DecodeState: prompts, generated tokens so far and counts per row.
+What callers ask of a drafter (no probing of its class or attributes):
+  kind                 its kind, as configs name it (`name`: prompt_lookup, suffix, draft_model, ...)
+  walks_text           its proposal for a row is propose_tokens(sequence, limit), a function of that
+                       row's text alone: a logged response can be walked round by round with it
+                       (the offline estimate, the engine check)
+  takes_index          it searches a suffix index of logged responses: `index` (None until given
+                       one) and with_index(index), a copy that searches `index`
+  indexed_requests()   ids of the requests whose responses its own index holds (empty: none)
+  index_digest()       a short digest of those ids (None without an index)
+  identity(label)      the drafter as a run uses it: the label, and the index digest when it has one
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import weakref
 from dataclasses import dataclass
 
@@ -67,6 +78,42 @@ class Drafter:
     device_side = False          # propose/commit are capturable device work on static caches
     reads_host_state = False     # proposes on the host (propose_host), from state.host
     needs_target_hidden = False  # reads state.hidden: the target's hidden states (target_tap)
+    walks_text = False           # propose_tokens(sequence, limit) is its proposal for one row
+    takes_index = False          # searches a suffix index of logged responses (with_index)
+    index = None                 # that index (a SuffixIndex), None when it has none
+
+    @property
+    def kind(self) -> str:
+        """Its kind as configs and specs name it (`{kind, params}` of describe())."""
+        return self.name
+
+    def indexed_requests(self) -> frozenset[str]:
+        """Ids of the requests whose responses its own index holds (empty without an index):
+        an evaluation never scores it on them."""
+        return frozenset() if self.index is None else frozenset(self.index.request_ids)
+
+    def index_digest(self) -> str | None:
+        """The first 12 hex digits of the SHA-256 of its indexed request ids (sorted, one a line);
+        None when it has no index or an empty one."""
+        ids = self.indexed_requests()
+        if not ids:
+            return None
+        return hashlib.sha256("\n".join(sorted(map(str, ids))).encode()).hexdigest()[:12]
+
+    def identity(self, label: str) -> str:
+        """The drafter as a run uses it: `label`, plus `/index:<digest>` for one with an index (a
+        run's per-domain indexes share one label)."""
+        digest = self.index_digest()
+        return label if digest is None else f"{label}/index:{digest}"
+
+    def with_index(self, index) -> "Drafter":
+        """A copy of this drafter that searches `index` (drafters with takes_index)."""
+        raise NotImplementedError(f"{type(self).__name__} searches no suffix index")
+
+    def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
+        """With walks_text: up to `limit` tokens continuing `sequence` (one row's prompt +
+        output), deterministic."""
+        raise NotImplementedError(f"{type(self).__name__} does not propose from a row's text alone")
 
     def target_tap(self, target_model: torch.nn.Module):
         """With needs_target_hidden: the context manager whose `value` the loop hands over as
@@ -346,9 +393,7 @@ class HostDrafter(Drafter):
     walks rounds with the same function). Proposes fewer than K tokens, or none, per row."""
 
     reads_host_state = True
-
-    def propose_tokens(self, sequence: np.ndarray, limit: int) -> np.ndarray:
-        raise NotImplementedError
+    walks_text = True
 
     def propose(self, state, k, num_draft, sampling, generator) -> Proposal:
         """propose_host as a Proposal (host tensors)."""
@@ -424,6 +469,7 @@ class SuffixDrafter(HostDrafter):
     """
 
     name = "suffix"
+    takes_index = True
 
     def __init__(self, index=None, max_depth: int = 24, min_token_prob: float = 0.1,
                  max_spec_factor: float = 1.0):
@@ -439,6 +485,9 @@ class SuffixDrafter(HostDrafter):
         self.min_token_prob = float(min_token_prob)
         self.max_spec_factor = float(max_spec_factor)
         warm_up_suffix(index)   # compiled (or loaded from numba's cache) here, not in a decode
+
+    def with_index(self, index) -> "SuffixDrafter":
+        return SuffixDrafter(index, self.max_depth, self.min_token_prob, self.max_spec_factor)
 
     def check_compatible(self, target_model, target_tokenizer=None) -> None:
         if self.index is None:

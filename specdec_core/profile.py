@@ -121,7 +121,7 @@ def measure_host_draft_cost(drafter, k: int, context_len: int = 256, batch_size:
     indexed text itself (deep matches with many occurrences).
     """
     rng = np.random.default_rng(seed)
-    index = getattr(drafter, "index", None)
+    index = drafter.index
     indexed = index.text[index.text >= 0] if index is not None else np.zeros(0)
     if len(indexed) > context_len:
         starts = rng.integers(0, len(indexed) - context_len, size=batch_size)

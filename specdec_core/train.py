@@ -35,6 +35,7 @@ from .drafters import DraftModel, output_size
 from .errors import TokenizerMismatch
 from .estimate import LoggedRequest, estimate_acceptance
 from .planner import optimal_k
+from .train_config import TrainConfig   # defined torch-free there; specdec_core.train.TrainConfig as before
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +80,6 @@ def init_draft_from_target(target: torch.nn.Module, num_layers: int = 2, hidden_
             if draft_head.weight.data_ptr() != draft.get_input_embeddings().weight.data_ptr():
                 draft_head.weight.copy_(head @ projection)
     return draft.eval()
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 200
-    batch_size: int = 8
-    lr: float = 5e-4
-    weight_decay: float = 0.01
-    warmup_steps: int = 20
-    max_grad_norm: float = 1.0
-    eval_every: int = 50
-    k_max: int = 8
-    max_length: int = 512
-    teacher_topk: int = 0            # > 0: KL from the target's top-k distribution
-    seed: int = 0
 
 
 @dataclass

@@ -79,3 +79,19 @@ def test_the_drafter_protocol_declares_what_the_loop_reads():
         assert getattr(Drafter, flag) is False
     loop = (REPO / "specdec_core" / "loop.py").read_text()
     assert "getattr(" not in loop and "type(drafter)" not in loop
+
+
+def test_callers_ask_drafters_through_the_protocol_not_by_probing():
+    # "is this a suffix drafter with an index?" is the protocol's (takes_index, index,
+    # indexed_requests, identity, walks_text), never a probe of a drafter's class or attributes
+    probes = re.compile(r"hasattr\(\s*drafter|getattr\(\s*drafter|isinstance\([^)]*SuffixDrafter|"
+                        r"propose_tokens\"")
+    found = [f"{path.relative_to(REPO)}:{number}"
+             for folder in ("tasks", "specdec_core") for path in sorted((REPO / folder).rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if probes.search(line)]
+    assert not found, found
+    from specdec_core.drafters import Drafter
+
+    for member in ("kind", "index", "takes_index", "walks_text", "indexed_requests", "index_digest",
+                   "identity", "with_index", "propose_tokens"):
+        assert hasattr(Drafter, member), member

@@ -71,6 +71,18 @@ def test_dagbag_imports_without_errors(dagbag):
     # the kinds it trains, and the EAGLE-3 head's options (empty: the kind's defaults)
     assert retrain.params.get_param("kind").schema["enum"] == ["draft_model", "head", "eagle3"]
     assert retrain.params["unroll"] is None and retrain.params["layer_ids"] is None
+    # training defaults: the library's (TrainConfig, the recipes), except the schedule's named
+    # choice of longer training on a bounded window
+    from specdec_core.train_config import TrainConfig
+    from tasks.steps.draft_recipes import SCHEDULED_RETRAINING
+
+    library = TrainConfig()
+    assert (retrain.params["steps"], retrain.params["eval_every"]) == (300, 100) != (library.steps,
+                                                                                   library.eval_every)
+    for name in ("steps", "eval_every", "batch_size", "lr", "teacher_topk", "heldout_fraction",
+                 "num_layers", "window_days", "max_requests"):
+        assert retrain.params[name] == SCHEDULED_RETRAINING[name], name
+    assert (retrain.params["batch_size"], retrain.params["lr"]) == (library.batch_size, library.lr)
 
 
 def test_dag_files_only_wire_tasks_functions():

@@ -171,6 +171,7 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
     and register_logged_draft still registers it; another worker downloads it by its URI."""
     from specdec_core import load_model
     from specdec_core.train import TrainConfig
+    from tasks.steps.draft_recipes import DraftModelRecipe
     from tasks.steps.draft_training import (log_draft, register_logged_draft, resolve_model_uri,
                                       train_draft_from_traffic)
     from tasks.steps.traffic_import import import_traffic
@@ -182,8 +183,8 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking)
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "trainer"))
-    trained = train_draft_from_traffic("dist-draft", target=str(model_dir), db_url=db_url, num_layers=1,
-                                       config=TrainConfig(steps=2, batch_size=2, eval_every=2),
+    recipe = DraftModelRecipe(num_layers=1, config=TrainConfig(steps=2, batch_size=2, eval_every=2))
+    trained = train_draft_from_traffic("dist-draft", recipe, target=str(model_dir), db_url=db_url,
                                        register=False, progress=False)
     logged = log_draft(trained["train_id"], str(model_dir), trained["fingerprint"], trained["best_dir"],
                        trained["result"], db_url=db_url)

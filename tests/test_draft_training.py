@@ -131,19 +131,21 @@ def scored_per_drafter(db_url, run_id) -> dict[str, int]:
 
 def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     from tasks.db.models import DraftModelRecord, DraftTrainingRequest
+    from tasks.steps.draft_recipes import DraftModelRecipe
     from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
     from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
 
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=20, eval_every=10, k_max=3, warmup_steps=2, lr=3e-3)
-    result = train_draft_from_traffic("draft-1", target=tiny_store["target"], db_url=db_url,
-                                      num_layers=1, config=config, model=tiny_store["model"],
-                                      tokenizer=tiny_store["tokenizer"], progress=False)
+    recipe = DraftModelRecipe(num_layers=1, config=config)
+    result = train_draft_from_traffic("draft-1", recipe, target=tiny_store["target"], db_url=db_url,
+                                      model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
+                                      progress=False)
     assert result["model_uri"].endswith("/1") and result["train_requests"] + result["heldout_requests"] == 32
-    again = train_draft_from_traffic("draft-1", target=tiny_store["target"], db_url=db_url,
-                                     num_layers=1, config=config, model=tiny_store["model"],
-                                     tokenizer=tiny_store["tokenizer"], progress=False)
+    again = train_draft_from_traffic("draft-1", recipe, target=tiny_store["target"], db_url=db_url,
+                                     model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
+                                     progress=False)
     assert again["version"] == "1" and again["steps"] == 20          # resumed and reused, not redone
     engine = create_engine(db_url)
     with engine.connect() as connection:
@@ -170,6 +172,7 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
 
 
 def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_store):
+    from tasks.steps.draft_recipes import DraftModelRecipe, HeadRecipe, TrainingData
     from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
     from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
@@ -177,17 +180,18 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
 
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=8, eval_every=4, k_max=2, warmup_steps=1, lr=3e-3)
-    result = train_draft_from_traffic("head-1", target=tiny_store["target"], db_url=db_url,
-                                      config=config, model=tiny_store["model"],
-                                      tokenizer=tiny_store["tokenizer"], progress=False,
-                                      kind="head", vocab_size=64, unroll=2)
+    result = train_draft_from_traffic("head-1", HeadRecipe(vocab_size=64, unroll=2, config=config),
+                                      target=tiny_store["target"], db_url=db_url,
+                                      model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
+                                      progress=False)
     version = client().get_model_version(result["model_uri"].split("/")[1], result["version"])
     assert version.tags["kind"] == "head" and version.tags["vocab_size"] == "64"
     # a draft trained with split_from is held out on exactly the same requests
-    other = train_draft_from_traffic("draft-same-split", target=tiny_store["target"], db_url=db_url,
-                                     config=TrainConfig(steps=1, eval_every=1, k_max=2, warmup_steps=1),
-                                     model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
-                                     progress=False, register=False, split_from="head-1")
+    other = train_draft_from_traffic(
+        "draft-same-split", DraftModelRecipe(config=TrainConfig(steps=1, eval_every=1, k_max=2,
+                                                                 warmup_steps=1)),
+        TrainingData(split_from="head-1"), target=tiny_store["target"], db_url=db_url,
+        model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False, register=False)
     assert other["heldout_requests"] == result["heldout_requests"]
     assert heldout_ids(db_url, "draft-same-split") == heldout_ids(db_url, "head-1")
     # offered as a head for this fingerprint only; a head of another target is never offered
@@ -290,17 +294,19 @@ def test_eagle3_is_trained_from_the_cli_registered_and_served_as_a_candidate(tin
 def test_eagle3_wrong_kind_or_another_target_is_a_clear_error_naming_the_input(tmp_path):
     from specdec_core.eagle3 import Eagle3Head
     from tasks.steps.candidates import CandidateError, build_drafters
+    from tasks.steps.draft_recipes import recipe_for
     from tasks.steps.draft_training import DraftTrainingError, train_draft_from_traffic
 
     target = tiny_llama(seed=0)
     with pytest.raises(DraftTrainingError, match=r"draft kind 'eagle'.*'eagle3'"):
-        train_draft_from_traffic("x", kind="eagle", model=target)
+        recipe_for("eagle")
     with pytest.raises(DraftTrainingError, match=r"layer_ids \[1, 2\] are for kind eagle3, not head"):
-        train_draft_from_traffic("x", kind="head", layer_ids=[1, 2], model=target)
+        recipe_for("head", layer_ids=[1, 2])
     for wrong in ([1, 9], [2, 1]):
         with pytest.raises(DraftTrainingError, match=rf"layer_ids \[{wrong[0]}, {wrong[1]}\]: "
                                                      r"distinct, ascending, each in 0..4 .* target tiny"):
-            train_draft_from_traffic("x", target="tiny", kind="eagle3", layer_ids=wrong, model=target)
+            train_draft_from_traffic("x", recipe_for("eagle3", layer_ids=wrong), target="tiny",
+                                     model=target)
     checkpoint = Eagle3Head(target, vocab_ids=torch.arange(10, 40)).save(tmp_path / "e3", k=2)
     # an EAGLE-3 checkpoint offered as a head (or a draft model): the message names it and the fix
     for kind in ("head", "draft_model"):
@@ -320,7 +326,7 @@ def test_eagle3_without_vocab_size_drafts_over_the_full_vocabulary(tmp_path):
     from safetensors.torch import load_file
 
     from specdec_core.eagle3 import Eagle3Head
-    from tasks.steps.draft_training import eagle3_head
+    from tasks.steps.draft_recipes import eagle3_head
 
     target = tiny_llama(seed=0)
     head = eagle3_head(target, [], None, [1, 3])
@@ -328,3 +334,29 @@ def test_eagle3_without_vocab_size_drafts_over_the_full_vocabulary(tmp_path):
     saved = head.save(tmp_path / "full", k=2, verifier="tiny")
     assert "d2t" not in load_file(str(saved / "model.safetensors"))     # as vLLM wants it
     assert Eagle3Head.load(saved, target).vocab_size == VOCAB
+
+
+def test_one_recipe_per_kind_built_from_flat_options_with_the_librarys_defaults():
+    from specdec_core.train_config import TrainConfig
+    from tasks.cli.app import build_parser
+    from tasks.cli.draft import train_recipe
+    from tasks.steps.draft_recipes import (DraftModelRecipe, DraftTrainingError, Eagle3Recipe,
+                                           HeadRecipe, TrainingData, recipe_for)
+
+    # `specdec draft train` without flags trains what the library trains by default
+    recipe, data = train_recipe(build_parser().parse_args(["draft", "train"]))
+    assert recipe == DraftModelRecipe() and recipe.config == TrainConfig() and data == TrainingData()
+    recipe, data = train_recipe(build_parser().parse_args(
+        ["draft", "train", "--kind", "head", "--vocab-size", "64", "--layers", "3", "--steps", "50",
+         "--domains", "json,qa"]))
+    assert recipe == HeadRecipe(vocab_size=64, unroll=1, config=TrainConfig(steps=50, warmup_steps=5))
+    assert data.domains == ("json", "qa") and data.heldout_fraction == 0.2
+    # each kind keeps its own options; another kind's are left out, layer_ids is eagle3's only
+    assert recipe_for("eagle3", num_layers=4) == Eagle3Recipe(unroll=3)
+    assert recipe_for("draft_model", vocab_size=64, unroll=None) == DraftModelRecipe()
+    assert recipe_for("head").params() == {"vocab_size": None, "unroll": 1}
+    assert DraftModelRecipe(num_layers=3).params() == {"num_layers": 3, "hidden_size": None}
+    with pytest.raises(DraftTrainingError, match="unroll 0: train at least one draft step"):
+        recipe_for("eagle3", unroll=0)
+    with pytest.raises(DraftTrainingError, match=r"draft options \['layers'\]"):
+        recipe_for("draft_model", layers=3)

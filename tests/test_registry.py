@@ -728,6 +728,45 @@ def http_requests(monkeypatch) -> list[dict]:
     return made
 
 
+def test_mlflow_settings_are_scoped_not_written_to_the_environment(tmp_path, monkeypatch):
+    # specdec's MLflow settings (bounded retries) hold without os.environ; fail_fast holds in the
+    # thread that entered it only; a variable the user set wins over a default, not over fail_fast
+    import threading
+
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    from tasks.registry.tracking import client, fail_fast
+
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT",
+                 "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"):
+        monkeypatch.delenv(name, raising=False)
+    environment = dict(os.environ)
+    client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get()) == (2, 20)
+    seen, inside, release = {}, threading.Event(), threading.Event()
+
+    def other_thread():
+        inside.wait(10)
+        seen["other"] = MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get()
+        release.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with fail_fast():
+        inside.set()
+        release.wait(10)
+        seen["scope"] = MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get()
+        assert dict(os.environ) == environment
+    worker.join(10)
+    assert seen == {"scope": (0, 5), "other": (2, 20)}
+    assert (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get()) == (2, 20)
+    assert dict(os.environ) == environment
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "33")
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 33
+    with fail_fast():
+        assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 5
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("db_backend", ["sqlite"])
 def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlflow_template,

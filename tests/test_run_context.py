@@ -9,6 +9,7 @@ from specdec_core.train import TrainConfig
 from tasks.db.models import AcceptanceEstimate, EvalRun, LiveMeasurement
 from tasks.settings import load_settings
 from tasks.steps.context import RunContext, RunSpec, use_model
+from tasks.steps.draft_recipes import DraftModelRecipe
 from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
 from tasks.steps.pipeline import step_check, step_confirm, step_estimate, step_profile, step_sample
 
@@ -19,8 +20,8 @@ CONFIG = TrainConfig(steps=4, eval_every=2, k_max=2, warmup_steps=1, lr=3e-3)
 
 def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_store):
     db_url, target = tiny_store["db_url"], tiny_store["target"]
-    train = dict(target=target, db_url=db_url, num_layers=1, config=CONFIG, model=tiny_store["model"],
-                 tokenizer=tiny_store["tokenizer"], progress=False)
+    train = dict(recipe=DraftModelRecipe(num_layers=1, config=CONFIG), target=target, db_url=db_url,
+                 model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     first = train_draft_from_traffic("draft-before", **train)
     use_model(target, tiny_store["model"], tiny_store["tokenizer"])
     overrides = {**SETTINGS, "candidates": ["prompt_lookup"], "min_per_domain": 1,

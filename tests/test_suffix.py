@@ -103,6 +103,30 @@ def test_index_files_round_trip_and_bad_files_name_the_file(tmp_path):
         SuffixIndex.load(tmp_path / "missing.npz")
 
 
+def test_what_callers_ask_a_drafter_is_a_member_of_the_protocol():
+    # kind, index, indexed requests, digest and identity: asked of every drafter alike
+    import hashlib
+
+    from specdec_core.drafters import PromptLookup
+
+    index = SuffixIndex.build([[1, 2, 3], [2, 3, 4]], request_ids=["r2", "r1"], depth=8)
+    bare = SuffixDrafter(max_depth=6, min_token_prob=0.3, max_spec_factor=2.0)
+    assert bare.kind == "suffix" and bare.takes_index and bare.walks_text
+    assert bare.index is None and bare.indexed_requests() == frozenset()
+    assert bare.index_digest() is None and bare.identity("suffix") == "suffix"
+    indexed = bare.with_index(index)
+    assert indexed is not bare and indexed.index is index and bare.index is None
+    assert indexed.describe() == bare.describe()          # same parameters, another index
+    assert indexed.indexed_requests() == {"r1", "r2"}
+    digest = hashlib.sha256(b"r1\nr2").hexdigest()[:12]
+    assert indexed.index_digest() == digest and indexed.identity("suffix") == f"suffix/index:{digest}"
+    lookup = PromptLookup()
+    assert lookup.kind == "prompt_lookup" and lookup.walks_text and not lookup.takes_index
+    assert lookup.index is None and lookup.identity("pl") == "pl" and not lookup.indexed_requests()
+    with pytest.raises(NotImplementedError, match="PromptLookup searches no suffix index"):
+        lookup.with_index(index)
+
+
 def test_an_index_of_another_vocabulary_is_a_tokenizer_mismatch(target):
     other = SuffixIndex.build([[1, 2, 3]], meta={"vocab_size": VOCAB + 5})
     with pytest.raises(TokenizerMismatch, match="vocabulary"):

@@ -119,17 +119,18 @@ def test_cli_generates_resumes_by_id_and_names_bad_input(tiny_store, capsys):
 
 def test_training_takes_generated_rows_only_when_asked_and_never_from_heldout_prompts(tiny_store):
     from tasks.db.models import DraftTrainingRequest
+    from tasks.steps.draft_recipes import DraftModelRecipe, TrainingData
     from tasks.steps.draft_training import in_heldout, train_draft_from_traffic
 
     db_url = tiny_store["db_url"]
     generate(tiny_store, "gen-t", ["json", "qa"], 16)
     config = TrainConfig(steps=1, eval_every=1, k_max=2, warmup_steps=1)
-    common = dict(target=tiny_store["target"], db_url=db_url, config=config, num_layers=1,
-                  model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False,
-                  register=False)
+    common = dict(recipe=DraftModelRecipe(num_layers=1, config=config), target=tiny_store["target"],
+                  db_url=db_url, model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
+                  progress=False, register=False)
     without = train_draft_from_traffic("d-plain", **common)
-    with_generated = train_draft_from_traffic("d-gen", include_generated=True, split_from="d-plain",
-                                              **common)
+    with_generated = train_draft_from_traffic(
+        "d-gen", data=TrainingData(include_generated=True, split_from="d-plain"), **common)
     engine = create_engine(db_url)
     with engine.connect() as connection:
         splits = {name: dict(connection.execute(

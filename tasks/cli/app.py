@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from rich.markup import escape
@@ -18,13 +17,12 @@ from specdec_core.models import DEFAULT_MODEL
 from ..errors import SpecdecTaskError
 from ..masking import mask_text
 from ..paths import check_identifier
+from ..registry.mlflow_scope import SUPPRESS_RUN_URL_ENV, mlflow_settings
 from ..steps.candidates import CandidateError, candidate_label, parse_candidate
 from . import config, data, draft, engine, evaluation, main_job
 from .console import MaskingStream, emit, flush_stdout, make_console
 from .prompts import PromptFileError, encode, load_prompts
 
-# MLflow's switch for its "View run ... at: URL" lines (tasks.registry.tracking sets it by default)
-SUPPRESS_RUN_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 console = make_console()
 errors = make_console(stderr=True)     # errors and warnings: stdout carries only results
 
@@ -186,13 +184,14 @@ class _MaskingFilter(logging.Filter):
 def main(argv: list[str] | None = None) -> int:
     # stdout carries results only, and no command prints a password: MLflow's own run links (the
     # tracking URI as given, credentials included) are switched off with MLflow's documented
-    # variable, whatever the environment says, and anything else written to stdout or stderr
-    # while the command runs has its URL credentials masked.
-    os.environ[SUPPRESS_RUN_URL_ENV] = "true"
+    # setting, whatever the environment says, for this command only (the process's environment is
+    # not written), and anything else written to stdout or stderr while the command runs has its
+    # URL credentials masked.
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = MaskingStream(sys.stdout), MaskingStream(sys.stderr)
     try:
-        return _main(argv)
+        with mlflow_settings(forced={SUPPRESS_RUN_URL_ENV: True}):
+            return _main(argv)
     finally:
         sys.stdout, sys.stderr = streams
 

@@ -12,6 +12,7 @@ from rich.table import Table
 from specdec_core.models import DEFAULT_MODEL
 
 from ..paths import check_identifier
+from ..steps.draft_recipes import KINDS, TRAINING_DEFAULTS, recipe_and_data
 from .common import print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -39,28 +40,31 @@ def _layer_ids(text: str) -> list[int]:
     return ids
 
 
+def train_recipe(args):
+    """(recipe, data) of `specdec draft train`'s flags (tasks.steps.draft_recipes)."""
+    return recipe_and_data(
+        args.kind, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        eval_every=args.eval_every, teacher_topk=args.teacher_topk, k_max=args.k_max,
+        max_length=args.max_length, num_layers=args.layers, hidden_size=args.hidden,
+        vocab_size=args.vocab_size, unroll=args.unroll, layer_ids=args.layer_ids,
+        domains=args.domains.split(",") if args.domains else None, window_days=args.days,
+        max_requests=args.max_requests, heldout_fraction=args.heldout_fraction,
+        max_eval_requests=args.max_eval_requests, split_from=args.split_from,
+        include_generated=args.include_generated)
+
+
 def cmd_train(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from specdec_core.train import TrainConfig
-
     from ..steps.draft_training import train_draft_from_traffic
     from ..timeutil import default_run_id
 
     if args.id is not None:
         check_identifier(args.id, "draft id")      # before the target is loaded
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                         eval_every=args.eval_every, teacher_topk=args.teacher_topk,
-                         warmup_steps=max(1, args.steps // 10), k_max=args.k_max,
-                         max_length=args.max_length)
+    recipe, data = train_recipe(args)               # a bad option fails before the target loads
     result = train_draft_from_traffic(
-        args.id or "draft__" + default_run_id().split("__")[1].replace(":", "-"), target=args.model,
-        db_url=args.url, tracking_uri=args.tracking_uri,
-        domains=args.domains.split(",") if args.domains else None, window_days=args.days,
-        num_layers=args.layers, hidden_size=args.hidden, max_requests=args.max_requests,
-        heldout_fraction=args.heldout_fraction, max_eval_requests=args.max_eval_requests,
-        config=config, device=args.device, register=not args.no_register, kind=args.kind,
-        vocab_size=args.vocab_size, unroll=args.unroll, split_from=args.split_from,
-        layer_ids=args.layer_ids, include_generated=args.include_generated)
+        args.id or "draft__" + default_run_id().split("__")[1].replace(":", "-"), recipe, data,
+        target=args.model, db_url=args.url, tracking_uri=args.tracking_uri, device=args.device,
+        register=not args.no_register)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})
         return 0
@@ -145,6 +149,27 @@ def cmd_index_build(args) -> int:
 def register(sub) -> None:
     draft = sub.add_parser("draft", help="train drafts on logged traffic; list registered drafts")
     d_sub = draft.add_subparsers(dest="draft_command", required=True)
+    _add_train(d_sub)
+    _add_generate(d_sub)
+    listing = d_sub.add_parser("list", help="registered drafts of a target")
+    listing.add_argument("--model", default=DEFAULT_MODEL)
+    tracking_uri_arg(listing)
+    listing.set_defaults(func=cmd_list)
+    index = d_sub.add_parser("index", help="suffix indexes over a domain's logged responses")
+    i_sub = index.add_subparsers(dest="index_command", required=True)
+    build = i_sub.add_parser("build", help="build a domain's index and register it in MLflow "
+                                           "(specdec-suffix-<target>) with its lineage")
+    build.add_argument("--domain", required=True, help="a domain, or several comma-separated")
+    build.add_argument("--model", default=DEFAULT_MODEL, help="target (its fingerprint selects rows)")
+    build.add_argument("--days", type=float, default=None,
+                       help="window ending at the domain's newest request (default: all)")
+    build.add_argument("--json", action="store_true")
+    tracking_uri_arg(build)
+    url_arg(build)
+    build.set_defaults(func=cmd_index_build)
+
+
+def _add_train(d_sub) -> None:
     train = d_sub.add_parser("train", help="distil a draft from the target's logged responses")
     train.add_argument("--id", default=None, help="training id (re-running it resumes); default: a timestamp")
     train.add_argument("--model", default=DEFAULT_MODEL, help="target")
@@ -152,11 +177,11 @@ def register(sub) -> None:
     train.add_argument("--domains", default=None, help="comma-separated (default: pooled, all domains)")
     train.add_argument("--days", type=float, default=None, help="window ending at the newest request")
     train.add_argument("--max-requests", type=int, default=None)
-    train.add_argument("--heldout-fraction", type=float, default=0.2,
+    train.add_argument("--heldout-fraction", type=float, default=TRAINING_DEFAULTS["heldout_fraction"],
                        help="share of requests held out (by request id): never trained on")
-    train.add_argument("--max-eval-requests", type=int, default=60,
+    train.add_argument("--max-eval-requests", type=int, default=TRAINING_DEFAULTS["max_eval_requests"],
                        help="held-out requests scored at each evaluation during training")
-    train.add_argument("--kind", choices=("draft_model", "head", "eagle3"), default="draft_model",
+    train.add_argument("--kind", choices=KINDS, default="draft_model",
                        help="draft_model: a small LM (--layers, --hidden); head: a draft head on the "
                             "target's hidden states (--vocab-size); eagle3: an EAGLE-3 head in the "
                             "speculators format vLLM serves (--vocab-size, --unroll, --layer-ids)")
@@ -173,17 +198,7 @@ def register(sub) -> None:
     train.add_argument("--split-from", default=None, metavar="TRAIN_ID",
                        help="use this training id's train / held-out split (compare drafts on the "
                             "same held-out rows)")
-    train.add_argument("--layers", type=int, default=2)
-    train.add_argument("--hidden", type=int, default=None, help="hidden size (default: the target's)")
-    train.add_argument("--steps", type=int, default=200)
-    train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--lr", type=float, default=5e-4)
-    train.add_argument("--eval-every", type=int, default=50)
-    train.add_argument("--k-max", type=int, default=8)
-    train.add_argument("--max-length", type=int, default=512,
-                       help="tokens of a request trained on: its last ones (prompt end + response)")
-    train.add_argument("--teacher-topk", type=int, default=0,
-                       help="KL from the target's top-k (0: cross-entropy on the logged tokens)")
+    train_options(train)
     train.add_argument("--include-generated", action="store_true",
                        help="also train on the rows the target generated (`specdec draft generate`; "
                             "training split only)")
@@ -192,6 +207,9 @@ def register(sub) -> None:
     train.add_argument("--json", action="store_true")
     url_arg(train)
     train.set_defaults(func=cmd_train)
+
+
+def _add_generate(d_sub) -> None:
     generate = d_sub.add_parser("generate", help="more training data: the target answers logged "
                                                  "prompts under their logged sampling params")
     generate.add_argument("--domain", required=True, help="a domain, or several comma-separated")
@@ -211,19 +229,22 @@ def register(sub) -> None:
     generate.add_argument("--json", action="store_true")
     url_arg(generate)
     generate.set_defaults(func=cmd_generate)
-    listing = d_sub.add_parser("list", help="registered drafts of a target")
-    listing.add_argument("--model", default=DEFAULT_MODEL)
-    tracking_uri_arg(listing)
-    listing.set_defaults(func=cmd_list)
-    index = d_sub.add_parser("index", help="suffix indexes over a domain's logged responses")
-    i_sub = index.add_subparsers(dest="index_command", required=True)
-    build = i_sub.add_parser("build", help="build a domain's index and register it in MLflow "
-                                           "(specdec-suffix-<target>) with its lineage")
-    build.add_argument("--domain", required=True, help="a domain, or several comma-separated")
-    build.add_argument("--model", default=DEFAULT_MODEL, help="target (its fingerprint selects rows)")
-    build.add_argument("--days", type=float, default=None,
-                       help="window ending at the domain's newest request (default: all)")
-    build.add_argument("--json", action="store_true")
-    tracking_uri_arg(build)
-    url_arg(build)
-    build.set_defaults(func=cmd_index_build)
+
+
+def train_options(train) -> None:
+    """The draft's and the optimiser's flags; defaults: tasks.steps.draft_recipes.TRAINING_DEFAULTS
+    (the draft_model recipe's and TrainConfig's fields)."""
+    default = TRAINING_DEFAULTS
+    train.add_argument("--layers", type=int, default=default["num_layers"],
+                       help="draft_model: the target's first layers it starts from")
+    train.add_argument("--hidden", type=int, default=default["hidden_size"],
+                       help="draft_model: hidden size (default: the target's)")
+    train.add_argument("--steps", type=int, default=default["steps"])
+    train.add_argument("--batch-size", type=int, default=default["batch_size"])
+    train.add_argument("--lr", type=float, default=default["lr"])
+    train.add_argument("--eval-every", type=int, default=default["eval_every"])
+    train.add_argument("--k-max", type=int, default=default["k_max"])
+    train.add_argument("--max-length", type=int, default=default["max_length"],
+                       help="tokens of a request trained on: its last ones (prompt end + response)")
+    train.add_argument("--teacher-topk", type=int, default=default["teacher_topk"],
+                       help="KL from the target's top-k (0: cross-entropy on the logged tokens)")

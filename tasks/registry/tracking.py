@@ -10,7 +10,6 @@ registered config versions (aliases `challenger` and `champion`).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import tempfile
@@ -29,21 +28,9 @@ from ..errors import RegistryError, RegistryUnavailable
 from ..masking import mask_text, mask_url
 from ..settings import specdec_home
 from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
+from .mlflow_scope import FAIL_FAST_SETTINGS, attach, mlflow_settings
 from .run_config import run_row
 
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # no bars in logs and tables
-# MLflow's documented switch for the "🏃 View run NAME at: URL" / "🧪 View experiment at: URL" lines
-# it writes to stdout when a run ends on an http(s) store: the URL there is the tracking URI as given,
-# password included, and stdout carries results (JSON) only. The CLI forces it (tasks.cli.app).
-SUPPRESS_RUN_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
-os.environ.setdefault(SUPPRESS_RUN_URL_ENV, "true")
-# Bounded retries (MLflow's own default retries an unreachable server for minutes). An explicit
-# environment variable wins; docs/design.md lists these.
-MLFLOW_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-                          "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
-for _key, _value in MLFLOW_CLIENT_DEFAULTS.items():
-    os.environ.setdefault(_key, _value)
 SQL_STORE_CONNECT_TIMEOUT_S = 3
 # An HTTP tracking server is probed once per process before MLflow's first call: (connect, read)
 # seconds, so one that accepts connections and never answers fails within their sum.
@@ -70,6 +57,7 @@ def client(uri: str | None = None) -> "RegistryClient":
     uri = tracking_uri(uri)
     _check_sql_store(uri)
     _check_http_store(uri)
+    attach()      # MLflow reads specdec's settings (tasks.registry.mlflow_scope), not os.environ
     return RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
 
 
@@ -99,27 +87,114 @@ def is_unreachable(exc: BaseException) -> bool:
 
 
 class RegistryClient:
-    """MlflowClient, with every call that finds the store unreachable raising one RegistryError
-    line (URI masked, the fix) instead of MLflow's traceback. Refusals (no such version or alias)
-    pass through as MlflowException for the callers that expect them."""
+    """The MLflow calls specdec makes, each of which raises one RegistryError line (URI masked, the
+    fix) instead of MLflow's traceback when it finds the store unreachable, with specdec's MLflow
+    settings (tasks.registry.mlflow_scope: bounded retries, no bars, no run links). Refusals (no
+    such version or alias) pass through as MlflowException for the callers that expect them.
+    Arguments and results are MlflowClient's."""
 
-    def __init__(self, inner, uri: str):
+    def __init__(self, inner: MlflowClient, uri: str):
         self._inner, self._uri = inner, uri
 
-    def __getattr__(self, name: str):
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
+    @property
+    def tracking_uri(self) -> str:
+        return self._inner.tracking_uri
 
-        @functools.wraps(attr)
-        def call(*args, **kwargs):
-            try:
-                return attr(*args, **kwargs)
-            except Exception as exc:
-                if is_unreachable(exc):
-                    raise unreachable(self._uri, exc) from None
-                raise
-        return call
+    def _call(self, method, *args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:
+            if is_unreachable(exc):
+                raise unreachable(self._uri, exc) from None
+            raise
+
+    # experiments and runs
+    def get_experiment_by_name(self, name: str):
+        return self._call(self._inner.get_experiment_by_name, name)
+
+    def create_experiment(self, name: str, artifact_location: str | None = None,
+                          tags: dict | None = None) -> str:
+        return self._call(self._inner.create_experiment, name, artifact_location=artifact_location,
+                          tags=tags)
+
+    def set_experiment_tag(self, experiment_id: str, key: str, value) -> None:
+        return self._call(self._inner.set_experiment_tag, experiment_id, key, value)
+
+    def search_runs(self, experiment_ids: list[str], filter_string: str = "",
+                    max_results: int = 1000, order_by: list[str] | None = None):
+        return self._call(self._inner.search_runs, experiment_ids, filter_string=filter_string,
+                          max_results=max_results, order_by=order_by)
+
+    def create_run(self, experiment_id: str, start_time: int | None = None, tags: dict | None = None,
+                   run_name: str | None = None):
+        return self._call(self._inner.create_run, experiment_id, start_time=start_time, tags=tags,
+                          run_name=run_name)
+
+    def get_run(self, run_id: str):
+        return self._call(self._inner.get_run, run_id)
+
+    def set_terminated(self, run_id: str, status: str | None = None) -> None:
+        return self._call(self._inner.set_terminated, run_id, status=status)
+
+    def log_param(self, run_id: str, key: str, value):
+        return self._call(self._inner.log_param, run_id, key, value)
+
+    def log_metric(self, run_id: str, key: str, value: float, step: int | None = None):
+        return self._call(self._inner.log_metric, run_id, key, value, step=step)
+
+    def set_tag(self, run_id: str, key: str, value):
+        return self._call(self._inner.set_tag, run_id, key, value)
+
+    # artifacts
+    def log_artifact(self, run_id: str, local_path: str, artifact_path: str | None = None) -> None:
+        return self._call(self._inner.log_artifact, run_id, local_path, artifact_path=artifact_path)
+
+    def log_artifacts(self, run_id: str, local_dir: str, artifact_path: str | None = None) -> None:
+        return self._call(self._inner.log_artifacts, run_id, local_dir, artifact_path=artifact_path)
+
+    def list_artifacts(self, run_id: str, path: str | None = None):
+        return self._call(self._inner.list_artifacts, run_id, path)
+
+    def download_artifacts(self, run_id: str, path: str, dst_path: str | None = None) -> str:
+        return self._call(self._inner.download_artifacts, run_id, path, dst_path)
+
+    # registered models and their versions
+    def get_registered_model(self, name: str):
+        return self._call(self._inner.get_registered_model, name)
+
+    def create_registered_model(self, name: str, tags: dict | None = None,
+                                description: str | None = None):
+        return self._call(self._inner.create_registered_model, name, tags=tags,
+                          description=description)
+
+    def search_registered_models(self, filter_string: str | None = None, max_results: int = 100):
+        return self._call(self._inner.search_registered_models, filter_string=filter_string,
+                          max_results=max_results)
+
+    def search_model_versions(self, filter_string: str | None = None, max_results: int = 10000,
+                              order_by: list[str] | None = None):
+        return self._call(self._inner.search_model_versions, filter_string=filter_string,
+                          max_results=max_results, order_by=order_by)
+
+    def create_model_version(self, name: str, source: str, run_id: str | None = None,
+                             tags: dict | None = None, description: str | None = None):
+        return self._call(self._inner.create_model_version, name, source, run_id=run_id, tags=tags,
+                          description=description)
+
+    def get_model_version(self, name: str, version: str):
+        return self._call(self._inner.get_model_version, name, version)
+
+    def get_model_version_by_alias(self, name: str, alias: str):
+        return self._call(self._inner.get_model_version_by_alias, name, alias)
+
+    def update_model_version(self, name: str, version: str, description: str | None = None):
+        return self._call(self._inner.update_model_version, name, version, description=description)
+
+    def set_model_version_tag(self, name: str, version: str, key: str, value) -> None:
+        return self._call(self._inner.set_model_version_tag, name, version, key, value)
+
+    def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
+        return self._call(self._inner.set_registered_model_alias, name, alias, version)
 
 
 _SQL_STORES_CHECKED: set[str] = set()
@@ -179,19 +254,12 @@ def check_reachable(uri: str | None = None) -> str:
 
 @contextmanager
 def fail_fast():
-    """Within it, MLflow's HTTP client neither retries nor waits long (by default it retries for
-    minutes): for reads that must fail fast, such as serving's."""
-    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
-    saved = {key: os.environ.get(key) for key in keys}
-    os.environ.update(keys)
-    try:
+    """Within it, in this thread only, MLflow's HTTP client neither retries nor waits long (by
+    default it retries for minutes), whatever the environment says: for reads that must fail fast,
+    such as serving's (FAIL_FAST_SETTINGS; tasks.registry.mlflow_scope). os.environ is not
+    written: other threads keep their own settings."""
+    with mlflow_settings(forced=FAIL_FAST_SETTINGS):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def experiment_for_target(mlflow_client, target_id: str) -> str:

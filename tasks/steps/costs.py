@@ -41,7 +41,7 @@ from sqlalchemy import delete, insert, select
 from tqdm.auto import tqdm
 
 from specdec_core import SpecDecoder
-from specdec_core.drafters import SuffixDrafter, output_size
+from specdec_core.drafters import output_size
 from specdec_core.profile import CostSampler
 
 from ..db.engine import ensure_ready, resolve_database_url
@@ -559,15 +559,14 @@ def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) 
     index = None
     out = {}
     for label, drafter in drafters.items():
-        if isinstance(drafter, SuffixDrafter) and drafter.index is None:
+        if drafter.takes_index and drafter.index is None:
             if index is None:
                 # imported here: suffix_index reaches MLflow, which a GPU machine's
                 # `profile measure` (no MLflow installed there) never needs
                 from .suffix_index import timing_index
 
                 index = timing_index(db_url, None, tokenizer, output_size(target))
-            drafter = SuffixDrafter(index, drafter.max_depth, drafter.min_token_prob,
-                                    drafter.max_spec_factor)
+            drafter = drafter.with_index(index)
         out[label] = drafter
     return out
 

@@ -4,13 +4,11 @@
   or pooled; split train / held-out by a hash of (training id, request id). The split is recorded
   in draft_training_requests, and an evaluation never scores the training rows of a draft it
   evaluates (tasks.steps.pipeline excludes them).
-- Kinds: `draft_model` (a small causal LM, specdec_core.train.train_draft), `head` (a draft head
-  on the target's hidden states, optionally with a vocabulary cut to the training traffic's most
-  frequent tokens: specdec_core.head, train.train_head) or `eagle3` (an EAGLE-3 head on three of
-  the target's layers, specdec_core.eagle3, trained by train_head with training-time test; its
-  vocabulary is the training responses' most frequent tokens; saved in the speculators format
-  that vLLM and SGLang load, with the planned K and the target as verifier). All share the data,
-  split, optimiser loop, checkpoints and registration below; a version's tag `kind` says which.
+- Kinds: one typed recipe each (tasks.steps.draft_recipes): `draft_model` (a small causal LM),
+  `head` (a draft head on the target's hidden states) or `eagle3` (an EAGLE-3 head saved in the
+  speculators format vLLM and SGLang load); each recipe trains itself (its train()). All share
+  the data (TrainingData), split, optimiser loop, checkpoints and registration below; a version's
+  tag `kind` says which.
 - Training: specdec_core.train (checkpoints under $SPECDEC_HOME/drafts/<train id>/: re-running
   the same training id resumes); the best checkpoint by held-out predicted speedup is kept.
 - Registration: an MLflow run in experiment `specdec/<target-slug>` (tag specdec.draft_train_id)
@@ -28,6 +26,7 @@ import hashlib
 import json
 import logging
 import shutil
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -36,12 +35,11 @@ from sqlalchemy import delete, func, insert, select, update
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest
-from specdec_core.train import TrainConfig, init_draft_from_target, train_draft, train_head
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest, production_traffic
-from ..errors import RegistryError, SampleError, SpecdecTaskError
+from ..errors import RegistryError, SampleError
 from ..masking import mask_text
 from ..registry.config_schema import target_slug
 from ..registry.tracking import client, experiment_for_target
@@ -49,20 +47,13 @@ from ..registry.tracking import tracking_uri as resolve_uri
 from ..paths import check_identifier, home_path
 from ..settings import DEFAULT_MODEL
 from ..timeutil import utcnow
+from .draft_recipes import DraftModelRecipe, DraftRecipe, DraftTrainingError, TrainingData, TrainingRun
 from .offline_estimate import request_token_ids
 
 log = logging.getLogger(__name__)
 
 CANDIDATE_ALIAS = "candidate"
 TRAIN_TAG = "specdec.draft_train_id"
-
-
-KINDS = ("draft_model", "head", "eagle3")
-DEFAULT_UNROLL = {"head": 1, "eagle3": 3}     # draft steps trained as a chain (training-time test)
-
-
-class DraftTrainingError(SpecdecTaskError, ValueError):
-    """Draft training cannot run on this input (no traffic, another vocabulary, bad sizes)."""
 
 
 def draft_model_name(target_id: str) -> str:
@@ -167,135 +158,98 @@ def train_id_of_run(run_id: str) -> str:
     return run_id.replace(":", "-").replace("+", "-")
 
 
-def training_config(steps: int, batch_size: int, lr: float, eval_every: int, teacher_topk: int = 0):
-    """The TrainConfig of a scheduled retraining (dags/specdec_retrain_draft.py): the learning
-    rate warms up over a tenth of the steps (at least one)."""
-    return TrainConfig(steps=steps, batch_size=batch_size, lr=lr, eval_every=eval_every,
-                       teacher_topk=teacher_topk, warmup_steps=max(1, steps // 10))
+@dataclass
+class TrainingSplit:
+    """The rows of one training: every stored request used, split train / held-out, and the
+    generated rows that joined the training split."""
+
+    requests: list                    # [LoggedRequest] of production traffic, both splits
+    train: list                       # [LoggedRequest] trained on (generated ones among them)
+    heldout: list                     # [LoggedRequest] never trained on
+    splits: dict                      # request id -> "train" | "heldout" (draft_training_requests)
+    window: tuple                     # (start, end) of the stored traffic used
+    split_key: str                    # the training id whose hash split the rows
+    generated: int = 0                # generated rows trained on
+    generated_left_out: int = 0       # generated from a held-out request: left out
 
 
-def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
-                             db_url: str | None = None, tracking_uri: str | None = None,
-                             domains=None, window_days: float | None = None,
-                             num_layers: int = 2, hidden_size: int | None = None,
-                             heldout_fraction: float = 0.2, max_requests: int | None = None,
-                             max_eval_requests: int | None = 60,
-                             config=None, device: str | None = None, model=None, tokenizer=None,
-                             register: bool = True, progress: bool = True,
-                             kind: str = "draft_model", vocab_size: int | None = None,
-                             unroll: int | None = None, split_from: str | None = None,
-                             layer_ids: list[int] | None = None,
-                             include_generated: bool = False) -> dict:
-    """Build the data, train (resuming a previous attempt of the same id), register. Output:
-    {"train_id", "train_requests", "heldout_requests", "best", "model_uri", "version"}.
-    max_eval_requests: held-out requests scored at each evaluation during training, taken round
-    robin over domains (the whole held-out split stays out of training either way).
-    kind: "draft_model" (num_layers, hidden_size), "head" (vocab_size: the reduced head's size,
-    None for the target's full head; unroll: draft steps trained as a chain on the head's own
-    features, default 1) or "eagle3" (vocab_size: the N most frequent tokens of the training
-    responses, None for the full vocabulary; unroll: the training-time test's steps, default 3;
-    layer_ids: the target layers it reads, default vLLM's). split_from: another training id whose
-    train / held-out split to use (drafts compared on the same held-out rows); default: this one's.
-    include_generated: also train on the rows the target generated for these domains and window
-    (`specdec draft generate`); they join the training split only, and a row generated from a
-    held-out request is left out (it would show the draft a held-out prompt)."""
-    check_identifier(train_id, "draft id")     # it names $SPECDEC_HOME/drafts/<train_id>
-    if kind not in KINDS:
-        raise DraftTrainingError(f"draft kind {kind!r}: train one of {list(KINDS)}")
-    if layer_ids is not None and kind != "eagle3":
-        raise DraftTrainingError(f"layer_ids {list(layer_ids)} are for kind eagle3, not {kind}")
-    unroll = DEFAULT_UNROLL.get(kind, 1) if unroll is None else int(unroll)
-    if unroll < 1:
-        raise DraftTrainingError(f"unroll {unroll}: train at least one draft step (>= 1)")
-    db_url = resolve_database_url(db_url)
-    if model is None:
-        from specdec_core import load_model
-
-        model, tokenizer = load_model(target, device=device)
-    fingerprint = fingerprint_id(target_fingerprint(model))
-    if kind == "eagle3":
-        from specdec_core.eagle3 import default_layer_ids
-        from specdec_core.tap import decoder_layers
-
-        depth = len(decoder_layers(model))
-        if layer_ids is None:                      # recorded as used, not as "default"
-            layer_ids = default_layer_ids(depth)
-        layer_ids = [int(i) for i in layer_ids]
-        if (not layer_ids or any(not 0 <= i <= depth for i in layer_ids)
-                or layer_ids != sorted(set(layer_ids))):
-            raise DraftTrainingError(f"layer_ids {layer_ids}: distinct, ascending, each in 0..{depth} "
-                                     f"(id i: the input of layer i; {depth}: the last layer's "
-                                     f"output) for target {target}")
-    requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, domains, window_days,
-                                               max_requests)
-    split_key = split_from or train_id
-    splits = {r.request_id: ("heldout" if in_heldout(split_key, r.request_id, heldout_fraction)
+def split_training_rows(train_id: str, data: TrainingData, db_url: str, fingerprint: str,
+                        tokenizer) -> TrainingSplit:
+    """This target's stored rows for `data`, split train / held-out by request id (by
+    data.split_from's id when given); the generated rows join the training split when asked."""
+    requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, data.domains,
+                                               data.window_days, data.max_requests)
+    split_key = data.split_from or train_id
+    splits = {r.request_id: ("heldout" if in_heldout(split_key, r.request_id, data.heldout_fraction)
                              else "train") for r in requests}
     train = [r for r in requests if splits[r.request_id] == "train"]
     heldout = [r for r in requests if splits[r.request_id] == "heldout"]
-    generated, generated_dropped = [], 0
-    if include_generated:
-        for request, source in generated_requests(db_url, fingerprint, tokenizer, domains, start):
-            if in_heldout(split_key, source, heldout_fraction):
-                generated_dropped += 1
+    generated, left_out = [], 0
+    if data.include_generated:
+        for request, source in generated_requests(db_url, fingerprint, tokenizer, data.domains, start):
+            if in_heldout(split_key, source, data.heldout_fraction):
+                left_out += 1
             else:
                 generated.append(request)
                 splits[request.request_id] = "train"
         train += generated
     if not heldout or not train:
         raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / {len(heldout)} "
-                                 f"held-out: change heldout_fraction ({heldout_fraction}) or add traffic")
-    config = config or TrainConfig()
-    params = {"kind": kind, "heldout_fraction": heldout_fraction, "split_from": split_key,
-              "train": config.__dict__ if hasattr(config, "__dict__") else dict(config),
-              "include_generated": bool(include_generated), "generated_requests": len(generated),
-              "generated_left_out": generated_dropped}
-    params.update({"num_layers": num_layers, "hidden_size": hidden_size} if kind == "draft_model"
-                  else {"vocab_size": vocab_size, "unroll": unroll})
-    if kind == "eagle3":
-        params.update(layer_ids=layer_ids, vocab_from="responses")
-    vocabulary = "full vocabulary" if vocab_size is None else f"{vocab_size} tokens"
-    base = (f"{target} (first {num_layers} layers)" if kind == "draft_model" else
-            f"{target} (draft head, {vocabulary})" if kind == "head" else
-            f"{target} (EAGLE-3 head, {vocabulary})")
-    _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
-                               "domains": sorted({r.domain for r in requests}), "window_start": start,
-                               "window_end": end, "train_requests": len(train),
-                               "heldout_requests": len(heldout), "params": params,
-                               "base_model": base}, splits)
-    directory = home_path("drafts", train_id)
-    evaluation_rows = _round_robin(heldout, max_eval_requests)
-    if kind == "head":
-        from specdec_core.drafters import output_size
-        from specdec_core.head import DraftHead
-        from specdec_core.train import head_vocabulary
+                                 f"held-out: change heldout_fraction ({data.heldout_fraction}) or add "
+                                 "traffic")
+    return TrainingSplit(requests, train, heldout, splits, (start, end), split_key, len(generated),
+                         left_out)
 
-        ids = None if vocab_size is None else head_vocabulary(train, vocab_size, output_size(model))
-        head = DraftHead(model, vocab_ids=ids)
-        result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress,
-                            unroll=unroll)
-    elif kind == "eagle3":
-        head = eagle3_head(model, train, vocab_size, layer_ids)
-        result = train_head(head, model, train, evaluation_rows, config, directory, progress=progress,
-                            unroll=unroll)
-        if result.best_dir is not None:
-            # the kept checkpoint, rewritten with what serving reads: the planned K (k_max where
-            # nothing paid) and the target as the verifier, plus its lineage
-            best = type(head).load(result.best_dir, model)
-            best.save(result.best_dir, k=result.best["k"] or config.k_max, verifier=target,
-                      meta={"train_id": train_id, "target_fingerprint": fingerprint,
-                            "best_step": result.best_step, "unroll": unroll,
-                            "vocab_from": "responses", "train_requests": len(train)})
-    else:
-        draft = init_draft_from_target(model, num_layers=num_layers, hidden_size=hidden_size)
-        result = train_draft(draft, model, train, evaluation_rows, config, directory, progress=progress)
+
+def _record_start(db_url: str, train_id: str, target: str, fingerprint: str, recipe: DraftRecipe,
+                  data: TrainingData, split: TrainingSplit) -> None:
+    """The training's record (status `training`, lineage, parameters) and its split."""
+    params = {"kind": recipe.kind, "heldout_fraction": data.heldout_fraction,
+              "split_from": split.split_key, "train": asdict(recipe.config),
+              "include_generated": bool(data.include_generated),
+              "generated_requests": split.generated, "generated_left_out": split.generated_left_out,
+              **recipe.params()}
+    start, end = split.window
+    _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
+                               "domains": sorted({r.domain for r in split.requests}),
+                               "window_start": start, "window_end": end,
+                               "train_requests": len(split.train),
+                               "heldout_requests": len(split.heldout), "params": params,
+                               "base_model": recipe.base_model(target)}, split.splits)
+
+
+def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
+                             data: TrainingData | None = None, target: str = DEFAULT_MODEL,
+                             db_url: str | None = None, tracking_uri: str | None = None,
+                             device: str | None = None, model=None, tokenizer=None,
+                             register: bool = True, progress: bool = True) -> dict:
+    """Build the data, train the recipe (resuming a previous attempt of the same id), register.
+    recipe: what to train (tasks.steps.draft_recipes; default DraftModelRecipe()); data: which
+    rows (default TrainingData()). Output: {"train_id", "train_requests", "heldout_requests",
+    "best", "steps", "best_dir", "model_uri", "version", "fingerprint", "kind",
+    "generated_requests", "result"}."""
+    check_identifier(train_id, "draft id")     # it names $SPECDEC_HOME/drafts/<train_id>
+    recipe, data = recipe or DraftModelRecipe(), data or TrainingData()
+    db_url = resolve_database_url(db_url)
+    if model is None:
+        # imported here: loading a target by name loads transformers; a caller's model does not
+        from specdec_core import load_model
+
+        model, tokenizer = load_model(target, device=device)
+    fingerprint = fingerprint_id(target_fingerprint(model))
+    recipe = recipe.prepare(model, target)
+    split = split_training_rows(train_id, data, db_url, fingerprint, tokenizer)
+    _record_start(db_url, train_id, target, fingerprint, recipe, data, split)
+    result = recipe.train(TrainingRun(train_id, target, fingerprint, model, split.train,
+                                      _round_robin(split.heldout, data.max_eval_requests),
+                                      home_path("drafts", train_id), progress))
     best_dir = Path(result.best_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(best_dir)
-    out = {"train_id": train_id, "train_requests": len(train), "heldout_requests": len(heldout),
-           "best": result.best, "steps": result.step, "best_dir": str(best_dir),
-           "model_uri": None, "version": None, "fingerprint": fingerprint, "kind": kind,
-           "generated_requests": len(generated),
+    out = {"train_id": train_id, "train_requests": len(split.train),
+           "heldout_requests": len(split.heldout), "best": result.best, "steps": result.step,
+           "best_dir": str(best_dir), "model_uri": None, "version": None, "fingerprint": fingerprint,
+           "kind": recipe.kind, "generated_requests": split.generated,
            "result": json.loads(json.dumps(result.to_dict(), default=float))}
     # trained: the checkpoint is kept (register_draft moves it on to "registered")
     _record(db_url, train_id, {"heldout": out["result"]["best"], "status": "trained"})
@@ -303,27 +257,6 @@ def train_draft_from_traffic(train_id: str, target: str = DEFAULT_MODEL,
         out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], db_url,
                                   tracking_uri))
     return out
-
-
-def eagle3_head(model, train: list, vocab_size: int | None, layer_ids: list[int] | None = None):
-    """An untrained EAGLE-3 head for `model` whose draft vocabulary is the `vocab_size` most
-    frequent tokens of the training rows' responses (all of the target's ids when None)."""
-    import torch
-
-    from specdec_core.drafters import output_size
-    from specdec_core.eagle3 import Eagle3Head
-    from specdec_core.train import head_vocabulary
-
-    full = output_size(model)
-    if vocab_size is not None and vocab_size < 1:
-        raise DraftTrainingError(f"vocab_size {vocab_size}: give at least 1 token (or none: the "
-                                 "full vocabulary)")
-    ids = (torch.arange(full) if vocab_size is None
-           else head_vocabulary(train, vocab_size, full, responses_only=True))
-    try:
-        return Eagle3Head(model, vocab_ids=ids, layer_ids=layer_ids)
-    except ValueError as exc:          # layer ids outside the target
-        raise DraftTrainingError(f"eagle3: {exc}") from exc
 
 
 def register_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,

@@ -172,7 +172,7 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     if not (exact and row["greedy"] and row["equal_to_log"]):
         return row
     in_log = row["engine_accepted"]
-    if drafter is not None and hasattr(drafter, "propose_tokens"):
+    if drafter is not None and drafter.walks_text:
         starts = engine_walk(request.prompt_ids, output, drafted, accepted, drafter, k)
         if starts is None:
             row["counts_equal"] = False

@@ -22,7 +22,7 @@ from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session
 
 from specdec_core import load_model
-from specdec_core.drafters import SuffixDrafter, output_size
+from specdec_core.drafters import output_size
 from specdec_core.suffix import SuffixIndex
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
@@ -122,10 +122,9 @@ def domain_drafters(drafters: dict, run_id: str, domain: str, db_url: str | None
     an index of its own gets the run's index of this domain."""
     out = {}
     for label, (spec, drafter) in drafters.items():
-        if isinstance(drafter, SuffixDrafter) and drafter.index is None:
-            index = run_index(run_id, domain, db_url, fingerprint, tokenizer, output_size(target))
-            drafter = SuffixDrafter(index, drafter.max_depth, drafter.min_token_prob,
-                                    drafter.max_spec_factor)
+        if drafter.takes_index and drafter.index is None:
+            drafter = drafter.with_index(
+                run_index(run_id, domain, db_url, fingerprint, tokenizer, output_size(target)))
         out[label] = (spec, drafter)
     return out
 
@@ -134,8 +133,7 @@ def indexed_request_ids(drafters: dict) -> set[str]:
     """Requests inside the candidates' own (registered) indexes: never scored with them."""
     ids: set[str] = set()
     for _, drafter in drafters.values():
-        if isinstance(drafter, SuffixDrafter) and drafter.index is not None:
-            ids.update(drafter.index.request_ids)
+        ids.update(drafter.indexed_requests())
     return ids
 
 

@@ -102,13 +102,9 @@ def validation_samplings(requests: list, limit: int) -> list[SamplingParams]:
 
 
 def _drafter_identity(label: str, drafter) -> str:
-    """The drafter as this domain uses it: its label, and for a suffix drafter a digest of the
-    requests its index holds (a run's per-domain indexes share one label)."""
-    index = getattr(drafter, "index", None)
-    ids = getattr(index, "request_ids", None)
-    if not ids:
-        return label
-    return label + "/index:" + hashlib.sha256("\n".join(sorted(map(str, ids))).encode()).hexdigest()[:12]
+    """The drafter as this domain uses it (Drafter.identity: its label, and for one with an index
+    a digest of the requests the index holds; a run's per-domain indexes share one label)."""
+    return drafter.identity(label)
 
 
 def _sampling_text(sampling: dict) -> str:
