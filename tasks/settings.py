@@ -199,6 +199,19 @@ class Settings(BaseModel):
         "the low-acceptance alert: a domain whose planned drafter's expected tokens per round "
         "falls below this is published on `specdec://alerts/low-acceptance` and named on the "
         "version page"))
+    # production monitor (`specdec monitor`, DAG specdec_monitor; docs/monitoring.md)
+    monitor_window_s: float = Field(default=1800.0, gt=0, description=(
+        "the sustained window of the production check: the scrapes of a deployment's current "
+        "champion version in the last this many seconds (never before the champion moved)"))
+    monitor_min_drafts: int = Field(default=200, ge=1, description=(
+        "drafts (vLLM verify steps) a window needs before it can raise a drift alert or a rollback"))
+    monitor_auto_rollback: bool = Field(default=True, description=(
+        "roll the champion back (compare-and-set, audit row) when a deployment's production E "
+        "over the window falls below the break-even of its deployed K; off: the alert only"))
+    monitor_scrape_timeout_s: float = Field(default=10.0, gt=0, description=(
+        "how long one scrape of a server's /metrics may take"))
+    serving_image: str = Field(default="vllm/vllm-openai:v0.32.0", description=(
+        "the vLLM image of the services `specdec config export --format compose` writes"))
     validation_rows: int = Field(default=300, ge=50, description=(
         "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
     validation_alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
