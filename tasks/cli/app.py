@@ -18,7 +18,7 @@ from specdec_core.models import DEFAULT_MODEL
 from ..errors import SpecdecTaskError
 from ..masking import mask_text
 from ..steps.candidates import CandidateError, candidate_label, parse_candidate
-from . import config, data, draft, engine, evaluation, main_job
+from . import config, data, draft, engine, evaluation, main_job, monitor
 from .console import MaskingStream, emit, flush_stdout, make_console
 from .prompts import PromptFileError, encode, load_prompts
 
@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     main_job.register(sub)
     draft.register(sub)
     engine.register(sub)
+    monitor.register(sub)
     return parser
 
 

@@ -184,9 +184,10 @@ def insert_event(engine: Engine, row: dict) -> dict:
 
 
 def events(engine: Engine, since: datetime | None = None, deployment: str | None = None) -> list[dict]:
+    """The monitor's events whose window ended after `since`, in the order they were raised."""
     query = select(MonitorEvent).order_by(MonitorEvent.created_at, MonitorEvent.id)
     if since is not None:
-        query = query.where(MonitorEvent.created_at > since)
+        query = query.where(MonitorEvent.window_end > since)
     if deployment is not None:
         query = query.where(MonitorEvent.deployment == deployment)
     with engine.connect() as connection:
