@@ -81,8 +81,9 @@ def cmd_show(args) -> int:
 
     settings = load_settings()
     since = datetime.fromisoformat(args.since) if args.since else None
+    until = datetime.fromisoformat(args.until) if args.until else None
     result = show(ensure_ready(resolve_database_url(args.url or settings.database_url)), settings,
-                  args.deployment, since=since)
+                  args.deployment, since=since, until=until)
     if args.json:
         print_json(result)
         return 0
@@ -134,5 +135,6 @@ def register(sub) -> None:
     show = m_sub.add_parser("show", help="per deployment and domain: production vs promised")
     show.add_argument("--deployment", default=None)
     show.add_argument("--since", default=None, help="ISO time (UTC); default: the monitor window")
+    show.add_argument("--until", default=None, help="ISO time (UTC); default: now")
     common(show)
     show.set_defaults(func=cmd_show)

@@ -309,6 +309,13 @@ def check(ctx: MonitorContext, at: datetime | None = None) -> dict:
             "events": [e for s in statuses for e in s["events"]]}
 
 
+def champion_deployment_names(ctx: MonitorContext) -> list[str]:
+    """The champion's deployments that speculate (the ones with counters to scrape)."""
+    _, config = ctx.champion()
+    return [] if config is None else [d["name"] for d in deployments(config)
+                                      if d["speculative_config"] is not None]
+
+
 # ------------------------------------------------------------------------------------------------
 # show
 def _request_figures(sums: dict | None) -> dict:
