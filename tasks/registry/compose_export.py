@@ -59,8 +59,9 @@ def service(deployment: dict, model: str, image: str, config_name: str, version:
                    LABEL_PREFIX + "speculative": "off" if spec is None else spec.get("method", "on"),
                    LABEL_PREFIX + "metrics_port": str(SERVER_PORT),
                    LABEL_PREFIX + "metrics_path": "/metrics"},
-        "healthcheck": {"test": ["CMD-SHELL", f"curl -fsS http://localhost:{SERVER_PORT}/health || exit 1"],
-                        "interval": "15s", "timeout": "5s", "retries": 40},
+        "healthcheck": {"test": ["CMD", "python3", "-c", "import urllib.request; urllib.request."
+                                 f"urlopen('http://localhost:{SERVER_PORT}/health', timeout=5)"],
+                        "interval": "15s", "timeout": "10s", "retries": 40, "start_period": "120s"},
     }
 
 
