@@ -397,7 +397,7 @@ def test_each_dag_names_its_schedule_and_triggers(dagbag):
         dag = dagbag.get_dag(dag_id)
         assert dag.description, dag_id
         assert "trigger form" in dag.description, dag_id
-        for asset in dag.timetable.asset_condition.objects if hasattr(dag.timetable, "asset_condition") else []:
+        for asset in getattr(getattr(dag.timetable, "asset_condition", None), "objects", []):
             assert asset.uri.rstrip("/") in dag.description, (dag_id, asset.uri)
     for dag_id, cron in CRONS.items():
         dag = dagbag.get_dag(dag_id)
@@ -406,6 +406,12 @@ def test_each_dag_names_its_schedule_and_triggers(dagbag):
         assert cron in dag.timetable.summary and f"cron {cron}" in dag.description, dag_id
     reports = dagbag.get_dag("specdec_reports")
     assert "specdec://evaluations" in reports.description
+    monitor = dagbag.get_dag("specdec_monitor")
+    assert "cron */5 * * * *" in monitor.description and DRIFT in monitor.description
+    assert DRIFT in dagbag.get_dag("specdec_evaluate").description
+
+
+DRIFT = "specdec://alerts/production-drift"
 
 
 def _number(value) -> str:

@@ -157,6 +157,15 @@ def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
     assert status["state"] == "below break-even" and result["events"] == []   # alerted once; no rollback
     assert str(client(tracking).get_model_version_by_alias(name, "champion").version) == "2"
 
+    # the version page: a Production section, and the plot over time in the version's run
+    mlflow_client = client(tracking)
+    page = mlflow_client.get_model_version(name, "2").description
+    production = page[page.index("### Production"):]
+    assert "vllm-json-qa" in production and "3.80 [3.50, 4.00]" in production and "1.64" in production
+    assert "**alert**" in production and "plots/production_e.png" in production
+    run_id = mlflow_client.get_model_version(name, "2").run_id
+    assert "plots/production_e.png" in [a.path for a in mlflow_client.list_artifacts(run_id, "plots")]
+
     report = run_report("production_vs_promised", db_url)
     rows = [dict(zip(report["columns"], row)) for row in report["rows"]]
     assert {r["domain"] for r in rows} == {"json", "qa"} and len(rows) == 2

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 CHAMPION_LINE = "**Current champion:**"
 GATES_HEADING = "### Gates"
+PRODUCTION_HEADING = "### Production"
 
 
 def html_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -126,6 +127,34 @@ def replace_section(description: str, heading: str, body: str) -> str:
 def with_champion_line(description: str, line: str) -> str:
     kept = [row for row in (description or "").rstrip().splitlines() if not row.startswith(CHAMPION_LINE)]
     return "\n".join(kept).rstrip() + "\n\n" + line + "\n"
+
+
+def production_markdown(rows: list[dict], events: list[dict], title: str, plot: str | None) -> str:
+    """The version page's Production section (tasks.steps.monitor.publish): per deployment and
+    domain, promised E with its interval, scraped E (the deployment's) and per-request E (the
+    domain's), and the monitor's alerts and rollbacks."""
+    def e(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    table = html_table(["deployment", "domain", "promised E [95%]", "break-even", "drafts",
+                        "scraped E", "per-request E"],
+                       [[cell(r["deployment"]), cell(r["domain"]),
+                         cell(f"{e(r['promise_e'])} [{e(r['promise_lo'])}, {e(r['promise_hi'])}]"),
+                         cell(e(r["break_even"])), cell(r["drafts"]), cell(e(r["scraped_e"])),
+                         cell(e(r["request_e"]))] for r in rows])
+    lines = [f"{PRODUCTION_HEADING}", "", title, "", table, ""]
+    lines += [f"- **{ev['kind']}** {ev['at']:%Y-%m-%d %H:%M} UTC: {escape(ev['reason'] or '')}"
+              for ev in events]
+    if plot:
+        lines += ["", f"Production E over time: the run's `{plot}` artifact."]
+    return "\n".join(lines) + "\n"
+
+
+def write_production(mlflow_client, name: str, version: str, body: str) -> None:
+    """Replace the version page's Production section with `body`."""
+    detail = mlflow_client.get_model_version(name, version)
+    mlflow_client.update_model_version(name, version, description=replace_section(
+        detail.description or "", PRODUCTION_HEADING, body))
 
 
 def write_gates(mlflow_client, name: str, version: str, gates: list[dict], title: str) -> None:

@@ -305,8 +305,62 @@ def check(ctx: MonitorContext, at: datetime | None = None) -> dict:
         return {"champion": None, "deployments": [], "events": []}
     statuses = [check_deployment(ctx, version, config, d, at) for d in deployments(config)
                 if d["speculative_config"] is not None]
+    try:
+        publish(ctx, version, at)
+    except Exception as exc:      # the page is documentation; the check's decisions stand
+        log.warning("%s version %s: production section not written on the page (%s)",
+                    ctx.config_name, version, exc)
     return {"champion": version, "config_name": ctx.config_name, "deployments": statuses,
             "events": [e for s in statuses for e in s["events"]]}
+
+
+def publish(ctx: MonitorContext, version: str, at: datetime) -> str | None:
+    """The version page's Production section (per deployment and domain, promised beside scraped
+    and per-request E; the alerts and rollbacks) and its plot over time (`plots/production_e.png`
+    of the version's run). Returns the plot's artifact path; None without scrapes."""
+    import tempfile
+    from pathlib import Path
+
+    from ..registry.plots import _pyplot, production_figure
+    from ..registry.version_page import production_markdown, write_production
+
+    rows = [r for r in q.scrapes(ctx.engine, config_version=version, until=at)
+            if r["config_name"] == ctx.config_name]
+    if not rows:
+        return None
+    points = [{"deployment": r["deployment"], "at": r["scraped_at"],
+               "e": 1.0 + r["delta_accepted"] / r["delta_drafts"] if r["delta_drafts"] else None}
+              for r in rows]
+    promised = q.promises(ctx.engine, config_name=ctx.config_name, config_version=version)
+    bands = {}
+    for p in promised:
+        band = bands.setdefault(p["deployment"], {"lo": [], "hi": [], "break_even": []})
+        for key, column in (("lo", "promise_lo"), ("hi", "promise_hi"), ("break_even", "break_even")):
+            if p[column] is not None:
+                band[key].append(p[column])
+    bands = {d: {"lo": min(b["lo"], default=None), "hi": max(b["hi"], default=None),
+                 "break_even": min(b["break_even"], default=None)} for d, b in bands.items()}
+    events = [dict(e, at=e["window_end"]) for e in q.events(ctx.engine)
+              if e["config_name"] == ctx.config_name and e["config_version"] == version]
+    shown = show(ctx.engine, ctx.settings, since=rows[0]["scraped_at"] - timedelta(seconds=1), until=at)
+    table = [{"deployment": d["deployment"], "domain": r["domain"], "promise_e": r["promise_e"],
+              "promise_lo": r["promise_lo"], "promise_hi": r["promise_hi"], "break_even": r["break_even"],
+              "drafts": r["scraped"]["drafts"], "scraped_e": r["scraped"]["e"],
+              "request_e": r["per_request"]["e"]}
+             for d in shown["deployments"] if d["config_version"] == version for r in d["domains"]]
+    mlflow_client = client(tracking_uri(ctx.tracking_uri, ctx.db_url))
+    run_id = mlflow_client.get_model_version(ctx.config_name, version).run_id
+    plt = _pyplot()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "production_e.png"
+        fig = production_figure(points, bands, events, f"Production E, version {version}")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        mlflow_client.log_artifact(run_id, str(path), "plots")
+    write_production(mlflow_client, ctx.config_name, version, production_markdown(
+        table, events, f"`specdec monitor`, scrapes {rows[0]['scraped_at']:%Y-%m-%d %H:%M} to "
+                       f"{rows[-1]['scraped_at']:%Y-%m-%d %H:%M} UTC", "plots/production_e.png"))
+    return "plots/production_e.png"
 
 
 def champion_deployment_names(ctx: MonitorContext) -> list[str]:
