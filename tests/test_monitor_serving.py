@@ -139,14 +139,17 @@ def test_production_loop_on_a_real_server(server, db_url, tracking, tmp_path, mo
     evidence = audit["gates"]["evidence"]
     assert evidence["deployment"] == DEPLOYMENT and evidence["break_even"] == pytest.approx(BREAK_EVEN)
     assert len(evidence["scrape_ids"]) == 3 and "below the break-even" in audit["reason"]
-    # the restored champion has no scrapes yet: the next check raises nothing more
-    assert check(ctx, at=at[4])["events"] == []
+    # the server still runs the config it started with: its next scrape (same series) is version
+    # 2's, not the restored champion's, and the check raises nothing more
+    after = scrape(ctx, server.url, DEPLOYMENT, at=at[4] + timedelta(seconds=30))
+    assert (after["config_version"], after["series"], after["start"]) == ("2", 1, None)
+    assert check(ctx, at=at[4] + timedelta(seconds=30))["events"] == []
 
     # the gateway's log imported: per domain, the per-request E; summed, the scrapes' deltas
     report = import_traffic(write_jsonl(tmp_path / "gateway.jsonl", log), db_url=db_url,
                             settings=settings, progress=False)
     assert report["inserted"] == len(log) == 24 and report["quarantined"] == 0
-    shown = show(ctx.engine, settings, DEPLOYMENT, since=at[0], until=at[4])
+    shown = show(ctx.engine, settings, DEPLOYMENT, since=at[0], until=at[4] + timedelta(seconds=30))
     rows = {row["domain"]: row for row in shown["deployments"][0]["domains"]}
     scraped = rows["json"]["scraped"]
     requests = [rows[d]["per_request"] for d in ("json", "qa")]

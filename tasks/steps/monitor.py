@@ -131,11 +131,13 @@ def series_deltas(previous: dict | None, counters: dict) -> dict:
 def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None = None,
            config: tuple[str, SpecdecConfig] | None | bool = None) -> dict:
     """Read `url`'s counters and store them with their deltas (see the module's docstring).
-    config: (version, config) the deployment serves; None: the champion (stored without a version
-    when there is none or the registry does not answer); False: stored without a version."""
+    config: (version, config) the deployment serves; None: the version of the server's series, or
+    the champion at a baseline or restart (_served_config); False: stored without a version."""
     counters = read_counters(url, deployment, ctx.settings.monitor_scrape_timeout_s)
+    previous = q.last_scrape(ctx.engine, deployment)
+    step = series_deltas(previous, counters)
     if config is None:
-        config = _champion_or_none(ctx)
+        config = _served_config(ctx, previous, step)
     version, spec_config = config if config else (None, None)
     domains = None
     if spec_config is not None:
@@ -149,13 +151,22 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
            "drafts": counters["drafts"], "draft_tokens": counters["draft_tokens"],
            "accepted_tokens": counters["accepted_tokens"],
            "accepted_per_pos": counters["accepted_per_pos"],
-           **series_deltas(q.last_scrape(ctx.engine, deployment), counters)}
+           **step}
     row["id"] = q.insert_scrape(ctx.engine, row)
     return row
 
 
-def _champion_or_none(ctx: MonitorContext):
+def _served_config(ctx: MonitorContext, previous: dict | None, step: dict):
+    """(version, config) the server serves: a server keeps the config it started with, so within
+    a series the version of the series' scrapes (a rollback changes what runs only when the
+    server is restarted); at a baseline or a restart, the champion. None when unknown (no
+    champion, or the registry does not answer: stored without a version)."""
     try:
+        if previous is not None and step["start"] is None and previous["config_version"] \
+                and previous["config_name"] == ctx.config_name:
+            mlflow_client = client(tracking_uri(ctx.tracking_uri, ctx.db_url))
+            version = previous["config_version"]
+            return version, load_version_config(mlflow_client, ctx.config_name, version)
         version, config = ctx.champion()
     except RegistryError as exc:
         log.warning("scrape stored without a config version: the registry did not answer (%s)", exc)
