@@ -36,7 +36,7 @@ def cli(*args: str, env: dict) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "-m", "tasks.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     shown = " ".join(a if " " not in a else repr(a) for a in args)
-    print(f"$ specdec {shown}\n{done.stdout.rstrip()}{done.stderr.rstrip()}".rstrip(), flush=True)
+    print(f"$ specdec {shown}\n{done.stdout.rstrip()}\n{done.stderr.rstrip()}".rstrip(), flush=True)
     return done
 
 

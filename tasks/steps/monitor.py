@@ -298,10 +298,10 @@ def _auto_rollback(ctx: MonitorContext, version: str, event: dict) -> list[dict]
         moved = rollback(ctx.config_name, db_url=ctx.db_url, uri=ctx.tracking_uri, actor=ACTOR,
                          expected_champion=version, evidence=evidence)
     except RegistryError as exc:
-        log.warning("automatic rollback of %s version %s refused: %s", ctx.config_name, version, exc)
+        log.info("automatic rollback of %s version %s refused: %s", ctx.config_name, version, exc)
         return [q.insert_event(ctx.engine, dict(event, kind="rollback_refused", created_at=utcnow(),
                                                 reason=f"{why}; rollback refused: {exc}"[:4000]))]
-    log.warning("champion of %s rolled back %s -> %s: %s", ctx.config_name, version,
+    log.info("champion of %s rolled back %s -> %s: %s", ctx.config_name, version,
                 moved["champion"], why)
     return [q.insert_event(ctx.engine, dict(event, kind="rollback", created_at=utcnow(),
                                             reason=f"{why}; champion {version} -> {moved['champion']}"))]
