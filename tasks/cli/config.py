@@ -140,8 +140,10 @@ def _export_compose(args, config, version: str) -> int:
 
     from ..registry.compose_export import compose_export
     from ..settings import load_settings
+    from ..steps.monitor import setting
 
-    text = yaml.safe_dump(compose_export(config, _name(args), version, load_settings().serving_image,
+    text = yaml.safe_dump(compose_export(config, _name(args), version,
+                                         setting(load_settings(), "serving_image"),
                                          target_path=args.model_dir), sort_keys=False)
     header = (f"# specdec: the vLLM deployments of {_name(args)} version {version} (profile serving)\n"
               "#   docker compose -f docker-compose.yml -f THIS_FILE --profile serving up -d\n")

@@ -48,6 +48,11 @@ from .plan import speedup_factor
 log = logging.getLogger(__name__)
 
 COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def setting(settings: Settings, name: str):
+    """A setting by its public name (SPECDEC_<NAME>), whether Settings holds it flat or by group."""
+    return settings.value(name) if hasattr(settings, "value") else getattr(settings, name)
 ACTOR = "specdec monitor"
 
 
@@ -133,7 +138,7 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
     """Read `url`'s counters and store them with their deltas (see the module's docstring).
     config: (version, config) the deployment serves; None: the version of the server's series, or
     the champion at a baseline or restart (_served_config); False: stored without a version."""
-    counters = read_counters(url, deployment, ctx.settings.monitor_scrape_timeout_s)
+    counters = read_counters(url, deployment, setting(ctx.settings, "monitor_scrape_timeout_s"))
     previous = q.last_scrape(ctx.engine, deployment)
     step = series_deltas(previous, counters)
     if config is None:
@@ -241,7 +246,7 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
     """The window's figures of one deployment of the champion and the events they raised."""
     settings = ctx.settings
     moved = q.champion_moved_at(ctx.engine, ctx.config_name, version)
-    since = at - timedelta(seconds=settings.monitor_window_s)
+    since = at - timedelta(seconds=setting(settings, "monitor_window_s"))
     since = max(since, moved) if moved else since
     rows = q.scrapes(ctx.engine, deployment["name"], since, at, version)
     promises = ensure_promises(ctx, version, config, deployment)
@@ -252,8 +257,9 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
               "window_start": rows[0]["scraped_at"] if rows else None, "window_end": at,
               "promise_lo": min(lows) if lows else None, "break_even": min(evens) if evens else None,
               "state": "ok", "events": []}
-    if figures["e"] is None or figures["drafts"] < settings.monitor_min_drafts:
-        status["state"] = f"insufficient ({figures['drafts']} drafts < {settings.monitor_min_drafts})"
+    min_drafts = setting(settings, "monitor_min_drafts")
+    if figures["e"] is None or figures["drafts"] < min_drafts:
+        status["state"] = f"insufficient ({figures['drafts']} drafts < {min_drafts})"
         return status
     series = rows[-1]["series"]
     event = {"deployment": deployment["name"], "config_name": ctx.config_name,
@@ -264,7 +270,7 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
                  (p["promise_hi"] for p in promises if p["promise_hi"] is not None), default=None),
              "break_even": status["break_even"],
              "evidence": {**figures, "scrape_ids": [r["id"] for r in rows], "window_s":
-                          settings.monitor_window_s, "min_drafts": settings.monitor_min_drafts}}
+                          setting(settings, "monitor_window_s"), "min_drafts": min_drafts}}
     if status["promise_lo"] is not None and figures["e"] < status["promise_lo"]:
         status["state"] = "below promise"
         if not q.has_event(ctx.engine, "alert", deployment["name"], ctx.config_name, version, series):
@@ -280,7 +286,7 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
 
 def _auto_rollback(ctx: MonitorContext, version: str, event: dict) -> list[dict]:
     """Roll the champion back (compare-and-set on `version`) with the evidence; an event either way."""
-    if not ctx.settings.monitor_auto_rollback:
+    if not setting(ctx.settings, "monitor_auto_rollback"):
         return []
     for kind in ("rollback", "rollback_refused"):
         if q.has_event(ctx.engine, kind, event["deployment"], ctx.config_name, version, event["series"]):
@@ -400,7 +406,7 @@ def show(engine: Engine, settings: Settings, deployment: str | None = None,
     scraped figures of the deployment's latest config version, per-request figures of the
     domain's imported traffic, the promise, and the monitor's events."""
     until = until or utcnow()
-    since = since or until - timedelta(seconds=settings.monitor_window_s)
+    since = since or until - timedelta(seconds=setting(settings, "monitor_window_s"))
     names = [deployment] if deployment else q.deployments_seen(engine, since)
     requests = q.request_metrics_by_domain(engine, since, until)
     out = []
