@@ -1,8 +1,9 @@
 """
 ### specdec_evaluate: per-domain speculative decoding settings, proven lossless, promoted by review
 
-Daily, when `specdec_retrain_draft` registers a new draft (asset `specdec://drafts/new`), or on
-demand from the trigger form, for the target model:
+Daily, when `specdec_retrain_draft` registers a new draft (asset `specdec://drafts/new`), when
+`specdec_monitor` finds production acceptance below the champion's promise (asset
+`specdec://alerts/production-drift`), or on demand from the trigger form, for the target model:
 
 1. **sample** logged traffic per domain over the time window (seeded by the run id);
 2. **check** it with Great Expectations: table-level failures stop the run; a domain below its
@@ -50,7 +51,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL,
+from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, DRIFT_URI,
                                               EVALUATIONS_URI, LOW_ACCEPTANCE_URI, MAP_LABEL, NEW_DRAFT_URI,
                                               TIMING_POOL, domains_failed_text, evaluate_spec,
                                               label_mapped, queues, setting_default, task_errors,
@@ -64,6 +65,7 @@ CHAMPION_ASSET = Asset(CHAMPION_URI)
 LOW_ACCEPTANCE_ASSET = Asset(LOW_ACCEPTANCE_URI)
 EVALUATIONS_ASSET = Asset(EVALUATIONS_URI)
 NEW_DRAFT_ASSET = Asset(NEW_DRAFT_URI)      # published by specdec_retrain_draft
+DRIFT_ASSET = Asset(DRIFT_URI)              # published by specdec_monitor
 CPU_QUEUE, GPU_QUEUE = queues()             # database/registry tasks; tasks that run the model
 
 DEFAULT_ARGS = {
@@ -134,10 +136,11 @@ PARAMS = {
 
 @dag(dag_id="specdec_evaluate",
      description="Daily at 00:00 UTC (cron 0 0 * * *), and whenever specdec_retrain_draft registers "
-                 "a new draft (asset specdec://drafts/new), or from the trigger form: per-domain "
-                 "speculative decoding settings, proven lossless, registered in MLflow",
+                 "a new draft (asset specdec://drafts/new) or specdec_monitor finds production "
+                 "drift (asset specdec://alerts/production-drift), or from the trigger form: "
+                 "per-domain speculative decoding settings, proven lossless, registered in MLflow",
      schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 0 * * *", timezone="UTC"),
-                                  assets=[NEW_DRAFT_ASSET]),
+                                  assets=(NEW_DRAFT_ASSET | DRIFT_ASSET)),
      start_date=datetime(2025, 1, 1), catchup=False,
      max_active_runs=1, default_args=DEFAULT_ARGS, params=PARAMS, doc_md=__doc__,
      tags=["specdec"], render_template_as_native_obj=True)

@@ -72,3 +72,8 @@ class EngineTimeout(ServingProbeError):
 class InvalidIdentifier(SpecdecTaskError, ValueError):
     """An identifier that names files under $SPECDEC_HOME (a run id, a draft id, a profile name)
     is malformed, or a path built from one would leave $SPECDEC_HOME."""
+
+
+class MonitorScrapeError(ServingProbeError):
+    """A serving deployment's /metrics could not be read (down, refused, not vLLM's): nothing is
+    stored for that scrape."""

@@ -302,6 +302,8 @@ class EngineSettings(_Group):
         "continuations per sampling setting in the sampling test on vLLM; None: validation.rows"))
     sampling_tokens: int = Field(default=3, ge=2, le=8, description=(
         "tokens per continuation in the sampling test on vLLM (position 0 comes before any draft)"))
+    serving_image: str = Field(default="vllm/vllm-openai:v0.32.0", description=(
+        "the vLLM image of the services `specdec config export --format compose` writes"))
 
 
 class QueueSettings(_Group):
@@ -315,6 +317,21 @@ class QueueSettings(_Group):
         "promote, reports (Airflow's [operators] default_queue is `default`)"))
 
 
+class MonitorSettings(_Group):
+    """The production monitor (`specdec monitor`, the DAG specdec_monitor; docs/monitoring.md)."""
+
+    window_s: float = Field(default=1800.0, gt=0, description=(
+        "the sustained window of the production check: the scrapes of a deployment's current "
+        "champion version in the last this many seconds (never before the champion moved)"))
+    min_drafts: int = Field(default=200, ge=1, description=(
+        "drafts (vLLM verify steps) a window needs before it can raise a drift alert or a rollback"))
+    auto_rollback: bool = Field(default=True, description=(
+        "roll the champion back (compare-and-set, audit row) when a deployment's production E "
+        "over the window falls below the break-even of its deployed K; off: the alert only"))
+    scrape_timeout_s: float = Field(default=10.0, gt=0, description=(
+        "how long one scrape of a server's /metrics may take"))
+
+
 class RegistrySettings(_Group):
     """The promotion gates of the model registry."""
 
@@ -326,7 +343,7 @@ GROUPS: dict[str, type[_Group]] = {
     "traffic": TrafficSettings, "sample": SampleSettings, "quality": QualitySettings,
     "plan": PlanSettings, "profile": ProfileSettings, "live": LiveSettings,
     "validation": ValidationSettings, "engine": EngineSettings, "queues": QueueSettings,
-    "registry": RegistrySettings,
+    "registry": RegistrySettings, "monitor": MonitorSettings,
 }
 
 # Every setting's one public name: the SPECDEC_<NAME> environment variable, the key of the
@@ -352,7 +369,9 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "greedy_check_tokens": ("validation", "greedy_check_tokens"),
     "serving_python": ("engine", "serving_python"),
     **{f"engine_{name}": ("engine", name) for name in EngineSettings.model_fields
-       if name not in ("serving_python",)},
+       if name not in ("serving_python", "serving_image")},
+    "serving_image": ("engine", "serving_image"),
+    **{f"monitor_{name}": ("monitor", name) for name in MonitorSettings.model_fields},
     "gpu_queue": ("queues", "gpu"), "cpu_queue": ("queues", "cpu"),
     "promotion_regression_tolerance": ("registry", "regression_tolerance"),
 }
@@ -384,6 +403,7 @@ class Settings(BaseModel):
     engine: EngineSettings = EngineSettings()
     queues: QueueSettings = QueueSettings()
     registry: RegistrySettings = RegistrySettings()
+    monitor: MonitorSettings = MonitorSettings()
 
     @field_validator("known_domains", mode="before")
     @classmethod

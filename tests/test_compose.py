@@ -1,10 +1,12 @@
 """The deployment files: docker-compose.yml parsed and checked (services, health checks, three
 databases, LocalExecutor by default, GPU profile, celery profile with one worker per queue, no
-inline secrets), .env.example complete; `docker-compose --profile celery config` validates the
-file where a Compose client is installed."""
+inline secrets, serving profile), .env.example complete; `docker-compose --profile celery config`
+validates the file, and `docker-compose --profile serving config` the file with the Compose override
+`specdec config export --format compose` writes, where a Compose client is installed."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -37,7 +39,8 @@ def strings(value):
 
 def test_services_and_health_checks(compose):
     services = compose["services"]
-    assert set(LONG_RUNNING) | {"airflow-init", "airflow-scheduler-gpu"} | set(CELERY) == set(services)
+    assert set(LONG_RUNNING) | {"airflow-init", "airflow-scheduler-gpu", "serving-config"} | set(CELERY) \
+        == set(services)
     for name in LONG_RUNNING:
         check = services[name].get("healthcheck")
         assert check and check["test"], f"{name} has no health check"
@@ -142,3 +145,68 @@ def test_compose_config_validates_with_the_celery_profile(tmp_path):
     assert {"redis", "airflow-worker", "airflow-worker-gpu", "airflow-scheduler"} <= set(resolved)
     assert resolved["airflow-scheduler"]["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
     assert resolved["airflow-worker-gpu"]["command"][-3:] == ["gpu", "--concurrency", "1"]
+
+
+def served_config():
+    """A champion with three vLLM deployments (json and qa share one speculative config, code has
+    its own) and a domain served without speculation."""
+    from tasks.registry.config_schema import parse_config
+
+    lookup = {"enabled": True, "drafter": {"kind": "prompt_lookup", "params": {"max_ngram": 3}},
+              "k": 3, "samples": 25, "validation": "passed"}
+    return parse_config({"target": {"id": "Org/Tiny", "fingerprint": "sha256:aaa"},
+                         "hardware_profile": "cpu-test", "run_id": "run-1",
+                         "created_at": "2025-11-01T10:00:00",
+                         "domains": {"json": lookup, "qa": lookup, "code": dict(lookup, k=5),
+                                     "chat": {"enabled": False}}})
+
+
+def test_the_compose_export_has_one_vllm_service_per_deployment_labelled_with_its_version():
+    from tasks.registry.compose_export import compose_export
+
+    override = compose_export(served_config(), "specdec-config-org--tiny", "7", "vllm/vllm-openai:v0.32.0")
+    services = override["services"]
+    assert set(services) == {"vllm-json-qa", "vllm-code", "vllm-chat"}
+    for name, service in services.items():
+        assert service["profiles"] == ["serving"] and service["image"] == "vllm/vllm-openai:v0.32.0"
+        assert service["labels"]["io.specdec.config_version"] == "7"
+        assert service["labels"]["io.specdec.metrics_port"] == "8000"
+        assert service["command"][:2] == ["--model", "Org/Tiny"] and "8000" in service["command"]
+    command = services["vllm-json-qa"]["command"]
+    spec = json.loads(command[command.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                    "prompt_lookup_min": 2}
+    assert command[command.index("--per-request-spec-decode-metrics") + 1] == "summary"
+    assert services["vllm-json-qa"]["labels"]["io.specdec.domains"] == "json,qa"
+    code = services["vllm-code"]["command"]
+    assert json.loads(code[code.index("--speculative-config") + 1])["num_speculative_tokens"] == 5
+    # no speculation: no speculative config, and vLLM refuses per-request metrics without one
+    assert "--speculative-config" not in services["vllm-chat"]["command"]
+    assert "--per-request-spec-decode-metrics" not in services["vllm-chat"]["command"]
+    assert services["vllm-chat"]["labels"]["io.specdec.speculative"] == "off"
+    assert len({s["ports"][0] for s in services.values()}) == 3
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(COMPOSE is None, reason="no Compose client (Debian: apt-get install docker-compose)")
+def test_compose_config_validates_the_exported_override_with_the_serving_profile(tmp_path):
+    from tasks.registry.compose_export import compose_export
+
+    env = tmp_path / ".env"
+    env.write_text((REPO / ".env.example").read_text())
+    override = tmp_path / "docker-compose.serving.yml"
+    override.write_text(yaml.safe_dump(compose_export(
+        served_config(), "specdec-config-org--tiny", "7", "vllm/vllm-openai:v0.32.0")))
+    done = subprocess.run([COMPOSE, "--project-directory", str(REPO), "--env-file", str(env),
+                           "-f", str(REPO / "docker-compose.yml"), "-f", str(override),
+                           "--profile", "serving", "config"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resolved = yaml.safe_load(done.stdout)
+    assert {"vllm-json-qa", "vllm-code", "vllm-chat", "serving-config", "airflow-scheduler"} <= set(
+        resolved["services"])
+    served = resolved["services"]["vllm-json-qa"]
+    assert served["labels"]["io.specdec.config_version"] == "7"
+    assert served["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "serving-models" in resolved["volumes"]
+    assert resolved["services"]["serving-config"]["command"][:4] == ["config", "export", "champion",
+                                                                      "--format"]

@@ -23,15 +23,17 @@ from .helpers.traffic import traffic_rows, write_jsonl
 @pytest.mark.integration
 def test_dagbag_imports_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert set(dagbag.dag_ids) == {"specdec_evaluate", "specdec_reports", "specdec_retrain_draft"}
+    assert set(dagbag.dag_ids) == {"specdec_evaluate", "specdec_reports", "specdec_retrain_draft",
+                                   "specdec_monitor"}
     evaluate = dagbag.get_dag("specdec_evaluate")
     assert {t.task_id for t in evaluate.tasks} == {
         "sample", "check", "profile", "domains_of", "per_domain.estimate", "per_domain.confirm",
         "per_domain.validate", "finish", "engine_check", "register", "promote", "acceptance_alert",
         "report", "domain_failures"}
-    # daily, or when a new draft is registered
+    # daily, or when a new draft is registered, or when the monitor finds production drift
     assert evaluate.timetable.timetable.summary == "0 0 * * *"
-    assert [a.uri for a in evaluate.timetable.asset_condition.objects] == ["specdec://drafts/new"]
+    assert [a.uri for a in evaluate.timetable.asset_condition.objects] == [
+        "specdec://drafts/new", "specdec://alerts/production-drift"]
     assert not evaluate.catchup and evaluate.max_active_runs == 1
     assert evaluate.doc_md and "specdec_evaluate" in evaluate.doc_md
     timing = {t.task_id for t in evaluate.tasks if t.pool == "specdec_timing"}
@@ -83,6 +85,11 @@ def test_dagbag_imports_without_errors(dagbag):
                  "num_layers", "window_days", "max_requests"):
         assert retrain.params[name] == SCHEDULED_RETRAINING[name], name
     assert (retrain.params["batch_size"], retrain.params["lr"]) == (library.batch_size, library.lr)
+    monitor = dagbag.get_dag("specdec_monitor")
+    assert monitor.timetable.summary == "*/5 * * * *" and not monitor.catchup
+    assert {t.task_id for t in monitor.tasks} == {"targets", "scrape", "check", "drift_alert"}
+    assert [o.uri for o in monitor.get_task("drift_alert").outlets] == ["specdec://alerts/production-drift"]
+    assert monitor.get_task("check").trigger_rule == "all_done"
 
 
 def test_dag_files_only_wire_tasks_functions():
@@ -387,7 +394,7 @@ def test_every_params_default_validates_as_the_trigger_form_submits_it(dagbag):
     """Airflow's own validation of each DAG's Params with their defaults, and with what the trigger
     form submits for an untouched form (an empty text field arrives as null): a manual run from
     the UI needs no guessing. A string Param that may be empty must allow null."""
-    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports"):
+    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports", "specdec_monitor"):
         dag = dagbag.get_dag(dag_id)
         dag.params.validate()
         for key in dag.params:
@@ -418,11 +425,11 @@ CRONS = {"specdec_evaluate": "0 0 * * *", "specdec_retrain_draft": "0 3 * * 0"}
 def test_each_dag_names_its_schedule_and_triggers(dagbag):
     """The DAG list shows a DAG's description; a cron next to an asset shows in the timetable's
     summary (Airflow's AssetOrTimeSchedule over a CronTriggerTimetable) and in the description."""
-    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports"):
+    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports", "specdec_monitor"):
         dag = dagbag.get_dag(dag_id)
         assert dag.description, dag_id
         assert "trigger form" in dag.description, dag_id
-        for asset in dag.timetable.asset_condition.objects if hasattr(dag.timetable, "asset_condition") else []:
+        for asset in getattr(getattr(dag.timetable, "asset_condition", None), "objects", []):
             assert asset.uri.rstrip("/") in dag.description, (dag_id, asset.uri)
     for dag_id, cron in CRONS.items():
         dag = dagbag.get_dag(dag_id)
@@ -431,6 +438,12 @@ def test_each_dag_names_its_schedule_and_triggers(dagbag):
         assert cron in dag.timetable.summary and f"cron {cron}" in dag.description, dag_id
     reports = dagbag.get_dag("specdec_reports")
     assert "specdec://evaluations" in reports.description
+    monitor = dagbag.get_dag("specdec_monitor")
+    assert "cron */5 * * * *" in monitor.description and DRIFT in monitor.description
+    assert DRIFT in dagbag.get_dag("specdec_evaluate").description
+
+
+DRIFT = "specdec://alerts/production-drift"
 
 
 def _number(value) -> str:

@@ -1,9 +1,12 @@
 """Fuzz of `specdec traffic import` (issue 33): seeded malformed rows -- bytes that are not UTF-8,
 broken and deeply nested JSON, wrong types, missing fields, oversize rows, NUL characters,
-duplicate ids, a CSV header repeated mid-file or missing -- mixed with good rows over JSONL and
+duplicate ids, a CSV header repeated mid-file or missing, malformed vLLM per-request metrics
+(`metrics.speculative_decoding`: wrong types, negative or fractional counts, a histogram that
+disagrees with its totals, more accepted than drafted) -- mixed with good rows over JSONL and
 CSV files (plain and gzipped), each imported twice by the CLI in a new process. Every good row
 lands exactly once, every bad row is quarantined at its own line, nothing prints a traceback, and
-the exit status is the documented one (0 all stored, 3 rows quarantined, 2 file unusable)."""
+the exit status is the documented one (0 all stored, 3 rows quarantined, 2 file unusable).
+The good rows' metrics are stored once each in request_spec_metrics, and only theirs."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, select
 
-from tasks.db.models import QuarantinedRequest
+from tasks.db.models import QuarantinedRequest, RequestSpecMetrics
 
 from .helpers.processes import specdec
 from .helpers.traffic import traffic
@@ -29,7 +32,40 @@ TEXT = ["plain words", "virgule, and \"quotes\"", "ünïcödé ✓", "中文 テ
         "tab\there", "line one\nline two", "back\\slash", "  spaced  ", "'single'"]
 DOMAINS = ["json", "code", "summarize", "qa", "chat", "creative", None]
 CSV_COLUMNS = ["id", "timestamp", "domain", "prompt", "messages", "response", "temperature",
-               "top_k", "top_p", "max_tokens", "model", "response_token_ids"]
+               "top_k", "top_p", "max_tokens", "model", "response_token_ids", "metrics",
+               "config_version"]
+
+
+def spec_metrics(r: random.Random) -> dict:
+    """vLLM's per-request metrics object as its OpenAI server returns it (summary level)."""
+    k = r.randint(1, 5)
+    histogram = [r.randint(0, 6) for _ in range(k + 1)]
+    steps = sum(histogram)
+    accepted = sum(j * count for j, count in enumerate(histogram))
+    drafted = r.randint(accepted, k * steps)
+    return {"time_to_first_token_ms": 3.5, "speculative_decoding": {
+        "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_histogram": histogram, "num_spec_steps": steps,
+        "num_accepted_draft_tokens": accepted, "num_draft_tokens": drafted, "num_spec_tokens": k}}
+
+
+def bad_metrics(r: random.Random) -> dict:
+    """A malformed metrics object (each is quarantined, naming the field)."""
+    good = spec_metrics(r)
+    spec = good["speculative_decoding"]
+    return r.choice([
+        "fast", [1, 2], {"speculative_decoding": "summary"},
+        {"speculative_decoding": {k: v for k, v in spec.items() if k != "num_draft_tokens"}},
+        {"speculative_decoding": dict(spec, num_spec_steps=-1)},
+        {"speculative_decoding": dict(spec, num_accepted_draft_tokens=2.5)},
+        {"speculative_decoding": dict(spec, num_draft_tokens="many")},
+        {"speculative_decoding": dict(spec, num_spec_steps=True)},
+        {"speculative_decoding": dict(spec, acceptance_histogram=spec["acceptance_histogram"] + [1])},
+        {"speculative_decoding": dict(spec, acceptance_histogram="[1, 2]")},
+        {"speculative_decoding": dict(spec, num_accepted_draft_tokens=spec["num_draft_tokens"] + 1,
+                                      acceptance_histogram=None)},
+        {"speculative_decoding": dict(spec, num_draft_tokens=10 ** 12)}])
 
 
 class Traffic:
@@ -63,6 +99,10 @@ class Traffic:
             row["max_tokens"] = r.randint(1, 4096)
         if r.random() < 0.3:
             row["response_token_ids"] = [r.randint(0, 5000) for _ in range(r.randint(1, 6))]
+        if r.random() < 0.3:
+            row["metrics"] = spec_metrics(r)
+            if r.random() < 0.5:
+                row["config_version"] = str(r.randint(1, 9))
         return row
 
     def keep(self, row: dict) -> dict:
@@ -105,6 +145,8 @@ def jsonl_lines(t: Traffic, prefix: str, rows: int) -> list[tuple[bytes, str | N
         "bad_timestamp": lambda: dump(t.row(prefix) | {"timestamp": r.choice(
             ["yesterday", 1e20, "1970-01-02T00:00:00Z", "2999-01-01T00:00:00Z", True])}),
         "duplicate_id": lambda: dump(dict(r.choice(stored), response="a different answer")),
+        "bad_metrics": lambda: dump(t.row(prefix) | r.choice([
+            {"metrics": bad_metrics(r)}, {"metrics": spec_metrics(r), "config_version": ["3"]}])),
     }
     for _ in range(rows):
         roll = r.random()
@@ -142,6 +184,8 @@ def csv_values(row: dict) -> list[str]:
         cells["messages"] = json.dumps(cells["messages"])
     if "response_token_ids" in cells:
         cells["response_token_ids"] = json.dumps(cells["response_token_ids"])
+    if "metrics" in cells:
+        cells["metrics"] = json.dumps(cells["metrics"])
     return ["" if cells.get(c) is None else str(cells[c]) for c in CSV_COLUMNS]
 
 
@@ -174,6 +218,8 @@ def csv_records(t: Traffic, prefix: str, rows: int) -> list[tuple[bytes, str | N
         "unknown_domain": lambda: csv_record(cells(domain="astrology")).encode(),
         "bad_timestamp": lambda: csv_record(cells(timestamp=r.choice(["soon", "1e20", "0"]))).encode(),
         "duplicate_id": lambda: csv_record(csv_values(dict(r.choice(stored), response="other"))).encode(),
+        "bad_metrics": lambda: csv_record(r.choice([
+            cells(metrics="{not json"), cells(metrics=json.dumps(bad_metrics(r)))])).encode(),
     }
     for _ in range(rows):
         roll = r.random()
@@ -249,5 +295,18 @@ def test_fuzzed_traffic_imports_every_good_row_once_and_quarantines_every_bad_ro
     assert set(stored) == set(t.good)                      # every good row, no other
     assert all(stored[i]["response"] == row["response"] for i, row in t.good.items())
     assert all(stored[i]["model"] == "fuzz-target" for i in stored)
+    # vLLM's per-request metrics: kept for exactly the good rows that carried them, as logged
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        kept = {row.request_id: row for row in connection.execute(select(RequestSpecMetrics))}
+    engine.dispose()
+    carried = {i: row for i, row in t.good.items() if "metrics" in row}
+    assert set(kept) == set(carried) and len(carried) >= 30, (len(kept), len(carried))
+    for i, row in carried.items():
+        spec = row["metrics"]["speculative_decoding"]
+        assert (kept[i].spec_steps, kept[i].draft_tokens, kept[i].accepted_tokens,
+                kept[i].acceptance_histogram, kept[i].config_version) == (
+            spec["num_spec_steps"], spec["num_draft_tokens"], spec["num_accepted_draft_tokens"],
+            spec["acceptance_histogram"], row.get("config_version")), i
     print(f"fuzz: {len(t.good)} good rows, {sum(bad.values())} bad rows in {len(expected)} files "
           f"(+1 without header), by category: {dict(sorted(bad.items()))}")

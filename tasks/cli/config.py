@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
@@ -119,6 +120,8 @@ def cmd_export(args) -> int:
     _warn_ungated(_champion_audit(args, shown))      # stdout stays the JSON
     version = shown["version"]
     config = load_version_config(client(args.tracking_uri), _name(args), version)
+    if args.format == "compose":
+        return _export_compose(args, config, version)
     if args.format in ("vllm", "sglang"):
         export = vllm_export if args.format == "vllm" else sglang_export
         emit(json.dumps(export(config, target_path=args.model_dir or _served_dir(config.target.id)),
@@ -126,6 +129,28 @@ def cmd_export(args) -> int:
         return 0
     emit(json.dumps(trtllm_export(config) if args.format == "trtllm"
                     else json.loads(config.to_json()), indent=2))
+    return 0
+
+
+def _export_compose(args, config, version: str) -> int:
+    """The Compose override of the version's vLLM deployments (tasks.registry.compose_export):
+    to --output, else stdout."""
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    import yaml
+
+    from ..registry.compose_export import compose_export
+    from ..settings import load_settings
+
+    text = yaml.safe_dump(compose_export(config, _name(args), version,
+                                         load_settings().engine.serving_image,
+                                         target_path=args.model_dir), sort_keys=False)
+    header = (f"# specdec: the vLLM deployments of {_name(args)} version {version} (profile serving)\n"
+              "#   docker compose -f docker-compose.yml -f THIS_FILE --profile serving up -d\n")
+    if args.output:
+        Path(args.output).write_text(header + text)
+        errors.print(f"wrote {escape(args.output)}: {_name(args)} version {version}")
+    else:
+        emit(header + text)
     return 0
 
 
@@ -172,12 +197,15 @@ def register(sub) -> None:
     export = c_sub.add_parser("export", help="a version as JSON, or as each serving engine's "
                                              "speculative settings per domain")
     export.add_argument("which", nargs="?", default="champion")
-    export.add_argument("--format", choices=["json", "vllm", "trtllm", "sglang"], default="json",
+    export.add_argument("--format", choices=["json", "vllm", "trtllm", "sglang", "compose"],
+                        default="json",
                         help="json: the config; vllm / trtllm: each engine's speculative_config "
                              "per domain (K by batch size in the engine's own key); sglang: the "
-                             "launch_server flags per domain (one K per server)")
+                             "launch_server flags per domain (one K per server); compose: a Docker "
+                             "Compose override with one vLLM service per deployment (profile serving)")
+    export.add_argument("--output", default=None, help="compose: the file to write (default: stdout)")
     export.add_argument("--model-dir", default=None,
-                        help="vllm / sglang: the target directory the server loads (default: the embedded "
+                        help="vllm / sglang / compose: the target directory the server loads (default: the embedded "
                              "default's served copy under $SPECDEC_HOME/models once the engine check "
                              "wrote it, else the target id)")
     common(export, url=True)

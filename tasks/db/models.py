@@ -445,6 +445,103 @@ class DraftTrainingRequest(Base):
     split: Mapped[str] = mapped_column(String(16))
 
 
+
+class RequestSpecMetrics(Base):
+    """0015: what the serving engine reported for one logged request (vLLM's per-request
+    `metrics.speculative_decoding`, kept by `specdec traffic import`): verify steps, draft tokens
+    proposed and accepted, and the histogram of accepted drafts per step; with the config version
+    that served it when the gateway logged one. Deleted with its request (retention purge)."""
+
+    __tablename__ = "request_spec_metrics"
+
+    request_id: Mapped[str] = mapped_column(
+        ID, ForeignKey("traffic_requests.id", ondelete="CASCADE"), primary_key=True)
+    config_version: Mapped[str | None] = mapped_column(String(32), index=True)
+    spec_steps: Mapped[int] = mapped_column(Integer)           # vLLM's num_spec_steps
+    draft_tokens: Mapped[int] = mapped_column(Integer)         # num_draft_tokens
+    accepted_tokens: Mapped[int] = mapped_column(Integer)      # num_accepted_draft_tokens
+    num_spec_tokens: Mapped[int | None] = mapped_column(Integer)   # the K the server drafted up to
+    acceptance_histogram: Mapped[list | None] = mapped_column(JSON)  # [steps accepting j drafts]
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class MonitorScrape(Base):
+    """0015: one scrape of a serving deployment's /metrics (`specdec monitor scrape`): vLLM's
+    spec-decode counters as read, and their deltas since the previous scrape of the same series.
+    A series is one run of the server: counters that fall (a restart) start the next series,
+    whose first deltas are the counters themselves (they count from zero since the restart); the
+    first scrape of a deployment is a baseline (deltas 0: what came before it is unknown)."""
+
+    __tablename__ = "monitor_scrapes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment: Mapped[str] = mapped_column(NAME, index=True)
+    url: Mapped[str] = mapped_column(String(500))
+    scraped_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    series: Mapped[int] = mapped_column(Integer)
+    start: Mapped[str | None] = mapped_column(String(16))      # "baseline" | "restart" | NULL
+    config_name: Mapped[str | None] = mapped_column(NAME)
+    config_version: Mapped[str | None] = mapped_column(String(32))
+    run_id: Mapped[str | None] = mapped_column(ID)             # the run that config came from
+    domains: Mapped[list | None] = mapped_column(JSON)         # the deployment's domains then
+    drafts: Mapped[int] = mapped_column(Integer)               # counters as read
+    draft_tokens: Mapped[int] = mapped_column(Integer)
+    accepted_tokens: Mapped[int] = mapped_column(Integer)
+    accepted_per_pos: Mapped[list | None] = mapped_column(JSON)
+    delta_drafts: Mapped[int] = mapped_column(Integer)         # since the previous scrape (>= 0)
+    delta_draft_tokens: Mapped[int] = mapped_column(Integer)
+    delta_accepted: Mapped[int] = mapped_column(Integer)
+    delta_per_pos: Mapped[list | None] = mapped_column(JSON)
+
+
+class MonitorPromise(Base):
+    """0015: what a config version promised for one domain of a deployment, as the monitor read
+    it when it first scraped that deployment under that version: the estimate's E and its
+    interval at the deployed K, and the break-even E (predicted speedup 1.0 on the cost profile
+    the config was planned with). The production report joins scrapes to it."""
+
+    __tablename__ = "monitor_promises"
+
+    deployment: Mapped[str] = mapped_column(NAME, primary_key=True)
+    config_name: Mapped[str] = mapped_column(NAME, primary_key=True)
+    config_version: Mapped[str] = mapped_column(String(32), primary_key=True)
+    domain: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[str | None] = mapped_column(ID)
+    k: Mapped[int | None] = mapped_column(Integer)
+    speculative_config: Mapped[dict | None] = mapped_column(JSON)
+    promise_e: Mapped[float | None] = mapped_column(Float)
+    promise_lo: Mapped[float | None] = mapped_column(Float)
+    promise_hi: Mapped[float | None] = mapped_column(Float)
+    break_even: Mapped[float | None] = mapped_column(Float)
+    profile: Mapped[str | None] = mapped_column(NAME)          # the cost profile of break_even
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+class MonitorEvent(Base):
+    """0015: what the production check decided for a deployment of a config version: a drift
+    alert (production E below the promise's interval over the window), an automatic rollback
+    (E below the break-even of the deployed K), or a rollback the registry refused; with the
+    window's evidence."""
+
+    __tablename__ = "monitor_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(32))              # alert | rollback | rollback_refused
+    deployment: Mapped[str] = mapped_column(NAME, index=True)
+    config_name: Mapped[str | None] = mapped_column(NAME)
+    config_version: Mapped[str | None] = mapped_column(String(32))
+    series: Mapped[int | None] = mapped_column(Integer)
+    domains: Mapped[list | None] = mapped_column(JSON)
+    window_start: Mapped[datetime | None] = mapped_column(DateTime)
+    window_end: Mapped[datetime | None] = mapped_column(DateTime)
+    drafts: Mapped[int | None] = mapped_column(Integer)
+    production_e: Mapped[float | None] = mapped_column(Float)
+    promise_lo: Mapped[float | None] = mapped_column(Float)
+    promise_hi: Mapped[float | None] = mapped_column(Float)
+    break_even: Mapped[float | None] = mapped_column(Float)
+    evidence: Mapped[dict | None] = mapped_column(JSON)
+    reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+
 # Tables whose rows belong to one run (deleted and rewritten when that run's step re-runs).
 RUN_TABLES = ("eval_samples", "quality_results", "acceptance_estimates", "cost_profiles",
               "live_measurements", "validations", "domain_configs", "engine_checks")

@@ -37,12 +37,18 @@ CHAMPION_URI = "specdec://config/champion"             # a new champion config
 LOW_ACCEPTANCE_URI = "specdec://alerts/low-acceptance"  # domains below the acceptance alert
 EVALUATIONS_URI = "specdec://evaluations"              # an evaluation run has finished
 NEW_DRAFT_URI = "specdec://drafts/new"                 # a new draft was registered
+DRIFT_URI = "specdec://alerts/production-drift"        # production E below the champion's promise
+# the monitor's targets: an Airflow Variable holding {"deployment": "http://host:port", ...}, or
+# one connection per deployment (MONITOR_CONNECTION_PREFIX + the name, dashes as underscores)
+MONITOR_VARIABLE = "specdec_monitor_targets"
+MONITOR_CONNECTION_PREFIX = "specdec_vllm_"
 
 # the candidates a run evaluates unless its conf names others (the settings' default)
 DEFAULT_CANDIDATES = setting_default("candidates")
 DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name -> current name
 
-__all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS",
+__all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS", "DRIFT_URI",
+           "MONITOR_VARIABLE", "monitor_targets",
            "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "check_per_domain_range", "current_params",
            "connection_database_url", "evaluate_spec", "is_outage", "queues", "setting_default",
            "task_errors"]
@@ -214,3 +220,31 @@ def wire_in_order(tasks: dict) -> None:
     steps = [tasks[name] for name in RUN_ORDER if name in tasks]
     for before, after in zip(steps, steps[1:]):
         before >> after
+
+
+def monitor_targets(deployments: list[str], port: int = 8000) -> dict[str, str]:
+    """The URL to scrape per deployment: the Variable MONITOR_VARIABLE ({name: url}; a deployment
+    it does not name is not scraped), else a connection MONITOR_CONNECTION_PREFIX + name (dashes as
+    underscores; its host, port and scheme), else http://NAME:port, the service that
+    `specdec config export --format compose` writes for it on the Compose network."""
+    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
+    import json
+
+    from airflow.sdk import BaseHook, Variable
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    raw = Variable.get(MONITOR_VARIABLE, default=None)
+    if raw:
+        targets = json.loads(raw) if isinstance(raw, str) else raw
+        if not isinstance(targets, dict):
+            raise SampleError(f"Airflow Variable {MONITOR_VARIABLE} must be a JSON object "
+                              '{"deployment": "http://host:port"}, got ' + type(targets).__name__)
+        return {str(name): str(url) for name, url in targets.items()}
+    out = {}
+    for name in deployments:
+        try:
+            conn = BaseHook.get_connection(MONITOR_CONNECTION_PREFIX + name.replace("-", "_"))
+            out[name] = f"{conn.schema or 'http'}://{conn.host}:{conn.port or port}"
+        except AirflowNotFoundException:
+            out[name] = f"http://{name}:{port}"
+    return out

@@ -219,3 +219,37 @@ def write_plots(run_id: str, estimates: list[dict], configs: dict[str, dict], li
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
+
+
+def production_figure(points: list[dict], promises: dict[str, dict], events: list[dict], title: str):
+    """Production E over time per deployment (one marker per scrape: 1 + accepted / drafts of its
+    deltas), beside the promise's interval (a band from the lowest to the highest end over the
+    deployment's domains) and the break-even E (dashed), with the drift alerts and rollbacks as
+    vertical lines. points: {deployment, at, e}; promises: {deployment: {lo, hi, break_even}};
+    events: {deployment, kind, at}."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(11, 5.5), layout="constrained")
+    names = sorted({p["deployment"] for p in points})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, name in enumerate(names):
+        color = colors[n % len(colors)]
+        mine = [p for p in points if p["deployment"] == name and p["e"] is not None]
+        ax.plot([p["at"] for p in mine], [p["e"] for p in mine], marker=MARKERS[n % len(MARKERS)],
+                color=color, label=f"{name}: production E")
+        promise = promises.get(name) or {}
+        if promise.get("lo") is not None and promise.get("hi") is not None and mine:
+            ax.fill_between([mine[0]["at"], mine[-1]["at"]], promise["lo"], promise["hi"],
+                            color=color, alpha=0.15, label=f"{name}: promised E (95% interval)")
+        if promise.get("break_even") is not None:
+            ax.axhline(promise["break_even"], color=color, linestyle="--", lw=1,
+                       label=f"{name}: break-even E")
+    for event in events:
+        ax.axvline(event["at"], color="red" if event["kind"] != "alert" else "orange", lw=1,
+                   linestyle=":", label=f"{event['kind']} ({event['deployment']})")
+    ax.set_xlabel("scrape time (UTC)", fontsize=TEXT_FONT)
+    ax.set_ylabel("E: tokens per verify round", fontsize=TEXT_FONT)
+    ax.tick_params(labelsize=TEXT_FONT)
+    ax.set_title(title, fontsize=TITLE_FONT)
+    fig.autofmt_xdate()
+    fig.legend(loc="outside right upper", fontsize=TEXT_FONT - 1, frameon=False)
+    return fig

@@ -248,12 +248,15 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
 
 
 def rollback(name: str, db_url: str | None = None, uri: str | None = None,
-             actor: str | None = None, expected_champion: str | None = "current") -> dict:
+             actor: str | None = None, expected_champion: str | None = "current",
+             evidence: dict | None = None) -> dict:
     """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
     inside alias_lock. expected_champion: the champion the caller means to roll back ("current":
     whatever it is when the lock is taken); a different champion refuses with RegistryError.
     A refusal (no champion, another champion than expected, nothing to roll back to) is an audit
-    row too (action "reject", gates {"command": "rollback", ...}), committed before the error."""
+    row too (action "reject", gates {"command": "rollback", ...}), committed before the error.
+    evidence: why (the production monitor's window, tasks.steps.monitor): kept in the audit row's
+    gates and its reason."""
     db_url = resolve_database_url(db_url)
     mlflow_client = client(tracking_uri(uri, db_url))
     actor = actor or current_user()
@@ -289,15 +292,18 @@ def rollback(name: str, db_url: str | None = None, uri: str | None = None,
                              actor=actor, reason=f"rollback refused: {refusal}"[:2000],
                              gates={"command": "rollback", "champion_before": current,
                                     "expected_champion": None if expected_champion == "current"
-                                    else str(expected_champion)})
+                                    else str(expected_champion),
+                                    **({"evidence": evidence} if evidence else {})})
         else:
             config = load_version_config(mlflow_client, name, previous)
             mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
             record_promotion(db_url, connection, run_id=config.run_id, target_id=config.target.id,
                              config_name=name, config_version=previous, alias=CHAMPION,
                              action="rollback", forced=False, actor=actor,
-                             gates={"champion_before": current},
-                             reason=f"rolled back from version {current}")
+                             gates={"champion_before": current,
+                                    **({"evidence": evidence} if evidence else {})},
+                             reason=f"rolled back from version {current}"
+                             + (f": {evidence['reason']}" if evidence and evidence.get("reason") else ""))
     if refusal is not None:          # raised once the refusal's audit row is committed
         log.info("rollback of %s refused: %s", name, refusal)   # the error says it once
         raise RegistryError(refusal)

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 CHAMPION_LINE = "**Current champion:**"
 GATES_HEADING = "### Gates"
+PRODUCTION_HEADING = "### Production"
 
 
 def description_text(description: str) -> str:
@@ -131,6 +132,34 @@ def with_champion_line(description: str, line: str, version: str | None = None,
     if version is not None and kept and kept[0].startswith(STATUS_PREFIXES):
         kept[0] = status_line(version, champion)
     return "\n".join(kept).rstrip() + "\n\n" + line + "\n"
+
+
+def production_markdown(rows: list[dict], events: list[dict], title: str, plot: str | None) -> str:
+    """The version page's Production section (tasks.steps.monitor.publish): per deployment and
+    domain, promised E with its interval, scraped E (the deployment's) and per-request E (the
+    domain's), and the monitor's alerts and rollbacks."""
+    def e(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    table = markdown_table(["deployment", "domain", "promised E [95%]", "break-even", "drafts",
+                            "scraped E", "per-request E"],
+                           [[r["deployment"], r["domain"],
+                             f"{e(r['promise_e'])} [{e(r['promise_lo'])}, {e(r['promise_hi'])}]",
+                             e(r["break_even"]), r["drafts"], e(r["scraped_e"]), e(r["request_e"])]
+                            for r in rows])
+    lines = [f"{PRODUCTION_HEADING}", "", title, "", table, ""]
+    lines += [f"- **{ev['kind']}** {ev['at']:%Y-%m-%d %H:%M} UTC: {ev['reason'] or ''}"
+              for ev in events]
+    if plot:
+        lines += ["", f"Production E over time: the run's `{plot}` artifact."]
+    return "\n".join(lines) + "\n"
+
+
+def write_production(mlflow_client, name: str, version: str, body: str) -> None:
+    """Replace the version page's Production section with `body`."""
+    detail = mlflow_client.get_model_version(name, version)
+    mlflow_client.update_model_version(name, version, description=replace_section(
+        detail.description or "", PRODUCTION_HEADING, body))
 
 
 def write_gates(mlflow_client, name: str, version: str, gates: list[dict], title: str) -> None:

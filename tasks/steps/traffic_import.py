@@ -10,6 +10,9 @@ One request per line (JSONL) or record (CSV):
     temperature, top_k, top_p, max_tokens   top level or under "sampling"
     model       the target that answered; target_fingerprint optional
     prompt_token_ids, response_token_ids    optional lists of token ids
+    metrics     optional: vLLM's per-request metrics object; its `speculative_decoding` (served
+                with --per-request-spec-decode-metrics) is kept in request_spec_metrics
+    config_version   optional: the registered config version that served the request
 
 CSV has the same columns (messages and token ids as JSON text; an empty cell is a missing value).
 
@@ -44,6 +47,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ..db.engine import database_error, display_url, ensure_ready, resolve_database_url
 from ..db.models import QuarantinedRequest, TrafficRequest
+from ..db.queries_monitor import insert_request_metrics
 from ..errors import TrafficFileError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
@@ -199,6 +203,7 @@ class Normalizer:
             "prompt_tokens": len(prompt_ids) if prompt_ids is not None else None,
             "response_tokens": len(response_ids) if response_ids is not None else None,
             "redactions": prompt_hits + response_hits,
+            "spec_metrics": _spec_metrics(row),     # stored apart (request_spec_metrics)
         }
 
     def _domain(self, value, last_user: str) -> tuple[str, str]:
@@ -344,6 +349,73 @@ def _number(value, name: str, reason: str) -> float:
     return value
 
 
+MAX_METRIC_COUNT = 100_000_000   # a count above it in a request's metrics is a logging bug
+
+
+def _count(value, name: str, required: bool = True) -> int | None:
+    """A non-negative integer count of `metrics.speculative_decoding`; RowRejected otherwise."""
+    if value is None:
+        if required:
+            raise RowRejected(MISSING_FIELD, f"metrics.speculative_decoding has no \"{name}\"")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < 0:
+        raise RowRejected(INVALID_FIELD, f"metrics.speculative_decoding.{name} {str(value)[:40]!r} "
+                                         "must be an integer >= 0")
+    if value > MAX_METRIC_COUNT:
+        raise RowRejected(IMPLAUSIBLE_VALUE, f"metrics.speculative_decoding.{name} {value:.0f} is "
+                                             f"implausible (above {MAX_METRIC_COUNT:,})")
+    return int(value)
+
+
+def _spec_metrics(row: dict) -> dict | None:
+    """vLLM's per-request `metrics.speculative_decoding` of a logged response (verify steps, draft
+    tokens, accepted drafts, the histogram of accepted drafts per step, K) and the `config_version`
+    that served it; None when the row has none. A malformed or inconsistent object: RowRejected
+    naming the field (the row is quarantined: its counts would corrupt production's E)."""
+    metrics = row.get("metrics")
+    if isinstance(metrics, str) and metrics.strip():
+        try:
+            metrics = json.loads(metrics)           # CSV carries it as JSON text
+        except (json.JSONDecodeError, RecursionError):
+            raise RowRejected(INVALID_FIELD, "\"metrics\" is a string but not a JSON object") from None
+    if metrics is None or metrics == "":
+        return None
+    if not isinstance(metrics, dict):
+        raise RowRejected(INVALID_FIELD, f"\"metrics\" must be an object, got {type(metrics).__name__}")
+    spec = metrics.get("speculative_decoding")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise RowRejected(INVALID_FIELD, "metrics.speculative_decoding must be an object")
+    steps = _count(spec.get("num_spec_steps"), "num_spec_steps")
+    drafted = _count(spec.get("num_draft_tokens"), "num_draft_tokens")
+    accepted = _count(spec.get("num_accepted_draft_tokens"), "num_accepted_draft_tokens")
+    k = _count(spec.get("num_spec_tokens"), "num_spec_tokens", required=False)
+    histogram = spec.get("acceptance_histogram")
+    if histogram is not None:
+        if not isinstance(histogram, list):
+            raise RowRejected(INVALID_FIELD, "metrics.speculative_decoding.acceptance_histogram "
+                                             "must be a list of counts")
+        histogram = [_count(h, "acceptance_histogram[]") for h in histogram]
+        if sum(histogram) != steps or sum(j * h for j, h in enumerate(histogram)) != accepted:
+            raise RowRejected(INVALID_FIELD, "metrics.speculative_decoding is inconsistent: its "
+                                             "acceptance_histogram does not sum to num_spec_steps "
+                                             "and num_accepted_draft_tokens")
+    if accepted > drafted or (k is not None and drafted > k * steps):
+        raise RowRejected(IMPLAUSIBLE_VALUE, f"metrics.speculative_decoding: {accepted} accepted of "
+                                             f"{drafted} draft tokens in {steps} steps"
+                                             + ("" if k is None else f" at K = {k}"))
+    version = row.get("config_version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))
+                                or not str(version).strip() or len(str(version)) > 32):
+        raise RowRejected(INVALID_FIELD, "\"config_version\" must be a registered version (a "
+                                         "string or integer of at most 32 characters)")
+    return {"config_version": None if version is None else str(version).strip(),
+            "spec_steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "num_spec_tokens": k, "acceptance_histogram": histogram}
+
+
 def _token_ids(row: dict, name: str) -> list[int] | None:
     value = row.get(name)
     if value is None or value == "":
@@ -469,7 +541,7 @@ class _CsvLines:
 
 CSV_COLUMNS = ("id", "timestamp", "domain", "prompt", "messages", "response", "temperature", "top_k",
                "top_p", "max_tokens", "sampling", "model", "target_fingerprint", "prompt_token_ids",
-               "response_token_ids")
+               "response_token_ids", "metrics", "config_version")
 PREVIEW_CHARS = 80   # how much of a bad header line an error message shows (redacted)
 
 
@@ -629,12 +701,18 @@ class _BatchWriter:
         for row in self.rows:
             first.setdefault(row["id"], row)
         candidates = [first[key] for key in sorted(first)]
+        metrics = {}
         for row in candidates:
             row["imported_at"] = now
+            metrics[row["id"]] = row.pop("spec_metrics", None)
         statement = _insert(connection, TrafficRequest).on_conflict_do_nothing(
             index_elements=["id"]).returning(TrafficRequest.id)
         taken = set(connection.execute(statement, candidates).scalars())
         inserted = [row for row in candidates if row["id"] in taken]
+        # vLLM's per-request spec-decode metrics of the rows inserted, in the same transaction
+        insert_request_metrics(connection, [dict(metrics[row["id"]], request_id=row["id"],
+                                                 created_at=now)
+                                            for row in inserted if metrics[row["id"]]])
         rest = [row for row in self.rows if not (row["id"] in taken and first[row["id"]] is row)]
         ids = sorted({row["id"] for row in rest})
         stored: dict[str, str] = {}

@@ -1,0 +1,194 @@
+"""The production monitor's reads and writes: per-request spec-decode metrics of imported traffic,
+scrapes of the serving deployments, the promises they are compared with, and the monitor's events.
+
+Every function takes an Engine (or, for writes inside a caller's transaction, a Connection); times
+are naive UTC datetimes, as everywhere in specdec's database.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import func, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from .models import (AcceptanceEstimate, CostProfile, DomainConfig, MonitorEvent, MonitorPromise,
+                     MonitorScrape, Promotion, RequestSpecMetrics, TrafficRequest)
+
+
+def _upsert_ignore(connection: Connection, model, keys: list[str]):
+    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    return dialect.insert(model.__table__).on_conflict_do_nothing(index_elements=keys)
+
+
+# ------------------------------------------------------------------------------------------------
+# per-request metrics (traffic import)
+def insert_request_metrics(connection: Connection, rows: list[dict]) -> int:
+    """Store the per-request metrics of requests just inserted, in the import's transaction (a
+    request already holding metrics keeps them). Returns how many rows were given."""
+    if rows:
+        connection.execute(_upsert_ignore(connection, RequestSpecMetrics, ["request_id"]), rows)
+    return len(rows)
+
+
+def request_metrics_by_domain(engine: Engine, since: datetime | None = None,
+                              until: datetime | None = None,
+                              config_version: str | None = None) -> dict[str, dict]:
+    """Per domain of production traffic requested in [since, until]: requests with metrics,
+    verify steps, draft tokens, accepted drafts and the summed acceptance histogram."""
+    query = (select(TrafficRequest.domain, RequestSpecMetrics.spec_steps,
+                    RequestSpecMetrics.draft_tokens, RequestSpecMetrics.accepted_tokens,
+                    RequestSpecMetrics.acceptance_histogram)
+             .join(TrafficRequest, TrafficRequest.id == RequestSpecMetrics.request_id))
+    if since is not None:
+        query = query.where(TrafficRequest.requested_at >= since)
+    if until is not None:
+        query = query.where(TrafficRequest.requested_at <= until)
+    if config_version is not None:
+        query = query.where(RequestSpecMetrics.config_version == config_version)
+    out: dict[str, dict] = {}
+    with engine.connect() as connection:
+        for domain, steps, drafted, accepted, histogram in connection.execute(query):
+            row = out.setdefault(domain, {"requests": 0, "drafts": 0, "draft_tokens": 0,
+                                          "accepted": 0, "histogram": []})
+            row["requests"] += 1
+            row["drafts"] += steps
+            row["draft_tokens"] += drafted
+            row["accepted"] += accepted
+            for j, count in enumerate(histogram or []):
+                if j >= len(row["histogram"]):
+                    row["histogram"].append(0)
+                row["histogram"][j] += count
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# scrapes
+def last_scrape(engine: Engine, deployment: str) -> dict | None:
+    with engine.connect() as connection:
+        row = connection.execute(select(MonitorScrape).where(MonitorScrape.deployment == deployment)
+                                 .order_by(MonitorScrape.scraped_at.desc(), MonitorScrape.id.desc())
+                                 .limit(1)).mappings().first()
+    return dict(row) if row else None
+
+
+def insert_scrape(engine: Engine, row: dict) -> int:
+    with engine.begin() as connection:
+        return connection.execute(insert(MonitorScrape).values(**row)
+                                  .returning(MonitorScrape.id)).scalar_one()
+
+
+def scrapes(engine: Engine, deployment: str | None = None, since: datetime | None = None,
+            until: datetime | None = None, config_version: str | None = None) -> list[dict]:
+    """Scrapes in time order, optionally of one deployment, config version and time range."""
+    query = select(MonitorScrape).order_by(MonitorScrape.scraped_at, MonitorScrape.id)
+    if deployment is not None:
+        query = query.where(MonitorScrape.deployment == deployment)
+    if since is not None:
+        query = query.where(MonitorScrape.scraped_at > since)
+    if until is not None:
+        query = query.where(MonitorScrape.scraped_at <= until)
+    if config_version is not None:
+        query = query.where(MonitorScrape.config_version == config_version)
+    with engine.connect() as connection:
+        return [dict(row) for row in connection.execute(query).mappings()]
+
+
+def deployments_seen(engine: Engine, since: datetime | None = None) -> list[str]:
+    query = select(MonitorScrape.deployment).distinct().order_by(MonitorScrape.deployment)
+    if since is not None:
+        query = query.where(MonitorScrape.scraped_at > since)
+    with engine.connect() as connection:
+        return list(connection.execute(query).scalars())
+
+
+# ------------------------------------------------------------------------------------------------
+# promises
+def planned_domains(engine: Engine, run_id: str, domains: list[str]) -> dict[str, dict]:
+    """Per domain of a run: its domain_configs row (drafter label, K, drafter spec, E) and the
+    acceptance estimate of that drafter at that K (E, its interval, the rounds' width shares)."""
+    out: dict[str, dict] = {}
+    with engine.connect() as connection:
+        for domain in domains:
+            planned = connection.execute(select(DomainConfig).where(
+                (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
+            if planned is None:
+                continue
+            estimate = connection.execute(select(AcceptanceEstimate).where(
+                (AcceptanceEstimate.run_id == run_id) & (AcceptanceEstimate.domain == domain)
+                & (AcceptanceEstimate.drafter == planned["drafter"])
+                & (AcceptanceEstimate.k == planned["k"]))).mappings().first()
+            out[domain] = {"planned": dict(planned), "estimate": dict(estimate) if estimate else None}
+    return out
+
+
+def cost_rows(engine: Engine, hardware_profile: str, run_id: str) -> list[dict]:
+    """The cost profile rows a run planned with (CostTable.from_rows takes them)."""
+    with engine.connect() as connection:
+        return [dict(r) for r in connection.execute(
+            select(CostProfile.component, CostProfile.drafter, CostProfile.k, CostProfile.batch_size,
+                   CostProfile.seconds, CostProfile.spread)
+            .where((CostProfile.hardware_profile == hardware_profile) & (CostProfile.run_id == run_id))
+        ).mappings()]
+
+
+def save_promises(engine: Engine, rows: list[dict]) -> None:
+    """Store promises not stored yet (a promise, once read for a deployment and version, stays)."""
+    if not rows:
+        return
+    with engine.begin() as connection:
+        connection.execute(_upsert_ignore(connection, MonitorPromise, [
+            "deployment", "config_name", "config_version", "domain"]), rows)
+
+
+def promises(engine: Engine, deployment: str | None = None, config_name: str | None = None,
+             config_version: str | None = None) -> list[dict]:
+    query = select(MonitorPromise).order_by(MonitorPromise.deployment, MonitorPromise.domain)
+    for column, value in ((MonitorPromise.deployment, deployment),
+                          (MonitorPromise.config_name, config_name),
+                          (MonitorPromise.config_version, config_version)):
+        if value is not None:
+            query = query.where(column == value)
+    with engine.connect() as connection:
+        return [dict(row) for row in connection.execute(query).mappings()]
+
+
+# ------------------------------------------------------------------------------------------------
+# the champion's moves and the monitor's events
+def champion_moved_at(engine: Engine, config_name: str, version: str) -> datetime | None:
+    """When `version` last became the champion (its newest promote or rollback row)."""
+    with engine.connect() as connection:
+        return connection.execute(
+            select(func.max(Promotion.created_at)).where(
+                (Promotion.config_name == config_name) & (Promotion.alias == "champion")
+                & (Promotion.config_version == version)
+                & Promotion.action.in_(("promote", "rollback")))).scalar()
+
+
+def has_event(engine: Engine, kind: str, deployment: str, config_name: str | None,
+              version: str | None, series: int | None) -> bool:
+    with engine.connect() as connection:
+        return connection.execute(select(MonitorEvent.id).where(
+            (MonitorEvent.kind == kind) & (MonitorEvent.deployment == deployment)
+            & (MonitorEvent.config_name == config_name) & (MonitorEvent.config_version == version)
+            & (MonitorEvent.series == series)).limit(1)).first() is not None
+
+
+def insert_event(engine: Engine, row: dict) -> dict:
+    with engine.begin() as connection:
+        row = dict(row)
+        row["id"] = connection.execute(insert(MonitorEvent).values(**row)
+                                       .returning(MonitorEvent.id)).scalar_one()
+    return row
+
+
+def events(engine: Engine, since: datetime | None = None, deployment: str | None = None) -> list[dict]:
+    """The monitor's events whose window ended after `since`, in the order they were raised."""
+    query = select(MonitorEvent).order_by(MonitorEvent.created_at, MonitorEvent.id)
+    if since is not None:
+        query = query.where(MonitorEvent.window_end > since)
+    if deployment is not None:
+        query = query.where(MonitorEvent.deployment == deployment)
+    with engine.connect() as connection:
+        return [dict(row) for row in connection.execute(query).mappings()]

@@ -1,0 +1,75 @@
+"""The champion's vLLM deployments as Docker Compose services (`specdec config export --format
+compose`): one service per deployment (domains with equal speculative configs share one server,
+as tasks.registry.vllm_export groups them), named by its domains, in the `serving` profile.
+
+Each service runs vLLM's OpenAI server from the vLLM image (the setting `serving_image`) on port
+8000 inside the Compose network (its /metrics there too: the monitor DAG scrapes
+http://SERVICE:8000), serves the target (the model directory or id given), takes the domain
+group's speculative config with per-request spec-decode metrics on (each response then carries
+`metrics.speculative_decoding`), and is labelled with the registered model and config version it
+serves, so a gateway can log the version beside each response.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from .config_schema import SpecdecConfig
+from .vllm_export import vllm_export
+
+SERVING_PROFILE = "serving"
+SERVER_PORT = 8000            # the OpenAI API and /metrics inside the Compose network
+LABEL_PREFIX = "io.specdec."
+MODELS_VOLUME = "serving-models"
+
+
+def deployment_name(domains: list[str]) -> str:
+    """A deployment's name (and Compose service name): `vllm-` and its domains, lower case,
+    letters, digits and dashes only (DNS-safe), at most 63 characters."""
+    slug = re.sub(r"[^a-z0-9]+", "-", "-".join(sorted(domains)).lower()).strip("-") or "default"
+    return ("vllm-" + slug)[:63].rstrip("-")
+
+
+def deployments(config: SpecdecConfig, target_path: str | None = None) -> list[dict]:
+    """vllm_export's deployments, each with its `name`."""
+    return [dict(d, name=deployment_name(d["domains"]))
+            for d in vllm_export(config, target_path=target_path)["deployments"]]
+
+
+def service(deployment: dict, model: str, image: str, config_name: str, version: str,
+            host_port: int) -> dict:
+    """One Compose service of a deployment (see the module's docstring)."""
+    spec = deployment["speculative_config"]
+    command = ["--model", model, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
+    if spec is not None:
+        command += ["--speculative-config", json.dumps(spec, sort_keys=True, separators=(",", ":")),
+                    "--per-request-spec-decode-metrics", "summary"]
+    return {
+        "image": image,
+        "profiles": [SERVING_PROFILE],
+        "restart": "unless-stopped",
+        "entrypoint": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+        "command": command,
+        "ports": [f"127.0.0.1:{host_port}:{SERVER_PORT}"],
+        "volumes": [f"{MODELS_VOLUME}:/root/.cache/huggingface"],
+        "labels": {LABEL_PREFIX + "config_name": config_name,
+                   LABEL_PREFIX + "config_version": str(version),
+                   LABEL_PREFIX + "domains": ",".join(deployment["domains"]),
+                   LABEL_PREFIX + "speculative": "off" if spec is None else spec.get("method", "on"),
+                   LABEL_PREFIX + "metrics_port": str(SERVER_PORT),
+                   LABEL_PREFIX + "metrics_path": "/metrics"},
+        "healthcheck": {"test": ["CMD", "python3", "-c", "import urllib.request; urllib.request."
+                                 f"urlopen('http://localhost:{SERVER_PORT}/health', timeout=5)"],
+                        "interval": "15s", "timeout": "10s", "retries": 40, "start_period": "120s"},
+    }
+
+
+def compose_export(config: SpecdecConfig, config_name: str, version: str, image: str,
+                   target_path: str | None = None, first_host_port: int = 8100) -> dict:
+    """The Compose override: {services: one per deployment, volumes: the model cache}; host ports
+    first_host_port, +1, ... on loopback (the monitor scrapes inside the network)."""
+    model = target_path or config.target.id
+    services = {d["name"]: service(d, model, image, config_name, version, first_host_port + i)
+                for i, d in enumerate(deployments(config, target_path))}
+    return {"services": services, "volumes": {MODELS_VOLUME: {}}}

@@ -1,0 +1,189 @@
+"""The production monitor's bookkeeping without a serving engine: scrapes of a loopback HTTP server
+that serves vLLM's spec-decode counters as Prometheus text (parsed by prometheus-client), so the
+counters can rise, fall (a restart) and be garbage on demand; the drift alert with the automatic
+rollback turned off; the SQL report `production_vs_promised` and `specdec monitor show`.
+The loop on a real vLLM server is tests/test_monitor_serving.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from sqlalchemy import create_engine, func, select
+
+from .helpers.monitor import BREAK_EVEN, DEPLOYMENT, PROMISE, monitored_champion, now
+from .helpers.processes import specdec
+
+
+def exposition(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> str:
+    """vLLM's spec-decode counters as its /metrics writes them (one engine, one model)."""
+    labels = 'engine="0",model_name="tiny"'
+    lines = ["# HELP vllm:num_requests_running Number of requests running.",
+             "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} 0.0"]
+    for name, value in (("num_drafts", drafts), ("num_draft_tokens", draft_tokens),
+                        ("num_accepted_tokens", accepted)):
+        lines += [f"# HELP vllm:spec_decode_{name}_total Spec decode {name}.",
+                  f"# TYPE vllm:spec_decode_{name}_total counter",
+                  f"vllm:spec_decode_{name}_total{{{labels}}} {float(value)}",
+                  f"vllm:spec_decode_{name}_created{{{labels}}} 1.7e9"]
+    lines += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted per position.",
+              "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
+    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {float(v)}'
+              for i, v in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+
+
+class Exposition:
+    """A loopback server whose GET /metrics answers `text` (what a test sets)."""
+
+    def __init__(self):
+        owner = self
+        self.text = exposition(0, 0, 0, [0, 0, 0])
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = owner.text.encode()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def metrics_server():
+    server = Exposition()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def tracking(tmp_path, monkeypatch) -> str:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_scrapes_store_deltas_and_a_restart_starts_a_new_series_never_negative(db_url, metrics_server):
+    from tasks.db.models import MonitorScrape
+    from tasks.errors import MonitorScrapeError
+    from tasks.settings import load_settings
+    from tasks.steps.monitor import MonitorContext, scrape
+
+    ctx = MonitorContext.open(db_url, None, "Test-Org/None", load_settings({}))
+    metrics_server.text = exposition(100, 300, 150, [60, 50, 40])
+    first = scrape(ctx, metrics_server.url, "vllm-a", config=False)
+    assert (first["series"], first["start"], first["delta_drafts"], first["delta_per_pos"]) == (
+        1, "baseline", 0, [0, 0, 0])
+    metrics_server.text = exposition(130, 390, 170, [70, 60, 40])
+    second = scrape(ctx, metrics_server.url + "/metrics", "vllm-a", config=False)
+    assert (second["series"], second["start"]) == (1, None)
+    assert (second["delta_drafts"], second["delta_draft_tokens"], second["delta_accepted"],
+            second["delta_per_pos"]) == (30, 90, 20, [10, 10, 0])
+    # the server restarted: its counters fell; they count from zero since, so they are the deltas
+    metrics_server.text = exposition(12, 36, 9, [5, 3, 1])
+    third = scrape(ctx, metrics_server.url, "vllm-a", config=False)
+    assert (third["series"], third["start"], third["delta_drafts"], third["delta_accepted"],
+            third["delta_per_pos"]) == (2, "restart", 12, 9, [5, 3, 1])
+    # one counter falling is enough (the per-position ones too)
+    metrics_server.text = exposition(20, 60, 15, [4, 6, 5])
+    assert scrape(ctx, metrics_server.url, "vllm-a", config=False)["series"] == 3
+    # another deployment has series of its own
+    assert scrape(ctx, metrics_server.url, "vllm-b", config=False)["start"] == "baseline"
+
+    # something that is not vLLM's metrics: one error naming the fix, nothing stored
+    engine = create_engine(db_url)
+
+    def count() -> int:
+        with engine.connect() as connection:
+            return connection.execute(select(func.count()).select_from(MonitorScrape)).scalar()
+
+    stored = count()
+    metrics_server.text = "# HELP up Up.\n# TYPE up gauge\nup 1\n"
+    with pytest.raises(MonitorScrapeError, match="serves no vLLM metrics .*nothing stored"):
+        scrape(ctx, metrics_server.url, "vllm-a", config=False)
+    metrics_server.text = "vllm:spec_decode_num_drafts_total{ this is not an exposition\n"
+    with pytest.raises(MonitorScrapeError, match="not a Prometheus text exposition"):
+        scrape(ctx, metrics_server.url, "vllm-a", config=False)
+    assert count() == stored
+    with engine.connect() as connection:
+        assert all(row.delta_drafts >= 0 for row in connection.execute(select(MonitorScrape)))
+    engine.dispose()
+
+
+def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
+        db_url, tracking, metrics_server, tmp_path):
+    from tasks.registry.tracking import client
+    from tasks.settings import load_settings
+    from tasks.steps.monitor import MonitorContext, check, scrape, show
+    from tasks.steps.reports import run_report
+
+    target = f"Test-Org/Off-{tmp_path.name[-8:]}"
+    name = monitored_champion(db_url, tracking, target)
+    settings = load_settings({}, monitor_window_s=600, monitor_min_drafts=50, monitor_auto_rollback=False)
+    ctx = MonitorContext.open(db_url, tracking, target, settings)
+    start = now() + timedelta(seconds=1)
+    at = [start + timedelta(seconds=60 * i) for i in range(4)]
+    served = [(0, 0), (40, 120), (80, 240), (200, 250)]     # (drafts, accepted) as counted
+    for i, (drafts, accepted) in enumerate(served):
+        metrics_server.text = exposition(drafts, 3 * drafts, accepted, [accepted // 3] * 3)
+        scrape(ctx, metrics_server.url, DEPLOYMENT, at=at[i])
+        result = check(ctx, at=at[i])
+        if i < 2:       # the baseline, then 40 drafts: fewer than monitor_min_drafts, nothing said
+            assert result["events"] == [] and result["deployments"][0]["state"].startswith("insufficient")
+        elif i == 2:    # E 4.0 over 80 drafts: within the promise
+            assert result["events"] == [] and result["deployments"][0]["state"] == "ok", result
+    # E over the window 1 + 250 / 200 = 2.25: below the promise's interval, above the break-even
+    assert [e["kind"] for e in result["events"]] == ["alert"]
+    metrics_server.text = exposition(400, 1200, 255, [87, 85, 83])
+    scrape(ctx, metrics_server.url, DEPLOYMENT, at=at[3] + timedelta(seconds=60))
+    result = check(ctx, at=at[3] + timedelta(seconds=60))
+    status = result["deployments"][0]
+    assert status["e"] == pytest.approx(1 + 255 / 400) and status["e"] < BREAK_EVEN, status
+    assert status["state"] == "below break-even" and result["events"] == []   # alerted once; no rollback
+    assert str(client(tracking).get_model_version_by_alias(name, "champion").version) == "2"
+
+    # the version page: a Production section, and the plot over time in the version's run
+    mlflow_client = client(tracking)
+    page = mlflow_client.get_model_version(name, "2").description
+    production = page[page.index("### Production"):]
+    assert "vllm-json-qa" in production and "3.80 [3.50, 4.00]" in production and "1.64" in production
+    assert "**alert**" in production and "plots/production_e.png" in production
+    run_id = mlflow_client.get_model_version(name, "2").run_id
+    assert "plots/production_e.png" in [a.path for a in mlflow_client.list_artifacts(run_id, "plots")]
+
+    report = run_report("production_vs_promised", db_url)
+    rows = [dict(zip(report["columns"], row)) for row in report["rows"]]
+    assert {r["domain"] for r in rows} == {"json", "qa"} and len(rows) == 2
+    row = rows[0]
+    assert (row["deployment"], row["config_version"], row["drafts"], row["accepted"]) == (
+        DEPLOYMENT, "2", 400, 255)
+    assert (row["promise_e"], row["promise_lo"], row["promise_hi"]) == PROMISE
+    assert row["break_even"] == pytest.approx(BREAK_EVEN) and row["verdict"] == "below break-even"
+    assert (row["alerts"], row["rollbacks"]) == (1, 0) and "below the promise's interval" in row["alert"]
+
+    shown = show(ctx.engine, settings, since=at[0] - timedelta(seconds=1), until=at[3] + timedelta(seconds=60))
+    (deployment,) = shown["deployments"]
+    assert deployment["deployment"] == DEPLOYMENT and deployment["config_version"] == "2"
+    json_row = deployment["domains"][0]
+    assert json_row["scraped"]["drafts"] == 400 and json_row["scraped"]["position_rates"] == [0.2175, 0.2125, 0.2075]
+    assert json_row["per_request"]["requests"] == 0 and json_row["per_request"]["e"] is None
+    done = specdec("monitor", "show", "--json", "--url", db_url, "--since",
+                   (at[0] - timedelta(seconds=1)).isoformat(), "--until",
+                   (at[3] + timedelta(seconds=60)).isoformat())
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["deployments"][0]["domains"][1]["domain"] == "qa"
