@@ -259,6 +259,21 @@ class Settings(BaseModel):
         "continuations per sampling setting in the sampling test on vLLM; None: validation_rows"))
     engine_sampling_tokens: int = Field(default=3, ge=2, le=8, description=(
         "tokens per continuation in the sampling test on vLLM (position 0 comes before any draft)"))
+    # the load check on vLLM's OpenAI server (tasks.steps.load_check)
+    load_check: bool = Field(default=True, description=(
+        "with the engine check: stream each domain's requests through the plain and the config's "
+        "vLLM OpenAI servers at the concurrency levels its schedule claims; the exported schedule "
+        "keeps K > 0 only up to the largest level whose measured speedup pays"))
+    load_check_levels: tuple[int, ...] = Field(default=(1, 2, 4, 8), description=(
+        "concurrency levels of the load check (those where the domain's schedule drafts)"))
+    load_check_requests: int = Field(default=8, ge=1, description=(
+        "requests per level and server (at least the level's concurrency): the domain's requests "
+        "in draw order, repeated when it has fewer"))
+    load_check_max_tokens: int = Field(default=32, ge=2, description=(
+        "longest response of a load check request (the logged length, cut here)"))
+    load_check_timeout_s: float = Field(default=300.0, gt=0, description=(
+        "one level on one server; past it the level is a hang: the domain is not promotable and "
+        "the reason names the server's log"))
     # Airflow queues (CeleryExecutor / KubernetesExecutor workers; the LocalExecutor ignores them)
     gpu_queue: str = Field(default="gpu", min_length=1, description=(
         "queue of the tasks that run the model: profile, estimate, confirm, validate, the run's "
@@ -328,7 +343,8 @@ def _from_env(environ) -> dict:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None:
             continue
-        complex_value = name in ("domain_rules", "redaction_rules", "profile_batch_sizes") or (
+        complex_value = name in ("domain_rules", "redaction_rules", "profile_batch_sizes",
+                                 "load_check_levels") or (
             name in ("known_domains", "candidates") and raw.lstrip().startswith("["))
         if complex_value:
             try:

@@ -10,6 +10,7 @@ from rich.table import Table
 from specdec_core.models import DEFAULT_MODEL
 
 from ..paths import check_identifier
+from ..registry.load_results import load_check_text
 from ..registry.run_results import engine_sampling_text
 from ..settings import load_settings
 from ..steps.candidates import build_drafters
@@ -33,9 +34,11 @@ def evaluation_rich_table(result: dict) -> Table:
                   title_justify="left")
     for column in ("domain", "on", "drafter", "K", "max batch", "E[tokens/round]",
                    "predicted speedup [95% CI]", "measured [95% CI]", "same requests", "cost-model err",
-                   "sampling err", "vLLM E / est.", "validation", "vLLM sampling", "note"):
+                   "sampling err", "vLLM E / est.", "validation", "vLLM sampling", "under load (vLLM)",
+                   "note"):
         table.add_column(column, justify="left" if column in ("domain", "drafter", "note", "on",
-                                                              "validation", "vLLM sampling")
+                                                              "validation", "vLLM sampling",
+                                                              "under load (vLLM)")
                          else "right")
     for row in result["table"]:
         predicted = "-" if row["predicted_speedup"] is None else (
@@ -71,7 +74,7 @@ def evaluation_rich_table(result: dict) -> Table:
                       "-" if row.get("engine_e") is None else
                       f"{row['engine_e']:.2f} / {_fmt(row.get('engine_estimate_e'))}",
                       row["validation"] or "-", escape(engine_sampling_text(row.get("engine_sampling"))),
-                      ", ".join(note))
+                      escape(load_check_text(row.get("load_check"))), ", ".join(note))
     return table
 
 

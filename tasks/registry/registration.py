@@ -22,6 +22,7 @@ from sqlalchemy import select
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
+from ..db.queries_load import load_checks
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
@@ -29,7 +30,8 @@ from .run_config import (build_config, changes_markdown, domain_table_markdown, 
                          run_row, validation_status)
 from .run_results import (data_docs_pages, domain_evidence, engine_checks, engine_markdown, low_acceptance,
                           profile_check)
-from .plots import write_plots
+from .load_results import load_markdown
+from .plots import write_load_plot, write_plots
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
                        tracking_uri)
 from .version_page import champion_audit, champion_line, gates_markdown
@@ -53,7 +55,8 @@ def _plots(run_id: str, connection, directory: Path, min_speedup: float) -> list
                        LiveMeasurement.measured_speedup).where(LiveMeasurement.run_id == run_id)
                 .order_by(LiveMeasurement.domain))
             if r.predicted_same_requests and r.measured_speedup]
-    return write_plots(run_id, estimates, configs, live, min_speedup, directory)
+    paths = write_plots(run_id, estimates, configs, live, min_speedup, directory)
+    return paths + write_load_plot(run_id, load_checks(connection.engine, run_id), min_speedup, directory)
 
 
 def _cell(value) -> str:
@@ -299,6 +302,10 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                 if s.reason and s.reason.startswith("engine check:")]
         veto_text += ("**Turned off by the engine check** (planned on; on vLLM it refused, died or "
                       "accepted less than estimated):\n\n" + "\n".join(held) + "\n\n") if held else ""
+        under_load = [f"- **{name}**: {s.reason}" for name, s in sorted(config.domains.items())
+                      if s.reason and s.reason.startswith("load check:")]
+        veto_text += ("**Turned off or cut by the load check** (on vLLM's OpenAI server under "
+                      "concurrent requests):\n\n" + "\n".join(under_load) + "\n\n") if under_load else ""
         evidence = domain_evidence(run_id, db_url)
         veto_text += below_bar_markdown(config, evidence, settings)
         veto_text += alert_markdown(low_acceptance(run_id, settings.acceptance_alert, db_url),
@@ -316,6 +323,8 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                     f"validation **{validation_status(config)}**\n\n"
                     f"{domain_table_markdown(config, evidence, settings.min_speedup, settings.confirm_tolerance)}\n\n"
                     f"### On vLLM (engine check)\n\n{engine_markdown(engine_checks(run_id, db_url))}\n\n"
+                    f"### Under load on vLLM (load check; plot `plots/load_check_speedup.png`)\n\n"
+                    f"{load_markdown(load_checks(ensure_ready(db_url), run_id))}\n\n"
                     f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
                     + gates_markdown(gates, f"preview at registration against champion "
                                             f"{champion_version or 'none'}; `specdec config promote` "
