@@ -166,3 +166,171 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
 
     assert load_check_text(table[0]["load_check"]) == "c1 2.00x, c2 0.40x x; K>0 up to 1"
     assert "| code | 2 | 4 |" in load_markdown(load_checks(engine, "r-load"))
+
+
+# --- on vLLM's OpenAI server: one pool of servers for the module -------------------------------
+NGRAM = "prompt_lookup:max_ngram=3,min_ngram=1"
+TOKENS = 48
+DOMAINS = {
+    # domain: (drafter label, K, schedule, requests: "count" (vLLM's n-gram drafts what the target
+    # continues) or "long" (longer than the server's 512 positions: refused, a failed request))
+    "count": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["count"] * 4),
+    "crowded": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["count", "long", "count", "count"]),
+    "overlong": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["long"] * 4),
+    # min n-gram above max: vLLM refuses the config at start
+    "refused": ("prompt_lookup:max_ngram=2,min_ngram=3", 2, [[1, 1, 2]], ["count"] * 4),
+}
+
+
+def _requests(domain: str, kinds: list[str]) -> list:
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+
+    out = []
+    for n, kind in enumerate(kinds):
+        start = 7 * n
+        prompt = [(start + t) % 64 for t in range(100 if kind == "count" else 600)]
+        response = [(prompt[-1] + 1 + t) % 64 for t in range(TOKENS)]
+        out.append(LoggedRequest(f"{domain}-{n}", prompt, response, SamplingParams(temperature=0.0), domain))
+    return out
+
+
+def _finished_run(url: str, target: str) -> None:
+    from tasks.db import upgrade
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, EvalRun
+    from tasks.steps.candidates import parse_candidate
+    from tasks.timeutil import utcnow
+
+    upgrade(url)
+    now = utcnow()
+    with ensure_ready(url).begin() as connection:
+        connection.execute(EvalRun.__table__.insert().values(
+            run_id="r1", created_at=now, updated_at=now, status="evaluated", target_id=target,
+            target_fingerprint="sha256:test", hardware_profile="cpu"))
+        for domain, (label, k, schedule, _) in DOMAINS.items():
+            connection.execute(DomainConfig.__table__.insert().values(
+                run_id="r1", domain=domain, enabled=True, drafter=label, k=k, k_schedule=schedule,
+                max_batch_size=schedule[-1][1], status="ok", drafter_spec=parse_candidate(label),
+                samples=30, reason="planned on", created_at=now))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The load check of a finished run on a tiny target (copying_llama: after x, x + 1), levels
+    1 and 2, one request per level and at least the level; min_speedup so low that a level pays
+    whenever it measured a speedup without a failed request."""
+    from tasks.db.engine import ensure_ready
+    from tasks.serving.server import ServerPool
+    from tasks.steps.load_check import load_check
+
+    from .helpers.models import copying_llama, save_tiny_target
+
+    base = tmp_path_factory.mktemp("load-check")
+    target = save_tiny_target(copying_llama(vocab=64), base / "target")
+    url = f"sqlite:///{base / 'specdec.db'}"
+    _finished_run(url, str(target))
+    requests = {domain: _requests(domain, spec[3]) for domain, spec in DOMAINS.items()}
+    settings = load_settings(load_check_levels=(1, 2), load_check_requests=1,
+                             load_check_max_tokens=TOKENS, min_speedup=1e-9)
+    context = SimpleNamespace(settings=settings, spec=SimpleNamespace(run_id="r1", target=str(target)),
+                              engine=ensure_ready(url), url=url, model=None,
+                              domain_requests=lambda domain: (requests[domain], {}),
+                              domain_drafters=lambda domain: {})
+    with ServerPool("r1", target, dtype="float32", settings=settings, max_model_len=512,
+                    directory=base / "servers") as pool:
+        result = load_check(context, pool=pool)
+        yield {"result": result, "url": url, "pool": pool, "context": context}
+    assert all(not server.alive() for server in pool.servers.values())
+
+
+@needs_server
+@pytest.mark.integration
+def test_two_levels_are_measured_and_metrics_counters_equal_the_per_request_sums(served):
+    check = served["result"]["domains"]["count"]
+    assert check["status"] == "ok" and check["passed"] is True
+    assert [level["concurrency"] for level in check["levels"]] == [1, 2]
+    for level in check["levels"]:
+        assert level["failed"] == 0 and level["requests"] == level["concurrency"]
+        assert level["plain_tokens_per_s"] > 0 and level["spec_tokens_per_s"] > 0
+        assert level["spec_itl_p50_s"] is not None and level["spec_ttft_p95_s"] is not None
+        # vLLM's /metrics deltas of the level equal the same requests' per-request metrics summed
+        assert level["counters"]["drafts"] > 0 and level["counters"]["accepted_tokens"] > 0
+        assert level["counters"] == level["request_sums"] and level["counters_equal"] is True
+        # the target continues what the n-grams propose: E from /metrics is above 1
+        assert level["engine_e"] > 1.0 and len(level["engine_rates"]) == 4
+    assert check["schedule_after"] == check["schedule_before"] == [[1, 1, 4], [2, 2, 4], [3, BEYOND, 0]]
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_level_that_does_not_pay_cuts_the_schedule_and_one_paying_nowhere_is_off(served):
+    from tasks.registry.run_config import build_config
+    from tasks.registry.vllm_export import vllm_export
+
+    crowded = served["result"]["domains"]["crowded"]
+    # level 1: its first request, served; level 2: a second one the server refuses (too long)
+    assert [(level["concurrency"], level["failed"], level["pays"]) for level in crowded["levels"]] == [
+        (1, 0, True), (2, 2, False)]
+    assert crowded["status"] == "cut" and crowded["max_level_paying"] == 1
+    assert "at 2 concurrent requests (2 of 4 requests failed)" in crowded["reason"]
+    assert crowded["schedule_after"] == [[1, 1, 4], [2, BEYOND, 0]]
+    overlong = served["result"]["domains"]["overlong"]
+    assert overlong["status"] == "off" and overlong["passed"] is False
+    assert overlong["reason"].startswith("load check: no speedup measured at 1 concurrent request")
+    # the exported config follows the measurement
+    exported = vllm_export(build_config("r1", served["url"]))["speculative_config"]
+    assert exported["crowded"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, BEYOND, 0]]
+    assert exported["count"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 2, 4], [3, BEYOND, 0]]
+    assert exported["overlong"] is None
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_server_that_does_not_start_leaves_the_domain_off_naming_its_log(served):
+    from sqlalchemy import select
+
+    from tasks.db.models import DomainConfig
+
+    refused = served["result"]["domains"]["refused"]
+    assert refused["status"] == "failed" and refused["passed"] is False and refused["levels"] == []
+    assert "the config server did not start" in refused["reason"] and ".log" in refused["reason"]
+    with served["context"].engine.connect() as connection:
+        enabled = dict(connection.execute(select(DomainConfig.domain, DomainConfig.enabled)
+                                          .where(DomainConfig.run_id == "r1")).all())
+    # the other domains' results stay
+    assert enabled == {"count": True, "crowded": True, "overlong": False, "refused": False}
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served):
+    import signal
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tasks.steps.load_check import level_items, measure_domain
+
+    pool = served["pool"]
+    spec = served["result"]["domains"]["count"]["speculative_config"]
+    settings = load_settings(load_check_requests=8, load_check_timeout_s=120)
+    items = level_items(_requests("count", ["count"] * 8), 8, 400)
+    server = pool.get(spec, max_num_seqs=2)         # the server measure_domain asks the pool for
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(
+        measure_domain(pool, spec, [(2, 4)], items, settings)))
+    worker.start()
+
+    def running() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   if family.name == "vllm:num_requests_running" for sample in family.samples)
+    deadline = time.monotonic() + 300
+    while running() == 0 and time.monotonic() < deadline:     # the plain level first, then this one
+        time.sleep(0.05)
+    os.killpg(server.process.pid, signal.SIGKILL)
+    worker.join(timeout=300)
+    status, reason = outcome["failure"]
+    assert status == "died" and outcome["levels"] == []
+    assert "the config server died at 2 concurrent requests" in reason and str(server.log_path) in reason
