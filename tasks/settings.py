@@ -16,7 +16,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -264,7 +264,8 @@ class Settings(BaseModel):
         "with the engine check: stream each domain's requests through the plain and the config's "
         "vLLM OpenAI servers at the concurrency levels its schedule claims; the exported schedule "
         "keeps K > 0 only up to the largest level whose measured speedup pays"))
-    load_check_levels: tuple[int, ...] = Field(default=(1, 2, 4, 8), description=(
+    load_check_levels: tuple[Annotated[int, Field(ge=1)], ...] = Field(
+        default=(1, 2, 4, 8), min_length=1, description=(
         "concurrency levels of the load check (those where the domain's schedule drafts)"))
     load_check_requests: int = Field(default=8, ge=1, description=(
         "requests per level and server (at least the level's concurrency): the domain's requests "

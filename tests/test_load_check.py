@@ -314,7 +314,7 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served):
 
     pool = served["pool"]
     spec = served["result"]["domains"]["count"]["speculative_config"]
-    settings = load_settings(load_check_requests=8, load_check_timeout_s=120)
+    settings = load_settings(load_check_levels=(1, 2), load_check_requests=8, load_check_timeout_s=120)
     items = level_items(_requests("count", ["count"] * 8), 8, 400)
     server = pool.get(spec, max_num_seqs=2)         # the server measure_domain asks the pool for
     outcome = {}

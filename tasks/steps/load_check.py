@@ -263,7 +263,8 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
                    settings: Settings) -> dict:
     """The levels of one domain, plain then config at each level. Output: {levels: [(level, K,
     plain, config)], failure: (status, reason) or None, logs: {plain, config}}."""
-    seqs = max([level for level, _ in levels] + [1])
+    # one size for every domain (the largest level of the setting): domains share their servers
+    seqs = max(settings.load_check_levels)
     out: dict = {"levels": [], "failure": None, "logs": {}}
     for level, k in levels:
         chosen = items[:max(settings.load_check_requests, level)]
