@@ -156,6 +156,7 @@ def cmd_show(args) -> int:
         console.print(engine_rich_table(args.run_id, rows))
         if loads:
             console.print(load_rich_table(args.run_id, loads))
+            print_load_verdicts(loads)
     return 0
 
 
@@ -201,10 +202,14 @@ def load_rich_table(run_id: str, loads: dict) -> Table:
                           f"{_ms(level['spec_itl_p50_s'])}/{_ms(level['spec_itl_p95_s'])}",
                           _x(level["engine_e"]), str(level["failed"]),
                           {True: "yes", False: "no"}.get(level["pays"], "-"))
-        table.add_row(escape(domain), "", "", "", "", "", "", "", "", "", "",
-                      escape(f"{check.get('status')}: schedule {check.get('schedule_before')} -> "
-                             f"{check.get('schedule_after')}"))
     return table
+
+
+def print_load_verdicts(loads: dict) -> None:
+    """Per domain: its verdict, the exported schedule before and after the cut, the reason."""
+    for domain, check in sorted(loads.items()):
+        console.print(escape(f"  {domain} ({check.get('status')}): schedule {check.get('schedule_before')} "
+                             f"-> {check.get('schedule_after')}; {check.get('reason')}"))
 
 
 def cmd_load(args) -> int:
@@ -228,8 +233,7 @@ def cmd_load(args) -> int:
         print_json({"run_id": args.run_id, "domains": {d: load_json(c) for d, c in loads.items()}})
     else:
         console.print(load_rich_table(args.run_id, loads))
-        for domain, check in sorted(loads.items()):
-            console.print(escape(f"  {domain}: {check.get('reason')}"))
+        print_load_verdicts(loads)
     return 0 if all(c.get("passed") is not False for c in loads.values()) else 1
 
 
