@@ -323,6 +323,12 @@ class Settings(BaseModel):
             raise ValueError(f"min_per_domain {self.min_per_domain} > max_per_domain {self.max_per_domain}")
         return self
 
+    def value(self, name: str):
+        """A setting by its public name: `settings.value("load_check_levels")`."""
+        if name not in type(self).model_fields:
+            raise SettingsError(f"unknown setting {name!r}")
+        return getattr(self, name)
+
     @property
     def resolved_database_url(self) -> str:
         """database_url, else $SPECDEC_HOME/specdec.db as SQLite."""

@@ -170,9 +170,9 @@ def pays(row: dict, settings: Settings, champion_on: bool) -> bool:
     """Whether a measured level pays (see the module's docstring)."""
     if row["failed"] or row["measured_speedup_lo"] is None:
         return False
-    if champion_on and settings.hysteresis:
-        return row["measured_speedup_lo"] >= 1.0 and row["measured_speedup_hi"] >= settings.min_speedup
-    return row["measured_speedup_lo"] >= settings.min_speedup
+    if champion_on and settings.value("hysteresis"):
+        return row["measured_speedup_lo"] >= 1.0 and row["measured_speedup_hi"] >= settings.value("min_speedup")
+    return row["measured_speedup_lo"] >= settings.value("min_speedup")
 
 
 def level_text(row: dict) -> str:
@@ -201,9 +201,9 @@ def cut_schedule(config: dict, rows: list[dict], settings: Settings) -> dict:
         return {"status": "ok", "largest": largest, "changes": {},
                 "reason": f"load check: pays at every level measured ({paid})" if rows else
                           "load check: no level measured"}
-    bar = (f"min_speedup {settings.min_speedup:.2f}x" + (" (hysteresis: lower end 1.0, upper end "
+    bar = (f"min_speedup {settings.value('min_speedup'):.2f}x" + (" (hysteresis: lower end 1.0, upper end "
                                                          "min_speedup)" if config.get("champion_on")
-                                                         and settings.hysteresis else ""))
+                                                         and settings.value("hysteresis") else ""))
     text = f"load check: {level_text(failing)} does not pay {bar}"
     if largest is None:
         return {"status": "off", "largest": None, "reason": text, "changes": {
@@ -252,7 +252,7 @@ def _failure(which: str, server, level: int, result: dict | None, exc: Exception
     if result["timed_out"]:
         return "timeout", (f"load check: the {which} server hung {where}: {unfinished} of "
                            f"{len(result['requests'])} requests not finished within "
-                           f"{settings.load_check_timeout_s:.0f} s (load_check_timeout_s); its log: "
+                           f"{settings.value('load_check_timeout_s'):.0f} s (load_check_timeout_s); its log: "
                            f"{server.log_path}")
     return "died", (f"load check: the {which} server died {where} ({unfinished} of "
                     f"{len(result['requests'])} requests failed): {server.last_line()}; its log: "
@@ -264,10 +264,10 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     """The levels of one domain, plain then config at each level. Output: {levels: [(level, K,
     plain, config)], failure: (status, reason) or None, logs: {plain, config}}."""
     # one size for every domain (the largest level of the setting): domains share their servers
-    seqs = max(settings.load_check_levels)
+    seqs = max(settings.value("load_check_levels"))
     out: dict = {"levels": [], "failure": None, "logs": {}}
     for level, k in levels:
-        chosen = items[:max(settings.load_check_requests, level)]
+        chosen = items[:max(settings.value("load_check_requests"), level)]
         results = {}
         for which, served in (("plain", None), ("config", spec)):
             try:
@@ -277,7 +277,7 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
                 return out
             out["logs"][which] = str(server.log_path)
             log.info("load check: %d requests at %d concurrent on the %s server", len(chosen), level, which)
-            result = run_level(server, chosen, level, settings.load_check_timeout_s)
+            result = run_level(server, chosen, level, settings.value("load_check_timeout_s"))
             if result["timed_out"] or not result["alive"]:
                 out["failure"] = _failure(which, server, level, result, None, settings)
                 server.stop()       # a hung server is not left running; the pool restarts it
@@ -347,11 +347,11 @@ def _planned(context, on: dict, exported: dict) -> dict:
     planned = {}
     for domain in sorted(on):
         spec = exported.get(domain)
-        levels = [(b, k_at(spec, b)) for b in sorted(set(settings.load_check_levels))
+        levels = [(b, k_at(spec, b)) for b in sorted(set(settings.value("load_check_levels")))
                   if spec is not None and claimed_k(on[domain], b) > 0]
         items = level_items(context.domain_requests(domain)[0],
-                            max([settings.load_check_requests] + [b for b, _ in levels]),
-                            settings.load_check_max_tokens)
+                            max([settings.value("load_check_requests")] + [b for b, _ in levels]),
+                            settings.value("load_check_max_tokens"))
         if spec is not None and levels and items:
             planned[domain] = (spec, levels, items)
     return planned
@@ -372,7 +372,7 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
     servers to use, else a pool of the run's own, closed at the end). Output: {"skipped": line
     or None, "domains": {domain: its load_check_domains row with "levels"}}."""
     settings, run_id = context.settings, context.spec.run_id
-    if not settings.load_check:
+    if not settings.value("load_check"):
         return {"skipped": "load check off (setting load_check)", "domains": {}}
     try:
         serving_env.serving_python(settings)
