@@ -16,7 +16,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -317,6 +317,26 @@ class QueueSettings(_Group):
         "promote, reports (Airflow's [operators] default_queue is `default`)"))
 
 
+class LoadCheckSettings(_Group):
+    """The load check on vLLM's OpenAI server (tasks.steps.load_check; docs/load-check.md)."""
+
+    check: bool = Field(default=True, description=(
+        "with the engine check: stream each domain's requests through the plain and the config's "
+        "vLLM OpenAI servers at the concurrency levels its schedule claims; the exported schedule "
+        "keeps K > 0 only up to the largest level whose measured speedup pays"))
+    levels: tuple[Annotated[int, Field(ge=1)], ...] = Field(
+        default=(1, 2, 4, 8), min_length=1, description=(
+            "concurrency levels of the load check (those where the domain's schedule drafts)"))
+    requests: int = Field(default=8, ge=1, description=(
+        "requests per level and server (at least the level's concurrency): the domain's requests "
+        "in draw order, repeated when it has fewer"))
+    max_tokens: int = Field(default=32, ge=2, description=(
+        "longest response of a load check request (the logged length, cut here)"))
+    timeout_s: float = Field(default=300.0, gt=0, description=(
+        "one level on one server; past it the level is a hang: the domain is not promotable and "
+        "the reason names the server's log"))
+
+
 class MonitorSettings(_Group):
     """The production monitor (`specdec monitor`, the DAG specdec_monitor; docs/monitoring.md)."""
 
@@ -344,6 +364,7 @@ GROUPS: dict[str, type[_Group]] = {
     "plan": PlanSettings, "profile": ProfileSettings, "live": LiveSettings,
     "validation": ValidationSettings, "engine": EngineSettings, "queues": QueueSettings,
     "registry": RegistrySettings, "monitor": MonitorSettings,
+    "load": LoadCheckSettings,
 }
 
 # Every setting's one public name: the SPECDEC_<NAME> environment variable, the key of the
@@ -372,12 +393,14 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
        if name not in ("serving_python", "serving_image")},
     "serving_image": ("engine", "serving_image"),
     **{f"monitor_{name}": ("monitor", name) for name in MonitorSettings.model_fields},
+    "load_check": ("load", "check"),
+    **{f"load_check_{name}": ("load", name) for name in LoadCheckSettings.model_fields if name != "check"},
     "gpu_queue": ("queues", "gpu"), "cpu_queue": ("queues", "cpu"),
     "promotion_regression_tolerance": ("registry", "regression_tolerance"),
 }
 # settings whose environment value is JSON (lists of objects or numbers); known_domains and
 # candidates take JSON when the value starts with "["
-_JSON_SETTINGS = ("domain_rules", "redaction_rules", "profile_batch_sizes")
+_JSON_SETTINGS = ("domain_rules", "redaction_rules", "profile_batch_sizes", "load_check_levels")
 
 
 class Settings(BaseModel):
@@ -404,6 +427,7 @@ class Settings(BaseModel):
     queues: QueueSettings = QueueSettings()
     registry: RegistrySettings = RegistrySettings()
     monitor: MonitorSettings = MonitorSettings()
+    load: LoadCheckSettings = LoadCheckSettings()
 
     @field_validator("known_domains", mode="before")
     @classmethod

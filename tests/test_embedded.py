@@ -144,6 +144,8 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
                              confirm_max_new_tokens=16, validation_rows=100, greedy_check_requests=1,
                              greedy_check_tokens=12, candidates=("prompt_lookup",), min_speedup=1.0,
                              engine_check_requests=6,
+                             # the load check's servers: tests/test_load_check.py (CI time)
+                             load_check=False,
                              # our engine's costs and confirm (vLLM's profile: test_vllm_serving.py)
                              plan_engine="specdec")
     model, tokenizer = embedded

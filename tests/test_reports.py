@@ -22,7 +22,7 @@ EXPECTED_REPORTS = {"acceptance_by_domain_per_day", "current_config_per_domain",
                     "gpu_seconds_saved_per_domain", "quarantined_by_reason", "speedup_trend",
                     "calibration_trend", "ungated_champions",
                     "traffic_by_domain_per_day", "validation_failures", "planner_safeguards",
-                    "engine_checks", "engine_sampling", "production_vs_promised"}
+                    "engine_checks", "engine_sampling", "production_vs_promised", "load_check"}
 CANARY = "CANARY-TEXT"
 
 

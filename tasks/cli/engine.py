@@ -1,5 +1,5 @@
-"""`specdec engine check|validate|show RUN_ID`: a run's configs served by vLLM (tasks.steps.engine_check,
-tasks.steps.engine_validate)."""
+"""`specdec engine check|validate|load|show RUN_ID`: a run's configs served by vLLM (tasks.steps.engine_check,
+tasks.steps.engine_validate, tasks.steps.load_check)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def cmd_check(args) -> int:
         return 1 if args.required else 0
     rows = engine_checks(args.run_id, url)
     if args.format == "json":
-        print_json({"run_id": args.run_id, "engines": result["engines"], "domains": rows})
+        print_json({"run_id": args.run_id, "engines": result["engines"], "domains": rows,
+                    "load_check": result.get("load_check")})
     else:
         console.print(engine_rich_table(args.run_id, rows))
         for record in result["engines"]:
@@ -141,14 +142,99 @@ def _run_target(run_id: str, url: str, target: str | None) -> str | None:
 
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..db.engine import ensure_ready, resolve_database_url
+    from ..db.queries_load import load_checks
     from ..registry.run_results import engine_checks
 
     rows = engine_checks(args.run_id, args.url)
+    loads = load_checks(ensure_ready(resolve_database_url(args.url)), args.run_id)
     if args.format == "json":
+        for row in rows:      # each domain's load check beside its engine check (None: not run)
+            row["load_check"] = load_json(loads.get(row["domain"]))
         print_json(rows)
     else:
         console.print(engine_rich_table(args.run_id, rows))
+        if loads:
+            console.print(load_rich_table(args.run_id, loads))
+            print_load_verdicts(loads)
     return 0
+
+
+LOAD_FIELDS = ("concurrency", "k", "requests", "failed", "plain_tokens_per_s", "spec_tokens_per_s",
+               "measured_speedup", "measured_speedup_lo", "measured_speedup_hi", "predicted_speedup",
+               "pays", "engine_e", "engine_rates", "counters_equal", "plain_ttft_p50_s",
+               "plain_ttft_p95_s", "spec_ttft_p50_s", "spec_ttft_p95_s", "plain_itl_p50_s",
+               "plain_itl_p95_s", "spec_itl_p50_s", "spec_itl_p95_s", "counters")
+
+
+def load_json(check: dict | None) -> dict | None:
+    """One domain's load check as `engine show --format json` prints it: its verdict, schedules
+    and one row per concurrency level."""
+    if check is None:
+        return None
+    return {"status": check.get("status"), "passed": check.get("passed"), "reason": check.get("reason"),
+            "schedule_before": check.get("schedule_before"), "schedule_after": check.get("schedule_after"),
+            "max_level_paying": check.get("max_level_paying"), "plain_log": check.get("plain_log"),
+            "spec_log": check.get("spec_log"),
+            "levels": [{key: level.get(key) for key in LOAD_FIELDS} for level in check["levels"]]}
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{1000 * value:.0f}"
+
+
+def load_rich_table(run_id: str, loads: dict) -> Table:
+    table = Table(title=escape(f"run {run_id}: load check on vLLM's OpenAI server (streamed, "
+                               "plain vs config, same requests)"), title_justify="left")
+    for column in ("domain", "conc.", "K", "tokens/s plain", "tokens/s config", "speedup [95% CI]",
+                   "predicted", "ITL p50/p95 ms plain", "ITL p50/p95 ms config", "vLLM E", "failed",
+                   "pays"):
+        table.add_column(column, justify="left" if column == "domain" else "right")
+    for domain, check in sorted(loads.items()):
+        for level in check["levels"]:
+            table.add_row(escape(domain), str(level["concurrency"]), str(level["k"]),
+                          _x(level["plain_tokens_per_s"], 1), _x(level["spec_tokens_per_s"], 1),
+                          "-" if level["measured_speedup"] is None else
+                          f"{level['measured_speedup']:.2f}x [{level['measured_speedup_lo']:.2f}, "
+                          f"{level['measured_speedup_hi']:.2f}]",
+                          _x(level["predicted_speedup"]),
+                          f"{_ms(level['plain_itl_p50_s'])}/{_ms(level['plain_itl_p95_s'])}",
+                          f"{_ms(level['spec_itl_p50_s'])}/{_ms(level['spec_itl_p95_s'])}",
+                          _x(level["engine_e"]), str(level["failed"]),
+                          {True: "yes", False: "no"}.get(level["pays"], "-"))
+    return table
+
+
+def print_load_verdicts(loads: dict) -> None:
+    """Per domain: its verdict, the exported schedule before and after the cut, the reason."""
+    for domain, check in sorted(loads.items()):
+        console.print(escape(f"  {domain} ({check.get('status')}): schedule {check.get('schedule_before')} "
+                             f"-> {check.get('schedule_after')}; {check.get('reason')}"))
+
+
+def cmd_load(args) -> int:
+    # imported here: the CLI imports every command module at start-up; this loads for its command only
+    from ..db.engine import ensure_ready, resolve_database_url
+    from ..db.queries_load import load_checks
+    from ..steps.context import RunSpec
+    from ..steps.pipeline import step_load_check
+
+    url = resolve_database_url(args.url)
+    target = _run_target(args.run_id, url, args.target)
+    if target is None:
+        return 2
+    result = step_load_check(RunSpec(run_id=args.run_id, target=target, db_url=url,
+                                     overrides={"load_check": True}))
+    if result["skipped"]:
+        console.print(escape(result["skipped"]))
+        return 0
+    loads = load_checks(ensure_ready(url), args.run_id)
+    if args.format == "json":
+        print_json({"run_id": args.run_id, "domains": {d: load_json(c) for d, c in loads.items()}})
+    else:
+        console.print(load_rich_table(args.run_id, loads))
+        print_load_verdicts(loads)
+    return 0 if all(c.get("passed") is not False for c in loads.values()) else 1
 
 
 def register(sub) -> None:
@@ -181,6 +267,15 @@ def register(sub) -> None:
     validate.add_argument("--json", action="store_true", help="one JSON object on stdout")
     url_arg(validate)
     validate.set_defaults(func=cmd_validate)
+    load = engine_sub.add_parser("load", help="the load check alone: each domain's requests streamed "
+                                              "through the plain and the config's OpenAI servers at "
+                                              "the concurrency levels its schedule claims; the "
+                                              "schedule is cut to the levels that pay")
+    load.add_argument("run_id")
+    load.add_argument("--target", default=None, help="default: the run's target")
+    load.add_argument("--format", choices=["table", "json"], default="table")
+    url_arg(load)
+    load.set_defaults(func=cmd_load)
     show = engine_sub.add_parser("show", help="a run's stored engine checks")
     show.add_argument("run_id")
     show.add_argument("--format", choices=["table", "json"], default="table")

@@ -542,6 +542,63 @@ class MonitorEvent(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime, index=True)
 
+class LoadCheckDomain(Base):
+    """Per run and domain: the load check on vLLM's OpenAI server (tasks.steps.load_check): its
+    verdict, the exported schedule before and after the cut the measurement made, the servers'
+    logs."""
+
+    __tablename__ = "load_check_domains"
+
+    run_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    domain: Mapped[str] = mapped_column(String(64), primary_key=True)
+    status: Mapped[str] = mapped_column(String(32))     # ok | cut | off | died | timeout | failed
+    passed: Mapped[bool | None] = mapped_column(Boolean)
+    reason: Mapped[str | None] = mapped_column(String(2000))
+    speculative_config: Mapped[dict | None] = mapped_column(JSON)
+    schedule_before: Mapped[list | None] = mapped_column(JSON)    # [[first, last, K], ...]
+    schedule_after: Mapped[list | None] = mapped_column(JSON)
+    max_level_paying: Mapped[int | None] = mapped_column(Integer)
+    plain_log: Mapped[str | None] = mapped_column(String(1000))
+    spec_log: Mapped[str | None] = mapped_column(String(1000))
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class LoadCheckLevel(Base):
+    """Per run, domain and concurrency level: the domain's requests streamed through the plain
+    and the config's OpenAI servers at that many concurrent requests, and what vLLM counted."""
+
+    __tablename__ = "load_check_levels"
+
+    run_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    domain: Mapped[str] = mapped_column(String(64), primary_key=True)
+    concurrency: Mapped[int] = mapped_column(Integer, primary_key=True)
+    k: Mapped[int | None] = mapped_column(Integer)                 # the schedule's K at this size
+    requests: Mapped[int] = mapped_column(Integer)
+    failed: Mapped[int] = mapped_column(Integer)                   # both servers' failed requests
+    plain_tokens_per_s: Mapped[float | None] = mapped_column(Float)   # output tokens / level wall
+    spec_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    measured_speedup: Mapped[float | None] = mapped_column(Float)     # decode phases, same requests
+    measured_speedup_lo: Mapped[float | None] = mapped_column(Float)
+    measured_speedup_hi: Mapped[float | None] = mapped_column(Float)
+    predicted_speedup: Mapped[float | None] = mapped_column(Float)    # vLLM's profile at this size
+    pays: Mapped[bool | None] = mapped_column(Boolean)
+    plain_ttft_p50_s: Mapped[float | None] = mapped_column(Float)
+    plain_ttft_p95_s: Mapped[float | None] = mapped_column(Float)
+    spec_ttft_p50_s: Mapped[float | None] = mapped_column(Float)
+    spec_ttft_p95_s: Mapped[float | None] = mapped_column(Float)
+    plain_itl_p50_s: Mapped[float | None] = mapped_column(Float)
+    plain_itl_p95_s: Mapped[float | None] = mapped_column(Float)
+    spec_itl_p50_s: Mapped[float | None] = mapped_column(Float)
+    spec_itl_p95_s: Mapped[float | None] = mapped_column(Float)
+    engine_e: Mapped[float | None] = mapped_column(Float)             # from /metrics deltas
+    engine_rates: Mapped[list | None] = mapped_column(JSON)           # per position, from /metrics
+    counters: Mapped[dict | None] = mapped_column(JSON)               # /metrics deltas of the level
+    request_sums: Mapped[dict | None] = mapped_column(JSON)           # per-request metrics summed
+    counters_equal: Mapped[bool | None] = mapped_column(Boolean)
+    per_request: Mapped[list | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
 # Tables whose rows belong to one run (deleted and rewritten when that run's step re-runs).
 RUN_TABLES = ("eval_samples", "quality_results", "acceptance_estimates", "cost_profiles",
               "live_measurements", "validations", "domain_configs", "engine_checks")

@@ -24,13 +24,14 @@ from sqlalchemy import select
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
+from ..db.queries_load import load_checks
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
 from .run_config import build_config, run_row, validation_status
 from .run_results import data_docs_pages
 from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
-from .plots import write_plots
+from .plots import write_load_plot, write_plots
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
                        tracking_uri)
 from .version_page import champion_audit, version_page_markdown
@@ -57,7 +58,8 @@ def _plots(run_id: str, connection, directory: Path, min_speedup: float) -> list
                 .where(LiveMeasurement.run_id == run_id)
                 .order_by(LiveMeasurement.domain))
             if r.predicted_same_requests and r.measured_speedup]
-    return write_plots(run_id, estimates, configs, live, min_speedup, directory)
+    paths = write_plots(run_id, estimates, configs, live, min_speedup, directory)
+    return paths + write_load_plot(run_id, load_checks(connection.engine, run_id), min_speedup, directory)
 
 
 def _cell(value) -> str:

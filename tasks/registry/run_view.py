@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Engine
 
+from ..db.queries_load import load_checks
 from ..db.queries_run_view import engine_check_skip
 from ..settings import Settings
 from .config_schema import DomainSetting, SpecdecConfig
 from .live_check import LiveJudgement, judge_live, judgement_words, live_text
+from .load_results import load_check_text, load_markdown
 from .run_config import build_config
 from .run_results import (domain_evidence, engine_checks, engine_sampling_text, engine_speedup_text,
                           low_acceptance, own_sampling_text, profile_check)
@@ -36,6 +38,7 @@ class DomainView:
     validation_test: dict | None = None   # the sampling test on our engine
     engine_sampling: dict | None = None   # ... and on vLLM
     engine: dict | None = None            # the engine_checks row
+    load: dict | None = None              # the load check's summary on vLLM's server (levels)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class RunView:
     min_speedup: float
     tolerance: float
     acceptance_alert: float
+    loads: dict = field(default_factory=dict)   # the load check by domain (queries_load.load_checks)
 
     @property
     def engine_checked(self) -> bool:
@@ -69,6 +73,7 @@ def build_run_view(run_id: str, engine: Engine, settings: Settings,
     config = config or build_config(run_id, url, champion=champion)
     evidence = domain_evidence(run_id, url)
     rows = {row["domain"]: row for row in engine_checks(run_id, url)}
+    loads = load_checks(engine, run_id)
     domains = []
     for name, setting in sorted(config.domains.items()):
         found = (evidence.get(name) or {}) if setting.source == "run" else {}
@@ -77,19 +82,20 @@ def build_run_view(run_id: str, engine: Engine, settings: Settings,
             name=name, setting=setting, live=live,
             judgement=judge_live(live, settings.plan.min_speedup, settings.live.tolerance),
             proposal_rate=found.get("proposal_rate"), validation_test=found.get("validation"),
-            engine_sampling=found.get("engine_sampling"), engine=rows.get(name)))
+            engine_sampling=found.get("engine_sampling"), engine=rows.get(name), load=loads.get(name)))
     return RunView(run_id=run_id, config=config, domains=domains, engine_rows=list(rows.values()),
                    engine_skipped=engine_check_skip(engine, run_id),
                    low_acceptance=low_acceptance(run_id, settings.plan.acceptance_alert, url),
                    profile=profile_check(run_id, url), min_speedup=settings.plan.min_speedup,
-                   tolerance=settings.live.tolerance, acceptance_alert=settings.plan.acceptance_alert)
+                   tolerance=settings.live.tolerance, acceptance_alert=settings.plan.acceptance_alert,
+                   loads=loads)
 
 
 # ------------------------------------------------------------------------------------------------
 # the per-domain table
 HEADERS = ["domain", "on", "drafter", "K", "max batch", "E [tokens/round]", "proposal rate",
            "predicted (95% CI)", "live check (same requests)", "samples", "validation",
-           "vLLM sampling", "on vLLM", "source"]
+           "vLLM sampling", "on vLLM", "under load (vLLM)", "source"]
 
 
 def _x(value, digits: int = 2) -> str:
@@ -146,7 +152,7 @@ def table_rows(view: RunView) -> list[list[str]]:
                      "-" if d.proposal_rate is None else f"{100 * d.proposal_rate:.0f}%",
                      f"{_x(s.predicted_speedup)}{ci}", live_cell(d), str(s.samples),
                      validation_cell(d), engine_sampling_text(d.engine_sampling),
-                     engine_cell(view, d), s.source])
+                     engine_cell(view, d), load_check_text(d.load), s.source])
     return rows
 
 
@@ -309,4 +315,5 @@ def run_markdown(view: RunView) -> str:
             f"`{config.hardware_profile}`"
             + ("" if view.profile is None else f" ({view.profile['status']})") + ".\n\n"
             + below_bar_markdown(view) + alert_markdown(view) + engine_line
-            + domains_markdown(view) + "\n\n## On vLLM (engine check)\n\n" + engine_markdown(view) + "\n")
+            + domains_markdown(view) + "\n\n## On vLLM (engine check)\n\n" + engine_markdown(view)
+            + "\n\n## Under load on vLLM (load check)\n\n" + load_markdown(view.loads) + "\n")

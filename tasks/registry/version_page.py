@@ -28,6 +28,7 @@ from ..db.models import Promotion
 from ..masking import mask_text, mask_url
 from ..timeutil import utcnow
 from .run_config import changes_markdown, validation_status
+from .load_results import load_markdown
 from .run_view import (RunView, alert_markdown, below_bar_markdown, domains_markdown, engine_markdown,
                        engine_state, markdown_table)
 
@@ -227,6 +228,11 @@ def _notes_markdown(view: RunView, audit: dict) -> str:
     if held:
         text += ("**Turned off by the engine check** (planned on; on vLLM it refused, died or "
                  "accepted less than estimated):\n\n" + "\n".join(held) + "\n\n")
+    under_load = [f"- **{n}**: {s.reason}" for n, s in sorted(config.domains.items())
+                  if s.reason and s.reason.startswith("load check:")]
+    if under_load:
+        text += ("**Turned off or cut by the load check** (on vLLM's OpenAI server under concurrent "
+                 "requests):\n\n" + "\n".join(under_load) + "\n\n")
     text += below_bar_markdown(view) + alert_markdown(view)
     if not view.engine_rows and config.domains_on:
         text += f"**{engine_state(view)}** (see \"On vLLM\" below and the engine_check gate).\n\n"
@@ -244,6 +250,8 @@ def version_page_markdown(view: RunView, version: str, gates: list[dict], audit:
             f"validation **{validation_status(config)}**\n\n"
             f"{domains_markdown(view)}\n\n"
             f"### On vLLM (engine check)\n\n{engine_markdown(view)}\n\n"
+            f"### Under load on vLLM (load check; plot `plots/load_check_speedup.png`)\n\n"
+            f"{load_markdown(view.loads)}\n\n"
             f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
             + gates_markdown(gates, f"preview at registration against champion "
                                     f"{champion_version or 'none'}; `specdec config promote` "

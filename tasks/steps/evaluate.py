@@ -18,6 +18,7 @@ from sqlalchemy import select
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
 from ..db.queries_runs import mark_abandoned_runs, mark_interrupted, record_owner, this_process
+from ..db.queries_load import load_summaries
 from ..errors import SpecdecTaskError
 from ..registry.run_results import engine_sampling_tests, profile_check
 from ..settings import DEFAULT_MODEL, Settings, load_settings
@@ -36,7 +37,7 @@ TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_acc
                  "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",
                  "predicted_same_requests", "cost_model_error", "sampling_error", "greedy_checked",
                  "greedy_consistent", "live_check", "measured_speedup_lo", "measured_speedup_hi",
-                 *ENGINE_COLUMNS, "engine_sampling")
+                 *ENGINE_COLUMNS, "engine_sampling", "load_check")
 LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_error",
                 "greedy_checked", "greedy_consistent", "measured_speedup_lo", "measured_speedup_hi")
 
@@ -56,10 +57,13 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
             select(EngineCheck.domain, *[getattr(EngineCheck, c) for c in ENGINE_COLUMNS.values()])
             .where(EngineCheck.run_id == run_id)).mappings()}
     on_engine = engine_sampling_tests(run_id, db_url)
+    under_load = load_summaries(engine, run_id)
 
     def value(row, column):
         if column == "engine_sampling":
             return on_engine.get(row["domain"])
+        if column == "load_check":
+            return under_load.get(row["domain"])
         if column in LIVE_COLUMNS:
             return (live.get(row["domain"]) or {}).get(column)
         if column in ENGINE_COLUMNS:

@@ -35,6 +35,7 @@ from .context import RunContext, RunSpec, freeze_candidates, loaded_model
 from .costs import describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse
 from .engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
 from .engine_check import engine_check
+from .load_check import load_check
 from .engine_validate import engine_validate_run
 from .offline_estimate import estimate_domains
 from .plan import plan_domain
@@ -340,7 +341,16 @@ def step_engine_check(spec) -> dict:
     if result["skipped"]:
         log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
                     result["skipped"])
+    if not result["skipped"]:
+        # under load, at the batch sizes the schedules claim (tasks.steps.load_check)
+        result["load_check"] = load_check(context)
     return json.loads(json.dumps(result, default=str))
+
+
+def step_load_check(spec) -> dict:
+    """The load check alone (tasks.steps.load_check), on the run's config as it stands."""
+    spec = RunSpec.of(spec)
+    return json.loads(json.dumps(load_check(RunContext.build(spec)), default=str))
 
 
 def step_engine_validate(spec, domains: list[str] | None = None, speculative_config: dict | None = None,

@@ -2,7 +2,7 @@
 the scrapes of the serving deployments' counters, and the monitor's alerts and rollbacks
 
 Revision ID: 0015
-Revises: 0013
+Revises: 0014
 Create Date: 2026-11-27 08:00:00
 """
 
@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0015'
-down_revision = '0013'
+down_revision = '0014'
 branch_labels = None
 depends_on = None
 

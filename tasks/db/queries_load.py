@@ -1,0 +1,91 @@
+"""Reads and writes of the load check (tasks.steps.load_check): load_check_domains and
+load_check_levels, and the domain_configs a cut schedule changes. Every function takes an SQLAlchemy
+Engine; writes are one transaction each, and a re-run of a run id replaces its own rows."""
+
+from __future__ import annotations
+
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.engine import Engine
+
+from ..timeutil import utcnow
+from .models import DomainConfig, EngineCheck, LoadCheckDomain, LoadCheckLevel
+
+LEVEL_COLUMNS = tuple(c.name for c in LoadCheckLevel.__table__.columns
+                      if c.name not in ("run_id", "domain", "created_at"))
+DOMAIN_COLUMNS = tuple(c.name for c in LoadCheckDomain.__table__.columns
+                       if c.name not in ("run_id", "domain", "created_at"))
+
+
+def domains_on(engine: Engine, run_id: str) -> dict[str, dict]:
+    """The run's domains its config turns on with a drafter (after the engine check's gate)."""
+    with engine.connect() as connection:
+        return {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok")
+            & DomainConfig.enabled.is_(True) & DomainConfig.drafter.is_not(None))).mappings()}
+
+
+def engine_versions(engine: Engine, run_id: str) -> dict[str, dict]:
+    """Per domain, the engine check's vLLM version and the engine profile it predicted from."""
+    with engine.connect() as connection:
+        return {row.domain: {"engine_version": row.engine_version, "engine_profile": row.engine_profile}
+                for row in connection.execute(select(EngineCheck.domain, EngineCheck.engine_version,
+                                                     EngineCheck.engine_profile)
+                                              .where(EngineCheck.run_id == run_id))}
+
+
+def store_load_check(engine: Engine, run_id: str, domains: dict[str, dict], levels: dict[str, list],
+                     changes: dict[str, dict]) -> None:
+    """One transaction: the run's load check rows of these domains replaced; domain_configs
+    updated where `changes` says (per domain: the columns to set, e.g. a cut k_schedule, or
+    enabled False with the reason)."""
+    now = utcnow()
+    with engine.begin() as connection:
+        names = list(domains)
+        connection.execute(delete(LoadCheckLevel).where((LoadCheckLevel.run_id == run_id)
+                                                        & LoadCheckLevel.domain.in_(names)))
+        connection.execute(delete(LoadCheckDomain).where((LoadCheckDomain.run_id == run_id)
+                                                         & LoadCheckDomain.domain.in_(names)))
+        for domain, row in domains.items():
+            connection.execute(insert(LoadCheckDomain).values(
+                run_id=run_id, domain=domain, created_at=now,
+                **{column: row.get(column) for column in DOMAIN_COLUMNS}))
+            for level in levels.get(domain, []):
+                connection.execute(insert(LoadCheckLevel).values(
+                    run_id=run_id, domain=domain, created_at=now,
+                    **{column: level.get(column) for column in LEVEL_COLUMNS}))
+        for domain, values in changes.items():
+            if values:
+                connection.execute(update(DomainConfig).where(
+                    (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(**values))
+
+
+def load_checks(engine: Engine, run_id: str, per_request: bool = False) -> dict[str, dict]:
+    """The run's load check by domain: its load_check_domains row with "levels", its
+    load_check_levels rows by concurrency (per_request: with each level's requests)."""
+    with engine.connect() as connection:
+        out = {row["domain"]: {**dict(row), "levels": []} for row in connection.execute(
+            select(LoadCheckDomain).where(LoadCheckDomain.run_id == run_id)
+            .order_by(LoadCheckDomain.domain)).mappings()}
+        for row in connection.execute(select(LoadCheckLevel).where(LoadCheckLevel.run_id == run_id)
+                                      .order_by(LoadCheckLevel.domain, LoadCheckLevel.concurrency)).mappings():
+            level = dict(row)
+            if not per_request:
+                level.pop("per_request", None)
+            out.setdefault(row["domain"], {"domain": row["domain"], "levels": []})["levels"].append(level)
+    return out
+
+
+SUMMARY_FIELDS = ("concurrency", "k", "measured_speedup", "measured_speedup_lo", "measured_speedup_hi",
+                  "predicted_speedup", "pays", "engine_e", "failed")
+
+
+def load_summaries(engine: Engine, run_id: str) -> dict[str, dict]:
+    """Per domain, its load check in short (status, passed, the schedules, the largest level
+    paying, the reason and per level the speedup, its interval, the predicted one, E): what
+    `specdec evaluate`'s table carries."""
+    return {domain: {"status": check.get("status"), "passed": check.get("passed"),
+                     "reason": check.get("reason"), "max_level_paying": check.get("max_level_paying"),
+                     "schedule_before": check.get("schedule_before"),
+                     "schedule_after": check.get("schedule_after"),
+                     "levels": [{key: level[key] for key in SUMMARY_FIELDS} for level in check["levels"]]}
+            for domain, check in load_checks(engine, run_id).items()}

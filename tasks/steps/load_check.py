@@ -1,0 +1,408 @@
+"""The load check: the speedup a promoted schedule claims at batch sizes above 1, measured on
+vLLM's OpenAI server under concurrent streamed requests, and the schedule cut to what it measured.
+
+The engine check replays a domain's requests one at a time; the exported
+`num_speculative_tokens_per_batch_size` claims payoffs at batch 2-8 from a cost profile alone.
+Here, for every domain the run's config turns on (after the engine check's gate) and that has a
+vLLM config, at each concurrency level of `load_check_levels` where the domain's schedule drafts
+(K > 0), the domain's requests (draw order, `load_check_requests` of them and at least the level,
+each its logged prompt, sampling parameters and seed, its length cut at `load_check_max_tokens`)
+are streamed through the plain server and then the config's server, level by level
+(tasks.serving.load: asyncio + httpx). Per level and server: output tokens/s (over the level's
+wall time), time to first token and inter-token latency p50/p95, failed requests; on the config's
+server vLLM's vllm:spec_decode_* counter deltas from /metrics (E = 1 + accepted / drafts, and the
+acceptance rate per position) beside the same requests' per-request metrics summed (they must be
+equal). The measured speedup is the config's decode-phase tokens/s over the plain one on the same
+requests, with its 95% interval by bootstrap over them (tasks.steps.confirm.speedup_interval);
+the predicted one is vLLM's cost profile at that batch size (the engine check's profile, the
+estimate of these requests at that level's K).
+
+A level pays when none of its requests failed and its interval's lower end clears min_speedup
+(a domain on in the champion config, with hysteresis: its lower end clears 1.0 and its upper end
+min_speedup, the planner's rule). The schedule keeps K > 0 only up to the largest level such that
+every measured level up to it pays; above it, K = 0. A domain that pays at no level is turned off
+("load check: 0.94x [0.88, 1.01] at 1 concurrent request"). A server that does not start, dies or
+hangs under load: the domain is not promotable (off), the reason names the server's log, the
+levels measured before stay stored, and the other domains go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..db.queries_load import domains_on, engine_versions, load_checks, store_load_check
+from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ..registry.vllm_export import batch_schedule
+from ..serving import environment as serving_env
+from ..serving.load import inter_token_latencies, run_level
+from ..serving.server import ServerPool, log_dir
+from ..settings import Settings
+from .confirm import offline_totals, speedup_interval, truncated
+from .costs import CostProfileError, CostTable
+from .engine_check import _dtype, end_slot, local_spec
+from .engine_costs import engine_profile
+from .engine_validate import served_export
+from .plan import speedup_factor
+
+log = logging.getLogger(__name__)
+
+
+def level_items(requests: list, count: int, max_tokens: int) -> list[dict]:
+    """`count` streamed requests from the domain's (draw order, repeated when it has fewer; a
+    repeat's id carries `#n`), each cut at max_tokens, seeded by its place."""
+    usable = [r for r in requests if len(r.response_ids) >= 2]
+    items = []
+    for n in range(count if usable else 0):
+        request = usable[n % len(usable)]
+        sampling = request.sampling
+        items.append({"id": request.request_id + (f"#{n // len(usable)}" if n >= len(usable) else ""),
+                      "request_id": request.request_id,
+                      "prompt_ids": [int(t) for t in request.prompt_ids],
+                      "max_tokens": max(2, min(len(request.response_ids), max_tokens)),
+                      "temperature": float(sampling.temperature), "top_k": int(sampling.top_k),
+                      "top_p": float(sampling.top_p), "seed": n})
+    return items
+
+
+def k_at(spec: dict, size: int) -> int:
+    """The K a vLLM config drafts at a batch size (its schedule's range, else its K)."""
+    schedule = spec.get("num_speculative_tokens_per_batch_size")
+    if not schedule:
+        return int(spec["num_speculative_tokens"])
+    return next((int(k) for first, last, k in schedule if first <= size <= last), 0)
+
+
+def claimed_k(config: dict, size: int) -> int:
+    """The K the run's config claims at a batch size (domain_configs: k_schedule, else K up to
+    max_batch_size, else K)."""
+    if config.get("k_schedule"):
+        return next((int(k) for first, last, k in config["k_schedule"] if first <= size <= last), 0)
+    if config.get("max_batch_size"):
+        return int(config["k"] or 0) if size <= config["max_batch_size"] else 0
+    return int(config["k"] or 0)
+
+
+def exported_schedule(config: dict) -> list | None:
+    """The config's exported num_speculative_tokens_per_batch_size (vllm_export.batch_schedule)."""
+    return batch_schedule(SimpleNamespace(k_schedule=config.get("k_schedule"),
+                                          max_batch_size=config.get("max_batch_size"), k=config.get("k")))
+
+
+def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return float(np.percentile(values, 50)), float(np.percentile(values, 95))
+
+
+def request_sums(requests: list[dict]) -> dict | None:
+    """The per-request speculative-decoding metrics of these requests summed (the acceptance
+    histogram read as accepted-per-position: a step that accepted j drafts accepted positions
+    0..j-1). None when a request carries none."""
+    if not requests or any(r.get("spec") is None for r in requests):
+        return None
+    width = max(len(r["spec"]["histogram"]) for r in requests) - 1
+    per_pos = [sum(sum(r["spec"]["histogram"][j + 1:]) for r in requests) for j in range(max(width, 0))]
+    return {"drafts": sum(r["spec"]["drafts"] for r in requests),
+            "draft_tokens": sum(r["spec"]["draft_tokens"] for r in requests),
+            "accepted_tokens": sum(r["spec"]["accepted_tokens"] for r in requests),
+            "accepted_per_pos": per_pos}
+
+
+def counters_match(counters: dict | None, sums: dict | None) -> bool | None:
+    """Whether /metrics deltas equal the per-request sums (positions compared up to the longer,
+    zeros padded); None when either is missing."""
+    if counters is None or sums is None:
+        return None
+    width = max(len(counters["accepted_per_pos"]), len(sums["accepted_per_pos"]))
+
+    def padded(values):
+        return list(values) + [0] * (width - len(values))
+    return (all(counters[key] == sums[key] for key in ("drafts", "draft_tokens", "accepted_tokens"))
+            and padded(counters["accepted_per_pos"]) == padded(sums["accepted_per_pos"]))
+
+
+def _side(level: dict) -> dict:
+    ok = [r for r in level["requests"] if r["ok"]]
+    ttft = _percentiles([r["ttft_s"] for r in ok])
+    itl = _percentiles([gap for r in ok for gap in inter_token_latencies(r["chunks"])])
+    tokens = sum(len(r["token_ids"]) for r in ok)
+    return {"tokens_per_s": tokens / level["wall_s"] if level["wall_s"] > 0 and ok else None,
+            "ttft": ttft, "itl": itl, "failed": len(level["requests"]) - len(ok)}
+
+
+def level_row(concurrency: int, k: int, plain: dict, config: dict) -> dict:
+    """One level's figures from the plain and the config's run_level outputs (see the module's
+    docstring); `pays` and `predicted_speedup` are set by the caller."""
+    pairs = []
+    for p, s in zip(plain["requests"], config["requests"]):
+        if p["ok"] and s["ok"] and p["decode_s"] and s["decode_s"]:
+            pairs.append({"request_id": s["id"], "plain_tokens": len(p["token_ids"]) - 1,
+                          "plain_decode_s": p["decode_s"], "spec_tokens": len(s["token_ids"]) - 1,
+                          "spec_decode_s": s["decode_s"], "plain_ttft_s": p["ttft_s"],
+                          "spec_ttft_s": s["ttft_s"], "spec": s["spec"]})
+    interval = speedup_interval(pairs)
+    left, right = _side(plain), _side(config)
+    counters = config.get("counters")
+    sums = request_sums([r for r in config["requests"] if r["ok"]])
+    drafts = (counters or {}).get("drafts") or 0
+    return {"concurrency": concurrency, "k": k, "requests": len(config["requests"]),
+            "failed": left["failed"] + right["failed"],
+            "plain_tokens_per_s": left["tokens_per_s"], "spec_tokens_per_s": right["tokens_per_s"],
+            "measured_speedup": interval["measured"], "measured_speedup_lo": interval["lo"],
+            "measured_speedup_hi": interval["hi"],
+            "plain_ttft_p50_s": left["ttft"][0], "plain_ttft_p95_s": left["ttft"][1],
+            "spec_ttft_p50_s": right["ttft"][0], "spec_ttft_p95_s": right["ttft"][1],
+            "plain_itl_p50_s": left["itl"][0], "plain_itl_p95_s": left["itl"][1],
+            "spec_itl_p50_s": right["itl"][0], "spec_itl_p95_s": right["itl"][1],
+            "engine_e": 1.0 + counters["accepted_tokens"] / drafts if drafts else None,
+            "engine_rates": [a / drafts for a in counters["accepted_per_pos"]] if drafts else None,
+            "counters": counters, "request_sums": sums,
+            "counters_equal": counters_match(counters, sums) if not right["failed"] else None,
+            "per_request": pairs}
+
+
+def pays(row: dict, settings: Settings, champion_on: bool) -> bool:
+    """Whether a measured level pays (see the module's docstring)."""
+    if row["failed"] or row["measured_speedup_lo"] is None:
+        return False
+    if champion_on and settings.plan.hysteresis:
+        return row["measured_speedup_lo"] >= 1.0 and row["measured_speedup_hi"] >= settings.plan.min_speedup
+    return row["measured_speedup_lo"] >= settings.plan.min_speedup
+
+
+def level_text(row: dict) -> str:
+    """"0.94x [0.88, 1.01] at 4 concurrent requests" (or why it has no figure)."""
+    where = f"at {row['concurrency']} concurrent request{'s' if row['concurrency'] != 1 else ''}"
+    failed = f" ({row['failed']} of {2 * row['requests']} requests failed)" if row["failed"] else ""
+    if row["measured_speedup"] is None:
+        return f"no speedup measured {where}{failed}"
+    return (f"{row['measured_speedup']:.2f}x [{row['measured_speedup_lo']:.2f}, "
+            f"{row['measured_speedup_hi']:.2f}] {where}{failed}")
+
+
+def cut_schedule(config: dict, rows: list[dict], settings: Settings) -> dict:
+    """The schedule that follows the measurement. rows: the measured levels (with "pays"), by
+    concurrency. Output: {status: ok | cut | off, largest: the largest level up to which every
+    level pays (None: none), reason, changes: the domain_configs columns to set}."""
+    rows = sorted(rows, key=lambda r: r["concurrency"])
+    largest, failing = None, None
+    for row in rows:
+        if not row["pays"]:
+            failing = row
+            break
+        largest = row["concurrency"]
+    if failing is None:
+        paid = ", ".join(level_text(r) for r in rows)
+        return {"status": "ok", "largest": largest, "changes": {},
+                "reason": f"load check: pays at every level measured ({paid})" if rows else
+                          "load check: no level measured"}
+    bar = (f"min_speedup {settings.plan.min_speedup:.2f}x" + (" (hysteresis: lower end 1.0, upper end "
+                                                         "min_speedup)" if config.get("champion_on")
+                                                         and settings.plan.hysteresis else ""))
+    text = f"load check: {level_text(failing)} does not pay {bar}"
+    if largest is None:
+        return {"status": "off", "largest": None, "reason": text, "changes": {
+            "enabled": False, "max_batch_size": None, "k_schedule": None,
+            "reason": (f"{text}; not promotable as on, the domain is off. "
+                       f"Planner: {config.get('reason') or '-'}")[:2000]}}
+    schedule = [[int(first), min(int(last), largest), int(k)]
+                for first, last, k in (config.get("k_schedule") or [[1, largest, config["k"]]])
+                if int(first) <= largest]
+    text = f"{text}: K > 0 up to batch size {largest} only"
+    return {"status": "cut", "largest": largest, "reason": text, "changes": {
+        "k_schedule": schedule if config.get("k_schedule") else None,
+        "max_batch_size": largest, "reason": f"{text}. {config.get('reason') or ''}"[:2000]}}
+
+
+def predicted_at(costs: CostTable | None, label: str, drafter_spec: dict | None, totals: list,
+                 sampled: list[bool], batch_size: int) -> float | None:
+    """The speedup vLLM's cost profile predicts for these requests (their estimate's rounds) at
+    one batch size: plain decoding time over their rounds' time, as the planner prices them."""
+    if costs is None or not totals or batch_size not in costs.target_step:
+        return None
+    if label not in costs.draft_step and (drafter_spec or {}).get("kind") == "prompt_lookup":
+        costs.draft_step[label] = {b: 0.0 for b in costs.batch_sizes}
+    tables = {False: costs, True: costs.for_sampling(1.0)}
+    plain = spec = 0.0
+    try:
+        for t, is_sampled in zip(totals, sampled):
+            if not t.rounds:
+                continue
+            table = tables[bool(is_sampled)]
+            step = table.target_step[batch_size]
+            plain += t.tokens * step
+            spec += t.rounds / speedup_factor(label, drafter_spec, t.width_share, table, batch_size) * step
+    except (CostProfileError, KeyError):
+        return None
+    return plain / spec if spec > 0 else None
+
+
+def _failure(which: str, server, level: int, result: dict | None, exc: Exception | None,
+             settings: Settings) -> tuple[str, str]:
+    """(status, reason) of a server that did not start, hung or died at a level."""
+    if exc is not None:
+        return "failed", f"load check: the {which} server did not start: {exc}"
+    unfinished = sum(1 for r in result["requests"] if not r["ok"])
+    where = f"at {level} concurrent request{'s' if level != 1 else ''}"
+    if result["timed_out"]:
+        return "timeout", (f"load check: the {which} server hung {where}: {unfinished} of "
+                           f"{len(result['requests'])} requests not finished within "
+                           f"{settings.load.timeout_s:.0f} s (load_check_timeout_s); its log: "
+                           f"{server.log_path}")
+    return "died", (f"load check: the {which} server died {where} ({unfinished} of "
+                    f"{len(result['requests'])} requests failed): {server.last_line()}; its log: "
+                    f"{server.log_path}")
+
+
+def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], items: list[dict],
+                   settings: Settings) -> dict:
+    """The levels of one domain, plain then config at each level. Output: {levels: [(level, K,
+    plain, config)], failure: (status, reason) or None, logs: {plain, config}}."""
+    # one size for every domain (the largest level of the setting): domains share their servers
+    seqs = max(settings.load.levels)
+    out: dict = {"levels": [], "failure": None, "logs": {}}
+    for level, k in levels:
+        chosen = items[:max(settings.load.requests, level)]
+        results = {}
+        for which, served in (("plain", None), ("config", spec)):
+            try:
+                server = pool.get(served, max_num_seqs=seqs)
+            except (EngineTimeout, ServingProbeError) as exc:
+                out["failure"] = _failure(which, None, level, None, exc, settings)
+                return out
+            out["logs"][which] = str(server.log_path)
+            log.info("load check: %d requests at %d concurrent on the %s server", len(chosen), level, which)
+            result = run_level(server, chosen, level, settings.load.timeout_s)
+            if result["timed_out"] or not result["alive"]:
+                out["failure"] = _failure(which, server, level, result, None, settings)
+                server.stop()       # a hung server is not left running; the pool restarts it
+                return out
+            results[which] = result
+        out["levels"].append((level, k, results["plain"], results["config"]))
+    return out
+
+
+def _predictions(context, domain: str, config: dict, items: list[dict], ks: set[int],
+                 costs: CostTable | None) -> dict[int, tuple]:
+    """{K: (totals, sampled)} of the domain's streamed requests at each measured K (only with a
+    vLLM cost profile to price them)."""
+    if costs is None:
+        return {}
+    drafter = context.domain_drafters(domain)[config["drafter"]][1]
+    by_id = {r.request_id: r for r in context.domain_requests(domain)[0]}
+    requests = [end_slot(truncated(by_id[i], n)) for i, n in
+                dict.fromkeys((item["request_id"], item["max_tokens"]) for item in items)]
+    out = {}
+    for k in sorted(k for k in ks if k > 0):
+        offline = offline_totals(context.model, drafter, requests, k)
+        served = [r for r in requests if r.request_id in offline]
+        out[k] = ([offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])
+    return out
+
+
+def _domain_result(context, domain: str, config: dict, spec: dict, measured: dict, costs,
+                   items: list[dict]) -> tuple[dict, list[dict], dict]:
+    """(load_check_domains row, level rows, domain_configs changes) of one measured domain."""
+    settings = context.settings
+    predictions = _predictions(context, domain, config, items,
+                               {k for _, k, _, _ in measured["levels"]}, costs)
+    rows = []
+    for level, k, plain, served in measured["levels"]:
+        row = level_row(level, k, plain, served)
+        totals, sampled = predictions.get(k, ([], []))
+        row["predicted_speedup"] = predicted_at(costs, config["drafter"], config.get("drafter_spec"),
+                                                totals, sampled, level)
+        row["pays"] = pays(row, settings, bool(config.get("champion_on")))
+        rows.append(row)
+    before = exported_schedule(config)
+    record = {"speculative_config": spec, "schedule_before": before,
+              "plain_log": measured["logs"].get("plain"), "spec_log": measured["logs"].get("config")}
+    if measured["failure"] is not None:
+        status, reason = measured["failure"]
+        measured_text = "; ".join(level_text(r) for r in rows)
+        reason = f"{reason}{'; measured before: ' + measured_text if rows else ''}"[:2000]
+        changes = {"enabled": False, "max_batch_size": None, "k_schedule": None,
+                   "reason": f"{reason}; not promotable as on, the domain is off. "
+                             f"Planner: {config.get('reason') or '-'}"[:2000]}
+        record.update(status=status, passed=False, reason=reason, schedule_after=None,
+                      max_level_paying=None)
+        return record, rows, changes
+    verdict = cut_schedule(config, rows, settings)
+    after = dict(config, **verdict["changes"])
+    record.update(status=verdict["status"], passed=verdict["status"] != "off",
+                  reason=verdict["reason"], max_level_paying=verdict["largest"],
+                  schedule_after=exported_schedule(after) if after.get("enabled") else None)
+    return record, rows, verdict["changes"]
+
+
+def _planned(context, on: dict, exported: dict) -> dict:
+    """{domain: (spec, [(level, K)], items)} of the domains to measure: on, with a vLLM config,
+    a level where the schedule drafts and requests to stream."""
+    settings = context.settings
+    planned = {}
+    for domain in sorted(on):
+        spec = exported.get(domain)
+        levels = [(b, k_at(spec, b)) for b in sorted(set(settings.load.levels))
+                  if spec is not None and claimed_k(on[domain], b) > 0]
+        items = level_items(context.domain_requests(domain)[0],
+                            max([settings.load.requests] + [b for b, _ in levels]),
+                            settings.load.max_tokens)
+        if spec is not None and levels and items:
+            planned[domain] = (spec, levels, items)
+    return planned
+
+
+def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list) -> dict:
+    try:
+        served = local_spec(spec)
+    except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
+        return {"levels": [], "logs": {}, "failure": (
+            "failed", f"load check: the drafter's checkpoint {spec.get('model')} could not be "
+                      f"fetched for the server: {type(exc).__name__}: {exc}")}
+    return measure_domain(pool, served, levels, items, context.settings)
+
+
+def load_check(context, pool: ServerPool | None = None) -> dict:
+    """Run the load check of one run (see the module's docstring) with a RunContext (pool: the
+    servers to use, else a pool of the run's own, closed at the end). Output: {"skipped": line
+    or None, "domains": {domain: its load_check_domains row with "levels"}}."""
+    settings, run_id = context.settings, context.spec.run_id
+    if not settings.load.check:
+        return {"skipped": "load check off (setting load_check)", "domains": {}}
+    try:
+        serving_env.serving_python(settings)
+        model_dir = serving_env.served_model_dir(context.spec.target)
+    except ServingEnvUnavailable as exc:
+        return {"skipped": f"load check skipped: {exc}", "domains": {}}
+    on = domains_on(context.engine, run_id)
+    exported = served_export(run_id, context.url, context.spec.target, model_dir)["speculative_config"]
+    planned = _planned(context, on, exported)
+    versions = engine_versions(context.engine, run_id)
+    profiles: dict = {}
+    records, level_rows, changes = {}, {}, {}
+    own = pool is None
+    pool = pool or ServerPool(run_id, model_dir, dtype=_dtype(context.model), settings=settings,
+                              directory=log_dir(run_id) / "load")
+    try:
+        # domains sharing a config one after the other: its server is started once
+        for domain, (spec, levels, items) in sorted(planned.items(),
+                                                    key=lambda p: json.dumps(p[1][0], sort_keys=True)):
+            measured = _measure(context, pool, spec, levels, items)
+            version = (versions.get(domain) or {}).get("engine_version")
+            if version and version not in profiles:
+                profiles[version] = engine_profile(context.url, version, settings.engine.profile)
+            records[domain], level_rows[domain], changes[domain] = _domain_result(
+                context, domain, on[domain], spec, measured, profiles.get(version), items)
+            (log.warning if records[domain]["passed"] is False else log.info)(
+                "run %s, domain %s: %s", run_id, domain, records[domain]["reason"])
+    finally:
+        if own:
+            pool.close()
+    if records:
+        store_load_check(context.engine, run_id, records, level_rows, changes)
+    return {"skipped": None, "domains": load_checks(context.engine, run_id)}

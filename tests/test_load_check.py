@@ -1,0 +1,336 @@
+"""The load check (tasks.steps.load_check): the schedule cut to what a domain's requests measured
+on vLLM's OpenAI server at concurrency levels, its storage, report and JSON; and, against a real
+`python -m vllm.entrypoints.openai.api_server` of the serving environment on a tiny target (one
+pool of servers for the module), two levels measured, /metrics counters equal to the per-request
+sums, a schedule cut at a level that does not pay, a server that does not start and one killed
+mid-level.
+
+The server tests are skipped when there is no serving environment, unless
+SPECDEC_REQUIRE_SERVING=1 (.ci/run sets it). A tiny target's timings are noise (its streamed
+chunks can carry several tokens at once): the cut is forced by failed requests at the higher level
+(a prompt longer than the server's context), not by a speedup threshold."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tasks.serving import environment as serving_env
+from tasks.settings import load_settings
+from tasks.steps.load_check import (counters_match, cut_schedule, exported_schedule, level_row,
+                                    request_sums)
+
+REQUIRED = os.environ.get("SPECDEC_REQUIRE_SERVING") == "1"
+needs_server = pytest.mark.skipif(not REQUIRED and not serving_env.available(),
+                                  reason="no serving environment (make serving-env); `make test-all` "
+                                         "and CI build one and set SPECDEC_REQUIRE_SERVING=1")
+BEYOND = 1 << 20
+
+
+def _level(concurrency, speedup, lo, hi, pays, failed=0):
+    return {"concurrency": concurrency, "measured_speedup": speedup, "measured_speedup_lo": lo,
+            "measured_speedup_hi": hi, "pays": pays, "failed": failed, "requests": 8}
+
+
+def test_the_schedule_keeps_k_only_up_to_the_largest_level_that_pays_and_every_one_below():
+    settings = load_settings(min_speedup=1.1)
+    config = {"k": 4, "k_schedule": [[1, 1, 4], [2, 4, 3], [5, 8, 2]], "max_batch_size": 8,
+              "reason": "planned on"}
+    # 1 and 2 pay, 4 does not, 8 pays again: K > 0 up to 2 only (a level measured below 1.0x
+    # is never inside the schedule)
+    rows = [_level(1, 1.6, 1.3, 1.9, True), _level(2, 1.4, 1.2, 1.6, True),
+            _level(4, 0.94, 0.88, 1.01, False), _level(8, 1.3, 1.15, 1.4, True)]
+    verdict = cut_schedule(config, rows, settings)
+    assert verdict["status"] == "cut" and verdict["largest"] == 2
+    assert verdict["changes"]["k_schedule"] == [[1, 1, 4], [2, 2, 3]]
+    assert verdict["changes"]["max_batch_size"] == 2
+    assert "0.94x [0.88, 1.01] at 4 concurrent requests" in verdict["reason"]
+    assert exported_schedule(dict(config, **verdict["changes"])) == [[1, 1, 4], [2, 2, 3], [3, BEYOND, 0]]
+    # paying nowhere: off, with the first level's figure as the reason
+    off = cut_schedule(config, [_level(1, 0.94, 0.9, 0.99, False), _level(2, 1.5, 1.2, 1.8, True)], settings)
+    assert off["status"] == "off" and off["changes"]["enabled"] is False
+    assert off["changes"]["k_schedule"] is None and off["reason"].startswith(
+        "load check: 0.94x [0.90, 0.99] at 1 concurrent request does not pay min_speedup 1.10x")
+    assert "Planner: planned on" in off["changes"]["reason"]
+    # every level pays: nothing changes
+    fine = cut_schedule(config, rows[:2], settings)
+    assert fine["status"] == "ok" and fine["changes"] == {}
+    # a config of one K up to a cut-off (schema 1, or suffix decoding) gets a lower cut-off
+    single = cut_schedule({"k": 3, "k_schedule": None, "max_batch_size": 8}, rows, settings)
+    assert single["changes"] == {"k_schedule": None, "max_batch_size": 2,
+                                 "reason": single["changes"]["reason"]}
+
+
+def test_a_level_pays_by_its_interval_and_the_champions_domain_by_hysteresis():
+    from tasks.steps.load_check import pays
+
+    settings = load_settings(min_speedup=1.1)
+    row = _level(2, 1.2, 1.02, 1.4, None)
+    assert not pays(row, settings, champion_on=False)           # lower end under min_speedup
+    assert pays(row, settings, champion_on=True)                # on in the champion: 1.0 / min_speedup
+    assert not pays(dict(row, measured_speedup_lo=1.2, failed=1), settings, champion_on=False)
+    assert pays(dict(row, measured_speedup_lo=1.12), settings, champion_on=False)
+
+
+def test_per_request_metrics_sum_to_counters_by_position():
+    # acceptance histograms: index j counts the steps that accepted exactly j drafts
+    requests = [{"spec": {"drafts": 3, "draft_tokens": 12, "accepted_tokens": 5, "histogram": [1, 0, 1, 1, 0]}},
+                {"spec": {"drafts": 2, "draft_tokens": 8, "accepted_tokens": 4, "histogram": [0, 0, 2, 0, 0]}}]
+    sums = request_sums(requests)
+    assert sums == {"drafts": 5, "draft_tokens": 20, "accepted_tokens": 9, "accepted_per_pos": [4, 4, 1, 0]}
+    assert counters_match({"drafts": 5, "draft_tokens": 20, "accepted_tokens": 9,
+                           "accepted_per_pos": [4, 4, 1]}, sums) is True
+    assert counters_match({"drafts": 5, "draft_tokens": 20, "accepted_tokens": 9,
+                           "accepted_per_pos": [4, 3, 1, 1]}, sums) is False
+    assert request_sums(requests + [{"spec": None}]) is None
+
+
+def _served(tokens: int, gap: float, spec: dict | None = None, ok: bool = True) -> dict:
+    chunks = [(0.1 + gap * n, 1) for n in range(tokens)]
+    return {"id": "q", "ok": ok, "error": None if ok else "HTTP 400", "token_ids": list(range(tokens)) if ok else [],
+            "chunks": chunks if ok else [], "spec": spec, "ttft_s": 0.1 if ok else None,
+            "decode_s": gap * (tokens - 1) if ok else None, "latency_s": 1.0}
+
+
+def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_table(db_url, capsys):
+    from sqlalchemy import insert, select
+
+    from tasks.cli import main
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, EngineCheck, EvalRun
+    from tasks.db.queries_load import load_checks, store_load_check
+    from tasks.steps.evaluate import evaluation_table
+    from tasks.steps.reports import run_report
+    from tasks.timeutil import utcnow
+
+    engine = ensure_ready(db_url)
+    now = utcnow()
+    with engine.begin() as connection:
+        connection.execute(insert(EvalRun).values(run_id="r-load", created_at=now, updated_at=now,
+                                                  status="evaluated", target_id="tiny",
+                                                  target_fingerprint="sha256:t", hardware_profile="cpu"))
+        connection.execute(insert(DomainConfig).values(
+            run_id="r-load", domain="code", enabled=True, drafter="prompt_lookup", k=4, status="ok",
+            k_schedule=[[1, 1, 4], [2, 2, 4]], max_batch_size=2, samples=10, reason="planned on",
+            created_at=now))
+        connection.execute(insert(EngineCheck).values(run_id="r-load", domain="code", engine="vllm",
+                                                      status="ok", passed=True, created_at=now))
+    spec = {"drafts": 4, "draft_tokens": 16, "accepted_tokens": 8, "histogram": [0, 1, 2, 1, 0]}
+    counters = {"drafts": 8, "draft_tokens": 32, "accepted_tokens": 16, "accepted_per_pos": [8, 6, 2, 0]}
+    levels = []
+    for concurrency, spec_gap in ((1, 0.01), (2, 0.05)):
+        plain = {"requests": [_served(9, 0.02), _served(9, 0.02)], "wall_s": 1.0}
+        config = {"requests": [_served(9, spec_gap, spec), _served(9, spec_gap, spec)], "wall_s": 1.0,
+                  "counters": counters}
+        row = level_row(concurrency, 4, plain, config)
+        row.update(predicted_speedup=1.5, pays=concurrency == 1)
+        levels.append(row)
+    assert levels[0]["measured_speedup"] == pytest.approx(2.0) and levels[0]["counters_equal"] is True
+    assert levels[0]["engine_e"] == pytest.approx(3.0) and levels[0]["engine_rates"] == [1.0, 0.75, 0.25, 0.0]
+    config_row = {"k": 4, "k_schedule": [[1, 1, 4], [2, 2, 4]], "max_batch_size": 2, "reason": "planned on"}
+    verdict = cut_schedule(config_row, levels, load_settings())
+    record = {"status": verdict["status"], "passed": True, "reason": verdict["reason"],
+              "schedule_before": exported_schedule(config_row),
+              "schedule_after": exported_schedule(dict(config_row, **verdict["changes"])),
+              "max_level_paying": verdict["largest"], "spec_log": "/logs/spec.log", "plain_log": "/logs/plain.log"}
+    store_load_check(engine, "r-load", {"code": record}, {"code": levels}, {"code": verdict["changes"]})
+    store_load_check(engine, "r-load", {"code": record}, {"code": levels}, {})     # a re-run replaces
+    stored = load_checks(engine, "r-load")["code"]
+    assert [level["concurrency"] for level in stored["levels"]] == [1, 2]
+    assert stored["schedule_after"] == [[1, 1, 4], [2, BEYOND, 0]]
+    with engine.connect() as connection:
+        cut = connection.execute(select(DomainConfig.k_schedule, DomainConfig.max_batch_size).where(
+            DomainConfig.run_id == "r-load")).one()
+    assert (cut.k_schedule, cut.max_batch_size) == ([[1, 1, 4]], 1)
+    # the SQL report: one row per level
+    report = run_report("load_check", db_url=db_url)
+    rows = [dict(zip(report["columns"], r)) for r in report["rows"]]
+    assert [(r["concurrency"], r["pays"], r["domain_status"]) for r in rows] == [(1, 1, "cut"), (2, 0, "cut")]
+    # `specdec engine show RUN_ID --format json`: concurrency, speedup, interval, E from /metrics
+    assert main(["engine", "show", "r-load", "--format", "json", "--url", db_url]) == 0
+    shown = json.loads(capsys.readouterr().out)[0]["load_check"]
+    assert shown["status"] == "cut" and shown["schedule_before"] == [[1, 1, 4], [2, 2, 4], [3, BEYOND, 0]]
+    first = shown["levels"][0]
+    assert (first["concurrency"], first["engine_e"]) == (1, pytest.approx(3.0))
+    assert first["measured_speedup_lo"] <= first["measured_speedup"] <= first["measured_speedup_hi"]
+    # evaluate's table carries the load check per domain
+    table = evaluation_table("r-load", db_url)
+    assert table[0]["load_check"]["status"] == "cut"
+    assert [level["concurrency"] for level in table[0]["load_check"]["levels"]] == [1, 2]
+    from tasks.registry.load_results import load_check_text, load_markdown
+
+    assert load_check_text(table[0]["load_check"]) == "c1 2.00x, c2 0.40x x; K>0 up to 1"
+    assert "| code | 2 | 4 |" in load_markdown(load_checks(engine, "r-load"))
+
+
+# --- on vLLM's OpenAI server: one pool of servers for the module -------------------------------
+NGRAM = "prompt_lookup:max_ngram=3,min_ngram=1"
+TOKENS = 48
+DOMAINS = {
+    # domain: (drafter label, K, schedule, requests: "count" (vLLM's n-gram drafts what the target
+    # continues) or "long" (longer than the server's 512 positions: refused, a failed request))
+    "count": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["count"] * 4),
+    "crowded": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["count", "long", "count", "count"]),
+    "overlong": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["long"] * 4),
+    # min n-gram above max: vLLM refuses the config at start
+    "refused": ("prompt_lookup:max_ngram=2,min_ngram=3", 2, [[1, 1, 2]], ["count"] * 4),
+}
+
+
+def _requests(domain: str, kinds: list[str]) -> list:
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+
+    out = []
+    for n, kind in enumerate(kinds):
+        start = 7 * n
+        prompt = [(start + t) % 64 for t in range(100 if kind == "count" else 600)]
+        response = [(prompt[-1] + 1 + t) % 64 for t in range(TOKENS)]
+        out.append(LoggedRequest(f"{domain}-{n}", prompt, response, SamplingParams(temperature=0.0), domain))
+    return out
+
+
+def _finished_run(url: str, target: str) -> None:
+    from tasks.db import upgrade
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, EvalRun
+    from tasks.steps.candidates import parse_candidate
+    from tasks.timeutil import utcnow
+
+    upgrade(url)
+    now = utcnow()
+    with ensure_ready(url).begin() as connection:
+        connection.execute(EvalRun.__table__.insert().values(
+            run_id="r1", created_at=now, updated_at=now, status="evaluated", target_id=target,
+            target_fingerprint="sha256:test", hardware_profile="cpu"))
+        for domain, (label, k, schedule, _) in DOMAINS.items():
+            connection.execute(DomainConfig.__table__.insert().values(
+                run_id="r1", domain=domain, enabled=True, drafter=label, k=k, k_schedule=schedule,
+                max_batch_size=schedule[-1][1], status="ok", drafter_spec=parse_candidate(label),
+                samples=30, reason="planned on", created_at=now))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The load check of a finished run on a tiny target (copying_llama: after x, x + 1), levels
+    1 and 2, one request per level and at least the level; min_speedup so low that a level pays
+    whenever it measured a speedup without a failed request."""
+    from tasks.db.engine import ensure_ready
+    from tasks.serving.server import ServerPool
+    from tasks.steps.load_check import load_check
+
+    from .helpers.models import copying_llama, save_tiny_target
+
+    base = tmp_path_factory.mktemp("load-check")
+    target = save_tiny_target(copying_llama(vocab=64), base / "target")
+    url = f"sqlite:///{base / 'specdec.db'}"
+    _finished_run(url, str(target))
+    requests = {domain: _requests(domain, spec[3]) for domain, spec in DOMAINS.items()}
+    settings = load_settings(load_check_levels=(1, 2), load_check_requests=1,
+                             load_check_max_tokens=TOKENS, min_speedup=1e-9)
+    context = SimpleNamespace(settings=settings, spec=SimpleNamespace(run_id="r1", target=str(target)),
+                              engine=ensure_ready(url), url=url, model=None,
+                              domain_requests=lambda domain: (requests[domain], {}),
+                              domain_drafters=lambda domain: {})
+    with ServerPool("r1", target, dtype="float32", settings=settings, max_model_len=512,
+                    directory=base / "servers") as pool:
+        result = load_check(context, pool=pool)
+        yield {"result": result, "url": url, "pool": pool, "context": context}
+    assert all(not server.alive() for server in pool.servers.values())
+
+
+@needs_server
+@pytest.mark.integration
+def test_two_levels_are_measured_and_metrics_counters_equal_the_per_request_sums(served):
+    check = served["result"]["domains"]["count"]
+    assert check["status"] == "ok" and check["passed"] is True
+    assert [level["concurrency"] for level in check["levels"]] == [1, 2]
+    for level in check["levels"]:
+        assert level["failed"] == 0 and level["requests"] == level["concurrency"]
+        assert level["plain_tokens_per_s"] > 0 and level["spec_tokens_per_s"] > 0
+        assert level["spec_itl_p50_s"] is not None and level["spec_ttft_p95_s"] is not None
+        # vLLM's /metrics deltas of the level equal the same requests' per-request metrics summed
+        assert level["counters"]["drafts"] > 0 and level["counters"]["accepted_tokens"] > 0
+        assert level["counters"] == level["request_sums"] and level["counters_equal"] is True
+        # the target continues what the n-grams propose: E from /metrics is above 1
+        assert level["engine_e"] > 1.0 and len(level["engine_rates"]) == 4
+    assert check["schedule_after"] == check["schedule_before"] == [[1, 1, 4], [2, 2, 4], [3, BEYOND, 0]]
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_level_that_does_not_pay_cuts_the_schedule_and_one_paying_nowhere_is_off(served):
+    from tasks.registry.run_config import build_config
+    from tasks.registry.vllm_export import vllm_export
+
+    crowded = served["result"]["domains"]["crowded"]
+    # level 1: its first request, served; level 2: a second one the server refuses (too long)
+    assert [(level["concurrency"], level["failed"], level["pays"]) for level in crowded["levels"]] == [
+        (1, 0, True), (2, 2, False)]
+    assert crowded["status"] == "cut" and crowded["max_level_paying"] == 1
+    assert "at 2 concurrent requests (2 of 4 requests failed)" in crowded["reason"]
+    assert crowded["schedule_after"] == [[1, 1, 4], [2, BEYOND, 0]]
+    overlong = served["result"]["domains"]["overlong"]
+    assert overlong["status"] == "off" and overlong["passed"] is False
+    assert overlong["reason"].startswith("load check: no speedup measured at 1 concurrent request")
+    # the exported config follows the measurement
+    exported = vllm_export(build_config("r1", served["url"]))["speculative_config"]
+    assert exported["crowded"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, BEYOND, 0]]
+    assert exported["count"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 2, 4], [3, BEYOND, 0]]
+    assert exported["overlong"] is None
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_server_that_does_not_start_leaves_the_domain_off_naming_its_log(served):
+    from sqlalchemy import select
+
+    from tasks.db.models import DomainConfig
+
+    refused = served["result"]["domains"]["refused"]
+    assert refused["status"] == "failed" and refused["passed"] is False and refused["levels"] == []
+    assert "the config server did not start" in refused["reason"] and ".log" in refused["reason"]
+    with served["context"].engine.connect() as connection:
+        enabled = dict(connection.execute(select(DomainConfig.domain, DomainConfig.enabled)
+                                          .where(DomainConfig.run_id == "r1")).all())
+    # the other domains' results stay
+    assert enabled == {"count": True, "crowded": True, "overlong": False, "refused": False}
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served):
+    import signal
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tasks.steps.load_check import level_items, measure_domain
+
+    pool = served["pool"]
+    spec = served["result"]["domains"]["count"]["speculative_config"]
+    settings = load_settings(load_check_levels=(1, 2), load_check_requests=8, load_check_timeout_s=120)
+    items = level_items(_requests("count", ["count"] * 8), 8, 400)
+    server = pool.get(spec, max_num_seqs=2)         # the server measure_domain asks the pool for
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(
+        measure_domain(pool, spec, [(2, 4)], items, settings)))
+    worker.start()
+
+    def running() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   if family.name == "vllm:num_requests_running" for sample in family.samples)
+    deadline = time.monotonic() + 300
+    while running() == 0 and time.monotonic() < deadline:     # the plain level first, then this one
+        time.sleep(0.05)
+    os.killpg(server.process.pid, signal.SIGKILL)
+    worker.join(timeout=300)
+    status, reason = outcome["failure"]
+    assert status == "died" and outcome["levels"] == []
+    assert "the config server died at 2 concurrent requests" in reason and str(server.log_path) in reason
