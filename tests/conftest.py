@@ -4,7 +4,9 @@ the embedded default. Models are session-scoped: build once, share across tests.
 Database tests take the `db_url` fixture: every such test runs twice, on SQLite (a file in the
 test's tmp_path) and on PostgreSQL (a fresh schema per test in the server named by
 $SPECDEC_TEST_POSTGRES_URL, dropped afterwards). The PostgreSQL variant is skipped only when that
-variable is unset; CI always sets it (.ci/run starts a server on loopback).
+variable is unset; CI always sets it (.ci/run starts a server on loopback). The schema is migrated
+once per session and backend and copied for each test (helpers.db.MigratedTemplates); tests of
+migrating take `empty_db_url` and run the migrations themselves.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from .helpers import REPO
-from .helpers.db import POSTGRES_ENV, postgres_schema
+from .helpers.db import POSTGRES_ENV, MigratedTemplates, postgres_schema
 from .helpers.models import SPREAD_VOCAB, save_tiny_target, tiny_llama
 from .helpers.traffic import request_row, traffic_rows, write_jsonl
 
@@ -97,13 +99,29 @@ def empty_db_url(db_backend, tmp_path, monkeypatch):
         yield url
 
 
-@pytest.fixture
-def db_url(empty_db_url):
-    """A migrated (empty) specdec database on the backend under test."""
-    from tasks.db import upgrade
+@pytest.fixture(scope="session")
+def migrated_templates(tmp_path_factory):
+    """specdec's schema migrated once per backend in this session (in this worker, under
+    pytest-xdist), copied by `db_url` for each test."""
+    templates = MigratedTemplates(tmp_path_factory.mktemp("db-template"))
+    yield templates
+    templates.close()
 
-    upgrade(empty_db_url)
-    return empty_db_url
+
+@pytest.fixture
+def db_url(db_backend, tmp_path, monkeypatch, migrated_templates):
+    """A migrated (empty) specdec database on the backend under test: a copy of the session's
+    migrated template (a file in tmp_path, or a fresh PostgreSQL schema dropped afterwards)."""
+    from tasks.db import dispose_engines
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPECDEC_DATABASE_URL", raising=False)
+    if db_backend == "sqlite":
+        yield migrated_templates.sqlite_copy(tmp_path / "specdec.db")
+        dispose_engines()
+        return
+    with migrated_templates.postgres_copy(before_drop=dispose_engines) as url:
+        yield url
 
 
 @pytest.fixture
