@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,29 @@ def db_url(db_backend, tmp_path, monkeypatch, migrated_templates):
         yield url
 
 
+@pytest.fixture(scope="session")
+def mlflow_template(tmp_path_factory) -> Path:
+    """One MLflow SQLite store with its schema created, once per session (MLflow migrates a new
+    store itself, which takes seconds): `mlflow_uri` copies it for each test."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    uri = f"sqlite:///{path}"
+    template = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    template.search_experiments()
+    template.search_registered_models()
+    return path
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, mlflow_template) -> str:
+    """The URI of a fresh local MLflow store of this test (tmp_path/mlflow.db, a copy of the
+    session's template)."""
+    path = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_template, path)
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture
 def tiny_db(db_url, tmp_path, tiny_target):
     """db_url with tiny_target's own traffic imported (json and qa, 10 each, and 2 foreign qa)."""
@@ -212,7 +236,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 @pytest.fixture
-def tiny_store(db_url, tmp_path, monkeypatch):
+def tiny_store(db_url, tmp_path, monkeypatch, mlflow_uri):
     """A tiny target saved as a model directory, its traffic imported, a fresh MLflow store
     (draft training and the run context's tests)."""
     from specdec_core import load_model
@@ -222,7 +246,7 @@ def tiny_store(db_url, tmp_path, monkeypatch):
     model, tokenizer = load_model(str(model_dir), device="cpu")
     rows = traffic_rows(model, per_domain=16, foreign=0)
     import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     from tasks.steps import context
     context._MODELS.clear()
     return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}
