@@ -4,20 +4,23 @@ the embedded default. Models are session-scoped: build once, share across tests.
 Database tests take the `db_url` fixture: every such test runs twice, on SQLite (a file in the
 test's tmp_path) and on PostgreSQL (a fresh schema per test in the server named by
 $SPECDEC_TEST_POSTGRES_URL, dropped afterwards). The PostgreSQL variant is skipped only when that
-variable is unset; CI always sets it (.ci/run starts a server on loopback).
+variable is unset; CI always sets it (.ci/run starts a server on loopback). The schema is migrated
+once per session and backend and copied for each test (helpers.db.MigratedTemplates); tests of
+migrating take `empty_db_url` and run the migrations themselves.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from .helpers import REPO
-from .helpers.db import POSTGRES_ENV, postgres_schema
+from .helpers.db import POSTGRES_ENV, MigratedTemplates, postgres_schema
 from .helpers.models import SPREAD_VOCAB, save_tiny_target, tiny_llama
 from .helpers.traffic import request_row, traffic_rows, write_jsonl
 
@@ -97,13 +100,52 @@ def empty_db_url(db_backend, tmp_path, monkeypatch):
         yield url
 
 
-@pytest.fixture
-def db_url(empty_db_url):
-    """A migrated (empty) specdec database on the backend under test."""
-    from tasks.db import upgrade
+@pytest.fixture(scope="session")
+def migrated_templates(tmp_path_factory):
+    """specdec's schema migrated once per backend in this session (in this worker, under
+    pytest-xdist), copied by `db_url` for each test."""
+    templates = MigratedTemplates(tmp_path_factory.mktemp("db-template"))
+    yield templates
+    templates.close()
 
-    upgrade(empty_db_url)
-    return empty_db_url
+
+@pytest.fixture
+def db_url(db_backend, tmp_path, monkeypatch, migrated_templates):
+    """A migrated (empty) specdec database on the backend under test: a copy of the session's
+    migrated template (a file in tmp_path, or a fresh PostgreSQL schema dropped afterwards)."""
+    from tasks.db import dispose_engines
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPECDEC_DATABASE_URL", raising=False)
+    if db_backend == "sqlite":
+        yield migrated_templates.sqlite_copy(tmp_path / "specdec.db")
+        dispose_engines()
+        return
+    with migrated_templates.postgres_copy(before_drop=dispose_engines) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def mlflow_template(tmp_path_factory) -> Path:
+    """One MLflow SQLite store with its schema created, once per session (MLflow migrates a new
+    store itself, which takes seconds): `mlflow_uri` copies it for each test."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    uri = f"sqlite:///{path}"
+    template = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    template.search_experiments()
+    template.search_registered_models()
+    return path
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, mlflow_template) -> str:
+    """The URI of a fresh local MLflow store of this test (tmp_path/mlflow.db, a copy of the
+    session's template)."""
+    path = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_template, path)
+    return f"sqlite:///{path}"
 
 
 @pytest.fixture
@@ -194,7 +236,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 @pytest.fixture
-def tiny_store(db_url, tmp_path, monkeypatch):
+def tiny_store(db_url, tmp_path, monkeypatch, mlflow_uri):
     """A tiny target saved as a model directory, its traffic imported, a fresh MLflow store
     (draft training and the run context's tests)."""
     from specdec_core import load_model
@@ -204,7 +246,7 @@ def tiny_store(db_url, tmp_path, monkeypatch):
     model, tokenizer = load_model(str(model_dir), device="cpu")
     rows = traffic_rows(model, per_domain=16, foreign=0)
     import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     from tasks.steps import context
     context._MODELS.clear()
     return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}

@@ -99,7 +99,7 @@ def test_dag_files_only_wire_tasks_functions():
 
 
 @pytest.fixture
-def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
+def tiny_env(airflow_env, db_url, tmp_path, monkeypatch, mlflow_uri):
     """Tiny target saved as a model directory, its own traffic imported, MLflow in tmp_path."""
     from tasks.steps.traffic_import import import_traffic
 
@@ -115,7 +115,7 @@ def tiny_env(airflow_env, db_url, tmp_path, monkeypatch):
     for key, value in SMALL.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("SPECDEC_DATABASE_URL", db_url)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     from tasks.steps import context
     context._MODELS.clear()
     return {"target": str(model_dir), "db_url": db_url}

@@ -166,7 +166,8 @@ def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tin
         engine_restore.dispose()
 
 
-def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tmp_path, monkeypatch):
+def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tmp_path, monkeypatch,
+                                                                      mlflow_uri):
     """log_draft uploads on the training worker; the checkpoint is then gone (another machine),
     and register_logged_draft still registers it; another worker downloads it by its URI."""
     from specdec_core import load_model
@@ -180,7 +181,7 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
     model, _ = load_model(str(model_dir), device="cpu")
     import_traffic(write_jsonl(tmp_path / "traffic.jsonl", traffic_rows(model, per_domain=6, foreign=0)),
                    db_url=db_url, progress=False)
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = mlflow_uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking)
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "trainer"))
     recipe = DraftModelRecipe(num_layers=1, config=TrainConfig(steps=2, batch_size=2, eval_every=2))

@@ -373,7 +373,7 @@ def test_the_table_shows_the_sampling_test_on_vllm(db_url):
 
 
 def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_db, tiny_target, tmp_path,
-                                                                          caplog):
+                                                                          caplog, mlflow_uri):
     # what the Airflow task log of finish, register, promote, acceptance_alert and report holds
     # (the tasks call these functions; validate's line: the test above)
     import logging
@@ -383,7 +383,7 @@ def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_d
     from tasks.steps.reports import materialise_report
 
     caplog.set_level(logging.INFO, logger="tasks")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01})
     result = evaluate(run_id="logged", target="tiny", db_url=tiny_db, settings=settings, model=tiny_target,
                       progress=False, promote=True, tracking_uri=uri)

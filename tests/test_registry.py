@@ -66,20 +66,7 @@ def gate(result: dict, name: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# MLflow: a migrated local store to copy, and a real tracking server
-@pytest.fixture(scope="module")
-def mlflow_template(tmp_path_factory) -> Path:
-    """One MLflow SQLite store with its schema created (copied per test: migrations take seconds)."""
-    from mlflow import MlflowClient
-
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    uri = f"sqlite:///{path}"
-    template = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    template.search_experiments()
-    template.search_registered_models()
-    return path
-
-
+# MLflow: a migrated local store to copy (conftest.py's mlflow_template), and a real tracking server
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory, mlflow_template):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"), mlflow_template)

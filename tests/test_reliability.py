@@ -261,7 +261,7 @@ def _race_worker(action: str, name: str, db_url: str, uri: str, barrier, rounds:
 
 
 @pytest.mark.integration
-def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_url, tmp_path):
+def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_url, mlflow_uri):
     """`promote 2 --force --expected-champion 3` against `rollback`, both started at once, many
     times. Whatever the order, the champion is the version of the last move in the audit rows,
     and every move's champion_before is the version the move before it set."""
@@ -271,7 +271,7 @@ def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_u
     from tasks.registry.promotion import promote
     from tasks.settings import load_settings
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     target_id = "Test-Org/Race-Target"
     name = config_model_name(target_id)
     settings = load_settings({}, database_url=db_url)

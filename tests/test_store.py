@@ -20,18 +20,21 @@ def test_upgrade_creates_every_model_table_and_its_own_version_table(empty_db_ur
     assert VERSION_TABLE in tables and "alembic_version" not in tables
 
 
-def test_upgrade_twice_is_a_no_op(db_url):
+def test_upgrade_twice_is_a_no_op(empty_db_url):
     # re-running the migration on a current database changes nothing
-    again = upgrade(db_url)
+    upgrade(empty_db_url)
+    again = upgrade(empty_db_url)
     assert (again["from"], again["to"]) == (head_revision(), head_revision())
 
 
-def test_migrations_match_the_models(db_url):
-    # the models are the one schema: autogenerate finds nothing left to migrate
+def test_migrations_match_the_models(empty_db_url):
+    # the models are the one schema: autogenerate finds nothing left to migrate (on a database the
+    # migrations themselves made, not db_url's copy of one)
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    engine = create_engine(db_url)
+    upgrade(empty_db_url)
+    engine = create_engine(empty_db_url)
     with engine.connect() as connection:
         context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE,
                                                                "compare_type": True})
@@ -108,6 +111,46 @@ def test_bad_settings_name_the_setting(environ, fragment):
     # a malformed setting is a SettingsError naming what to fix
     with pytest.raises(SettingsError, match=fragment):
         load_settings(environ)
+
+
+def _schema_of(url: str) -> dict:
+    """Everything the inspector reads of a database's schema, and its revision."""
+    engine = create_engine(url)
+    inspector = inspect(engine)
+    schema = {}
+    for table in sorted(inspector.get_table_names()):
+        schema[table] = {
+            "columns": [(c["name"], str(c["type"]), c["nullable"], str(c.get("default")))
+                        for c in inspector.get_columns(table)],
+            "primary key": inspector.get_pk_constraint(table)["constrained_columns"],
+            "foreign keys": sorted(str(sorted(fk.items())) for fk in inspector.get_foreign_keys(table)),
+            "indexes": sorted(str(sorted(ix.items())) for ix in inspector.get_indexes(table)),
+            "unique": sorted(str(sorted(uq.items())) for uq in inspector.get_unique_constraints(table)),
+            "checks": sorted(str(sorted(ck.items())) for ck in inspector.get_check_constraints(table))}
+    with engine.connect() as connection:
+        schema["revision"] = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
+    engine.dispose()
+    return schema
+
+
+def test_db_url_is_a_copy_of_a_real_migration(db_url, db_backend, tmp_path):
+    # db_url copies a template migrated once per session (conftest.py); the copy must be the
+    # schema the migrations make: every table, column, type, default, key, index and constraint
+    from contextlib import nullcontext
+
+    from tasks.db import dispose_engines
+
+    from .helpers.db import postgres_schema
+
+    fresh = (nullcontext(f"sqlite:///{tmp_path / 'migrated.db'}") if db_backend == "sqlite"
+             else postgres_schema("t", before_drop=dispose_engines))
+    with fresh as url:
+        upgrade(url)
+        migrated = _schema_of(url)
+    copied = _schema_of(db_url)
+    assert set(Base.metadata.tables) <= set(copied)
+    assert copied["revision"] == [(head_revision(),)]
+    assert copied == migrated
 
 
 def test_cli_db_upgrade_and_current(empty_db_url, capsys):

@@ -56,9 +56,9 @@ def test_a_runs_suffix_index_never_holds_the_requests_it_scores(suffix_db, tiny_
 
 
 def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db, tiny_target,
-                                                                        tmp_path, monkeypatch):
+                                                                        tmp_path, monkeypatch, mlflow_uri):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = mlflow_uri
     registered = build_and_register("tiny", "json", db_url=suffix_db, tracking_uri=tracking,
                                     model=tiny_target)
     assert registered["model_uri"].startswith("models:/specdec-suffix-tiny/")
