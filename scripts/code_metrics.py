@@ -47,9 +47,9 @@ def _settings_fields() -> int:
 
 
 def _has_contents(page: Path) -> bool:
-    """A page whose first lines after its title are a list of links to its own headings."""
-    lines = [line for line in page.read_text().splitlines()[1:12] if line.strip()]
-    return bool(lines) and lines[0].lstrip().startswith("- [") and "](#" in lines[0]
+    """A page that opens (within its first 20 lines) with a list of links to its own headings."""
+    return any(line.lstrip().startswith("- [") and "](#" in line
+               for line in page.read_text().splitlines()[1:20])
 
 
 def measure() -> tuple[dict, list[tuple[int, str]]]:
