@@ -1000,10 +1000,10 @@ def test_version_page_shows_a_slow_live_check_the_alert_and_the_proposal_rate(db
     header = next(line for line in lines if line.startswith("| domain |"))
     assert header == ("| domain | on | drafter | K | max batch | E [tokens/round] | proposal rate | "
                       "predicted (95% CI) | live check (same requests) | samples | validation | "
-                      "vLLM sampling | on vLLM | source |")
+                      "vLLM sampling | on vLLM | under load (vLLM) | source |")
     rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ")}
     assert rows["json"] == ("| json | on | prompt_lookup(max_ngram=3) | 3 | 4 | 2.20 | 100% | "
-                            "1.60x [1.30, 1.90] | 1.52x vs 1.46x | 25 | passed | - | NOT CHECKED | run |")
+                            "1.60x [1.30, 1.90] | 1.52x vs 1.46x | 25 | passed | - | NOT CHECKED | - | run |")
     # one rule (live_check.judge_live) for the cell, the reasons and the gate: summarize's
     # interval lies below the bar (a WARNING); chat's only reaches below it (unsure, no WARNING)
     assert ("| 0.97x vs 1.46x WARNING: slower than plain decoding; the interval's upper end 1.03x is "
@@ -1012,7 +1012,7 @@ def test_version_page_shows_a_slow_live_check_the_alert_and_the_proposal_rate(db
     assert "| 1.12 | 10% |" in rows["chat"]
     assert ("| 1.04x vs 1.30x unsure: its interval [0.93, 1.18] reaches below min_speedup 1.10x |"
             in rows["chat"]) and "WARNING" not in rows["chat"]
-    assert "| passed, shared from json | - | NOT CHECKED | run |" in rows["chat"]
+    assert "| passed, shared from json | - | NOT CHECKED | - | run |" in rows["chat"]
     # each domain's reason says it once, and quotes the live check beside the prediction
     assert ("- summarize (on): prompt_lookup K=3 predicts 1.46x [1.20, 1.70] at batch 1; pays up to "
             "batch 4 on cpu-test. Live check: 0.97x measured [0.91, 1.03] vs 1.46x predicted on the "
