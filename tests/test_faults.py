@@ -451,15 +451,18 @@ def test_promote_force_decides_already_champion_on_the_champion_read_under_the_l
 def _wait_for_lock_waiter(db_url: str, process: subprocess.Popen, limit_s: float = 60) -> None:
     """Until `process` waits on the alias lock (PostgreSQL: an ungranted advisory lock in
     pg_locks) or has ended; on SQLite, whose lock has no such view, until the process ends or
-    a while has passed (time for it to start and read the champion; either order is correct)."""
+    a while has passed (time for it to start and read the champion; either order is correct),
+    shorter than SQLite's busy timeout (30 s, tasks.db.engine), so a waiter is not refused with
+    "database is locked" before the lock is released."""
     deadline = time.monotonic() + limit_s
+    sqlite_hold_s = 15
     while process.poll() is None and time.monotonic() < deadline:
         if db_url.startswith("postgresql"):
             waiting = _rows(db_url, text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
                                          "AND NOT granted"))[0][0]
             if waiting:
                 return
-        elif time.monotonic() > deadline - limit_s / 3:
+        elif time.monotonic() > deadline - limit_s + sqlite_hold_s:
             return
         time.sleep(0.1)
 
@@ -498,11 +501,13 @@ def test_a_draft_trained_with_no_register_is_not_left_training(tiny_store):
     from tasks.db.models import DraftModelRecord
     from tasks.steps.draft_training import train_draft_from_traffic
 
-    train_draft_from_traffic("unregistered-1", target=tiny_store["target"], db_url=tiny_store["db_url"],
-                             num_layers=1, config=TrainConfig(steps=2, eval_every=1, k_max=2,
-                                                              warmup_steps=1),
-                             model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
-                             progress=False, register=False)
+    from tasks.steps.draft_recipes import DraftModelRecipe
+
+    recipe = DraftModelRecipe(num_layers=1, config=TrainConfig(steps=2, eval_every=1, k_max=2,
+                                                                warmup_steps=1))
+    train_draft_from_traffic("unregistered-1", recipe, target=tiny_store["target"],
+                             db_url=tiny_store["db_url"], model=tiny_store["model"],
+                             tokenizer=tiny_store["tokenizer"], progress=False, register=False)
     (status,) = _rows(tiny_store["db_url"], select(DraftModelRecord.status).where(
         DraftModelRecord.name == "unregistered-1"))[0]
     assert status == "trained"

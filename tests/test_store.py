@@ -201,3 +201,22 @@ def test_data_commands_do_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_schema_is_checked_once_per_process_and_url_until_upgrade_or_dispose(db_url):
+    # the check (revision + Alembic's scripts) runs on a URL's first ensure_ready; later calls
+    # reuse it, so a schema dropped behind the process's back goes unnoticed until dispose_engines
+    # (or upgrade) makes the next call check again
+    from sqlalchemy import create_engine, text
+
+    from tasks.db import dispose_engines
+
+    engine = ensure_ready(db_url)
+    other = create_engine(db_url)
+    with other.begin() as connection:
+        connection.execute(text(f"DROP TABLE {VERSION_TABLE}"))
+    other.dispose()
+    assert ensure_ready(db_url) is engine              # memoized: not checked again
+    dispose_engines()
+    with pytest.raises(DatabaseNotMigrated, match="specdec db upgrade"):
+        ensure_ready(db_url)

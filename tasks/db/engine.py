@@ -96,6 +96,9 @@ def _on_sqlite_connect(dbapi_connection, _record) -> None:
 
 
 _ENGINES: dict[str, Engine] = {}
+# URLs found migrated to head by this process: checked once per process and URL (the check reads
+# the schema revision and Alembic's scripts); upgrade() and dispose_engines() forget them
+_READY: set[str] = set()
 
 
 def _engine_for(url: str) -> Engine:
@@ -159,10 +162,12 @@ def _create_engine(url: str) -> Engine:
 
 
 def dispose_engines() -> None:
-    """Close every cached engine's connections (tests, and processes that switch databases)."""
+    """Close every cached engine's connections (tests, and processes that switch databases), and
+    forget which databases were found ready (ensure_ready checks them again)."""
     for engine in list(_ENGINES.values()):
         engine.dispose()
     _ENGINES.clear()
+    _READY.clear()
 
 
 def get_engine(url: str | None = None, create_dir: bool = False) -> Engine:
@@ -266,8 +271,10 @@ def _connectable(url: str) -> Engine:
 
 
 def upgrade(url: str | None = None, revision: str = "head") -> dict:
-    """Create or migrate the schema to `revision`. Returns {"url", "from", "to"}."""
+    """Create or migrate the schema to `revision`. Returns {"url", "from", "to"}. The URL is
+    checked again by the next ensure_ready (a downgrade leaves it not ready)."""
     url = resolve_database_url(url)
+    _READY.discard(url)
     engine = get_engine(url, create_dir=True)
     before = None
     try:
@@ -287,11 +294,14 @@ def upgrade(url: str | None = None, revision: str = "head") -> dict:
 
 
 def ensure_ready(url: str | None = None) -> Engine:
-    """The engine, after checking that the database exists and is migrated to head.
+    """The engine, after checking (once per process and URL) that the database exists and is
+    migrated to head. Called where a process opens its Store (tasks.db.store.Store.open).
 
     Raises DatabaseUnavailable (cannot connect / no such SQLite file) or DatabaseNotMigrated.
     """
     url = resolve_database_url(url)
+    if url in _READY and url in _ENGINES:
+        return _ENGINES[url]
     current = current_revision(url)
     head = head_revision()
     if current != head:
@@ -308,4 +318,5 @@ def ensure_ready(url: str | None = None) -> Engine:
                     "own database.")
         raise DatabaseNotMigrated(f"the database {display_url(url)} {state}; run `specdec db upgrade` "
                                   f"(with {DATABASE_URL_ENV} set the same way).{hint}")
+    _READY.add(url)
     return get_engine(url)
