@@ -562,7 +562,20 @@ def load_settings(environ=None, **overrides) -> Settings:
         return Settings(**values)
     except ValidationError as exc:
         raise SettingsError(f"invalid settings (from {ENV_PREFIX}* variables, {SETTINGS_FILE_ENV} or "
-                            f"arguments): {exc}") from exc
+                            f"arguments): {_problems(exc)}") from exc
+
+
+def _problems(exc: ValidationError) -> str:
+    """Pydantic's errors, each named by the setting's public name and variable (SPECDEC_GPU_QUEUE
+    (gpu_queue), not queues.gpu)."""
+    public = {where: name for name, where in FLAT_NAMES.items()}
+    lines = []
+    for error in exc.errors():
+        loc = tuple(str(part) for part in error["loc"])
+        name = public.get(loc[:2], ".".join(loc)) if loc else "settings"
+        where = f"{ENV_PREFIX}{name.upper()} ({name})" if name in public.values() or name in _TOP_LEVEL else name
+        lines.append(f"{where}: {error['msg']} (got {error.get('input')!r})"[:300])
+    return "; ".join(lines)
 
 
 WORKER_NAME_ENV = "SPECDEC_WORKER_NAME"
