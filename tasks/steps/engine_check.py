@@ -590,12 +590,13 @@ def _dtype(model) -> str:
 
 
 def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: dict | None,
-                      totals: list, sampled: list[bool] | None = None) -> float | None:
+                      totals: list, sampled: list[bool] | None = None, batch_size: int = 1) -> float | None:
     """The speedup the serving engine's cost profile predicts for these requests (their
     estimate's rounds, RoundTotals; sampled: whether each samples, priced with the profile's
-    sampled steps where it has them): their plain decoding time over their rounds' time, as the
-    planner prices them. None without a profile that prices the drafter."""
-    if costs is None or label is None or not totals:
+    sampled steps where it has them) at one batch size: their plain decoding time over their
+    rounds' time, as the planner prices them. None without a profile that prices the drafter at
+    that batch size."""
+    if costs is None or label is None or not totals or batch_size not in costs.target_step:
         return None
     if label not in costs.draft_step and (drafter_spec or {}).get("kind") == "prompt_lookup":
         # vLLM's ngram search is inside the profile's verify steps, whatever its n
@@ -607,10 +608,10 @@ def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: 
             if not t.rounds:
                 continue
             table = tables[bool(is_sampled)]
-            step = table.target_step[1]
+            step = table.target_step[batch_size]
             plain += t.tokens * step
-            spec += t.rounds / speedup_factor(label, drafter_spec, t.width_share, table, 1) * step
-    except CostProfileError:
+            spec += t.rounds / speedup_factor(label, drafter_spec, t.width_share, table, batch_size) * step
+    except (CostProfileError, KeyError):
         return None
     return plain / spec if spec > 0 else None
 

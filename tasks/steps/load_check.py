@@ -42,11 +42,10 @@ from ..serving.load import inter_token_latencies, run_level
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
 from .confirm import offline_totals, speedup_interval, truncated
-from .costs import CostProfileError, CostTable
-from .engine_check import _dtype, end_slot, local_spec
+from .costs import CostTable
+from .engine_check import _dtype, end_slot, local_spec, predicted_speedup
 from .engine_costs import engine_profile
 from .engine_validate import served_export
-from .plan import speedup_factor
 
 log = logging.getLogger(__name__)
 
@@ -222,24 +221,8 @@ def cut_schedule(config: dict, rows: list[dict], settings: Settings) -> dict:
 def predicted_at(costs: CostTable | None, label: str, drafter_spec: dict | None, totals: list,
                  sampled: list[bool], batch_size: int) -> float | None:
     """The speedup vLLM's cost profile predicts for these requests (their estimate's rounds) at
-    one batch size: plain decoding time over their rounds' time, as the planner prices them."""
-    if costs is None or not totals or batch_size not in costs.target_step:
-        return None
-    if label not in costs.draft_step and (drafter_spec or {}).get("kind") == "prompt_lookup":
-        costs.draft_step[label] = {b: 0.0 for b in costs.batch_sizes}
-    tables = {False: costs, True: costs.for_sampling(1.0)}
-    plain = spec = 0.0
-    try:
-        for t, is_sampled in zip(totals, sampled):
-            if not t.rounds:
-                continue
-            table = tables[bool(is_sampled)]
-            step = table.target_step[batch_size]
-            plain += t.tokens * step
-            spec += t.rounds / speedup_factor(label, drafter_spec, t.width_share, table, batch_size) * step
-    except (CostProfileError, KeyError):
-        return None
-    return plain / spec if spec > 0 else None
+    one batch size, as the engine check prices them at batch 1 (engine_check.predicted_speedup)."""
+    return predicted_speedup(costs, label, drafter_spec, totals, sampled, batch_size)
 
 
 def _failure(which: str, server, level: int, result: dict | None, exc: Exception | None,
