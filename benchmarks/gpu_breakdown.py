@@ -1,15 +1,18 @@
 """Where a decoding step's and a speculative round's time goes, with torch.profiler.
 
-Four configurations of the engine on one random-weight target (the shapes, model builder and
+Five configurations of the engine on one random-weight target (the shapes, model builder and
 sharpened greedy continuation of gpu_decode.py), batch 1, greedy, static caches:
 
   plain_eager    SpecDecoder.generate_plain, CUDA graphs off
   plain_graphs   SpecDecoder.generate_plain, CUDA graphs on
   spec_k4        SpecDecoder.generate with ControlledAcceptance (alpha 0.8), K = 4, graphs on
+  spec_k6        the same with K = 6
   spec_k8        the same with K = 8
 
-Each is warmed up twice (graph capture happens there), timed once wall-clock (synchronised), then
-run once more under torch.profiler (CPU activity, plus CUDA when available). Every figure is given
+Each is warmed up twice (graph capture happens there; --warmup 1 as gpu_decode.py does), timed once
+wall-clock (synchronised), with the round graphs captured and the rounds run eagerly inside the
+timed call counted (both 0 once every round shape was captured in the warm-up), then run once more
+under torch.profiler (CPU activity, plus CUDA when available). Every figure is given
 per step (plain: per decoding step) or per round (speculative), dividing the whole generate call
 by result.stats.rounds; the prefill is part of the call, so it is spread over the steps.
 
@@ -79,6 +82,7 @@ CONFIGS = (
     ("plain_eager", "plain, CUDA graphs off", None, False),
     ("plain_graphs", "plain, CUDA graphs on", None, True),
     ("spec_k4", f"speculative K=4 (alpha {ALPHA}), graphs on", 4, True),
+    ("spec_k6", f"speculative K=6 (alpha {ALPHA}), graphs on", 6, True),
     ("spec_k8", f"speculative K=8 (alpha {ALPHA}), graphs on", 8, True),
 )
 # per-step figures: (JSON key, Markdown header, total it comes from, scale)
@@ -93,7 +97,8 @@ PER_STEP = (
     ("aten_ops", "aten ops", "aten_ops", 1),
 )
 SUMMARY_HEADER = (["configuration", "unit", "rounds", "tokens/round"]
-                  + [header for _, header, _, _ in PER_STEP] + ["busy % of wall", "mismatched rows"])
+                  + [header for _, header, _, _ in PER_STEP]
+                  + ["busy % of wall", "captures, eager rounds (timed call)", "mismatched rows"])
 
 _T0 = time.perf_counter()
 
@@ -115,6 +120,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                        "--smoke), else cpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"Markdown (default {RESULTS})")
     parser.add_argument("--json", type=Path, default=None, help="also dump the raw numbers here")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="warm-up calls before the timed one (gpu_decode.py makes 1: a round "
+                             "shape met first in the timed call is captured there)")
+    parser.add_argument("--engine-compile", default="auto", choices=["auto", "on", "off"],
+                        help="SpecDecoder compile (auto: on CUDA)")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated names of CONFIGS to run (default: all)")
     return parser.parse_args(argv)
 
 
@@ -243,16 +255,33 @@ def call_window(events) -> tuple[float, float]:
     return ranges[0].time_range.start, ranges[0].time_range.end
 
 
+def graph_counts(decoder) -> tuple[int, int] | None:
+    """(captures, eager rounds) of the target cache's round graphs so far (None: not reported).
+    An engine that does not count its captures reports its captured parts (the same until a shape
+    is evicted)."""
+    for cache in decoder.engine_state().get("caches", []):
+        if cache.get("role") == "target" and "eager_rounds" in cache:
+            captures = cache.get("captures")
+            if captures is None:
+                captures = sum(len(shape["parts"]) for shape in cache["round_graphs"])
+            return captures, cache["eager_rounds"]
+    return None
+
+
 def measure_config(name: str, label: str, k: int | None, graphs: bool, target, ids, new: int,
-                   reference: torch.Tensor, device: torch.device) -> dict:
+                   reference: torch.Tensor, device: torch.device, warmup: int = 2,
+                   compile: bool | str = "auto") -> dict:
     drafter = None if k is None else ControlledAcceptance(reference, ALPHA, seed=11)
     decoder = gd.make_decoder(target, drafter, k=k or 1, static_cache=True, cuda_graphs=graphs,
-                              phase_timing=False)
+                              phase_timing=False, compile=compile)
     run = (lambda: decoder.generate_plain(ids, new)) if k is None else (lambda: decoder.generate(ids, new))
-    for i in range(2):
+    for i in range(warmup):
         seconds, _ = gd.timed(run, device)
         log(f"{name}: warm-up {i + 1} {seconds:.3f}s")
+    before = graph_counts(decoder)
     wall, timed_result = gd.timed(run, device)
+    after = graph_counts(decoder)
+    in_timed = None if before is None or after is None else [a - b for a, b in zip(after, before)]
     result, events, window, profiled_wall = profiled_call(run, device)
     device_profiled = device.type == "cuda"
     rounds = max(int(timed_result.stats.rounds), 1)
@@ -269,6 +298,9 @@ def measure_config(name: str, label: str, k: int | None, graphs: bool, target, i
         "totals": totals,
         "per_round": per_step(totals, wall, rounds, profiled_rounds),
         "profiled_wall_ms_per_round": 1e3 * profiled_wall / profiled_rounds,
+        "warmup_calls": warmup,
+        "timed_captures": None if in_timed is None else in_timed[0],
+        "timed_eager_rounds": None if in_timed is None else in_timed[1],
         "top_kind": "kernels by device time" if device_profiled else "host operators by self CPU time",
         "top": [dict(entry, calls_per_round=entry["calls"] / profiled_rounds,
                      us_per_round=entry["us"] / profiled_rounds) for entry in top],
@@ -278,7 +310,9 @@ def measure_config(name: str, label: str, k: int | None, graphs: bool, target, i
     per = record["per_round"]
     log(f"{name}: {rounds} {record['unit']}s, {per['wall_ms']:.3f} ms per {record['unit']}, "
         f"kernels {fmt(per['kernels'], '.1f')}, eager launches {fmt(per['eager_launches'], '.1f')}, "
-        f"graph launches {fmt(per['graph_launches'], '.1f')}, mismatched rows {record['mismatched_rows']}")
+        f"graph launches {fmt(per['graph_launches'], '.1f')}, captures / eager rounds in the timed "
+        f"call {record['timed_captures']} / {record['timed_eager_rounds']}, mismatched rows "
+        f"{record['mismatched_rows']}")
     return record
 
 
@@ -296,12 +330,15 @@ def cell(text: str, width: int = 100) -> str:
 
 def summary_row(record: dict) -> list:
     if "error" in record:
-        return [record["name"], "failed", "", ""] + [""] * len(PER_STEP) + ["", ""]
+        return [record["name"], "failed", "", ""] + [""] * len(PER_STEP) + ["", "", ""]
     per = record["per_round"]
     figures = [fmt(per["wall_ms"], ".3f"), fmt(per["device_busy_ms"], ".3f")]
     figures += [fmt(per[key], ".1f") for key, _, _, _ in PER_STEP[2:]]
     return ([record["name"], record["unit"], record["rounds"], f"{record['tokens_per_round']:.2f}"]
-            + figures + [fmt(per["busy_pct"], ".0f"), record["mismatched_rows"]])
+            + figures + [fmt(per["busy_pct"], ".0f"),
+                         f"{fmt(record.get('timed_captures'), 'd')}, "
+                         f"{fmt(record.get('timed_eager_rounds'), 'd')}",
+                         record["mismatched_rows"]])
 
 
 def render(raw: dict) -> str:
@@ -311,7 +348,8 @@ def render(raw: dict) -> str:
            f"{meta['dtype']}; target {meta['target']} ({gd.human(meta['target_params'])} params, "
            f"random weights, sharpened greedy); batch 1, prompt of {meta['prompt_len']} tokens, "
            f"{meta['new_tokens']} new tokens, greedy, static caches; ControlledAcceptance alpha "
-           f"{ALPHA}. Profiled: {meta['activities']}."
+           f"{ALPHA}. Profiled: {meta['activities']}. Warm-up calls per configuration: "
+           f"{meta.get('warmup_calls', 2)}; engine compile: {meta.get('engine_compile', 'auto')}."
            + (" SMOKE RUN: tiny model, timings meaningless." if meta["smoke"] else ""), "",
            "## Summary (per step for plain decoding, per round for speculative decoding)", "",
            gd.table(SUMMARY_HEADER, [summary_row(r) for r in raw["configs"]]), "",
@@ -342,7 +380,7 @@ def render(raw: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
-    """Measure the four configurations; returns the raw numbers (what --json writes). The report is
+    """Measure the configurations; returns the raw numbers (what --json writes). The report is
     rewritten after every configuration, so a run cut short keeps what it measured."""
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke
@@ -368,7 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
         "transformers": transformers.__version__, "smoke": args.smoke,
         "shape": "smoke" if args.smoke else args.shape, "target": gd.shape_label(shape),
         "target_params": gd.param_count(target), "prompt_len": prompt_len, "new_tokens": new,
-        "alpha": ALPHA, "activities": "CPU + CUDA" if device.type == "cuda" else "CPU only"},
+        "alpha": ALPHA, "activities": "CPU + CUDA" if device.type == "cuda" else "CPU only",
+        "warmup_calls": args.warmup, "engine_compile": args.engine_compile},
         "configs": []}
 
     def write() -> str:
@@ -381,9 +420,14 @@ def main(argv: list[str] | None = None) -> dict:
             args.json.write_text(json.dumps(raw, indent=2))
         return text
 
+    chosen = None if args.configs is None else set(args.configs.split(","))
     for name, label, k, graphs in CONFIGS:
+        if chosen is not None and name not in chosen:
+            continue
         try:
-            record = measure_config(name, label, k, graphs, target, ids, new, reference, device)
+            record = measure_config(name, label, k, graphs, target, ids, new, reference, device,
+                                    warmup=args.warmup,
+                                    compile={"on": True, "off": False}.get(args.engine_compile, "auto"))
         except Exception as error:  # noqa: BLE001 -- report it and measure the others
             log(f"{name} failed: {type(error).__name__}: {error}")
             traceback.print_exc(file=sys.stderr)

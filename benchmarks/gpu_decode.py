@@ -152,6 +152,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-compile", default="auto", choices=["auto", "on", "off"],
                         help="SpecDecoder compile: its static-cache forwards through torch.compile "
                              "(auto: on CUDA)")
+    parser.add_argument("--items", default=None,
+                        help="comma-separated items to run (default all: 1,2,3,4,5; item 3 needs 2)")
     return parser.parse_args(argv)
 
 
@@ -951,7 +953,10 @@ def main(argv: list[str] | None = None) -> dict:
         ("item5", lambda: bench.batch_sizes(
             measured(raw, "item3")["best_k"] if measured(raw, "item3") else None)),
     )
+    chosen = None if args.items is None else {f"item{i.strip()}" for i in args.items.split(",")}
     for key, step in steps:
+        if chosen is not None and key not in chosen:
+            continue
         try:
             raw[key] = step()
         except Exception as error:  # noqa: BLE001 -- report it and measure the other items

@@ -1,44 +1,54 @@
 #!/usr/bin/env bash
-# One call of a GPU machine that checks every GPU-only path, in four steps:
-#   1. tests/test_fast_path.py (its CUDA variants run there);
-#   2. `specdec profile measure --device cuda` end to end, against a random-weight model of the
-#      embedded default's architecture (benchmarks/random_model.py, written to /tmp) and a
-#      throwaway store (SPECDEC_HOME=/tmp/specdec-device); its table is printed;
-#   3. benchmarks/gpu_breakdown.py for the Llama-3.2-1B and SmolLM2-135M shapes;
-#   4. benchmarks/gpu_decode.py (options after the script's own are passed to it, e.g. --quick).
-# Each step's output is tee'd to a log in $OUT (default /tmp/specdec-device-out), at most 8 files:
-# device.txt (versions, then every step's rc), fast_path_tests.log, profile_measure.log,
-# gpu_breakdown.log (its Markdown included), gpu_breakdown.json ({shape: raw}), gpu_decode.md,
-# gpu_decode.json, gpu_decode.log. Exits non-zero when any step failed.
+# GPU checks in one or two calls of a GPU machine, each step under its own time limit:
+#   tests      tests/test_fast_path.py (its CUDA variants run there);
+#   before     benchmarks/gpu_breakdown.py on the engine as it was (.before/specdec_core, when
+#              carried: `git archive REV specdec_core | tar -x -C .before`), graphs on, compile off,
+#              one warm-up call (as gpu_decode.py makes), plain and K 4, 6, 8;
+#   breakdown  the same on this checkout's engine;
+#   grid       benchmarks/gpu_decode.py --quick --engine-compile off --items 2,3 (verify(K) and the
+#              alpha x K grid against the planner, with captured rounds);
+#   decode     benchmarks/gpu_decode.py --quick (every item, compile at the engine's default);
+#   profile    `specdec profile measure --device cuda` end to end, against a random-weight model of
+#              the embedded default's architecture (benchmarks/random_model.py) and a throwaway
+#              store (SPECDEC_HOME=/tmp/specdec-device); prints the compile time;
+#   head       benchmarks/eagle3_gpu.py: the target answers prompts of every domain, EAGLE-3 heads
+#              train on 1k, 5k and all of them, held-out acceptance per domain (the learning
+#              curve); needs the embedded default's GGUF, which is over one call's 64 MiB: its two
+#              parts travel in .gguf-a/ and .gguf-b/ (`--split-gguf`), in two calls of one warm
+#              machine (the first copies its part to /tmp, the second joins them).
+# Every step's log and outputs go to a work folder; after each step it is packed into
+# $OUT/results.tar.gz (a device call brings back at most 8 files), beside $OUT/device.txt
+# (versions, then every step's rc and seconds). Exits non-zero when any step failed.
 #
-#   bash benchmarks/run_on_device.sh [gpu_decode.py options]
-#   bash benchmarks/run_on_device.sh --smoke     # dry run on this machine's CPU: the same steps on
-#                                                # the tiny test shapes (PATH must reach the venv)
-#   STEPS="profile breakdown" bash benchmarks/run_on_device.sh    # only some steps
-#                                                # (of: tests profile breakdown decode)
-#   LIMITS="tests=60 decode=300" bash benchmarks/run_on_device.sh  # each step's limit in seconds
-#                                                # (default tests=150 profile=150 breakdown=120
-#                                                # decode=240; LIMITS= for none): a step over its
-#                                                # limit is stopped, its log kept, the next one runs
+#   bash benchmarks/run_on_device.sh                # STEPS (default: before breakdown grid decode
+#                                                   # profile), each under its LIMITS
+#   STEPS="head" bash benchmarks/run_on_device.sh   # only some steps
+#   LIMITS="grid=60 decode=150" bash ...            # each step's limit in seconds (default
+#                                                   # tests=150 before=45 breakdown=45 grid=60
+#                                                   # decode=150 profile=120 head=270; LIMITS= for
+#                                                   # none): a step over its limit is stopped, its log
+#                                                   # kept, the next one runs
+#   bash benchmarks/run_on_device.sh --smoke        # dry run on this machine's CPU: the same steps
+#                                                   # on the tiny test shapes
+#   bash benchmarks/run_on_device.sh --split-gguf BYTES   # the embedded default's GGUF into
+#                                                   # .gguf-a/ (its first BYTES) and .gguf-b/
 #
-# On an H100 (2026-11-26) the steps did not fit a 15-minute lease with torch.compile on (the engine's
-# default on CUDA): it compiles one body per forward width, so gpu_decode's item 2 (9 widths) ran
-# over 140 s and `profile measure` over 80 s before its first pass. `--engine-compile off` after the
-# script's name passes to gpu_decode (item 1 then measures the uncompiled engine).
+# On an H100 (2026-11-26) the steps did not fit a 15-minute lease with torch.compile compiling one
+# body per forward width; it now compiles one body for every verify width (and one for a step).
 #
 # Wheels. The GPU image has torch, transformers, numpy, pandas, rich, safetensors, tokenizers,
 # pyyaml, requests and pytest, but not the pipeline's database and settings packages that
 # `specdec profile measure` imports (SQLAlchemy, alembic and its Mako, pydantic and its
-# pydantic_core, annotated-types, typing-inspection). Any *.whl in .whl/ (git-ignored; the device
-# call carries the working tree) is installed with --no-deps into /tmp/site first. Fetch them for
-# the image's Python 3.12 on x86_64 Linux, at the versions in constraints.txt, with
-#   bash benchmarks/run_on_device.sh --fetch-wheels [more names, e.g. transformers]
+# pydantic_core, annotated-types, typing-inspection), nor gguf (the head step reads the GGUF). Any
+# *.whl in .whl/ (git-ignored; the device call carries it) is installed with --no-deps into
+# /tmp/site first (kept there for a second call of the same machine). Fetch them for the image's
+# Python 3.12 on x86_64 Linux, at the versions in constraints.txt, with
+#   bash benchmarks/run_on_device.sh --fetch-wheels transformers gguf
 # which runs, for each NAME==VERSION found in constraints.txt,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION
-# (about 8 MB). The image's transformers may be older than the pinned one: add `transformers` to
-# carry the pinned wheel too (pure Python; its dependencies must then be on the image). Empty
-# .whl/ again before a local --smoke run: those wheels are for Python 3.12.
+# (about 21 MB with transformers). Empty .whl/ again before a local --smoke run: those wheels are
+# for Python 3.12.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,23 +71,38 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
         -d .whl "${specs[@]}"
 fi
 
+if [ "${1:-}" = "--split-gguf" ]; then
+    gguf=$(ls .specdec/models/smollm2-135m-instruct/*.gguf 2>/dev/null | head -1)
+    [ -n "$gguf" ] || { echo "no GGUF under .specdec/models: run the main job once" >&2; exit 1; }
+    rm -rf .gguf-a .gguf-b && mkdir -p .gguf-a .gguf-b
+    head -c "$2" "$gguf" > .gguf-a/part && tail -c +"$(($2 + 1))" "$gguf" > .gguf-b/part
+    ( cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")" ) | tee .gguf-a/SHA256SUMS > .gguf-b/SHA256SUMS
+    ls -l .gguf-a/part .gguf-b/part
+    exit 0
+fi
+
 SMOKE=0
 if [ "${1:-}" = "--smoke" ]; then
     SMOKE=1
     shift
 fi
 OUT=${OUT:-/tmp/specdec-device-out}
-STEPS=${STEPS:-tests profile breakdown decode}
+STEPS=${STEPS:-before breakdown grid decode profile}
 # each step's limit in seconds: a 15-minute lease then brings back something of every step
-LIMITS=${LIMITS-tests=150 profile=150 breakdown=120 decode=240}
+LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 decode=150 profile=120 head=270}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d /tmp/specdec-device-logs.XXXXXX)      # packed into $OUT/results.tar.gz
 WORK=$(mktemp -d /tmp/specdec-device-work.XXXXXX)
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1 && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
     rm -rf /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
+    ls .whl > /tmp/site/.wheels
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site       # installed by this call or an earlier one
+SITE=${PYTHONPATH:-}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the GGUF's first part, kept outside the checkout for a second call of this machine
+[ -f .gguf-a/part ] && cp .gguf-a/part /tmp/gguf-a.part && cp .gguf-a/SHA256SUMS /tmp/gguf.sha256
 
 if [ "$SMOKE" = 1 ]; then
     DEVICE=cpu
@@ -96,7 +121,9 @@ else
     PROFILE_NAME=random-smollm2-135m-cuda
 fi
 
-python3 - <<'PY' 2>&1 | tee "$OUT/device.txt"
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv 2>&1 || true; } \
+    | tee "$OUT/device.txt"
+python3 - <<'PY' 2>&1 | tee -a "$OUT/device.txt"
 import sys, torch, transformers
 print("python", sys.version.split()[0], "torch", torch.__version__, "transformers",
       transformers.__version__, "device",
@@ -120,26 +147,45 @@ profile_measure() {
         --name "$PROFILE_NAME" "${MEASURE_ARGS[@]}"
 }
 
-gpu_breakdown() {
-    local shape rc=0
-    for shape in "${SHAPES[@]}"; do
-        if [ "$shape" = smoke ]; then set -- --smoke; else set -- --shape "$shape"; fi
-        python3 benchmarks/gpu_breakdown.py "$@" --out "$WORK/breakdown-$shape.md" \
-            --json "$WORK/breakdown-$shape.json" || rc=1
-    done
-    python3 - "$OUT/gpu_breakdown.json" "$WORK" "${SHAPES[@]}" <<'PY' || rc=1
-import json, pathlib, sys
-out, work, shapes = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3:]
-merged = {s: json.loads((work / f"breakdown-{s}.json").read_text())
-          for s in shapes if (work / f"breakdown-{s}.json").exists()}
-pathlib.Path(out).write_text(json.dumps(merged, indent=2))
-PY
-    return $rc
+gpu_breakdown() {   # gpu_breakdown NAME [PYTHONPATH first entry]: K 4, 6, 8 vs plain, graphs on
+    local name=$1 code=${2:-$PWD}
+    PYTHONPATH="$code:$PWD${SITE:+:$SITE}" python3 benchmarks/gpu_breakdown.py \
+        ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} --warmup 1 --engine-compile off \
+        --configs plain_graphs,spec_k4,spec_k6,spec_k8 \
+        --out "$LOGS/$name.md" --json "$LOGS/$name.json"
+}
+
+before_breakdown() {
+    [ -d .before/specdec_core ] || { echo "no .before/specdec_core carried"; return 1; }
+    gpu_breakdown breakdown_before "$PWD/.before"
+}
+
+gpu_grid() {
+    python3 benchmarks/gpu_decode.py ${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"} --quick --engine-compile off \
+        --items 2,3 --out "$LOGS/gpu_grid.md" --json "$LOGS/gpu_grid.json"
 }
 
 gpu_decode() {
-    python3 benchmarks/gpu_decode.py ${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"} --out "$OUT/gpu_decode.md" \
-        --json "$OUT/gpu_decode.json" "$@"
+    python3 benchmarks/gpu_decode.py ${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"} --quick \
+        --out "$LOGS/gpu_decode.md" --json "$LOGS/gpu_decode.json" "$@"
+}
+
+head_training() {
+    local gguf=/tmp/smollm2.gguf
+    if [ "$SMOKE" = 1 ]; then
+        python3 benchmarks/eagle3_gpu.py --smoke --out "$LOGS/head"
+        return
+    fi
+    if [ ! -f "$gguf" ]; then
+        local a=/tmp/gguf-a.part
+        [ -f "$a" ] || a=.gguf-a/part
+        [ -f "$a" ] && [ -f .gguf-b/part ] || { echo "the GGUF's parts are not both here"; return 1; }
+        cat "$a" .gguf-b/part > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
+    fi
+    local want
+    want=$(cut -d' ' -f1 /tmp/gguf.sha256 2>/dev/null || cut -d' ' -f1 .gguf-b/SHA256SUMS)
+    [ "$(sha256sum "$gguf" | cut -d' ' -f1)" = "$want" ] || { echo "joined GGUF: checksum differs"; return 1; }
+    python3 benchmarks/eagle3_gpu.py --gguf "$gguf" --out "$LOGS/head" ${HEAD_ARGS:-}
 }
 
 declare -A RC=()
@@ -151,21 +197,32 @@ limit_of() {   # limit_of KEY: the step's limit in seconds from LIMITS ("" when 
     done
 }
 
-run_step() {   # run_step KEY LOG FUNCTION [args]: tee the function's output into $OUT/LOG
+pack() {   # the logs so far into $OUT/results.tar.gz (replaced after every step); the heads
+    # (about 19 MB each, over a returned file's 16 MB) into $OUT/heads.tar.part-aa, -ab, ...
+    tar -czf "$OUT/results.tar.gz.tmp" --exclude='./head/head-*' -C "$LOGS" . \
+        && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+    if ls -d "$LOGS"/head/head-* >/dev/null 2>&1; then
+        rm -f "$OUT"/heads.tar.part-*
+        tar -cf - -C "$LOGS/head" $(cd "$LOGS/head" && ls -d head-*) | split -b 15000000 - "$OUT/heads.tar.part-"
+    fi
+}
+
+run_step() {   # run_step KEY LOG FUNCTION [args]: tee the function's output into LOG (packed)
     local key=$1 log=$2
     shift 2
     case " $STEPS " in *" $key "*) ;; *) return 0 ;; esac
-    echo "=== $key: $(date -u +%H:%M:%S) UTC ===" | tee "$OUT/$log"
+    log="$LOGS/$log"
+    echo "=== $key: $(date -u +%H:%M:%S) UTC ===" | tee "$log"
     local start=$SECONDS limit
     limit=$(limit_of "$key")
     # a job of its own (job control on: its own process group), so that a step over its limit is
     # stopped with all its processes (what it printed so far stays in its log) and the next runs
     set -m
-    ( "$@" 2>&1 | tee -a "$OUT/$log"; exit "${PIPESTATUS[0]}" ) &
+    ( "$@" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}" ) &
     local pid=$! watch=
     set +m
     if [ -n "$limit" ]; then
-        ( sleep "$limit"; echo "=== $key: over its limit of ${limit}s, stopped ===" | tee -a "$OUT/$log"
+        ( sleep "$limit"; echo "=== $key: over its limit of ${limit}s, stopped ===" | tee -a "$log"
           kill -TERM -- -"$pid" 2>/dev/null; sleep 5; kill -KILL -- -"$pid" 2>/dev/null ) &
         watch=$!
     fi
@@ -173,13 +230,18 @@ run_step() {   # run_step KEY LOG FUNCTION [args]: tee the function's output int
     RC[$key]=$?
     [ -n "$watch" ] && { kill "$watch" 2>/dev/null; wait "$watch" 2>/dev/null; }
     ORDER+=("$key")
-    echo "=== $key: rc=${RC[$key]} in $((SECONDS - start))s ===" | tee -a "$OUT/$log"
+    echo "=== $key: rc=${RC[$key]} in $((SECONDS - start))s ===" | tee -a "$log"
+    echo "$key rc=${RC[$key]} $((SECONDS - start))s" >> "$OUT/device.txt"
+    pack
 }
 
 run_step tests fast_path_tests.log fast_path_tests
-run_step profile profile_measure.log profile_measure
-run_step breakdown gpu_breakdown.log gpu_breakdown
+run_step before breakdown_before.log before_breakdown
+run_step breakdown breakdown_after.log gpu_breakdown breakdown_after
+run_step grid gpu_grid.log gpu_grid
 run_step decode gpu_decode.log gpu_decode "$@"
+run_step profile profile_measure.log profile_measure
+run_step head head.log head_training
 rm -rf "$WORK"
 
 failed=0
@@ -189,8 +251,5 @@ for key in "${ORDER[@]}"; do
     [ "${RC[$key]}" = 0 ] || failed=1
 done
 echo "steps: ${summary:-none}" | tee -a "$OUT/device.txt"
-count=$(find "$OUT" -type f | wc -l)
-if [ "$count" -gt 8 ]; then
-    echo "warning: $count files in $OUT; only 8 come back from a device call" | tee -a "$OUT/device.txt"
-fi
+pack
 exit $failed

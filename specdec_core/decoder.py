@@ -17,6 +17,7 @@ from .errors import InvalidDecodeInput
 from .loop import decode
 from .records import GenerateResult
 from .sampling import SamplingParams
+from . import static_cache
 from .static_cache import StaticCachePool, resolve_compile, static_by_default
 from .verify import Verifier, rejection_sample, relaxed_verify, verify_round
 
@@ -135,9 +136,10 @@ class SpecDecoder:
         every cache in this target's pool -- {role, batch, length, width (host write column),
         device_positions (every layer's and the cache's own: equal to width between calls),
         compactions, compiled, forward_graphs (captured (width, logits_to_keep))} -- with, for the
-        target's caches, the captured round shapes {source, drafted, run_width, parts} and the
-        eager runs of shapes not captured yet (warm-ups)."""
-        state = {**self.engine(), "caches": []}
+        target's caches, the captured round shapes {source, drafted, run_width, parts}, the
+        rounds run eagerly because their shape was not captured yet (warm-ups) and the captures
+        made (one per part of a shape), both counted over the cache's life."""
+        state = {**self.engine(), "caches": [], "compiled": dict(static_cache.COMPILES)}
         if not self.uses_static_cache():
             return state
         for role, cache in self.static_pool.caches():
@@ -147,7 +149,8 @@ class SpecDecoder:
                 entry["round_graphs"] = [
                     {"source": key[0], "drafted": key[1], "run_width": key[2], "parts": parts}
                     for key, parts in graphs.shapes().items()]
-                entry["eager_rounds"] = sum(graphs.seen.values())
+                entry["eager_rounds"] = graphs.counts["eager_rounds"]
+                entry["captures"] = graphs.counts["captures"]
             state["caches"].append(entry)
         return state
 

@@ -177,16 +177,19 @@ class RoundGraph:
     """One round shape captured: its parts ("draft", "accept"), each recorded on its first run and
     replayed from then on (a CUDA graph on CUDA, a RecordedGraph elsewhere)."""
 
-    def __init__(self, device: torch.device, generators: tuple, holds: tuple):
+    def __init__(self, device: torch.device, generators: tuple, holds: tuple,
+                 counts: dict[str, int] | None = None):
         self.device, self.generators = device, generators
         self.holds = holds              # what the shape's key names by id: kept alive with the graphs
         self.parts: dict[str, CapturedGraph] = {}
+        self.counts = counts if counts is not None else {"captures": 0}
 
     def run(self, part: str, body: Callable):
         graph = self.parts.get(part)
         if graph is None:
             graph = self.parts[part] = (CapturedGraph if self.device.type == "cuda" else RecordedGraph)()
             graph.record(body, self.device, self.generators)
+            self.counts["captures"] += 1
         graph.replay()
         return graph.out
 
@@ -194,12 +197,19 @@ class RoundGraph:
 class RoundGraphs:
     """The captured round shapes of one static cache. A shape runs eagerly `warmup` times (real
     work, which also picks kernels and allocates workspaces), is captured on its next run and
-    replayed from then on; the `capacity` most recently used shapes are kept."""
+    replayed from then on; the `capacity` most recently used shapes are kept.
+
+    `counts`: the captures (one per part of a shape) and the rounds run eagerly so far. Once every
+    shape a decoder uses is captured, a call adds to neither: a capture inside a timed run costs
+    milliseconds (a device synchronisation, the capture and its instantiation), so a shape that
+    first appears there -- a narrower draft near the end of a call, say -- would be paid for in it.
+    """
 
     def __init__(self, warmup: int, capacity: int):
         self.warmup, self.capacity = warmup, capacity
         self.graphs: OrderedDict[tuple, RoundGraph] = OrderedDict()
         self.seen: dict[tuple, int] = {}        # shape -> eager runs so far
+        self.counts = {"captures": 0, "eager_rounds": 0}
 
     def get(self, key: tuple, device: torch.device, generators: tuple,
             holds: tuple) -> RoundGraph | None:
@@ -210,8 +220,9 @@ class RoundGraphs:
             return graph
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] <= self.warmup:
+            self.counts["eager_rounds"] += 1
             return None
-        graph = self.graphs[key] = RoundGraph(device, generators, holds)
+        graph = self.graphs[key] = RoundGraph(device, generators, holds, self.counts)
         while len(self.graphs) > self.capacity:
             self.graphs.popitem(last=False)
         return graph

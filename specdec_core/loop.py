@@ -134,6 +134,13 @@ class DeviceSource(DraftSource):
 
     name = "device"
 
+    def plan(self, budget: int, mirror: "HostMirror") -> RoundPlan:
+        """K drafts every round, also where fewer are wanted (near max_new_tokens): the rows'
+        budgets cap what is accepted on the device (num_draft), so every round of a call has one
+        shape -- captured once, never a narrower one first met in a later call -- and a round
+        costs the same however close to the end it is."""
+        return RoundPlan(self, self.round.k)
+
     def capturable(self) -> bool:
         return self.drafter.capturable()
 
@@ -341,12 +348,15 @@ class Round:
     def graph(self, plan: RoundPlan) -> RoundGraph | None:
         if not self.graphs_on or (plan.source is not None and not plan.source.capturable()):
             return None
+        settings = (self.eos_token_id, self.pad_token_id, self.sampling, self.verify, self.verifier)
+        if plan.source is None:   # a target step alone: one shape whatever the drafter and K
+            return self.bufs.graphs.get((None, 0, plan.run_width) + settings, self.state.out.device,
+                                        (self.bufs.generator,), (self.verify, self.verifier))
         drafter = self.drafter
-        key = (plan.source.name if plan.source is not None else None, plan.drafted, plan.run_width,
-               self.k, id(drafter), drafter.graph_key() if drafter is not None else (),
-               self.eos_token_id, self.pad_token_id, self.sampling, self.verify, self.verifier)
+        key = (plan.source.name, plan.drafted, plan.run_width, self.k, id(drafter),
+               drafter.graph_key()) + settings
         # the drafter's own generators exist once it has started (after this Round was made)
-        generators = (self.bufs.generator,) + (drafter.generators() if drafter is not None else ())
+        generators = (self.bufs.generator,) + drafter.generators()
         return self.bufs.graphs.get(key, self.state.out.device, generators,
                                     (drafter, self.verify, self.verifier))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 
@@ -333,16 +334,29 @@ class ForwardRuns:
                 and not _in_mode("eager")):
             if self.compiled is None:
                 self.compiled = compiled_body(self.cache)
+            if tokens.shape[1] > 1:   # one body for every verify width (a width of 1 is its own)
+                for tensor in (tokens, valid):
+                    torch._dynamo.maybe_mark_dynamic(tensor, 1)
             if not self.fallback:
-                return self.compiled(tokens, valid, logits_to_keep)
+                return self._compiled(tokens, valid, logits_to_keep)
             try:                  # compiling traces before it runs: a failure wrote nothing
-                return self.compiled(tokens, valid, logits_to_keep)
+                return self._compiled(tokens, valid, logits_to_keep)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
                 log.warning("torch.compile of %s's forward failed (%s: %s); running it eagerly "
                             "(pass compile=False to skip the attempt)", type(self.cache.model).__name__,
                             type(error).__name__, str(error).splitlines()[0] if str(error) else "")
                 self.compile = False
         return self.cache.body(tokens, valid, logits_to_keep, inputs_embeds)
+
+    def _compiled(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        """The compiled body; a call that compiled (a new body) adds its seconds to COMPILES."""
+        before = compiled_bodies()
+        started = time.perf_counter()
+        logits = self.compiled(tokens, valid, logits_to_keep)
+        if compiled_bodies() != before:
+            COMPILES["bodies"] += compiled_bodies() - before
+            COMPILES["seconds"] += time.perf_counter() - started
+        return logits
 
     def _replay(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         key = (tokens.shape[1], logits_to_keep)
@@ -367,20 +381,34 @@ class ForwardRuns:
 
 def compiled_body(cache: StaticSequenceCache):
     """cache.body compiled by torch.compile (inductor): mask building, the model's layers and
-    the cache writes fused into few kernels. Shapes are static (dynamic=False): one compiled body
-    per width, compiled on the first forward of that width and reused for the process; on CUDA
-    the engine's own graphs then capture it. Every cache and width is one entry of the body's
-    compile cache, so its recompile limit is raised to hold them all."""
+    the cache writes fused into few kernels; on CUDA the engine's own graphs then capture it.
+
+    The forward width is a dynamic dimension from 2 up (ForwardRuns.run marks it), so one body
+    serves every verify width and a single-token step has its own: two compilations, not one per
+    width (each costs seconds to tens of seconds on a GPU). Other shapes -- a cache of another
+    batch or length -- recompile once and then stay dynamic too (torch.compile's automatic
+    dynamic shapes). The recompile limit is raised to hold every cache's entries."""
     import torch._dynamo
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, COMPILED_ENTRIES)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, COMPILED_ENTRIES)
-    return torch.compile(cache.body, dynamic=False)
+    return torch.compile(cache.body, dynamic=None, backend=COMPILE_BACKEND)
 
 
-# compiled bodies one process may hold: caches x widths
+# torch.compile's backend for the forward bodies (tests trace with "eager": same bodies, no codegen)
+COMPILE_BACKEND = "inductor"
+# compiled bodies one process may hold: caches x kinds of width
 COMPILED_ENTRIES = 512
+# what compiling has cost this process: bodies compiled and the seconds of the calls that compiled
+COMPILES = {"bodies": 0, "seconds": 0.0}
+
+
+def compiled_bodies() -> int:
+    """Bodies torch.compile has made so far in this process (every cache's, every model's)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def compile_by_default(model: torch.nn.Module) -> bool:

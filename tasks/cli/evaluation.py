@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from rich.markup import escape
 from rich.table import Table
@@ -151,6 +152,11 @@ def cmd_profile_measure(args) -> int:
     result = profile_costs(args.run_id or "profile__" + default_run_id().split("__")[1], model,
                            drafters, db_url=args.url, hardware_profile=args.name, settings=settings,
                            k_max=args.k_max, batch_sizes=sizes, tokenizer=tokenizer)
+    from specdec_core.static_cache import COMPILES
+
+    if COMPILES["bodies"]:
+        print(f"compiled forwards: {COMPILES['bodies']} bodies in {COMPILES['seconds']:.1f} s "
+              "(part of the measurement's time, not of the costs)", file=sys.stderr)
     args.name, args.run = result["hardware_profile"]["name"], result["run_id"]
     return cmd_profile_show(args)
 
