@@ -101,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=160)
     parser.add_argument("--curve-requests", type=int, default=30,
                         help="held-out requests scored at the training curve's points")
+    parser.add_argument("--heldout-per-domain", type=int, default=0,
+                        help="score only the first N held-out requests of each domain (0: all; "
+                             "for a quick check on a CPU)")
     parser.add_argument("--seed", type=int, default=51)
     parser.add_argument("--save-generated", action="store_true",
                         help="also write DIR/generated.jsonl.gz (token ids of the generated rows)")
@@ -119,6 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.vocab = min(args.vocab, 512)
         args.curve_requests = min(args.curve_requests, 2)
         args.max_length = min(args.max_length, 64)
+        args.heldout_per_domain = args.heldout_per_domain or 2
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = args.device.type == "cuda"
     args.batch_size = args.batch_size or (256 if cuda else 16)
@@ -133,9 +137,10 @@ class ByteTokenizer:
 
     eos_token_id = 2
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
-        return [3 + b for b in text.encode("utf-8")]
+    def encode_chats(self, chats: list[list[dict]]) -> list[list[int]]:
+        texts = ["".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+                 for messages in chats]
+        return [[3 + b for b in text.encode("utf-8")] for text in texts]
 
 
 def smoke_target(seed: int):
@@ -148,17 +153,18 @@ def smoke_target(seed: int):
 
 
 def load_target(args):
-    """(model, tokenizer, encode(messages) -> prompt ids, eos id)."""
+    """(model, tokenizer, encode([messages, ...]) -> [prompt ids, ...], eos id)."""
     if args.smoke:
         model, tokenizer = smoke_target(args.seed)
         model = model.to(args.device)
-        return model, tokenizer, tokenizer.encode_chat, tokenizer.eos_token_id
+        return model, tokenizer, tokenizer.encode_chats, tokenizer.eos_token_id
     model, tokenizer = load_model(args.gguf or VERIFIER, device=args.device,
                                   dtype=getattr(torch, args.dtype))
 
-    def encode(messages: list[dict]) -> list[int]:      # as make_sample_traffic.py tokenizes
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def encode(chats: list[list[dict]]) -> list[list[int]]:    # as make_sample_traffic.py does
+        texts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                 for messages in chats]
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     return model, tokenizer, encode, tokenizer.eos_token_id
 
@@ -178,14 +184,16 @@ def logged(row: dict, response_ids=None) -> LoggedRequest:
                          row["domain"])
 
 
-def split_shipped(rows: list[dict], smoke: bool) -> tuple[list[dict], list[dict]]:
+def split_shipped(rows: list[dict], smoke: bool, heldout_per_domain: int = 0) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows) of the shipped traffic, by eagle3_train.py's rule; the smoke
-    run keeps 4 training and 2 held-out rows a domain."""
+    run keeps 4 training rows a domain; heldout_per_domain > 0 keeps that many held-out rows."""
     rows = [r for r in rows if len(r["response_token_ids"]) >= 2]
     heldout = [r for r in rows if in_heldout(SPLIT_KEY, r["id"], HELDOUT_FRACTION)]
     train = [r for r in rows if not in_heldout(SPLIT_KEY, r["id"], HELDOUT_FRACTION)]
     if smoke:
-        train, heldout = per_domain(train, 4), per_domain(heldout, 2)
+        train = per_domain(train, 4)
+    if heldout_per_domain > 0:
+        heldout = per_domain(heldout, heldout_per_domain)
     return train, heldout
 
 
@@ -208,11 +216,10 @@ def new_requests(count: int, shipped: list[dict], encode, seed: int, max_new: in
     taken_messages = {json.dumps(r["messages"]) for r in shipped}
     taken_ids = {tuple(r["prompt_token_ids"]) for r in shipped}
     random.Random(seed).shuffle(made)
+    made = [r for r in made if json.dumps(r["messages"]) not in taken_messages][:count + 64]
+    encoded = encode([r["messages"] for r in made])
     kept = []
-    for request in made:
-        if json.dumps(request["messages"]) in taken_messages:
-            continue
-        ids = encode(request["messages"])
+    for request, ids in zip(made, encoded):
         if tuple(ids) in taken_ids:
             continue
         request = {**request, "id": f"gen{seed}-{request['id']}", "prompt_token_ids": ids,
@@ -266,9 +273,13 @@ def generate(target, requests: list[dict], eos: int | None, args, deadline: floa
             say(f"generation budget spent after {number} of {len(batches)} batches")
             break
         width = max(len(r["prompt_token_ids"]) for r in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        # on static caches a short batch is filled up with copies of its last row (their
+        # responses are dropped): every batch then has one shape, and no new cache and graph
+        # is made for it
+        rows = batch + [batch[-1]] * (args.batch_size - len(batch) if decoder.uses_static_cache() else 0)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for row, request in enumerate(batch):
+        for row, request in enumerate(rows):
             prompt = request["prompt_token_ids"]
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
@@ -307,7 +318,7 @@ class BatchedHeadTrainee(_HeadTrainee):
         super().__init__(*args, **kwargs)
         self.pass_batch, self.deadline = pass_batch, deadline
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prepare(self, config, progress) -> None:
         if self.cache:
             return
@@ -333,13 +344,16 @@ class BatchedHeadTrainee(_HeadTrainee):
             for b, i in enumerate(picks):
                 ids[b, :len(rows[i])] = torch.tensor(rows[i], device=device)
             features, logits = target_features(self.target, ids, head=head)
+            logp = logits[:, 1:].float().log_softmax(-1)          # predicts x_{j+2}, as prepare
+            del logits
+            logp[:, :, ~inside] = float("-inf")
+            values, index = logp.topk(self.topk, -1)
+            del logp
+            index = local[index]
             for b, i in enumerate(picks):
                 n = len(rows[i])
-                logp = logits[b, 1:n].float().log_softmax(-1)
-                logp[:, ~inside] = float("-inf")
-                values, index = logp.topk(self.topk, -1)
                 self.cache.append((ids[b, :n].to(keep), features[b, :n].float().to(keep),
-                                   values.to(keep), local[index].to(keep)))
+                                   values[b, :n - 1].to(keep), index[b, :n - 1].to(keep)))
                 kept.append(i)
         self.train = [self.train[i] for i in kept]
 
@@ -377,7 +391,7 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
     config = TrainConfig(steps=1, eval_every=1, k_max=K_MAX, warmup_steps=20, lr=args.lr,
                          batch_size=args.train_batch, max_length=args.max_length)
     trainee = BatchedHeadTrainee(head, target, rows, curve_rows, config, costs, unroll=args.unroll,
-                                 pass_batch=32 if args.device.type == "cuda" else 4,
+                                 pass_batch=64 if args.device.type == "cuda" else 4,
                                  deadline=started + 0.45 * budget)
     trainee.prepare(config, False)
     entry.update(draft_vocab=len(vocab), rows_passed=len(trainee.cache),
@@ -532,7 +546,7 @@ def main(argv=None) -> dict:
     target, _, encode, eos = loaded
 
     def prompts():
-        train_rows, heldout_rows = split_shipped(shipped_rows(), args.smoke)
+        train_rows, heldout_rows = split_shipped(shipped_rows(), args.smoke, args.heldout_per_domain)
         state["heldout"] = [logged(r) for r in heldout_rows]
         state["shipped_train"] = [logged(r) for r in train_rows]
         wanted = args.requests - len(train_rows)
