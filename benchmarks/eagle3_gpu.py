@@ -76,8 +76,10 @@ def say(message: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", default=None, help="the target's GGUF file (default: the "
-                        "embedded default, fetched into $SPECDEC_HOME when not there)")
+    parser.add_argument("--gguf", default=None, help="the target's GGUF file (transformers' GGUF "
+                        "loader; the `gguf` package must be installed), or a transformers directory "
+                        "of it (default: the embedded default, fetched into $SPECDEC_HOME when not "
+                        "there)")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -101,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=160)
     parser.add_argument("--curve-requests", type=int, default=30,
                         help="held-out requests scored at the training curve's points")
+    parser.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                        help="dtype of the saved heads' weights (bfloat16: half the size)")
     parser.add_argument("--heldout-per-domain", type=int, default=0,
                         help="score only the first N held-out requests of each domain (0: all; "
                              "for a quick check on a CPU)")
@@ -290,8 +294,9 @@ def generate(target, requests: list[dict], eos: int | None, args, deadline: floa
         result = decoder.generate_plain(ids.to(args.device), max_new_tokens=first["max_tokens"],
                                         sampling=sampling, seed=seed,
                                         attention_mask=mask.to(args.device), eos_token_id=eos)
+        produced = result.tokens.cpu()
         for row, request in enumerate(batch):
-            response = result.tokens[row, :result.num_tokens[row]].tolist()
+            response = produced[row, :int(result.num_tokens[row])].tolist()
             tokens += len(response)
             if len(response) >= 2:
                 done.append(logged(request, response))
@@ -333,7 +338,11 @@ class BatchedHeadTrainee(_HeadTrainee):
         local[inside] = torch.arange(int(inside.sum()), device=device)
         keep = "cpu" if device.type == "cpu" else device
         rows = [(list(r.prompt_ids) + list(r.response_ids))[-config.max_length:] for r in self.train]
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        # similar lengths batched together, within windows of the (shuffled) rows: rows cut off
+        # by the deadline are then a random share, not the longest ones (code, summaries)
+        window = 16 * self.pass_batch
+        order = [i for start in range(0, len(rows), window)
+                 for i in sorted(range(start, min(start + window, len(rows))), key=lambda i: len(rows[i]))]
         kept = []
         for start in range(0, len(order), self.pass_batch):
             if time.perf_counter() >= self.deadline:
@@ -621,8 +630,20 @@ def train_and_save(target, rows, curve_rows, costs, args, entry) -> Eagle3Head:
     directory = args.out / f"head-{entry['size']}"
     head.save(directory, k=k, verifier=VERIFIER, meta={"training_requests": entry["requests"],
                                                        "rows_passed": entry.get("rows_passed")})
+    if args.save_dtype != "float32":
+        cast_weights(directory / "model.safetensors", getattr(torch, args.save_dtype))
     entry["dir"] = directory.name
+    entry["checkpoint_mb"] = round(sum(f.stat().st_size for f in directory.iterdir()) / 2 ** 20, 1)
     return head
+
+
+def cast_weights(path: Path, dtype: torch.dtype) -> None:
+    """Rewrite a safetensors file with its floating-point tensors in `dtype` (index maps kept)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    save_file({name: (t.to(dtype) if t.is_floating_point() else t) for name, t in state.items()},
+              str(path), metadata={"format": "pt"})
 
 
 if __name__ == "__main__":

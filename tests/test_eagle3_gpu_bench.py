@@ -9,6 +9,8 @@ import gzip
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from specdec_core.eagle3 import Eagle3Head
 from specdec_core.estimate import in_heldout
@@ -51,6 +53,8 @@ def test_one_head_per_size_saved_and_readable(script, run):
         assert head.vocab_size == entry["draft_vocab"]
         config = json.loads((run["out"] / entry["dir"] / "config.json").read_text())
         assert config["speculators_model_type"] == "eagle3"
+        weights = load_file(str(run["out"] / entry["dir"] / "model.safetensors"))
+        assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.bfloat16}
         assert entry["steps"] >= 4 and 0 < entry["rows_passed"] <= entry["requests"]
         assert entry["history"] and entry["history"][-1]["step"] == entry["steps"]
 
