@@ -124,9 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = args.device or "cpu"
         args.max_new_tokens = min(args.max_new_tokens, 8)
         args.vocab = min(args.vocab, 512)
-        args.curve_requests = min(args.curve_requests, 2)
+        args.curve_requests = min(args.curve_requests, 1)
         args.max_length = min(args.max_length, 64)
-        args.heldout_per_domain = args.heldout_per_domain or 2
+        args.heldout_per_domain = args.heldout_per_domain or 1
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = args.device.type == "cuda"
     args.batch_size = args.batch_size or (256 if cuda else 16)
