@@ -32,7 +32,7 @@ from specdec_core.estimate import LoggedRequest, estimate_acceptance  # noqa: E4
 from specdec_core.head import DraftHead, HeadDrafter  # noqa: E402
 from specdec_core.train import (TrainConfig, head_vocabulary, measure_head_step, measured_costs,  # noqa: E402
                                 train_head)
-from tasks.steps.draft_training import in_heldout  # noqa: E402
+from specdec_core.estimate import in_heldout  # noqa: E402
 
 
 def shipped_requests() -> list[LoggedRequest]:

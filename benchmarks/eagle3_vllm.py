@@ -33,7 +33,7 @@ from tasks.db.engine import ensure_ready  # noqa: E402
 from tasks.db.models import DomainConfig, EvalRun  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
 from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate  # noqa: E402
-from tasks.steps.draft_training import in_heldout  # noqa: E402
+from specdec_core.estimate import in_heldout  # noqa: E402
 from tasks.steps.engine_check import engine_check  # noqa: E402
 from tasks.timeutil import utcnow  # noqa: E402
 

@@ -351,8 +351,29 @@ def creative_prompt(rng: random.Random) -> str:
         relation=rng.choice(RELATIONS), occasion=rng.choice(OCCASIONS))
 
 
-def build_requests(per_domain: int, seed: int = 20251117) -> list[dict]:
-    """Every request (without its response), deterministic for the seed: ids, prompts, settings."""
+# vary=True: how a prompt the pools have already given is reworded (a domain's pool holds fewer
+# distinct prompts than a large run asks for; qa has under 200)
+VARY_PREFIXES = ["", "Quick question: ", "Hi! ", "Please help: ", "I was wondering: ", "Hey, ",
+                 "Could you help me with this? ", "One more thing. ", "For my notes: "]
+VARY_SUFFIXES = ["", " Thanks!", " Please be brief.", " Keep it short.", " Explain step by step.",
+                 " Thank you in advance.", " Answer in plain English.", " No need for details.",
+                 " Be concise."]
+
+
+def vary_messages(rng: random.Random, messages: list[dict]) -> list[dict]:
+    """The same request reworded: a prefix and a suffix around its last user message."""
+    varied = [dict(message) for message in messages]
+    last = max(i for i, message in enumerate(varied) if message["role"] == "user")
+    varied[last]["content"] = (rng.choice(VARY_PREFIXES) + varied[last]["content"]
+                               + rng.choice(VARY_SUFFIXES))
+    return varied
+
+
+def build_requests(per_domain: int, seed: int = 20251117, vary: bool = False) -> list[dict]:
+    """Every request (without its response), deterministic for the seed: ids, prompts, settings.
+    vary: a prompt already made is reworded (vary_messages) instead of drawn again, so that a
+    domain yields more distinct prompts than its pools hold; False (the shipped file) never
+    rewords."""
     rng = random.Random(seed)
     functions, docstrings = stdlib_functions(), stdlib_docstrings()
     makers = {
@@ -366,11 +387,18 @@ def build_requests(per_domain: int, seed: int = 20251117) -> list[dict]:
     weights = [share for *_, share in SAMPLING_MIX]
     requests, seen = [], set()
     for domain, make in makers.items():
-        made = 0
+        made = misses = 0
         while made < per_domain:
             messages = make()
             key = json.dumps(messages)
+            if key in seen and vary:
+                messages = vary_messages(rng, messages)
+                key = json.dumps(messages)
             if key in seen:  # the pools are finite: no exact duplicate prompts
+                misses += 1
+                if misses > 1000 * per_domain:
+                    raise ValueError(f"domain {domain!r} gave only {made} distinct prompts of the "
+                                     f"{per_domain} asked: ask for fewer, or pass vary=True")
                 continue
             seen.add(key)
             made += 1

@@ -20,6 +20,7 @@ Precondition: the responses were produced by this target with the logged samplin
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,14 @@ class LoggedRequest:
     response_ids: Sequence[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     domain: str = "general"
+
+
+def in_heldout(split_key: str, request_id: str, fraction: float) -> bool:
+    """Whether request `request_id` is held out (never trained on) under split `split_key`: a hash
+    of (split key, request id) below `fraction`. Training (tasks.steps.draft_training) and the
+    benchmarks split by this one rule."""
+    digest = hashlib.sha256(f"{split_key}\x00{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
 
 
 @dataclass

@@ -29,6 +29,19 @@ def test_requests_are_deterministic_varied_and_cover_six_domains(script):
     assert len({text.split("```python\n")[1] for text in code}) > 90      # distinct stdlib functions
 
 
+def test_vary_gives_more_distinct_prompts_than_a_pool_holds(script):
+    # qa's pools hold under 200 distinct prompts; reworded, a domain gives 400 distinct ones
+    many = script.build_requests(400, seed=7, vary=True)
+    qa = [json.dumps(r["messages"]) for r in many if r["domain"] == "qa"]
+    assert len(qa) == 400 and len(set(qa)) == 400
+    texts = [r["messages"][-1]["content"] for r in many if r["domain"] == "qa"]
+    reworded = [t for t in texts if any(p and t.startswith(p) for p in script.VARY_PREFIXES)
+                or any(x and t.endswith(x) for x in script.VARY_SUFFIXES)]
+    assert len(reworded) >= 400 - 200          # the pool gives the rest at most
+    with pytest.raises(ValueError, match="'qa' gave only"):
+        script.build_requests(400, seed=7)
+
+
 def test_torn_last_line_of_the_progress_file_is_dropped(script, tmp_path):
     # a run killed while writing leaves half a line: resume keeps the whole lines only
     partial = tmp_path / "p.jsonl"

@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -34,7 +33,7 @@ from mlflow.exceptions import MlflowException
 from sqlalchemy import delete, func, insert, select, update
 
 from specdec_core import SamplingParams
-from specdec_core.estimate import LoggedRequest
+from specdec_core.estimate import LoggedRequest, in_heldout  # noqa: F401 - in_heldout re-exported
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db.engine import ensure_ready, resolve_database_url
@@ -58,11 +57,6 @@ TRAIN_TAG = "specdec.draft_train_id"
 
 def draft_model_name(target_id: str) -> str:
     return f"specdec-draft-{target_slug(target_id)}"
-
-
-def in_heldout(train_id: str, request_id: str, fraction: float) -> bool:
-    digest = hashlib.sha256(f"{train_id}\x00{request_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
 
 
 def _stored_requests(db_url: str, fingerprint: str, tokenizer, domains, start, generated: bool):

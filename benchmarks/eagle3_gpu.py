@@ -1,0 +1,650 @@
+"""EAGLE-3 heads for the embedded default trained where the GPU is: generate the target's own
+responses to 20k+ requests, train heads on nested subsets (1k, 5k, all), score each on the
+shipped traffic's held-out requests -- one run, under time budgets (issue 51, item 4).
+
+    python benchmarks/eagle3_gpu.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
+        [--requests 24000] [--generate-seconds 120] [--sizes 1000,5000,all] [--train-seconds 40]
+        [--device cuda] [--dtype float32] [--batch-size 256] [--train-batch 48]
+    python benchmarks/eagle3_gpu.py --smoke --out DIR      # a tiny random Llama on the CPU (tests)
+
+Phases, each in its own try (a failure is logged with its traceback and the run goes on to write
+what it has; DIR/curve.json is rewritten after every phase):
+1. load: the target from the GGUF file (specdec_core.models.load_model), fp32 by default (the
+   shipped traffic's responses were produced in fp32).
+2. prompts: the shipped traffic (tasks/data/sample_traffic.jsonl.gz) split by request as
+   benchmarks/eagle3_train.py does (in_heldout("eagle3-bench", id, 0.2)); the held-out 20% is
+   only scored. New requests come from scripts/make_sample_traffic.py's builders (another seed,
+   reworded where a pool runs dry), with its mix of greedy and sampled settings and max_tokens;
+   none equals a shipped prompt.
+3. generate: the target answers them with SpecDecoder.generate_plain (static caches on CUDA),
+   batches sharing one setting, until --generate-seconds runs out (the requests are scheduled so
+   that what is done at any moment keeps the domain and sampling mix).
+4. train: one Eagle3Head per size on the first N training requests (shipped training rows and
+   generated ones, shuffled once: the subsets are nested), the recipe of eagle3_train.py (draft
+   vocabulary of the subset's response tokens, unroll 3, max length 160, lr 1e-3), the target
+   passes batched, steps chosen so that the head fits --train-seconds.
+5. score: estimate_acceptance on every held-out shipped request: first-draft acceptance (K=1) and
+   the acceptance length at K=1..5 per domain.
+Output: DIR/head-<size>/ (speculators format), DIR/curve.json, DIR/curve.md; a short summary is
+printed last on stdout. Imports only specdec_core, torch, transformers, numpy and the standard
+library (no database, no MLflow, no network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import math
+import platform
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import make_sample_traffic as traffic  # noqa: E402
+from specdec_core import SamplingParams, SpecDecoder, load_model  # noqa: E402
+from specdec_core.drafters import output_size  # noqa: E402
+from specdec_core.eagle3 import Eagle3Head  # noqa: E402
+from specdec_core.estimate import LoggedRequest, estimate_acceptance, in_heldout  # noqa: E402
+from specdec_core.head import HeadDrafter, target_features  # noqa: E402
+from specdec_core.train import (TrainConfig, _HeadTrainee, head_vocabulary,  # noqa: E402
+                                measure_head_step, measured_costs, optimise)
+
+SPLIT_KEY, HELDOUT_FRACTION = "eagle3-bench", 0.2
+VERIFIER = "smollm2-135m-instruct"
+GOALS = {"json": 0.6, "code": 0.6}      # held-out first-draft acceptance; 0.45 for the others
+OTHER_GOAL = 0.45
+K_MAX = 5
+SMOKE_SHAPE = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+STARTED = time.perf_counter()
+
+
+def say(message: str) -> None:
+    print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", default=None, help="the target's GGUF file (transformers' GGUF "
+                        "loader; the `gguf` package must be installed), or a transformers directory "
+                        "of it (default: the embedded default, fetched into $SPECDEC_HOME when not "
+                        "there)")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--requests", type=int, default=None,
+                        help="training requests in all: shipped training rows + generated (24000)")
+    parser.add_argument("--generate-seconds", type=float, default=None, help="default 120")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="cap on a request's max_tokens (the traffic's are 48 or 64)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="generation batch (256 on CUDA, 16 on a CPU)")
+    parser.add_argument("--static-cache", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--compile", action="store_true", help="torch.compile the static caches' "
+                        "forwards (off: compiling per shape would eat the budget)")
+    parser.add_argument("--sizes", default=None, help="training requests per head (1000,5000,all)")
+    parser.add_argument("--train-seconds", type=float, default=None,
+                        help="per head: target passes + optimisation (default 40)")
+    parser.add_argument("--train-batch", type=int, default=None, help="48 on CUDA, 8 on a CPU")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--unroll", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-length", type=int, default=160)
+    parser.add_argument("--curve-requests", type=int, default=30,
+                        help="held-out requests scored at the training curve's points")
+    parser.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                        help="dtype of the saved heads' weights (bfloat16: half the size)")
+    parser.add_argument("--heldout-per-domain", type=int, default=0,
+                        help="score only the first N held-out requests of each domain (0: all; "
+                             "for a quick check on a CPU)")
+    parser.add_argument("--seed", type=int, default=51)
+    parser.add_argument("--save-generated", action="store_true",
+                        help="also write DIR/generated.jsonl.gz (token ids of the generated rows)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny random Llama on the CPU, ~40 new prompts, tiny budgets")
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    defaults = {"requests": (64, 24000), "generate_seconds": (15.0, 120.0),
+                "sizes": ("16,all", "1000,5000,all"), "train_seconds": (4.0, 40.0)}
+    for name, (small, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, small if smoke else full)
+    if smoke:
+        args.device = args.device or "cpu"
+        args.max_new_tokens = min(args.max_new_tokens, 8)
+        args.vocab = min(args.vocab, 512)
+        args.curve_requests = min(args.curve_requests, 1)
+        args.max_length = min(args.max_length, 64)
+        args.heldout_per_domain = args.heldout_per_domain or 1
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = args.device.type == "cuda"
+    args.batch_size = args.batch_size or (256 if cuda else 16)
+    args.train_batch = args.train_batch or (48 if cuda else 8)
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# phase 1: the target
+class ByteTokenizer:
+    """The smoke run's tokenizer: a chat rendered as text, one id per byte (no files needed)."""
+
+    eos_token_id = 2
+
+    def encode_chats(self, chats: list[list[dict]]) -> list[list[int]]:
+        texts = ["".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+                 for messages in chats]
+        return [[3 + b for b in text.encode("utf-8")] for text in texts]
+
+
+def smoke_target(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SMOKE_SHAPE, tie_word_embeddings=True, pad_token_id=None,
+                         bos_token_id=None, eos_token_id=ByteTokenizer.eos_token_id)
+    return LlamaForCausalLM(config).eval(), ByteTokenizer()
+
+
+def load_target(args):
+    """(model, tokenizer, encode([messages, ...]) -> [prompt ids, ...], eos id)."""
+    if args.smoke:
+        model, tokenizer = smoke_target(args.seed)
+        model = model.to(args.device)
+        return model, tokenizer, tokenizer.encode_chats, tokenizer.eos_token_id
+    model, tokenizer = load_model(args.gguf or VERIFIER, device=args.device,
+                                  dtype=getattr(torch, args.dtype))
+
+    def encode(chats: list[list[dict]]) -> list[list[int]]:    # as make_sample_traffic.py does
+        texts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                 for messages in chats]
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    return model, tokenizer, encode, tokenizer.eos_token_id
+
+
+# ------------------------------------------------------------------------------------------------
+# phase 2: prompts
+def shipped_rows() -> list[dict]:
+    with gzip.open(REPO / "tasks/data/sample_traffic.jsonl.gz", "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def logged(row: dict, response_ids=None) -> LoggedRequest:
+    return LoggedRequest(row["id"], list(row["prompt_token_ids"]),
+                         list(row["response_token_ids"] if response_ids is None else response_ids),
+                         SamplingParams(temperature=float(row["temperature"]),
+                                        top_k=int(row["top_k"] or 0), top_p=float(row["top_p"] or 1.0)),
+                         row["domain"])
+
+
+def split_shipped(rows: list[dict], smoke: bool, heldout_per_domain: int = 0) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows) of the shipped traffic, by eagle3_train.py's rule; the smoke
+    run keeps 4 training rows a domain; heldout_per_domain > 0 keeps that many held-out rows."""
+    rows = [r for r in rows if len(r["response_token_ids"]) >= 2]
+    heldout = [r for r in rows if in_heldout(SPLIT_KEY, r["id"], HELDOUT_FRACTION)]
+    train = [r for r in rows if not in_heldout(SPLIT_KEY, r["id"], HELDOUT_FRACTION)]
+    if smoke:
+        train = per_domain(train, 4)
+    if heldout_per_domain > 0:
+        heldout = per_domain(heldout, heldout_per_domain)
+    return train, heldout
+
+
+def per_domain(rows: list[dict], n: int) -> list[dict]:
+    kept, counts = [], {}
+    for row in rows:
+        if counts.get(row["domain"], 0) < n:
+            counts[row["domain"]] = counts.get(row["domain"], 0) + 1
+            kept.append(row)
+    return kept
+
+
+def new_requests(count: int, shipped: list[dict], encode, seed: int, max_new: int) -> list[dict]:
+    """`count` new requests from make_sample_traffic's builders (seed `seed`, reworded where a
+    pool runs dry), with their prompt ids; none has a shipped request's messages or prompt ids."""
+    if count <= 0:
+        return []
+    domains = 6
+    made = traffic.build_requests(math.ceil(count * 1.05 / domains) + 1, seed=seed, vary=True)
+    taken_messages = {json.dumps(r["messages"]) for r in shipped}
+    taken_ids = {tuple(r["prompt_token_ids"]) for r in shipped}
+    random.Random(seed).shuffle(made)
+    made = [r for r in made if json.dumps(r["messages"]) not in taken_messages][:count + 64]
+    encoded = encode([r["messages"] for r in made])
+    kept = []
+    for request, ids in zip(made, encoded):
+        if tuple(ids) in taken_ids:
+            continue
+        request = {**request, "id": f"gen{seed}-{request['id']}", "prompt_token_ids": ids,
+                   "max_tokens": min(int(request["max_tokens"]), max_new)}
+        kept.append(request)
+        if len(kept) == count:
+            break
+    return kept
+
+
+# ------------------------------------------------------------------------------------------------
+# phase 3: generation
+def schedule(requests: list[dict], batch_size: int, seed: int) -> list[list[dict]]:
+    """Batches sharing one sampling setting and max_tokens, in an order that keeps each group's
+    share of what is done (a run stopped early keeps the mix); similar lengths batched together."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in requests:
+        groups.setdefault((r["temperature"], r["top_k"], r["top_p"], r["max_tokens"]), []).append(r)
+    rng = random.Random(seed)
+    queues = []
+    for rows in groups.values():
+        rng.shuffle(rows)
+        batches = []
+        window = 8 * batch_size
+        for start in range(0, len(rows), window):
+            chunk = sorted(rows[start:start + window], key=lambda r: len(r["prompt_token_ids"]))
+            parts = [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+            rng.shuffle(parts)
+            batches += parts
+        queues.append({"size": len(rows), "done": 0, "batches": batches})
+    order = []
+    while any(q["batches"] for q in queues):
+        queue = min((q for q in queues if q["batches"]), key=lambda q: q["done"] / q["size"])
+        batch = queue["batches"].pop(0)
+        queue["done"] += len(batch)
+        order.append(batch)
+    return order
+
+
+def generate(target, requests: list[dict], eos: int | None, args, deadline: float) -> list[LoggedRequest]:
+    """The target's responses, batch by batch, until the deadline."""
+    static = {"auto": "auto", "on": True, "off": False}[args.static_cache]
+    decoder = SpecDecoder(target, None, static_cache=static, compile=args.compile, phase_timing=False)
+    if decoder.uses_static_cache():
+        decoder.static_pool.max_caches = 3       # each holds batch x length of KV on the device
+    say(f"generating up to {len(requests)} responses, engine {decoder.engine()}")
+    done, tokens, batches = [], 0, schedule(requests, args.batch_size, args.seed)
+    started = time.perf_counter()
+    for number, batch in enumerate(batches):
+        if time.perf_counter() >= deadline:
+            say(f"generation budget spent after {number} of {len(batches)} batches")
+            break
+        width = max(len(r["prompt_token_ids"]) for r in batch)
+        # on static caches a short batch is filled up with copies of its last row (their
+        # responses are dropped): every batch then has one shape, and no new cache and graph
+        # is made for it
+        rows = batch + [batch[-1]] * (args.batch_size - len(batch) if decoder.uses_static_cache() else 0)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, request in enumerate(rows):
+            prompt = request["prompt_token_ids"]
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        first = batch[0]
+        sampling = SamplingParams(temperature=first["temperature"], top_k=first["top_k"],
+                                  top_p=first["top_p"])
+        seed = int(hashlib.sha256(first["id"].encode()).hexdigest()[:8], 16)
+        result = decoder.generate_plain(ids.to(args.device), max_new_tokens=first["max_tokens"],
+                                        sampling=sampling, seed=seed,
+                                        attention_mask=mask.to(args.device), eos_token_id=eos)
+        produced = result.tokens.cpu()
+        for row, request in enumerate(batch):
+            response = produced[row, :int(result.num_tokens[row])].tolist()
+            tokens += len(response)
+            if len(response) >= 2:
+                done.append(logged(request, response))
+        if number % 10 == 0 or number == len(batches) - 1:
+            spent = time.perf_counter() - started
+            say(f"  batch {number + 1}/{len(batches)}: {len(done)} responses, {tokens} tokens, "
+                f"{tokens / max(spent, 1e-9):.0f} tokens/s")
+    if decoder.uses_static_cache():
+        decoder.static_pool._caches.clear()
+    del decoder
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return done
+
+
+# ------------------------------------------------------------------------------------------------
+# phase 4: heads
+class BatchedHeadTrainee(_HeadTrainee):
+    """specdec_core.train's head trainee with its target passes batched (right-padded rows: a
+    causal model's outputs at a row's own positions do not see the padding after them) and
+    bounded by a deadline: the rows passed by then are the ones trained on."""
+
+    def __init__(self, *args, pass_batch: int = 32, deadline: float = math.inf, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pass_batch, self.deadline = pass_batch, deadline
+
+    @torch.no_grad()
+    def prepare(self, config, progress) -> None:
+        if self.cache:
+            return
+        head = self.module
+        device = next(head.parameters()).device
+        self.topk = min(self.topk, head.vocab_size)
+        inside = torch.ones(head.full_vocab, dtype=torch.bool, device=device)
+        if head.reduced:
+            inside[:] = False
+            inside[head.vocab_ids.to(device)] = True
+        local = torch.full((head.full_vocab,), -1, dtype=torch.long, device=device)
+        local[inside] = torch.arange(int(inside.sum()), device=device)
+        keep = "cpu" if device.type == "cpu" else device
+        rows = [(list(r.prompt_ids) + list(r.response_ids))[-config.max_length:] for r in self.train]
+        # similar lengths batched together, within windows of the (shuffled) rows: rows cut off
+        # by the deadline are then a random share, not the longest ones (code, summaries)
+        window = 16 * self.pass_batch
+        order = [i for start in range(0, len(rows), window)
+                 for i in sorted(range(start, min(start + window, len(rows))), key=lambda i: len(rows[i]))]
+        kept = []
+        for start in range(0, len(order), self.pass_batch):
+            if time.perf_counter() >= self.deadline:
+                break
+            picks = order[start:start + self.pass_batch]
+            width = max(len(rows[i]) for i in picks)
+            ids = torch.zeros(len(picks), width, dtype=torch.long, device=device)
+            for b, i in enumerate(picks):
+                ids[b, :len(rows[i])] = torch.tensor(rows[i], device=device)
+            features, logits = target_features(self.target, ids, head=head)
+            logp = logits[:, 1:].float().log_softmax(-1)          # predicts x_{j+2}, as prepare
+            del logits
+            logp[:, :, ~inside] = float("-inf")
+            values, index = logp.topk(self.topk, -1)
+            del logp
+            index = local[index]
+            for b, i in enumerate(picks):
+                n = len(rows[i])
+                self.cache.append((ids[b, :n].to(keep), features[b, :n].float().to(keep),
+                                   values[b, :n - 1].to(keep), index[b, :n - 1].to(keep)))
+                kept.append(i)
+        self.train = [self.train[i] for i in kept]
+
+
+def time_steps(trainee, batch: int, repeats: int = 3) -> float:
+    """Seconds of one optimisation step (loss + backward), measured on the trainee's rows."""
+    device = next(trainee.module.parameters()).device
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    params = trainee.parameters()
+    times = []
+    trainee.module.train()
+    for _ in range(repeats + 1):
+        picks = random.sample(range(len(trainee.cache)), min(batch, len(trainee.cache)))
+        start = time.perf_counter()
+        with autocast:
+            loss = trainee.loss(picks)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    for param in params:
+        param.grad = None
+    trainee.module.eval()
+    return sorted(times[1:])[len(times[1:]) // 2] * 1.15      # + the optimizer step
+
+
+def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry: dict,
+              work: Path) -> tuple[Eagle3Head, int]:
+    """One head on `rows` within args.train_seconds; fills `entry` as it goes."""
+    started = time.perf_counter()
+    budget = args.train_seconds
+    vocab = head_vocabulary(rows, args.vocab, output_size(target), responses_only=True)
+    head = Eagle3Head(target, vocab)
+    config = TrainConfig(steps=1, eval_every=1, k_max=K_MAX, warmup_steps=20, lr=args.lr,
+                         batch_size=args.train_batch, max_length=args.max_length)
+    trainee = BatchedHeadTrainee(head, target, rows, curve_rows, config, costs, unroll=args.unroll,
+                                 pass_batch=64 if args.device.type == "cuda" else 4,
+                                 deadline=started + 0.45 * budget)
+    trainee.prepare(config, False)
+    entry.update(draft_vocab=len(vocab), rows_passed=len(trainee.cache),
+                 passes_s=round(time.perf_counter() - started, 2))
+    if not trainee.cache:
+        raise RuntimeError("no training row was passed through the target within the budget")
+    step_s = time_steps(trainee, args.train_batch)
+    eval_started = time.perf_counter()
+    trainee.evaluate()
+    eval_s = time.perf_counter() - eval_started
+    left = budget - (time.perf_counter() - started)
+    steps = max(4, int((left - 3.2 * eval_s) / step_s))
+    config.steps = steps
+    config.warmup_steps = min(20, max(1, steps // 10))
+    config.eval_every = steps if args.smoke else max(1, steps // 2)
+    entry.update(step_s=round(step_s, 4), eval_s=round(eval_s, 2), steps=steps)
+    say(f"  {len(trainee.cache)} rows passed in {entry['passes_s']} s; step {step_s * 1e3:.1f} ms, "
+        f"curve point {eval_s:.1f} s: {steps} steps")
+    opt_started = time.perf_counter()
+    result = optimise(trainee, len(trainee.cache), config, work, progress=False, desc="eagle3 head")
+    entry.update(optimise_s=round(time.perf_counter() - opt_started, 2), best_step=result.best["step"],
+                 best_k=result.best["k"], history=jsonable(result.history))
+    if result.best_dir:
+        head = Eagle3Head.load(result.best_dir, target)
+    entry["train_s"] = round(time.perf_counter() - started, 2)
+    return head, int(result.best["k"] or 3)
+
+
+def score(target, head, heldout: list[LoggedRequest]) -> dict:
+    """{domain: {requests, acceptance_k1, length_by_k}} on the held-out shipped requests."""
+    estimates = estimate_acceptance(target, HeadDrafter(head), heldout, list(range(1, K_MAX + 1)),
+                                    progress=False, n_boot=200)
+    return {domain: {"requests": by_k[1].requests,
+                     "acceptance_k1": float(by_k[1].conditional_acceptance[0]),
+                     "length_by_k": {str(k): round(float(e.expected_tokens_per_round), 4)
+                                     for k, e in sorted(by_k.items())}}
+            for domain, by_k in sorted(estimates.items())}
+
+
+# ------------------------------------------------------------------------------------------------
+# output
+def jsonable(value):
+    """`value` with tuples as lists, tensors and numpy numbers as Python numbers."""
+    return json.loads(json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)))
+
+
+def goal(domain: str) -> float:
+    return GOALS.get(domain, OTHER_GOAL)
+
+
+def markdown(curve: dict) -> str:
+    heads = [h for h in curve["heads"] if h.get("heldout")]
+    domains = sorted({d for h in heads for d in h["heldout"]})
+    lines = ["# EAGLE-3 heads trained where the GPU is: held-out first-draft acceptance", "",
+             f"{curve['meta']['device']}, {curve['meta']['dtype']}, torch {curve['meta']['torch']}, "
+             f"transformers {curve['meta']['transformers']}"
+             + (" -- SMOKE RUN: a tiny random model, figures meaningless" if curve["meta"]["smoke"] else ""),
+             "", f"Held-out: {curve['counts'].get('heldout', 0)} shipped requests (split by request, "
+             f"in_heldout({SPLIT_KEY!r}, id, {HELDOUT_FRACTION})), never trained on. Training: "
+             f"{curve['counts'].get('shipped_train', 0)} shipped + "
+             f"{curve['counts'].get('generated', 0)} generated requests "
+             f"(generation {curve['phases'].get('generate_s', 0)} s).", ""]
+    if not heads:
+        return "\n".join(lines + ["No head was scored (see errors in curve.json).", ""])
+    lines += ["| training requests | passed through the target (trained on) | steps | "
+              + " | ".join(domains) + " |", "|---|---|---|" + "---|" * len(domains)]
+    for h in heads:
+        lines.append(f"| {h['requests']} | {h.get('rows_passed', '?')} | {h.get('steps', '?')} | "
+                     + " | ".join(f"{h['heldout'][d]['acceptance_k1']:.3f}" if d in h["heldout"] else "-"
+                                  for d in domains) + " |")
+    lines += ["| goal | | | " + " | ".join(f">= {goal(d)}" for d in domains) + " |", "",
+              f"Acceptance length (tokens per round) at K=1..{K_MAX}, largest head:", ""]
+    last = heads[-1]
+    for d in domains:
+        lengths = ", ".join(f"{v:.2f}" for v in last["heldout"][d]["length_by_k"].values())
+        lines.append(f"- {d}: {lengths}")
+    lines += ["", f"Goal (held-out first-draft acceptance >= 0.6 for json and code, >= "
+              f"{OTHER_GOAL} elsewhere), largest head ({last['requests']} requests):", ""]
+    for d in domains:
+        value = last["heldout"][d]["acceptance_k1"]
+        lines.append(f"- {d}: {value:.3f} vs {goal(d)}: {'met' if value >= goal(d) else 'not met'}")
+    return "\n".join(lines) + "\n"
+
+
+def write(curve: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "curve.json").write_text(json.dumps(jsonable(curve), indent=1))
+    (out / "curve.md").write_text(markdown(curve))
+
+
+def summary(curve: dict) -> str:
+    lines = [f"eagle3_gpu: {curve['counts'].get('generated', 0)} generated + "
+             f"{curve['counts'].get('shipped_train', 0)} shipped training requests; "
+             f"phases {curve['phases']}; errors {len(curve['errors'])}"]
+    for h in curve["heads"]:
+        scored = h.get("heldout") or {}
+        lines.append(f"  head {h['size']} ({h['requests']} requests, {h.get('rows_passed', '?')} passed, "
+                     f"{h.get('steps', '?')} steps): "
+                     + (", ".join(f"{d} {v['acceptance_k1']:.3f}{'' if v['acceptance_k1'] >= goal(d) else '*'}"
+                                  for d, v in scored.items()) or "not scored"))
+    lines.append("  (* below the goal: 0.6 json/code, 0.45 elsewhere)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+def phase(curve: dict, name: str, out: Path, work, *args):
+    """work(*args), timed, its failure logged (traceback on stderr, the error in curve.json);
+    curve.json and curve.md rewritten after it."""
+    started = time.perf_counter()
+    say(f"phase {name}")
+    try:
+        return work(*args)
+    except Exception as exc:                 # noqa: BLE001 - one shot on the device: keep going
+        traceback.print_exc(file=sys.stderr)
+        curve["errors"].append({"phase": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+        return None
+    finally:
+        curve["phases"][f"{name}_s"] = round(time.perf_counter() - started, 2)
+        try:
+            write(curve, out)
+        except Exception:                     # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+
+
+def sizes_of(text: str, pool: int) -> list[tuple[str, int]]:
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        n = pool if part == "all" else min(int(part), pool)
+        if n > 0 and n not in [s for _, s in sizes]:
+            sizes.append((part, n))
+    return sizes
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    import transformers
+
+    out = args.out
+    curve = {"meta": {"device": (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
+                                 else f"cpu ({platform.processor() or platform.machine()})"),
+                      "dtype": args.dtype if not args.smoke else "float32", "torch": torch.__version__,
+                      "transformers": transformers.__version__, "smoke": args.smoke,
+                      "args": {k: str(v) for k, v in vars(args).items()}},
+             "phases": {}, "counts": {}, "sizes": [], "heads": [], "errors": []}
+    state: dict = {}
+    loaded = phase(curve, "load", out, load_target, args)
+    if loaded is None:
+        print(summary(curve))
+        return curve
+    target, _, encode, eos = loaded
+
+    def prompts():
+        train_rows, heldout_rows = split_shipped(shipped_rows(), args.smoke, args.heldout_per_domain)
+        state["heldout"] = [logged(r) for r in heldout_rows]
+        state["shipped_train"] = [logged(r) for r in train_rows]
+        wanted = args.requests - len(train_rows)
+        state["requests"] = new_requests(wanted, shipped_rows(), encode, args.seed, args.max_new_tokens)
+        held = {tuple(r.prompt_ids) for r in state["heldout"]}
+        clash = sum(tuple(r["prompt_token_ids"]) in held for r in state["requests"])
+        curve["counts"].update(shipped_train=len(train_rows), heldout=len(heldout_rows),
+                               new_prompts=len(state["requests"]), new_prompts_equal_to_heldout=clash)
+
+    phase(curve, "prompts", out, prompts)
+    state.setdefault("shipped_train", [])
+    state.setdefault("requests", [])
+
+    def generation():
+        deadline = time.perf_counter() + args.generate_seconds
+        state["generated"] = generate(target, state["requests"], eos, args, deadline)
+        by_domain: dict[str, int] = {}
+        for r in state["generated"]:
+            by_domain[r.domain] = by_domain.get(r.domain, 0) + 1
+        curve["counts"].update(generated=len(state["generated"]), generated_by_domain=by_domain)
+        if args.save_generated:
+            with gzip.open(out / "generated.jsonl.gz", "wt", encoding="utf-8") as handle:
+                for r in state["generated"]:
+                    handle.write(json.dumps({"id": r.request_id, "domain": r.domain,
+                                             "temperature": r.sampling.temperature,
+                                             "top_k": r.sampling.top_k, "top_p": r.sampling.top_p,
+                                             "prompt_token_ids": list(r.prompt_ids),
+                                             "response_token_ids": list(r.response_ids)}) + "\n")
+
+    phase(curve, "generate", out, generation)
+    pool = state["shipped_train"] + state.get("generated", [])
+    random.Random(args.seed).shuffle(pool)
+    state["pool"] = pool
+    curve["counts"]["training_pool"] = len(pool)
+    heldout = state.get("heldout", [])
+    if heldout and pool:
+        train_heads(target, pool, heldout, args, curve)
+    print(summary(curve))
+    curve["train_requests"] = pool          # returned for the tests, not written
+    curve["heldout_requests"] = heldout
+    return curve
+
+
+def train_heads(target, pool, heldout, args, curve) -> None:
+    out = args.out
+    by_domain: dict[str, list] = {}
+    for r in heldout:
+        by_domain.setdefault(r.domain, []).append(r)
+    curve_rows = [r for group in zip(*by_domain.values()) for r in group][:args.curve_requests]
+    costs = phase(curve, "costs", out, lambda: (
+        measure_head_step(Eagle3Head(target, torch.arange(min(args.vocab, output_size(target)))), target),
+        measured_costs(target, None, K_MAX)[1]))
+    if costs is None:
+        costs = (0.05, [1.0 + 0.01 * k for k in range(K_MAX)])
+    curve["costs"] = {"head_step": costs[0], "verify": costs[1]}
+    for label, n in sizes_of(args.sizes, len(pool)):
+        curve["sizes"].append(n)
+        entry = {"size": label, "requests": n}
+        curve["heads"].append(entry)
+        trained = phase(curve, f"train_{label}", out, train_and_save, target, pool[:n], curve_rows,
+                        costs, args, entry)
+        if trained is not None:
+            phase(curve, f"score_{label}", out, lambda head=trained: entry.update(
+                heldout=score(target, head, heldout)))
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def train_and_save(target, rows, curve_rows, costs, args, entry) -> Eagle3Head:
+    with tempfile.TemporaryDirectory(prefix="eagle3-gpu-") as work:
+        head, k = train_one(target, rows, curve_rows, costs, args, entry, Path(work))
+    directory = args.out / f"head-{entry['size']}"
+    head.save(directory, k=k, verifier=VERIFIER, meta={"training_requests": entry["requests"],
+                                                       "rows_passed": entry.get("rows_passed")})
+    if args.save_dtype != "float32":
+        cast_weights(directory / "model.safetensors", getattr(torch, args.save_dtype))
+    entry["dir"] = directory.name
+    entry["checkpoint_mb"] = round(sum(f.stat().st_size for f in directory.iterdir()) / 2 ** 20, 1)
+    return head
+
+
+def cast_weights(path: Path, dtype: torch.dtype) -> None:
+    """Rewrite a safetensors file with its floating-point tensors in `dtype` (index maps kept)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    save_file({name: (t.to(dtype) if t.is_floating_point() else t) for name, t in state.items()},
+              str(path), metadata={"format": "pt"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""benchmarks/eagle3_gpu.py in --smoke mode (a tiny random Llama on the CPU, ~40 new prompts, tiny
+budgets): every phase runs, a head per size is saved in the speculators format and reads back,
+curve.json and curve.md hold what they claim, and no held-out prompt is trained on. No timing
+thresholds: the figures of a random model mean nothing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdec_core.eagle3 import Eagle3Head
+from specdec_core.estimate import in_heldout
+
+from .helpers import REPO
+from .helpers.scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("benchmarks/eagle3_gpu.py", "eagle3_gpu")
+
+
+@pytest.fixture(scope="module")
+def run(script, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle3_gpu")
+    returned = script.main(["--smoke", "--out", str(out)])
+    return {"out": out, "returned": returned, "curve": json.loads((out / "curve.json").read_text()),
+            "markdown": (out / "curve.md").read_text()}
+
+
+def test_every_phase_ran_and_new_requests_were_generated(run):
+    curve = run["curve"]
+    assert curve["errors"] == []
+    for name in ("load", "prompts", "generate", "train_16", "score_16", "train_all", "score_all"):
+        assert f"{name}_s" in curve["phases"]
+    counts = curve["counts"]
+    assert counts["generated"] > 0 and counts["shipped_train"] > 0
+    assert counts["training_pool"] == counts["generated"] + counts["shipped_train"]
+    assert counts["new_prompts_equal_to_heldout"] == 0
+
+
+def test_one_head_per_size_saved_and_readable(script, run):
+    curve = run["curve"]
+    assert [h["size"] for h in curve["heads"]] == ["16", "all"]
+    assert curve["sizes"] == [16, curve["counts"]["training_pool"]]
+    target, _ = script.smoke_target(51)
+    for entry in curve["heads"]:
+        head = Eagle3Head.load(run["out"] / entry["dir"], target)
+        assert head.vocab_size == entry["draft_vocab"]
+        config = json.loads((run["out"] / entry["dir"] / "config.json").read_text())
+        assert config["speculators_model_type"] == "eagle3"
+        weights = load_file(str(run["out"] / entry["dir"] / "model.safetensors"))
+        assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.bfloat16}
+        assert entry["steps"] >= 4 and 0 < entry["rows_passed"] <= entry["requests"]
+        assert entry["history"] and entry["history"][-1]["step"] == entry["steps"]
+
+
+def test_heldout_acceptance_per_domain_in_range(run):
+    domains = {"json", "code", "summarize", "qa", "chat", "creative"}
+    for entry in run["curve"]["heads"]:
+        assert set(entry["heldout"]) == domains
+        for scored in entry["heldout"].values():
+            assert 0.0 <= scored["acceptance_k1"] <= 1.0
+            lengths = [scored["length_by_k"][str(k)] for k in range(1, 6)]
+            assert all(1.0 <= value <= k + 1 for k, value in enumerate(lengths, start=1))
+
+
+def test_markdown_table_and_goal_lines_say_what_the_json_says(run):
+    text, curve = run["markdown"], run["curve"]
+    assert "SMOKE RUN" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(row.split("|")[1]) for row in rows] == curve["sizes"]
+    last = curve["heads"][-1]["heldout"]
+    for domain, scored in last.items():
+        goal = 0.6 if domain in ("json", "code") else 0.45
+        met = "met" if scored["acceptance_k1"] >= goal else "not met"
+        assert f"- {domain}: {scored['acceptance_k1']:.3f} vs {goal}: {met}" in text
+
+
+def test_no_heldout_prompt_is_trained_on(run):
+    with gzip.open(REPO / "tasks/data/sample_traffic.jsonl.gz", "rt") as handle:
+        shipped = [json.loads(line) for line in handle]
+    heldout_ids = {row["id"] for row in shipped if in_heldout("eagle3-bench", row["id"], 0.2)}
+    heldout_prompts = {tuple(row["prompt_token_ids"]) for row in shipped if row["id"] in heldout_ids}
+    train = run["returned"]["train_requests"]
+    assert len(train) == run["curve"]["counts"]["training_pool"]
+    assert not heldout_ids & {r.request_id for r in train}
+    assert not heldout_prompts & {tuple(r.prompt_ids) for r in train}
+    scored = run["returned"]["heldout_requests"]
+    assert scored and {r.request_id for r in scored} <= heldout_ids
