@@ -215,6 +215,7 @@ def test_a_captured_round_costs_the_same_at_k_8_as_at_k_4(target):
     # K -- a draft narrower than K near the end of a call used to be a shape of its own, captured
     # in the timed calls, more of them the larger K -- and the work outside the replays is the same
     # per round at K 8 as at K 4 (a round is two replays and a fixed host part).
+    target = copy.deepcopy(target)          # a pool of its own (the session's model keeps others)
     ids = repetitive_prompt()
     new = 40
     reference = SpecDecoder(target, None, static_cache=True, cuda_graphs=True).generate_plain(ids, new).tokens
