@@ -334,6 +334,9 @@ class ForwardRuns:
                 and not _in_mode("eager")):
             if self.compiled is None:
                 self.compiled = compiled_body(self.cache)
+            # a validity mask broadcast from the active rows and a materialised one would be two
+            # bodies (their strides differ): the body always gets a contiguous one
+            valid = valid.contiguous()
             if tokens.shape[1] > 1:   # one body for every verify width (a width of 1 is its own)
                 for tensor in (tokens, valid):
                     torch._dynamo.maybe_mark_dynamic(tensor, 1)
