@@ -30,6 +30,8 @@ worker of another class, confirm is skipped with a warning (nothing to compare).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -130,16 +132,38 @@ def confirm_hardware(run_id: str, domain: str, engine, target) -> dict | None:
     return here
 
 
-def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
-                   db_url: str | None = None, settings: Settings | None = None,
-                   progress: bool = True) -> dict | None:
-    """Measure the domain's planned (drafter, K) live; store live_measurements and the measured
-    speedup in domain_configs. A domain that is off still has its best candidate measured (the
-    prediction is checked either way). Returns the measurement, or None without a plan/requests.
-    """
-    settings = settings or load_settings()
-    url = resolve_database_url(db_url or settings.database_url)
-    engine = ensure_ready(url)
+@dataclass
+class _Planned:
+    """The domain's planned setting that confirm measures."""
+    run_id: str
+    domain: str
+    config: Mapping            # its domain_configs row
+    drafter: object            # the planned drafter, built on the target
+    k: int
+    hardware: dict             # this worker's hardware description
+
+
+@dataclass
+class _Selection:
+    """The confirm requests and their offline estimates."""
+    subset: list
+    lengths: dict              # request id -> new tokens to decode
+    whole: dict                # request id -> RoundTotals of the whole logged response
+    decoded: dict              # request id -> RoundTotals of what is decoded
+
+
+@dataclass
+class _LiveRun:
+    """Plain and speculative decoding of the confirm requests, summed, and each request's record."""
+    plain: SpecStats
+    spec: SpecStats
+    plain_latency: float
+    spec_latency: float
+    per_request: list[dict]
+
+
+def _planned(run_id: str, domain: str, engine, target, drafters: dict, requests: list) -> _Planned | None:
+    """The domain's planned setting, or None without a plan, requests or comparable hardware."""
     with engine.connect() as connection:
         config = connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
@@ -148,10 +172,12 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     hardware = confirm_hardware(run_id, domain, engine, target)
     if hardware is None:
         return None
-    drafter = drafters[config["drafter"]][1]
-    k = int(config["k"])
-    # stratify on the requests' own offline E, then estimate exactly what will be decoded
-    whole = offline_totals(target, drafter, requests, k)
+    return _Planned(run_id, domain, config, drafters[config["drafter"]][1], int(config["k"]), hardware)
+
+
+def _select(target, planned: _Planned, requests: list, settings: Settings) -> _Selection:
+    """Stratify on the requests' own offline E, then estimate exactly what will be decoded."""
+    whole = offline_totals(target, planned.drafter, requests, planned.k)
     candidates = [r for r in requests if r.request_id in whole] or list(requests)
     subset = _stratified(candidates, [whole[r.request_id].expected_tokens_per_round
                                       if r.request_id in whole else 0.0 for r in candidates],
@@ -162,87 +188,146 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     cut_ids = {r.request_id for r in cut}
     decoded = {r.request_id: whole[r.request_id] for r in subset
                if r.request_id in whole and r.request_id not in cut_ids}
-    decoded.update(offline_totals(target, drafter, [truncated(r, lengths[r.request_id]) for r in cut], k))
-    cost_of = _round_costs(run_id, engine, url, config["drafter"], config["drafter_spec"])
+    decoded.update(offline_totals(target, planned.drafter,
+                                  [truncated(r, lengths[r.request_id]) for r in cut], planned.k))
+    return _Selection(subset, lengths, whole, decoded)
+
+
+def _decode_live(target, planned: _Planned, selection: _Selection, cost_of, progress: bool) -> _LiveRun:
+    """Plain and speculative decoding request by request, alternating which goes first, under the
+    timing lock."""
     device = next(target.parameters()).device
-    spec_decoder = SpecDecoder(target, drafter, k=k)
-    plain_stats, spec_stats = SpecStats.empty(0), SpecStats.empty(k)
-    plain_latency = spec_latency = 0.0
-    per_request = []
+    spec_decoder = SpecDecoder(target, planned.drafter, k=planned.k)
+    live = _LiveRun(SpecStats.empty(0), SpecStats.empty(planned.k), 0.0, 0.0, [])
     with timing_lock():
-        for index, request in enumerate(tqdm(subset, desc=f"confirm {domain}", disable=not progress)):
+        for index, request in enumerate(tqdm(selection.subset, desc=f"confirm {planned.domain}",
+                                             disable=not progress)):
             ids = torch.tensor([list(request.prompt_ids)], dtype=torch.long, device=device)
-            new_tokens = lengths[request.request_id]
+            new_tokens = selection.lengths[request.request_id]
             kwargs = dict(max_new_tokens=new_tokens, sampling=request.sampling, seed=index)
             order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")
             results = {}
             for which in order:
                 if which == "plain":
                     results[which] = spec_decoder.generate_plain(ids, **kwargs)
-                    plain_stats = plain_stats.merge(results[which].stats)
-                    plain_latency += results[which].stats.total_s
+                    live.plain = live.plain.merge(results[which].stats)
+                    live.plain_latency += results[which].stats.total_s
                 else:
                     results[which] = spec_decoder.generate(ids, **kwargs)
-                    spec_stats = spec_stats.merge(results[which].stats)
-                    spec_latency += results[which].stats.total_s
-            per_request.append(_request_record(request, results, decoded.get(request.request_id),
-                                               cost_of, new_tokens))
-    plain_tps, spec_tps = plain_stats.decode_tokens_per_s, spec_stats.decode_tokens_per_s
+                    live.spec = live.spec.merge(results[which].stats)
+                    live.spec_latency += results[which].stats.total_s
+            live.per_request.append(_request_record(request, results,
+                                                    selection.decoded.get(request.request_id),
+                                                    cost_of, new_tokens))
+    return live
+
+
+def _predicted_same(selection: _Selection, cost_of) -> float | None:
+    """The cost model's speedup for exactly the decoded requests (None without a cost profile)."""
+    scored = [selection.decoded[r.request_id] for r in selection.subset
+              if r.request_id in selection.decoded]
+    if cost_of is None or not scored:
+        return None
+    spent = sum(cost_of(t) for t in scored)
+    return sum(t.tokens for t in scored) / spent if spent > 0 else None
+
+
+def _subset_expected_tokens(selection: _Selection) -> float | None:
+    """Offline E of the confirm requests (their whole logged responses)."""
+    chosen = [selection.whole[r.request_id] for r in selection.subset if r.request_id in selection.whole]
+    return (sum(t.tokens for t in chosen) / sum(t.rounds for t in chosen)
+            if chosen and sum(t.rounds for t in chosen) else None)
+
+
+def _measurement(planned: _Planned, selection: _Selection, live: _LiveRun, cost_of,
+                 settings: Settings) -> tuple[dict, dict]:
+    """(the live_measurements row, the live verdict)."""
+    config, subset = planned.config, selection.subset
+    plain_tps, spec_tps = live.plain.decode_tokens_per_s, live.spec.decode_tokens_per_s
     measured = spec_tps / plain_tps if plain_tps > 0 else None
-    predicted = config["predicted_speedup"]
-    scored = [decoded[r.request_id] for r in subset if r.request_id in decoded]
-    same = None
-    if cost_of is not None and scored:
-        spent = sum(cost_of(t) for t in scored)
-        same = sum(t.tokens for t in scored) / spent if spent > 0 else None
+    same = _predicted_same(selection, cost_of)
     cost_error = measured / same - 1.0 if measured is not None and same else None
-    chosen = [whole[r.request_id] for r in subset if r.request_id in whole]
-    subset_e = (sum(t.tokens for t in chosen) / sum(t.rounds for t in chosen)
-                if chosen and sum(t.rounds for t in chosen) else None)
+    subset_e = _subset_expected_tokens(selection)
     domain_e = config["mean_accepted_length"]
     sampling_error = subset_e / domain_e - 1.0 if subset_e and domain_e else None
-    greedy = [item for item in per_request if item["greedy_comparable"]]
+    greedy = [item for item in live.per_request if item["greedy_comparable"]]
     gap = None if cost_error is None else abs(cost_error) > settings.live.tolerance
-    verdict = live_verdict(per_request, config, settings, same)
-    row = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": k, "batch_size": 1,
-           "requests": len(subset), "tokens": int(spec_stats.new_tokens),
-           "acceptance_rate": spec_stats.acceptance_rate,
-           "mean_accepted_length": spec_stats.mean_accepted_length,
+    verdict = live_verdict(live.per_request, config, settings, same)
+    row = {"run_id": planned.run_id, "domain": planned.domain, "drafter": config["drafter"],
+           "k": planned.k, "batch_size": 1,
+           "requests": len(subset), "tokens": int(live.spec.new_tokens),
+           "acceptance_rate": live.spec.acceptance_rate,
+           "mean_accepted_length": live.spec.mean_accepted_length,
            "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps,
-           "predicted_speedup": predicted, "measured_speedup": measured,
-           "plain_latency_s": plain_latency / len(subset), "spec_latency_s": spec_latency / len(subset),
+           "predicted_speedup": config["predicted_speedup"], "measured_speedup": measured,
+           "plain_latency_s": live.plain_latency / len(subset),
+           "spec_latency_s": live.spec_latency / len(subset),
            "gap": gap, "predicted_same_requests": same, "cost_model_error": cost_error,
            "subset_expected_tokens": subset_e, "domain_expected_tokens": domain_e,
            "sampling_error": sampling_error, "greedy_checked": len(greedy),
            "greedy_consistent": sum(1 for item in greedy if item["consistent"]),
-           "per_request": per_request, "hardware": hardware,
+           "per_request": live.per_request, "hardware": planned.hardware,
            "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
+    return row, verdict
+
+
+def _store_measurement(engine, planned: _Planned, row: dict, verdict: dict) -> None:
+    """One transaction: the live measurement replaced, and the measured speedup and live check on
+    the domain's config (a veto turns it off: the champion's setting)."""
+    run_id, domain = planned.run_id, planned.domain
     now = utcnow()
     with engine.begin() as connection:
         connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
                                                          & (LiveMeasurement.domain == domain)))
         connection.execute(insert(LiveMeasurement).values(**row, created_at=now))
-        values = {"measured_speedup": measured, "live_check": verdict}
+        values = {"measured_speedup": row["measured_speedup"], "live_check": verdict}
         if verdict["verdict"] == "veto":     # the domain stays at the champion's setting: off
             values.update(enabled=False, max_batch_size=None, k_schedule=None,
                           reason=f"{verdict['reason']}; the champion's setting is kept (off). "
-                                 f"Planner: {config['reason']}"[:2000])
+                                 f"Planner: {planned.config['reason']}"[:2000])
         connection.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
                                                       & (DomainConfig.domain == domain))
                            .values(**values))
+
+
+def _log_measurement(planned: _Planned, row: dict, verdict: dict, settings: Settings) -> None:
+    """A veto, each greedy request whose live rounds differ from the estimate's, a cost-model gap."""
+    run_id, domain = planned.run_id, planned.domain
     if verdict["verdict"] == "veto":
         log.warning("run %s, domain %s: %s; it stays off (the champion's setting)", run_id, domain,
                     verdict["reason"])
-    for item in greedy:
-        if not item["consistent"]:
+    for item in row["per_request"]:
+        if item["greedy_comparable"] and not item["consistent"]:
             log.error("run %s, domain %s, request %s: engine/estimator inconsistency -- live greedy "
                       "output equals the log but accepted %d drafts in %d rounds, the estimate %s in %s",
                       run_id, domain, item["request_id"], item["live_accepted"], item["live_rounds"],
                       item["offline_accepted"], item["offline_rounds"])
-    if gap:
+    if row["gap"]:
         log.warning("run %s, domain %s: measured speedup %.2fx vs %.2fx predicted for the same requests "
-                    "(cost-model error %+.0f%%, tolerance %.0f%%)", run_id, domain, measured, same,
-                    100 * cost_error, 100 * settings.live.tolerance)
+                    "(cost-model error %+.0f%%, tolerance %.0f%%)", run_id, domain,
+                    row["measured_speedup"], row["predicted_same_requests"],
+                    100 * row["cost_model_error"], 100 * settings.live.tolerance)
+
+
+def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
+                   db_url: str | None = None, settings: Settings | None = None,
+                   progress: bool = True) -> dict | None:
+    """Measure the domain's planned (drafter, K) live; store live_measurements and the measured
+    speedup in domain_configs. A domain that is off still has its best candidate measured (the
+    prediction is checked either way). Returns the measurement, or None without a plan/requests.
+    """
+    settings = settings or load_settings()
+    url = resolve_database_url(db_url or settings.database_url)
+    engine = ensure_ready(url)
+    planned = _planned(run_id, domain, engine, target, drafters, requests)
+    if planned is None:
+        return None
+    selection = _select(target, planned, requests, settings)
+    cost_of = _round_costs(run_id, engine, url, planned.config["drafter"], planned.config["drafter_spec"])
+    live = _decode_live(target, planned, selection, cost_of, progress)
+    row, verdict = _measurement(planned, selection, live, cost_of, settings)
+    _store_measurement(engine, planned, row, verdict)
+    _log_measurement(planned, row, verdict, settings)
     return row
 
 

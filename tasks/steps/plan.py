@@ -31,6 +31,7 @@ plan can veto an "on" as well (tasks.steps.confirm.live_verdict).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from sqlalchemy import delete, insert, select, update
 
@@ -120,6 +121,173 @@ def sampled_share(connection, run_id: str, domain: str) -> float:
     return sum(1 for t in rows if t and t > 0) / len(rows) if rows else 0.0
 
 
+@dataclass
+class _Priced:
+    """One acceptance estimate with its predicted speedup and 95% interval at the smallest
+    profiled batch size."""
+    estimate: dict
+    predicted: float
+    lo: float
+    hi: float
+
+
+@dataclass
+class _Pricing:
+    """The domain's estimates priced on the cost profile: the predicted speedups to store on the
+    estimates, the chosen candidate (None: no usable estimate) and the drafters the profile does
+    not price."""
+    updates: list[dict]
+    best: _Priced | None
+    unpriced: set[str]
+
+
+@dataclass
+class _Policy:
+    """What the domain's plan is judged by."""
+    min_speedup: float
+    status: str           # the sample's verdict for the domain: "ok" or "insufficient"
+    currently_on: bool    # on in the champion config
+    keeps: bool           # settings.plan.hysteresis and on in the champion: the wider band applies
+
+    def pays(self, lo: float, hi: float) -> bool:
+        """The interval's lower end clears the minimum."""
+        return lo >= self.min_speedup
+
+    def within_band(self, lo: float, hi: float) -> bool:
+        """Hysteresis: the upper end clears the minimum and the lower end clears 1.0."""
+        return hi >= self.min_speedup and lo >= 1.0
+
+
+def _load_estimates(engine, run_id: str, domain: str, costs: CostTable) -> tuple[list[dict], CostTable]:
+    """The run's acceptance_estimates rows of the domain (by drafter, K), and the cost table to
+    plan it with (a profile that prices sampled requests apart: at the domain's mix)."""
+    with engine.connect() as connection:
+        estimates = [dict(row) for row in connection.execute(
+            select(AcceptanceEstimate).where((AcceptanceEstimate.run_id == run_id)
+                                             & (AcceptanceEstimate.domain == domain))
+            .order_by(AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
+        if costs.sampled_timed:
+            # a profile that prices sampled requests apart (a serving engine's): the domain's mix
+            costs = costs.for_sampling(sampled_share(connection, run_id, domain))
+    return estimates, costs
+
+
+def _price_estimates(estimates: list[dict], costs: CostTable, policy: _Policy) -> _Pricing:
+    """Predicted speedups of every estimate at the smallest profiled batch size, and the best
+    prediction among those whose interval clears the bar (else among those hysteresis keeps on,
+    else overall): a K whose wide interval misses the bar must not turn the domain off when a
+    smaller K clears it."""
+    batch_size = costs.batch_sizes[0]
+    updates, unpriced = [], set()
+    best = best_paying = best_kept = None
+    for estimate in estimates:
+        if estimate["k"] > costs.k_max(batch_size):
+            continue
+        try:
+            candidate = _Priced(estimate, *speedups(estimate, costs, batch_size))
+        except CostProfileError:
+            if not costs.sampled_timed:
+                raise
+            # a serving engine's profile prices only the drafters that engine serves
+            unpriced.add(estimate["drafter"])
+            continue
+        updates.append({"id": estimate["id"], "predicted_speedup": candidate.predicted,
+                        "predicted_speedup_lo": candidate.lo, "predicted_speedup_hi": candidate.hi})
+        if best is None or candidate.predicted > best.predicted:
+            best = candidate
+        if policy.pays(candidate.lo, candidate.hi) and (
+                best_paying is None or candidate.predicted > best_paying.predicted):
+            best_paying = candidate
+        if policy.keeps and policy.within_band(candidate.lo, candidate.hi) and (
+                best_kept is None or candidate.predicted > best_kept.predicted):
+            best_kept = candidate
+    return _Pricing(updates, best_paying or best_kept or best, unpriced)
+
+
+def _empty_row(run_id: str, domain: str, samples: int, policy: _Policy) -> dict:
+    """The domain_configs row of a domain that is off, before a candidate is filled in."""
+    return {"run_id": run_id, "domain": domain, "enabled": False, "drafter": None,
+            "drafter_spec": None, "k": None, "max_batch_size": None, "predicted_speedup": None,
+            "predicted_speedup_lo": None, "predicted_speedup_hi": None, "measured_speedup": None,
+            "k_schedule": None,
+            "mean_accepted_length": None, "conditional_acceptance": None, "samples": samples,
+            "status": policy.status, "validation": None, "promotable": None, "reason": None,
+            "champion_on": policy.currently_on, "live_check": None}
+
+
+def _fill_choice(row: dict, choice: _Priced, estimates: list[dict], costs: CostTable,
+                 policy: _Policy) -> bool:
+    """Fill the row with the chosen candidate, the largest batch size where it pays and its K
+    schedule. True when only hysteresis keeps it on (its lower end misses the bar at batch 1)."""
+    estimate = choice.estimate
+    row.update(drafter=estimate["drafter"], drafter_spec=estimate["drafter_spec"],
+               k=estimate["k"], predicted_speedup=choice.predicted, predicted_speedup_lo=choice.lo,
+               predicted_speedup_hi=choice.hi, mean_accepted_length=estimate["mean_accepted_length"],
+               conditional_acceptance=estimate["conditional_acceptance"])
+    row["max_batch_size"] = _max_batch(estimate, costs, policy.pays)
+    pays, kept = policy.pays, None
+    if policy.keeps and row["max_batch_size"] is None:
+        kept = _max_batch(estimate, costs, policy.within_band)
+    if kept:
+        row["max_batch_size"] = kept
+        pays = policy.within_band
+    if row["max_batch_size"] is not None:      # on: the schedule says up to which batch size
+        row["k_schedule"] = k_schedule(
+            [e for e in estimates if e["drafter"] == estimate["drafter"]], costs, pays)
+        row["max_batch_size"] = max(last for _, last, k in row["k_schedule"] if k > 0)
+    return bool(kept)
+
+
+def _prediction_text(row: dict, verb: str = "predicts") -> str:
+    """'DRAFTER K=k predicts S.SSx [LO, HI]' of the row's chosen candidate."""
+    return (f"{row['drafter']} K={row['k']} {verb} {row['predicted_speedup']:.2f}x "
+            f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}]")
+
+
+def _decide(row: dict, policy: _Policy, costs: CostTable, chosen: bool, kept: bool) -> None:
+    """Set the row's enabled, status and reason: insufficient sample, no usable estimate, off
+    below the bar, kept on by hysteresis, off on a noisy profile, or on."""
+    if policy.status == "insufficient":
+        row["reason"] = (f"insufficient samples ({row['samples']} usable requests of this target, "
+                         "fewer than the minimum): off in this config; the champion's setting is kept")
+    elif not chosen:
+        row["status"] = "insufficient"
+        row["reason"] = "no usable estimate (no sampled request with a response of 2+ tokens)"
+    elif row["max_batch_size"] is None:
+        row["reason"] = (f"off: best {_prediction_text(row)}, whose lower end does "
+                         f"not clear the minimum {policy.min_speedup:.2f}x")
+    elif kept:
+        row["enabled"] = True
+        row["reason"] = (f"kept on: within hysteresis -- {_prediction_text(row)}: "
+                         f"on in the champion, upper end still >= {policy.min_speedup:.2f}x and "
+                         f"lower end >= 1.00x (up to batch {row['max_batch_size']})")
+    elif costs.noisy and not policy.currently_on:
+        row.update(max_batch_size=None, k_schedule=None)
+        row["reason"] = (f"off: cost profile too noisy: {costs.noise_text()}. "
+                         f"{_prediction_text(row, 'would predict')}, but no domain turns on from a "
+                         "noisy profile that the champion has off. Measure on a quiet machine, or "
+                         "plan with a stored profile (`specdec evaluate --hardware-profile NAME`, "
+                         "setting `hardware_profile`)")
+    else:
+        row["enabled"] = True
+        row["reason"] = (f"on: {_prediction_text(row)} at batch 1; pays up to batch "
+                         f"{row['max_batch_size']} on {costs.hardware_profile}")
+        if costs.noisy:
+            row["reason"] += (f" (on in the champion; the cost profile is noisy: {costs.noise_text(1)})")
+
+
+def _store_plan(engine, run_id: str, domain: str, updates: list[dict], row: dict) -> None:
+    """One transaction: the estimates' predicted speedups, and the domain's row replaced."""
+    now = utcnow()
+    with engine.begin() as connection:
+        for item in updates:
+            connection.execute(update(AcceptanceEstimate).where(AcceptanceEstimate.id == item["id"])
+                               .values(**{k: v for k, v in item.items() if k != "id"}))
+        connection.execute(delete(DomainConfig).where((DomainConfig.run_id == run_id)
+                                                      & (DomainConfig.domain == domain)))
+        connection.execute(insert(DomainConfig).values(**row, created_at=now))
+
+
 def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None = None,
                 settings: Settings | None = None, status: str = "ok",
                 min_speedup: float | None = None, samples: int | None = None,
@@ -133,112 +301,21 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
     Output: the domain_configs row as a dict.
     """
     settings = settings or load_settings()
-    min_speedup = settings.plan.min_speedup if min_speedup is None else min_speedup
+    policy = _Policy(min_speedup=settings.plan.min_speedup if min_speedup is None else min_speedup,
+                     status=status, currently_on=bool(currently_on),
+                     keeps=bool(settings.plan.hysteresis and currently_on))
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
-    with engine.connect() as connection:
-        estimates = [dict(row) for row in connection.execute(
-            select(AcceptanceEstimate).where((AcceptanceEstimate.run_id == run_id)
-                                             & (AcceptanceEstimate.domain == domain))
-            .order_by(AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
-        if costs.sampled_timed:
-            # a profile that prices sampled requests apart (a serving engine's): the domain's mix
-            costs = costs.for_sampling(sampled_share(connection, run_id, domain))
-    batch_sizes = costs.batch_sizes
-    updates = []
-    best = best_paying = best_kept = None
-    keeps = settings.plan.hysteresis and currently_on
-    unpriced = set()
-    for estimate in estimates:
-        if estimate["k"] > costs.k_max(batch_sizes[0]):
-            continue
-        try:
-            predicted, lo, hi = speedups(estimate, costs, batch_sizes[0])
-        except CostProfileError:
-            if not costs.sampled_timed:
-                raise
-            # a serving engine's profile prices only the drafters that engine serves
-            unpriced.add(estimate["drafter"])
-            continue
-        updates.append({"id": estimate["id"], "predicted_speedup": predicted,
-                        "predicted_speedup_lo": lo, "predicted_speedup_hi": hi})
-        candidate = (estimate, predicted, lo, hi)
-        if best is None or predicted > best[1]:
-            best = candidate
-        if lo >= min_speedup and (best_paying is None or predicted > best_paying[1]):
-            best_paying = candidate
-        if keeps and hi >= min_speedup and lo >= 1.0 and (best_kept is None or predicted > best_kept[1]):
-            best_kept = candidate
-    # the best prediction among the settings whose interval clears the bar (a K whose wide
-    # interval misses it must not turn the domain off when a smaller K clears it)
-    best = best_paying or best_kept or best
+    estimates, costs = _load_estimates(engine, run_id, domain, costs)
+    pricing = _price_estimates(estimates, costs, policy)
     if samples is None:
         samples = max((e["requests"] for e in estimates), default=0)
-    row = {"run_id": run_id, "domain": domain, "enabled": False, "drafter": None,
-           "drafter_spec": None, "k": None, "max_batch_size": None, "predicted_speedup": None,
-           "predicted_speedup_lo": None, "predicted_speedup_hi": None, "measured_speedup": None,
-           "k_schedule": None,
-           "mean_accepted_length": None, "conditional_acceptance": None, "samples": samples,
-           "status": status, "validation": None, "promotable": None, "reason": None,
-           "champion_on": bool(currently_on), "live_check": None}
-    if best is not None:
-        estimate, predicted, lo, hi = best
-        row.update(drafter=estimate["drafter"], drafter_spec=estimate["drafter_spec"],
-                   k=estimate["k"], predicted_speedup=predicted, predicted_speedup_lo=lo,
-                   predicted_speedup_hi=hi, mean_accepted_length=estimate["mean_accepted_length"],
-                   conditional_acceptance=estimate["conditional_acceptance"])
-        row["max_batch_size"] = _max_batch(estimate, costs, lambda lo, hi: lo >= min_speedup)
-        pays = lambda lo, hi: lo >= min_speedup  # noqa: E731
-        kept = (settings.plan.hysteresis and currently_on and row["max_batch_size"] is None
-                and _max_batch(estimate, costs, lambda lo, hi: hi >= min_speedup and lo >= 1.0))
-        if kept:
-            row["max_batch_size"] = kept
-            pays = lambda lo, hi: hi >= min_speedup and lo >= 1.0  # noqa: E731
-        if row["max_batch_size"] is not None:      # on: the schedule says up to which batch size
-            row["k_schedule"] = k_schedule(
-                [e for e in estimates if e["drafter"] == estimate["drafter"]], costs, pays)
-            row["max_batch_size"] = max(last for _, last, k in row["k_schedule"] if k > 0)
-    if status == "insufficient":
-        row["reason"] = (f"insufficient samples ({samples} usable requests of this target, fewer "
-                         "than the minimum): off in this config; the champion's setting is kept")
-    elif best is None:
-        row["status"] = "insufficient"
-        row["reason"] = "no usable estimate (no sampled request with a response of 2+ tokens)"
-    elif row["max_batch_size"] is None:
-        row["reason"] = (f"off: best {row['drafter']} K={row['k']} predicts {row['predicted_speedup']:.2f}x "
-                         f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}], whose "
-                         f"lower end does not clear the minimum {min_speedup:.2f}x")
-    elif kept:
-        row["enabled"] = True
-        row["reason"] = (f"kept on: within hysteresis -- {row['drafter']} K={row['k']} predicts "
-                         f"{row['predicted_speedup']:.2f}x [{row['predicted_speedup_lo']:.2f}, "
-                         f"{row['predicted_speedup_hi']:.2f}]: on in the champion, upper end still "
-                         f">= {min_speedup:.2f}x and lower end >= 1.00x (up to batch "
-                         f"{row['max_batch_size']})")
-    elif costs.noisy and not currently_on:
-        row.update(max_batch_size=None, k_schedule=None)
-        row["reason"] = (f"off: cost profile too noisy: {costs.noise_text()}. {row['drafter']} "
-                         f"K={row['k']} would predict {row['predicted_speedup']:.2f}x "
-                         f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}], but no "
-                         "domain turns on from a noisy profile that the champion has off. Measure on a "
-                         "quiet machine, or plan with a stored profile (`specdec evaluate "
-                         "--hardware-profile NAME`, setting `hardware_profile`)")
-    else:
-        row["enabled"] = True
-        row["reason"] = (f"on: {row['drafter']} K={row['k']} predicts {row['predicted_speedup']:.2f}x "
-                         f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}] at batch "
-                         f"1; pays up to batch {row['max_batch_size']} on {costs.hardware_profile}")
-        if costs.noisy:
-            row["reason"] += (f" (on in the champion; the cost profile is noisy: {costs.noise_text(1)})")
-    if unpriced:
+    row = _empty_row(run_id, domain, samples, policy)
+    kept = pricing.best is not None and _fill_choice(row, pricing.best, estimates, costs, policy)
+    _decide(row, policy, costs, pricing.best is not None, kept)
+    if pricing.unpriced:
         log.info("run %s, domain %s: not planned with %s: %s does not serve them (no draft step in "
-                 "its profile)", run_id, domain, ", ".join(sorted(unpriced)), costs.hardware_profile)
-    now = utcnow()
-    with engine.begin() as connection:
-        for item in updates:
-            connection.execute(update(AcceptanceEstimate).where(AcceptanceEstimate.id == item["id"])
-                               .values(**{k: v for k, v in item.items() if k != "id"}))
-        connection.execute(delete(DomainConfig).where((DomainConfig.run_id == run_id)
-                                                      & (DomainConfig.domain == domain)))
-        connection.execute(insert(DomainConfig).values(**row, created_at=now))
+                 "its profile)", run_id, domain, ", ".join(sorted(pricing.unpriced)),
+                 costs.hardware_profile)
+    _store_plan(engine, run_id, domain, pricing.updates, row)
     log.info("run %s, domain %s: %s", run_id, domain, row["reason"])
     return row

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from sqlalchemy import delete, insert, select, update
@@ -115,6 +116,105 @@ def _sampling_text(sampling: dict) -> str:
         text += f" top-p {sampling['top_p']:g}"
     return text
 
+@dataclass
+class _SamplingTest:
+    """One domain's sampling test: what it runs, and the key another domain's test is shared by."""
+    run_id: str
+    domain: str
+    label: str                 # the planned drafter's label
+    drafter: object            # the planned drafter, as this domain uses it
+    k: int
+    ks: list[int]
+    samplings: list[SamplingParams]
+    key: dict
+    what: str                  # what is tested, for the log
+
+
+def _sampling_test(run_id: str, domain: str, config, drafters: dict, requests: list,
+                   settings: Settings) -> _SamplingTest:
+    """The sampling test of the domain's planned setting (its key: drafter as the domain uses it,
+    planned K, K tested, sampling settings)."""
+    drafter = drafters[config["drafter"]][1]
+    k = int(config["k"])
+    ks = sorted({1, k})
+    samplings = validation_samplings(requests, settings.validation.samplings)
+    key = {"drafter": _drafter_identity(config["drafter"], drafter), "k": k, "ks": ks,
+           "samplings": [sampling.to_dict() for sampling in samplings]}
+    what = (f"{config['drafter']} K={k} (tested at K {', '.join(map(str, ks))}) at "
+            + ", ".join(_sampling_text(item) for item in key["samplings"]))
+    return _SamplingTest(run_id, domain, config["drafter"], drafter, k, ks, samplings, key, what)
+
+
+def _shared_test(engine, test: _SamplingTest):
+    """The first stored sampling test of another domain of the run with the test's key (and itself
+    not shared), or None."""
+    run_id, domain = test.run_id, test.domain
+    with engine.connect() as connection:
+        for row in connection.execute(select(Validation).where(
+                (Validation.run_id == run_id) & (Validation.check_name == "sampling")
+                & (Validation.domain != domain)).order_by(Validation.id)).mappings():
+            details = row["details"] or {}
+            if not details.get("shared_from") and details.get("key") == test.key:
+                return row
+    return None
+
+
+def _store_shared(engine, test: _SamplingTest, shared) -> dict:
+    """Store another domain's test as this domain's (details name it in "shared_from")."""
+    run_id, domain = test.run_id, test.domain
+    row = {name: shared[name] for name in ("drafter", "k", "request_id", "passed", "statistic",
+                                           "p_value")}
+    row.update(domain=domain, details={"shared_from": shared["domain"], "key": test.key, "ks": test.ks,
+                                       "samplings": test.key["samplings"],
+                                       "failures": (shared["details"] or {}).get("failures", [])})
+    with engine.begin() as connection:
+        _replace(connection, run_id, "sampling", domain, [row])
+    log.info("run %s, domain %s: sampling test of %s shared from %s (same drafter, K and sampling "
+             "settings): %s", run_id, domain, test.what, shared["domain"],
+             "passed" if row["passed"] else "FAILED")
+    return {"domain": domain, "validation": "passed" if row["passed"] else "failed",
+            "shared_from": shared["domain"], "failures": row["details"]["failures"], "key": test.key,
+            "seconds": 0.0}
+
+
+def _run_sampling_test(engine, target, requests: list, test: _SamplingTest, settings: Settings,
+                       check_kwargs: dict | None) -> dict:
+    """Run the domain's own sampling test from a high-entropy context of its requests; store it."""
+    run_id, domain = test.run_id, test.domain
+    started = time.perf_counter()
+    request_id, context = validation_context(target, requests)
+    stem = run_id if settings.validation.seed is None else f"seed-{settings.validation.seed}"
+    seed = int.from_bytes(hashlib.sha256(f"{stem}/{domain}".encode()).digest()[:4], "big") % (2 ** 31)
+    report = sampling_check(target, test.drafter, context, ks=tuple(test.ks),
+                            samplings=tuple(test.samplings), rows=settings.validation.rows,
+                            alpha=settings.validation.alpha, seed=seed,
+                            chunk=settings.validation.rows, **(check_kwargs or {}))
+    seconds = time.perf_counter() - started
+    failures = [{"domain": domain, "k": t.k, "sampling": t.sampling, "position": t.position,
+                 "statistic": t.statistic, "p_value": t.p_value, "threshold": t.threshold}
+                for t in report.failures]
+    worst = min(report.tests, key=lambda t: t.p_value)
+    row = {"domain": domain, "drafter": test.label, "k": test.k, "request_id": request_id,
+           "passed": report.passed,
+           "statistic": worst.statistic if worst.statistic != float("inf") else 1e308,
+           "p_value": worst.p_value,
+           "details": {"shared_from": None, "key": test.key, "ks": test.ks,
+                       "samplings": test.key["samplings"], "context_tokens": len(context),
+                       "seconds": seconds, "failures": failures, "report": report.to_dict()}}
+    with engine.begin() as connection:
+        _replace(connection, run_id, "sampling", domain, [row])
+    log.info("run %s, domain %s: sampling test of %s from request %s (%d context tokens): %s; %d "
+             "G-tests of %d rows, smallest p %.3g (threshold %.3g); %.1f s", run_id, domain, test.what,
+             request_id, len(context), "passed" if report.passed else "FAILED", len(report.tests),
+             settings.validation.rows, worst.p_value, worst.threshold, seconds)
+    if failures:
+        first = failures[0]
+        log.error("run %s, domain %s: sampling test FAILED at K=%d %s position %d: G=%.1f, p=%.2g < %.2g",
+                  run_id, domain, first["k"], first["sampling"], first["position"], first["statistic"],
+                  first["p_value"], first["threshold"])
+    return {"domain": domain, "validation": "passed" if report.passed else "failed",
+            "shared_from": None, "failures": failures, "key": test.key, "seconds": seconds}
+
 
 def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
                     db_url: str | None = None, settings: Settings | None = None,
@@ -141,70 +241,138 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
         log.info("run %s, domain %s: sampling test not needed (the domain is off)", run_id, domain)
         return {"domain": domain, "validation": "not_needed", "shared_from": None, "failures": [],
                 "key": None, "seconds": 0.0}
-    drafter = drafters[config["drafter"]][1]
-    k = int(config["k"])
-    ks = sorted({1, k})
-    samplings = validation_samplings(requests, settings.validation.samplings)
-    key = {"drafter": _drafter_identity(config["drafter"], drafter), "k": k, "ks": ks,
-           "samplings": [sampling.to_dict() for sampling in samplings]}
-    what = (f"{config['drafter']} K={k} (tested at K {', '.join(map(str, ks))}) at "
-            + ", ".join(_sampling_text(item) for item in key["samplings"]))
-    shared = None
-    if not settings.validation.per_domain:
-        with engine.connect() as connection:
-            for row in connection.execute(select(Validation).where(
-                    (Validation.run_id == run_id) & (Validation.check_name == "sampling")
-                    & (Validation.domain != domain)).order_by(Validation.id)).mappings():
-                details = row["details"] or {}
-                if not details.get("shared_from") and details.get("key") == key:
-                    shared = row
-                    break
+    test = _sampling_test(run_id, domain, config, drafters, requests, settings)
+    shared = None if settings.validation.per_domain else _shared_test(engine, test)
     if shared is not None:
-        row = {name: shared[name] for name in ("drafter", "k", "request_id", "passed", "statistic",
-                                               "p_value")}
-        row.update(domain=domain, details={"shared_from": shared["domain"], "key": key, "ks": ks,
-                                           "samplings": key["samplings"],
-                                           "failures": (shared["details"] or {}).get("failures", [])})
-        with engine.begin() as connection:
-            _replace(connection, run_id, "sampling", domain, [row])
-        log.info("run %s, domain %s: sampling test of %s shared from %s (same drafter, K and sampling "
-                 "settings): %s", run_id, domain, what, shared["domain"],
-                 "passed" if row["passed"] else "FAILED")
-        return {"domain": domain, "validation": "passed" if row["passed"] else "failed",
-                "shared_from": shared["domain"], "failures": row["details"]["failures"], "key": key,
-                "seconds": 0.0}
+        return _store_shared(engine, test, shared)
+    return _run_sampling_test(engine, target, requests, test, settings, check_kwargs)
 
-    started = time.perf_counter()
-    request_id, context = validation_context(target, requests)
-    stem = run_id if settings.validation.seed is None else f"seed-{settings.validation.seed}"
-    seed = int.from_bytes(hashlib.sha256(f"{stem}/{domain}".encode()).digest()[:4], "big") % (2 ** 31)
-    report = sampling_check(target, drafter, context, ks=tuple(ks), samplings=tuple(samplings),
-                            rows=settings.validation.rows, alpha=settings.validation.alpha, seed=seed,
-                            chunk=settings.validation.rows, **(check_kwargs or {}))
-    seconds = time.perf_counter() - started
-    failures = [{"domain": domain, "k": t.k, "sampling": t.sampling, "position": t.position,
-                 "statistic": t.statistic, "p_value": t.p_value, "threshold": t.threshold}
-                for t in report.failures]
-    worst = min(report.tests, key=lambda t: t.p_value)
-    row = {"domain": domain, "drafter": config["drafter"], "k": k, "request_id": request_id,
-           "passed": report.passed, "statistic": worst.statistic if worst.statistic != float("inf") else 1e308,
-           "p_value": worst.p_value,
-           "details": {"shared_from": None, "key": key, "ks": ks, "samplings": key["samplings"],
-                       "context_tokens": len(context), "seconds": seconds, "failures": failures,
-                       "report": report.to_dict()}}
+
+@dataclass
+class _FingerprintCheck:
+    """The run's fingerprint check: its verdict, why it failed, the last run that measured the
+    same weights, and the validations row to store."""
+    passed: bool
+    reasons: list[str]
+    previous_run: str | None
+    row: dict
+
+
+def _read_run(engine, run_id: str, fid: str):
+    """(the newest fingerprint row of another run that measured the same weights or None, the
+    run's domain_configs rows by domain)."""
+    with engine.connect() as connection:
+        previous = connection.execute(
+            select(Validation.run_id, Validation.details)
+            .join(EvalRun, EvalRun.run_id == Validation.run_id)
+            .where((Validation.check_name == "fingerprint") & (Validation.run_id != run_id)
+                   & (EvalRun.target_fingerprint == fid))
+            .order_by(Validation.created_at.desc()).limit(1)).first()
+        configs = {row["domain"]: dict(row) for row in connection.execute(
+            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
+    return previous, configs
+
+
+def _fingerprint_check(fingerprint: dict, fid: str, target_id: str, previous, requests_by_domain: dict,
+                       excluded: dict | None) -> _FingerprintCheck:
+    """Canary log-probabilities against the last run of the same weights, and the sample holds
+    traffic of this target."""
+    comparison = None
+    passed = True
+    reasons = []
+    if previous is not None and previous.details and "fingerprint" in previous.details:
+        comparison = compare_fingerprints(previous.details["fingerprint"], fingerprint)
+        if not comparison["same_model"]:
+            passed = False
+            reasons.append(f"same weights as run {previous.run_id} but canary log-probabilities differ "
+                           f"by {comparison['canary_max_abs_diff']:.3g} > {comparison['tolerance']}")
+    usable = sum(len(items) for items in requests_by_domain.values())
+    if usable == 0:
+        passed = False
+        reasons.append("no sampled request was answered by this target "
+                       f"({len((excluded or {}).get('other_fingerprint', []))} from other fingerprints)")
+    previous_run = previous.run_id if previous else None
+    row = {"domain": None, "drafter": None, "k": None, "request_id": None,
+           "passed": passed, "statistic": comparison["canary_max_abs_diff"] if comparison else None,
+           "p_value": None,
+           "details": {"fingerprint": fingerprint, "id": fid, "target": target_id,
+                       "previous_run": previous_run,
+                       "comparison": comparison, "reasons": reasons,
+                       "excluded_other_fingerprint": len((excluded or {}).get("other_fingerprint", []))}}
+    return _FingerprintCheck(passed, reasons, previous_run, row)
+
+
+def _greedy_check_domain(run_id: str, domain: str, config: dict, target, drafter, requests: list,
+                         pad: int, settings: Settings) -> dict:
+    """Greedy check of one enabled domain on its first requests (left-padded); its validations row."""
+    device = next(target.parameters()).device
+    subset = requests[: settings.validation.greedy_check_requests]
+    width = max(len(r.prompt_ids) for r in subset)
+    ids = torch.full((len(subset), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, request in enumerate(subset):
+        ids[i, width - len(request.prompt_ids):] = torch.tensor(list(request.prompt_ids))
+        mask[i, width - len(request.prompt_ids):] = 1
+    report = greedy_check(target, drafter, int(config["k"]), ids.to(device),
+                          mask.to(device), max_new_tokens=settings.validation.greedy_check_tokens)
+    divergences = [dict(d.__dict__, request_id=subset[d.row].request_id) for d in report.divergences]
+    failed = [d for d in divergences if not d["acceptable"]]
+    if failed:
+        log.error("run %s, domain %s: greedy output differs from plain decoding at request %s step "
+                  "%d (margin %.3g)", run_id, domain, failed[0]["request_id"], failed[0]["step"],
+                  failed[0]["margin"])
+    return {"domain": domain, "drafter": config["drafter"], "k": config["k"],
+            "request_id": failed[0]["request_id"] if failed else None,
+            "passed": report.passed, "statistic": None, "p_value": None,
+            "details": {"rows": report.rows, "tokens": report.tokens,
+                        "exact_rows": report.exact_rows, "divergences": divergences}}
+
+
+def _greedy_checks(run_id: str, configs: dict, target, tokenizer, drafters: dict,
+                   drafters_by_domain: dict | None, requests_by_domain: dict,
+                   settings: Settings) -> list[dict]:
+    """The greedy check of every enabled domain with requests, by domain: its validations rows."""
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    rows = []
+    for domain, config in sorted(configs.items()):
+        if not config["enabled"] or not requests_by_domain.get(domain):
+            continue
+        candidates = (drafters_by_domain or {}).get(domain, drafters)
+        rows.append(_greedy_check_domain(run_id, domain, config, target, candidates[config["drafter"]][1],
+                                         requests_by_domain[domain], pad, settings))
+    return rows
+
+
+def _store_verdicts(engine, run_id: str, configs: dict, fingerprint: _FingerprintCheck,
+                    greedy_rows: list[dict], target_id: str, fid: str, vllm_gates: bool) -> dict:
+    """One transaction: the fingerprint and greedy rows, each domain's verdict and promotability,
+    and the run's target. Output: {domain: verdict}."""
+    greedy = {row["domain"]: row["passed"] for row in greedy_rows}
     with engine.begin() as connection:
-        _replace(connection, run_id, "sampling", domain, [row])
-    log.info("run %s, domain %s: sampling test of %s from request %s (%d context tokens): %s; %d "
-             "G-tests of %d rows, smallest p %.3g (threshold %.3g); %.1f s", run_id, domain, what,
-             request_id, len(context), "passed" if report.passed else "FAILED", len(report.tests),
-             settings.validation.rows, worst.p_value, worst.threshold, seconds)
-    if failures:
-        first = failures[0]
-        log.error("run %s, domain %s: sampling test FAILED at K=%d %s position %d: G=%.1f, p=%.2g < %.2g",
-                  run_id, domain, first["k"], first["sampling"], first["position"], first["statistic"],
-                  first["p_value"], first["threshold"])
-    return {"domain": domain, "validation": "passed" if report.passed else "failed",
-            "shared_from": None, "failures": failures, "key": key, "seconds": seconds}
+        sampling = {row.domain: row.passed for row in connection.execute(
+            select(Validation.domain, Validation.passed).where(
+                (Validation.run_id == run_id) & (Validation.check_name == "sampling")))}
+        _replace(connection, run_id, "fingerprint", None, [fingerprint.row])
+        _replace(connection, run_id, "greedy", None, greedy_rows)
+        verdicts = {}
+        for domain, config in configs.items():
+            if not config["enabled"]:
+                verdict, promotable = "not_needed", fingerprint.passed
+            else:
+                # where the sampling test on vLLM gates (the engine check, after this step), the
+                # own-engine one is reported, not gated (our sampler is exact by construction)
+                own = True if vllm_gates else sampling.get(domain)
+                checks = [own, greedy.get(domain), fingerprint.passed]
+                verdict = "passed" if all(c is True for c in checks) else (
+                    "failed" if any(c is False for c in checks) else "incomplete")
+                promotable = verdict == "passed"
+            verdicts[domain] = verdict
+            connection.execute(update(DomainConfig).where(
+                (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))
+                .values(validation=verdict, promotable=promotable))
+        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id)
+                           .values(target_id=target_id, target_fingerprint=fid, updated_at=utcnow()))
+    return verdicts
 
 
 def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_domain: dict,
@@ -222,91 +390,12 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     fingerprint = fingerprint or target_fingerprint(target)
     fid = fingerprint_id(fingerprint)
-    with engine.connect() as connection:
-        previous = connection.execute(
-            select(Validation.run_id, Validation.details)
-            .join(EvalRun, EvalRun.run_id == Validation.run_id)
-            .where((Validation.check_name == "fingerprint") & (Validation.run_id != run_id)
-                   & (EvalRun.target_fingerprint == fid))
-            .order_by(Validation.created_at.desc()).limit(1)).first()
-        configs = {row["domain"]: dict(row) for row in connection.execute(
-            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
-    comparison = None
-    fp_passed = True
-    reasons = []
-    if previous is not None and previous.details and "fingerprint" in previous.details:
-        comparison = compare_fingerprints(previous.details["fingerprint"], fingerprint)
-        if not comparison["same_model"]:
-            fp_passed = False
-            reasons.append(f"same weights as run {previous.run_id} but canary log-probabilities differ "
-                           f"by {comparison['canary_max_abs_diff']:.3g} > {comparison['tolerance']}")
-    usable = sum(len(items) for items in requests_by_domain.values())
-    if usable == 0:
-        fp_passed = False
-        reasons.append("no sampled request was answered by this target "
-                       f"({len((excluded or {}).get('other_fingerprint', []))} from other fingerprints)")
-    fingerprint_row = {"domain": None, "drafter": None, "k": None, "request_id": None,
-                       "passed": fp_passed, "statistic": comparison["canary_max_abs_diff"] if comparison else None,
-                       "p_value": None,
-                       "details": {"fingerprint": fingerprint, "id": fid, "target": target_id,
-                                   "previous_run": previous.run_id if previous else None,
-                                   "comparison": comparison, "reasons": reasons,
-                                   "excluded_other_fingerprint": len((excluded or {}).get("other_fingerprint", []))}}
-
-    greedy_rows, greedy = [], {}
-    device = next(target.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    for domain, config in sorted(configs.items()):
-        if not config["enabled"] or not requests_by_domain.get(domain):
-            continue
-        subset = requests_by_domain[domain][: settings.validation.greedy_check_requests]
-        width = max(len(r.prompt_ids) for r in subset)
-        ids = torch.full((len(subset), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, request in enumerate(subset):
-            ids[i, width - len(request.prompt_ids):] = torch.tensor(list(request.prompt_ids))
-            mask[i, width - len(request.prompt_ids):] = 1
-        candidates = (drafters_by_domain or {}).get(domain, drafters)
-        report = greedy_check(target, candidates[config["drafter"]][1], int(config["k"]), ids.to(device),
-                              mask.to(device), max_new_tokens=settings.validation.greedy_check_tokens)
-        divergences = [dict(d.__dict__, request_id=subset[d.row].request_id) for d in report.divergences]
-        failed = [d for d in divergences if not d["acceptable"]]
-        greedy[domain] = report.passed
-        greedy_rows.append({"domain": domain, "drafter": config["drafter"], "k": config["k"],
-                            "request_id": failed[0]["request_id"] if failed else None,
-                            "passed": report.passed, "statistic": None, "p_value": None,
-                            "details": {"rows": report.rows, "tokens": report.tokens,
-                                        "exact_rows": report.exact_rows, "divergences": divergences}})
-        if failed:
-            log.error("run %s, domain %s: greedy output differs from plain decoding at request %s step "
-                      "%d (margin %.3g)", run_id, domain, failed[0]["request_id"], failed[0]["step"],
-                      failed[0]["margin"])
-
+    previous, configs = _read_run(engine, run_id, fid)
+    checked = _fingerprint_check(fingerprint, fid, target_id, previous, requests_by_domain, excluded)
+    greedy_rows = _greedy_checks(run_id, configs, target, tokenizer, drafters, drafters_by_domain,
+                                 requests_by_domain, settings)
     vllm_gates = engine_sampling_gates(settings)
-    with engine.begin() as connection:
-        sampling = {row.domain: row.passed for row in connection.execute(
-            select(Validation.domain, Validation.passed).where(
-                (Validation.run_id == run_id) & (Validation.check_name == "sampling")))}
-        _replace(connection, run_id, "fingerprint", None, [fingerprint_row])
-        _replace(connection, run_id, "greedy", None, greedy_rows)
-        verdicts = {}
-        for domain, config in configs.items():
-            if not config["enabled"]:
-                verdict, promotable = "not_needed", fp_passed
-            else:
-                # where the sampling test on vLLM gates (the engine check, after this step), the
-                # own-engine one is reported, not gated (our sampler is exact by construction)
-                own = True if vllm_gates else sampling.get(domain)
-                checks = [own, greedy.get(domain), fp_passed]
-                verdict = "passed" if all(c is True for c in checks) else (
-                    "failed" if any(c is False for c in checks) else "incomplete")
-                promotable = verdict == "passed"
-            verdicts[domain] = verdict
-            connection.execute(update(DomainConfig).where(
-                (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))
-                .values(validation=verdict, promotable=promotable))
-        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id)
-                           .values(target_id=target_id, target_fingerprint=fid, updated_at=utcnow()))
-    return {"fingerprint": {"id": fid, "passed": fp_passed, "reasons": reasons,
-                            "previous_run": previous.run_id if previous else None},
-            "greedy": greedy, "domains": verdicts}
+    verdicts = _store_verdicts(engine, run_id, configs, checked, greedy_rows, target_id, fid, vllm_gates)
+    return {"fingerprint": {"id": fid, "passed": checked.passed, "reasons": checked.reasons,
+                            "previous_run": checked.previous_run},
+            "greedy": {row["domain"]: row["passed"] for row in greedy_rows}, "domains": verdicts}
