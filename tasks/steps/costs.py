@@ -471,12 +471,47 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     start = time.perf_counter()
     with timing_lock():
         sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile.context_len)
-        table, reasons, earlier, passes = measure_until_consistent(
+        measured = ProfileMeasurement(*measure_until_consistent(
             sampler, lambda: checked_table(sampler, settings, hardware["name"], run_id),
             settings.profile.repeats,
             most=settings.profile.repeats * (settings.profile.attempts if settings.profile.checks else 1),
-            progress=progress, label=f"profile {hardware['name']}", run_id=run_id)
-    attempt = len(earlier) + 1
+            progress=progress, label=f"profile {hardware['name']}", run_id=run_id))
+    table, passes, attempt = measured.table, measured.passes, measured.attempt
+    _mark_checked(measured, settings, run_id, hardware["name"])
+    key["measured_at"] = utcnow()
+    store_costs(engine, run_id, hardware, table, key)
+    elapsed = time.perf_counter() - start
+    log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d passes, %d check%s, %s)", run_id,
+             hardware["name"], batch_sizes, elapsed, passes, attempt, "s" if attempt > 1 else "",
+             table.check["status"])
+    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
+            "check": {name: table.check[name] for name in ("status", "reasons", "attempts", "max_spread")},
+            "seconds": elapsed, "key": _plain_key(key),
+            "profile": profile_provenance(run_id, key["measured_at"], None)}
+
+
+@dataclass
+class ProfileMeasurement:
+    """What measure_until_consistent returns: the last table, what its check found wrong, the
+    earlier checks' findings and the passes timed in all."""
+    table: CostTable
+    reasons: list[str]
+    earlier: list
+    passes: int
+
+    @property
+    def attempt(self) -> int:
+        """Checks made: the earlier ones and the last."""
+        return len(self.earlier) + 1
+
+
+def _mark_checked(measured: ProfileMeasurement, settings: Settings, run_id: str,
+                  hardware_name: str) -> None:
+    """The measured table's check: "unchecked" with what a check would have flagged where
+    profile_checks is off (measured once, trusted as it is), else "noisy" with the reasons (and a
+    warning saying what to do) or "ok"."""
+    table, reasons, attempt = measured.table, measured.reasons, measured.attempt
+    passes, earlier = measured.passes, measured.earlier
     if not settings.profile.checks:     # measured once, trusted as it is: say what a check saw
         table.check = {"status": "unchecked", "reasons": [], "attempts": attempt,
                        "max_spread": max(table.spread.values(), default=0.0),
@@ -496,18 +531,8 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     if reasons:
         log.warning("run %s: cost profile %s marked noisy after %d checks: %s. No domain turns "
                     "on from it that the champion has off; measure on a quiet machine or plan with a "
-                    "stored profile (`--hardware-profile NAME`)", run_id, hardware["name"], attempt,
+                    "stored profile (`--hardware-profile NAME`)", run_id, hardware_name, attempt,
                     "; ".join(reasons))
-    key["measured_at"] = utcnow()
-    store_costs(engine, run_id, hardware, table, key)
-    elapsed = time.perf_counter() - start
-    log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d passes, %d check%s, %s)", run_id,
-             hardware["name"], batch_sizes, elapsed, passes, attempt, "s" if attempt > 1 else "",
-             table.check["status"])
-    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
-            "check": {name: table.check[name] for name in ("status", "reasons", "attempts", "max_spread")},
-            "seconds": elapsed, "key": _plain_key(key),
-            "profile": profile_provenance(run_id, key["measured_at"], None)}
 
 
 def checked_table(sampler, settings: Settings, hardware_profile: str = "",

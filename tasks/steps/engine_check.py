@@ -43,6 +43,7 @@ import json
 import logging
 import re
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from sqlalchemy import delete, insert, select, update
@@ -243,6 +244,47 @@ def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None
     return out
 
 
+@dataclass
+class EngineRun:
+    """One engine of the check: its name (spec-N or plain), the vLLM config it serves (None: plain
+    decoding) and the domains whose requests it replays."""
+    name: str
+    spec: dict | None
+    domains: list[str]
+
+
+@dataclass
+class CheckPlan:
+    """What the check serves: the domains turned on (their domain_configs rows), the requests
+    picked per domain, the engines in order, and the rows already decided (no vLLM config)."""
+    on: dict[str, dict]
+    picked: dict[str, list]
+    engines: list[EngineRun]
+    rows: dict[str, dict]
+
+
+@dataclass
+class Served:
+    """One engine's replay: its record (the output's engines entry), the probe's answer, why the
+    engine failed as a whole (None: it served) and how many history requests it served first."""
+    record: dict
+    answer: dict
+    reason: str | None
+    history: int
+
+
+@dataclass
+class CheckContext:
+    """What every phase of one run's check reads."""
+    run_id: str
+    url: str
+    engine: object
+    model_dir: object
+    target_model: object
+    requests_by_domain: dict
+    settings: Settings
+
+
 def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dict,
                  requests_by_domain: dict, db_url: str | None = None,
                  settings: Settings | None = None) -> dict:
@@ -262,6 +304,33 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         log.warning("run %s: %s", run_id, line)
         own_sampling_gates(engine, run_id)
         return {"skipped": line, "domains": {}, "engines": [], "sampling": {}}
+    context = CheckContext(run_id, url, engine, model_dir, target_model, requests_by_domain, settings)
+    on, confirmed = _enabled_domains(engine, run_id)
+    exported = served_export(run_id, url, target, model_dir)
+    plan = _plan_check(on, confirmed, exported, requests_by_domain, settings)
+    rows = plan.rows
+    engines, answers = [], {}
+    profiles: dict[str, CostTable | None] = {}      # the serving engine's cost profile, by version
+    directory = log_dir(run_id)
+    for run in plan.engines:
+        served = _replay(context, run, plan.picked, directory)
+        engines.append(served.record)
+        answers[run.name] = served.answer
+        if run.spec is not None:
+            rows.update(_engine_rows(context, run, served, plan, drafters_by_domain, profiles))
+    plain = answers.get("plain") or {}
+    _add_plain_figures(rows, plan.picked, plain)
+    if planned_on_vllm(engine, run_id):
+        _live_checks(context, plan, rows, answers, plain)
+    sampling = _sampling_test(context, plan, rows, exported)
+    _store(engine, run_id, on, rows, settings)
+    _log_outcome(run_id, rows, engines)
+    return {"skipped": None, "domains": rows, "engines": engines, "sampling": sampling}
+
+
+def _enabled_domains(engine, run_id: str) -> tuple[dict[str, dict], dict[str, list[str]]]:
+    """The run's domains turned on with a drafter (their domain_configs rows), and per domain the
+    request ids its confirm step measured."""
     with engine.connect() as connection:
         on = {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok")
@@ -269,7 +338,14 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         confirmed = {row.domain: [r["request_id"] for r in row.per_request or []] for row in
                      connection.execute(select(LiveMeasurement.domain, LiveMeasurement.per_request)
                                         .where(LiveMeasurement.run_id == run_id))}
-    exported = served_export(run_id, url, target, model_dir)
+    return on, confirmed
+
+
+def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: dict,
+                settings: Settings) -> CheckPlan:
+    """The requests each domain replays and the engines serving them: one per distinct vLLM config
+    (domains sharing one share it), then the plain engine; a domain without a vLLM config gets
+    its row here (unsupported, not gated)."""
     rows: dict[str, dict] = {}
     groups: dict[str, dict] = {}
     picked: dict[str, list] = {}
@@ -284,81 +360,104 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                                        settings.engine.check_requests, settings.live.max_new_tokens)
         group = groups.setdefault(json.dumps(spec, sort_keys=True), {"spec": spec, "domains": []})
         group["domains"].append(domain)
-    engines = []
-    answers: dict[str, dict] = {}
-    profiles: dict[str, CostTable | None] = {}      # the serving engine's cost profile, by version
-    directory = log_dir(run_id)
-    plan = [(f"spec-{n}", g["spec"], g["domains"]) for n, g in enumerate(groups.values())]
+    engines = [EngineRun(f"spec-{n}", g["spec"], g["domains"]) for n, g in enumerate(groups.values())]
     if picked:
-        plan.append(("plain", None, sorted(picked)))
-    for name, spec, domains in plan:
-        items = [_item(r, i) for d in domains for i, r in enumerate(picked[d])]
-        history = []
-        if spec is not None and spec["method"] == "suffix" and settings.engine.check_history:
-            for d in domains:
-                replayed = {r.request_id for r in picked[d]}
-                history += [_item(r, i) for i, r in enumerate(
-                    [r for r in requests_by_domain.get(d, []) if r.request_id not in replayed]
-                    [:settings.engine.check_history])]
-        what = f"run {run_id}, domains {', '.join(domains)} ({name} engine)"
-        log.info("%s: starting vLLM with %s; %d requests%s", what,
-                 json.dumps(spec) if spec else "no speculation", len(items),
-                 f" after {len(history)} of history" if history else "")
-        began = time.perf_counter()
-        log_name = "plain" if spec is None else "spec-" + "+".join(domains)[:100]
-        record = {"engine": name, "domains": domains, "speculative_config": spec,
-                  "log": str(directory / f"{log_name}.log"), "start_s": None, "status": "ok"}
-        try:
-            served = local_spec(spec)
-        except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
-            answer = {"failed": ("unresolved", f"the drafter's checkpoint {spec['model']} could not "
-                                               f"be fetched for the engine: {type(exc).__name__}: {exc}")}
-        else:
-            answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
-                            {"model": str(model_dir), "speculative_config": served, "requests": items,
-                             "history": history, "dtype": _dtype(target_model),
-                             # the history is served batched; the replay one request at a time
-                             "max_num_seqs": max(1, min(len(history), HISTORY_BATCH))})
-        record["seconds"] = round(time.perf_counter() - began, 1)
-        record["start_s"] = answer.get("start_s")
-        record["starts"] = answer.get("starts")
-        record["mends"] = answer.get("mends") or []
-        for mend in record["mends"]:
-            log.info("%s: %s", what, mend)
-        if answer.get("failed"):
-            record["status"], reason = answer["failed"]
-        elif answer.get("refused"):
-            record["status"], reason = "refused", f"vLLM refused the config: {answer['refused']}"
-        else:
-            reason = None
-            if answer["died"]:
-                record["status"] = f"died on {len(answer['died'])} requests (started again)"
-        log.info("%s: %s in %.0f s (engine start %s)", what, record["status"], record["seconds"],
-                 "-" if record["start_s"] is None else f"{record['start_s']:.1f} s")
-        engines.append(record)
-        answers[name] = answer
-        if spec is None:
+        engines.append(EngineRun("plain", None, sorted(picked)))
+    return CheckPlan(on, picked, engines, rows)
+
+
+def _history_items(run: EngineRun, picked: dict, requests_by_domain: dict,
+                   settings: Settings) -> list[dict]:
+    """The requests a suffix engine serves before the replay (its tree grows from them): per
+    domain, up to engine_check_history of the sample's requests not replayed."""
+    history = []
+    if run.spec is not None and run.spec["method"] == "suffix" and settings.engine.check_history:
+        for d in run.domains:
+            replayed = {r.request_id for r in picked[d]}
+            history += [_item(r, i) for i, r in enumerate(
+                [r for r in requests_by_domain.get(d, []) if r.request_id not in replayed]
+                [:settings.engine.check_history])]
+    return history
+
+
+def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> Served:
+    """Start one engine and replay its domains' picked requests (after its history); the record
+    says how it went (ok, refused, unresolved, timeout, died) and how long it took."""
+    settings, spec, domains = context.settings, run.spec, run.domains
+    items = [_item(r, i) for d in domains for i, r in enumerate(picked[d])]
+    history = _history_items(run, picked, context.requests_by_domain, settings)
+    what = f"run {context.run_id}, domains {', '.join(domains)} ({run.name} engine)"
+    log.info("%s: starting vLLM with %s; %d requests%s", what,
+             json.dumps(spec) if spec else "no speculation", len(items),
+             f" after {len(history)} of history" if history else "")
+    began = time.perf_counter()
+    log_name = "plain" if spec is None else "spec-" + "+".join(domains)[:100]
+    record = {"engine": run.name, "domains": domains, "speculative_config": spec,
+              "log": str(directory / f"{log_name}.log"), "start_s": None, "status": "ok"}
+    try:
+        served = local_spec(spec)
+    except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
+        answer = {"failed": ("unresolved", f"the drafter's checkpoint {spec['model']} could not "
+                                           f"be fetched for the engine: {type(exc).__name__}: {exc}")}
+    else:
+        answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
+                        {"model": str(context.model_dir), "speculative_config": served, "requests": items,
+                         "history": history, "dtype": _dtype(context.target_model),
+                         # the history is served batched; the replay one request at a time
+                         "max_num_seqs": max(1, min(len(history), HISTORY_BATCH))})
+    record["seconds"] = round(time.perf_counter() - began, 1)
+    record["start_s"] = answer.get("start_s")
+    record["starts"] = answer.get("starts")
+    record["mends"] = answer.get("mends") or []
+    for mend in record["mends"]:
+        log.info("%s: %s", what, mend)
+    if answer.get("failed"):
+        record["status"], reason = answer["failed"]
+    elif answer.get("refused"):
+        record["status"], reason = "refused", f"vLLM refused the config: {answer['refused']}"
+    else:
+        reason = None
+        if answer["died"]:
+            record["status"] = f"died on {len(answer['died'])} requests (started again)"
+    log.info("%s: %s in %.0f s (engine start %s)", what, record["status"], record["seconds"],
+             "-" if record["start_s"] is None else f"{record['start_s']:.1f} s")
+    return Served(record, answer, reason, len(history))
+
+
+def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: CheckPlan,
+                 drafters_by_domain: dict, profiles: dict) -> dict[str, dict]:
+    """The rows of the domains one speculative engine served: failed as a whole where the engine
+    did (its reason), else each domain's comparison with the estimate (_domain_row). profiles:
+    the serving engine's cost profiles by version, filled as versions are met."""
+    answer, record, reason = served.answer, served.record, served.reason
+    rows = {}
+    for domain in run.domains:
+        if answer.get("vllm") and answer["vllm"] not in profiles:
+            profiles[answer["vllm"]] = engine_profile(context.url, answer["vllm"],
+                                                      context.settings.engine.profile)
+        costs = profiles.get(answer.get("vllm"))
+        base = {"speculative_config": run.spec, "log_path": record["log"],
+                "engine_version": answer.get("vllm"), "start_s": record["start_s"],
+                "counters": answer.get("counters"),
+                "engine_profile": None if costs is None else costs.hardware_profile}
+        if reason is not None:
+            rows[domain] = {**base, "status": record["status"], "passed": False,
+                            "reason": f"engine check: {reason}"[:2000]}
             continue
-        for domain in domains:
-            if answer.get("vllm") and answer["vllm"] not in profiles:
-                profiles[answer["vllm"]] = engine_profile(url, answer["vllm"], settings.engine.profile)
-            costs = profiles.get(answer.get("vllm"))
-            base = {"speculative_config": spec, "log_path": record["log"],
-                    "engine_version": answer.get("vllm"), "start_s": record["start_s"],
-                    "counters": answer.get("counters"),
-                    "engine_profile": None if costs is None else costs.hardware_profile}
-            if reason is not None:
-                rows[domain] = {**base, "status": record["status"], "passed": False,
-                                "reason": f"engine check: {reason}"[:2000]}
-                continue
-            drafter = drafters_by_domain[domain][on[domain]["drafter"]][1]
-            rows[domain] = {**base, **_domain_row(picked[domain], answer, spec, drafter, target_model,
-                                                  len(history), record["log"], settings, on[domain],
-                                                  costs)}
-            if record["mends"]:
-                rows[domain]["reason"] = (f"{rows[domain]['reason']} (served with {len(record['mends'])} "
-                                          "mend of vLLM's CPU build, named in the task log)")[:2000]
-    plain = answers.get("plain") or {}
+        on = plan.on[domain]
+        drafter = drafters_by_domain[domain][on["drafter"]][1]
+        rows[domain] = {**base, **_domain_row(plan.picked[domain], answer, run.spec, drafter,
+                                              context.target_model, served.history, record["log"],
+                                              context.settings, on, costs)}
+        if record["mends"]:
+            rows[domain]["reason"] = (f"{rows[domain]['reason']} (served with {len(record['mends'])} "
+                                      "mend of vLLM's CPU build, named in the task log)")[:2000]
+    return rows
+
+
+def _add_plain_figures(rows: dict, picked: dict, plain: dict) -> None:
+    """The plain engine's tokens/s on each domain's replayed requests, beside the config's, and
+    the decode-phase speedup between them (for information)."""
     for domain in picked:
         if domain in rows and plain.get("requests"):
             replayed = [plain["requests"][r.request_id] for r in picked[domain]
@@ -369,36 +468,56 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             spec_decode = rows[domain].get("spec_decode_tokens_per_s")
             rows[domain]["measured_speedup"] = (spec_decode / plain_decode
                                                 if spec_decode and plain_decode else None)
-    if planned_on_vllm(engine, run_id):
-        # the run planned on vLLM's costs: the live check is vLLM's speedup on these requests
-        engine_of = {d: name for name, _, domains in plan if name != "plain" for d in domains}
-        for domain in picked:
-            row = rows.get(domain)
-            if row is None or row.get("passed") is False or domain not in engine_of:
-                continue
-            live = vllm_live_check(domain, on[domain], picked[domain],
-                                   answers.get(engine_of[domain]) or {}, plain, row, settings)
-            if live is not None:
-                _store_live(engine, run_id, domain, on[domain], live, row, settings)
-                row["live_check"] = live["verdict"]
-                if live["verdict"]["verdict"] == "veto":
-                    row.update(status="below", passed=False,
-                               reason=f"engine check: {live['verdict']['reason']}; "
-                                      f"{row['reason'].removeprefix('engine check: ')}"[:2000])
+
+
+def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict, answers: dict,
+                 plain: dict) -> None:
+    """The run planned on vLLM's costs: the live check is vLLM's speedup on these requests, stored
+    as the run's live measurement; a veto fails the domain's row."""
+    engine_of = {d: run.name for run in plan.engines if run.name != "plain" for d in run.domains}
+    for domain in plan.picked:
+        row = rows.get(domain)
+        if row is None or row.get("passed") is False or domain not in engine_of:
+            continue
+        live = vllm_live_check(domain, plan.on[domain], plan.picked[domain],
+                               answers.get(engine_of[domain]) or {}, plain, row, context.settings)
+        if live is not None:
+            _store_live(context.engine, context.run_id, domain, plan.on[domain], live, row,
+                        context.settings)
+            row["live_check"] = live["verdict"]
+            if live["verdict"]["verdict"] == "veto":
+                row.update(status="below", passed=False,
+                           reason=f"engine check: {live['verdict']['reason']}; "
+                                  f"{row['reason'].removeprefix('engine check: ')}"[:2000])
+
+
+def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported: dict) -> dict:
+    """With engine_sampling on, the sampling test on vLLM's OpenAI server for every domain the
+    replay passed; a domain that fails it is turned off ("lossy", or "died" on an error).
+    Output: {domain: EngineSamplingResult.to_dict()}."""
     sampling = {}
-    if settings.engine.sampling:
-        tested = {d: exported["speculative_config"][d] for d in picked if rows.get(d, {}).get("passed") is not False}
-        if tested:
-            with ServerPool(run_id, model_dir, dtype=_dtype(target_model), settings=settings) as pool:
-                results = validate_on_engine(run_id, engine, pool, target_model, tested,
-                                             requests_by_domain, on, settings)
-            for domain, result in results.items():
-                sampling[domain] = result.to_dict()
-                if not result.passed:
-                    rows[domain].update(status="lossy" if result.status != "error" else "died",
-                                        passed=False,
-                                        reason=f"engine check: {result.reason}; {rows[domain]['reason']}"[:2000])
-    _store(engine, run_id, on, rows, settings)
+    if not context.settings.engine.sampling:
+        return sampling
+    tested = {d: exported["speculative_config"][d] for d in plan.picked
+              if rows.get(d, {}).get("passed") is not False}
+    if not tested:
+        return sampling
+    with ServerPool(context.run_id, context.model_dir, dtype=_dtype(context.target_model),
+                    settings=context.settings) as pool:
+        results = validate_on_engine(context.run_id, context.engine, pool, context.target_model,
+                                     tested, context.requests_by_domain, plan.on, context.settings)
+    for domain, result in results.items():
+        sampling[domain] = result.to_dict()
+        if not result.passed:
+            rows[domain].update(status="lossy" if result.status != "error" else "died",
+                                passed=False,
+                                reason=f"engine check: {result.reason}; {rows[domain]['reason']}"[:2000])
+    return sampling
+
+
+def _log_outcome(run_id: str, rows: dict, engines: list[dict]) -> None:
+    """The task log's account of the check: mends of vLLM's CPU build, greedy requests whose
+    counts differ from the estimate's, and each domain's verdict."""
     mends = sorted({m for record in engines for m in record.get("mends") or []})
     if mends:
         log.warning("run %s: vLLM's CPU sampler was mended in %d engine(s) before serving: %s", run_id,
@@ -414,7 +533,6 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
                           item["estimate_accepted"], item["estimate_steps"])
         (log.warning if row.get("passed") is False else log.info)("run %s, domain %s: %s", run_id,
                                                                    domain, row["reason"])
-    return {"skipped": None, "domains": rows, "engines": engines, "sampling": sampling}
 
 
 def planned_on_vllm(engine, run_id: str) -> bool:

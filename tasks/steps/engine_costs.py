@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,25 @@ def _per_step(timings: list[dict], batch_size: int, key: str, sampling: str = "g
     return sum(t[key] for t in rows) / max(sum(t["steps"] * batch_size for t in rows), 1)
 
 
+@dataclass
+class VllmProfilePlan:
+    """What profile_vllm times: the served model, the batch sizes and Ks, the engines in order
+    ((label, vLLM config or None, candidate spec or None)), which of them also time sampled
+    requests and at which batch sizes, the prompt lookup labels (draft step 0) and the probe's
+    request shared by every engine."""
+    model_dir: object
+    dtype: str
+    context: int
+    sizes: list[int]
+    ks: list[int]
+    sampled_ks: list[int]
+    sampled_sizes: list[int]
+    sampled: set[str]
+    runs: list[tuple]
+    lookups: set[str]
+    base: dict
+
+
 def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                  db_url: str | None = None, name: str | None = None,
                  settings: Settings | None = None, k_max: int | None = None, batch_sizes=None,
@@ -125,6 +145,30 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     ks = sorted({k for k in (ks or [2 ** i for i in range(k_max.bit_length())]) if 1 <= k <= k_max}
                 | {1, k_max})
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    plan = _plan_vllm_profile(run_id, target, candidates, settings, k_max, sizes, ks, draft_k,
+                              max_tokens)
+    started = time.perf_counter()
+    answers, engines = _time_engines(run_id, plan, settings, progress)
+    table, hardware, version = _vllm_table(run_id, plan, answers, engines, settings, k_max, draft_k,
+                                           max_tokens, name)
+    # its key (tasks.steps.costs.profile_key): vLLM's version, and the fingerprint written beside
+    # the served directory (None for a directory that is not one of ours: never reused)
+    store_costs(engine, run_id, hardware, table, profile_key(
+        hardware, "vllm", version, serving_env.served_fingerprint(plan.model_dir)))
+    elapsed = time.perf_counter() - started
+    log.info("profile %s: vLLM %s profiled at batch sizes %s in %.0f s (%s)", run_id, version, sizes,
+             elapsed, table.check["status"])
+    provenance = profile_provenance(run_id, utcnow(), None)
+    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
+            "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
+            "seconds": elapsed, "engines": engines, "profile": provenance}
+
+
+def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, settings: Settings,
+                       k_max: int, sizes: list[int], ks: list[int], draft_k: int,
+                       max_tokens: int) -> VllmProfilePlan:
+    """The served model, its prompts and the engines to time: plain, ngram at each K, and one per
+    candidate with a vLLM config (at draft_k); a candidate without one is left out with a warning."""
     serving_env.serving_python(settings)
     model_dir = serving_env.served_model_dir(target)
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -155,19 +199,28 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                         run_id, text)
             continue
         runs.append((candidate_label(spec), served, spec))
+    return VllmProfilePlan(model_dir, dtype, context, sizes, ks, sampled_ks, sampled_sizes, sampled,
+                           runs, lookups, base)
+
+
+def _time_engines(run_id: str, plan: VllmProfilePlan, settings: Settings,
+                  progress: bool) -> tuple[dict, list[dict]]:
+    """Start each planned engine in turn (under the timing lock) and collect its timings.
+    Output: (the probe's answer by label, [{config, speculative_config, start_s, seconds, mends,
+    timings}])."""
     directory = home_path("engine_profiles", run_id)
     answers, engines = {}, []
-    started = time.perf_counter()
-    with timing_lock(), tqdm(total=len(runs), disable=not progress, desc="vLLM engines") as bar:
-        for label, spec, _ in runs:
+    with timing_lock(), tqdm(total=len(plan.runs), disable=not progress, desc="vLLM engines") as bar:
+        for label, spec, _ in plan.runs:
             what = f"profile {run_id}: vLLM {label}"
             log.info("%s: starting (%s)", what, json.dumps(spec) if spec else "no speculation")
             began = time.perf_counter()
             try:
-                samplings = {"greedy": {}, **({"sampled": {**SAMPLED, "batch_sizes": sampled_sizes}}
-                                              if label in sampled else {})}
+                samplings = {"greedy": {}, **({"sampled": {**SAMPLED, "batch_sizes": plan.sampled_sizes}}
+                                              if label in plan.sampled else {})}
                 answer = serving_env.run_engine(
-                    dict(base, speculative_config=spec, samplings=samplings), directory / (_slug(label) + ".log"),
+                    dict(plan.base, speculative_config=spec, samplings=samplings),
+                    directory / (_slug(label) + ".log"),
                     settings.engine.check_timeout_s, what, settings, command="time-steps")
             except (EngineTimeout, ServingProbeError) as exc:
                 raise ServingProbeError(f"{exc}") from None
@@ -184,38 +237,38 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                          f"{b}: {1000 * _step_seconds(answer['timings'], b)[0]:.1f} ms/step, "
                          f"{_per_step(answer['timings'], b, 'drafted'):.2f} drafted and "
                          f"{_per_step(answer['timings'], b, 'accepted'):.2f} accepted per request-step"
-                         for b in sizes))
-    table, reasons = _table(answers, runs, ks, k_max, sizes, draft_k, run_id, settings)
-    for label in lookups:
+                         for b in plan.sizes))
+    return answers, engines
+
+
+def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list[dict],
+                settings: Settings, k_max: int, draft_k: int, max_tokens: int,
+                name: str | None) -> tuple[CostTable, dict, str]:
+    """The cost table of the engines' timings, its check and the hardware description naming
+    vLLM. Output: (table, hardware, vLLM's version)."""
+    sizes, ks = plan.sizes, plan.ks
+    table, reasons = _table(answers, plan.runs, ks, k_max, sizes, draft_k, run_id, settings)
+    for label in plan.lookups:
         table.draft_step[label] = {b: 0.0 for b in sizes}
     version = answers["plain"]["vllm"]
-    hardware = vllm_hardware(version, dtype, name)
+    hardware = vllm_hardware(version, plan.dtype, name)
     table.hardware_profile = hardware["name"]
     hardware = {**hardware, "details": {**hardware["details"], "engine": {
                     "name": "vllm", "version": version, "enforce_eager": True,
                     "mends": sorted({m for e in engines for m in e["mends"]}),
-                    "ngram_ks": ks, "sampled_ks": sampled_ks, "sampled_batch_sizes": sampled_sizes,
-                    "sampled": SAMPLED,
+                    "ngram_ks": ks, "sampled_ks": plan.sampled_ks,
+                    "sampled_batch_sizes": plan.sampled_sizes, "sampled": SAMPLED,
                     "draft_k": draft_k, "max_tokens": max_tokens,
-                    "context_len": context}}}
+                    "context_len": plan.context}}}
     table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": 1,
                    "max_spread": max(table.spread.values(), default=0.0),
                    "details": {"max_spread_allowed": settings.profile.max_spread,
                                "repeats": settings.profile.repeats, "engines": engines,
                                # the setting it was timed under (what reuse compares), and the
                                # context the prompts had (shorter where the model's is)
-                               "context_len": settings.profile.context_len, "timed_context": context}}
-    # its key (tasks.steps.costs.profile_key): vLLM's version, and the fingerprint written beside
-    # the served directory (None for a directory that is not one of ours: never reused)
-    store_costs(engine, run_id, hardware, table, profile_key(
-        hardware, "vllm", version, serving_env.served_fingerprint(model_dir)))
-    elapsed = time.perf_counter() - started
-    log.info("profile %s: vLLM %s profiled at batch sizes %s in %.0f s (%s)", run_id, version, sizes,
-             elapsed, table.check["status"])
-    provenance = profile_provenance(run_id, utcnow(), None)
-    return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
-            "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
-            "seconds": elapsed, "engines": engines, "profile": provenance}
+                               "context_len": settings.profile.context_len,
+                               "timed_context": plan.context}}
+    return table, hardware, version
 
 
 def plans_on_vllm(settings: Settings, target: str | None = None) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import logging
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import delete, insert, select
@@ -82,6 +83,13 @@ def resolve_window(engine: Engine, window, settings: Settings) -> tuple[datetime
     return start, end, 0
 
 
+@dataclass
+class Draw:
+    """A run's draw: per domain {"available", "sampled", "status"}, and the eval_samples rows."""
+    per_domain: dict[str, dict] = field(default_factory=dict)
+    sample_rows: list[dict] = field(default_factory=list)
+
+
 def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | None = None,
                    window=None, min_per_domain: int | None = None,
                    max_per_domain: int | None = None, model: str | None = None,
@@ -98,14 +106,7 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
     """
     check_identifier(run_id, "run id")      # the run's files under $SPECDEC_HOME are named by it
     settings = settings or load_settings()
-    min_rows = settings.sample.min_per_domain if min_per_domain is None else int(min_per_domain)
-    max_rows = settings.sample.max_per_domain if max_per_domain is None else int(max_per_domain)
-    if not 1 <= min_rows <= max_rows:
-        raise SampleError(f"min_per_domain {min_rows} / max_per_domain {max_rows}: need 1 <= min <= max")
-    if domains is not None:
-        unknown = sorted(set(domains) - set(settings.known_domains))
-        if unknown:
-            raise SampleError(f"domains {unknown} are not in the known set {list(settings.known_domains)}")
+    min_rows, max_rows = _sample_limits(settings, min_per_domain, max_per_domain, domains)
     engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
 
     start, end, future = resolve_window(engine, window, settings)
@@ -118,48 +119,77 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
         if domains is None:
             domains = sorted(connection.execute(
                 select(TrafficRequest.domain).where(in_window).distinct()).scalars())
-        per_domain: dict[str, dict] = {}
-        sample_rows: list[dict] = []
+        draw = Draw()
         for domain in sorted(set(domains)):
-            heap: list[tuple[bytes, str]] = []    # max-heap by key (negated): the smallest keys stay
-            available = 0
-            result = connection.execute(
-                select(TrafficRequest.id).where(in_window & (TrafficRequest.domain == domain))
-                .execution_options(yield_per=5000))
-            for request_id in result.scalars():
-                available += 1
-                key = bytes(255 - b for b in selection_key(run_id, request_id))
-                if len(heap) < max_rows:
-                    heapq.heappush(heap, (key, request_id))
-                elif key > heap[0][0]:
-                    heapq.heapreplace(heap, (key, request_id))
-            chosen = sorted(heap, reverse=True)   # ascending selection key
-            sample_rows += [{"run_id": run_id, "request_id": request_id, "domain": domain,
-                             "position": position}
-                            for position, (_, request_id) in enumerate(chosen)]
-            per_domain[domain] = {"available": available, "sampled": len(chosen),
-                                  "status": "ok" if len(chosen) >= min_rows else "insufficient"}
+            available, chosen = _draw_domain(connection, in_window, run_id, domain, max_rows)
+            draw.sample_rows += [{"run_id": run_id, "request_id": request_id, "domain": domain,
+                                  "position": position}
+                                 for position, request_id in enumerate(chosen)]
+            draw.per_domain[domain] = {"available": available, "sampled": len(chosen),
+                                       "status": "ok" if len(chosen) >= min_rows else "insufficient"}
+        _record_sample(connection, run_id, draw, start, end,
+                       {"domains": sorted(draw.per_domain), "min_per_domain": min_rows,
+                        "max_per_domain": max_rows, "model": model})
 
-        now = utcnow()
-        params = {"domains": sorted(per_domain), "min_per_domain": min_rows,
-                  "max_per_domain": max_rows, "model": model}
-        existing = connection.execute(select(EvalRun.run_id).where(EvalRun.run_id == run_id)).scalar()
-        values = {"updated_at": now, "status": "sampled", "window_start": start, "window_end": end,
-                  "params": params}
-        if existing is None:
-            connection.execute(insert(EvalRun).values(run_id=run_id, created_at=now, **values))
-        else:
-            connection.execute(EvalRun.__table__.update().where(EvalRun.run_id == run_id).values(**values))
-        connection.execute(delete(EvalSample).where(EvalSample.run_id == run_id))
-        connection.execute(delete(QualityResult).where((QualityResult.run_id == run_id)
-                                                       & (QualityResult.suite == SAMPLE_SUITE)))
-        if sample_rows:
-            connection.execute(insert(EvalSample), sample_rows)
-
+    per_domain = draw.per_domain
     insufficient = sorted(d for d, info in per_domain.items() if info["status"] == "insufficient")
     log.info("run %s: sampled %d requests over %d domains in [%s, %s]; insufficient: %s", run_id,
-             len(sample_rows), len(per_domain), start, end, insufficient or "none")
+             len(draw.sample_rows), len(per_domain), start, end, insufficient or "none")
     return {"run_id": run_id, "window": {"start": start.isoformat(), "end": end.isoformat(),
                                          "future_rows_ignored": future},
-            "domains": per_domain, "sampled": len(sample_rows), "insufficient": insufficient,
+            "domains": per_domain, "sampled": len(draw.sample_rows), "insufficient": insufficient,
             "min_per_domain": min_rows, "max_per_domain": max_rows}
+
+
+def _sample_limits(settings: Settings, min_per_domain: int | None, max_per_domain: int | None,
+                   domains: list[str] | None) -> tuple[int, int]:
+    """(min, max) requests per domain (the settings' where not given), checked, and the domains
+    asked for checked against the known set."""
+    min_rows = settings.sample.min_per_domain if min_per_domain is None else int(min_per_domain)
+    max_rows = settings.sample.max_per_domain if max_per_domain is None else int(max_per_domain)
+    if not 1 <= min_rows <= max_rows:
+        raise SampleError(f"min_per_domain {min_rows} / max_per_domain {max_rows}: need 1 <= min <= max")
+    if domains is not None:
+        unknown = sorted(set(domains) - set(settings.known_domains))
+        if unknown:
+            raise SampleError(f"domains {unknown} are not in the known set {list(settings.known_domains)}")
+    return min_rows, max_rows
+
+
+def _draw_domain(connection, in_window, run_id: str, domain: str,
+                 max_rows: int) -> tuple[int, list[str]]:
+    """One domain's draw: (requests available in the window, the max_rows request ids with the
+    smallest selection keys, in ascending key order), streamed through a bounded heap."""
+    heap: list[tuple[bytes, str]] = []    # max-heap by key (negated): the smallest keys stay
+    available = 0
+    result = connection.execute(
+        select(TrafficRequest.id).where(in_window & (TrafficRequest.domain == domain))
+        .execution_options(yield_per=5000))
+    for request_id in result.scalars():
+        available += 1
+        key = bytes(255 - b for b in selection_key(run_id, request_id))
+        if len(heap) < max_rows:
+            heapq.heappush(heap, (key, request_id))
+        elif key > heap[0][0]:
+            heapq.heapreplace(heap, (key, request_id))
+    chosen = sorted(heap, reverse=True)   # ascending selection key
+    return available, [request_id for _, request_id in chosen]
+
+
+def _record_sample(connection, run_id: str, draw: Draw, start: datetime, end: datetime,
+                   params: dict) -> None:
+    """In the draw's transaction: the run's eval_runs row written (created or updated), its
+    earlier sample and sample-quality results replaced by this draw."""
+    now = utcnow()
+    existing = connection.execute(select(EvalRun.run_id).where(EvalRun.run_id == run_id)).scalar()
+    values = {"updated_at": now, "status": "sampled", "window_start": start, "window_end": end,
+              "params": params}
+    if existing is None:
+        connection.execute(insert(EvalRun).values(run_id=run_id, created_at=now, **values))
+    else:
+        connection.execute(EvalRun.__table__.update().where(EvalRun.run_id == run_id).values(**values))
+    connection.execute(delete(EvalSample).where(EvalSample.run_id == run_id))
+    connection.execute(delete(QualityResult).where((QualityResult.run_id == run_id)
+                                                   & (QualityResult.suite == SAMPLE_SUITE)))
+    if draw.sample_rows:
+        connection.execute(insert(EvalSample), draw.sample_rows)
