@@ -346,8 +346,11 @@ def test_engine_check_measures_vllms_speedup_beside_the_profiles_prediction(engi
     assert row["measured_speedup"] == pytest.approx(row["spec_decode_tokens_per_s"]
                                                     / row["plain_decode_tokens_per_s"])
     assert row["predicted_speedup"] is not None and row["predicted_speedup"] > 0
-    # decode phase only: prefill left out, so it is faster than the end-to-end figure
-    assert row["plain_decode_tokens_per_s"] > row["plain_tokens_per_s"]
+    # decode phase only (vLLM's first token to its last, inside the client's wall time): it leaves
+    # the prefill and the first token out, so it is never under (n - 1) / n of the end-to-end
+    # rate -- at least half of it, every reply holding 2 tokens or more. (Which of the two is
+    # larger depends on how long the prefill took: a tiny model's is shorter than one token.)
+    assert row["plain_decode_tokens_per_s"] >= 0.5 * row["plain_tokens_per_s"]
     again = engine_run["again"]["domains"]["loops"]       # the re-run replaced the stored row
     with ensure_ready(engine_run["url"]).connect() as connection:
         stored = connection.execute(select(EngineCheck).where(EngineCheck.domain == "loops")).one()
