@@ -112,6 +112,7 @@ if [ "$SMOKE" = 1 ]; then
                   --k-max 2)
     DECODE_ARGS=(--smoke)
     PROFILE_NAME=random-smoke-cpu
+    GRID_TOKENS=${GRID_TOKENS:-16}
 else
     DEVICE=cuda
     SHAPE_ARGS=()
@@ -143,7 +144,8 @@ profile_measure() {
     rm -rf "$SPECDEC_HOME" "$model"
     python3 benchmarks/random_model.py "$model" ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} || return
     python3 -m tasks.cli db upgrade || return
-    python3 -m tasks.cli profile measure --model "$model" --device "$DEVICE" \
+    # -v: a line per compiled forward body (its batch, width and seconds), kept if cut by the limit
+    python3 -m tasks.cli -v profile measure --model "$model" --device "$DEVICE" \
         --name "$PROFILE_NAME" "${MEASURE_ARGS[@]}"
 }
 
@@ -161,8 +163,12 @@ before_breakdown() {
 }
 
 gpu_grid() {
+    # 256 new tokens: over 64 the controlled drafter's accept/reject stream strays from alpha
+    # (0.42-0.61 measured at alpha 0.5-0.7 on an H100), and the grid then misses the planner by the
+    # stream's noise, not the cost model's error
     python3 benchmarks/gpu_decode.py ${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"} --quick --engine-compile off \
-        --items 2,3 --out "$LOGS/gpu_grid.md" --json "$LOGS/gpu_grid.json"
+        --items 2,3 --max-new-tokens "${GRID_TOKENS:-256}" --out "$LOGS/gpu_grid.md" \
+        --json "$LOGS/gpu_grid.json"
 }
 
 gpu_decode() {

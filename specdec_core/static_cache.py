@@ -357,8 +357,12 @@ class ForwardRuns:
         started = time.perf_counter()
         logits = self.compiled(tokens, valid, logits_to_keep)
         if compiled_bodies() != before:
+            seconds = time.perf_counter() - started
             COMPILES["bodies"] += compiled_bodies() - before
-            COMPILES["seconds"] += time.perf_counter() - started
+            COMPILES["seconds"] += seconds
+            log.info("compiled %s's forward (batch %d, width %d) in %.1f s; %d bodies, %.1f s in all",
+                     type(self.cache.model).__name__, tokens.shape[0], tokens.shape[1], seconds,
+                     COMPILES["bodies"], COMPILES["seconds"])
         return logits
 
     def _replay(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
