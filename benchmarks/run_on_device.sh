@@ -132,7 +132,8 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "transformer
 PY
 
 fast_path_tests() {
-    python3 -m pytest -q -p no:cacheprovider --durations=15 tests/test_fast_path.py
+    # -v: each test's name and outcome as it ends (a run cut by its limit still says which failed)
+    python3 -m pytest -v -p no:cacheprovider --durations=15 tests/test_fast_path.py
 }
 
 profile_measure() {
