@@ -16,6 +16,16 @@ def url_arg(parser: argparse.ArgumentParser) -> None:
                              "sqlite:///$SPECDEC_HOME/specdec.db)")
 
 
+def open_store(args, settings=None):
+    """The command's Store: --url (else the settings', else the default), its database checked to
+    be migrated (tasks.db.store.Store.open): where a command resolves the database, once."""
+    # imported here: the CLI imports every command module at start-up; the database loads for
+    # the commands that use it
+    from ..db.store import Store
+
+    return Store.open(getattr(args, "url", None), settings)
+
+
 def tracking_uri_arg(parser: argparse.ArgumentParser) -> None:
     """--tracking-uri: the MLflow tracking store (and model registry)."""
     parser.add_argument("--tracking-uri", default=None,

@@ -50,7 +50,7 @@ DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name 
 __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS", "DRIFT_URI",
            "MONITOR_VARIABLE", "monitor_targets",
            "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "check_per_domain_range", "current_params",
-           "connection_database_url", "evaluate_spec", "is_outage", "queues", "setting_default",
+           "connection_database_url", "connection_store", "evaluate_spec", "is_outage", "queues", "setting_default",
            "task_errors"]
 
 
@@ -74,6 +74,15 @@ def connection_database_url() -> str | None:
         return BaseHook.get_connection(DATABASE_CONNECTION).get_uri()
     except AirflowNotFoundException:
         return None
+
+
+def connection_store():
+    """The Store of the Airflow connection `specdec_db` (tasks.db.store.Store.open; without the
+    connection, the default database): where a DAG task opens the database, once."""
+    # imported here: the database loads for the tasks that use it, not at DAG parse
+    from ..db.store import Store
+
+    return Store.open(connection_database_url())
 
 
 def _outage_here(exc: BaseException) -> bool:
