@@ -23,8 +23,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from ..db.engine import ensure_ready, resolve_database_url
+from ..db.engine import resolve_database_url
 from ..db.models import EvalRun
+from ..db.store import Store
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 from .candidates import build_drafters, candidate_label, parse_candidate
 from .draft_training import registered_drafts, trained_request_ids
@@ -177,8 +178,8 @@ class RunContext:
     def build(cls, spec) -> "RunContext":
         spec = RunSpec.of(spec)
         settings = spec.settings()
-        url = spec.resolved_url(settings)
-        engine = ensure_ready(url)
+        store = Store.open(spec.resolved_url(settings), settings)
+        url, engine = store.url, store.engine
         if spec.candidates is None:
             # a spec made after the fact (the CLI's engine check): the run's own candidates, which
             # its plan names, not the settings' of today
@@ -208,6 +209,11 @@ class RunContext:
     @property
     def run_id(self) -> str:
         return self.spec.run_id
+
+    @property
+    def store(self) -> Store:
+        """The run's database (the engine this context holds, with the run's settings)."""
+        return Store(url=self.url, engine=self.engine, settings=self.settings)
 
     @property
     def trained_on(self) -> set[str]:
