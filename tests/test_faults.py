@@ -32,6 +32,8 @@ from .helpers.evaluation import SETTINGS
 from .helpers.processes import free_port, specdec
 from .helpers.traffic import request_row, traffic_rows, write_jsonl
 
+from tasks.db.store import Store
+
 pytestmark = pytest.mark.integration
 
 EVAL_ENV = {f"SPECDEC_{key.upper()}": json.dumps(list(value) if isinstance(value, tuple) else value)
@@ -241,14 +243,14 @@ def test_the_default_window_ignores_rows_stamped_in_the_future_and_counts_them(d
     import_traffic(write_jsonl(tmp_path / "t.jsonl", rows), db_url=db_url, progress=False)
     settings = load_settings({}, min_per_domain=1, max_per_domain=100)
     with caplog.at_level("WARNING"):
-        sample = sample_traffic("skewed", db_url=db_url, settings=settings)
+        sample = sample_traffic("skewed", store=Store.open(db_url), settings=settings)
     assert sample["sampled"] == 48                              # not 1 (the future row alone)
     assert sample["window"]["end"].startswith("2025-11-14")
     assert sample["window"]["future_rows_ignored"] == 1
     assert "1 stored request(s) are stamped more than 1 h in the future" in caplog.text
     # a tolerance that covers the skew: the row counts again, and moves the window
     wide = load_settings({}, min_per_domain=1, max_per_domain=100, future_tolerance_hours=48)
-    assert sample_traffic("skewed", db_url=db_url, settings=wide)["window"]["future_rows_ignored"] == 0
+    assert sample_traffic("skewed", store=Store.open(db_url), settings=wide)["window"]["future_rows_ignored"] == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,7 +492,7 @@ def test_the_sample_step_refuses_a_blank_run_id(db_url):
     from tasks.steps.traffic_sample import sample_traffic
 
     with pytest.raises(InvalidIdentifier):
-        sample_traffic("   ", db_url=db_url)
+        sample_traffic("   ", store=Store.open(db_url))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import create_engine, delete, insert, select
 
 from tasks.db.models import AcceptanceEstimate, EvalRun, QualityResult, TrafficRequest
+from tasks.db.store import Store
 from tasks.errors import QualityGateFailed, SampleError
 from tasks.steps.quality import check_result_table, check_traffic_sample
 from tasks.steps.traffic_sample import sample_traffic
@@ -47,7 +48,7 @@ def execute(db_url, statement):
 def test_clean_sample_passes_and_results_are_stored(db_url, jsonl_file, make_request):
     # every table-level expectation passes; each outcome is stored under the run id
     seed(db_url, jsonl_file, make_request, {"qa": 6, "code": 6})
-    sample_traffic("ok-run", db_url=db_url, min_per_domain=3)
+    sample_traffic("ok-run", store=Store.open(db_url), min_per_domain=3)
     result = check_traffic_sample("ok-run", db_url=db_url)
     assert result["rows"] == 12 and result["insufficient"] == []
     assert result["domains"] == {"code": {"rows": 6, "status": "ok", "min_rows": 3},
@@ -64,7 +65,7 @@ def test_clean_sample_passes_and_results_are_stored(db_url, jsonl_file, make_req
 def test_thin_domain_is_insufficient_not_an_error(db_url, jsonl_file, make_request):
     # below min_per_domain: returned and stored as "insufficient"; the run goes on
     seed(db_url, jsonl_file, make_request, {"qa": 8, "creative": 2})
-    sample_traffic("thin", db_url=db_url, min_per_domain=5)
+    sample_traffic("thin", store=Store.open(db_url), min_per_domain=5)
     result = check_traffic_sample("thin", db_url=db_url)
     assert result["insufficient"] == ["creative"]
     assert result["domains"]["creative"] == {"rows": 2, "status": "insufficient", "min_rows": 5}
@@ -78,7 +79,7 @@ def test_thin_domain_is_insufficient_not_an_error(db_url, jsonl_file, make_reque
 def test_purged_request_in_sample_is_a_table_level_failure(db_url, jsonl_file, make_request):
     # a sampled request that is no longer stored has no prompt/response: the run stops, naming its id
     seed(db_url, jsonl_file, make_request, {"qa": 5})
-    sample_traffic("gone", db_url=db_url, min_per_domain=1)
+    sample_traffic("gone", store=Store.open(db_url), min_per_domain=1)
     execute(db_url, delete(TrafficRequest).where(TrafficRequest.id == "req-00003"))
     with pytest.raises(QualityGateFailed) as caught:
         check_traffic_sample("gone", db_url=db_url)
@@ -97,7 +98,7 @@ def test_domain_outside_known_set_fails_the_gate(db_url, jsonl_file, make_reques
     # traffic imported under a wider domain set, checked under the default one
     wide = load_settings({"SPECDEC_KNOWN_DOMAINS": "legal,qa,general"})
     seed(db_url, jsonl_file, make_request, {"legal": 3, "qa": 3}, settings=wide)
-    sample_traffic("legal", db_url=db_url, min_per_domain=1, settings=wide)
+    sample_traffic("legal", store=Store.open(db_url), min_per_domain=1, settings=wide)
     with pytest.raises(QualityGateFailed, match="domain: expect_column_values_to_be_in_set") as caught:
         check_traffic_sample("legal", db_url=db_url)
     in_set = [f for f in caught.value.failures if f["expectation"] == "expect_column_values_to_be_in_set"]
@@ -108,7 +109,7 @@ def test_domain_outside_known_set_fails_the_gate(db_url, jsonl_file, make_reques
 def test_token_length_bounds_come_from_settings(db_url, jsonl_file, make_request):
     # responses longer than max_response_tokens fail the gate; the ids are named, not the text
     seed(db_url, jsonl_file, make_request, {"qa": 4}, response_token_ids=list(range(10)))
-    sample_traffic("long", db_url=db_url, min_per_domain=1)
+    sample_traffic("long", store=Store.open(db_url), min_per_domain=1)
     check_traffic_sample("long", db_url=db_url)                  # default bounds: fine
     strict = load_settings({}, max_response_tokens=5)
     with pytest.raises(QualityGateFailed, match="response_tokens") as caught:
@@ -179,7 +180,7 @@ def test_cli_check_prints_domains_and_fails_with_summary(db_url, jsonl_file, mak
     from tasks.cli import main
 
     seed(db_url, jsonl_file, make_request, {"qa": 4, "chat": 1})
-    sample_traffic("cli", db_url=db_url, min_per_domain=2)
+    sample_traffic("cli", store=Store.open(db_url), min_per_domain=2)
     assert main(["traffic", "check", "cli", "--url", db_url]) == 0
     out = capsys.readouterr().out
     assert "insufficient" in out and "chat" in out

@@ -12,6 +12,8 @@ from sqlalchemy import create_engine, select
 from specdec_core import SpecDecoder
 from specdec_core.train import TrainConfig
 
+from tasks.db.store import Store
+
 
 
 def stored(db_url, generated: bool | None = None) -> dict[str, dict]:
@@ -163,7 +165,7 @@ def test_sampling_estimates_indexes_and_reports_never_see_generated_rows(tiny_st
     generate(tiny_store, "gen-s", ["json", "qa"], 16)
     generated = set(stored(db_url, True))
     assert len(generated) == 32
-    sample = sample_traffic("eval-1", db_url=db_url, min_per_domain=1, max_per_domain=1000)
+    sample = sample_traffic("eval-1", store=Store.open(db_url), min_per_domain=1, max_per_domain=1000)
     assert {d: c["available"] for d, c in sample["domains"].items()} == {"json": 16, "qa": 16}
     assert sample["sampled"] == 32
     requests, _ = load_sample_requests("eval-1", db_url, tokenizer=tiny_store["tokenizer"])

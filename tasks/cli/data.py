@@ -6,7 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..settings import load_settings
-from .common import per_domain_args, print_json, url_arg
+from .common import open_store, per_domain_args, print_json, url_arg
 from .console import emit, make_console
 
 console = make_console()
@@ -90,7 +90,7 @@ def cmd_traffic_sample(args) -> int:
     if (args.start is None) != (args.end is None):
         raise SystemExit("specdec traffic sample: give both --start and --end, or --days")
     domains = [d.strip() for d in args.domains.split(",") if d.strip()] if args.domains else None
-    print_json(sample_traffic(args.run_id, db_url=args.url, domains=domains, window=window,
+    print_json(sample_traffic(args.run_id, open_store(args), domains=domains, window=window,
                               min_per_domain=args.min_per_domain, max_per_domain=args.max_per_domain,
                               model=args.model))
     return 0

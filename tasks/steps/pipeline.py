@@ -21,6 +21,7 @@ from sqlalchemy import func, select, update
 from ..db.engine import ensure_ready
 from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
 from ..db.queries_run_view import record_engine_check_skip
+from ..db.store import Store
 from ..masking import mask_text
 from ..registry.config_schema import config_model_name
 from ..registry.promotion import promote
@@ -54,7 +55,7 @@ def step_sample(spec) -> dict:
     settings = spec.settings()
     url = spec.resolved_url(settings)
     spec = freeze_candidates(spec, settings)
-    sample = sample_traffic(spec.run_id, db_url=url, domains=spec.domains, window=spec.window_days,
+    sample = sample_traffic(spec.run_id, Store.open(url, settings), domains=spec.domains, window=spec.window_days,
                             settings=settings)
     engine = ensure_ready(url)
     with engine.begin() as connection:
