@@ -100,7 +100,7 @@ def cmd_traffic_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.quality import check_traffic_sample
 
-    result = check_traffic_sample(args.run_id, db_url=args.url)
+    result = check_traffic_sample(args.run_id, open_store(args))
     table = Table(title=f"run {escape(args.run_id)}: traffic sample passed {result['expectations']} "
                         f"table-level expectations ({result['rows']} rows)")
     for column in ("domain", "rows", "min rows", "status"):

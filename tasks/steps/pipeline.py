@@ -73,7 +73,8 @@ def step_check(spec) -> dict:
     Output: {"ok": [domains], "insufficient": [domains]}."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    checked = check_traffic_sample(spec.run_id, db_url=spec.resolved_url(settings), settings=settings)
+    checked = check_traffic_sample(spec.run_id, Store.open(spec.resolved_url(settings), settings),
+                                   settings=settings)
     status = {domain: info["status"] for domain, info in checked["domains"].items()}
     return {"ok": sorted(d for d, s in status.items() if s == "ok"),
             "insufficient": sorted(d for d, s in status.items() if s != "ok")}
@@ -298,7 +299,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     if measured is not None:
         tables.append("live_measurements")
     for table in tables:
-        check_result_table(run_id, table, db_url=url, settings=settings)
+        check_result_table(run_id, table, context.store, settings=settings)
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
             status="evaluated", updated_at=utcnow()))
