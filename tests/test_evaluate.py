@@ -10,6 +10,7 @@ from sqlalchemy import create_engine, func, select
 from specdec_core.validation import fingerprint_id, target_fingerprint
 from tasks.db.models import (AcceptanceEstimate, CostProfile, DomainConfig, EvalRun, LiveMeasurement,
                              Validation)
+from tasks.db.store import Store
 from tasks.steps.evaluate import evaluate
 from tasks.settings import load_settings
 from tasks.steps.traffic_import import import_traffic
@@ -409,5 +410,5 @@ def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_d
     assert line("run logged: no domain below the low-acceptance alert (E < 1.00)")
     assert [row["domain"] for row in report_table(spec)] == ["json", "qa"]
     assert line("run logged, domain qa: on, ") and "validation passed" in line("run logged, domain json: on, ")
-    written = materialise_report("current_config_per_domain", db_url=tiny_db, directory=tmp_path)
+    written = materialise_report("current_config_per_domain", store=Store.open(tiny_db), directory=tmp_path)
     assert line(f"report current_config_per_domain: {written['rows']} rows written to {written['path']}")

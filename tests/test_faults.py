@@ -303,8 +303,8 @@ def _in_reports(url: str, run_id: str) -> dict[str, int]:
     """How many rows of run_id each report shows (acceptance: runs counted in its rows)."""
     from tasks.steps.reports import run_report
 
-    safeguards = run_report("planner_safeguards", db_url=url)
-    acceptance = run_report("acceptance_by_domain_per_day", db_url=url)
+    safeguards = run_report("planner_safeguards", store=Store.open(url))
+    acceptance = run_report("acceptance_by_domain_per_day", store=Store.open(url))
     runs = acceptance["columns"].index("runs")
     return {"planner_safeguards": sum(1 for row in safeguards["rows"] if row[0] == run_id),
             "acceptance_by_domain_per_day": sum(row[runs] for row in acceptance["rows"])}
@@ -405,7 +405,7 @@ def test_ten_concurrent_conflicting_imports_account_for_every_row(db_url, tmp_pa
     for path, report in zip(paths, outputs):
         assert report["inserted"] == sum(1 for _, source in stored if source.endswith(path.name))
         assert report["quarantined"] == sum(1 for source, _ in quarantined if source.endswith(path.name))
-    by_reason = run_report("quarantined_by_reason", db_url=db_url)
+    by_reason = run_report("quarantined_by_reason", store=Store.open(db_url))
     count = by_reason["columns"].index("rows_rejected")
     assert sum(row[count] for row in by_reason["rows"]) == len(quarantined)
 

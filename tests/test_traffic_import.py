@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 
 from tasks.db.models import QuarantinedRequest, TrafficRequest
+from tasks.db.store import Store
 from tasks.errors import DatabaseUnavailable, TrafficFileError
 from tasks.settings import load_settings
 from tasks.steps.traffic_import import import_traffic, purge_traffic, sample_traffic_path
@@ -447,7 +448,7 @@ def test_a_corrupt_gzips_garbled_lines_are_superseded_by_the_intact_files_import
     first = rows_of(db_url, QuarantinedRequest, QuarantinedRequest.line_number)
     assert len(first) >= 20 and all(e["file_error"] and "CRC check failed" in e["file_error"]
                                     and e["superseded_at"] is None for e in first)
-    assert sum(r["rows_rejected"] for r in report_rows(run_report("quarantined_by_reason", db_url))) \
+    assert sum(r["rows_rejected"] for r in report_rows(run_report("quarantined_by_reason", Store.open(db_url)))) \
         == len(first)
     assert set(traffic(db_url)) < {row["id"] for row in rows}
 
@@ -461,7 +462,7 @@ def test_a_corrupt_gzips_garbled_lines_are_superseded_by_the_intact_files_import
     by_line = {e["line_number"]: e["superseded_by"] for e in after}
     assert {line: by for line, by in by_line.items() if line <= 300} == {
         line: f"req-{line:05d}" for line in by_line if line <= 300}
-    assert report_rows(run_report("quarantined_by_reason", db_url)) == []
+    assert report_rows(run_report("quarantined_by_reason", Store.open(db_url))) == []
     stored = traffic(db_url)
     assert set(stored) == {row["id"] for row in rows} and count(db_url, "traffic_requests") == 300
     assert all(stored[row["id"]]["response"] == row["response"] for row in rows)

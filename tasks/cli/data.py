@@ -119,7 +119,7 @@ def cmd_report(args) -> int:
         for name, question in list_reports().items():
             console.print(f"[bold]{name}[/bold]: {escape(question)}")
         return 0
-    report = run_report(args.name, db_url=args.url)
+    report = run_report(args.name, open_store(args))
     if args.format != "table":
         emit(format_report(report, args.format), end="")
         return 0
