@@ -113,7 +113,7 @@ def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_targe
     settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01, "validation_rows": 400})
     run(tiny_db, tiny_target, "broken", min_speedup=0.01)
     drafters = build_drafters(settings.plan.candidates, tiny_target)
-    requests, _ = load_sample_requests("broken", tiny_db)
+    requests, _ = load_sample_requests("broken", Store.open(tiny_db))
     verdict = validate_domain("broken", "qa", tiny_target, drafters, requests["qa"], db_url=tiny_db,
                               settings=load_settings({}, **{**SETTINGS, "validation_per_domain": True,
                                                             "validation_rows": 400}),

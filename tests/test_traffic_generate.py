@@ -168,7 +168,7 @@ def test_sampling_estimates_indexes_and_reports_never_see_generated_rows(tiny_st
     sample = sample_traffic("eval-1", store=Store.open(db_url), min_per_domain=1, max_per_domain=1000)
     assert {d: c["available"] for d, c in sample["domains"].items()} == {"json": 16, "qa": 16}
     assert sample["sampled"] == 32
-    requests, _ = load_sample_requests("eval-1", db_url, tokenizer=tiny_store["tokenizer"])
+    requests, _ = load_sample_requests("eval-1", Store.open(db_url), tokenizer=tiny_store["tokenizer"])
     scored = {r.request_id for rows in requests.values() for r in rows}
     assert len(scored) == 32 and not scored & generated
     fingerprint = fingerprint_id(target_fingerprint(tiny_store["model"]))

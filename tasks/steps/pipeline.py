@@ -179,7 +179,7 @@ def step_estimate(spec, domain: str, profile) -> dict:
         return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                                   status="insufficient", samples=len(requests)))
     estimate_domains(run_id, context.model, context.domain_drafters(domain), {domain: requests},
-                     db_url=url, settings=settings, k_max=settings.plan.k_max, progress=False)
+                     context.store, settings=settings, k_max=settings.plan.k_max, progress=False)
     return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                               samples=len(requests),
                               currently_on=domain in champion_domains_on(context.spec, url)))
