@@ -172,7 +172,7 @@ def test_sampling_estimates_indexes_and_reports_never_see_generated_rows(tiny_st
     scored = {r.request_id for rows in requests.values() for r in rows}
     assert len(scored) == 32 and not scored & generated
     fingerprint = fingerprint_id(target_fingerprint(tiny_store["model"]))
-    ids, _ = index_sequences(db_url, "json", fingerprint, tiny_store["tokenizer"])
+    ids, _ = index_sequences(Store.open(db_url), "json", fingerprint, tiny_store["tokenizer"])
     assert len(ids) == 16 and not set(ids) & generated
     report = run_report("traffic_by_domain_per_day", Store.open(db_url))
     column = report["columns"].index("requests")

@@ -245,5 +245,5 @@ class RunContext:
     def domain_drafters(self, domain: str) -> dict:
         """The run's candidates for one domain: a suffix candidate without an index of its own
         gets the run's index of this domain (tasks.steps.suffix_index)."""
-        return domain_drafters(self.drafters, self.run_id, domain, self.url, self.fingerprint,
+        return domain_drafters(self.drafters, self.run_id, domain, self.store, self.fingerprint,
                                self.tokenizer, self.model)
