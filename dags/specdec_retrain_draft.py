@@ -140,7 +140,7 @@ def specdec_retrain_draft():
         with task_errors():
             return generate_traffic(train_id_of_run(context["run_id"]), p["domains"] or None,
                                     p["generate_count"], target=p["target"],
-                                    db_url=connection_database_url(),
+                                    store=connection_store(),
                                     window_days=p["window_days"], progress=False)
 
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)

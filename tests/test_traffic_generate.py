@@ -32,7 +32,7 @@ def stored(db_url, generated: bool | None = None) -> dict[str, dict]:
 def generate(store, run_id, domains, count, **kwargs):
     from tasks.steps.traffic_generate import generate_traffic
 
-    return generate_traffic(run_id, domains, count, target=store["target"], db_url=store["db_url"],
+    return generate_traffic(run_id, domains, count, target=store["target"], store=Store.open(store["db_url"]),
                             model=store["model"], tokenizer=store["tokenizer"], progress=False,
                             **kwargs)
 

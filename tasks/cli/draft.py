@@ -84,7 +84,7 @@ def cmd_generate(args) -> int:
 
     run_id = args.id or "generate__" + default_run_id().split("__")[1].replace(":", "-")
     result = generate_traffic(run_id, [d.strip() for d in args.domain.split(",") if d.strip()],
-                              args.count, target=args.model, db_url=args.url, window_days=args.days,
+                              args.count, target=args.model, store=open_store(args), window_days=args.days,
                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                               device=args.device)
     if args.json:
