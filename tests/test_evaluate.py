@@ -138,7 +138,7 @@ def test_a_failing_domain_is_recorded_and_the_others_go_on(db_url, tmp_path, tin
     broken = [dict(row, id=row["id"].replace("qa", "code"), domain="code",
                    response_token_ids=[VOCAB + 5] + row["response_token_ids"][1:])
               for row in rows if row["domain"] == "qa"]
-    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows + broken), db_url=db_url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows + broken), store=Store.open(db_url), progress=False)
     result = run(db_url, tiny_target, "partial", min_speedup=0.01)
     table = {row["domain"]: row for row in result["table"]}
     assert result["failed"] == [] and table["code"]["status"] == "failed"

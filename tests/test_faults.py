@@ -83,7 +83,7 @@ def home(tmp_path, tiny_dir):
     home.mkdir()
     url = f"sqlite:///{home / 'specdec.db'}"
     upgrade(url)
-    import_traffic(write_jsonl(tmp_path / "t.jsonl", tiny_dir[1]), db_url=url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", tiny_dir[1]), store=Store.open(url), progress=False)
     dispose_engines()
     return home
 
@@ -240,7 +240,7 @@ def test_the_default_window_ignores_rows_stamped_in_the_future_and_counts_them(d
     rows = [request_row(i, domain="qa") for i in range(1, 49)]      # 2025-11-01 .. 2025-11-14
     ahead = (utcnow() + timedelta(hours=20)).strftime("%Y-%m-%dT%H:%M:%SZ")   # accepted: < now + 1 day
     rows.append(request_row(99, domain="qa", timestamp=ahead))
-    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows), db_url=db_url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows), store=Store.open(db_url), progress=False)
     settings = load_settings({}, min_per_domain=1, max_per_domain=100)
     with caplog.at_level("WARNING"):
         sample = sample_traffic("skewed", store=Store.open(db_url), settings=settings)

@@ -23,7 +23,7 @@ def seed(db_url, jsonl_file, make_request, per_domain, settings=None, **override
             index += 1
             stamp = datetime(2025, 6, 1) + timedelta(hours=index)
             rows.append(make_request(index, domain=domain, timestamp=stamp.isoformat() + "Z", **overrides))
-    import_traffic(jsonl_file(rows), db_url=db_url, settings=settings, progress=False)
+    import_traffic(jsonl_file(rows), store=Store.open(db_url), settings=settings, progress=False)
 
 
 def stored_results(db_url, run_id):

@@ -56,7 +56,7 @@ def fixture_db(db_url, jsonl_file, make_request):
         f"{{ {CANARY}",                                           # line 7
     ]
     path = jsonl_file(rows)
-    import_traffic(path, db_url=db_url, progress=False)
+    import_traffic(path, store=Store.open(db_url), progress=False)
 
     def at(text):
         return datetime.fromisoformat(text)

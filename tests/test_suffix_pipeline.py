@@ -27,7 +27,7 @@ SUFFIX = "suffix:max_depth=16,min_token_prob=0.1,max_spec_factor=1.0"
 def suffix_db(db_url, tmp_path, tiny_target):
     # 16 requests per domain, at most 10 sampled: the rest can be indexed
     import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target, per_domain=16)),
-                   db_url=db_url, progress=False)
+                   store=Store.open(db_url), progress=False)
     return db_url
 
 

@@ -28,7 +28,7 @@ def traffic_rows(make_request, per_domain: dict[str, int], start=START, step_hou
 
 
 def load(db_url, jsonl_file, rows, name="t.jsonl"):
-    report = import_traffic(jsonl_file(rows, name=name), db_url=db_url, progress=False)
+    report = import_traffic(jsonl_file(rows, name=name), store=Store.open(db_url), progress=False)
     assert report["quarantined"] == 0
     return report
 
@@ -183,7 +183,7 @@ def test_default_window_covers_the_shipped_sample(db_url):
     # whatever today's date is, the default window (ending at the newest request) holds every row
     from tasks.steps.traffic_import import sample_traffic_path
 
-    inserted = import_traffic(sample_traffic_path(), db_url=db_url, progress=False)["inserted"]
+    inserted = import_traffic(sample_traffic_path(), store=Store.open(db_url), progress=False)["inserted"]
     result = sample_traffic("shipped", store=Store.open(db_url), max_per_domain=1000)
     assert sum(info["available"] for info in result["domains"].values()) == inserted
     assert result["insufficient"] == []

@@ -41,7 +41,7 @@ def cmd_traffic_import(args) -> int:
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
     path = sample_traffic_path() if args.sample else args.file
     settings = load_settings(import_batch_size=args.batch_size)
-    report = import_traffic(path, db_url=args.url, settings=settings, file_format=args.format,
+    report = import_traffic(path, open_store(args, settings), settings=settings, file_format=args.format,
                             progress=not args.no_progress)
     status = EXIT_QUARANTINED if report["quarantined"] else 0
     if args.json:
@@ -75,7 +75,7 @@ def cmd_traffic_purge(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.traffic_import import purge_traffic
 
-    result = purge_traffic(args.older_than, db_url=args.url, dry_run=args.dry_run)
+    result = purge_traffic(args.older_than, open_store(args), dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     console.print(f"{verb} {result['traffic_requests']} traffic rows and "
                   f"{result['quarantined_requests']} quarantined rows older than {result['cutoff']}")
