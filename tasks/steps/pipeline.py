@@ -55,8 +55,8 @@ def step_sample(spec) -> dict:
     settings = spec.settings()
     url = spec.resolved_url(settings)
     spec = freeze_candidates(spec, settings)
-    sample = sample_traffic(spec.run_id, Store.open(url, settings), domains=spec.domains, window=spec.window_days,
-                            settings=settings)
+    sample = sample_traffic(spec.run_id, Store.open(url, settings), domains=spec.domains,
+                            window=spec.window_days, settings=settings)
     engine = ensure_ready(url)
     with engine.begin() as connection:
         params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == spec.run_id)).scalar()
