@@ -28,11 +28,12 @@ from pathlib import Path
 
 def child_import(path: str, url: str, batch_size: int) -> None:
     """Runs in the child process: one import, then its figures as JSON on stdout."""
+    from tasks.db.store import Store
     from tasks.settings import load_settings
     from tasks.steps.traffic_import import import_traffic
 
     baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    report = import_traffic(path, db_url=url, settings=load_settings(import_batch_size=batch_size),
+    report = import_traffic(path, Store.open(url), settings=load_settings(import_batch_size=batch_size),
                             progress=False)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"rows_read": report["rows_read"], "inserted": report["inserted"],

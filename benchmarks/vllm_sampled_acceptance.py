@@ -31,6 +31,7 @@ def main() -> int:
     from specdec_core.sampling import logits_to_probs
     from tasks.serving import environment as serving_env
     from tasks.steps.engine_check import engine_walk
+    from tasks.db.store import Store
     from tasks.steps.offline_estimate import load_sample_requests
     from tasks.settings import load_settings
 
@@ -45,7 +46,7 @@ def main() -> int:
 
     settings = load_settings()
     model, tokenizer = load_model(args.target, device="cpu")
-    requests, _ = load_sample_requests(args.run_id, settings.database_url,
+    requests, _ = load_sample_requests(args.run_id, Store.open(settings=settings),
                                        domains=args.domains.split(","), tokenizer=tokenizer)
     picked = [r for d in args.domains.split(",") for r in requests.get(d, [])
               if not r.sampling.greedy and not r.sampling.top_k][: args.count]

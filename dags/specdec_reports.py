@@ -16,7 +16,7 @@ from datetime import datetime
 
 from airflow.sdk import Asset, dag, task
 
-from tasks.orchestration.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, connection_database_url,
+from tasks.orchestration.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, connection_store,
                                               label_mapped, queues, task_errors)
 
 # The steps (tasks.steps.reports) are imported inside the tasks: they load the engine, the
@@ -45,7 +45,7 @@ def specdec_reports():
 
         label_mapped(name)
         with task_errors():
-            return materialise_report(name, db_url=connection_database_url())
+            return materialise_report(name, connection_store())
 
     materialise.expand(name=report_names())
 

@@ -45,7 +45,8 @@ from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                              connection_database_url, queues, task_errors)
+                                              connection_database_url, connection_store, queues,
+                                              task_errors)
 from tasks.steps.draft_recipes import KINDS, SCHEDULED_RETRAINING
 
 # The steps (tasks.steps.draft_training) are imported inside the tasks: they load the engine, the
@@ -139,7 +140,7 @@ def specdec_retrain_draft():
         with task_errors():
             return generate_traffic(train_id_of_run(context["run_id"]), p["domains"] or None,
                                     p["generate_count"], target=p["target"],
-                                    db_url=connection_database_url(),
+                                    store=connection_store(),
                                     window_days=p["window_days"], progress=False)
 
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
@@ -187,7 +188,7 @@ def specdec_retrain_draft():
 
         p = get_current_context()["params"]
         with task_errors():
-            return refresh_indexes(p["target"], p["domains"] or None, db_url=connection_database_url(),
+            return refresh_indexes(p["target"], p["domains"] or None, store=connection_store(),
                                    window_days=p["window_days"])
 
     trained = train()

@@ -151,9 +151,10 @@ def mlflow_uri(tmp_path, mlflow_template) -> str:
 @pytest.fixture
 def tiny_db(db_url, tmp_path, tiny_target):
     """db_url with tiny_target's own traffic imported (json and qa, 10 each, and 2 foreign qa)."""
+    from tasks.db.store import Store
     from tasks.steps.traffic_import import import_traffic
 
-    import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target)), db_url=db_url,
+    import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target)), store=Store.open(db_url),
                    progress=False)
     return db_url
 
@@ -240,12 +241,13 @@ def tiny_store(db_url, tmp_path, monkeypatch, mlflow_uri):
     """A tiny target saved as a model directory, its traffic imported, a fresh MLflow store
     (draft training and the run context's tests)."""
     from specdec_core import load_model
+    from tasks.db.store import Store
     from tasks.steps.traffic_import import import_traffic
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, tokenizer = load_model(str(model_dir), device="cpu")
     rows = traffic_rows(model, per_domain=16, foreign=0)
-    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), store=Store.open(db_url), progress=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     from tasks.steps import context
     context._MODELS.clear()

@@ -63,6 +63,7 @@ def stores(airflow_env, dagbag, tmp_path_factory):
     from tasks.steps import context
     from tasks.orchestration.airflow_logs import recording, write_task_logs
     from tasks.db import upgrade
+    from tasks.db.store import Store
     from tasks.steps.traffic_import import import_traffic
 
     base = tmp_path_factory.mktemp("ui-stores")
@@ -77,7 +78,7 @@ def stores(airflow_env, dagbag, tmp_path_factory):
         rows = traffic_rows(model, foreign=0)
         rows += [dict(row, id=row["id"].replace("qa", "code"), domain="code")    # 3 < min_per_domain
                  for row in rows if row["domain"] == "qa"][:3]
-        import_traffic(write_jsonl(base / "traffic.jsonl", rows), progress=False)
+        import_traffic(write_jsonl(base / "traffic.jsonl", rows), Store.open(), progress=False)
         context._MODELS.clear()
         with recording() as recorder:
             run = dagbag.get_dag("specdec_evaluate").test(

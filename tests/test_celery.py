@@ -35,6 +35,8 @@ from .helpers.db import POSTGRES_ENV
 from .helpers.processes import MlflowServer, Service, free_port, stop_process_group
 from .helpers.traffic import write_jsonl
 
+from tasks.db.store import Store
+
 REQUIRE_ENV = "SPECDEC_REQUIRE_CELERY"
 REPORT_ENV = "SPECDEC_CELERY_REPORT"       # where to write the runs' tables (CI prints the file)
 REDIS = shutil.which("redis-server")
@@ -101,7 +103,7 @@ def shipped_two_domains(db_url, tmp_path):
         of_domain = sorted((r for r in rows if r["domain"] == domain),
                            key=lambda r: len(json.dumps(r["messages"])) + len(r["response"]))
         chosen += of_domain[:ROWS_PER_DOMAIN]
-    import_traffic(write_jsonl(tmp_path / "two-domains.jsonl", chosen), db_url=db_url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "two-domains.jsonl", chosen), store=Store.open(db_url), progress=False)
     return [r["id"] for r in chosen]
 
 

@@ -19,6 +19,8 @@ from .helpers.airflow import SMALL, TINY_CONF
 from .helpers.models import save_tiny_target, tiny_llama
 from .helpers.traffic import traffic_rows, write_jsonl
 
+from tasks.db.store import Store
+
 
 @pytest.mark.integration
 def test_dagbag_imports_without_errors(dagbag):
@@ -111,7 +113,7 @@ def tiny_env(airflow_env, db_url, tmp_path, monkeypatch, mlflow_uri):
     rows = traffic_rows(model, foreign=0)
     rows += [dict(row, id=row["id"].replace("qa", "code"), domain="code") for row in rows
              if row["domain"] == "qa"]
-    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), store=Store.open(db_url), progress=False)
     for key, value in SMALL.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("SPECDEC_DATABASE_URL", db_url)

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import create_engine, select, update
 
 from tasks.db.models import EvalRun, HardwareProfile, LiveMeasurement
+from tasks.db.store import Store
 
 from .helpers.evaluation import run
 from .helpers.models import save_tiny_target, tiny_llama
@@ -68,7 +69,7 @@ def evaluated(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("distributed")
     url = f"sqlite:///{root / 'specdec.db'}"
     upgrade(url)
-    import_traffic(write_jsonl(root / "traffic.jsonl", traffic_rows(tiny_target)), db_url=url,
+    import_traffic(write_jsonl(root / "traffic.jsonl", traffic_rows(tiny_target)), store=Store.open(url),
                    progress=False)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_HOME", str(root / "worker-a"))
@@ -180,7 +181,7 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, _ = load_model(str(model_dir), device="cpu")
     import_traffic(write_jsonl(tmp_path / "traffic.jsonl", traffic_rows(model, per_domain=6, foreign=0)),
-                   db_url=db_url, progress=False)
+                   store=Store.open(db_url), progress=False)
     tracking = mlflow_uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking)
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "trainer"))

@@ -7,6 +7,7 @@ import torch
 
 from specdec_core import LayerSkip, ModelNotFound, PromptLookup, SpecDecoder, load_model
 from tasks.cli.prompts import builtin_prompts, encode
+from tasks.db.store import Store
 
 pytestmark = pytest.mark.slow
 NEW = 32
@@ -137,7 +138,7 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     url = f"sqlite:///{tmp_path / 'specdec.db'}"
     upgrade(url)
-    import_traffic(sample_traffic_path(), db_url=url, progress=False)
+    import_traffic(sample_traffic_path(), store=Store.open(url), progress=False)
     settings = load_settings({}, min_per_domain=5, max_per_domain=8, eval_k_max=4,
                              profile_batch_sizes=(1,), profile_repeats=1, confirm_requests=1,
                              profile_checks=False, live_veto=False,   # one timing: no spread known

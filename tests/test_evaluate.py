@@ -10,6 +10,7 @@ from sqlalchemy import create_engine, func, select
 from specdec_core.validation import fingerprint_id, target_fingerprint
 from tasks.db.models import (AcceptanceEstimate, CostProfile, DomainConfig, EvalRun, LiveMeasurement,
                              Validation)
+from tasks.db.store import Store
 from tasks.steps.evaluate import evaluate
 from tasks.settings import load_settings
 from tasks.steps.traffic_import import import_traffic
@@ -112,7 +113,7 @@ def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_targe
     settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01, "validation_rows": 400})
     run(tiny_db, tiny_target, "broken", min_speedup=0.01)
     drafters = build_drafters(settings.plan.candidates, tiny_target)
-    requests, _ = load_sample_requests("broken", tiny_db)
+    requests, _ = load_sample_requests("broken", Store.open(tiny_db))
     verdict = validate_domain("broken", "qa", tiny_target, drafters, requests["qa"], db_url=tiny_db,
                               settings=load_settings({}, **{**SETTINGS, "validation_per_domain": True,
                                                             "validation_rows": 400}),
@@ -137,7 +138,7 @@ def test_a_failing_domain_is_recorded_and_the_others_go_on(db_url, tmp_path, tin
     broken = [dict(row, id=row["id"].replace("qa", "code"), domain="code",
                    response_token_ids=[VOCAB + 5] + row["response_token_ids"][1:])
               for row in rows if row["domain"] == "qa"]
-    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows + broken), db_url=db_url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows + broken), store=Store.open(db_url), progress=False)
     result = run(db_url, tiny_target, "partial", min_speedup=0.01)
     table = {row["domain"]: row for row in result["table"]}
     assert result["failed"] == [] and table["code"]["status"] == "failed"
@@ -409,5 +410,5 @@ def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_d
     assert line("run logged: no domain below the low-acceptance alert (E < 1.00)")
     assert [row["domain"] for row in report_table(spec)] == ["json", "qa"]
     assert line("run logged, domain qa: on, ") and "validation passed" in line("run logged, domain json: on, ")
-    written = materialise_report("current_config_per_domain", db_url=tiny_db, directory=tmp_path)
+    written = materialise_report("current_config_per_domain", store=Store.open(tiny_db), directory=tmp_path)
     assert line(f"report current_config_per_domain: {written['rows']} rows written to {written['path']}")

@@ -32,6 +32,8 @@ from .helpers.evaluation import SETTINGS
 from .helpers.processes import free_port, specdec
 from .helpers.traffic import request_row, traffic_rows, write_jsonl
 
+from tasks.db.store import Store
+
 pytestmark = pytest.mark.integration
 
 EVAL_ENV = {f"SPECDEC_{key.upper()}": json.dumps(list(value) if isinstance(value, tuple) else value)
@@ -81,7 +83,7 @@ def home(tmp_path, tiny_dir):
     home.mkdir()
     url = f"sqlite:///{home / 'specdec.db'}"
     upgrade(url)
-    import_traffic(write_jsonl(tmp_path / "t.jsonl", tiny_dir[1]), db_url=url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", tiny_dir[1]), store=Store.open(url), progress=False)
     dispose_engines()
     return home
 
@@ -238,17 +240,17 @@ def test_the_default_window_ignores_rows_stamped_in_the_future_and_counts_them(d
     rows = [request_row(i, domain="qa") for i in range(1, 49)]      # 2025-11-01 .. 2025-11-14
     ahead = (utcnow() + timedelta(hours=20)).strftime("%Y-%m-%dT%H:%M:%SZ")   # accepted: < now + 1 day
     rows.append(request_row(99, domain="qa", timestamp=ahead))
-    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows), db_url=db_url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows), store=Store.open(db_url), progress=False)
     settings = load_settings({}, min_per_domain=1, max_per_domain=100)
     with caplog.at_level("WARNING"):
-        sample = sample_traffic("skewed", db_url=db_url, settings=settings)
+        sample = sample_traffic("skewed", store=Store.open(db_url), settings=settings)
     assert sample["sampled"] == 48                              # not 1 (the future row alone)
     assert sample["window"]["end"].startswith("2025-11-14")
     assert sample["window"]["future_rows_ignored"] == 1
     assert "1 stored request(s) are stamped more than 1 h in the future" in caplog.text
     # a tolerance that covers the skew: the row counts again, and moves the window
     wide = load_settings({}, min_per_domain=1, max_per_domain=100, future_tolerance_hours=48)
-    assert sample_traffic("skewed", db_url=db_url, settings=wide)["window"]["future_rows_ignored"] == 0
+    assert sample_traffic("skewed", store=Store.open(db_url), settings=wide)["window"]["future_rows_ignored"] == 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,8 +303,8 @@ def _in_reports(url: str, run_id: str) -> dict[str, int]:
     """How many rows of run_id each report shows (acceptance: runs counted in its rows)."""
     from tasks.steps.reports import run_report
 
-    safeguards = run_report("planner_safeguards", db_url=url)
-    acceptance = run_report("acceptance_by_domain_per_day", db_url=url)
+    safeguards = run_report("planner_safeguards", store=Store.open(url))
+    acceptance = run_report("acceptance_by_domain_per_day", store=Store.open(url))
     runs = acceptance["columns"].index("runs")
     return {"planner_safeguards": sum(1 for row in safeguards["rows"] if row[0] == run_id),
             "acceptance_by_domain_per_day": sum(row[runs] for row in acceptance["rows"])}
@@ -403,7 +405,7 @@ def test_ten_concurrent_conflicting_imports_account_for_every_row(db_url, tmp_pa
     for path, report in zip(paths, outputs):
         assert report["inserted"] == sum(1 for _, source in stored if source.endswith(path.name))
         assert report["quarantined"] == sum(1 for source, _ in quarantined if source.endswith(path.name))
-    by_reason = run_report("quarantined_by_reason", db_url=db_url)
+    by_reason = run_report("quarantined_by_reason", store=Store.open(db_url))
     count = by_reason["columns"].index("rows_rejected")
     assert sum(row[count] for row in by_reason["rows"]) == len(quarantined)
 
@@ -490,7 +492,7 @@ def test_the_sample_step_refuses_a_blank_run_id(db_url):
     from tasks.steps.traffic_sample import sample_traffic
 
     with pytest.raises(InvalidIdentifier):
-        sample_traffic("   ", db_url=db_url)
+        sample_traffic("   ", store=Store.open(db_url))
 
 
 # ------------------------------------------------------------------------------------------------

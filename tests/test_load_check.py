@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tasks.db.store import Store
 from tasks.serving import environment as serving_env
 from tasks.settings import load_settings
 from tasks.steps.load_check import (counters_match, cut_schedule, exported_schedule, level_row,
@@ -148,7 +149,7 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
             DomainConfig.run_id == "r-load")).one()
     assert (cut.k_schedule, cut.max_batch_size) == ([[1, 1, 4]], 1)
     # the SQL report: one row per level
-    report = run_report("load_check", db_url=db_url)
+    report = run_report("load_check", store=Store.open(db_url))
     rows = [dict(zip(report["columns"], r)) for r in report["rows"]]
     assert [(r["concurrency"], r["pays"], r["domain_status"]) for r in rows] == [(1, 1, "cut"), (2, 0, "cut")]
     # `specdec engine show RUN_ID --format json`: concurrency, speedup, interval, E from /metrics

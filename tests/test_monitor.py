@@ -17,6 +17,8 @@ from sqlalchemy import create_engine, func, select
 from .helpers.monitor import BREAK_EVEN, DEPLOYMENT, PROMISE, monitored_champion, now
 from .helpers.processes import specdec
 
+from tasks.db.store import Store
+
 
 def exposition(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> str:
     """vLLM's spec-decode counters as its /metrics writes them (one engine, one model)."""
@@ -166,7 +168,7 @@ def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
     run_id = mlflow_client.get_model_version(name, "2").run_id
     assert "plots/production_e.png" in [a.path for a in mlflow_client.list_artifacts(run_id, "plots")]
 
-    report = run_report("production_vs_promised", db_url)
+    report = run_report("production_vs_promised", Store.open(db_url))
     rows = [dict(zip(report["columns"], row)) for row in report["rows"]]
     assert {r["domain"] for r in rows} == {"json", "qa"} and len(rows) == 2
     row = rows[0]

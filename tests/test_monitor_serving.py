@@ -24,6 +24,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import create_engine, func, select
 
+from tasks.db.store import Store
 from tasks.serving import environment as serving_env
 
 from .helpers.models import copying_llama, save_tiny_target
@@ -146,7 +147,7 @@ def test_production_loop_on_a_real_server(server, db_url, tracking, tmp_path, mo
     assert check(ctx, at=at[4] + timedelta(seconds=30))["events"] == []
 
     # the gateway's log imported: per domain, the per-request E; summed, the scrapes' deltas
-    report = import_traffic(write_jsonl(tmp_path / "gateway.jsonl", log), db_url=db_url,
+    report = import_traffic(write_jsonl(tmp_path / "gateway.jsonl", log), store=Store.open(db_url),
                             settings=settings, progress=False)
     assert report["inserted"] == len(log) == 24 and report["quarantined"] == 0
     shown = show(ctx.engine, settings, DEPLOYMENT, since=at[0], until=at[4] + timedelta(seconds=30))

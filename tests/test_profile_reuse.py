@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from tasks.db.models import CostProfile, CostProfileCheck, DomainConfig, EvalRun
+from tasks.db.store import Store
 from tasks.registry.run_results import profile_check
 from tasks.settings import load_settings
 from tasks.steps.candidates import build_drafters
@@ -190,7 +191,7 @@ def test_the_profile_step_says_which_profile_the_run_plans_with(db_url, one_laye
     assert "reused from run step-1, measured at " in profile_check_text(check)
     execute(db_url, insert(DomainConfig).values(run_id="step-2", domain="qa", enabled=False,
                                                 status="ok", created_at=utcnow()))
-    [row] = [dict(zip(report["columns"], r)) for report in [run_report("planner_safeguards", db_url)]
+    [row] = [dict(zip(report["columns"], r)) for report in [run_report("planner_safeguards", Store.open(db_url))]
              for r in report["rows"]]
     assert (row["run_id"], row["profile_status"], row["profile_reused_from"]) == ("step-2", "ok", "step-1")
     forced = step_profile(spec("step-3"), new_profile=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, insert, select
 
+from tasks.db.store import Store
 from tasks.registry.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
                                  target_slug)
 from tasks.db.models import Promotion
@@ -947,7 +948,7 @@ def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_
     assert registered["champion_audit"]["gated"] is False
     assert "WARNING: champion version 2 was moved outside specdec" in \
         client(tracking).get_model_version(name, "3").description
-    report = run_report("ungated_champions", db_url=db_url)
+    report = run_report("ungated_champions", store=Store.open(db_url))
     rows = [dict(zip(report["columns"], row)) for row in report["rows"]]
     assert [(r["champion_version"], r["noticed_by_run"]) for r in rows] == [("2", "run-3")]
     # promoting through specdec clears it

@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, func, select
 
 from tasks.cli.app import main
 from tasks.db.models import Promotion, QuarantinedRequest
+from tasks.db.store import Store
 from tasks.errors import DatabaseUnavailable, RegistryUnavailable, TrafficFileError
 from tasks.masking import mask_text, mask_url
 from tasks.steps.traffic_import import EXIT_QUARANTINED, import_traffic
@@ -56,7 +57,7 @@ def test_a_truncated_gzip_keeps_every_complete_row_and_names_the_line(db_url, tm
     path = tmp_path / "cut.jsonl.gz"
     path.write_bytes(whole[: len(whole) * 2 // 3])
     with pytest.raises(TrafficFileError, match=r"reading stopped at line (\d+)") as info:
-        import_traffic(path, db_url=db_url, progress=False)   # default batch size (500 rows)
+        import_traffic(path, store=Store.open(db_url), progress=False)   # default batch size (500 rows)
     line = int(info.value.args[0].split("reading stopped at line ")[1].split(" ")[0])
     stored = set(traffic(db_url))
     assert stored == {f"req-{i:05d}" for i in range(1, line)}   # all complete rows before the break
@@ -64,7 +65,7 @@ def test_a_truncated_gzip_keeps_every_complete_row_and_names_the_line(db_url, tm
     assert f"the {len(stored)} new rows before it are stored" in str(info.value)
     # a re-import of the repaired file adds the rest and keeps what is there
     repaired = write_jsonl(tmp_path / "repaired.jsonl.gz", rows, compress=True)
-    report = import_traffic(repaired, db_url=db_url, progress=False)
+    report = import_traffic(repaired, store=Store.open(db_url), progress=False)
     assert (report["inserted"], report["skipped_existing"]) == (300 - len(stored), len(stored))
 
 
@@ -72,12 +73,12 @@ def test_a_byte_order_mark_costs_no_row(db_url, tmp_path):
     path = tmp_path / "bom.jsonl"
     write_jsonl(path, [request_row(i) for i in range(1, 4)])
     path.write_bytes(codecs.BOM_UTF8 + path.read_bytes())
-    report = import_traffic(path, db_url=db_url, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), progress=False)
     assert (report["inserted"], report["quarantined"]) == (3, 0)
     csv_path = tmp_path / "bom.csv"
     csv_path.write_bytes(codecs.BOM_UTF8 + b"id,timestamp,domain,prompt,response,temperature,model\n"
                          b"c1,2025-11-03T10:00:00Z,qa,Why?,Because.,0,m\n")
-    report = import_traffic(csv_path, db_url=db_url, progress=False)
+    report = import_traffic(csv_path, store=Store.open(db_url), progress=False)
     assert (report["inserted"], report["quarantined"]) == (1, 0)
 
 
@@ -99,7 +100,7 @@ def test_implausible_rows_are_quarantined_with_reasons_and_the_exit_status_says_
 
 def test_a_directory_is_not_reported_missing(db_url, tmp_path):
     with pytest.raises(TrafficFileError, match="is a directory"):
-        import_traffic(tmp_path, db_url=db_url, progress=False)
+        import_traffic(tmp_path, store=Store.open(db_url), progress=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,11 +167,11 @@ def test_a_read_only_database_says_so_and_loses_nothing(tmp_path):
 
     path = tmp_path / "specdec.db"
     upgrade(f"sqlite:///{path}")
-    import_traffic(write_jsonl(tmp_path / "a.jsonl", [request_row(1)]), db_url=f"sqlite:///{path}",
+    import_traffic(write_jsonl(tmp_path / "a.jsonl", [request_row(1)]), store=Store.open(f"sqlite:///{path}"),
                    progress=False)
     read_only = f"sqlite:///file:{path}?mode=ro&uri=true"
     with pytest.raises(DatabaseUnavailable, match="is read-only"):
-        import_traffic(write_jsonl(tmp_path / "b.jsonl", [request_row(2)]), db_url=read_only,
+        import_traffic(write_jsonl(tmp_path / "b.jsonl", [request_row(2)]), store=Store.open(read_only),
                        progress=False)
     assert set(traffic(f"sqlite:///{path}")) == {"req-00001"}
 

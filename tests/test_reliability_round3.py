@@ -16,6 +16,8 @@ import pytest
 from .helpers import REPO
 from .helpers.processes import MlflowServer
 
+from tasks.db.store import Store
+
 SECRET = "Pl4nted-S3cret"
 
 
@@ -107,7 +109,7 @@ def _import_worker(path: str, db_url: str, barrier, results) -> None:
     settings = load_settings({}, import_batch_size=100)     # many transactions to interleave
     barrier.wait(timeout=120)
     try:
-        results.put((path, import_traffic(path, db_url=db_url, settings=settings, progress=False)))
+        results.put((path, import_traffic(path, store=Store.open(db_url), settings=settings, progress=False)))
     except Exception as exc:    # the assertion names it
         results.put((path, f"{type(exc).__name__}: {exc}"))
 

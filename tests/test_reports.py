@@ -13,6 +13,7 @@ from sqlalchemy import create_engine, insert
 
 from tasks.db.models import (AcceptanceEstimate, DomainConfig, LiveMeasurement, Promotion,
                              Validation)
+from tasks.db.store import Store
 from tasks.steps.reports import list_reports, report_header, run_report, sql_dir
 from tasks.steps.traffic_import import import_traffic
 
@@ -55,7 +56,7 @@ def fixture_db(db_url, jsonl_file, make_request):
         f"{{ {CANARY}",                                           # line 7
     ]
     path = jsonl_file(rows)
-    import_traffic(path, db_url=db_url, progress=False)
+    import_traffic(path, store=Store.open(db_url), progress=False)
 
     def at(text):
         return datetime.fromisoformat(text)
@@ -131,13 +132,13 @@ def test_report_files_each_state_their_question():
 @pytest.mark.parametrize("name", sorted(EXPECTED_REPORTS))
 def test_every_report_runs_on_an_empty_database(db_url, name):
     # no rows, no error, the columns are named
-    report = run_report(name, db_url=db_url)
+    report = run_report(name, store=Store.open(db_url))
     assert report["rows"] == [] and len(report["columns"]) >= 3
 
 
 def test_acceptance_by_domain_per_day(fixture_db):
     # two offline runs the same day pool into one row: token-weighted rate, tokens / rounds length
-    report = rows_as_dicts(run_report("acceptance_by_domain_per_day", db_url=fixture_db[0]))
+    report = rows_as_dicts(run_report("acceptance_by_domain_per_day", store=Store.open(fixture_db[0])))
     keys = [(r["day"], r["domain"], r["source"], r["drafter"], r["k"]) for r in report]
     assert keys == [("2025-11-03", "qa", "live", "prompt_lookup", 4),
                     ("2025-11-03", "qa", "offline", "prompt_lookup", 4),
@@ -154,7 +155,7 @@ def test_acceptance_by_domain_per_day(fixture_db):
 def test_current_config_per_domain(fixture_db):
     # the latest champion promotion wins (challenger and reject rows do not count);
     # a domain with traffic but no config is listed as running without speculation
-    report = rows_as_dicts(run_report("current_config_per_domain", db_url=fixture_db[0]))
+    report = rows_as_dicts(run_report("current_config_per_domain", store=Store.open(fixture_db[0])))
     assert [(r["target_id"], r["domain"], r["run_id"], r["enabled"], r["drafter"], r["k"],
              r["status"]) for r in report] == [
         ("tgt-a", "code", "r2", 0, None, None, "ok"),
@@ -167,7 +168,7 @@ def test_current_config_per_domain(fixture_db):
 
 def test_speedup_trend(fixture_db):
     # predicted vs measured per run and domain, with the interval check where an interval exists
-    report = rows_as_dicts(run_report("speedup_trend", db_url=fixture_db[0]))
+    report = rows_as_dicts(run_report("speedup_trend", store=Store.open(fixture_db[0])))
     assert [(r["day"], r["domain"], r["predicted_speedup"], r["measured_speedup"], r["within_ci95"])
             for r in report] == [("2025-11-03", "qa", 1.4, 1.5, 1), ("2025-11-04", "code", 1.1, 0.9, None)]
     assert report[0]["measured_over_predicted"] == pytest.approx(1.5 / 1.4)
@@ -176,7 +177,7 @@ def test_speedup_trend(fixture_db):
 
 def test_calibration_trend(fixture_db):
     # the cost model's error on the same requests apart from the subset's sampling error
-    report = rows_as_dicts(run_report("calibration_trend", db_url=fixture_db[0]))
+    report = rows_as_dicts(run_report("calibration_trend", store=Store.open(fixture_db[0])))
     assert [(r["day"], r["domain"]) for r in report] == [("2025-11-03", "qa"), ("2025-11-04", "code")]
     qa, code = report
     assert (qa["predicted_same_requests"], qa["measured_speedup"]) == (1.6, 1.5)
@@ -188,7 +189,7 @@ def test_calibration_trend(fixture_db):
 
 def test_validation_failures(fixture_db):
     # failed checks only, newest first, naming the request by id
-    report = rows_as_dicts(run_report("validation_failures", db_url=fixture_db[0]))
+    report = rows_as_dicts(run_report("validation_failures", store=Store.open(fixture_db[0])))
     assert [(r["run_id"], r["check_name"], r["request_id"], r["checked_at"]) for r in report] == [
         ("r2", "greedy_exact", "q2", "2025-11-04 06:00:00"),
         ("r1", "fingerprint", None, "2025-11-03 09:00:00")]
@@ -203,7 +204,7 @@ def test_engine_sampling(db_url):
     engine_sampling(db_url, "r1", "json", min_p=0.021)
     engine_sampling(db_url, "r1", "qa", status="failed", min_p=1e-9, control=True)
     engine_sampling(db_url, "r1", "chat", status="error")
-    report = rows_as_dicts(run_report("engine_sampling", db_url=db_url))
+    report = rows_as_dicts(run_report("engine_sampling", store=Store.open(db_url)))
     assert [(r["run_id"], r["domain"], r["engine"], r["passed"], r["tested"], r["own_passed"],
              r["validation"], r["promotable"]) for r in report] == [
         ("r1", "chat", "vllm", 0, 0, None, "failed", 0),                    # newest first
@@ -215,7 +216,7 @@ def test_engine_sampling(db_url):
     assert chat["smallest_p"] is None and chat["statistic"] is None and chat["own_smallest_p"] is None
     # a re-run replaces the domain's row: still one row, now passing
     engine_sampling(db_url, "r1", "chat")
-    report = rows_as_dicts(run_report("engine_sampling", db_url=db_url))
+    report = rows_as_dicts(run_report("engine_sampling", store=Store.open(db_url)))
     assert len(report) == 3
     assert [(r["passed"], r["tested"]) for r in report if r["domain"] == "chat"] == [(1, 1)]
 
@@ -223,7 +224,7 @@ def test_engine_sampling(db_url):
 def test_quarantined_by_reason(fixture_db):
     # counts per reason, most frequent first, with the first file:line to look at
     db_url, source = fixture_db
-    report = rows_as_dicts(run_report("quarantined_by_reason", db_url=db_url))
+    report = rows_as_dicts(run_report("quarantined_by_reason", store=Store.open(db_url)))
     assert [(r["reason"], r["rows_rejected"], r["files"], r["first_example"], r["example_request_id"])
             for r in report] == [("malformed_json", 2, 1, f"{source}:5", None),
                                  ("unknown_domain", 1, 1, f"{source}:6", "u1")]
@@ -231,7 +232,7 @@ def test_quarantined_by_reason(fixture_db):
 
 def test_gpu_seconds_saved_per_domain(fixture_db):
     # saved = response tokens / plain rate * (1 - 1/speedup); off -> 0; no config -> NULL
-    report = rows_as_dicts(run_report("gpu_seconds_saved_per_domain", db_url=fixture_db[0]))
+    report = rows_as_dicts(run_report("gpu_seconds_saved_per_domain", store=Store.open(fixture_db[0])))
     assert [(r["target_id"], r["domain"], r["requests"], r["response_tokens"], r["enabled"])
             for r in report] == [("tgt-a", "code", 1, 10, 0), ("tgt-a", "qa", 2, 10, 1),
                                  ("tgt-b", "chat", 1, 2, None)]
@@ -244,7 +245,7 @@ def test_gpu_seconds_saved_per_domain(fixture_db):
 
 def test_traffic_by_domain_per_day(fixture_db):
     # volume per day and domain, how the domain was assigned, redacted rows
-    report = rows_as_dicts(run_report("traffic_by_domain_per_day", db_url=fixture_db[0]))
+    report = rows_as_dicts(run_report("traffic_by_domain_per_day", store=Store.open(fixture_db[0])))
     assert [(r["day"], r["domain"], r["requests"], r["from_row"], r["by_rule"], r["fallback"],
              r["greedy"], r["redacted"]) for r in report] == [
         ("2025-11-01", "qa", 2, 2, 0, 0, 1, 0),
@@ -257,7 +258,7 @@ def test_traffic_by_domain_per_day(fixture_db):
 def test_reports_never_show_prompt_or_response_text(fixture_db):
     # every cell of every report is free of the canary planted in prompts, responses and raw lines
     for name in EXPECTED_REPORTS:
-        report = run_report(name, db_url=fixture_db[0])
+        report = run_report(name, store=Store.open(fixture_db[0]))
         assert CANARY not in json.dumps(report["rows"], default=str), name
 
 

@@ -32,6 +32,8 @@ from .helpers.models import save_tiny_target, tiny_llama
 from .helpers.processes import MlflowServer, Service, free_port
 from .helpers.traffic import traffic_rows, write_jsonl
 
+from tasks.db.store import Store
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
@@ -58,7 +60,7 @@ def tiny_target_traffic(db_url, tmp_path):
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, _ = load_model(str(model_dir), device="cpu")
     rows = traffic_rows(model, per_domain=10, foreign=0)
-    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), db_url=db_url, progress=False)
+    import_traffic(write_jsonl(tmp_path / "traffic.jsonl", rows), store=Store.open(db_url), progress=False)
     return {"target": str(model_dir), "domains": sorted({row["domain"] for row in rows})}
 
 

@@ -7,6 +7,7 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from specdec_core.drafters import SuffixDrafter
+from tasks.db.store import Store
 from tasks.steps.candidates import parse_candidate
 from tasks.registry.config_schema import DrafterSpec
 from tasks.db.models import AcceptanceEstimate, DomainConfig, DraftTrainingRequest, EvalSample
@@ -26,7 +27,7 @@ SUFFIX = "suffix:max_depth=16,min_token_prob=0.1,max_spec_factor=1.0"
 def suffix_db(db_url, tmp_path, tiny_target):
     # 16 requests per domain, at most 10 sampled: the rest can be indexed
     import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target, per_domain=16)),
-                   db_url=db_url, progress=False)
+                   store=Store.open(db_url), progress=False)
     return db_url
 
 
@@ -59,7 +60,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
                                                                         tmp_path, monkeypatch, mlflow_uri):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     tracking = mlflow_uri
-    registered = build_and_register("tiny", "json", db_url=suffix_db, tracking_uri=tracking,
+    registered = build_and_register("tiny", "json", store=Store.open(suffix_db), tracking_uri=tracking,
                                     model=tiny_target)
     assert registered["model_uri"].startswith("models:/specdec-suffix-tiny/")
     assert registered["requests"] == 16 and registered["tokens"] > 0
@@ -86,7 +87,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
     engine.dispose()
     assert status == {"json": "insufficient", "qa": "ok"}
     with pytest.raises(SuffixIndexError, match="no stored traffic"):
-        build_and_register("tiny", "chat", db_url=suffix_db, tracking_uri=tracking,
+        build_and_register("tiny", "chat", store=Store.open(suffix_db), tracking_uri=tracking,
                            model=tiny_target)
 
 

@@ -12,6 +12,8 @@ from sqlalchemy import create_engine, select
 from specdec_core import SpecDecoder
 from specdec_core.train import TrainConfig
 
+from tasks.db.store import Store
+
 
 
 def stored(db_url, generated: bool | None = None) -> dict[str, dict]:
@@ -30,7 +32,7 @@ def stored(db_url, generated: bool | None = None) -> dict[str, dict]:
 def generate(store, run_id, domains, count, **kwargs):
     from tasks.steps.traffic_generate import generate_traffic
 
-    return generate_traffic(run_id, domains, count, target=store["target"], db_url=store["db_url"],
+    return generate_traffic(run_id, domains, count, target=store["target"], store=Store.open(store["db_url"]),
                             model=store["model"], tokenizer=store["tokenizer"], progress=False,
                             **kwargs)
 
@@ -163,15 +165,15 @@ def test_sampling_estimates_indexes_and_reports_never_see_generated_rows(tiny_st
     generate(tiny_store, "gen-s", ["json", "qa"], 16)
     generated = set(stored(db_url, True))
     assert len(generated) == 32
-    sample = sample_traffic("eval-1", db_url=db_url, min_per_domain=1, max_per_domain=1000)
+    sample = sample_traffic("eval-1", store=Store.open(db_url), min_per_domain=1, max_per_domain=1000)
     assert {d: c["available"] for d, c in sample["domains"].items()} == {"json": 16, "qa": 16}
     assert sample["sampled"] == 32
-    requests, _ = load_sample_requests("eval-1", db_url, tokenizer=tiny_store["tokenizer"])
+    requests, _ = load_sample_requests("eval-1", Store.open(db_url), tokenizer=tiny_store["tokenizer"])
     scored = {r.request_id for rows in requests.values() for r in rows}
     assert len(scored) == 32 and not scored & generated
     fingerprint = fingerprint_id(target_fingerprint(tiny_store["model"]))
-    ids, _ = index_sequences(db_url, "json", fingerprint, tiny_store["tokenizer"])
+    ids, _ = index_sequences(Store.open(db_url), "json", fingerprint, tiny_store["tokenizer"])
     assert len(ids) == 16 and not set(ids) & generated
-    report = run_report("traffic_by_domain_per_day", db_url)
+    report = run_report("traffic_by_domain_per_day", Store.open(db_url))
     column = report["columns"].index("requests")
     assert sum(row[column] for row in report["rows"]) == 32

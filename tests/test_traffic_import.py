@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 
 from tasks.db.models import QuarantinedRequest, TrafficRequest
+from tasks.db.store import Store
 from tasks.errors import DatabaseUnavailable, TrafficFileError
 from tasks.settings import load_settings
 from tasks.steps.traffic_import import import_traffic, purge_traffic, sample_traffic_path
@@ -61,7 +62,7 @@ def test_valid_rows_land_with_normalised_fields(db_url, jsonl_file, make_request
                      top_p=None, prompt_token_ids=None),
         make_request(3, timestamp=1762351200),                     # epoch seconds
     ])
-    report = import_traffic(path, db_url=db_url, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), progress=False)
     assert (report["rows_read"], report["inserted"], report["quarantined"]) == (3, 3, 0)
     stored = traffic(db_url)
     first, second, third = stored["req-00001"], stored["req-00002"], stored["req-00003"]
@@ -79,8 +80,8 @@ def test_valid_rows_land_with_normalised_fields(db_url, jsonl_file, make_request
 def test_reimport_adds_nothing(db_url, jsonl_file, make_request):
     # importing the same file twice: second pass skips every row, tables unchanged
     path = jsonl_file([make_request(i) for i in range(1, 11)] + ["{not json"])
-    first = import_traffic(path, db_url=db_url, progress=False)
-    second = import_traffic(path, db_url=db_url, progress=False)
+    first = import_traffic(path, store=Store.open(db_url), progress=False)
+    second = import_traffic(path, store=Store.open(db_url), progress=False)
     assert (first["inserted"], first["quarantined_new"]) == (10, 1)
     assert (second["inserted"], second["skipped_existing"], second["quarantined_new"]) == (0, 10, 0)
     assert count(db_url, "traffic_requests") == 10 and count(db_url, "quarantined_requests") == 1
@@ -108,7 +109,7 @@ def test_bad_rows_are_quarantined_with_line_and_reason(db_url, jsonl_file, make_
     ]
     path = jsonl_file(rows)
     settings = load_settings({}, max_row_bytes=4096)
-    report = import_traffic(path, db_url=db_url, settings=settings, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), settings=settings, progress=False)
     assert report["inserted"] == 2 and set(traffic(db_url)) == {"req-00001", "req-00015"}
     assert quarantine(db_url) == [
         (2, "malformed_json"), (3, "not_an_object"), (4, "missing_field"), (5, "missing_field"),
@@ -124,7 +125,7 @@ def test_bad_rows_are_quarantined_with_line_and_reason(db_url, jsonl_file, make_
 def test_huge_line_is_skipped_without_losing_the_next_line(db_url, jsonl_file, make_request):
     # a 3 MB line over the 1 MB default limit is quarantined; the line after it still lands
     path = jsonl_file([make_request(1, response="y" * 3_000_000), make_request(2)])
-    report = import_traffic(path, db_url=db_url, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), progress=False)
     assert (report["inserted"], report["quarantined_by_reason"]) == (1, {"too_large": 1})
     assert set(traffic(db_url)) == {"req-00002"}
     stored = rows_of(db_url, QuarantinedRequest)
@@ -136,7 +137,7 @@ def test_duplicate_ids(db_url, jsonl_file, make_request):
     original = make_request(1)
     conflicting = make_request(1, response="A different answer.")
     path = jsonl_file([original, make_request(2), dict(original), conflicting])
-    report = import_traffic(path, db_url=db_url, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), progress=False)
     assert (report["inserted"], report["skipped_existing"]) == (2, 1)
     assert quarantine(db_url) == [(4, "duplicate_id")]
     assert traffic(db_url)["req-00001"]["response"] == original["response"]
@@ -145,11 +146,11 @@ def test_duplicate_ids(db_url, jsonl_file, make_request):
 def test_duplicate_id_across_batches_and_files(db_url, jsonl_file, make_request):
     # batch size 1: the duplicate is found in the database, not in the batch; another file too
     path = jsonl_file([make_request(1), make_request(1, response="changed")])
-    report = import_traffic(path, db_url=db_url, settings=load_settings({}, import_batch_size=1),
+    report = import_traffic(path, store=Store.open(db_url), settings=load_settings({}, import_batch_size=1),
                             progress=False)
     assert report["inserted"] == 1 and report["quarantined_by_reason"] == {"duplicate_id": 1}
     other = jsonl_file([make_request(1)], name="again.jsonl")
-    assert import_traffic(other, db_url=db_url, progress=False)["skipped_existing"] == 1
+    assert import_traffic(other, store=Store.open(db_url), progress=False)["skipped_existing"] == 1
 
 
 def test_missing_domain_is_assigned_by_the_first_matching_rule(db_url, jsonl_file, make_request):
@@ -166,7 +167,7 @@ def test_missing_domain_is_assigned_by_the_first_matching_rule(db_url, jsonl_fil
         ask(6, "hello there"),
         make_request(7, domain="  Code "),                                           # normalised
     ])
-    report = import_traffic(path, db_url=db_url, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), progress=False)
     stored = traffic(db_url)
     got = {rid: (row["domain"], row["domain_source"]) for rid, row in stored.items()}
     assert got == {
@@ -187,7 +188,7 @@ def test_domain_rules_and_known_set_come_from_settings(db_url, jsonl_file, make_
         make_request(2, domain=None, messages=[{"role": "user", "content": "Return JSON please"}]),
         make_request(3, domain="qa"),
     ])
-    report = import_traffic(path, db_url=db_url, settings=settings, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), settings=settings, progress=False)
     got = {rid: (row["domain"], row["domain_source"]) for rid, row in traffic(db_url).items()}
     assert got == {"req-00001": ("legal", "rule:contracts"), "req-00002": ("general", "fallback")}
     assert report["quarantined_by_reason"] == {"unknown_domain": 1}
@@ -203,7 +204,7 @@ def test_redaction_at_import(db_url, jsonl_file, make_request):
         make_request(2),
         '{"id": "bad", "note": "contact bob@example.com", "timestamp": "soon"}',
     ])
-    report = import_traffic(path, db_url=db_url, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), progress=False)
     stored = traffic(db_url)
     redacted = stored["req-00001"]
     assert redacted["prompt"] == "Be brief.\n\nMail [EMAIL], my key is [API_KEY]"
@@ -233,7 +234,7 @@ def test_csv_and_gzip(db_url, tmp_path, make_request):
                          "Leaves fall.", "0", "", "", "m", ""])
         writer.writerow(["c3", "2025-11-03T12:00:00Z", "qa"])
         writer.writerow(["c4", "2025-11-03T13:00:00Z", "qa", "Why?", "", "Because.", "x", "", "", "m", ""])
-    report = import_traffic(path, db_url=db_url, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), progress=False)
     stored = traffic(db_url)
     assert set(stored) == {"c1", "c2"}
     assert stored["c1"]["prompt"] == "Hi, line one\nline two, with a comma"
@@ -246,22 +247,22 @@ def test_csv_and_gzip(db_url, tmp_path, make_request):
 def test_unreadable_inputs_are_file_errors(db_url, tmp_path):
     # missing file, unknown extension, CSV without the needed columns
     with pytest.raises(TrafficFileError, match="does not exist"):
-        import_traffic(tmp_path / "nope.jsonl", db_url=db_url, progress=False)
+        import_traffic(tmp_path / "nope.jsonl", store=Store.open(db_url), progress=False)
     odd = tmp_path / "traffic.txt"
     odd.write_text("{}\n")
     with pytest.raises(TrafficFileError, match="--format"):
-        import_traffic(odd, db_url=db_url, progress=False)
+        import_traffic(odd, store=Store.open(db_url), progress=False)
     bad_header = tmp_path / "traffic.csv"
     bad_header.write_text("name,text\nx,y\n")
     with pytest.raises(TrafficFileError, match="header"):
-        import_traffic(bad_header, db_url=db_url, progress=False)
+        import_traffic(bad_header, store=Store.open(db_url), progress=False)
 
 
 def test_import_into_a_database_that_does_not_exist(tmp_path, jsonl_file, make_request):
     # the error names the database and the command that creates it
     path = jsonl_file([make_request(1)])
     with pytest.raises(DatabaseUnavailable, match="specdec db upgrade"):
-        import_traffic(path, db_url=f"sqlite:///{tmp_path / 'missing.db'}", progress=False)
+        import_traffic(path, store=Store.open(f"sqlite:///{tmp_path / 'missing.db'}"), progress=False)
 
 
 @pytest.mark.integration
@@ -289,7 +290,7 @@ def test_killed_import_loses_nothing_and_a_rerun_completes(db_url, jsonl_file, m
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     after_kill = count(db_url, "traffic_requests")
     assert stored_at_kill <= after_kill < total - bad           # nothing lost, not finished
-    report = import_traffic(path, db_url=db_url, progress=False)
+    report = import_traffic(path, store=Store.open(db_url), progress=False)
     assert count(db_url, "traffic_requests") == total - bad
     assert count(db_url, "quarantined_requests") == bad
     assert report["inserted"] == total - bad - after_kill
@@ -304,14 +305,14 @@ def test_purge_older_than(db_url, jsonl_file, make_request):
                        make_request(2, timestamp="2025-11-10T00:00:00Z"),
                        make_request(3, timestamp="2025-11-19T00:00:00Z"),
                        "{broken"])
-    import_traffic(path, db_url=db_url, progress=False)
-    dry = purge_traffic(7, db_url=db_url, now=now, dry_run=True)
+    import_traffic(path, store=Store.open(db_url), progress=False)
+    dry = purge_traffic(7, store=Store.open(db_url), now=now, dry_run=True)
     assert (dry["traffic_requests"], count(db_url, "traffic_requests")) == (2, 3)
-    done = purge_traffic(7, db_url=db_url, now=now)
+    done = purge_traffic(7, store=Store.open(db_url), now=now)
     assert (done["traffic_requests"], done["quarantined_requests"]) == (2, 0)
     assert set(traffic(db_url)) == {"req-00003"} and count(db_url, "quarantined_requests") == 1
     later = datetime.now() + timedelta(days=30)
-    assert purge_traffic(7, db_url=db_url, now=later)["quarantined_requests"] == 1
+    assert purge_traffic(7, store=Store.open(db_url), now=later)["quarantined_requests"] == 1
     assert count(db_url, "quarantined_requests") == 0 and count(db_url, "traffic_requests") == 0
 
 
@@ -331,7 +332,7 @@ def test_cli_import_reports_quarantine_lines(db_url, jsonl_file, make_request, c
 
 def test_shipped_sample_imports_cleanly(db_url):
     # the shipped file: >= 600 requests over six domains, greedy and sampled, nothing quarantined
-    report = import_traffic(sample_traffic_path(), db_url=db_url, progress=False)
+    report = import_traffic(sample_traffic_path(), store=Store.open(db_url), progress=False)
     assert report["inserted"] >= 600 and report["quarantined"] == 0
     engine = create_engine(db_url)
     with engine.connect() as connection:
@@ -447,7 +448,7 @@ def test_a_corrupt_gzips_garbled_lines_are_superseded_by_the_intact_files_import
     first = rows_of(db_url, QuarantinedRequest, QuarantinedRequest.line_number)
     assert len(first) >= 20 and all(e["file_error"] and "CRC check failed" in e["file_error"]
                                     and e["superseded_at"] is None for e in first)
-    assert sum(r["rows_rejected"] for r in report_rows(run_report("quarantined_by_reason", db_url))) \
+    assert sum(r["rows_rejected"] for r in report_rows(run_report("quarantined_by_reason", Store.open(db_url)))) \
         == len(first)
     assert set(traffic(db_url)) < {row["id"] for row in rows}
 
@@ -461,7 +462,7 @@ def test_a_corrupt_gzips_garbled_lines_are_superseded_by_the_intact_files_import
     by_line = {e["line_number"]: e["superseded_by"] for e in after}
     assert {line: by for line, by in by_line.items() if line <= 300} == {
         line: f"req-{line:05d}" for line in by_line if line <= 300}
-    assert report_rows(run_report("quarantined_by_reason", db_url)) == []
+    assert report_rows(run_report("quarantined_by_reason", Store.open(db_url))) == []
     stored = traffic(db_url)
     assert set(stored) == {row["id"] for row in rows} and count(db_url, "traffic_requests") == 300
     assert all(stored[row["id"]]["response"] == row["response"] for row in rows)

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from tasks.db.models import EvalRun, EvalSample
+from tasks.db.store import Store
 from tasks.errors import SampleError
 from tasks.steps.traffic_sample import sample_traffic
 from tasks.steps.traffic_import import import_traffic
@@ -27,7 +28,7 @@ def traffic_rows(make_request, per_domain: dict[str, int], start=START, step_hou
 
 
 def load(db_url, jsonl_file, rows, name="t.jsonl"):
-    report = import_traffic(jsonl_file(rows, name=name), db_url=db_url, progress=False)
+    report = import_traffic(jsonl_file(rows, name=name), store=Store.open(db_url), progress=False)
     assert report["quarantined"] == 0
     return report
 
@@ -45,11 +46,11 @@ def samples(db_url, run_id) -> list[tuple[str, str, int]]:
 def test_same_run_id_same_sample_other_run_id_other_sample(db_url, jsonl_file, make_request):
     # the draw is seeded by the run id: repeatable, and a different id draws differently
     load(db_url, jsonl_file, traffic_rows(make_request, {"qa": 60, "code": 40}))
-    first = sample_traffic("run-a", db_url=db_url, max_per_domain=10, min_per_domain=5)
+    first = sample_traffic("run-a", store=Store.open(db_url), max_per_domain=10, min_per_domain=5)
     drawn = samples(db_url, "run-a")
-    again = sample_traffic("run-a", db_url=db_url, max_per_domain=10, min_per_domain=5)
+    again = sample_traffic("run-a", store=Store.open(db_url), max_per_domain=10, min_per_domain=5)
     assert samples(db_url, "run-a") == drawn and again["domains"] == first["domains"]
-    sample_traffic("run-b", db_url=db_url, max_per_domain=10, min_per_domain=5)
+    sample_traffic("run-b", store=Store.open(db_url), max_per_domain=10, min_per_domain=5)
     other = samples(db_url, "run-b")
     assert {r for _, r, _ in other} != {r for _, r, _ in drawn}
     assert first["domains"] == {"code": {"available": 40, "sampled": 10, "status": "ok"},
@@ -65,18 +66,18 @@ def test_sample_does_not_depend_on_storage_order(db_url, jsonl_file, make_reques
     other_url = f"sqlite:///{tmp_path / 'reversed.db'}"
     upgrade(other_url)
     load(other_url, jsonl_file, list(reversed(rows)), name="reversed.jsonl")
-    sample_traffic("run-x", db_url=db_url, max_per_domain=7, min_per_domain=1)
-    sample_traffic("run-x", db_url=other_url, max_per_domain=7, min_per_domain=1)
+    sample_traffic("run-x", store=Store.open(db_url), max_per_domain=7, min_per_domain=1)
+    sample_traffic("run-x", store=Store.open(other_url), max_per_domain=7, min_per_domain=1)
     assert samples(db_url, "run-x") == samples(other_url, "run-x")
 
 
 def test_rerun_replaces_only_its_own_rows(db_url, jsonl_file, make_request):
     # re-running run A with other limits rewrites A's sample; run B's rows are untouched
     load(db_url, jsonl_file, traffic_rows(make_request, {"qa": 30, "json": 30}))
-    sample_traffic("A", db_url=db_url, max_per_domain=10, min_per_domain=1)
-    sample_traffic("B", db_url=db_url, max_per_domain=10, min_per_domain=1)
+    sample_traffic("A", store=Store.open(db_url), max_per_domain=10, min_per_domain=1)
+    sample_traffic("B", store=Store.open(db_url), max_per_domain=10, min_per_domain=1)
     before_b = samples(db_url, "B")
-    result = sample_traffic("A", db_url=db_url, max_per_domain=4, min_per_domain=1, domains=["qa"])
+    result = sample_traffic("A", store=Store.open(db_url), max_per_domain=4, min_per_domain=1, domains=["qa"])
     assert result["sampled"] == 4 and [d for d, _, _ in samples(db_url, "A")] == ["qa"] * 4
     assert samples(db_url, "B") == before_b
     engine = create_engine(db_url)
@@ -91,9 +92,9 @@ def test_rerun_replaces_only_its_own_rows(db_url, jsonl_file, make_request):
 def test_smaller_sample_is_a_prefix_of_a_larger_one(db_url, jsonl_file, make_request):
     # a domain's draw is the requests with the smallest keys: raising the maximum only adds rows
     load(db_url, jsonl_file, traffic_rows(make_request, {"creative": 40}))
-    sample_traffic("r", db_url=db_url, max_per_domain=5, min_per_domain=1)
+    sample_traffic("r", store=Store.open(db_url), max_per_domain=5, min_per_domain=1)
     small = [r for _, r, _ in samples(db_url, "r")]
-    sample_traffic("r", db_url=db_url, max_per_domain=12, min_per_domain=1)
+    sample_traffic("r", store=Store.open(db_url), max_per_domain=12, min_per_domain=1)
     large = [r for _, r, _ in samples(db_url, "r")]
     assert large[:5] == small and len(large) == 12
 
@@ -104,12 +105,12 @@ def test_default_window_ends_at_the_newest_request_not_now(db_url, jsonl_file, m
     recent = [make_request(100 + i, domain="qa",
                            timestamp=(START + timedelta(days=i)).isoformat() + "Z") for i in range(8)]
     load(db_url, jsonl_file, old + recent)
-    result = sample_traffic("w", db_url=db_url, min_per_domain=1, max_per_domain=100)
+    result = sample_traffic("w", store=Store.open(db_url), min_per_domain=1, max_per_domain=100)
     assert result["domains"]["qa"]["available"] == 8
     assert result["window"]["end"] == (START + timedelta(days=7)).isoformat()
-    three_days = sample_traffic("w3", db_url=db_url, window=3, min_per_domain=1, max_per_domain=100)
+    three_days = sample_traffic("w3", store=Store.open(db_url), window=3, min_per_domain=1, max_per_domain=100)
     assert three_days["domains"]["qa"]["available"] == 4          # days 4, 5, 6, 7 (ends inclusive)
-    explicit = sample_traffic("we", db_url=db_url, min_per_domain=1, max_per_domain=100,
+    explicit = sample_traffic("we", store=Store.open(db_url), min_per_domain=1, max_per_domain=100,
                               window=("2020-12-01T00:00:00Z", "2021-01-31"))
     assert explicit["domains"]["qa"]["available"] == 5
 
@@ -117,7 +118,7 @@ def test_default_window_ends_at_the_newest_request_not_now(db_url, jsonl_file, m
 def test_insufficient_domain_is_marked_not_raised(db_url, jsonl_file, make_request):
     # a domain under its minimum is recorded and listed; an asked-for domain without traffic too
     load(db_url, jsonl_file, traffic_rows(make_request, {"qa": 12, "code": 3}))
-    result = sample_traffic("i", db_url=db_url, min_per_domain=5, max_per_domain=10,
+    result = sample_traffic("i", store=Store.open(db_url), min_per_domain=5, max_per_domain=10,
                             domains=["qa", "code", "creative"])
     assert result["domains"] == {"code": {"available": 3, "sampled": 3, "status": "insufficient"},
                                  "creative": {"available": 0, "sampled": 0, "status": "insufficient"},
@@ -131,7 +132,7 @@ def test_model_filter(db_url, jsonl_file, make_request):
     for row in rows[:4]:
         row["model"] = "other-target"
     load(db_url, jsonl_file, rows)
-    result = sample_traffic("m", db_url=db_url, model="other-target", min_per_domain=1)
+    result = sample_traffic("m", store=Store.open(db_url), model="other-target", min_per_domain=1)
     assert result["domains"]["qa"]["available"] == 4
 
 
@@ -146,13 +147,13 @@ def test_bad_requests_name_the_input(db_url, jsonl_file, make_request, kwargs, f
     # unusable arguments are SampleErrors that say what to change
     load(db_url, jsonl_file, traffic_rows(make_request, {"qa": 3}))
     with pytest.raises(SampleError, match=fragment):
-        sample_traffic("bad", db_url=db_url, **kwargs)
+        sample_traffic("bad", store=Store.open(db_url), **kwargs)
 
 
 def test_empty_traffic_says_import_first(db_url):
     # nothing stored: the default window cannot be placed
     with pytest.raises(SampleError, match="traffic import"):
-        sample_traffic("empty", db_url=db_url)
+        sample_traffic("empty", store=Store.open(db_url))
 
 
 def test_cli_sample_prints_json(db_url, jsonl_file, make_request, capsys):
@@ -182,7 +183,7 @@ def test_default_window_covers_the_shipped_sample(db_url):
     # whatever today's date is, the default window (ending at the newest request) holds every row
     from tasks.steps.traffic_import import sample_traffic_path
 
-    inserted = import_traffic(sample_traffic_path(), db_url=db_url, progress=False)["inserted"]
-    result = sample_traffic("shipped", db_url=db_url, max_per_domain=1000)
+    inserted = import_traffic(sample_traffic_path(), store=Store.open(db_url), progress=False)["inserted"]
+    result = sample_traffic("shipped", store=Store.open(db_url), max_per_domain=1000)
     assert sum(info["available"] for info in result["domains"].values()) == inserted
     assert result["insufficient"] == []

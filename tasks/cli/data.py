@@ -6,7 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..settings import load_settings
-from .common import per_domain_args, print_json, url_arg
+from .common import open_store, per_domain_args, print_json, url_arg
 from .console import emit, make_console
 
 console = make_console()
@@ -41,7 +41,7 @@ def cmd_traffic_import(args) -> int:
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
     path = sample_traffic_path() if args.sample else args.file
     settings = load_settings(import_batch_size=args.batch_size)
-    report = import_traffic(path, db_url=args.url, settings=settings, file_format=args.format,
+    report = import_traffic(path, open_store(args, settings), settings=settings, file_format=args.format,
                             progress=not args.no_progress)
     status = EXIT_QUARANTINED if report["quarantined"] else 0
     if args.json:
@@ -75,7 +75,7 @@ def cmd_traffic_purge(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.traffic_import import purge_traffic
 
-    result = purge_traffic(args.older_than, db_url=args.url, dry_run=args.dry_run)
+    result = purge_traffic(args.older_than, open_store(args), dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     console.print(f"{verb} {result['traffic_requests']} traffic rows and "
                   f"{result['quarantined_requests']} quarantined rows older than {result['cutoff']}")
@@ -90,7 +90,7 @@ def cmd_traffic_sample(args) -> int:
     if (args.start is None) != (args.end is None):
         raise SystemExit("specdec traffic sample: give both --start and --end, or --days")
     domains = [d.strip() for d in args.domains.split(",") if d.strip()] if args.domains else None
-    print_json(sample_traffic(args.run_id, db_url=args.url, domains=domains, window=window,
+    print_json(sample_traffic(args.run_id, open_store(args), domains=domains, window=window,
                               min_per_domain=args.min_per_domain, max_per_domain=args.max_per_domain,
                               model=args.model))
     return 0
@@ -100,7 +100,7 @@ def cmd_traffic_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.quality import check_traffic_sample
 
-    result = check_traffic_sample(args.run_id, db_url=args.url)
+    result = check_traffic_sample(args.run_id, open_store(args))
     table = Table(title=f"run {escape(args.run_id)}: traffic sample passed {result['expectations']} "
                         f"table-level expectations ({result['rows']} rows)")
     for column in ("domain", "rows", "min rows", "status"):
@@ -119,7 +119,7 @@ def cmd_report(args) -> int:
         for name, question in list_reports().items():
             console.print(f"[bold]{name}[/bold]: {escape(question)}")
         return 0
-    report = run_report(args.name, db_url=args.url)
+    report = run_report(args.name, open_store(args))
     if args.format != "table":
         emit(format_report(report, args.format), end="")
         return 0

@@ -13,7 +13,7 @@ from specdec_core.models import DEFAULT_MODEL
 
 from ..paths import check_identifier
 from ..steps.draft_recipes import KINDS, TRAINING_DEFAULTS, recipe_and_data
-from .common import print_json, tracking_uri_arg, url_arg
+from .common import open_store, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -84,7 +84,7 @@ def cmd_generate(args) -> int:
 
     run_id = args.id or "generate__" + default_run_id().split("__")[1].replace(":", "-")
     result = generate_traffic(run_id, [d.strip() for d in args.domain.split(",") if d.strip()],
-                              args.count, target=args.model, db_url=args.url, window_days=args.days,
+                              args.count, target=args.model, store=open_store(args), window_days=args.days,
                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                               device=args.device)
     if args.json:
@@ -129,8 +129,9 @@ def cmd_index_build(args) -> int:
     from ..steps.suffix_index import build_and_register
 
     results = {}
+    store = open_store(args)
     for domain in [d.strip() for d in args.domain.split(",") if d.strip()]:
-        results[domain] = build_and_register(args.model, domain, db_url=args.url,
+        results[domain] = build_and_register(args.model, domain, store,
                                              tracking_uri=args.tracking_uri, window_days=args.days)
     if args.json:
         print_json(results)

@@ -177,10 +177,11 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print("[bold]2/4[/bold] specdec database and the shipped traffic")
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db import upgrade
+    from ..db.store import Store
     from ..steps.traffic_import import import_traffic, sample_traffic_path
 
     upgrade()
-    report = import_traffic(sample_traffic_path(), progress=False)
+    report = import_traffic(sample_traffic_path(), Store.open(), progress=False)
     console.print(f"      {report['inserted']} new requests ({report['rows_read']} read, {report['skipped_existing']} already stored)")
     console.print("[bold]3/4[/bold] specdec_evaluate through dag.test() (about 12 minutes on 2 CPU cores)")
     from airflow.dag_processing.dagbag import DagBag

@@ -229,7 +229,7 @@ class RunContext:
         """(requests by domain, excluded) of the run's sample in these domains, scored by this
         target: other fingerprints, training rows of a candidate draft and rows inside a
         candidate's registered suffix index left out."""
-        return load_sample_requests(self.run_id, self.url, domains=domains, tokenizer=self.tokenizer,
+        return load_sample_requests(self.run_id, self.store, domains=domains, tokenizer=self.tokenizer,
                                     fingerprint=self.fingerprint, exclude_ids=self.trained_on,
                                     indexed_ids=indexed_request_ids(self.drafters),
                                     max_tokens=context_tokens(self.model),
@@ -245,5 +245,5 @@ class RunContext:
     def domain_drafters(self, domain: str) -> dict:
         """The run's candidates for one domain: a suffix candidate without an index of its own
         gets the run's index of this domain (tasks.steps.suffix_index)."""
-        return domain_drafters(self.drafters, self.run_id, domain, self.url, self.fingerprint,
+        return domain_drafters(self.drafters, self.run_id, domain, self.store, self.fingerprint,
                                self.tokenizer, self.model)

@@ -46,6 +46,7 @@ from specdec_core.profile import CostSampler
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
+from ..db.store import Store
 from ..errors import SpecdecTaskError
 from ..registry.run_results import profile_check  # noqa: F401 - re-exported
 from ..paths import home_path
@@ -590,7 +591,7 @@ def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) 
                 # `profile measure` (no MLflow installed there) never needs
                 from .suffix_index import timing_index
 
-                index = timing_index(db_url, None, tokenizer, output_size(target))
+                index = timing_index(Store.of(db_url), None, tokenizer, output_size(target))
             drafter = drafter.with_index(index)
         out[label] = drafter
     return out

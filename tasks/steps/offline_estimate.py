@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import logging
 
-from sqlalchemy import delete, insert, select
-from sqlalchemy.orm import Session
-
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import AcceptanceEstimate, EvalSample, TrafficRequest
+from ..db.queries_estimates import replace_acceptance_estimates, sampled_requests
+from ..db.store import Store
 from ..errors import SampleError
-from ..settings import Settings, load_settings
+from ..settings import Settings
 from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -43,7 +40,7 @@ def request_token_ids(row, tokenizer) -> tuple[list[int], list[int]]:
     return list(prompt), list(response)
 
 
-def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, tokenizer=None,
+def load_sample_requests(run_id: str, store: Store, domains=None, tokenizer=None,
                          fingerprint: str | None = None, limit_per_domain: int | None = None,
                          exclude_ids: set[str] | None = None, indexed_ids: set[str] | None = None,
                          max_tokens: int | None = None, max_prompt_tokens: int | None = None):
@@ -58,19 +55,10 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
     token ids were logged, is excluded as "too_long": it is never scored (no estimate, live
     check or sampling test allocates for it).
     """
-    engine = ensure_ready(resolve_database_url(db_url))
-    query = (select(EvalSample.domain, EvalSample.position, TrafficRequest)
-             .join(TrafficRequest, TrafficRequest.id == EvalSample.request_id)
-             .where(EvalSample.run_id == run_id)
-             .order_by(EvalSample.domain, EvalSample.position))
-    if domains is not None:
-        query = query.where(EvalSample.domain.in_(list(domains)))
     by_domain: dict[str, list] = {}
     excluded: dict[str, list[str]] = {"other_fingerprint": [], "too_short": [], "unverified": [],
                                       "trained_on": [], "indexed": [], "too_long": []}
-    with Session(engine) as session:
-        rows = session.execute(query).all()
-        session.expunge_all()
+    rows = sampled_requests(store, run_id, domains)
     if not rows:
         raise SampleError(f"run {run_id!r} has no sampled requests{' in ' + str(list(domains)) if domains else ''}; "
                           "run the sample step (`specdec traffic sample RUN_ID`) first")
@@ -115,7 +103,7 @@ def load_sample_requests(run_id: str, db_url: str | None = None, domains=None, t
 
 
 def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: dict,
-                     db_url: str | None = None, settings: Settings | None = None,
+                     store: Store, settings: Settings | None = None,
                      k_max: int | None = None, progress: bool = True) -> dict:
     """Estimate E(K), K = 1..k_max, per domain for every drafter ({label: (spec, drafter)}) and store.
 
@@ -124,9 +112,8 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
     Requests are estimated in request-id order, not in the order they were drawn: the same sample
     gives the same batches (padding neighbours), hence the same figures to the last bit.
     """
-    settings = settings or load_settings()
+    settings = settings or store.settings
     k_max = k_max or settings.plan.k_max
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     requests = sorted((r for items in requests_by_domain.values() for r in items),
                       key=lambda r: (r.domain, r.request_id))
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -158,11 +145,7 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
                     "mean_accepted_length_lo": e.ci95[0], "mean_accepted_length_hi": e.ci95[1],
                     "conditional_acceptance": e.conditional_acceptance,
                     "draft_width_share": e.width_share, "created_at": now})
-    with engine.begin() as connection:
-        connection.execute(delete(AcceptanceEstimate).where(
-            (AcceptanceEstimate.run_id == run_id)
-            & AcceptanceEstimate.domain.in_(list(requests_by_domain))))
-        if rows:
-            connection.execute(insert(AcceptanceEstimate), rows)
+    with store.begin() as connection:
+        replace_acceptance_estimates(connection, run_id, list(requests_by_domain), rows)
     log.info("run %s: %d acceptance estimates over %d domains", run_id, len(rows), len(out))
     return out

@@ -21,6 +21,7 @@ from sqlalchemy import func, select, update
 from ..db.engine import ensure_ready
 from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
 from ..db.queries_run_view import record_engine_check_skip
+from ..db.store import Store
 from ..masking import mask_text
 from ..registry.config_schema import config_model_name
 from ..registry.promotion import promote
@@ -54,8 +55,8 @@ def step_sample(spec) -> dict:
     settings = spec.settings()
     url = spec.resolved_url(settings)
     spec = freeze_candidates(spec, settings)
-    sample = sample_traffic(spec.run_id, db_url=url, domains=spec.domains, window=spec.window_days,
-                            settings=settings)
+    sample = sample_traffic(spec.run_id, Store.open(url, settings), domains=spec.domains,
+                            window=spec.window_days, settings=settings)
     engine = ensure_ready(url)
     with engine.begin() as connection:
         params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == spec.run_id)).scalar()
@@ -72,7 +73,8 @@ def step_check(spec) -> dict:
     Output: {"ok": [domains], "insufficient": [domains]}."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    checked = check_traffic_sample(spec.run_id, db_url=spec.resolved_url(settings), settings=settings)
+    checked = check_traffic_sample(spec.run_id, Store.open(spec.resolved_url(settings), settings),
+                                   settings=settings)
     status = {domain: info["status"] for domain, info in checked["domains"].items()}
     return {"ok": sorted(d for d, s in status.items() if s == "ok"),
             "insufficient": sorted(d for d, s in status.items() if s != "ok")}
@@ -177,7 +179,7 @@ def step_estimate(spec, domain: str, profile) -> dict:
         return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                                   status="insufficient", samples=len(requests)))
     estimate_domains(run_id, context.model, context.domain_drafters(domain), {domain: requests},
-                     db_url=url, settings=settings, k_max=settings.plan.k_max, progress=False)
+                     context.store, settings=settings, k_max=settings.plan.k_max, progress=False)
     return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                               samples=len(requests),
                               currently_on=domain in champion_domains_on(context.spec, url)))
@@ -297,7 +299,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     if measured is not None:
         tables.append("live_measurements")
     for table in tables:
-        check_result_table(run_id, table, db_url=url, settings=settings)
+        check_result_table(run_id, table, context.store, settings=settings)
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
             status="evaluated", updated_at=utcnow()))

@@ -24,14 +24,12 @@ import re
 from dataclasses import dataclass
 
 import pandas as pd
-from sqlalchemy import delete, insert, select, update
-
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import Base, DataDocsPage, EvalRun, EvalSample, QualityResult, TrafficRequest
+from ..db.queries_quality import (replace_quality_results, result_rows, sample_rows, sampling_params,
+                                  set_run_checked, store_data_docs)
+from ..db.store import Store
 from ..errors import QualityGateFailed, SampleError
 from ..registry.run_results import data_docs_pages  # noqa: F401 - re-exported
-from ..settings import Settings, load_settings
-from ..timeutil import utcnow
+from ..settings import Settings
 from .traffic_sample import SAMPLE_SUITE
 
 log = logging.getLogger(__name__)
@@ -100,17 +98,6 @@ def render_data_docs(result, page: str) -> str | None:
     except Exception as exc:
         log.warning("Data Docs page %s not rendered (%s)", page, exc)
         return None
-
-
-def store_data_docs(connection, run_id: str, pages: dict[str, str]) -> None:
-    """Replace the run's Data Docs pages of these names (in the caller's transaction)."""
-    if not pages:
-        return
-    connection.execute(delete(DataDocsPage).where((DataDocsPage.run_id == run_id)
-                                                  & DataDocsPage.page.in_(list(pages))))
-    now = utcnow()
-    connection.execute(insert(DataDocsPage), [{"run_id": run_id, "page": page, "html": html,
-                                                "created_at": now} for page, html in pages.items()])
 
 
 def run_suite(context, name: str, frame, expectations: list, scope: str = "table",
@@ -205,14 +192,7 @@ def sample_expectations(settings: Settings) -> list:
 
 def load_sample_frame(connection, run_id: str):
     """The run's sample as a DataFrame; requests no longer stored come back with null fields."""
-    t = TrafficRequest
-    query = (select(EvalSample.request_id.label("id"), t.domain, t.prompt, t.response, t.requested_at,
-                    t.temperature, t.top_k, t.top_p, t.prompt_chars, t.response_chars,
-                    t.prompt_tokens, t.response_tokens)
-             .select_from(EvalSample).outerjoin(t, t.id == EvalSample.request_id)
-             .where(EvalSample.run_id == run_id).order_by(EvalSample.domain, EvalSample.position))
-    rows = connection.execute(query).all()
-    frame = pd.DataFrame([tuple(row) for row in rows], columns=list(SAMPLE_COLUMNS))
+    frame = pd.DataFrame(sample_rows(connection, run_id), columns=list(SAMPLE_COLUMNS))
     for column in ("temperature", "top_p", "prompt_chars", "response_chars", "prompt_tokens",
                    "response_tokens", "top_k"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
@@ -222,16 +202,11 @@ def load_sample_frame(connection, run_id: str):
 
 
 def _store(connection, run_id: str, suites: tuple[str, ...], outcomes: list[tuple[str, Outcome, str]]) -> None:
-    now = utcnow()
-    connection.execute(delete(QualityResult).where((QualityResult.run_id == run_id)
-                                                   & QualityResult.suite.in_(suites)))
-    if outcomes:
-        connection.execute(insert(QualityResult), [
-            {"run_id": run_id, "suite": suite, "scope": outcome.scope,
-             "expectation": outcome.expectation, "column_name": outcome.column,
-             "success": outcome.success, "status": status, "observed": outcome.observed,
-             "created_at": now}
-            for suite, outcome, status in outcomes])
+    replace_quality_results(connection, run_id, suites, [
+        {"suite": suite, "scope": outcome.scope, "expectation": outcome.expectation,
+         "column_name": outcome.column, "success": outcome.success, "status": status,
+         "observed": outcome.observed}
+        for suite, outcome, status in outcomes])
 
 
 def _failure_summary(what: str, failures: list[Outcome], fix: str) -> str:
@@ -241,19 +216,18 @@ def _failure_summary(what: str, failures: list[Outcome], fix: str) -> str:
     return "\n".join(lines)
 
 
-def check_traffic_sample(run_id: str, db_url: str | None = None,
+def check_traffic_sample(run_id: str, store: Store,
                          settings: Settings | None = None) -> dict:
     """Run the traffic-sample suite on the run's sample and store the results.
 
-    Inputs: run id (sampled before with sample_traffic), database URL, settings (bounds, known set;
+    Inputs: run id (sampled before with sample_traffic), the Store, settings (bounds, known set;
     min_per_domain comes from the run's own sampling params). Output: {"run_id", "rows",
     "expectations", "domains": {name: {"rows", "status"}}, "insufficient": [...]}.
     Raises QualityGateFailed (after storing the results) when a table-level expectation fails.
     """
-    settings = settings or load_settings()
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
-    with engine.connect() as connection:
-        run = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).first()
+    settings = settings or store.settings
+    with store.connect() as connection:
+        run = sampling_params(connection, run_id)
         if run is None:
             raise SampleError(f"run {run_id!r} has no sample; draw one first (sample_traffic / "
                               f"`specdec traffic sample {run_id}`)")
@@ -279,12 +253,10 @@ def check_traffic_sample(run_id: str, db_url: str | None = None,
         domain_outcomes.append((DOMAIN_SUITE, outcome, status))
     failures = [outcome for outcome in table if not outcome.success]
     stored = [(SAMPLE_SUITE, outcome, "pass" if outcome.success else "fail") for outcome in table]
-    with engine.begin() as connection:
+    with store.begin() as connection:
         _store(connection, run_id, (SAMPLE_SUITE, DOMAIN_SUITE), stored + domain_outcomes)
         store_data_docs(connection, run_id, pages)
-        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
-            status="quality_failed" if failures else "checked",
-            updated_at=utcnow()))
+        set_run_checked(connection, run_id, passed=not failures)
     insufficient = sorted(d for d, info in per_domain.items() if info["status"] == "insufficient")
     if failures:
         summary = _failure_summary(
@@ -328,13 +300,11 @@ RESULT_TABLES = ("acceptance_estimates", "live_measurements", "domain_configs")
 
 
 def load_result_frame(connection, table: str, run_id: str):
-    model_table = Base.metadata.tables[table]
-    rows = connection.execute(select(model_table).where(model_table.c.run_id == run_id)).mappings().all()
-    frame = pd.DataFrame([dict(row) for row in rows], columns=[c.name for c in model_table.columns])
-    return frame
+    rows, columns = result_rows(connection, table, run_id)
+    return pd.DataFrame(rows, columns=columns)
 
 
-def check_result_table(run_id: str, table: str, db_url: str | None = None,
+def check_result_table(run_id: str, table: str, store: Store,
                        settings: Settings | None = None, frame=None) -> dict:
     """Run the result-table suite on the run's rows of `table` (or on `frame`, before writing it).
 
@@ -343,10 +313,9 @@ def check_result_table(run_id: str, table: str, db_url: str | None = None,
     """
     if table not in RESULT_TABLES:
         raise SampleError(f"result table {table!r}: choose one of {list(RESULT_TABLES)}")
-    settings = settings or load_settings()
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    settings = settings or store.settings
     if frame is None:
-        with engine.connect() as connection:
+        with store.connect() as connection:
             frame = load_result_frame(connection, table, run_id)
     frame = frame.copy()
     if "conditional_acceptance" in frame.columns:
@@ -362,7 +331,7 @@ def check_result_table(run_id: str, table: str, db_url: str | None = None,
     outcomes = run_suite(_context(), suite, frame, result_expectations(table, settings, frame.columns),
                          docs=pages)
     failures = [o for o in outcomes if not o.success]
-    with engine.begin() as connection:
+    with store.begin() as connection:
         _store(connection, run_id, (suite,),
                [(suite, o, "pass" if o.success else "fail") for o in outcomes])
         store_data_docs(connection, run_id, pages)

@@ -19,9 +19,8 @@ from datetime import date, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from sqlalchemy import text
-
-from ..db.engine import ensure_ready
+from ..db.queries_reports import run_report_sql
+from ..db.store import Store
 from ..errors import UnknownReport
 from ..settings import specdec_home
 
@@ -85,7 +84,7 @@ def _literal_colons(sql: str) -> str:
     return re.sub(r"(?<![:\\]):(?=\w)", r"\\:", sql)
 
 
-def run_report(name: str, db_url: str | None = None) -> dict:
+def run_report(name: str, store: Store) -> dict:
     """Run one report. Output: {"name", "question", "columns", "rows"} (rows as lists of plain
     values: numbers, strings, None; dates as ISO strings)."""
     reports = list_reports()
@@ -95,11 +94,8 @@ def run_report(name: str, db_url: str | None = None) -> dict:
         raise UnknownReport(f"no report named {name!r}; choose one of {sorted(reports)} "
                             "(`specdec report --list`)")
     path = sql_dir() / f"{name}.sql"
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
-        result = connection.execute(text(_literal_colons(path.read_text("utf-8"))))
-        columns = list(result.keys())
-        rows = [[_plain(value) for value in row] for row in result]
+    columns, result = run_report_sql(store, _literal_colons(path.read_text("utf-8")))
+    rows = [[_plain(value) for value in row] for row in result]
     log.info("report %s: %d rows", name, len(rows))
     return {"name": name, "question": reports[name], "columns": columns, "rows": rows}
 
@@ -126,10 +122,10 @@ def cell_text(value) -> str:
     return str(value)
 
 
-def materialise_report(name: str, db_url: str | None = None, directory: str | Path | None = None) -> dict:
+def materialise_report(name: str, store: Store, directory: str | Path | None = None) -> dict:
     """Run a report and write it as CSV to `directory` (default $SPECDEC_HOME/reports), atomically.
     Output: {"name", "rows", "path"}."""
-    report = run_report(name, db_url)
+    report = run_report(name, store)
     directory = Path(directory) if directory else specdec_home() / "reports"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{report['name']}.csv"

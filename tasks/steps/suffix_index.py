@@ -18,16 +18,15 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
-from sqlalchemy import delete, insert, select
-from sqlalchemy.orm import Session
 
 from specdec_core import load_model
 from specdec_core.drafters import output_size
 from specdec_core.suffix import SuffixIndex
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DraftTrainingRequest, EvalRun, EvalSample, TrafficRequest, production_traffic
+from ..db.queries_suffix import (domain_traffic, newest_in_domain, production_domains,
+                                 replace_index_requests, run_window_and_sample)
+from ..db.store import Store
 from ..errors import SpecdecTaskError
 from ..registry.config_schema import target_slug
 from ..registry.tracking import client, experiment_for_target
@@ -53,23 +52,13 @@ def suffix_model_name(target: str) -> str:
     return f"specdec-suffix-{target_slug(target)}"
 
 
-def index_sequences(db_url: str | None, domain: str, fingerprint: str | None, tokenizer=None,
+def index_sequences(store: Store, domain: str, fingerprint: str | None, tokenizer=None,
                     until: datetime | None = None, since: datetime | None = None,
                     exclude: set[str] | None = None) -> tuple[list[str], list[list[int]]]:
     """(request ids, response token ids) of a domain's stored requests answered by this target
     (rows of another fingerprint are left out), in [since, until], minus `exclude`; oldest first."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    query = (select(TrafficRequest).where(production_traffic() & (TrafficRequest.domain == domain))
-             .order_by(TrafficRequest.requested_at, TrafficRequest.id))
-    if until is not None:
-        query = query.where(TrafficRequest.requested_at <= until)
-    if since is not None:
-        query = query.where(TrafficRequest.requested_at >= since)
     ids, sequences = [], []
-    with Session(engine) as session:
-        rows = session.execute(query).scalars().all()
-        session.expunge_all()
-    for row in rows:
+    for row in domain_traffic(store, domain, until=until, since=since):
         if exclude and row.id in exclude:
             continue
         if fingerprint is not None and row.target_fingerprint not in (None, fingerprint):
@@ -85,38 +74,29 @@ def build_index(request_ids: list[str], sequences: list[list[int]], meta: dict):
     return SuffixIndex.build(sequences, request_ids=request_ids, depth=32, meta=meta)
 
 
-def run_index(run_id: str, domain: str, db_url: str | None, fingerprint: str | None, tokenizer,
+def run_index(run_id: str, domain: str, store: Store, fingerprint: str | None, tokenizer,
               vocab_size: int):
     """The index a `suffix` candidate without its own index uses in this run for this domain
     (see the module docstring); its request ids are recorded."""
-    url = resolve_database_url(db_url)
-    key = (url, run_id, domain, fingerprint)
+    key = (store.url, run_id, domain, fingerprint)
     if key in _RUN_INDEXES:
         return _RUN_INDEXES[key]
-    engine = ensure_ready(url)
-    with engine.connect() as connection:
-        run = connection.execute(select(EvalRun.window_end).where(EvalRun.run_id == run_id)).first()
-        sampled = set(connection.execute(select(EvalSample.request_id).where(
-            EvalSample.run_id == run_id)).scalars())
-    until = run[0] if run is not None else None
-    ids, sequences = index_sequences(url, domain, fingerprint, tokenizer, until=until,
+    until, sampled = run_window_and_sample(store, run_id)
+    ids, sequences = index_sequences(store, domain, fingerprint, tokenizer, until=until,
                                      exclude=sampled)
     index = build_index(ids, sequences, {"domain": domain, "run_id": run_id,
                                          "vocab_size": vocab_size, "target_fingerprint": fingerprint,
                                          "until": until.isoformat() if until else None})
     name = f"suffix-index:{run_id}:{domain}"
-    with engine.begin() as connection:
-        connection.execute(delete(DraftTrainingRequest).where(DraftTrainingRequest.draft_name == name))
-        if ids:
-            connection.execute(insert(DraftTrainingRequest),
-                               [{"draft_name": name, "request_id": i, "split": "index"} for i in ids])
+    with store.begin() as connection:
+        replace_index_requests(connection, name, ids)
     log.info("run %s, domain %s: suffix index over %d responses (%d tokens), the run's %d sampled "
              "requests left out", run_id, domain, len(ids), index.tokens, len(sampled))
     _RUN_INDEXES[key] = index
     return index
 
 
-def domain_drafters(drafters: dict, run_id: str, domain: str, db_url: str | None,
+def domain_drafters(drafters: dict, run_id: str, domain: str, store: Store,
                     fingerprint: str | None, tokenizer, target) -> dict:
     """The run's candidates {label: (spec, drafter)} for one domain: a `suffix` candidate without
     an index of its own gets the run's index of this domain."""
@@ -124,7 +104,7 @@ def domain_drafters(drafters: dict, run_id: str, domain: str, db_url: str | None
     for label, (spec, drafter) in drafters.items():
         if drafter.takes_index and drafter.index is None:
             drafter = drafter.with_index(
-                run_index(run_id, domain, db_url, fingerprint, tokenizer, output_size(target)))
+                run_index(run_id, domain, store, fingerprint, tokenizer, output_size(target)))
         out[label] = (spec, drafter)
     return out
 
@@ -137,22 +117,19 @@ def indexed_request_ids(drafters: dict) -> set[str]:
     return ids
 
 
-def timing_index(db_url: str | None, fingerprint: str | None, tokenizer, vocab_size: int):
+def timing_index(store: Store, fingerprint: str | None, tokenizer, vocab_size: int):
     """An index over every stored response of this target (all domains), for timing a suffix
     drafter at the size it will have: its lookups cost more with more indexed tokens."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        domains = sorted(set(connection.execute(select(TrafficRequest.domain).where(production_traffic()).distinct()).scalars()))
     ids, sequences = [], []
-    for domain in domains:
-        more_ids, more = index_sequences(db_url, domain, fingerprint, tokenizer)
+    for domain in production_domains(store):
+        more_ids, more = index_sequences(store, domain, fingerprint, tokenizer)
         ids += more_ids
         sequences += more
     return build_index(ids, sequences, {"domain": "*", "vocab_size": vocab_size,
                                         "target_fingerprint": fingerprint})
 
 
-def build_and_register(target: str, domain: str, db_url: str | None = None,
+def build_and_register(target: str, domain: str, store: Store,
                        tracking_uri: str | None = None, window_days: float | None = None,
                        model=None, tokenizer=None) -> dict:
     """Build a domain's index from its stored responses of this target (the last window_days
@@ -164,24 +141,19 @@ def build_and_register(target: str, domain: str, db_url: str | None = None,
         model, tokenizer = load_model(target, device="cpu")
 
     fingerprint = fingerprint_id(target_fingerprint(model))
-    url = resolve_database_url(db_url)
-    engine = ensure_ready(url)
-    with engine.connect() as connection:
-        newest = connection.execute(select(TrafficRequest.requested_at)
-                                    .where(production_traffic() & (TrafficRequest.domain == domain))
-                                    .order_by(TrafficRequest.requested_at.desc()).limit(1)).scalar()
+    newest = newest_in_domain(store, domain)
     if newest is None:
         raise SuffixIndexError(f"domain {domain!r} has no stored traffic: import traffic first "
                                "(specdec traffic import) or pick another domain")
     since = newest - timedelta(days=window_days) if window_days else None
-    ids, sequences = index_sequences(url, domain, fingerprint, tokenizer, since=since)
+    ids, sequences = index_sequences(store, domain, fingerprint, tokenizer, since=since)
     if not ids:
         raise SuffixIndexError(f"domain {domain!r}: no stored responses of this target "
                                f"(fingerprint {fingerprint}) to index")
     window = f"{since.isoformat() if since else 'start'}..{newest.isoformat()}"
     index = build_index(ids, sequences, {"domain": domain, "vocab_size": output_size(model),
                                          "target_fingerprint": fingerprint, "window": window})
-    mlflow_client = client(resolve_uri(tracking_uri, url))
+    mlflow_client = client(resolve_uri(tracking_uri, store.url))
     experiment_id = experiment_for_target(mlflow_client, target)
     run = mlflow_client.create_run(experiment_id, run_name=f"suffix index {domain}",
                                    tags={"specdec.suffix_index": domain})
@@ -211,15 +183,17 @@ def build_and_register(target: str, domain: str, db_url: str | None = None,
             "tokens": index.tokens, "window": window, "created_at": utcnow().isoformat()}
 
 
-def refresh_indexes(target: str, domains=None, db_url: str | None = None,
+def refresh_indexes(target: str, domains=None, store: Store | None = None,
                     tracking_uri: str | None = None, window_days: float | None = None) -> dict:
     """Build and register the index of every domain (default: each stored one); {domain: result}.
-    The target is loaded once."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        stored = sorted(set(connection.execute(select(TrafficRequest.domain).where(production_traffic()).distinct()).scalars()))
+    The target is loaded once. `store` is required (a keyword default only because `domains`
+    before it has one)."""
+    if store is None:
+        raise TypeError("refresh_indexes: pass the Store (tasks.db.store.Store.open) the indexes "
+                        "are built from")
+    stored = production_domains(store)
     model, tokenizer = load_model(target, device="cpu")
-    return {domain: build_and_register(target, domain, db_url, tracking_uri, window_days, model,
+    return {domain: build_and_register(target, domain, store, tracking_uri, window_days, model,
                                        tokenizer)
             for domain in (domains or stored) if domain in stored}
 

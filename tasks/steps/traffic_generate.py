@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from datetime import timedelta
-
-from sqlalchemy import func, select
 
 from specdec_core import SamplingParams
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import TrafficRequest, production_traffic
+from ..db.queries_traffic import (generated_count, generated_sources, insert_generated, target_domains,
+                                  target_rows)
+from ..db.store import Store
 from ..errors import SampleError, SpecdecTaskError
 from ..settings import DEFAULT_MODEL, load_settings
 from ..timeutil import utcnow
 from .offline_estimate import request_token_ids
-from .traffic_import import Normalizer, _insert
+from .traffic_import import Normalizer
 from .traffic_sample import selection_key
 
 log = logging.getLogger(__name__)
@@ -52,20 +50,8 @@ def generated_id(run_id: str, request_id: str) -> str:
     return "gen-" + hashlib.sha256(f"{run_id}\x00{request_id}".encode()).hexdigest()[:32]
 
 
-def _sources(connection, domain: str, fingerprint: str, window_days: float | None):
-    """The domain's logged production rows answered by this target, in the window."""
-    query = select(TrafficRequest).where(production_traffic() & (TrafficRequest.domain == domain)
-                                         & (TrafficRequest.target_fingerprint == fingerprint))
-    if window_days:
-        newest = connection.execute(select(func.max(TrafficRequest.requested_at))
-                                    .where(production_traffic())).scalar()
-        if newest is not None:
-            query = query.where(TrafficRequest.requested_at >= newest - timedelta(days=window_days))
-    return connection.execute(query).all()
-
-
 def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MODEL,
-                     db_url: str | None = None, window_days: float | None = None,
+                     store: Store | None = None, window_days: float | None = None,
                      batch_size: int = 8, max_new_tokens: int = 256, device: str | None = None,
                      model=None, tokenizer=None, seed: int = 0, progress: bool = True) -> dict:
     """Generate up to `count` responses per domain for logged prompts (see the module docstring).
@@ -80,8 +66,9 @@ def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MOD
         raise GenerationError(f"count {count!r}: give the number of rows to generate per domain (>= 0)")
     if batch_size < 1 or max_new_tokens < 1:
         raise GenerationError(f"batch_size {batch_size} / max_new_tokens {max_new_tokens}: both >= 1")
-    db_url = resolve_database_url(db_url)
-    engine = ensure_ready(db_url)
+    if store is None:
+        raise TypeError("generate_traffic: pass the Store (tasks.db.store.Store.open) to read the "
+                        "logged traffic from and store the generated rows in")
     if model is None:
         from specdec_core import load_model
 
@@ -89,15 +76,11 @@ def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MOD
     fingerprint = fingerprint_id(target_fingerprint(model))
     if isinstance(domains, str):
         domains = [domains]
-    with engine.connect() as connection:
+    with store.connect() as connection:
         if not domains:
-            domains = sorted(set(connection.execute(
-                select(TrafficRequest.domain).where(production_traffic()
-                                                    & (TrafficRequest.target_fingerprint == fingerprint))
-                .distinct()).scalars()))
-        done = set(connection.execute(select(TrafficRequest.generated_from)
-                                      .where(TrafficRequest.generated_by == run_id)).scalars())
-        sources = {domain: _sources(connection, domain, fingerprint, window_days)
+            domains = target_domains(connection, fingerprint)
+        done = generated_sources(connection, run_id)
+        sources = {domain: target_rows(connection, domain, fingerprint, window_days)
                    for domain in domains}
     if not any(sources.values()):
         raise GenerationError(
@@ -110,12 +93,10 @@ def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MOD
         planned = rows[:count]
         todo = [row for row in planned if row.id not in done]
         before = len(planned) - len(todo)
-        generated = _generate(engine, run_id, todo, model, tokenizer, fingerprint, batch_size,
+        generated = _generate(store, run_id, todo, model, tokenizer, fingerprint, batch_size,
                               max_new_tokens, seed, redact, progress, domain)
         total += generated
-        with engine.connect() as connection:
-            stored = connection.execute(select(func.count()).select_from(TrafficRequest).where(
-                (TrafficRequest.generated_by == run_id) & (TrafficRequest.domain == domain))).scalar()
+        stored = generated_count(store, run_id, domain)
         summary[domain] = {"available": len(rows), "planned": len(planned), "before": before,
                            "generated": generated, "rows": stored}
         log.info("generated %d rows for domain %s (run %s; %d were there)", generated, domain,
@@ -147,7 +128,7 @@ def _batches(rows, tokenizer, batch_size: int, max_new_tokens: int):
             yield sampling, items[start: start + batch_size]
 
 
-def _generate(engine, run_id, rows, model, tokenizer, fingerprint, batch_size, max_new_tokens,
+def _generate(store: Store, run_id, rows, model, tokenizer, fingerprint, batch_size, max_new_tokens,
               seed, redact, progress, domain) -> int:
     import torch
     from tqdm.auto import tqdm
@@ -197,9 +178,8 @@ def _generate(engine, run_id, rows, model, tokenizer, fingerprint, batch_size, m
                     f"{run_id}\x00{row.id}\x00{response}".encode()).hexdigest(),
                 "source_file": f"generated:{run_id}"[:500], "source_line": 0, "imported_at": now,
                 "generated_by": run_id, "generated_from": row.id})
-        with engine.begin() as connection:      # one transaction a batch: a re-run resumes here
-            connection.execute(_insert(connection, TrafficRequest).on_conflict_do_nothing(
-                index_elements=["id"]), records)
+        with store.begin() as connection:      # one transaction a batch: a re-run resumes here
+            insert_generated(connection, records)
         written += len(records)
         bar.update(len(records))
     bar.close()

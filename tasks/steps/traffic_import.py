@@ -41,15 +41,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
-from ..db.engine import database_error, display_url, ensure_ready, resolve_database_url
-from ..db.models import QuarantinedRequest, TrafficRequest
+from ..db.engine import database_error
 from ..db.queries_monitor import insert_request_metrics
+from ..db.queries_traffic import (insert_new_requests, insert_quarantined, mark_file_error, purge_before,
+                                  quarantined_lines, replace_quarantined, stored_content_hashes,
+                                  supersede_broken_entries)
+from ..db.store import Store
 from ..errors import TrafficFileError
-from ..settings import Settings, load_settings
+from ..settings import Settings
 from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -620,11 +621,6 @@ def _content_hash(row: dict) -> str:
                           .encode("utf-8")).hexdigest()
 
 
-def _insert(connection, model):
-    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
-    return dialect.insert(model.__table__)
-
-
 def _printable_nul(text: str | None) -> str | None:
     """A quarantined field as stored: a NUL character (which PostgreSQL's text cannot hold, and
     which is often the reason the row is quarantined) written as the four characters \\x00."""
@@ -634,8 +630,8 @@ def _printable_nul(text: str | None) -> str | None:
 class _BatchWriter:
     """Writes normalised rows and rejections, one transaction per flush."""
 
-    def __init__(self, engine, source_file: str, report: ImportReport, redact):
-        self.engine = engine
+    def __init__(self, store: Store, source_file: str, report: ImportReport, redact):
+        self.store = store
         self.source_file = source_file
         self.report = report
         self.redact = redact
@@ -677,7 +673,7 @@ class _BatchWriter:
         now = utcnow()
         inserted: list[dict] = []
         skipped = 0
-        with self.engine.begin() as connection:
+        with self.store.begin() as connection:
             if self.rows:
                 inserted, skipped = self._insert_rows(connection, now)
             quarantined_new = self._insert_rejections(connection) if self.rejected else 0
@@ -705,9 +701,7 @@ class _BatchWriter:
         for row in candidates:
             row["imported_at"] = now
             metrics[row["id"]] = row.pop("spec_metrics", None)
-        statement = _insert(connection, TrafficRequest).on_conflict_do_nothing(
-            index_elements=["id"]).returning(TrafficRequest.id)
-        taken = set(connection.execute(statement, candidates).scalars())
+        taken = insert_new_requests(connection, candidates)
         inserted = [row for row in candidates if row["id"] in taken]
         # vLLM's per-request spec-decode metrics of the rows inserted, in the same transaction
         insert_request_metrics(connection, [dict(metrics[row["id"]], request_id=row["id"],
@@ -715,11 +709,7 @@ class _BatchWriter:
                                             for row in inserted if metrics[row["id"]]])
         rest = [row for row in self.rows if not (row["id"] in taken and first[row["id"]] is row)]
         ids = sorted({row["id"] for row in rest})
-        stored: dict[str, str] = {}
-        for offset in range(0, len(ids), 500):
-            stored.update(connection.execute(
-                select(TrafficRequest.id, TrafficRequest.content_hash)
-                .where(TrafficRequest.id.in_(ids[offset:offset + 500]))).all())
+        stored = stored_content_hashes(connection, ids)
         skipped = 0
         for row in rest:
             known = stored.get(row["id"])
@@ -736,65 +726,36 @@ class _BatchWriter:
     def _insert_rejections(self, connection) -> int:
         """Store the batch's rejections; how many lines of this file are newly quarantined."""
         lines = [row["line_number"] for row in self.rejected]
-        seen = dict(connection.execute(
-            select(QuarantinedRequest.line_number,
-                   QuarantinedRequest.file_error.is_not(None)
-                   | QuarantinedRequest.superseded_at.is_not(None))
-            .where(QuarantinedRequest.source_file == self.source_file,
-                   QuarantinedRequest.line_number.in_(lines))).all())
+        seen = quarantined_lines(connection, self.source_file, lines)
         # an entry of a broken read (or superseded) is replaced by what this read found
         stale = [row for row in self.rejected if seen.get(row["line_number"])]
         for row in stale:
-            connection.execute(update(QuarantinedRequest).where(
-                (QuarantinedRequest.source_file == self.source_file)
-                & (QuarantinedRequest.line_number == row["line_number"])).values(
-                **row, file_error=None, superseded_at=None, superseded_by=None))
-        statement = _insert(connection, QuarantinedRequest).on_conflict_do_nothing(
-            index_elements=["source_file", "line_number"]).returning(QuarantinedRequest.line_number)
-        added = set(connection.execute(statement, self.rejected).scalars())
+            replace_quarantined(connection, self.source_file, row)
+        added = insert_quarantined(connection, self.rejected)
         return len(added) + len({row["line_number"] for row in stale})
 
     def mark_read_error(self, error: str) -> None:
         """The read of the file failed: the entries this import quarantined may be garbled lines
         of a corrupt stream (a gzip yields them before its checksum fails); say so on them."""
         lines = sorted(self.quarantined_lines)
-        with self.engine.begin() as connection:
-            for first in range(0, len(lines), 500):
-                connection.execute(update(QuarantinedRequest).where(
-                    (QuarantinedRequest.source_file == self.source_file)
-                    & QuarantinedRequest.line_number.in_(lines[first:first + 500])
-                    & QuarantinedRequest.superseded_at.is_(None)).values(file_error=error[:2000]))
+        with self.store.begin() as connection:
+            mark_file_error(connection, self.source_file, lines, error)
 
     def supersede_broken_reads(self) -> int:
         """The file was read to its end: the open entries an earlier, broken read of it left
         (file_error set) are superseded, by the request stored from that line when there is one.
         Returns how many."""
-        with self.engine.begin() as connection:
-            lines = list(connection.execute(select(QuarantinedRequest.line_number).where(
-                (QuarantinedRequest.source_file == self.source_file)
-                & QuarantinedRequest.file_error.is_not(None)
-                & QuarantinedRequest.superseded_at.is_(None))).scalars())
-            now = utcnow()
-            for first in range(0, len(lines), 500):
-                chunk = lines[first:first + 500]
-                stored = dict(connection.execute(
-                    select(TrafficRequest.source_line, TrafficRequest.id).where(
-                        (TrafficRequest.source_file == self.source_file)
-                        & TrafficRequest.source_line.in_(chunk))).all())
-                for line in chunk:
-                    connection.execute(update(QuarantinedRequest).where(
-                        (QuarantinedRequest.source_file == self.source_file)
-                        & (QuarantinedRequest.line_number == line)).values(
-                        superseded_at=now, superseded_by=stored.get(line)))
-        self.report.superseded = len(lines)
-        return len(lines)
+        with self.store.begin() as connection:
+            superseded = supersede_broken_entries(connection, self.source_file)
+        self.report.superseded = superseded
+        return superseded
 
 
-def import_traffic(path: str | Path, db_url: str | None = None, settings: Settings | None = None,
+def import_traffic(path: str | Path, store: Store, settings: Settings | None = None,
                    file_format: str | None = None, progress: bool = True) -> dict:
     """Import one traffic file (JSONL or CSV, gzipped or not) into traffic_requests.
 
-    Inputs: the file, the database URL (default: settings), settings (known domains, rules,
+    Inputs: the file, the Store, settings (known domains, rules,
     redaction, batch size, row size limit). Output: ImportReport.to_dict(): rows read, inserted,
     skipped (already stored), quarantined by reason with the first examples (line numbers).
     Raises TrafficFileError when the file cannot be read at all, DatabaseUnavailable /
@@ -803,8 +764,7 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     # imported here: tqdm: the data commands load no torch (tests/test_store.py)
     from tqdm import tqdm
 
-    settings = settings or load_settings()
-    url = resolve_database_url(db_url or settings.database_url)
+    settings = settings or store.settings
     path = Path(path)
     if path.is_dir():
         raise TrafficFileError(f"traffic file {str(path)!r} is a directory; give a .jsonl or .csv "
@@ -813,11 +773,10 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
         raise TrafficFileError(f"traffic file {str(path)!r} does not exist; give a .jsonl or .csv "
                                "file (optionally .gz)")
     file_format = _detect_format(path, file_format)
-    engine = ensure_ready(url)
     source_file = str(path.resolve())[-500:]
-    report = ImportReport(file=str(path), database=display_url(url))
+    report = ImportReport(file=str(path), database=store.display_url)
     normalize = Normalizer(settings)
-    writer = _BatchWriter(engine, source_file, report, normalize.redact)
+    writer = _BatchWriter(store, source_file, report, normalize.redact)
     started = time.perf_counter()
     raw, stream = _open_binary(path)
     size = path.stat().st_size
@@ -853,7 +812,7 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
             bar.n = size
             bar.refresh()
     except DBAPIError as exc:                          # read-only, full or gone mid-import
-        raise database_error(url, exc) from None
+        raise database_error(store.url, exc) from None
     except (OSError, EOFError, zlib.error) as exc:   # a truncated or corrupt gzip, a bad disk
         writer.flush()                                  # every complete row before the break
         writer.mark_read_error(f"reading stopped at line {line + 1} ({type(exc).__name__}: {exc})")
@@ -871,21 +830,14 @@ def import_traffic(path: str | Path, db_url: str | None = None, settings: Settin
     return report.to_dict()
 
 
-def purge_traffic(older_than_days: float, db_url: str | None = None, now: datetime | None = None,
+def purge_traffic(older_than_days: float, store: Store, now: datetime | None = None,
                   dry_run: bool = False) -> dict:
     """Retention: delete traffic rows requested, and quarantined rows imported, before
     now - older_than_days (UTC). Returns {"cutoff", "traffic_requests", "quarantined_requests"}."""
     if not older_than_days >= 0:
         raise TrafficFileError(f"--older-than {older_than_days}: give a number of days >= 0")
-    engine = ensure_ready(db_url)
     cutoff = (now or utcnow()) - timedelta(days=older_than_days)
-    with engine.begin() as connection:
-        counts = {}
-        for model, column in ((TrafficRequest, TrafficRequest.requested_at),
-                              (QuarantinedRequest, QuarantinedRequest.imported_at)):
-            counts[model.__tablename__] = connection.execute(
-                select(func.count()).select_from(model).where(column < cutoff)).scalar()
-            if not dry_run:
-                connection.execute(delete(model).where(column < cutoff))
+    with store.begin() as connection:
+        counts = purge_before(connection, cutoff, dry_run)
     log.info("purge before %s: %s%s", cutoff, counts, " (dry run)" if dry_run else "")
     return {"cutoff": cutoff.isoformat(), "dry_run": dry_run, **counts}

@@ -14,15 +14,12 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import delete, insert, select
-from sqlalchemy.engine import Engine
-
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import EvalRun, EvalSample, QualityResult, TrafficRequest, production_traffic
+from ..db.queries_samples import domains_where, record_sample, request_ids_where, window_condition
 from ..db.queries_window import newest_request_at
+from ..db.store import Store
 from ..errors import SampleError
 from ..paths import check_identifier
-from ..settings import Settings, load_settings
+from ..settings import Settings
 from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -49,7 +46,7 @@ def _as_datetime(value, name: str) -> datetime:
     return parsed
 
 
-def resolve_window(engine: Engine, window, settings: Settings) -> tuple[datetime, datetime, int]:
+def resolve_window(store: Store, window, settings: Settings) -> tuple[datetime, datetime, int]:
     """(start, end, future rows left out) in naive UTC, end inclusive.
 
     window None or a number of days: that many days ending at the newest stored request (not at
@@ -62,7 +59,7 @@ def resolve_window(engine: Engine, window, settings: Settings) -> tuple[datetime
         if days <= 0:
             raise SampleError(f"window of {days} days: give a positive number of days")
         cutoff = utcnow() + timedelta(hours=settings.sample.future_tolerance_hours)
-        newest, future = newest_request_at(engine, cutoff)
+        newest, future = newest_request_at(store.engine, cutoff)
         if future:
             log.warning("%d stored request(s) are stamped more than %g h in the future (after %s "
                         "UTC; setting future_tolerance_hours): the default window ignores them",
@@ -90,13 +87,13 @@ class Draw:
     sample_rows: list[dict] = field(default_factory=list)
 
 
-def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | None = None,
+def sample_traffic(run_id: str, store: Store, domains: list[str] | None = None,
                    window=None, min_per_domain: int | None = None,
                    max_per_domain: int | None = None, model: str | None = None,
                    settings: Settings | None = None) -> dict:
     """Draw and record the run's sample: per domain up to max_per_domain requests in the window.
 
-    Inputs: run id (seeds the draw), database URL, domains (default: every domain with traffic in
+    Inputs: run id (seeds the draw), the Store, domains (default: every domain with traffic in
     the window), window (see resolve_window), min/max per domain (default: settings), model (only
     requests answered by this target; default: all). A domain with fewer than min_per_domain
     requests is "insufficient" (still recorded; the quality step and the planner decide).
@@ -105,20 +102,15 @@ def sample_traffic(run_id: str, db_url: str | None = None, domains: list[str] | 
              "sampled", "insufficient"}.
     """
     check_identifier(run_id, "run id")      # the run's files under $SPECDEC_HOME are named by it
-    settings = settings or load_settings()
+    settings = settings or store.settings
     min_rows, max_rows = _sample_limits(settings, min_per_domain, max_per_domain, domains)
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
 
-    start, end, future = resolve_window(engine, window, settings)
-    with engine.begin() as connection:
+    start, end, future = resolve_window(store, window, settings)
+    with store.begin() as connection:
         # production traffic only: rows the target generated for training are never sampled
-        in_window = (production_traffic() & (TrafficRequest.requested_at >= start)
-                     & (TrafficRequest.requested_at <= end))
-        if model is not None:
-            in_window = in_window & (TrafficRequest.model == model)
+        in_window = window_condition(start, end, model)
         if domains is None:
-            domains = sorted(connection.execute(
-                select(TrafficRequest.domain).where(in_window).distinct()).scalars())
+            domains = domains_where(connection, in_window)
         draw = Draw()
         for domain in sorted(set(domains)):
             available, chosen = _draw_domain(connection, in_window, run_id, domain, max_rows)
@@ -162,10 +154,7 @@ def _draw_domain(connection, in_window, run_id: str, domain: str,
     smallest selection keys, in ascending key order), streamed through a bounded heap."""
     heap: list[tuple[bytes, str]] = []    # max-heap by key (negated): the smallest keys stay
     available = 0
-    result = connection.execute(
-        select(TrafficRequest.id).where(in_window & (TrafficRequest.domain == domain))
-        .execution_options(yield_per=5000))
-    for request_id in result.scalars():
+    for request_id in request_ids_where(connection, in_window, domain):
         available += 1
         key = bytes(255 - b for b in selection_key(run_id, request_id))
         if len(heap) < max_rows:
@@ -181,15 +170,6 @@ def _record_sample(connection, run_id: str, draw: Draw, start: datetime, end: da
     """In the draw's transaction: the run's eval_runs row written (created or updated), its
     earlier sample and sample-quality results replaced by this draw."""
     now = utcnow()
-    existing = connection.execute(select(EvalRun.run_id).where(EvalRun.run_id == run_id)).scalar()
     values = {"updated_at": now, "status": "sampled", "window_start": start, "window_end": end,
               "params": params}
-    if existing is None:
-        connection.execute(insert(EvalRun).values(run_id=run_id, created_at=now, **values))
-    else:
-        connection.execute(EvalRun.__table__.update().where(EvalRun.run_id == run_id).values(**values))
-    connection.execute(delete(EvalSample).where(EvalSample.run_id == run_id))
-    connection.execute(delete(QualityResult).where((QualityResult.run_id == run_id)
-                                                   & (QualityResult.suite == SAMPLE_SUITE)))
-    if draw.sample_rows:
-        connection.execute(insert(EvalSample), draw.sample_rows)
+    record_sample(connection, run_id, values, draw.sample_rows, SAMPLE_SUITE, now)
