@@ -6,17 +6,15 @@ never by prompt text.
 
 from __future__ import annotations
 
-from sqlalchemy import select
-
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DomainConfig, EvalRun
+from ..db import queries_registry as q
+from ..db.store import Store
 from ..errors import RegistryError
 from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
 
 
-def run_row(connection, run_id: str):
+def run_row(store: Store, run_id: str):
     """The run's eval_runs row; RegistryError unless it exists and has finished its evaluation."""
-    row = connection.execute(select(EvalRun).where(EvalRun.run_id == run_id)).mappings().first()
+    row = q.eval_run(store, run_id)
     if row is None:
         raise RegistryError(f"run {run_id!r} does not exist in specdec's database; evaluate it first")
     if not row["target_fingerprint"] or not row["hardware_profile"]:
@@ -25,14 +23,13 @@ def run_row(connection, run_id: str):
     return row
 
 
-def build_config(run_id: str, db_url: str | None = None,
+def build_config(run_id: str, store: Store | None = None,
                  champion: SpecdecConfig | None = None) -> SpecdecConfig:
-    """The run's config from domain_configs; insufficient domains keep the champion's setting."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        run = run_row(connection, run_id)
-        rows = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
-                                  .order_by(DomainConfig.domain)).mappings().all()
+    """The run's config from domain_configs; insufficient domains keep the champion's setting.
+    store: specdec's database (None: the settings', opened here)."""
+    store = store or Store.open()
+    run = run_row(store, run_id)
+    rows = q.domain_configs(store, run_id)
     domains: dict[str, DomainSetting] = {}
     for row in rows:
         if row["status"] != "ok":

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy.engine import Engine
-
 from ..db.queries_load import load_checks
 from ..db.queries_run_view import engine_check_skip
+from ..db.store import Store
 from ..settings import Settings
 from .config_schema import DomainSetting, SpecdecConfig
 from .live_check import LiveJudgement, judge_live, judgement_words, live_text
@@ -62,18 +61,13 @@ class RunView:
         return bool(self.engine_rows)
 
 
-def _url(engine: Engine) -> str:
-    return engine.url.render_as_string(hide_password=False)
-
-
-def build_run_view(run_id: str, engine: Engine, settings: Settings,
+def build_run_view(run_id: str, store: Store, settings: Settings,
                    champion: SpecdecConfig | None = None, config: SpecdecConfig | None = None) -> RunView:
     """The run's view from the store; config: the run's config when the caller built it already."""
-    url = _url(engine)
-    config = config or build_config(run_id, url, champion=champion)
-    evidence = domain_evidence(run_id, url)
-    rows = {row["domain"]: row for row in engine_checks(run_id, url)}
-    loads = load_checks(engine, run_id)
+    config = config or build_config(run_id, store, champion=champion)
+    evidence = domain_evidence(run_id, store)
+    rows = {row["domain"]: row for row in engine_checks(run_id, store)}
+    loads = load_checks(store.engine, run_id)
     domains = []
     for name, setting in sorted(config.domains.items()):
         found = (evidence.get(name) or {}) if setting.source == "run" else {}
@@ -84,9 +78,9 @@ def build_run_view(run_id: str, engine: Engine, settings: Settings,
             proposal_rate=found.get("proposal_rate"), validation_test=found.get("validation"),
             engine_sampling=found.get("engine_sampling"), engine=rows.get(name), load=loads.get(name)))
     return RunView(run_id=run_id, config=config, domains=domains, engine_rows=list(rows.values()),
-                   engine_skipped=engine_check_skip(engine, run_id),
-                   low_acceptance=low_acceptance(run_id, settings.plan.acceptance_alert, url),
-                   profile=profile_check(run_id, url), min_speedup=settings.plan.min_speedup,
+                   engine_skipped=engine_check_skip(store.engine, run_id),
+                   low_acceptance=low_acceptance(run_id, settings.plan.acceptance_alert, store),
+                   profile=profile_check(run_id, store), min_speedup=settings.plan.min_speedup,
                    tolerance=settings.live.tolerance, acceptance_alert=settings.plan.acceptance_alert,
                    loads=loads)
 
