@@ -43,11 +43,14 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_de
 CHAMPION, CHALLENGER = "champion", "challenger"
 
 
-def tracking_uri(uri: str | None = None, store: Store | None = None) -> str:
-    """The MLflow tracking URI to use; refuses specdec's own database (`store`'s, when given)."""
+def tracking_uri(uri: str | None = None, store: Store | str | None = None) -> str:
+    """The MLflow tracking URI to use; refuses specdec's own database (`store`'s, when given).
+    store: the Store; a database URL string is still taken from the steps that hold no Store yet
+    (draft training, the suffix index), compared as it is."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or \
         f"sqlite:///{(specdec_home() / 'mlflow.db').resolve()}"
-    if store is not None and uri == store.url:
+    own = store.url if isinstance(store, Store) else store
+    if own and uri == own:
         raise RegistryError(f"MLflow's tracking store {display_url(uri)} is specdec's own database; "
                             "give MLflow its own (default sqlite:///$SPECDEC_HOME/mlflow.db)")
     return uri
