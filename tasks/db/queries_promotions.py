@@ -15,7 +15,7 @@ from sqlalchemy import insert, select, text
 from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
-from .models import Promotion, Validation
+from .models import Promotion
 from .store import Store
 
 
@@ -43,7 +43,7 @@ def alias_lock(store: Store, name: str):
     what was really replaced. Yields the connection to write the audit row with; it commits on
     success and rolls back on error."""
     with store.connect() as connection:
-        if store.dialect == "postgresql":
+        if store.engine.dialect.name == "postgresql":
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _lock_key(name)})
         else:
             connection.exec_driver_sql("BEGIN IMMEDIATE")   # waits on the busy timeout (30 s)
@@ -84,10 +84,3 @@ def last_champion_move(store: Store, name: str, alias: str = "champion"):
                    & Promotion.action.in_(("promote", "rollback")))
             .order_by(Promotion.id.desc()).limit(1)).first()
 
-
-def fingerprint_passed(store: Store, run_id: str) -> bool | None:
-    """The run's recorded target-fingerprint check (validations row "fingerprint"); None when
-    none is recorded."""
-    with store.connect() as connection:
-        return connection.execute(select(Validation.passed).where(
-            (Validation.run_id == run_id) & (Validation.check_name == "fingerprint"))).scalar()

@@ -12,8 +12,7 @@ from __future__ import annotations
 import getpass
 import logging
 
-from ..db.queries_promotions import (alias_lock, fingerprint_passed, promotion_of, record_promotion,
-                                     registered_run)
+from ..db.queries_promotions import alias_lock, promotion_of, record_promotion, registered_run
 from ..db.store import Store
 from ..errors import RegistryError
 from ..settings import Settings, load_settings
@@ -128,9 +127,8 @@ def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: S
     """check_gates with the run's recorded target-fingerprint check, live checks and profile
     check, and the engine_check gate (run_view.engine_gate: whether the config ran on the serving
     engine). view: the run's RunView when the caller built it already."""
-    fingerprint = fingerprint_passed(store, config.run_id)
     view = view or build_run_view(config.run_id, store, settings, config=config)
-    gates = check_gates(config, champion, settings, fingerprint,
+    gates = check_gates(config, champion, settings, view.fingerprint_passed,
                         evidence={d.name: {"live": d.live} for d in view.domains},
                         profile_noisy=view.profile is not None and view.profile["status"] == "noisy")
     return gates + [engine_gate(view)]

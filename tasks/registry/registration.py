@@ -21,14 +21,12 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
-from ..db.queries_load import load_checks
-from ..db.queries_registry import tracked_rows
+from ..db.queries_registry import registration_rows
 from ..db.store import Store
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
-from .run_config import build_config, run_row, validation_status
-from .run_results import data_docs_pages
+from .run_config import config_of, finished_run, validation_status
 from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
 from .plots import write_load_plot, write_plots
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
@@ -39,11 +37,11 @@ log = logging.getLogger(__name__)
 NOTE_TAG = "mlflow.note.content"     # MLflow's run description (markdown, shown on the run's page)
 
 
-def _plots(run_id: str, store: Store, rows: dict, directory: Path, min_speedup: float) -> list[Path]:
-    """The run's plots (tasks.registry.plots) from its estimates, plan and live checks (rows:
-    tasks.db.queries_registry.tracked_rows) and its load check."""
-    paths = write_plots(run_id, rows["estimates"], rows["configs"], rows["live"], min_speedup, directory)
-    return paths + write_load_plot(run_id, load_checks(store.engine, run_id), min_speedup, directory)
+def _plots(run_id: str, read: dict, directory: Path, min_speedup: float) -> list[Path]:
+    """The run's plots (tasks.registry.plots) from its estimates, plan, live checks and load check
+    (read: tasks.db.queries_registry.registration_rows)."""
+    paths = write_plots(run_id, read["estimates"], read["configs"], read["live"], min_speedup, directory)
+    return paths + write_load_plot(run_id, read["view"]["loads"], min_speedup, directory)
 
 
 def _cell(value) -> str:
@@ -194,22 +192,25 @@ def run_note(view: RunView, quality_ok: bool | None) -> str:
 
 def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = None,
                      settings: Settings | None = None, champion=None,
-                     started_at: datetime | None = None) -> dict:
+                     started_at: datetime | None = None, read: dict | None = None) -> dict:
     """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
     champion: (version, config) of the current champion when the caller already read it.
     started_at: when the evaluation started (its DAG run's start); default: when its sample step
     recorded the run. A new MLflow run starts then, so its duration is the evaluation's.
-    store: specdec's database (None: the settings', opened here)."""
+    store: specdec's database (None: the settings', opened here). read: the run's rows when the
+    caller read them already (tasks.db.queries_registry.registration_rows)."""
     settings = settings or load_settings()
     store = store or Store.open(settings=settings)
     mlflow_client = client(tracking_uri(uri, store))
+    read = read or registration_rows(store, run_id)
+    eval_run = finished_run(read["run"], run_id)
     if champion is None:
-        champion = current_champion(uri=uri, target_id=None, run_id=run_id, store=store)
-    config = build_config(run_id, store, champion=champion[1])
+        champion = current_champion(uri=uri, target_id=eval_run["target_id"])
+    config = config_of(eval_run, read["domain_configs"], champion=champion[1])
     experiment_id = experiment_for_target(mlflow_client, config.target.id)
     existing = find_run(mlflow_client, experiment_id, run_id)
     if existing is None:
-        recorded = run_row(store, run_id)["created_at"]
+        recorded = eval_run["created_at"]
         starts = [_epoch_ms(moment) for moment in (started_at, recorded) if moment is not None]
         run = mlflow_client.create_run(experiment_id, start_time=min(starts, default=None), run_name=run_id,
                                        tags={RUN_TAG: run_id})
@@ -217,11 +218,10 @@ def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = 
     else:
         mlflow_run_id = existing.info.run_id
     try:
-        params = dict(run_row(store, run_id)["params"] or {})
-        rows = tracked_rows(store, run_id)
-        validations, quality, estimates = rows["validations"], rows["quality"], rows["estimate_drafters"]
+        params = dict(eval_run["params"] or {})
+        validations, quality, estimates = read["validations"], read["quality"], read["estimate_drafters"]
         with tempfile.TemporaryDirectory() as tmp:
-            for path in _plots(run_id, store, rows, Path(tmp), settings.plan.min_speedup):
+            for path in _plots(run_id, read, Path(tmp), settings.plan.min_speedup):
                 mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
         wanted = {"target": config.target.id, "target_fingerprint": config.target.fingerprint,
                   "hardware_profile": config.hardware_profile, "candidates": ",".join(sorted(estimates)),
@@ -248,9 +248,8 @@ def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = 
             for metric, value in metrics.items():
                 if value is not None:      # 4 significant digits: the figures' own precision
                     mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", rounded(value))
-        view = build_run_view(run_id, store, settings, config=config)
-        _log_reports(mlflow_client, mlflow_run_id, view, validations, quality,
-                     data_docs_pages(run_id, store))
+        view = build_run_view(run_id, store, settings, config=config, read=read["view"])
+        _log_reports(mlflow_client, mlflow_run_id, view, validations, quality, dict(read["data_docs"]))
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
         mlflow_client.set_tag(mlflow_run_id, NOTE_TAG, run_note(
             view, all(bool(r["success"]) for r in quality) if quality else None))
@@ -271,9 +270,11 @@ def register_config(run_id: str, store: Store | None = None, uri: str | None = N
     """
     settings = settings or load_settings()
     store = store or Store.open(settings=settings)
-    champion_version, champion = current_champion(uri, target_id=None, run_id=run_id, store=store)
+    read = registration_rows(store, run_id)       # the run's rows, read once
+    target_id = finished_run(read["run"], run_id)["target_id"]
+    champion_version, champion = current_champion(uri, target_id=target_id)
     tracked = track_evaluation(run_id, store, uri, settings, champion=(champion_version, champion),
-                               started_at=started_at)
+                               started_at=started_at, read=read)
     config = parse_config(tracked["config"])
     mlflow_client = client(tracking_uri(uri, store))
     try:
@@ -285,7 +286,7 @@ def register_config(run_id: str, store: Store | None = None, uri: str | None = N
                 name, description=f"specdec speculative-decoding configs of target {config.target.id}")
         existing = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{run_id}'")
         audit = champion_audit(store, name, champion_version)
-        view = build_run_view(run_id, store, settings, config=config)
+        view = build_run_view(run_id, store, settings, config=config, read=read["view"])
         gates = gates_for(config, champion, settings, store, view=view)
 
         def describe(version: str) -> str:

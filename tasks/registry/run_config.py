@@ -14,7 +14,11 @@ from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
 
 def run_row(store: Store, run_id: str):
     """The run's eval_runs row; RegistryError unless it exists and has finished its evaluation."""
-    row = q.eval_run(store, run_id)
+    return finished_run(q.eval_run(store, run_id), run_id)
+
+
+def finished_run(row, run_id: str):
+    """run_row's check of the run's eval_runs row (None: there is none)."""
     if row is None:
         raise RegistryError(f"run {run_id!r} does not exist in specdec's database; evaluate it first")
     if not row["target_fingerprint"] or not row["hardware_profile"]:
@@ -28,8 +32,12 @@ def build_config(run_id: str, store: Store | None = None,
     """The run's config from domain_configs; insufficient domains keep the champion's setting.
     store: specdec's database (None: the settings', opened here)."""
     store = store or Store.open()
-    run = run_row(store, run_id)
-    rows = q.domain_configs(store, run_id)
+    return config_of(run_row(store, run_id), q.domain_configs(store, run_id), champion)
+
+
+def config_of(run, rows, champion: SpecdecConfig | None = None) -> SpecdecConfig:
+    """build_config from the run's eval_runs row (finished_run) and its domain_configs rows."""
+    run_id = run["run_id"]
     domains: dict[str, DomainSetting] = {}
     for row in rows:
         if row["status"] != "ok":

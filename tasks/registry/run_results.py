@@ -18,10 +18,15 @@ def profile_check(run_id: str, store: Store) -> dict | None:
     a profile without one). The profile's newest run is the one planned with
     (tasks.steps.costs.run_costs); reused_from: the run that measured costs this run reused
     (None: measured by profile_run itself), measured_at: when (ISO, UTC; None: not recorded)."""
-    found = q.profile_check_row(store, run_id)
+    return profile_check_of(q.profile_check_row(store, run_id))
+
+
+def profile_check_of(found: tuple[str, str, dict] | None) -> dict | None:
+    """profile_check from its row (tasks.db.queries_registry.profile_check_row)."""
     if found is None:
         return None
     name, profile_run, check = found
+    check = dict(check)
     if check["measured_at"] is not None:
         check["measured_at"] = check["measured_at"].isoformat()
     return {"hardware_profile": name, "profile_run": profile_run, **check}
@@ -68,7 +73,11 @@ def domain_evidence(run_id: str, store: Store) -> dict[str, dict]:
     - engine_sampling: its sampling test on vLLM's OpenAI server (engine_sampling_tests), None
       when none is stored.
     """
-    rows = q.evidence_rows(store, run_id)
+    return evidence_of(q.evidence_rows(store, run_id))
+
+
+def evidence_of(rows: dict) -> dict[str, dict]:
+    """domain_evidence from its rows (tasks.db.queries_registry.evidence_rows)."""
     configs, lives, shares, tests = rows["configs"], rows["lives"], rows["shares"], rows["tests"]
     on_engine = _engine_sampling(rows["engine_sampling"])
     out = {}
@@ -167,7 +176,11 @@ def low_acceptance(run_id: str, threshold: float, store: Store) -> list[dict]:
     """Domains (planned, status ok) whose planned drafter's expected tokens per round fell below
     `threshold`: [{domain, drafter, k, mean_accepted_length, enabled}] by domain. What the
     low-acceptance alert publishes and the version page states."""
-    rows = q.planned_acceptance(store, run_id)
+    return low_acceptance_of(q.planned_acceptance(store, run_id), threshold)
+
+
+def low_acceptance_of(rows, threshold: float) -> list[dict]:
+    """low_acceptance from the planned rows (tasks.db.queries_registry.planned_acceptance)."""
     return [{"domain": r.domain, "drafter": r.drafter, "k": r.k, "mean_accepted_length": r.mean_accepted_length,
              "enabled": bool(r.enabled)}
             for r in rows if r.mean_accepted_length is not None and r.mean_accepted_length < threshold]
