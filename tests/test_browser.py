@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tasks.db.store import Store
+
 from .helpers import REPO
 from .helpers.airflow import SMALL, TINY_CONF
 from .helpers.models import save_tiny_target, tiny_llama
@@ -248,7 +250,7 @@ def test_the_version_page_gives_reasons_gates_and_the_champion(page, servers, st
     assert "Promote only with specdec config promote 1" not in body
     assert "live check (same requests)" in body and "proposal rate" in body
     assert "live_check" in body                                 # the live check is a gate row
-    evidence = domain_evidence(stores["run_id"], f"sqlite:///{stores['base'] / 'specdec.db'}")
+    evidence = domain_evidence(stores["run_id"], Store.open(f"sqlite:///{stores['base'] / 'specdec.db'}"))
     shared = {d: (e.get("validation") or {}).get("shared_from") for d, e in evidence.items()}
     sharing = [(d, src) for d, src in shared.items() if src and f"{d} (on): " in body]
     assert body.count("Sampling test shared from") == len(sharing), sharing
@@ -405,7 +407,7 @@ def test_the_run_artifact_domains_md_renders_the_pages_figures(page, servers, st
     assert "<table" not in text and "<td>" not in text, text        # Markdown, rendered as a table
     from tasks.registry.run_results import domain_evidence
 
-    evidence = domain_evidence(stores["run_id"], f"sqlite:///{stores['base'] / 'specdec.db'}")
+    evidence = domain_evidence(stores["run_id"], Store.open(f"sqlite:///{stores['base'] / 'specdec.db'}"))
     measured = [d for d, e in evidence.items() if e.get("live")]
     assert measured, evidence
     for domain in measured:                 # the live figures the version page has, not "not measured"

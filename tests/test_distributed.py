@@ -79,17 +79,18 @@ def evaluated(tmp_path_factory, tiny_target):
 
 
 def test_data_docs_reach_mlflow_from_a_worker_without_the_checks_disk(evaluated, monkeypatch):
+    from tasks.db.store import Store
     from tasks.steps.quality import data_docs_pages
     from tasks.registry.registration import register_config
     from tasks.registry.tracking import client
 
-    pages = data_docs_pages("dist", evaluated["url"])
+    pages = data_docs_pages("dist", Store.open(evaluated["url"]))
     assert "traffic_sample-table.html" in pages and any(p.startswith("results_") for p in pages)
     assert all("<html" in html.lower() for html in pages.values())
     # the registration runs on "worker B": an empty home, no file of worker A
     monkeypatch.setenv("SPECDEC_HOME", str(evaluated["root"] / "worker-b"))
     uri = f"sqlite:///{evaluated['root'] / 'mlflow.db'}"
-    registered = register_config("dist", db_url=evaluated["url"], uri=uri)
+    registered = register_config("dist", Store.open(evaluated["url"]), uri=uri)
     mlflow_client = client(uri)
     run_id = mlflow_client.get_model_version(registered["name"], registered["version"]).run_id
     logged = {a.path for a in mlflow_client.list_artifacts(run_id, "reports/data_docs")}

@@ -267,7 +267,7 @@ def test_confirm_vetoes_a_domain_turning_on_and_it_keeps_the_champions_setting(t
     assert json_row.k_schedule is None and json_row.max_batch_size is None
     assert live["json"].measured_speedup_lo <= live["json"].measured_speedup <= live["json"].measured_speedup_hi
     assert qa_row.enabled is True and qa_row.live_check["verdict"] == "flag"
-    config = build_config("veto", tiny_db)
+    config = build_config("veto", Store.open(tiny_db))
     assert config.domains["json"].enabled is False
     assert config.domains["json"].reason.startswith("live check: ")
     assert config.domains["qa"].enabled is True
@@ -344,7 +344,6 @@ def test_the_table_shows_the_sampling_test_on_vllm(db_url):
     from rich.console import Console
 
     from tasks.cli.evaluation import evaluation_rich_table
-    from tasks.db.engine import ensure_ready
     from tasks.registry.run_view import build_run_view, table_rows
     from tasks.steps.evaluate import evaluation_table
 
@@ -357,7 +356,7 @@ def test_the_table_shows_the_sampling_test_on_vllm(db_url):
     assert table["json"]["engine_sampling"]["status"] == "passed" and table["chat"]["engine_sampling"] is None
     assert (table["qa"]["engine_sampling"]["rows"], table["qa"]["engine_sampling"]["positions"]) == (300, 6)
     assert table["qa"]["validation"] == "failed" and table["qa"]["promotable"] is False
-    view = build_run_view("r1", ensure_ready(db_url), load_settings({}))
+    view = build_run_view("r1", Store.open(db_url), load_settings({}))
     console = Console(width=400, record=True)
     console.print(evaluation_rich_table(view, 1.0))
     lines = console.export_text().splitlines()

@@ -418,6 +418,7 @@ def test_promote_force_decides_already_champion_on_the_champion_read_under_the_l
     must not say "version 2 is already the champion" (false once the rollback commits): it waits
     for the lock, sees champion 1, and refuses as moved or promotes 2 again."""
     from tasks.registry.config_schema import config_model_name
+    from tasks.db.store import Store
     from tasks.registry.promotion import alias_lock, record_promotion
     from tasks.registry.tracking import CHAMPION, alias_version, client
 
@@ -431,12 +432,12 @@ def test_promote_force_decides_already_champion_on_the_champion_read_under_the_l
         register(run_id, db_url, uri)
     assert promote_(name, "1", db_url, uri)["promoted"] and promote_(name, "2", db_url, uri)["promoted"]
     mlflow_client = client(uri)
-    with alias_lock(db_url, name) as connection:
+    with alias_lock(Store.open(db_url), name) as connection:
         process = _start(["config", "promote", "2", "--force", "--target", target,
                           "--tracking-uri", uri, "--url", db_url], tmp_path / "home")
         _wait_for_lock_waiter(db_url, process)
         mlflow_client.set_registered_model_alias(name, CHAMPION, "1")     # the rollback's move
-        record_promotion(db_url, connection, run_id="run-1", target_id=target, config_name=name,
+        record_promotion(Store.open(db_url), connection, run_id="run-1", target_id=target, config_name=name,
                          config_version="1", alias=CHAMPION, action="rollback", forced=False,
                          actor="pytest", gates={"champion_before": "2"},
                          reason="rolled back from version 2")

@@ -280,7 +280,7 @@ def test_a_level_that_does_not_pay_cuts_the_schedule_and_one_paying_nowhere_is_o
     assert overlong["status"] == "off" and overlong["passed"] is False
     assert overlong["reason"].startswith("load check: no speedup measured at 1 concurrent request")
     # the exported config follows the measurement
-    exported = vllm_export(build_config("r1", served["url"]))["speculative_config"]
+    exported = vllm_export(build_config("r1", Store.open(served["url"])))["speculative_config"]
     assert exported["crowded"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, BEYOND, 0]]
     assert exported["count"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 2, 4], [3, BEYOND, 0]]
     assert exported["overlong"] is None

@@ -186,7 +186,7 @@ def test_the_profile_step_says_which_profile_the_run_plans_with(db_url, one_laye
     assert run["worker_hardware"]["reused_from"] == "step-1" and run["worker_hardware"]["measured"]
     # the run's own readers: its costs (confirm), its check (registry, CLI), the SQL reports' join
     assert run_costs("step-2", db_url).run_id == "step-2"
-    check = profile_check("step-2", db_url)
+    check = profile_check("step-2", Store.open(db_url))
     assert (check["profile_run"], check["status"], check["reused_from"]) == ("step-2", "ok", "step-1")
     assert "reused from run step-1, measured at " in profile_check_text(check)
     execute(db_url, insert(DomainConfig).values(run_id="step-2", domain="qa", enabled=False,

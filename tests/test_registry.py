@@ -33,6 +33,7 @@ from tasks.db.store import Store
 from tasks.registry.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
                                  target_slug)
 from tasks.db.models import Promotion
+from tasks.db.store import Store
 from tasks.errors import RegistryError
 from tasks.registry.promotion import check_gates, promote, rollback
 from tasks.registry.registration import register_config
@@ -285,14 +286,14 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
     finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
     register("run-1", db_url, tracking)
     with pytest.raises(RegistryError, match="no champion"):
-        rollback(name, db_url=db_url, uri=tracking)
+        rollback(name, Store.open(db_url), uri=tracking)
     assert promote_(name, "1", db_url, tracking)["promoted"]
     finished_run(db_url, "run-2", {"json": {"measured_speedup": 1.7}}, target_id=target_id)
     register("run-2", db_url, tracking)
     assert promote_(name, "2", db_url, tracking)["champion_before"] == "1"
     assert champion_of(tracking, name) == "2"
 
-    assert rollback(name, db_url=db_url, uri=tracking, actor="pytest") == {
+    assert rollback(name, Store.open(db_url), uri=tracking, actor="pytest") == {
         "champion": "1", "champion_before": "2"}
     assert champion_of(tracking, name) == "1"
     last = promotions(db_url)[-1]
@@ -302,11 +303,11 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
 
     # a rollback meant for champion 2 while 1 is champion: refused, nothing moves
     with pytest.raises(RegistryError, match="asked to roll back champion 2, but the champion is now 1"):
-        rollback(name, db_url=db_url, uri=tracking, expected_champion="2")
+        rollback(name, Store.open(db_url), uri=tracking, expected_champion="2")
     assert champion_of(tracking, name) == "1"
     # version 1 replaced no champion: nothing further to roll back to, and nothing moves
     with pytest.raises(RegistryError, match="replaced no earlier champion"):
-        rollback(name, db_url=db_url, uri=tracking)
+        rollback(name, Store.open(db_url), uri=tracking)
     assert champion_of(tracking, name) == "1"
     assert [r["action"] for r in promotions(db_url)].count("rollback") == 1
 
@@ -430,7 +431,7 @@ def test_another_target_fingerprint_fails_same_target(db_url, tracking, target_i
 def test_build_config_keeps_the_champions_setting_for_insufficient_domains(db_url):
     finished_run(db_url, "run-1", {"json": {}, "code": {"status": "insufficient", "enabled": False,
                                                         "samples": 7}})
-    alone = build_config("run-1", db_url)
+    alone = build_config("run-1", Store.open(db_url))
     assert alone.domains_on == ["json"]
     assert alone.domains["code"].source == "off" and alone.domains["code"].samples == 7
     json_setting = alone.domains["json"]
@@ -439,15 +440,15 @@ def test_build_config_keeps_the_champions_setting_for_insufficient_domains(db_ur
     assert validation_status(alone) == "passed"
 
     champion = alone.model_copy(update={"domains": {**alone.domains, "code": json_setting}})
-    kept = build_config("run-1", db_url, champion=champion)
+    kept = build_config("run-1", Store.open(db_url), champion=champion)
     assert kept.domains["code"].enabled and kept.domains["code"].source == "champion"
     assert kept.domains_on == ["code", "json"]
 
     finished_run(db_url, "run-2", {"json": {}}, fingerprint=None)
     with pytest.raises(RegistryError, match="not finished"):
-        build_config("run-2", db_url)
+        build_config("run-2", Store.open(db_url))
     with pytest.raises(RegistryError, match="does not exist"):
-        build_config("no-such-run", db_url)
+        build_config("no-such-run", Store.open(db_url))
 
 
 def test_min_samples_gate_counts_measured_enabled_domains():
@@ -464,8 +465,12 @@ def test_tracking_uri_default_and_refuses_specdecs_database(tmp_path, monkeypatc
     assert tracking_uri() == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
     assert tracking_uri("http://mlflow:5000") == "http://mlflow:5000"
     own = f"sqlite:///{tmp_path / 'specdec.db'}"
+    store = Store(url=own, engine=create_engine(own), settings=load_settings({}))
     with pytest.raises(RegistryError, match="specdec's own database"):
-        tracking_uri(own, db_url=own)
+        tracking_uri(own, store)
+    with pytest.raises(RegistryError, match="specdec's own database"):
+        tracking_uri(own, own)      # a step that holds no Store yet passes the URL
+    assert tracking_uri("http://mlflow:5000", store) == "http://mlflow:5000"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1053,7 +1058,7 @@ def test_version_page_shows_the_sampling_test_on_vllm_beside_the_own_engines(db_
         live_evidence(db_url, "run-1", domain, 1.52, 1.46, (1.35, 1.70), requests=6)
     engine_sampling(db_url, "run-1", "json", min_p=0.021)
     engine_sampling(db_url, "run-1", "chat", status="failed", min_p=1e-9, control=True)
-    evidence = domain_evidence("run-1", db_url)
+    evidence = domain_evidence("run-1", Store.open(db_url))
     assert evidence["json"]["engine_sampling"] == {
         "engine": "vllm", "status": "passed", "passed": True, "rows": 300, "positions": 6,
         "min_p": 0.021, "reason": "vLLM sampling test passed: 6 G-tests of 300 rows, smallest p 0.021",
@@ -1081,8 +1086,8 @@ def test_live_check_gate_is_unsure_not_silent_on_noise_and_reports_when_not_enfo
     finished_run(db_url, "run-1", {"json": {}, "chat": {}, "qa": {}})
     live_evidence(db_url, "run-1", "json", 1.52, 1.46, (1.35, 1.70), requests=6)
     live_evidence(db_url, "run-1", "chat", 1.04, 1.30, (0.93, 1.18))      # qa: never measured
-    config = build_config("run-1", db_url)
-    evidence = domain_evidence("run-1", db_url)
+    config = build_config("run-1", Store.open(db_url))
+    evidence = domain_evidence("run-1", Store.open(db_url))
     gate = live_gate(config, evidence, DEFAULTS)
     assert gate["passed"] and gate["result"] == "unsure"
     assert "unsure: chat, qa" in gate["figure"] and "qa: not measured live" in gate["figure"]
@@ -1146,7 +1151,7 @@ def test_the_mlflow_run_starts_at_the_dag_runs_start(db_url, tracking, target_id
 
     finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
     dag_start = datetime.now(timezone.utc) - timedelta(minutes=10)      # before the sample step
-    registered = register_config("run-1", db_url=db_url, uri=tracking, settings=DEFAULTS,
+    registered = register_config("run-1", Store.open(db_url), uri=tracking, settings=DEFAULTS,
                                  actor="pytest", started_at=dag_start)
     run = client(tracking).get_run(registered["mlflow_run_id"])
     assert run.info.start_time == int(dag_start.timestamp() * 1000)

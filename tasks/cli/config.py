@@ -16,7 +16,7 @@ from ..registry.sglang_export import sglang_export
 from ..registry.trtllm_export import trtllm_export
 from ..registry.vllm_export import vllm_export
 from ..serving.environment import SERVED_MARK
-from .common import print_json, tracking_uri_arg, url_arg
+from .common import open_store, print_json, tracking_uri_arg, url_arg
 from .console import emit, make_console
 
 console = make_console()
@@ -42,13 +42,12 @@ def print_gates(result: dict) -> None:
 def _champion_audit(args, shown: dict) -> dict | None:
     """The audit of the champion when the shown version is it (tasks.registry.version_page)."""
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db.engine import resolve_database_url
     from ..registry.version_page import champion_audit
 
     if "champion" not in shown["aliases"]:
         return None
     try:
-        return champion_audit(resolve_database_url(args.url), shown["name"], shown["version"])
+        return champion_audit(open_store(args), shown["name"], shown["version"])
     except (DatabaseUnavailable, DatabaseNotMigrated) as exc:   # the registry alone still answers
         return {"champion": shown["version"], "gated": None,
                 "detail": f"gate record not checked: {exc}"}
@@ -83,7 +82,7 @@ def cmd_register(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..registry.registration import register_config
 
-    result = register_config(args.run_id, db_url=args.url, uri=args.tracking_uri)
+    result = register_config(args.run_id, open_store(args), uri=args.tracking_uri)
     console.print(f"{result['name']} version {result['version']} "
                   f"({'reused' if result['reused'] else 'registered'}), alias challenger; validation "
                   f"{result['validation']}; champion {result['champion_version'] or 'none'}")
@@ -96,7 +95,7 @@ def cmd_promote(args) -> int:
 
     expected = "current" if args.expected_champion is None else (
         None if args.expected_champion == "none" else args.expected_champion)
-    result = promote(_name(args), args.version, db_url=args.url, uri=args.tracking_uri,
+    result = promote(_name(args), args.version, open_store(args), uri=args.tracking_uri,
                      force=args.force, expected_champion=expected)
     print_gates(result)
     return 0 if result["promoted"] else 1
@@ -106,7 +105,7 @@ def cmd_rollback(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..registry.promotion import rollback
 
-    result = rollback(_name(args), db_url=args.url, uri=args.tracking_uri,
+    result = rollback(_name(args), open_store(args), uri=args.tracking_uri,
                       expected_champion=args.expected_champion or "current")
     console.print(f"{_name(args)}: champion {result['champion_before']} -> {result['champion']}")
     return 0

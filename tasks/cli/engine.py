@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..registry.run_results import engine_speedup_text
-from .common import print_json, url_arg
+from .common import open_store, print_json, url_arg
 from .console import make_console
 
 console = make_console()
@@ -42,12 +42,12 @@ def engine_rich_table(run_id: str, rows: list[dict]) -> Table:
 
 def cmd_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db.engine import resolve_database_url
     from ..registry.run_results import engine_checks
     from ..steps.context import RunSpec
     from ..steps.pipeline import step_engine_check
 
-    url = resolve_database_url(args.url)
+    store = open_store(args)
+    url = store.url
     target = _run_target(args.run_id, url, args.target)
     if target is None:
         return 2
@@ -59,7 +59,7 @@ def cmd_check(args) -> int:
     if result["skipped"]:
         console.print(escape(result["skipped"]))
         return 1 if args.required else 0
-    rows = engine_checks(args.run_id, url)
+    rows = engine_checks(args.run_id, store)
     if args.format == "json":
         print_json({"run_id": args.run_id, "engines": result["engines"], "domains": rows,
                     "load_check": result.get("load_check")})
@@ -142,12 +142,12 @@ def _run_target(run_id: str, url: str, target: str | None) -> str | None:
 
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db.engine import ensure_ready, resolve_database_url
     from ..db.queries_load import load_checks
     from ..registry.run_results import engine_checks
 
-    rows = engine_checks(args.run_id, args.url)
-    loads = load_checks(ensure_ready(resolve_database_url(args.url)), args.run_id)
+    store = open_store(args)
+    rows = engine_checks(args.run_id, store)
+    loads = load_checks(store.engine, args.run_id)
     if args.format == "json":
         for row in rows:      # each domain's load check beside its engine check (None: not run)
             row["load_check"] = load_json(loads.get(row["domain"]))

@@ -13,7 +13,7 @@ from specdec_core.models import DEFAULT_MODEL
 from ..paths import check_identifier
 from ..settings import load_settings
 from ..steps.candidates import build_drafters
-from .common import per_domain_args, print_json, tracking_uri_arg, url_arg
+from .common import open_store, per_domain_args, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -77,11 +77,9 @@ def cmd_evaluate(args) -> int:
     if args.json:
         print_json(result)
         return _failed_domains_status(result)
-    from ..db.engine import ensure_ready, resolve_database_url
     from ..registry.run_view import build_run_view
 
-    print_run(build_run_view(result["run_id"], ensure_ready(resolve_database_url(args.url or settings.database_url)),
-                             settings), result["seconds"])
+    print_run(build_run_view(result["run_id"], open_store(args, settings), settings), result["seconds"])
     from ..steps.costs import profile_check_text
 
     console.print(escape(profile_check_text(result.get("profile_check"))))

@@ -211,12 +211,14 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     from ..registry.run_results import profile_check
     from ..steps.costs import profile_check_text
     from ..steps.evaluate import evaluation_table
-    from ..db.engine import ensure_ready
+    from ..db.store import Store
     from ..registry.run_view import build_run_view
 
     table = evaluation_table(dag_run.run_id)
-    check = profile_check(dag_run.run_id)
-    print_run(build_run_view(dag_run.run_id, ensure_ready(), load_settings()),
+    settings = load_settings()
+    store = Store.open(settings=settings)
+    check = profile_check(dag_run.run_id, store)
+    print_run(build_run_view(dag_run.run_id, store, settings),
               time.perf_counter() - started)
     console.print(escape(profile_check_text(check)))
     try:

@@ -10,14 +10,10 @@ forced only when --force carried a promotion past a failing gate.
 from __future__ import annotations
 
 import getpass
-import hashlib
 import logging
-from contextlib import contextmanager
 
-from sqlalchemy import insert, select, text
-
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import Promotion, Validation
+from ..db.queries_promotions import alias_lock, promotion_of, record_promotion, registered_run
+from ..db.store import Store
 from ..errors import RegistryError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
@@ -29,44 +25,6 @@ from .tracking import CHAMPION, alias_version, client, load_version_config, trac
 from .version_page import gate_counts, refresh_champion_lines, write_gates
 
 log = logging.getLogger(__name__)
-
-
-def record_promotion(db_url: str, connection=None, **values) -> None:
-    """One audit row in `promotions` (register, promote, reject, rollback), stamped now; in
-    `connection`'s transaction when given (inside alias_lock), else in its own."""
-    if connection is not None:
-        connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
-        return
-    engine = ensure_ready(db_url)
-    with engine.begin() as connection:
-        connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
-
-
-def _lock_key(name: str) -> int:
-    digest = hashlib.sha256(f"specdec-alias:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
-
-
-@contextmanager
-def alias_lock(db_url: str, name: str):
-    """Serialise the alias moves of one registered model across processes and hosts, through
-    specdec's own database: a transaction-scoped advisory lock on PostgreSQL, a write transaction
-    (BEGIN IMMEDIATE) on SQLite. MLflow has no compare-and-set for aliases; every specdec move
-    reads the alias, checks it, sets it and writes its audit row inside this lock, so the row says
-    what was really replaced. Yields the connection to write the audit row with; it commits on
-    success and rolls back on error."""
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
-        if engine.dialect.name == "postgresql":
-            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _lock_key(name)})
-        else:
-            connection.exec_driver_sql("BEGIN IMMEDIATE")   # waits on the busy timeout (30 s)
-        try:
-            yield connection
-        except BaseException:
-            connection.rollback()
-            raise
-        connection.commit()
 
 
 def current_user() -> str:
@@ -165,37 +123,34 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
 
 
 def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
-              db_url: str, view: RunView | None = None) -> list[dict]:
+              store: Store, view: RunView | None = None) -> list[dict]:
     """check_gates with the run's recorded target-fingerprint check, live checks and profile
     check, and the engine_check gate (run_view.engine_gate: whether the config ran on the serving
     engine). view: the run's RunView when the caller built it already."""
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
-        fingerprint_passed = connection.execute(select(Validation.passed).where(
-            (Validation.run_id == config.run_id) & (Validation.check_name == "fingerprint"))).scalar()
-    view = view or build_run_view(config.run_id, engine, settings, config=config)
-    gates = check_gates(config, champion, settings, fingerprint_passed,
+    view = view or build_run_view(config.run_id, store, settings, config=config)
+    gates = check_gates(config, champion, settings, view.fingerprint_passed,
                         evidence={d.name: {"live": d.live} for d in view.domains},
                         profile_noisy=view.profile is not None and view.profile["status"] == "noisy")
     return gates + [engine_gate(view)]
 
 
-def promote(name: str, version: str, db_url: str | None = None, uri: str | None = None,
+def promote(name: str, version: str, store: Store | None = None, uri: str | None = None,
             force: bool = False, actor: str | None = None, expected_champion: str | None = "current",
             settings: Settings | None = None) -> dict:
     """Gate and move `champion` to `version` (compare-and-set).
 
     expected_champion: the champion the caller's gates compared against ("current": whatever is
-    champion now; None: there was none). Output: {"promoted", "forced", "gates", "reason", ...}.
+    champion now; None: there was none). store: specdec's database (None: the settings', opened
+    here). Output: {"promoted", "forced", "gates", "reason", ...}.
     """
     settings = settings or load_settings()
-    db_url = resolve_database_url(db_url or settings.database_url)
-    mlflow_client = client(tracking_uri(uri, db_url))
+    store = store or Store.open(settings=settings)
+    mlflow_client = client(tracking_uri(uri, store))
     version = str(version)
     config = version_config(mlflow_client, name, version)
     before = alias_version(mlflow_client, name, CHAMPION)
     champion = load_version_config(mlflow_client, name, before) if before else None
-    gates = gates_for(config, champion, settings, db_url)
+    gates = gates_for(config, champion, settings, store)
     record = dict(run_id=config.run_id, target_id=config.target.id, config_name=name,
                   config_version=version, alias=CHAMPION, actor=actor or current_user())
     summary = {"gates": gates, "champion_before": before}
@@ -210,7 +165,7 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
     def refuse(reason: str, connection=None, champion: str | None = before) -> dict:
         # forced: only a promotion that --force carried past a failing gate; a refusal overrode
         # nothing (that --force was asked is kept in the row's gates)
-        record_promotion(db_url, connection, action="reject", forced=False,
+        record_promotion(store, connection, action="reject", forced=False,
                          gates={**summary, "force_requested": force}, reason=reason, **record)
         log.warning("promotion of %s version %s refused: %s", name, version, reason)
         page_gates(f"NOT promoted: {reason}"[:300])
@@ -223,7 +178,7 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
     failed = [g for g in gates if not g["passed"]]
     if failed and not force and before != version:
         return refuse("gates failed: " + "; ".join(f"{g['name']} ({g['figure']})" for g in failed))
-    with alias_lock(db_url, name) as connection:
+    with alias_lock(store, name) as connection:
         now = alias_version(mlflow_client, name, CHAMPION)   # compare-and-set: still the same?
         if now == version:      # read under the lock: a rollback that just ran is seen
             return refuse(f"version {version} is already the champion", connection, champion=now)
@@ -237,7 +192,7 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
             if failed and force else "all gates passed" + (
                 f" ({', '.join(doubts)}: see {'its figure' if len(doubts) == 1 else 'their figures'})"
                 if doubts else "")
-        record_promotion(db_url, connection, action="promote", forced=bool(force and failed),
+        record_promotion(store, connection, action="promote", forced=bool(force and failed),
                          gates=summary, reason=reason, **record)
     page_gates(("promoted FORCED past failed gates: " if failed and force else "promoted: ")
                + gate_counts(gates))
@@ -247,7 +202,7 @@ def promote(name: str, version: str, db_url: str | None = None, uri: str | None 
             "champion_before": before, "gates": gates, "reason": reason}
 
 
-def rollback(name: str, db_url: str | None = None, uri: str | None = None,
+def rollback(name: str, store: Store | None = None, uri: str | None = None,
              actor: str | None = None, expected_champion: str | None = "current",
              evidence: dict | None = None) -> dict:
     """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
@@ -256,11 +211,11 @@ def rollback(name: str, db_url: str | None = None, uri: str | None = None,
     A refusal (no champion, another champion than expected, nothing to roll back to) is an audit
     row too (action "reject", gates {"command": "rollback", ...}), committed before the error.
     evidence: why (the production monitor's window, tasks.steps.monitor): kept in the audit row's
-    gates and its reason."""
-    db_url = resolve_database_url(db_url)
-    mlflow_client = client(tracking_uri(uri, db_url))
+    gates and its reason. store: specdec's database (None: the settings', opened here)."""
+    store = store or Store.open()
+    mlflow_client = client(tracking_uri(uri, store))
     actor = actor or current_user()
-    with alias_lock(db_url, name) as connection:
+    with alias_lock(store, name) as connection:
         current = alias_version(mlflow_client, name, CHAMPION)
         refusal = None
         previous = None
@@ -271,22 +226,15 @@ def rollback(name: str, db_url: str | None = None, uri: str | None = None,
                        f"is now {current}; nothing was changed (check `specdec config show` and run "
                        "the rollback again)")
         else:
-            row = connection.execute(
-                select(Promotion).where((Promotion.config_name == name) & (Promotion.alias == CHAMPION)
-                                        & (Promotion.action == "promote")
-                                        & (Promotion.config_version == current))
-                .order_by(Promotion.id.desc()).limit(1)).mappings().first()
+            row = promotion_of(connection, name, CHAMPION, current)
             previous = (row["gates"] or {}).get("champion_before") if row else None
             if not previous:
                 refusal = (f"{name} champion version {current} replaced no earlier champion (per the "
                            "promotions table): nothing to roll back to")
         if refusal is not None:
             # the champion's run and target, from its registration row (none without a champion)
-            known = connection.execute(
-                select(Promotion.run_id, Promotion.target_id)
-                .where((Promotion.config_name == name) & (Promotion.config_version == current))
-                .order_by(Promotion.id.desc()).limit(1)).first() if current else None
-            record_promotion(db_url, connection, run_id=known[0] if known else None,
+            known = registered_run(connection, name, current) if current else None
+            record_promotion(store, connection, run_id=known[0] if known else None,
                              target_id=known[1] if known else None, config_name=name,
                              config_version=current, alias=CHAMPION, action="reject", forced=False,
                              actor=actor, reason=f"rollback refused: {refusal}"[:2000],
@@ -297,7 +245,7 @@ def rollback(name: str, db_url: str | None = None, uri: str | None = None,
         else:
             config = load_version_config(mlflow_client, name, previous)
             mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
-            record_promotion(db_url, connection, run_id=config.run_id, target_id=config.target.id,
+            record_promotion(store, connection, run_id=config.run_id, target_id=config.target.id,
                              config_name=name, config_version=previous, alias=CHAMPION,
                              action="rollback", forced=False, actor=actor,
                              gates={"champion_before": current,

@@ -20,16 +20,13 @@ from html import escape
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
-from sqlalchemy import select
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import AcceptanceEstimate, DomainConfig, LiveMeasurement, QualityResult, Validation
-from ..db.queries_load import load_checks
+from ..db.queries_registry import registration_rows
+from ..db.store import Store
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
-from .run_config import build_config, run_row, validation_status
-from .run_results import data_docs_pages
+from .run_config import config_of, finished_run, validation_status
 from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
 from .plots import write_load_plot, write_plots
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
@@ -40,26 +37,11 @@ log = logging.getLogger(__name__)
 NOTE_TAG = "mlflow.note.content"     # MLflow's run description (markdown, shown on the run's page)
 
 
-def _plots(run_id: str, connection, directory: Path, min_speedup: float) -> list[Path]:
-    """The run's plots (tasks.registry.plots) from its estimates, plan and live checks."""
-    estimates = [dict(r) for r in connection.execute(
-        select(AcceptanceEstimate).where(AcceptanceEstimate.run_id == run_id)
-        .order_by(AcceptanceEstimate.domain, AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
-    configs = {r.domain: {"drafter": r.drafter, "k": r.k, "enabled": bool(r.enabled)}
-               for r in connection.execute(select(DomainConfig.domain, DomainConfig.drafter,
-                                                  DomainConfig.k, DomainConfig.enabled)
-                                           .where(DomainConfig.run_id == run_id))}
-    live = [{"domain": r.domain, "predicted": r.predicted_same_requests, "measured": r.measured_speedup,
-             "lo": r.measured_speedup_lo, "hi": r.measured_speedup_hi, "requests": r.requests}
-            for r in connection.execute(
-                select(LiveMeasurement.domain, LiveMeasurement.predicted_same_requests,
-                       LiveMeasurement.measured_speedup, LiveMeasurement.measured_speedup_lo,
-                       LiveMeasurement.measured_speedup_hi, LiveMeasurement.requests)
-                .where(LiveMeasurement.run_id == run_id)
-                .order_by(LiveMeasurement.domain))
-            if r.predicted_same_requests and r.measured_speedup]
-    paths = write_plots(run_id, estimates, configs, live, min_speedup, directory)
-    return paths + write_load_plot(run_id, load_checks(connection.engine, run_id), min_speedup, directory)
+def _plots(run_id: str, read: dict, directory: Path, min_speedup: float) -> list[Path]:
+    """The run's plots (tasks.registry.plots) from its estimates, plan, live checks and load check
+    (read: tasks.db.queries_registry.registration_rows)."""
+    paths = write_plots(run_id, read["estimates"], read["configs"], read["live"], min_speedup, directory)
+    return paths + write_load_plot(run_id, read["view"]["loads"], min_speedup, directory)
 
 
 def _cell(value) -> str:
@@ -208,25 +190,27 @@ def run_note(view: RunView, quality_ok: bool | None) -> str:
             "page; validation, data quality).")
 
 
-def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = None,
+def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = None,
                      settings: Settings | None = None, champion=None,
-                     started_at: datetime | None = None) -> dict:
+                     started_at: datetime | None = None, read: dict | None = None) -> dict:
     """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
     champion: (version, config) of the current champion when the caller already read it.
     started_at: when the evaluation started (its DAG run's start); default: when its sample step
-    recorded the run. A new MLflow run starts then, so its duration is the evaluation's."""
+    recorded the run. A new MLflow run starts then, so its duration is the evaluation's.
+    store: specdec's database (None: the settings', opened here). read: the run's rows when the
+    caller read them already (tasks.db.queries_registry.registration_rows)."""
     settings = settings or load_settings()
-    db_url = resolve_database_url(db_url or settings.database_url)
-    mlflow_client = client(tracking_uri(uri, db_url))
-    engine = ensure_ready(db_url)
+    store = store or Store.open(settings=settings)
+    mlflow_client = client(tracking_uri(uri, store))
+    read = read or registration_rows(store, run_id)
+    eval_run = finished_run(read["run"], run_id)
     if champion is None:
-        champion = current_champion(uri=uri, target_id=None, run_id=run_id, db_url=db_url)
-    config = build_config(run_id, db_url, champion=champion[1])
+        champion = current_champion(uri=uri, target_id=eval_run["target_id"])
+    config = config_of(eval_run, read["domain_configs"], champion=champion[1])
     experiment_id = experiment_for_target(mlflow_client, config.target.id)
     existing = find_run(mlflow_client, experiment_id, run_id)
     if existing is None:
-        with engine.connect() as connection:
-            recorded = run_row(connection, run_id)["created_at"]
+        recorded = eval_run["created_at"]
         starts = [_epoch_ms(moment) for moment in (started_at, recorded) if moment is not None]
         run = mlflow_client.create_run(experiment_id, start_time=min(starts, default=None), run_name=run_id,
                                        tags={RUN_TAG: run_id})
@@ -234,24 +218,11 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
     else:
         mlflow_run_id = existing.info.run_id
     try:
-        with engine.connect() as connection:
-            eval_run = run_row(connection, run_id)
-            params = dict(eval_run["params"] or {})
-            validations = [dict(r) for r in connection.execute(
-                select(Validation.domain, Validation.check_name, Validation.drafter, Validation.k,
-                       Validation.request_id, Validation.passed, Validation.statistic,
-                       Validation.p_value, Validation.details)
-                .where(Validation.run_id == run_id)).mappings()]
-            quality = [dict(r) for r in connection.execute(
-                select(QualityResult.suite, QualityResult.scope, QualityResult.expectation,
-                       QualityResult.column_name, QualityResult.success, QualityResult.status,
-                       QualityResult.observed).where(QualityResult.run_id == run_id)).mappings()]
-            estimates = connection.execute(select(AcceptanceEstimate.drafter).where(
-                AcceptanceEstimate.run_id == run_id).distinct()).scalars().all()
-            with tempfile.TemporaryDirectory() as tmp:
-                plots = _plots(run_id, connection, Path(tmp), settings.plan.min_speedup)
-                for path in plots:
-                    mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
+        params = dict(eval_run["params"] or {})
+        validations, quality, estimates = read["validations"], read["quality"], read["estimate_drafters"]
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in _plots(run_id, read, Path(tmp), settings.plan.min_speedup):
+                mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
         wanted = {"target": config.target.id, "target_fingerprint": config.target.fingerprint,
                   "hardware_profile": config.hardware_profile, "candidates": ",".join(sorted(estimates)),
                   "min_per_domain": params.get("min_per_domain"), "max_per_domain": params.get("max_per_domain"),
@@ -277,9 +248,8 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             for metric, value in metrics.items():
                 if value is not None:      # 4 significant digits: the figures' own precision
                     mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", rounded(value))
-        view = build_run_view(run_id, engine, settings, config=config)
-        _log_reports(mlflow_client, mlflow_run_id, view, validations, quality,
-                     data_docs_pages(run_id, db_url))
+        view = build_run_view(run_id, store, settings, config=config, read=read["view"])
+        _log_reports(mlflow_client, mlflow_run_id, view, validations, quality, dict(read["data_docs"]))
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
         mlflow_client.set_tag(mlflow_run_id, NOTE_TAG, run_note(
             view, all(bool(r["success"]) for r in quality) if quality else None))
@@ -290,20 +260,23 @@ def track_evaluation(run_id: str, db_url: str | None = None, uri: str | None = N
             "config": json.loads(config.to_json())}
 
 
-def register_config(run_id: str, db_url: str | None = None, uri: str | None = None,
+def register_config(run_id: str, store: Store | None = None, uri: str | None = None,
                     settings: Settings | None = None, actor: str | None = None,
                     started_at: datetime | None = None) -> dict:
     """Track the run, register its config/ artifact as a version (reused on retry), alias challenger.
 
+    store: specdec's database (None: the settings', opened here).
     Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation"}.
     """
     settings = settings or load_settings()
-    db_url = resolve_database_url(db_url or settings.database_url)
-    champion_version, champion = current_champion(uri, target_id=None, run_id=run_id, db_url=db_url)
-    tracked = track_evaluation(run_id, db_url, uri, settings, champion=(champion_version, champion),
-                               started_at=started_at)
+    store = store or Store.open(settings=settings)
+    read = registration_rows(store, run_id)       # the run's rows, read once
+    target_id = finished_run(read["run"], run_id)["target_id"]
+    champion_version, champion = current_champion(uri, target_id=target_id)
+    tracked = track_evaluation(run_id, store, uri, settings, champion=(champion_version, champion),
+                               started_at=started_at, read=read)
     config = parse_config(tracked["config"])
-    mlflow_client = client(tracking_uri(uri, db_url))
+    mlflow_client = client(tracking_uri(uri, store))
     try:
         name = config_model_name(config.target.id)
         try:
@@ -312,9 +285,9 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
             mlflow_client.create_registered_model(
                 name, description=f"specdec speculative-decoding configs of target {config.target.id}")
         existing = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{run_id}'")
-        audit = champion_audit(db_url, name, champion_version)
-        view = build_run_view(run_id, ensure_ready(db_url), settings, config=config)
-        gates = gates_for(config, champion, settings, db_url, view=view)
+        audit = champion_audit(store, name, champion_version)
+        view = build_run_view(run_id, store, settings, config=config, read=read["view"])
+        gates = gates_for(config, champion, settings, store, view=view)
 
         def describe(version: str) -> str:
             return version_page_markdown(view, version, gates, audit, champion, champion_version)
@@ -331,13 +304,13 @@ def register_config(run_id: str, db_url: str | None = None, uri: str | None = No
                 tags=tags, description=describe("N")).version)
         mlflow_client.update_model_version(name, version, description=describe(version))
         mlflow_client.set_registered_model_alias(name, CHALLENGER, version)
-        record_promotion(db_url, run_id=run_id, target_id=config.target.id, config_name=name,
+        record_promotion(store, run_id=run_id, target_id=config.target.id, config_name=name,
                          config_version=version, alias=CHALLENGER, action="register", forced=False,
                          actor=actor or current_user(), gates=None,
                          reason="retried registration: version reused" if existing else "registered")
         if not audit["gated"]:       # for the ops report (sql/ungated_champions.sql)
             log.warning("%s: %s", name, audit["detail"])
-            record_promotion(db_url, run_id=run_id, target_id=config.target.id, config_name=name,
+            record_promotion(store, run_id=run_id, target_id=config.target.id, config_name=name,
                              config_version=champion_version, alias="champion", action="ungated",
                              forced=False, actor=actor or current_user(), gates=None,
                              reason=audit["detail"])

@@ -6,17 +6,19 @@ never by prompt text.
 
 from __future__ import annotations
 
-from sqlalchemy import select
-
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DomainConfig, EvalRun
+from ..db import queries_registry as q
+from ..db.store import Store
 from ..errors import RegistryError
 from .config_schema import DomainSetting, DrafterSpec, SpecdecConfig
 
 
-def run_row(connection, run_id: str):
+def run_row(store: Store, run_id: str):
     """The run's eval_runs row; RegistryError unless it exists and has finished its evaluation."""
-    row = connection.execute(select(EvalRun).where(EvalRun.run_id == run_id)).mappings().first()
+    return finished_run(q.eval_run(store, run_id), run_id)
+
+
+def finished_run(row, run_id: str):
+    """run_row's check of the run's eval_runs row (None: there is none)."""
     if row is None:
         raise RegistryError(f"run {run_id!r} does not exist in specdec's database; evaluate it first")
     if not row["target_fingerprint"] or not row["hardware_profile"]:
@@ -25,14 +27,17 @@ def run_row(connection, run_id: str):
     return row
 
 
-def build_config(run_id: str, db_url: str | None = None,
+def build_config(run_id: str, store: Store | None = None,
                  champion: SpecdecConfig | None = None) -> SpecdecConfig:
-    """The run's config from domain_configs; insufficient domains keep the champion's setting."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        run = run_row(connection, run_id)
-        rows = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
-                                  .order_by(DomainConfig.domain)).mappings().all()
+    """The run's config from domain_configs; insufficient domains keep the champion's setting.
+    store: specdec's database (None: the settings', opened here)."""
+    store = store or Store.open()
+    return config_of(run_row(store, run_id), q.domain_configs(store, run_id), champion)
+
+
+def config_of(run, rows, champion: SpecdecConfig | None = None) -> SpecdecConfig:
+    """build_config from the run's eval_runs row (finished_run) and its domain_configs rows."""
+    run_id = run["run_id"]
     domains: dict[str, DomainSetting] = {}
     for row in rows:
         if row["status"] != "ok":

@@ -8,49 +8,33 @@ rows re-export their readers.
 
 from __future__ import annotations
 
-from sqlalchemy import select
-
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import (AcceptanceEstimate, CostProfile, CostProfileCheck, DataDocsPage, DomainConfig,
-                         EngineCheck, EvalRun, LiveMeasurement, Validation)
+from ..db import queries_registry as q
+from ..db.store import Store
 
 
-def profile_check(run_id: str, db_url: str | None = None) -> dict | None:
+def profile_check(run_id: str, store: Store) -> dict | None:
     """The check of the cost profile the run planned with: {hardware_profile, profile_run, status,
     reasons, attempts, max_spread, reused_from, measured_at}; None before the profile step (or for
     a profile without one). The profile's newest run is the one planned with
     (tasks.steps.costs.run_costs); reused_from: the run that measured costs this run reused
     (None: measured by profile_run itself), measured_at: when (ISO, UTC; None: not recorded)."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
-        if not name:
-            return None
-        profile_run = connection.execute(
-            select(CostProfile.run_id).where(CostProfile.hardware_profile == name)
-            .order_by(CostProfile.created_at.desc(), CostProfile.id.desc()).limit(1)).scalar()
-        if profile_run is None:
-            return None
-        check = connection.execute(
-            select(CostProfileCheck.status, CostProfileCheck.reasons, CostProfileCheck.attempts,
-                   CostProfileCheck.max_spread, CostProfileCheck.reused_from,
-                   CostProfileCheck.measured_at)
-            .where((CostProfileCheck.hardware_profile == name)
-                   & (CostProfileCheck.run_id == profile_run))).mappings().first()
-    if check is None:
+    return profile_check_of(q.profile_check_row(store, run_id))
+
+
+def profile_check_of(found: tuple[str, str, dict] | None) -> dict | None:
+    """profile_check from its row (tasks.db.queries_registry.profile_check_row)."""
+    if found is None:
         return None
+    name, profile_run, check = found
     check = dict(check)
     if check["measured_at"] is not None:
         check["measured_at"] = check["measured_at"].isoformat()
     return {"hardware_profile": name, "profile_run": profile_run, **check}
 
 
-def engine_checks(run_id: str, db_url: str | None = None) -> list[dict]:
+def engine_checks(run_id: str, store: Store) -> list[dict]:
     """The run's stored engine_checks rows, by domain."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        return [dict(row) for row in connection.execute(select(EngineCheck).where(
-            EngineCheck.run_id == run_id).order_by(EngineCheck.domain)).mappings()]
+    return q.engine_check_rows(store, run_id)
 
 
 def engine_speedup_text(row: dict) -> str:
@@ -66,16 +50,12 @@ def engine_speedup_text(row: dict) -> str:
     return text
 
 
-def data_docs_pages(run_id: str, db_url: str | None = None) -> dict[str, str]:
+def data_docs_pages(run_id: str, store: Store) -> dict[str, str]:
     """{page file name: HTML} of the run's Data Docs, from the database (any worker wrote them)."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        rows = connection.execute(select(DataDocsPage.page, DataDocsPage.html).where(
-            DataDocsPage.run_id == run_id).order_by(DataDocsPage.page)).all()
-    return {page: html for page, html in rows}
+    return {page: html for page, html in q.data_docs_rows(store, run_id)}
 
 
-def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
+def domain_evidence(run_id: str, store: Store) -> dict[str, dict]:
     """{domain: {"live", "proposal_rate", "validation"}} of a run, what the version page shows
     beside the config:
 
@@ -93,24 +73,13 @@ def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
     - engine_sampling: its sampling test on vLLM's OpenAI server (engine_sampling_tests), None
       when none is stored.
     """
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        configs = connection.execute(select(
-            DomainConfig.domain, DomainConfig.drafter, DomainConfig.k, DomainConfig.live_check)
-            .where(DomainConfig.run_id == run_id)).mappings().all()
-        lives = {row["domain"]: row for row in connection.execute(select(
-            LiveMeasurement.domain, LiveMeasurement.measured_speedup, LiveMeasurement.measured_speedup_lo,
-            LiveMeasurement.measured_speedup_hi, LiveMeasurement.predicted_same_requests,
-            LiveMeasurement.predicted_speedup, LiveMeasurement.cost_model_error, LiveMeasurement.gap,
-            LiveMeasurement.requests).where(LiveMeasurement.run_id == run_id)).mappings()}
-        shares = {(row.domain, row.drafter, row.k): row.draft_width_share for row in connection.execute(
-            select(AcceptanceEstimate.domain, AcceptanceEstimate.drafter, AcceptanceEstimate.k,
-                   AcceptanceEstimate.draft_width_share).where(AcceptanceEstimate.run_id == run_id))}
-        tests = {row.domain: row for row in connection.execute(
-            select(Validation.domain, Validation.k, Validation.request_id, Validation.passed,
-                   Validation.p_value, Validation.details).where(
-                (Validation.run_id == run_id) & (Validation.check_name == "sampling")))}
-        on_engine = _engine_sampling(connection, run_id)
+    return evidence_of(q.evidence_rows(store, run_id))
+
+
+def evidence_of(rows: dict) -> dict[str, dict]:
+    """domain_evidence from its rows (tasks.db.queries_registry.evidence_rows)."""
+    configs, lives, shares, tests = rows["configs"], rows["lives"], rows["shares"], rows["tests"]
+    on_engine = _engine_sampling(rows["engine_sampling"])
     out = {}
     for config in configs:
         domain = config["domain"]
@@ -141,14 +110,12 @@ def domain_evidence(run_id: str, db_url: str | None = None) -> dict[str, dict]:
     return out
 
 
-ENGINE_SAMPLING = "engine_sampling"      # check_name of the sampling test on vLLM (steps.engine_validate)
+ENGINE_SAMPLING = q.ENGINE_SAMPLING      # check_name of the sampling test on vLLM (steps.engine_validate)
 
 
-def _engine_sampling(connection, run_id: str) -> dict[str, dict]:
+def _engine_sampling(rows) -> dict[str, dict]:
     out = {}
-    for row in connection.execute(select(
-            Validation.domain, Validation.passed, Validation.p_value, Validation.details).where(
-            (Validation.run_id == run_id) & (Validation.check_name == ENGINE_SAMPLING))):
+    for row in rows:
         details = row.details or {}
         summary = details.get("config") or {}
         control = details.get("control")
@@ -161,16 +128,14 @@ def _engine_sampling(connection, run_id: str) -> dict[str, dict]:
     return out
 
 
-def engine_sampling_tests(run_id: str, db_url: str | None = None) -> dict[str, dict]:
+def engine_sampling_tests(run_id: str, store: Store) -> dict[str, dict]:
     """{domain: the run's sampling test on vLLM's OpenAI server} (validations rows with check_name
     "engine_sampling", written by tasks.steps.engine_validate): {engine, status (passed | failed |
     engine_differs | error), passed, rows (per test), positions (G-tests), min_p (the smallest p
     over them), reason, control (the plain server's verdict, "passed" | "failed", None where it
     did not run), shared_from}. A test that could not run ("error") has no rows, positions nor
     min_p."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        return _engine_sampling(connection, run_id)
+    return _engine_sampling(q.engine_sampling_rows(store, run_id))
 
 
 ENGINE_SAMPLING_STATUS = {"passed": "passed", "failed": "FAILED", "engine_differs": "ENGINE DIFFERS",
@@ -207,16 +172,15 @@ def own_sampling_text(test: dict | None) -> str:
     return ("passed" if test.get("passed") else "FAILED") + (f" ({', '.join(figures)})" if figures else "")
 
 
-def low_acceptance(run_id: str, threshold: float, db_url: str | None = None) -> list[dict]:
+def low_acceptance(run_id: str, threshold: float, store: Store) -> list[dict]:
     """Domains (planned, status ok) whose planned drafter's expected tokens per round fell below
     `threshold`: [{domain, drafter, k, mean_accepted_length, enabled}] by domain. What the
     low-acceptance alert publishes and the version page states."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        rows = connection.execute(select(DomainConfig.domain, DomainConfig.drafter, DomainConfig.k,
-                                         DomainConfig.mean_accepted_length, DomainConfig.enabled).where(
-            (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok"))
-            .order_by(DomainConfig.domain)).all()
+    return low_acceptance_of(q.planned_acceptance(store, run_id), threshold)
+
+
+def low_acceptance_of(rows, threshold: float) -> list[dict]:
+    """low_acceptance from the planned rows (tasks.db.queries_registry.planned_acceptance)."""
     return [{"domain": r.domain, "drafter": r.drafter, "k": r.k, "mean_accepted_length": r.mean_accepted_length,
              "enabled": bool(r.enabled)}
             for r in rows if r.mean_accepted_length is not None and r.mean_accepted_length < threshold]

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy.engine import Engine
-
-from ..db.queries_load import load_checks
-from ..db.queries_run_view import engine_check_skip
+from ..db.queries_registry import view_rows
+from ..db.store import Store
 from ..settings import Settings
 from .config_schema import DomainSetting, SpecdecConfig
 from .live_check import LiveJudgement, judge_live, judgement_words, live_text
 from .load_results import load_check_text, load_markdown
 from .run_config import build_config
-from .run_results import (domain_evidence, engine_checks, engine_sampling_text, engine_speedup_text,
-                          low_acceptance, own_sampling_text, profile_check)
+from .run_results import (engine_sampling_text, engine_speedup_text, evidence_of, low_acceptance_of,
+                          own_sampling_text, profile_check_of)
 
 
 @dataclass(frozen=True)
@@ -56,24 +54,23 @@ class RunView:
     tolerance: float
     acceptance_alert: float
     loads: dict = field(default_factory=dict)   # the load check by domain (queries_load.load_checks)
+    fingerprint_passed: bool | None = None      # the run's target-fingerprint check (None: not recorded)
 
     @property
     def engine_checked(self) -> bool:
         return bool(self.engine_rows)
 
 
-def _url(engine: Engine) -> str:
-    return engine.url.render_as_string(hide_password=False)
-
-
-def build_run_view(run_id: str, engine: Engine, settings: Settings,
-                   champion: SpecdecConfig | None = None, config: SpecdecConfig | None = None) -> RunView:
-    """The run's view from the store; config: the run's config when the caller built it already."""
-    url = _url(engine)
-    config = config or build_config(run_id, url, champion=champion)
-    evidence = domain_evidence(run_id, url)
-    rows = {row["domain"]: row for row in engine_checks(run_id, url)}
-    loads = load_checks(engine, run_id)
+def build_run_view(run_id: str, store: Store, settings: Settings,
+                   champion: SpecdecConfig | None = None, config: SpecdecConfig | None = None,
+                   read: dict | None = None) -> RunView:
+    """The run's view from the store; config: the run's config when the caller built it already;
+    read: the run's rows when the caller read them already (tasks.db.queries_registry.view_rows)."""
+    config = config or build_config(run_id, store, champion=champion)
+    read = read or view_rows(store, run_id)
+    evidence = evidence_of(read["evidence"])
+    rows = {row["domain"]: row for row in read["engine_checks"]}
+    loads = read["loads"]
     domains = []
     for name, setting in sorted(config.domains.items()):
         found = (evidence.get(name) or {}) if setting.source == "run" else {}
@@ -84,11 +81,11 @@ def build_run_view(run_id: str, engine: Engine, settings: Settings,
             proposal_rate=found.get("proposal_rate"), validation_test=found.get("validation"),
             engine_sampling=found.get("engine_sampling"), engine=rows.get(name), load=loads.get(name)))
     return RunView(run_id=run_id, config=config, domains=domains, engine_rows=list(rows.values()),
-                   engine_skipped=engine_check_skip(engine, run_id),
-                   low_acceptance=low_acceptance(run_id, settings.plan.acceptance_alert, url),
-                   profile=profile_check(run_id, url), min_speedup=settings.plan.min_speedup,
+                   engine_skipped=read["engine_skipped"],
+                   low_acceptance=low_acceptance_of(read["planned"], settings.plan.acceptance_alert),
+                   profile=profile_check_of(read["profile"]), min_speedup=settings.plan.min_speedup,
                    tolerance=settings.live.tolerance, acceptance_alert=settings.plan.acceptance_alert,
-                   loads=loads)
+                   loads=loads, fingerprint_passed=read["fingerprint_passed"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from mlflow.exceptions import MlflowException
 from sqlalchemy import create_engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
-from ..db.engine import display_url, ensure_ready, missing_driver, resolve_database_url
+from ..db.engine import display_url, missing_driver
+from ..db.store import Store
 from ..errors import RegistryError, RegistryUnavailable
 from ..masking import mask_text, mask_url
 from ..settings import specdec_home
@@ -42,11 +43,14 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_de
 CHAMPION, CHALLENGER = "champion", "challenger"
 
 
-def tracking_uri(uri: str | None = None, db_url: str | None = None) -> str:
-    """The MLflow tracking URI to use; refuses specdec's own database."""
+def tracking_uri(uri: str | None = None, store: Store | str | None = None) -> str:
+    """The MLflow tracking URI to use; refuses specdec's own database (`store`'s, when given).
+    store: the Store; a database URL string is still taken from the steps that hold no Store yet
+    (draft training, the suffix index), compared as it is."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or \
         f"sqlite:///{(specdec_home() / 'mlflow.db').resolve()}"
-    if db_url and uri == resolve_database_url(db_url):
+    own = store.url if isinstance(store, Store) else store
+    if own and uri == own:
         raise RegistryError(f"MLflow's tracking store {display_url(uri)} is specdec's own database; "
                             "give MLflow its own (default sqlite:///$SPECDEC_HOME/mlflow.db)")
     return uri
@@ -317,12 +321,11 @@ def version_config(mlflow_client, name: str, version: str) -> SpecdecConfig:
 
 
 def current_champion(uri: str | None = None, target_id: str | None = None, run_id: str | None = None,
-                     db_url: str | None = None) -> tuple[str | None, SpecdecConfig | None]:
-    """(version, config) of the champion of the target (of `run_id`'s target when target_id is None)."""
+                     store: Store | None = None) -> tuple[str | None, SpecdecConfig | None]:
+    """(version, config) of the champion of the target (of `run_id`'s target, read from `store`,
+    when target_id is None)."""
     if target_id is None:
-        engine = ensure_ready(resolve_database_url(db_url))
-        with engine.connect() as connection:
-            target_id = run_row(connection, run_id)["target_id"]
+        target_id = run_row(store, run_id)["target_id"]
     mlflow_client = client(uri)
     name = config_model_name(target_id)
     version = alias_version(mlflow_client, name, CHAMPION)

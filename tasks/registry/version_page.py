@@ -21,10 +21,8 @@ from __future__ import annotations
 import logging
 import re
 
-from sqlalchemy import select
-
-from ..db.engine import ensure_ready
-from ..db.models import Promotion
+from ..db.queries_promotions import last_champion_move
+from ..db.store import Store
 from ..masking import mask_text, mask_url
 from ..timeutil import utcnow
 from .run_config import changes_markdown, validation_status
@@ -185,18 +183,12 @@ def refresh_champion_lines(mlflow_client, name: str, champion: str | None, how: 
         log.warning("%s: champion line not refreshed (%s)", name, mask_text(str(exc)))
 
 
-def champion_audit(db_url: str, name: str, champion: str | None) -> dict:
+def champion_audit(store: Store, name: str, champion: str | None) -> dict:
     """{"champion", "gated", "detail"}: whether the champion alias was last moved by specdec onto
     this version (a promote or rollback row), i.e. through the gates or a recorded rollback."""
     if champion is None:
         return {"champion": None, "gated": True, "detail": "no champion"}
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
-        last = connection.execute(
-            select(Promotion.config_version, Promotion.action, Promotion.forced, Promotion.created_at)
-            .where((Promotion.config_name == name) & (Promotion.alias == "champion")
-                   & Promotion.action.in_(("promote", "rollback")))
-            .order_by(Promotion.id.desc()).limit(1)).first()
+    last = last_champion_move(store, name)
     if last is not None and str(last.config_version) == str(champion):
         how = "forced past failed gates" if last.forced else (
             "passed the gates" if last.action == "promote" else "restored by rollback")

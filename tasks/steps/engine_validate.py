@@ -38,6 +38,7 @@ from specdec_core.validation import SamplingReport, position_tests
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, Validation
+from ..db.store import Store
 from ..errors import EngineTimeout, ServingProbeError
 from ..registry.run_config import build_config
 from ..registry.vllm_export import vllm_export
@@ -277,7 +278,7 @@ def _store(engine, run_id: str, result: EngineSamplingResult, planned: dict, spe
 def served_export(run_id: str, url: str, target: str, model_dir) -> dict:
     """The run's config exported for vLLM (vllm_export) against the served copy of the target,
     after checking that the copy holds the weights the run evaluated."""
-    config = build_config(run_id, url)
+    config = build_config(run_id, Store.of(url))
     served = serving_env.served_fingerprint(model_dir)
     if served is not None and served != config.target.fingerprint:
         raise ServingProbeError(

@@ -19,6 +19,7 @@ from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
 from ..db.queries_runs import mark_abandoned_runs, mark_interrupted, record_owner, this_process
 from ..db.queries_load import load_summaries
+from ..db.store import Store
 from ..errors import SpecdecTaskError
 from ..registry.run_results import engine_sampling_tests, profile_check
 from ..settings import DEFAULT_MODEL, Settings, load_settings
@@ -46,7 +47,8 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
     """The run's per-domain table (domain_configs joined with its live measurement, its engine
     check and its sampling test on vLLM: "engine_sampling", run_results.engine_sampling_tests'
     dict or None)."""
-    engine = ensure_ready(resolve_database_url(db_url))
+    url = resolve_database_url(db_url)
+    engine = ensure_ready(url)
     with engine.connect() as connection:
         configs = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
                                      .order_by(DomainConfig.domain)).mappings().all()
@@ -56,7 +58,7 @@ def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
         checked = {row["domain"]: row for row in connection.execute(
             select(EngineCheck.domain, *[getattr(EngineCheck, c) for c in ENGINE_COLUMNS.values()])
             .where(EngineCheck.run_id == run_id)).mappings()}
-    on_engine = engine_sampling_tests(run_id, db_url)
+    on_engine = engine_sampling_tests(run_id, Store.of(url))
     under_load = load_summaries(engine, run_id)
 
     def value(row, column):
@@ -188,7 +190,7 @@ def _run_steps(spec: RunSpec, target: str, new_profile: bool, register: bool, pr
             "registered": done.get("register"), "promoted": done.get("promote"), "failed": finished["failed"],
             "hardware_profile": profile["hardware_profile"], "profile": profile, "sample": done["sample"],
             "excluded": finished["excluded"], "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
-            "profile_check": profile_check(spec.run_id, spec.url), "engine_check": done["engine_check"],
+            "profile_check": profile_check(spec.run_id, Store.of(spec.url)), "engine_check": done["engine_check"],
             "seconds": round(sum(steps.values()), 1)}
 
 

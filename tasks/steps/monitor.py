@@ -34,6 +34,7 @@ from sqlalchemy.engine import Engine
 
 from ..db import queries_monitor as q
 from ..db.engine import ensure_ready, resolve_database_url
+from ..db.store import Store
 from ..errors import MonitorScrapeError, RegistryError
 from ..registry.compose_export import deployments
 from ..registry.config_schema import SpecdecConfig, config_model_name
@@ -58,7 +59,7 @@ class MonitorContext:
     """What the monitor works with: specdec's database, the registry and the settings."""
 
     engine: Engine
-    db_url: str                       # promotion.rollback takes the URL (its lock and audit row)
+    db_url: str                       # resolved; the registry takes it as `store`
     tracking_uri: str | None
     settings: Settings
     config_name: str
@@ -70,8 +71,14 @@ class MonitorContext:
         url = resolve_database_url(db_url or settings.database_url)
         return cls(ensure_ready(url), url, uri, settings, config_model_name(target or DEFAULT_MODEL))
 
+    @property
+    def store(self) -> Store:
+        """The monitor's database as a Store (what the registry takes: rollback's lock and audit
+        row, the tracking URI's check)."""
+        return Store(url=self.db_url, engine=self.engine, settings=self.settings)
+
     def champion(self) -> tuple[str | None, SpecdecConfig | None]:
-        mlflow_client = client(tracking_uri(self.tracking_uri, self.db_url))
+        mlflow_client = client(tracking_uri(self.tracking_uri, self.store))
         version = alias_version(mlflow_client, self.config_name, CHAMPION)
         return version, (load_version_config(mlflow_client, self.config_name, version)
                          if version else None)
@@ -166,7 +173,7 @@ def _served_config(ctx: MonitorContext, previous: dict | None, step: dict):
     try:
         if previous is not None and step["start"] is None and previous["config_version"] \
                 and previous["config_name"] == ctx.config_name:
-            mlflow_client = client(tracking_uri(ctx.tracking_uri, ctx.db_url))
+            mlflow_client = client(tracking_uri(ctx.tracking_uri, ctx.store))
             version = previous["config_version"]
             return version, load_version_config(mlflow_client, ctx.config_name, version)
         version, config = ctx.champion()
@@ -298,7 +305,7 @@ def _auto_rollback(ctx: MonitorContext, version: str, event: dict) -> list[dict]
                 "window_start": event["window_start"].isoformat(),
                 "window_end": event["window_end"].isoformat(), "reason": why}
     try:
-        moved = rollback(ctx.config_name, db_url=ctx.db_url, uri=ctx.tracking_uri, actor=ACTOR,
+        moved = rollback(ctx.config_name, ctx.store, uri=ctx.tracking_uri, actor=ACTOR,
                          expected_champion=version, evidence=evidence)
     except RegistryError as exc:
         log.info("automatic rollback of %s version %s refused: %s", ctx.config_name, version, exc)
@@ -362,7 +369,7 @@ def publish(ctx: MonitorContext, version: str, at: datetime) -> str | None:
               "drafts": r["scraped"]["drafts"], "scraped_e": r["scraped"]["e"],
               "request_e": r["per_request"]["e"]}
              for d in shown["deployments"] if d["config_version"] == version for r in d["domains"]]
-    mlflow_client = client(tracking_uri(ctx.tracking_uri, ctx.db_url))
+    mlflow_client = client(tracking_uri(ctx.tracking_uri, ctx.store))
     run_id = mlflow_client.get_model_version(ctx.config_name, version).run_id
     plt = _pyplot()
     with tempfile.TemporaryDirectory() as tmp:

@@ -182,13 +182,14 @@ def step_estimate(spec, domain: str, profile) -> dict:
                      context.store, settings=settings, k_max=settings.plan.k_max, progress=False)
     return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
                               samples=len(requests),
-                              currently_on=domain in champion_domains_on(context.spec, url)))
+                              currently_on=domain in champion_domains_on(context.spec, context.store)))
 
 
-def champion_domains_on(spec: RunSpec, db_url: str | None = None) -> set[str]:
+def champion_domains_on(spec: RunSpec, store: Store | None = None) -> set[str]:
     """Domains on in the target's champion config (for the planner's hysteresis); empty when there
-    is no champion or no tracking store yet (none is created to find out)."""
-    uri = tracking_uri(spec.tracking_uri, db_url or spec.url)
+    is no champion or no tracking store yet (none is created to find out). store: the run's
+    database (None: the spec's)."""
+    uri = tracking_uri(spec.tracking_uri, store or Store.of(spec.url))
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         return set()
     try:
@@ -377,14 +378,14 @@ def step_register(spec, started_at=None) -> dict:
     when its MLflow run starts."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    url = spec.resolved_url(settings)
-    registered = register_config(spec.run_id, db_url=url, uri=spec.tracking_uri, settings=settings,
+    store = Store.open(spec.resolved_url(settings), settings)
+    registered = register_config(spec.run_id, store, uri=spec.tracking_uri, settings=settings,
                                  started_at=started_at)
     log.info("run %s: registered %s version %s%s (alias challenger; champion %s); validation %s; "
              "gates (preview): %s; page: %s", spec.run_id, registered["name"], registered["version"],
              " (reused)" if registered["reused"] else "", registered["champion_version"] or "none",
              registered["validation"], gates_summary(registered["gates"]),
-             version_url(tracking_uri(spec.tracking_uri, url), registered["name"], registered["version"]))
+             version_url(tracking_uri(spec.tracking_uri, store), registered["name"], registered["version"]))
     return registered
 
 
@@ -392,8 +393,8 @@ def step_promote(spec, registered: dict) -> dict:
     """Gate and promote the registered version (tasks.registry.promotion.promote); logs one line."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    result = promote(registered["name"], registered["version"], db_url=spec.resolved_url(settings),
-                     uri=spec.tracking_uri, settings=settings,
+    result = promote(registered["name"], registered["version"],
+                     Store.open(spec.resolved_url(settings), settings), uri=spec.tracking_uri, settings=settings,
                      expected_champion=registered["champion_version"])
     log.info("run %s: %s version %s %s: %s; gates: %s", spec.run_id, registered["name"],
              registered["version"], "promoted to champion" if result["promoted"] else "NOT promoted",
@@ -405,7 +406,7 @@ def low_acceptance_domains(spec, threshold: float) -> list[dict]:
     """Domains whose planned drafter's expected tokens per round fell below `threshold`
     (tasks.registry.run_results.low_acceptance: the rule the version page states too)."""
     spec = RunSpec.of(spec)
-    low = low_acceptance(spec.run_id, threshold, spec.url)
+    low = low_acceptance(spec.run_id, threshold, Store.of(spec.url))
     if low:
         log.warning("run %s: low-acceptance alert (expected tokens per round below %.2f): %s", spec.run_id,
                     threshold, ", ".join(f"{r['domain']} ({'on' if r['enabled'] else 'off'}, {r['drafter']} "

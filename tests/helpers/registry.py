@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import create_engine, insert
 
+from tasks.db.store import Store
 from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun, LiveMeasurement, Validation
 from tasks.registry.promotion import promote
 from tasks.registry.registration import register_config
@@ -153,11 +154,11 @@ def engine_sampling(db_url: str, run_id: str, domain: str, status: str = "passed
 
 
 def register(run_id: str, db_url: str, uri: str) -> dict:
-    return register_config(run_id, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest")
+    return register_config(run_id, Store.open(db_url), uri=uri, settings=DEFAULTS, actor="pytest")
 
 
 def promote_(name: str, version: str, db_url: str, uri: str, **kwargs) -> dict:
-    return promote(name, version, db_url=db_url, uri=uri, settings=DEFAULTS, actor="pytest", **kwargs)
+    return promote(name, version, Store.open(db_url), uri=uri, settings=DEFAULTS, actor="pytest", **kwargs)
 
 
 def page_text(description: str) -> str:
