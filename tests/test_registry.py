@@ -29,13 +29,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, insert, select
 
-from tasks.db.store import Store
 from tasks.registry.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
                                  target_slug)
 from tasks.db.models import Promotion
 from tasks.db.store import Store
 from tasks.errors import RegistryError
-from tasks.registry.promotion import check_gates, promote, rollback
+from tasks.registry.promotion import check_gates, rollback
 from tasks.registry.registration import register_config
 from tasks.registry.run_config import build_config, validation_status
 from tasks.registry.tracking import client, show_version, tracking_uri
