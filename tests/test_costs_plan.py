@@ -16,6 +16,7 @@ from tasks.steps.candidates import CandidateError, build_drafters, candidate_lab
 from tasks.steps.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware, export_costs,
                          import_costs, load_costs, profile_costs, timing_lock)
 from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, HardwareProfile
+from tasks.db.store import Store
 from tasks.steps.plan import plan_domain, round_cost, speedups
 from tasks.settings import load_settings
 
@@ -210,7 +211,7 @@ def test_round_overhead_is_the_decode_time_outside_forwards_and_proposals(target
 # plan_domain
 def test_plan_picks_the_best_drafter_and_k_and_the_largest_paying_batch(db_url):
     seed_qa(db_url)
-    row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings())
     # PL K=2 at b=1: 2.0 / 1.25 = 1.6 [1.52, 1.68] beats LS K=1 (1.6/1.45) and LS K=2 (2.2/1.9)
     assert (row["drafter"], row["k"]) == (PL, 2)
     assert row["drafter_spec"] == PL_SPEC
@@ -250,8 +251,8 @@ def test_plan_on_a_profile_with_sampled_steps_prices_the_domains_share_of_sample
     sampled.sampled_step = dict(greedy.target_step)
     sampled.sampled_verify = {b: {k: v + 0.4 * greedy.target_step[b] for k, v in per_k.items()}
                               for b, per_k in greedy.verify.items()}
-    plain = plan_domain("plan-run", "qa", greedy, db_url=db_url, settings=settings())
-    mixed = plan_domain("plan-run", "qa", sampled, db_url=db_url, settings=settings())
+    plain = plan_domain("plan-run", "qa", greedy, Store.open(db_url), settings=settings())
+    mixed = plan_domain("plan-run", "qa", sampled, Store.open(db_url), settings=settings())
     assert (plain["drafter"], plain["k"]) == (mixed["drafter"], mixed["k"]) == (PL, 2)
     # PL K=2 at b=1: half the rounds draft nothing (a plain step, priced alike), half verify K = 2
     # at 0.75 x 0.4 = 0.3 steps more: 1.25 + 0.15
@@ -268,16 +269,16 @@ def test_a_serving_engines_profile_plans_only_the_drafters_it_serves(db_url):
     served = cost_table()
     del served.draft_step[LS]
     with pytest.raises(CostProfileError, match="no draft step"):
-        plan_domain("plan-run", "qa", served, db_url=db_url, settings=settings())
+        plan_domain("plan-run", "qa", served, Store.open(db_url), settings=settings())
     served.sampled_step = dict(served.target_step)          # a serving engine's profile
     served.sampled_verify = {b: dict(v) for b, v in served.verify.items()}
-    row = plan_domain("plan-run", "qa", served, db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "qa", served, Store.open(db_url), settings=settings())
     assert row["drafter"] == PL and row["predicted_speedup"] == pytest.approx(2.0 / 1.25)
 
 
 def test_plan_stores_k_by_batch_size_and_derives_max_batch_size_from_it(db_url):
     seed_qa(db_url)
-    row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings())
     # PL is chosen; at b=1 and b=2 its only planned K (2) pays, at b=4 it does not: 0 from there
     assert row["k_schedule"] == [[1, 1, 2], [2, 2, 2], [3, 4, 0]]
     assert row["max_batch_size"] == 2
@@ -300,7 +301,7 @@ def test_k_schedule_picks_the_best_paying_k_at_each_batch_size():
 
 def test_plan_fills_predicted_speedups_of_the_estimates(db_url):
     seed_qa(db_url)
-    plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
+    plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings())
     rows = estimates(db_url, "plan-run", "qa")
     expected = {(LS, 1): (1.6, 1.5, 1.7, 1.45), (LS, 2): (2.2, 2.0, 2.4, 1.9),
                 (PL, 2): (2.0, 1.9, 2.1, 1.25)}
@@ -315,7 +316,7 @@ def test_plan_fills_predicted_speedups_of_the_estimates(db_url):
 def test_plan_is_off_when_the_lower_end_misses_the_minimum(db_url):
     # LS K=2 alone: 2.2 / 1.9 = 1.16 > 1.1, but its lower end 2.0 / 1.9 = 1.05 is not
     add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.2, 2.0, 2.4, [0.0, 0.0, 1.0])
-    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings())
     assert row["predicted_speedup"] == pytest.approx(2.2 / 1.9) and row["predicted_speedup"] > 1.1
     assert row["enabled"] is False and row["max_batch_size"] is None
     assert (row["drafter"], row["k"], row["status"]) == (LS, 2, "ok")
@@ -323,9 +324,9 @@ def test_plan_is_off_when_the_lower_end_misses_the_minimum(db_url):
     [stored] = configs(db_url)
     assert stored["enabled"] is False and stored["reason"] == row["reason"]
     # a lower policy minimum (settings or argument) turns it on, at batch 1 only (b=2: 2.0/2.6)
-    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings(min_speedup=1.05))
+    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings(min_speedup=1.05))
     assert row["enabled"] is True and row["max_batch_size"] == 1
-    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings(), min_speedup=1.0)
+    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings(), min_speedup=1.0)
     assert row["enabled"] is True and row["max_batch_size"] == 1
 
 
@@ -334,7 +335,7 @@ def test_plan_prefers_a_k_that_clears_the_bar_over_a_better_guess_that_does_not(
     # LS K=1: 1.75 [1.7, 1.8] / 1.45 = 1.21 [1.17, 1.24] -- clears it: chosen, and on
     add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.4, 1.9, 2.9, [0.0, 0.0, 1.0])
     add_estimate(db_url, "plan-run", "code", LS_SPEC, 1, 1.75, 1.7, 1.8, [0.0, 1.0])
-    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings())
     assert (row["k"], row["enabled"]) == (1, True)
     assert row["predicted_speedup"] == pytest.approx(1.75 / 1.45)
 
@@ -342,9 +343,9 @@ def test_plan_prefers_a_k_that_clears_the_bar_over_a_better_guess_that_does_not(
 def test_hysteresis_keeps_an_on_domain_on_inside_the_band_and_only_there(db_url):
     # LS K=2 alone: 2.2 / 1.9 = 1.16 [1.05, 1.26] -- the lower end misses 1.1, the upper clears it
     add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.2, 2.0, 2.4, [0.0, 0.0, 1.0])
-    off = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings())
+    off = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings())
     assert off["enabled"] is False                       # off before: stays off (needs lo >= 1.1)
-    kept = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings(),
+    kept = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings(),
                        currently_on=True)
     # on in the champion: kept on while hi >= 1.1 and lo >= 1.0; at b=2 lo = 2.0/2.6 < 1.0
     assert kept["enabled"] is True and kept["max_batch_size"] == 1
@@ -352,12 +353,12 @@ def test_hysteresis_keeps_an_on_domain_on_inside_the_band_and_only_there(db_url)
     [stored] = configs(db_url)
     assert stored["enabled"] is True and stored["reason"] == kept["reason"]
     # the setting switches it off
-    row = plan_domain("plan-run", "code", cost_table(), db_url=db_url,
+    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url),
                       settings=settings(hysteresis=False), currently_on=True)
     assert row["enabled"] is False
     # outside the band (lower end below 1.0) an on domain turns off
     add_estimate(db_url, "plan-run", "json", LS_SPEC, 2, 2.2, 1.8, 2.4, [0.0, 0.0, 1.0])
-    row = plan_domain("plan-run", "json", cost_table(), db_url=db_url, settings=settings(),
+    row = plan_domain("plan-run", "json", cost_table(), Store.open(db_url), settings=settings(),
                       currently_on=True)
     assert row["predicted_speedup_lo"] < 1.0 and row["enabled"] is False
 
@@ -378,13 +379,13 @@ def test_max_batch_size_is_contiguous_from_the_smallest(db_url):
     # b=2 is expensive, b=4 cheap again: speculation pays up to 1 only
     seed_qa(db_url)
     verify = {1: [1.2, 1.4], 2: [3.0, 4.0], 4: [1.2, 1.4]}
-    row = plan_domain("plan-run", "qa", cost_table(verify=verify), db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "qa", cost_table(verify=verify), Store.open(db_url), settings=settings())
     assert row["enabled"] is True and row["max_batch_size"] == 1
 
 
 def test_insufficient_domain_stays_off_and_keeps_the_champion(db_url):
     seed_qa(db_url)
-    row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings(),
+    row = plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings(),
                       status="insufficient")
     assert row["enabled"] is False and row["status"] == "insufficient"
     assert "champion's setting is kept" in row["reason"]
@@ -395,7 +396,7 @@ def test_insufficient_domain_stays_off_and_keeps_the_champion(db_url):
 
 def test_domain_without_estimates_is_insufficient(db_url):
     seed_qa(db_url)
-    row = plan_domain("plan-run", "json", cost_table(), db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "json", cost_table(), Store.open(db_url), settings=settings())
     assert row["enabled"] is False and row["status"] == "insufficient" and row["drafter"] is None
     assert "no usable estimate" in row["reason"] and row["samples"] == 0
 
@@ -407,8 +408,8 @@ def test_replanning_replaces_the_row_and_leaves_other_runs_alone(db_url):
     execute(db_url, insert(DomainConfig).values(
         run_id="other-run", domain="qa", enabled=False, drafter=None, k=None, status="ok",
         reason="kept", created_at=datetime(2024, 1, 1)))
-    plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings())
-    row = plan_domain("plan-run", "qa", cost_table(), db_url=db_url, settings=settings(min_speedup=2.0))
+    plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings())
+    row = plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings(min_speedup=2.0))
     stored = configs(db_url)
     assert [(r["run_id"], r["domain"]) for r in stored] == [("other-run", "qa"), ("plan-run", "qa")]
     assert stored[0]["reason"] == "kept" and stored[0]["created_at"] == datetime(2024, 1, 1)
@@ -422,7 +423,7 @@ def test_plan_with_a_profile_that_starts_above_batch_1(db_url):
     seed_qa(db_url)
     costs = cost_table(step={2: 0.025, 4: 0.040}, verify={2: VERIFY[2], 4: VERIFY[4]},
                        ls={2: 0.3, 4: 0.4}, pl={2: 0.1, 4: 0.2})
-    row = plan_domain("plan-run", "qa", costs, db_url=db_url, settings=settings())
+    row = plan_domain("plan-run", "qa", costs, Store.open(db_url), settings=settings())
     # b=2 is the smallest: PL K=2 costs 1.6 there -> 2.0 / 1.6 = 1.25 [1.19, 1.31], on up to 2
     assert (row["drafter"], row["k"]) == (PL, 2)
     assert row["predicted_speedup"] == pytest.approx(2.0 / 1.6)

@@ -15,6 +15,7 @@ from sqlalchemy import select
 from tasks.steps.costs import (CostTable, check_costs, load_costs, measure_until_consistent,
                                profile_costs)
 from tasks.db.models import CostProfileCheck
+from tasks.db.store import Store
 from tasks.steps.plan import plan_domain
 from tasks.settings import load_settings
 
@@ -94,9 +95,9 @@ def test_the_planner_turns_nothing_on_from_a_noisy_profile(db_url):
     # PL K=2: 2.0 [1.9, 2.1] / 1.25 = 1.6 [1.52, 1.68] at batch 1: on from a trusted profile
     add_estimate(db_url, "plan-run", "code", PL_SPEC, 2, 2.0, 1.9, 2.1, [0.5, 0.0, 0.5])
     settings = load_settings({})
-    trusted = plan_domain("plan-run", "code", cost_table(), db_url=db_url, settings=settings)
+    trusted = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings)
     assert trusted["enabled"] is True and trusted["reason"].startswith("on: ")
-    row = plan_domain("plan-run", "code", noisy(cost_table()), db_url=db_url, settings=settings)
+    row = plan_domain("plan-run", "code", noisy(cost_table()), Store.open(db_url), settings=settings)
     assert row["enabled"] is False and row["k_schedule"] is None and row["max_batch_size"] is None
     assert row["reason"].startswith("off: cost profile too noisy: target step falls as the batch grows")
     assert "--hardware-profile NAME" in row["reason"] and "1.60x" in row["reason"]
@@ -104,7 +105,7 @@ def test_the_planner_turns_nothing_on_from_a_noisy_profile(db_url):
     [stored] = configs(db_url)
     assert stored["enabled"] is False and stored["champion_on"] is False
     # on in the champion: the noisy profile does not turn it on, it was on; it stays as planned
-    row = plan_domain("plan-run", "code", noisy(cost_table()), db_url=db_url, settings=settings,
+    row = plan_domain("plan-run", "code", noisy(cost_table()), Store.open(db_url), settings=settings,
                       currently_on=True)
     assert row["enabled"] is True and "the cost profile is noisy" in row["reason"]
     assert configs(db_url)[0]["champion_on"] is True
@@ -116,7 +117,7 @@ def test_an_unchecked_or_ok_profile_plans_as_before(db_url):
         table = cost_table()
         table.check = {"status": status, "reasons": [], "attempts": 1}
         assert not table.noisy
-        assert plan_domain("plan-run", "code", table, db_url=db_url, settings=load_settings({}))["enabled"]
+        assert plan_domain("plan-run", "code", table, Store.open(db_url), settings=load_settings({}))["enabled"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -176,11 +176,11 @@ def step_estimate(spec, domain: str, profile) -> dict:
         log.warning("run %s, domain %s: %d usable requests of this target < minimum %d (%d from other "
                     "fingerprints)", run_id, domain, len(requests), minimum,
                     len(excluded["other_fingerprint"]))
-        return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
+        return _plain(plan_domain(run_id, domain, costs, context.store, settings=settings,
                                   status="insufficient", samples=len(requests)))
     estimate_domains(run_id, context.model, context.domain_drafters(domain), {domain: requests},
                      context.store, settings=settings, k_max=settings.plan.k_max, progress=False)
-    return _plain(plan_domain(run_id, domain, costs, db_url=url, settings=settings,
+    return _plain(plan_domain(run_id, domain, costs, context.store, settings=settings,
                               samples=len(requests),
                               currently_on=domain in champion_domains_on(context.spec, context.store)))
 
@@ -274,7 +274,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     for domain in sorted(sampled):
         config = configs.get(domain)
         if config is None and domain in insufficient:
-            plan_domain(run_id, domain, load_costs(profile, url), db_url=url,
+            plan_domain(run_id, domain, load_costs(profile, url), context.store,
                         settings=settings, status="insufficient", samples=sampled[domain])
         elif config is None:
             record_domain_failure(spec, domain, "no plan was stored (its estimate step failed)")

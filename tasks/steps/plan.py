@@ -33,12 +33,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from sqlalchemy import delete, insert, select, update
-
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import AcceptanceEstimate, DomainConfig, EvalSample, TrafficRequest
-from ..settings import Settings, load_settings
-from ..timeutil import utcnow
+from ..db.queries_plans import domain_estimates, store_plan
+from ..db.store import Store
+from ..settings import Settings
 from .candidates import HOST_DRAFTERS
 from .costs import CostProfileError, CostTable
 
@@ -113,14 +110,6 @@ def _max_batch(estimate: dict, costs: CostTable, pays) -> int | None:
     return best
 
 
-def sampled_share(connection, run_id: str, domain: str) -> float:
-    """Share of the run's sampled requests of the domain that sample (temperature > 0)."""
-    rows = connection.execute(
-        select(TrafficRequest.temperature).join(EvalSample, EvalSample.request_id == TrafficRequest.id)
-        .where((EvalSample.run_id == run_id) & (EvalSample.domain == domain))).scalars().all()
-    return sum(1 for t in rows if t and t > 0) / len(rows) if rows else 0.0
-
-
 @dataclass
 class _Priced:
     """One acceptance estimate with its predicted speedup and 95% interval at the smallest
@@ -158,17 +147,13 @@ class _Policy:
         return hi >= self.min_speedup and lo >= 1.0
 
 
-def _load_estimates(engine, run_id: str, domain: str, costs: CostTable) -> tuple[list[dict], CostTable]:
+def _load_estimates(store: Store, run_id: str, domain: str, costs: CostTable) -> tuple[list[dict], CostTable]:
     """The run's acceptance_estimates rows of the domain (by drafter, K), and the cost table to
     plan it with (a profile that prices sampled requests apart: at the domain's mix)."""
-    with engine.connect() as connection:
-        estimates = [dict(row) for row in connection.execute(
-            select(AcceptanceEstimate).where((AcceptanceEstimate.run_id == run_id)
-                                             & (AcceptanceEstimate.domain == domain))
-            .order_by(AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
-        if costs.sampled_timed:
-            # a profile that prices sampled requests apart (a serving engine's): the domain's mix
-            costs = costs.for_sampling(sampled_share(connection, run_id, domain))
+    estimates, share = domain_estimates(store, run_id, domain, with_share=costs.sampled_timed)
+    if costs.sampled_timed:
+        # a profile that prices sampled requests apart (a serving engine's): the domain's mix
+        costs = costs.for_sampling(share)
     return estimates, costs
 
 
@@ -276,19 +261,7 @@ def _decide(row: dict, policy: _Policy, costs: CostTable, chosen: bool, kept: bo
             row["reason"] += (f" (on in the champion; the cost profile is noisy: {costs.noise_text(1)})")
 
 
-def _store_plan(engine, run_id: str, domain: str, updates: list[dict], row: dict) -> None:
-    """One transaction: the estimates' predicted speedups, and the domain's row replaced."""
-    now = utcnow()
-    with engine.begin() as connection:
-        for item in updates:
-            connection.execute(update(AcceptanceEstimate).where(AcceptanceEstimate.id == item["id"])
-                               .values(**{k: v for k, v in item.items() if k != "id"}))
-        connection.execute(delete(DomainConfig).where((DomainConfig.run_id == run_id)
-                                                      & (DomainConfig.domain == domain)))
-        connection.execute(insert(DomainConfig).values(**row, created_at=now))
-
-
-def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None = None,
+def plan_domain(run_id: str, domain: str, costs: CostTable, store: Store,
                 settings: Settings | None = None, status: str = "ok",
                 min_speedup: float | None = None, samples: int | None = None,
                 currently_on: bool = False) -> dict:
@@ -300,12 +273,11 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
     settings.plan.hysteresis it then stays on within the wider band, see the module docstring).
     Output: the domain_configs row as a dict.
     """
-    settings = settings or load_settings()
+    settings = settings or store.settings
     policy = _Policy(min_speedup=settings.plan.min_speedup if min_speedup is None else min_speedup,
                      status=status, currently_on=bool(currently_on),
                      keeps=bool(settings.plan.hysteresis and currently_on))
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
-    estimates, costs = _load_estimates(engine, run_id, domain, costs)
+    estimates, costs = _load_estimates(store, run_id, domain, costs)
     pricing = _price_estimates(estimates, costs, policy)
     if samples is None:
         samples = max((e["requests"] for e in estimates), default=0)
@@ -316,6 +288,6 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, db_url: str | None =
         log.info("run %s, domain %s: not planned with %s: %s does not serve them (no draft step in "
                  "its profile)", run_id, domain, ", ".join(sorted(pricing.unpriced)),
                  costs.hardware_profile)
-    _store_plan(engine, run_id, domain, pricing.updates, row)
+    store_plan(store, run_id, domain, pricing.updates, row)
     log.info("run %s, domain %s: %s", run_id, domain, row["reason"])
     return row
