@@ -127,11 +127,12 @@ def _set_run_hardware(url: str, **values) -> None:
 def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tiny_target, caplog):  # noqa: F811
     from tasks.steps.confirm import confirm_hardware
     from tasks.steps.costs import HardwareMismatch
-    from tasks.db.engine import ensure_ready
+    from tasks.db.store import Store
 
     url = evaluated["url"]
-    engine = ensure_ready(url)
-    here = confirm_hardware("dist", "json", engine, tiny_target)
+    store = Store.open(url)
+    engine = store.engine
+    here = confirm_hardware("dist", "json", store, tiny_target)
     assert here["device"].startswith("cpu")
     original = create_engine(url).connect().execute(select(EvalRun.worker_hardware).where(
         EvalRun.run_id == "dist")).scalar()
@@ -139,7 +140,7 @@ def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tin
         # the run measured its costs on an H100 worker; this confirm is on the CPU: refused
         _set_run_hardware(url, device="NVIDIA H100 80GB HBM3", dtype="bfloat16", worker="gpu-7")
         with pytest.raises(HardwareMismatch) as error:
-            confirm_hardware("dist", "json", engine, tiny_target)
+            confirm_hardware("dist", "json", store, tiny_target)
         message = str(error.value)
         assert "NVIDIA H100 80GB HBM3 bfloat16 on worker gpu-7" in message
         assert f"{here['device']} float32" in message and "gpu_queue" in message
@@ -154,7 +155,7 @@ def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tin
                 device="NVIDIA H100 80GB HBM3", dtype="bfloat16"))
         try:
             with caplog.at_level(logging.WARNING, logger="tasks.steps.confirm"):
-                assert confirm_hardware("dist", "json", engine, tiny_target) is None
+                assert confirm_hardware("dist", "json", store, tiny_target) is None
             assert "confirm skipped" in caplog.text and "NVIDIA H100" in caplog.text
         finally:
             with engine.begin() as connection:

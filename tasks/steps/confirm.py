@@ -35,17 +35,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sqlalchemy import delete, insert, select, update
 from tqdm.auto import tqdm
 
 from specdec_core import SpecDecoder, SpecStats
 from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DomainConfig, EvalRun, HardwareProfile, LiveMeasurement
+from ..db.queries_live import domain_config, run_hardware, store_live_measurement
+from ..db.store import Store
 from ..registry.live_check import judge_live
-from ..settings import Settings, load_settings, worker_name
-from ..timeutil import utcnow
+from ..settings import Settings, worker_name
 from .costs import (CostProfileError, HardwareMismatch, describe_hardware, hardware_text, run_costs,
                     same_hardware, timing_lock)
 from .plan import speedup_factor
@@ -82,10 +80,10 @@ def offline_totals(target, drafter, requests: list, k: int) -> dict:
     return {r.request_id: totals for r, totals in zip(usable, estimate["all"][k].per_request)}
 
 
-def _round_costs(run_id: str, engine, db_url: str, drafter_label: str, drafter_spec: dict | None):
+def _round_costs(run_id: str, store: Store, drafter_label: str, drafter_spec: dict | None):
     """f(RoundTotals) -> expected cost of its rounds in target steps at batch 1; None without a
     cost profile."""
-    costs = run_costs(run_id, db_url)
+    costs = run_costs(run_id, store.url)
     if costs is None:
         return None
     try:
@@ -98,18 +96,13 @@ def _round_costs(run_id: str, engine, db_url: str, drafter_label: str, drafter_s
     return cost
 
 
-def confirm_hardware(run_id: str, domain: str, engine, target) -> dict | None:
+def confirm_hardware(run_id: str, domain: str, store: Store, target) -> dict | None:
     """This worker's hardware description (stored with the live measurement), or None when the
     run plans with a stored profile of another hardware class (confirm is skipped). Raises
     HardwareMismatch when the run's own profile was measured on another class."""
     here = dict(describe_hardware(target), worker=worker_name())
-    with engine.connect() as connection:
-        run = connection.execute(select(EvalRun.hardware_profile, EvalRun.worker_hardware).where(
-            EvalRun.run_id == run_id)).mappings().first()
-        profile = None if run is None else run["hardware_profile"]
-        stored = None if profile is None else connection.execute(select(
-            HardwareProfile.device, HardwareProfile.dtype).where(
-            HardwareProfile.name == profile)).mappings().first()
+    run, stored = run_hardware(store, run_id)
+    profile = None if run is None else run["hardware_profile"]
     if profile is None:
         return here          # no cost profile: nothing is compared
     worker = run["worker_hardware"] or {}
@@ -162,14 +155,12 @@ class _LiveRun:
     per_request: list[dict]
 
 
-def _planned(run_id: str, domain: str, engine, target, drafters: dict, requests: list) -> _Planned | None:
+def _planned(run_id: str, domain: str, store: Store, target, drafters: dict, requests: list) -> _Planned | None:
     """The domain's planned setting, or None without a plan, requests or comparable hardware."""
-    with engine.connect() as connection:
-        config = connection.execute(select(DomainConfig).where(
-            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
+    config = domain_config(store, run_id, domain)
     if config is None or config["drafter"] is None or config["status"] != "ok" or not requests:
         return None
-    hardware = confirm_hardware(run_id, domain, engine, target)
+    hardware = confirm_hardware(run_id, domain, store, target)
     if hardware is None:
         return None
     return _Planned(run_id, domain, config, drafters[config["drafter"]][1], int(config["k"]), hardware)
@@ -271,23 +262,15 @@ def _measurement(planned: _Planned, selection: _Selection, live: _LiveRun, cost_
     return row, verdict
 
 
-def _store_measurement(engine, planned: _Planned, row: dict, verdict: dict) -> None:
+def _store_measurement(store: Store, planned: _Planned, row: dict, verdict: dict) -> None:
     """One transaction: the live measurement replaced, and the measured speedup and live check on
     the domain's config (a veto turns it off: the champion's setting)."""
-    run_id, domain = planned.run_id, planned.domain
-    now = utcnow()
-    with engine.begin() as connection:
-        connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
-                                                         & (LiveMeasurement.domain == domain)))
-        connection.execute(insert(LiveMeasurement).values(**row, created_at=now))
-        values = {"measured_speedup": row["measured_speedup"], "live_check": verdict}
-        if verdict["verdict"] == "veto":     # the domain stays at the champion's setting: off
-            values.update(enabled=False, max_batch_size=None, k_schedule=None,
-                          reason=f"{verdict['reason']}; the champion's setting is kept (off). "
-                                 f"Planner: {planned.config['reason']}"[:2000])
-        connection.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
-                                                      & (DomainConfig.domain == domain))
-                           .values(**values))
+    values = {"measured_speedup": row["measured_speedup"], "live_check": verdict}
+    if verdict["verdict"] == "veto":     # the domain stays at the champion's setting: off
+        values.update(enabled=False, max_batch_size=None, k_schedule=None,
+                      reason=f"{verdict['reason']}; the champion's setting is kept (off). "
+                             f"Planner: {planned.config['reason']}"[:2000])
+    store_live_measurement(store, planned.run_id, planned.domain, row, values)
 
 
 def _log_measurement(planned: _Planned, row: dict, verdict: dict, settings: Settings) -> None:
@@ -310,23 +293,21 @@ def _log_measurement(planned: _Planned, row: dict, verdict: dict, settings: Sett
 
 
 def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
-                   db_url: str | None = None, settings: Settings | None = None,
+                   store: Store, settings: Settings | None = None,
                    progress: bool = True) -> dict | None:
     """Measure the domain's planned (drafter, K) live; store live_measurements and the measured
     speedup in domain_configs. A domain that is off still has its best candidate measured (the
     prediction is checked either way). Returns the measurement, or None without a plan/requests.
     """
-    settings = settings or load_settings()
-    url = resolve_database_url(db_url or settings.database_url)
-    engine = ensure_ready(url)
-    planned = _planned(run_id, domain, engine, target, drafters, requests)
+    settings = settings or store.settings
+    planned = _planned(run_id, domain, store, target, drafters, requests)
     if planned is None:
         return None
     selection = _select(target, planned, requests, settings)
-    cost_of = _round_costs(run_id, engine, url, planned.config["drafter"], planned.config["drafter_spec"])
+    cost_of = _round_costs(run_id, store, planned.config["drafter"], planned.config["drafter_spec"])
     live = _decode_live(target, planned, selection, cost_of, progress)
     row, verdict = _measurement(planned, selection, live, cost_of, settings)
-    _store_measurement(engine, planned, row, verdict)
+    _store_measurement(store, planned, row, verdict)
     _log_measurement(planned, row, verdict, settings)
     return row
 
