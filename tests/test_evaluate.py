@@ -114,7 +114,7 @@ def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_targe
     run(tiny_db, tiny_target, "broken", min_speedup=0.01)
     drafters = build_drafters(settings.plan.candidates, tiny_target)
     requests, _ = load_sample_requests("broken", Store.open(tiny_db))
-    verdict = validate_domain("broken", "qa", tiny_target, drafters, requests["qa"], db_url=tiny_db,
+    verdict = validate_domain("broken", "qa", tiny_target, drafters, requests["qa"], Store.open(tiny_db),
                               settings=load_settings({}, **{**SETTINGS, "validation_per_domain": True,
                                                             "validation_rows": 400}),
                               check_kwargs=BROKEN_VARIANTS["swapped_p_q"])
@@ -123,7 +123,7 @@ def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_targe
     assert failure["domain"] == "qa" and failure["position"] in (0, 1, 2)
     assert failure["p_value"] < failure["threshold"] and failure["statistic"] > 0
     summary = validate_run("broken", tiny_target, None, drafters, requests, target_id="tiny",
-                           db_url=tiny_db, settings=settings)
+                           store=Store.open(tiny_db), settings=settings)
     assert summary["domains"]["qa"] == "failed"
     engine = create_engine(tiny_db)
     with engine.connect() as connection:
@@ -306,26 +306,26 @@ def test_each_domain_gets_its_own_sampling_test_unless_drafter_k_and_settings_ar
         engine.dispose()
 
     caplog.set_level(logging.INFO, logger="tasks")
-    first = validate_domain("own", "json", tiny_target, drafters, requests("json"), db_url=db_url,
+    first = validate_domain("own", "json", tiny_target, drafters, requests("json"), Store.open(db_url),
                             settings=settings)
     assert first["shared_from"] is None and first["validation"] == "passed"
     assert first["key"]["ks"] == [1, 3] and first["key"]["samplings"] == [
         {"temperature": 0.7, "top_k": 0, "top_p": 0.9}]
     assert ("run own, domain json: sampling test of prompt_lookup(max_ngram=3) K=3 (tested at K 1, 3) "
             "at T0.7 top-p 0.9 from request json-") in caplog.text
-    same = validate_domain("own", "qa", tiny_target, drafters, requests("qa"), db_url=db_url,
+    same = validate_domain("own", "qa", tiny_target, drafters, requests("qa"), Store.open(db_url),
                            settings=settings)
     assert same["shared_from"] == "json" and same["key"] == first["key"]
     assert "run own, domain qa: sampling test of prompt_lookup(max_ngram=3) K=3 (tested at K 1, 3) at " \
            "T0.7 top-p 0.9 shared from json (same drafter, K and sampling settings): passed" in caplog.text
 
     set_k("qa", 2)                                          # another K: its own test
-    other_k = validate_domain("own", "qa", tiny_target, drafters, requests("qa"), db_url=db_url,
+    other_k = validate_domain("own", "qa", tiny_target, drafters, requests("qa"), Store.open(db_url),
                               settings=settings)
     assert other_k["shared_from"] is None and other_k["key"]["ks"] == [1, 2]
     set_k("qa", 3)                                          # other sampling settings: its own test
     hot = validate_domain("own", "qa", tiny_target, drafters, requests("qa", SamplingParams(temperature=1.0)),
-                          db_url=db_url, settings=settings)
+                          Store.open(db_url), settings=settings)
     assert hot["shared_from"] is None and hot["key"]["samplings"] == [{"temperature": 1.0, "top_k": 0,
                                                                        "top_p": 1.0}]
     engine = create_engine(db_url)

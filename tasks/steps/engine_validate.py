@@ -45,7 +45,8 @@ from ..registry.vllm_export import vllm_export
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, VllmServer
 from ..settings import Settings, load_settings
-from .validate import _replace, validation_context, validation_samplings
+from ..db.queries_validations import replace_validations
+from .validate import validation_context, validation_samplings
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ def _store(engine, run_id: str, result: EngineSamplingResult, planned: dict, spe
            "p_value": result.min_p,
            "details": dict(result.details, status=result.status, reason=result.reason)}
     with engine.begin() as connection:
-        _replace(connection, run_id, CHECK, result.domain, [row])
+        replace_validations(connection, run_id, CHECK, result.domain, [row])
         if not result.passed:
             connection.execute(update(DomainConfig).where(
                 (DomainConfig.run_id == run_id) & (DomainConfig.domain == result.domain))

@@ -224,7 +224,7 @@ def step_confirm(spec, domain: str) -> dict | None:
         return None
     requests, _ = context.domain_requests(domain)
     row = confirm_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
-                         requests, db_url=context.url, settings=context.settings, progress=False)
+                         requests, context.store, settings=context.settings, progress=False)
     return None if row is None else _plain(row)
 
 
@@ -233,7 +233,7 @@ def step_validate(spec, domain: str) -> dict:
     context = RunContext.build(spec)
     requests, _ = context.domain_requests(domain)
     return validate_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
-                           requests, db_url=context.url, settings=context.settings)
+                           requests, context.store, settings=context.settings)
 
 
 def record_domain_failure(spec, domain: str, error: str) -> None:
@@ -288,7 +288,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
             (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok"))).scalars())
     requests, excluded = ({}, {}) if not ok_domains else context.sample_requests(ok_domains)
     verdicts = validate_run(run_id, context.model, context.tokenizer, context.drafters,
-                            requests, target_id=spec.target, db_url=url, settings=settings,
+                            requests, target_id=spec.target, store=context.store, settings=settings,
                             excluded=excluded, fingerprint=context.target_fingerprint,
                             drafters_by_domain={d: context.domain_drafters(d) for d in ok_domains})
     tables = ["domain_configs"]

@@ -27,42 +27,18 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from sqlalchemy import delete, insert, select, update
-
 from specdec_core import SamplingParams
 from specdec_core.validation import (DEFAULT_VALIDATION_SAMPLING, compare_fingerprints, fingerprint_id,
                                      greedy_check, sampling_check, target_fingerprint)
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DomainConfig, EvalRun, Validation
+from ..db.queries_validations import (domain_config_of, fingerprint_run, other_sampling_tests,
+                                      replace_validations, sampling_results, set_domain_verdict,
+                                      set_run_target)
+from ..db.store import Store
 from ..serving import environment as serving_env
-from ..settings import Settings, load_settings
-from ..timeutil import utcnow
+from ..settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-def _jsonable(value):
-    """JSON-safe copy: infinite or NaN floats (an impossible token makes G infinite) become strings."""
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    return value
-
-
-def _replace(connection, run_id: str, check: str, domain: str | None, rows: list[dict]) -> None:
-    where = (Validation.run_id == run_id) & (Validation.check_name == check)
-    if domain is not None:
-        where = where & (Validation.domain == domain)
-    connection.execute(delete(Validation).where(where))
-    now = utcnow()
-    for row in rows:
-        row = dict(row, details=_jsonable(row.get("details")))
-        connection.execute(insert(Validation).values(**row, run_id=run_id, check_name=check,
-                                                     created_at=now))
 
 
 def engine_sampling_gates(settings: Settings) -> bool:
@@ -145,21 +121,17 @@ def _sampling_test(run_id: str, domain: str, config, drafters: dict, requests: l
     return _SamplingTest(run_id, domain, config["drafter"], drafter, k, ks, samplings, key, what)
 
 
-def _shared_test(engine, test: _SamplingTest):
+def _shared_test(store: Store, test: _SamplingTest):
     """The first stored sampling test of another domain of the run with the test's key (and itself
     not shared), or None."""
-    run_id, domain = test.run_id, test.domain
-    with engine.connect() as connection:
-        for row in connection.execute(select(Validation).where(
-                (Validation.run_id == run_id) & (Validation.check_name == "sampling")
-                & (Validation.domain != domain)).order_by(Validation.id)).mappings():
-            details = row["details"] or {}
-            if not details.get("shared_from") and details.get("key") == test.key:
-                return row
+    for row in other_sampling_tests(store, test.run_id, test.domain):
+        details = row["details"] or {}
+        if not details.get("shared_from") and details.get("key") == test.key:
+            return row
     return None
 
 
-def _store_shared(engine, test: _SamplingTest, shared) -> dict:
+def _store_shared(store: Store, test: _SamplingTest, shared) -> dict:
     """Store another domain's test as this domain's (details name it in "shared_from")."""
     run_id, domain = test.run_id, test.domain
     row = {name: shared[name] for name in ("drafter", "k", "request_id", "passed", "statistic",
@@ -167,8 +139,8 @@ def _store_shared(engine, test: _SamplingTest, shared) -> dict:
     row.update(domain=domain, details={"shared_from": shared["domain"], "key": test.key, "ks": test.ks,
                                        "samplings": test.key["samplings"],
                                        "failures": (shared["details"] or {}).get("failures", [])})
-    with engine.begin() as connection:
-        _replace(connection, run_id, "sampling", domain, [row])
+    with store.begin() as connection:
+        replace_validations(connection, run_id, "sampling", domain, [row])
     log.info("run %s, domain %s: sampling test of %s shared from %s (same drafter, K and sampling "
              "settings): %s", run_id, domain, test.what, shared["domain"],
              "passed" if row["passed"] else "FAILED")
@@ -177,7 +149,7 @@ def _store_shared(engine, test: _SamplingTest, shared) -> dict:
             "seconds": 0.0}
 
 
-def _run_sampling_test(engine, target, requests: list, test: _SamplingTest, settings: Settings,
+def _run_sampling_test(store: Store, target, requests: list, test: _SamplingTest, settings: Settings,
                        check_kwargs: dict | None) -> dict:
     """Run the domain's own sampling test from a high-entropy context of its requests; store it."""
     run_id, domain = test.run_id, test.domain
@@ -201,8 +173,8 @@ def _run_sampling_test(engine, target, requests: list, test: _SamplingTest, sett
            "details": {"shared_from": None, "key": test.key, "ks": test.ks,
                        "samplings": test.key["samplings"], "context_tokens": len(context),
                        "seconds": seconds, "failures": failures, "report": report.to_dict()}}
-    with engine.begin() as connection:
-        _replace(connection, run_id, "sampling", domain, [row])
+    with store.begin() as connection:
+        replace_validations(connection, run_id, "sampling", domain, [row])
     log.info("run %s, domain %s: sampling test of %s from request %s (%d context tokens): %s; %d "
              "G-tests of %d rows, smallest p %.3g (threshold %.3g); %.1f s", run_id, domain, test.what,
              request_id, len(context), "passed" if report.passed else "FAILED", len(report.tests),
@@ -217,7 +189,7 @@ def _run_sampling_test(engine, target, requests: list, test: _SamplingTest, sett
 
 
 def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
-                    db_url: str | None = None, settings: Settings | None = None,
+                    store: Store, settings: Settings | None = None,
                     check_kwargs: dict | None = None) -> dict:
     """Run (or share) the sampling test of the domain's planned setting; store it.
 
@@ -230,22 +202,19 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     Output: {"domain", "validation": passed | failed | not_needed, "shared_from", "failures",
     "key", "seconds"}.
     """
-    settings = settings or load_settings()
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
-    with engine.connect() as connection:
-        config = connection.execute(select(DomainConfig).where(
-            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
+    settings = settings or store.settings
+    config = domain_config_of(store, run_id, domain)
     if config is None or not config["enabled"]:
-        with engine.begin() as connection:
-            _replace(connection, run_id, "sampling", domain, [])
+        with store.begin() as connection:
+            replace_validations(connection, run_id, "sampling", domain, [])
         log.info("run %s, domain %s: sampling test not needed (the domain is off)", run_id, domain)
         return {"domain": domain, "validation": "not_needed", "shared_from": None, "failures": [],
                 "key": None, "seconds": 0.0}
     test = _sampling_test(run_id, domain, config, drafters, requests, settings)
-    shared = None if settings.validation.per_domain else _shared_test(engine, test)
+    shared = None if settings.validation.per_domain else _shared_test(store, test)
     if shared is not None:
-        return _store_shared(engine, test, shared)
-    return _run_sampling_test(engine, target, requests, test, settings, check_kwargs)
+        return _store_shared(store, test, shared)
+    return _run_sampling_test(store, target, requests, test, settings, check_kwargs)
 
 
 @dataclass
@@ -256,21 +225,6 @@ class _FingerprintCheck:
     reasons: list[str]
     previous_run: str | None
     row: dict
-
-
-def _read_run(engine, run_id: str, fid: str):
-    """(the newest fingerprint row of another run that measured the same weights or None, the
-    run's domain_configs rows by domain)."""
-    with engine.connect() as connection:
-        previous = connection.execute(
-            select(Validation.run_id, Validation.details)
-            .join(EvalRun, EvalRun.run_id == Validation.run_id)
-            .where((Validation.check_name == "fingerprint") & (Validation.run_id != run_id)
-                   & (EvalRun.target_fingerprint == fid))
-            .order_by(Validation.created_at.desc()).limit(1)).first()
-        configs = {row["domain"]: dict(row) for row in connection.execute(
-            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
-    return previous, configs
 
 
 def _fingerprint_check(fingerprint: dict, fid: str, target_id: str, previous, requests_by_domain: dict,
@@ -343,17 +297,15 @@ def _greedy_checks(run_id: str, configs: dict, target, tokenizer, drafters: dict
     return rows
 
 
-def _store_verdicts(engine, run_id: str, configs: dict, fingerprint: _FingerprintCheck,
+def _store_verdicts(store: Store, run_id: str, configs: dict, fingerprint: _FingerprintCheck,
                     greedy_rows: list[dict], target_id: str, fid: str, vllm_gates: bool) -> dict:
     """One transaction: the fingerprint and greedy rows, each domain's verdict and promotability,
     and the run's target. Output: {domain: verdict}."""
     greedy = {row["domain"]: row["passed"] for row in greedy_rows}
-    with engine.begin() as connection:
-        sampling = {row.domain: row.passed for row in connection.execute(
-            select(Validation.domain, Validation.passed).where(
-                (Validation.run_id == run_id) & (Validation.check_name == "sampling")))}
-        _replace(connection, run_id, "fingerprint", None, [fingerprint.row])
-        _replace(connection, run_id, "greedy", None, greedy_rows)
+    with store.begin() as connection:
+        sampling = sampling_results(connection, run_id)
+        replace_validations(connection, run_id, "fingerprint", None, [fingerprint.row])
+        replace_validations(connection, run_id, "greedy", None, greedy_rows)
         verdicts = {}
         for domain, config in configs.items():
             if not config["enabled"]:
@@ -367,16 +319,13 @@ def _store_verdicts(engine, run_id: str, configs: dict, fingerprint: _Fingerprin
                     "failed" if any(c is False for c in checks) else "incomplete")
                 promotable = verdict == "passed"
             verdicts[domain] = verdict
-            connection.execute(update(DomainConfig).where(
-                (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))
-                .values(validation=verdict, promotable=promotable))
-        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id)
-                           .values(target_id=target_id, target_fingerprint=fid, updated_at=utcnow()))
+            set_domain_verdict(connection, run_id, domain, verdict, promotable)
+        set_run_target(connection, run_id, target_id, fid)
     return verdicts
 
 
 def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_domain: dict,
-                 target_id: str, db_url: str | None = None, settings: Settings | None = None,
+                 target_id: str, store: Store, settings: Settings | None = None,
                  excluded: dict | None = None, fingerprint: dict | None = None,
                  drafters_by_domain: dict | None = None) -> dict:
     """Fingerprint and greedy checks once per run, then each domain's verdict and promotability.
@@ -386,16 +335,15 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
     (a suffix candidate's per-domain index).
     Output: {"fingerprint": {...}, "greedy": {domain: passed}, "domains": {domain: validation}}.
     """
-    settings = settings or load_settings()
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
+    settings = settings or store.settings
     fingerprint = fingerprint or target_fingerprint(target)
     fid = fingerprint_id(fingerprint)
-    previous, configs = _read_run(engine, run_id, fid)
+    previous, configs = fingerprint_run(store, run_id, fid)
     checked = _fingerprint_check(fingerprint, fid, target_id, previous, requests_by_domain, excluded)
     greedy_rows = _greedy_checks(run_id, configs, target, tokenizer, drafters, drafters_by_domain,
                                  requests_by_domain, settings)
     vllm_gates = engine_sampling_gates(settings)
-    verdicts = _store_verdicts(engine, run_id, configs, checked, greedy_rows, target_id, fid, vllm_gates)
+    verdicts = _store_verdicts(store, run_id, configs, checked, greedy_rows, target_id, fid, vllm_gates)
     return {"fingerprint": {"id": fid, "passed": checked.passed, "reasons": checked.reasons,
                             "previous_run": checked.previous_run},
             "greedy": {row["domain"]: row["passed"] for row in greedy_rows}, "domains": verdicts}
