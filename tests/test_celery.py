@@ -119,7 +119,7 @@ def stored_profile(embedded, db_url, shipped_two_domains):
 
     drafters = build_drafters(CANDIDATES, model, tokenizer)
     measured = profile_costs("ci-profile", model, {label: d for label, (_, d) in drafters.items()},
-                             db_url=db_url, settings=settings, k_max=3, hardware_profile="ci-cpu",
+                             Store.open(db_url), settings=settings, k_max=3, hardware_profile="ci-cpu",
                              progress=False, tokenizer=tokenizer)
     return measured["hardware_profile"]["name"]
 

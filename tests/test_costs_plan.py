@@ -442,7 +442,7 @@ def drafters(target):
 
 
 def measure(db_url, target, drafters, run_id, name="tiny-cpu"):
-    return profile_costs(run_id, target, drafters, db_url=db_url, hardware_profile=name,
+    return profile_costs(run_id, target, drafters, Store.open(db_url), hardware_profile=name,
                          settings=settings(**PROFILE_SETTINGS), k_max=2, batch_sizes=[2, 1, 2],
                          progress=False)
 
@@ -483,7 +483,7 @@ def test_profile_costs_stores_every_component_and_load_costs_reads_it(db_url, ta
                                              "compile": False,
                                              "cpu_kernels": {"packed_linear": linears,
                                                              "gqa_attention": True}}
-    costs = load_costs("tiny-cpu", db_url)
+    costs = load_costs("tiny-cpu", Store.open(db_url))
     assert (costs.hardware_profile, costs.run_id, costs.batch_sizes) == ("tiny-cpu", "run-1", [1, 2])
     assert costs.k_max(1) == costs.k_max(2) == 2 and sorted(costs.draft_step) == [LS, PL]
     by_key = {(r["component"], r["drafter"], r["k"], r["batch_size"]): r["seconds"] for r in stored}
@@ -499,8 +499,8 @@ def test_rerun_replaces_and_newest_run_wins(db_url, target, drafters):
     assert len(fetch(db_url, select(HardwareProfile))) == 1
     measure(db_url, target, drafters, "run-2")
     assert len(cost_rows(db_url)) == 2 * len(EXPECTED_KEYS)
-    assert load_costs("tiny-cpu", db_url).run_id == "run-2"
-    older = load_costs("tiny-cpu", db_url, run_id="run-1")
+    assert load_costs("tiny-cpu", Store.open(db_url)).run_id == "run-2"
+    older = load_costs("tiny-cpu", Store.open(db_url), run_id="run-1")
     assert older.run_id == "run-1"
     run_1 = {(r["component"], r["drafter"], r["k"], r["batch_size"]): r["seconds"]
              for r in cost_rows(db_url) if r["run_id"] == "run-1"}
@@ -510,16 +510,16 @@ def test_rerun_replaces_and_newest_run_wins(db_url, target, drafters):
 
 def test_unknown_profile_or_run_names_the_known_profiles(db_url, target, drafters):
     with pytest.raises(CostProfileError) as caught:
-        load_costs("nothing-yet", db_url)
+        load_costs("nothing-yet", Store.open(db_url))
     assert "'nothing-yet'" in str(caught.value) and "none" in str(caught.value)
     measure(db_url, target, drafters, "run-1")
     measure(db_url, target, drafters, "run-1", name="other-cpu")
     with pytest.raises(CostProfileError) as caught:
-        load_costs("h100-bf16", db_url)
+        load_costs("h100-bf16", Store.open(db_url))
     assert "'h100-bf16'" in str(caught.value)
     assert "['other-cpu', 'tiny-cpu']" in str(caught.value)
     with pytest.raises(CostProfileError) as caught:
-        load_costs("tiny-cpu", db_url, run_id="run-9")
+        load_costs("tiny-cpu", Store.open(db_url), run_id="run-9")
     assert "run-9" in str(caught.value) and "tiny-cpu" in str(caught.value)
 
 
@@ -554,12 +554,12 @@ def test_describe_hardware_default_name(target):
 def test_export_import_round_trip_under_another_name(db_url, target, drafters, tmp_path):
     measure(db_url, target, drafters, "run-1")
     path = tmp_path / "profile.json"
-    document = export_costs("tiny-cpu", path, db_url)
+    document = export_costs("tiny-cpu", path, Store.open(db_url))
     on_disk = json.loads(path.read_text("utf-8"))
     assert on_disk["format"] == FILE_FORMAT == "specdec-cost-profile/1"
     assert on_disk["run_id"] == "run-1" and on_disk["hardware_profile"]["name"] == "tiny-cpu"
     assert len(on_disk["costs"]) == len(EXPECTED_KEYS) and document["costs"] == on_disk["costs"]
-    result = import_costs(path, db_url, name="serving-gpu")
+    result = import_costs(path, Store.open(db_url), name="serving-gpu")
     assert result["rows"] == len(EXPECTED_KEYS) and result["run_id"] == "run-1"
     assert result["hardware_profile"]["name"] == "serving-gpu"
 
@@ -568,10 +568,10 @@ def test_export_import_round_trip_under_another_name(db_url, target, drafters, t
                        r["seconds"]) for r in rows)
 
     assert without_name(cost_rows(db_url, "serving-gpu")) == without_name(cost_rows(db_url, "tiny-cpu"))
-    expected = CostTable.from_rows("serving-gpu", "run-1", load_costs("tiny-cpu", db_url).rows())
-    expected.check = load_costs("tiny-cpu", db_url).check    # the profile's check travels with it
+    expected = CostTable.from_rows("serving-gpu", "run-1", load_costs("tiny-cpu", Store.open(db_url)).rows())
+    expected.check = load_costs("tiny-cpu", Store.open(db_url)).check    # the profile's check travels with it
     assert expected.check["status"] == "unchecked" and expected.spread
-    assert load_costs("serving-gpu", db_url) == expected
+    assert load_costs("serving-gpu", Store.open(db_url)) == expected
     hardware = {r["name"]: r for r in fetch(db_url, select(HardwareProfile))}
     assert set(hardware) == {"tiny-cpu", "serving-gpu"}
     assert (hardware["serving-gpu"]["device"], hardware["serving-gpu"]["dtype"],
@@ -579,7 +579,7 @@ def test_export_import_round_trip_under_another_name(db_url, target, drafters, t
                                                     hardware["tiny-cpu"]["dtype"],
                                                     hardware["tiny-cpu"]["details"])
     # importing again is idempotent
-    import_costs(path, db_url, name="serving-gpu")
+    import_costs(path, Store.open(db_url), name="serving-gpu")
     assert len(cost_rows(db_url, "serving-gpu")) == len(EXPECTED_KEYS)
 
 
@@ -606,22 +606,22 @@ def test_malformed_profile_file_is_an_error_naming_the_file(db_url, tmp_path, co
     path = tmp_path / "bad-profile.json"
     path.write_text(content, encoding="utf-8")
     with pytest.raises(CostProfileError) as caught:
-        import_costs(path, db_url)
+        import_costs(path, Store.open(db_url))
     assert str(path) in str(caught.value)
     assert cost_rows(db_url) == []
 
 
 def test_missing_profile_file_is_an_error_naming_the_file(db_url, tmp_path):
     with pytest.raises(CostProfileError) as caught:
-        import_costs(tmp_path / "absent.json", db_url)
+        import_costs(tmp_path / "absent.json", Store.open(db_url))
     assert str(tmp_path / "absent.json") in str(caught.value)
 
 
 def test_hand_written_profile_imports(db_url, tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(good_document()), encoding="utf-8")
-    assert import_costs(path, db_url)["rows"] == 2
-    costs = load_costs("x", db_url)
+    assert import_costs(path, Store.open(db_url))["rows"] == 2
+    costs = load_costs("x", Store.open(db_url))
     assert costs.verify_ratios(1) == pytest.approx([1.2]) and costs.run_id == "r"
 
 
@@ -631,7 +631,7 @@ def test_profile_file_without_hardware_profile_is_an_error_naming_the_file(db_ur
     path = tmp_path / "bad-profile.json"
     path.write_text(json.dumps(document), encoding="utf-8")
     with pytest.raises(CostProfileError) as caught:
-        import_costs(path, db_url)
+        import_costs(path, Store.open(db_url))
     assert str(path) in str(caught.value)
 
 
@@ -706,7 +706,7 @@ def test_cli_profile_export_import_show(db_url, target, drafters, tmp_path, caps
                     if line.count("│") >= 7 and "batch" not in line]
     assert batch_column == ["1", "2"]
     # v(K) shown as ratios: v(1) at batch 1 equals the stored ratio
-    costs = load_costs("serving-gpu", db_url)
+    costs = load_costs("serving-gpu", Store.open(db_url))
     row_1 = [line for line in out.splitlines() if line.count("│") >= 7 and line.split("│")[1].strip() == "1"][0]
     spread = costs.spread[("verify", None, 1, 1)]
     assert row_1.split("│")[3].strip() == f"{costs.verify_ratios(1)[0]:.2f} ±{100 * spread:.0f}%"

@@ -151,11 +151,11 @@ def test_a_profile_of_the_tiny_model_stores_its_check_and_every_spread(db_url, s
     drafters = {label: d for label, (_, d) in build_drafters(
         ["prompt_lookup", "layer_skip:num_layers=2"], small_target).items()}
     settings = load_settings({}, profile_repeats=5, profile_context_len=32)
-    result = profile_costs("quiet", small_target, drafters, db_url=db_url,
+    result = profile_costs("quiet", small_target, drafters, Store.open(db_url),
                            hardware_profile="tiny-quiet", settings=settings, k_max=3,
                            batch_sizes=[1, 8], progress=False)   # (1 and 2 rows cost alike here)
     row = stored_check(db_url, "quiet")
-    costs = load_costs("tiny-quiet", db_url)
+    costs = load_costs("tiny-quiet", Store.open(db_url))
     assert result["check"]["status"] == row["status"] == costs.check["status"]
     if row["status"] == "ok":     # what was stored passes every check, with its own spreads
         assert row["reasons"] == [] and not costs.noisy
@@ -223,12 +223,12 @@ def test_a_profile_measured_beside_a_busy_process_is_consistent_or_marked_noisy(
     thread = threading.Thread(target=neighbour)
     thread.start()
     try:
-        result = profile_costs("busy", target, drafters, db_url=db_url, hardware_profile="tiny-busy",
+        result = profile_costs("busy", target, drafters, Store.open(db_url), hardware_profile="tiny-busy",
                                settings=settings, k_max=3, batch_sizes=[1, 2, 4], progress=False)
     finally:
         thread.join()
     assert cpu and len(busy) == 2 and all(p.returncode is not None for p in busy)
-    costs = load_costs("tiny-busy", db_url)
+    costs = load_costs("tiny-busy", Store.open(db_url))
     row = stored_check(db_url, "busy")
     if row["status"] == "ok":     # what was stored passes every check, with its own spreads
         assert check_costs(costs, max_spread=settings.profile.max_spread,

@@ -45,7 +45,7 @@ def drafters_of(model) -> dict:
 
 def profile(db_url, model, run_id, new_profile=False, **overrides) -> dict:
     settings = load_settings({}, **{**SETTINGS, **overrides})
-    return measure_or_reuse(run_id, model, drafters_of(model), db_url=db_url, settings=settings,
+    return measure_or_reuse(run_id, model, drafters_of(model), Store.open(db_url), settings=settings,
                             new_profile=new_profile, progress=False)
 
 
@@ -84,7 +84,7 @@ def test_a_second_run_reuses_the_profile_under_its_own_run_id(db_url, one_layer,
     assert costs_of(db_url, "run-2") == costs_of(db_url, "run-1")
     assert len(costs_of(db_url, "run-2")) == len(first["costs"])
     name = first["hardware_profile"]["name"]
-    assert load_costs(name, db_url).run_id == "run-2" and run_costs("run-1", db_url) is None
+    assert load_costs(name, Store.open(db_url)).run_id == "run-2" and run_costs("run-1", Store.open(db_url)) is None
     copied = check_row(db_url, "run-2")
     assert (copied["status"], copied["reused_from"], copied["measured_at"]) == (
         "ok", "run-1", measured["measured_at"])
@@ -158,7 +158,7 @@ def test_a_profile_without_this_runs_candidates_or_k_is_measured_again(db_url, o
     settings = load_settings({}, **SETTINGS)
     more = {**drafters_of(one_layer), **{label: d for label, (_, d) in build_drafters(
         ["prompt_lookup:max_ngram=2"], one_layer).items()}}
-    result = measure_or_reuse("run-3", one_layer, more, db_url=db_url, settings=settings, progress=False)
+    result = measure_or_reuse("run-3", one_layer, more, Store.open(db_url), settings=settings, progress=False)
     assert result["profile"]["reused"] is False
 
 
@@ -185,7 +185,7 @@ def test_the_profile_step_says_which_profile_the_run_plans_with(db_url, one_laye
     assert run["hardware_profile"] == reused["hardware_profile"] and run["status"] == "profiled"
     assert run["worker_hardware"]["reused_from"] == "step-1" and run["worker_hardware"]["measured"]
     # the run's own readers: its costs (confirm), its check (registry, CLI), the SQL reports' join
-    assert run_costs("step-2", db_url).run_id == "step-2"
+    assert run_costs("step-2", Store.open(db_url)).run_id == "step-2"
     check = profile_check("step-2", Store.open(db_url))
     assert (check["profile_run"], check["status"], check["reused_from"]) == ("step-2", "ok", "step-1")
     assert "reused from run step-1, measured at " in profile_check_text(check)

@@ -219,15 +219,21 @@ def test_draft_train_with_a_parent_id_exits_2_and_creates_nothing(tmp_path):
 def test_the_steps_refuse_a_hostile_identifier_before_any_work(tmp_path, monkeypatch):
     from tasks.errors import InvalidIdentifier
     from tasks.steps.draft_training import train_draft_from_traffic
+    from sqlalchemy import create_engine
+
+    from tasks.db.store import Store
+    from tasks.settings import load_settings
     from tasks.steps.engine_costs import profile_vllm
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    url = "postgresql+psycopg://nowhere:1/none"
+    nowhere = Store(url, create_engine(url), load_settings({}))     # never connected
     for value in HOSTILE.values():
         # no database, no model: the identifier is checked first
         with pytest.raises(InvalidIdentifier, match="draft id"):
             train_draft_from_traffic(value, db_url="postgresql+psycopg://nowhere:1/none")
         with pytest.raises(InvalidIdentifier, match="run id"):
-            profile_vllm(value, "tiny", db_url="postgresql+psycopg://nowhere:1/none")
+            profile_vllm(value, "tiny", None, nowhere)
     assert not (tmp_path / "home").exists()
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from specdec_core.drafters import find_continuation
 from specdec_core.lookup import lookup_batch
+from tasks.db.store import Store
 from tasks.serving import environment as serving_env
 from tasks.registry.config_schema import parse_config
 from tasks.registry.vllm_export import vllm_export
@@ -251,7 +252,7 @@ def _plan_on(url: str, run_id: str, profile: dict) -> None:
     with engine.connect() as connection:
         source = dict(connection.execute(select(CostProfileCheck).where(
             CostProfileCheck.run_id == profile["run_id"])).mappings().one())
-    reuse_costs(run_id, source, url)
+    reuse_costs(run_id, source, Store.open(url))
     with engine.begin() as connection:
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
             hardware_profile=source["hardware_profile"]))
@@ -277,7 +278,7 @@ def engine_run(serving, tmp_path_factory):
         patch.setenv("SPECDEC_HOME", str(base / "home"))
         # vLLM's own cost profile, stored first: the engine check predicts its speedups from it
         profile = profile_vllm("vllm-costs", str(target_dir), ["prompt_lookup:max_ngram=3,min_ngram=1"],
-                               db_url=url, k_max=3, batch_sizes=[1, 2], ks=[1, 3], max_tokens=24,
+                               Store.open(url), k_max=3, batch_sizes=[1, 2], ks=[1, 3], max_tokens=24,
                                settings=load_settings(profile_repeats=2), progress=False)
         # the gate's tolerance is tested on its own (test_engine_check.py): none is applied here
         result = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
@@ -322,7 +323,7 @@ def test_vllms_own_cost_profile_is_stored_and_the_planner_reads_it(engine_run):
     assert hardware["name"].startswith("vllm-") and hardware["device"].startswith("vLLM ")
     # one engine each: plain, ngram at K = 1 and 3 (K = 2 interpolated between them)
     assert [e["config"] for e in profile["engines"]] == ["plain", "ngram K=1", "ngram K=3"]
-    costs = load_costs(hardware["name"], engine_run["url"])
+    costs = load_costs(hardware["name"], Store.open(engine_run["url"]))
     assert costs.batch_sizes == [1, 2] and all(costs.k_max(b) == 3 for b in (1, 2))
     for b in (1, 2):
         verify = costs.verify[b]

@@ -141,14 +141,14 @@ def cmd_profile_measure(args) -> int:
         from ..steps.engine_costs import profile_vllm
 
         result = profile_vllm(args.run_id or "vllm-profile__" + default_run_id().split("__")[1],
-                              args.model, args.candidate, db_url=args.url, name=args.name,
+                              args.model, args.candidate, open_store(args), name=args.name,
                               k_max=args.k_max, batch_sizes=sizes, draft_k=args.draft_k,
                               ks=[int(k) for k in args.ks.split(",")] if args.ks else None)
         args.name, args.run = result["hardware_profile"]["name"], result["run_id"]
         return cmd_profile_show(args)
     settings, model, tokenizer, drafters = _profile_model(args)
     result = profile_costs(args.run_id or "profile__" + default_run_id().split("__")[1], model,
-                           drafters, db_url=args.url, hardware_profile=args.name, settings=settings,
+                           drafters, open_store(args, settings), hardware_profile=args.name, settings=settings,
                            k_max=args.k_max, batch_sizes=sizes, tokenizer=tokenizer)
     from specdec_core.static_cache import COMPILES
 
@@ -163,7 +163,8 @@ def cmd_profile_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.costs import hardware_of, load_costs
 
-    costs = load_costs(args.name, args.url, getattr(args, "run", None))
+    store = open_store(args)
+    costs = load_costs(args.name, store, getattr(args, "run", None))
     table = Table(title=escape(f"cost profile {costs.hardware_profile} (run {costs.run_id}): "
                                "ratios to one target step, each with its spread (interquartile "
                                "range / median; draft and overhead: over the step)"),
@@ -210,7 +211,7 @@ def cmd_profile_show(args) -> int:
                                    ("sampled_verify", None, k, b))
                               if k in costs.sampled_verify.get(b, {}) else "-" for k in timed_ks])
         console.print(sampled)
-    hardware = hardware_of(costs.hardware_profile, args.url)
+    hardware = hardware_of(costs.hardware_profile, store)
     if hardware is not None:
         engine = hardware["details"].get("engine")
         console.print(escape(f"hardware: {hardware['device']} {hardware['dtype']}; engine: "
@@ -234,7 +235,7 @@ def cmd_profile_export(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.costs import export_costs
 
-    document = export_costs(args.name, args.file, args.url, args.run)
+    document = export_costs(args.name, args.file, open_store(args), args.run)
     console.print(f"wrote {len(document['costs'])} cost rows of {escape(args.name)} (run "
                   f"{escape(document['run_id'])}) to {escape(args.file)}")
     return 0
@@ -246,7 +247,7 @@ def cmd_profile_import(args) -> int:
 
     if args.name is not None:
         check_identifier(args.name, "profile name")
-    result = import_costs(args.file, args.url, name=args.name)
+    result = import_costs(args.file, open_store(args), name=args.name)
     console.print(f"imported {result['rows']} cost rows as profile "
                   f"{escape(result['hardware_profile']['name'])} (run {escape(result['run_id'])})")
     return 0

@@ -83,7 +83,7 @@ def offline_totals(target, drafter, requests: list, k: int) -> dict:
 def _round_costs(run_id: str, store: Store, drafter_label: str, drafter_spec: dict | None):
     """f(RoundTotals) -> expected cost of its rounds in target steps at batch 1; None without a
     cost profile."""
-    costs = run_costs(run_id, store.url)
+    costs = run_costs(run_id, store)
     if costs is None:
         return None
     try:

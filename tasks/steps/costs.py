@@ -37,20 +37,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sqlalchemy import delete, insert, select
 from tqdm.auto import tqdm
 
 from specdec_core import SpecDecoder
 from specdec_core.drafters import output_size
 from specdec_core.profile import CostSampler
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
+from ..db.queries_costs import (cost_profile_rows, hardware_row, passed_checks_of_key,
+                                replace_cost_profile, run_profile_name)
 from ..db.store import Store
 from ..errors import SpecdecTaskError
-from ..registry.run_results import profile_check  # noqa: F401 - re-exported
 from ..paths import home_path
-from ..settings import Settings, load_settings
+from ..settings import Settings
 from ..timeutil import utcnow
 
 log = logging.getLogger(__name__)
@@ -315,31 +313,14 @@ def profile_key(hardware: dict, engine: str, engine_version: str, fingerprint: s
 KEY_COLUMNS = ("device", "processor", "engine", "engine_version", "dtype", "target_fingerprint")
 
 
-def store_costs(engine, run_id: str, hardware: dict, table: CostTable, key: dict | None = None) -> None:
+def store_costs(store: Store, run_id: str, hardware: dict, table: CostTable, key: dict | None = None) -> None:
     """One transaction: the profile's rows, check and hardware description of this run replaced.
     key (profile_key, with `measured_at` and `reused_from` where the costs were measured before,
     by another run): stored with the check, so a later run can reuse the profile."""
-    now = utcnow()
     keyed = {} if key is None else {
         **{column: key.get(column) for column in KEY_COLUMNS}, "hardware": hardware,
-        "measured_at": key.get("measured_at") or now, "reused_from": key.get("reused_from")}
-    where = (lambda model: (model.run_id == run_id) & (model.hardware_profile == hardware["name"]))
-    with engine.begin() as connection:
-        connection.execute(delete(CostProfile).where(where(CostProfile)))
-        connection.execute(insert(CostProfile), [
-            dict(row, run_id=run_id, hardware_profile=hardware["name"], created_at=now)
-            for row in table.rows()])
-        connection.execute(delete(CostProfileCheck).where(where(CostProfileCheck)))
-        if table.check is not None:
-            connection.execute(insert(CostProfileCheck).values(
-                run_id=run_id, hardware_profile=hardware["name"], status=table.check["status"],
-                reasons=table.check.get("reasons") or [], attempts=int(table.check.get("attempts") or 1),
-                max_spread=table.check.get("max_spread"), details=table.check.get("details"),
-                created_at=now, **keyed))
-        connection.execute(delete(HardwareProfile).where(HardwareProfile.name == hardware["name"]))
-        connection.execute(insert(HardwareProfile).values(
-            name=hardware["name"], device=hardware["device"], dtype=hardware["dtype"],
-            details=hardware.get("details"), updated_at=now))
+        "measured_at": key.get("measured_at"), "reused_from": key.get("reused_from")}
+    replace_cost_profile(store, run_id, hardware, table.rows(), table.check, keyed)
 
 
 def check_costs(table: CostTable, raw_overhead: dict[int, dict[str, float]] | None = None,
@@ -427,7 +408,7 @@ def _table_of(sampler, hardware_profile: str, run_id: str) -> CostTable:
     return table
 
 
-def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None,
+def profile_costs(run_id: str, target, drafters: dict, store: Store,
                   hardware_profile: str | None = None, settings: Settings | None = None,
                   k_max: int | None = None, batch_sizes=None, progress: bool = True,
                   tokenizer=None, fingerprint: str | None = None) -> dict:
@@ -455,10 +436,9 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
              "profile": {reused: False, ...} (profile_provenance)}. Re-running a run id replaces
     its rows for that profile.
     """
-    settings = settings or load_settings()
+    settings = settings or store.settings
     k_max = k_max or settings.plan.k_max
     batch_sizes = sorted(set(batch_sizes or settings.profile.batch_sizes))
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     hardware = describe_hardware(target, hardware_profile)
     # which engine the costs describe: static caches, CUDA graphs, compiled forwards
     hardware["details"]["engine"] = SpecDecoder(target, None).engine()
@@ -468,7 +448,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
         fingerprint = fingerprint_id(target_fingerprint(target))
     key = profile_key(hardware, "specdec", specdec_engine_version(hardware["details"]["engine"]),
                       fingerprint)
-    drafters = _with_timing_indexes(drafters, db_url or settings.database_url, target, tokenizer)
+    drafters = _with_timing_indexes(drafters, store, target, tokenizer)
     start = time.perf_counter()
     with timing_lock():
         sampler = CostSampler(target, drafters, k_max, batch_sizes, settings.profile.context_len)
@@ -480,7 +460,7 @@ def profile_costs(run_id: str, target, drafters: dict, db_url: str | None = None
     table, passes, attempt = measured.table, measured.passes, measured.attempt
     _mark_checked(measured, settings, run_id, hardware["name"])
     key["measured_at"] = utcnow()
-    store_costs(engine, run_id, hardware, table, key)
+    store_costs(store, run_id, hardware, table, key)
     elapsed = time.perf_counter() - start
     log.info("run %s: profiled %s at batch sizes %s in %.1f s (%d passes, %d check%s, %s)", run_id,
              hardware["name"], batch_sizes, elapsed, passes, attempt, "s" if attempt > 1 else "",
@@ -581,7 +561,7 @@ def measure_until_consistent(sampler, check, repeats: int, most: int, progress: 
     return table, reasons, earlier, passes
 
 
-def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) -> dict:
+def _with_timing_indexes(drafters: dict, store: Store, target, tokenizer) -> dict:
     index = None
     out = {}
     for label, drafter in drafters.items():
@@ -591,40 +571,22 @@ def _with_timing_indexes(drafters: dict, db_url: str | None, target, tokenizer) 
                 # `profile measure` (no MLflow installed there) never needs
                 from .suffix_index import timing_index
 
-                index = timing_index(Store.of(db_url), None, tokenizer, output_size(target))
+                index = timing_index(store, None, tokenizer, output_size(target))
             drafter = drafter.with_index(index)
         out[label] = drafter
     return out
 
 
-def hardware_of(hardware_profile: str, db_url: str | None = None) -> dict | None:
+def hardware_of(hardware_profile: str, store: Store) -> dict | None:
     """The stored hardware description of a profile: {name, device, dtype, details} (None: none)."""
-    with ensure_ready(resolve_database_url(db_url)).connect() as connection:
-        row = connection.execute(select(HardwareProfile).where(
-            HardwareProfile.name == hardware_profile)).first()
-    return None if row is None else {"name": row.name, "device": row.device, "dtype": row.dtype,
-                                     "details": row.details or {}}
+    row = hardware_row(store, hardware_profile)
+    return None if row is None else {"name": row["name"], "device": row["device"],
+                                     "dtype": row["dtype"], "details": row["details"] or {}}
 
 
-def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | None = None) -> CostTable:
+def load_costs(hardware_profile: str, store: Store, run_id: str | None = None) -> CostTable:
     """The profile's costs from `run_id`, or from the newest run that measured or imported it."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        if run_id is None:
-            run_id = connection.execute(
-                select(CostProfile.run_id).where(CostProfile.hardware_profile == hardware_profile)
-                .order_by(CostProfile.created_at.desc(), CostProfile.id.desc()).limit(1)).scalar()
-        rows = [] if run_id is None else connection.execute(
-            select(CostProfile.component, CostProfile.drafter, CostProfile.k, CostProfile.batch_size,
-                   CostProfile.seconds, CostProfile.spread)
-            .where((CostProfile.hardware_profile == hardware_profile) & (CostProfile.run_id == run_id))
-        ).mappings().all()
-        known = connection.execute(select(HardwareProfile.name)).scalars().all()
-        check = None if run_id is None else connection.execute(
-            select(CostProfileCheck.status, CostProfileCheck.reasons, CostProfileCheck.attempts,
-                   CostProfileCheck.max_spread)
-            .where((CostProfileCheck.hardware_profile == hardware_profile)
-                   & (CostProfileCheck.run_id == run_id))).mappings().first()
+    run_id, rows, known, check = cost_profile_rows(store, hardware_profile, run_id)
     if not rows:
         raise CostProfileError(
             f"no cost profile {hardware_profile!r}{'' if run_id is None else f' from run {run_id}'}; "
@@ -635,16 +597,14 @@ def load_costs(hardware_profile: str, db_url: str | None = None, run_id: str | N
     return table
 
 
-def run_costs(run_id: str, db_url: str | None = None) -> CostTable | None:
+def run_costs(run_id: str, store: Store) -> CostTable | None:
     """The cost profile the run plans with (eval_runs.hardware_profile, its newest run); None
     before the profile step or when that profile is gone."""
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
+    name = run_profile_name(store, run_id)
     if not name:
         return None
     try:
-        return load_costs(name, db_url)
+        return load_costs(name, store)
     except CostProfileError:
         return None
 
@@ -670,7 +630,7 @@ def profile_provenance(run_id: str, measured_at: datetime | None, reused_from: s
             "age_days": None if age is None else round(age, 3), "text": text}
 
 
-def reusable_profile(run_id: str, key: dict, settings: Settings, db_url: str | None = None,
+def reusable_profile(run_id: str, key: dict, settings: Settings, store: Store,
                      batch_sizes=None, k_max: int | None = None, drafters=(),
                      now: datetime | None = None) -> dict | None:
     """The newest stored profile run `run_id` may reuse, or None: one stored by another run whose
@@ -684,19 +644,9 @@ def reusable_profile(run_id: str, key: dict, settings: Settings, db_url: str | N
     now = now or utcnow()
     sizes = sorted(set(batch_sizes or settings.profile.batch_sizes))
     k_max = k_max or settings.plan.k_max
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
-    with engine.connect() as connection:
-        rows = connection.execute(select(CostProfileCheck).where(
-            (CostProfileCheck.status == "ok") & (CostProfileCheck.run_id != run_id)
-            & (CostProfileCheck.target_fingerprint == key["target_fingerprint"])
-            & (CostProfileCheck.engine == key["engine"])
-            & (CostProfileCheck.engine_version == key["engine_version"])
-            & (CostProfileCheck.dtype == key["dtype"]) & (CostProfileCheck.device == key["device"])
-            & (CostProfileCheck.measured_at > now - timedelta(days=settings.profile.max_age_days)))
-            .order_by(CostProfileCheck.measured_at.desc(), CostProfileCheck.created_at.desc())
-        ).mappings().all()
+    rows = passed_checks_of_key(store, run_id, key,
+                                now - timedelta(days=settings.profile.max_age_days))
     for row in rows:
-        row = dict(row)
         if row["processor"] != key.get("processor"):
             continue
         if (row["details"] or {}).get("context_len") != settings.profile.context_len:
@@ -705,7 +655,7 @@ def reusable_profile(run_id: str, key: dict, settings: Settings, db_url: str | N
                      settings.profile.context_len)
             continue
         try:
-            table = load_costs(row["hardware_profile"], db_url or settings.database_url, row["run_id"])
+            table = load_costs(row["hardware_profile"], store, row["run_id"])
         except CostProfileError:
             continue
         missing = _coverage_gaps(table, sizes, k_max, drafters)
@@ -730,7 +680,7 @@ def _coverage_gaps(table: CostTable, sizes: list[int], k_max: int, drafters) -> 
     return f"no draft step for {lacking}" if lacking else ""
 
 
-def reuse_costs(run_id: str, source: dict, db_url: str | None = None) -> dict:
+def reuse_costs(run_id: str, source: dict, store: Store) -> dict:
     """Copy the stored profile `source` (a reusable_profile row) under `run_id`, in one
     transaction that replaces the run's own rows of that profile (store_costs): cost_profiles,
     its check (status ok, details saying where the costs came from) and the hardware
@@ -741,9 +691,8 @@ def reuse_costs(run_id: str, source: dict, db_url: str | None = None) -> dict:
     Output: as profile_costs's, with "seconds" the copy's and "profile": {reused: True, run_id,
     measured_at, age_days, text}."""
     start = time.perf_counter()
-    url = resolve_database_url(db_url)
     name = source["hardware_profile"]
-    table = load_costs(name, url, source["run_id"])
+    table = load_costs(name, store, source["run_id"])
     table.run_id = run_id
     provenance = profile_provenance(run_id, source["measured_at"], source["reused_from"] or source["run_id"])
     table.check = {"status": source["status"], "reasons": list(source["reasons"] or []),
@@ -752,16 +701,16 @@ def reuse_costs(run_id: str, source: dict, db_url: str | None = None) -> dict:
                                "reused": {"from_run": provenance["run_id"], "copied_from": source["run_id"],
                                           "measured_at": provenance["measured_at"],
                                           "age_days": provenance["age_days"], "text": provenance["text"]}}}
-    hardware = source["hardware"] or hardware_of(name, url)
+    hardware = source["hardware"] or hardware_of(name, store)
     key = {**{column: source[column] for column in KEY_COLUMNS},
            "measured_at": source["measured_at"], "reused_from": provenance["run_id"]}
-    store_costs(ensure_ready(url), run_id, hardware, table, key)
+    store_costs(store, run_id, hardware, table, key)
     return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
             "check": {field_: table.check[field_] for field_ in ("status", "reasons", "attempts", "max_spread")},
             "seconds": time.perf_counter() - start, "key": _plain_key(key), "profile": provenance}
 
 
-def measure_or_reuse(run_id: str, target, drafters: dict, db_url: str | None = None,
+def measure_or_reuse(run_id: str, target, drafters: dict, store: Store,
                      settings: Settings | None = None, k_max: int | None = None, tokenizer=None,
                      fingerprint: str | None = None, new_profile: bool = False,
                      progress: bool = True) -> dict:
@@ -770,9 +719,8 @@ def measure_or_reuse(run_id: str, target, drafters: dict, db_url: str | None = N
     measured here (profile_costs). new_profile: measure whatever is stored (`specdec evaluate
     --new-profile`, the DAG Param new_profile). Logs one line saying which it was; the output
     (profile_costs's) says it in "profile" (profile_provenance)."""
-    settings = settings or load_settings()
+    settings = settings or store.settings
     k_max = k_max or settings.plan.k_max
-    url = resolve_database_url(db_url or settings.database_url)
     if fingerprint is None:
         from specdec_core.validation import fingerprint_id, target_fingerprint
 
@@ -786,20 +734,20 @@ def measure_or_reuse(run_id: str, target, drafters: dict, db_url: str | None = N
     elif settings.profile.max_age_days <= 0:
         why = "reuse is off (profile_max_age_days = 0)"
     else:
-        source = reusable_profile(run_id, key, settings, url, settings.profile.batch_sizes, k_max,
+        source = reusable_profile(run_id, key, settings, store, settings.profile.batch_sizes, k_max,
                                   list(drafters))
         why = (f"no stored profile of this key passed its checks within the last "
                f"{settings.profile.max_age_days:g} days and covers this run "
                f"({key['device']}, {key['processor'] or '-'}, {key['dtype']}, {key['engine_version']}, "
                f"target {fingerprint})")
     if source is not None:
-        result = reuse_costs(run_id, source, url)
+        result = reuse_costs(run_id, source, store)
         log.info("run %s: cost profile %s %s (not measured again; profile_max_age_days %g, "
                  "--new-profile to measure)", run_id, source["hardware_profile"],
                  result["profile"]["text"], settings.profile.max_age_days)
         return result
     log.info("run %s: measuring a cost profile: %s", run_id, why)
-    return profile_costs(run_id, target, drafters, db_url=url, settings=settings, k_max=k_max,
+    return profile_costs(run_id, target, drafters, store, settings=settings, k_max=k_max,
                          progress=progress, tokenizer=tokenizer, fingerprint=fingerprint)
 
 
@@ -819,14 +767,11 @@ def profile_check_text(check: dict | None) -> str:
     return head
 
 
-def export_costs(hardware_profile: str, path: str | Path, db_url: str | None = None,
+def export_costs(hardware_profile: str, path: str | Path, store: Store,
                  run_id: str | None = None) -> dict:
     """Write the profile (newest run unless run_id) to a JSON file; returns what was written."""
-    table = load_costs(hardware_profile, db_url, run_id)
-    engine = ensure_ready(resolve_database_url(db_url))
-    with engine.connect() as connection:
-        hardware = connection.execute(select(HardwareProfile).where(
-            HardwareProfile.name == hardware_profile)).mappings().first()
+    table = load_costs(hardware_profile, store, run_id)
+    hardware = hardware_row(store, hardware_profile)
     document = {"format": FILE_FORMAT, "run_id": table.run_id,
                 "hardware_profile": {"name": hardware_profile,
                                      "device": hardware["device"] if hardware else "unknown",
@@ -837,7 +782,7 @@ def export_costs(hardware_profile: str, path: str | Path, db_url: str | None = N
     return document
 
 
-def import_costs(path: str | Path, db_url: str | None = None, name: str | None = None) -> dict:
+def import_costs(path: str | Path, store: Store, name: str | None = None) -> dict:
     """Store a profile exported by export_costs (optionally under another name); idempotent."""
     try:
         document = json.loads(Path(path).read_text("utf-8"))
@@ -867,5 +812,5 @@ def import_costs(path: str | Path, db_url: str | None = None, name: str | None =
     if gaps:
         raise CostProfileError(f"cost profile file {path}: verify costs must cover K = 1..k_max at "
                                f"every batch size; got {gaps}")
-    store_costs(ensure_ready(resolve_database_url(db_url)), table.run_id, hardware, table)
+    store_costs(store, table.run_id, hardware, table)
     return {"hardware_profile": hardware, "run_id": table.run_id, "rows": len(table.rows())}

@@ -52,6 +52,7 @@ from specdec_core.estimate import LoggedRequest
 
 from ..db.engine import ensure_ready, resolve_database_url
 from ..db.models import DomainConfig, EngineCheck, EvalRun, HardwareProfile, LiveMeasurement
+from ..db.store import Store
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.run_results import engine_checks  # noqa: F401 - re-exported
 from ..serving import environment as serving_env
@@ -433,7 +434,7 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
     rows = {}
     for domain in run.domains:
         if answer.get("vllm") and answer["vllm"] not in profiles:
-            profiles[answer["vllm"]] = engine_profile(context.url, answer["vllm"],
+            profiles[answer["vllm"]] = engine_profile(Store.of(context.url), answer["vllm"],
                                                       context.settings.engine.profile)
         costs = profiles.get(answer.get("vllm"))
         base = {"speculative_config": run.spec, "log_path": record["log"],

@@ -48,17 +48,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import select
 from tqdm.auto import tqdm
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import HardwareProfile
+from ..db.queries_costs import hardware_rows_newest_first
+from ..db.store import Store
 from ..errors import EngineTimeout, ServingProbeError
 from ..registry.config_schema import DrafterSpec
 from ..registry.vllm_export import speculative_config
 from ..serving import environment as serving_env
 from ..paths import check_identifier, home_path
-from ..settings import Settings, load_settings
+from ..settings import Settings
 from ..timeutil import utcnow
 from .candidates import HOST_DRAFTERS, candidate_label, parse_candidate
 from .costs import (CostTable, _slug, describe_device, load_costs, profile_key, profile_provenance,
@@ -125,8 +124,8 @@ class VllmProfilePlan:
     base: dict
 
 
-def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
-                 db_url: str | None = None, name: str | None = None,
+def profile_vllm(run_id: str, target: str, candidates: list[str] | None,
+                 store: Store, name: str | None = None,
                  settings: Settings | None = None, k_max: int | None = None, batch_sizes=None,
                  ks: list[int] | None = None, draft_k: int = 3, max_tokens: int = 96,
                  progress: bool = True) -> dict:
@@ -138,13 +137,12 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
     Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": rows, "check",
     "seconds", "engines": [{config, start_s, seconds, mends}]}."""
     check_identifier(run_id, "run id")     # it names $SPECDEC_HOME/engine_profiles/<run_id>
-    settings = settings or load_settings()
+    settings = settings or store.settings
     k_max = k_max or settings.plan.k_max
     sizes = sorted(set(batch_sizes or settings.profile.batch_sizes))
     # default: 1, 2, 4, 8, ... and k_max (the rest interpolated): the profile within 10 minutes
     ks = sorted({k for k in (ks or [2 ** i for i in range(k_max.bit_length())]) if 1 <= k <= k_max}
                 | {1, k_max})
-    engine = ensure_ready(resolve_database_url(db_url or settings.database_url))
     plan = _plan_vllm_profile(run_id, target, candidates, settings, k_max, sizes, ks, draft_k,
                               max_tokens)
     started = time.perf_counter()
@@ -153,7 +151,7 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None = None,
                                            max_tokens, name)
     # its key (tasks.steps.costs.profile_key): vLLM's version, and the fingerprint written beside
     # the served directory (None for a directory that is not one of ours: never reused)
-    store_costs(engine, run_id, hardware, table, profile_key(
+    store_costs(store, run_id, hardware, table, profile_key(
         hardware, "vllm", version, serving_env.served_fingerprint(plan.model_dir)))
     elapsed = time.perf_counter() - started
     log.info("profile %s: vLLM %s profiled at batch sizes %s in %.0f s (%s)", run_id, version, sizes,
@@ -303,8 +301,8 @@ def served_dtype(model_dir) -> str:
         str(model_config.get("torch_dtype") or model_config.get("dtype")), "float32")
 
 
-def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None = None,
-                          db_url: str | None = None, settings: Settings | None = None,
+def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None,
+                          store: Store, settings: Settings | None = None,
                           k_max: int | None = None, new_profile: bool = False,
                           progress: bool = False) -> dict:
     """The run's cost profile of the serving engine: the newest stored vLLM profile of this
@@ -312,9 +310,8 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
     profile_max_age_days and covers the run (the candidates vLLM serves), copied under `run_id`
     (tasks.steps.costs.reuse_costs); else one measured here (profile_vllm). new_profile: measure
     whatever is stored. Output: profile_vllm's (or reuse_costs's), with "profile" saying which."""
-    settings = settings or load_settings()
+    settings = settings or store.settings
     k_max = k_max or settings.plan.k_max
-    url = resolve_database_url(db_url or settings.database_url)
     model_dir = serving_env.served_model_dir(target)
     version = serving_env.probe("versions", {}, settings, timeout_s=300)["vllm"]
     hardware = vllm_hardware(version, served_dtype(model_dir))
@@ -324,9 +321,9 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
               and speculative_config(DrafterSpec(kind=spec["kind"], params=spec["params"]), 1) is not None]
     source = None
     if not new_profile:
-        source = reusable_profile(run_id, key, settings, url, settings.profile.batch_sizes, k_max, served)
+        source = reusable_profile(run_id, key, settings, store, settings.profile.batch_sizes, k_max, served)
     if source is not None:
-        result = reuse_costs(run_id, source, url)
+        result = reuse_costs(run_id, source, store)
         log.info("run %s: vLLM cost profile %s %s (not measured again; --new-profile to measure)",
                  run_id, source["hardware_profile"], result["profile"]["text"])
         return result
@@ -334,7 +331,7 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
              "a new profile was asked for" if new_profile else
              f"none stored for vLLM {version}, {hardware['device']}, {hardware['dtype']}, target "
              f"{key['target_fingerprint']} within {settings.profile.max_age_days:g} days")
-    return profile_vllm(run_id, target, candidates or list(settings.plan.candidates), db_url=url,
+    return profile_vllm(run_id, target, candidates or list(settings.plan.candidates), store,
                         settings=settings, k_max=k_max, progress=progress)
 
 
@@ -408,15 +405,13 @@ def _fill_sampled(table: CostTable, sizes: list[int]) -> None:
             for k in timed_ks}
 
 
-def engine_profile(db_url: str, version: str | None, name: str | None = None) -> CostTable | None:
+def engine_profile(store: Store, version: str | None, name: str | None = None) -> CostTable | None:
     """The cost profile of the serving engine: `name` if given, else the newest stored profile
     measured on vLLM `version` (None: none stored)."""
     if name:
-        return load_costs(name, db_url)
-    with ensure_ready(db_url).connect() as connection:
-        rows = connection.execute(select(HardwareProfile).order_by(HardwareProfile.updated_at.desc())).all()
-    for row in rows:
+        return load_costs(name, store)
+    for row in hardware_rows_newest_first(store):
         engine = (row.details or {}).get("engine")
         if isinstance(engine, dict) and engine.get("name") == "vllm" and engine.get("version") == version:
-            return load_costs(row.name, db_url)
+            return load_costs(row.name, store)
     return None

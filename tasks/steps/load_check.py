@@ -378,7 +378,7 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
             measured = _measure(context, pool, spec, levels, items)
             version = (versions.get(domain) or {}).get("engine_version")
             if version and version not in profiles:
-                profiles[version] = engine_profile(context.url, version, settings.engine.profile)
+                profiles[version] = engine_profile(context.store, version, settings.engine.profile)
             records[domain], level_rows[domain], changes[domain] = _domain_result(
                 context, domain, on[domain], spec, measured, profiles.get(version), items)
             (log.warning if records[domain]["passed"] is False else log.info)(

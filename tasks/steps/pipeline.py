@@ -98,18 +98,18 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     if name is None and plans_on_vllm(settings, spec.target):
         # the serving engine's costs plan the run (its own profile, reused or measured)
         measured = vllm_profile_or_reuse(spec.run_id, spec.target, list(settings.plan.candidates),
-                                         db_url=url, settings=settings, k_max=settings.plan.k_max,
-                                         new_profile=new_profile)
+                                         Store.open(url, settings), settings=settings,
+                                         k_max=settings.plan.k_max, new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
     elif name is None:
         context = RunContext.build(spec)
         measured = measure_or_reuse(spec.run_id, context.model,
                                     {label: d for label, (_, d) in context.drafters.items()},
-                                    db_url=url, settings=settings, k_max=settings.plan.k_max,
+                                    context.store, settings=settings, k_max=settings.plan.k_max,
                                     tokenizer=context.tokenizer, fingerprint=context.fingerprint,
                                     new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
-    costs = load_costs(name, url)
+    costs = load_costs(name, Store.open(url, settings))
     if measured is not None:
         provenance = dict(measured["profile"])
     else:
@@ -168,9 +168,9 @@ def step_estimate(spec, domain: str, profile) -> dict:
     """Offline estimate and plan of one domain with the run's cost profile (step_profile's output,
     or its name). Output: the domain's plan (domain_configs row)."""
     context = RunContext.build(spec)
-    settings, url, run_id = context.settings, context.url, context.run_id
+    settings, run_id = context.settings, context.run_id
     requests, excluded = context.domain_requests(domain)
-    costs = load_costs(profile_name(profile), url)
+    costs = load_costs(profile_name(profile), context.store)
     minimum = _sample_minimum(context)
     if len(requests) < minimum:
         log.warning("run %s, domain %s: %d usable requests of this target < minimum %d (%d from other "
@@ -218,7 +218,7 @@ def step_confirm(spec, domain: str) -> dict | None:
     run planned on vLLM's costs (the engine check measures the plan on vLLM, on the same
     requests, and its verdict is the live check)."""
     context = RunContext.build(spec)
-    if profile_engine(hardware_of(run_profile_name(context), context.url)) == "vllm":
+    if profile_engine(hardware_of(run_profile_name(context), context.store)) == "vllm":
         log.info("run %s, domain %s: planned on vLLM's costs: the live check runs on vLLM in the "
                  "engine check, not on this engine", context.run_id, domain)
         return None
@@ -260,8 +260,8 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     whose steps did not complete, run the greedy and fingerprint checks, check the result tables.
     Output: {"fingerprint", "greedy", "domains": {domain: validation}, "failed": [...]}."""
     context = RunContext.build(spec)
-    spec, settings, url, engine, run_id = (context.spec, context.settings, context.url,
-                                           context.engine, context.run_id)
+    spec, settings, engine, run_id = (context.spec, context.settings, context.engine,
+                                      context.run_id)
     with engine.connect() as connection:
         sampled = dict(connection.execute(select(EvalSample.domain, func.count()).where(
             EvalSample.run_id == run_id).group_by(EvalSample.domain)).all())
@@ -274,7 +274,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     for domain in sorted(sampled):
         config = configs.get(domain)
         if config is None and domain in insufficient:
-            plan_domain(run_id, domain, load_costs(profile, url), context.store,
+            plan_domain(run_id, domain, load_costs(profile, context.store), context.store,
                         settings=settings, status="insufficient", samples=sampled[domain])
         elif config is None:
             record_domain_failure(spec, domain, "no plan was stored (its estimate step failed)")
