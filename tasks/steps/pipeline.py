@@ -339,7 +339,7 @@ def step_engine_check(spec) -> dict:
     result = engine_check(spec.run_id, spec.target, context.model,
                           {d: context.domain_drafters(d) for d in domains},
                           {d: context.domain_requests(d)[0] for d in domains},
-                          db_url=context.url, settings=context.settings)
+                          context.store, settings=context.settings)
     record_engine_check_skip(context.engine, spec.run_id, result["skipped"])
     if result["skipped"]:
         log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
@@ -367,7 +367,7 @@ def step_engine_validate(spec, domains: list[str] | None = None, speculative_con
     chosen = [d for d in (domains or planned) if d in planned]
     result = engine_validate_run(spec.run_id, spec.target, context.model,
                                  {d: context.domain_requests(d)[0] for d in chosen},
-                                 db_url=context.url, settings=context.settings, domains=domains,
+                                 context.store, settings=context.settings, domains=domains,
                                  speculative_config=speculative_config, mended=mended)
     return json.loads(json.dumps(result, default=str))
 
