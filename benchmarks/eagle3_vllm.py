@@ -31,6 +31,7 @@ from specdec_core.validation import fingerprint_id, target_fingerprint  # noqa: 
 from tasks.db import upgrade  # noqa: E402
 from tasks.db.engine import ensure_ready  # noqa: E402
 from tasks.db.models import DomainConfig, EvalRun  # noqa: E402
+from tasks.db.store import Store  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
 from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate  # noqa: E402
 from specdec_core.estimate import in_heldout  # noqa: E402
@@ -81,7 +82,7 @@ def main() -> None:
                     run_id="eagle3-vllm", domain=domain, enabled=True, drafter=candidate_label(spec),
                     k=args.k, status="ok", drafter_spec=spec, mean_accepted_length=1.0,
                     samples=len(by_domain[domain]), reason="set on for this benchmark", created_at=now))
-        result = engine_check("eagle3-vllm", TARGET, model, drafters, by_domain, db_url=url,
+        result = engine_check("eagle3-vllm", TARGET, model, drafters, by_domain, Store.open(url),
                               settings=load_settings(engine_check_requests=args.requests,
                                                      confirm_max_new_tokens=args.max_new_tokens,
                                                      engine_check_tolerance=1.0))

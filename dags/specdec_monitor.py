@@ -30,7 +30,7 @@ from airflow.sdk import Asset, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowSkipException
 from airflow.timetables.trigger import CronTriggerTimetable
 
-from tasks.orchestration.airflow_glue import (DRIFT_URI, MAP_LABEL, connection_database_url,
+from tasks.orchestration.airflow_glue import (DRIFT_URI, MAP_LABEL, connection_store,
                                               label_mapped, monitor_targets, queues, task_errors)
 
 # The steps (tasks.steps.monitor) are imported inside the tasks: they load the database and the
@@ -54,7 +54,7 @@ def specdec_monitor():
         from tasks.steps.monitor import MonitorContext, champion_deployment_names
 
         with task_errors():
-            names = champion_deployment_names(MonitorContext.open(connection_database_url()))
+            names = champion_deployment_names(MonitorContext.open(connection_store()))
             return [{"deployment": name, "url": url}
                     for name, url in sorted(monitor_targets(names).items())]
 
@@ -65,7 +65,7 @@ def specdec_monitor():
 
         label_mapped(target["deployment"])
         with task_errors():
-            row = scrape_one(MonitorContext.open(connection_database_url()), target["url"],
+            row = scrape_one(MonitorContext.open(connection_store()), target["url"],
                              target["deployment"])
         return {k: row[k] for k in ("deployment", "series", "start", "config_version",
                                     "delta_drafts", "delta_draft_tokens", "delta_accepted")}
@@ -76,7 +76,7 @@ def specdec_monitor():
         from tasks.steps.monitor import check as check_window
 
         with task_errors():
-            result = check_window(MonitorContext.open(connection_database_url()))
+            result = check_window(MonitorContext.open(connection_store()))
         return [{k: str(e[k]) if k.startswith("window") else e[k]
                  for k in ("kind", "deployment", "config_version", "production_e", "reason",
                            "window_start", "window_end")} for e in result["events"]]

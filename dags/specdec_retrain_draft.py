@@ -45,8 +45,7 @@ from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                              connection_database_url, connection_store, queues,
-                                              task_errors)
+                                              connection_store, queues, task_errors)
 from tasks.steps.draft_recipes import KINDS, SCHEDULED_RETRAINING
 
 # The steps (tasks.steps.draft_training) are imported inside the tasks: they load the engine, the
@@ -162,12 +161,12 @@ def specdec_retrain_draft():
                 heldout_fraction=p["heldout_fraction"],
                 include_generated=(p["include_generated"] if p["include_generated"] is not None
                                    else p["generate_count"] > 0))
+            store = connection_store()
             trained = train_draft_from_traffic(
                 train_id_of_run(context["run_id"]), recipe, data, target=p["target"],
-                db_url=connection_database_url(), register=False, progress=False)
+                store=store, register=False, progress=False)
             trained["tracking_run_id"] = log_draft(trained["train_id"], p["target"], trained["fingerprint"],
-                                                   trained["best_dir"], trained["result"],
-                                                   db_url=connection_database_url())
+                                                   trained["best_dir"], trained["result"], store=store)
         return trained
 
     @task(outlets=[NEW_DRAFT_ASSET])
@@ -177,7 +176,7 @@ def specdec_retrain_draft():
         with task_errors():
             registered = register_logged_draft(
                 trained["train_id"], get_current_context()["params"]["target"], trained["fingerprint"],
-                trained["tracking_run_id"], trained["result"], db_url=connection_database_url())
+                trained["tracking_run_id"], trained["result"], store=connection_store())
         get_current_context()["outlet_events"][NEW_DRAFT_ASSET].extra = {
             "model_uri": registered["model_uri"], "train_id": trained["train_id"]}
         return registered

@@ -80,7 +80,7 @@ def evaluated(tmp_path_factory, tiny_target):
 
 def test_data_docs_reach_mlflow_from_a_worker_without_the_checks_disk(evaluated, monkeypatch):
     from tasks.db.store import Store
-    from tasks.steps.quality import data_docs_pages
+    from tasks.registry.run_results import data_docs_pages
     from tasks.registry.registration import register_config
     from tasks.registry.tracking import client
 
@@ -188,18 +188,18 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking)
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "trainer"))
     recipe = DraftModelRecipe(num_layers=1, config=TrainConfig(steps=2, batch_size=2, eval_every=2))
-    trained = train_draft_from_traffic("dist-draft", recipe, target=str(model_dir), db_url=db_url,
+    trained = train_draft_from_traffic("dist-draft", recipe, target=str(model_dir), store=Store.open(db_url),
                                        register=False, progress=False)
     logged = log_draft(trained["train_id"], str(model_dir), trained["fingerprint"], trained["best_dir"],
-                       trained["result"], db_url=db_url)
+                       trained["result"], store=Store.open(db_url))
     # the training worker's checkpoints are not shared (with a SQLite tracking store the artifact
     # store stays under that home: it stands for the tracking server's)
     shutil.rmtree(tmp_path / "trainer" / "drafts")
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "registrar"))
     registered = register_logged_draft(trained["train_id"], str(model_dir), trained["fingerprint"], logged,
-                                       trained["result"], db_url=db_url)
+                                       trained["result"], store=Store.open(db_url))
     again = register_logged_draft(trained["train_id"], str(model_dir), trained["fingerprint"], logged,
-                                  trained["result"], db_url=db_url)
+                                  trained["result"], store=Store.open(db_url))
     assert again["version"] == registered["version"]          # a retried task reuses the version
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "evaluator"))
     local = resolve_model_uri(registered["model_uri"], tracking)

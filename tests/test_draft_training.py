@@ -11,6 +11,7 @@ import pytest
 import torch
 from sqlalchemy import create_engine, select
 
+from tasks.db.store import Store
 from specdec_core import SamplingParams, SpecDecoder, TokenizerMismatch
 from specdec_core.estimate import LoggedRequest
 from specdec_core.train import TrainConfig, init_draft_from_target, train_draft
@@ -139,11 +140,11 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=20, eval_every=10, k_max=3, warmup_steps=2, lr=3e-3)
     recipe = DraftModelRecipe(num_layers=1, config=config)
-    result = train_draft_from_traffic("draft-1", recipe, target=tiny_store["target"], db_url=db_url,
+    result = train_draft_from_traffic("draft-1", recipe, target=tiny_store["target"], store=Store.open(db_url),
                                       model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
                                       progress=False)
     assert result["model_uri"].endswith("/1") and result["train_requests"] + result["heldout_requests"] == 32
-    again = train_draft_from_traffic("draft-1", recipe, target=tiny_store["target"], db_url=db_url,
+    again = train_draft_from_traffic("draft-1", recipe, target=tiny_store["target"], store=Store.open(db_url),
                                      model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
                                      progress=False)
     assert again["version"] == "1" and again["steps"] == 20          # resumed and reused, not redone
@@ -161,7 +162,7 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
 
     settings = load_settings({}, **{**SETTINGS, "candidates": ("prompt_lookup",), "min_per_domain": 1,
                                     "max_per_domain": 16, "min_speedup": 0.01})
-    run = evaluate(run_id="after-draft", target=tiny_store["target"], db_url=db_url, settings=settings,
+    run = evaluate(run_id="after-draft", target=tiny_store["target"], store=Store.open(db_url), settings=settings,
                    model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     assert run["excluded"]["trained_on"] == len(trained)               # all sampled: 16 per domain
     draft_label = f"draft_model(model={result['model_uri']})"
@@ -181,7 +182,7 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
     db_url = tiny_store["db_url"]
     config = TrainConfig(steps=8, eval_every=4, k_max=2, warmup_steps=1, lr=3e-3)
     result = train_draft_from_traffic("head-1", HeadRecipe(vocab_size=64, unroll=2, config=config),
-                                      target=tiny_store["target"], db_url=db_url,
+                                      target=tiny_store["target"], store=Store.open(db_url),
                                       model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
                                       progress=False)
     version = client().get_model_version(result["model_uri"].split("/")[1], result["version"])
@@ -190,7 +191,7 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
     other = train_draft_from_traffic(
         "draft-same-split", DraftModelRecipe(config=TrainConfig(steps=1, eval_every=1, k_max=2,
                                                                  warmup_steps=1)),
-        TrainingData(split_from="head-1"), target=tiny_store["target"], db_url=db_url,
+        TrainingData(split_from="head-1"), target=tiny_store["target"], store=Store.open(db_url),
         model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False, register=False)
     assert other["heldout_requests"] == result["heldout_requests"]
     assert heldout_ids(db_url, "draft-same-split") == heldout_ids(db_url, "head-1")
@@ -201,7 +202,7 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
 
     settings = load_settings({}, **{**SETTINGS, "candidates": ("prompt_lookup",), "min_per_domain": 1,
                                     "max_per_domain": 16, "min_speedup": 0.01})
-    run = evaluate(run_id="after-head", target=tiny_store["target"], db_url=db_url, settings=settings,
+    run = evaluate(run_id="after-head", target=tiny_store["target"], store=Store.open(db_url), settings=settings,
                    model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     assert run["excluded"]["trained_on"] == result["train_requests"]
     from tasks.db.models import CostProfile

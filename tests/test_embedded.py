@@ -150,7 +150,7 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
                              # our engine's costs and confirm (vLLM's profile: test_vllm_serving.py)
                              plan_engine="specdec")
     model, tokenizer = embedded
-    result = evaluate(run_id="embedded", target="smollm2-135m-instruct", db_url=url,
+    result = evaluate(run_id="embedded", target="smollm2-135m-instruct", store=Store.open(url),
                       settings=settings, domains=["json", "creative"], model=model,
                       tokenizer=tokenizer, progress=False)
     dispose_engines()

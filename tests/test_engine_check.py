@@ -9,6 +9,7 @@ import pytest
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, RoundTotals
+from tasks.db.store import Store
 from tasks.steps.engine_check import batch_one_k, compare_request, domain_verdict, engine_check
 
 
@@ -87,11 +88,11 @@ def test_no_serving_environment_skips_with_how_to_make_one(db_url, tmp_path):
     from tasks.settings import load_settings
 
     missing = str(tmp_path / "nowhere" / "python")
-    result = engine_check("r1", "smollm2-135m-instruct", None, {}, {}, db_url=db_url,
+    result = engine_check("r1", "smollm2-135m-instruct", None, {}, {}, Store.open(db_url),
                           settings=load_settings(serving_python=missing))
     assert result["skipped"] and "make serving-env" in result["skipped"] and not result["domains"]
     with pytest.raises(ServingEnvUnavailable, match="make serving-env"):
-        engine_check("r1", "smollm2-135m-instruct", None, {}, {}, db_url=db_url,
+        engine_check("r1", "smollm2-135m-instruct", None, {}, {}, Store.open(db_url),
                      settings=load_settings(serving_python=missing, engine_check_required=True))
 
 
@@ -184,7 +185,7 @@ def test_where_the_check_cannot_run_the_own_engine_sampling_test_gates_again(db_
                 validation="passed", promotable=True, created_at=now))
             connection.execute(insert(Validation).values(
                 run_id="r1", check_name="sampling", domain=domain, passed=passed, created_at=now))
-    result = engine_check("r1", "smollm2-135m-instruct", None, {}, {}, db_url=db_url,
+    result = engine_check("r1", "smollm2-135m-instruct", None, {}, {}, Store.open(db_url),
                           settings=load_settings(serving_python=str(tmp_path / "none" / "python")))
     assert result["skipped"] and result["sampling"] == {}
     with engine.connect() as connection:

@@ -352,7 +352,7 @@ def test_the_table_shows_the_sampling_test_on_vllm(db_url):
     finished_run(db_url, "r1", {"json": {}, "qa": {}, "chat": {}})
     engine_sampling(db_url, "r1", "json", rows=300, positions=6, min_p=0.021)
     engine_sampling(db_url, "r1", "qa", status="failed", min_p=1e-9, control=True)
-    table = {row["domain"]: row for row in evaluation_table("r1", db_url)}
+    table = {row["domain"]: row for row in evaluation_table("r1", Store.open(db_url))}
     assert table["json"]["engine_sampling"]["status"] == "passed" and table["chat"]["engine_sampling"] is None
     assert (table["qa"]["engine_sampling"]["rows"], table["qa"]["engine_sampling"]["positions"]) == (300, 6)
     assert table["qa"]["validation"] == "failed" and table["qa"]["promotable"] is False
@@ -385,7 +385,7 @@ def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_d
     caplog.set_level(logging.INFO, logger="tasks")
     uri = mlflow_uri
     settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01})
-    result = evaluate(run_id="logged", target="tiny", db_url=tiny_db, settings=settings, model=tiny_target,
+    result = evaluate(run_id="logged", target="tiny", store=Store.open(tiny_db), settings=settings, model=tiny_target,
                       progress=False, promote=True, tracking_uri=uri)
     name, version = result["registered"]["name"], result["registered"]["version"]
 

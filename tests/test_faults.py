@@ -509,7 +509,7 @@ def test_a_draft_trained_with_no_register_is_not_left_training(tiny_store):
     recipe = DraftModelRecipe(num_layers=1, config=TrainConfig(steps=2, eval_every=1, k_max=2,
                                                                 warmup_steps=1))
     train_draft_from_traffic("unregistered-1", recipe, target=tiny_store["target"],
-                             db_url=tiny_store["db_url"], model=tiny_store["model"],
+                             store=Store.open(tiny_store["db_url"]), model=tiny_store["model"],
                              tokenizer=tiny_store["tokenizer"], progress=False, register=False)
     (status,) = _rows(tiny_store["db_url"], select(DraftModelRecord.status).where(
         DraftModelRecord.name == "unregistered-1"))[0]

@@ -160,7 +160,7 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
     assert (first["concurrency"], first["engine_e"]) == (1, pytest.approx(3.0))
     assert first["measured_speedup_lo"] <= first["measured_speedup"] <= first["measured_speedup_hi"]
     # evaluate's table carries the load check per domain
-    table = evaluation_table("r-load", db_url)
+    table = evaluation_table("r-load", Store.open(db_url))
     assert table[0]["load_check"]["status"] == "cut"
     assert [level["concurrency"] for level in table[0]["load_check"]["levels"]] == [1, 2]
     from tasks.registry.load_results import load_check_text, load_markdown

@@ -86,7 +86,7 @@ def test_scrapes_store_deltas_and_a_restart_starts_a_new_series_never_negative(d
     from tasks.settings import load_settings
     from tasks.steps.monitor import MonitorContext, scrape
 
-    ctx = MonitorContext.open(db_url, None, "Test-Org/None", load_settings({}))
+    ctx = MonitorContext.open(Store.open(db_url), None, "Test-Org/None", load_settings({}))
     metrics_server.text = exposition(100, 300, 150, [60, 50, 40])
     first = scrape(ctx, metrics_server.url, "vllm-a", config=False)
     assert (first["series"], first["start"], first["delta_drafts"], first["delta_per_pos"]) == (
@@ -137,7 +137,7 @@ def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
     target = f"Test-Org/Off-{tmp_path.name[-8:]}"
     name = monitored_champion(db_url, tracking, target)
     settings = load_settings({}, monitor_window_s=600, monitor_min_drafts=50, monitor_auto_rollback=False)
-    ctx = MonitorContext.open(db_url, tracking, target, settings)
+    ctx = MonitorContext.open(Store.open(db_url), tracking, target, settings)
     start = now() + timedelta(seconds=1)
     at = [start + timedelta(seconds=60 * i) for i in range(4)]
     served = [(0, 0), (40, 120), (80, 240), (200, 250)]     # (drafts, accepted) as counted
@@ -178,7 +178,7 @@ def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
     assert row["break_even"] == pytest.approx(BREAK_EVEN) and row["verdict"] == "below break-even"
     assert (row["alerts"], row["rollbacks"]) == (1, 0) and "below the promise's interval" in row["alert"]
 
-    shown = show(ctx.engine, settings, since=at[0] - timedelta(seconds=1), until=at[3] + timedelta(seconds=60))
+    shown = show(ctx.store, settings, since=at[0] - timedelta(seconds=1), until=at[3] + timedelta(seconds=60))
     (deployment,) = shown["deployments"]
     assert deployment["deployment"] == DEPLOYMENT and deployment["config_version"] == "2"
     json_row = deployment["domains"][0]

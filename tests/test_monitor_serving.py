@@ -97,7 +97,7 @@ def test_production_loop_on_a_real_server(server, db_url, tracking, tmp_path, mo
     target = f"Test-Org/Monitored-{tmp_path.name[-8:]}"
     name = monitored_champion(db_url, tracking, target)
     settings = load_settings({}, monitor_window_s=150, monitor_min_drafts=20)
-    ctx = MonitorContext.open(db_url, tracking, target, settings)
+    ctx = MonitorContext.open(Store.open(db_url), tracking, target, settings)
     version, config = ctx.champion()
     # the server serves what the champion exports for its one deployment
     assert version == "2" and [(d["name"], d["speculative_config"]) for d in deployments(config)] == [
@@ -150,7 +150,7 @@ def test_production_loop_on_a_real_server(server, db_url, tracking, tmp_path, mo
     report = import_traffic(write_jsonl(tmp_path / "gateway.jsonl", log), store=Store.open(db_url),
                             settings=settings, progress=False)
     assert report["inserted"] == len(log) == 24 and report["quarantined"] == 0
-    shown = show(ctx.engine, settings, DEPLOYMENT, since=at[0], until=at[4] + timedelta(seconds=30))
+    shown = show(ctx.store, settings, DEPLOYMENT, since=at[0], until=at[4] + timedelta(seconds=30))
     rows = {row["domain"]: row for row in shown["deployments"][0]["domains"]}
     scraped = rows["json"]["scraped"]
     requests = [rows[d]["per_request"] for d in ("json", "qa")]
@@ -169,7 +169,7 @@ def test_a_server_down_during_a_scrape_is_one_line_and_no_stored_row(server, db_
     from tasks.settings import load_settings
     from tasks.steps.monitor import MonitorContext, scrape
 
-    ctx = MonitorContext.open(db_url, f"sqlite:///{tmp_path / 'mlflow.db'}", "Test-Org/Down",
+    ctx = MonitorContext.open(Store.open(db_url), f"sqlite:///{tmp_path / 'mlflow.db'}", "Test-Org/Down",
                               load_settings({}))
     if server.alive():
         assert scrape(ctx, server.url, DEPLOYMENT, config=False)["start"] == "baseline"

@@ -231,7 +231,7 @@ def test_evaluate_checks_the_registry_before_the_expensive_steps(db_url, monkeyp
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(RegistryUnavailable, match="is unreachable"):
-        evaluate(run_id="never-sampled", db_url=db_url, register=True, progress=False)
+        evaluate(run_id="never-sampled", store=Store.open(db_url), register=True, progress=False)
     engine = create_engine(db_url)
     with engine.connect() as connection:
         assert connection.execute(select(func.count()).select_from(EvalRun)).scalar() == 0

@@ -231,7 +231,7 @@ def test_the_steps_refuse_a_hostile_identifier_before_any_work(tmp_path, monkeyp
     for value in HOSTILE.values():
         # no database, no model: the identifier is checked first
         with pytest.raises(InvalidIdentifier, match="draft id"):
-            train_draft_from_traffic(value, db_url="postgresql+psycopg://nowhere:1/none")
+            train_draft_from_traffic(value)
         with pytest.raises(InvalidIdentifier, match="run id"):
             profile_vllm(value, "tiny", None, nowhere)
     assert not (tmp_path / "home").exists()

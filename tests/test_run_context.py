@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import create_engine, select
 
+from tasks.db.store import Store
 from specdec_core.train import TrainConfig
 from tasks.db.models import AcceptanceEstimate, EvalRun, LiveMeasurement
 from tasks.settings import load_settings
@@ -20,7 +21,7 @@ CONFIG = TrainConfig(steps=4, eval_every=2, k_max=2, warmup_steps=1, lr=3e-3)
 
 def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_store):
     db_url, target = tiny_store["db_url"], tiny_store["target"]
-    train = dict(recipe=DraftModelRecipe(num_layers=1, config=CONFIG), target=target, db_url=db_url,
+    train = dict(recipe=DraftModelRecipe(num_layers=1, config=CONFIG), target=target, store=Store.open(db_url),
                  model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     first = train_draft_from_traffic("draft-before", **train)
     use_model(target, tiny_store["model"], tiny_store["tokenizer"])

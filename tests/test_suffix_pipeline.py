@@ -72,7 +72,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
 
     candidates = (f"suffix:index={registered['model_uri']}",)
     settings = load_settings({}, **{**SETTINGS, "candidates": candidates})
-    evaluate(run_id="registered-run", target="tiny", db_url=suffix_db, settings=settings,
+    evaluate(run_id="registered-run", target="tiny", store=Store.open(suffix_db), settings=settings,
              model=tiny_target, progress=False, tracking_uri=tracking)
     spec = RunSpec(run_id="registered-run", target="tiny", db_url=suffix_db, tracking_uri=tracking,
                    overrides=settings.overrides())

@@ -128,7 +128,7 @@ def test_training_takes_generated_rows_only_when_asked_and_never_from_heldout_pr
     generate(tiny_store, "gen-t", ["json", "qa"], 16)
     config = TrainConfig(steps=1, eval_every=1, k_max=2, warmup_steps=1)
     common = dict(recipe=DraftModelRecipe(num_layers=1, config=config), target=tiny_store["target"],
-                  db_url=db_url, model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
+                  store=Store.open(db_url), model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
                   progress=False, register=False)
     without = train_draft_from_traffic("d-plain", **common)
     with_generated = train_draft_from_traffic(

@@ -281,17 +281,17 @@ def engine_run(serving, tmp_path_factory):
                                Store.open(url), k_max=3, batch_sizes=[1, 2], ks=[1, 3], max_tokens=24,
                                settings=load_settings(profile_repeats=2), progress=False)
         # the gate's tolerance is tested on its own (test_engine_check.py): none is applied here
-        result = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
+        result = engine_check("r1", str(target_dir), model, drafters, requests, Store.open(url),
                               settings=load_settings(**settings, engine_check_tolerance=1.0))
         # again, as a run planned on vLLM's costs (the profile above copied as its own): a re-run
         # checks the domains still on and replaces their rows, and its live check is vLLM's
         # speedup (live_veto off: a tiny target's timings are noise). The sampling test on vLLM
         # ran above; it is off here and below, to save its servers' start
         _plan_on(url, "r1", profile)
-        again = engine_check("r1", str(target_dir), model, drafters, requests, db_url=url,
+        again = engine_check("r1", str(target_dir), model, drafters, requests, Store.open(url),
                              settings=load_settings(**settings, engine_check_tolerance=1.0,
                                                     engine_sampling=False, live_veto=False))
-        timed = engine_check("r1", str(target_dir), model, drafters, requests, db_url=timed_url,
+        timed = engine_check("r1", str(target_dir), model, drafters, requests, Store.open(timed_url),
                              settings=load_settings(**settings, engine_check_timeout_s=0.5,
                                                     engine_sampling=False))
     return {"result": result, "again": again, "timed": timed, "url": url, "requests": requests,
@@ -614,7 +614,7 @@ def _eagle3_check(serving, tmp_path_factory) -> dict:
             reason="planned on", created_at=now))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_HOME", str(base / "home"))
-        result = engine_check("r1", str(target_dir), model, drafters, {"eagle": requests}, db_url=url,
+        result = engine_check("r1", str(target_dir), model, drafters, {"eagle": requests}, Store.open(url),
                               settings=load_settings(engine_check_requests=6, confirm_max_new_tokens=24,
                                                      engine_check_tolerance=1.0))
     return {"result": result, "requests": requests, "head_dir": head_dir}

@@ -63,7 +63,7 @@ def cmd_train(args) -> int:
     recipe, data = train_recipe(args)               # a bad option fails before the target loads
     result = train_draft_from_traffic(
         args.id or "draft__" + default_run_id().split("__")[1].replace(":", "-"), recipe, data,
-        target=args.model, db_url=args.url, tracking_uri=args.tracking_uri, device=args.device,
+        target=args.model, store=open_store(args), tracking_uri=args.tracking_uri, device=args.device,
         register=not args.no_register)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})

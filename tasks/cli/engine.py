@@ -48,7 +48,7 @@ def cmd_check(args) -> int:
 
     store = open_store(args)
     url = store.url
-    target = _run_target(args.run_id, url, args.target)
+    target = _run_target(args.run_id, store, args.target)
     if target is None:
         return 2
     overrides = {"engine_check": True}       # asked for by name: on whatever the environment says
@@ -90,12 +90,12 @@ def cmd_validate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     import json
 
-    from ..db.engine import resolve_database_url
     from ..steps.context import RunSpec
     from ..steps.pipeline import step_engine_validate
 
-    url = resolve_database_url(args.url)
-    target = _run_target(args.run_id, url, args.target)
+    store = open_store(args)
+    url = store.url
+    target = _run_target(args.run_id, store, args.target)
     if target is None:
         return 2
     spec_config = None
@@ -124,19 +124,14 @@ def cmd_validate(args) -> int:
     return 0 if all(row["passed"] for row in result["domains"].values()) else 1
 
 
-def _run_target(run_id: str, url: str, target: str | None) -> str | None:
+def _run_target(run_id: str, store, target: str | None) -> str | None:
     """The run's target (or `target`); None, with an error line, when the run does not exist."""
-    from sqlalchemy import select
+    from ..db.queries_runs import run_target
 
-    from ..db.engine import display_url, ensure_ready
-    from ..db.models import EvalRun
-
-    with ensure_ready(url).connect() as connection:
-        found = target or connection.execute(select(EvalRun.target_id).where(
-            EvalRun.run_id == run_id)).scalar()
+    found = target or run_target(store, run_id)
     if found is None:
         make_console(stderr=True).print(f"[red]error:[/red] run {escape(run_id)} does not exist in "
-                                        f"{escape(display_url(url))}: evaluate it first")
+                                        f"{escape(store.display_url)}: evaluate it first")
     return found
 
 
@@ -214,13 +209,13 @@ def print_load_verdicts(loads: dict) -> None:
 
 def cmd_load(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db.engine import ensure_ready, resolve_database_url
     from ..db.queries_load import load_checks
     from ..steps.context import RunSpec
     from ..steps.pipeline import step_load_check
 
-    url = resolve_database_url(args.url)
-    target = _run_target(args.run_id, url, args.target)
+    store = open_store(args)
+    url = store.url
+    target = _run_target(args.run_id, store, args.target)
     if target is None:
         return 2
     result = step_load_check(RunSpec(run_id=args.run_id, target=target, db_url=url,
@@ -228,7 +223,7 @@ def cmd_load(args) -> int:
     if result["skipped"]:
         console.print(escape(result["skipped"]))
         return 0
-    loads = load_checks(ensure_ready(url), args.run_id)
+    loads = load_checks(store.engine, args.run_id)
     if args.format == "json":
         print_json({"run_id": args.run_id, "domains": {d: load_json(c) for d, c in loads.items()}})
     else:

@@ -60,7 +60,7 @@ def cmd_evaluate(args) -> int:
     run_id = default_run_id() if args.run_id is None else check_identifier(args.run_id, "run id")
     settings = load_settings(hardware_profile=args.hardware_profile)
     try:
-        result = evaluate(run_id=run_id, target=args.model, db_url=args.url, settings=settings,
+        result = evaluate(run_id=run_id, target=args.model, store=open_store(args, settings), settings=settings,
                           domains=args.domains.split(",") if args.domains else None,
                           window=args.days, candidates=args.candidate or None, k_max=args.k_max,
                           max_per_domain=args.max_per_domain, min_per_domain=args.min_per_domain,

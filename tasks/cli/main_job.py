@@ -214,9 +214,9 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     from ..db.store import Store
     from ..registry.run_view import build_run_view
 
-    table = evaluation_table(dag_run.run_id)
     settings = load_settings()
     store = Store.open(settings=settings)
+    table = evaluation_table(dag_run.run_id, store)
     check = profile_check(dag_run.run_id, store)
     print_run(build_run_view(dag_run.run_id, store, settings),
               time.perf_counter() - started)

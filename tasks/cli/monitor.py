@@ -10,7 +10,7 @@ from rich.table import Table
 
 from specdec_core.models import DEFAULT_MODEL
 
-from .common import print_json, tracking_uri_arg, url_arg
+from .common import open_store, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -21,7 +21,7 @@ def _context(args):
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.monitor import MonitorContext
 
-    return MonitorContext.open(args.url, args.tracking_uri, args.target)
+    return MonitorContext.open(open_store(args), args.tracking_uri, args.target)
 
 
 def _e(value) -> str:
@@ -75,15 +75,12 @@ def cmd_check(args) -> int:
 
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db.engine import ensure_ready, resolve_database_url
-    from ..settings import load_settings
     from ..steps.monitor import show
 
-    settings = load_settings()
+    store = open_store(args)
     since = datetime.fromisoformat(args.since) if args.since else None
     until = datetime.fromisoformat(args.until) if args.until else None
-    result = show(ensure_ready(resolve_database_url(args.url or settings.database_url)), settings,
-                  args.deployment, since=since, until=until)
+    result = show(store, store.settings, args.deployment, since=since, until=until)
     if args.json:
         print_json(result)
         return 0

@@ -11,10 +11,11 @@ from datetime import datetime
 
 from sqlalchemy import func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 
 from .models import (AcceptanceEstimate, CostProfile, DomainConfig, MonitorEvent, MonitorPromise,
                      MonitorScrape, Promotion, RequestSpecMetrics, TrafficRequest)
+from .store import Store
 
 
 def _upsert_ignore(connection: Connection, model, keys: list[str]):
@@ -32,7 +33,7 @@ def insert_request_metrics(connection: Connection, rows: list[dict]) -> int:
     return len(rows)
 
 
-def request_metrics_by_domain(engine: Engine, since: datetime | None = None,
+def request_metrics_by_domain(store: Store, since: datetime | None = None,
                               until: datetime | None = None,
                               config_version: str | None = None) -> dict[str, dict]:
     """Per domain of production traffic requested in [since, until]: requests with metrics,
@@ -48,7 +49,7 @@ def request_metrics_by_domain(engine: Engine, since: datetime | None = None,
     if config_version is not None:
         query = query.where(RequestSpecMetrics.config_version == config_version)
     out: dict[str, dict] = {}
-    with engine.connect() as connection:
+    with store.connect() as connection:
         for domain, steps, drafted, accepted, histogram in connection.execute(query):
             row = out.setdefault(domain, {"requests": 0, "drafts": 0, "draft_tokens": 0,
                                           "accepted": 0, "histogram": []})
@@ -65,21 +66,21 @@ def request_metrics_by_domain(engine: Engine, since: datetime | None = None,
 
 # ------------------------------------------------------------------------------------------------
 # scrapes
-def last_scrape(engine: Engine, deployment: str) -> dict | None:
-    with engine.connect() as connection:
+def last_scrape(store: Store, deployment: str) -> dict | None:
+    with store.connect() as connection:
         row = connection.execute(select(MonitorScrape).where(MonitorScrape.deployment == deployment)
                                  .order_by(MonitorScrape.scraped_at.desc(), MonitorScrape.id.desc())
                                  .limit(1)).mappings().first()
     return dict(row) if row else None
 
 
-def insert_scrape(engine: Engine, row: dict) -> int:
-    with engine.begin() as connection:
+def insert_scrape(store: Store, row: dict) -> int:
+    with store.begin() as connection:
         return connection.execute(insert(MonitorScrape).values(**row)
                                   .returning(MonitorScrape.id)).scalar_one()
 
 
-def scrapes(engine: Engine, deployment: str | None = None, since: datetime | None = None,
+def scrapes(store: Store, deployment: str | None = None, since: datetime | None = None,
             until: datetime | None = None, config_version: str | None = None) -> list[dict]:
     """Scrapes in time order, optionally of one deployment, config version and time range."""
     query = select(MonitorScrape).order_by(MonitorScrape.scraped_at, MonitorScrape.id)
@@ -91,25 +92,25 @@ def scrapes(engine: Engine, deployment: str | None = None, since: datetime | Non
         query = query.where(MonitorScrape.scraped_at <= until)
     if config_version is not None:
         query = query.where(MonitorScrape.config_version == config_version)
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return [dict(row) for row in connection.execute(query).mappings()]
 
 
-def deployments_seen(engine: Engine, since: datetime | None = None) -> list[str]:
+def deployments_seen(store: Store, since: datetime | None = None) -> list[str]:
     query = select(MonitorScrape.deployment).distinct().order_by(MonitorScrape.deployment)
     if since is not None:
         query = query.where(MonitorScrape.scraped_at > since)
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return list(connection.execute(query).scalars())
 
 
 # ------------------------------------------------------------------------------------------------
 # promises
-def planned_domains(engine: Engine, run_id: str, domains: list[str]) -> dict[str, dict]:
+def planned_domains(store: Store, run_id: str, domains: list[str]) -> dict[str, dict]:
     """Per domain of a run: its domain_configs row (drafter label, K, drafter spec, E) and the
     acceptance estimate of that drafter at that K (E, its interval, the rounds' width shares)."""
     out: dict[str, dict] = {}
-    with engine.connect() as connection:
+    with store.connect() as connection:
         for domain in domains:
             planned = connection.execute(select(DomainConfig).where(
                 (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
@@ -123,9 +124,9 @@ def planned_domains(engine: Engine, run_id: str, domains: list[str]) -> dict[str
     return out
 
 
-def cost_rows(engine: Engine, hardware_profile: str, run_id: str) -> list[dict]:
+def cost_rows(store: Store, hardware_profile: str, run_id: str) -> list[dict]:
     """The cost profile rows a run planned with (CostTable.from_rows takes them)."""
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return [dict(r) for r in connection.execute(
             select(CostProfile.component, CostProfile.drafter, CostProfile.k, CostProfile.batch_size,
                    CostProfile.seconds, CostProfile.spread)
@@ -133,16 +134,16 @@ def cost_rows(engine: Engine, hardware_profile: str, run_id: str) -> list[dict]:
         ).mappings()]
 
 
-def save_promises(engine: Engine, rows: list[dict]) -> None:
+def save_promises(store: Store, rows: list[dict]) -> None:
     """Store promises not stored yet (a promise, once read for a deployment and version, stays)."""
     if not rows:
         return
-    with engine.begin() as connection:
+    with store.begin() as connection:
         connection.execute(_upsert_ignore(connection, MonitorPromise, [
             "deployment", "config_name", "config_version", "domain"]), rows)
 
 
-def promises(engine: Engine, deployment: str | None = None, config_name: str | None = None,
+def promises(store: Store, deployment: str | None = None, config_name: str | None = None,
              config_version: str | None = None) -> list[dict]:
     query = select(MonitorPromise).order_by(MonitorPromise.deployment, MonitorPromise.domain)
     for column, value in ((MonitorPromise.deployment, deployment),
@@ -150,15 +151,15 @@ def promises(engine: Engine, deployment: str | None = None, config_name: str | N
                           (MonitorPromise.config_version, config_version)):
         if value is not None:
             query = query.where(column == value)
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return [dict(row) for row in connection.execute(query).mappings()]
 
 
 # ------------------------------------------------------------------------------------------------
 # the champion's moves and the monitor's events
-def champion_moved_at(engine: Engine, config_name: str, version: str) -> datetime | None:
+def champion_moved_at(store: Store, config_name: str, version: str) -> datetime | None:
     """When `version` last became the champion (its newest promote or rollback row)."""
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return connection.execute(
             select(func.max(Promotion.created_at)).where(
                 (Promotion.config_name == config_name) & (Promotion.alias == "champion")
@@ -166,29 +167,29 @@ def champion_moved_at(engine: Engine, config_name: str, version: str) -> datetim
                 & Promotion.action.in_(("promote", "rollback")))).scalar()
 
 
-def has_event(engine: Engine, kind: str, deployment: str, config_name: str | None,
+def has_event(store: Store, kind: str, deployment: str, config_name: str | None,
               version: str | None, series: int | None) -> bool:
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return connection.execute(select(MonitorEvent.id).where(
             (MonitorEvent.kind == kind) & (MonitorEvent.deployment == deployment)
             & (MonitorEvent.config_name == config_name) & (MonitorEvent.config_version == version)
             & (MonitorEvent.series == series)).limit(1)).first() is not None
 
 
-def insert_event(engine: Engine, row: dict) -> dict:
-    with engine.begin() as connection:
+def insert_event(store: Store, row: dict) -> dict:
+    with store.begin() as connection:
         row = dict(row)
         row["id"] = connection.execute(insert(MonitorEvent).values(**row)
                                        .returning(MonitorEvent.id)).scalar_one()
     return row
 
 
-def events(engine: Engine, since: datetime | None = None, deployment: str | None = None) -> list[dict]:
+def events(store: Store, since: datetime | None = None, deployment: str | None = None) -> list[dict]:
     """The monitor's events whose window ended after `since`, in the order they were raised."""
     query = select(MonitorEvent).order_by(MonitorEvent.created_at, MonitorEvent.id)
     if since is not None:
         query = query.where(MonitorEvent.window_end > since)
     if deployment is not None:
         query = query.where(MonitorEvent.deployment == deployment)
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return [dict(row) for row in connection.execute(query).mappings()]

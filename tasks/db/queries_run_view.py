@@ -9,14 +9,15 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
 from .models import EvalRun
+from .store import Store
 
 ENGINE_CHECK_SKIPPED = "engine_check_skipped"
 
 
-def record_engine_check_skip(engine: Engine, run_id: str, reason: str | None) -> None:
+def record_engine_check_skip(store: Store, run_id: str, reason: str | None) -> None:
     """Keep why the run's engine check was skipped (None: it ran; an earlier skip is cleared).
     One transaction; a run id with no eval_runs row changes nothing."""
-    with engine.begin() as connection:
+    with store.begin() as connection:
         params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
         if params is None and reason is None:
             return

@@ -14,11 +14,12 @@ import os
 import socket
 from pathlib import Path
 
-from sqlalchemy import select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
-from .models import EvalRun
+from .models import DomainConfig, EngineCheck, EvalRun, EvalSample, LiveMeasurement, Validation
+from .store import Store
 
 RUNNING_STATUSES = ("sampled", "checked", "profiled")
 INTERRUPTED = "interrupted"
@@ -52,18 +53,18 @@ def _alive(owner: dict) -> bool:
     return started is None or owner.get("started") in (None, started)
 
 
-def record_owner(engine: Engine, run_id: str, owner: dict) -> None:
+def record_owner(store: Store, run_id: str, owner: dict) -> None:
     """Stamp the run as driven by `owner` (this_process())."""
-    with engine.begin() as connection:
+    with store.begin() as connection:
         params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
             params={**(params or {}), "owner": owner}))
 
 
-def mark_interrupted(engine: Engine, run_id: str, how: str) -> bool:
+def mark_interrupted(store: Store, run_id: str, how: str) -> bool:
     """Mark the run interrupted (`how`: "SIGTERM", "owner process gone", ...) when it is still in
     progress; True when it was marked."""
-    with engine.begin() as connection:
+    with store.begin() as connection:
         params = connection.execute(select(EvalRun.params).where(
             (EvalRun.run_id == run_id) & EvalRun.status.in_(RUNNING_STATUSES))).scalar()
         if params is None and connection.execute(select(EvalRun.run_id).where(
@@ -76,13 +77,113 @@ def mark_interrupted(engine: Engine, run_id: str, how: str) -> bool:
     return done.rowcount > 0
 
 
-def mark_abandoned_runs(engine: Engine) -> list[str]:
+def mark_abandoned_runs(store: Store) -> list[str]:
     """Mark interrupted every run in progress whose owner process on this host is gone; their ids."""
     host = socket.gethostname()
-    with engine.connect() as connection:
+    with store.connect() as connection:
         rows = connection.execute(select(EvalRun.run_id, EvalRun.params).where(
             EvalRun.status.in_(RUNNING_STATUSES))).all()
     gone = [run_id for run_id, params in rows
             if isinstance((params or {}).get("owner"), dict) and params["owner"].get("host") == host
             and not _alive(params["owner"])]
-    return [run_id for run_id in gone if mark_interrupted(engine, run_id, "owner process gone")]
+    return [run_id for run_id in gone if mark_interrupted(store, run_id, "owner process gone")]
+
+
+def evaluation_rows(store: Store, run_id: str, live_columns, engine_columns) -> tuple:
+    """(the run's domain_configs rows by domain, {domain: its live measurement's live_columns},
+    {domain: its engine check's engine_columns}): what the run's per-domain table joins."""
+    with store.connect() as connection:
+        configs = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
+                                     .order_by(DomainConfig.domain)).mappings().all()
+        live = {row["domain"]: row for row in connection.execute(
+            select(LiveMeasurement.domain, *[getattr(LiveMeasurement, c) for c in live_columns])
+            .where(LiveMeasurement.run_id == run_id)).mappings()}
+        checked = {row["domain"]: row for row in connection.execute(
+            select(EngineCheck.domain, *[getattr(EngineCheck, c) for c in engine_columns])
+            .where(EngineCheck.run_id == run_id)).mappings()}
+    return configs, live, checked
+
+
+def run_target(store: Store, run_id: str) -> str | None:
+    """The run's target id; None when the run does not exist."""
+    with store.connect() as connection:
+        return connection.execute(select(EvalRun.target_id).where(EvalRun.run_id == run_id)).scalar()
+
+
+def run_params(store: Store, run_id: str) -> dict:
+    """The run's eval_runs.params ({} when it has none or there is no such run)."""
+    with store.connect() as connection:
+        return connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar() or {}
+
+
+def merge_run_params(connection: Connection, run_id: str, values: dict) -> None:
+    """In the caller's transaction: `values` merged into the run's eval_runs.params."""
+    params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
+    connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
+        params={**(params or {}), **values}))
+
+
+def set_run_status(connection: Connection, run_id: str, status: str, **values) -> None:
+    """In the caller's transaction: the run's status (and other eval_runs columns) set."""
+    connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
+        status=status, updated_at=utcnow(), **values))
+
+
+def run_hardware_profile(store: Store, run_id: str) -> str | None:
+    """The name of the cost profile the run plans with (None: not profiled yet)."""
+    with store.connect() as connection:
+        return connection.execute(select(EvalRun.hardware_profile).where(
+            EvalRun.run_id == run_id)).scalar()
+
+
+def fail_domain(connection: Connection, run_id: str, domain: str, reason: str) -> None:
+    """In the caller's transaction: the domain's config made (or set) off, status failed."""
+    exists = connection.execute(select(DomainConfig.domain).where(
+        (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).scalar()
+    if exists is None:
+        connection.execute(DomainConfig.__table__.insert().values(
+            run_id=run_id, domain=domain, enabled=False, status="failed", reason=reason,
+            created_at=utcnow()))
+    else:
+        connection.execute(update(DomainConfig).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(
+            enabled=False, status="failed", reason=reason, validation=None, promotable=None))
+
+
+def finish_inputs(store: Store, run_id: str) -> tuple[dict[str, int], dict[str, dict], str | None]:
+    """({domain: requests sampled}, {domain: its domain_configs row}, the run's cost profile)."""
+    with store.connect() as connection:
+        sampled = dict(connection.execute(select(EvalSample.domain, func.count()).where(
+            EvalSample.run_id == run_id).group_by(EvalSample.domain)).all())
+        configs = {row["domain"]: dict(row) for row in connection.execute(
+            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
+        profile = connection.execute(select(EvalRun.hardware_profile).where(
+            EvalRun.run_id == run_id)).scalar()
+    return sampled, configs, profile
+
+
+def domain_names(store: Store, run_id: str, status: str | None = None,
+                 enabled: bool | None = None) -> list[str]:
+    """The run's planned domains, sorted (with that status / enabled, when given)."""
+    where = DomainConfig.run_id == run_id
+    if status is not None:
+        where = where & (DomainConfig.status == status)
+    if enabled is not None:
+        where = where & DomainConfig.enabled.is_(enabled)
+    with store.connect() as connection:
+        return sorted(connection.execute(select(DomainConfig.domain).where(where)).scalars())
+
+
+def has_live_measurement(store: Store, run_id: str) -> bool:
+    """Whether the run has any live measurement."""
+    with store.connect() as connection:
+        return connection.execute(select(LiveMeasurement.id).where(
+            LiveMeasurement.run_id == run_id).limit(1)).scalar() is not None
+
+
+def has_sampling_test(store: Store, run_id: str, domain: str) -> bool:
+    """Whether the domain has an own-engine sampling test row in the run."""
+    with store.connect() as connection:
+        return connection.execute(select(Validation.id).where(
+            (Validation.run_id == run_id) & (Validation.domain == domain)
+            & (Validation.check_name == "sampling")).limit(1)).scalar() is not None

@@ -20,11 +20,9 @@ import logging
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from ..db.engine import resolve_database_url
-from ..db.models import EvalRun
+from ..db.queries_runs import run_params
 from ..db.store import Store
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 from .candidates import build_drafters, candidate_label, parse_candidate
@@ -70,13 +68,10 @@ class RunSpec:
             values["eval_k_max"] = self.k_max
         return load_settings(**values)
 
-    def resolved_url(self, settings: Settings | None = None) -> str:
-        """The run's database URL: db_url, else the settings' (resolved as everywhere)."""
-        return resolve_database_url(self.db_url or (settings or self.settings()).database_url)
-
-    @property
-    def url(self) -> str:
-        return self.resolved_url()
+    def open_store(self, settings: Settings | None = None) -> Store:
+        """The run's database (db_url, else the settings', else the default): what a step entry
+        point opens once (tasks.db.store.Store.open)."""
+        return Store.open(self.db_url, settings or self.settings())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,21 +92,16 @@ def freeze_candidates(spec: RunSpec, settings: Settings | None = None) -> RunSpe
     return replace(spec, candidates=list(settings.plan.candidates), drafts=drafts)
 
 
-def _stored_params(engine: Engine, run_id: str) -> dict:
-    with engine.connect() as connection:
-        return connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar() or {}
-
-
-def stored_drafts(engine: Engine, run_id: str) -> dict[str, list[dict]] | None:
+def stored_drafts(store: Store, run_id: str) -> dict[str, list[dict]] | None:
     """The drafts the sample step froze into the run's eval_runs.params; None when it did not."""
-    drafts = _stored_params(engine, run_id).get("drafts")
+    drafts = run_params(store, run_id).get("drafts")
     return None if drafts is None else dict(drafts)
 
 
-def stored_candidates(engine: Engine, run_id: str) -> list[str] | None:
+def stored_candidates(store: Store, run_id: str) -> list[str] | None:
     """The configured candidates the run was sampled with (eval_runs.params); None when it kept
     none (the settings' then apply)."""
-    return _stored_params(engine, run_id).get("candidates") or None
+    return run_params(store, run_id).get("candidates") or None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,8 +153,7 @@ class RunContext:
 
     spec: RunSpec
     settings: Settings
-    url: str
-    engine: Engine
+    store: Store                      # the run's database, opened once by build
     model: Any
     tokenizer: Any
     fingerprint: str                  # fingerprint id of the target
@@ -178,19 +167,19 @@ class RunContext:
     def build(cls, spec) -> "RunContext":
         spec = RunSpec.of(spec)
         settings = spec.settings()
-        store = Store.open(spec.resolved_url(settings), settings)
-        url, engine = store.url, store.engine
+        store = spec.open_store(settings)
         if spec.candidates is None:
             # a spec made after the fact (the CLI's engine check): the run's own candidates, which
             # its plan names, not the settings' of today
-            stored = stored_candidates(engine, spec.run_id)
+            stored = stored_candidates(store, spec.run_id)
             if stored:
                 spec = replace(spec, candidates=list(stored))
                 settings = spec.settings()
+                store = replace(store, settings=settings)     # the Store carries the run's settings
         entry = _model_entry(spec.target, spec.device)
         drafts = spec.drafts
         if drafts is None:
-            drafts = stored_drafts(engine, spec.run_id)
+            drafts = stored_drafts(store, spec.run_id)
         if drafts is None:      # a run sampled before candidates were frozen: listed now
             log.warning("run %s: no frozen candidate list (sample the run again to freeze one); "
                         "listing registered drafts now", spec.run_id)
@@ -201,7 +190,7 @@ class RunContext:
         built = entry.setdefault("drafters", {})
         if key not in built:
             built[key] = build_drafters(candidates, entry["model"], entry["tokenizer"], spec.tracking_uri)
-        return cls(spec=spec, settings=settings, url=url, engine=engine, model=entry["model"],
+        return cls(spec=spec, settings=settings, store=store, model=entry["model"],
                    tokenizer=entry["tokenizer"], fingerprint=entry["fingerprint"],
                    target_fingerprint=entry["target_fingerprint"], candidates=candidates,
                    drafters=built[key])
@@ -211,9 +200,14 @@ class RunContext:
         return self.spec.run_id
 
     @property
-    def store(self) -> Store:
-        """The run's database (the engine this context holds, with the run's settings)."""
-        return Store(url=self.url, engine=self.engine, settings=self.settings)
+    def url(self) -> str:
+        """The run's database URL (for the steps that still take one)."""
+        return self.store.url
+
+    @property
+    def engine(self) -> Engine:
+        """The run's database engine (for the queries that still take one)."""
+        return self.store.engine
 
     @property
     def trained_on(self) -> set[str]:
@@ -222,7 +216,7 @@ class RunContext:
             uris = [s["params"]["model"] for s, _ in self.drafters.values()
                     if s["kind"] in ("draft_model", "head", "eagle3")
                     and str(s["params"].get("model", "")).startswith("models:/")]
-            self._trained_on = trained_request_ids(self.url, uris)
+            self._trained_on = trained_request_ids(self.store, uris)
         return self._trained_on
 
     def sample_requests(self, domains: list[str]):

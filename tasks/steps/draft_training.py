@@ -30,14 +30,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
-from sqlalchemy import delete, func, insert, select, update
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, in_heldout  # noqa: F401 - in_heldout re-exported
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DraftModelRecord, DraftTrainingRequest, TrafficRequest, production_traffic
+from ..db import queries_drafts as q
+from ..db.store import Store
 from ..errors import RegistryError, SampleError
 from ..masking import mask_text
 from ..registry.config_schema import target_slug
@@ -45,7 +44,6 @@ from ..registry.tracking import client, experiment_for_target
 from ..registry.tracking import tracking_uri as resolve_uri
 from ..paths import check_identifier, home_path
 from ..settings import DEFAULT_MODEL
-from ..timeutil import utcnow
 from .draft_recipes import DraftModelRecipe, DraftRecipe, DraftTrainingError, TrainingData, TrainingRun
 from .offline_estimate import request_token_ids
 
@@ -59,21 +57,12 @@ def draft_model_name(target_id: str) -> str:
     return f"specdec-draft-{target_slug(target_id)}"
 
 
-def _stored_requests(db_url: str, fingerprint: str, tokenizer, domains, start, generated: bool):
+def _stored_requests(store: Store, fingerprint: str, tokenizer, domains, start, generated: bool):
     """[(LoggedRequest, the logged request it was generated from or None)] of this target's
     stored rows since `start`: production traffic, or (generated) the rows the target generated
     (tasks.steps.traffic_generate)."""
-    engine = ensure_ready(db_url)
-    kept = TrafficRequest.generated_by.is_not(None) if generated else production_traffic()
-    query = (select(TrafficRequest).where(kept & (TrafficRequest.requested_at >= start)
-                                          & (TrafficRequest.target_fingerprint == fingerprint))
-             .order_by(TrafficRequest.id))
-    if domains:
-        query = query.where(TrafficRequest.domain.in_(list(domains)))
-    with engine.connect() as connection:
-        rows = connection.execute(query).all()
     requests = []
-    for row in rows:
+    for row in q.target_traffic_rows(store, fingerprint, domains, start, generated):
         prompt, response = request_token_ids(row, tokenizer)
         if len(response) >= 2:
             requests.append((LoggedRequest(row.id, prompt, response, SamplingParams(
@@ -82,18 +71,15 @@ def _stored_requests(db_url: str, fingerprint: str, tokenizer, domains, start, g
     return requests
 
 
-def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
+def training_requests(store: Store, fingerprint: str, tokenizer=None, domains=None,
                       window_days: float | None = None, max_requests: int | None = None):
     """(requests [LoggedRequest], (window start, end)) of this target's stored production traffic
     (rows the target generated are never among them: generated_requests)."""
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
-        newest = connection.execute(select(func.max(TrafficRequest.requested_at))
-                                    .where(production_traffic())).scalar()
+    newest = q.newest_production_request(store)
     if newest is None:
         raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)")
     start = newest - timedelta(days=window_days) if window_days else datetime(1970, 1, 1)
-    requests = [r for r, _ in _stored_requests(db_url, fingerprint, tokenizer, domains, start, False)]
+    requests = [r for r, _ in _stored_requests(store, fingerprint, tokenizer, domains, start, False)]
     if max_requests:
         requests = requests[:max_requests]
     if len(requests) < 10:
@@ -104,11 +90,11 @@ def training_requests(db_url: str, fingerprint: str, tokenizer=None, domains=Non
     return requests, (start, newest)
 
 
-def generated_requests(db_url: str, fingerprint: str, tokenizer=None, domains=None,
+def generated_requests(store: Store, fingerprint: str, tokenizer=None, domains=None,
                        start=None) -> list[tuple[LoggedRequest, str]]:
     """[(request, the logged request it was generated from)] of the rows this target generated
     for training (tasks.steps.traffic_generate) since `start`."""
-    return _stored_requests(db_url, fingerprint, tokenizer, domains, start or datetime(1970, 1, 1),
+    return _stored_requests(store, fingerprint, tokenizer, domains, start or datetime(1970, 1, 1),
                             True)
 
 
@@ -128,22 +114,15 @@ def _round_robin(requests: list, limit: int | None) -> list:
     return chosen
 
 
-def _record(db_url: str, train_id: str, values: dict, splits: dict[str, str] | None = None) -> None:
-    engine = ensure_ready(db_url)
-    with engine.begin() as connection:
-        exists = connection.execute(select(DraftModelRecord.id).where(
-            DraftModelRecord.name == train_id)).scalar()
-        if exists is None:
-            connection.execute(insert(DraftModelRecord).values(name=train_id, run_id=train_id,
-                                                               created_at=utcnow(), **values))
-        else:
-            connection.execute(update(DraftModelRecord).where(DraftModelRecord.name == train_id)
-                               .values(**values))
-        if splits is not None:
-            connection.execute(delete(DraftTrainingRequest).where(
-                DraftTrainingRequest.draft_name == train_id))
-            connection.execute(insert(DraftTrainingRequest), [
-                {"draft_name": train_id, "request_id": rid, "split": split} for rid, split in splits.items()])
+def _record(store: Store, train_id: str, values: dict, splits: dict[str, str] | None = None) -> None:
+    with store.begin() as connection:
+        q.record_draft(connection, train_id, values, splits)
+
+
+def _require(store: Store | None, what: str) -> None:
+    if store is None:
+        raise TypeError(f"{what}: pass the Store (tasks.db.store.Store.open) holding the stored "
+                        "traffic and the drafts' records")
 
 
 def train_id_of_run(run_id: str) -> str:
@@ -167,11 +146,11 @@ class TrainingSplit:
     generated_left_out: int = 0       # generated from a held-out request: left out
 
 
-def split_training_rows(train_id: str, data: TrainingData, db_url: str, fingerprint: str,
+def split_training_rows(train_id: str, data: TrainingData, store: Store, fingerprint: str,
                         tokenizer) -> TrainingSplit:
     """This target's stored rows for `data`, split train / held-out by request id (by
     data.split_from's id when given); the generated rows join the training split when asked."""
-    requests, (start, end) = training_requests(db_url, fingerprint, tokenizer, data.domains,
+    requests, (start, end) = training_requests(store, fingerprint, tokenizer, data.domains,
                                                data.window_days, data.max_requests)
     split_key = data.split_from or train_id
     splits = {r.request_id: ("heldout" if in_heldout(split_key, r.request_id, data.heldout_fraction)
@@ -180,7 +159,7 @@ def split_training_rows(train_id: str, data: TrainingData, db_url: str, fingerpr
     heldout = [r for r in requests if splits[r.request_id] == "heldout"]
     generated, left_out = [], 0
     if data.include_generated:
-        for request, source in generated_requests(db_url, fingerprint, tokenizer, data.domains, start):
+        for request, source in generated_requests(store, fingerprint, tokenizer, data.domains, start):
             if in_heldout(split_key, source, data.heldout_fraction):
                 left_out += 1
             else:
@@ -195,7 +174,7 @@ def split_training_rows(train_id: str, data: TrainingData, db_url: str, fingerpr
                          left_out)
 
 
-def _record_start(db_url: str, train_id: str, target: str, fingerprint: str, recipe: DraftRecipe,
+def _record_start(store: Store, train_id: str, target: str, fingerprint: str, recipe: DraftRecipe,
                   data: TrainingData, split: TrainingSplit) -> None:
     """The training's record (status `training`, lineage, parameters) and its split."""
     params = {"kind": recipe.kind, "heldout_fraction": data.heldout_fraction,
@@ -204,7 +183,7 @@ def _record_start(db_url: str, train_id: str, target: str, fingerprint: str, rec
               "generated_requests": split.generated, "generated_left_out": split.generated_left_out,
               **recipe.params()}
     start, end = split.window
-    _record(db_url, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
+    _record(store, train_id, {"status": "training", "target_id": target, "target_fingerprint": fingerprint,
                                "domains": sorted({r.domain for r in split.requests}),
                                "window_start": start, "window_end": end,
                                "train_requests": len(split.train),
@@ -214,7 +193,7 @@ def _record_start(db_url: str, train_id: str, target: str, fingerprint: str, rec
 
 def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
                              data: TrainingData | None = None, target: str = DEFAULT_MODEL,
-                             db_url: str | None = None, tracking_uri: str | None = None,
+                             store: Store | None = None, tracking_uri: str | None = None,
                              device: str | None = None, model=None, tokenizer=None,
                              register: bool = True, progress: bool = True) -> dict:
     """Build the data, train the recipe (resuming a previous attempt of the same id), register.
@@ -224,7 +203,6 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
     "generated_requests", "result"}."""
     check_identifier(train_id, "draft id")     # it names $SPECDEC_HOME/drafts/<train_id>
     recipe, data = recipe or DraftModelRecipe(), data or TrainingData()
-    db_url = resolve_database_url(db_url)
     if model is None:
         # imported here: loading a target by name loads transformers; a caller's model does not
         from specdec_core import load_model
@@ -232,8 +210,9 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
         model, tokenizer = load_model(target, device=device)
     fingerprint = fingerprint_id(target_fingerprint(model))
     recipe = recipe.prepare(model, target)
-    split = split_training_rows(train_id, data, db_url, fingerprint, tokenizer)
-    _record_start(db_url, train_id, target, fingerprint, recipe, data, split)
+    _require(store, "train_draft_from_traffic")
+    split = split_training_rows(train_id, data, store, fingerprint, tokenizer)
+    _record_start(store, train_id, target, fingerprint, recipe, data, split)
     result = recipe.train(TrainingRun(train_id, target, fingerprint, model, split.train,
                                       _round_robin(split.heldout, data.max_eval_requests),
                                       home_path("drafts", train_id), progress))
@@ -246,28 +225,25 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
            "kind": recipe.kind, "generated_requests": split.generated,
            "result": json.loads(json.dumps(result.to_dict(), default=float))}
     # trained: the checkpoint is kept (register_draft moves it on to "registered")
-    _record(db_url, train_id, {"heldout": out["result"]["best"], "status": "trained"})
+    _record(store, train_id, {"heldout": out["result"]["best"], "status": "trained"})
     if register:
-        out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], db_url,
+        out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], store,
                                   tracking_uri))
     return out
 
 
 def register_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
-                   db_url: str | None = None, tracking_uri: str | None = None) -> dict:
+                   store: Store | None = None, tracking_uri: str | None = None) -> dict:
     """Log the draft and its lineage to MLflow and register it (alias `candidate`); idempotent.
     result: TrainResult.to_dict() of the training."""
-    mlflow_run_id = log_draft(train_id, target, fingerprint, best_dir, result, db_url, tracking_uri)
-    return register_logged_draft(train_id, target, fingerprint, mlflow_run_id, result, db_url,
+    mlflow_run_id = log_draft(train_id, target, fingerprint, best_dir, result, store, tracking_uri)
+    return register_logged_draft(train_id, target, fingerprint, mlflow_run_id, result, store,
                                  tracking_uri)
 
 
-def _lineage(db_url: str, train_id: str, target: str, fingerprint: str) -> tuple[dict, dict]:
+def _lineage(store: Store, train_id: str, target: str, fingerprint: str) -> tuple[dict, dict]:
     """(the training's record, its lineage as MLflow params)."""
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
-        record = connection.execute(select(DraftModelRecord).where(
-            DraftModelRecord.name == train_id)).mappings().one()
+    record = q.draft_record(store, train_id)
     return record, {"target": target, "target_fingerprint": fingerprint,
                     "window_start": record["window_start"].isoformat(),
                     "window_end": record["window_end"].isoformat(),
@@ -277,14 +253,14 @@ def _lineage(db_url: str, train_id: str, target: str, fingerprint: str) -> tuple
 
 
 def log_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
-              db_url: str | None = None, tracking_uri: str | None = None) -> str:
+              store: Store | None = None, tracking_uri: str | None = None) -> str:
     """Upload the draft (the files in best_dir), its lineage and held-out curve to the MLflow run
     tagged with the training id (created once; idempotent); the MLflow run id. Runs where the
     draft was trained: the registration (register_logged_draft) then needs no local file, so it
     may run on another machine."""
-    db_url = resolve_database_url(db_url)
-    mlflow_client = client(resolve_uri(tracking_uri, db_url))
-    _, lineage = _lineage(db_url, train_id, target, fingerprint)
+    _require(store, "log_draft")
+    mlflow_client = client(resolve_uri(tracking_uri, store))
+    _, lineage = _lineage(store, train_id, target, fingerprint)
     experiment_id = experiment_for_target(mlflow_client, target)
     runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{TRAIN_TAG}` = '{train_id}'",
                                      max_results=1)
@@ -307,13 +283,13 @@ def log_draft(train_id: str, target: str, fingerprint: str, best_dir, result: di
 
 
 def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_run_id: str,
-                          result: dict, db_url: str | None = None,
+                          result: dict, store: Store | None = None,
                           tracking_uri: str | None = None) -> dict:
     """Register the draft that log_draft uploaded to MLflow run `mlflow_run_id` as a version of
     `specdec-draft-<target>` (alias `candidate`; reused on retry). Reads no local file."""
-    db_url = resolve_database_url(db_url)
-    mlflow_client = client(resolve_uri(tracking_uri, db_url))
-    record, lineage = _lineage(db_url, train_id, target, fingerprint)
+    _require(store, "register_logged_draft")
+    mlflow_client = client(resolve_uri(tracking_uri, store))
+    record, lineage = _lineage(store, train_id, target, fingerprint)
     run_id = mlflow_run_id
     name = draft_model_name(target)
     try:
@@ -348,7 +324,7 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
             name, source=f"runs:/{run_id}/draft", run_id=run_id, tags=tags, description=description).version)
     mlflow_client.set_registered_model_alias(name, CANDIDATE_ALIAS, version)
     uri = f"models:/{name}/{version}"
-    _record(db_url, train_id, {"status": "registered", "version": version, "model_uri": uri})
+    _record(store, train_id, {"status": "registered", "version": version, "model_uri": uri})
     return {"model_uri": uri, "version": version, "mlflow_run_id": run_id}
 
 
@@ -410,21 +386,9 @@ def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
     return str(local)
 
 
-def trained_request_ids(db_url: str, model_uris: list[str]) -> set[str]:
+def trained_request_ids(store: Store, model_uris: list[str]) -> set[str]:
     """Request ids the drafts behind these model URIs were trained on, and the logged requests
     whose prompts the generated rows among them answered (the draft has seen those prompts)."""
     if not model_uris:
         return set()
-    engine = ensure_ready(db_url)
-    with engine.connect() as connection:
-        names = connection.execute(select(DraftModelRecord.name).where(
-            DraftModelRecord.model_uri.in_(model_uris))).scalars().all()
-        if not names:
-            return set()
-        trained = DraftTrainingRequest.draft_name.in_(names) & (DraftTrainingRequest.split == "train")
-        ids = set(connection.execute(select(DraftTrainingRequest.request_id).where(trained)).scalars())
-        ids |= set(connection.execute(
-            select(TrafficRequest.generated_from)
-            .join(DraftTrainingRequest, DraftTrainingRequest.request_id == TrafficRequest.id)
-            .where(trained & TrafficRequest.generated_from.is_not(None))).scalars())
-        return ids
+    return q.trained_request_ids(store, model_uris)

@@ -41,24 +41,20 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import delete, insert, select, update
 
 from specdec_core.estimate import LoggedRequest
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DomainConfig, EngineCheck, EvalRun, HardwareProfile, LiveMeasurement
+from ..db.queries_engine_checks import (enabled_domains, replace_engine_checks,
+                                        replace_live_measurement, run_hardware_details)
 from ..db.store import Store
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.run_results import engine_checks  # noqa: F401 - re-exported
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
-from ..settings import Settings, load_settings
-from ..timeutil import utcnow
+from ..settings import Settings
 from .confirm import live_verdict, offline_totals, truncated
 from .costs import CostProfileError, CostTable
 from .engine_costs import engine_profile, profile_engine
@@ -278,23 +274,24 @@ class Served:
 class CheckContext:
     """What every phase of one run's check reads."""
     run_id: str
-    url: str
-    engine: object
+    store: Store
     model_dir: object
     target_model: object
     requests_by_domain: dict
     settings: Settings
 
+    @property
+    def url(self) -> str:
+        return self.store.url
+
 
 def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dict,
-                 requests_by_domain: dict, db_url: str | None = None,
+                 requests_by_domain: dict, store: Store,
                  settings: Settings | None = None) -> dict:
     """Run the engine check of one run (see the module's docstring). Output: {"skipped": line or
     None, "domains": {domain: row}, "engines": [{domains, start_s, seconds, status}], "sampling":
     {domain: the sampling test on vLLM (EngineSamplingResult.to_dict())}}."""
-    settings = settings or load_settings()
-    url = resolve_database_url(db_url or settings.database_url)
-    engine = ensure_ready(url)
+    settings = settings or store.settings
     try:
         serving_env.serving_python(settings)
         model_dir = serving_env.served_model_dir(target)
@@ -303,11 +300,11 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             raise
         line = f"engine check skipped: {exc}"
         log.warning("run %s: %s", run_id, line)
-        own_sampling_gates(engine, run_id)
+        own_sampling_gates(store, run_id)
         return {"skipped": line, "domains": {}, "engines": [], "sampling": {}}
-    context = CheckContext(run_id, url, engine, model_dir, target_model, requests_by_domain, settings)
-    on, confirmed = _enabled_domains(engine, run_id)
-    exported = served_export(run_id, url, target, model_dir)
+    context = CheckContext(run_id, store, model_dir, target_model, requests_by_domain, settings)
+    on, confirmed = enabled_domains(store, run_id)
+    exported = served_export(run_id, store, target, model_dir)
     plan = _plan_check(on, confirmed, exported, requests_by_domain, settings)
     rows = plan.rows
     engines, answers = [], {}
@@ -321,25 +318,12 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             rows.update(_engine_rows(context, run, served, plan, drafters_by_domain, profiles))
     plain = answers.get("plain") or {}
     _add_plain_figures(rows, plan.picked, plain)
-    if planned_on_vllm(engine, run_id):
+    if planned_on_vllm(store, run_id):
         _live_checks(context, plan, rows, answers, plain)
     sampling = _sampling_test(context, plan, rows, exported)
-    _store(engine, run_id, on, rows, settings)
+    _store(store, run_id, on, rows, settings)
     _log_outcome(run_id, rows, engines)
     return {"skipped": None, "domains": rows, "engines": engines, "sampling": sampling}
-
-
-def _enabled_domains(engine, run_id: str) -> tuple[dict[str, dict], dict[str, list[str]]]:
-    """The run's domains turned on with a drafter (their domain_configs rows), and per domain the
-    request ids its confirm step measured."""
-    with engine.connect() as connection:
-        on = {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
-            (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok")
-            & DomainConfig.enabled.is_(True) & DomainConfig.drafter.is_not(None))).mappings()}
-        confirmed = {row.domain: [r["request_id"] for r in row.per_request or []] for row in
-                     connection.execute(select(LiveMeasurement.domain, LiveMeasurement.per_request)
-                                        .where(LiveMeasurement.run_id == run_id))}
-    return on, confirmed
 
 
 def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: dict,
@@ -434,7 +418,7 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
     rows = {}
     for domain in run.domains:
         if answer.get("vllm") and answer["vllm"] not in profiles:
-            profiles[answer["vllm"]] = engine_profile(Store.of(context.url), answer["vllm"],
+            profiles[answer["vllm"]] = engine_profile(context.store, answer["vllm"],
                                                       context.settings.engine.profile)
         costs = profiles.get(answer.get("vllm"))
         base = {"speculative_config": run.spec, "log_path": record["log"],
@@ -483,7 +467,7 @@ def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict, answers: di
         live = vllm_live_check(domain, plan.on[domain], plan.picked[domain],
                                answers.get(engine_of[domain]) or {}, plain, row, context.settings)
         if live is not None:
-            _store_live(context.engine, context.run_id, domain, plan.on[domain], live, row,
+            _store_live(context.store, context.run_id, domain, plan.on[domain], live, row,
                         context.settings)
             row["live_check"] = live["verdict"]
             if live["verdict"]["verdict"] == "veto":
@@ -505,7 +489,7 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported:
         return sampling
     with ServerPool(context.run_id, context.model_dir, dtype=_dtype(context.target_model),
                     settings=context.settings) as pool:
-        results = validate_on_engine(context.run_id, context.engine, pool, context.target_model,
+        results = validate_on_engine(context.run_id, context.store, pool, context.target_model,
                                      tested, context.requests_by_domain, plan.on, context.settings)
     for domain, result in results.items():
         sampling[domain] = result.to_dict()
@@ -536,13 +520,9 @@ def _log_outcome(run_id: str, rows: dict, engines: list[dict]) -> None:
                                                                    domain, row["reason"])
 
 
-def planned_on_vllm(engine, run_id: str) -> bool:
+def planned_on_vllm(store: Store, run_id: str) -> bool:
     """Whether the run planned on a cost profile of vLLM's own steps (its hardware names vLLM)."""
-    with engine.connect() as connection:
-        name = connection.execute(select(EvalRun.hardware_profile).where(EvalRun.run_id == run_id)).scalar()
-        details = None if name is None else connection.execute(select(HardwareProfile.details).where(
-            HardwareProfile.name == name)).scalar()
-    return profile_engine({"details": details}) == "vllm"
+    return profile_engine({"details": run_hardware_details(store, run_id)}) == "vllm"
 
 
 def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict, plain: dict,
@@ -570,7 +550,7 @@ def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict
     return {"per_request": per_request, "verdict": verdict}
 
 
-def _store_live(engine, run_id: str, domain: str, config: dict, live: dict, row: dict,
+def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict, row: dict,
                 settings: Settings) -> None:
     """The vLLM live check as the run's live measurement of the domain (live_measurements and
     domain_configs' measured_speedup and live_check: what the live_check gate and the page read)."""
@@ -595,13 +575,8 @@ def _store_live(engine, run_id: str, domain: str, config: dict, live: dict, row:
                       if measured is not None and same else None),
               "per_request": per_request, "hardware": {"engine": "vllm", "version": row.get("engine_version")},
               "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
-    with engine.begin() as connection:
-        connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
-                                                         & (LiveMeasurement.domain == domain)))
-        connection.execute(insert(LiveMeasurement).values(**record, created_at=utcnow()))
-        connection.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
-                                                      & (DomainConfig.domain == domain))
-                           .values(measured_speedup=measured, live_check=verdict))
+    with store.begin() as connection:
+        replace_live_measurement(connection, record, verdict)
 
 
 def _mean(values: list) -> float | None:
@@ -757,19 +732,12 @@ COLUMNS = ("engine_version", "speculative_config", "status", "passed", "reason",
            "per_request", "log_path")
 
 
-def _store(engine, run_id: str, on: dict, rows: dict, settings: Settings) -> None:
+def _store(store: Store, run_id: str, on: dict, rows: dict, settings: Settings) -> None:
     """One transaction: the run's engine_checks rows replaced, gated domains turned off."""
-    now = utcnow()
-    with engine.begin() as connection:
-        connection.execute(delete(EngineCheck).where((EngineCheck.run_id == run_id)
-                                                     & EngineCheck.domain.in_(list(rows))))
-        for domain, row in rows.items():
-            connection.execute(insert(EngineCheck).values(
-                run_id=run_id, domain=domain, engine="vllm", created_at=now,
-                **{column: row.get(column) for column in COLUMNS}))
-            if row.get("passed") is False:
-                connection.execute(update(DomainConfig).where(
-                    (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(
-                    enabled=False, max_batch_size=None, k_schedule=None,
-                    reason=(f"{row['reason']}; not promotable as on, the domain is off. "
-                            f"Planner: {on[domain]['reason']}")[:2000]))
+    off = {domain: (f"{row['reason']}; not promotable as on, the domain is off. "
+                    f"Planner: {on[domain]['reason']}")[:2000]
+           for domain, row in rows.items() if row.get("passed") is False}
+    with store.begin() as connection:
+        replace_engine_checks(connection, run_id,
+                              {domain: {column: row.get(column) for column in COLUMNS}
+                               for domain, row in rows.items()}, off)

@@ -31,20 +31,18 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from sqlalchemy import select, update
 
 from specdec_core import SamplingParams
 from specdec_core.validation import SamplingReport, position_tests
 
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DomainConfig, Validation
+from ..db.queries_engine_checks import fail_own_sampling_domains, mark_validation_failed, planned_domains
 from ..db.store import Store
 from ..errors import EngineTimeout, ServingProbeError
 from ..registry.run_config import build_config
 from ..registry.vllm_export import vllm_export
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, VllmServer
-from ..settings import Settings, load_settings
+from ..settings import Settings
 from ..db.queries_validations import replace_validations
 from .validate import validation_context, validation_samplings
 
@@ -163,14 +161,14 @@ def _seed(run_id: str, settings: Settings, domain: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{stem}/{domain}/vllm".encode()).digest()[:4], "big") % (2 ** 31)
 
 
-def validate_on_engine(run_id: str, engine, pool: ServerPool, target, specs: dict,
+def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, specs: dict,
                        requests_by_domain: dict, planned: dict, settings: Settings,
-                       mended: bool = True, store: bool = True) -> dict[str, EngineSamplingResult]:
+                       mended: bool = True, save: bool = True) -> dict[str, EngineSamplingResult]:
     """The sampling test on vLLM of each domain in `specs` ({domain: speculative config}), with
     the plain server as control; stored (check "engine_sampling"), and a domain that does not pass
     marked failed and unpromotable in domain_configs. planned: {domain: its domain_configs row}.
     A server that cannot start or dies: the domain's status is "error" (not promotable), the
-    reason naming the server's log."""
+    reason naming the server's log. save=False: nothing stored (a power test)."""
     rows = settings.engine.sampling_rows or settings.validation.rows
     length = settings.engine.sampling_tokens
     results: dict[str, EngineSamplingResult] = {}
@@ -194,8 +192,8 @@ def validate_on_engine(run_id: str, engine, pool: ServerPool, target, specs: dic
             results[domain] = done[key] = _test_domain(
                 run_id, domain, pool, target, spec, context, samplings, rows, length, settings,
                 controls, base, mended, request_id)
-        if store:
-            _store(engine, run_id, results[domain], planned.get(domain) or {}, spec, request_id)
+        if save:
+            _store(store, run_id, results[domain], planned.get(domain) or {}, spec, request_id)
     return results
 
 
@@ -244,22 +242,15 @@ def _test_domain(run_id, domain, pool, target, spec, context, samplings, rows, l
                  "control": None if plain is None else _summary(plain), "shared_from": None})
 
 
-def own_sampling_gates(engine, run_id: str) -> list[str]:
+def own_sampling_gates(store: Store, run_id: str) -> list[str]:
     """Where the vLLM test was meant to gate but could not run (the engine check skipped): the
     own-engine sampling test gates again; its failed domains are marked failed and unpromotable.
     The domains so marked."""
-    with engine.begin() as connection:
-        failed = sorted(connection.execute(select(Validation.domain).where(
-            (Validation.run_id == run_id) & (Validation.check_name == "sampling")
-            & Validation.passed.is_(False))).scalars())
-        if failed:
-            connection.execute(update(DomainConfig).where(
-                (DomainConfig.run_id == run_id) & DomainConfig.domain.in_(failed)
-                & DomainConfig.enabled.is_(True)).values(validation="failed", promotable=False))
-    return failed
+    with store.begin() as connection:
+        return fail_own_sampling_domains(connection, run_id)
 
 
-def _store(engine, run_id: str, result: EngineSamplingResult, planned: dict, spec: dict,
+def _store(store: Store, run_id: str, result: EngineSamplingResult, planned: dict, spec: dict,
            request_id) -> None:
     details = result.details.get("config") or {}
     row = {"domain": result.domain, "drafter": planned.get("drafter"),
@@ -268,18 +259,16 @@ def _store(engine, run_id: str, result: EngineSamplingResult, planned: dict, spe
            "statistic": min(details.get("statistic", 0.0), 1e308) if details else None,
            "p_value": result.min_p,
            "details": dict(result.details, status=result.status, reason=result.reason)}
-    with engine.begin() as connection:
+    with store.begin() as connection:
         replace_validations(connection, run_id, CHECK, result.domain, [row])
         if not result.passed:
-            connection.execute(update(DomainConfig).where(
-                (DomainConfig.run_id == run_id) & (DomainConfig.domain == result.domain))
-                .values(validation="failed", promotable=False))
+            mark_validation_failed(connection, run_id, result.domain)
 
 
-def served_export(run_id: str, url: str, target: str, model_dir) -> dict:
+def served_export(run_id: str, store: Store, target: str, model_dir) -> dict:
     """The run's config exported for vLLM (vllm_export) against the served copy of the target,
     after checking that the copy holds the weights the run evaluated."""
-    config = build_config(run_id, Store.of(url))
+    config = build_config(run_id, store)
     served = serving_env.served_fingerprint(model_dir)
     if served is not None and served != config.target.fingerprint:
         raise ServingProbeError(
@@ -290,20 +279,16 @@ def served_export(run_id: str, url: str, target: str, model_dir) -> dict:
 
 
 def engine_validate_run(run_id: str, target: str, target_model, requests_by_domain: dict,
-                        db_url: str | None = None, settings: Settings | None = None,
+                        store: Store, settings: Settings | None = None,
                         domains: list[str] | None = None, speculative_config: dict | None = None,
                         mended: bool = True) -> dict:
     """`specdec engine validate`: the sampling test on vLLM of a run's configs alone (the domains
     it turns on, or `domains`). speculative_config: served instead of the run's (a power test:
     nothing is stored, the run's verdicts stay as they are). mended=False: vLLM as it ships.
     Output: {"domains": {domain: EngineSamplingResult.to_dict()}, "servers": [...]}."""
-    settings = settings or load_settings()
-    url = resolve_database_url(db_url or settings.database_url)
-    engine = ensure_ready(url)
+    settings = settings or store.settings
     model_dir = serving_env.served_model_dir(target)
-    with engine.connect() as connection:
-        planned = {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
-            DomainConfig.run_id == run_id)).mappings()}
+    planned = planned_domains(store, run_id)
     if not planned:
         raise ValueError(f"run {run_id} has no planned domains: evaluate it first")
     unknown = sorted(set(domains or []) - set(planned))
@@ -313,14 +298,14 @@ def engine_validate_run(run_id: str, target: str, target_model, requests_by_doma
     if speculative_config is not None:
         specs = {d: speculative_config for d in (domains or sorted(planned))}
     else:
-        exported = served_export(run_id, url, target, model_dir)["speculative_config"]
+        exported = served_export(run_id, store, target, model_dir)["speculative_config"]
         chosen = domains or sorted(d for d, row in planned.items() if row["enabled"])
         specs = {d: exported[d] for d in chosen if exported.get(d)}
     dtype = str(next(target_model.parameters()).dtype).removeprefix("torch.")
     with ServerPool(run_id, model_dir, dtype=dtype, settings=settings) as pool:
-        results = validate_on_engine(run_id, engine, pool, target_model, specs, requests_by_domain,
+        results = validate_on_engine(run_id, store, pool, target_model, specs, requests_by_domain,
                                      planned, settings, mended=mended,
-                                     store=speculative_config is None)
+                                     save=speculative_config is None)
         servers = [{"server": s.name, "log": str(s.log_path), "start_s": s.start_s, "mends": s.mends()}
                    for s in pool.servers.values()]
     return {"domains": {d: r.to_dict() for d, r in results.items()}, "servers": servers}

@@ -13,16 +13,13 @@ import threading
 import time
 from contextlib import contextmanager
 
-from sqlalchemy import select
-
-from ..db.engine import ensure_ready, resolve_database_url
-from ..db.models import DomainConfig, EngineCheck, LiveMeasurement
-from ..db.queries_runs import mark_abandoned_runs, mark_interrupted, record_owner, this_process
+from ..db.queries_runs import (evaluation_rows, mark_abandoned_runs, mark_interrupted, record_owner,
+                               this_process)
 from ..db.queries_load import load_summaries
 from ..db.store import Store
 from ..errors import SpecdecTaskError
 from ..registry.run_results import engine_sampling_tests, profile_check
-from ..settings import DEFAULT_MODEL, Settings, load_settings
+from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import default_run_id
 from .context import RunSpec, preload_model, use_model
 from .run_order import PER_DOMAIN, RUN_ORDER
@@ -43,23 +40,13 @@ LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_
                 "greedy_checked", "greedy_consistent", "measured_speedup_lo", "measured_speedup_hi")
 
 
-def evaluation_table(run_id: str, db_url: str | None = None) -> list[dict]:
+def evaluation_table(run_id: str, store: Store) -> list[dict]:
     """The run's per-domain table (domain_configs joined with its live measurement, its engine
     check and its sampling test on vLLM: "engine_sampling", run_results.engine_sampling_tests'
     dict or None)."""
-    url = resolve_database_url(db_url)
-    engine = ensure_ready(url)
-    with engine.connect() as connection:
-        configs = connection.execute(select(DomainConfig).where(DomainConfig.run_id == run_id)
-                                     .order_by(DomainConfig.domain)).mappings().all()
-        live = {row["domain"]: row for row in connection.execute(
-            select(LiveMeasurement.domain, *[getattr(LiveMeasurement, c) for c in LIVE_COLUMNS])
-            .where(LiveMeasurement.run_id == run_id)).mappings()}
-        checked = {row["domain"]: row for row in connection.execute(
-            select(EngineCheck.domain, *[getattr(EngineCheck, c) for c in ENGINE_COLUMNS.values()])
-            .where(EngineCheck.run_id == run_id)).mappings()}
-    on_engine = engine_sampling_tests(run_id, Store.of(url))
-    under_load = load_summaries(engine, run_id)
+    configs, live, checked = evaluation_rows(store, run_id, LIVE_COLUMNS, ENGINE_COLUMNS.values())
+    on_engine = engine_sampling_tests(run_id, store)
+    under_load = load_summaries(store.engine, run_id)
 
     def value(row, column):
         if column == "engine_sampling":
@@ -78,7 +65,7 @@ def report_table(spec) -> list[dict]:
     """The run's per-domain table (evaluation_table); logs one line a domain (the report task's
     log)."""
     spec = RunSpec.of(spec)
-    table = evaluation_table(spec.run_id, spec.url)
+    table = evaluation_table(spec.run_id, spec.open_store())
     for row in table:
         measured = row.get("measured_speedup")
         log.info("run %s, domain %s: %s, %s K=%s, max batch %s, E %s, predicted %s, measured %s, "
@@ -91,7 +78,7 @@ def report_table(spec) -> list[dict]:
 
 
 def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
-             db_url: str | None = None, settings: Settings | None = None, domains=None, window=None,
+             store: Store | None = None, settings: Settings | None = None, domains=None, window=None,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
              max_per_domain: int | None = None, min_per_domain: int | None = None,
              device: str | None = None, progress: bool = True, model=None, tokenizer=None,
@@ -107,16 +94,17 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
     register: track the run in MLflow and register its config (alias challenger); promote: then
     gate it and move the champion alias (implies register).
     """
-    settings = settings or load_settings()
+    if store is None:
+        raise TypeError("evaluate: pass the Store (tasks.db.store.Store.open) the run is stored in")
+    settings = settings or store.settings
     spec = RunSpec(run_id=run_id or default_run_id(), target=target, device=device,
-                   db_url=resolve_database_url(db_url or settings.database_url), tracking_uri=tracking_uri,
+                   db_url=store.url, tracking_uri=tracking_uri,
                    domains=list(domains) if domains else None, window_days=window,
                    min_per_domain=min_per_domain, max_per_domain=max_per_domain,
                    candidates=list(candidates) if candidates else None,
                    hardware_profile=hardware_profile, k_max=k_max, promote=promote,
                    overrides=settings.overrides())
-    engine = ensure_ready(spec.db_url)
-    abandoned = mark_abandoned_runs(engine)     # runs of this host whose process was killed
+    abandoned = mark_abandoned_runs(store)     # runs of this host whose process was killed
     if abandoned:
         log.warning("marked %d run(s) interrupted: their process is gone (killed?): %s",
                     len(abandoned), ", ".join(abandoned[:10]))
@@ -128,8 +116,8 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
         use_model(target, model, tokenizer, device)
     else:       # a --model that is not a model: one line now, not a traceback at the estimate
         preload_model(target, device)
-    with interruptible(engine, spec.run_id):
-        return _run_steps(spec, target, new_profile, register, promote)
+    with interruptible(store, spec.run_id):
+        return _run_steps(spec, store, target, new_profile, register, promote)
 
 
 class RunInterrupted(BaseException):
@@ -142,7 +130,7 @@ class RunInterrupted(BaseException):
 
 
 @contextmanager
-def interruptible(engine, run_id: str):
+def interruptible(store: Store, run_id: str):
     """Run the steps with SIGTERM and SIGINT turned into RunInterrupted; a run left unfinished by
     them (or by any error) is marked interrupted in eval_runs (reports leave it out)."""
     previous = {}
@@ -157,7 +145,7 @@ def interruptible(engine, run_id: str):
         how = exc.signal_name if isinstance(exc, RunInterrupted) else (
             "SIGINT" if isinstance(exc, KeyboardInterrupt) else f"stopped by {type(exc).__name__}")
         try:        # the error itself is the command's line: these are INFO
-            if mark_interrupted(engine, run_id, how):
+            if mark_interrupted(store, run_id, how):
                 log.info("run %s: marked interrupted (%s)", run_id, how)
         except Exception as failure:    # e.g. the disk that stopped the run is still full
             log.info("run %s: not marked interrupted (%s)", run_id, failure)
@@ -167,7 +155,7 @@ def interruptible(engine, run_id: str):
             signal.signal(number, handler)
 
 
-def _run_steps(spec: RunSpec, target: str, new_profile: bool, register: bool, promote: bool) -> dict:
+def _run_steps(spec: RunSpec, store: Store, target: str, new_profile: bool, register: bool, promote: bool) -> dict:
     steps: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -183,24 +171,24 @@ def _run_steps(spec: RunSpec, target: str, new_profile: bool, register: bool, pr
     for name in RUN_ORDER:          # the run's order, written once (the DAG follows it too)
         if not wanted.get(name, True):
             continue
-        spec = _run_step(name, spec, done, new_profile)
+        spec = _run_step(name, spec, store, done, new_profile)
         lap(name)
     profile, finished = done["profile"], done["finish"]
     return {"run_id": spec.run_id, "target": target, "fingerprint": finished["fingerprint"],
             "registered": done.get("register"), "promoted": done.get("promote"), "failed": finished["failed"],
             "hardware_profile": profile["hardware_profile"], "profile": profile, "sample": done["sample"],
-            "excluded": finished["excluded"], "table": evaluation_table(spec.run_id, spec.url), "steps": steps,
-            "profile_check": profile_check(spec.run_id, Store.of(spec.url)), "engine_check": done["engine_check"],
+            "excluded": finished["excluded"], "table": evaluation_table(spec.run_id, store), "steps": steps,
+            "profile_check": profile_check(spec.run_id, store), "engine_check": done["engine_check"],
             "seconds": round(sum(steps.values()), 1)}
 
 
-def _run_step(name: str, spec: RunSpec, done: dict, new_profile: bool) -> RunSpec:
+def _run_step(name: str, spec: RunSpec, store: Store, done: dict, new_profile: bool) -> RunSpec:
     """Run one step of RUN_ORDER in this process, keeping its output in `done`; returns the spec
     the later steps take (sample freezes its candidates). A domain whose step fails is recorded
     as failed and left out of its later steps, as in the DAG."""
     if name == "sample":
         sample = step_sample(spec)
-        record_owner(ensure_ready(spec.db_url), spec.run_id, this_process())   # marks it if killed
+        record_owner(store, spec.run_id, this_process())   # marks it if killed
         spec = RunSpec.of(sample.pop("spec"))
         done["sample"] = sample
     elif name == "check":

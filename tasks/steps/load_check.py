@@ -363,7 +363,7 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
     except ServingEnvUnavailable as exc:
         return {"skipped": f"load check skipped: {exc}", "domains": {}}
     on = domains_on(context.engine, run_id)
-    exported = served_export(run_id, context.url, context.spec.target, model_dir)["speculative_config"]
+    exported = served_export(run_id, context.store, context.spec.target, model_dir)["speculative_config"]
     planned = _planned(context, on, exported)
     versions = engine_versions(context.engine, run_id)
     profiles: dict = {}

@@ -30,10 +30,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import httpx
-from sqlalchemy.engine import Engine
 
 from ..db import queries_monitor as q
-from ..db.engine import ensure_ready, resolve_database_url
 from ..db.store import Store
 from ..errors import MonitorScrapeError, RegistryError
 from ..registry.compose_export import deployments
@@ -41,7 +39,7 @@ from ..registry.config_schema import SpecdecConfig, config_model_name
 from ..registry.promotion import rollback
 from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
 from ..serving.server import spec_decode_counters
-from ..settings import DEFAULT_MODEL, Settings, load_settings
+from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import utcnow
 from .costs import CostProfileError, CostTable
 from .plan import speedup_factor
@@ -58,24 +56,15 @@ ACTOR = "specdec monitor"
 class MonitorContext:
     """What the monitor works with: specdec's database, the registry and the settings."""
 
-    engine: Engine
-    db_url: str                       # resolved; the registry takes it as `store`
+    store: Store                      # the queries and the registry take it
     tracking_uri: str | None
     settings: Settings
     config_name: str
 
     @classmethod
-    def open(cls, db_url: str | None = None, uri: str | None = None, target: str | None = None,
+    def open(cls, store: Store, uri: str | None = None, target: str | None = None,
              settings: Settings | None = None) -> "MonitorContext":
-        settings = settings or load_settings()
-        url = resolve_database_url(db_url or settings.database_url)
-        return cls(ensure_ready(url), url, uri, settings, config_model_name(target or DEFAULT_MODEL))
-
-    @property
-    def store(self) -> Store:
-        """The monitor's database as a Store (what the registry takes: rollback's lock and audit
-        row, the tracking URI's check)."""
-        return Store(url=self.db_url, engine=self.engine, settings=self.settings)
+        return cls(store, uri, settings or store.settings, config_model_name(target or DEFAULT_MODEL))
 
     def champion(self) -> tuple[str | None, SpecdecConfig | None]:
         mlflow_client = client(tracking_uri(self.tracking_uri, self.store))
@@ -143,7 +132,7 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
     config: (version, config) the deployment serves; None: the version of the server's series, or
     the champion at a baseline or restart (_served_config); False: stored without a version."""
     counters = read_counters(url, deployment, ctx.settings.monitor.scrape_timeout_s)
-    previous = q.last_scrape(ctx.engine, deployment)
+    previous = q.last_scrape(ctx.store, deployment)
     step = series_deltas(previous, counters)
     if config is None:
         config = _served_config(ctx, previous, step)
@@ -161,7 +150,7 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
            "accepted_tokens": counters["accepted_tokens"],
            "accepted_per_pos": counters["accepted_per_pos"],
            **step}
-    row["id"] = q.insert_scrape(ctx.engine, row)
+    row["id"] = q.insert_scrape(ctx.store, row)
     return row
 
 
@@ -201,11 +190,11 @@ def break_even(estimate: dict | None, setting, costs: CostTable | None) -> float
 
 def ensure_promises(ctx: MonitorContext, version: str, config: SpecdecConfig, deployment: dict) -> list[dict]:
     """The deployment's promises under `version`, read from the run and stored once."""
-    stored = q.promises(ctx.engine, deployment["name"], ctx.config_name, version)
+    stored = q.promises(ctx.store, deployment["name"], ctx.config_name, version)
     if stored or deployment["speculative_config"] is None:
         return stored
-    planned = q.planned_domains(ctx.engine, config.run_id, deployment["domains"])
-    rows = q.cost_rows(ctx.engine, config.hardware_profile, config.run_id)
+    planned = q.planned_domains(ctx.store, config.run_id, deployment["domains"])
+    rows = q.cost_rows(ctx.store, config.hardware_profile, config.run_id)
     costs = CostTable.from_rows(config.hardware_profile, config.run_id, rows) if rows else None
     out = []
     for domain in deployment["domains"]:
@@ -221,7 +210,7 @@ def ensure_promises(ctx: MonitorContext, version: str, config: SpecdecConfig, de
                     "promise_hi": (estimate or {}).get("mean_accepted_length_hi"),
                     "break_even": break_even(estimate, setting, costs),
                     "profile": config.hardware_profile if rows else None, "created_at": utcnow()})
-    q.save_promises(ctx.engine, out)
+    q.save_promises(ctx.store, out)
     return out
 
 
@@ -249,10 +238,10 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
                      at: datetime) -> dict:
     """The window's figures of one deployment of the champion and the events they raised."""
     settings = ctx.settings
-    moved = q.champion_moved_at(ctx.engine, ctx.config_name, version)
+    moved = q.champion_moved_at(ctx.store, ctx.config_name, version)
     since = at - timedelta(seconds=settings.monitor.window_s)
     since = max(since, moved) if moved else since
-    rows = q.scrapes(ctx.engine, deployment["name"], since, at, version)
+    rows = q.scrapes(ctx.store, deployment["name"], since, at, version)
     promises = ensure_promises(ctx, version, config, deployment)
     figures = window_figures(rows)
     lows = [p["promise_lo"] for p in promises if p["promise_lo"] is not None]
@@ -277,8 +266,8 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
                           settings.monitor.window_s, "min_drafts": min_drafts}}
     if status["promise_lo"] is not None and figures["e"] < status["promise_lo"]:
         status["state"] = "below promise"
-        if not q.has_event(ctx.engine, "alert", deployment["name"], ctx.config_name, version, series):
-            status["events"].append(q.insert_event(ctx.engine, dict(
+        if not q.has_event(ctx.store, "alert", deployment["name"], ctx.config_name, version, series):
+            status["events"].append(q.insert_event(ctx.store, dict(
                 event, kind="alert", created_at=utcnow(),
                 reason=f"production E {figures['e']:.3f} over {figures['drafts']} drafts is below "
                        f"the promise's interval (lowest end {status['promise_lo']:.3f})")))
@@ -293,7 +282,7 @@ def _auto_rollback(ctx: MonitorContext, version: str, event: dict) -> list[dict]
     if not ctx.settings.monitor.auto_rollback:
         return []
     for kind in ("rollback", "rollback_refused"):
-        if q.has_event(ctx.engine, kind, event["deployment"], ctx.config_name, version, event["series"]):
+        if q.has_event(ctx.store, kind, event["deployment"], ctx.config_name, version, event["series"]):
             return []
     why = (f"deployment {event['deployment']} (domains {', '.join(event['domains'])}): production "
            f"E {event['production_e']:.3f} over {event['drafts']} drafts in "
@@ -309,11 +298,11 @@ def _auto_rollback(ctx: MonitorContext, version: str, event: dict) -> list[dict]
                          expected_champion=version, evidence=evidence)
     except RegistryError as exc:
         log.info("automatic rollback of %s version %s refused: %s", ctx.config_name, version, exc)
-        return [q.insert_event(ctx.engine, dict(event, kind="rollback_refused", created_at=utcnow(),
+        return [q.insert_event(ctx.store, dict(event, kind="rollback_refused", created_at=utcnow(),
                                                 reason=f"{why}; rollback refused: {exc}"[:4000]))]
     log.info("champion of %s rolled back %s -> %s: %s", ctx.config_name, version,
                 moved["champion"], why)
-    return [q.insert_event(ctx.engine, dict(event, kind="rollback", created_at=utcnow(),
+    return [q.insert_event(ctx.store, dict(event, kind="rollback", created_at=utcnow(),
                                             reason=f"{why}; champion {version} -> {moved['champion']}"))]
 
 
@@ -345,14 +334,14 @@ def publish(ctx: MonitorContext, version: str, at: datetime) -> str | None:
     from ..registry.plots import _pyplot, production_figure
     from ..registry.version_page import production_markdown, write_production
 
-    rows = [r for r in q.scrapes(ctx.engine, config_version=version, until=at)
+    rows = [r for r in q.scrapes(ctx.store, config_version=version, until=at)
             if r["config_name"] == ctx.config_name]
     if not rows:
         return None
     points = [{"deployment": r["deployment"], "at": r["scraped_at"],
                "e": 1.0 + r["delta_accepted"] / r["delta_drafts"] if r["delta_drafts"] else None}
               for r in rows]
-    promised = q.promises(ctx.engine, config_name=ctx.config_name, config_version=version)
+    promised = q.promises(ctx.store, config_name=ctx.config_name, config_version=version)
     bands = {}
     for p in promised:
         band = bands.setdefault(p["deployment"], {"lo": [], "hi": [], "break_even": []})
@@ -361,9 +350,9 @@ def publish(ctx: MonitorContext, version: str, at: datetime) -> str | None:
                 band[key].append(p[column])
     bands = {d: {"lo": min(b["lo"], default=None), "hi": max(b["hi"], default=None),
                  "break_even": min(b["break_even"], default=None)} for d, b in bands.items()}
-    events = [dict(e, at=e["window_end"]) for e in q.events(ctx.engine)
+    events = [dict(e, at=e["window_end"]) for e in q.events(ctx.store)
               if e["config_name"] == ctx.config_name and e["config_version"] == version]
-    shown = show(ctx.engine, ctx.settings, since=rows[0]["scraped_at"] - timedelta(seconds=1), until=at)
+    shown = show(ctx.store, ctx.settings, since=rows[0]["scraped_at"] - timedelta(seconds=1), until=at)
     table = [{"deployment": d["deployment"], "domain": r["domain"], "promise_e": r["promise_e"],
               "promise_lo": r["promise_lo"], "promise_hi": r["promise_hi"], "break_even": r["break_even"],
               "drafts": r["scraped"]["drafts"], "scraped_e": r["scraped"]["e"],
@@ -404,24 +393,24 @@ def _request_figures(sums: dict | None) -> dict:
             "position_rates": [round(a / sums["drafts"], 6) for a in per_pos]}
 
 
-def show(engine: Engine, settings: Settings, deployment: str | None = None,
+def show(store: Store, settings: Settings, deployment: str | None = None,
          since: datetime | None = None, until: datetime | None = None) -> dict:
     """Per deployment and domain over [since, until] (default: the last monitor_window_s):
     scraped figures of the deployment's latest config version, per-request figures of the
     domain's imported traffic, the promise, and the monitor's events."""
     until = until or utcnow()
     since = since or until - timedelta(seconds=settings.monitor.window_s)
-    names = [deployment] if deployment else q.deployments_seen(engine, since)
-    requests = q.request_metrics_by_domain(engine, since, until)
+    names = [deployment] if deployment else q.deployments_seen(store, since)
+    requests = q.request_metrics_by_domain(store, since, until)
     out = []
     for name in names:
-        rows = q.scrapes(engine, name, since, until)
+        rows = q.scrapes(store, name, since, until)
         if not rows:
             continue
         version = rows[-1]["config_version"]
         rows = [r for r in rows if r["config_version"] == version]
         scraped = window_figures(rows)
-        promised = {p["domain"]: p for p in q.promises(engine, name, rows[-1]["config_name"], version)} \
+        promised = {p["domain"]: p for p in q.promises(store, name, rows[-1]["config_name"], version)} \
             if version else {}
         domains = []
         for domain in rows[-1]["domains"] or sorted(promised):
@@ -435,4 +424,4 @@ def show(engine: Engine, settings: Settings, deployment: str | None = None,
                     "window_end": rows[-1]["scraped_at"], "series": sorted({r["series"] for r in rows}),
                     "domains": domains})
     return {"since": since, "until": until, "deployments": out,
-            "events": q.events(engine, since - timedelta(seconds=1), deployment)}
+            "events": q.events(store, since - timedelta(seconds=1), deployment)}

@@ -16,10 +16,9 @@ from datetime import datetime
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
-from sqlalchemy import func, select, update
-
-from ..db.engine import ensure_ready
-from ..db.models import DomainConfig, EvalRun, EvalSample, LiveMeasurement, Validation
+from ..db.queries_runs import (domain_names, fail_domain, finish_inputs, has_live_measurement,
+                               has_sampling_test, merge_run_params, run_hardware_profile, run_params,
+                               set_run_status)
 from ..db.queries_run_view import record_engine_check_skip
 from ..db.store import Store
 from ..masking import mask_text
@@ -30,7 +29,6 @@ from ..registry.run_results import low_acceptance
 from ..registry.version_page import gates_summary, version_url
 from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
 from ..settings import worker_name
-from ..timeutil import utcnow
 from .confirm import confirm_domain
 from .context import RunContext, RunSpec, freeze_candidates, loaded_model
 from .costs import describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse
@@ -53,18 +51,16 @@ def step_sample(spec) -> dict:
     and "spec", the frozen spec as a dict: the spec every later step of the run takes."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    url = spec.resolved_url(settings)
     spec = freeze_candidates(spec, settings)
-    sample = sample_traffic(spec.run_id, Store.open(url, settings), domains=spec.domains,
+    store = spec.open_store(settings)
+    sample = sample_traffic(spec.run_id, store, domains=spec.domains,
                             window=spec.window_days, settings=settings)
-    engine = ensure_ready(url)
-    with engine.begin() as connection:
-        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == spec.run_id)).scalar()
-        connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
-            params={**(params or {}), "candidates": list(spec.candidates), "drafts": spec.drafts,
-                    # the run's own choices, logged as its MLflow params (registration)
-                    "window_days": spec.window_days or settings.sample.window_days,
-                    "acceptance_alert": settings.plan.acceptance_alert, "promote": bool(spec.promote)}))
+    with store.begin() as connection:
+        merge_run_params(connection, spec.run_id, {
+            "candidates": list(spec.candidates), "drafts": spec.drafts,
+            # the run's own choices, logged as its MLflow params (registration)
+            "window_days": spec.window_days or settings.sample.window_days,
+            "acceptance_alert": settings.plan.acceptance_alert, "promote": bool(spec.promote)})
     return {**sample, "spec": spec.to_dict()}
 
 
@@ -73,8 +69,7 @@ def step_check(spec) -> dict:
     Output: {"ok": [domains], "insufficient": [domains]}."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    checked = check_traffic_sample(spec.run_id, Store.open(spec.resolved_url(settings), settings),
-                                   settings=settings)
+    checked = check_traffic_sample(spec.run_id, spec.open_store(settings), settings=settings)
     status = {domain: info["status"] for domain, info in checked["domains"].items()}
     return {"ok": sorted(d for d, s in status.items() if s == "ok"),
             "insufficient": sorted(d for d, s in status.items() if s != "ok")}
@@ -92,7 +87,8 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     "measured_by": the run that measured the costs, "measured_at", "age_days", "text"}."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    url = spec.resolved_url(settings)
+    store = spec.open_store(settings)
+    url = store.url
     name = settings.plan.hardware_profile
     measured = None
     if name is None and plans_on_vllm(settings, spec.target):
@@ -119,10 +115,8 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     worker = worker_hardware(spec, None if measured is None else measured["hardware_profile"])
     if provenance["reused"]:
         worker["reused_from"] = provenance["run_id"]
-    engine = ensure_ready(url)
-    with engine.begin() as connection:
-        connection.execute(update(EvalRun).where(EvalRun.run_id == spec.run_id).values(
-            hardware_profile=name, worker_hardware=worker, status="profiled", updated_at=utcnow()))
+    with store.begin() as connection:
+        set_run_status(connection, spec.run_id, "profiled", hardware_profile=name, worker_hardware=worker)
     log.info("run %s: planning with cost profile %s (run %s; %s); profile task on worker %s (%s %s)",
              spec.run_id, name, costs.run_id, provenance["text"], worker["worker"], worker["device"],
              worker["dtype"])
@@ -132,9 +126,7 @@ def step_profile(spec, new_profile: bool = False) -> dict:
 
 
 def run_profile_name(context: RunContext) -> str | None:
-    with context.engine.connect() as connection:
-        return connection.execute(select(EvalRun.hardware_profile).where(
-            EvalRun.run_id == context.run_id)).scalar()
+    return run_hardware_profile(context.store, context.run_id)
 
 
 def profile_name(profile) -> str:
@@ -185,11 +177,11 @@ def step_estimate(spec, domain: str, profile) -> dict:
                               currently_on=domain in champion_domains_on(context.spec, context.store)))
 
 
-def champion_domains_on(spec: RunSpec, store: Store | None = None) -> set[str]:
+def champion_domains_on(spec: RunSpec, store: Store) -> set[str]:
     """Domains on in the target's champion config (for the planner's hysteresis); empty when there
     is no champion or no tracking store yet (none is created to find out). store: the run's
-    database (None: the spec's)."""
-    uri = tracking_uri(spec.tracking_uri, store or Store.of(spec.url))
+    database."""
+    uri = tracking_uri(spec.tracking_uri, store)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         return set()
     try:
@@ -204,9 +196,8 @@ def champion_domains_on(spec: RunSpec, store: Store | None = None) -> set[str]:
 
 
 def _sample_minimum(context: RunContext) -> int:
-    with context.engine.connect() as connection:
-        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == context.run_id)).scalar()
-    return int((params or {}).get("min_per_domain") or context.settings.sample.min_per_domain)
+    params = run_params(context.store, context.run_id)
+    return int(params.get("min_per_domain") or context.settings.sample.min_per_domain)
 
 
 def _plain(row: dict) -> dict:
@@ -236,22 +227,14 @@ def step_validate(spec, domain: str) -> dict:
                            requests, context.store, settings=context.settings)
 
 
-def record_domain_failure(spec, domain: str, error: str) -> None:
-    """A domain whose step failed: off in this run's config (the champion's setting is kept)."""
+def record_domain_failure(spec, domain: str, error: str, store: Store | None = None) -> None:
+    """A domain whose step failed: off in this run's config (the champion's setting is kept).
+    store: the run's database (None: the spec's, opened here: a step entry point)."""
     spec = RunSpec.of(spec)
-    engine = ensure_ready(spec.url)
+    store = store or spec.open_store()
     reason = f"failed: {error}"[:2000]
-    with engine.begin() as connection:
-        exists = connection.execute(select(DomainConfig.domain).where(
-            (DomainConfig.run_id == spec.run_id) & (DomainConfig.domain == domain))).scalar()
-        if exists is None:
-            connection.execute(DomainConfig.__table__.insert().values(
-                run_id=spec.run_id, domain=domain, enabled=False, status="failed", reason=reason,
-                created_at=utcnow()))
-        else:
-            connection.execute(update(DomainConfig).where(
-                (DomainConfig.run_id == spec.run_id) & (DomainConfig.domain == domain)).values(
-                enabled=False, status="failed", reason=reason, validation=None, promotable=None))
+    with store.begin() as connection:
+        fail_domain(connection, spec.run_id, domain, reason)
     log.error("run %s, domain %s %s; the champion's setting is kept", spec.run_id, domain, reason)
 
 
@@ -260,15 +243,9 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
     whose steps did not complete, run the greedy and fingerprint checks, check the result tables.
     Output: {"fingerprint", "greedy", "domains": {domain: validation}, "failed": [...]}."""
     context = RunContext.build(spec)
-    spec, settings, engine, run_id = (context.spec, context.settings, context.engine,
-                                      context.run_id)
-    with engine.connect() as connection:
-        sampled = dict(connection.execute(select(EvalSample.domain, func.count()).where(
-            EvalSample.run_id == run_id).group_by(EvalSample.domain)).all())
-        configs = {row["domain"]: dict(row) for row in connection.execute(
-            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
-        profile = connection.execute(select(EvalRun.hardware_profile).where(
-            EvalRun.run_id == run_id)).scalar()
+    spec, settings, store, run_id = (context.spec, context.settings, context.store,
+                                     context.run_id)
+    sampled, configs, profile = finish_inputs(store, run_id)
     insufficient = set(insufficient or [])
     failed = []
     for domain in sorted(sampled):
@@ -277,33 +254,27 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
             plan_domain(run_id, domain, load_costs(profile, context.store), context.store,
                         settings=settings, status="insufficient", samples=sampled[domain])
         elif config is None:
-            record_domain_failure(spec, domain, "no plan was stored (its estimate step failed)")
+            record_domain_failure(spec, domain, "no plan was stored (its estimate step failed)", store)
             failed.append(domain)
         elif config["status"] == "ok" and config["enabled"] and config["validation"] is None \
-                and not _has_sampling_test(engine, run_id, domain):
-            record_domain_failure(spec, domain, "its confirm or validate step did not complete")
+                and not has_sampling_test(store, run_id, domain):
+            record_domain_failure(spec, domain, "its confirm or validate step did not complete", store)
             failed.append(domain)
-    with engine.connect() as connection:
-        ok_domains = sorted(connection.execute(select(DomainConfig.domain).where(
-            (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok"))).scalars())
+    ok_domains = domain_names(store, run_id, status="ok")
     requests, excluded = ({}, {}) if not ok_domains else context.sample_requests(ok_domains)
     verdicts = validate_run(run_id, context.model, context.tokenizer, context.drafters,
                             requests, target_id=spec.target, store=context.store, settings=settings,
                             excluded=excluded, fingerprint=context.target_fingerprint,
                             drafters_by_domain={d: context.domain_drafters(d) for d in ok_domains})
     tables = ["domain_configs"]
-    with engine.connect() as connection:
-        measured = connection.execute(select(LiveMeasurement.id).where(
-            LiveMeasurement.run_id == run_id).limit(1)).scalar()
     if ok_domains:
         tables.append("acceptance_estimates")
-    if measured is not None:
+    if has_live_measurement(store, run_id):
         tables.append("live_measurements")
     for table in tables:
         check_result_table(run_id, table, context.store, settings=settings)
-    with engine.begin() as connection:
-        connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
-            status="evaluated", updated_at=utcnow()))
+    with store.begin() as connection:
+        set_run_status(connection, run_id, "evaluated")
     log.info("run %s: finished: target fingerprint %s%s; greedy check %s; validation %s; failed "
              "domains %s", run_id, verdicts["fingerprint"]["id"],
              "" if verdicts["fingerprint"]["passed"] else " FAILED (" + "; ".join(verdicts["fingerprint"]["reasons"]) + ")",
@@ -314,13 +285,6 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
             "excluded": {key: len(value) for key, value in (excluded or {}).items()}}
 
 
-def _has_sampling_test(engine, run_id: str, domain: str) -> bool:
-    with engine.connect() as connection:
-        return connection.execute(select(Validation.id).where(
-            (Validation.run_id == run_id) & (Validation.domain == domain)
-            & (Validation.check_name == "sampling")).limit(1)).scalar() is not None
-
-
 def step_engine_check(spec) -> dict:
     """Serve each domain the plan turns on with its exported config on vLLM (tasks.steps.engine_check);
     a domain whose engine check fails is turned off before register."""
@@ -328,19 +292,16 @@ def step_engine_check(spec) -> dict:
     settings = spec.settings()
     if not settings.engine.check:
         line = "engine check off (setting engine_check)"
-        record_engine_check_skip(ensure_ready(spec.url), spec.run_id, line)     # the page says so
+        record_engine_check_skip(spec.open_store(settings), spec.run_id, line)     # the page says so
         log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id, line)
         return {"skipped": line, "domains": {}, "engines": []}
     context = RunContext.build(spec)
-    with context.engine.connect() as connection:
-        domains = sorted(connection.execute(select(DomainConfig.domain).where(
-            (DomainConfig.run_id == spec.run_id) & (DomainConfig.status == "ok")
-            & DomainConfig.enabled.is_(True))).scalars())
+    domains = domain_names(context.store, spec.run_id, status="ok", enabled=True)
     result = engine_check(spec.run_id, spec.target, context.model,
                           {d: context.domain_drafters(d) for d in domains},
                           {d: context.domain_requests(d)[0] for d in domains},
-                          db_url=context.url, settings=context.settings)
-    record_engine_check_skip(context.engine, spec.run_id, result["skipped"])
+                          context.store, settings=context.settings)
+    record_engine_check_skip(context.store, spec.run_id, result["skipped"])
     if result["skipped"]:
         log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
                     result["skipped"])
@@ -361,13 +322,11 @@ def step_engine_validate(spec, domains: list[str] | None = None, speculative_con
     """The sampling test on vLLM's OpenAI server alone (tasks.steps.engine_validate)."""
     spec = RunSpec.of(spec)
     context = RunContext.build(spec)
-    with context.engine.connect() as connection:
-        planned = sorted(connection.execute(select(DomainConfig.domain).where(
-            DomainConfig.run_id == spec.run_id)).scalars())
+    planned = domain_names(context.store, spec.run_id)
     chosen = [d for d in (domains or planned) if d in planned]
     result = engine_validate_run(spec.run_id, spec.target, context.model,
                                  {d: context.domain_requests(d)[0] for d in chosen},
-                                 db_url=context.url, settings=context.settings, domains=domains,
+                                 context.store, settings=context.settings, domains=domains,
                                  speculative_config=speculative_config, mended=mended)
     return json.loads(json.dumps(result, default=str))
 
@@ -378,7 +337,7 @@ def step_register(spec, started_at=None) -> dict:
     when its MLflow run starts."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
-    store = Store.open(spec.resolved_url(settings), settings)
+    store = spec.open_store(settings)
     registered = register_config(spec.run_id, store, uri=spec.tracking_uri, settings=settings,
                                  started_at=started_at)
     log.info("run %s: registered %s version %s%s (alias challenger; champion %s); validation %s; "
@@ -394,7 +353,7 @@ def step_promote(spec, registered: dict) -> dict:
     spec = RunSpec.of(spec)
     settings = spec.settings()
     result = promote(registered["name"], registered["version"],
-                     Store.open(spec.resolved_url(settings), settings), uri=spec.tracking_uri, settings=settings,
+                     spec.open_store(settings), uri=spec.tracking_uri, settings=settings,
                      expected_champion=registered["champion_version"])
     log.info("run %s: %s version %s %s: %s; gates: %s", spec.run_id, registered["name"],
              registered["version"], "promoted to champion" if result["promoted"] else "NOT promoted",
@@ -406,7 +365,7 @@ def low_acceptance_domains(spec, threshold: float) -> list[dict]:
     """Domains whose planned drafter's expected tokens per round fell below `threshold`
     (tasks.registry.run_results.low_acceptance: the rule the version page states too)."""
     spec = RunSpec.of(spec)
-    low = low_acceptance(spec.run_id, threshold, Store.of(spec.url))
+    low = low_acceptance(spec.run_id, threshold, spec.open_store())
     if low:
         log.warning("run %s: low-acceptance alert (expected tokens per round below %.2f): %s", spec.run_id,
                     threshold, ", ".join(f"{r['domain']} ({'on' if r['enabled'] else 'off'}, {r['drafter']} "

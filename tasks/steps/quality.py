@@ -28,7 +28,6 @@ from ..db.queries_quality import (replace_quality_results, result_rows, sample_r
                                   set_run_checked, store_data_docs)
 from ..db.store import Store
 from ..errors import QualityGateFailed, SampleError
-from ..registry.run_results import data_docs_pages  # noqa: F401 - re-exported
 from ..settings import Settings
 from .traffic_sample import SAMPLE_SUITE
 

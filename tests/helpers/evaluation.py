@@ -14,9 +14,10 @@ SETTINGS = dict(min_per_domain=5, max_per_domain=10, eval_k_max=3, profile_batch
 
 def run(db_url, target, run_id, **overrides):
     """Every step of `evaluate` for run_id on the already loaded tiny `target`."""
+    from tasks.db.store import Store
     from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
 
     settings = load_settings({}, **{**SETTINGS, **overrides})
-    return evaluate(run_id=run_id, target="tiny", db_url=db_url, settings=settings, model=target,
+    return evaluate(run_id=run_id, target="tiny", store=Store.open(db_url), settings=settings, model=target,
                     progress=False)
