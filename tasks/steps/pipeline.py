@@ -88,13 +88,12 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     spec = RunSpec.of(spec)
     settings = spec.settings()
     store = spec.open_store(settings)
-    url = store.url
     name = settings.plan.hardware_profile
     measured = None
     if name is None and plans_on_vllm(settings, spec.target):
         # the serving engine's costs plan the run (its own profile, reused or measured)
         measured = vllm_profile_or_reuse(spec.run_id, spec.target, list(settings.plan.candidates),
-                                         Store.open(url, settings), settings=settings,
+                                         store, settings=settings,
                                          k_max=settings.plan.k_max, new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
     elif name is None:
@@ -105,7 +104,7 @@ def step_profile(spec, new_profile: bool = False) -> dict:
                                     tokenizer=context.tokenizer, fingerprint=context.fingerprint,
                                     new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
-    costs = load_costs(name, Store.open(url, settings))
+    costs = load_costs(name, store)
     if measured is not None:
         provenance = dict(measured["profile"])
     else:
