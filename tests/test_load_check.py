@@ -235,7 +235,8 @@ def served(tmp_path_factory):
     settings = load_settings(load_check_levels=(1, 2), load_check_requests=1,
                              load_check_max_tokens=TOKENS, min_speedup=1e-9)
     context = SimpleNamespace(settings=settings, spec=SimpleNamespace(run_id="r1", target=str(target)),
-                              engine=ensure_ready(url), url=url, model=None,
+                              engine=ensure_ready(url), store=Store.open(url, settings), url=url,
+                              model=None,
                               domain_requests=lambda domain: (requests[domain], {}),
                               domain_drafters=lambda domain: {})
     with ServerPool("r1", target, dtype="float32", settings=settings, max_model_len=512,
