@@ -130,8 +130,9 @@ class PackedWeight:
 
 class PackedLinear(torch.nn.Linear):
     """nn.Linear whose forward over 4 to 48 rows of float32 on a CPU multiplies by its weight packed
-    for oneDNN (`_specdec_packed`); every other call is nn.Linear's. prepare() turns a model's
-    nn.Linear modules into this class in place (same parameters, state dict and pickles)."""
+    for oneDNN (`_specdec_packed`); every other call, and every call torch.compile traces, is
+    nn.Linear's. prepare() turns a model's nn.Linear modules into this class in place (same
+    parameters, state dict and pickles)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -139,7 +140,10 @@ class PackedLinear(torch.nn.Linear):
         plan = (RowPlan.from_range(*PACKED_ROWS) if PACKED_ROWS is not None
                 else self.__dict__.get("_specdec_rows") or RowPlan.from_range(SMALL_ROWS, MAX_PACKED_ROWS))
         target = plan.rows_for(rows)
+        # traced by torch.compile: nn.Linear's (inductor packs weights its own way; the packed
+        # weight here is no graph constant, and inductor's CPU lowering of this op needs one)
         if (target and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+                and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             packed = self.__dict__.get("_specdec_packed")
             if packed is None:                      # unpickled or built without prepare()

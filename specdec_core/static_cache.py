@@ -123,18 +123,22 @@ class StaticSequenceCache:
         self._model = weakref.ref(model)     # held weakly: a model's pool must not keep it alive
         self.device, self.dtype = weight.device, weight.dtype
         self.batch, self.max_len = batch, max_len
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        for layer in self.cache.layers:
-            # the write counters start on the CPU and would move to the device inside the first
-            # forward; moved now, every counter is on the device from the start (on CPU and CUDA)
-            layer.cumulative_length = layer.cumulative_length.to(self.device)
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
-        self.count = torch.zeros(batch, dtype=torch.long, device=self.device)
+        # every tensor of the cache is an inference tensor, wherever the cache is made (inside a
+        # decode, which runs in inference mode, or outside): a compiled body guards on the
+        # tensors' dispatch keys, and a cache made outside would compile every body again
+        with torch.inference_mode():
+            self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+            for layer in self.cache.layers:
+                # the write counters start on the CPU and would move to the device inside the
+                # first forward; moved now, every counter is on the device from the start
+                layer.cumulative_length = layer.cumulative_length.to(self.device)
+            self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
+            self.count = torch.zeros(batch, dtype=torch.long, device=self.device)
+            # the device's next column to write (a 0-dim tensor): what captured work reads
+            self.write_column = torch.zeros((), dtype=torch.long, device=self.device)
+            self._cols = torch.arange(max_len, device=self.device)
         self._width = 0                  # host: the next column to write
         self.last_start = 0              # host: first column of the latest forward
-        # the device's next column to write (a 0-dim tensor): what captured work reads
-        self.write_column = torch.zeros((), dtype=torch.long, device=self.device)
-        self._cols = torch.arange(max_len, device=self.device)
         self._min = torch.finfo(self.dtype).min
         self.runs = ForwardRuns(self, cuda_graphs, compile)
         self.compactions = 0
@@ -180,6 +184,8 @@ class StaticSequenceCache:
             raise ValueError(f"batch {batch} != the static cache's {self.batch}")
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
+        if logits_to_keep >= width:    # every position either way: one compiled body, one graph
+            logits_to_keep = 0
         if _in_mode("device_only"):   # the caller reserved the columns (and follows them)
             return self.runs.run(tokens, valid.bool(), logits_to_keep, inputs_embeds)
         self.reserve(width)
@@ -337,6 +343,9 @@ class ForwardRuns:
             # a validity mask broadcast from the active rows and a materialised one would be two
             # bodies (their strides differ): the body always gets a contiguous one
             valid = valid.contiguous()
+            # inputs made outside inference mode (a cost measurement's random tokens) differ from
+            # a decode's in their dispatch keys, which a compiled body guards on: copied here
+            tokens, valid = (t if t.is_inference() else t.clone() for t in (tokens, valid))
             if tokens.shape[1] > 1:   # one body for every verify width (a width of 1 is its own)
                 for tensor in (tokens, valid):
                     torch._dynamo.maybe_mark_dynamic(tensor, 1)

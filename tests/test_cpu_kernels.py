@@ -170,6 +170,26 @@ def test_the_decoder_uses_them_by_default_with_the_same_tokens():
     assert torch.equal(lookup.generate(prompt, max_new_tokens=24).tokens, want.tokens)
 
 
+def test_a_prepared_model_compiles_with_transformers_linears_and_the_same_tokens(monkeypatch):
+    # a model the CPU kernels prepared (a default decoder on a CPU does it, for good) and then
+    # decoded compiled: the traced forward takes nn.Linear's path, since inductor's CPU lowering
+    # of the packed op needs its weight as a graph constant ("Found from" when it was traced)
+    monkeypatch.setattr(cpu_kernels, "PACKED_ROWS", (1, cpu_kernels.MAX_PACKED_ROWS))  # every row packed
+    plain, fast, applied = _pair()
+    assert applied["packed_linear"] > 0
+    ids, mask = left_padded_batch()
+    want = SpecDecoder(plain, PromptLookup(), k=2, cpu_kernels=False).generate(
+        ids, 16, attention_mask=mask, eos_token_id=5)
+    compiled = SpecDecoder(fast, PromptLookup(), k=2, static_cache=True, cuda_graphs=True, compile=True)
+    got = compiled.generate(ids, 16, attention_mask=mask, eos_token_id=5)
+    assert all(cache["compiled"] for cache in compiled.engine_state()["caches"])
+    assert torch.equal(got.tokens, want.tokens)
+    # outside a compiled body the packed path still runs (and packs the weights it used)
+    _narrow_logits(fast, ids, mask, 4)
+    assert any(m._specdec_packed.tensor is not None for m in fast.modules()
+               if isinstance(m, cpu_kernels.PackedLinear))
+
+
 def _cache_steps(model, shared: bool) -> tuple[list, list]:
     """One prompt for 5 rows, then a pass with holes, a rollback to different lengths, two rows
     leaving and a last pass; the logits of each forward and the cache's layer types."""

@@ -268,6 +268,30 @@ def test_one_compiled_body_serves_every_verify_width(target, draft, monkeypatch)
     assert bodies[0] > 0 and bodies[1] == bodies[0], bodies
 
 
+def test_a_cost_measurement_and_a_decode_share_their_compiled_bodies(monkeypatch):
+    # compile on: a cost measurement's cache (made outside a decode, its random tokens made
+    # outside inference mode, a step keeping every logit) and a decode's cache (made inside
+    # inference mode, a step keeping its last logit) run the same compiled bodies. They did not:
+    # tensors' dispatch keys and logits_to_keep are guarded, and `profile measure` on an H100
+    # compiled a body again for each (4.6-8.7 s each, after 31 s and 46 s for the first two).
+    # A fresh model: another test's CPU kernels would split the traced body.
+    from specdec_core.profile import measure_forward_costs
+
+    from .helpers.models import tiny_llama
+
+    monkeypatch.setattr(static_cache, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()
+    model = tiny_llama(seed=3)
+    measure_forward_costs(model, [1, 3], context_len=64, repeats=1, static=True, cuda_graphs=False,
+                          compile=True)
+    measured = static_cache.COMPILES["bodies"]
+    decoder = SpecDecoder(model, PromptLookup(), k=2, static_cache=True, cuda_graphs=False,
+                          compile=True, cpu_kernels=False)
+    decoder.generate(repetitive_prompt(), 12)
+    assert decoder.engine()["compile"] is True
+    assert static_cache.COMPILES["bodies"] == measured, (measured, static_cache.COMPILES)
+
+
 def test_captured_sampling_rounds_are_reseeded_per_call(target, draft):
     # a captured round draws from the loop's generator, re-seeded by each call: the same seed
     # gives the same tokens on replays, another seed other tokens (on CUDA the generator is
