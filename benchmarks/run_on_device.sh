@@ -12,6 +12,10 @@
 #   profile    `specdec profile measure --device cuda` end to end, against a random-weight model of
 #              the embedded default's architecture (benchmarks/random_model.py) and a throwaway
 #              store (SPECDEC_HOME=/tmp/specdec-device); prints the compile time;
+#   profile_layer  the same with SPECDEC_COMPILE_SCOPE=layer (one compiled decoder layer shared
+#              by every layer: specdec_core/layer_compile.py);
+#   decode_layer   gpu_decode.py item 1 (plain decoding, compile on) with the layer scope, into
+#              gpu_decode_layer.md: what the shorter compile costs per token;
 #   head       benchmarks/eagle3_gpu.py: the target answers prompts of every domain, EAGLE-3 heads
 #              train on 1k, 5k and all of them, held-out acceptance per domain (the learning
 #              curve); needs the embedded default's GGUF, which is over one call's 64 MiB: its two
@@ -21,12 +25,14 @@
 # $OUT/results.tar.gz (a device call brings back at most 8 files), beside $OUT/device.txt
 # (versions, then every step's rc and seconds). Exits non-zero when any step failed.
 #
-#   bash benchmarks/run_on_device.sh                # STEPS (default: before breakdown grid decode
-#                                                   # profile), each under its LIMITS
+#   bash benchmarks/run_on_device.sh                # STEPS (default: breakdown grid decode
+#                                                   # profile_layer decode_layer profile), each under
+#                                                   # its LIMITS (585 s in all)
 #   STEPS="head" bash benchmarks/run_on_device.sh   # only some steps
 #   LIMITS="grid=60 decode=150" bash ...            # each step's limit in seconds (default
 #                                                   # tests=150 before=45 breakdown=45 grid=60
-#                                                   # decode=150 profile=120 head=270; LIMITS= for
+#                                                   # decode=150 profile=120 profile_layer=120
+#                                                   # decode_layer=90 head=270; LIMITS= for
 #                                                   # none): a step over its limit is stopped, its log
 #                                                   # kept, the next one runs
 #   bash benchmarks/run_on_device.sh --smoke        # dry run on this machine's CPU: the same steps
@@ -88,9 +94,9 @@ if [ "${1:-}" = "--smoke" ]; then
     shift
 fi
 OUT=${OUT:-/tmp/specdec-device-out}
-STEPS=${STEPS:-before breakdown grid decode profile}
+STEPS=${STEPS:-breakdown grid decode profile_layer decode_layer profile}
 # each step's limit in seconds: a 15-minute lease then brings back something of every step
-LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 decode=150 profile=120 head=270}
+LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 decode=150 profile=120 profile_layer=120 decode_layer=90 head=270}
 mkdir -p "$OUT"
 LOGS=$(mktemp -d /tmp/specdec-device-logs.XXXXXX)      # packed into $OUT/results.tar.gz
 WORK=$(mktemp -d /tmp/specdec-device-work.XXXXXX)
@@ -137,11 +143,11 @@ fast_path_tests() {
     python3 -m pytest -v -p no:cacheprovider --durations=15 tests/test_fast_path.py
 }
 
-profile_measure() {
+profile_measure() {   # profile_measure [COMPILE_SCOPE]
     # a throwaway store and no inherited SPECDEC_* settings
     local var
     for var in $(compgen -e | grep '^SPECDEC_'); do unset "$var"; done
-    export SPECDEC_HOME=/tmp/specdec-device
+    export SPECDEC_HOME=/tmp/specdec-device SPECDEC_COMPILE_SCOPE=${1:-model}
     local model=/tmp/specdec-random-model
     rm -rf "$SPECDEC_HOME" "$model"
     python3 benchmarks/random_model.py "$model" ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} || return
@@ -177,7 +183,12 @@ gpu_decode() {
     # items 1, 4 and 5 (compile at the engine's default): 2 and 3 are the grid step's; with all
     # five, items 4-5 did not fit the step's 140-150 s on an H100
     python3 benchmarks/gpu_decode.py ${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"} --quick \
-        --items "${DECODE_ITEMS:-1,4,5}" --out "$LOGS/gpu_decode.md" --json "$LOGS/gpu_decode.json" "$@"
+        --items "${DECODE_ITEMS:-1,4,5}" --out "$LOGS/${DECODE_NAME:-gpu_decode}.md" \
+        --json "$LOGS/${DECODE_NAME:-gpu_decode}.json" "$@"
+}
+
+gpu_decode_layer() {   # plain decoding compiled with one decoder layer's body
+    SPECDEC_COMPILE_SCOPE=layer DECODE_ITEMS=1 DECODE_NAME=gpu_decode_layer gpu_decode "$@"
 }
 
 head_training() {
@@ -250,6 +261,8 @@ run_step before breakdown_before.log before_breakdown
 run_step breakdown breakdown_after.log gpu_breakdown breakdown_after
 run_step grid gpu_grid.log gpu_grid
 run_step decode gpu_decode.log gpu_decode "$@"
+run_step profile_layer profile_measure_layer.log profile_measure layer
+run_step decode_layer gpu_decode_layer.log gpu_decode_layer "$@"
 run_step profile profile_measure.log profile_measure
 run_step head head.log head_training
 rm -rf "$WORK"

@@ -278,7 +278,9 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     (shared_prefix_attention)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layers = _SHARED_LAYERS.get()
+    # a traced forward (a static cache's, never sharing a prefix) skips the lookup: reading a
+    # context variable breaks torch.compile's graph
+    layers = None if torch.compiler.is_compiling() else _SHARED_LAYERS.get()
     if layers is not None and not kwargs.get("output_attentions"):
         layer = layers[module.layer_idx]
         if getattr(layer, "prefix_keys", None) is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -36,6 +37,7 @@ from transformers import StaticCache
 
 from .errors import UnsupportedArchitecture
 from .graphs import CapturedGraph, RerunGraph
+from .layer_compile import compiled_layers, decoder_layers, stack_layers, stackable
 from .records import LoopBuffers
 
 log = logging.getLogger(__name__)
@@ -234,6 +236,7 @@ class StaticSequenceCache:
         return {"batch": self.batch, "length": self.max_len, "width": self._width,
                 "device_positions": [int(p) for p in self._positions()],
                 "compactions": self.compactions, "compiled": self.runs.compiled is not None,
+                "compile_scope": self.runs.scope,
                 "forward_graphs": sorted(self.runs.graphs)}
 
     # -- internals -----------------------------------------------------------------------------
@@ -322,6 +325,7 @@ class ForwardRuns:
         self.compile = bool(compile)
         self.fallback = compile == "auto"
         self.compiled = None
+        self.scope = compile_scope() if self.compile else None
         self.graph_cls = CapturedGraph if cache.device.type == "cuda" else RerunGraph
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}
 
@@ -339,7 +343,8 @@ class ForwardRuns:
         if (self.compile and decode and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH
                 and not _in_mode("eager")):
             if self.compiled is None:
-                self.compiled = compiled_body(self.cache)
+                self.compiled = (compiled_body(self.cache) if self.scope == "model"
+                                 else LayerBody(self.cache))
             # a validity mask broadcast from the active rows and a materialised one would be two
             # bodies (their strides differ): the body always gets a contiguous one
             valid = valid.contiguous()
@@ -395,6 +400,36 @@ class ForwardRuns:
         return graph
 
 
+class LayerBody:
+    """cache.body with the model's decoder layers compiled (compile scope "layer",
+    layer_compile.py): one compiled body serves every layer. The first call stacks the cache's
+    layers (they exist after the prefill); a model without uniform decoder layers, or a call
+    before the cache has any, runs the body eagerly."""
+
+    def __init__(self, cache: StaticSequenceCache):
+        self.cache = cache
+        self.layers = decoder_layers(cache.model)
+        _raise_recompile_limits()
+        if not self.layers:
+            log.warning("compile scope 'layer': %s has no uniform decoder layers (model.model.layers); "
+                        "its forwards run eagerly", type(cache.model).__name__)
+
+    def __call__(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        if not self.layers or not stackable(self.cache.cache):
+            return self.cache.body(tokens, valid, logits_to_keep)
+        stack_layers(self.cache.cache)
+        with compiled_layers(self.layers, COMPILE_BACKEND):
+            return self.cache.body(tokens, valid, logits_to_keep)
+
+
+def compile_scope() -> str:
+    """COMPILE_SCOPE, checked (the environment sets it: SPECDEC_COMPILE_SCOPE)."""
+    if COMPILE_SCOPE not in COMPILE_SCOPES:
+        raise ValueError(f"compile scope {COMPILE_SCOPE!r} (SPECDEC_COMPILE_SCOPE): use one of "
+                         f"{', '.join(COMPILE_SCOPES)}")
+    return COMPILE_SCOPE
+
+
 def compiled_body(cache: StaticSequenceCache):
     """cache.body compiled by torch.compile (inductor): mask building, the model's layers and
     the cache writes fused into few kernels; on CUDA the engine's own graphs then capture it.
@@ -404,16 +439,27 @@ def compiled_body(cache: StaticSequenceCache):
     width (each costs seconds to tens of seconds on a GPU). Other shapes -- a cache of another
     batch or length -- recompile once and then stay dynamic too (torch.compile's automatic
     dynamic shapes). The recompile limit is raised to hold every cache's entries."""
+    _raise_recompile_limits()
+    return torch.compile(cache.body, dynamic=None, backend=COMPILE_BACKEND)
+
+
+def _raise_recompile_limits() -> None:
+    """torch.compile's recompile limits raised to hold every cache's entries (past the limit a
+    function runs eagerly, silently)."""
     import torch._dynamo
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, COMPILED_ENTRIES)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, COMPILED_ENTRIES)
-    return torch.compile(cache.body, dynamic=None, backend=COMPILE_BACKEND)
 
 
 # torch.compile's backend for the forward bodies (tests trace with "eager": same bodies, no codegen)
 COMPILE_BACKEND = "inductor"
+# what compile on compiles: "model", the whole forward (mask building, every layer, the output
+# projection fused), a body per kind of forward; "layer", one decoder layer's forward shared by
+# every layer (layer_compile.py: a fraction of the compile time, the rest of the forward eager)
+COMPILE_SCOPES = ("model", "layer")
+COMPILE_SCOPE = os.environ.get("SPECDEC_COMPILE_SCOPE", "model").strip().lower() or "model"
 # compiled bodies one process may hold: caches x kinds of width
 COMPILED_ENTRIES = 512
 # what compiling has cost this process: bodies compiled and the seconds of the calls that compiled
@@ -471,9 +517,10 @@ class StaticCachePool:
         beside the model, keyed weakly, not in it: the model stays copyable and picklable."""
         with _POOLS_LOCK:
             pools = _POOLS.setdefault(model, {})
-            key = (bool(cuda_graphs), compile if compile == "auto" else bool(compile))
+            options = (bool(cuda_graphs), compile if compile == "auto" else bool(compile))
+            key = (*options, compile_scope() if compile else None)   # a scope set later: other caches
             if key not in pools:
-                pools[key] = cls(*key)
+                pools[key] = cls(*options)
             return pools[key]
 
     def get(self, model: torch.nn.Module, batch: int, needed_len: int,
