@@ -16,6 +16,8 @@
 #              by every layer: specdec_core/layer_compile.py);
 #   decode_layer   gpu_decode.py item 1 (plain decoding, compile on) with the layer scope, into
 #              gpu_decode_layer.md: what the shorter compile costs per token;
+#   scope      benchmarks/compile_scope.py --device cuda --repeats 1: cold compile seconds and
+#              forward milliseconds of both compile scopes on the embedded default's shape;
 #   head       benchmarks/eagle3_gpu.py: the target answers prompts of every domain, EAGLE-3 heads
 #              train on 1k, 5k and all of them, held-out acceptance per domain (the learning
 #              curve); needs the embedded default's GGUF, which is over one call's 64 MiB: its two
@@ -26,13 +28,13 @@
 # (versions, then every step's rc and seconds). Exits non-zero when any step failed.
 #
 #   bash benchmarks/run_on_device.sh                # STEPS (default: breakdown grid decode
-#                                                   # profile_layer decode_layer profile), each under
+#                                                   # profile_layer decode_layer scope), each under
 #                                                   # its LIMITS (585 s in all)
 #   STEPS="head" bash benchmarks/run_on_device.sh   # only some steps
 #   LIMITS="grid=60 decode=150" bash ...            # each step's limit in seconds (default
 #                                                   # tests=150 before=45 breakdown=45 grid=60
 #                                                   # decode=150 profile=120 profile_layer=120
-#                                                   # decode_layer=90 head=270; LIMITS= for
+#                                                   # decode_layer=90 scope=120 head=270; LIMITS= for
 #                                                   # none): a step over its limit is stopped, its log
 #                                                   # kept, the next one runs
 #   bash benchmarks/run_on_device.sh --smoke        # dry run on this machine's CPU: the same steps
@@ -94,9 +96,9 @@ if [ "${1:-}" = "--smoke" ]; then
     shift
 fi
 OUT=${OUT:-/tmp/specdec-device-out}
-STEPS=${STEPS:-breakdown grid decode profile_layer decode_layer profile}
+STEPS=${STEPS:-breakdown grid decode profile_layer decode_layer scope}
 # each step's limit in seconds: a 15-minute lease then brings back something of every step
-LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 decode=150 profile=120 profile_layer=120 decode_layer=90 head=270}
+LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 decode=150 profile=120 profile_layer=120 decode_layer=90 scope=120 head=270}
 mkdir -p "$OUT"
 LOGS=$(mktemp -d /tmp/specdec-device-logs.XXXXXX)      # packed into $OUT/results.tar.gz
 WORK=$(mktemp -d /tmp/specdec-device-work.XXXXXX)
@@ -187,6 +189,11 @@ gpu_decode() {
         --json "$LOGS/${DECODE_NAME:-gpu_decode}.json" "$@"
 }
 
+compile_scopes() {   # both compile scopes, cold (benchmarks/compile_scope.py)
+    python3 benchmarks/compile_scope.py ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} --device "$DEVICE" \
+        --repeats 1 --out "$LOGS/compile_scope.md" --json "$LOGS/compile_scope.json"
+}
+
 gpu_decode_layer() {   # plain decoding compiled with one decoder layer's body
     SPECDEC_COMPILE_SCOPE=layer DECODE_ITEMS=1 DECODE_NAME=gpu_decode_layer gpu_decode "$@"
 }
@@ -263,6 +270,7 @@ run_step grid gpu_grid.log gpu_grid
 run_step decode gpu_decode.log gpu_decode "$@"
 run_step profile_layer profile_measure_layer.log profile_measure layer
 run_step decode_layer gpu_decode_layer.log gpu_decode_layer "$@"
+run_step scope compile_scope.log compile_scopes
 run_step profile profile_measure.log profile_measure
 run_step head head.log head_training
 rm -rf "$WORK"

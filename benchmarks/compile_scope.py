@@ -1,0 +1,191 @@
+"""What the compile scope costs and saves: "model" (the whole forward compiled, the default) against
+"layer" (one decoder layer compiled and shared by every layer; specdec_core/layer_compile.py).
+
+On the embedded default's architecture (random weights; benchmarks/gpu_decode.py's smollm2-135m
+shape) and a static cache of batch 1:
+- compile: each scope in a fresh process with torch.compile's caches off (a cold compile, as
+  on a new GPU machine), the seconds of the first step (width 1) and the first verify (width 4),
+  then a verify of width 6 (served by the same body: no new compile); `--repeats` processes per
+  scope, the scopes alternating;
+- steady: both scopes' caches in one process, a step and a verify of width 4 timed alternately
+  (contenders interleaved), median milliseconds, and the largest logit difference against the
+  same forwards run eagerly.
+
+    python benchmarks/compile_scope.py [--device cuda] [--repeats 2] [--out FILE.md] [--json FILE]
+    python benchmarks/compile_scope.py --smoke      # tiny shape, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SCOPES = ("model", "layer")
+RESULTS = Path(__file__).parent / "results" / "compile_scope_cpu.md"
+SMOKE_SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2)
+
+
+def build(args):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import gpu_decode
+
+    shape = SMOKE_SHAPE if args.smoke else gpu_decode.TARGET_SHAPES["smollm2-135m"]
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    return LlamaForCausalLM(LlamaConfig(**shape)).eval().to(args.device, dtype)
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def prefilled(model, args, compile_on: bool):
+    import torch
+
+    from specdec_core.static_cache import StaticSequenceCache
+
+    cache = StaticSequenceCache(model, batch=1, max_len=256, compile=compile_on)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 32), generator=generator).to(args.device)
+    cache.forward(prompt, graphed=False)
+    return cache
+
+
+def tokens(model, width: int, args):
+    import torch
+
+    generator = torch.Generator().manual_seed(width)
+    return torch.randint(3, model.config.vocab_size, (1, width), generator=generator).to(args.device)
+
+
+def compile_child(args) -> dict:
+    """In a fresh process (SPECDEC_COMPILE_SCOPE set by the parent): the first forwards' seconds."""
+    import torch
+
+    from specdec_core import static_cache
+
+    model = build(args)
+    cache = prefilled(model, args, compile_on=True)
+    seconds = {}
+    with torch.inference_mode():
+        for width in (1, 4, 6):
+            sync(args.device)
+            started = time.perf_counter()
+            cache.forward(tokens(model, width, args))
+            sync(args.device)
+            seconds[str(width)] = time.perf_counter() - started
+            cache.rollback_to(cache.count.clone() - width, width=cache.width - width)
+    return {"scope": static_cache.compile_scope(), "seconds": seconds,
+            "bodies": static_cache.COMPILES["bodies"], "compile_s": static_cache.COMPILES["seconds"]}
+
+
+def steady(args) -> dict:
+    """Both scopes' caches in this process; forwards timed alternately."""
+    import torch
+
+    from specdec_core import static_cache
+
+    model = build(args)
+    models = {name: copy.deepcopy(model) for name in (*SCOPES, "eager")}   # a cache holds its model weakly
+    caches = {}
+    for scope in SCOPES:
+        static_cache.COMPILE_SCOPE = scope
+        caches[scope] = prefilled(models[scope], args, compile_on=True)
+    caches["eager"] = prefilled(models["eager"], args, compile_on=False)
+    times = {(name, width): [] for name in caches for width in (1, 4)}
+    diffs = {scope: 0.0 for scope in SCOPES}
+    with torch.inference_mode():
+        for repeat in range(args.steps + 2):            # two warm-up rounds (they compile)
+            for width in (1, 4):
+                step = tokens(model, width, args)
+                outs = {}
+                for name, cache in caches.items():
+                    sync(args.device)
+                    started = time.perf_counter()
+                    outs[name] = cache.forward(step).float()
+                    sync(args.device)
+                    if repeat >= 2:
+                        times[name, width].append(time.perf_counter() - started)
+                    cache.rollback_to(cache.count.clone() - width, width=cache.width - width)
+                for scope in SCOPES:
+                    diffs[scope] = max(diffs[scope], float((outs[scope] - outs["eager"]).abs().max()))
+    return {"ms": {f"{name} w{width}": 1000 * statistics.median(values)
+                   for (name, width), values in times.items()}, "max_logit_diff": diffs}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=2, help="cold-compile processes per scope")
+    parser.add_argument("--steps", type=int, default=20, help="timed forwards per contender and width")
+    parser.add_argument("--smoke", action="store_true", help="the tiny shape (tests)")
+    parser.add_argument("--out", type=Path, default=None, help=f"Markdown (default {RESULTS})")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(compile_child(args)))
+        return 0
+    child_args = [sys.executable, __file__, "--child", "--device", args.device] + (["--smoke"] if args.smoke else [])
+    colds = []
+    for repeat in range(args.repeats):
+        for scope in SCOPES:                            # alternating: model, layer, model, layer
+            env = dict(os.environ, SPECDEC_COMPILE_SCOPE=scope, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+            done = subprocess.run(child_args, env=env, capture_output=True, text=True, check=False)
+            if done.returncode:
+                print(done.stderr[-3000:], file=sys.stderr)
+                return done.returncode
+            colds.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"[compile_scope] cold compile {repeat + 1}/{args.repeats}, {scope}: "
+                  f"{colds[-1]['compile_s']:.1f} s", flush=True)
+    warm = steady(args)
+    report = {"device": args.device, "smoke": args.smoke, "cold": colds, "steady": warm}
+    lines = [f"# Compile scope: whole forward vs one shared decoder layer ({args.device})", "",
+             "`python benchmarks/compile_scope.py" + (" --smoke" if args.smoke else "")
+             + (f" --device {args.device}" if args.device != "cpu" else "") + "`: "
+             + ("a tiny Llama" if args.smoke else "the embedded default's architecture (30 layers)")
+             + ", random weights, batch 1, cold compiles (fresh processes, caches off).", "",
+             "| scope | first step s | first verify (4) s | verify 6 s | bodies | compile s |",
+             "|---|---|---|---|---|---|"]
+    for cold in colds:
+        s = cold["seconds"]
+        lines.append(f"| {cold['scope']} | {s['1']:.2f} | {s['4']:.2f} | {s['6']:.2f} | "
+                     f"{cold['bodies']} | {cold['compile_s']:.1f} |")
+    by_scope = {scope: [c["compile_s"] for c in colds if c["scope"] == scope] for scope in SCOPES}
+    ms = warm["ms"]
+    lines += ["", f"Cold compile, median: model {statistics.median(by_scope['model']):.1f} s, layer "
+              f"{statistics.median(by_scope['layer']):.1f} s (**{statistics.median(by_scope['model']) / max(statistics.median(by_scope['layer']), 1e-9):.1f}x "
+              "less**).", "", "| forward | eager ms | model ms | layer ms | layer / model |", "|---|---|---|---|---|"]
+    for width in (1, 4):
+        lines.append(f"| width {width} | {ms[f'eager w{width}']:.2f} | {ms[f'model w{width}']:.2f} | "
+                     f"{ms[f'layer w{width}']:.2f} | {ms[f'layer w{width}'] / ms[f'model w{width}']:.2f} |")
+    lines += ["", "Largest logit difference against eager forwards: " + ", ".join(
+        f"{scope} {diff:.1e}" for scope, diff in warm["max_logit_diff"].items()) + "."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = args.out or (None if args.smoke else RESULTS)
+    if out:
+        out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
