@@ -40,15 +40,18 @@ class StackedStaticCache(StaticCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        # what transformers' StaticLayer.update does on an initialised layer, on the views
+        # what transformers' StaticLayer.update does on an initialised layer, written into the
+        # stacked tensors themselves (index_put_ on them, not index_copy_ on a layer's view:
+        # inductor's in-place pass would specialise on the index to rule out overlaps)
         width = key_states.shape[-2]
-        written = self.stacked_lengths[layer_idx]
-        columns = torch.arange(width, device=key_states.device) + written
-        written.add_(width)
-        keys, values = self.stacked_keys[layer_idx], self.stacked_values[layer_idx]
-        keys.index_copy_(2, columns, key_states)
-        values.index_copy_(2, columns, value_states)
-        return keys, values
+        device = key_states.device
+        layer = torch.full((1,), layer_idx, dtype=torch.long, device=device)
+        columns = torch.arange(width, device=device) + self.stacked_lengths.index_select(0, layer)
+        self.stacked_lengths.index_add_(0, layer, torch.full((1,), width, dtype=torch.long, device=device))
+        # advanced indices apart (layer, column): the written values go [T, B, H, D]
+        self.stacked_keys[layer, :, :, columns] = key_states.permute(2, 0, 1, 3)
+        self.stacked_values[layer, :, :, columns] = value_states.permute(2, 0, 1, 3)
+        return self.stacked_keys[layer_idx], self.stacked_values[layer_idx]
 
 
 def stackable(cache: StaticCache) -> bool:
@@ -97,15 +100,29 @@ def _compiled_forward(layer_type: type, backend: str):
     return torch.compile(layer_type.forward, dynamic=None, backend=backend)
 
 
+def index_sources(layer: torch.nn.Module) -> list[str]:
+    """torch.compile's names of the layer-index attributes in a decoder layer's forward (`self`
+    and its submodules' `layer_idx`): marked dynamic, the first compile already serves every layer
+    (else it specialises on layer 0 and compiles again for layer 1)."""
+    sources = []
+    for name, module in layer.named_modules():
+        if isinstance(getattr(module, "layer_idx", None), int):
+            path = "".join(f"._modules['{part}']" for part in name.split(".")) if name else ""
+            sources.append(f"L['self']{path}.layer_idx")
+    return sources
+
+
 @contextlib.contextmanager
 def compiled_layers(layers: list[torch.nn.Module], backend: str):
     """Within: each layer's forward is its class's compiled forward (the layer index traced as a
     symbolic integer, so every layer shares the body). Outside: the layers are as before."""
     compiled = _compiled_forward(type(layers[0]), backend)
+    sources = ",".join(filter(None, [torch.compiler.config.dynamic_sources, *index_sources(layers[0])]))
     for layer in layers:
         layer.forward = functools.partial(compiled, layer)
     try:
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), \
+                torch.compiler.config.patch(dynamic_sources=sources):
             yield
     finally:
         for layer in layers:
