@@ -117,12 +117,15 @@ def compiled_layers(layers: list[torch.nn.Module], backend: str):
     """Within: each layer's forward is its class's compiled forward (the layer index traced as a
     symbolic integer, so every layer shares the body). Outside: the layers are as before."""
     compiled = _compiled_forward(type(layers[0]), backend)
-    sources = ",".join(filter(None, [torch.compiler.config.dynamic_sources, *index_sources(layers[0])]))
+    settings = torch.compiler.config
+    # a torch without dynamic_sources specialises on the first layer's index, then compiles once more
+    sources = (settings.patch(dynamic_sources=",".join(filter(None, [
+        settings.dynamic_sources, *index_sources(layers[0])])))
+        if hasattr(settings, "dynamic_sources") else contextlib.nullcontext())
     for layer in layers:
         layer.forward = functools.partial(compiled, layer)
     try:
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), \
-                torch.compiler.config.patch(dynamic_sources=sources):
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), sources:
             yield
     finally:
         for layer in layers:
