@@ -82,6 +82,9 @@ def stack_layers(cache: StaticCache) -> None:
     for tensor in (cache.stacked_keys, cache.stacked_values, cache.stacked_lengths):
         torch._dynamo.mark_static_address(tensor)     # fixed addresses, as StaticLayer's own
     cache.__class__ = StackedStaticCache
+    if cache.stacked_keys.is_cuda and not torch.cuda.is_current_stream_capturing():
+        # the layers' own tensors go back to the allocator now: the copies must have read them
+        torch.cuda.current_stream(cache.stacked_keys.device).synchronize()
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -363,7 +363,12 @@ class ForwardRuns:
                             "(pass compile=False to skip the attempt)", type(self.cache.model).__name__,
                             type(error).__name__, str(error).splitlines()[0] if str(error) else "")
                 self.compile = False
-        return self.cache.body(tokens, valid, logits_to_keep, inputs_embeds)
+        logits = self.cache.body(tokens, valid, logits_to_keep, inputs_embeds)
+        if self.scope == "layer" and stackable(self.cache.cache):
+            # stacked right after the eager forward that made the layers (a prefill, on the
+            # current stream), not later inside a capture's warm-up on a side stream
+            stack_layers(self.cache.cache)
+        return logits
 
     def _compiled(self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         """The compiled body; a call that compiled (a new body) adds its seconds to COMPILES."""
@@ -402,9 +407,9 @@ class ForwardRuns:
 
 class LayerBody:
     """cache.body with the model's decoder layers compiled (compile scope "layer",
-    layer_compile.py): one compiled body serves every layer. The first call stacks the cache's
-    layers (they exist after the prefill); a model without uniform decoder layers, or a call
-    before the cache has any, runs the body eagerly."""
+    layer_compile.py): one compiled body serves every layer. The cache's layers are stacked after
+    the prefill that made them (ForwardRuns.run), else on the first call here; a model without
+    uniform decoder layers, or a call before the cache has any, runs the body eagerly."""
 
     def __init__(self, cache: StaticSequenceCache):
         self.cache = cache

@@ -105,3 +105,15 @@ def test_an_unknown_scope_is_refused_with_its_setting(monkeypatch):
                           cpu_kernels=False)
     with pytest.raises(ValueError, match="SPECDEC_COMPILE_SCOPE.*model, layer"):
         decoder.generate(repetitive_prompt(), 4)
+
+
+def test_the_layer_scope_stacks_a_cache_right_after_its_prefill(monkeypatch):
+    # on the stream of the prefill, before any capture's warm-up (on CUDA a side stream) could
+    # be the first to touch the layers; the whole-forward scope and compile off leave them alone
+    model = tiny_llama(seed=10)
+    prompt = torch.randint(3, 60, (1, 6))
+    for scope, compile_on, stacked in (("layer", True, True), ("model", True, False), ("layer", False, False)):
+        monkeypatch.setattr(static_cache, "COMPILE_SCOPE", scope)
+        cache = StaticSequenceCache(model, batch=1, max_len=32, compile=compile_on)
+        cache.forward(prompt, graphed=False)
+        assert isinstance(cache.cache, StackedStaticCache) is stacked, (scope, compile_on)
