@@ -10,8 +10,10 @@ that way, and this module removes both:
 - a layer's attention writes the cache through `past_key_values.update(k, v, self.layer_idx)`,
   and transformers' StaticCache picks the layer's tensors from a Python list by that index: a
   body per index. StackedStaticCache keeps every layer's keys (values, write positions) in one
-  tensor and picks layer i as a view of it, `stacked[i]`; with the index traced as a symbolic
-  integer (torch._dynamo's `allow_unspec_int_on_nn_module`) that is one body for all layers.
+  tensor, writes into it by the index and reads layer i as a view, `stacked[i]`; with the index
+  traced as a symbolic integer (torch._dynamo's `allow_unspec_int_on_nn_module`, and named a
+  dynamic source so that the first compile does not specialise on layer 0) that is one body for
+  all layers.
   The layers' own `keys`, `values` and `cumulative_length` become views of the stacked tensors,
   so everything that reads or moves them (compaction, rollback, the write counters) still works.
 - the layers must run compiled inside the cache's decode forwards only (prefills run eagerly,
