@@ -58,7 +58,10 @@ class StackedStaticCache(StaticCache):
 
 def stackable(cache: StaticCache) -> bool:
     """Whether every layer of `cache` is initialised with tensors of one shape (after a first
-    forward: transformers allocates a StaticCache's layers lazily, in the prefill)."""
+    forward: transformers allocates a StaticCache's layers lazily, in the prefill). A stacked
+    cache answers at once: this runs before every compiled forward and after every eager one."""
+    if isinstance(cache, StackedStaticCache):
+        return True
     layers = cache.layers
     if not layers or not all(getattr(layer, "is_initialized", False) for layer in layers):
         return False
