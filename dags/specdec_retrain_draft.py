@@ -8,8 +8,8 @@ threshold (asset `specdec://alerts/low-acceptance`):
    data from the target itself -- for up to that many logged prompts per domain it answers again
    under each row's logged sampling parameters, stored as traffic rows marked as generated (never
    sampled, indexed or reported as production traffic). A retried task resumes: the run id names
-   the generation, and the prompts it already answered are skipped
-   (`tasks.steps.traffic_generate`).
+   the generation, and the prompts it already answered are skipped; so are the prompts this
+   run's training holds out (`tasks.steps.traffic_generate`).
 1. **train**: stored requests answered by this target (same fingerprint) in the window, split
    train / held-out by request id (recorded: evaluations never score a draft's training rows);
    a draft is trained -- Param `kind`: a small draft initialised from the target (KL from the
@@ -137,10 +137,12 @@ def specdec_retrain_draft():
         if not p["generate_count"]:
             return {"generated": 0, "domains": {}}
         with task_errors():
-            return generate_traffic(train_id_of_run(context["run_id"]), p["domains"] or None,
-                                    p["generate_count"], target=p["target"],
-                                    store=connection_store(),
-                                    window_days=p["window_days"], progress=False)
+            train_id = train_id_of_run(context["run_id"])
+            # the prompts this run's training holds out are skipped: it would leave their rows out
+            return generate_traffic(train_id, p["domains"] or None, p["generate_count"],
+                                    target=p["target"], store=connection_store(),
+                                    window_days=p["window_days"], progress=False,
+                                    heldout=(train_id, p["heldout_fraction"]))
 
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
     def train() -> dict:

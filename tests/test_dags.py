@@ -252,7 +252,7 @@ def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(da
 def test_retrain_dag_generates_rows_and_trains_an_eagle3_head_on_them(dagbag, tiny_env):
     from sqlalchemy import select
 
-    from tasks.db.models import TrafficRequest
+    from tasks.db.models import DraftModelRecord, TrafficRequest
     from tasks.registry.tracking import client
     from tasks.steps.draft_training import draft_model_name, train_id_of_run
 
@@ -271,7 +271,15 @@ def test_retrain_dag_generates_rows_and_trains_an_eagle3_head_on_them(dagbag, ti
     assert {g for _, g in generated} == {train_id_of_run(run.run_id)}
     version = client().get_model_version_by_alias(draft_model_name(tiny_env["target"]), "candidate")
     assert (version.tags["kind"], version.tags["layer_ids"], version.tags["unroll"]) == ("eagle3", "1,2,3", "3")
-    assert 0 < int(version.tags["generated_requests"]) <= 9       # those of training prompts
+    engine = create_engine(tiny_env["db_url"])
+    with engine.connect() as connection:
+        params = connection.execute(select(DraftModelRecord.params).where(
+            DraftModelRecord.name == train_id_of_run(run.run_id))).scalar_one()
+    engine.dispose()
+    # none of the 9 was generated from a prompt this run's training holds out (generation skips
+    # them); those of 2 tokens at least are trained on
+    assert params["generated_left_out"] == 0
+    assert 0 < int(version.tags["generated_requests"]) == params["generated_requests"] <= 9
 
 
 # ------------------------------------------------------------------------------------------------

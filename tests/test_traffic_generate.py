@@ -102,6 +102,7 @@ def test_count_is_respected_a_rerun_is_idempotent_and_an_interrupted_run_continu
 def test_cli_generates_resumes_by_id_and_names_bad_input(tiny_store, capsys):
     import json
 
+    from specdec_core.estimate import in_heldout
     from tasks.cli.app import main
     from tasks.steps.traffic_generate import GenerationError
 
@@ -117,6 +118,14 @@ def test_cli_generates_resumes_by_id_and_names_bad_input(tiny_store, capsys):
     assert "GenerationError: count -1" in capsys.readouterr().err
     with pytest.raises(GenerationError, match=r"no logged requests answered by this target .*\['code'\]"):
         generate(tiny_store, "gen-x", "code", 4)
+    # --for-training: that training's held-out prompts (at its --heldout-fraction) are skipped
+    assert main(["draft", "generate", "--domain", "qa", "--count", "100", "--id", "gen-cli-f",
+                 "--for-training", "d-later", "--heldout-fraction", "0.5", *argv[8:]]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sources = {v["generated_from"] for v in stored(tiny_store["db_url"], True).values()
+               if v["generated_by"] == "gen-cli-f"}
+    assert sources and out["domains"]["qa"]["rows"] == len(sources) < 16
+    assert not any(in_heldout("d-later", source, 0.5) for source in sources)
 
 
 def test_training_takes_generated_rows_only_when_asked_and_never_from_heldout_prompts(tiny_store):
@@ -152,6 +161,37 @@ def test_training_takes_generated_rows_only_when_asked_and_never_from_heldout_pr
         {k for k, s in splits["d-plain"].items() if s == "heldout"}
     assert with_generated["generated_requests"] == len(from_train)
     assert with_generated["train_requests"] == without["train_requests"] + len(from_train)
+
+
+def test_generation_skips_the_prompts_its_training_holds_out_and_draws_apart_from_the_split(
+        tiny_store):
+    from specdec_core.estimate import in_heldout
+    from tasks.steps.traffic_generate import GenerationError
+
+    production = stored(tiny_store["db_url"], False)
+    # the prompt order is not the split's hash: over ten run ids, the first 3 prompts of a domain
+    # drawn without `heldout` are held out by a training of the same id about as often as any
+    # prompt (20%), not always (the order once sorted by the split's own hash: held-out first)
+    firsts = []
+    for n in range(10):
+        out = generate(tiny_store, f"gen-o{n}", "json", 3)
+        firsts += [v["generated_from"] for v in stored(tiny_store["db_url"], True).values()
+                   if v["generated_by"] == f"gen-o{n}"]
+        assert out["generated"] == 3
+    heldout_share = sum(in_heldout(f"gen-o{n}", source, 0.2) for n in range(10)
+                        for source in firsts[3 * n:3 * n + 3]) / 30
+    assert heldout_share < 0.6
+    # with heldout: none of the training's held-out prompts is answered, the count is kept, and
+    # "available" counts the prompts it may answer
+    held = {k for k, v in production.items() if v["domain"] == "qa" and in_heldout("gen-h", k, 0.2)}
+    assert held                                              # the split holds some out
+    out = generate(tiny_store, "gen-h", "qa", 100, heldout=("gen-h", 0.2))
+    sources = {v["generated_from"] for v in stored(tiny_store["db_url"], True).values()
+               if v["generated_by"] == "gen-h"}
+    assert out["domains"]["qa"]["available"] == 16 - len(held) == len(sources)
+    assert not sources & held
+    with pytest.raises(GenerationError, match=r"heldout \('gen-h', 2\)"):
+        generate(tiny_store, "gen-h", "qa", 1, heldout=("gen-h", 2))
 
 
 def test_sampling_estimates_indexes_and_reports_never_see_generated_rows(tiny_store):

@@ -86,7 +86,9 @@ def cmd_generate(args) -> int:
     result = generate_traffic(run_id, [d.strip() for d in args.domain.split(",") if d.strip()],
                               args.count, target=args.model, store=open_store(args), window_days=args.days,
                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                              device=args.device)
+                              device=args.device,
+                              heldout=((args.for_training, args.heldout_fraction)
+                                       if args.for_training else None))
     if args.json:
         print_json(result)
         return 0
@@ -227,6 +229,12 @@ def _add_generate(d_sub) -> None:
     generate.add_argument("--max-new-tokens", type=int, default=256,
                           help="at most this many tokens a response (else the row's max_tokens, "
                                "or its logged response's length)")
+    generate.add_argument("--for-training", default=None, metavar="TRAIN_ID",
+                          help="skip the prompts this training id (or the one it --split-from) holds "
+                               "out: it would leave their rows out anyway")
+    generate.add_argument("--heldout-fraction", type=float,
+                          default=TRAINING_DEFAULTS["heldout_fraction"],
+                          help="with --for-training: that training's held-out share")
     generate.add_argument("--json", action="store_true")
     url_arg(generate)
     generate.set_defaults(func=cmd_generate)
