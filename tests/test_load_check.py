@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -306,15 +304,11 @@ def test_a_server_that_does_not_start_leaves_the_domain_off_naming_its_log(serve
 
 @needs_server
 @pytest.mark.integration
-@pytest.mark.xfail(strict=False, reason="races the kill against the level's start: on a loaded machine "
-                   "the level can end before the kill lands (seen once in two CI runs); to be made "
-                   "deterministic")
-def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served):
+def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkeypatch):
     import signal
 
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
+    import tasks.serving.load as load
+    import tasks.steps.load_check as load_check_step
     from tasks.steps.load_check import level_items, measure_domain
 
     pool = served["pool"]
@@ -322,20 +316,26 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served):
     settings = load_settings(load_check_levels=(1, 2), load_check_requests=8, load_check_timeout_s=120)
     items = level_items(_requests("count", ["count"] * 8), 8, 400)
     server = pool.get(spec, max_num_seqs=2)         # the server measure_domain asks the pool for
-    outcome = {}
-    worker = threading.Thread(target=lambda: outcome.update(
-        measure_domain(pool, spec, [(2, 4)], items, settings)))
-    worker.start()
+    # the kill lands when the config server has streamed its first chunk of the level: mid-level
+    # for certain (a request of it is still streaming), whatever the machine's load
+    streaming, killed = {}, []
+    real_run_level, real_chunk_event = load_check_step.run_level, load._chunk_event
 
-    def running() -> float:
-        text = httpx.get(server.url + "/metrics", timeout=10).text
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   if family.name == "vllm:num_requests_running" for sample in family.samples)
-    deadline = time.monotonic() + 300
-    while running() == 0 and time.monotonic() < deadline:     # the plain level first, then this one
-        time.sleep(0.05)
-    os.killpg(server.process.pid, signal.SIGKILL)
-    worker.join(timeout=300)
+    def run_level(level_server, *args, **kwargs):
+        streaming["server"] = level_server
+        return real_run_level(level_server, *args, **kwargs)
+
+    def chunk_event(*args):
+        if streaming.get("server") is server and not killed:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait(timeout=60)
+            killed.append(True)
+        return real_chunk_event(*args)
+
+    monkeypatch.setattr(load_check_step, "run_level", run_level)
+    monkeypatch.setattr(load, "_chunk_event", chunk_event)
+    outcome = measure_domain(pool, spec, [(2, 4)], items, settings)
+    assert killed                                   # the plain level ran whole, then the config's
     status, reason = outcome["failure"]
     assert status == "died" and outcome["levels"] == []
     assert "the config server died at 2 concurrent requests" in reason and str(server.log_path) in reason
