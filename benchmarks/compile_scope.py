@@ -10,9 +10,16 @@ shape) and a static cache of batch 1:
 - steady: both scopes' caches in one process, a step and a verify of width 4 timed alternately
   (contenders interleaved), median milliseconds, and the largest logit difference against the
   same forwards run eagerly.
+- profile (`--profile`): the cost measurement `specdec profile measure` makes (CostSampler: the
+  target's step and verify widths up to K 8 and a layer-skip draft's step, at batch sizes 1, 2, 4
+  and 8, plus prompt lookup), static caches and compile forced on as on CUDA, in a fresh process
+  per scope with torch.compile's caches off: the seconds of its warm-up pass and first timed pass
+  (where the compiling happens), the bodies compiled and their seconds. On a CPU it stands in for
+  `profile measure --device cuda` (its 150 s goal), whose compiling took most of its time.
 
     python benchmarks/compile_scope.py [--device cuda] [--repeats 2] [--out FILE.md] [--json FILE]
-    python benchmarks/compile_scope.py --smoke      # tiny shape, for tests
+    python benchmarks/compile_scope.py --profile [--device cuda] [--repeats 1]
+    python benchmarks/compile_scope.py --smoke [--profile]      # tiny shape, for tests
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SCOPES = ("model", "layer")
 RESULTS = Path(__file__).parent / "results" / "compile_scope_cpu.md"
+PROFILE_RESULTS = Path(__file__).parent / "results" / "compile_scope_profile_cpu.md"
+PROFILE_SIZES, PROFILE_K = (1, 2, 4, 8), 8
 SMOKE_SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2)
 
@@ -95,6 +104,62 @@ def compile_child(args) -> dict:
             "bodies": static_cache.COMPILES["bodies"], "compile_s": static_cache.COMPILES["seconds"]}
 
 
+def profile_child(args) -> dict:
+    """In a fresh process: the cost measurement's warm-up pass and first timed pass."""
+    from specdec_core import static_cache
+    from specdec_core.drafters import LayerSkip, PromptLookup
+    from specdec_core.profile import CostSampler
+
+    model = build(args)
+    drafters = {"prompt_lookup": PromptLookup(),
+                "layer_skip": LayerSkip(model, num_layers=2 if args.smoke else 8)}
+    sizes = (1, 2) if args.smoke else PROFILE_SIZES
+    started = time.perf_counter()
+    sampler = CostSampler(model, drafters, PROFILE_K, sizes, context_len=64 if args.smoke else 256,
+                          static=True, cuda_graphs=False, compile=True)
+    sampler.sample(1)                       # the warm-up pass, then one timed pass
+    sync(args.device)
+    return {"scope": static_cache.compile_scope(), "wall_s": time.perf_counter() - started,
+            "bodies": static_cache.COMPILES["bodies"], "compile_s": static_cache.COMPILES["seconds"],
+            "batch_sizes": list(sizes), "k_max": PROFILE_K}
+
+
+def cold_runs(args, mode: str) -> list[dict]:
+    """`--repeats` fresh processes per scope (alternating), torch.compile's caches off."""
+    child_args = [sys.executable, __file__, mode, "--device", args.device] + (["--smoke"] if args.smoke else [])
+    colds = []
+    for repeat in range(args.repeats):
+        for scope in SCOPES:                            # alternating: model, layer, model, layer
+            env = dict(os.environ, SPECDEC_COMPILE_SCOPE=scope, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+            done = subprocess.run(child_args, env=env, capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise RuntimeError(f"{mode} child ({scope}) exited {done.returncode}:\n"
+                                   + done.stderr[-3000:])
+            colds.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"[compile_scope] {mode[2:]} {repeat + 1}/{args.repeats}, {scope}: "
+                  f"{colds[-1]['compile_s']:.1f} s compiling", flush=True)
+    return colds
+
+
+def profile_report(args, colds: list[dict]) -> str:
+    first = colds[0]
+    lines = [f"# Compile scope: the cost measurement's first passes ({args.device})", "",
+             "`python benchmarks/compile_scope.py --profile" + (" --smoke" if args.smoke else "")
+             + (f" --device {args.device}" if args.device != "cpu" else "") + "`: "
+             + ("a tiny Llama" if args.smoke else "the embedded default's architecture (30 layers)")
+             + f", random weights; CostSampler at batch sizes {first['batch_sizes']}, K up to "
+             f"{first['k_max']}, prompt lookup and a layer-skip draft, static caches and compile "
+             "forced on; cold (fresh processes, torch.compile's caches off).", "",
+             "| scope | warm-up + first timed pass, s | bodies | compiling, s |", "|---|---|---|---|"]
+    for cold in colds:
+        lines.append(f"| {cold['scope']} | {cold['wall_s']:.1f} | {cold['bodies']} | "
+                     f"{cold['compile_s']:.1f} |")
+    walls = {scope: statistics.median(c["wall_s"] for c in colds if c["scope"] == scope) for scope in SCOPES}
+    lines += ["", f"Median: model {walls['model']:.1f} s, layer {walls['layer']:.1f} s "
+              f"(**{walls['model'] / max(walls['layer'], 1e-9):.1f}x less**)."]
+    return "\n".join(lines) + "\n"
+
+
 def steady(args) -> dict:
     """Both scopes' caches in this process; forwards timed alternately."""
     import torch
@@ -137,23 +202,25 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the tiny shape (tests)")
     parser.add_argument("--out", type=Path, default=None, help=f"Markdown (default {RESULTS})")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="the cost measurement's first passes per scope (profile measure's compile)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(compile_child(args)))
+    if args.child or args.profile_child:
+        print(json.dumps(compile_child(args) if args.child else profile_child(args)))
         return 0
-    child_args = [sys.executable, __file__, "--child", "--device", args.device] + (["--smoke"] if args.smoke else [])
-    colds = []
-    for repeat in range(args.repeats):
-        for scope in SCOPES:                            # alternating: model, layer, model, layer
-            env = dict(os.environ, SPECDEC_COMPILE_SCOPE=scope, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
-            done = subprocess.run(child_args, env=env, capture_output=True, text=True, check=False)
-            if done.returncode:
-                print(done.stderr[-3000:], file=sys.stderr)
-                return done.returncode
-            colds.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"[compile_scope] cold compile {repeat + 1}/{args.repeats}, {scope}: "
-                  f"{colds[-1]['compile_s']:.1f} s", flush=True)
+    if args.profile:
+        colds = cold_runs(args, "--profile-child")
+        text = profile_report(args, colds)
+        print(text)
+        out = args.out or (None if args.smoke else PROFILE_RESULTS)
+        if out:
+            out.write_text(text)
+        if args.json:
+            args.json.write_text(json.dumps({"device": args.device, "smoke": args.smoke, "cold": colds}, indent=1))
+        return 0
+    colds = cold_runs(args, "--child")
     warm = steady(args)
     report = {"device": args.device, "smoke": args.smoke, "cold": colds, "steady": warm}
     lines = [f"# Compile scope: whole forward vs one shared decoder layer ({args.device})", "",

@@ -136,14 +136,17 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        if torch.compiler.is_compiling():
+            # traced by torch.compile: nn.Linear's (inductor packs weights its own way; the packed
+            # weight here is no graph constant, and inductor's CPU lowering of this op needs one).
+            # Before the row plan is read: its lookup by row count would specialise the traced
+            # width (one body per verify width of 2 to 4 instead of one for all)
+            return F.linear(x, weight, self.bias)
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         plan = (RowPlan.from_range(*PACKED_ROWS) if PACKED_ROWS is not None
                 else self.__dict__.get("_specdec_rows") or RowPlan.from_range(SMALL_ROWS, MAX_PACKED_ROWS))
         target = plan.rows_for(rows)
-        # traced by torch.compile: nn.Linear's (inductor packs weights its own way; the packed
-        # weight here is no graph constant, and inductor's CPU lowering of this op needs one)
         if (target and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             packed = self.__dict__.get("_specdec_packed")
             if packed is None:                      # unpickled or built without prepare()

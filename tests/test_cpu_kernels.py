@@ -190,6 +190,34 @@ def test_a_prepared_model_compiles_with_transformers_linears_and_the_same_tokens
                if isinstance(m, cpu_kernels.PackedLinear))
 
 
+def test_a_prepared_model_compiles_one_body_for_every_verify_width(monkeypatch):
+    # the packed linear's row plan (a lookup by row count) was read before its compile check,
+    # so a trace specialised the width: widths 2, 3, 4 and 5 were four verify bodies (a CPU cost
+    # measurement with compile forced on compiled 10 bodies where 2 per model and batch size do)
+    from specdec_core import static_cache
+
+    monkeypatch.setattr(static_cache, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(cpu_kernels, "PACKED_ROWS", (1, cpu_kernels.MAX_PACKED_ROWS))  # every row packed
+    torch._dynamo.reset()
+    plain, fast, applied = _pair(seed=5)
+    assert applied["packed_linear"] > 0
+    logits, bodies = {}, {}
+    for name, model in (("plain", plain), ("fast", fast)):
+        cache = static_cache.StaticSequenceCache(model, batch=1, max_len=64, compile=True)
+        before = static_cache.compiled_bodies()
+        generator = torch.Generator().manual_seed(1)
+        with torch.inference_mode():
+            cache.forward(torch.randint(3, VOCAB, (1, 12), generator=generator), graphed=False)
+            for width in (1, 2, 3, 4, 5, 6):
+                step = torch.randint(3, VOCAB, (1, width), generator=generator)
+                logits[name, width] = cache.forward(step).clone()
+                cache.rollback_to(cache.count.clone() - width, width=cache.width - width)
+        bodies[name] = static_cache.compiled_bodies() - before
+    assert bodies == {"plain": 2, "fast": 2}                   # a step and one verify
+    for width in (1, 2, 3, 4, 5, 6):
+        torch.testing.assert_close(logits["fast", width], logits["plain", width])
+
+
 def _cache_steps(model, shared: bool) -> tuple[list, list]:
     """One prompt for 5 rows, then a pass with holes, a rollback to different lengths, two rows
     leaving and a last pass; the logits of each forward and the cache's layer types."""

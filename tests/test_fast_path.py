@@ -274,7 +274,7 @@ def test_a_cost_measurement_and_a_decode_share_their_compiled_bodies(monkeypatch
     # inference mode, a step keeping its last logit) run the same compiled bodies. They did not:
     # tensors' dispatch keys and logits_to_keep are guarded, and `profile measure` on an H100
     # compiled a body again for each (4.6-8.7 s each, after 31 s and 46 s for the first two).
-    # A fresh model: another test's CPU kernels would split the traced body.
+    # A fresh model, its linears untouched by other tests (the CPU kernels change their class).
     from specdec_core.profile import measure_forward_costs
 
     from .helpers.models import tiny_llama
