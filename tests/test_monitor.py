@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from .helpers.monitor import BREAK_EVEN, DEPLOYMENT, PROMISE, monitored_champion, now
+from .helpers.monitor import BREAK_EVEN, DEPLOYMENT, PROMISE, monitored_champion, scrape_times
 from .helpers.processes import specdec
 
 from tasks.db.store import Store
@@ -138,8 +138,7 @@ def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
     name = monitored_champion(db_url, tracking, target)
     settings = load_settings({}, monitor_window_s=600, monitor_min_drafts=50, monitor_auto_rollback=False)
     ctx = MonitorContext.open(Store.open(db_url), tracking, target, settings)
-    start = now() + timedelta(seconds=1)
-    at = [start + timedelta(seconds=60 * i) for i in range(4)]
+    at = scrape_times(4)
     served = [(0, 0), (40, 120), (80, 240), (200, 250)]     # (drafts, accepted) as counted
     for i, (drafts, accepted) in enumerate(served):
         metrics_server.text = exposition(drafts, 3 * drafts, accepted, [accepted // 3] * 3)

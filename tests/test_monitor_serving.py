@@ -28,7 +28,7 @@ from tasks.db.store import Store
 from tasks.serving import environment as serving_env
 
 from .helpers.models import copying_llama, save_tiny_target
-from .helpers.monitor import BREAK_EVEN, DEPLOYMENT, PROMISE, SERVED, monitored_champion, now
+from .helpers.monitor import BREAK_EVEN, DEPLOYMENT, PROMISE, SERVED, monitored_champion, scrape_times
 from .helpers.processes import specdec
 from .helpers.traffic import write_jsonl
 
@@ -102,8 +102,7 @@ def test_production_loop_on_a_real_server(server, db_url, tracking, tmp_path, mo
     # the server serves what the champion exports for its one deployment
     assert version == "2" and [(d["name"], d["speculative_config"]) for d in deployments(config)] == [
         (DEPLOYMENT, SERVED)]
-    start = now() + timedelta(seconds=1)
-    at = [start + timedelta(seconds=60 * i) for i in range(5)]
+    at = scrape_times(5)
     log: list[dict] = []
 
     first = scrape(ctx, server.url, DEPLOYMENT, at=at[0])

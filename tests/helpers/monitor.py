@@ -10,7 +10,7 @@ a verify pass of 3 drafts costs 1.6 target steps and a lookup 0.05, so the break
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import create_engine, insert
 
@@ -33,6 +33,17 @@ COSTS = [("target_step", None, None, STEP_S), ("verify", None, 1, 0.012), ("veri
 
 def now() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def scrape_times(count: int, step_s: int = 60, after_s: int = 120) -> list[datetime]:
+    """`count` instants `step_s` apart, from a second from now, all in one UTC day with `after_s`
+    seconds to spare (the daily report groups by day: a run crossing midnight would split its
+    rows); near midnight they start a second past it."""
+    start = now() + timedelta(seconds=1)
+    last = start + timedelta(seconds=step_s * (count - 1) + after_s)
+    if last.date() != start.date():
+        start = datetime.combine(last.date(), datetime.min.time()) + timedelta(seconds=1)
+    return [start + timedelta(seconds=step_s * i) for i in range(count)]
 
 
 def evaluated_run(db_url: str, run_id: str, target_id: str, domains=("json", "qa")) -> None:
