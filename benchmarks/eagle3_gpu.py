@@ -59,7 +59,7 @@ from specdec_core.drafters import output_size  # noqa: E402
 from specdec_core.eagle3 import Eagle3Head  # noqa: E402
 from specdec_core.estimate import LoggedRequest, estimate_acceptance, in_heldout  # noqa: E402
 from specdec_core.head import HeadDrafter, target_features  # noqa: E402
-from specdec_core.train import (TrainConfig, _HeadTrainee, head_vocabulary,  # noqa: E402
+from specdec_core.train import (PackedRows, TrainConfig, _HeadTrainee, head_vocabulary,  # noqa: E402
                                 measure_head_step, measured_costs, optimise)
 
 SPLIT_KEY, HELDOUT_FRACTION = "eagle3-bench", 0.2
@@ -348,6 +348,7 @@ class BatchedHeadTrainee(_HeadTrainee):
         local[inside] = torch.arange(int(inside.sum()), device=device)
         keep = "cpu" if device.type == "cpu" else device
         rows = [(list(r.prompt_ids) + list(r.response_ids))[-config.max_length:] for r in self.train]
+        self.cache = PackedRows(sum(len(row) for row in rows), keep)     # the rows' own slots
         # similar lengths batched together, within windows of the (shuffled) rows: rows cut off
         # by the deadline are then a random share, not the longest ones (code, summaries)
         window = 16 * self.pass_batch
@@ -371,8 +372,8 @@ class BatchedHeadTrainee(_HeadTrainee):
             index = local[index]
             for b, i in enumerate(picks):
                 n = len(rows[i])
-                self.cache.append((ids[b, :n].to(keep), features[b, :n].float().to(keep),
-                                   values[b, :n - 1].to(keep), index[b, :n - 1].to(keep)))
+                self.cache.append(ids[b, :n], features[b, :n].float(), values[b, :n - 1],
+                                  index[b, :n - 1])
                 kept.append(i)
         self.train = [self.train[i] for i in kept]
 

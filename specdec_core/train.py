@@ -442,6 +442,86 @@ def head_chain_passes(head, feats: torch.Tensor, next_tokens: torch.Tensor, vali
     return out
 
 
+class PackedRows:
+    """A head trainee's cached target passes, one row per training request, in flat buffers: the
+    rows' tokens [T], target features [T, F] and the target's top-k log-probabilities and local
+    indices [T, k] (row r's slots start at starts[r]; its last slot has no next distribution: -inf
+    values). Buffers are made at the first append, `capacity` slots, on `device`, features in the
+    dtype they come in; `self[r]` gives row r's views (ids, features, values, index) as appended.
+
+    `batch` gathers a padded training batch in a fixed number of tensor operations whatever the
+    batch size (a row at a time took about 30 per row: on a GPU, launches and host time per step
+    that grew with the batch)."""
+
+    def __init__(self, capacity: int, device="cpu"):
+        self.capacity, self.device = capacity, torch.device(device)
+        self.used = 0
+        self.starts: list[int] = []
+        self.ids = self.features = self.values = self.index = None
+        self._where: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        start = self.starts[row]
+        end = self.starts[row + 1] if row + 1 < len(self.starts) else self.used
+        return (self.ids[start:end], self.features[start:end], self.values[start:end - 1],
+                self.index[start:end - 1])
+
+    def append(self, ids: torch.Tensor, features: torch.Tensor, values: torch.Tensor,
+               index: torch.Tensor) -> None:
+        """One row: ids [n], features [n, F], values and index [n - 1, k]."""
+        n = len(ids)
+        if self.used + n > self.capacity:
+            raise ValueError(f"a row of {n} tokens does not fit: {self.used} of {self.capacity} "
+                             "slots used (capacity: the training rows' tokens, each cut to max_length)")
+        if self.ids is None:
+            slots, k = self.capacity, values.shape[-1]
+            self.ids = torch.zeros(slots, dtype=torch.long, device=self.device)
+            self.features = torch.zeros(slots, features.shape[-1], dtype=features.dtype, device=self.device)
+            self.values = torch.full((slots, k), float("-inf"), dtype=values.dtype, device=self.device)
+            self.index = torch.zeros(slots, k, dtype=torch.long, device=self.device)
+        start = self.used
+        self.ids[start:start + n] = ids
+        self.features[start:start + n] = features
+        self.values[start:start + n - 1] = values
+        self.index[start:start + n - 1] = index
+        self.starts.append(start)
+        self.used += n
+        self._where = None
+
+    def batch(self, picks: list[int], device) -> tuple[torch.Tensor, ...]:
+        """(features [B, W, F] float32, next tokens [B, W], target features at the next position
+        [B, W, F], mask [B, W], top-k values [B, W, k], top-k local indices [B, W, k]) of rows
+        `picks`, W = the longest pick's length - 1; past a row's end: zeros, -inf values, index 0,
+        mask False. On `device`."""
+        if self._where is None:
+            starts = torch.tensor(self.starts, dtype=torch.long, device=self.device)
+            ends = torch.cat([starts[1:], torch.tensor([self.used], device=self.device)])
+            self._where = starts, ends - starts
+        starts, lengths = self._where
+        rows = torch.tensor(picks, dtype=torch.long, device=self.device)
+        start, n = starts[rows], lengths[rows] - 1               # n: positions with a next token
+        width = int(n.max())
+        pos = torch.arange(width, device=self.device)
+        mask = pos < n[:, None]
+        scored = (pos < (n - 1)[:, None])[..., None]              # and a next distribution
+        at = (start[:, None] + pos).clamp_(max=max(self.used - 2, 0))
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        feats = torch.where(mask[..., None], self.features[at].float(), zero)
+        truth = torch.where(mask[..., None], self.features[at + 1].float(), zero)
+        nxt = torch.where(mask, self.ids[at + 1], 0)
+        values = torch.where(scored, self.values[at].float(), float("-inf"))
+        index = torch.where(scored, self.index[at].clamp(min=0), 0)
+        return tuple(t.to(device) for t in (feats, nxt, truth, mask, values, index))
+
+
+def packed_capacity(requests: list[LoggedRequest], max_length: int) -> int:
+    """Slots PackedRows needs for these requests' rows (prompt + response, cut to max_length)."""
+    return sum(min(len(r.prompt_ids) + len(r.response_ids), max_length) for r in requests)
+
+
 class _HeadTrainee(Trainee):
     """Loss at every position j of prompt + response: KL(p_target(. | x_<=j+1) || q_head,j), with p
     restricted to the head's vocabulary and renormalised (the mass outside it cannot be drafted),
@@ -457,7 +537,7 @@ class _HeadTrainee(Trainee):
         self.module, self.target, self.train, self.heldout = head, target, train, heldout
         self.config, self.costs = config, costs
         self.feature_weight, self.topk, self.unroll = feature_weight, teacher_topk, max(1, unroll)
-        self.cache: list[tuple] = []
+        self.cache = PackedRows(0)
 
     def parameters(self):
         return [p for _, p in self.module.own_named_parameters()]
@@ -476,6 +556,7 @@ class _HeadTrainee(Trainee):
         local = torch.full((head.full_vocab,), -1, dtype=torch.long)
         local[inside] = torch.arange(int(inside.sum()))
         device = next(head.parameters()).device
+        self.cache = PackedRows(packed_capacity(self.train, config.max_length))
         for request in tqdm(self.train, desc="target passes", disable=not progress):
             ids = torch.tensor((list(request.prompt_ids) + list(request.response_ids))[-config.max_length:],
                                device=device)
@@ -483,31 +564,16 @@ class _HeadTrainee(Trainee):
             logp = logits[0, 1:].float().log_softmax(-1).cpu()        # predicts x_{j+2}
             logp[:, ~inside] = float("-inf")
             values, index = logp.topk(self.topk, -1)
-            self.cache.append((ids.cpu(), features[0].cpu(), values, local[index]))
+            self.cache.append(ids, features[0], values, local[index])
 
     def loss(self, picks):
         head = self.module
         device = next(head.parameters()).device
-        rows = [self.cache[i] for i in picks]
-        width = max(len(r[0]) for r in rows) - 1
-        hidden = rows[0][1].shape[-1]
-        feats = torch.zeros(len(rows), width, hidden, device=device)
-        nxt = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
-        truth = torch.zeros_like(feats)
-        values = torch.full((len(rows), width, self.topk), float("-inf"), device=device)
-        index = torch.zeros(len(rows), width, self.topk, dtype=torch.long, device=device)
-        for b, (ids, f, v, i) in enumerate(rows):
-            n = len(ids) - 1
-            feats[b, :n] = f[:-1].to(device)
-            nxt[b, :n] = ids[1:].to(device)
-            truth[b, :n] = f[1:].to(device)
-            mask[b, :n] = True
-            values[b, : n - 1] = v[: n - 1].to(device)
-            index[b, : n - 1] = i[: n - 1].clamp(min=0).to(device)
+        feats, nxt, truth, mask, values, index = self.cache.batch(picks, device)
+        width = feats.shape[1]
         # the last position has no next target distribution in this row
         scored = mask.clone()
-        scored[torch.arange(len(rows)), mask.sum(1) - 1] = False
+        scored[torch.arange(len(picks), device=device), mask.sum(1) - 1] = False
         norm = head.body.model.norm
         total = 0.0
         for w, (logits, g) in enumerate(head_chain_passes(head, feats, nxt, mask, self.unroll)):

@@ -205,3 +205,76 @@ def test_head_builds_when_the_targets_pad_id_lies_outside_its_vocabulary():
         head = DraftHead(target, vocab_ids=ids).eval()
         logits, _ = head(torch.randn(1, 3, target.config.hidden_size), torch.tensor([[5, 6, 7]]))
         assert logits.shape[-1] == (8 if ids is not None else VOCAB)
+
+
+@pytest.fixture(scope="module")
+def packed_trainee(one_layer):
+    """A head trainee over requests of 5 to 16 tokens (max_length 12 cuts the longest), prepared."""
+    from specdec_core.train import TrainConfig, _HeadTrainee
+
+    generator = torch.Generator().manual_seed(5)
+    requests = []
+    for i in range(10):
+        prompt, response = 2 + i % 5, 3 + (7 * i) % 9
+        ids = torch.randint(3, VOCAB, (prompt + response,), generator=generator).tolist()
+        requests.append(LoggedRequest(f"r{i}", ids[:prompt], ids[prompt:], SamplingParams(), "qa"))
+    config = TrainConfig(steps=1, eval_every=1, k_max=2, batch_size=4, max_length=12)
+    trainee = _HeadTrainee(DraftHead(one_layer, REDUCED), one_layer, requests, requests[:2], config,
+                           (0.1, [1.2, 1.3]), unroll=2)
+    trainee.prepare(config, False)
+    return trainee, requests, config
+
+
+def test_a_training_batch_is_gathered_as_the_rows_padded_one_by_one(packed_trainee, one_layer):
+    from specdec_core.head import target_features
+
+    trainee, requests, config = packed_trainee
+    cache = trainee.cache
+    assert len(cache) == len(requests) and cache.used == cache.capacity
+    for i in (0, 4, 7):                     # the rows as appended: the request's last max_length tokens
+        ids, features, values, index = cache[i]
+        row = (requests[i].prompt_ids + requests[i].response_ids)[-config.max_length:]
+        assert ids.tolist() == row and len(values) == len(index) == len(row) - 1
+        with torch.no_grad():
+            expected, _ = target_features(one_layer, torch.tensor([row]), head=trainee.module)
+        torch.testing.assert_close(features, expected[0])
+    for picks in ([3], [1, 8, 2], [9, 0, 5, 5, 6]):
+        # the padded batch the rows make one at a time (what a step built before)
+        rows = [cache[i] for i in picks]
+        width = max(len(r[0]) for r in rows) - 1
+        feats = torch.zeros(len(rows), width, cache.features.shape[-1])
+        nxt = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        truth = torch.zeros_like(feats)
+        values = torch.full((len(rows), width, trainee.topk), float("-inf"))
+        index = torch.zeros(len(rows), width, trainee.topk, dtype=torch.long)
+        for b, (ids, f, v, x) in enumerate(rows):
+            n = len(ids) - 1
+            feats[b, :n], nxt[b, :n], truth[b, :n], mask[b, :n] = f[:-1], ids[1:], f[1:], True
+            values[b, :n - 1], index[b, :n - 1] = v[:n - 1], x[:n - 1].clamp(min=0)
+        for got, want in zip(cache.batch(picks, "cpu"), (feats, nxt, truth, mask, values, index)):
+            assert got.dtype == want.dtype and torch.equal(got, want), picks
+
+
+def test_a_training_step_runs_the_same_operations_at_every_batch_size(packed_trainee):
+    """A step's tensor operations (on a GPU: launches and host time) must not grow with the batch:
+    building the batch a row at a time took about 30 per row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trainee, _, _ = packed_trainee
+
+    def operations(step, picks) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(picks)
+        trainee.module.zero_grad(set_to_none=True)
+        return sum(1 for event in prof.events() if event.cpu_parent is None)
+
+    def train_step(picks):
+        trainee.loss(picks).backward()
+
+    # every batch here has rows of several lengths (the attention masks take the same path)
+    small, large = [0, 1], [0, 2, 3, 4, 7, 8, 9, 5]
+    operations(train_step, small)                   # first-call set-up is not a step's
+    assert operations(train_step, small) == operations(train_step, large)
+    gather = functools.partial(trainee.cache.batch, device="cpu")
+    assert operations(gather, [3]) == operations(gather, small) == operations(gather, large)
