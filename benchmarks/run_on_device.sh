@@ -18,6 +18,9 @@
 #              gpu_decode_layer.md: what the shorter compile costs per token;
 #   scope      benchmarks/compile_scope.py --device cuda --repeats 1: cold compile seconds and
 #              forward milliseconds of both compile scopes on the embedded default's shape;
+#   head_step  benchmarks/head_step.py: one EAGLE-3 head training step (eagle3_gpu.py's recipe,
+#              a random-weight target of the embedded default's shape), its batch gathered from
+#              the packed target passes against built a row at a time: ops and milliseconds;
 #   head       benchmarks/eagle3_gpu.py: the target answers prompts of every domain, EAGLE-3 heads
 #              train on 1k, 5k and all of them, held-out acceptance per domain (the learning
 #              curve); needs the embedded default's GGUF, which is over one call's 64 MiB: its two
@@ -27,18 +30,19 @@
 # $OUT/results.tar.gz (a device call brings back at most 8 files), beside $OUT/device.txt
 # (versions, then every step's rc and seconds). Exits non-zero when any step failed.
 #
-#   bash benchmarks/run_on_device.sh                # STEPS (default: decode profile_layer
-#                                                   # decode_layer scope profile: the compile and
-#                                                   # bandwidth goals still open; breakdown and grid
-#                                                   # met theirs on 2026-11-27), each under its
-#                                                   # LIMITS (580 s in all)
+#   bash benchmarks/run_on_device.sh                # STEPS (default: head_step decode
+#                                                   # profile_layer decode_layer scope profile: the
+#                                                   # head, compile and bandwidth goals still open;
+#                                                   # breakdown and grid met theirs on 2026-11-27),
+#                                                   # each under its LIMITS (580 s in all)
 #   STEPS="head" bash benchmarks/run_on_device.sh   # only some steps
 #   LIMITS="grid=60 decode=150" bash ...            # each step's limit in seconds (default
 #                                                   # tests=150 before=45 breakdown=45 grid=60
-#                                                   # decode=150 profile=100 profile_layer=120
-#                                                   # decode_layer=90 scope=120 head=270; LIMITS= for
-#                                                   # none): a step over its limit is stopped, its log
-#                                                   # kept, the next one runs
+#                                                   # head_step=40 decode=140 profile=90
+#                                                   # profile_layer=120 decode_layer=90 scope=100
+#                                                   # head=270; LIMITS= for none): a step
+#                                                   # over its limit is stopped, its log kept,
+#                                                   # the next one runs
 #   bash benchmarks/run_on_device.sh --smoke        # dry run on this machine's CPU: the same steps
 #                                                   # on the tiny test shapes
 #   bash benchmarks/run_on_device.sh --split-gguf BYTES   # the embedded default's GGUF into
@@ -98,9 +102,9 @@ if [ "${1:-}" = "--smoke" ]; then
     shift
 fi
 OUT=${OUT:-/tmp/specdec-device-out}
-STEPS=${STEPS:-decode profile_layer decode_layer scope profile}
+STEPS=${STEPS:-head_step decode profile_layer decode_layer scope profile}
 # each step's limit in seconds: a 15-minute lease then brings back something of every step
-LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 decode=150 profile=100 profile_layer=120 decode_layer=90 scope=120 head=270}
+LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 head_step=40 decode=140 profile=90 profile_layer=120 decode_layer=90 scope=100 head=270}
 mkdir -p "$OUT"
 LOGS=$(mktemp -d /tmp/specdec-device-logs.XXXXXX)      # packed into $OUT/results.tar.gz
 WORK=$(mktemp -d /tmp/specdec-device-work.XXXXXX)
@@ -200,6 +204,11 @@ gpu_decode_layer() {   # plain decoding compiled with one decoder layer's body
     SPECDEC_COMPILE_SCOPE=layer DECODE_ITEMS=1 DECODE_NAME=gpu_decode_layer gpu_decode "$@"
 }
 
+head_step() {   # one head training step, packed batches against row-at-a-time ones
+    python3 benchmarks/head_step.py --device "$DEVICE" ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} \
+        --out "$LOGS/head_step.md" --json "$LOGS/head_step.json"
+}
+
 head_training() {
     local gguf=/tmp/smollm2.gguf
     if [ "$SMOKE" = 1 ]; then
@@ -269,6 +278,7 @@ run_step tests fast_path_tests.log fast_path_tests
 run_step before breakdown_before.log before_breakdown
 run_step breakdown breakdown_after.log gpu_breakdown breakdown_after
 run_step grid gpu_grid.log gpu_grid
+run_step head_step head_step.log head_step
 run_step decode gpu_decode.log gpu_decode "$@"
 run_step profile_layer profile_measure_layer.log profile_measure layer
 run_step decode_layer gpu_decode_layer.log gpu_decode_layer "$@"

@@ -94,3 +94,18 @@ def test_no_heldout_prompt_is_trained_on(run):
     assert not heldout_prompts & {tuple(r.prompt_ids) for r in train}
     scored = run["returned"]["heldout_requests"]
     assert scored and {r.request_id for r in scored} <= heldout_ids
+
+
+def test_head_step_benchmark_counts_fewer_operations_gathered_and_says_so(tmp_path):
+    # benchmarks/head_step.py (the device script's head_step): both contenders ran the same
+    # batches; the gathered batch's step has fewer operations (a row at a time: ~30 per row)
+    bench = load_script("benchmarks/head_step.py", "head_step")
+    result = bench.main(["--smoke", "--repeats", "1", "--out", str(tmp_path / "step.md"),
+                         "--json", str(tmp_path / "step.json")])
+    assert json.loads((tmp_path / "step.json").read_text()) == result
+    ops = result["operations"]
+    assert ops["rowwise"] > ops["packed"] + 2 * result["batch"], ops
+    assert all(ms > 0 for ms in result["step_ms"].values())
+    text = (tmp_path / "step.md").read_text()
+    assert f"| gathered from the packed rows | {ops['packed']} |" in text
+    assert f"{result['rowwise_over_packed']}x" in text

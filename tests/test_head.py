@@ -239,21 +239,18 @@ def test_a_training_batch_is_gathered_as_the_rows_padded_one_by_one(packed_train
             expected, _ = target_features(one_layer, torch.tensor([row]), head=trainee.module)
         torch.testing.assert_close(features, expected[0])
     for picks in ([3], [1, 8, 2], [9, 0, 5, 5, 6]):
-        # the padded batch the rows make one at a time (what a step built before)
-        rows = [cache[i] for i in picks]
-        width = max(len(r[0]) for r in rows) - 1
-        feats = torch.zeros(len(rows), width, cache.features.shape[-1])
-        nxt = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        truth = torch.zeros_like(feats)
-        values = torch.full((len(rows), width, trainee.topk), float("-inf"))
-        index = torch.zeros(len(rows), width, trainee.topk, dtype=torch.long)
-        for b, (ids, f, v, x) in enumerate(rows):
-            n = len(ids) - 1
-            feats[b, :n], nxt[b, :n], truth[b, :n], mask[b, :n] = f[:-1], ids[1:], f[1:], True
-            values[b, :n - 1], index[b, :n - 1] = v[:n - 1], x[:n - 1].clamp(min=0)
-        for got, want in zip(cache.batch(picks, "cpu"), (feats, nxt, truth, mask, values, index)):
+        # against the padded batch the rows make one at a time
+        for got, want in zip(cache.batch(picks, "cpu"), cache.batch_rowwise(picks, "cpu")):
             assert got.dtype == want.dtype and torch.equal(got, want), picks
+    # and the row-at-a-time batch is the rows' own slices, padded
+    feats, nxt, truth, mask, values, index = cache.batch_rowwise([1, 0], "cpu")
+    ids, features, top_values, top_index = cache[0]
+    n = len(ids) - 1
+    assert mask[1].tolist() == [True] * n + [False] * (mask.shape[1] - n)
+    assert torch.equal(nxt[1, :n], ids[1:]) and torch.equal(feats[1, :n], features[:-1])
+    assert torch.equal(truth[1, :n], features[1:]) and not truth[1, n:].any()
+    assert torch.equal(values[1, :n - 1], top_values[:n - 1]) and values[1, n - 1:].isinf().all()
+    assert torch.equal(index[1, :n - 1], top_index[:n - 1].clamp(min=0)) and not index[1, n - 1:].any()
 
 
 def test_a_training_step_runs_the_same_operations_at_every_batch_size(packed_trainee):
@@ -278,3 +275,9 @@ def test_a_training_step_runs_the_same_operations_at_every_batch_size(packed_tra
     assert operations(train_step, small) == operations(train_step, large)
     gather = functools.partial(trainee.cache.batch, device="cpu")
     assert operations(gather, [3]) == operations(gather, small) == operations(gather, large)
+    # the count sees a batch built a row at a time: 6 rows more, over 100 operations more
+    trainee.rowwise = True
+    try:
+        assert operations(train_step, large) > operations(train_step, small) + 100
+    finally:
+        trainee.rowwise = False
