@@ -457,6 +457,7 @@ class PackedRows:
         self.capacity, self.device = capacity, torch.device(device)
         self.used = 0
         self.starts: list[int] = []
+        self.lengths: list[int] = []          # on the host: a batch's width needs no device read
         self.ids = self.features = self.values = self.index = None
         self._where: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -465,7 +466,7 @@ class PackedRows:
 
     def __getitem__(self, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         start = self.starts[row]
-        end = self.starts[row + 1] if row + 1 < len(self.starts) else self.used
+        end = start + self.lengths[row]
         return (self.ids[start:end], self.features[start:end], self.values[start:end - 1],
                 self.index[start:end - 1])
 
@@ -488,6 +489,7 @@ class PackedRows:
         self.values[start:start + n - 1] = values
         self.index[start:start + n - 1] = index
         self.starts.append(start)
+        self.lengths.append(n)
         self.used += n
         self._where = None
 
@@ -497,13 +499,12 @@ class PackedRows:
         `picks`, W = the longest pick's length - 1; past a row's end: zeros, -inf values, index 0,
         mask False. On `device`."""
         if self._where is None:
-            starts = torch.tensor(self.starts, dtype=torch.long, device=self.device)
-            ends = torch.cat([starts[1:], torch.tensor([self.used], device=self.device)])
-            self._where = starts, ends - starts
+            self._where = (torch.tensor(self.starts, dtype=torch.long, device=self.device),
+                           torch.tensor(self.lengths, dtype=torch.long, device=self.device))
         starts, lengths = self._where
         rows = torch.tensor(picks, dtype=torch.long, device=self.device)
         start, n = starts[rows], lengths[rows] - 1               # n: positions with a next token
-        width = int(n.max())
+        width = max(self.lengths[i] for i in picks) - 1
         pos = torch.arange(width, device=self.device)
         mask = pos < n[:, None]
         scored = (pos < (n - 1)[:, None])[..., None]              # and a next distribution
