@@ -1,10 +1,12 @@
 """Where a decoding step's and a speculative round's time goes, with torch.profiler.
 
-Five configurations of the engine on one random-weight target (the shapes, model builder and
-sharpened greedy continuation of gpu_decode.py), batch 1, greedy, static caches:
+Six configurations of the engine on one random-weight target (the shapes, model builder and
+sharpened greedy continuation of gpu_decode.py), batch 1, greedy, static caches, the decoder
+layers' projections fused (fused_projections.py) except where named:
 
   plain_eager    SpecDecoder.generate_plain, CUDA graphs off
   plain_graphs   SpecDecoder.generate_plain, CUDA graphs on
+  plain_unfused  the same on a copy of the target whose projections are not fused
   spec_k4        SpecDecoder.generate with ControlledAcceptance (alpha 0.8), K = 4, graphs on
   spec_k6        the same with K = 6
   spec_k8        the same with K = 8
@@ -45,6 +47,7 @@ Progress goes to stderr; the Markdown to stdout and --out; the raw numbers to --
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import json
 import re
@@ -77,13 +80,14 @@ MEMCPY_CALLS = {"cudaMemcpyAsync", "cudaMemcpy"}
 DEVICE_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}
 DEVICE_WAITS = re.compile(r"Sync$|Wait Event")       # device-timeline waits, older torch only
 
-# name, label, speculative K (None: plain), CUDA graphs
+# name, label, speculative K (None: plain), CUDA graphs, projections fused (fused_projections.py)
 CONFIGS = (
-    ("plain_eager", "plain, CUDA graphs off", None, False),
-    ("plain_graphs", "plain, CUDA graphs on", None, True),
-    ("spec_k4", f"speculative K=4 (alpha {ALPHA}), graphs on", 4, True),
-    ("spec_k6", f"speculative K=6 (alpha {ALPHA}), graphs on", 6, True),
-    ("spec_k8", f"speculative K=8 (alpha {ALPHA}), graphs on", 8, True),
+    ("plain_eager", "plain, CUDA graphs off", None, False, True),
+    ("plain_graphs", "plain, CUDA graphs on", None, True, True),
+    ("plain_unfused", "plain, CUDA graphs on, projections unfused (q/k/v and gate/up apart)", None, True, False),
+    ("spec_k4", f"speculative K=4 (alpha {ALPHA}), graphs on", 4, True, True),
+    ("spec_k6", f"speculative K=6 (alpha {ALPHA}), graphs on", 6, True, True),
+    ("spec_k8", f"speculative K=8 (alpha {ALPHA}), graphs on", 8, True, True),
 )
 # per-step figures: (JSON key, Markdown header, total it comes from, scale)
 PER_STEP = (
@@ -270,10 +274,10 @@ def graph_counts(decoder) -> tuple[int, int] | None:
 
 def measure_config(name: str, label: str, k: int | None, graphs: bool, target, ids, new: int,
                    reference: torch.Tensor, device: torch.device, warmup: int = 2,
-                   compile: bool | str = "auto") -> dict:
+                   compile: bool | str = "auto", fused: bool = True) -> dict:
     drafter = None if k is None else ControlledAcceptance(reference, ALPHA, seed=11)
     decoder = gd.make_decoder(target, drafter, k=k or 1, static_cache=True, cuda_graphs=graphs,
-                              phase_timing=False, compile=compile)
+                              phase_timing=False, compile=compile, fuse_projections=fused)
     run = (lambda: decoder.generate_plain(ids, new)) if k is None else (lambda: decoder.generate(ids, new))
     for i in range(warmup):
         seconds, _ = gd.timed(run, device)
@@ -291,6 +295,7 @@ def measure_config(name: str, label: str, k: int | None, graphs: bool, target, i
     record = {
         "name": name, "label": label, "mode": "plain" if k is None else "speculative", "k": k,
         "cuda_graphs": graphs, "alpha": None if k is None else ALPHA, "new_tokens": new,
+        "fused_projections": decoder.engine().get("fused_projections"),
         "unit": "step" if k is None else "round",
         "rounds": rounds, "profiled_rounds": profiled_rounds,
         "tokens_per_round": float(timed_result.stats.mean_accepted_length),
@@ -397,8 +402,12 @@ def main(argv: list[str] | None = None) -> dict:
     usable = gd.sharpen_greedy(target, seed=0)
     generator = torch.Generator().manual_seed(1001)
     ids = torch.randint(0, usable, (1, prompt_len), generator=generator).to(device)
+    # the unfused contender's own copy, made before a decoder fuses the target in place (an
+    # engine without fused projections has none: its configurations are all unfused)
+    fusing = "fuse_projections" in gd.engine_options_supported()
+    unfused = copy.deepcopy(target) if fusing else None
     reference = gd.make_decoder(target, None, k=1, static_cache=True, cuda_graphs=False,
-                                phase_timing=False).generate_plain(ids, new).tokens
+                                phase_timing=False, fuse_projections=True).generate_plain(ids, new).tokens
     utc = dt.datetime.now(dt.timezone.utc)
     raw: dict[str, Any] = {"meta": {
         "utc": f"{utc:%Y-%m-%d %H:%M}", "device": str(device), "device_name": gd.device_name(device),
@@ -421,13 +430,17 @@ def main(argv: list[str] | None = None) -> dict:
         return text
 
     chosen = None if args.configs is None else set(args.configs.split(","))
-    for name, label, k, graphs in CONFIGS:
+    for name, label, k, graphs, fused in CONFIGS:
         if chosen is not None and name not in chosen:
             continue
+        if not fused and unfused is None:
+            log(f"{name}: skipped (this engine has no fused projections to turn off)")
+            continue
         try:
-            record = measure_config(name, label, k, graphs, target, ids, new, reference, device,
-                                    warmup=args.warmup,
-                                    compile={"on": True, "off": False}.get(args.engine_compile, "auto"))
+            record = measure_config(name, label, k, graphs, target if fused else unfused, ids, new,
+                                    reference, device, warmup=args.warmup,
+                                    compile={"on": True, "off": False}.get(args.engine_compile, "auto"),
+                                    fused=fused)
         except Exception as error:  # noqa: BLE001 -- report it and measure the others
             log(f"{name} failed: {type(error).__name__}: {error}")
             traceback.print_exc(file=sys.stderr)

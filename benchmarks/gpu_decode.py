@@ -33,6 +33,7 @@ Progress goes to stderr. The Markdown goes to stdout and to benchmarks/results/g
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import inspect
 import json
@@ -79,7 +80,7 @@ DRAFT_SMOKE = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hid
 SEED_REFERENCE = {"alpha": 0.8, "draft_verify_ratio": 0.07, "speedup": 2.8}
 WITHIN = 0.15          # "within 15% of the planner"
 BANDWIDTH_GOAL = 0.60  # "plain decoding >= 60% of the bandwidth limit"
-ENGINE_OPTIONS = ("static_cache", "cuda_graphs", "phase_timing", "compile")
+ENGINE_OPTIONS = ("static_cache", "cuda_graphs", "phase_timing", "compile", "fuse_projections")
 PAD = 0
 
 _T0 = time.perf_counter()
@@ -437,6 +438,11 @@ class Bench:
         self.target = build_model(setup.target_shape, setup.device, setup.dtype, seed=setup.seed)
         self.usable_vocab = sharpen_greedy(self.target, seed=setup.seed)
         self.draft = build_model(setup.draft_shape, setup.device, setup.dtype, seed=setup.seed + 1)
+        # transformers' contenders run the models as a user loads them: copies made before the
+        # engine fuses the originals' projections in place (fused_projections.py)
+        fusing = "fuse_projections" in engine_options_supported()
+        self.hf_target = copy.deepcopy(self.target) if fusing else self.target
+        self.hf_draft = copy.deepcopy(self.draft) if fusing else self.draft
         sync(self.device)
         self.build_s = time.perf_counter() - t0
         log(f"models built in {self.build_s:.1f}s: target {human(param_count(self.target))} "
@@ -459,7 +465,7 @@ class Bench:
 
     # -- 1 -------------------------------------------------------------------------------------
     def plain_vs_hf(self) -> dict:
-        s, target = self.s, self.target
+        s, target = self.s, self.hf_target
         ids, new = self.prompts(1), s.new_tokens[1]
         plain = self.decoder(None)
         hf_extra = {"cache_implementation": "static", "disable_compile": not s.compile}
@@ -612,13 +618,13 @@ class Bench:
         ids, new, k = self.prompts(1), s.new_tokens[1], s.assist_k
         reference = self.reference(1)
         rows = []
-        for label, draft in (("draft = target (all accepted)", self.target),
-                             ("unrelated small draft", self.draft)):
-            configure_assistant(draft, k)
+        for label, draft, hf_draft in (("draft = target (all accepted)", self.target, self.hf_target),
+                                       ("unrelated small draft", self.draft, self.hf_draft)):
+            configure_assistant(hf_draft, k)
             ours = self.decoder(DraftModel(draft), k=k)
             contenders = {
                 "ours": lambda d=ours: d.generate(ids, new),
-                "hf": lambda d=draft: hf_generate(self.target, ids, new, assistant_model=d),
+                "hf": lambda d=hf_draft: hf_generate(self.hf_target, ids, new, assistant_model=d),
             }
             samples = interleave(contenders, s.repeats, self.device, f"item 4 {label}")
             with hf_assisted_rounds() as hf_rounds:     # one more, untimed run: count its rounds

@@ -5,6 +5,9 @@
 #              carried: `git archive REV specdec_core | tar -x -C .before`), graphs on, compile off,
 #              one warm-up call (as gpu_decode.py makes), plain and K 4, 6, 8;
 #   breakdown  the same on this checkout's engine;
+#   fused      the breakdown's plain step with the decoder layers' projections fused (the engine's
+#              default on CUDA) and unfused, graphs on, compile off: the kernels per step and their
+#              device time (specdec_core/fused_projections.py);
 #   grid       benchmarks/gpu_decode.py --quick --engine-compile off --items 2,3 (verify(K) and the
 #              alpha x K grid against the planner, with captured rounds);
 #   decode     benchmarks/gpu_decode.py --quick --items 1,4,5 (compile at the engine's default;
@@ -30,15 +33,16 @@
 # $OUT/results.tar.gz (a device call brings back at most 8 files), beside $OUT/device.txt
 # (versions, then every step's rc and seconds). Exits non-zero when any step failed.
 #
-#   bash benchmarks/run_on_device.sh                # STEPS (default: head_step decode
-#                                                   # profile_layer decode_layer scope profile: the
-#                                                   # head, compile and bandwidth goals still open;
-#                                                   # breakdown and grid met theirs on 2026-11-27),
-#                                                   # each under its LIMITS (580 s in all)
+#   bash benchmarks/run_on_device.sh                # STEPS (default: head_step fused decode
+#                                                   # profile_layer decode_layer scope: the head,
+#                                                   # compile and bandwidth goals still open;
+#                                                   # breakdown and grid met theirs on 2026-11-27,
+#                                                   # profile (the whole-forward scope) missed its
+#                                                   # twice), each under its LIMITS (550 s in all)
 #   STEPS="head" bash benchmarks/run_on_device.sh   # only some steps
 #   LIMITS="grid=60 decode=150" bash ...            # each step's limit in seconds (default
 #                                                   # tests=150 before=45 breakdown=45 grid=60
-#                                                   # head_step=40 decode=140 profile=90
+#                                                   # head_step=40 fused=60 decode=140 profile=90
 #                                                   # profile_layer=120 decode_layer=90 scope=100
 #                                                   # head=270; LIMITS= for none): a step
 #                                                   # over its limit is stopped, its log kept,
@@ -102,9 +106,9 @@ if [ "${1:-}" = "--smoke" ]; then
     shift
 fi
 OUT=${OUT:-/tmp/specdec-device-out}
-STEPS=${STEPS:-head_step decode profile_layer decode_layer scope profile}
+STEPS=${STEPS:-head_step fused decode profile_layer decode_layer scope}
 # each step's limit in seconds: a 15-minute lease then brings back something of every step
-LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 head_step=40 decode=140 profile=90 profile_layer=120 decode_layer=90 scope=100 head=270}
+LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 head_step=40 fused=60 decode=140 profile=90 profile_layer=120 decode_layer=90 scope=100 head=270}
 mkdir -p "$OUT"
 LOGS=$(mktemp -d /tmp/specdec-device-logs.XXXXXX)      # packed into $OUT/results.tar.gz
 WORK=$(mktemp -d /tmp/specdec-device-work.XXXXXX)
@@ -165,12 +169,11 @@ profile_measure() {   # profile_measure [COMPILE_SCOPE]
         --name "$PROFILE_NAME" "${MEASURE_ARGS[@]}"
 }
 
-gpu_breakdown() {   # gpu_breakdown NAME [PYTHONPATH first entry]: K 4, 6, 8 vs plain, graphs on
-    local name=$1 code=${2:-$PWD}
+gpu_breakdown() {   # gpu_breakdown NAME [PYTHONPATH first entry] [CONFIGS]: graphs on, compile off
+    local name=$1 code=${2:-$PWD} configs=${3:-plain_graphs,spec_k4,spec_k6,spec_k8}
     PYTHONPATH="$code:$PWD${SITE:+:$SITE}" python3 benchmarks/gpu_breakdown.py \
         ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} --warmup 1 --engine-compile off \
-        --configs plain_graphs,spec_k4,spec_k6,spec_k8 \
-        --out "$LOGS/$name.md" --json "$LOGS/$name.json"
+        --configs "$configs" --out "$LOGS/$name.md" --json "$LOGS/$name.json"
 }
 
 before_breakdown() {
@@ -279,6 +282,7 @@ run_step before breakdown_before.log before_breakdown
 run_step breakdown breakdown_after.log gpu_breakdown breakdown_after
 run_step grid gpu_grid.log gpu_grid
 run_step head_step head_step.log head_step
+run_step fused breakdown_fused.log gpu_breakdown breakdown_fused "$PWD" plain_graphs,plain_unfused
 run_step decode gpu_decode.log gpu_decode "$@"
 run_step profile_layer profile_measure_layer.log profile_measure layer
 run_step decode_layer gpu_decode_layer.log gpu_decode_layer "$@"

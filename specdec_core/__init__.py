@@ -8,7 +8,7 @@ Layers, from the top; each module imports only from its own layer and those belo
   caches        cache, static_cache
   verification  verify
   records       records
-  device        graphs, tap, cpu_kernels, layer_compile
+  device        graphs, tap, cpu_kernels, layer_compile, fused_projections
   values        errors, home, stats, sampling, train_config
 
 The package's names are imported on first use, so a torch-free module (home, errors) can be

@@ -14,6 +14,7 @@ from . import cpu_kernels as kernels
 from .cache import dynamic_session
 from .drafters import Drafter
 from .errors import InvalidDecodeInput
+from .fused_projections import fuse_projections as fuse_projections_of, fused_projections
 from .loop import decode
 from .records import GenerateResult
 from .sampling import SamplingParams
@@ -53,6 +54,12 @@ class SpecDecoder:
     attention for the narrow forwards of a float32 model on a CPU (the target's and the drafter's
     own models; same numbers up to float32 rounding, a verify pass about a sixth cheaper there);
     False leaves the models as they are. It changes the models in place, for every later user.
+    fuse_projections: each decoder layer's query, key and value projections multiplied as one
+    matrix, and the MLP's gate and up (fused_projections.py: the same parameters and state dict,
+    a few wider kernels instead of many narrow ones). "auto": on CUDA, where a small weight's
+    kernel runs far below the memory bandwidth; True also on a CPU; False does not fuse (a model
+    fused before stays fused). In place, for every later user, like cpu_kernels (the target's
+    and the drafter's own models).
     """
 
     def __init__(self, target_model: torch.nn.Module, drafter: Drafter | None, k: int = 4,
@@ -60,7 +67,7 @@ class SpecDecoder:
                  verify_widths: dict[int, int] | None = None, static_cache: bool | str = "auto",
                  cuda_graphs: bool | str = "auto", phase_timing: bool = True,
                  verify_round: Callable = verify_round, compile: bool | str = "auto",
-                 cpu_kernels: bool | str = "auto"):
+                 cpu_kernels: bool | str = "auto", fuse_projections: bool | str = "auto"):
         if not isinstance(k, int) or k < 1:
             raise InvalidDecodeInput(f"k={k!r}: the number of draft tokens per round must be an "
                                      "integer >= 1 (use generate_plain for no speculation)")
@@ -78,7 +85,8 @@ class SpecDecoder:
         if drafter is not None:
             drafter.check_compatible(target_model, tokenizer)
         for name, value in (("static_cache", static_cache), ("cuda_graphs", cuda_graphs),
-                            ("compile", compile), ("cpu_kernels", cpu_kernels)):
+                            ("compile", compile), ("cpu_kernels", cpu_kernels),
+                            ("fuse_projections", fuse_projections)):
             if value not in ("auto", True, False):
                 raise InvalidDecodeInput(f"{name}={value!r}: use 'auto', True or False")
         self.static_cache = static_cache
@@ -87,6 +95,10 @@ class SpecDecoder:
         self.phase_timing = phase_timing
         self._static_pool = None
         self._static: bool | None = None          # uses_static_cache(), decided on first use
+        if fuse_projections is True or (fuse_projections == "auto" and self.device.type == "cuda"):
+            # before the CPU kernels: those pack the plain nn.Linear modules that are left
+            for model in (target_model, *(drafter.cached_models() if drafter is not None else ())):
+                fuse_projections_of(model)
         self._cpu_kernels = {"packed_linear": 0, "gqa_attention": False}
         if cpu_kernels is not False:
             applied = kernels.prepare(target_model)
@@ -124,12 +136,15 @@ class SpecDecoder:
 
     def engine(self) -> dict:
         """The engine options as resolved on this device: {static_cache, cuda_graphs, compile,
-        cpu_kernels} (graphs and compile apply to static caches only; cpu_kernels: the target's
-        packed linear layers and grouped-query attention, see cpu_kernels.py)."""
+        cpu_kernels, fused_projections} (graphs and compile apply to static caches only;
+        cpu_kernels: the target's packed linear layers and grouped-query attention, see
+        cpu_kernels.py; fused_projections: the target's decoder layers whose attention and MLP
+        projections are fused, see fused_projections.py)."""
         static = self.uses_static_cache()
         graphs, compiled = self._static_options()
         return {"static_cache": static, "cuda_graphs": static and graphs,
-                "compile": static and bool(compiled), "cpu_kernels": dict(self._cpu_kernels)}
+                "compile": static and bool(compiled), "cpu_kernels": dict(self._cpu_kernels),
+                "fused_projections": fused_projections(self.target)}
 
     def engine_state(self) -> dict:
         """What the engine holds now (for tests and diagnostics): engine() and, on static caches,

@@ -594,8 +594,9 @@ def test_compiled_forwards_keep_greedy_outputs(target, draft):
         general = decode(target, make_drafter(name, target, draft), 2, ids, mask, static=False, eos=5)
         decoder = SpecDecoder(target, make_drafter(name, target, draft), k=2, static_cache=True,
                               cuda_graphs=True, compile=True)
-        assert {**decoder.engine(), "cpu_kernels": None} == {"static_cache": True, "cuda_graphs": True,
-                                                             "compile": True, "cpu_kernels": None}
+        assert {**decoder.engine(), "cpu_kernels": None, "fused_projections": None} == {
+            "static_cache": True, "cuda_graphs": True, "compile": True, "cpu_kernels": None,
+            "fused_projections": None}
         run = decoder.generate if name != "plain" else decoder.generate_plain
         compiles = []
         for _ in range(2):                       # the second call replays captured rounds
@@ -607,9 +608,11 @@ def test_compiled_forwards_keep_greedy_outputs(target, draft):
         assert all(cache["compiled"] for cache in decoder.engine_state()["caches"])
     # "auto" compiles on CUDA only; the CPU default path has no static caches at all
     linears = sum(1 for m in target.modules() if isinstance(m, torch.nn.Linear))
+    fused = len(target.model.layers) if CUDA else 0
     assert SpecDecoder(target, None).engine() == {
         "static_cache": CUDA, "cuda_graphs": CUDA, "compile": CUDA,
-        "cpu_kernels": {"packed_linear": 0 if CUDA else linears, "gqa_attention": not CUDA}}
+        "cpu_kernels": {"packed_linear": 0 if CUDA else linears, "gqa_attention": not CUDA},
+        "fused_projections": {"attention": fused, "mlp": fused}}
 
 
 def test_compiled_sampling_keeps_the_target_distribution(spread_target, spread_draft):

@@ -1,5 +1,5 @@
 """benchmarks/gpu_breakdown.py: the event counting on hand-made profiler events (the CUDA rules,
-checkable without a GPU), and one --smoke run on the CPU: five configurations, per-round figures
+checkable without a GPU), and one --smoke run on the CPU: six configurations, per-round figures
 that agree with the totals, the Markdown summary table, greedy exactness. No timing thresholds."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.autograd import DeviceType
 
 from .helpers.scripts import load_script
 
-CONFIGS = ["plain_eager", "plain_graphs", "spec_k4", "spec_k6", "spec_k8"]
+CONFIGS = ["plain_eager", "plain_graphs", "plain_unfused", "spec_k4", "spec_k6", "spec_k8"]
 SUMMARY_HEADER = ["configuration", "unit", "rounds", "tokens/round", "wall ms", "device busy ms",
                   "kernels", "eager launches", "graph launches", "host syncs", "DtoH copies",
                   "aten ops", "busy % of wall", "captures, eager rounds (timed call)", "mismatched rows"]
@@ -124,7 +124,7 @@ def smoke(script, tmp_path_factory):
             "returned": returned}
 
 
-def test_the_five_configurations_ran(smoke):
+def test_the_six_configurations_ran(smoke):
     raw = smoke["raw"]
     assert raw == json.loads(json.dumps(smoke["returned"]))     # main returns what it dumps
     assert [c["name"] for c in raw["configs"]] == CONFIGS
@@ -149,7 +149,10 @@ def test_rounds_and_walls_are_consistent(smoke):
             assert config["unit"] == "round" and config["tokens_per_round"] > 1
     by_name = {c["name"]: c for c in smoke["raw"]["configs"]}
     assert (by_name["spec_k4"]["k"], by_name["spec_k8"]["k"]) == (4, 8)
-    assert [by_name[n]["cuda_graphs"] for n in CONFIGS] == [False, True, True, True, True]
+    assert [by_name[n]["cuda_graphs"] for n in CONFIGS] == [False, True, True, True, True, True]
+    # every configuration on the fused target but plain_unfused, which runs on an unfused copy
+    layers = {n: by_name[n]["fused_projections"]["attention"] for n in CONFIGS}
+    assert layers["plain_unfused"] == 0 and all(layers[n] > 0 for n in CONFIGS if n != "plain_unfused")
     # warmed up twice: the timed call replays every round (the CPU stand-in counts like CUDA)
     assert all((c["timed_captures"], c["timed_eager_rounds"]) == (0, 0) for c in smoke["raw"]["configs"]
                if c["cuda_graphs"]), [(c["name"], c["timed_captures"]) for c in smoke["raw"]["configs"]]
