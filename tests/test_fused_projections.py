@@ -249,3 +249,18 @@ def test_a_compiled_body_multiplies_fused_and_fusing_compiles_no_more_bodies(sco
                 "layer": {False: [7], True: [4]}}[scope]
     assert products == per_body, products
     assert torch.equal(tokens[True], tokens[False])
+
+
+def test_the_benchmark_compares_fused_and_unfused_on_the_same_weights(tmp_path):
+    from .helpers.scripts import load_script
+
+    bench = load_script("benchmarks/fused_projections.py", "fused_projections_bench")
+    raw = bench.main(["--smoke", "--out", str(tmp_path / "f.md"), "--json", str(tmp_path / "f.json")])
+    layers = bench.gpu_decode.TARGET_SMOKE["num_hidden_layers"]
+    assert raw["products_per_step"] == {"fused": 4 * layers + 1, "unfused": 7 * layers + 1}
+    assert raw["same_tokens"] is True
+    assert raw["engines"]["fused"]["fused_projections"] == {"attention": layers, "mlp": layers}
+    assert raw["engines"]["unfused"]["fused_projections"] == {"attention": 0, "mlp": 0}
+    assert set(raw["forward_ms"]["fused"]) == {1, 5, 9}
+    text = (tmp_path / "f.md").read_text()
+    assert "| matrix products per decode step | 9 | 15 | 1.67 |" in text
