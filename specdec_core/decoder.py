@@ -57,7 +57,9 @@ class SpecDecoder:
     fuse_projections: each decoder layer's query, key and value projections multiplied as one
     matrix, and the MLP's gate and up (fused_projections.py: the same parameters and state dict,
     a few wider kernels instead of many narrow ones). "auto": on CUDA, where a small weight's
-    kernel runs far below the memory bandwidth; True also on a CPU; False does not fuse (a model
+    kernel runs far below the memory bandwidth; True also on a CPU (where it measured no gain,
+    and takes those projections off the CPU kernels' packed weights: 0.74x on plain decoding,
+    benchmarks/results/fused_projections_cpu.md); False does not fuse (a model
     fused before stays fused). In place, for every later user, like cpu_kernels (the target's
     and the drafter's own models).
     """
