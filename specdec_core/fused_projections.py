@@ -29,9 +29,12 @@ their class in place (FusedProjection, an nn.Linear):
 
 The products are the same numbers as the separate ones up to the order a kernel sums in (one
 wider GEMM may split its reduction differently): greedy tokens are compared in the tests.
-Replace a weight after fusing only by copying into it (`weight.copy_`, load_state_dict): a new
-Parameter assigned to `q_proj.weight` is not seen by the fused product; moving or casting the
-model (`.to`) gives each Parameter and the buffer storage of their own with the same values.
+Copying into a weight (`weight.copy_`, load_state_dict, an optimizer's step) writes into the fused
+tensor. A deep copy, a move or a cast (`.to`), or a new Parameter assigned to `q_proj.weight`,
+leaves the fused tensor apart from the Parameters; the group's first projection sees that in its
+next eager forward (`ProjectionGroup.linked`, a pointer comparison) and copies them into one tensor
+again. Compiled and captured forwards do not check (a pointer is no traced value): the engine's
+prefills run eagerly before them.
 """
 
 from __future__ import annotations
