@@ -477,12 +477,14 @@ def test_profile_costs_stores_every_component_and_load_costs_reads_it(db_url, ta
     assert hardware["name"] == "tiny-cpu" and hardware["dtype"] == "float32"
     assert hardware["device"].startswith("cpu") and "torch" in hardware["details"]
     # the engine the costs describe: on a CPU, dynamic caches (no graphs, nothing compiled) and the
-    # CPU kernels on every linear layer of the target (a float32 model with SDPA attention)
+    # CPU kernels on every linear layer of the target (a float32 model with SDPA attention), and no
+    # fused projections (they are fused on CUDA only by default)
     linears = sum(1 for m in target.modules() if isinstance(m, torch.nn.Linear))
     assert hardware["details"]["engine"] == {"static_cache": False, "cuda_graphs": False,
                                              "compile": False,
                                              "cpu_kernels": {"packed_linear": linears,
-                                                             "gqa_attention": True}}
+                                                             "gqa_attention": True},
+                                             "fused_projections": {"attention": 0, "mlp": 0}}
     costs = load_costs("tiny-cpu", Store.open(db_url))
     assert (costs.hardware_profile, costs.run_id, costs.batch_sizes) == ("tiny-cpu", "run-1", [1, 2])
     assert costs.k_max(1) == costs.k_max(2) == 2 and sorted(costs.draft_step) == [LS, PL]
