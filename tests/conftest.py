@@ -28,6 +28,11 @@ from .helpers.traffic import request_row, traffic_rows, write_jsonl
 # (DAG runs): a correct run fails that test by chance at rate alpha, which must not make CI flaky.
 os.environ.setdefault("SPECDEC_VALIDATION_SEED", "11")
 
+# pytest-xdist (`make test`): the machine's cores shared between the workers, as torch's threads
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
 
 @pytest.fixture(scope="session")
 def target():
