@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -123,6 +123,18 @@ def tiny_env(airflow_env, db_url, tmp_path, monkeypatch, mlflow_uri):
     return {"target": str(model_dir), "db_url": db_url}
 
 
+# A retrain run's id is fixed: training splits the requests train / held-out by a hash of the run
+# id and the request id, so an id taken from the clock left, about one run in 800 (0.8 ** 30), none
+# of tiny_env's 30 requests held out, and training rightly refused to start
+RETRAIN_AT = datetime(2026, 11, 1, 3, tzinfo=timezone.utc)
+
+
+def retrain_run(dagbag, conf: dict):
+    """specdec_retrain_draft through dag.test() under the fixed run id of RETRAIN_AT."""
+    return dagbag.get_dag("specdec_retrain_draft").test(logical_date=RETRAIN_AT, run_after=RETRAIN_AT,
+                                                        run_conf=conf)
+
+
 def run_dag(dagbag, conf: dict):
     from tasks.orchestration.airflow_logs import recording, write_task_logs
 
@@ -222,9 +234,8 @@ def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(da
     from tasks.steps.draft_training import draft_model_name
     from tasks.registry.tracking import client
 
-    retrain = dagbag.get_dag("specdec_retrain_draft")
-    run = retrain.test(run_conf={"target": tiny_env["target"], "num_layers": 1, "steps": 10,
-                                 "eval_every": 5, "batch_size": 4, "lr": 0.003})
+    run = retrain_run(dagbag, {"target": tiny_env["target"], "num_layers": 1, "steps": 10,
+                               "eval_every": 5, "batch_size": 4, "lr": 0.003})
     states = {ti.task_id: ti.state for ti in run.get_task_instances()}
     assert run.state == "success", states
     version = client().get_model_version_by_alias(draft_model_name(tiny_env["target"]), "candidate")
@@ -256,10 +267,9 @@ def test_retrain_dag_generates_rows_and_trains_an_eagle3_head_on_them(dagbag, ti
     from tasks.registry.tracking import client
     from tasks.steps.draft_training import draft_model_name, train_id_of_run
 
-    retrain = dagbag.get_dag("specdec_retrain_draft")
-    run = retrain.test(run_conf={"target": tiny_env["target"], "kind": "eagle3", "vocab_size": 64,
-                                 "layer_ids": [1, 2, 3], "generate_count": 3, "steps": 4,
-                                 "eval_every": 2, "batch_size": 4, "lr": 0.003})
+    run = retrain_run(dagbag, {"target": tiny_env["target"], "kind": "eagle3", "vocab_size": 64,
+                               "layer_ids": [1, 2, 3], "generate_count": 3, "steps": 4,
+                               "eval_every": 2, "batch_size": 4, "lr": 0.003})
     states = {ti.task_id: ti.state for ti in run.get_task_instances()}
     assert run.state == "success", states
     engine = create_engine(tiny_env["db_url"])

@@ -9,6 +9,8 @@ from specdec_core import LayerSkip, ModelNotFound, PromptLookup, SpecDecoder, lo
 from tasks.cli.prompts import builtin_prompts, encode
 from tasks.db.store import Store
 
+from .helpers import PASSING_ALPHA
+
 pytestmark = pytest.mark.slow
 NEW = 32
 
@@ -143,6 +145,7 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
                              profile_batch_sizes=(1,), profile_repeats=1, confirm_requests=1,
                              profile_checks=False, live_veto=False,   # one timing: no spread known
                              confirm_max_new_tokens=16, validation_rows=100, greedy_check_requests=1,
+                             validation_alpha=PASSING_ALPHA,   # vLLM's draws: see PASSING_ALPHA
                              greedy_check_tokens=12, candidates=("prompt_lookup",), min_speedup=1.0,
                              engine_check_requests=6,
                              # the load check's servers: tests/test_load_check.py (CI time)

@@ -18,6 +18,7 @@ from tasks.serving import environment as serving_env
 from tasks.registry.config_schema import parse_config
 from tasks.registry.vllm_export import vllm_export
 
+from .helpers import PASSING_ALPHA
 from .helpers.models import save_tiny_target, tiny_llama
 
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_SERVING") == "1"
@@ -282,7 +283,8 @@ def engine_run(serving, tmp_path_factory):
                                settings=load_settings(profile_repeats=2), progress=False)
         # the gate's tolerance is tested on its own (test_engine_check.py): none is applied here
         result = engine_check("r1", str(target_dir), model, drafters, requests, Store.open(url),
-                              settings=load_settings(**settings, engine_check_tolerance=1.0))
+                              settings=load_settings(**settings, engine_check_tolerance=1.0,
+                                                     validation_alpha=PASSING_ALPHA))
         # again, as a run planned on vLLM's costs (the profile above copied as its own): a re-run
         # checks the domains still on and replaces their rows, and its live check is vLLM's
         # speedup (live_veto off: a tiny target's timings are noise). The sampling test on vLLM

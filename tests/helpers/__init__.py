@@ -16,3 +16,12 @@ from another test module or from conftest.py (tests/test_suite_layout.py checks 
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+# The false-alarm rate of a sampling test on vLLM's server in the tests that expect it to pass.
+# The server draws without per-request seeds, so what it draws depends on how it schedules the
+# rows, and CPU load (two test workers) changes that: a correct engine then fails at the test's
+# alpha, 0.01 by default (it did, once: p 0.0033 against 0.0033 on a domain whose plain control
+# passed). At 1e-4 the suite's five such tests give a false alarm in about one run in 2,000; the
+# defect they are there for still fails far below it (vLLM's unmended CPU sampler at T 0.7 top-p
+# 0.9: p computed as 0 at positions 1-2, tests/test_vllm_server.py).
+PASSING_ALPHA = 1e-4
