@@ -72,11 +72,13 @@ demo: setup
 # the architecture contracts (pyproject's [tool.importlinter]: layers, no cycles), then every test
 # this machine can run; the last line says what was skipped, why, and that `make test-all` runs it
 # two workers (pytest-xdist), a test file per worker at a time: a module's servers and models are
-# started once; TEST_WORKERS=0 runs in one process
+# started once; files are handed out longest first (tests/file_seconds.json, from
+# scripts/test_durations.py; tests/conftest.py orders them, xdist keeps that order); TEST_WORKERS=0
+# runs in one process
 TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # the fast loop: unit tests only (no process or server started, no embedded model), in seconds
 test-unit: setup

@@ -22,6 +22,7 @@ import torch
 from .helpers import REPO
 from .helpers.db import POSTGRES_ENV, MigratedTemplates, postgres_schema
 from .helpers.models import SPREAD_VOCAB, save_tiny_target, tiny_llama
+from .helpers.ordering import longest_first, recorded_seconds
 from .helpers.traffic import request_row, traffic_rows, write_jsonl
 
 # The sampling test's streams come from this seed, not from run ids that carry the wall clock
@@ -32,6 +33,20 @@ os.environ.setdefault("SPECDEC_VALIDATION_SEED", "11")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, test files in the order of their recorded seconds, longest first
+    (tests/file_seconds.json, written by scripts/test_durations.py; a file not listed comes after
+    every listed one), and their tests in their own order. `make test` hands whole files to its
+    workers in collection order (`--dist loadfile --no-loadscope-reorder`), so the long files start
+    first and the short ones fill the gaps: by default xdist orders files by their number of tests,
+    and a long file of few tests (one server-backed end-to-end run) started last, with the other
+    worker idle. One process keeps pytest's own order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    seconds = recorded_seconds()
+    items.sort(key=lambda item: longest_first(item.path, seconds))  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

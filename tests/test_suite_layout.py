@@ -5,9 +5,16 @@ and moving or renaming one breaks nothing else."""
 from __future__ import annotations
 
 import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from .helpers import REPO
+from .helpers.ordering import longest_first, recorded_seconds
 
 TESTS = Path(__file__).resolve().parent
 TEST_MODULES = sorted(TESTS.glob("test_*.py"))
@@ -68,3 +75,58 @@ def test_helpers_hold_no_fixtures():
     for path in HELPERS:
         assert "pytest.fixture" not in path.read_text(encoding="utf-8"), \
             f"{path.relative_to(TESTS)}: fixtures belong in tests/conftest.py"
+
+
+def test_every_recorded_test_file_exists():
+    """A renamed or removed file left in tests/file_seconds.json would silently lose its place."""
+    stale = [path for path in recorded_seconds() if not (REPO / path).is_file()]
+    assert not stale, (f"tests/file_seconds.json names files that are gone: {stale}; run "
+                       "scripts/test_durations.py on a full run's --junitxml report")
+
+
+def test_files_sort_longest_recorded_first_and_unrecorded_ones_last():
+    seconds = {"tests/test_a.py": 5.0, "tests/test_b.py": 300.0, "tests/test_c.py": 0.0}
+    tests = [(TESTS / name, index) for index, name in
+             enumerate(["test_a.py", "test_a.py", "test_new.py", "test_c.py", "test_b.py", "test_b.py"])]
+    order = sorted(tests, key=lambda test: longest_first(test[0], seconds))
+    assert [(path.name, index) for path, index in order] == [
+        ("test_b.py", 4), ("test_b.py", 5), ("test_a.py", 0), ("test_a.py", 1), ("test_c.py", 3),
+        ("test_new.py", 2)]
+    assert longest_first(Path("/elsewhere/test_x.py"), seconds) == 1.0
+
+
+def test_the_durations_script_sums_each_files_cases(tmp_path):
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="one" time="1.25"/>'
+        '<testcase classname="tests.test_a.TestGroup" name="two" time="2.5"/>'
+        '<testcase classname="tests.test_b" name="three" time="10"/>'
+        '<testcase classname="tests.test_c" name="skipped" time=""/>'
+        '</testsuite></testsuites>')
+    out = tmp_path / "seconds.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "test_durations.py"), str(report),
+                    "--out", str(out)], check=True, capture_output=True)
+    assert recorded_seconds(out) == {"tests/test_b.py": 10.0, "tests/test_a.py": 3.8,
+                                     "tests/test_c.py": 0.0}
+    assert list(recorded_seconds(out)) == ["tests/test_b.py", "tests/test_a.py", "tests/test_c.py"]
+
+
+@pytest.mark.integration
+def test_make_test_runs_files_longest_recorded_first():
+    """`make test`'s own pytest options on three quick files given shortest first: the worker runs
+    them longest first (xdist alone would keep the order of their test counts)."""
+    recipe = next(line for line in (REPO / "Makefile").read_text().splitlines()
+                  if "-m pytest" in line and "$(TEST_WORKERS)" in line)
+    options = recipe.split("$(TEST_WORKERS)", 1)[1].split()
+    files = ["tests/test_verify.py", "tests/test_architecture.py", "tests/test_random_model.py"]
+    seconds = recorded_seconds()
+    expected = sorted(files, key=lambda name: longest_first(REPO / name, seconds))
+    assert expected != files, f"pick three files whose recorded seconds differ: {seconds}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
+    command = [sys.executable, "-m", "pytest", "-n", "1", *options, "-v", "-p", "no:cacheprovider", *files]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ran = re.findall(r"^\[gw0\] \[ *\d+%\] [A-Z]+ (tests/test_\w+\.py)::", result.stdout, re.MULTILINE)
+    started = list(dict.fromkeys(ran))
+    assert started == expected, result.stdout[-3000:]
