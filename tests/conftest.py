@@ -14,10 +14,13 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from tasks.cli.main_job import airflow_environment
 
 from .helpers import REPO
 from .helpers.db import POSTGRES_ENV, MigratedTemplates, postgres_schema
@@ -33,6 +36,20 @@ os.environ.setdefault("SPECDEC_VALIDATION_SEED", "11")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
+
+# Airflow's home for this test process, named before anything imports Airflow: Airflow reads its
+# home and metadata database once, at its first import, so a test that reaches airflow.sdk
+# in-process before the airflow_env fixture ran (the DAG glue's error mapping, connections,
+# Variables) would otherwise point the whole process at ~/airflow/airflow.db -- created there,
+# never migrated -- and every later DagBag in the process would fail ("no such table: dag").
+# Migrated only when a test asks for airflow_env; removed when the session ends.
+_AIRFLOW_ENV = airflow_environment(Path(tempfile.mkdtemp(prefix="airflow-home-")), REPO / "dags")
+os.environ.update(_AIRFLOW_ENV)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(Path(_AIRFLOW_ENV["AIRFLOW_HOME"]).parent, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -207,14 +224,12 @@ def jsonl_file(tmp_path):
 @pytest.fixture(scope="session")
 def airflow_env():
     """An Airflow home with a migrated SQLite metadata database and the timing pool; the DAG
-    folder is the repository's dags/. Set before airflow is first imported in this process."""
-    import tempfile
+    folder is the repository's dags/. Its environment is this process's from the start
+    (_AIRFLOW_ENV), as Airflow reads its home and database once, when first imported."""
+    from tasks.cli.main_job import prepare_airflow
 
-    from tasks.cli.main_job import airflow_environment, prepare_airflow
-
-    env = airflow_environment(Path(tempfile.mkdtemp(prefix="airflow-home-")), REPO / "dags")
-    prepare_airflow(env)        # the main job's own setup: migrate, the one-slot timing pool
-    return env
+    prepare_airflow(_AIRFLOW_ENV)   # the main job's own setup: migrate, the one-slot timing pool
+    return _AIRFLOW_ENV
 
 
 @pytest.fixture(scope="session")

@@ -340,6 +340,18 @@ def _raised(make, *args):
     raise AssertionError("nothing raised")
 
 
+def test_airflow_imported_in_process_reads_the_test_sessions_home_not_the_users():
+    """Whatever test first imports Airflow in a process (this one, alone, without airflow_env), its
+    metadata database is the session's Airflow home that airflow_env migrates: one pointed at
+    ~/airflow/airflow.db (never migrated) failed every later DagBag with "no such table: dag"."""
+    from airflow import settings
+
+    home = os.environ.get("AIRFLOW_HOME", "")
+    assert home and Path(home).resolve() != (Path.home() / "airflow").resolve(), home
+    assert settings.SQL_ALCHEMY_CONN == os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    assert settings.SQL_ALCHEMY_CONN == f"sqlite:///{Path(home) / 'airflow.db'}"
+
+
 def test_error_mapping(tmp_path):
     # which errors the DAGs leave to their retries (outages) and which fail the task at once
     import requests
