@@ -17,9 +17,16 @@ shape) and a static cache of batch 1:
   (where the compiling happens), the bodies compiled and their seconds. On a CPU it stands in for
   `profile measure --device cuda` (its 150 s goal), whose compiling took most of its time.
 
+The report (Markdown and JSON) is written again after every cold process, so a run stopped by a
+time limit keeps the processes that ended. `--scopes layer,model` sets the order of the cold
+processes (the device script runs the layer scope first), `--cold-only` leaves out the steady part
+(the device script's decode and decode_layer steps time both scopes' forwards), `--backend eager`
+traces the bodies without generating code (tests).
+
     python benchmarks/compile_scope.py [--device cuda] [--repeats 2] [--out FILE.md] [--json FILE]
     python benchmarks/compile_scope.py --profile [--device cuda] [--repeats 1]
     python benchmarks/compile_scope.py --smoke [--profile]      # tiny shape, for tests
+    python benchmarks/compile_scope.py --scopes layer,model --cold-only --device cuda
 """
 
 from __future__ import annotations
@@ -124,12 +131,15 @@ def profile_child(args) -> dict:
             "batch_sizes": list(sizes), "k_max": PROFILE_K}
 
 
-def cold_runs(args, mode: str) -> list[dict]:
-    """`--repeats` fresh processes per scope (alternating), torch.compile's caches off."""
-    child_args = [sys.executable, __file__, mode, "--device", args.device] + (["--smoke"] if args.smoke else [])
+def cold_runs(args, mode: str, on_child=None) -> list[dict]:
+    """`--repeats` fresh processes per scope (alternating, in the order of `--scopes`), torch.compile's
+    caches off; on_child(colds so far) after each process (the device script's limit may stop the
+    run between two)."""
+    child_args = ([sys.executable, __file__, mode, "--device", args.device, "--backend", args.backend]
+                  + (["--smoke"] if args.smoke else []))
     colds = []
     for repeat in range(args.repeats):
-        for scope in SCOPES:                            # alternating: model, layer, model, layer
+        for scope in args.scopes:                       # alternating: model, layer, model, layer
             env = dict(os.environ, SPECDEC_COMPILE_SCOPE=scope, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
             done = subprocess.run(child_args, env=env, capture_output=True, text=True, check=False)
             if done.returncode:
@@ -138,7 +148,19 @@ def cold_runs(args, mode: str) -> list[dict]:
             colds.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"[compile_scope] {mode[2:]} {repeat + 1}/{args.repeats}, {scope}: "
                   f"{colds[-1]['compile_s']:.1f} s compiling", flush=True)
+            if on_child:
+                on_child(colds)
     return colds
+
+
+def median_line(colds: list[dict], key: str, lead: str = "Median") -> str:
+    """"LEAD: model X s, layer Y s (Zx less)." over the scopes that ran (one alone: no ratio)."""
+    medians = {scope: statistics.median(c[key] for c in colds if c["scope"] == scope)
+               for scope in SCOPES if any(c["scope"] == scope for c in colds)}
+    line = f"{lead}: " + ", ".join(f"{scope} {value:.1f} s" for scope, value in medians.items())
+    if len(medians) == len(SCOPES):
+        line += f" (**{medians['model'] / max(medians['layer'], 1e-9):.1f}x less**)"
+    return line + "."
 
 
 def profile_report(args, colds: list[dict]) -> str:
@@ -154,9 +176,7 @@ def profile_report(args, colds: list[dict]) -> str:
     for cold in colds:
         lines.append(f"| {cold['scope']} | {cold['wall_s']:.1f} | {cold['bodies']} | "
                      f"{cold['compile_s']:.1f} |")
-    walls = {scope: statistics.median(c["wall_s"] for c in colds if c["scope"] == scope) for scope in SCOPES}
-    lines += ["", f"Median: model {walls['model']:.1f} s, layer {walls['layer']:.1f} s "
-              f"(**{walls['model'] / max(walls['layer'], 1e-9):.1f}x less**)."]
+    lines += ["", median_line(colds, "wall_s")]
     return "\n".join(lines) + "\n"
 
 
@@ -194,6 +214,42 @@ def steady(args) -> dict:
                    for (name, width), values in times.items()}, "max_logit_diff": diffs}
 
 
+def cold_report(args, colds: list[dict]) -> list[str]:
+    lines = [f"# Compile scope: whole forward vs one shared decoder layer ({args.device})", "",
+             "`python benchmarks/compile_scope.py" + (" --smoke" if args.smoke else "")
+             + (f" --device {args.device}" if args.device != "cpu" else "")
+             + (f" --scopes {','.join(args.scopes)}" if tuple(args.scopes) != SCOPES else "")
+             + (" --cold-only" if args.cold_only else "")
+             + (f" --backend {args.backend}" if args.backend != "inductor" else "") + "`: "
+             + ("a tiny Llama" if args.smoke else "the embedded default's architecture (30 layers)")
+             + ", random weights, batch 1, cold compiles (fresh processes, caches off).", "",
+             "| scope | first step s | first verify (4) s | verify 6 s | bodies | compile s |",
+             "|---|---|---|---|---|---|"]
+    for cold in colds:
+        s = cold["seconds"]
+        lines.append(f"| {cold['scope']} | {s['1']:.2f} | {s['4']:.2f} | {s['6']:.2f} | "
+                     f"{cold['bodies']} | {cold['compile_s']:.1f} |")
+    return lines + ["", median_line(colds, "compile_s", "Cold compile, median")]
+
+
+def steady_lines(warm: dict) -> list[str]:
+    ms = warm["ms"]
+    lines = ["", "| forward | eager ms | model ms | layer ms | layer / model |", "|---|---|---|---|---|"]
+    for width in (1, 4):
+        lines.append(f"| width {width} | {ms[f'eager w{width}']:.2f} | {ms[f'model w{width}']:.2f} | "
+                     f"{ms[f'layer w{width}']:.2f} | {ms[f'layer w{width}'] / ms[f'model w{width}']:.2f} |")
+    return lines + ["", "Largest logit difference against eager forwards: " + ", ".join(
+        f"{scope} {diff:.1e}" for scope, diff in warm["max_logit_diff"].items()) + "."]
+
+
+def write(args, text: str, report: dict, default_out: Path) -> None:
+    out = args.out or (None if args.smoke else default_out)
+    if out:
+        out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -204,54 +260,50 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", action="store_true",
                         help="the cost measurement's first passes per scope (profile measure's compile)")
+    parser.add_argument("--scopes", type=scope_list, default=SCOPES,
+                        help="the cold processes' scopes, in order (default model,layer)")
+    parser.add_argument("--cold-only", action="store_true", help="no steady forwards, the cold compiles only")
+    parser.add_argument("--backend", default="inductor",
+                        help="torch.compile's backend for the bodies (eager: traced, no code generated)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    from specdec_core import static_cache
+
+    static_cache.COMPILE_BACKEND = args.backend
     if args.child or args.profile_child:
         print(json.dumps(compile_child(args) if args.child else profile_child(args)))
         return 0
     if args.profile:
-        colds = cold_runs(args, "--profile-child")
-        text = profile_report(args, colds)
-        print(text)
-        out = args.out or (None if args.smoke else PROFILE_RESULTS)
-        if out:
-            out.write_text(text)
-        if args.json:
-            args.json.write_text(json.dumps({"device": args.device, "smoke": args.smoke, "cold": colds}, indent=1))
+        def save_profile(colds):
+            write(args, profile_report(args, colds),
+                  {"device": args.device, "smoke": args.smoke, "cold": colds}, PROFILE_RESULTS)
+
+        colds = cold_runs(args, "--profile-child", save_profile)
+        print(profile_report(args, colds))
         return 0
-    colds = cold_runs(args, "--child")
-    warm = steady(args)
-    report = {"device": args.device, "smoke": args.smoke, "cold": colds, "steady": warm}
-    lines = [f"# Compile scope: whole forward vs one shared decoder layer ({args.device})", "",
-             "`python benchmarks/compile_scope.py" + (" --smoke" if args.smoke else "")
-             + (f" --device {args.device}" if args.device != "cpu" else "") + "`: "
-             + ("a tiny Llama" if args.smoke else "the embedded default's architecture (30 layers)")
-             + ", random weights, batch 1, cold compiles (fresh processes, caches off).", "",
-             "| scope | first step s | first verify (4) s | verify 6 s | bodies | compile s |",
-             "|---|---|---|---|---|---|"]
-    for cold in colds:
-        s = cold["seconds"]
-        lines.append(f"| {cold['scope']} | {s['1']:.2f} | {s['4']:.2f} | {s['6']:.2f} | "
-                     f"{cold['bodies']} | {cold['compile_s']:.1f} |")
-    by_scope = {scope: [c["compile_s"] for c in colds if c["scope"] == scope] for scope in SCOPES}
-    ms = warm["ms"]
-    lines += ["", f"Cold compile, median: model {statistics.median(by_scope['model']):.1f} s, layer "
-              f"{statistics.median(by_scope['layer']):.1f} s (**{statistics.median(by_scope['model']) / max(statistics.median(by_scope['layer']), 1e-9):.1f}x "
-              "less**).", "", "| forward | eager ms | model ms | layer ms | layer / model |", "|---|---|---|---|---|"]
-    for width in (1, 4):
-        lines.append(f"| width {width} | {ms[f'eager w{width}']:.2f} | {ms[f'model w{width}']:.2f} | "
-                     f"{ms[f'layer w{width}']:.2f} | {ms[f'layer w{width}'] / ms[f'model w{width}']:.2f} |")
-    lines += ["", "Largest logit difference against eager forwards: " + ", ".join(
-        f"{scope} {diff:.1e}" for scope, diff in warm["max_logit_diff"].items()) + "."]
+
+    def save_cold(colds):
+        write(args, "\n".join(cold_report(args, colds)) + "\n",
+              {"device": args.device, "smoke": args.smoke, "cold": colds}, RESULTS)
+
+    colds = cold_runs(args, "--child", save_cold)
+    lines, report = cold_report(args, colds), {"device": args.device, "smoke": args.smoke, "cold": colds}
+    if not args.cold_only:
+        report["steady"] = steady(args)
+        lines += steady_lines(report["steady"])
     text = "\n".join(lines) + "\n"
     print(text)
-    out = args.out or (None if args.smoke else RESULTS)
-    if out:
-        out.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    write(args, text, report, RESULTS)
     return 0
+
+
+def scope_list(text: str) -> tuple[str, ...]:
+    scopes = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [scope for scope in scopes if scope not in SCOPES]
+    if not scopes or unknown:
+        raise argparse.ArgumentTypeError(f"--scopes {text!r}: a comma-separated list of {', '.join(SCOPES)}")
+    return scopes
 
 
 if __name__ == "__main__":

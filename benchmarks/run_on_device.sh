@@ -14,13 +14,15 @@
 #              DECODE_ITEMS=1,2,3,4,5 for all);
 #   profile    `specdec profile measure --device cuda` end to end, against a random-weight model of
 #              the embedded default's architecture (benchmarks/random_model.py) and a throwaway
-#              store (SPECDEC_HOME=/tmp/specdec-device); prints the compile time;
+#              store (SPECDEC_HOME in the step's work folder); prints the compile time;
 #   profile_layer  the same with SPECDEC_COMPILE_SCOPE=layer (one compiled decoder layer shared
 #              by every layer: specdec_core/layer_compile.py);
 #   decode_layer   gpu_decode.py item 1 (plain decoding, compile on) with the layer scope, into
 #              gpu_decode_layer.md: what the shorter compile costs per token;
-#   scope      benchmarks/compile_scope.py --device cuda --repeats 1: cold compile seconds and
-#              forward milliseconds of both compile scopes on the embedded default's shape;
+#   scope      benchmarks/compile_scope.py --device cuda --repeats 1 --scopes layer,model
+#              --cold-only: the cold compile seconds of both compile scopes on the embedded
+#              default's shape, the layer scope's first (each process's row is written as it ends;
+#              decode and decode_layer time the two scopes' forwards);
 #   head_step  benchmarks/head_step.py: one EAGLE-3 head training step (eagle3_gpu.py's recipe,
 #              a random-weight target of the embedded default's shape), its batch gathered from
 #              the packed target passes against built a row at a time: ops and milliseconds;
@@ -48,7 +50,8 @@
 #                                                   # over its limit is stopped, its log kept,
 #                                                   # the next one runs
 #   bash benchmarks/run_on_device.sh --smoke        # dry run on this machine's CPU: the same steps
-#                                                   # on the tiny test shapes
+#                                                   # on the tiny test shapes (compile_scope traced
+#                                                   # with the eager backend; .whl/ not installed)
 #   bash benchmarks/run_on_device.sh --split-gguf BYTES   # the embedded default's GGUF into
 #                                                   # .gguf-a/ (its first BYTES) and .gguf-b/
 #
@@ -66,8 +69,7 @@
 # which runs, for each NAME==VERSION found in constraints.txt,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION
-# (about 21 MB with transformers). Empty .whl/ again before a local --smoke run: those wheels are
-# for Python 3.12.
+# (about 21 MB with transformers); a --smoke run leaves them alone (they are for Python 3.12).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -110,14 +112,17 @@ STEPS=${STEPS:-head_step fused decode profile_layer decode_layer scope}
 # each step's limit in seconds: a 15-minute lease then brings back something of every step
 LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 head_step=40 fused=60 decode=140 profile=90 profile_layer=120 decode_layer=90 scope=100 head=270}
 mkdir -p "$OUT"
-LOGS=$(mktemp -d /tmp/specdec-device-logs.XXXXXX)      # packed into $OUT/results.tar.gz
-WORK=$(mktemp -d /tmp/specdec-device-work.XXXXXX)
-if ls .whl/*.whl >/dev/null 2>&1 && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/specdec-device-logs.XXXXXX")      # packed into $OUT/results.tar.gz
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/specdec-device-work.XXXXXX")
+trap 'rm -rf "$LOGS" "$WORK"' EXIT
+if [ "$SMOKE" = 0 ] && ls .whl/*.whl >/dev/null 2>&1 \
+        && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
     rm -rf /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
     ls .whl > /tmp/site/.wheels
 fi
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site       # installed by this call or an earlier one
+# installed by this call or an earlier one
+[ "$SMOKE" = 0 ] && [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 SITE=${PYTHONPATH:-}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the GGUF's first part, kept outside the checkout for a second call of this machine
@@ -130,6 +135,7 @@ if [ "$SMOKE" = 1 ]; then
     MEASURE_ARGS=(--candidate prompt_lookup --candidate layer_skip:num_layers=1 --batch-sizes 1
                   --k-max 2)
     DECODE_ARGS=(--smoke)
+    SCOPE_ARGS=(--backend eager)      # inductor's C++ code generation alone is over the step's limit
     PROFILE_NAME=random-smoke-cpu
     GRID_TOKENS=${GRID_TOKENS:-16}
 else
@@ -138,6 +144,7 @@ else
     SHAPES=(llama-3.2-1b smollm2-135m)
     MEASURE_ARGS=(--candidate prompt_lookup --candidate layer_skip:num_layers=8)
     DECODE_ARGS=()
+    SCOPE_ARGS=()
     PROFILE_NAME=random-smollm2-135m-cuda
 fi
 
@@ -159,8 +166,8 @@ profile_measure() {   # profile_measure [COMPILE_SCOPE]
     # a throwaway store and no inherited SPECDEC_* settings
     local var
     for var in $(compgen -e | grep '^SPECDEC_'); do unset "$var"; done
-    export SPECDEC_HOME=/tmp/specdec-device SPECDEC_COMPILE_SCOPE=${1:-model}
-    local model=/tmp/specdec-random-model
+    export SPECDEC_HOME=$WORK/specdec-home SPECDEC_COMPILE_SCOPE=${1:-model}
+    local model=$WORK/random-model
     rm -rf "$SPECDEC_HOME" "$model"
     python3 benchmarks/random_model.py "$model" ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} || return
     python3 -m tasks.cli db upgrade || return
@@ -198,9 +205,11 @@ gpu_decode() {
         --json "$LOGS/${DECODE_NAME:-gpu_decode}.json" "$@"
 }
 
-compile_scopes() {   # both compile scopes, cold (benchmarks/compile_scope.py)
+compile_scopes() {   # both compile scopes, cold (benchmarks/compile_scope.py), the layer's first:
+    # the whole forward's two bodies alone took 77 s on an H100
     python3 benchmarks/compile_scope.py ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} --device "$DEVICE" \
-        --repeats 1 --out "$LOGS/compile_scope.md" --json "$LOGS/compile_scope.json"
+        --repeats 1 --scopes layer,model --cold-only ${SCOPE_ARGS[@]+"${SCOPE_ARGS[@]}"} \
+        --out "$LOGS/compile_scope.md" --json "$LOGS/compile_scope.json"
 }
 
 gpu_decode_layer() {   # plain decoding compiled with one decoder layer's body
@@ -262,15 +271,18 @@ run_step() {   # run_step KEY LOG FUNCTION [args]: tee the function's output int
     set -m
     ( "$@" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}" ) &
     local pid=$! watch=
-    set +m
     if [ -n "$limit" ]; then
+        # the watch is a job of its own too: stopping it stops its sleep, which would otherwise
+        # hold this call's output open until the limit (a step that ended early kept the call
+        # waiting for its whole limit)
         ( sleep "$limit"; echo "=== $key: over its limit of ${limit}s, stopped ===" | tee -a "$log"
           kill -TERM -- -"$pid" 2>/dev/null; sleep 5; kill -KILL -- -"$pid" 2>/dev/null ) &
         watch=$!
     fi
+    set +m
     wait "$pid"
     RC[$key]=$?
-    [ -n "$watch" ] && { kill "$watch" 2>/dev/null; wait "$watch" 2>/dev/null; }
+    [ -n "$watch" ] && { kill -- -"$watch" 2>/dev/null; wait "$watch" 2>/dev/null; }
     ORDER+=("$key")
     echo "=== $key: rc=${RC[$key]} in $((SECONDS - start))s ===" | tee -a "$log"
     echo "$key rc=${RC[$key]} $((SECONDS - start))s" >> "$OUT/device.txt"
@@ -289,7 +301,6 @@ run_step decode_layer gpu_decode_layer.log gpu_decode_layer "$@"
 run_step scope compile_scope.log compile_scopes
 run_step profile profile_measure.log profile_measure
 run_step head head.log head_training
-rm -rf "$WORK"
 
 failed=0
 summary=""
