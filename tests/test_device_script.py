@@ -79,7 +79,9 @@ def test_the_steps_after_it_bring_back_their_reports(run):
     assert decode["meta"]["device"] == "cpu" and decode["meta"]["finished"] is True
     assert (results / "gpu_decode_layer.md").read_text().startswith("#")
     profile = (results / "profile_measure_layer.log").read_text()
-    assert "profiled random-smoke-cpu at batch sizes [1]" in profile and "check: ok" in profile
+    # measured and stored (its noise check may say "NOISY" on a busy machine: not this test's subject)
+    assert "profiled random-smoke-cpu at batch sizes [1]" in profile
+    assert "cost profile random-smoke-cpu (run profile__" in profile
     scope = json.loads((results / "compile_scope.json").read_text())
     assert [c["scope"] for c in scope["cold"]] == ["layer", "model"] and "steady" not in scope
 
