@@ -139,7 +139,7 @@ def cold_runs(args, mode: str, on_child=None) -> list[dict]:
                   + (["--smoke"] if args.smoke else []))
     colds = []
     for repeat in range(args.repeats):
-        for scope in args.scopes:                       # alternating: model, layer, model, layer
+        for scope in args.scopes:                       # alternating, e.g. layer, model, layer, model
             env = dict(os.environ, SPECDEC_COMPILE_SCOPE=scope, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
             done = subprocess.run(child_args, env=env, capture_output=True, text=True, check=False)
             if done.returncode:
@@ -181,7 +181,19 @@ def profile_report(args, colds: list[dict]) -> str:
 
 
 def steady(args) -> dict:
-    """Both scopes' caches in this process; forwards timed alternately."""
+    """Both scopes' caches in this process; forwards timed alternately. The engine's compile scope
+    and backend (module settings) are as before when it returns: a test runs this in its process."""
+    from specdec_core import static_cache
+
+    saved = static_cache.COMPILE_SCOPE, static_cache.COMPILE_BACKEND
+    static_cache.COMPILE_BACKEND = args.backend
+    try:
+        return timed_forwards(args)
+    finally:
+        static_cache.COMPILE_SCOPE, static_cache.COMPILE_BACKEND = saved
+
+
+def timed_forwards(args) -> dict:
     import torch
 
     from specdec_core import static_cache
@@ -268,10 +280,10 @@ def main(argv=None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from specdec_core import static_cache
+    if args.child or args.profile_child:                # a fresh process of its own
+        from specdec_core import static_cache
 
-    static_cache.COMPILE_BACKEND = args.backend
-    if args.child or args.profile_child:
+        static_cache.COMPILE_BACKEND = args.backend
         print(json.dumps(compile_child(args) if args.child else profile_child(args)))
         return 0
     if args.profile:

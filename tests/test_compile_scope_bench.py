@@ -11,6 +11,8 @@ import subprocess
 
 import pytest
 
+from specdec_core import static_cache
+
 from .helpers.scripts import load_script
 
 pytestmark = pytest.mark.integration      # the cold compiles run in new Python processes
@@ -24,10 +26,12 @@ def script():
 @pytest.fixture(scope="module")
 def full(script, tmp_path_factory):
     out = tmp_path_factory.mktemp("compile_scope")
+    settings = static_cache.COMPILE_SCOPE, static_cache.COMPILE_BACKEND
     returned = script.main(["--smoke", "--repeats", "1", "--backend", "eager", "--steps", "2",
                             "--scopes", "layer,model", "--out", str(out / "s.md"), "--json", str(out / "s.json")])
     return {"returned": returned, "markdown": (out / "s.md").read_text(),
-            "raw": json.loads((out / "s.json").read_text())}
+            "raw": json.loads((out / "s.json").read_text()), "settings_before": settings,
+            "settings_after": (static_cache.COMPILE_SCOPE, static_cache.COMPILE_BACKEND)}
 
 
 def table_rows(markdown: str, header_start: str) -> list[list[str]]:
@@ -61,6 +65,12 @@ def test_steady_forwards_of_both_scopes_match_eager_ones(full):
     assert set(steady["max_logit_diff"]) == {"model", "layer"}
     assert max(steady["max_logit_diff"].values()) < 1e-4, steady["max_logit_diff"]
     assert [row[0] for row in table_rows(full["markdown"], "| forward |")] == ["width 1", "width 4"]
+
+
+def test_the_engines_compile_settings_are_as_before_the_run(full):
+    # the steady part sets the scope and backend of this process's engine; later tests in it
+    # would otherwise compile with the eager backend and the layer scope
+    assert full["settings_after"] == full["settings_before"]
 
 
 def test_a_run_stopped_after_its_first_process_keeps_that_process(script, tmp_path, monkeypatch):
