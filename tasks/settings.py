@@ -302,6 +302,11 @@ class EngineSettings(_Group):
         "continuations per sampling setting in the sampling test on vLLM; None: validation.rows"))
     sampling_tokens: int = Field(default=3, ge=2, le=8, description=(
         "tokens per continuation in the sampling test on vLLM (position 0 comes before any draft)"))
+    fork_server: bool = Field(default=True, description=(
+        "start the serving environment's processes (engine replays, cost measurements, probes, "
+        "OpenAI servers) as forks of one process that has imported vLLM, instead of each "
+        "importing torch and vLLM anew (15-20 s of CPU each on a small machine); off: each is a "
+        "process of its own"))
     serving_image: str = Field(default="vllm/vllm-openai:v0.32.0", description=(
         "the vLLM image of the services `specdec config export --format compose` writes"))
 

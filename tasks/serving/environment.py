@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..settings import Settings, load_settings
+from . import forks
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "scripts" / "vllm_probe.py"
@@ -52,10 +53,11 @@ def probe(command: str, request: dict, settings: Settings | None = None,
           timeout_s: float = 600.0, script: Path = PROBE) -> dict:
     """Run one command of a serving-environment script (default vllm_probe.py) in the serving
     environment; its JSON answer."""
+    settings = settings or load_settings()
     python = serving_python(settings)
     try:
-        done = subprocess.run([str(python), str(script), command], input=json.dumps(request),
-                              capture_output=True, text=True, timeout=timeout_s)
+        done = _run(settings, python, [str(script), command], dict(os.environ), json.dumps(request),
+                    timeout_s)
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-2000:]
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
@@ -75,18 +77,34 @@ def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE=str(settings.engine.kv_cache_gib))
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log_file:
-        try:
-            done = subprocess.run([str(python), str(PROBE), command], input=json.dumps(request),
-                                  stdout=subprocess.PIPE, stderr=log_file, text=True,
-                                  timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
-            raise EngineTimeout(f"{what}: the engine did not finish within {timeout_s:.0f} s "
-                                f"(engine_check_timeout_s); its log: {log_path}") from None
+    try:
+        done = _run(settings, python, [str(PROBE), command], env, json.dumps(request), timeout_s,
+                    log_path=log_path)
+    except subprocess.TimeoutExpired:
+        raise EngineTimeout(f"{what}: the engine did not finish within {timeout_s:.0f} s "
+                            f"(engine_check_timeout_s); its log: {log_path}") from None
     def failure() -> str:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(empty log)"]
         return f"{what}: the engine exited with {done.returncode}: {tail[0][:500]}; its log: {log_path}"
     return _answer(done, failure)
+
+
+def _run(settings: Settings, python: Path, argv: list[str], env: dict, input_text: str,
+         timeout_s: float, log_path: Path | None = None) -> subprocess.CompletedProcess:
+    """`python ARGV...` with `input_text` on stdin, its stdout captured and its stderr captured
+    (or written to log_path): a fork of the serving environment's fork server where the setting
+    engine.fork_server allows one (tasks/serving/forks.py), else a process of its own.
+    subprocess.TimeoutExpired past `timeout_s` (the process is killed)."""
+    if settings.engine.fork_server:
+        done = forks.run(python, argv, env, input_text, timeout_s, stderr_path=log_path)
+        if done is not None:
+            return done
+    if log_path is None:
+        return subprocess.run([str(python), *argv], input=input_text, capture_output=True,
+                              text=True, timeout=timeout_s, env=env)
+    with open(log_path, "w") as log_file:
+        return subprocess.run([str(python), *argv], input=input_text, stdout=subprocess.PIPE,
+                              stderr=log_file, text=True, timeout=timeout_s, env=env)
 
 
 SERVED_MARK = "specdec_served.json"     # written beside a target directory made for serving

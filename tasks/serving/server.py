@@ -32,7 +32,7 @@ import httpx
 from ..errors import EngineTimeout, ServingProbeError
 from ..paths import home_path
 from ..settings import Settings, load_settings
-from . import environment
+from . import environment, forks
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class VllmServer:
     block_size: int | None = None       # None: vLLM's own (128 on CPU)
     settings: Settings | None = None
     port: int = 0
-    process: subprocess.Popen | None = field(default=None, repr=False)
+    process: subprocess.Popen | forks.ForkedProcess | None = field(default=None, repr=False)
     start_s: float | None = None
 
     @property
@@ -108,9 +108,13 @@ class VllmServer:
         with open(self.log_path, "w") as log_file:
             log_file.write("$ " + " ".join(command) + "\n")
             log_file.flush()
-            # its own session: the API server, engine core and workers stop together
-            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True)
+            # its own session: the API server, engine core and workers stop together; a fork of
+            # the serving environment's fork server where one runs (tasks/serving/forks.py)
+            self.process = (forks.launch(python, command[1:], env, stdout=str(self.log_path),
+                                         append=True) if settings.engine.fork_server else None)
+            if self.process is None:
+                self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                                env=env, start_new_session=True)
         log.info("vLLM server %s starting on %s (pid %d); log %s", self.name, self.url,
                  self.process.pid, self.log_path)
         try:

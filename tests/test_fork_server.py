@@ -1,0 +1,195 @@
+"""The fork server (tasks/serving/scripts/fork_server.py, tasks/serving/forks.py): jobs started as
+forks of one process that imported their modules once, run as `python SCRIPT ARG...` would, and
+stopped with everything they started. The serving environment's fork server runs the same script
+with vLLM preloaded (tests/test_vllm_server.py); here the "serving python" is this test's own
+interpreter and the preloaded module one written by the test, which counts its imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.serving import environment as serving_env
+from tasks.serving import forks
+from tasks.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+JOB = textwrap.dedent("""\
+    import json, os, sys
+    import preloaded_for_test
+    print("to stderr", file=sys.stderr)
+    request = json.load(sys.stdin)
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "request": request,
+                      "job_only": os.environ.get("JOB_ONLY"), "server_only": os.environ.get("SERVER_ONLY"),
+                      "imports": preloaded_for_test.IMPORTS, "name": __name__,
+                      "pid": os.getpid(), "pgid": os.getpgid(0)}))
+    sys.exit(int(request.get("exit", 0)))
+    """)
+
+
+@pytest.fixture
+def preload(tmp_path, monkeypatch):
+    """A module that appends a line to a file each time it is imported, on PYTHONPATH."""
+    package = tmp_path / "lib"
+    package.mkdir()
+    counter = tmp_path / "imports.txt"
+    (package / "preloaded_for_test.py").write_text(
+        f"with open({str(counter)!r}, 'a') as f:\n    f.write('imported\\n')\n"
+        f"IMPORTS = open({str(counter)!r}).read().count('imported')\n")
+    (package / "runnable_module.py").write_text(
+        "import sys\nprint('module', __name__, sys.argv[1:])\nsys.exit(4)\n")
+    monkeypatch.setenv("PYTHONPATH", str(package))
+    monkeypatch.setattr(forks, "PRELOAD", ("preloaded_for_test",))
+    yield counter
+    forks.stop_all()
+
+
+@pytest.fixture
+def server(preload):
+    started = forks.ForkServer(sys.executable, dict(os.environ, SERVER_ONLY="1"),
+                               modules=("preloaded_for_test",))
+    assert started.start(timeout_s=60)
+    yield started
+    started.stop()
+
+
+def wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:                                   # our own child: reap it
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def test_a_job_runs_as_its_script_would_with_the_preloaded_module_imported_once(server, preload, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = dict(os.environ, JOB_ONLY="yes")
+    answers = []
+    for exit_code in (0, 3):
+        stdin, stdout, stderr = tmp_path / "in.json", tmp_path / "out.txt", tmp_path / "err.txt"
+        stdin.write_text(json.dumps({"exit": exit_code}))
+        process = server.launch([str(script), "one", "two"], env, cwd=str(tmp_path), stdin=str(stdin),
+                                stdout=str(stdout), stderr=str(stderr))
+        assert process.wait(30) == exit_code and process.poll() == exit_code
+        answers.append(json.loads(stdout.read_text()))
+        assert stderr.read_text() == "to stderr\n"
+    for answer in answers:
+        assert answer["argv"] == [str(script), "one", "two"] and answer["name"] == "__main__"
+        assert answer["cwd"] == str(tmp_path) and answer["request"]["exit"] in (0, 3)
+        # the job's environment replaces the server's
+        assert answer["job_only"] == "yes" and answer["server_only"] is None
+        # its own session and process group, led by the job
+        assert answer["pgid"] == answer["pid"] != server.process.pid
+    # imported once, by the server, before either job: each job found it imported
+    assert preload.read_text().count("imported") == 1
+    assert [a["imports"] for a in answers] == [1, 1]
+
+    out = tmp_path / "module.txt"
+    process = server.launch(["-m", "runnable_module", "x"], env, stdout=str(out))
+    assert process.wait(30) == 4
+    assert out.read_text() == "module __main__ ['x']\n"
+
+
+def test_a_job_past_its_timeout_is_killed_with_what_it_started(server, tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent("""\
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(child.pid, flush=True)
+        time.sleep(600)
+        """))
+    out = tmp_path / "hang.txt"
+    job = server.launch([str(script)], dict(os.environ), stdout=str(out))
+    with pytest.raises(subprocess.TimeoutExpired):
+        job.wait(3)
+    grandchild = int(out.read_text())
+    job.kill_group()
+    assert job.wait(30) == -signal.SIGKILL
+    assert wait_gone(job.pid) and wait_gone(grandchild)
+
+    # forks.run: the same, as subprocess.run reports it
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        forks.run(sys.executable, [str(script)], dict(os.environ), "", timeout_s=3,
+                  stderr_path=tmp_path / "hang.log")
+    assert time.monotonic() - began < 60
+    forks.stop_all()
+
+
+def test_run_captures_the_answer_and_the_exit_status(preload, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    done = forks.run(sys.executable, [str(script)], dict(os.environ), json.dumps({"exit": 2}), 30)
+    assert isinstance(done, subprocess.CompletedProcess) and done.returncode == 2
+    assert json.loads(done.stdout)["request"] == {"exit": 2} and done.stderr == "to stderr\n"
+    # the same environment's next job reuses the running server: no second import
+    again = forks.run(sys.executable, [str(script)], dict(os.environ), "{}", 30)
+    assert again.returncode == 0 and preload.read_text().count("imported") == 1
+    # a variable read at import (PYTHON*, VLLM_*) asks for a server of its own; a per-job one does not
+    forks.run(sys.executable, [str(script)], dict(os.environ, VLLM_CPU_KVCACHE_SPACE="3"), "{}", 30)
+    assert preload.read_text().count("imported") == 1
+    forks.run(sys.executable, [str(script)], dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG"), "{}", 30)
+    assert preload.read_text().count("imported") == 2
+    forks.stop_all()
+
+
+def test_the_server_stops_its_jobs_when_it_is_stopped_or_its_parent_dies(server, preload, tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    job = server.launch([str(script)], dict(os.environ))
+    server.stop()
+    assert wait_gone(job.pid) and server.process.poll() is not None
+
+    # a parent killed with SIGKILL runs no exit handler: the server notices and stops its jobs
+    parent = tmp_path / "parent.py"
+    parent.write_text(textwrap.dedent(f"""\
+        import os, sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from tasks.serving import forks
+        server = forks.ForkServer(sys.executable, dict(os.environ), modules=("preloaded_for_test",))
+        assert server.start(timeout_s=60)
+        job = server.launch([{str(script)!r}], dict(os.environ))
+        print(server.process.pid, job.pid, flush=True)
+        time.sleep(600)
+        """))
+    process = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid, job_pid = map(int, process.stdout.readline().split())
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+        assert wait_gone(server_pid, 30) and wait_gone(job_pid, 30)
+    finally:
+        process.kill()
+
+
+def test_a_python_that_cannot_preload_runs_the_process_on_its_own(preload, tmp_path, caplog, monkeypatch):
+    # a serving python without vLLM (here: this interpreter, where vllm is not installed)
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nprint(sys.stdin.read().upper())\n")
+    monkeypatch.setattr(forks, "PRELOAD", ("no_such_module_for_the_fork_server",))
+    assert forks.launch(sys.executable, [str(script)], dict(os.environ)) is None
+    assert "could not start" in caplog.text and "no_such_module_for_the_fork_server" in caplog.text
+    # the environment's runner then starts a process of its own, with the same answer
+    settings = load_settings()
+    assert settings.engine.fork_server
+    done = serving_env._run(settings, Path(sys.executable), [str(script)], dict(os.environ), "abc", 30)
+    assert done.returncode == 0 and done.stdout == "ABC\n"
+    forks.stop_all()
