@@ -193,3 +193,17 @@ def test_a_python_that_cannot_preload_runs_the_process_on_its_own(preload, tmp_p
     done = serving_env._run(settings, Path(sys.executable), [str(script)], dict(os.environ), "abc", 30)
     assert done.returncode == 0 and done.stdout == "ABC\n"
     forks.stop_all()
+
+
+def test_a_fork_of_the_pipeline_starts_fork_servers_of_its_own(preload, tmp_path):
+    # an executor's worker forked from a process that runs a fork server must not share its pipe
+    # (the parent's reader thread would take the answers): the fork forgets the running servers
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    assert forks.run(sys.executable, [str(script)], dict(os.environ), "{}", 30).returncode == 0
+    assert any(s is not None for s in forks._SERVERS.values())
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not forks._SERVERS else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert any(s is not None and s.alive() for s in forks._SERVERS.values())   # the parent's, still

@@ -239,6 +239,17 @@ def run(python, argv: list[str], env: dict, input_text: str, timeout_s: float,
             "" if stderr_path else stderr.read_text(errors="replace"))
 
 
+def _forget_in_child() -> None:
+    # a fork of this process (an executor's worker, a forked task) starts fork servers of its own:
+    # the running ones' pipes and reader threads belong to the parent
+    global _SERVERS_LOCK
+    _SERVERS.clear()
+    _SERVERS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 @atexit.register
 def stop_all() -> None:
     """Stop every fork server this process started (each stops the jobs it still runs)."""
