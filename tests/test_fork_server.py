@@ -106,6 +106,10 @@ def test_a_job_runs_as_its_script_would_with_the_preloaded_module_imported_once(
     process = server.launch(["-m", "runnable_module", "x"], env, stdout=str(out))
     assert process.wait(30) == 4
     assert out.read_text() == "module __main__ ['x']\n"
+    process = server.launch(["-c", "import sys; print(__name__, sys.argv); sys.exit(5)", "y"], env,
+                            stdout=str(out))
+    assert process.wait(30) == 5
+    assert out.read_text() == "__main__ ['-c', 'y']\n"
 
 
 def test_a_job_past_its_timeout_is_killed_with_what_it_started(server, tmp_path):

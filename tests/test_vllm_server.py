@@ -196,3 +196,18 @@ def test_the_exported_command_serves_as_printed_and_loads_the_mends(tiny, tmp_pa
     finally:
         server.stop()
     assert process.poll() is not None
+
+
+def test_an_engine_forked_from_the_fork_server_answers_as_a_process_of_its_own(tmp_path, capsys):
+    # benchmarks/fork_server.py --smoke: a probe and an engine replay with vLLM's n-gram drafter,
+    # once as a process of its own and once forked from the fork server (vLLM imported there)
+    from .helpers.scripts import load_script
+
+    bench = load_script("benchmarks/fork_server.py", "fork_server_bench")
+    out = tmp_path / "fork_server.md"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert "replayed tokens equal (own process vs forked): True" in report
+    rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
+    assert {"probe", "engine replay", "(its engine start)"} <= set(rows)
+    assert "fork server start (its imports, paid once" in report

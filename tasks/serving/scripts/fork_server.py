@@ -11,7 +11,7 @@ build has them (a job imports what is missing itself).
 Protocol, one JSON object per line. It prints {"ready": true, "pid", "import_s"} (or {"ready":
 false, "error"}) when the modules are imported, then reads jobs on stdin:
 
-    {"id", "argv": [script, arg...] or ["-m", module, arg...], "env": {...}, "cwd",
+    {"id", "argv": [script, arg...] | ["-m", module, arg...] | ["-c", code, arg...], "env", "cwd",
      "stdin": path | null, "stdout": path, "stderr": path | "stdout", "append": bool}
 
 and answers {"id", "pid"} once the job's process is forked (or {"id", "error"}), and {"id",
@@ -98,7 +98,11 @@ def _run(argv: list[str]) -> int:
     import runpy
 
     try:
-        if argv[0] == "-m":
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path.insert(0, "")
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif argv[0] == "-m":
             sys.argv = argv[1:]
             sys.path.insert(0, os.getcwd())
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
