@@ -67,7 +67,9 @@ def wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return True                    # exited; its parent (not us) has yet to reap it
+        except (ProcessLookupError, FileNotFoundError):
             return True
         try:                                   # our own child: reap it
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
@@ -211,3 +213,13 @@ def test_a_fork_of_the_pipeline_starts_fork_servers_of_its_own(preload, tmp_path
         os._exit(0 if not forks._SERVERS else 1)
     assert os.waitpid(pid, 0)[1] == 0
     assert any(s is not None and s.alive() for s in forks._SERVERS.values())   # the parent's, still
+
+
+def test_a_job_of_a_fork_server_that_dies_reads_as_killed(server, tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    job = server.launch([str(script)], dict(os.environ))
+    os.kill(server.process.pid, signal.SIGKILL)      # no chance to stop its jobs
+    # the job is no longer supervised: waiting for it stops it
+    assert job.wait(30) == -signal.SIGKILL and not server.alive()
+    assert wait_gone(job.pid)

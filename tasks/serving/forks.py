@@ -88,11 +88,13 @@ class ForkServer:
         self.import_s: float | None = None
         self._exits: dict[str, int] = {}
         self._forked: dict[str, dict] = {}
+        self._pids: dict[str, int] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._reader: threading.Thread | None = None
         self._ready: dict | None = None
+        self._gone = False                  # its output ended: it exited, or is exiting
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
         """Start it and wait until its modules are imported; False (logged) where it cannot."""
@@ -132,12 +134,13 @@ class ForkServer:
                     self._forked[message["id"]] = message
                 self._changed.notify_all()
         with self._changed:                 # gone: no job of it will report again
+            self._gone = True
             self._ready = self._ready or {"ready": False, "error": "it exited"}
             self._changed.notify_all()
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None and bool(
-            self._ready and self._ready.get("ready"))
+        return (self.process is not None and not self._gone and self.process.poll() is None
+                and bool(self._ready and self._ready.get("ready")))
 
     def launch(self, argv: list[str], env: dict, cwd: str | None = None, stdin: str | None = None,
                stdout: str = os.devnull, stderr: str = "stdout", append: bool = False) -> ForkedProcess:
@@ -153,6 +156,8 @@ class ForkServer:
             self.process.stdin.flush()
             self._changed.wait_for(lambda: job_id in self._forked or not self.alive(), 60)
             answer = self._forked.pop(job_id, None)
+            if answer and "pid" in answer:
+                self._pids[job_id] = int(answer["pid"])
         if not answer or "pid" not in answer:
             raise OSError(f"fork server {self.python} did not start {argv[:2]}: "
                           f"{(answer or {}).get('error', 'no answer')}")
@@ -166,7 +171,14 @@ class ForkServer:
         with self._changed:
             self._changed.wait_for(lambda: job_id in self._exits or not self.alive(), timeout)
             if job_id not in self._exits and not self.alive():
-                # the server is gone (it stopped its jobs): killed, as far as the caller knows
+                # the server is gone: it stopped its jobs, or it was killed and a job it forked
+                # may run on, unsupervised -- stopped here, so that nothing is left behind
+                pid = self._pids.get(job_id)
+                if pid is not None:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 self._exits[job_id] = -signal.SIGKILL
             return self._exits.get(job_id)
 
