@@ -28,7 +28,6 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -209,13 +208,9 @@ def launch(python, argv: list[str], env: dict, **files) -> ForkedProcess | None:
     with _SERVERS_LOCK:
         server = _SERVERS.get(key, False)
         if server is False or (server is not None and not server.alive()):
-            began = time.perf_counter()
             server = ForkServer(str(python), {k: v for k, v in env.items() if k not in PER_JOB},
                                 PRELOAD)
-            server = server if server.start() else None
-            if server is not None:
-                log.debug("fork server ready after %.1f s", time.perf_counter() - began)
-            _SERVERS[key] = server
+            _SERVERS[key] = server = server if server.start() else None
     if server is None:
         return None
     try:
