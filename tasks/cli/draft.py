@@ -9,7 +9,7 @@ import argparse
 from rich.markup import escape
 from rich.table import Table
 
-from specdec_core.models import DEFAULT_MODEL
+from specdec_core.home import DEFAULT_MODEL
 
 from ..paths import check_identifier
 from ..steps.draft_recipes import KINDS, TRAINING_DEFAULTS, recipe_and_data

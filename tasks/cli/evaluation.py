@@ -8,7 +8,7 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
-from specdec_core.models import DEFAULT_MODEL
+from specdec_core.home import DEFAULT_MODEL
 
 from ..paths import check_identifier
 from ..settings import load_settings

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from specdec_core.models import DEFAULT_MODEL
+from specdec_core.home import DEFAULT_MODEL
 
 from ..errors import RegistryError
 from ..masking import mask_url

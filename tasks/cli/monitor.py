@@ -8,7 +8,7 @@ from datetime import datetime
 from rich.markup import escape
 from rich.table import Table
 
-from specdec_core.models import DEFAULT_MODEL
+from specdec_core.home import DEFAULT_MODEL
 
 from .common import open_store, print_json, tracking_uri_arg, url_arg
 from .console import make_console

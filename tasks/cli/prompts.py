@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import torch
-
 DOMAINS = ("json", "code", "summarize", "qa", "chat", "creative")
 
 
@@ -61,6 +59,8 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
 
 def encode(tokenizer, texts: list[str], chat: bool = True, device=None):
     """(input_ids [B, T], attention_mask [B, T]) left-padded; chat=True applies the chat template."""
+    import torch        # here: the CLI imports this module at start-up, and most commands need no torch
+
     if chat and getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                add_generation_prompt=True, tokenize=False)
