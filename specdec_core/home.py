@@ -1,5 +1,6 @@
-"""Where specdec keeps its files, and the default target: plain Python, no torch, so pipeline code
-that only needs these (data commands, DAG files) stays light."""
+"""Where specdec keeps its files, the embedded models and the default target: plain Python, no
+torch, so that code which only needs these (the command line's start, data commands, DAG files)
+stays light."""
 
 from __future__ import annotations
 
