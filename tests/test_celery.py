@@ -362,30 +362,30 @@ def test_celery_workers_by_queue_then_the_same_results_as_an_in_process_run(
     from tasks.settings import load_settings
     from tasks.steps.evaluate import evaluate
 
-    local_started = time.monotonic()
+    in_process_started = time.monotonic()
     model, tokenizer = embedded
     settings = load_settings(RUN_SETTINGS, min_speedup=conf["min_speedup"])
-    local_run = evaluate(run_id="in-process", target=conf["target"], store=Store.open(db_url),
+    in_process_run = evaluate(run_id="in-process", target=conf["target"], store=Store.open(db_url),
                          settings=settings, domains=conf["domains"], window=conf["window_days"],
                          candidates=conf["candidates"], hardware_profile=conf["hardware_profile"],
                          k_max=conf["k_max"], max_per_domain=conf["max_per_domain"],
                          min_per_domain=conf["min_per_domain"], model=model, tokenizer=tokenizer,
                          progress=False)["run_id"]
-    local_seconds = time.monotonic() - local_started
+    in_process_seconds = time.monotonic() - in_process_started
 
-    celery, local = _results(db_url, celery_run), _results(db_url, local_run)
+    celery, in_process = _results(db_url, celery_run), _results(db_url, in_process_run)
     assert set(celery["plans"]) == set(DOMAINS)
-    assert celery["estimates"].keys() == local["estimates"].keys() and celery["estimates"]
+    assert celery["estimates"].keys() == in_process["estimates"].keys() and celery["estimates"]
     # the same requests, drawn in another order (the run id seeds the draw): estimated in request
     # id order, so the same batches. Counts are equal; rates and speedups sum the target's float32
     # probabilities, which another process's thread count and CPU kernels add up in another order
     # (1.2e-6 relative seen): the margin allows for that, not for one token more or less accepted
     for key, values in celery["estimates"].items():
         requests, tokens, *rates = values
-        assert local["estimates"][key][:2] == (requests, tokens), key
-        assert local["estimates"][key][2:] == pytest.approx(rates, rel=FLOAT32_SUMS, abs=1e-9), key
+        assert in_process["estimates"][key][:2] == (requests, tokens), key
+        assert in_process["estimates"][key][2:] == pytest.approx(rates, rel=FLOAT32_SUMS, abs=1e-9), key
     for domain, plan in celery["plans"].items():
-        other = local["plans"][domain]
+        other = in_process["plans"][domain]
         for field in plan:
             if field == "measured_speedup":        # live timings may differ
                 continue
@@ -396,7 +396,7 @@ def test_celery_workers_by_queue_then_the_same_results_as_an_in_process_run(
     report = [f"CeleryExecutor run {celery_run} ({celery_seconds:.0f} s), tasks by queue and worker:"]
     report += [f"- {where}: {', '.join(sorted(tasks))}" for where, tasks in sorted(per_queue.items())]
     report += ["", _table(f"CeleryExecutor run {celery_run}", celery["plans"]), "",
-               _table(f"in-process run {local_run} ({local_seconds:.0f} s)", local["plans"])]
+               _table(f"in-process run {in_process_run} ({in_process_seconds:.0f} s)", in_process["plans"])]
     print("\n" + "\n".join(report))
     if os.environ.get(REPORT_ENV):          # CI prints it after the tests (.ci/run)
         Path(os.environ[REPORT_ENV]).parent.mkdir(parents=True, exist_ok=True)
