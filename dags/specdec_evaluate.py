@@ -239,10 +239,10 @@ def specdec_evaluate():
 
     @task(outlets=[CHAMPION_ASSET])
     def promote(spec: dict, registered: dict) -> dict:
-        from tasks.steps.pipeline import step_promote
-
         if not spec["promote"]:
             raise AirflowSkipException("promotion not requested (param promote=false)")
+        from tasks.steps.pipeline import step_promote
+
         with task_errors():
             result = step_promote(spec, registered)
         if not result["promoted"]:
@@ -266,7 +266,7 @@ def specdec_evaluate():
     @task(outlets=[EVALUATIONS_ASSET], trigger_rule="none_failed_min_one_success")
     def report(spec: dict, finished: dict) -> list[dict]:
         """The run's per-domain table (logged, and the XCom return value)."""
-        from tasks.steps.evaluate import report_table
+        from tasks.steps.run_table import report_table
 
         with task_errors():
             table = report_table(spec)

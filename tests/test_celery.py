@@ -303,6 +303,24 @@ def _results(db_url: str, run_id: str) -> dict:
     return {"estimates": estimates, "plans": plans}
 
 
+def _task_times(tis: list[dict]) -> str:
+    """Each task instance's wait (queued to started) and run time (started to ended), in the order
+    they started: where a run's wall time goes besides the work."""
+    from datetime import datetime
+
+    def at(value):
+        return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+    lines = ["| task | queue | state | queued -> start, s | start -> end, s |", "|---|---|---|---|---|"]
+    for ti in sorted(tis, key=lambda ti: ti.get("start_date") or "~"):
+        queued, start, end = at(ti.get("queued_when")), at(ti.get("start_date")), at(ti.get("end_date"))
+        name = ti["task_id"] + (f"[{ti['rendered_map_index']}]" if ti["map_index"] >= 0 else "")
+        wait = f"{(start - queued).total_seconds():.1f}" if queued and start else "-"
+        ran = f"{(end - start).total_seconds():.1f}" if start and end else "-"
+        lines.append(f"| {name} | {ti['queue']} | {ti['state']} | {wait} | {ran} |")
+    return "\n".join(lines)
+
+
 def _table(label: str, plans: dict) -> str:
     lines = [f"{label}:", "| domain | on | drafter | K | predicted [lo, hi] | validation | measured |",
              "|---|---|---|---|---|---|---|"]
@@ -395,7 +413,7 @@ def test_celery_workers_by_queue_then_the_same_results_as_an_in_process_run(
                 assert other[field] == plan[field], (domain, field)
     report = [f"CeleryExecutor run {celery_run} ({celery_seconds:.0f} s), tasks by queue and worker:"]
     report += [f"- {where}: {', '.join(sorted(tasks))}" for where, tasks in sorted(per_queue.items())]
-    report += ["", _table(f"CeleryExecutor run {celery_run}", celery["plans"]), "",
+    report += ["", _task_times(tis), "", _table(f"CeleryExecutor run {celery_run}", celery["plans"]), "",
                _table(f"in-process run {in_process_run} ({in_process_seconds:.0f} s)", in_process["plans"])]
     print("\n" + "\n".join(report))
     if os.environ.get(REPORT_ENV):          # CI prints it after the tests (.ci/run)

@@ -94,6 +94,61 @@ def test_dagbag_imports_without_errors(dagbag):
     assert monitor.get_task("check").trigger_rule == "all_done"
 
 
+def _cpu_task_imports(dag) -> dict[str, list[str]]:
+    """{task id: the `from tasks... import ...` lines of its function} of the DAG's CPU-queue tasks."""
+    import ast
+    import inspect
+    import textwrap
+
+    from tasks.orchestration.airflow_glue import queues
+
+    cpu_queue, _ = queues()
+    imports = {}
+    for task in dag.tasks:
+        if task.queue != cpu_queue or getattr(task, "python_callable", None) is None:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(task.python_callable)))
+        imports[task.task_id] = [f"from {node.module} import {', '.join(a.name for a in node.names)}"
+                                 for node in ast.walk(tree)
+                                 if isinstance(node, ast.ImportFrom) and node.module.startswith("tasks.")]
+    return imports
+
+
+def _loaded_by(imports: dict[str, list[str]], heavy: tuple[str, ...]) -> str:
+    """Which of `heavy` a new process has loaded after running every one of these import lines."""
+    import subprocess
+    import sys
+
+    code = "; ".join(line for lines in imports.values() for line in lines)
+    code += f"; import sys; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()
+
+
+@pytest.mark.integration
+def test_the_database_registry_and_monitor_tasks_import_no_torch(dagbag):
+    # every Airflow task runs in a process of its own: what its function imports is what it waits
+    # for before any work (tasks.steps.pipeline with every step: 6-8 s; these steps: 1-2 s). The
+    # monitor runs every 5 minutes and reads MLflow; the evaluation's CPU tasks load MLflow only
+    # when they run a step that uses it (register, promote, sample's registered drafts)
+    evaluate = _cpu_task_imports(dagbag.get_dag("specdec_evaluate"))
+    assert {task for task, lines in evaluate.items() if lines} == {
+        "sample", "check", "register", "promote", "acceptance_alert", "report"}, evaluate
+    assert _loaded_by(evaluate, ("torch", "transformers", "mlflow", "great_expectations")) == "[]", evaluate
+    others = {f"{dag_id}.{task}": lines for dag_id in ("specdec_monitor", "specdec_reports")
+              for task, lines in _cpu_task_imports(dagbag.get_dag(dag_id)).items()}
+    assert {"specdec_monitor.scrape", "specdec_monitor.check", "specdec_reports.materialise"} <= {
+        task for task, lines in others.items() if lines}, others
+    assert _loaded_by(others, ("torch", "transformers")) == "[]", others
+    # the steps that run the model are still the pipeline module's (imported on first use)
+    from tasks.steps import model_steps, pipeline
+
+    assert pipeline.step_estimate is model_steps.step_estimate and "step_finish" in dir(pipeline)
+    with pytest.raises(AttributeError, match="no attribute 'step_nothing'"):
+        pipeline.step_nothing
+
+
 def test_dag_files_only_wire_tasks_functions():
     for path in (REPO / "dags").glob("*.py"):
         source = path.read_text()

@@ -210,7 +210,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     from ..registry.tracking import client, show_version
     from ..registry.run_results import profile_check
     from ..steps.costs import profile_check_text
-    from ..steps.evaluate import evaluation_table
+    from ..steps.run_table import evaluation_table
     from ..db.store import Store
     from ..registry.run_view import build_run_view
 

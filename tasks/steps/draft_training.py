@@ -14,8 +14,9 @@
 - Registration: an MLflow run in experiment `specdec/<target-slug>` (tag specdec.draft_train_id)
   whose `draft/` artifact (weights, config, the target's tokenizer) is registered as a version of
   `specdec-draft-<target-slug>` with alias `candidate` and its lineage as tags.
-- Selection: draft_candidates() lists the registered drafts of this target's fingerprint (alias
-  `candidate`, else the newest version); evaluations add them to their candidates, and
+- Selection: draft_candidates() (tasks.registry.drafts, re-exported here) lists the registered
+  drafts of this target's fingerprint (alias `candidate`, else the newest version); evaluations
+  add them to their candidates, and
   resolve_model_uri() downloads a version to $SPECDEC_HOME/models/drafts/ before specdec_core
   loads it.
 """
@@ -37,9 +38,9 @@ from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db import queries_drafts as q
 from ..db.store import Store
-from ..errors import RegistryError, SampleError
-from ..masking import mask_text
-from ..registry.config_schema import target_slug
+from ..errors import SampleError
+from ..registry.drafts import (CANDIDATE_ALIAS, draft_candidates, draft_model_name,  # noqa: F401 - re-exported
+                               registered_drafts)
 from ..registry.tracking import client, experiment_for_target
 from ..registry.tracking import tracking_uri as resolve_uri
 from ..paths import check_identifier, home_path
@@ -49,12 +50,7 @@ from .offline_estimate import request_token_ids
 
 log = logging.getLogger(__name__)
 
-CANDIDATE_ALIAS = "candidate"
 TRAIN_TAG = "specdec.draft_train_id"
-
-
-def draft_model_name(target_id: str) -> str:
-    return f"specdec-draft-{target_slug(target_id)}"
 
 
 def _stored_requests(store: Store, fingerprint: str, tokenizer, domains, start, generated: bool):
@@ -326,44 +322,6 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
     uri = f"models:/{name}/{version}"
     _record(store, train_id, {"status": "registered", "version": version, "model_uri": uri})
     return {"model_uri": uri, "version": version, "mlflow_run_id": run_id}
-
-
-def registered_drafts(target: str, tracking_uri: str | None = None) -> dict[str, list[dict]]:
-    """The drafts registered for this target now, as candidate specs by target fingerprint
-    ({fingerprint: [{kind, params: {model: models:/NAME/VERSION}}]}): per kind, the version with
-    alias `candidate`, else the newest of that kind. A version without a fingerprint is never
-    offered. {} when there is no tracking store or it cannot be reached."""
-    uri = resolve_uri(tracking_uri)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
-        return {}          # no local tracking store yet: nothing registered (and none created)
-    try:
-        mlflow_client = client(uri)
-        versions = mlflow_client.search_model_versions(f"name='{draft_model_name(target)}'")
-    except (MlflowException, RegistryError) as exc:    # unreachable: evaluate without them
-        log.warning("no registered drafts listed (%s)", mask_text(str(exc)))
-        return {}
-    by_fingerprint: dict[str, list] = {}
-    for version in versions:
-        fingerprint = (version.tags or {}).get("target_fingerprint")
-        if fingerprint:
-            by_fingerprint.setdefault(fingerprint, []).append(version)
-    offered: dict[str, list[dict]] = {}
-    for fingerprint, of_target in sorted(by_fingerprint.items()):
-        offered[fingerprint] = []
-        for kind in sorted({(v.tags or {}).get("kind", "draft_model") for v in of_target}):
-            of_kind = [v for v in of_target if (v.tags or {}).get("kind", "draft_model") == kind]
-            chosen = [v for v in of_kind if CANDIDATE_ALIAS in (v.aliases or [])] or \
-                [max(of_kind, key=lambda v: int(v.version))]
-            offered[fingerprint] += [{"kind": kind, "params": {"model": f"models:/{v.name}/{v.version}"}}
-                                     for v in chosen]
-    return offered
-
-
-def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = None) -> list[dict]:
-    """Registered drafts for this target fingerprint, as candidate specs, per kind (draft_model,
-    head): the version with alias `candidate`, else the newest of that kind. Drafts of another
-    fingerprint are never offered."""
-    return registered_drafts(target, tracking_uri).get(fingerprint, [])
 
 
 def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:

@@ -13,69 +13,19 @@ import threading
 import time
 from contextlib import contextmanager
 
-from ..db.queries_runs import (evaluation_rows, mark_abandoned_runs, mark_interrupted, record_owner,
-                               this_process)
-from ..db.queries_load import load_summaries
+from ..db.queries_runs import mark_abandoned_runs, mark_interrupted, record_owner, this_process
 from ..db.store import Store
 from ..errors import SpecdecTaskError
-from ..registry.run_results import engine_sampling_tests, profile_check
+from ..registry.run_results import profile_check
 from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import default_run_id
 from .context import RunSpec, preload_model, use_model
 from .run_order import PER_DOMAIN, RUN_ORDER
 from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
                        step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
+from .run_table import evaluation_table, report_table  # noqa: F401 - report_table re-exported
 
 log = logging.getLogger(__name__)
-
-ENGINE_COLUMNS = {"engine_status": "status", "engine_e": "engine_e", "engine_estimate_e": "estimate_e",
-                  "engine_passed": "passed"}     # the engine check (tasks.steps.engine_check) on vLLM
-TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_accepted_length",
-                 "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
-                 "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",
-                 "predicted_same_requests", "cost_model_error", "sampling_error", "greedy_checked",
-                 "greedy_consistent", "live_check", "measured_speedup_lo", "measured_speedup_hi",
-                 *ENGINE_COLUMNS, "engine_sampling", "load_check")
-LIVE_COLUMNS = ("gap", "predicted_same_requests", "cost_model_error", "sampling_error",
-                "greedy_checked", "greedy_consistent", "measured_speedup_lo", "measured_speedup_hi")
-
-
-def evaluation_table(run_id: str, store: Store) -> list[dict]:
-    """The run's per-domain table (domain_configs joined with its live measurement, its engine
-    check and its sampling test on vLLM: "engine_sampling", run_results.engine_sampling_tests'
-    dict or None)."""
-    configs, live, checked = evaluation_rows(store, run_id, LIVE_COLUMNS, ENGINE_COLUMNS.values())
-    on_engine = engine_sampling_tests(run_id, store)
-    under_load = load_summaries(store.engine, run_id)
-
-    def value(row, column):
-        if column == "engine_sampling":
-            return on_engine.get(row["domain"])
-        if column == "load_check":
-            return under_load.get(row["domain"])
-        if column in LIVE_COLUMNS:
-            return (live.get(row["domain"]) or {}).get(column)
-        if column in ENGINE_COLUMNS:
-            return (checked.get(row["domain"]) or {}).get(ENGINE_COLUMNS[column])
-        return row[column]
-    return [{column: value(row, column) for column in TABLE_COLUMNS} for row in configs]
-
-
-def report_table(spec) -> list[dict]:
-    """The run's per-domain table (evaluation_table); logs one line a domain (the report task's
-    log)."""
-    spec = RunSpec.of(spec)
-    table = evaluation_table(spec.run_id, spec.open_store())
-    for row in table:
-        measured = row.get("measured_speedup")
-        log.info("run %s, domain %s: %s, %s K=%s, max batch %s, E %s, predicted %s, measured %s, "
-                 "validation %s", spec.run_id, row["domain"], "on" if row["enabled"] else "off",
-                 row["drafter"] or "-", row["k"] or "-", row["max_batch_size"] or "-",
-                 "-" if row["mean_accepted_length"] is None else f"{row['mean_accepted_length']:.2f}",
-                 "-" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}x",
-                 "-" if measured is None else f"{measured:.2f}x", row["validation"] or "-")
-    return table
-
 
 def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
              store: Store | None = None, settings: Settings | None = None, domains=None, window=None,

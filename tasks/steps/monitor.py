@@ -41,7 +41,7 @@ from ..registry.tracking import CHAMPION, alias_version, client, load_version_co
 from ..serving.server import spec_decode_counters
 from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import utcnow
-from .costs import CostProfileError, CostTable
+from .cost_table import CostProfileError, CostTable
 from .plan import speedup_factor
 
 log = logging.getLogger(__name__)

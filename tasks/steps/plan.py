@@ -37,7 +37,7 @@ from ..db.queries_plans import domain_estimates, store_plan
 from ..db.store import Store
 from ..settings import Settings
 from .candidates import HOST_DRAFTERS
-from .costs import CostProfileError, CostTable
+from .cost_table import CostProfileError, CostTable
 
 log = logging.getLogger(__name__)
 
