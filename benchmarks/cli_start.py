@@ -34,24 +34,36 @@ TORCH_PROBE = ("import runpy, sys; sys.argv = ['specdec', *sys.argv[1:]]\n"
                "print('TORCH', 'torch' in sys.modules, file=sys.stderr)")
 
 
-def run(checkout: Path, args: list[str], home: Path, probe: bool = False) -> tuple[float, str]:
-    env = {**os.environ, "PYTHONPATH": str(checkout), "SPECDEC_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-c", TORCH_PROBE, *args] if probe else [sys.executable, "-m", "tasks.cli", *args]
+def timed(checkout: Path, command: list[str], env: dict | None = None) -> tuple[float, str, str]:
+    """(seconds, stdout, stderr) of one new process running `command` in `checkout` (its code
+    first on the path); a failure stops the benchmark with the process's error."""
+    env = {**os.environ, "PYTHONPATH": str(checkout), **(env or {})}
     began = time.perf_counter()
     done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=300)
     seconds = time.perf_counter() - began
     if done.returncode != 0:
-        raise SystemExit(f"{checkout}: specdec {' '.join(args)} exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return seconds, done.stderr
+        raise SystemExit(f"{checkout}: {command[1:]} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return seconds, done.stdout, done.stderr
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def two_checkouts(description: str) -> tuple[dict[str, Path], int]:
+    """({"before": checkout, "after": checkout}, repeats) from the command line."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", type=Path, required=True, help="a checkout to compare with (git worktree)")
     parser.add_argument("--after", type=Path, default=REPO, help="default: this checkout")
     parser.add_argument("--repeats", type=int, default=5)
     options = parser.parse_args()
-    contenders = {"before": options.before.resolve(), "after": options.after.resolve()}
+    return {"before": options.before.resolve(), "after": options.after.resolve()}, options.repeats
+
+
+def run(checkout: Path, args: list[str], home: Path, probe: bool = False) -> tuple[float, str]:
+    command = [sys.executable, "-c", TORCH_PROBE, *args] if probe else [sys.executable, "-m", "tasks.cli", *args]
+    seconds, _, stderr = timed(checkout, command, {"SPECDEC_HOME": str(home), "OMP_NUM_THREADS": "1"})
+    return seconds, stderr
+
+
+def main() -> int:
+    contenders, repeats = two_checkouts(__doc__)
     with tempfile.TemporaryDirectory() as tmp:
         homes, urls = {}, {}
         for name, checkout in contenders.items():
@@ -66,14 +78,14 @@ def main() -> int:
                 args = [part.format(url=urls[name]) for part in template]
                 _, stderr = run(checkout, args, homes[name], probe=True)
                 torch_loaded[label, name] = "TORCH True" in stderr
-        for repeat in range(options.repeats):
+        for repeat in range(repeats):
             for label, template in COMMANDS.items():
                 for name, checkout in contenders.items():
                     args = [part.format(url=urls[name]) for part in template]
                     seconds, _ = run(checkout, args, homes[name])
                     times.setdefault((label, name), []).append(seconds)
-            print(f"repeat {repeat + 1}/{options.repeats} done", file=sys.stderr, flush=True)
-    print(f"`specdec COMMAND` start to exit, median of {options.repeats} (interleaved), seconds\n")
+            print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
+    print(f"`specdec COMMAND` start to exit, median of {repeats} (interleaved), seconds\n")
     print("| command | before | after | before / after | torch imported (before, after) |")
     print("|---|---|---|---|---|")
     for label in COMMANDS:

@@ -14,16 +14,15 @@ imports loaded (asked once more after the timed runs).
 
 from __future__ import annotations
 
-import argparse
 import ast
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cli_start import timed, two_checkouts  # noqa: E402 - the same two-checkout harness
+
 # (DAG file, task function): the evaluation's database and registry tasks (CPU queue), the
 # monitor's, then one task that runs the model, as a control
 TASKS = tuple(("dags/specdec_evaluate.py", name) for name in (
@@ -50,37 +49,26 @@ def task_imports(checkout: Path) -> dict[tuple[str, str], str]:
 
 
 def start(checkout: Path, code: str) -> tuple[float, str]:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True,
-                          text=True, timeout=300)
-    seconds = time.perf_counter() - began
-    if done.returncode != 0:
-        raise SystemExit(f"{checkout}: `{code}` exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return seconds, done.stdout
+    seconds, stdout, _ = timed(checkout, [sys.executable, "-c", code])
+    return seconds, stdout
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", type=Path, required=True, help="a checkout to compare with (git worktree)")
-    parser.add_argument("--after", type=Path, default=REPO, help="default: this checkout")
-    parser.add_argument("--repeats", type=int, default=5)
-    options = parser.parse_args()
-    checkouts = {"before": options.before.resolve(), "after": options.after.resolve()}
+    checkouts, repeats = two_checkouts(__doc__)
     imports = {name: task_imports(checkout) for name, checkout in checkouts.items()}
     times: dict[tuple[str, str], list[float]] = {}
-    for repeat in range(options.repeats):
+    for repeat in range(repeats):
         for task in TASKS:
             for name, checkout in checkouts.items():
                 seconds, _ = start(checkout, imports[name][task] or "pass")
                 times.setdefault((task, name), []).append(seconds)
-        print(f"repeat {repeat + 1}/{options.repeats} done", file=sys.stderr, flush=True)
+        print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
     loaded = {}
     for task in TASKS:
         for name, checkout in checkouts.items():
             probe = f"{imports[name][task] or 'pass'}; import sys; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
             loaded[task, name] = start(checkout, probe)[1].strip() or "none"
-    print(f"A task's imports in a new process, median of {options.repeats} (interleaved), seconds\n")
+    print(f"A task's imports in a new process, median of {repeats} (interleaved), seconds\n")
     print("| DAG | task | before | after | before / after | loaded before | loaded after |")
     print("|---|---|---|---|---|---|---|")
     for task in TASKS:
