@@ -6,8 +6,9 @@ two checkouts.
 An Airflow task (LocalExecutor, CeleryExecutor, KubernetesExecutor alike) runs in a process of
 its own, so the modules its function imports are paid for at every task start (the monitor's
 tasks every 5 minutes). This reads each checkout's DAG files (their AST: no Airflow is imported),
-takes the `from tasks... import ...` lines inside each named task's function, and times a new
-Python process that runs just those lines in that checkout. Before and after processes alternate, so load on the machine
+takes the `from tasks... import ...` lines inside each named task's function (and, for the
+sample task, the glue call that builds its spec: GLUE), and times a new Python process that runs
+just those lines in that checkout. Before and after processes alternate, so load on the machine
 falls on both. Prints the median seconds per task, the ratio, and which heavy packages the
 imports loaded (asked once more after the timed runs).
 """
@@ -30,6 +31,12 @@ TASKS = tuple(("dags/specdec_evaluate.py", name) for name in (
     ("dags/specdec_monitor.py", name) for name in ("targets", "scrape", "check")) + (
     ("dags/specdec_evaluate.py", "estimate"),)
 HEAVY = ("torch", "transformers", "mlflow", "great_expectations")
+# what a task runs besides its own imports that imports more: the sample task builds the run's
+# spec from its Params first (the glue imports RunSpec when called)
+GLUE = {("dags/specdec_evaluate.py", "sample"): (
+    "from tasks.orchestration.airflow_glue import evaluate_spec; evaluate_spec('r', {'target': 't', "
+    "'domains': [], 'window_days': 1, 'max_per_domain': 30, 'min_per_domain': 20, 'candidates': "
+    "['prompt_lookup'], 'hardware_profile': None, 'k_max': 3, 'min_speedup': 1.1, 'promote': False})")}
 
 
 def task_imports(checkout: Path) -> dict[tuple[str, str], str]:
@@ -38,10 +45,11 @@ def task_imports(checkout: Path) -> dict[tuple[str, str], str]:
     for dag_file in sorted({path for path, _ in TASKS}):
         for node in ast.walk(ast.parse((checkout / dag_file).read_text())):
             if isinstance(node, ast.FunctionDef) and (dag_file, node.name) in TASKS:
-                found[dag_file, node.name] = "; ".join(
-                    f"from {inner.module} import {', '.join(a.name for a in inner.names)}"
-                    for inner in ast.walk(node)
-                    if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("tasks."))
+                found[dag_file, node.name] = "; ".join([
+                    *(f"from {inner.module} import {', '.join(a.name for a in inner.names)}"
+                      for inner in ast.walk(node)
+                      if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("tasks.")),
+                    *([GLUE[dag_file, node.name]] if (dag_file, node.name) in GLUE else [])])
     missing = set(TASKS) - set(found)
     if missing:
         raise SystemExit(f"{checkout}: no task function {sorted(missing)}")

@@ -114,12 +114,22 @@ def _cpu_task_imports(dag) -> dict[str, list[str]]:
     return imports
 
 
+# what a task process runs besides its function's imports: the DAG files' parse, and the spec the
+# sample task builds from its Params (tasks.orchestration.airflow_glue.evaluate_spec)
+TASK_PROCESS = ("import dags.specdec_evaluate, dags.specdec_monitor, dags.specdec_reports",
+                "from tasks.orchestration.airflow_glue import evaluate_spec",
+                "evaluate_spec('r', {'target': 't', 'domains': [], 'window_days': 1, 'max_per_domain': 30, "
+                "'min_per_domain': 20, 'candidates': ['prompt_lookup'], 'hardware_profile': None, 'k_max': 3, "
+                "'min_speedup': 1.1, 'acceptance_alert': 1.5, 'promote': False}).settings()")
+
+
 def _loaded_by(imports: dict[str, list[str]], heavy: tuple[str, ...]) -> str:
-    """Which of `heavy` a new process has loaded after running every one of these import lines."""
+    """Which of `heavy` a new process has loaded after running every one of these import lines
+    (and TASK_PROCESS)."""
     import subprocess
     import sys
 
-    code = "; ".join(line for lines in imports.values() for line in lines)
+    code = "; ".join([*TASK_PROCESS, *(line for lines in imports.values() for line in lines)])
     code += f"; import sys; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]

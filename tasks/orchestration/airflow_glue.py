@@ -192,8 +192,8 @@ def check_param_ranges(params) -> None:
 
 def evaluate_spec(run_id: str, params, conf: dict | None = None):
     """The RunSpec of a `specdec_evaluate` run from its Params (and run conf, for deprecated names)."""
-    # imported here: DAG files import this module at parse time; the run context pulls torch and MLflow
-    from ..steps.context import RunSpec
+    # imported here: DAG files import this module at parse time (tasks.steps.spec loads no model)
+    from ..steps.spec import RunSpec
 
     p = current_params(params, conf)
     check_param_ranges(p)

@@ -51,7 +51,7 @@ def __dir__() -> list[str]:
 
 
 def step_sample(spec) -> dict:
-    """Draw the run's sample and freeze its candidates (tasks.steps.context.freeze_candidates) into the
+    """Draw the run's sample and freeze its candidates (tasks.steps.spec.freeze_candidates) into the
     spec and into the run's eval_runs.params. Output: the sample (tasks.steps.traffic_sample.sample_traffic)
     and "spec", the frozen spec as a dict: the spec every later step of the run takes."""
     spec = RunSpec.of(spec)
