@@ -173,9 +173,12 @@ class ForkServer:
                 # the server is gone: it stopped its jobs, or it was killed and a job it forked
                 # may run on, unsupervised -- stopped here, so that nothing is left behind
                 pid = self._pids.get(job_id)
-                if pid is not None:
+                # its group, and the process itself: the server reports a fork's pid before the
+                # fork has made its own session (os.setsid), so a job killed with its server in
+                # between has no group of its own yet and a killpg alone missed it
+                for kill in (os.killpg, os.kill) if pid is not None else ():
                     try:
-                        os.killpg(pid, signal.SIGKILL)
+                        kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                 self._exits[job_id] = -signal.SIGKILL
