@@ -27,15 +27,21 @@ from .helpers.db import POSTGRES_ENV, MigratedTemplates, postgres_schema
 from .helpers.models import SPREAD_VOCAB, save_tiny_target, tiny_llama
 from .helpers.ordering import longest_first, recorded_seconds
 from .helpers.traffic import request_row, traffic_rows, write_jsonl
+from .helpers.workers import allowed_cores, worker_environment
 
 # The sampling test's streams come from this seed, not from run ids that carry the wall clock
 # (DAG runs): a correct run fails that test by chance at rate alpha, which must not make CI flaky.
 os.environ.setdefault("SPECDEC_VALIDATION_SEED", "11")
 
 # pytest-xdist (`make test`): the machine's cores shared between the workers, as torch's threads
+# here and, through the environment, in the processes the tests start (helpers/workers.py); a
+# variable the caller set is kept
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+    for _name, _value in worker_environment(_WORKERS, os.environ.get("PYTEST_XDIST_WORKER"),
+                                            allowed_cores(), torch.get_num_threads()).items():
+        os.environ.setdefault(_name, _value)
 
 
 # Airflow's home for this test process, named before anything imports Airflow: Airflow reads its

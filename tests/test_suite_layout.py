@@ -1,6 +1,7 @@
 """The test suite's own layout: shared helpers live in tests/helpers/ (fixtures in conftest.py),
 and no test module or helper imports a test module or conftest.py -- so a module runs on its own,
-and moving or renaming one breaks nothing else."""
+and moving or renaming one breaks nothing else; and how `make test` shares the machine between its
+workers (the order of files, the cores of the processes tests start)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from .helpers import REPO
 from .helpers.ordering import longest_first, recorded_seconds
+from .helpers.workers import worker_environment
 
 TESTS = Path(__file__).resolve().parent
 TEST_MODULES = sorted(TESTS.glob("test_*.py"))
@@ -130,3 +133,28 @@ def test_make_test_runs_files_longest_recorded_first():
     ran = re.findall(r"^\[gw0\] \[ *\d+%\] [A-Z]+ (tests/test_\w+\.py)::", result.stdout, re.MULTILINE)
     started = list(dict.fromkeys(ran))
     assert started == expected, result.stdout[-3000:]
+
+
+def test_each_worker_hands_its_share_of_the_cores_to_the_processes_it_starts():
+    # two workers on two cores: one thread each, vLLM's engines bound to a core of their own
+    assert worker_environment(2, "gw0", [0, 1], 1) == {"OMP_NUM_THREADS": "1",
+                                                       "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert worker_environment(2, "gw1", [0, 1], 1)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert worker_environment(2, "gw1", [0, 1, 2, 3, 4, 5, 6, 7], 4) == {
+        "OMP_NUM_THREADS": "4", "VLLM_CPU_OMP_THREADS_BIND": "4,5,6,7"}
+    # more workers than cores: they share, none is left without a core
+    assert worker_environment(3, "gw2", [0, 1], 1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert worker_environment(1, None, [0, 1], 2) == {}
+
+
+def test_a_process_a_test_starts_runs_torch_with_its_workers_threads():
+    """Under `make test`'s workers a child process (an Airflow task, a Celery worker, vLLM) inherits
+    the worker's share: with every core it would fight the other worker (helpers/workers.py)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        pytest.skip("one test process keeps every core: the share is for make test's workers")
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           capture_output=True, text=True, check=True, timeout=120)
+    assert int(child.stdout) == torch.get_num_threads()
+    mine = os.environ["VLLM_CPU_OMP_THREADS_BIND"].split(",")
+    assert len(mine) == max(1, len(os.sched_getaffinity(0)) // workers)

@@ -47,3 +47,27 @@ def configs(db_url) -> list[dict]:
     from tasks.db.models import DomainConfig
 
     return fetch(db_url, select(DomainConfig).order_by(DomainConfig.run_id, DomainConfig.domain))
+
+
+# The embedded default's cost profile at batch 1 on this project's 2-core CPU machine, one thread
+# (a `make test` worker's share), seconds per component: what tests/test_embedded.py's evaluation
+# measured in its own profile step on 2026-12-01 beside the other worker. Measured anew in that
+# test, one timing under the suite's load decided which domains turned on (once a step timed at
+# 0.50 s against verify passes of 0.13-0.15 s made every verify "free" and turned creative on,
+# adding its engine check and sampling tests: 593 s against 414 s).
+EMBEDDED_CPU_STEP = 0.09733
+EMBEDDED_CPU_VERIFY = {1: 0.09397, 2: 0.1, 3: 0.11322, 4: 0.10701}
+EMBEDDED_CPU_DRAFT = {PL: 2.0e-05}
+EMBEDDED_CPU_OVERHEAD = {"plain": 0.01037, PL: 0.02662}
+
+
+def store_embedded_cpu_profile(store, model, name: str = "embedded-cpu") -> str:
+    """Store the profile above as the hardware `model` runs on here (so confirm times against it)
+    under `name`, as `specdec profile import` would; returns the name to plan with."""
+    from tasks.steps.costs import CostTable, describe_hardware, store_costs
+
+    table = CostTable(name, f"{name}-profile", {1: EMBEDDED_CPU_STEP}, {1: dict(EMBEDDED_CPU_VERIFY)},
+                      {drafter: {1: s} for drafter, s in EMBEDDED_CPU_DRAFT.items()},
+                      {drafter: {1: s} for drafter, s in EMBEDDED_CPU_OVERHEAD.items()})
+    store_costs(store, table.run_id, describe_hardware(model, name), table)
+    return name
