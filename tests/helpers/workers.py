@@ -5,8 +5,9 @@ A worker's own torch gets its share of the cores (torch.set_num_threads in conft
 a test starts -- an Airflow task process, a Celery worker, the command line, vLLM's engine --
 reads its thread count from the environment. Without a share there, such a process runs torch
 with every core while the other worker is busy, and OpenMP's threads wait on each other at every
-operation: on this project's 2-core machine a forward of the embedded default took 222 ms at 2
-threads and 90 ms at 1 thread beside one busy single-threaded process (60 ms and 77 ms alone).
+operation: on this project's 2-core machine a forward of the embedded default took 240 ms at 2
+threads and 108 ms at 1 thread beside one busy single-threaded process, 66 ms and 108 ms alone
+(benchmarks/worker_threads.py; results/worker_threads.md).
 vLLM's CPU engine binds its threads itself ("auto": every engine on the first core, the second
 left to its scheduler), so two workers' engines shared one core; each worker's engines get their
 own cores instead.
