@@ -638,3 +638,14 @@ def test_vllm_serves_our_eagle3_head_and_its_greedy_counts_equal_the_estimate(ea
     assert 0 < accepted < drafted, row["per_request"]          # accepted and rejected drafts both
     assert row["engine_e"] == pytest.approx(row["estimate_e"], rel=1e-9)
     assert row["engine_rates"] == pytest.approx(row["estimate_rates"])
+
+
+def test_vllms_sampling_test_gates_the_eagle3_config_as_every_other(eagle3_run):
+    """An EAGLE-3 config is not waved through on its greedy counts: the engine check ran the
+    sampling test on vLLM's server with the head (continuations at sampled settings, G-tested at
+    every position against the target's exact distribution), and it passed. Its power on the
+    embedded default: benchmarks/results/engine_sampling_power_eagle3.md."""
+    sampling = eagle3_run["result"]["sampling"]["eagle"]
+    assert sampling["status"] == "passed" and sampling["passed"] is True, sampling["reason"]
+    assert sampling["rows"] >= 50 and sampling["positions"] >= 3, sampling
+    assert sampling["shared_from"] is None                       # its own test, not another's
