@@ -1,12 +1,15 @@
 """Where a decoding step's and a speculative round's time goes, with torch.profiler.
 
-Six configurations of the engine on one random-weight target (the shapes, model builder and
+Seven configurations of the engine on one random-weight target (the shapes, model builder and
 sharpened greedy continuation of gpu_decode.py), batch 1, greedy, static caches, the decoder
 layers' projections fused (fused_projections.py) except where named:
 
   plain_eager    SpecDecoder.generate_plain, CUDA graphs off
   plain_graphs   SpecDecoder.generate_plain, CUDA graphs on
   plain_unfused  the same on a copy of the target whose projections are not fused
+  plain_compiled SpecDecoder.generate_plain, CUDA graphs on, torch.compile on whatever
+                 --engine-compile says (the engine's default on CUDA, where the bandwidth goal is
+                 set): the kernels of the compiled step, and the bodies and seconds it compiled
   spec_k4        SpecDecoder.generate with ControlledAcceptance (alpha 0.8), K = 4, graphs on
   spec_k6        the same with K = 6
   spec_k8        the same with K = 8
@@ -66,6 +69,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_decode as gd  # noqa: E402  -- shapes, model builder, decoder factory, report helpers
 
+from specdec_core import static_cache  # noqa: E402
 from specdec_core.synthetic import ControlledAcceptance  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gpu_breakdown.md"
@@ -80,14 +84,16 @@ MEMCPY_CALLS = {"cudaMemcpyAsync", "cudaMemcpy"}
 DEVICE_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}
 DEVICE_WAITS = re.compile(r"Sync$|Wait Event")       # device-timeline waits, older torch only
 
-# name, label, speculative K (None: plain), CUDA graphs, projections fused (fused_projections.py)
+# name, label, speculative K (None: plain), CUDA graphs, projections fused (fused_projections.py),
+# compile (None: as --engine-compile says; True: on whatever it says)
 CONFIGS = (
-    ("plain_eager", "plain, CUDA graphs off", None, False, True),
-    ("plain_graphs", "plain, CUDA graphs on", None, True, True),
-    ("plain_unfused", "plain, CUDA graphs on, projections unfused (q/k/v and gate/up apart)", None, True, False),
-    ("spec_k4", f"speculative K=4 (alpha {ALPHA}), graphs on", 4, True, True),
-    ("spec_k6", f"speculative K=6 (alpha {ALPHA}), graphs on", 6, True, True),
-    ("spec_k8", f"speculative K=8 (alpha {ALPHA}), graphs on", 8, True, True),
+    ("plain_eager", "plain, CUDA graphs off", None, False, True, None),
+    ("plain_graphs", "plain, CUDA graphs on", None, True, True, None),
+    ("plain_unfused", "plain, CUDA graphs on, projections unfused (q/k/v and gate/up apart)", None, True, False, None),
+    ("plain_compiled", "plain, CUDA graphs on, torch.compile on", None, True, True, True),
+    ("spec_k4", f"speculative K=4 (alpha {ALPHA}), graphs on", 4, True, True, None),
+    ("spec_k6", f"speculative K=6 (alpha {ALPHA}), graphs on", 6, True, True, None),
+    ("spec_k8", f"speculative K=8 (alpha {ALPHA}), graphs on", 8, True, True, None),
 )
 # per-step figures: (JSON key, Markdown header, total it comes from, scale)
 PER_STEP = (
@@ -102,7 +108,8 @@ PER_STEP = (
 )
 SUMMARY_HEADER = (["configuration", "unit", "rounds", "tokens/round"]
                   + [header for _, header, _, _ in PER_STEP]
-                  + ["busy % of wall", "captures, eager rounds (timed call)", "mismatched rows"])
+                  + ["busy % of wall", "captures, eager rounds (timed call)",
+                     "compiled bodies, s (warm-up)", "mismatched rows"])
 
 _T0 = time.perf_counter()
 
@@ -129,6 +136,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "shape met first in the timed call is captured there)")
     parser.add_argument("--engine-compile", default="auto", choices=["auto", "on", "off"],
                         help="SpecDecoder compile (auto: on CUDA)")
+    parser.add_argument("--backend", default=None,
+                        help="torch.compile's backend for compiled configurations (default inductor; "
+                             "--smoke: eager, the same bodies traced with no code generated)")
     parser.add_argument("--configs", default=None,
                         help="comma-separated names of CONFIGS to run (default: all)")
     return parser.parse_args(argv)
@@ -279,9 +289,11 @@ def measure_config(name: str, label: str, k: int | None, graphs: bool, target, i
     decoder = gd.make_decoder(target, drafter, k=k or 1, static_cache=True, cuda_graphs=graphs,
                               phase_timing=False, compile=compile, fuse_projections=fused)
     run = (lambda: decoder.generate_plain(ids, new)) if k is None else (lambda: decoder.generate(ids, new))
+    compiled_before = dict(static_cache.COMPILES)
     for i in range(warmup):
         seconds, _ = gd.timed(run, device)
         log(f"{name}: warm-up {i + 1} {seconds:.3f}s")
+    compiled = {key: static_cache.COMPILES[key] - compiled_before[key] for key in compiled_before}
     before = graph_counts(decoder)
     wall, timed_result = gd.timed(run, device)
     after = graph_counts(decoder)
@@ -295,6 +307,9 @@ def measure_config(name: str, label: str, k: int | None, graphs: bool, target, i
     record = {
         "name": name, "label": label, "mode": "plain" if k is None else "speculative", "k": k,
         "cuda_graphs": graphs, "alpha": None if k is None else ALPHA, "new_tokens": new,
+        "compiled": bool(decoder.engine().get("compile")),
+        # bodies torch.compile made in the warm-up calls and the seconds of the calls that made them
+        "compiled_bodies": compiled["bodies"], "compile_s": compiled["seconds"],
         "fused_projections": decoder.engine().get("fused_projections"),
         "unit": "step" if k is None else "round",
         "rounds": rounds, "profiled_rounds": profiled_rounds,
@@ -335,7 +350,7 @@ def cell(text: str, width: int = 100) -> str:
 
 def summary_row(record: dict) -> list:
     if "error" in record:
-        return [record["name"], "failed", "", ""] + [""] * len(PER_STEP) + ["", "", ""]
+        return [record["name"], "failed", "", ""] + [""] * len(PER_STEP) + ["", "", "", ""]
     per = record["per_round"]
     figures = [fmt(per["wall_ms"], ".3f"), fmt(per["device_busy_ms"], ".3f")]
     figures += [fmt(per[key], ".1f") for key, _, _, _ in PER_STEP[2:]]
@@ -343,6 +358,8 @@ def summary_row(record: dict) -> list:
             + figures + [fmt(per["busy_pct"], ".0f"),
                          f"{fmt(record.get('timed_captures'), 'd')}, "
                          f"{fmt(record.get('timed_eager_rounds'), 'd')}",
+                         (f"{record['compiled_bodies']}, {record['compile_s']:.1f}"
+                          if record.get("compiled") else "not compiled"),
                          record["mismatched_rows"]])
 
 
@@ -354,7 +371,8 @@ def render(raw: dict) -> str:
            f"random weights, sharpened greedy); batch 1, prompt of {meta['prompt_len']} tokens, "
            f"{meta['new_tokens']} new tokens, greedy, static caches; ControlledAcceptance alpha "
            f"{ALPHA}. Profiled: {meta['activities']}. Warm-up calls per configuration: "
-           f"{meta.get('warmup_calls', 2)}; engine compile: {meta.get('engine_compile', 'auto')}."
+           f"{meta.get('warmup_calls', 2)}; engine compile: {meta.get('engine_compile', 'auto')} "
+           f"(plain_compiled: on), backend {meta.get('compile_backend', 'inductor')}."
            + (" SMOKE RUN: tiny model, timings meaningless." if meta["smoke"] else ""), "",
            "## Summary (per step for plain decoding, per round for speculative decoding)", "",
            gd.table(SUMMARY_HEADER, [summary_row(r) for r in raw["configs"]]), "",
@@ -388,6 +406,11 @@ def main(argv: list[str] | None = None) -> dict:
     """Measure the configurations; returns the raw numbers (what --json writes). The report is
     rewritten after every configuration, so a run cut short keeps what it measured."""
     args = parse_args(argv)
+    chosen = None if args.configs is None else set(args.configs.split(","))
+    unknown = sorted((chosen or set()) - {config[0] for config in CONFIGS})
+    if unknown:
+        raise SystemExit(f"gpu_breakdown: --configs {args.configs!r}: no configuration named "
+                         f"{', '.join(unknown)}; use some of {', '.join(c[0] for c in CONFIGS)}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke
                                           else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" and not args.smoke else torch.float32
@@ -429,8 +452,10 @@ def main(argv: list[str] | None = None) -> dict:
             args.json.write_text(json.dumps(raw, indent=2))
         return text
 
-    chosen = None if args.configs is None else set(args.configs.split(","))
-    for name, label, k, graphs, fused in CONFIGS:
+    engine_compile = {"on": True, "off": False}.get(args.engine_compile, "auto")
+    static_cache.COMPILE_BACKEND = args.backend or ("eager" if args.smoke else "inductor")
+    raw["meta"]["compile_backend"] = static_cache.COMPILE_BACKEND
+    for name, label, k, graphs, fused, compile_on in CONFIGS:
         if chosen is not None and name not in chosen:
             continue
         if not fused and unfused is None:
@@ -439,8 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             record = measure_config(name, label, k, graphs, target if fused else unfused, ids, new,
                                     reference, device, warmup=args.warmup,
-                                    compile={"on": True, "off": False}.get(args.engine_compile, "auto"),
-                                    fused=fused)
+                                    compile=True if compile_on else engine_compile, fused=fused)
         except Exception as error:  # noqa: BLE001 -- report it and measure the others
             log(f"{name} failed: {type(error).__name__}: {error}")
             traceback.print_exc(file=sys.stderr)

@@ -7,7 +7,9 @@
 #   breakdown  the same on this checkout's engine;
 #   fused      the breakdown's plain step with the decoder layers' projections fused (the engine's
 #              default on CUDA) and unfused, graphs on, compile off: the kernels per step and their
-#              device time (specdec_core/fused_projections.py);
+#              device time (specdec_core/fused_projections.py); then the fused step compiled
+#              (plain_compiled: the kernels of the step the bandwidth goal is measured on, and its
+#              compile seconds);
 #   grid       benchmarks/gpu_decode.py --quick --engine-compile off --items 2,3 (verify(K) and the
 #              alpha x K grid against the planner, with captured rounds);
 #   decode     benchmarks/gpu_decode.py --quick --items 1,4,5 (compile at the engine's default;
@@ -19,10 +21,11 @@
 #              by every layer: specdec_core/layer_compile.py);
 #   decode_layer   gpu_decode.py item 1 (plain decoding, compile on) with the layer scope, into
 #              gpu_decode_layer.md: what the shorter compile costs per token;
-#   scope      benchmarks/compile_scope.py --device cuda --repeats 1 --scopes layer,model
-#              --cold-only: the cold compile seconds of both compile scopes on the embedded
-#              default's shape, the layer scope's first (each process's row is written as it ends;
-#              decode and decode_layer time the two scopes' forwards);
+#   scope      benchmarks/compile_scope.py --device cuda --repeats 1 --scopes layer --cold-only:
+#              the layer scope's cold compile seconds on the embedded default's shape
+#              (SCOPE_SCOPES=layer,model adds the whole forward's, 77 s on an H100 on 2026-11-27;
+#              each process's row is written as it ends; decode and decode_layer time the two
+#              scopes' forwards);
 #   head_step  benchmarks/head_step.py: one EAGLE-3 head training step (eagle3_gpu.py's recipe,
 #              a random-weight target of the embedded default's shape), its batch gathered from
 #              the packed target passes against built a row at a time: ops and milliseconds;
@@ -40,12 +43,12 @@
 #                                                   # compile and bandwidth goals still open;
 #                                                   # breakdown and grid met theirs on 2026-11-27,
 #                                                   # profile (the whole-forward scope) missed its
-#                                                   # twice), each under its LIMITS (550 s in all)
+#                                                   # twice), each under its LIMITS (540 s in all)
 #   STEPS="head" bash benchmarks/run_on_device.sh   # only some steps
 #   LIMITS="grid=60 decode=150" bash ...            # each step's limit in seconds (default
 #                                                   # tests=150 before=45 breakdown=45 grid=60
-#                                                   # head_step=40 fused=60 decode=140 profile=90
-#                                                   # profile_layer=120 decode_layer=90 scope=100
+#                                                   # head_step=40 fused=100 decode=140 profile=90
+#                                                   # profile_layer=120 decode_layer=90 scope=50
 #                                                   # head=270; LIMITS= for none): a step
 #                                                   # over its limit is stopped, its log kept,
 #                                                   # the next one runs
@@ -110,7 +113,7 @@ fi
 OUT=${OUT:-/tmp/specdec-device-out}
 STEPS=${STEPS:-head_step fused decode profile_layer decode_layer scope}
 # each step's limit in seconds: a 15-minute lease then brings back something of every step
-LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 head_step=40 fused=60 decode=140 profile=90 profile_layer=120 decode_layer=90 scope=100 head=270}
+LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 head_step=40 fused=100 decode=140 profile=90 profile_layer=120 decode_layer=90 scope=50 head=270}
 mkdir -p "$OUT"
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/specdec-device-logs.XXXXXX")      # packed into $OUT/results.tar.gz
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/specdec-device-work.XXXXXX")
@@ -177,6 +180,7 @@ profile_measure() {   # profile_measure [COMPILE_SCOPE]
 }
 
 gpu_breakdown() {   # gpu_breakdown NAME [PYTHONPATH first entry] [CONFIGS]: graphs on, compile off
+    # (but plain_compiled's)
     local name=$1 code=${2:-$PWD} configs=${3:-plain_graphs,spec_k4,spec_k6,spec_k8}
     PYTHONPATH="$code:$PWD${SITE:+:$SITE}" python3 benchmarks/gpu_breakdown.py \
         ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} --warmup 1 --engine-compile off \
@@ -205,10 +209,10 @@ gpu_decode() {
         --json "$LOGS/${DECODE_NAME:-gpu_decode}.json" "$@"
 }
 
-compile_scopes() {   # both compile scopes, cold (benchmarks/compile_scope.py), the layer's first:
-    # the whole forward's two bodies alone took 77 s on an H100
+compile_scopes() {   # compile scopes, cold (benchmarks/compile_scope.py): the layer's by default;
+    # the whole forward's two bodies alone took 77 s on an H100 (SCOPE_SCOPES=layer,model for both)
     python3 benchmarks/compile_scope.py ${SHAPE_ARGS[@]+"${SHAPE_ARGS[@]}"} --device "$DEVICE" \
-        --repeats 1 --scopes layer,model --cold-only ${SCOPE_ARGS[@]+"${SCOPE_ARGS[@]}"} \
+        --repeats 1 --scopes "${SCOPE_SCOPES:-layer}" --cold-only ${SCOPE_ARGS[@]+"${SCOPE_ARGS[@]}"} \
         --out "$LOGS/compile_scope.md" --json "$LOGS/compile_scope.json"
 }
 
@@ -294,7 +298,7 @@ run_step before breakdown_before.log before_breakdown
 run_step breakdown breakdown_after.log gpu_breakdown breakdown_after
 run_step grid gpu_grid.log gpu_grid
 run_step head_step head_step.log head_step
-run_step fused breakdown_fused.log gpu_breakdown breakdown_fused "$PWD" plain_graphs,plain_unfused
+run_step fused breakdown_fused.log gpu_breakdown breakdown_fused "$PWD" plain_graphs,plain_unfused,plain_compiled
 run_step decode gpu_decode.log gpu_decode "$@"
 run_step profile_layer profile_measure_layer.log profile_measure layer
 run_step decode_layer gpu_decode_layer.log gpu_decode_layer "$@"

@@ -31,9 +31,9 @@ def run(tmp_path_factory):
     out, tmp = root / "out", root / "tmp"
     tmp.mkdir()
     env = {name: value for name, value in os.environ.items() if not name.startswith("SPECDEC_")}
-    env.update(OUT=str(out), TMPDIR=str(tmp), STEPS="head_step decode_layer profile_layer scope",
+    env.update(OUT=str(out), TMPDIR=str(tmp), STEPS="head_step fused decode_layer profile_layer scope",
                LIMITS=" ".join(["head_step=1"] + [f"{step}={LONG_LIMIT}" for step in
-                                                  ("decode_layer", "profile_layer", "scope")]),
+                                                  ("fused", "decode_layer", "profile_layer", "scope")]),
                # the script's python3 is this environment's
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     # output to files, not pipes: the call returns when the script exits, whatever it left running
@@ -59,8 +59,9 @@ def test_every_step_reports_its_exit_status_and_a_failed_one_fails_the_call(run)
     steps = lines[-1].split()          # steps: KEY rc=N KEY rc=N ...
     assert steps[0] == "steps:"
     status = {key: rc.removeprefix("rc=") for key, rc in zip(steps[1::2], steps[2::2])}
-    assert list(status) == ["head_step", "profile_layer", "decode_layer", "scope"]   # the script's order
-    assert status["head_step"] != "0" and [status[k] for k in ("decode_layer", "profile_layer", "scope")] == ["0"] * 3
+    assert list(status) == ["head_step", "fused", "profile_layer", "decode_layer", "scope"]   # the script's order
+    assert status["head_step"] != "0"
+    assert [status[k] for k in ("fused", "decode_layer", "profile_layer", "scope")] == ["0"] * 4
     assert any(line.startswith("python ") and line.endswith("device cpu") for line in lines)
 
 
@@ -83,7 +84,16 @@ def test_the_steps_after_it_bring_back_their_reports(run):
     assert "profiled random-smoke-cpu at batch sizes [1]" in profile
     assert "cost profile random-smoke-cpu (run profile__" in profile
     scope = json.loads((results / "compile_scope.json").read_text())
-    assert [c["scope"] for c in scope["cold"]] == ["layer", "model"] and "steady" not in scope
+    # by default the layer scope's cold compile only (the whole forward's is SCOPE_SCOPES=layer,model)
+    assert [c["scope"] for c in scope["cold"]] == ["layer"] and "steady" not in scope
+    # the fused step: the plain step fused, unfused and compiled (the bandwidth goal's), each measured
+    fused = json.loads((results / "breakdown_fused.json").read_text())
+    configs = {c["name"]: c for c in fused["configs"]}
+    assert list(configs) == ["plain_graphs", "plain_unfused", "plain_compiled"]
+    assert all("error" not in c and c["mismatched_rows"] == 0 for c in configs.values())
+    assert [c["compiled"] for c in configs.values()] == [False, False, True]
+    assert configs["plain_compiled"]["compiled_bodies"] >= 1
+    assert (results / "breakdown_fused.md").read_text().startswith("# Where decoding time goes")
 
 
 def test_the_work_folders_are_removed(run):

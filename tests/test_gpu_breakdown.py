@@ -1,5 +1,5 @@
 """benchmarks/gpu_breakdown.py: the event counting on hand-made profiler events (the CUDA rules,
-checkable without a GPU), and one --smoke run on the CPU: six configurations, per-round figures
+checkable without a GPU), and one --smoke run on the CPU: seven configurations (one compiled), per-round figures
 that agree with the totals, the Markdown summary table, greedy exactness. No timing thresholds."""
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from torch.autograd import DeviceType
 
 from .helpers.scripts import load_script
 
-CONFIGS = ["plain_eager", "plain_graphs", "plain_unfused", "spec_k4", "spec_k6", "spec_k8"]
+CONFIGS = ["plain_eager", "plain_graphs", "plain_unfused", "plain_compiled", "spec_k4", "spec_k6",
+           "spec_k8"]
 SUMMARY_HEADER = ["configuration", "unit", "rounds", "tokens/round", "wall ms", "device busy ms",
                   "kernels", "eager launches", "graph launches", "host syncs", "DtoH copies",
-                  "aten ops", "busy % of wall", "captures, eager rounds (timed call)", "mismatched rows"]
+                  "aten ops", "busy % of wall", "captures, eager rounds (timed call)",
+                  "compiled bodies, s (warm-up)", "mismatched rows"]
 DEVICE_SIDE = ["device_busy_us", "kernels", "eager_launches", "graph_launches", "host_syncs",
                "dtoh_copies", "memcpy_calls"]
 
@@ -114,6 +116,14 @@ def test_per_step_divides_totals_by_rounds(script):
     assert per["busy_pct"] == pytest.approx(0.5)
 
 
+def test_an_unknown_configuration_is_refused_before_any_model_is_built(script, capsys):
+    # a misspelt name in the device script's list would otherwise measure nothing, silently
+    with pytest.raises(SystemExit, match="no configuration named plain_compile; use some of "
+                                         "plain_eager, plain_graphs"):
+        script.main(["--smoke", "--configs", "plain_graphs,plain_compile"])
+    assert "device" not in capsys.readouterr().err        # the first log line names the device
+
+
 # ------------------------------------------------------------------------------------------------
 # one smoke run
 @pytest.fixture(scope="module")
@@ -124,7 +134,7 @@ def smoke(script, tmp_path_factory):
             "returned": returned}
 
 
-def test_the_six_configurations_ran(smoke):
+def test_the_seven_configurations_ran(smoke):
     raw = smoke["raw"]
     assert raw == json.loads(json.dumps(smoke["returned"]))     # main returns what it dumps
     assert [c["name"] for c in raw["configs"]] == CONFIGS
@@ -149,13 +159,32 @@ def test_rounds_and_walls_are_consistent(smoke):
             assert config["unit"] == "round" and config["tokens_per_round"] > 1
     by_name = {c["name"]: c for c in smoke["raw"]["configs"]}
     assert (by_name["spec_k4"]["k"], by_name["spec_k8"]["k"]) == (4, 8)
-    assert [by_name[n]["cuda_graphs"] for n in CONFIGS] == [False, True, True, True, True, True]
+    assert [by_name[n]["cuda_graphs"] for n in CONFIGS] == [False, True, True, True, True, True, True]
     # every configuration on the fused target but plain_unfused, which runs on an unfused copy
     layers = {n: by_name[n]["fused_projections"]["attention"] for n in CONFIGS}
     assert layers["plain_unfused"] == 0 and all(layers[n] > 0 for n in CONFIGS if n != "plain_unfused")
     # warmed up twice: the timed call replays every round (the CPU stand-in counts like CUDA)
     assert all((c["timed_captures"], c["timed_eager_rounds"]) == (0, 0) for c in smoke["raw"]["configs"]
                if c["cuda_graphs"]), [(c["name"], c["timed_captures"]) for c in smoke["raw"]["configs"]]
+
+
+def test_only_plain_compiled_compiles_and_its_bodies_are_made_in_the_warm_up(smoke):
+    # the smoke run traces with torch.compile's eager backend (the same bodies, no code generated);
+    # the other configurations follow --engine-compile "auto": off on a CPU
+    assert smoke["raw"]["meta"]["compile_backend"] == "eager"
+    by_name = {c["name"]: c for c in smoke["raw"]["configs"]}
+    assert {n for n in CONFIGS if by_name[n]["compiled"]} == {"plain_compiled"}
+    compiled = by_name["plain_compiled"]
+    # a step body at least (and the prefill's, if any), all before the timed and profiled calls
+    assert compiled["compiled_bodies"] >= 1 and compiled["compile_s"] > 0
+    assert all(by_name[n]["compiled_bodies"] == 0 and by_name[n]["compile_s"] == 0
+               for n in CONFIGS if n != "plain_compiled")
+    # the compiled step is replayed as the graphed one is: nothing captured or run eagerly when timed
+    assert (compiled["timed_captures"], compiled["timed_eager_rounds"]) == (0, 0)
+    assert compiled["rounds"] == by_name["plain_graphs"]["rounds"]
+    row = next(r for r in table_after(smoke["markdown"], "## Summary")[2:] if r[0] == "plain_compiled")
+    assert row[SUMMARY_HEADER.index("compiled bodies, s (warm-up)")] == (
+        f"{compiled['compiled_bodies']}, {compiled['compile_s']:.1f}")
 
 
 def test_counts_are_ints_or_none_and_per_round_figures_match(smoke):
