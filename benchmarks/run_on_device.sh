@@ -31,9 +31,10 @@
 #              the packed target passes against built a row at a time: ops and milliseconds;
 #   head       benchmarks/eagle3_gpu.py: the target answers prompts of every domain, EAGLE-3 heads
 #              train on 1k, 5k and all of them, held-out acceptance per domain (the learning
-#              curve); needs the embedded default's GGUF, which is over one call's 64 MiB: its two
-#              parts travel in .gguf-a/ and .gguf-b/ (`--split-gguf`), in two calls of one warm
-#              machine (the first copies its part to /tmp, the second joins them).
+#              curve); needs the embedded default's GGUF (98 MB), over what one call carries (64
+#              MiB with the checkout): its parts travel in .gguf-a/, .gguf-b/, ... (`--split-gguf`),
+#              one a call of one warm machine; each call copies the parts it carries to /tmp, and
+#              the head step joins them (in the call that brings the last part).
 # Every step's log and outputs go to a work folder; after each step it is packed into
 # $OUT/results.tar.gz (a device call brings back at most 8 files), beside $OUT/device.txt
 # (versions, then every step's rc and seconds). Exits non-zero when any step failed.
@@ -55,8 +56,14 @@
 #   bash benchmarks/run_on_device.sh --smoke        # dry run on this machine's CPU: the same steps
 #                                                   # on the tiny test shapes (compile_scope traced
 #                                                   # with the eager backend; .whl/ not installed)
-#   bash benchmarks/run_on_device.sh --split-gguf BYTES   # the embedded default's GGUF into
-#                                                   # .gguf-a/ (its first BYTES) and .gguf-b/
+#   bash benchmarks/run_on_device.sh --split-gguf [auto|BYTES]   # the embedded default's GGUF
+#                                                   # in parts .gguf-a/, .gguf-b/, ...: the first
+#                                                   # sized to travel beside .whl/ (or BYTES), each
+#                                                   # later one alone; prints each call's carry and
+#                                                   # size against the 64 MiB a call takes
+#   bash benchmarks/run_on_device.sh --join-gguf    # the parts carried so far (this call's and
+#                                                   # earlier calls' of the machine) joined and
+#                                                   # checked: prints the GGUF's path
 #
 # On an H100 (2026-11-26) the steps did not fit a 15-minute lease with torch.compile compiling one
 # body per forward width; it now compiles one body for every verify width (and one for a step).
@@ -96,13 +103,87 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
 fi
 
 if [ "${1:-}" = "--split-gguf" ]; then
-    gguf=$(ls .specdec/models/smollm2-135m-instruct/*.gguf 2>/dev/null | head -1)
-    [ -n "$gguf" ] || { echo "no GGUF under .specdec/models: run the main job once" >&2; exit 1; }
-    rm -rf .gguf-a .gguf-b && mkdir -p .gguf-a .gguf-b
-    head -c "$2" "$gguf" > .gguf-a/part && tail -c +"$(($2 + 1))" "$gguf" > .gguf-b/part
-    ( cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")" ) | tee .gguf-a/SHA256SUMS > .gguf-b/SHA256SUMS
-    ls -l .gguf-a/part .gguf-b/part
+    # What a device call carries: the checkout's tracked and untracked-not-ignored files, plus its
+    # carry paths, 64 MiB in all (DEVICE_TREE_LIMIT; DEVICE_TREE_MARGIN kept free). The first call
+    # also carries .whl/ (installed into /tmp/site for the later calls of the same machine).
+    gguf=${GGUF:-$(ls .specdec/models/smollm2-135m-instruct/*.gguf 2>/dev/null | head -1)}
+    [ -n "$gguf" ] && [ -f "$gguf" ] || { echo "no GGUF under .specdec/models: run the main job once" >&2; exit 1; }
+    limit=${DEVICE_TREE_LIMIT:-67108864} margin=${DEVICE_TREE_MARGIN:-524288}
+    rm -rf ./.gguf-?
+    git check-ignore -q .gguf-a/part || {
+        echo ".gguf-a/ is not ignored by git: untracked, it would travel in every call" >&2; exit 1; }
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s -- 2>/dev/null \
+           | awk '{ n += $1 } END { print n + 0 }')
+    wheels=$(cat .whl/*.whl 2>/dev/null | wc -c)
+    size=$(stat -c %s "$gguf")
+    room=$((limit - margin - tree))
+    first=${2:-auto}
+    [ "$first" = auto ] && first=$((room - wheels))
+    if [ "$first" -le 0 ] || [ "$first" -gt $((room - wheels)) ] || [ "$room" -le 0 ]; then
+        echo "a first part of $first bytes does not fit beside the checkout ($tree bytes) and .whl/" \
+             "($wheels bytes) in a call's $limit bytes (less $margin): carry fewer wheels or track less" >&2
+        exit 1
+    fi
+    letters=(a b c d e f g h)
+    mkdir -p "./.gguf-a" && head -c "$first" "$gguf" > "./.gguf-a/part"
+    offset=$first i=1
+    while [ "$offset" -lt "$size" ]; do
+        [ "$i" -lt "${#letters[@]}" ] || { echo "more than ${#letters[@]} parts: the checkout leaves too little room" >&2; exit 1; }
+        mkdir -p "./.gguf-${letters[$i]}"
+        tail -c +"$((offset + 1))" "$gguf" | head -c "$room" > "./.gguf-${letters[$i]}/part"
+        offset=$((offset + room)) i=$((i + 1))
+    done
+    parts="${letters[*]:0:$i}"
+    sum=$( cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")" )
+    for letter in $parts; do
+        echo "$sum" > "./.gguf-$letter/SHA256SUMS"
+        echo "$parts" > "./.gguf-$letter/PARTS"
+    done
+    echo "checkout $tree bytes, .whl/ $wheels bytes, GGUF $size bytes in ${i} parts; per call (limit $limit):"
+    call=1
+    for letter in $parts; do
+        bytes=$(stat -c %s "./.gguf-$letter/part")
+        if [ "$letter" = a ]; then
+            echo "  call $call: carry [\".whl\", \".gguf-a\"]: $((tree + wheels + bytes)) bytes"
+        else
+            echo "  call $call: carry [\".gguf-$letter\"]: $((tree + bytes)) bytes"
+        fi
+        call=$((call + 1))
+    done
+    echo "  STEPS=head in the last call (earlier calls run other steps, or STEPS= for none)"
     exit 0
+fi
+
+# the GGUF's parts this call carries, kept outside the checkout for the later calls of this machine
+PARTS_TMP=${PARTS_TMP:-/tmp}
+for folder in .gguf-?; do
+    [ -f "$folder/part" ] || continue
+    cp "$folder/part" "$PARTS_TMP/gguf-${folder#.gguf-}.part"
+    cp "$folder/SHA256SUMS" "$PARTS_TMP/gguf.sha256" && cp "$folder/PARTS" "$PARTS_TMP/gguf.parts"
+done
+
+join_gguf() {   # the GGUF joined from the parts earlier calls and this one copied; prints its path
+    local gguf=$PARTS_TMP/smollm2.gguf letter parts want
+    [ -f "$PARTS_TMP/gguf.parts" ] || { echo "no part of the GGUF has been carried: carry .gguf-a" >&2; return 1; }
+    parts=$(cat "$PARTS_TMP/gguf.parts")
+    want=$(cut -d' ' -f1 "$PARTS_TMP/gguf.sha256")
+    if [ ! -f "$gguf" ] || [ "$(sha256sum "$gguf" | cut -d' ' -f1)" != "$want" ]; then
+        for letter in $parts; do
+            [ -f "$PARTS_TMP/gguf-$letter.part" ] || {
+                echo "the GGUF's part $letter is not here: carry .gguf-$letter in a call of this machine" >&2
+                return 1; }
+        done
+        ( for letter in $parts; do cat "$PARTS_TMP/gguf-$letter.part"; done ) > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
+        [ "$(sha256sum "$gguf" | cut -d' ' -f1)" = "$want" ] || {
+            echo "joined GGUF: checksum differs (parts $parts of two splits? split again, carry each)" >&2
+            rm -f "$gguf"; return 1; }
+    fi
+    echo "$gguf"
+}
+
+if [ "${1:-}" = "--join-gguf" ]; then
+    join_gguf
+    exit
 fi
 
 SMOKE=0
@@ -128,8 +209,6 @@ fi
 [ "$SMOKE" = 0 ] && [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 SITE=${PYTHONPATH:-}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# the GGUF's first part, kept outside the checkout for a second call of this machine
-[ -f .gguf-a/part ] && cp .gguf-a/part /tmp/gguf-a.part && cp .gguf-a/SHA256SUMS /tmp/gguf.sha256
 
 if [ "$SMOKE" = 1 ]; then
     DEVICE=cpu
@@ -226,20 +305,12 @@ head_step() {   # one head training step, packed batches against row-at-a-time o
 }
 
 head_training() {
-    local gguf=/tmp/smollm2.gguf
     if [ "$SMOKE" = 1 ]; then
         python3 benchmarks/eagle3_gpu.py --smoke --out "$LOGS/head"
         return
     fi
-    if [ ! -f "$gguf" ]; then
-        local a=/tmp/gguf-a.part
-        [ -f "$a" ] || a=.gguf-a/part
-        [ -f "$a" ] && [ -f .gguf-b/part ] || { echo "the GGUF's parts are not both here"; return 1; }
-        cat "$a" .gguf-b/part > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
-    fi
-    local want
-    want=$(cut -d' ' -f1 /tmp/gguf.sha256 2>/dev/null || cut -d' ' -f1 .gguf-b/SHA256SUMS)
-    [ "$(sha256sum "$gguf" | cut -d' ' -f1)" = "$want" ] || { echo "joined GGUF: checksum differs"; return 1; }
+    local gguf
+    gguf=$(join_gguf) || return
     python3 benchmarks/eagle3_gpu.py --gguf "$gguf" --out "$LOGS/head" ${HEAD_ARGS:-}
 }
 

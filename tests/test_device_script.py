@@ -2,13 +2,15 @@
 limit is stopped with its processes and its log kept, the next steps still run and bring back their
 reports, device.txt lists every step's exit status, the call exits non-zero, and the work folders
 are removed, and the call ends when its last step does (not when the limits of steps that ended
-early would have run out). Three of the default steps run whole (decode_layer, profile_layer,
-scope)."""
+early would have run out). Four of the default steps run whole (fused, decode_layer, profile_layer,
+scope). And the embedded default's GGUF, too large for one call, split into parts that each fit a
+call beside the checkout and joined from the parts that several calls carried."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -103,3 +105,106 @@ def test_the_work_folders_are_removed(run):
 def test_the_limits_of_steps_that_ended_are_not_left_running(run):
     # a watch left sleeping holds the call's output open: the device call would wait out the limit
     assert run["watches"] == "", f"limit watches still sleeping after the call: {run['watches']}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the GGUF in parts (--split-gguf, --join-gguf), in a checkout of its own with small limits
+def device_script(repo: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {name: value for name, value in os.environ.items() if not name.startswith("SPECDEC_")}
+    return subprocess.run(["bash", str(repo / "benchmarks/run_on_device.sh"), *args],
+                          env={**environ, **env}, capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A git checkout holding the device script, one tracked file, wheels and a GGUF outside it."""
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(REPO / "benchmarks/run_on_device.sh", repo / "benchmarks")
+    shutil.copy(REPO / ".gitignore", repo / ".gitignore")
+    (repo / "tracked.txt").write_bytes(b"x" * 3000)
+    (repo / ".whl").mkdir()
+    (repo / ".whl/pkg-1.0-py3-none-any.whl").write_bytes(b"w" * 2000)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "checkout"], check=True)
+    tree = sum(path.stat().st_size for path in (repo / "benchmarks/run_on_device.sh",
+                                                repo / ".gitignore", repo / "tracked.txt"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(os.urandom(20_000))
+    machine = tmp_path / "machine-tmp"              # the device machine's /tmp, kept between calls
+    machine.mkdir()
+    return {"repo": repo, "tree": tree, "gguf": gguf, "machine": machine,
+            # a call's room beside the checkout: 8000 bytes (6000 beside the wheels)
+            "env": {"GGUF": str(gguf), "DEVICE_TREE_LIMIT": str(tree + 500 + 8000),
+                    "DEVICE_TREE_MARGIN": "500", "PARTS_TMP": str(machine)}}
+
+
+def test_the_gguf_is_split_into_parts_that_each_fit_one_call(checkout):
+    repo, env = checkout["repo"], checkout["env"]
+    done = device_script(repo, "--split-gguf", **env)
+    assert done.returncode == 0, done.stderr
+    parts = sorted(path.name for path in repo.glob(".gguf-?"))
+    assert parts == [".gguf-a", ".gguf-b", ".gguf-c"]
+    sizes = [(repo / part / "part").stat().st_size for part in parts]
+    assert sizes == [6000, 8000, 6000]      # beside the wheels, then alone, then the rest
+    assert b"".join((repo / part / "part").read_bytes() for part in parts) == checkout["gguf"].read_bytes()
+    assert all((repo / part / "PARTS").read_text().split() == ["a", "b", "c"] for part in parts)
+    # what each call carries, as the device tool counts it: none over the limit
+    limit = int(env["DEVICE_TREE_LIMIT"])
+    calls = [line for line in done.stdout.splitlines() if line.startswith("  call ")]
+    assert calls[0].startswith('  call 1: carry [".whl", ".gguf-a"]: ')
+    assert [int(line.rsplit(": ", 1)[1].split()[0]) for line in calls] == [
+        checkout["tree"] + 2000 + 6000, checkout["tree"] + 8000, checkout["tree"] + 6000]
+    assert all(int(line.rsplit(": ", 1)[1].split()[0]) <= limit for line in calls)
+    # the parts are ignored by git: untracked, they would travel in every call beside the carried one
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True,
+                            text=True, check=True).stdout
+    assert ".gguf" not in status
+
+
+def test_the_parts_of_several_calls_join_into_the_gguf_in_the_last_one(checkout):
+    repo, env = checkout["repo"], checkout["env"]
+    assert device_script(repo, "--split-gguf", **env).returncode == 0
+    aside = checkout["machine"].parent / "aside"
+    aside.mkdir()
+    for folder in repo.glob(".gguf-?"):
+        folder.rename(aside / folder.name)
+    outcomes = []
+    for letter in "abc":                    # one call a part: only that part travels
+        (aside / f".gguf-{letter}").rename(repo / f".gguf-{letter}")
+        outcomes.append(device_script(repo, "--join-gguf", **env))
+        (repo / f".gguf-{letter}").rename(aside / f".gguf-{letter}")
+    first, second, last = outcomes
+    assert first.returncode == 1 and "the GGUF's part b is not here: carry .gguf-b" in first.stderr
+    assert second.returncode == 1 and "part c is not here: carry .gguf-c" in second.stderr
+    assert last.returncode == 0, last.stderr
+    joined = Path(last.stdout.strip())
+    assert joined.parent == checkout["machine"] and joined.read_bytes() == checkout["gguf"].read_bytes()
+
+
+def test_a_part_of_another_split_is_refused_by_its_checksum(checkout):
+    repo, env = checkout["repo"], checkout["env"]
+    assert device_script(repo, "--split-gguf", **env).returncode == 0
+    assert device_script(repo, "--join-gguf", **env).returncode == 0
+    (checkout["machine"] / "smollm2.gguf").unlink()
+    (checkout["machine"] / "gguf-b.part").write_bytes(os.urandom(8000))    # a stale part
+    for folder in repo.glob(".gguf-?"):
+        shutil.rmtree(folder)
+    done = device_script(repo, "--join-gguf", **env)
+    assert done.returncode == 1 and "checksum differs" in done.stderr
+    assert not (checkout["machine"] / "smollm2.gguf").exists()
+
+
+def test_a_split_that_cannot_fit_or_would_travel_untracked_is_refused(checkout):
+    repo, env = checkout["repo"], checkout["env"]
+    small = {**env, "DEVICE_TREE_LIMIT": str(checkout["tree"] + 500 + 1000)}     # wheels: 2000
+    done = device_script(repo, "--split-gguf", **small)
+    assert done.returncode == 1 and "does not fit beside the checkout" in done.stderr
+    assert "carry fewer wheels or track less" in done.stderr
+    (repo / ".gitignore").write_text("/.whl/\n")
+    done = device_script(repo, "--split-gguf", **env)
+    assert done.returncode == 1 and ".gguf-a/ is not ignored by git" in done.stderr
+    assert not list(repo.glob(".gguf-?"))
