@@ -195,7 +195,7 @@ if [ "${1:-}" = "--smoke" ]; then
     shift
 fi
 OUT=${OUT:-/tmp/specdec-device-out}
-STEPS=${STEPS:-fused decode profile_layer decode_layer}
+STEPS=${STEPS-fused decode profile_layer decode_layer}   # STEPS= (empty): none
 # each step's limit in seconds: a 15-minute lease then brings back something of every step
 LIMITS=${LIMITS-tests=150 before=45 breakdown=45 grid=60 head_step=40 fused=100 decode=140 profile=90 profile_layer=120 decode_layer=90 scope=50 head=270}
 mkdir -p "$OUT"

@@ -208,3 +208,18 @@ def test_a_split_that_cannot_fit_or_would_travel_untracked_is_refused(checkout):
     done = device_script(repo, "--split-gguf", **env)
     assert done.returncode == 1 and ".gguf-a/ is not ignored by git" in done.stderr
     assert not list(repo.glob(".gguf-?"))
+
+
+def test_a_call_with_no_steps_only_installs_and_keeps_the_part_it_carries(checkout, tmp_path):
+    # the lease's first call when the head comes next: `STEPS=` (empty) runs no step at all
+    repo, env = checkout["repo"], checkout["env"]
+    assert device_script(repo, "--split-gguf", **env).returncode == 0
+    for letter in "bc":
+        shutil.rmtree(repo / f".gguf-{letter}")
+    out = tmp_path / "out"
+    done = device_script(repo, "--smoke", **env, STEPS="", OUT=str(out), TMPDIR=str(tmp_path),
+                         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "device.txt").read_text().splitlines()[-1] == "steps: none"
+    assert (checkout["machine"] / "gguf-a.part").read_bytes() == (repo / ".gguf-a/part").read_bytes()
+    assert not (checkout["machine"] / "gguf-b.part").exists()
