@@ -429,8 +429,10 @@ def main(argv: list[str] | None = None) -> dict:
     # engine without fused projections has none: its configurations are all unfused)
     fusing = "fuse_projections" in gd.engine_options_supported()
     unfused = copy.deepcopy(target) if fusing else None
+    # eager (compile "auto" would compile a body of its own on CUDA, 20-30 s of the step's limit)
     reference = gd.make_decoder(target, None, k=1, static_cache=True, cuda_graphs=False,
-                                phase_timing=False, fuse_projections=True).generate_plain(ids, new).tokens
+                                phase_timing=False, compile=False,
+                                fuse_projections=True).generate_plain(ids, new).tokens
     utc = dt.datetime.now(dt.timezone.utc)
     raw: dict[str, Any] = {"meta": {
         "utc": f"{utc:%Y-%m-%d %H:%M}", "device": str(device), "device_name": gd.device_name(device),
