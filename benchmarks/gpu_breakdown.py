@@ -455,24 +455,30 @@ def main(argv: list[str] | None = None) -> dict:
         return text
 
     engine_compile = {"on": True, "off": False}.get(args.engine_compile, "auto")
+    # the compiled configurations' backend, for this run only (a test calls main in its process)
+    saved_backend = static_cache.COMPILE_BACKEND
     static_cache.COMPILE_BACKEND = args.backend or ("eager" if args.smoke else "inductor")
     raw["meta"]["compile_backend"] = static_cache.COMPILE_BACKEND
-    for name, label, k, graphs, fused, compile_on in CONFIGS:
-        if chosen is not None and name not in chosen:
-            continue
-        if not fused and unfused is None:
-            log(f"{name}: skipped (this engine has no fused projections to turn off)")
-            continue
-        try:
-            record = measure_config(name, label, k, graphs, target if fused else unfused, ids, new,
-                                    reference, device, warmup=args.warmup,
-                                    compile=True if compile_on else engine_compile, fused=fused)
-        except Exception as error:  # noqa: BLE001 -- report it and measure the others
-            log(f"{name} failed: {type(error).__name__}: {error}")
-            traceback.print_exc(file=sys.stderr)
-            record = {"name": name, "label": label, "error": f"{type(error).__name__}: {str(error)[:300]}"}
-        raw["configs"].append(record)
-        write()
+    try:
+        for name, label, k, graphs, fused, compile_on in CONFIGS:
+            if chosen is not None and name not in chosen:
+                continue
+            if not fused and unfused is None:
+                log(f"{name}: skipped (this engine has no fused projections to turn off)")
+                continue
+            try:
+                record = measure_config(name, label, k, graphs, target if fused else unfused, ids,
+                                        new, reference, device, warmup=args.warmup,
+                                        compile=True if compile_on else engine_compile, fused=fused)
+            except Exception as error:  # noqa: BLE001 -- report it and measure the others
+                log(f"{name} failed: {type(error).__name__}: {error}")
+                traceback.print_exc(file=sys.stderr)
+                record = {"name": name, "label": label,
+                          "error": f"{type(error).__name__}: {str(error)[:300]}"}
+            raw["configs"].append(record)
+            write()
+    finally:
+        static_cache.COMPILE_BACKEND = saved_backend
     text = write()
     print(text)
     log(f"done in {time.perf_counter() - started:.1f}s; wrote {args.out}"

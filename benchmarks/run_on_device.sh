@@ -112,7 +112,7 @@ if [ "${1:-}" = "--split-gguf" ]; then
     gguf=${GGUF:-$(ls .specdec/models/smollm2-135m-instruct/*.gguf 2>/dev/null | head -1)}
     [ -n "$gguf" ] && [ -f "$gguf" ] || { echo "no GGUF under .specdec/models: run the main job once" >&2; exit 1; }
     limit=${DEVICE_TREE_LIMIT:-67108864} margin=${DEVICE_TREE_MARGIN:-524288}
-    rm -rf ./.gguf-?
+    rm -rf .gguf-?
     git check-ignore -q .gguf-a/part || {
         echo ".gguf-a/ is not ignored by git: untracked, it would travel in every call" >&2; exit 1; }
     tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s -- 2>/dev/null \
@@ -128,24 +128,24 @@ if [ "${1:-}" = "--split-gguf" ]; then
         exit 1
     fi
     letters=(a b c d e f g h)
-    mkdir -p "./.gguf-a" && head -c "$first" "$gguf" > "./.gguf-a/part"
+    mkdir -p .gguf-a && head -c "$first" "$gguf" > .gguf-a/part
     offset=$first i=1
     while [ "$offset" -lt "$size" ]; do
         [ "$i" -lt "${#letters[@]}" ] || { echo "more than ${#letters[@]} parts: the checkout leaves too little room" >&2; exit 1; }
-        mkdir -p "./.gguf-${letters[$i]}"
-        tail -c +"$((offset + 1))" "$gguf" | head -c "$room" > "./.gguf-${letters[$i]}/part"
+        mkdir -p ".gguf-${letters[$i]}"
+        tail -c +"$((offset + 1))" "$gguf" | head -c "$room" > ".gguf-${letters[$i]}/part"
         offset=$((offset + room)) i=$((i + 1))
     done
     parts="${letters[*]:0:$i}"
     sum=$( cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")" )
     for letter in $parts; do
-        echo "$sum" > "./.gguf-$letter/SHA256SUMS"
-        echo "$parts" > "./.gguf-$letter/PARTS"
+        echo "$sum" > ".gguf-$letter/SHA256SUMS"
+        echo "$parts" > ".gguf-$letter/PARTS"
     done
     echo "checkout $tree bytes, .whl/ $wheels bytes, GGUF $size bytes in ${i} parts; per call (limit $limit):"
     call=1
     for letter in $parts; do
-        bytes=$(stat -c %s "./.gguf-$letter/part")
+        bytes=$(stat -c %s ".gguf-$letter/part")
         if [ "$letter" = a ]; then
             echo "  call $call: carry [\".whl\", \".gguf-a\"]: $((tree + wheels + bytes)) bytes"
         else

@@ -172,6 +172,9 @@ def test_only_plain_compiled_compiles_and_its_bodies_are_made_in_the_warm_up(smo
     # the smoke run traces with torch.compile's eager backend (the same bodies, no code generated);
     # the other configurations follow --engine-compile "auto": off on a CPU
     assert smoke["raw"]["meta"]["compile_backend"] == "eager"
+    # and only for the run: later tests in this process compile with the engine's own backend
+    from specdec_core import static_cache
+    assert static_cache.COMPILE_BACKEND == "inductor"
     by_name = {c["name"]: c for c in smoke["raw"]["configs"]}
     assert {n for n in CONFIGS if by_name[n]["compiled"]} == {"plain_compiled"}
     compiled = by_name["plain_compiled"]
