@@ -1,6 +1,6 @@
 """Where a decoding step's and a speculative round's time goes, with torch.profiler.
 
-Seven configurations of the engine on one random-weight target (the shapes, model builder and
+Eight configurations of the engine on one random-weight target (the shapes, model builder and
 sharpened greedy continuation of gpu_decode.py), batch 1, greedy, static caches, the decoder
 layers' projections fused (fused_projections.py) except where named:
 
@@ -10,6 +10,9 @@ layers' projections fused (fused_projections.py) except where named:
   plain_compiled SpecDecoder.generate_plain, CUDA graphs on, torch.compile on whatever
                  --engine-compile says (the engine's default on CUDA, where the bandwidth goal is
                  set): the kernels of the compiled step, and the bodies and seconds it compiled
+  plain_tuned    the same with inductor's coordinate descent tuning (TUNED_OPTIONS, what
+                 SPECDEC_INDUCTOR_OPTIONS=coordinate_descent_tuning=1 sets: Triton block sizes
+                 tuned per kernel; gpt-fast's setting), the lever left for the bandwidth goal
   spec_k4        SpecDecoder.generate with ControlledAcceptance (alpha 0.8), K = 4, graphs on
   spec_k6        the same with K = 6
   spec_k8        the same with K = 8
@@ -94,7 +97,13 @@ CONFIGS = (
     ("spec_k4", f"speculative K=4 (alpha {ALPHA}), graphs on", 4, True, True, None),
     ("spec_k6", f"speculative K=6 (alpha {ALPHA}), graphs on", 6, True, True, None),
     ("spec_k8", f"speculative K=8 (alpha {ALPHA}), graphs on", 8, True, True, None),
+    # last: a step cut short by its time limit in this one's longer compile keeps the others
+    ("plain_tuned", "plain, CUDA graphs on, torch.compile on, coordinate descent tuning", None, True,
+     True, True),
 )
+# inductor's options per configuration (static_cache.COMPILE_OPTIONS while it runs; the others
+# compile with what SPECDEC_INDUCTOR_OPTIONS says, by default inductor's defaults)
+TUNED_OPTIONS = {"plain_tuned": {"coordinate_descent_tuning": True}}
 # per-step figures: (JSON key, Markdown header, total it comes from, scale)
 PER_STEP = (
     ("wall_ms", "wall ms", None, None),
@@ -359,6 +368,8 @@ def summary_row(record: dict) -> list:
                          f"{fmt(record.get('timed_captures'), 'd')}, "
                          f"{fmt(record.get('timed_eager_rounds'), 'd')}",
                          (f"{record['compiled_bodies']}, {record['compile_s']:.1f}"
+                          + "".join(f"; {key}={value}" for key, value in
+                                    (record.get("inductor_options") or {}).items())
                           if record.get("compiled") else "not compiled"),
                          record["mismatched_rows"]])
 
@@ -372,7 +383,7 @@ def render(raw: dict) -> str:
            f"{meta['new_tokens']} new tokens, greedy, static caches; ControlledAcceptance alpha "
            f"{ALPHA}. Profiled: {meta['activities']}. Warm-up calls per configuration: "
            f"{meta.get('warmup_calls', 2)}; engine compile: {meta.get('engine_compile', 'auto')} "
-           f"(plain_compiled: on), backend {meta.get('compile_backend', 'inductor')}."
+           f"(plain_compiled, plain_tuned: on), backend {meta.get('compile_backend', 'inductor')}."
            + (" SMOKE RUN: tiny model, timings meaningless." if meta["smoke"] else ""), "",
            "## Summary (per step for plain decoding, per round for speculative decoding)", "",
            gd.table(SUMMARY_HEADER, [summary_row(r) for r in raw["configs"]]), "",
@@ -382,7 +393,8 @@ def render(raw: dict) -> str:
            "eager launches: cudaLaunchKernel(ExC) / cuLaunchKernel(Ex) calls; graph launches: "
            "cudaGraphLaunch calls; host syncs: cudaStream/Device/EventSynchronize calls; DtoH "
            "copies: device-to-host memcpy events; aten ops: top-level aten operators on the host. "
-           "n/a: not measurable without CUDA. Mismatched rows: tokens differing from plain greedy "
+           "n/a: not measurable without CUDA. Compiled bodies: with the inductor options it was "
+           "compiled with, where any. Mismatched rows: tokens differing from plain greedy "
            "decoding (must be 0).", ""]
     for record in raw["configs"]:
         out += [f"## {record['name']}: {record['label']}", ""]
@@ -456,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     engine_compile = {"on": True, "off": False}.get(args.engine_compile, "auto")
     # the compiled configurations' backend, for this run only (a test calls main in its process)
-    saved_backend = static_cache.COMPILE_BACKEND
+    saved_backend, saved_options = static_cache.COMPILE_BACKEND, static_cache.COMPILE_OPTIONS
     static_cache.COMPILE_BACKEND = args.backend or ("eager" if args.smoke else "inductor")
     raw["meta"]["compile_backend"] = static_cache.COMPILE_BACKEND
     try:
@@ -466,10 +478,18 @@ def main(argv: list[str] | None = None) -> dict:
             if not fused and unfused is None:
                 log(f"{name}: skipped (this engine has no fused projections to turn off)")
                 continue
+            static_cache.COMPILE_OPTIONS = TUNED_OPTIONS.get(name, saved_options)
+            if name in TUNED_OPTIONS:
+                # torch.compile keeps compiled bodies per function, and a body the earlier
+                # configurations compiled (plain_compiled's; spec_k*'s where compile is on) can
+                # serve a call made with other options: dropped, so these options compile their own
+                torch._dynamo.reset()
             try:
+                options = dict(static_cache.compile_options())
                 record = measure_config(name, label, k, graphs, target if fused else unfused, ids,
                                         new, reference, device, warmup=args.warmup,
                                         compile=True if compile_on else engine_compile, fused=fused)
+                record["inductor_options"] = options if record["compiled"] else None
             except Exception as error:  # noqa: BLE001 -- report it and measure the others
                 log(f"{name} failed: {type(error).__name__}: {error}")
                 traceback.print_exc(file=sys.stderr)
@@ -478,7 +498,7 @@ def main(argv: list[str] | None = None) -> dict:
             raw["configs"].append(record)
             write()
     finally:
-        static_cache.COMPILE_BACKEND = saved_backend
+        static_cache.COMPILE_BACKEND, static_cache.COMPILE_OPTIONS = saved_backend, saved_options
     text = write()
     print(text)
     log(f"done in {time.perf_counter() - started:.1f}s; wrote {args.out}"

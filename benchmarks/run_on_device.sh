@@ -9,7 +9,8 @@
 #              default on CUDA) and unfused, graphs on, compile off: the kernels per step and their
 #              device time (specdec_core/fused_projections.py); then the fused step compiled
 #              (plain_compiled: the kernels of the step the bandwidth goal is measured on, and its
-#              compile seconds);
+#              compile seconds), and last compiled with inductor's coordinate descent tuning
+#              (plain_tuned; cut by the step's limit, the others are kept);
 #   grid       benchmarks/gpu_decode.py --quick --engine-compile off --items 2,3 (verify(K) and the
 #              alpha x K grid against the planner, with captured rounds);
 #   decode     benchmarks/gpu_decode.py --quick --items 1,4,5 (compile at the engine's default;
@@ -372,7 +373,7 @@ run_step before breakdown_before.log before_breakdown
 run_step breakdown breakdown_after.log gpu_breakdown breakdown_after
 run_step grid gpu_grid.log gpu_grid
 run_step head_step head_step.log head_step
-run_step fused breakdown_fused.log gpu_breakdown breakdown_fused "$PWD" plain_graphs,plain_unfused,plain_compiled
+run_step fused breakdown_fused.log gpu_breakdown breakdown_fused "$PWD" plain_graphs,plain_unfused,plain_compiled,plain_tuned
 run_step decode gpu_decode.log gpu_decode "$@"
 run_step profile_layer profile_measure_layer.log profile_measure layer
 run_step decode_layer gpu_decode_layer.log gpu_decode_layer "$@"

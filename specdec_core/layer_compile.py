@@ -103,9 +103,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @functools.cache
-def _compiled_forward(layer_type: type, backend: str):
-    """One compiled forward per decoder-layer class (and backend), shared by all its layers."""
-    return torch.compile(layer_type.forward, dynamic=None, backend=backend)
+def _compiled_forward(layer_type: type, backend: str, options: tuple = ()):
+    """One compiled forward per decoder-layer class (and backend and options: torch.compile's
+    options as sorted pairs), shared by all its layers."""
+    return torch.compile(layer_type.forward, dynamic=None, backend=backend, options=dict(options) or None)
 
 
 def index_sources(layer: torch.nn.Module) -> list[str]:
@@ -121,10 +122,10 @@ def index_sources(layer: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def compiled_layers(layers: list[torch.nn.Module], backend: str):
+def compiled_layers(layers: list[torch.nn.Module], backend: str, options: tuple = ()):
     """Within: each layer's forward is its class's compiled forward (the layer index traced as a
     symbolic integer, so every layer shares the body). Outside: the layers are as before."""
-    compiled = _compiled_forward(type(layers[0]), backend)
+    compiled = _compiled_forward(type(layers[0]), backend, options)
     settings = torch.compiler.config
     # a torch without dynamic_sources specialises on the first layer's index, then compiles once more
     sources = (settings.patch(dynamic_sources=",".join(filter(None, [

@@ -236,7 +236,7 @@ class StaticSequenceCache:
         return {"batch": self.batch, "length": self.max_len, "width": self._width,
                 "device_positions": [int(p) for p in self._positions()],
                 "compactions": self.compactions, "compiled": self.runs.compiled is not None,
-                "compile_scope": self.runs.scope,
+                "compile_scope": self.runs.scope, "inductor_options": dict(self.runs.options),
                 "forward_graphs": sorted(self.runs.graphs)}
 
     # -- internals -----------------------------------------------------------------------------
@@ -326,6 +326,7 @@ class ForwardRuns:
         self.fallback = compile == "auto"
         self.compiled = None
         self.scope = compile_scope() if self.compile else None
+        self.options = compile_options() if self.compile else ()
         self.graph_cls = CapturedGraph if cache.device.type == "cuda" else RerunGraph
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}
 
@@ -343,8 +344,8 @@ class ForwardRuns:
         if (self.compile and decode and inputs_embeds is None and tokens.shape[1] <= MAX_GRAPH_WIDTH
                 and not _in_mode("eager")):
             if self.compiled is None:
-                self.compiled = (compiled_body(self.cache) if self.scope == "model"
-                                 else LayerBody(self.cache))
+                self.compiled = (compiled_body(self.cache, self.options) if self.scope == "model"
+                                 else LayerBody(self.cache, self.options))
             # a validity mask broadcast from the active rows and a materialised one would be two
             # bodies (their strides differ): the body always gets a contiguous one
             valid = valid.contiguous()
@@ -411,8 +412,9 @@ class LayerBody:
     the prefill that made them (ForwardRuns.run), else on the first call here; a model without
     uniform decoder layers, or a call before the cache has any, runs the body eagerly."""
 
-    def __init__(self, cache: StaticSequenceCache):
+    def __init__(self, cache: StaticSequenceCache, options: tuple = ()):
         self.cache = cache
+        self.options = options
         self.layers = decoder_layers(cache.model)
         _raise_recompile_limits()
         if not self.layers:
@@ -423,7 +425,7 @@ class LayerBody:
         if not self.layers or not stackable(self.cache.cache):
             return self.cache.body(tokens, valid, logits_to_keep)
         stack_layers(self.cache.cache)
-        with compiled_layers(self.layers, COMPILE_BACKEND):
+        with compiled_layers(self.layers, COMPILE_BACKEND, self.options):
             return self.cache.body(tokens, valid, logits_to_keep)
 
 
@@ -435,7 +437,53 @@ def compile_scope() -> str:
     return COMPILE_SCOPE
 
 
-def compiled_body(cache: StaticSequenceCache):
+def compile_options() -> tuple[tuple[str, object], ...]:
+    """COMPILE_OPTIONS checked against inductor's settings and given their types, as sorted
+    (name, value) pairs (the environment sets them: SPECDEC_INDUCTOR_OPTIONS)."""
+    options = (parse_inductor_options(COMPILE_OPTIONS) if isinstance(COMPILE_OPTIONS, str)
+               else dict(COMPILE_OPTIONS))
+    if not options:
+        return ()
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"inductor option(s) {', '.join(unknown)} (SPECDEC_INDUCTOR_OPTIONS): not "
+                         f"settings of torch {torch.__version__}'s inductor "
+                         "(torch._inductor.config), e.g. coordinate_descent_tuning=1")
+    return tuple(sorted((name, _typed(name, value, known[name])) for name, value in options.items()))
+
+
+def parse_inductor_options(text: str) -> dict[str, str]:
+    """"name=value,name=value" (SPECDEC_INDUCTOR_OPTIONS) as a dict of texts."""
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not name:
+            raise ValueError(f"inductor option {item!r} (SPECDEC_INDUCTOR_OPTIONS): write "
+                             "name=value, e.g. coordinate_descent_tuning=1")
+        options[name] = value
+    return options
+
+
+def _typed(name: str, value: object, default: object) -> object:
+    """An option given as text, in the type of inductor's default for it (1/true/on for a flag)."""
+    if not isinstance(value, str) or isinstance(default, str) or default is None:
+        return value
+    try:
+        if isinstance(default, bool):
+            flag = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+            return flag[value.lower()]
+        if isinstance(default, (int, float)):
+            return type(default)(value)
+    except (KeyError, ValueError):
+        pass
+    raise ValueError(f"inductor option {name}={value!r} (SPECDEC_INDUCTOR_OPTIONS): inductor's "
+                     f"{name} is a {type(default).__name__} (default {default!r})")
+
+
+def compiled_body(cache: StaticSequenceCache, options: tuple = ()):
     """cache.body compiled by torch.compile (inductor): mask building, the model's layers and
     the cache writes fused into few kernels; on CUDA the engine's own graphs then capture it.
 
@@ -443,9 +491,11 @@ def compiled_body(cache: StaticSequenceCache):
     serves every verify width and a single-token step has its own: two compilations, not one per
     width (each costs seconds to tens of seconds on a GPU). Other shapes -- a cache of another
     batch or length -- recompile once and then stay dynamic too (torch.compile's automatic
-    dynamic shapes). The recompile limit is raised to hold every cache's entries."""
+    dynamic shapes). The recompile limit is raised to hold every cache's entries. `options`
+    (compile_options()) go to the backend as torch.compile's options."""
     _raise_recompile_limits()
-    return torch.compile(cache.body, dynamic=None, backend=COMPILE_BACKEND)
+    return torch.compile(cache.body, dynamic=None, backend=COMPILE_BACKEND,
+                         options=dict(options) or None)
 
 
 def _raise_recompile_limits() -> None:
@@ -465,6 +515,13 @@ COMPILE_BACKEND = "inductor"
 # every layer (layer_compile.py: a fraction of the compile time, the rest of the forward eager)
 COMPILE_SCOPES = ("model", "layer")
 COMPILE_SCOPE = os.environ.get("SPECDEC_COMPILE_SCOPE", "model").strip().lower() or "model"
+# inductor's options for the compiled bodies (torch.compile's `options`; none: inductor's
+# defaults), e.g. coordinate_descent_tuning=True (Triton block sizes tuned per kernel on a GPU:
+# longer compiles, faster small matrix-vector products); SPECDEC_INDUCTOR_OPTIONS sets them as
+# text ("coordinate_descent_tuning=1"), read where a cache is made (compile_options()). Set before
+# the process compiles: torch.compile keeps bodies per function, and one compiled earlier with
+# other options may still serve a call (torch._dynamo.reset() drops them)
+COMPILE_OPTIONS: dict[str, object] | str = os.environ.get("SPECDEC_INDUCTOR_OPTIONS", "")
 # compiled bodies one process may hold: caches x kinds of width
 COMPILED_ENTRIES = 512
 # what compiling has cost this process: bodies compiled and the seconds of the calls that compiled
@@ -523,7 +580,8 @@ class StaticCachePool:
         with _POOLS_LOCK:
             pools = _POOLS.setdefault(model, {})
             options = (bool(cuda_graphs), compile if compile == "auto" else bool(compile))
-            key = (*options, compile_scope() if compile else None)   # a scope set later: other caches
+            # a scope or inductor options set later: other caches (their bodies compiled their way)
+            key = (*options, compile_scope() if compile else None, compile_options() if compile else ())
             if key not in pools:
                 pools[key] = cls(*options)
             return pools[key]

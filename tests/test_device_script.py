@@ -88,13 +88,15 @@ def test_the_steps_after_it_bring_back_their_reports(run):
     scope = json.loads((results / "compile_scope.json").read_text())
     # by default the layer scope's cold compile only (the whole forward's is SCOPE_SCOPES=layer,model)
     assert [c["scope"] for c in scope["cold"]] == ["layer"] and "steady" not in scope
-    # the fused step: the plain step fused, unfused and compiled (the bandwidth goal's), each measured
+    # the fused step: the plain step fused, unfused, compiled (the bandwidth goal's) and compiled with
+    # coordinate descent tuning, each measured
     fused = json.loads((results / "breakdown_fused.json").read_text())
     configs = {c["name"]: c for c in fused["configs"]}
-    assert list(configs) == ["plain_graphs", "plain_unfused", "plain_compiled"]
+    assert list(configs) == ["plain_graphs", "plain_unfused", "plain_compiled", "plain_tuned"]
     assert all("error" not in c and c["mismatched_rows"] == 0 for c in configs.values())
-    assert [c["compiled"] for c in configs.values()] == [False, False, True]
-    assert configs["plain_compiled"]["compiled_bodies"] >= 1
+    assert [c["compiled"] for c in configs.values()] == [False, False, True, True]
+    assert configs["plain_compiled"]["compiled_bodies"] >= 1 and configs["plain_tuned"]["compiled_bodies"] >= 1
+    assert configs["plain_tuned"]["inductor_options"] == {"coordinate_descent_tuning": True}
     assert (results / "breakdown_fused.md").read_text().startswith("# Where decoding time goes")
 
 

@@ -14,7 +14,8 @@ from torch.autograd import DeviceType
 from .helpers.scripts import load_script
 
 CONFIGS = ["plain_eager", "plain_graphs", "plain_unfused", "plain_compiled", "spec_k4", "spec_k6",
-           "spec_k8"]
+           "spec_k8", "plain_tuned"]
+COMPILED = ("plain_compiled", "plain_tuned")
 SUMMARY_HEADER = ["configuration", "unit", "rounds", "tokens/round", "wall ms", "device busy ms",
                   "kernels", "eager launches", "graph launches", "host syncs", "DtoH copies",
                   "aten ops", "busy % of wall", "captures, eager rounds (timed call)",
@@ -159,7 +160,7 @@ def test_rounds_and_walls_are_consistent(smoke):
             assert config["unit"] == "round" and config["tokens_per_round"] > 1
     by_name = {c["name"]: c for c in smoke["raw"]["configs"]}
     assert (by_name["spec_k4"]["k"], by_name["spec_k8"]["k"]) == (4, 8)
-    assert [by_name[n]["cuda_graphs"] for n in CONFIGS] == [False, True, True, True, True, True, True]
+    assert [by_name[n]["cuda_graphs"] for n in CONFIGS] == [False, True, True, True, True, True, True, True]
     # every configuration on the fused target but plain_unfused, which runs on an unfused copy
     layers = {n: by_name[n]["fused_projections"]["attention"] for n in CONFIGS}
     assert layers["plain_unfused"] == 0 and all(layers[n] > 0 for n in CONFIGS if n != "plain_unfused")
@@ -168,26 +169,35 @@ def test_rounds_and_walls_are_consistent(smoke):
                if c["cuda_graphs"]), [(c["name"], c["timed_captures"]) for c in smoke["raw"]["configs"]]
 
 
-def test_only_plain_compiled_compiles_and_its_bodies_are_made_in_the_warm_up(smoke):
+def test_only_the_compiled_configurations_compile_and_their_bodies_are_made_in_the_warm_up(smoke):
     # the smoke run traces with torch.compile's eager backend (the same bodies, no code generated);
     # the other configurations follow --engine-compile "auto": off on a CPU
     assert smoke["raw"]["meta"]["compile_backend"] == "eager"
-    # and only for the run: later tests in this process compile with the engine's own backend
+    # and only for the run: later tests in this process compile with the engine's own backend and
+    # options
     from specdec_core import static_cache
-    assert static_cache.COMPILE_BACKEND == "inductor"
+    assert static_cache.COMPILE_BACKEND == "inductor" and static_cache.COMPILE_OPTIONS == ""
     by_name = {c["name"]: c for c in smoke["raw"]["configs"]}
-    assert {n for n in CONFIGS if by_name[n]["compiled"]} == {"plain_compiled"}
-    compiled = by_name["plain_compiled"]
-    # a step body at least (and the prefill's, if any), all before the timed and profiled calls
-    assert compiled["compiled_bodies"] >= 1 and compiled["compile_s"] > 0
+    assert {n for n in CONFIGS if by_name[n]["compiled"]} == set(COMPILED)
+    # plain_tuned is compiled with coordinate descent tuning, plain_compiled with the defaults:
+    # each made bodies of its own (the tuned one reusing plain_compiled's would time it again)
+    assert by_name["plain_compiled"]["inductor_options"] == {}
+    assert by_name["plain_tuned"]["inductor_options"] == {"coordinate_descent_tuning": True}
+    for name in COMPILED:
+        compiled = by_name[name]
+        # a step body at least (and the prefill's, if any), all before the timed and profiled calls
+        assert compiled["compiled_bodies"] >= 1 and compiled["compile_s"] > 0, name
+        # the compiled step is replayed as the graphed one is: nothing captured or run eagerly when timed
+        assert (compiled["timed_captures"], compiled["timed_eager_rounds"]) == (0, 0), name
+        assert compiled["rounds"] == by_name["plain_graphs"]["rounds"]
     assert all(by_name[n]["compiled_bodies"] == 0 and by_name[n]["compile_s"] == 0
-               for n in CONFIGS if n != "plain_compiled")
-    # the compiled step is replayed as the graphed one is: nothing captured or run eagerly when timed
-    assert (compiled["timed_captures"], compiled["timed_eager_rounds"]) == (0, 0)
-    assert compiled["rounds"] == by_name["plain_graphs"]["rounds"]
-    row = next(r for r in table_after(smoke["markdown"], "## Summary")[2:] if r[0] == "plain_compiled")
-    assert row[SUMMARY_HEADER.index("compiled bodies, s (warm-up)")] == (
-        f"{compiled['compiled_bodies']}, {compiled['compile_s']:.1f}")
+               for n in CONFIGS if n not in COMPILED)
+    rows = {r[0]: r for r in table_after(smoke["markdown"], "## Summary")[2:]}
+    column = SUMMARY_HEADER.index("compiled bodies, s (warm-up)")
+    compiled, tuned = by_name["plain_compiled"], by_name["plain_tuned"]
+    assert rows["plain_compiled"][column] == f"{compiled['compiled_bodies']}, {compiled['compile_s']:.1f}"
+    assert rows["plain_tuned"][column] == (f"{tuned['compiled_bodies']}, {tuned['compile_s']:.1f}; "
+                                           "coordinate_descent_tuning=True")
 
 
 def test_counts_are_ints_or_none_and_per_round_figures_match(smoke):

@@ -117,3 +117,46 @@ def test_the_layer_scope_stacks_a_cache_right_after_its_prefill(monkeypatch):
         cache = StaticSequenceCache(model, batch=1, max_len=32, compile=compile_on)
         cache.forward(prompt, graphed=False)
         assert isinstance(cache.cache, StackedStaticCache) is stacked, (scope, compile_on)
+
+
+@pytest.mark.parametrize("scope", ["model", "layer"])
+def test_inductor_options_reach_the_compiler_and_other_options_compile_their_own_bodies(scope, monkeypatch):
+    # SPECDEC_INDUCTOR_OPTIONS (static_cache.COMPILE_OPTIONS) goes to torch.compile's options in
+    # both scopes; a decoder made after they change, on the same model, gets caches of its own,
+    # compiled with them (the caches made before would run the bodies compiled without them)
+    seen: list = []
+
+    def recording(graph_module, example_inputs, options=None):
+        seen.append(options)
+        return graph_module.forward
+
+    monkeypatch.setattr(static_cache, "COMPILE_SCOPE", scope)
+    monkeypatch.setattr(static_cache, "COMPILE_BACKEND", recording)
+    torch._dynamo.reset()
+    model = tiny_llama(layers=2, seed=4)
+    prompt = repetitive_prompt()
+    tokens, states = {}, {}
+    for options in ("", "coordinate_descent_tuning=1,max_autotune=0"):
+        monkeypatch.setattr(static_cache, "COMPILE_OPTIONS", options)
+        seen.clear()
+        decoder = SpecDecoder(model, PromptLookup(max_ngram=3), k=3, static_cache=True,
+                              cuda_graphs=False, compile=True, cpu_kernels=False)
+        tokens[options] = decoder.generate(prompt, 16).tokens
+        states[options] = [cache["inductor_options"] for cache in decoder.engine_state()["caches"]]
+        want = {"coordinate_descent_tuning": True, "max_autotune": False} if options else None
+        assert seen and all(s == want for s in seen), (options, seen)
+    assert states == {"": [{}], "coordinate_descent_tuning=1,max_autotune=0": [
+        {"coordinate_descent_tuning": True, "max_autotune": False}]}
+    assert torch.equal(tokens[""], tokens["coordinate_descent_tuning=1,max_autotune=0"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("no_such_option=1", "no_such_option .*not settings of torch"),
+    ("coordinate_descent_tuning=maybe", "coordinate_descent_tuning is a bool"),
+    ("coordinate_descent_tuning", "write name=value")])
+def test_a_bad_inductor_option_names_itself_and_the_variable(text, message, monkeypatch):
+    monkeypatch.setattr(static_cache, "COMPILE_OPTIONS", text)
+    with pytest.raises(ValueError, match=message) as raised:
+        SpecDecoder(tiny_llama(layers=1, seed=4), PromptLookup(), k=2, static_cache=True,
+                    cuda_graphs=False, compile=True, cpu_kernels=False).generate(repetitive_prompt(), 4)
+    assert "SPECDEC_INDUCTOR_OPTIONS" in str(raised.value)
