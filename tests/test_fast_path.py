@@ -625,7 +625,7 @@ def test_compiled_sampling_keeps_the_target_distribution(spread_target, spread_d
 def test_compile_auto_falls_back_to_eager_forwards_when_compiling_fails(target, monkeypatch, caplog):
     # compile="auto" (on by default on CUDA) must not cost a run when the compiler fails on some
     # setup: the cache warns and runs eagerly; compile=True surfaces the failure
-    def broken(cache):
+    def broken(cache, options=()):
         def fails(*args):
             raise RuntimeError("inductor: no compiler for this setup")
         return fails
