@@ -8,9 +8,11 @@ call beside the checkout and joined from the parts that several calls carried.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -38,21 +40,36 @@ def run(tmp_path_factory):
                                                   ("fused", "decode_layer", "profile_layer", "scope")]),
                # the script's python3 is this environment's
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    # output to files, not pipes: the call returns when the script exits, whatever it left running
+    # output to files, not pipes: the call returns when the script exits, whatever it left running.
+    # A session of its own: what the call left running is what is left in that session (another
+    # run of this module, under pytest-xdist, has its own), and only that is stopped, by its PIDs.
     with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
-        done = subprocess.run(["bash", str(REPO / "benchmarks/run_on_device.sh"), "--smoke"], env=env,
-                              stdout=stdout, stderr=stderr, timeout=900, check=False)
-    watches = pgrep(f"^sleep {LONG_LIMIT}$")
-    subprocess.run(["pkill", "-f", f"^sleep {LONG_LIMIT}$"], check=False)
+        call = subprocess.Popen(["bash", str(REPO / "benchmarks/run_on_device.sh"), "--smoke"], env=env,
+                                stdout=stdout, stderr=stderr, start_new_session=True)
+        try:
+            rc = call.wait(timeout=900)
+        finally:
+            left = session_processes(call.pid)
+            for pid in [call.pid, *left]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            call.wait()
     unpacked = root / "results"
     with tarfile.open(out / "results.tar.gz") as archive:
         archive.extractall(unpacked, filter="data")
-    return {"rc": done.returncode, "output": (root / "stdout").read_text() + (root / "stderr").read_text(),
-            "out": out, "tmp": tmp, "results": unpacked, "watches": watches}
+    return {"rc": rc, "output": (root / "stdout").read_text() + (root / "stderr").read_text(),
+            "out": out, "tmp": tmp, "results": unpacked, "left": left}
 
 
-def pgrep(pattern: str) -> str:
-    return subprocess.run(["pgrep", "-a", "-f", pattern], capture_output=True, text=True, check=False).stdout
+def session_processes(session: int) -> dict[int, str]:
+    """The processes of a session still running: PID -> command line (the call's own leader left out)."""
+    found = subprocess.run(["pgrep", "-a", "-s", str(session)], capture_output=True, text=True, check=False)
+    rows = (line.split(" ", 1) for line in found.stdout.splitlines())
+    return {int(row[0]): row[1] if len(row) > 1 else "" for row in rows if int(row[0]) != session}
+
+
+def left_running(run, command: str) -> list[str]:
+    return [line for line in run["left"].values() if command in line]
 
 
 def test_every_step_reports_its_exit_status_and_a_failed_one_fails_the_call(run):
@@ -72,8 +89,8 @@ def test_a_step_over_its_limit_is_stopped_with_its_processes_and_its_log_kept(ru
     assert log.startswith("=== head_step: ")
     assert "=== head_step: over its limit of 1s, stopped ===" in log
     assert not (run["results"] / "head_step.md").exists()        # it did not get to its report
-    left = pgrep("benchmarks/head_step.py --device cpu --smoke")
-    assert left == "", f"processes of the stopped step still running: {left}"
+    left = left_running(run, "benchmarks/head_step.py --device cpu --smoke")
+    assert left == [], f"processes of the stopped step still running: {left}"
 
 
 def test_the_steps_after_it_bring_back_their_reports(run):
@@ -106,7 +123,8 @@ def test_the_work_folders_are_removed(run):
 
 def test_the_limits_of_steps_that_ended_are_not_left_running(run):
     # a watch left sleeping holds the call's output open: the device call would wait out the limit
-    assert run["watches"] == "", f"limit watches still sleeping after the call: {run['watches']}"
+    watches = [line for line in run["left"].values() if line == f"sleep {LONG_LIMIT}"]
+    assert watches == [], f"limit watches still sleeping after the call: {watches}"
 
 
 # ------------------------------------------------------------------------------------------------
