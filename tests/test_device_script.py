@@ -50,9 +50,10 @@ def run(tmp_path_factory):
             rc = call.wait(timeout=900)
         finally:
             left = session_processes(call.pid)
-            for pid in [call.pid, *left]:
+            for pid in left:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            call.kill()          # only if it still runs (a reaped PID may belong to another process)
             call.wait()
     unpacked = root / "results"
     with tarfile.open(out / "results.tar.gz") as archive:
