@@ -24,7 +24,9 @@ what it has; DIR/curve.json is rewritten after every phase):
    generated ones, shuffled once: the subsets are nested), the recipe of eagle3_train.py (draft
    vocabulary of the subset's response tokens, unroll 3, max length 160, lr 1e-3), the target
    passes batched, steps chosen so that the head fits --train-seconds (or --steps for every
-   size: a curve over data at the same compute).
+   size: a curve over data at the same compute, cut to what fits --train-seconds where it does
+   not); optimisation stops at the budget's end whatever the plan, with the head evaluated and
+   saved there. A step is also timed at twice --train-batch (samples per second by batch).
 5. score: estimate_acceptance on every held-out shipped request: first-draft acceptance (K=1) and
    the acceptance length at K=1..5 per domain.
 Output: DIR/head-<size>/ (speculators format), DIR/curve.json, DIR/curve.md; a short summary is
@@ -101,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None,
                         help="training steps per head, the same for every size (a learning curve "
                              "over data at fixed compute; the held-out curve then scores only at "
-                             "the end); default: as many as --train-seconds leaves")
+                             "the end) where they fit --train-seconds, fewer where they do not; "
+                             "default: as many as --train-seconds leaves")
     parser.add_argument("--costs", default="measure", choices=("measure", "assume"),
                         help="the head's step and verify(K) costs that pick each head's K: "
                              "measured here (compiling the head's step: ~80 s on a fresh H100) or "
@@ -401,6 +404,16 @@ def time_steps(trainee, batch: int, repeats: int = 3) -> float:
     return sorted(times[1:])[len(times[1:]) // 2] * 1.15      # + the optimizer step
 
 
+def planned_steps(asked: int | None, left_s: float, step_s: float, eval_s: float) -> int:
+    """Training steps for a head with left_s seconds of its budget left: as many as fit after its
+    curve points (the start and end, or with no `asked` also the middle one, and a margin), at
+    least 4; with `asked` (--steps) at most that many -- the same for every size while they fit,
+    fewer where the budget ends first (a run that outlives the device step's limit brings back
+    no head at all)."""
+    fit = max(4, int((left_s - (2.2 if asked else 3.2) * eval_s) / step_s))
+    return min(asked, fit) if asked else fit
+
+
 def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry: dict,
               work: Path) -> tuple[Eagle3Head, int]:
     """One head on `rows` within args.train_seconds; fills `entry` as it goes."""
@@ -419,21 +432,30 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
     if not trainee.cache:
         raise RuntimeError("no training row was passed through the target within the budget")
     step_s = time_steps(trainee, args.train_batch)
+    # a step at twice the batch: whether a larger batch buys samples per second (a launch-bound
+    # step costs about the same at both), for the next run's --train-batch
+    entry["step_s_by_batch"] = {str(args.train_batch): round(step_s, 4),
+                                str(2 * args.train_batch): round(time_steps(trainee, 2 * args.train_batch), 4)}
     eval_started = time.perf_counter()
     trainee.evaluate()
     eval_s = time.perf_counter() - eval_started
     left = budget - (time.perf_counter() - started)
-    steps = args.steps or max(4, int((left - 3.2 * eval_s) / step_s))
+    steps = planned_steps(args.steps, left, step_s, eval_s)
     config.steps = steps
     config.warmup_steps = min(20, max(1, steps // 10))
     config.eval_every = steps if (args.smoke or args.steps) else max(1, steps // 2)
-    entry.update(step_s=round(step_s, 4), eval_s=round(eval_s, 2), steps=steps)
+    entry.update(step_s=round(step_s, 4), eval_s=round(eval_s, 2), steps=steps,
+                 **({"steps_asked": args.steps} if args.steps else {}))
     say(f"  {len(trainee.cache)} rows passed in {entry['passes_s']} s; step {step_s * 1e3:.1f} ms, "
-        f"curve point {eval_s:.1f} s: {steps} steps")
+        f"curve point {eval_s:.1f} s: {steps} steps"
+        + (f" ({args.steps} asked; what fits --train-seconds {budget:g})" if args.steps and steps < args.steps else ""))
     opt_started = time.perf_counter()
-    result = optimise(trainee, len(trainee.cache), config, work, progress=False, desc="eagle3 head")
+    # the net under the plan: a step estimate that was low still ends inside the budget, with the
+    # head evaluated and saved where it stopped (the device step's limit would keep nothing)
+    result = optimise(trainee, len(trainee.cache), config, work, progress=False, desc="eagle3 head",
+                      deadline=started + budget - eval_s)
     entry.update(optimise_s=round(time.perf_counter() - opt_started, 2), best_step=result.best["step"],
-                 best_k=result.best["k"], history=jsonable(result.history))
+                 best_k=result.best["k"], history=jsonable(result.history), steps_done=result.step)
     if result.best_dir:
         head = Eagle3Head.load(result.best_dir, target)
     entry["train_s"] = round(time.perf_counter() - started, 2)
@@ -479,7 +501,10 @@ def markdown(curve: dict) -> str:
     lines += ["| training requests | passed through the target (trained on) | steps | "
               + " | ".join(domains) + " |", "|---|---|---|" + "---|" * len(domains)]
     for h in heads:
-        lines.append(f"| {h['requests']} | {h.get('rows_passed', '?')} | {h.get('steps', '?')} | "
+        steps = h.get("steps_done", h.get("steps", "?"))
+        if h.get("steps_asked") and steps != h["steps_asked"]:
+            steps = f"{steps} of {h['steps_asked']} asked"
+        lines.append(f"| {h['requests']} | {h.get('rows_passed', '?')} | {steps} | "
                      + " | ".join(f"{h['heldout'][d]['acceptance_k1']:.3f}" if d in h["heldout"] else "-"
                                   for d in domains) + " |")
     lines += ["| goal | | | " + " | ".join(f">= {goal(d)}" for d in domains) + " |", "",
@@ -488,6 +513,11 @@ def markdown(curve: dict) -> str:
     for d in domains:
         lengths = ", ".join(f"{v:.2f}" for v in last["heldout"][d]["length_by_k"].values())
         lines.append(f"- {d}: {lengths}")
+    timed = [h for h in heads if h.get("step_s_by_batch")]
+    if timed:
+        lines += ["", "A training step (loss + backward, optimizer step estimated) by batch, largest head: "
+                  + ", ".join(f"batch {b}: {1e3 * s:.1f} ms ({int(b) / s:.0f} rows/s)"
+                              for b, s in timed[-1]["step_s_by_batch"].items())]
     lines += ["", f"Goal (held-out first-draft acceptance >= 0.6 for json and code, >= "
               f"{OTHER_GOAL} elsewhere), largest head ({last['requests']} requests):", ""]
     for d in domains:
@@ -509,7 +539,7 @@ def summary(curve: dict) -> str:
     for h in curve["heads"]:
         scored = h.get("heldout") or {}
         lines.append(f"  head {h['size']} ({h['requests']} requests, {h.get('rows_passed', '?')} passed, "
-                     f"{h.get('steps', '?')} steps): "
+                     f"{h.get('steps_done', h.get('steps', '?'))} steps): "
                      + (", ".join(f"{d} {v['acceptance_k1']:.3f}{'' if v['acceptance_k1'] >= goal(d) else '*'}"
                                   for d, v in scored.items()) or "not scored"))
     lines.append("  (* below the goal: 0.6 json/code, 0.45 elsewhere)")

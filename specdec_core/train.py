@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -318,10 +319,15 @@ def _resume(trainee: Trainee, last: Path, optimizer, scheduler, config: TrainCon
 
 def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir: str | Path,
              progress: bool = True, stop_after: int | None = None,
-             desc: str = "training") -> TrainResult:
+             desc: str = "training", deadline: float | None = None) -> TrainResult:
     """The optimisation loop every trained drafter shares: AdamW, warm-up + cosine, clipping,
     held-out evaluation every eval_every steps with the best checkpoint kept by predicted speedup,
-    and resume from checkpoint_dir/last (same result as an uninterrupted run)."""
+    and resume from checkpoint_dir/last (same result as an uninterrupted run).
+
+    deadline (a time.perf_counter() value): the first step that ends past it is the last one; it
+    is evaluated and saved as a step at eval_every would be (the result's `step` says how far it
+    got), so a run under a time limit keeps its best checkpoint instead of being killed without
+    one. The schedule is still config.steps': plan the steps to fit, the deadline is the net."""
     device = next(trainee.module.parameters()).device
     checkpoint_dir = Path(checkpoint_dir)
     last, best_dir = checkpoint_dir / "last", checkpoint_dir / "best"
@@ -369,7 +375,8 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
         losses.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % config.eval_every == 0 or step == config.steps:
+        out_of_time = deadline is not None and time.perf_counter() >= deadline
+        if step % config.eval_every == 0 or step == config.steps or out_of_time:
             evaluate(step, sum(losses) / len(losses))
             losses = []
             trainee.save(last)
@@ -377,6 +384,9 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
                         "step": step, "history": history, "best": best, "config": asdict(config),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
                        last / "state.pt")   # what _resume reads back
+        if out_of_time and step < config.steps:
+            log.warning("%s: stopped at its deadline after step %d of %d", desc, step, config.steps)
+            break
     bar.close()
     trainee.module.eval()
     (checkpoint_dir / "history.json").write_text(json.dumps(history, indent=1))

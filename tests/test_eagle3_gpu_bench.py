@@ -27,7 +27,8 @@ def script():
 @pytest.fixture(scope="module")
 def run(script, tmp_path_factory):
     out = tmp_path_factory.mktemp("eagle3_gpu")
-    returned = script.main(["--smoke", "--out", str(out), "--steps", "6"])
+    # a budget that the 6 steps fit on any machine: the cut to what fits is tested on its own
+    returned = script.main(["--smoke", "--out", str(out), "--steps", "6", "--train-seconds", "300"])
     return {"out": out, "returned": returned, "curve": json.loads((out / "curve.json").read_text()),
             "markdown": (out / "curve.md").read_text()}
 
@@ -57,8 +58,11 @@ def test_one_head_per_size_saved_and_readable(script, run):
         assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.bfloat16}
         assert 0 < entry["rows_passed"] <= entry["requests"]
         # --steps: every size trains the same steps, scored on the curve before and at the end
-        assert entry["steps"] == 6
+        assert entry["steps"] == entry["steps_done"] == entry["steps_asked"] == 6
         assert [point["step"] for point in entry["history"]] == [0, 6]
+        # a step timed at the training batch and at twice it
+        assert list(entry["step_s_by_batch"]) == ["8", "16"]
+        assert all(seconds > 0 for seconds in entry["step_s_by_batch"].values())
 
 
 def test_heldout_acceptance_per_domain_in_range(run):
@@ -109,3 +113,21 @@ def test_head_step_benchmark_counts_fewer_operations_gathered_and_says_so(tmp_pa
     text = (tmp_path / "step.md").read_text()
     assert f"| gathered from the packed rows | {ops['packed']} |" in text
     assert f"{result['rowwise_over_packed']}x" in text
+
+
+@pytest.mark.parametrize("asked, left, expected", [
+    (None, 10.0, int((10.0 - 3.2 * 0.5) / 0.1)),      # as many as fit after three curve points
+    (3000, 400.0, 3000),                             # --steps where they fit
+    (3000, 100.0, int((100.0 - 2.2 * 0.5) / 0.1)),    # cut to the budget where they do not
+    (3000, 0.5, 4), (None, -5.0, 4),                 # at least 4
+])
+def test_planned_steps_keep_steps_asked_only_where_they_fit_the_budget(script, asked, left, expected):
+    assert script.planned_steps(asked, left, step_s=0.1, eval_s=0.5) == expected
+
+
+def test_markdown_says_when_the_steps_asked_were_cut(script, run):
+    curve = json.loads(json.dumps(run["curve"]))
+    curve["heads"][-1].update(steps_asked=3000, steps_done=2410)
+    text = script.markdown(curve)
+    assert f"| {curve['heads'][-1]['requests']} | {curve['heads'][-1]['rows_passed']} | 2410 of 3000 asked |" in text
+    assert "A training step (loss + backward, optimizer step estimated) by batch" in text

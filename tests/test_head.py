@@ -12,6 +12,7 @@ on its own outputs. That exercises every path of the catch-up (0..K accepted) wi
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -186,6 +187,32 @@ def test_training_resume_equals_uninterrupted(one_layer, tmp_path):
         assert a["heldout_kl"] == pytest.approx(b["heldout_kl"], rel=1e-5)
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5, nan_ok=True) \
             if a["train_loss"] is not None else b["train_loss"] is None
+
+
+def test_training_past_its_deadline_stops_with_the_head_evaluated_saved_and_resumable(one_layer, tmp_path):
+    """optimise(deadline=...): the step that ends past the deadline is the last, evaluated and
+    saved as an eval_every step is (a run under a time limit keeps its best checkpoint), and a
+    later call without a deadline resumes from there to config.steps."""
+    from specdec_core.train import TrainConfig, _HeadTrainee, optimise
+
+    generator = torch.Generator().manual_seed(4)
+    prompts = torch.randint(3, VOCAB, (12, 6), generator=generator)
+    out = SpecDecoder(one_layer, None).generate_plain(prompts, 8)
+    requests = [LoggedRequest(f"r{i}", prompts[i].tolist(), out.tokens[i].tolist(), SamplingParams(),
+                              "qa") for i in range(12)]
+    config = TrainConfig(steps=50, eval_every=50, k_max=2, warmup_steps=1, lr=1e-3, batch_size=4)
+
+    def trainee():
+        return _HeadTrainee(DraftHead(one_layer, REDUCED), one_layer, requests[:9], requests[9:],
+                            config, (0.1, [1.2, 1.3]), 0.1)
+
+    cut = optimise(trainee(), 9, config, tmp_path, progress=False, deadline=time.perf_counter())
+    assert cut.step == 1
+    assert [point["step"] for point in cut.history] == [0, 1]
+    assert torch.load(tmp_path / "last" / "state.pt", weights_only=False)["step"] == 1
+    resumed = optimise(trainee(), 9, config, tmp_path, progress=False)
+    assert resumed.step == 50
+    assert [point["step"] for point in resumed.history] == [0, 1, 50]
 
 
 @torch.no_grad()
