@@ -61,8 +61,8 @@ from specdec_core.drafters import output_size  # noqa: E402
 from specdec_core.eagle3 import Eagle3Head  # noqa: E402
 from specdec_core.estimate import LoggedRequest, estimate_acceptance, in_heldout  # noqa: E402
 from specdec_core.head import HeadDrafter, target_features  # noqa: E402
-from specdec_core.train import (PackedRows, TrainConfig, _HeadTrainee, head_vocabulary,  # noqa: E402
-                                measure_head_step, measured_costs, optimise)
+from specdec_core.train import (PackedRows, TrainConfig, _HeadTrainee, autocast,  # noqa: E402
+                                head_vocabulary, measure_head_step, measured_costs, optimise)
 
 SPLIT_KEY, HELDOUT_FRACTION = "eagle3-bench", 0.2
 VERIFIER = "smollm2-135m-instruct"
@@ -110,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "measured here (compiling the head's step: ~80 s on a fresh H100) or "
                              "assumed (0.05 of a step, verify(K) 1 + 0.01 K)")
     parser.add_argument("--train-batch", type=int, default=None, help="48 on CUDA, 8 on a CPU")
+    parser.add_argument("--train-graphs", default="auto", choices=("auto", "on", "off"),
+                        help="the training step's forward and backward captured as graphs "
+                             "(make_graphed_callables; a CPU stand-in elsewhere); auto: both "
+                             "timed before training, the faster one trains")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--unroll", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -382,17 +386,16 @@ class BatchedHeadTrainee(_HeadTrainee):
 
 
 def time_steps(trainee, batch: int, repeats: int = 3) -> float:
-    """Seconds of one optimisation step (loss + backward), measured on the trainee's rows."""
+    """Seconds of one optimisation step (loss + backward), measured on the trainee's rows (the
+    first, which may capture the step's graphs, left out)."""
     device = next(trainee.module.parameters()).device
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
     params = trainee.parameters()
     times = []
     trainee.module.train()
     for _ in range(repeats + 1):
         picks = random.sample(range(len(trainee.cache)), min(batch, len(trainee.cache)))
         start = time.perf_counter()
-        with autocast:
+        with autocast(device):
             loss = trainee.loss(picks)
         loss.backward()
         if device.type == "cuda":
@@ -402,6 +405,30 @@ def time_steps(trainee, batch: int, repeats: int = 3) -> float:
         param.grad = None
     trainee.module.eval()
     return sorted(times[1:])[len(times[1:]) // 2] * 1.15      # + the optimizer step
+
+
+def choose_step(trainee, mode: str, batch: int, entry: dict) -> float:
+    """Set the trainee's step eager or graphed (`mode` on/off, or auto: both timed, the faster);
+    returns its seconds. entry gets step_s_by_mode, train_graphs and any capture error (a
+    capture that fails leaves the step eager)."""
+    timings = {}
+    if mode != "on":
+        trainee.graphs = False
+        timings["eager"] = time_steps(trainee, batch)
+    if mode != "off":
+        trainee.graphs = True
+        seconds = time_steps(trainee, batch)
+        if trainee.graph_error is None:
+            timings["graphs"] = seconds
+        else:
+            entry["graph_error"] = trainee.graph_error[:2000]
+            timings.setdefault("eager", seconds)
+    chosen = min(timings, key=timings.get)
+    trainee.graphs = chosen == "graphs"
+    if not trainee.graphs:
+        trainee.graphed.clear()
+    entry.update(step_s_by_mode={name: round(t, 4) for name, t in timings.items()}, train_graphs=chosen)
+    return timings[chosen]
 
 
 def planned_steps(asked: int | None, left_s: float, step_s: float, eval_s: float) -> int:
@@ -431,11 +458,12 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
                  passes_s=round(time.perf_counter() - started, 2))
     if not trainee.cache:
         raise RuntimeError("no training row was passed through the target within the budget")
-    step_s = time_steps(trainee, args.train_batch)
-    # a step at twice the batch: whether a larger batch buys samples per second (a launch-bound
-    # step costs about the same at both), for the next run's --train-batch
+    step_s = choose_step(trainee, args.train_graphs, args.train_batch, entry)
+    # a step at twice the batch (the mode chosen): whether a larger batch buys samples per second
+    # (a launch-bound step costs about the same at both), for the next run's --train-batch
     entry["step_s_by_batch"] = {str(args.train_batch): round(step_s, 4),
                                 str(2 * args.train_batch): round(time_steps(trainee, 2 * args.train_batch), 4)}
+    trainee.graphed.pop(2 * args.train_batch, None)       # its captured step's memory
     eval_started = time.perf_counter()
     trainee.evaluate()
     eval_s = time.perf_counter() - eval_started
@@ -446,7 +474,8 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
     config.eval_every = steps if (args.smoke or args.steps) else max(1, steps // 2)
     entry.update(step_s=round(step_s, 4), eval_s=round(eval_s, 2), steps=steps,
                  **({"steps_asked": args.steps} if args.steps else {}))
-    say(f"  {len(trainee.cache)} rows passed in {entry['passes_s']} s; step {step_s * 1e3:.1f} ms, "
+    say(f"  {len(trainee.cache)} rows passed in {entry['passes_s']} s; step {step_s * 1e3:.1f} ms "
+        f"({', '.join(f'{m} {1e3 * t:.1f}' for m, t in entry['step_s_by_mode'].items())}), "
         f"curve point {eval_s:.1f} s: {steps} steps"
         + (f" ({args.steps} asked; what fits --train-seconds {budget:g})" if args.steps and steps < args.steps else ""))
     opt_started = time.perf_counter()
@@ -518,6 +547,15 @@ def markdown(curve: dict) -> str:
         lines += ["", "A training step (loss + backward, optimizer step estimated) by batch, largest head: "
                   + ", ".join(f"batch {b}: {1e3 * s:.1f} ms ({int(b) / s:.0f} rows/s)"
                               for b, s in timed[-1]["step_s_by_batch"].items())]
+    modes = [h for h in heads if h.get("step_s_by_mode")]
+    if modes:
+        by_mode = modes[-1]["step_s_by_mode"]
+        lines += ["", f"The step at batch {curve['meta']['args'].get('train_batch', '?')}, largest head: "
+                  + ", ".join(f"{name} {1e3 * t:.1f} ms" for name, t in by_mode.items())
+                  + (f" (eager / graphs {by_mode['eager'] / by_mode['graphs']:.2f}x)"
+                     if {"eager", "graphs"} <= set(by_mode) else "")
+                  + f"; trained {modes[-1]['train_graphs']}"
+                  + (f"; the capture failed: {modes[-1]['graph_error'][:200]}" if modes[-1].get("graph_error") else "")]
     lines += ["", f"Goal (held-out first-draft acceptance >= 0.6 for json and code, >= "
               f"{OTHER_GOAL} elsewhere), largest head ({last['requests']} requests):", ""]
     for d in domains:

@@ -1,6 +1,8 @@
 """One training step of an EAGLE-3 head, as benchmarks/eagle3_gpu.py trains it on the GPU: its
-tensor operations and seconds, with the batch gathered from the packed target passes against the
-same batch built a row at a time (contenders interleaved, one run, one machine).
+tensor operations and seconds, with the batch gathered from the packed target passes, the same
+batch built a row at a time, and the gathered batch's forward and backward captured as graphs
+(torch.cuda.make_graphed_callables; its CPU stand-in elsewhere) -- contenders interleaved, one
+run, one machine.
 
 The target is a random-weight model of the embedded default's architecture (the step's cost does
 not depend on the weights), its passes cached once for `--rows` rows whose lengths are those of
@@ -35,9 +37,11 @@ import gpu_decode  # noqa: E402  -- the model shapes and builder
 from specdec_core import SamplingParams  # noqa: E402
 from specdec_core.eagle3 import Eagle3Head  # noqa: E402
 from specdec_core.estimate import LoggedRequest  # noqa: E402
-from specdec_core.train import TrainConfig, head_vocabulary  # noqa: E402
+from specdec_core.train import TrainConfig, autocast, head_vocabulary  # noqa: E402
 
-CONTENDERS = ("packed", "rowwise")
+CONTENDERS = ("packed", "rowwise", "graphs")
+LABELS = {"packed": "gathered from the packed rows", "rowwise": "a row at a time",
+          "graphs": "gathered, forward and backward captured"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,13 +97,15 @@ def build(args) -> tuple[eagle3_gpu.BatchedHeadTrainee, torch.optim.Optimizer]:
     return trainee, torch.optim.AdamW(trainee.parameters(), lr=1e-3)
 
 
+def use(trainee, name: str) -> None:
+    trainee.rowwise, trainee.graphs = name == "rowwise", name == "graphs"
+
+
 def step(trainee, optimizer, picks, device) -> float:
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
     if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
-    with autocast:
+    with autocast(device):
         loss = trainee.loss(picks)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -126,15 +132,15 @@ def measure(args) -> dict:
                for _ in range(args.repeats + 1)]
     seconds = {name: [] for name in CONTENDERS}
     ops = {}
-    for name in CONTENDERS:                      # warm-up (and the operation count)
-        trainee.rowwise = name == "rowwise"
+    for name in CONTENDERS:                      # warm-up, a capture (and the operation count)
+        use(trainee, name)
         step(trainee, optimizer, batches[0], args.device)
         ops[name] = operations(trainee, optimizer, batches[0], args.device)
-    for picks in batches[1:]:                    # interleaved, the same batches for both
+    for picks in batches[1:]:                    # interleaved, the same batches for each
         for name in CONTENDERS:
-            trainee.rowwise = name == "rowwise"
+            use(trainee, name)
             seconds[name].append(step(trainee, optimizer, picks, args.device))
-    trainee.rowwise = False
+    use(trainee, "packed")
     median = {name: statistics.median(values) for name, values in seconds.items()}
     return {"device": (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
                        else f"cpu ({torch.get_num_threads()} threads)"),
@@ -142,7 +148,9 @@ def measure(args) -> dict:
             "dtype": args.dtype, "rows": len(trainee.cache), "batch": args.batch,
             "max_length": args.max_length, "unroll": args.unroll, "repeats": args.repeats,
             "operations": ops, "step_ms": {k: round(v * 1000, 2) for k, v in median.items()},
-            "rowwise_over_packed": round(median["rowwise"] / median["packed"], 3)}
+            "rowwise_over_packed": round(median["rowwise"] / median["packed"], 3),
+            "packed_over_graphs": round(median["packed"] / median["graphs"], 3),
+            "graph_error": trainee.graph_error}
 
 
 def table(result: dict) -> str:
@@ -151,9 +159,12 @@ def table(result: dict) -> str:
              f"max length {result['max_length']}, unroll {result['unroll']}, "
              f"{result['rows']} cached rows, median of {result['repeats']} interleaved steps",
              "", "| batch built | top-level ops per step | step ms |", "|---|---|---|"]
-    for name, label in (("packed", "gathered from the packed rows"), ("rowwise", "a row at a time")):
-        lines.append(f"| {label} | {result['operations'][name]} | {result['step_ms'][name]} |")
-    lines += ["", f"A row at a time / gathered: {result['rowwise_over_packed']}x the step time."]
+    for name in CONTENDERS:
+        lines.append(f"| {LABELS[name]} | {result['operations'][name]} | {result['step_ms'][name]} |")
+    lines += ["", f"A row at a time / gathered: {result['rowwise_over_packed']}x the step time; "
+              f"gathered / captured: {result['packed_over_graphs']}x."]
+    if result.get("graph_error"):
+        lines += ["", f"The capture failed (the captured row is the eager step): {result['graph_error'][:300]}"]
     return "\n".join(lines) + "\n"
 
 

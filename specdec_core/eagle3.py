@@ -154,10 +154,10 @@ class Eagle3Head(DraftHead):
     def inputs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """[embedding ; fc(features)] [B, T, 2H] from the target's auxiliary states [B, T, 3H]."""
         fused = self.fc(features.to(self.fc.weight.dtype))
-        return torch.cat([self._shared["embed"](next_tokens).to(fused.dtype), fused], -1)
+        return torch.cat([self.embed(next_tokens).to(fused.dtype), fused], -1)
 
     def chained(self, outputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self._shared["embed"](next_tokens).to(outputs.dtype), outputs], -1)
+        return torch.cat([self.embed(next_tokens).to(outputs.dtype), outputs], -1)
 
     # -- the speculators format -------------------------------------------------------------------
     def d2t(self) -> torch.Tensor:

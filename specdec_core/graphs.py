@@ -113,6 +113,19 @@ class RerunGraph(CapturedGraph):
 
 # operators that read device values on the host (a CUDA graph capture fails on them)
 _HOST_READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "item"}
+_INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+def reads_host(func, args) -> bool:
+    """Whether an ATen call reads device values on the host: the operators above, and indexing
+    by a boolean mask (`x[mask]`, `x[mask] = v`), whose result's size is the mask's count -- on
+    CUDA a nonzero() inside the kernel, not a call of its own, so a dispatch mode never sees it."""
+    name = func.overloadpacket.__name__
+    if name in _HOST_READS:
+        return True
+    if name in _INDEXING and len(args) > 1 and isinstance(args[1], (list, tuple)):
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
 
 
 class _Recording(TorchDispatchMode):
@@ -126,7 +139,7 @@ class _Recording(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.overloadpacket.__name__ in _HOST_READS:
+        if reads_host(func, args):
             raise RuntimeError(f"{func} reads the device on the host inside a captured body: a CUDA "
                                "graph capture fails there (keep the value on the device)")
         generator = kwargs.get("generator")
@@ -164,13 +177,78 @@ class RecordedGraph(RerunGraph):
                     self.out = self._body()
                 self._calls = recording.calls
                 return
-            for func, args, kwargs, recorded in self._calls:
-                result = func(*args, **kwargs)
-                for old, new in zip(tree_leaves(recorded), tree_leaves(result)):
-                    if isinstance(old, torch.Tensor) and not _same_memory(old, new):
-                        old.copy_(new)
+            _rerun(self._calls)
         finally:
             _REPLAYING[0] -= 1
+
+
+def _rerun(calls: list) -> None:
+    """Run recorded ATen calls again with their recorded arguments, each result written into the
+    tensor the recording produced (a CUDA graph's replay: same kernels, same addresses)."""
+    for func, args, kwargs, recorded in calls:
+        result = func(*args, **kwargs)
+        for old, new in zip(tree_leaves(recorded), tree_leaves(result)):
+            if isinstance(old, torch.Tensor) and not _same_memory(old, new):
+                old.copy_(new)
+
+
+def graphed_module(module: torch.nn.Module, sample_args: tuple[torch.Tensor, ...]):
+    """`module` (in training mode, returning one tensor) with its forward and backward captured
+    for inputs shaped as `sample_args`: torch.cuda.make_graphed_callables on CUDA -- a call copies
+    its inputs into the captured ones and replays the forward graph, its backward replays the
+    backward graph, each one launch -- and RecordedModule elsewhere. The inputs must keep their
+    shapes and dtypes from call to call; the module must not read the device on the host, draw
+    random numbers or keep Python state that changes between calls."""
+    if sample_args[0].device.type == "cuda":
+        return torch.cuda.make_graphed_callables(module, sample_args, allow_unused_input=True)
+    return RecordedModule(module, sample_args)
+
+
+class RecordedModule:
+    """The CPU stand-in of torch.cuda.make_graphed_callables for one module: its forward and the
+    backward of its output to its trainable parameters are recorded once (RecordedGraph's
+    semantics: a host read fails, later calls rerun the recorded operators on the same tensors),
+    and a call copies its inputs into the recorded ones, reruns the forward and returns an output
+    whose backward reruns the backward -- so a module that would not survive a CUDA capture, or
+    would compute something else when replayed, fails or differs here too."""
+
+    def __init__(self, module: torch.nn.Module, sample_args: tuple[torch.Tensor, ...]):
+        self.module = module
+        self.inputs = tuple(arg.detach().clone() for arg in sample_args)
+        self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        forward = _Recording()
+        with forward:
+            out = module(*self.inputs)
+        self.out, self._forward = out.detach(), forward.calls
+        self.grad_out = torch.ones_like(out)
+        backward = _Recording()
+        with backward:
+            grads = torch.autograd.grad(out, self.params, grad_outputs=self.grad_out, allow_unused=True)
+        self.grads, self._backward = grads, backward.calls
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return _RecordedModuleCall.apply(self, *args, *self.params)
+
+
+class _RecordedModuleCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, owner: RecordedModule, *tensors):
+        ctx.owner = owner
+        for static, arg in zip(owner.inputs, tensors[:len(owner.inputs)]):
+            if static.shape != arg.shape or static.dtype != arg.dtype:
+                raise ValueError(f"a recorded module's input {tuple(arg.shape)} {arg.dtype} differs from "
+                                 f"the recorded {tuple(static.shape)} {static.dtype}: keep every call's shapes")
+            static.copy_(arg)
+        _rerun(owner._forward)
+        return owner.out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        owner = ctx.owner
+        owner.grad_out.copy_(grad)
+        _rerun(owner._backward)
+        return (None,) + (None,) * len(owner.inputs) + tuple(
+            None if g is None else g.clone() for g in owner.grads)
 
 
 class RoundGraph:

@@ -120,10 +120,15 @@ class DraftHead(torch.nn.Module):
         hidden states (the input of the final norm)."""
         return HiddenTap(final_norm(target))
 
+    def embed(self, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings of the next tokens [B, T, H]: the target's own weights, shared
+        and frozen (no gradient is taken for them in training)."""
+        with torch.no_grad():
+            return self._shared["embed"](next_tokens)
+
     def inputs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Fused input vectors [B, T, H] from features f [B, T, H] and the next tokens [B, T]."""
-        embed = self._shared["embed"](next_tokens).to(features.dtype)
-        return self.fuse(torch.cat([features, embed], -1))
+        return self.fuse(torch.cat([features, self.embed(next_tokens).to(features.dtype)], -1))
 
     def chained(self, outputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """Input vectors of a chain step from the head's own outputs g [B, T, H] (they stand in

@@ -291,6 +291,15 @@ def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[Log
                     stop_after=stop_after, desc="draft training")
 
 
+def autocast(device: torch.device):
+    """The training step's autocast: bf16 on CUDA, with its weight-cast cache off (a graphed step,
+    torch.cuda.make_graphed_callables, refuses the cache; a forward casts each weight once
+    anyway), none elsewhere (fp32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+    return torch.autocast("cpu", enabled=False)
+
+
 def lr_factor(config: TrainConfig, step: int) -> float:
     """The learning-rate factor at `step`: linear warm-up, then cosine decay to 0 at config.steps."""
     if step < config.warmup_steps:
@@ -336,8 +345,6 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, config))
     step, history, best = _resume(trainee, last, optimizer, scheduler, config, desc)
     trainee.prepare(config, progress)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
 
     def evaluate(at_step: int, train_loss: float | None) -> None:
         nonlocal best
@@ -360,11 +367,13 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
     trainee.module.train()
     order = list(range(n_train))
     bar = tqdm(total=config.steps, initial=step, desc=desc, disable=not progress)
-    losses: list[float] = []
+    # the losses are summed on the device and read at the curve points: reading one a step would
+    # make the host wait for the device every step (the next step's launches then start late)
+    loss_sum, n_losses = torch.zeros((), dtype=torch.float64, device=device), 0
     started = step
     while step < config.steps and (stop_after is None or step - started < stop_after):
         picks = random.sample(order, min(config.batch_size, len(order)))
-        with autocast:
+        with autocast(device):
             loss = trainee.loss(picks)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -372,13 +381,16 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
         optimizer.step()
         scheduler.step()
         step += 1
-        losses.append(float(loss.detach()))
+        loss_sum += loss.detach()
+        n_losses += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if not bar.disable and step % 10 == 0:
+            bar.set_postfix(loss=f"{float(loss):.3f}")
         out_of_time = deadline is not None and time.perf_counter() >= deadline
         if step % config.eval_every == 0 or step == config.steps or out_of_time:
-            evaluate(step, sum(losses) / len(losses))
-            losses = []
+            evaluate(step, float(loss_sum) / n_losses)
+            loss_sum.zero_()
+            n_losses = 0
             trainee.save(last)
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                         "step": step, "history": history, "best": best, "config": asdict(config),
@@ -435,13 +447,16 @@ def head_chain_passes(head, feats: torch.Tensor, next_tokens: torch.Tensor, vali
     Step w runs as one forward over all steps so far, under chain_attention_mask."""
     from .head import HiddenTap
 
-    logits, g = head(feats, next_tokens, attention_mask=valid.long())
-    out = [(logits, g)]
+    out = []
     width = feats.shape[1]
     embeds = [head.inputs(feats, next_tokens)]
     positions = torch.arange(width, device=feats.device)
-    for w in range(1, steps):
-        embeds.append(head.chained(torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1), next_tokens))
+    g = None                                   # the previous step's outputs
+    for w in range(steps):
+        if w:
+            embeds.append(head.chained(torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1), next_tokens))
+        # step 0's mask too is built here: transformers' own, from a padding mask, asks the host
+        # whether the padding is all ones (a device read each step)
         with HiddenTap(head.body.model.norm) as tap:
             step = head.body(inputs_embeds=torch.cat(embeds, 1),
                              attention_mask=chain_attention_mask(w + 1, width, valid, embeds[0].dtype),
@@ -503,18 +518,24 @@ class PackedRows:
         self.used += n
         self._where = None
 
-    def batch(self, picks: list[int], device) -> tuple[torch.Tensor, ...]:
+    def batch(self, picks: list[int], device, width: int | None = None) -> tuple[torch.Tensor, ...]:
         """(features [B, W, F] float32, next tokens [B, W], target features at the next position
         [B, W, F], mask [B, W], top-k values [B, W, k], top-k local indices [B, W, k]) of rows
-        `picks`, W = the longest pick's length - 1; past a row's end: zeros, -inf values, index 0,
-        mask False. On `device`."""
+        `picks`, W = the longest pick's length - 1 or `width` (at least that: the same shapes for
+        every batch, as a graphed step needs); past a row's end: zeros, -inf values, index 0, mask
+        False. On `device`; the host never waits for the device here."""
         if self._where is None:
             self._where = (torch.tensor(self.starts, dtype=torch.long, device=self.device),
                            torch.tensor(self.lengths, dtype=torch.long, device=self.device))
         starts, lengths = self._where
-        rows = torch.tensor(picks, dtype=torch.long, device=self.device)
+        rows = torch.tensor(picks, dtype=torch.long)
+        if self.device.type == "cuda":     # a pageable copy would wait for the device's queue
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
         start, n = starts[rows], lengths[rows] - 1               # n: positions with a next token
-        width = max(self.lengths[i] for i in picks) - 1
+        longest = max(self.lengths[i] for i in picks) - 1
+        if width is not None and width < longest:
+            raise ValueError(f"a batch of width {width} cannot hold rows of {longest + 1} tokens")
+        width = longest if width is None else width
         pos = torch.arange(width, device=self.device)
         mask = pos < n[:, None]
         scored = (pos < (n - 1)[:, None])[..., None]              # and a next distribution
@@ -550,6 +571,25 @@ class PackedRows:
         return feats, nxt, truth, mask, values, index
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of `values` where `mask` is set (0 where it is nowhere), without indexing by the
+    mask (whose result's size the host would have to read)."""
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp_min(1)
+
+
+class _BatchLoss(torch.nn.Module):
+    """A head trainee's batch_loss as a module over the head (what graphed_module captures: its
+    parameters are the head's)."""
+
+    def __init__(self, trainee: "_HeadTrainee"):
+        super().__init__()
+        self.head = trainee.module
+        self.batch_loss = trainee.batch_loss
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        return self.batch_loss(*batch)
+
+
 def packed_capacity(requests: list[LoggedRequest], max_length: int) -> int:
     """Slots PackedRows needs for these requests' rows (prompt + response, cut to max_length)."""
     return sum(min(len(r.prompt_ids) + len(r.response_ids), max_length) for r in requests)
@@ -566,12 +606,17 @@ class _HeadTrainee(Trainee):
     over the steps. Without it, a head drafts well at step 1 and decays fast after."""
 
     def __init__(self, head, target, train, heldout, config, costs, feature_weight: float = 0.1,
-                 teacher_topk: int = 64, unroll: int = 1):
+                 teacher_topk: int = 64, unroll: int = 1, graphs: bool | None = None):
         self.module, self.target, self.train, self.heldout = head, target, train, heldout
         self.config, self.costs = config, costs
         self.feature_weight, self.topk, self.unroll = feature_weight, teacher_topk, max(1, unroll)
         self.cache = PackedRows(0)
         self.rowwise = False        # build batches a row at a time (benchmarks/head_step.py compares)
+        # graphs: the step's forward and backward captured (graphs.graphed_module), batches at one
+        # width; None: on CUDA. A capture that fails leaves the step eager, its error kept here.
+        self.graphs = graphs
+        self.graph_error: str | None = None
+        self.graphed: dict[int, object] = {}      # batch size -> its captured step
 
     def parameters(self):
         return [p for _, p in self.module.own_named_parameters()]
@@ -600,27 +645,51 @@ class _HeadTrainee(Trainee):
             values, index = logp.topk(self.topk, -1)
             self.cache.append(ids, features[0], values, local[index])
 
+    def uses_graphs(self) -> bool:
+        if self.graphs is None:
+            self.graphs = next(self.module.parameters()).device.type == "cuda"
+        return bool(self.graphs) and not self.rowwise
+
     def loss(self, picks):
+        device = next(self.module.parameters()).device
+        if self.rowwise:
+            return self.batch_loss(*self.cache.batch_rowwise(picks, device))
+        if not self.uses_graphs():
+            return self.batch_loss(*self.cache.batch(picks, device))
+        batch = self.cache.batch(picks, device, width=max(self.cache.lengths) - 1)
+        graphed = self.graphed.get(len(picks))
+        if graphed is None:
+            from .graphs import graphed_module
+
+            try:
+                graphed = self.graphed[len(picks)] = graphed_module(_BatchLoss(self), batch)
+            except Exception as exc:       # noqa: BLE001 -- the eager step still trains
+                self.graphs, self.graph_error = False, f"{type(exc).__name__}: {exc}"
+                log.warning("head training: the step's capture failed, training eagerly: %s",
+                            self.graph_error)
+                return self.batch_loss(*self.cache.batch(picks, device))
+        return graphed(*batch)
+
+    def batch_loss(self, feats, nxt, truth, mask, values, index) -> torch.Tensor:
+        """The loss of a gathered batch (PackedRows.batch), in tensor operations whose shapes do not
+        depend on the values: masked sums, no boolean indexing, nothing read back to the host --
+        a graphed step can capture it, and an eager one never waits for the device."""
         head = self.module
-        device = next(head.parameters()).device
-        gather = self.cache.batch_rowwise if self.rowwise else self.cache.batch
-        feats, nxt, truth, mask, values, index = gather(picks, device)
         width = feats.shape[1]
-        # the last position has no next target distribution in this row
-        scored = mask.clone()
-        scored[torch.arange(len(picks), device=device), mask.sum(1) - 1] = False
+        # a position is scored where the target's next distribution is there (not a row's last)
+        scored = values[..., 0] > float("-inf")
+        p = torch.where(scored[..., None], values, 0.0).softmax(-1)
+        log_p = p.clamp_min(1e-30).log()
         norm = head.body.model.norm
+        positions = torch.arange(width, device=feats.device)
         total = 0.0
         for w, (logits, g) in enumerate(head_chain_passes(head, feats, nxt, mask, self.unroll)):
-            started = (torch.arange(width, device=device) >= w)[None]      # round start s >= 0
-            where, fmask = scored & started, mask & started
-            p = values[where].softmax(-1)
-            log_q = logits.float()[where].log_softmax(-1).gather(-1, index[where])
-            kl = (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
-            total = total + kl
+            started = (positions >= w)[None]                                  # round start s >= 0
+            log_q = logits.float().log_softmax(-1).gather(-1, index)
+            total = total + masked_mean((p * (log_p - log_q)).sum(-1), scored & started)
             if self.feature_weight and head.feature_regression:
-                feature = F.smooth_l1_loss(norm(g)[fmask].float(), norm(truth)[fmask].float())
-                total = total + self.feature_weight * feature
+                distance = F.smooth_l1_loss(norm(g).float(), norm(truth).float(), reduction="none")
+                total = total + self.feature_weight * masked_mean(distance.mean(-1), mask & started)
         return total / self.unroll
 
     def evaluate(self):
@@ -667,17 +736,19 @@ def train_head(head, target: torch.nn.Module, train: list[LoggedRequest],
                heldout: list[LoggedRequest], config: TrainConfig, checkpoint_dir: str | Path,
                costs: tuple[float, list[float] | None] | None = None, progress: bool = True,
                stop_after: int | None = None, feature_weight: float = 0.1,
-               unroll: int = 1) -> TrainResult:
+               unroll: int = 1, graphs: bool | None = None) -> TrainResult:
     """Train a DraftHead in place with the shared loop (optimise); its held-out score is the
     start-dependent offline estimate (head.head_round_rates). costs: as train_draft's, the draft
     step being one head step; measured here when None. unroll: draft steps trained as a chain on
-    the head's own features (_HeadTrainee)."""
+    the head's own features (_HeadTrainee). graphs: the step's forward and backward captured
+    (None: on CUDA; a capture that fails trains eagerly, with a warning)."""
     if not train or not heldout:
         raise ValueError(f"need training and held-out requests (got {len(train)} and {len(heldout)})")
     if costs is None:
         costs = measured_costs(target, None, config.k_max)
         costs = (measure_head_step(head, target), costs[1])
-    trainee = _HeadTrainee(head, target, train, heldout, config, costs, feature_weight, unroll=unroll)
+    trainee = _HeadTrainee(head, target, train, heldout, config, costs, feature_weight, unroll=unroll,
+                           graphs=graphs)
     return optimise(trainee, len(train), config, checkpoint_dir, progress=progress,
                     stop_after=stop_after, desc="head training")
 

@@ -63,6 +63,10 @@ def test_one_head_per_size_saved_and_readable(script, run):
         # a step timed at the training batch and at twice it
         assert list(entry["step_s_by_batch"]) == ["8", "16"]
         assert all(seconds > 0 for seconds in entry["step_s_by_batch"].values())
+        # --train-graphs auto: the eager and the captured step (the CPU stand-in here) both timed,
+        # the faster trained
+        assert set(entry["step_s_by_mode"]) == {"eager", "graphs"} and "graph_error" not in entry
+        assert entry["train_graphs"] == min(entry["step_s_by_mode"], key=entry["step_s_by_mode"].get)
 
 
 def test_heldout_acceptance_per_domain_in_range(run):
@@ -85,6 +89,10 @@ def test_markdown_table_and_goal_lines_say_what_the_json_says(run):
         goal = 0.6 if domain in ("json", "code") else 0.45
         met = "met" if scored["acceptance_k1"] >= goal else "not met"
         assert f"- {domain}: {scored['acceptance_k1']:.3f} vs {goal}: {met}" in text
+    by_mode = curve["heads"][-1]["step_s_by_mode"]
+    assert (f"The step at batch 8, largest head: eager {1e3 * by_mode['eager']:.1f} ms, graphs "
+            f"{1e3 * by_mode['graphs']:.1f} ms (eager / graphs {by_mode['eager'] / by_mode['graphs']:.2f}x); "
+            f"trained {curve['heads'][-1]['train_graphs']}") in text
 
 
 def test_no_heldout_prompt_is_trained_on(run):
@@ -113,6 +121,9 @@ def test_head_step_benchmark_counts_fewer_operations_gathered_and_says_so(tmp_pa
     text = (tmp_path / "step.md").read_text()
     assert f"| gathered from the packed rows | {ops['packed']} |" in text
     assert f"{result['rowwise_over_packed']}x" in text
+    # the captured step ran too (the CPU stand-in here), without a capture error
+    assert result["graph_error"] is None and f"gathered / captured: {result['packed_over_graphs']}x" in text
+    assert f"| gathered, forward and backward captured | {ops['graphs']} |" in text
 
 
 @pytest.mark.parametrize("asked, left, expected", [

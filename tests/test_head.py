@@ -308,3 +308,154 @@ def test_a_training_step_runs_the_same_operations_at_every_batch_size(packed_tra
         assert operations(train_step, large) > operations(train_step, small) + 100
     finally:
         trainee.rowwise = False
+
+
+def host_reads(run) -> list[str]:
+    """The ATen calls of run() that read device values on the host (graphs.reads_host): on a GPU,
+    each one makes the host wait for the device, and a CUDA graph capture fails on it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specdec_core.graphs import reads_host
+
+    seen = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if reads_host(func, args):
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        run()
+    return seen
+
+
+def test_a_training_step_never_reads_the_device_on_the_host(packed_trainee):
+    """The head's loss and its backward: masked sums, the chain's masks built here -- no boolean
+    indexing (a nonzero() inside the kernel) and no transformers padding check (a host read)."""
+    trainee, _, _ = packed_trainee
+    eager = trainee.graphs
+    trainee.graphs = False
+    try:
+        assert host_reads(lambda: trainee.loss([0, 2, 3, 7]).backward()) == []
+        assert host_reads(lambda: trainee.cache.batch([1, 5], "cpu", width=11)) == []
+    finally:
+        trainee.graphs = eager
+        trainee.module.zero_grad(set_to_none=True)
+    # the check sees what the loss used to do
+    values, where = torch.randn(2, 3), torch.tensor([[True, False, True], [False, True, True]])
+    assert host_reads(lambda: values[where]) == ["aten.index.Tensor"]
+
+
+def reference_loss(trainee, batch) -> torch.Tensor:
+    """The head loss computed on the scored positions alone, picked out by boolean indexing (the
+    definition batch_loss's masked sums must equal)."""
+    from specdec_core.train import head_chain_passes
+
+    feats, nxt, truth, mask, values, index = batch
+    head = trainee.module
+    scored = mask.clone()
+    scored[torch.arange(len(mask)), mask.sum(1) - 1] = False       # a row's last position
+    total = 0.0
+    for w, (logits, g) in enumerate(head_chain_passes(head, feats, nxt, mask, trainee.unroll)):
+        started = (torch.arange(mask.shape[1]) >= w)[None]
+        where, fmask = scored & started, mask & started
+        p = values[where].softmax(-1)
+        log_q = logits.float()[where].log_softmax(-1).gather(-1, index[where])
+        total = total + (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
+        norm = head.body.model.norm
+        total = total + trainee.feature_weight * torch.nn.functional.smooth_l1_loss(
+            norm(g)[fmask].float(), norm(truth)[fmask].float())
+    return total / trainee.unroll
+
+
+def test_the_masked_loss_is_the_loss_of_the_scored_positions_at_any_padded_width(packed_trainee):
+    trainee, _, _ = packed_trainee
+    params = trainee.parameters()
+
+    def value_and_grads(loss):
+        grads = torch.autograd.grad(loss, params)
+        return loss.detach(), grads
+
+    picks = [1, 8, 2, 6]
+    want = value_and_grads(reference_loss(trainee, trainee.cache.batch(picks, "cpu")))
+    for width in (None, max(trainee.cache.lengths) - 1, 20):        # the picks' own, the rows', wider
+        got = value_and_grads(trainee.batch_loss(*trainee.cache.batch(picks, "cpu", width=width)))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(got[1], want[1]):        # within float error of the gradients' scale
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * float(b.abs().max()))
+    with pytest.raises(ValueError, match="width 3 cannot hold rows of"):
+        trainee.cache.batch(picks, "cpu", width=3)
+
+
+def test_a_graphed_training_step_trains_as_the_eager_step(one_layer, tmp_path):
+    """graphs=True (torch.cuda.make_graphed_callables on CUDA; here graphs.RecordedModule, which
+    reruns the recorded operators on the same tensors and fails on a host read): the same losses,
+    held-out scores and weights as the eager step; a loss that cannot be captured trains eagerly
+    with the capture's error kept."""
+    from specdec_core.graphs import RecordedModule
+    from specdec_core.train import TrainConfig, _HeadTrainee, optimise
+
+    generator = torch.Generator().manual_seed(6)
+    prompts = torch.randint(3, VOCAB, (14, 5), generator=generator)
+    out = SpecDecoder(one_layer, None).generate_plain(prompts, 7)
+    requests = [LoggedRequest(f"r{i}", prompts[i, :2 + i % 4].tolist(), out.tokens[i, : 3 + i % 5].tolist(),
+                              SamplingParams(), "qa") for i in range(14)]
+    config = TrainConfig(steps=8, eval_every=4, k_max=2, warmup_steps=2, lr=3e-3, batch_size=4)
+
+    def train(graphs: bool, trainee_type=_HeadTrainee, name=""):
+        trainee = trainee_type(DraftHead(one_layer, REDUCED), one_layer, requests[:11], requests[11:],
+                               config, (0.1, [1.2, 1.3]), 0.1, unroll=2, graphs=graphs)
+        result = optimise(trainee, 11, config, tmp_path / f"{graphs}{name}", progress=False)
+        return trainee, result
+
+    eager, eager_result = train(False)
+    graphed, graphed_result = train(True)
+    assert graphed.graph_error is None and list(graphed.graphed) == [4]
+    assert isinstance(graphed.graphed[4], RecordedModule) and eager.graphed == {}
+    assert [h["step"] for h in graphed_result.history] == [0, 4, 8]
+    for a, b in zip(graphed_result.history, eager_result.history):
+        assert a["heldout_kl"] == pytest.approx(b["heldout_kl"], rel=1e-4)
+        assert (a["train_loss"] is None) == (b["train_loss"] is None)
+        if a["train_loss"] is not None:
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+    moved = 0
+    for (name, a), (_, b) in zip(graphed.module.own_named_parameters(), eager.module.own_named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=name)
+        moved += not torch.equal(a, DraftHead(one_layer, REDUCED).state_dict()[name])
+    assert moved > 0                                       # the steps trained something
+
+    class Indexing(_HeadTrainee):
+        """The loss as it was: boolean indexing (a host read inside the step)."""
+        def batch_loss(self, feats, nxt, truth, mask, values, index):
+            return reference_loss(self, (feats, nxt, truth, mask, values, index))
+
+    fallback, result = train(True, Indexing, "indexing")
+    assert result.step == config.steps and fallback.graphed == {} and fallback.graphs is False
+    assert "reads the device on the host" in fallback.graph_error
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graphed_training_step_on_cuda_captures_and_trains_as_the_eager_step(tmp_path):
+    """On CUDA, graphs=True is torch.cuda.make_graphed_callables under bf16 autocast: the capture
+    succeeds and the losses follow the eager step's (bf16 kernels may differ a little)."""
+    from specdec_core.graphs import RecordedModule
+    from specdec_core.train import TrainConfig, _HeadTrainee, optimise
+
+    target = tiny_llama(layers=1, seed=3).cuda()
+    generator = torch.Generator().manual_seed(6)
+    prompts = torch.randint(3, VOCAB, (14, 5), generator=generator)
+    out = SpecDecoder(target, None).generate_plain(prompts.cuda(), 7)
+    requests = [LoggedRequest(f"r{i}", prompts[i].tolist(), out.tokens[i].tolist(), SamplingParams(), "qa")
+                for i in range(14)]
+    config = TrainConfig(steps=6, eval_every=3, k_max=2, warmup_steps=1, lr=3e-3, batch_size=4)
+    results = {}
+    for graphs in (False, True):
+        trainee = _HeadTrainee(DraftHead(target, REDUCED.cuda()), target, requests[:11], requests[11:],
+                               config, (0.1, [1.2, 1.3]), 0.1, unroll=2, graphs=graphs)
+        results[graphs] = optimise(trainee, 11, config, tmp_path / str(graphs), progress=False)
+        if graphs:
+            assert trainee.graph_error is None and not isinstance(trainee.graphed[4], RecordedModule)
+    for a, b in zip(results[True].history, results[False].history):
+        if a["train_loss"] is not None:
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=2e-2)
