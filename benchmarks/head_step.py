@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--unroll", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per contender")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"which steps to time, in this order (of {', '.join(CONTENDERS)})")
     parser.add_argument("--smoke", action="store_true", help="a tiny target and batch (tests)")
     parser.add_argument("--out", type=Path, help="the table as Markdown")
     parser.add_argument("--json", type=Path, help="the figures as JSON")
@@ -65,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rows, args.batch, args.max_length, args.vocab = 16, 4, 24, 64
         args.repeats = min(args.repeats, 3)
     args.device = torch.device(args.device)
+    args.contenders = [name.strip() for name in args.contenders.split(",") if name.strip()]
+    unknown = sorted(set(args.contenders) - set(CONTENDERS))
+    if unknown or not args.contenders:
+        parser.error(f"--contenders {','.join(unknown) or '(none)'}: choose from {', '.join(CONTENDERS)}")
     return args
 
 
@@ -130,14 +136,14 @@ def measure(args) -> dict:
     rng = random.Random(args.seed)
     batches = [rng.sample(range(len(trainee.cache)), min(args.batch, len(trainee.cache)))
                for _ in range(args.repeats + 1)]
-    seconds = {name: [] for name in CONTENDERS}
+    seconds = {name: [] for name in args.contenders}
     ops = {}
-    for name in CONTENDERS:                      # warm-up, a capture (and the operation count)
+    for name in args.contenders:                 # warm-up, a capture (and the operation count)
         use(trainee, name)
         step(trainee, optimizer, batches[0], args.device)
         ops[name] = operations(trainee, optimizer, batches[0], args.device)
     for picks in batches[1:]:                    # interleaved, the same batches for each
-        for name in CONTENDERS:
+        for name in args.contenders:
             use(trainee, name)
             seconds[name].append(step(trainee, optimizer, picks, args.device))
     use(trainee, "packed")
@@ -148,8 +154,8 @@ def measure(args) -> dict:
             "dtype": args.dtype, "rows": len(trainee.cache), "batch": args.batch,
             "max_length": args.max_length, "unroll": args.unroll, "repeats": args.repeats,
             "operations": ops, "step_ms": {k: round(v * 1000, 2) for k, v in median.items()},
-            "rowwise_over_packed": round(median["rowwise"] / median["packed"], 3),
-            "packed_over_graphs": round(median["packed"] / median["graphs"], 3),
+            **{f"{a}_over_{b}": round(median[a] / median[b], 3)
+               for a, b in (("rowwise", "packed"), ("packed", "graphs")) if {a, b} <= set(median)},
             "graph_error": trainee.graph_error}
 
 
@@ -159,10 +165,13 @@ def table(result: dict) -> str:
              f"max length {result['max_length']}, unroll {result['unroll']}, "
              f"{result['rows']} cached rows, median of {result['repeats']} interleaved steps",
              "", "| batch built | top-level ops per step | step ms |", "|---|---|---|"]
-    for name in CONTENDERS:
+    for name in result["step_ms"]:
         lines.append(f"| {LABELS[name]} | {result['operations'][name]} | {result['step_ms'][name]} |")
-    lines += ["", f"A row at a time / gathered: {result['rowwise_over_packed']}x the step time; "
-              f"gathered / captured: {result['packed_over_graphs']}x."]
+    ratios = [f"{text}: {result[key]}x" for key, text in (("rowwise_over_packed", "a row at a time / gathered"),
+                                                          ("packed_over_graphs", "gathered / captured"))
+              if key in result]
+    if ratios:
+        lines += ["", "Step time, " + "; ".join(ratios) + "."]
     if result.get("graph_error"):
         lines += ["", f"The capture failed (the captured row is the eager step): {result['graph_error'][:300]}"]
     return "\n".join(lines) + "\n"

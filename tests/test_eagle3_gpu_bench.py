@@ -120,7 +120,7 @@ def test_head_step_benchmark_counts_fewer_operations_gathered_and_says_so(tmp_pa
     assert all(ms > 0 for ms in result["step_ms"].values())
     text = (tmp_path / "step.md").read_text()
     assert f"| gathered from the packed rows | {ops['packed']} |" in text
-    assert f"{result['rowwise_over_packed']}x" in text
+    assert f"a row at a time / gathered: {result['rowwise_over_packed']}x" in text
     # the captured step ran too (the CPU stand-in here), without a capture error
     assert result["graph_error"] is None and f"gathered / captured: {result['packed_over_graphs']}x" in text
     assert f"| gathered, forward and backward captured | {ops['graphs']} |" in text

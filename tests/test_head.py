@@ -363,9 +363,10 @@ def reference_loss(trainee, batch) -> torch.Tensor:
         p = values[where].softmax(-1)
         log_q = logits.float()[where].log_softmax(-1).gather(-1, index[where])
         total = total + (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
-        norm = head.body.model.norm
-        total = total + trainee.feature_weight * torch.nn.functional.smooth_l1_loss(
-            norm(g)[fmask].float(), norm(truth)[fmask].float())
+        if trainee.feature_weight and head.feature_regression:
+            norm = head.body.model.norm
+            total = total + trainee.feature_weight * torch.nn.functional.smooth_l1_loss(
+                norm(g)[fmask].float(), norm(truth)[fmask].float())
     return total / trainee.unroll
 
 
