@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one or two calls of a GPU machine, each step under its own time limit:
-#   tests      tests/test_fast_path.py (its CUDA variants run there);
+#   tests      the head's captured training step on CUDA (tests/test_head.py), then
+#              tests/test_fast_path.py (their CUDA variants run there);
 #   before     benchmarks/gpu_breakdown.py on the engine as it was (.before/specdec_core, when
 #              carried: `git archive REV specdec_core | tar -x -C .before`), graphs on, compile off,
 #              one warm-up call (as gpu_decode.py makes), plain and K 4, 6, 8;
@@ -245,7 +246,9 @@ PY
 
 fast_path_tests() {
     # -v: each test's name and outcome as it ends (a run cut by its limit still says which failed)
-    python3 -m pytest -v -p no:cacheprovider --durations=15 tests/test_fast_path.py
+    python3 -m pytest -v -p no:cacheprovider --durations=15 \
+        "tests/test_head.py::test_a_graphed_training_step_on_cuda_captures_and_trains_as_the_eager_step" \
+        tests/test_fast_path.py
 }
 
 profile_measure() {   # profile_measure [COMPILE_SCOPE]
