@@ -667,7 +667,7 @@ class _HeadTrainee(Trainee):
                 self.graphs, self.graph_error = False, f"{type(exc).__name__}: {exc}"
                 log.warning("head training: the step's capture failed, training eagerly: %s",
                             self.graph_error)
-                return self.batch_loss(*self.cache.batch(picks, device))
+                return self.batch_loss(*batch)
         return graphed(*batch)
 
     def batch_loss(self, feats, nxt, truth, mask, values, index) -> torch.Tensor:
