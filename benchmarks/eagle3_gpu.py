@@ -5,7 +5,7 @@ shipped traffic's held-out requests -- one run, under time budgets (issue 51, it
     python benchmarks/eagle3_gpu.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
         [--requests 24000] [--generate-seconds 120] [--sizes 1000,5000,all] [--train-seconds 40]
         [--steps 800] [--costs measure|assume]
-        [--device cuda] [--dtype float32] [--batch-size 256] [--train-batch 48]
+        [--device cuda] [--dtype float32] [--batch-size 256] [--train-batch 48|auto]
     python benchmarks/eagle3_gpu.py --smoke --out DIR      # a tiny random Llama on the CPU (tests)
 
 Phases, each in its own try (a failure is logged with its traceback and the run goes on to write
@@ -26,7 +26,10 @@ what it has; DIR/curve.json is rewritten after every phase):
    passes batched, steps chosen so that the head fits --train-seconds (or --steps for every
    size: a curve over data at the same compute, cut to what fits --train-seconds where it does
    not); optimisation stops at the budget's end whatever the plan, with the head evaluated and
-   saved there. A step is also timed at twice --train-batch (samples per second by batch).
+   saved there. The held-out curve is scored at the start, the end, and in between where that
+   takes at most a tenth of the steps' time (the best point's head is kept: a long run on few
+   rows may overfit). A step is also timed at twice --train-batch (rows per second by batch);
+   with --train-batch auto also at four times, and the batch that pays trains.
 5. score: estimate_acceptance on every held-out shipped request: first-draft acceptance (K=1) and
    the acceptance length at K=1..5 per domain.
 Output: DIR/head-<size>/ (speculators format), DIR/curve.json, DIR/curve.md; a short summary is
@@ -102,14 +105,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="per head: target passes + optimisation (default 40)")
     parser.add_argument("--steps", type=int, default=None,
                         help="training steps per head, the same for every size (a learning curve "
-                             "over data at fixed compute; the held-out curve then scores only at "
-                             "the end) where they fit --train-seconds, fewer where they do not; "
-                             "default: as many as --train-seconds leaves")
+                             "over data at fixed compute) where they fit --train-seconds, fewer "
+                             "where they do not; default: as many as --train-seconds leaves")
     parser.add_argument("--costs", default="measure", choices=("measure", "assume"),
                         help="the head's step and verify(K) costs that pick each head's K: "
                              "measured here (compiling the head's step: ~80 s on a fresh H100) or "
                              "assumed (0.05 of a step, verify(K) 1 + 0.01 K)")
-    parser.add_argument("--train-batch", type=int, default=None, help="48 on CUDA, 8 on a CPU")
+    parser.add_argument("--train-batch", default=None,
+                        help="rows per training step: 48 on CUDA, 8 on a CPU; auto: that batch, "
+                             "twice and four times it timed before training, the largest that "
+                             "buys at least 1.5x the rows per second of the one below it trains")
     parser.add_argument("--train-graphs", default="auto", choices=("auto", "on", "off"),
                         help="the training step's forward and backward captured as graphs "
                              "(make_graphed_callables; a CPU stand-in elsewhere); auto: both "
@@ -147,7 +152,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = args.device.type == "cuda"
     args.batch_size = args.batch_size or (256 if cuda else 16)
-    args.train_batch = args.train_batch or (48 if cuda else 8)
+    args.train_batch_auto = args.train_batch == "auto"
+    if args.train_batch in (None, "auto"):
+        args.train_batch = 48 if cuda else 8
+    else:
+        try:
+            args.train_batch = int(args.train_batch)
+        except ValueError:
+            parser.error(f"--train-batch {args.train_batch!r}: a number of rows, or auto")
     return args
 
 
@@ -431,14 +443,46 @@ def choose_step(trainee, mode: str, batch: int, entry: dict) -> float:
     return timings[chosen]
 
 
+CURVE_SHARE = 0.1          # of a head's optimisation time, at most, for curve points in between
+CURVE_BETWEEN = 4          # curve points between the start and the end, at most
+BATCH_GAIN = 1.5           # --train-batch auto: rows per second a doubled batch must buy
+
+
 def planned_steps(asked: int | None, left_s: float, step_s: float, eval_s: float) -> int:
     """Training steps for a head with left_s seconds of its budget left: as many as fit after its
-    curve points (the start and end, or with no `asked` also the middle one, and a margin), at
-    least 4; with `asked` (--steps) at most that many -- the same for every size while they fit,
-    fewer where the budget ends first (a run that outlives the device step's limit brings back
-    no head at all)."""
-    fit = max(4, int((left_s - (2.2 if asked else 3.2) * eval_s) / step_s))
+    curve points (the start and the end with a margin; those in between take at most CURVE_SHARE
+    of the steps' time, see curve_every), at least 4; with `asked` (--steps) at most that many --
+    the same for every size while they fit, fewer where the budget ends first (a run that
+    outlives the device step's limit brings back no head at all)."""
+    fit = max(4, int((left_s - 2.2 * eval_s) / (step_s * (1 + CURVE_SHARE))))
     return min(asked, fit) if asked else fit
+
+
+def curve_every(steps: int, step_s: float, eval_s: float) -> int:
+    """eval_every for a head of `steps` steps: the held-out curve is scored at the start, at the
+    end, and in between as often as keeps that scoring within CURVE_SHARE of the steps' time (at
+    most CURVE_BETWEEN times). A long run on few rows may overfit before its schedule ends; the
+    best checkpoint is kept from these points. A short one (800 steps of 45 ms against a 4.5 s
+    point) is scored only at the start and the end."""
+    between = min(CURVE_BETWEEN, int(CURVE_SHARE * steps * step_s / max(eval_s, 1e-9)))
+    return max(1, math.ceil(steps / (between + 1)))
+
+
+def choose_batch(step_s_by_batch: dict[int, float], gain: float = BATCH_GAIN) -> int:
+    """The training batch among those timed: from the smallest up, a batch twice as large is
+    taken while its step buys at least `gain` times the rows per second (its step costs at most
+    2 / gain of the smaller one's: a step bound by launches, not by arithmetic). Under a fixed
+    time budget such a batch trains as many steps on about twice the rows each; where the step
+    cost grows with the batch, the smaller batch takes as many rows in more steps, which trains
+    at least as well at one learning rate."""
+    sizes = sorted(step_s_by_batch)
+    chosen = sizes[0]
+    for larger in sizes[1:]:
+        if larger / step_s_by_batch[larger] >= gain * chosen / step_s_by_batch[chosen]:
+            chosen = larger
+        else:
+            break
+    return chosen
 
 
 def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry: dict,
@@ -459,11 +503,19 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
     if not trainee.cache:
         raise RuntimeError("no training row was passed through the target within the budget")
     step_s = choose_step(trainee, args.train_graphs, args.train_batch, entry)
-    # a step at twice the batch (the mode chosen): whether a larger batch buys samples per second
-    # (a launch-bound step costs about the same at both), for the next run's --train-batch
-    entry["step_s_by_batch"] = {str(args.train_batch): round(step_s, 4),
-                                str(2 * args.train_batch): round(time_steps(trainee, 2 * args.train_batch), 4)}
-    trainee.graphed.pop(2 * args.train_batch, None)       # its captured step's memory
+    # the step at larger batches (the mode chosen): whether a larger batch buys rows per second (a
+    # launch-bound step costs about the same at each); with --train-batch auto the batch trained
+    by_batch = {args.train_batch: step_s}
+    for factor in ((2, 4) if args.train_batch_auto else (2,)):
+        if factor * args.train_batch <= len(trainee.cache):       # a batch is at most every row
+            by_batch[factor * args.train_batch] = time_steps(trainee, factor * args.train_batch)
+    batch = choose_batch(by_batch) if args.train_batch_auto else args.train_batch
+    for size in by_batch:
+        if size != batch:
+            trainee.graphed.pop(size, None)               # its captured step's memory
+    step_s = by_batch[batch]
+    config.batch_size = batch
+    entry.update(step_s_by_batch={str(b): round(s, 4) for b, s in by_batch.items()}, train_batch=batch)
     eval_started = time.perf_counter()
     trainee.evaluate()
     eval_s = time.perf_counter() - eval_started
@@ -471,7 +523,7 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
     steps = planned_steps(args.steps, left, step_s, eval_s)
     config.steps = steps
     config.warmup_steps = min(20, max(1, steps // 10))
-    config.eval_every = steps if (args.smoke or args.steps) else max(1, steps // 2)
+    config.eval_every = steps if args.smoke else curve_every(steps, step_s, eval_s)
     entry.update(step_s=round(step_s, 4), eval_s=round(eval_s, 2), steps=steps,
                  **({"steps_asked": args.steps} if args.steps else {}))
     say(f"  {len(trainee.cache)} rows passed in {entry['passes_s']} s; step {step_s * 1e3:.1f} ms "
@@ -484,7 +536,8 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
     result = optimise(trainee, len(trainee.cache), config, work, progress=False, desc="eagle3 head",
                       deadline=started + budget - eval_s)
     entry.update(optimise_s=round(time.perf_counter() - opt_started, 2), best_step=result.best["step"],
-                 best_k=result.best["k"], history=jsonable(result.history), steps_done=result.step)
+                 best_k=result.best["k"], history=jsonable(result.history), steps_done=result.step,
+                 epochs=round(result.step * batch / len(trainee.cache), 2))
     if result.best_dir:
         head = Eagle3Head.load(result.best_dir, target)
     entry["train_s"] = round(time.perf_counter() - started, 2)
@@ -527,16 +580,17 @@ def markdown(curve: dict) -> str:
              f"(generation {curve['phases'].get('generate_s', 0)} s).", ""]
     if not heads:
         return "\n".join(lines + ["No head was scored (see errors in curve.json).", ""])
-    lines += ["| training requests | passed through the target (trained on) | steps | "
-              + " | ".join(domains) + " |", "|---|---|---|" + "---|" * len(domains)]
+    lines += ["| training requests | passed through the target (trained on) | steps | epochs (batch) | "
+              + " | ".join(domains) + " |", "|---|---|---|---|" + "---|" * len(domains)]
     for h in heads:
         steps = h.get("steps_done", h.get("steps", "?"))
         if h.get("steps_asked") and steps != h["steps_asked"]:
             steps = f"{steps} of {h['steps_asked']} asked"
         lines.append(f"| {h['requests']} | {h.get('rows_passed', '?')} | {steps} | "
+                     f"{h.get('epochs', '?')} ({h.get('train_batch', '?')}) | "
                      + " | ".join(f"{h['heldout'][d]['acceptance_k1']:.3f}" if d in h["heldout"] else "-"
                                   for d in domains) + " |")
-    lines += ["| goal | | | " + " | ".join(f">= {goal(d)}" for d in domains) + " |", "",
+    lines += ["| goal | | | | " + " | ".join(f">= {goal(d)}" for d in domains) + " |", "",
               f"Acceptance length (tokens per round) at K=1..{K_MAX}, largest head:", ""]
     last = heads[-1]
     for d in domains:
@@ -546,7 +600,9 @@ def markdown(curve: dict) -> str:
     if timed:
         lines += ["", "A training step (loss + backward, optimizer step estimated) by batch, largest head: "
                   + ", ".join(f"batch {b}: {1e3 * s:.1f} ms ({int(b) / s:.0f} rows/s)"
-                              for b, s in timed[-1]["step_s_by_batch"].items())]
+                              for b, s in timed[-1]["step_s_by_batch"].items())
+                  + f"; trained at batch {timed[-1].get('train_batch', '?')}"
+                  + (" (--train-batch auto)" if curve["meta"]["args"].get("train_batch_auto") == "True" else "")]
     modes = [h for h in heads if h.get("step_s_by_mode")]
     if modes:
         by_mode = modes[-1]["step_s_by_mode"]

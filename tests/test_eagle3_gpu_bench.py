@@ -28,7 +28,8 @@ def script():
 def run(script, tmp_path_factory):
     out = tmp_path_factory.mktemp("eagle3_gpu")
     # a budget that the 6 steps fit on any machine: the cut to what fits is tested on its own
-    returned = script.main(["--smoke", "--out", str(out), "--steps", "6", "--train-seconds", "300"])
+    returned = script.main(["--smoke", "--out", str(out), "--steps", "6", "--train-seconds", "300",
+                            "--train-batch", "auto"])
     return {"out": out, "returned": returned, "curve": json.loads((out / "curve.json").read_text()),
             "markdown": (out / "curve.md").read_text()}
 
@@ -60,9 +61,13 @@ def test_one_head_per_size_saved_and_readable(script, run):
         # --steps: every size trains the same steps, scored on the curve before and at the end
         assert entry["steps"] == entry["steps_done"] == entry["steps_asked"] == 6
         assert [point["step"] for point in entry["history"]] == [0, 6]
-        # a step timed at the training batch and at twice it
-        assert list(entry["step_s_by_batch"]) == ["8", "16"]
-        assert all(seconds > 0 for seconds in entry["step_s_by_batch"].values())
+        # --train-batch auto: a step timed at 8, twice and four times it where the rows allow,
+        # the batch that pays trained
+        timed = {int(b): s for b, s in entry["step_s_by_batch"].items()}
+        assert list(timed) == [b for b in (8, 16, 32) if b <= entry["rows_passed"]] and len(timed) >= 2
+        assert all(seconds > 0 for seconds in timed.values())
+        assert entry["train_batch"] == script.choose_batch(timed)
+        assert entry["epochs"] == round(6 * entry["train_batch"] / entry["rows_passed"], 2)
         # --train-graphs auto: the eager and the captured step (the CPU stand-in here) both timed,
         # the faster trained
         assert set(entry["step_s_by_mode"]) == {"eager", "graphs"} and "graph_error" not in entry
@@ -127,13 +132,38 @@ def test_head_step_benchmark_counts_fewer_operations_gathered_and_says_so(tmp_pa
 
 
 @pytest.mark.parametrize("asked, left, expected", [
-    (None, 10.0, int((10.0 - 3.2 * 0.5) / 0.1)),      # as many as fit after three curve points
+    # as many as fit after the start and end points, with a tenth of their time for those between
+    (None, 10.0, int((10.0 - 2.2 * 0.5) / 0.11)),
     (3000, 400.0, 3000),                             # --steps where they fit
-    (3000, 100.0, int((100.0 - 2.2 * 0.5) / 0.1)),    # cut to the budget where they do not
+    (3000, 100.0, int((100.0 - 2.2 * 0.5) / 0.11)),   # cut to the budget where they do not
     (3000, 0.5, 4), (None, -5.0, 4),                 # at least 4
 ])
 def test_planned_steps_keep_steps_asked_only_where_they_fit_the_budget(script, asked, left, expected):
     assert script.planned_steps(asked, left, step_s=0.1, eval_s=0.5) == expected
+
+
+@pytest.mark.parametrize("steps, step_s, points", [
+    (800, 0.045, [800]),                             # the second lease's heads: the end only
+    (3000, 0.045, [750, 1500, 2250, 3000]),          # 13.5 s allowed: 3 points of 4.5 s between
+    (20000, 0.007, [5000, 10000, 15000, 20000]),     # 14 s: 3 between
+    (100000, 0.01, [20000, 40000, 60000, 80000, 100000]),   # at most 4 between
+])
+def test_curve_points_in_between_take_at_most_a_tenth_of_the_steps_time(script, steps, step_s, points):
+    every = script.curve_every(steps, step_s, eval_s=4.5)
+    scored = [s for s in range(1, steps + 1) if s % every == 0 or s == steps]   # optimise's rule
+    assert scored == points
+    assert (len(scored) - 1) * 4.5 <= 0.1 * steps * step_s                     # those between
+
+
+@pytest.mark.parametrize("timed, chosen", [
+    ({48: 0.040, 96: 0.042, 192: 0.050}, 192),       # launch-bound: each doubling nearly free
+    ({48: 0.040, 96: 0.042, 192: 0.080}, 96),        # the second doubling costs as much as it buys
+    ({48: 0.040, 96: 0.060, 192: 0.061}, 48),        # 1.33x the rows per second: not enough
+    ({48: 0.040, 96: 0.0533}, 96),                   # 1.5x exactly
+    ({8: 0.5}, 8),
+])
+def test_train_batch_auto_takes_a_doubled_batch_only_where_it_buys_rows_per_second(script, timed, chosen):
+    assert script.choose_batch(timed) == chosen
 
 
 def test_markdown_says_when_the_steps_asked_were_cut(script, run):
@@ -142,3 +172,6 @@ def test_markdown_says_when_the_steps_asked_were_cut(script, run):
     text = script.markdown(curve)
     assert f"| {curve['heads'][-1]['requests']} | {curve['heads'][-1]['rows_passed']} | 2410 of 3000 asked |" in text
     assert "A training step (loss + backward, optimizer step estimated) by batch" in text
+    last = curve["heads"][-1]
+    assert f"; trained at batch {last['train_batch']} (--train-batch auto)" in text
+    assert f"| 2410 of 3000 asked | {last['epochs']} ({last['train_batch']}) |" in text
