@@ -26,12 +26,17 @@ what it has; DIR/curve.json is rewritten after every phase):
    passes batched, steps chosen so that the head fits --train-seconds (or --steps for every
    size: a curve over data at the same compute, cut to what fits --train-seconds where it does
    not); optimisation stops at the budget's end whatever the plan, with the head evaluated and
-   saved there. The held-out curve is scored at the start, the end, and in between where that
-   takes at most a tenth of the steps' time (the best point's head is kept: a long run on few
-   rows may overfit). A step is also timed at twice --train-batch (rows per second by batch);
-   with --train-batch auto also at four times, and the batch that pays trains.
-5. score: estimate_acceptance on every held-out shipped request: first-draft acceptance (K=1) and
-   the acceptance length at K=1..5 per domain.
+   saved there. The training curve is scored on --curve-requests validation requests taken in
+   turn from each domain of the training pool and trained on by no head -- not on the held-out
+   rows the heads are reported on, whose score would then be the best of several looks -- at the
+   start, the end, and in between where that takes at most a tenth of the steps' time (the best
+   point's head is kept: a long run on few rows may overfit). A step is also timed at twice
+   --train-batch (rows per second by batch); with --train-batch auto also at four times, and the
+   batch that pays trains, at a learning rate scaled by the square root of the batch's growth
+   (--lr-scaling).
+5. score: estimate_acceptance on every held-out shipped request: first-draft acceptance (K=1)
+   with its bootstrap 95% interval over requests, and the acceptance length at K=1..5 per
+   domain.
 Output: DIR/head-<size>/ (speculators format), DIR/curve.json, DIR/curve.md; a short summary is
 printed last on stdout. Imports only specdec_core, torch, transformers, numpy and the standard
 library (no database, no MLflow, no network).
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import itertools
 import json
 import math
 import platform
@@ -62,7 +68,8 @@ import make_sample_traffic as traffic  # noqa: E402
 from specdec_core import SamplingParams, SpecDecoder, load_model  # noqa: E402
 from specdec_core.drafters import output_size  # noqa: E402
 from specdec_core.eagle3 import Eagle3Head  # noqa: E402
-from specdec_core.estimate import LoggedRequest, estimate_acceptance, in_heldout  # noqa: E402
+from specdec_core.estimate import (LoggedRequest, bootstrap_ratio, estimate_acceptance,  # noqa: E402
+                                   in_heldout)
 from specdec_core.head import HeadDrafter, target_features  # noqa: E402
 from specdec_core.train import (PackedRows, TrainConfig, _HeadTrainee, autocast,  # noqa: E402
                                 head_vocabulary, measure_head_step, measured_costs, optimise)
@@ -121,10 +128,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "timed before training, the faster one trains")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--unroll", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="AdamW's learning rate at --train-batch's rows (48 on CUDA, 8 on a CPU)")
+    parser.add_argument("--lr-scaling", default="sqrt", choices=("sqrt", "none"),
+                        help="where --train-batch auto trains a larger batch: the learning rate "
+                             "times the square root of the batch's growth (the square-root rule "
+                             "for Adam, Malladi et al. 2022), or unchanged")
     parser.add_argument("--max-length", type=int, default=160)
     parser.add_argument("--curve-requests", type=int, default=30,
-                        help="held-out requests scored at the training curve's points")
+                        help="validation requests scored at the training curve's points, which "
+                             "choose the head kept: taken in turn from each domain of the training "
+                             "pool and trained on by no head (the held-out rows are only reported)")
     parser.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16"),
                         help="dtype of the saved heads' weights (bfloat16: half the size)")
     parser.add_argument("--heldout-per-domain", type=int, default=0,
@@ -146,7 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = args.device or "cpu"
         args.max_new_tokens = min(args.max_new_tokens, 8)
         args.vocab = min(args.vocab, 512)
-        args.curve_requests = min(args.curve_requests, 1)
+        args.curve_requests = min(args.curve_requests, 6)     # one a domain
         args.max_length = min(args.max_length, 64)
         args.heldout_per_domain = args.heldout_per_domain or 1
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -468,6 +482,12 @@ def curve_every(steps: int, step_s: float, eval_s: float) -> int:
     return max(1, math.ceil(steps / (between + 1)))
 
 
+def scaled_lr(lr: float, batch: int, base_batch: int, rule: str) -> float:
+    """The learning rate for `batch` rows a step where `lr` was set for `base_batch`: Adam's
+    square-root rule (the gradient's noise falls with the square root of the batch), or none."""
+    return lr * math.sqrt(batch / base_batch) if rule == "sqrt" else lr
+
+
 def choose_batch(step_s_by_batch: dict[int, float], gain: float = BATCH_GAIN) -> int:
     """The training batch among those timed: from the smallest up, a batch twice as large is
     taken while its step buys at least `gain` times the rows per second (its step costs at most
@@ -499,6 +519,7 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
                                  deadline=started + 0.45 * budget)
     trainee.prepare(config, False)
     entry.update(draft_vocab=len(vocab), rows_passed=len(trainee.cache),
+                 curve_requests=[r.request_id for r in trainee.heldout],
                  passes_s=round(time.perf_counter() - started, 2))
     if not trainee.cache:
         raise RuntimeError("no training row was passed through the target within the budget")
@@ -515,7 +536,9 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
             trainee.graphed.pop(size, None)               # its captured step's memory
     step_s = by_batch[batch]
     config.batch_size = batch
-    entry.update(step_s_by_batch={str(b): round(s, 4) for b, s in by_batch.items()}, train_batch=batch)
+    config.lr = scaled_lr(args.lr, batch, args.train_batch, args.lr_scaling)
+    entry.update(step_s_by_batch={str(b): round(s, 4) for b, s in by_batch.items()}, train_batch=batch,
+                 lr=config.lr)
     eval_started = time.perf_counter()
     trainee.evaluate()
     eval_s = time.perf_counter() - eval_started
@@ -545,11 +568,15 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
 
 
 def score(target, head, heldout: list[LoggedRequest]) -> dict:
-    """{domain: {requests, acceptance_k1, length_by_k}} on the held-out shipped requests."""
+    """{domain: {requests, acceptance_k1, acceptance_k1_ci95, length_by_k}} on the held-out
+    shipped requests; the interval is a bootstrap over requests (about 20 a domain here)."""
     estimates = estimate_acceptance(target, HeadDrafter(head), heldout, list(range(1, K_MAX + 1)),
                                     progress=False, n_boot=200)
     return {domain: {"requests": by_k[1].requests,
                      "acceptance_k1": float(by_k[1].conditional_acceptance[0]),
+                     "acceptance_k1_ci95": [round(v, 4) for v in bootstrap_ratio(
+                         [t.accepted[0] for t in by_k[1].per_request],
+                         [t.reached[0] for t in by_k[1].per_request])],
                      "length_by_k": {str(k): round(float(e.expected_tokens_per_round), 4)
                                      for k, e in sorted(by_k.items())}}
             for domain, by_k in sorted(estimates.items())}
@@ -574,10 +601,13 @@ def markdown(curve: dict) -> str:
              f"transformers {curve['meta']['transformers']}"
              + (" -- SMOKE RUN: a tiny random model, figures meaningless" if curve["meta"]["smoke"] else ""),
              "", f"Held-out: {curve['counts'].get('heldout', 0)} shipped requests (split by request, "
-             f"in_heldout({SPLIT_KEY!r}, id, {HELDOUT_FRACTION})), never trained on. Training: "
-             f"{curve['counts'].get('shipped_train', 0)} shipped + "
+             f"in_heldout({SPLIT_KEY!r}, id, {HELDOUT_FRACTION})), never trained on and not chosen "
+             f"on. Training: {curve['counts'].get('shipped_train', 0)} shipped + "
              f"{curve['counts'].get('generated', 0)} generated requests "
-             f"(generation {curve['phases'].get('generate_s', 0)} s).", ""]
+             f"(generation {curve['phases'].get('generate_s', 0)} s), less "
+             f"{curve['counts'].get('validation', 0)} validation requests (each domain in turn) "
+             "that score the training curve and choose the head kept. Cells: held-out first-draft "
+             "acceptance (K = 1) and its bootstrap 95% interval over requests.", ""]
     if not heads:
         return "\n".join(lines + ["No head was scored (see errors in curve.json).", ""])
     lines += ["| training requests | passed through the target (trained on) | steps | epochs (batch) | "
@@ -588,7 +618,7 @@ def markdown(curve: dict) -> str:
             steps = f"{steps} of {h['steps_asked']} asked"
         lines.append(f"| {h['requests']} | {h.get('rows_passed', '?')} | {steps} | "
                      f"{h.get('epochs', '?')} ({h.get('train_batch', '?')}) | "
-                     + " | ".join(f"{h['heldout'][d]['acceptance_k1']:.3f}" if d in h["heldout"] else "-"
+                     + " | ".join(with_interval(h["heldout"][d]) if d in h["heldout"] else "-"
                                   for d in domains) + " |")
     lines += ["| goal | | | | " + " | ".join(f">= {goal(d)}" for d in domains) + " |", "",
               f"Acceptance length (tokens per round) at K=1..{K_MAX}, largest head:", ""]
@@ -615,9 +645,28 @@ def markdown(curve: dict) -> str:
     lines += ["", f"Goal (held-out first-draft acceptance >= 0.6 for json and code, >= "
               f"{OTHER_GOAL} elsewhere), largest head ({last['requests']} requests):", ""]
     for d in domains:
-        value = last["heldout"][d]["acceptance_k1"]
-        lines.append(f"- {d}: {value:.3f} vs {goal(d)}: {'met' if value >= goal(d) else 'not met'}")
+        lines.append(f"- {d}: {verdict(d, last['heldout'][d])}")
     return "\n".join(lines) + "\n"
+
+
+def with_interval(scored: dict) -> str:
+    low, high = scored.get("acceptance_k1_ci95") or (None, None)
+    return f"{scored['acceptance_k1']:.3f}" + (f" ({low:.2f}-{high:.2f})" if low is not None else "")
+
+
+def verdict(domain: str, scored: dict) -> str:
+    """The goal line of one domain: met or not by the point estimate, and whether the held-out
+    requests settle it (the 95% interval on one side of the goal) or not."""
+    value, target = scored["acceptance_k1"], goal(domain)
+    line = f"{value:.3f} vs {target}: {'met' if value >= target else 'not met'}"
+    if not scored.get("acceptance_k1_ci95"):
+        return line
+    if scored["requests"] < 2:
+        return line + f" ({scored['requests']} request: no interval)"
+    low, high = scored["acceptance_k1_ci95"]
+    settled = low >= target or high < target
+    return line + (f" (95% interval {low:.3f}-{high:.3f} over {scored['requests']} requests: "
+                   + ("settled)" if settled else "spans the goal, not settled)"))
 
 
 def write(curve: dict, out: Path) -> None:
@@ -723,23 +772,34 @@ def main(argv=None) -> dict:
     phase(curve, "generate", out, generation)
     pool = state["shipped_train"] + state.get("generated", [])
     random.Random(args.seed).shuffle(pool)
+    pool, validation = split_validation(pool, args.curve_requests)
     state["pool"] = pool
-    curve["counts"]["training_pool"] = len(pool)
+    curve["counts"].update(training_pool=len(pool), validation=len(validation))
     heldout = state.get("heldout", [])
     if heldout and pool:
-        train_heads(target, pool, heldout, args, curve)
+        train_heads(target, pool, validation, heldout, args, curve)
     print(summary(curve))
     curve["train_requests"] = pool          # returned for the tests, not written
+    curve["validation_requests"] = validation
     curve["heldout_requests"] = heldout
     return curve
 
 
-def train_heads(target, pool, heldout, args, curve) -> None:
-    out = args.out
+def split_validation(pool: list[LoggedRequest], count: int) -> tuple[list[LoggedRequest], list[LoggedRequest]]:
+    """(the training pool less `count` requests, those requests): taken in turn from each
+    domain, in the pool's order. They score the training curve and choose the head kept; the
+    held-out rows, chosen on, would report the best of several looks instead of one."""
     by_domain: dict[str, list] = {}
-    for r in heldout:
+    for r in pool:
         by_domain.setdefault(r.domain, []).append(r)
-    curve_rows = [r for group in zip(*by_domain.values()) for r in group][:args.curve_requests]
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*by_domain.values()))
+    validation = [r for r in turns if r is not None][:max(count, 0)]
+    taken = {id(r) for r in validation}
+    return [r for r in pool if id(r) not in taken], validation
+
+
+def train_heads(target, pool, curve_rows, heldout, args, curve) -> None:
+    out = args.out
     costs = None
     if args.costs == "measure":
         costs = phase(curve, "costs", out, lambda: (

@@ -41,7 +41,7 @@ def test_every_phase_ran_and_new_requests_were_generated(run):
         assert f"{name}_s" in curve["phases"]
     counts = curve["counts"]
     assert counts["generated"] > 0 and counts["shipped_train"] > 0
-    assert counts["training_pool"] == counts["generated"] + counts["shipped_train"]
+    assert counts["training_pool"] + counts["validation"] == counts["generated"] + counts["shipped_train"]
     assert counts["new_prompts_equal_to_heldout"] == 0
 
 
@@ -68,6 +68,8 @@ def test_one_head_per_size_saved_and_readable(script, run):
         assert all(seconds > 0 for seconds in timed.values())
         assert entry["train_batch"] == script.choose_batch(timed)
         assert entry["epochs"] == round(6 * entry["train_batch"] / entry["rows_passed"], 2)
+        # the learning rate follows the batch trained (square-root rule, --lr-scaling sqrt)
+        assert entry["lr"] == pytest.approx(1e-3 * (entry["train_batch"] / 8) ** 0.5)
         # --train-graphs auto: the eager and the captured step (the CPU stand-in here) both timed,
         # the faster trained
         assert set(entry["step_s_by_mode"]) == {"eager", "graphs"} and "graph_error" not in entry
@@ -93,7 +95,13 @@ def test_markdown_table_and_goal_lines_say_what_the_json_says(run):
     for domain, scored in last.items():
         goal = 0.6 if domain in ("json", "code") else 0.45
         met = "met" if scored["acceptance_k1"] >= goal else "not met"
-        assert f"- {domain}: {scored['acceptance_k1']:.3f} vs {goal}: {met}" in text
+        # the smoke run scores one held-out request a domain: no interval to speak of
+        assert scored["requests"] == 1
+        assert f"- {domain}: {scored['acceptance_k1']:.3f} vs {goal}: {met} (1 request: no interval)" in text
+    for row, entry in zip(rows, curve["heads"]):
+        cells = [cell.strip() for cell in row.split("|")[5:-1]]
+        assert cells == [f"{s['acceptance_k1']:.3f} ({s['acceptance_k1_ci95'][0]:.2f}-"
+                         f"{s['acceptance_k1_ci95'][1]:.2f})" for _, s in sorted(entry["heldout"].items())]
     by_mode = curve["heads"][-1]["step_s_by_mode"]
     assert (f"The step at batch 8, largest head: eager {1e3 * by_mode['eager']:.1f} ms, graphs "
             f"{1e3 * by_mode['graphs']:.1f} ms (eager / graphs {by_mode['eager'] / by_mode['graphs']:.2f}x); "
@@ -111,6 +119,41 @@ def test_no_heldout_prompt_is_trained_on(run):
     assert not heldout_prompts & {tuple(r.prompt_ids) for r in train}
     scored = run["returned"]["heldout_requests"]
     assert scored and {r.request_id for r in scored} <= heldout_ids
+
+
+def test_the_head_kept_is_chosen_on_rows_neither_trained_on_nor_reported(run):
+    """The training curve (which picks the head kept) is scored on validation rows taken from the
+    training pool, one domain in turn, and trained on by no head; the held-out rows are only
+    reported. Choosing on the rows reported would report the best of several looks."""
+    returned = run["returned"]
+    validation = returned["validation_requests"]
+    assert len(validation) == run["curve"]["counts"]["validation"] == 6
+    assert sorted(r.domain for r in validation) == sorted(
+        {"json", "code", "summarize", "qa", "chat", "creative"})
+    ids = {r.request_id for r in validation}
+    assert not ids & {r.request_id for r in returned["train_requests"]}
+    assert not ids & {r.request_id for r in returned["heldout_requests"]}
+    for entry in run["curve"]["heads"]:
+        assert set(entry["curve_requests"]) == ids     # what the trainee scored its curve on
+
+
+def test_a_heldout_interval_holds_the_acceptance_and_narrows_with_requests(script):
+    """score()'s interval: a bootstrap over requests of accepted / reached at the first draft."""
+    from specdec_core.estimate import bootstrap_ratio
+
+    accepted, reached = [3.0, 1.0, 4.0, 0.0, 2.0], [5.0, 4.0, 6.0, 3.0, 5.0]
+    low, high = bootstrap_ratio(accepted, reached)
+    assert low <= sum(accepted) / sum(reached) <= high and low < high
+    wide = high - low
+    low, high = bootstrap_ratio(accepted * 8, reached * 8)
+    assert high - low < wide
+    entry = {"acceptance_k1": 0.431, "acceptance_k1_ci95": [0.38, 0.49], "requests": 20}
+    assert script.verdict("chat", entry) == ("0.431 vs 0.45: not met (95% interval 0.380-0.490 "
+                                             "over 20 requests: spans the goal, not settled)")
+    assert script.verdict("json", {**entry, "acceptance_k1": 0.777, "acceptance_k1_ci95": [0.71, 0.83]}
+                          ).endswith("met (95% interval 0.710-0.830 over 20 requests: settled)")
+    assert script.with_interval(entry) == "0.431 (0.38-0.49)"
+    assert script.verdict("qa", {**entry, "requests": 1}) == "0.431 vs 0.45: not met (1 request: no interval)"
 
 
 def test_head_step_benchmark_counts_fewer_operations_gathered_and_says_so(tmp_path):
