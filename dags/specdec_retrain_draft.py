@@ -96,8 +96,9 @@ PARAMS = {
                         description="1 to 1024 requests per step"),
     "lr": Param(DEFAULTS["lr"], type="number", exclusiveMinimum=0, maximum=1, title="Peak learning rate",
                 description="above 0, at most 1"),
-    "eval_every": Param(DEFAULTS["eval_every"], type="integer", minimum=1, title="Held-out evaluation every N steps",
-                        description="at least 1; the kept checkpoint is the best of these evaluations"),
+    "eval_every": Param(DEFAULTS["eval_every"], type="integer", minimum=1, title="Validation evaluation every N steps",
+                        description="at least 1; the kept checkpoint is the best of these evaluations "
+                                    "on the validation rows, and the held-out rows score it once"),
     "teacher_topk": Param(DEFAULTS["teacher_topk"], type="integer", minimum=0, maximum=1024, title="Teacher top-k",
                           description="0 to 1024; 0: cross-entropy on the logged tokens; k > 0: KL from the "
                                       "target's top-k probabilities (one extra target pass)"),

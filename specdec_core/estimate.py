@@ -44,12 +44,17 @@ class LoggedRequest:
     domain: str = "general"
 
 
+def split_hash(split_key: str, request_id: str) -> float:
+    """A number in [0, 1) fixed by (split key, request id): where a request falls in a split."""
+    digest = hashlib.sha256(f"{split_key}\x00{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64
+
+
 def in_heldout(split_key: str, request_id: str, fraction: float) -> bool:
     """Whether request `request_id` is held out (never trained on) under split `split_key`: a hash
     of (split key, request id) below `fraction`. Training (tasks.steps.draft_training) and the
     benchmarks split by this one rule."""
-    digest = hashlib.sha256(f"{split_key}\x00{request_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2 ** 64 < fraction
+    return split_hash(split_key, request_id) < fraction
 
 
 @dataclass

@@ -87,9 +87,13 @@ def init_draft_from_target(target: torch.nn.Module, num_layers: int = 2, hidden_
 class TrainResult:
     step: int
     best_step: int
-    best: dict
+    best: dict                        # the kept checkpoint's scores on the rows that chose it
     history: list[dict] = field(default_factory=list)
     best_dir: str | None = None
+    # the kept checkpoint scored once on rows that neither trained nor chose it (optimise's
+    # `report`); None where none were given. `best` is the best of several looks at its rows, so
+    # it reads higher than one look would
+    report: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -217,6 +221,14 @@ class Trainee:
         """Held-out scores: evaluate_drafter's dict plus "heldout_kl"."""
         raise NotImplementedError
 
+    def score(self, rows: list[LoggedRequest]) -> dict:
+        """evaluate() on other rows than those it scores at the curve's points (`heldout`)."""
+        kept, self.heldout = self.heldout, rows
+        try:
+            return self.evaluate()
+        finally:
+            self.heldout = kept
+
     def save(self, directory: Path) -> None:
         raise NotImplementedError
 
@@ -275,9 +287,11 @@ class _DraftTrainee(Trainee):
 def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[LoggedRequest],
                 heldout: list[LoggedRequest], config: TrainConfig, checkpoint_dir: str | Path,
                 costs: tuple[float, list[float] | None] | None = None, progress: bool = True,
-                stop_after: int | None = None) -> TrainResult:
+                stop_after: int | None = None, report: list[LoggedRequest] | None = None) -> TrainResult:
     """Train `draft` in place; checkpoints under checkpoint_dir/{last,best}; resumes from last.
 
+    heldout: the rows scored at the curve's points, which choose the checkpoint kept; report:
+    rows the kept checkpoint is scored on once at the end (TrainResult.report).
     costs: (draft step / target step, [verify(K) / target step]) for the predicted speedup;
     measured here at batch 1 when None. stop_after: stop after this many steps of this call
     (simulates an interruption in tests; the schedule still spans config.steps).
@@ -288,7 +302,7 @@ def train_draft(draft: torch.nn.Module, target: torch.nn.Module, train: list[Log
     costs = costs or measured_costs(target, draft, config.k_max)
     trainee = _DraftTrainee(draft, target, train, heldout, config, costs)
     return optimise(trainee, len(train), config, checkpoint_dir, progress=progress,
-                    stop_after=stop_after, desc="draft training")
+                    stop_after=stop_after, desc="draft training", report=report)
 
 
 def autocast(device: torch.device):
@@ -328,7 +342,8 @@ def _resume(trainee: Trainee, last: Path, optimizer, scheduler, config: TrainCon
 
 def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir: str | Path,
              progress: bool = True, stop_after: int | None = None,
-             desc: str = "training", deadline: float | None = None) -> TrainResult:
+             desc: str = "training", deadline: float | None = None,
+             report: list[LoggedRequest] | None = None) -> TrainResult:
     """The optimisation loop every trained drafter shares: AdamW, warm-up + cosine, clipping,
     held-out evaluation every eval_every steps with the best checkpoint kept by predicted speedup,
     and resume from checkpoint_dir/last (same result as an uninterrupted run).
@@ -336,7 +351,10 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
     deadline (a time.perf_counter() value): the first step that ends past it is the last one; it
     is evaluated and saved as a step at eval_every would be (the result's `step` says how far it
     got), so a run under a time limit keeps its best checkpoint instead of being killed without
-    one. The schedule is still config.steps': plan the steps to fit, the deadline is the net."""
+    one. The schedule is still config.steps': plan the steps to fit, the deadline is the net.
+
+    report: rows the kept checkpoint is scored on once, after the loop (TrainResult.report); the
+    module is left with the weights it ended with."""
     device = next(trainee.module.parameters()).device
     checkpoint_dir = Path(checkpoint_dir)
     last, best_dir = checkpoint_dir / "last", checkpoint_dir / "best"
@@ -402,8 +420,19 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
     bar.close()
     trainee.module.eval()
     (checkpoint_dir / "history.json").write_text(json.dumps(history, indent=1))
+    scored = None
+    if report and best_dir.exists():
+        ended = [param.detach().clone() for param in parameters]     # what training changes
+        trainee.load(best_dir)
+        scored = {"step": best["step"], **trainee.score(report)}
+        with torch.no_grad():
+            for param, value in zip(parameters, ended):
+                param.copy_(value)
+        log.info("%s: the kept checkpoint (step %d) on %d rows it was not chosen on: E %.3f at "
+                 "K=%d, predicted %.3fx", desc, best["step"], len(report),
+                 scored["expected_tokens_per_round"], scored["k"], scored["predicted_speedup"])
     return TrainResult(step=step, best_step=best["step"], best=best, history=history,
-                       best_dir=str(best_dir) if best_dir.exists() else None)
+                       best_dir=str(best_dir) if best_dir.exists() else None, report=scored)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,12 +765,14 @@ def train_head(head, target: torch.nn.Module, train: list[LoggedRequest],
                heldout: list[LoggedRequest], config: TrainConfig, checkpoint_dir: str | Path,
                costs: tuple[float, list[float] | None] | None = None, progress: bool = True,
                stop_after: int | None = None, feature_weight: float = 0.1,
-               unroll: int = 1, graphs: bool | None = None) -> TrainResult:
+               unroll: int = 1, graphs: bool | None = None,
+               report: list[LoggedRequest] | None = None) -> TrainResult:
     """Train a DraftHead in place with the shared loop (optimise); its held-out score is the
     start-dependent offline estimate (head.head_round_rates). costs: as train_draft's, the draft
     step being one head step; measured here when None. unroll: draft steps trained as a chain on
     the head's own features (_HeadTrainee). graphs: the step's forward and backward captured
-    (None: on CUDA; a capture that fails trains eagerly, with a warning)."""
+    (None: on CUDA; a capture that fails trains eagerly, with a warning). heldout and report:
+    as train_draft's."""
     if not train or not heldout:
         raise ValueError(f"need training and held-out requests (got {len(train)} and {len(heldout)})")
     if costs is None:
@@ -750,7 +781,7 @@ def train_head(head, target: torch.nn.Module, train: list[LoggedRequest],
     trainee = _HeadTrainee(head, target, train, heldout, config, costs, feature_weight, unroll=unroll,
                            graphs=graphs)
     return optimise(trainee, len(train), config, checkpoint_dir, progress=progress,
-                    stop_after=stop_after, desc="head training")
+                    stop_after=stop_after, desc="head training", report=report)
 
 
 def measure_head_step(head, target, context_len: int = 128, repeats: int = 5) -> float:

@@ -52,6 +52,35 @@ def test_training_lowers_heldout_kl_and_raises_estimated_acceptance(logged, tmp_
     assert result.best_step == best["step"] and (tmp_path / "best" / "model.safetensors").exists()
 
 
+def test_the_kept_checkpoint_is_scored_once_on_rows_that_did_not_choose_it(logged, tmp_path):
+    """report: the checkpoint chosen on `heldout` (the curve's rows) is scored on other rows once;
+    the module keeps the weights it ended with."""
+    from specdec_core.train import evaluate_draft
+
+    target, train, heldout = logged
+    curve, report = heldout[:20], heldout[20:]
+    draft = init_draft_from_target(target, num_layers=1)
+    config = TrainConfig(steps=30, eval_every=10, k_max=3, warmup_steps=3, lr=3e-3)
+    result = train_draft(draft, target, train, curve, config, tmp_path, costs=COSTS, progress=False,
+                         report=report)
+    assert all(h["requests"] == len(curve) for h in result.history)
+    assert result.report["step"] == result.best_step and result.report["requests"] == len(report)
+    # the checkpoint kept, scored on the report rows: what a fresh load of it scores there
+    kept = init_draft_from_target(target, num_layers=1)
+    from safetensors.torch import load_model
+
+    load_model(kept, str(tmp_path / "best" / "model.safetensors"))
+    again = evaluate_draft(kept, target, report, 3, *COSTS)
+    assert result.report["expected_tokens_per_round"] == pytest.approx(again["expected_tokens_per_round"])
+    assert result.report["predicted_speedup"] == pytest.approx(again["predicted_speedup"])
+    # the draft trained in place still holds the last step's weights
+    load_model(kept, str(tmp_path / "last" / "model.safetensors"))
+    for a, b in zip(draft.state_dict().values(), kept.state_dict().values()):
+        assert torch.equal(a, b)
+    assert train_draft(init_draft_from_target(target, num_layers=1), target, train, curve, config,
+                       tmp_path / "none", costs=COSTS, progress=False).report is None
+
+
 def test_where_nothing_pays_the_most_accepting_checkpoint_is_kept(logged, tmp_path):
     # a draft as expensive as the target: every K is "off" (1.0x) at every checkpoint
     target, train, heldout = logged
@@ -102,14 +131,14 @@ def test_a_draft_with_another_vocabulary_is_refused(logged, tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # tasks: data, registration, the next evaluation
-def heldout_ids(db_url, train_id) -> set[str]:
+def heldout_ids(db_url, train_id, split: str = "heldout") -> set[str]:
     from tasks.db.models import DraftTrainingRequest
 
     engine = create_engine(db_url)
     with engine.connect() as connection:
         ids = set(connection.execute(select(DraftTrainingRequest.request_id).where(
             (DraftTrainingRequest.draft_name == train_id)
-            & (DraftTrainingRequest.split == "heldout"))).scalars())
+            & (DraftTrainingRequest.split == split))).scalars())
     engine.dispose()
     return ids
 
@@ -143,7 +172,9 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     result = train_draft_from_traffic("draft-1", recipe, target=tiny_store["target"], store=Store.open(db_url),
                                       model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
                                       progress=False)
-    assert result["model_uri"].endswith("/1") and result["train_requests"] + result["heldout_requests"] == 32
+    assert result["model_uri"].endswith("/1")
+    assert result["train_requests"] + result["validation_requests"] + result["heldout_requests"] == 32
+    assert result["validation_requests"] >= 1
     again = train_draft_from_traffic("draft-1", recipe, target=tiny_store["target"], store=Store.open(db_url),
                                      model=tiny_store["model"], tokenizer=tiny_store["tokenizer"],
                                      progress=False)
@@ -156,6 +187,23 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     engine.dispose()
     assert record.status == "registered" and record.model_uri == result["model_uri"]
     assert record.window_start is not None and len(trained) == result["train_requests"]
+    # the three splits are disjoint; the checkpoint was chosen on the validation rows and the
+    # registry reports its one score on the held-out rows
+    validation, heldout = heldout_ids(db_url, "draft-1", "validation"), heldout_ids(db_url, "draft-1")
+    assert len(validation) == result["validation_requests"] and len(heldout) == result["heldout_requests"]
+    assert not validation & heldout and not (validation | heldout) & trained
+    assert all(h["requests"] == len(validation) for h in result["result"]["history"])
+    assert result["heldout"]["requests"] == len(heldout) and result["heldout"]["step"] == result["best"]["step"]
+    from tasks.registry.tracking import client
+
+    version = client().get_model_version(result["model_uri"].split("/")[1], result["version"])
+    assert version.tags["heldout_predicted_speedup"] == f"{result['heldout']['predicted_speedup']:.3f}"
+    assert version.tags["validation_predicted_speedup"] == f"{result['best']['predicted_speedup']:.3f}"
+    assert version.tags["validation_requests"] == str(len(validation))
+    assert record.heldout == result["result"]["report"]
+    metrics = client().get_run(version.run_id).data.metrics
+    assert metrics["heldout_predicted_speedup"] == pytest.approx(result["heldout"]["predicted_speedup"])
+    assert metrics["validation_predicted_speedup"] == pytest.approx(result["result"]["history"][-1]["predicted_speedup"])
     candidates = draft_candidates(tiny_store["target"], result["fingerprint"])
     assert candidates == [{"kind": "draft_model", "params": {"model": result["model_uri"]}}]
     assert draft_candidates(tiny_store["target"], "sha256:" + "1" * 32) == []   # another target: never
@@ -168,8 +216,8 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     draft_label = f"draft_model(model={result['model_uri']})"
     per_drafter = scored_per_drafter(db_url, "after-draft")
     # both drafters scored exactly the held-out rows, never a row the draft was trained on
-    assert per_drafter == {"prompt_lookup": result["heldout_requests"],
-                           draft_label: result["heldout_requests"]}
+    untrained = result["heldout_requests"] + result["validation_requests"]
+    assert per_drafter == {"prompt_lookup": untrained, draft_label: untrained}
 
 
 def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_store):
@@ -195,6 +243,7 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
         model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False, register=False)
     assert other["heldout_requests"] == result["heldout_requests"]
     assert heldout_ids(db_url, "draft-same-split") == heldout_ids(db_url, "head-1")
+    assert heldout_ids(db_url, "head-1", "validation") == heldout_ids(db_url, "draft-same-split", "validation")
     # offered as a head for this fingerprint only; a head of another target is never offered
     assert draft_candidates(tiny_store["target"], result["fingerprint"]) == [
         {"kind": "head", "params": {"model": result["model_uri"]}}]
@@ -214,8 +263,8 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
     engine.dispose()
     head_label = f"head(model={result['model_uri']})"
     per_drafter = scored_per_drafter(db_url, "after-head")
-    assert per_drafter == {"prompt_lookup": result["heldout_requests"],
-                           head_label: result["heldout_requests"]}
+    untrained = result["heldout_requests"] + result["validation_requests"]
+    assert per_drafter == {"prompt_lookup": untrained, head_label: untrained}
     assert head_label in costed                       # its step is profiled like every drafter's
 
 
@@ -267,6 +316,17 @@ def test_eagle3_is_trained_from_the_cli_registered_and_served_as_a_candidate(tin
     config = json.loads((Path(directory) / "config.json").read_text())
     proposal = config["speculators_config"]["proposal_methods"][0]
     assert proposal["speculative_tokens"] == (out["best"]["k"] or 2)
+    # the same id again (it resumes: nothing to train), for people: what chose the checkpoint
+    # and its one held-out score
+    assert main(["draft", "train", "--id", "eagle3-1", "--model", target, "--kind", "eagle3",
+                 "--vocab-size", "24", "--steps", "6", "--eval-every", "3", "--batch-size", "4",
+                 "--k-max", "2", "--lr", "3e-3", "--url", db_url]) == 0
+    text = capsys.readouterr().out
+    assert (f"step {out['best']['step']} of 6 kept, chosen on {out['validation_requests']} validation "
+            f"requests (predicted {out['best']['predicted_speedup']:.2f}x there); "
+            f"{out['train_requests']} train / {out['validation_requests']} validation / "
+            f"{out['heldout_requests']} held-out requests") in text
+    assert f"held-out KL {out['heldout']['heldout_kl']:.4f}" in text
     assert config["speculators_config"]["verifier"]["name_or_path"] == target
     assert config["specdec"]["train_id"] == "eagle3-1" and config["draft_vocab_size"] == 24
     assert config["specdec"]["target_fingerprint"] == out["fingerprint"]
@@ -352,6 +412,9 @@ def test_one_recipe_per_kind_built_from_flat_options_with_the_librarys_defaults(
          "--domains", "json,qa"]))
     assert recipe == HeadRecipe(vocab_size=64, unroll=1, config=TrainConfig(steps=50, warmup_steps=5))
     assert data.domains == ("json", "qa") and data.heldout_fraction == 0.2
+    assert data.validation_fraction == 0.1
+    _, data = train_recipe(build_parser().parse_args(["draft", "train", "--validation-fraction", "0.25"]))
+    assert data.validation_fraction == 0.25
     # each kind keeps its own options; another kind's are left out, layer_ids is eagle3's only
     assert recipe_for("eagle3", num_layers=4) == Eagle3Recipe(unroll=3)
     assert recipe_for("draft_model", vocab_size=64, unroll=None) == DraftModelRecipe()

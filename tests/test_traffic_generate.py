@@ -152,7 +152,11 @@ def test_training_takes_generated_rows_only_when_asked_and_never_from_heldout_pr
     assert without["generated_requests"] == 0 and not set(splits["d-plain"]) & set(generated)
     # the generated rows of training prompts join the training split; those of held-out prompts
     # are left out; the held-out rows are the same production rows either way
+    validation = {k for k, s in splits["d-plain"].items() if s == "validation"}
+    assert validation and {k for k, s in splits["d-gen"].items() if s == "validation"} == validation
+    # nor from the validation prompts, which choose the checkpoint
     from_train = {k for k, v in generated.items() if not in_heldout("d-plain", v["generated_from"], 0.2)
+                  and v["generated_from"] not in validation
                   and len(v["response_token_ids"]) >= 2}       # as for logged rows: 2 tokens at least
     assert 0 < len(from_train) < len(generated) == 32
     assert {k for k, s in splits["d-gen"].items() if k in generated} == from_train

@@ -49,6 +49,7 @@ def train_recipe(args):
         vocab_size=args.vocab_size, unroll=args.unroll, layer_ids=args.layer_ids,
         domains=args.domains.split(",") if args.domains else None, window_days=args.days,
         max_requests=args.max_requests, heldout_fraction=args.heldout_fraction,
+        validation_fraction=args.validation_fraction,
         max_eval_requests=args.max_eval_requests, split_from=args.split_from,
         include_generated=args.include_generated)
 
@@ -68,11 +69,15 @@ def cmd_train(args) -> int:
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})
         return 0
-    best = result["best"]
-    console.print(heldout_table(best, f"draft {result['train_id']}: best step {best['step']} of "
-                                      f"{result['steps']} ({result['train_requests']} train / "
-                                      f"{result['heldout_requests']} held-out requests)"))
-    console.print(f"held-out KL {best['heldout_kl']:.4f}; checkpoint {escape(result['best_dir'])}; "
+    best, heldout = result["best"], result["heldout"] or result["best"]
+    console.print(heldout_table(heldout, f"draft {result['train_id']}: the checkpoint kept, on "
+                                         "held-out requests"))
+    console.print(f"step {best['step']} of {result['steps']} kept, chosen on "
+                  f"{result['validation_requests']} validation requests (predicted "
+                  f"{best['predicted_speedup']:.2f}x there); {result['train_requests']} train / "
+                  f"{result['validation_requests']} validation / {result['heldout_requests']} "
+                  "held-out requests")
+    console.print(f"held-out KL {heldout['heldout_kl']:.4f}; checkpoint {escape(result['best_dir'])}; "
                   + (f"registered {result['model_uri']} (alias candidate)" if result["model_uri"] else "not registered"))
     return 0
 
@@ -182,8 +187,14 @@ def _add_train(d_sub) -> None:
     train.add_argument("--max-requests", type=int, default=None)
     train.add_argument("--heldout-fraction", type=float, default=TRAINING_DEFAULTS["heldout_fraction"],
                        help="share of requests held out (by request id): never trained on")
+    train.add_argument("--validation-fraction", type=float,
+                       default=TRAINING_DEFAULTS["validation_fraction"],
+                       help="share of the other requests (at least one) kept out of training to "
+                            "score the curve and choose the checkpoint kept; the held-out requests "
+                            "then score that checkpoint once")
     train.add_argument("--max-eval-requests", type=int, default=TRAINING_DEFAULTS["max_eval_requests"],
-                       help="held-out requests scored at each evaluation during training")
+                       help="validation requests scored at each evaluation during training, and "
+                            "held-out requests scored on the checkpoint kept")
     train.add_argument("--kind", choices=KINDS, default="draft_model",
                        help="draft_model: a small LM (--layers, --hidden); head: a draft head on the "
                             "target's hidden states (--vocab-size); eagle3: an EAGLE-3 head in the "

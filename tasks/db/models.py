@@ -435,8 +435,9 @@ class DraftModelRecord(Base):
 
 
 class DraftTrainingRequest(Base):
-    """Which logged requests a draft was trained on (split "train") or held out on ("heldout"):
-    an evaluation of that draft never scores its training rows."""
+    """Which logged requests a draft was trained on (split "train"), chose its checkpoint on
+    ("validation") or was held out on ("heldout"): an evaluation of that draft never scores its
+    training rows."""
 
     __tablename__ = "draft_training_requests"
 

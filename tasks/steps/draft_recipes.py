@@ -62,14 +62,18 @@ class TrainingData:
     production traffic of `domains` (None: pooled, every domain) in the `window_days` ending at
     the newest request (None: all), at most `max_requests`; `heldout_fraction` of them held out by
     a hash of (training id, request id) -- of `split_from`'s id when given, so that drafts compare
-    on the same held-out rows; `max_eval_requests` held-out rows scored at each evaluation, round
-    robin over domains; include_generated: also train on the rows the target generated
-    (`specdec draft generate`), never one generated from a held-out prompt."""
+    on the same held-out rows; `validation_fraction` of the other rows (at least one) kept out of
+    training by another hash: they score the training curve and choose the checkpoint kept, and
+    the held-out rows score that checkpoint once (scored on the rows that chose it, a draft would
+    report the best of several looks); `max_eval_requests` rows of each scored, round robin over
+    domains; include_generated: also train on the rows the target generated (`specdec draft
+    generate`), never one generated from a held-out or validation prompt."""
 
     domains: tuple[str, ...] | None = None
     window_days: float | None = None
     max_requests: int | None = None
     heldout_fraction: float = 0.2
+    validation_fraction: float = 0.1
     max_eval_requests: int | None = 60
     split_from: str | None = None
     include_generated: bool = False
@@ -87,9 +91,10 @@ class TrainingRun:
     fingerprint: str
     model: object                     # the target, loaded
     train: list                       # [LoggedRequest] of the training split
-    evaluation: list                  # [LoggedRequest] held out, scored at each evaluation
+    evaluation: list                  # [LoggedRequest] of the validation split, scored at each evaluation
     directory: Path                   # checkpoints ($SPECDEC_HOME/drafts/<train id>/)
     progress: bool = True
+    report: list | None = None        # [LoggedRequest] held out, the kept checkpoint scored once
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class DraftModelRecipe(DraftRecipe):
         draft = init_draft_from_target(run.model, num_layers=self.num_layers,
                                        hidden_size=self.hidden_size)
         return train_draft(draft, run.model, run.train, run.evaluation, self.config, run.directory,
-                           progress=run.progress)
+                           progress=run.progress, report=run.report)
 
 
 def _check_unroll(unroll: int) -> None:
@@ -171,7 +176,7 @@ class HeadRecipe(DraftRecipe):
                else head_vocabulary(run.train, self.vocab_size, output_size(run.model)))
         head = DraftHead(run.model, vocab_ids=ids)
         return train_head(head, run.model, run.train, run.evaluation, self.config, run.directory,
-                          progress=run.progress, unroll=self.unroll)
+                          progress=run.progress, unroll=self.unroll, report=run.report)
 
 
 def eagle3_head(model, train: list, vocab_size: int | None, layer_ids: list[int] | None = None):
@@ -238,7 +243,7 @@ class Eagle3Recipe(DraftRecipe):
         layer_ids = None if self.layer_ids is None else list(self.layer_ids)
         head = eagle3_head(run.model, run.train, self.vocab_size, layer_ids)
         result = train_head(head, run.model, run.train, run.evaluation, self.config, run.directory,
-                            progress=run.progress, unroll=self.unroll)
+                            progress=run.progress, unroll=self.unroll, report=run.report)
         if result.best_dir is not None:
             # the kept checkpoint, rewritten with what serving reads: the planned K (k_max where
             # nothing paid) and the target as the verifier, plus its lineage
@@ -296,7 +301,7 @@ def recipe_and_data(kind: str, **options) -> tuple[DraftRecipe, TrainingData]:
 TRAINING_DEFAULTS = {**_own_defaults(TrainConfig), **_own_defaults(TrainingData),
                      **_own_defaults(DraftModelRecipe)}
 # The weekly retraining (dags/specdec_retrain_draft.py) trains longer than a run by hand, with
-# fewer held-out evaluations, on the last four weeks of at most 2000 requests: a deliberate
+# fewer validation evaluations, on the last four weeks of at most 2000 requests: a deliberate
 # choice, the DAG's Params' defaults
 SCHEDULED_RETRAINING = {**TRAINING_DEFAULTS, "steps": 300, "eval_every": 100, "window_days": 28,
                         "max_requests": 2000}

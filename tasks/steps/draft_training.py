@@ -1,16 +1,17 @@
 """Drafts trained on the traffic they serve: data, training, registration, selection.
 
 - Data: stored requests answered by this target (same fingerprint) in a time window, per domain
-  or pooled; split train / held-out by a hash of (training id, request id). The split is recorded
-  in draft_training_requests, and an evaluation never scores the training rows of a draft it
-  evaluates (tasks.steps.pipeline excludes them).
+  or pooled; split train / validation / held-out by hashes of (training id, request id). The
+  split is recorded in draft_training_requests, and an evaluation never scores the training rows
+  of a draft it evaluates (tasks.steps.pipeline excludes them).
 - Kinds: one typed recipe each (tasks.steps.draft_recipes): `draft_model` (a small causal LM),
   `head` (a draft head on the target's hidden states) or `eagle3` (an EAGLE-3 head saved in the
   speculators format vLLM and SGLang load); each recipe trains itself (its train()). All share
   the data (TrainingData), split, optimiser loop, checkpoints and registration below; a version's
   tag `kind` says which.
 - Training: specdec_core.train (checkpoints under $SPECDEC_HOME/drafts/<train id>/: re-running
-  the same training id resumes); the best checkpoint by held-out predicted speedup is kept.
+  the same training id resumes); the best checkpoint by predicted speedup on the validation rows
+  is kept, and the held-out rows score it once: what the record and the registry report.
 - Registration: an MLflow run in experiment `specdec/<target-slug>` (tag specdec.draft_train_id)
   whose `draft/` artifact (weights, config, the target's tokenizer) is registered as a version of
   `specdec-draft-<target-slug>` with alias `candidate` and its lineage as tags.
@@ -26,14 +27,14 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
 from specdec_core import SamplingParams
-from specdec_core.estimate import LoggedRequest, in_heldout  # noqa: F401 - in_heldout re-exported
+from specdec_core.estimate import LoggedRequest, in_heldout, split_hash  # noqa: F401 - in_heldout re-exported
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db import queries_drafts as q
@@ -132,14 +133,29 @@ class TrainingSplit:
     """The rows of one training: every stored request used, split train / held-out, and the
     generated rows that joined the training split."""
 
-    requests: list                    # [LoggedRequest] of production traffic, both splits
+    requests: list                    # [LoggedRequest] of production traffic, every split
     train: list                       # [LoggedRequest] trained on (generated ones among them)
-    heldout: list                     # [LoggedRequest] never trained on
-    splits: dict                      # request id -> "train" | "heldout" (draft_training_requests)
+    heldout: list                     # [LoggedRequest] never trained on, score the checkpoint kept
+    splits: dict                      # request id -> "train" | "validation" | "heldout"
     window: tuple                     # (start, end) of the stored traffic used
     split_key: str                    # the training id whose hash split the rows
     generated: int = 0                # generated rows trained on
-    generated_left_out: int = 0       # generated from a held-out request: left out
+    generated_left_out: int = 0       # generated from a held-out or validation request: left out
+    validation: list = field(default_factory=list)   # never trained on, choose the checkpoint
+
+
+VALIDATION_KEY = "{}/validation"      # the validation split's hash key, of the split key
+
+
+def validation_ids(split_key: str, candidates: list[str], fraction: float) -> set[str]:
+    """The ids of `candidates` (the rows not held out) kept for validation: those whose hash
+    under VALIDATION_KEY falls below `fraction`, or the lowest one where none does (a curve
+    needs a row). Fixed by the split key and the rows, so a re-run resumes on the same split."""
+    key = VALIDATION_KEY.format(split_key)
+    chosen = {i for i in candidates if split_hash(key, i) < fraction}
+    if not chosen and len(candidates) > 1:
+        chosen = {min(candidates, key=lambda i: split_hash(key, i))}
+    return chosen
 
 
 def split_training_rows(train_id: str, data: TrainingData, store: Store, fingerprint: str,
@@ -151,29 +167,37 @@ def split_training_rows(train_id: str, data: TrainingData, store: Store, fingerp
     split_key = data.split_from or train_id
     splits = {r.request_id: ("heldout" if in_heldout(split_key, r.request_id, data.heldout_fraction)
                              else "train") for r in requests}
+    kept = validation_ids(split_key, [i for i, s in splits.items() if s == "train"],
+                          data.validation_fraction)
+    splits.update(dict.fromkeys(kept, "validation"))
     train = [r for r in requests if splits[r.request_id] == "train"]
+    validation = [r for r in requests if splits[r.request_id] == "validation"]
     heldout = [r for r in requests if splits[r.request_id] == "heldout"]
     generated, left_out = [], 0
     if data.include_generated:
         for request, source in generated_requests(store, fingerprint, tokenizer, data.domains, start):
-            if in_heldout(split_key, source, data.heldout_fraction):
+            # a held-out or validation prompt answered again would be trained on
+            if in_heldout(split_key, source, data.heldout_fraction) or source in kept:
                 left_out += 1
             else:
                 generated.append(request)
                 splits[request.request_id] = "train"
         train += generated
-    if not heldout or not train:
-        raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / {len(heldout)} "
-                                 f"held-out: change heldout_fraction ({data.heldout_fraction}) or add "
-                                 "traffic")
+    if not heldout or not train or not validation:
+        raise DraftTrainingError(f"{len(requests)} requests split into {len(train)} train / "
+                                 f"{len(validation)} validation / {len(heldout)} held-out: change "
+                                 f"heldout_fraction ({data.heldout_fraction}) or validation_fraction "
+                                 f"({data.validation_fraction}), or add traffic")
     return TrainingSplit(requests, train, heldout, splits, (start, end), split_key, len(generated),
-                         left_out)
+                         left_out, validation)
 
 
 def _record_start(store: Store, train_id: str, target: str, fingerprint: str, recipe: DraftRecipe,
                   data: TrainingData, split: TrainingSplit) -> None:
     """The training's record (status `training`, lineage, parameters) and its split."""
     params = {"kind": recipe.kind, "heldout_fraction": data.heldout_fraction,
+              "validation_fraction": data.validation_fraction,
+              "validation_requests": len(split.validation),
               "split_from": split.split_key, "train": asdict(recipe.config),
               "include_generated": bool(data.include_generated),
               "generated_requests": split.generated, "generated_left_out": split.generated_left_out,
@@ -210,18 +234,20 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
     split = split_training_rows(train_id, data, store, fingerprint, tokenizer)
     _record_start(store, train_id, target, fingerprint, recipe, data, split)
     result = recipe.train(TrainingRun(train_id, target, fingerprint, model, split.train,
-                                      _round_robin(split.heldout, data.max_eval_requests),
-                                      home_path("drafts", train_id), progress))
+                                      _round_robin(split.validation, data.max_eval_requests),
+                                      home_path("drafts", train_id), progress,
+                                      report=_round_robin(split.heldout, data.max_eval_requests)))
     best_dir = Path(result.best_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(best_dir)
     out = {"train_id": train_id, "train_requests": len(split.train),
-           "heldout_requests": len(split.heldout), "best": result.best, "steps": result.step,
-           "best_dir": str(best_dir), "model_uri": None, "version": None, "fingerprint": fingerprint,
-           "kind": recipe.kind, "generated_requests": split.generated,
+           "validation_requests": len(split.validation),
+           "heldout_requests": len(split.heldout), "best": result.best, "heldout": result.report,
+           "steps": result.step, "best_dir": str(best_dir), "model_uri": None, "version": None,
+           "fingerprint": fingerprint, "kind": recipe.kind, "generated_requests": split.generated,
            "result": json.loads(json.dumps(result.to_dict(), default=float))}
     # trained: the checkpoint is kept (register_draft moves it on to "registered")
-    _record(store, train_id, {"heldout": out["result"]["best"], "status": "trained"})
+    _record(store, train_id, {"heldout": out["result"]["report"], "status": "trained"})
     if register:
         out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], store,
                                   tracking_uri))
@@ -266,16 +292,27 @@ def log_draft(train_id: str, target: str, fingerprint: str, best_dir, result: di
     for key, value in lineage.items():
         if key not in logged:
             mlflow_client.log_param(run_id, key, str(value))
-    for entry in result["history"]:
-        mlflow_client.log_metric(run_id, "heldout_kl", entry["heldout_kl"], step=entry["step"])
-        mlflow_client.log_metric(run_id, "heldout_predicted_speedup", entry["predicted_speedup"],
+    # the curve on the validation rows (which chose the checkpoint), the kept checkpoint's
+    # held-out scores once, at its step
+    scored = [("validation", entry) for entry in result["history"]]
+    if result.get("report"):
+        scored.append(("heldout", result["report"]))
+    for split, entry in scored:
+        mlflow_client.log_metric(run_id, f"{split}_kl", entry["heldout_kl"], step=entry["step"])
+        mlflow_client.log_metric(run_id, f"{split}_predicted_speedup", entry["predicted_speedup"],
                                  step=entry["step"])
         for domain, scores in entry["domains"].items():
-            mlflow_client.log_metric(run_id, f"{domain}.heldout_expected_tokens_per_round",
+            mlflow_client.log_metric(run_id, f"{domain}.{split}_expected_tokens_per_round",
                                      scores["expected_tokens_per_round"], step=entry["step"])
     mlflow_client.log_artifacts(run_id, str(best_dir), artifact_path="draft")
-    mlflow_client.set_tag(run_id, "specdec.heldout", json.dumps(result["best"]["domains"], default=float)[:4900])
+    mlflow_client.set_tag(run_id, "specdec.heldout", json.dumps(reported(result)["domains"], default=float)[:4900])
     return run_id
+
+
+def reported(result: dict) -> dict:
+    """The scores a training reports (TrainResult.to_dict()'s): the kept checkpoint on the held-out
+    rows, scored once; a result without them (trained before the validation split), its best."""
+    return result.get("report") or result["best"]
 
 
 def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_run_id: str,
@@ -296,11 +333,13 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
     kind = (record["params"] or {}).get("kind", "draft_model")
     tags = {"train_id": train_id, "kind": kind, "target_fingerprint": fingerprint, "domains": lineage["domains"],
             "window": f"{lineage['window_start']}..{lineage['window_end']}",
-            "heldout_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
-            "heldout_k": str(result["best"]["k"]),
+            "heldout_predicted_speedup": f"{reported(result)['predicted_speedup']:.3f}",
+            "heldout_k": str(reported(result)["k"]),
+            "validation_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
             # the data rows: logged requests trained on (generated ones among them) and held out
             "train_requests": str(record["train_requests"]),
             "heldout_requests": str(record["heldout_requests"]),
+            "validation_requests": str((record["params"] or {}).get("validation_requests", 0)),
             "generated_requests": str((record["params"] or {}).get("generated_requests", 0))}
     if kind in ("head", "eagle3"):
         tags["vocab_size"] = str((record["params"] or {}).get("vocab_size") or "full")
@@ -309,10 +348,11 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
         layer_ids = (record["params"] or {}).get("layer_ids")
         tags["layer_ids"] = ",".join(map(str, layer_ids or []))
         tags["format"] = "speculators"
-    description = ("Draft trained on logged traffic. Held-out (offline estimate, requests never trained "
-                   "on):\n\n| domain | E[tokens/round] | K | predicted speedup |\n|---|---|---|---|\n"
+    description = ("Draft trained on logged traffic. Held-out (offline estimate of the kept checkpoint, "
+                   "on requests neither trained on nor used to choose it):\n\n"
+                   "| domain | E[tokens/round] | K | predicted speedup |\n|---|---|---|---|\n"
                    + "\n".join(f"| {d} | {s['expected_tokens_per_round']:.3f} | {s['k']} | "
-                               f"{s['predicted_speedup']:.2f}x |" for d, s in result["best"]["domains"].items()))
+                               f"{s['predicted_speedup']:.2f}x |" for d, s in reported(result)["domains"].items()))
     if existing:
         version = str(existing[0].version)
     else:
