@@ -130,8 +130,8 @@ def train_id_of_run(run_id: str) -> str:
 
 @dataclass
 class TrainingSplit:
-    """The rows of one training: every stored request used, split train / held-out, and the
-    generated rows that joined the training split."""
+    """The rows of one training: every stored request used, split train / validation /
+    held-out, and the generated rows that joined the training split."""
 
     requests: list                    # [LoggedRequest] of production traffic, every split
     train: list                       # [LoggedRequest] trained on (generated ones among them)
