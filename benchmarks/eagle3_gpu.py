@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import itertools
 import json
 import math
 import platform
@@ -69,7 +68,7 @@ from specdec_core import SamplingParams, SpecDecoder, load_model  # noqa: E402
 from specdec_core.drafters import output_size  # noqa: E402
 from specdec_core.eagle3 import Eagle3Head  # noqa: E402
 from specdec_core.estimate import (LoggedRequest, bootstrap_ratio, estimate_acceptance,  # noqa: E402
-                                   in_heldout)
+                                   in_heldout, split_off)
 from specdec_core.head import HeadDrafter, target_features  # noqa: E402
 from specdec_core.train import (PackedRows, TrainConfig, _HeadTrainee, autocast,  # noqa: E402
                                 head_vocabulary, measure_head_step, measured_costs, optimise)
@@ -772,7 +771,9 @@ def main(argv=None) -> dict:
     phase(curve, "generate", out, generation)
     pool = state["shipped_train"] + state.get("generated", [])
     random.Random(args.seed).shuffle(pool)
-    pool, validation = split_validation(pool, args.curve_requests)
+    # the curve's rows, which choose the head kept: from the pool, never trained on, and
+    # not the held-out rows reported (chosen on, those would report the best of several looks)
+    pool, validation = split_off(pool, args.curve_requests)
     state["pool"] = pool
     curve["counts"].update(training_pool=len(pool), validation=len(validation))
     heldout = state.get("heldout", [])
@@ -783,19 +784,6 @@ def main(argv=None) -> dict:
     curve["validation_requests"] = validation
     curve["heldout_requests"] = heldout
     return curve
-
-
-def split_validation(pool: list[LoggedRequest], count: int) -> tuple[list[LoggedRequest], list[LoggedRequest]]:
-    """(the training pool less `count` requests, those requests): taken in turn from each
-    domain, in the pool's order. They score the training curve and choose the head kept; the
-    held-out rows, chosen on, would report the best of several looks instead of one."""
-    by_domain: dict[str, list] = {}
-    for r in pool:
-        by_domain.setdefault(r.domain, []).append(r)
-    turns = itertools.chain.from_iterable(itertools.zip_longest(*by_domain.values()))
-    validation = [r for r in turns if r is not None][:max(count, 0)]
-    taken = {id(r) for r in validation}
-    return [r for r in pool if id(r) not in taken], validation
 
 
 def train_heads(target, pool, curve_rows, heldout, args, curve) -> None:

@@ -6,7 +6,8 @@ and the head's step against a target step, on this machine.
                                       [--out benchmarks/results/eagle3_cpu.md]
 
 The held-out split is by request (a hash of its id, 20%), the same rule the training step uses;
-the head never sees those rows. Rows are scored with the start-dependent offline estimate
+the head never sees those rows, and they do not choose the checkpoint kept: --eval-requests
+validation rows taken from the training rows (each domain in turn, not trained on) do. Rows are scored with the start-dependent offline estimate
 (greedy rows: argmax == logged token; sampled rows: min(1, q/p) at the logged token), which
 equals live rounds for greedy rows (tests/test_eagle3.py).
 """
@@ -32,7 +33,7 @@ from specdec_core.estimate import LoggedRequest, estimate_acceptance  # noqa: E4
 from specdec_core.head import DraftHead, HeadDrafter  # noqa: E402
 from specdec_core.train import (TrainConfig, head_vocabulary, measure_head_step, measured_costs,  # noqa: E402
                                 train_head)
-from specdec_core.estimate import in_heldout  # noqa: E402
+from specdec_core.estimate import in_heldout, split_off  # noqa: E402
 
 
 def shipped_requests() -> list[LoggedRequest]:
@@ -141,9 +142,10 @@ def main() -> None:
                         help="skip the comparison with prompt lookup and suffix (its cost timings)")
     parser.add_argument("--head", default=None,
                         help="score this saved EAGLE-3 head instead of training one")
-    parser.add_argument("--eval-requests", type=int, default=60,
-                        help="held-out requests scored at each checkpoint (round robin over domains); "
-                             "the final table scores all of them")
+    parser.add_argument("--eval-requests", type=int, default=30,
+                        help="validation requests scored at each checkpoint, choosing the one kept: "
+                             "taken from the training rows, each domain in turn, and not trained "
+                             "on; the final table scores every held-out request")
     args = parser.parse_args()
     torch.manual_seed(0)
     target, _ = load_model("smollm2-135m-instruct", device="cpu")
@@ -163,10 +165,7 @@ def main() -> None:
         print(compare(target, head, train, heldout, args.k_max))
         return
     started = time.perf_counter()
-    by_domain = {}
-    for request in heldout:
-        by_domain.setdefault(request.domain, []).append(request)
-    curve_rows = [r for group in zip(*by_domain.values()) for r in group][:args.eval_requests]
+    train, curve_rows = split_off(train, args.eval_requests)
     result = train_head(head, target, train, curve_rows, config, Path(f"/tmp/{args.kind}-bench"),
                         costs=(step_ratio, verify), unroll=args.unroll)
     minutes = (time.perf_counter() - started) / 60
@@ -184,7 +183,9 @@ def main() -> None:
              f"vocabulary {len(vocab)} (most frequent response tokens), training-time test "
              f"{args.unroll} steps, {args.steps} steps in {minutes:.1f} min. Head step "
              f"{step_ratio:.3f} of a target step (batch 1, measured here).", "",
-             "## Training curve (held-out)", "", f"| step | held-out KL | first-draft acceptance ({len(curve_rows)} held-out requests) | predicted speedup |",
+             "## Training curve (validation: the checkpoint kept is chosen here)", "",
+             f"| step | KL | first-draft acceptance ({len(curve_rows)} validation requests, not "
+             "trained on) | predicted speedup |",
              "|---|---|---|---|"]
     for entry in result.history:
         lines.append(f"| {entry['step']} | {entry['heldout_kl']:.3f} | "

@@ -21,6 +21,7 @@ Precondition: the responses were produced by this target with the logged samplin
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,26 @@ def in_heldout(split_key: str, request_id: str, fraction: float) -> bool:
     of (split key, request id) below `fraction`. Training (tasks.steps.draft_training) and the
     benchmarks split by this one rule."""
     return split_hash(split_key, request_id) < fraction
+
+
+def round_robin(requests: Sequence[LoggedRequest], limit: int | None) -> list[LoggedRequest]:
+    """Up to `limit` of the requests (all when None) taken in turn from each domain (domains in
+    name order, each domain's requests in their order): a sample that keeps every domain."""
+    if limit is None or len(requests) <= limit:
+        return list(requests)
+    by_domain: dict[str, list] = {}
+    for request in requests:
+        by_domain.setdefault(request.domain, []).append(request)
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*(by_domain[d] for d in sorted(by_domain))))
+    return [r for r in turns if r is not None][:max(limit, 0)]
+
+
+def split_off(requests: Sequence[LoggedRequest], limit: int) -> tuple[list[LoggedRequest], list[LoggedRequest]]:
+    """(the other requests, round_robin(requests, limit)): e.g. validation rows taken out of a
+    training set, to choose a checkpoint on rows that neither trained it nor report it."""
+    taken = round_robin(requests, limit)
+    chosen = {id(r) for r in taken}
+    return [r for r in requests if id(r) not in chosen], taken
 
 
 @dataclass

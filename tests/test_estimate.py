@@ -222,3 +222,17 @@ def test_model_drafter_scores_come_back_in_the_requests_order_whatever_the_batch
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # the requests differ, so a mix-up of order would show
     assert len({tuple(np.round(b, 4)) for b in alone}) == len(requests)
+
+
+def test_round_robin_keeps_every_domain_and_split_off_leaves_the_rest():
+    from specdec_core.estimate import round_robin, split_off
+
+    rows = [LoggedRequest(f"{d}{i}", [1], [2, 3], domain=d) for d, n in (("qa", 5), ("code", 1), ("json", 3))
+            for i in range(n)]
+    taken = round_robin(rows, 5)
+    # domains in turn (name order), each in its own order; a domain that runs dry drops out
+    assert [r.request_id for r in taken] == ["code0", "json0", "qa0", "json1", "qa1"]
+    assert round_robin(rows, None) == rows and round_robin(rows, 100) == rows
+    rest, validation = split_off(rows, 4)
+    assert [r.request_id for r in validation] == ["code0", "json0", "qa0", "json1"]
+    assert [r.request_id for r in rest] == ["qa1", "qa2", "qa3", "qa4", "json2"]

@@ -34,7 +34,8 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 
 from specdec_core import SamplingParams
-from specdec_core.estimate import LoggedRequest, in_heldout, split_hash  # noqa: F401 - in_heldout re-exported
+from specdec_core.estimate import (LoggedRequest, in_heldout, round_robin,  # noqa: F401 - in_heldout re-exported
+                                   split_hash)
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db import queries_drafts as q
@@ -93,22 +94,6 @@ def generated_requests(store: Store, fingerprint: str, tokenizer=None, domains=N
     for training (tasks.steps.traffic_generate) since `start`."""
     return _stored_requests(store, fingerprint, tokenizer, domains, start or datetime(1970, 1, 1),
                             True)
-
-
-def _round_robin(requests: list, limit: int | None) -> list:
-    """Up to `limit` requests taken in turn from each domain (all when limit is None)."""
-    if limit is None or len(requests) <= limit:
-        return requests
-    by_domain: dict[str, list] = {}
-    for request in requests:
-        by_domain.setdefault(request.domain, []).append(request)
-    queues = [list(items) for _, items in sorted(by_domain.items())]
-    chosen = []
-    while len(chosen) < limit:
-        for queue in queues:
-            if queue and len(chosen) < limit:
-                chosen.append(queue.pop(0))
-    return chosen
 
 
 def _record(store: Store, train_id: str, values: dict, splits: dict[str, str] | None = None) -> None:
@@ -234,9 +219,9 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
     split = split_training_rows(train_id, data, store, fingerprint, tokenizer)
     _record_start(store, train_id, target, fingerprint, recipe, data, split)
     result = recipe.train(TrainingRun(train_id, target, fingerprint, model, split.train,
-                                      _round_robin(split.validation, data.max_eval_requests),
+                                      round_robin(split.validation, data.max_eval_requests),
                                       home_path("drafts", train_id), progress,
-                                      report=_round_robin(split.heldout, data.max_eval_requests)))
+                                      report=round_robin(split.heldout, data.max_eval_requests)))
     best_dir = Path(result.best_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(best_dir)
