@@ -139,11 +139,13 @@ def specdec_retrain_draft():
             return {"generated": 0, "domains": {}}
         with task_errors():
             train_id = train_id_of_run(context["run_id"])
-            # the prompts this run's training holds out are skipped: it would leave their rows out
+            # the prompts this run's training holds out or validates on are skipped: it would
+            # leave their rows out
             return generate_traffic(train_id, p["domains"] or None, p["generate_count"],
                                     target=p["target"], store=connection_store(),
                                     window_days=p["window_days"], progress=False,
-                                    heldout=(train_id, p["heldout_fraction"]))
+                                    heldout=(train_id, p["heldout_fraction"],
+                                             DEFAULTS["validation_fraction"]))
 
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
     def train() -> dict:

@@ -58,6 +58,19 @@ def in_heldout(split_key: str, request_id: str, fraction: float) -> bool:
     return split_hash(split_key, request_id) < fraction
 
 
+def validation_key(split_key: str) -> str:
+    """The hash key of split `split_key`'s validation rows (salted apart from its held-out hash)."""
+    return f"{split_key}/validation"
+
+
+def in_validation(split_key: str, request_id: str, fraction: float) -> bool:
+    """Whether a request that split `split_key` does not hold out is kept for validation (not
+    trained on; it chooses the checkpoint): its validation hash below `fraction`. Training
+    (tasks.steps.draft_training, which also keeps the lowest one where none falls below) and
+    generation for a training (which skips those prompts) use this rule."""
+    return split_hash(validation_key(split_key), request_id) < fraction
+
+
 def round_robin(requests: Sequence[LoggedRequest], limit: int | None) -> list[LoggedRequest]:
     """Up to `limit` of the requests (all when None) taken in turn from each domain (domains in
     name order, each domain's requests in their order): a sample that keeps every domain."""

@@ -118,14 +118,21 @@ def test_cli_generates_resumes_by_id_and_names_bad_input(tiny_store, capsys):
     assert "GenerationError: count -1" in capsys.readouterr().err
     with pytest.raises(GenerationError, match=r"no logged requests answered by this target .*\['code'\]"):
         generate(tiny_store, "gen-x", "code", 4)
-    # --for-training: that training's held-out prompts (at its --heldout-fraction) are skipped
+    # --for-training: that training's held-out prompts (at its --heldout-fraction) and its
+    # validation prompts (at its --validation-fraction) are skipped
+    from specdec_core.estimate import in_validation
+
     assert main(["draft", "generate", "--domain", "qa", "--count", "100", "--id", "gen-cli-f",
-                 "--for-training", "d-later", "--heldout-fraction", "0.5", *argv[8:]]) == 0
+                 "--for-training", "d-later", "--heldout-fraction", "0.5",
+                 "--validation-fraction", "0.3", *argv[8:]]) == 0
     out = json.loads(capsys.readouterr().out)
     sources = {v["generated_from"] for v in stored(tiny_store["db_url"], True).values()
                if v["generated_by"] == "gen-cli-f"}
-    assert sources and out["domains"]["qa"]["rows"] == len(sources) < 16
-    assert not any(in_heldout("d-later", source, 0.5) for source in sources)
+    qa = {k for k, v in stored(tiny_store["db_url"], False).items() if v["domain"] == "qa"}
+    skipped = {k for k in qa if in_heldout("d-later", k, 0.5) or in_validation("d-later", k, 0.3)}
+    assert {k for k in qa if in_validation("d-later", k, 0.3) and not in_heldout("d-later", k, 0.5)}
+    assert sources and out["domains"]["qa"]["rows"] == len(sources) == len(qa - skipped) < 16
+    assert sources == qa - skipped
 
 
 def test_training_takes_generated_rows_only_when_asked_and_never_from_heldout_prompts(tiny_store):
@@ -196,6 +203,9 @@ def test_generation_skips_the_prompts_its_training_holds_out_and_draws_apart_fro
     assert not sources & held
     with pytest.raises(GenerationError, match=r"heldout \('gen-h', 2\)"):
         generate(tiny_store, "gen-h", "qa", 1, heldout=("gen-h", 2))
+    with pytest.raises(GenerationError, match=r"heldout \('gen-h', 0.2, 1.5\): give \(split key, "
+                                              r"held-out fraction\[, validation fraction\]\)"):
+        generate(tiny_store, "gen-h", "qa", 1, heldout=("gen-h", 0.2, 1.5))
 
 
 def test_sampling_estimates_indexes_and_reports_never_see_generated_rows(tiny_store):

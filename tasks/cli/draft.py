@@ -92,8 +92,8 @@ def cmd_generate(args) -> int:
                               args.count, target=args.model, store=open_store(args), window_days=args.days,
                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                               device=args.device,
-                              heldout=((args.for_training, args.heldout_fraction)
-                                       if args.for_training else None))
+                              heldout=((args.for_training, args.heldout_fraction,
+                                        args.validation_fraction) if args.for_training else None))
     if args.json:
         print_json(result)
         return 0
@@ -242,10 +242,14 @@ def _add_generate(d_sub) -> None:
                                "or its logged response's length)")
     generate.add_argument("--for-training", default=None, metavar="TRAIN_ID",
                           help="skip the prompts this training id (or the one it --split-from) holds "
-                               "out: it would leave their rows out anyway")
+                               "out or keeps for validation: it would leave their rows out anyway")
     generate.add_argument("--heldout-fraction", type=float,
                           default=TRAINING_DEFAULTS["heldout_fraction"],
                           help="with --for-training: that training's held-out share")
+    generate.add_argument("--validation-fraction", type=float,
+                          default=TRAINING_DEFAULTS["validation_fraction"],
+                          help="with --for-training: that training's validation share (its "
+                               "validation prompts are skipped too)")
     generate.add_argument("--json", action="store_true")
     url_arg(generate)
     generate.set_defaults(func=cmd_generate)

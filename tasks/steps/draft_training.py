@@ -34,8 +34,8 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 
 from specdec_core import SamplingParams
-from specdec_core.estimate import (LoggedRequest, in_heldout, round_robin,  # noqa: F401 - in_heldout re-exported
-                                   split_hash)
+from specdec_core.estimate import (LoggedRequest, in_heldout, in_validation,  # noqa: F401 - in_heldout re-exported
+                                   round_robin, split_hash, validation_key)
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db import queries_drafts as q
@@ -129,17 +129,13 @@ class TrainingSplit:
     validation: list = field(default_factory=list)   # never trained on, choose the checkpoint
 
 
-VALIDATION_KEY = "{}/validation"      # the validation split's hash key, of the split key
-
-
 def validation_ids(split_key: str, candidates: list[str], fraction: float) -> set[str]:
-    """The ids of `candidates` (the rows not held out) kept for validation: those whose hash
-    under VALIDATION_KEY falls below `fraction`, or the lowest one where none does (a curve
-    needs a row). Fixed by the split key and the rows, so a re-run resumes on the same split."""
-    key = VALIDATION_KEY.format(split_key)
-    chosen = {i for i in candidates if split_hash(key, i) < fraction}
+    """The ids of `candidates` (the rows not held out) kept for validation: in_validation's, or
+    the one with the lowest validation hash where none is (a curve needs a row). Fixed by the
+    split key and the rows, so a re-run resumes on the same split."""
+    chosen = {i for i in candidates if in_validation(split_key, i, fraction)}
     if not chosen and len(candidates) > 1:
-        chosen = {min(candidates, key=lambda i: split_hash(key, i))}
+        chosen = {min(candidates, key=lambda i: split_hash(validation_key(split_key), i))}
     return chosen
 
 

@@ -13,15 +13,16 @@ text is redacted as an import redacts it.
   id (one generation per logged prompt and run). The order hashes the run id with its own salt,
   so it is independent of the held-out split a training of the same id draws
   (specdec_core.estimate.in_heldout hashes the same pair unsalted; ordering by that hash would
-  take the held-out prompts first). `heldout=(split key, fraction)` skips the prompts that the
-  training using these rows holds out: it would leave their rows out anyway.
+  take the held-out prompts first). `heldout=(split key, fraction[, validation fraction])` skips
+  the prompts that the training using these rows holds out (and keeps for validation, given its
+  share): it would leave their rows out anyway.
 - Resumable: each batch is committed as it is done; a re-run of the same run id skips the prompts
   it already answered and generates only what is missing, so an interrupted run continues and a
   finished one does nothing.
 - Never production traffic: sampling (evaluations, estimates), suffix indexes and the SQL reports
   read `production_traffic()` only; draft training reads generated rows only when asked
   (train_draft_from_traffic(include_generated=True)), into its training split only, and never a
-  row generated from one of its held-out prompts.
+  row generated from one of its held-out or validation prompts.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import hashlib
 import logging
 
 from specdec_core import SamplingParams
-from specdec_core.estimate import in_heldout
+from specdec_core.estimate import in_heldout, in_validation
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db.queries_traffic import (generated_count, generated_sources, insert_generated, target_domains,
@@ -62,12 +63,13 @@ def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MOD
                      store: Store | None = None, window_days: float | None = None,
                      batch_size: int = 8, max_new_tokens: int = 256, device: str | None = None,
                      model=None, tokenizer=None, seed: int = 0, progress: bool = True,
-                     heldout: tuple[str, float] | None = None) -> dict:
+                     heldout: tuple | None = None) -> dict:
     """Generate up to `count` responses per domain for logged prompts (see the module docstring).
 
     domains: a domain or a list (None: every domain with this target's production traffic).
-    heldout: (split key, fraction) of the training these rows are for (its id, or the id it
-    splits like, and its heldout_fraction): its held-out prompts are never answered.
+    heldout: (split key, fraction[, validation fraction]) of the training these rows are for
+    (its id, or the id it splits like, its heldout_fraction and validation_fraction): its
+    held-out prompts, and with the third its validation prompts, are never answered.
     Output: {"run_id", "generated" (new rows this call), "domains": {domain: {"available"
     (logged prompts, held-out ones excluded), "planned" (min(count, available)), "before" (rows of this run already
     stored), "generated" (new rows), "rows" (this run's rows now)}}}."""
@@ -77,11 +79,13 @@ def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MOD
         raise GenerationError(f"count {count!r}: give the number of rows to generate per domain (>= 0)")
     if batch_size < 1 or max_new_tokens < 1:
         raise GenerationError(f"batch_size {batch_size} / max_new_tokens {max_new_tokens}: both >= 1")
-    if heldout is not None and not (isinstance(heldout, (tuple, list)) and len(heldout) == 2
+    if heldout is not None and not (isinstance(heldout, (tuple, list)) and len(heldout) in (2, 3)
                                     and isinstance(heldout[0], str)
-                                    and isinstance(heldout[1], (int, float)) and 0 < heldout[1] < 1):
-        raise GenerationError(f"heldout {heldout!r}: give (split key, fraction between 0 and 1) of "
-                              "the training that will use the rows, or None")
+                                    and all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                            and 0 < f < 1 for f in heldout[1:])):
+        raise GenerationError(f"heldout {heldout!r}: give (split key, held-out fraction[, validation "
+                              "fraction]), fractions between 0 and 1, of the training that will "
+                              "use the rows, or None")
     if store is None:
         raise TypeError("generate_traffic: pass the Store (tasks.db.store.Store.open) to read the "
                         "logged traffic from and store the generated rows in")
@@ -105,8 +109,9 @@ def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MOD
     redact = _redactor()
     summary, total = {}, 0
     for domain in domains:
-        rows = [row for row in sources[domain]
-                if heldout is None or not in_heldout(heldout[0], row.id, heldout[1])]
+        rows = [row for row in sources[domain] if heldout is None or not (
+                in_heldout(heldout[0], row.id, heldout[1])
+                or (len(heldout) == 3 and in_validation(heldout[0], row.id, heldout[2])))]
         rows.sort(key=lambda row: selection_key(GENERATION_SALT + run_id, row.id))
         planned = rows[:count]
         todo = [row for row in planned if row.id not in done]
