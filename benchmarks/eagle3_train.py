@@ -7,9 +7,10 @@ and the head's step against a target step, on this machine.
 
 The held-out split is by request (a hash of its id, 20%), the same rule the training step uses;
 the head never sees those rows, and they do not choose the checkpoint kept: --eval-requests
-validation rows taken from the training rows (each domain in turn, not trained on) do. Rows are scored with the start-dependent offline estimate
-(greedy rows: argmax == logged token; sampled rows: min(1, q/p) at the logged token), which
-equals live rounds for greedy rows (tests/test_eagle3.py).
+validation rows taken from the training rows (each domain in turn, not trained on) do. Rows are
+scored with the start-dependent offline estimate (greedy rows: argmax == logged token; sampled
+rows: min(1, q/p) at the logged token), which equals live rounds for greedy rows
+(tests/test_eagle3.py).
 """
 
 from __future__ import annotations

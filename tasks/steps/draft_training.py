@@ -312,10 +312,11 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
         mlflow_client.create_registered_model(name, description=f"specdec drafts trained for {target}")
     existing = mlflow_client.search_model_versions(f"name='{name}' and tag.train_id='{train_id}'")
     kind = (record["params"] or {}).get("kind", "draft_model")
+    heldout = reported(result)
     tags = {"train_id": train_id, "kind": kind, "target_fingerprint": fingerprint, "domains": lineage["domains"],
             "window": f"{lineage['window_start']}..{lineage['window_end']}",
-            "heldout_predicted_speedup": f"{reported(result)['predicted_speedup']:.3f}",
-            "heldout_k": str(reported(result)["k"]),
+            "heldout_predicted_speedup": f"{heldout['predicted_speedup']:.3f}",
+            "heldout_k": str(heldout["k"]),
             "validation_predicted_speedup": f"{result['best']['predicted_speedup']:.3f}",
             # the data rows: logged requests trained on (generated ones among them) and held out
             "train_requests": str(record["train_requests"]),
@@ -333,7 +334,7 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
                    "on requests neither trained on nor used to choose it):\n\n"
                    "| domain | E[tokens/round] | K | predicted speedup |\n|---|---|---|---|\n"
                    + "\n".join(f"| {d} | {s['expected_tokens_per_round']:.3f} | {s['k']} | "
-                               f"{s['predicted_speedup']:.2f}x |" for d, s in reported(result)["domains"].items()))
+                               f"{s['predicted_speedup']:.2f}x |" for d, s in heldout["domains"].items()))
     if existing:
         version = str(existing[0].version)
     else:
