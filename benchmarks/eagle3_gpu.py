@@ -74,6 +74,9 @@ from specdec_core.train import (PackedRows, TrainConfig, _HeadTrainee, autocast,
                                 head_vocabulary, measure_head_step, measured_costs, optimise)
 
 SPLIT_KEY, HELDOUT_FRACTION = "eagle3-bench", 0.2
+EXTRA_HELDOUT = REPO / "benchmarks/data/eagle3_heldout.jsonl.gz"     # eagle3_heldout.py's rows
+HELDOUT_FIELDS = ("id", "domain", "messages", "temperature", "top_k", "top_p", "max_tokens",
+                  "prompt_token_ids", "response_token_ids")
 VERIFIER = "smollm2-135m-instruct"
 GOALS = {"json": 0.6, "code": 0.6}      # held-out first-draft acceptance; 0.45 for the others
 OTHER_GOAL = 0.45
@@ -143,6 +146,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heldout-per-domain", type=int, default=0,
                         help="score only the first N held-out requests of each domain (0: all; "
                              "for a quick check on a CPU)")
+    parser.add_argument("--extra-heldout", default=None,
+                        help="a held-out file of benchmarks/eagle3_heldout.py whose prompts are left "
+                             "out of the generated ones (scored after the run, on a CPU, by "
+                             "eagle3_train.py --head); default: the shipped one when it is there, "
+                             "none for no file")
     parser.add_argument("--seed", type=int, default=51)
     parser.add_argument("--save-generated", action="store_true",
                         help="also write DIR/generated.jsonl.gz (token ids of the generated rows)")
@@ -162,6 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.curve_requests = min(args.curve_requests, 6)     # one a domain
         args.max_length = min(args.max_length, 64)
         args.heldout_per_domain = args.heldout_per_domain or 1
+    if args.extra_heldout is None:
+        args.extra_heldout = str(EXTRA_HELDOUT) if EXTRA_HELDOUT.exists() else "none"
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = args.device.type == "cuda"
     args.batch_size = args.batch_size or (256 if cuda else 16)
@@ -222,6 +232,24 @@ def shipped_rows() -> list[dict]:
         return [json.loads(line) for line in handle]
 
 
+def extra_heldout_rows(path) -> list[dict]:
+    """The rows of a held-out file made by benchmarks/eagle3_heldout.py; [] for "none". A missing
+    file or a row without the shipped file's fields is an error naming the command that makes it."""
+    if path is None or str(path) == "none":
+        return []
+    path = Path(path)
+    remake = f"make it with `python benchmarks/eagle3_heldout.py --out {path}`, or pass none"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such held-out file; {remake}")
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    for number, row in enumerate(rows, 1):
+        missing = [f for f in HELDOUT_FIELDS if f not in row]
+        if missing:
+            raise ValueError(f"{path}, row {number}: no {', '.join(missing)}; {remake}")
+    return rows
+
+
 def logged(row: dict, response_ids=None) -> LoggedRequest:
     return LoggedRequest(row["id"], list(row["prompt_token_ids"]),
                          list(row["response_token_ids"] if response_ids is None else response_ids),
@@ -252,15 +280,16 @@ def per_domain(rows: list[dict], n: int) -> list[dict]:
     return kept
 
 
-def new_requests(count: int, shipped: list[dict], encode, seed: int, max_new: int) -> list[dict]:
+def new_requests(count: int, taken: list[dict], encode, seed: int, max_new: int) -> list[dict]:
     """`count` new requests from make_sample_traffic's builders (seed `seed`, reworded where a
-    pool runs dry), with their prompt ids; none has a shipped request's messages or prompt ids."""
+    pool runs dry), with their prompt ids; none has the messages or prompt ids of a `taken` row
+    (the shipped requests, the extra held-out ones)."""
     if count <= 0:
         return []
     domains = 6
     made = traffic.build_requests(math.ceil(count * 1.05 / domains) + 1, seed=seed, vary=True)
-    taken_messages = {json.dumps(r["messages"]) for r in shipped}
-    taken_ids = {tuple(r["prompt_token_ids"]) for r in shipped}
+    taken_messages = {json.dumps(r["messages"]) for r in taken}
+    taken_ids = {tuple(r["prompt_token_ids"]) for r in taken}
     random.Random(seed).shuffle(made)
     made = [r for r in made if json.dumps(r["messages"]) not in taken_messages][:count + 64]
     encoded = encode([r["messages"] for r in made])
@@ -569,16 +598,43 @@ def train_one(target, rows: list[LoggedRequest], curve_rows, costs, args, entry:
 def score(target, head, heldout: list[LoggedRequest]) -> dict:
     """{domain: {requests, acceptance_k1, acceptance_k1_ci95, length_by_k}} on the held-out
     shipped requests; the interval is a bootstrap over requests (about 20 a domain here)."""
-    estimates = estimate_acceptance(target, HeadDrafter(head), heldout, list(range(1, K_MAX + 1)),
-                                    progress=False, n_boot=200)
-    return {domain: {"requests": by_k[1].requests,
-                     "acceptance_k1": float(by_k[1].conditional_acceptance[0]),
-                     "acceptance_k1_ci95": [round(v, 4) for v in bootstrap_ratio(
-                         [t.accepted[0] for t in by_k[1].per_request],
-                         [t.reached[0] for t in by_k[1].per_request])],
-                     "length_by_k": {str(k): round(float(e.expected_tokens_per_round), 4)
-                                     for k, e in sorted(by_k.items())}}
-            for domain, by_k in sorted(estimates.items())}
+    return score_sets(target, head, {"heldout": heldout})["heldout"]
+
+
+def score_sets(target, head, sets: dict[str, list[LoggedRequest]]) -> dict[str, dict]:
+    """score() of each named set of rows, and of them all together ("all", where there are two
+    sets or more), from one pass of the head over every row."""
+    names = [name for name, rows in sets.items() if rows]
+    rows = [r for name in names for r in sets[name] if len(r.response_ids) >= 2]
+    labels = [name for name in names for r in sets[name] if len(r.response_ids) >= 2]
+    out: dict[str, dict] = {name: {} for name in sets}
+    if len(names) > 1:
+        out["all"] = {}
+    if not rows:
+        return out
+    ks = list(range(1, K_MAX + 1))
+    estimates = estimate_acceptance(target, HeadDrafter(head), rows, ks, progress=False, n_boot=200)
+    for domain, by_k in sorted(estimates.items()):
+        # estimate_acceptance keeps each domain's rows in the order given
+        domain_labels = [label for label, r in zip(labels, rows) if r.domain == domain]
+        for name in out:
+            picks = [i for i, label in enumerate(domain_labels) if name in ("all", label)]
+            if picks:
+                out[name][domain] = summarise({k: [by_k[k].per_request[i] for i in picks] for k in ks})
+    return out
+
+
+def summarise(totals_by_k: dict[int, list]) -> dict:
+    """{requests, acceptance_k1 (accepted / reached at the first draft), its bootstrap 95% interval
+    over requests, length_by_k} from per-request round totals at each K."""
+    first = totals_by_k[1]
+    accepted = [float(t.accepted[0]) for t in first]
+    reached = [float(t.reached[0]) for t in first]
+    return {"requests": len(first),
+            "acceptance_k1": sum(accepted) / sum(reached) if sum(reached) > 0 else 0.0,
+            "acceptance_k1_ci95": [round(v, 4) for v in bootstrap_ratio(accepted, reached)],
+            "length_by_k": {str(k): round(sum(t.tokens for t in totals) / max(sum(t.rounds for t in totals), 1e-12), 4)
+                            for k, totals in sorted(totals_by_k.items())}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -742,11 +798,18 @@ def main(argv=None) -> dict:
         state["heldout"] = [logged(r) for r in heldout_rows]
         state["shipped_train"] = [logged(r) for r in train_rows]
         wanted = args.requests - len(train_rows)
-        state["requests"] = new_requests(wanted, shipped_rows(), encode, args.seed, args.max_new_tokens)
+        # the larger held-out set scored after the run (eagle3_heldout.py) is never generated for
+        # training either
+        extra = extra_heldout_rows(args.extra_heldout)
+        state["requests"] = new_requests(wanted, shipped_rows() + extra, encode, args.seed,
+                                         args.max_new_tokens)
         held = {tuple(r.prompt_ids) for r in state["heldout"]}
         clash = sum(tuple(r["prompt_token_ids"]) in held for r in state["requests"])
+        extra_messages = {json.dumps(r["messages"]) for r in extra}
+        extra_clash = sum(json.dumps(r["messages"]) in extra_messages for r in state["requests"])
         curve["counts"].update(shipped_train=len(train_rows), heldout=len(heldout_rows),
-                               new_prompts=len(state["requests"]), new_prompts_equal_to_heldout=clash)
+                               new_prompts=len(state["requests"]), new_prompts_equal_to_heldout=clash,
+                               extra_heldout=len(extra), new_prompts_equal_to_extra_heldout=extra_clash)
 
     phase(curve, "prompts", out, prompts)
     state.setdefault("shipped_train", [])

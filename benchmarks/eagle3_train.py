@@ -36,6 +36,9 @@ from specdec_core.train import (TrainConfig, head_vocabulary, measure_head_step,
                                 train_head)
 from specdec_core.estimate import in_heldout, split_off  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+import eagle3_gpu  # noqa: E402  (the held-out scoring and goals of the GPU run, the extra held-out rows)
+
 
 def shipped_requests() -> list[LoggedRequest]:
     rows = [json.loads(line) for line in gzip.open(REPO / "tasks/data/sample_traffic.jsonl.gz", "rt")]
@@ -125,6 +128,29 @@ def compare(target, head, train, heldout, k_max: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def heldout_table(target, head, sets: dict[str, list[LoggedRequest]]) -> str:
+    """First-draft acceptance per domain with its bootstrap 95% interval on each held-out set and
+    on all of them, the issue's goal line (eagle3_gpu.verdict) and the acceptance length at
+    K = 1..5 on all of them; one pass of the head over the rows."""
+    scored = eagle3_gpu.score_sets(target, head, sets)
+    names = [name for name in sets if sets[name]] + (["all"] if "all" in scored else [])
+    domains = sorted({d for name in names for d in scored[name]})
+    lines = ["## Held-out acceptance per domain (K = 1: accepted / reached at the first draft, "
+             "bootstrap 95% interval over requests)", "",
+             "| domain | " + " | ".join(f"{name} (requests)" for name in names)
+             + f" | goal, on {names[-1]} | acceptance length at K=1..5, {names[-1]} | best K |",
+             "|---|" + "---|" * (len(names) + 3)]
+    for domain in domains:
+        cells = [f"{eagle3_gpu.with_interval(scored[name][domain])} ({scored[name][domain]['requests']})"
+                 if domain in scored[name] else "" for name in names]
+        last = scored[names[-1]][domain]
+        lengths = {int(k): v for k, v in last["length_by_k"].items()}
+        lines.append(f"| {domain} | " + " | ".join(cells) + f" | {eagle3_gpu.verdict(domain, last)} | "
+                     + ", ".join(f"{lengths[k]:.2f}" for k in sorted(lengths))
+                     + f" | {max(lengths, key=lengths.get)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
@@ -147,7 +173,14 @@ def main() -> None:
                         help="validation requests scored at each checkpoint, choosing the one kept: "
                              "taken from the training rows, each domain in turn, and not trained "
                              "on; the final table scores every held-out request")
+    parser.add_argument("--extra-heldout", default=None,
+                        help="more held-out rows (benchmarks/eagle3_heldout.py's file), scored beside "
+                             "the shipped held-out ones and never trained on; default: the shipped "
+                             "file when it is there, none for no file")
     args = parser.parse_args()
+    if args.extra_heldout is None:
+        args.extra_heldout = str(eagle3_gpu.EXTRA_HELDOUT) if eagle3_gpu.EXTRA_HELDOUT.exists() else "none"
+    extra = [eagle3_gpu.logged(row) for row in eagle3_gpu.extra_heldout_rows(args.extra_heldout)]
     torch.manual_seed(0)
     target, _ = load_model("smollm2-135m-instruct", device="cpu")
     requests = [r for r in shipped_requests() if len(r.response_ids) >= 2]
@@ -162,8 +195,10 @@ def main() -> None:
     verify = measured_costs(target, None, args.k_max)[1]     # verify(K) / step, measured here
     print(f"{len(train)} train / {len(heldout)} held-out requests; draft vocabulary {len(vocab)}; "
           f"head step {step_ratio:.3f} of a target step", file=sys.stderr)
+    sets = {"shipped held-out": heldout, "extra held-out": extra}
     if args.head is not None:
-        print(compare(target, head, train, heldout, args.k_max))
+        print(heldout_table(target, head, sets))
+        print(compare(target, head, train, heldout + extra, args.k_max))
         return
     started = time.perf_counter()
     train, curve_rows = split_off(train, args.eval_requests)
@@ -174,13 +209,13 @@ def main() -> None:
     head = kind.load(best_dir, target)
     if args.save and kind is Eagle3Head:
         head.save(args.save, k=result.best["k"], verifier="smollm2-135m-instruct")
-    estimates = estimate_acceptance(target, HeadDrafter(head), heldout, list(range(1, args.k_max + 1)),
-                                    progress=False, n_boot=200)
     title = "EAGLE-3 head" if kind is Eagle3Head else "EAGLE-style head (specdec_core.head)"
     lines = [f"# {title} for smollm2-135m-instruct on the shipped traffic (CPU)", "",
              f"`python benchmarks/eagle3_train.py --kind {args.kind} --steps {args.steps} --eval-every {args.eval_every} "
              f"--vocab {args.vocab} --unroll {args.unroll} --lr {args.lr} --max-length {args.max_length}`", "",
-             f"{len(train)} training / {len(heldout)} held-out requests (split by request), draft "
+             f"{len(train)} training / {len(heldout)} held-out requests (split by request)"
+             + (f", and {len(extra)} more held-out requests ({args.extra_heldout}: new prompts the "
+                "target answered, benchmarks/eagle3_heldout.py)" if extra else "") + ", draft "
              f"vocabulary {len(vocab)} (most frequent response tokens), training-time test "
              f"{args.unroll} steps, {args.steps} steps in {minutes:.1f} min. Head step "
              f"{step_ratio:.3f} of a target step (batch 1, measured here).", "",
@@ -191,18 +226,10 @@ def main() -> None:
     for entry in result.history:
         lines.append(f"| {entry['step']} | {entry['heldout_kl']:.3f} | "
                      f"{entry['conditional_acceptance'][0]:.3f} | {entry['predicted_speedup']:.3f} |")
-    lines += ["", f"Best checkpoint: step {result.best['step']}.", "",
-              "## Held-out acceptance per domain (best checkpoint)", "",
-              "| domain | requests | acceptance at K=1 | acceptance length at K=1..5 (tokens per round) | best K |",
-              "|---|---|---|---|---|"]
-    for domain, by_k in sorted(estimates.items()):
-        lengths = {k: est.expected_tokens_per_round for k, est in by_k.items()}
-        best_k = max(lengths, key=lengths.get)
-        lines.append(f"| {domain} | {by_k[1].requests} | {by_k[1].conditional_acceptance[0]:.3f} | "
-                     + ", ".join(f"{lengths[k]:.2f}" for k in sorted(lengths)) + f" | {best_k} |")
-    text = "\n".join(lines) + "\n"
+    lines += ["", f"Best checkpoint: step {result.best['step']}.", ""]
+    text = "\n".join(lines) + "\n" + heldout_table(target, head, sets)
     if not args.no_compare:
-        text += "\n" + compare(target, head, train, heldout, args.k_max)
+        text += "\n" + compare(target, head, train, heldout + extra, args.k_max)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -24,12 +24,31 @@ def script():
     return load_script("benchmarks/eagle3_gpu.py", "eagle3_gpu")
 
 
+def would_generate(script, count: int) -> list[dict]:
+    """The first prompts the smoke run would generate to train on (its seed, 51)."""
+    train, _ = script.split_shipped(script.shipped_rows(), smoke=True)
+    return script.new_requests(64 - len(train), script.shipped_rows(),
+                               script.ByteTokenizer().encode_chats, 51, 8)[:count]
+
+
 @pytest.fixture(scope="module")
-def run(script, tmp_path_factory):
+def extra_heldout(script, tmp_path_factory):
+    """An extra held-out file (benchmarks/eagle3_heldout.py's format) holding six prompts that the
+    smoke run would otherwise generate and train on."""
+    path = tmp_path_factory.mktemp("extra") / "heldout.jsonl.gz"
+    rows = [{**{f: r[f] for f in script.HELDOUT_FIELDS if f in r}, "response_token_ids": [5, 6, 7]}
+            for r in would_generate(script, 6)]
+    with gzip.open(path, "wt") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    return {"path": path, "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def run(script, extra_heldout, tmp_path_factory):
     out = tmp_path_factory.mktemp("eagle3_gpu")
     # a budget that the 6 steps fit on any machine: the cut to what fits is tested on its own
     returned = script.main(["--smoke", "--out", str(out), "--steps", "6", "--train-seconds", "300",
-                            "--train-batch", "auto"])
+                            "--train-batch", "auto", "--extra-heldout", str(extra_heldout["path"])])
     return {"out": out, "returned": returned, "curve": json.loads((out / "curve.json").read_text()),
             "markdown": (out / "curve.md").read_text()}
 
@@ -119,6 +138,103 @@ def test_no_heldout_prompt_is_trained_on(run):
     assert not heldout_prompts & {tuple(r.prompt_ids) for r in train}
     scored = run["returned"]["heldout_requests"]
     assert scored and {r.request_id for r in scored} <= heldout_ids
+
+
+def test_no_extra_heldout_prompt_is_generated_or_trained_on(script, run, extra_heldout):
+    """The larger held-out set scored after the run (benchmarks/eagle3_heldout.py) is left out of
+    the prompts generated for training -- here six prompts the run would otherwise have made."""
+    counts = run["curve"]["counts"]
+    assert counts["extra_heldout"] == 6 and counts["new_prompts_equal_to_extra_heldout"] == 0
+    extra = {json.dumps(r["messages"]) for r in extra_heldout["rows"]}
+    assert extra <= {json.dumps(r["messages"]) for r in would_generate(script, 12)}   # they would be
+    trained = {r.request_id for r in run["returned"]["train_requests"] + run["returned"]["validation_requests"]}
+    assert not trained & {r["id"] for r in extra_heldout["rows"]}
+    prompts = {tuple(r.prompt_ids) for r in run["returned"]["train_requests"]}
+    assert not prompts & {tuple(r["prompt_token_ids"]) for r in extra_heldout["rows"]}
+
+
+def test_an_extra_heldout_file_that_is_missing_or_short_of_a_field_names_the_fix(script, tmp_path):
+    with pytest.raises(FileNotFoundError, match="benchmarks/eagle3_heldout.py --out"):
+        script.extra_heldout_rows(tmp_path / "absent.jsonl.gz")
+    bad = tmp_path / "bad.jsonl.gz"
+    with gzip.open(bad, "wt") as handle:
+        handle.write(json.dumps({"id": "x", "domain": "json"}) + "\n")
+    with pytest.raises(ValueError, match="row 1: no messages, temperature.*eagle3_heldout.py"):
+        script.extra_heldout_rows(bad)
+    assert script.extra_heldout_rows("none") == []
+
+
+def test_scores_of_several_heldout_sets_come_from_one_pass_and_match_each_set_alone(script, run):
+    """score_sets: each set's figures, and all of them together, equal what the estimate gives on
+    those rows alone."""
+    from specdec_core.estimate import estimate_acceptance
+    from specdec_core.head import HeadDrafter
+
+    target, _ = script.smoke_target(51)
+    head = Eagle3Head.load(run["out"] / run["curve"]["heads"][-1]["dir"], target)
+    first = run["returned"]["heldout_requests"]
+    second = run["returned"]["validation_requests"]
+    scored = script.score_sets(target, head, {"a": first, "b": second, "empty": []})
+    assert set(scored) == {"a", "b", "empty", "all"} and scored["empty"] == {}
+    for name, rows in (("a", first), ("b", second), ("all", first + second)):
+        alone = estimate_acceptance(target, HeadDrafter(head), rows, [1, 2, 3, 4, 5], progress=False)
+        assert set(scored[name]) == set(alone)
+        for domain, by_k in alone.items():
+            got = scored[name][domain]
+            assert got["requests"] == by_k[1].requests
+            assert got["acceptance_k1"] == pytest.approx(by_k[1].conditional_acceptance[0])
+            assert got["length_by_k"] == {str(k): pytest.approx(e.expected_tokens_per_round, abs=1e-4)
+                                          for k, e in by_k.items()}
+    # two requests a domain in "all": an interval over them
+    assert all(s["requests"] == 2 for s in scored["all"].values())
+    assert script.score(target, head, first) == scored["a"]
+
+
+def test_the_extra_heldout_script_makes_new_prompts_a_domain_each_with_the_targets_answer(tmp_path):
+    """benchmarks/eagle3_heldout.py --smoke: balanced rows in the shipped file's format, none a
+    shipped prompt, read back by eagle3_gpu.extra_heldout_rows, a sidecar that says how."""
+    make = load_script("benchmarks/eagle3_heldout.py", "eagle3_heldout")
+    path = tmp_path / "heldout.jsonl.gz"
+    rows = make.main(["--smoke", "--out", str(path), "--per-domain", "3"])
+    gpu = make.gpu
+    read = gpu.extra_heldout_rows(path)
+    assert read == rows
+    domains = sorted({"json", "code", "summarize", "qa", "chat", "creative"})
+    assert sorted(r["domain"] for r in rows) == sorted(domains * 3)
+    shipped = gpu.shipped_rows()
+    assert not {json.dumps(r["messages"]) for r in rows} & {json.dumps(r["messages"]) for r in shipped}
+    assert len({r["id"] for r in rows}) == len(rows) and all(r["id"].startswith("heldout5100-") for r in rows)
+    target, tokenizer = gpu.smoke_target(5100)
+    for row in rows:
+        assert row["prompt_token_ids"] == tokenizer.encode_chats([row["messages"]])[0]
+        assert 2 <= len(row["response_token_ids"]) <= row["max_tokens"] <= 8
+        greedy = row["temperature"] == 0
+        if greedy:     # the target's own greedy answer
+            ids = torch.tensor([row["prompt_token_ids"]])
+            with torch.no_grad():
+                out = target.generate(ids, max_new_tokens=len(row["response_token_ids"]), do_sample=False,
+                                      attention_mask=torch.ones_like(ids), pad_token_id=0)
+            assert out[0, ids.shape[1]:].tolist() == row["response_token_ids"]
+    meta = json.loads((tmp_path / "heldout.meta.json").read_text())
+    assert meta["rows_by_domain"] == {d: 3 for d in domains} and meta["seed"] == 5100
+    assert "--smoke" in meta["command"]
+
+
+def test_the_cpu_benchmark_tables_each_heldout_set_with_its_interval_and_the_goal(script, run):
+    """benchmarks/eagle3_train.py's held-out table: a column per set and one for all of them, the
+    goal line on all of them, the acceptance lengths."""
+    bench = load_script("benchmarks/eagle3_train.py", "eagle3_train")
+    target, _ = script.smoke_target(51)
+    head = Eagle3Head.load(run["out"] / run["curve"]["heads"][-1]["dir"], target)
+    sets = {"shipped held-out": run["returned"]["heldout_requests"],
+            "extra held-out": run["returned"]["validation_requests"]}
+    text = bench.heldout_table(target, head, sets)
+    scored = script.score_sets(target, head, sets)
+    assert "| domain | shipped held-out (requests) | extra held-out (requests) | all (requests) | goal, on all |" in text
+    for domain, whole in scored["all"].items():
+        cells = [f"{script.with_interval(scored[name][domain])} ({scored[name][domain]['requests']})"
+                 for name in ("shipped held-out", "extra held-out", "all")]
+        assert f"| {domain} | " + " | ".join(cells) + f" | {script.verdict(domain, whole)} | " in text
 
 
 def test_the_head_kept_is_chosen_on_rows_neither_trained_on_nor_reported(run):
