@@ -16,7 +16,8 @@ what it has; DIR/curve.json is rewritten after every phase):
    benchmarks/eagle3_train.py does (in_heldout("eagle3-bench", id, 0.2)); the held-out 20% is
    only scored. New requests come from scripts/make_sample_traffic.py's builders (another seed,
    reworded where a pool runs dry), with its mix of greedy and sampled settings and max_tokens;
-   none equals a shipped prompt.
+   none equals a shipped prompt, nor one of --extra-heldout (benchmarks/eagle3_heldout.py's
+   larger held-out set, scored on a CPU after the run by eagle3_train.py --head).
 3. generate: the target answers them with SpecDecoder.generate_plain (static caches on CUDA),
    batches sharing one setting, until --generate-seconds runs out (the requests are scheduled so
    that what is done at any moment keeps the domain and sampling mix).
@@ -663,6 +664,13 @@ def markdown(curve: dict) -> str:
              f"{curve['counts'].get('validation', 0)} validation requests (each domain in turn) "
              "that score the training curve and choose the head kept. Cells: held-out first-draft "
              "acceptance (K = 1) and its bootstrap 95% interval over requests.", ""]
+    if curve["counts"].get("extra_heldout"):
+        lines[-1:-1] = [f"A further {curve['counts']['extra_heldout']} held-out requests "
+                        f"({curve['meta']['args'].get('extra_heldout')}, benchmarks/eagle3_heldout.py) "
+                        f"were left out of the generated prompts "
+                        f"({curve['counts'].get('new_prompts_equal_to_extra_heldout', 0)} equal to one); "
+                        "they are scored on a CPU once the heads are back: "
+                        "`python benchmarks/eagle3_train.py --head DIR/head-SIZE`.", ""]
     if not heads:
         return "\n".join(lines + ["No head was scored (see errors in curve.json).", ""])
     lines += ["| training requests | passed through the target (trained on) | steps | epochs (batch) | "

@@ -145,6 +145,8 @@ def test_no_extra_heldout_prompt_is_generated_or_trained_on(script, run, extra_h
     the prompts generated for training -- here six prompts the run would otherwise have made."""
     counts = run["curve"]["counts"]
     assert counts["extra_heldout"] == 6 and counts["new_prompts_equal_to_extra_heldout"] == 0
+    assert (f"A further 6 held-out requests ({extra_heldout['path']}, benchmarks/eagle3_heldout.py) "
+            "were left out of the generated prompts (0 equal to one)") in run["markdown"]
     extra = {json.dumps(r["messages"]) for r in extra_heldout["rows"]}
     assert extra <= {json.dumps(r["messages"]) for r in would_generate(script, 12)}   # they would be
     trained = {r.request_id for r in run["returned"]["train_requests"] + run["returned"]["validation_requests"]}
