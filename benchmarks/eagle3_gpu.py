@@ -171,8 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.curve_requests = min(args.curve_requests, 6)     # one a domain
         args.max_length = min(args.max_length, 64)
         args.heldout_per_domain = args.heldout_per_domain or 1
-    if args.extra_heldout is None:
-        args.extra_heldout = str(EXTRA_HELDOUT) if EXTRA_HELDOUT.exists() else "none"
+    args.extra_heldout = args.extra_heldout or default_extra_heldout()
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = args.device.type == "cuda"
     args.batch_size = args.batch_size or (256 if cuda else 16)
@@ -231,6 +230,11 @@ def load_target(args):
 def shipped_rows() -> list[dict]:
     with gzip.open(REPO / "tasks/data/sample_traffic.jsonl.gz", "rt", encoding="utf-8") as handle:
         return [json.loads(line) for line in handle]
+
+
+def default_extra_heldout() -> str:
+    """The shipped extra held-out file where it is there, else "none"."""
+    return str(EXTRA_HELDOUT) if EXTRA_HELDOUT.exists() else "none"
 
 
 def extra_heldout_rows(path) -> list[dict]:

@@ -16,9 +16,9 @@ generated training prompts, reworded where a pool runs dry), none equal to a shi
 `--per-domain` a domain. The target answers them with SpecDecoder.generate_plain, fp32, as the
 shipped traffic's responses were made. benchmarks/eagle3_gpu.py leaves these prompts out of the
 prompts it generates to train on (--extra-heldout); benchmarks/eagle3_train.py scores its head on
-them beside the shipped held-out rows (eagle3_gpu.extra_heldout_rows reads them). Rows keep the shipped file's fields (id, domain, messages, sampling
-settings, max_tokens, prompt and response token ids); a sidecar DIR/NAME.meta.json says how they
-were made.
+them beside the shipped held-out rows (eagle3_gpu.extra_heldout_rows reads them). Rows keep the
+shipped file's fields (id, domain, messages, sampling settings, max_tokens, prompt and response
+token ids); a sidecar DIR/NAME.meta.json says how they were made.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import json
 import platform
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eagle3_gpu as gpu  # noqa: E402
 
 SEED = 5100            # the GPU run's generated prompts use --seed 51
-FIELDS = gpu.HELDOUT_FIELDS
+REQUEST_FIELDS = [f for f in gpu.HELDOUT_FIELDS if not f.endswith("_token_ids")]
 
 
 def balanced_requests(per_domain: int, taken: list[dict], encode, seed: int, max_new: int) -> list[dict]:
@@ -46,14 +47,13 @@ def balanced_requests(per_domain: int, taken: list[dict], encode, seed: int, max
     reworded where a pool runs dry), none with the messages or prompt ids of a `taken` row."""
     domains = 6
     made = gpu.new_requests(per_domain * domains * 3, taken, encode, seed, max_new)
-    kept, counts = [], {}
+    kept, counts = [], Counter()
     for request in made:
-        if counts.get(request["domain"], 0) < per_domain:
-            counts[request["domain"]] = counts.get(request["domain"], 0) + 1
+        if counts[request["domain"]] < per_domain:
+            counts[request["domain"]] += 1
             kept.append({**request, "id": request["id"].replace(f"gen{seed}-", f"heldout{seed}-")})
-    short = {d: n for d, n in counts.items() if n < per_domain}
-    if short or len(counts) < domains:
-        raise ValueError(f"the builders gave too few new prompts for {per_domain} a domain ({counts}): "
+    if len(counts) < domains or min(counts.values()) < per_domain:
+        raise ValueError(f"the builders gave too few new prompts for {per_domain} a domain ({dict(counts)}): "
                          "ask for fewer with --per-domain")
     return kept
 
@@ -90,7 +90,7 @@ def main(argv=None) -> list[dict]:
     gpu.say(f"{len(requests)} new prompts, {args.per_domain} a domain; generating on {args.device}")
     by_id = {r["id"]: r for r in requests}
     answered = gpu.generate(target, requests, eos, gen_args, time.perf_counter() + args.generate_seconds)
-    rows = [{**{f: by_id[a.request_id][f] for f in FIELDS[:7]},
+    rows = [{**{f: by_id[a.request_id][f] for f in REQUEST_FIELDS},
              "prompt_token_ids": list(a.prompt_ids), "response_token_ids": list(a.response_ids)}
             for a in answered]
     rows.sort(key=lambda r: r["id"])
@@ -98,9 +98,7 @@ def main(argv=None) -> list[dict]:
     with gzip.open(args.out, "wt", encoding="utf-8") as handle:
         for row in rows:
             handle.write(json.dumps(row) + "\n")
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row["domain"]] = counts.get(row["domain"], 0) + 1
+    counts = Counter(row["domain"] for row in rows)
     meta = {"command": " ".join(["python benchmarks/eagle3_heldout.py", *(sys.argv[1:] if argv is None else argv)]),
             "target": "tiny random Llama (smoke)" if args.smoke else gpu.VERIFIER, "dtype": "float32",
             "device": str(args.device), "cpu": platform.processor() or platform.machine(),

@@ -178,8 +178,7 @@ def main() -> None:
                              "the shipped held-out ones and never trained on; default: the shipped "
                              "file when it is there, none for no file")
     args = parser.parse_args()
-    if args.extra_heldout is None:
-        args.extra_heldout = str(eagle3_gpu.EXTRA_HELDOUT) if eagle3_gpu.EXTRA_HELDOUT.exists() else "none"
+    args.extra_heldout = args.extra_heldout or eagle3_gpu.default_extra_heldout()
     extra = [eagle3_gpu.logged(row) for row in eagle3_gpu.extra_heldout_rows(args.extra_heldout)]
     torch.manual_seed(0)
     target, _ = load_model("smollm2-135m-instruct", device="cpu")
