@@ -2,10 +2,13 @@
 estimate on the same held-out requests, and vLLM's tokens/s with the head against plain.
 
     python benchmarks/eagle3_vllm.py HEAD_DIR [--domains json,code] [--requests 12] [--k 3]
+                                     [--extra-heldout FILE|none]
                                      [--out benchmarks/results/eagle3_vllm.md]
 
-HEAD_DIR: a checkpoint in the speculators format (benchmarks/eagle3_train.py --save writes one).
-The requests are the held-out rows of eagle3_train.py's split (never trained on). It runs the
+HEAD_DIR: a checkpoint in the speculators format (benchmarks/eagle3_train.py --save writes one, the
+GPU run's heads are in it). The requests are held-out rows, never trained on: per domain the
+shipped traffic's held-out rows of eagle3_train.py's split, then the extra held-out file's
+(benchmarks/eagle3_heldout.py; default: the shipped one), the first --requests of them. It runs the
 product's engine check (tasks.steps.engine_check) on a run whose domains are set on with the head
 at K, so the figures are the ones the pipeline gates on: vLLM's own per-request counts, E = 1 +
 accepted / drafting steps on both sides, greedy requests compared request by request, and the
@@ -24,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import eagle3_gpu  # noqa: E402
 from eagle3_train import shipped_requests  # noqa: E402
 from vs_vllm import report  # noqa: E402
 from specdec_core import load_model  # noqa: E402
@@ -51,6 +55,22 @@ def split_e(rows: list[dict], greedy: bool) -> str:
             f"{1 + sum(r['estimate_accepted'] for r in rows) / estimate_steps:.2f} ({len(rows)})")
 
 
+def heldout_by_domain(domains: list[str], extra_path) -> tuple[dict[str, list], set[str]]:
+    """Per domain its held-out requests: the shipped traffic's held-out rows (eagle3_train.py's
+    split), then the extra held-out file's rows of that domain ("none": no file), each in the
+    order it is stored; and the ids of the extra file's requests. A domain with no held-out
+    request is an error naming the domains there are."""
+    extra = [eagle3_gpu.logged(row) for row in eagle3_gpu.extra_heldout_rows(extra_path)]
+    heldout = [r for r in shipped_requests() if in_heldout("eagle3-bench", r.request_id, 0.2)] + extra
+    by_domain = {d: [r for r in heldout if r.domain == d] for d in domains}
+    empty = [d for d, requests in by_domain.items() if not requests]
+    if empty:
+        known = sorted({r.domain for r in heldout})
+        raise SystemExit(f"--domains {','.join(empty)}: no held-out request; the domains are "
+                         f"{', '.join(known)}")
+    return by_domain, {r.request_id for r in extra}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("head_dir")
@@ -58,13 +78,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--extra-heldout", default=None,
+                        help="more held-out rows (benchmarks/eagle3_heldout.py's file), served after "
+                             "the shipped held-out ones where --requests asks for more; default: the "
+                             "shipped file when it is there, none for no file")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    args.extra_heldout = args.extra_heldout or eagle3_gpu.default_extra_heldout()
     domains = args.domains.split(",")
+    by_domain, extra_ids = heldout_by_domain(domains, args.extra_heldout)
+    served = {d: [r.request_id in extra_ids for r in by_domain[d][:args.requests]] for d in domains}
     model, tokenizer = load_model(TARGET, device="cpu")
-    heldout = [r for r in shipped_requests()
-               if in_heldout("eagle3-bench", r.request_id, 0.2) and r.domain in domains]
-    by_domain = {d: [r for r in heldout if r.domain == d] for d in domains}
     candidate = f"eagle3:model={Path(args.head_dir).resolve()}"
     spec = parse_candidate(candidate)
     drafters = {d: build_drafters([candidate], model, tokenizer, None) for d in domains}
@@ -90,7 +114,10 @@ def main() -> None:
         sys.exit(result["skipped"])
     lines = [f"# EAGLE-3 head on vLLM's CPU build: {TARGET}, K = {args.k}", "",
              f"`python benchmarks/eagle3_vllm.py {args.head_dir} --domains {args.domains} "
-             f"--requests {args.requests} --k {args.k}`", "",
+             f"--requests {args.requests} --k {args.k} --extra-heldout {args.extra_heldout}`", "",
+             "Requests a domain: its shipped held-out rows first, then the extra held-out file's; "
+             "served here (shipped + extra): " + ", ".join(
+                 f"{d} {len(served[d]) - sum(served[d])} + {sum(served[d])}" for d in domains) + ".", "",
              "| domain | requests | greedy equal / checked | E vLLM | E estimate (95% CI) | vLLM / estimate | "
              "E greedy rows vLLM / est. | E sampled rows vLLM / est. | "
              "per-position vLLM | per-position estimate | plain tok/s | head tok/s | head / plain |",

@@ -166,6 +166,27 @@ def test_an_extra_heldout_file_that_is_missing_or_short_of_a_field_names_the_fix
     assert script.extra_heldout_rows("none") == []
 
 
+def test_the_vllm_check_serves_shipped_heldout_rows_first_then_the_extra_files(extra_heldout):
+    """benchmarks/eagle3_vllm.py: per domain the shipped rows of eagle3_train.py's held-out split
+    (never trained on), then the extra file's rows of that domain; an unknown domain is refused."""
+    vllm_check = load_script("benchmarks/eagle3_vllm.py", "eagle3_vllm")
+    extra_rows = extra_heldout["rows"]
+    domains = sorted({r["domain"] for r in extra_rows})
+    by_domain, extra_ids = vllm_check.heldout_by_domain(domains, extra_heldout["path"])
+    assert extra_ids == {r["id"] for r in extra_rows}
+    shipped = [r for r in vllm_check.shipped_requests() if in_heldout("eagle3-bench", r.request_id, 0.2)]
+    for domain in domains:
+        ids = [r.request_id for r in by_domain[domain]]
+        own = [r.request_id for r in shipped if r.domain == domain]
+        assert ids == own + [r["id"] for r in extra_rows if r["domain"] == domain]
+        assert own and len(ids) > len(own)
+        assert {r.domain for r in by_domain[domain]} == {domain}
+    alone, none = vllm_check.heldout_by_domain(domains[:1], "none")
+    assert none == set() and all(r.request_id not in extra_ids for r in alone[domains[0]])
+    with pytest.raises(SystemExit, match="--domains jsn: no held-out request; the domains are chat, code"):
+        vllm_check.heldout_by_domain(["jsn"], "none")
+
+
 def test_scores_of_several_heldout_sets_come_from_one_pass_and_match_each_set_alone(script, run):
     """score_sets: each set's figures, and all of them together, equal what the estimate gives on
     those rows alone."""
