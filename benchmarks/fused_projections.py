@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
     for repeat in range(args.repeats):
         for name in (CONTENDERS if repeat % 2 == 0 else CONTENDERS[::-1]):
             costs = measure_forward_costs(models[name], widths, context_len=args.context, repeats=1,
-                                          static=True, compile=False)
+                                          static=True, compile=False, fuse_projections=False)
             for width, seconds in costs.items():
                 forward_s[name][width].append(seconds)
     forward_ms = {name: {w: 1e3 * statistics.median(v) for w, v in per.items()}

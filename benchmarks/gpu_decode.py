@@ -336,7 +336,8 @@ def forward_costs(model: torch.nn.Module, widths, context_len: int, repeats: int
     source = "specdec_core.profile.measure_forward_costs (static cache)"
     costs = measure_forward_costs(model, list(widths), context_len=context_len, batch_size=1,
                                   repeats=repeats, static=True, cuda_graphs=engine["cuda_graphs"],
-                                  compile=engine["compile"])
+                                  compile=engine["compile"],
+                                  fuse_projections=engine.get("fuse_projections", "auto"))
     return {int(w): float(s) for w, s in costs.items()}, source
 
 

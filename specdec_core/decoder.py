@@ -25,6 +25,22 @@ from .verify import Verifier, rejection_sample, relaxed_verify, verify_round
 VERIFIERS: dict[str, Verifier] = {"exact": rejection_sample, "relaxed": relaxed_verify}
 
 
+def prepare_for_decoding(model: torch.nn.Module, cpu_kernels: bool | str = "auto",
+                         fuse_projections: bool | str = "auto") -> dict:
+    """Put `model` in place on the forward path SpecDecoder runs it on (see its cpu_kernels and
+    fuse_projections options): fused projections first, where chosen (the CPU kernels then pack
+    the plain nn.Linear modules left), then the CPU kernels. Returns what the CPU kernels applied
+    ({packed_linear, gqa_attention}). A cost measurement calls it too, so that it times the
+    forwards decoding will run, not the model as it was loaded."""
+    none = {"packed_linear": 0, "gqa_attention": False}
+    weight = next(model.parameters(), None)
+    if weight is None:
+        return none
+    if fuse_projections is True or (fuse_projections == "auto" and weight.device.type == "cuda"):
+        fuse_projections_of(model)
+    return none if cpu_kernels is False else kernels.prepare(model)
+
+
 class SpecDecoder:
     """Speculative decoding of `target_model` with `drafter`, k draft tokens per round.
 
@@ -97,16 +113,10 @@ class SpecDecoder:
         self.phase_timing = phase_timing
         self._static_pool = None
         self._static: bool | None = None          # uses_static_cache(), decided on first use
-        if fuse_projections is True or (fuse_projections == "auto" and self.device.type == "cuda"):
-            # before the CPU kernels: those pack the plain nn.Linear modules that are left
-            for model in (target_model, *(drafter.cached_models() if drafter is not None else ())):
-                fuse_projections_of(model)
-        self._cpu_kernels = {"packed_linear": 0, "gqa_attention": False}
-        if cpu_kernels is not False:
-            applied = kernels.prepare(target_model)
-            for model in (drafter.cached_models() if drafter is not None else ()):
-                kernels.prepare(model)
-            self._cpu_kernels = applied
+        # the target first: a drafter's model may share its layers (layer skip)
+        self._cpu_kernels = prepare_for_decoding(target_model, cpu_kernels, fuse_projections)
+        for model in (drafter.cached_models() if drafter is not None else ()):
+            prepare_for_decoding(model, cpu_kernels, fuse_projections)
 
     @property
     def device(self) -> torch.device:

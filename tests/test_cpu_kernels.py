@@ -170,6 +170,30 @@ def test_the_decoder_uses_them_by_default_with_the_same_tokens():
     assert torch.equal(lookup.generate(prompt, max_new_tokens=24).tokens, want.tokens)
 
 
+def test_a_cost_measurement_times_the_forward_the_decoder_runs():
+    # the training's costs (train.measured_costs, measure_head_step) time measure_forward_costs;
+    # on the model as loaded they priced a verify pass at 1.3-1.9 steps where the decoder's is 1.0
+    from specdec_core.profile import CostSampler, measure_forward_costs
+
+    def packed(model) -> int:
+        return sum(isinstance(m, cpu_kernels.PackedLinear) for m in model.modules())
+
+    linears = sum(isinstance(m, torch.nn.Linear) for m in tiny_llama().modules())
+    model = tiny_llama()
+    measure_forward_costs(model, [1, 3], context_len=16, repeats=1)
+    assert packed(model) == linears
+    assert model.config._attn_implementation == cpu_kernels.ATTENTION
+    assert SpecDecoder(model, None).engine()["cpu_kernels"] == {"packed_linear": linears,
+                                                              "gqa_attention": True}
+    off = tiny_llama()
+    measure_forward_costs(off, [1, 3], context_len=16, repeats=1, cpu_kernels=False)
+    assert packed(off) == 0 and off.config._attn_implementation == "sdpa"
+    # a cost profile prepares the target and a draft model's own model before its first timing
+    target, draft = tiny_llama(), tiny_llama(seed=1)
+    CostSampler(target, {"draft": DraftModel(draft)}, k_max=2, batch_sizes=[1], context_len=16)
+    assert packed(target) == packed(draft) == linears
+
+
 def test_a_prepared_model_compiles_with_transformers_linears_and_the_same_tokens(monkeypatch):
     # a model the CPU kernels prepared (a default decoder on a CPU does it, for good) and then
     # decoded compiled: the traced forward takes nn.Linear's path, since inductor's CPU lowering

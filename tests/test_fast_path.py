@@ -283,7 +283,7 @@ def test_a_cost_measurement_and_a_decode_share_their_compiled_bodies(monkeypatch
     torch._dynamo.reset()
     model = tiny_llama(seed=3)
     measure_forward_costs(model, [1, 3], context_len=64, repeats=1, static=True, cuda_graphs=False,
-                          compile=True)
+                          compile=True, cpu_kernels=False)
     measured = static_cache.COMPILES["bodies"]
     decoder = SpecDecoder(model, PromptLookup(), k=2, static_cache=True, cuda_graphs=False,
                           compile=True, cpu_kernels=False)
