@@ -19,6 +19,7 @@ import argparse
 import gzip
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -169,6 +170,9 @@ def main() -> None:
                         help="skip the comparison with prompt lookup and suffix (its cost timings)")
     parser.add_argument("--head", default=None,
                         help="score this saved EAGLE-3 head instead of training one")
+    parser.add_argument("--checkpoints", default=None,
+                        help="checkpoint folder; a run resumes from its last checkpoint (default: a "
+                             "new temporary folder, so a rerun trains from step 0)")
     parser.add_argument("--eval-requests", type=int, default=30,
                         help="validation requests scored at each checkpoint, choosing the one kept: "
                              "taken from the training rows, each domain in turn, and not trained "
@@ -201,7 +205,10 @@ def main() -> None:
         return
     started = time.perf_counter()
     train, curve_rows = split_off(train, args.eval_requests)
-    result = train_head(head, target, train, curve_rows, config, Path(f"/tmp/{args.kind}-bench"),
+    checkpoints = Path(args.checkpoints or tempfile.mkdtemp(prefix=f"{args.kind}-bench-"))
+    print(f"checkpoints: {checkpoints}" + (" (resuming from its last)" if (checkpoints / "last").exists()
+                                           else ""), file=sys.stderr)
+    result = train_head(head, target, train, curve_rows, config, checkpoints,
                         costs=(step_ratio, verify), unroll=args.unroll)
     minutes = (time.perf_counter() - started) / 60
     best_dir = Path(result.best_dir)
