@@ -114,14 +114,17 @@ def main() -> None:
         sys.exit(result["skipped"])
     lines = [f"# EAGLE-3 head on vLLM's CPU build: {TARGET}, K = {args.k}", "",
              f"`python benchmarks/eagle3_vllm.py {args.head_dir} --domains {args.domains} "
-             f"--requests {args.requests} --k {args.k} --extra-heldout {args.extra_heldout}`", "",
+             f"--requests {args.requests} --k {args.k}"
+             + ("" if args.extra_heldout == eagle3_gpu.default_extra_heldout()
+                else f" --extra-heldout {args.extra_heldout}") + "`", "",
              "Requests a domain: its shipped held-out rows first, then the extra held-out file's; "
              "served here (shipped + extra): " + ", ".join(
                  f"{d} {len(served[d]) - sum(served[d])} + {sum(served[d])}" for d in domains) + ".", "",
              "| domain | requests | greedy equal / checked | E vLLM | E estimate (95% CI) | vLLM / estimate | "
              "E greedy rows vLLM / est. | E sampled rows vLLM / est. | "
-             "per-position vLLM | per-position estimate | plain tok/s | head tok/s | head / plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "per-position vLLM | per-position estimate | plain tok/s | head tok/s | head / plain | "
+             "sampling test on vLLM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for domain, row in result["domains"].items():
         ci = (row.get("estimate_e_lo"), row.get("estimate_e_hi"))
         ratio = (row["engine_e"] / row["estimate_e"]) if row.get("engine_e") and row.get("estimate_e") else None
@@ -134,10 +137,23 @@ def main() -> None:
             + ", ".join(f"{x:.2f}" for x in row.get("engine_rates") or []) + " | "
             + ", ".join(f"{x:.2f}" for x in row.get("estimate_rates") or [])
             + f" | {plain or 0:.1f} | {spec_tps or 0:.1f} | "
-            + (f"{spec_tps / plain:.2f}" if plain and spec_tps else "-") + " |")
+            + (f"{spec_tps / plain:.2f}" if plain and spec_tps else "-") + " | "
+            + sampling_cell(result["sampling"].get(domain)) + " |")
         if row.get("status") != "ok":
             lines.append(f"|  | status {row.get('status')}: {row.get('reason')} |")
     report(lines, args.out)
+
+
+def sampling_cell(test: dict | None) -> str:
+    """The engine check's sampling test on vLLM's OpenAI server for one domain (the config served
+    with the plain server as control; EngineSamplingResult.to_dict()), as a table cell."""
+    if not test:
+        return "not run (the replay failed, or engine sampling is off)"
+    shared = f" (the test of {test['shared_from']}, shared)" if test.get("shared_from") else ""
+    if not test.get("passed"):
+        return f"{str(test.get('status') or 'failed').upper()}: {test.get('reason')}{shared}"
+    return (f"passed: {test.get('positions')} G-tests of {test.get('rows')} rows, smallest p "
+            f"{test.get('min_p') or 0:.3g}{shared}")
 
 
 if __name__ == "__main__":

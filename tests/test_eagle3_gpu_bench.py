@@ -357,3 +357,21 @@ def test_markdown_says_when_the_steps_asked_were_cut(script, run):
     last = curve["heads"][-1]
     assert f"; trained at batch {last['train_batch']} (--train-batch auto)" in text
     assert f"| 2410 of 3000 asked | {last['epochs']} ({last['train_batch']}) |" in text
+
+
+def test_the_vllm_checks_table_says_what_the_sampling_test_on_vllm_found():
+    """benchmarks/eagle3_vllm.py's last column: a pass with its figures, a failure with its
+    reason, a domain that was not tested said so."""
+    vllm_check = load_script("benchmarks/eagle3_vllm.py", "eagle3_vllm")
+    passed = {"status": "passed", "passed": True, "reason": "r", "rows": 300, "positions": 6,
+              "min_p": 0.0123, "shared_from": None}
+    assert vllm_check.sampling_cell(passed) == "passed: 6 G-tests of 300 rows, smallest p 0.0123"
+    assert vllm_check.sampling_cell(dict(passed, shared_from="code")).endswith(
+        "smallest p 0.0123 (the test of code, shared)")
+    failed = dict(passed, status="failed", passed=False, min_p=1e-5,
+                  reason="vLLM sampling test FAILED with the config at T 1 position 1")
+    assert vllm_check.sampling_cell(failed) == (
+        "FAILED: vLLM sampling test FAILED with the config at T 1 position 1")
+    assert vllm_check.sampling_cell(dict(failed, status="error", reason="the server died")) == (
+        "ERROR: the server died")
+    assert vllm_check.sampling_cell(None).startswith("not run")
