@@ -115,6 +115,50 @@ def test_drafts_vllm_accepts_past_the_response_are_left_out():
     assert row["counts_equal"] is True
 
 
+def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
+    """A model drafter (eagle3, draft_model) drafts at every step, so vLLM's steps lie one after
+    the other along the output; drafts accepted past its end are not compared (json-0026 of
+    eagle3_vllm.md: 33 accepted on vLLM against the estimate's 32, one past the 48th token)."""
+    from specdec_core.drafters import DraftModel
+
+    from .helpers.models import tiny_llama
+    from tasks.steps.engine_check import contiguous_steps
+
+    # 6 tokens: the prefill's, then steps at 1 (2 accepted + its own: 1..3) and at 4 (3 accepted
+    # drafts, of which 4 and 5 are in the output and the third past it)
+    output = [5, 6, 7, 8, 9, 10]
+    assert contiguous_steps(6, [3, 3], [2, 3]) == [1, 4]
+    assert contiguous_steps(6, [3, 3], [2, 0]) is None          # steps end before the output does
+    assert contiguous_steps(6, [3, 3, 3], [2, 3, 0]) is None    # a step starts past its end
+    assert contiguous_steps(6, [3, 0], [2, 0]) is None          # a step without drafts
+    drafter = DraftModel(tiny_llama(layers=1))
+    answer = {"token_ids": output, "seconds": 1.0, "drafted": [3, 3], "accepted": [2, 3]}
+    offline = _totals([2, 2, 0], rounds=2, widths=[0, 0, 0, 2])
+    row = compare_request(_request(output), answer, offline, exact=True, drafter=drafter, k=3)
+    assert row["engine_accepted"] == 5 and row["engine_accepted_in_log"] == 4
+    assert row["counts_equal"] is True
+    assert row["engine_accepted_in_output"] == 4
+    assert (row["engine_accepted_per_pos"], row["engine_accepted_per_pos_in_output"]) == ([2, 2, 1], [2, 2, 0])
+    # E and the per-position rates compare the drafts inside the output with the estimate's:
+    # 1 + 4 / 2 on both sides (vLLM's own count would give 3.5)
+    verdict = domain_verdict([row], k=3, tolerance=0.0)
+    assert verdict["engine_e"] == pytest.approx(3.0) == verdict["estimate_e"]
+    assert verdict["engine_rates"] == pytest.approx([1.0, 1.0, 0.0]) == verdict["estimate_rates"]
+    # a sampled request is placed and counted the same way (its counts are not compared one by one)
+    sampled = compare_request(_request(output, greedy=False), answer, offline, exact=True, drafter=drafter, k=3)
+    assert sampled["engine_accepted_in_output"] == 4 and sampled["counts_equal"] is None
+    # where vLLM does not propose what ours does (suffix), nothing is placed: vLLM's own count
+    other = compare_request(_request(output), answer, offline, exact=False, drafter=drafter, k=3)
+    assert other["engine_accepted_in_output"] is None
+    assert domain_verdict([other], k=3, tolerance=0.0)["engine_e"] == pytest.approx(3.5)
+    # without the drafter (nothing to place the steps by) the raw count is compared: a mismatch
+    assert compare_request(_request(output), answer, offline, exact=True)["counts_equal"] is False
+    # one accepted draft more inside the output is still a mismatch
+    more = dict(answer, token_ids=output + [11], accepted=[2, 3])
+    longer = compare_request(_request(output + [11]), more, offline, exact=True, drafter=drafter, k=3)
+    assert longer["engine_accepted_in_log"] == 5 and longer["counts_equal"] is False
+
+
 def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypatch):
     from tasks.steps import draft_training, engine_check as check
 

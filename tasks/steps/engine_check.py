@@ -11,9 +11,11 @@ What it reads: vLLM's own counts, per request and per verify step (drafted and a
 What it compares, on the same requests at the K vLLM runs at batch size 1:
 - mean accepted length E = 1 + accepted / verify steps that had drafts (vLLM's definition; a round
   in which the drafter proposed nothing is not a draft), the estimate's the same way from its
-  expected rounds, with the estimate's 95% interval by bootstrap over the requests;
+  expected rounds, with the estimate's 95% interval by bootstrap over the requests. vLLM also
+  counts the drafts its last step accepted past max_tokens (then cut), which the estimate cannot
+  see: where vLLM's steps can be placed along its output (compare_request), only those inside it;
 - per position i, the share of drafted steps whose draft i was accepted (vLLM's
-  num_accepted_tokens_per_pos / num_drafts), side by side;
+  num_accepted_tokens_per_pos / num_drafts, counted the same way), side by side;
 - greedy requests whose vLLM output equals the logged response: the accepted tokens and drafted
   steps must equal the estimate's exactly (a mismatch names the request); where the output departs
   from the log (float ties), the first differing position is reported.
@@ -138,14 +140,42 @@ def engine_walk(prompt_ids, output, drafted: list[int], accepted: list[int], dra
     return starts if step == len(drafted) else None
 
 
+def contiguous_steps(length: int, drafted: list[int], accepted: list[int]) -> list[int] | None:
+    """Where each of vLLM's drafted steps started along an output of `length` tokens when every
+    decode step drafted (a model drafter: draft_model, eagle3): the first after the prefill's
+    token, each next one after the last step's accepted drafts and its own token. None when the
+    steps do not end inside the output (not every step drafted, or counts of another request)."""
+    starts, t = [], 1
+    for d, a in zip(drafted, accepted):
+        if d <= 0 or t >= length:
+            return None
+        starts.append(t)
+        t += a + 1
+    return starts if starts and t >= length else None
+
+
+def placed_steps(request, output, drafted: list[int], accepted: list[int], drafter, k: int | None,
+                 exact: bool) -> list[int] | None:
+    """Where vLLM's drafted steps started along its output, where they can be placed: only where
+    vLLM proposes what our drafter does (exact), with a host drafter by walking the output
+    (engine_walk), with a model drafter one step after the other (contiguous_steps)."""
+    if drafter is None or not exact:
+        return None
+    if drafter.walks_text:
+        return engine_walk(request.prompt_ids, output, drafted, accepted, drafter, k)
+    return contiguous_steps(len(output), drafted, accepted)
+
+
 def compare_request(request, engine_answer: dict, offline, exact: bool = True,
                     drafter=None, k: int | None = None) -> dict:
     """One request: vLLM's per-step counts beside the estimate's expected rounds. exact: the
     engine's drafter proposes what ours does (not so for suffix decoding, whose tree vLLM builds
     from the requests it served), so a greedy request whose output equals the log must have equal
     counts. vLLM drafts K tokens in its last rounds whatever max_tokens leaves, and counts drafts
-    accepted past the end (then cut): with a host drafter (prompt lookup) its steps are placed
-    along the output (engine_walk) and those drafts left out before counts are compared."""
+    accepted past the end (then cut), which the estimate, walking the response, never sees: where
+    its steps can be placed along its output (placed_steps) the drafts accepted inside the output
+    are counted too (engine_accepted_in_output and per position), and those are what E and the
+    greedy counts compare."""
     logged = [int(t) for t in request.response_ids]
     output = engine_answer["token_ids"]
     drafted = engine_answer.get("drafted") or []
@@ -153,13 +183,19 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     first_difference = next((i for i, (a, b) in enumerate(zip(output, logged)) if a != b),
                             None if len(output) == len(logged) else min(len(output), len(logged)))
     steps = sum(1 for d in drafted if d > 0)
+    width = max(drafted, default=0)
+    starts = placed_steps(request, output, drafted, accepted, drafter, k, exact)
+    inside = None if starts is None else [min(a, len(output) - t) for a, t in zip(accepted, starts)]
     row = {"request_id": request.request_id, "greedy": bool(request.sampling.greedy),
            "tokens": len(output), "seconds": engine_answer["seconds"],
            "decode_s": engine_answer.get("decode_s"),
            "equal_to_log": first_difference is None, "first_difference": first_difference,
            "engine_steps": steps, "engine_accepted": int(sum(accepted)),
            "engine_accepted_per_pos": [sum(1 for a, d in zip(accepted, drafted) if d > 0 and a > i)
-                                       for i in range(max(drafted, default=0))],
+                                       for i in range(width)],
+           "engine_accepted_in_output": None if inside is None else int(sum(inside)),
+           "engine_accepted_per_pos_in_output": None if inside is None else [
+               sum(1 for a, d in zip(inside, drafted) if d > 0 and a > i) for i in range(width)],
            "engine_accepted_in_log": None, "estimate_steps": None, "estimate_accepted": None,
            "estimate_accepted_per_pos": None, "counts_equal": None}
     if offline is None:
@@ -169,17 +205,20 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     row["estimate_accepted_per_pos"] = [float(a) for a in offline.accepted]
     if not (exact and row["greedy"] and row["equal_to_log"]):
         return row
-    in_log = row["engine_accepted"]
-    if drafter is not None and drafter.walks_text:
-        starts = engine_walk(request.prompt_ids, output, drafted, accepted, drafter, k)
-        if starts is None:
-            row["counts_equal"] = False
-            return row
-        in_log = sum(min(a, len(output) - t) for a, t in zip(accepted, starts))
+    if drafter is not None and drafter.walks_text and starts is None:
+        row["counts_equal"] = False          # vLLM's steps are not the ones our proposer walks
+        return row
+    in_log = row["engine_accepted"] if inside is None else row["engine_accepted_in_output"]
     row["engine_accepted_in_log"] = int(in_log)
     row["counts_equal"] = (round(row["estimate_accepted"]) == in_log
                            and round(row["estimate_steps"]) == steps)
     return row
+
+
+def inside_output(row: dict, key: str):
+    """A request's engine count inside its output where its steps were placed, else vLLM's own."""
+    placed = row.get(f"{key}_in_output")
+    return row[key] if placed is None else placed
 
 
 def mean_length(accepted, steps) -> float | None:
@@ -217,12 +256,15 @@ def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None
     """E, interval, rates, greedy counts and the gate of one domain's replayed requests.
     gated: None, or why E is reported but not gated (passed stays None)."""
     estimate_e, lo, hi = estimate_interval(rows)
-    engine_e = mean_length([r["engine_accepted"] for r in rows], [r["engine_steps"] for r in rows])
+    engine_e = mean_length([inside_output(r, "engine_accepted") for r in rows],
+                           [r["engine_steps"] for r in rows])
     greedy = [r for r in rows if r["counts_equal"] is not None]
     out = {"requests": len(rows), "k": k, "estimate_e": estimate_e, "estimate_e_lo": lo,
            "estimate_e_hi": hi, "engine_e": engine_e,
            "estimate_rates": position_rates(rows, "estimate", k),
-           "engine_rates": position_rates(rows, "engine", k),
+           "engine_rates": position_rates(
+               [dict(r, engine_accepted_per_pos=inside_output(r, "engine_accepted_per_pos")) for r in rows],
+               "engine", k),
            "greedy_checked": len(greedy), "greedy_equal": sum(1 for r in greedy if r["counts_equal"])}
     if engine_e is None or lo is None:
         out.update(status="ok", passed=None, reason="no drafts on these requests: nothing to compare")
