@@ -184,6 +184,11 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
                             None if len(output) == len(logged) else min(len(output), len(logged)))
     steps = sum(1 for d in drafted if d > 0)
     width = max(drafted, default=0)
+
+    def per_position(counts: list[int]) -> list[int]:
+        """Per draft position i, the drafted steps that accepted draft i."""
+        return [sum(1 for a, d in zip(counts, drafted) if d > 0 and a > i) for i in range(width)]
+
     starts = placed_steps(request, output, drafted, accepted, drafter, k, exact)
     inside = None if starts is None else [min(a, len(output) - t) for a, t in zip(accepted, starts)]
     row = {"request_id": request.request_id, "greedy": bool(request.sampling.greedy),
@@ -191,11 +196,9 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
            "decode_s": engine_answer.get("decode_s"),
            "equal_to_log": first_difference is None, "first_difference": first_difference,
            "engine_steps": steps, "engine_accepted": int(sum(accepted)),
-           "engine_accepted_per_pos": [sum(1 for a, d in zip(accepted, drafted) if d > 0 and a > i)
-                                       for i in range(width)],
+           "engine_accepted_per_pos": per_position(accepted),
            "engine_accepted_in_output": None if inside is None else int(sum(inside)),
-           "engine_accepted_per_pos_in_output": None if inside is None else [
-               sum(1 for a, d in zip(inside, drafted) if d > 0 and a > i) for i in range(width)],
+           "engine_accepted_per_pos_in_output": None if inside is None else per_position(inside),
            "engine_accepted_in_log": None, "estimate_steps": None, "estimate_accepted": None,
            "estimate_accepted_per_pos": None, "counts_equal": None}
     if offline is None:
@@ -227,10 +230,12 @@ def mean_length(accepted, steps) -> float | None:
 
 
 def position_rates(rows: list[dict], which: str, k: int) -> list[float]:
+    """Per position, accepted / drafted steps over the rows ("engine": inside the outputs where
+    the steps were placed, see inside_output; "estimate")."""
     steps = sum(r[f"{which}_steps"] or 0 for r in rows)
     per_pos = np.zeros(k)
     for r in rows:
-        values = (r[f"{which}_accepted_per_pos"] or [])[:k]
+        values = (inside_output(r, f"{which}_accepted_per_pos") or [])[:k]
         per_pos[:len(values)] += values
     return [float(v / steps) if steps else 0.0 for v in per_pos]
 
@@ -262,9 +267,7 @@ def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None
     out = {"requests": len(rows), "k": k, "estimate_e": estimate_e, "estimate_e_lo": lo,
            "estimate_e_hi": hi, "engine_e": engine_e,
            "estimate_rates": position_rates(rows, "estimate", k),
-           "engine_rates": position_rates(
-               [dict(r, engine_accepted_per_pos=inside_output(r, "engine_accepted_per_pos")) for r in rows],
-               "engine", k),
+           "engine_rates": position_rates(rows, "engine", k),
            "greedy_checked": len(greedy), "greedy_equal": sum(1 for r in greedy if r["counts_equal"])}
     if engine_e is None or lo is None:
         out.update(status="ok", passed=None, reason="no drafts on these requests: nothing to compare")
