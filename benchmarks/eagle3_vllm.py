@@ -49,11 +49,11 @@ def split_e(rows: list[dict], greedy: bool) -> str:
     """E = 1 + accepted / drafting steps on the greedy (or the sampled) requests, vLLM (the drafts
     inside its output, as the engine check counts them) / estimate."""
     rows = [r for r in rows if r["greedy"] == greedy and r["estimate_steps"] is not None]
-    engine_steps, estimate_steps = sum(r["engine_steps"] for r in rows), sum(r["estimate_steps"] for r in rows)
-    if not rows or not engine_steps or not estimate_steps:
+    engine = mean_length([inside_output(r, "engine_accepted") for r in rows], [r["engine_steps"] for r in rows])
+    estimate = mean_length([r["estimate_accepted"] for r in rows], [r["estimate_steps"] for r in rows])
+    if engine is None or estimate is None:
         return "-"
-    return (f"{1 + sum(inside_output(r, 'engine_accepted') for r in rows) / engine_steps:.2f} / "
-            f"{1 + sum(r['estimate_accepted'] for r in rows) / estimate_steps:.2f} ({len(rows)})")
+    return f"{engine:.2f} / {estimate:.2f} ({len(rows)})"
 
 
 def own_count_e(rows: list[dict]) -> str:

@@ -211,7 +211,7 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     if drafter is not None and drafter.walks_text and starts is None:
         row["counts_equal"] = False          # vLLM's steps are not the ones our proposer walks
         return row
-    in_log = row["engine_accepted"] if inside is None else row["engine_accepted_in_output"]
+    in_log = inside_output(row, "engine_accepted")
     row["engine_accepted_in_log"] = int(in_log)
     row["counts_equal"] = (round(row["estimate_accepted"]) == in_log
                            and round(row["estimate_steps"]) == steps)
