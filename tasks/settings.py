@@ -219,6 +219,16 @@ class ProfileSettings(_Group):
         "target fingerprint, covers the run's batch sizes, K and candidates, and is younger "
         "than this many days; else it measures one (0: always measure; `specdec evaluate "
         "--new-profile` and the DAG Param `new_profile` force a measurement)"))
+    engine_budget_s: float = Field(default=240.0, gt=0, description=(
+        "seconds a serving engine's cost profile may spend timing (engine starts apart): each "
+        "drafter method's engine times plain (K 0) and every K in alternating batches, repeated "
+        "until every ratio's 95% interval is within ratio_halfwidth, or this budget is spent"))
+    ratio_halfwidth: float = Field(default=0.05, gt=0, lt=1, description=(
+        "a serving engine's cost ratio (a step at K over the K 0 step of the same engine) is "
+        "settled when its 95% interval's half-width is at most this share of it"))
+    contention_cores: float = Field(default=0.25, ge=0, description=(
+        "a timed batch during which other processes took more than this many cores of CPU "
+        "(read from /proc/stat) is marked contended and its repeat taken again"))
     noise_floor: float = Field(default=0.05, ge=0, lt=1, description=(
         "a cost that falls where it must not (the step as the batch grows, verify as K grows, "
         "verify below one step) is inconsistent only when it falls by more than this and than "

@@ -211,3 +211,66 @@ def test_an_engine_forked_from_the_fork_server_answers_as_a_process_of_its_own(t
     rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| ")}
     assert {"probe", "engine replay", "(its engine start)"} <= set(rows)
     assert "fork server start (its imports, paid once" in report
+
+
+NGRAM_8 = dict(NGRAM, num_speculative_tokens=8)
+
+
+def _drafts(answer: dict) -> dict:
+    return answer["metrics"]["speculative_decoding"]
+
+
+def test_one_server_serves_each_request_the_k_it_asks_in_one_mixed_batch(tiny, tmp_path):
+    # K per request through the plugin: one ngram server of largest K 8 with a plan file (json K 8,
+    # chat K 0); four requests in flight at once: by domain (json, chat) and by their own K (2, 0)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.serving.server import VllmServer
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"method": "ngram", "domains": {"json": [[1, 8, 8]], "chat": 0}}))
+    server = VllmServer(str(tiny[0]), NGRAM_8, tmp_path / "k.log", dtype="float32", max_model_len=512,
+                        max_num_seqs=4, plan_path=plan)
+    asks = [{"domain": "json"}, {"domain": "chat"}, {"k": 2}, {"k": 0}]
+    with server:
+        assert server.k_per_request(), server.log_path.read_text()[-2000:]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda ask: server.complete(tiny[2], max_tokens=32, **ask), asks))
+    json_, chat, two, zero = map(_drafts, answers)
+    assert json_["num_draft_tokens"] > 0 and len(json_["acceptance_histogram"]) == 9, json_
+    assert chat["num_draft_tokens"] == 0 and chat["num_spec_steps"] == 0, chat
+    assert zero["num_draft_tokens"] == 0, zero
+    # K 2: drafts in every step, never more than 2 in one
+    assert 0 < two["num_draft_tokens"] <= 2 * two["num_spec_steps"], two
+    assert not any(two["acceptance_histogram"][3:]), two
+    assert not server.alive()
+
+
+def test_the_sampling_test_passes_at_k_0_1_and_the_largest_k_on_one_server(tiny, pool):
+    from specdec_core import SamplingParams
+    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
+
+    _, model, context = tiny
+    server = pool.get(NGRAM, block_size=BLOCK_SIZE)
+    drafted = {}
+    for k in (0, 1, 4):
+        before = server.metrics()
+        report = engine_report(server, model, context, [SamplingParams(temperature=1.0)], rows=300,
+                               length=3, alpha=PASSING_ALPHA, seed=5, k=k)
+        drafted[k] = server.metrics()["draft_tokens"] - before["draft_tokens"]
+        assert report.passed, (k, [t for t in report.tests if not t.passed])
+    assert drafted[0] == 0 and 0 < drafted[1] < drafted[4], drafted
+
+
+def test_a_plan_file_the_plugin_cannot_read_stops_the_server_naming_it(tiny, tmp_path):
+    from tasks.errors import ServingProbeError
+    from tasks.serving.server import VllmServer
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"domains": {"json": [[4, 1, 8]]}}))
+    server = VllmServer(str(tiny[0]), NGRAM, tmp_path / "bad-plan.log", dtype="float32",
+                        max_model_len=512, plan_path=plan)
+    with pytest.raises(ServingProbeError, match="exited with") as failure:
+        server.start(timeout_s=240)
+    assert "plan.json" in str(failure.value) and "domain 'json'" in str(failure.value), failure.value
+    assert server.process.poll() is not None

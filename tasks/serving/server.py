@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 MEND_MARK = "specdec mend:"
 MENDS_OFF = "SPECDEC_VLLM_MENDS"
+PLAN_VARIABLE = "SPECDEC_VLLM_PLAN"      # the plugin's plan file (K per request by domain)
+K_MARK = "specdec k-per-request:"
 
 
 def free_port() -> int:
@@ -80,6 +82,8 @@ class VllmServer:
     max_num_seqs: int | None = None
     block_size: int | None = None       # None: vLLM's own (128 on CPU)
     settings: Settings | None = None
+    plan_path: Path | None = None       # K per request by domain (the plugin's SPECDEC_VLLM_PLAN)
+    threads: str | None = None          # the CPUs its OpenMP threads run on (None: vLLM's own choice)
     port: int = 0
     process: subprocess.Popen | forks.ForkedProcess | None = field(default=None, repr=False)
     start_s: float | None = None
@@ -101,6 +105,10 @@ class VllmServer:
         self.port = self.port or free_port()
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings.engine.kv_cache_gib))
         env[MENDS_OFF] = "1" if self.mended else "0"
+        if self.plan_path is not None:
+            env[PLAN_VARIABLE] = str(self.plan_path)
+        if self.threads:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.threads
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = serve_command(python, self.model_dir, self.spec, self.port, self.dtype,
                                 self.max_model_len, self.max_num_seqs, block_size=self.block_size)
@@ -186,6 +194,13 @@ class VllmServer:
         found = [line.split(MEND_MARK, 1)[1].strip() for line in text.splitlines() if MEND_MARK in line]
         return list(dict.fromkeys(found))
 
+    def k_per_request(self) -> bool:
+        """Whether the plugin put K per request on in this server (its log says so)."""
+        try:
+            return K_MARK in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+
     def metrics(self) -> dict:
         """vLLM's speculative-decoding counters from the server's /metrics (parsed with
         prometheus-client's parser, summed over label sets): drafts, draft_tokens,
@@ -194,9 +209,12 @@ class VllmServer:
 
     def complete(self, prompt_ids: list[int], max_tokens: int, n: int = 1, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 ignore_eos: bool = True, timeout_s: float = 600.0) -> dict:
+                 ignore_eos: bool = True, timeout_s: float = 600.0, k: int | None = None,
+                 domain: str | None = None) -> dict:
         """One /v1/completions request from token ids; the response's JSON (choices carry
-        `token_ids`). A server that dies or answers with an error: ServingProbeError naming it."""
+        `token_ids`). k: the request's own K (the plugin's K per request; 0: no drafts); domain:
+        its domain, whose K the server's plan file gives. A server that dies or answers with an
+        error: ServingProbeError naming it."""
         body = {"model": self.model_dir, "prompt": list(map(int, prompt_ids)), "n": n,
                 "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                 "return_token_ids": True, "ignore_eos": ignore_eos}
@@ -204,6 +222,9 @@ class VllmServer:
             body["top_k"] = top_k
         if seed is not None:
             body["seed"] = seed
+        xargs = k_args(k, domain)
+        if xargs:
+            body["vllm_xargs"] = xargs
         try:
             response = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
         except httpx.TransportError as exc:
@@ -214,6 +235,11 @@ class VllmServer:
                                     f"{response.text[:300]}; its log: {self.log_path}")
         return response.json()
 
+
+def k_args(k: int | None, domain: str | None) -> dict:
+    """A request's vllm_xargs for the plugin's K per request (empty: vLLM's own schedule)."""
+    return {**({"specdec_k": int(k)} if k is not None else {}),
+            **({"specdec_domain": str(domain)} if domain is not None else {})}
 
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
                  "vllm:spec_decode_num_draft_tokens": "draft_tokens",

@@ -66,16 +66,17 @@ def drafting_batch(spec: dict | None) -> int:
 
 
 def draw(server: VllmServer, context: list[int], sampling: SamplingParams, rows: int, length: int,
-         at_once: int) -> torch.Tensor:
-    """[rows, length] continuations drawn by the server from `context` under `sampling`. One
-    token is asked first, so that the context's full KV blocks are cached before the rows (all
-    started at once) look for them."""
+         at_once: int, k: int | None = None) -> torch.Tensor:
+    """[rows, length] continuations drawn by the server from `context` under `sampling` (k: each
+    request's own K, the plugin's K per request; None: the server's). One token is asked first,
+    so that the context's full KV blocks are cached before the rows (all started at once) look
+    for them."""
     server.complete(context, max_tokens=1)
     drawn: list[list[int]] = []
     while len(drawn) < rows:
         n = min(at_once, rows - len(drawn))
         answer = server.complete(context, max_tokens=length, n=n, temperature=sampling.temperature,
-                                 top_k=sampling.top_k, top_p=sampling.top_p)
+                                 top_k=sampling.top_k, top_p=sampling.top_p, k=k)
         for choice in answer["choices"]:
             tokens = list(choice.get("token_ids") or [])
             if len(tokens) != length:
@@ -86,14 +87,16 @@ def draw(server: VllmServer, context: list[int], sampling: SamplingParams, rows:
 
 
 def engine_report(server: VllmServer, target, context: list[int], samplings: list[SamplingParams],
-                  rows: int, length: int, alpha: float, seed: int = 0) -> SamplingReport:
-    """The sampling test of one server: every sampling setting, every position."""
+                  rows: int, length: int, alpha: float, seed: int = 0,
+                  k: int | None = None) -> SamplingReport:
+    """The sampling test of one server: every sampling setting, every position (k: the requests'
+    own K on a server with K per request; None: the server's K)."""
     threshold = alpha / (len(samplings) * length)
-    k = int((server.spec or {}).get("num_speculative_tokens", 0))
+    asked, k = k, int((server.spec or {}).get("num_speculative_tokens", 0)) if k is None else k
     report = SamplingReport(alpha=alpha, rows_per_test=rows)
     at_once = drafting_batch(server.spec)
     for index, sampling in enumerate(samplings):
-        tokens = draw(server, context, sampling, rows, length, at_once)
+        tokens = draw(server, context, sampling, rows, length, at_once, k=asked)
         report.tests += position_tests(target, context, tokens, sampling, threshold, k=k,
                                        seed=seed * 31 + index * 7)
     return report

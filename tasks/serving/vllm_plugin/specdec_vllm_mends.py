@@ -25,6 +25,23 @@ replaced):
 
 Set SPECDEC_VLLM_MENDS=0 in a server's environment to load vLLM unmended (the sampling test's power
 check does, to show it flags the defect).
+
+K per request (not a mend: a feature vLLM lacks, on whatever build). A server started with a
+speculative method and its largest K serves each request with the K it asks: `vllm_xargs:
+{"specdec_k": 3}` (0: no drafts), or `{"specdec_domain": "json"}`, the K of that domain in the plan
+file named by SPECDEC_VLLM_PLAN (read once at start; a domain it does not name gets its
+"default", 0 unless it says otherwise). A request that asks nothing is served as vLLM schedules it,
+or with the plan's default where a plan is loaded. The cut is made where vLLM's scheduler takes
+each request's drafts (`Scheduler.update_draft_token_ids`, and its async-scheduling twin): a
+request gets at most its K of the drafts vLLM's proposer made (so never more than vLLM's own
+schedule for the batch size), and verification is unchanged, so the output distribution is too.
+The scheduler's code is checked first; where it is not the code this cut expects, or the plan file
+cannot be read, the server refuses to start with one line saying so.
+
+A plan file: {"method": vLLM's method name (checked against the server's), "domains": {NAME:
+[[lo, hi, K], ...]}, "default": [[lo, hi, K], ...]} with inclusive batch-size ranges as in vLLM's
+`num_speculative_tokens_per_batch_size` (a size in no range: K 0); a bare number is K at every
+batch size.
 """
 
 from __future__ import annotations
@@ -214,8 +231,148 @@ def mend_all() -> list[str]:
     return made
 
 
+# --- K per request --------------------------------------------------------------------------------
+K_ARG = "specdec_k"                 # a request's vllm_xargs: its K (0: no drafts)
+DOMAIN_ARG = "specdec_domain"       # ... or its domain, whose K the plan file gives
+PLAN_VARIABLE = "SPECDEC_VLLM_PLAN"
+K_MARK = "specdec k-per-request:"
+K_PER_REQUEST = "K per request on (vllm_xargs specdec_k, or specdec_domain with a plan file)"
+
+
+class PlanError(RuntimeError):
+    """The plan file, or vLLM's scheduler code, is not what K per request needs: no start."""
+
+
+def _schedule(value, where: str) -> list[tuple[int, int, int]]:
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        raise PlanError(f"{where}: a K or a list of [lo, hi, K] triples, not {value!r}")
+    if isinstance(value, int):
+        value = [[1, 1 << 30, value]]
+    triples = []
+    for triple in value:
+        if (not isinstance(triple, list) or len(triple) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in triple)
+                or triple[0] > triple[1]):
+            raise PlanError(f"{where}: {triple!r} is not [lo, hi, K] with 0 <= lo <= hi and K >= 0")
+        triples.append(tuple(triple))
+    return triples
+
+
+def read_plan(path: str) -> dict:
+    """{"method", "domains": {name: triples}, "default": triples} from a plan file (PlanError
+    naming the file and what is wrong)."""
+    import json
+
+    try:
+        raw = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"specdec: the plan file {path} ({PLAN_VARIABLE}) cannot be read: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("domains", {}), dict):
+        raise PlanError(f"specdec: the plan file {path} is not a plan: an object with \"domains\"")
+    domains = {str(name): _schedule(value, f"specdec: the plan file {path}, domain {name!r}")
+               for name, value in raw.get("domains", {}).items()}
+    return {"method": raw.get("method"), "domains": domains,
+            "default": _schedule(raw.get("default", 0), f"specdec: the plan file {path}, default")}
+
+
+def k_at(triples, batch_size: int) -> int:
+    """The K a schedule gives at a batch size (0 in no range)."""
+    return next((k for lo, hi, k in triples if lo <= batch_size <= hi), 0)
+
+
+def request_k(extra_args, plan: dict | None, batch_size: int) -> int | None:
+    """The most drafts a request takes this step (None: no cut): its specdec_k, else its domain's
+    K in the plan (the plan's default for a domain it does not name, or for a request that names
+    none). A specdec_k that is not a whole number >= 0 is served with no drafts."""
+    args = extra_args if isinstance(extra_args, dict) else {}
+    if K_ARG in args:
+        value = args[K_ARG]
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return value if ok else 0
+    if plan is None:
+        return None
+    domain = args.get(DOMAIN_ARG)
+    triples = plan["domains"].get(str(domain), plan["default"]) if domain is not None else plan["default"]
+    return k_at(triples, batch_size)
+
+
+def cut_drafts(drafts, k: int | None):
+    return drafts if k is None or len(drafts) <= k else drafts[:k]
+
+
+def _limited(scheduler, draft_token_ids, plan):
+    """draft_token_ids with each request's drafts cut to its K (a new object; the same type)."""
+    import dataclasses
+
+    batch = len(getattr(scheduler, "running", ()) or ())
+    kept = []
+    for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+        request = scheduler.requests.get(req_id)
+        params = getattr(request, "sampling_params", None)
+        kept.append(cut_drafts(drafts, None if request is None else
+                               request_k(getattr(params, "extra_args", None), plan, batch)))
+    return dataclasses.replace(draft_token_ids, draft_token_ids=kept)
+
+
+def scheduler_as_expected(scheduler_class, draft_class) -> str | None:
+    """None when vLLM's scheduler takes drafts the way the cut expects; else what differs."""
+    import dataclasses
+    import inspect
+
+    fields = {f.name for f in dataclasses.fields(draft_class)} if dataclasses.is_dataclass(draft_class) else set()
+    if fields != {"req_ids", "draft_token_ids"}:
+        return f"DraftTokenIds has fields {sorted(fields)}, not req_ids and draft_token_ids"
+    for name in ("update_draft_token_ids", "update_draft_token_ids_in_output"):
+        method = getattr(scheduler_class, name, None)
+        if method is None:
+            return f"Scheduler has no {name}"
+        source = inspect.getsource(method)
+        if "draft_token_ids.req_ids" not in source or "self.requests.get(req_id)" not in source:
+            return f"Scheduler.{name} does not read drafts by request id"
+    return None
+
+
+def enable_k_per_request(scheduler_class, draft_class, plan: dict | None) -> list[str]:
+    """Wrap the scheduler's two draft intakes with the cut (PlanError where its code differs)."""
+    if getattr(scheduler_class.update_draft_token_ids, "specdec_k_per_request", False):
+        return []
+    differs = scheduler_as_expected(scheduler_class, draft_class)
+    if differs:
+        raise PlanError(f"specdec: K per request cannot be set on this vLLM ({differs}); start "
+                        f"it without the specdec plugin, or use a vLLM whose scheduler matches")
+    take, take_in_output = (scheduler_class.update_draft_token_ids,
+                            scheduler_class.update_draft_token_ids_in_output)
+
+    def update_draft_token_ids(self, draft_token_ids, *args, **kwargs):
+        return take(self, _limited(self, draft_token_ids, plan), *args, **kwargs)
+
+    def update_draft_token_ids_in_output(self, draft_token_ids, *args, **kwargs):
+        return take_in_output(self, _limited(self, draft_token_ids, plan), *args, **kwargs)
+
+    for wrapper in (update_draft_token_ids, update_draft_token_ids_in_output):
+        wrapper.specdec_k_per_request = True
+    scheduler_class.update_draft_token_ids = update_draft_token_ids
+    scheduler_class.update_draft_token_ids_in_output = update_draft_token_ids_in_output
+    where = os.environ.get(PLAN_VARIABLE)
+    return [K_PER_REQUEST + (f"; plan {where}: domains {sorted(plan['domains'])}" if plan else "")]
+
+
+def k_per_request() -> list[str]:
+    """K per request on vLLM's scheduler, with the plan file where one is named."""
+    where = os.environ.get(PLAN_VARIABLE, "").strip()
+    plan = read_plan(where) if where else None
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.outputs import DraftTokenIds
+    except ImportError as exc:
+        raise PlanError(f"specdec: K per request cannot be set on this vLLM (no v1 scheduler: {exc})") from None
+    return enable_k_per_request(Scheduler, DraftTokenIds, plan)
+
+
 def register() -> None:
     """vLLM's general-plugin entry point: runs in every vLLM process."""
+    for line in k_per_request():
+        _logger().warning("%s %s", K_MARK, line)     # not a mend: its own mark
     if os.environ.get(OFF_VARIABLE, "1").strip() == "0":
         _logger().warning("specdec mends: off (%s=0): vLLM runs unmended", OFF_VARIABLE)
         return
