@@ -148,8 +148,8 @@ def test_compose_config_validates_with_the_celery_profile(tmp_path):
 
 
 def served_config():
-    """A champion with three vLLM deployments (json and qa share one speculative config, code has
-    its own) and a domain served without speculation."""
+    """A champion with two vLLM deployments (json, qa and code share the ngram method at their
+    own K: one server, K per request) and a domain served without speculation."""
     from tasks.registry.config_schema import parse_config
 
     lookup = {"enabled": True, "drafter": {"kind": "prompt_lookup", "params": {"max_ngram": 3}},
@@ -161,30 +161,34 @@ def served_config():
                                      "chat": {"enabled": False}}})
 
 
-def test_the_compose_export_has_one_vllm_service_per_deployment_labelled_with_its_version():
+def test_the_compose_export_has_one_vllm_service_per_drafter_method_labelled_with_its_version():
     from tasks.registry.compose_export import compose_export
 
     override = compose_export(served_config(), "specdec-config-org--tiny", "7", "vllm/vllm-openai:v0.32.0")
     services = override["services"]
-    assert set(services) == {"vllm-json-qa", "vllm-code", "vllm-chat"}
+    assert set(services) == {"vllm-code-json-qa", "vllm-chat"}
     for name, service in services.items():
         assert service["profiles"] == ["serving"] and service["image"] == "vllm/vllm-openai:v0.32.0"
         assert service["labels"]["io.specdec.config_version"] == "7"
         assert service["labels"]["io.specdec.metrics_port"] == "8000"
         assert service["command"][:2] == ["--model", "Org/Tiny"] and "8000" in service["command"]
-    command = services["vllm-json-qa"]["command"]
+    command = services["vllm-code-json-qa"]["command"]
     spec = json.loads(command[command.index("--speculative-config") + 1])
-    assert spec == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+    # the server's K is its domains' largest; each domain's own K is in its plan, read by the
+    # project's plugin (installed into the image's vLLM at start) from SPECDEC_VLLM_PLAN
+    assert spec == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3,
                     "prompt_lookup_min": 2}
+    plan = json.loads(services["vllm-code-json-qa"]["environment"]["SPECDEC_VLLM_PLAN"])
+    assert plan == {"method": "ngram", "domains": {"code": 5, "json": 3, "qa": 3}, "default": 0}
+    assert "/specdec/vllm_plugin" in services["vllm-code-json-qa"]["entrypoint"][2]
     assert command[command.index("--per-request-spec-decode-metrics") + 1] == "summary"
-    assert services["vllm-json-qa"]["labels"]["io.specdec.domains"] == "json,qa"
-    code = services["vllm-code"]["command"]
-    assert json.loads(code[code.index("--speculative-config") + 1])["num_speculative_tokens"] == 5
+    assert services["vllm-code-json-qa"]["labels"]["io.specdec.domains"] == "code,json,qa"
     # no speculation: no speculative config, and vLLM refuses per-request metrics without one
     assert "--speculative-config" not in services["vllm-chat"]["command"]
     assert "--per-request-spec-decode-metrics" not in services["vllm-chat"]["command"]
     assert services["vllm-chat"]["labels"]["io.specdec.speculative"] == "off"
-    assert len({s["ports"][0] for s in services.values()}) == 3
+    assert services["vllm-chat"]["environment"] == {}
+    assert len({s["ports"][0] for s in services.values()}) == 2
 
 
 @pytest.mark.integration
@@ -202,11 +206,12 @@ def test_compose_config_validates_the_exported_override_with_the_serving_profile
                            "--profile", "serving", "config"], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     resolved = yaml.safe_load(done.stdout)
-    assert {"vllm-json-qa", "vllm-code", "vllm-chat", "serving-config", "airflow-scheduler"} <= set(
+    assert {"vllm-code-json-qa", "vllm-chat", "serving-config", "airflow-scheduler"} <= set(
         resolved["services"])
-    served = resolved["services"]["vllm-json-qa"]
+    served = resolved["services"]["vllm-code-json-qa"]
     assert served["labels"]["io.specdec.config_version"] == "7"
-    assert served["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert served["entrypoint"][:2] == ["sh", "-c"] and "vllm.entrypoints.openai.api_server" in served["entrypoint"][2]
+    assert "SPECDEC_VLLM_PLAN" in served["environment"]
     assert "serving-models" in resolved["volumes"]
     assert resolved["services"]["serving-config"]["command"][:4] == ["config", "export", "champion",
                                                                       "--format"]

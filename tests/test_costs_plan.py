@@ -726,80 +726,101 @@ def test_cli_profile_show_unknown_is_exit_2(db_url, capsys, wide_console):
     assert "'unknown'" in capsys.readouterr().err
 
 
-def _timings(batch: int, step_s: float, steps: int, drafted_per_step: float, repeats: int = 3,
-             sampling: str = "greedy") -> list:
-    return [{"batch_size": batch, "sampling": sampling, "repeat": r, "wall_s": step_s * steps + 0.1,
-             "decode_s": step_s * steps, "steps": steps, "tokens": steps + 1, "decode_tokens": steps,
-             "drafted": drafted_per_step * steps * batch, "accepted": 0} for r in range(repeats)]
+def _paired(batch: int, k: int, step_s, steps: int, drafted_per_step: float, sampling: str = "greedy",
+            contended=()) -> list:
+    """A paired engine's timings at one K (step_s: one figure, or one per repeat)."""
+    figures = step_s if isinstance(step_s, list) else [step_s] * 3
+    return [{"batch_size": batch, "sampling": sampling, "k": k, "repeat": r, "wall_s": s * steps + 0.1,
+             "decode_s": s * steps, "steps": steps, "tokens": steps + 1, "decode_tokens": steps,
+             "drafted": drafted_per_step * steps * batch, "accepted": 0, "contended": r in contended,
+             "other_cores": 0.0} for r, s in enumerate(figures)]
 
 
-def test_vllm_profile_solves_verify_from_the_steps_that_drafted_and_prices_other_drafters():
-    """tasks.steps.engine_costs._table: the timed steps of vLLM's engines (as the probe answers
-    them) become a cost profile: plain step, verify(K) solved from the share of steps whose n-gram
-    search proposed K, interpolated between the measured K, and a model drafter's step per token."""
+def test_vllm_profile_prices_verify_from_pairs_inside_one_engine_and_other_drafters_beside_it():
+    """tasks.steps.engine_costs._table: one ngram engine timing K 0 and each K in alternating
+    batches becomes a cost profile: the K 0 step is the target step; verify(K) its paired ratio,
+    solved from the share of steps whose n-gram search proposed K, interpolated between the K
+    timed; a model drafter's step per token is its own engine's ratio less the ngram one's."""
     from tasks.steps.engine_costs import _table
 
-    answers = {"plain": {"timings": _timings(1, 0.040, 50, 0.0)},
-               # every step proposed 1 token: the step is verify(1) itself
-               "ngram K=1": {"timings": _timings(1, 0.044, 50, 1.0)},
-               # half the steps proposed 3: 0.052 = 0.5 * verify(3) + 0.5 * 0.040
-               "ngram K=3": {"timings": _timings(1, 0.052, 50, 1.5)},
-               # an EAGLE-3 head at K = 3: 0.070 - verify(3) = 0.006, over 3 draft tokens
-               "eagle3(model=/h)": {"timings": _timings(1, 0.070, 50, 3.0)}}
-    runs = [("plain", None, None), ("ngram K=1", {}, None), ("ngram K=3", {}, None),
-            ("eagle3(model=/h)", {"method": "eagle3"}, {"kind": "eagle3", "params": {"model": "/h"}})]
-    table, reasons = _table(answers, runs, [1, 3], 3, [1], 3, "r", load_settings())
+    # the machine slowed by 50% in the third repeat: each pair sees it on both sides
+    ngram = (_paired(1, 0, [0.040, 0.040, 0.060], 50, 0.0) + _paired(1, 1, [0.044, 0.044, 0.066], 50, 1.0)
+             # half the steps proposed 3: 0.052 = 0.5 * verify(3) + 0.5 * 0.040
+             + _paired(1, 3, [0.052, 0.052, 0.078], 50, 1.5))
+    # an EAGLE-3 head at K = 3: its ratio 1.75 less verify(3)'s 1.6, over 3 draft tokens
+    head = _paired(1, 0, 0.040, 50, 0.0) + _paired(1, 3, 0.070, 50, 3.0)
+    answers = {"ngram": {"timings": ngram}, "eagle3(model=/h)": {"timings": head}}
+    runs = [("ngram", {}, None, [1, 3]),
+            ("eagle3(model=/h)", {"method": "eagle3"}, {"kind": "eagle3", "params": {"model": "/h"}}, [3])]
+    table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
     assert table.target_step[1] == pytest.approx(0.040)
     assert table.verify[1][1] == pytest.approx(0.044)
     assert table.verify[1][3] == pytest.approx(0.064)
     assert table.verify[1][2] == pytest.approx((0.044 + 0.064) / 2)      # interpolated
-    assert table.draft_step["eagle3(model=/h)"][1] == pytest.approx(0.002)
-    assert reasons == []                                   # spreads 0, proposals at least half of K
-    answers["ngram K=3"] = {"timings": _timings(1, 0.052, 50, 0.9)}
-    _, reasons = _table(answers, runs, [1, 3], 3, [1], 3, "r", load_settings())
-    assert any("ngram K=3" in reason and "30%" in reason for reason in reasons)
+    assert table.draft_step["eagle3(model=/h)"][1] == pytest.approx(0.040 * 0.15 / 3)
+    assert reasons == [] and notes == []             # every pair the same ratio: settled
+    assert table.spread[("verify", None, 3, 1)] == pytest.approx(0.0, abs=1e-9)
+    # ratios that scatter: a note past ratio_halfwidth (the plan's interval carries it), a
+    # reason past 4 times it
+    answers["ngram"] = {"timings": ngram[:6] + _paired(1, 3, [0.052, 0.056, 0.078], 50, 1.5)}
+    table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
+    assert reasons == [] and any("ngram K=3 at batch 1" in n for n in notes), notes
+    answers["ngram"] = {"timings": ngram[:6] + _paired(1, 3, [0.052, 0.080, 0.060], 50, 1.5)}
+    _, reasons, _ = _table(answers, runs, 3, [1], 3, load_settings())
+    assert any("ngram K=3 at batch 1" in r for r in reasons), reasons
+
+
+def test_vllm_profile_never_prices_a_larger_k_below_a_smaller_one_beyond_their_intervals():
+    from tasks.steps.engine_costs import _table
+
+    ngram = (_paired(1, 0, 0.040, 50, 0.0) + _paired(1, 1, 0.060, 50, 1.0)
+             + _paired(1, 2, 0.050, 50, 2.0))               # K 2 cheaper than K 1, settled
+    table, reasons, _ = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 2])], 2, [1], 2,
+                               load_settings())
+    assert table.verify[1][2] == pytest.approx(table.verify[1][1]) == pytest.approx(0.060)
+    assert any("K=2" in r and "cheaper than K=1" in r for r in reasons), reasons
+
+
+def test_vllm_profile_pairs_contended_repeats_only_where_no_clean_ones_are_left():
+    from tasks.steps.engine_costs import _table
+
+    runs = [("ngram", {}, None, [1])]
+    # repeats 0 and 1 clean; repeat 2 contended with a ratio far off: left out
+    ngram = _paired(1, 0, 0.040, 50, 0.0, contended={2}) + _paired(1, 1, [0.044, 0.044, 0.090], 50, 1.0,
+                                                                    contended={2})
+    table, _, notes = _table({"ngram": {"timings": ngram}}, runs, 1, [1], 1, load_settings())
+    assert table.verify[1][1] == pytest.approx(0.044) and not any("other processes" in n for n in notes)
+    # every repeat contended: all are paired, and the note says so
+    ngram = _paired(1, 0, 0.040, 50, 0.0, contended={0, 1, 2}) + _paired(1, 1, 0.044, 50, 1.0,
+                                                                          contended={0, 1, 2})
+    table, _, notes = _table({"ngram": {"timings": ngram}}, runs, 1, [1], 1, load_settings())
+    assert table.verify[1][1] == pytest.approx(0.044) and any("other processes" in n for n in notes)
 
 
 def test_vllm_profile_prices_sampled_requests_apart_and_plans_a_domains_mix():
-    """Sampled requests timed in the same engines become sampled_step / sampled_verify; for_sampling
+    """Sampled requests timed in the same engine become sampled_step / sampled_verify; for_sampling
     blends them by a share of sampled requests (linear in K between the K timed), the rows survive
-    a store and load, and a profile without them plans as before."""
-    from tasks.steps.engine_costs import _table
-    from tasks.steps.engine_check import predicted_speedup
-    from specdec_core.estimate import RoundTotals
+    a store and load, and the engine check prices each request with its own sampling."""
     import numpy as np
 
-    answers = {"plain": {"timings": _timings(1, 0.040, 50, 0.0) + _timings(1, 0.042, 50, 0.0, sampling="sampled")},
-               "ngram K=1": {"timings": _timings(1, 0.044, 50, 1.0) + _timings(1, 0.050, 50, 1.0, sampling="sampled")},
-               "ngram K=2": {"timings": _timings(1, 0.046, 50, 2.0)},
-               # sampled: half the steps proposed 3, 0.059 = 0.5 * verify(3) + 0.5 * 0.042
-               "ngram K=3": {"timings": _timings(1, 0.048, 50, 3.0) + _timings(1, 0.059, 50, 1.5, sampling="sampled")}}
-    runs = [("plain", None, None), ("ngram K=1", {}, None), ("ngram K=2", {}, None), ("ngram K=3", {}, None)]
-    table, reasons = _table(answers, runs, [1, 2, 3], 3, [1], 3, "r", load_settings())
-    assert reasons == []          # a sampled engine's lower share of drafting steps is no noise
+    from specdec_core.estimate import RoundTotals
+    from tasks.steps.engine_check import predicted_speedup
+    from tasks.steps.engine_costs import _table
+
+    ngram = (_paired(1, 0, 0.040, 50, 0.0) + _paired(1, 1, 0.044, 50, 1.0) + _paired(1, 3, 0.048, 50, 3.0)
+             + _paired(1, 0, 0.042, 50, 0.0, "sampled") + _paired(1, 1, 0.050, 50, 1.0, "sampled")
+             # sampled: half the steps proposed 3, 0.059 = 0.5 * verify(3) + 0.5 * 0.042
+             + _paired(1, 3, 0.059, 50, 1.5, "sampled"))
+    table, reasons, _ = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 3])], 3, [1], 3,
+                               load_settings())
+    assert reasons == []
     assert table.target_step[1] == pytest.approx(0.040) and table.verify[1][3] == pytest.approx(0.048)
     assert table.sampled_step[1] == pytest.approx(0.042)
     assert table.sampled_verify[1] == pytest.approx({1: 0.050, 3: 0.076})
-    greedy, sampled, half = table.for_sampling(0.0), table.for_sampling(1.0), table.for_sampling(0.5)
+    greedy, sampled = table.for_sampling(0.0), table.for_sampling(1.0)
     assert greedy is table
     assert sampled.target_step[1] == pytest.approx(0.042)
     assert sampled.verify[1] == pytest.approx({1: 0.050, 2: 0.063, 3: 0.076})   # K = 2 interpolated
-    assert half.target_step[1] == pytest.approx(0.041) and half.verify[1][2] == pytest.approx((0.046 + 0.063) / 2)
-    assert table.verify[1][2] == pytest.approx(0.046)                  # the table itself unchanged
-    # timed sampled at batch sizes 1 and 4 only: at 2 the extra over greedy is interpolated
-    figures = {"plain": ((0.040, 0.0), (0.042, 0.0)), "ngram K=1": ((0.044, 1.0), (0.050, 1.0)),
-               "ngram K=2": ((0.046, 2.0), None), "ngram K=3": ((0.048, 3.0), (0.059, 1.5))}
-    wide = {label: {"timings": [t for b, scale in ((1, 1), (2, 1), (4, 2))   # batch 4 costs twice as much
-                                for kind, figure in zip(("greedy", "sampled"), pair)
-                                if figure and (kind == "greedy" or b != 2)
-                                for t in _timings(b, scale * figure[0], 50, figure[1], sampling=kind)]}
-            for label, pair in figures.items()}
-    spread, _ = _table(wide, runs, [1, 2, 3], 3, [1, 2, 4], 3, "r", load_settings())
-    assert sorted(spread.sampled_step) == [1, 2, 4]
-    # greedy 0.040 / 0.040 / 0.080; sampled extra 0.002 at 1 and 0.004 at 4: 0.002 + 1/3 x 0.002
-    assert spread.sampled_step[2] == pytest.approx(0.040 + 0.002 + 0.002 / 3)
-    assert spread.sampled_verify[2][3] == pytest.approx(0.048 + 0.028 + 0.028 / 3)
-    assert spread.sampled_verify[4][1] == pytest.approx(0.100)
     again = CostTable.from_rows("p", "r", table.rows())
     assert (again.sampled_step, again.sampled_verify) == (table.sampled_step, table.sampled_verify)
     assert CostTable("p", "r", {1: 0.04}, {1: {1: 0.05}}).for_sampling(1.0).verify == {1: {1: 0.05}}

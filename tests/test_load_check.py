@@ -335,7 +335,7 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkey
     monkeypatch.setattr(load_check_step, "run_level", run_level)
     monkeypatch.setattr(load, "_chunk_event", chunk_event)
     outcome = measure_domain(pool, spec, [(2, 4)], items, settings)
-    assert killed                                   # the plain level ran whole, then the config's
+    assert killed                                   # the first wave (K 0) was cut mid-stream
     status, reason = outcome["failure"]
     assert status == "died" and outcome["levels"] == []
     assert "the config server died at 2 concurrent requests" in reason and str(server.log_path) in reason

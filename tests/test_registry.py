@@ -578,16 +578,22 @@ def test_vllm_export_per_domain():
     assert not any("disable_by_batch_size" in s for s in spec.values() if s)
     assert set(exported["unsupported"]) == {"code"} and "layer_skip" in exported["unsupported"]["code"]
     assert json.loads(json.dumps(exported)) == exported
-    # one deployment per distinct config: the domains without speculation share one
+    # one deployment per drafter method and its parameters (K per request by the plan); the
+    # domains without speculation share one
     deployments = {tuple(d["domains"]): d for d in exported["deployments"]}
     assert set(deployments) == {("json",), ("qa",), ("summarize",), ("chat", "code")}
     serve = "python -m vllm.entrypoints.openai.api_server --model"
     assert deployments[("chat", "code")]["command"] == f"{serve} tiny"
+    assert deployments[("chat", "code")]["plan"] is None
     command = deployments[("qa",)]["command"]
-    assert command.startswith(f"{serve} tiny --speculative-config '")
+    assert command.startswith("SPECDEC_VLLM_PLAN='") and f"{serve} tiny --speculative-config '" in command
     assert json.loads(command.split("--speculative-config ")[1].strip("'")) == spec["qa"]
-    assert vllm_export(config, target_path="/models/tiny")["deployments"][0]["command"].startswith(
-        f"{serve} /models/tiny")
+    assert deployments[("qa",)]["plan"] == {"method": "ngram", "domains": {"qa": 2}, "default": 0}
+    # the batch-size schedule travels in the plan; the server drafts up to its largest K
+    assert deployments[("json",)]["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert deployments[("json",)]["plan"]["domains"] == {"json": [[1, 8, 5], [9, 1 << 20, 0]]}
+    assert f"{serve} /models/tiny" in vllm_export(config, target_path="/models/tiny")["deployments"][1]["command"]
 
 
 def test_vllm_export_of_eagle3_heads():

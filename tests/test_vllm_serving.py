@@ -279,7 +279,7 @@ def engine_run(serving, tmp_path_factory):
         patch.setenv("SPECDEC_HOME", str(base / "home"))
         # vLLM's own cost profile, stored first: the engine check predicts its speedups from it
         profile = profile_vllm("vllm-costs", str(target_dir), ["prompt_lookup:max_ngram=3,min_ngram=1"],
-                               Store.open(url), k_max=3, batch_sizes=[1, 2], ks=[1, 3], max_tokens=24,
+                               Store.open(url), k_max=3, batch_sizes=[1, 2], ks=[1, 3], steps=8,
                                settings=load_settings(profile_repeats=2), progress=False)
         # the gate's tolerance is tested on its own (test_engine_check.py): none is applied here
         result = engine_check("r1", str(target_dir), model, drafters, requests, Store.open(url),

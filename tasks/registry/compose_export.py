@@ -1,6 +1,6 @@
 """The champion's vLLM deployments as Docker Compose services (`specdec config export --format
-compose`): one service per deployment (domains with equal speculative configs share one server,
-as tasks.registry.vllm_export groups them), named by its domains, in the `serving` profile.
+compose`): one service per deployment (one per drafter method, K per request by each domain's
+plan, as tasks.registry.vllm_export groups them), named by its domains, in the `serving` profile.
 
 Each service runs vLLM's OpenAI server from the vLLM image (the setting `serving_image`) on port
 8000 inside the Compose network (its /metrics there too: the monitor DAG scrapes
@@ -16,12 +16,18 @@ import json
 import re
 
 from .config_schema import SpecdecConfig
-from .vllm_export import vllm_export
+from .vllm_export import PLAN_VARIABLE, vllm_export
 
 SERVING_PROFILE = "serving"
 SERVER_PORT = 8000            # the OpenAI API and /metrics inside the Compose network
 LABEL_PREFIX = "io.specdec."
 MODELS_VOLUME = "serving-models"
+PLUGIN_SOURCE = "./tasks/serving/vllm_plugin"      # the project's plugin, beside the compose file
+PLUGIN_MOUNT = "/specdec/vllm_plugin"
+# the image's vLLM gets the project's plugin (K per request by the plan, the CPU mends) before it
+# starts: installed from a copy (a build writes into its source folder, mounted read-only)
+START = (f"cp -r {PLUGIN_MOUNT} /tmp/specdec-plugin && python3 -m pip install --quiet --no-deps "
+         "--no-build-isolation /tmp/specdec-plugin && exec python3 -m vllm.entrypoints.openai.api_server \"$@\"")
 
 
 def deployment_name(domains: list[str]) -> str:
@@ -42,17 +48,22 @@ def service(deployment: dict, model: str, image: str, config_name: str, version:
     """One Compose service of a deployment (see the module's docstring)."""
     spec = deployment["speculative_config"]
     command = ["--model", model, "--host", "0.0.0.0", "--port", str(SERVER_PORT)]
+    environment = {}
     if spec is not None:
         command += ["--speculative-config", json.dumps(spec, sort_keys=True, separators=(",", ":")),
                     "--per-request-spec-decode-metrics", "summary"]
+    if deployment.get("plan") is not None:
+        # each request's K by its domain (vllm_xargs specdec_domain), read by the plugin at start
+        environment[PLAN_VARIABLE] = json.dumps(deployment["plan"], sort_keys=True, separators=(",", ":"))
     return {
         "image": image,
         "profiles": [SERVING_PROFILE],
         "restart": "unless-stopped",
-        "entrypoint": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+        "entrypoint": ["sh", "-c", START, "vllm-openai"],
         "command": command,
+        "environment": environment,
         "ports": [f"127.0.0.1:{host_port}:{SERVER_PORT}"],
-        "volumes": [f"{MODELS_VOLUME}:/root/.cache/huggingface"],
+        "volumes": [f"{MODELS_VOLUME}:/root/.cache/huggingface", f"{PLUGIN_SOURCE}:{PLUGIN_MOUNT}:ro"],
         "labels": {LABEL_PREFIX + "config_name": config_name,
                    LABEL_PREFIX + "config_version": str(version),
                    LABEL_PREFIX + "domains": ",".join(deployment["domains"]),

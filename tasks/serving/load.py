@@ -27,7 +27,8 @@ from .server import VllmServer
 
 def request_body(model: str, item: dict) -> dict:
     """The /v1/completions body of one streamed request (item: id, prompt_ids, max_tokens,
-    temperature, top_k, top_p, seed)."""
+    temperature, top_k, top_p, seed, and k: its own K on a server with K per request, 0 for none;
+    absent or None: the server's schedule)."""
     body = {"model": model, "prompt": [int(t) for t in item["prompt_ids"]],
             "max_tokens": int(item["max_tokens"]), "temperature": float(item.get("temperature", 0.0)),
             "top_p": float(item.get("top_p", 1.0)), "ignore_eos": True, "return_token_ids": True,
@@ -36,6 +37,8 @@ def request_body(model: str, item: dict) -> dict:
         body["top_k"] = int(item["top_k"])
     if item.get("seed") is not None:
         body["seed"] = int(item["seed"])
+    if item.get("k") is not None:
+        body["vllm_xargs"] = {"specdec_k": int(item["k"])}
     return body
 
 
@@ -131,6 +134,22 @@ def run_level(server: VllmServer, items: list[dict], concurrency: int, timeout_s
     level["alive"] = server.alive()
     level["counters"] = None if before is None or after is None else counter_delta(before, after)
     return level
+
+
+def merge_levels(results: list[dict]) -> dict:
+    """run_level outputs of several waves as one: requests in order, wall times and counter
+    deltas summed (None where any wave's is)."""
+    counters = [r["counters"] for r in results]
+    total = None
+    if counters and None not in counters:
+        width = max(len(c["accepted_per_pos"]) for c in counters)
+        total = {key: sum(c[key] for c in counters) for key in ("drafts", "draft_tokens", "accepted_tokens")}
+        total["accepted_per_pos"] = [sum((c["accepted_per_pos"] + [0] * width)[i] for c in counters)
+                                     for i in range(width)]
+    return {"requests": [r for result in results for r in result["requests"]],
+            "wall_s": sum(r["wall_s"] for r in results),
+            "timed_out": any(r["timed_out"] for r in results),
+            "alive": all(r["alive"] for r in results), "counters": total}
 
 
 def _counters(server: VllmServer) -> dict | None:

@@ -73,6 +73,27 @@ class CostTable:
         return "; ".join(reasons[:limit]) + more
 
     @property
+    def paired(self) -> bool:
+        """Whether the profile's figures are paired ratios with intervals (a serving engine's,
+        timed K 0 beside each K in one process): each verify figure's spread is then its ratio's
+        95% half-width over the ratio, which the plan's interval carries (cost_halfwidth)."""
+        return bool(((self.check or {}).get("details") or {}).get("paired"))
+
+    def cost_halfwidth(self, k: int, batch_size: int) -> float:
+        """The relative 95% half-width of verify(K) at a batch size in a paired profile (the
+        nearest K timed at or around K, the wider of the two); 0 in any other profile."""
+        if not self.paired or k <= 0:
+            return 0.0
+        timed = sorted(kk for (component, _, kk, b) in self.spread
+                       if component == "verify" and b == batch_size and kk)
+        if not timed:
+            return 0.0
+        below = max((kk for kk in timed if kk <= k), default=timed[0])
+        above = min((kk for kk in timed if kk >= k), default=timed[-1])
+        return max(self.spread[("verify", None, below, batch_size)],
+                   self.spread[("verify", None, above, batch_size)])
+
+    @property
     def batch_sizes(self) -> list[int]:
         return sorted(self.target_step)
 

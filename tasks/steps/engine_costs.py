@@ -69,7 +69,6 @@ CYCLE = 29              # tokens in the prompts' repeating cycle (ngram always f
 # sampled requests, timed apart: vLLM's rejection sampler does more for them (temperature, top-p
 # over the K + 1 positions' distributions); the shipped traffic's commonest sampled setting
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 0}
-PROPOSED_FLOOR = 0.5    # an ngram engine that proposed less than this share of K is flagged
 
 
 def cycle_prompts(vocab_size: int, count: int, length: int, cycle: int = CYCLE) -> list[list[int]]:
@@ -86,69 +85,56 @@ def cycle_prompts(vocab_size: int, count: int, length: int, cycle: int = CYCLE) 
     return prompts
 
 
-def _step_seconds(timings: list[dict], batch_size: int, sampling: str = "greedy"
-                  ) -> tuple[float, float, list[float]]:
-    """(median seconds per decode step, spread = IQR / median, the per-repeat figures) of the
-    batch size's timings under `sampling` (timings without one were greedy)."""
-    per_repeat = [t["decode_s"] / t["steps"] for t in timings
-                  if t["batch_size"] == batch_size and t.get("sampling", "greedy") == sampling
-                  and t["decode_s"] and t["steps"]]
-    if not per_repeat:
-        raise ServingProbeError(f"the engine timed no decode step at batch size {batch_size}")
-    median = float(np.median(per_repeat))
-    q1, q3 = np.percentile(per_repeat, [25, 75])
-    return median, float((q3 - q1) / median) if median > 0 else 0.0, per_repeat
-
-
-def _per_step(timings: list[dict], batch_size: int, key: str, sampling: str = "greedy") -> float:
-    rows = [t for t in timings if t["batch_size"] == batch_size and t.get("sampling", "greedy") == sampling]
-    return sum(t[key] for t in rows) / max(sum(t["steps"] * batch_size for t in rows), 1)
-
-
 @dataclass
 class VllmProfilePlan:
     """What profile_vllm times: the served model, the batch sizes and Ks, the engines in order
-    ((label, vLLM config or None, candidate spec or None)), which of them also time sampled
-    requests and at which batch sizes, the prompt lookup labels (draft step 0) and the probe's
-    request shared by every engine."""
+    ((label, vLLM config, candidate spec or None, Ks timed beside K 0)), the batch sizes sampled
+    requests are timed at, the prompt lookup labels (draft step 0) and the probe's request shared
+    by every engine."""
     model_dir: object
     dtype: str
     context: int
     sizes: list[int]
     ks: list[int]
-    sampled_ks: list[int]
     sampled_sizes: list[int]
-    sampled: set[str]
     runs: list[tuple]
     lookups: set[str]
     base: dict
 
 
+# Student's t, two-sided 95%, by degrees of freedom (0 unused; the last serves every larger one)
+T95 = (float("inf"), 12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16,
+       2.14, 2.13, 2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05,
+       2.04)
+NGRAM = "ngram"          # the label of the n-gram engine: plain (K 0) and verify(K) for every K
+
+
 def profile_vllm(run_id: str, target: str, candidates: list[str] | None,
                  store: Store, name: str | None = None,
                  settings: Settings | None = None, k_max: int | None = None, batch_sizes=None,
-                 ks: list[int] | None = None, draft_k: int = 3, max_tokens: int = 96,
+                 ks: list[int] | None = None, draft_k: int = 3, steps: int = 16,
                  progress: bool = True) -> dict:
     """Time vLLM's decode steps for `target` in the serving environment and store them as a cost
-    profile (see the module's docstring). ks: the K values given an ngram engine (default 1, 2, 4,
-    8, ... and k_max; the others are interpolated linearly between measured neighbours);
-    candidates: drafters whose vLLM config gets an engine of its own for its draft step.
+    profile (see the module's docstring). ks: the K values timed on the ngram engine (default 1,
+    2, 4, 8, ... and k_max; the others are interpolated linearly between measured neighbours);
+    candidates: drafters whose vLLM config gets an engine of its own for its draft step; steps:
+    decode steps per timed batch at every K.
 
     Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": rows, "check",
-    "seconds", "engines": [{config, start_s, seconds, mends}]}."""
+    "seconds", "engines": [{config, start_s, seconds, mends, repeats, stopped}]}."""
     check_identifier(run_id, "run id")     # it names $SPECDEC_HOME/engine_profiles/<run_id>
     settings = settings or store.settings
     k_max = k_max or settings.plan.k_max
     sizes = sorted(set(batch_sizes or settings.profile.batch_sizes))
-    # default: 1, 2, 4, 8, ... and k_max (the rest interpolated): the profile within 10 minutes
+    # default: 1, 2, 4, 8, ... and k_max (the rest interpolated)
     ks = sorted({k for k in (ks or [2 ** i for i in range(k_max.bit_length())]) if 1 <= k <= k_max}
                 | {1, k_max})
     plan = _plan_vllm_profile(run_id, target, candidates, settings, k_max, sizes, ks, draft_k,
-                              max_tokens)
+                              steps)
     started = time.perf_counter()
     answers, engines = _time_engines(run_id, plan, settings, progress)
     table, hardware, version = _vllm_table(run_id, plan, answers, engines, settings, k_max, draft_k,
-                                           max_tokens, name)
+                                           steps, name)
     # its key (tasks.steps.costs.profile_key): vLLM's version, and the fingerprint written beside
     # the served directory (None for a directory that is not one of ours: never reused)
     store_costs(store, run_id, hardware, table, profile_key(
@@ -156,111 +142,132 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None,
     elapsed = time.perf_counter() - started
     log.info("profile %s: vLLM %s profiled at batch sizes %s in %.0f s (%s)", run_id, version, sizes,
              elapsed, table.check["status"])
+    (log.warning if table.check["status"] == "noisy" else log.info)(
+        "profile %s: %s", run_id, "; ".join(table.check["reasons"] + table.check["notes"]) or "settled")
     provenance = profile_provenance(run_id, utcnow(), None)
     return {"run_id": run_id, "hardware_profile": hardware, "costs": table.rows(),
-            "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread")},
+            "check": {key: table.check[key] for key in ("status", "reasons", "attempts", "max_spread",
+                                                        "notes")},
             "seconds": elapsed, "engines": engines, "profile": provenance}
 
 
 def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, settings: Settings,
                        k_max: int, sizes: list[int], ks: list[int], draft_k: int,
-                       max_tokens: int) -> VllmProfilePlan:
-    """The served model, its prompts and the engines to time: plain, ngram at each K, and one per
-    candidate with a vLLM config (at draft_k); a candidate without one is left out with a warning."""
+                       steps: int) -> VllmProfilePlan:
+    """The served model, its prompts and the engines to time: ngram at k_max (K 0, the plain
+    step, and every K of `ks`, K per request), and one per candidate with another vLLM method
+    (K 0 and draft_k); a candidate without a vLLM config is left out with a warning."""
     serving_env.serving_python(settings)
     model_dir = serving_env.served_model_dir(target)
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     dtype = served_dtype(model_dir)
+    longest = steps * (max(k_max, draft_k) + 1) + 1         # tokens of the longest timed batch
     context = min(settings.profile.context_len, int(model_config.get("max_position_embeddings", 2048))
-                  - max_tokens - k_max - 8)
+                  - longest - k_max - 8)
     prompts = cycle_prompts(int(model_config["vocab_size"]), max(sizes), context)
-    base = {"model": str(model_dir), "prompts": prompts, "batch_sizes": sizes, "max_tokens": max_tokens,
-            "repeats": settings.profile.repeats, "dtype": dtype,
-            "max_model_len": context + max_tokens + k_max + 8}
+    base = {"model": str(model_dir), "prompts": prompts, "batch_sizes": sizes, "steps": steps,
+            "dtype": dtype, "max_model_len": context + longest + k_max + 8,
+            "halfwidth": settings.profile.ratio_halfwidth, "min_repeats": settings.profile.repeats,
+            "contention_cores": settings.profile.contention_cores}
     lookup = {"kind": "prompt_lookup", "params": {"max_ngram": 3, "min_ngram": 1}}
-    runs = [("plain", None, None)]
-    runs += [(f"ngram K={k}", speculative_config(DrafterSpec(**lookup), k), None) for k in ks]
-    # sampled requests at the smallest, middle and largest K and the smallest and largest batch
-    # size (their extra over greedy linear in K and in the batch size between them)
-    sampled_ks = sorted({ks[0], ks[len(ks) // 2], ks[-1]})
-    sampled_sizes = sorted({sizes[0], sizes[-1]})
-    sampled = {"plain"} | {f"ngram K={k}" for k in sampled_ks}
+    runs = [(NGRAM, speculative_config(DrafterSpec(**lookup), k_max), None, ks)]
     lookups = {candidate_label({"kind": "prompt_lookup", "params": {}})}
     for text in candidates or []:
         spec = parse_candidate(text)
         if spec["kind"] == "prompt_lookup":
-            lookups.add(candidate_label(spec))     # the ngram engines' own search: draft step 0
+            lookups.add(candidate_label(spec))     # the ngram engine's own search: draft step 0
             continue
         served = speculative_config(DrafterSpec(kind=spec["kind"], params=spec["params"]), draft_k)
         if served is None:
             log.warning("profile %s: %s has no vLLM equivalent: no draft step measured for it",
                         run_id, text)
             continue
-        runs.append((candidate_label(spec), served, spec))
-    return VllmProfilePlan(model_dir, dtype, context, sizes, ks, sampled_ks, sampled_sizes, sampled,
+        runs.append((candidate_label(spec), served, spec, [draft_k]))
+    return VllmProfilePlan(model_dir, dtype, context, sizes, ks, sorted({sizes[0], sizes[-1]}),
                            runs, lookups, base)
+
+
+def _engine_request(plan: VllmProfilePlan, run: tuple, settings: Settings, spare: int = 0) -> dict:
+    """The probe's time-paired request of one engine: its Ks and samplings, and its share of the
+    timing budget (the ngram engine, which times every K, twice another's)."""
+    label, spec, _, ks = run
+    weights = [2.0 if r[0] == NGRAM else 1.0 for r in plan.runs]
+    budget = settings.profile.engine_budget_s * (2.0 if label == NGRAM else 1.0) / sum(weights)
+    samplings = {"greedy": {}}
+    if label == NGRAM:      # sampled requests at the smallest, middle and largest K
+        samplings["sampled"] = {**SAMPLED, "batch_sizes": plan.sampled_sizes,
+                                "ks": sorted({ks[0], ks[len(ks) // 2], ks[-1]})}
+    return dict(plan.base, speculative_config=spec, ks=ks, samplings=samplings, budget_s=budget,
+                max_repeats=max(settings.profile.repeats * settings.profile.attempts * 3, 3),
+                spare_cores=spare)
 
 
 def _time_engines(run_id: str, plan: VllmProfilePlan, settings: Settings,
                   progress: bool) -> tuple[dict, list[dict]]:
-    """Start each planned engine in turn (under the timing lock) and collect its timings.
-    Output: (the probe's answer by label, [{config, speculative_config, start_s, seconds, mends,
-    timings}])."""
+    """Start each planned engine in turn (under the timing lock, its threads on the CPUs free
+    now) and collect its paired timings. Output: (the probe's answer by label, [{config,
+    speculative_config, start_s, seconds, mends, repeats, contended, stopped, threads}])."""
     directory = home_path("engine_profiles", run_id)
     answers, engines = {}, []
     with timing_lock(), tqdm(total=len(plan.runs), disable=not progress, desc="vLLM engines") as bar:
-        for label, spec, _ in plan.runs:
+        for run in plan.runs:
+            label, spec = run[0], run[1]
             what = f"profile {run_id}: vLLM {label}"
-            log.info("%s: starting (%s)", what, json.dumps(spec) if spec else "no speculation")
+            threads = serving_env.free_cpus()
+            log.info("%s: starting (%s) on CPUs %s (other processes used %.2f cores)", what,
+                     json.dumps(spec), ",".join(map(str, threads["cpus"])), threads["others"])
             began = time.perf_counter()
             try:
-                samplings = {"greedy": {}, **({"sampled": {**SAMPLED, "batch_sizes": plan.sampled_sizes}}
-                                              if label in plan.sampled else {})}
                 answer = serving_env.run_engine(
-                    dict(plan.base, speculative_config=spec, samplings=samplings),
-                    directory / (_slug(label) + ".log"),
-                    settings.engine.check_timeout_s, what, settings, command="time-steps")
+                    _engine_request(plan, run, settings, threads["spare"]), directory / (_slug(label) + ".log"),
+                    settings.engine.check_timeout_s, what, settings, command="time-paired",
+                    threads=threads["bind"])
             except (EngineTimeout, ServingProbeError) as exc:
                 raise ServingProbeError(f"{exc}") from None
             if answer.get("refused"):
                 raise ServingProbeError(f"{what}: vLLM refused the config: {answer['refused']}")
+            if not answer.get("k_per_request"):
+                raise ServingProbeError(f"{what}: the serving environment's vLLM has no K per "
+                                        "request (the specdec plugin): run `make serving-env`")
+            repeats = 1 + max((t["repeat"] for t in answer["timings"]), default=-1)
+            contended = len({t["repeat"] for t in answer["timings"] if t["contended"]})
             engines.append({"config": label, "speculative_config": spec, "start_s": answer["start_s"],
                             "seconds": round(time.perf_counter() - began, 1),
-                            "mends": answer.get("mends") or [],
-                            "timings": answer["timings"]})     # kept: the profile can be re-derived
+                            "mends": answer.get("mends") or [], "repeats": repeats,
+                            "contended": contended, "stopped": answer["stopped"],
+                            "threads": threads, "timings": answer["timings"]})
             answers[label] = answer
             bar.update(1)
-            log.info("%s: done in %.0f s (engine start %.1f s); per batch size: %s", what,
-                     engines[-1]["seconds"], answer["start_s"], "; ".join(
-                         f"{b}: {1000 * _step_seconds(answer['timings'], b)[0]:.1f} ms/step, "
-                         f"{_per_step(answer['timings'], b, 'drafted'):.2f} drafted and "
-                         f"{_per_step(answer['timings'], b, 'accepted'):.2f} accepted per request-step"
-                         for b in plan.sizes))
+            log.info("%s: %d repeats (%d with other processes on the CPU), %s, in %.0f s (engine "
+                     "start %.1f s)", what, repeats, contended, answer["stopped"],
+                     engines[-1]["seconds"], answer["start_s"])
     return answers, engines
 
 
 def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list[dict],
-                settings: Settings, k_max: int, draft_k: int, max_tokens: int,
+                settings: Settings, k_max: int, draft_k: int, steps: int,
                 name: str | None) -> tuple[CostTable, dict, str]:
-    """The cost table of the engines' timings, its check and the hardware description naming
-    vLLM. Output: (table, hardware, vLLM's version)."""
+    """The cost table of the engines' paired timings, its check and the hardware description
+    naming vLLM. Output: (table, hardware, vLLM's version)."""
     sizes, ks = plan.sizes, plan.ks
-    table, reasons = _table(answers, plan.runs, ks, k_max, sizes, draft_k, run_id, settings)
+    table, reasons, notes = _table(answers, plan.runs, k_max, sizes, draft_k, settings)
     for label in plan.lookups:
         table.draft_step[label] = {b: 0.0 for b in sizes}
-    version = answers["plain"]["vllm"]
+    version = answers[NGRAM]["vllm"]
     hardware = vllm_hardware(version, plan.dtype, name)
     table.hardware_profile = hardware["name"]
     hardware = {**hardware, "details": {**hardware["details"], "engine": {
                     "name": "vllm", "version": version, "enforce_eager": True,
                     "mends": sorted({m for e in engines for m in e["mends"]}),
-                    "ngram_ks": ks, "sampled_ks": plan.sampled_ks,
+                    "ngram_ks": ks, "sampled_ks": sorted({ks[0], ks[len(ks) // 2], ks[-1]}), "paired": True,
                     "sampled_batch_sizes": plan.sampled_sizes, "sampled": SAMPLED,
-                    "draft_k": draft_k, "max_tokens": max_tokens,
+                    "draft_k": draft_k, "steps": steps,
                     "context_len": plan.context}}}
-    table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "attempts": 1,
+    table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "notes": notes,
+                   "attempts": max((e["repeats"] for e in engines), default=0),
                    "max_spread": max(table.spread.values(), default=0.0),
-                   "details": {"max_spread_allowed": settings.profile.max_spread,
+                   "details": {"paired": True, "max_spread_allowed": settings.profile.max_spread,
+                               "ratio_halfwidth": settings.profile.ratio_halfwidth,
                                "repeats": settings.profile.repeats, "engines": engines,
                                # the setting it was timed under (what reuse compares), and the
                                # context the prompts had (shorter where the model's is)
@@ -335,56 +342,119 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
                         settings=settings, k_max=k_max, progress=progress)
 
 
-def _table(answers: dict, runs: list, ks: list[int], k_max: int, sizes: list[int], draft_k: int,
-           run_id: str, settings: Settings) -> tuple[CostTable, list[str]]:
-    table = CostTable("", run_id, {}, {}, {}, {})
-    reasons = []
+def _pairs(timings: list[dict], b: int, sampling: str, k: int) -> tuple[list[float], bool]:
+    """(the step at K over the K 0 step of the same repeat, per repeat; whether contended repeats
+    were used): the clean repeats where there are two or more, else every repeat (a neighbour
+    that stayed is on both sides of each pair)."""
+    for contended in (False, True):
+        by_repeat: dict = {}
+        for t in timings:
+            if (t["batch_size"] == b and t["sampling"] == sampling and t["steps"] and t["decode_s"]
+                    and (contended or not t["contended"])):
+                by_repeat.setdefault(t["repeat"], {})[t["k"]] = t
+        pairs = [(r[k], r[0]) for r in by_repeat.values() if k in r and 0 in r]
+        if len(pairs) >= 2 or contended:
+            return [_verify_ratio(at_k, plain, k) for at_k, plain in pairs], contended
+    return [], True
 
-    def timed(label: str, b: int, component: str, k=None, drafter=None, sampling="greedy") -> float:
-        seconds, spread, _ = _step_seconds(answers[label]["timings"], b, sampling)
-        table.spread[(component, drafter, k, b)] = spread
-        if spread > settings.profile.max_spread:
-            reasons.append(f"{label}{' sampled' if sampling != 'greedy' else ''} at batch {b}: "
-                           f"spread {spread:.0%} over {settings.profile.repeats} repeats")
-        return seconds
 
-    def verify_step(label: str, b: int, k: int, plain: float, component: str, sampling: str) -> float:
-        step = timed(label, b, component, k=k, sampling=sampling)
-        # a step in which the n-gram search found nothing is a plain step: the measured step
-        # is share x verify(K) + (1 - share) x plain step, solved for verify(K)
-        share = min(_per_step(answers[label]["timings"], b, "drafted", sampling) / k, 1.0)
-        if share < PROPOSED_FLOOR and sampling == "greedy":
-            # (sampled requests leave the cycle now and then: their share is lower by nature)
-            reasons.append(f"{label} at batch {b}: proposed {share:.0%} of K per step, so its "
-                           "verify step is mostly inferred, not timed")
-        return step if share >= 1.0 or share <= 0 else max((step - (1 - share) * plain) / share, step)
+def _verify_ratio(at_k: dict, plain: dict, k: int) -> float:
+    """verify(K) over the K 0 step from one pair: a step in which the n-gram search found
+    nothing is a plain step, so the measured ratio is share x v + (1 - share), solved for v."""
+    ratio = (at_k["decode_s"] / at_k["steps"]) / (plain["decode_s"] / plain["steps"])
+    share = min(at_k["drafted"] / max(at_k["steps"] * at_k["batch_size"] * k, 1), 1.0) if k else 1.0
+    return ratio if share >= 1.0 or share <= 0 else max((ratio - (1 - share)) / share, ratio)
 
-    def has_sampled(label: str, b: int) -> bool:
-        return any(t.get("sampling") == "sampled" and t["batch_size"] == b
-                   for t in answers[label]["timings"])
+
+def _interval(values: list[float]) -> tuple[float, float]:
+    """(mean, 95% half-width by Student's t); (nan, inf) for none, (mean, inf) for one."""
+    if not values:
+        return float("nan"), float("inf")
+    mean = float(np.mean(values))
+    if len(values) < 2:
+        return mean, float("inf")
+    t = T95[min(len(values) - 1, len(T95) - 1)]
+    return mean, float(t * np.std(values, ddof=1) / np.sqrt(len(values)))
+
+
+def _k0_step(timings: list[dict], b: int, sampling: str) -> float:
+    steps = [t["decode_s"] / t["steps"] for t in timings
+             if t["batch_size"] == b and t["sampling"] == sampling and t["k"] == 0 and t["steps"]
+             and t["decode_s"]]
+    if not steps:
+        raise ServingProbeError(f"the engine timed no decode step at batch size {b}")
+    return float(np.median(steps))
+
+
+def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int,
+           settings: Settings) -> tuple[CostTable, list[str], list[str]]:
+    """(table, reasons it is noisy, notes) from the engines' paired timings: the ngram engine's
+    K 0 step is the target step; verify(K) its paired ratio at K times that step (interpolated
+    between the K timed); another method's draft step its paired ratio at draft_k less the ngram
+    engine's at that K, times the step. Each figure's spread is its ratio's 95% half-width over
+    the ratio. A ratio whose half-width is over ratio_halfwidth is a note (the plan's interval
+    carries it); over 4 x that, or a step cheaper at a larger K beyond both intervals, a reason."""
+    table = CostTable("", "", {}, {}, {}, {})
+    reasons, notes = [], []
+    halfwidth = settings.profile.ratio_halfwidth
+    ngram = answers[NGRAM]["timings"]
+
+    def ratio(timings, label, b, sampling, k, component, drafter=None) -> float:
+        pairs, contended = _pairs(timings, b, sampling, k)
+        mean, half = _interval(pairs)
+        what = f"{label} K={k}{' sampled' if sampling != 'greedy' else ''} at batch {b}"
+        if not np.isfinite(mean):
+            raise ServingProbeError(f"profile: {what}: no paired timing")
+        relative = half / mean if mean > 0 else float("inf")
+        table.spread[(component, drafter, k, b)] = min(relative, 9.99)
+        if relative > 4 * halfwidth:
+            reasons.append(f"{what}: {mean:.3f} +- {relative:.0%} after {len(pairs)} pairs")
+        elif relative > halfwidth:
+            notes.append(f"{what}: {mean:.3f} +- {relative:.0%} ({len(pairs)} pairs; the plan's interval carries it)")
+        if contended:
+            notes.append(f"{what}: paired over repeats with other processes on the CPU")
+        return mean
 
     for b in sizes:
-        table.target_step[b] = timed("plain", b, "target_step")
-        measured = {k: verify_step(f"ngram K={k}", b, k, table.target_step[b], "verify", "greedy")
-                    for k in ks}
+        step = table.target_step[b] = _k0_step(ngram, b, "greedy")
+        table.spread[("target_step", None, None, b)] = 0.0
+        measured = _shaped({k: ratio(ngram, NGRAM, b, "greedy", k, "verify") for k in runs[0][3]},
+                           table.spread, "verify", b, reasons)
         known = sorted(measured)
-        table.verify[b] = {k: float(np.interp(k, known, [measured[x] for x in known]))
+        table.verify[b] = {k: step * float(np.interp(k, known, [measured[x] for x in known]))
                            for k in range(1, k_max + 1)}
-        if has_sampled("plain", b):
-            table.sampled_step[b] = timed("plain", b, "sampled_step", sampling="sampled")
-            table.sampled_verify[b] = {
-                k: verify_step(f"ngram K={k}", b, k, table.sampled_step[b], "sampled_verify", "sampled")
-                for k in ks if has_sampled(f"ngram K={k}", b)}
-        for label, _, spec in runs:
-            if spec is None:          # plain and the ngram engines
-                continue
-            step = timed(label, b, "draft_step", drafter=label)
-            ngram = table.verify[b][draft_k]
-            extra = max(step - ngram, 0.0)
-            table.draft_step.setdefault(label, {})[b] = (
-                extra if spec["kind"] in HOST_DRAFTERS else extra / draft_k)
+        if any(t["sampling"] == "sampled" and t["batch_size"] == b for t in ngram):
+            sampled = table.sampled_step[b] = _k0_step(ngram, b, "sampled")
+            timed = sorted({t["k"] for t in ngram if t["sampling"] == "sampled" and t["batch_size"] == b} - {0})
+            table.sampled_verify[b] = {k: sampled * r for k, r in _shaped(
+                {k: ratio(ngram, NGRAM, b, "sampled", k, "sampled_verify") for k in timed},
+                table.spread, "sampled_verify", b, reasons).items()}
+        for label, _, spec, _ in runs[1:]:
+            own = ratio(answers[label]["timings"], label, b, "greedy", draft_k, "draft_step", label)
+            extra = max(own - table.verify[b][draft_k] / step, 0.0) * step
+            table.draft_step.setdefault(label, {})[b] = extra if spec["kind"] in HOST_DRAFTERS else extra / draft_k
     _fill_sampled(table, sizes)
-    return table, reasons
+    return table, reasons, notes
+
+
+def _shaped(ratios: dict[int, float], spread: dict, component: str, b: int,
+            reasons: list[str]) -> dict[int, float]:
+    """The ratios with the shape costs must have: a step cheaper at a larger K beyond both
+    intervals (the probe measured it again until the budget ran out) is a reason, and the larger
+    K is priced at the smaller K's figure, never below."""
+    out, peak = {}, (None, 0.0)
+    for k in sorted(ratios):
+        value = ratios[k]
+        if peak[0] is not None and value < peak[1]:
+            low = value * (1 + spread[(component, None, k, b)])
+            if low < peak[1] * (1 - spread[(component, None, peak[0], b)]):
+                reasons.append(f"{component} at batch {b}: K={k} ({value:.3f}) cheaper than K={peak[0]} "
+                               f"({peak[1]:.3f}) beyond both intervals; priced at K={peak[0]}'s")
+            value = peak[1]
+        out[k] = value
+        if value >= peak[1]:
+            peak = (k, value)
+    return out
 
 
 def _fill_sampled(table: CostTable, sizes: list[int]) -> None:

@@ -7,7 +7,12 @@ Here, for every domain the run's config turns on (after the engine check's gate)
 vLLM config, at each concurrency level of `load_check_levels` where the domain's schedule drafts
 (K > 0), the domain's requests (draw order, `load_check_requests` of them and at least the level,
 each its logged prompt, sampling parameters and seed, its length cut at `load_check_max_tokens`)
-are streamed through the plain server and then the config's server, level by level
+are streamed through the config's one vLLM server with K per request (the project's plugin), in
+waves of the level's size, each wave twice: at K 0 (the plain control) and at the config's K, the
+order alternating wave by wave, so that every ratio pairs the same requests on the same server a
+wave apart (a machine that slows between two server starts no longer moves it). A K 0 request
+on that server still pays the drafter's host search (vLLM proposes for the whole batch; the cut
+is made after), so the control is what the deployment serves its off domains with
 (tasks.serving.load: asyncio + httpx). Per level and server: output tokens/s (over the level's
 wall time), time to first token and inter-token latency p50/p95, failed requests; on the config's
 server vLLM's vllm:spec_decode_* counter deltas from /metrics (E = 1 + accepted / drafts, and the
@@ -38,7 +43,7 @@ from ..db.queries_load import domains_on, engine_versions, load_checks, store_lo
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.vllm_export import batch_schedule
 from ..serving import environment as serving_env
-from ..serving.load import inter_token_latencies, run_level
+from ..serving.load import inter_token_latencies, merge_levels, run_level
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
 from .confirm import offline_totals, speedup_interval, truncated
@@ -227,46 +232,66 @@ def predicted_at(costs: CostTable | None, label: str, drafter_spec: dict | None,
 
 def _failure(which: str, server, level: int, result: dict | None, exc: Exception | None,
              settings: Settings) -> tuple[str, str]:
-    """(status, reason) of a server that did not start, hung or died at a level."""
+    """(status, reason) of a server that did not start, hung or died at a level (which: "plain"
+    while it served the level's K 0 requests, else "config")."""
     if exc is not None:
-        return "failed", f"load check: the {which} server did not start: {exc}"
+        return "failed", f"load check: the config server did not start: {exc}"
     unfinished = sum(1 for r in result["requests"] if not r["ok"])
     where = f"at {level} concurrent request{'s' if level != 1 else ''}"
+    serving = " serving its K 0 (plain) requests" if which == "plain" else ""
     if result["timed_out"]:
-        return "timeout", (f"load check: the {which} server hung {where}: {unfinished} of "
+        return "timeout", (f"load check: the config server hung {where}{serving}: {unfinished} of "
                            f"{len(result['requests'])} requests not finished within "
                            f"{settings.load.timeout_s:.0f} s (load_check_timeout_s); its log: "
                            f"{server.log_path}")
-    return "died", (f"load check: the {which} server died {where} ({unfinished} of "
+    return "died", (f"load check: the config server died {where}{serving} ({unfinished} of "
                     f"{len(result['requests'])} requests failed): {server.last_line()}; its log: "
                     f"{server.log_path}")
 
 
+def waves(items: list[dict], level: int) -> list[list[dict]]:
+    """The level's requests in waves of `level` (the last may be shorter)."""
+    size = max(1, level)
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], items: list[dict],
                    settings: Settings) -> dict:
-    """The levels of one domain, plain then config at each level. Output: {levels: [(level, K,
-    plain, config)], failure: (status, reason) or None, logs: {plain, config}}."""
+    """The levels of one domain on the config's one server, K per request: at each level the
+    requests in waves of the level's size, each wave served twice, at K 0 (plain) and at the
+    config's K (the server's schedule), the order alternating wave by wave, so that each ratio
+    pairs the same requests served minutes apart at most. Output: {levels: [(level, K, plain,
+    config)], failure: (status, reason) or None, logs: {plain, config}}."""
     # one size for every domain (the largest level of the setting): domains share their servers
     seqs = max(settings.load.levels)
     out: dict = {"levels": [], "failure": None, "logs": {}}
+    try:
+        server = pool.get(spec, max_num_seqs=seqs)
+    except (EngineTimeout, ServingProbeError) as exc:
+        out["failure"] = _failure("config", None, 0, None, exc, settings)
+        return out
+    out["logs"] = {"plain": str(server.log_path), "config": str(server.log_path)}
+    if not server.k_per_request():
+        out["failure"] = ("failed", "load check: the config server has no K per request (the specdec "
+                                    "plugin is not in the serving environment: run `make serving-env`); "
+                                    f"its log: {server.log_path}")
+        return out
     for level, k in levels:
         chosen = items[:max(settings.load.requests, level)]
-        results = {}
-        for which, served in (("plain", None), ("config", spec)):
-            try:
-                server = pool.get(served, max_num_seqs=seqs)
-            except (EngineTimeout, ServingProbeError) as exc:
-                out["failure"] = _failure(which, None, level, None, exc, settings)
-                return out
-            out["logs"][which] = str(server.log_path)
-            log.info("load check: %d requests at %d concurrent on the %s server", len(chosen), level, which)
-            result = run_level(server, chosen, level, settings.load.timeout_s)
-            if result["timed_out"] or not result["alive"]:
-                out["failure"] = _failure(which, server, level, result, None, settings)
-                server.stop()       # a hung server is not left running; the pool restarts it
-                return out
-            results[which] = result
-        out["levels"].append((level, k, results["plain"], results["config"]))
+        sides: dict = {"plain": [], "config": []}
+        log.info("load check: %d requests at %d concurrent, K 0 and K %d alternating in waves",
+                 len(chosen), level, k)
+        for index, wave in enumerate(waves(chosen, level)):
+            order = (("plain", 0), ("config", None))
+            for which, asked in (order if index % 2 == 0 else order[::-1]):
+                result = run_level(server, [dict(item, k=asked) for item in wave], level,
+                                   settings.load.timeout_s)
+                if result["timed_out"] or not result["alive"]:
+                    out["failure"] = _failure(which, server, level, result, None, settings)
+                    server.stop()       # a hung server is not left running; the pool restarts it
+                    return out
+                sides[which].append(result)
+        out["levels"].append((level, k, merge_levels(sides["plain"]), merge_levels(sides["config"])))
     return out
 
 

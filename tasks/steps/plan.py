@@ -68,11 +68,15 @@ def speedup_factor(drafter: str, drafter_spec: dict | None, width_share: list[fl
 
 
 def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, float, float]:
-    """(predicted, lo, hi) speedup of one acceptance_estimates row at a batch size."""
+    """(predicted, lo, hi) speedup of one acceptance_estimates row at a batch size. The interval
+    is acceptance's, widened by the cost's where the profile has one (a paired profile's verify
+    ratio at that K: CostTable.cost_halfwidth)."""
     factor = speedup_factor(estimate["drafter"], estimate["drafter_spec"],
                             estimate["draft_width_share"], costs, batch_size)
-    return (estimate["mean_accepted_length"] * factor, estimate["mean_accepted_length_lo"] * factor,
-            estimate["mean_accepted_length_hi"] * factor)
+    cost = min(costs.cost_halfwidth(int(estimate["k"]), batch_size), 0.9)
+    return (estimate["mean_accepted_length"] * factor,
+            estimate["mean_accepted_length_lo"] * factor * (1 - cost),
+            estimate["mean_accepted_length_hi"] * factor * (1 + cost))
 
 
 def k_schedule(estimates: list[dict], costs: CostTable, pays) -> list[list[int]]:

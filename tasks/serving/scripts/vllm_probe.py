@@ -26,6 +26,8 @@ Commands:
                   CPU sampler found broken are mended by the specdec_vllm_mends plugin (its lines
                   in "mends"), unless the request says "mend": false
   time-steps      decode steps of one engine timed at batch sizes (see time_steps)
+  time-paired     decode steps of one engine timed at K 0 and every K in alternating batches,
+                  K per request (the plugin), repeated until the ratios settle (see time_paired)
 """
 
 from __future__ import annotations
@@ -255,8 +257,10 @@ def _decode_phase(result) -> dict:
     return {"first_token_ts": None if stats is None else float(stats.first_token_ts),
             "last_token_ts": None if stats is None else float(stats.last_token_ts),
             "decode_tokens": tokens - 1, "accepted": accepted, "drafted": drafted,
-            # every step after the first token yields one token plus the drafts it accepted
-            "steps": max(tokens - 1 - accepted, 0)}
+            # every step after the first token yields one token plus the drafts it accepted (drafts
+            # accepted past max_tokens are counted too: the steps vLLM recorded, where more)
+            "steps": max(tokens - 1 - accepted, 0,
+                         0 if metrics is None else len(metrics.per_step_drafted))}
 
 
 def time_steps(request: dict) -> dict:
@@ -318,8 +322,172 @@ def time_steps(request: dict) -> dict:
     return answer
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(jiffies the whole machine spent busy, stolen time included; jiffies of this process, all
+    its threads) from /proc: their differences over a timed batch give the CPU other processes
+    took meanwhile."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:9]]
+    busy = sum(values) - values[3] - values[4]           # less idle and iowait
+    with open("/proc/self/stat") as own:
+        fields = own.read().rsplit(")", 1)[1].split()
+    return busy, int(fields[11]) + int(fields[12])       # utime + stime
+
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float]:
+    """(mean, 95% half-width by Student's t) of paired ratios; (mean, inf) below two."""
+    n = len(ratios)
+    mean = sum(ratios) / n if n else float("nan")
+    if n < 2:
+        return mean, float("inf")
+    sd = (sum((r - mean) ** 2 for r in ratios) / (n - 1)) ** 0.5
+    return mean, T95.get(n - 1, 1.96 if n > 30 else 2.1) * sd / n ** 0.5
+
+
+def paired_ratios(timings: list[dict], group: tuple, k: int, contended: bool = False) -> list[float]:
+    """Step at K over the K 0 step of the same repeat, over the repeats nothing contended (with
+    `contended`: over every repeat)."""
+    by_repeat: dict = {}
+    for row in timings:
+        if ((row["batch_size"], row["sampling"]) == group and row["steps"]
+                and (contended or not row["contended"])):
+            by_repeat.setdefault(row["repeat"], {})[row["k"]] = row["decode_s"] / row["steps"]
+    return [r[k] / r[0] for r in by_repeat.values() if k in r and 0 in r and r[0] > 0]
+
+
+def settled(timings: list[dict], groups: dict, halfwidth: float, contended: bool = False) -> bool:
+    """Every ratio's interval within `halfwidth` of it, and no step cheaper at a larger K beyond
+    both intervals (a figure that breaks the shape costs must have is measured again). groups:
+    {(batch size, sampling): its Ks}."""
+    for group, ks in groups.items():
+        figures = [ratio_interval(paired_ratios(timings, group, k, contended)) for k in ks if k > 0]
+        if any(not h <= halfwidth * m for m, h in figures):
+            return False
+        if any(b[0] + b[1] < a[0] - a[1] for a, b in zip(figures, figures[1:])):
+            return False
+    return True
+
+
+def time_paired(request: dict) -> dict:
+    """{model, speculative_config (its largest K), prompts, batch_sizes, ks, samplings, steps,
+    max_model_len, dtype, budget_s, halfwidth, min_repeats, max_repeats, contention_cores} ->
+    {vllm, start_s, refused, mends, k_per_request, stopped, seconds, timings: [{batch_size,
+    sampling, k, repeat, decode_s, steps, tokens, drafted, accepted, wall_s, other_cores,
+    contended}]}: one engine, K per request (the plugin's vllm_xargs specdec_k), each batch asked
+    for `steps` x (K + 1) + 1 tokens (about `steps` decode steps at every K); per repeat, for
+    each batch size and sampling (a sampling's batch_sizes limit it), K 0 and every K one after
+    the other (the order reversed every other repeat), each batch's other processes' CPU read
+    from /proc (a repeat with a contended batch is marked and not counted); repeated until at
+    least min_repeats clean repeats and every ratio settled (`settled`), or max_repeats, or
+    budget_s of timing."""
+    import time
+
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = request["speculative_config"]
+    sizes = sorted(int(b) for b in request["batch_sizes"])
+    ks = sorted({0} | {int(k) for k in request["ks"]})
+    answer = {"vllm": vllm.__version__, "start_s": None, "refused": None, "mends": [], "timings": [],
+              "k_per_request": None, "stopped": None, "seconds": None}
+    llm = _start(request, spec, max(sizes), answer)
+    if llm is None:
+        return answer
+    answer["k_per_request"] = bool(getattr(_scheduler_class(), "update_draft_token_ids", None)
+                                   and getattr(_scheduler_class().update_draft_token_ids,
+                                               "specdec_k_per_request", False))
+    samplings = request.get("samplings") or {"greedy": {}}
+    groups = [(b, name) for name, sampling in samplings.items() for b in sizes
+              if sampling.get("batch_sizes") is None or b in sampling["batch_sizes"]]
+    hz, limit = os.sysconf("SC_CLK_TCK"), float(request.get("contention_cores", 0.25))
+
+    def run(b: int, name: str, k: int, max_tokens: int):
+        sampling = samplings[name]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                temperature=float(sampling.get("temperature", 0.0)),
+                                top_k=int(sampling.get("top_k") or 0),
+                                top_p=float(sampling.get("top_p", 1.0)), seed=sampling.get("seed"),
+                                extra_args={"specdec_k": k})
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"][:b]]
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    group_ks = {(b, name): sorted({0} | set(samplings[name].get("ks") or ks)) for b, name in groups}
+    for b, name in groups:                                                      # warm-up
+        if b == sizes[-1]:
+            for k in (0, ks[-1]):
+                run(b, name, k, 8)
+    began, clean, repeat = time.monotonic(), 0, 0
+    budget, least = float(request["budget_s"]), int(request.get("min_repeats", 3))
+    most = int(request.get("max_repeats", 30))
+    # contended: other processes took more CPU than the cores this engine left them, by `limit`
+    limit += float(request.get("spare_cores", 0.0))
+    while answer["stopped"] is None:
+        contended = False
+        for b, name in groups:
+            order = group_ks[(b, name)]
+            for k in (order if repeat % 2 == 0 else order[::-1]):
+                cpu0, wall0 = cpu_jiffies(), time.perf_counter()
+                # the same number of decode steps at every K (drafts accepted or not, a step
+                # verifies K): a fully accepted cycle emits K + 1 tokens a step
+                results = run(b, name, k, int(request["steps"]) * (k + 1) + 1)
+                cpu1, wall = cpu_jiffies(), time.perf_counter() - wall0
+                other = max((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1]), 0) / hz / max(wall, 1e-9)
+                row = _batch_row(results, b, name, k, repeat, wall, other, limit)
+                contended |= row["contended"]
+                answer["timings"].append(row)
+                if time.monotonic() - began >= budget:
+                    answer["stopped"] = "budget"
+                    break
+            if answer["stopped"]:
+                break
+        if contended:       # the whole repeat is marked, so that its pairs are not used
+            for row in answer["timings"]:
+                row["contended"] |= row["repeat"] == repeat
+        clean += not contended
+        repeat += 1
+        if answer["stopped"]:
+            break
+        if repeat >= most:
+            answer["stopped"] = "max_repeats"
+        elif clean >= least and settled(answer["timings"], group_ks, float(request["halfwidth"])):
+            answer["stopped"] = "settled"
+        # a neighbour that stays (most repeats contended): its load is in both sides of each
+        # pair, so the pairs of every repeat are used, and said
+        elif (repeat >= 2 * least and clean < repeat / 2
+                and settled(answer["timings"], group_ks, float(request["halfwidth"]), contended=True)):
+            answer["stopped"] = "settled_contended"
+    answer["seconds"] = time.monotonic() - began
+    return answer
+
+
+def _batch_row(results, b: int, name: str, k: int, repeat: int, wall: float, other: float,
+               limit: float) -> dict:
+    """One timed batch: its decode phase from vLLM's engine-core timestamps (the batch's last
+    first token to its last token), the most decode steps of any request (they decode together),
+    and the CPU other processes took meanwhile (cores)."""
+    phases = [_decode_phase(r) for r in results]
+    firsts = [p["first_token_ts"] for p in phases]
+    lasts = [p["last_token_ts"] for p in phases]
+    return {"batch_size": b, "sampling": name, "k": k, "repeat": repeat, "wall_s": wall,
+            "decode_s": None if None in firsts + lasts else max(lasts) - max(firsts),
+            "steps": max(p["steps"] for p in phases),
+            "tokens": sum(p["decode_tokens"] + 1 for p in phases),
+            "other_cores": round(other, 3), "contended": other > limit,
+            **{key: sum(p[key] for p in phases) for key in ("decode_tokens", "drafted", "accepted")}}
+
+
+def _scheduler_class():
+    from vllm.v1.core.sched.scheduler import Scheduler
+    return Scheduler
+
+
 COMMANDS = {"versions": versions, "check-configs": check_configs, "ngram": ngram,
-            "replay": _with_mends(replay), "time-steps": _with_mends(time_steps)}
+            "replay": _with_mends(replay), "time-steps": _with_mends(time_steps),
+            "time-paired": _with_mends(time_paired)}
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ schedule for the batch size), and verification is unchanged, so the output distr
 The scheduler's code is checked first; where it is not the code this cut expects, or the plan file
 cannot be read, the server refuses to start with one line saying so.
 
-A plan file: {"method": vLLM's method name (checked against the server's), "domains": {NAME:
+A plan (a file, or its JSON itself in the variable): {"method": vLLM's method name, "domains": {NAME:
 [[lo, hi, K], ...]}, "default": [[lo, hi, K], ...]} with inclusive batch-size ranges as in vLLM's
 `num_speculative_tokens_per_batch_size` (a size in no range: K 0); a bare number is K at every
 batch size.
@@ -259,12 +259,16 @@ def _schedule(value, where: str) -> list[tuple[int, int, int]]:
 
 
 def read_plan(path: str) -> dict:
-    """{"method", "domains": {name: triples}, "default": triples} from a plan file (PlanError
-    naming the file and what is wrong)."""
+    """{"method", "domains": {name: triples}, "default": triples} from a plan file, or from the
+    plan itself where SPECDEC_VLLM_PLAN holds the JSON (it starts with "{"); PlanError naming the
+    file and what is wrong."""
     import json
 
     try:
-        raw = json.loads(open(path, encoding="utf-8").read())
+        text = path if path.lstrip().startswith("{") else open(path, encoding="utf-8").read()
+        if path.lstrip().startswith("{"):
+            path = f"given inline in {PLAN_VARIABLE}"
+        raw = json.loads(text)
     except (OSError, ValueError) as exc:
         raise PlanError(f"specdec: the plan file {path} ({PLAN_VARIABLE}) cannot be read: {exc}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("domains", {}), dict):
@@ -353,7 +357,8 @@ def enable_k_per_request(scheduler_class, draft_class, plan: dict | None) -> lis
         wrapper.specdec_k_per_request = True
     scheduler_class.update_draft_token_ids = update_draft_token_ids
     scheduler_class.update_draft_token_ids_in_output = update_draft_token_ids_in_output
-    where = os.environ.get(PLAN_VARIABLE)
+    where = os.environ.get(PLAN_VARIABLE, "")
+    where = "inline" if where.lstrip().startswith("{") else where
     return [K_PER_REQUEST + (f"; plan {where}: domains {sorted(plan['domains'])}" if plan else "")]
 
 
