@@ -1,11 +1,12 @@
-"""The main job with and without a busy neighbour on the profile step (issue: decisions that
-survive a busy machine). Runs `specdec main-job` N times quiet and N times busy, alternating, each
-in its own SPECDEC_HOME (a fresh store: no champion, so every "on" is a domain turning on); in the
-busy runs, while the profile task runs, other processes keep this machine's CPU busy (default: one
-process in 3-second bursts, about what a large pip install does; --neighbours 2 adds one spinning
-all the time, which slows the profile's passes from about 27 s to 3-7 minutes on 2 cores).
-Prints one table per run (per domain: on/off, predicted, measured, veto or noisy reason), the
-profile checks, and writes benchmarks/results/busy_neighbour.md.
+"""The main job with and without a busy neighbour (issue: decisions that hold on a busy machine).
+Runs `specdec main-job` N times quiet and N times busy, alternating, each in its own SPECDEC_HOME
+(a fresh store: no champion, so every "on" is a domain turning on); in the busy runs other
+processes keep this machine's CPU busy for the whole run (default: one process in 3-second bursts,
+about what a large pip install does; --neighbours 2 adds one spinning all the time; --during
+profile keeps them to the profile step, as earlier rounds did). Prints one table per run (per
+domain: on/off, drafter and K, predicted, the engine check's measured speedup at one request at
+a time, the load check's levels predicted against measured), the profile's check, then one table
+over every run, and writes benchmarks/results/busy_neighbour.md.
 
     python benchmarks/busy_neighbour.py --runs 3 --models .specdec/models --write
     python benchmarks/busy_neighbour.py --plan quiet-2,busy-1 --models .specdec/models
@@ -29,7 +30,8 @@ BURSTS = ("import time\nwhile True:\n    end = time.time() + 3\n    while time.t
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: int = 1) -> float:
+def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: int = 1,
+                 during: str = "run") -> float:
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "models").exists():
         (home / "models").symlink_to(models.resolve())
@@ -41,7 +43,7 @@ def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: 
         job = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "main-job"], cwd=ROOT,
                                env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _follow(job, log, busy, neighbours, neighbours_n)
+            _follow(job, log, busy, neighbours, neighbours_n, during)
         finally:       # never leave a neighbour spinning (an interrupt included)
             for process in neighbours:
                 process.kill()
@@ -50,14 +52,16 @@ def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: 
     return time.perf_counter() - start
 
 
-def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list, count: int) -> None:
-    """Wait for the job; while its profile task runs (busy runs only), keep two neighbours busy."""
+def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list, count: int,
+            during: str = "run") -> None:
+    """Wait for the job; in busy runs keep the neighbours busy for the whole run, or (during
+    "profile") while its profile task runs."""
     while job.poll() is None:
         time.sleep(1)
         text = log.read_text(errors="replace")
         # the profile task runs from its start line until the first estimate starts (estimates
         # wait for it; other tasks, such as domains_of, may start beside it)
-        profiling = " s  profile" in text and " s  per_domain.estimate" not in text
+        profiling = during == "run" or (" s  profile" in text and " s  per_domain.estimate" not in text)
         if busy and profiling and not neighbours:
             neighbours.extend(subprocess.Popen([sys.executable, "-c", code])
                               for code in (BURSTS, SPIN)[:count])
@@ -79,10 +83,19 @@ def results(home: Path) -> dict:
         "l.domain = d.domain WHERE d.run_id = ? ORDER BY d.domain", (run["run_id"],))]
     check = db.execute("SELECT status, reasons, attempts, max_spread FROM cost_profile_checks "
                        "WHERE run_id = ?", (run["run_id"],)).fetchone()
+    engine = {r["domain"]: dict(r) for r in db.execute(
+        "SELECT domain, measured_speedup, predicted_speedup FROM engine_checks WHERE run_id = ?",
+        (run["run_id"],))}
+    levels = [dict(r) for r in db.execute(
+        "SELECT domain, concurrency, k, measured_speedup, measured_speedup_lo, measured_speedup_hi, "
+        "predicted_speedup, pays FROM load_check_levels WHERE run_id = ? ORDER BY domain, concurrency",
+        (run["run_id"],))]
+    for row in rows:
+        row["engine_measured"] = (engine.get(row["domain"]) or {}).get("measured_speedup")
     seconds = db.execute("SELECT MAX(created_at), MIN(created_at) FROM cost_profiles WHERE run_id = ?",
                          (run["run_id"],)).fetchone()
     return {"run_id": run["run_id"], "rows": rows, "check": dict(check) if check else None,
-            "profile_written": seconds[0]}
+            "profile_written": seconds[0], "levels": levels}
 
 
 def held_back(reason: str | None) -> str:
@@ -97,19 +110,69 @@ def held_back(reason: str | None) -> str:
 def table(label: str, result: dict, seconds: float) -> str:
     check = result["check"] or {}
     reasons = json.loads(check["reasons"]) if isinstance(check.get("reasons"), str) else check.get("reasons")
-    lines = [f"### {label}: run {result['run_id']} ({seconds:.0f} s)", "",
+    lines = [f"### {label}: run {result['run_id']} ({seconds:.0f} s, load average {result.get('load', '-')})", "",
              f"cost profile: {check.get('status')}, {check.get('attempts')} check(s), largest "
              f"spread {100 * (check.get('max_spread') or 0):.0f}%"
              + (f"; reasons: {'; '.join(reasons)}" if reasons else ""), "",
-             "| domain | on | drafter, K | predicted | same requests | measured [95% CI] | cost-model err | held back by |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| domain | on | drafter, K | predicted | same requests | measured [95% CI] | cost-model err | on vLLM, 1 at a time | held back by |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         x = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
         ci = "" if r["measured_speedup_lo"] is None else f" [{r['measured_speedup_lo']:.2f}, {r['measured_speedup_hi']:.2f}]"
         err = "-" if r["cost_model_error"] is None else f"{100 * r['cost_model_error']:+.0f}%"
         lines.append(f"| {r['domain']} | {'on' if r['enabled'] else 'off'} | {r['drafter']} K={r['k']} | "
                      f"{x(r['predicted_speedup'])} | {x(r['predicted_same_requests'])} | "
-                     f"{x(r['measured_speedup'])}{ci} | {err} | {held_back(r['reason'])} |")
+                     f"{x(r['measured_speedup'])}{ci} | {err} | {x(r.get('engine_measured'))} | "
+                     f"{held_back(r['reason'])} |")
+    if result.get("levels"):
+        lines += ["", "| load check: domain | concurrent | K | predicted | measured [95% CI] | within 15% |",
+                  "|---|---|---|---|---|---|"]
+        for level in result["levels"]:
+            within = within_15(level)
+            lines.append(f"| {level['domain']} | {level['concurrency']} | {level['k']} | "
+                         f"{_x(level['predicted_speedup'])} | {_x(level['measured_speedup'])} "
+                         f"[{_x(level['measured_speedup_lo'])}, {_x(level['measured_speedup_hi'])}] | "
+                         f"{'-' if within is None else ('yes' if within else 'no')} |")
+    return "\n".join(lines)
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def within_15(level: dict) -> bool | None:
+    if level["predicted_speedup"] is None or not level["measured_speedup"]:
+        return None
+    return abs(level["predicted_speedup"] / level["measured_speedup"] - 1) <= 0.15
+
+
+def summary(runs: list[tuple[str, dict, float]]) -> str:
+    """One table over the runs: per domain, on/off and drafter/K in each run, and the spread of
+    the measured speedups at one request at a time over the runs where it is on."""
+    domains = sorted({r["domain"] for _, result, _ in runs for r in result["rows"]})
+    lines = ["| domain | " + " | ".join(label for label, _, _ in runs) + " | same decision | measured spread |",
+             "|---|" + "---|" * len(runs) + "---|---|"]
+    for domain in domains:
+        cells, decisions, measured = [], set(), []
+        for _, result, _ in runs:
+            row = next((r for r in result["rows"] if r["domain"] == domain), None)
+            if row is None:
+                cells.append("-")
+                continue
+            on = bool(row["enabled"])
+            decisions.add((on, row["drafter"] if on else None))
+            value = row.get("engine_measured") if on else None
+            measured += [value] if value else []
+            cells.append((f"on {row['drafter']} K={row['k']} {_x(value)}" if on else "off"))
+        spread = (f"{100 * (max(measured) - min(measured)) / min(measured):.0f}%"
+                  if len(measured) > 1 else "-")
+        lines.append(f"| {domain} | " + " | ".join(cells) + f" | {'yes' if len(decisions) == 1 else 'no'} | {spread} |")
+    levels = [within_15(level) for _, result, _ in runs for level in result.get("levels") or []]
+    known = [v for v in levels if v is not None]
+    lines += ["", f"load check: predicted within 15% of measured at {sum(known)} of {len(known)} "
+                  "measured domain-levels", "",
+              "| run | seconds | load average |", "|---|---|---|"]
+    lines += [f"| {label} | {seconds:.0f} | {result.get('load', '-')} |" for label, result, seconds in runs]
     return "\n".join(lines)
 
 
@@ -120,25 +183,35 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/busy_neighbour"))
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--neighbours", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--during", default="run", choices=("run", "profile"),
+                        help="keep the neighbours for the whole run (default) or the profile step only")
     parser.add_argument("--plan", default=None, help="runs to make, e.g. quiet-2,busy-1 (default: "
                                                     "quiet-1,busy-1,... alternating, --runs each)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # run the cleanup on a kill
-    sections = []
+    sections, runs = [], []
     plan = (args.plan.split(",") if args.plan else
             [f"{kind}-{index + 1}" for index in range(args.runs) for kind in ("quiet", "busy")])
     for name in plan:
         busy = name.startswith("busy")
         label = name.replace("-", " ")
         home = args.work / name
-        seconds = run_main_job(home, args.models, busy, args.work / f"{name}.log", args.neighbours)
-        sections.append(table(label, results(home), seconds))
+        seconds = run_main_job(home, args.models, busy, args.work / f"{name}.log", args.neighbours,
+                               args.during)
+        result = results(home)
+        result["load"] = " / ".join(f"{v:.2f}" for v in os.getloadavg())      # 1, 5, 15 minutes
+        runs.append((label, result, seconds))
+        sections.append(table(label, result, seconds))
         print(sections[-1] + "\n", flush=True)
+    print(summary(runs))
     if args.write:
         out = ROOT / "benchmarks" / "results" / "busy_neighbour.md"
-        out.write_text("# The main job, quiet and with a busy neighbour on the profile step\n\n"
-                       "Command: `python benchmarks/busy_neighbour.py --runs "
-                       f"{args.runs} --write` (fresh store per run: no champion).\n\n"
+        out.write_text("# The main job, quiet and with a busy neighbour\n\n"
+                       "Command: `python benchmarks/busy_neighbour.py "
+                       + (f"--plan {args.plan}" if args.plan else f"--runs {args.runs}")
+                       + f" --neighbours {args.neighbours} --during {args.during} --write` (fresh store per "
+                       "run: no champion; the load average is read when each run ends).\n\n"
+                       "## Over the runs\n\n" + summary(runs) + "\n\n## Each run\n\n"
                        + "\n\n".join(sections) + "\n")
         print(f"wrote {out}")
 

@@ -6,6 +6,7 @@ real server serving a mixed batch is in tests/test_vllm_server.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import json
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -116,3 +117,20 @@ def test_a_scheduler_that_is_not_the_code_the_cut_expects_is_refused():
 
     with pytest.raises(plugin.PlanError, match="DraftTokenIds has fields"):
         plugin.enable_k_per_request(Scheduler, Drafts, None)
+
+
+def test_an_engine_runs_its_threads_on_the_cpus_other_processes_leave_free():
+    from tasks.serving.environment import choose_cpus, free_cpus
+
+    # quiet: every CPU, vLLM's own binding
+    assert choose_cpus({0: 0.02, 1: 0.05}) == {"cpus": [0, 1], "others": 0.07, "spare": 0, "bind": None}
+    # a neighbour spinning on CPU 1: the engine keeps off it
+    assert choose_cpus({0: 0.03, 1: 0.97})["bind"] == "0"
+    # a bursty one, half a core somewhere: one CPU left to it, the least busy one used
+    assert choose_cpus({0: 0.30, 1: 0.20, 2: 0.0, 3: 0.05}) == {
+        "cpus": [1, 2, 3], "others": 0.55, "spare": 1, "bind": "1,2,3"}
+    # busier than the machine: still one CPU
+    assert choose_cpus({0: 1.0, 1: 1.0})["cpus"] == [0] and choose_cpus({0: 1.0, 1: 1.0})["spare"] == 1
+    # read from /proc on this machine: a choice among the CPUs this process may use
+    seen = free_cpus(sample_s=0.2)
+    assert seen["cpus"] and set(seen["cpus"]) <= set(os.sched_getaffinity(0))

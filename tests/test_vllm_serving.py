@@ -323,8 +323,16 @@ def test_vllms_own_cost_profile_is_stored_and_the_planner_reads_it(engine_run):
     assert engine["name"] == "vllm"
     assert engine["version"] == engine_run["result"]["domains"]["loops"]["engine_version"]
     assert hardware["name"].startswith("vllm-") and hardware["device"].startswith("vLLM ")
-    # one engine each: plain, ngram at K = 1 and 3 (K = 2 interpolated between them)
-    assert [e["config"] for e in profile["engines"]] == ["plain", "ngram K=1", "ngram K=3"]
+    # one engine, K per request: K 0 (the plain step), K = 1 and 3 in alternating batches (K = 2
+    # interpolated between them), every figure a ratio paired inside one repeat
+    assert [e["config"] for e in profile["engines"]] == ["ngram"]
+    timings = profile["engines"][0]["timings"]
+    assert {t["k"] for t in timings} == {0, 1, 3} and profile["engines"][0]["repeats"] >= 2
+    for repeat in {t["repeat"] for t in timings}:
+        drafted = {t["k"]: t["drafted"] for t in timings if t["repeat"] == repeat
+                   and t["batch_size"] == 1 and t["sampling"] == "greedy"}
+        assert drafted[0] == 0 and drafted.get(3, 1) > 0, drafted     # K 0: no drafts at all
+    assert hardware["details"]["engine"]["paired"] is True
     costs = load_costs(hardware["name"], Store.open(engine_run["url"]))
     assert costs.batch_sizes == [1, 2] and all(costs.k_max(b) == 3 for b in (1, 2))
     for b in (1, 2):

@@ -11,6 +11,7 @@ Where it is: the setting `serving_python` (SPECDEC_SERVING_PYTHON), else
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -91,7 +92,6 @@ def free_cpus(sample_s: float = 3.0, margin: float = 0.25) -> dict:
     to it. Output: {"cpus": [...], "others": cores, "spare": CPUs left to the others, "bind":
     "0,2" for VLLM_CPU_OMP_THREADS_BIND, or None where every allowed CPU is used (vLLM's own
     binding)}."""
-    import math
     import time
 
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -102,6 +102,12 @@ def free_cpus(sample_s: float = 3.0, margin: float = 0.25) -> dict:
             for cpu in allowed if cpu in before and cpu in after}
     if not used:
         return {"cpus": allowed, "others": 0.0, "spare": 0, "bind": None}
+    return choose_cpus(used, margin)
+
+
+def choose_cpus(used: dict[int, float], margin: float = 0.25) -> dict:
+    """free_cpus's choice from each allowed CPU's busy share: the CPUs less ceil(others - margin)
+    of them, at least one, the least busy first."""
     others = sum(used.values())
     count = max(1, len(used) - max(0, math.ceil(others - margin)))
     cpus = sorted(sorted(used, key=lambda cpu: used[cpu])[:count])

@@ -308,9 +308,12 @@ class ServerPool:
         else:
             taken = sum(1 for s in self.servers.values() if s.log_path.name.startswith(f"server-{name}"))
             path = self.directory / f"server-{name}{'' if not taken else f'-{taken}'}.log"
+        # its threads on the CPUs other processes leave free now (one thread waiting on a busy
+        # core stalls the others at every step)
         server = VllmServer(self.model_dir, spec, path, mended=mended, dtype=self.dtype,
                             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                            block_size=block_size, settings=self.settings)
+                            block_size=block_size, settings=self.settings,
+                            threads=environment.free_cpus()["bind"])
         try:
             server.start()
         except (EngineTimeout, ServingProbeError) as exc:

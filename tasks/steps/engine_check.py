@@ -32,8 +32,14 @@ off ("lossy"). A run planned on vLLM's costs (tasks.steps.engine_costs.plans_on_
 check here: vLLM's decode-phase speedup on the replayed requests, plain and config, judged by
 confirm's live_verdict and stored as the run's live measurement; a veto turns the domain off.
 
-Cost: one engine per distinct config (domains sharing a config share it), plus one plain engine
-for the tokens/s beside it (for information), each started with enforce_eager in-process.
+Cost: one engine per distinct config (domains sharing a config share it), started with
+enforce_eager in-process, with K per request (the project's plugin): it serves every replayed
+request twice, at K 0 (the plain control) and at the config's K, the order alternating request
+by request (a suffix engine's config request first: its tree learns from every response), so
+each speedup pairs the same request on the same engine moments apart, whatever the machine did
+between engine starts. A K 0 request still pays the drafter's host search (vLLM proposes for
+the whole batch; the cut comes after): the control is what that deployment serves off domains
+with.
 No serving environment: the check is skipped with one line saying how to make one (a failure only
 when engine_check_required is set). Rows go to `engine_checks` (one per run and domain, replaced
 when the check re-runs); the run's other results are never touched except the gated domains'.
@@ -355,13 +361,13 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     engines, answers = [], {}
     profiles: dict[str, CostTable | None] = {}      # the serving engine's cost profile, by version
     directory = log_dir(run_id)
+    plain: dict = {"requests": {}}
     for run in plan.engines:
         served = _replay(context, run, plan.picked, directory)
         engines.append(served.record)
+        plain["requests"].update(split_plain(served.answer)["requests"])
         answers[run.name] = served.answer
-        if run.spec is not None:
-            rows.update(_engine_rows(context, run, served, plan, drafters_by_domain, profiles))
-    plain = answers.get("plain") or {}
+        rows.update(_engine_rows(context, run, served, plan, drafters_by_domain, profiles))
     _add_plain_figures(rows, plan.picked, plain)
     if planned_on_vllm(store, run_id):
         _live_checks(context, plan, rows, answers, plain)
@@ -390,10 +396,35 @@ def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: d
                                        settings.engine.check_requests, settings.live.max_new_tokens)
         group = groups.setdefault(json.dumps(spec, sort_keys=True), {"spec": spec, "domains": []})
         group["domains"].append(domain)
+    # no plain engine: each config's engine serves every request twice, at K 0 (the plain
+    # control, K per request) and at its K (_paired_items)
     engines = [EngineRun(f"spec-{n}", g["spec"], g["domains"]) for n, g in enumerate(groups.values())]
-    if picked:
-        engines.append(EngineRun("plain", None, sorted(picked)))
     return CheckPlan(on, picked, engines, rows)
+
+
+PLAIN = "plain::"      # the id prefix of a request's K 0 twin
+
+
+def _paired_items(requests: list, spec: dict) -> list[dict]:
+    """Each request twice on the config's engine: at K 0 (its id prefixed PLAIN) and at the
+    config's K, the order alternating request by request, so that the speedup pairs the same
+    request on the same engine moments apart. A suffix engine serves the config's first every
+    time: its tree grows from every response it serves, and the twin served first would hand
+    the other its own answer."""
+    items = []
+    for index, request in enumerate(requests):
+        spec_item = _item(request, index)
+        plain_item = dict(spec_item, id=PLAIN + spec_item["id"], k=0)
+        first_plain = index % 2 == 1 and spec.get("method") != "suffix"
+        items += [plain_item, spec_item] if first_plain else [spec_item, plain_item]
+    return items
+
+
+def split_plain(answer: dict) -> dict:
+    """The K 0 twins' answers taken out of an engine's answer: {"requests": {id: answer}}."""
+    requests = answer.get("requests") or {}
+    plain = {key[len(PLAIN):]: requests.pop(key) for key in [k for k in requests if k.startswith(PLAIN)]}
+    return {"requests": plain}
 
 
 def _history_items(run: EngineRun, picked: dict, requests_by_domain: dict,
@@ -414,7 +445,7 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
     """Start one engine and replay its domains' picked requests (after its history); the record
     says how it went (ok, refused, unresolved, timeout, died) and how long it took."""
     settings, spec, domains = context.settings, run.spec, run.domains
-    items = [_item(r, i) for d in domains for i, r in enumerate(picked[d])]
+    items = _paired_items([r for d in domains for r in picked[d]], spec)
     history = _history_items(run, picked, context.requests_by_domain, settings)
     what = f"run {context.run_id}, domains {', '.join(domains)} ({run.name} engine)"
     log.info("%s: starting vLLM with %s; %d requests%s", what,
@@ -645,7 +676,8 @@ def _serve(serving_env, settings: Settings, what: str, log_path, request: dict) 
             answer = serving_env.run_engine(dict(request, history=history, requests=items),
                                             log_path.with_suffix(f".{total['starts']}.log")
                                             if total["starts"] else log_path,
-                                            settings.engine.check_timeout_s, what, settings)
+                                            settings.engine.check_timeout_s, what, settings,
+                                            threads=serving_env.free_cpus()["bind"])
         except (EngineTimeout, ServingProbeError) as exc:
             return {**total, "failed": ("timeout" if isinstance(exc, EngineTimeout) else "died",
                                         str(exc))}

@@ -203,7 +203,9 @@ def _sampling_params(item: dict):
     return SamplingParams(max_tokens=int(item["max_tokens"]),
                           temperature=float(item.get("temperature", 0.0)),
                           top_k=int(item.get("top_k") or 0), top_p=float(item.get("top_p", 1.0)),
-                          seed=item.get("seed"), detokenize=False)
+                          seed=item.get("seed"), detokenize=False,
+                          # the request's own K (the plugin's K per request; 0: no drafts)
+                          extra_args=None if item.get("k") is None else {"specdec_k": int(item["k"])})
 
 
 def _prompt(item: dict):
