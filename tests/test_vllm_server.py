@@ -147,7 +147,7 @@ def test_the_verdict_needs_the_plain_control_to_blame_the_config():
     assert verdict(report(0.5), None)[:2] == ("passed", True)
     status, passed, reason = verdict(report(1e-9), report(0.5))
     assert (status, passed) == ("failed", False)
-    assert "position 2" in reason and "G=40.0" in reason and "plain server passes" in reason
+    assert "position 2" in reason and "G=40.0" in reason and "same server at K 0 passes" in reason
     status, passed, reason = verdict(report(1e-9), report(1e-9))
     assert (status, passed) == ("engine_differs", False) and "not called lossless" in reason
 

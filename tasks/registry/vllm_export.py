@@ -85,9 +85,9 @@ def serve_command(target: str, spec: dict | None, plan: dict | None = None) -> s
 def vllm_export(config: SpecdecConfig, target_path: str | None = None) -> dict:
     """Per domain, the `speculative_config` a vLLM server takes as it is (None: no speculation),
     the domains whose drafter has no vLLM equivalent, notes on what the mapping leaves out, and
-    the deployments: one vLLM server takes one speculative config, so domains with equal configs
-    share a deployment, and each deployment has its `vllm serve` command (target_path: the model
-    directory the server loads; default: the config's target id)."""
+    the deployments (method_deployments: one per drafter method, each domain's K in the server's
+    plan), each with its `vllm serve` command (target_path: the model directory the server
+    loads; default: the config's target id)."""
     domains, unsupported, notes = {}, {}, {}
     for name, setting in sorted(config.domains.items()):
         if not setting.enabled or setting.drafter is None:

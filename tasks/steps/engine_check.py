@@ -34,9 +34,8 @@ confirm's live_verdict and stored as the run's live measurement; a veto turns th
 
 Cost: one engine per distinct config (domains sharing a config share it), started with
 enforce_eager in-process, with K per request (the project's plugin): it serves every replayed
-request twice, at K 0 (the plain control) and at the config's K, the order alternating request
-by request (a suffix engine's config request first: its tree learns from every response), so
-each speedup pairs the same request on the same engine moments apart, whatever the machine did
+request twice, at the config's K and then at K 0 (the plain control), so each speedup pairs the
+same request on the same engine moments apart, whatever the machine did
 between engine starts. A K 0 request still pays the drafter's host search (vLLM proposes for
 the whole batch; the cut comes after): the control is what that deployment serves off domains
 with.
@@ -406,17 +405,16 @@ PLAIN = "plain::"      # the id prefix of a request's K 0 twin
 
 
 def _paired_items(requests: list, spec: dict) -> list[dict]:
-    """Each request twice on the config's engine: at K 0 (its id prefixed PLAIN) and at the
-    config's K, the order alternating request by request, so that the speedup pairs the same
-    request on the same engine moments apart. A suffix engine serves the config's first every
-    time: its tree grows from every response it serves, and the twin served first would hand
-    the other its own answer."""
+    """Each request twice on the config's engine, one after the other: at the config's K, then at
+    K 0 (its id prefixed PLAIN), so that the speedup pairs the same request on the same engine
+    moments apart. The config's request comes first: it is then served exactly as it would be
+    alone (a suffix engine's tree learns from every response, and a twin served first would hand
+    the other its prompt's cached blocks, whose prefill rounds differently); the K 0 twin's
+    cached prompt shortens its prefill only, which the decode-phase speedup leaves out."""
     items = []
     for index, request in enumerate(requests):
         spec_item = _item(request, index)
-        plain_item = dict(spec_item, id=PLAIN + spec_item["id"], k=0)
-        first_plain = index % 2 == 1 and spec.get("method") != "suffix"
-        items += [plain_item, spec_item] if first_plain else [spec_item, plain_item]
+        items += [spec_item, dict(spec_item, id=PLAIN + spec_item["id"], k=0)]
     return items
 
 

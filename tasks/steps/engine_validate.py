@@ -8,13 +8,14 @@ row), and each position is G-tested against the target's exact next-token distri
 teacher-forced by our engine on the same weights: the same bins, Bonferroni correction and
 false-alarm rate as specdec_core.validation.sampling_check (position_tests).
 
-The plain server (no speculation) goes through the same test from the same context as a
-control wherever the config's draws fail (a passing config needs no control; this halves the
-test's cost). Verdicts:
+The same server without speculation (each request asking K 0, the project's plugin's K per
+request) goes through the same test from the same context as a control wherever the config's
+draws fail (a passing config needs no control; this halves the test's cost; no plain server is
+started). Verdicts:
 - passed: the config's draws pass;
-- failed: they fail while the plain server's pass: the config changes what users receive (the
+- failed: they fail while the K 0 control's pass: the config changes what users receive (the
   reason names the setting, position, statistic and p-value); not promotable;
-- engine_differs: the plain server fails too: the engine's own sampling, or a numeric difference
+- engine_differs: the K 0 control fails too: the engine's own sampling, or a numeric difference
   between the engines, departs from the target's distribution; the config is not called lossless
   and is not promotable.
 
@@ -123,18 +124,18 @@ def _failure_text(failure: dict) -> str:
 
 
 def verdict(config: SamplingReport, plain: SamplingReport | None) -> tuple[str, bool, str]:
-    """(status, passed, reason) of a config's test beside the plain server's (see the module)."""
+    """(status, passed, reason) of a config's test beside its K 0 control's (see the module)."""
     mine = _summary(config)
     if mine["passed"]:
         return "passed", True, (f"vLLM sampling test passed: {mine['positions']} G-tests of "
                                 f"{mine['rows']} rows, smallest p {mine['min_p']:.3g}")
     first = _failure_text(mine["failures"][0])
     if plain is None or plain.passed:
-        control = "the plain server passes" if plain is not None else "no plain control"
+        control = "the same server at K 0 passes" if plain is not None else "no K 0 control"
         return "failed", False, (f"vLLM sampling test FAILED with the config at {first} ({control}): "
                                  "vLLM with this config changes the output distribution")
     return "engine_differs", False, (
-        f"vLLM sampling test failed at {first}, and the plain server fails too "
+        f"vLLM sampling test failed at {first}, and the same server at K 0 fails too "
         f"({_failure_text(_summary(plain)['failures'][0])}): vLLM's own sampling, or a numeric "
         "difference between the engines, departs from the target's distribution; not called lossless")
 
@@ -168,7 +169,7 @@ def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, spec
                        requests_by_domain: dict, planned: dict, settings: Settings,
                        mended: bool = True, save: bool = True) -> dict[str, EngineSamplingResult]:
     """The sampling test on vLLM of each domain in `specs` ({domain: speculative config}), with
-    the plain server as control; stored (check "engine_sampling"), and a domain that does not pass
+    the same server at K 0 as control; stored (check "engine_sampling"), and a domain that does not pass
     marked failed and unpromotable in domain_configs. planned: {domain: its domain_configs row}.
     A server that cannot start or dies: the domain's status is "error" (not promotable), the
     reason naming the server's log. save=False: nothing stored (a power test)."""
@@ -222,16 +223,16 @@ def _test_domain(run_id, domain, pool, target, spec, context, samplings, rows, l
         # the control, where the verdict needs it: does vLLM without speculation pass?
         if base not in controls:
             try:
-                controls[base] = engine_report(pool.get(None, block_size=BLOCK_SIZE), target, context,
-                                               samplings, rows, length, settings.validation.alpha,
-                                               seed + 1)
+                # the same server at K 0 (K per request): vLLM's sampling without speculation
+                controls[base] = engine_report(server, target, context, samplings, rows, length,
+                                               settings.validation.alpha, seed + 1, k=0)
             except (EngineTimeout, ServingProbeError) as exc:
                 controls[base] = exc
         control = controls[base]
         plain = control if isinstance(control, SamplingReport) else None
     status, passed, reason = verdict(report, plain)
     if control is not None and plain is None:
-        reason += f" (the plain control could not run: {control})"[:500]
+        reason += f" (the K 0 control could not run: {control})"[:500]
     summary = _summary(report)
     seconds = time.perf_counter() - began
     (log.info if passed else log.error)("%s: %s (%.0f s)", what, reason, seconds)

@@ -1,0 +1,143 @@
+"""K per request on one vLLM server (the project's plugin), on the embedded default: one ngram
+server started at K 8 with a plan (json K 8, chat K 0) serves a mixed batch, and the sampling test
+runs on that same server at K 0, 1 and 8 (each request asking its K); then what a K 0 request
+costs on that server against a plain server (the n-gram search vLLM still runs for it), the same
+requests one at a time on both, alternating. Prints and writes
+benchmarks/results/k_per_request.md: per request of the mixed batch, the K it asked and vLLM's own
+per-request figures (steps, drafts, accepted, the longest draft of a step); per K, the sampling
+test's G-tests and smallest p against its bound, and the drafts the server made meanwhile.
+
+    .venv/bin/python benchmarks/k_per_request.py --rows 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+NGRAM_8 = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PLAN = {"method": "ngram", "domains": {"json": 8, "chat": 0}, "default": 0}
+
+
+def mixed_batch(server, requests: dict, tokens: int) -> list[dict]:
+    """Every domain's requests at once (json and chat by their domain, two more by their own K)."""
+    asks = [(r, {"domain": domain}) for domain, rs in requests.items() for r in rs]
+    asks += [(requests["json"][0], {"k": 2}), (requests["json"][0], {"k": 0})]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(lambda ask: server.complete(ask[0].prompt_ids, max_tokens=tokens, **ask[1]),
+                                asks))
+    rows = []
+    for (request, ask), answer in zip(asks, answers):
+        spec = answer["metrics"]["speculative_decoding"]
+        histogram = spec["acceptance_histogram"]
+        rows.append({"request": request.request_id, "asked": json.dumps(ask), "steps": spec["num_spec_steps"],
+                     "drafts": spec["num_draft_tokens"], "accepted": spec["num_accepted_draft_tokens"],
+                     "longest": (spec["num_draft_tokens"] // spec["num_spec_steps"]) if spec["num_spec_steps"] else 0,
+                     "histogram": histogram})
+    return rows
+
+
+def k0_against_plain(spec_server, plain_server, requests: list, tokens: int, rounds: int) -> dict:
+    """Decode-phase seconds per token of the same requests at K 0 on the speculative server and on
+    the plain one, one at a time, the order alternating; the ratio (K 0 over plain) per pair."""
+    from tasks.serving.load import run_level
+
+    ratios = []
+    for n in range(rounds):
+        for request in requests:
+            item = {"id": request.request_id, "prompt_ids": request.prompt_ids, "max_tokens": tokens,
+                    "temperature": 0.0}
+            order = [(spec_server, 0), (plain_server, None)]
+            seconds = {}
+            for server, k in (order if n % 2 == 0 else order[::-1]):
+                [done] = run_level(server, [dict(item, k=k)], 1, 300.0)["requests"]
+                seconds[server is spec_server] = done["decode_s"] / max(len(done["token_ids"]) - 1, 1)
+            ratios.append(seconds[True] / seconds[False])
+    ratios.sort()
+    return {"pairs": len(ratios), "median": ratios[len(ratios) // 2], "low": ratios[0], "high": ratios[-1]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=300)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "k_per_request.md"))
+    args = parser.parse_args()
+
+    from specdec_core import load_model
+    from tasks.serving.environment import served_model_dir
+    from tasks.serving.server import VllmServer
+    from tasks.settings import load_settings
+    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
+    from tasks.steps.validate import validation_context, validation_samplings
+
+    from engine_sampling_power import domain_requests
+
+    settings = load_settings()
+    target, _ = load_model("smollm2-135m-instruct", device="cpu")
+    model_dir = served_model_dir("smollm2-135m-instruct")
+    requests = {domain: domain_requests(domain, 3) for domain in ("json", "chat")}
+    _, context = validation_context(target, requests["json"])
+    samplings = validation_samplings(requests["json"], 2)
+    work = Path(tempfile.mkdtemp(prefix="k-per-request-"))
+    (work / "plan.json").write_text(json.dumps(PLAN))
+    server = VllmServer(str(model_dir), NGRAM_8, work / "server.log", dtype="float32",
+                        max_num_seqs=16, block_size=BLOCK_SIZE, settings=settings,
+                        plan_path=work / "plan.json")
+    began = time.perf_counter()
+    with server:
+        batch = mixed_batch(server, requests, args.tokens)
+        tests = []
+        for k in (0, 1, 8):
+            before = server.metrics()["draft_tokens"]
+            report = engine_report(server, target, context, samplings, rows=args.rows, length=3,
+                                   alpha=settings.validation.alpha, seed=k, k=k)
+            worst = min(report.tests, key=lambda t: t.p_value)
+            tests.append({"k": k, "passed": report.passed, "tests": len(report.tests),
+                          "min_p": worst.p_value, "bound": worst.threshold,
+                          "drafts": server.metrics()["draft_tokens"] - before})
+        log_lines = [line for line in server.log_path.read_text().splitlines() if "k-per-request" in line][:1]
+        plain = VllmServer(str(model_dir), None, work / "plain.log", dtype="float32", max_num_seqs=16,
+                           block_size=BLOCK_SIZE, settings=settings)
+        with plain:
+            k0 = k0_against_plain(server, plain, requests["json"] + requests["chat"], args.tokens, 3)
+    seconds = time.perf_counter() - began
+    lines = ["# K per request on one vLLM server", "",
+             f"Command: `.venv/bin/python benchmarks/k_per_request.py --rows {args.rows} --tokens {args.tokens}`; "
+             f"vLLM's CPU build, the embedded default, one ngram server at K 8 with the plan "
+             f"`{json.dumps(PLAN)}`; {seconds:.0f} s.", "",
+             "The server's log: `" + (log_lines[0].split("specdec k-per-request: ")[-1] if log_lines else "-") + "`", "",
+             "## One mixed batch (all requests in flight at once)", "",
+             "| request | asked (vllm_xargs) | steps | drafts | accepted | drafts per step | acceptance histogram |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['request']} | {r['asked']} | {r['steps']} | {r['drafts']} | {r['accepted']} | "
+              f"{r['longest']} | {r['histogram']} |" for r in batch]
+    lines += ["", "## The sampling test on the same server, each request asking its K", "",
+              f"{args.rows} rows per test, {len(samplings)} sampling settings x 3 positions, alpha "
+              f"{settings.validation.alpha} (Bonferroni).", "",
+              "| K | G-tests | smallest p | bound | passed | drafts during the test |", "|---|---|---|---|---|---|"]
+    lines += [f"| {t['k']} | {t['tests']} | {t['min_p']:.3g} | {t['bound']:.2g} | {t['passed']} | {t['drafts']} |"
+              for t in tests]
+    lines += ["", "## A K 0 request on the ngram server against a plain server", "",
+              f"The same {len(requests['json']) + len(requests['chat'])} requests, greedy, {args.tokens} tokens, one "
+              f"at a time on each, the order alternating, {k0['pairs']} pairs: decode seconds per token "
+              f"at K 0 over plain's: median {k0['median']:.3f} (range {k0['low']:.3f}-{k0['high']:.3f}).",
+              "This is what the engine check's and the load check's plain control pays beside a plain "
+              "deployment (vLLM runs the n-gram search for every request; the plugin cuts the drafts "
+              "after it)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
+    return 0 if all(t["passed"] for t in tests) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
