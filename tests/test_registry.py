@@ -161,7 +161,8 @@ def test_register_then_promote_first_champion(db_url, tracking, target_id):
     # json was never measured live here: the live_check gate is unsure, and the reason says so;
     # no engine check was recorded: the engine_check gate says the config is not checked
     assert result["champion_before"] is None and result["reason"] == (
-        "all gates passed (live_check unsure, engine_check not checked: see their figures)")
+        "no gate failed: 2 passed, 1 unsure (live_check), 1 not checked (engine_check), 2 not run "
+        "(no_regression, same_target); see the figures")
     assert [g["name"] for g in result["gates"]] == ["validation", "live_check", "no_regression",
                                                    "min_samples", "same_target", "engine_check"]
     # the page no longer asks to promote the champion it is (issue 52 item 8)
@@ -335,7 +336,7 @@ def test_refused_rollbacks_are_audit_rows_and_force_is_recorded_only_when_it_ove
         "reject", None, None, False)
     assert row["reason"].startswith("rollback refused:") and row["gates"]["command"] == "rollback"
 
-    row = run("promote", "1", "--force", status=0, says="version 1: promoted to champion: all gates passed")
+    row = run("promote", "1", "--force", status=0, says="version 1: promoted to champion: no gate failed: ")
     assert (row["action"], row["config_version"], row["forced"]) == ("promote", "1", False)
 
     row = run("rollback", status=2, says="nothing to roll back to")
@@ -448,6 +449,51 @@ def test_build_config_keeps_the_champions_setting_for_insufficient_domains(db_ur
         build_config("run-2", Store.open(db_url))
     with pytest.raises(RegistryError, match="does not exist"):
         build_config("no-such-run", Store.open(db_url))
+
+
+def test_a_version_that_turns_nothing_on_reads_not_run_never_passed(db_url, tracking, target_id,
+                                                                    capsys):
+    """Issue 83 items 1-2: a run whose every domain is off: no "passed" and no "pass" over a check
+    that did not run, in the tags, the MLflow run's description, the page, the gates, the audit
+    row and the CLI; the page says the version turns nothing on and what automatic promotion does."""
+    from tasks.cli.config import print_gates
+    from tasks.steps.pipeline import step_promote
+
+    finished_run(db_url, "run-1", {"json": {"enabled": False, "samples": 30},
+                                   "chat": {"enabled": False, "samples": 30}}, target_id=target_id)
+    registered = register("run-1", db_url, tracking)
+    name = config_model_name(target_id)
+    mlflow_client = client(tracking)
+    version = mlflow_client.get_model_version(name, registered["version"])
+    assert version.tags["validation"] == "not run: no domain is on" == registered["validation"]
+    run = mlflow_client.get_run(registered["mlflow_run_id"])
+    assert run.data.tags["specdec.validation"] == "not run: no domain is on"
+    note = run.data.tags["mlflow.note.content"]
+    assert "validation **not run: no domain is on**" in note and "validated" not in note
+    page = page_text(version.description)
+    assert "validation not run: no domain is on" in page and "validation passed" not in page
+    assert "This version turns no domain on" in page and "automatic promotion" in page
+    assert "| json | off |" in page and "not_needed" not in page and "not run (off)" in page
+    gates = {g["name"]: g for g in registered["gates"]}
+    for name_ in ("validation", "live_check", "no_regression", "min_samples", "same_target",
+                  "engine_check"):
+        assert gates[name_]["result"] == "not run" and gates[name_]["figure"].startswith("not run: "), gates[name_]
+    assert "had 30 samples or more; required 20" in gates["min_samples"]["figure"]
+    assert not re.search(r"\| (validation|live_check|min_samples|engine_check) \| pass", page)
+    # the DAG's automatic promotion skips it, saying why
+    skipped = step_promote({"run_id": "run-1", "target": target_id, "tracking_uri": tracking,
+                            "db_url": db_url}, registered)
+    assert not skipped["promoted"] and "turns no domain on" in skipped["reason"]
+    # promoted by hand: the audit row and the CLI say "not run", never "all gates passed"
+    result = promote_(name, registered["version"], db_url, tracking)
+    assert result["promoted"] and "all gates passed" not in result["reason"], result["reason"]
+    assert result["reason"].startswith(f"version {registered['version']} turns no domain on")
+    assert "6 not run" in result["reason"]
+    assert promotions(db_url)[-1]["reason"] == result["reason"]
+    capsys.readouterr()
+    print_gates(result)
+    printed = capsys.readouterr().out
+    assert "not run" in printed and not re.search(r"\bpass\b", printed), printed
 
 
 def test_min_samples_gate_counts_measured_enabled_domains():
@@ -839,7 +885,7 @@ def test_cli_config_register_show_export_promote(db_url, tracking, target_id, ca
     assert main(["config", "promote", "1", *common, "--url", db_url,
                  "--expected-champion", "none"]) == 0
     out = capsys.readouterr().out
-    assert "version 1: promoted to champion: all gates passed" in out
+    assert "version 1: promoted to champion: no gate failed: " in out
 
     assert main(["config", "show", "champion", *common]) == 0
     out = capsys.readouterr().out
@@ -926,8 +972,9 @@ def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_
     page = page_text(client(tracking).get_model_version(name, "1").description)
     assert "Current champion: version 1 (promoted with specdec config promote" in page
     # the heading counts the gates by result (issue: "promoted (all gates passed (live_check: ...)))")
-    assert re.search(r"Gates \(specdec config promote against champion none, .+ UTC: promoted: 4 passed, "
-                     r"1 unsure \(live_check\), 1 not checked \(engine_check\)\)", page), page
+    assert re.search(r"Gates \(specdec config promote against champion none, .+ UTC: promoted: 2 passed, "
+                     r"1 unsure \(live_check\), 1 not checked \(engine_check\), 2 not run "
+                     r"\(no_regression, same_target\)\)", page), page
     assert "preview at registration" not in page
 
     finished_run(db_url, "run-2", {"json": {"validation": "failed"}}, target_id=target_id)

@@ -19,7 +19,7 @@ from ..settings import Settings
 from .config_schema import DomainSetting, SpecdecConfig
 from .live_check import LiveJudgement, judge_live, judgement_words, live_text
 from .load_results import load_check_text, load_markdown
-from .run_config import build_config
+from .run_config import NOT_RUN, build_config, nothing_on_reason
 from .run_results import (engine_sampling_text, engine_speedup_text, evidence_of, low_acceptance_of,
                           own_sampling_text, profile_check_of)
 
@@ -130,6 +130,8 @@ def engine_cell(view: RunView, domain: DomainView) -> str:
 
 def validation_cell(domain: DomainView) -> str:
     s, test = domain.setting, domain.validation_test or {}
+    if s.validation == "not_needed":      # the tests run only for a domain on
+        return f"{NOT_RUN} (off)"
     text = s.validation or "-"
     if test.get("shared_from") and s.validation not in (None, "not_needed"):
         text += f", shared from {test['shared_from']}"
@@ -224,7 +226,7 @@ def engine_state(view: RunView) -> str:
         version = next((r["engine_version"] for r in view.engine_rows if r.get("engine_version")), None)
         return f"checked on vLLM {version or '?'}"
     if not view.config.domains_on:
-        return "nothing to check: no domain on"
+        return f"{NOT_RUN}: {nothing_on_reason(view.config)}"
     why = view.engine_skipped or "no engine check was recorded for this run"
     return f"NOT checked on the serving engine: {why}"
 
@@ -297,7 +299,7 @@ def engine_gate(view: RunView) -> dict:
                 "figure": f"{len(view.engine_rows)} domains {engine_state(view)}"
                           + (f"; turned off: {', '.join(failed)}" if failed else "")}
     if not view.config.domains_on:
-        return {"name": "engine_check", "passed": True, "result": "pass", "figure": engine_state(view)}
+        return {"name": "engine_check", "passed": True, "result": NOT_RUN, "figure": engine_state(view)}
     return {"name": "engine_check", "passed": True, "result": "not checked",
             "figure": f"{engine_state(view)}; promoted, it serves a config the serving engine never ran"}
 

@@ -25,7 +25,7 @@ from ..db.queries_promotions import last_champion_move
 from ..db.store import Store
 from ..masking import mask_text, mask_url
 from ..timeutil import utcnow
-from .run_config import changes_markdown, validation_status
+from .run_config import changes_markdown, turns_nothing_on, validation_text
 from .load_results import load_markdown
 from .run_view import (RunView, alert_markdown, below_bar_markdown, domains_markdown, engine_markdown,
                        engine_state, markdown_table)
@@ -44,13 +44,14 @@ def description_text(description: str) -> str:
 
 
 GATE_RESULTS = {"pass": "pass", "fail": "FAIL", "unsure": "UNSURE", "not enforced": "not enforced",
-                "not checked": "NOT CHECKED"}
+                "not checked": "NOT CHECKED", "not run": "not run"}
 
 
 def gate_result(gate: dict) -> str:
     """pass | fail | unsure (passes, but its evidence is noise: the figure says why) | not enforced
     (reported, never failing: the setting that enforces it is off) | not checked (never failing:
-    the check did not run, e.g. no serving engine; the figure says why)."""
+    the check could not run, e.g. no serving engine; the figure says why) | not run (never
+    failing: it had nothing to check, e.g. no domain on or no champion; the figure says why)."""
     return gate.get("result") or ("pass" if gate["passed"] else "fail")
 
 
@@ -63,9 +64,9 @@ def gates_markdown(gates: list[dict], title: str) -> str:
 def gate_counts(gates: list[dict]) -> str:
     """The gates counted by result, naming those that did not pass: `5 passed, 1 unsure
     (live_check)`."""
-    order = ("pass", "fail", "unsure", "not enforced", "not checked")
+    order = ("pass", "fail", "unsure", "not enforced", "not checked", "not run")
     words = {"pass": "passed", "fail": "FAILED", "unsure": "unsure", "not enforced": "not enforced",
-             "not checked": "not checked"}
+             "not checked": "not checked", "not run": "not run"}
     parts = []
     for result in order:
         names = [g["name"] for g in gates if gate_result(g) == result]
@@ -202,12 +203,27 @@ def champion_audit(store: Store, name: str, champion: str | None) -> dict:
                       "row), or roll back"}
 
 
-def _notes_markdown(view: RunView, audit: dict) -> str:
+def nothing_on_markdown(view: RunView, champion) -> str:
+    """The note of a version that turns no domain on ("" otherwise): served, it is plain decoding;
+    whether it changes anything against the champion; what automatic promotion does with it."""
+    if not turns_nothing_on(view.config):
+        return ""
+    on_before = [] if champion is None else champion.domains_on
+    change = ("there is no champion to compare with" if champion is None else
+              "against the champion it changes nothing (its domains are off too)" if not on_before
+              else f"against the champion it turns off {', '.join(on_before)}")
+    return (f"**This version turns no domain on**: served, every domain decodes plain (no "
+            f"speculation); {change}. The DAG's automatic promotion (Param promote) skips such a "
+            "version; `specdec config promote N` promotes it when that is meant.\n\n")
+
+
+def _notes_markdown(view: RunView, audit: dict, champion=None) -> str:
     """The page's warnings, before the table: a champion moved outside specdec, a noisy profile,
     vetoes, domains turned off on vLLM, live checks that show a problem, the low-acceptance alert,
     the engine check not run."""
     config, check = view.config, view.profile
     text = "" if audit["gated"] else f"**WARNING: {audit['detail']}.**\n\n"
+    text += nothing_on_markdown(view, champion)
     if check is not None and check["status"] == "noisy":
         text += (f"**Cost profile too noisy**: {'; '.join(check.get('reasons') or [])}. No domain "
                  "was turned on from it that the champion has off.\n\n")
@@ -236,10 +252,10 @@ def version_page_markdown(view: RunView, version: str, gates: list[dict], audit:
     """The registered version's page (its description), from the run's view."""
     config, check = view.config, view.profile
     return (status_line(version, champion_version) + "\n\n"
-            f"## specdec config of run {view.run_id}\n\n{_notes_markdown(view, audit)}target "
+            f"## specdec config of run {view.run_id}\n\n{_notes_markdown(view, audit, champion)}target "
             f"`{config.target.id}` ({config.target.fingerprint}), hardware profile "
             f"`{config.hardware_profile}`{'' if check is None else ' (' + check['status'] + ')'}, "
-            f"validation **{validation_status(config)}**\n\n"
+            f"validation **{validation_text(config)}**\n\n"
             f"{domains_markdown(view)}\n\n"
             f"### On vLLM (engine check)\n\n{engine_markdown(view)}\n\n"
             f"### Under load on vLLM (load check; plot `plots/load_check_speedup.png`)\n\n"

@@ -127,10 +127,20 @@ def step_register(spec, started_at=None) -> dict:
 
 
 def step_promote(spec, registered: dict) -> dict:
-    """Gate and promote the registered version (tasks.registry.promotion.promote); logs one line."""
+    """Gate and promote the registered version (tasks.registry.promotion.promote); logs one line.
+    A version that turns no domain on is not promoted automatically (promoted: False, the reason
+    says so; `specdec config promote N` promotes it when that is meant): docs/registry.md."""
     from ..registry.promotion import promote
 
     spec = RunSpec.of(spec)
+    if registered.get("domains_on") == []:
+        reason = (f"version {registered['version']} turns no domain on (served, every domain "
+                  "decodes plain): automatic promotion skips it; `specdec config promote "
+                  f"{registered['version']}` promotes it when that is meant")
+        log.warning("run %s: %s NOT promoted: %s", spec.run_id, registered["name"], reason)
+        return {"promoted": False, "forced": False, "version": registered["version"],
+                "champion": registered["champion_version"], "gates": registered.get("gates") or [],
+                "reason": reason}
     settings = spec.settings()
     result = promote(registered["name"], registered["version"],
                      spec.open_store(settings), uri=spec.tracking_uri, settings=settings,
