@@ -19,7 +19,8 @@ Daily, when `specdec_retrain_draft` registers a new draft (asset `specdec://draf
    domain the plan turns on is served by vLLM (the serving environment) with its exported config,
    its requests replayed, vLLM's acceptance counters compared with the estimate (a domain that
    falls short, or whose config vLLM refuses, is turned off; no serving environment: the task ends
-   skipped with the reason, and the version page and its engine_check gate say "not checked");
+   skipped with the reason, and the version page and its engine_check gate say "not checked";
+   no domain on: skipped, "not run: no domain is on");
 6. **register** the config in MLflow (alias `challenger`), **promote** it when asked and the gates
    pass (alias `champion`, compare-and-set), and publish the assets below.
 
@@ -186,20 +187,29 @@ def specdec_evaluate():
 
     @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def confirm(domain: str, spec: dict) -> str:
+        """Measured nothing (a run planned on vLLM's costs; no plan to measure): ends skipped
+        with the reason."""
         from tasks.steps.pipeline import step_confirm
 
         label_mapped(domain)
         with task_errors():
-            step_confirm(spec, domain)
+            row = step_confirm(spec, domain)
+        if row.get("skipped"):
+            raise AirflowSkipException(f"{domain}: confirm not run: {row['skipped']}")
         return domain
 
-    @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
+    # a skipped confirm is no reason to skip the sampling test; a failed estimate or confirm is
+    @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE, trigger_rule="none_failed")
     def validate(domain: str, spec: dict) -> str:
+        """A domain that is off has no sampling test: ends skipped with the reason."""
         from tasks.steps.pipeline import step_validate
 
         label_mapped(domain)
         with task_errors():
-            step_validate(spec, domain)
+            result = step_validate(spec, domain)
+        if result["validation"] == "not_needed":
+            raise AirflowSkipException(f"{domain}: sampling test not run: the domain is off (the "
+                                       "tests run only for a domain on)")
         return domain
 
     @task(trigger_rule="all_done", queue=GPU_QUEUE)
@@ -221,6 +231,8 @@ def specdec_evaluate():
 
         with task_errors():
             result = step_engine_check(spec)
+        if result["skipped"] and result.get("nothing_on"):     # nothing to check: says so
+            raise AirflowSkipException(f"{result['skipped']} (the version page and its gates say so)")
         if result["skipped"]:       # a visible state: the task ends skipped, the page says why
             raise AirflowSkipException(f"{result['skipped']}: the config is NOT checked on the "
                                        "serving engine (the version page and its gates say so)")
@@ -276,7 +288,9 @@ def specdec_evaluate():
     @task_group
     def per_domain(domain: str, spec: dict, profile_name: dict):
         """One domain's chain; mapped over domains, so a failure stays inside its own domain."""
-        return validate(confirm(estimate(domain, spec, profile_name), spec), spec)
+        validated = validate(domain, spec)
+        confirm(estimate(domain, spec, profile_name), spec) >> validated
+        return validated
 
     @task
     def domain_failures(finished: dict) -> None:

@@ -682,3 +682,43 @@ def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_
         assert "No such file or directory" not in log.read_text(errors="replace"), tail(log)
     finally:
         stop_process_group(process, 30)
+
+
+def _evaluate_dag():
+    """specdec_evaluate parsed from its file alone (no metadata database needed)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO / "dags" / "specdec_evaluate.py"))
+    return bag.dags["specdec_evaluate"]
+
+
+def test_tasks_that_did_nothing_end_skipped_with_the_reason(db_url, monkeypatch):
+    """Issue 83 item 3: an engine check with no domain on, a confirm that measured nothing and the
+    sampling test of a domain that is off end Skipped saying why, never green; a skipped confirm
+    does not skip its domain's sampling test."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from tasks.steps import pipeline
+
+    from .helpers.registry import finished_run
+
+    finished_run(db_url, "run-off", {"json": {"enabled": False}, "chat": {"enabled": False}})
+    dag = _evaluate_dag()
+    spec = {"run_id": "run-off", "target": "tiny-target", "db_url": db_url}
+    engine_check = dag.get_task("engine_check").python_callable
+    with pytest.raises(AirflowSkipException, match="engine check not run: no domain is on"):
+        engine_check(spec, {})
+    confirm = dag.get_task("per_domain.confirm").python_callable
+    validate = dag.get_task("per_domain.validate").python_callable
+    for step in (confirm, validate):
+        monkeypatch.setitem(step.__globals__, "label_mapped", lambda label: None)
+    monkeypatch.setattr(pipeline, "step_confirm", lambda spec, domain: {"skipped": "planned on vLLM's costs"},
+                        raising=False)
+    with pytest.raises(AirflowSkipException, match="json: confirm not run: planned on vLLM's costs"):
+        confirm("json", spec)
+    monkeypatch.setattr(pipeline, "step_validate", lambda spec, domain: {"validation": "not_needed"},
+                        raising=False)
+    with pytest.raises(AirflowSkipException, match="json: sampling test not run: the domain is off"):
+        validate("json", spec)
+    task = dag.get_task("per_domain.validate")
+    assert task.trigger_rule == "none_failed" and "per_domain.confirm" in task.upstream_task_ids

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from ..db.queries_runs import fail_domain, merge_run_params
+from ..db.queries_runs import domain_names, fail_domain, merge_run_params
 from ..db.queries_run_view import record_engine_check_skip
 from ..db.store import Store
 from ..registry.run_results import low_acceptance
@@ -96,9 +96,15 @@ def step_engine_check(spec) -> dict:
     a domain whose engine check fails is turned off before register."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
+    store = spec.open_store(settings)
+    if not domain_names(store, spec.run_id, status="ok", enabled=True):
+        line = "engine check not run: no domain is on (nothing to serve on vLLM)"
+        record_engine_check_skip(store, spec.run_id, line)
+        log.warning("run %s: %s", spec.run_id, line)
+        return {"skipped": line, "nothing_on": True, "domains": {}, "engines": []}
     if not settings.engine.check:
         line = "engine check off (setting engine_check)"
-        record_engine_check_skip(spec.open_store(settings), spec.run_id, line)     # the page says so
+        record_engine_check_skip(store, spec.run_id, line)     # the page says so
         log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id, line)
         return {"skipped": line, "domains": {}, "engines": []}
     from .model_steps import served_engine_check     # the model and vLLM: only when the check is on
