@@ -226,7 +226,7 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     # and register goes on (issue 52 item 3)
     assert states["engine_check"] == ["skipped"] and states["register"] == ["success"], states
     # the reports DAG follows each evaluation: its asset event queued a specdec_reports run (the
-    # main job's Airflow creates DAGs unpaused)
+    # tests' Airflow creates DAGs unpaused, as production does)
     from airflow.models.asset import AssetDagRunQueue
     from airflow.utils.session import create_session
 
@@ -640,11 +640,10 @@ def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_
         prepare_airflow(env)
     config = (tmp_path / "home" / "airflow" / "airflow.cfg").read_text()
     assert "\nload_examples = False\n" in config and f"\ndags_folder = {REPO / 'dags'}\n" in config
-    # schedules on: DAGs are created unpaused (specdec_reports follows each evaluation, and the
-    # trigger form has no "unpause on trigger" box ticked by default)
-    assert "\ndags_are_paused_at_creation = False\n" in config
+    # a demo machine: DAGs are created paused, no schedule fires until asked (issue 83 item 4)
+    assert "\ndags_are_paused_at_creation = True\n" in config
     printed = ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2")
-    assert "schedules are on:" in printed and "airflow dags pause DAG_ID" in printed
+    assert "schedules wait until you ask:" in printed and "airflow dags unpause DAG_ID" in printed
     assert "workflowType=machine_learning" in printed      # MLflow opens its model-training view
     line = next(text for text in printed.splitlines() if text.strip().startswith("Airflow:"))
     command = line.split("Airflow:", 1)[1].strip()
@@ -722,3 +721,23 @@ def test_tasks_that_did_nothing_end_skipped_with_the_reason(db_url, monkeypatch)
         validate("json", spec)
     task = dag.get_task("per_domain.validate")
     assert task.trigger_rule == "none_failed" and "per_domain.confirm" in task.upstream_task_ids
+
+
+def test_the_demo_airflow_starts_no_run_until_asked_and_names_every_schedule(tmp_path):
+    """Issue 83 item 4: the main job's Airflow creates every DAG paused (opening the UI starts
+    nothing), and its printed line names every DAG's schedule, specdec_monitor's too, how a DAG
+    is switched on, and that catchup is off."""
+    from tasks.cli.main_job import airflow_command, airflow_environment, ui_text
+
+    env = airflow_environment(tmp_path / "home", REPO / "dags")
+    assert env["AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION"] == "True"
+    assert "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=True" in airflow_command(env)
+    printed = " ".join(ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2").split())
+    assert "schedules are on" not in printed and "every DAG is created paused" in printed
+    for dag_id, when in (("specdec_evaluate", "daily at 00:00 UTC"), ("specdec_reports", "after each evaluation"),
+                         ("specdec_retrain_draft", "Sundays 03:00 UTC"),
+                         ("specdec_monitor", "every 5 minutes")):
+        assert f"{dag_id}: {when}" in printed, dag_id
+    assert "Unpause on trigger" in printed and "catchup is off" in printed
+    operations = " ".join((REPO / "docs" / "operations.md").read_text().split())
+    assert "specdec_monitor` every 5 minutes" in operations and "created paused" in operations

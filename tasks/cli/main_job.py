@@ -37,9 +37,9 @@ def airflow_environment(home: Path, dags_folder: Path) -> dict:
     return {"AIRFLOW_HOME": str(airflow_home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
-            # schedules on from the start: specdec_reports follows each evaluation (its asset),
-            # and the trigger form has no "unpause on trigger" box to switch a schedule on by
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            # a demo machine: no schedule fires until asked. Every DAG is created paused; the
+            # trigger form's "Unpause on trigger" box (ticked by default) switches one on
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
             "AIRFLOW__LOGGING__LOGGING_LEVEL": os.environ.get("AIRFLOW__LOGGING__LOGGING_LEVEL", "WARNING")}
 
 
@@ -145,6 +145,16 @@ def mlflow_urls(base: str, experiment_id: str | None, model: str | None, version
     return urls
 
 
+SCHEDULES_TEXT = (
+    "schedules wait until you ask: every DAG is created paused, so opening the UI starts no run "
+    "(specdec_evaluate: daily at 00:00 UTC, on each new draft and on production drift; "
+    "specdec_reports: after each evaluation; specdec_retrain_draft: Sundays 03:00 UTC and on the "
+    "low-acceptance alert; specdec_monitor: every 5 minutes). Triggering a DAG from its page "
+    "unpauses it (the form's \"Unpause on trigger\" box, ticked by default), as do its toggle and "
+    "`airflow dags unpause DAG_ID` (the environment above); catchup is off: an unpaused DAG runs "
+    "at its next scheduled time, never the times it missed")
+
+
 def ui_text(env: dict, tracking: str, experiment_id: str | None, model: str | None,
             version: str | None) -> str:
     """What the main job prints last: commands to paste as they are, then where to go."""
@@ -154,10 +164,7 @@ def ui_text(env: dict, tracking: str, experiment_id: str | None, model: str | No
              "           then http://127.0.0.1:8080 (user admin; its password is printed at start "
              f"and kept in {env['AIRFLOW_HOME']}/simple_auth_manager_passwords.json.generated)",
              f"  MLflow:  {mlflow_command(tracking)}"]
-    lines.append("           schedules are on: specdec_evaluate daily at 00:00 UTC and on each new "
-                 "draft, specdec_reports after each evaluation, specdec_retrain_draft Sundays 03:00 UTC "
-                 "and on the low-acceptance alert; switch one off with `airflow dags pause DAG_ID` (the "
-                 "environment above) or its toggle in the UI")
+    lines.append(f"           {SCHEDULES_TEXT}")
     if "runs" in urls:
         lines.append(f"           runs: {urls['runs']}")
     if "version" in urls:
