@@ -288,14 +288,21 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
     with pytest.raises(RegistryError, match="no champion"):
         rollback(name, Store.open(db_url), uri=tracking)
     assert promote_(name, "1", db_url, tracking)["promoted"]
+
+    def first_line(version: str) -> str:
+        return page_text(client(tracking).get_model_version(name, version).description).splitlines()[0]
+    # issue 83 item 5: the first champion's page gives no advice the rollback then refuses
+    assert "restores" not in first_line("1") and "nothing to roll back to" in first_line("1")
     finished_run(db_url, "run-2", {"json": {"measured_speedup": 1.7}}, target_id=target_id)
     register("run-2", db_url, tracking)
     assert promote_(name, "2", db_url, tracking)["champion_before"] == "1"
     assert champion_of(tracking, name) == "2"
+    assert "specdec config rollback restores version 1, the champion it replaced" in first_line("2")
 
     assert rollback(name, Store.open(db_url), uri=tracking, actor="pytest") == {
         "champion": "1", "champion_before": "2"}
     assert champion_of(tracking, name) == "1"
+    assert "nothing to roll back to" in first_line("1")          # restored: it replaced none
     last = promotions(db_url)[-1]
     assert (last["action"], last["alias"], last["config_version"], last["run_id"]) == (
         "rollback", "champion", "1", "run-1")

@@ -237,7 +237,8 @@ def promote(name: str, version: str, store: Store | None = None, uri: str | None
     page_gates(("promoted FORCED past failed gates: " if failed and force else "promoted: ")
                + gate_counts(gates))
     refresh_champion_lines(mlflow_client, name, version, "promoted with `specdec config promote`"
-                           + (" FORCED past failed gates" if force and failed else ""), also=(before,))
+                           + (" FORCED past failed gates" if force and failed else ""), also=(before,),
+                           replaced=before)
     return {"promoted": True, "forced": bool(force and failed), "version": version, "champion": version,
             "champion_before": before, "gates": gates, "reason": reason}
 
@@ -283,6 +284,8 @@ def rollback(name: str, store: Store | None = None, uri: str | None = None,
                                     else str(expected_champion),
                                     **({"evidence": evidence} if evidence else {})})
         else:
+            restored = promotion_of(connection, name, CHAMPION, previous)    # what it replaced
+            restored_before = (restored["gates"] or {}).get("champion_before") if restored else None
             config = load_version_config(mlflow_client, name, previous)
             mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
             record_promotion(store, connection, run_id=config.run_id, target_id=config.target.id,
@@ -296,5 +299,6 @@ def rollback(name: str, store: Store | None = None, uri: str | None = None,
         log.info("rollback of %s refused: %s", name, refusal)   # the error says it once
         raise RegistryError(refusal)
     refresh_champion_lines(mlflow_client, name, previous,
-                           f"restored by `specdec config rollback` from version {current}", also=(current,))
+                           f"restored by `specdec config rollback` from version {current}", also=(current,),
+                           replaced=restored_before)
     return {"champion": previous, "champion_before": current}

@@ -108,13 +108,17 @@ def replace_section(description: str, heading: str, body: str) -> str:
     return head.rstrip() + "\n\n" + body.rstrip() + "\n\n" + (sep + tail if sep else "")
 
 
-def status_line(version: str, champion: str | None) -> str:
+def status_line(version: str, champion: str | None, replaced: str | None = None) -> str:
     """The page's first paragraph: how to promote this version, or (it is the champion) that it
-    is, and how to undo that."""
+    is, and how to undo that: `specdec config rollback` restores `replaced`, the champion it
+    replaced (per the promotions table); with none, there is nothing to roll back to."""
     if champion is not None and str(champion) == str(version):
-        return (f"**This version ({version}) is the champion.** `specdec config rollback` restores the "
-                "champion it replaced (gated, with an audit row); MLflow's alias pencil would move "
-                "`champion` past both.")
+        undo = (f"`specdec config rollback` restores version {replaced}, the champion it replaced "
+                "(with an audit row)" if replaced else
+                "It replaced no earlier champion: `specdec config rollback` has nothing to roll back "
+                "to (promote another version with `specdec config promote N` instead)")
+        return (f"**This version ({version}) is the champion.** {undo}; MLflow's alias pencil would "
+                "move `champion` past the gates and the audit row.")
     return (f"**Promote only with `specdec config promote {version}`** (it checks the gates below "
             "and writes the audit row); MLflow's alias pencil moves `champion` past both, and "
             "its \"Promote model\" button does not move `champion` at all (it copies the "
@@ -125,12 +129,13 @@ STATUS_PREFIXES = ("**Promote only with `specdec config promote", "**This versio
 
 
 def with_champion_line(description: str, line: str, version: str | None = None,
-                       champion: str | None = None) -> str:
+                       champion: str | None = None, replaced: str | None = None) -> str:
     """description with `line` as its champion line and, given the page's version, its first
-    paragraph (status_line) saying whether that version is the champion."""
+    paragraph (status_line) saying whether that version is the champion (and which one it
+    replaced)."""
     kept = [row for row in (description or "").rstrip().splitlines() if not row.startswith(CHAMPION_LINE)]
     if version is not None and kept and kept[0].startswith(STATUS_PREFIXES):
-        kept[0] = status_line(version, champion)
+        kept[0] = status_line(version, champion, replaced)
     return "\n".join(kept).rstrip() + "\n\n" + line + "\n"
 
 
@@ -169,9 +174,10 @@ def write_gates(mlflow_client, name: str, version: str, gates: list[dict], title
 
 
 def refresh_champion_lines(mlflow_client, name: str, champion: str | None, how: str,
-                           also: tuple[str | None, ...] = ()) -> None:
+                           also: tuple[str | None, ...] = (), replaced: str | None = None) -> None:
     """Write the current champion line on every version that carries an alias, and on `also`
-    (e.g. the version that just lost the champion). Best effort: a failure is logged."""
+    (e.g. the version that just lost the champion); replaced: the champion the champion replaced
+    (its page says what a rollback restores). Best effort: a failure is logged."""
     try:
         model = mlflow_client.get_registered_model(name)
         versions = {str(v) for v in (model.aliases or {}).values()} | {str(v) for v in also if v}
@@ -179,7 +185,7 @@ def refresh_champion_lines(mlflow_client, name: str, champion: str | None, how: 
         for version in sorted(versions, key=int):
             detail = mlflow_client.get_model_version(name, version)
             mlflow_client.update_model_version(name, version, description=with_champion_line(
-                detail.description or "", line, version, champion))
+                detail.description or "", line, version, champion, replaced))
     except Exception as exc:     # the page is documentation; the alias move already happened
         log.warning("%s: champion line not refreshed (%s)", name, mask_text(str(exc)))
 
