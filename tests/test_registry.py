@@ -481,6 +481,9 @@ def test_a_version_that_turns_nothing_on_reads_not_run_never_passed(db_url, trac
     assert "validation not run: no domain is on" in page and "validation passed" not in page
     assert "This version turns no domain on" in page and "automatic promotion" in page
     assert "| json | off |" in page and "not_needed" not in page and "not run (off)" in page
+    # item 6: the one reason the load check did not run; "-" in the vLLM columns is explained
+    assert "Not run: no domain is on." in page and "or no domain on with a vLLM config" not in page
+    assert '"-" is a check not run: the domain is off (here every domain is off)' in page
     gates = {g["name"]: g for g in registered["gates"]}
     for name_ in ("validation", "live_check", "no_regression", "min_samples", "same_target",
                   "engine_check"):

@@ -55,6 +55,7 @@ class RunView:
     acceptance_alert: float
     loads: dict = field(default_factory=dict)   # the load check by domain (queries_load.load_checks)
     fingerprint_passed: bool | None = None      # the run's target-fingerprint check (None: not recorded)
+    load_check_on: bool = True                  # the setting load_check
 
     @property
     def engine_checked(self) -> bool:
@@ -85,7 +86,8 @@ def build_run_view(run_id: str, store: Store, settings: Settings,
                    low_acceptance=low_acceptance_of(read["planned"], settings.plan.acceptance_alert),
                    profile=profile_check_of(read["profile"]), min_speedup=settings.plan.min_speedup,
                    tolerance=settings.live.tolerance, acceptance_alert=settings.plan.acceptance_alert,
-                   loads=loads, fingerprint_passed=read["fingerprint_passed"])
+                   loads=loads, fingerprint_passed=read["fingerprint_passed"],
+                   load_check_on=settings.load.check)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,7 +215,9 @@ def domains_markdown(view: RunView) -> str:
         "plain and speculative and compares the measured speedup with the prediction for the same "
         "requests (WARNING: its interval shows a problem; unsure: its interval reaches past a bar). "
         "On vLLM: the engine check's status of the domain's config on the serving engine "
-        "(NOT CHECKED: it did not run; see the engine check below).", "",
+        "(NOT CHECKED: the domain is on and the check did not run; see the engine check below). "
+        "In the vLLM columns \"-\" is a check not run: the domain is off"
+        + ("" if view.config.domains_on else " (here every domain is off)") + ".", "",
         "Why each domain is on or off:", "", *[reason_line(d) for d in view.domains],
         *sampling_lines(view)])
 
@@ -229,6 +233,18 @@ def engine_state(view: RunView) -> str:
         return f"{NOT_RUN}: {nothing_on_reason(view.config)}"
     why = view.engine_skipped or "no engine check was recorded for this run"
     return f"NOT checked on the serving engine: {why}"
+
+
+def load_not_run(view: RunView) -> str:
+    """The one reason the load check did not run: no domain on, the engine check not run (no
+    serving environment, or off), the load check off, or no domain on with a vLLM config."""
+    if not view.config.domains_on:
+        return nothing_on_reason(view.config)
+    if not view.engine_rows:
+        return f"the engine check did not run ({view.engine_skipped or 'none was recorded'})"
+    if not view.load_check_on:
+        return "the load check is off (setting load_check)"
+    return "no domain on has a vLLM config"
 
 
 def engine_markdown(view: RunView) -> str:
@@ -315,4 +331,4 @@ def run_markdown(view: RunView) -> str:
             + ("" if view.profile is None else f" ({view.profile['status']})") + ".\n\n"
             + below_bar_markdown(view) + alert_markdown(view) + engine_line
             + domains_markdown(view) + "\n\n## On vLLM (engine check)\n\n" + engine_markdown(view)
-            + "\n\n## Under load on vLLM (load check)\n\n" + load_markdown(view.loads) + "\n")
+            + "\n\n## Under load on vLLM (load check)\n\n" + load_markdown(view.loads, load_not_run(view)) + "\n")

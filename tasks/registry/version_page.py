@@ -28,7 +28,7 @@ from ..timeutil import utcnow
 from .run_config import changes_markdown, turns_nothing_on, validation_text
 from .load_results import load_markdown
 from .run_view import (RunView, alert_markdown, below_bar_markdown, domains_markdown, engine_markdown,
-                       engine_state, markdown_table)
+                       engine_state, load_not_run, markdown_table)
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def version_page_markdown(view: RunView, version: str, gates: list[dict], audit:
             f"{domains_markdown(view)}\n\n"
             f"### On vLLM (engine check)\n\n{engine_markdown(view)}\n\n"
             f"### Under load on vLLM (load check; plot `plots/load_check_speedup.png`)\n\n"
-            f"{load_markdown(view.loads)}\n\n"
+            f"{load_markdown(view.loads, load_not_run(view))}\n\n"
             f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
             + gates_markdown(gates, f"preview at registration against champion "
                                     f"{champion_version or 'none'}; `specdec config promote` "
