@@ -330,6 +330,19 @@ def test_plan_is_off_when_the_lower_end_misses_the_minimum(db_url):
     assert row["enabled"] is True and row["max_batch_size"] == 1
 
 
+def test_a_lower_end_just_below_the_bar_shows_the_digits_that_decide_it(db_url):
+    """Issue 83 item 7: a lower end of 1.0976 against the minimum 1.10 reads 1.098, never
+    "[1.10, ...], whose lower end does not clear the minimum 1.10x"."""
+    from tasks.registry.figures import at_bar
+
+    add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.2, 2.0855, 2.4, [0.0, 0.0, 1.0])
+    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings())
+    assert row["enabled"] is False and row["predicted_speedup_lo"] == pytest.approx(1.0976, abs=1e-4)
+    assert "[1.098, 1.26], whose lower end does not clear the minimum 1.10x" in row["reason"], row["reason"]
+    assert at_bar(1.0976, (1.1,)) == "1.098" and at_bar(1.26, (1.1,)) == "1.26"
+    assert at_bar(1.1, (1.1,)) == "1.10" and at_bar(1.09999, (1.1,)) == "1.09999"
+
+
 def test_plan_prefers_a_k_that_clears_the_bar_over_a_better_guess_that_does_not(db_url):
     # LS K=2: 2.4 [1.9, 2.9] / 1.9 = 1.26 [1.00, 1.53] -- best prediction, lower end misses 1.1;
     # LS K=1: 1.75 [1.7, 1.8] / 1.45 = 1.21 [1.17, 1.24] -- clears it: chosen, and on

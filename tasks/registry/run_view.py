@@ -18,6 +18,7 @@ from ..db.store import Store
 from ..settings import Settings
 from .config_schema import DomainSetting, SpecdecConfig
 from .live_check import LiveJudgement, judge_live, judgement_words, live_text
+from .figures import interval_at_bar
 from .load_results import load_check_text, load_markdown
 from .run_config import NOT_RUN, build_config, nothing_on_reason
 from .run_results import (engine_sampling_text, engine_speedup_text, evidence_of, low_acceptance_of,
@@ -146,7 +147,7 @@ def table_rows(view: RunView) -> list[list[str]]:
     for d in view.domains:
         s = d.setting
         ci = "" if s.predicted_speedup_ci95 is None else (
-            f" [{s.predicted_speedup_ci95[0]:.2f}, {s.predicted_speedup_ci95[1]:.2f}]")
+            " " + interval_at_bar(*s.predicted_speedup_ci95, bars=(view.min_speedup, 1.0)))
         rows.append([d.name, "on" if s.enabled else "off", drafter_text(s), str(s.k or "-"),
                      str(s.max_batch_size or "-"),
                      "-" if s.mean_accepted_length is None else f"{s.mean_accepted_length:.2f}",
