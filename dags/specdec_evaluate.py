@@ -53,7 +53,8 @@ from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, DRIFT_URI,
-                                              EVALUATIONS_URI, LOW_ACCEPTANCE_URI, MAP_LABEL, NEW_DRAFT_URI,
+                                              EVALUATIONS_URI, K_LIMIT, LOW_ACCEPTANCE_URI, MAP_LABEL,
+                                              NEW_DRAFT_URI,
                                               TIMING_POOL, domains_failed_text, evaluate_spec,
                                               label_mapped, queues, setting_default, task_errors,
                                               wire_in_order)
@@ -108,7 +109,8 @@ PARAMS = {
     "hardware_profile": Param(setting_default("hardware_profile"), type=["null", "string"],
                               title="Hardware profile",
                               description="Optional; a stored cost profile to plan with; empty: "
-                                          "measure this worker"),
+                                          "this worker's costs (a stored profile of its hardware "
+                                          "reused, or measured: see New cost profile)"),
     "new_profile": Param(False, type="boolean", title="New cost profile",
                          description="On: the profile task measures this worker even where a stored "
                                      "profile of its hardware, engine and target that passed its "
@@ -116,15 +118,18 @@ PARAMS = {
                                      "reused; off: reuse such a profile"),
     "k_max": Param(setting_default("eval_k_max"), type="integer",
                    title="Largest K",
-                   description="1 to 32: the largest number of draft tokens per round (K) that "
-                               "is profiled and planned; the planner picks each domain's K up to "
-                               "it (the setting eval_k_max). A value outside 1 to 32 is refused when the "
+                   description=f"1 to {K_LIMIT}: the largest number of draft tokens per round (K) "
+                               "that is profiled and planned; the planner picks each domain's K up "
+                               "to it (the setting eval_k_max; at most the result tables' limit, "
+                               f"the setting k_max). A value outside 1 to {K_LIMIT} is refused when the "
                                "run starts (the sample task fails naming it), never changed"),
     "min_speedup": Param(setting_default("min_speedup"), type="number",
                          title="Minimum speedup",
-                         description="0.01 to 10: a domain is on only when its interval's lower end "
-                                     "clears this (below 1.0 only for testing: it turns on "
-                                     "predicted slowdowns)"),
+                         description="0.01 to 10: a domain that is off turns on only when its "
+                                     "interval's lower end clears this; one on in the champion "
+                                     "stays on while its upper end clears this and its lower end "
+                                     "clears 1.0 (hysteresis: configs do not flap at the edge). "
+                                     "Below 1.0 only for testing: it turns on predicted slowdowns"),
     "acceptance_alert": Param(setting_default("acceptance_alert"), type="number",
                               title="Low-acceptance alert",
                               description="1 to 33 tokens per round: alert when a domain's expected "

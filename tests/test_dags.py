@@ -582,11 +582,11 @@ def test_trigger_form_requires_only_what_has_no_empty_meaning_and_states_ranges(
         assert f"{_number(low)} to {_number(high)}" in param.description, name
     k_max = evaluate.get_param("k_max")
     assert "draft tokens per round" in k_max.description
-    assert k_max.resolve(value=32) == 32 and k_max.resolve(value=40) == 40    # not changed
-    for outside in (0, 40):
-        with pytest.raises(SampleError, match=rf"Largest K \(k_max={outside}\) is outside 1 to 32"):
+    assert k_max.resolve(value=16) == 16 and k_max.resolve(value=40) == 40    # not changed
+    for outside in (0, 17, 40):
+        with pytest.raises(SampleError, match=rf"Largest K \(k_max={outside}\) is outside 1 to 16"):
             check_param_ranges({"k_max": outside})
-    check_param_ranges({"k_max": 32, "window_days": 0.01})
+    check_param_ranges({"k_max": 16, "window_days": 0.01})
     with pytest.raises(ParamValidationError):
         k_max.resolve(value="many")
     assert evaluate.get_param("promote").resolve(value=None) is None       # empty toggle: no promote
@@ -614,7 +614,7 @@ def test_a_minimum_above_the_maximum_fails_the_first_task_naming_both(dagbag, mo
         run = dag.test(run_conf={"k_max": 40})
     states = tries(run)
     assert run.state == "failed" and states["sample"] == ("failed", 1), states
-    assert "Largest K (k_max=40) is outside 1 to 32" in caplog.text
+    assert "Largest K (k_max=40) is outside 1 to 16" in caplog.text
     assert not (tmp_path / "specdec.db").exists()
 
 
@@ -741,3 +741,24 @@ def test_the_demo_airflow_starts_no_run_until_asked_and_names_every_schedule(tmp
     assert "Unpause on trigger" in printed and "catchup is off" in printed
     operations = " ".join((REPO / "docs" / "operations.md").read_text().split())
     assert "specdec_monitor` every 5 minutes" in operations and "created paused" in operations
+
+
+def test_the_trigger_forms_texts_agree_with_the_checks_a_run_meets():
+    """Issue 83 item 12: Largest K is bounded as the result tables' check bounds K (16, not 32:
+    K 17-32 failed the run at finish, ten minutes in); the hardware profile's empty value does
+    not contradict New cost profile; the minimum speedup states hysteresis."""
+    from tasks.errors import SampleError
+    from tasks.orchestration.airflow_glue import check_param_ranges
+    from tasks.settings import Settings
+
+    params = _evaluate_dag().params
+    limit = Settings().quality.k_max
+    assert limit == 16
+    assert params.get_param("k_max").description.startswith(f"1 to {limit}:")
+    assert "32" not in params.get_param("k_max").description
+    with pytest.raises(SampleError, match=rf"Largest K \(k_max=17\) is outside 1 to {limit}"):
+        check_param_ranges({"k_max": limit + 1})
+    check_param_ranges({"k_max": limit})
+    assert "empty: measure this worker" not in params.get_param("hardware_profile").description
+    assert "reused" in params.get_param("hardware_profile").description
+    assert "hysteresis" in params.get_param("min_speedup").description
