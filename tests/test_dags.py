@@ -762,3 +762,26 @@ def test_the_trigger_forms_texts_agree_with_the_checks_a_run_meets():
     assert "empty: measure this worker" not in params.get_param("hardware_profile").description
     assert "reused" in params.get_param("hardware_profile").description
     assert "hysteresis" in params.get_param("min_speedup").description
+
+
+def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdecs(monkeypatch):
+    """Issue 83 item 13: the monitor DAG with no champion (or no speculative deployment) ends
+    Skipped saying nothing is watched, never "production E within the promise"; every DAG's
+    owner is specdec."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from tasks.steps import monitor
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports", "specdec_monitor"):
+        assert {task.owner for task in bag.dags[dag_id].tasks} == {"specdec"}, dag_id
+    check = bag.dags["specdec_monitor"].get_task("check").python_callable
+    monkeypatch.setitem(check.__globals__, "connection_store", lambda: None)
+    monkeypatch.setattr(monitor.MonitorContext, "open", staticmethod(lambda store: None))
+    monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": None, "deployments": [], "events": []})
+    with pytest.raises(AirflowSkipException, match="nothing to watch: no champion"):
+        check()
+    monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": "3", "deployments": [], "events": []})
+    with pytest.raises(AirflowSkipException, match="champion version 3 has no speculative deployment"):
+        check()
