@@ -506,6 +506,21 @@ def test_a_version_that_turns_nothing_on_reads_not_run_never_passed(db_url, trac
     assert "not run" in printed and not re.search(r"\bpass\b", printed), printed
 
 
+def test_a_prediction_on_a_noisy_profile_says_so_beside_it(db_url):
+    """Issue 83 item 8: the interval is over requests only; the profile's state stands beside
+    each prediction, and the legend says what the interval leaves out."""
+    from dataclasses import replace
+
+    from tasks.registry.run_view import build_run_view, domains_markdown, table_rows
+
+    finished_run(db_url, "run-1", {"json": {}})
+    view = build_run_view("run-1", Store.open(db_url), DEFAULTS)
+    assert table_rows(view)[0][7] == "1.60x [1.30, 1.90]"
+    noisy = replace(view, profile={"status": "noisy", "reasons": ["spread 40%"]})
+    assert table_rows(noisy)[0][7] == "1.60x [1.30, 1.90] (cost profile NOISY)"
+    assert "over the sampled requests only, not the cost profile's timing noise" in domains_markdown(noisy)
+
+
 def test_min_samples_gate_counts_measured_enabled_domains():
     config = parse_config(config_dict(json=enabled_domain(samples=5), chat={"enabled": False}))
     gates = {g["name"]: g for g in check_gates(config, None, DEFAULTS)}

@@ -141,6 +141,14 @@ def validation_cell(domain: DomainView) -> str:
     return text
 
 
+def profile_note(view: RunView) -> str:
+    """The cost profile's state beside a prediction: its interval is over requests only, so a
+    noisy (or unchecked) profile is said there; "" for an ok one or none recorded."""
+    if view.profile is None or view.profile["status"] == "ok":
+        return ""
+    return f" (cost profile {view.profile['status'].upper()})"
+
+
 def table_rows(view: RunView) -> list[list[str]]:
     """The per-domain table's rows (strings, one per domain, HEADERS' order)."""
     rows = []
@@ -152,7 +160,8 @@ def table_rows(view: RunView) -> list[list[str]]:
                      str(s.max_batch_size or "-"),
                      "-" if s.mean_accepted_length is None else f"{s.mean_accepted_length:.2f}",
                      "-" if d.proposal_rate is None else f"{100 * d.proposal_rate:.0f}%",
-                     f"{_x(s.predicted_speedup)}{ci}", live_cell(d), str(s.samples),
+                     f"{_x(s.predicted_speedup)}{ci}{profile_note(view) if s.predicted_speedup else ''}",
+                     live_cell(d), str(s.samples),
                      validation_cell(d), engine_sampling_text(d.engine_sampling),
                      engine_cell(view, d), load_check_text(d.load), s.source])
     return rows
@@ -212,7 +221,9 @@ def domains_markdown(view: RunView) -> str:
     return "\n".join([
         markdown_table(HEADERS, table_rows(view)), "",
         "E counts every round, with or without a proposal; the proposal rate is the share of rounds "
-        "in which the drafter proposed at least one token. The live check decodes a few requests "
+        "in which the drafter proposed at least one token. The predicted speedup's 95% interval is "
+        "over the sampled requests only, not the cost profile's timing noise: a profile that is not "
+        "ok is named beside each prediction. The live check decodes a few requests "
         "plain and speculative and compares the measured speedup with the prediction for the same "
         "requests (WARNING: its interval shows a problem; unsure: its interval reaches past a bar). "
         "On vLLM: the engine check's status of the domain's config on the serving engine "
