@@ -521,6 +521,28 @@ def test_a_prediction_on_a_noisy_profile_says_so_beside_it(db_url):
     assert "over the sampled requests only, not the cost profile's timing noise" in domains_markdown(noisy)
 
 
+def test_the_versions_list_preview_and_the_run_name_read_plainly(db_url, tracking, target_id):
+    """Issue 83 item 11: MLflow's versions list previews a description's first characters raw, so
+    the page's first line carries no Markdown marks and warns off the "Promote model" button; the
+    run's name is readable, not an Airflow run id cut to "manual__2026-12-05T2..."."""
+    from tasks.registry.registration import readable_run_name
+
+    run_id = "manual__2026-12-05T21:03:12.345678+00:00"
+    finished_run(db_url, run_id, {"json": {}}, target_id=target_id)
+    registered = register(run_id, db_url, tracking)
+    mlflow_client = client(tracking)
+    description = mlflow_client.get_model_version(registered["name"], registered["version"]).description
+    first = description.splitlines()[0]
+    assert first.startswith(f"Promote only with specdec config promote {registered['version']} ")
+    assert "*" not in first and "`" not in first and "do not use either" in first
+    run = mlflow_client.get_run(registered["mlflow_run_id"])
+    assert run.info.run_name == "evaluate 2026-12-05 21:03 manual" == readable_run_name(run_id)
+    assert run.data.tags["specdec.run_id"] == run_id and readable_run_name("run-1") == "run-1"
+    assert promote_(registered["name"], registered["version"], db_url, tracking)["promoted"]
+    first = mlflow_client.get_model_version(registered["name"], registered["version"]).description.splitlines()[0]
+    assert first.startswith(f"This version ({registered['version']}) is the champion.") and "*" not in first
+
+
 def test_min_samples_gate_counts_measured_enabled_domains():
     config = parse_config(config_dict(json=enabled_domain(samples=5), chat={"enabled": False}))
     gates = {g["name"]: g for g in check_gates(config, None, DEFAULTS)}

@@ -192,6 +192,14 @@ def run_note(view: RunView, quality_ok: bool | None) -> str:
             "version's page; validation, data quality).")
 
 
+def readable_run_name(run_id: str) -> str:
+    """The MLflow run's name: an Airflow run id ("manual__2026-12-05T21:03:12.345+00:00", cut in
+    MLflow's runs table to "manual__2026-12-05T2...") as "evaluate 2026-12-05 21:03 manual"; any
+    other run id as it is (the tag specdec.run_id keeps the id)."""
+    match = re.fullmatch(r"(\w+?)__(\d{4}-\d{2}-\d{2})T(\d{2}:\d{2}).*", run_id)
+    return f"evaluate {match.group(2)} {match.group(3)} {match.group(1)}" if match else run_id
+
+
 def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = None,
                      settings: Settings | None = None, champion=None,
                      started_at: datetime | None = None, read: dict | None = None) -> dict:
@@ -214,8 +222,8 @@ def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = 
     if existing is None:
         recorded = eval_run["created_at"]
         starts = [_epoch_ms(moment) for moment in (started_at, recorded) if moment is not None]
-        run = mlflow_client.create_run(experiment_id, start_time=min(starts, default=None), run_name=run_id,
-                                       tags={RUN_TAG: run_id})
+        run = mlflow_client.create_run(experiment_id, start_time=min(starts, default=None),
+                                       run_name=readable_run_name(run_id), tags={RUN_TAG: run_id})
         mlflow_run_id = run.info.run_id
     else:
         mlflow_run_id = existing.info.run_id

@@ -111,21 +111,23 @@ def replace_section(description: str, heading: str, body: str) -> str:
 def status_line(version: str, champion: str | None, replaced: str | None = None) -> str:
     """The page's first paragraph: how to promote this version, or (it is the champion) that it
     is, and how to undo that: `specdec config rollback` restores `replaced`, the champion it
-    replaced (per the promotions table); with none, there is nothing to roll back to."""
+    replaced (per the promotions table); with none, there is nothing to roll back to. Plain text,
+    no Markdown marks: MLflow's versions list previews a description's first characters raw."""
     if champion is not None and str(champion) == str(version):
-        undo = (f"`specdec config rollback` restores version {replaced}, the champion it replaced "
+        undo = (f"specdec config rollback restores version {replaced}, the champion it replaced "
                 "(with an audit row)" if replaced else
-                "It replaced no earlier champion: `specdec config rollback` has nothing to roll back "
-                "to (promote another version with `specdec config promote N` instead)")
-        return (f"**This version ({version}) is the champion.** {undo}; MLflow's alias pencil would "
-                "move `champion` past the gates and the audit row.")
-    return (f"**Promote only with `specdec config promote {version}`** (it checks the gates below "
-            "and writes the audit row); MLflow's alias pencil moves `champion` past both, and "
-            "its \"Promote model\" button does not move `champion` at all (it copies the "
-            "version into another registered model).")
+                "It replaced no earlier champion: specdec config rollback has nothing to roll back "
+                "to (promote another version with specdec config promote N instead)")
+        return (f"This version ({version}) is the champion. {undo}; MLflow's alias pencil would "
+                "move champion past the gates and the audit row.")
+    return (f"Promote only with specdec config promote {version} (it checks the gates below "
+            "and writes the audit row); MLflow's alias pencil moves champion past both, and "
+            "its \"Promote model\" button does not move champion at all (it copies the "
+            "version into another registered model): do not use either.")
 
 
-STATUS_PREFIXES = ("**Promote only with `specdec config promote", "**This version (")
+STATUS_PREFIXES = ("Promote only with specdec config promote", "This version (",
+                   "**Promote only with `specdec config promote", "**This version (")    # older pages
 
 
 def with_champion_line(description: str, line: str, version: str | None = None,
