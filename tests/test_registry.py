@@ -480,6 +480,7 @@ def test_a_version_that_turns_nothing_on_reads_not_run_never_passed(db_url, trac
     page = page_text(version.description)
     assert "validation not run: no domain is on" in page and "validation passed" not in page
     assert "This version turns no domain on" in page and "automatic promotion" in page
+    assert "no calibration.png: no domain was measured live on this engine" in page    # item 9
     assert "| json | off |" in page and "not_needed" not in page and "not run (off)" in page
     # item 6: the one reason the load check did not run; "-" in the vLLM columns is explained
     assert "Not run: no domain is on." in page and "or no domain on with a vLLM config" not in page
@@ -1376,11 +1377,29 @@ def test_speedup_plot_has_threshold_chosen_k_interval_and_a_legend_off_the_data(
     assert list(chosen[0].get_ydata()) == [pytest.approx(1.3 + 0.15 * 4)]
     assert not [line for line in panels["chat: off"].get_lines() if line.get_label() == "chosen K"]
     assert "min_speedup 1.1" in [t.get_text() for t in fig.legends[0].get_texts()]
+    # issue 83 item 9: a domain that is off has its best candidate hollow, never "chosen K"
+    configs["qa"] = {"drafter": "suffix", "k": 2, "enabled": False}
+    off = {ax.get_title(): ax for ax in speedup_figure(estimate_rows(), configs, 1.1, RUN_ID).axes}["qa: off"]
+    assert [line.get_label() for line in off.get_lines() if "K" in line.get_label()] == ["best K (off)"]
     # one neutral swatch for the bands (each in its drafter's colour), not the first drafter's
     entries = dict(zip([t.get_text() for t in fig.legends[0].get_texts()], fig.legends[0].legend_handles))
     swatch = entries["95% interval (in the drafter's colour)"]
     assert swatch.get_facecolor()[:3] == pytest.approx((0.5, 0.5, 0.5), abs=0.01)
     assert_footnote_apart(fig)
+
+
+def test_acceptance_plot_at_k_1_has_a_readable_axis_and_markers_apart():
+    """Issue 83 item 9: K = 1 everywhere: the x axis spans a position (not 0.96-1.04) and equal
+    rates of several domains do not sit on one another."""
+    from tasks.registry.plots import acceptance_figure
+
+    rows = [r for r in estimate_rows() if r["k"] == 1 and r["drafter"] == "suffix"]
+    fig = acceptance_figure(rows, {d: "suffix" for d in ("chat", "code", "json", "qa")}, RUN_ID,
+                            {d: 1 for d in ("chat", "code", "json", "qa")})
+    ax = fig.axes[0]
+    assert ax.get_xlim() == (0.5, 1.5) and list(ax.get_xticks()) == [1]
+    xs = [float(line.get_xdata()[0]) for line in ax.get_lines()]
+    assert len(set(xs)) == 4 and max(xs) - min(xs) < 0.5
 
 
 def test_acceptance_and_calibration_plots_keep_labels_apart_and_titles_short():
@@ -1397,8 +1416,9 @@ def test_acceptance_and_calibration_plots_keep_labels_apart_and_titles_short():
     assert "chat (suffix, drafts in 7% of rounds, E 1.40)" in labels
     bars = {t.get_text(): patch.get_width()
             for t, patch in zip(fig.axes[1].get_yticklabels(), fig.axes[1].patches)}
-    assert bars == {"chat": pytest.approx(0.07), "code": pytest.approx(0.8),
-                    "json": pytest.approx(0.8), "qa": pytest.approx(0.8)}
+    assert bars == {"chat": pytest.approx(7), "code": pytest.approx(80),
+                    "json": pytest.approx(80), "qa": pytest.approx(80)}
+    assert fig.axes[1].get_xlim() == (0, 100) and "%" in fig.axes[1].get_xlabel()    # issue 83 item 9
     assert fig.axes[1].get_title() == "Rounds that drafted"
     assert all(len(t) <= 60 and RUN_ID not in t for t in figure_texts(fig))
     # chat and qa at nearly the same point: one legend entry each, no labels drawn on the data

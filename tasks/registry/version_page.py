@@ -255,6 +255,15 @@ def _notes_markdown(view: RunView, audit: dict, champion=None) -> str:
     return text
 
 
+def plots_note(view: RunView) -> str:
+    """Which promised plot is not drawn and why ("" when every one is): calibration.png needs a
+    domain measured live on this engine."""
+    if any(d.live for d in view.domains):
+        return ""
+    return (" (no `calibration.png`: no domain was measured live on this engine, e.g. a run "
+            "planned on vLLM's costs, whose live check is the engine check)")
+
+
 def version_page_markdown(view: RunView, version: str, gates: list[dict], audit: dict,
                           champion, champion_version: str | None) -> str:
     """The registered version's page (its description), from the run's view."""
@@ -272,7 +281,7 @@ def version_page_markdown(view: RunView, version: str, gates: list[dict], audit:
             + gates_markdown(gates, f"preview at registration against champion "
                                     f"{champion_version or 'none'}; `specdec config promote` "
                                     "checks them again") + "\n\n"
-            "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`; "
+            f"Plots: the run's `plots/` artifacts{plots_note(view)}. Validation details: `reports/validation.json`; "
             "data quality: `reports/data_quality.html` (every expectation and its result; Great "
             "Expectations' Data Docs attached under `reports/data_docs/`); this table alone: "
             "`reports/domains.md`.\n\n"
