@@ -505,6 +505,14 @@ def test_a_version_that_turns_nothing_on_reads_not_run_never_passed(db_url, trac
     print_gates(result)
     printed = capsys.readouterr().out
     assert "not run" in printed and not re.search(r"\bpass\b", printed), printed
+    # `specdec evaluate`'s printout of the run: the same rule
+    from tasks.cli.evaluation import print_run
+    from tasks.registry.run_view import build_run_view
+
+    print_run(build_run_view("run-1", Store.open(db_url), DEFAULTS))
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "validation not run: no domain is on" in printed and "engine check: not run: no domain is on" in printed
+    assert "passed" not in printed and "not_needed" not in printed, printed
 
 
 def test_a_prediction_on_a_noisy_profile_says_so_beside_it(db_url):
