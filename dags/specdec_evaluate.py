@@ -149,7 +149,7 @@ PARAMS = {
                                   assets=(NEW_DRAFT_ASSET | DRIFT_ASSET)),
      start_date=datetime(2025, 1, 1), catchup=False,
      max_active_runs=1, default_args=DEFAULT_ARGS, params=PARAMS, doc_md=__doc__,
-     tags=["specdec"], render_template_as_native_obj=True)
+     tags=["specdec", "cron 0 0 * * *"], render_template_as_native_obj=True)
 def specdec_evaluate():
     @task
     def sample() -> dict:

@@ -785,3 +785,6 @@ def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdec
     monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": "3", "deployments": [], "events": []})
     with pytest.raises(AirflowSkipException, match="champion version 3 has no speculative deployment"):
         check()
+    # the DAG list shows an AssetOrTimeSchedule as an asset trigger: its cron is a tag there
+    for dag_id, cron in CRONS.items():
+        assert f"cron {cron}" in bag.dags[dag_id].tags, dag_id
