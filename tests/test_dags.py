@@ -739,6 +739,9 @@ def test_the_demo_airflow_starts_no_run_until_asked_and_names_every_schedule(tmp
                          ("specdec_monitor", "every 5 minutes")):
         assert f"{dag_id}: {when}" in printed, dag_id
     assert "Unpause on trigger" in printed and "catchup is off" in printed
+    # item 11: the evaluation's run opens in MLflow's model-training view, not the GenAI one
+    printed = ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2", "abc123")
+    assert "this evaluation's run: http://127.0.0.1:5000/#/experiments/1/runs/abc123?workflowType=machine_learning" in printed
     operations = " ".join((REPO / "docs" / "operations.md").read_text().split())
     assert "specdec_monitor` every 5 minutes" in operations and "created paused" in operations
 
