@@ -274,6 +274,9 @@ def test_a_serving_engines_profile_plans_only_the_drafters_it_serves(db_url):
     served.sampled_verify = {b: dict(v) for b, v in served.verify.items()}
     row = plan_domain("plan-run", "qa", served, Store.open(db_url), settings=settings())
     assert row["drafter"] == PL and row["predicted_speedup"] == pytest.approx(2.0 / 1.25)
+    # issue 83 item 9: the candidate left out is named in the domain's reason, not only the log
+    assert row["reason"].endswith(f"; not planned with {LS}: {served.hardware_profile} does not serve "
+                                  "it (no draft step in its profile)"), row["reason"]
 
 
 def test_plan_stores_k_by_batch_size_and_derives_max_batch_size_from_it(db_url):

@@ -287,10 +287,11 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, store: Store,
     row = _empty_row(run_id, domain, samples, policy)
     kept = pricing.best is not None and _fill_choice(row, pricing.best, estimates, costs, policy)
     _decide(row, policy, costs, pricing.best is not None, kept)
-    if pricing.unpriced:
-        log.info("run %s, domain %s: not planned with %s: %s does not serve them (no draft step in "
-                 "its profile)", run_id, domain, ", ".join(sorted(pricing.unpriced)),
-                 costs.hardware_profile)
+    if pricing.unpriced:       # said where a reviewer reads the domain, not only in the log
+        unserved = (f"not planned with {', '.join(sorted(pricing.unpriced))}: "
+                    f"{costs.hardware_profile} does not serve it (no draft step in its profile)")
+        row["reason"] = f"{row['reason']}; {unserved}" if row["reason"] else unserved
+        log.info("run %s, domain %s: %s", run_id, domain, unserved)
     store_plan(store, run_id, domain, pricing.updates, row)
     log.info("run %s, domain %s: %s", run_id, domain, row["reason"])
     return row
