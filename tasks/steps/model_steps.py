@@ -86,12 +86,18 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     log.info("run %s: planning with cost profile %s (run %s; %s); profile task on worker %s (%s %s)",
              spec.run_id, name, costs.run_id, provenance["text"], worker["worker"], worker["device"],
              worker["dtype"])
-    check = profile_check(spec.run_id, store)
-    if check is not None and check["status"] == "noisy":    # no domain turns on from it: a warning
-        log.warning("run %s: %s", spec.run_id, profile_check_text(check))
+    log_profile_check(spec.run_id, store)
     return {"hardware_profile": name, "reused": provenance["reused"],
             "measured_by": provenance["run_id"], "measured_at": provenance["measured_at"],
             "age_days": provenance["age_days"], "text": provenance["text"]}
+
+
+def log_profile_check(run_id: str, store: Store) -> None:
+    """The profile task's line on its cost profile's check: a WARNING when it is noisy (no domain
+    turns on from it that the champion has off), INFO otherwise."""
+    check = profile_check(run_id, store)
+    noisy = check is not None and check["status"] == "noisy"
+    (log.warning if noisy else log.info)("run %s: %s", run_id, profile_check_text(check))
 
 
 def run_profile_name(context: RunContext) -> str | None:
