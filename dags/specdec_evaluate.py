@@ -19,7 +19,8 @@ Daily, when `specdec_retrain_draft` registers a new draft (asset `specdec://draf
    domain the plan turns on is served by vLLM (the serving environment) with its exported config,
    its requests replayed, vLLM's acceptance counters compared with the estimate (a domain that
    falls short, or whose config vLLM refuses, is turned off; no serving environment: the task ends
-   skipped with the reason, and the version page and its engine_check gate say "not checked");
+   skipped with the reason, and the version page and its engine_check gate say "not checked";
+   no domain on: skipped, "not run: no domain is on");
 6. **register** the config in MLflow (alias `challenger`), **promote** it when asked and the gates
    pass (alias `champion`, compare-and-set), and publish the assets below.
 
@@ -52,7 +53,8 @@ from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, DRIFT_URI,
-                                              EVALUATIONS_URI, LOW_ACCEPTANCE_URI, MAP_LABEL, NEW_DRAFT_URI,
+                                              EVALUATIONS_URI, K_LIMIT, LOW_ACCEPTANCE_URI, MAP_LABEL,
+                                              NEW_DRAFT_URI,
                                               TIMING_POOL, domains_failed_text, evaluate_spec,
                                               label_mapped, queues, setting_default, task_errors,
                                               wire_in_order)
@@ -107,7 +109,8 @@ PARAMS = {
     "hardware_profile": Param(setting_default("hardware_profile"), type=["null", "string"],
                               title="Hardware profile",
                               description="Optional; a stored cost profile to plan with; empty: "
-                                          "measure this worker"),
+                                          "this worker's costs (a stored profile of its hardware "
+                                          "reused, or measured: see New cost profile)"),
     "new_profile": Param(False, type="boolean", title="New cost profile",
                          description="On: the profile task measures this worker even where a stored "
                                      "profile of its hardware, engine and target that passed its "
@@ -115,15 +118,18 @@ PARAMS = {
                                      "reused; off: reuse such a profile"),
     "k_max": Param(setting_default("eval_k_max"), type="integer",
                    title="Largest K",
-                   description="1 to 32: the largest number of draft tokens per round (K) that "
-                               "is profiled and planned; the planner picks each domain's K up to "
-                               "it (the setting eval_k_max). A value outside 1 to 32 is refused when the "
+                   description=f"1 to {K_LIMIT}: the largest number of draft tokens per round (K) "
+                               "that is profiled and planned; the planner picks each domain's K up "
+                               "to it (the setting eval_k_max; at most the result tables' limit, "
+                               f"the setting k_max). A value outside 1 to {K_LIMIT} is refused when the "
                                "run starts (the sample task fails naming it), never changed"),
     "min_speedup": Param(setting_default("min_speedup"), type="number",
                          title="Minimum speedup",
-                         description="0.01 to 10: a domain is on only when its interval's lower end "
-                                     "clears this (below 1.0 only for testing: it turns on "
-                                     "predicted slowdowns)"),
+                         description="0.01 to 10: a domain that is off turns on only when its "
+                                     "interval's lower end clears this; one on in the champion "
+                                     "stays on while its upper end clears this and its lower end "
+                                     "clears 1.0 (hysteresis: configs do not flap at the edge). "
+                                     "Below 1.0 only for testing: it turns on predicted slowdowns"),
     "acceptance_alert": Param(setting_default("acceptance_alert"), type="number",
                               title="Low-acceptance alert",
                               description="1 to 33 tokens per round: alert when a domain's expected "
@@ -143,7 +149,7 @@ PARAMS = {
                                   assets=(NEW_DRAFT_ASSET | DRIFT_ASSET)),
      start_date=datetime(2025, 1, 1), catchup=False,
      max_active_runs=1, default_args=DEFAULT_ARGS, params=PARAMS, doc_md=__doc__,
-     tags=["specdec"], render_template_as_native_obj=True)
+     tags=["specdec", "cron 0 0 * * *"], render_template_as_native_obj=True)
 def specdec_evaluate():
     @task
     def sample() -> dict:
@@ -186,20 +192,29 @@ def specdec_evaluate():
 
     @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
     def confirm(domain: str, spec: dict) -> str:
+        """Measured nothing (a run planned on vLLM's costs; no plan to measure): ends skipped
+        with the reason."""
         from tasks.steps.pipeline import step_confirm
 
         label_mapped(domain)
         with task_errors():
-            step_confirm(spec, domain)
+            row = step_confirm(spec, domain)
+        if row.get("skipped"):
+            raise AirflowSkipException(f"{domain}: confirm not run: {row['skipped']}")
         return domain
 
-    @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
+    # a skipped confirm is no reason to skip the sampling test; a failed estimate or confirm is
+    @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE, trigger_rule="none_failed")
     def validate(domain: str, spec: dict) -> str:
+        """A domain that is off has no sampling test: ends skipped with the reason."""
         from tasks.steps.pipeline import step_validate
 
         label_mapped(domain)
         with task_errors():
-            step_validate(spec, domain)
+            result = step_validate(spec, domain)
+        if result["validation"] == "not_needed":
+            raise AirflowSkipException(f"{domain}: sampling test not run: the domain is off (the "
+                                       "tests run only for a domain on)")
         return domain
 
     @task(trigger_rule="all_done", queue=GPU_QUEUE)
@@ -221,6 +236,8 @@ def specdec_evaluate():
 
         with task_errors():
             result = step_engine_check(spec)
+        if result["skipped"] and result.get("nothing_on"):     # nothing to check: says so
+            raise AirflowSkipException(f"{result['skipped']} (the version page and its gates say so)")
         if result["skipped"]:       # a visible state: the task ends skipped, the page says why
             raise AirflowSkipException(f"{result['skipped']}: the config is NOT checked on the "
                                        "serving engine (the version page and its gates say so)")
@@ -276,7 +293,9 @@ def specdec_evaluate():
     @task_group
     def per_domain(domain: str, spec: dict, profile_name: dict):
         """One domain's chain; mapped over domains, so a failure stays inside its own domain."""
-        return validate(confirm(estimate(domain, spec, profile_name), spec), spec)
+        validated = validate(domain, spec)
+        confirm(estimate(domain, spec, profile_name), spec) >> validated
+        return validated
 
     @task
     def domain_failures(finished: dict) -> None:

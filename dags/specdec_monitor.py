@@ -77,6 +77,11 @@ def specdec_monitor():
 
         with task_errors():
             result = check_window(MonitorContext.open(connection_store()))
+        if not result["deployments"]:       # nothing watched: never "within the promise"
+            raise AirflowSkipException(
+                "nothing to watch: " + ("no champion" if result["champion"] is None else
+                                        f"champion version {result['champion']} has no speculative "
+                                        "deployment (no domain on)"))
         return [{k: str(e[k]) if k.startswith("window") else e[k]
                  for k in ("kind", "deployment", "config_version", "production_e", "reason",
                            "window_start", "window_end")} for e in result["events"]]
@@ -84,7 +89,8 @@ def specdec_monitor():
     @task(outlets=[DRIFT_ASSET])
     def drift_alert(events: list[dict]) -> list[dict]:
         if not events:
-            raise AirflowSkipException("production E within the promise (or too few drafts)")
+            raise AirflowSkipException("production E within the promise on every watched "
+                                       "deployment (or too few drafts)")
         get_current_context()["outlet_events"][DRIFT_ASSET].extra = {"events": events}
         return events
 

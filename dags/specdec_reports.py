@@ -31,7 +31,8 @@ CPU_QUEUE, _ = queues()
      description="After each specdec_evaluate run (asset specdec://evaluations), or from the "
                  "trigger form: writes the ops SQL reports as CSV under $SPECDEC_HOME/reports", start_date=datetime(2025, 1, 1),
      catchup=False, doc_md=__doc__, tags=["specdec"],
-     default_args={"queue": CPU_QUEUE, "retries": 2, "retry_exponential_backoff": True})
+     default_args={"owner": "specdec", "queue": CPU_QUEUE, "retries": 2,
+                   "retry_exponential_backoff": True})
 def specdec_reports():
     @task
     def report_names() -> list[str]:

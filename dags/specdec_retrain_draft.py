@@ -123,7 +123,7 @@ PARAMS = {
      start_date=datetime(2025, 1, 1), catchup=False, max_active_runs=1,
      schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 0", timezone="UTC"),
                                   assets=[LOW_ACCEPTANCE_ASSET]),
-     params=PARAMS, doc_md=__doc__, tags=["specdec"],
+     params=PARAMS, doc_md=__doc__, tags=["specdec", "cron 0 3 * * 0"],
      default_args={"owner": "specdec", "queue": CPU_QUEUE, "retries": 2, "retry_delay": timedelta(minutes=1),
                    "retry_exponential_backoff": True})
 def specdec_retrain_draft():

@@ -50,7 +50,10 @@ if _WORKERS > 1:
 # Variables) would otherwise point the whole process at ~/airflow/airflow.db -- created there,
 # never migrated -- and every later DagBag in the process would fail ("no such table: dag").
 # Migrated only when a test asks for airflow_env; removed when the session ends.
-_AIRFLOW_ENV = airflow_environment(Path(tempfile.mkdtemp(prefix="airflow-home-")), REPO / "dags")
+# DAGs unpaused here, as in production (the main job's demo home creates them paused): an
+# evaluation's asset event queues specdec_reports
+_AIRFLOW_ENV = {**airflow_environment(Path(tempfile.mkdtemp(prefix="airflow-home-")), REPO / "dags"),
+                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False"}
 os.environ.update(_AIRFLOW_ENV)
 
 

@@ -274,6 +274,9 @@ def test_a_serving_engines_profile_plans_only_the_drafters_it_serves(db_url):
     served.sampled_verify = {b: dict(v) for b, v in served.verify.items()}
     row = plan_domain("plan-run", "qa", served, Store.open(db_url), settings=settings())
     assert row["drafter"] == PL and row["predicted_speedup"] == pytest.approx(2.0 / 1.25)
+    # issue 83 item 9: the candidate left out is named in the domain's reason, not only the log
+    assert row["reason"].endswith(f"; not planned with {LS}: {served.hardware_profile} does not serve "
+                                  "it (no draft step in its profile)"), row["reason"]
 
 
 def test_plan_stores_k_by_batch_size_and_derives_max_batch_size_from_it(db_url):
@@ -328,6 +331,19 @@ def test_plan_is_off_when_the_lower_end_misses_the_minimum(db_url):
     assert row["enabled"] is True and row["max_batch_size"] == 1
     row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings(), min_speedup=1.0)
     assert row["enabled"] is True and row["max_batch_size"] == 1
+
+
+def test_a_lower_end_just_below_the_bar_shows_the_digits_that_decide_it(db_url):
+    """Issue 83 item 7: a lower end of 1.0976 against the minimum 1.10 reads 1.098, never
+    "[1.10, ...], whose lower end does not clear the minimum 1.10x"."""
+    from tasks.registry.figures import at_bar
+
+    add_estimate(db_url, "plan-run", "code", LS_SPEC, 2, 2.2, 2.0855, 2.4, [0.0, 0.0, 1.0])
+    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings())
+    assert row["enabled"] is False and row["predicted_speedup_lo"] == pytest.approx(1.0976, abs=1e-4)
+    assert "[1.098, 1.26], whose lower end does not clear the minimum 1.10x" in row["reason"], row["reason"]
+    assert at_bar(1.0976, (1.1,)) == "1.098" and at_bar(1.26, (1.1,)) == "1.26"
+    assert at_bar(1.1, (1.1,)) == "1.10" and at_bar(1.09999, (1.1,)) == "1.09999"
 
 
 def test_plan_prefers_a_k_that_clears_the_bar_over_a_better_guess_that_does_not(db_url):

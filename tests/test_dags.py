@@ -226,7 +226,7 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     # and register goes on (issue 52 item 3)
     assert states["engine_check"] == ["skipped"] and states["register"] == ["success"], states
     # the reports DAG follows each evaluation: its asset event queued a specdec_reports run (the
-    # main job's Airflow creates DAGs unpaused)
+    # tests' Airflow creates DAGs unpaused, as production does)
     from airflow.models.asset import AssetDagRunQueue
     from airflow.utils.session import create_session
 
@@ -582,11 +582,11 @@ def test_trigger_form_requires_only_what_has_no_empty_meaning_and_states_ranges(
         assert f"{_number(low)} to {_number(high)}" in param.description, name
     k_max = evaluate.get_param("k_max")
     assert "draft tokens per round" in k_max.description
-    assert k_max.resolve(value=32) == 32 and k_max.resolve(value=40) == 40    # not changed
-    for outside in (0, 40):
-        with pytest.raises(SampleError, match=rf"Largest K \(k_max={outside}\) is outside 1 to 32"):
+    assert k_max.resolve(value=16) == 16 and k_max.resolve(value=40) == 40    # not changed
+    for outside in (0, 17, 40):
+        with pytest.raises(SampleError, match=rf"Largest K \(k_max={outside}\) is outside 1 to 16"):
             check_param_ranges({"k_max": outside})
-    check_param_ranges({"k_max": 32, "window_days": 0.01})
+    check_param_ranges({"k_max": 16, "window_days": 0.01})
     with pytest.raises(ParamValidationError):
         k_max.resolve(value="many")
     assert evaluate.get_param("promote").resolve(value=None) is None       # empty toggle: no promote
@@ -614,7 +614,7 @@ def test_a_minimum_above_the_maximum_fails_the_first_task_naming_both(dagbag, mo
         run = dag.test(run_conf={"k_max": 40})
     states = tries(run)
     assert run.state == "failed" and states["sample"] == ("failed", 1), states
-    assert "Largest K (k_max=40) is outside 1 to 32" in caplog.text
+    assert "Largest K (k_max=40) is outside 1 to 16" in caplog.text
     assert not (tmp_path / "specdec.db").exists()
 
 
@@ -640,11 +640,10 @@ def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_
         prepare_airflow(env)
     config = (tmp_path / "home" / "airflow" / "airflow.cfg").read_text()
     assert "\nload_examples = False\n" in config and f"\ndags_folder = {REPO / 'dags'}\n" in config
-    # schedules on: DAGs are created unpaused (specdec_reports follows each evaluation, and the
-    # trigger form has no "unpause on trigger" box ticked by default)
-    assert "\ndags_are_paused_at_creation = False\n" in config
+    # a demo machine: DAGs are created paused, no schedule fires until asked (issue 83 item 4)
+    assert "\ndags_are_paused_at_creation = True\n" in config
     printed = ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2")
-    assert "schedules are on:" in printed and "airflow dags pause DAG_ID" in printed
+    assert "schedules wait until you ask:" in printed and "airflow dags unpause DAG_ID" in printed
     assert "workflowType=machine_learning" in printed      # MLflow opens its model-training view
     line = next(text for text in printed.splitlines() if text.strip().startswith("Airflow:"))
     command = line.split("Airflow:", 1)[1].strip()
@@ -682,3 +681,113 @@ def test_the_airflow_command_the_main_job_prints_starts_airflow_on_its_home(tmp_
         assert "No such file or directory" not in log.read_text(errors="replace"), tail(log)
     finally:
         stop_process_group(process, 30)
+
+
+def _evaluate_dag():
+    """specdec_evaluate parsed from its file alone (no metadata database needed)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO / "dags" / "specdec_evaluate.py"))
+    return bag.dags["specdec_evaluate"]
+
+
+def test_tasks_that_did_nothing_end_skipped_with_the_reason(db_url, monkeypatch):
+    """Issue 83 item 3: an engine check with no domain on, a confirm that measured nothing and the
+    sampling test of a domain that is off end Skipped saying why, never green; a skipped confirm
+    does not skip its domain's sampling test."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from tasks.steps import pipeline
+
+    from .helpers.registry import finished_run
+
+    finished_run(db_url, "run-off", {"json": {"enabled": False}, "chat": {"enabled": False}})
+    dag = _evaluate_dag()
+    spec = {"run_id": "run-off", "target": "tiny-target", "db_url": db_url}
+    engine_check = dag.get_task("engine_check").python_callable
+    with pytest.raises(AirflowSkipException, match="engine check not run: no domain is on"):
+        engine_check(spec, {})
+    confirm = dag.get_task("per_domain.confirm").python_callable
+    validate = dag.get_task("per_domain.validate").python_callable
+    for step in (confirm, validate):
+        monkeypatch.setitem(step.__globals__, "label_mapped", lambda label: None)
+    monkeypatch.setattr(pipeline, "step_confirm", lambda spec, domain: {"skipped": "planned on vLLM's costs"},
+                        raising=False)
+    with pytest.raises(AirflowSkipException, match="json: confirm not run: planned on vLLM's costs"):
+        confirm("json", spec)
+    monkeypatch.setattr(pipeline, "step_validate", lambda spec, domain: {"validation": "not_needed"},
+                        raising=False)
+    with pytest.raises(AirflowSkipException, match="json: sampling test not run: the domain is off"):
+        validate("json", spec)
+    task = dag.get_task("per_domain.validate")
+    assert task.trigger_rule == "none_failed" and "per_domain.confirm" in task.upstream_task_ids
+
+
+def test_the_demo_airflow_starts_no_run_until_asked_and_names_every_schedule(tmp_path):
+    """Issue 83 item 4: the main job's Airflow creates every DAG paused (opening the UI starts
+    nothing), and its printed line names every DAG's schedule, specdec_monitor's too, how a DAG
+    is switched on, and that catchup is off."""
+    from tasks.cli.main_job import airflow_command, airflow_environment, ui_text
+
+    env = airflow_environment(tmp_path / "home", REPO / "dags")
+    assert env["AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION"] == "True"
+    assert "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=True" in airflow_command(env)
+    printed = " ".join(ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2").split())
+    assert "schedules are on" not in printed and "every DAG is created paused" in printed
+    for dag_id, when in (("specdec_evaluate", "daily at 00:00 UTC"), ("specdec_reports", "after each evaluation"),
+                         ("specdec_retrain_draft", "Sundays 03:00 UTC"),
+                         ("specdec_monitor", "every 5 minutes")):
+        assert f"{dag_id}: {when}" in printed, dag_id
+    assert "Unpause on trigger" in printed and "catchup is off" in printed
+    # item 11: the evaluation's run opens in MLflow's model-training view, not the GenAI one
+    printed = ui_text(env, "sqlite:////tmp/mlflow.db", "1", "specdec-config-x", "2", "abc123")
+    assert "this evaluation's run: http://127.0.0.1:5000/#/experiments/1/runs/abc123?workflowType=machine_learning" in printed
+    operations = " ".join((REPO / "docs" / "operations.md").read_text().split())
+    assert "specdec_monitor` every 5 minutes" in operations and "created paused" in operations
+
+
+def test_the_trigger_forms_texts_agree_with_the_checks_a_run_meets():
+    """Issue 83 item 12: Largest K is bounded as the result tables' check bounds K (16, not 32:
+    K 17-32 failed the run at finish, ten minutes in); the hardware profile's empty value does
+    not contradict New cost profile; the minimum speedup states hysteresis."""
+    from tasks.errors import SampleError
+    from tasks.orchestration.airflow_glue import check_param_ranges
+    from tasks.settings import Settings
+
+    params = _evaluate_dag().params
+    limit = Settings().quality.k_max
+    assert limit == 16
+    assert params.get_param("k_max").description.startswith(f"1 to {limit}:")
+    assert "32" not in params.get_param("k_max").description
+    with pytest.raises(SampleError, match=rf"Largest K \(k_max=17\) is outside 1 to {limit}"):
+        check_param_ranges({"k_max": limit + 1})
+    check_param_ranges({"k_max": limit})
+    assert "empty: measure this worker" not in params.get_param("hardware_profile").description
+    assert "reused" in params.get_param("hardware_profile").description
+    assert "hysteresis" in params.get_param("min_speedup").description
+
+
+def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdecs(monkeypatch):
+    """Issue 83 item 13: the monitor DAG with no champion (or no speculative deployment) ends
+    Skipped saying nothing is watched, never "production E within the promise"; every DAG's
+    owner is specdec."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from tasks.steps import monitor
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports", "specdec_monitor"):
+        assert {task.owner for task in bag.dags[dag_id].tasks} == {"specdec"}, dag_id
+    check = bag.dags["specdec_monitor"].get_task("check").python_callable
+    monkeypatch.setitem(check.__globals__, "connection_store", lambda: None)
+    monkeypatch.setattr(monitor.MonitorContext, "open", staticmethod(lambda store: None))
+    monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": None, "deployments": [], "events": []})
+    with pytest.raises(AirflowSkipException, match="nothing to watch: no champion"):
+        check()
+    monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": "3", "deployments": [], "events": []})
+    with pytest.raises(AirflowSkipException, match="champion version 3 has no speculative deployment"):
+        check()
+    # the DAG list shows an AssetOrTimeSchedule as an asset trigger: its cron is a tag there
+    for dag_id, cron in CRONS.items():
+        assert f"cron {cron}" in bag.dags[dag_id].tags, dag_id

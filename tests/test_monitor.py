@@ -188,3 +188,27 @@ def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
                    (at[3] + timedelta(seconds=60)).isoformat())
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["deployments"][0]["domains"][1]["domain"] == "qa"
+
+
+def test_show_keeps_what_was_scraped_of_a_deployment_whose_config_version_is_unknown(
+        db_url, metrics_server, capsys):
+    """Issue 83 item 14: a scrape stored without a config version is shown with its figures (the
+    deployment's), in `--json` and in the table, never as `"domains": []` and nothing else."""
+    from tasks.cli.app import main
+    from tasks.settings import load_settings
+    from tasks.steps.monitor import MonitorContext, scrape, show
+
+    ctx = MonitorContext.open(Store.open(db_url), None, "Test-Org/None", load_settings({}))
+    metrics_server.text = exposition(0, 0, 0, [0, 0, 0])
+    scrape(ctx, metrics_server.url, "vllm-x", config=False)
+    metrics_server.text = exposition(108, 857, 336, [100, 90, 80])
+    scrape(ctx, metrics_server.url, "vllm-x", config=False)
+    (deployment,) = show(ctx.store, ctx.settings)["deployments"]
+    assert deployment["config_version"] is None and deployment["domains"] == []
+    scraped = deployment["scraped"]
+    assert (scraped["drafts"], scraped["draft_tokens"], scraped["accepted"]) == (108, 857, 336)
+    assert scraped["e"] == pytest.approx(1 + 336 / 108)
+    assert "config version unknown" in deployment["note"]
+    assert main(["monitor", "show", "--url", db_url]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "vllm-x" in printed and "108" in printed and f"{1 + 336 / 108:.2f}" in printed, printed

@@ -239,3 +239,24 @@ def test_a_profile_measured_beside_a_busy_process_is_consistent_or_marked_noisy(
         assert row["attempts"] == 1 + 5 and row["details"]["passes"] == 10
         assert row["reasons"] == result["check"]["reasons"] != []
     assert result["check"]["status"] == row["status"]
+
+
+def test_a_noisy_profile_is_a_warning_in_the_profile_tasks_log(monkeypatch, caplog):
+    """Issue 83 item 3: the profile's "noisy" verdict was logged at INFO; it is a WARNING."""
+    import logging
+
+    from tasks.steps import model_steps
+
+    check = {"hardware_profile": "cpu-x", "profile_run": "r0", "status": "noisy", "attempts": 3,
+             "max_spread": 0.4, "reasons": ["verify(4) spread 40%"], "reused_from": None,
+             "measured_at": None}
+    monkeypatch.setattr(model_steps, "profile_check", lambda run_id, store: check)
+    with caplog.at_level(logging.INFO, logger=model_steps.log.name):
+        model_steps.log_profile_check("r1", None)
+    [record] = [r for r in caplog.records if "cost profile cpu-x" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "too noisy to turn a domain on" in record.getMessage()
+    monkeypatch.setattr(model_steps, "profile_check", lambda run_id, store: dict(check, status="ok"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=model_steps.log.name):
+        model_steps.log_profile_check("r1", None)
+    assert [r.levelno for r in caplog.records if "cost profile cpu-x" in r.getMessage()] == [logging.INFO]

@@ -129,8 +129,8 @@ def test_register_then_promote_first_champion(db_url, tracking, target_id):
     assert version.tags == {"run_id": "run-1", "domains_on": "json", "validation": "passed",
                             "hardware_profile": "cpu-test", "target_fingerprint": "sha256:aaa"}
     description = page_text(version.description)
-    assert "| json | on | prompt_lookup(max_ngram=3) | 3 | 4 |" in description
-    assert "| chat | off |" in description
+    assert "| json | on | prompt_lookup(max_ngram=3) | 3 | 2.20 |" in description
+    assert "| chat | off |" in description and "| json | 4 | - | 25 |" in description
     assert "There was no champion when this version was registered" in description
     with pytest.raises(Exception):                       # no champion before the promotion
         mlflow_client.get_model_version_by_alias(name, "champion")
@@ -161,7 +161,8 @@ def test_register_then_promote_first_champion(db_url, tracking, target_id):
     # json was never measured live here: the live_check gate is unsure, and the reason says so;
     # no engine check was recorded: the engine_check gate says the config is not checked
     assert result["champion_before"] is None and result["reason"] == (
-        "all gates passed (live_check unsure, engine_check not checked: see their figures)")
+        "no gate failed: 2 passed, 1 unsure (live_check), 1 not checked (engine_check), 2 not run "
+        "(no_regression, same_target); see the figures")
     assert [g["name"] for g in result["gates"]] == ["validation", "live_check", "no_regression",
                                                    "min_samples", "same_target", "engine_check"]
     # the page no longer asks to promote the champion it is (issue 52 item 8)
@@ -287,14 +288,21 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
     with pytest.raises(RegistryError, match="no champion"):
         rollback(name, Store.open(db_url), uri=tracking)
     assert promote_(name, "1", db_url, tracking)["promoted"]
+
+    def first_line(version: str) -> str:
+        return page_text(client(tracking).get_model_version(name, version).description).splitlines()[0]
+    # issue 83 item 5: the first champion's page gives no advice the rollback then refuses
+    assert "restores" not in first_line("1") and "nothing to roll back to" in first_line("1")
     finished_run(db_url, "run-2", {"json": {"measured_speedup": 1.7}}, target_id=target_id)
     register("run-2", db_url, tracking)
     assert promote_(name, "2", db_url, tracking)["champion_before"] == "1"
     assert champion_of(tracking, name) == "2"
+    assert "specdec config rollback restores version 1, the champion it replaced" in first_line("2")
 
     assert rollback(name, Store.open(db_url), uri=tracking, actor="pytest") == {
         "champion": "1", "champion_before": "2"}
     assert champion_of(tracking, name) == "1"
+    assert "nothing to roll back to" in first_line("1")          # restored: it replaced none
     last = promotions(db_url)[-1]
     assert (last["action"], last["alias"], last["config_version"], last["run_id"]) == (
         "rollback", "champion", "1", "run-1")
@@ -335,7 +343,7 @@ def test_refused_rollbacks_are_audit_rows_and_force_is_recorded_only_when_it_ove
         "reject", None, None, False)
     assert row["reason"].startswith("rollback refused:") and row["gates"]["command"] == "rollback"
 
-    row = run("promote", "1", "--force", status=0, says="version 1: promoted to champion: all gates passed")
+    row = run("promote", "1", "--force", status=0, says="version 1: promoted to champion: no gate failed: ")
     assert (row["action"], row["config_version"], row["forced"]) == ("promote", "1", False)
 
     row = run("rollback", status=2, says="nothing to roll back to")
@@ -448,6 +456,100 @@ def test_build_config_keeps_the_champions_setting_for_insufficient_domains(db_ur
         build_config("run-2", Store.open(db_url))
     with pytest.raises(RegistryError, match="does not exist"):
         build_config("no-such-run", Store.open(db_url))
+
+
+def test_a_version_that_turns_nothing_on_reads_not_run_never_passed(db_url, tracking, target_id,
+                                                                    capsys):
+    """Issue 83 items 1-2: a run whose every domain is off: no "passed" and no "pass" over a check
+    that did not run, in the tags, the MLflow run's description, the page, the gates, the audit
+    row and the CLI; the page says the version turns nothing on and what automatic promotion does."""
+    from tasks.cli.config import print_gates
+    from tasks.steps.pipeline import step_promote
+
+    finished_run(db_url, "run-1", {"json": {"enabled": False, "samples": 30},
+                                   "chat": {"enabled": False, "samples": 30}}, target_id=target_id)
+    registered = register("run-1", db_url, tracking)
+    name = config_model_name(target_id)
+    mlflow_client = client(tracking)
+    version = mlflow_client.get_model_version(name, registered["version"])
+    assert version.tags["validation"] == "not run: no domain is on" == registered["validation"]
+    run = mlflow_client.get_run(registered["mlflow_run_id"])
+    assert run.data.tags["specdec.validation"] == "not run: no domain is on"
+    note = run.data.tags["mlflow.note.content"]
+    assert "validation **not run: no domain is on**" in note and "validated" not in note
+    page = page_text(version.description)
+    assert "validation not run: no domain is on" in page and "validation passed" not in page
+    assert "This version turns no domain on" in page and "automatic promotion" in page
+    assert "no calibration.png: no domain was measured live on this engine" in page    # item 9
+    assert "| json | off |" in page and "not_needed" not in page and "not run (off)" in page
+    # item 6: the one reason the load check did not run; "-" in the vLLM columns is explained
+    assert "Not run: no domain is on." in page and "or no domain on with a vLLM config" not in page
+    assert '"-" is a check not run: the domain is off (here every domain is off)' in page
+    gates = {g["name"]: g for g in registered["gates"]}
+    for name_ in ("validation", "live_check", "no_regression", "min_samples", "same_target",
+                  "engine_check"):
+        assert gates[name_]["result"] == "not run" and gates[name_]["figure"].startswith("not run: "), gates[name_]
+    assert "had 30 samples or more; required 20" in gates["min_samples"]["figure"]
+    assert not re.search(r"\| (validation|live_check|min_samples|engine_check) \| pass", page)
+    # the DAG's automatic promotion skips it, saying why
+    skipped = step_promote({"run_id": "run-1", "target": target_id, "tracking_uri": tracking,
+                            "db_url": db_url}, registered)
+    assert not skipped["promoted"] and "turns no domain on" in skipped["reason"]
+    # promoted by hand: the audit row and the CLI say "not run", never "all gates passed"
+    result = promote_(name, registered["version"], db_url, tracking)
+    assert result["promoted"] and "all gates passed" not in result["reason"], result["reason"]
+    assert result["reason"].startswith(f"version {registered['version']} turns no domain on")
+    assert "6 not run" in result["reason"]
+    assert promotions(db_url)[-1]["reason"] == result["reason"]
+    capsys.readouterr()
+    print_gates(result)
+    printed = capsys.readouterr().out
+    assert "not run" in printed and not re.search(r"\bpass\b", printed), printed
+    # `specdec evaluate`'s printout of the run: the same rule
+    from tasks.cli.evaluation import print_run
+    from tasks.registry.run_view import build_run_view
+
+    print_run(build_run_view("run-1", Store.open(db_url), DEFAULTS))
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "validation not run: no domain is on" in printed and "engine check: not run: no domain is on" in printed
+    assert "passed" not in printed and "not_needed" not in printed, printed
+
+
+def test_a_prediction_on_a_noisy_profile_says_so_beside_it(db_url):
+    """Issue 83 item 8: the interval is over requests only; the profile's state stands beside
+    each prediction, and the legend says what the interval leaves out."""
+    from dataclasses import replace
+
+    from tasks.registry.run_view import build_run_view, domains_markdown, table_rows
+
+    finished_run(db_url, "run-1", {"json": {}})
+    view = build_run_view("run-1", Store.open(db_url), DEFAULTS)
+    assert table_rows(view)[0][7] == "1.60x [1.30, 1.90]"
+    noisy = replace(view, profile={"status": "noisy", "reasons": ["spread 40%"]})
+    assert table_rows(noisy)[0][7] == "1.60x [1.30, 1.90] (cost profile NOISY)"
+    assert "over the sampled requests only, not the cost profile's timing noise" in domains_markdown(noisy)
+
+
+def test_the_versions_list_preview_and_the_run_name_read_plainly(db_url, tracking, target_id):
+    """Issue 83 item 11: MLflow's versions list previews a description's first characters raw, so
+    the page's first line carries no Markdown marks and warns off the "Promote model" button; the
+    run's name is readable, not an Airflow run id cut to "manual__2026-12-05T2..."."""
+    from tasks.registry.registration import readable_run_name
+
+    run_id = "manual__2026-12-05T21:03:12.345678+00:00"
+    finished_run(db_url, run_id, {"json": {}}, target_id=target_id)
+    registered = register(run_id, db_url, tracking)
+    mlflow_client = client(tracking)
+    description = mlflow_client.get_model_version(registered["name"], registered["version"]).description
+    first = description.splitlines()[0]
+    assert first.startswith(f"Promote only with specdec config promote {registered['version']} ")
+    assert "*" not in first and "`" not in first and "do not use either" in first
+    run = mlflow_client.get_run(registered["mlflow_run_id"])
+    assert run.info.run_name == "evaluate 2026-12-05 21:03 manual" == readable_run_name(run_id)
+    assert run.data.tags["specdec.run_id"] == run_id and readable_run_name("run-1") == "run-1"
+    assert promote_(registered["name"], registered["version"], db_url, tracking)["promoted"]
+    first = mlflow_client.get_model_version(registered["name"], registered["version"]).description.splitlines()[0]
+    assert first.startswith(f"This version ({registered['version']}) is the champion.") and "*" not in first
 
 
 def test_min_samples_gate_counts_measured_enabled_domains():
@@ -845,12 +947,12 @@ def test_cli_config_register_show_export_promote(db_url, tracking, target_id, ca
     assert main(["config", "promote", "1", *common, "--url", db_url,
                  "--expected-champion", "none"]) == 0
     out = capsys.readouterr().out
-    assert "version 1: promoted to champion: all gates passed" in out
+    assert "version 1: promoted to champion: no gate failed: " in out
 
     assert main(["config", "show", "champion", *common]) == 0
     out = capsys.readouterr().out
     assert f"{config_model_name(target_id)} version 1 aliases" in out
-    assert "| json | on | prompt_lookup(max_ngram=3) | 3 | 4 |" in out and "| chat | off |" in out
+    assert "| json | on | prompt_lookup(max_ngram=3) | 3 | 2.20 |" in out and "| chat | off |" in out
     assert "run_id=run-1" in out
 
     assert main(["config", "show", "champion", *common, "--json"]) == 0
@@ -932,8 +1034,9 @@ def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_
     page = page_text(client(tracking).get_model_version(name, "1").description)
     assert "Current champion: version 1 (promoted with specdec config promote" in page
     # the heading counts the gates by result (issue: "promoted (all gates passed (live_check: ...)))")
-    assert re.search(r"Gates \(specdec config promote against champion none, .+ UTC: promoted: 4 passed, "
-                     r"1 unsure \(live_check\), 1 not checked \(engine_check\)\)", page), page
+    assert re.search(r"Gates \(specdec config promote against champion none, .+ UTC: promoted: 2 passed, "
+                     r"1 unsure \(live_check\), 1 not checked \(engine_check\), 2 not run "
+                     r"\(no_regression, same_target\)\)", page), page
     assert "preview at registration" not in page
 
     finished_run(db_url, "run-2", {"json": {"validation": "failed"}}, target_id=target_id)
@@ -1008,22 +1111,27 @@ def test_version_page_shows_a_slow_live_check_the_alert_and_the_proposal_rate(db
     # MLflow 3's "Promote model" opens "Copy to model": the page says so, and names the pencil
     assert "alias pencil moves champion past both" in lines[0]
     assert "\"Promote model\" button does not move champion" in lines[0]
-    header = next(line for line in lines if line.startswith("| domain |"))
-    assert header == ("| domain | on | drafter | K | max batch | E [tokens/round] | proposal rate | "
-                      "predicted (95% CI) | live check (same requests) | samples | validation | "
-                      "vLLM sampling | on vLLM | under load (vLLM) | source |")
-    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ")}
-    assert rows["json"] == ("| json | on | prompt_lookup(max_ngram=3) | 3 | 4 | 2.20 | 100% | "
-                            "1.60x [1.30, 1.90] | 1.52x vs 1.46x | 25 | passed | - | NOT CHECKED | - | run |")
+    # issue 83 item 10: the decision in 9 named columns, the rest in a table below (1280 px)
+    header, more = [line for line in lines if line.startswith("| domain |")][:2]
+    assert header == ("| domain | on | drafter | K | E [tokens/round] | predicted (95% CI) | "
+                      "live check (same requests) | validation | on vLLM |")
+    assert more == "| domain | max batch | proposal rate | samples | vLLM sampling | under load (vLLM) | source |"
+    rows, details = {}, {}
+    for line in (line for line in lines if line.startswith("| ") and not line.startswith("| domain |")):
+        (rows if line.split(" | ")[0][2:] not in rows else details)[line.split(" | ")[0][2:]] = line
+    assert rows["json"] == ("| json | on | prompt_lookup(max_ngram=3) | 3 | 2.20 | "
+                            "1.60x [1.30, 1.90] | 1.52x vs 1.46x | passed | NOT CHECKED |")
+    assert details["json"] == "| json | 4 | 100% | 25 | - | - | run |"
     # one rule (live_check.judge_live) for the cell, the reasons and the gate: summarize's
     # interval lies below the bar (a WARNING); chat's only reaches below it (unsure, no WARNING)
     assert ("| 0.97x vs 1.46x WARNING: slower than plain decoding; the interval's upper end 1.03x is "
             "below min_speedup 1.10x; 34% slower than predicted for the same requests, beyond the 25% "
             "tolerance |") in rows["summarize"]
-    assert "| 1.12 | 10% |" in rows["chat"]
+    assert "| 1.12 |" in rows["chat"] and "| 10% |" in details["chat"]
     assert ("| 1.04x vs 1.30x unsure: its interval [0.93, 1.18] reaches below min_speedup 1.10x |"
             in rows["chat"]) and "WARNING" not in rows["chat"]
-    assert "| passed, shared from json | - | NOT CHECKED | - | run |" in rows["chat"]
+    assert rows["chat"].endswith("| passed, shared from json | NOT CHECKED |")
+    assert details["chat"].endswith("| - | - | run |")
     # each domain's reason says it once, and quotes the live check beside the prediction
     assert ("- summarize (on): prompt_lookup K=3 predicts 1.46x [1.20, 1.70] at batch 1; pays up to "
             "batch 4 on cpu-test. Live check: 0.97x measured [0.91, 1.03] vs 1.46x predicted on the "
@@ -1079,9 +1187,13 @@ def test_version_page_shows_the_sampling_test_on_vllm_beside_the_own_engines(db_
         "- chat: sampling test on vLLM: FAILED (300 rows, 6 tests, p>=1e-09, plain server passed); "
         "own engine: passed (p>=0.5). vLLM sampling test FAILED with the config at T0.7 position 2")
     assert not any(line.startswith("- qa: sampling test") for line in lines)
-    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ")}
-    assert "| failed | FAILED (300 rows, 6 tests, p>=1e-09, plain server passed) |" in rows["chat"]
-    assert "| passed | passed (300 rows, 6 tests, p>=0.021) |" in rows["json"]
+    # the validation column in the first table, the vLLM sampling test in the one below
+    rows, details = {}, {}
+    for line in (line for line in lines if line.startswith("| ") and not line.startswith("| domain |")):
+        (rows if line.split(" | ")[0][2:] not in rows else details)[line.split(" | ")[0][2:]] = line
+    assert "| failed | NOT CHECKED |" in rows["chat"] and "| passed | NOT CHECKED |" in rows["json"]
+    assert "| 25 | FAILED (300 rows, 6 tests, p>=1e-09, plain server passed) |" in details["chat"]
+    assert "| 25 | passed (300 rows, 6 tests, p>=0.021) |" in details["json"]
 
 
 def test_live_check_gate_is_unsure_not_silent_on_noise_and_reports_when_not_enforced(db_url):
@@ -1279,11 +1391,29 @@ def test_speedup_plot_has_threshold_chosen_k_interval_and_a_legend_off_the_data(
     assert list(chosen[0].get_ydata()) == [pytest.approx(1.3 + 0.15 * 4)]
     assert not [line for line in panels["chat: off"].get_lines() if line.get_label() == "chosen K"]
     assert "min_speedup 1.1" in [t.get_text() for t in fig.legends[0].get_texts()]
+    # issue 83 item 9: a domain that is off has its best candidate hollow, never "chosen K"
+    configs["qa"] = {"drafter": "suffix", "k": 2, "enabled": False}
+    off = {ax.get_title(): ax for ax in speedup_figure(estimate_rows(), configs, 1.1, RUN_ID).axes}["qa: off"]
+    assert [line.get_label() for line in off.get_lines() if "K" in line.get_label()] == ["best K (off)"]
     # one neutral swatch for the bands (each in its drafter's colour), not the first drafter's
     entries = dict(zip([t.get_text() for t in fig.legends[0].get_texts()], fig.legends[0].legend_handles))
     swatch = entries["95% interval (in the drafter's colour)"]
     assert swatch.get_facecolor()[:3] == pytest.approx((0.5, 0.5, 0.5), abs=0.01)
     assert_footnote_apart(fig)
+
+
+def test_acceptance_plot_at_k_1_has_a_readable_axis_and_markers_apart():
+    """Issue 83 item 9: K = 1 everywhere: the x axis spans a position (not 0.96-1.04) and equal
+    rates of several domains do not sit on one another."""
+    from tasks.registry.plots import acceptance_figure
+
+    rows = [r for r in estimate_rows() if r["k"] == 1 and r["drafter"] == "suffix"]
+    fig = acceptance_figure(rows, {d: "suffix" for d in ("chat", "code", "json", "qa")}, RUN_ID,
+                            {d: 1 for d in ("chat", "code", "json", "qa")})
+    ax = fig.axes[0]
+    assert ax.get_xlim() == (0.5, 1.5) and list(ax.get_xticks()) == [1]
+    xs = [float(line.get_xdata()[0]) for line in ax.get_lines()]
+    assert len(set(xs)) == 4 and max(xs) - min(xs) < 0.5
 
 
 def test_acceptance_and_calibration_plots_keep_labels_apart_and_titles_short():
@@ -1300,8 +1430,9 @@ def test_acceptance_and_calibration_plots_keep_labels_apart_and_titles_short():
     assert "chat (suffix, drafts in 7% of rounds, E 1.40)" in labels
     bars = {t.get_text(): patch.get_width()
             for t, patch in zip(fig.axes[1].get_yticklabels(), fig.axes[1].patches)}
-    assert bars == {"chat": pytest.approx(0.07), "code": pytest.approx(0.8),
-                    "json": pytest.approx(0.8), "qa": pytest.approx(0.8)}
+    assert bars == {"chat": pytest.approx(7), "code": pytest.approx(80),
+                    "json": pytest.approx(80), "qa": pytest.approx(80)}
+    assert fig.axes[1].get_xlim() == (0, 100) and "%" in fig.axes[1].get_xlabel()    # issue 83 item 9
     assert fig.axes[1].get_title() == "Rounds that drafted"
     assert all(len(t) <= 60 and RUN_ID not in t for t in figure_texts(fig))
     # chat and qa at nearly the same point: one legend entry each, no labels drawn on the data

@@ -39,12 +39,16 @@ def evaluation_rich_table(view, seconds: float | None = None, hardware: str | No
 
 def print_run(view, seconds: float | None = None, hardware: str | None = None) -> None:
     """The table, then why each domain is on or off and the engine check's state, as on the page."""
+    from ..registry.run_config import validation_text
     from ..registry.run_view import below_bar_markdown, alert_markdown, engine_state, reason_line
 
     console.print(evaluation_rich_table(view, seconds, hardware))
     notes = below_bar_markdown(view) + alert_markdown(view)
     if notes:
         console.print(escape(notes.replace("**", "").rstrip()), soft_wrap=True)
+    if not view.config.domains_on:      # the one rule: a check that did not run says so
+        console.print(f"no domain is on: this config is plain decoding everywhere; validation "
+                      f"{escape(validation_text(view.config))}", soft_wrap=True)
     console.print(escape(f"engine check: {engine_state(view)}"), soft_wrap=True)
     for d in view.domains:
         console.print(escape(reason_line(d).replace("**", "")), soft_wrap=True)

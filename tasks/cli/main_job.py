@@ -37,9 +37,9 @@ def airflow_environment(home: Path, dags_folder: Path) -> dict:
     return {"AIRFLOW_HOME": str(airflow_home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
-            # schedules on from the start: specdec_reports follows each evaluation (its asset),
-            # and the trigger form has no "unpause on trigger" box to switch a schedule on by
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            # a demo machine: no schedule fires until asked. Every DAG is created paused; the
+            # trigger form's "Unpause on trigger" box (ticked by default) switches one on
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
             "AIRFLOW__LOGGING__LOGGING_LEVEL": os.environ.get("AIRFLOW__LOGGING__LOGGING_LEVEL", "WARNING")}
 
 
@@ -134,32 +134,46 @@ def mlflow_command(tracking: str, port: int = 5000) -> str:
             f"--host 127.0.0.1 --port {port}")
 
 
-def mlflow_urls(base: str, experiment_id: str | None, model: str | None, version: str | None) -> dict:
-    """Direct links: the experiment's runs table and a config version's page."""
+def mlflow_urls(base: str, experiment_id: str | None, model: str | None, version: str | None,
+                run_id: str | None = None) -> dict:
+    """Direct links: the experiment's runs table, the evaluation's run and a config version's page."""
     urls = {}
     # workflowType: MLflow 3 opens its GenAI view without it, where runs and models are hidden
     if experiment_id is not None:
         urls["runs"] = f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+        if run_id is not None:
+            urls["run"] = (f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+                           "?workflowType=machine_learning")
     if model and version:
         urls["version"] = f"{base}/#/models/{model}/versions/{version}?workflowType=machine_learning"
     return urls
 
 
+SCHEDULES_TEXT = (
+    "schedules wait until you ask: every DAG is created paused, so opening the UI starts no run "
+    "(specdec_evaluate: daily at 00:00 UTC, on each new draft and on production drift; "
+    "specdec_reports: after each evaluation; specdec_retrain_draft: Sundays 03:00 UTC and on the "
+    "low-acceptance alert; specdec_monitor: every 5 minutes). Triggering a DAG from its page "
+    "unpauses it (the form's \"Unpause on trigger\" box, ticked by default), as do its toggle and "
+    "`airflow dags unpause DAG_ID` (the environment above); catchup is off: an unpaused DAG runs "
+    "at its next scheduled time, never the times it missed")
+
+
 def ui_text(env: dict, tracking: str, experiment_id: str | None, model: str | None,
-            version: str | None) -> str:
-    """What the main job prints last: commands to paste as they are, then where to go."""
-    urls = mlflow_urls("http://127.0.0.1:5000", experiment_id, model, version)
+            version: str | None, run_id: str | None = None) -> str:
+    """What the main job prints last: commands to paste as they are, then where to go (run_id:
+    the evaluation's MLflow run, opened in the model-training view, not the GenAI one)."""
+    urls = mlflow_urls("http://127.0.0.1:5000", experiment_id, model, version, run_id)
     lines = ["Open the UIs on these stores (paste each command as it is, in any shell):",
              f"  Airflow: {airflow_command(env)}",
              "           then http://127.0.0.1:8080 (user admin; its password is printed at start "
              f"and kept in {env['AIRFLOW_HOME']}/simple_auth_manager_passwords.json.generated)",
              f"  MLflow:  {mlflow_command(tracking)}"]
-    lines.append("           schedules are on: specdec_evaluate daily at 00:00 UTC and on each new "
-                 "draft, specdec_reports after each evaluation, specdec_retrain_draft Sundays 03:00 UTC "
-                 "and on the low-acceptance alert; switch one off with `airflow dags pause DAG_ID` (the "
-                 "environment above) or its toggle in the UI")
+    lines.append(f"           {SCHEDULES_TEXT}")
     if "runs" in urls:
         lines.append(f"           runs: {urls['runs']}")
+    if "run" in urls:
+        lines.append(f"           this evaluation's run: {urls['run']}")
     if "version" in urls:
         lines.append(f"           config {model} version {version}: {urls['version']}")
     return "\n".join(lines)
@@ -236,7 +250,8 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     versions = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{dag_run.run_id}'")
     # soft_wrap: a command wrapped at the terminal's width would not paste
     console.print("\n" + escape(ui_text(env, tracking, experiment.experiment_id if experiment else None,
-                                         name, str(versions[0].version) if versions else None)),
+                                         name, str(versions[0].version) if versions else None,
+                                         versions[0].run_id if versions else None)),
                   soft_wrap=True, highlight=False)
     console.print(f"  total {time.perf_counter() - started:.0f} s")
     return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": table,

@@ -90,6 +90,11 @@ def cmd_show(args) -> int:
                    "drafts", "scraped E", "per-position", "requests", "per-request E"):
         table.add_column(column)
     for d in result["deployments"]:
+        if not d["domains"]:       # what was scraped, though no domain is known (d["note"] says why)
+            s = d["scraped"]
+            table.add_row(escape(d["deployment"]), str(d["config_version"] or "-"), "(unknown)", "-", "-",
+                          str(s["drafts"]), _e(s["e"]), " ".join(f"{x:.2f}" for x in s["position_rates"]),
+                          "-", "-")
         for row in d["domains"]:
             s, r = row["scraped"], row["per_request"]
             table.add_row(escape(d["deployment"]), str(d["config_version"] or "-"), row["domain"],
@@ -98,6 +103,9 @@ def cmd_show(args) -> int:
                           " ".join(f"{x:.2f}" for x in s["position_rates"]), str(r["requests"]),
                           _e(r["e"]))
     console.print(table)
+    for d in result["deployments"]:
+        if d.get("note"):
+            console.print(escape(f"{d['deployment']}: {d['note']}"))
     for event in result["events"]:
         console.print(f"{event['window_end']:%H:%M:%S} {event['kind']}: {escape(event['reason'] or '')}")
     return 0

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 from ..errors import DatabaseUnavailable, RegistryUnavailable, SampleError, SpecdecTaskError
 from ..masking import mask_text
-from ..settings import DEFAULT_MODEL, load_settings, setting_default
+from ..settings import DEFAULT_MODEL, QualitySettings, load_settings, setting_default
 from ..steps.run_order import RUN_ORDER, domains_failed_text  # noqa: F401 - domains_failed_text: for the DAG
 
 log = logging.getLogger(__name__)
@@ -169,17 +169,20 @@ def check_per_domain_range(params) -> None:
 # They are not in the Params' JSON schema: Airflow's form clamps a number to the schema's
 # minimum/maximum when the field loses focus (40 became 32 silently), so the first task (sample)
 # refuses a value outside its range instead, naming the field (check_param_ranges).
+# Largest K: at most the result tables' gate (the setting quality.k_max, 16), which a run
+# planned beyond it would fail at finish, ten minutes in
+K_LIMIT = QualitySettings().k_max
 PARAM_RANGES = {"window_days": ("Time window (days)", 0.01, 365),
                 "max_per_domain": ("Samples per domain", 1, 100000),
                 "min_per_domain": ("Minimum samples per domain", 1, 100000),
-                "k_max": ("Largest K", 1, 32),
+                "k_max": ("Largest K", 1, K_LIMIT),
                 "min_speedup": ("Minimum speedup", 0.01, 10.0),
                 "acceptance_alert": ("Low-acceptance alert", 1.0, 33.0)}
 
 
 def check_param_ranges(params) -> None:
     """SampleError (the task fails at once, no retry) naming every numeric Param outside its
-    range (PARAM_RANGES), e.g. "Largest K (k_max=40) is outside 1 to 32"."""
+    range (PARAM_RANGES), e.g. "Largest K (k_max=40) is outside 1 to 16"."""
     problems = []
     for name, (title, low, high) in PARAM_RANGES.items():
         value = params.get(name)

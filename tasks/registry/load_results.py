@@ -26,12 +26,13 @@ def load_check_text(summary: dict | None) -> str:
     return f"{levels}; {tail}" if levels else tail
 
 
-def load_markdown(loads: dict[str, dict]) -> str:
+def load_markdown(loads: dict[str, dict], not_run: str | None = None) -> str:
     """The version page's section: per domain and level, plain and config tokens/s, the measured
     speedup with its interval, the predicted one, ITL p50/p95, E from vLLM's /metrics; then the
-    exported schedule before and after the cut."""
+    exported schedule before and after the cut. not_run: why it did not run (the one reason,
+    tasks.registry.run_view.load_not_run)."""
     if not loads:
-        return "Not run (no serving environment, the load check off, or no domain on with a vLLM config)."
+        return f"Not run: {not_run or 'no load check was recorded for this run'}."
     lines = ["| domain | concurrent requests | K | tokens/s plain | tokens/s config | speedup [95% CI] "
              "| predicted | ITL p50/p95 ms plain | ITL p50/p95 ms config | E (/metrics) | failed | pays |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -7,7 +7,7 @@ is a footnote), legends outside the data, fonts of 10 pt and up.
   count only rounds that reached a position; E counts every round);
 - predicted_speedup_vs_k.png: one panel per domain, predicted speedup (batch 1) against K for each
   drafter, its 95% interval as a band where the estimate has one, the `min_speedup` threshold, the
-  plain-decoding line and the chosen (drafter, K) marked;
+  plain-decoding line and the chosen (drafter, K) marked (hollow: the best of a domain that is off);
 - calibration.png: the cost model's calibration, predicted against measured speedup on the same
   requests, one marker per domain with the measurement's 95% interval as an error bar.
 
@@ -73,8 +73,9 @@ def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: s
     plt = _pyplot()
     fig, (ax, bars) = plt.subplots(1, 2, figsize=(11, 5.5), layout="constrained",
                                    gridspec_kw={"width_ratios": [3, 1.2]})
-    names, rates_drafted = [], []
-    for n, domain in enumerate(sorted({r["domain"] for r in rows})):
+    names, rates_drafted, widest = [], [], 1
+    domains = sorted({r["domain"] for r in rows})
+    for n, domain in enumerate(domains):
         best = [r for r in rows if r["domain"] == domain and r["drafter"] == chosen.get(domain)]
         if not best:
             continue
@@ -85,24 +86,29 @@ def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: s
         extra = "" if drafted is None else f", drafts in {100 * drafted:.0f}% of rounds"
         length = row.get("mean_accepted_length")
         extra += "" if length is None else f", E {length:.2f}"
-        line, = ax.plot(range(1, len(rates) + 1), rates, marker=MARKERS[n % len(MARKERS)],
-                        label=f"{domain} ({row['drafter']}{extra})")
+        # domains side by side around each position: equal rates (K = 1 everywhere) stay apart
+        offset = 0.08 * (n - (len(domains) - 1) / 2)
+        widest = max(widest, len(rates))
+        line, = ax.plot([i + 1 + offset for i in range(len(rates))], rates,
+                        marker=MARKERS[n % len(MARKERS)], label=f"{domain} ({row['drafter']}{extra})")
         if drafted is not None:
             names.append(domain)
-            rates_drafted.append(drafted)
-            bars.barh(domain, drafted, color=line.get_color())
+            rates_drafted.append(100 * drafted)
+            bars.barh(domain, 100 * drafted, color=line.get_color())
+    ax.set_xlim(0.5, widest + 0.5)          # one position is a point at 1, not an axis of 0.96-1.04
+    ax.set_xticks(range(1, widest + 1))
     ax.set_ylim(0, 1)
     ax.set_xlabel("draft position i", fontsize=TEXT_FONT)
     ax.set_ylabel("conditional acceptance a_i", fontsize=TEXT_FONT)
     ax.tick_params(labelsize=TEXT_FONT)
     ax.set_title("Per-position acceptance of the planned drafter", fontsize=TITLE_FONT)
-    bars.set_xlim(0, 1)
+    bars.set_xlim(0, 100)
     bars.invert_yaxis()
-    bars.set_xlabel("share of rounds with a draft", fontsize=TEXT_FONT)
+    bars.set_xlabel("% of rounds with a draft", fontsize=TEXT_FONT)
     bars.tick_params(labelsize=TEXT_FONT)
     bars.set_title("Rounds that drafted", fontsize=TITLE_FONT)
     for y, value in enumerate(rates_drafted):
-        bars.text(min(value, 0.78) + 0.02, y, f"{100 * value:.0f}%", va="center", fontsize=TEXT_FONT)
+        bars.text(min(value, 78) + 2, y, f"{value:.0f}%", va="center", fontsize=TEXT_FONT)
     if not names:
         bars.set_visible(False)
     if ax.get_legend_handles_labels()[0]:
@@ -144,9 +150,12 @@ def speedup_figure(rows: list[dict], configs: dict[str, dict], min_speedup: floa
                                 color=colours[drafter], alpha=0.18, linewidth=0)
             if plan.get("drafter") == drafter and plan.get("k"):
                 at = [p[1] for p in points if p[0] == plan["k"]]
-                if at:
+                if at and plan.get("enabled"):
                     ax.plot([plan["k"]], at, marker="*", markersize=16, linestyle="none",
                             color="black", label="chosen K")
+                elif at:        # off: the best candidate, not a choice
+                    ax.plot([plan["k"]], at, marker="*", markersize=16, linestyle="none",
+                            color="black", markerfacecolor="white", label="best K (off)")
         ax.axhline(1.0, color="grey", lw=0.9, label="plain decoding (1.0)")
         ax.axhline(min_speedup, color="tab:red", lw=1.2, ls="--", label=f"min_speedup {min_speedup:g}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -19,10 +19,10 @@ from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .config_schema import SpecdecConfig
 from .live_check import judge_live, live_text
-from .run_config import effective_speedup
+from .run_config import NOT_RUN, effective_speedup, nothing_on_reason, turns_nothing_on
 from .run_view import RunView, build_run_view, engine_gate
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
-from .version_page import gate_counts, refresh_champion_lines, write_gates
+from .version_page import gate_counts, gate_result, refresh_champion_lines, write_gates
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
             if live.get("weak"):
                 lines.append(f"{name} {live['measured']:.2f}x (weak evidence: {live['requests']} requests)")
     total = len(failed) + len(unsure) + len(passed)
+    if total == 0:
+        return {"name": "live_check", "passed": True, "result": NOT_RUN,
+                "figure": f"{NOT_RUN}: {nothing_on_reason(config)}"}
     figure = (f"{len(passed)}/{total} enabled domains measured at or above their bar"
               + (f"; FAILED: {', '.join(failed)}" if failed else "")
               + (f"; unsure: {', '.join(unsure)}" if unsure else "")
@@ -84,42 +87,70 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
     return {"name": "live_check", "passed": not failed, "result": result, "figure": figure}
 
 
+def _validation_gate(config: SpecdecConfig, measured: dict, fingerprint_passed: bool | None) -> dict:
+    """The validation gate: every measured domain on passed its tests and the target fingerprint
+    check did not fail; "not run" (never "pass") when no measured domain is on."""
+    failed = sorted(n for n, s in measured.items() if s.validation != "passed")
+    fingerprint = {False: "; target fingerprint check FAILED", True: "; target fingerprint check passed",
+                   None: ""}[fingerprint_passed]
+    if not measured:
+        return {"name": "validation", "passed": fingerprint_passed is not False,
+                "result": "fail" if fingerprint_passed is False else NOT_RUN,
+                "figure": f"{NOT_RUN}: {nothing_on_reason(config)} (the sampling and greedy tests run "
+                          f"only for a domain on){fingerprint}"}
+    return {"name": "validation", "passed": not failed and fingerprint_passed is not False,
+            "figure": f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
+                      + (f"; not passed: {', '.join(failed)}" if failed else "")
+                      + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")}
+
+
+def _champion_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings) -> list[dict]:
+    """no_regression and same_target: against the champion; "not run" when there is none."""
+    if champion is None:
+        return [{"name": name, "passed": True, "result": NOT_RUN, "figure": f"{NOT_RUN}: no champion to compare"}
+                for name in ("no_regression", "same_target")]
+    tolerance = settings.registry.regression_tolerance
+    ratios = {n: effective_speedup(config.domains.get(n)) / effective_speedup(champion.domains.get(n))
+              for n in champion.domains}
+    worst = min(ratios.items(), key=lambda item: item[1], default=(None, 1.0))
+    same = champion.target.fingerprint == config.target.fingerprint
+    return [{"name": "no_regression", "passed": worst[1] >= 1 - tolerance,
+             "figure": f"worst domain {worst[0]}: {worst[1]:.2f}x the champion's speedup "
+                       f"(minimum {1 - tolerance:.2f})"},
+            {"name": "same_target", "passed": same,
+             "figure": f"{config.target.fingerprint} vs champion {champion.target.fingerprint}"}]
+
+
+def _samples_gate(config: SpecdecConfig, measured: dict, settings: Settings) -> dict:
+    """min_samples over the measured domains on; "not run" when none is on (the figure gives the
+    run's own domains' fewest samples, so a reader sees they were not short)."""
+    required = settings.sample.min_per_domain
+    if not measured:
+        counts = [s.samples for s in config.domains.values() if s.source == "run"]
+        return {"name": "min_samples", "passed": True, "result": NOT_RUN,
+                "figure": f"{NOT_RUN}: {nothing_on_reason(config)}"
+                          + (f" (the run's domains had {min(counts)} samples or more; required {required})"
+                             if counts else "")}
+    short = sorted(n for n, s in measured.items() if s.samples < required)
+    return {"name": "min_samples", "passed": not short,
+            "figure": f"min samples {min(s.samples for s in measured.values())} (required {required})"
+                      + (f"; short: {', '.join(short)}" if short else "")}
+
+
 def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
                 fingerprint_passed: bool | None = None, evidence: dict | None = None,
                 profile_noisy: bool = False) -> list[dict]:
-    """Each gate: {name, passed, figure} (and `result` where a gate can be unsure or not
-    enforced: see version_page.gate_result). fingerprint_passed: the run's target-fingerprint
-    check (None: not recorded). evidence: the run's run_results.domain_evidence; with it, the
-    live_check gate (live_gate) follows validation."""
-    gates = []
+    """Each gate: {name, passed, figure} (and `result` where a gate can be unsure, not enforced
+    or not run: see version_page.gate_result). A gate with nothing to check (no domain on, no
+    champion) is "not run" with its reason, never "pass". fingerprint_passed: the run's
+    target-fingerprint check (None: not recorded). evidence: the run's
+    run_results.domain_evidence; with it, the live_check gate (live_gate) follows validation."""
     measured = {n: s for n, s in config.domains.items() if s.enabled and s.source == "run"}
-    failed = sorted(n for n, s in measured.items() if s.validation != "passed")
-    gates.append({"name": "validation", "passed": not failed and fingerprint_passed is not False,
-                  "figure": f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
-                            + (f"; not passed: {', '.join(failed)}" if failed else "")
-                            + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")})
+    gates = [_validation_gate(config, measured, fingerprint_passed)]
     if evidence is not None:
         gates.append(live_gate(config, evidence, settings, profile_noisy))
-    tolerance = settings.registry.regression_tolerance
-    if champion is None:
-        gates.append({"name": "no_regression", "passed": True, "figure": "no champion to compare"})
-    else:
-        ratios = {n: effective_speedup(config.domains.get(n)) / effective_speedup(champion.domains.get(n))
-                  for n in champion.domains}
-        worst = min(ratios.items(), key=lambda item: item[1], default=(None, 1.0))
-        gates.append({"name": "no_regression", "passed": worst[1] >= 1 - tolerance,
-                      "figure": f"worst domain {worst[0]}: {worst[1]:.2f}x the champion's speedup "
-                                f"(minimum {1 - tolerance:.2f})"})
-    short = sorted(n for n, s in measured.items() if s.samples < settings.sample.min_per_domain)
-    gates.append({"name": "min_samples", "passed": not short,
-                  "figure": f"min samples {min((s.samples for s in measured.values()), default=0)} "
-                            f"(required {settings.sample.min_per_domain})"
-                            + (f"; short: {', '.join(short)}" if short else "")})
-    same = champion is None or champion.target.fingerprint == config.target.fingerprint
-    gates.append({"name": "same_target", "passed": same,
-                  "figure": "no champion" if champion is None else
-                  f"{config.target.fingerprint} vs champion {champion.target.fingerprint}"})
-    return gates
+    no_regression, same_target = _champion_gates(config, champion, settings)
+    return gates + [no_regression, _samples_gate(config, measured, settings), same_target]
 
 
 def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
@@ -132,6 +163,20 @@ def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: S
                         evidence={d.name: {"live": d.live} for d in view.domains},
                         profile_noisy=view.profile is not None and view.profile["status"] == "noisy")
     return gates + [engine_gate(view)]
+
+
+def promotion_reason(config: SpecdecConfig, version: str, gates: list[dict], forced: bool) -> str:
+    """The audit row's reason of a promotion: "all gates passed" only when every gate ran and
+    passed; else the gates counted by result ("no gate failed: 1 passed, 5 not run (...)"), and
+    a version that turns no domain on says so first."""
+    if forced:
+        return "FORCED past failed gates: " + "; ".join(g["name"] for g in gates if not g["passed"])
+    ran = all(gate_result(g) == "pass" for g in gates)
+    reason = "all gates passed" if ran else f"no gate failed: {gate_counts(gates)}; see the figures"
+    if turns_nothing_on(config):
+        reason = (f"version {version} turns no domain on (served, every domain decodes plain); "
+                  + reason)
+    return reason
 
 
 def promote(name: str, version: str, store: Store | None = None, uri: str | None = None,
@@ -186,18 +231,14 @@ def promote(name: str, version: str, store: Store | None = None, uri: str | None
             return refuse(f"the champion moved from {before or 'none'} to {now} while the gates "
                           "ran: re-run the gates", connection, champion=now)
         mlflow_client.set_registered_model_alias(name, CHAMPION, version)
-        doubts = [f"{g['name']} {g['result']}" for g in gates
-                  if g.get("result") in ("unsure", "not enforced", "not checked")]
-        reason = ("FORCED past failed gates: " + "; ".join(g["name"] for g in failed)) \
-            if failed and force else "all gates passed" + (
-                f" ({', '.join(doubts)}: see {'its figure' if len(doubts) == 1 else 'their figures'})"
-                if doubts else "")
+        reason = promotion_reason(config, version, gates, bool(failed and force))
         record_promotion(store, connection, action="promote", forced=bool(force and failed),
                          gates=summary, reason=reason, **record)
     page_gates(("promoted FORCED past failed gates: " if failed and force else "promoted: ")
                + gate_counts(gates))
     refresh_champion_lines(mlflow_client, name, version, "promoted with `specdec config promote`"
-                           + (" FORCED past failed gates" if force and failed else ""), also=(before,))
+                           + (" FORCED past failed gates" if force and failed else ""), also=(before,),
+                           replaced=before)
     return {"promoted": True, "forced": bool(force and failed), "version": version, "champion": version,
             "champion_before": before, "gates": gates, "reason": reason}
 
@@ -243,6 +284,8 @@ def rollback(name: str, store: Store | None = None, uri: str | None = None,
                                     else str(expected_champion),
                                     **({"evidence": evidence} if evidence else {})})
         else:
+            restored = promotion_of(connection, name, CHAMPION, previous)    # what it replaced
+            restored_before = (restored["gates"] or {}).get("champion_before") if restored else None
             config = load_version_config(mlflow_client, name, previous)
             mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
             record_promotion(store, connection, run_id=config.run_id, target_id=config.target.id,
@@ -256,5 +299,6 @@ def rollback(name: str, store: Store | None = None, uri: str | None = None,
         log.info("rollback of %s refused: %s", name, refusal)   # the error says it once
         raise RegistryError(refusal)
     refresh_champion_lines(mlflow_client, name, previous,
-                           f"restored by `specdec config rollback` from version {current}", also=(current,))
+                           f"restored by `specdec config rollback` from version {current}", also=(current,),
+                           replaced=restored_before)
     return {"champion": previous, "champion_before": current}

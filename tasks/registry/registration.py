@@ -26,7 +26,7 @@ from ..db.store import Store
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
-from .run_config import config_of, finished_run, validation_status
+from .run_config import config_of, finished_run, turns_nothing_on, validation_text
 from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
 from .plots import write_load_plot, write_plots
 from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
@@ -178,16 +178,26 @@ def run_note(view: RunView, quality_ok: bool | None) -> str:
     on = ", ".join(f"{name} (K={s.k})" for name, s in sorted(config.domains.items()) if s.enabled)
     off = ", ".join(name for name, s in sorted(config.domains.items()) if not s.enabled)
     quality = {None: "not recorded", True: "passed", False: "FAILED"}[quality_ok]
+    checked = ("no domain is on, so no sampling or greedy test ran" if turns_nothing_on(config)
+               else "the domains on confirmed live and validated")
     return (f"specdec evaluation `{view.run_id}` of target `{config.target.id}` on hardware profile "
             f"`{config.hardware_profile}`: the traffic sampled per domain, checked for data "
-            f"quality ({quality}), acceptance estimated offline, K planned, confirmed live and "
-            f"validated (validation **{validation_status(config)}**); engine check: "
-            f"{engine_state(view)}.\n\n"
+            f"quality ({quality}), acceptance estimated offline, K planned; {checked} (validation "
+            f"**{validation_text(config)}**); engine check: {engine_state(view)}.\n\n"
             f"Domains on: {on or 'none'}. Off: {off or 'none'}.\n\n" + alert_markdown(view)
             + "The run spans the evaluation (from the start of its DAG run, or of its sample step, "
             "to its registration). Artifacts: `config/` (the registered config), `plots/`, "
-            "`reports/` (`domains.md`: the per-domain table with every figure of the version "
-            "page; validation, data quality).")
+            "`reports/` (`domains.md`: the run's per-domain table with its reasons and the engine "
+            "and load checks; the gates and what changed against the champion are on the config "
+            "version's page; validation, data quality).")
+
+
+def readable_run_name(run_id: str) -> str:
+    """The MLflow run's name: an Airflow run id ("manual__2026-12-05T21:03:12.345+00:00", cut in
+    MLflow's runs table to "manual__2026-12-05T2...") as "evaluate 2026-12-05 21:03 manual"; any
+    other run id as it is (the tag specdec.run_id keeps the id)."""
+    match = re.fullmatch(r"(\w+?)__(\d{4}-\d{2}-\d{2})T(\d{2}:\d{2}).*", run_id)
+    return f"evaluate {match.group(2)} {match.group(3)} {match.group(1)}" if match else run_id
 
 
 def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = None,
@@ -212,8 +222,8 @@ def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = 
     if existing is None:
         recorded = eval_run["created_at"]
         starts = [_epoch_ms(moment) for moment in (started_at, recorded) if moment is not None]
-        run = mlflow_client.create_run(experiment_id, start_time=min(starts, default=None), run_name=run_id,
-                                       tags={RUN_TAG: run_id})
+        run = mlflow_client.create_run(experiment_id, start_time=min(starts, default=None),
+                                       run_name=readable_run_name(run_id), tags={RUN_TAG: run_id})
         mlflow_run_id = run.info.run_id
     else:
         mlflow_run_id = existing.info.run_id
@@ -250,7 +260,7 @@ def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = 
                     mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", rounded(value))
         view = build_run_view(run_id, store, settings, config=config, read=read["view"])
         _log_reports(mlflow_client, mlflow_run_id, view, validations, quality, dict(read["data_docs"]))
-        mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_status(config))
+        mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_text(config))
         mlflow_client.set_tag(mlflow_run_id, NOTE_TAG, run_note(
             view, all(bool(r["success"]) for r in quality) if quality else None))
     except BaseException as exc:
@@ -292,7 +302,7 @@ def register_config(run_id: str, store: Store | None = None, uri: str | None = N
         def describe(version: str) -> str:
             return version_page_markdown(view, version, gates, audit, champion, champion_version)
         tags = {"run_id": run_id, "domains_on": ",".join(config.domains_on) or "none",
-                "validation": validation_status(config), "hardware_profile": config.hardware_profile,
+                "validation": validation_text(config), "hardware_profile": config.hardware_profile,
                 "target_fingerprint": config.target.fingerprint}
         if existing:
             version = str(existing[0].version)
@@ -320,5 +330,5 @@ def register_config(run_id: str, store: Store | None = None, uri: str | None = N
     end_run(mlflow_client, tracked["mlflow_run_id"])
     return {"name": name, "version": version, "reused": bool(existing),
             "champion_version": champion_version, "validation": tags["validation"],
-            "champion_audit": audit, "gates": gates,
+            "champion_audit": audit, "gates": gates, "domains_on": config.domains_on,
             "mlflow_run_id": tracked["mlflow_run_id"]}

@@ -83,12 +83,39 @@ def _with_validation(reason: str | None, validation: str | None) -> str | None:
     return None if reason is None else reason[:600]
 
 
+# One rule for a check that did not run, wherever it is shown (the version page, its tags, the
+# MLflow run, the gates, the CLI): it reads "not run" with its reason, never "passed" or "pass".
+NOT_RUN = "not run"
+
+
+def nothing_on_reason(config: SpecdecConfig) -> str:
+    """Why a check of the domains this run turns on had nothing to check."""
+    if config.domains_on:
+        return "no domain this run measured is on (the domains on keep the champion's setting)"
+    return "no domain is on"
+
+
 def validation_status(config: SpecdecConfig) -> str:
-    """passed: every measured enabled domain passed; failed: one failed; incomplete otherwise."""
+    """passed: every measured enabled domain passed; failed: one failed; not run: no measured
+    domain is on (the sampling and greedy tests run only for a domain on); incomplete otherwise."""
     verdicts = [s.validation for s in config.domains.values() if s.enabled and s.source == "run"]
+    if not verdicts:
+        return NOT_RUN
     if any(v == "failed" for v in verdicts):
         return "failed"
     return "passed" if all(v == "passed" for v in verdicts) else "incomplete"
+
+
+def validation_text(config: SpecdecConfig) -> str:
+    """validation_status with its reason where validation did not run: "not run: no domain is on"
+    (the version's tag, the MLflow run's tag, the page)."""
+    status = validation_status(config)
+    return f"{status}: {nothing_on_reason(config)}" if status == NOT_RUN else status
+
+
+def turns_nothing_on(config: SpecdecConfig) -> bool:
+    """A version that turns no domain on: served, every domain decodes plain."""
+    return not config.domains_on
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from ..db.store import Store
 from ..settings import Settings
 from .config_schema import DomainSetting, SpecdecConfig
 from .live_check import LiveJudgement, judge_live, judgement_words, live_text
+from .figures import interval_at_bar
 from .load_results import load_check_text, load_markdown
-from .run_config import build_config
+from .run_config import NOT_RUN, build_config, nothing_on_reason
 from .run_results import (engine_sampling_text, engine_speedup_text, evidence_of, low_acceptance_of,
                           own_sampling_text, profile_check_of)
 
@@ -55,6 +56,7 @@ class RunView:
     acceptance_alert: float
     loads: dict = field(default_factory=dict)   # the load check by domain (queries_load.load_checks)
     fingerprint_passed: bool | None = None      # the run's target-fingerprint check (None: not recorded)
+    load_check_on: bool = True                  # the setting load_check
 
     @property
     def engine_checked(self) -> bool:
@@ -85,7 +87,8 @@ def build_run_view(run_id: str, store: Store, settings: Settings,
                    low_acceptance=low_acceptance_of(read["planned"], settings.plan.acceptance_alert),
                    profile=profile_check_of(read["profile"]), min_speedup=settings.plan.min_speedup,
                    tolerance=settings.live.tolerance, acceptance_alert=settings.plan.acceptance_alert,
-                   loads=loads, fingerprint_passed=read["fingerprint_passed"])
+                   loads=loads, fingerprint_passed=read["fingerprint_passed"],
+                   load_check_on=settings.load.check)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,10 +133,20 @@ def engine_cell(view: RunView, domain: DomainView) -> str:
 
 def validation_cell(domain: DomainView) -> str:
     s, test = domain.setting, domain.validation_test or {}
+    if s.validation == "not_needed":      # the tests run only for a domain on
+        return f"{NOT_RUN} (off)"
     text = s.validation or "-"
     if test.get("shared_from") and s.validation not in (None, "not_needed"):
         text += f", shared from {test['shared_from']}"
     return text
+
+
+def profile_note(view: RunView) -> str:
+    """The cost profile's state beside a prediction: its interval is over requests only, so a
+    noisy (or unchecked) profile is said there; "" for an ok one or none recorded."""
+    if view.profile is None or view.profile["status"] == "ok":
+        return ""
+    return f" (cost profile {view.profile['status'].upper()})"
 
 
 def table_rows(view: RunView) -> list[list[str]]:
@@ -142,15 +155,34 @@ def table_rows(view: RunView) -> list[list[str]]:
     for d in view.domains:
         s = d.setting
         ci = "" if s.predicted_speedup_ci95 is None else (
-            f" [{s.predicted_speedup_ci95[0]:.2f}, {s.predicted_speedup_ci95[1]:.2f}]")
+            " " + interval_at_bar(*s.predicted_speedup_ci95, bars=(view.min_speedup, 1.0)))
         rows.append([d.name, "on" if s.enabled else "off", drafter_text(s), str(s.k or "-"),
                      str(s.max_batch_size or "-"),
                      "-" if s.mean_accepted_length is None else f"{s.mean_accepted_length:.2f}",
                      "-" if d.proposal_rate is None else f"{100 * d.proposal_rate:.0f}%",
-                     f"{_x(s.predicted_speedup)}{ci}", live_cell(d), str(s.samples),
+                     f"{_x(s.predicted_speedup)}{ci}{profile_note(view) if s.predicted_speedup else ''}",
+                     live_cell(d), str(s.samples),
                      validation_cell(d), engine_sampling_text(d.engine_sampling),
                      engine_cell(view, d), load_check_text(d.load), s.source])
     return rows
+
+
+# the page's tables fit 1280 px (MLflow's page and artifact pane): the decision in the first,
+# the rest below, each row named by its domain; the terminal shows HEADERS in one table
+MAIN_HEADERS = ["domain", "on", "drafter", "K", "E [tokens/round]", "predicted (95% CI)",
+                "live check (same requests)", "validation", "on vLLM"]
+MORE_HEADERS = ["domain", "max batch", "proposal rate", "samples", "vLLM sampling",
+                "under load (vLLM)", "source"]
+
+
+def split_tables(view: RunView) -> str:
+    """The per-domain table as two Markdown tables: MAIN_HEADERS, then MORE_HEADERS."""
+    rows = table_rows(view)
+
+    def pick(headers: list[str]) -> list[list[str]]:
+        return [[row[HEADERS.index(h)] for h in headers] for row in rows]
+    return (markdown_table(MAIN_HEADERS, pick(MAIN_HEADERS)) + "\n\nMore per domain:\n\n"
+            + markdown_table(MORE_HEADERS, pick(MORE_HEADERS)))
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -205,13 +237,17 @@ def sampling_lines(view: RunView) -> list[str]:
 def domains_markdown(view: RunView) -> str:
     """The per-domain table, what its columns mean, and why each domain is on or off."""
     return "\n".join([
-        markdown_table(HEADERS, table_rows(view)), "",
+        split_tables(view), "",
         "E counts every round, with or without a proposal; the proposal rate is the share of rounds "
-        "in which the drafter proposed at least one token. The live check decodes a few requests "
+        "in which the drafter proposed at least one token. The predicted speedup's 95% interval is "
+        "over the sampled requests only, not the cost profile's timing noise: a profile that is not "
+        "ok is named beside each prediction. The live check decodes a few requests "
         "plain and speculative and compares the measured speedup with the prediction for the same "
         "requests (WARNING: its interval shows a problem; unsure: its interval reaches past a bar). "
         "On vLLM: the engine check's status of the domain's config on the serving engine "
-        "(NOT CHECKED: it did not run; see the engine check below).", "",
+        "(NOT CHECKED: the domain is on and the check did not run; see the engine check below). "
+        "In the vLLM columns \"-\" is a check not run: the domain is off"
+        + ("" if view.config.domains_on else " (here every domain is off)") + ".", "",
         "Why each domain is on or off:", "", *[reason_line(d) for d in view.domains],
         *sampling_lines(view)])
 
@@ -224,9 +260,21 @@ def engine_state(view: RunView) -> str:
         version = next((r["engine_version"] for r in view.engine_rows if r.get("engine_version")), None)
         return f"checked on vLLM {version or '?'}"
     if not view.config.domains_on:
-        return "nothing to check: no domain on"
+        return f"{NOT_RUN}: {nothing_on_reason(view.config)}"
     why = view.engine_skipped or "no engine check was recorded for this run"
     return f"NOT checked on the serving engine: {why}"
+
+
+def load_not_run(view: RunView) -> str:
+    """The one reason the load check did not run: no domain on, the engine check not run (no
+    serving environment, or off), the load check off, or no domain on with a vLLM config."""
+    if not view.config.domains_on:
+        return nothing_on_reason(view.config)
+    if not view.engine_rows:
+        return f"the engine check did not run ({view.engine_skipped or 'none was recorded'})"
+    if not view.load_check_on:
+        return "the load check is off (setting load_check)"
+    return "no domain on has a vLLM config"
 
 
 def engine_markdown(view: RunView) -> str:
@@ -297,7 +345,7 @@ def engine_gate(view: RunView) -> dict:
                 "figure": f"{len(view.engine_rows)} domains {engine_state(view)}"
                           + (f"; turned off: {', '.join(failed)}" if failed else "")}
     if not view.config.domains_on:
-        return {"name": "engine_check", "passed": True, "result": "pass", "figure": engine_state(view)}
+        return {"name": "engine_check", "passed": True, "result": NOT_RUN, "figure": engine_state(view)}
     return {"name": "engine_check", "passed": True, "result": "not checked",
             "figure": f"{engine_state(view)}; promoted, it serves a config the serving engine never ran"}
 
@@ -313,4 +361,4 @@ def run_markdown(view: RunView) -> str:
             + ("" if view.profile is None else f" ({view.profile['status']})") + ".\n\n"
             + below_bar_markdown(view) + alert_markdown(view) + engine_line
             + domains_markdown(view) + "\n\n## On vLLM (engine check)\n\n" + engine_markdown(view)
-            + "\n\n## Under load on vLLM (load check)\n\n" + load_markdown(view.loads) + "\n")
+            + "\n\n## Under load on vLLM (load check)\n\n" + load_markdown(view.loads, load_not_run(view)) + "\n")

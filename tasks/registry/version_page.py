@@ -25,10 +25,10 @@ from ..db.queries_promotions import last_champion_move
 from ..db.store import Store
 from ..masking import mask_text, mask_url
 from ..timeutil import utcnow
-from .run_config import changes_markdown, validation_status
+from .run_config import changes_markdown, turns_nothing_on, validation_text
 from .load_results import load_markdown
 from .run_view import (RunView, alert_markdown, below_bar_markdown, domains_markdown, engine_markdown,
-                       engine_state, markdown_table)
+                       engine_state, load_not_run, markdown_table)
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,14 @@ def description_text(description: str) -> str:
 
 
 GATE_RESULTS = {"pass": "pass", "fail": "FAIL", "unsure": "UNSURE", "not enforced": "not enforced",
-                "not checked": "NOT CHECKED"}
+                "not checked": "NOT CHECKED", "not run": "not run"}
 
 
 def gate_result(gate: dict) -> str:
     """pass | fail | unsure (passes, but its evidence is noise: the figure says why) | not enforced
     (reported, never failing: the setting that enforces it is off) | not checked (never failing:
-    the check did not run, e.g. no serving engine; the figure says why)."""
+    the check could not run, e.g. no serving engine; the figure says why) | not run (never
+    failing: it had nothing to check, e.g. no domain on or no champion; the figure says why)."""
     return gate.get("result") or ("pass" if gate["passed"] else "fail")
 
 
@@ -63,9 +64,9 @@ def gates_markdown(gates: list[dict], title: str) -> str:
 def gate_counts(gates: list[dict]) -> str:
     """The gates counted by result, naming those that did not pass: `5 passed, 1 unsure
     (live_check)`."""
-    order = ("pass", "fail", "unsure", "not enforced", "not checked")
+    order = ("pass", "fail", "unsure", "not enforced", "not checked", "not run")
     words = {"pass": "passed", "fail": "FAILED", "unsure": "unsure", "not enforced": "not enforced",
-             "not checked": "not checked"}
+             "not checked": "not checked", "not run": "not run"}
     parts = []
     for result in order:
         names = [g["name"] for g in gates if gate_result(g) == result]
@@ -107,29 +108,36 @@ def replace_section(description: str, heading: str, body: str) -> str:
     return head.rstrip() + "\n\n" + body.rstrip() + "\n\n" + (sep + tail if sep else "")
 
 
-def status_line(version: str, champion: str | None) -> str:
+def status_line(version: str, champion: str | None, replaced: str | None = None) -> str:
     """The page's first paragraph: how to promote this version, or (it is the champion) that it
-    is, and how to undo that."""
+    is, and how to undo that: `specdec config rollback` restores `replaced`, the champion it
+    replaced (per the promotions table); with none, there is nothing to roll back to. Plain text,
+    no Markdown marks: MLflow's versions list previews a description's first characters raw."""
     if champion is not None and str(champion) == str(version):
-        return (f"**This version ({version}) is the champion.** `specdec config rollback` restores the "
-                "champion it replaced (gated, with an audit row); MLflow's alias pencil would move "
-                "`champion` past both.")
-    return (f"**Promote only with `specdec config promote {version}`** (it checks the gates below "
-            "and writes the audit row); MLflow's alias pencil moves `champion` past both, and "
-            "its \"Promote model\" button does not move `champion` at all (it copies the "
-            "version into another registered model).")
+        undo = (f"specdec config rollback restores version {replaced}, the champion it replaced "
+                "(with an audit row)" if replaced else
+                "It replaced no earlier champion: specdec config rollback has nothing to roll back "
+                "to (promote another version with specdec config promote N instead)")
+        return (f"This version ({version}) is the champion. {undo}; MLflow's alias pencil would "
+                "move champion past the gates and the audit row.")
+    return (f"Promote only with specdec config promote {version} (it checks the gates below "
+            "and writes the audit row); MLflow's alias pencil moves champion past both, and "
+            "its \"Promote model\" button does not move champion at all (it copies the "
+            "version into another registered model): do not use either.")
 
 
-STATUS_PREFIXES = ("**Promote only with `specdec config promote", "**This version (")
+STATUS_PREFIXES = ("Promote only with specdec config promote", "This version (",
+                   "**Promote only with `specdec config promote", "**This version (")    # older pages
 
 
 def with_champion_line(description: str, line: str, version: str | None = None,
-                       champion: str | None = None) -> str:
+                       champion: str | None = None, replaced: str | None = None) -> str:
     """description with `line` as its champion line and, given the page's version, its first
-    paragraph (status_line) saying whether that version is the champion."""
+    paragraph (status_line) saying whether that version is the champion (and which one it
+    replaced)."""
     kept = [row for row in (description or "").rstrip().splitlines() if not row.startswith(CHAMPION_LINE)]
     if version is not None and kept and kept[0].startswith(STATUS_PREFIXES):
-        kept[0] = status_line(version, champion)
+        kept[0] = status_line(version, champion, replaced)
     return "\n".join(kept).rstrip() + "\n\n" + line + "\n"
 
 
@@ -168,9 +176,10 @@ def write_gates(mlflow_client, name: str, version: str, gates: list[dict], title
 
 
 def refresh_champion_lines(mlflow_client, name: str, champion: str | None, how: str,
-                           also: tuple[str | None, ...] = ()) -> None:
+                           also: tuple[str | None, ...] = (), replaced: str | None = None) -> None:
     """Write the current champion line on every version that carries an alias, and on `also`
-    (e.g. the version that just lost the champion). Best effort: a failure is logged."""
+    (e.g. the version that just lost the champion); replaced: the champion the champion replaced
+    (its page says what a rollback restores). Best effort: a failure is logged."""
     try:
         model = mlflow_client.get_registered_model(name)
         versions = {str(v) for v in (model.aliases or {}).values()} | {str(v) for v in also if v}
@@ -178,7 +187,7 @@ def refresh_champion_lines(mlflow_client, name: str, champion: str | None, how: 
         for version in sorted(versions, key=int):
             detail = mlflow_client.get_model_version(name, version)
             mlflow_client.update_model_version(name, version, description=with_champion_line(
-                detail.description or "", line, version, champion))
+                detail.description or "", line, version, champion, replaced))
     except Exception as exc:     # the page is documentation; the alias move already happened
         log.warning("%s: champion line not refreshed (%s)", name, mask_text(str(exc)))
 
@@ -202,12 +211,27 @@ def champion_audit(store: Store, name: str, champion: str | None) -> dict:
                       "row), or roll back"}
 
 
-def _notes_markdown(view: RunView, audit: dict) -> str:
+def nothing_on_markdown(view: RunView, champion) -> str:
+    """The note of a version that turns no domain on ("" otherwise): served, it is plain decoding;
+    whether it changes anything against the champion; what automatic promotion does with it."""
+    if not turns_nothing_on(view.config):
+        return ""
+    on_before = [] if champion is None else champion.domains_on
+    change = ("there is no champion to compare with" if champion is None else
+              "against the champion it changes nothing (its domains are off too)" if not on_before
+              else f"against the champion it turns off {', '.join(on_before)}")
+    return (f"**This version turns no domain on**: served, every domain decodes plain (no "
+            f"speculation); {change}. The DAG's automatic promotion (Param promote) skips such a "
+            "version; `specdec config promote N` promotes it when that is meant.\n\n")
+
+
+def _notes_markdown(view: RunView, audit: dict, champion=None) -> str:
     """The page's warnings, before the table: a champion moved outside specdec, a noisy profile,
     vetoes, domains turned off on vLLM, live checks that show a problem, the low-acceptance alert,
     the engine check not run."""
     config, check = view.config, view.profile
     text = "" if audit["gated"] else f"**WARNING: {audit['detail']}.**\n\n"
+    text += nothing_on_markdown(view, champion)
     if check is not None and check["status"] == "noisy":
         text += (f"**Cost profile too noisy**: {'; '.join(check.get('reasons') or [])}. No domain "
                  "was turned on from it that the champion has off.\n\n")
@@ -231,24 +255,33 @@ def _notes_markdown(view: RunView, audit: dict) -> str:
     return text
 
 
+def plots_note(view: RunView) -> str:
+    """Which promised plot is not drawn and why ("" when every one is): calibration.png needs a
+    domain measured live on this engine."""
+    if any(d.live for d in view.domains):
+        return ""
+    return (" (no `calibration.png`: no domain was measured live on this engine, e.g. a run "
+            "planned on vLLM's costs, whose live check is the engine check)")
+
+
 def version_page_markdown(view: RunView, version: str, gates: list[dict], audit: dict,
                           champion, champion_version: str | None) -> str:
     """The registered version's page (its description), from the run's view."""
     config, check = view.config, view.profile
     return (status_line(version, champion_version) + "\n\n"
-            f"## specdec config of run {view.run_id}\n\n{_notes_markdown(view, audit)}target "
+            f"## specdec config of run {view.run_id}\n\n{_notes_markdown(view, audit, champion)}target "
             f"`{config.target.id}` ({config.target.fingerprint}), hardware profile "
             f"`{config.hardware_profile}`{'' if check is None else ' (' + check['status'] + ')'}, "
-            f"validation **{validation_status(config)}**\n\n"
+            f"validation **{validation_text(config)}**\n\n"
             f"{domains_markdown(view)}\n\n"
             f"### On vLLM (engine check)\n\n{engine_markdown(view)}\n\n"
             f"### Under load on vLLM (load check; plot `plots/load_check_speedup.png`)\n\n"
-            f"{load_markdown(view.loads)}\n\n"
+            f"{load_markdown(view.loads, load_not_run(view))}\n\n"
             f"### What changed\n\n{changes_markdown(config, champion, champion_version)}\n\n"
             + gates_markdown(gates, f"preview at registration against champion "
                                     f"{champion_version or 'none'}; `specdec config promote` "
                                     "checks them again") + "\n\n"
-            "Plots: the run's `plots/` artifacts. Validation details: `reports/validation.json`; "
+            f"Plots: the run's `plots/` artifacts{plots_note(view)}. Validation details: `reports/validation.json`; "
             "data quality: `reports/data_quality.html` (every expectation and its result; Great "
             "Expectations' Data Docs attached under `reports/data_docs/`); this table alone: "
             "`reports/domains.md`.\n\n"

@@ -26,7 +26,9 @@ from ..registry.tracking import CHAMPION, alias_version, client, load_version_co
 from ..settings import worker_name
 from .confirm import confirm_domain
 from .context import RunContext, RunSpec, loaded_model
-from .costs import describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse
+from ..registry.run_results import profile_check
+from .costs import (describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse,
+                    profile_check_text)
 from .engine_check import engine_check
 from .engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
 from .engine_validate import engine_validate_run
@@ -84,9 +86,18 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     log.info("run %s: planning with cost profile %s (run %s; %s); profile task on worker %s (%s %s)",
              spec.run_id, name, costs.run_id, provenance["text"], worker["worker"], worker["device"],
              worker["dtype"])
+    log_profile_check(spec.run_id, store)
     return {"hardware_profile": name, "reused": provenance["reused"],
             "measured_by": provenance["run_id"], "measured_at": provenance["measured_at"],
             "age_days": provenance["age_days"], "text": provenance["text"]}
+
+
+def log_profile_check(run_id: str, store: Store) -> None:
+    """The profile task's line on its cost profile's check: a WARNING when it is noisy (no domain
+    turns on from it that the champion has off), INFO otherwise."""
+    check = profile_check(run_id, store)
+    noisy = check is not None and check["status"] == "noisy"
+    (log.warning if noisy else log.info)("run %s: %s", run_id, profile_check_text(check))
 
 
 def run_profile_name(context: RunContext) -> str | None:
@@ -168,19 +179,25 @@ def _plain(row: dict) -> dict:
     return {key: (value.isoformat() if isinstance(value, datetime) else value) for key, value in row.items()}
 
 
-def step_confirm(spec, domain: str) -> dict | None:
+def step_confirm(spec, domain: str) -> dict:
     """Live confirmation of one domain's plan (under the timing lock) on our engine; none for a
     run planned on vLLM's costs (the engine check measures the plan on vLLM, on the same
-    requests, and its verdict is the live check)."""
+    requests, and its verdict is the live check). Output: the measurement, or {"skipped":
+    why nothing was measured}."""
     context = RunContext.build(spec)
     if profile_engine(hardware_of(run_profile_name(context), context.store)) == "vllm":
-        log.info("run %s, domain %s: planned on vLLM's costs: the live check runs on vLLM in the "
-                 "engine check, not on this engine", context.run_id, domain)
-        return None
+        why = ("planned on vLLM's costs: the live check runs on vLLM in the engine check, not on "
+               "this engine")
+        log.info("run %s, domain %s: %s", context.run_id, domain, why)
+        return {"skipped": why}
     requests, _ = context.domain_requests(domain)
     row = confirm_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
                          requests, context.store, settings=context.settings, progress=False)
-    return None if row is None else _plain(row)
+    if row is None:
+        why = "nothing to measure: no planned drafter, no requests, or no comparable hardware"
+        log.info("run %s, domain %s: %s", context.run_id, domain, why)
+        return {"skipped": why}
+    return _plain(row)
 
 
 def step_validate(spec, domain: str) -> dict:

@@ -396,8 +396,9 @@ def _request_figures(sums: dict | None) -> dict:
 def show(store: Store, settings: Settings, deployment: str | None = None,
          since: datetime | None = None, until: datetime | None = None) -> dict:
     """Per deployment and domain over [since, until] (default: the last monitor_window_s):
-    scraped figures of the deployment's latest config version, per-request figures of the
-    domain's imported traffic, the promise, and the monitor's events."""
+    scraped figures of the deployment's latest config version (also per deployment, "scraped":
+    kept where no domain is known, e.g. a scrape without a config version, "note" saying so),
+    per-request figures of the domain's imported traffic, the promise, and the monitor's events."""
     until = until or utcnow()
     since = since or until - timedelta(seconds=settings.monitor.window_s)
     names = [deployment] if deployment else q.deployments_seen(store, since)
@@ -422,6 +423,10 @@ def show(store: Store, settings: Settings, deployment: str | None = None,
         out.append({"deployment": name, "config_name": rows[-1]["config_name"],
                     "config_version": version, "window_start": rows[0]["scraped_at"],
                     "window_end": rows[-1]["scraped_at"], "series": sorted({r["series"] for r in rows}),
-                    "domains": domains})
+                    "scraped": scraped, "domains": domains,
+                    "note": None if domains else (
+                        "config version unknown: the scrapes name no domain and no promise; the "
+                        "figures are the deployment's" if not version else
+                        f"config version {version} names no domain of this deployment")})
     return {"since": since, "until": until, "deployments": out,
             "events": q.events(store, since - timedelta(seconds=1), deployment)}

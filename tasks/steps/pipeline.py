@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from ..db.queries_runs import fail_domain, merge_run_params
+from ..db.queries_runs import domain_names, fail_domain, merge_run_params
 from ..db.queries_run_view import record_engine_check_skip
 from ..db.store import Store
 from ..registry.run_results import low_acceptance
@@ -96,9 +96,15 @@ def step_engine_check(spec) -> dict:
     a domain whose engine check fails is turned off before register."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
+    store = spec.open_store(settings)
+    if not domain_names(store, spec.run_id, status="ok", enabled=True):
+        line = "engine check not run: no domain is on (nothing to serve on vLLM)"
+        record_engine_check_skip(store, spec.run_id, line)
+        log.warning("run %s: %s", spec.run_id, line)
+        return {"skipped": line, "nothing_on": True, "domains": {}, "engines": []}
     if not settings.engine.check:
         line = "engine check off (setting engine_check)"
-        record_engine_check_skip(spec.open_store(settings), spec.run_id, line)     # the page says so
+        record_engine_check_skip(store, spec.run_id, line)     # the page says so
         log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id, line)
         return {"skipped": line, "domains": {}, "engines": []}
     from .model_steps import served_engine_check     # the model and vLLM: only when the check is on
@@ -127,10 +133,20 @@ def step_register(spec, started_at=None) -> dict:
 
 
 def step_promote(spec, registered: dict) -> dict:
-    """Gate and promote the registered version (tasks.registry.promotion.promote); logs one line."""
+    """Gate and promote the registered version (tasks.registry.promotion.promote); logs one line.
+    A version that turns no domain on is not promoted automatically (promoted: False, the reason
+    says so; `specdec config promote N` promotes it when that is meant): docs/registry.md."""
     from ..registry.promotion import promote
 
     spec = RunSpec.of(spec)
+    if registered.get("domains_on") == []:
+        reason = (f"version {registered['version']} turns no domain on (served, every domain "
+                  "decodes plain): automatic promotion skips it; `specdec config promote "
+                  f"{registered['version']}` promotes it when that is meant")
+        log.warning("run %s: %s NOT promoted: %s", spec.run_id, registered["name"], reason)
+        return {"promoted": False, "forced": False, "version": registered["version"],
+                "champion": registered["champion_version"], "gates": registered.get("gates") or [],
+                "reason": reason}
     settings = spec.settings()
     result = promote(registered["name"], registered["version"],
                      spec.open_store(settings), uri=spec.tracking_uri, settings=settings,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from ..db.queries_plans import domain_estimates, store_plan
 from ..db.store import Store
 from ..settings import Settings
+from ..registry.figures import interval_at_bar
 from .candidates import HOST_DRAFTERS
 from .cost_table import CostProfileError, CostTable
 
@@ -227,15 +228,17 @@ def _fill_choice(row: dict, choice: _Priced, estimates: list[dict], costs: CostT
     return bool(kept)
 
 
-def _prediction_text(row: dict, verb: str = "predicts") -> str:
-    """'DRAFTER K=k predicts S.SSx [LO, HI]' of the row's chosen candidate."""
+def _prediction_text(row: dict, verb: str = "predicts", bars: tuple[float, ...] = ()) -> str:
+    """'DRAFTER K=k predicts S.SSx [LO, HI]' of the row's chosen candidate; an end near one of
+    `bars` (the minimum, 1.0) with the digits that decide it (tasks.registry.figures)."""
     return (f"{row['drafter']} K={row['k']} {verb} {row['predicted_speedup']:.2f}x "
-            f"[{row['predicted_speedup_lo']:.2f}, {row['predicted_speedup_hi']:.2f}]")
+            + interval_at_bar(row["predicted_speedup_lo"], row["predicted_speedup_hi"], bars))
 
 
 def _decide(row: dict, policy: _Policy, costs: CostTable, chosen: bool, kept: bool) -> None:
     """Set the row's enabled, status and reason: insufficient sample, no usable estimate, off
     below the bar, kept on by hysteresis, off on a noisy profile, or on."""
+    bars = (policy.min_speedup, 1.0)
     if policy.status == "insufficient":
         row["reason"] = (f"insufficient samples ({row['samples']} usable requests of this target, "
                          "fewer than the minimum): off in this config; the champion's setting is kept")
@@ -243,11 +246,11 @@ def _decide(row: dict, policy: _Policy, costs: CostTable, chosen: bool, kept: bo
         row["status"] = "insufficient"
         row["reason"] = "no usable estimate (no sampled request with a response of 2+ tokens)"
     elif row["max_batch_size"] is None:
-        row["reason"] = (f"off: best {_prediction_text(row)}, whose lower end does "
+        row["reason"] = (f"off: best {_prediction_text(row, bars=bars)}, whose lower end does "
                          f"not clear the minimum {policy.min_speedup:.2f}x")
     elif kept:
         row["enabled"] = True
-        row["reason"] = (f"kept on: within hysteresis -- {_prediction_text(row)}: "
+        row["reason"] = (f"kept on: within hysteresis -- {_prediction_text(row, bars=bars)}: "
                          f"on in the champion, upper end still >= {policy.min_speedup:.2f}x and "
                          f"lower end >= 1.00x (up to batch {row['max_batch_size']})")
     elif costs.noisy and not policy.currently_on:
@@ -259,7 +262,7 @@ def _decide(row: dict, policy: _Policy, costs: CostTable, chosen: bool, kept: bo
                          "setting `hardware_profile`)")
     else:
         row["enabled"] = True
-        row["reason"] = (f"on: {_prediction_text(row)} at batch 1; pays up to batch "
+        row["reason"] = (f"on: {_prediction_text(row, bars=bars)} at batch 1; pays up to batch "
                          f"{row['max_batch_size']} on {costs.hardware_profile}")
         if costs.noisy:
             row["reason"] += (f" (on in the champion; the cost profile is noisy: {costs.noise_text(1)})")
@@ -288,10 +291,11 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, store: Store,
     row = _empty_row(run_id, domain, samples, policy)
     kept = pricing.best is not None and _fill_choice(row, pricing.best, estimates, costs, policy)
     _decide(row, policy, costs, pricing.best is not None, kept)
-    if pricing.unpriced:
-        log.info("run %s, domain %s: not planned with %s: %s does not serve them (no draft step in "
-                 "its profile)", run_id, domain, ", ".join(sorted(pricing.unpriced)),
-                 costs.hardware_profile)
+    if pricing.unpriced:       # said where a reviewer reads the domain, not only in the log
+        unserved = (f"not planned with {', '.join(sorted(pricing.unpriced))}: "
+                    f"{costs.hardware_profile} does not serve it (no draft step in its profile)")
+        row["reason"] = f"{row['reason']}; {unserved}" if row["reason"] else unserved
+        log.info("run %s, domain %s: %s", run_id, domain, unserved)
     store_plan(store, run_id, domain, pricing.updates, row)
     log.info("run %s, domain %s: %s", run_id, domain, row["reason"])
     return row

@@ -63,5 +63,6 @@ def report_table(spec) -> list[dict]:
                  row["drafter"] or "-", row["k"] or "-", row["max_batch_size"] or "-",
                  "-" if row["mean_accepted_length"] is None else f"{row['mean_accepted_length']:.2f}",
                  "-" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}x",
-                 "-" if measured is None else f"{measured:.2f}x", row["validation"] or "-")
+                 "-" if measured is None else f"{measured:.2f}x",
+                 "not run (off)" if row["validation"] == "not_needed" else row["validation"] or "-")
     return table
