@@ -336,9 +336,10 @@ class LoadCheckSettings(_Group):
     """The load check on vLLM's OpenAI server (tasks.steps.load_check; docs/load-check.md)."""
 
     check: bool = Field(default=True, description=(
-        "with the engine check: stream each domain's requests through the plain and the config's "
-        "vLLM OpenAI servers at the concurrency levels its schedule claims; the exported schedule "
-        "keeps K > 0 only up to the largest level whose measured speedup pays"))
+        "with the engine check: stream each domain's requests through the config's vLLM OpenAI "
+        "server at K 0 and at its K, alternating in waves, at the concurrency levels its schedule "
+        "claims; the exported schedule keeps K > 0 only up to the largest level whose measured "
+        "speedup pays"))
     levels: tuple[Annotated[int, Field(ge=1)], ...] = Field(
         default=(1, 2, 4, 8), min_length=1, description=(
             "concurrency levels of the load check (those where the domain's schedule drafts)"))

@@ -280,7 +280,8 @@ def engine_run(serving, tmp_path_factory):
         # vLLM's own cost profile, stored first: the engine check predicts its speedups from it
         profile = profile_vllm("vllm-costs", str(target_dir), ["prompt_lookup:max_ngram=3,min_ngram=1"],
                                Store.open(url), k_max=3, batch_sizes=[1, 2], ks=[1, 3], steps=8,
-                               settings=load_settings(profile_repeats=2), progress=False)
+                               settings=load_settings(profile_repeats=2, profile_engine_budget_s=20),
+                               progress=False)
         # the gate's tolerance is tested on its own (test_engine_check.py): none is applied here
         result = engine_check("r1", str(target_dir), model, drafters, requests, Store.open(url),
                               settings=load_settings(**settings, engine_check_tolerance=1.0,

@@ -404,7 +404,7 @@ def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: d
 PLAIN = "plain::"      # the id prefix of a request's K 0 twin
 
 
-def _paired_items(requests: list, spec: dict) -> list[dict]:
+def _paired_items(requests: list[tuple[int, object]], spec: dict) -> list[dict]:
     """Each request twice on the config's engine, one after the other: at the config's K, then at
     K 0 (its id prefixed PLAIN), so that the speedup pairs the same request on the same engine
     moments apart. The config's request comes first: it is then served exactly as it would be
@@ -412,7 +412,7 @@ def _paired_items(requests: list, spec: dict) -> list[dict]:
     the other its prompt's cached blocks, whose prefill rounds differently); the K 0 twin's
     cached prompt shortens its prefill only, which the decode-phase speedup leaves out."""
     items = []
-    for index, request in enumerate(requests):
+    for index, request in requests:
         spec_item = _item(request, index)
         items += [spec_item, dict(spec_item, id=PLAIN + spec_item["id"], k=0)]
     return items
@@ -443,7 +443,8 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
     """Start one engine and replay its domains' picked requests (after its history); the record
     says how it went (ok, refused, unresolved, timeout, died) and how long it took."""
     settings, spec, domains = context.settings, run.spec, run.domains
-    items = _paired_items([r for d in domains for r in picked[d]], spec)
+    # (each request seeded by its place in its domain's pick)
+    items = _paired_items([(i, r) for d in domains for i, r in enumerate(picked[d])], spec)
     history = _history_items(run, picked, context.requests_by_domain, settings)
     what = f"run {context.run_id}, domains {', '.join(domains)} ({run.name} engine)"
     log.info("%s: starting vLLM with %s; %d requests%s", what,
