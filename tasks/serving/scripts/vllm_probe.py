@@ -384,7 +384,7 @@ def time_paired(request: dict) -> dict:
     the other (the order reversed every other repeat), each batch's other processes' CPU read
     from /proc (a repeat with a contended batch is marked and not counted); repeated until at
     least min_repeats clean repeats and every ratio settled (`settled`), or max_repeats, or
-    budget_s of timing."""
+    budget_s of timing (checked after each whole repeat; two repeats are always made)."""
     import time
 
     import vllm
@@ -441,19 +441,15 @@ def time_paired(request: dict) -> dict:
                 row = _batch_row(results, b, name, k, repeat, wall, other, limit)
                 contended |= row["contended"]
                 answer["timings"].append(row)
-                if time.monotonic() - began >= budget:
-                    answer["stopped"] = "budget"
-                    break
-            if answer["stopped"]:
-                break
         if contended:       # the whole repeat is marked, so that its pairs are not used
             for row in answer["timings"]:
                 row["contended"] |= row["repeat"] == repeat
         clean += not contended
         repeat += 1
-        if answer["stopped"]:
-            break
-        if repeat >= most:
+        # whole repeats only, and at least two (an interval needs two pairs), whatever the budget
+        if repeat >= 2 and time.monotonic() - began >= budget:
+            answer["stopped"] = "budget"
+        elif repeat >= most:
             answer["stopped"] = "max_repeats"
         elif clean >= least and settled(answer["timings"], group_ks, float(request["halfwidth"])):
             answer["stopped"] = "settled"
