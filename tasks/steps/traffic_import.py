@@ -21,6 +21,9 @@ transaction per batch, so a killed import keeps every batch it committed and a r
 Ids are unique: a row whose id is stored with the same content is skipped; with different content
 it is quarantined as `duplicate_id`. Rejected rows go to quarantined_requests with their file,
 line number and reason ((file, line) is unique, so re-importing adds nothing there either).
+Numbers are read with limits: an integer literal of more than MAX_NUMBER_DIGITS digits anywhere in
+a row (a JSONL line, or a CSV cell holding JSON) quarantines that row as `implausible_value`, naming
+the field; the rows around it are imported as usual.
 """
 
 from __future__ import annotations
@@ -300,7 +303,7 @@ def _prompt_of(row: dict) -> tuple[list | None, str, str]:
     messages = row.get("messages")
     if isinstance(messages, str) and messages.strip():
         try:
-            messages = json.loads(messages)   # CSV carries messages as JSON text
+            messages = load_json(messages, "messages")   # CSV carries messages as JSON text
         except json.JSONDecodeError:
             raise RowRejected(INVALID_FIELD, "\"messages\" is a string but not JSON") from None
         except RecursionError:
@@ -335,6 +338,59 @@ def _prompt_of(row: dict) -> tuple[list | None, str, str]:
 def _join_messages(messages: list[dict]) -> str:
     """The prompt text of a chat: every turn's content, separated by blank lines."""
     return "\n\n".join(m["content"] for m in messages)
+
+
+MAX_NUMBER_DIGITS = 200         # an integer literal longer than this is a logging bug, not a value
+_LONG_NUMBER = re.compile(r"[0-9]{%d,}" % (MAX_NUMBER_DIGITS + 1))
+
+
+class _Oversized:
+    """Where json.loads met an integer literal of more than MAX_NUMBER_DIGITS digits."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _bounded_int(text: str):
+    digits = len(text.lstrip("-"))
+    return _Oversized(digits) if digits > MAX_NUMBER_DIGITS else int(text)
+
+
+def _oversized_path(value) -> tuple[str, _Oversized] | None:
+    """(path, marker) of the first _Oversized in a parsed JSON value, walked without recursion."""
+    stack = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, _Oversized):
+            return path, item
+        if isinstance(item, dict):
+            stack += [(f"{path}.{key}" if path else str(key), v) for key, v in reversed(item.items())]
+        elif isinstance(item, list):
+            stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item)))]
+    return None
+
+
+def load_json(text: str, name: str = ""):
+    """json.loads with integer literals of at most MAX_NUMBER_DIGITS digits: a longer one (Python
+    refuses to convert one over 4,300 digits, and one over 308 is no float) is RowRejected
+    (implausible_value) naming where it is, `name` (the field the text came from) first.
+    JSONDecodeError and RecursionError pass as json.loads raises them."""
+    try:
+        value = json.loads(text)
+        if not _LONG_NUMBER.search(text):       # the common case: no long run of digits at all
+            return value
+    except json.JSONDecodeError:
+        raise
+    except ValueError:                          # Python's integer-conversion limit
+        pass
+    value = json.loads(text, parse_int=_bounded_int)
+    found = _oversized_path(value)
+    if found is None:
+        return value                            # the long digits were inside a string
+    path, marker = found
+    where = f"{name}{'.' if name and path[:1] not in ('', '[') else ''}{path}" or "the line"
+    raise RowRejected(IMPLAUSIBLE_VALUE, f"\"{where}\" is a number of {marker.digits} digits; "
+                                         f"at most {MAX_NUMBER_DIGITS} are read (a logging bug?)")
 
 
 def _number(value, name: str, reason: str) -> float:
@@ -377,7 +433,7 @@ def _spec_metrics(row: dict) -> dict | None:
     metrics = row.get("metrics")
     if isinstance(metrics, str) and metrics.strip():
         try:
-            metrics = json.loads(metrics)           # CSV carries it as JSON text
+            metrics = load_json(metrics, "metrics")     # CSV carries it as JSON text
         except (json.JSONDecodeError, RecursionError):
             raise RowRejected(INVALID_FIELD, "\"metrics\" is a string but not a JSON object") from None
     if metrics is None or metrics == "":
@@ -423,7 +479,7 @@ def _token_ids(row: dict, name: str) -> list[int] | None:
         return None
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = load_json(value, name)
         except json.JSONDecodeError:
             raise RowRejected(INVALID_FIELD, f"{name} is a string but not a JSON array") from None
         except RecursionError:
@@ -489,7 +545,10 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
                 MALFORMED_JSON, f"not UTF-8 ({exc.reason} at byte {exc.start})")
             continue
         try:
-            row = json.loads(text)
+            row = load_json(text)
+        except RowRejected as exc:
+            yield number, None, text, exc
+            continue
         except json.JSONDecodeError as exc:
             yield number, None, text, RowRejected(MALFORMED_JSON, f"{exc.msg} at column {exc.colno}")
             continue
