@@ -81,3 +81,161 @@ def test_a_csv_cell_with_a_4301_digit_number_is_quarantined_and_the_others_store
     assert [(row.line_number, row.reason) for row in held] == [(3, "implausible_value"),
                                                                (4, "implausible_value")]
     assert "response_token_ids" in held[0].detail and "metrics" in held[1].detail
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. bounded scrapes: positions capped at the largest K, a size cap, a total deadline
+def _scrapes(url: str) -> list:
+    from tasks.db.models import MonitorScrape
+
+    return _stored(url, MonitorScrape)
+
+
+def _monitor(db_url: str, **settings):
+    from tasks.settings import load_settings
+    from tasks.steps.monitor import MonitorContext
+
+    return MonitorContext.open(Store.open(db_url), settings=load_settings({}, **settings))
+
+
+def test_a_position_beyond_the_largest_k_is_refused_in_bounded_memory(db_url, metrics_server):
+    import tracemalloc
+
+    from tasks.errors import MonitorScrapeError
+    from tasks.steps.monitor import scrape
+
+    from .helpers.metrics import exposition
+
+    metrics_server.text = exposition(10, 30, 12, [6, 4, 2]).replace('position="2"', 'position="1000000000"')
+    tracemalloc.start()
+    try:
+        with pytest.raises(MonitorScrapeError) as refused:
+            scrape(_monitor(db_url), metrics_server.url, "vllm-a", config=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(refused.value)
+    assert "position 1000000000" in message and "largest K (16, setting k_max)" in message
+    assert "nothing stored" in message and "\n" not in message
+    assert peak < 16 * 2**20, peak                   # not a list of a billion entries
+    assert _scrapes(db_url) == []
+
+
+def test_a_body_over_the_size_cap_is_refused_in_bounded_memory(db_url, metrics_server):
+    import tracemalloc
+
+    from tasks.errors import MonitorScrapeError
+    from tasks.steps.monitor import scrape
+
+    from .helpers.metrics import exposition
+
+    filler = b"# " + b"x" * 1000 + b"\n"
+    metrics_server.text = exposition(10, 30, 12, [6, 4, 2]).encode() + filler * (70 * 1024)   # 70 MB
+    tracemalloc.start()
+    try:
+        with pytest.raises(MonitorScrapeError) as refused:
+            scrape(_monitor(db_url), metrics_server.url, "vllm-a", config=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "is over 67108864 bytes (setting monitor_scrape_max_bytes)" in str(refused.value)
+    assert "nothing stored" in str(refused.value)
+    assert peak < 16 * 2**20, peak                   # streamed: not the body held in memory
+    assert _scrapes(db_url) == []
+
+
+def test_a_large_body_under_the_cap_is_stored_in_bounded_memory(db_url, metrics_server):
+    import tracemalloc
+
+    from tasks.steps.monitor import scrape
+
+    from .helpers.metrics import exposition
+
+    filler = b"# " + b"x" * 1000 + b"\n"
+    metrics_server.text = filler * (50 * 1024) + exposition(10, 30, 12, [6, 4, 2]).encode()   # 50 MB
+    tracemalloc.start()
+    try:
+        row = scrape(_monitor(db_url), metrics_server.url, "vllm-a", config=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (row["drafts"], row["draft_tokens"], row["accepted_tokens"], row["accepted_per_pos"]) == \
+        (10, 30, 12, [6, 4, 2])
+    assert peak < 16 * 2**20, peak
+    assert len(_scrapes(db_url)) == 1
+
+
+def test_a_body_that_drips_ends_at_the_total_deadline(db_url, metrics_server):
+    import time
+
+    from tasks.errors import MonitorScrapeError
+    from tasks.steps.monitor import scrape
+
+    metrics_server.drip_s = 0.2              # each read answers well within the timeout
+    started = time.monotonic()
+    with pytest.raises(MonitorScrapeError) as refused:
+        scrape(_monitor(db_url, monitor_scrape_timeout_s=1.5), metrics_server.url, "vllm-a", config=False)
+    took = time.monotonic() - started
+    assert 1.4 < took < 2.5, took
+    assert "did not finish within 1.5 s (setting monitor_scrape_timeout_s); nothing stored" in str(refused.value)
+    assert _scrapes(db_url) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. counters checked before anything is stored
+IMPOSSIBLE = {   # (drafts, draft tokens, accepted, per position), what the refusal names
+    "negative": ((-5, 30, 12, [6, 4, 2]), "drafts -5 is not a count"),
+    "accepted over drafted": ((10, 10, 298, [10, 10, 10]), "298 accepted of 10 draft tokens"),
+    "drafts over draft tokens": ((50, 30, 12, [6, 4, 2]), "50 drafts of 30 draft tokens"),
+    "a position over drafts": ((10, 30, 12, [12, 0, 0]), "position 0 counts 12 accepted of 10 drafts"),
+    "+Inf": ((float("inf"), 30, 12, [6, 4, 2]), "drafts inf is not a count"),
+    "NaN": ((10, 30, float("nan"), [6, 4, 2]), "accepted_tokens nan is not a count"),
+    "1e25": ((10, 1e25, 12, [6, 4, 2]), "draft_tokens 1e+25 is not a count"),
+    "fraction": ((10.5, 30, 12, [6, 4, 2]), "drafts 10.5 is not a count"),
+}
+
+
+@pytest.mark.parametrize("case", IMPOSSIBLE)
+def test_impossible_counters_are_refused_and_nothing_is_stored(case, db_url, metrics_server):
+    from tasks.errors import MonitorScrapeError
+    from tasks.steps.monitor import scrape
+
+    from .helpers.metrics import exposition
+
+    counters, named = IMPOSSIBLE[case]
+    metrics_server.text = exposition(*counters)
+    with pytest.raises(MonitorScrapeError) as refused:
+        scrape(_monitor(db_url), metrics_server.url, "vllm-a", config=False)
+    message = str(refused.value)
+    assert named in message and "nothing stored" in message and "\n" not in message, message
+    assert message.startswith("deployment vllm-a: ")
+    assert _scrapes(db_url) == []
+
+
+def test_deltas_with_more_accepted_than_drafted_are_refused(db_url, metrics_server):
+    from tasks.errors import MonitorScrapeError
+    from tasks.steps.monitor import scrape
+
+    from .helpers.metrics import exposition
+
+    ctx = _monitor(db_url)
+    metrics_server.text = exposition(100, 300, 50, [20, 20, 10])
+    scrape(ctx, metrics_server.url, "vllm-a", config=False)
+    metrics_server.text = exposition(101, 303, 250, [100, 100, 50])    # +200 accepted of +3 drafted
+    with pytest.raises(MonitorScrapeError, match="since the previous scrape: 200 accepted of 3 draft tokens"):
+        scrape(ctx, metrics_server.url, "vllm-a", config=False)
+    assert len(_scrapes(db_url)) == 1
+
+
+def test_monitor_scrape_of_impossible_counters_exits_2_with_one_line(db_url, metrics_server, capsys):
+    from tasks.cli.app import main
+
+    from .helpers.metrics import exposition
+
+    metrics_server.text = exposition(10, 10, 298, [10, 10, 10])
+    assert main(["monitor", "scrape", "--url", metrics_server.url, "--deployment", "vllm-a",
+                 "--no-check", "--db-url", db_url]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: MonitorScrapeError: deployment vllm-a: ")
+    assert _scrapes(db_url) == []
