@@ -239,3 +239,41 @@ def test_monitor_scrape_of_impossible_counters_exits_2_with_one_line(db_url, met
     assert out == "" and len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: MonitorScrapeError: deployment vllm-a: ")
     assert _scrapes(db_url) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. masking: tracebacks and stored URLs
+@pytest.mark.integration
+def test_a_traceback_prints_no_password(tmp_path, metrics_server):
+    """An uncaught error (here: a database that refuses the scrape's row, by a trigger) still
+    prints its traceback, SQL parameters and all, with every URL's password masked."""
+    from tasks.db import dispose_engines, upgrade
+
+    from .helpers.processes import specdec
+
+    home = tmp_path / "home"
+    home.mkdir()
+    url = f"sqlite:///{home / 'specdec.db'}"
+    upgrade(url)
+    dispose_engines()
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TRIGGER refuse BEFORE INSERT ON monitor_scrapes "
+                                   "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END")
+    engine.dispose()
+    scraped = metrics_server.url.replace("http://", f"http://user:{SECRET}@")
+    done = specdec("monitor", "scrape", "--url", scraped, "--deployment", "vllm-a", "--no-check",
+                   home=home)
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr and "refused by the test" in done.stderr
+    assert "user:***@127.0.0.1" in done.stderr
+    assert SECRET not in done.stdout + done.stderr
+
+
+def test_the_scrape_url_is_stored_without_its_password(db_url, metrics_server):
+    from tasks.steps.monitor import scrape
+
+    scraped = metrics_server.url.replace("http://", f"http://user:{SECRET}@")
+    row = scrape(_monitor(db_url), scraped, "vllm-a", config=False)
+    (stored,) = _scrapes(db_url)
+    assert stored.url == row["url"] == metrics_server.url.replace("http://", "http://user:***@")

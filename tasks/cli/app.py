@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 
 from rich.markup import escape
 from rich.table import Table
@@ -188,11 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     # setting, whatever the environment says, for this command only (the process's environment is
     # not written), and anything else written to stdout or stderr while the command runs has its
     # URL credentials masked.
+    # An uncaught error (a bug to report) has its traceback printed here, while stderr still
+    # masks: printed by the interpreter after main() returns, it would show the URLs in its
+    # message (SQL parameters included) as they are.
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = MaskingStream(sys.stdout), MaskingStream(sys.stderr)
     try:
         with mlflow_settings(forced={SUPPRESS_RUN_URL_ENV: True}):
             return _main(argv)
+    except Exception:
+        traceback.print_exc()
+        flush_stdout()
+        return 1
     finally:
         sys.stdout, sys.stderr = streams
 

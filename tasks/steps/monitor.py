@@ -38,6 +38,7 @@ import httpx
 from ..db import queries_monitor as q
 from ..db.store import Store
 from ..errors import MonitorScrapeError, RegistryError
+from ..masking import mask_text, mask_url
 from ..registry.compose_export import deployments
 from ..registry.config_schema import SpecdecConfig, config_model_name
 from ..registry.promotion import rollback
@@ -125,6 +126,7 @@ def read_counters(url: str, deployment: str, settings: Settings) -> dict:
     the deployment, the URL and the fix) when the server does not answer, answers too much or too
     slowly, does not serve vLLM's metrics or serves impossible counters."""
     target = metrics_url(url)
+    shown = mask_url(target)            # what messages name: the URL without its password
     timeout_s, max_bytes = settings.monitor.scrape_timeout_s, settings.monitor.scrape_max_bytes
     out: dict = {}
     reader = threading.Thread(target=_fetch, args=(target, timeout_s, max_bytes, out), daemon=True,
@@ -133,33 +135,33 @@ def read_counters(url: str, deployment: str, settings: Settings) -> dict:
     reader.join(timeout_s)
     if reader.is_alive():            # the reader ends on its own at its next read or timeout
         out["abandoned"] = True
-        raise MonitorScrapeError(f"deployment {deployment}: {target} did not finish within "
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} did not finish within "
                                  f"{timeout_s:g} s (setting monitor_scrape_timeout_s); nothing stored")
     if "error" in out:
         exc = out["error"]
-        raise MonitorScrapeError(f"deployment {deployment}: no answer from {target} "
-                                 f"({type(exc).__name__}: {str(exc)[:200] or 'no detail'}); nothing "
+        raise MonitorScrapeError(f"deployment {deployment}: no answer from {shown} "
+                                 f"({type(exc).__name__}: {mask_text(str(exc))[:200] or 'no detail'}); nothing "
                                  "stored. Check that the server is up and the URL is right") from None
     if out["status"] != 200:
-        raise MonitorScrapeError(f"deployment {deployment}: {target} answered HTTP "
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} answered HTTP "
                                  f"{out['status']}; nothing stored")
     if "too_large" in out:
-        raise MonitorScrapeError(f"deployment {deployment}: the body of {target} is over {max_bytes} "
+        raise MonitorScrapeError(f"deployment {deployment}: the body of {shown} is over {max_bytes} "
                                  "bytes (setting monitor_scrape_max_bytes); nothing stored")
     if not out["vllm"]:
-        raise MonitorScrapeError(f"deployment {deployment}: {target} serves no vLLM metrics "
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} serves no vLLM metrics "
                                  "(no vllm:* family); nothing stored. Give the vLLM server's URL")
     try:
         text = b"\n".join(out["lines"]).decode("utf-8") + "\n"
         counters = spec_decode_counters(text, max_positions=settings.quality.k_max)
     except (ValueError, KeyError) as exc:
-        raise MonitorScrapeError(f"deployment {deployment}: {target} is not a Prometheus text "
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} is not a Prometheus text "
                                  f"exposition ({exc}); nothing stored") from None
     except PositionOutOfRange as exc:
-        raise MonitorScrapeError(f"deployment {deployment}: {target}: {exc}; nothing stored") from None
+        raise MonitorScrapeError(f"deployment {deployment}: {shown}: {exc}; nothing stored") from None
     problem = check_counters(counters)
     if problem:
-        raise MonitorScrapeError(f"deployment {deployment}: {target} serves impossible counters "
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} serves impossible counters "
                                  f"({problem}); nothing stored")
     return counters
 
@@ -219,8 +221,8 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
                               "accepted_tokens": step["delta_accepted"],
                               "accepted_per_pos": step["delta_per_pos"]}, "since the previous scrape: ")
     if problem:
-        raise MonitorScrapeError(f"deployment {deployment}: {metrics_url(url)} serves impossible "
-                                 f"counters ({problem}); nothing stored")
+        raise MonitorScrapeError(f"deployment {deployment}: {mask_url(metrics_url(url))} serves "
+                                 f"impossible counters ({problem}); nothing stored")
     if config is None:
         config = _served_config(ctx, previous, step)
     version, spec_config = config if config else (None, None)
@@ -230,7 +232,7 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
         domains = mine[0]["domains"] if mine else None
         if mine:
             ensure_promises(ctx, version, spec_config, mine[0])
-    row = {"deployment": deployment, "url": url[:500], "scraped_at": at or utcnow(),
+    row = {"deployment": deployment, "url": mask_url(url)[:500], "scraped_at": at or utcnow(),
            "config_name": ctx.config_name if version else None, "config_version": version,
            "run_id": spec_config.run_id if spec_config else None, "domains": domains,
            "drafts": counters["drafts"], "draft_tokens": counters["draft_tokens"],
