@@ -277,3 +277,51 @@ def test_the_scrape_url_is_stored_without_its_password(db_url, metrics_server):
     row = scrape(_monitor(db_url), scraped, "vllm-a", config=False)
     (stored,) = _scrapes(db_url)
     assert stored.url == row["url"] == metrics_server.url.replace("http://", "http://user:***@")
+
+
+# ------------------------------------------------------------------------------------------------
+# 12, 13. bad values on the command line: one line naming the value and the fix, exit 2, before
+# any work (no model loaded, nothing deleted)
+BAD_VALUES = {
+    "purge inf": (["traffic", "purge", "--older-than", "inf"],
+                  "--older-than 'inf': give a number of days from 0 to 100,000"),
+    "purge 1e12": (["traffic", "purge", "--older-than", "1e12"],
+                   "--older-than '1e12': give a number of days from 0 to 100,000"),
+    "purge -1": (["traffic", "purge", "--older-than", "-1"],
+                 "--older-than '-1': give a number of days from 0 to 100,000"),
+    "since garbage": (["monitor", "show", "--since", "garbage"],
+                      "--since 'garbage': give an ISO 8601 time in UTC from 2000-01-01 on, e.g. "
+                      "2026-01-31T12:00:00"),
+    "since 0001": (["monitor", "show", "--since", "0001-01-01"],
+                   "--since '0001-01-01': give an ISO 8601 time in UTC from 2000-01-01 on"),
+    "until garbage": (["monitor", "show", "--until", "x"], "--until 'x': give an ISO 8601 time"),
+    "evaluate days nan": (["evaluate", "--days", "nan", "--no-register"],
+                          "--days 'nan': give a number of days from 0 to 100,000"),
+    "sample days inf": (["traffic", "sample", "r1", "--days", "inf"],
+                        "--days 'inf': give a number of days from 0 to 100,000"),
+    "evaluate k-max 0": (["evaluate", "--k-max", "0", "--no-register"],
+                         "--k-max '0': give a whole number from 1 to 32"),
+    "evaluate k-max abc": (["evaluate", "--k-max", "abc", "--no-register"],
+                           "--k-max 'abc': give a whole number from 1 to 32"),
+    "conf bad json": (["main-job", "--conf", "{bad"],
+                      "--conf '{bad' is not JSON (Expecting property name"),
+    "conf not an object": (["main-job", "--conf", "[1]"],
+                           "--conf '[1]': give a JSON object of the run's Params"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2(case, db_url, tmp_path, monkeypatch, capsys):
+    from tasks.cli.app import main
+    from tasks.db.models import TrafficRequest
+    from tasks.steps.traffic_import import import_traffic
+
+    argv, line = BAD_VALUES[case]
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", [request_row(1)]), store=Store.open(db_url), progress=False)
+    monkeypatch.setenv("SPECDEC_DATABASE_URL", db_url)
+    capsys.readouterr()
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: InvalidValue: {line}"), err
+    assert len(_stored(db_url, TrafficRequest)) == 1          # nothing purged

@@ -15,7 +15,7 @@ from rich.table import Table
 from specdec_core.errors import SpecDecError
 from specdec_core.home import DEFAULT_MODEL
 
-from ..errors import SpecdecTaskError
+from ..errors import InvalidValue, SpecdecTaskError
 from ..masking import mask_text
 from ..paths import check_identifier
 from ..registry.mlflow_scope import SUPPRESS_RUN_URL_ENV, mlflow_settings
@@ -206,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except InvalidValue as exc:     # a value the option's type refused: one line, before any work
+        errors.print(f"[red]error:[/red] InvalidValue: {escape(mask_text(str(exc)))}")
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:

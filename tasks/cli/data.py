@@ -6,7 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..settings import load_settings
-from .common import open_store, per_domain_args, print_json, url_arg
+from .common import days, open_store, per_domain_args, print_json, url_arg
 from .console import emit, make_console
 
 console = make_console()
@@ -169,7 +169,7 @@ def register(sub) -> None:
     imp.set_defaults(func=cmd_traffic_import)
 
     purge = t_sub.add_parser("purge", help="retention: delete traffic older than N days (UTC now)")
-    purge.add_argument("--older-than", type=float, required=True, metavar="DAYS")
+    purge.add_argument("--older-than", type=days("--older-than"), required=True, metavar="DAYS")
     purge.add_argument("--dry-run", action="store_true", help="count only")
     url_arg(purge)
     purge.set_defaults(func=cmd_traffic_purge)
@@ -177,7 +177,7 @@ def register(sub) -> None:
     sample = t_sub.add_parser("sample", help="draw a run's stratified per-domain sample (JSON out)")
     sample.add_argument("run_id")
     sample.add_argument("--domains", default=None, help="comma-separated (default: all with traffic)")
-    sample.add_argument("--days", type=float, default=None,
+    sample.add_argument("--days", type=days("--days"), default=None,
                         help="window length ending at the newest stored request (default: settings)")
     sample.add_argument("--start", default=None, help="explicit window start (ISO 8601)")
     sample.add_argument("--end", default=None, help="explicit window end (ISO 8601)")

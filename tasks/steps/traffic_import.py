@@ -893,8 +893,8 @@ def purge_traffic(older_than_days: float, store: Store, now: datetime | None = N
                   dry_run: bool = False) -> dict:
     """Retention: delete traffic rows requested, and quarantined rows imported, before
     now - older_than_days (UTC). Returns {"cutoff", "traffic_requests", "quarantined_requests"}."""
-    if not older_than_days >= 0:
-        raise TrafficFileError(f"--older-than {older_than_days}: give a number of days >= 0")
+    if not (math.isfinite(older_than_days) and 0 <= older_than_days <= 100_000):
+        raise TrafficFileError(f"--older-than {older_than_days}: give a number of days from 0 to 100,000")
     cutoff = (now or utcnow()) - timedelta(days=older_than_days)
     with store.begin() as connection:
         counts = purge_before(connection, cutoff, dry_run)
