@@ -325,3 +325,20 @@ def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2(case, db_url, tm
     assert out == "" and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: InvalidValue: {line}"), err
     assert len(_stored(db_url, TrafficRequest)) == 1          # nothing purged
+
+
+@pytest.mark.parametrize("command", [["traffic", "import"], ["traffic", "purge"], ["monitor", "scrape"],
+                                     ["monitor", "show"], ["config", "export"]])
+def test_the_commands_a_help_names_exist(command, capsys):
+    import re
+
+    from tasks.cli.app import build_parser, main
+
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    named = re.findall(r"`specdec ([a-z-]+(?: [a-z_-]+)?)", " ".join(capsys.readouterr().out.split()))
+    for words in named:
+        with pytest.raises(SystemExit) as parsed:      # each parses (its --help exits 0)
+            build_parser().parse_args([*words.split(), "--help"])
+        assert parsed.value.code == 0, f"{' '.join(command)} --help names `specdec {words}`"
+    capsys.readouterr()

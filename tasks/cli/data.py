@@ -156,8 +156,8 @@ def register(sub) -> None:
         description="Import a JSONL or CSV traffic file (optionally .gz). Rows already stored are "
                     "skipped; bad rows are quarantined with their line and reason.",
         epilog="exit status: 0 every row stored or already there; 3 rows were quarantined (the "
-               "others are stored: see `specdec traffic quarantine`); 2 the file or the database "
-               "cannot be used (rows before a break in the file are stored).")
+               "others are stored; `specdec report quarantined_by_reason` counts them by reason); 2 "
+               "the file or the database cannot be used (rows before a break in the file are stored).")
     imp.add_argument("file", nargs="?", default=None)
     imp.add_argument("--sample", action="store_true", help="import the shipped sample traffic")
     imp.add_argument("--format", choices=["jsonl", "csv"], default=None,
