@@ -342,3 +342,23 @@ def test_the_commands_a_help_names_exist(command, capsys):
             build_parser().parse_args([*words.split(), "--help"])
         assert parsed.value.code == 0, f"{' '.join(command)} --help names `specdec {words}`"
     capsys.readouterr()
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. a draft's training window and a row stamped in the future
+def test_the_draft_training_window_ignores_a_row_stamped_in_the_future(db_url, tmp_path):
+    from datetime import timedelta
+
+    from tasks.steps.draft_training import training_requests
+    from tasks.steps.traffic_import import import_traffic
+    from tasks.timeutil import utcnow
+
+    rows = [request_row(i) for i in range(1, 49)]                      # 2025-11-01 .. 2025-11-14
+    ahead = (utcnow() + timedelta(hours=20)).strftime("%Y-%m-%dT%H:%M:%SZ")   # accepted: < now + 1 day
+    rows.append(request_row(99, timestamp=ahead))
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", rows), store=Store.open(db_url), progress=False)
+    requests, (start, end) = training_requests(Store.open(db_url), "sha256:test", window_days=7)
+    assert end.strftime("%Y-%m-%d") == "2025-11-14"                  # not the future row's time
+    since = start.strftime("%Y-%m-%dT%H:%M:%S")
+    assert len(requests) == sum(1 for row in rows[:48] if row["timestamp"] >= since) >= 10
+    assert "req-00099" not in {request.request_id for request in requests}
