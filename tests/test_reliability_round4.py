@@ -362,3 +362,31 @@ def test_the_draft_training_window_ignores_a_row_stamped_in_the_future(db_url, t
     since = start.strftime("%Y-%m-%dT%H:%M:%S")
     assert len(requests) == sum(1 for row in rows[:48] if row["timestamp"] >= since) >= 10
     assert "req-00099" not in {request.request_id for request in requests}
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. deployment names that slug alike
+def test_deployments_whose_domains_slug_alike_get_distinct_service_names():
+    import re
+
+    from tasks.registry.compose_export import compose_export, deployments
+    from tasks.registry.config_schema import parse_config
+
+    def lookup(k: int) -> dict:
+        return {"enabled": True, "drafter": {"kind": "prompt_lookup", "params": {"max_ngram": 3}},
+                "k": k, "samples": 25, "validation": "passed"}
+
+    domains = {"a_b": lookup(2), "a-b": lookup(3), "a": lookup(4), "b": lookup(4), "日本": lookup(5),
+               "中文": lookup(6), "json": lookup(7), "x" * 80: lookup(8), "x" * 81: lookup(9)}
+    config = parse_config({"target": {"id": "Org/Tiny", "fingerprint": "sha256:aaa"},
+                           "hardware_profile": "cpu-test", "run_id": "run-1",
+                           "created_at": "2025-11-01T10:00:00", "domains": domains})
+    found = deployments(config)
+    names = [d["name"] for d in found]
+    assert len(found) == 8 and len(set(names)) == 8, names      # a and b share one deployment
+    assert all(re.fullmatch(r"vllm-[a-z0-9][a-z0-9-]{0,57}[a-z0-9]", name) for name in names), names
+    assert {d["name"] for d in found if d["domains"] == ["json"]} == {"vllm-json"}   # plain names stay
+    services = compose_export(config, "specdec-config-org--tiny", "7", "vllm/vllm-openai:v0.32.0")["services"]
+    assert sorted(services) == sorted(names)
+    served = sorted(domain for s in services.values() for domain in s["labels"]["io.specdec.domains"].split(","))
+    assert served == sorted(domains)                             # every domain has its service
