@@ -390,3 +390,44 @@ def test_deployments_whose_domains_slug_alike_get_distinct_service_names():
     assert sorted(services) == sorted(names)
     served = sorted(domain for s in services.values() for domain in s["labels"]["io.specdec.domains"].split(","))
     assert served == sorted(domains)                             # every domain has its service
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. an over-long row: quarantined at import with the gate's limit; one row removed by id
+@pytest.mark.parametrize("field", ["prompt", "response"])
+def test_a_row_longer_than_the_gate_allows_is_quarantined_at_import(field, db_url, tmp_path):
+    from tasks.db.models import QuarantinedRequest, TrafficRequest
+    from tasks.steps.traffic_import import import_traffic
+
+    long_row = request_row(2, **{field: "word " * 80_000})       # 400,000 characters
+    if field == "prompt":
+        long_row.pop("messages")
+    report = import_traffic(write_jsonl(tmp_path / "t.jsonl", [request_row(1), long_row, request_row(3)]),
+                            store=Store.open(db_url), progress=False)
+    assert (report["inserted"], report["quarantined"]) == (2, 1)
+    assert sorted(row.id for row in _stored(db_url, TrafficRequest)) == ["req-00001", "req-00003"]
+    (held,) = _stored(db_url, QuarantinedRequest)
+    assert (held.line_number, held.reason) == (2, "too_large")
+    assert f"{field} is 400000 characters; at most 200000 (setting max_{field}_chars" in held.detail
+
+
+def test_traffic_purge_by_id_removes_that_row_only(db_url, tmp_path, capsys):
+    from tasks.cli.app import main
+    from tasks.db.models import TrafficRequest
+    from tasks.steps.traffic_import import import_traffic
+
+    import_traffic(write_jsonl(tmp_path / "t.jsonl", [request_row(i) for i in (1, 2, 3)]),
+                   store=Store.open(db_url), progress=False)
+    assert main(["traffic", "purge", "--id", "req-00002", "--dry-run", "--url", db_url]) == 0
+    assert len(_stored(db_url, TrafficRequest)) == 3
+    assert main(["traffic", "purge", "--id", "req-00002", "--url", db_url]) == 0
+    assert sorted(row.id for row in _stored(db_url, TrafficRequest)) == ["req-00001", "req-00003"]
+    capsys.readouterr()
+    assert main(["traffic", "purge", "--id", "req-00002", "--url", db_url]) == 2     # gone already
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == ["error: TrafficFileError: request 'req-00002' is not stored; "
+                                        "nothing deleted"]
+    with pytest.raises(SystemExit) as neither:          # argparse: --older-than or --id is required
+        main(["traffic", "purge", "--url", db_url])
+    assert neither.value.code == 2 and "one of the arguments --older-than --id is required" in \
+        capsys.readouterr().err

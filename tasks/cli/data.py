@@ -73,10 +73,14 @@ def cmd_traffic_import(args) -> int:
 
 def cmd_traffic_purge(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic_import import purge_traffic
+    from ..steps.traffic_import import purge_request, purge_traffic
 
-    result = purge_traffic(args.older_than, open_store(args), dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
+    if args.request_id is not None:
+        purge_request(args.request_id, open_store(args), dry_run=args.dry_run)
+        console.print(f"{verb} traffic row {escape(repr(args.request_id))}")
+        return 0
+    result = purge_traffic(args.older_than, open_store(args), dry_run=args.dry_run)
     console.print(f"{verb} {result['traffic_requests']} traffic rows and "
                   f"{result['quarantined_requests']} quarantined rows older than {result['cutoff']}")
     return 0
@@ -168,8 +172,12 @@ def register(sub) -> None:
     url_arg(imp)
     imp.set_defaults(func=cmd_traffic_import)
 
-    purge = t_sub.add_parser("purge", help="retention: delete traffic older than N days (UTC now)")
-    purge.add_argument("--older-than", type=days("--older-than"), required=True, metavar="DAYS")
+    purge = t_sub.add_parser("purge", help="retention: delete traffic older than N days (UTC now), "
+                                           "or one request by id")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--older-than", type=days("--older-than"), metavar="DAYS")
+    which.add_argument("--id", dest="request_id", metavar="REQUEST_ID",
+                       help="delete this one request (e.g. one a quality gate names)")
     purge.add_argument("--dry-run", action="store_true", help="count only")
     url_arg(purge)
     purge.set_defaults(func=cmd_traffic_purge)

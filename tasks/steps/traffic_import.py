@@ -48,9 +48,9 @@ from sqlalchemy.exc import DBAPIError
 
 from ..db.engine import database_error
 from ..db.queries_monitor import insert_request_metrics
-from ..db.queries_traffic import (insert_new_requests, insert_quarantined, mark_file_error, purge_before,
-                                  quarantined_lines, replace_quarantined, stored_content_hashes,
-                                  supersede_broken_entries)
+from ..db.queries_traffic import (delete_request, insert_new_requests, insert_quarantined, mark_file_error,
+                                  purge_before, quarantined_lines, replace_quarantined,
+                                  stored_content_hashes, supersede_broken_entries)
 from ..db.store import Store
 from ..errors import TrafficFileError
 from ..settings import Settings
@@ -193,6 +193,7 @@ class Normalizer:
                 redacted_messages.append({**message, "content": content})
             messages = redacted_messages
             prompt = _join_messages(messages)
+        self._check_lengths(prompt, response)
         if prompt_hits:
             prompt_ids = None
         if response_hits:
@@ -209,6 +210,16 @@ class Normalizer:
             "redactions": prompt_hits + response_hits,
             "spec_metrics": _spec_metrics(row),     # stored apart (request_spec_metrics)
         }
+
+    def _check_lengths(self, prompt: str, response: str) -> None:
+        """A prompt or response longer than the sample's quality gate allows is too_large here,
+        at import: stored, it would fail the gate of every run (every domain) until purged."""
+        quality = self.settings.quality
+        for name, text, limit in (("prompt", prompt, quality.max_prompt_chars),
+                                  ("response", response, quality.max_response_chars)):
+            if len(text) > limit:
+                raise RowRejected(TOO_LARGE, f"{name} is {len(text)} characters; at most {limit} "
+                                             f"(setting max_{name}_chars, the sample's quality gate)")
 
     def _domain(self, value, last_user: str) -> tuple[str, str]:
         if value is not None and not (isinstance(value, str) and not value.strip()):
@@ -887,6 +898,16 @@ def import_traffic(path: str | Path, store: Store, settings: Settings | None = N
              path, report.rows_read, report.inserted, report.skipped_existing, report.quarantined,
              report.quarantined_by_reason, report.seconds)
     return report.to_dict()
+
+
+def purge_request(request_id: str, store: Store, dry_run: bool = False) -> None:
+    """Delete one stored request by id (one a quality gate names); TrafficFileError when no
+    request has that id (nothing deleted)."""
+    with store.begin() as connection:
+        found = delete_request(connection, request_id, dry_run)
+    if not found:
+        raise TrafficFileError(f"request {request_id[:200]!r} is not stored; nothing deleted")
+    log.info("purged request %r%s", request_id, " (dry run)" if dry_run else "")
 
 
 def purge_traffic(older_than_days: float, store: Store, now: datetime | None = None,
