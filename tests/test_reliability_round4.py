@@ -307,6 +307,10 @@ BAD_VALUES = {
                       "--conf '{bad' is not JSON (Expecting property name"),
     "conf not an object": (["main-job", "--conf", "[1]"],
                            "--conf '[1]': give a JSON object of the run's Params"),
+    "export to a folder": (["config", "export", "--format", "compose", "--output", "TMP"],
+                           "--output 'TMP' is a folder: give a file path to write"),
+    "export to a missing folder": (["config", "export", "--format", "compose", "--output", "TMP/no/x.yml"],
+                                   "--output 'TMP/no/x.yml': the folder 'TMP/no' does not exist"),
 }
 
 
@@ -317,6 +321,7 @@ def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2(case, db_url, tm
     from tasks.steps.traffic_import import import_traffic
 
     argv, line = BAD_VALUES[case]
+    argv, line = [arg.replace("TMP", str(tmp_path)) for arg in argv], line.replace("TMP", str(tmp_path))
     import_traffic(write_jsonl(tmp_path / "t.jsonl", [request_row(1)]), store=Store.open(db_url), progress=False)
     monkeypatch.setenv("SPECDEC_DATABASE_URL", db_url)
     capsys.readouterr()

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
 from ..errors import InvalidValue
 from .console import emit
@@ -57,6 +58,20 @@ def utc_time(option: str):
             raise InvalidValue(f"{option} {text[:40]!r}: give an ISO 8601 time in UTC from "
                                f"{EARLIEST_TIME:%Y-%m-%d} on, e.g. 2026-01-31T12:00:00")
         return value
+    return parse
+
+
+def output_file(option: str):
+    """An argparse type: a file path to write, whose folder exists and which is not itself a
+    folder; else InvalidValue naming `option`."""
+    def parse(text: str) -> str:
+        path = Path(text)
+        if not text.strip() or path.is_dir():
+            raise InvalidValue(f"{option} {text[:80]!r} is a folder: give a file path to write")
+        if not path.parent.is_dir():
+            raise InvalidValue(f"{option} {text[:80]!r}: the folder {str(path.parent)[:80]!r} does "
+                               "not exist; create it or give another path")
+        return text
     return parse
 
 
