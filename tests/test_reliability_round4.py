@@ -436,3 +436,54 @@ def test_traffic_purge_by_id_removes_that_row_only(db_url, tmp_path, capsys):
         main(["traffic", "purge", "--url", db_url])
     assert neither.value.code == 2 and "one of the arguments --older-than --id is required" in \
         capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# 13. Ctrl-C during an import
+@pytest.mark.integration
+def test_sigint_during_an_import_is_one_line_and_keeps_the_committed_rows(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tasks.db import dispose_engines, upgrade
+    from tasks.db.models import TrafficRequest
+
+    from .helpers import REPO
+
+    home = tmp_path / "home"
+    home.mkdir()
+    url = f"sqlite:///{home / 'specdec.db'}"
+    upgrade(url)
+    dispose_engines()
+    path = write_jsonl(tmp_path / "big.jsonl", [request_row(i) for i in range(1, 60_001)])
+    env = {"PYTHONPATH": str(REPO), "SPECDEC_HOME": str(home), "OMP_NUM_THREADS": "1",
+           "PATH": "/usr/bin:/bin"}
+    process = subprocess.Popen([sys.executable, "-m", "tasks.cli", "traffic", "import", str(path),
+                                "--no-progress", "--batch-size", "500"], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            engine = create_engine(url)
+            try:
+                with engine.connect() as connection:
+                    if connection.exec_driver_sql("SELECT count(*) FROM traffic_requests").scalar():
+                        break
+            except Exception:        # the table locked by the writer: ask again
+                pass
+            finally:
+                engine.dispose()
+            time.sleep(0.05)
+        assert process.poll() is None, "the import ended before it could be interrupted"
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: Interrupted: stopped by Ctrl-C (SIGINT)"), err
+    stored = len(_stored(url, TrafficRequest))
+    assert 0 < stored < 60_000 and stored % 500 == 0               # whole batches, as committed

@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         flush_stdout()
         return 1
+    except KeyboardInterrupt:       # Ctrl-C: one line, not the traceback of wherever it landed
+        errors.print("[red]error:[/red] Interrupted: stopped by Ctrl-C (SIGINT); what was committed "
+                     "is kept: run the command again to go on (an import skips the rows it stored)")
+        return 130
     finally:
         sys.stdout, sys.stderr = streams
 
