@@ -487,3 +487,24 @@ def test_sigint_during_an_import_is_one_line_and_keeps_the_committed_rows(tmp_pa
     assert err.startswith("error: Interrupted: stopped by Ctrl-C (SIGINT)"), err
     stored = len(_stored(url, TrafficRequest))
     assert 0 < stored < 60_000 and stored % 500 == 0               # whole batches, as committed
+
+
+# ------------------------------------------------------------------------------------------------
+# 12, 13. `engine validate` with an unknown domain, or on a run that turns no domain on
+@pytest.mark.parametrize("argv, line", [
+    (["--domain", "zzz"], "--domain zzz: run run-1 has no domain zzz; its domains: json, qa"),
+    ([], "run run-1 turns no domain on: nothing to validate; name one with --domain (its domains: "
+         "json, qa)"),
+], ids=["unknown domain", "no domain on"])
+def test_engine_validate_refuses_a_domain_it_cannot_validate_before_loading_a_model(argv, line, db_url, capsys):
+    from tasks.cli.app import main
+
+    from .helpers.registry import finished_run
+
+    finished_run(db_url, "run-1", {"json": {"enabled": False}, "qa": {"enabled": False}},
+                 target_id="no-such-org/no-such-model")
+    capsys.readouterr()
+    assert main(["engine", "validate", "run-1", *argv, "--url", db_url]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == f"error: InvalidValue: {line}"
