@@ -508,3 +508,21 @@ def test_engine_validate_refuses_a_domain_it_cannot_validate_before_loading_a_mo
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1, err
     assert err.strip() == f"error: InvalidValue: {line}"
+
+
+# ------------------------------------------------------------------------------------------------
+# 11. deployment names
+@pytest.mark.parametrize("name", ["", "a\nb", "vllm\u202egpj", "d" * 10_000, "\x1b[31mred"],
+                         ids=["empty", "newline", "bidi", "long", "escape"])
+def test_a_hostile_deployment_name_is_refused_in_one_line_and_nothing_is_stored(name, db_url, metrics_server,
+                                                                                 capsys):
+    from tasks.cli.app import main
+
+    capsys.readouterr()
+    assert main(["monitor", "scrape", "--url", metrics_server.url, "--deployment", name, "--no-check",
+                 "--db-url", db_url]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: InvalidIdentifier: deployment name ") and "is not allowed" in err
+    assert len(err) < 400 and "\x1b" not in err and "\u202e" not in err
+    assert _scrapes(db_url) == []

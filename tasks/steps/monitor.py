@@ -39,6 +39,7 @@ from ..db import queries_monitor as q
 from ..db.store import Store
 from ..errors import MonitorScrapeError, RegistryError
 from ..masking import mask_text, mask_url
+from ..paths import check_identifier
 from ..registry.compose_export import deployments
 from ..registry.config_schema import SpecdecConfig, config_model_name
 from ..registry.promotion import rollback
@@ -214,6 +215,8 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
     """Read `url`'s counters and store them with their deltas (see the module's docstring).
     config: (version, config) the deployment serves; None: the version of the server's series, or
     the champion at a baseline or restart (_served_config); False: stored without a version."""
+    check_identifier(deployment, "deployment name", "it names the scrapes, alerts and rollbacks "
+                                                    "of one server")
     counters = read_counters(url, deployment, ctx.settings)
     previous = q.last_scrape(ctx.store, deployment)
     step = series_deltas(previous, counters)
