@@ -74,6 +74,12 @@ class InvalidIdentifier(SpecdecTaskError, ValueError):
     is malformed, or a path built from one would leave $SPECDEC_HOME."""
 
 
+class InvalidValue(SpecdecTaskError):
+    """A value given on the command line that cannot be used (not a number, not finite, out of
+    range, not a time, not JSON): refused by name, with the fix, before any work. Not a
+    ValueError, so that argparse passes it on instead of rewording it."""
+
+
 class MonitorScrapeError(ServingProbeError):
     """A serving deployment's /metrics could not be read (down, refused, not vLLM's): nothing is
     stored for that scrape."""

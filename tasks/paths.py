@@ -34,13 +34,13 @@ def shown(value) -> str:
     return f"{value[:_SHOWN_CHARS]!r}... ({len(value):,} characters)"
 
 
-def check_identifier(value, what: str = "run id") -> str:
+def check_identifier(value, what: str = "run id", why: str = "it names files under $SPECDEC_HOME") -> str:
     """`value` when it is a valid identifier, else InvalidIdentifier naming it and the rule."""
     if isinstance(value, str) and len(value) <= IDENTIFIER_MAX_CHARS and _IDENTIFIER.fullmatch(value):
         return value
     raise InvalidIdentifier(
         f"{what} {shown(value)} is not allowed: use 1 to {IDENTIFIER_MAX_CHARS} of {IDENTIFIER_CHARS}, "
-        "starting with a letter, digit or _ (it names files under $SPECDEC_HOME)")
+        f"starting with a letter, digit or _ ({why})")
 
 
 def home_path(*parts: str) -> Path:

@@ -365,7 +365,10 @@ class MonitorSettings(_Group):
         "roll the champion back (compare-and-set, audit row) when a deployment's production E "
         "over the window falls below the break-even of its deployed K; off: the alert only"))
     scrape_timeout_s: float = Field(default=10.0, gt=0, description=(
-        "how long one scrape of a server's /metrics may take"))
+        "how long one scrape of a server's /metrics may take, in total (connecting and reading)"))
+    scrape_max_bytes: int = Field(default=64 * 2**20, ge=1024, description=(
+        "the most bytes one scrape reads of a server's /metrics: a larger body is refused "
+        "(nothing stored)"))
 
 
 class RegistrySettings(_Group):

@@ -24,6 +24,7 @@ from tasks.cli.main_job import airflow_environment
 
 from .helpers import REPO
 from .helpers.db import POSTGRES_ENV, MigratedTemplates, postgres_schema
+from .helpers.metrics import Exposition
 from .helpers.models import SPREAD_VOCAB, save_tiny_target, tiny_llama
 from .helpers.ordering import longest_first, recorded_seconds
 from .helpers.traffic import request_row, traffic_rows, write_jsonl
@@ -296,3 +297,11 @@ def tiny_store(db_url, tmp_path, monkeypatch, mlflow_uri):
     from tasks.steps import context
     context._MODELS.clear()
     return {"db_url": db_url, "target": str(model_dir), "model": model, "tokenizer": tokenizer}
+
+
+@pytest.fixture
+def metrics_server():
+    """A loopback HTTP server answering GET /metrics with what the test sets (helpers.monitor)."""
+    server = Exposition()
+    yield server
+    server.close()

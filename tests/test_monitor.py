@@ -7,70 +7,16 @@ The loop on a real vLLM server is tests/test_monitor_serving.py."""
 from __future__ import annotations
 
 import json
-import threading
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from sqlalchemy import create_engine, func, select
 
+from .helpers.metrics import exposition
 from .helpers.monitor import BREAK_EVEN, DEPLOYMENT, PROMISE, monitored_champion, scrape_times
 from .helpers.processes import specdec
 
 from tasks.db.store import Store
-
-
-def exposition(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> str:
-    """vLLM's spec-decode counters as its /metrics writes them (one engine, one model)."""
-    labels = 'engine="0",model_name="tiny"'
-    lines = ["# HELP vllm:num_requests_running Number of requests running.",
-             "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} 0.0"]
-    for name, value in (("num_drafts", drafts), ("num_draft_tokens", draft_tokens),
-                        ("num_accepted_tokens", accepted)):
-        lines += [f"# HELP vllm:spec_decode_{name}_total Spec decode {name}.",
-                  f"# TYPE vllm:spec_decode_{name}_total counter",
-                  f"vllm:spec_decode_{name}_total{{{labels}}} {float(value)}",
-                  f"vllm:spec_decode_{name}_created{{{labels}}} 1.7e9"]
-    lines += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted per position.",
-              "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
-    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {float(v)}'
-              for i, v in enumerate(per_pos)]
-    return "\n".join(lines) + "\n"
-
-
-class Exposition:
-    """A loopback server whose GET /metrics answers `text` (what a test sets)."""
-
-    def __init__(self):
-        owner = self
-        self.text = exposition(0, 0, 0, [0, 0, 0])
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = owner.text.encode()
-                self.send_response(200 if self.path == "/metrics" else 404)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def metrics_server():
-    server = Exposition()
-    yield server
-    server.close()
 
 
 @pytest.fixture

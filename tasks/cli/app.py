@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 
 from rich.markup import escape
 from rich.table import Table
@@ -14,7 +15,7 @@ from rich.table import Table
 from specdec_core.errors import SpecDecError
 from specdec_core.home import DEFAULT_MODEL
 
-from ..errors import SpecdecTaskError
+from ..errors import InvalidValue, SpecdecTaskError
 from ..masking import mask_text
 from ..paths import check_identifier
 from ..registry.mlflow_scope import SUPPRESS_RUN_URL_ENV, mlflow_settings
@@ -188,17 +189,32 @@ def main(argv: list[str] | None = None) -> int:
     # setting, whatever the environment says, for this command only (the process's environment is
     # not written), and anything else written to stdout or stderr while the command runs has its
     # URL credentials masked.
+    # An uncaught error (a bug to report) has its traceback printed here, while stderr still
+    # masks: printed by the interpreter after main() returns, it would show the URLs in its
+    # message (SQL parameters included) as they are.
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = MaskingStream(sys.stdout), MaskingStream(sys.stderr)
     try:
         with mlflow_settings(forced={SUPPRESS_RUN_URL_ENV: True}):
             return _main(argv)
+    except Exception:
+        traceback.print_exc()
+        flush_stdout()
+        return 1
+    except KeyboardInterrupt:       # Ctrl-C: one line, not the traceback of wherever it landed
+        errors.print("[red]error:[/red] Interrupted: stopped by Ctrl-C (SIGINT); what was committed "
+                     "is kept: run the command again to go on (an import skips the rows it stored)")
+        return 130
     finally:
         sys.stdout, sys.stderr = streams
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except InvalidValue as exc:     # a value the option's type refused: one line, before any work
+        errors.print(f"[red]error:[/red] InvalidValue: {escape(mask_text(str(exc)))}")
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:

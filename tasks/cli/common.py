@@ -4,9 +4,92 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from datetime import datetime, timezone
+from pathlib import Path
 
+from ..errors import InvalidValue
 from .console import emit
+
+MAX_DAYS = 100_000                   # about 274 years: the most days any window or age may span
+EARLIEST_TIME = datetime(2000, 1, 1)
+MAX_K = 32                           # the largest K a run may plan (setting eval_k_max's bound)
+
+
+def days(option: str):
+    """An argparse type: a number of days from 0 to MAX_DAYS, else InvalidValue naming `option`."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 <= value <= MAX_DAYS):
+            raise InvalidValue(f"{option} {text[:40]!r}: give a number of days from 0 to {MAX_DAYS:,}")
+        return value
+    return parse
+
+
+def k_value(option: str):
+    """An argparse type: a K from 1 to MAX_K, else InvalidValue naming `option`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= MAX_K:
+            raise InvalidValue(f"{option} {text[:40]!r}: give a whole number from 1 to {MAX_K}")
+        return value
+    return parse
+
+
+def utc_time(option: str):
+    """An argparse type: an ISO 8601 time (naive: UTC; an offset is converted) from
+    EARLIEST_TIME on, as a naive UTC datetime; else InvalidValue naming `option`."""
+    def parse(text: str) -> datetime:
+        stripped = text.strip()
+        try:
+            value = datetime.fromisoformat(stripped[:-1] + "+00:00" if stripped[-1:] in "zZ" else stripped)
+            if value.tzinfo is not None:
+                value = value.astimezone(timezone.utc).replace(tzinfo=None)
+        except (ValueError, OverflowError):
+            value = None
+        if value is None or value < EARLIEST_TIME:
+            raise InvalidValue(f"{option} {text[:40]!r}: give an ISO 8601 time in UTC from "
+                               f"{EARLIEST_TIME:%Y-%m-%d} on, e.g. 2026-01-31T12:00:00")
+        return value
+    return parse
+
+
+def output_file(option: str):
+    """An argparse type: a file path to write, whose folder exists and which is not itself a
+    folder; else InvalidValue naming `option`."""
+    def parse(text: str) -> str:
+        path = Path(text)
+        if not text.strip() or path.is_dir():
+            raise InvalidValue(f"{option} {text[:80]!r} is a folder: give a file path to write")
+        if not path.parent.is_dir():
+            raise InvalidValue(f"{option} {text[:80]!r}: the folder {str(path.parent)[:80]!r} does "
+                               "not exist; create it or give another path")
+        return text
+    return parse
+
+
+def json_object(option: str):
+    """An argparse type: a JSON object, else InvalidValue naming `option`."""
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise InvalidValue(f"{option} {text[:40]!r} is not JSON ({exc}); give a JSON object, "
+                               "e.g. '{\"max_per_domain\": 20}'") from None
+        except ValueError as exc:            # Python's integer-conversion limit
+            raise InvalidValue(f"{option}: {exc}; give a JSON object of the run's Params") from None
+        if not isinstance(value, dict):
+            raise InvalidValue(f"{option} {text[:40]!r}: give a JSON object of the run's Params, "
+                               "e.g. '{\"max_per_domain\": 20}'")
+        return value
+    return parse
 
 
 def url_arg(parser: argparse.ArgumentParser) -> None:

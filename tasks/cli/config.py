@@ -16,7 +16,7 @@ from ..registry.sglang_export import sglang_export
 from ..registry.trtllm_export import trtllm_export
 from ..registry.vllm_export import vllm_export
 from ..serving.environment import SERVED_MARK
-from .common import open_store, print_json, tracking_uri_arg, url_arg
+from .common import open_store, output_file, print_json, tracking_uri_arg, url_arg
 from .console import emit, make_console
 
 console = make_console()
@@ -205,7 +205,7 @@ def register(sub) -> None:
                              "per domain (K by batch size in the engine's own key); sglang: the "
                              "launch_server flags per domain (one K per server); compose: a Docker "
                              "Compose override with one vLLM service per deployment (profile serving)")
-    export.add_argument("--output", default=None, help="compose: the file to write (default: stdout)")
+    export.add_argument("--output", type=output_file("--output"), default=None, help="compose: the file to write, in a folder that exists (default: stdout)")
     export.add_argument("--model-dir", default=None,
                         help="vllm / sglang / compose: the target directory the server loads (default: the embedded "
                              "default's served copy under $SPECDEC_HOME/models once the engine check "

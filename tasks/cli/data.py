@@ -6,7 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..settings import load_settings
-from .common import open_store, per_domain_args, print_json, url_arg
+from .common import days, open_store, per_domain_args, print_json, url_arg
 from .console import emit, make_console
 
 console = make_console()
@@ -73,10 +73,14 @@ def cmd_traffic_import(args) -> int:
 
 def cmd_traffic_purge(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic_import import purge_traffic
+    from ..steps.traffic_import import purge_request, purge_traffic
 
-    result = purge_traffic(args.older_than, open_store(args), dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
+    if args.request_id is not None:
+        purge_request(args.request_id, open_store(args), dry_run=args.dry_run)
+        console.print(f"{verb} traffic row {escape(repr(args.request_id))}")
+        return 0
+    result = purge_traffic(args.older_than, open_store(args), dry_run=args.dry_run)
     console.print(f"{verb} {result['traffic_requests']} traffic rows and "
                   f"{result['quarantined_requests']} quarantined rows older than {result['cutoff']}")
     return 0
@@ -156,8 +160,8 @@ def register(sub) -> None:
         description="Import a JSONL or CSV traffic file (optionally .gz). Rows already stored are "
                     "skipped; bad rows are quarantined with their line and reason.",
         epilog="exit status: 0 every row stored or already there; 3 rows were quarantined (the "
-               "others are stored: see `specdec traffic quarantine`); 2 the file or the database "
-               "cannot be used (rows before a break in the file are stored).")
+               "others are stored; `specdec report quarantined_by_reason` counts them by reason); 2 "
+               "the file or the database cannot be used (rows before a break in the file are stored).")
     imp.add_argument("file", nargs="?", default=None)
     imp.add_argument("--sample", action="store_true", help="import the shipped sample traffic")
     imp.add_argument("--format", choices=["jsonl", "csv"], default=None,
@@ -168,8 +172,12 @@ def register(sub) -> None:
     url_arg(imp)
     imp.set_defaults(func=cmd_traffic_import)
 
-    purge = t_sub.add_parser("purge", help="retention: delete traffic older than N days (UTC now)")
-    purge.add_argument("--older-than", type=float, required=True, metavar="DAYS")
+    purge = t_sub.add_parser("purge", help="retention: delete traffic older than N days (UTC now), "
+                                           "or one request by id")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--older-than", type=days("--older-than"), metavar="DAYS")
+    which.add_argument("--id", dest="request_id", metavar="REQUEST_ID",
+                       help="delete this one request (e.g. one a quality gate names)")
     purge.add_argument("--dry-run", action="store_true", help="count only")
     url_arg(purge)
     purge.set_defaults(func=cmd_traffic_purge)
@@ -177,7 +185,7 @@ def register(sub) -> None:
     sample = t_sub.add_parser("sample", help="draw a run's stratified per-domain sample (JSON out)")
     sample.add_argument("run_id")
     sample.add_argument("--domains", default=None, help="comma-separated (default: all with traffic)")
-    sample.add_argument("--days", type=float, default=None,
+    sample.add_argument("--days", type=days("--days"), default=None,
                         help="window length ending at the newest stored request (default: settings)")
     sample.add_argument("--start", default=None, help="explicit window start (ISO 8601)")
     sample.add_argument("--end", default=None, help="explicit window end (ISO 8601)")

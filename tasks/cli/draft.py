@@ -13,7 +13,7 @@ from specdec_core.home import DEFAULT_MODEL
 
 from ..paths import check_identifier
 from ..steps.draft_recipes import KINDS, TRAINING_DEFAULTS, recipe_and_data
-from .common import open_store, print_json, tracking_uri_arg, url_arg
+from .common import days, open_store, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -169,7 +169,7 @@ def register(sub) -> None:
                                            "(specdec-suffix-<target>) with its lineage")
     build.add_argument("--domain", required=True, help="a domain, or several comma-separated")
     build.add_argument("--model", default=DEFAULT_MODEL, help="target (its fingerprint selects rows)")
-    build.add_argument("--days", type=float, default=None,
+    build.add_argument("--days", type=days("--days"), default=None,
                        help="window ending at the domain's newest request (default: all)")
     build.add_argument("--json", action="store_true")
     tracking_uri_arg(build)
@@ -183,7 +183,7 @@ def _add_train(d_sub) -> None:
     train.add_argument("--model", default=DEFAULT_MODEL, help="target")
     train.add_argument("--device", default=None)
     train.add_argument("--domains", default=None, help="comma-separated (default: pooled, all domains)")
-    train.add_argument("--days", type=float, default=None, help="window ending at the newest request")
+    train.add_argument("--days", type=days("--days"), default=None, help="window ending at the newest request")
     train.add_argument("--max-requests", type=int, default=None)
     train.add_argument("--heldout-fraction", type=float, default=TRAINING_DEFAULTS["heldout_fraction"],
                        help="share of requests held out (by request id): never trained on")
@@ -234,7 +234,7 @@ def _add_generate(d_sub) -> None:
                                "generated); default: a timestamp")
     generate.add_argument("--model", default=DEFAULT_MODEL, help="target (its fingerprint selects prompts)")
     generate.add_argument("--device", default=None)
-    generate.add_argument("--days", type=float, default=None,
+    generate.add_argument("--days", type=days("--days"), default=None,
                           help="prompts of this window ending at the newest request (default: all)")
     generate.add_argument("--batch-size", type=int, default=8)
     generate.add_argument("--max-new-tokens", type=int, default=256,

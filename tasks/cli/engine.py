@@ -90,7 +90,9 @@ def cmd_validate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     import json
 
+    from ..db.queries_engine_checks import planned_domains
     from ..steps.context import RunSpec
+    from ..steps.engine_validate import validation_domains
     from ..steps.pipeline import step_engine_validate
 
     store = open_store(args)
@@ -110,6 +112,8 @@ def cmd_validate(args) -> int:
             make_console(stderr=True).print("[red]error:[/red] --speculative-config must be a JSON object "
                                             "with a \"method\" (as `vllm serve` takes it)")
             return 2
+    # the domains checked before the target is loaded: a bad --domain is one line at once
+    validation_domains(planned_domains(store, args.run_id), args.run_id, args.domain or None, spec_config)
     overrides = {} if args.rows is None else {"engine_sampling_rows": args.rows}
     spec = RunSpec(run_id=args.run_id, target=target, db_url=url, overrides=overrides)
     result = step_engine_validate(spec, domains=args.domain or None, speculative_config=spec_config,

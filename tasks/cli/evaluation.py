@@ -13,7 +13,7 @@ from specdec_core.home import DEFAULT_MODEL
 from ..paths import check_identifier
 from ..settings import load_settings
 from ..steps.candidates import build_drafters
-from .common import open_store, per_domain_args, print_json, tracking_uri_arg, url_arg
+from .common import days, k_value, open_store, per_domain_args, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -264,7 +264,7 @@ def register(sub) -> None:
     ev.add_argument("--model", default=DEFAULT_MODEL, help="target (default: the embedded default)")
     ev.add_argument("--device", default=None)
     ev.add_argument("--domains", default=None, help="comma-separated (default: all with traffic)")
-    ev.add_argument("--days", type=float, default=None, help="window ending at the newest request")
+    ev.add_argument("--days", type=days("--days"), default=None, help="window ending at the newest request")
     ev.add_argument("--candidate", action="append", default=None,
                     help="repeatable drafter KIND[:NAME=VALUE...] (default: settings.plan.candidates)")
     ev.add_argument("--hardware-profile", default=None,
@@ -272,7 +272,7 @@ def register(sub) -> None:
     ev.add_argument("--new-profile", action="store_true",
                     help="measure a new cost profile here even where a stored one of this hardware, "
                          "engine and target, younger than profile_max_age_days, could be reused")
-    ev.add_argument("--k-max", type=int, default=None)
+    ev.add_argument("--k-max", type=k_value("--k-max"), default=None)
     per_domain_args(ev, min_help="minimum requests per domain", max_help="requests sampled per domain")
     ev.add_argument("--no-progress", action="store_true")
     ev.add_argument("--json", action="store_true")
@@ -293,7 +293,7 @@ def register(sub) -> None:
     measure.add_argument("--model", default=DEFAULT_MODEL)
     measure.add_argument("--device", default=None)
     measure.add_argument("--candidate", action="append", default=None)
-    measure.add_argument("--k-max", type=int, default=None)
+    measure.add_argument("--k-max", type=k_value("--k-max"), default=None)
     measure.add_argument("--batch-sizes", default=None, help="comma-separated (default: settings)")
     measure.add_argument("--engine", choices=["specdec", "vllm"], default="specdec",
                          help="whose decode steps to time: our engine here (default), or vLLM's in "

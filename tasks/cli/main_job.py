@@ -27,6 +27,7 @@ from ..masking import mask_url
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name, target_slug
 from ..settings import DATABASE_URL_ENV, load_settings, specdec_home
+from .common import json_object
 from .console import make_console
 from .evaluation import print_run
 
@@ -262,6 +263,6 @@ def register(sub) -> None:
     parser = sub.add_parser("main-job", help="the README's main job: specdec_evaluate through Airflow's "
                                              "dag.test() on the embedded default and shipped traffic")
     parser.add_argument("--no-promote", action="store_true", help="register only (alias challenger)")
-    parser.add_argument("--conf", default=None, help="JSON run conf for specdec_evaluate's Params")
-    parser.set_defaults(func=lambda args: 0 if run(json.loads(args.conf) if args.conf else None,
+    parser.add_argument("--conf", type=json_object("--conf"), default=None, help="JSON run conf for specdec_evaluate's Params")
+    parser.set_defaults(func=lambda args: 0 if run(args.conf,
                                                    promote=not args.no_promote)["state"] == "success" else 1)

@@ -3,14 +3,13 @@ champion's promise (tasks.steps.monitor; docs/monitoring.md)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 
 from rich.markup import escape
 from rich.table import Table
 
 from specdec_core.home import DEFAULT_MODEL
 
-from .common import open_store, print_json, tracking_uri_arg, url_arg
+from .common import open_store, print_json, tracking_uri_arg, url_arg, utc_time
 from .console import make_console
 
 console = make_console()
@@ -78,9 +77,7 @@ def cmd_show(args) -> int:
     from ..steps.monitor import show
 
     store = open_store(args)
-    since = datetime.fromisoformat(args.since) if args.since else None
-    until = datetime.fromisoformat(args.until) if args.until else None
-    result = show(store, store.settings, args.deployment, since=since, until=until)
+    result = show(store, store.settings, args.deployment, since=args.since, until=args.until)
     if args.json:
         print_json(result)
         return 0
@@ -139,7 +136,7 @@ def register(sub) -> None:
     check.set_defaults(func=cmd_check)
     show = m_sub.add_parser("show", help="per deployment and domain: production vs promised")
     show.add_argument("--deployment", default=None)
-    show.add_argument("--since", default=None, help="ISO time (UTC); default: the monitor window")
-    show.add_argument("--until", default=None, help="ISO time (UTC); default: now")
+    show.add_argument("--since", type=utc_time("--since"), default=None, help="ISO time (UTC); default: the monitor window")
+    show.add_argument("--until", type=utc_time("--until"), default=None, help="ISO time (UTC); default: now")
     common(show)
     show.set_defaults(func=cmd_show)

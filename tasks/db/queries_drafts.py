@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
@@ -14,24 +14,20 @@ from .store import Store
 
 
 def target_traffic_rows(store: Store, fingerprint: str, domains, start: datetime,
-                        generated: bool) -> list:
-    """The traffic_requests rows of this target since `start` (in `domains` when given), by id:
-    production traffic, or (generated) the rows the target generated."""
+                        generated: bool, end: datetime | None = None) -> list:
+    """The traffic_requests rows of this target since `start` (up to `end` inclusive when given;
+    in `domains` when given), by id: production traffic, or (generated) the rows the target
+    generated."""
     kept = TrafficRequest.generated_by.is_not(None) if generated else production_traffic()
     query = (select(TrafficRequest).where(kept & (TrafficRequest.requested_at >= start)
                                           & (TrafficRequest.target_fingerprint == fingerprint))
              .order_by(TrafficRequest.id))
     if domains:
         query = query.where(TrafficRequest.domain.in_(list(domains)))
+    if end is not None:
+        query = query.where(TrafficRequest.requested_at <= end)
     with store.connect() as connection:
         return connection.execute(query).all()
-
-
-def newest_production_request(store: Store) -> datetime | None:
-    """When the newest production request was made (None: no production traffic)."""
-    with store.connect() as connection:
-        return connection.execute(select(func.max(TrafficRequest.requested_at))
-                                  .where(production_traffic())).scalar()
 
 
 def record_draft(connection: Connection, train_id: str, values: dict,

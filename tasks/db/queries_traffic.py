@@ -148,6 +148,16 @@ def supersede_broken_entries(connection: Connection, source_file: str) -> int:
     return len(lines)
 
 
+def delete_request(connection: Connection, request_id: str, dry_run: bool = False) -> bool:
+    """In the caller's transaction: whether a request with this id is stored; deleted unless
+    dry_run."""
+    found = connection.execute(select(func.count()).select_from(TrafficRequest).where(
+        TrafficRequest.id == request_id)).scalar() > 0
+    if found and not dry_run:
+        connection.execute(delete(TrafficRequest).where(TrafficRequest.id == request_id))
+    return found
+
+
 def purge_before(connection: Connection, cutoff: datetime, dry_run: bool = False) -> dict[str, int]:
     """In the caller's transaction: traffic requested, and quarantined rows imported, before
     `cutoff` counted and (unless dry_run) deleted. {table name: rows}."""

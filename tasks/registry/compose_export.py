@@ -12,6 +12,7 @@ serves, so a gateway can log the version beside each response.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -30,11 +31,24 @@ START = (f"cp -r {PLUGIN_MOUNT} /tmp/specdec-plugin && python3 -m pip install --
          "--no-build-isolation /tmp/specdec-plugin && exec python3 -m vllm.entrypoints.openai.api_server \"$@\"")
 
 
+NAME_LIMIT = 63               # a DNS label: Compose service names are host names in the network
+_PLAIN_DOMAIN = re.compile(r"[a-z0-9]+")
+
+
 def deployment_name(domains: list[str]) -> str:
-    """A deployment's name (and Compose service name): `vllm-` and its domains, lower case,
-    letters, digits and dashes only (DNS-safe), at most 63 characters."""
-    slug = re.sub(r"[^a-z0-9]+", "-", "-".join(sorted(domains)).lower()).strip("-") or "default"
-    return ("vllm-" + slug)[:63].rstrip("-")
+    """A deployment's name (and Compose service name): `vllm-` and its domains joined by dashes,
+    DNS-safe (lower-case letters, digits and dashes, at most 63 characters). Where that would
+    not name the domains exactly (a domain with other characters than a-z and 0-9, `a_b` and
+    `a-b` alike, a non-ASCII one, or a name cut at 63 characters), a hash of the domains is
+    appended, so no two deployments share a name."""
+    ordered = sorted(domains)
+    plain = "vllm-" + "-".join(ordered)
+    if all(_PLAIN_DOMAIN.fullmatch(domain) for domain in ordered) and len(plain) <= NAME_LIMIT:
+        return plain
+    digest = hashlib.sha256(json.dumps(ordered, ensure_ascii=False).encode("utf-8")).hexdigest()[:8]
+    slug = re.sub(r"[^a-z0-9]+", "-", "-".join(ordered).lower()).strip("-")
+    head = ("vllm-" + slug)[:NAME_LIMIT - len(digest) - 1].rstrip("-")
+    return f"{head}-{digest}"
 
 
 def deployments(config: SpecdecConfig, target_path: str | None = None) -> list[dict]:

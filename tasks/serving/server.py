@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -246,23 +247,43 @@ SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
 
 
-def spec_decode_counters(text: str) -> dict:
+class PositionOutOfRange(Exception):
+    """A per-position counter names a position beyond the largest K (see spec_decode_counters)."""
+
+
+def _as_count(value: float) -> int | float:
+    """A counter's value as an int when it is a whole finite number, else as it is (for the caller
+    to refuse by name): int(inf) would raise, and int(1e25) is no count either."""
+    return int(value) if math.isfinite(value) and value == int(value) and abs(value) < 2**63 else value
+
+
+def spec_decode_counters(text: str, max_positions: int | None = None) -> dict:
     """The vllm:spec_decode_* counters of a Prometheus exposition (their `_total` samples, summed
-    over label sets; the per-position counter by its `position` label)."""
+    over label sets; the per-position counter by its `position` label). max_positions: a position
+    label of max_positions or more (or below 0) raises PositionOutOfRange, before any list of
+    that length is made. A value that is not a whole number is returned as the float it is."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
-    per_pos: dict[int, int] = {}
+    totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
+    per_pos: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not sample.name.endswith("_total"):
                 continue          # the counters' _created samples
             if family.name in SPEC_COUNTERS:
-                out[SPEC_COUNTERS[family.name]] += int(sample.value)
+                totals[SPEC_COUNTERS[family.name]] += sample.value
             elif family.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
                 position = int(sample.labels["position"])
-                per_pos[position] = per_pos.get(position, 0) + int(sample.value)
-    out["accepted_per_pos"] = [per_pos.get(i, 0) for i in range(max(per_pos, default=-1) + 1)]
+                if position < 0 or (max_positions is not None and position >= max_positions):
+                    where = ("is negative" if max_positions is None else
+                             f"is outside 0..{max_positions - 1}, the positions of the largest K "
+                             f"({max_positions}, setting k_max)")
+                    raise PositionOutOfRange(f"position {position} of "
+                                             f"vllm:spec_decode_num_accepted_tokens_per_pos {where}")
+                per_pos[position] = per_pos.get(position, 0.0) + sample.value
+    out: dict = {name: _as_count(value) for name, value in totals.items()}
+    out["accepted_per_pos"] = [_as_count(per_pos.get(i, 0.0))
+                               for i in range(max(per_pos, default=-1) + 1)]
     return out
 
 

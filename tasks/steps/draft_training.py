@@ -39,6 +39,7 @@ from specdec_core.estimate import (LoggedRequest, in_heldout, in_validation,  # 
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ..db import queries_drafts as q
+from ..db.queries_window import newest_request_at
 from ..db.store import Store
 from ..errors import SampleError
 from ..registry.drafts import (CANDIDATE_ALIAS, draft_candidates, draft_model_name,  # noqa: F401 - re-exported
@@ -47,6 +48,7 @@ from ..registry.tracking import client, experiment_for_target
 from ..registry.tracking import tracking_uri as resolve_uri
 from ..paths import check_identifier, home_path
 from ..settings import DEFAULT_MODEL
+from ..timeutil import utcnow
 from .draft_recipes import DraftModelRecipe, DraftRecipe, DraftTrainingError, TrainingData, TrainingRun
 from .offline_estimate import request_token_ids
 
@@ -55,12 +57,13 @@ log = logging.getLogger(__name__)
 TRAIN_TAG = "specdec.draft_train_id"
 
 
-def _stored_requests(store: Store, fingerprint: str, tokenizer, domains, start, generated: bool):
+def _stored_requests(store: Store, fingerprint: str, tokenizer, domains, start, generated: bool,
+                     end=None):
     """[(LoggedRequest, the logged request it was generated from or None)] of this target's
     stored rows since `start`: production traffic, or (generated) the rows the target generated
     (tasks.steps.traffic_generate)."""
     requests = []
-    for row in q.target_traffic_rows(store, fingerprint, domains, start, generated):
+    for row in q.target_traffic_rows(store, fingerprint, domains, start, generated, end):
         prompt, response = request_token_ids(row, tokenizer)
         if len(response) >= 2:
             requests.append((LoggedRequest(row.id, prompt, response, SamplingParams(
@@ -72,12 +75,21 @@ def _stored_requests(store: Store, fingerprint: str, tokenizer, domains, start, 
 def training_requests(store: Store, fingerprint: str, tokenizer=None, domains=None,
                       window_days: float | None = None, max_requests: int | None = None):
     """(requests [LoggedRequest], (window start, end)) of this target's stored production traffic
-    (rows the target generated are never among them: generated_requests)."""
-    newest = q.newest_production_request(store)
+    (rows the target generated are never among them: generated_requests). The window ends at the
+    newest request stamped at most future_tolerance_hours after now, as an evaluation's does
+    (tasks.steps.traffic_sample.resolve_window): rows stamped later (a skewed clock) are left out."""
+    tolerance = store.settings.sample.future_tolerance_hours
+    newest, future = newest_request_at(store.engine, utcnow() + timedelta(hours=tolerance))
+    if future:
+        log.warning("%d stored request(s) are stamped more than %g h in the future (setting "
+                    "future_tolerance_hours): the training window ignores them", future, tolerance)
     if newest is None:
-        raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)")
+        raise SampleError("traffic_requests is empty: import traffic first (`specdec traffic import`)"
+                          if not future else f"every stored request ({future}) is stamped in the "
+                          "future: fix the clock that stamped them, or raise future_tolerance_hours")
     start = newest - timedelta(days=window_days) if window_days else datetime(1970, 1, 1)
-    requests = [r for r, _ in _stored_requests(store, fingerprint, tokenizer, domains, start, False)]
+    requests = [r for r, _ in _stored_requests(store, fingerprint, tokenizer, domains, start, False,
+                                               newest)]
     if max_requests:
         requests = requests[:max_requests]
     if len(requests) < 10:

@@ -38,7 +38,7 @@ from specdec_core.validation import SamplingReport, position_tests
 
 from ..db.queries_engine_checks import fail_own_sampling_domains, mark_validation_failed, planned_domains
 from ..db.store import Store
-from ..errors import EngineTimeout, ServingProbeError
+from ..errors import EngineTimeout, InvalidValue, ServingProbeError
 from ..registry.run_config import build_config
 from ..registry.vllm_export import vllm_export
 from ..serving import environment as serving_env
@@ -282,6 +282,30 @@ def served_export(run_id: str, store: Store, target: str, model_dir) -> dict:
     return vllm_export(config, target_path=str(model_dir))
 
 
+def validation_domains(planned: dict, run_id: str, domains: list[str] | None,
+                       speculative_config: dict | None) -> list[str]:
+    """The domains `specdec engine validate` tests: `domains`, else every planned one with a
+    speculative_config given, else the ones the run turns on. InvalidValue (one line, before any
+    model is loaded) for a domain the run does not have, or when there is nothing to validate.
+    planned: planned_domains' {domain: row}."""
+    known = ", ".join(sorted(planned)) or "none"
+    if not planned:
+        raise InvalidValue(f"run {run_id} has no planned domains: evaluate it first")
+    unknown = sorted(set(domains or []) - set(planned))
+    if unknown:
+        raise InvalidValue(f"--domain {', '.join(unknown)}: run {run_id} has no domain "
+                           f"{', '.join(unknown)}; its domains: {known}")
+    if domains:
+        return list(domains)
+    if speculative_config is not None:
+        return sorted(planned)
+    chosen = sorted(d for d, row in planned.items() if row["enabled"])
+    if not chosen:
+        raise InvalidValue(f"run {run_id} turns no domain on: nothing to validate; name one with "
+                           f"--domain (its domains: {known})")
+    return chosen
+
+
 def engine_validate_run(run_id: str, target: str, target_model, requests_by_domain: dict,
                         store: Store, settings: Settings | None = None,
                         domains: list[str] | None = None, speculative_config: dict | None = None,
@@ -293,12 +317,7 @@ def engine_validate_run(run_id: str, target: str, target_model, requests_by_doma
     settings = settings or store.settings
     model_dir = serving_env.served_model_dir(target)
     planned = planned_domains(store, run_id)
-    if not planned:
-        raise ValueError(f"run {run_id} has no planned domains: evaluate it first")
-    unknown = sorted(set(domains or []) - set(planned))
-    if unknown:
-        raise ValueError(f"run {run_id} has no domain {', '.join(unknown)}; its domains: "
-                         f"{', '.join(sorted(planned))}")
+    validation_domains(planned, run_id, domains, speculative_config)
     if speculative_config is not None:
         specs = {d: speculative_config for d in (domains or sorted(planned))}
     else:

@@ -5,7 +5,9 @@
   since the deployment's previous scrape. A counter that falls means the server restarted: the
   scrape starts a new series and its deltas are the counters themselves (they count from zero
   since the restart), never negative. A deployment's first scrape is a baseline (deltas 0). A
-  server that does not answer stores nothing (MonitorScrapeError, one line).
+  server that does not answer stores nothing (MonitorScrapeError, one line); nor does a body over
+  `monitor_scrape_max_bytes`, one not read within `monitor_scrape_timeout_s` in total, a position
+  beyond the largest K, or counters (or deltas) that cannot be (check_counters).
 - promises: per domain of a deployment, the champion's estimate of E at the deployed K with its
   95% interval, and the break-even E: the E at which the config's predicted speedup is 1.0 on the
   cost profile it was planned with (at the profile's smallest batch size), i.e. 1 / the plan's
@@ -26,6 +28,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -34,11 +38,13 @@ import httpx
 from ..db import queries_monitor as q
 from ..db.store import Store
 from ..errors import MonitorScrapeError, RegistryError
+from ..masking import mask_text, mask_url
+from ..paths import check_identifier
 from ..registry.compose_export import deployments
 from ..registry.config_schema import SpecdecConfig, config_model_name
 from ..registry.promotion import rollback
 from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
-from ..serving.server import spec_decode_counters
+from ..serving.server import PositionOutOfRange, spec_decode_counters
 from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import utcnow
 from .cost_table import CostProfileError, CostTable
@@ -80,27 +86,105 @@ def metrics_url(url: str) -> str:
     return url if url.endswith("/metrics") else url + "/metrics"
 
 
-def read_counters(url: str, deployment: str, timeout_s: float) -> dict:
-    """vLLM's spec-decode counters at `url`; MonitorScrapeError (one line, naming the deployment,
-    the URL and the fix) when the server does not answer or does not serve vLLM's metrics."""
-    target = metrics_url(url)
+SPEC_PREFIX = b"vllm:spec_decode_"     # the families a scrape reads; every other line is skipped
+MAX_COUNTER = 2**31 - 1                # what monitor_scrapes' integer columns hold on every backend
+
+
+def _fetch(target: str, timeout_s: float, max_bytes: int, out: dict) -> None:
+    """GET `target` streamed, keeping only the lines of the spec-decode families (and noting
+    whether any vllm: family was seen), reading at most max_bytes: the body is never held whole.
+    Results (or the exception) go into `out`; out["abandoned"] set by the caller stops it."""
     try:
-        response = httpx.get(target, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise MonitorScrapeError(f"deployment {deployment}: no answer from {target} "
-                                 f"({type(exc).__name__}: {str(exc)[:200] or 'no detail'}); nothing "
+        with httpx.stream("GET", target, timeout=timeout_s) as response:
+            out["status"] = response.status_code
+            if response.status_code != 200:
+                return
+            kept, partial, size, vllm = [], b"", 0, False
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    out["too_large"] = size
+                    return
+                if out.get("abandoned"):
+                    return
+                lines = (partial + chunk).split(b"\n")
+                partial = lines.pop()
+                for line in lines:
+                    vllm = vllm or b"vllm:" in line
+                    if line.startswith(SPEC_PREFIX) or (line.startswith(b"#") and SPEC_PREFIX in line):
+                        kept.append(line)
+            vllm = vllm or b"vllm:" in partial
+            if partial.startswith(SPEC_PREFIX):
+                kept.append(partial)
+            out["lines"], out["vllm"] = kept, vllm
+    except Exception as exc:        # handed to the caller, which names it
+        out["error"] = exc
+
+
+def read_counters(url: str, deployment: str, settings: Settings) -> dict:
+    """vLLM's spec-decode counters at `url`, read within monitor_scrape_timeout_s in total and
+    monitor_scrape_max_bytes, and checked (check_counters); MonitorScrapeError (one line, naming
+    the deployment, the URL and the fix) when the server does not answer, answers too much or too
+    slowly, does not serve vLLM's metrics or serves impossible counters."""
+    target = metrics_url(url)
+    shown = mask_url(target)            # what messages name: the URL without its password
+    timeout_s, max_bytes = settings.monitor.scrape_timeout_s, settings.monitor.scrape_max_bytes
+    out: dict = {}
+    reader = threading.Thread(target=_fetch, args=(target, timeout_s, max_bytes, out), daemon=True,
+                              name=f"scrape {deployment}")
+    reader.start()
+    reader.join(timeout_s)
+    if reader.is_alive():            # the reader ends on its own at its next read or timeout
+        out["abandoned"] = True
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} did not finish within "
+                                 f"{timeout_s:g} s (setting monitor_scrape_timeout_s); nothing stored")
+    if "error" in out:
+        exc = out["error"]
+        raise MonitorScrapeError(f"deployment {deployment}: no answer from {shown} "
+                                 f"({type(exc).__name__}: {mask_text(str(exc))[:200] or 'no detail'}); nothing "
                                  "stored. Check that the server is up and the URL is right") from None
-    if response.status_code != 200:
-        raise MonitorScrapeError(f"deployment {deployment}: {target} answered HTTP "
-                                 f"{response.status_code}; nothing stored")
-    if "vllm:" not in response.text:
-        raise MonitorScrapeError(f"deployment {deployment}: {target} serves no vLLM metrics "
+    if out["status"] != 200:
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} answered HTTP "
+                                 f"{out['status']}; nothing stored")
+    if "too_large" in out:
+        raise MonitorScrapeError(f"deployment {deployment}: the body of {shown} is over {max_bytes} "
+                                 "bytes (setting monitor_scrape_max_bytes); nothing stored")
+    if not out["vllm"]:
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} serves no vLLM metrics "
                                  "(no vllm:* family); nothing stored. Give the vLLM server's URL")
     try:
-        return spec_decode_counters(response.text)
+        text = b"\n".join(out["lines"]).decode("utf-8") + "\n"
+        counters = spec_decode_counters(text, max_positions=settings.quality.k_max)
     except (ValueError, KeyError) as exc:
-        raise MonitorScrapeError(f"deployment {deployment}: {target} is not a Prometheus text "
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} is not a Prometheus text "
                                  f"exposition ({exc}); nothing stored") from None
+    except PositionOutOfRange as exc:
+        raise MonitorScrapeError(f"deployment {deployment}: {shown}: {exc}; nothing stored") from None
+    problem = check_counters(counters)
+    if problem:
+        raise MonitorScrapeError(f"deployment {deployment}: {shown} serves impossible counters "
+                                 f"({problem}); nothing stored")
+    return counters
+
+
+def check_counters(counters: dict, since: str = "") -> str | None:
+    """What makes a scrape's counters (or deltas) impossible, or None: each a whole number in
+    0..MAX_COUNTER, accepted <= draft tokens, drafts <= draft tokens, no position accepted more
+    often than there were drafts."""
+    values = {name: counters[name] for name in COUNTERS}
+    for name, value in values.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value == int(value)
+                and 0 <= value <= MAX_COUNTER):
+            return f"{since}{name} {value:g} is not a count (a whole number in 0..{MAX_COUNTER})"
+    drafts, drafted, accepted = (int(values[name]) for name in COUNTERS)
+    if accepted > drafted:
+        return f"{since}{accepted} accepted of {drafted} draft tokens"
+    if drafts > drafted:
+        return f"{since}{drafts} drafts of {drafted} draft tokens"
+    for position, value in enumerate(counters["accepted_per_pos"]):
+        if not (math.isfinite(value) and value == int(value) and 0 <= value <= drafts):
+            return f"{since}position {position} counts {value:g} accepted of {drafts} drafts"
+    return None
 
 
 def _minus(now: list[int], before: list[int]) -> list[int]:
@@ -131,9 +215,17 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
     """Read `url`'s counters and store them with their deltas (see the module's docstring).
     config: (version, config) the deployment serves; None: the version of the server's series, or
     the champion at a baseline or restart (_served_config); False: stored without a version."""
-    counters = read_counters(url, deployment, ctx.settings.monitor.scrape_timeout_s)
+    check_identifier(deployment, "deployment name", "it names the scrapes, alerts and rollbacks "
+                                                    "of one server")
+    counters = read_counters(url, deployment, ctx.settings)
     previous = q.last_scrape(ctx.store, deployment)
     step = series_deltas(previous, counters)
+    problem = check_counters({"drafts": step["delta_drafts"], "draft_tokens": step["delta_draft_tokens"],
+                              "accepted_tokens": step["delta_accepted"],
+                              "accepted_per_pos": step["delta_per_pos"]}, "since the previous scrape: ")
+    if problem:
+        raise MonitorScrapeError(f"deployment {deployment}: {mask_url(metrics_url(url))} serves "
+                                 f"impossible counters ({problem}); nothing stored")
     if config is None:
         config = _served_config(ctx, previous, step)
     version, spec_config = config if config else (None, None)
@@ -143,7 +235,7 @@ def scrape(ctx: MonitorContext, url: str, deployment: str, at: datetime | None =
         domains = mine[0]["domains"] if mine else None
         if mine:
             ensure_promises(ctx, version, spec_config, mine[0])
-    row = {"deployment": deployment, "url": url[:500], "scraped_at": at or utcnow(),
+    row = {"deployment": deployment, "url": mask_url(url)[:500], "scraped_at": at or utcnow(),
            "config_name": ctx.config_name if version else None, "config_version": version,
            "run_id": spec_config.run_id if spec_config else None, "domains": domains,
            "drafts": counters["drafts"], "draft_tokens": counters["draft_tokens"],

@@ -260,8 +260,8 @@ def check_traffic_sample(run_id: str, store: Store,
     if failures:
         summary = _failure_summary(
             f"traffic sample of run {run_id!r} ({len(frame)} rows)", failures,
-            "Fix or purge the offending traffic rows (ids above), or widen the bounds in the "
-            "settings, then sample and check the run again.")
+            "Fix or purge the offending traffic rows (ids above: `specdec traffic purge --id ID`), "
+            "or widen the bounds in the settings, then sample and check the run again.")
         log.error("%s", summary)
         raise QualityGateFailed(summary, [dict(o.observed, expectation=o.expectation, column=o.column)
                                           for o in failures])

@@ -21,6 +21,9 @@ transaction per batch, so a killed import keeps every batch it committed and a r
 Ids are unique: a row whose id is stored with the same content is skipped; with different content
 it is quarantined as `duplicate_id`. Rejected rows go to quarantined_requests with their file,
 line number and reason ((file, line) is unique, so re-importing adds nothing there either).
+Numbers are read with limits: an integer literal of more than MAX_NUMBER_DIGITS digits anywhere in
+a row (a JSONL line, or a CSV cell holding JSON) quarantines that row as `implausible_value`, naming
+the field; the rows around it are imported as usual.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ from sqlalchemy.exc import DBAPIError
 
 from ..db.engine import database_error
 from ..db.queries_monitor import insert_request_metrics
-from ..db.queries_traffic import (insert_new_requests, insert_quarantined, mark_file_error, purge_before,
-                                  quarantined_lines, replace_quarantined, stored_content_hashes,
-                                  supersede_broken_entries)
+from ..db.queries_traffic import (delete_request, insert_new_requests, insert_quarantined, mark_file_error,
+                                  purge_before, quarantined_lines, replace_quarantined,
+                                  stored_content_hashes, supersede_broken_entries)
 from ..db.store import Store
 from ..errors import TrafficFileError
 from ..settings import Settings
@@ -190,6 +193,7 @@ class Normalizer:
                 redacted_messages.append({**message, "content": content})
             messages = redacted_messages
             prompt = _join_messages(messages)
+        self._check_lengths(prompt, response)
         if prompt_hits:
             prompt_ids = None
         if response_hits:
@@ -206,6 +210,16 @@ class Normalizer:
             "redactions": prompt_hits + response_hits,
             "spec_metrics": _spec_metrics(row),     # stored apart (request_spec_metrics)
         }
+
+    def _check_lengths(self, prompt: str, response: str) -> None:
+        """A prompt or response longer than the sample's quality gate allows is too_large here,
+        at import: stored, it would fail the gate of every run (every domain) until purged."""
+        quality = self.settings.quality
+        for name, text, limit in (("prompt", prompt, quality.max_prompt_chars),
+                                  ("response", response, quality.max_response_chars)):
+            if len(text) > limit:
+                raise RowRejected(TOO_LARGE, f"{name} is {len(text)} characters; at most {limit} "
+                                             f"(setting max_{name}_chars, the sample's quality gate)")
 
     def _domain(self, value, last_user: str) -> tuple[str, str]:
         if value is not None and not (isinstance(value, str) and not value.strip()):
@@ -300,7 +314,7 @@ def _prompt_of(row: dict) -> tuple[list | None, str, str]:
     messages = row.get("messages")
     if isinstance(messages, str) and messages.strip():
         try:
-            messages = json.loads(messages)   # CSV carries messages as JSON text
+            messages = load_json(messages, "messages")   # CSV carries messages as JSON text
         except json.JSONDecodeError:
             raise RowRejected(INVALID_FIELD, "\"messages\" is a string but not JSON") from None
         except RecursionError:
@@ -335,6 +349,59 @@ def _prompt_of(row: dict) -> tuple[list | None, str, str]:
 def _join_messages(messages: list[dict]) -> str:
     """The prompt text of a chat: every turn's content, separated by blank lines."""
     return "\n\n".join(m["content"] for m in messages)
+
+
+MAX_NUMBER_DIGITS = 200         # an integer literal longer than this is a logging bug, not a value
+_LONG_NUMBER = re.compile(r"[0-9]{%d,}" % (MAX_NUMBER_DIGITS + 1))
+
+
+class _Oversized:
+    """Where json.loads met an integer literal of more than MAX_NUMBER_DIGITS digits."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _bounded_int(text: str):
+    digits = len(text.lstrip("-"))
+    return _Oversized(digits) if digits > MAX_NUMBER_DIGITS else int(text)
+
+
+def _oversized_path(value) -> tuple[str, _Oversized] | None:
+    """(path, marker) of the first _Oversized in a parsed JSON value, walked without recursion."""
+    stack = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, _Oversized):
+            return path, item
+        if isinstance(item, dict):
+            stack += [(f"{path}.{key}" if path else str(key), v) for key, v in reversed(item.items())]
+        elif isinstance(item, list):
+            stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item)))]
+    return None
+
+
+def load_json(text: str, name: str = ""):
+    """json.loads with integer literals of at most MAX_NUMBER_DIGITS digits: a longer one (Python
+    refuses to convert one over 4,300 digits, and one over 308 is no float) is RowRejected
+    (implausible_value) naming where it is, `name` (the field the text came from) first.
+    JSONDecodeError and RecursionError pass as json.loads raises them."""
+    try:
+        value = json.loads(text)
+        if not _LONG_NUMBER.search(text):       # the common case: no long run of digits at all
+            return value
+    except json.JSONDecodeError:
+        raise
+    except ValueError:                          # Python's integer-conversion limit
+        pass
+    value = json.loads(text, parse_int=_bounded_int)
+    found = _oversized_path(value)
+    if found is None:
+        return value                            # the long digits were inside a string
+    path, marker = found
+    where = f"{name}{'.' if name and path[:1] not in ('', '[') else ''}{path}" or "the line"
+    raise RowRejected(IMPLAUSIBLE_VALUE, f"\"{where}\" is a number of {marker.digits} digits; "
+                                         f"at most {MAX_NUMBER_DIGITS} are read (a logging bug?)")
 
 
 def _number(value, name: str, reason: str) -> float:
@@ -377,7 +444,7 @@ def _spec_metrics(row: dict) -> dict | None:
     metrics = row.get("metrics")
     if isinstance(metrics, str) and metrics.strip():
         try:
-            metrics = json.loads(metrics)           # CSV carries it as JSON text
+            metrics = load_json(metrics, "metrics")     # CSV carries it as JSON text
         except (json.JSONDecodeError, RecursionError):
             raise RowRejected(INVALID_FIELD, "\"metrics\" is a string but not a JSON object") from None
     if metrics is None or metrics == "":
@@ -423,7 +490,7 @@ def _token_ids(row: dict, name: str) -> list[int] | None:
         return None
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = load_json(value, name)
         except json.JSONDecodeError:
             raise RowRejected(INVALID_FIELD, f"{name} is a string but not a JSON array") from None
         except RecursionError:
@@ -489,7 +556,10 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
                 MALFORMED_JSON, f"not UTF-8 ({exc.reason} at byte {exc.start})")
             continue
         try:
-            row = json.loads(text)
+            row = load_json(text)
+        except RowRejected as exc:
+            yield number, None, text, exc
+            continue
         except json.JSONDecodeError as exc:
             yield number, None, text, RowRejected(MALFORMED_JSON, f"{exc.msg} at column {exc.colno}")
             continue
@@ -830,12 +900,22 @@ def import_traffic(path: str | Path, store: Store, settings: Settings | None = N
     return report.to_dict()
 
 
+def purge_request(request_id: str, store: Store, dry_run: bool = False) -> None:
+    """Delete one stored request by id (one a quality gate names); TrafficFileError when no
+    request has that id (nothing deleted)."""
+    with store.begin() as connection:
+        found = delete_request(connection, request_id, dry_run)
+    if not found:
+        raise TrafficFileError(f"request {request_id[:200]!r} is not stored; nothing deleted")
+    log.info("purged request %r%s", request_id, " (dry run)" if dry_run else "")
+
+
 def purge_traffic(older_than_days: float, store: Store, now: datetime | None = None,
                   dry_run: bool = False) -> dict:
     """Retention: delete traffic rows requested, and quarantined rows imported, before
     now - older_than_days (UTC). Returns {"cutoff", "traffic_requests", "quarantined_requests"}."""
-    if not older_than_days >= 0:
-        raise TrafficFileError(f"--older-than {older_than_days}: give a number of days >= 0")
+    if not (math.isfinite(older_than_days) and 0 <= older_than_days <= 100_000):
+        raise TrafficFileError(f"--older-than {older_than_days}: give a number of days from 0 to 100,000")
     cutoff = (now or utcnow()) - timedelta(days=older_than_days)
     with store.begin() as connection:
         counts = purge_before(connection, cutoff, dry_run)
