@@ -203,17 +203,22 @@ def main() -> None:
         runs.append((label, result, seconds))
         sections.append(table(label, result, seconds))
         print(sections[-1] + "\n", flush=True)
+        if args.write:       # after every run: an interrupted series keeps what it measured
+            write(args, runs, sections)
     print(summary(runs))
-    if args.write:
-        out = ROOT / "benchmarks" / "results" / "busy_neighbour.md"
-        out.write_text("# The main job, quiet and with a busy neighbour\n\n"
-                       "Command: `python benchmarks/busy_neighbour.py "
-                       + (f"--plan {args.plan}" if args.plan else f"--runs {args.runs}")
-                       + f" --neighbours {args.neighbours} --during {args.during} --write` (fresh store per "
-                       "run: no champion; the load average is read when each run ends).\n\n"
-                       "## Over the runs\n\n" + summary(runs) + "\n\n## Each run\n\n"
-                       + "\n\n".join(sections) + "\n")
-        print(f"wrote {out}")
+
+
+def write(args, runs: list, sections: list[str]) -> None:
+    """benchmarks/results/busy_neighbour.md: the table over the runs so far, then each run's."""
+    out = ROOT / "benchmarks" / "results" / "busy_neighbour.md"
+    out.write_text("# The main job, quiet and with a busy neighbour\n\n"
+                   "Command: `python benchmarks/busy_neighbour.py "
+                   + (f"--plan {args.plan}" if args.plan else f"--runs {args.runs}")
+                   + f" --neighbours {args.neighbours} --during {args.during} --write` (fresh store per "
+                   "run: no champion; the load average is read when each run ends).\n\n"
+                   "## Over the runs\n\n" + summary(runs) + "\n\n## Each run\n\n"
+                   + "\n\n".join(sections) + "\n")
+    print(f"wrote {out}", flush=True)
 
 
 if __name__ == "__main__":
