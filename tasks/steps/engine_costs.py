@@ -106,6 +106,9 @@ class VllmProfilePlan:
 T95 = (float("inf"), 12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16,
        2.14, 2.13, 2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05,
        2.04)
+# a ratio whose interval is wider than this many ratio_halfwidths is not measured at all (the
+# profile is noisy); a narrower one that has not settled is carried by the plan's interval
+UNMEASURED = 10
 NGRAM = "ngram"          # the label of the n-gram engine: plain (K 0) and verify(K) for every K
 
 
@@ -367,14 +370,17 @@ def _verify_ratio(at_k: dict, plain: dict, k: int) -> float:
 
 
 def _interval(values: list[float]) -> tuple[float, float]:
-    """(mean, 95% half-width by Student's t); (nan, inf) for none, (mean, inf) for one."""
+    """(median, 95% half-width) of paired ratios: Student's t over a robust spread (1.4826 x the
+    median absolute deviation), so that one batch the machine slowed does not widen it (the
+    probe stops on the same figure); (nan, inf) for none, (median, inf) for one."""
     if not values:
         return float("nan"), float("inf")
-    mean = float(np.mean(values))
+    middle = float(np.median(values))
     if len(values) < 2:
-        return mean, float("inf")
+        return middle, float("inf")
+    spread = 1.4826 * float(np.median(np.abs(np.asarray(values) - middle)))
     t = T95[min(len(values) - 1, len(T95) - 1)]
-    return mean, float(t * np.std(values, ddof=1) / np.sqrt(len(values)))
+    return middle, float(t * spread / np.sqrt(len(values)))
 
 
 def _k0_step(timings: list[dict], b: int, sampling: str) -> float:
@@ -393,7 +399,8 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
     between the K timed); another method's draft step its paired ratio at draft_k less the ngram
     engine's at that K, times the step. Each figure's spread is its ratio's 95% half-width over
     the ratio. A ratio whose half-width is over ratio_halfwidth is a note (the plan's interval
-    carries it); over 4 x that, or a step cheaper at a larger K beyond both intervals, a reason."""
+    carries it); over UNMEASURED x that, or a step cheaper at a larger K beyond both intervals, a
+    reason."""
     table = CostTable("", "", {}, {}, {}, {})
     reasons, notes = [], []
     halfwidth = settings.profile.ratio_halfwidth
@@ -407,7 +414,7 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
             raise ServingProbeError(f"profile: {what}: no paired timing")
         relative = half / mean if mean > 0 else float("inf")
         table.spread[(component, drafter, k, b)] = min(relative, 9.99)
-        if relative > 4 * halfwidth:
+        if relative > UNMEASURED * halfwidth:
             reasons.append(f"{what}: {mean:.3f} +- {relative:.0%} after {len(pairs)} pairs")
         elif relative > halfwidth:
             notes.append(f"{what}: {mean:.3f} +- {relative:.0%} ({len(pairs)} pairs; the plan's interval carries it)")

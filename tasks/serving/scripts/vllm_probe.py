@@ -340,13 +340,19 @@ T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 
 
 
 def ratio_interval(ratios: list[float]) -> tuple[float, float]:
-    """(mean, 95% half-width by Student's t) of paired ratios; (mean, inf) below two."""
+    """(median, 95% half-width) of paired ratios: Student's t over a robust spread (1.4826 x the
+    median absolute deviation), so that one batch the machine slowed does not widen it; (median,
+    inf) below two."""
     n = len(ratios)
-    mean = sum(ratios) / n if n else float("nan")
+    if not n:
+        return float("nan"), float("inf")
+    ordered = sorted(ratios)
+    middle = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
     if n < 2:
-        return mean, float("inf")
-    sd = (sum((r - mean) ** 2 for r in ratios) / (n - 1)) ** 0.5
-    return mean, T95.get(n - 1, 1.96 if n > 30 else 2.1) * sd / n ** 0.5
+        return middle, float("inf")
+    deviations = sorted(abs(r - middle) for r in ratios)
+    spread = 1.4826 * (deviations[(n - 1) // 2] + deviations[n // 2]) / 2
+    return middle, T95.get(n - 1, 1.96 if n > 30 else 2.1) * spread / n ** 0.5
 
 
 def paired_ratios(timings: list[dict], group: tuple, k: int, contended: bool = False) -> list[float]:
