@@ -794,8 +794,15 @@ def test_vllm_profile_prices_verify_from_pairs_inside_one_engine_and_other_draft
 def test_vllm_profile_never_prices_a_larger_k_below_a_smaller_one_beyond_their_intervals():
     from tasks.steps.engine_costs import _table
 
+    # K 2 12% cheaper than K 1, settled: within profile_verify_dip (a CPU's kernels change path
+    # with the width, repeatably), priced as measured
     ngram = (_paired(1, 0, 0.040, 50, 0.0) + _paired(1, 1, 0.060, 50, 1.0)
-             + _paired(1, 2, 0.050, 50, 2.0))               # K 2 cheaper than K 1, settled
+             + _paired(1, 2, 0.053, 50, 2.0))
+    table, reasons, _ = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 2])], 2, [1], 2,
+                               load_settings())
+    assert table.verify[1][2] == pytest.approx(0.053) and reasons == []
+    # 33% cheaper: beyond the dip and both intervals, priced at K 1's and named
+    ngram = ngram[:6] + _paired(1, 2, 0.040, 50, 2.0)
     table, reasons, _ = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 2])], 2, [1], 2,
                                load_settings())
     assert table.verify[1][2] == pytest.approx(table.verify[1][1]) == pytest.approx(0.060)

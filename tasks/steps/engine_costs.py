@@ -171,6 +171,7 @@ def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, s
     base = {"model": str(model_dir), "prompts": prompts, "batch_sizes": sizes, "steps": steps,
             "dtype": dtype, "max_model_len": context + longest + k_max + 8,
             "halfwidth": settings.profile.ratio_halfwidth, "min_repeats": settings.profile.repeats,
+            "dip": settings.profile.verify_dip,
             "contention_cores": settings.profile.contention_cores}
     lookup = {"kind": "prompt_lookup", "params": {"max_ngram": 3, "min_ngram": 1}}
     runs = [(NGRAM, speculative_config(DrafterSpec(**lookup), k_max), None, ks)]
@@ -426,7 +427,7 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
         step = table.target_step[b] = _k0_step(ngram, b, "greedy")
         table.spread[("target_step", None, None, b)] = 0.0
         measured = _shaped({k: ratio(ngram, NGRAM, b, "greedy", k, "verify") for k in runs[0][3]},
-                           table.spread, "verify", b, reasons)
+                           table.spread, "verify", b, reasons, settings.profile.verify_dip)
         known = sorted(measured)
         table.verify[b] = {k: step * float(np.interp(k, known, [measured[x] for x in known]))
                            for k in range(1, k_max + 1)}
@@ -435,7 +436,7 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
             timed = sorted({t["k"] for t in ngram if t["sampling"] == "sampled" and t["batch_size"] == b} - {0})
             table.sampled_verify[b] = {k: sampled * r for k, r in _shaped(
                 {k: ratio(ngram, NGRAM, b, "sampled", k, "sampled_verify") for k in timed},
-                table.spread, "sampled_verify", b, reasons).items()}
+                table.spread, "sampled_verify", b, reasons, settings.profile.verify_dip).items()}
         for label, _, spec, _ in runs[1:]:
             own = ratio(answers[label]["timings"], label, b, "greedy", draft_k, "draft_step", label)
             extra = max(own - table.verify[b][draft_k] / step, 0.0) * step
@@ -444,20 +445,22 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
     return table, reasons, notes
 
 
-def _shaped(ratios: dict[int, float], spread: dict, component: str, b: int,
-            reasons: list[str]) -> dict[int, float]:
-    """The ratios with the shape costs must have: a step cheaper at a larger K beyond both
-    intervals (the probe measured it again until the budget ran out) is a reason, and the larger
-    K is priced at the smaller K's figure, never below."""
+def _shaped(ratios: dict[int, float], spread: dict, component: str, b: int, reasons: list[str],
+            dip: float) -> dict[int, float]:
+    """The ratios with the shape costs must have: a step may be cheaper at a larger K by up to
+    `dip` (profile_verify_dip: CPU matrix kernels change path with the width, repeatably) or
+    within both intervals; cheaper beyond that (the probe measured it again until the budget ran
+    out) is a reason, and the larger K is priced at the smaller K's figure, never below."""
     out, peak = {}, (None, 0.0)
     for k in sorted(ratios):
         value = ratios[k]
-        if peak[0] is not None and value < peak[1]:
+        if peak[0] is not None and value < peak[1] * (1 - dip):
             low = value * (1 + spread[(component, None, k, b)])
-            if low < peak[1] * (1 - spread[(component, None, peak[0], b)]):
+            if low < peak[1] * (1 - dip) * (1 - spread[(component, None, peak[0], b)]):
                 reasons.append(f"{component} at batch {b}: K={k} ({value:.3f}) cheaper than K={peak[0]} "
-                               f"({peak[1]:.3f}) beyond both intervals; priced at K={peak[0]}'s")
-            value = peak[1]
+                               f"({peak[1]:.3f}) by more than {dip:.0%} beyond both intervals; priced "
+                               f"at K={peak[0]}'s")
+                value = peak[1]
         out[k] = value
         if value >= peak[1]:
             peak = (k, value)

@@ -366,15 +366,16 @@ def paired_ratios(timings: list[dict], group: tuple, k: int, contended: bool = F
     return [r[k] / r[0] for r in by_repeat.values() if k in r and 0 in r and r[0] > 0]
 
 
-def settled(timings: list[dict], groups: dict, halfwidth: float, contended: bool = False) -> bool:
-    """Every ratio's interval within `halfwidth` of it, and no step cheaper at a larger K beyond
-    both intervals (a figure that breaks the shape costs must have is measured again). groups:
-    {(batch size, sampling): its Ks}."""
+def settled(timings: list[dict], groups: dict, halfwidth: float, contended: bool = False,
+            dip: float = 0.0) -> bool:
+    """Every ratio's interval within `halfwidth` of it, and no step cheaper at a larger K by more
+    than `dip` beyond both intervals (a figure that breaks the shape costs must have is measured
+    again). groups: {(batch size, sampling): its Ks}."""
     for group, ks in groups.items():
         figures = [ratio_interval(paired_ratios(timings, group, k, contended)) for k in ks if k > 0]
         if any(not h <= halfwidth * m for m, h in figures):
             return False
-        if any(b[0] + b[1] < a[0] - a[1] for a, b in zip(figures, figures[1:])):
+        if any(b[0] + b[1] < (a[0] - a[1]) * (1 - dip) for a, b in zip(figures, figures[1:])):
             return False
     return True
 
@@ -457,12 +458,14 @@ def time_paired(request: dict) -> dict:
             answer["stopped"] = "budget"
         elif repeat >= most:
             answer["stopped"] = "max_repeats"
-        elif clean >= least and settled(answer["timings"], group_ks, float(request["halfwidth"])):
+        elif clean >= least and settled(answer["timings"], group_ks, float(request["halfwidth"]),
+                                          dip=float(request.get("dip", 0.0))):
             answer["stopped"] = "settled"
         # a neighbour that stays (most repeats contended): its load is in both sides of each
         # pair, so the pairs of every repeat are used, and said
         elif (repeat >= 2 * least and clean < repeat / 2
-                and settled(answer["timings"], group_ks, float(request["halfwidth"]), contended=True)):
+                and settled(answer["timings"], group_ks, float(request["halfwidth"]), contended=True,
+                         dip=float(request.get("dip", 0.0)))):
             answer["stopped"] = "settled_contended"
     answer["seconds"] = time.monotonic() - began
     return answer
