@@ -776,8 +776,7 @@ def test_vllm_profile_prices_verify_from_pairs_inside_one_engine_and_other_draft
     assert table.draft_step["eagle3(model=/h)"][1] == pytest.approx(0.040 * 0.15 / 3)
     assert reasons == [] and notes == []             # every pair the same ratio: settled
     assert table.spread[("verify", None, 3, 1)] == pytest.approx(0.0, abs=1e-9)
-    # ratios that scatter: a note past ratio_halfwidth (the plan's interval carries it), a
-    # reason past 4 times it
+    # ratios that scatter: a note past ratio_halfwidth (the plan's interval carries it)
     answers["ngram"] = {"timings": ngram[:6] + _paired(1, 3, [0.052, 0.056, 0.090], 50, 1.5)}
     table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
     assert reasons == [] and any("ngram K=3 at batch 1" in n for n in notes), notes
@@ -787,8 +786,12 @@ def test_vllm_profile_prices_verify_from_pairs_inside_one_engine_and_other_draft
     table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
     assert table.verify[1][3] == pytest.approx(0.064) and reasons == [] and notes == []
     answers["ngram"] = {"timings": ngram[:6] + _paired(1, 3, [0.052, 0.120, 0.060], 50, 1.5)}
-    _, reasons, _ = _table(answers, runs, 3, [1], 3, load_settings())
-    assert any("ngram K=3 at batch 1" in r for r in reasons), reasons
+    table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
+    assert reasons == [] and any("ngram K=3 at batch 1" in n for n in notes), notes
+    # ... and the predicted speedup's interval widens by the cost's (a paired profile)
+    table.check = {"status": "ok", "details": {"paired": True}}
+    width = table.spread[("verify", None, 3, 1)]
+    assert width > 0.5 and table.cost_halfwidth(3, 1) == pytest.approx(width)
 
 
 def test_vllm_profile_never_prices_a_larger_k_below_a_smaller_one_beyond_their_intervals():

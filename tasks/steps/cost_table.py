@@ -81,17 +81,20 @@ class CostTable:
 
     def cost_halfwidth(self, k: int, batch_size: int) -> float:
         """The relative 95% half-width of verify(K) at a batch size in a paired profile (the
-        nearest K timed at or around K, the wider of the two); 0 in any other profile."""
+        nearest K timed at or around K, the wider of the two, greedy or sampled); 0 in any other
+        profile."""
         if not self.paired or k <= 0:
             return 0.0
-        timed = sorted(kk for (component, _, kk, b) in self.spread
-                       if component == "verify" and b == batch_size and kk)
-        if not timed:
-            return 0.0
-        below = max((kk for kk in timed if kk <= k), default=timed[0])
-        above = min((kk for kk in timed if kk >= k), default=timed[-1])
-        return max(self.spread[("verify", None, below, batch_size)],
-                   self.spread[("verify", None, above, batch_size)])
+        widths = [0.0]
+        for name in ("verify", "sampled_verify"):     # greedy, and sampled where timed
+            timed = sorted(kk for (component, _, kk, b) in self.spread
+                           if component == name and b == batch_size and kk)
+            if timed:
+                below = max((kk for kk in timed if kk <= k), default=timed[0])
+                above = min((kk for kk in timed if kk >= k), default=timed[-1])
+                widths += [self.spread[(name, None, below, batch_size)],
+                           self.spread[(name, None, above, batch_size)]]
+        return max(widths)
 
     @property
     def batch_sizes(self) -> list[int]:

@@ -106,9 +106,6 @@ class VllmProfilePlan:
 T95 = (float("inf"), 12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16,
        2.14, 2.13, 2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05,
        2.04)
-# a ratio whose interval is wider than this many ratio_halfwidths is not measured at all (the
-# profile is noisy); a narrower one that has not settled is carried by the plan's interval
-UNMEASURED = 10
 NGRAM = "ngram"          # the label of the n-gram engine: plain (K 0) and verify(K) for every K
 
 
@@ -193,14 +190,14 @@ def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, s
 
 def _engine_request(plan: VllmProfilePlan, run: tuple, settings: Settings, spare: int = 0) -> dict:
     """The probe's time-paired request of one engine: its Ks and samplings, and its share of the
-    timing budget (the ngram engine, which times every K, twice another's)."""
+    timing budget (the ngram engine, which times every K, three times another's)."""
     label, spec, _, ks = run
-    weights = [2.0 if r[0] == NGRAM else 1.0 for r in plan.runs]
-    budget = settings.profile.engine_budget_s * (2.0 if label == NGRAM else 1.0) / sum(weights)
+    weights = [3.0 if r[0] == NGRAM else 1.0 for r in plan.runs]
+    budget = settings.profile.engine_budget_s * (3.0 if label == NGRAM else 1.0) / sum(weights)
     samplings = {"greedy": {}}
-    if label == NGRAM:      # sampled requests at the smallest, middle and largest K
+    if label == NGRAM:      # sampled requests at the smallest and largest K (linear between)
         samplings["sampled"] = {**SAMPLED, "batch_sizes": plan.sampled_sizes,
-                                "ks": sorted({ks[0], ks[len(ks) // 2], ks[-1]})}
+                                "ks": sorted({ks[0], ks[-1]})}
     return dict(plan.base, speculative_config=spec, ks=ks, samplings=samplings, budget_s=budget,
                 max_repeats=max(settings.profile.repeats * settings.profile.attempts * 3, 3),
                 spare_cores=spare)
@@ -263,7 +260,7 @@ def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list
     hardware = {**hardware, "details": {**hardware["details"], "engine": {
                     "name": "vllm", "version": version, "enforce_eager": True,
                     "mends": sorted({m for e in engines for m in e["mends"]}),
-                    "ngram_ks": ks, "sampled_ks": sorted({ks[0], ks[len(ks) // 2], ks[-1]}), "paired": True,
+                    "ngram_ks": ks, "sampled_ks": sorted({ks[0], ks[-1]}), "paired": True,
                     "sampled_batch_sizes": plan.sampled_sizes, "sampled": SAMPLED,
                     "draft_k": draft_k, "steps": steps,
                     "context_len": plan.context}}}
@@ -399,9 +396,9 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
     K 0 step is the target step; verify(K) its paired ratio at K times that step (interpolated
     between the K timed); another method's draft step its paired ratio at draft_k less the ngram
     engine's at that K, times the step. Each figure's spread is its ratio's 95% half-width over
-    the ratio. A ratio whose half-width is over ratio_halfwidth is a note (the plan's interval
-    carries it); over UNMEASURED x that, or a step cheaper at a larger K beyond both intervals, a
-    reason."""
+    the ratio. A ratio whose half-width is over ratio_halfwidth is a note: the plan's interval
+    carries it (a busy machine makes the plan cautious, never silent); a step cheaper at a
+    larger K by more than profile_verify_dip beyond both intervals is a reason (noisy)."""
     table = CostTable("", "", {}, {}, {}, {})
     reasons, notes = [], []
     halfwidth = settings.profile.ratio_halfwidth
@@ -415,9 +412,7 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
             raise ServingProbeError(f"profile: {what}: no paired timing")
         relative = half / mean if mean > 0 else float("inf")
         table.spread[(component, drafter, k, b)] = min(relative, 9.99)
-        if relative > UNMEASURED * halfwidth:
-            reasons.append(f"{what}: {mean:.3f} +- {relative:.0%} after {len(pairs)} pairs")
-        elif relative > halfwidth:
+        if relative > halfwidth:
             notes.append(f"{what}: {mean:.3f} +- {relative:.0%} ({len(pairs)} pairs; the plan's interval carries it)")
         if contended:
             notes.append(f"{what}: paired over repeats with other processes on the CPU")
