@@ -344,16 +344,16 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
 
 
 def _pairs(timings: list[dict], b: int, sampling: str, k: int) -> tuple[list[float], bool]:
-    """(the step at K over the K 0 step of the same repeat, per repeat; whether contended repeats
-    were used): the clean repeats where there are two or more, else every repeat (a neighbour
-    that stayed is on both sides of each pair)."""
+    """(the step at K over the K 0 step of the same repeat, per repeat; whether contended pairs
+    were used): the pairs neither of whose batches was contended where there are two or more,
+    else every pair (a neighbour that stayed is on both sides of each)."""
+    by_repeat: dict = {}
+    for t in timings:
+        if t["batch_size"] == b and t["sampling"] == sampling and t["steps"] and t["decode_s"]:
+            by_repeat.setdefault(t["repeat"], {})[t["k"]] = t
     for contended in (False, True):
-        by_repeat: dict = {}
-        for t in timings:
-            if (t["batch_size"] == b and t["sampling"] == sampling and t["steps"] and t["decode_s"]
-                    and (contended or not t["contended"])):
-                by_repeat.setdefault(t["repeat"], {})[t["k"]] = t
-        pairs = [(r[k], r[0]) for r in by_repeat.values() if k in r and 0 in r]
+        pairs = [(r[k], r[0]) for r in by_repeat.values() if k in r and 0 in r
+                 and (contended or not (r[k]["contended"] or r[0]["contended"]))]
         if len(pairs) >= 2 or contended:
             return [_verify_ratio(at_k, plain, k) for at_k, plain in pairs], contended
     return [], True

@@ -356,14 +356,15 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float]:
 
 
 def paired_ratios(timings: list[dict], group: tuple, k: int, contended: bool = False) -> list[float]:
-    """Step at K over the K 0 step of the same repeat, over the repeats nothing contended (with
-    `contended`: over every repeat)."""
+    """Step at K over the K 0 step of the same repeat, over the pairs neither of whose batches
+    was contended (with `contended`: every pair)."""
     by_repeat: dict = {}
     for row in timings:
-        if ((row["batch_size"], row["sampling"]) == group and row["steps"]
-                and (contended or not row["contended"])):
-            by_repeat.setdefault(row["repeat"], {})[row["k"]] = row["decode_s"] / row["steps"]
-    return [r[k] / r[0] for r in by_repeat.values() if k in r and 0 in r and r[0] > 0]
+        if (row["batch_size"], row["sampling"]) == group and row["steps"]:
+            by_repeat.setdefault(row["repeat"], {})[row["k"]] = row
+    return [r[k]["decode_s"] / r[k]["steps"] / (r[0]["decode_s"] / r[0]["steps"])
+            for r in by_repeat.values() if k in r and 0 in r and r[0]["decode_s"] > 0
+            and (contended or not (r[k]["contended"] or r[0]["contended"]))]
 
 
 def settled(timings: list[dict], groups: dict, halfwidth: float, contended: bool = False,
@@ -448,10 +449,7 @@ def time_paired(request: dict) -> dict:
                 row = _batch_row(results, b, name, k, repeat, wall, other, limit)
                 contended |= row["contended"]
                 answer["timings"].append(row)
-        if contended:       # the whole repeat is marked, so that its pairs are not used
-            for row in answer["timings"]:
-                row["contended"] |= row["repeat"] == repeat
-        clean += not contended
+        clean += not contended      # (a contended batch's pairs are not used while clean ones are)
         repeat += 1
         # whole repeats only, and at least two (an interval needs two pairs), whatever the budget
         if repeat >= 2 and time.monotonic() - began >= budget:
