@@ -74,7 +74,7 @@ def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, 
     ratio at that K: CostTable.cost_halfwidth)."""
     factor = speedup_factor(estimate["drafter"], estimate["drafter_spec"],
                             estimate["draft_width_share"], costs, batch_size)
-    cost = min(costs.cost_halfwidth(int(estimate["k"]), batch_size), 0.9)
+    cost = min(costs.cost_halfwidth(int(estimate.get("k") or 0), batch_size), 0.9)
     return (estimate["mean_accepted_length"] * factor,
             estimate["mean_accepted_length_lo"] * factor * (1 - cost),
             estimate["mean_accepted_length_hi"] * factor * (1 + cost))
