@@ -527,7 +527,7 @@ def test_a_prediction_on_a_noisy_profile_says_so_beside_it(db_url):
     assert table_rows(view)[0][7] == "1.60x [1.30, 1.90]"
     noisy = replace(view, profile={"status": "noisy", "reasons": ["spread 40%"]})
     assert table_rows(noisy)[0][7] == "1.60x [1.30, 1.90] (cost profile NOISY)"
-    assert "over the sampled requests only, not the cost profile's timing noise" in domains_markdown(noisy)
+    assert "not the cost profile's timing noise otherwise" in domains_markdown(noisy)
 
 
 def test_the_versions_list_preview_and_the_run_name_read_plainly(db_url, tracking, target_id):

@@ -240,8 +240,9 @@ def domains_markdown(view: RunView) -> str:
         split_tables(view), "",
         "E counts every round, with or without a proposal; the proposal rate is the share of rounds "
         "in which the drafter proposed at least one token. The predicted speedup's 95% interval is "
-        "over the sampled requests only, not the cost profile's timing noise: a profile that is not "
-        "ok is named beside each prediction. The live check decodes a few requests "
+        "over the sampled requests, widened by the cost's own interval only where the profile is a "
+        "serving engine's paired one (not the cost profile's timing noise otherwise): a profile "
+        "that is not ok is named beside each prediction. The live check decodes a few requests "
         "plain and speculative and compares the measured speedup with the prediction for the same "
         "requests (WARNING: its interval shows a problem; unsure: its interval reaches past a bar). "
         "On vLLM: the engine check's status of the domain's config on the serving engine "
