@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -113,7 +114,8 @@ def main() -> int:
     lines = ["# K per request on one vLLM server", "",
              f"Command: `.venv/bin/python benchmarks/k_per_request.py --rows {args.rows} --tokens {args.tokens}`; "
              f"vLLM's CPU build, the embedded default, one ngram server at K 8 with the plan "
-             f"`{json.dumps(PLAN)}`; {seconds:.0f} s.", "",
+             f"`{json.dumps(PLAN)}`; {seconds:.0f} s; load average at the end "
+             + " / ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1, 5, 15 minutes).", "",
              "The server's log: `" + (log_lines[0].split("specdec k-per-request: ")[-1] if log_lines else "-") + "`", "",
              "## One mixed batch (all requests in flight at once)", "",
              "| request | asked (vllm_xargs) | steps | drafts | accepted | drafts per step | acceptance histogram |",

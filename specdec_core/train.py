@@ -409,30 +409,43 @@ def optimise(trainee: Trainee, n_train: int, config: TrainConfig, checkpoint_dir
             evaluate(step, float(loss_sum) / n_losses)
             loss_sum.zero_()
             n_losses = 0
-            trainee.save(last)
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                        "step": step, "history": history, "best": best, "config": asdict(config),
-                        "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
-                       last / "state.pt")   # what _resume reads back
+            _save_last(trainee, last, optimizer, scheduler, step, history, best, config)
         if out_of_time and step < config.steps:
             log.warning("%s: stopped at its deadline after step %d of %d", desc, step, config.steps)
             break
     bar.close()
     trainee.module.eval()
     (checkpoint_dir / "history.json").write_text(json.dumps(history, indent=1))
-    scored = None
-    if report and best_dir.exists():
-        ended = [param.detach().clone() for param in parameters]     # what training changes
-        trainee.load(best_dir)
-        scored = {"step": best["step"], **trainee.score(report)}
-        with torch.no_grad():
-            for param, value in zip(parameters, ended):
-                param.copy_(value)
-        log.info("%s: the kept checkpoint (step %d) on %d rows it was not chosen on: E %.3f at "
-                 "K=%d, predicted %.3fx", desc, best["step"], len(report),
-                 scored["expected_tokens_per_round"], scored["k"], scored["predicted_speedup"])
+    scored = _score_kept(trainee, parameters, best_dir, best, report, desc) if report else None
     return TrainResult(step=step, best_step=best["step"], best=best, history=history,
                        best_dir=str(best_dir) if best_dir.exists() else None, report=scored)
+
+
+def _save_last(trainee: Trainee, last: Path, optimizer, scheduler, step: int, history: list,
+               best: dict, config: TrainConfig) -> None:
+    """The resumable checkpoint: the weights and what _resume reads back."""
+    trainee.save(last)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "step": step, "history": history, "best": best, "config": asdict(config),
+                "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()},
+               last / "state.pt")
+
+
+def _score_kept(trainee: Trainee, parameters: list, best_dir: Path, best: dict,
+                report: list[LoggedRequest], desc: str) -> dict | None:
+    """The kept checkpoint scored on `report`; the module is left with the weights it ended with."""
+    if not best_dir.exists():
+        return None
+    ended = [param.detach().clone() for param in parameters]     # what training changes
+    trainee.load(best_dir)
+    scored = {"step": best["step"], **trainee.score(report)}
+    with torch.no_grad():
+        for param, value in zip(parameters, ended):
+            param.copy_(value)
+    log.info("%s: the kept checkpoint (step %d) on %d rows it was not chosen on: E %.3f at "
+             "K=%d, predicted %.3fx", desc, best["step"], len(report),
+             scored["expected_tokens_per_round"], scored["k"], scored["predicted_speedup"])
+    return scored
 
 
 # ---------------------------------------------------------------------------------------------

@@ -166,17 +166,13 @@ def test_a_large_body_under_the_cap_is_stored_in_bounded_memory(db_url, metrics_
 
 
 def test_a_body_that_drips_ends_at_the_total_deadline(db_url, metrics_server):
-    import time
-
     from tasks.errors import MonitorScrapeError
     from tasks.steps.monitor import scrape
 
-    metrics_server.drip_s = 0.2              # each read answers well within the timeout
-    started = time.monotonic()
+    # each read answers well within the timeout, so only a deadline over the whole scrape ends it
+    metrics_server.drip_s = 0.2
     with pytest.raises(MonitorScrapeError) as refused:
         scrape(_monitor(db_url, monitor_scrape_timeout_s=1.5), metrics_server.url, "vllm-a", config=False)
-    took = time.monotonic() - started
-    assert 1.4 < took < 2.5, took
     assert "did not finish within 1.5 s (setting monitor_scrape_timeout_s); nothing stored" in str(refused.value)
     assert _scrapes(db_url) == []
 

@@ -407,9 +407,8 @@ def time_paired(request: dict) -> dict:
     llm = _start(request, spec, max(sizes), answer)
     if llm is None:
         return answer
-    answer["k_per_request"] = bool(getattr(_scheduler_class(), "update_draft_token_ids", None)
-                                   and getattr(_scheduler_class().update_draft_token_ids,
-                                               "specdec_k_per_request", False))
+    answer["k_per_request"] = bool(getattr(getattr(_scheduler_class(), "update_draft_token_ids", None),
+                                           "specdec_k_per_request", False))
     samplings = request.get("samplings") or {"greedy": {}}
     groups = [(b, name) for name, sampling in samplings.items() for b in sizes
               if sampling.get("batch_sizes") is None or b in sampling["batch_sizes"]]
@@ -431,8 +430,6 @@ def time_paired(request: dict) -> dict:
             for k in (0, ks[-1]):
                 run(b, name, k, 8)
     began, clean, repeat = time.monotonic(), 0, 0
-    budget, least = float(request["budget_s"]), int(request.get("min_repeats", 3))
-    most = int(request.get("max_repeats", 30))
     # contended: other processes took more CPU than the cores this engine left them, by `limit`
     limit += float(request.get("spare_cores", 0.0))
     while answer["stopped"] is None:
@@ -451,22 +448,30 @@ def time_paired(request: dict) -> dict:
                 answer["timings"].append(row)
         clean += not contended      # (a contended batch's pairs are not used while clean ones are)
         repeat += 1
-        # whole repeats only, and at least two (an interval needs two pairs), whatever the budget
-        if repeat >= 2 and time.monotonic() - began >= budget:
-            answer["stopped"] = "budget"
-        elif repeat >= most:
-            answer["stopped"] = "max_repeats"
-        elif clean >= least and settled(answer["timings"], group_ks, float(request["halfwidth"]),
-                                          dip=float(request.get("dip", 0.0))):
-            answer["stopped"] = "settled"
-        # a neighbour that stays (most repeats contended): its load is in both sides of each
-        # pair, so the pairs of every repeat are used, and said
-        elif (repeat >= 2 * least and clean < repeat / 2
-                and settled(answer["timings"], group_ks, float(request["halfwidth"]), contended=True,
-                         dip=float(request.get("dip", 0.0)))):
-            answer["stopped"] = "settled_contended"
+        answer["stopped"] = _stop_reason(request, answer["timings"], group_ks, repeat, clean,
+                                         time.monotonic() - began)
     answer["seconds"] = time.monotonic() - began
     return answer
+
+
+def _stop_reason(request: dict, timings: list[dict], group_ks: dict, repeat: int, clean: int,
+                 spent: float) -> str | None:
+    """Why time_paired stops after `repeat` whole repeats (None: it goes on)."""
+    least, most = int(request.get("min_repeats", 3)), int(request.get("max_repeats", 30))
+    halfwidth, dip = float(request["halfwidth"]), float(request.get("dip", 0.0))
+    # whole repeats only, and at least two (an interval needs two pairs), whatever the budget
+    if repeat >= 2 and spent >= float(request["budget_s"]):
+        return "budget"
+    if repeat >= most:
+        return "max_repeats"
+    if clean >= least and settled(timings, group_ks, halfwidth, dip=dip):
+        return "settled"
+    # a neighbour that stays (most repeats contended): its load is in both sides of each pair,
+    # so the pairs of every repeat are used, and said
+    if repeat >= 2 * least and clean < repeat / 2 and settled(timings, group_ks, halfwidth,
+                                                              contended=True, dip=dip):
+        return "settled_contended"
+    return None
 
 
 def _batch_row(results, b: int, name: str, k: int, repeat: int, wall: float, other: float,
