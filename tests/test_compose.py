@@ -211,6 +211,9 @@ def test_compose_config_validates_the_exported_override_with_the_serving_profile
     served = resolved["services"]["vllm-code-json-qa"]
     assert served["labels"]["io.specdec.config_version"] == "7"
     assert served["entrypoint"][:2] == ["sh", "-c"] and "vllm.entrypoints.openai.api_server" in served["entrypoint"][2]
+    # the shell gets "$@" (the service's command as vLLM's arguments); `compose config` prints
+    # Compose's escape for it, `$$`, so that its output reads back the same
+    assert served["entrypoint"][2].replace("$$", "$").endswith('api_server "$@"'), served["entrypoint"][2]
     assert "SPECDEC_VLLM_PLAN" in served["environment"]
     assert "serving-models" in resolved["volumes"]
     assert resolved["services"]["serving-config"]["command"][:4] == ["config", "export", "champion",

@@ -26,9 +26,10 @@ MODELS_VOLUME = "serving-models"
 PLUGIN_SOURCE = "./tasks/serving/vllm_plugin"      # the project's plugin, beside the compose file
 PLUGIN_MOUNT = "/specdec/vllm_plugin"
 # the image's vLLM gets the project's plugin (K per request by the plan, the CPU mends) before it
-# starts: installed from a copy (a build writes into its source folder, mounted read-only)
+# starts: installed from a copy (a build writes into its source folder, mounted read-only). `$$`
+# is Compose's escape for a literal `$` (the shell's "$@": the service's command as arguments)
 START = (f"cp -r {PLUGIN_MOUNT} /tmp/specdec-plugin && python3 -m pip install --quiet --no-deps "
-         "--no-build-isolation /tmp/specdec-plugin && exec python3 -m vllm.entrypoints.openai.api_server \"$@\"")
+         "--no-build-isolation /tmp/specdec-plugin && exec python3 -m vllm.entrypoints.openai.api_server \"$$@\"")
 
 
 NAME_LIMIT = 63               # a DNS label: Compose service names are host names in the network
