@@ -804,12 +804,17 @@ def test_vllm_profile_never_prices_a_larger_k_below_a_smaller_one_beyond_their_i
     table, reasons, _ = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 2])], 2, [1], 2,
                                load_settings())
     assert table.verify[1][2] == pytest.approx(0.053) and reasons == []
-    # 33% cheaper: beyond the dip and both intervals, priced at K 1's and named
+    # 33% cheaper: beyond the dip and both intervals, priced at K 1's (the dearer: a busy machine
+    # slows a batch, never speeds one up), named, and its spread covers the gap; the profile is
+    # not refused for it (the plan's interval carries it)
     ngram = ngram[:6] + _paired(1, 2, 0.040, 50, 2.0)
-    table, reasons, _ = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 2])], 2, [1], 2,
-                               load_settings())
+    table, reasons, notes = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 2])], 2, [1],
+                                   2, load_settings())
     assert table.verify[1][2] == pytest.approx(table.verify[1][1]) == pytest.approx(0.060)
-    assert any("K=2" in r and "cheaper than K=1" in r for r in reasons), reasons
+    assert reasons == [] and any("K=2" in n and "cheaper than K=1" in n for n in notes), notes
+    assert table.spread[("verify", None, 2, 1)] == pytest.approx((0.060 - 0.040) / 0.060)
+    table.check = {"status": "ok", "details": {"paired": True}}
+    assert table.cost_halfwidth(2, 1) == pytest.approx(1 / 3)
 
 
 def test_vllm_profile_pairs_contended_repeats_only_where_no_clean_ones_are_left():

@@ -158,3 +158,67 @@ def test_show_keeps_what_was_scraped_of_a_deployment_whose_config_version_is_unk
     assert main(["monitor", "show", "--url", db_url]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "vllm-x" in printed and "108" in printed and f"{1 + 336 / 108:.2f}" in printed, printed
+
+
+def _served_request(index: int, domain: str, at, accepted_per_step: int, steps: int = 10) -> dict:
+    """A gateway's logged request that vLLM served with K 3: `steps` verify steps, each accepting
+    `accepted_per_step` of its 3 drafts."""
+    from .helpers.traffic import request_row
+
+    histogram = [0] * 4
+    histogram[accepted_per_step] = steps
+    return request_row(index, id=f"{domain}-{index}", domain=domain, timestamp=at.isoformat() + "Z",
+                       config_version="2", metrics={"speculative_decoding": {
+                           "num_spec_steps": steps, "num_draft_tokens": 3 * steps,
+                           "num_accepted_draft_tokens": accepted_per_step * steps,
+                           "num_spec_tokens": 3, "acceptance_histogram": histogram}})
+
+
+def test_one_domain_falling_behind_a_busy_one_is_alerted_then_rolled_back_from_its_own_requests(
+        db_url, tracking, tmp_path):
+    """One deployment serves json and qa; json's many requests keep the deployment's E up while
+    qa's falls. The per-request metrics of the imported traffic judge each domain on its own:
+    qa below its promise is an alert naming qa alone, below its break-even a rollback."""
+    from tasks.db.models import Promotion
+    from tasks.registry.tracking import client
+    from tasks.settings import load_settings
+    from tasks.steps.monitor import MonitorContext, check
+    from tasks.steps.traffic_import import import_traffic
+
+    from .helpers.monitor import now
+    from .helpers.traffic import write_jsonl
+
+    target = f"Test-Org/Domains-{tmp_path.name[-8:]}"
+    name = monitored_champion(db_url, tracking, target)
+    settings = load_settings({}, monitor_window_s=600, monitor_min_drafts=50)
+    ctx = MonitorContext.open(Store.open(db_url), tracking, target, settings)
+    at = now() + timedelta(seconds=60)       # every request served after the promotion
+    # json: 20 requests accepting all 3 drafts a step (E 4.0); qa: 6 accepting 1 (E 2.0): 260
+    # steps in all at E 1 + (600 + 60) / 260 = 3.54, within the promise [3.5, 4.0]
+    rows = ([_served_request(i, "json", at - timedelta(seconds=50 - i), 3) for i in range(20)]
+            + [_served_request(100 + i, "qa", at - timedelta(seconds=30 - i), 1) for i in range(6)])
+    assert import_traffic(write_jsonl(tmp_path / "a.jsonl", rows), store=ctx.store, settings=settings,
+                          progress=False)["inserted"] == 26
+    result = check(ctx, at=at)
+    (status,) = result["deployments"]
+    domains = {d["domain"]: d for d in status["domain_checks"]}
+    assert domains["json"]["e"] == pytest.approx(4.0) and domains["json"]["state"] == "ok"
+    assert domains["qa"]["e"] == pytest.approx(2.0) and domains["qa"]["state"] == "below promise"
+    assert [(e["kind"], e["domains"]) for e in result["events"]] == [("alert", ["qa"])]
+    assert "domain qa: production E 2.000 over 60 drafts of 6 requests" in result["events"][0]["reason"]
+    assert check(ctx, at=at)["events"] == []                          # alerted once
+    # qa's drafts all rejected now (E 1.0 over its window: below the break-even 1.65)
+    later = at + timedelta(seconds=30)
+    more = [_served_request(200 + i, "qa", later - timedelta(seconds=20 - i), 0) for i in range(10)]
+    import_traffic(write_jsonl(tmp_path / "b.jsonl", more), store=ctx.store, settings=settings,
+                   progress=False)
+    result = check(ctx, at=later)
+    assert [(e["kind"], e["domains"]) for e in result["events"]] == [("rollback", ["qa"])], result
+    assert str(client(tracking).get_model_version_by_alias(name, "champion").version) == "1"
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        audit = connection.execute(select(Promotion).order_by(Promotion.id.desc()).limit(1)).mappings().one()
+    engine.dispose()
+    assert (audit["action"], audit["actor"]) == ("rollback", "specdec monitor")
+    assert "domain qa" in audit["reason"] and "requests' own metrics" in audit["reason"]
+    assert audit["gates"]["evidence"]["source"] == "per-request metrics"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -35,9 +35,11 @@ def insert_request_metrics(connection: Connection, rows: list[dict]) -> int:
 
 def request_metrics_by_domain(store: Store, since: datetime | None = None,
                               until: datetime | None = None,
-                              config_version: str | None = None) -> dict[str, dict]:
+                              config_version: str | None = None,
+                              unversioned: bool = False) -> dict[str, dict]:
     """Per domain of production traffic requested in [since, until]: requests with metrics,
-    verify steps, draft tokens, accepted drafts and the summed acceptance histogram."""
+    verify steps, draft tokens, accepted drafts and the summed acceptance histogram (of one
+    config version's requests, with `unversioned` also those the gateway logged without one)."""
     query = (select(TrafficRequest.domain, RequestSpecMetrics.spec_steps,
                     RequestSpecMetrics.draft_tokens, RequestSpecMetrics.accepted_tokens,
                     RequestSpecMetrics.acceptance_histogram)
@@ -47,7 +49,8 @@ def request_metrics_by_domain(store: Store, since: datetime | None = None,
     if until is not None:
         query = query.where(TrafficRequest.requested_at <= until)
     if config_version is not None:
-        query = query.where(RequestSpecMetrics.config_version == config_version)
+        same = RequestSpecMetrics.config_version == config_version
+        query = query.where(or_(same, RequestSpecMetrics.config_version.is_(None)) if unversioned else same)
     out: dict[str, dict] = {}
     with store.connect() as connection:
         for domain, steps, drafted, accepted, histogram in connection.execute(query):
@@ -174,6 +177,17 @@ def has_event(store: Store, kind: str, deployment: str, config_name: str | None,
             (MonitorEvent.kind == kind) & (MonitorEvent.deployment == deployment)
             & (MonitorEvent.config_name == config_name) & (MonitorEvent.config_version == version)
             & (MonitorEvent.series == series)).limit(1)).first() is not None
+
+
+def has_domain_event(store: Store, kind: str, deployment: str, config_name: str | None,
+                     version: str | None, domain: str) -> bool:
+    """Whether one domain's event of that kind was raised (from per-request metrics: no series)."""
+    with store.connect() as connection:
+        rows = connection.execute(select(MonitorEvent.domains).where(
+            (MonitorEvent.kind == kind) & (MonitorEvent.deployment == deployment)
+            & (MonitorEvent.config_name == config_name) & (MonitorEvent.config_version == version)
+            & MonitorEvent.series.is_(None))).scalars()
+        return any(domains == [domain] for domains in rows)
 
 
 def insert_event(store: Store, row: dict) -> dict:

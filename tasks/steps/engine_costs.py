@@ -2,13 +2,15 @@
 (`specdec profile measure --engine vllm`), stored as a cost profile like our engine's, so the
 planner can say what a config gives *on vLLM* on this hardware.
 
-What is timed, per engine (one vLLM process per speculative config; vLLM does not start twice in
-one process), at each profiled batch size, `profile_repeats` times in alternating order of batch
-sizes after a warm-up: greedy requests with `ignore_eos`, sent at once, and the decode phase from
-vLLM's engine-core timestamps (the batch's last first token to its last token) over the decode
-steps taken (tokens after the first, less the drafts accepted).
+What is timed: one vLLM engine per drafter method (the ngram engine for the plain step and
+verify(K); one more per other method a candidate uses), started at its largest K and serving
+each request the K it asks (the plugin's K per request). Each figure is a ratio of a pair of
+batches timed one right after the other, K 0 and K (the probe's time-paired: greedy or sampled
+requests with `ignore_eos`, sent at once, the decode phase from vLLM's engine-core timestamps,
+the batch's last first token to its last token, over the decode steps taken), one more pair a
+round for each ratio not settled yet, within `profile_engine_budget_s` (docs/evaluation.md).
 
-- target_step(b): the plain engine's seconds per step.
+- target_step(b): the ngram engine's seconds per step at K 0 (the median over its pairs).
 - verify(b, K): the `ngram` engine's at K. Its prompts repeat a cycle of tokens, so n-gram
   matching proposes K tokens in every step whatever the target answers: the step verifies K
   drafts (where it found none, the step was a plain one: the verify step is solved from the
@@ -112,7 +114,7 @@ NGRAM = "ngram"          # the label of the n-gram engine: plain (K 0) and verif
 def profile_vllm(run_id: str, target: str, candidates: list[str] | None,
                  store: Store, name: str | None = None,
                  settings: Settings | None = None, k_max: int | None = None, batch_sizes=None,
-                 ks: list[int] | None = None, draft_k: int = 3, steps: int = 16,
+                 ks: list[int] | None = None, draft_k: int = 3, steps: int = 8,
                  progress: bool = True) -> dict:
     """Time vLLM's decode steps for `target` in the serving environment and store them as a cost
     profile (see the module's docstring). ks: the K values timed on the ngram engine (default 1,
@@ -231,7 +233,7 @@ def _time_engines(run_id: str, plan: VllmProfilePlan, settings: Settings,
                 raise ServingProbeError(f"{what}: the serving environment's vLLM has no K per "
                                         "request (the specdec plugin): run `make serving-env`")
             repeats = 1 + max((t["repeat"] for t in answer["timings"]), default=-1)
-            contended = len({t["repeat"] for t in answer["timings"] if t["contended"]})
+            contended = len({t.get("pair", t["repeat"]) for t in answer["timings"] if t["contended"]})
             engines.append({"config": label, "speculative_config": spec, "start_s": answer["start_s"],
                             "seconds": round(time.perf_counter() - began, 1),
                             "mends": answer.get("mends") or [], "repeats": repeats,
@@ -239,7 +241,7 @@ def _time_engines(run_id: str, plan: VllmProfilePlan, settings: Settings,
                             "threads": threads, "timings": answer["timings"]})
             answers[label] = answer
             bar.update(1)
-            log.info("%s: %d repeats (%d with other processes on the CPU), %s, in %.0f s (engine "
+            log.info("%s: %d rounds (%d pairs with other processes on the CPU), %s, in %.0f s (engine "
                      "start %.1f s)", what, repeats, contended, answer["stopped"],
                      engines[-1]["seconds"], answer["start_s"])
     return answers, engines
@@ -344,15 +346,16 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
 
 
 def _pairs(timings: list[dict], b: int, sampling: str, k: int) -> tuple[list[float], bool]:
-    """(the step at K over the K 0 step of the same repeat, per repeat; whether contended pairs
-    were used): the pairs neither of whose batches was contended where there are two or more,
-    else every pair (a neighbour that stayed is on both sides of each)."""
-    by_repeat: dict = {}
+    """(the step at K over the K 0 step timed beside it, per pair; whether contended pairs were
+    used): the pairs neither of whose batches was contended where there are two or more, else
+    every pair (a neighbour that stayed is on both sides of each). Timings without a `pair` (an
+    earlier probe's) pair by repeat."""
+    by_pair: dict = {}
     for t in timings:
         if t["batch_size"] == b and t["sampling"] == sampling and t["steps"] and t["decode_s"]:
-            by_repeat.setdefault(t["repeat"], {})[t["k"]] = t
+            by_pair.setdefault(t.get("pair", t["repeat"]), {})[t["k"]] = t
     for contended in (False, True):
-        pairs = [(r[k], r[0]) for r in by_repeat.values() if k in r and 0 in r
+        pairs = [(r[k], r[0]) for r in by_pair.values() if k in r and 0 in r
                  and (contended or not (r[k]["contended"] or r[0]["contended"]))]
         if len(pairs) >= 2 or contended:
             return [_verify_ratio(at_k, plain, k) for at_k, plain in pairs], contended
@@ -422,7 +425,7 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
         step = table.target_step[b] = _k0_step(ngram, b, "greedy")
         table.spread[("target_step", None, None, b)] = 0.0
         measured = _shaped({k: ratio(ngram, NGRAM, b, "greedy", k, "verify") for k in runs[0][3]},
-                           table.spread, "verify", b, reasons, settings.profile.verify_dip)
+                           table.spread, "verify", b, notes, settings.profile.verify_dip)
         known = sorted(measured)
         table.verify[b] = {k: step * float(np.interp(k, known, [measured[x] for x in known]))
                            for k in range(1, k_max + 1)}
@@ -431,7 +434,7 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
             timed = sorted({t["k"] for t in ngram if t["sampling"] == "sampled" and t["batch_size"] == b} - {0})
             table.sampled_verify[b] = {k: sampled * r for k, r in _shaped(
                 {k: ratio(ngram, NGRAM, b, "sampled", k, "sampled_verify") for k in timed},
-                table.spread, "sampled_verify", b, reasons, settings.profile.verify_dip).items()}
+                table.spread, "sampled_verify", b, notes, settings.profile.verify_dip).items()}
         for label, _, spec, _ in runs[1:]:
             own = ratio(answers[label]["timings"], label, b, "greedy", draft_k, "draft_step", label)
             extra = max(own - table.verify[b][draft_k] / step, 0.0) * step
@@ -440,21 +443,25 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
     return table, reasons, notes
 
 
-def _shaped(ratios: dict[int, float], spread: dict, component: str, b: int, reasons: list[str],
+def _shaped(ratios: dict[int, float], spread: dict, component: str, b: int, notes: list[str],
             dip: float) -> dict[int, float]:
     """The ratios with the shape costs must have: a step may be cheaper at a larger K by up to
     `dip` (profile_verify_dip: CPU matrix kernels change path with the width, repeatably) or
-    within both intervals; cheaper beyond that (the probe measured it again until the budget ran
-    out) is a reason, and the larger K is priced at the smaller K's figure, never below."""
+    within both intervals. Cheaper beyond that (the probe measured both Ks again until the budget
+    ran out) is never used as measured: the larger K is priced at the smaller K's figure (the
+    dearer one: a busy machine slows batches, it never speeds one up, so the plan errs towards
+    plain decoding), its spread widened to cover the gap, and a note names it."""
     out, peak = {}, (None, 0.0)
     for k in sorted(ratios):
         value = ratios[k]
         if peak[0] is not None and value < peak[1] * (1 - dip):
-            low = value * (1 + spread[(component, None, k, b)])
+            key = (component, None, k, b)
+            low = value * (1 + spread[key])
             if low < peak[1] * (1 - dip) * (1 - spread[(component, None, peak[0], b)]):
-                reasons.append(f"{component} at batch {b}: K={k} ({value:.3f}) cheaper than K={peak[0]} "
-                               f"({peak[1]:.3f}) by more than {dip:.0%} beyond both intervals; priced "
-                               f"at K={peak[0]}'s")
+                notes.append(f"{component} at batch {b}: K={k} ({value:.3f}) cheaper than K={peak[0]} "
+                             f"({peak[1]:.3f}) by more than {dip:.0%} beyond both intervals; priced "
+                             f"at K={peak[0]}'s")
+                spread[key] = min(max(spread[key], (peak[1] - value) / peak[1]), 9.99)
                 value = peak[1]
         out[k] = value
         if value >= peak[1]:

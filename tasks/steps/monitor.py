@@ -20,6 +20,9 @@
   break-even: the champion is rolled back through tasks.registry.promotion.rollback (the
   compare-and-set path of `specdec config rollback`, expecting the version the evidence is about),
   its audit row naming the evidence; setting `monitor_auto_rollback` off leaves the alert only.
+  The same per domain (check_domains) from the per-request metrics of its imported traffic: one
+  deployment serves several domains at their own K, and a domain whose acceptance fell must not
+  hide behind a busier one in the deployment's counters.
 - show: per deployment and domain over a window: drafts, draft tokens, accepted, E and
   per-position rates (the share of drafts whose i-th token was accepted), scraped and from the
   imported per-request metrics, beside the promise, with the monitor's events.
@@ -335,13 +338,15 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
     since = max(since, moved) if moved else since
     rows = q.scrapes(ctx.store, deployment["name"], since, at, version)
     promises = ensure_promises(ctx, version, config, deployment)
+    by_domain = check_domains(ctx, version, deployment, promises, since, at)
     figures = window_figures(rows)
     lows = [p["promise_lo"] for p in promises if p["promise_lo"] is not None]
     evens = [p["break_even"] for p in promises if p["break_even"] is not None]
     status = {"deployment": deployment["name"], "domains": deployment["domains"], **figures,
               "window_start": rows[0]["scraped_at"] if rows else None, "window_end": at,
               "promise_lo": min(lows) if lows else None, "break_even": min(evens) if evens else None,
-              "state": "ok", "events": []}
+              "state": "ok", "domain_checks": by_domain,
+              "events": [e for d in by_domain for e in d["events"]]}
     min_drafts = settings.monitor.min_drafts
     if figures["e"] is None or figures["drafts"] < min_drafts:
         status["state"] = f"insufficient ({figures['drafts']} drafts < {min_drafts})"
@@ -365,20 +370,70 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
                        f"the promise's interval (lowest end {status['promise_lo']:.3f})")))
     if status["break_even"] is not None and figures["e"] < status["break_even"]:
         status["state"] = "below break-even"
-        status["events"] += _auto_rollback(ctx, version, event)
+        if not any(e["kind"] == "rollback" for e in status["events"]):   # a domain's went first
+            status["events"] += _auto_rollback(ctx, version, event)
     return status
+
+
+def check_domains(ctx: MonitorContext, version: str, deployment: dict, promises: list[dict],
+                  since: datetime, at: datetime) -> list[dict]:
+    """Each domain of one deployment on its own, from the per-request metrics of its imported
+    traffic in the window (the requests of `version`, and those logged without a version): one
+    server serves several domains, each at its own K, so a domain whose acceptance fell can hide
+    in the deployment's counters behind a busier one. With at least monitor_min_drafts drafts,
+    E below the domain's promise interval raises a drift alert for that domain, below its
+    break-even an automatic rollback (once per domain and version). Output: [{domain, requests,
+    drafts, e, promise_lo, break_even, state, events}]."""
+    sums = q.request_metrics_by_domain(ctx.store, since, at, config_version=version, unversioned=True)
+    min_drafts, out = ctx.settings.monitor.min_drafts, []
+    for promise in promises:
+        domain = promise["domain"]
+        figures = _request_figures(sums.get(domain))
+        status = {"domain": domain, "requests": figures["requests"], "drafts": figures["drafts"],
+                  "e": figures["e"], "promise_lo": promise["promise_lo"],
+                  "break_even": promise["break_even"], "state": "ok", "events": []}
+        out.append(status)
+        if figures["e"] is None or figures["drafts"] < min_drafts:
+            status["state"] = f"insufficient ({figures['drafts']} drafts < {min_drafts})"
+            continue
+        event = {"deployment": deployment["name"], "config_name": ctx.config_name,
+                 "config_version": version, "series": None, "domains": [domain],
+                 "window_start": since, "window_end": at, "drafts": figures["drafts"],
+                 "production_e": figures["e"], "promise_lo": promise["promise_lo"],
+                 "promise_hi": promise["promise_hi"], "break_even": promise["break_even"],
+                 "evidence": {**figures, "source": "per-request metrics", "domain": domain,
+                              "window_s": ctx.settings.monitor.window_s, "min_drafts": min_drafts}}
+        what = f"domain {domain}: production E {figures['e']:.3f} over {figures['drafts']} drafts " \
+               f"of {figures['requests']} requests"
+        if promise["promise_lo"] is not None and figures["e"] < promise["promise_lo"]:
+            status["state"] = "below promise"
+            if not q.has_domain_event(ctx.store, "alert", deployment["name"], ctx.config_name,
+                                      version, domain):
+                status["events"].append(q.insert_event(ctx.store, dict(
+                    event, kind="alert", created_at=utcnow(),
+                    reason=f"{what} is below the promise's interval (lowest end "
+                           f"{promise['promise_lo']:.3f})")))
+        if promise["break_even"] is not None and figures["e"] < promise["break_even"]:
+            status["state"] = "below break-even"
+            status["events"] += _auto_rollback(ctx, version, event)
+    return out
 
 
 def _auto_rollback(ctx: MonitorContext, version: str, event: dict) -> list[dict]:
     """Roll the champion back (compare-and-set on `version`) with the evidence; an event either way."""
     if not ctx.settings.monitor.auto_rollback:
         return []
+    per_request = event["series"] is None           # one domain's, from per-request metrics
     for kind in ("rollback", "rollback_refused"):
-        if q.has_event(ctx.store, kind, event["deployment"], ctx.config_name, version, event["series"]):
+        if q.has_event(ctx.store, kind, event["deployment"], ctx.config_name, version, event["series"]) \
+                if not per_request else q.has_domain_event(ctx.store, kind, event["deployment"],
+                                                           ctx.config_name, version, event["domains"][0]):
             return []
-    why = (f"deployment {event['deployment']} (domains {', '.join(event['domains'])}): production "
-           f"E {event['production_e']:.3f} over {event['drafts']} drafts in "
-           f"{event['evidence']['scrapes']} scrapes ({event['window_start']:%Y-%m-%d %H:%M:%S} to "
+    source = (f"{event['evidence']['requests']} requests' own metrics" if per_request
+              else f"{event['evidence']['scrapes']} scrapes")
+    why = (f"deployment {event['deployment']} (domain{'s' * (len(event['domains']) > 1)} "
+           f"{', '.join(event['domains'])}): production E {event['production_e']:.3f} over "
+           f"{event['drafts']} drafts in {source} ({event['window_start']:%Y-%m-%d %H:%M:%S} to "
            f"{event['window_end']:%H:%M:%S} UTC) is below the break-even {event['break_even']:.3f} "
            f"of the deployed K")
     evidence = {**event["evidence"], "deployment": event["deployment"], "production_e": event["production_e"],

@@ -355,44 +355,58 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float]:
     return middle, T95.get(n - 1, 1.96 if n > 30 else 2.1) * spread / n ** 0.5
 
 
+def _pair_key(row: dict):
+    # rows timed as one pair share its `pair` (rows without one: paired by repeat)
+    return row.get("pair", row["repeat"])
+
+
 def paired_ratios(timings: list[dict], group: tuple, k: int, contended: bool = False) -> list[float]:
-    """Step at K over the K 0 step of the same repeat, over the pairs neither of whose batches
-    was contended (with `contended`: every pair)."""
-    by_repeat: dict = {}
+    """Step at K over the K 0 step timed beside it, over the pairs neither of whose batches was
+    contended (with `contended`: every pair)."""
+    by_pair: dict = {}
     for row in timings:
         if (row["batch_size"], row["sampling"]) == group and row["steps"]:
-            by_repeat.setdefault(row["repeat"], {})[row["k"]] = row
+            by_pair.setdefault(_pair_key(row), {})[row["k"]] = row
     return [r[k]["decode_s"] / r[k]["steps"] / (r[0]["decode_s"] / r[0]["steps"])
-            for r in by_repeat.values() if k in r and 0 in r and r[0]["decode_s"] > 0
+            for r in by_pair.values() if k in r and 0 in r and r[0]["decode_s"] > 0
             and (contended or not (r[k]["contended"] or r[0]["contended"]))]
 
 
-def settled(timings: list[dict], groups: dict, halfwidth: float, contended: bool = False,
-            dip: float = 0.0) -> bool:
-    """Every ratio's interval within `halfwidth` of it, and no step cheaper at a larger K by more
-    than `dip` beyond both intervals (a figure that breaks the shape costs must have is measured
-    again). groups: {(batch size, sampling): its Ks}."""
+def open_ratios(timings: list[dict], groups: dict, halfwidth: float, least: int,
+                contended: bool = False, dip: float = 0.0) -> set:
+    """The (group, K) whose ratio is not settled yet: fewer than `least` clean pairs, an interval
+    wider than `halfwidth` of it, or a step cheaper at a larger K by more than `dip` beyond both
+    intervals (a figure that breaks the shape costs must have is measured again: both Ks).
+    groups: {(batch size, sampling): its Ks}."""
+    out = set()
     for group, ks in groups.items():
-        figures = [ratio_interval(paired_ratios(timings, group, k, contended)) for k in ks if k > 0]
-        if any(not h <= halfwidth * m for m, h in figures):
-            return False
-        if any(b[0] + b[1] < (a[0] - a[1]) * (1 - dip) for a, b in zip(figures, figures[1:])):
-            return False
-    return True
+        timed = [k for k in ks if k > 0]
+        figures = {}
+        for k in timed:
+            ratios = paired_ratios(timings, group, k, contended)
+            figures[k] = ratio_interval(ratios)
+            if len(ratios) < least or not figures[k][1] <= halfwidth * figures[k][0]:
+                out.add((group, k))
+        for a, b in zip(timed, timed[1:]):
+            (ma, ha), (mb, hb) = figures[a], figures[b]
+            if mb + hb < (ma - ha) * (1 - dip):
+                out |= {(group, a), (group, b)}
+    return out
 
 
 def time_paired(request: dict) -> dict:
     """{model, speculative_config (its largest K), prompts, batch_sizes, ks, samplings, steps,
     max_model_len, dtype, budget_s, halfwidth, min_repeats, max_repeats, contention_cores} ->
     {vllm, start_s, refused, mends, k_per_request, stopped, seconds, timings: [{batch_size,
-    sampling, k, repeat, decode_s, steps, tokens, drafted, accepted, wall_s, other_cores,
+    sampling, k, repeat, pair, decode_s, steps, tokens, drafted, accepted, wall_s, other_cores,
     contended}]}: one engine, K per request (the plugin's vllm_xargs specdec_k), each batch asked
-    for `steps` x (K + 1) + 1 tokens (about `steps` decode steps at every K); per repeat, for
-    each batch size and sampling (a sampling's batch_sizes limit it), K 0 and every K one after
-    the other (the order reversed every other repeat), each batch's other processes' CPU read
-    from /proc (a repeat with a contended batch is marked and not counted); repeated until at
-    least min_repeats clean repeats and every ratio settled (`settled`), or max_repeats, or
-    budget_s of timing (checked after each whole repeat; two repeats are always made)."""
+    for `steps` x (K + 1) + 1 tokens (about `steps` decode steps at every K). A pair is a K 0 batch
+    and a batch at K timed one right after the other (which goes first alternates), so that both
+    see the same machine; each batch's other processes' CPU is read from /proc (a contended
+    batch's pair is not counted while clean ones are). Rounds: every ratio not settled yet
+    (open_ratios) gets one more pair, until none is open after at least min_repeats clean pairs
+    each, or max_repeats rounds, or budget_s of timing (checked after each whole round; two
+    rounds are always made)."""
     import time
 
     import vllm
@@ -412,7 +426,9 @@ def time_paired(request: dict) -> dict:
     samplings = request.get("samplings") or {"greedy": {}}
     groups = [(b, name) for name, sampling in samplings.items() for b in sizes
               if sampling.get("batch_sizes") is None or b in sampling["batch_sizes"]]
-    hz, limit = os.sysconf("SC_CLK_TCK"), float(request.get("contention_cores", 0.25))
+    hz = os.sysconf("SC_CLK_TCK")
+    # contended: other processes took more CPU than the cores this engine left them, by the limit
+    limit = float(request.get("contention_cores", 0.25)) + float(request.get("spare_cores", 0.0))
 
     def run(b: int, name: str, k: int, max_tokens: int):
         sampling = samplings[name]
@@ -424,52 +440,68 @@ def time_paired(request: dict) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"][:b]]
         return llm.generate(prompts, params, use_tqdm=False)
 
+    def timed(b: int, name: str, k: int, repeat: int, pair: int) -> dict:
+        cpu0, wall0 = cpu_jiffies(), time.perf_counter()
+        # the same number of decode steps at every K (drafts accepted or not, a step verifies
+        # K): a fully accepted cycle emits K + 1 tokens a step
+        results = run(b, name, k, int(request["steps"]) * (k + 1) + 1)
+        cpu1, wall = cpu_jiffies(), time.perf_counter() - wall0
+        other = max((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1]), 0) / hz / max(wall, 1e-9)
+        return dict(_batch_row(results, b, name, k, repeat, wall, other, limit), pair=pair)
+
     group_ks = {(b, name): sorted({0} | set(samplings[name].get("ks") or ks)) for b, name in groups}
     for b, name in groups:                                                      # warm-up
         if b == sizes[-1]:
             for k in (0, ks[-1]):
                 run(b, name, k, 8)
-    began, clean, repeat = time.monotonic(), 0, 0
-    # contended: other processes took more CPU than the cores this engine left them, by `limit`
-    limit += float(request.get("spare_cores", 0.0))
+    began, repeat, pair = time.monotonic(), 0, 0
+    todo = [((b, name), k) for b, name in groups for k in group_ks[(b, name)] if k > 0]
     while answer["stopped"] is None:
-        contended = False
-        for b, name in groups:
-            order = group_ks[(b, name)]
-            for k in (order if repeat % 2 == 0 else order[::-1]):
-                cpu0, wall0 = cpu_jiffies(), time.perf_counter()
-                # the same number of decode steps at every K (drafts accepted or not, a step
-                # verifies K): a fully accepted cycle emits K + 1 tokens a step
-                results = run(b, name, k, int(request["steps"]) * (k + 1) + 1)
-                cpu1, wall = cpu_jiffies(), time.perf_counter() - wall0
-                other = max((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1]), 0) / hz / max(wall, 1e-9)
-                row = _batch_row(results, b, name, k, repeat, wall, other, limit)
-                contended |= row["contended"]
-                answer["timings"].append(row)
-        clean += not contended      # (a contended batch's pairs are not used while clean ones are)
+        for (b, name), k in todo:
+            for at in ((0, k) if pair % 2 == 0 else (k, 0)):
+                answer["timings"].append(timed(b, name, at, repeat, pair))
+            pair += 1
         repeat += 1
-        answer["stopped"] = _stop_reason(request, answer["timings"], group_ks, repeat, clean,
+        answer["stopped"] = _stop_reason(request, answer["timings"], group_ks, repeat,
                                          time.monotonic() - began)
+        if answer["stopped"] is None:
+            todo = _still_open(request, answer["timings"], group_ks, repeat, todo)
     answer["seconds"] = time.monotonic() - began
     return answer
 
 
-def _stop_reason(request: dict, timings: list[dict], group_ks: dict, repeat: int, clean: int,
+def _still_open(request: dict, timings: list[dict], group_ks: dict, repeat: int, todo: list) -> list:
+    """The pairs of the next round: the ratios still open, in the order they were timed."""
+    least, dip = int(request.get("min_repeats", 3)), float(request.get("dip", 0.0))
+    crowded = repeat >= 2 * least and _mostly_contended(timings)
+    unsettled = open_ratios(timings, group_ks, float(request["halfwidth"]), least,
+                            contended=crowded, dip=dip)
+    return [item for item in todo if item in unsettled] or todo
+
+
+def _mostly_contended(timings: list[dict]) -> bool:
+    pairs: dict = {}
+    for row in timings:
+        pairs[_pair_key(row)] = pairs.get(_pair_key(row), False) or row["contended"]
+    return sum(pairs.values()) > len(pairs) / 2
+
+
+def _stop_reason(request: dict, timings: list[dict], group_ks: dict, repeat: int,
                  spent: float) -> str | None:
-    """Why time_paired stops after `repeat` whole repeats (None: it goes on)."""
+    """Why time_paired stops after `repeat` whole rounds (None: it goes on)."""
     least, most = int(request.get("min_repeats", 3)), int(request.get("max_repeats", 30))
     halfwidth, dip = float(request["halfwidth"]), float(request.get("dip", 0.0))
-    # whole repeats only, and at least two (an interval needs two pairs), whatever the budget
+    # whole rounds only, and at least two (an interval needs two pairs), whatever the budget
     if repeat >= 2 and spent >= float(request["budget_s"]):
         return "budget"
     if repeat >= most:
         return "max_repeats"
-    if clean >= least and settled(timings, group_ks, halfwidth, dip=dip):
+    if not open_ratios(timings, group_ks, halfwidth, least, dip=dip):
         return "settled"
-    # a neighbour that stays (most repeats contended): its load is in both sides of each pair,
-    # so the pairs of every repeat are used, and said
-    if repeat >= 2 * least and clean < repeat / 2 and settled(timings, group_ks, halfwidth,
-                                                              contended=True, dip=dip):
+    # a neighbour that stays (most pairs contended): its load is in both batches of each pair,
+    # so every pair is used, and said
+    if repeat >= 2 * least and _mostly_contended(timings) and not open_ratios(
+            timings, group_ks, halfwidth, least, contended=True, dip=dip):
         return "settled_contended"
     return None
 
