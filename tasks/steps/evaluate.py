@@ -21,8 +21,9 @@ from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import default_run_id
 from .context import RunSpec, preload_model, use_model
 from .run_order import PER_DOMAIN, RUN_ORDER
-from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
-                       step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
+from .failures import record_domain_failure
+from .pipeline import (step_check, step_confirm, step_engine_check, step_estimate, step_finish,
+                       step_profile, step_promote, step_register, step_sample, step_validate)
 from .run_table import evaluation_table, report_table  # noqa: F401 - report_table re-exported
 
 log = logging.getLogger(__name__)
