@@ -286,7 +286,7 @@ def ensure_promises(ctx: MonitorContext, version: str, config: SpecdecConfig, de
     stored = q.promises(ctx.store, deployment["name"], ctx.config_name, version)
     if stored or deployment["speculative_config"] is None:
         return stored
-    planned = q.planned_domains(ctx.store, config.run_id, deployment["domains"])
+    planned = q.planned_estimates(ctx.store, config.run_id, deployment["domains"])
     rows = q.cost_rows(ctx.store, config.hardware_profile, config.run_id)
     costs = CostTable.from_rows(config.hardware_profile, config.run_id, rows) if rows else None
     out = []
