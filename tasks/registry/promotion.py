@@ -18,7 +18,7 @@ from ..errors import RegistryError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .config_schema import SpecdecConfig
-from .live_check import judge_live, live_text
+from .live_check import LiveVerdict, judge_live, live_text
 from .run_config import NOT_RUN, effective_speedup, nothing_on_reason, turns_nothing_on
 from .run_view import RunView, build_run_view, engine_gate
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
@@ -59,10 +59,10 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
             enforced = enforced and bool(live["enforced"])
         judged = judge_live(live, settings.plan.min_speedup, settings.live.tolerance)
         text = f"{name} {live_text(live)}"
-        if judged.verdict == "fail" or live.get("verdict") in ("flag", "veto"):
+        if judged.verdict.found_problem or LiveVerdict.read(live.get("verdict")).found_problem:
             failed.append(name)
             lines.append(f"{text}: {'; '.join(judged.problems) or live.get('reason')}")
-        elif judged.verdict == "unsure":
+        elif judged.verdict is LiveVerdict.UNSURE:
             unsure.append(name)
             lines.append(f"{text}: unsure, {'; '.join(judged.doubts)}")
         else:

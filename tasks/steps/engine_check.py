@@ -59,6 +59,7 @@ from ..db.queries_engine_checks import (enabled_domains, replace_engine_checks,
                                         replace_live_measurement, run_hardware_details)
 from ..db.store import Store
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ..registry.live_check import LiveVerdict
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
@@ -531,7 +532,7 @@ def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict, answers: di
             _store_live(context.store, context.run_id, domain, plan.on[domain], live, row,
                         context.settings)
             row["live_check"] = live["verdict"]
-            if live["verdict"]["verdict"] == "veto":
+            if LiveVerdict.read(live["verdict"]["verdict"]) is LiveVerdict.VETO:
                 row.update(status="below", passed=False,
                            reason=f"engine check: {live['verdict']['reason']}; "
                                   f"{row['reason'].removeprefix('engine check: ')}"[:2000])
