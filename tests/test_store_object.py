@@ -18,8 +18,6 @@ def test_open_resolves_the_url_checks_the_schema_and_keeps_the_settings(db_url):
     assert store.url == db_url and store.settings is settings
     with store.connect() as connection:
         assert connection.exec_driver_sql("SELECT 1").scalar() == 1
-    assert Store.of(store) is store                   # a Store passes through as it is
-    assert Store.of(db_url).url == db_url             # a URL string opens one
     assert store.dialect in ("sqlite", "postgresql")
 
 
@@ -29,7 +27,7 @@ def test_the_schema_is_checked_once_per_process_and_url(db_url, monkeypatch):
     original = db_engine.current_revision
     monkeypatch.setattr(db_engine, "current_revision", lambda url: calls.append(url) or original(url))
     Store.open(db_url)
-    Store.of(db_url)
+    Store.open(db_url, load_settings())
     assert calls == []
 
 

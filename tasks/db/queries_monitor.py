@@ -13,8 +13,9 @@ from sqlalchemy import func, insert, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from .models import (AcceptanceEstimate, CostProfile, DomainConfig, MonitorEvent, MonitorPromise,
+from .models import (AcceptanceEstimate, CostProfile, MonitorEvent, MonitorPromise,
                      MonitorScrape, Promotion, RequestSpecMetrics, TrafficRequest)
+from .queries_engine_checks import planned_domains
 from .store import Store
 
 
@@ -109,14 +110,15 @@ def deployments_seen(store: Store, since: datetime | None = None) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------
 # promises
-def planned_domains(store: Store, run_id: str, domains: list[str]) -> dict[str, dict]:
-    """Per domain of a run: its domain_configs row (drafter label, K, drafter spec, E) and the
-    acceptance estimate of that drafter at that K (E, its interval, the rounds' width shares)."""
+def planned_estimates(store: Store, run_id: str, domains: list[str]) -> dict[str, dict]:
+    """Per domain of a run: its domain_configs row (drafter label, K, drafter spec, E; read by
+    queries_engine_checks.planned_domains) and the acceptance estimate of that drafter at that K
+    (E, its interval, the rounds' width shares)."""
+    rows = planned_domains(store, run_id)
     out: dict[str, dict] = {}
     with store.connect() as connection:
         for domain in domains:
-            planned = connection.execute(select(DomainConfig).where(
-                (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
+            planned = rows.get(domain)
             if planned is None:
                 continue
             estimate = connection.execute(select(AcceptanceEstimate).where(

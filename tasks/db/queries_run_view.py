@@ -34,9 +34,3 @@ def engine_check_skip(engine: Engine, run_id: str) -> str | None:
     with engine.connect() as connection:
         params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
     return (params or {}).get(ENGINE_CHECK_SKIPPED)
-
-
-def run_params(engine: Engine, run_id: str) -> dict:
-    """The run's stored params ({} for an unknown run)."""
-    with engine.connect() as connection:
-        return connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar() or {}

@@ -34,12 +34,6 @@ class Store:
         url = resolve_database_url(url or settings.database_url)
         return cls(url=url, engine=ensure_ready(url), settings=settings)
 
-    @classmethod
-    def of(cls, store: "Store | str | None" = None, settings: Settings | None = None) -> "Store":
-        """A Store as it is, else the Store of a URL (None: the settings' or the default): for the
-        boundaries that still receive a URL string (a RunSpec from XCom, a test's database)."""
-        return store if isinstance(store, Store) else cls.open(store, settings)
-
     def __repr__(self) -> str:
         return f"Store({self.display_url!r})"
 

@@ -13,19 +13,63 @@ gate and the terminal tables all judge a measurement with `judge_live`, so they 
   problem of the domain, and is worded by its direction.
 
 A measurement without intervals (older rows) is judged on its point values as degenerate intervals.
+
+Its words are one type, LiveVerdict: the judgement above (none, pass, unsure, fail) and what
+confirm decided from it and stored with the measurement (none, pass, flag, veto). It lives here,
+with the rule, because the registry's live_check gate reads it and the registry does not import
+steps; steps (confirm, the engine check) import it from here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class LiveVerdict(StrEnum):
+    """A live check's verdict; its value is the word stored (domain_configs.live_check, the live
+    measurement) and shown, so a member equals its word ("veto" == LiveVerdict.VETO).
+
+    As a judgement of a measurement (judge_live): NONE (not measured), PASS, UNSURE (no problem
+    shown, none ruled out), FAIL (a problem of the domain). As confirm's decision (decision()):
+    NONE, PASS (no problem shown), VETO (a problem, in a domain turning on: it stays off), FLAG (a
+    problem, in a domain that is not turning on: said, not acted on)."""
+
+    NONE = "none"
+    PASS = "pass"
+    UNSURE = "unsure"
+    FAIL = "fail"
+    FLAG = "flag"
+    VETO = "veto"
+
+    @classmethod
+    def read(cls, word: str | None) -> LiveVerdict:
+        """A stored verdict's word as the type; NONE for a missing or unknown word."""
+        try:
+            return cls(word)
+        except ValueError:
+            return cls.NONE
+
+    @property
+    def found_problem(self) -> bool:
+        """Whether the live check found a problem: a FAIL judgement, or a FLAG or VETO decision."""
+        return self in (LiveVerdict.FAIL, LiveVerdict.FLAG, LiveVerdict.VETO)
+
+    def decision(self, turning_on: bool) -> LiveVerdict:
+        """confirm's decision on this judgement: FAIL vetoes a domain turning on and flags any
+        other; UNSURE passes (only a problem shown vetoes); NONE and PASS stay as they are."""
+        if self is LiveVerdict.FAIL:
+            return LiveVerdict.VETO if turning_on else LiveVerdict.FLAG
+        return LiveVerdict.PASS if self is LiveVerdict.UNSURE else self
 
 
 @dataclass(frozen=True)
 class LiveJudgement:
-    """verdict: none (not measured) | pass | unsure | fail; problems: why it fails, doubts: why it
-    is unsure, notes: what is worth saying that is neither (faster than predicted). Words only."""
+    """verdict: LiveVerdict NONE (not measured) | PASS | UNSURE | FAIL; problems: why it fails,
+    doubts: why it is unsure, notes: what is worth saying that is neither (faster than predicted).
+    Words only."""
 
-    verdict: str
+    verdict: LiveVerdict
     problems: list[str] = field(default_factory=list)
     doubts: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -43,7 +87,7 @@ def judge_live(live: dict | None, min_speedup: float, tolerance: float) -> LiveJ
     error_hi, min_speedup?, tolerance?} (the stored verdict's min_speedup and tolerance win over
     the arguments: a run is judged by the settings it ran with)."""
     if not live or live.get("measured") is None:
-        return LiveJudgement("none")
+        return LiveJudgement(LiveVerdict.NONE)
     minimum = live.get("min_speedup") or min_speedup
     limit = live.get("tolerance") or tolerance
     measured, lo, hi = _interval(live, "measured", "lo", "hi")
@@ -66,7 +110,7 @@ def judge_live(live: dict | None, min_speedup: float, tolerance: float) -> LiveJ
         if error > limit:
             notes.append(f"{100 * error:.0f}% faster than predicted for the same requests "
                          f"(tolerance {100 * limit:.0f}%)")
-    verdict = "fail" if problems else ("unsure" if doubts else "pass")
+    verdict = LiveVerdict.FAIL if problems else (LiveVerdict.UNSURE if doubts else LiveVerdict.PASS)
     return LiveJudgement(verdict, problems, doubts, notes)
 
 

@@ -18,7 +18,7 @@ from ..errors import RegistryError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .config_schema import SpecdecConfig
-from .live_check import judge_live, live_text
+from .live_check import LiveVerdict, judge_live, live_text
 from .run_config import NOT_RUN, effective_speedup, nothing_on_reason, turns_nothing_on
 from .run_view import RunView, build_run_view, engine_gate
 from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
@@ -59,10 +59,10 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
             enforced = enforced and bool(live["enforced"])
         judged = judge_live(live, settings.plan.min_speedup, settings.live.tolerance)
         text = f"{name} {live_text(live)}"
-        if judged.verdict == "fail" or live.get("verdict") in ("flag", "veto"):
+        if judged.verdict.found_problem or LiveVerdict.read(live.get("verdict")).found_problem:
             failed.append(name)
             lines.append(f"{text}: {'; '.join(judged.problems) or live.get('reason')}")
-        elif judged.verdict == "unsure":
+        elif judged.verdict is LiveVerdict.UNSURE:
             unsure.append(name)
             lines.append(f"{text}: unsure, {'; '.join(judged.doubts)}")
         else:
@@ -179,17 +179,16 @@ def promotion_reason(config: SpecdecConfig, version: str, gates: list[dict], for
     return reason
 
 
-def promote(name: str, version: str, store: Store | None = None, uri: str | None = None,
+def promote(name: str, version: str, store: Store, uri: str | None = None,
             force: bool = False, actor: str | None = None, expected_champion: str | None = "current",
             settings: Settings | None = None) -> dict:
     """Gate and move `champion` to `version` (compare-and-set).
 
     expected_champion: the champion the caller's gates compared against ("current": whatever is
-    champion now; None: there was none). store: specdec's database (None: the settings', opened
-    here). Output: {"promoted", "forced", "gates", "reason", ...}.
+    champion now; None: there was none). store: specdec's database (opened by the caller).
+    Output: {"promoted", "forced", "gates", "reason", ...}.
     """
     settings = settings or load_settings()
-    store = store or Store.open(settings=settings)
     mlflow_client = client(tracking_uri(uri, store))
     version = str(version)
     config = version_config(mlflow_client, name, version)
@@ -243,7 +242,7 @@ def promote(name: str, version: str, store: Store | None = None, uri: str | None
             "champion_before": before, "gates": gates, "reason": reason}
 
 
-def rollback(name: str, store: Store | None = None, uri: str | None = None,
+def rollback(name: str, store: Store, uri: str | None = None,
              actor: str | None = None, expected_champion: str | None = "current",
              evidence: dict | None = None) -> dict:
     """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
@@ -252,8 +251,7 @@ def rollback(name: str, store: Store | None = None, uri: str | None = None,
     A refusal (no champion, another champion than expected, nothing to roll back to) is an audit
     row too (action "reject", gates {"command": "rollback", ...}), committed before the error.
     evidence: why (the production monitor's window, tasks.steps.monitor): kept in the audit row's
-    gates and its reason. store: specdec's database (None: the settings', opened here)."""
-    store = store or Store.open()
+    gates and its reason. store: specdec's database (opened by the caller)."""
     mlflow_client = client(tracking_uri(uri, store))
     actor = actor or current_user()
     with alias_lock(store, name) as connection:

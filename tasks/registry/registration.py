@@ -200,17 +200,16 @@ def readable_run_name(run_id: str) -> str:
     return f"evaluate {match.group(2)} {match.group(3)} {match.group(1)}" if match else run_id
 
 
-def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = None,
+def track_evaluation(run_id: str, store: Store, uri: str | None = None,
                      settings: Settings | None = None, champion=None,
                      started_at: datetime | None = None, read: dict | None = None) -> dict:
     """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
     champion: (version, config) of the current champion when the caller already read it.
     started_at: when the evaluation started (its DAG run's start); default: when its sample step
     recorded the run. A new MLflow run starts then, so its duration is the evaluation's.
-    store: specdec's database (None: the settings', opened here). read: the run's rows when the
+    store: specdec's database (opened by the caller). read: the run's rows when the
     caller read them already (tasks.db.queries_registry.registration_rows)."""
     settings = settings or load_settings()
-    store = store or Store.open(settings=settings)
     mlflow_client = client(tracking_uri(uri, store))
     read = read or registration_rows(store, run_id)
     eval_run = finished_run(read["run"], run_id)
@@ -270,16 +269,15 @@ def track_evaluation(run_id: str, store: Store | None = None, uri: str | None = 
             "config": json.loads(config.to_json())}
 
 
-def register_config(run_id: str, store: Store | None = None, uri: str | None = None,
+def register_config(run_id: str, store: Store, uri: str | None = None,
                     settings: Settings | None = None, actor: str | None = None,
                     started_at: datetime | None = None) -> dict:
     """Track the run, register its config/ artifact as a version (reused on retry), alias challenger.
 
-    store: specdec's database (None: the settings', opened here).
+    store: specdec's database (opened by the caller).
     Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation"}.
     """
     settings = settings or load_settings()
-    store = store or Store.open(settings=settings)
     read = registration_rows(store, run_id)       # the run's rows, read once
     target_id = finished_run(read["run"], run_id)["target_id"]
     champion_version, champion = current_champion(uri, target_id=target_id)

@@ -27,11 +27,10 @@ def finished_run(row, run_id: str):
     return row
 
 
-def build_config(run_id: str, store: Store | None = None,
+def build_config(run_id: str, store: Store,
                  champion: SpecdecConfig | None = None) -> SpecdecConfig:
     """The run's config from domain_configs; insufficient domains keep the champion's setting.
-    store: specdec's database (None: the settings', opened here)."""
-    store = store or Store.open()
+    store: specdec's database (opened by the caller)."""
     return config_of(run_row(store, run_id), q.domain_configs(store, run_id), champion)
 
 

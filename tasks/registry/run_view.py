@@ -17,7 +17,7 @@ from ..db.queries_registry import view_rows
 from ..db.store import Store
 from ..settings import Settings
 from .config_schema import DomainSetting, SpecdecConfig
-from .live_check import LiveJudgement, judge_live, judgement_words, live_text
+from .live_check import LiveJudgement, LiveVerdict, judge_live, judgement_words, live_text
 from .figures import interval_at_bar
 from .load_results import load_check_text, load_markdown
 from .run_config import NOT_RUN, build_config, nothing_on_reason
@@ -32,7 +32,7 @@ class DomainView:
     name: str
     setting: DomainSetting
     live: dict | None = None              # run_results.domain_evidence's "live" (source "run" only)
-    judgement: LiveJudgement = field(default_factory=lambda: LiveJudgement("none"))
+    judgement: LiveJudgement = field(default_factory=lambda: LiveJudgement(LiveVerdict.NONE))
     proposal_rate: float | None = None
     validation_test: dict | None = None   # the sampling test on our engine
     engine_sampling: dict | None = None   # ... and on vLLM

@@ -42,7 +42,7 @@ from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
 from ..db.queries_live import domain_config, run_hardware, store_live_measurement
 from ..db.store import Store
-from ..registry.live_check import judge_live
+from ..registry.live_check import LiveVerdict, judge_live
 from ..settings import Settings, worker_name
 from .costs import (CostProfileError, HardwareMismatch, describe_hardware, hardware_text, run_costs,
                     same_hardware, timing_lock)
@@ -266,7 +266,7 @@ def _store_measurement(store: Store, planned: _Planned, row: dict, verdict: dict
     """One transaction: the live measurement replaced, and the measured speedup and live check on
     the domain's config (a veto turns it off: the champion's setting)."""
     values = {"measured_speedup": row["measured_speedup"], "live_check": verdict}
-    if verdict["verdict"] == "veto":     # the domain stays at the champion's setting: off
+    if LiveVerdict.read(verdict["verdict"]) is LiveVerdict.VETO:     # the domain stays at the champion's setting: off
         values.update(enabled=False, max_batch_size=None, k_schedule=None,
                       reason=f"{verdict['reason']}; the champion's setting is kept (off). "
                              f"Planner: {planned.config['reason']}"[:2000])
@@ -276,7 +276,7 @@ def _store_measurement(store: Store, planned: _Planned, row: dict, verdict: dict
 def _log_measurement(planned: _Planned, row: dict, verdict: dict, settings: Settings) -> None:
     """A veto, each greedy request whose live rounds differ from the estimate's, a cost-model gap."""
     run_id, domain = planned.run_id, planned.domain
-    if verdict["verdict"] == "veto":
+    if LiveVerdict.read(verdict["verdict"]) is LiveVerdict.VETO:
         log.warning("run %s, domain %s: %s; it stays off (the champion's setting)", run_id, domain,
                     verdict["reason"])
     for item in row["per_request"]:
@@ -384,14 +384,15 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
     The bootstrap interval is over the confirm requests: with few of them it is wide, so a quiet
     machine's correct "on" (measured well above the minimum) stands; the verdict says how many
     requests it rests on ("weak": fewer than 5).
-    Output: {verdict: pass | flag (a problem, in a domain that is not turning on) | veto | none,
+    Output: {verdict: the word of a LiveVerdict decision (tasks.registry.live_check): pass | flag
+    (a problem, in a domain that is not turning on) | veto | none,
     weak, measured, lo, hi, error_lo, error_hi, predicted, requests, reason, and the settings it
     was judged by: min_speedup, tolerance, live_veto}.
     """
     interval = speedup_interval(per_request)
     requests = sum(1 for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s"))
     predicted = predicted_same or config.get("predicted_speedup")
-    out = {**interval, "predicted": predicted, "requests": requests, "verdict": "none",
+    out = {**interval, "predicted": predicted, "requests": requests, "verdict": LiveVerdict.NONE.value,
            "reason": "no live measurement", "min_speedup": settings.plan.min_speedup,
            "tolerance": settings.live.tolerance, "live_veto": settings.live.veto}
     measured = interval["measured"]
@@ -408,7 +409,7 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
                         settings.live.tolerance)
     why = judged.problems[0] if judged.problems else None     # the one rule (registry.live_check)
     weak = requests < WEAK_EVIDENCE
-    out.update(verdict="pass" if why is None else ("veto" if turning_on else "flag"), weak=weak,
+    out.update(verdict=judged.verdict.decision(turning_on).value, weak=weak,
                reason=text + (f": {why}" if why else "") + (
                    f" (weak evidence: {requests} request{'s' if requests != 1 else ''})" if weak else ""))
     return out

@@ -59,9 +59,11 @@ from ..db.queries_engine_checks import (enabled_domains, replace_engine_checks,
                                         replace_live_measurement, run_hardware_details)
 from ..db.store import Store
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ..registry.live_check import LiveVerdict
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
+from . import acceptance
 from .confirm import live_verdict, offline_totals, truncated
 from .costs import CostProfileError, CostTable
 from .engine_costs import engine_profile, profile_engine
@@ -229,45 +231,30 @@ def inside_output(row: dict, key: str):
     return row[key] if placed is None else placed
 
 
-def mean_length(accepted, steps) -> float | None:
-    accepted, steps = float(np.sum(accepted)), float(np.sum(steps))
-    return 1.0 + accepted / steps if steps > 0 else None
-
-
 def position_rates(rows: list[dict], which: str, k: int) -> list[float]:
     """Per position, accepted / drafted steps over the rows ("engine": inside the outputs where
-    the steps were placed, see inside_output; "estimate")."""
+    the steps were placed, see inside_output; "estimate"); zeros without drafted steps."""
     steps = sum(r[f"{which}_steps"] or 0 for r in rows)
     per_pos = np.zeros(k)
     for r in rows:
         values = (inside_output(r, f"{which}_accepted_per_pos") or [])[:k]
         per_pos[:len(values)] += values
-    return [float(v / steps) if steps else 0.0 for v in per_pos]
+    return acceptance.position_rates(per_pos, steps) or [0.0] * k
 
 
 def estimate_interval(rows: list[dict], samples: int = 2000, seed: int = 0) -> tuple:
     """The estimate's E over the requests and its 95% interval by bootstrap over them."""
     rows = [r for r in rows if r["estimate_steps"] is not None]
-    if not rows:
-        return None, None, None
-    accepted = np.array([r["estimate_accepted"] for r in rows])
-    steps = np.array([r["estimate_steps"] for r in rows])
-    draws = np.random.default_rng(seed).integers(0, len(rows), size=(samples, len(rows)))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        boot = 1.0 + accepted[draws].sum(-1) / steps[draws].sum(-1)
-    boot = boot[np.isfinite(boot)]
-    point = mean_length(accepted, steps)
-    if point is None or not len(boot):
-        return point, None, None
-    return point, float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+    return acceptance.mean_length_interval([r["estimate_accepted"] for r in rows],
+                                           [r["estimate_steps"] for r in rows], samples, seed)
 
 
 def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None = None) -> dict:
     """E, interval, rates, greedy counts and the gate of one domain's replayed requests.
     gated: None, or why E is reported but not gated (passed stays None)."""
     estimate_e, lo, hi = estimate_interval(rows)
-    engine_e = mean_length([inside_output(r, "engine_accepted") for r in rows],
-                           [r["engine_steps"] for r in rows])
+    engine_e = acceptance.mean_accepted_length(sum(inside_output(r, "engine_accepted") for r in rows),
+                                               sum(r["engine_steps"] for r in rows))
     greedy = [r for r in rows if r["counts_equal"] is not None]
     out = {"requests": len(rows), "k": k, "estimate_e": estimate_e, "estimate_e_lo": lo,
            "estimate_e_hi": hi, "engine_e": engine_e,
@@ -545,7 +532,7 @@ def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict, answers: di
             _store_live(context.store, context.run_id, domain, plan.on[domain], live, row,
                         context.settings)
             row["live_check"] = live["verdict"]
-            if live["verdict"]["verdict"] == "veto":
+            if LiveVerdict.read(live["verdict"]["verdict"]) is LiveVerdict.VETO:
                 row.update(status="below", passed=False,
                            reason=f"engine check: {live['verdict']['reason']}; "
                                   f"{row['reason'].removeprefix('engine check: ')}"[:2000])

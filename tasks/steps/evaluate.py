@@ -21,14 +21,15 @@ from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import default_run_id
 from .context import RunSpec, preload_model, use_model
 from .run_order import PER_DOMAIN, RUN_ORDER
-from .pipeline import (record_domain_failure, step_check, step_confirm, step_engine_check, step_estimate,
-                       step_finish, step_profile, step_promote, step_register, step_sample, step_validate)
+from .failures import record_domain_failure
+from .pipeline import (step_check, step_confirm, step_engine_check, step_estimate, step_finish,
+                       step_profile, step_promote, step_register, step_sample, step_validate)
 from .run_table import evaluation_table, report_table  # noqa: F401 - report_table re-exported
 
 log = logging.getLogger(__name__)
 
-def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
-             store: Store | None = None, settings: Settings | None = None, domains=None, window=None,
+def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL, *,
+             store: Store, settings: Settings | None = None, domains=None, window=None,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
              max_per_domain: int | None = None, min_per_domain: int | None = None,
              device: str | None = None, progress: bool = True, model=None, tokenizer=None,
@@ -44,8 +45,6 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL,
     register: track the run in MLflow and register its config (alias challenger); promote: then
     gate it and move the champion alias (implies register).
     """
-    if store is None:
-        raise TypeError("evaluate: pass the Store (tasks.db.store.Store.open) the run is stored in")
     settings = settings or store.settings
     spec = RunSpec(run_id=run_id or default_run_id(), target=target, device=device,
                    db_url=store.url, tracking_uri=tracking_uri,

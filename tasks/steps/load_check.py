@@ -46,6 +46,7 @@ from ..serving import environment as serving_env
 from ..serving.load import inter_token_latencies, merge_levels, run_level
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
+from .acceptance import accepted_per_position, mean_accepted_length, position_rates
 from .confirm import offline_totals, speedup_interval, truncated
 from .costs import CostTable
 from .engine_check import _dtype, end_slot, local_spec, predicted_speedup
@@ -110,7 +111,8 @@ def request_sums(requests: list[dict]) -> dict | None:
     if not requests or any(r.get("spec") is None for r in requests):
         return None
     width = max(len(r["spec"]["histogram"]) for r in requests) - 1
-    per_pos = [sum(sum(r["spec"]["histogram"][j + 1:]) for r in requests) for j in range(max(width, 0))]
+    each = [accepted_per_position(r["spec"]["histogram"]) for r in requests]
+    per_pos = [sum(p[j] for p in each if j < len(p)) for j in range(max(width, 0))]
     return {"drafts": sum(r["spec"]["drafts"] for r in requests),
             "draft_tokens": sum(r["spec"]["draft_tokens"] for r in requests),
             "accepted_tokens": sum(r["spec"]["accepted_tokens"] for r in requests),
@@ -163,8 +165,8 @@ def level_row(concurrency: int, k: int, plain: dict, config: dict) -> dict:
             "spec_ttft_p50_s": right["ttft"][0], "spec_ttft_p95_s": right["ttft"][1],
             "plain_itl_p50_s": left["itl"][0], "plain_itl_p95_s": left["itl"][1],
             "spec_itl_p50_s": right["itl"][0], "spec_itl_p95_s": right["itl"][1],
-            "engine_e": 1.0 + counters["accepted_tokens"] / drafts if drafts else None,
-            "engine_rates": [a / drafts for a in counters["accepted_per_pos"]] if drafts else None,
+            "engine_e": mean_accepted_length(counters["accepted_tokens"], drafts) if drafts else None,
+            "engine_rates": position_rates(counters["accepted_per_pos"], drafts) if drafts else None,
             "counters": counters, "request_sums": sums,
             "counters_equal": counters_match(counters, sums) if not right["failed"] else None,
             "per_request": pairs}

@@ -32,9 +32,9 @@ from .costs import (describe_device, describe_hardware, hardware_of, load_costs,
 from .engine_check import engine_check
 from .engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
 from .engine_validate import engine_validate_run
+from .failures import record_domain_failure
 from .load_check import load_check
 from .offline_estimate import estimate_domains
-from .pipeline import record_domain_failure
 from .plan import plan_domain
 from .quality import check_result_table
 from .validate import validate_domain, validate_run

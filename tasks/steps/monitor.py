@@ -50,6 +50,7 @@ from ..registry.tracking import CHAMPION, alias_version, client, load_version_co
 from ..serving.server import PositionOutOfRange, spec_decode_counters
 from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import utcnow
+from .acceptance import accepted_per_position, mean_accepted_length, position_rates
 from .cost_table import CostProfileError, CostTable
 from .plan import speedup_factor
 
@@ -288,7 +289,7 @@ def ensure_promises(ctx: MonitorContext, version: str, config: SpecdecConfig, de
     stored = q.promises(ctx.store, deployment["name"], ctx.config_name, version)
     if stored or deployment["speculative_config"] is None:
         return stored
-    planned = q.planned_domains(ctx.store, config.run_id, deployment["domains"])
+    planned = q.planned_estimates(ctx.store, config.run_id, deployment["domains"])
     rows = q.cost_rows(ctx.store, config.hardware_profile, config.run_id)
     costs = CostTable.from_rows(config.hardware_profile, config.run_id, rows) if rows else None
     out = []
@@ -319,8 +320,8 @@ def window_figures(rows: list[dict]) -> dict:
     for r in rows:
         per_pos = [a + b for a, b in zip(*(_pad(per_pos, r["delta_per_pos"] or [])))]
     return {"drafts": drafts, "draft_tokens": sum(r["delta_draft_tokens"] for r in rows),
-            "accepted": accepted, "e": 1.0 + accepted / drafts if drafts else None,
-            "position_rates": [round(a / drafts, 6) for a in per_pos] if drafts else [],
+            "accepted": accepted, "e": mean_accepted_length(accepted, drafts),
+            "position_rates": position_rates(per_pos, drafts, digits=6) or [],
             "scrapes": len(rows)}
 
 
@@ -486,7 +487,7 @@ def publish(ctx: MonitorContext, version: str, at: datetime) -> str | None:
     if not rows:
         return None
     points = [{"deployment": r["deployment"], "at": r["scraped_at"],
-               "e": 1.0 + r["delta_accepted"] / r["delta_drafts"] if r["delta_drafts"] else None}
+               "e": mean_accepted_length(r["delta_accepted"], r["delta_drafts"])}
               for r in rows]
     promised = q.promises(ctx.store, config_name=ctx.config_name, config_version=version)
     bands = {}
@@ -532,12 +533,10 @@ def champion_deployment_names(ctx: MonitorContext) -> list[str]:
 def _request_figures(sums: dict | None) -> dict:
     if not sums or not sums["drafts"]:
         return {"requests": (sums or {}).get("requests", 0), "drafts": 0, "e": None, "position_rates": []}
-    histogram = sums["histogram"]
-    # position i (0-based) accepted in every step that accepted more than i drafts
-    per_pos = [sum(histogram[i + 1:]) for i in range(max(len(histogram) - 1, 0))]
+    per_pos = accepted_per_position(sums["histogram"])
     return {"requests": sums["requests"], "drafts": sums["drafts"], "draft_tokens": sums["draft_tokens"],
-            "accepted": sums["accepted"], "e": 1.0 + sums["accepted"] / sums["drafts"],
-            "position_rates": [round(a / sums["drafts"], 6) for a in per_pos]}
+            "accepted": sums["accepted"], "e": mean_accepted_length(sums["accepted"], sums["drafts"]),
+            "position_rates": position_rates(per_pos, sums["drafts"], digits=6)}
 
 
 def show(store: Store, settings: Settings, deployment: str | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from ..db.queries_runs import domain_names, fail_domain, merge_run_params
+from ..db.queries_runs import domain_names, merge_run_params
 from ..db.queries_run_view import record_engine_check_skip
 from ..db.store import Store
 from ..registry.run_results import low_acceptance
@@ -78,17 +78,6 @@ def step_check(spec) -> dict:
     status = {domain: info["status"] for domain, info in checked["domains"].items()}
     return {"ok": sorted(d for d, s in status.items() if s == "ok"),
             "insufficient": sorted(d for d, s in status.items() if s != "ok")}
-
-
-def record_domain_failure(spec, domain: str, error: str, store: Store | None = None) -> None:
-    """A domain whose step failed: off in this run's config (the champion's setting is kept).
-    store: the run's database (None: the spec's, opened here: a step entry point)."""
-    spec = RunSpec.of(spec)
-    store = store or spec.open_store()
-    reason = f"failed: {error}"[:2000]
-    with store.begin() as connection:
-        fail_domain(connection, spec.run_id, domain, reason)
-    log.error("run %s, domain %s %s; the champion's setting is kept", spec.run_id, domain, reason)
 
 
 def step_engine_check(spec) -> dict:
