@@ -312,6 +312,10 @@ class EngineSettings(_Group):
         "in place of the own-engine sampling test"))
     sampling_rows: int | None = Field(default=None, ge=50, description=(
         "continuations per sampling setting in the sampling test on vLLM; None: validation.rows"))
+    sampling_scope: Literal["config", "domain"] = Field(default="config", description=(
+        "the sampling test on vLLM once per distinct served config and sampling settings, from "
+        "the first such domain's context, the others sharing its result (config), or once per "
+        "domain from its own context (domain: about 50 s more a domain on a 2-core CPU)"))
     sampling_tokens: int = Field(default=3, ge=2, le=8, description=(
         "tokens per continuation in the sampling test on vLLM (position 0 comes before any draft)"))
     fork_server: bool = Field(default=True, description=(

@@ -274,3 +274,30 @@ def test_a_plan_file_the_plugin_cannot_read_stops_the_server_naming_it(tiny, tmp
         server.start(timeout_s=240)
     assert "plan.json" in str(failure.value) and "domain 'json'" in str(failure.value), failure.value
     assert server.process.poll() is not None
+
+
+def test_domains_served_by_one_config_share_one_sampling_test_unless_asked_per_domain(tiny, pool):
+    """engine_sampling_scope "config" (the default): two domains with the same served config and
+    sampling settings get one sampling test, from the first one's context, the second naming it
+    (shared_from); "domain": each its own test from its own context."""
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+    from tasks.settings import load_settings
+    from tasks.steps.engine_validate import validate_on_engine
+
+    _, model, context = tiny
+    sampled = SamplingParams(temperature=1.0)
+    requests = {domain: [LoggedRequest(f"{domain}-{i}", context[offset:offset + 40],
+                                       context[offset + 40:offset + 50], sampled, domain)
+                         for i in range(2)] for domain, offset in (("json", 0), ("code", 30))}
+    specs = {domain: NGRAM for domain in requests}
+    shared = validate_on_engine("r-scope", None, pool, model, specs, requests, {},
+                                load_settings(engine_sampling_rows=60, validation_alpha=PASSING_ALPHA),
+                                save=False)
+    assert shared["code"].shared_from is None and shared["json"].shared_from == "code"
+    assert shared["json"].passed == shared["code"].passed and shared["code"].rows == 60
+    own = validate_on_engine("r-scope", None, pool, model, specs, requests, {},
+                             load_settings(engine_sampling_rows=60, validation_alpha=PASSING_ALPHA,
+                                           engine_sampling_scope="domain"), save=False)
+    assert own["code"].shared_from is None and own["json"].shared_from is None
+    assert all(own[d].details["seconds"] > 0 and own[d].rows == 60 for d in own)   # each drew its own

@@ -20,7 +20,9 @@ started). Verdicts:
   and is not promotable.
 
 Rows go to `validations` with check_name "engine_sampling", one per domain (domains with equal
-configs, samplings and contexts share one test: "shared_from"), replaced when the test re-runs.
+configs and samplings share one test, from the first one's context: "shared_from"; with
+`engine_sampling_scope` "domain" only those whose contexts are equal too), replaced when the test
+re-runs.
 """
 
 from __future__ import annotations
@@ -186,7 +188,11 @@ def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, spec
         request_id, context = validation_context(target, requests)
         samplings = validation_samplings(requests, settings.validation.samplings)
         base = json.dumps({"context": context, "samplings": [s.to_dict() for s in samplings]})
-        key = json.dumps({"spec": spec, "base": base, "mended": mended}, sort_keys=True)
+        # one test per served config and samplings (engine_sampling_scope "config": the verifier
+        # is the config's, whichever domain's context), or per domain's own context too
+        shared = {"samplings": [s.to_dict() for s in samplings]} \
+            if settings.engine.sampling_scope == "config" else base
+        key = json.dumps({"spec": spec, "base": shared, "mended": mended}, sort_keys=True)
         if key in done:
             first = done[key]
             results[domain] = EngineSamplingResult(
