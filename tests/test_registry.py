@@ -1416,6 +1416,83 @@ def test_acceptance_plot_at_k_1_has_a_readable_axis_and_markers_apart():
     assert len(set(xs)) == 4 and max(xs) - min(xs) < 0.5
 
 
+def test_acceptance_plot_draws_each_points_stored_interval():
+    """Issue 83 item 9: every point of the acceptance plot has its 95% interval drawn from the
+    stored conditional_acceptance_ci, in its domain's colour; a row stored without one (before
+    migration 0016) is named under the plot, not drawn as if it had none."""
+    from matplotlib.collections import LineCollection
+
+    from tasks.registry.plots import acceptance_figure
+
+    rows = [dict(r) for r in estimate_rows() if r["drafter"] == "suffix"]
+    for row in rows:
+        if row["domain"] != "qa":
+            row["conditional_acceptance_ci"] = [[a - 0.1, min(1.0, a + 0.05)]
+                                                for a in row["conditional_acceptance"]]
+    fig = acceptance_figure(rows, {d: "suffix" for d in ("chat", "code", "json", "qa")}, RUN_ID,
+                            {"chat": 1, "code": 4, "json": 8, "qa": 2})
+    ax = fig.axes[0]
+    assert "95% interval" in ax.get_ylabel()
+    lines = {line.get_label().split(" ")[0]: line for line in ax.get_lines()}
+    spans = {}
+    for collection in ax.collections:
+        if isinstance(collection, LineCollection):
+            for segment in collection.get_segments():
+                (x0, y0), (x1, y1) = segment
+                if x0 == x1:        # the vertical bars: one per point
+                    spans[round(float(x0), 3)] = (round(float(y0), 3), round(float(y1), 3),
+                                                  tuple(collection.get_color()[0]))
+    for domain, k in (("chat", 1), ("code", 4), ("json", 8)):
+        line = lines[domain]
+        assert len(line.get_xdata()) == k
+        for x, y in zip(line.get_xdata(), line.get_ydata()):
+            lo, hi, colour = spans[round(float(x), 3)]
+            assert (lo, hi) == (round(y - 0.1, 3), round(min(1.0, y + 0.05), 3))
+            assert colour[:3] == pytest.approx(matplotlib_rgb(line.get_color()))
+    qa_xs = {round(float(x), 3) for x in lines["qa"].get_xdata()}
+    assert not qa_xs & set(spans)                       # qa has none stored: none drawn
+    assert "no interval stored: qa" in [t.get_text() for t in ax.texts]
+    assert_legends_off_the_data(fig)
+
+
+def test_the_intervals_an_estimate_stores_are_the_ones_the_acceptance_plot_draws(db_url):
+    """The interval travels: estimate_domains stores each position's interval (real SQLite
+    store, migration 0016), the registration's read returns it and the plot draws those ends."""
+    from matplotlib.collections import LineCollection
+
+    from specdec_core import PromptLookup
+    from specdec_core.estimate import LoggedRequest
+    from tasks.db.queries_registry import tracked_rows
+    from tasks.registry.plots import acceptance_figure
+    from tasks.steps.offline_estimate import estimate_domains
+
+    from .helpers.models import tiny_llama
+
+    pattern = [5, 6, 7, 8, 9, 10]
+    requests = [LoggedRequest(f"rep{i}", pattern * 2, pattern * 5, domain="json") for i in range(6)]
+    requests += [LoggedRequest(f"mix{i}", [5, 6, 7, 5, 7, 6] * 2, [5, 6, 7, 6, 5, 7, 7, 5] * 4,
+                               domain="json") for i in range(6)]
+    store = Store.open(db_url)
+    estimate_domains("ci-run", tiny_llama(), {"prompt_lookup": ({"kind": "prompt_lookup", "params": {}},
+                                                                PromptLookup())},
+                     {"json": requests}, store, k_max=3, progress=False)
+    rows = [r for r in tracked_rows(store, "ci-run")["estimates"] if r["k"] == 3]
+    stored = rows[0]["conditional_acceptance_ci"]
+    assert len(stored) == 3 and all(lo <= a <= hi for a, (lo, hi)
+                                    in zip(rows[0]["conditional_acceptance"], stored))
+    fig = acceptance_figure(rows, {"json": "prompt_lookup"}, "ci-run", {"json": 3})
+    drawn = sorted((round(float(y0), 6), round(float(y1), 6))
+                   for c in fig.axes[0].collections if isinstance(c, LineCollection)
+                   for (x0, y0), (x1, y1) in c.get_segments() if x0 == x1)
+    assert drawn == sorted((round(lo, 6), round(hi, 6)) for lo, hi in stored)
+
+
+def matplotlib_rgb(colour) -> tuple:
+    from matplotlib.colors import to_rgb
+
+    return to_rgb(colour)
+
+
 def test_acceptance_and_calibration_plots_keep_labels_apart_and_titles_short():
     from tasks.registry.plots import acceptance_figure, calibration_figure
 
