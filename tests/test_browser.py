@@ -214,14 +214,14 @@ def test_trigger_form_submits_its_defaults_and_queues_a_run(page, servers):
 
 def test_a_mapped_task_is_labelled_by_domain_and_its_log_has_lines(page, servers, stores):
     run = urllib.parse.quote(stores["run_id"], safe="")
-    base = f"{servers['airflow']}/dags/specdec_evaluate/runs/{run}/tasks/per_domain.estimate"
+    base = f"{servers['airflow']}/dags/specdec_evaluate/runs/{run}/tasks/estimate"
     page.goto(f"{base}/mapped", wait_until="networkidle")
     for domain in ("json", "qa"):
         page.get_by_text(domain, exact=True).first.wait_for()   # Map Index column: the domain
     shot(page, "2-mapped-tasks-by-domain")
     page.goto(f"{base}/mapped/0", wait_until="networkidle")
-    page.get_by_text("per_domain.estimate [json]").first.wait_for()
-    page.get_by_text("[DAG TEST] starting task_id=per_domain.estimate map_index=0").wait_for()
+    page.get_by_text("estimate [json]").first.wait_for()
+    page.get_by_text("[DAG TEST] starting task_id=estimate map_index=0").wait_for()
     page.get_by_text("domain json: on: ").first.wait_for()      # the planner's own line
     shot(page, "3-mapped-task-log")
 
