@@ -297,7 +297,8 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
     register("run-2", db_url, tracking)
     assert promote_(name, "2", db_url, tracking)["champion_before"] == "1"
     assert champion_of(tracking, name) == "2"
-    assert "specdec config rollback restores version 1, the champion it replaced" in first_line("2")
+    assert (f"specdec config rollback --target {target_id} restores version 1, the champion it "
+            "replaced") in first_line("2")
 
     assert rollback(name, Store.open(db_url), uri=tracking, actor="pytest") == {
         "champion": "1", "champion_before": "2"}
@@ -550,6 +551,39 @@ def test_the_versions_list_preview_and_the_run_name_read_plainly(db_url, trackin
     assert promote_(registered["name"], registered["version"], db_url, tracking)["promoted"]
     first = mlflow_client.get_model_version(registered["name"], registered["version"]).description.splitlines()[0]
     assert first.startswith(f"This version ({registered['version']}) is the champion.") and "*" not in first
+
+
+def test_the_page_says_how_a_reviewer_promotes_and_its_command_promotes_this_version(
+        db_url, tracking, target_id):
+    """Issue 83 item 11: MLflow's UI cannot host a gated "Promote" action, so the version page
+    says how a reviewer promotes: the command names the page's model (--target: without it the
+    CLI takes the default target's model, another model's version N), where it runs (Compose
+    included) and what MLflow's own controls would do. The command, run as the page writes it
+    against this registry and database, promotes this version; the champion's first line then
+    names the rollback with the same --target."""
+    finished_run(db_url, "run-page", {"json": {}}, target_id=target_id)
+    registered = register("run-page", db_url, tracking)
+    name, version = registered["name"], registered["version"]
+    mlflow_client = client(tracking)
+    description = mlflow_client.get_model_version(name, version).description
+    first = description.splitlines()[0]
+    assert first.startswith(f"Promote only with specdec config promote {version} --target {target_id} (")
+    assert first.endswith("How: see Promoting this version below.")
+    section = description.split("### Promoting this version", 1)[1].split("\n### ", 1)[0]
+    assert "MLflow's UI has no action that promotes through specdec's gates" in section
+    command = f"specdec config promote {version} --target {target_id}"
+    assert f"`{command}`" in section
+    assert f"`docker compose exec airflow-scheduler {command}`" in section
+    assert "`MLFLOW_TRACKING_URI`, `SPECDEC_DATABASE_URL`" in section and "Promote model" in section
+    assert "Plots: the run's `plots/` artifacts" in description      # kept below the new section
+    # the page's command, in a new process, with this registry and database in its environment
+    done = specdec(*shlex.split(command)[1:], env={"MLFLOW_TRACKING_URI": tracking,
+                                                   "SPECDEC_DATABASE_URL": db_url})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert str(mlflow_client.get_model_version_by_alias(name, "champion").version) == str(version)
+    first = mlflow_client.get_model_version(name, version).description.splitlines()[0]
+    assert first.startswith(f"This version ({version}) is the champion.")
+    assert f"specdec config promote N --target {target_id} instead" in first
 
 
 def test_min_samples_gate_counts_measured_enabled_domains():
