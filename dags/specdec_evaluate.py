@@ -105,7 +105,10 @@ PARAMS = {
     "candidates": Param(DEFAULT_CANDIDATES, type=["null", "array"],
                         items={"type": "string"}, title="Candidate drafters",
                         description="Optional; KIND[:NAME=VALUE...], e.g. "
-                                    "draft_model:model=/models/draft; empty: the settings' candidates"),
+                                    "draft_model:model=/models/draft; empty: the settings' candidates. "
+                                    "layer_skip has no vLLM equivalent: a run planned on vLLM's "
+                                    "costs estimates it but never plans with it (each domain's "
+                                    "reason names it); leave it out there"),
     "hardware_profile": Param(setting_default("hardware_profile"), type=["null", "string"],
                               title="Hardware profile",
                               description="Optional; a stored cost profile to plan with; empty: "

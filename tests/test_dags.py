@@ -790,6 +790,11 @@ def test_the_trigger_forms_texts_agree_with_the_checks_a_run_meets():
     assert "empty: measure this worker" not in params.get_param("hardware_profile").description
     assert "reused" in params.get_param("hardware_profile").description
     assert "hysteresis" in params.get_param("min_speedup").description
+    # item 9: layer_skip, a default candidate, has no vLLM equivalent: the form says what happens
+    candidates = params.get_param("candidates")
+    assert any(c.startswith("layer_skip") for c in candidates.value)
+    assert "layer_skip has no vLLM equivalent" in candidates.description
+    assert "never plans with it" in candidates.description
 
 
 def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdecs(monkeypatch):
