@@ -240,8 +240,8 @@ def specdec_evaluate():
         from tasks.steps.pipeline import step_finish
 
         spec = run_spec()
-        if spec is None or checked is None:     # sample or check failed: the run has nothing to finish
-            raise AirflowSkipException("sample or check did not complete")
+        if checked is None:     # check failed: the run has nothing to finish
+            raise AirflowSkipException("check did not complete")
         with task_errors():
             return step_finish(spec, insufficient=checked["insufficient"])
 
@@ -310,9 +310,14 @@ def specdec_evaluate():
         get_current_context()["outlet_events"][EVALUATIONS_ASSET].extra = {"run_id": spec["run_id"]}
         return table
 
-    @task
+    @task(trigger_rule="none_failed")     # past a skipped finish; a failed report still stops it
     def domain_failures(finished: dict) -> None:
-        """Last: fails the run (after everything else is stored) when a domain's steps failed."""
+        """Last: fails the run (after everything else is stored) when a domain's steps failed, or
+        when the run never finished (sample or check did not complete: the tasks after them end
+        skipped, and a run of skipped leaves would read success)."""
+        if finished is None:
+            raise AirflowFailException("the run did not finish: sample or check did not complete "
+                                       "(see the first failed task); nothing was evaluated")
         if finished["failed"]:
             raise AirflowFailException(domains_failed_text(finished["failed"]))
 

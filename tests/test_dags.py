@@ -418,6 +418,11 @@ def test_bad_input_fails_at_once(dagbag, monkeypatch, tmp_path):
     assert run.state == "failed"
     assert states["sample"] == ("failed", 1) and dag.get_task("sample").retries == 2, states
     assert states["finish"] == ("skipped", 1), states
+    # the tasks read the spec from sample's XCom (no edge from sample to each): without it they end
+    # skipped at their first try, never retried, and the last task fails the run saying why
+    for task_id in ("register", "promote", "engine_check", "report", "acceptance_alert"):
+        assert states[task_id][0] == "skipped" and states[task_id][1] <= 1, (task_id, states)
+    assert states["domain_failures"] == ("failed", 1), states
 
 
 def _raised(make, *args):

@@ -224,14 +224,20 @@ def label_mapped(label: str) -> None:
     get_current_context()["specdec_label"] = label
 
 
-def run_spec() -> dict | None:
-    """The run's spec as the `sample` task returned it (its XCom; None when sample did not
-    complete). Pulled, not passed as an argument: an argument is an edge from sample to every task
-    that takes it, and the graph was a web of them; wire_in_order's chain orders the tasks."""
+def run_spec() -> dict:
+    """The run's spec as the `sample` task returned it (its XCom). Pulled, not passed as an
+    argument: an argument is an edge from sample to every task that takes it, and the graph was a
+    web of them; wire_in_order's chain orders the tasks. Where sample did not complete the task
+    ends skipped saying so (the run fails at its last task, domain_failures)."""
     # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
     from airflow.sdk import get_current_context
+    from airflow.sdk.exceptions import AirflowSkipException
 
-    return get_current_context()["ti"].xcom_pull(task_ids="sample", map_indexes=-1)
+    spec = get_current_context()["ti"].xcom_pull(task_ids="sample", map_indexes=-1)
+    if spec is None:
+        raise AirflowSkipException("sample did not complete: the run has no spec (see the sample "
+                                   "task's log)")
+    return spec
 
 
 def domain_step_failed(steps: tuple[str, ...]) -> str | None:
