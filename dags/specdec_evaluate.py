@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import Asset, Param, dag, get_current_context, task, task_group
+from airflow.sdk import Asset, Param, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
@@ -55,9 +55,9 @@ from airflow.timetables.trigger import CronTriggerTimetable
 from tasks.orchestration.airflow_glue import (CHAMPION_URI, DEFAULT_CANDIDATES, DEFAULT_MODEL, DRIFT_URI,
                                               EVALUATIONS_URI, K_LIMIT, LOW_ACCEPTANCE_URI, MAP_LABEL,
                                               NEW_DRAFT_URI,
-                                              TIMING_POOL, domains_failed_text, evaluate_spec,
-                                              label_mapped, queues, setting_default, task_errors,
-                                              wire_in_order)
+                                              TIMING_POOL, domain_step_failed, domains_failed_text,
+                                              evaluate_spec, label_mapped, queues, run_spec,
+                                              setting_default, task_errors, wire_in_order)
 
 # The steps (tasks.steps.pipeline) are imported inside the tasks: they load the engine, the
 # database and the registry client, and a DAG file's parse loads only Airflow and
@@ -105,7 +105,10 @@ PARAMS = {
     "candidates": Param(DEFAULT_CANDIDATES, type=["null", "array"],
                         items={"type": "string"}, title="Candidate drafters",
                         description="Optional; KIND[:NAME=VALUE...], e.g. "
-                                    "draft_model:model=/models/draft; empty: the settings' candidates"),
+                                    "draft_model:model=/models/draft; empty: the settings' candidates. "
+                                    "layer_skip has no vLLM equivalent: a run planned on vLLM's "
+                                    "costs estimates it but never plans with it (each domain's "
+                                    "reason names it); leave it out there"),
     "hardware_profile": Param(setting_default("hardware_profile"), type=["null", "string"],
                               title="Hardware profile",
                               description="Optional; a stored cost profile to plan with; empty: "
@@ -162,80 +165,95 @@ def specdec_evaluate():
         return sampled["spec"]      # the spec with its candidates frozen: every later task takes it
 
     @task
-    def check(spec: dict) -> dict:
+    def check() -> dict:
         from tasks.steps.pipeline import step_check
 
         with task_errors():
-            return step_check(spec)
+            return step_check(run_spec())
 
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
-    def profile(spec: dict) -> dict:
+    def profile() -> dict:
         """The run's cost profile: reused (a stored one younger than profile_max_age_days) or
         measured here; the Param new_profile forces a measurement."""
         from tasks.steps.pipeline import step_profile
 
         with task_errors():
-            return step_profile(spec, new_profile=bool(get_current_context()["params"].get("new_profile")))
+            return step_profile(run_spec(), new_profile=bool(get_current_context()["params"].get("new_profile")))
 
     @task
     def domains_of(checked: dict) -> list[str]:
         return checked["ok"]
 
     @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
-    def estimate(domain: str, spec: dict, profile_name: dict) -> str:
+    def estimate(domain: str, profile_name: dict) -> str:
         from tasks.steps.pipeline import step_estimate
 
         label_mapped(domain)
         with task_errors():
-            step_estimate(spec, domain, profile_name)
+            step_estimate(run_spec(), domain, profile_name)
         return domain
 
-    @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE)
-    def confirm(domain: str, spec: dict) -> str:
-        """Measured nothing (a run planned on vLLM's costs; no plan to measure): ends skipped
-        with the reason."""
+    # estimate, confirm and validate are each mapped over the domains (one map index, one domain
+    # in all three: the graph counts each one's instances, which it cannot do for the tasks of a
+    # mapped task group, "estimate [0]"); each waits for the step before it as a whole task
+    # (all_done) and checks its own domain's step, so a failure stays in its domain
+    @task(pool=TIMING_POOL, retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE,
+          trigger_rule="all_done")
+    def confirm(domain: str) -> str:
+        """Measured nothing (a run planned on vLLM's costs; no plan to measure), or this domain's
+        estimate did not succeed: ends skipped with the reason."""
         from tasks.steps.pipeline import step_confirm
 
         label_mapped(domain)
+        failed = domain_step_failed(("estimate",))
+        if failed:
+            raise AirflowSkipException(f"{domain}: confirm not run: {failed} (finish records the "
+                                       "domain as failed; the champion's setting is kept)")
         with task_errors():
-            row = step_confirm(spec, domain)
+            row = step_confirm(run_spec(), domain)
         if row.get("skipped"):
             raise AirflowSkipException(f"{domain}: confirm not run: {row['skipped']}")
         return domain
 
     # a skipped confirm is no reason to skip the sampling test; a failed estimate or confirm is
-    @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE, trigger_rule="none_failed")
-    def validate(domain: str, spec: dict) -> str:
-        """A domain that is off has no sampling test: ends skipped with the reason."""
+    @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE, trigger_rule="all_done")
+    def validate(domain: str) -> str:
+        """A domain that is off has no sampling test, nor one whose estimate or confirm failed:
+        ends skipped with the reason."""
         from tasks.steps.pipeline import step_validate
 
         label_mapped(domain)
+        failed = domain_step_failed(("estimate", "confirm"))
+        if failed:
+            raise AirflowSkipException(f"{domain}: sampling test not run: {failed} (finish records "
+                                       "the domain as failed; the champion's setting is kept)")
         with task_errors():
-            result = step_validate(spec, domain)
+            result = step_validate(run_spec(), domain)
         if result["validation"] == "not_needed":
             raise AirflowSkipException(f"{domain}: sampling test not run: the domain is off (the "
                                        "tests run only for a domain on)")
         return domain
 
     @task(trigger_rule="all_done", queue=GPU_QUEUE)
-    def finish(spec: dict, checked: dict) -> dict:
+    def finish(checked: dict) -> dict:
         """Runs whatever the domains' outcome: failed domains keep the champion's setting."""
         from tasks.steps.pipeline import step_finish
 
-        if spec is None or checked is None:     # sample or check failed: the run has nothing to finish
-            raise AirflowSkipException("sample or check did not complete")
+        spec = run_spec()
+        if checked is None:     # check failed: the run has nothing to finish
+            raise AirflowSkipException("check did not complete")
         with task_errors():
             return step_finish(spec, insufficient=checked["insufficient"])
 
     @task(retries=0, queue=GPU_QUEUE)
-    def engine_check(spec: dict, finished: dict) -> dict:
+    def engine_check() -> dict:
         """Each domain the plan turns on, served by vLLM with its exported config. No serving
         environment (or the setting engine_check off): the task ends skipped, its reason in the
         log, and register goes on (the page and the engine_check gate say "not checked")."""
         from tasks.steps.pipeline import step_engine_check
 
         with task_errors():
-            result = step_engine_check(spec)
+            result = step_engine_check(run_spec())
         if result["skipped"] and result.get("nothing_on"):     # nothing to check: says so
             raise AirflowSkipException(f"{result['skipped']} (the version page and its gates say so)")
         if result["skipped"]:       # a visible state: the task ends skipped, the page says why
@@ -248,14 +266,15 @@ def specdec_evaluate():
                             for d, r in result["domains"].items()}}
 
     @task(trigger_rule="none_failed")      # a skipped engine check is no reason to stop
-    def register(spec: dict, finished: dict) -> dict:
+    def register() -> dict:
         from tasks.steps.pipeline import step_register
 
         with task_errors():     # the MLflow run spans the evaluation: from the DAG run's start
-            return step_register(spec, started_at=get_current_context()["dag_run"].start_date)
+            return step_register(run_spec(), started_at=get_current_context()["dag_run"].start_date)
 
     @task(outlets=[CHAMPION_ASSET])
-    def promote(spec: dict, registered: dict) -> dict:
+    def promote(registered: dict) -> dict:
+        spec = run_spec()
         if not spec["promote"]:
             raise AirflowSkipException("promotion not requested (param promote=false)")
         from tasks.steps.pipeline import step_promote
@@ -269,10 +288,10 @@ def specdec_evaluate():
         return result
 
     @task(outlets=[LOW_ACCEPTANCE_ASSET])
-    def acceptance_alert(spec: dict, finished: dict) -> list[dict]:
+    def acceptance_alert(finished: dict) -> list[dict]:
         from tasks.steps.pipeline import low_acceptance_domains
 
-        context = get_current_context()
+        context, spec = get_current_context(), run_spec()
         with task_errors():
             low = low_acceptance_domains(spec, context["params"]["acceptance_alert"])
         if not low:
@@ -281,43 +300,46 @@ def specdec_evaluate():
         return low
 
     @task(outlets=[EVALUATIONS_ASSET], trigger_rule="none_failed_min_one_success")
-    def report(spec: dict, finished: dict) -> list[dict]:
+    def report(finished: dict) -> list[dict]:
         """The run's per-domain table (logged, and the XCom return value)."""
         from tasks.steps.run_table import report_table
 
+        spec = run_spec()
         with task_errors():
             table = report_table(spec)
         get_current_context()["outlet_events"][EVALUATIONS_ASSET].extra = {"run_id": spec["run_id"]}
         return table
 
-    @task_group
-    def per_domain(domain: str, spec: dict, profile_name: dict):
-        """One domain's chain; mapped over domains, so a failure stays inside its own domain."""
-        validated = validate(domain, spec)
-        confirm(estimate(domain, spec, profile_name), spec) >> validated
-        return validated
-
-    @task
+    @task(trigger_rule="none_failed")     # past a skipped finish; a failed report still stops it
     def domain_failures(finished: dict) -> None:
-        """Last: fails the run (after everything else is stored) when a domain's steps failed."""
+        """Last: fails the run (after everything else is stored) when a domain's steps failed, or
+        when the run never finished (sample or check did not complete: the tasks after them end
+        skipped, and a run of skipped leaves would read success)."""
+        if finished is None:
+            raise AirflowFailException("the run did not finish: sample or check did not complete "
+                                       "(see the first failed task); nothing was evaluated")
         if finished["failed"]:
             raise AirflowFailException(domains_failed_text(finished["failed"]))
 
-    spec = sample()
-    checked = check(spec)
-    profile_name = profile(spec)
-    validated = per_domain.partial(spec=spec, profile_name=profile_name).expand(
-        domain=domains_of(checked))
-    finished = finish(spec, checked)
-    engine_checked = engine_check(spec, finished)
-    registered = register(spec, finished)
-    promoted = promote(spec, registered)
+    # the run's spec is pulled by each task (run_spec), not passed: no edge from sample to all
+    sampled = sample()
+    checked = check()
+    profile_name = profile()
+    domains = domains_of(checked)
+    estimated = estimate.partial(profile_name=profile_name).expand(domain=domains)
+    confirmed = confirm.expand(domain=domains)
+    validated = validate.expand(domain=domains)
+    estimated >> confirmed >> validated
+    finished = finish(checked)
+    engine_checked = engine_check()
+    registered = register()
+    promoted = promote(registered)
     # the run's order, written once (tasks.steps.run_order.RUN_ORDER; `specdec evaluate` follows it)
-    wire_in_order({"sample": spec, "check": checked, "profile": profile_name, "per_domain": validated,
-                   "finish": finished, "engine_check": engine_checked, "register": registered,
-                   "promote": promoted})
-    acceptance_alert(spec, finished)
-    reported = report(spec, finished)
+    wire_in_order({"sample": sampled, "check": checked, "profile": profile_name,
+                   "per_domain": (estimated, validated), "finish": finished,
+                   "engine_check": engine_checked, "register": registered, "promote": promoted})
+    acceptance_alert(finished)
+    reported = report(finished)
     reported << promoted
     reported >> domain_failures(finished)
 

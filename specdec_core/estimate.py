@@ -265,6 +265,8 @@ class DomainEstimate:
     ci95: tuple[float, float]                  # bootstrap over requests
     conditional_acceptance: list[float]
     width_share: list[float] = field(default_factory=list)   # share of rounds drafting 0..K tokens
+    # per draft position, the 95% interval of a_i (bootstrap over requests, as ci95 is for E)
+    conditional_acceptance_ci: list[list[float]] = field(default_factory=list)
     per_request: list[RoundTotals] = field(repr=False, default_factory=list)
 
     @property
@@ -278,6 +280,7 @@ class DomainEstimate:
                 "tokens": self.tokens, "rounds": self.rounds,
                 "expected_tokens_per_round": self.expected_tokens_per_round,
                 "ci95": list(self.ci95), "conditional_acceptance": self.conditional_acceptance,
+                "conditional_acceptance_ci": self.conditional_acceptance_ci,
                 "width_share": self.width_share, "acceptance_rate": self.acceptance_rate}
 
 
@@ -299,6 +302,20 @@ def bootstrap_ratio(numerators: np.ndarray, denominators: np.ndarray, n_boot: in
     ratios = numerators[picks].sum(1) / np.maximum(denominators[picks].sum(1), 1e-12)
     low, high = np.percentile(ratios, [2.5, 97.5])
     return float(low), float(high)
+
+
+def position_intervals(totals: list[RoundTotals], k: int, n_boot: int = 1000,
+                       seed: int = 0) -> list[list[float]]:
+    """[[lo, hi]] per draft position 1..K: the 95% interval of the conditional acceptance a_i =
+    accepted_i / reached_i, resampling requests (the rounds of one request are not independent, so
+    the request is the unit, as for E's interval). A position no request reached reads [0, 0]."""
+    out = []
+    for i in range(k):
+        accepted = np.array([float(t.accepted[i]) for t in totals])
+        reached = np.array([float(t.reached[i]) for t in totals])
+        out.append(list(bootstrap_ratio(accepted, reached, n_boot=n_boot, seed=seed))
+                   if reached.sum() > 0 else [0.0, 0.0])
+    return out
 
 
 def estimate_acceptance(target: torch.nn.Module, drafter: Drafter, requests: list[LoggedRequest],
@@ -341,5 +358,6 @@ def estimate_acceptance(target: torch.nn.Module, drafter: Drafter, requests: lis
                 expected_tokens_per_round=summed.expected_tokens_per_round,
                 ci95=bootstrap_ratio(tokens, rounds, n_boot=n_boot, seed=seed),
                 conditional_acceptance=summed.conditional_acceptance,
+                conditional_acceptance_ci=position_intervals(totals, k, n_boot=n_boot, seed=seed),
                 width_share=summed.width_share, per_request=totals)
     return result

@@ -214,14 +214,14 @@ def test_trigger_form_submits_its_defaults_and_queues_a_run(page, servers):
 
 def test_a_mapped_task_is_labelled_by_domain_and_its_log_has_lines(page, servers, stores):
     run = urllib.parse.quote(stores["run_id"], safe="")
-    base = f"{servers['airflow']}/dags/specdec_evaluate/runs/{run}/tasks/per_domain.estimate"
+    base = f"{servers['airflow']}/dags/specdec_evaluate/runs/{run}/tasks/estimate"
     page.goto(f"{base}/mapped", wait_until="networkidle")
     for domain in ("json", "qa"):
         page.get_by_text(domain, exact=True).first.wait_for()   # Map Index column: the domain
     shot(page, "2-mapped-tasks-by-domain")
     page.goto(f"{base}/mapped/0", wait_until="networkidle")
-    page.get_by_text("per_domain.estimate [json]").first.wait_for()
-    page.get_by_text("[DAG TEST] starting task_id=per_domain.estimate map_index=0").wait_for()
+    page.get_by_text("estimate [json]").first.wait_for()
+    page.get_by_text("[DAG TEST] starting task_id=estimate map_index=0").wait_for()
     page.get_by_text("domain json: on: ").first.wait_for()      # the planner's own line
     shot(page, "3-mapped-task-log")
 
@@ -523,3 +523,88 @@ def test_the_printed_airflow_line_works_from_another_directory(page, stores, air
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
+
+
+def test_the_graph_counts_each_per_domain_step_and_sample_is_not_a_hub(page, servers, stores):
+    """Issue 83 item 13: the run's graph labels each per-domain step with the count of its mapped
+    instances (it read "estimate [0]" for the tasks of a mapped task group although every domain
+    ran), and the three agree."""
+    import re
+
+    run = urllib.parse.quote(stores["run_id"], safe="")
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.goto(f"{servers['airflow']}/dags/specdec_evaluate/runs/{run}", wait_until="networkidle")
+    # the DAG page opens the view kept in the browser's storage: ask for the graph
+    page.evaluate("() => window.localStorage.setItem('default_dag_view', JSON.stringify('graph'))")
+    page.reload(wait_until="networkidle")
+    page.get_by_text(re.compile(r"^estimate \[\d+\]$")).first.wait_for()
+    page.wait_for_timeout(1500)
+    text = text_of(page)
+    counts = {step: re.findall(rf"\b{step} \[(\d+)\]", text) for step in ("estimate", "confirm", "validate")}
+    # as many as ran: the estimate instances of the run (one per domain with enough samples)
+    from sqlalchemy import create_engine, func, select
+
+    from tasks.db.models import AcceptanceEstimate
+
+    engine = create_engine(f"sqlite:///{stores['base'] / 'specdec.db'}")
+    with engine.connect() as connection:
+        estimated = connection.execute(select(func.count(func.distinct(AcceptanceEstimate.domain)))
+                                       .where(AcceptanceEstimate.run_id == stores["run_id"])).scalar()
+    engine.dispose()
+    assert estimated >= 2
+    assert counts == {step: [str(estimated)] for step in counts}, counts
+    assert "estimate [0]" not in text and "[0]" not in text, text
+    # the picture: zoomed in on the per-domain steps (at fit-to-view 17 tasks in a row are small)
+    box = page.get_by_text(re.compile(r"^confirm \[\d+\]$")).first.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    for _ in range(3):
+        page.mouse.wheel(0, -300)
+        page.wait_for_timeout(250)
+    page.mouse.move(5, 5)                   # no task's tooltip over the picture
+    page.wait_for_timeout(800)
+    path = SHOTS / "after-graph.png"
+    page.screenshot(path=str(path))
+    print(f"screenshot: {path}")
+
+
+def test_the_version_page_says_how_a_reviewer_promotes(page, servers, stores):
+    """Issue 83 item 11: MLflow's UI has no gated promote action; the page says so and gives this
+    version's command with its --target and where it runs."""
+    from tasks.registry.config_schema import config_model_name
+
+    name = config_model_name(stores["target"])
+    page.set_viewport_size({"width": 1280, "height": 900})
+    open_version(page, servers, name, "1")
+    section = page.get_by_text("Promoting this version").first
+    section.wait_for()
+    section.scroll_into_view_if_needed()
+    body = text_of(page)
+    assert "MLflow's UI has no action that promotes through specdec's gates" in body
+    assert f"specdec config promote 1 --target {stores['target']}" in body
+    assert f"docker compose exec airflow-scheduler specdec config promote 1 --target {stores['target']}" in body
+    path = SHOTS / "after-version-page-promoting.png"
+    page.screenshot(path=str(path))             # the viewport at the section, not the whole page
+    print(f"screenshot: {path}")
+
+
+def test_the_acceptance_plot_of_the_run_carries_intervals(servers, stores):
+    """Issue 83 item 9: the run's conditional_acceptance.png, as MLflow serves it, drawn from
+    estimates that stored each position's interval (copied beside the screenshots)."""
+    from sqlalchemy import create_engine, select
+
+    from tasks.db.models import AcceptanceEstimate
+
+    engine = create_engine(f"sqlite:///{stores['base'] / 'specdec.db'}")
+    with engine.connect() as connection:
+        spans = connection.execute(select(AcceptanceEstimate.k, AcceptanceEstimate.conditional_acceptance_ci)
+                                   .where(AcceptanceEstimate.run_id == stores["run_id"])).all()
+    engine.dispose()
+    assert spans and all(len(ci or []) == k for k, ci in spans), spans
+    found = mlflow_run(servers, stores)
+    run_id = found["run"]["info"]["run_id"]
+    url = (f"{servers['mlflow']}/get-artifact?path=plots/conditional_acceptance.png&run_uuid={run_id}")
+    with urllib.request.urlopen(url) as response:
+        png = response.read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    (SHOTS / "after-conditional-acceptance.png").write_bytes(png)

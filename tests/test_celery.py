@@ -46,7 +46,7 @@ REDIS = shutil.which("redis-server")
 DOMAINS = ("json", "qa")
 ROWS_PER_DOMAIN = 6
 RUN_TIMEOUT_S = 20 * 60
-GPU_TASKS = {"profile", "per_domain.estimate", "per_domain.confirm", "per_domain.validate", "finish",
+GPU_TASKS = {"profile", "estimate", "confirm", "validate", "finish",
              "engine_check"}
 
 pytestmark = [

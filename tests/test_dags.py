@@ -29,8 +29,8 @@ def test_dagbag_imports_without_errors(dagbag):
                                    "specdec_monitor"}
     evaluate = dagbag.get_dag("specdec_evaluate")
     assert {t.task_id for t in evaluate.tasks} == {
-        "sample", "check", "profile", "domains_of", "per_domain.estimate", "per_domain.confirm",
-        "per_domain.validate", "finish", "engine_check", "register", "promote", "acceptance_alert",
+        "sample", "check", "profile", "domains_of", "estimate", "confirm",
+        "validate", "finish", "engine_check", "register", "promote", "acceptance_alert",
         "report", "domain_failures"}
     # daily, or when a new draft is registered, or when the monitor finds production drift
     assert evaluate.timetable.timetable.summary == "0 0 * * *"
@@ -39,7 +39,7 @@ def test_dagbag_imports_without_errors(dagbag):
     assert not evaluate.catchup and evaluate.max_active_runs == 1
     assert evaluate.doc_md and "specdec_evaluate" in evaluate.doc_md
     timing = {t.task_id for t in evaluate.tasks if t.pool == "specdec_timing"}
-    assert timing == {"profile", "per_domain.confirm"}
+    assert timing == {"profile", "confirm"}
     assert evaluate.get_task("finish").trigger_rule == "all_done"
     params = evaluate.params
     for name in ("domains", "window_days", "max_per_domain", "candidates", "hardware_profile",
@@ -49,12 +49,22 @@ def test_dagbag_imports_without_errors(dagbag):
     # the run's order, written once (tasks.steps.run_order), is the DAG's: each step after the last
     from tasks.steps.run_order import PER_DOMAIN, RUN_ORDER
 
-    first = {"per_domain": f"per_domain.{PER_DOMAIN[0]}"}
-    last = {"per_domain": f"per_domain.{PER_DOMAIN[-1]}"}
+    first = {"per_domain": PER_DOMAIN[0]}
+    last = {"per_domain": PER_DOMAIN[-1]}
     for before, after in zip(RUN_ORDER, RUN_ORDER[1:]):
         upstream = evaluate.get_task(first.get(after, after)).get_flat_relative_ids(upstream=True)
         assert last.get(before, before) in upstream, (before, after)
     assert evaluate.get_task("register").trigger_rule == "none_failed"   # past a skipped engine check
+    # issue 83 item 13: the run's spec is pulled, not passed: sample's one edge is to check (every
+    # task wired to sample made a web at fit-to-view); each per-domain step is a mapped task of its
+    # own (the graph counts its instances) and the three follow each other
+    assert evaluate.get_task("sample").downstream_task_ids == {"check"}
+    assert max(len(t.upstream_task_ids) for t in evaluate.tasks) <= 3
+    for before, step in zip(PER_DOMAIN, PER_DOMAIN[1:]):
+        assert evaluate.get_task(step).upstream_task_ids == {before, "domains_of"}
+        assert evaluate.get_task(step).trigger_rule == "all_done"     # checks its own domain
+    assert all(evaluate.get_task(step).is_mapped and evaluate.get_task(step).task_group.is_root
+               for step in PER_DOMAIN)
     # a scheduled run evaluates the same candidates as `specdec evaluate` (the settings' default)
     from tasks.settings import load_settings
 
@@ -221,7 +231,7 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     conf = {**TINY_CONF, "target": tiny_env["target"], "promote": True}
     run, states = run_dag(dagbag, conf)
     assert run.state == "success", states
-    assert states["per_domain.estimate"] == ["success"] * 3 and states["promote"] == ["success"]
+    assert states["estimate"] == ["success"] * 3 and states["promote"] == ["success"]
     # no serving environment here (engine_check off): the engine check ends skipped, not green,
     # and register goes on (issue 52 item 3)
     assert states["engine_check"] == ["skipped"] and states["register"] == ["success"], states
@@ -233,9 +243,22 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     with create_session() as session:
         queued = {row.target_dag_id for row in session.query(AssetDagRunQueue)}
     assert "specdec_reports" in queued, queued
-    for task_id in ("per_domain.estimate", "per_domain.confirm", "per_domain.validate"):
+    for task_id in ("estimate", "confirm", "validate"):
         labels = {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == task_id}
         assert labels == {"code", "json", "qa"}, task_id        # the UI shows the domain, not [2]
+    # issue 83 item 13: the graph's count of each per-domain task comes from Airflow's own grid
+    # summary (the UI draws "estimate [N]", N the sum of child_states): 3, not the "[0]" a task
+    # inside a mapped task group got
+    from airflow.api_fastapi.core_api.routes.ui.grid import _build_ti_summaries
+    from airflow.models.dagbag import DBDagBag
+
+    with create_session() as session:
+        summaries = _build_ti_summaries("specdec_evaluate", run.run_id, run.get_task_instances(session=session),
+                                        session, dag_bag=DBDagBag())
+    nodes = {node["task_id"]: node for node in summaries["task_instances"]}
+    for task_id in ("estimate", "confirm", "validate"):
+        assert nodes[task_id]["type"] == "mapped_task"
+        assert sum((nodes[task_id]["child_states"] or {}).values()) == 3, nodes[task_id]
     # every task that ran has a log file where the UI reads it, with lines; mapped ones too
     from tasks.orchestration.airflow_logs import log_path
 
@@ -252,11 +275,11 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
         path = log_path(ti, max(ti.try_number, 1), base)
         events.setdefault(ti.task_id, []).append(" ".join(
             json.loads(line)["event"] for line in path.read_text().splitlines()))
-    for task_id, words in (("per_domain.validate", "sampling test of"), ("finish", "finished: target fingerprint"),
+    for task_id, words in (("validate", "sampling test of"), ("finish", "finished: target fingerprint"),
                            ("register", "(alias challenger"), ("promote", "promoted to champion"),
                            ("report", "validation passed")):
         assert all(words in text for text in events[task_id]), (task_id, events[task_id])
-    estimate_logs = [p for p in run.log_files if "task_id=per_domain.estimate" in str(p)]
+    estimate_logs = [p for p in run.log_files if "task_id=estimate" in str(p)]
     assert len(estimate_logs) == 3 and all("map_index=" in str(p) for p in estimate_logs)
     name = config_model_name(tiny_env["target"])
     mlflow_client = client()
@@ -276,8 +299,8 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
     run2, states2 = run_dag(dagbag, conf)
     assert run2.state == "failed"                              # a domain failed: the run says so
     assert states2["domain_failures"] == ["failed"] and states2["report"] == ["success"]
-    assert sorted(states2["per_domain.estimate"]).count("failed") == 1
-    assert states2["per_domain.validate"].count("success") == 2           # json and qa were validated
+    assert sorted(states2["estimate"]).count("failed") == 1
+    assert states2["validate"].count("success") == 2           # json and qa were validated
     assert states2["finish"] == ["success"] and states2["register"] == ["success"]
     second = mlflow_client.get_model_version_by_alias(name, "challenger").version
     config = load_version_config(mlflow_client, name, second)
@@ -395,6 +418,11 @@ def test_bad_input_fails_at_once(dagbag, monkeypatch, tmp_path):
     assert run.state == "failed"
     assert states["sample"] == ("failed", 1) and dag.get_task("sample").retries == 2, states
     assert states["finish"] == ("skipped", 1), states
+    # the tasks read the spec from sample's XCom (no edge from sample to each): without it they end
+    # skipped at their first try, never retried, and the last task fails the run saying why
+    for task_id in ("register", "promote", "engine_check", "report", "acceptance_alert"):
+        assert states[task_id][0] == "skipped" and states[task_id][1] <= 1, (task_id, states)
+    assert states["domain_failures"] == ("failed", 1), states
 
 
 def _raised(make, *args):
@@ -705,22 +733,24 @@ def test_tasks_that_did_nothing_end_skipped_with_the_reason(db_url, monkeypatch)
     dag = _evaluate_dag()
     spec = {"run_id": "run-off", "target": "tiny-target", "db_url": db_url}
     engine_check = dag.get_task("engine_check").python_callable
+    monkeypatch.setitem(engine_check.__globals__, "run_spec", lambda: spec)   # the sample's XCom
     with pytest.raises(AirflowSkipException, match="engine check not run: no domain is on"):
-        engine_check(spec, {})
-    confirm = dag.get_task("per_domain.confirm").python_callable
-    validate = dag.get_task("per_domain.validate").python_callable
+        engine_check()
+    confirm = dag.get_task("confirm").python_callable
+    validate = dag.get_task("validate").python_callable
     for step in (confirm, validate):
         monkeypatch.setitem(step.__globals__, "label_mapped", lambda label: None)
+        monkeypatch.setitem(step.__globals__, "domain_step_failed", lambda steps: None)
     monkeypatch.setattr(pipeline, "step_confirm", lambda spec, domain: {"skipped": "planned on vLLM's costs"},
                         raising=False)
     with pytest.raises(AirflowSkipException, match="json: confirm not run: planned on vLLM's costs"):
-        confirm("json", spec)
+        confirm("json")
     monkeypatch.setattr(pipeline, "step_validate", lambda spec, domain: {"validation": "not_needed"},
                         raising=False)
     with pytest.raises(AirflowSkipException, match="json: sampling test not run: the domain is off"):
-        validate("json", spec)
-    task = dag.get_task("per_domain.validate")
-    assert task.trigger_rule == "none_failed" and "per_domain.confirm" in task.upstream_task_ids
+        validate("json")
+    task = dag.get_task("validate")
+    assert task.trigger_rule == "all_done" and "confirm" in task.upstream_task_ids
 
 
 def test_the_demo_airflow_starts_no_run_until_asked_and_names_every_schedule(tmp_path):
@@ -765,6 +795,11 @@ def test_the_trigger_forms_texts_agree_with_the_checks_a_run_meets():
     assert "empty: measure this worker" not in params.get_param("hardware_profile").description
     assert "reused" in params.get_param("hardware_profile").description
     assert "hysteresis" in params.get_param("min_speedup").description
+    # item 9: layer_skip, a default candidate, has no vLLM equivalent: the form says what happens
+    candidates = params.get_param("candidates")
+    assert any(c.startswith("layer_skip") for c in candidates.value)
+    assert "layer_skip has no vLLM equivalent" in candidates.description
+    assert "never plans with it" in candidates.description
 
 
 def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdecs(monkeypatch):

@@ -17,8 +17,8 @@ from .helpers.evaluation import run
 from .helpers.models import save_tiny_target, tiny_llama
 from .helpers.traffic import traffic_rows, write_jsonl
 
-GPU_TASKS = {"specdec_evaluate": {"profile", "per_domain.estimate", "per_domain.confirm",
-                                  "per_domain.validate", "finish", "engine_check"},
+GPU_TASKS = {"specdec_evaluate": {"profile", "estimate", "confirm",
+                                  "validate", "finish", "engine_check"},
              "specdec_retrain_draft": {"generate", "train"},   # generate: the target answers prompts
              "specdec_reports": set()}
 
@@ -33,7 +33,7 @@ def test_tasks_that_run_the_model_take_the_gpu_queue_the_others_the_default(dagb
     # timing work is excluded by the pool, which spans every worker
     evaluate = dagbag.get_dag("specdec_evaluate")
     assert {t.task_id for t in evaluate.tasks if t.pool == "specdec_timing"} == {
-        "profile", "per_domain.confirm"}
+        "profile", "confirm"}
 
 
 def test_queue_names_come_from_the_settings(monkeypatch):

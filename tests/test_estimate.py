@@ -236,3 +236,27 @@ def test_round_robin_keeps_every_domain_and_split_off_leaves_the_rest():
     rest, validation = split_off(rows, 4)
     assert [r.request_id for r in validation] == ["code0", "json0", "qa0", "json1"]
     assert [r.request_id for r in rest] == ["qa1", "qa2", "qa3", "qa4", "json2"]
+
+
+def test_each_positions_acceptance_carries_its_95_interval_over_requests():
+    """Issue 83 item 9: the acceptance plot draws each point's interval, so the estimate stores
+    one per draft position: a bootstrap over requests that holds the rate, is wide where requests
+    disagree (repetitive responses against random ones) and a point where they are all alike."""
+    rng = np.random.default_rng(0)
+    pattern = [5, 6, 7, 8, 9, 10]
+    repeat = [LoggedRequest(f"rep{i}", pattern * 2, pattern * 6, domain="mixed") for i in range(10)]
+    # a few tokens in random order: n-grams recur (drafts are made) and their continuations differ
+    noise = [LoggedRequest(f"rnd{i}", rng.integers(5, 8, 12).tolist(), rng.integers(5, 8, 36).tolist(),
+                           domain="mixed") for i in range(10)]
+    alike = [LoggedRequest(f"same{i}", pattern * 2, pattern * 6, domain="alike") for i in range(6)]
+    estimates = estimate_acceptance(None, PromptLookup(max_ngram=3), repeat + noise + alike,
+                                    ks=[3], progress=False)
+    mixed, same = estimates["mixed"][3], estimates["alike"][3]
+    assert len(mixed.conditional_acceptance_ci) == 3
+    for rate, (lo, hi) in zip(mixed.conditional_acceptance, mixed.conditional_acceptance_ci):
+        assert lo <= rate <= hi
+    lo, hi = mixed.conditional_acceptance_ci[0]
+    assert hi - lo > 0.1, (lo, hi)                   # requests disagree: a wide interval
+    for rate, (lo, hi) in zip(same.conditional_acceptance, same.conditional_acceptance_ci):
+        assert lo == pytest.approx(rate) and hi == pytest.approx(rate)
+    assert mixed.to_dict()["conditional_acceptance_ci"] == mixed.conditional_acceptance_ci

@@ -297,7 +297,8 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
     register("run-2", db_url, tracking)
     assert promote_(name, "2", db_url, tracking)["champion_before"] == "1"
     assert champion_of(tracking, name) == "2"
-    assert "specdec config rollback restores version 1, the champion it replaced" in first_line("2")
+    assert (f"specdec config rollback --target {target_id} restores version 1, the champion it "
+            "replaced") in first_line("2")
 
     assert rollback(name, Store.open(db_url), uri=tracking, actor="pytest") == {
         "champion": "1", "champion_before": "2"}
@@ -550,6 +551,39 @@ def test_the_versions_list_preview_and_the_run_name_read_plainly(db_url, trackin
     assert promote_(registered["name"], registered["version"], db_url, tracking)["promoted"]
     first = mlflow_client.get_model_version(registered["name"], registered["version"]).description.splitlines()[0]
     assert first.startswith(f"This version ({registered['version']}) is the champion.") and "*" not in first
+
+
+def test_the_page_says_how_a_reviewer_promotes_and_its_command_promotes_this_version(
+        db_url, tracking, target_id):
+    """Issue 83 item 11: MLflow's UI cannot host a gated "Promote" action, so the version page
+    says how a reviewer promotes: the command names the page's model (--target: without it the
+    CLI takes the default target's model, another model's version N), where it runs (Compose
+    included) and what MLflow's own controls would do. The command, run as the page writes it
+    against this registry and database, promotes this version; the champion's first line then
+    names the rollback with the same --target."""
+    finished_run(db_url, "run-page", {"json": {}}, target_id=target_id)
+    registered = register("run-page", db_url, tracking)
+    name, version = registered["name"], registered["version"]
+    mlflow_client = client(tracking)
+    description = mlflow_client.get_model_version(name, version).description
+    first = description.splitlines()[0]
+    assert first.startswith(f"Promote only with specdec config promote {version} --target {target_id} (")
+    assert first.endswith("How: see Promoting this version below.")
+    section = description.split("### Promoting this version", 1)[1].split("\n### ", 1)[0]
+    assert "MLflow's UI has no action that promotes through specdec's gates" in section
+    command = f"specdec config promote {version} --target {target_id}"
+    assert f"`{command}`" in section
+    assert f"`docker compose exec airflow-scheduler {command}`" in section
+    assert "`MLFLOW_TRACKING_URI`, `SPECDEC_DATABASE_URL`" in section and "Promote model" in section
+    assert "Plots: the run's `plots/` artifacts" in description      # kept below the new section
+    # the page's command, in a new process, with this registry and database in its environment
+    done = specdec(*shlex.split(command)[1:], env={"MLFLOW_TRACKING_URI": tracking,
+                                                   "SPECDEC_DATABASE_URL": db_url})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert str(mlflow_client.get_model_version_by_alias(name, "champion").version) == str(version)
+    first = mlflow_client.get_model_version(name, version).description.splitlines()[0]
+    assert first.startswith(f"This version ({version}) is the champion.")
+    assert f"specdec config promote N --target {target_id} instead" in first
 
 
 def test_min_samples_gate_counts_measured_enabled_domains():
@@ -1414,6 +1448,83 @@ def test_acceptance_plot_at_k_1_has_a_readable_axis_and_markers_apart():
     assert ax.get_xlim() == (0.5, 1.5) and list(ax.get_xticks()) == [1]
     xs = [float(line.get_xdata()[0]) for line in ax.get_lines()]
     assert len(set(xs)) == 4 and max(xs) - min(xs) < 0.5
+
+
+def test_acceptance_plot_draws_each_points_stored_interval():
+    """Issue 83 item 9: every point of the acceptance plot has its 95% interval drawn from the
+    stored conditional_acceptance_ci, in its domain's colour; a row stored without one (before
+    migration 0016) is named under the plot, not drawn as if it had none."""
+    from matplotlib.collections import LineCollection
+
+    from tasks.registry.plots import acceptance_figure
+
+    rows = [dict(r) for r in estimate_rows() if r["drafter"] == "suffix"]
+    for row in rows:
+        if row["domain"] != "qa":
+            row["conditional_acceptance_ci"] = [[a - 0.1, min(1.0, a + 0.05)]
+                                                for a in row["conditional_acceptance"]]
+    fig = acceptance_figure(rows, {d: "suffix" for d in ("chat", "code", "json", "qa")}, RUN_ID,
+                            {"chat": 1, "code": 4, "json": 8, "qa": 2})
+    ax = fig.axes[0]
+    assert "95% interval" in ax.get_ylabel()
+    lines = {line.get_label().split(" ")[0]: line for line in ax.get_lines()}
+    spans = {}
+    for collection in ax.collections:
+        if isinstance(collection, LineCollection):
+            for segment in collection.get_segments():
+                (x0, y0), (x1, y1) = segment
+                if x0 == x1:        # the vertical bars: one per point
+                    spans[round(float(x0), 3)] = (round(float(y0), 3), round(float(y1), 3),
+                                                  tuple(collection.get_color()[0]))
+    for domain, k in (("chat", 1), ("code", 4), ("json", 8)):
+        line = lines[domain]
+        assert len(line.get_xdata()) == k
+        for x, y in zip(line.get_xdata(), line.get_ydata()):
+            lo, hi, colour = spans[round(float(x), 3)]
+            assert (lo, hi) == (round(y - 0.1, 3), round(min(1.0, y + 0.05), 3))
+            assert colour[:3] == pytest.approx(matplotlib_rgb(line.get_color()))
+    qa_xs = {round(float(x), 3) for x in lines["qa"].get_xdata()}
+    assert not qa_xs & set(spans)                       # qa has none stored: none drawn
+    assert "no interval stored: qa" in [t.get_text() for t in ax.texts]
+    assert_legends_off_the_data(fig)
+
+
+def test_the_intervals_an_estimate_stores_are_the_ones_the_acceptance_plot_draws(db_url):
+    """The interval travels: estimate_domains stores each position's interval (real SQLite
+    store, migration 0016), the registration's read returns it and the plot draws those ends."""
+    from matplotlib.collections import LineCollection
+
+    from specdec_core import PromptLookup
+    from specdec_core.estimate import LoggedRequest
+    from tasks.db.queries_registry import tracked_rows
+    from tasks.registry.plots import acceptance_figure
+    from tasks.steps.offline_estimate import estimate_domains
+
+    from .helpers.models import tiny_llama
+
+    pattern = [5, 6, 7, 8, 9, 10]
+    requests = [LoggedRequest(f"rep{i}", pattern * 2, pattern * 5, domain="json") for i in range(6)]
+    requests += [LoggedRequest(f"mix{i}", [5, 6, 7, 5, 7, 6] * 2, [5, 6, 7, 6, 5, 7, 7, 5] * 4,
+                               domain="json") for i in range(6)]
+    store = Store.open(db_url)
+    estimate_domains("ci-run", tiny_llama(), {"prompt_lookup": ({"kind": "prompt_lookup", "params": {}},
+                                                                PromptLookup())},
+                     {"json": requests}, store, k_max=3, progress=False)
+    rows = [r for r in tracked_rows(store, "ci-run")["estimates"] if r["k"] == 3]
+    stored = rows[0]["conditional_acceptance_ci"]
+    assert len(stored) == 3 and all(lo <= a <= hi for a, (lo, hi)
+                                    in zip(rows[0]["conditional_acceptance"], stored))
+    fig = acceptance_figure(rows, {"json": "prompt_lookup"}, "ci-run", {"json": 3})
+    drawn = sorted((round(float(y0), 6), round(float(y1), 6))
+                   for c in fig.axes[0].collections if isinstance(c, LineCollection)
+                   for (x0, y0), (x1, y1) in c.get_segments() if x0 == x1)
+    assert drawn == sorted((round(lo, 6), round(hi, 6)) for lo, hi in stored)
+
+
+def matplotlib_rgb(colour) -> tuple:
+    from matplotlib.colors import to_rgb
+
+    return to_rgb(colour)
 
 
 def test_acceptance_and_calibration_plots_keep_labels_apart_and_titles_short():

@@ -187,6 +187,9 @@ class AcceptanceEstimate(Base):
     rounds: Mapped[float | None] = mapped_column(Float)
     draft_width_share: Mapped[list | None] = mapped_column(JSON)
     drafter_spec: Mapped[dict | None] = mapped_column(JSON)   # {kind, params}
+    # 0016: per draft position, the 95% interval [lo, hi] of conditional_acceptance (bootstrap
+    # over requests); the acceptance plot draws it
+    conditional_acceptance_ci: Mapped[list | None] = mapped_column(JSON)
 
     __table_args__ = (UniqueConstraint("run_id", "domain", "drafter", "k"),)
 

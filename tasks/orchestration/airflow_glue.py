@@ -50,8 +50,8 @@ DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name 
 __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS", "DRIFT_URI",
            "MONITOR_VARIABLE", "monitor_targets",
            "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "check_per_domain_range", "current_params",
-           "connection_database_url", "connection_store", "evaluate_spec", "is_outage", "queues", "setting_default",
-           "task_errors"]
+           "connection_database_url", "connection_store", "domain_step_failed", "evaluate_spec", "is_outage", "queues", "run_spec",
+           "setting_default", "task_errors"]
 
 
 def queues() -> tuple[str, str]:
@@ -224,6 +224,40 @@ def label_mapped(label: str) -> None:
     get_current_context()["specdec_label"] = label
 
 
+def run_spec() -> dict:
+    """The run's spec as the `sample` task returned it (its XCom). Pulled, not passed as an
+    argument: an argument is an edge from sample to every task that takes it, and the graph was a
+    web of them; wire_in_order's chain orders the tasks. Where sample did not complete the task
+    ends skipped saying so (the run fails at its last task, domain_failures)."""
+    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
+    from airflow.sdk import get_current_context
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    spec = get_current_context()["ti"].xcom_pull(task_ids="sample", map_indexes=-1)
+    if spec is None:
+        raise AirflowSkipException("sample did not complete: the run has no spec (see the sample "
+                                   "task's log)")
+    return spec
+
+
+def domain_step_failed(steps: tuple[str, ...]) -> str | None:
+    """Inside a per-domain task (estimate, confirm and validate are each mapped over the run's
+    domains, so one map index is one domain in all three): the first of `steps` that did not
+    succeed for this task's domain ("estimate failed"), or None. The per-domain tasks wait for
+    each other as whole tasks (all_done) and check their own domain here, so one domain's failure
+    stays in that domain."""
+    from airflow.sdk import get_current_context
+
+    ti = get_current_context()["ti"]
+    states = ti.get_task_states(dag_id=ti.dag_id, map_index=ti.map_index, task_ids=list(steps),
+                                run_ids=[ti.run_id]).get(ti.run_id, {})
+    for step in steps:
+        state = states.get(f"{step}_{ti.map_index}")
+        if state not in ("success", "skipped"):
+            return f"{step} {state or 'did not run'}"
+    return None
+
+
 def wire_in_order(tasks: dict) -> None:
     """Set each step of tasks.steps.run_order.RUN_ORDER downstream of the one before it (the
     run's order, written once; the XCom arguments add the data dependencies). tasks: {step name:
@@ -231,7 +265,9 @@ def wire_in_order(tasks: dict) -> None:
     over."""
     steps = [tasks[name] for name in RUN_ORDER if name in tasks]
     for before, after in zip(steps, steps[1:]):
-        before >> after
+        # a step of several tasks (the per-domain chain) is (first, last)
+        (before[-1] if isinstance(before, tuple) else before) >> (
+            after[0] if isinstance(after, tuple) else after)
 
 
 def monitor_targets(deployments: list[str], port: int = 8000) -> dict[str, str]:

@@ -3,7 +3,7 @@ MLflow shows them (an image about 900-1200 px wide in a 1280 px window): short t
 is a footnote), legends outside the data, fonts of 10 pt and up.
 
 - conditional_acceptance.png: per domain, the planned drafter's conditional acceptance a_i at
-  each draft position, and beside it the share of its rounds that drafted at all (the rates
+  each draft position with its 95% interval (bootstrap over requests) as an error bar, and beside it the share of its rounds that drafted at all (the rates
   count only rounds that reached a position; E counts every round);
 - predicted_speedup_vs_k.png: one panel per domain, predicted speedup (batch 1) against K for each
   drafter, its 95% interval as a band where the estimate has one, the `min_speedup` threshold, the
@@ -73,7 +73,7 @@ def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: s
     plt = _pyplot()
     fig, (ax, bars) = plt.subplots(1, 2, figsize=(11, 5.5), layout="constrained",
                                    gridspec_kw={"width_ratios": [3, 1.2]})
-    names, rates_drafted, widest = [], [], 1
+    names, rates_drafted, widest, intervals, without = [], [], 1, 0, []
     domains = sorted({r["domain"] for r in rows})
     for n, domain in enumerate(domains):
         best = [r for r in rows if r["domain"] == domain and r["drafter"] == chosen.get(domain)]
@@ -89,8 +89,19 @@ def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: s
         # domains side by side around each position: equal rates (K = 1 everywhere) stay apart
         offset = 0.08 * (n - (len(domains) - 1) / 2)
         widest = max(widest, len(rates))
-        line, = ax.plot([i + 1 + offset for i in range(len(rates))], rates,
-                        marker=MARKERS[n % len(MARKERS)], label=f"{domain} ({row['drafter']}{extra})")
+        xs = [i + 1 + offset for i in range(len(rates))]
+        line, = ax.plot(xs, rates, marker=MARKERS[n % len(MARKERS)],
+                        label=f"{domain} ({row['drafter']}{extra})")
+        spans = row.get("conditional_acceptance_ci") or []
+        if len(spans) == len(rates) and rates:    # each point's 95% interval, in its colour
+            intervals += 1
+            lows, highs = [float(s[0]) for s in spans], [float(s[1]) for s in spans]
+            ax.vlines(xs, lows, highs, color=line.get_color(), lw=1.4)
+            for ends in (lows, highs):
+                ax.hlines(ends, [x - 0.025 for x in xs], [x + 0.025 for x in xs],
+                          color=line.get_color(), lw=1.4)
+        else:
+            without.append(domain)
         if drafted is not None:
             names.append(domain)
             rates_drafted.append(100 * drafted)
@@ -99,7 +110,11 @@ def acceptance_figure(rows: list[dict], chosen: dict[str, str | None], run_id: s
     ax.set_xticks(range(1, widest + 1))
     ax.set_ylim(0, 1)
     ax.set_xlabel("draft position i", fontsize=TEXT_FONT)
-    ax.set_ylabel("conditional acceptance a_i", fontsize=TEXT_FONT)
+    ax.set_ylabel("conditional acceptance a_i" + (" (95% interval)" if intervals else ""),
+                  fontsize=TEXT_FONT)
+    if without:     # estimates stored before the intervals were (migration 0016), or none
+        ax.text(0.01, 0.01, "no interval stored: " + ", ".join(without), transform=ax.transAxes,
+                fontsize=FOOT_FONT, color="dimgrey", ha="left", va="bottom")
     ax.tick_params(labelsize=TEXT_FONT)
     ax.set_title("Per-position acceptance of the planned drafter", fontsize=TITLE_FONT)
     bars.set_xlim(0, 100)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shlex
 
 from ..db.queries_promotions import last_champion_move
 from ..db.store import Store
@@ -108,22 +109,65 @@ def replace_section(description: str, heading: str, body: str) -> str:
     return head.rstrip() + "\n\n" + body.rstrip() + "\n\n" + (sep + tail if sep else "")
 
 
-def status_line(version: str, champion: str | None, replaced: str | None = None) -> str:
+def target_option(target: str | None) -> str:
+    """` --target ID` (shell-quoted where it needs it), or "" without a target: the commands a
+    page gives name its registered model, which `specdec config` finds by target (without
+    --target it takes the settings' default target's model, another model's version N)."""
+    return "" if not target else f" --target {shlex.quote(target)}"
+
+
+def page_target(description: str) -> str | None:
+    """The target id a version page names ("target `ID` (fingerprint)", version_page_markdown)."""
+    found = re.search(r"^target `([^`]+)` \(", description or "", re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def status_line(version: str, champion: str | None, replaced: str | None = None,
+                target: str | None = None) -> str:
     """The page's first paragraph: how to promote this version, or (it is the champion) that it
     is, and how to undo that: `specdec config rollback` restores `replaced`, the champion it
     replaced (per the promotions table); with none, there is nothing to roll back to. Plain text,
-    no Markdown marks: MLflow's versions list previews a description's first characters raw."""
+    no Markdown marks: MLflow's versions list previews a description's first characters raw.
+    The commands carry --target (target_option)."""
+    option = target_option(target)
     if champion is not None and str(champion) == str(version):
-        undo = (f"specdec config rollback restores version {replaced}, the champion it replaced "
-                "(with an audit row)" if replaced else
+        undo = (f"specdec config rollback{option} restores version {replaced}, the champion it "
+                "replaced (with an audit row)" if replaced else
                 "It replaced no earlier champion: specdec config rollback has nothing to roll back "
-                "to (promote another version with specdec config promote N instead)")
+                f"to (promote another version with specdec config promote N{option} instead)")
         return (f"This version ({version}) is the champion. {undo}; MLflow's alias pencil would "
                 "move champion past the gates and the audit row.")
-    return (f"Promote only with specdec config promote {version} (it checks the gates below "
-            "and writes the audit row); MLflow's alias pencil moves champion past both, and "
+    return (f"Promote only with specdec config promote {version}{option} (it checks the gates "
+            "below and writes the audit row); MLflow's alias pencil moves champion past both, and "
             "its \"Promote model\" button does not move champion at all (it copies the "
-            "version into another registered model): do not use either.")
+            "version into another registered model): do not use either. How: see Promoting "
+            "this version below.")
+
+
+PROMOTING_HEADING = "### Promoting this version"
+
+
+def promoting_markdown(version: str, target: str | None) -> str:
+    """The page's "Promoting this version" section: MLflow's UI has no action that promotes
+    through specdec's gates (no button can be added to it), so the page says where the command
+    runs and what each of MLflow's own controls would do instead."""
+    option = target_option(target)
+    return (f"{PROMOTING_HEADING}\n\n"
+            "MLflow's UI has no action that promotes through specdec's gates; a reviewer promotes "
+            "from a shell:\n\n"
+            f"- `specdec config promote {version}{option}` checks the gates again against the "
+            "champion of that moment, moves the `champion` alias (compare-and-set), writes the "
+            "audit row and rewrites the first line of this page and the champion's;\n"
+            "- it runs where specdec reaches this MLflow and specdec's database "
+            "(`MLFLOW_TRACKING_URI`, `SPECDEC_DATABASE_URL`; the defaults are the local demo's "
+            "files). In the Compose deployment: `docker compose exec airflow-scheduler specdec "
+            f"config promote {version}{option}`;\n"
+            "- `--expected-champion N` refuses the promotion if the champion is no longer N (the "
+            "one whose gates you reviewed); `specdec config rollback` undoes a promotion;\n"
+            "- MLflow's alias pencil moves `champion` past the gates and writes no audit row "
+            "(specdec flags such a champion: `specdec config show champion`, the next "
+            "registration's page, `specdec report ungated_champions`); its \"Promote model\" "
+            "button copies the version into another registered model and moves nothing.")
 
 
 STATUS_PREFIXES = ("Promote only with specdec config promote", "This version (",
@@ -137,7 +181,7 @@ def with_champion_line(description: str, line: str, version: str | None = None,
     replaced)."""
     kept = [row for row in (description or "").rstrip().splitlines() if not row.startswith(CHAMPION_LINE)]
     if version is not None and kept and kept[0].startswith(STATUS_PREFIXES):
-        kept[0] = status_line(version, champion, replaced)
+        kept[0] = status_line(version, champion, replaced, page_target(description))
     return "\n".join(kept).rstrip() + "\n\n" + line + "\n"
 
 
@@ -268,7 +312,7 @@ def version_page_markdown(view: RunView, version: str, gates: list[dict], audit:
                           champion, champion_version: str | None) -> str:
     """The registered version's page (its description), from the run's view."""
     config, check = view.config, view.profile
-    return (status_line(version, champion_version) + "\n\n"
+    return (status_line(version, champion_version, target=config.target.id) + "\n\n"
             f"## specdec config of run {view.run_id}\n\n{_notes_markdown(view, audit, champion)}target "
             f"`{config.target.id}` ({config.target.fingerprint}), hardware profile "
             f"`{config.hardware_profile}`{'' if check is None else ' (' + check['status'] + ')'}, "
@@ -281,6 +325,7 @@ def version_page_markdown(view: RunView, version: str, gates: list[dict], audit:
             + gates_markdown(gates, f"preview at registration against champion "
                                     f"{champion_version or 'none'}; `specdec config promote` "
                                     "checks them again") + "\n\n"
+            + promoting_markdown(version, config.target.id) + "\n\n"
             f"Plots: the run's `plots/` artifacts{plots_note(view)}. Validation details: `reports/validation.json`; "
             "data quality: `reports/data_quality.html` (every expectation and its result; Great "
             "Expectations' Data Docs attached under `reports/data_docs/`); this table alone: "

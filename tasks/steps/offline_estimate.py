@@ -144,6 +144,7 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
                     "mean_accepted_length": e.expected_tokens_per_round,
                     "mean_accepted_length_lo": e.ci95[0], "mean_accepted_length_hi": e.ci95[1],
                     "conditional_acceptance": e.conditional_acceptance,
+                    "conditional_acceptance_ci": e.conditional_acceptance_ci,
                     "draft_width_share": e.width_share, "created_at": now})
     with store.begin() as connection:
         replace_acceptance_estimates(connection, run_id, list(requests_by_domain), rows)
