@@ -59,6 +59,7 @@ def tracking_uri(uri: str | None = None, store: Store | str | None = None) -> st
 def client(uri: str | None = None) -> "RegistryClient":
     """An MlflowClient for the tracking URI whose calls fail fast and clearly (RegistryClient)."""
     uri = tracking_uri(uri)
+    _check_sqlite_store(uri)
     _check_sql_store(uri)
     _check_http_store(uri)
     attach()      # MLflow reads specdec's settings (tasks.registry.mlflow_scope), not os.environ
@@ -108,6 +109,9 @@ class RegistryClient:
         try:
             return method(*args, **kwargs)
         except Exception as exc:
+            path = _sqlite_store_path(self._uri)
+            if path is not None and _is_read_only(exc):     # not an outage: no server to start
+                raise not_writable_store(path, _why_not_writable(path, exc)) from None
             if is_unreachable(exc):
                 raise unreachable(self._uri, exc) from None
             raise
@@ -202,6 +206,76 @@ class RegistryClient:
 
 
 _SQL_STORES_CHECKED: set[str] = set()
+
+
+def _sqlite_store_path(uri: str) -> Path | None:
+    """The file of a sqlite:/// tracking URI (None: another kind of store, or in memory)."""
+    if not uri.lower().startswith("sqlite:"):
+        return None
+    try:
+        database = make_url(uri).database
+    except ArgumentError:
+        return None
+    if database in (None, "", ":memory:"):
+        return None
+    if database.startswith("file:"):
+        database = database[len("file:"):].split("?", 1)[0]
+    return Path(database)
+
+
+def not_writable_store(path: Path, reason: str) -> RegistryError:
+    """The one-line error for a SQLite tracking store that cannot be created or written: the file,
+    why, and the fix (MLflow itself retries it for about 100 s, then prints its traceback)."""
+    return RegistryError(
+        f"MLflow's tracking store {path} cannot be written ({reason}); nothing was changed. Set "
+        "SPECDEC_HOME to a writable directory (the default store is $SPECDEC_HOME/mlflow.db), "
+        "make that directory writable, or set MLFLOW_TRACKING_URI to a store this user can write")
+
+
+def _check_sqlite_store(uri: str) -> None:
+    """A sqlite:/// tracking URI whose file does not exist yet: its directory must exist or be
+    creatable, and be writable, before MLflow tries to create it. An existing file must be
+    readable. Checked once per process and URI."""
+    path = _sqlite_store_path(uri)
+    if path is None or uri in _SQL_STORES_CHECKED:
+        return
+    if path.exists():
+        if not os.access(path, os.R_OK):
+            raise not_writable_store(path, "the file cannot be read")
+    else:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise not_writable_store(path, f"its directory {path.parent} cannot be created: "
+                                           f"{exc.strerror or exc}") from None
+        if not os.access(path.parent, os.W_OK):
+            raise not_writable_store(path, f"its directory {path.parent} is not writable"
+                                           + (": read-only file system" if _read_only_fs(path.parent) else ""))
+    _SQL_STORES_CHECKED.add(uri)
+
+
+def _is_read_only(exc: BaseException) -> bool:
+    """SQLite's refusals of a write to a file or directory this user cannot write (its journal
+    cannot be made beside it: "unable to open database file")."""
+    text = " ".join(str(getattr(e, "orig", e)) for e in (exc, exc.__cause__, exc.__context__) if e)
+    return any(marker in text.lower() for marker in
+               ("readonly database", "read-only file system", "unable to open database file"))
+
+
+def _why_not_writable(path: Path, exc: BaseException) -> str:
+    if not os.access(path.parent, os.W_OK):
+        return f"its directory {path.parent} is not writable" + (
+            ": read-only file system" if _read_only_fs(path.parent) else "")
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is read-only"
+    return mask_text(str(getattr(exc, "orig", exc)).strip().splitlines()[0][:200])
+
+
+def _read_only_fs(directory: Path) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _check_sql_store(uri: str) -> None:
