@@ -91,3 +91,98 @@ def test_a_write_to_a_tracking_store_in_a_home_made_read_only_names_the_store_no
     assert f"MLflow's tracking store {home / 'mlflow.db'} cannot be written (its directory {home} is not writable" in text, text
     assert "Set SPECDEC_HOME to a writable directory" in text and "unreachable" not in text, text
     assert (home / "mlflow.db").read_bytes() == before
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. a full disk
+@contextmanager
+def small_filesystem(directory: Path, size: str = "4m"):
+    """A real filesystem of `size` mounted at `directory` (tmpfs; root only) while it lasts."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def fill(directory: Path) -> None:
+    """Write zeros under `directory` until its disk has no byte left."""
+    with open(directory / "filler", "wb", buffering=0) as filler:
+        for chunk in (1 << 16, 4096, 1):
+            try:
+                while True:
+                    filler.write(b"\0" * chunk)
+            except OSError:
+                pass
+    assert os.statvfs(directory).f_bavail == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("command", [["report", "list"], ["monitor", "show"]])
+def test_a_disk_full_at_start_is_said_as_such_by_read_only_commands_and_loses_nothing(command, tmp_path):
+    from sqlalchemy import create_engine
+
+    from tasks.db import dispose_engines, upgrade
+
+    with small_filesystem(tmp_path / "disk") as disk:
+        home = disk / "home"
+        home.mkdir()
+        database = home / "specdec.db"
+        upgrade(f"sqlite:///{database}")
+        dispose_engines()
+        before = database.read_bytes()
+        fill(disk)
+        done = specdec(*command, home=home, timeout_s=120)
+        line = _one_error_line(done)
+        assert line.startswith("error: DiskFull: disk full: the disk under the specdec database "
+                               f"sqlite:///{database} has 0 bytes free"), line
+        assert "Free space on that disk" in line and "what is stored is kept" in line, line
+        assert "check that the server is running" not in line and "db upgrade" not in line, line
+        (disk / "filler").unlink()
+        assert database.read_bytes() == before
+        engine = create_engine(f"sqlite:///{database}")
+        try:
+            with engine.connect() as connection:       # still whole, at its revision
+                assert connection.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
+                assert connection.exec_driver_sql("SELECT version_num FROM specdec_alembic_version").scalar()
+        finally:
+            engine.dispose()
+
+
+@pytest.mark.integration
+def test_a_disk_filling_while_a_run_registers_names_what_was_written_and_the_fix(db_url, mlflow_uri, tmp_path,
+                                                                          monkeypatch):
+    import tempfile
+
+    from sqlalchemy import create_engine
+
+    from tasks.errors import DiskFull
+    from tasks.registry.tracking import client
+
+    from .helpers.registry import finished_run, register
+
+    finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False}}, estimates=True)
+    with small_filesystem(tmp_path / "tmpdisk") as disk:
+        monkeypatch.setattr(tempfile, "tempdir", str(disk))     # the reports' temporary files
+        fill(disk)
+        with pytest.raises(DiskFull) as full:
+            register("run-1", db_url, mlflow_uri)
+    text = " ".join(str(full.value).split())
+    assert text.startswith("disk full while writing run run-1's plots to MLflow ("), text
+    assert "No space left on device" in text and "its stored results are kept" in text, text
+    assert f"temporary files go to {disk}, set TMPDIR to move them" in text, text
+    assert "run the command again" in text, text
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql(
+                "SELECT status FROM eval_runs WHERE run_id = 'run-1'").scalar() == "evaluated"
+    finally:
+        engine.dispose()
+    assert client(mlflow_uri).search_model_versions("name LIKE 'specdec-config-%'") == []
