@@ -186,3 +186,30 @@ def test_a_disk_filling_while_a_run_registers_names_what_was_written_and_the_fix
     finally:
         engine.dispose()
     assert client(mlflow_uri).search_model_versions("name LIKE 'specdec-config-%'") == []
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. commands at once on a new home
+@pytest.mark.integration
+def test_commands_started_at_once_on_a_new_home_do_not_race_on_mlflows_tables(tmp_path):
+    import sys
+
+    from .helpers import REPO
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "SPECDEC_DATABASE_URL")},
+           "PYTHONPATH": str(REPO), "SPECDEC_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    commands = [["config", "show", "champion"], ["config", "show", "champion"], ["draft", "list"],
+                ["config", "show", "champion"]]
+    processes = [subprocess.Popen([sys.executable, "-m", "tasks.cli", *command], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for command in commands]
+    results = [(process.wait(timeout=180), *process.communicate()) for process in processes]
+    for command, (status, out, err) in zip(commands, results):
+        assert "Traceback" not in err and "already exists" not in err, (command, err[-3000:])
+        if command[0] == "config":
+            assert status == 2 and err.strip().splitlines()[-1].endswith(
+                "has no version with alias 'champion'"), (command, status, err[-2000:])
+        else:
+            assert status == 0 and "version" in out, (command, status, err[-2000:])

@@ -10,6 +10,7 @@ registered config versions (aliases `challenger` and `champion`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -63,7 +64,41 @@ def client(uri: str | None = None) -> "RegistryClient":
     _check_sql_store(uri)
     _check_http_store(uri)
     attach()      # MLflow reads specdec's settings (tasks.registry.mlflow_scope), not os.environ
-    return RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
+    with _sqlite_store_lock(uri) as first:
+        registry = RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
+        if first:   # MlflowClient made the tracking tables; the registry's on its first call
+            registry.search_registered_models(max_results=1)
+    return registry
+
+
+_SQLITE_STORES_READY: set[str] = set()
+
+
+@contextmanager
+def _sqlite_store_lock(uri: str):
+    """A sqlite:/// store's tables made by one process at a time: MLflow creates (or migrates) them
+    when a process makes its first client, and two processes starting on a new home at once both
+    try (`table experiments already exists`, or an Alembic row not found). Within it, this
+    process holds an exclusive lock on the file `<store>.lock` beside the store, so that a second
+    process waits, then finds the tables made. Yields whether this is the process's first use of
+    the store (the lock is taken only then). Where the lock file cannot be made (a read-only
+    directory), nothing can be created either: no lock is taken."""
+    path = _sqlite_store_path(uri)
+    if path is None or uri in _SQLITE_STORES_READY:
+        yield False
+        return
+    try:
+        lock = open(f"{path}.lock", "a")
+    except OSError:
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield True
+    finally:
+        if lock is not None:
+            lock.close()        # releases the lock
+    _SQLITE_STORES_READY.add(uri)
 
 
 def unreachable(uri: str, exc: BaseException) -> RegistryUnavailable:
