@@ -213,3 +213,61 @@ def test_commands_started_at_once_on_a_new_home_do_not_race_on_mlflows_tables(tm
                 "has no version with alias 'champion'"), (command, status, err[-2000:])
         else:
             assert status == 0 and "version" in out, (command, status, err[-2000:])
+
+
+# ------------------------------------------------------------------------------------------------
+# 11. a server's body quoted in an error: no escape sequence reaches the terminal
+HOSTILE_BODY = "denied\x1b[2J\x1b]0;owned\x07\u202eevil\rover"
+
+
+@contextmanager
+def hostile_server(status: int):
+    """A loopback HTTP server answering every request with `status` and HOSTILE_BODY."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self):
+            body = HOSTILE_BODY.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_tracking_servers_escape_sequences_are_shown_escaped_in_the_error_line(tmp_path, monkeypatch,
+                                                                                capsys):
+    from tasks.cli.app import main
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    with hostile_server(400) as url:
+        assert main(["config", "show", "champion", "--tracking-uri", url]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1, err
+    assert "\x1b" not in err and "\x07" not in err and "\u202e" not in err and "\r" not in err, repr(err)
+    # the whole body quoted, each control shown as its escape (the CR: blanks are one space there)
+    assert "'denied\\x1b[2J\\x1b]0;owned\\x07\\u202eevil over'" in err, err
+
+
+def test_printable_escapes_controls_and_bidi_overrides_and_keeps_the_rest():
+    from tasks.masking import printable
+
+    assert printable("a\x1b[31mb\u202ec\u2066d\x9be\x7f") == "a\\x1b[31mb\\u202ec\\u2066d\\x9be\\x7f"
+    assert printable("x\ny\tz") == "x\\ny\\tz"
+    assert printable("x\ny\rz", keep_newlines=True) == "x\ny\\rz"
+    assert printable("naïve 日本 ≥ 1.2x") == "naïve 日本 ≥ 1.2x"

@@ -27,7 +27,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from ..db.engine import display_url, missing_driver
 from ..db.store import Store
 from ..errors import RegistryError, RegistryUnavailable
-from ..masking import mask_text, mask_url
+from ..masking import mask_text, mask_url, printable
 from ..settings import specdec_home
 from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
 from .mlflow_scope import FAIL_FAST_SETTINGS, attach, mlflow_settings
@@ -108,7 +108,8 @@ def unreachable(uri: str, exc: BaseException) -> RegistryUnavailable:
     causes = {"Connection refused": "connection refused", "timed out": "timed out",
               "Name or service not known": "unknown host", "nodename nor servname": "unknown host",
               "Temporary failure in name resolution": "unknown host"}
-    reason = next((short for marker, short in causes.items() if marker in text), mask_text(text)[:300])
+    reason = next((short for marker, short in causes.items() if marker in text),
+                  printable(mask_text(text)[:300]))
     return RegistryUnavailable(
         f"MLflow tracking store {mask_url(uri)} is unreachable ({reason}). Start the tracking server "
         "(or the database behind it), or set MLFLOW_TRACKING_URI to the right one; nothing was "
