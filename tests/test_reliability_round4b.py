@@ -271,3 +271,31 @@ def test_printable_escapes_controls_and_bidi_overrides_and_keeps_the_rest():
     assert printable("x\ny\tz") == "x\\ny\\tz"
     assert printable("x\ny\rz", keep_newlines=True) == "x\ny\\rz"
     assert printable("naïve 日本 ≥ 1.2x") == "naïve 日本 ≥ 1.2x"
+
+
+# ------------------------------------------------------------------------------------------------
+# 12. main-job --conf: a value of the wrong type
+@pytest.mark.integration
+@pytest.mark.parametrize("conf, expected", [
+    ('{"k_max": "abc"}', "'k_max' is \"abc\", but the run's Param 'k_max' (Largest K) takes a whole number; "
+                         "e.g. --conf '{\"k_max\": 8}'"),
+    ('{"promote": "yes"}', "'promote' is \"yes\", but the run's Param 'promote' (Promote) takes null or "
+                           "true or false")])
+def test_main_job_conf_of_the_wrong_type_is_one_line_naming_the_key_and_type_before_any_work(conf, expected,
+                                                                                          tmp_path):
+    home = tmp_path / "home"
+    done = specdec("main-job", "--conf", conf, home=home, timeout_s=120)
+    line = _one_error_line(done)
+    assert line.startswith("error: InvalidValue: --conf: ") and expected in line, line
+    assert not (home / "airflow" / "airflow.db").exists() and not (home / "specdec.db").exists()
+    assert not (home / "mlflow.db").exists()
+
+
+def test_main_job_conf_of_the_right_types_passes_the_check():
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tasks.cli.main_job import check_conf, default_dags_folder
+
+    dag = DagBag(dag_folder=str(default_dags_folder())).dags["specdec_evaluate"]
+    check_conf(dag, {"k_max": 4, "promote": None, "domains": ["json"], "max_per_domain": 20,
+                     "not_a_param": "kept as Airflow keeps it"})

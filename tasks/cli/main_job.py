@@ -22,7 +22,7 @@ from rich.markup import escape
 
 from specdec_core.home import DEFAULT_MODEL
 
-from ..errors import RegistryError
+from ..errors import InvalidValue, RegistryError
 from ..masking import mask_url
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name, target_slug
@@ -180,11 +180,45 @@ def ui_text(env: dict, tracking: str, experiment_id: str | None, model: str | No
     return "\n".join(lines)
 
 
+JSON_TYPES = {"string": "a string", "integer": "a whole number", "number": "a number",
+              "boolean": "true or false", "array": "a list", "null": "null", "object": "an object"}
+
+
+def check_conf(dag, conf: dict) -> None:
+    """InvalidValue naming the key, the value and the type its Param takes, for a --conf value
+    the DAG's Params refuse (before any work: Airflow would refuse it with a traceback when the
+    run is made). Keys that are not Params pass, as Airflow lets them."""
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    for key, value in conf.items():
+        if key not in dag.params:
+            continue
+        param = dag.params.get_param(key)
+        try:
+            param.resolve(value)
+        except ParamValidationError:
+            kinds = param.schema.get("type")
+            kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+            takes = " or ".join(JSON_TYPES.get(kind, kind) for kind in kinds) or "another value"
+            extra = {k: param.schema[k] for k in ("enum", "minimum", "maximum") if k in param.schema}
+            raise InvalidValue(
+                f"--conf: {key!r} is {json.dumps(value)[:60]}, but the run's Param {key!r} "
+                f"({param.schema.get('title', key)}) takes {takes}"
+                + (f" {json.dumps(extra)}" if extra else "")
+                + f"; e.g. --conf '{{\"{key}\": {json.dumps(param.value)}}}', or leave it out "
+                  "for its default") from None
+
+
 def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None = None) -> dict:
     console = make_console()
     home = specdec_home().resolve()
-    home.mkdir(parents=True, exist_ok=True)
     env = airflow_environment(home, dags_folder or default_dags_folder())
+    if conf:        # a value of the wrong type: one line before any work
+        os.environ.update(env)
+        from airflow.dag_processing.dagbag import DagBag
+
+        check_conf(DagBag(dag_folder=env["AIRFLOW__CORE__DAGS_FOLDER"]).dags["specdec_evaluate"], conf)
+    home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
     started = time.perf_counter()
     console.print(f"[bold]1/4[/bold] Airflow metadata database and pool under {env['AIRFLOW_HOME']}")
