@@ -299,3 +299,64 @@ def test_main_job_conf_of_the_right_types_passes_the_check():
     dag = DagBag(dag_folder=str(default_dags_folder())).dags["specdec_evaluate"]
     check_conf(dag, {"k_max": 4, "promote": None, "domains": ["json"], "max_per_domain": 20,
                      "not_a_param": "kept as Airflow keeps it"})
+
+
+# ------------------------------------------------------------------------------------------------
+# 13. config export --output, every format
+@pytest.mark.parametrize("fmt", ["vllm", "json", "sglang", "trtllm", "compose"])
+def test_config_export_output_writes_the_file_in_every_format(fmt, db_url, mlflow_uri, tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from tasks.cli.app import main
+
+    from .helpers.registry import finished_run
+
+    common = ["--tracking-uri", mlflow_uri, "--url", db_url]
+    finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False}})
+    assert main(["config", "register", "run-1", *common, "--target", "tiny-target"]) == 0
+    assert main(["config", "promote", "1", *common, "--target", "tiny-target",
+                 "--expected-champion", "none"]) == 0
+    capsys.readouterr()
+    assert main(["config", "export", "--format", fmt, *common, "--target", "tiny-target"]) == 0
+    printed = capsys.readouterr().out
+    target = tmp_path / f"export.{fmt}"
+    assert main(["config", "export", "--format", fmt, *common, "--target", "tiny-target",
+                 "--output", str(target)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "", out                                     # the export went to the file only
+    assert f"wrote {target}: specdec-config-tiny-target version 1 ({fmt})" in " ".join(err.split()), err
+    written = target.read_text(encoding="utf-8")
+    assert written == printed                                 # what stdout would have carried
+    if fmt == "vllm":
+        assert json.loads(written)["speculative_config"]["json"]["method"] == "ngram"
+    elif fmt == "compose":
+        assert yaml.safe_load(written)["services"]
+    else:
+        assert json.loads(written)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_config_export_output_that_cannot_be_written_is_one_line_and_keeps_the_old_file(
+        db_url, mlflow_uri, tmp_path, capsys):
+    from tasks.cli.app import main
+
+    from .helpers.registry import finished_run
+
+    common = ["--tracking-uri", mlflow_uri, "--url", db_url, "--target", "tiny-target"]
+    finished_run(db_url, "run-1", {"json": {}})
+    assert main(["config", "register", "run-1", *common]) == 0
+    assert main(["config", "promote", "1", *common, "--expected-champion", "none"]) == 0
+    folder = tmp_path / "out"
+    folder.mkdir()
+    target = folder / "vllm.json"
+    target.write_text("old")
+    capsys.readouterr()
+    with read_only(folder):
+        assert main(["config", "export", "--format", "vllm", *common, "--output", str(target)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"error: InvalidValue: --output {target}: cannot be written (" in err, err
+    assert "Give a file in a folder you can write" in err, err
+    assert target.read_text() == "old" and sorted(p.name for p in folder.iterdir()) == ["vllm.json"]
