@@ -360,3 +360,21 @@ def test_config_export_output_that_cannot_be_written_is_one_line_and_keeps_the_o
     assert f"error: InvalidValue: --output {target}: cannot be written (" in err, err
     assert "Give a file in a folder you can write" in err, err
     assert target.read_text() == "old" and sorted(p.name for p in folder.iterdir()) == ["vllm.json"]
+
+
+# ------------------------------------------------------------------------------------------------
+# 13. the main job after its first task failed
+@pytest.mark.integration
+def test_main_job_whose_first_task_fails_says_which_task_why_and_how_to_run_again(tmp_path):
+    home = tmp_path / "home"
+    done = specdec("main-job", "--conf", '{"k_max": 99}', home=home, timeout_s=400)  # sample refuses it
+    assert done.returncode == 1, done.stderr[-3000:]
+    text = " ".join(done.stderr.split())
+    assert "error: run manual__" in text and " failed at task sample: " in text, text
+    assert "Largest K (k_max=99) is outside 1 to 16" in text, text
+    assert "its log: " in text and "task_id=sample" in text, text
+    assert "Fix the cause above, then run `specdec main-job` again" in text, text
+    for misleading in ("has not finished its evaluation", "does not exist in specdec's database",
+                       "evaluate it first"):
+        assert misleading not in done.stderr + done.stdout, misleading
+    assert "4/4" not in done.stdout          # no result table for a run that did not reach it

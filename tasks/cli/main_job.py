@@ -23,7 +23,7 @@ from rich.markup import escape
 from specdec_core.home import DEFAULT_MODEL
 
 from ..errors import InvalidValue, RegistryError
-from ..masking import mask_url
+from ..masking import mask_text, mask_url, printable
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name, target_slug
 from ..settings import DATABASE_URL_ENV, load_settings, specdec_home
@@ -209,6 +209,47 @@ def check_conf(dag, conf: dict) -> None:
                   "for its default") from None
 
 
+def failed_tasks(dag_run, recorder) -> list[dict]:
+    """The run's failed task instances, in order: {task, error}, error being the last ERROR line
+    the task logged (its exception), or None."""
+    failed = []
+    for ti in sorted(dag_run.get_task_instances(), key=lambda ti: (ti.start_date is None, ti.start_date
+                                                                      or 0, ti.task_id)):
+        if str(ti.state) != "failed":
+            continue
+        error = None
+        for line in recorder.records.get((ti.task_id, ti.map_index), []):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and str(record.get("level", "")).lower() in ("error", "critical"):
+                event = [text for text in str(record.get("event") or "").splitlines() if text.strip()]
+                if event:       # an exception's traceback: its last line says what it was
+                    error = event[-1] if "Traceback (most recent call last)" in record["event"] else event[0]
+        label = ti.task_id if ti.map_index == -1 else f"{ti.task_id}[{ti.map_index}]"
+        failed.append({"task": label, "error": error})
+    return failed
+
+
+def failure_text(run_id: str, failed: list[dict], logs: list[Path]) -> str:
+    """What the main job says when its run failed: which task, its error, where its log is, and
+    how to run it again (a new run; what was stored is kept)."""
+    first = failed[0]
+    error = " ".join((first["error"] or "").split())
+    log = next((str(path) for path in logs if f"task_id={first['task'].split('[')[0]}" in str(path)), None)
+    lines = [f"error: run {run_id} failed at task {first['task']}"
+             + (f": {printable(mask_text(error))[:500]}" if error else "")]
+    if log:
+        lines.append(f"  its log: {log}")
+    if len(failed) > 1:
+        lines.append("  also failed: " + ", ".join(f["task"] for f in failed[1:]))
+    lines.append("  the tasks after it did not run, so there is no result table and nothing was "
+                 "registered. Fix the cause above, then run `specdec main-job` again: a new run "
+                 "(the imported traffic is kept)")
+    return "\n".join(lines)
+
+
 def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None = None) -> dict:
     console = make_console()
     home = specdec_home().resolve()
@@ -254,6 +295,13 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"      run {dag_run.run_id}: {dag_run.state}; tasks: "
                   + ", ".join(f"{task} {'/'.join(sorted(set(s)))}" for task, s in sorted(states.items())))
     console.print(f"      task logs for the UI: {len(logs)} files under {env['AIRFLOW_HOME']}/logs")
+    failed = failed_tasks(dag_run, recorder)
+    if str(dag_run.state) != "success" and failed:
+        # no table, champion or links: the run did not reach them (its rows, if any, are partial)
+        make_console(stderr=True).print(escape(failure_text(dag_run.run_id, failed, logs)), soft_wrap=True,
+                                        highlight=False)
+        return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": None,
+                "champion": None, "task_states": states, "profile_check": None, "failed": failed}
     console.print("[bold]4/4[/bold] results")
 
     from ..registry.tracking import client, show_version
