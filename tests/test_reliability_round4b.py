@@ -378,3 +378,60 @@ def test_main_job_whose_first_task_fails_says_which_task_why_and_how_to_run_agai
                        "evaluate it first"):
         assert misleading not in done.stderr + done.stdout, misleading
     assert "4/4" not in done.stdout          # no result table for a run that did not reach it
+
+
+# ------------------------------------------------------------------------------------------------
+# 13. engine load with a broken serving python
+def _broken_pythons(tmp_path: Path) -> dict:
+    import sys
+
+    failing = tmp_path / "failing" / "python"
+    failing.parent.mkdir()
+    failing.write_text("#!/bin/sh\necho 'ImportError: libpython3.12.so.1.0: cannot open shared object file' >&2\n"
+                       "exit 1\n")
+    failing.chmod(0o755)
+    dangling = tmp_path / "dangling" / "python"
+    dangling.parent.mkdir()
+    dangling.symlink_to(tmp_path / "gone" / "python3.12")
+    not_executable = tmp_path / "plain" / "python"
+    not_executable.parent.mkdir()
+    not_executable.write_text("")
+    return {"fails": (failing, "fails (exit 1: ImportError: libpython3.12.so.1.0: cannot open shared object file)"),
+            "dangling link": (dangling, f"is a link to {tmp_path / 'gone' / 'python3.12'}, which does not exist"),
+            "not executable": (not_executable, "cannot be run (Permission denied)"),
+            "no vllm": (Path(sys.executable), "has no vLLM")}
+
+
+@pytest.mark.parametrize("case", ["fails", "dangling link", "not executable", "no vllm"])
+def test_engine_load_with_a_broken_serving_python_is_one_line_naming_it_and_turns_nothing_off(
+        case, db_url, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from sqlalchemy import create_engine
+
+    from tasks.cli.app import main
+
+    from .helpers.registry import finished_run
+
+    python, why = _broken_pythons(tmp_path)[case]
+    if case == "no vllm" and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this environment has vLLM")
+    if case == "not executable" and os.geteuid() == 0:
+        why = "cannot be run ("          # root: exec of an empty file fails otherwise (ENOEXEC)
+    monkeypatch.setenv("SPECDEC_SERVING_PYTHON", str(python))
+    finished_run(db_url, "run-1", {"json": {}, "qa": {}}, target_id="smollm2-135m-instruct")
+    assert main(["engine", "load", "run-1", "--url", db_url]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    line = " ".join(err.split())
+    assert line.startswith(f"error: ServingEnvUnavailable: the serving python {python} {why}"), line
+    assert "make one with `make serving-env`" in line, line
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as connection:
+            enabled = dict(connection.exec_driver_sql(
+                "SELECT domain, enabled FROM domain_configs WHERE run_id = 'run-1'").all())
+            checks = connection.exec_driver_sql("SELECT count(*) FROM load_check_domains").scalar()
+    finally:
+        engine.dispose()
+    assert enabled == {"json": True, "qa": True} and checks == 0
