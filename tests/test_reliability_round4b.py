@@ -108,8 +108,8 @@ def small_filesystem(directory: Path, size: str = "4m"):
                     "as root (CAP_SYS_ADMIN), as CI does, or leave them out with -m 'not disk_full'")
     try:
         yield directory
-    finally:
-        subprocess.run(["umount", str(directory)], check=True)
+    finally:        # lazily: a store this process keeps open (MLflow caches its engines) lets go later
+        subprocess.run(["umount", "--lazy", str(directory)], check=True)
 
 
 def fill(directory: Path) -> None:
@@ -438,3 +438,24 @@ def test_engine_load_with_a_broken_serving_python_is_one_line_naming_it_and_turn
     finally:
         engine.dispose()
     assert enabled == {"json": True, "qa": True} and checks == 0
+
+
+@pytest.mark.integration
+@pytest.mark.disk_full
+def test_a_full_disk_under_the_mlflow_store_is_disk_full_naming_the_store_not_unreachable(tmp_path):
+    from tasks.errors import DiskFull
+    from tasks.registry.tracking import client
+
+    with small_filesystem(tmp_path / "disk") as disk:
+        uri = f"sqlite:///{disk / 'mlflow.db'}"
+        registry = client(uri)                       # the store made, then its disk filled
+        fill(disk)
+        with pytest.raises(DiskFull) as full:
+            for n in range(200):                     # SQLite's free pages first, then the disk
+                registry.create_experiment(f"e{n}")
+        text = str(full.value)
+        assert text.startswith(f"disk full: MLflow's tracking store {uri} cannot grow (database or disk "
+                               "is full)"), text
+        assert "Free space on the store's disk" in text and "unreachable" not in text, text
+        (disk / "filler").unlink()
+        assert registry.get_experiment_by_name("e0") is not None or n == 0    # what was written is kept

@@ -221,6 +221,9 @@ def _main(argv: list[str] | None) -> int:
         handler.addFilter(_MaskingFilter())
     if not args.verbose:    # urllib3's per-retry warnings: the error line says it once
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+        # MLflow logs its store's database errors with their traceback before raising them
+        # (a full disk: 70 lines); the error line says it once, -v shows them
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     try:
         if getattr(args, "run_id", None) is not None:     # every command's run id, one rule
             check_identifier(args.run_id, "run id")

@@ -24,9 +24,9 @@ from mlflow.exceptions import MlflowException
 from sqlalchemy import create_engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
-from ..db.engine import display_url, missing_driver
+from ..db.engine import display_url, is_disk_full, missing_driver
 from ..db.store import Store
-from ..errors import RegistryError, RegistryUnavailable
+from ..errors import DiskFull, RegistryError, RegistryUnavailable
 from ..masking import mask_text, mask_url, printable
 from ..settings import specdec_home
 from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
@@ -146,6 +146,13 @@ class RegistryClient:
             return method(*args, **kwargs)
         except Exception as exc:
             path = _sqlite_store_path(self._uri)
+            if is_disk_full(exc):                           # not an outage either
+                raise DiskFull(
+                    f"disk full: MLflow's tracking store {mask_url(self._uri)} cannot grow "
+                    f"({printable(' '.join(_first_line(exc).split()))}); what specdec's database "
+                    "holds is kept. Free space on the store's disk (or set MLFLOW_TRACKING_URI to "
+                    "another store), then run the command again: a run registers again by its "
+                    "id") from None
             if path is not None and _is_read_only(exc):     # not an outage: no server to start
                 raise not_writable_store(path, _why_not_writable(path, exc)) from None
             if is_unreachable(exc):
@@ -296,6 +303,11 @@ def _is_read_only(exc: BaseException) -> bool:
     text = " ".join(str(getattr(e, "orig", e)) for e in (exc, exc.__cause__, exc.__context__) if e)
     return any(marker in text.lower() for marker in
                ("readonly database", "read-only file system", "unable to open database file"))
+
+
+def _first_line(exc: BaseException) -> str:
+    original = getattr(exc, "orig", None) or exc.__cause__ or exc.__context__ or exc
+    return mask_text((str(getattr(original, "orig", original)).strip().splitlines() or [""])[0][:200])
 
 
 def _why_not_writable(path: Path, exc: BaseException) -> str:
