@@ -70,3 +70,27 @@ def mask_text(text: str) -> str:
     if not text:
         return text
     return _URL_CANDIDATE.sub(lambda m: mask_url(m.group(0)), text)
+
+
+# Characters a terminal acts on instead of showing: C0 controls (ESC starts colour, cursor and
+# title sequences), DEL, C1 controls, and the bidirectional overrides and isolates that reorder
+# what is shown (a right-to-left override hides what follows)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str, keep_newlines: bool = False) -> str:
+    """`text` as a terminal shows it as it is: every control character, escape sequence and
+    bidirectional override written as its Python escape (ESC as \\x1b, U+202E as \\u202e, a
+    newline as \\n), everything else unchanged. For what we quote of outside input (a server's
+    body, a name given to us) in a message. keep_newlines: newlines (not carriage returns) kept,
+    for a message of our own that has several lines."""
+    if not text:
+        return text
+
+    def shown(match: re.Match) -> str:
+        character = match.group(0)
+        if keep_newlines and character == "\n":
+            return character
+        return character.encode("unicode_escape").decode("ascii")
+
+    return _UNPRINTABLE.sub(shown, text)

@@ -16,7 +16,7 @@ from specdec_core.errors import SpecDecError
 from specdec_core.home import DEFAULT_MODEL
 
 from ..errors import InvalidValue, SpecdecTaskError
-from ..masking import mask_text
+from ..masking import mask_text, printable
 from ..paths import check_identifier
 from ..registry.mlflow_scope import SUPPRESS_RUN_URL_ENV, mlflow_settings
 from ..steps.candidates import CandidateError, candidate_label, parse_candidate
@@ -213,7 +213,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except InvalidValue as exc:     # a value the option's type refused: one line, before any work
-        errors.print(f"[red]error:[/red] InvalidValue: {escape(mask_text(str(exc)))}")
+        errors.print(f"[red]error:[/red] InvalidValue: {escape(printable(mask_text(str(exc)), keep_newlines=True))}")
         return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -221,12 +221,15 @@ def _main(argv: list[str] | None) -> int:
         handler.addFilter(_MaskingFilter())
     if not args.verbose:    # urllib3's per-retry warnings: the error line says it once
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+        # MLflow logs its store's database errors with their traceback before raising them
+        # (a full disk: 70 lines); the error line says it once, -v shows them
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     try:
         if getattr(args, "run_id", None) is not None:     # every command's run id, one rule
             check_identifier(args.run_id, "run id")
         status = args.func(args)
     except (SpecDecError, PromptFileError, SpecdecTaskError) as exc:
-        errors.print(f"[red]error:[/red] {type(exc).__name__}: {escape(mask_text(str(exc)))}")
+        errors.print(f"[red]error:[/red] {type(exc).__name__}: {escape(printable(mask_text(str(exc)), keep_newlines=True))}")
         status = 2
     except Exception as exc:    # MLflow's own refusals, a full disk: one line, credentials hidden
         status = _known_failure(exc, args)
@@ -242,13 +245,13 @@ def _known_failure(exc: Exception, args) -> int:
     from ..db.engine import database_error, is_disk_full, resolve_database_url
 
     if isinstance(exc, MlflowException) and not is_disk_full(exc):
-        errors.print(f"[red]error:[/red] MLflow: {escape(mask_text(' '.join(str(exc.message).split())))[:500]}")
+        errors.print(f"[red]error:[/red] MLflow: {escape(printable(mask_text(' '.join(str(exc.message).split()))[:500]))}")
         return 2
     if not is_disk_full(exc):
         raise exc
     if isinstance(exc, OSError):
         where = f" writing {exc.filename}" if exc.filename else ""
-        errors.print(f"[red]error:[/red] DiskFull: disk full{escape(mask_text(where))} ({escape(exc.strerror or str(exc))}); "
+        errors.print(f"[red]error:[/red] DiskFull: disk full{escape(printable(mask_text(where)))} ({escape(printable(exc.strerror or str(exc)))}); "
                      "free space there, then run the command again: a run or import repeats by its id")
         return 2
     try:
@@ -256,7 +259,7 @@ def _known_failure(exc: Exception, args) -> int:
     except SpecdecTaskError:
         url = "(the configured database)"
     failure = database_error(url, exc)
-    errors.print(f"[red]error:[/red] {type(failure).__name__}: {escape(mask_text(str(failure)))}")
+    errors.print(f"[red]error:[/red] {type(failure).__name__}: {escape(printable(mask_text(str(failure)), keep_newlines=True))}")
     return 2
 
 

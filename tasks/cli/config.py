@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 from rich.markup import escape
@@ -10,7 +12,7 @@ from rich.table import Table
 
 from specdec_core.home import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
 
-from ..errors import DatabaseNotMigrated, DatabaseUnavailable
+from ..errors import DatabaseNotMigrated, DatabaseUnavailable, DiskFull, InvalidValue
 from ..registry.config_schema import config_model_name
 from ..registry.sglang_export import sglang_export
 from ..registry.trtllm_export import trtllm_export
@@ -126,11 +128,35 @@ def cmd_export(args) -> int:
         return _export_compose(args, config, version)
     if args.format in ("vllm", "sglang"):
         export = vllm_export if args.format == "vllm" else sglang_export
-        emit(json.dumps(export(config, target_path=args.model_dir or _served_dir(config.target.id)),
-                        indent=2))
+        return _deliver(args, json.dumps(export(config, target_path=args.model_dir
+                                                or _served_dir(config.target.id)), indent=2), version)
+    return _deliver(args, json.dumps(trtllm_export(config) if args.format == "trtllm"
+                                     else json.loads(config.to_json()), indent=2), version)
+
+
+def _deliver(args, text: str, version: str) -> int:
+    """The export to --output (written whole or not at all: a temporary file beside it, then
+    renamed over it), else to stdout."""
+    if not args.output:
+        emit(text)
         return 0
-    emit(json.dumps(trtllm_export(config) if args.format == "trtllm"
-                    else json.loads(config.to_json()), indent=2))
+    path = Path(args.output)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text + "\n", encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as exc:
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:         # a read-only folder: nothing was made there
+            pass
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(f"disk full writing --output {args.output} ({exc.strerror}); nothing was "
+                           "written there (a file already there is unchanged). Free space on its "
+                           "disk or give a path on another, then run the command again") from None
+        raise InvalidValue(f"--output {args.output}: cannot be written ({exc.strerror or exc}); "
+                           "nothing was written there. Give a file in a folder you can write") from None
+    errors.print(f"wrote {escape(args.output)}: {_name(args)} version {version} ({args.format})")
     return 0
 
 
@@ -148,12 +174,7 @@ def _export_compose(args, config, version: str) -> int:
                                          target_path=args.model_dir), sort_keys=False)
     header = (f"# specdec: the vLLM deployments of {_name(args)} version {version} (profile serving)\n"
               "#   docker compose -f docker-compose.yml -f THIS_FILE --profile serving up -d\n")
-    if args.output:
-        Path(args.output).write_text(header + text)
-        errors.print(f"wrote {escape(args.output)}: {_name(args)} version {version}")
-    else:
-        emit(header + text)
-    return 0
+    return _deliver(args, (header + text).rstrip("\n"), version)
 
 
 def _served_dir(target: str) -> str | None:
@@ -205,7 +226,7 @@ def register(sub) -> None:
                              "per domain (K by batch size in the engine's own key); sglang: the "
                              "launch_server flags per domain (one K per server); compose: a Docker "
                              "Compose override with one vLLM service per deployment (profile serving)")
-    export.add_argument("--output", type=output_file("--output"), default=None, help="compose: the file to write, in a folder that exists (default: stdout)")
+    export.add_argument("--output", type=output_file("--output"), default=None, help="the file to write, in a folder that exists (any format; default: stdout)")
     export.add_argument("--model-dir", default=None,
                         help="vllm / sglang / compose: the target directory the server loads (default: the embedded "
                              "default's served copy under $SPECDEC_HOME/models once the engine check "

@@ -214,6 +214,7 @@ def print_load_verdicts(loads: dict) -> None:
 def cmd_load(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db.queries_load import load_checks
+    from ..serving import environment as serving_env
     from ..steps.context import RunSpec
     from ..steps.pipeline import step_load_check
 
@@ -222,6 +223,7 @@ def cmd_load(args) -> int:
     target = _run_target(args.run_id, store, args.target)
     if target is None:
         return 2
+    serving_env.working_python()    # asked for by name: no serving python is an error, not a skip
     result = step_load_check(RunSpec(run_id=args.run_id, target=target, db_url=url,
                                      overrides={"load_check": True}))
     if result["skipped"]:

@@ -22,8 +22,8 @@ from rich.markup import escape
 
 from specdec_core.home import DEFAULT_MODEL
 
-from ..errors import RegistryError
-from ..masking import mask_url
+from ..errors import InvalidValue, RegistryError
+from ..masking import mask_text, mask_url, printable
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name, target_slug
 from ..settings import DATABASE_URL_ENV, load_settings, specdec_home
@@ -180,11 +180,86 @@ def ui_text(env: dict, tracking: str, experiment_id: str | None, model: str | No
     return "\n".join(lines)
 
 
+JSON_TYPES = {"string": "a string", "integer": "a whole number", "number": "a number",
+              "boolean": "true or false", "array": "a list", "null": "null", "object": "an object"}
+
+
+def check_conf(dag, conf: dict) -> None:
+    """InvalidValue naming the key, the value and the type its Param takes, for a --conf value
+    the DAG's Params refuse (before any work: Airflow would refuse it with a traceback when the
+    run is made). Keys that are not Params pass, as Airflow lets them."""
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    for key, value in conf.items():
+        if key not in dag.params:
+            continue
+        param = dag.params.get_param(key)
+        try:
+            param.resolve(value)
+        except ParamValidationError:
+            kinds = param.schema.get("type")
+            kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+            takes = " or ".join(JSON_TYPES.get(kind, kind) for kind in kinds) or "another value"
+            extra = {k: param.schema[k] for k in ("enum", "minimum", "maximum") if k in param.schema}
+            raise InvalidValue(
+                f"--conf: {key!r} is {json.dumps(value)[:60]}, but the run's Param {key!r} "
+                f"({param.schema.get('title', key)}) takes {takes}"
+                + (f" {json.dumps(extra)}" if extra else "")
+                + f"; e.g. --conf '{{\"{key}\": {json.dumps(param.value)}}}', or leave it out "
+                  "for its default") from None
+
+
+def failed_tasks(dag_run, recorder) -> list[dict]:
+    """The run's failed task instances, in order: {task, error}, error being the last ERROR line
+    the task logged (its exception), or None."""
+    failed = []
+    for ti in sorted(dag_run.get_task_instances(), key=lambda ti: (ti.start_date is None, ti.start_date
+                                                                      or 0, ti.task_id)):
+        if str(ti.state) != "failed":
+            continue
+        error = None
+        for line in recorder.records.get((ti.task_id, ti.map_index), []):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and str(record.get("level", "")).lower() in ("error", "critical"):
+                event = [text for text in str(record.get("event") or "").splitlines() if text.strip()]
+                if event:       # an exception's traceback: its last line says what it was
+                    error = event[-1] if "Traceback (most recent call last)" in record["event"] else event[0]
+        label = ti.task_id if ti.map_index == -1 else f"{ti.task_id}[{ti.map_index}]"
+        failed.append({"task": label, "error": error})
+    return failed
+
+
+def failure_text(run_id: str, failed: list[dict], logs: list[Path]) -> str:
+    """What the main job says when its run failed: which task, its error, where its log is, and
+    how to run it again (a new run; what was stored is kept)."""
+    first = failed[0]
+    error = " ".join((first["error"] or "").split())
+    log = next((str(path) for path in logs if f"task_id={first['task'].split('[')[0]}" in str(path)), None)
+    lines = [f"error: run {run_id} failed at task {first['task']}"
+             + (f": {printable(mask_text(error))[:500]}" if error else "")]
+    if log:
+        lines.append(f"  its log: {log}")
+    if len(failed) > 1:
+        lines.append("  also failed: " + ", ".join(f["task"] for f in failed[1:]))
+    lines.append("  the tasks after it did not run, so there is no result table and nothing was "
+                 "registered. Fix the cause above, then run `specdec main-job` again: a new run "
+                 "(the imported traffic is kept)")
+    return "\n".join(lines)
+
+
 def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None = None) -> dict:
     console = make_console()
     home = specdec_home().resolve()
-    home.mkdir(parents=True, exist_ok=True)
     env = airflow_environment(home, dags_folder or default_dags_folder())
+    if conf:        # a value of the wrong type: one line before any work
+        os.environ.update(env)
+        from airflow.dag_processing.dagbag import DagBag
+
+        check_conf(DagBag(dag_folder=env["AIRFLOW__CORE__DAGS_FOLDER"]).dags["specdec_evaluate"], conf)
+    home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
     started = time.perf_counter()
     console.print(f"[bold]1/4[/bold] Airflow metadata database and pool under {env['AIRFLOW_HOME']}")
@@ -220,6 +295,13 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"      run {dag_run.run_id}: {dag_run.state}; tasks: "
                   + ", ".join(f"{task} {'/'.join(sorted(set(s)))}" for task, s in sorted(states.items())))
     console.print(f"      task logs for the UI: {len(logs)} files under {env['AIRFLOW_HOME']}/logs")
+    failed = failed_tasks(dag_run, recorder)
+    if str(dag_run.state) != "success" and failed:
+        # no table, champion or links: the run did not reach them (its rows, if any, are partial)
+        make_console(stderr=True).print(escape(failure_text(dag_run.run_id, failed, logs)), soft_wrap=True,
+                                        highlight=False)
+        return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": None,
+                "champion": None, "task_states": states, "profile_check": None, "failed": failed}
     console.print("[bold]4/4[/bold] results")
 
     from ..registry.tracking import client, show_version

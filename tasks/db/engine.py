@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from alembic import command
@@ -223,6 +224,13 @@ def database_error(url: str, exc: Exception) -> DatabaseUnavailable:
             f"disk full: the specdec database {display_url(url)} cannot grow ({reason}); what was "
             "written before is kept. Free space on its disk (or move the database, "
             f"{DATABASE_URL_ENV}), then run the command again: a run or import repeats by its id")
+    free = _free_bytes_under(url)
+    if free is not None and free < NEARLY_FULL_BYTES:    # SQLite says "disk I/O error": its
+        return DiskFull(                                 # journal files cannot be made
+            f"disk full: the disk under the specdec database {display_url(url)} has {free} bytes "
+            f"free ({reason}), so it cannot be opened, not even to read; what is stored is kept. "
+            f"Free space on that disk (or move the database, {DATABASE_URL_ENV}), then run the "
+            "command again")
     if "readonly" in lowered or "read-only" in lowered or "read only" in lowered:
         return DatabaseUnavailable(
             f"the specdec database {display_url(url)} is read-only ({reason}); nothing was written. "
@@ -230,6 +238,23 @@ def database_error(url: str, exc: Exception) -> DatabaseUnavailable:
     return DatabaseUnavailable(
         f"cannot connect to the specdec database {display_url(url)} ({reason}); check that the "
         f"server is running and {DATABASE_URL_ENV} is right, then run `specdec db upgrade`")
+
+
+# Below it, a SQLite database that fails to open is taken to fail for want of space: opening one
+# in WAL mode makes its -wal and -shm files beside it (the -shm file alone is 32 KiB)
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def _free_bytes_under(url: str) -> int | None:
+    """Bytes free to this user on the disk of a SQLite database's directory (None: not SQLite, or
+    the directory is unknown)."""
+    path = _sqlite_path(url)
+    if path is None:
+        return None
+    try:
+        return shutil.disk_usage(path.resolve().parent).free
+    except OSError:
+        return None
 
 
 _DISK_FULL = ("database or disk is full", "no space left on device", "disk full",

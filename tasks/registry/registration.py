@@ -10,11 +10,13 @@ The data-quality report is one self-contained HTML page; GX's Data Docs pages ar
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import re
 import tempfile
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
@@ -23,6 +25,7 @@ from mlflow.exceptions import MlflowException
 
 from ..db.queries_registry import registration_rows
 from ..db.store import Store
+from ..errors import DiskFull
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
 from .promotion import current_user, gates_for, record_promotion
@@ -50,8 +53,26 @@ def _cell(value) -> str:
     return escape("" if value is None else str(value))
 
 
+@contextmanager
+def _disk_full_said(run_id: str, what: str):
+    """A full disk while writing `what` of the run (its plots, its reports) said as such: what was
+    being written, where, the fix."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DiskFull(
+            f"disk full while writing run {run_id}'s {what} to MLflow ("
+            + (f"writing {exc.filename}: " if exc.filename else "")
+            + f"{exc.strerror or exc}); its stored results are kept. Free space on that disk "
+            f"(temporary files go to {tempfile.gettempdir()}, set TMPDIR to move them; MLflow's "
+            "artifacts to the tracking store's), then run the command again: the run registers "
+            "again by its id") from None
+
+
 def _log_reports(mlflow_client, mlflow_run_id: str, view: RunView, validations: list[dict],
-                 quality: list[dict], pages: dict[str, str]) -> None:
+                   quality: list[dict], pages: dict[str, str]) -> None:
     """The run's artifacts: `config/` (config.json and its MLmodel), `reports/` (domains.md: the
     run's view in Markdown, validation.json, data_quality.json and .html) and GX's Data Docs
     pages (made self-contained) under `reports/data_docs/`."""
@@ -229,7 +250,7 @@ def track_evaluation(run_id: str, store: Store, uri: str | None = None,
     try:
         params = dict(eval_run["params"] or {})
         validations, quality, estimates = read["validations"], read["quality"], read["estimate_drafters"]
-        with tempfile.TemporaryDirectory() as tmp:
+        with _disk_full_said(run_id, "plots"), tempfile.TemporaryDirectory() as tmp:
             for path in _plots(run_id, read, Path(tmp), settings.plan.min_speedup):
                 mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
         wanted = {"target": config.target.id, "target_fingerprint": config.target.fingerprint,
@@ -258,7 +279,8 @@ def track_evaluation(run_id: str, store: Store, uri: str | None = None,
                 if value is not None:      # 4 significant digits: the figures' own precision
                     mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", rounded(value))
         view = build_run_view(run_id, store, settings, config=config, read=read["view"])
-        _log_reports(mlflow_client, mlflow_run_id, view, validations, quality, dict(read["data_docs"]))
+        with _disk_full_said(run_id, "reports"):
+            _log_reports(mlflow_client, mlflow_run_id, view, validations, quality, dict(read["data_docs"]))
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_text(config))
         mlflow_client.set_tag(mlflow_run_id, NOTE_TAG, run_note(
             view, all(bool(r["success"]) for r in quality) if quality else None))

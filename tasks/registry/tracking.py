@@ -10,6 +10,7 @@ registered config versions (aliases `challenger` and `champion`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -23,10 +24,10 @@ from mlflow.exceptions import MlflowException
 from sqlalchemy import create_engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
-from ..db.engine import display_url, missing_driver
+from ..db.engine import display_url, is_disk_full, missing_driver
 from ..db.store import Store
-from ..errors import RegistryError, RegistryUnavailable
-from ..masking import mask_text, mask_url
+from ..errors import DiskFull, RegistryError, RegistryUnavailable
+from ..masking import mask_text, mask_url, printable
 from ..settings import specdec_home
 from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
 from .mlflow_scope import FAIL_FAST_SETTINGS, attach, mlflow_settings
@@ -59,10 +60,45 @@ def tracking_uri(uri: str | None = None, store: Store | str | None = None) -> st
 def client(uri: str | None = None) -> "RegistryClient":
     """An MlflowClient for the tracking URI whose calls fail fast and clearly (RegistryClient)."""
     uri = tracking_uri(uri)
+    _check_sqlite_store(uri)
     _check_sql_store(uri)
     _check_http_store(uri)
     attach()      # MLflow reads specdec's settings (tasks.registry.mlflow_scope), not os.environ
-    return RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
+    with _sqlite_store_lock(uri) as first:
+        registry = RegistryClient(MlflowClient(tracking_uri=uri, registry_uri=uri), uri)
+        if first:   # MlflowClient made the tracking tables; the registry's on its first call
+            registry.search_registered_models(max_results=1)
+    return registry
+
+
+_SQLITE_STORES_READY: set[str] = set()
+
+
+@contextmanager
+def _sqlite_store_lock(uri: str):
+    """A sqlite:/// store's tables made by one process at a time: MLflow creates (or migrates) them
+    when a process makes its first client, and two processes starting on a new home at once both
+    try (`table experiments already exists`, or an Alembic row not found). Within it, this
+    process holds an exclusive lock on the file `<store>.lock` beside the store, so that a second
+    process waits, then finds the tables made. Yields whether this is the process's first use of
+    the store (the lock is taken only then). Where the lock file cannot be made (a read-only
+    directory), nothing can be created either: no lock is taken."""
+    path = _sqlite_store_path(uri)
+    if path is None or uri in _SQLITE_STORES_READY:
+        yield False
+        return
+    try:
+        lock = open(f"{path}.lock", "a")
+    except OSError:
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield True
+    finally:
+        if lock is not None:
+            lock.close()        # releases the lock
+    _SQLITE_STORES_READY.add(uri)
 
 
 def unreachable(uri: str, exc: BaseException) -> RegistryUnavailable:
@@ -72,7 +108,8 @@ def unreachable(uri: str, exc: BaseException) -> RegistryUnavailable:
     causes = {"Connection refused": "connection refused", "timed out": "timed out",
               "Name or service not known": "unknown host", "nodename nor servname": "unknown host",
               "Temporary failure in name resolution": "unknown host"}
-    reason = next((short for marker, short in causes.items() if marker in text), mask_text(text)[:300])
+    reason = next((short for marker, short in causes.items() if marker in text),
+                  printable(mask_text(text)[:300]))
     return RegistryUnavailable(
         f"MLflow tracking store {mask_url(uri)} is unreachable ({reason}). Start the tracking server "
         "(or the database behind it), or set MLFLOW_TRACKING_URI to the right one; nothing was "
@@ -108,6 +145,16 @@ class RegistryClient:
         try:
             return method(*args, **kwargs)
         except Exception as exc:
+            path = _sqlite_store_path(self._uri)
+            if is_disk_full(exc):                           # not an outage either
+                raise DiskFull(
+                    f"disk full: MLflow's tracking store {mask_url(self._uri)} cannot grow "
+                    f"({printable(' '.join(_first_line(exc).split()))}); what specdec's database "
+                    "holds is kept. Free space on the store's disk (or set MLFLOW_TRACKING_URI to "
+                    "another store), then run the command again: a run registers again by its "
+                    "id") from None
+            if path is not None and _is_read_only(exc):     # not an outage: no server to start
+                raise not_writable_store(path, _why_not_writable(path, exc)) from None
             if is_unreachable(exc):
                 raise unreachable(self._uri, exc) from None
             raise
@@ -202,6 +249,81 @@ class RegistryClient:
 
 
 _SQL_STORES_CHECKED: set[str] = set()
+
+
+def _sqlite_store_path(uri: str) -> Path | None:
+    """The file of a sqlite:/// tracking URI (None: another kind of store, or in memory)."""
+    if not uri.lower().startswith("sqlite:"):
+        return None
+    try:
+        database = make_url(uri).database
+    except ArgumentError:
+        return None
+    if database in (None, "", ":memory:"):
+        return None
+    if database.startswith("file:"):
+        database = database[len("file:"):].split("?", 1)[0]
+    return Path(database)
+
+
+def not_writable_store(path: Path, reason: str) -> RegistryError:
+    """The one-line error for a SQLite tracking store that cannot be created or written: the file,
+    why, and the fix (MLflow itself retries it for about 100 s, then prints its traceback)."""
+    return RegistryError(
+        f"MLflow's tracking store {path} cannot be written ({reason}); nothing was changed. Set "
+        "SPECDEC_HOME to a writable directory (the default store is $SPECDEC_HOME/mlflow.db), "
+        "make that directory writable, or set MLFLOW_TRACKING_URI to a store this user can write")
+
+
+def _check_sqlite_store(uri: str) -> None:
+    """A sqlite:/// tracking URI whose file does not exist yet: its directory must exist or be
+    creatable, and be writable, before MLflow tries to create it. An existing file must be
+    readable. Checked once per process and URI."""
+    path = _sqlite_store_path(uri)
+    if path is None or uri in _SQL_STORES_CHECKED:
+        return
+    if path.exists():
+        if not os.access(path, os.R_OK):
+            raise not_writable_store(path, "the file cannot be read")
+    else:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise not_writable_store(path, f"its directory {path.parent} cannot be created: "
+                                           f"{exc.strerror or exc}") from None
+        if not os.access(path.parent, os.W_OK):
+            raise not_writable_store(path, f"its directory {path.parent} is not writable"
+                                           + (": read-only file system" if _read_only_fs(path.parent) else ""))
+    _SQL_STORES_CHECKED.add(uri)
+
+
+def _is_read_only(exc: BaseException) -> bool:
+    """SQLite's refusals of a write to a file or directory this user cannot write (its journal
+    cannot be made beside it: "unable to open database file")."""
+    text = " ".join(str(getattr(e, "orig", e)) for e in (exc, exc.__cause__, exc.__context__) if e)
+    return any(marker in text.lower() for marker in
+               ("readonly database", "read-only file system", "unable to open database file"))
+
+
+def _first_line(exc: BaseException) -> str:
+    original = getattr(exc, "orig", None) or exc.__cause__ or exc.__context__ or exc
+    return mask_text((str(getattr(original, "orig", original)).strip().splitlines() or [""])[0][:200])
+
+
+def _why_not_writable(path: Path, exc: BaseException) -> str:
+    if not os.access(path.parent, os.W_OK):
+        return f"its directory {path.parent} is not writable" + (
+            ": read-only file system" if _read_only_fs(path.parent) else "")
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is read-only"
+    return mask_text(str(getattr(exc, "orig", exc)).strip().splitlines()[0][:200])
+
+
+def _read_only_fs(directory: Path) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _check_sql_store(uri: str) -> None:

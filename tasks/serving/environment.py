@@ -38,8 +38,43 @@ def serving_python(settings: Settings | None = None) -> Path:
     if not path.exists():
         where = f"serving_python {configured!r} does not exist" if configured else (
             f"no serving environment at {path.parent.parent}")
+        if path.is_symlink():       # a serving environment whose interpreter has gone
+            where = (f"the serving python {path} is a link to {os.readlink(path)}, which does not "
+                     "exist")
         raise ServingEnvUnavailable(f"{where}; {MAKE_ONE}")
     return path
+
+
+# the interpreter runs and finds vLLM (without importing it: seconds saved), exit 3 where it is not
+_FINDS_VLLM = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+_RUNS: set[str] = set()
+
+
+def working_python(settings: Settings | None = None, timeout_s: float = 60.0) -> Path:
+    """serving_python, once checked to run and to find vLLM (once per process and path);
+    ServingEnvUnavailable, one line naming the interpreter and the fix, where it cannot be run,
+    fails, or has no vLLM. For work that starts engines: a broken interpreter is said once, before
+    anything is started or stored, not as every engine's failure."""
+    python = serving_python(settings)
+    if str(python) in _RUNS:
+        return python
+    try:
+        done = subprocess.run([str(python), "-c", _FINDS_VLLM], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ServingEnvUnavailable(f"the serving python {python} did not answer within "
+                                    f"{timeout_s:.0f} s; {MAKE_ONE}") from None
+    except OSError as exc:
+        raise ServingEnvUnavailable(f"the serving python {python} cannot be run "
+                                    f"({exc.strerror or exc}); {MAKE_ONE}") from None
+    if done.returncode == 3:
+        raise ServingEnvUnavailable(f"the serving python {python} has no vLLM; {MAKE_ONE}")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ServingEnvUnavailable(f"the serving python {python} fails (exit {done.returncode}: "
+                                    f"{last[:300]}); {MAKE_ONE}")
+    _RUNS.add(str(python))
+    return python
 
 
 def available(settings: Settings | None = None) -> bool:

@@ -385,7 +385,7 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
     if not settings.load.check:
         return {"skipped": "load check off (setting load_check)", "domains": {}}
     try:
-        serving_env.serving_python(settings)
+        serving_env.working_python(settings)      # a broken one turns no domain off
         model_dir = serving_env.served_model_dir(context.spec.target)
     except ServingEnvUnavailable as exc:
         return {"skipped": f"load check skipped: {exc}", "domains": {}}

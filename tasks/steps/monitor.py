@@ -41,7 +41,7 @@ import httpx
 from ..db import queries_monitor as q
 from ..db.store import Store
 from ..errors import MonitorScrapeError, RegistryError
-from ..masking import mask_text, mask_url
+from ..masking import mask_text, mask_url, printable
 from ..paths import check_identifier
 from ..registry.compose_export import deployments
 from ..registry.config_schema import SpecdecConfig, config_model_name
@@ -145,7 +145,7 @@ def read_counters(url: str, deployment: str, settings: Settings) -> dict:
     if "error" in out:
         exc = out["error"]
         raise MonitorScrapeError(f"deployment {deployment}: no answer from {shown} "
-                                 f"({type(exc).__name__}: {mask_text(str(exc))[:200] or 'no detail'}); nothing "
+                                 f"({type(exc).__name__}: {printable(mask_text(str(exc))[:200]) or 'no detail'}); nothing "
                                  "stored. Check that the server is up and the URL is right") from None
     if out["status"] != 200:
         raise MonitorScrapeError(f"deployment {deployment}: {shown} answered HTTP "
