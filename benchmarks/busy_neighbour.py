@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -61,7 +62,7 @@ def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list, coun
         text = log.read_text(errors="replace")
         # the profile task runs from its start line until the first estimate starts (estimates
         # wait for it; other tasks, such as domains_of, may start beside it)
-        profiling = during == "run" or (" s  profile" in text and " s  per_domain.estimate" not in text)
+        profiling = during == "run" or (" s  profile" in text and not re.search(r" s  (per_domain\.)?estimate", text))
         if busy and profiling and not neighbours:
             neighbours.extend(subprocess.Popen([sys.executable, "-c", code])
                               for code in (BURSTS, SPIN)[:count])
@@ -81,7 +82,7 @@ def results(home: Path) -> dict:
         "l.predicted_same_requests, l.cost_model_error, l.measured_speedup_lo, l.measured_speedup_hi, "
         "d.reason FROM domain_configs d LEFT JOIN live_measurements l ON l.run_id = d.run_id AND "
         "l.domain = d.domain WHERE d.run_id = ? ORDER BY d.domain", (run["run_id"],))]
-    check = db.execute("SELECT status, reasons, attempts, max_spread FROM cost_profile_checks "
+    check = db.execute("SELECT status, reasons, attempts, max_spread, details FROM cost_profile_checks "
                        "WHERE run_id = ?", (run["run_id"],)).fetchone()
     engine = {r["domain"]: dict(r) for r in db.execute(
         "SELECT domain, measured_speedup, predicted_speedup FROM engine_checks WHERE run_id = ?",
@@ -96,6 +97,20 @@ def results(home: Path) -> dict:
                          (run["run_id"],)).fetchone()
     return {"run_id": run["run_id"], "rows": rows, "check": dict(check) if check else None,
             "profile_written": seconds[0], "levels": levels}
+
+
+def task_seconds(log: Path) -> dict:
+    """Seconds the profile and the engine check (with the sampling test and the load check) took,
+    from the main job's table of task start offsets ("  305 s  estimate[4]")."""
+    starts: dict[str, float] = {}
+    for seconds, task in re.findall(r"^\s+(\d+) s  (\S+)$", log.read_text(errors="replace"), re.M):
+        starts.setdefault(re.sub(r"^per_domain\.|\[\d+\]$", "", task), float(seconds))
+    out = {}
+    if "profile" in starts and "estimate" in starts:
+        out["profile_s"] = starts["estimate"] - starts["profile"]
+    if "engine_check" in starts and "register" in starts:
+        out["engine_check_s"] = starts["register"] - starts["engine_check"]
+    return out
 
 
 def held_back(reason: str | None) -> str:
@@ -114,6 +129,7 @@ def table(label: str, result: dict, seconds: float) -> str:
              f"cost profile: {check.get('status')}, {check.get('attempts')} check(s), largest "
              f"spread {100 * (check.get('max_spread') or 0):.0f}%"
              + (f"; reasons: {'; '.join(reasons)}" if reasons else ""), "",
+             *engines_text(check), "",
              "| domain | on | drafter, K | predicted | same requests | measured [95% CI] | cost-model err | on vLLM, 1 at a time | held back by |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -136,6 +152,14 @@ def table(label: str, result: dict, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def engines_text(check: dict) -> list[str]:
+    """Per engine of the profile: its timing seconds, rounds, contended pairs and why it stopped."""
+    details = check.get("details")
+    details = json.loads(details) if isinstance(details, str) else (details or {})
+    return [f"- {e['config']}: {e['seconds']:.0f} s, {e['repeats']} rounds, {e.get('contended', 0)} "
+            f"contended pair(s), stopped: {e['stopped']}" for e in details.get("engines") or []]
+
+
 def _x(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -150,10 +174,11 @@ def summary(runs: list[tuple[str, dict, float]]) -> str:
     """One table over the runs: per domain, on/off and drafter/K in each run, and the spread of
     the measured speedups at one request at a time over the runs where it is on."""
     domains = sorted({r["domain"] for _, result, _ in runs for r in result["rows"]})
-    lines = ["| domain | " + " | ".join(label for label, _, _ in runs) + " | same decision | measured spread |",
-             "|---|" + "---|" * len(runs) + "---|---|"]
+    lines = ["| domain | " + " | ".join(label for label, _, _ in runs)
+             + " | same decision | K within one step | measured spread |",
+             "|---|" + "---|" * len(runs) + "---|---|---|"]
     for domain in domains:
-        cells, decisions, measured = [], set(), []
+        cells, decisions, measured, ks = [], set(), [], []
         for _, result, _ in runs:
             row = next((r for r in result["rows"] if r["domain"] == domain), None)
             if row is None:
@@ -161,18 +186,24 @@ def summary(runs: list[tuple[str, dict, float]]) -> str:
                 continue
             on = bool(row["enabled"])
             decisions.add((on, row["drafter"] if on else None))
+            ks += [row["k"]] if on else []
             value = row.get("engine_measured") if on else None
             measured += [value] if value else []
             cells.append((f"on {row['drafter']} K={row['k']} {_x(value)}" if on else "off"))
         spread = (f"{100 * (max(measured) - min(measured)) / min(measured):.0f}%"
                   if len(measured) > 1 else "-")
-        lines.append(f"| {domain} | " + " | ".join(cells) + f" | {'yes' if len(decisions) == 1 else 'no'} | {spread} |")
+        within = "-" if not ks else ("yes" if max(ks) - min(ks) <= 1 else "no")
+        lines.append(f"| {domain} | " + " | ".join(cells)
+                     + f" | {'yes' if len(decisions) == 1 else 'no'} | {within} | {spread} |")
     levels = [within_15(level) for _, result, _ in runs for level in result.get("levels") or []]
     known = [v for v in levels if v is not None]
     lines += ["", f"load check: predicted within 15% of measured at {sum(known)} of {len(known)} "
                   "measured domain-levels", "",
-              "| run | seconds | load average |", "|---|---|---|"]
-    lines += [f"| {label} | {seconds:.0f} | {result.get('load', '-')} |" for label, result, seconds in runs]
+              "| run | seconds | profile s | engine check s | load average |", "|---|---|---|---|---|"]
+    lines += [f"| {label} | {seconds:.0f} | {result.get('profile_s', '-'):.0f} | "
+              f"{result.get('engine_check_s', '-'):.0f} | {result.get('load', '-')} |"
+              if "profile_s" in result and "engine_check_s" in result else
+              f"| {label} | {seconds:.0f} | - | - | {result.get('load', '-')} |" for label, result, seconds in runs]
     return "\n".join(lines)
 
 
@@ -199,6 +230,7 @@ def main() -> None:
         seconds = run_main_job(home, args.models, busy, args.work / f"{name}.log", args.neighbours,
                                args.during)
         result = results(home)
+        result.update(task_seconds(args.work / f"{name}.log"))
         result["load"] = " / ".join(f"{v:.2f}" for v in os.getloadavg())      # 1, 5, 15 minutes
         runs.append((label, result, seconds))
         sections.append(table(label, result, seconds))

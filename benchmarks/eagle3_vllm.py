@@ -39,7 +39,8 @@ from tasks.db.store import Store  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
 from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate  # noqa: E402
 from specdec_core.estimate import in_heldout  # noqa: E402
-from tasks.steps.engine_check import engine_check, inside_output, mean_length  # noqa: E402
+from tasks.steps.acceptance import mean_accepted_length  # noqa: E402
+from tasks.steps.engine_check import engine_check, inside_output  # noqa: E402
 from tasks.timeutil import utcnow  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
@@ -49,8 +50,8 @@ def split_e(rows: list[dict], greedy: bool) -> str:
     """E = 1 + accepted / drafting steps on the greedy (or the sampled) requests, vLLM (the drafts
     inside its output, as the engine check counts them) / estimate."""
     rows = [r for r in rows if r["greedy"] == greedy and r["estimate_steps"] is not None]
-    engine = mean_length([inside_output(r, "engine_accepted") for r in rows], [r["engine_steps"] for r in rows])
-    estimate = mean_length([r["estimate_accepted"] for r in rows], [r["estimate_steps"] for r in rows])
+    engine = mean_accepted_length(sum(inside_output(r, "engine_accepted") for r in rows), sum(r["engine_steps"] for r in rows))
+    estimate = mean_accepted_length(sum(r["estimate_accepted"] for r in rows), sum(r["estimate_steps"] for r in rows))
     if engine is None or estimate is None:
         return "-"
     return f"{engine:.2f} / {estimate:.2f} ({len(rows)})"
@@ -59,7 +60,7 @@ def split_e(rows: list[dict], greedy: bool) -> str:
 def own_count_e(rows: list[dict]) -> str:
     """E on vLLM's own count (its counters' definition): drafts its last steps accepted past
     max_tokens included."""
-    e = mean_length([r["engine_accepted"] for r in rows], [r["engine_steps"] for r in rows])
+    e = mean_accepted_length(sum(r["engine_accepted"] for r in rows), sum(r["engine_steps"] for r in rows))
     return "-" if e is None else f"{e:.3f}"
 
 

@@ -187,7 +187,7 @@ def test_specdec_evaluate_through_the_rest_api_then_champion_in_mlflow(services,
     for ti in tis:
         states.setdefault(ti["task_id"], []).append(ti["state"])
     assert states["promote"] == ["success"], states
-    assert states["per_domain.estimate"] == ["success"] * len(tiny_target_traffic["domains"]), states
+    assert states["estimate"] == ["success"] * len(tiny_target_traffic["domains"]), states
 
     # the champion, read from the MLflow server the tasks wrote to
     name = config_model_name(tiny_target_traffic["target"])
