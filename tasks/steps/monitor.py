@@ -362,18 +362,30 @@ def check_deployment(ctx: MonitorContext, version: str, config: SpecdecConfig, d
              "break_even": status["break_even"],
              "evidence": {**figures, "scrape_ids": [r["id"] for r in rows], "window_s":
                           settings.monitor.window_s, "min_drafts": min_drafts}}
-    if status["promise_lo"] is not None and figures["e"] < status["promise_lo"]:
+    alerted = q.has_event(ctx.store, "alert", deployment["name"], ctx.config_name, version, series)
+    # a domain's own rollback (check_domains) goes first: the champion has moved already
+    rolled = any(e["kind"] == "rollback" for e in status["events"])
+    _judge(ctx, version, status, event, f"production E {figures['e']:.3f} over {figures['drafts']} "
+                                        "drafts", alerted, rolled)
+    return status
+
+
+def _judge(ctx: MonitorContext, version: str, status: dict, event: dict, what: str, alerted: bool,
+           rolled: bool = False) -> None:
+    """The verdict on one window's E (event["production_e"]) against status' promise_lo and
+    break_even: a drift alert below the promise (unless `alerted` already), an automatic rollback
+    below the break-even (unless `rolled`); status' state and events follow."""
+    e = event["production_e"]
+    if status["promise_lo"] is not None and e < status["promise_lo"]:
         status["state"] = "below promise"
-        if not q.has_event(ctx.store, "alert", deployment["name"], ctx.config_name, version, series):
+        if not alerted:
             status["events"].append(q.insert_event(ctx.store, dict(
                 event, kind="alert", created_at=utcnow(),
-                reason=f"production E {figures['e']:.3f} over {figures['drafts']} drafts is below "
-                       f"the promise's interval (lowest end {status['promise_lo']:.3f})")))
-    if status["break_even"] is not None and figures["e"] < status["break_even"]:
+                reason=f"{what} is below the promise's interval (lowest end {status['promise_lo']:.3f})")))
+    if status["break_even"] is not None and e < status["break_even"]:
         status["state"] = "below break-even"
-        if not any(e["kind"] == "rollback" for e in status["events"]):   # a domain's went first
+        if not rolled:
             status["events"] += _auto_rollback(ctx, version, event)
-    return status
 
 
 def check_domains(ctx: MonitorContext, version: str, deployment: dict, promises: list[dict],
@@ -404,19 +416,9 @@ def check_domains(ctx: MonitorContext, version: str, deployment: dict, promises:
                  "promise_hi": promise["promise_hi"], "break_even": promise["break_even"],
                  "evidence": {**figures, "source": "per-request metrics", "domain": domain,
                               "window_s": ctx.settings.monitor.window_s, "min_drafts": min_drafts}}
-        what = f"domain {domain}: production E {figures['e']:.3f} over {figures['drafts']} drafts " \
-               f"of {figures['requests']} requests"
-        if promise["promise_lo"] is not None and figures["e"] < promise["promise_lo"]:
-            status["state"] = "below promise"
-            if not q.has_domain_event(ctx.store, "alert", deployment["name"], ctx.config_name,
-                                      version, domain):
-                status["events"].append(q.insert_event(ctx.store, dict(
-                    event, kind="alert", created_at=utcnow(),
-                    reason=f"{what} is below the promise's interval (lowest end "
-                           f"{promise['promise_lo']:.3f})")))
-        if promise["break_even"] is not None and figures["e"] < promise["break_even"]:
-            status["state"] = "below break-even"
-            status["events"] += _auto_rollback(ctx, version, event)
+        _judge(ctx, version, status, event, f"domain {domain}: production E {figures['e']:.3f} over "
+                                            f"{figures['drafts']} drafts of {figures['requests']} requests",
+               q.has_domain_event(ctx.store, "alert", deployment["name"], ctx.config_name, version, domain))
     return out
 
 
