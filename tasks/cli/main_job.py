@@ -273,6 +273,20 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     upgrade()
     report = import_traffic(sample_traffic_path(), Store.open(), progress=False)
     console.print(f"      {report['inserted']} new requests ({report['rows_read']} read, {report['skipped_existing']} already stored)")
+    dag_run, recorder, states, logs = _run_dag(console, env, conf, promote)
+    failed = failed_tasks(dag_run, recorder)
+    if str(dag_run.state) != "success" and failed:
+        # no table, champion or links: the run did not reach them (its rows, if any, are partial)
+        make_console(stderr=True).print(escape(failure_text(dag_run.run_id, failed, logs)), soft_wrap=True,
+                                        highlight=False)
+        return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": None,
+                "champion": None, "task_states": states, "profile_check": None, "failed": failed}
+    return _results(console, env, dag_run, states, started)
+
+
+def _run_dag(console, env: dict, conf: dict | None, promote: bool):
+    """specdec_evaluate through dag.test(), its tasks' progress printed: (dag_run, the log
+    recorder, task states by task id, the task log files written for the UI)."""
     console.print("[bold]3/4[/bold] specdec_evaluate through dag.test() (about 12 minutes on 2 CPU cores)")
     from airflow.dag_processing.dagbag import DagBag
 
@@ -295,13 +309,12 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"      run {dag_run.run_id}: {dag_run.state}; tasks: "
                   + ", ".join(f"{task} {'/'.join(sorted(set(s)))}" for task, s in sorted(states.items())))
     console.print(f"      task logs for the UI: {len(logs)} files under {env['AIRFLOW_HOME']}/logs")
-    failed = failed_tasks(dag_run, recorder)
-    if str(dag_run.state) != "success" and failed:
-        # no table, champion or links: the run did not reach them (its rows, if any, are partial)
-        make_console(stderr=True).print(escape(failure_text(dag_run.run_id, failed, logs)), soft_wrap=True,
-                                        highlight=False)
-        return {"run_id": dag_run.run_id, "state": str(dag_run.state), "table": None,
-                "champion": None, "task_states": states, "profile_check": None, "failed": failed}
+    return dag_run, recorder, states, logs
+
+
+def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
+    """Step 4/4 of a run that succeeded: its table, the profile's check, the champion and the
+    UI links."""
     console.print("[bold]4/4[/bold] results")
 
     from ..registry.tracking import client, show_version
