@@ -38,3 +38,16 @@ def test_judge_live_returns_the_type():
     assert judge_live({"measured": 1.5, "lo": 1.3, "hi": 1.7}, 1.1, 0.25).verdict is LiveVerdict.PASS
     assert judge_live({"measured": 1.2, "lo": 1.0, "hi": 1.4}, 1.1, 0.25).verdict is LiveVerdict.UNSURE
     assert judge_live(None, 1.1, 0.25).verdict is LiveVerdict.NONE
+
+
+def test_a_point_below_plain_vetoes_only_where_its_interval_lies_below_plain():
+    # a busy machine's pairs: one slowed twin pulls the point under 1 while the interval reaches
+    # well past it (busy 2's code, 0.81x [0.50, 1.31]): unsure, said, no veto
+    busy = judge_live({"measured": 0.81, "lo": 0.50, "hi": 1.31}, 1.1, 0.25)
+    assert busy.verdict is LiveVerdict.UNSURE and not busy.problems
+    assert busy.doubts[0] == "measured slower than plain decoding, within its interval [0.50, 1.31]"
+    assert busy.verdict.decision(turning_on=True) is LiveVerdict.PASS
+    # the whole interval under 1: slower than plain decoding, a failure that vetoes
+    slow = judge_live({"measured": 0.81, "lo": 0.70, "hi": 0.95}, 1.1, 0.25)
+    assert slow.verdict is LiveVerdict.FAIL and slow.problems[0] == "slower than plain decoding"
+    assert slow.verdict.decision(turning_on=True) is LiveVerdict.VETO
