@@ -210,6 +210,38 @@ def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
     assert vllm_live_check("d", config, requests, served(0.5), {"requests": {}}, {}, settings) is None
 
 
+def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_ones_remain():
+    # busy 2's code: two of eight plain twins ran while a neighbour took a core, so their plain
+    # decode read 3x slower and the point fell under plain; judged on the six clean pairs it
+    # passes, and the reason says how many pairs were left out
+    from tasks.settings import load_settings
+    from tasks.steps.engine_check import vllm_live_check
+
+    requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(8)]
+    slowed = {"q0", "q1"}
+    plain = {"requests": {r.request_id: {"token_ids": list(range(33)), "seconds": 1.1,
+                                         "decode_s": 0.3 if r.request_id in slowed else 1.0,
+                                         "contended": False} for r in requests}}
+    spec = {"requests": {r.request_id: {"token_ids": list(range(33)), "seconds": 1.0,
+                                        "decode_s": (3.0 if r.request_id in slowed else 0.7) + 0.01 * i,
+                                        "contended": r.request_id in slowed}
+                         for i, r in enumerate(requests)}}
+    config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.4}
+    settings = load_settings({}, min_speedup=1.1)
+    live = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 1.4}, settings)
+    verdict = live["verdict"]
+    assert verdict["verdict"] == "pass" and verdict["requests"] == 6 and verdict["contended"] == 2
+    assert verdict["lo"] > 1.3 and "2 of 8 pairs contended, left out" in verdict["reason"]
+    assert sum(row["contended"] for row in live["per_request"]) == 2
+    # with every pair contended there is nothing cleaner to judge on: all are used, and said
+    for row in spec["requests"].values():
+        row["contended"] = True
+    crowded = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 1.4}, settings)
+    assert crowded["verdict"]["requests"] == 8
+    assert "8 of 8 pairs contended, all used: too few clean ones" in crowded["verdict"]["reason"]
+    assert crowded["verdict"]["measured"] < 1.0
+
+
 def test_where_the_check_cannot_run_the_own_engine_sampling_test_gates_again(db_url, tmp_path):
     # validation let the own-engine sampling test pass unread, trusting the test on vLLM; when the
     # engine check then cannot run, a domain whose own test failed is marked failed after all

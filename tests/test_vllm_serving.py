@@ -112,7 +112,8 @@ def test_exported_schedules_serve_batches_across_their_batch_sizes(serving, tiny
 
 def test_replay_serves_the_history_batched_and_measures_only_the_requests(serving, tiny_dir, tmp_path):
     # the engine check's suffix replay: 6 history requests in one batched call (not answered),
-    # then the 2 requests one at a time, each with its own timing and per-step counts
+    # then the 2 requests one at a time, each with its own timing, per-step counts and the CPU
+    # other processes took meanwhile; a contended K 0 twin served again
     spec = vllm_export(parse_config({
         "schema_version": 2, "target": {"id": "tiny", "fingerprint": "sha256:0"},
         "hardware_profile": "cpu", "run_id": "r", "created_at": "2026-11-24T00:00:00",
@@ -122,13 +123,24 @@ def test_replay_serves_the_history_batched_and_measures_only_the_requests(servin
     item = {"max_tokens": 16, "temperature": 0.0}
     history = [dict(item, id=f"h{i}", prompt_ids=pattern * 3 + [i + 3]) for i in range(6)]
     requests = [dict(item, id=f"r{i}", prompt_ids=pattern * 3 + [i + 3]) for i in range(2)]
+    # r0's K 0 twin (the engine check's plain control); a contention limit below zero marks
+    # every request contended, so the twin is served again twice after the replay
+    twin = dict(requests[0], id="plain::r0", k=0)
     answer = serving_env.run_engine(
-        {"model": str(tiny_dir), "speculative_config": spec, "requests": requests,
-         "history": history, "max_num_seqs": 6, "dtype": "float32"},
+        {"model": str(tiny_dir), "speculative_config": spec, "requests": requests + [twin],
+         "history": history, "max_num_seqs": 6, "dtype": "float32", "contention_cores": -1.0,
+         "retries": 2},
         tmp_path / "history.log", 600, "history replay")
-    assert answer["died"] is None and set(answer["requests"]) == {"r0", "r1"}
-    for row in answer["requests"].values():
+    assert answer["died"] is None and set(answer["requests"]) == {"r0", "r1", "plain::r0"}
+    for name in ("r0", "r1"):
+        row = answer["requests"][name]
         assert len(row["token_ids"]) == 16 and row["seconds"] > 0 and row["drafted"] is not None
+        # a request that drafts is never served again: the suffix tree and the counters keep
+        # what the replay gave them
+        assert row["contended"] and row["served"] == 1 and row["other_cores"] >= 0
+    plain = answer["requests"]["plain::r0"]
+    assert plain["served"] == 3 and plain["contended"] and sum(plain["drafted"] or [0]) == 0
+    assert plain["token_ids"] == answer["requests"]["r0"]["token_ids"]      # greedy, lossless
     assert answer["counters"]["drafts"] > 0
 
 

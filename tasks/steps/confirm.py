@@ -378,21 +378,31 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
     """Whether the live measurement lets a domain the plan turns on actually turn on.
 
     Only a domain that would turn on (on in the plan, off in the champion config) can be vetoed:
-    the live check's one rule (tasks.registry.live_check.judge_live) finds a problem: measured
-    slower than plain decoding, the speedup's 95% interval below min_speedup, or the cost-model
+    the live check's one rule (tasks.registry.live_check.judge_live) finds a problem: slower than
+    plain decoding (the interval below 1), the speedup's 95% interval below min_speedup, or the cost-model
     error's interval below -confirm_tolerance (slower than predicted, whatever the noise).
     The bootstrap interval is over the confirm requests: with few of them it is wide, so a quiet
     machine's correct "on" (measured well above the minimum) stands; the verdict says how many
-    requests it rests on ("weak": fewer than 5).
+    requests it rests on ("weak": fewer than 5). A request whose plain or config twin ran while
+    other processes took CPU (per_request "contended", vLLM's replay) is left out where at least 5
+    clean ones remain, and the reason says how many were.
     Output: {verdict: the word of a LiveVerdict decision (tasks.registry.live_check): pass | flag
     (a problem, in a domain that is not turning on) | veto | none,
-    weak, measured, lo, hi, error_lo, error_hi, predicted, requests, reason, and the settings it
+    weak, measured, lo, hi, error_lo, error_hi, predicted, requests, contended, reason, and the settings it
     was judged by: min_speedup, tolerance, live_veto}.
     """
-    interval = speedup_interval(per_request)
-    requests = sum(1 for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s"))
+    timed = [r for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s")]
+    clean = [r for r in timed if not r.get("contended")]
+    # pairs a neighbour's CPU reached (either twin) are left out where enough clean ones remain
+    judged = clean if len(clean) >= WEAK_EVIDENCE else timed
+    interval = speedup_interval(judged)
+    requests = len(judged)
+    contention = ("" if len(clean) == len(timed) else
+                  f"; {len(timed) - len(clean)} of {len(timed)} pairs contended, " + (
+                      "left out" if judged is clean else "all used: too few clean ones"))
     predicted = predicted_same or config.get("predicted_speedup")
-    out = {**interval, "predicted": predicted, "requests": requests, "verdict": LiveVerdict.NONE.value,
+    out = {**interval, "predicted": predicted, "requests": requests, "contended": len(timed) - len(clean),
+           "verdict": LiveVerdict.NONE.value,
            "reason": "no live measurement", "min_speedup": settings.plan.min_speedup,
            "tolerance": settings.live.tolerance, "live_veto": settings.live.veto}
     measured = interval["measured"]
@@ -400,7 +410,7 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
         return out
     text = (f"live check: {measured:.2f}x measured [{interval['lo']:.2f}, {interval['hi']:.2f}] over "
             f"{requests} request{'s' if requests != 1 else ''}" + (
-                f" vs {predicted:.2f}x predicted" if predicted else ""))
+                f" vs {predicted:.2f}x predicted" if predicted else "") + contention)
     turning_on = (settings.live.veto and bool(config.get("enabled"))
                   and not config.get("champion_on"))
     error = None if interval["error_lo"] is None else (

@@ -450,6 +450,8 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
         answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
                         {"model": str(context.model_dir), "speculative_config": served, "requests": items,
                          "history": history, "dtype": _dtype(context.target_model),
+                         "contention_cores": settings.profile.contention_cores,
+                         "retries": settings.engine.check_retries,
                          # the history is served batched; the replay one request at a time
                          "max_num_seqs": max(1, min(len(history), HISTORY_BATCH))})
     record["seconds"] = round(time.perf_counter() - began, 1)
@@ -603,7 +605,8 @@ def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict
         per_request.append({"request_id": request.request_id,
                             "plain_tokens": len(flat["token_ids"]) - 1, "plain_decode_s": flat["decode_s"],
                             "spec_tokens": len(spec["token_ids"]) - 1, "spec_decode_s": spec["decode_s"],
-                            "plain_latency_s": flat.get("seconds"), "spec_latency_s": spec.get("seconds")})
+                            "plain_latency_s": flat.get("seconds"), "spec_latency_s": spec.get("seconds"),
+                            "contended": bool(spec.get("contended") or flat.get("contended"))})
     if not per_request:
         return None
     verdict = live_verdict(per_request, config, settings, row.get("predicted_speedup"))
@@ -658,12 +661,16 @@ def _serve(serving_env, settings: Settings, what: str, log_path, request: dict) 
     history, items = list(request.get("history", [])), list(request["requests"])
     total = {"requests": {}, "died": [], "unserved": [], "counters": None, "starts": 0}
     while True:
+        threads = serving_env.free_cpus()
         try:
-            answer = serving_env.run_engine(dict(request, history=history, requests=items),
+            # the CPUs a neighbour uses are left to it, and it may use them without marking
+            # a request contended (spare_cores)
+            answer = serving_env.run_engine(dict(request, history=history, requests=items,
+                                                 spare_cores=threads["spare"]),
                                             log_path.with_suffix(f".{total['starts']}.log")
                                             if total["starts"] else log_path,
                                             settings.engine.check_timeout_s, what, settings,
-                                            threads=serving_env.free_cpus()["bind"])
+                                            threads=threads["bind"])
         except (EngineTimeout, ServingProbeError) as exc:
             return {**total, "failed": ("timeout" if isinstance(exc, EngineTimeout) else "died",
                                         str(exc))}

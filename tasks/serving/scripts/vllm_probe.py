@@ -123,7 +123,6 @@ def _with_mends(command):
 
 
 def replay(request: dict) -> dict:
-    import time
     import traceback
 
     import vllm
@@ -156,30 +155,64 @@ def replay(request: dict) -> dict:
                     "token_ids": [int(t) for t in result.outputs[0].token_ids]}
         answer["counters"] = _counters(llm) if spec else None
         return answer
+    hz = os.sysconf("SC_CLK_TCK")
+    limit = float(request.get("contention_cores", 0.25)) + float(request.get("spare_cores", 0.0))
     for item, measured in items:
-        began = time.perf_counter()
         try:
-            [result] = llm.generate([_prompt(item)], _sampling_params(item), use_tqdm=False)
+            served = _served_one(llm, item, hz, limit)
         except Exception as exc:  # noqa: BLE001 - the engine died on this request: said, and stop
             traceback.print_exc()             # into the engine's log
             # the warm-up shares the first request's prompt: what killed it is that request's
             dead = request["requests"][0]["id"] if item["id"] == "warm-up" else item["id"]
             answer["died"] = {"request": str(dead), "error": _error_line(exc)}
             break
-        if not measured:
-            continue
-        completion = result.outputs[0]
-        metrics = completion.spec_decode_metrics
-        phase = _decode_phase(result)
-        answer["requests"][str(item["id"])] = {
-            "token_ids": [int(t) for t in completion.token_ids],
-            "seconds": time.perf_counter() - began,
+        if measured:
+            answer["requests"][str(item["id"])] = served
+    if not answer["died"]:
+        _serve_contended_again(llm, request, answer, hz, limit)
+    answer["counters"] = _counters(llm) if spec else None
+    return answer
+
+
+def _served_one(llm, item: dict, hz: int, limit: float) -> dict:
+    """One request served alone and timed: its tokens, wall and decode-phase seconds (vLLM's own
+    timestamps), its drafts per step, and the CPU other processes took meanwhile (cores; over
+    `limit`: contended)."""
+    import time
+
+    cpu0, began = cpu_jiffies(), time.perf_counter()
+    [result] = llm.generate([_prompt(item)], _sampling_params(item), use_tqdm=False)
+    cpu1, wall = cpu_jiffies(), time.perf_counter() - began
+    other = max((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1]), 0) / hz / max(wall, 1e-9)
+    completion = result.outputs[0]
+    metrics = completion.spec_decode_metrics
+    phase = _decode_phase(result)
+    return {"token_ids": [int(t) for t in completion.token_ids], "seconds": wall,
             "decode_s": None if phase["first_token_ts"] is None
             else phase["last_token_ts"] - phase["first_token_ts"],
             "drafted": None if metrics is None else [int(v) for v in metrics.per_step_drafted],
-            "accepted": None if metrics is None else [int(v) for v in metrics.per_step_accepted]}
-    answer["counters"] = _counters(llm) if spec else None
-    return answer
+            "accepted": None if metrics is None else [int(v) for v in metrics.per_step_accepted],
+            "other_cores": round(other, 3), "contended": other > limit, "served": 1}
+
+
+def _serve_contended_again(llm, request: dict, answer: dict, hz: int, limit: float) -> None:
+    """The K 0 items timed while other processes took CPU, served again (up to request["retries"]
+    times each, after the replay), the least contended timing kept. Only K 0 items: they draft
+    nothing, so the engine's acceptance counters and a suffix tree's drafts for the measured
+    requests stay as the replay left them."""
+    for _ in range(int(request.get("retries", 0))):
+        again = [item for item in request["requests"] if item.get("k") == 0
+                 and (answer["requests"].get(str(item["id"])) or {}).get("contended")]
+        for item in again:
+            kept = answer["requests"][str(item["id"])]
+            try:
+                served = _served_one(llm, item, hz, limit)
+            except Exception:  # noqa: BLE001 - a retry that fails keeps the first timing
+                return
+            if served["token_ids"] == kept["token_ids"] and served["other_cores"] < kept["other_cores"]:
+                answer["requests"][str(item["id"])] = dict(served, served=kept["served"] + 1)
+            else:
+                kept["served"] += 1
 
 
 def _generate_all(llm, items: list[dict], answer: dict, blame: str):
