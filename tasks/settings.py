@@ -359,6 +359,11 @@ class LoadCheckSettings(_Group):
         "in draw order, repeated when it has fewer"))
     max_tokens: int = Field(default=32, ge=2, description=(
         "longest response of a load check request (the logged length, cut here)"))
+    retries: int = Field(default=2, ge=0, description=(
+        "a wave side during which other processes took more CPU than profile_contention_cores "
+        "(and the cores the server left them) is served again up to this many times, its least "
+        "contended result kept; a level's interval is over the pairs no neighbour reached where "
+        "at least 5 are left"))
     timeout_s: float = Field(default=300.0, gt=0, description=(
         "one level on one server; past it the level is a hang: the domain is not promotable and "
         "the reason names the server's log"))

@@ -339,3 +339,55 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkey
     status, reason = outcome["failure"]
     assert status == "died" and outcome["levels"] == []
     assert "the config server died at 2 concurrent requests" in reason and str(server.log_path) in reason
+
+
+def test_a_suffix_server_serves_each_level_its_own_requests_others_share_them():
+    # a server that learns from what it serves (suffix decoding) would draft a request's own
+    # response at the second level it is served at: each level takes the next requests, wrapping
+    # round only where the domain has too few; other methods serve every level the same ones
+    from tasks.steps.load_check import level_slices
+
+    items = [{"id": f"r{n}"} for n in range(10)]
+    levels = [(1, 4), (2, 4), (4, 2)]
+    ids = [[item["id"] for item in chosen] for chosen in level_slices(items, levels, 3, disjoint=True)]
+    assert ids == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6", "r7", "r8", "r9"]]
+    ids = [[item["id"] for item in chosen] for chosen in level_slices(items[:5], levels, 3, disjoint=True)]
+    assert ids == [["r0", "r1", "r2"], ["r3", "r4", "r0"], ["r1", "r2", "r3", "r4"]]
+    shared = level_slices(items, levels, 3, disjoint=False)
+    assert [len(chosen) for chosen in shared] == [3, 3, 4] and shared[0] == shared[1] == items[:3]
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(served, monkeypatch):
+    # the first plain and config waves read as if a neighbour took 9 cores meanwhile: each side
+    # is served again (an n-gram server drafts the same proposals twice) and the clean retry
+    # kept, so the level's pairs are not marked contended
+    import tasks.steps.load_check as load_check_step
+    from tasks.steps.load_check import level_items, level_row, measure_domain
+
+    spec = served["result"]["domains"]["count"]["speculative_config"]
+    settings = load_settings(load_check_levels=(1, 2), load_check_requests=1, load_check_retries=2)
+    items = level_items(_requests("count", ["count"]), 1, TOKENS)
+    calls = []
+    real_run_level = load_check_step.run_level
+
+    def run_level(server, wave, *args, **kwargs):
+        result = real_run_level(server, wave, *args, **kwargs)
+        calls.append(wave[0]["k"])
+        if len(calls) <= 2:
+            result["other_cores"] = 9.0
+        else:
+            result["other_cores"] = 0.0
+        return result
+
+    monkeypatch.setattr(load_check_step, "run_level", run_level)
+    outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings)
+    assert outcome["failure"] is None
+    # plain and config, then each again once (the retries are clean: no second retry)
+    assert calls == [0, None, 0, None]
+    level, k, plain, config, chosen = outcome["levels"][0]
+    assert (level, k, [item["id"] for item in chosen]) == (1, 4, [items[0]["id"]])
+    row = level_row(level, k, plain, config)
+    assert [pair["contended"] for pair in row["per_request"]] == [False]
+    assert row["counters"] == row["request_sums"]       # the kept wave's own /metrics delta

@@ -9,6 +9,10 @@ many tokens it carried, the time to the first token, the decode phase (first tok
 vLLM's own per-request speculative-decoding metrics (the final usage chunk's
 `metrics.speculative_decoding`, sent with `stream_options.include_usage`).
 
+Per level it also reads from /proc the CPU other processes took meanwhile (`other_cores`: the
+machine's busy time less the server's process tree and this process, over the level's wall time),
+so that a caller can tell a level a neighbour slowed.
+
 A request that fails (HTTP error, an error chunk, a dropped connection) is recorded failed with its
 error; a level that runs past its deadline is cut ("timeout"), its requests in flight cancelled.
 Nothing here decides what a result means (tasks.steps.load_check does).
@@ -21,6 +25,7 @@ import json
 import time
 
 import httpx
+import psutil
 
 from .server import VllmServer
 
@@ -124,12 +129,39 @@ async def _level(server: VllmServer, items: list[dict], concurrency: int, timeou
     return {"requests": results, "wall_s": wall, "timed_out": bool(pending)}
 
 
+def cpu_seconds(pid: int | None) -> tuple[float, float]:
+    """(CPU seconds the machine has spent busy, CPU seconds of process `pid` with its children
+    and of this process): their differences over a level give the CPU other processes took."""
+    times = psutil.cpu_times()
+    # guest time is inside user time on Linux; idle and iowait are not busy
+    busy = sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+    own = psutil.Process().cpu_times()
+    ours = own.user + own.system
+    try:
+        root = psutil.Process(pid) if pid else None
+        for process in ([root] + root.children(recursive=True)) if root else []:
+            try:
+                mine = process.cpu_times()
+                ours += mine.user + mine.system
+            except psutil.NoSuchProcess:
+                continue
+    except psutil.NoSuchProcess:
+        pass
+    return busy, ours
+
+
 def run_level(server: VllmServer, items: list[dict], concurrency: int, timeout_s: float) -> dict:
     """Stream `items` through `server` at `concurrency` (see the module's docstring). Output:
     {requests: [per request], wall_s, timed_out, counters: /metrics deltas or None when the server
-    could not be read after the level, alive: the server's process after the level}."""
+    could not be read after the level, alive: the server's process after the level, other_cores:
+    the CPU other processes took meanwhile}."""
+    pid = server.process.pid if server.process is not None else None
     before = _counters(server)
+    cpu0 = cpu_seconds(pid)
     level = asyncio.run(_level(server, items, concurrency, timeout_s))
+    cpu1 = cpu_seconds(pid)
+    level["other_cores"] = round(max((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1]), 0.0)
+                                 / max(level["wall_s"], 1e-9), 3)
     after = _counters(server) if server.alive() else None
     level["alive"] = server.alive()
     level["counters"] = None if before is None or after is None else counter_delta(before, after)

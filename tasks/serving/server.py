@@ -85,6 +85,7 @@ class VllmServer:
     settings: Settings | None = None
     plan_path: Path | None = None       # K per request by domain (the plugin's SPECDEC_VLLM_PLAN)
     threads: str | None = None          # the CPUs its OpenMP threads run on (None: vLLM's own choice)
+    spare_cores: int = 0                # CPUs left to the processes running when it started
     port: int = 0
     process: subprocess.Popen | forks.ForkedProcess | None = field(default=None, repr=False)
     start_s: float | None = None
@@ -331,10 +332,11 @@ class ServerPool:
             path = self.directory / f"server-{name}{'' if not taken else f'-{taken}'}.log"
         # its threads on the CPUs other processes leave free now (one thread waiting on a busy
         # core stalls the others at every step)
+        threads = environment.free_cpus()
         server = VllmServer(self.model_dir, spec, path, mended=mended, dtype=self.dtype,
                             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                            block_size=block_size, settings=self.settings,
-                            threads=environment.free_cpus()["bind"])
+                            block_size=block_size, settings=self.settings, threads=threads["bind"],
+                            spare_cores=threads["spare"])
         try:
             server.start()
         except (EngineTimeout, ServingProbeError) as exc:

@@ -373,6 +373,20 @@ def speedup_interval(per_request: list[dict], samples: int = 2000, seed: int = 0
     return out
 
 
+def judged_pairs(per_request: list[dict], least: int = WEAK_EVIDENCE) -> tuple[list[dict], int, str]:
+    """The timed pairs a speedup is judged on: those neither of whose twins ran while other
+    processes took CPU ("contended"), where at least `least` are left, else all of them. Output:
+    (pairs, how many were contended, "; 2 of 8 pairs contended, left out" or "")."""
+    timed = [r for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s")]
+    clean = [r for r in timed if not r.get("contended")]
+    if len(clean) == len(timed):
+        return timed, 0, ""
+    judged = clean if len(clean) >= least else timed
+    return judged, len(timed) - len(clean), (
+        f"; {len(timed) - len(clean)} of {len(timed)} pairs contended, "
+        + ("left out" if judged is clean else "all used: too few clean ones"))
+
+
 def live_verdict(per_request: list[dict], config: dict, settings: Settings,
                  predicted_same: float | None) -> dict:
     """Whether the live measurement lets a domain the plan turns on actually turn on.
@@ -391,17 +405,11 @@ def live_verdict(per_request: list[dict], config: dict, settings: Settings,
     weak, measured, lo, hi, error_lo, error_hi, predicted, requests, contended, reason, and the settings it
     was judged by: min_speedup, tolerance, live_veto}.
     """
-    timed = [r for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s")]
-    clean = [r for r in timed if not r.get("contended")]
-    # pairs a neighbour's CPU reached (either twin) are left out where enough clean ones remain
-    judged = clean if len(clean) >= WEAK_EVIDENCE else timed
+    judged, contended, contention = judged_pairs(per_request)
     interval = speedup_interval(judged)
     requests = len(judged)
-    contention = ("" if len(clean) == len(timed) else
-                  f"; {len(timed) - len(clean)} of {len(timed)} pairs contended, " + (
-                      "left out" if judged is clean else "all used: too few clean ones"))
     predicted = predicted_same or config.get("predicted_speedup")
-    out = {**interval, "predicted": predicted, "requests": requests, "contended": len(timed) - len(clean),
+    out = {**interval, "predicted": predicted, "requests": requests, "contended": contended,
            "verdict": LiveVerdict.NONE.value,
            "reason": "no live measurement", "min_speedup": settings.plan.min_speedup,
            "tolerance": settings.live.tolerance, "live_veto": settings.live.veto}

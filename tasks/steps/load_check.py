@@ -10,7 +10,11 @@ each its logged prompt, sampling parameters and seed, its length cut at `load_ch
 are streamed through the config's one vLLM server with K per request (the project's plugin), in
 waves of the level's size, each wave twice: at K 0 (the plain control) and at the config's K, the
 order alternating wave by wave, so that every ratio pairs the same requests on the same server a
-wave apart (a machine that slows between two server starts no longer moves it). A K 0 request
+wave apart (a machine that slows between two server starts no longer moves it). A suffix server
+learns from what it serves: there the config's wave goes first and each level takes its own
+requests. A wave side a neighbour slowed (CPU of other processes read from /proc) is served again
+(load_check_retries), and a level's interval leaves out the pairs a neighbour reached where at
+least 5 clean ones remain (tasks.steps.confirm.judged_pairs). A K 0 request
 on that server still pays the drafter's host search (vLLM proposes for the whole batch; the cut
 is made after), so the control is what the deployment serves its off domains with
 (tasks.serving.load: asyncio + httpx). Per level and server: output tokens/s (over the level's
@@ -47,7 +51,7 @@ from ..serving.load import inter_token_latencies, merge_levels, run_level
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
 from .acceptance import accepted_per_position, mean_accepted_length, position_rates
-from .confirm import offline_totals, speedup_interval, truncated
+from .confirm import judged_pairs, offline_totals, speedup_interval, truncated
 from .costs import CostTable
 from .engine_check import _dtype, end_slot, local_spec, predicted_speedup
 from .engine_costs import engine_profile
@@ -150,8 +154,10 @@ def level_row(concurrency: int, k: int, plain: dict, config: dict) -> dict:
             pairs.append({"request_id": s["id"], "plain_tokens": len(p["token_ids"]) - 1,
                           "plain_decode_s": p["decode_s"], "spec_tokens": len(s["token_ids"]) - 1,
                           "spec_decode_s": s["decode_s"], "plain_ttft_s": p["ttft_s"],
-                          "spec_ttft_s": s["ttft_s"], "spec": s["spec"]})
-    interval = speedup_interval(pairs)
+                          "spec_ttft_s": s["ttft_s"], "spec": s["spec"],
+                          "contended": bool(p.get("contended") or s.get("contended"))})
+    judged, _, _ = judged_pairs(pairs)
+    interval = speedup_interval(judged)
     left, right = _side(plain), _side(config)
     counters = config.get("counters")
     sums = request_sums([r for r in config["requests"] if r["ok"]])
@@ -257,13 +263,45 @@ def waves(items: list[dict], level: int) -> list[list[dict]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def level_slices(items: list[dict], levels: list[tuple[int, int]], requests: int,
+                 disjoint: bool) -> list[list[dict]]:
+    """Each level's requests: the first max(requests, level) of `items`, or with `disjoint` (a
+    server whose drafter learns from what it serves: suffix decoding) the next ones after the
+    levels before, so that no level is served requests whose responses the server already
+    holds (wrapping round only where the domain has too few)."""
+    out, at = [], 0
+    for level, _ in levels:
+        count = max(requests, level)
+        if not disjoint:
+            out.append(items[:count])
+            continue
+        out.append([items[(at + n) % len(items)] for n in range(count)] if items else [])
+        at += count
+    return out
+
+
+def _serve_wave(server, wave: list[dict], level: int, asked: int | None, settings: Settings,
+                limit: float) -> dict:
+    """One wave at one K (None: the server's schedule), its requests marked contended when other
+    processes took more than `limit` cores meanwhile."""
+    result = run_level(server, [dict(item, k=asked) for item in wave], level, settings.load.timeout_s)
+    for request in result["requests"]:
+        request["contended"] = result.get("other_cores", 0.0) > limit
+    return result
+
+
 def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], items: list[dict],
                    settings: Settings) -> dict:
     """The levels of one domain on the config's one server, K per request: at each level the
     requests in waves of the level's size, each wave served twice, at K 0 (plain) and at the
-    config's K (the server's schedule), the order alternating wave by wave, so that each ratio
-    pairs the same requests served minutes apart at most. Output: {levels: [(level, K, plain,
-    config)], failure: (status, reason) or None, logs: {plain, config}}."""
+    config's K (the server's schedule), the order alternating wave by wave (a suffix server, which
+    learns from every response it serves, the config's first and each level its own requests:
+    level_slices), so that each ratio pairs the same requests served moments apart. A side
+    during which other processes took CPU (tasks.serving.load.run_level's other_cores over
+    profile_contention_cores and the cores the server left them) is served again, up to
+    load_check_retries times, its least contended result kept (a suffix server's config side
+    never: it would draft its own responses). Output: {levels: [(level, K, plain, config,
+    requests)], failure: (status, reason) or None, logs: {plain, config}}."""
     # one size for every domain (the largest level of the setting): domains share their servers
     seqs = max(settings.load.levels)
     out: dict = {"levels": [], "failure": None, "logs": {}}
@@ -278,22 +316,37 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
                                     "plugin is not in the serving environment: run `make serving-env`); "
                                     f"its log: {server.log_path}")
         return out
-    for level, k in levels:
-        chosen = items[:max(settings.load.requests, level)]
+    learns = spec.get("method") == "suffix"
+    limit = settings.profile.contention_cores + getattr(server, "spare_cores", 0)
+    for (level, k), chosen in zip(levels, level_slices(items, levels, settings.load.requests, learns)):
         sides: dict = {"plain": [], "config": []}
         log.info("load check: %d requests at %d concurrent, K 0 and K %d alternating in waves",
                  len(chosen), level, k)
         for index, wave in enumerate(waves(chosen, level)):
             order = (("plain", 0), ("config", None))
-            for which, asked in (order if index % 2 == 0 else order[::-1]):
-                result = run_level(server, [dict(item, k=asked) for item in wave], level,
-                                   settings.load.timeout_s)
-                if result["timed_out"] or not result["alive"]:
-                    out["failure"] = _failure(which, server, level, result, None, settings)
+            if learns or index % 2:
+                order = order[::-1]
+            served = {}
+            for which, asked in order:
+                served[which] = _serve_wave(server, wave, level, asked, settings, limit)
+                if served[which]["timed_out"] or not served[which]["alive"]:
+                    out["failure"] = _failure(which, server, level, served[which], None, settings)
                     server.stop()       # a hung server is not left running; the pool restarts it
                     return out
-                sides[which].append(result)
-        out["levels"].append((level, k, merge_levels(sides["plain"]), merge_levels(sides["config"])))
+            for _ in range(settings.load.retries):
+                again = [(which, asked) for which, asked in order if served[which]["other_cores"] > limit
+                         and not (learns and which == "config")]
+                for which, asked in again:
+                    retry = _serve_wave(server, wave, level, asked, settings, limit)
+                    if retry["timed_out"] or not retry["alive"]:
+                        out["failure"] = _failure(which, server, level, retry, None, settings)
+                        server.stop()
+                        return out
+                    if retry["other_cores"] < served[which]["other_cores"]:
+                        served[which] = retry
+            for which in sides:
+                sides[which].append(served[which])
+        out["levels"].append((level, k, merge_levels(sides["plain"]), merge_levels(sides["config"]), chosen))
     return out
 
 
@@ -319,12 +372,10 @@ def _domain_result(context, domain: str, config: dict, spec: dict, measured: dic
                    items: list[dict]) -> tuple[dict, list[dict], dict]:
     """(load_check_domains row, level rows, domain_configs changes) of one measured domain."""
     settings = context.settings
-    predictions = _predictions(context, domain, config, items,
-                               {k for _, k, _, _ in measured["levels"]}, costs)
     rows = []
-    for level, k, plain, served in measured["levels"]:
+    for level, k, plain, served, chosen in measured["levels"]:
         row = level_row(level, k, plain, served)
-        totals, sampled = predictions.get(k, ([], []))
+        totals, sampled = _predictions(context, domain, config, chosen, {k}, costs).get(k, ([], []))
         row["predicted_speedup"] = predicted_at(costs, config["drafter"], config.get("drafter_spec"),
                                                 totals, sampled, level)
         row["pays"] = pays(row, settings, bool(config.get("champion_on")))
@@ -359,9 +410,11 @@ def _planned(context, on: dict, exported: dict) -> dict:
         spec = exported.get(domain)
         levels = [(b, k_at(spec, b)) for b in sorted(set(settings.load.levels))
                   if spec is not None and claimed_k(on[domain], b) > 0]
+        counts = [max(settings.load.requests, b) for b, _ in levels]
+        # a suffix server learns from what it serves: each level its own requests (level_slices)
+        learns = spec is not None and spec.get("method") == "suffix"
         items = level_items(context.domain_requests(domain)[0],
-                            max([settings.load.requests] + [b for b, _ in levels]),
-                            settings.load.max_tokens)
+                            (sum(counts) if learns else max(counts, default=0)), settings.load.max_tokens)
         if spec is not None and levels and items:
             planned[domain] = (spec, levels, items)
     return planned
