@@ -231,6 +231,12 @@ class ProfileSettings(_Group):
     contention_cores: float = Field(default=0.25, ge=0, description=(
         "a timed batch during which other processes took more than this many cores of CPU "
         "(read from /proc/stat) is marked contended and its repeat taken again"))
+    slowed: float = Field(default=1.0, gt=0, description=(
+        "a timed batch whose step is more than this share over the fastest batch of its batch "
+        "size and K (the same prompts, the same work) was slowed by something else: its pair is "
+        "left out like a contended one. A neighbour in bursts stalls one batch of a pair 4 to 11 "
+        "times over, often without /proc showing it; a quiet machine's batches stay within 1.5 "
+        "times the fastest"))
     noise_floor: float = Field(default=0.05, ge=0, lt=1, description=(
         "a cost that falls where it must not (the step as the batch grows, verify as K grows, "
         "verify below one step) is inconsistent only when it falls by more than this and than "

@@ -134,3 +134,25 @@ def test_an_engine_runs_its_threads_on_the_cpus_other_processes_leave_free():
     # read from /proc on this machine: a choice among the CPUs this process may use
     seen = free_cpus(sample_s=0.2)
     assert seen["cpus"] and set(seen["cpus"]) <= set(os.sched_getaffinity(0))
+
+
+def test_a_neighbour_working_in_bursts_is_counted_whatever_phase_the_sampling_catches():
+    import subprocess
+    import sys
+
+    from tasks.serving.environment import choose_cpus, free_cpus
+
+    # a quarter of a core on average, a whole one while it works: the burst decides
+    assert choose_cpus({0: 0.05, 1: 0.20})["spare"] == 0
+    assert choose_cpus({0: 0.05, 1: 0.20}, others=0.95) == {"cpus": [0], "others": 0.95, "spare": 1, "bind": "0"}
+    # on this machine: a process spinning 1 s in every 4 (busy_neighbour.py's pattern, shorter);
+    # sampled over one period, its burst is seen and one CPU is left to it
+    burst = ("import time\nwhile True:\n    end = time.time() + 1\n    while time.time() < end:\n"
+             "        pass\n    time.sleep(3)\n")
+    neighbour = subprocess.Popen([sys.executable, "-c", burst])
+    try:
+        seen = free_cpus(sample_s=4.0, slices=8)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    assert seen["others"] >= 0.5 and seen["spare"] >= 1 and len(seen["cpus"]) == len(os.sched_getaffinity(0)) - seen["spare"]

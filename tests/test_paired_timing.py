@@ -73,3 +73,38 @@ def test_the_next_round_times_only_the_ratios_still_open(probe):
     steady = [r for p in range(3) for r in pair_rows(p, 1, 0.040, 0.044, repeat=p)]
     scatter = [r for p, v in enumerate((0.050, 0.060, 0.056)) for r in pair_rows(10 + p, 2, 0.040, v, repeat=p)]
     assert probe._still_open(request, steady + scatter, groups, 3, todo) == [((1, "greedy"), 2)]
+
+
+def test_a_batch_a_burst_stalled_is_left_out_though_proc_saw_nothing(probe):
+    # busy 2's ngram engine, CPU 1 to itself: a K 0 batch read 406 ms a step against 36-42 for
+    # the others, with no contention in /proc; its pair gave 0.09. More than `slack` over the
+    # fastest batch of its cell, it is left out
+    rows = (pair_rows(0, 2, 0.040, 0.048) + pair_rows(1, 2, 0.406, 0.046, repeat=1)
+            + pair_rows(2, 2, 0.041, 0.049, repeat=2))
+    assert len(probe.paired_ratios(rows, (1, "greedy"), 2)) == 3
+    assert probe.paired_ratios(rows, (1, "greedy"), 2, slack=1.0) == pytest.approx([1.2, 49 / 41])
+    # a quiet machine's spread (up to 1.5x the fastest) stays in
+    calm = pair_rows(3, 2, 0.055, 0.066, repeat=3)
+    assert len(probe.paired_ratios(rows + calm, (1, "greedy"), 2, slack=1.0)) == 3
+
+
+def test_the_engines_pooled_spread_settles_two_agreeing_pairs_and_prices_one(probe):
+    # twelve ratios of two pairs each, all within 2% of their own: pooled, their spread is about
+    # 2% of a ratio on 12 degrees of freedom, so two pairs settle a ratio within 5%, where each
+    # ratio's own t with one degree of freedom (12.7) would keep it open
+    groups = {(b, "greedy"): [0, 1, 2, 4] for b in (1, 2, 4, 8)}
+    rows, pair = [], 0
+    for b in (1, 2, 4, 8):
+        for k in (1, 2, 4):
+            for wobble in (0.99, 1.01):
+                rows += pair_rows(pair, k, 0.040, 0.040 * (1 + 0.1 * k) * wobble, batch=b, repeat=pair % 2)
+                pair += 1
+    spread, df = probe.pooled_spread(rows, groups)
+    assert df == 12 and 0.01 < spread < 0.03
+    alone = probe.ratio_interval(probe.paired_ratios(rows, (1, "greedy"), 1))
+    pooled = probe.ratio_interval(probe.paired_ratios(rows, (1, "greedy"), 1), (spread, df))
+    assert alone[1] > 0.05 * alone[0] and pooled[1] <= 0.05 * pooled[0]
+    assert probe.open_ratios(rows, groups, 0.05, 2) == set()
+    # one clean pair: priced with the pooled spread (a single pair cannot judge itself)
+    assert probe.ratio_interval([1.1], (spread, df))[1] == pytest.approx(probe.t95(df) * spread * 1.1)
+    assert probe.ratio_interval([1.1])[1] == float("inf")

@@ -118,32 +118,43 @@ def _cpu_times() -> dict[int, tuple[int, int]]:
     return out
 
 
-def free_cpus(sample_s: float = 3.0, margin: float = 0.25) -> dict:
+def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12) -> dict:
     """The CPUs an engine started now should run its threads on: over `sample_s` (this process
-    idle meanwhile), other processes kept `others` cores busy (read from /proc/stat); the engine
-    gets the allowed CPUs less ceil(others - margin) of them (at least one), the least busy
-    ones. vLLM's CPU build runs an OpenMP thread per CPU it is given, each step waiting for the
-    slowest: one CPU taken by a neighbour stalls them all, so the CPUs a neighbour uses are left
-    to it. Output: {"cpus": [...], "others": cores, "spare": CPUs left to the others, "bind":
-    "0,2" for VLLM_CPU_OMP_THREADS_BIND, or None where every allowed CPU is used (vLLM's own
-    binding)}."""
+    idle meanwhile) in `slices`, other processes kept `others` cores busy (read from /proc/stat:
+    the mean, or the second busiest slice where that is more, so that a neighbour working in
+    bursts of a second or more counts as the cores it takes when it works, whatever phase the
+    sampling caught it in); the engine gets the allowed CPUs less ceil(others - margin) of them
+    (at least one), the least busy ones. vLLM's CPU build runs an OpenMP thread per CPU it is
+    given, each step waiting for the slowest: one CPU taken by a neighbour stalls them all, so
+    the CPUs a neighbour uses are left to it. Output: {"cpus": [...], "others": cores, "spare":
+    CPUs left to the others, "bind": "0,2" for VLLM_CPU_OMP_THREADS_BIND, or None where every
+    allowed CPU is used (vLLM's own binding)}."""
     import time
 
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    before = _cpu_times()
-    time.sleep(sample_s)
-    after = _cpu_times()
-    used = {cpu: (after[cpu][0] - before[cpu][0]) / max(after[cpu][1] - before[cpu][1], 1)
-            for cpu in allowed if cpu in before and cpu in after}
-    if not used:
+    readings = [_cpu_times()]
+    for _ in range(max(1, slices)):
+        time.sleep(sample_s / max(1, slices))
+        readings.append(_cpu_times())
+    first, last = readings[0], readings[-1]
+
+    def share(before, after, cpu):
+        return (after[cpu][0] - before[cpu][0]) / max(after[cpu][1] - before[cpu][1], 1)
+
+    cpus = [cpu for cpu in allowed if all(cpu in r for r in readings)]
+    if not cpus:
         return {"cpus": allowed, "others": 0.0, "spare": 0, "bind": None}
-    return choose_cpus(used, margin)
+    used = {cpu: share(first, last, cpu) for cpu in cpus}
+    busiest = sorted(sum(share(a, b, cpu) for cpu in cpus) for a, b in zip(readings, readings[1:]))
+    burst = busiest[-2] if len(busiest) > 1 else busiest[-1]
+    return choose_cpus(used, margin, others=max(sum(used.values()), burst))
 
 
-def choose_cpus(used: dict[int, float], margin: float = 0.25) -> dict:
+def choose_cpus(used: dict[int, float], margin: float = 0.25, others: float | None = None) -> dict:
     """free_cpus's choice from each allowed CPU's busy share: the CPUs less ceil(others - margin)
-    of them, at least one, the least busy first."""
-    others = sum(used.values())
+    of them, at least one, the least busy first (others: the cores other processes take, by
+    default the shares' sum)."""
+    others = sum(used.values()) if others is None else others
     count = max(1, len(used) - max(0, math.ceil(others - margin)))
     cpus = sorted(sorted(used, key=lambda cpu: used[cpu])[:count])
     return {"cpus": cpus, "others": round(others, 2), "spare": len(used) - count,

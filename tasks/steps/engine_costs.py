@@ -58,6 +58,7 @@ from ..errors import EngineTimeout, ServingProbeError
 from ..registry.config_schema import DrafterSpec
 from ..registry.vllm_export import speculative_config
 from ..serving import environment as serving_env
+from ..serving.scripts.vllm_probe import clean_pairs, pooled_spread, ratio_interval
 from ..paths import check_identifier, home_path
 from ..settings import Settings
 from ..timeutil import utcnow
@@ -105,9 +106,6 @@ class VllmProfilePlan:
 
 
 # Student's t, two-sided 95%, by degrees of freedom (0 unused; the last serves every larger one)
-T95 = (float("inf"), 12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16,
-       2.14, 2.13, 2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05,
-       2.04)
 NGRAM = "ngram"          # the label of the n-gram engine: plain (K 0) and verify(K) for every K
 
 
@@ -171,7 +169,7 @@ def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, s
             "dtype": dtype, "max_model_len": context + longest + k_max + 8,
             "halfwidth": settings.profile.ratio_halfwidth, "min_repeats": settings.profile.repeats,
             "dip": settings.profile.verify_dip,
-            "contention_cores": settings.profile.contention_cores}
+            "contention_cores": settings.profile.contention_cores, "slowed": settings.profile.slowed}
     lookup = {"kind": "prompt_lookup", "params": {"max_ngram": 3, "min_ngram": 1}}
     runs = [(NGRAM, speculative_config(DrafterSpec(**lookup), k_max), None, ks)]
     lookups = {candidate_label({"kind": "prompt_lookup", "params": {}})}
@@ -345,19 +343,17 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
                         settings=settings, k_max=k_max, progress=progress)
 
 
-def _pairs(timings: list[dict], b: int, sampling: str, k: int) -> tuple[list[float], bool]:
-    """(the step at K over the K 0 step timed beside it, per pair; whether contended pairs were
-    used): the pairs neither of whose batches was contended where there are two or more, else
-    every pair (a neighbour that stayed is on both sides of each). Timings without a `pair` (an
-    earlier probe's) pair by repeat."""
-    by_pair: dict = {}
-    for t in timings:
-        if t["batch_size"] == b and t["sampling"] == sampling and t["steps"] and t["decode_s"]:
-            by_pair.setdefault(t.get("pair", t["repeat"]), {})[t["k"]] = t
-    for contended in (False, True):
-        pairs = [(r[k], r[0]) for r in by_pair.values() if k in r and 0 in r
-                 and (contended or not (r[k]["contended"] or r[0]["contended"]))]
-        if len(pairs) >= 2 or contended:
+def _pairs(timings: list[dict], b: int, sampling: str, k: int,
+           slack: float | None = None) -> tuple[list[float], bool]:
+    """(verify(K) over the K 0 step timed beside it, per pair; whether contended pairs were
+    used): the pairs neither of whose batches was contended (/proc) nor slowed (a step more than
+    `slack` over the fastest of its batch size and K: the probe's clean_pairs) where there are
+    two or more, else every pair not slowed (a neighbour that stayed is on both sides of each;
+    one such pair is priced with the engine's pooled spread), else every pair.
+    Timings without a `pair` (an earlier probe's) pair by repeat."""
+    for contended, slowed, least in ((False, slack, 2), (True, slack, 1), (True, None, 0)):
+        pairs = clean_pairs(timings, (b, sampling), k, contended, slowed)
+        if len(pairs) >= least:
             return [_verify_ratio(at_k, plain, k) for at_k, plain in pairs], contended
     return [], True
 
@@ -370,18 +366,10 @@ def _verify_ratio(at_k: dict, plain: dict, k: int) -> float:
     return ratio if share >= 1.0 or share <= 0 else max((ratio - (1 - share)) / share, ratio)
 
 
-def _interval(values: list[float]) -> tuple[float, float]:
-    """(median, 95% half-width) of paired ratios: Student's t over a robust spread (1.4826 x the
-    median absolute deviation), so that one batch the machine slowed does not widen it (the
-    probe stops on the same figure); (nan, inf) for none, (median, inf) for one."""
-    if not values:
-        return float("nan"), float("inf")
-    middle = float(np.median(values))
-    if len(values) < 2:
-        return middle, float("inf")
-    spread = 1.4826 * float(np.median(np.abs(np.asarray(values) - middle)))
-    t = T95[min(len(values) - 1, len(T95) - 1)]
-    return middle, float(t * spread / np.sqrt(len(values)))
+def _interval(values: list[float], pooled: tuple[float, int] | None = None) -> tuple[float, float]:
+    """(median, 95% half-width) of paired ratios (the probe's ratio_interval: a robust spread, the
+    engine's pooled spread where it has one); (nan, inf) for none, (median, inf) for one."""
+    return ratio_interval(list(values), pooled)
 
 
 def _k0_step(timings: list[dict], b: int, sampling: str) -> float:
@@ -407,9 +395,18 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
     halfwidth = settings.profile.ratio_halfwidth
     ngram = answers[NGRAM]["timings"]
 
+    slack = settings.profile.slowed
+    pooled = {}                 # each engine's spread pooled over its ratios (the probe's rule)
+    for label, answer in answers.items():
+        timings = answer["timings"]
+        groups: dict = {}
+        for t in timings:
+            groups.setdefault((t["batch_size"], t["sampling"]), set()).add(t["k"])
+        pooled[label] = pooled_spread(timings, {g: sorted(ks) for g, ks in groups.items()}, slack=slack)
+
     def ratio(timings, label, b, sampling, k, component, drafter=None) -> float:
-        pairs, contended = _pairs(timings, b, sampling, k)
-        mean, half = _interval(pairs)
+        pairs, contended = _pairs(timings, b, sampling, k, slack)
+        mean, half = _interval(pairs, pooled.get(label))
         what = f"{label} K={k}{' sampled' if sampling != 'greedy' else ''} at batch {b}"
         if not np.isfinite(mean):
             raise ServingProbeError(f"profile: {what}: no paired timing")

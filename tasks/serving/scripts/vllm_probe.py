@@ -369,23 +369,39 @@ def cpu_jiffies() -> tuple[int, int]:
     return busy, int(fields[11]) + int(fields[12])       # utime + stime
 
 
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+       12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
 
 
-def ratio_interval(ratios: list[float]) -> tuple[float, float]:
+def t95(df: int) -> float:
+    """Student's t for a two-sided 95% interval with `df` degrees of freedom (the table's next
+    smaller entry: never narrower than the exact value)."""
+    if df < 1:
+        return float("inf")
+    return 1.96 if df > 30 else T95[max(d for d in T95 if d <= df)]
+
+
+def ratio_interval(ratios: list[float], pooled: tuple[float, int] | None = None) -> tuple[float, float]:
     """(median, 95% half-width) of paired ratios: Student's t over a robust spread (1.4826 x the
     median absolute deviation), so that one batch the machine slowed does not widen it; (median,
-    inf) below two."""
+    inf) below two. With `pooled` (pooled_spread: the engine's relative spread over all its
+    ratios and its degrees of freedom), the spread is the larger of the pooled one and the
+    ratio's own, and t the pooled degrees of freedom's: two clean pairs then settle a ratio
+    whose pairs agree, where t with one degree of freedom (12.7) would not, and one clean pair
+    gets the pooled spread's interval."""
     n = len(ratios)
     if not n:
         return float("nan"), float("inf")
     ordered = sorted(ratios)
     middle = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-    if n < 2:
-        return middle, float("inf")
+    usable = pooled is not None and pooled[1] >= 4
+    if n < 2:       # one pair: only the engine's pooled spread can say how far it may be off
+        return middle, t95(pooled[1]) * pooled[0] * middle if usable else float("inf")
     deviations = sorted(abs(r - middle) for r in ratios)
-    spread = 1.4826 * (deviations[(n - 1) // 2] + deviations[n // 2]) / 2
-    return middle, T95.get(n - 1, 1.96 if n > 30 else 2.1) * spread / n ** 0.5
+    spread = 1.4826 * (deviations[(n - 1) // 2] + deviations[n // 2]) / 2 * (n / (n - 1)) ** 0.5
+    if usable:
+        return middle, t95(pooled[1]) * max(pooled[0] * middle, spread) / n ** 0.5
+    return middle, t95(n - 1) * spread / n ** 0.5
 
 
 def _pair_key(row: dict):
@@ -393,31 +409,91 @@ def _pair_key(row: dict):
     return row.get("pair", row["repeat"])
 
 
-def paired_ratios(timings: list[dict], group: tuple, k: int, contended: bool = False) -> list[float]:
-    """Step at K over the K 0 step timed beside it, over the pairs neither of whose batches was
-    contended (with `contended`: every pair)."""
+def _step(row: dict) -> float:
+    return row["decode_s"] / row["steps"]
+
+
+def fastest_steps(timings: list[dict]) -> dict:
+    """{(batch size, sampling, K): the fastest step any of its batches timed}."""
+    out: dict = {}
+    for row in timings:
+        if row["steps"] and row["decode_s"]:
+            cell = (row["batch_size"], row["sampling"], row["k"])
+            out[cell] = min(out.get(cell, float("inf")), _step(row))
+    return out
+
+
+def slowed(row: dict, fastest: dict, slack: float | None) -> bool:
+    """Whether a batch's step is more than `slack` over the fastest of its (batch size, sampling,
+    K): the same prompts at the same K do the same work, and a machine that is busy only slows
+    a batch, so a batch that much slower was slowed by something else (None: never)."""
+    if slack is None or not row["steps"] or not row["decode_s"]:
+        return False
+    return _step(row) > fastest[(row["batch_size"], row["sampling"], row["k"])] * (1 + slack)
+
+
+def clean_pairs(timings: list[dict], group: tuple, k: int, contended: bool = False,
+                slack: float | None = None) -> list[tuple[dict, dict]]:
+    """The (batch at K, K 0 batch) pairs of a group: neither batch contended (unless `contended`:
+    every pair) nor slowed (slowed(): a neighbour that came and went between two batches)."""
     by_pair: dict = {}
     for row in timings:
         if (row["batch_size"], row["sampling"]) == group and row["steps"]:
             by_pair.setdefault(_pair_key(row), {})[row["k"]] = row
-    return [r[k]["decode_s"] / r[k]["steps"] / (r[0]["decode_s"] / r[0]["steps"])
-            for r in by_pair.values() if k in r and 0 in r and r[0]["decode_s"] > 0
-            and (contended or not (r[k]["contended"] or r[0]["contended"]))]
+    fastest = fastest_steps(timings)
+    return [(r[k], r[0]) for r in by_pair.values() if k in r and 0 in r and r[0]["decode_s"] > 0
+            and (contended or not (r[k]["contended"] or r[0]["contended"]))
+            and not (slowed(r[k], fastest, slack) or slowed(r[0], fastest, slack))]
+
+
+def paired_ratios(timings: list[dict], group: tuple, k: int, contended: bool = False,
+                  slack: float | None = None) -> list[float]:
+    """Step at K over the K 0 step timed beside it, over the pairs neither of whose batches was
+    contended (with `contended`: every pair) or slowed (with `slack`)."""
+    return [_step(at_k) / _step(plain) for at_k, plain in clean_pairs(timings, group, k, contended, slack)]
+
+
+def pooled_spread(timings: list[dict], groups: dict, contended: bool = False,
+                  slack: float | None = None) -> tuple[float, int]:
+    """(relative spread of one ratio, degrees of freedom) pooled over every ratio of an engine with
+    two clean pairs or more: 1.4826 x the median absolute deviation of the log ratios from their
+    own ratio's median, each widened by sqrt(n / (n - 1)); degrees of freedom: the pairs less the
+    ratios. (0, 0) where no ratio has two pairs."""
+    import math
+
+    residuals, pairs, ratios = [], 0, 0
+    for group, ks in groups.items():
+        for k in ks:
+            values = [math.log(r) for r in paired_ratios(timings, group, k, contended, slack) if r > 0]
+            if k == 0 or len(values) < 2:
+                continue
+            values.sort()
+            n = len(values)
+            middle = (values[(n - 1) // 2] + values[n // 2]) / 2
+            residuals += [abs(v - middle) * (n / (n - 1)) ** 0.5 for v in values]
+            pairs, ratios = pairs + n, ratios + 1
+    if not residuals:
+        return 0.0, 0
+    residuals.sort()
+    m = len(residuals)
+    return 1.4826 * (residuals[(m - 1) // 2] + residuals[m // 2]) / 2, pairs - ratios
 
 
 def open_ratios(timings: list[dict], groups: dict, halfwidth: float, least: int,
-                contended: bool = False, dip: float = 0.0) -> set:
+                contended: bool = False, dip: float = 0.0, slack: float | None = None) -> set:
     """The (group, K) whose ratio is not settled yet: fewer than `least` clean pairs, an interval
-    wider than `halfwidth` of it, or a step cheaper at a larger K by more than `dip` beyond both
-    intervals (a figure that breaks the shape costs must have is measured again: both Ks).
-    groups: {(batch size, sampling): its Ks}."""
+    wider than `halfwidth` of it (the spread pooled over the engine's ratios: pooled_spread), or
+    a step cheaper at a larger K by more than `dip` beyond both intervals (a figure that breaks
+    the shape costs must have is measured again: both Ks). groups: {(batch size, sampling): its
+    Ks}."""
     out = set()
+    pooled = pooled_spread(timings, groups, contended, slack)
     for group, ks in groups.items():
         timed = [k for k in ks if k > 0]
         figures = {}
         for k in timed:
-            ratios = paired_ratios(timings, group, k, contended)
-            figures[k] = ratio_interval(ratios)
+            ratios = paired_ratios(timings, group, k, contended, slack)
+            figures[k] = ratio_interval(ratios, pooled)
             if len(ratios) < least or not figures[k][1] <= halfwidth * figures[k][0]:
                 out.add((group, k))
         for a, b in zip(timed, timed[1:]):
@@ -508,7 +584,7 @@ def _still_open(request: dict, timings: list[dict], group_ks: dict, repeat: int,
     least, dip = int(request.get("min_repeats", 3)), float(request.get("dip", 0.0))
     crowded = repeat >= 2 * least and _mostly_contended(timings)
     unsettled = open_ratios(timings, group_ks, float(request["halfwidth"]), least,
-                            contended=crowded, dip=dip)
+                            contended=crowded, dip=dip, slack=request.get("slowed"))
     return [item for item in todo if item in unsettled] or todo
 
 
@@ -524,17 +600,18 @@ def _stop_reason(request: dict, timings: list[dict], group_ks: dict, repeat: int
     """Why time_paired stops after `repeat` whole rounds (None: it goes on)."""
     least, most = int(request.get("min_repeats", 3)), int(request.get("max_repeats", 30))
     halfwidth, dip = float(request["halfwidth"]), float(request.get("dip", 0.0))
+    slack = request.get("slowed")
     # whole rounds only, and at least two (an interval needs two pairs), whatever the budget
     if repeat >= 2 and spent >= float(request["budget_s"]):
         return "budget"
     if repeat >= most:
         return "max_repeats"
-    if not open_ratios(timings, group_ks, halfwidth, least, dip=dip):
+    if not open_ratios(timings, group_ks, halfwidth, least, dip=dip, slack=slack):
         return "settled"
     # a neighbour that stays (most pairs contended): its load is in both batches of each pair,
     # so every pair is used, and said
     if repeat >= 2 * least and _mostly_contended(timings) and not open_ratios(
-            timings, group_ks, halfwidth, least, contended=True, dip=dip):
+            timings, group_ks, halfwidth, least, contended=True, dip=dip, slack=slack):
         return "settled_contended"
     return None
 
