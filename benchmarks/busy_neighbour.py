@@ -93,10 +93,16 @@ def results(home: Path) -> dict:
         (run["run_id"],))]
     for row in rows:
         row["engine_measured"] = (engine.get(row["domain"]) or {}).get("measured_speedup")
+    contended = {"engine check": [0, 0], "load check": [0, 0]}
+    for which, table in (("engine check", "live_measurements"), ("load check", "load_check_levels")):
+        for (per_request,) in db.execute(f"SELECT per_request FROM {table} WHERE run_id = ?", (run["run_id"],)):
+            pairs = json.loads(per_request) if isinstance(per_request, str) else (per_request or [])
+            contended[which][0] += sum(1 for pair in pairs if pair.get("contended"))
+            contended[which][1] += len(pairs)
     seconds = db.execute("SELECT MAX(created_at), MIN(created_at) FROM cost_profiles WHERE run_id = ?",
                          (run["run_id"],)).fetchone()
     return {"run_id": run["run_id"], "rows": rows, "check": dict(check) if check else None,
-            "profile_written": seconds[0], "levels": levels}
+            "profile_written": seconds[0], "levels": levels, "contended": contended}
 
 
 def task_seconds(log: Path) -> dict:
@@ -129,7 +135,9 @@ def table(label: str, result: dict, seconds: float) -> str:
              f"cost profile: {check.get('status')}, {check.get('attempts')} check(s), largest "
              f"spread {100 * (check.get('max_spread') or 0):.0f}%"
              + (f"; reasons: {'; '.join(reasons)}" if reasons else ""), "",
-             *engines_text(check), "",
+             *engines_text(check),
+             "- pairs a neighbour reached: " + ", ".join(
+                 f"{which} {n} of {total}" for which, (n, total) in (result.get("contended") or {}).items()), "",
              "| domain | on | drafter, K | predicted | same requests | measured [95% CI] | cost-model err | on vLLM, 1 at a time | held back by |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

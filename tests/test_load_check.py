@@ -315,7 +315,7 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkey
     spec = served["result"]["domains"]["count"]["speculative_config"]
     settings = load_settings(load_check_levels=(1, 2), load_check_requests=8, load_check_timeout_s=120)
     items = level_items(_requests("count", ["count"] * 8), 8, 400)
-    server = pool.get(spec, max_num_seqs=2)         # the server measure_domain asks the pool for
+    server = pool.get(spec, **load_check_step.SERVER)     # the server measure_domain asks the pool for
     # the kill lands when the config server has streamed its first chunk of the level: mid-level
     # for certain (a request of it is still streaming), whatever the machine's load
     streaming, killed = {}, []

@@ -307,6 +307,12 @@ class ServerPool:
         self.max_running = max(1, max_running)
         self.used: list[str] = []
 
+    def running(self, spec: dict | None, mended: bool = True, max_num_seqs: int | None = None,
+                block_size: int | None = None) -> bool:
+        """Whether the server `get` would return with these arguments is running now."""
+        server = self.servers.get(json.dumps([spec, mended, max_num_seqs, block_size], sort_keys=True))
+        return server is not None and server.alive()
+
     def get(self, spec: dict | None, mended: bool = True, max_num_seqs: int | None = None,
             block_size: int | None = None) -> VllmServer:
         """The running server of `spec` (None: plain), started if it is not; a server that failed

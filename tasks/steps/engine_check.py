@@ -324,10 +324,12 @@ class CheckContext:
 
 def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dict,
                  requests_by_domain: dict, store: Store,
-                 settings: Settings | None = None) -> dict:
-    """Run the engine check of one run (see the module's docstring). Output: {"skipped": line or
-    None, "domains": {domain: row}, "engines": [{domains, start_s, seconds, status}], "sampling":
-    {domain: the sampling test on vLLM (EngineSamplingResult.to_dict())}}."""
+                 settings: Settings | None = None, pool: ServerPool | None = None) -> dict:
+    """Run the engine check of one run (see the module's docstring); pool: the OpenAI servers of
+    the sampling test, left running for the caller (the load check), else a pool of its own closed
+    after the test. Output: {"skipped": line or None, "domains": {domain: row}, "engines":
+    [{domains, start_s, seconds, status}], "sampling": {domain: the sampling test on vLLM
+    (EngineSamplingResult.to_dict())}}."""
     settings = settings or store.settings
     try:
         serving_env.serving_python(settings)
@@ -357,7 +359,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     _add_plain_figures(rows, plan.picked, plain)
     if planned_on_vllm(store, run_id):
         _live_checks(context, plan, rows, answers, plain)
-    sampling = _sampling_test(context, plan, rows, exported)
+    sampling = _sampling_test(context, plan, rows, exported, pool)
     _store(store, run_id, on, rows, settings)
     _log_outcome(run_id, rows, engines)
     return {"skipped": None, "domains": rows, "engines": engines, "sampling": sampling}
@@ -534,13 +536,17 @@ def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict, answers: di
             _store_live(context.store, context.run_id, domain, plan.on[domain], live, row,
                         context.settings)
             row["live_check"] = live["verdict"]
+            if live["verdict"].get("measured") is not None:
+                # the figure judged: over the pairs no neighbour reached (confirm.judged_pairs)
+                row["measured_speedup"] = live["verdict"]["measured"]
             if LiveVerdict.read(live["verdict"]["verdict"]) is LiveVerdict.VETO:
                 row.update(status="below", passed=False,
                            reason=f"engine check: {live['verdict']['reason']}; "
                                   f"{row['reason'].removeprefix('engine check: ')}"[:2000])
 
 
-def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported: dict) -> dict:
+def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported: dict,
+                   pool: ServerPool | None = None) -> dict:
     """With engine_sampling on, the sampling test on vLLM's OpenAI server for every domain the
     replay passed; a domain that fails it is turned off ("lossy", or "died" on an error).
     Output: {domain: EngineSamplingResult.to_dict()}."""
@@ -551,10 +557,15 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported:
               if rows.get(d, {}).get("passed") is not False}
     if not tested:
         return sampling
-    with ServerPool(context.run_id, context.model_dir, dtype=_dtype(context.target_model),
-                    settings=context.settings) as pool:
+    own = pool is None
+    pool = pool or ServerPool(context.run_id, context.model_dir, dtype=_dtype(context.target_model),
+                              settings=context.settings)
+    try:
         results = validate_on_engine(context.run_id, context.store, pool, context.target_model,
                                      tested, context.requests_by_domain, plan.on, context.settings)
+    finally:
+        if own:
+            pool.close()
     for domain, result in results.items():
         sampling[domain] = result.to_dict()
         if not result.passed:

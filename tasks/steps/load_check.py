@@ -55,9 +55,13 @@ from .confirm import judged_pairs, offline_totals, speedup_interval, truncated
 from .costs import CostTable
 from .engine_check import _dtype, end_slot, local_spec, predicted_speedup
 from .engine_costs import engine_profile
-from .engine_validate import served_export
+from .engine_validate import BLOCK_SIZE, served_export
 
 log = logging.getLogger(__name__)
+
+# the servers the engine check's sampling test uses (tasks.steps.engine_validate): with one pool
+# for both, a config's server starts once for the sampling test and the load check
+SERVER = {"block_size": BLOCK_SIZE}
 
 
 def level_items(requests: list, count: int, max_tokens: int) -> list[dict]:
@@ -302,11 +306,9 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     load_check_retries times, its least contended result kept (a suffix server's config side
     never: it would draft its own responses). Output: {levels: [(level, K, plain, config,
     requests)], failure: (status, reason) or None, logs: {plain, config}}."""
-    # one size for every domain (the largest level of the setting): domains share their servers
-    seqs = max(settings.load.levels)
     out: dict = {"levels": [], "failure": None, "logs": {}}
     try:
-        server = pool.get(spec, max_num_seqs=seqs)
+        server = pool.get(spec, **SERVER)
     except (EngineTimeout, ServingProbeError) as exc:
         out["failure"] = _failure("config", None, 0, None, exc, settings)
         return out
@@ -452,9 +454,10 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
     pool = pool or ServerPool(run_id, model_dir, dtype=_dtype(context.model), settings=settings,
                               directory=log_dir(run_id) / "load")
     try:
-        # domains sharing a config one after the other: its server is started once
-        for domain, (spec, levels, items) in sorted(planned.items(),
-                                                    key=lambda p: json.dumps(p[1][0], sort_keys=True)):
+        # domains sharing a config one after the other: its server is started once; the configs
+        # whose server the engine check's sampling test left running first
+        for domain, (spec, levels, items) in sorted(planned.items(), key=lambda p: (
+                not pool.running(p[1][0], **SERVER), json.dumps(p[1][0], sort_keys=True))):
             measured = _measure(context, pool, spec, levels, items)
             version = (versions.get(domain) or {}).get("engine_version")
             if version and version not in profiles:

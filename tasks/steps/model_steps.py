@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -20,16 +21,19 @@ from ..db.queries_runs import (domain_names, finish_inputs, has_live_measurement
                                run_hardware_profile, run_params, set_run_status)
 from ..db.queries_run_view import record_engine_check_skip
 from ..db.store import Store
+from ..errors import ServingEnvUnavailable
 from ..masking import mask_text
 from ..registry.config_schema import config_model_name
 from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
+from ..serving import environment as serving_env
+from ..serving.server import ServerPool
 from ..settings import worker_name
 from .confirm import confirm_domain
 from .context import RunContext, RunSpec, loaded_model
 from ..registry.run_results import profile_check
 from .costs import (describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse,
                     profile_check_text)
-from .engine_check import engine_check
+from .engine_check import _dtype, engine_check
 from .engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
 from .engine_validate import engine_validate_run
 from .failures import record_domain_failure
@@ -261,18 +265,35 @@ def served_engine_check(spec) -> dict:
     spec = RunSpec.of(spec)
     context = RunContext.build(spec)
     domains = domain_names(context.store, spec.run_id, status="ok", enabled=True)
-    result = engine_check(spec.run_id, spec.target, context.model,
-                          {d: context.domain_drafters(d) for d in domains},
-                          {d: context.domain_requests(d)[0] for d in domains},
-                          context.store, settings=context.settings)
-    record_engine_check_skip(context.store, spec.run_id, result["skipped"])
-    if result["skipped"]:
-        log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
-                    result["skipped"])
-    if not result["skipped"]:
-        # under load, at the batch sizes the schedules claim (tasks.steps.load_check)
-        result["load_check"] = load_check(context)
+    # one serving set-up for the sampling test and the load check: a config's OpenAI server
+    # starts once for both (closed here, whatever happens)
+    with serving_pool(context) as pool:
+        result = engine_check(spec.run_id, spec.target, context.model,
+                              {d: context.domain_drafters(d) for d in domains},
+                              {d: context.domain_requests(d)[0] for d in domains},
+                              context.store, settings=context.settings, pool=pool)
+        record_engine_check_skip(context.store, spec.run_id, result["skipped"])
+        if result["skipped"]:
+            log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
+                        result["skipped"])
+        if not result["skipped"]:
+            # under load, at the batch sizes the schedules claim (tasks.steps.load_check)
+            result["load_check"] = load_check(context, pool)
     return json.loads(json.dumps(result, default=str))
+
+
+@contextmanager
+def serving_pool(context):
+    """The run's pool of vLLM OpenAI servers (None where there is no serving environment to serve
+    from: the steps then say why they skip), closed when the block ends."""
+    try:
+        model_dir = serving_env.served_model_dir(context.spec.target)
+    except ServingEnvUnavailable:
+        yield None
+        return
+    with ServerPool(context.spec.run_id, model_dir, dtype=_dtype(context.model),
+                    settings=context.settings) as pool:
+        yield pool
 
 
 def step_load_check(spec) -> dict:

@@ -192,7 +192,9 @@ def _served_one(llm, item: dict, hz: int, limit: float) -> dict:
             else phase["last_token_ts"] - phase["first_token_ts"],
             "drafted": None if metrics is None else [int(v) for v in metrics.per_step_drafted],
             "accepted": None if metrics is None else [int(v) for v in metrics.per_step_accepted],
-            "other_cores": round(other, 3), "contended": other > limit, "served": 1}
+            "other_cores": round(other, 3), "contended": other > limit, "served": 1,
+            # the engine's own CPU meanwhile (cores): a stalled request's falls with its speed
+            "own_cores": round((cpu1[1] - cpu0[1]) / hz / max(wall, 1e-9), 3)}
 
 
 def _serve_contended_again(llm, request: dict, answer: dict, hz: int, limit: float) -> None:
