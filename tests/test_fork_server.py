@@ -223,3 +223,26 @@ def test_a_job_of_a_fork_server_that_dies_reads_as_killed(server, tmp_path):
     # the job is no longer supervised: waiting for it stops it
     assert job.wait(30) == -signal.SIGKILL and not server.alive()
     assert wait_gone(job.pid)
+
+
+def test_a_job_and_every_thread_it_starts_stay_on_the_cpus_it_was_bound_to(server, preload, tmp_path):
+    # vLLM binds only its OpenMP threads; the engine loop and the API server's threads follow
+    # the process, which the fork (or the process of its own) keeps on the CPUs it was given
+    script = tmp_path / "affinity.py"
+    script.write_text("import os, threading\nseen = []\n"
+                      "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+                      "t.start(); t.join()\nprint(sorted(os.sched_getaffinity(0)), seen[0])\n")
+    first = min(os.sched_getaffinity(0))
+    out = tmp_path / "affinity.txt"
+    job = server.launch([str(script)], dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(first)), stdout=str(out))
+    assert job.wait(30) == 0
+    assert out.read_text() == f"[{first}] [{first}]\n"
+    # unbound (vLLM's own choice): every CPU this process may use
+    job = server.launch([str(script)], dict(os.environ), stdout=str(out))
+    assert job.wait(30) == 0
+    every = sorted(os.sched_getaffinity(0))
+    assert out.read_text() == f"{every} {every}\n"
+    # a process of its own (no fork server): the same
+    done = serving_env._run(load_settings(engine_fork_server=False), Path(sys.executable), [str(script)],
+                            dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(first)), "", 30)
+    assert done.stdout == f"[{first}] [{first}]\n"

@@ -150,6 +150,16 @@ def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12) -> 
     return choose_cpus(used, margin, others=max(sum(used.values()), burst))
 
 
+def pinned(bind: str | None):
+    """A subprocess preexec_fn keeping the child, and every thread it starts, on the CPUs of a
+    VLLM_CPU_OMP_THREADS_BIND list (None where there is nothing to pin; a fork of the fork server
+    pins itself: scripts/fork_server.py pin_cpus)."""
+    if not bind or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = {int(cpu) for cpu in bind.split(",") if cpu.strip().isdigit()}
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
 def choose_cpus(used: dict[int, float], margin: float = 0.25, others: float | None = None) -> dict:
     """free_cpus's choice from each allowed CPU's busy share: the CPUs less ceil(others - margin)
     of them, at least one, the least busy first (others: the cores other processes take, by
@@ -197,12 +207,13 @@ def _run(settings: Settings, python: Path, argv: list[str], env: dict, input_tex
         done = forks.run(python, argv, env, input_text, timeout_s, stderr_path=log_path)
         if done is not None:
             return done
+    pin = pinned(env.get("VLLM_CPU_OMP_THREADS_BIND"))
     if log_path is None:
         return subprocess.run([str(python), *argv], input=input_text, capture_output=True,
-                              text=True, timeout=timeout_s, env=env)
+                              text=True, timeout=timeout_s, env=env, preexec_fn=pin)
     with open(log_path, "w") as log_file:
         return subprocess.run([str(python), *argv], input=input_text, stdout=subprocess.PIPE,
-                              stderr=log_file, text=True, timeout=timeout_s, env=env)
+                              stderr=log_file, text=True, timeout=timeout_s, env=env, preexec_fn=pin)
 
 
 SERVED_MARK = "specdec_served.json"     # written beside a target directory made for serving

@@ -124,7 +124,8 @@ class VllmServer:
                                          append=True) if settings.engine.fork_server else None)
             if self.process is None:
                 self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                                env=env, start_new_session=True)
+                                                env=env, start_new_session=True,
+                                                preexec_fn=environment.pinned(self.threads))
         log.info("vLLM server %s starting on %s (pid %d); log %s", self.name, self.url,
                  self.process.pid, self.log_path)
         try:

@@ -46,6 +46,20 @@ def _say(message: dict) -> None:
     os.write(1, (json.dumps(message) + "\n").encode())
 
 
+def pin_cpus(bind: str | None) -> None:
+    """Keep this process, and every thread it starts, on the CPUs of a VLLM_CPU_OMP_THREADS_BIND
+    list ("0,2" or "0-3"): vLLM binds only its OpenMP threads, and its other threads (the engine
+    loop, the API server) left on a neighbour's CPU stall each step. Other forms ("all", NUMA
+    groups with "|") leave the affinity as it is."""
+    if not bind or bind == "all" or "|" in bind or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = set()
+    for part in bind.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    os.sched_setaffinity(0, cpus)
+
+
 def _child(job: dict) -> None:
     """In the forked process: become the job, run it, exit with its status (never returns)."""
     status = 1
@@ -56,6 +70,7 @@ def _child(job: dict) -> None:
         os.chdir(job.get("cwd") or os.getcwd())
         os.environ.clear()
         os.environ.update(job.get("env") or {})
+        pin_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if job.get("append") else os.O_TRUNC)
         stdin = os.open(job["stdin"], os.O_RDONLY) if job.get("stdin") else os.open(os.devnull, os.O_RDONLY)
         stdout = os.open(job["stdout"], mode, 0o644)
