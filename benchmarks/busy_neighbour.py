@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -33,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: int = 1,
                  during: str = "run") -> float:
-    home.mkdir(parents=True, exist_ok=True)
+    if home.exists():       # a fresh store each run: an earlier run's champion or profile is not reused
+        shutil.rmtree(home)
+    home.mkdir(parents=True)
     if not (home / "models").exists():
         (home / "models").symlink_to(models.resolve())
     env = dict(os.environ, SPECDEC_HOME=str(home), COLUMNS="250")
