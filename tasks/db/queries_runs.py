@@ -128,6 +128,13 @@ def set_run_status(tx: Unit, run_id: str, status: str, **values) -> None:
         status=status, updated_at=utcnow(), **values))
 
 
+def domain_config(store: Store, run_id: str, domain: str):
+    """The run's domain_configs row of the domain (a mapping), or None."""
+    with store.connect() as connection:
+        return connection.execute(select(DomainConfig).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
+
+
 def run_hardware_profile(store: Store, run_id: str) -> str | None:
     """The name of the cost profile the run plans with (None: not profiled yet)."""
     with store.connect() as connection:

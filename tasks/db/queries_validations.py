@@ -1,6 +1,7 @@
 """The validate step's reads and writes (tasks.steps.validate, and the sampling test on vLLM in
 tasks.steps.engine_validate): validations rows replaced by check, a run's sampling tests, the last
-fingerprint of the same weights, and the verdicts on domain_configs and eval_runs."""
+fingerprint of the same weights, and the verdicts on domain_configs and eval_runs (a domain's
+config is read by queries_runs.domain_config)."""
 
 from __future__ import annotations
 
@@ -50,13 +51,6 @@ def sampling_results(tx: Unit, run_id: str) -> dict:
     return {row.domain: row.passed for row in tx.execute(
         select(Validation.domain, Validation.passed).where(
             (Validation.run_id == run_id) & (Validation.check_name == "sampling")))}
-
-
-def domain_config_of(store: Store, run_id: str, domain: str):
-    """The run's domain_configs row of the domain (a mapping), or None."""
-    with store.connect() as connection:
-        return connection.execute(select(DomainConfig).where(
-            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
 
 
 def fingerprint_run(store: Store, run_id: str, fid: str):

@@ -31,9 +31,9 @@ from specdec_core import SamplingParams
 from specdec_core.validation import (DEFAULT_VALIDATION_SAMPLING, compare_fingerprints, fingerprint_id,
                                      greedy_check, sampling_check, target_fingerprint)
 
-from ..db.queries_validations import (domain_config_of, fingerprint_run, other_sampling_tests,
-                                      replace_validations, sampling_results, set_domain_verdict,
-                                      set_run_target)
+from ..db.queries_runs import domain_config
+from ..db.queries_validations import (fingerprint_run, other_sampling_tests, replace_validations,
+                                      sampling_results, set_domain_verdict, set_run_target)
 from ..db.store import Store
 from ..serving import environment as serving_env
 from ..settings import Settings
@@ -203,7 +203,7 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     "key", "seconds"}.
     """
     settings = settings or store.settings
-    config = domain_config_of(store, run_id, domain)
+    config = domain_config(store, run_id, domain)
     if config is None or not config["enabled"]:
         with store.transaction() as tx:
             replace_validations(tx, run_id, "sampling", domain, [])
