@@ -436,12 +436,12 @@ def test_promote_force_decides_already_champion_on_the_champion_read_under_the_l
         register(run_id, db_url, uri)
     assert promote_(name, "1", db_url, uri)["promoted"] and promote_(name, "2", db_url, uri)["promoted"]
     mlflow_client = client(uri)
-    with alias_lock(Store.open(db_url), name) as connection:
+    with alias_lock(Store.open(db_url), name) as tx:
         process = _start(["config", "promote", "2", "--force", "--target", target,
                           "--tracking-uri", uri, "--url", db_url], tmp_path / "home")
         _wait_for_lock_waiter(db_url, process)
         mlflow_client.set_registered_model_alias(name, CHAMPION, "1")     # the rollback's move
-        record_promotion(Store.open(db_url), connection, run_id="run-1", target_id=target, config_name=name,
+        record_promotion(tx, run_id="run-1", target_id=target, config_name=name,
                          config_version="1", alias=CHAMPION, action="rollback", forced=False,
                          actor="pytest", gates={"champion_before": "2"},
                          reason="rolled back from version 2")

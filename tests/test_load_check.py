@@ -108,6 +108,7 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
     from tasks.timeutil import utcnow
 
     engine = ensure_ready(db_url)
+    store = Store.open(db_url)
     now = utcnow()
     with engine.begin() as connection:
         connection.execute(insert(EvalRun).values(run_id="r-load", created_at=now, updated_at=now,
@@ -137,9 +138,9 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
               "schedule_before": exported_schedule(config_row),
               "schedule_after": exported_schedule(dict(config_row, **verdict["changes"])),
               "max_level_paying": verdict["largest"], "spec_log": "/logs/spec.log", "plain_log": "/logs/plain.log"}
-    store_load_check(engine, "r-load", {"code": record}, {"code": levels}, {"code": verdict["changes"]})
-    store_load_check(engine, "r-load", {"code": record}, {"code": levels}, {})     # a re-run replaces
-    stored = load_checks(engine, "r-load")["code"]
+    store_load_check(store, "r-load", {"code": record}, {"code": levels}, {"code": verdict["changes"]})
+    store_load_check(store, "r-load", {"code": record}, {"code": levels}, {})     # a re-run replaces
+    stored = load_checks(store, "r-load")["code"]
     assert [level["concurrency"] for level in stored["levels"]] == [1, 2]
     assert stored["schedule_after"] == [[1, 1, 4], [2, BEYOND, 0]]
     with engine.connect() as connection:
@@ -164,7 +165,7 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
     from tasks.registry.load_results import load_check_text, load_markdown
 
     assert load_check_text(table[0]["load_check"]) == "c1 2.00x, c2 0.40x x; K>0 up to 1"
-    assert "| code | 2 | 4 |" in load_markdown(load_checks(engine, "r-load"))
+    assert "| code | 2 | 4 |" in load_markdown(load_checks(store, "r-load"))
 
 
 # --- on vLLM's OpenAI server: one pool of servers for the module -------------------------------

@@ -146,7 +146,7 @@ def cmd_show(args) -> int:
 
     store = open_store(args)
     rows = engine_checks(args.run_id, store)
-    loads = load_checks(store.engine, args.run_id)
+    loads = load_checks(store, args.run_id)
     if args.format == "json":
         for row in rows:      # each domain's load check beside its engine check (None: not run)
             row["load_check"] = load_json(loads.get(row["domain"]))
@@ -229,7 +229,7 @@ def cmd_load(args) -> int:
     if result["skipped"]:
         console.print(escape(result["skipped"]))
         return 0
-    loads = load_checks(store.engine, args.run_id)
+    loads = load_checks(store, args.run_id)
     if args.format == "json":
         print_json({"run_id": args.run_id, "domains": {d: load_json(c) for d, c in loads.items()}})
     else:

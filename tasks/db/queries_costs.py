@@ -1,6 +1,6 @@
 """The cost profiles' reads and writes (tasks.steps.costs, tasks.steps.engine_costs): a profile's
-rows, check and hardware description stored and read, the profile a run plans with, and the
-stored checks a run may reuse."""
+rows, check and hardware description stored and read, and the stored checks a run may reuse (the
+profile a run plans with: queries_runs.run_hardware_profile)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import delete, insert, select
 
 from ..timeutil import utcnow
-from .models import CostProfile, CostProfileCheck, EvalRun, HardwareProfile
+from .models import CostProfile, CostProfileCheck, HardwareProfile
 from .store import Store
 
 
@@ -76,13 +76,6 @@ def cost_profile_rows(store: Store, hardware_profile: str, run_id: str | None):
             .where((CostProfileCheck.hardware_profile == hardware_profile)
                    & (CostProfileCheck.run_id == run_id))).mappings().first()
     return run_id, rows, known, check
-
-
-def run_profile_name(store: Store, run_id: str) -> str | None:
-    """The cost profile the run plans with (eval_runs.hardware_profile), or None."""
-    with store.connect() as connection:
-        return connection.execute(select(EvalRun.hardware_profile)
-                                  .where(EvalRun.run_id == run_id)).scalar()
 
 
 def passed_checks_of_key(store: Store, run_id: str, key: dict, since: datetime) -> list[dict]:

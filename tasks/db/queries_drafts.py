@@ -6,11 +6,10 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import delete, insert, select, update
-from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
 from .models import DraftModelRecord, DraftTrainingRequest, TrafficRequest, production_traffic
-from .store import Store
+from .store import Store, Unit
 
 
 def target_traffic_rows(store: Store, fingerprint: str, domains, start: datetime,
@@ -30,22 +29,22 @@ def target_traffic_rows(store: Store, fingerprint: str, domains, start: datetime
         return connection.execute(query).all()
 
 
-def record_draft(connection: Connection, train_id: str, values: dict,
+def record_draft(tx: Unit, train_id: str, values: dict,
                  splits: dict[str, str] | None = None) -> None:
     """In the caller's transaction: the training's draft_models record made or updated with
     `values`; with splits ({request id: split}), its draft_training_requests replaced."""
-    exists = connection.execute(select(DraftModelRecord.id).where(
+    exists = tx.execute(select(DraftModelRecord.id).where(
         DraftModelRecord.name == train_id)).scalar()
     if exists is None:
-        connection.execute(insert(DraftModelRecord).values(name=train_id, run_id=train_id,
+        tx.execute(insert(DraftModelRecord).values(name=train_id, run_id=train_id,
                                                            created_at=utcnow(), **values))
     else:
-        connection.execute(update(DraftModelRecord).where(DraftModelRecord.name == train_id)
+        tx.execute(update(DraftModelRecord).where(DraftModelRecord.name == train_id)
                            .values(**values))
     if splits is not None:
-        connection.execute(delete(DraftTrainingRequest).where(
+        tx.execute(delete(DraftTrainingRequest).where(
             DraftTrainingRequest.draft_name == train_id))
-        connection.execute(insert(DraftTrainingRequest), [
+        tx.execute(insert(DraftTrainingRequest), [
             {"draft_name": train_id, "request_id": rid, "split": split} for rid, split in splits.items()])
 
 

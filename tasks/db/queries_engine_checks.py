@@ -5,11 +5,10 @@ vLLM live check as a live measurement, and the domain_configs a failed check tur
 from __future__ import annotations
 
 from sqlalchemy import delete, insert, select, update
-from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
 from .models import DomainConfig, EngineCheck, EvalRun, HardwareProfile, LiveMeasurement, Validation
-from .store import Store
+from .store import Store, Unit
 
 
 def planned_domains(store: Store, run_id: str) -> dict[str, dict]:
@@ -40,49 +39,49 @@ def run_hardware_details(store: Store, run_id: str) -> dict | None:
             HardwareProfile.name == name)).scalar()
 
 
-def fail_own_sampling_domains(connection: Connection, run_id: str) -> list[str]:
+def fail_own_sampling_domains(tx: Unit, run_id: str) -> list[str]:
     """In the caller's transaction: the run's domains whose own-engine sampling test failed,
     marked failed and unpromotable where they are on. The domains so found, sorted."""
-    failed = sorted(connection.execute(select(Validation.domain).where(
+    failed = sorted(tx.execute(select(Validation.domain).where(
         (Validation.run_id == run_id) & (Validation.check_name == "sampling")
         & Validation.passed.is_(False))).scalars())
     if failed:
-        connection.execute(update(DomainConfig).where(
+        tx.execute(update(DomainConfig).where(
             (DomainConfig.run_id == run_id) & DomainConfig.domain.in_(failed)
             & DomainConfig.enabled.is_(True)).values(validation="failed", promotable=False))
     return failed
 
 
-def mark_validation_failed(connection: Connection, run_id: str, domain: str) -> None:
+def mark_validation_failed(tx: Unit, run_id: str, domain: str) -> None:
     """In the caller's transaction: the domain's config marked failed and unpromotable."""
-    connection.execute(update(DomainConfig).where(
+    tx.execute(update(DomainConfig).where(
         (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))
         .values(validation="failed", promotable=False))
 
 
-def replace_live_measurement(connection: Connection, record: dict, live_check: dict) -> None:
+def replace_live_measurement(tx: Unit, record: dict, live_check: dict) -> None:
     """In the caller's transaction: the run's live measurement of the domain replaced by `record`,
     and the domain's config given its measured speedup and live check."""
     run_id, domain = record["run_id"], record["domain"]
-    connection.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
+    tx.execute(delete(LiveMeasurement).where((LiveMeasurement.run_id == run_id)
                                                      & (LiveMeasurement.domain == domain)))
-    connection.execute(insert(LiveMeasurement).values(**record, created_at=utcnow()))
-    connection.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
+    tx.execute(insert(LiveMeasurement).values(**record, created_at=utcnow()))
+    tx.execute(update(DomainConfig).where((DomainConfig.run_id == run_id)
                                                   & (DomainConfig.domain == domain))
                        .values(measured_speedup=record["measured_speedup"], live_check=live_check))
 
 
-def replace_engine_checks(connection: Connection, run_id: str, rows: dict[str, dict],
+def replace_engine_checks(tx: Unit, run_id: str, rows: dict[str, dict],
                           off_reasons: dict[str, str]) -> None:
     """In the caller's transaction: the run's engine_checks rows of these domains replaced by
     `rows` ({domain: column values}); the domains in off_reasons turned off with that reason."""
     now = utcnow()
-    connection.execute(delete(EngineCheck).where((EngineCheck.run_id == run_id)
+    tx.execute(delete(EngineCheck).where((EngineCheck.run_id == run_id)
                                                  & EngineCheck.domain.in_(list(rows))))
     for domain, row in rows.items():
-        connection.execute(insert(EngineCheck).values(
+        tx.execute(insert(EngineCheck).values(
             run_id=run_id, domain=domain, engine="vllm", created_at=now, **row))
         if domain in off_reasons:
-            connection.execute(update(DomainConfig).where(
+            tx.execute(update(DomainConfig).where(
                 (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(
                 enabled=False, max_batch_size=None, k_schedule=None, reason=off_reasons[domain]))

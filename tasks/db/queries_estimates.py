@@ -4,11 +4,10 @@ requests, and its acceptance_estimates rows."""
 from __future__ import annotations
 
 from sqlalchemy import delete, insert, select
-from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from .models import AcceptanceEstimate, EvalSample, TrafficRequest
-from .store import Store
+from .store import Store, Unit
 
 
 def sampled_requests(store: Store, run_id: str, domains=None) -> list[tuple]:
@@ -26,11 +25,11 @@ def sampled_requests(store: Store, run_id: str, domains=None) -> list[tuple]:
     return rows
 
 
-def replace_acceptance_estimates(connection: Connection, run_id: str, domains: list[str],
+def replace_acceptance_estimates(tx: Unit, run_id: str, domains: list[str],
                                  rows: list[dict]) -> None:
     """In the caller's transaction: the run's acceptance_estimates of `domains` replaced by `rows`
     (the run's other domains keep theirs)."""
-    connection.execute(delete(AcceptanceEstimate).where(
+    tx.execute(delete(AcceptanceEstimate).where(
         (AcceptanceEstimate.run_id == run_id) & AcceptanceEstimate.domain.in_(list(domains))))
     if rows:
-        connection.execute(insert(AcceptanceEstimate), rows)
+        tx.execute(insert(AcceptanceEstimate), rows)

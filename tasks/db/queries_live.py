@@ -1,5 +1,5 @@
 """The confirm step's reads and write (tasks.steps.confirm): the run's cost profile and worker
-hardware, a domain's plan, and its live measurement stored."""
+hardware, and a domain's live measurement stored (its plan: queries_runs.domain_config)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,6 @@ def run_hardware(store: Store, run_id: str) -> tuple[dict | None, dict | None]:
             HardwareProfile.device, HardwareProfile.dtype).where(
             HardwareProfile.name == profile)).mappings().first()
     return run, stored
-
-
-def domain_config(store: Store, run_id: str, domain: str):
-    """The run's domain_configs row of the domain (a mapping), or None."""
-    with store.connect() as connection:
-        return connection.execute(select(DomainConfig).where(
-            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
 
 
 def store_live_measurement(store: Store, run_id: str, domain: str, row: dict, values: dict) -> None:

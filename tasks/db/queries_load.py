@@ -1,14 +1,14 @@
 """Reads and writes of the load check (tasks.steps.load_check): load_check_domains and
-load_check_levels, and the domain_configs a cut schedule changes. Every function takes an SQLAlchemy
-Engine; writes are one transaction each, and a re-run of a run id replaces its own rows."""
+load_check_levels, and the domain_configs a cut schedule changes. Every function takes the
+Store; writes are one transaction each, and a re-run of a run id replaces its own rows."""
 
 from __future__ import annotations
 
 from sqlalchemy import delete, insert, select, update
-from sqlalchemy.engine import Engine
 
 from ..timeutil import utcnow
 from .models import DomainConfig, EngineCheck, LoadCheckDomain, LoadCheckLevel
+from .store import Store
 
 LEVEL_COLUMNS = tuple(c.name for c in LoadCheckLevel.__table__.columns
                       if c.name not in ("run_id", "domain", "created_at"))
@@ -16,30 +16,30 @@ DOMAIN_COLUMNS = tuple(c.name for c in LoadCheckDomain.__table__.columns
                        if c.name not in ("run_id", "domain", "created_at"))
 
 
-def domains_on(engine: Engine, run_id: str) -> dict[str, dict]:
+def domains_on(store: Store, run_id: str) -> dict[str, dict]:
     """The run's domains its config turns on with a drafter (after the engine check's gate)."""
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok")
             & DomainConfig.enabled.is_(True) & DomainConfig.drafter.is_not(None))).mappings()}
 
 
-def engine_versions(engine: Engine, run_id: str) -> dict[str, dict]:
+def engine_versions(store: Store, run_id: str) -> dict[str, dict]:
     """Per domain, the engine check's vLLM version and the engine profile it predicted from."""
-    with engine.connect() as connection:
+    with store.connect() as connection:
         return {row.domain: {"engine_version": row.engine_version, "engine_profile": row.engine_profile}
                 for row in connection.execute(select(EngineCheck.domain, EngineCheck.engine_version,
                                                      EngineCheck.engine_profile)
                                               .where(EngineCheck.run_id == run_id))}
 
 
-def store_load_check(engine: Engine, run_id: str, domains: dict[str, dict], levels: dict[str, list],
+def store_load_check(store: Store, run_id: str, domains: dict[str, dict], levels: dict[str, list],
                      changes: dict[str, dict]) -> None:
     """One transaction: the run's load check rows of these domains replaced; domain_configs
     updated where `changes` says (per domain: the columns to set, e.g. a cut k_schedule, or
     enabled False with the reason)."""
     now = utcnow()
-    with engine.begin() as connection:
+    with store.begin() as connection:
         names = list(domains)
         connection.execute(delete(LoadCheckLevel).where((LoadCheckLevel.run_id == run_id)
                                                         & LoadCheckLevel.domain.in_(names)))
@@ -59,10 +59,10 @@ def store_load_check(engine: Engine, run_id: str, domains: dict[str, dict], leve
                     (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(**values))
 
 
-def load_checks(engine: Engine, run_id: str, per_request: bool = False) -> dict[str, dict]:
+def load_checks(store: Store, run_id: str, per_request: bool = False) -> dict[str, dict]:
     """The run's load check by domain: its load_check_domains row with "levels", its
     load_check_levels rows by concurrency (per_request: with each level's requests)."""
-    with engine.connect() as connection:
+    with store.connect() as connection:
         out = {row["domain"]: {**dict(row), "levels": []} for row in connection.execute(
             select(LoadCheckDomain).where(LoadCheckDomain.run_id == run_id)
             .order_by(LoadCheckDomain.domain)).mappings()}
@@ -79,7 +79,7 @@ SUMMARY_FIELDS = ("concurrency", "k", "measured_speedup", "measured_speedup_lo",
                   "predicted_speedup", "pays", "engine_e", "failed")
 
 
-def load_summaries(engine: Engine, run_id: str) -> dict[str, dict]:
+def load_summaries(store: Store, run_id: str) -> dict[str, dict]:
     """Per domain, its load check in short (status, passed, the schedules, the largest level
     paying, the reason and per level the speedup, its interval, the predicted one, E): what
     `specdec evaluate`'s table carries."""
@@ -88,4 +88,4 @@ def load_summaries(engine: Engine, run_id: str) -> dict[str, dict]:
                      "schedule_before": check.get("schedule_before"),
                      "schedule_after": check.get("schedule_after"),
                      "levels": [{key: level[key] for key in SUMMARY_FIELDS} for level in check["levels"]]}
-            for domain, check in load_checks(engine, run_id).items()}
+            for domain, check in load_checks(store, run_id).items()}

@@ -1,7 +1,7 @@
 """The production monitor's reads and writes: per-request spec-decode metrics of imported traffic,
 scrapes of the serving deployments, the promises they are compared with, and the monitor's events.
 
-Every function takes an Engine (or, for writes inside a caller's transaction, a Connection); times
+Every function takes the Store (or, for writes inside a caller's transaction, its Unit); times
 are naive UTC datetimes, as everywhere in specdec's database.
 """
 
@@ -11,26 +11,25 @@ from datetime import datetime
 
 from sqlalchemy import func, insert, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection
 
 from .models import (AcceptanceEstimate, CostProfile, MonitorEvent, MonitorPromise,
                      MonitorScrape, Promotion, RequestSpecMetrics, TrafficRequest)
 from .queries_engine_checks import planned_domains
-from .store import Store
+from .store import Store, Unit
 
 
-def _upsert_ignore(connection: Connection, model, keys: list[str]):
-    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+def _upsert_ignore(tx: Unit, model, keys: list[str]):
+    dialect = postgresql if tx.dialect == "postgresql" else sqlite
     return dialect.insert(model.__table__).on_conflict_do_nothing(index_elements=keys)
 
 
 # ------------------------------------------------------------------------------------------------
 # per-request metrics (traffic import)
-def insert_request_metrics(connection: Connection, rows: list[dict]) -> int:
+def insert_request_metrics(tx: Unit, rows: list[dict]) -> int:
     """Store the per-request metrics of requests just inserted, in the import's transaction (a
     request already holding metrics keeps them). Returns how many rows were given."""
     if rows:
-        connection.execute(_upsert_ignore(connection, RequestSpecMetrics, ["request_id"]), rows)
+        tx.execute(_upsert_ignore(tx, RequestSpecMetrics, ["request_id"]), rows)
     return len(rows)
 
 
@@ -143,8 +142,8 @@ def save_promises(store: Store, rows: list[dict]) -> None:
     """Store promises not stored yet (a promise, once read for a deployment and version, stays)."""
     if not rows:
         return
-    with store.begin() as connection:
-        connection.execute(_upsert_ignore(connection, MonitorPromise, [
+    with store.transaction() as tx:
+        tx.execute(_upsert_ignore(tx, MonitorPromise, [
             "deployment", "config_name", "config_version", "domain"]), rows)
 
 

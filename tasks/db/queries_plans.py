@@ -4,16 +4,15 @@ the share of its sampled requests that sample, and the domain's plan stored."""
 from __future__ import annotations
 
 from sqlalchemy import delete, insert, select, update
-from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
 from .models import AcceptanceEstimate, DomainConfig, EvalSample, TrafficRequest
-from .store import Store
+from .store import Store, Unit
 
 
-def sampled_share(connection: Connection, run_id: str, domain: str) -> float:
+def sampled_share(tx: Unit, run_id: str, domain: str) -> float:
     """Share of the run's sampled requests of the domain that sample (temperature > 0)."""
-    rows = connection.execute(
+    rows = tx.execute(
         select(TrafficRequest.temperature).join(EvalSample, EvalSample.request_id == TrafficRequest.id)
         .where((EvalSample.run_id == run_id) & (EvalSample.domain == domain))).scalars().all()
     return sum(1 for t in rows if t and t > 0) / len(rows) if rows else 0.0
@@ -23,12 +22,12 @@ def domain_estimates(store: Store, run_id: str, domain: str,
                      with_share: bool = False) -> tuple[list[dict], float | None]:
     """The run's acceptance_estimates rows of the domain (by drafter, K) as dicts, and (with_share)
     the share of its sampled requests that sample, read on one connection (else None)."""
-    with store.connect() as connection:
-        estimates = [dict(row) for row in connection.execute(
+    with store.transaction() as tx:
+        estimates = [dict(row) for row in tx.execute(
             select(AcceptanceEstimate).where((AcceptanceEstimate.run_id == run_id)
                                              & (AcceptanceEstimate.domain == domain))
             .order_by(AcceptanceEstimate.drafter, AcceptanceEstimate.k)).mappings()]
-        share = sampled_share(connection, run_id, domain) if with_share else None
+        share = sampled_share(tx, run_id, domain) if with_share else None
     return estimates, share
 
 

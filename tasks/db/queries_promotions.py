@@ -1,9 +1,10 @@
 """Reads and writes of the `promotions` table (the audit rows of registration, promotion, refusal,
 rollback) and the lock that serialises a registered model's alias moves (tasks.registry.promotion).
 
-The alias-lock path is transactional: alias_lock yields one connection inside its transaction
-(PostgreSQL: an advisory lock; SQLite: BEGIN IMMEDIATE); the reads and writes made under it take
-that connection, so they commit or roll back with the alias move.
+The alias-lock path is transactional: alias_lock yields the Unit of its transaction (PostgreSQL:
+an advisory lock; SQLite: BEGIN IMMEDIATE); the reads and writes made under it take that Unit, so
+they commit or roll back with the alias move. Outside the lock an audit row is written in a
+transaction of its own: `with store.transaction() as tx: record_promotion(tx, ...)`.
 """
 
 from __future__ import annotations
@@ -12,21 +13,16 @@ import hashlib
 from contextlib import contextmanager
 
 from sqlalchemy import insert, select, text
-from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
 from .models import Promotion
-from .store import Store
+from .store import Store, Unit
 
 
-def record_promotion(store: Store, connection: Connection | None = None, **values) -> None:
-    """One audit row in `promotions` (register, promote, reject, rollback), stamped now; in
-    `connection`'s transaction when given (inside alias_lock), else in its own."""
-    if connection is not None:
-        connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
-        return
-    with store.begin() as connection:
-        connection.execute(insert(Promotion).values(created_at=utcnow(), **values))
+def record_promotion(tx: Unit, **values) -> None:
+    """One audit row in `promotions` (register, promote, reject, rollback), stamped now, in the
+    unit's transaction (alias_lock's, or one of Store.transaction())."""
+    tx.execute(insert(Promotion).values(created_at=utcnow(), **values))
 
 
 def _lock_key(name: str) -> int:
@@ -40,35 +36,35 @@ def alias_lock(store: Store, name: str):
     specdec's own database: a transaction-scoped advisory lock on PostgreSQL, a write transaction
     (BEGIN IMMEDIATE) on SQLite. MLflow has no compare-and-set for aliases; every specdec move
     reads the alias, checks it, sets it and writes its audit row inside this lock, so the row says
-    what was really replaced. Yields the connection to write the audit row with; it commits on
-    success and rolls back on error."""
+    what was really replaced. Yields the Unit to read and write the audit row with; it commits
+    on success and rolls back on error."""
     with store.connect() as connection:
         if store.engine.dialect.name == "postgresql":
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _lock_key(name)})
         else:
             connection.exec_driver_sql("BEGIN IMMEDIATE")   # waits on the busy timeout (30 s)
         try:
-            yield connection
+            yield Unit(store, connection)
         except BaseException:
             connection.rollback()
             raise
         connection.commit()
 
 
-def promotion_of(connection: Connection, name: str, alias: str, version: str):
+def promotion_of(tx: Unit, name: str, alias: str, version: str):
     """The newest promote row that made `version` the `alias` of `name` (a mapping; None when
-    there is none). Inside alias_lock: `connection` is the lock's."""
-    return connection.execute(
+    there is none). Inside alias_lock: `tx` is the lock's Unit."""
+    return tx.execute(
         select(Promotion).where((Promotion.config_name == name) & (Promotion.alias == alias)
                                 & (Promotion.action == "promote")
                                 & (Promotion.config_version == version))
         .order_by(Promotion.id.desc()).limit(1)).mappings().first()
 
 
-def registered_run(connection: Connection, name: str, version: str):
+def registered_run(tx: Unit, name: str, version: str):
     """(run_id, target_id) of a version, from its newest audit row; None when it has none. Inside
-    alias_lock: `connection` is the lock's."""
-    return connection.execute(
+    alias_lock: `tx` is the lock's Unit."""
+    return tx.execute(
         select(Promotion.run_id, Promotion.target_id)
         .where((Promotion.config_name == name) & (Promotion.config_version == version))
         .order_by(Promotion.id.desc()).limit(1)).first()

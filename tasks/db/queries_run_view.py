@@ -6,7 +6,6 @@ was skipped, and why. The skip is kept in the run's eval_runs.params under ENGIN
 from __future__ import annotations
 
 from sqlalchemy import select, update
-from sqlalchemy.engine import Engine
 
 from .models import EvalRun
 from .store import Store
@@ -29,8 +28,8 @@ def record_engine_check_skip(store: Store, run_id: str, reason: str | None) -> N
         connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(params=params))
 
 
-def engine_check_skip(engine: Engine, run_id: str) -> str | None:
+def engine_check_skip(store: Store, run_id: str) -> str | None:
     """Why the run's engine check was skipped; None when it ran or nothing was recorded."""
-    with engine.connect() as connection:
+    with store.connect() as connection:
         params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
     return (params or {}).get(ENGINE_CHECK_SKIPPED)

@@ -15,11 +15,10 @@ import socket
 from pathlib import Path
 
 from sqlalchemy import func, select, update
-from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
 from .models import DomainConfig, EngineCheck, EvalRun, EvalSample, LiveMeasurement, Validation
-from .store import Store
+from .store import Store, Unit
 
 RUNNING_STATUSES = ("sampled", "checked", "profiled")
 INTERRUPTED = "interrupted"
@@ -116,17 +115,24 @@ def run_params(store: Store, run_id: str) -> dict:
         return connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar() or {}
 
 
-def merge_run_params(connection: Connection, run_id: str, values: dict) -> None:
+def merge_run_params(tx: Unit, run_id: str, values: dict) -> None:
     """In the caller's transaction: `values` merged into the run's eval_runs.params."""
-    params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
-    connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
+    params = tx.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
+    tx.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
         params={**(params or {}), **values}))
 
 
-def set_run_status(connection: Connection, run_id: str, status: str, **values) -> None:
+def set_run_status(tx: Unit, run_id: str, status: str, **values) -> None:
     """In the caller's transaction: the run's status (and other eval_runs columns) set."""
-    connection.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
+    tx.execute(update(EvalRun).where(EvalRun.run_id == run_id).values(
         status=status, updated_at=utcnow(), **values))
+
+
+def domain_config(store: Store, run_id: str, domain: str):
+    """The run's domain_configs row of the domain (a mapping), or None."""
+    with store.connect() as connection:
+        return connection.execute(select(DomainConfig).where(
+            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
 
 
 def run_hardware_profile(store: Store, run_id: str) -> str | None:
@@ -136,16 +142,16 @@ def run_hardware_profile(store: Store, run_id: str) -> str | None:
             EvalRun.run_id == run_id)).scalar()
 
 
-def fail_domain(connection: Connection, run_id: str, domain: str, reason: str) -> None:
+def fail_domain(tx: Unit, run_id: str, domain: str, reason: str) -> None:
     """In the caller's transaction: the domain's config made (or set) off, status failed."""
-    exists = connection.execute(select(DomainConfig.domain).where(
+    exists = tx.execute(select(DomainConfig.domain).where(
         (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).scalar()
     if exists is None:
-        connection.execute(DomainConfig.__table__.insert().values(
+        tx.execute(DomainConfig.__table__.insert().values(
             run_id=run_id, domain=domain, enabled=False, status="failed", reason=reason,
             created_at=utcnow()))
     else:
-        connection.execute(update(DomainConfig).where(
+        tx.execute(update(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(
             enabled=False, status="failed", reason=reason, validation=None, promotable=None))
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import delete, insert, select
-from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from .models import DraftTrainingRequest, EvalRun, EvalSample, TrafficRequest, production_traffic
-from .store import Store
+from .store import Store, Unit
 
 
 def domain_traffic(store: Store, domain: str, until: datetime | None = None,
@@ -54,10 +53,10 @@ def newest_in_domain(store: Store, domain: str) -> datetime | None:
                                   .order_by(TrafficRequest.requested_at.desc()).limit(1)).scalar()
 
 
-def replace_index_requests(connection: Connection, name: str, request_ids: list[str]) -> None:
+def replace_index_requests(tx: Unit, name: str, request_ids: list[str]) -> None:
     """In the caller's transaction: the request ids recorded for index `name` (split "index")
     replaced by `request_ids`."""
-    connection.execute(delete(DraftTrainingRequest).where(DraftTrainingRequest.draft_name == name))
+    tx.execute(delete(DraftTrainingRequest).where(DraftTrainingRequest.draft_name == name))
     if request_ids:
-        connection.execute(insert(DraftTrainingRequest),
+        tx.execute(insert(DraftTrainingRequest),
                            [{"draft_name": name, "request_id": i, "split": "index"} for i in request_ids])

@@ -1,7 +1,7 @@
 """Reads and writes of stored traffic (traffic_requests, quarantined_requests) for the steps that
 add to it or purge it: generated traffic (tasks.steps.traffic_generate) and imports and retention
-(tasks.steps.traffic_import). Reads take a Connection or the Store; writes take the Connection of
-the transaction the step opened (an import batch is one transaction)."""
+(tasks.steps.traffic_import). Reads take the Store or a Unit; writes take the Unit of the
+transaction the step opened (Store.transaction()) (an import batch is one transaction)."""
 
 from __future__ import annotations
 
@@ -9,45 +9,44 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
 from .models import QuarantinedRequest, TrafficRequest, production_traffic
-from .store import Store
+from .store import Store, Unit
 
 
-def dialect_insert(connection: Connection, model):
-    """An INSERT of `model`'s table in the connection's dialect (PostgreSQL or SQLite), so that
+def dialect_insert(tx: Unit, model):
+    """An INSERT of `model`'s table in the unit's dialect (PostgreSQL or SQLite), so that
     ON CONFLICT clauses can be added."""
-    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    dialect = postgresql if tx.dialect == "postgresql" else sqlite
     return dialect.insert(model.__table__)
 
 
-def target_domains(connection: Connection, fingerprint: str) -> list[str]:
+def target_domains(tx: Unit, fingerprint: str) -> list[str]:
     """The domains with production traffic answered by the target of `fingerprint`, sorted."""
-    return sorted(set(connection.execute(
+    return sorted(set(tx.execute(
         select(TrafficRequest.domain).where(production_traffic()
                                             & (TrafficRequest.target_fingerprint == fingerprint))
         .distinct()).scalars()))
 
 
-def generated_sources(connection: Connection, run_id: str) -> set[str]:
+def generated_sources(tx: Unit, run_id: str) -> set[str]:
     """The ids of the logged requests that generation run `run_id` already answered."""
-    return set(connection.execute(select(TrafficRequest.generated_from)
+    return set(tx.execute(select(TrafficRequest.generated_from)
                                   .where(TrafficRequest.generated_by == run_id)).scalars())
 
 
-def target_rows(connection: Connection, domain: str, fingerprint: str, window_days: float | None):
+def target_rows(tx: Unit, domain: str, fingerprint: str, window_days: float | None):
     """The domain's logged production rows answered by this target, in the last window_days
     days up to the newest production request (None or 0: all)."""
     query = select(TrafficRequest).where(production_traffic() & (TrafficRequest.domain == domain)
                                          & (TrafficRequest.target_fingerprint == fingerprint))
     if window_days:
-        newest = connection.execute(select(func.max(TrafficRequest.requested_at))
+        newest = tx.execute(select(func.max(TrafficRequest.requested_at))
                                     .where(production_traffic())).scalar()
         if newest is not None:
             query = query.where(TrafficRequest.requested_at >= newest - timedelta(days=window_days))
-    return connection.execute(query).all()
+    return tx.execute(query).all()
 
 
 def generated_count(store: Store, run_id: str, domain: str) -> int:
@@ -57,10 +56,10 @@ def generated_count(store: Store, run_id: str, domain: str) -> int:
             (TrafficRequest.generated_by == run_id) & (TrafficRequest.domain == domain))).scalar()
 
 
-def insert_generated(connection: Connection, records: list[dict]) -> None:
+def insert_generated(tx: Unit, records: list[dict]) -> None:
     """In the caller's transaction: generated rows stored, a row whose id is already stored left
     as it is (a re-run of the generation run resumes)."""
-    connection.execute(dialect_insert(connection, TrafficRequest).on_conflict_do_nothing(
+    tx.execute(dialect_insert(tx, TrafficRequest).on_conflict_do_nothing(
         index_elements=["id"]), records)
 
 
@@ -69,28 +68,28 @@ def insert_generated(connection: Connection, records: list[dict]) -> None:
 CHUNK = 500     # ids or line numbers per IN (...) list
 
 
-def insert_new_requests(connection: Connection, rows: list[dict]) -> set[str]:
+def insert_new_requests(tx: Unit, rows: list[dict]) -> set[str]:
     """In the caller's transaction: each row inserted unless its id is already stored (INSERT ...
     ON CONFLICT DO NOTHING RETURNING id); the ids the database took."""
-    statement = dialect_insert(connection, TrafficRequest).on_conflict_do_nothing(
+    statement = dialect_insert(tx, TrafficRequest).on_conflict_do_nothing(
         index_elements=["id"]).returning(TrafficRequest.id)
-    return set(connection.execute(statement, rows).scalars())
+    return set(tx.execute(statement, rows).scalars())
 
 
-def stored_content_hashes(connection: Connection, ids: list[str]) -> dict[str, str]:
+def stored_content_hashes(tx: Unit, ids: list[str]) -> dict[str, str]:
     """{id: content_hash} of the stored requests among `ids`."""
     stored: dict[str, str] = {}
     for offset in range(0, len(ids), CHUNK):
-        stored.update(connection.execute(
+        stored.update(tx.execute(
             select(TrafficRequest.id, TrafficRequest.content_hash)
             .where(TrafficRequest.id.in_(ids[offset:offset + CHUNK]))).all())
     return stored
 
 
-def quarantined_lines(connection: Connection, source_file: str, lines: list[int]) -> dict[int, bool]:
+def quarantined_lines(tx: Unit, source_file: str, lines: list[int]) -> dict[int, bool]:
     """{line: whether its entry was left by a broken read or superseded} of the file's quarantine
     entries among `lines`."""
-    return dict(connection.execute(
+    return dict(tx.execute(
         select(QuarantinedRequest.line_number,
                QuarantinedRequest.file_error.is_not(None)
                | QuarantinedRequest.superseded_at.is_not(None))
@@ -98,74 +97,74 @@ def quarantined_lines(connection: Connection, source_file: str, lines: list[int]
                QuarantinedRequest.line_number.in_(lines))).all())
 
 
-def replace_quarantined(connection: Connection, source_file: str, row: dict) -> None:
+def replace_quarantined(tx: Unit, source_file: str, row: dict) -> None:
     """In the caller's transaction: the file's quarantine entry of row["line_number"] replaced by
     `row`, reopened (no file error, not superseded)."""
-    connection.execute(update(QuarantinedRequest).where(
+    tx.execute(update(QuarantinedRequest).where(
         (QuarantinedRequest.source_file == source_file)
         & (QuarantinedRequest.line_number == row["line_number"])).values(
         **row, file_error=None, superseded_at=None, superseded_by=None))
 
 
-def insert_quarantined(connection: Connection, rows: list[dict]) -> set[int]:
+def insert_quarantined(tx: Unit, rows: list[dict]) -> set[int]:
     """In the caller's transaction: quarantine entries inserted unless the file's line already
     has one; the line numbers inserted."""
-    statement = dialect_insert(connection, QuarantinedRequest).on_conflict_do_nothing(
+    statement = dialect_insert(tx, QuarantinedRequest).on_conflict_do_nothing(
         index_elements=["source_file", "line_number"]).returning(QuarantinedRequest.line_number)
-    return set(connection.execute(statement, rows).scalars())
+    return set(tx.execute(statement, rows).scalars())
 
 
-def mark_file_error(connection: Connection, source_file: str, lines: list[int], error: str) -> None:
+def mark_file_error(tx: Unit, source_file: str, lines: list[int], error: str) -> None:
     """In the caller's transaction: the file's open quarantine entries of `lines` marked as left
     by a broken read (file_error, at most 2000 characters)."""
     for first in range(0, len(lines), CHUNK):
-        connection.execute(update(QuarantinedRequest).where(
+        tx.execute(update(QuarantinedRequest).where(
             (QuarantinedRequest.source_file == source_file)
             & QuarantinedRequest.line_number.in_(lines[first:first + CHUNK])
             & QuarantinedRequest.superseded_at.is_(None)).values(file_error=error[:2000]))
 
 
-def supersede_broken_entries(connection: Connection, source_file: str) -> int:
+def supersede_broken_entries(tx: Unit, source_file: str) -> int:
     """In the caller's transaction: the file's open entries an earlier, broken read left
     (file_error set) superseded (now), by the request stored from that line when there is one.
     Returns how many."""
-    lines = list(connection.execute(select(QuarantinedRequest.line_number).where(
+    lines = list(tx.execute(select(QuarantinedRequest.line_number).where(
         (QuarantinedRequest.source_file == source_file)
         & QuarantinedRequest.file_error.is_not(None)
         & QuarantinedRequest.superseded_at.is_(None))).scalars())
     now = utcnow()
     for first in range(0, len(lines), CHUNK):
         chunk = lines[first:first + CHUNK]
-        stored = dict(connection.execute(
+        stored = dict(tx.execute(
             select(TrafficRequest.source_line, TrafficRequest.id).where(
                 (TrafficRequest.source_file == source_file)
                 & TrafficRequest.source_line.in_(chunk))).all())
         for line in chunk:
-            connection.execute(update(QuarantinedRequest).where(
+            tx.execute(update(QuarantinedRequest).where(
                 (QuarantinedRequest.source_file == source_file)
                 & (QuarantinedRequest.line_number == line)).values(
                 superseded_at=now, superseded_by=stored.get(line)))
     return len(lines)
 
 
-def delete_request(connection: Connection, request_id: str, dry_run: bool = False) -> bool:
+def delete_request(tx: Unit, request_id: str, dry_run: bool = False) -> bool:
     """In the caller's transaction: whether a request with this id is stored; deleted unless
     dry_run."""
-    found = connection.execute(select(func.count()).select_from(TrafficRequest).where(
+    found = tx.execute(select(func.count()).select_from(TrafficRequest).where(
         TrafficRequest.id == request_id)).scalar() > 0
     if found and not dry_run:
-        connection.execute(delete(TrafficRequest).where(TrafficRequest.id == request_id))
+        tx.execute(delete(TrafficRequest).where(TrafficRequest.id == request_id))
     return found
 
 
-def purge_before(connection: Connection, cutoff: datetime, dry_run: bool = False) -> dict[str, int]:
+def purge_before(tx: Unit, cutoff: datetime, dry_run: bool = False) -> dict[str, int]:
     """In the caller's transaction: traffic requested, and quarantined rows imported, before
     `cutoff` counted and (unless dry_run) deleted. {table name: rows}."""
     counts = {}
     for model, column in ((TrafficRequest, TrafficRequest.requested_at),
                           (QuarantinedRequest, QuarantinedRequest.imported_at)):
-        counts[model.__tablename__] = connection.execute(
+        counts[model.__tablename__] = tx.execute(
             select(func.count()).select_from(model).where(column < cutoff)).scalar()
         if not dry_run:
-            connection.execute(delete(model).where(column < cutoff))
+            tx.execute(delete(model).where(column < cutoff))
     return counts

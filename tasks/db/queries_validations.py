@@ -1,15 +1,15 @@
 """The validate step's reads and writes (tasks.steps.validate, and the sampling test on vLLM in
 tasks.steps.engine_validate): validations rows replaced by check, a run's sampling tests, the last
-fingerprint of the same weights, and the verdicts on domain_configs and eval_runs."""
+fingerprint of the same weights, and the verdicts on domain_configs and eval_runs (a domain's
+config is read by queries_runs.domain_config)."""
 
 from __future__ import annotations
 
 from sqlalchemy import delete, insert, select, update
-from sqlalchemy.engine import Connection
 
 from ..timeutil import utcnow
 from .models import DomainConfig, EvalRun, Validation
-from .store import Store
+from .store import Store, Unit
 
 
 def _jsonable(value):
@@ -23,18 +23,18 @@ def _jsonable(value):
     return value
 
 
-def replace_validations(connection: Connection, run_id: str, check: str, domain: str | None,
+def replace_validations(tx: Unit, run_id: str, check: str, domain: str | None,
                         rows: list[dict]) -> None:
     """In the caller's transaction: the run's validations rows of `check` (of `domain` when given)
     replaced by `rows` (their details made JSON-safe)."""
     where = (Validation.run_id == run_id) & (Validation.check_name == check)
     if domain is not None:
         where = where & (Validation.domain == domain)
-    connection.execute(delete(Validation).where(where))
+    tx.execute(delete(Validation).where(where))
     now = utcnow()
     for row in rows:
         row = dict(row, details=_jsonable(row.get("details")))
-        connection.execute(insert(Validation).values(**row, run_id=run_id, check_name=check,
+        tx.execute(insert(Validation).values(**row, run_id=run_id, check_name=check,
                                                      created_at=now))
 
 
@@ -46,18 +46,11 @@ def other_sampling_tests(store: Store, run_id: str, domain: str) -> list:
             & (Validation.domain != domain)).order_by(Validation.id)).mappings())
 
 
-def sampling_results(connection: Connection, run_id: str) -> dict:
+def sampling_results(tx: Unit, run_id: str) -> dict:
     """{domain: passed} of the run's stored sampling tests."""
-    return {row.domain: row.passed for row in connection.execute(
+    return {row.domain: row.passed for row in tx.execute(
         select(Validation.domain, Validation.passed).where(
             (Validation.run_id == run_id) & (Validation.check_name == "sampling")))}
-
-
-def domain_config_of(store: Store, run_id: str, domain: str):
-    """The run's domain_configs row of the domain (a mapping), or None."""
-    with store.connect() as connection:
-        return connection.execute(select(DomainConfig).where(
-            (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))).mappings().first()
 
 
 def fingerprint_run(store: Store, run_id: str, fid: str):
@@ -75,15 +68,15 @@ def fingerprint_run(store: Store, run_id: str, fid: str):
     return previous, configs
 
 
-def set_domain_verdict(connection: Connection, run_id: str, domain: str, verdict: str,
+def set_domain_verdict(tx: Unit, run_id: str, domain: str, verdict: str,
                        promotable: bool) -> None:
     """In the caller's transaction: the domain's validation verdict and promotability."""
-    connection.execute(update(DomainConfig).where(
+    tx.execute(update(DomainConfig).where(
         (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain))
         .values(validation=verdict, promotable=promotable))
 
 
-def set_run_target(connection: Connection, run_id: str, target_id: str, fid: str) -> None:
+def set_run_target(tx: Unit, run_id: str, target_id: str, fid: str) -> None:
     """In the caller's transaction: the run's target and its fingerprint id."""
-    connection.execute(update(EvalRun).where(EvalRun.run_id == run_id)
+    tx.execute(update(EvalRun).where(EvalRun.run_id == run_id)
                        .values(target_id=target_id, target_fingerprint=fid, updated_at=utcnow()))

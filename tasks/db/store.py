@@ -4,12 +4,17 @@ A boundary (a CLI command, a DAG task, a test) opens the Store: the URL is resol
 else the settings' `database_url`, else $SPECDEC_DATABASE_URL, else SQLite under $SPECDEC_HOME),
 the database checked to be migrated (once per process and URL: tasks.db.engine.ensure_ready) and
 its engine made. Steps and the registry take the Store (or the run context holding it) and never
-a URL; their reads and writes are the named functions of tasks.db.queries, which take the Store.
+a URL; their reads and writes are the named functions of tasks.db.queries_*, which take one handle:
+the Store (a query that opens its own connection or transaction), or a Unit of it (a query that
+runs inside its caller's transaction: `with store.transaction() as tx: ...`). No query takes an
+SQLAlchemy Connection or Engine.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from sqlalchemy.engine import Connection, Engine
 
@@ -53,3 +58,30 @@ class Store:
     def begin(self):
         """A transaction (a context manager yielding its connection): commits on success."""
         return self.engine.begin()
+
+    @contextmanager
+    def transaction(self) -> Iterator["Unit"]:
+        """A unit of work: one transaction (a context manager yielding its Unit), committed on
+        success and rolled back on error. The queries that run inside a caller's transaction take
+        the Unit, so that a multi-write step is one transaction."""
+        with self.engine.begin() as connection:
+            yield Unit(self, connection)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of work on the Store: the connection of one transaction (Store.transaction(), or
+    the alias lock's in queries_promotions). Queries take it where they run inside their caller's
+    transaction; they read and write through `execute`."""
+
+    store: Store
+    connection: Connection = field(repr=False, compare=False)
+
+    def execute(self, statement, *args, **kwargs):
+        """Execute `statement` in the unit's transaction (Connection.execute)."""
+        return self.connection.execute(statement, *args, **kwargs)
+
+    @property
+    def dialect(self) -> str:
+        """The database's dialect name ("postgresql" or "sqlite")."""
+        return self.connection.dialect.name

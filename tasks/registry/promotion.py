@@ -13,7 +13,7 @@ import getpass
 import logging
 
 from ..db.queries_promotions import alias_lock, promotion_of, record_promotion, registered_run
-from ..db.store import Store
+from ..db.store import Store, Unit
 from ..errors import RegistryError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
@@ -206,11 +206,16 @@ def promote(name: str, version: str, store: Store, uri: str | None = None,
         except Exception as exc:     # the page is documentation; the decision stands
             log.warning("%s version %s: gates not written on the page (%s)", name, version, exc)
 
-    def refuse(reason: str, connection=None, champion: str | None = before) -> dict:
+    def refuse(reason: str, tx: Unit | None = None, champion: str | None = before) -> dict:
         # forced: only a promotion that --force carried past a failing gate; a refusal overrode
         # nothing (that --force was asked is kept in the row's gates)
-        record_promotion(store, connection, action="reject", forced=False,
-                         gates={**summary, "force_requested": force}, reason=reason, **record)
+        values = dict(action="reject", forced=False, gates={**summary, "force_requested": force},
+                      reason=reason, **record)
+        if tx is None:       # outside the alias lock: the audit row in a transaction of its own
+            with store.transaction() as own:
+                record_promotion(own, **values)
+        else:
+            record_promotion(tx, **values)
         log.warning("promotion of %s version %s refused: %s", name, version, reason)
         page_gates(f"NOT promoted: {reason}"[:300])
         return {"promoted": False, "forced": False, "version": version, "champion": champion,
@@ -222,16 +227,16 @@ def promote(name: str, version: str, store: Store, uri: str | None = None,
     failed = [g for g in gates if not g["passed"]]
     if failed and not force and before != version:
         return refuse("gates failed: " + "; ".join(f"{g['name']} ({g['figure']})" for g in failed))
-    with alias_lock(store, name) as connection:
+    with alias_lock(store, name) as tx:
         now = alias_version(mlflow_client, name, CHAMPION)   # compare-and-set: still the same?
         if now == version:      # read under the lock: a rollback that just ran is seen
-            return refuse(f"version {version} is already the champion", connection, champion=now)
+            return refuse(f"version {version} is already the champion", tx, champion=now)
         if now != before:
             return refuse(f"the champion moved from {before or 'none'} to {now} while the gates "
-                          "ran: re-run the gates", connection, champion=now)
+                          "ran: re-run the gates", tx, champion=now)
         mlflow_client.set_registered_model_alias(name, CHAMPION, version)
         reason = promotion_reason(config, version, gates, bool(failed and force))
-        record_promotion(store, connection, action="promote", forced=bool(force and failed),
+        record_promotion(tx, action="promote", forced=bool(force and failed),
                          gates=summary, reason=reason, **record)
     page_gates(("promoted FORCED past failed gates: " if failed and force else "promoted: ")
                + gate_counts(gates))
@@ -254,7 +259,7 @@ def rollback(name: str, store: Store, uri: str | None = None,
     gates and its reason. store: specdec's database (opened by the caller)."""
     mlflow_client = client(tracking_uri(uri, store))
     actor = actor or current_user()
-    with alias_lock(store, name) as connection:
+    with alias_lock(store, name) as tx:
         current = alias_version(mlflow_client, name, CHAMPION)
         refusal = None
         previous = None
@@ -265,15 +270,15 @@ def rollback(name: str, store: Store, uri: str | None = None,
                        f"is now {current}; nothing was changed (check `specdec config show` and run "
                        "the rollback again)")
         else:
-            row = promotion_of(connection, name, CHAMPION, current)
+            row = promotion_of(tx, name, CHAMPION, current)
             previous = (row["gates"] or {}).get("champion_before") if row else None
             if not previous:
                 refusal = (f"{name} champion version {current} replaced no earlier champion (per the "
                            "promotions table): nothing to roll back to")
         if refusal is not None:
             # the champion's run and target, from its registration row (none without a champion)
-            known = registered_run(connection, name, current) if current else None
-            record_promotion(store, connection, run_id=known[0] if known else None,
+            known = registered_run(tx, name, current) if current else None
+            record_promotion(tx, run_id=known[0] if known else None,
                              target_id=known[1] if known else None, config_name=name,
                              config_version=current, alias=CHAMPION, action="reject", forced=False,
                              actor=actor, reason=f"rollback refused: {refusal}"[:2000],
@@ -282,11 +287,11 @@ def rollback(name: str, store: Store, uri: str | None = None,
                                     else str(expected_champion),
                                     **({"evidence": evidence} if evidence else {})})
         else:
-            restored = promotion_of(connection, name, CHAMPION, previous)    # what it replaced
+            restored = promotion_of(tx, name, CHAMPION, previous)    # what it replaced
             restored_before = (restored["gates"] or {}).get("champion_before") if restored else None
             config = load_version_config(mlflow_client, name, previous)
             mlflow_client.set_registered_model_alias(name, CHAMPION, previous)
-            record_promotion(store, connection, run_id=config.run_id, target_id=config.target.id,
+            record_promotion(tx, run_id=config.run_id, target_id=config.target.id,
                              config_name=name, config_version=previous, alias=CHAMPION,
                              action="rollback", forced=False, actor=actor,
                              gates={"champion_before": current,

@@ -334,16 +334,18 @@ def register_config(run_id: str, store: Store, uri: str | None = None,
                 tags=tags, description=describe("N")).version)
         mlflow_client.update_model_version(name, version, description=describe(version))
         mlflow_client.set_registered_model_alias(name, CHALLENGER, version)
-        record_promotion(store, run_id=run_id, target_id=config.target.id, config_name=name,
-                         config_version=version, alias=CHALLENGER, action="register", forced=False,
-                         actor=actor or current_user(), gates=None,
-                         reason="retried registration: version reused" if existing else "registered")
+        with store.transaction() as tx:
+            record_promotion(tx, run_id=run_id, target_id=config.target.id, config_name=name,
+                             config_version=version, alias=CHALLENGER, action="register", forced=False,
+                             actor=actor or current_user(), gates=None,
+                             reason="retried registration: version reused" if existing else "registered")
         if not audit["gated"]:       # for the ops report (sql/ungated_champions.sql)
             log.warning("%s: %s", name, audit["detail"])
-            record_promotion(store, run_id=run_id, target_id=config.target.id, config_name=name,
-                             config_version=champion_version, alias="champion", action="ungated",
-                             forced=False, actor=actor or current_user(), gates=None,
-                             reason=audit["detail"])
+            with store.transaction() as tx:
+                record_promotion(tx, run_id=run_id, target_id=config.target.id, config_name=name,
+                                 config_version=champion_version, alias="champion", action="ungated",
+                                 forced=False, actor=actor or current_user(), gates=None,
+                                 reason=audit["detail"])
     except BaseException as exc:
         end_run(mlflow_client, tracked["mlflow_run_id"], exc)
         raise

@@ -40,7 +40,8 @@ from tqdm.auto import tqdm
 from specdec_core import SpecDecoder, SpecStats
 from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
-from ..db.queries_live import domain_config, run_hardware, store_live_measurement
+from ..db.queries_live import run_hardware, store_live_measurement
+from ..db.queries_runs import domain_config
 from ..db.store import Store
 from ..registry.live_check import LiveVerdict, judge_live
 from ..settings import Settings, worker_name

@@ -13,8 +13,6 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sqlalchemy.engine import Engine
-
 from ..db.store import Store
 from ..registry.drafts import registered_drafts
 from ..settings import Settings
@@ -126,11 +124,6 @@ class RunContext:
     def url(self) -> str:
         """The run's database URL (for the steps that still take one)."""
         return self.store.url
-
-    @property
-    def engine(self) -> Engine:
-        """The run's database engine (for the queries that still take one)."""
-        return self.store.engine
 
     @property
     def trained_on(self) -> set[str]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..db.queries_costs import cost_profile_rows, hardware_row, run_profile_name
+from ..db.queries_costs import cost_profile_rows, hardware_row
+from ..db.queries_runs import run_hardware_profile
 from ..db.store import Store
 from ..errors import SpecdecTaskError
 
@@ -242,7 +243,7 @@ def load_costs(hardware_profile: str, store: Store, run_id: str | None = None) -
 def run_costs(run_id: str, store: Store) -> CostTable | None:
     """The cost profile the run plans with (eval_runs.hardware_profile, its newest run); None
     before the profile step or when that profile is gone."""
-    name = run_profile_name(store, run_id)
+    name = run_hardware_profile(store, run_id)
     if not name:
         return None
     try:

@@ -79,7 +79,7 @@ def training_requests(store: Store, fingerprint: str, tokenizer=None, domains=No
     newest request stamped at most future_tolerance_hours after now, as an evaluation's does
     (tasks.steps.traffic_sample.resolve_window): rows stamped later (a skewed clock) are left out."""
     tolerance = store.settings.sample.future_tolerance_hours
-    newest, future = newest_request_at(store.engine, utcnow() + timedelta(hours=tolerance))
+    newest, future = newest_request_at(store, utcnow() + timedelta(hours=tolerance))
     if future:
         log.warning("%d stored request(s) are stamped more than %g h in the future (setting "
                     "future_tolerance_hours): the training window ignores them", future, tolerance)
@@ -109,8 +109,8 @@ def generated_requests(store: Store, fingerprint: str, tokenizer=None, domains=N
 
 
 def _record(store: Store, train_id: str, values: dict, splits: dict[str, str] | None = None) -> None:
-    with store.begin() as connection:
-        q.record_draft(connection, train_id, values, splits)
+    with store.transaction() as tx:
+        q.record_draft(tx, train_id, values, splits)
 
 
 def _require(store: Store | None, what: str) -> None:

@@ -651,8 +651,8 @@ def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict
                       if measured is not None and same else None),
               "per_request": per_request, "hardware": {"engine": "vllm", "version": row.get("engine_version")},
               "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
-    with store.begin() as connection:
-        replace_live_measurement(connection, record, verdict)
+    with store.transaction() as tx:
+        replace_live_measurement(tx, record, verdict)
 
 
 def _mean(values: list) -> float | None:
@@ -818,7 +818,7 @@ def _store(store: Store, run_id: str, on: dict, rows: dict, settings: Settings) 
     off = {domain: (f"{row['reason']}; not promotable as on, the domain is off. "
                     f"Planner: {on[domain]['reason']}")[:2000]
            for domain, row in rows.items() if row.get("passed") is False}
-    with store.begin() as connection:
-        replace_engine_checks(connection, run_id,
+    with store.transaction() as tx:
+        replace_engine_checks(tx, run_id,
                               {domain: {column: row.get(column) for column in COLUMNS}
                                for domain, row in rows.items()}, off)

@@ -256,8 +256,8 @@ def own_sampling_gates(store: Store, run_id: str) -> list[str]:
     """Where the vLLM test was meant to gate but could not run (the engine check skipped): the
     own-engine sampling test gates again; its failed domains are marked failed and unpromotable.
     The domains so marked."""
-    with store.begin() as connection:
-        return fail_own_sampling_domains(connection, run_id)
+    with store.transaction() as tx:
+        return fail_own_sampling_domains(tx, run_id)
 
 
 def _store(store: Store, run_id: str, result: EngineSamplingResult, planned: dict, spec: dict,
@@ -269,10 +269,10 @@ def _store(store: Store, run_id: str, result: EngineSamplingResult, planned: dic
            "statistic": min(details.get("statistic", 0.0), 1e308) if details else None,
            "p_value": result.min_p,
            "details": dict(result.details, status=result.status, reason=result.reason)}
-    with store.begin() as connection:
-        replace_validations(connection, run_id, CHECK, result.domain, [row])
+    with store.transaction() as tx:
+        replace_validations(tx, run_id, CHECK, result.domain, [row])
         if not result.passed:
-            mark_validation_failed(connection, run_id, result.domain)
+            mark_validation_failed(tx, run_id, result.domain)
 
 
 def served_export(run_id: str, store: Store, target: str, model_dir) -> dict:

@@ -19,6 +19,6 @@ def record_domain_failure(spec, domain: str, error: str, store: Store | None = N
     spec = RunSpec.of(spec)
     store = store or spec.open_store()
     reason = f"failed: {error}"[:2000]
-    with store.begin() as connection:
-        fail_domain(connection, spec.run_id, domain, reason)
+    with store.transaction() as tx:
+        fail_domain(tx, spec.run_id, domain, reason)
     log.error("run %s, domain %s %s; the champion's setting is kept", spec.run_id, domain, reason)

@@ -444,10 +444,10 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
         model_dir = serving_env.served_model_dir(context.spec.target)
     except ServingEnvUnavailable as exc:
         return {"skipped": f"load check skipped: {exc}", "domains": {}}
-    on = domains_on(context.engine, run_id)
+    on = domains_on(context.store, run_id)
     exported = served_export(run_id, context.store, context.spec.target, model_dir)["speculative_config"]
     planned = _planned(context, on, exported)
-    versions = engine_versions(context.engine, run_id)
+    versions = engine_versions(context.store, run_id)
     profiles: dict = {}
     records, level_rows, changes = {}, {}, {}
     own = pool is None
@@ -470,5 +470,5 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
         if own:
             pool.close()
     if records:
-        store_load_check(context.engine, run_id, records, level_rows, changes)
-    return {"skipped": None, "domains": load_checks(context.engine, run_id)}
+        store_load_check(context.store, run_id, records, level_rows, changes)
+    return {"skipped": None, "domains": load_checks(context.store, run_id)}

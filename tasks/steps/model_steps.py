@@ -85,8 +85,8 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     worker = worker_hardware(spec, None if measured is None else measured["hardware_profile"])
     if provenance["reused"]:
         worker["reused_from"] = provenance["run_id"]
-    with store.begin() as connection:
-        set_run_status(connection, spec.run_id, "profiled", hardware_profile=name, worker_hardware=worker)
+    with store.transaction() as tx:
+        set_run_status(tx, spec.run_id, "profiled", hardware_profile=name, worker_hardware=worker)
     log.info("run %s: planning with cost profile %s (run %s; %s); profile task on worker %s (%s %s)",
              spec.run_id, name, costs.run_id, provenance["text"], worker["worker"], worker["device"],
              worker["dtype"])
@@ -247,8 +247,8 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
         tables.append("live_measurements")
     for table in tables:
         check_result_table(run_id, table, context.store, settings=settings)
-    with store.begin() as connection:
-        set_run_status(connection, run_id, "evaluated")
+    with store.transaction() as tx:
+        set_run_status(tx, run_id, "evaluated")
     log.info("run %s: finished: target fingerprint %s%s; greedy check %s; validation %s; failed "
              "domains %s", run_id, verdicts["fingerprint"]["id"],
              "" if verdicts["fingerprint"]["passed"] else " FAILED (" + "; ".join(verdicts["fingerprint"]["reasons"]) + ")",

@@ -146,7 +146,7 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
                     "conditional_acceptance": e.conditional_acceptance,
                     "conditional_acceptance_ci": e.conditional_acceptance_ci,
                     "draft_width_share": e.width_share, "created_at": now})
-    with store.begin() as connection:
-        replace_acceptance_estimates(connection, run_id, list(requests_by_domain), rows)
+    with store.transaction() as tx:
+        replace_acceptance_estimates(tx, run_id, list(requests_by_domain), rows)
     log.info("run %s: %d acceptance estimates over %d domains", run_id, len(rows), len(out))
     return out

@@ -60,8 +60,8 @@ def step_sample(spec) -> dict:
     store = spec.open_store(settings)
     sample = sample_traffic(spec.run_id, store, domains=spec.domains,
                             window=spec.window_days, settings=settings)
-    with store.begin() as connection:
-        merge_run_params(connection, spec.run_id, {
+    with store.transaction() as tx:
+        merge_run_params(tx, spec.run_id, {
             "candidates": list(spec.candidates), "drafts": spec.drafts,
             # the run's own choices, logged as its MLflow params (registration)
             "window_days": spec.window_days or settings.sample.window_days,

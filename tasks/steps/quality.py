@@ -189,9 +189,9 @@ def sample_expectations(settings: Settings) -> list:
     ]
 
 
-def load_sample_frame(connection, run_id: str):
+def load_sample_frame(tx, run_id: str):
     """The run's sample as a DataFrame; requests no longer stored come back with null fields."""
-    frame = pd.DataFrame(sample_rows(connection, run_id), columns=list(SAMPLE_COLUMNS))
+    frame = pd.DataFrame(sample_rows(tx, run_id), columns=list(SAMPLE_COLUMNS))
     for column in ("temperature", "top_p", "prompt_chars", "response_chars", "prompt_tokens",
                    "response_tokens", "top_k"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
@@ -200,8 +200,8 @@ def load_sample_frame(connection, run_id: str):
     return frame
 
 
-def _store(connection, run_id: str, suites: tuple[str, ...], outcomes: list[tuple[str, Outcome, str]]) -> None:
-    replace_quality_results(connection, run_id, suites, [
+def _store(tx, run_id: str, suites: tuple[str, ...], outcomes: list[tuple[str, Outcome, str]]) -> None:
+    replace_quality_results(tx, run_id, suites, [
         {"suite": suite, "scope": outcome.scope, "expectation": outcome.expectation,
          "column_name": outcome.column, "success": outcome.success, "status": status,
          "observed": outcome.observed}
@@ -225,13 +225,13 @@ def check_traffic_sample(run_id: str, store: Store,
     Raises QualityGateFailed (after storing the results) when a table-level expectation fails.
     """
     settings = settings or store.settings
-    with store.connect() as connection:
-        run = sampling_params(connection, run_id)
+    with store.transaction() as tx:
+        run = sampling_params(tx, run_id)
         if run is None:
             raise SampleError(f"run {run_id!r} has no sample; draw one first (sample_traffic / "
                               f"`specdec traffic sample {run_id}`)")
         params = run.params or {}
-        frame = load_sample_frame(connection, run_id)
+        frame = load_sample_frame(tx, run_id)
     min_rows = int(params.get("min_per_domain", settings.sample.min_per_domain))
     domains = list(params.get("domains") or sorted(frame["domain"].dropna().unique()))
 
@@ -252,10 +252,10 @@ def check_traffic_sample(run_id: str, store: Store,
         domain_outcomes.append((DOMAIN_SUITE, outcome, status))
     failures = [outcome for outcome in table if not outcome.success]
     stored = [(SAMPLE_SUITE, outcome, "pass" if outcome.success else "fail") for outcome in table]
-    with store.begin() as connection:
-        _store(connection, run_id, (SAMPLE_SUITE, DOMAIN_SUITE), stored + domain_outcomes)
-        store_data_docs(connection, run_id, pages)
-        set_run_checked(connection, run_id, passed=not failures)
+    with store.transaction() as tx:
+        _store(tx, run_id, (SAMPLE_SUITE, DOMAIN_SUITE), stored + domain_outcomes)
+        store_data_docs(tx, run_id, pages)
+        set_run_checked(tx, run_id, passed=not failures)
     insufficient = sorted(d for d, info in per_domain.items() if info["status"] == "insufficient")
     if failures:
         summary = _failure_summary(
@@ -298,8 +298,8 @@ def result_expectations(table: str, settings: Settings, columns) -> list:
 RESULT_TABLES = ("acceptance_estimates", "live_measurements", "domain_configs")
 
 
-def load_result_frame(connection, table: str, run_id: str):
-    rows, columns = result_rows(connection, table, run_id)
+def load_result_frame(tx, table: str, run_id: str):
+    rows, columns = result_rows(tx, table, run_id)
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -314,8 +314,8 @@ def check_result_table(run_id: str, table: str, store: Store,
         raise SampleError(f"result table {table!r}: choose one of {list(RESULT_TABLES)}")
     settings = settings or store.settings
     if frame is None:
-        with store.connect() as connection:
-            frame = load_result_frame(connection, table, run_id)
+        with store.transaction() as tx:
+            frame = load_result_frame(tx, table, run_id)
     frame = frame.copy()
     if "conditional_acceptance" in frame.columns:
         rates = frame["conditional_acceptance"].apply(lambda v: list(v) if isinstance(v, (list, tuple)) else [])
@@ -330,10 +330,10 @@ def check_result_table(run_id: str, table: str, store: Store,
     outcomes = run_suite(_context(), suite, frame, result_expectations(table, settings, frame.columns),
                          docs=pages)
     failures = [o for o in outcomes if not o.success]
-    with store.begin() as connection:
-        _store(connection, run_id, (suite,),
+    with store.transaction() as tx:
+        _store(tx, run_id, (suite,),
                [(suite, o, "pass" if o.success else "fail") for o in outcomes])
-        store_data_docs(connection, run_id, pages)
+        store_data_docs(tx, run_id, pages)
     if failures:
         summary = _failure_summary(f"{table} of run {run_id!r} ({len(frame)} rows)", failures,
                                    f"The step that wrote {table} produced impossible values; fix it "

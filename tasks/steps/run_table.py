@@ -36,7 +36,7 @@ def evaluation_table(run_id: str, store: Store) -> list[dict]:
     dict or None)."""
     configs, live, checked = evaluation_rows(store, run_id, LIVE_COLUMNS, ENGINE_COLUMNS.values())
     on_engine = engine_sampling_tests(run_id, store)
-    under_load = load_summaries(store.engine, run_id)
+    under_load = load_summaries(store, run_id)
 
     def value(row, column):
         if column == "engine_sampling":

@@ -88,8 +88,8 @@ def run_index(run_id: str, domain: str, store: Store, fingerprint: str | None, t
                                          "vocab_size": vocab_size, "target_fingerprint": fingerprint,
                                          "until": until.isoformat() if until else None})
     name = f"suffix-index:{run_id}:{domain}"
-    with store.begin() as connection:
-        replace_index_requests(connection, name, ids)
+    with store.transaction() as tx:
+        replace_index_requests(tx, name, ids)
     log.info("run %s, domain %s: suffix index over %d responses (%d tokens), the run's %d sampled "
              "requests left out", run_id, domain, len(ids), index.tokens, len(sampled))
     _RUN_INDEXES[key] = index

@@ -96,11 +96,11 @@ def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MOD
     fingerprint = fingerprint_id(target_fingerprint(model))
     if isinstance(domains, str):
         domains = [domains]
-    with store.connect() as connection:
+    with store.transaction() as tx:
         if not domains:
-            domains = target_domains(connection, fingerprint)
-        done = generated_sources(connection, run_id)
-        sources = {domain: target_rows(connection, domain, fingerprint, window_days)
+            domains = target_domains(tx, fingerprint)
+        done = generated_sources(tx, run_id)
+        sources = {domain: target_rows(tx, domain, fingerprint, window_days)
                    for domain in domains}
     if not any(sources.values()):
         raise GenerationError(
@@ -201,8 +201,8 @@ def _generate(store: Store, run_id, rows, model, tokenizer, fingerprint, batch_s
                     f"{run_id}\x00{row.id}\x00{response}".encode()).hexdigest(),
                 "source_file": f"generated:{run_id}"[:500], "source_line": 0, "imported_at": now,
                 "generated_by": run_id, "generated_from": row.id})
-        with store.begin() as connection:      # one transaction a batch: a re-run resumes here
-            insert_generated(connection, records)
+        with store.transaction() as tx:      # one transaction a batch: a re-run resumes here
+            insert_generated(tx, records)
         written += len(records)
         bar.update(len(records))
     bar.close()

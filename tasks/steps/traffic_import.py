@@ -743,10 +743,10 @@ class _BatchWriter:
         now = utcnow()
         inserted: list[dict] = []
         skipped = 0
-        with self.store.begin() as connection:
+        with self.store.transaction() as tx:
             if self.rows:
-                inserted, skipped = self._insert_rows(connection, now)
-            quarantined_new = self._insert_rejections(connection) if self.rejected else 0
+                inserted, skipped = self._insert_rows(tx, now)
+            quarantined_new = self._insert_rejections(tx) if self.rejected else 0
         report = self.report
         report.inserted += len(inserted)
         report.skipped_existing += skipped
@@ -758,7 +758,7 @@ class _BatchWriter:
         self.rows.clear()
         self.rejected.clear()
 
-    def _insert_rows(self, connection, now) -> tuple[list[dict], int]:
+    def _insert_rows(self, tx, now) -> tuple[list[dict], int]:
         """Insert the batch's rows, the first of each id (in id order: concurrent imports take
         their row locks in the same order, so PostgreSQL sees no deadlock); the others of the
         batch, and the rows whose id the database already held, are compared with what is stored
@@ -771,15 +771,15 @@ class _BatchWriter:
         for row in candidates:
             row["imported_at"] = now
             metrics[row["id"]] = row.pop("spec_metrics", None)
-        taken = insert_new_requests(connection, candidates)
+        taken = insert_new_requests(tx, candidates)
         inserted = [row for row in candidates if row["id"] in taken]
         # vLLM's per-request spec-decode metrics of the rows inserted, in the same transaction
-        insert_request_metrics(connection, [dict(metrics[row["id"]], request_id=row["id"],
+        insert_request_metrics(tx, [dict(metrics[row["id"]], request_id=row["id"],
                                                  created_at=now)
                                             for row in inserted if metrics[row["id"]]])
         rest = [row for row in self.rows if not (row["id"] in taken and first[row["id"]] is row)]
         ids = sorted({row["id"] for row in rest})
-        stored = stored_content_hashes(connection, ids)
+        stored = stored_content_hashes(tx, ids)
         skipped = 0
         for row in rest:
             known = stored.get(row["id"])
@@ -793,30 +793,30 @@ class _BatchWriter:
                     DUPLICATE_ID, f"id {row['id']!r} is already stored with different content"), None)
         return inserted, skipped
 
-    def _insert_rejections(self, connection) -> int:
+    def _insert_rejections(self, tx) -> int:
         """Store the batch's rejections; how many lines of this file are newly quarantined."""
         lines = [row["line_number"] for row in self.rejected]
-        seen = quarantined_lines(connection, self.source_file, lines)
+        seen = quarantined_lines(tx, self.source_file, lines)
         # an entry of a broken read (or superseded) is replaced by what this read found
         stale = [row for row in self.rejected if seen.get(row["line_number"])]
         for row in stale:
-            replace_quarantined(connection, self.source_file, row)
-        added = insert_quarantined(connection, self.rejected)
+            replace_quarantined(tx, self.source_file, row)
+        added = insert_quarantined(tx, self.rejected)
         return len(added) + len({row["line_number"] for row in stale})
 
     def mark_read_error(self, error: str) -> None:
         """The read of the file failed: the entries this import quarantined may be garbled lines
         of a corrupt stream (a gzip yields them before its checksum fails); say so on them."""
         lines = sorted(self.quarantined_lines)
-        with self.store.begin() as connection:
-            mark_file_error(connection, self.source_file, lines, error)
+        with self.store.transaction() as tx:
+            mark_file_error(tx, self.source_file, lines, error)
 
     def supersede_broken_reads(self) -> int:
         """The file was read to its end: the open entries an earlier, broken read of it left
         (file_error set) are superseded, by the request stored from that line when there is one.
         Returns how many."""
-        with self.store.begin() as connection:
-            superseded = supersede_broken_entries(connection, self.source_file)
+        with self.store.transaction() as tx:
+            superseded = supersede_broken_entries(tx, self.source_file)
         self.report.superseded = superseded
         return superseded
 
@@ -903,8 +903,8 @@ def import_traffic(path: str | Path, store: Store, settings: Settings | None = N
 def purge_request(request_id: str, store: Store, dry_run: bool = False) -> None:
     """Delete one stored request by id (one a quality gate names); TrafficFileError when no
     request has that id (nothing deleted)."""
-    with store.begin() as connection:
-        found = delete_request(connection, request_id, dry_run)
+    with store.transaction() as tx:
+        found = delete_request(tx, request_id, dry_run)
     if not found:
         raise TrafficFileError(f"request {request_id[:200]!r} is not stored; nothing deleted")
     log.info("purged request %r%s", request_id, " (dry run)" if dry_run else "")
@@ -917,7 +917,7 @@ def purge_traffic(older_than_days: float, store: Store, now: datetime | None = N
     if not (math.isfinite(older_than_days) and 0 <= older_than_days <= 100_000):
         raise TrafficFileError(f"--older-than {older_than_days}: give a number of days from 0 to 100,000")
     cutoff = (now or utcnow()) - timedelta(days=older_than_days)
-    with store.begin() as connection:
-        counts = purge_before(connection, cutoff, dry_run)
+    with store.transaction() as tx:
+        counts = purge_before(tx, cutoff, dry_run)
     log.info("purge before %s: %s%s", cutoff, counts, " (dry run)" if dry_run else "")
     return {"cutoff": cutoff.isoformat(), "dry_run": dry_run, **counts}

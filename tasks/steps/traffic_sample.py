@@ -59,7 +59,7 @@ def resolve_window(store: Store, window, settings: Settings) -> tuple[datetime, 
         if days <= 0:
             raise SampleError(f"window of {days} days: give a positive number of days")
         cutoff = utcnow() + timedelta(hours=settings.sample.future_tolerance_hours)
-        newest, future = newest_request_at(store.engine, cutoff)
+        newest, future = newest_request_at(store, cutoff)
         if future:
             log.warning("%d stored request(s) are stamped more than %g h in the future (after %s "
                         "UTC; setting future_tolerance_hours): the default window ignores them",
@@ -106,20 +106,20 @@ def sample_traffic(run_id: str, store: Store, domains: list[str] | None = None,
     min_rows, max_rows = _sample_limits(settings, min_per_domain, max_per_domain, domains)
 
     start, end, future = resolve_window(store, window, settings)
-    with store.begin() as connection:
+    with store.transaction() as tx:
         # production traffic only: rows the target generated for training are never sampled
         in_window = window_condition(start, end, model)
         if domains is None:
-            domains = domains_where(connection, in_window)
+            domains = domains_where(tx, in_window)
         draw = Draw()
         for domain in sorted(set(domains)):
-            available, chosen = _draw_domain(connection, in_window, run_id, domain, max_rows)
+            available, chosen = _draw_domain(tx, in_window, run_id, domain, max_rows)
             draw.sample_rows += [{"run_id": run_id, "request_id": request_id, "domain": domain,
                                   "position": position}
                                  for position, request_id in enumerate(chosen)]
             draw.per_domain[domain] = {"available": available, "sampled": len(chosen),
                                        "status": "ok" if len(chosen) >= min_rows else "insufficient"}
-        _record_sample(connection, run_id, draw, start, end,
+        _record_sample(tx, run_id, draw, start, end,
                        {"domains": sorted(draw.per_domain), "min_per_domain": min_rows,
                         "max_per_domain": max_rows, "model": model})
 
@@ -148,13 +148,13 @@ def _sample_limits(settings: Settings, min_per_domain: int | None, max_per_domai
     return min_rows, max_rows
 
 
-def _draw_domain(connection, in_window, run_id: str, domain: str,
+def _draw_domain(tx, in_window, run_id: str, domain: str,
                  max_rows: int) -> tuple[int, list[str]]:
     """One domain's draw: (requests available in the window, the max_rows request ids with the
     smallest selection keys, in ascending key order), streamed through a bounded heap."""
     heap: list[tuple[bytes, str]] = []    # max-heap by key (negated): the smallest keys stay
     available = 0
-    for request_id in request_ids_where(connection, in_window, domain):
+    for request_id in request_ids_where(tx, in_window, domain):
         available += 1
         key = bytes(255 - b for b in selection_key(run_id, request_id))
         if len(heap) < max_rows:
@@ -165,11 +165,11 @@ def _draw_domain(connection, in_window, run_id: str, domain: str,
     return available, [request_id for _, request_id in chosen]
 
 
-def _record_sample(connection, run_id: str, draw: Draw, start: datetime, end: datetime,
+def _record_sample(tx, run_id: str, draw: Draw, start: datetime, end: datetime,
                    params: dict) -> None:
     """In the draw's transaction: the run's eval_runs row written (created or updated), its
     earlier sample and sample-quality results replaced by this draw."""
     now = utcnow()
     values = {"updated_at": now, "status": "sampled", "window_start": start, "window_end": end,
               "params": params}
-    record_sample(connection, run_id, values, draw.sample_rows, SAMPLE_SUITE, now)
+    record_sample(tx, run_id, values, draw.sample_rows, SAMPLE_SUITE, now)

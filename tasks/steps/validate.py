@@ -31,9 +31,9 @@ from specdec_core import SamplingParams
 from specdec_core.validation import (DEFAULT_VALIDATION_SAMPLING, compare_fingerprints, fingerprint_id,
                                      greedy_check, sampling_check, target_fingerprint)
 
-from ..db.queries_validations import (domain_config_of, fingerprint_run, other_sampling_tests,
-                                      replace_validations, sampling_results, set_domain_verdict,
-                                      set_run_target)
+from ..db.queries_runs import domain_config
+from ..db.queries_validations import (fingerprint_run, other_sampling_tests, replace_validations,
+                                      sampling_results, set_domain_verdict, set_run_target)
 from ..db.store import Store
 from ..serving import environment as serving_env
 from ..settings import Settings
@@ -139,8 +139,8 @@ def _store_shared(store: Store, test: _SamplingTest, shared) -> dict:
     row.update(domain=domain, details={"shared_from": shared["domain"], "key": test.key, "ks": test.ks,
                                        "samplings": test.key["samplings"],
                                        "failures": (shared["details"] or {}).get("failures", [])})
-    with store.begin() as connection:
-        replace_validations(connection, run_id, "sampling", domain, [row])
+    with store.transaction() as tx:
+        replace_validations(tx, run_id, "sampling", domain, [row])
     log.info("run %s, domain %s: sampling test of %s shared from %s (same drafter, K and sampling "
              "settings): %s", run_id, domain, test.what, shared["domain"],
              "passed" if row["passed"] else "FAILED")
@@ -173,8 +173,8 @@ def _run_sampling_test(store: Store, target, requests: list, test: _SamplingTest
            "details": {"shared_from": None, "key": test.key, "ks": test.ks,
                        "samplings": test.key["samplings"], "context_tokens": len(context),
                        "seconds": seconds, "failures": failures, "report": report.to_dict()}}
-    with store.begin() as connection:
-        replace_validations(connection, run_id, "sampling", domain, [row])
+    with store.transaction() as tx:
+        replace_validations(tx, run_id, "sampling", domain, [row])
     log.info("run %s, domain %s: sampling test of %s from request %s (%d context tokens): %s; %d "
              "G-tests of %d rows, smallest p %.3g (threshold %.3g); %.1f s", run_id, domain, test.what,
              request_id, len(context), "passed" if report.passed else "FAILED", len(report.tests),
@@ -203,10 +203,10 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     "key", "seconds"}.
     """
     settings = settings or store.settings
-    config = domain_config_of(store, run_id, domain)
+    config = domain_config(store, run_id, domain)
     if config is None or not config["enabled"]:
-        with store.begin() as connection:
-            replace_validations(connection, run_id, "sampling", domain, [])
+        with store.transaction() as tx:
+            replace_validations(tx, run_id, "sampling", domain, [])
         log.info("run %s, domain %s: sampling test not needed (the domain is off)", run_id, domain)
         return {"domain": domain, "validation": "not_needed", "shared_from": None, "failures": [],
                 "key": None, "seconds": 0.0}
@@ -302,10 +302,10 @@ def _store_verdicts(store: Store, run_id: str, configs: dict, fingerprint: _Fing
     """One transaction: the fingerprint and greedy rows, each domain's verdict and promotability,
     and the run's target. Output: {domain: verdict}."""
     greedy = {row["domain"]: row["passed"] for row in greedy_rows}
-    with store.begin() as connection:
-        sampling = sampling_results(connection, run_id)
-        replace_validations(connection, run_id, "fingerprint", None, [fingerprint.row])
-        replace_validations(connection, run_id, "greedy", None, greedy_rows)
+    with store.transaction() as tx:
+        sampling = sampling_results(tx, run_id)
+        replace_validations(tx, run_id, "fingerprint", None, [fingerprint.row])
+        replace_validations(tx, run_id, "greedy", None, greedy_rows)
         verdicts = {}
         for domain, config in configs.items():
             if not config["enabled"]:
@@ -319,8 +319,8 @@ def _store_verdicts(store: Store, run_id: str, configs: dict, fingerprint: _Fing
                     "failed" if any(c is False for c in checks) else "incomplete")
                 promotable = verdict == "passed"
             verdicts[domain] = verdict
-            set_domain_verdict(connection, run_id, domain, verdict, promotable)
-        set_run_target(connection, run_id, target_id, fid)
+            set_domain_verdict(tx, run_id, domain, verdict, promotable)
+        set_run_target(tx, run_id, target_id, fid)
     return verdicts
 
 

@@ -148,9 +148,7 @@ def engine_sampling(db_url: str, run_id: str, domain: str, status: str = "passed
                      "status": status, "reason": reason, "seconds": 1.0, "config": summary(passed),
                      "report": {}, "control": None if control is None else summary(control),
                      "shared_from": shared_from})
-    engine = create_engine(db_url)
-    _store(engine, run_id, result, {"drafter": LABEL}, spec, f"{domain}-1")
-    engine.dispose()
+    _store(Store.open(db_url), run_id, result, {"drafter": LABEL}, spec, f"{domain}-1")
 
 
 def register(run_id: str, db_url: str, uri: str) -> dict:
