@@ -45,7 +45,7 @@ from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                              connection_store, queues, task_errors)
+                                              connection_registry, connection_store, queues, task_errors)
 from tasks.steps.draft_recipes import KINDS, SCHEDULED_RETRAINING
 
 # The steps (tasks.steps.draft_training) are imported inside the tasks: they load the engine, the
@@ -151,7 +151,6 @@ def specdec_retrain_draft():
     def train() -> dict:
         """Train, then upload the kept checkpoint to MLflow from this worker: the registration
         (another task, maybe on another machine) reads no local file."""
-        from tasks.registry.registry import Registry
         from tasks.steps.draft_recipes import recipe_and_data
         from tasks.steps.draft_training import log_draft, train_draft_from_traffic, train_id_of_run
 
@@ -173,12 +172,11 @@ def specdec_retrain_draft():
                 store=store, register=False, progress=False)
             trained["tracking_run_id"] = log_draft(trained["train_id"], p["target"], trained["fingerprint"],
                                                    trained["best_dir"], trained["result"], store=store,
-                                                   registry=Registry.open(store=store))
+                                                   registry=connection_registry(store))
         return trained
 
     @task(outlets=[NEW_DRAFT_ASSET])
     def register(trained: dict) -> dict:
-        from tasks.registry.registry import Registry
         from tasks.steps.draft_training import register_logged_draft
 
         with task_errors():
@@ -186,21 +184,20 @@ def specdec_retrain_draft():
             registered = register_logged_draft(
                 trained["train_id"], get_current_context()["params"]["target"], trained["fingerprint"],
                 trained["tracking_run_id"], trained["result"], store=store,
-                registry=Registry.open(store=store))
+                registry=connection_registry(store))
         get_current_context()["outlet_events"][NEW_DRAFT_ASSET].extra = {
             "model_uri": registered["model_uri"], "train_id": trained["train_id"]}
         return registered
 
     @task
     def refresh_suffix_indexes() -> dict:
-        from tasks.registry.registry import Registry
         from tasks.steps.suffix_index import refresh_indexes
 
         p = get_current_context()["params"]
         with task_errors():
             store = connection_store()
             return refresh_indexes(p["target"], p["domains"] or None, store=store,
-                                   registry=Registry.open(store=store), window_days=p["window_days"])
+                                   registry=connection_registry(store), window_days=p["window_days"])
 
     trained = train()
     generate() >> trained

@@ -21,7 +21,8 @@ from .config_schema import SpecdecConfig
 from .live_check import LiveVerdict, judge_live, live_text
 from .run_config import NOT_RUN, effective_speedup, nothing_on_reason, turns_nothing_on
 from .run_view import RunView, build_run_view, engine_gate
-from .tracking import CHAMPION, Registry, alias_version, load_version_config, registry_of, version_config
+from .registry import Registry, registry_of
+from .tracking import CHAMPION, alias_version, load_version_config, version_config
 from .version_page import gate_counts, gate_result, refresh_champion_lines, write_gates
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,8 @@ from .promotion import current_user, gates_for, record_promotion
 from .run_config import config_of, finished_run, turns_nothing_on, validation_text
 from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
 from .plots import write_load_plot, write_plots
-from .tracking import CHALLENGER, RUN_TAG, Registry, experiment_for_target, find_run, registry_of
+from .registry import Registry, registry_of
+from .tracking import CHALLENGER, RUN_TAG, experiment_for_target, find_run
 from .version_page import champion_audit, version_page_markdown
 
 log = logging.getLogger(__name__)
