@@ -2,7 +2,7 @@
 
 RunSpec (tasks.steps.spec, re-exported here) is what Airflow hands from task to task.
 RunContext is what one step works with, built once per step call from the spec
-(`RunContext.build`): settings, database URL and engine, the target model, its tokenizer and
+(`RunContext.build`): settings, the Store, the Registry, the target model, its tokenizer and
 fingerprint, and the candidate drafters built from the frozen list. Models and drafters are
 loaded once per process (every task of `dag.test()` or `specdec evaluate` shares them).
 """
