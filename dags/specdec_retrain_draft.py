@@ -45,7 +45,7 @@ from airflow.timetables.assets import AssetOrTimeSchedule
 from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
-                                              connection_store, queues, task_errors)
+                                              connection_registry, connection_store, queues, task_errors)
 from tasks.steps.draft_recipes import KINDS, SCHEDULED_RETRAINING
 
 # The steps (tasks.steps.draft_training) are imported inside the tasks: they load the engine, the
@@ -171,7 +171,8 @@ def specdec_retrain_draft():
                 train_id_of_run(context["run_id"]), recipe, data, target=p["target"],
                 store=store, register=False, progress=False)
             trained["tracking_run_id"] = log_draft(trained["train_id"], p["target"], trained["fingerprint"],
-                                                   trained["best_dir"], trained["result"], store=store)
+                                                   trained["best_dir"], trained["result"], store=store,
+                                                   registry=connection_registry(store))
         return trained
 
     @task(outlets=[NEW_DRAFT_ASSET])
@@ -179,9 +180,11 @@ def specdec_retrain_draft():
         from tasks.steps.draft_training import register_logged_draft
 
         with task_errors():
+            store = connection_store()
             registered = register_logged_draft(
                 trained["train_id"], get_current_context()["params"]["target"], trained["fingerprint"],
-                trained["tracking_run_id"], trained["result"], store=connection_store())
+                trained["tracking_run_id"], trained["result"], store=store,
+                registry=connection_registry(store))
         get_current_context()["outlet_events"][NEW_DRAFT_ASSET].extra = {
             "model_uri": registered["model_uri"], "train_id": trained["train_id"]}
         return registered
@@ -192,8 +195,9 @@ def specdec_retrain_draft():
 
         p = get_current_context()["params"]
         with task_errors():
-            return refresh_indexes(p["target"], p["domains"] or None, store=connection_store(),
-                                   window_days=p["window_days"])
+            store = connection_store()
+            return refresh_indexes(p["target"], p["domains"] or None, store=store,
+                                   registry=connection_registry(store), window_days=p["window_days"])
 
     trained = train()
     generate() >> trained

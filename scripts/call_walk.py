@@ -131,6 +131,15 @@ def _database_argument(function, url: str) -> dict:
     return {"db_url": url}
 
 
+def _registry_argument(function, uri: str) -> dict:
+    """{"registry": Registry} for a function that takes one, else {"uri": uri}."""
+    if "registry" in inspect.signature(function).parameters:
+        from tasks.registry.registry import Registry
+
+        return {"registry": Registry.open(uri)}
+    return {"uri": uri}
+
+
 def prepare(directory: Path) -> tuple[str, str]:
     """(specdec database URL, MLflow URI): a migrated database holding one evaluated run ("walk":
     json on with live evidence, code off), and an empty MLflow store."""
@@ -156,10 +165,12 @@ def main() -> None:
         from tasks.registry.registration import register_config
         from tests.helpers.registry import DEFAULTS
 
-        registered, register_walk = traced(url, register_config, "walk", uri=uri, settings=DEFAULTS,
-                                           actor="walk", **_database_argument(register_config, url))
-        promoted, promote_walk = traced(url, promote, registered["name"], registered["version"], uri=uri,
+        registered, register_walk = traced(url, register_config, "walk", settings=DEFAULTS, actor="walk",
+                                           **_registry_argument(register_config, uri),
+                                           **_database_argument(register_config, url))
+        promoted, promote_walk = traced(url, promote, registered["name"], registered["version"],
                                         settings=DEFAULTS, actor="walk",
+                                        **_registry_argument(promote, uri),
                                         **_database_argument(promote, url))
         assert promoted["promoted"], promoted["reason"]
     walks = {"register_config": register_walk, "promote": promote_walk}

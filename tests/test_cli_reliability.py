@@ -113,12 +113,12 @@ def _reason_free(message: str) -> str:
 
 
 def test_a_silent_tracking_server_fails_within_ten_seconds_like_a_refused_one(silent_port):
-    from tasks.registry.tracking import check_reachable, show_version
+    from tasks.registry.registry import Registry
 
     with pytest.raises(RegistryUnavailable) as refused:
-        show_version("specdec-config-x", uri=f"http://127.0.0.1:{free_port()}")
-    for call in (lambda: show_version("specdec-config-x", uri=f"http://127.0.0.1:{silent_port}"),
-                 lambda: check_reachable(f"http://127.0.0.1:{silent_port}/")):
+        Registry.open(f"http://127.0.0.1:{free_port()}").show_version("specdec-config-x")
+    for call in (lambda: Registry.open(f"http://127.0.0.1:{silent_port}").show_version("specdec-config-x"),
+                 lambda: Registry.open(f"http://127.0.0.1:{silent_port}/").check_reachable()):
         started = time.monotonic()
         with pytest.raises(RegistryUnavailable) as silent:
             call()

@@ -12,6 +12,7 @@ from sqlalchemy import create_engine, select, update
 
 from tasks.db.models import EvalRun, HardwareProfile, LiveMeasurement
 from tasks.db.store import Store
+from tasks.registry.registry import Registry
 
 from .helpers.evaluation import run
 from .helpers.models import save_tiny_target, tiny_llama
@@ -90,7 +91,8 @@ def test_data_docs_reach_mlflow_from_a_worker_without_the_checks_disk(evaluated,
     # the registration runs on "worker B": an empty home, no file of worker A
     monkeypatch.setenv("SPECDEC_HOME", str(evaluated["root"] / "worker-b"))
     uri = f"sqlite:///{evaluated['root'] / 'mlflow.db'}"
-    registered = register_config("dist", Store.open(evaluated["url"]), uri=uri)
+    store = Store.open(evaluated["url"])
+    registered = register_config("dist", store, registry=Registry.open(uri, store))
     mlflow_client = client(uri)
     run_id = mlflow_client.get_model_version(registered["name"], registered["version"]).run_id
     logged = {a.path for a in mlflow_client.list_artifacts(run_id, "reports/data_docs")}
@@ -202,6 +204,6 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
                                   trained["result"], store=Store.open(db_url))
     assert again["version"] == registered["version"]          # a retried task reuses the version
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "evaluator"))
-    local = resolve_model_uri(registered["model_uri"], tracking)
+    local = resolve_model_uri(registered["model_uri"], Registry.open(tracking))
     assert local.startswith(str(tmp_path / "evaluator")) and (tmp_path / "evaluator").exists()
     assert sorted(p.name for p in (tmp_path / "evaluator").rglob("*.safetensors"))

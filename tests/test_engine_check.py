@@ -164,7 +164,7 @@ def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypat
 
     fetched = []
 
-    def resolve(uri, tracking_uri=None):
+    def resolve(uri, registry=None):
         fetched.append(uri)
         return f"/home/drafts/{uri.removeprefix('models:/')}"
     monkeypatch.setattr(draft_training, "resolve_model_uri", resolve)

@@ -11,6 +11,7 @@ from specdec_core.validation import fingerprint_id, target_fingerprint
 from tasks.db.models import (AcceptanceEstimate, CostProfile, DomainConfig, EvalRun, LiveMeasurement,
                              Validation)
 from tasks.db.store import Store
+from tasks.registry.registry import Registry
 from tasks.steps.evaluate import evaluate
 from tasks.settings import load_settings
 from tasks.steps.traffic_import import import_traffic
@@ -386,7 +387,7 @@ def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_d
     uri = mlflow_uri
     settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01})
     result = evaluate(run_id="logged", target="tiny", store=Store.open(tiny_db), settings=settings, model=tiny_target,
-                      progress=False, promote=True, tracking_uri=uri)
+                      progress=False, promote=True, registry=Registry.open(uri))
     name, version = result["registered"]["name"], result["registered"]["version"]
 
     def line(start):

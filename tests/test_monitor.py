@@ -17,6 +17,7 @@ from .helpers.monitor import BREAK_EVEN, DEPLOYMENT, PROMISE, monitored_champion
 from .helpers.processes import specdec
 
 from tasks.db.store import Store
+from tasks.registry.registry import Registry
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
     target = f"Test-Org/Off-{tmp_path.name[-8:]}"
     name = monitored_champion(db_url, tracking, target)
     settings = load_settings({}, monitor_window_s=600, monitor_min_drafts=50, monitor_auto_rollback=False)
-    ctx = MonitorContext.open(Store.open(db_url), tracking, target, settings)
+    ctx = MonitorContext.open(Store.open(db_url), Registry.open(tracking), target, settings)
     at = scrape_times(4)
     served = [(0, 0), (40, 120), (80, 240), (200, 250)]     # (drafts, accepted) as counted
     for i, (drafts, accepted) in enumerate(served):
@@ -191,7 +192,7 @@ def test_one_domain_falling_behind_a_busy_one_is_alerted_then_rolled_back_from_i
     target = f"Test-Org/Domains-{tmp_path.name[-8:]}"
     name = monitored_champion(db_url, tracking, target)
     settings = load_settings({}, monitor_window_s=600, monitor_min_drafts=50)
-    ctx = MonitorContext.open(Store.open(db_url), tracking, target, settings)
+    ctx = MonitorContext.open(Store.open(db_url), Registry.open(tracking), target, settings)
     at = now() + timedelta(seconds=60)       # every request served after the promotion
     # json: 20 requests accepting all 3 drafts a step (E 4.0); qa: 6 accepting 1 (E 2.0): 260
     # steps in all at E 1 + (600 + 60) / 260 = 3.54, within the promise [3.5, 4.0]

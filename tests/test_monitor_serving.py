@@ -25,6 +25,7 @@ import pytest
 from sqlalchemy import create_engine, func, select
 
 from tasks.db.store import Store
+from tasks.registry.registry import Registry
 from tasks.serving import environment as serving_env
 
 from .helpers.models import copying_llama, save_tiny_target
@@ -97,7 +98,7 @@ def test_production_loop_on_a_real_server(server, db_url, tracking, tmp_path, mo
     target = f"Test-Org/Monitored-{tmp_path.name[-8:]}"
     name = monitored_champion(db_url, tracking, target)
     settings = load_settings({}, monitor_window_s=150, monitor_min_drafts=20)
-    ctx = MonitorContext.open(Store.open(db_url), tracking, target, settings)
+    ctx = MonitorContext.open(Store.open(db_url), Registry.open(tracking), target, settings)
     version, config = ctx.champion()
     # the server serves what the champion exports for its one deployment
     assert version == "2" and [(d["name"], d["speculative_config"]) for d in deployments(config)] == [
@@ -168,7 +169,7 @@ def test_a_server_down_during_a_scrape_is_one_line_and_no_stored_row(server, db_
     from tasks.settings import load_settings
     from tasks.steps.monitor import MonitorContext, scrape
 
-    ctx = MonitorContext.open(Store.open(db_url), f"sqlite:///{tmp_path / 'mlflow.db'}", "Test-Org/Down",
+    ctx = MonitorContext.open(Store.open(db_url), Registry.open(f"sqlite:///{tmp_path / 'mlflow.db'}"), "Test-Org/Down",
                               load_settings({}))
     if server.alive():
         assert scrape(ctx, server.url, DEPLOYMENT, config=False)["start"] == "baseline"

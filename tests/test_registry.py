@@ -33,11 +33,12 @@ from tasks.registry.config_schema import (ConfigError, SpecdecConfig, config_mod
                                  target_slug)
 from tasks.db.models import Promotion
 from tasks.db.store import Store
+from tasks.registry.registry import Registry
 from tasks.errors import RegistryError
 from tasks.registry.promotion import check_gates, rollback
 from tasks.registry.registration import register_config
 from tasks.registry.run_config import build_config, validation_status
-from tasks.registry.tracking import client, show_version, tracking_uri
+from tasks.registry.tracking import client, tracking_uri
 from tasks.registry.vllm_export import vllm_export
 from tasks.settings import load_settings
 
@@ -151,7 +152,7 @@ def test_register_then_promote_first_champion(db_url, tracking, target_id):
     assert run.data.metrics["json.enabled"] == 1.0 and run.data.metrics["chat.enabled"] == 0.0
     assert {a.path for a in mlflow_client.list_artifacts(run.info.run_id, "plots")} == {
         "plots/conditional_acceptance.png", "plots/predicted_speedup_vs_k.png"}
-    shown = show_version(name, "challenger", tracking)
+    shown = Registry.open(tracking).show_version(name, "challenger")
     assert shown["config"]["run_id"] == "run-1" and shown["config"]["target"]["id"] == target_id
     assert shown["config"]["domains"]["json"]["drafter"]["kind"] == "prompt_lookup"
     assert shown["config"]["domains"]["chat"]["enabled"] is False
@@ -286,7 +287,7 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
     finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
     register("run-1", db_url, tracking)
     with pytest.raises(RegistryError, match="no champion"):
-        rollback(name, Store.open(db_url), uri=tracking)
+        rollback(name, Store.open(db_url), registry=Registry.open(tracking))
     assert promote_(name, "1", db_url, tracking)["promoted"]
 
     def first_line(version: str) -> str:
@@ -300,7 +301,7 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
     assert (f"specdec config rollback --target {target_id} restores version 1, the champion it "
             "replaced") in first_line("2")
 
-    assert rollback(name, Store.open(db_url), uri=tracking, actor="pytest") == {
+    assert rollback(name, Store.open(db_url), registry=Registry.open(tracking), actor="pytest") == {
         "champion": "1", "champion_before": "2"}
     assert champion_of(tracking, name) == "1"
     assert "nothing to roll back to" in first_line("1")          # restored: it replaced none
@@ -311,11 +312,11 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
 
     # a rollback meant for champion 2 while 1 is champion: refused, nothing moves
     with pytest.raises(RegistryError, match="asked to roll back champion 2, but the champion is now 1"):
-        rollback(name, Store.open(db_url), uri=tracking, expected_champion="2")
+        rollback(name, Store.open(db_url), registry=Registry.open(tracking), expected_champion="2")
     assert champion_of(tracking, name) == "1"
     # version 1 replaced no champion: nothing further to roll back to, and nothing moves
     with pytest.raises(RegistryError, match="replaced no earlier champion"):
-        rollback(name, Store.open(db_url), uri=tracking)
+        rollback(name, Store.open(db_url), registry=Registry.open(tracking))
     assert champion_of(tracking, name) == "1"
     assert [r["action"] for r in promotions(db_url)].count("rollback") == 1
 
@@ -606,6 +607,28 @@ def test_tracking_uri_default_and_refuses_specdecs_database(tmp_path, monkeypatc
     with pytest.raises(RegistryError, match="specdec's own database"):
         tracking_uri(own, own)      # a step that holds no Store yet passes the URL
     assert tracking_uri("http://mlflow:5000", store) == "http://mlflow:5000"
+
+
+def test_the_registry_is_resolved_once_and_opens_its_client_on_first_use(tmp_path, monkeypatch):
+    # Registry.open resolves the URI as tracking_uri does and touches nothing: a sqlite store's
+    # file is made by the first call that needs the client, which is then kept
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    registry = Registry.open()
+    assert registry.uri == tracking_uri() and registry.local_store_missing()
+    assert not (tmp_path / "mlflow.db").exists()
+    assert "pw" not in repr(Registry.open("http://u:pw@mlflow:5000"))
+    own = f"sqlite:///{tmp_path / 'specdec.db'}"
+    store = Store(url=own, engine=create_engine(own), settings=load_settings({}))
+    with pytest.raises(RegistryError, match="specdec's own database"):
+        Registry.open(own, store)
+    assert registry.client is registry.client
+    assert registry.check_reachable() == registry.uri and not registry.local_store_missing()
+    assert registry.current_champion(target_id="Test-Org/None") == (None, None)
+    with pytest.raises(RegistryError, match="no version with alias"):
+        registry.show_version("specdec-config-none")
+    with pytest.raises(TypeError, match="not both"):
+        rollback("specdec-config-none", store, uri=registry.uri, registry=registry)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1302,8 +1325,9 @@ def test_the_mlflow_run_starts_at_the_dag_runs_start(db_url, tracking, target_id
 
     finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
     dag_start = datetime.now(timezone.utc) - timedelta(minutes=10)      # before the sample step
-    registered = register_config("run-1", Store.open(db_url), uri=tracking, settings=DEFAULTS,
-                                 actor="pytest", started_at=dag_start)
+    with pytest.warns(DeprecationWarning, match="uri= is deprecated"):   # callers outside the repository
+        registered = register_config("run-1", Store.open(db_url), uri=tracking, settings=DEFAULTS,
+                                     actor="pytest", started_at=dag_start)
     run = client(tracking).get_run(registered["mlflow_run_id"])
     assert run.info.start_time == int(dag_start.timestamp() * 1000)
     assert run.info.status == "FINISHED"

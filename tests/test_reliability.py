@@ -18,6 +18,7 @@ from sqlalchemy import create_engine, func, select
 from tasks.cli.app import main
 from tasks.db.models import Promotion, QuarantinedRequest
 from tasks.db.store import Store
+from tasks.registry.registry import Registry
 from tasks.errors import DatabaseUnavailable, RegistryUnavailable, TrafficFileError
 from tasks.masking import mask_text, mask_url
 from tasks.steps.traffic_import import EXIT_QUARANTINED, import_traffic
@@ -251,11 +252,11 @@ def _race_worker(action: str, name: str, db_url: str, uri: str, barrier, rounds:
         barrier.wait()             # the parent has reset the champion to 3
         try:
             if action == "promote":
-                out = promote(name, "2", Store.open(db_url), uri=uri, force=True, expected_champion="3",
+                out = promote(name, "2", Store.open(db_url), registry=Registry.open(uri), force=True, expected_champion="3",
                               settings=settings, actor="race")
                 results.put(("promote", out["promoted"]))
             else:
-                out = rollback(name, Store.open(db_url), uri=uri, actor="race")
+                out = rollback(name, Store.open(db_url), registry=Registry.open(uri), actor="race")
                 results.put(("rollback", out["champion_before"]))
         except RegistryError as exc:
             results.put((action, f"refused: {exc}"))
@@ -281,7 +282,7 @@ def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_u
     for run_id in ("run-1", "run-2", "run-3"):
         finished_run(db_url, run_id, {"json": {}}, target_id=target_id)
         register(run_id, db_url, uri)
-    assert promote(name, "1", Store.open(db_url, settings), uri=uri, settings=settings)["promoted"]
+    assert promote(name, "1", Store.open(db_url, settings), registry=Registry.open(uri), settings=settings)["promoted"]
     rounds = 12
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(3), context.Queue()
@@ -294,7 +295,7 @@ def test_promote_racing_rollback_leaves_an_audit_trail_that_tells_the_truth(db_u
         for _ in range(rounds):
             current = str(client.get_model_version_by_alias(name, "champion").version)
             if current != "3":       # reset: 3 is champion, promoted over whatever was there
-                assert promote(name, "3", Store.open(db_url, settings), uri=uri, force=True, settings=settings)["promoted"]
+                assert promote(name, "3", Store.open(db_url, settings), registry=Registry.open(uri), force=True, settings=settings)["promoted"]
             barrier.wait(timeout=120)
             barrier.wait(timeout=120)
             outcome = dict(results.get(timeout=30) for _ in range(2))

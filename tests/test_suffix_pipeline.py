@@ -8,6 +8,7 @@ from sqlalchemy import create_engine, select
 
 from specdec_core.drafters import SuffixDrafter
 from tasks.db.store import Store
+from tasks.registry.registry import Registry
 from tasks.steps.candidates import parse_candidate
 from tasks.registry.config_schema import DrafterSpec
 from tasks.db.models import AcceptanceEstimate, DomainConfig, DraftTrainingRequest, EvalSample
@@ -60,11 +61,11 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
                                                                         tmp_path, monkeypatch, mlflow_uri):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     tracking = mlflow_uri
-    registered = build_and_register("tiny", "json", store=Store.open(suffix_db), tracking_uri=tracking,
+    registered = build_and_register("tiny", "json", store=Store.open(suffix_db), registry=Registry.open(tracking),
                                     model=tiny_target)
     assert registered["model_uri"].startswith("models:/specdec-suffix-tiny/")
     assert registered["requests"] == 16 and registered["tokens"] > 0
-    path = resolve_index_uri(registered["model_uri"], tracking)
+    path = resolve_index_uri(registered["model_uri"], Registry.open(tracking))
     drafter = SuffixDrafter(path)
     assert drafter.index.meta["domain"] == "json" and len(drafter.index.request_ids) == 16
     # used as a candidate: every json request is in the index, so none is left to score
@@ -73,7 +74,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
     candidates = (f"suffix:index={registered['model_uri']}",)
     settings = load_settings({}, **{**SETTINGS, "candidates": candidates})
     evaluate(run_id="registered-run", target="tiny", store=Store.open(suffix_db), settings=settings,
-             model=tiny_target, progress=False, tracking_uri=tracking)
+             model=tiny_target, progress=False, registry=Registry.open(tracking))
     spec = RunSpec(run_id="registered-run", target="tiny", db_url=suffix_db, tracking_uri=tracking,
                    overrides=settings.overrides())
     json_requests, excluded = RunContext.build(spec).domain_requests("json")
@@ -87,7 +88,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
     engine.dispose()
     assert status == {"json": "insufficient", "qa": "ok"}
     with pytest.raises(SuffixIndexError, match="no stored traffic"):
-        build_and_register("tiny", "chat", store=Store.open(suffix_db), tracking_uri=tracking,
+        build_and_register("tiny", "chat", store=Store.open(suffix_db), registry=Registry.open(tracking),
                            model=tiny_target)
 
 

@@ -109,6 +109,16 @@ def open_store(args, settings=None):
     return Store.open(getattr(args, "url", None), settings)
 
 
+def open_registry(args, store=None):
+    """The command's Registry: --tracking-uri (else $MLFLOW_TRACKING_URI, else the default under
+    $SPECDEC_HOME), never `store`'s database (tasks.registry.registry.Registry.open): where a
+    command resolves the tracking store, once. Nothing is contacted until it is used."""
+    # imported here: the CLI imports every command module at start-up
+    from ..registry.registry import Registry
+
+    return Registry.open(getattr(args, "tracking_uri", None), store)
+
+
 def tracking_uri_arg(parser: argparse.ArgumentParser) -> None:
     """--tracking-uri: the MLflow tracking store (and model registry)."""
     parser.add_argument("--tracking-uri", default=None,

@@ -18,7 +18,7 @@ from ..registry.sglang_export import sglang_export
 from ..registry.trtllm_export import trtllm_export
 from ..registry.vllm_export import vllm_export
 from ..serving.environment import SERVED_MARK
-from .common import open_store, output_file, print_json, tracking_uri_arg, url_arg
+from .common import open_registry, open_store, output_file, print_json, tracking_uri_arg, url_arg
 from .console import emit, make_console
 
 console = make_console()
@@ -68,10 +68,9 @@ def _warn_ungated(audit: dict | None) -> None:
 
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.tracking import show_version
     from ..registry.version_page import description_text
 
-    shown = show_version(_name(args), args.which, args.tracking_uri)
+    shown = open_registry(args).show_version(_name(args), args.which)
     audit = _champion_audit(args, shown)
     if args.json:
         print_json({**shown, "champion_audit": audit})
@@ -87,7 +86,8 @@ def cmd_register(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..registry.registration import register_config
 
-    result = register_config(args.run_id, open_store(args), uri=args.tracking_uri)
+    store = open_store(args)
+    result = register_config(args.run_id, store, registry=open_registry(args, store))
     console.print(f"{result['name']} version {result['version']} "
                   f"({'reused' if result['reused'] else 'registered'}), alias challenger; validation "
                   f"{result['validation']}; champion {result['champion_version'] or 'none'}")
@@ -100,7 +100,8 @@ def cmd_promote(args) -> int:
 
     expected = "current" if args.expected_champion is None else (
         None if args.expected_champion == "none" else args.expected_champion)
-    result = promote(_name(args), args.version, open_store(args), uri=args.tracking_uri,
+    store = open_store(args)
+    result = promote(_name(args), args.version, store, registry=open_registry(args, store),
                      force=args.force, expected_champion=expected)
     print_gates(result)
     return 0 if result["promoted"] else 1
@@ -110,7 +111,8 @@ def cmd_rollback(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..registry.promotion import rollback
 
-    result = rollback(_name(args), open_store(args), uri=args.tracking_uri,
+    store = open_store(args)
+    result = rollback(_name(args), store, registry=open_registry(args, store),
                       expected_champion=args.expected_champion or "current")
     console.print(f"{_name(args)}: champion {result['champion_before']} -> {result['champion']}")
     return 0
@@ -118,12 +120,11 @@ def cmd_rollback(args) -> int:
 
 def cmd_export(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.tracking import client, load_version_config, show_version
-
-    shown = show_version(_name(args), args.which, args.tracking_uri)
+    registry = open_registry(args)
+    shown = registry.show_version(_name(args), args.which)
     _warn_ungated(_champion_audit(args, shown))      # stdout stays the JSON
     version = shown["version"]
-    config = load_version_config(client(args.tracking_uri), _name(args), version)
+    config = registry.version_config(_name(args), version)
     if args.format == "compose":
         return _export_compose(args, config, version)
     if args.format in ("vllm", "sglang"):

@@ -13,7 +13,7 @@ from specdec_core.home import DEFAULT_MODEL
 
 from ..paths import check_identifier
 from ..steps.draft_recipes import KINDS, TRAINING_DEFAULTS, recipe_and_data
-from .common import days, open_store, print_json, tracking_uri_arg, url_arg
+from .common import days, open_registry, open_store, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -62,9 +62,10 @@ def cmd_train(args) -> int:
     if args.id is not None:
         check_identifier(args.id, "draft id")      # before the target is loaded
     recipe, data = train_recipe(args)               # a bad option fails before the target loads
+    store = open_store(args)
     result = train_draft_from_traffic(
         args.id or "draft__" + default_run_id().split("__")[1].replace(":", "-"), recipe, data,
-        target=args.model, store=open_store(args), tracking_uri=args.tracking_uri, device=args.device,
+        target=args.model, store=store, registry=open_registry(args, store), device=args.device,
         register=not args.no_register)
     if args.json:
         print_json({k: v for k, v in result.items() if k != "result"})
@@ -112,11 +113,10 @@ def cmd_generate(args) -> int:
 
 def cmd_list(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.tracking import client
     from ..steps.draft_training import draft_model_name
 
     name = draft_model_name(args.model)
-    versions = client(args.tracking_uri).search_model_versions(f"name='{name}'")
+    versions = open_registry(args).client.search_model_versions(f"name='{name}'")
     table = Table(title=f"{name}: registered drafts", title_justify="left")
     for column in ("version", "kind", "aliases", "train id", "domains", "window", "held-out speedup",
                    "fingerprint"):
@@ -137,9 +137,10 @@ def cmd_index_build(args) -> int:
 
     results = {}
     store = open_store(args)
+    registry = open_registry(args, store)
     for domain in [d.strip() for d in args.domain.split(",") if d.strip()]:
         results[domain] = build_and_register(args.model, domain, store,
-                                             tracking_uri=args.tracking_uri, window_days=args.days)
+                                             registry=registry, window_days=args.days)
     if args.json:
         print_json(results)
         return 0

@@ -13,7 +13,7 @@ from specdec_core.home import DEFAULT_MODEL
 from ..paths import check_identifier
 from ..settings import load_settings
 from ..steps.candidates import build_drafters
-from .common import days, k_value, open_store, per_domain_args, print_json, tracking_uri_arg, url_arg
+from .common import days, k_value, open_registry, open_store, per_domain_args, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
 console = make_console()
@@ -64,13 +64,14 @@ def cmd_evaluate(args) -> int:
     run_id = default_run_id() if args.run_id is None else check_identifier(args.run_id, "run id")
     settings = load_settings(hardware_profile=args.hardware_profile)
     try:
-        result = evaluate(run_id=run_id, target=args.model, store=open_store(args, settings), settings=settings,
+        store = open_store(args, settings)
+        result = evaluate(run_id=run_id, target=args.model, store=store, settings=settings,
                           domains=args.domains.split(",") if args.domains else None,
                           window=args.days, candidates=args.candidate or None, k_max=args.k_max,
                           max_per_domain=args.max_per_domain, min_per_domain=args.min_per_domain,
                           device=args.device,
                           progress=not args.no_progress, register=not args.no_register,
-                          promote=args.promote, tracking_uri=args.tracking_uri,
+                          promote=args.promote, registry=open_registry(args, store),
                           new_profile=args.new_profile)
     except (RunInterrupted, KeyboardInterrupt) as exc:
         name = getattr(exc, "signal_name", "SIGINT")

@@ -317,7 +317,7 @@ def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
     UI links."""
     console.print("[bold]4/4[/bold] results")
 
-    from ..registry.tracking import client, show_version
+    from ..registry.registry import Registry
     from ..registry.run_results import profile_check
     from ..steps.costs import profile_check_text
     from ..steps.run_table import evaluation_table
@@ -332,7 +332,7 @@ def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
               time.perf_counter() - started)
     console.print(escape(profile_check_text(check)))
     try:
-        champion = show_version(config_model_name(dag_run.conf.get("target") or DEFAULT_MODEL))
+        champion = Registry.open().show_version(config_model_name(dag_run.conf.get("target") or DEFAULT_MODEL))
         console.print(f"champion: {champion['name']} version {champion['version']} (run "
                       f"{champion['config']['run_id']})")
         console.print_json(json.dumps(champion["config"]))
@@ -341,7 +341,7 @@ def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
         console.print(f"no champion: {exc}")
     tracking = os.environ["MLFLOW_TRACKING_URI"]
     target = dag_run.conf.get("target") or DEFAULT_MODEL
-    mlflow_client, name = client(tracking), config_model_name(target)
+    mlflow_client, name = Registry.open(tracking).client, config_model_name(target)
     experiment = mlflow_client.get_experiment_by_name(f"specdec/{target_slug(target)}")
     versions = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{dag_run.run_id}'")
     # soft_wrap: a command wrapped at the terminal's width would not paste

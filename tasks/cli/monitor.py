@@ -9,7 +9,7 @@ from rich.table import Table
 
 from specdec_core.home import DEFAULT_MODEL
 
-from .common import open_store, print_json, tracking_uri_arg, url_arg, utc_time
+from .common import open_registry, open_store, print_json, tracking_uri_arg, url_arg, utc_time
 from .console import make_console
 
 console = make_console()
@@ -20,7 +20,8 @@ def _context(args):
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.monitor import MonitorContext
 
-    return MonitorContext.open(open_store(args), args.tracking_uri, args.target)
+    store = open_store(args)
+    return MonitorContext.open(store, open_registry(args, store), args.target)
 
 
 def _e(value) -> str:

@@ -50,7 +50,7 @@ DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name 
 __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS", "DRIFT_URI",
            "MONITOR_VARIABLE", "monitor_targets",
            "EVALUATIONS_URI", "LOW_ACCEPTANCE_URI", "NEW_DRAFT_URI", "TIMING_POOL", "check_per_domain_range", "current_params",
-           "connection_database_url", "connection_store", "domain_step_failed", "evaluate_spec", "is_outage", "queues", "run_spec",
+           "connection_database_url", "connection_registry", "connection_store", "domain_step_failed", "evaluate_spec", "is_outage", "queues", "run_spec",
            "setting_default", "task_errors"]
 
 
@@ -83,6 +83,16 @@ def connection_store():
     from ..db.store import Store
 
     return Store.open(connection_database_url())
+
+
+def connection_registry(store=None):
+    """The MLflow tracking store of a task (tasks.registry.registry.Registry.open:
+    $MLFLOW_TRACKING_URI, else the default under $SPECDEC_HOME), never `store`'s database: where a
+    DAG task opens the registry, once. Nothing is contacted until it is used."""
+    # imported here: the registry loads for the tasks that use it, not at DAG parse
+    from ..registry.registry import Registry
+
+    return Registry.open(store=store)
 
 
 def _outage_here(exc: BaseException) -> bool:

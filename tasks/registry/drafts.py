@@ -10,15 +10,13 @@ step freezes them into the run's spec.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
 from ..errors import RegistryError
 from ..masking import mask_text
 from .config_schema import target_slug
-from .tracking import client
-from .tracking import tracking_uri as resolve_uri
+from .registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +27,15 @@ def draft_model_name(target_id: str) -> str:
     return f"specdec-draft-{target_slug(target_id)}"
 
 
-def registered_drafts(target: str, tracking_uri: str | None = None) -> dict[str, list[dict]]:
+def registered_drafts(target: str, registry: Registry) -> dict[str, list[dict]]:
     """The drafts registered for this target now, as candidate specs by target fingerprint
     ({fingerprint: [{kind, params: {model: models:/NAME/VERSION}}]}): per kind, the version with
     alias `candidate`, else the newest of that kind. A version without a fingerprint is never
     offered. {} when there is no tracking store or it cannot be reached."""
-    uri = resolve_uri(tracking_uri)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+    if registry.local_store_missing():
         return {}          # no local tracking store yet: nothing registered (and none created)
     try:
-        mlflow_client = client(uri)
-        versions = mlflow_client.search_model_versions(f"name='{draft_model_name(target)}'")
+        versions = registry.client.search_model_versions(f"name='{draft_model_name(target)}'")
     except (MlflowException, RegistryError) as exc:    # unreachable: evaluate without them
         log.warning("no registered drafts listed (%s)", mask_text(str(exc)))
         return {}
@@ -60,8 +56,8 @@ def registered_drafts(target: str, tracking_uri: str | None = None) -> dict[str,
     return offered
 
 
-def draft_candidates(target: str, fingerprint: str, tracking_uri: str | None = None) -> list[dict]:
+def draft_candidates(target: str, fingerprint: str, registry: Registry | None = None) -> list[dict]:
     """Registered drafts for this target fingerprint, as candidate specs, per kind (draft_model,
     head): the version with alias `candidate`, else the newest of that kind. Drafts of another
-    fingerprint are never offered."""
-    return registered_drafts(target, tracking_uri).get(fingerprint, [])
+    fingerprint are never offered. registry: default Registry.open()."""
+    return registered_drafts(target, registry or Registry.open()).get(fingerprint, [])

@@ -21,7 +21,8 @@ from .config_schema import SpecdecConfig
 from .live_check import LiveVerdict, judge_live, live_text
 from .run_config import NOT_RUN, effective_speedup, nothing_on_reason, turns_nothing_on
 from .run_view import RunView, build_run_view, engine_gate
-from .tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri, version_config
+from .registry import Registry, registry_of
+from .tracking import CHAMPION, alias_version, load_version_config, version_config
 from .version_page import gate_counts, gate_result, refresh_champion_lines, write_gates
 
 log = logging.getLogger(__name__)
@@ -181,15 +182,17 @@ def promotion_reason(config: SpecdecConfig, version: str, gates: list[dict], for
 
 def promote(name: str, version: str, store: Store, uri: str | None = None,
             force: bool = False, actor: str | None = None, expected_champion: str | None = "current",
-            settings: Settings | None = None) -> dict:
+            settings: Settings | None = None, *, registry: Registry | None = None) -> dict:
     """Gate and move `champion` to `version` (compare-and-set).
 
     expected_champion: the champion the caller's gates compared against ("current": whatever is
-    champion now; None: there was none). store: specdec's database (opened by the caller).
+    champion now; None: there was none). store: specdec's database; registry: the MLflow
+    tracking store (tasks.registry.registry.Registry; both opened by the caller; default:
+    Registry.open()). uri: deprecated, a tracking URI to open the Registry from.
     Output: {"promoted", "forced", "gates", "reason", ...}.
     """
     settings = settings or load_settings()
-    mlflow_client = client(tracking_uri(uri, store))
+    mlflow_client = registry_of(registry, uri, store).client
     version = str(version)
     config = version_config(mlflow_client, name, version)
     before = alias_version(mlflow_client, name, CHAMPION)
@@ -249,15 +252,17 @@ def promote(name: str, version: str, store: Store, uri: str | None = None,
 
 def rollback(name: str, store: Store, uri: str | None = None,
              actor: str | None = None, expected_champion: str | None = "current",
-             evidence: dict | None = None) -> dict:
+             evidence: dict | None = None, *, registry: Registry | None = None) -> dict:
     """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
     inside alias_lock. expected_champion: the champion the caller means to roll back ("current":
     whatever it is when the lock is taken); a different champion refuses with RegistryError.
     A refusal (no champion, another champion than expected, nothing to roll back to) is an audit
     row too (action "reject", gates {"command": "rollback", ...}), committed before the error.
     evidence: why (the production monitor's window, tasks.steps.monitor): kept in the audit row's
-    gates and its reason. store: specdec's database (opened by the caller)."""
-    mlflow_client = client(tracking_uri(uri, store))
+    gates and its reason. store: specdec's database; registry: the MLflow tracking store
+    (tasks.registry.registry.Registry; both opened by the caller; default: Registry.open()).
+    uri: deprecated, a tracking URI to open the Registry from."""
+    mlflow_client = registry_of(registry, uri, store).client
     actor = actor or current_user()
     with alias_lock(store, name) as tx:
         current = alias_version(mlflow_client, name, CHAMPION)

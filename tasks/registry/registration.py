@@ -32,8 +32,8 @@ from .promotion import current_user, gates_for, record_promotion
 from .run_config import config_of, finished_run, turns_nothing_on, validation_text
 from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
 from .plots import write_load_plot, write_plots
-from .tracking import (CHALLENGER, RUN_TAG, client, current_champion, experiment_for_target, find_run,
-                       tracking_uri)
+from .registry import Registry, registry_of
+from .tracking import CHALLENGER, RUN_TAG, experiment_for_target, find_run
 from .version_page import champion_audit, version_page_markdown
 
 log = logging.getLogger(__name__)
@@ -221,21 +221,21 @@ def readable_run_name(run_id: str) -> str:
     return f"evaluate {match.group(2)} {match.group(3)} {match.group(1)}" if match else run_id
 
 
-def track_evaluation(run_id: str, store: Store, uri: str | None = None,
+def track_evaluation(run_id: str, store: Store, registry: Registry,
                      settings: Settings | None = None, champion=None,
                      started_at: datetime | None = None, read: dict | None = None) -> dict:
     """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
     champion: (version, config) of the current champion when the caller already read it.
     started_at: when the evaluation started (its DAG run's start); default: when its sample step
     recorded the run. A new MLflow run starts then, so its duration is the evaluation's.
-    store: specdec's database (opened by the caller). read: the run's rows when the
-    caller read them already (tasks.db.queries_registry.registration_rows)."""
+    store: specdec's database, registry: the tracking store (both opened by the caller). read:
+    the run's rows when the caller read them already (tasks.db.queries_registry.registration_rows)."""
     settings = settings or load_settings()
-    mlflow_client = client(tracking_uri(uri, store))
+    mlflow_client = registry.client
     read = read or registration_rows(store, run_id)
     eval_run = finished_run(read["run"], run_id)
     if champion is None:
-        champion = current_champion(uri=uri, target_id=eval_run["target_id"])
+        champion = registry.current_champion(target_id=eval_run["target_id"])
     config = config_of(eval_run, read["domain_configs"], champion=champion[1])
     experiment_id = experiment_for_target(mlflow_client, config.target.id)
     existing = find_run(mlflow_client, experiment_id, run_id)
@@ -293,20 +293,23 @@ def track_evaluation(run_id: str, store: Store, uri: str | None = None,
 
 def register_config(run_id: str, store: Store, uri: str | None = None,
                     settings: Settings | None = None, actor: str | None = None,
-                    started_at: datetime | None = None) -> dict:
+                    started_at: datetime | None = None, *, registry: Registry | None = None) -> dict:
     """Track the run, register its config/ artifact as a version (reused on retry), alias challenger.
 
-    store: specdec's database (opened by the caller).
+    store: specdec's database; registry: the MLflow tracking store (tasks.registry.registry.
+    Registry; both opened by the caller; default: Registry.open()). uri: deprecated, for callers
+    outside this repository: a tracking URI to open the Registry from (DeprecationWarning).
     Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation"}.
     """
+    registry = registry_of(registry, uri, store)
     settings = settings or load_settings()
     read = registration_rows(store, run_id)       # the run's rows, read once
     target_id = finished_run(read["run"], run_id)["target_id"]
-    champion_version, champion = current_champion(uri, target_id=target_id)
-    tracked = track_evaluation(run_id, store, uri, settings, champion=(champion_version, champion),
+    champion_version, champion = registry.current_champion(target_id=target_id)
+    tracked = track_evaluation(run_id, store, registry, settings, champion=(champion_version, champion),
                                started_at=started_at, read=read)
     config = parse_config(tracked["config"])
-    mlflow_client = client(tracking_uri(uri, store))
+    mlflow_client = registry.client
     try:
         name = config_model_name(config.target.id)
         try:

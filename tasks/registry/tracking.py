@@ -3,6 +3,9 @@ registered config versions (aliases `challenger` and `champion`).
 
 - Tracking URI: the argument, else $MLFLOW_TRACKING_URI, else sqlite:///$SPECDEC_HOME/mlflow.db
   (artifacts under $SPECDEC_HOME/mlartifacts). Never specdec's own database: both use Alembic.
+- The Registry (`Registry.open(uri, store)`): that store resolved once where a process starts
+  working on it, as tasks.db.store.Store is; steps and the registry's functions take it, never
+  a URI, and reach MLflow through its `client`.
 - Every evaluation is one MLflow run in experiment `specdec/<target-slug>`, tagged
   `specdec.run_id`, so that a retried step finds and reuses it (tasks.registry.registration logs it).
 - A target's configs are versions of the registered model `specdec-config-<target-slug>`.
@@ -24,14 +27,13 @@ from mlflow.exceptions import MlflowException
 from sqlalchemy import create_engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
-from ..db.engine import display_url, is_disk_full, missing_driver
-from ..db.store import Store
+from ..db.engine import is_disk_full, missing_driver
 from ..errors import DiskFull, RegistryError, RegistryUnavailable
 from ..masking import mask_text, mask_url, printable
 from ..settings import specdec_home
-from .config_schema import SpecdecConfig, config_model_name, parse_config, target_slug
+from .config_schema import SpecdecConfig, parse_config, target_slug
 from .mlflow_scope import FAIL_FAST_SETTINGS, attach, mlflow_settings
-from .run_config import run_row
+from .registry import Registry, registry_of, tracking_uri  # noqa: F401 - re-exported
 
 SQL_STORE_CONNECT_TIMEOUT_S = 3
 # An HTTP tracking server is probed once per process before MLflow's first call: (connect, read)
@@ -42,19 +44,6 @@ RUN_TAG = "specdec.run_id"
 # MLflow's UI opens an experiment in its runs/metrics/artifacts view for this kind (not GenAI's)
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 CHAMPION, CHALLENGER = "champion", "challenger"
-
-
-def tracking_uri(uri: str | None = None, store: Store | str | None = None) -> str:
-    """The MLflow tracking URI to use; refuses specdec's own database (`store`'s, when given).
-    store: the Store; a database URL string is still taken from the steps that hold no Store yet
-    (draft training, the suffix index), compared as it is."""
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or \
-        f"sqlite:///{(specdec_home() / 'mlflow.db').resolve()}"
-    own = store.url if isinstance(store, Store) else store
-    if own and uri == own:
-        raise RegistryError(f"MLflow's tracking store {display_url(uri)} is specdec's own database; "
-                            "give MLflow its own (default sqlite:///$SPECDEC_HOME/mlflow.db)")
-    return uri
 
 
 def client(uri: str | None = None) -> "RegistryClient":
@@ -370,14 +359,6 @@ def _check_http_store(uri: str) -> None:
 _HTTP_STORES_CHECKED: set[str] = set()
 
 
-def check_reachable(uri: str | None = None) -> str:
-    """Raise RegistryError (one line) unless the tracking store answers now; the URI otherwise.
-    Run before expensive work that ends by registering."""
-    with fail_fast():
-        client(uri).search_registered_models(max_results=1)
-    return tracking_uri(uri)
-
-
 @contextmanager
 def fail_fast():
     """Within it, in this thread only, MLflow's HTTP client neither retries nor waits long (by
@@ -440,29 +421,3 @@ def version_config(mlflow_client, name: str, version: str) -> SpecdecConfig:
         raise RegistryError(f"{name} has no version {version!r} ({exc.message if hasattr(exc, 'message') else exc}); "
                             "list them with `specdec config show`") from None
     return load_version_config(mlflow_client, name, version)
-
-
-def current_champion(uri: str | None = None, target_id: str | None = None, run_id: str | None = None,
-                     store: Store | None = None) -> tuple[str | None, SpecdecConfig | None]:
-    """(version, config) of the champion of the target (of `run_id`'s target, read from `store`,
-    when target_id is None)."""
-    if target_id is None:
-        target_id = run_row(store, run_id)["target_id"]
-    mlflow_client = client(uri)
-    name = config_model_name(target_id)
-    version = alias_version(mlflow_client, name, CHAMPION)
-    if version is None:
-        return None, None
-    return version, load_version_config(mlflow_client, name, version)
-
-
-def show_version(name: str, which: str = CHAMPION, uri: str | None = None) -> dict:
-    """{name, version, aliases, tags, description, config} of an alias or a version number."""
-    mlflow_client = client(uri)
-    version = which if which.isdigit() else alias_version(mlflow_client, name, which)
-    if version is None:
-        raise RegistryError(f"{name} has no version with alias {which!r}")
-    detail = mlflow_client.get_model_version(name, version)
-    return {"name": name, "version": version, "aliases": list(detail.aliases or []),
-            "tags": dict(detail.tags or {}), "description": detail.description,
-            "config": json.loads(load_version_config(mlflow_client, name, version).to_json())}

@@ -11,10 +11,14 @@ domain, built for the run) or `suffix:index=models:/specdec-suffix-<target>/3` (
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from specdec_core.errors import SpecDecError
 
 from ..errors import SpecdecTaskError
+
+if TYPE_CHECKING:
+    from ..registry.registry import Registry
 
 KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head", "eagle3")   # = specdec_core.factory.DRAFTER_KINDS
 # drafters that search on the host once per round (their cost is per round, not per token)
@@ -91,9 +95,10 @@ def checkpoint_kind(path) -> str | None:
 
 
 def build_drafters(candidates, target, tokenizer=None,
-                   tracking_uri: str | None = None) -> dict[str, tuple[dict, object]]:
+                   registry: Registry | None = None) -> dict[str, tuple[dict, object]]:
     """{label: (spec, drafter)} for the candidates, each checked against the target's vocabulary.
-    A draft_model given as an MLflow `models:/NAME/VERSION` URI is downloaded first."""
+    A draft_model given as an MLflow `models:/NAME/VERSION` URI is downloaded first, from
+    `registry` (tasks.registry.registry.Registry; default Registry.open())."""
     # imported here: torch: the CLI imports this module at start-up
     from specdec_core.factory import make_drafter
 
@@ -108,7 +113,7 @@ def build_drafters(candidates, target, tokenizer=None,
             if spec["kind"] in ("draft_model", "head", "eagle3") and str(params["model"]).startswith("models:/"):
                 from .draft_training import resolve_model_uri
 
-                params["model"] = resolve_model_uri(params["model"], tracking_uri)
+                params["model"] = resolve_model_uri(params["model"], registry)
             if spec["kind"] in ("draft_model", "head", "eagle3"):
                 held = checkpoint_kind(params["model"])
                 if held is not None and held != spec["kind"]:
@@ -117,7 +122,7 @@ def build_drafters(candidates, target, tokenizer=None,
             if spec["kind"] == "suffix" and str(params.get("index", "")).startswith("models:/"):
                 from .suffix_index import resolve_index_uri
 
-                params["index"] = resolve_index_uri(params["index"], tracking_uri)
+                params["index"] = resolve_index_uri(params["index"], registry)
             drafter = make_drafter(spec["kind"], params, target, tokenizer)
             drafter.check_compatible(target, tokenizer)
         except (SpecDecError, TypeError, ValueError) as exc:

@@ -2,7 +2,7 @@
 
 RunSpec (tasks.steps.spec, re-exported here) is what Airflow hands from task to task.
 RunContext is what one step works with, built once per step call from the spec
-(`RunContext.build`): settings, database URL and engine, the target model, its tokenizer and
+(`RunContext.build`): settings, the Store, the Registry, the target model, its tokenizer and
 fingerprint, and the candidate drafters built from the frozen list. Models and drafters are
 loaded once per process (every task of `dag.test()` or `specdec evaluate` shares them).
 """
@@ -15,6 +15,7 @@ from typing import Any
 
 from ..db.store import Store
 from ..registry.drafts import registered_drafts
+from ..registry.registry import Registry
 from ..settings import Settings
 from .candidates import build_drafters, candidate_label, parse_candidate
 from .draft_training import trained_request_ids
@@ -75,6 +76,7 @@ class RunContext:
     spec: RunSpec
     settings: Settings
     store: Store                      # the run's database, opened once by build
+    registry: Registry                # the run's MLflow tracking store, opened once by build
     model: Any
     tokenizer: Any
     fingerprint: str                  # fingerprint id of the target
@@ -97,6 +99,7 @@ class RunContext:
                 spec = replace(spec, candidates=list(stored))
                 settings = spec.settings()
                 store = replace(store, settings=settings)     # the Store carries the run's settings
+        registry = spec.open_registry(store)
         entry = _model_entry(spec.target, spec.device)
         drafts = spec.drafts
         if drafts is None:
@@ -104,14 +107,14 @@ class RunContext:
         if drafts is None:      # a run sampled before candidates were frozen: listed now
             log.warning("run %s: no frozen candidate list (sample the run again to freeze one); "
                         "listing registered drafts now", spec.run_id)
-            drafts = (registered_drafts(spec.target, spec.tracking_uri)
+            drafts = (registered_drafts(spec.target, registry)
                       if settings.plan.auto_draft_candidates else {})
         candidates = tuple(settings.plan.candidates) + tuple(drafts.get(entry["fingerprint"], []))
         key = tuple(candidate_label(parse_candidate(c)) for c in candidates)
         built = entry.setdefault("drafters", {})
         if key not in built:
-            built[key] = build_drafters(candidates, entry["model"], entry["tokenizer"], spec.tracking_uri)
-        return cls(spec=spec, settings=settings, store=store, model=entry["model"],
+            built[key] = build_drafters(candidates, entry["model"], entry["tokenizer"], registry)
+        return cls(spec=spec, settings=settings, store=store, registry=registry, model=entry["model"],
                    tokenizer=entry["tokenizer"], fingerprint=entry["fingerprint"],
                    target_fingerprint=entry["target_fingerprint"], candidates=candidates,
                    drafters=built[key])

@@ -44,8 +44,8 @@ from ..db.store import Store
 from ..errors import SampleError
 from ..registry.drafts import (CANDIDATE_ALIAS, draft_candidates, draft_model_name,  # noqa: F401 - re-exported
                                registered_drafts)
-from ..registry.tracking import client, experiment_for_target
-from ..registry.tracking import tracking_uri as resolve_uri
+from ..registry.tracking import experiment_for_target
+from ..registry.registry import Registry
 from ..paths import check_identifier, home_path
 from ..settings import DEFAULT_MODEL
 from ..timeutil import utcnow
@@ -206,7 +206,7 @@ def _record_start(store: Store, train_id: str, target: str, fingerprint: str, re
 
 def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
                              data: TrainingData | None = None, target: str = DEFAULT_MODEL,
-                             store: Store | None = None, tracking_uri: str | None = None,
+                             store: Store | None = None, registry: Registry | None = None,
                              device: str | None = None, model=None, tokenizer=None,
                              register: bool = True, progress: bool = True) -> dict:
     """Build the data, train the recipe (resuming a previous attempt of the same id), register.
@@ -243,17 +243,18 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
     _record(store, train_id, {"heldout": out["result"]["report"], "status": "trained"})
     if register:
         out.update(register_draft(train_id, target, fingerprint, best_dir, out["result"], store,
-                                  tracking_uri))
+                                  registry))
     return out
 
 
 def register_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
-                   store: Store | None = None, tracking_uri: str | None = None) -> dict:
+                   store: Store | None = None, registry: Registry | None = None) -> dict:
     """Log the draft and its lineage to MLflow and register it (alias `candidate`); idempotent.
     result: TrainResult.to_dict() of the training."""
-    mlflow_run_id = log_draft(train_id, target, fingerprint, best_dir, result, store, tracking_uri)
+    registry = _registry(registry, store)
+    mlflow_run_id = log_draft(train_id, target, fingerprint, best_dir, result, store, registry)
     return register_logged_draft(train_id, target, fingerprint, mlflow_run_id, result, store,
-                                 tracking_uri)
+                                 registry)
 
 
 def _lineage(store: Store, train_id: str, target: str, fingerprint: str) -> tuple[dict, dict]:
@@ -268,13 +269,13 @@ def _lineage(store: Store, train_id: str, target: str, fingerprint: str) -> tupl
 
 
 def log_draft(train_id: str, target: str, fingerprint: str, best_dir, result: dict,
-              store: Store | None = None, tracking_uri: str | None = None) -> str:
+              store: Store | None = None, registry: Registry | None = None) -> str:
     """Upload the draft (the files in best_dir), its lineage and held-out curve to the MLflow run
     tagged with the training id (created once; idempotent); the MLflow run id. Runs where the
     draft was trained: the registration (register_logged_draft) then needs no local file, so it
     may run on another machine."""
     _require(store, "log_draft")
-    mlflow_client = client(resolve_uri(tracking_uri, store))
+    mlflow_client = _registry(registry, store).client
     _, lineage = _lineage(store, train_id, target, fingerprint)
     experiment_id = experiment_for_target(mlflow_client, target)
     runs = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{TRAIN_TAG}` = '{train_id}'",
@@ -310,11 +311,11 @@ def reported(result: dict) -> dict:
 
 def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_run_id: str,
                           result: dict, store: Store | None = None,
-                          tracking_uri: str | None = None) -> dict:
+                          registry: Registry | None = None) -> dict:
     """Register the draft that log_draft uploaded to MLflow run `mlflow_run_id` as a version of
     `specdec-draft-<target>` (alias `candidate`; reused on retry). Reads no local file."""
     _require(store, "register_logged_draft")
-    mlflow_client = client(resolve_uri(tracking_uri, store))
+    mlflow_client = _registry(registry, store).client
     record, lineage = _lineage(store, train_id, target, fingerprint)
     run_id = mlflow_run_id
     name = draft_model_name(target)
@@ -358,15 +359,21 @@ def register_logged_draft(train_id: str, target: str, fingerprint: str, mlflow_r
     return {"model_uri": uri, "version": version, "mlflow_run_id": run_id}
 
 
-def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
-    """A local directory holding the registered version (downloaded once under $SPECDEC_HOME)."""
+def _registry(registry: Registry | None, store: Store) -> Registry:
+    """The caller's Registry, else the default one (never `store`'s database)."""
+    return registry if registry is not None else Registry.open(store=store)
+
+
+def resolve_model_uri(uri: str, registry: Registry | None = None) -> str:
+    """A local directory holding the registered version (downloaded once under $SPECDEC_HOME).
+    registry: where it is registered (default Registry.open(); used only to download)."""
     name, _, version = uri[len("models:/"):].partition("/")
     if not name or not version:
         raise DraftTrainingError(f"model URI {uri!r}: expected models:/NAME/VERSION")
     local = home_path("models", "drafts", name, version)
     if (local / "config.json").exists() or (local / "head_config.json").exists():
         return str(local)
-    mlflow_client = client(tracking_uri)
+    mlflow_client = (registry or Registry.open()).client
     detail = mlflow_client.get_model_version(name, version)
     tmp = local.with_name(version + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -60,6 +60,7 @@ from ..db.queries_engine_checks import (enabled_domains, replace_engine_checks,
 from ..db.store import Store
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.live_check import LiveVerdict
+from ..registry.registry import Registry
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
@@ -115,15 +116,16 @@ def _item(request, index: int) -> dict:
 EXACT_METHODS = ("ngram", "draft_model", "eagle3")
 
 
-def local_spec(spec: dict | None, tracking_uri: str | None = None) -> dict | None:
+def local_spec(spec: dict | None, registry: Registry | None = None) -> dict | None:
     """The config as the probe's engine loads it: a drafter checkpoint given as a registered
     models:/ URI (draft_model, eagle3) downloaded first -- vLLM reads local directories and
-    Hugging Face ids, not MLflow URIs. The export (and the engine check's rows) keep the URI."""
+    Hugging Face ids, not MLflow URIs. The export (and the engine check's rows) keep the URI.
+    registry: where it is registered (default Registry.open())."""
     if spec is None or not str(spec.get("model") or "").startswith("models:/"):
         return spec
     from .draft_training import resolve_model_uri   # imported here: MLflow, for URIs only
 
-    return dict(spec, model=resolve_model_uri(spec["model"], tracking_uri))
+    return dict(spec, model=resolve_model_uri(spec["model"], registry))
 
 
 def engine_walk(prompt_ids, output, drafted: list[int], accepted: list[int], drafter,

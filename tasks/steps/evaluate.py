@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from ..db.queries_runs import mark_abandoned_runs, mark_interrupted, record_owner, this_process
 from ..db.store import Store
 from ..errors import SpecdecTaskError
+from ..registry.registry import Registry
 from ..registry.run_results import profile_check
 from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import default_run_id
@@ -33,7 +34,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL, *,
              candidates=None, hardware_profile: str | None = None, k_max: int | None = None,
              max_per_domain: int | None = None, min_per_domain: int | None = None,
              device: str | None = None, progress: bool = True, model=None, tokenizer=None,
-             register: bool = False, promote: bool = False, tracking_uri: str | None = None,
+             register: bool = False, promote: bool = False, registry: Registry | None = None,
              new_profile: bool = False) -> dict:
     """Run every step for one run id; returns {"run_id", "table", "steps": {step: seconds}, ...}.
 
@@ -43,11 +44,13 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL, *,
     else measure this machine in this run; new_profile: measure in any case.
     model/tokenizer: an already loaded target (then `target` only names it).
     register: track the run in MLflow and register its config (alias challenger); promote: then
-    gate it and move the champion alias (implies register).
+    gate it and move the champion alias (implies register). registry: the MLflow tracking store
+    they use (opened by the caller; default: $MLFLOW_TRACKING_URI, else the default under
+    $SPECDEC_HOME); each step opens it again from the spec, as it opens the Store.
     """
     settings = settings or store.settings
     spec = RunSpec(run_id=run_id or default_run_id(), target=target, device=device,
-                   db_url=store.url, tracking_uri=tracking_uri,
+                   db_url=store.url, tracking_uri=registry.uri if registry is not None else None,
                    domains=list(domains) if domains else None, window_days=window,
                    min_per_domain=min_per_domain, max_per_domain=max_per_domain,
                    candidates=list(candidates) if candidates else None,
@@ -58,9 +61,7 @@ def evaluate(run_id: str | None = None, target: str = DEFAULT_MODEL, *,
         log.warning("marked %d run(s) interrupted: their process is gone (killed?): %s",
                     len(abandoned), ", ".join(abandoned[:10]))
     if register or promote:     # fail in seconds, not after the expensive steps
-        from ..registry.tracking import check_reachable
-
-        check_reachable(tracking_uri)
+        (registry if registry is not None else spec.open_registry(store)).check_reachable()
     if model is not None:
         use_model(target, model, tokenizer, device)
     else:       # a --model that is not a model: one line now, not a traceback at the estimate

@@ -13,7 +13,6 @@ import json
 import logging
 from contextlib import contextmanager
 from datetime import datetime
-from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
@@ -24,7 +23,8 @@ from ..db.store import Store
 from ..errors import ServingEnvUnavailable
 from ..masking import mask_text
 from ..registry.config_schema import config_model_name
-from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
+from ..registry.registry import Registry
+from ..registry.tracking import CHAMPION, alias_version, load_version_config
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool
 from ..settings import worker_name
@@ -153,18 +153,17 @@ def step_estimate(spec, domain: str, profile) -> dict:
                      context.store, settings=settings, k_max=settings.plan.k_max, progress=False)
     return _plain(plan_domain(run_id, domain, costs, context.store, settings=settings,
                               samples=len(requests),
-                              currently_on=domain in champion_domains_on(context.spec, context.store)))
+                              currently_on=domain in champion_domains_on(context.registry, context.spec)))
 
 
-def champion_domains_on(spec: RunSpec, store: Store) -> set[str]:
+def champion_domains_on(registry: Registry, spec: RunSpec) -> set[str]:
     """Domains on in the target's champion config (for the planner's hysteresis); empty when there
-    is no champion or no tracking store yet (none is created to find out). store: the run's
-    database."""
-    uri = tracking_uri(spec.tracking_uri, store)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+    is no champion or no tracking store yet (none is created to find out). registry: the run's
+    tracking store (RunContext.registry)."""
+    if registry.local_store_missing():
         return set()
     try:
-        mlflow_client = client(uri)
+        mlflow_client = registry.client
         name = config_model_name(spec.target)
         version = alias_version(mlflow_client, name, CHAMPION)
         return set() if version is None else set(load_version_config(mlflow_client, name, version).domains_on)

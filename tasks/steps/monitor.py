@@ -46,7 +46,8 @@ from ..paths import check_identifier
 from ..registry.compose_export import deployments
 from ..registry.config_schema import SpecdecConfig, config_model_name
 from ..registry.promotion import rollback
-from ..registry.tracking import CHAMPION, alias_version, client, load_version_config, tracking_uri
+from ..registry.registry import Registry
+from ..registry.tracking import CHAMPION, alias_version, load_version_config
 from ..serving.server import PositionOutOfRange, spec_decode_counters
 from ..settings import DEFAULT_MODEL, Settings
 from ..timeutil import utcnow
@@ -67,17 +68,19 @@ class MonitorContext:
     """What the monitor works with: specdec's database, the registry and the settings."""
 
     store: Store                      # the queries and the registry take it
-    tracking_uri: str | None
+    registry: Registry                # the MLflow tracking store: the champion, rollback
     settings: Settings
     config_name: str
 
     @classmethod
-    def open(cls, store: Store, uri: str | None = None, target: str | None = None,
+    def open(cls, store: Store, registry: Registry | None = None, target: str | None = None,
              settings: Settings | None = None) -> "MonitorContext":
-        return cls(store, uri, settings or store.settings, config_model_name(target or DEFAULT_MODEL))
+        """registry: default Registry.open(store=store) (nothing is contacted until it is used)."""
+        return cls(store, registry or Registry.open(store=store), settings or store.settings,
+                   config_model_name(target or DEFAULT_MODEL))
 
     def champion(self) -> tuple[str | None, SpecdecConfig | None]:
-        mlflow_client = client(tracking_uri(self.tracking_uri, self.store))
+        mlflow_client = self.registry.client
         version = alias_version(mlflow_client, self.config_name, CHAMPION)
         return version, (load_version_config(mlflow_client, self.config_name, version)
                          if version else None)
@@ -258,7 +261,7 @@ def _served_config(ctx: MonitorContext, previous: dict | None, step: dict):
     try:
         if previous is not None and step["start"] is None and previous["config_version"] \
                 and previous["config_name"] == ctx.config_name:
-            mlflow_client = client(tracking_uri(ctx.tracking_uri, ctx.store))
+            mlflow_client = ctx.registry.client
             version = previous["config_version"]
             return version, load_version_config(mlflow_client, ctx.config_name, version)
         version, config = ctx.champion()
@@ -444,7 +447,7 @@ def _auto_rollback(ctx: MonitorContext, version: str, event: dict) -> list[dict]
                 "window_start": event["window_start"].isoformat(),
                 "window_end": event["window_end"].isoformat(), "reason": why}
     try:
-        moved = rollback(ctx.config_name, ctx.store, uri=ctx.tracking_uri, actor=ACTOR,
+        moved = rollback(ctx.config_name, ctx.store, registry=ctx.registry, actor=ACTOR,
                          expected_champion=version, evidence=evidence)
     except RegistryError as exc:
         log.info("automatic rollback of %s version %s refused: %s", ctx.config_name, version, exc)
@@ -508,7 +511,7 @@ def publish(ctx: MonitorContext, version: str, at: datetime) -> str | None:
               "drafts": r["scraped"]["drafts"], "scraped_e": r["scraped"]["e"],
               "request_e": r["per_request"]["e"]}
              for d in shown["deployments"] if d["config_version"] == version for r in d["domains"]]
-    mlflow_client = client(tracking_uri(ctx.tracking_uri, ctx.store))
+    mlflow_client = ctx.registry.client
     run_id = mlflow_client.get_model_version(ctx.config_name, version).run_id
     plt = _pyplot()
     with tempfile.TemporaryDirectory() as tmp:

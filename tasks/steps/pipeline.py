@@ -106,18 +106,18 @@ def step_register(spec, started_at=None) -> dict:
     the version, its page, validation and the gates' preview. started_at (its DAG run's start) is
     when its MLflow run starts."""
     from ..registry.registration import register_config     # MLflow: only register and promote
-    from ..registry.tracking import tracking_uri
 
     spec = RunSpec.of(spec)
     settings = spec.settings()
     store = spec.open_store(settings)
-    registered = register_config(spec.run_id, store, uri=spec.tracking_uri, settings=settings,
-                                 started_at=started_at)
+    registry = spec.open_registry(store)
+    registered = register_config(spec.run_id, store, settings=settings, started_at=started_at,
+                                 registry=registry)
     log.info("run %s: registered %s version %s%s (alias challenger; champion %s); validation %s; "
              "gates (preview): %s; page: %s", spec.run_id, registered["name"], registered["version"],
              " (reused)" if registered["reused"] else "", registered["champion_version"] or "none",
              registered["validation"], gates_summary(registered["gates"]),
-             version_url(tracking_uri(spec.tracking_uri, store), registered["name"], registered["version"]))
+             version_url(registry.uri, registered["name"], registered["version"]))
     return registered
 
 
@@ -137,9 +137,10 @@ def step_promote(spec, registered: dict) -> dict:
                 "champion": registered["champion_version"], "gates": registered.get("gates") or [],
                 "reason": reason}
     settings = spec.settings()
-    result = promote(registered["name"], registered["version"],
-                     spec.open_store(settings), uri=spec.tracking_uri, settings=settings,
-                     expected_champion=registered["champion_version"])
+    store = spec.open_store(settings)
+    result = promote(registered["name"], registered["version"], store, settings=settings,
+                     expected_champion=registered["champion_version"],
+                     registry=spec.open_registry(store))
     log.info("run %s: %s version %s %s: %s; gates: %s", spec.run_id, registered["name"],
              registered["version"], "promoted to champion" if result["promoted"] else "NOT promoted",
              result["reason"], gates_summary(result["gates"]))

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..db.queries_runs import run_params
 from ..db.store import Store
+from ..registry.registry import Registry
 from ..settings import DEFAULT_MODEL, Settings, load_settings
 
 
@@ -61,6 +62,12 @@ class RunSpec:
         point opens once (tasks.db.store.Store.open)."""
         return Store.open(self.db_url, settings or self.settings())
 
+    def open_registry(self, store: Store | None = None) -> Registry:
+        """The run's MLflow tracking store (tracking_uri, else $MLFLOW_TRACKING_URI, else the
+        default; never `store`'s database): what a step entry point opens once
+        (tasks.registry.registry.Registry.open; nothing is contacted until it is used)."""
+        return Registry.open(self.tracking_uri, store if store is not None else self.db_url)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -69,15 +76,17 @@ class RunSpec:
         return value if isinstance(value, RunSpec) else cls(**value)
 
 
-def freeze_candidates(spec: RunSpec, settings: Settings | None = None) -> RunSpec:
+def freeze_candidates(spec: RunSpec, settings: Settings | None = None,
+                      registry: Registry | None = None) -> RunSpec:
     """The spec with its candidates frozen: the configured ones, and the drafts registered for the
-    target now (by fingerprint, each a pinned version). A frozen spec is returned as it is."""
+    target now (by fingerprint, each a pinned version). A frozen spec is returned as it is.
+    registry: the tracking store (default: the spec's, spec.open_registry())."""
     if spec.drafts is not None:
         return spec
     from ..registry.drafts import registered_drafts     # the tracking client: only the sample step
 
     settings = settings or spec.settings()
-    drafts = (registered_drafts(spec.target, spec.tracking_uri)
+    drafts = (registered_drafts(spec.target, registry or spec.open_registry())
               if settings.plan.auto_draft_candidates else {})
     return replace(spec, candidates=list(settings.plan.candidates), drafts=drafts)
 

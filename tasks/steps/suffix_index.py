@@ -29,8 +29,8 @@ from ..db.queries_suffix import (domain_traffic, newest_in_domain, production_do
 from ..db.store import Store
 from ..errors import SpecdecTaskError
 from ..registry.config_schema import target_slug
-from ..registry.tracking import client, experiment_for_target
-from ..registry.tracking import tracking_uri as resolve_uri
+from ..registry.tracking import experiment_for_target
+from ..registry.registry import Registry
 from ..paths import home_path
 from ..timeutil import utcnow
 from .offline_estimate import request_token_ids
@@ -130,7 +130,7 @@ def timing_index(store: Store, fingerprint: str | None, tokenizer, vocab_size: i
 
 
 def build_and_register(target: str, domain: str, store: Store,
-                       tracking_uri: str | None = None, window_days: float | None = None,
+                       registry: Registry | None = None, window_days: float | None = None,
                        model=None, tokenizer=None) -> dict:
     """Build a domain's index from its stored responses of this target (the last window_days
     days up to the newest request, or all) and register it as a version of
@@ -153,7 +153,7 @@ def build_and_register(target: str, domain: str, store: Store,
     window = f"{since.isoformat() if since else 'start'}..{newest.isoformat()}"
     index = build_index(ids, sequences, {"domain": domain, "vocab_size": output_size(model),
                                          "target_fingerprint": fingerprint, "window": window})
-    mlflow_client = client(resolve_uri(tracking_uri, store.url))
+    mlflow_client = (registry if registry is not None else Registry.open(store=store)).client
     experiment_id = experiment_for_target(mlflow_client, target)
     run = mlflow_client.create_run(experiment_id, run_name=f"suffix index {domain}",
                                    tags={"specdec.suffix_index": domain})
@@ -184,7 +184,7 @@ def build_and_register(target: str, domain: str, store: Store,
 
 
 def refresh_indexes(target: str, domains=None, store: Store | None = None,
-                    tracking_uri: str | None = None, window_days: float | None = None) -> dict:
+                    registry: Registry | None = None, window_days: float | None = None) -> dict:
     """Build and register the index of every domain (default: each stored one); {domain: result}.
     The target is loaded once. `store` is required (a keyword default only because `domains`
     before it has one)."""
@@ -193,21 +193,23 @@ def refresh_indexes(target: str, domains=None, store: Store | None = None,
                         "are built from")
     stored = production_domains(store)
     model, tokenizer = load_model(target, device="cpu")
-    return {domain: build_and_register(target, domain, store, tracking_uri, window_days, model,
+    registry = registry if registry is not None else Registry.open(store=store)
+    return {domain: build_and_register(target, domain, store, registry, window_days, model,
                                        tokenizer)
             for domain in (domains or stored) if domain in stored}
 
 
-def resolve_index_uri(uri: str, tracking_uri: str | None = None) -> str:
+def resolve_index_uri(uri: str, registry: Registry | None = None) -> str:
     """A local path of a registered index (`models:/NAME/VERSION`), downloaded once under
-    $SPECDEC_HOME/models/suffix."""
+    $SPECDEC_HOME/models/suffix. registry: where it is registered (default Registry.open();
+    used only to download)."""
     name, _, version = uri[len("models:/"):].partition("/")
     if not uri.startswith("models:/") or not name or not version:
         raise SuffixIndexError(f"index URI {uri!r}: expected models:/NAME/VERSION")
     local = home_path("models", "suffix", name, version, INDEX_FILE)
     if local.exists():
         return str(local)
-    mlflow_client = client(tracking_uri)
+    mlflow_client = (registry or Registry.open()).client
     detail = mlflow_client.get_model_version(name, version)
     local.parent.mkdir(parents=True, exist_ok=True)
     path = Path(mlflow_client.download_artifacts(detail.run_id, INDEX_ARTIFACT, str(local.parent)))

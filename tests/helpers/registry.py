@@ -12,6 +12,7 @@ from tasks.db.store import Store
 from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun, LiveMeasurement, Validation
 from tasks.registry.promotion import promote
 from tasks.registry.registration import register_config
+from tasks.registry.registry import Registry
 from tasks.settings import load_settings
 
 DEFAULTS = load_settings({})          # the documented defaults, whatever SPECDEC_* says
@@ -152,11 +153,15 @@ def engine_sampling(db_url: str, run_id: str, domain: str, status: str = "passed
 
 
 def register(run_id: str, db_url: str, uri: str) -> dict:
-    return register_config(run_id, Store.open(db_url), uri=uri, settings=DEFAULTS, actor="pytest")
+    store = Store.open(db_url)
+    return register_config(run_id, store, settings=DEFAULTS, actor="pytest",
+                           registry=Registry.open(uri, store))
 
 
 def promote_(name: str, version: str, db_url: str, uri: str, **kwargs) -> dict:
-    return promote(name, version, Store.open(db_url), uri=uri, settings=DEFAULTS, actor="pytest", **kwargs)
+    store = Store.open(db_url)
+    return promote(name, version, store, settings=DEFAULTS, actor="pytest",
+                   registry=Registry.open(uri, store), **kwargs)
 
 
 def page_text(description: str) -> str:
