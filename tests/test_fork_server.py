@@ -234,7 +234,7 @@ def test_a_job_and_every_thread_it_starts_stay_on_the_cpus_it_was_bound_to(serve
                       "t.start(); t.join()\nprint(sorted(os.sched_getaffinity(0)), seen[0])\n")
     first = min(os.sched_getaffinity(0))
     out = tmp_path / "affinity.txt"
-    job = server.launch([str(script)], dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(first)), stdout=str(out))
+    job = server.launch([str(script)], dict(os.environ, SPECDEC_PIN_CPUS=str(first)), stdout=str(out))
     assert job.wait(30) == 0
     assert out.read_text() == f"[{first}] [{first}]\n"
     # unbound (vLLM's own choice): every CPU this process may use
@@ -244,5 +244,12 @@ def test_a_job_and_every_thread_it_starts_stay_on_the_cpus_it_was_bound_to(serve
     assert out.read_text() == f"{every} {every}\n"
     # a process of its own (no fork server): the same
     done = serving_env._run(load_settings(engine_fork_server=False), Path(sys.executable), [str(script)],
-                            dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(first)), "", 30)
+                            dict(os.environ, SPECDEC_PIN_CPUS=str(first)), "", 30)
     assert done.stdout == f"[{first}] [{first}]\n"
+    # what an engine's environment asks for: OpenMP threads bound, the whole process pinned,
+    # except a suffix engine's (its proposer's busy thread must not share the loop's CPU)
+    assert serving_env.thread_env("1", {"method": "ngram"}) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "1", "SPECDEC_PIN_CPUS": "1"}
+    assert serving_env.thread_env("1", None) == {"VLLM_CPU_OMP_THREADS_BIND": "1", "SPECDEC_PIN_CPUS": "1"}
+    assert serving_env.thread_env("1", {"method": "suffix"}) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert serving_env.thread_env(None, {"method": "ngram"}) == {}

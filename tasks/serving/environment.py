@@ -150,10 +150,28 @@ def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12) -> 
     return choose_cpus(used, margin, others=max(sum(used.values()), burst))
 
 
+PIN_VARIABLE = "SPECDEC_PIN_CPUS"      # the CPUs a whole engine process is kept on (fork_server.py)
+
+
+def thread_env(threads: str | None, spec: dict | None) -> dict:
+    """The environment that puts an engine on the CPUs `threads` names ("0,2"; None: vLLM's own
+    choice): its OpenMP threads bound there (VLLM_CPU_OMP_THREADS_BIND), and the whole process
+    kept there (PIN_VARIABLE: vLLM leaves its engine loop unbound, and on a neighbour's CPU it
+    stalled one batch in five 4 to 11 times over). Not a suffix engine's whole process: its
+    proposer keeps a thread of its own busy beside the engine loop, and kept on the loop's one
+    CPU it slowed every step about 30 times (1.4 s a step against 50 ms; busy 1, this round)."""
+    if not threads:
+        return {}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": threads}
+    if (spec or {}).get("method") != "suffix":
+        env[PIN_VARIABLE] = threads
+    return env
+
+
 def pinned(bind: str | None):
     """A subprocess preexec_fn keeping the child, and every thread it starts, on the CPUs of a
-    VLLM_CPU_OMP_THREADS_BIND list (None where there is nothing to pin; a fork of the fork server
-    pins itself: scripts/fork_server.py pin_cpus)."""
+    PIN_VARIABLE list (None where there is nothing to pin; a fork of the fork server pins itself:
+    scripts/fork_server.py pin_cpus)."""
     if not bind or not hasattr(os, "sched_setaffinity"):
         return None
     cpus = {int(cpu) for cpu in bind.split(",") if cpu.strip().isdigit()}
@@ -182,8 +200,7 @@ def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
     settings = settings or load_settings()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE=str(settings.engine.kv_cache_gib))
-    if threads:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = threads
+    env.update(thread_env(threads, request.get("speculative_config")))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         done = _run(settings, python, [str(PROBE), command], env, json.dumps(request), timeout_s,
@@ -207,7 +224,7 @@ def _run(settings: Settings, python: Path, argv: list[str], env: dict, input_tex
         done = forks.run(python, argv, env, input_text, timeout_s, stderr_path=log_path)
         if done is not None:
             return done
-    pin = pinned(env.get("VLLM_CPU_OMP_THREADS_BIND"))
+    pin = pinned(env.get(PIN_VARIABLE))
     if log_path is None:
         return subprocess.run([str(python), *argv], input=input_text, capture_output=True,
                               text=True, timeout=timeout_s, env=env, preexec_fn=pin)

@@ -109,8 +109,7 @@ class VllmServer:
         env[MENDS_OFF] = "1" if self.mended else "0"
         if self.plan_path is not None:
             env[PLAN_VARIABLE] = str(self.plan_path)
-        if self.threads:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.threads
+        env.update(environment.thread_env(self.threads, self.spec))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = serve_command(python, self.model_dir, self.spec, self.port, self.dtype,
                                 self.max_model_len, self.max_num_seqs, block_size=self.block_size)
@@ -125,7 +124,7 @@ class VllmServer:
             if self.process is None:
                 self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                                 env=env, start_new_session=True,
-                                                preexec_fn=environment.pinned(self.threads))
+                                                preexec_fn=environment.pinned(env.get(environment.PIN_VARIABLE)))
         log.info("vLLM server %s starting on %s (pid %d); log %s", self.name, self.url,
                  self.process.pid, self.log_path)
         try:

@@ -47,8 +47,8 @@ def _say(message: dict) -> None:
 
 
 def pin_cpus(bind: str | None) -> None:
-    """Keep this process, and every thread it starts, on the CPUs of a VLLM_CPU_OMP_THREADS_BIND
-    list ("0,2" or "0-3"): vLLM binds only its OpenMP threads, and its other threads (the engine
+    """Keep this process, and every thread it starts, on the CPUs of a SPECDEC_PIN_CPUS list ("0,2"
+    or "0-3", the engine's VLLM_CPU_OMP_THREADS_BIND where the job pins the whole process): vLLM binds only its OpenMP threads, and its other threads (the engine
     loop, the API server) left on a neighbour's CPU stall each step. Other forms ("all", NUMA
     groups with "|") leave the affinity as it is."""
     if not bind or bind == "all" or "|" in bind or not hasattr(os, "sched_setaffinity"):
@@ -70,7 +70,7 @@ def _child(job: dict) -> None:
         os.chdir(job.get("cwd") or os.getcwd())
         os.environ.clear()
         os.environ.update(job.get("env") or {})
-        pin_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+        pin_cpus(os.environ.get("SPECDEC_PIN_CPUS"))
         mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if job.get("append") else os.O_TRUNC)
         stdin = os.open(job["stdin"], os.O_RDONLY) if job.get("stdin") else os.open(os.devnull, os.O_RDONLY)
         stdout = os.open(job["stdout"], mode, 0o644)

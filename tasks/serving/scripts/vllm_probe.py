@@ -648,6 +648,6 @@ if __name__ == "__main__":
     from fork_server import pin_cpus    # the sibling file: a script's directory is on sys.path
     from json_command import run
 
-    pin_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))   # (a fork has been pinned already)
+    pin_cpus(os.environ.get("SPECDEC_PIN_CPUS"))   # (a fork has been pinned already)
 
     sys.exit(run("vllm_probe.py", COMMANDS))
