@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..settings import Settings, load_settings
 from . import forks
+from .scripts.fork_server import pin_cpus
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "scripts" / "vllm_probe.py"
@@ -170,12 +171,11 @@ def thread_env(threads: str | None, spec: dict | None) -> dict:
 
 def pinned(bind: str | None):
     """A subprocess preexec_fn keeping the child, and every thread it starts, on the CPUs of a
-    PIN_VARIABLE list (None where there is nothing to pin; a fork of the fork server pins itself:
-    scripts/fork_server.py pin_cpus)."""
-    if not bind or not hasattr(os, "sched_setaffinity"):
+    PIN_VARIABLE list (None where there is nothing to pin; a fork of the fork server pins itself
+    with the same function, scripts/fork_server.py pin_cpus)."""
+    if not bind:
         return None
-    cpus = {int(cpu) for cpu in bind.split(",") if cpu.strip().isdigit()}
-    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return lambda: pin_cpus(bind)
 
 
 def choose_cpus(used: dict[int, float], margin: float = 0.25, others: float | None = None) -> dict:

@@ -319,7 +319,7 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
                                     f"its log: {server.log_path}")
         return out
     learns = spec.get("method") == "suffix"
-    limit = settings.profile.contention_cores + getattr(server, "spare_cores", 0)
+    limit = settings.profile.contention_cores + server.spare_cores
     for (level, k), chosen in zip(levels, level_slices(items, levels, settings.load.requests, learns)):
         sides: dict = {"plain": [], "config": []}
         log.info("load check: %d requests at %d concurrent, K 0 and K %d alternating in waves",
