@@ -370,6 +370,11 @@ class LoadCheckSettings(_Group):
         "(and the cores the server left them) is served again up to this many times, its least "
         "contended result kept; a level's interval is over the pairs no neighbour reached where "
         "at least 5 are left"))
+    more_requests: int = Field(default=16, ge=0, description=(
+        "while a level's interval straddles min_speedup (its lower end under it, its upper end "
+        "over it), up to this many more of the domain's requests are served at that level, "
+        "load_check_requests at a time, none the level served already; still straddling after "
+        "them, the point estimate decides and the reason says the level was unsure"))
     timeout_s: float = Field(default=300.0, gt=0, description=(
         "one level on one server; past it the level is a hang: the domain is not promotable and "
         "the reason names the server's log"))

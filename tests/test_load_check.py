@@ -65,15 +65,38 @@ def test_the_schedule_keeps_k_only_up_to_the_largest_level_that_pays_and_every_o
                                  "reason": single["changes"]["reason"]}
 
 
-def test_a_level_pays_by_its_interval_and_the_champions_domain_by_hysteresis():
-    from tasks.steps.load_check import pays
+def test_a_level_pays_by_its_interval_and_one_still_straddling_the_bar_by_its_point():
+    from tasks.steps.load_check import level_verdict as verdict, pays
 
     settings = load_settings(min_speedup=1.1)
-    row = _level(2, 1.2, 1.02, 1.4, None)
-    assert not pays(row, settings, champion_on=False)           # lower end under min_speedup
-    assert pays(row, settings, champion_on=True)                # on in the champion: 1.0 / min_speedup
-    assert not pays(dict(row, measured_speedup_lo=1.2, failed=1), settings, champion_on=False)
-    assert pays(dict(row, measured_speedup_lo=1.12), settings, champion_on=False)
+    sure = _level(2, 1.3, 1.12, 1.5, None)
+    assert verdict(sure, settings, champion_on=False) == "pays" and pays(sure, settings, False)
+    below = _level(2, 1.0, 0.92, 1.08, None)                     # upper end under min_speedup
+    assert verdict(below, settings, champion_on=False) == "below" and not pays(below, settings, False)
+    # the interval straddles 1.1: unsure; after the level's extra requests the point decides
+    straddling = _level(2, 1.2, 1.02, 1.4, None)
+    assert verdict(straddling, settings, champion_on=False) == "unsure"
+    assert pays(straddling, settings, champion_on=False)
+    assert not pays(dict(straddling, measured_speedup=1.05), settings, champion_on=False)
+    # on in the champion (hysteresis): a lower end over 1.0 and an upper end over 1.1 pay
+    assert verdict(straddling, settings, champion_on=True) == "pays"
+    assert verdict(dict(straddling, measured_speedup_lo=0.97), settings, champion_on=True) == "unsure"
+    # a failed request, or no figure, never pays
+    assert not pays(dict(sure, failed=1), settings, champion_on=False)
+    assert not pays(dict(sure, measured_speedup_lo=None), settings, champion_on=False)
+    # the reason says an unsure level was decided by its point
+    from tasks.steps.load_check import level_text
+    assert level_text(dict(straddling, verdict="unsure", requests=24)).endswith(
+        "at 2 concurrent requests, unsure after 24 requests: the point estimate decides")
+
+
+def test_more_requests_never_repeat_one_the_level_or_a_suffix_server_holds():
+    from tasks.steps.load_check import _more
+
+    items = [{"id": f"r{n}", "request_id": f"r{n % 6}"} for n in range(10)]   # r0-r5, then repeats
+    assert [i["id"] for i in _more(items, {"r0", "r1"}, 3)] == ["r2", "r3", "r4"]
+    assert [i["id"] for i in _more(items, {"r0", "r1", "r2", "r3"}, 5)] == ["r4", "r5"]
+    assert _more(items, {f"r{n}" for n in range(6)}, 2) == []
 
 
 def test_per_request_metrics_sum_to_counters_by_position():
@@ -392,3 +415,32 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
     row = level_row(level, k, plain, config)
     assert [pair["contended"] for pair in row["per_request"]] == [False]
     assert row["counters"] == row["request_sums"]       # the kept wave's own /metrics delta
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_level_straddling_the_bar_is_served_more_requests_until_settled_or_out_of_them(served):
+    # settle says "unsure" after every look: the level takes load_check_requests (1) at a time up
+    # to load_check_more_requests (2) more, each a request it did not serve yet, and stops there;
+    # one that settles at the first look serves only its own
+    from tasks.steps.load_check import level_items, level_row, measure_domain
+
+    spec = served["result"]["domains"]["count"]["speculative_config"]
+    settings = load_settings(load_check_requests=1, load_check_more_requests=2, load_check_retries=0)
+    items = level_items(_requests("count", ["count"] * 4), 4, TOKENS)
+    looked = []
+
+    def unsure(row):
+        looked.append(row["requests"])
+        return "unsure"
+
+    outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings, settle=unsure)
+    assert outcome["failure"] is None and looked == [1, 2]
+    level, k, plain, config, chosen = outcome["levels"][0]
+    assert [item["id"] for item in chosen] == [item["id"] for item in items[:3]]
+    row = level_row(level, k, plain, config)
+    assert row["requests"] == 3 and len(row["per_request"]) == 3 and row["failed"] == 0
+    assert [p["request_id"] for p in row["per_request"]] == [item["id"] for item in items[:3]]
+
+    settled = measure_domain(served["pool"], spec, [(1, 4)], items, settings, settle=lambda row: "pays")
+    assert [item["id"] for item in settled["levels"][0][4]] == [items[0]["id"]]

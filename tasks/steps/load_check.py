@@ -28,7 +28,11 @@ estimate of these requests at that level's K).
 
 A level pays when none of its requests failed and its interval's lower end clears min_speedup
 (a domain on in the champion config, with hysteresis: its lower end clears 1.0 and its upper end
-min_speedup, the planner's rule). The schedule keeps K > 0 only up to the largest level such that
+min_speedup, the planner's rule); it does not when its upper end is under min_speedup. Between
+the two (the interval straddles the bar) eight requests cannot tell, and a run would decide by
+chance: the level is served more of the domain's requests (load_check_more_requests, 16, eight at
+a time) while it straddles, and where it still does after them, its point estimate decides and
+the reason says the level was unsure. The schedule keeps K > 0 only up to the largest level such that
 every measured level up to it pays; above it, K = 0. A domain that pays at no level is turned off
 ("load check: 0.94x [0.88, 1.01] at 1 concurrent request"). A server that does not start, dies or
 hangs under load: the domain is not promotable (off), the reason names the server's log, the
@@ -182,13 +186,28 @@ def level_row(concurrency: int, k: int, plain: dict, config: dict) -> dict:
             "per_request": pairs}
 
 
-def pays(row: dict, settings: Settings, champion_on: bool) -> bool:
-    """Whether a measured level pays (see the module's docstring)."""
+def level_verdict(row: dict, settings: Settings, champion_on: bool) -> str:
+    """What a measured level's interval says against the bar: "pays" (its lower end clears
+    min_speedup, or 1.0 for a domain on in the champion with hysteresis, and its upper end
+    min_speedup), "below" (its upper end under min_speedup, or a request failed, or no figure),
+    else "unsure" (the interval straddles the bar: more requests may settle it)."""
     if row["failed"] or row["measured_speedup_lo"] is None:
-        return False
-    if champion_on and settings.plan.hysteresis:
-        return row["measured_speedup_lo"] >= 1.0 and row["measured_speedup_hi"] >= settings.plan.min_speedup
-    return row["measured_speedup_lo"] >= settings.plan.min_speedup
+        return "below"
+    bar = settings.plan.min_speedup
+    lower = 1.0 if champion_on and settings.plan.hysteresis else bar
+    if row["measured_speedup_lo"] >= lower and row["measured_speedup_hi"] >= bar:
+        return "pays"
+    return "below" if row["measured_speedup_hi"] < bar else "unsure"
+
+
+def pays(row: dict, settings: Settings, champion_on: bool) -> bool:
+    """Whether a measured level pays: its verdict, and where that is still "unsure" after the
+    level's extra requests (load_check_more_requests), its point estimate against the bar."""
+    said = level_verdict(row, settings, champion_on)
+    if said != "unsure":
+        return said == "pays"
+    lower = 1.0 if champion_on and settings.plan.hysteresis else settings.plan.min_speedup
+    return row["measured_speedup"] >= lower
 
 
 def level_text(row: dict) -> str:
@@ -197,8 +216,10 @@ def level_text(row: dict) -> str:
     failed = f" ({row['failed']} of {2 * row['requests']} requests failed)" if row["failed"] else ""
     if row["measured_speedup"] is None:
         return f"no speedup measured {where}{failed}"
+    unsure = (f", unsure after {row['requests']} requests: the point estimate decides"
+              if row.get("verdict") == "unsure" else "")
     return (f"{row['measured_speedup']:.2f}x [{row['measured_speedup_lo']:.2f}, "
-            f"{row['measured_speedup_hi']:.2f}] {where}{failed}")
+            f"{row['measured_speedup_hi']:.2f}] {where}{failed}{unsure}")
 
 
 def cut_schedule(config: dict, rows: list[dict], settings: Settings) -> dict:
@@ -294,8 +315,49 @@ def _serve_wave(server, wave: list[dict], level: int, asked: int | None, setting
     return result
 
 
+def _serve_waves(server, batch: list[dict], level: int, learns: bool, limit: float,
+                 settings: Settings, sides: dict, first: int) -> tuple | None:
+    """Serve `batch` in waves of `level`, each at K 0 and at the server's schedule, the order
+    alternating from wave number `first` (a suffix server: the config's first), each side a
+    neighbour slowed served again (see measure_domain); the results appended to sides["plain"]
+    and sides["config"]. Output: (which, result) of a server that hung or died, else None."""
+    for index, wave in enumerate(waves(batch, level), start=first):
+        order = (("plain", 0), ("config", None))
+        if learns or index % 2:
+            order = order[::-1]
+        served = {}
+        for which, asked in order:
+            served[which] = _serve_wave(server, wave, level, asked, settings, limit)
+            if served[which]["timed_out"] or not served[which]["alive"]:
+                return which, served[which]
+        for _ in range(settings.load.retries):
+            again = [(which, asked) for which, asked in order if served[which]["other_cores"] > limit
+                     and not (learns and which == "config")]
+            for which, asked in again:
+                retry = _serve_wave(server, wave, level, asked, settings, limit)
+                if retry["timed_out"] or not retry["alive"]:
+                    return which, retry
+                if retry["other_cores"] < served[which]["other_cores"]:
+                    served[which] = retry
+        for which in sides:
+            sides[which].append(served[which])
+    return None
+
+
+def _more(items: list[dict], used: set[str], count: int) -> list[dict]:
+    """The next `count` of `items` whose request none of `used` names (one per request)."""
+    out, seen = [], set(used)
+    for item in items:
+        if len(out) == count:
+            break
+        if item["request_id"] not in seen:
+            seen.add(item["request_id"])
+            out.append(item)
+    return out
+
+
 def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], items: list[dict],
-                   settings: Settings) -> dict:
+                   settings: Settings, settle=None) -> dict:
     """The levels of one domain on the config's one server, K per request: at each level the
     requests in waves of the level's size, each wave served twice, at K 0 (plain) and at the
     config's K (the server's schedule), the order alternating wave by wave (a suffix server, which
@@ -304,8 +366,11 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     during which other processes took CPU (tasks.serving.load.run_level's other_cores over
     profile_contention_cores and the cores the server left them) is served again, up to
     load_check_retries times, its least contended result kept (a suffix server's config side
-    never: it would draft its own responses). Output: {levels: [(level, K, plain, config,
-    requests)], failure: (status, reason) or None, logs: {plain, config}}."""
+    never: it would draft its own responses). settle(level row) -> "pays" | "below" | "unsure"
+    (level_verdict): while a level is "unsure", up to load_check_more_requests more of `items`
+    are served at it, load_check_requests at a time, none of a request the level (a suffix
+    server: any level) served or will serve. Output: {levels: [(level, K, plain, config, requests)],
+    failure: (status, reason) or None, logs: {plain, config}}."""
     out: dict = {"levels": [], "failure": None, "logs": {}}
     try:
         server = pool.get(spec, **SERVER)
@@ -320,35 +385,37 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
         return out
     learns = spec.get("method") == "suffix"
     limit = settings.profile.contention_cores + server.spare_cores
-    for (level, k), chosen in zip(levels, level_slices(items, levels, settings.load.requests, learns)):
+    bases = level_slices(items, levels, settings.load.requests, learns)
+    held = {item["request_id"] for chosen in bases for item in chosen}   # a suffix server's, in the end
+    for (level, k), chosen in zip(levels, bases):
         sides: dict = {"plain": [], "config": []}
         log.info("load check: %d requests at %d concurrent, K 0 and K %d alternating in waves",
                  len(chosen), level, k)
-        for index, wave in enumerate(waves(chosen, level)):
-            order = (("plain", 0), ("config", None))
-            if learns or index % 2:
-                order = order[::-1]
-            served = {}
-            for which, asked in order:
-                served[which] = _serve_wave(server, wave, level, asked, settings, limit)
-                if served[which]["timed_out"] or not served[which]["alive"]:
-                    out["failure"] = _failure(which, server, level, served[which], None, settings)
-                    server.stop()       # a hung server is not left running; the pool restarts it
-                    return out
-            for _ in range(settings.load.retries):
-                again = [(which, asked) for which, asked in order if served[which]["other_cores"] > limit
-                         and not (learns and which == "config")]
-                for which, asked in again:
-                    retry = _serve_wave(server, wave, level, asked, settings, limit)
-                    if retry["timed_out"] or not retry["alive"]:
-                        out["failure"] = _failure(which, server, level, retry, None, settings)
-                        server.stop()
-                        return out
-                    if retry["other_cores"] < served[which]["other_cores"]:
-                        served[which] = retry
-            for which in sides:
-                sides[which].append(served[which])
-        out["levels"].append((level, k, merge_levels(sides["plain"]), merge_levels(sides["config"]), chosen))
+        served_items, batch = list(chosen), chosen
+        while batch:
+            failed = _serve_waves(server, batch, level, learns, limit, settings, sides,
+                                  first=len(sides["plain"]))
+            if failed is not None:
+                which, result = failed
+                out["failure"] = _failure(which, server, level, result, None, settings)
+                server.stop()       # a hung server is not left running; the pool restarts it
+                return out
+            batch = []
+            extra = len(served_items) - len(chosen)
+            if settle is None or extra >= settings.load.more_requests:
+                break
+            row = level_row(level, k, merge_levels(sides["plain"]), merge_levels(sides["config"]))
+            if settle(row) != "unsure":
+                break
+            step = min(max(settings.load.requests, level), settings.load.more_requests - extra)
+            batch = _more(items, held if learns else {i["request_id"] for i in served_items}, step)
+            if batch:
+                log.info("load check: %s at %d concurrent straddles the bar: %d more requests",
+                         level_text(row), level, len(batch))
+                served_items += batch
+                held |= {item["request_id"] for item in batch}
+        out["levels"].append((level, k, merge_levels(sides["plain"]), merge_levels(sides["config"]),
+                              served_items))
     return out
 
 
@@ -380,6 +447,7 @@ def _domain_result(context, domain: str, config: dict, spec: dict, measured: dic
         totals, sampled = _predictions(context, domain, config, chosen, {k}, costs).get(k, ([], []))
         row["predicted_speedup"] = predicted_at(costs, config["drafter"], config.get("drafter_spec"),
                                                 totals, sampled, level)
+        row["verdict"] = level_verdict(row, settings, bool(config.get("champion_on")))
         row["pays"] = pays(row, settings, bool(config.get("champion_on")))
         rows.append(row)
     before = exported_schedule(config)
@@ -416,20 +484,23 @@ def _planned(context, on: dict, exported: dict) -> dict:
         # a suffix server learns from what it serves: each level its own requests (level_slices)
         learns = spec is not None and spec.get("method") == "suffix"
         items = level_items(context.domain_requests(domain)[0],
-                            (sum(counts) if learns else max(counts, default=0)), settings.load.max_tokens)
+                            (sum(counts) if learns else max(counts, default=0)) + settings.load.more_requests,
+                            settings.load.max_tokens)
         if spec is not None and levels and items:
             planned[domain] = (spec, levels, items)
     return planned
 
 
-def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list) -> dict:
+def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list, config: dict) -> dict:
     try:
         served = local_spec(spec)
     except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
         return {"levels": [], "logs": {}, "failure": (
             "failed", f"load check: the drafter's checkpoint {spec.get('model')} could not be "
                       f"fetched for the server: {type(exc).__name__}: {exc}")}
-    return measure_domain(pool, served, levels, items, context.settings)
+    champion_on = bool(config.get("champion_on"))
+    return measure_domain(pool, served, levels, items, context.settings,
+                          settle=lambda row: level_verdict(row, context.settings, champion_on))
 
 
 def load_check(context, pool: ServerPool | None = None) -> dict:
@@ -458,7 +529,7 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
         # whose server the engine check's sampling test left running first
         for domain, (spec, levels, items) in sorted(planned.items(), key=lambda p: (
                 not pool.running(p[1][0], **SERVER), json.dumps(p[1][0], sort_keys=True))):
-            measured = _measure(context, pool, spec, levels, items)
+            measured = _measure(context, pool, spec, levels, items, on[domain])
             version = (versions.get(domain) or {}).get("engine_version")
             if version and version not in profiles:
                 profiles[version] = engine_profile(context.store, version, settings.engine.profile)
