@@ -312,3 +312,29 @@ def test_which_engines_costs_plan_a_run(tmp_path):
     assert not plans_on_vllm(load_settings({}, serving_python=str(python), plan_engine="specdec"),
                              "smollm2-135m-instruct")
     assert serving_env.servable("SmolLM2-135M-Instruct")
+
+
+def test_configs_differing_in_k_only_share_one_engine_each_request_asking_its_domains_k():
+    # one deployment per drafter method serves every domain at its own K: the check replays
+    # them the same way, on one engine started as that deployment (its largest K), each request
+    # asking its domain's K
+    from tasks.settings import load_settings
+    from tasks.steps.engine_check import PLAIN, _paired_items, _plan_check
+
+    suffix = {"method": "suffix", "suffix_decoding_max_tree_depth": 24}
+    exported = {"unsupported": {}, "speculative_config": {
+        "chat": dict(suffix, num_speculative_tokens=8),
+        "json": dict(suffix, num_speculative_tokens=7),
+        "summarize": dict(suffix, num_speculative_tokens=4),
+        "code": {"method": "ngram", "prompt_lookup_max": 3, "num_speculative_tokens": 8}}}
+    requests = {d: [LoggedRequest(f"{d}-{n}", [1, 2, 3], [4, 5, 6], SamplingParams(), d) for n in range(2)]
+                for d in exported["speculative_config"]}
+    plan = _plan_check({d: {} for d in requests}, {}, exported, requests, load_settings())
+    assert sorted((run.spec["method"], run.domains) for run in plan.engines) == [
+        ("ngram", ["code"]), ("suffix", ["chat", "json", "summarize"])]
+    run = next(run for run in plan.engines if run.spec["method"] == "suffix")
+    assert run.spec == dict(suffix, num_speculative_tokens=8)
+    assert [run.spec_of(d)["num_speculative_tokens"] for d in run.domains] == [8, 7, 4]
+    items = _paired_items([(0, requests["chat"][0], 8), (0, requests["json"][0], 7)])
+    assert [(item["id"], item.get("k")) for item in items] == [
+        ("chat-0", 8), (PLAIN + "chat-0", 0), ("json-0", 7), (PLAIN + "json-0", 0)]

@@ -32,9 +32,11 @@ off ("lossy"). A run planned on vLLM's costs (tasks.steps.engine_costs.plans_on_
 check here: vLLM's decode-phase speedup on the replayed requests, plain and config, judged by
 confirm's live_verdict and stored as the run's live measurement; a veto turns the domain off.
 
-Cost: one engine per distinct config (domains sharing a config share it), started with
-enforce_eager in-process, with K per request (the project's plugin): it serves every replayed
-request twice, at the config's K and then at K 0 (the plain control), so each speedup pairs the
+Cost: one engine per drafter method (domains whose configs differ in K only share it, as
+one deployment serves them: tasks.registry.vllm_export.method_deployments, at the largest K of
+its domains, each request asking its domain's K at batch size 1), started with enforce_eager in-process, with K per request
+(the project's plugin): it serves every replayed request twice, at its domain's K and then at
+K 0 (the plain control), so each speedup pairs the
 same request on the same engine moments apart, whatever the machine did
 between engine starts. A K 0 request still pays the drafter's host search (vLLM proposes for
 the whole batch; the cut comes after): the control is what that deployment serves off domains
@@ -49,7 +51,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,6 +63,7 @@ from ..db.store import Store
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.live_check import LiveVerdict
 from ..registry.registry import Registry
+from ..registry.vllm_export import deployment_specs, method_deployments
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
@@ -282,11 +285,17 @@ def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None
 
 @dataclass
 class EngineRun:
-    """One engine of the check: its name (spec-N or plain), the vLLM config it serves (None: plain
-    decoding) and the domains whose requests it replays."""
+    """One engine of the check: its name (spec-N), the vLLM config it starts with (its
+    deployment's: the drafter method at the largest K of its domains), the domains whose
+    requests it replays and each domain's own config (its K asked per request)."""
     name: str
     spec: dict | None
     domains: list[str]
+    specs: dict[str, dict] = field(default_factory=dict)
+
+    def spec_of(self, domain: str) -> dict | None:
+        """The domain's own vLLM config (the engine's where none was given)."""
+        return self.specs.get(domain, self.spec)
 
 
 @dataclass
@@ -369,11 +378,11 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
 
 def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: dict,
                 settings: Settings) -> CheckPlan:
-    """The requests each domain replays and the engines serving them: one per distinct vLLM config
-    (domains sharing one share it), then the plain engine; a domain without a vLLM config gets
-    its row here (unsupported, not gated)."""
+    """The requests each domain replays and the engines serving them: one per drafter method
+    (its domains' configs differ in K only); a domain without a vLLM config gets its row here
+    (unsupported, not gated)."""
     rows: dict[str, dict] = {}
-    groups: dict[str, dict] = {}
+    specs: dict[str, dict] = {}
     picked: dict[str, list] = {}
     for domain in sorted(on):
         spec = exported["speculative_config"].get(domain)
@@ -384,27 +393,30 @@ def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: d
             continue
         picked[domain] = pick_requests(requests_by_domain.get(domain, []), confirmed.get(domain, []),
                                        settings.engine.check_requests, settings.live.max_new_tokens)
-        group = groups.setdefault(json.dumps(spec, sort_keys=True), {"spec": spec, "domains": []})
-        group["domains"].append(domain)
-    # no plain engine: each config's engine serves every request twice, at K 0 (the plain
-    # control, K per request) and at its K (_paired_items)
-    engines = [EngineRun(f"spec-{n}", g["spec"], g["domains"]) for n, g in enumerate(groups.values())]
+        specs[domain] = spec
+    # one engine per deployment (tasks.registry.vllm_export.method_deployments: one per drafter
+    # method, at the largest K of its domains, each domain's K asked per request, as production
+    # serves them) and no plain engine: every request is served twice, at K 0 (the plain
+    # control) and at its domain's K (_paired_items)
+    engines = [EngineRun(f"spec-{n}", deployment["speculative_config"], deployment["domains"],
+                         {d: specs[d] for d in deployment["domains"]})
+               for n, deployment in enumerate(method_deployments(specs, ""))]
     return CheckPlan(on, picked, engines, rows)
 
 
 PLAIN = "plain::"      # the id prefix of a request's K 0 twin
 
 
-def _paired_items(requests: list[tuple[int, object]], spec: dict) -> list[dict]:
-    """Each request twice on the config's engine, one after the other: at the config's K, then at
-    K 0 (its id prefixed PLAIN), so that the speedup pairs the same request on the same engine
-    moments apart. The config's request comes first: it is then served exactly as it would be
-    alone (a suffix engine's tree learns from every response, and a twin served first would hand
+def _paired_items(requests: list[tuple[int, object, int | None]]) -> list[dict]:
+    """Each (index, request, K) twice on the config's engine, one after the other: at K (its
+    domain's, asked per request; None: the engine's), then at K 0 (its id prefixed PLAIN), so
+    that the speedup pairs the same request on the same engine moments apart. The config's
+    request comes first: it is then served exactly as it would be alone (a suffix engine's tree learns from every response, and a twin served first would hand
     the other its prompt's cached blocks, whose prefill rounds differently); the K 0 twin's
     cached prompt shortens its prefill only, which the decode-phase speedup leaves out."""
     items = []
-    for index, request in requests:
-        spec_item = _item(request, index)
+    for index, request, k in requests:
+        spec_item = dict(_item(request, index), **({} if k is None else {"k": k}))
         items += [spec_item, dict(spec_item, id=PLAIN + spec_item["id"], k=0)]
     return items
 
@@ -435,7 +447,8 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
     says how it went (ok, refused, unresolved, timeout, died) and how long it took."""
     settings, spec, domains = context.settings, run.spec, run.domains
     # (each request seeded by its place in its domain's pick)
-    items = _paired_items([(i, r) for d in domains for i, r in enumerate(picked[d])], spec)
+    items = _paired_items([(i, r, batch_one_k(run.spec_of(d)))
+                           for d in domains for i, r in enumerate(picked[d])])
     history = _history_items(run, picked, context.requests_by_domain, settings)
     what = f"run {context.run_id}, domains {', '.join(domains)} ({run.name} engine)"
     log.info("%s: starting vLLM with %s; %d requests%s", what,
@@ -489,7 +502,7 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
             profiles[answer["vllm"]] = engine_profile(context.store, answer["vllm"],
                                                       context.settings.engine.profile)
         costs = profiles.get(answer.get("vllm"))
-        base = {"speculative_config": run.spec, "log_path": record["log"],
+        base = {"speculative_config": run.spec_of(domain), "log_path": record["log"],
                 "engine_version": answer.get("vllm"), "start_s": record["start_s"],
                 "counters": answer.get("counters"),
                 "engine_profile": None if costs is None else costs.hardware_profile}
@@ -499,7 +512,7 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
             continue
         on = plan.on[domain]
         drafter = drafters_by_domain[domain][on["drafter"]][1]
-        rows[domain] = {**base, **_domain_row(plan.picked[domain], answer, run.spec, drafter,
+        rows[domain] = {**base, **_domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter,
                                               context.target_model, served.history, record["log"],
                                               context.settings, on, costs)}
         if record["mends"]:
@@ -564,7 +577,8 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported:
                               settings=context.settings)
     try:
         results = validate_on_engine(context.run_id, context.store, pool, context.target_model,
-                                     tested, context.requests_by_domain, plan.on, context.settings)
+                                     tested, context.requests_by_domain, plan.on, context.settings,
+                                     servers=deployment_specs(tested))
     finally:
         if own:
             pool.close()
