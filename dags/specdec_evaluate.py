@@ -123,9 +123,9 @@ PARAMS = {
                    title="Largest K",
                    description=f"1 to {K_LIMIT}: the largest number of draft tokens per round (K) "
                                "that is profiled and planned; the planner picks each domain's K up "
-                               "to it (the setting eval_k_max; at most the result tables' limit, "
-                               f"the setting k_max). A value outside 1 to {K_LIMIT} is refused when the "
-                               "run starts (the sample task fails naming it), never changed"),
+                               "to it (the setting plan_k_max; at most the result tables' limit, "
+                               f"the setting quality_k_max). A value outside 1 to {K_LIMIT} is refused "
+                               "when the run starts (the sample task fails naming it), never changed"),
     "min_speedup": Param(setting_default("plan_min_speedup"), type="number",
                          title="Minimum speedup",
                          description="0.01 to 10: a domain that is off turns on only when its "
