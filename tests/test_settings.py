@@ -117,3 +117,11 @@ def test_an_unknown_or_invalid_setting_is_named():
         load_settings({"SPECDEC_QUEUES_GPU": ""})
     with pytest.raises(SettingsError, match="group 'profile' must be an object"):
         load_settings({}, profile=3)
+
+
+def test_the_settings_reference_lists_every_deprecated_alias():
+    import re
+    from pathlib import Path
+
+    reference = (Path(__file__).parent.parent / "docs" / "operations.md").read_text("utf-8")
+    assert dict(re.findall(r"^\| `(\w+)` \| `(\w+)` \|$", reference, re.M)) == DEPRECATED_ALIASES
