@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -120,8 +122,5 @@ def test_an_unknown_or_invalid_setting_is_named():
 
 
 def test_the_settings_reference_lists_every_deprecated_alias():
-    import re
-    from pathlib import Path
-
     reference = (Path(__file__).parent.parent / "docs" / "operations.md").read_text("utf-8")
     assert dict(re.findall(r"^\| `(\w+)` \| `(\w+)` \|$", reference, re.M)) == DEPRECATED_ALIASES
