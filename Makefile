@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 # The serving environment: vLLM in a virtual environment of its own (it pins transformers below
-# the pipeline's), which specdec drives as a separate process through SPECDEC_SERVING_PYTHON (the
+# the pipeline's), which specdec drives as a separate process through SPECDEC_ENGINE_SERVING_PYTHON (the
 # pipeline never imports vLLM). CPU machines: vLLM's CPU build on the CPU torch; torchvision,
 # torchaudio and torchcodec are removed (their wheels do not load against the CPU torch, and
 # transformers then fails to import; vLLM runs without them). On a CUDA machine:

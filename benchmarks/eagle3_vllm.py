@@ -117,7 +117,7 @@ def main() -> None:
                     samples=len(by_domain[domain]), reason="set on for this benchmark", created_at=now))
         result = engine_check("eagle3-vllm", TARGET, model, drafters, by_domain, Store.open(url),
                               settings=load_settings(engine_check_requests=args.requests,
-                                                     confirm_max_new_tokens=args.max_new_tokens,
+                                                     live_max_new_tokens=args.max_new_tokens,
                                                      engine_check_tolerance=1.0))
     if result.get("skipped"):
         sys.exit(result["skipped"])

@@ -10,7 +10,7 @@ paid once per pipeline process and serving environment.
     python benchmarks/fork_server.py [--repeats 3] [--server] [--out benchmarks/results/fork_server.md]
     python benchmarks/fork_server.py --smoke        # one repeat, no server (tests)
 
-Needs the serving environment (`make serving-env`, or SPECDEC_SERVING_PYTHON).
+Needs the serving environment (`make serving-env`, or SPECDEC_ENGINE_SERVING_PYTHON).
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ def child_import(path: str, url: str, batch_size: int) -> None:
     from tasks.steps.traffic_import import import_traffic
 
     baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    report = import_traffic(path, Store.open(url), settings=load_settings(import_batch_size=batch_size),
-                            progress=False)
+    report = import_traffic(path, Store.open(url),
+                            settings=load_settings(traffic_import_batch_size=batch_size), progress=False)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"rows_read": report["rows_read"], "inserted": report["inserted"],
                       "skipped": report["skipped_existing"], "quarantined": report["quarantined"],

@@ -11,7 +11,7 @@ which no token is followed by its successor). The responses are logged as a gate
 (with `metrics.speculative_decoding` and the config version) and imported with
 `specdec traffic import`; `specdec monitor show` prints the result.
 
-    PYTHONPATH=. SPECDEC_SERVING_PYTHON=.venv-serving/bin/python \\
+    PYTHONPATH=. SPECDEC_ENGINE_SERVING_PYTHON=.venv-serving/bin/python \\
         python benchmarks/monitor_replay.py [--steady 3] [--degraded 2] [--interval-s 20]
 
 Prints each command's output and the replay's table (markdown).

@@ -33,7 +33,7 @@ Connections and secrets: the specdec database comes from the Airflow connection 
 tracking-server outage is retried; bad input and failed gates fail the task at once.
 
 Queues: the tasks that run the model (profile, estimate, confirm, validate, finish, engine_check)
-take the queue `gpu_queue` of the settings (default `gpu`), the others `cpu_queue` (default
+take the queue `queues_gpu` of the settings (default `gpu`), the others `queues_cpu` (default
 `default`): with the CeleryExecutor, GPU workers listen on the first. Tasks pass only small JSON
 (XCom), the database and the MLflow store between them: no shared disk. The timing pool spans
 every worker.
@@ -93,11 +93,11 @@ PARAMS = {
     "window_days": Param(setting_default("sample_window_days"), type="number",
                          title="Time window (days)",
                          description="0.01 to 365 days, ending at the newest stored request"),
-    "max_per_domain": Param(setting_default("max_per_domain"), type="integer",
+    "max_per_domain": Param(setting_default("sample_max_per_domain"), type="integer",
                             title="Samples per domain",
                             description="1 to 100000 requests drawn per domain; at least the "
                                         "minimum below (formerly samples_per_domain)"),
-    "min_per_domain": Param(setting_default("min_per_domain"), type="integer",
+    "min_per_domain": Param(setting_default("sample_min_per_domain"), type="integer",
                             title="Minimum samples per domain",
                             description="1 to 100000, at most Samples per domain (checked when the "
                                         "run starts: the sample task fails naming both); fewer: "
@@ -109,7 +109,7 @@ PARAMS = {
                                     "layer_skip has no vLLM equivalent: a run planned on vLLM's "
                                     "costs estimates it but never plans with it (each domain's "
                                     "reason names it); leave it out there"),
-    "hardware_profile": Param(setting_default("hardware_profile"), type=["null", "string"],
+    "hardware_profile": Param(setting_default("plan_hardware_profile"), type=["null", "string"],
                               title="Hardware profile",
                               description="Optional; a stored cost profile to plan with; empty: "
                                           "this worker's costs (a stored profile of its hardware "
@@ -119,21 +119,21 @@ PARAMS = {
                                      "profile of its hardware, engine and target that passed its "
                                      "checks and is younger than profile_max_age_days could be "
                                      "reused; off: reuse such a profile"),
-    "k_max": Param(setting_default("eval_k_max"), type="integer",
+    "k_max": Param(setting_default("plan_k_max"), type="integer",
                    title="Largest K",
                    description=f"1 to {K_LIMIT}: the largest number of draft tokens per round (K) "
                                "that is profiled and planned; the planner picks each domain's K up "
-                               "to it (the setting eval_k_max; at most the result tables' limit, "
-                               f"the setting k_max). A value outside 1 to {K_LIMIT} is refused when the "
-                               "run starts (the sample task fails naming it), never changed"),
-    "min_speedup": Param(setting_default("min_speedup"), type="number",
+                               "to it (the setting plan_k_max; at most the result tables' limit, "
+                               f"the setting quality_k_max). A value outside 1 to {K_LIMIT} is refused "
+                               "when the run starts (the sample task fails naming it), never changed"),
+    "min_speedup": Param(setting_default("plan_min_speedup"), type="number",
                          title="Minimum speedup",
                          description="0.01 to 10: a domain that is off turns on only when its "
                                      "interval's lower end clears this; one on in the champion "
                                      "stays on while its upper end clears this and its lower end "
                                      "clears 1.0 (hysteresis: configs do not flap at the edge). "
                                      "Below 1.0 only for testing: it turns on predicted slowdowns"),
-    "acceptance_alert": Param(setting_default("acceptance_alert"), type="number",
+    "acceptance_alert": Param(setting_default("plan_acceptance_alert"), type="number",
                               title="Low-acceptance alert",
                               description="1 to 33 tokens per round: alert when a domain's expected "
                                           "tokens per round falls below this"),

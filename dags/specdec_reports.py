@@ -5,7 +5,7 @@ Triggered by the `specdec://evaluations` asset that `specdec_evaluate` publishes
 report in `sql/` (portable SQL: SQLite and PostgreSQL) against the specdec database and writes
 each as CSV under `$SPECDEC_HOME/reports/` (one file per report, replaced each time), so ops teams
 read them from a file share or open them in a notebook. With several workers (CeleryExecutor), the
-files land on the worker that ran the task (queue `cpu_queue`): mount `$SPECDEC_HOME/reports` from
+files land on the worker that ran the task (queue `queues_cpu`): mount `$SPECDEC_HOME/reports` from
 a shared volume there, or run the same reports from any machine with `specdec report`. Every step is a function of `tasks.steps.reports`
 (the glue shared by the DAGs is `tasks.orchestration.airflow_glue`).
 """

@@ -4,7 +4,7 @@
 Weekly, and whenever `specdec_evaluate` reports domains whose acceptance fell below its alert
 threshold (asset `specdec://alerts/low-acceptance`):
 
-0. **generate** (Param `generate_count` > 0; queue `gpu_queue`, the timing pool): more training
+0. **generate** (Param `generate_count` > 0; queue `queues_gpu`, the timing pool): more training
    data from the target itself -- for up to that many logged prompts per domain it answers again
    under each row's logged sampling parameters, stored as traffic rows marked as generated (never
    sampled, indexed or reported as production traffic). A retried task resumes: the run id names
@@ -21,8 +21,9 @@ threshold (asset `specdec://alerts/low-acceptance`):
    Runs in the `specdec_timing` pool (it would distort timing work). A retried task resumes from
    its last checkpoint.
    The kept checkpoint is uploaded to the training's MLflow run from the training worker (queue
-   `gpu_queue` of the settings, default `gpu`).
-2. **register** (queue `cpu_queue`, default `default`): the uploaded draft goes to the MLflow registry as a version of `specdec-draft-<target>`
+   `queues_gpu` of the settings, default `gpu`).
+2. **register** (queue `queues_cpu`, default `default`): the uploaded draft goes to the MLflow registry as a
+   version of `specdec-draft-<target>`
    with alias `candidate` and its lineage (window, domains, training parameters, fingerprint,
    held-out acceptance per domain); the asset `specdec://drafts/new` then triggers a fresh
    `specdec_evaluate`, whose candidates include the new draft.

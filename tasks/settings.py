@@ -1,12 +1,20 @@
 """The one settings object of the data steps: defaults here, overridable from the environment.
 
-Precedence (highest first): keyword overrides in code, `SPECDEC_<FIELD>` environment variables,
+Every setting has one name: `<group>_<field>` for a grouped one (`settings.plan.k_max` is
+`plan_k_max`), its own name for a top-level one (`database_url`). It is the `SPECDEC_<NAME>`
+environment variable (upper case), the key of the settings file, the keyword of
+`load_settings(**overrides)`, the key of RunSpec.overrides and the argument of Settings.value().
+The names from before this rule (DEPRECATED_ALIASES: `eval_k_max`, `gpu_queue`, ...) are still
+accepted there, each with a DeprecationWarning naming the new one; where both are set in the same
+place, the new name wins.
+
+Precedence (highest first): keyword overrides in code, `SPECDEC_<NAME>` environment variables,
 the JSON file named by `SPECDEC_SETTINGS_FILE`, the defaults below. List-valued fields take JSON in
 the environment (`SPECDEC_KNOWN_DOMAINS='["json","code"]'`); `known_domains` also takes a comma list.
 
     from tasks.settings import load_settings
-    settings = load_settings()                      # env + file + defaults
-    settings = load_settings(import_batch_size=50)  # and an override
+    settings = load_settings()                              # env + file + defaults
+    settings = load_settings(traffic_import_batch_size=50)  # and an override
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import json
 import os
 import re
 import socket
+import warnings
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -373,7 +382,7 @@ class LoadCheckSettings(_Group):
     more_requests: int = Field(default=16, ge=0, description=(
         "while a level's interval straddles min_speedup (its lower end under it, its upper end "
         "over it), up to this many more of the domain's requests are served at that level, "
-        "load_check_requests at a time, none the level served already; still straddling after "
+        "load_requests at a time, none the level served already; still straddling after "
         "them, the point estimate decides and the reason says the level was unsure"))
     timeout_s: float = Field(default=300.0, gt=0, description=(
         "one level on one server; past it the level is a hang: the domain is not promotable and "
@@ -413,46 +422,34 @@ GROUPS: dict[str, type[_Group]] = {
     "load": LoadCheckSettings,
 }
 
-# Every setting's one public name: the SPECDEC_<NAME> environment variable, the key of the
-# settings file and of `load_settings(**overrides)`, the DAG Params and RunSpec.overrides; these
-# names predate the groups and keep working. Name -> (group, field).
-FLAT_NAMES: dict[str, tuple[str, str]] = {
-    **{name: ("traffic", name) for name in TrafficSettings.model_fields},
-    "sample_window_days": ("sample", "window_days"),
-    "future_tolerance_hours": ("sample", "future_tolerance_hours"),
-    "min_per_domain": ("sample", "min_per_domain"), "max_per_domain": ("sample", "max_per_domain"),
-    **{name: ("quality", name) for name in QualitySettings.model_fields},
-    "candidates": ("plan", "candidates"), "auto_draft_candidates": ("plan", "auto_draft_candidates"),
-    "eval_k_max": ("plan", "k_max"), "hardware_profile": ("plan", "hardware_profile"),
-    "plan_engine": ("plan", "engine"), "hysteresis": ("plan", "hysteresis"),
-    "min_speedup": ("plan", "min_speedup"), "estimate_batch_size": ("plan", "estimate_batch_size"),
-    "bootstrap_samples": ("plan", "bootstrap_samples"), "acceptance_alert": ("plan", "acceptance_alert"),
-    **{f"profile_{name}": ("profile", name) for name in ProfileSettings.model_fields},
-    "confirm_requests": ("live", "requests"), "confirm_max_new_tokens": ("live", "max_new_tokens"),
-    "confirm_tolerance": ("live", "tolerance"), "live_veto": ("live", "veto"),
-    **{f"validation_{name}": ("validation", name) for name in ("rows", "alpha", "seed", "per_domain",
-                                                               "samplings")},
-    "greedy_check_requests": ("validation", "greedy_check_requests"),
-    "greedy_check_tokens": ("validation", "greedy_check_tokens"),
-    "serving_python": ("engine", "serving_python"),
-    **{f"engine_{name}": ("engine", name) for name in EngineSettings.model_fields
-       if name not in ("serving_python", "serving_image")},
-    "serving_image": ("engine", "serving_image"),
-    **{f"monitor_{name}": ("monitor", name) for name in MonitorSettings.model_fields},
-    "load_check": ("load", "check"),
-    **{f"load_check_{name}": ("load", name) for name in LoadCheckSettings.model_fields if name != "check"},
-    "gpu_queue": ("queues", "gpu"), "cpu_queue": ("queues", "cpu"),
-    "promotion_regression_tolerance": ("registry", "regression_tolerance"),
+# Every grouped setting's one name, `<group>_<field>`: name -> (group, field).
+NAMES: dict[str, tuple[str, str]] = {f"{group}_{field}": (group, field)
+                                     for group, model in GROUPS.items() for field in model.model_fields}
+
+# The names from before every name was `<group>_<field>` (old name -> its name now): still accepted in
+# the environment, the settings file, overrides and Settings.value(), each with a DeprecationWarning.
+DEPRECATED_ALIASES: dict[str, str] = {
+    **{field: f"{group}_{field}" for group in ("traffic", "quality") for field in GROUPS[group].model_fields},
+    **{field: f"sample_{field}" for field in SampleSettings.model_fields if field != "window_days"},
+    **{field: f"plan_{field}" for field in PlanSettings.model_fields if field not in ("k_max", "engine")},
+    "eval_k_max": "plan_k_max",
+    **{f"confirm_{field}": f"live_{field}" for field in ("requests", "max_new_tokens", "tolerance")},
+    **{field: f"validation_{field}" for field in ("greedy_check_requests", "greedy_check_tokens")},
+    **{field: f"engine_{field}" for field in ("serving_python", "serving_image")},
+    **{f"load_check_{field}": f"load_{field}"
+       for field in LoadCheckSettings.model_fields if field != "check"},
+    **{f"{field}_queue": f"queues_{field}" for field in QueueSettings.model_fields},
+    "promotion_regression_tolerance": "registry_regression_tolerance",
 }
 # settings whose environment value is JSON (lists of objects or numbers); known_domains and
-# candidates take JSON when the value starts with "["
-_JSON_SETTINGS = ("domain_rules", "redaction_rules", "profile_batch_sizes", "load_check_levels")
+# plan_candidates take JSON when the value starts with "["
+_JSON_SETTINGS = ("domain_rules", "redaction_rules", "profile_batch_sizes", "load_levels")
 
 
 class Settings(BaseModel):
     """specdec's settings: the store and the domains at the top, the rest by concern
-    (`settings.profile.max_age_days`, `settings.engine.check`); see FLAT_NAMES for the name each
-    setting has in the environment, the settings file and overrides."""
+    (`settings.profile.max_age_days`, `settings.engine.check`); each has one name
+    (`profile_max_age_days`, `engine_check`) in the environment, the settings file and overrides."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -510,16 +507,18 @@ class Settings(BaseModel):
         return f"sqlite:///{(specdec_home() / 'specdec.db').resolve()}"
 
     def value(self, name: str):
-        """A setting by its public (flat) name: `settings.value("profile_max_age_days")`."""
-        if name in FLAT_NAMES:
-            group, field = FLAT_NAMES[name]
+        """A setting by its name: `settings.value("profile_max_age_days")` (a deprecated alias
+        warns and gives the same)."""
+        name = _current_name(name, f"setting {name!r}", repr, stacklevel=2)
+        if name in NAMES:
+            group, field = NAMES[name]
             return getattr(getattr(self, group), field)
         if name in _TOP_LEVEL:
             return getattr(self, name)
         raise SettingsError(f"unknown setting {name!r}; known: {', '.join(sorted(known_names()))}")
 
     def overrides(self) -> dict:
-        """The settings that differ from the defaults, by public name (JSON values): what a
+        """The settings that differ from the defaults, by name (JSON values): what a
         RunSpec carries so that every task of a run sees the same settings."""
         default = Settings()
         return {name: _json_value(self.value(name)) for name in known_names()
@@ -530,12 +529,37 @@ _TOP_LEVEL = ("database_url", "known_domains", "fallback_domain", "domain_rules"
 
 
 def known_names() -> list[str]:
-    """Every setting's public name (environment variable SPECDEC_<NAME.upper()>)."""
-    return [*_TOP_LEVEL, *FLAT_NAMES]
+    """Every setting's name (environment variable SPECDEC_<NAME.upper()>); no deprecated alias."""
+    return [*_TOP_LEVEL, *NAMES]
+
+
+def _current_name(name: str, where: str, spell, stacklevel: int) -> str:
+    """`name`, or the name a deprecated alias stands for, with a DeprecationWarning: "`where` is
+    deprecated: use `spell(new)`". stacklevel: as warnings.warn would take it in the caller."""
+    new = DEPRECATED_ALIASES.get(name)
+    if new is None:
+        return name
+    warnings.warn(f"{where} is deprecated: use {spell(new)}", DeprecationWarning, stacklevel=stacklevel + 1)
+    return new
+
+
+def _env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _current_names(values: dict, where, spell, stacklevel: int) -> dict:
+    """`values` by current names: each deprecated alias warns (where(alias) names it) and gives way
+    to its new name when both are set."""
+    current: dict = {}
+    for name, value in values.items():
+        new = _current_name(name, where(name), spell, stacklevel + 1)
+        if new == name or new not in values:
+            current[new] = value
+    return current
 
 
 def setting_default(name: str):
-    """The class default of a setting by public name (a DAG Param's default is the same wherever
+    """The class default of a setting by name (a DAG Param's default is the same wherever
     the DAG file is parsed, whatever the environment)."""
     default = Settings().value(name)
     return list(default) if isinstance(default, tuple) else default
@@ -550,7 +574,7 @@ def _json_value(value):
 
 
 def _nest(values: dict) -> dict:
-    """Settings(**) keywords from public names (flat) and group objects (nested dicts)."""
+    """Settings(**) keywords from names (flat, current) and group objects (nested dicts)."""
     nested: dict = {}
     for name, value in values.items():
         if name in GROUPS:
@@ -558,8 +582,8 @@ def _nest(values: dict) -> dict:
                 raise SettingsError(f"setting group {name!r} must be an object of its settings, "
                                     f"got {value!r}")
             nested.setdefault(name, {}).update(value)
-        elif name in FLAT_NAMES:
-            group, field = FLAT_NAMES[name]
+        elif name in NAMES:
+            group, field = NAMES[name]
             nested.setdefault(group, {})[field] = value
         elif name in _TOP_LEVEL:
             nested[name] = value
@@ -569,37 +593,43 @@ def _nest(values: dict) -> dict:
 
 
 def _from_env(environ) -> dict:
+    """The settings file's values, then the SPECDEC_* variables' over them, by current names (a
+    deprecated alias warns; in one place its new name wins over it)."""
     values: dict = {}
     path = environ.get(SETTINGS_FILE_ENV)
     if path:
         try:
-            values.update(json.loads(Path(path).read_text("utf-8")))
+            from_file = json.loads(Path(path).read_text("utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise SettingsError(f"{SETTINGS_FILE_ENV}={path!r}: cannot read a JSON object from it "
                                 f"({exc}); fix the file or unset the variable") from exc
-    for name in known_names():
-        raw = environ.get(ENV_PREFIX + name.upper())
-        if raw is None:
-            continue
+        if isinstance(from_file, dict):
+            from_file = _current_names(from_file, lambda old: f"{path}: key {old!r}", repr, stacklevel=3)
+        values.update(from_file)
+    raw_values = {name: environ[_env_name(name)] for name in (*DEPRECATED_ALIASES, *known_names())
+                  if _env_name(name) in environ}
+    for name, raw in _current_names(raw_values, _env_name, _env_name, stacklevel=3).items():
         complex_value = name in _JSON_SETTINGS or (
-            name in ("known_domains", "candidates") and raw.lstrip().startswith("["))
+            name in ("known_domains", "plan_candidates") and raw.lstrip().startswith("["))
         if complex_value:
             try:
                 values[name] = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be JSON ({exc})") from exc
+                raise SettingsError(f"{_env_name(name)} must be JSON ({exc})") from exc
         else:
             values[name] = raw
     return values
 
 
 def load_settings(environ=None, **overrides) -> Settings:
-    """Settings from defaults, $SPECDEC_SETTINGS_FILE, SPECDEC_* variables and `overrides` (public
-    names, e.g. `load_settings(import_batch_size=50)`, or a group's dict)."""
+    """Settings from defaults, $SPECDEC_SETTINGS_FILE, SPECDEC_* variables and `overrides` (names,
+    e.g. `load_settings(traffic_import_batch_size=50)`, or a group's dict; a deprecated alias
+    warns)."""
     environ = os.environ if environ is None else environ
     values = _nest(_from_env(environ))
-    for group, fields in _nest({key: value for key, value in overrides.items()
-                                if value is not None}).items():
+    overrides = _current_names({key: value for key, value in overrides.items() if value is not None},
+                               lambda old: f"setting {old!r}", repr, stacklevel=2)
+    for group, fields in _nest(overrides).items():
         if group in GROUPS:
             values.setdefault(group, {}).update(fields)
         else:
@@ -612,9 +642,9 @@ def load_settings(environ=None, **overrides) -> Settings:
 
 
 def _problems(exc: ValidationError) -> str:
-    """Pydantic's errors, each named by the setting's public name and variable (SPECDEC_GPU_QUEUE
-    (gpu_queue), not queues.gpu)."""
-    public = {where: name for name, where in FLAT_NAMES.items()}
+    """Pydantic's errors, each named by the setting's name and variable (SPECDEC_QUEUES_GPU
+    (queues_gpu), not queues.gpu)."""
+    public = {where: name for name, where in NAMES.items()}
     lines = []
     for error in exc.errors():
         loc = tuple(str(part) for part in error["loc"])

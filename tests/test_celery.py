@@ -382,7 +382,7 @@ def test_celery_workers_by_queue_then_the_same_results_as_an_in_process_run(
 
     in_process_started = time.monotonic()
     model, tokenizer = embedded
-    settings = load_settings(RUN_SETTINGS, min_speedup=conf["min_speedup"])
+    settings = load_settings(RUN_SETTINGS, plan_min_speedup=conf["min_speedup"])
     in_process_run = evaluate(run_id="in-process", target=conf["target"], store=Store.open(db_url),
                          settings=settings, domains=conf["domains"], window=conf["window_days"],
                          candidates=conf["candidates"], hardware_profile=conf["hardware_profile"],

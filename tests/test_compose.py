@@ -118,12 +118,12 @@ def test_celery_profile_one_worker_per_queue_the_gpu_one_with_a_device(compose):
         # the result backend is the Airflow metadata database (psycopg 3 is the driver installed)
         assert env["AIRFLOW__CELERY__RESULT_BACKEND"].startswith("db+postgresql+psycopg://airflow:")
         assert env["AIRFLOW__CELERY__RESULT_BACKEND"].endswith("@postgres:5432/airflow")
-    assert queues == {"airflow-worker": "${SPECDEC_CPU_QUEUE:-default}",
-                      "airflow-worker-gpu": "${SPECDEC_GPU_QUEUE:-gpu}"}
+    assert queues == {"airflow-worker": "${SPECDEC_QUEUES_CPU:-default}",
+                      "airflow-worker-gpu": "${SPECDEC_QUEUES_GPU:-gpu}"}
     # the DAGs read the same queue names (SPECDEC_*_QUEUE) as the workers serve
     env = services["airflow-scheduler"]["environment"]
-    assert env["SPECDEC_GPU_QUEUE"] == "${SPECDEC_GPU_QUEUE:-gpu}"
-    assert env["SPECDEC_CPU_QUEUE"] == "${SPECDEC_CPU_QUEUE:-default}"
+    assert env["SPECDEC_QUEUES_GPU"] == "${SPECDEC_QUEUES_GPU:-gpu}"
+    assert env["SPECDEC_QUEUES_CPU"] == "${SPECDEC_QUEUES_CPU:-default}"
     device = services["airflow-worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert "deploy" not in services["airflow-worker"]

@@ -327,7 +327,8 @@ def test_plan_is_off_when_the_lower_end_misses_the_minimum(db_url):
     [stored] = configs(db_url)
     assert stored["enabled"] is False and stored["reason"] == row["reason"]
     # a lower policy minimum (settings or argument) turns it on, at batch 1 only (b=2: 2.0/2.6)
-    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings(min_speedup=1.05))
+    row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url),
+                      settings=settings(plan_min_speedup=1.05))
     assert row["enabled"] is True and row["max_batch_size"] == 1
     row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url), settings=settings(), min_speedup=1.0)
     assert row["enabled"] is True and row["max_batch_size"] == 1
@@ -370,7 +371,7 @@ def test_hysteresis_keeps_an_on_domain_on_inside_the_band_and_only_there(db_url)
     assert stored["enabled"] is True and stored["reason"] == kept["reason"]
     # the setting switches it off
     row = plan_domain("plan-run", "code", cost_table(), Store.open(db_url),
-                      settings=settings(hysteresis=False), currently_on=True)
+                      settings=settings(plan_hysteresis=False), currently_on=True)
     assert row["enabled"] is False
     # outside the band (lower end below 1.0) an on domain turns off
     add_estimate(db_url, "plan-run", "json", LS_SPEC, 2, 2.2, 1.8, 2.4, [0.0, 0.0, 1.0])
@@ -425,7 +426,8 @@ def test_replanning_replaces_the_row_and_leaves_other_runs_alone(db_url):
         run_id="other-run", domain="qa", enabled=False, drafter=None, k=None, status="ok",
         reason="kept", created_at=datetime(2024, 1, 1)))
     plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings())
-    row = plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings(min_speedup=2.0))
+    row = plan_domain("plan-run", "qa", cost_table(), Store.open(db_url),
+                      settings=settings(plan_min_speedup=2.0))
     stored = configs(db_url)
     assert [(r["run_id"], r["domain"]) for r in stored] == [("other-run", "qa"), ("plan-run", "qa")]
     assert stored[0]["reason"] == "kept" and stored[0]["created_at"] == datetime(2024, 1, 1)

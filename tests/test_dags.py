@@ -540,7 +540,7 @@ def test_the_alert_threshold_of_a_run_reaches_its_version_page():
               "candidates": ["prompt_lookup"], "hardware_profile": None, "k_max": 3, "min_speedup": 1.1,
               "acceptance_alert": 1.5, "promote": False}
     assert evaluate_spec("r", params).settings().plan.acceptance_alert == 1.5
-    assert setting_default("acceptance_alert") == 1.2
+    assert setting_default("plan_acceptance_alert") == 1.2
 
 
 CRONS = {"specdec_evaluate": "0 0 * * *", "specdec_retrain_draft": "0 3 * * 0"}

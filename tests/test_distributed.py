@@ -42,11 +42,11 @@ def test_queue_names_come_from_the_settings(monkeypatch):
     from tasks.errors import SettingsError
 
     assert queues() == ("default", "gpu")
-    monkeypatch.setenv("SPECDEC_GPU_QUEUE", "h100")
-    monkeypatch.setenv("SPECDEC_CPU_QUEUE", "db")
+    monkeypatch.setenv("SPECDEC_QUEUES_GPU", "h100")
+    monkeypatch.setenv("SPECDEC_QUEUES_CPU", "db")
     assert queues() == ("db", "h100")
-    monkeypatch.setenv("SPECDEC_GPU_QUEUE", "")
-    with pytest.raises(SettingsError, match="gpu_queue"):
+    monkeypatch.setenv("SPECDEC_QUEUES_GPU", "")
+    with pytest.raises(SettingsError, match="queues_gpu"):
         queues()
 
 
@@ -75,7 +75,7 @@ def evaluated(tmp_path_factory, tiny_target):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_HOME", str(root / "worker-a"))
         patch.setenv("SPECDEC_WORKER_NAME", "worker-a")
-        run(url, tiny_target, "dist", min_speedup=0.01)
+        run(url, tiny_target, "dist", plan_min_speedup=0.01)
     return {"url": url, "root": root}
 
 
@@ -145,7 +145,7 @@ def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tin
             confirm_hardware("dist", "json", store, tiny_target)
         message = str(error.value)
         assert "NVIDIA H100 80GB HBM3 bfloat16 on worker gpu-7" in message
-        assert f"{here['device']} float32" in message and "gpu_queue" in message
+        assert f"{here['device']} float32" in message and "queues_gpu" in message
         # a stored profile plans for its hardware from anywhere: confirm elsewhere is skipped
         _set_run_hardware(url, measured=False)
         with engine.begin() as connection:

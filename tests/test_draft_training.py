@@ -208,8 +208,9 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     assert candidates == [{"kind": "draft_model", "params": {"model": result["model_uri"]}}]
     assert draft_candidates(tiny_store["target"], "sha256:" + "1" * 32) == []   # another target: never
 
-    settings = load_settings({}, **{**SETTINGS, "candidates": ("prompt_lookup",), "min_per_domain": 1,
-                                    "max_per_domain": 16, "min_speedup": 0.01})
+    settings = load_settings({}, **{**SETTINGS, "plan_candidates": ("prompt_lookup",),
+                                    "sample_min_per_domain": 1, "sample_max_per_domain": 16,
+                                    "plan_min_speedup": 0.01})
     run = evaluate(run_id="after-draft", target=tiny_store["target"], store=Store.open(db_url), settings=settings,
                    model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     assert run["excluded"]["trained_on"] == len(trained)               # all sampled: 16 per domain
@@ -249,8 +250,9 @@ def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_s
         {"kind": "head", "params": {"model": result["model_uri"]}}]
     assert draft_candidates(tiny_store["target"], "sha256:" + "1" * 32) == []
 
-    settings = load_settings({}, **{**SETTINGS, "candidates": ("prompt_lookup",), "min_per_domain": 1,
-                                    "max_per_domain": 16, "min_speedup": 0.01})
+    settings = load_settings({}, **{**SETTINGS, "plan_candidates": ("prompt_lookup",),
+                                    "sample_min_per_domain": 1, "sample_max_per_domain": 16,
+                                    "plan_min_speedup": 0.01})
     run = evaluate(run_id="after-head", target=tiny_store["target"], store=Store.open(db_url), settings=settings,
                    model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     assert run["excluded"]["trained_on"] == result["train_requests"]

@@ -147,12 +147,13 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
     # turn on -- and with them how long this test runs -- does not depend on one timing under load;
     # the profile step itself is tested in test_profile_noise.py and test_costs_plan.py
     profile = store_embedded_cpu_profile(Store.open(url), model)
-    settings = load_settings({}, min_per_domain=5, max_per_domain=8, eval_k_max=4,
-                             hardware_profile=profile, profile_batch_sizes=(1,), confirm_requests=1,
+    settings = load_settings({}, sample_min_per_domain=5, sample_max_per_domain=8, plan_k_max=4,
+                             plan_hardware_profile=profile, profile_batch_sizes=(1,), live_requests=1,
                              live_veto=False,   # confirm times one request: no spread known
-                             confirm_max_new_tokens=16, validation_rows=100, greedy_check_requests=1,
+                             live_max_new_tokens=16, validation_rows=100, validation_greedy_check_requests=1,
                              validation_alpha=PASSING_ALPHA,   # vLLM's draws: see PASSING_ALPHA
-                             greedy_check_tokens=12, candidates=("prompt_lookup",), min_speedup=1.0,
+                             validation_greedy_check_tokens=12, plan_candidates=("prompt_lookup",),
+                             plan_min_speedup=1.0,
                              engine_check_requests=6,
                              # vLLM's sampling test: one request per row where the plan drafts
                              # at batch 1 only (about 0.6 s each here): the least rows allowed

@@ -89,11 +89,11 @@ def test_no_serving_environment_skips_with_how_to_make_one(db_url, tmp_path):
 
     missing = str(tmp_path / "nowhere" / "python")
     result = engine_check("r1", "smollm2-135m-instruct", None, {}, {}, Store.open(db_url),
-                          settings=load_settings(serving_python=missing))
+                          settings=load_settings(engine_serving_python=missing))
     assert result["skipped"] and "make serving-env" in result["skipped"] and not result["domains"]
     with pytest.raises(ServingEnvUnavailable, match="make serving-env"):
         engine_check("r1", "smollm2-135m-instruct", None, {}, {}, Store.open(db_url),
-                     settings=load_settings(serving_python=missing, engine_check_required=True))
+                     settings=load_settings(engine_serving_python=missing, engine_check_required=True))
 
 
 def test_drafts_vllm_accepts_past_the_response_are_left_out():
@@ -195,7 +195,7 @@ def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
                                             "seconds": decode_s + 0.1} for i, r in enumerate(requests)}}
 
     config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.5}
-    settings = load_settings({}, min_speedup=1.1)
+    settings = load_settings({}, plan_min_speedup=1.1)
     slow = vllm_live_check("d", config, requests, served(1.25), plain, {"predicted_speedup": 1.5}, settings)
     assert slow["verdict"]["verdict"] == "veto" and slow["verdict"]["engine"] == "vllm"
     assert slow["verdict"]["reason"].startswith("on vLLM: live check: 0.7")
@@ -227,7 +227,7 @@ def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_
                                         "contended": r.request_id in slowed}
                          for i, r in enumerate(requests)}}
     config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.4}
-    settings = load_settings({}, min_speedup=1.1)
+    settings = load_settings({}, plan_min_speedup=1.1)
     live = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 1.4}, settings)
     verdict = live["verdict"]
     assert verdict["verdict"] == "pass" and verdict["requests"] == 6 and verdict["contended"] == 2
@@ -262,7 +262,7 @@ def test_where_the_check_cannot_run_the_own_engine_sampling_test_gates_again(db_
             connection.execute(insert(Validation).values(
                 run_id="r1", check_name="sampling", domain=domain, passed=passed, created_at=now))
     result = engine_check("r1", "smollm2-135m-instruct", None, {}, {}, Store.open(db_url),
-                          settings=load_settings(serving_python=str(tmp_path / "none" / "python")))
+                          settings=load_settings(engine_serving_python=str(tmp_path / "none" / "python")))
     assert result["skipped"] and result["sampling"] == {}
     with engine.connect() as connection:
         rows = {r.domain: r for r in connection.execute(select(DomainConfig))}
@@ -302,14 +302,15 @@ def test_which_engines_costs_plan_a_run(tmp_path):
     python.write_text("")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    auto = load_settings({}, serving_python=str(python))
+    auto = load_settings({}, engine_serving_python=str(python))
     assert plans_on_vllm(auto, "smollm2-135m-instruct") and plans_on_vllm(auto, str(tmp_path / "model"))
     assert not plans_on_vllm(auto, "org/some-hf-id")               # not servable here: our engine
-    assert not plans_on_vllm(load_settings({}, serving_python=str(tmp_path / "none")), "smollm2-135m-instruct")
-    assert not plans_on_vllm(load_settings({}, serving_python=str(python), engine_check=False),
+    assert not plans_on_vllm(load_settings({}, engine_serving_python=str(tmp_path / "none")),
+                             "smollm2-135m-instruct")
+    assert not plans_on_vllm(load_settings({}, engine_serving_python=str(python), engine_check=False),
                              "smollm2-135m-instruct")
     assert plans_on_vllm(load_settings({}, plan_engine="vllm"), "org/some-hf-id")
-    assert not plans_on_vllm(load_settings({}, serving_python=str(python), plan_engine="specdec"),
+    assert not plans_on_vllm(load_settings({}, engine_serving_python=str(python), plan_engine="specdec"),
                              "smollm2-135m-instruct")
     assert serving_env.servable("SmolLM2-135M-Instruct")
 

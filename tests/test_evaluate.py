@@ -32,7 +32,7 @@ def counts(db_url, run_id):
 
 
 def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
-    result = run(tiny_db, tiny_target, "e2e", min_speedup=0.01)   # every domain on: all steps run
+    result = run(tiny_db, tiny_target, "e2e", plan_min_speedup=0.01)   # every domain on: all steps run
     table = {row["domain"]: row for row in result["table"]}
     assert set(table) == {"json", "qa"}
     assert result["excluded"]["other_fingerprint"] == 2          # the foreign rows are not scored
@@ -69,14 +69,14 @@ def test_evaluate_end_to_end_stores_every_step_by_run_id(tiny_db, tiny_target):
     assert shared_from.count(None) == len(settings)
 
     # re-running the run id replaces its rows; another run's rows stay
-    run(tiny_db, tiny_target, "other", min_speedup=0.01)
-    again = run(tiny_db, tiny_target, "e2e", min_speedup=0.01)
+    run(tiny_db, tiny_target, "other", plan_min_speedup=0.01)
+    again = run(tiny_db, tiny_target, "e2e", plan_min_speedup=0.01)
     assert counts(tiny_db, "e2e") == stored and counts(tiny_db, "other") == stored
     assert [r["domain"] for r in again["table"]] == ["json", "qa"]
 
 
 def test_policy_minimum_turns_domains_off_and_skips_validation(tiny_db, tiny_target):
-    result = run(tiny_db, tiny_target, "strict", min_speedup=50.0, validation_rows=50)
+    result = run(tiny_db, tiny_target, "strict", plan_min_speedup=50.0, validation_rows=50)
     for row in result["table"]:
         assert not row["enabled"] and row["max_batch_size"] is None
         assert row["validation"] == "not_needed" and row["drafter"] is not None
@@ -87,10 +87,11 @@ def test_insufficient_domain_stays_off_and_the_rest_goes_on(tiny_db, tiny_target
     # json has 10 requests and qa 12, 2 of them from another target: a minimum of 10 passes both at
     # sampling, but qa keeps only 10 usable rows; a minimum of 11 leaves json short at sampling
     # and qa short after the fingerprint exclusion
-    result = run(tiny_db, tiny_target, "ten", min_speedup=0.01, min_per_domain=10, max_per_domain=12)
+    result = run(tiny_db, tiny_target, "ten", plan_min_speedup=0.01, sample_min_per_domain=10,
+                 sample_max_per_domain=12)
     assert all(row["status"] == "ok" and row["enabled"] for row in result["table"])
-    result = run(tiny_db, tiny_target, "thin", min_speedup=0.01, min_per_domain=11,
-                 max_per_domain=12)
+    result = run(tiny_db, tiny_target, "thin", plan_min_speedup=0.01, sample_min_per_domain=11,
+                 sample_max_per_domain=12)
     table = {row["domain"]: row for row in result["table"]}
     for domain in ("json", "qa"):
         assert table[domain]["status"] == "insufficient" and not table[domain]["enabled"]
@@ -111,8 +112,8 @@ def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_targe
     from tasks.steps.offline_estimate import load_sample_requests
     from tasks.steps.validate import validate_domain, validate_run
 
-    settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01, "validation_rows": 400})
-    run(tiny_db, tiny_target, "broken", min_speedup=0.01)
+    settings = load_settings({}, **{**SETTINGS, "plan_min_speedup": 0.01, "validation_rows": 400})
+    run(tiny_db, tiny_target, "broken", plan_min_speedup=0.01)
     drafters = build_drafters(settings.plan.candidates, tiny_target)
     requests, _ = load_sample_requests("broken", Store.open(tiny_db))
     verdict = validate_domain("broken", "qa", tiny_target, drafters, requests["qa"], Store.open(tiny_db),
@@ -140,7 +141,7 @@ def test_a_failing_domain_is_recorded_and_the_others_go_on(db_url, tmp_path, tin
                    response_token_ids=[VOCAB + 5] + row["response_token_ids"][1:])
               for row in rows if row["domain"] == "qa"]
     import_traffic(write_jsonl(tmp_path / "t.jsonl", rows + broken), store=Store.open(db_url), progress=False)
-    result = run(db_url, tiny_target, "partial", min_speedup=0.01)
+    result = run(db_url, tiny_target, "partial", plan_min_speedup=0.01)
     table = {row["domain"]: row for row in result["table"]}
     assert result["failed"] == [] and table["code"]["status"] == "failed"
     assert not table["code"]["enabled"] and "outside the target's vocabulary" in table["code"]["reason"]
@@ -150,8 +151,8 @@ def test_a_failing_domain_is_recorded_and_the_others_go_on(db_url, tmp_path, tin
 
 
 def test_confirm_predicts_the_same_requests_and_checks_greedy_rows(tiny_db, tiny_target):
-    result = run(tiny_db, tiny_target, "same", min_speedup=0.01, confirm_requests=4,
-                 confirm_tolerance=0.25)
+    result = run(tiny_db, tiny_target, "same", plan_min_speedup=0.01, live_requests=4,
+                 live_tolerance=0.25)
     engine = create_engine(tiny_db)
     with engine.connect() as connection:
         rows = connection.execute(select(LiveMeasurement).where(LiveMeasurement.run_id == "same")
@@ -241,9 +242,9 @@ def test_confirm_vetoes_a_domain_turning_on_and_it_keeps_the_champions_setting(t
     from tasks.steps.pipeline import RunSpec, step_confirm
     from tasks.registry.run_config import build_config
 
-    run(tiny_db, tiny_target, "veto", min_speedup=0.01)          # planned: every domain on
+    run(tiny_db, tiny_target, "veto", plan_min_speedup=0.01)          # planned: every domain on
     # the live check against a minimum no tiny model reaches: the domain turning on is vetoed
-    overrides = {**SETTINGS, "candidates": list(SETTINGS["candidates"]), "min_speedup": 100.0,
+    overrides = {**SETTINGS, "plan_candidates": list(SETTINGS["plan_candidates"]), "plan_min_speedup": 100.0,
                  "live_veto": True}
     spec = RunSpec(run_id="veto", target="tiny", db_url=tiny_db, overrides=overrides)
     engine = create_engine(tiny_db)
@@ -385,7 +386,7 @@ def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_d
 
     caplog.set_level(logging.INFO, logger="tasks")
     uri = mlflow_uri
-    settings = load_settings({}, **{**SETTINGS, "min_speedup": 0.01})
+    settings = load_settings({}, **{**SETTINGS, "plan_min_speedup": 0.01})
     result = evaluate(run_id="logged", target="tiny", store=Store.open(tiny_db), settings=settings, model=tiny_target,
                       progress=False, promote=True, registry=Registry.open(uri))
     name, version = result["registered"]["name"], result["registered"]["version"]

@@ -107,7 +107,7 @@ def test_an_over_long_request_is_excluded_and_a_failed_domain_sets_the_exit_stat
              {**rows[-3], "id": "qa-alien", "prompt_token_ids": [5000, 5001, 5002]}]
     extra = [{k: v for k, v in row.items() if v is not None} for row in extra]
     home, url = tmp_path / "home", f"sqlite:///{tmp_path / 'home' / 'specdec.db'}"
-    for key, value in {**EVAL_ENV, "SPECDEC_HOME": str(home), "SPECDEC_MAX_PER_DOMAIN": "30"}.items():
+    for key, value in {**EVAL_ENV, "SPECDEC_HOME": str(home), "SPECDEC_SAMPLE_MAX_PER_DOMAIN": "30"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("SPECDEC_DATABASE_URL", raising=False)
     assert main(["db", "upgrade"]) == 0
@@ -245,7 +245,7 @@ def test_the_default_window_ignores_rows_stamped_in_the_future_and_counts_them(d
     ahead = (utcnow() + timedelta(hours=20)).strftime("%Y-%m-%dT%H:%M:%SZ")   # accepted: < now + 1 day
     rows.append(request_row(99, domain="qa", timestamp=ahead))
     import_traffic(write_jsonl(tmp_path / "t.jsonl", rows), store=Store.open(db_url), progress=False)
-    settings = load_settings({}, min_per_domain=1, max_per_domain=100)
+    settings = load_settings({}, sample_min_per_domain=1, sample_max_per_domain=100)
     with caplog.at_level("WARNING"):
         sample = sample_traffic("skewed", store=Store.open(db_url), settings=settings)
     assert sample["sampled"] == 48                              # not 1 (the future row alone)
@@ -253,7 +253,8 @@ def test_the_default_window_ignores_rows_stamped_in_the_future_and_counts_them(d
     assert sample["window"]["future_rows_ignored"] == 1
     assert "1 stored request(s) are stamped more than 1 h in the future" in caplog.text
     # a tolerance that covers the skew: the row counts again, and moves the window
-    wide = load_settings({}, min_per_domain=1, max_per_domain=100, future_tolerance_hours=48)
+    wide = load_settings({}, sample_min_per_domain=1, sample_max_per_domain=100,
+                         sample_future_tolerance_hours=48)
     assert sample_traffic("skewed", store=Store.open(db_url), settings=wide)["window"]["future_rows_ignored"] == 0
 
 
@@ -391,7 +392,7 @@ def test_ten_concurrent_conflicting_imports_account_for_every_row(db_url, tmp_pa
         for i in range(1, SHARED_IDS + 1)]) for n in range(CONCURRENT)]
     home = tmp_path / "home"
     processes = [_start(["traffic", "import", str(path), "--no-progress", "--json", "--url", db_url],
-                        home, env={"SPECDEC_IMPORT_BATCH_SIZE": "20"}) for path in paths]
+                        home, env={"SPECDEC_TRAFFIC_IMPORT_BATCH_SIZE": "20"}) for path in paths]
     outputs = []
     for process in processes:
         out, err = process.communicate(timeout=300)

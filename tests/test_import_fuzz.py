@@ -27,7 +27,7 @@ from .helpers.processes import specdec
 from .helpers.traffic import traffic
 
 SEED = 33
-MAX_ROW_BYTES = 8192          # SPECDEC_MAX_ROW_BYTES of the imports: oversize rows are cheap
+MAX_ROW_BYTES = 8192          # SPECDEC_TRAFFIC_MAX_ROW_BYTES of the imports: oversize rows are cheap
 TEXT = ["plain words", "virgule, and \"quotes\"", "ünïcödé ✓", "中文 テキスト", "emoji 🚀🔥",
         "tab\there", "line one\nline two", "back\\slash", "  spaced  ", "'single'"]
 DOMAINS = ["json", "code", "summarize", "qa", "chat", "creative", None]
@@ -273,7 +273,7 @@ def test_fuzzed_traffic_imports_every_good_row_once_and_quarantines_every_bad_ro
     bad = Counter(category for lines in expected.values() for category in lines.values())
     assert sum(bad.values()) >= 200 and len(bad) >= 14, bad
 
-    env = {"SPECDEC_MAX_ROW_BYTES": str(MAX_ROW_BYTES)}
+    env = {"SPECDEC_TRAFFIC_MAX_ROW_BYTES": str(MAX_ROW_BYTES)}
     for attempt in range(2):                               # the re-import adds nothing
         for path, lines in expected.items():
             result = specdec("traffic", "import", str(path), "--url", db_url, "--no-progress",

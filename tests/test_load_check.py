@@ -37,7 +37,7 @@ def _level(concurrency, speedup, lo, hi, pays, failed=0):
 
 
 def test_the_schedule_keeps_k_only_up_to_the_largest_level_that_pays_and_every_one_below():
-    settings = load_settings(min_speedup=1.1)
+    settings = load_settings(plan_min_speedup=1.1)
     config = {"k": 4, "k_schedule": [[1, 1, 4], [2, 4, 3], [5, 8, 2]], "max_batch_size": 8,
               "reason": "planned on"}
     # 1 and 2 pay, 4 does not, 8 pays again: K > 0 up to 2 only (a level measured below 1.0x
@@ -68,7 +68,7 @@ def test_the_schedule_keeps_k_only_up_to_the_largest_level_that_pays_and_every_o
 def test_a_level_pays_by_its_interval_and_one_still_straddling_the_bar_by_its_point():
     from tasks.steps.load_check import level_verdict as verdict, pays
 
-    settings = load_settings(min_speedup=1.1)
+    settings = load_settings(plan_min_speedup=1.1)
     sure = _level(2, 1.3, 1.12, 1.5, None)
     assert verdict(sure, settings, champion_on=False) == "pays" and pays(sure, settings, False)
     below = _level(2, 1.0, 0.92, 1.08, None)                     # upper end under min_speedup
@@ -256,8 +256,8 @@ def served(tmp_path_factory):
     url = f"sqlite:///{base / 'specdec.db'}"
     _finished_run(url, str(target))
     requests = {domain: _requests(domain, spec[3]) for domain, spec in DOMAINS.items()}
-    settings = load_settings(load_check_levels=(1, 2), load_check_requests=1,
-                             load_check_max_tokens=TOKENS, min_speedup=1e-9)
+    settings = load_settings(load_levels=(1, 2), load_requests=1,
+                             load_max_tokens=TOKENS, plan_min_speedup=1e-9)
     context = SimpleNamespace(settings=settings, spec=SimpleNamespace(run_id="r1", target=str(target)),
                               engine=ensure_ready(url), store=Store.open(url, settings), url=url,
                               model=None,
@@ -355,7 +355,7 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkey
 
     pool = served["pool"]
     spec = served["result"]["domains"]["count"]["speculative_config"]
-    settings = load_settings(load_check_levels=(1, 2), load_check_requests=8, load_check_timeout_s=120)
+    settings = load_settings(load_levels=(1, 2), load_requests=8, load_timeout_s=120)
     items = level_items(_requests("count", ["count"] * 8), 8, 400)
     server = pool.get(spec, **load_check_step.SERVER)     # the server measure_domain asks the pool for
     # the kill lands when the config server has streamed its first chunk of the level: mid-level
@@ -409,7 +409,7 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
     from tasks.steps.load_check import level_items, level_row, measure_domain
 
     spec = served["result"]["domains"]["count"]["speculative_config"]
-    settings = load_settings(load_check_levels=(1, 2), load_check_requests=1, load_check_retries=2)
+    settings = load_settings(load_levels=(1, 2), load_requests=1, load_retries=2)
     items = level_items(_requests("count", ["count"]), 1, TOKENS)
     calls = []
     real_run_level = load_check_step.run_level
@@ -438,13 +438,13 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
 @needs_server
 @pytest.mark.integration
 def test_a_level_straddling_the_bar_is_served_more_requests_until_settled_or_out_of_them(served):
-    # settle says "unsure" after every look: the level takes load_check_requests (1) at a time up
-    # to load_check_more_requests (2) more, each a request it did not serve yet, and stops there;
+    # settle says "unsure" after every look: the level takes load_requests (1) at a time up
+    # to load_more_requests (2) more, each a request it did not serve yet, and stops there;
     # one that settles at the first look serves only its own
     from tasks.steps.load_check import level_items, level_row, measure_domain
 
     spec = served["result"]["domains"]["count"]["speculative_config"]
-    settings = load_settings(load_check_requests=1, load_check_more_requests=2, load_check_retries=0)
+    settings = load_settings(load_requests=1, load_more_requests=2, load_retries=0)
     items = level_items(_requests("count", ["count"] * 4), 4, TOKENS)
     looked = []
 

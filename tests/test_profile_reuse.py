@@ -27,7 +27,7 @@ CANDIDATES = ["prompt_lookup"]
 # one timing per figure of a one-layer model at a short context, batch 1, K 1 (under a second);
 # bounds no tiny-model timing can fail, so the profile passes its checks (status ok: the only
 # kind reused)
-SETTINGS = dict(profile_repeats=1, profile_context_len=8, profile_batch_sizes=(1,), eval_k_max=1,
+SETTINGS = dict(profile_repeats=1, profile_context_len=8, profile_batch_sizes=(1,), plan_k_max=1,
                 profile_max_spread=1e6, profile_noise_floor=1 - 1e-9, profile_verify_dip=1 - 1e-9,
                 profile_step_dip=1 - 1e-9, profile_overhead_floor=1e6)
 # two timings per figure, no spread allowed and no retry: stored noisy
@@ -154,7 +154,7 @@ def test_new_profile_measures_although_a_profile_could_be_reused(db_url, one_lay
 
 def test_a_profile_without_this_runs_candidates_or_k_is_measured_again(db_url, one_layer):
     profile(db_url, one_layer, "run-1")
-    assert profile(db_url, one_layer, "run-2", eval_k_max=2)["profile"]["reused"] is False
+    assert profile(db_url, one_layer, "run-2", plan_k_max=2)["profile"]["reused"] is False
     settings = load_settings({}, **SETTINGS)
     more = {**drafters_of(one_layer), **{label: d for label, (_, d) in build_drafters(
         ["prompt_lookup:max_ngram=2"], one_layer).items()}}

@@ -111,7 +111,7 @@ def test_token_length_bounds_come_from_settings(db_url, jsonl_file, make_request
     seed(db_url, jsonl_file, make_request, {"qa": 4}, response_token_ids=list(range(10)))
     sample_traffic("long", store=Store.open(db_url), min_per_domain=1)
     check_traffic_sample("long", store=Store.open(db_url))                  # default bounds: fine
-    strict = load_settings({}, max_response_tokens=5)
+    strict = load_settings({}, quality_max_response_tokens=5)
     with pytest.raises(QualityGateFailed, match="response_tokens") as caught:
         check_traffic_sample("long", store=Store.open(db_url), settings=strict)
     assert "What is the capital" not in caught.value.summary

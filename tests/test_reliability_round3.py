@@ -106,7 +106,7 @@ def _import_worker(path: str, db_url: str, barrier, results) -> None:
     from tasks.settings import load_settings
     from tasks.steps.traffic_import import import_traffic
 
-    settings = load_settings({}, import_batch_size=100)     # many transactions to interleave
+    settings = load_settings({}, traffic_import_batch_size=100)     # many transactions to interleave
     barrier.wait(timeout=120)
     try:
         results.put((path, import_traffic(path, store=Store.open(db_url), settings=settings, progress=False)))

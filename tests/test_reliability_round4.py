@@ -115,7 +115,7 @@ def test_a_position_beyond_the_largest_k_is_refused_in_bounded_memory(db_url, me
     finally:
         tracemalloc.stop()
     message = str(refused.value)
-    assert "position 1000000000" in message and "largest K (16, setting k_max)" in message
+    assert "position 1000000000" in message and "largest K (16, setting quality_k_max)" in message
     assert "nothing stored" in message and "\n" not in message
     assert peak < 16 * 2**20, peak                   # not a list of a billion entries
     assert _scrapes(db_url) == []

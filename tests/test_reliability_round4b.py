@@ -422,7 +422,7 @@ def test_engine_load_with_a_broken_serving_python_is_one_line_naming_it_and_turn
     python, why = _broken_pythons(tmp_path)[case]
     if case == "not executable" and os.geteuid() == 0:
         why = "cannot be run ("          # root: exec of an empty file fails otherwise (ENOEXEC)
-    monkeypatch.setenv("SPECDEC_SERVING_PYTHON", str(python))
+    monkeypatch.setenv("SPECDEC_ENGINE_SERVING_PYTHON", str(python))
     finished_run(db_url, "run-1", {"json": {}, "qa": {}}, target_id="smollm2-135m-instruct")
     assert main(["engine", "load", "run-1", "--url", db_url]) == 2
     out, err = capsys.readouterr()

@@ -25,8 +25,8 @@ def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_s
                  model=tiny_store["model"], tokenizer=tiny_store["tokenizer"], progress=False)
     first = train_draft_from_traffic("draft-before", **train)
     use_model(target, tiny_store["model"], tiny_store["tokenizer"])
-    overrides = {**SETTINGS, "candidates": ["prompt_lookup"], "min_per_domain": 1,
-                 "max_per_domain": 16, "min_speedup": 0.01}
+    overrides = {**SETTINGS, "plan_candidates": ["prompt_lookup"], "sample_min_per_domain": 1,
+                 "sample_max_per_domain": 16, "plan_min_speedup": 0.01}
     spec = RunSpec(run_id="frozen", target=target, db_url=db_url, overrides=overrides)
 
     sampled = step_sample(spec)
@@ -51,7 +51,7 @@ def test_a_draft_registered_after_sampling_does_not_change_the_candidates(tiny_s
     # ... and the configured candidates it was sampled with, not today's settings (the CLI's
     # `engine check RUN_ID` of a run evaluated with --candidate)
     bare = RunSpec(run_id="frozen", target=target, db_url=db_url,
-                   overrides={k: v for k, v in overrides.items() if k != "candidates"})
+                   overrides={k: v for k, v in overrides.items() if k != "plan_candidates"})
     assert "prompt_lookup" not in load_settings(**bare.overrides).plan.candidates
     assert RunContext.build(bare).candidates == context.candidates
 

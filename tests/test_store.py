@@ -93,10 +93,10 @@ def test_default_url_is_sqlite_under_specdec_home(tmp_path, monkeypatch):
 def test_settings_take_environment_overrides(tmp_path):
     # one settings object: env variables (comma lists, JSON rules) and a JSON file override defaults
     settings_file = tmp_path / "settings.json"
-    settings_file.write_text('{"min_per_domain": 3, "max_per_domain": 9}')
+    settings_file.write_text('{"sample_min_per_domain": 3, "sample_max_per_domain": 9}')
     environ = {"SPECDEC_KNOWN_DOMAINS": "json, legal ,general",
                "SPECDEC_DOMAIN_RULES": '[{"name": "law", "domain": "legal", "pattern": "contract"}]',
-               "SPECDEC_SETTINGS_FILE": str(settings_file), "SPECDEC_IMPORT_BATCH_SIZE": "77"}
+               "SPECDEC_SETTINGS_FILE": str(settings_file), "SPECDEC_TRAFFIC_IMPORT_BATCH_SIZE": "77"}
     settings = load_settings(environ)
     assert settings.known_domains == ("json", "legal", "general")
     assert [rule.name for rule in settings.domain_rules] == ["law"]
@@ -105,7 +105,7 @@ def test_settings_take_environment_overrides(tmp_path):
 
 @pytest.mark.parametrize("environ, fragment", [
     ({"SPECDEC_KNOWN_DOMAINS": "json,code"}, "fallback_domain"),          # general missing
-    ({"SPECDEC_IMPORT_BATCH_SIZE": "zero"}, "import_batch_size"),
+    ({"SPECDEC_TRAFFIC_IMPORT_BATCH_SIZE": "zero"}, "traffic_import_batch_size"),
     ({"SPECDEC_DOMAIN_RULES": '[{"name": "x", "domain": "qa", "pattern": "("}]'}, "regular expression"),
     ({"SPECDEC_SETTINGS_FILE": "/nonexistent/settings.json"}, "SPECDEC_SETTINGS_FILE"),
 ])

@@ -34,7 +34,7 @@ def suffix_db(db_url, tmp_path, tiny_target):
 
 def test_a_runs_suffix_index_never_holds_the_requests_it_scores(suffix_db, tiny_target):
     out = run(suffix_db, tiny_target, "suffix-run",
-              candidates=("prompt_lookup:max_ngram=3:min_ngram=1", SUFFIX))
+              plan_candidates=("prompt_lookup:max_ngram=3:min_ngram=1", SUFFIX))
     assert not out["failed"]
     engine = create_engine(suffix_db)
     with engine.connect() as connection:
@@ -72,7 +72,7 @@ def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db,
     from tasks.steps.context import RunContext, RunSpec
 
     candidates = (f"suffix:index={registered['model_uri']}",)
-    settings = load_settings({}, **{**SETTINGS, "candidates": candidates})
+    settings = load_settings({}, **{**SETTINGS, "plan_candidates": candidates})
     evaluate(run_id="registered-run", target="tiny", store=Store.open(suffix_db), settings=settings,
              model=tiny_target, progress=False, registry=Registry.open(tracking))
     spec = RunSpec(run_id="registered-run", target="tiny", db_url=suffix_db, tracking_uri=tracking,

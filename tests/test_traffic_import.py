@@ -108,7 +108,7 @@ def test_bad_rows_are_quarantined_with_line_and_reason(db_url, jsonl_file, make_
         make_request(15),                                          # 15 ok
     ]
     path = jsonl_file(rows)
-    settings = load_settings({}, max_row_bytes=4096)
+    settings = load_settings({}, traffic_max_row_bytes=4096)
     report = import_traffic(path, store=Store.open(db_url), settings=settings, progress=False)
     assert report["inserted"] == 2 and set(traffic(db_url)) == {"req-00001", "req-00015"}
     assert quarantine(db_url) == [
@@ -146,8 +146,8 @@ def test_duplicate_ids(db_url, jsonl_file, make_request):
 def test_duplicate_id_across_batches_and_files(db_url, jsonl_file, make_request):
     # batch size 1: the duplicate is found in the database, not in the batch; another file too
     path = jsonl_file([make_request(1), make_request(1, response="changed")])
-    report = import_traffic(path, store=Store.open(db_url), settings=load_settings({}, import_batch_size=1),
-                            progress=False)
+    report = import_traffic(path, store=Store.open(db_url),
+                            settings=load_settings({}, traffic_import_batch_size=1), progress=False)
     assert report["inserted"] == 1 and report["quarantined_by_reason"] == {"duplicate_id": 1}
     other = jsonl_file([make_request(1)], name="again.jsonl")
     assert import_traffic(other, store=Store.open(db_url), progress=False)["skipped_existing"] == 1

@@ -286,7 +286,7 @@ def engine_run(serving, tmp_path_factory):
     url, timed_url = f"sqlite:///{base / 'specdec.db'}", f"sqlite:///{base / 'timed.db'}"
     requests, drafters = _finished_run(url, target_dir, model, tokenizer)
     _finished_run(timed_url, target_dir, model, tokenizer)
-    settings = dict(engine_check_requests=6, confirm_max_new_tokens=24)
+    settings = dict(engine_check_requests=6, live_max_new_tokens=24)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_HOME", str(base / "home"))
         # vLLM's own cost profile, stored first: the engine check predicts its speedups from it
@@ -638,7 +638,7 @@ def _eagle3_check(serving, tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_HOME", str(base / "home"))
         result = engine_check("r1", str(target_dir), model, drafters, {"eagle": requests}, Store.open(url),
-                              settings=load_settings(engine_check_requests=6, confirm_max_new_tokens=24,
+                              settings=load_settings(engine_check_requests=6, live_max_new_tokens=24,
                                                      engine_check_tolerance=1.0))
     return {"result": result, "requests": requests, "head_dir": head_dir}
 

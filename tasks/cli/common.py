@@ -14,7 +14,7 @@ from .console import emit
 
 MAX_DAYS = 100_000                   # about 274 years: the most days any window or age may span
 EARLIEST_TIME = datetime(2000, 1, 1)
-MAX_K = 32                           # the largest K a run may plan (setting eval_k_max's bound)
+MAX_K = 32                           # the largest K a run may plan (setting plan_k_max's bound)
 
 
 def days(option: str):

@@ -40,7 +40,7 @@ def cmd_traffic_import(args) -> int:
     if args.sample == (args.file is not None):
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
     path = sample_traffic_path() if args.sample else args.file
-    settings = load_settings(import_batch_size=args.batch_size)
+    settings = load_settings(traffic_import_batch_size=args.batch_size)
     report = import_traffic(path, open_store(args, settings), settings=settings, file_format=args.format,
                             progress=not args.no_progress)
     status = EXIT_QUARANTINED if report["quarantined"] else 0

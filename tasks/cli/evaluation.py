@@ -62,7 +62,7 @@ def cmd_evaluate(args) -> int:
     from ..timeutil import default_run_id
 
     run_id = default_run_id() if args.run_id is None else check_identifier(args.run_id, "run id")
-    settings = load_settings(hardware_profile=args.hardware_profile)
+    settings = load_settings(plan_hardware_profile=args.hardware_profile)
     try:
         store = open_store(args, settings)
         result = evaluate(run_id=run_id, target=args.model, store=store, settings=settings,

@@ -44,7 +44,7 @@ MONITOR_VARIABLE = "specdec_monitor_targets"
 MONITOR_CONNECTION_PREFIX = "specdec_vllm_"
 
 # the candidates a run evaluates unless its conf names others (the settings' default)
-DEFAULT_CANDIDATES = setting_default("candidates")
+DEFAULT_CANDIDATES = setting_default("plan_candidates")
 DEPRECATED_PARAMS = {"samples_per_domain": "max_per_domain"}   # old Param name -> current name
 
 __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_PARAMS", "DRIFT_URI",
@@ -56,7 +56,7 @@ __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_P
 
 def queues() -> tuple[str, str]:
     """(cpu queue, gpu queue): the Airflow queues of database/registry tasks and of the tasks that
-    run the model, from the settings ($SPECDEC_CPU_QUEUE, $SPECDEC_GPU_QUEUE; defaults `default`
+    run the model, from the settings ($SPECDEC_QUEUES_CPU, $SPECDEC_QUEUES_GPU; defaults `default`
     and `gpu`). Read when a DAG file is parsed; the LocalExecutor ignores queues."""
     settings = load_settings()
     return settings.queues.cpu, settings.queues.gpu
@@ -217,7 +217,8 @@ def evaluate_spec(run_id: str, params, conf: dict | None = None):
                    candidates=p["candidates"], hardware_profile=p["hardware_profile"] or None,
                    k_max=p["k_max"], min_speedup=p["min_speedup"], promote=bool(p["promote"]),
                    # the alert's threshold: the alert task and the version page state the same one
-                   overrides={"acceptance_alert": p["acceptance_alert"]} if "acceptance_alert" in p else {})
+                   overrides=({"plan_acceptance_alert": p["acceptance_alert"]}
+                              if "acceptance_alert" in p else {}))
 
 
 # mapped tasks are labelled in the UI by what they ran for (a domain, a report): Airflow renders

@@ -2,7 +2,7 @@
 compose`): one service per deployment (one per drafter method, K per request by each domain's
 plan, as tasks.registry.vllm_export groups them), named by its domains, in the `serving` profile.
 
-Each service runs vLLM's OpenAI server from the vLLM image (the setting `serving_image`) on port
+Each service runs vLLM's OpenAI server from the vLLM image (the setting `engine_serving_image`) on port
 8000 inside the Compose network (its /metrics there too: the monitor DAG scrapes
 http://SERVICE:8000), serves the target (the model directory or id given), takes the domain
 group's speculative config with per-request spec-decode metrics on (each response then carries

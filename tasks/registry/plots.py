@@ -6,7 +6,7 @@ is a footnote), legends outside the data, fonts of 10 pt and up.
   each draft position with its 95% interval (bootstrap over requests) as an error bar, and beside it the share of its rounds that drafted at all (the rates
   count only rounds that reached a position; E counts every round);
 - predicted_speedup_vs_k.png: one panel per domain, predicted speedup (batch 1) against K for each
-  drafter, its 95% interval as a band where the estimate has one, the `min_speedup` threshold, the
+  drafter, its 95% interval as a band where the estimate has one, the `plan_min_speedup` threshold, the
   plain-decoding line and the chosen (drafter, K) marked (hollow: the best of a domain that is off);
 - calibration.png: the cost model's calibration, predicted against measured speedup on the same
   requests, one marker per domain with the measurement's 95% interval as an error bar.
@@ -282,7 +282,7 @@ def production_figure(points: list[dict], promises: dict[str, dict], events: lis
 def load_speedup_figure(loads: dict[str, dict], min_speedup: float, run_id: str):
     """The load check (load_check_speedup.png): one panel per domain, the measured speedup on
     vLLM's OpenAI server against the number of concurrent requests with its 95% interval, the
-    speedup vLLM's cost profile predicts at that batch size, the `min_speedup` threshold and the
+    speedup vLLM's cost profile predicts at that batch size, the `plan_min_speedup` threshold and the
     plain-decoding line; levels that do not pay are hollow."""
     plt = _pyplot()
     domains = sorted(d for d, check in loads.items() if check.get("levels"))

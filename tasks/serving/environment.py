@@ -3,9 +3,9 @@ as a separate process. vLLM pins a transformers older than the pipeline's, and p
 serving engine apart from the pipeline anyway, so this environment never imports vLLM: it runs
 `scripts/vllm_probe.py` with the serving environment's python and reads one JSON answer.
 
-Where it is: the setting `serving_python` (SPECDEC_SERVING_PYTHON), else
+Where it is: the setting `engine_serving_python` (SPECDEC_ENGINE_SERVING_PYTHON), else
 `.venv-serving/bin/python` beside the repository. A vLLM you already run elsewhere: point
-`serving_python` at the python of its environment.
+`engine_serving_python` at the python of its environment.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ PROBE = Path(__file__).resolve().parent / "scripts" / "vllm_probe.py"
 # the speculators library's reading of an EAGLE-3 checkpoint (what specdec's Eagle3Head is held to)
 EAGLE3_LOGITS = Path(__file__).resolve().parent / "scripts" / "eagle3_logits.py"
 MAKE_ONE = ("make one with `make serving-env` (vLLM's CPU build in .venv-serving), or set "
-            "SPECDEC_SERVING_PYTHON to the python of an environment that has vLLM")
+            "SPECDEC_ENGINE_SERVING_PYTHON to the python of an environment that has vLLM")
 
 
 def serving_python(settings: Settings | None = None) -> Path:

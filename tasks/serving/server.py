@@ -278,7 +278,7 @@ def spec_decode_counters(text: str, max_positions: int | None = None) -> dict:
                 if position < 0 or (max_positions is not None and position >= max_positions):
                     where = ("is negative" if max_positions is None else
                              f"is outside 0..{max_positions - 1}, the positions of the largest K "
-                             f"({max_positions}, setting k_max)")
+                             f"({max_positions}, setting quality_k_max)")
                     raise PositionOutOfRange(f"position {position} of "
                                              f"vllm:spec_decode_num_accepted_tokens_per_pos {where}")
                 per_pos[position] = per_pos.get(position, 0.0) + sample.value

@@ -1,6 +1,6 @@
 """Live confirmation: real speculative decoding with the planned config against plain decoding.
 
-Which requests: `confirm_requests` of the domain's sample, stratified on their offline E (the
+Which requests: `live_requests` of the domain's sample, stratified on their offline E (the
 planned drafter at the planned K): ranked by E and taken at evenly spaced quantiles, so a few
 requests stand for the domain instead of happening to be its easiest or hardest.
 
@@ -114,8 +114,8 @@ def confirm_hardware(run_id: str, domain: str, store: Store, target) -> dict | N
                 f"{hardware_text(worker)}, but confirm runs on {hardware_text(here)}: live timings "
                 "on one hardware class cannot check costs measured on another. Route the profile "
                 "and confirm tasks to workers of one hardware class (both take the queue "
-                "`gpu_queue`; give each class of GPU worker its own queue), or plan with a stored "
-                "profile of the serving hardware (`hardware_profile`).")
+                "`queues_gpu`; give each class of GPU worker its own queue), or plan with a stored "
+                "profile of the serving hardware (`plan_hardware_profile`).")
         return here
     if stored is not None and not same_hardware(here, dict(stored)):
         log.warning("run %s, domain %s: confirm skipped: the plan is for hardware profile %r (%s), "

@@ -4,9 +4,9 @@ vLLM's OpenAI server under concurrent streamed requests, and the schedule cut to
 The engine check replays a domain's requests one at a time; the exported
 `num_speculative_tokens_per_batch_size` claims payoffs at batch 2-8 from a cost profile alone.
 Here, for every domain the run's config turns on (after the engine check's gate) and that has a
-vLLM config, at each concurrency level of `load_check_levels` where the domain's schedule drafts
-(K > 0), the domain's requests (draw order, `load_check_requests` of them and at least the level,
-each its logged prompt, sampling parameters and seed, its length cut at `load_check_max_tokens`)
+vLLM config, at each concurrency level of `load_levels` where the domain's schedule drafts
+(K > 0), the domain's requests (draw order, `load_requests` of them and at least the level,
+each its logged prompt, sampling parameters and seed, its length cut at `load_max_tokens`)
 are streamed through the one vLLM server of the config's drafter method (its deployment:
 tasks.registry.vllm_export.method_deployments, the largest K of the domains measured; the
 engine check's sampling test used the same) with K per request (the project's plugin), in
@@ -15,7 +15,7 @@ order alternating wave by wave, so that every ratio pairs the same requests on t
 wave apart (a machine that slows between two server starts no longer moves it). A suffix server
 learns from what it serves: there the config's wave goes first and each level takes its own
 requests. A wave side a neighbour slowed (CPU of other processes read from /proc) is served again
-(load_check_retries), and a level's interval leaves out the pairs a neighbour reached where at
+(load_retries), and a level's interval leaves out the pairs a neighbour reached where at
 least 5 clean ones remain (tasks.steps.confirm.judged_pairs). A K 0 request
 on that server still pays the drafter's host search (vLLM proposes for the whole batch; the cut
 is made after), so the control is what the deployment serves its off domains with
@@ -32,7 +32,7 @@ A level pays when none of its requests failed and its interval's lower end clear
 (a domain on in the champion config, with hysteresis: its lower end clears 1.0 and its upper end
 min_speedup, the planner's rule); it does not when its upper end is under min_speedup. Between
 the two (the interval straddles the bar) eight requests cannot tell, and a run would decide by
-chance: the level is served more of the domain's requests (load_check_more_requests, 16, eight at
+chance: the level is served more of the domain's requests (load_more_requests, 16, eight at
 a time) while it straddles, and where it still does after them, its point estimate decides and
 the reason says the level was unsure. The schedule keeps K > 0 only up to the largest level such that
 every measured level up to it pays; above it, K = 0. A domain that pays at no level is turned off
@@ -204,7 +204,7 @@ def level_verdict(row: dict, settings: Settings, champion_on: bool) -> str:
 
 def pays(row: dict, settings: Settings, champion_on: bool) -> bool:
     """Whether a measured level pays: its verdict, and where that is still "unsure" after the
-    level's extra requests (load_check_more_requests), its point estimate against the bar."""
+    level's extra requests (load_more_requests), its point estimate against the bar."""
     said = level_verdict(row, settings, champion_on)
     if said != "unsure":
         return said == "pays"
@@ -277,7 +277,7 @@ def _failure(which: str, server, level: int, result: dict | None, exc: Exception
     if result["timed_out"]:
         return "timeout", (f"load check: the config server hung {where}{serving}: {unfinished} of "
                            f"{len(result['requests'])} requests not finished within "
-                           f"{settings.load.timeout_s:.0f} s (load_check_timeout_s); its log: "
+                           f"{settings.load.timeout_s:.0f} s (load_timeout_s); its log: "
                            f"{server.log_path}")
     return "died", (f"load check: the config server died {where}{serving} ({unfinished} of "
                     f"{len(result['requests'])} requests failed): {server.last_line()}; its log: "
@@ -368,10 +368,10 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     level_slices), so that each ratio pairs the same requests served moments apart. A side
     during which other processes took CPU (tasks.serving.load.run_level's other_cores over
     profile_contention_cores and the cores the server left them) is served again, up to
-    load_check_retries times, its least contended result kept (a suffix server's config side
+    load_retries times, its least contended result kept (a suffix server's config side
     never: it would draft its own responses). settle(level row) -> "pays" | "below" | "unsure"
-    (level_verdict): while a level is "unsure", up to load_check_more_requests more of `items`
-    are served at it, load_check_requests at a time, none of a request the level (a suffix
+    (level_verdict): while a level is "unsure", up to load_more_requests more of `items`
+    are served at it, load_requests at a time, none of a request the level (a suffix
     server: any level) served or will serve. ask_k: the config's requests ask the level's K (a
     server started as the domain's deployment, at a larger K), else the server's schedule.
     Output: {levels: [(level, K, plain, config, requests)], failure: (status, reason) or None,

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 def step_profile(spec, new_profile: bool = False) -> dict:
-    """The run's cost profile: the stored one the settings name (hardware_profile), else the
+    """The run's cost profile: the stored one the settings name (plan_hardware_profile), else the
     newest stored profile of this worker's hardware, engine, dtype and target that passed its
     checks, covers the run and is younger than profile_max_age_days, copied under the run's id,
     else one measured here under the timing lock (tasks.steps.costs.measure_or_reuse).

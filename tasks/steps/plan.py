@@ -259,7 +259,7 @@ def _decide(row: dict, policy: _Policy, costs: CostTable, chosen: bool, kept: bo
                          f"{_prediction_text(row, 'would predict')}, but no domain turns on from a "
                          "noisy profile that the champion has off. Measure on a quiet machine, or "
                          "plan with a stored profile (`specdec evaluate --hardware-profile NAME`, "
-                         "setting `hardware_profile`)")
+                         "setting `plan_hardware_profile`)")
     else:
         row["enabled"] = True
         row["reason"] = (f"on: {_prediction_text(row, bars=bars)} at batch 1; pays up to batch "

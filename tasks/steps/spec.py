@@ -37,10 +37,10 @@ class RunSpec:
     max_per_domain: int | None = None
     candidates: list[str] | None = None
     hardware_profile: str | None = None
-    k_max: int | None = None            # the setting eval_k_max (largest K planned and profiled)
+    k_max: int | None = None            # the setting plan_k_max (largest K planned and profiled)
     min_speedup: float | None = None
     promote: bool = False
-    overrides: dict = field(default_factory=dict)     # any other Settings field
+    overrides: dict = field(default_factory=dict)     # any other setting, by name
     # registered drafts frozen at sample time, by target fingerprint ({} when the run takes none);
     # None: not frozen yet
     drafts: dict[str, list[dict]] | None = None
@@ -48,13 +48,16 @@ class RunSpec:
     def settings(self) -> Settings:
         """The run's settings (read from the environment each call: a step calls it once)."""
         values = dict(self.overrides)
-        for name in ("min_per_domain", "max_per_domain", "hardware_profile", "min_speedup"):
+        for name, setting in (("min_per_domain", "sample_min_per_domain"),
+                              ("max_per_domain", "sample_max_per_domain"),
+                              ("hardware_profile", "plan_hardware_profile"),
+                              ("min_speedup", "plan_min_speedup")):
             if getattr(self, name) is not None:
-                values[name] = getattr(self, name)
+                values[setting] = getattr(self, name)
         if self.candidates:
-            values["candidates"] = tuple(self.candidates)
+            values["plan_candidates"] = tuple(self.candidates)
         if self.k_max:
-            values["eval_k_max"] = self.k_max
+            values["plan_k_max"] = self.k_max
         return load_settings(**values)
 
     def open_store(self, settings: Settings | None = None) -> Store:

@@ -545,7 +545,7 @@ def _jsonl_rows(stream, max_bytes: int) -> Iterator[tuple[int, dict | None, str 
                 if not chunk or chunk.endswith(b"\n"):
                     break
             yield number, None, head, RowRejected(
-                TOO_LARGE, f"line is {size} bytes; the limit is {max_bytes} (setting max_row_bytes)")
+                TOO_LARGE, f"line is {size} bytes; the limit is {max_bytes} (setting traffic_max_row_bytes)")
             continue
         if not line.strip():
             continue
@@ -661,8 +661,8 @@ def _csv_rows(stream, max_bytes: int, path: Path, redact=None):
             except csv.Error as exc:
                 last_line = reader.line_num
                 reason = TOO_LARGE if "field larger" in str(exc) else MALFORMED_CSV
-                yield start, None, None, RowRejected(reason, f"{exc} (setting max_row_bytes: {max_bytes})"
-                                                     if reason == TOO_LARGE else str(exc))
+                detail = f"{exc} (setting traffic_max_row_bytes: {max_bytes})"
+                yield start, None, None, RowRejected(reason, detail if reason == TOO_LARGE else str(exc))
                 continue
             last_line = reader.line_num
             if not any(v.strip() for v in values):
@@ -678,7 +678,7 @@ def _csv_rows(stream, max_bytes: int, path: Path, redact=None):
                 continue
             if sum(len(v) for v in values) > max_bytes:
                 yield start, None, raw[:RAW_KEEP_CHARS], RowRejected(
-                    TOO_LARGE, f"record is over {max_bytes} characters (setting max_row_bytes)")
+                    TOO_LARGE, f"record is over {max_bytes} characters (setting traffic_max_row_bytes)")
                 continue
             yield start, {k: (v if v != "" else None) for k, v in zip(header, values)}, raw, None
     finally:

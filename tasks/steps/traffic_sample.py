@@ -62,7 +62,7 @@ def resolve_window(store: Store, window, settings: Settings) -> tuple[datetime, 
         newest, future = newest_request_at(store, cutoff)
         if future:
             log.warning("%d stored request(s) are stamped more than %g h in the future (after %s "
-                        "UTC; setting future_tolerance_hours): the default window ignores them",
+                        "UTC; setting sample_future_tolerance_hours): the default window ignores them",
                         future, settings.sample.future_tolerance_hours, cutoff.isoformat(timespec="seconds"))
         if newest is None:
             raise SampleError("traffic_requests is empty: import traffic first "

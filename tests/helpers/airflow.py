@@ -16,9 +16,9 @@ TINY_CONF = {"max_per_domain": 10, "min_per_domain": 5, "k_max": 3, "min_speedup
              "candidates": ["prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"]}
 SMALL = {"SPECDEC_VALIDATION_ROWS": "100", "SPECDEC_PROFILE_BATCH_SIZES": "[1, 2]",
          "SPECDEC_PROFILE_REPEATS": "1", "SPECDEC_PROFILE_CONTEXT_LEN": "32",
-         "SPECDEC_CONFIRM_REQUESTS": "2", "SPECDEC_CONFIRM_MAX_NEW_TOKENS": "12",
-         "SPECDEC_GREEDY_CHECK_TOKENS": "8", "SPECDEC_BOOTSTRAP_SAMPLES": "200",
-         "SPECDEC_PROMOTION_REGRESSION_TOLERANCE": "0.99",   # tiny-model timings are noise
+         "SPECDEC_LIVE_REQUESTS": "2", "SPECDEC_LIVE_MAX_NEW_TOKENS": "12",
+         "SPECDEC_VALIDATION_GREEDY_CHECK_TOKENS": "8", "SPECDEC_PLAN_BOOTSTRAP_SAMPLES": "200",
+         "SPECDEC_REGISTRY_REGRESSION_TOLERANCE": "0.99",   # tiny-model timings are noise
          # and so are their profiles and live speedups: the noise checks and the live veto are
          # tested on their own (test_costs_plan.py, test_confirm_veto.py)
          "SPECDEC_PROFILE_CHECKS": "false", "SPECDEC_LIVE_VETO": "false",

@@ -3,13 +3,13 @@ checks, the live veto and the engine check are off)."""
 
 from __future__ import annotations
 
-SETTINGS = dict(min_per_domain=5, max_per_domain=10, eval_k_max=3, profile_batch_sizes=(1, 2),
-                profile_repeats=1, profile_context_len=32, confirm_requests=2,
+SETTINGS = dict(sample_min_per_domain=5, sample_max_per_domain=10, plan_k_max=3, profile_batch_sizes=(1, 2),
+                profile_repeats=1, profile_context_len=32, live_requests=2,
                 profile_checks=False, live_veto=False,     # tiny-model timings are noise
                 engine_check=False,            # vLLM: test_vllm_serving.py and test_embedded.py
-                confirm_max_new_tokens=12, validation_rows=100, greedy_check_requests=2,
-                greedy_check_tokens=8, bootstrap_samples=200,
-                candidates=("prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"))
+                live_max_new_tokens=12, validation_rows=100, validation_greedy_check_requests=2,
+                validation_greedy_check_tokens=8, plan_bootstrap_samples=200,
+                plan_candidates=("prompt_lookup:max_ngram=3:min_ngram=1", "layer_skip:num_layers=2"))
 
 
 def run(db_url, target, run_id, **overrides):
