@@ -28,6 +28,7 @@ from ..db.store import Store
 from ..errors import DiskFull
 from ..settings import Settings, load_settings
 from .config_schema import config_model_name, parse_config
+from .gate import gates_json
 from .promotion import current_user, gates_for, record_promotion
 from .run_config import config_of, finished_run, turns_nothing_on, validation_text
 from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
@@ -299,7 +300,8 @@ def register_config(run_id: str, store: Store, uri: str | None = None,
     store: specdec's database; registry: the MLflow tracking store (tasks.registry.registry.
     Registry; both opened by the caller; default: Registry.open()). uri: deprecated, for callers
     outside this repository: a tracking URI to open the Registry from (DeprecationWarning).
-    Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation"}.
+    Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation",
+    "gates" (their JSON, Gate.to_json), ...}.
     """
     registry = registry_of(registry, uri, store)
     settings = settings or load_settings()
@@ -355,5 +357,5 @@ def register_config(run_id: str, store: Store, uri: str | None = None,
     end_run(mlflow_client, tracked["mlflow_run_id"])
     return {"name": name, "version": version, "reused": bool(existing),
             "champion_version": champion_version, "validation": tags["validation"],
-            "champion_audit": audit, "gates": gates, "domains_on": config.domains_on,
+            "champion_audit": audit, "gates": gates_json(gates), "domains_on": config.domains_on,
             "mlflow_run_id": tracked["mlflow_run_id"]}
