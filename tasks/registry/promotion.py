@@ -75,7 +75,7 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
                 lines.append(f"{name} {live['measured']:.2f}x (weak evidence: {live['requests']} requests)")
     total = len(failed) + len(unsure) + len(passed)
     if total == 0:
-        return Gate("live_check", True, f"{NOT_RUN}: {nothing_on_reason(config)}", NOT_RUN)
+        return Gate("live_check", True, f"{NOT_RUN}: {nothing_on_reason(config)}", result=NOT_RUN)
     figure = (f"{len(passed)}/{total} enabled domains measured at or above their bar"
               + (f"; FAILED: {', '.join(failed)}" if failed else "")
               + (f"; unsure: {', '.join(unsure)}" if unsure else "")
@@ -83,9 +83,9 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
               + (". The cost profile is noisy: predictions are not evidence" if profile_noisy else ""))
     if failed and not enforced:
         return Gate("live_check", True, figure + " (setting live_veto off: live timings are treated as "
-                    "noise)", "not enforced")
+                    "noise)", result="not enforced")
     result = "fail" if failed else ("unsure" if unsure or profile_noisy else "pass")
-    return Gate("live_check", not failed, figure, result)
+    return Gate("live_check", not failed, figure, result=result)
 
 
 def _validation_gate(config: SpecdecConfig, measured: dict, fingerprint_passed: bool | None) -> Gate:
@@ -98,7 +98,7 @@ def _validation_gate(config: SpecdecConfig, measured: dict, fingerprint_passed: 
         return Gate("validation", fingerprint_passed is not False,
                     f"{NOT_RUN}: {nothing_on_reason(config)} (the sampling and greedy tests run "
                     f"only for a domain on){fingerprint}",
-                    "fail" if fingerprint_passed is False else NOT_RUN)
+                    result="fail" if fingerprint_passed is False else NOT_RUN)
     return Gate("validation", not failed and fingerprint_passed is not False,
                 f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
                 + (f"; not passed: {', '.join(failed)}" if failed else "")
@@ -108,7 +108,7 @@ def _validation_gate(config: SpecdecConfig, measured: dict, fingerprint_passed: 
 def _champion_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings) -> list[Gate]:
     """no_regression and same_target: against the champion; "not run" when there is none."""
     if champion is None:
-        return [Gate(name, True, f"{NOT_RUN}: no champion to compare", NOT_RUN)
+        return [Gate(name, True, f"{NOT_RUN}: no champion to compare", result=NOT_RUN)
                 for name in ("no_regression", "same_target")]
     tolerance = settings.registry.regression_tolerance
     ratios = {n: effective_speedup(config.domains.get(n)) / effective_speedup(champion.domains.get(n))
@@ -118,7 +118,8 @@ def _champion_gates(config: SpecdecConfig, champion: SpecdecConfig | None, setti
     return [Gate("no_regression", worst[1] >= 1 - tolerance,
                  f"worst domain {worst[0]}: {worst[1]:.2f}x the champion's speedup "
                  f"(minimum {1 - tolerance:.2f})"),
-            Gate("same_target", same, f"{config.target.fingerprint} vs champion {champion.target.fingerprint}")]
+            Gate("same_target", same,
+                 f"{config.target.fingerprint} vs champion {champion.target.fingerprint}")]
 
 
 def _samples_gate(config: SpecdecConfig, measured: dict, settings: Settings) -> Gate:
@@ -129,7 +130,7 @@ def _samples_gate(config: SpecdecConfig, measured: dict, settings: Settings) -> 
         counts = [s.samples for s in config.domains.values() if s.source == "run"]
         return Gate("min_samples", True, f"{NOT_RUN}: {nothing_on_reason(config)}"
                     + (f" (the run's domains had {min(counts)} samples or more; required {required})"
-                       if counts else ""), NOT_RUN)
+                       if counts else ""), result=NOT_RUN)
     short = sorted(n for n, s in measured.items() if s.samples < required)
     return Gate("min_samples", not short,
                 f"min samples {min(s.samples for s in measured.values())} (required {required})"

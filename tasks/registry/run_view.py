@@ -344,11 +344,11 @@ def engine_gate(view: RunView) -> Gate:
     if view.engine_rows:
         failed = sorted(r["domain"] for r in view.engine_rows if r.get("passed") is False)
         return Gate("engine_check", True, f"{len(view.engine_rows)} domains {engine_state(view)}"
-                    + (f"; turned off: {', '.join(failed)}" if failed else ""), "pass")
+                    + (f"; turned off: {', '.join(failed)}" if failed else ""), result="pass")
     if not view.config.domains_on:
-        return Gate("engine_check", True, engine_state(view), NOT_RUN)
+        return Gate("engine_check", True, engine_state(view), result=NOT_RUN)
     return Gate("engine_check", True, f"{engine_state(view)}; promoted, it serves a config the serving "
-                "engine never ran", "not checked")
+                "engine never ran", result="not checked")
 
 
 def run_markdown(view: RunView) -> str:
