@@ -589,10 +589,24 @@ def test_the_page_says_how_a_reviewer_promotes_and_its_command_promotes_this_ver
 
 def test_min_samples_gate_counts_measured_enabled_domains():
     config = parse_config(config_dict(json=enabled_domain(samples=5), chat={"enabled": False}))
-    gates = {g["name"]: g for g in check_gates(config, None, DEFAULTS)}
+    gates = {g.name: g for g in check_gates(config, None, DEFAULTS)}
     # the short domains in words, not a Python list ("short: ['json']", issue 52 item 9)
-    assert not gates["min_samples"]["passed"] and gates["min_samples"]["figure"].endswith("; short: json")
-    assert gates["no_regression"]["passed"] and gates["same_target"]["passed"]
+    assert not gates["min_samples"].passed and gates["min_samples"].figure.endswith("; short: json")
+    assert gates["no_regression"].passed and gates["same_target"].passed
+
+
+def test_gate_json_is_the_stored_shape_and_reads_back():
+    from tasks.registry.gate import Gate, gates_json, gates_of
+
+    ran = Gate("same_target", False, "a vs champion b")
+    skipped = Gate("no_regression", True, "not run: no champion to compare", result="not run")
+    assert gates_json([ran, skipped]) == [
+        {"name": "same_target", "passed": False, "figure": "a vs champion b"},
+        {"name": "no_regression", "passed": True, "result": "not run",
+         "figure": "not run: no champion to compare"}]
+    assert gates_of(gates_json([ran, skipped])) == [ran, skipped]
+    passed = Gate("validation", True, "1/1 enabled domains passed")
+    assert (ran.outcome, skipped.outcome, passed.outcome) == ("fail", "not run", "pass")
 
 
 def test_tracking_uri_default_and_refuses_specdecs_database(tmp_path, monkeypatch):
@@ -1263,14 +1277,14 @@ def test_live_check_gate_is_unsure_not_silent_on_noise_and_reports_when_not_enfo
     config = build_config("run-1", Store.open(db_url))
     evidence = domain_evidence("run-1", Store.open(db_url))
     gate = live_gate(config, evidence, DEFAULTS)
-    assert gate["passed"] and gate["result"] == "unsure"
-    assert "unsure: chat, qa" in gate["figure"] and "qa: not measured live" in gate["figure"]
-    assert live_gate(config, evidence, DEFAULTS, profile_noisy=True)["figure"].endswith(
+    assert gate.passed and gate.result == "unsure"
+    assert "unsure: chat, qa" in gate.figure and "qa: not measured live" in gate.figure
+    assert live_gate(config, evidence, DEFAULTS, profile_noisy=True).figure.endswith(
         "The cost profile is noisy: predictions are not evidence")
     evidence["chat"]["live"]["verdict"] = "flag"
-    assert live_gate(config, evidence, DEFAULTS)["result"] == "fail"
+    assert live_gate(config, evidence, DEFAULTS).result == "fail"
     off = live_gate(config, evidence, load_settings({}, live_veto=False))
-    assert off["passed"] and off["result"] == "not enforced" and "FAILED: chat" in off["figure"]
+    assert off.passed and off.result == "not enforced" and "FAILED: chat" in off.figure
 
 
 # ------------------------------------------------------------------------------------------------

@@ -33,11 +33,12 @@ def print_gates(result: dict) -> None:
     table = Table(title=escape(f"gates for version {result['version']}"), title_justify="left")
     for column in ("gate", "result", "figure"):
         table.add_column(column)
-    from ..registry.version_page import GATE_RESULTS, gate_result
+    from ..registry.gate import gates_of
+    from ..registry.version_page import GATE_RESULTS
 
-    for gate in result["gates"]:
-        word = GATE_RESULTS[gate_result(gate)]
-        table.add_row(gate["name"], word if word != "FAIL" else "[red]FAIL[/red]", escape(gate["figure"]))
+    for gate in gates_of(result["gates"]):
+        word = GATE_RESULTS[gate.outcome]
+        table.add_row(gate.name, word if word != "FAIL" else "[red]FAIL[/red]", escape(gate.figure))
     console.print(table)
     verdict = "promoted to champion" + (" (FORCED)" if result["forced"] else "") if result["promoted"] \
         else "NOT promoted"

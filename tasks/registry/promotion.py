@@ -18,12 +18,13 @@ from ..errors import RegistryError
 from ..settings import Settings, load_settings
 from ..timeutil import utcnow
 from .config_schema import SpecdecConfig
+from .gate import Gate, gates_json
 from .live_check import LiveVerdict, judge_live, live_text
 from .run_config import NOT_RUN, effective_speedup, nothing_on_reason, turns_nothing_on
 from .run_view import RunView, build_run_view, engine_gate
 from .registry import Registry, registry_of
 from .tracking import CHAMPION, alias_version, load_version_config, version_config
-from .version_page import gate_counts, gate_result, refresh_champion_lines, write_gates
+from .version_page import gate_counts, refresh_champion_lines, write_gates
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def current_user() -> str:
 
 
 def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
-              profile_noisy: bool = False) -> dict:
+              profile_noisy: bool = False) -> Gate:
     """The live_check gate over the domains this run turns on: what confirm measured for the
     planned setting on a few requests, against min_speedup and the prediction for the same
     requests, judged by the live check's one rule (tasks.registry.live_check.judge_live, the rule
@@ -74,75 +75,73 @@ def live_gate(config: SpecdecConfig, evidence: dict, settings: Settings,
                 lines.append(f"{name} {live['measured']:.2f}x (weak evidence: {live['requests']} requests)")
     total = len(failed) + len(unsure) + len(passed)
     if total == 0:
-        return {"name": "live_check", "passed": True, "result": NOT_RUN,
-                "figure": f"{NOT_RUN}: {nothing_on_reason(config)}"}
+        return Gate("live_check", True, f"{NOT_RUN}: {nothing_on_reason(config)}", result=NOT_RUN)
     figure = (f"{len(passed)}/{total} enabled domains measured at or above their bar"
               + (f"; FAILED: {', '.join(failed)}" if failed else "")
               + (f"; unsure: {', '.join(unsure)}" if unsure else "")
               + ("" if not lines else ". " + ". ".join(lines))
               + (". The cost profile is noisy: predictions are not evidence" if profile_noisy else ""))
     if failed and not enforced:
-        return {"name": "live_check", "passed": True, "result": "not enforced",
-                "figure": figure + " (setting live_veto off: live timings are treated as noise)"}
+        return Gate("live_check", True, figure + " (setting live_veto off: live timings are treated as "
+                    "noise)", result="not enforced")
     result = "fail" if failed else ("unsure" if unsure or profile_noisy else "pass")
-    return {"name": "live_check", "passed": not failed, "result": result, "figure": figure}
+    return Gate("live_check", not failed, figure, result=result)
 
 
-def _validation_gate(config: SpecdecConfig, measured: dict, fingerprint_passed: bool | None) -> dict:
+def _validation_gate(config: SpecdecConfig, measured: dict, fingerprint_passed: bool | None) -> Gate:
     """The validation gate: every measured domain on passed its tests and the target fingerprint
     check did not fail; "not run" (never "pass") when no measured domain is on."""
     failed = sorted(n for n, s in measured.items() if s.validation != "passed")
     fingerprint = {False: "; target fingerprint check FAILED", True: "; target fingerprint check passed",
                    None: ""}[fingerprint_passed]
     if not measured:
-        return {"name": "validation", "passed": fingerprint_passed is not False,
-                "result": "fail" if fingerprint_passed is False else NOT_RUN,
-                "figure": f"{NOT_RUN}: {nothing_on_reason(config)} (the sampling and greedy tests run "
-                          f"only for a domain on){fingerprint}"}
-    return {"name": "validation", "passed": not failed and fingerprint_passed is not False,
-            "figure": f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
-                      + (f"; not passed: {', '.join(failed)}" if failed else "")
-                      + ("; target fingerprint check FAILED" if fingerprint_passed is False else "")}
+        return Gate("validation", fingerprint_passed is not False,
+                    f"{NOT_RUN}: {nothing_on_reason(config)} (the sampling and greedy tests run "
+                    f"only for a domain on){fingerprint}",
+                    result="fail" if fingerprint_passed is False else NOT_RUN)
+    return Gate("validation", not failed and fingerprint_passed is not False,
+                f"{len(measured) - len(failed)}/{len(measured)} enabled domains passed"
+                + (f"; not passed: {', '.join(failed)}" if failed else "")
+                + ("; target fingerprint check FAILED" if fingerprint_passed is False else ""))
 
 
-def _champion_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings) -> list[dict]:
+def _champion_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings) -> list[Gate]:
     """no_regression and same_target: against the champion; "not run" when there is none."""
     if champion is None:
-        return [{"name": name, "passed": True, "result": NOT_RUN, "figure": f"{NOT_RUN}: no champion to compare"}
+        return [Gate(name, True, f"{NOT_RUN}: no champion to compare", result=NOT_RUN)
                 for name in ("no_regression", "same_target")]
     tolerance = settings.registry.regression_tolerance
     ratios = {n: effective_speedup(config.domains.get(n)) / effective_speedup(champion.domains.get(n))
               for n in champion.domains}
     worst = min(ratios.items(), key=lambda item: item[1], default=(None, 1.0))
     same = champion.target.fingerprint == config.target.fingerprint
-    return [{"name": "no_regression", "passed": worst[1] >= 1 - tolerance,
-             "figure": f"worst domain {worst[0]}: {worst[1]:.2f}x the champion's speedup "
-                       f"(minimum {1 - tolerance:.2f})"},
-            {"name": "same_target", "passed": same,
-             "figure": f"{config.target.fingerprint} vs champion {champion.target.fingerprint}"}]
+    return [Gate("no_regression", worst[1] >= 1 - tolerance,
+                 f"worst domain {worst[0]}: {worst[1]:.2f}x the champion's speedup "
+                 f"(minimum {1 - tolerance:.2f})"),
+            Gate("same_target", same,
+                 f"{config.target.fingerprint} vs champion {champion.target.fingerprint}")]
 
 
-def _samples_gate(config: SpecdecConfig, measured: dict, settings: Settings) -> dict:
+def _samples_gate(config: SpecdecConfig, measured: dict, settings: Settings) -> Gate:
     """min_samples over the measured domains on; "not run" when none is on (the figure gives the
     run's own domains' fewest samples, so a reader sees they were not short)."""
     required = settings.sample.min_per_domain
     if not measured:
         counts = [s.samples for s in config.domains.values() if s.source == "run"]
-        return {"name": "min_samples", "passed": True, "result": NOT_RUN,
-                "figure": f"{NOT_RUN}: {nothing_on_reason(config)}"
-                          + (f" (the run's domains had {min(counts)} samples or more; required {required})"
-                             if counts else "")}
+        return Gate("min_samples", True, f"{NOT_RUN}: {nothing_on_reason(config)}"
+                    + (f" (the run's domains had {min(counts)} samples or more; required {required})"
+                       if counts else ""), result=NOT_RUN)
     short = sorted(n for n, s in measured.items() if s.samples < required)
-    return {"name": "min_samples", "passed": not short,
-            "figure": f"min samples {min(s.samples for s in measured.values())} (required {required})"
-                      + (f"; short: {', '.join(short)}" if short else "")}
+    return Gate("min_samples", not short,
+                f"min samples {min(s.samples for s in measured.values())} (required {required})"
+                + (f"; short: {', '.join(short)}" if short else ""))
 
 
 def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
                 fingerprint_passed: bool | None = None, evidence: dict | None = None,
-                profile_noisy: bool = False) -> list[dict]:
-    """Each gate: {name, passed, figure} (and `result` where a gate can be unsure, not enforced
-    or not run: see version_page.gate_result). A gate with nothing to check (no domain on, no
+                profile_noisy: bool = False) -> list[Gate]:
+    """Each gate a Gate (tasks.registry.gate: name, passed, figure, and `result` where a gate can
+    be unsure, not enforced or not run). A gate with nothing to check (no domain on, no
     champion) is "not run" with its reason, never "pass". fingerprint_passed: the run's
     target-fingerprint check (None: not recorded). evidence: the run's
     run_results.domain_evidence; with it, the live_check gate (live_gate) follows validation."""
@@ -155,7 +154,7 @@ def check_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings:
 
 
 def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
-              store: Store, view: RunView | None = None) -> list[dict]:
+              store: Store, view: RunView | None = None) -> list[Gate]:
     """check_gates with the run's recorded target-fingerprint check, live checks and profile
     check, and the engine_check gate (run_view.engine_gate: whether the config ran on the serving
     engine). view: the run's RunView when the caller built it already."""
@@ -166,13 +165,13 @@ def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: S
     return gates + [engine_gate(view)]
 
 
-def promotion_reason(config: SpecdecConfig, version: str, gates: list[dict], forced: bool) -> str:
+def promotion_reason(config: SpecdecConfig, version: str, gates: list[Gate], forced: bool) -> str:
     """The audit row's reason of a promotion: "all gates passed" only when every gate ran and
     passed; else the gates counted by result ("no gate failed: 1 passed, 5 not run (...)"), and
     a version that turns no domain on says so first."""
     if forced:
-        return "FORCED past failed gates: " + "; ".join(g["name"] for g in gates if not g["passed"])
-    ran = all(gate_result(g) == "pass" for g in gates)
+        return "FORCED past failed gates: " + "; ".join(g.name for g in gates if not g.passed)
+    ran = all(g.outcome == "pass" for g in gates)
     reason = "all gates passed" if ran else f"no gate failed: {gate_counts(gates)}; see the figures"
     if turns_nothing_on(config):
         reason = (f"version {version} turns no domain on (served, every domain decodes plain); "
@@ -189,7 +188,7 @@ def promote(name: str, version: str, store: Store, uri: str | None = None,
     champion now; None: there was none). store: specdec's database; registry: the MLflow
     tracking store (tasks.registry.registry.Registry; both opened by the caller; default:
     Registry.open()). uri: deprecated, a tracking URI to open the Registry from.
-    Output: {"promoted", "forced", "gates", "reason", ...}.
+    Output: {"promoted", "forced", "gates" (their JSON, Gate.to_json), "reason", ...}.
     """
     settings = settings or load_settings()
     mlflow_client = registry_of(registry, uri, store).client
@@ -200,7 +199,7 @@ def promote(name: str, version: str, store: Store, uri: str | None = None,
     gates = gates_for(config, champion, settings, store)
     record = dict(run_id=config.run_id, target_id=config.target.id, config_name=name,
                   config_version=version, alias=CHAMPION, actor=actor or current_user())
-    summary = {"gates": gates, "champion_before": before}
+    summary = {"gates": gates_json(gates), "champion_before": before}
 
     def page_gates(outcome: str) -> None:
         try:
@@ -222,14 +221,14 @@ def promote(name: str, version: str, store: Store, uri: str | None = None,
         log.warning("promotion of %s version %s refused: %s", name, version, reason)
         page_gates(f"NOT promoted: {reason}"[:300])
         return {"promoted": False, "forced": False, "version": version, "champion": champion,
-                "gates": gates, "reason": reason}
+                "gates": gates_json(gates), "reason": reason}
 
     if expected_champion != "current" and (expected_champion or None) != before:
         return refuse(f"the gates compared against champion {expected_champion or 'none'}, but the "
                       f"champion is now {before or 'none'}: re-run the gates")
-    failed = [g for g in gates if not g["passed"]]
+    failed = [g for g in gates if not g.passed]
     if failed and not force and before != version:
-        return refuse("gates failed: " + "; ".join(f"{g['name']} ({g['figure']})" for g in failed))
+        return refuse("gates failed: " + "; ".join(f"{g.name} ({g.figure})" for g in failed))
     with alias_lock(store, name) as tx:
         now = alias_version(mlflow_client, name, CHAMPION)   # compare-and-set: still the same?
         if now == version:      # read under the lock: a rollback that just ran is seen
@@ -247,7 +246,7 @@ def promote(name: str, version: str, store: Store, uri: str | None = None,
                            + (" FORCED past failed gates" if force and failed else ""), also=(before,),
                            replaced=before)
     return {"promoted": True, "forced": bool(force and failed), "version": version, "champion": version,
-            "champion_before": before, "gates": gates, "reason": reason}
+            "champion_before": before, "gates": gates_json(gates), "reason": reason}
 
 
 def rollback(name: str, store: Store, uri: str | None = None,

@@ -17,6 +17,7 @@ import math
 import re
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
@@ -27,7 +28,8 @@ from ..db.queries_registry import registration_rows
 from ..db.store import Store
 from ..errors import DiskFull
 from ..settings import Settings, load_settings
-from .config_schema import config_model_name, parse_config
+from .config_schema import SpecdecConfig, config_model_name
+from .gate import gates_json
 from .promotion import current_user, gates_for, record_promotion
 from .run_config import config_of, finished_run, turns_nothing_on, validation_text
 from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
@@ -40,11 +42,12 @@ log = logging.getLogger(__name__)
 NOTE_TAG = "mlflow.note.content"     # MLflow's run description (markdown, shown on the run's page)
 
 
-def _plots(run_id: str, read: dict, directory: Path, min_speedup: float) -> list[Path]:
-    """The run's plots (tasks.registry.plots) from its estimates, plan, live checks and load check
-    (read: tasks.db.queries_registry.registration_rows)."""
-    paths = write_plots(run_id, read["estimates"], read["configs"], read["live"], min_speedup, directory)
-    return paths + write_load_plot(run_id, read["view"]["loads"], min_speedup, directory)
+def _plots(view: RunView, read: dict, directory: Path) -> list[Path]:
+    """The run's plots (tasks.registry.plots) from its estimates, plan and live checks (read:
+    tasks.db.queries_registry.registration_rows) and its view's load check."""
+    paths = write_plots(view.run_id, read["estimates"], read["configs"], read["live"], view.min_speedup,
+                        directory)
+    return paths + write_load_plot(view.run_id, view.loads, view.min_speedup, directory)
 
 
 def _cell(value) -> str:
@@ -221,9 +224,24 @@ def readable_run_name(run_id: str) -> str:
     return f"evaluate {match.group(2)} {match.group(3)} {match.group(1)}" if match else run_id
 
 
+@dataclass(frozen=True)
+class TrackedRun:
+    """The evaluation's MLflow run (track_evaluation) and the run's view it logged, for
+    register_config to register and describe without building it again."""
+
+    mlflow_run_id: str
+    experiment_id: str
+    reused: bool               # the MLflow run existed (a retried step)
+    view: RunView              # its config: view.config
+
+    @property
+    def config(self) -> SpecdecConfig:
+        return self.view.config
+
+
 def track_evaluation(run_id: str, store: Store, registry: Registry,
                      settings: Settings | None = None, champion=None,
-                     started_at: datetime | None = None, read: dict | None = None) -> dict:
+                     started_at: datetime | None = None, read: dict | None = None) -> TrackedRun:
     """Log (or re-log into the same MLflow run) the evaluation's params, metrics and artifacts.
     champion: (version, config) of the current champion when the caller already read it.
     started_at: when the evaluation started (its DAG run's start); default: when its sample step
@@ -237,6 +255,7 @@ def track_evaluation(run_id: str, store: Store, registry: Registry,
     if champion is None:
         champion = registry.current_champion(target_id=eval_run["target_id"])
     config = config_of(eval_run, read["domain_configs"], champion=champion[1])
+    view = build_run_view(run_id, store, settings, config=config, read=read["view"])
     experiment_id = experiment_for_target(mlflow_client, config.target.id)
     existing = find_run(mlflow_client, experiment_id, run_id)
     if existing is None:
@@ -251,7 +270,7 @@ def track_evaluation(run_id: str, store: Store, registry: Registry,
         params = dict(eval_run["params"] or {})
         validations, quality, estimates = read["validations"], read["quality"], read["estimate_drafters"]
         with _disk_full_said(run_id, "plots"), tempfile.TemporaryDirectory() as tmp:
-            for path in _plots(run_id, read, Path(tmp), settings.plan.min_speedup):
+            for path in _plots(view, read, Path(tmp)):
                 mlflow_client.log_artifact(mlflow_run_id, str(path), artifact_path="plots")
         wanted = {"target": config.target.id, "target_fingerprint": config.target.fingerprint,
                   "hardware_profile": config.hardware_profile, "candidates": ",".join(sorted(estimates)),
@@ -278,7 +297,6 @@ def track_evaluation(run_id: str, store: Store, registry: Registry,
             for metric, value in metrics.items():
                 if value is not None:      # 4 significant digits: the figures' own precision
                     mlflow_client.log_metric(mlflow_run_id, f"{name}.{metric}", rounded(value))
-        view = build_run_view(run_id, store, settings, config=config, read=read["view"])
         with _disk_full_said(run_id, "reports"):
             _log_reports(mlflow_client, mlflow_run_id, view, validations, quality, dict(read["data_docs"]))
         mlflow_client.set_tag(mlflow_run_id, "specdec.validation", validation_text(config))
@@ -287,8 +305,7 @@ def track_evaluation(run_id: str, store: Store, registry: Registry,
     except BaseException as exc:
         end_run(mlflow_client, mlflow_run_id, exc)
         raise
-    return {"mlflow_run_id": mlflow_run_id, "experiment_id": experiment_id, "reused": existing is not None,
-            "config": json.loads(config.to_json())}
+    return TrackedRun(mlflow_run_id, experiment_id, existing is not None, view)
 
 
 def register_config(run_id: str, store: Store, uri: str | None = None,
@@ -299,7 +316,8 @@ def register_config(run_id: str, store: Store, uri: str | None = None,
     store: specdec's database; registry: the MLflow tracking store (tasks.registry.registry.
     Registry; both opened by the caller; default: Registry.open()). uri: deprecated, for callers
     outside this repository: a tracking URI to open the Registry from (DeprecationWarning).
-    Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation"}.
+    Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation",
+    "gates" (their JSON, Gate.to_json), ...}.
     """
     registry = registry_of(registry, uri, store)
     settings = settings or load_settings()
@@ -308,7 +326,7 @@ def register_config(run_id: str, store: Store, uri: str | None = None,
     champion_version, champion = registry.current_champion(target_id=target_id)
     tracked = track_evaluation(run_id, store, registry, settings, champion=(champion_version, champion),
                                started_at=started_at, read=read)
-    config = parse_config(tracked["config"])
+    view, config = tracked.view, tracked.config
     mlflow_client = registry.client
     try:
         name = config_model_name(config.target.id)
@@ -319,7 +337,6 @@ def register_config(run_id: str, store: Store, uri: str | None = None,
                 name, description=f"specdec speculative-decoding configs of target {config.target.id}")
         existing = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{run_id}'")
         audit = champion_audit(store, name, champion_version)
-        view = build_run_view(run_id, store, settings, config=config, read=read["view"])
         gates = gates_for(config, champion, settings, store, view=view)
 
         def describe(version: str) -> str:
@@ -333,7 +350,7 @@ def register_config(run_id: str, store: Store, uri: str | None = None,
                 mlflow_client.set_model_version_tag(name, version, key, value)
         else:     # the page names its own version number: written once the version exists
             version = str(mlflow_client.create_model_version(
-                name, source=f"runs:/{tracked['mlflow_run_id']}/config", run_id=tracked["mlflow_run_id"],
+                name, source=f"runs:/{tracked.mlflow_run_id}/config", run_id=tracked.mlflow_run_id,
                 tags=tags, description=describe("N")).version)
         mlflow_client.update_model_version(name, version, description=describe(version))
         mlflow_client.set_registered_model_alias(name, CHALLENGER, version)
@@ -350,10 +367,10 @@ def register_config(run_id: str, store: Store, uri: str | None = None,
                                  forced=False, actor=actor or current_user(), gates=None,
                                  reason=audit["detail"])
     except BaseException as exc:
-        end_run(mlflow_client, tracked["mlflow_run_id"], exc)
+        end_run(mlflow_client, tracked.mlflow_run_id, exc)
         raise
-    end_run(mlflow_client, tracked["mlflow_run_id"])
+    end_run(mlflow_client, tracked.mlflow_run_id)
     return {"name": name, "version": version, "reused": bool(existing),
             "champion_version": champion_version, "validation": tags["validation"],
-            "champion_audit": audit, "gates": gates, "domains_on": config.domains_on,
-            "mlflow_run_id": tracked["mlflow_run_id"]}
+            "champion_audit": audit, "gates": gates_json(gates), "domains_on": config.domains_on,
+            "mlflow_run_id": tracked.mlflow_run_id}

@@ -19,6 +19,7 @@ from ..settings import Settings
 from .config_schema import DomainSetting, SpecdecConfig
 from .live_check import LiveJudgement, LiveVerdict, judge_live, judgement_words, live_text
 from .figures import interval_at_bar
+from .gate import Gate
 from .load_results import load_check_text, load_markdown
 from .run_config import NOT_RUN, build_config, nothing_on_reason
 from .run_results import (engine_sampling_text, engine_speedup_text, evidence_of, low_acceptance_of,
@@ -336,19 +337,18 @@ def alert_markdown(view: RunView) -> str:
             + ", ".join(parts) + ".\n\n")
 
 
-def engine_gate(view: RunView) -> dict:
+def engine_gate(view: RunView) -> Gate:
     """The engine_check gate: reports whether the config was checked on the serving engine. It
     never blocks (the engine check already turned off what vLLM refused or accepted less of); a
     config not checked is said so in the Gates table ("not checked")."""
     if view.engine_rows:
         failed = sorted(r["domain"] for r in view.engine_rows if r.get("passed") is False)
-        return {"name": "engine_check", "passed": True, "result": "pass",
-                "figure": f"{len(view.engine_rows)} domains {engine_state(view)}"
-                          + (f"; turned off: {', '.join(failed)}" if failed else "")}
+        return Gate("engine_check", True, f"{len(view.engine_rows)} domains {engine_state(view)}"
+                    + (f"; turned off: {', '.join(failed)}" if failed else ""), result="pass")
     if not view.config.domains_on:
-        return {"name": "engine_check", "passed": True, "result": NOT_RUN, "figure": engine_state(view)}
-    return {"name": "engine_check", "passed": True, "result": "not checked",
-            "figure": f"{engine_state(view)}; promoted, it serves a config the serving engine never ran"}
+        return Gate("engine_check", True, engine_state(view), result=NOT_RUN)
+    return Gate("engine_check", True, f"{engine_state(view)}; promoted, it serves a config the serving "
+                "engine never ran", result="not checked")
 
 
 def run_markdown(view: RunView) -> str:

@@ -26,6 +26,7 @@ from ..db.queries_promotions import last_champion_move
 from ..db.store import Store
 from ..masking import mask_text, mask_url
 from ..timeutil import utcnow
+from .gate import Gate
 from .run_config import changes_markdown, turns_nothing_on, validation_text
 from .load_results import load_markdown
 from .run_view import (RunView, alert_markdown, below_bar_markdown, domains_markdown, engine_markdown,
@@ -48,21 +49,13 @@ GATE_RESULTS = {"pass": "pass", "fail": "FAIL", "unsure": "UNSURE", "not enforce
                 "not checked": "NOT CHECKED", "not run": "not run"}
 
 
-def gate_result(gate: dict) -> str:
-    """pass | fail | unsure (passes, but its evidence is noise: the figure says why) | not enforced
-    (reported, never failing: the setting that enforces it is off) | not checked (never failing:
-    the check could not run, e.g. no serving engine; the figure says why) | not run (never
-    failing: it had nothing to check, e.g. no domain on or no champion; the figure says why)."""
-    return gate.get("result") or ("pass" if gate["passed"] else "fail")
-
-
-def gates_markdown(gates: list[dict], title: str) -> str:
-    rows = [[g["name"], GATE_RESULTS[gate_result(g)] if gate_result(g) == "pass"
-             else f"**{GATE_RESULTS[gate_result(g)]}**", g["figure"]] for g in gates]
+def gates_markdown(gates: list[Gate], title: str) -> str:
+    rows = [[g.name, GATE_RESULTS[g.outcome] if g.outcome == "pass"
+             else f"**{GATE_RESULTS[g.outcome]}**", g.figure] for g in gates]
     return f"{GATES_HEADING} ({title})\n\n" + markdown_table(["gate", "result", "figure"], rows)
 
 
-def gate_counts(gates: list[dict]) -> str:
+def gate_counts(gates: list[Gate]) -> str:
     """The gates counted by result, naming those that did not pass: `5 passed, 1 unsure
     (live_check)`."""
     order = ("pass", "fail", "unsure", "not enforced", "not checked", "not run")
@@ -70,15 +63,15 @@ def gate_counts(gates: list[dict]) -> str:
              "not checked": "not checked", "not run": "not run"}
     parts = []
     for result in order:
-        names = [g["name"] for g in gates if gate_result(g) == result]
+        names = [g.name for g in gates if g.outcome == result]
         if names:
             parts.append(f"{len(names)} {words[result]}" + ("" if result == "pass" else f" ({', '.join(names)})"))
     return ", ".join(parts) or "no gates"
 
 
-def gates_summary(gates: list[dict]) -> str:
+def gates_summary(gates: list[Gate]) -> str:
     """The gates in one line: `validation pass, live_check UNSURE, ...`."""
-    return ", ".join(f"{g['name']} {GATE_RESULTS[gate_result(g)]}" for g in gates)
+    return ", ".join(f"{g.name} {GATE_RESULTS[g.outcome]}" for g in gates)
 
 
 def version_url(tracking_uri: str, name: str, version: str) -> str:
@@ -213,7 +206,7 @@ def write_production(mlflow_client, name: str, version: str, body: str) -> None:
         detail.description or "", PRODUCTION_HEADING, body))
 
 
-def write_gates(mlflow_client, name: str, version: str, gates: list[dict], title: str) -> None:
+def write_gates(mlflow_client, name: str, version: str, gates: list[Gate], title: str) -> None:
     detail = mlflow_client.get_model_version(name, version)
     mlflow_client.update_model_version(name, version, description=replace_section(
         detail.description or "", GATES_HEADING, gates_markdown(gates, title)))
@@ -308,7 +301,7 @@ def plots_note(view: RunView) -> str:
             "planned on vLLM's costs, whose live check is the engine check)")
 
 
-def version_page_markdown(view: RunView, version: str, gates: list[dict], audit: dict,
+def version_page_markdown(view: RunView, version: str, gates: list[Gate], audit: dict,
                           champion, champion_version: str | None) -> str:
     """The registered version's page (its description), from the run's view."""
     config, check = view.config, view.profile

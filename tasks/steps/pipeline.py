@@ -24,6 +24,7 @@ import logging
 from ..db.queries_runs import domain_names, merge_run_params
 from ..db.queries_run_view import record_engine_check_skip
 from ..db.store import Store
+from ..registry.gate import gates_of
 from ..registry.run_results import low_acceptance
 from ..registry.version_page import gates_summary, version_url
 from .quality import check_traffic_sample
@@ -116,7 +117,7 @@ def step_register(spec, started_at=None) -> dict:
     log.info("run %s: registered %s version %s%s (alias challenger; champion %s); validation %s; "
              "gates (preview): %s; page: %s", spec.run_id, registered["name"], registered["version"],
              " (reused)" if registered["reused"] else "", registered["champion_version"] or "none",
-             registered["validation"], gates_summary(registered["gates"]),
+             registered["validation"], gates_summary(gates_of(registered["gates"])),
              version_url(registry.uri, registered["name"], registered["version"]))
     return registered
 
@@ -143,7 +144,7 @@ def step_promote(spec, registered: dict) -> dict:
                      registry=spec.open_registry(store))
     log.info("run %s: %s version %s %s: %s; gates: %s", spec.run_id, registered["name"],
              registered["version"], "promoted to champion" if result["promoted"] else "NOT promoted",
-             result["reason"], gates_summary(result["gates"]))
+             result["reason"], gates_summary(gates_of(result["gates"])))
     return result
 
 
