@@ -198,8 +198,6 @@ DOMAINS = {
     # domain: (drafter label, K, schedule, requests: "count" (vLLM's n-gram drafts what the target
     # continues) or "long" (longer than the server's 512 positions: refused, a failed request))
     "count": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["count"] * 4),
-    # the same drafter method at a smaller K: served by count's server, asking K 3 per request
-    "fewer": (NGRAM, 3, [[1, 1, 3], [2, 2, 3]], ["count"] * 4),
     "crowded": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["count", "long", "count", "count"]),
     "overlong": (NGRAM, 4, [[1, 1, 4], [2, 2, 4]], ["long"] * 4),
     # min n-gram above max: vLLM refuses the config at start
@@ -290,22 +288,6 @@ def test_two_levels_are_measured_and_metrics_counters_equal_the_per_request_sums
 
 @needs_server
 @pytest.mark.integration
-def test_domains_of_one_drafter_method_share_its_deployments_server_each_asking_its_k(served):
-    # one server per drafter method (its deployment: the largest K of its domains, 4), as
-    # production serves them: fewer's requests ask K 3, so vLLM counts no accepted draft at the
-    # 4th position for them, where count's (K 4, the target continuing every n-gram) all are
-    count, fewer = served["result"]["domains"]["count"], served["result"]["domains"]["fewer"]
-    assert fewer["status"] == "ok" and fewer["spec_log"] == count["spec_log"]
-    assert fewer["speculative_config"]["num_speculative_tokens"] == 3
-    for mine, theirs in zip(fewer["levels"], count["levels"]):
-        assert mine["k"] == 3 and theirs["k"] == 4
-        assert mine["counters"]["drafts"] > 0 and mine["counters"] == mine["request_sums"]
-        assert mine["counters"]["accepted_per_pos"][2] > 0 and mine["counters"]["accepted_per_pos"][3:] in ([], [0])
-        assert theirs["counters"]["accepted_per_pos"][3] > 0
-
-
-@needs_server
-@pytest.mark.integration
 def test_a_level_that_does_not_pay_cuts_the_schedule_and_one_paying_nowhere_is_off(served):
     from tasks.registry.run_config import build_config
     from tasks.registry.vllm_export import vllm_export
@@ -341,7 +323,7 @@ def test_a_server_that_does_not_start_leaves_the_domain_off_naming_its_log(serve
         enabled = dict(connection.execute(select(DomainConfig.domain, DomainConfig.enabled)
                                           .where(DomainConfig.run_id == "r1")).all())
     # the other domains' results stay
-    assert enabled == {"count": True, "fewer": True, "crowded": True, "overlong": False, "refused": False}
+    assert enabled == {"count": True, "crowded": True, "overlong": False, "refused": False}
 
 
 @needs_server

@@ -156,9 +156,3 @@ def method_deployments(domains: dict[str, dict | None], target: str) -> list[dic
                     "command": serve_command(target, spec, plan)})
     return sorted(out, key=lambda d: d["domains"])
 
-
-def deployment_specs(specs: dict[str, dict]) -> dict[str, dict]:
-    """{domain: the speculative config of the deployment serving it} (method_deployments: its
-    drafter method at the largest K of the domains it serves, each asking its own K)."""
-    return {domain: deployment["speculative_config"] for deployment in method_deployments(specs, "")
-            for domain in deployment["domains"]}

@@ -63,7 +63,7 @@ from ..db.store import Store
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.live_check import LiveVerdict
 from ..registry.registry import Registry
-from ..registry.vllm_export import deployment_specs, method_deployments
+from ..registry.vllm_export import method_deployments
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
@@ -577,8 +577,7 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported:
                               settings=context.settings)
     try:
         results = validate_on_engine(context.run_id, context.store, pool, context.target_model,
-                                     tested, context.requests_by_domain, plan.on, context.settings,
-                                     servers=deployment_specs(tested))
+                                     tested, context.requests_by_domain, plan.on, context.settings)
     finally:
         if own:
             pool.close()

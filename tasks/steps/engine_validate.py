@@ -169,15 +169,12 @@ def _seed(run_id: str, settings: Settings, domain: str) -> int:
 
 def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, specs: dict,
                        requests_by_domain: dict, planned: dict, settings: Settings,
-                       mended: bool = True, save: bool = True,
-                       servers: dict | None = None) -> dict[str, EngineSamplingResult]:
+                       mended: bool = True, save: bool = True) -> dict[str, EngineSamplingResult]:
     """The sampling test on vLLM of each domain in `specs` ({domain: speculative config}), with
     the same server at K 0 as control; stored (check "engine_sampling"), and a domain that does not pass
     marked failed and unpromotable in domain_configs. planned: {domain: its domain_configs row}.
     A server that cannot start or dies: the domain's status is "error" (not promotable), the
-    reason naming the server's log. save=False: nothing stored (a power test). servers: {domain:
-    the config of the server to test it on} where that is not its own (its deployment's, at a
-    larger K: vllm_export.deployment_specs), each request then asking the domain's K."""
+    reason naming the server's log. save=False: nothing stored (a power test)."""
     rows = settings.engine.sampling_rows or settings.validation.rows
     length = settings.engine.sampling_tokens
     results: dict[str, EngineSamplingResult] = {}
@@ -204,27 +201,24 @@ def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, spec
         else:
             results[domain] = done[key] = _test_domain(
                 run_id, domain, pool, target, spec, context, samplings, rows, length, settings,
-                controls, base, mended, request_id, (servers or {}).get(domain, spec))
+                controls, base, mended, request_id)
         if save:
             _store(store, run_id, results[domain], planned.get(domain) or {}, spec, request_id)
     return results
 
 
 def _test_domain(run_id, domain, pool, target, spec, context, samplings, rows, length, settings,
-                 controls, base, mended, request_id, server_spec=None) -> EngineSamplingResult:
+                 controls, base, mended, request_id) -> EngineSamplingResult:
     began = time.perf_counter()
     seed = _seed(run_id, settings, domain)
     what = f"run {run_id}, domain {domain}: sampling test on vLLM"
     try:
-        server_spec = spec if server_spec is None else server_spec
-        server = pool.get(server_spec, mended=mended, block_size=BLOCK_SIZE)
-        # on its deployment's server (a larger K) each request asks the domain's own K
-        asked = None if server_spec == spec else int(spec["num_speculative_tokens"])
+        server = pool.get(spec, mended=mended, block_size=BLOCK_SIZE)
         log.info("%s with %s (%s), %d rows x %d tokens at %s, from request %s (%d context tokens)",
                  what, json.dumps(spec, sort_keys=True), server.name, rows, length,
                  ", ".join(json.dumps(s.to_dict()) for s in samplings), request_id, len(context))
         report = engine_report(server, target, context, samplings, rows, length,
-                               settings.validation.alpha, seed, k=asked)
+                               settings.validation.alpha, seed)
         mends = server.mends()
         log_path = str(server.log_path)
     except (EngineTimeout, ServingProbeError) as exc:

@@ -7,9 +7,7 @@ Here, for every domain the run's config turns on (after the engine check's gate)
 vLLM config, at each concurrency level of `load_levels` where the domain's schedule drafts
 (K > 0), the domain's requests (draw order, `load_requests` of them and at least the level,
 each its logged prompt, sampling parameters and seed, its length cut at `load_max_tokens`)
-are streamed through the one vLLM server of the config's drafter method (its deployment:
-tasks.registry.vllm_export.method_deployments, the largest K of the domains measured; the
-engine check's sampling test used the same) with K per request (the project's plugin), in
+are streamed through the config's one vLLM server with K per request (the project's plugin), in
 waves of the level's size, each wave twice: at K 0 (the plain control) and at the config's K, the
 order alternating wave by wave, so that every ratio pairs the same requests on the same server a
 wave apart (a machine that slows between two server starts no longer moves it). A suffix server
@@ -51,7 +49,7 @@ import numpy as np
 
 from ..db.queries_load import domains_on, engine_versions, load_checks, store_load_check
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.vllm_export import batch_schedule, deployment_specs
+from ..registry.vllm_export import batch_schedule
 from ..serving import environment as serving_env
 from ..serving.load import inter_token_latencies, merge_levels, run_level
 from ..serving.server import ServerPool, log_dir
@@ -317,15 +315,14 @@ def _serve_wave(server, wave: list[dict], level: int, asked: int | None, setting
     return result
 
 
-def _serve_waves(server, batch: list[dict], level: int, asked: int | None, learns: bool, limit: float,
+def _serve_waves(server, batch: list[dict], level: int, learns: bool, limit: float,
                  settings: Settings, sides: dict, first: int) -> tuple | None:
-    """Serve `batch` in waves of `level`, each at K 0 and at K `asked` (None: the server's
-    schedule), the order
+    """Serve `batch` in waves of `level`, each at K 0 and at the server's schedule, the order
     alternating from wave number `first` (a suffix server: the config's first), each side a
     neighbour slowed served again (see measure_domain); the results appended to sides["plain"]
     and sides["config"]. Output: (which, result) of a server that hung or died, else None."""
     for index, wave in enumerate(waves(batch, level), start=first):
-        order = (("plain", 0), ("config", asked))
+        order = (("plain", 0), ("config", None))
         if learns or index % 2:
             order = order[::-1]
         served = {}
@@ -360,7 +357,7 @@ def _more(items: list[dict], used: set[str], count: int) -> list[dict]:
 
 
 def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], items: list[dict],
-                   settings: Settings, settle=None, ask_k: bool = False) -> dict:
+                   settings: Settings, settle=None) -> dict:
     """The levels of one domain on the config's one server, K per request: at each level the
     requests in waves of the level's size, each wave served twice, at K 0 (plain) and at the
     config's K (the server's schedule), the order alternating wave by wave (a suffix server, which
@@ -372,10 +369,8 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     never: it would draft its own responses). settle(level row) -> "pays" | "below" | "unsure"
     (level_verdict): while a level is "unsure", up to load_more_requests more of `items`
     are served at it, load_requests at a time, none of a request the level (a suffix
-    server: any level) served or will serve. ask_k: the config's requests ask the level's K (a
-    server started as the domain's deployment, at a larger K), else the server's schedule.
-    Output: {levels: [(level, K, plain, config, requests)], failure: (status, reason) or None,
-    logs: {plain, config}}."""
+    server: any level) served or will serve. Output: {levels: [(level, K, plain, config,
+    requests)], failure: (status, reason) or None, logs: {plain, config}}."""
     out: dict = {"levels": [], "failure": None, "logs": {}}
     try:
         server = pool.get(spec, **SERVER)
@@ -398,8 +393,8 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
                  len(chosen), level, k)
         served_items, batch = list(chosen), chosen
         while batch:
-            failed = _serve_waves(server, batch, level, k if ask_k else None, learns, limit, settings,
-                                  sides, first=len(sides["plain"]))
+            failed = _serve_waves(server, batch, level, learns, limit, settings, sides,
+                                  first=len(sides["plain"]))
             if failed is not None:
                 which, result = failed
                 out["failure"] = _failure(which, server, level, result, None, settings)
@@ -496,18 +491,16 @@ def _planned(context, on: dict, exported: dict) -> dict:
     return planned
 
 
-def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list, config: dict,
-             server_spec: dict) -> dict:
+def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list, config: dict) -> dict:
     try:
-        served = local_spec(server_spec)
+        served = local_spec(spec)
     except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
         return {"levels": [], "logs": {}, "failure": (
             "failed", f"load check: the drafter's checkpoint {spec.get('model')} could not be "
                       f"fetched for the server: {type(exc).__name__}: {exc}")}
     champion_on = bool(config.get("champion_on"))
     return measure_domain(pool, served, levels, items, context.settings,
-                          settle=lambda row: level_verdict(row, context.settings, champion_on),
-                          ask_k=server_spec != spec)
+                          settle=lambda row: level_verdict(row, context.settings, champion_on))
 
 
 def load_check(context, pool: ServerPool | None = None) -> dict:
@@ -525,9 +518,6 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
     on = domains_on(context.store, run_id)
     exported = served_export(run_id, context.store, context.spec.target, model_dir)["speculative_config"]
     planned = _planned(context, on, exported)
-    # each domain on its deployment's server (one per drafter method, at the largest K of the
-    # domains measured, each request asking its domain's K), as the sampling test used it
-    servers = deployment_specs({domain: spec for domain, (spec, _, _) in planned.items()})
     versions = engine_versions(context.store, run_id)
     profiles: dict = {}
     records, level_rows, changes = {}, {}, {}
@@ -538,8 +528,8 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
         # domains sharing a config one after the other: its server is started once; the configs
         # whose server the engine check's sampling test left running first
         for domain, (spec, levels, items) in sorted(planned.items(), key=lambda p: (
-                not pool.running(servers[p[0]], **SERVER), json.dumps(servers[p[0]], sort_keys=True))):
-            measured = _measure(context, pool, spec, levels, items, on[domain], servers[domain])
+                not pool.running(p[1][0], **SERVER), json.dumps(p[1][0], sort_keys=True))):
+            measured = _measure(context, pool, spec, levels, items, on[domain])
             version = (versions.get(domain) or {}).get("engine_version")
             if version and version not in profiles:
                 profiles[version] = engine_profile(context.store, version, settings.engine.profile)
