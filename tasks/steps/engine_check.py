@@ -34,11 +34,10 @@ confirm's live_verdict and stored as the run's live measurement; a veto turns th
 
 Cost: one engine per drafter method (domains whose configs differ in K only share it, as
 one deployment serves them: tasks.registry.vllm_export.method_deployments, at the largest K of
-its domains, each request asking its domain's K at batch size 1), started with enforce_eager in-process, with K per request
-(the project's plugin): it serves every replayed request twice, at its domain's K and then at
-K 0 (the plain control), so each speedup pairs the
-same request on the same engine moments apart, whatever the machine did
-between engine starts. A K 0 request still pays the drafter's host search (vLLM proposes for
+its domains, each request asking its domain's K at batch size 1), started with enforce_eager
+in-process, with K per request (the project's plugin): it serves every replayed request twice,
+at its domain's K and then at K 0 (the plain control), so each speedup pairs the same request
+on the same engine moments apart, whatever the machine did between engine starts. A K 0 request still pays the drafter's host search (vLLM proposes for
 the whole batch; the cut comes after): the control is what that deployment serves off domains
 with.
 No serving environment: the check is skipped with one line saying how to make one (a failure only
@@ -411,8 +410,9 @@ def _paired_items(requests: list[tuple[int, object, int | None]]) -> list[dict]:
     """Each (index, request, K) twice on the config's engine, one after the other: at K (its
     domain's, asked per request; None: the engine's), then at K 0 (its id prefixed PLAIN), so
     that the speedup pairs the same request on the same engine moments apart. The config's
-    request comes first: it is then served exactly as it would be alone (a suffix engine's tree learns from every response, and a twin served first would hand
-    the other its prompt's cached blocks, whose prefill rounds differently); the K 0 twin's
+    request comes first: it is then served exactly as it would be alone (a suffix engine's
+    tree learns from every response, and a twin served first would hand the other its prompt's
+    cached blocks, whose prefill rounds differently); the K 0 twin's
     cached prompt shortens its prefill only, which the decode-phase speedup leaves out."""
     items = []
     for index, request, k in requests:
