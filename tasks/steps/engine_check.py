@@ -37,9 +37,9 @@ one deployment serves them: tasks.registry.vllm_export.method_deployments, at th
 its domains, each request asking its domain's K at batch size 1), started with enforce_eager
 in-process, with K per request (the project's plugin): it serves every replayed request twice,
 at its domain's K and then at K 0 (the plain control), so each speedup pairs the same request
-on the same engine moments apart, whatever the machine did between engine starts. A K 0 request still pays the drafter's host search (vLLM proposes for
-the whole batch; the cut comes after): the control is what that deployment serves off domains
-with.
+on the same engine moments apart, whatever the machine did between engine starts. A K 0
+request still pays the drafter's host search (vLLM proposes for the whole batch; the cut comes
+after): the control is what that deployment serves off domains with.
 No serving environment: the check is skipped with one line saying how to make one (a failure only
 when engine_check_required is set). Rows go to `engine_checks` (one per run and domain, replaced
 when the check re-runs); the run's other results are never touched except the gated domains'.
