@@ -193,8 +193,7 @@ def level_verdict(row: dict, settings: Settings, champion_on: bool) -> str:
     else "unsure" (the interval straddles the bar: more requests may settle it)."""
     if row["failed"] or row["measured_speedup_lo"] is None:
         return "below"
-    bar = settings.plan.min_speedup
-    lower = 1.0 if champion_on and settings.plan.hysteresis else bar
+    bar, lower = settings.plan.min_speedup, _lower_bar(settings, champion_on)
     if row["measured_speedup_lo"] >= lower and row["measured_speedup_hi"] >= bar:
         return "pays"
     return "below" if row["measured_speedup_hi"] < bar else "unsure"
@@ -206,8 +205,13 @@ def pays(row: dict, settings: Settings, champion_on: bool) -> bool:
     said = level_verdict(row, settings, champion_on)
     if said != "unsure":
         return said == "pays"
-    lower = 1.0 if champion_on and settings.plan.hysteresis else settings.plan.min_speedup
-    return row["measured_speedup"] >= lower
+    return row["measured_speedup"] >= _lower_bar(settings, champion_on)
+
+
+def _lower_bar(settings: Settings, champion_on: bool) -> float:
+    """What a level's lower end must clear: min_speedup, or 1.0 for a domain on in the champion
+    (the planner's hysteresis)."""
+    return 1.0 if champion_on and settings.plan.hysteresis else settings.plan.min_speedup
 
 
 def level_text(row: dict) -> str:
