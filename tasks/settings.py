@@ -384,6 +384,11 @@ class LoadCheckSettings(_Group):
         "over it), up to this many more of the domain's requests are served at that level, "
         "load_requests at a time, none the level served already; still straddling after "
         "them, the point estimate decides and the reason says the level was unsure"))
+    history: int = Field(default=16, ge=0, description=(
+        "on a suffix server (its tree grows from every response it serves, K 0 included): this "
+        "many of the domain's logged requests outside the run's sample, the newest its suffix "
+        "index holds, are served at K 0 before the domain's first level, as a serving deployment's "
+        "tree holds the domain's history and the estimate's index does; 0: none"))
     timeout_s: float = Field(default=300.0, gt=0, description=(
         "one level on one server; past it the level is a hang: the domain is not promotable and "
         "the reason names the server's log"))
@@ -437,7 +442,7 @@ DEPRECATED_ALIASES: dict[str, str] = {
     **{field: f"validation_{field}" for field in ("greedy_check_requests", "greedy_check_tokens")},
     **{field: f"engine_{field}" for field in ("serving_python", "serving_image")},
     **{f"load_check_{field}": f"load_{field}"
-       for field in LoadCheckSettings.model_fields if field != "check"},
+       for field in LoadCheckSettings.model_fields if field not in ("check", "history")},
     **{f"{field}_queue": f"queues_{field}" for field in QueueSettings.model_fields},
     "promotion_regression_tolerance": "registry_regression_tolerance",
 }

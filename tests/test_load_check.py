@@ -444,3 +444,57 @@ def test_a_level_straddling_the_bar_is_served_more_requests_until_settled_or_out
 
     settled = measure_domain(served["pool"], spec, [(1, 4)], items, settings, settle=lambda row: "pays")
     assert [item["id"] for item in settled["levels"][0][4]] == [items[0]["id"]]
+
+
+def test_history_items_are_the_rows_cut_at_max_tokens_at_their_logged_sampling():
+    from tasks.steps.load_check import history_items
+
+    rows = [(SimpleNamespace(id="json-9", temperature=0.7, top_k=None, top_p=0.9), [5, 6, 7], [1] * 40),
+            (SimpleNamespace(id="json-8", temperature=None, top_k=3, top_p=None), [5], [1, 2])]
+    items = history_items(rows, 32)
+    assert [(i["id"], i["request_id"], i["max_tokens"]) for i in items] == [
+        ("history:json-9", "json-9", 32), ("history:json-8", "json-8", 2)]
+    assert [(i["temperature"], i["top_k"], i["top_p"]) for i in items] == [(0.7, 0, 0.9), (0.0, 3, 1.0)]
+    assert items[0]["prompt_ids"] == [5, 6, 7]
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_suffix_server_is_served_the_domains_history_at_k0_before_its_first_level(served, monkeypatch):
+    # a suffix server's tree grows from what it serves: the domain's history (requests outside
+    # the sample) goes first, all at once at K 0 (no drafts), then the level, the config's wave
+    # first; a server of another method is served no history
+    import tasks.steps.load_check as load_check_step
+    from tasks.steps.load_check import history_items, level_items, measure_domain
+
+    suffix = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 16,
+              "suffix_decoding_min_token_prob": 0.1, "suffix_decoding_max_spec_factor": 1.0}
+    rows = [(SimpleNamespace(id=r.request_id, temperature=0.0, top_k=0, top_p=1.0), r.prompt_ids,
+             r.response_ids) for r in _requests("old", ["count"] * 3)]
+    history = history_items(rows, TOKENS)
+    items = level_items(_requests("count", ["count"]), 1, TOKENS)
+    settings = load_settings(load_requests=1, load_retries=0)
+    calls = []
+    real_run_level = load_check_step.run_level
+
+    def run_level(server, wave, concurrency, *args, **kwargs):
+        result = real_run_level(server, wave, concurrency, *args, **kwargs)
+        calls.append(([item["id"] for item in wave], [item["k"] for item in wave], concurrency,
+                      result["counters"]))
+        return result
+
+    monkeypatch.setattr(load_check_step, "run_level", run_level)
+    outcome = measure_domain(served["pool"], suffix, [(1, 4)], items, settings, history=history)
+    assert outcome["failure"] is None and outcome["history"] == 3
+    ids, ks, concurrency, counters = calls[0]
+    assert ids == ["history:old-0", "history:old-1", "history:old-2"] and ks == [0, 0, 0]
+    assert concurrency == 3
+    assert counters["drafts"] == 0 and counters["draft_tokens"] == 0
+    assert [(c[0], c[1]) for c in calls[1:]] == [([items[0]["id"]], [None]), ([items[0]["id"]], [0])]
+    assert len(outcome["levels"]) == 1
+
+    calls.clear()
+    spec = served["result"]["domains"]["count"]["speculative_config"]
+    outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings, history=history)
+    assert outcome["failure"] is None and outcome["history"] == 0
+    assert not any(i.startswith("old-") or i.startswith("history:") for c in calls for i in c[0])

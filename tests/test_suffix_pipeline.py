@@ -57,6 +57,32 @@ def test_a_runs_suffix_index_never_holds_the_requests_it_scores(suffix_db, tiny_
     assert any(label.startswith("suffix(") for label in labels)
 
 
+def test_a_runs_suffix_history_is_the_newest_of_what_its_index_holds(suffix_db, tiny_target):
+    # the load check serves a suffix server this history first: requests of the domain the
+    # run's index holds (never one the run scores), the newest first, at most `count`
+    from specdec_core.validation import fingerprint_id, target_fingerprint
+    from tasks.steps.suffix_index import index_sequences, run_history, run_window_and_sample
+
+    out = run(suffix_db, tiny_target, "history-run", plan_candidates=(SUFFIX,))
+    assert not out["failed"]
+    store = Store.open(suffix_db)
+    fingerprint = fingerprint_id(target_fingerprint(tiny_target))
+    until, sampled = run_window_and_sample(store, "history-run")
+    indexed, _ = index_sequences(store, "json", fingerprint, None, until=until, exclude=sampled)
+    history = run_history("history-run", "json", store, fingerprint, None, 3)
+    assert [row.id for row, _, _ in history] == indexed[::-1][:3]
+    assert not {row.id for row, _, _ in history} & sampled
+    assert all(len(prompt) > 0 and len(response) >= 2 for _, prompt, response in history)
+    times = [row.requested_at for row, _, _ in history]
+    assert times == sorted(times, reverse=True)
+    # more asked than the index holds: all of it; none asked: none
+    assert len(run_history("history-run", "json", store, fingerprint, None, 100)) == len(indexed)
+    assert run_history("history-run", "json", store, fingerprint, None, 0) == []
+    # the other target's rows (qa has two) are never history
+    qa = run_history("history-run", "qa", store, fingerprint, None, 100)
+    assert qa and all(row.target_fingerprint in (None, fingerprint) for row, _, _ in qa)
+
+
 def test_registered_index_has_lineage_and_its_requests_are_not_scored(suffix_db, tiny_target,
                                                                         tmp_path, monkeypatch, mlflow_uri):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))

@@ -11,8 +11,11 @@ are streamed through the config's one vLLM server with K per request (the projec
 waves of the level's size, each wave twice: at K 0 (the plain control) and at the config's K, the
 order alternating wave by wave, so that every ratio pairs the same requests on the same server a
 wave apart (a machine that slows between two server starts no longer moves it). A suffix server
-learns from what it serves: there the config's wave goes first and each level takes its own
-requests. A wave side a neighbour slowed (CPU of other processes read from /proc) is served again
+learns from what it serves: there the config's wave goes first, each level takes its own
+requests, and before the domain's first level the server is served, at K 0, up to load_history
+of the domain's logged requests outside the run's sample (the newest the estimate's suffix index
+holds): a serving deployment's tree holds the domain's history, and so does the index the
+estimate is priced on; measured on a tree without it, suffix decoding drafts little. A wave side a neighbour slowed (CPU of other processes read from /proc) is served again
 (load_retries), and a level's interval leaves out the pairs a neighbour reached where at
 least 5 clean ones remain (tasks.steps.confirm.judged_pairs). A K 0 request
 on that server still pays the drafter's host search (vLLM proposes for the whole batch; the cut
@@ -60,6 +63,7 @@ from .costs import CostTable
 from .engine_check import _dtype, end_slot, local_spec, predicted_speedup
 from .engine_costs import engine_profile
 from .engine_validate import BLOCK_SIZE, served_export
+from .suffix_index import run_history
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,16 @@ def level_items(requests: list, count: int, max_tokens: int) -> list[dict]:
                       "temperature": float(sampling.temperature), "top_k": int(sampling.top_k),
                       "top_p": float(sampling.top_p), "seed": n})
     return items
+
+
+def history_items(rows: list[tuple], max_tokens: int) -> list[dict]:
+    """Streamed requests of a suffix server's history (suffix_index.run_history's rows), each cut
+    at max_tokens, at its logged sampling, its id `history:<request id>`."""
+    return [{"id": f"history:{row.id}", "request_id": row.id, "prompt_ids": [int(t) for t in prompt],
+             "max_tokens": max(2, min(len(response), max_tokens)),
+             "temperature": float(row.temperature or 0.0), "top_k": int(row.top_k or 0),
+             "top_p": float(row.top_p if row.top_p is not None else 1.0), "seed": n}
+            for n, (row, prompt, response) in enumerate(rows)]
 
 
 def k_at(spec: dict, size: int) -> int:
@@ -270,12 +284,14 @@ def predicted_at(costs: CostTable | None, label: str, drafter_spec: dict | None,
 def _failure(which: str, server, level: int, result: dict | None, exc: Exception | None,
              settings: Settings) -> tuple[str, str]:
     """(status, reason) of a server that did not start, hung or died at a level (which: "plain"
-    while it served the level's K 0 requests, else "config")."""
+    while it served the level's K 0 requests, "history" a suffix server's history, else
+    "config")."""
     if exc is not None:
         return "failed", f"load check: the config server did not start: {exc}"
     unfinished = sum(1 for r in result["requests"] if not r["ok"])
     where = f"at {level} concurrent request{'s' if level != 1 else ''}"
-    serving = " serving its K 0 (plain) requests" if which == "plain" else ""
+    serving = {"plain": " serving its K 0 (plain) requests",
+               "history": " serving the domain's history at K 0"}.get(which, "")
     if result["timed_out"]:
         return "timeout", (f"load check: the config server hung {where}{serving}: {unfinished} of "
                            f"{len(result['requests'])} requests not finished within "
@@ -360,8 +376,20 @@ def _more(items: list[dict], used: set[str], count: int) -> list[dict]:
     return out
 
 
+def _serve_history(server, history: list[dict], settings: Settings) -> dict | None:
+    """A suffix server's history served at K 0, all at once (see the module's docstring); the
+    result of a server that hung or died on it, else None."""
+    if not history:
+        return None
+    log.info("load check: %d history requests first, at K 0 (the suffix tree grows from them)",
+             len(history))
+    result = run_level(server, [dict(item, k=0) for item in history], len(history),
+                       settings.load.timeout_s)
+    return result if result["timed_out"] or not result["alive"] else None
+
+
 def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], items: list[dict],
-                   settings: Settings, settle=None) -> dict:
+                   settings: Settings, settle=None, history: list[dict] | None = None) -> dict:
     """The levels of one domain on the config's one server, K per request: at each level the
     requests in waves of the level's size, each wave served twice, at K 0 (plain) and at the
     config's K (the server's schedule), the order alternating wave by wave (a suffix server, which
@@ -373,9 +401,11 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     never: it would draft its own responses). settle(level row) -> "pays" | "below" | "unsure"
     (level_verdict): while a level is "unsure", up to load_more_requests more of `items`
     are served at it, load_requests at a time, none of a request the level (a suffix
-    server: any level) served or will serve. Output: {levels: [(level, K, plain, config,
-    requests)], failure: (status, reason) or None, logs: {plain, config}}."""
-    out: dict = {"levels": [], "failure": None, "logs": {}}
+    server: any level) served or will serve. history (a suffix server only): requests served at
+    K 0 before the first level (history_items). Output: {levels: [(level, K, plain, config,
+    requests)], failure: (status, reason) or None, logs: {plain, config}, history: how many
+    history requests were served}."""
+    out: dict = {"levels": [], "failure": None, "logs": {}, "history": 0}
     try:
         server = pool.get(spec, **SERVER)
     except (EngineTimeout, ServingProbeError) as exc:
@@ -389,6 +419,13 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
         return out
     learns = spec.get("method") == "suffix"
     limit = settings.profile.contention_cores + server.spare_cores
+    history = history if learns else []
+    failed = _serve_history(server, history or [], settings)
+    if failed is not None:
+        out["failure"] = _failure("history", server, len(history), failed, None, settings)
+        server.stop()
+        return out
+    out["history"] = len(history or [])
     bases = level_slices(items, levels, settings.load.requests, learns)
     held = {item["request_id"] for chosen in bases for item in chosen}   # a suffix server's, in the end
     for (level, k), chosen in zip(levels, bases):
@@ -469,15 +506,18 @@ def _domain_result(context, domain: str, config: dict, spec: dict, measured: dic
         return record, rows, changes
     verdict = cut_schedule(config, rows, settings)
     after = dict(config, **verdict["changes"])
+    primed = (f" (the suffix server first served {measured['history']} of the domain's logged "
+              f"requests outside the sample)" if measured.get("history") else "")
     record.update(status=verdict["status"], passed=verdict["status"] != "off",
-                  reason=verdict["reason"], max_level_paying=verdict["largest"],
+                  reason=(verdict["reason"] + primed)[:2000], max_level_paying=verdict["largest"],
                   schedule_after=exported_schedule(after) if after.get("enabled") else None)
     return record, rows, verdict["changes"]
 
 
 def _planned(context, on: dict, exported: dict) -> dict:
-    """{domain: (spec, [(level, K)], items)} of the domains to measure: on, with a vLLM config,
-    a level where the schedule drafts and requests to stream."""
+    """{domain: (spec, [(level, K)], items, history)} of the domains to measure: on, with a vLLM
+    config, a level where the schedule drafts and requests to stream (history: a suffix
+    server's, history_items)."""
     settings = context.settings
     planned = {}
     for domain in sorted(on):
@@ -491,11 +531,15 @@ def _planned(context, on: dict, exported: dict) -> dict:
                             (sum(counts) if learns else max(counts, default=0)) + settings.load.more_requests,
                             settings.load.max_tokens)
         if spec is not None and levels and items:
-            planned[domain] = (spec, levels, items)
+            history = history_items(run_history(
+                context.run_id, domain, context.store, context.fingerprint, context.tokenizer,
+                settings.load.history), settings.load.max_tokens) if learns else []
+            planned[domain] = (spec, levels, items, history)
     return planned
 
 
-def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list, config: dict) -> dict:
+def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list, config: dict,
+             history: list[dict]) -> dict:
     try:
         served = local_spec(spec)
     except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
@@ -504,7 +548,8 @@ def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list, c
                       f"fetched for the server: {type(exc).__name__}: {exc}")}
     champion_on = bool(config.get("champion_on"))
     return measure_domain(pool, served, levels, items, context.settings,
-                          settle=lambda row: level_verdict(row, context.settings, champion_on))
+                          settle=lambda row: level_verdict(row, context.settings, champion_on),
+                          history=history)
 
 
 def load_check(context, pool: ServerPool | None = None) -> dict:
@@ -531,9 +576,9 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
     try:
         # domains sharing a config one after the other: its server is started once; the configs
         # whose server the engine check's sampling test left running first
-        for domain, (spec, levels, items) in sorted(planned.items(), key=lambda p: (
+        for domain, (spec, levels, items, history) in sorted(planned.items(), key=lambda p: (
                 not pool.running(p[1][0], **SERVER), json.dumps(p[1][0], sort_keys=True))):
-            measured = _measure(context, pool, spec, levels, items, on[domain])
+            measured = _measure(context, pool, spec, levels, items, on[domain], history)
             version = (versions.get(domain) or {}).get("engine_version")
             if version and version not in profiles:
                 profiles[version] = engine_profile(context.store, version, settings.engine.profile)

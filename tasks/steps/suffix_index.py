@@ -57,17 +57,35 @@ def index_sequences(store: Store, domain: str, fingerprint: str | None, tokenize
                     exclude: set[str] | None = None) -> tuple[list[str], list[list[int]]]:
     """(request ids, response token ids) of a domain's stored requests answered by this target
     (rows of another fingerprint are left out), in [since, until], minus `exclude`; oldest first."""
-    ids, sequences = [], []
+    rows = _indexable(store, domain, fingerprint, tokenizer, until, since, exclude)
+    return [row.id for row, _, _ in rows], [response for _, _, response in rows]
+
+
+def _indexable(store: Store, domain: str, fingerprint: str | None, tokenizer, until: datetime | None,
+               since: datetime | None, exclude: set[str] | None) -> list[tuple]:
+    """[(row, prompt ids, response ids)] of index_sequences' requests, oldest first."""
+    out = []
     for row in domain_traffic(store, domain, until=until, since=since):
         if exclude and row.id in exclude:
             continue
         if fingerprint is not None and row.target_fingerprint not in (None, fingerprint):
             continue
-        _, response = request_token_ids(row, tokenizer)
+        prompt, response = request_token_ids(row, tokenizer)
         if len(response) >= 2:
-            ids.append(row.id)
-            sequences.append(list(response))
-    return ids, sequences
+            out.append((row, list(prompt), list(response)))
+    return out
+
+
+def run_history(run_id: str, domain: str, store: Store, fingerprint: str | None, tokenizer,
+                count: int) -> list[tuple]:
+    """The newest `count` of the requests the run's index of this domain holds (run_index: the
+    domain's stored responses of this target up to the run's window end, less the run's sample),
+    newest first, as [(row, prompt ids, response ids)]: the history a serving suffix tree holds."""
+    if count <= 0:
+        return []
+    until, sampled = run_window_and_sample(store, run_id)
+    rows = _indexable(store, domain, fingerprint, tokenizer, until, None, sampled)
+    return rows[::-1][:count]
 
 
 def build_index(request_ids: list[str], sequences: list[list[int]], meta: dict):
