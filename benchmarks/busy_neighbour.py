@@ -3,13 +3,15 @@ Runs `specdec main-job` N times quiet and N times busy, alternating, each in its
 (a fresh store: no champion, so every "on" is a domain turning on); in the busy runs other
 processes keep this machine's CPU busy for the whole run (default: one process in 3-second bursts,
 about what a large pip install does; --neighbours 2 adds one spinning all the time; --during
-profile keeps them to the profile step, as earlier rounds did). Prints one table per run (per
+profile keeps them to the profile step, as earlier rounds did); in the spun runs one process spins
+on one core for the whole run. Prints one table per run (per
 domain: on/off, drafter and K, predicted, the engine check's measured speedup at one request at
 a time, the load check's levels predicted against measured), the profile's check, then one table
 over every run, and writes benchmarks/results/busy_neighbour.md.
 
     python benchmarks/busy_neighbour.py --runs 3 --models .specdec/models --write
     python benchmarks/busy_neighbour.py --plan quiet-2,busy-1 --models .specdec/models
+    python benchmarks/busy_neighbour.py --plan quiet-1,spun-1 --models .specdec/models
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ BURSTS = ("import time\nwhile True:\n    end = time.time() + 3\n    while time.t
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: int = 1,
+def run_main_job(home: Path, models: Path, codes: tuple[str, ...], log: Path,
                  during: str = "run") -> float:
+    """One main job in a fresh home, the neighbours (`codes`: Python programs) running beside it;
+    its wall time."""
     if home.exists():       # a fresh store each run: an earlier run's champion or profile is not reused
         shutil.rmtree(home)
     home.mkdir(parents=True)
@@ -47,7 +51,7 @@ def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: 
         job = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "main-job"], cwd=ROOT,
                                env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _follow(job, log, busy, neighbours, neighbours_n, during)
+            _follow(job, log, codes, neighbours, during)
         finally:       # never leave a neighbour spinning (an interrupt included)
             for process in neighbours:
                 process.kill()
@@ -56,7 +60,7 @@ def run_main_job(home: Path, models: Path, busy: bool, log: Path, neighbours_n: 
     return time.perf_counter() - start
 
 
-def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list, count: int,
+def _follow(job: subprocess.Popen, log: Path, codes: tuple[str, ...], neighbours: list,
             during: str = "run") -> None:
     """Wait for the job; in busy runs keep the neighbours busy for the whole run, or (during
     "profile") while its profile task runs."""
@@ -66,9 +70,8 @@ def _follow(job: subprocess.Popen, log: Path, busy: bool, neighbours: list, coun
         # the profile task runs from its start line until the first estimate starts (estimates
         # wait for it; other tasks, such as domains_of, may start beside it)
         profiling = during == "run" or (" s  profile" in text and not re.search(r" s  (per_domain\.)?estimate", text))
-        if busy and profiling and not neighbours:
-            neighbours.extend(subprocess.Popen([sys.executable, "-c", code])
-                              for code in (BURSTS, SPIN)[:count])
+        if codes and profiling and not neighbours:
+            neighbours.extend(subprocess.Popen([sys.executable, "-c", code]) for code in codes)
         if neighbours and not profiling:
             for process in neighbours:
                 process.kill()
@@ -183,13 +186,14 @@ def within_15(level: dict) -> bool | None:
 
 def summary(runs: list[tuple[str, dict, float]]) -> str:
     """One table over the runs: per domain, on/off and drafter/K in each run, and the spread of
-    the measured speedups at one request at a time over the runs where it is on."""
+    the measured speedups at one request at a time over the runs where it is on: the engine
+    check's replay, and the load check's level 1."""
     domains = sorted({r["domain"] for _, result, _ in runs for r in result["rows"]})
     lines = ["| domain | " + " | ".join(label for label, _, _ in runs)
-             + " | same decision | K within one step | measured spread |",
-             "|---|" + "---|" * len(runs) + "---|---|---|"]
+             + " | same decision | K within one step | measured spread | load check c1 spread |",
+             "|---|" + "---|" * len(runs) + "---|---|---|---|"]
     for domain in domains:
-        cells, decisions, measured, ks = [], set(), [], []
+        cells, decisions, measured, ks, first = [], set(), [], [], []
         for _, result, _ in runs:
             row = next((r for r in result["rows"] if r["domain"] == domain), None)
             if row is None:
@@ -200,12 +204,15 @@ def summary(runs: list[tuple[str, dict, float]]) -> str:
             ks += [row["k"]] if on else []
             value = row.get("engine_measured") if on else None
             measured += [value] if value else []
+            first += [level["measured_speedup"] for level in result.get("levels") or []
+                      if on and level["domain"] == domain and level["concurrency"] == 1
+                      and level["measured_speedup"]]
             cells.append((f"on {row['drafter']} K={row['k']} {_x(value)}" if on else "off"))
-        spread = (f"{100 * (max(measured) - min(measured)) / min(measured):.0f}%"
-                  if len(measured) > 1 else "-")
+        spread, c1 = (f"{100 * (max(v) - min(v)) / min(v):.0f}%" if len(v) > 1 else "-"
+                      for v in (measured, first))
         within = "-" if not ks else ("yes" if max(ks) - min(ks) <= 1 else "no")
         lines.append(f"| {domain} | " + " | ".join(cells)
-                     + f" | {'yes' if len(decisions) == 1 else 'no'} | {within} | {spread} |")
+                     + f" | {'yes' if len(decisions) == 1 else 'no'} | {within} | {spread} | {c1} |")
     levels = [within_15(level) for _, result, _ in runs for level in result.get("levels") or []]
     known = [v for v in levels if v is not None]
     lines += ["", f"load check: predicted within 15% of measured at {sum(known)} of {len(known)} "
@@ -227,19 +234,19 @@ def main() -> None:
     parser.add_argument("--neighbours", type=int, default=1, choices=(1, 2))
     parser.add_argument("--during", default="run", choices=("run", "profile"),
                         help="keep the neighbours for the whole run (default) or the profile step only")
-    parser.add_argument("--plan", default=None, help="runs to make, e.g. quiet-2,busy-1 (default: "
-                                                    "quiet-1,busy-1,... alternating, --runs each)")
+    parser.add_argument("--plan", default=None, help="runs to make, e.g. quiet-2,busy-1,spun-1 "
+                                                    "(default: quiet-1,busy-1,... alternating, --runs "
+                                                    "each; spun: one core spun the whole run)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # run the cleanup on a kill
     sections, runs = [], []
     plan = (args.plan.split(",") if args.plan else
             [f"{kind}-{index + 1}" for index in range(args.runs) for kind in ("quiet", "busy")])
     for name in plan:
-        busy = name.startswith("busy")
+        codes = {"busy": (BURSTS, SPIN)[:args.neighbours], "spun": (SPIN,)}.get(name.split("-")[0], ())
         label = name.replace("-", " ")
         home = args.work / name
-        seconds = run_main_job(home, args.models, busy, args.work / f"{name}.log", args.neighbours,
-                               args.during)
+        seconds = run_main_job(home, args.models, codes, args.work / f"{name}.log", args.during)
         result = results(home)
         result.update(task_seconds(args.work / f"{name}.log"))
         result["load"] = " / ".join(f"{v:.2f}" for v in os.getloadavg())      # 1, 5, 15 minutes
