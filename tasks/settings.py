@@ -312,9 +312,10 @@ class EngineSettings(_Group):
         "suffix tree holds the domain's history before the replay"))
     check_retries: int = Field(default=2, ge=0, description=(
         "a replayed K 0 twin during which other processes took CPU (profile_contention_cores, "
-        "read from /proc) is served again up to this many times after the replay, its least "
-        "contended timing kept; the live check's interval is over the pairs neither of whose "
-        "twins was contended where at least 5 are left"))
+        "read from /proc), or whose step is more than profile_slowed over the fastest of its K "
+        "on the engine, is served again up to this many times after the replay, its better "
+        "timing kept; the live check's interval is over the pairs neither of whose twins was "
+        "contended or slowed where at least 5 are left"))
     check_timeout_s: float = Field(default=900.0, gt=0, description=(
         "one engine's start and replay; past it the engine is killed and its domains fail the "
         "check, naming the engine log"))

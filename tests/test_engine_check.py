@@ -242,6 +242,30 @@ def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_
     assert crowded["verdict"]["measured"] < 1.0
 
 
+def test_vllms_live_check_leaves_out_pairs_with_a_slowed_twin_as_it_does_contended_ones():
+    # the probe marks a twin "slowed" (a step over profile_slowed past its K's fastest) where
+    # /proc saw no neighbour: busy 1's json, three plain twins and four config twins stalled
+    from tasks.settings import load_settings
+    from tasks.steps.engine_check import vllm_live_check
+
+    requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(8)]
+    plain = {"requests": {r.request_id: {"token_ids": list(range(47)), "seconds": 2.0,
+                                         "decode_s": 4.5 if i < 2 else 1.8 + 0.01 * i,
+                                         "contended": False, "slowed": i < 2}
+                          for i, r in enumerate(requests)}}
+    spec = {"requests": {r.request_id: {"token_ids": list(range(47)), "seconds": 1.0,
+                                        "decode_s": 0.6 + 0.01 * i, "contended": False, "slowed": False}
+                         for i, r in enumerate(requests)}}
+    config = {"enabled": True, "champion_on": False, "predicted_speedup": 2.5}
+    settings = load_settings({}, plan_min_speedup=1.1)
+    live = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 2.5}, settings)
+    assert [row["contended"] for row in live["per_request"]] == [True, True] + [False] * 6
+    verdict = live["verdict"]
+    assert verdict["requests"] == 6 and verdict["contended"] == 2
+    # judged on the six unmarked pairs: about 1.8 / 0.65, not pulled up by the stalled twins
+    assert 2.6 < verdict["measured"] < 3.0 and verdict["hi"] < 3.0
+
+
 def test_where_the_check_cannot_run_the_own_engine_sampling_test_gates_again(db_url, tmp_path):
     # validation let the own-engine sampling test pass unread, trusting the test on vLLM; when the
     # engine check then cannot run, a domain whose own test failed is marked failed after all

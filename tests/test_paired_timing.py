@@ -108,3 +108,27 @@ def test_the_engines_pooled_spread_settles_two_agreeing_pairs_and_prices_one(pro
     # one clean pair: priced with the pooled spread (a single pair cannot judge itself)
     assert probe.ratio_interval([1.1], (spread, df))[1] == pytest.approx(probe.t95(df) * spread * 1.1)
     assert probe.ratio_interval([1.1])[1] == float("inf")
+
+
+def test_a_replayed_request_far_slower_a_step_than_its_ks_fastest_is_marked_slowed(probe):
+    # busy 1 of the last series: json's twins stalled 2.5 times over (4.5 s against 1.8 s) by a
+    # neighbour in bursts, none over the /proc limit; each K is judged against its own fastest
+    def served(decode_s, tokens, drafted=None):
+        return {"decode_s": decode_s, "token_ids": list(range(tokens)), "drafted": drafted}
+
+    items = [{"id": "a", "k": 4}, {"id": "b", "k": 4}, {"id": "plain::a", "k": 0},
+             {"id": "plain::b", "k": 0}, {"id": "c", "k": 4}]
+    answer = {"a": served(0.60, 47, drafted=[4] * 20), "b": served(3.40, 47, drafted=[4] * 20),
+              "plain::a": served(1.80, 47), "plain::b": served(4.50, 47),
+              "c": served(None, 47)}
+    assert probe.replay_step(answer["a"]) == pytest.approx(0.03)           # 20 drafted steps
+    assert probe.replay_step(answer["plain::a"]) == pytest.approx(1.80 / 46)
+    assert probe.replay_step(answer["c"]) is None and probe.replay_step(None) is None
+    probe.mark_slowed(items, answer, 1.0)
+    assert {key: row["slowed"] for key, row in answer.items()} == {
+        "a": False, "b": True, "plain::a": False, "plain::b": True, "c": False}
+    # within twice the fastest: not slowed; no slack: never
+    probe.mark_slowed(items, answer, 2.0)
+    assert answer["plain::b"]["slowed"] is False and answer["b"]["slowed"] is True
+    probe.mark_slowed(items, answer, None)
+    assert not any(row["slowed"] for row in answer.values())

@@ -144,6 +144,29 @@ def test_replay_serves_the_history_batched_and_measures_only_the_requests(servin
     assert answer["counters"]["drafts"] > 0
 
 
+def test_replay_serves_a_slowed_k0_twin_again_though_proc_saw_no_neighbour(serving, tiny_dir, tmp_path):
+    # no request is contended (a limit of 100 cores), but a negative slack marks every timing
+    # slowed: the K 0 twin is served again twice after the replay, the request that drafts
+    # never (its drafts and the counters stay as the replay gave them)
+    spec = vllm_export(parse_config({
+        "schema_version": 2, "target": {"id": "tiny", "fingerprint": "sha256:0"},
+        "hardware_profile": "cpu", "run_id": "r", "created_at": "2026-11-24T00:00:00",
+        "domains": {"ngram": domain("prompt_lookup", {"max_ngram": 3, "min_ngram": 1}, 3)},
+        "default": {"enabled": False}}), target_path=str(tiny_dir))["speculative_config"]["ngram"]
+    pattern = np.random.default_rng(2).integers(3, 200, 10).tolist()
+    request = {"id": "r0", "prompt_ids": pattern * 3, "max_tokens": 16, "temperature": 0.0, "k": 3}
+    twin = dict(request, id="plain::r0", k=0)
+    answer = serving_env.run_engine(
+        {"model": str(tiny_dir), "speculative_config": spec, "requests": [request, twin],
+         "dtype": "float32", "contention_cores": 100.0, "retries": 2, "slowed": -0.5},
+        tmp_path / "slowed.log", 600, "slowed replay")
+    assert answer["died"] is None and set(answer["requests"]) == {"r0", "plain::r0"}
+    drafted, plain = answer["requests"]["r0"], answer["requests"]["plain::r0"]
+    assert not drafted["contended"] and drafted["slowed"] and drafted["served"] == 1
+    assert not plain["contended"] and plain["slowed"] and plain["served"] == 3
+    assert plain["token_ids"] == drafted["token_ids"]          # greedy, lossless
+
+
 def test_ngram_proposals_equal_vllms(serving):
     rng = np.random.default_rng(0)
     sequences = []

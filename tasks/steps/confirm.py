@@ -376,7 +376,8 @@ def speedup_interval(per_request: list[dict], samples: int = 2000, seed: int = 0
 
 def judged_pairs(per_request: list[dict], least: int = WEAK_EVIDENCE) -> tuple[list[dict], int, str]:
     """The timed pairs a speedup is judged on: those neither of whose twins ran while other
-    processes took CPU ("contended"), where at least `least` are left, else all of them. Output:
+    processes took CPU, or was slowed ("contended": vLLM's replay marks both), where at least
+    `least` are left, else all of them. Output:
     (pairs, how many were contended, "; 2 of 8 pairs contended, left out" or "")."""
     timed = [r for r in per_request if r.get("plain_decode_s") and r.get("spec_decode_s")]
     clean = [r for r in timed if not r.get("contended")]

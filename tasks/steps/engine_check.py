@@ -469,6 +469,8 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
                          "history": history, "dtype": _dtype(context.target_model),
                          "contention_cores": settings.profile.contention_cores,
                          "retries": settings.engine.check_retries,
+                         # a request whose step is this much over its K's fastest was slowed
+                         "slowed": settings.profile.slowed,
                          # the history is served batched; the replay one request at a time
                          "max_num_seqs": max(1, min(len(history), HISTORY_BATCH))})
     record["seconds"] = round(time.perf_counter() - began, 1)
@@ -632,7 +634,10 @@ def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict
                             "plain_tokens": len(flat["token_ids"]) - 1, "plain_decode_s": flat["decode_s"],
                             "spec_tokens": len(spec["token_ids"]) - 1, "spec_decode_s": spec["decode_s"],
                             "plain_latency_s": flat.get("seconds"), "spec_latency_s": spec.get("seconds"),
-                            "contended": bool(spec.get("contended") or flat.get("contended"))})
+                            # a twin that ran beside other processes' CPU, or slowed (a step
+                            # over profile_slowed past its K's fastest on the engine)
+                            "contended": any(twin.get(flag) for twin in (spec, flat)
+                                             for flag in ("contended", "slowed"))})
     if not per_request:
         return None
     verdict = live_verdict(per_request, config, settings, row.get("predicted_speedup"))
