@@ -451,8 +451,8 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
             step = min(max(settings.load.requests, level), settings.load.more_requests - extra)
             batch = _more(items, held if learns else {i["request_id"] for i in served_items}, step)
             if batch:
-                log.info("load check: %s at %d concurrent straddles the bar: %d more requests",
-                         level_text(row), level, len(batch))
+                log.info("load check: %s straddles the bar: %d more requests", level_text(row),
+                         len(batch))
                 served_items += batch
                 held |= {item["request_id"] for item in batch}
         out["levels"].append((level, k, merge_levels(sides["plain"]), merge_levels(sides["config"]),
