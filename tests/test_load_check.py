@@ -408,8 +408,9 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
     monkeypatch.setattr(load_check_step, "run_level", run_level)
     outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings)
     assert outcome["failure"] is None
-    # plain and config, then each again once (the retries are clean: no second retry)
-    assert calls == [0, None, 0, None]
+    # plain and config (asking the level's K, 4), then each again once (the retries are clean:
+    # no second retry)
+    assert calls == [0, 4, 0, 4]
     level, k, plain, config, chosen = outcome["levels"][0]
     assert (level, k, [item["id"] for item in chosen]) == (1, 4, [items[0]["id"]])
     row = level_row(level, k, plain, config)
@@ -490,7 +491,7 @@ def test_a_suffix_server_is_served_the_domains_history_at_k0_before_its_first_le
     assert ids == ["history:old-0", "history:old-1", "history:old-2"] and ks == [0, 0, 0]
     assert concurrency == 3
     assert counters["drafts"] == 0 and counters["draft_tokens"] == 0
-    assert [(c[0], c[1]) for c in calls[1:]] == [([items[0]["id"]], [None]), ([items[0]["id"]], [0])]
+    assert [(c[0], c[1]) for c in calls[1:]] == [([items[0]["id"]], [4]), ([items[0]["id"]], [0])]
     assert len(outcome["levels"]) == 1
 
     calls.clear()
