@@ -339,6 +339,23 @@ def test_which_engines_costs_plan_a_run(tmp_path):
     assert serving_env.servable("SmolLM2-135M-Instruct")
 
 
+def test_each_domain_is_served_by_its_methods_one_deployment_at_the_largest_k():
+    # the sampling test and the load check take their servers from here: one per drafter
+    # method (and parameters other than K), as the replay and production serve them
+    from tasks.registry.vllm_export import deployment_specs
+
+    suffix = {"method": "suffix", "suffix_decoding_max_tree_depth": 24}
+    ngram = {"method": "ngram", "prompt_lookup_max": 3}
+    servers = deployment_specs({
+        "chat": dict(suffix, num_speculative_tokens=4), "json": dict(suffix, num_speculative_tokens=7),
+        "code": dict(ngram, num_speculative_tokens=5, num_speculative_tokens_per_batch_size=[[1, 2, 5], [3, 8, 2]]),
+        "qa": dict(suffix, suffix_decoding_max_tree_depth=8, num_speculative_tokens=2), "off": None})
+    assert servers == {"chat": dict(suffix, num_speculative_tokens=7), "json": dict(suffix, num_speculative_tokens=7),
+                       "code": dict(ngram, num_speculative_tokens=5),
+                       "qa": dict(suffix, suffix_decoding_max_tree_depth=8, num_speculative_tokens=2),
+                       "off": None}
+
+
 def test_configs_differing_in_k_only_share_one_engine_each_request_asking_its_domains_k():
     # one deployment per drafter method serves every domain at its own K: the check replays
     # them the same way, on one engine started as that deployment (its largest K), each request

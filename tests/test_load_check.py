@@ -408,8 +408,9 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
     monkeypatch.setattr(load_check_step, "run_level", run_level)
     outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings)
     assert outcome["failure"] is None
-    # plain and config, then each again once (the retries are clean: no second retry)
-    assert calls == [0, None, 0, None]
+    # plain and config (asking the level's K, 4), then each again once (the retries are clean:
+    # no second retry)
+    assert calls == [0, 4, 0, 4]
     level, k, plain, config, chosen = outcome["levels"][0]
     assert (level, k, [item["id"] for item in chosen]) == (1, 4, [items[0]["id"]])
     row = level_row(level, k, plain, config)
@@ -490,7 +491,7 @@ def test_a_suffix_server_is_served_the_domains_history_at_k0_before_its_first_le
     assert ids == ["history:old-0", "history:old-1", "history:old-2"] and ks == [0, 0, 0]
     assert concurrency == 3
     assert counters["drafts"] == 0 and counters["draft_tokens"] == 0
-    assert [(c[0], c[1]) for c in calls[1:]] == [([items[0]["id"]], [None]), ([items[0]["id"]], [0])]
+    assert [(c[0], c[1]) for c in calls[1:]] == [([items[0]["id"]], [4]), ([items[0]["id"]], [0])]
     assert len(outcome["levels"]) == 1
 
     calls.clear()
@@ -498,3 +499,25 @@ def test_a_suffix_server_is_served_the_domains_history_at_k0_before_its_first_le
     outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings, history=history)
     assert outcome["failure"] is None and outcome["history"] == 0
     assert not any(i.startswith("old-") or i.startswith("history:") for c in calls for i in c[0])
+
+
+@needs_server
+@pytest.mark.integration
+def test_a_running_server_of_the_method_at_a_larger_k_serves_a_smaller_ks_requests(served):
+    # one server per drafter method: asked with share, the pool hands a running server of the
+    # same method and parameters at a K at least the asked one (each request asks its K);
+    # another parameter or a larger K is not covered
+    from tasks.steps.load_check import SERVER
+
+    pool = served["pool"]
+    suffix = {"method": "suffix", "suffix_decoding_max_tree_depth": 16,
+              "suffix_decoding_min_token_prob": 0.1, "suffix_decoding_max_spec_factor": 1.0}
+    four = pool.get(dict(suffix, num_speculative_tokens=4), **SERVER)
+    started = len(pool.servers)
+    three = dict(suffix, num_speculative_tokens=3)
+    assert pool.running(three, **SERVER, share=True) and not pool.running(three, **SERVER)
+    assert pool.get(three, **SERVER, share=True) is four and len(pool.servers) == started
+    assert not pool.running(dict(three, suffix_decoding_max_tree_depth=8), **SERVER, share=True)
+    assert not pool.running(dict(suffix, num_speculative_tokens=5), **SERVER, share=True)
+    # the one it handed is the one used last: starting another stops the others first
+    assert pool.used[-1] == next(key for key, server in pool.servers.items() if server is four)

@@ -131,6 +131,13 @@ def vllm_export(config: SpecdecConfig, target_path: str | None = None) -> dict:
             "unsupported": unsupported, "notes": notes, "default": None}
 
 
+def deployment_specs(domains: dict[str, dict | None]) -> dict[str, dict | None]:
+    """{domain: the speculative config of the deployment that serves it} (method_deployments:
+    one per drafter method, at the largest K of its domains; None: the plain one)."""
+    return {name: deployment["speculative_config"] for deployment in method_deployments(domains, "")
+            for name in deployment["domains"]}
+
+
 def method_deployments(domains: dict[str, dict | None], target: str) -> list[dict]:
     """One deployment per drafter method (and its parameters other than K): its speculative
     config at the largest K of its domains, and its plan (each domain's K by batch size, read by

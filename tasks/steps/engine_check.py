@@ -27,8 +27,9 @@ line, or the timeout naming the engine's log). Such a domain is turned off in th
 with the reason. A drafter without a vLLM equivalent is reported, not gated.
 
 Then, with `engine_sampling` on, the sampling test on vLLM's OpenAI server
-(tasks.steps.engine_validate) for every domain the replay passed; a domain that fails it is turned
-off ("lossy"). A run planned on vLLM's costs (tasks.steps.engine_costs.plans_on_vllm) gets its live
+(tasks.steps.engine_validate) for every domain the replay passed, on one server per drafter
+method (vllm_export.deployment_specs), each request asking its domain's K; a domain that fails
+it is turned off ("lossy"). A run planned on vLLM's costs (tasks.steps.engine_costs.plans_on_vllm) gets its live
 check here: vLLM's decode-phase speedup on the replayed requests, plain and config, judged by
 confirm's live_verdict and stored as the run's live measurement; a veto turns the domain off.
 
@@ -62,7 +63,7 @@ from ..db.store import Store
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..registry.live_check import LiveVerdict
 from ..registry.registry import Registry
-from ..registry.vllm_export import method_deployments
+from ..registry.vllm_export import deployment_specs, method_deployments
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool, log_dir
 from ..settings import Settings
@@ -578,8 +579,11 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported:
     pool = pool or ServerPool(context.run_id, context.model_dir, dtype=_dtype(context.target_model),
                               settings=context.settings)
     try:
+        # on one server per drafter method, as the replay and production serve them
+        servers = deployment_specs({d: exported["speculative_config"][d] for d in plan.picked})
         results = validate_on_engine(context.run_id, context.store, pool, context.target_model,
-                                     tested, context.requests_by_domain, plan.on, context.settings)
+                                     tested, context.requests_by_domain, plan.on, context.settings,
+                                     servers=servers)
     finally:
         if own:
             pool.close()

@@ -169,12 +169,16 @@ def _seed(run_id: str, settings: Settings, domain: str) -> int:
 
 def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, specs: dict,
                        requests_by_domain: dict, planned: dict, settings: Settings,
-                       mended: bool = True, save: bool = True) -> dict[str, EngineSamplingResult]:
+                       mended: bool = True, save: bool = True,
+                       servers: dict | None = None) -> dict[str, EngineSamplingResult]:
     """The sampling test on vLLM of each domain in `specs` ({domain: speculative config}), with
     the same server at K 0 as control; stored (check "engine_sampling"), and a domain that does not pass
     marked failed and unpromotable in domain_configs. planned: {domain: its domain_configs row}.
     A server that cannot start or dies: the domain's status is "error" (not promotable), the
-    reason naming the server's log. save=False: nothing stored (a power test)."""
+    reason naming the server's log. save=False: nothing stored (a power test). servers: {domain:
+    the speculative config of the server to test it on} (its method's one deployment,
+    vllm_export.deployment_specs: each request asks the domain's K; mended servers only), else
+    each domain's own config's server."""
     rows = settings.engine.sampling_rows or settings.validation.rows
     length = settings.engine.sampling_tokens
     results: dict[str, EngineSamplingResult] = {}
@@ -199,26 +203,32 @@ def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, spec
                 domain, first.status, first.passed, first.reason, first.rows, first.positions,
                 first.min_p, shared_from=first.domain, details=dict(first.details, shared_from=first.domain))
         else:
+            served = (servers or {}).get(domain) if mended else None
             results[domain] = done[key] = _test_domain(
                 run_id, domain, pool, target, spec, context, samplings, rows, length, settings,
-                controls, base, mended, request_id)
+                controls, base, mended, request_id, served)
         if save:
             _store(store, run_id, results[domain], planned.get(domain) or {}, spec, request_id)
     return results
 
 
 def _test_domain(run_id, domain, pool, target, spec, context, samplings, rows, length, settings,
-                 controls, base, mended, request_id) -> EngineSamplingResult:
+                 controls, base, mended, request_id, served=None) -> EngineSamplingResult:
+    """One domain's sampling test (validate_on_engine) on the server of `spec`, or of `served`
+    (its method's deployment) with each request asking `spec`'s K."""
     began = time.perf_counter()
     seed = _seed(run_id, settings, domain)
     what = f"run {run_id}, domain {domain}: sampling test on vLLM"
+    k = int(spec["num_speculative_tokens"]) if served is not None else None
     try:
-        server = pool.get(spec, mended=mended, block_size=BLOCK_SIZE)
-        log.info("%s with %s (%s), %d rows x %d tokens at %s, from request %s (%d context tokens)",
-                 what, json.dumps(spec, sort_keys=True), server.name, rows, length,
+        server = (pool.get(served, mended=mended, block_size=BLOCK_SIZE, share=True)
+                  if served is not None else pool.get(spec, mended=mended, block_size=BLOCK_SIZE))
+        log.info("%s with %s (%s%s), %d rows x %d tokens at %s, from request %s (%d context tokens)",
+                 what, json.dumps(spec, sort_keys=True), server.name,
+                 "" if k is None else f" at K {k} per request", rows, length,
                  ", ".join(json.dumps(s.to_dict()) for s in samplings), request_id, len(context))
         report = engine_report(server, target, context, samplings, rows, length,
-                               settings.validation.alpha, seed)
+                               settings.validation.alpha, seed, k=k)
         mends = server.mends()
         log_path = str(server.log_path)
     except (EngineTimeout, ServingProbeError) as exc:

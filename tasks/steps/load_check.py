@@ -7,8 +7,10 @@ Here, for every domain the run's config turns on (after the engine check's gate)
 vLLM config, at each concurrency level of `load_levels` where the domain's schedule drafts
 (K > 0), the domain's requests (draw order, `load_requests` of them and at least the level,
 each its logged prompt, sampling parameters and seed, its length cut at `load_max_tokens`)
-are streamed through the config's one vLLM server with K per request (the project's plugin), in
-waves of the level's size, each wave twice: at K 0 (the plain control) and at the config's K, the
+are streamed through one vLLM server per drafter method, as production deploys it
+(vllm_export.method_deployments: at the largest K of its domains), with K per request (the
+project's plugin), in waves of the level's size, each wave twice: at K 0 (the plain control)
+and at the K the domain's schedule gives the level, each request asking it, the
 order alternating wave by wave, so that every ratio pairs the same requests on the same server a
 wave apart (a machine that slows between two server starts no longer moves it). A suffix server
 learns from what it serves: there the config's wave goes first, each level takes its own
@@ -52,7 +54,7 @@ import numpy as np
 
 from ..db.queries_load import domains_on, engine_versions, load_checks, store_load_check
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.vllm_export import batch_schedule
+from ..registry.vllm_export import batch_schedule, deployment_specs
 from ..serving import environment as serving_env
 from ..serving.load import inter_token_latencies, merge_levels, run_level
 from ..serving.server import ServerPool, log_dir
@@ -327,7 +329,7 @@ def level_slices(items: list[dict], levels: list[tuple[int, int]], requests: int
 
 def _serve_wave(server, wave: list[dict], level: int, asked: int | None, settings: Settings,
                 limit: float) -> dict:
-    """One wave at one K (None: the server's schedule), its requests marked contended when other
+    """One wave at one K (None: the server's own), its requests marked contended when other
     processes took more than `limit` cores meanwhile."""
     result = run_level(server, [dict(item, k=asked) for item in wave], level, settings.load.timeout_s)
     for request in result["requests"]:
@@ -335,14 +337,14 @@ def _serve_wave(server, wave: list[dict], level: int, asked: int | None, setting
     return result
 
 
-def _serve_waves(server, batch: list[dict], level: int, learns: bool, limit: float,
+def _serve_waves(server, batch: list[dict], level: int, k: int, learns: bool, limit: float,
                  settings: Settings, sides: dict, first: int) -> tuple | None:
-    """Serve `batch` in waves of `level`, each at K 0 and at the server's schedule, the order
+    """Serve `batch` in waves of `level`, each at K 0 and at K `k` (the config's there), the order
     alternating from wave number `first` (a suffix server: the config's first), each side a
     neighbour slowed served again (see measure_domain); the results appended to sides["plain"]
     and sides["config"]. Output: (which, result) of a server that hung or died, else None."""
     for index, wave in enumerate(waves(batch, level), start=first):
-        order = (("plain", 0), ("config", None))
+        order = (("plain", 0), ("config", k))
         if learns or index % 2:
             order = order[::-1]
         served = {}
@@ -390,9 +392,10 @@ def _serve_history(server, history: list[dict], settings: Settings) -> dict | No
 
 def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], items: list[dict],
                    settings: Settings, settle=None, history: list[dict] | None = None) -> dict:
-    """The levels of one domain on the config's one server, K per request: at each level the
-    requests in waves of the level's size, each wave served twice, at K 0 (plain) and at the
-    config's K (the server's schedule), the order alternating wave by wave (a suffix server, which
+    """The levels of one domain on the server of `spec` (its method's deployment, or a running
+    one of that method at a larger K: ServerPool.get's share), K per request: at each (level, K)
+    the requests in waves of the level's size, each wave served twice, at K 0 (plain) and at K,
+    the order alternating wave by wave (a suffix server, which
     learns from every response it serves, the config's first and each level its own requests:
     level_slices), so that each ratio pairs the same requests served moments apart. A side
     during which other processes took CPU (tasks.serving.load.run_level's other_cores over
@@ -407,7 +410,7 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     history requests were served}."""
     out: dict = {"levels": [], "failure": None, "logs": {}, "history": 0}
     try:
-        server = pool.get(spec, **SERVER)
+        server = pool.get(spec, **SERVER, share=True)
     except (EngineTimeout, ServingProbeError) as exc:
         out["failure"] = _failure("config", None, 0, None, exc, settings)
         return out
@@ -434,7 +437,7 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
                  len(chosen), level, k)
         served_items, batch = list(chosen), chosen
         while batch:
-            failed = _serve_waves(server, batch, level, learns, limit, settings, sides,
+            failed = _serve_waves(server, batch, level, k, learns, limit, settings, sides,
                                   first=len(sides["plain"]))
             if failed is not None:
                 which, result = failed
@@ -515,11 +518,12 @@ def _domain_result(context, domain: str, config: dict, spec: dict, measured: dic
 
 
 def _planned(context, on: dict, exported: dict) -> dict:
-    """{domain: (spec, [(level, K)], items, history)} of the domains to measure: on, with a vLLM
-    config, a level where the schedule drafts and requests to stream (history: a suffix
-    server's, history_items)."""
+    """{domain: (spec, server, [(level, K)], items, history)} of the domains to measure: on,
+    with a vLLM config, a level where the schedule drafts and requests to stream (server: the
+    speculative config of its method's one deployment, vllm_export.deployment_specs; history: a
+    suffix server's, history_items)."""
     settings = context.settings
-    planned = {}
+    planned, servers = {}, deployment_specs(exported)
     for domain in sorted(on):
         spec = exported.get(domain)
         levels = [(b, k_at(spec, b)) for b in sorted(set(settings.load.levels))
@@ -534,17 +538,17 @@ def _planned(context, on: dict, exported: dict) -> dict:
             history = history_items(run_history(
                 context.run_id, domain, context.store, context.fingerprint, context.tokenizer,
                 settings.load.history), settings.load.max_tokens) if learns else []
-            planned[domain] = (spec, levels, items, history)
+            planned[domain] = (spec, servers[domain], levels, items, history)
     return planned
 
 
-def _measure(context, pool: ServerPool, spec: dict, levels: list, items: list, config: dict,
+def _measure(context, pool: ServerPool, server: dict, levels: list, items: list, config: dict,
              history: list[dict]) -> dict:
     try:
-        served = local_spec(spec)
+        served = local_spec(server)
     except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
         return {"levels": [], "logs": {}, "failure": (
-            "failed", f"load check: the drafter's checkpoint {spec.get('model')} could not be "
+            "failed", f"load check: the drafter's checkpoint {server.get('model')} could not be "
                       f"fetched for the server: {type(exc).__name__}: {exc}")}
     champion_on = bool(config.get("champion_on"))
     return measure_domain(pool, served, levels, items, context.settings,
@@ -574,11 +578,12 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
     pool = pool or ServerPool(run_id, model_dir, dtype=_dtype(context.model), settings=settings,
                               directory=log_dir(run_id) / "load")
     try:
-        # domains sharing a config one after the other: its server is started once; the configs
-        # whose server the engine check's sampling test left running first
-        for domain, (spec, levels, items, history) in sorted(planned.items(), key=lambda p: (
-                not pool.running(p[1][0], **SERVER), json.dumps(p[1][0], sort_keys=True))):
-            measured = _measure(context, pool, spec, levels, items, on[domain], history)
+        # one server per drafter method, each level asking the domain's K: domains of one method
+        # one after the other, those whose server the engine check's sampling test left running
+        # first
+        for domain, (spec, server, levels, items, history) in sorted(planned.items(), key=lambda p: (
+                not pool.running(p[1][1], **SERVER, share=True), json.dumps(p[1][1], sort_keys=True))):
+            measured = _measure(context, pool, server, levels, items, on[domain], history)
             version = (versions.get(domain) or {}).get("engine_version")
             if version and version not in profiles:
                 profiles[version] = engine_profile(context.store, version, settings.engine.profile)
