@@ -9,11 +9,11 @@ from sqlalchemy import create_engine, select
 from specdec_core.drafters import SuffixDrafter
 from tasks.db.store import Store
 from tasks.registry.registry import Registry
-from tasks.steps.candidates import parse_candidate
+from tasks.steps.drafters.candidates import parse_candidate
 from tasks.registry.config_schema import DrafterSpec
 from tasks.db.models import AcceptanceEstimate, DomainConfig, DraftTrainingRequest, EvalSample
-from tasks.steps.suffix_index import SuffixIndexError, build_and_register, resolve_index_uri
-from tasks.steps.traffic_import import import_traffic
+from tasks.steps.drafters.suffix_index import SuffixIndexError, build_and_register, resolve_index_uri
+from tasks.steps.traffic.traffic_import import import_traffic
 
 from tasks.steps.evaluate import evaluate
 from tasks.settings import load_settings

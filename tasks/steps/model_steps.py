@@ -28,20 +28,20 @@ from ..registry.tracking import CHAMPION, alias_version, load_version_config
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool
 from ..settings import worker_name
-from .confirm import confirm_domain
+from .checks.confirm import confirm_domain
 from .context import RunContext, RunSpec, loaded_model
 from ..registry.run_results import profile_check
-from .costs import (describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse,
-                    profile_check_text)
-from .engine_check import _dtype, engine_check
-from .engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
-from .engine_validate import engine_validate_run
+from .costs.costs import (describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse,
+                          profile_check_text)
+from .checks.engine_check import _dtype, engine_check
+from .costs.engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
+from .checks.engine_validate import engine_validate_run
 from .failures import record_domain_failure
-from .load_check import load_check
-from .offline_estimate import estimate_domains
-from .plan import plan_domain
-from .quality import check_result_table
-from .validate import validate_domain, validate_run
+from .checks.load_check import load_check
+from .estimate.offline_estimate import estimate_domains
+from .plan.plan import plan_domain
+from .traffic.quality import check_result_table
+from .checks.validate import validate_domain, validate_run
 
 log = logging.getLogger(__name__)
 

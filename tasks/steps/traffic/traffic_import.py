@@ -46,15 +46,15 @@ from typing import Iterator
 
 from sqlalchemy.exc import DBAPIError
 
-from ..db.engine import database_error
-from ..db.queries_monitor import insert_request_metrics
-from ..db.queries_traffic import (delete_request, insert_new_requests, insert_quarantined, mark_file_error,
-                                  purge_before, quarantined_lines, replace_quarantined,
-                                  stored_content_hashes, supersede_broken_entries)
-from ..db.store import Store
-from ..errors import TrafficFileError
-from ..settings import Settings
-from ..timeutil import utcnow
+from ...db.engine import database_error
+from ...db.queries_monitor import insert_request_metrics
+from ...db.queries_traffic import (delete_request, insert_new_requests, insert_quarantined, mark_file_error,
+                                   purge_before, quarantined_lines, replace_quarantined,
+                                   stored_content_hashes, supersede_broken_entries)
+from ...db.store import Store
+from ...errors import TrafficFileError
+from ...settings import Settings
+from ...timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

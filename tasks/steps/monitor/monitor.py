@@ -11,7 +11,7 @@
 - promises: per domain of a deployment, the champion's estimate of E at the deployed K with its
   95% interval, and the break-even E: the E at which the config's predicted speedup is 1.0 on the
   cost profile it was planned with (at the profile's smallest batch size), i.e. 1 / the plan's
-  speedup factor (tasks.steps.plan.speedup_factor); without that profile, the config's own E over
+  speedup factor (tasks.steps.plan.plan.speedup_factor); without that profile, the config's own E over
   its predicted speedup. Stored once per deployment and version (monitor_promises).
 - check: over the sustained window (the scrapes of the champion version in the last
   `monitor_window_s`, never before it became champion), with at least `monitor_min_drafts`
@@ -38,22 +38,22 @@ from datetime import datetime, timedelta
 
 import httpx
 
-from ..db import queries_monitor as q
-from ..db.store import Store
-from ..errors import MonitorScrapeError, RegistryError
-from ..masking import mask_text, mask_url, printable
-from ..paths import check_identifier
-from ..registry.compose_export import deployments
-from ..registry.config_schema import SpecdecConfig, config_model_name
-from ..registry.promotion import rollback
-from ..registry.registry import Registry
-from ..registry.tracking import CHAMPION, alias_version, load_version_config
-from ..serving.server import PositionOutOfRange, spec_decode_counters
-from ..settings import DEFAULT_MODEL, Settings
-from ..timeutil import utcnow
-from .acceptance import accepted_per_position, mean_accepted_length, position_rates
-from .cost_table import CostProfileError, CostTable
-from .plan import speedup_factor
+from ...db import queries_monitor as q
+from ...db.store import Store
+from ...errors import MonitorScrapeError, RegistryError
+from ...masking import mask_text, mask_url, printable
+from ...paths import check_identifier
+from ...registry.compose_export import deployments
+from ...registry.config_schema import SpecdecConfig, config_model_name
+from ...registry.promotion import rollback
+from ...registry.registry import Registry
+from ...registry.tracking import CHAMPION, alias_version, load_version_config
+from ...serving.server import PositionOutOfRange, spec_decode_counters
+from ...settings import DEFAULT_MODEL, Settings
+from ...timeutil import utcnow
+from ..estimate.acceptance import accepted_per_position, mean_accepted_length, position_rates
+from ..costs.cost_table import CostProfileError, CostTable
+from ..plan.plan import speedup_factor
 
 log = logging.getLogger(__name__)
 
@@ -484,8 +484,8 @@ def publish(ctx: MonitorContext, version: str, at: datetime) -> str | None:
     import tempfile
     from pathlib import Path
 
-    from ..registry.plots import _pyplot, production_figure
-    from ..registry.version_page import production_markdown, write_production
+    from ...registry.plots import _pyplot, production_figure
+    from ...registry.version_page import production_markdown, write_production
 
     rows = [r for r in q.scrapes(ctx.store, config_version=version, until=at)
             if r["config_name"] == ctx.config_name]

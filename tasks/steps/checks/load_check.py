@@ -47,18 +47,18 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..db.queries_load import domains_on, engine_versions, load_checks, store_load_check
-from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.vllm_export import batch_schedule
-from ..serving import environment as serving_env
-from ..serving.load import inter_token_latencies, merge_levels, run_level
-from ..serving.server import ServerPool, log_dir
-from ..settings import Settings
-from .acceptance import accepted_per_position, mean_accepted_length, position_rates
+from ...db.queries_load import domains_on, engine_versions, load_checks, store_load_check
+from ...errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ...registry.vllm_export import batch_schedule
+from ...serving import environment as serving_env
+from ...serving.load import inter_token_latencies, merge_levels, run_level
+from ...serving.server import ServerPool, log_dir
+from ...settings import Settings
+from ..estimate.acceptance import accepted_per_position, mean_accepted_length, position_rates
 from .confirm import judged_pairs, offline_totals, speedup_interval, truncated
-from .costs import CostTable
+from ..costs.costs import CostTable
 from .engine_check import _dtype, end_slot, local_spec, predicted_speedup
-from .engine_costs import engine_profile
+from ..costs.engine_costs import engine_profile
 from .engine_validate import BLOCK_SIZE, served_export
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ does that job; the lock is only the per-machine guard.
 
 A hardware description (describe_hardware / describe_device) is a device and dtype: timings are
 comparable only within one (same_hardware); confirm refuses the others (HardwareMismatch). The
-table read back (CostTable, load_costs) is tasks.steps.cost_table, re-exported here: what only
+table read back (CostTable, load_costs) is tasks.steps.costs.cost_table, re-exported here: what only
 reads profiles (the planner, the monitor) imports it without torch.
 
 Profiles kept between runs: every stored profile carries its key (profile_key: the hardware as
@@ -44,11 +44,11 @@ from specdec_core import SpecDecoder
 from specdec_core.drafters import output_size
 from specdec_core.profile import CostSampler
 
-from ..db.queries_costs import hardware_row, passed_checks_of_key, replace_cost_profile
-from ..db.store import Store
-from ..paths import home_path
-from ..settings import Settings
-from ..timeutil import utcnow
+from ...db.queries_costs import hardware_row, passed_checks_of_key, replace_cost_profile
+from ...db.store import Store
+from ...paths import home_path
+from ...settings import Settings
+from ...timeutil import utcnow
 from .cost_table import (CostProfileError, CostTable, HardwareMismatch, hardware_of,  # noqa: F401 - re-exported
                          hardware_text, load_costs, run_costs, same_hardware)
 
@@ -393,7 +393,7 @@ def _with_timing_indexes(drafters: dict, store: Store, target, tokenizer) -> dic
             if index is None:
                 # imported here: suffix_index reaches MLflow, which a GPU machine's
                 # `profile measure` (no MLflow installed there) never needs
-                from .suffix_index import timing_index
+                from ..drafters.suffix_index import timing_index
 
                 index = timing_index(store, None, tokenizer, output_size(target))
             drafter = drafter.with_index(index)

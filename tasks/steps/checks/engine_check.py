@@ -56,22 +56,22 @@ import numpy as np
 
 from specdec_core.estimate import LoggedRequest
 
-from ..db.queries_engine_checks import (enabled_domains, replace_engine_checks,
-                                        replace_live_measurement, run_hardware_details)
-from ..db.store import Store
-from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.live_check import LiveVerdict
-from ..registry.registry import Registry
-from ..registry.vllm_export import method_deployments
-from ..serving import environment as serving_env
-from ..serving.server import ServerPool, log_dir
-from ..settings import Settings
-from . import acceptance
+from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks,
+                                         replace_live_measurement, run_hardware_details)
+from ...db.store import Store
+from ...errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ...registry.live_check import LiveVerdict
+from ...registry.registry import Registry
+from ...registry.vllm_export import method_deployments
+from ...serving import environment as serving_env
+from ...serving.server import ServerPool, log_dir
+from ...settings import Settings
+from ..estimate import acceptance
 from .confirm import live_verdict, offline_totals, truncated
-from .costs import CostProfileError, CostTable
-from .engine_costs import engine_profile, profile_engine
+from ..costs.costs import CostProfileError, CostTable
+from ..costs.engine_costs import engine_profile, profile_engine
 from .engine_validate import own_sampling_gates, served_export, validate_on_engine
-from .plan import speedup_factor
+from ..plan.plan import speedup_factor
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def local_spec(spec: dict | None, registry: Registry | None = None) -> dict | No
     registry: where it is registered (default Registry.open())."""
     if spec is None or not str(spec.get("model") or "").startswith("models:/"):
         return spec
-    from .draft_training import resolve_model_uri   # imported here: MLflow, for URIs only
+    from ..drafters.draft_training import resolve_model_uri   # imported here: MLflow, for URIs only
 
     return dict(spec, model=resolve_model_uri(spec["model"], registry))
 
