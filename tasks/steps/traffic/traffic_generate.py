@@ -41,7 +41,7 @@ from ...errors import SampleError, SpecdecTaskError
 from ...settings import DEFAULT_MODEL, load_settings
 from ...timeutil import utcnow
 from ..estimate.offline_estimate import request_token_ids
-from .traffic_import import Normalizer
+from .traffic_rows import Normalizer
 from .traffic_sample import selection_key
 
 log = logging.getLogger(__name__)
