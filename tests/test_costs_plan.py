@@ -13,8 +13,9 @@ import torch
 from sqlalchemy import insert, select
 
 from tasks.steps.drafters.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
-from tasks.steps.costs.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware,
-                                     export_costs, import_costs, load_costs, profile_costs, timing_lock)
+from tasks.steps.costs.costs import (CostProfileError, CostTable, describe_hardware, load_costs,
+                                     profile_costs, timing_lock)
+from tasks.steps.costs.transfer import FILE_FORMAT, export_costs, import_costs
 from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, HardwareProfile
 from tasks.db.store import Store
 from tasks.steps.plan.plan import plan_domain, round_cost, speedups

@@ -16,7 +16,8 @@ from tasks.db.store import Store
 from tasks.registry.run_results import profile_check
 from tasks.settings import load_settings
 from tasks.steps.drafters.candidates import build_drafters
-from tasks.steps.costs.costs import load_costs, measure_or_reuse, profile_check_text, run_costs
+from tasks.steps.costs.costs import load_costs, run_costs
+from tasks.steps.costs.reuse import measure_or_reuse, profile_check_text
 from tasks.steps.traffic.reports import run_report
 from tasks.timeutil import utcnow
 

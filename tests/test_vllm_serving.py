@@ -259,7 +259,7 @@ def _plan_on(url: str, run_id: str, profile: dict) -> None:
 
     from tasks.db.engine import ensure_ready
     from tasks.db.models import CostProfileCheck, EvalRun
-    from tasks.steps.costs.costs import reuse_costs
+    from tasks.steps.costs.reuse import reuse_costs
 
     engine = ensure_ready(url)
     with engine.connect() as connection:

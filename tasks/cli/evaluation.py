@@ -85,7 +85,7 @@ def cmd_evaluate(args) -> int:
     from ..registry.run_view import build_run_view
 
     print_run(build_run_view(result["run_id"], open_store(args, settings), settings), result["seconds"])
-    from ..steps.costs.costs import profile_check_text
+    from ..steps.costs.reuse import profile_check_text
 
     console.print(escape(profile_check_text(result.get("profile_check"))))
     console.print(escape(f"cost profile {result['hardware_profile']}: {result['profile']['text']}"))
@@ -238,7 +238,7 @@ def cmd_profile_show(args) -> int:
 
 def cmd_profile_export(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.costs.costs import export_costs
+    from ..steps.costs.transfer import export_costs
 
     document = export_costs(args.name, args.file, open_store(args), args.run)
     console.print(f"wrote {len(document['costs'])} cost rows of {escape(args.name)} (run "
@@ -248,7 +248,7 @@ def cmd_profile_export(args) -> int:
 
 def cmd_profile_import(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.costs.costs import import_costs
+    from ..steps.costs.transfer import import_costs
 
     if args.name is not None:
         check_identifier(args.name, "profile name")

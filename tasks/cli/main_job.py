@@ -319,7 +319,7 @@ def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
 
     from ..registry.registry import Registry
     from ..registry.run_results import profile_check
-    from ..steps.costs.costs import profile_check_text
+    from ..steps.costs.reuse import profile_check_text
     from ..steps.run_table import evaluation_table
     from ..db.store import Store
     from ..registry.run_view import build_run_view

@@ -227,7 +227,7 @@ class CostProfileCheck(Base):
     max_spread: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict | None] = mapped_column(JSON)     # settings of the check, earlier attempts
     created_at: Mapped[datetime] = mapped_column(DateTime)
-    # 0013: the profile's key, by which a later run reuses it (tasks.steps.costs.costs.reusable_profile):
+    # 0013: the profile's key, by which a later run reuses it (tasks.steps.costs.reuse.reusable_profile):
     # the hardware as hardware_profiles describes it (device, with a CPU's thread count; the CPU
     # model), the engine ("specdec" | "vllm") and its version, the dtype and the target's
     # fingerprint; the full hardware description it was measured on; when its costs were

@@ -31,8 +31,8 @@ from ..settings import worker_name
 from .checks.confirm import confirm_domain
 from .context import RunContext, RunSpec, loaded_model
 from ..registry.run_results import profile_check
-from .costs.costs import (describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse,
-                          profile_check_text)
+from .costs.costs import describe_device, describe_hardware, hardware_of, load_costs
+from .costs.reuse import measure_or_reuse, profile_check_text
 from .checks.engine_check import _dtype, engine_check
 from .costs.engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
 from .checks.engine_validate import engine_validate_run

@@ -64,7 +64,8 @@ from ...settings import Settings
 from ...timeutil import utcnow
 from ..drafters.candidates import HOST_DRAFTERS, candidate_label, parse_candidate
 from .costs import (CostTable, _slug, describe_device, load_costs, profile_key, profile_provenance,
-                    reusable_profile, reuse_costs, store_costs, timing_lock)
+                    store_costs, timing_lock)
+from .reuse import reusable_profile, reuse_costs
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +317,7 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
     """The run's cost profile of the serving engine: the newest stored vLLM profile of this
     vLLM version, CPU, dtype and served target that passed its checks, is younger than
     profile_max_age_days and covers the run (the candidates vLLM serves), copied under `run_id`
-    (tasks.steps.costs.costs.reuse_costs); else one measured here (profile_vllm). new_profile: measure
+    (tasks.steps.costs.reuse.reuse_costs); else one measured here (profile_vllm). new_profile: measure
     whatever is stored. Output: profile_vllm's (or reuse_costs's), with "profile" saying which."""
     settings = settings or store.settings
     k_max = k_max or settings.plan.k_max
