@@ -19,7 +19,7 @@ Every 5 minutes, or on demand from the trigger form:
    `specdec://alerts/production-drift`, which triggers `specdec_evaluate` (skipped otherwise).
 
 The specdec database is the Airflow connection `specdec_db` (or `$SPECDEC_DATABASE_URL`), MLflow
-`$MLFLOW_TRACKING_URI`. Every step is a function of `tasks.steps.monitor.monitor` (docs/monitoring.md).
+`$MLFLOW_TRACKING_URI`. Every step is a function of `tasks.steps.monitor` (docs/monitoring.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from airflow.timetables.trigger import CronTriggerTimetable
 from tasks.orchestration.airflow_glue import (DRIFT_URI, MAP_LABEL, connection_store,
                                               label_mapped, monitor_targets, queues, task_errors)
 
-# The steps (tasks.steps.monitor.monitor) are imported inside the tasks: they load the database and the
+# The steps (tasks.steps.monitor) are imported inside the tasks: they load the database and the
 # registry client, and a DAG file's parse loads only Airflow and tasks.orchestration.airflow_glue.
 
 DRIFT_ASSET = Asset(DRIFT_URI)
@@ -51,7 +51,8 @@ CPU_QUEUE, _ = queues()
 def specdec_monitor():
     @task
     def targets() -> list[dict]:
-        from tasks.steps.monitor.monitor import MonitorContext, champion_deployment_names
+        from tasks.steps.monitor.drift import champion_deployment_names
+        from tasks.steps.monitor.monitor import MonitorContext
 
         with task_errors():
             names = champion_deployment_names(MonitorContext.open(connection_store()))
@@ -61,7 +62,7 @@ def specdec_monitor():
     @task(map_index_template=MAP_LABEL, retries=0)
     def scrape(target: dict) -> dict:
         from tasks.steps.monitor.monitor import MonitorContext
-        from tasks.steps.monitor.monitor import scrape as scrape_one
+        from tasks.steps.monitor.scrape import scrape as scrape_one
 
         label_mapped(target["deployment"])
         with task_errors():
@@ -73,7 +74,7 @@ def specdec_monitor():
     @task(trigger_rule="all_done")
     def check() -> list[dict]:
         from tasks.steps.monitor.monitor import MonitorContext
-        from tasks.steps.monitor.monitor import check as check_window
+        from tasks.steps.monitor.drift import check as check_window
 
         with task_errors():
             result = check_window(MonitorContext.open(connection_store()))

@@ -809,7 +809,7 @@ def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdec
     from airflow.dag_processing.dagbag import DagBag
     from airflow.sdk.exceptions import AirflowSkipException
 
-    from tasks.steps.monitor import monitor
+    from tasks.steps.monitor import drift, monitor
 
     bag = DagBag(dag_folder=str(REPO / "dags"))
     for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports", "specdec_monitor"):
@@ -817,10 +817,10 @@ def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdec
     check = bag.dags["specdec_monitor"].get_task("check").python_callable
     monkeypatch.setitem(check.__globals__, "connection_store", lambda: None)
     monkeypatch.setattr(monitor.MonitorContext, "open", staticmethod(lambda store: None))
-    monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": None, "deployments": [], "events": []})
+    monkeypatch.setattr(drift, "check", lambda ctx: {"champion": None, "deployments": [], "events": []})
     with pytest.raises(AirflowSkipException, match="nothing to watch: no champion"):
         check()
-    monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": "3", "deployments": [], "events": []})
+    monkeypatch.setattr(drift, "check", lambda ctx: {"champion": "3", "deployments": [], "events": []})
     with pytest.raises(AirflowSkipException, match="champion version 3 has no speculative deployment"):
         check()
     # the DAG list shows an AssetOrTimeSchedule as an asset trigger: its cron is a tag there

@@ -102,7 +102,7 @@ def test_a_position_beyond_the_largest_k_is_refused_in_bounded_memory(db_url, me
     import tracemalloc
 
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -125,7 +125,7 @@ def test_a_body_over_the_size_cap_is_refused_in_bounded_memory(db_url, metrics_s
     import tracemalloc
 
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -147,7 +147,7 @@ def test_a_body_over_the_size_cap_is_refused_in_bounded_memory(db_url, metrics_s
 def test_a_large_body_under_the_cap_is_stored_in_bounded_memory(db_url, metrics_server):
     import tracemalloc
 
-    from tasks.steps.monitor.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -167,7 +167,7 @@ def test_a_large_body_under_the_cap_is_stored_in_bounded_memory(db_url, metrics_
 
 def test_a_body_that_drips_ends_at_the_total_deadline(db_url, metrics_server):
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     # each read answers well within the timeout, so only a deadline over the whole scrape ends it
     metrics_server.drip_s = 0.2
@@ -194,7 +194,7 @@ IMPOSSIBLE = {   # (drafts, draft tokens, accepted, per position), what the refu
 @pytest.mark.parametrize("case", IMPOSSIBLE)
 def test_impossible_counters_are_refused_and_nothing_is_stored(case, db_url, metrics_server):
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -210,7 +210,7 @@ def test_impossible_counters_are_refused_and_nothing_is_stored(case, db_url, met
 
 def test_deltas_with_more_accepted_than_drafted_are_refused(db_url, metrics_server):
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -267,7 +267,7 @@ def test_a_traceback_prints_no_password(tmp_path, metrics_server):
 
 
 def test_the_scrape_url_is_stored_without_its_password(db_url, metrics_server):
-    from tasks.steps.monitor.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     scraped = metrics_server.url.replace("http://", f"http://user:{SECRET}@")
     row = scrape(_monitor(db_url), scraped, "vllm-a", config=False)

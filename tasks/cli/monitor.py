@@ -1,5 +1,5 @@
 """`specdec monitor scrape|check|show`: production acceptance from the serving engines, beside the
-champion's promise (tasks.steps.monitor.monitor; docs/monitoring.md)."""
+champion's promise (tasks.steps.monitor; docs/monitoring.md)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def _print_events(events: list[dict]) -> None:
 
 def cmd_scrape(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor.monitor import check, scrape
+    from ..steps.monitor.drift import check
+    from ..steps.monitor.scrape import scrape
 
     ctx = _context(args)
     row = scrape(ctx, args.url_to_scrape, args.deployment)
@@ -57,7 +58,7 @@ def cmd_scrape(args) -> int:
 
 def cmd_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor.monitor import check
+    from ..steps.monitor.drift import check
 
     result = check(_context(args))
     if args.json:
