@@ -74,7 +74,7 @@ def test_a_second_run_reuses_the_profile_under_its_own_run_id(db_url, one_layer,
     assert measured["engine"] == "specdec" and measured["target_fingerprint"].startswith("sha256:")
     assert measured["device"] == first["hardware_profile"]["device"] and measured["dtype"] == "float32"
 
-    with caplog.at_level(logging.INFO, logger="tasks.steps.costs.costs"):
+    with caplog.at_level(logging.INFO, logger="tasks.steps.costs.reuse"):
         second = profile(db_url, one_layer, "run-2")
     provenance = second["profile"]
     assert provenance["reused"] is True and provenance["run_id"] == "run-1"
