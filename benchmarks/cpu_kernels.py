@@ -30,7 +30,7 @@ from transformers import DynamicCache  # noqa: E402
 from eagle3_train import shipped_requests  # noqa: E402
 from specdec_core import SamplingParams, SpecDecoder, cpu_kernels, load_model  # noqa: E402
 from specdec_core.drafters import PromptLookup  # noqa: E402
-from tasks.steps.costs import cpu_model  # noqa: E402
+from tasks.steps.costs.costs import cpu_model  # noqa: E402
 from vs_vllm import TARGET, arguments, left_padded, report  # noqa: E402
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 9)

@@ -9,7 +9,7 @@ HEAD_DIR: a checkpoint in the speculators format (benchmarks/eagle3_train.py --s
 GPU run's heads are in it). The requests are held-out rows, never trained on: per domain the
 shipped traffic's held-out rows of eagle3_train.py's split, then the extra held-out file's
 (benchmarks/eagle3_heldout.py; default: the shipped one), the first --requests of them. It runs the
-product's engine check (tasks.steps.engine_check) on a run whose domains are set on with the head
+product's engine check (tasks.steps.checks.engine_check) on a run whose domains are set on with the head
 at K, so the figures are the ones the pipeline gates on: vLLM's own per-request counts, E = 1 +
 accepted / drafting steps on both sides, greedy requests compared request by request, and the
 tokens/s of one engine with the head and one without, requests one at a time, on this CPU. Needs
@@ -37,10 +37,10 @@ from tasks.db.engine import ensure_ready  # noqa: E402
 from tasks.db.models import DomainConfig, EvalRun  # noqa: E402
 from tasks.db.store import Store  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
-from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate  # noqa: E402
+from tasks.steps.drafters.candidates import build_drafters, candidate_label, parse_candidate  # noqa: E402
 from specdec_core.estimate import in_heldout  # noqa: E402
-from tasks.steps.acceptance import mean_accepted_length  # noqa: E402
-from tasks.steps.engine_check import engine_check, inside_output  # noqa: E402
+from tasks.steps.estimate.acceptance import mean_accepted_length  # noqa: E402
+from tasks.steps.checks.engine_check import engine_check, inside_output  # noqa: E402
 from tasks.timeutil import utcnow  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"

@@ -1,4 +1,5 @@
-"""Power and false-alarm rate of the sampling test on vLLM's OpenAI server (tasks.steps.engine_validate).
+"""Power and false-alarm rate of the sampling test on vLLM's OpenAI server
+(tasks.steps.checks.engine_validate).
 
 On the embedded default and a domain of the shipped traffic, with the context and sampling
 settings the pipeline's own test would take (validation_context, validation_samplings), each
@@ -50,7 +51,7 @@ def domain_requests(domain: str, count: int = 30) -> list:
     """The shipped sample's logged requests of one domain (token ids as logged)."""
     from specdec_core import SamplingParams
     from specdec_core.estimate import LoggedRequest
-    from tasks.steps.traffic_import import sample_traffic_path
+    from tasks.steps.traffic.traffic_import import sample_traffic_path
 
     out = []
     with gzip.open(sample_traffic_path(), "rt") as handle:
@@ -147,8 +148,8 @@ def main() -> int:
     from tasks.serving.environment import served_model_dir
     from tasks.serving.server import ServerPool
     from tasks.settings import load_settings
-    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
-    from tasks.steps.validate import validation_context, validation_samplings
+    from tasks.steps.checks.engine_validate import BLOCK_SIZE, engine_report
+    from tasks.steps.checks.validate import validation_context, validation_samplings
 
     logging.basicConfig(level=logging.WARNING)
     target, _ = load_model("smollm2-135m-instruct", device="cpu")

@@ -54,7 +54,7 @@ def main() -> None:
     from specdec_core.estimate import LoggedRequest
     from specdec_core.head import DraftHead
     from specdec_core.train import head_vocabulary, measure_head_step
-    from tasks.steps.draft_training import in_heldout
+    from tasks.steps.drafters.draft_training import in_heldout
 
     model, _ = load_model(args.model, device="cpu")
     full = output_size(model)

@@ -30,7 +30,7 @@ def child_import(path: str, url: str, batch_size: int) -> None:
     """Runs in the child process: one import, then its figures as JSON on stdout."""
     from tasks.db.store import Store
     from tasks.settings import load_settings
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     report = import_traffic(path, Store.open(url),
@@ -101,7 +101,7 @@ def main() -> None:
         return
 
     from tasks.db import upgrade
-    from tasks.steps.traffic_import import sample_traffic_path
+    from tasks.steps.traffic.traffic_import import sample_traffic_path
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="specdec-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)

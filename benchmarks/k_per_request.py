@@ -77,8 +77,8 @@ def main() -> int:
     from tasks.serving.environment import served_model_dir
     from tasks.serving.server import VllmServer
     from tasks.settings import load_settings
-    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
-    from tasks.steps.validate import validation_context, validation_samplings
+    from tasks.steps.checks.engine_validate import BLOCK_SIZE, engine_report
+    from tasks.steps.checks.validate import validation_context, validation_samplings
 
     from engine_sampling_power import domain_requests
 

@@ -4,13 +4,13 @@ replayed over the same timed passes.
 Each round builds the main job's CostSampler (the embedded model, the default candidates, batch
 sizes 1, 2, 4, 8, K up to 8) and times --passes passes of every figure, recording when each
 ended. Then both policies are replayed over those passes with the pipeline's own check
-(tasks.steps.costs.checked_table, the default bounds):
+(tasks.steps.costs.costs.checked_table, the default bounds):
 
 - afresh: the check after 3 passes; a failing profile is measured again (3 more passes) and
   checked over those pooled with the 3 before (passes 1-6, then 4-9);
 - one more: the check after 3 passes; a failing profile gets one more pass at a time and is
   checked after each over its last 6 passes (1-4, 1-5, 1-6, 2-7, 3-8, 4-9): what
-  tasks.steps.costs.measure_until_consistent does.
+  tasks.steps.costs.costs.measure_until_consistent does.
 
 For each round and policy: the verdict, the passes it took, the seconds the profile had run by
 then, and the largest spread of the last check. Both policies stop at 9 passes.
@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     from specdec_core import cpu_kernels, load_model
     from specdec_core.profile import CostSampler
     from tasks.settings import load_settings
-    from tasks.steps.candidates import build_drafters
-    from tasks.steps.costs import checked_table, cpu_model
+    from tasks.steps.drafters.candidates import build_drafters
+    from tasks.steps.costs.costs import checked_table, cpu_model
 
     settings = load_settings()
     passes = REPEATS * settings.profile.attempts

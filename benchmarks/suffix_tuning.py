@@ -4,7 +4,7 @@ Per domain the shipped traffic (or --traffic FILE) splits by a hash of the reque
 tuning set (--tune requests) and the rest, which the domain's suffix index is built from: a
 tuning request is never in the index that scores it. Each setting walks rounds along the tuning
 responses (estimate.walk_rounds, the offline estimate the pipeline uses) at every K, and the
-planner's formula (tasks.steps.plan.round_cost, host search paid once per round) turns E and the width
+planner's formula (tasks.steps.plan.plan.round_cost, host search paid once per round) turns E and the width
 shares into a predicted speedup with costs measured here, in this run, on the embedded default
 (or --model). Prompt lookup runs on the same rows as the reference.
 
@@ -58,7 +58,7 @@ def split(rows: list, tune: int) -> tuple[list, list]:
 def predicted(drafter, rows: list, ks: list[int], verify: list[float], host: float):
     """{K: (speedup, E)} for a host drafter on the rows (planner formula)."""
     from specdec_core.estimate import walk_rounds
-    from tasks.steps.plan import round_cost
+    from tasks.steps.plan.plan import round_cost
 
     out = {}
     for k in ks:

@@ -3,7 +3,7 @@
 Per domain of the shipped traffic: the domain's requests in the order of a hash
 of their id, the first --sample of them as the run's sample, the rest as the suffix index the
 drafter searches (the drafter the main job plans everywhere on this machine). The test is the
-pipeline's own: its context (tasks.steps.validate.validation_context, the highest-entropy point of
+pipeline's own: its context (tasks.steps.checks.validate.validation_context, the highest-entropy point of
 the first requests), its sampling settings (validation_samplings, the two most frequent), K in
 {1, --k}, 300 rows. Each domain's test runs with the prompt copied per row (share_prompt=False,
 as before) and kept once (share_prompt=True), interleaved, --rounds times; both draw the same
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     from specdec_core.drafters import SuffixDrafter
     from specdec_core.suffix import SuffixIndex
     from specdec_core.validation import sampling_check
-    from tasks.steps.validate import validation_context, validation_samplings
+    from tasks.steps.checks.validate import validation_context, validation_samplings
 
     target, _ = load_model(args.model)
     cpu_kernels.prepare(target)

@@ -38,7 +38,7 @@ from specdec_core import SamplingParams, SpecDecoder, cpu_kernels, load_model  #
 from specdec_core.drafters import PromptLookup  # noqa: E402
 from tasks.serving import environment as serving_env  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
-from tasks.steps.costs import cpu_model  # noqa: E402
+from tasks.steps.costs.costs import cpu_model  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 

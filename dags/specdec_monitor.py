@@ -51,7 +51,8 @@ CPU_QUEUE, _ = queues()
 def specdec_monitor():
     @task
     def targets() -> list[dict]:
-        from tasks.steps.monitor import MonitorContext, champion_deployment_names
+        from tasks.steps.monitor.drift import champion_deployment_names
+        from tasks.steps.monitor.monitor import MonitorContext
 
         with task_errors():
             names = champion_deployment_names(MonitorContext.open(connection_store()))
@@ -60,8 +61,8 @@ def specdec_monitor():
 
     @task(map_index_template=MAP_LABEL, retries=0)
     def scrape(target: dict) -> dict:
-        from tasks.steps.monitor import MonitorContext
-        from tasks.steps.monitor import scrape as scrape_one
+        from tasks.steps.monitor.monitor import MonitorContext
+        from tasks.steps.monitor.scrape import scrape as scrape_one
 
         label_mapped(target["deployment"])
         with task_errors():
@@ -72,8 +73,8 @@ def specdec_monitor():
 
     @task(trigger_rule="all_done")
     def check() -> list[dict]:
-        from tasks.steps.monitor import MonitorContext
-        from tasks.steps.monitor import check as check_window
+        from tasks.steps.monitor.monitor import MonitorContext
+        from tasks.steps.monitor.drift import check as check_window
 
         with task_errors():
             result = check_window(MonitorContext.open(connection_store()))

@@ -6,8 +6,9 @@ report in `sql/` (portable SQL: SQLite and PostgreSQL) against the specdec datab
 each as CSV under `$SPECDEC_HOME/reports/` (one file per report, replaced each time), so ops teams
 read them from a file share or open them in a notebook. With several workers (CeleryExecutor), the
 files land on the worker that ran the task (queue `queues_cpu`): mount `$SPECDEC_HOME/reports` from
-a shared volume there, or run the same reports from any machine with `specdec report`. Every step is a function of `tasks.steps.reports`
-(the glue shared by the DAGs is `tasks.orchestration.airflow_glue`).
+a shared volume there, or run the same reports from any machine with `specdec report`. Every step is
+a function of `tasks.steps.traffic.reports` (the glue shared by the DAGs is
+`tasks.orchestration.airflow_glue`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from airflow.sdk import Asset, dag, task
 from tasks.orchestration.airflow_glue import (EVALUATIONS_URI, MAP_LABEL, connection_store,
                                               label_mapped, queues, task_errors)
 
-# The steps (tasks.steps.reports) are imported inside the tasks: they load the engine, the
+# The steps (tasks.steps.traffic.reports) are imported inside the tasks: they load the engine, the
 # database and the registry client, and a DAG file's parse loads only Airflow and
 # tasks.orchestration.airflow_glue (`python -X importtime -c "import dags.specdec_reports"`).
 
@@ -36,13 +37,13 @@ CPU_QUEUE, _ = queues()
 def specdec_reports():
     @task
     def report_names() -> list[str]:
-        from tasks.steps.reports import list_reports
+        from tasks.steps.traffic.reports import list_reports
 
         return sorted(list_reports())
 
     @task(map_index_template=MAP_LABEL)
     def materialise(name: str) -> dict:
-        from tasks.steps.reports import materialise_report
+        from tasks.steps.traffic.reports import materialise_report
 
         label_mapped(name)
         with task_errors():

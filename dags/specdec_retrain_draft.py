@@ -9,7 +9,7 @@ threshold (asset `specdec://alerts/low-acceptance`):
    under each row's logged sampling parameters, stored as traffic rows marked as generated (never
    sampled, indexed or reported as production traffic). A retried task resumes: the run id names
    the generation, and the prompts it already answered are skipped; so are the prompts this
-   run's training holds out (`tasks.steps.traffic_generate`).
+   run's training holds out (`tasks.steps.traffic.traffic_generate`).
 1. **train**: stored requests answered by this target (same fingerprint) in the window, split
    train / held-out by request id (recorded: evaluations never score a draft's training rows);
    a draft is trained -- Param `kind`: a small draft initialised from the target (KL from the
@@ -47,11 +47,11 @@ from airflow.timetables.trigger import CronTriggerTimetable
 
 from tasks.orchestration.airflow_glue import (DEFAULT_MODEL, LOW_ACCEPTANCE_URI, NEW_DRAFT_URI, TIMING_POOL,
                                               connection_registry, connection_store, queues, task_errors)
-from tasks.steps.draft_recipes import KINDS, SCHEDULED_RETRAINING
+from tasks.steps.drafters.draft_recipes import KINDS, SCHEDULED_RETRAINING
 
-# The steps (tasks.steps.draft_training) are imported inside the tasks: they load the engine, the
+# The steps (tasks.steps.drafters.draft_training) are imported inside the tasks: they load the engine, the
 # database and the registry client, and a DAG file's parse loads only Airflow,
-# tasks.orchestration.airflow_glue and the training defaults (tasks.steps.draft_recipes: no engine)
+# tasks.orchestration.airflow_glue and the training defaults (tasks.steps.drafters.draft_recipes: no engine)
 # (`python -X importtime -c "import dags.specdec_retrain_draft"`).
 # The Params' defaults are SCHEDULED_RETRAINING: the library's and the CLI's training defaults,
 # with this schedule's deliberate choice of longer training on a bounded window.
@@ -131,8 +131,8 @@ def specdec_retrain_draft():
     @task(pool=TIMING_POOL, queue=GPU_QUEUE)
     def generate() -> dict:
         """Generated training rows (Param generate_count per domain; nothing when 0)."""
-        from tasks.steps.draft_training import train_id_of_run
-        from tasks.steps.traffic_generate import generate_traffic
+        from tasks.steps.drafters.draft_training import train_id_of_run
+        from tasks.steps.traffic.traffic_generate import generate_traffic
 
         context = get_current_context()
         p = context["params"]
@@ -152,8 +152,8 @@ def specdec_retrain_draft():
     def train() -> dict:
         """Train, then upload the kept checkpoint to MLflow from this worker: the registration
         (another task, maybe on another machine) reads no local file."""
-        from tasks.steps.draft_recipes import recipe_and_data
-        from tasks.steps.draft_training import log_draft, train_draft_from_traffic, train_id_of_run
+        from tasks.steps.drafters.draft_recipes import recipe_and_data
+        from tasks.steps.drafters.draft_training import log_draft, train_draft_from_traffic, train_id_of_run
 
         context = get_current_context()
         p = context["params"]
@@ -178,7 +178,7 @@ def specdec_retrain_draft():
 
     @task(outlets=[NEW_DRAFT_ASSET])
     def register(trained: dict) -> dict:
-        from tasks.steps.draft_training import register_logged_draft
+        from tasks.steps.drafters.draft_training import register_logged_draft
 
         with task_errors():
             store = connection_store()
@@ -192,7 +192,7 @@ def specdec_retrain_draft():
 
     @task
     def refresh_suffix_indexes() -> dict:
-        from tasks.steps.suffix_index import refresh_indexes
+        from tasks.steps.drafters.suffix_index import refresh_indexes
 
         p = get_current_context()["params"]
         with task_errors():

@@ -53,7 +53,7 @@ def split_hash(split_key: str, request_id: str) -> float:
 
 def in_heldout(split_key: str, request_id: str, fraction: float) -> bool:
     """Whether request `request_id` is held out (never trained on) under split `split_key`: a hash
-    of (split key, request id) below `fraction`. Training (tasks.steps.draft_training) and the
+    of (split key, request id) below `fraction`. Training (tasks.steps.drafters.draft_training) and the
     benchmarks split by this one rule."""
     return split_hash(split_key, request_id) < fraction
 
@@ -66,7 +66,7 @@ def validation_key(split_key: str) -> str:
 def in_validation(split_key: str, request_id: str, fraction: float) -> bool:
     """Whether a request that split `split_key` does not hold out is kept for validation (not
     trained on; it chooses the checkpoint): its validation hash below `fraction`. Training
-    (tasks.steps.draft_training, which also keeps the lowest one where none falls below) and
+    (tasks.steps.drafters.draft_training, which also keeps the lowest one where none falls below) and
     generation for a training (which skips those prompts) use this rule."""
     return split_hash(validation_key(split_key), request_id) < fraction
 

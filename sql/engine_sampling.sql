@@ -1,6 +1,6 @@
 -- Question: does speculation on vLLM change what users receive, per run and domain, beside our own engine's test?
 --   One row per run and domain that had the sampling test on vLLM's OpenAI server (the engine
---   check's, tasks/steps/engine_validate.py), newest first, beside the same run and domain's
+--   check's, tasks/steps/checks/engine_validate.py), newest first, beside the same run and domain's
 --   sampling test on our engine (own_*: NULL where it did not run).
 -- Reads: validations (check_name 'engine_sampling' and 'sampling'), domain_configs.
 -- Columns: engine 'vllm'; passed 1 | 0 (0: failed, engine_differs or error; where a serving

@@ -156,7 +156,7 @@ class PlanSettings(_Group):
 
     candidates: tuple[str, ...] = Field(
         default=("prompt_lookup:max_ngram=3", "suffix", "layer_skip:num_layers=8"),
-        description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.steps.candidates)")
+        description="drafters to evaluate, KIND[:PARAM=VALUE,...] (see tasks.steps.drafters.candidates)")
     auto_draft_candidates: bool = Field(default=True, description=(
         "add the drafts registered for this target (alias candidate, else the newest) to the candidates"))
     k_max: int = Field(default=8, ge=1, le=32, description=(
@@ -262,7 +262,7 @@ class LiveSettings(_Group):
     veto: bool = Field(default=True, description=(
         "a domain that would turn on stays at the champion's setting when confirm measures it "
         "slower than plain decoding, confidently below min_speedup, or confidently slower than "
-        "predicted beyond live.tolerance (tasks.steps.confirm.live_verdict); a domain on in the "
+        "predicted beyond live.tolerance (tasks.steps.checks.confirm.live_verdict); a domain on in the "
         "config that measured so fails the live_check gate (off: live timings are noise, the gate "
         "reports and is not enforced)"))
 
@@ -360,7 +360,7 @@ class QueueSettings(_Group):
 
 
 class LoadCheckSettings(_Group):
-    """The load check on vLLM's OpenAI server (tasks.steps.load_check; docs/load-check.md)."""
+    """The load check on vLLM's OpenAI server (tasks.steps.checks.load_check; docs/load-check.md)."""
 
     check: bool = Field(default=True, description=(
         "with the engine check: stream each domain's requests through the config's vLLM OpenAI "

@@ -199,7 +199,7 @@ def mlflow_uri(tmp_path, mlflow_template) -> str:
 def tiny_db(db_url, tmp_path, tiny_target):
     """db_url with tiny_target's own traffic imported (json and qa, 10 each, and 2 foreign qa)."""
     from tasks.db.store import Store
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     import_traffic(write_jsonl(tmp_path / "tiny.jsonl", traffic_rows(tiny_target)), store=Store.open(db_url),
                    progress=False)
@@ -287,7 +287,7 @@ def tiny_store(db_url, tmp_path, monkeypatch, mlflow_uri):
     (draft training and the run context's tests)."""
     from specdec_core import load_model
     from tasks.db.store import Store
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, tokenizer = load_model(str(model_dir), device="cpu")

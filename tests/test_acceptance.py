@@ -1,9 +1,9 @@
-"""tasks.steps.acceptance: E, per-position rates and E's interval on hand-checkable counts."""
+"""tasks.steps.estimate.acceptance: E, per-position rates and E's interval on hand-checkable counts."""
 
 import pytest
 
-from tasks.steps.acceptance import (accepted_per_position, mean_accepted_length,
-                                    mean_length_interval, position_rates)
+from tasks.steps.estimate.acceptance import (accepted_per_position, mean_accepted_length,
+                                             mean_length_interval, position_rates)
 
 
 def test_mean_accepted_length_is_one_plus_accepted_per_draft():

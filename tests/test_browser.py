@@ -66,7 +66,7 @@ def stores(airflow_env, dagbag, tmp_path_factory):
     from tasks.orchestration.airflow_logs import recording, write_task_logs
     from tasks.db import upgrade
     from tasks.db.store import Store
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     base = tmp_path_factory.mktemp("ui-stores")
     with pytest.MonkeyPatch.context() as patch:

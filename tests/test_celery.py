@@ -97,7 +97,7 @@ def redis_url(tmp_path):
 @pytest.fixture
 def shipped_two_domains(db_url, tmp_path):
     """The shortest ROWS_PER_DOMAIN rows of json and qa from the shipped traffic, imported."""
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     with gzip.open(REPO / "tasks" / "data" / "sample_traffic.jsonl.gz", "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
@@ -113,12 +113,12 @@ def shipped_two_domains(db_url, tmp_path):
 @pytest.fixture
 def stored_profile(embedded, db_url, shipped_two_domains):
     """A cost profile of the embedded default on this machine, measured once for both runs."""
-    from tasks.steps.costs import profile_costs
+    from tasks.steps.costs.costs import profile_costs
     from tasks.settings import load_settings
 
     model, tokenizer = embedded
     settings = load_settings(SMALL)
-    from tasks.steps.candidates import build_drafters
+    from tasks.steps.drafters.candidates import build_drafters
 
     drafters = build_drafters(CANDIDATES, model, tokenizer)
     measured = profile_costs("ci-profile", model, {label: d for label, (_, d) in drafters.items()},

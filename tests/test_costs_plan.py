@@ -12,12 +12,13 @@ import pytest
 import torch
 from sqlalchemy import insert, select
 
-from tasks.steps.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
-from tasks.steps.costs import (FILE_FORMAT, CostProfileError, CostTable, describe_hardware, export_costs,
-                         import_costs, load_costs, profile_costs, timing_lock)
+from tasks.steps.drafters.candidates import CandidateError, build_drafters, candidate_label, parse_candidate
+from tasks.steps.costs.costs import (CostProfileError, CostTable, describe_hardware, load_costs,
+                                     profile_costs, timing_lock)
+from tasks.steps.costs.transfer import FILE_FORMAT, export_costs, import_costs
 from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, HardwareProfile
 from tasks.db.store import Store
-from tasks.steps.plan import plan_domain, round_cost, speedups
+from tasks.steps.plan.plan import plan_domain, round_cost, speedups
 from tasks.settings import load_settings
 
 from .helpers import REPO
@@ -263,7 +264,7 @@ def test_plan_on_a_profile_with_sampled_steps_prices_the_domains_share_of_sample
 def test_a_serving_engines_profile_plans_only_the_drafters_it_serves(db_url):
     # a vLLM profile has no draft step for layer skip (vLLM does not serve it): the domain is
     # planned with the drafters it prices; our engine's profile without one is an error as before
-    from tasks.steps.costs import CostProfileError
+    from tasks.steps.costs.costs import CostProfileError
 
     seed_qa(db_url)
     served = cost_table()
@@ -290,7 +291,7 @@ def test_plan_stores_k_by_batch_size_and_derives_max_batch_size_from_it(db_url):
 
 
 def test_k_schedule_picks_the_best_paying_k_at_each_batch_size():
-    from tasks.steps.plan import k_schedule
+    from tasks.steps.plan.plan import k_schedule
 
     # LS K=1 and K=2 (widths all K): b=1: K=2 2.2/1.9 = 1.16 beats K=1 1.6/1.45 = 1.10;
     # b=2: K=1 1.6/1.8 = 0.89, K=2 2.2/2.6 = 0.85: neither pays at 0.5 -- hand-check via pays
@@ -755,11 +756,11 @@ def _paired(batch: int, k: int, step_s, steps: int, drafted_per_step: float, sam
 
 
 def test_vllm_profile_prices_verify_from_pairs_inside_one_engine_and_other_drafters_beside_it():
-    """tasks.steps.engine_costs._table: one ngram engine timing K 0 and each K in alternating
+    """tasks.steps.costs.engine_costs._table: one ngram engine timing K 0 and each K in alternating
     batches becomes a cost profile: the K 0 step is the target step; verify(K) its paired ratio,
     solved from the share of steps whose n-gram search proposed K, interpolated between the K
     timed; a model drafter's step per token is its own engine's ratio less the ngram one's."""
-    from tasks.steps.engine_costs import _table
+    from tasks.steps.costs.engine_costs import _table
 
     # the machine slowed by 50% in the third repeat: each pair sees it on both sides
     ngram = (_paired(1, 0, [0.040, 0.040, 0.060], 50, 0.0) + _paired(1, 1, [0.044, 0.044, 0.066], 50, 1.0)
@@ -797,7 +798,7 @@ def test_vllm_profile_prices_verify_from_pairs_inside_one_engine_and_other_draft
 
 
 def test_vllm_profile_never_prices_a_larger_k_below_a_smaller_one_beyond_their_intervals():
-    from tasks.steps.engine_costs import _table
+    from tasks.steps.costs.engine_costs import _table
 
     # K 2 12% cheaper than K 1, settled: within profile_verify_dip (a CPU's kernels change path
     # with the width, repeatably), priced as measured
@@ -820,7 +821,7 @@ def test_vllm_profile_never_prices_a_larger_k_below_a_smaller_one_beyond_their_i
 
 
 def test_vllm_profile_pairs_contended_repeats_only_where_no_clean_ones_are_left():
-    from tasks.steps.engine_costs import _table
+    from tasks.steps.costs.engine_costs import _table
 
     runs = [("ngram", {}, None, [1])]
     # repeats 0 and 1 clean; repeat 2 contended with a ratio far off: left out
@@ -842,8 +843,8 @@ def test_vllm_profile_prices_sampled_requests_apart_and_plans_a_domains_mix():
     import numpy as np
 
     from specdec_core.estimate import RoundTotals
-    from tasks.steps.engine_check import predicted_speedup
-    from tasks.steps.engine_costs import _table
+    from tasks.steps.checks.engine_check import predicted_speedup
+    from tasks.steps.costs.engine_costs import _table
 
     ngram = (_paired(1, 0, 0.040, 50, 0.0) + _paired(1, 1, 0.044, 50, 1.0) + _paired(1, 3, 0.048, 50, 3.0)
              + _paired(1, 0, 0.042, 50, 0.0, "sampled") + _paired(1, 1, 0.050, 50, 1.0, "sampled")

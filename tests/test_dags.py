@@ -88,7 +88,7 @@ def test_dagbag_imports_without_errors(dagbag):
     # training defaults: the library's (TrainConfig, the recipes), except the schedule's named
     # choice of longer training on a bounded window
     from specdec_core.train_config import TrainConfig
-    from tasks.steps.draft_recipes import SCHEDULED_RETRAINING
+    from tasks.steps.drafters.draft_recipes import SCHEDULED_RETRAINING
 
     library = TrainConfig()
     assert (retrain.params["steps"], retrain.params["eval_every"]) == (300, 100) != (library.steps,
@@ -178,7 +178,7 @@ def test_dag_files_only_wire_tasks_functions():
 @pytest.fixture
 def tiny_env(airflow_env, db_url, tmp_path, monkeypatch, mlflow_uri):
     """Tiny target saved as a model directory, its own traffic imported, MLflow in tmp_path."""
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     target = tiny_llama(seed=0)
     model_dir = save_tiny_target(target, tmp_path / "tiny-target")
@@ -319,7 +319,7 @@ def test_dag_end_to_end_then_a_failing_domain_keeps_the_champion(dagbag, tiny_en
 
 @pytest.mark.integration
 def test_retrain_dag_trains_registers_and_the_next_evaluation_takes_the_draft(dagbag, tiny_env):
-    from tasks.steps.draft_training import draft_model_name
+    from tasks.steps.drafters.draft_training import draft_model_name
     from tasks.registry.tracking import client
 
     run = retrain_run(dagbag, {"target": tiny_env["target"], "num_layers": 1, "steps": 10,
@@ -353,7 +353,7 @@ def test_retrain_dag_generates_rows_and_trains_an_eagle3_head_on_them(dagbag, ti
 
     from tasks.db.models import DraftModelRecord, TrafficRequest
     from tasks.registry.tracking import client
-    from tasks.steps.draft_training import draft_model_name, train_id_of_run
+    from tasks.steps.drafters.draft_training import draft_model_name, train_id_of_run
 
     run = retrain_run(dagbag, {"target": tiny_env["target"], "kind": "eagle3", "vocab_size": 64,
                                "layer_ids": [1, 2, 3], "generate_count": 3, "steps": 4,
@@ -809,7 +809,7 @@ def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdec
     from airflow.dag_processing.dagbag import DagBag
     from airflow.sdk.exceptions import AirflowSkipException
 
-    from tasks.steps import monitor
+    from tasks.steps.monitor import drift, monitor
 
     bag = DagBag(dag_folder=str(REPO / "dags"))
     for dag_id in ("specdec_evaluate", "specdec_retrain_draft", "specdec_reports", "specdec_monitor"):
@@ -817,10 +817,10 @@ def test_the_monitor_with_nothing_to_watch_ends_skipped_and_every_dag_is_specdec
     check = bag.dags["specdec_monitor"].get_task("check").python_callable
     monkeypatch.setitem(check.__globals__, "connection_store", lambda: None)
     monkeypatch.setattr(monitor.MonitorContext, "open", staticmethod(lambda store: None))
-    monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": None, "deployments": [], "events": []})
+    monkeypatch.setattr(drift, "check", lambda ctx: {"champion": None, "deployments": [], "events": []})
     with pytest.raises(AirflowSkipException, match="nothing to watch: no champion"):
         check()
-    monkeypatch.setattr(monitor, "check", lambda ctx: {"champion": "3", "deployments": [], "events": []})
+    monkeypatch.setattr(drift, "check", lambda ctx: {"champion": "3", "deployments": [], "events": []})
     with pytest.raises(AirflowSkipException, match="champion version 3 has no speculative deployment"):
         check()
     # the DAG list shows an AssetOrTimeSchedule as an asset trigger: its cron is a tag there

@@ -65,7 +65,7 @@ def test_worker_name_is_the_variable_else_the_host(monkeypatch):
 def evaluated(tmp_path_factory, tiny_target):
     """One evaluation of the tiny target (SQLite), on 'worker A' (its own SPECDEC_HOME)."""
     from tasks.db import upgrade
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     root = tmp_path_factory.mktemp("distributed")
     url = f"sqlite:///{root / 'specdec.db'}"
@@ -127,8 +127,8 @@ def _set_run_hardware(url: str, **values) -> None:
 
 
 def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tiny_target, caplog):  # noqa: F811
-    from tasks.steps.confirm import confirm_hardware
-    from tasks.steps.costs import HardwareMismatch
+    from tasks.steps.checks.confirm import confirm_hardware
+    from tasks.steps.costs.costs import HardwareMismatch
     from tasks.db.store import Store
 
     url = evaluated["url"]
@@ -156,7 +156,7 @@ def test_confirm_refuses_live_timings_from_another_hardware_class(evaluated, tin
             connection.execute(update(HardwareProfile).where(HardwareProfile.name == name).values(
                 device="NVIDIA H100 80GB HBM3", dtype="bfloat16"))
         try:
-            with caplog.at_level(logging.WARNING, logger="tasks.steps.confirm"):
+            with caplog.at_level(logging.WARNING, logger="tasks.steps.checks.confirm"):
                 assert confirm_hardware("dist", "json", store, tiny_target) is None
             assert "confirm skipped" in caplog.text and "NVIDIA H100" in caplog.text
         finally:
@@ -177,10 +177,10 @@ def test_a_draft_is_registered_from_what_the_training_worker_uploaded(db_url, tm
     and register_logged_draft still registers it; another worker downloads it by its URI."""
     from specdec_core import load_model
     from specdec_core.train import TrainConfig
-    from tasks.steps.draft_recipes import DraftModelRecipe
-    from tasks.steps.draft_training import (log_draft, register_logged_draft, resolve_model_uri,
-                                      train_draft_from_traffic)
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.drafters.draft_recipes import DraftModelRecipe
+    from tasks.steps.drafters.draft_training import (log_draft, register_logged_draft, resolve_model_uri,
+                                                     train_draft_from_traffic)
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, _ = load_model(str(model_dir), device="cpu")

@@ -161,8 +161,8 @@ def scored_per_drafter(db_url, run_id) -> dict[str, int]:
 
 def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
     from tasks.db.models import DraftModelRecord, DraftTrainingRequest
-    from tasks.steps.draft_recipes import DraftModelRecipe
-    from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
+    from tasks.steps.drafters.draft_recipes import DraftModelRecipe
+    from tasks.steps.drafters.draft_training import draft_candidates, train_draft_from_traffic
     from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
 
@@ -222,8 +222,8 @@ def test_trained_draft_is_registered_and_joins_the_next_evaluation(tiny_store):
 
 
 def test_trained_head_is_registered_by_kind_and_joins_the_next_evaluation(tiny_store):
-    from tasks.steps.draft_recipes import DraftModelRecipe, HeadRecipe, TrainingData
-    from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
+    from tasks.steps.drafters.draft_recipes import DraftModelRecipe, HeadRecipe, TrainingData
+    from tasks.steps.drafters.draft_training import draft_candidates, train_draft_from_traffic
     from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
     from tasks.registry.tracking import client
@@ -294,9 +294,9 @@ def test_eagle3_is_trained_from_the_cli_registered_and_served_as_a_candidate(tin
     from tasks.cli.app import main
     from tasks.db.models import DraftTrainingRequest, TrafficRequest
     from tasks.registry.tracking import client
-    from tasks.steps.candidates import build_drafters
-    from tasks.steps.draft_training import draft_candidates, resolve_model_uri
-    from tasks.steps.offline_estimate import request_token_ids
+    from tasks.steps.drafters.candidates import build_drafters
+    from tasks.steps.drafters.draft_training import draft_candidates, resolve_model_uri
+    from tasks.steps.estimate.offline_estimate import request_token_ids
 
     target, model, db_url = tiny_store["target"], tiny_store["model"], tiny_store["db_url"]
     rc = main(["draft", "train", "--id", "eagle3-1", "--model", target, "--kind", "eagle3",
@@ -356,9 +356,9 @@ def test_eagle3_is_trained_from_the_cli_registered_and_served_as_a_candidate(tin
 
 def test_eagle3_wrong_kind_or_another_target_is_a_clear_error_naming_the_input(tmp_path):
     from specdec_core.eagle3 import Eagle3Head
-    from tasks.steps.candidates import CandidateError, build_drafters
-    from tasks.steps.draft_recipes import recipe_for
-    from tasks.steps.draft_training import DraftTrainingError, train_draft_from_traffic
+    from tasks.steps.drafters.candidates import CandidateError, build_drafters
+    from tasks.steps.drafters.draft_recipes import recipe_for
+    from tasks.steps.drafters.draft_training import DraftTrainingError, train_draft_from_traffic
 
     target = tiny_llama(seed=0)
     with pytest.raises(DraftTrainingError, match=r"draft kind 'eagle'.*'eagle3'"):
@@ -389,7 +389,7 @@ def test_eagle3_without_vocab_size_drafts_over_the_full_vocabulary(tmp_path):
     from safetensors.torch import load_file
 
     from specdec_core.eagle3 import Eagle3Head
-    from tasks.steps.draft_recipes import eagle3_head
+    from tasks.steps.drafters.draft_recipes import eagle3_head
 
     target = tiny_llama(seed=0)
     head = eagle3_head(target, [], None, [1, 3])
@@ -403,8 +403,8 @@ def test_one_recipe_per_kind_built_from_flat_options_with_the_librarys_defaults(
     from specdec_core.train_config import TrainConfig
     from tasks.cli.app import build_parser
     from tasks.cli.draft import train_recipe
-    from tasks.steps.draft_recipes import (DraftModelRecipe, DraftTrainingError, Eagle3Recipe,
-                                           HeadRecipe, TrainingData, recipe_for)
+    from tasks.steps.drafters.draft_recipes import (DraftModelRecipe, DraftTrainingError, Eagle3Recipe,
+                                                    HeadRecipe, TrainingData, recipe_for)
 
     # `specdec draft train` without flags trains what the library trains by default
     recipe, data = train_recipe(build_parser().parse_args(["draft", "train"]))

@@ -136,7 +136,7 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
     from tasks.db import dispose_engines, upgrade
     from tasks.steps.evaluate import evaluate
     from tasks.settings import load_settings
-    from tasks.steps.traffic_import import import_traffic, sample_traffic_path
+    from tasks.steps.traffic.traffic_import import import_traffic, sample_traffic_path
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     url = f"sqlite:///{tmp_path / 'specdec.db'}"

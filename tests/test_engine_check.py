@@ -1,4 +1,4 @@
-"""The engine check's comparison and gate (tasks.steps.engine_check) without an engine: vLLM's per-step
+"""The engine check's comparison and gate (tasks.steps.checks.engine_check) without an engine: vLLM's per-step
 counts against the estimate's expected rounds, the tolerance, and the skip without a serving
 environment. The check against the real vLLM is in test_vllm_serving.py."""
 
@@ -10,7 +10,7 @@ import pytest
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, RoundTotals
 from tasks.db.store import Store
-from tasks.steps.engine_check import batch_one_k, compare_request, domain_verdict, engine_check
+from tasks.steps.checks.engine_check import batch_one_k, compare_request, domain_verdict, engine_check
 
 
 def _request(response, greedy=True):
@@ -99,7 +99,7 @@ def test_no_serving_environment_skips_with_how_to_make_one(db_url, tmp_path):
 def test_drafts_vllm_accepts_past_the_response_are_left_out():
     from specdec_core.drafters import PromptLookup
 
-    from tasks.steps.engine_check import engine_walk
+    from tasks.steps.checks.engine_check import engine_walk
 
     # the prompt repeats: after the first answer token, lookup proposes the next three, and
     # vLLM (K = 3 whatever max_tokens leaves) accepts all three, the last one past the response
@@ -122,7 +122,7 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
     from specdec_core.drafters import DraftModel
 
     from .helpers.models import tiny_llama
-    from tasks.steps.engine_check import contiguous_steps
+    from tasks.steps.checks.engine_check import contiguous_steps
 
     # 6 tokens: the prefill's, then steps at 1 (2 accepted + its own: 1..3) and at 4 (3 accepted
     # drafts, of which 4 and 5 are in the output and the third past it)
@@ -160,7 +160,8 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
 
 
 def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypatch):
-    from tasks.steps import draft_training, engine_check as check
+    from tasks.steps.checks import engine_check as check
+    from tasks.steps.drafters import draft_training
 
     fetched = []
 
@@ -184,7 +185,7 @@ def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
     # the live check of a run planned on vLLM's costs: the replayed requests' decode phases on
     # vLLM, judged by confirm's rule (one rule for both engines)
     from tasks.settings import load_settings
-    from tasks.steps.engine_check import vllm_live_check
+    from tasks.steps.checks.engine_check import vllm_live_check
 
     requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(6)]
     plain = {"requests": {r.request_id: {"token_ids": list(range(33)), "decode_s": 1.0, "seconds": 1.1}
@@ -215,7 +216,7 @@ def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_
     # decode read 3x slower and the point fell under plain; judged on the six clean pairs it
     # passes, and the reason says how many pairs were left out
     from tasks.settings import load_settings
-    from tasks.steps.engine_check import vllm_live_check
+    from tasks.steps.checks.engine_check import vllm_live_check
 
     requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(8)]
     slowed = {"q0", "q1"}
@@ -246,7 +247,7 @@ def test_vllms_live_check_leaves_out_pairs_with_a_slowed_twin_as_it_does_contend
     # the probe marks a twin "slowed" (a step over profile_slowed past its K's fastest) where
     # /proc saw no neighbour: busy 1's json, three plain twins and four config twins stalled
     from tasks.settings import load_settings
-    from tasks.steps.engine_check import vllm_live_check
+    from tasks.steps.checks.engine_check import vllm_live_check
 
     requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(8)]
     plain = {"requests": {r.request_id: {"token_ids": list(range(47)), "seconds": 2.0,
@@ -319,7 +320,7 @@ def test_which_engines_costs_plan_a_run(tmp_path):
     # target (the embedded default or a transformers directory); the setting forces either
     from tasks.serving import environment as serving_env
     from tasks.settings import load_settings
-    from tasks.steps.engine_costs import plans_on_vllm
+    from tasks.steps.costs.engine_costs import plans_on_vllm
 
     python = tmp_path / "bin" / "python"
     python.parent.mkdir()
@@ -361,7 +362,7 @@ def test_configs_differing_in_k_only_share_one_engine_each_request_asking_its_do
     # them the same way, on one engine started as that deployment (its largest K), each request
     # asking its domain's K
     from tasks.settings import load_settings
-    from tasks.steps.engine_check import PLAIN, _paired_items, _plan_check
+    from tasks.steps.checks.engine_check import PLAIN, _paired_items, _plan_check
 
     suffix = {"method": "suffix", "suffix_decoding_max_tree_depth": 24}
     exported = {"unsupported": {}, "speculative_config": {

@@ -14,7 +14,7 @@ from tasks.db.store import Store
 from tasks.registry.registry import Registry
 from tasks.steps.evaluate import evaluate
 from tasks.settings import load_settings
-from tasks.steps.traffic_import import import_traffic
+from tasks.steps.traffic.traffic_import import import_traffic
 
 from .helpers.evaluation import SETTINGS, run
 from .helpers.models import VOCAB
@@ -108,9 +108,9 @@ def test_insufficient_domain_stays_off_and_the_rest_goes_on(tiny_db, tiny_target
 
 def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_target):
     from specdec_core.faults import BROKEN_VARIANTS
-    from tasks.steps.candidates import build_drafters
-    from tasks.steps.offline_estimate import load_sample_requests
-    from tasks.steps.validate import validate_domain, validate_run
+    from tasks.steps.drafters.candidates import build_drafters
+    from tasks.steps.estimate.offline_estimate import load_sample_requests
+    from tasks.steps.checks.validate import validate_domain, validate_run
 
     settings = load_settings({}, **{**SETTINGS, "plan_min_speedup": 0.01, "validation_rows": 400})
     run(tiny_db, tiny_target, "broken", plan_min_speedup=0.01)
@@ -181,7 +181,7 @@ def test_confirm_predicts_the_same_requests_and_checks_greedy_rows(tiny_db, tiny
 
 
 def test_confirm_requests_are_stratified_on_offline_e():
-    from tasks.steps.confirm import _stratified
+    from tasks.steps.checks.confirm import _stratified
 
     requests = ["a", "b", "c", "d", "e", "f", "g", "h"]
     values = [5.0, 1.0, 4.0, 2.0, 3.0, 0.0, 7.0, 6.0]
@@ -207,7 +207,7 @@ def timed(speedups, tokens=40, plain_s=1.0, predicted=None):
 
 
 def test_live_verdict_rules():
-    from tasks.steps.confirm import live_verdict
+    from tasks.steps.checks.confirm import live_verdict
 
     settings = load_settings({})          # min_speedup 1.1, confirm_tolerance 0.25
     turning_on = {"enabled": True, "champion_on": False, "predicted_speedup": 1.4}
@@ -284,8 +284,8 @@ def test_each_domain_gets_its_own_sampling_test_unless_drafter_k_and_settings_ar
 
     from specdec_core import SamplingParams
     from specdec_core.estimate import LoggedRequest
-    from tasks.steps.candidates import build_drafters
-    from tasks.steps.validate import validate_domain
+    from tasks.steps.drafters.candidates import build_drafters
+    from tasks.steps.checks.validate import validate_domain
 
     from .helpers.registry import finished_run
 
@@ -382,7 +382,7 @@ def test_finish_register_promote_alert_and_report_each_log_a_summary_line(tiny_d
 
     from tasks.steps.evaluate import report_table
     from tasks.steps.pipeline import low_acceptance_domains
-    from tasks.steps.reports import materialise_report
+    from tasks.steps.traffic.reports import materialise_report
 
     caplog.set_level(logging.INFO, logger="tasks")
     uri = mlflow_uri

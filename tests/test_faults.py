@@ -77,7 +77,7 @@ def home(tmp_path, tiny_dir):
     """A migrated $SPECDEC_HOME (SQLite) holding the tiny target's traffic (for commands run as
     new processes)."""
     from tasks.db import dispose_engines, upgrade
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     home = tmp_path / "home"
     home.mkdir()
@@ -236,8 +236,8 @@ def test_disk_full_during_evaluate_is_one_line_and_exit_2(tmp_path, tiny_dir):
 # ------------------------------------------------------------------------------------------------
 # 7. a row stamped in the future
 def test_the_default_window_ignores_rows_stamped_in_the_future_and_counts_them(db_url, tmp_path, caplog):
-    from tasks.steps.traffic_import import import_traffic
-    from tasks.steps.traffic_sample import sample_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_sample import sample_traffic
     from tasks.settings import load_settings
     from tasks.timeutil import utcnow
 
@@ -306,7 +306,7 @@ def _stop_in_estimate(home: Path, directory: Path, run_id: str, how: int) -> sub
 
 def _in_reports(url: str, run_id: str) -> dict[str, int]:
     """How many rows of run_id each report shows (acceptance: runs counted in its rows)."""
-    from tasks.steps.reports import run_report
+    from tasks.steps.traffic.reports import run_report
 
     safeguards = run_report("planner_safeguards", store=Store.open(url))
     acceptance = run_report("acceptance_by_domain_per_day", store=Store.open(url))
@@ -385,7 +385,7 @@ def test_ten_concurrent_conflicting_imports_account_for_every_row(db_url, tmp_pa
     the same content everywhere; odd ids: each file's own answer). Every row read is stored,
     skipped as already stored or quarantined; the reports say exactly what each import did."""
     from tasks.db.models import QuarantinedRequest, TrafficRequest
-    from tasks.steps.reports import run_report
+    from tasks.steps.traffic.reports import run_report
 
     paths = [write_jsonl(tmp_path / f"part-{n}.jsonl", [
         request_row(i, response=f"answer {i}" if i % 2 == 0 else f"answer {i} from file {n}")
@@ -495,7 +495,7 @@ def test_a_hostile_run_id_is_refused_in_one_short_line(command, run_id, tmp_path
 
 def test_the_sample_step_refuses_a_blank_run_id(db_url):
     from tasks.errors import InvalidIdentifier
-    from tasks.steps.traffic_sample import sample_traffic
+    from tasks.steps.traffic.traffic_sample import sample_traffic
 
     with pytest.raises(InvalidIdentifier):
         sample_traffic("   ", store=Store.open(db_url))
@@ -507,9 +507,9 @@ def test_the_sample_step_refuses_a_blank_run_id(db_url):
 def test_a_draft_trained_with_no_register_is_not_left_training(tiny_store):
     from specdec_core.train import TrainConfig
     from tasks.db.models import DraftModelRecord
-    from tasks.steps.draft_training import train_draft_from_traffic
+    from tasks.steps.drafters.draft_training import train_draft_from_traffic
 
-    from tasks.steps.draft_recipes import DraftModelRecipe
+    from tasks.steps.drafters.draft_recipes import DraftModelRecipe
 
     recipe = DraftModelRecipe(num_layers=1, config=TrainConfig(steps=2, eval_every=1, k_max=2,
                                                                 warmup_steps=1))

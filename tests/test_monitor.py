@@ -31,7 +31,8 @@ def test_scrapes_store_deltas_and_a_restart_starts_a_new_series_never_negative(d
     from tasks.db.models import MonitorScrape
     from tasks.errors import MonitorScrapeError
     from tasks.settings import load_settings
-    from tasks.steps.monitor import MonitorContext, scrape
+    from tasks.steps.monitor.monitor import MonitorContext
+    from tasks.steps.monitor.scrape import scrape
 
     ctx = MonitorContext.open(Store.open(db_url), None, "Test-Org/None", load_settings({}))
     metrics_server.text = exposition(100, 300, 150, [60, 50, 40])
@@ -78,8 +79,10 @@ def test_drift_alert_without_rollback_when_it_is_off_in_the_report_and_show(
         db_url, tracking, metrics_server, tmp_path):
     from tasks.registry.tracking import client
     from tasks.settings import load_settings
-    from tasks.steps.monitor import MonitorContext, check, scrape, show
-    from tasks.steps.reports import run_report
+    from tasks.steps.monitor.drift import check
+    from tasks.steps.monitor.monitor import MonitorContext, show
+    from tasks.steps.monitor.scrape import scrape
+    from tasks.steps.traffic.reports import run_report
 
     target = f"Test-Org/Off-{tmp_path.name[-8:]}"
     name = monitored_champion(db_url, tracking, target)
@@ -143,7 +146,8 @@ def test_show_keeps_what_was_scraped_of_a_deployment_whose_config_version_is_unk
     deployment's), in `--json` and in the table, never as `"domains": []` and nothing else."""
     from tasks.cli.app import main
     from tasks.settings import load_settings
-    from tasks.steps.monitor import MonitorContext, scrape, show
+    from tasks.steps.monitor.monitor import MonitorContext, show
+    from tasks.steps.monitor.scrape import scrape
 
     ctx = MonitorContext.open(Store.open(db_url), None, "Test-Org/None", load_settings({}))
     metrics_server.text = exposition(0, 0, 0, [0, 0, 0])
@@ -183,8 +187,9 @@ def test_one_domain_falling_behind_a_busy_one_is_alerted_then_rolled_back_from_i
     from tasks.db.models import Promotion
     from tasks.registry.tracking import client
     from tasks.settings import load_settings
-    from tasks.steps.monitor import MonitorContext, check
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.monitor.drift import check
+    from tasks.steps.monitor.monitor import MonitorContext
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     from .helpers.monitor import now
     from .helpers.traffic import write_jsonl

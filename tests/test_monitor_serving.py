@@ -92,8 +92,10 @@ def test_production_loop_on_a_real_server(server, db_url, tracking, tmp_path, mo
     from tasks.registry.compose_export import deployments
     from tasks.registry.tracking import client
     from tasks.settings import load_settings
-    from tasks.steps.monitor import MonitorContext, check, scrape, show
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.monitor.drift import check
+    from tasks.steps.monitor.monitor import MonitorContext, show
+    from tasks.steps.monitor.scrape import scrape
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     target = f"Test-Org/Monitored-{tmp_path.name[-8:]}"
     name = monitored_champion(db_url, tracking, target)
@@ -167,7 +169,8 @@ def test_a_server_down_during_a_scrape_is_one_line_and_no_stored_row(server, db_
     # runs after the loop above (the module's server is stopped here; a second run finds it down)
     from tasks.db.models import MonitorScrape
     from tasks.settings import load_settings
-    from tasks.steps.monitor import MonitorContext, scrape
+    from tasks.steps.monitor.monitor import MonitorContext
+    from tasks.steps.monitor.scrape import scrape
 
     ctx = MonitorContext.open(Store.open(db_url), Registry.open(f"sqlite:///{tmp_path / 'mlflow.db'}"), "Test-Org/Down",
                               load_settings({}))

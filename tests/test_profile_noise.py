@@ -12,11 +12,11 @@ import time
 import pytest
 from sqlalchemy import select
 
-from tasks.steps.costs import (CostTable, check_costs, load_costs, measure_until_consistent,
-                               profile_costs)
+from tasks.steps.costs.costs import (CostTable, check_costs, load_costs, measure_until_consistent,
+                                     profile_costs)
 from tasks.db.models import CostProfileCheck
 from tasks.db.store import Store
-from tasks.steps.plan import plan_domain
+from tasks.steps.plan.plan import plan_domain
 from tasks.settings import load_settings
 
 from .helpers.costs import LS, LS_SPEC, PL, PL_SPEC, add_estimate, configs, cost_table
@@ -124,7 +124,7 @@ def test_an_unchecked_or_ok_profile_plans_as_before(db_url):
 # real measurements of the tiny model
 @pytest.fixture
 def drafters(target):
-    from tasks.steps.candidates import build_drafters
+    from tasks.steps.drafters.candidates import build_drafters
 
     return {label: d for label, (_, d) in build_drafters(["prompt_lookup", "layer_skip:num_layers=2"],
                                                           target).items()}
@@ -146,7 +146,7 @@ def test_a_profile_of_the_tiny_model_stores_its_check_and_every_spread(db_url, s
     # real measurements: whether they come out quiet depends on this machine at that moment (a
     # shared CI machine may be busy), so the test holds either way; how often a quiet machine's
     # profile passes is measured by benchmarks/busy_neighbour.py, not asserted here
-    from tasks.steps.candidates import build_drafters
+    from tasks.steps.drafters.candidates import build_drafters
 
     drafters = {label: d for label, (_, d) in build_drafters(
         ["prompt_lookup", "layer_skip:num_layers=2"], small_target).items()}

@@ -15,9 +15,10 @@ from tasks.db.models import CostProfile, CostProfileCheck, DomainConfig, EvalRun
 from tasks.db.store import Store
 from tasks.registry.run_results import profile_check
 from tasks.settings import load_settings
-from tasks.steps.candidates import build_drafters
-from tasks.steps.costs import load_costs, measure_or_reuse, profile_check_text, run_costs
-from tasks.steps.reports import run_report
+from tasks.steps.drafters.candidates import build_drafters
+from tasks.steps.costs.costs import load_costs, run_costs
+from tasks.steps.costs.reuse import measure_or_reuse, profile_check_text
+from tasks.steps.traffic.reports import run_report
 from tasks.timeutil import utcnow
 
 from .helpers.db import execute, fetch
@@ -73,7 +74,7 @@ def test_a_second_run_reuses_the_profile_under_its_own_run_id(db_url, one_layer,
     assert measured["engine"] == "specdec" and measured["target_fingerprint"].startswith("sha256:")
     assert measured["device"] == first["hardware_profile"]["device"] and measured["dtype"] == "float32"
 
-    with caplog.at_level(logging.INFO, logger="tasks.steps.costs"):
+    with caplog.at_level(logging.INFO, logger="tasks.steps.costs.reuse"):
         second = profile(db_url, one_layer, "run-2")
     provenance = second["profile"]
     assert provenance["reused"] is True and provenance["run_id"] == "run-1"

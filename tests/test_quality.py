@@ -10,10 +10,10 @@ from sqlalchemy import create_engine, delete, insert, select
 from tasks.db.models import AcceptanceEstimate, EvalRun, QualityResult, TrafficRequest
 from tasks.db.store import Store
 from tasks.errors import QualityGateFailed, SampleError
-from tasks.steps.quality import check_result_table, check_traffic_sample
-from tasks.steps.traffic_sample import sample_traffic
+from tasks.steps.traffic.quality import check_result_table, check_traffic_sample
+from tasks.steps.traffic.traffic_sample import sample_traffic
 from tasks.settings import load_settings
-from tasks.steps.traffic_import import import_traffic
+from tasks.steps.traffic.traffic_import import import_traffic
 
 
 def seed(db_url, jsonl_file, make_request, per_domain, settings=None, **overrides):

@@ -30,7 +30,7 @@ import pytest
 from sqlalchemy import create_engine, insert, select
 
 from tasks.registry.config_schema import (ConfigError, SpecdecConfig, config_model_name, parse_config,
-                                 target_slug)
+                                          target_slug)
 from tasks.db.models import Promotion
 from tasks.db.store import Store
 from tasks.registry.registry import Registry
@@ -1086,7 +1086,7 @@ def test_evaluation_run_ends_finished_failed_or_killed(db_url, tracking, target_
 def test_version_page_explains_itself_and_a_champion_moved_outside_the_gates_is_flagged(
         db_url, tracking, target_id, capsys):
     from tasks.cli.app import main
-    from tasks.steps.reports import run_report
+    from tasks.steps.traffic.reports import run_report
 
     name = config_model_name(target_id)
     off_reason = "off: best prompt_lookup K=2 predicts 1.04x [0.98, 1.09]; lower end below min_speedup 1.1"
@@ -1536,7 +1536,7 @@ def test_the_intervals_an_estimate_stores_are_the_ones_the_acceptance_plot_draws
     from specdec_core.estimate import LoggedRequest
     from tasks.db.queries_registry import tracked_rows
     from tasks.registry.plots import acceptance_figure
-    from tasks.steps.offline_estimate import estimate_domains
+    from tasks.steps.estimate.offline_estimate import estimate_domains
 
     from .helpers.models import tiny_llama
 

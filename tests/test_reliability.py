@@ -21,7 +21,7 @@ from tasks.db.store import Store
 from tasks.registry.registry import Registry
 from tasks.errors import DatabaseUnavailable, RegistryUnavailable, TrafficFileError
 from tasks.masking import mask_text, mask_url
-from tasks.steps.traffic_import import EXIT_QUARANTINED, import_traffic
+from tasks.steps.traffic.traffic_import import EXIT_QUARANTINED, import_traffic
 
 from .helpers import REPO
 from .helpers.processes import free_port, specdec

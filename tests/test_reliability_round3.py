@@ -104,7 +104,7 @@ IMPORTERS, IDS = 4, 1200
 def _import_worker(path: str, db_url: str, barrier, results) -> None:
     """One import in a process of its own (its own connections), started with the others."""
     from tasks.settings import load_settings
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     settings = load_settings({}, traffic_import_batch_size=100)     # many transactions to interleave
     barrier.wait(timeout=120)
@@ -218,12 +218,12 @@ def test_draft_train_with_a_parent_id_exits_2_and_creates_nothing(tmp_path):
 
 def test_the_steps_refuse_a_hostile_identifier_before_any_work(tmp_path, monkeypatch):
     from tasks.errors import InvalidIdentifier
-    from tasks.steps.draft_training import train_draft_from_traffic
+    from tasks.steps.drafters.draft_training import train_draft_from_traffic
     from sqlalchemy import create_engine
 
     from tasks.db.store import Store
     from tasks.settings import load_settings
-    from tasks.steps.engine_costs import profile_vllm
+    from tasks.steps.costs.engine_costs import profile_vllm
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     url = "postgresql+psycopg://nowhere:1/none"
@@ -240,7 +240,7 @@ def test_the_steps_refuse_a_hostile_identifier_before_any_work(tmp_path, monkeyp
 def test_paths_built_from_identifiers_stay_under_the_home(tmp_path, monkeypatch):
     from tasks.errors import InvalidIdentifier
     from tasks.paths import check_identifier, home_path
-    from tasks.steps.draft_training import resolve_model_uri
+    from tasks.steps.drafters.draft_training import resolve_model_uri
     from tasks.serving.server import log_dir as _log_dir
 
     home = tmp_path / "home"

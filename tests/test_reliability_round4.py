@@ -47,7 +47,7 @@ HUGE_FIELDS = {  # where the number is: (the field as JSON, as the quarantine na
 @pytest.mark.parametrize("where", HUGE_FIELDS)
 def test_a_row_with_a_4301_digit_number_is_quarantined_and_the_others_stored(where, db_url, tmp_path):
     from tasks.db.models import QuarantinedRequest, TrafficRequest
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     field, name = HUGE_FIELDS[where]
     bad = json.dumps(request_row(2))[:-1] + ", " + field.format(HUGE) + "}"
@@ -62,7 +62,7 @@ def test_a_row_with_a_4301_digit_number_is_quarantined_and_the_others_stored(whe
 
 def test_a_csv_cell_with_a_4301_digit_number_is_quarantined_and_the_others_stored(db_url, tmp_path):
     from tasks.db.models import QuarantinedRequest, TrafficRequest
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     columns = ["id", "timestamp", "prompt", "response", "temperature", "model", "response_token_ids",
                "metrics"]
@@ -93,7 +93,7 @@ def _scrapes(url: str) -> list:
 
 def _monitor(db_url: str, **settings):
     from tasks.settings import load_settings
-    from tasks.steps.monitor import MonitorContext
+    from tasks.steps.monitor.monitor import MonitorContext
 
     return MonitorContext.open(Store.open(db_url), settings=load_settings({}, **settings))
 
@@ -102,7 +102,7 @@ def test_a_position_beyond_the_largest_k_is_refused_in_bounded_memory(db_url, me
     import tracemalloc
 
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -125,7 +125,7 @@ def test_a_body_over_the_size_cap_is_refused_in_bounded_memory(db_url, metrics_s
     import tracemalloc
 
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -147,7 +147,7 @@ def test_a_body_over_the_size_cap_is_refused_in_bounded_memory(db_url, metrics_s
 def test_a_large_body_under_the_cap_is_stored_in_bounded_memory(db_url, metrics_server):
     import tracemalloc
 
-    from tasks.steps.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -167,7 +167,7 @@ def test_a_large_body_under_the_cap_is_stored_in_bounded_memory(db_url, metrics_
 
 def test_a_body_that_drips_ends_at_the_total_deadline(db_url, metrics_server):
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     # each read answers well within the timeout, so only a deadline over the whole scrape ends it
     metrics_server.drip_s = 0.2
@@ -194,7 +194,7 @@ IMPOSSIBLE = {   # (drafts, draft tokens, accepted, per position), what the refu
 @pytest.mark.parametrize("case", IMPOSSIBLE)
 def test_impossible_counters_are_refused_and_nothing_is_stored(case, db_url, metrics_server):
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -210,7 +210,7 @@ def test_impossible_counters_are_refused_and_nothing_is_stored(case, db_url, met
 
 def test_deltas_with_more_accepted_than_drafted_are_refused(db_url, metrics_server):
     from tasks.errors import MonitorScrapeError
-    from tasks.steps.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     from .helpers.metrics import exposition
 
@@ -267,7 +267,7 @@ def test_a_traceback_prints_no_password(tmp_path, metrics_server):
 
 
 def test_the_scrape_url_is_stored_without_its_password(db_url, metrics_server):
-    from tasks.steps.monitor import scrape
+    from tasks.steps.monitor.scrape import scrape
 
     scraped = metrics_server.url.replace("http://", f"http://user:{SECRET}@")
     row = scrape(_monitor(db_url), scraped, "vllm-a", config=False)
@@ -315,7 +315,7 @@ BAD_VALUES = {
 def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2(case, db_url, tmp_path, monkeypatch, capsys):
     from tasks.cli.app import main
     from tasks.db.models import TrafficRequest
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     argv, line = BAD_VALUES[case]
     argv, line = [arg.replace("TMP", str(tmp_path)) for arg in argv], line.replace("TMP", str(tmp_path))
@@ -351,8 +351,8 @@ def test_the_commands_a_help_names_exist(command, capsys):
 def test_the_draft_training_window_ignores_a_row_stamped_in_the_future(db_url, tmp_path):
     from datetime import timedelta
 
-    from tasks.steps.draft_training import training_requests
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.drafters.draft_training import training_requests
+    from tasks.steps.traffic.traffic_import import import_traffic
     from tasks.timeutil import utcnow
 
     rows = [request_row(i) for i in range(1, 49)]                      # 2025-11-01 .. 2025-11-14
@@ -399,7 +399,7 @@ def test_deployments_whose_domains_slug_alike_get_distinct_service_names():
 @pytest.mark.parametrize("field", ["prompt", "response"])
 def test_a_row_longer_than_the_gate_allows_is_quarantined_at_import(field, db_url, tmp_path):
     from tasks.db.models import QuarantinedRequest, TrafficRequest
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     long_row = request_row(2, **{field: "word " * 80_000})       # 400,000 characters
     if field == "prompt":
@@ -416,7 +416,7 @@ def test_a_row_longer_than_the_gate_allows_is_quarantined_at_import(field, db_ur
 def test_traffic_purge_by_id_removes_that_row_only(db_url, tmp_path, capsys):
     from tasks.cli.app import main
     from tasks.db.models import TrafficRequest
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     import_traffic(write_jsonl(tmp_path / "t.jsonl", [request_row(i) for i in (1, 2, 3)]),
                    store=Store.open(db_url), progress=False)

@@ -14,8 +14,8 @@ from sqlalchemy import create_engine, insert
 from tasks.db.models import (AcceptanceEstimate, DomainConfig, LiveMeasurement, Promotion,
                              Validation)
 from tasks.db.store import Store
-from tasks.steps.reports import list_reports, report_header, run_report, sql_dir
-from tasks.steps.traffic_import import import_traffic
+from tasks.steps.traffic.reports import list_reports, report_header, run_report, sql_dir
+from tasks.steps.traffic.traffic_import import import_traffic
 
 from .helpers.registry import engine_sampling, finished_run, live_evidence
 

@@ -10,8 +10,8 @@ from specdec_core.train import TrainConfig
 from tasks.db.models import AcceptanceEstimate, EvalRun, LiveMeasurement
 from tasks.settings import load_settings
 from tasks.steps.context import RunContext, RunSpec, use_model
-from tasks.steps.draft_recipes import DraftModelRecipe
-from tasks.steps.draft_training import draft_candidates, train_draft_from_traffic
+from tasks.steps.drafters.draft_recipes import DraftModelRecipe
+from tasks.steps.drafters.draft_training import draft_candidates, train_draft_from_traffic
 from tasks.steps.pipeline import step_check, step_confirm, step_estimate, step_profile, step_sample
 
 from .helpers.evaluation import SETTINGS

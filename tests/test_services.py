@@ -55,7 +55,7 @@ def db_backend() -> str:
 def tiny_target_traffic(db_url, tmp_path):
     """A tiny target saved as a model directory, and its own traffic (json, qa) imported."""
     from specdec_core import load_model
-    from tasks.steps.traffic_import import import_traffic
+    from tasks.steps.traffic.traffic_import import import_traffic
 
     model_dir = save_tiny_target(tiny_llama(seed=0), tmp_path / "tiny-target")
     model, _ = load_model(str(model_dir), device="cpu")

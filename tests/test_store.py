@@ -199,7 +199,8 @@ def test_data_commands_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tasks.steps.traffic_import, tasks.steps.traffic_sample, tasks.steps.reports, tasks.cli.data, tasks.orchestration.airflow_glue; "
+    code = ("import sys, tasks.steps.traffic.traffic_import, tasks.steps.traffic.traffic_sample, "
+            "tasks.steps.traffic.reports, tasks.cli.data, tasks.orchestration.airflow_glue; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

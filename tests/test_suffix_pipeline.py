@@ -9,11 +9,11 @@ from sqlalchemy import create_engine, select
 from specdec_core.drafters import SuffixDrafter
 from tasks.db.store import Store
 from tasks.registry.registry import Registry
-from tasks.steps.candidates import parse_candidate
+from tasks.steps.drafters.candidates import parse_candidate
 from tasks.registry.config_schema import DrafterSpec
 from tasks.db.models import AcceptanceEstimate, DomainConfig, DraftTrainingRequest, EvalSample
-from tasks.steps.suffix_index import SuffixIndexError, build_and_register, resolve_index_uri
-from tasks.steps.traffic_import import import_traffic
+from tasks.steps.drafters.suffix_index import SuffixIndexError, build_and_register, resolve_index_uri
+from tasks.steps.traffic.traffic_import import import_traffic
 
 from tasks.steps.evaluate import evaluate
 from tasks.settings import load_settings
@@ -61,7 +61,7 @@ def test_a_runs_suffix_history_is_the_newest_of_what_its_index_holds(suffix_db, 
     # the load check serves a suffix server this history first: requests of the domain the
     # run's index holds (never one the run scores), the newest first, at most `count`
     from specdec_core.validation import fingerprint_id, target_fingerprint
-    from tasks.steps.suffix_index import index_sequences, run_history, run_window_and_sample
+    from tasks.steps.drafters.suffix_index import index_sequences, run_history, run_window_and_sample
 
     out = run(suffix_db, tiny_target, "history-run", plan_candidates=(SUFFIX,))
     assert not out["failed"]

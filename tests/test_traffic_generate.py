@@ -1,4 +1,4 @@
-"""More training data from the target itself (tasks.steps.traffic_generate): responses generated
+"""More training data from the target itself (tasks.steps.traffic.traffic_generate): responses generated
 for logged prompts under their logged sampling params, stored as traffic rows marked as generated;
 the count is respected, a re-run of the same id is idempotent and an interrupted one continues;
 training reads them only when asked (training split only), and sampling, estimates, suffix indexes
@@ -30,7 +30,7 @@ def stored(db_url, generated: bool | None = None) -> dict[str, dict]:
 
 
 def generate(store, run_id, domains, count, **kwargs):
-    from tasks.steps.traffic_generate import generate_traffic
+    from tasks.steps.traffic.traffic_generate import generate_traffic
 
     return generate_traffic(run_id, domains, count, target=store["target"], store=Store.open(store["db_url"]),
                             model=store["model"], tokenizer=store["tokenizer"], progress=False,
@@ -104,7 +104,7 @@ def test_cli_generates_resumes_by_id_and_names_bad_input(tiny_store, capsys):
 
     from specdec_core.estimate import in_heldout
     from tasks.cli.app import main
-    from tasks.steps.traffic_generate import GenerationError
+    from tasks.steps.traffic.traffic_generate import GenerationError
 
     argv = ["draft", "generate", "--domain", "json,qa", "--count", "2", "--id", "gen-cli",
             "--model", tiny_store["target"], "--url", tiny_store["db_url"], "--json"]
@@ -137,8 +137,8 @@ def test_cli_generates_resumes_by_id_and_names_bad_input(tiny_store, capsys):
 
 def test_training_takes_generated_rows_only_when_asked_and_never_from_heldout_prompts(tiny_store):
     from tasks.db.models import DraftTrainingRequest
-    from tasks.steps.draft_recipes import DraftModelRecipe, TrainingData
-    from tasks.steps.draft_training import in_heldout, train_draft_from_traffic
+    from tasks.steps.drafters.draft_recipes import DraftModelRecipe, TrainingData
+    from tasks.steps.drafters.draft_training import in_heldout, train_draft_from_traffic
 
     db_url = tiny_store["db_url"]
     generate(tiny_store, "gen-t", ["json", "qa"], 16)
@@ -177,7 +177,7 @@ def test_training_takes_generated_rows_only_when_asked_and_never_from_heldout_pr
 def test_generation_skips_the_prompts_its_training_holds_out_and_draws_apart_from_the_split(
         tiny_store):
     from specdec_core.estimate import in_heldout
-    from tasks.steps.traffic_generate import GenerationError
+    from tasks.steps.traffic.traffic_generate import GenerationError
 
     production = stored(tiny_store["db_url"], False)
     # the prompt order is not the split's hash: over ten run ids, the first 3 prompts of a domain
@@ -210,10 +210,10 @@ def test_generation_skips_the_prompts_its_training_holds_out_and_draws_apart_fro
 
 def test_sampling_estimates_indexes_and_reports_never_see_generated_rows(tiny_store):
     from specdec_core.validation import fingerprint_id, target_fingerprint
-    from tasks.steps.offline_estimate import load_sample_requests
-    from tasks.steps.reports import run_report
-    from tasks.steps.suffix_index import index_sequences
-    from tasks.steps.traffic_sample import sample_traffic
+    from tasks.steps.estimate.offline_estimate import load_sample_requests
+    from tasks.steps.traffic.reports import run_report
+    from tasks.steps.drafters.suffix_index import index_sequences
+    from tasks.steps.traffic.traffic_sample import sample_traffic
 
     db_url = tiny_store["db_url"]
     generate(tiny_store, "gen-s", ["json", "qa"], 16)

@@ -19,7 +19,7 @@ from tasks.db.models import QuarantinedRequest, TrafficRequest
 from tasks.db.store import Store
 from tasks.errors import DatabaseUnavailable, TrafficFileError
 from tasks.settings import load_settings
-from tasks.steps.traffic_import import import_traffic, purge_traffic, sample_traffic_path
+from tasks.steps.traffic.traffic_import import import_traffic, purge_traffic, sample_traffic_path
 
 from .helpers.processes import specdec
 from .helpers.traffic import request_row, traffic
@@ -320,7 +320,7 @@ def test_cli_import_reports_quarantine_lines(db_url, jsonl_file, make_request, c
     # the CLI prints the counts and the rejected line numbers with reasons; exit status 3 says
     # rows were quarantined
     from tasks.cli import main
-    from tasks.steps.traffic_import import EXIT_QUARANTINED
+    from tasks.steps.traffic.traffic_import import EXIT_QUARANTINED
 
     path = jsonl_file([make_request(1), "nonsense", make_request(3, domain="astrology")])
     assert main(["traffic", "import", str(path), "--url", db_url, "--no-progress"]) == EXIT_QUARANTINED
@@ -436,7 +436,7 @@ def test_a_corrupt_gzips_garbled_lines_are_superseded_by_the_intact_files_import
     # a bit flipped in the deflate stream: garbled lines are quarantined before the checksum fails;
     # importing the intact file at the same path supersedes them, stores every real row once, and
     # the report counts no open entry
-    from tasks.steps.reports import run_report
+    from tasks.steps.traffic.reports import run_report
 
     rows = [request_row(i) for i in range(1, 301)]
     data = "".join(json.dumps(row) + "\n" for row in rows).encode()

@@ -11,8 +11,8 @@ from sqlalchemy import create_engine, select
 from tasks.db.models import EvalRun, EvalSample
 from tasks.db.store import Store
 from tasks.errors import SampleError
-from tasks.steps.traffic_sample import sample_traffic
-from tasks.steps.traffic_import import import_traffic
+from tasks.steps.traffic.traffic_sample import sample_traffic
+from tasks.steps.traffic.traffic_import import import_traffic
 
 START = datetime(2021, 3, 1, 8, 0)
 
@@ -181,7 +181,7 @@ def test_cli_sample_prints_json(db_url, jsonl_file, make_request, capsys):
 
 def test_default_window_covers_the_shipped_sample(db_url):
     # whatever today's date is, the default window (ending at the newest request) holds every row
-    from tasks.steps.traffic_import import sample_traffic_path
+    from tasks.steps.traffic.traffic_import import sample_traffic_path
 
     inserted = import_traffic(sample_traffic_path(), store=Store.open(db_url), progress=False)["inserted"]
     result = sample_traffic("shipped", store=Store.open(db_url), max_per_domain=1000)

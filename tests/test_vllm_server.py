@@ -1,5 +1,5 @@
 """vLLM's OpenAI server as the pipeline's instrument (tasks.serving.server) and the sampling test
-on it (tasks.steps.engine_validate), against a real `python -m vllm.entrypoints.openai.api_server`
+on it (tasks.steps.checks.engine_validate), against a real `python -m vllm.entrypoints.openai.api_server`
 of the serving environment on loopback, on a tiny target saved in the test.
 
 Skipped when there is no serving environment, unless SPECDEC_REQUIRE_SERVING=1 (.ci/run sets it).
@@ -57,7 +57,7 @@ def pool(tiny, tmp_path_factory):
 
 def test_the_mended_server_passes_the_sampling_test_with_drafts_accepted_and_rejected(tiny, pool):
     from specdec_core import SamplingParams
-    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
+    from tasks.steps.checks.engine_validate import BLOCK_SIZE, engine_report
 
     _, model, context = tiny
     server = pool.get(NGRAM, block_size=BLOCK_SIZE)
@@ -85,7 +85,7 @@ def test_the_unmended_server_is_flagged_past_the_first_position(tiny, pool):
     # before any draft, yet CI once flagged it too (the same uninitialised memory in that batch, or
     # chance), so what is asserted is the flag past it.
     from specdec_core import SamplingParams
-    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
+    from tasks.steps.checks.engine_validate import BLOCK_SIZE, engine_report
 
     _, model, context = tiny
     server = pool.get(NGRAM, mended=False, block_size=BLOCK_SIZE)
@@ -100,7 +100,7 @@ def test_the_unmended_server_is_flagged_past_the_first_position(tiny, pool):
 
 
 def test_seeded_requests_neither_kill_the_server_nor_lose_their_seed(tiny, pool):
-    from tasks.steps.engine_validate import BLOCK_SIZE
+    from tasks.steps.checks.engine_validate import BLOCK_SIZE
 
     _, _, context = tiny
     server = pool.get(NGRAM, block_size=BLOCK_SIZE)
@@ -113,7 +113,7 @@ def test_seeded_requests_neither_kill_the_server_nor_lose_their_seed(tiny, pool)
 def test_a_config_vllm_cannot_sample_with_is_not_promotable_naming_its_log(tiny, pool):
     from specdec_core import SamplingParams
     from tasks.errors import ServingProbeError
-    from tasks.steps.engine_validate import engine_report
+    from tasks.steps.checks.engine_validate import engine_report
 
     _, model, context = tiny
     # vLLM's lossy synthetic acceptance: this CPU build refuses it at the first sampled request
@@ -136,7 +136,7 @@ def test_a_config_vllm_cannot_sample_with_is_not_promotable_naming_its_log(tiny,
 
 def test_the_verdict_needs_the_plain_control_to_blame_the_config():
     from specdec_core.validation import PositionTest, SamplingReport
-    from tasks.steps.engine_validate import verdict
+    from tasks.steps.checks.engine_validate import verdict
 
     def report(p_value):
         test = PositionTest(k=4, sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0}, position=2,
@@ -248,7 +248,7 @@ def test_one_server_serves_each_request_the_k_it_asks_in_one_mixed_batch(tiny, t
 
 def test_the_sampling_test_passes_at_k_0_1_and_the_largest_k_on_one_server(tiny, pool):
     from specdec_core import SamplingParams
-    from tasks.steps.engine_validate import BLOCK_SIZE, engine_report
+    from tasks.steps.checks.engine_validate import BLOCK_SIZE, engine_report
 
     _, model, context = tiny
     server = pool.get(NGRAM, block_size=BLOCK_SIZE)
@@ -283,7 +283,7 @@ def test_domains_served_by_one_config_share_one_sampling_test_unless_asked_per_d
     from specdec_core import SamplingParams
     from specdec_core.estimate import LoggedRequest
     from tasks.settings import load_settings
-    from tasks.steps.engine_validate import validate_on_engine
+    from tasks.steps.checks.engine_validate import validate_on_engine
 
     _, model, context = tiny
     sampled = SamplingParams(temperature=1.0)

@@ -173,7 +173,7 @@ def test_ngram_proposals_equal_vllms(serving):
     for vocab in (3, 5, 20):              # small vocabularies: many (and repeated) matches
         sequences += [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(1, 60, 60)]
     # real traffic: token ids of the shipped json and code responses
-    from tasks.steps.traffic_import import sample_traffic_path
+    from tasks.steps.traffic.traffic_import import sample_traffic_path
     import gzip
     import json
 
@@ -246,7 +246,7 @@ def _logged_requests(model, domain: str, sampling: dict, count: int = 6, new_tok
 def _finished_run(url: str, target_dir, model, tokenizer) -> tuple[dict, dict]:
     """A run that finished its evaluation with every ENGINE_DOMAINS domain planned on:
     (requests by domain, drafters by domain)."""
-    from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate
+    from tasks.steps.drafters.candidates import build_drafters, candidate_label, parse_candidate
     from tasks.db import upgrade
     from tasks.db.engine import ensure_ready
     from tasks.db.models import DomainConfig, EvalRun
@@ -282,7 +282,7 @@ def _plan_on(url: str, run_id: str, profile: dict) -> None:
 
     from tasks.db.engine import ensure_ready
     from tasks.db.models import CostProfileCheck, EvalRun
-    from tasks.steps.costs import reuse_costs
+    from tasks.steps.costs.reuse import reuse_costs
 
     engine = ensure_ready(url)
     with engine.connect() as connection:
@@ -298,8 +298,8 @@ def _plan_on(url: str, run_id: str, profile: dict) -> None:
 def engine_run(serving, tmp_path_factory):
     """Engine checks over the scenario domains, each on a finished run in its own database."""
     from specdec_core import load_model
-    from tasks.steps.engine_check import engine_check
-    from tasks.steps.engine_costs import profile_vllm
+    from tasks.steps.checks.engine_check import engine_check
+    from tasks.steps.costs.engine_costs import profile_vllm
     from tasks.settings import load_settings
 
     base = tmp_path_factory.mktemp("engine-check")
@@ -351,7 +351,7 @@ def test_engine_check_counts_equal_the_estimate_on_greedy_requests(engine_run):
 
 
 def test_vllms_own_cost_profile_is_stored_and_the_planner_reads_it(engine_run):
-    from tasks.steps.costs import load_costs
+    from tasks.steps.costs.costs import load_costs
 
     profile = engine_run["profile"]
     hardware = profile["hardware_profile"]
@@ -625,8 +625,8 @@ def _eagle3_check(serving, tmp_path_factory) -> dict:
     from tasks.db.engine import ensure_ready
     from tasks.db.models import DomainConfig, EvalRun
     from tasks.settings import load_settings
-    from tasks.steps.candidates import build_drafters, candidate_label, parse_candidate
-    from tasks.steps.engine_check import engine_check
+    from tasks.steps.drafters.candidates import build_drafters, candidate_label, parse_candidate
+    from tasks.steps.checks.engine_check import engine_check
     from tasks.timeutil import utcnow
 
     base = tmp_path_factory.mktemp("eagle3-check")

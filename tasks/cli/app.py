@@ -19,7 +19,7 @@ from ..errors import InvalidValue, SpecdecTaskError
 from ..masking import mask_text, printable
 from ..paths import check_identifier
 from ..registry.mlflow_scope import SUPPRESS_RUN_URL_ENV, mlflow_settings
-from ..steps.candidates import CandidateError, candidate_label, parse_candidate
+from ..steps.drafters.candidates import CandidateError, candidate_label, parse_candidate
 from . import config, data, draft, engine, evaluation, main_job, monitor
 from .console import MaskingStream, emit, flush_stdout, make_console
 from .prompts import PromptFileError, encode, load_prompts

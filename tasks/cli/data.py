@@ -35,7 +35,7 @@ def cmd_db_current(args) -> int:
 
 def cmd_traffic_import(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic_import import EXIT_QUARANTINED, import_traffic, sample_traffic_path
+    from ..steps.traffic.traffic_import import EXIT_QUARANTINED, import_traffic, sample_traffic_path
 
     if args.sample == (args.file is not None):
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
@@ -73,7 +73,7 @@ def cmd_traffic_import(args) -> int:
 
 def cmd_traffic_purge(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic_import import purge_request, purge_traffic
+    from ..steps.traffic.traffic_import import purge_request, purge_traffic
 
     verb = "would delete" if args.dry_run else "deleted"
     if args.request_id is not None:
@@ -88,7 +88,7 @@ def cmd_traffic_purge(args) -> int:
 
 def cmd_traffic_sample(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic_sample import sample_traffic
+    from ..steps.traffic.traffic_sample import sample_traffic
 
     window = (args.start, args.end) if args.start or args.end else args.days
     if (args.start is None) != (args.end is None):
@@ -102,7 +102,7 @@ def cmd_traffic_sample(args) -> int:
 
 def cmd_traffic_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.quality import check_traffic_sample
+    from ..steps.traffic.quality import check_traffic_sample
 
     result = check_traffic_sample(args.run_id, open_store(args))
     table = Table(title=f"run {escape(args.run_id)}: traffic sample passed {result['expectations']} "
@@ -117,7 +117,7 @@ def cmd_traffic_check(args) -> int:
 
 def cmd_report(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.reports import cell_text, format_report, list_reports, run_report
+    from ..steps.traffic.reports import cell_text, format_report, list_reports, run_report
 
     if args.list or not args.name:
         for name, question in list_reports().items():

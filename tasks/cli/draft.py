@@ -1,6 +1,7 @@
 """`specdec draft train|generate|list|index build`: drafts trained on the traffic they serve
-(tasks.steps.draft_training), more training data answered by the target itself
-(tasks.steps.traffic_generate) and suffix indexes over the traffic (tasks.steps.suffix_index)."""
+(tasks.steps.drafters.draft_training), more training data answered by the target itself
+(tasks.steps.traffic.traffic_generate) and suffix indexes over the traffic
+(tasks.steps.drafters.suffix_index)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from rich.table import Table
 from specdec_core.home import DEFAULT_MODEL
 
 from ..paths import check_identifier
-from ..steps.draft_recipes import KINDS, TRAINING_DEFAULTS, recipe_and_data
+from ..steps.drafters.draft_recipes import KINDS, TRAINING_DEFAULTS, recipe_and_data
 from .common import days, open_registry, open_store, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -41,7 +42,7 @@ def _layer_ids(text: str) -> list[int]:
 
 
 def train_recipe(args):
-    """(recipe, data) of `specdec draft train`'s flags (tasks.steps.draft_recipes)."""
+    """(recipe, data) of `specdec draft train`'s flags (tasks.steps.drafters.draft_recipes)."""
     return recipe_and_data(
         args.kind, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         eval_every=args.eval_every, teacher_topk=args.teacher_topk, k_max=args.k_max,
@@ -56,7 +57,7 @@ def train_recipe(args):
 
 def cmd_train(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.draft_training import train_draft_from_traffic
+    from ..steps.drafters.draft_training import train_draft_from_traffic
     from ..timeutil import default_run_id
 
     if args.id is not None:
@@ -86,7 +87,7 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..timeutil import default_run_id
-    from ..steps.traffic_generate import generate_traffic
+    from ..steps.traffic.traffic_generate import generate_traffic
 
     run_id = args.id or "generate__" + default_run_id().split("__")[1].replace(":", "-")
     result = generate_traffic(run_id, [d.strip() for d in args.domain.split(",") if d.strip()],
@@ -113,7 +114,7 @@ def cmd_generate(args) -> int:
 
 def cmd_list(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.draft_training import draft_model_name
+    from ..steps.drafters.draft_training import draft_model_name
 
     name = draft_model_name(args.model)
     versions = open_registry(args).client.search_model_versions(f"name='{name}'")
@@ -133,7 +134,7 @@ def cmd_list(args) -> int:
 
 def cmd_index_build(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.suffix_index import build_and_register
+    from ..steps.drafters.suffix_index import build_and_register
 
     results = {}
     store = open_store(args)
@@ -257,7 +258,7 @@ def _add_generate(d_sub) -> None:
 
 
 def train_options(train) -> None:
-    """The draft's and the optimiser's flags; defaults: tasks.steps.draft_recipes.TRAINING_DEFAULTS
+    """The draft's and the optimiser's flags; defaults: tasks.steps.drafters.draft_recipes.TRAINING_DEFAULTS
     (the draft_model recipe's and TrainConfig's fields)."""
     default = TRAINING_DEFAULTS
     train.add_argument("--layers", type=int, default=default["num_layers"],

@@ -1,5 +1,5 @@
-"""`specdec engine check|validate|load|show RUN_ID`: a run's configs served by vLLM (tasks.steps.engine_check,
-tasks.steps.engine_validate, tasks.steps.load_check)."""
+"""`specdec engine check|validate|load|show RUN_ID`: a run's configs served by vLLM
+(tasks.steps.checks.engine_check, tasks.steps.checks.engine_validate, tasks.steps.checks.load_check)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def cmd_validate(args) -> int:
 
     from ..db.queries_engine_checks import planned_domains
     from ..steps.context import RunSpec
-    from ..steps.engine_validate import validation_domains
+    from ..steps.checks.engine_validate import validation_domains
     from ..steps.pipeline import step_engine_validate
 
     store = open_store(args)

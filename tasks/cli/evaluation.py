@@ -12,7 +12,7 @@ from specdec_core.home import DEFAULT_MODEL
 
 from ..paths import check_identifier
 from ..settings import load_settings
-from ..steps.candidates import build_drafters
+from ..steps.drafters.candidates import build_drafters
 from .common import days, k_value, open_registry, open_store, per_domain_args, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -85,7 +85,7 @@ def cmd_evaluate(args) -> int:
     from ..registry.run_view import build_run_view
 
     print_run(build_run_view(result["run_id"], open_store(args, settings), settings), result["seconds"])
-    from ..steps.costs import profile_check_text
+    from ..steps.costs.reuse import profile_check_text
 
     console.print(escape(profile_check_text(result.get("profile_check"))))
     console.print(escape(f"cost profile {result['hardware_profile']}: {result['profile']['text']}"))
@@ -134,7 +134,7 @@ def _profile_model(args):
 
 def cmd_profile_measure(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.costs import profile_costs
+    from ..steps.costs.costs import profile_costs
     from ..timeutil import default_run_id
 
     if args.run_id is not None:
@@ -143,7 +143,7 @@ def cmd_profile_measure(args) -> int:
         check_identifier(args.name, "profile name")
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
     if args.engine == "vllm":
-        from ..steps.engine_costs import profile_vllm
+        from ..steps.costs.engine_costs import profile_vllm
 
         result = profile_vllm(args.run_id or "vllm-profile__" + default_run_id().split("__")[1],
                               args.model, args.candidate, open_store(args), name=args.name,
@@ -166,7 +166,7 @@ def cmd_profile_measure(args) -> int:
 
 def cmd_profile_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.costs import hardware_of, load_costs
+    from ..steps.costs.costs import hardware_of, load_costs
 
     store = open_store(args)
     costs = load_costs(args.name, store, getattr(args, "run", None))
@@ -238,7 +238,7 @@ def cmd_profile_show(args) -> int:
 
 def cmd_profile_export(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.costs import export_costs
+    from ..steps.costs.transfer import export_costs
 
     document = export_costs(args.name, args.file, open_store(args), args.run)
     console.print(f"wrote {len(document['costs'])} cost rows of {escape(args.name)} (run "
@@ -248,7 +248,7 @@ def cmd_profile_export(args) -> int:
 
 def cmd_profile_import(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.costs import import_costs
+    from ..steps.costs.transfer import import_costs
 
     if args.name is not None:
         check_identifier(args.name, "profile name")

@@ -268,7 +268,7 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..db import upgrade
     from ..db.store import Store
-    from ..steps.traffic_import import import_traffic, sample_traffic_path
+    from ..steps.traffic.traffic_import import import_traffic, sample_traffic_path
 
     upgrade()
     report = import_traffic(sample_traffic_path(), Store.open(), progress=False)
@@ -319,7 +319,7 @@ def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
 
     from ..registry.registry import Registry
     from ..registry.run_results import profile_check
-    from ..steps.costs import profile_check_text
+    from ..steps.costs.reuse import profile_check_text
     from ..steps.run_table import evaluation_table
     from ..db.store import Store
     from ..registry.run_view import build_run_view

@@ -18,7 +18,7 @@ errors = make_console(stderr=True)
 
 def _context(args):
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor import MonitorContext
+    from ..steps.monitor.monitor import MonitorContext
 
     store = open_store(args)
     return MonitorContext.open(store, open_registry(args, store), args.target)
@@ -36,7 +36,8 @@ def _print_events(events: list[dict]) -> None:
 
 def cmd_scrape(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor import check, scrape
+    from ..steps.monitor.drift import check
+    from ..steps.monitor.scrape import scrape
 
     ctx = _context(args)
     row = scrape(ctx, args.url_to_scrape, args.deployment)
@@ -57,7 +58,7 @@ def cmd_scrape(args) -> int:
 
 def cmd_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor import check
+    from ..steps.monitor.drift import check
 
     result = check(_context(args))
     if args.json:
@@ -75,7 +76,7 @@ def cmd_check(args) -> int:
 
 def cmd_show(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor import show
+    from ..steps.monitor.monitor import show
 
     store = open_store(args)
     result = show(store, store.settings, args.deployment, since=args.since, until=args.until)

@@ -60,7 +60,7 @@ class TrafficRequest(Base):
     source_file: Mapped[str] = mapped_column(String(500))
     source_line: Mapped[int] = mapped_column(Integer)
     imported_at: Mapped[datetime] = mapped_column(DateTime)
-    # 0009: a row the target generated for draft training (tasks.steps.traffic_generate): the
+    # 0009: a row the target generated for draft training (tasks.steps.traffic.traffic_generate): the
     # generation run, and the logged request whose prompt and sampling params it answered. NULL on
     # production traffic; generated rows are never sampled, indexed or reported as traffic.
     generated_by: Mapped[str | None] = mapped_column(ID, index=True)
@@ -227,7 +227,7 @@ class CostProfileCheck(Base):
     max_spread: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict | None] = mapped_column(JSON)     # settings of the check, earlier attempts
     created_at: Mapped[datetime] = mapped_column(DateTime)
-    # 0013: the profile's key, by which a later run reuses it (tasks.steps.costs.reusable_profile):
+    # 0013: the profile's key, by which a later run reuses it (tasks.steps.costs.reuse.reusable_profile):
     # the hardware as hardware_profiles describes it (device, with a CPU's thread count; the CPU
     # model), the engine ("specdec" | "vllm") and its version, the dtype and the target's
     # fingerprint; the full hardware description it was measured on; when its costs were
@@ -301,7 +301,7 @@ class LiveMeasurement(Base):
 class EngineCheck(Base):
     """Per run and domain: the domain's exported config served by the serving engine (vLLM) on the
     domain's requests, vLLM's own acceptance counters beside the offline estimate of the same
-    requests at the same K, and the gate's verdict (tasks.steps.engine_check)."""
+    requests at the same K, and the gate's verdict (tasks.steps.checks.engine_check)."""
 
     __tablename__ = "engine_checks"
 
@@ -383,11 +383,11 @@ class DomainConfig(Base):
     validation: Mapped[str | None] = mapped_column(String(32))       # passed | failed | not_run
     promotable: Mapped[bool | None] = mapped_column(Boolean)
     reason: Mapped[str | None] = mapped_column(Text)
-    # 0005: K by batch size, [[first, last, K], ...] (tasks.steps.plan.k_schedule)
+    # 0005: K by batch size, [[first, last, K], ...] (tasks.steps.plan.plan.k_schedule)
     k_schedule: Mapped[list | None] = mapped_column(JSON)
     # 0007: whether the domain is on in the champion config the plan compared against, and the
     # live check's verdict ({verdict: pass | flag | veto | none, weak, measured, lo, hi, predicted,
-    # requests, reason}; tasks.steps.confirm.live_verdict)
+    # requests, reason}; tasks.steps.checks.confirm.live_verdict)
     champion_on: Mapped[bool | None] = mapped_column(Boolean)
     live_check: Mapped[dict | None] = mapped_column(JSON)
 
@@ -547,7 +547,7 @@ class MonitorEvent(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, index=True)
 
 class LoadCheckDomain(Base):
-    """Per run and domain: the load check on vLLM's OpenAI server (tasks.steps.load_check): its
+    """Per run and domain: the load check on vLLM's OpenAI server (tasks.steps.checks.load_check): its
     verdict, the exported schedule before and after the cut the measurement made, the servers'
     logs."""
 

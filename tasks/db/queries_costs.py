@@ -1,4 +1,4 @@
-"""The cost profiles' reads and writes (tasks.steps.costs, tasks.steps.engine_costs): a profile's
+"""The cost profiles' reads and writes (tasks.steps.costs.costs, tasks.steps.costs.engine_costs): a profile's
 rows, check and hardware description stored and read, and the stored checks a run may reuse (the
 profile a run plans with: queries_runs.run_hardware_profile)."""
 

@@ -1,4 +1,4 @@
-"""Draft training's reads and writes (tasks.steps.draft_training): the stored traffic a draft
+"""Draft training's reads and writes (tasks.steps.drafters.draft_training): the stored traffic a draft
 trains on, its draft_models record and training split, and the requests drafts were trained on."""
 
 from __future__ import annotations

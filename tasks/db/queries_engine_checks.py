@@ -1,6 +1,7 @@
-"""The engine check's reads and writes (tasks.steps.engine_check, tasks.steps.engine_validate): a
-run's planned and confirmed domains, its hardware profile's details, the engine_checks rows, the
-vLLM live check as a live measurement, and the domain_configs a failed check turns off."""
+"""The engine check's reads and writes (tasks.steps.checks.engine_check,
+tasks.steps.checks.engine_validate): a run's planned and confirmed domains, its hardware profile's
+details, the engine_checks rows, the vLLM live check as a live measurement, and the domain_configs a
+failed check turns off."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The offline estimate step's read and write (tasks.steps.offline_estimate): a run's sampled
+"""The offline estimate step's read and write (tasks.steps.estimate.offline_estimate): a run's sampled
 requests, and its acceptance_estimates rows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The confirm step's reads and write (tasks.steps.confirm): the run's cost profile and worker
+"""The confirm step's reads and write (tasks.steps.checks.confirm): the run's cost profile and worker
 hardware, and a domain's live measurement stored (its plan: queries_runs.domain_config)."""
 
 from __future__ import annotations

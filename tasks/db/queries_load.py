@@ -1,4 +1,4 @@
-"""Reads and writes of the load check (tasks.steps.load_check): load_check_domains and
+"""Reads and writes of the load check (tasks.steps.checks.load_check): load_check_domains and
 load_check_levels, and the domain_configs a cut schedule changes. Every function takes the
 Store; writes are one transaction each, and a re-run of a run id replaces its own rows."""
 

@@ -1,4 +1,4 @@
-"""The plan step's reads and write (tasks.steps.plan): a run's acceptance estimates of a domain,
+"""The plan step's reads and write (tasks.steps.plan.plan): a run's acceptance estimates of a domain,
 the share of its sampled requests that sample, and the domain's plan stored."""
 
 from __future__ import annotations

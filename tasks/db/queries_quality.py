@@ -1,4 +1,4 @@
-"""The data-quality step's reads and writes (tasks.steps.quality): a run's sample and result rows
+"""The data-quality step's reads and writes (tasks.steps.traffic.quality): a run's sample and result rows
 to check, and its stored outcomes (quality_results, data_docs_pages). Each takes the Unit of the
 transaction the step opened (Store.transaction()); writes and replace the run's earlier rows
 of the same suites or pages, so a re-run of a run id is idempotent."""

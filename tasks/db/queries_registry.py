@@ -18,7 +18,7 @@ from .queries_load import load_checks
 from .queries_run_view import engine_check_skip
 from .store import Store, Unit
 
-ENGINE_SAMPLING = "engine_sampling"      # check_name of the sampling test on vLLM (steps.engine_validate)
+ENGINE_SAMPLING = "engine_sampling"      # check_name of the vLLM sampling test (steps.checks.engine_validate)
 
 
 def eval_run(store: Store, run_id: str):

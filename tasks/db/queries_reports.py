@@ -1,4 +1,4 @@
-"""The ops reports' read (tasks.steps.reports): one report file's SQL run as it is."""
+"""The ops reports' read (tasks.steps.traffic.reports): one report file's SQL run as it is."""
 
 from __future__ import annotations
 

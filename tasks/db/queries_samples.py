@@ -1,5 +1,5 @@
 """A run's sample (eval_samples) drawn from the stored traffic: the reads and the write of the
-sample step (tasks.steps.traffic_sample). Each takes the Unit of the transaction the step
+sample step (tasks.steps.traffic.traffic_sample). Each takes the Unit of the transaction the step
 opened, so the draw sees one state of the traffic and records its rows atomically."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The suffix index step's reads and write (tasks.steps.suffix_index): a domain's stored
+"""The suffix index step's reads and write (tasks.steps.drafters.suffix_index): a domain's stored
 production traffic to index, a run's window end and sample, and the request ids an index holds
 (draft_training_requests, split "index")."""
 

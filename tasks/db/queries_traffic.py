@@ -1,6 +1,6 @@
 """Reads and writes of stored traffic (traffic_requests, quarantined_requests) for the steps that
-add to it or purge it: generated traffic (tasks.steps.traffic_generate) and imports and retention
-(tasks.steps.traffic_import). Reads take the Store or a Unit; writes take the Unit of the
+add to it or purge it: generated traffic (tasks.steps.traffic.traffic_generate) and imports and retention
+(tasks.steps.traffic.traffic_import). Reads take the Store or a Unit; writes take the Unit of the
 transaction the step opened (Store.transaction()) (an import batch is one transaction)."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def insert_generated(tx: Unit, records: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# imports (tasks.steps.traffic_import)
+# imports (tasks.steps.traffic.traffic_import)
 CHUNK = 500     # ids or line numbers per IN (...) list
 
 

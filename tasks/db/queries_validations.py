@@ -1,5 +1,5 @@
-"""The validate step's reads and writes (tasks.steps.validate, and the sampling test on vLLM in
-tasks.steps.engine_validate): validations rows replaced by check, a run's sampling tests, the last
+"""The validate step's reads and writes (tasks.steps.checks.validate, and the sampling test on vLLM in
+tasks.steps.checks.engine_validate): validations rows replaced by check, a run's sampling tests, the last
 fingerprint of the same weights, and the verdicts on domain_configs and eval_runs (a domain's
 config is read by queries_runs.domain_config)."""
 

@@ -1,6 +1,6 @@
 """The drafts registered in MLflow for a target, as an evaluation's candidates.
 
-A draft trained on the traffic (tasks.steps.draft_training) is a version of the registered model
+A draft trained on the traffic (tasks.steps.drafters.draft_training) is a version of the registered model
 `specdec-draft-<target-slug>`, tagged with the target fingerprint it was trained against and its
 kind. An evaluation offers, per fingerprint and kind, the version with alias `candidate`, else
 the newest one. Listing them needs the tracking client only (no model, no torch): the sample

@@ -1,7 +1,7 @@
 """The live check's one rule: what a domain's live measurement says against the policy minimum and
 the prediction for the same requests, judged on intervals, and its words.
 
-confirm's veto (tasks.steps.confirm.live_verdict), the version page, `domains.md`, the live_check
+confirm's veto (tasks.steps.checks.confirm.live_verdict), the version page, `domains.md`, the live_check
 gate and the terminal tables all judge a measurement with `judge_live`, so they cannot disagree:
 
 - FAIL (a problem of the domain): slower than plain decoding (the speedup's 95% interval lies

@@ -1,4 +1,4 @@
-"""The load check's results as people read them (tasks.steps.load_check measures them): a short
+"""The load check's results as people read them (tasks.steps.checks.load_check measures them): a short
 text per domain for `specdec evaluate`'s table, and the markdown section of the version page."""
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ def rollback(name: str, store: Store, uri: str | None = None,
     whatever it is when the lock is taken); a different champion refuses with RegistryError.
     A refusal (no champion, another champion than expected, nothing to roll back to) is an audit
     row too (action "reject", gates {"command": "rollback", ...}), committed before the error.
-    evidence: why (the production monitor's window, tasks.steps.monitor): kept in the audit row's
+    evidence: why (the production monitor's window, tasks.steps.monitor.drift): kept in the audit row's
     gates and its reason. store: specdec's database; registry: the MLflow tracking store
     (tasks.registry.registry.Registry; both opened by the caller; default: Registry.open()).
     uri: deprecated, a tracking URI to open the Registry from."""

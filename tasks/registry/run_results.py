@@ -16,7 +16,7 @@ def profile_check(run_id: str, store: Store) -> dict | None:
     """The check of the cost profile the run planned with: {hardware_profile, profile_run, status,
     reasons, attempts, max_spread, reused_from, measured_at}; None before the profile step (or for
     a profile without one). The profile's newest run is the one planned with
-    (tasks.steps.costs.run_costs); reused_from: the run that measured costs this run reused
+    (tasks.steps.costs.costs.run_costs); reused_from: the run that measured costs this run reused
     (None: measured by profile_run itself), measured_at: when (ISO, UTC; None: not recorded)."""
     return profile_check_of(q.profile_check_row(store, run_id))
 
@@ -110,7 +110,7 @@ def evidence_of(rows: dict) -> dict[str, dict]:
     return out
 
 
-ENGINE_SAMPLING = q.ENGINE_SAMPLING      # check_name of the sampling test on vLLM (steps.engine_validate)
+ENGINE_SAMPLING = q.ENGINE_SAMPLING      # check_name of the vLLM sampling test (steps.checks.engine_validate)
 
 
 def _engine_sampling(rows) -> dict[str, dict]:
@@ -130,7 +130,7 @@ def _engine_sampling(rows) -> dict[str, dict]:
 
 def engine_sampling_tests(run_id: str, store: Store) -> dict[str, dict]:
     """{domain: the run's sampling test on vLLM's OpenAI server} (validations rows with check_name
-    "engine_sampling", written by tasks.steps.engine_validate): {engine, status (passed | failed |
+    "engine_sampling", written by tasks.steps.checks.engine_validate): {engine, status (passed | failed |
     engine_differs | error), passed, rows (per test), positions (G-tests), min_p (the smallest p
     over them), reason, control (the plain server's verdict, "passed" | "failed", None where it
     did not run), shared_from}. A test that could not run ("error") has no rows, positions nor

@@ -179,7 +179,7 @@ def with_champion_line(description: str, line: str, version: str | None = None,
 
 
 def production_markdown(rows: list[dict], events: list[dict], title: str, plot: str | None) -> str:
-    """The version page's Production section (tasks.steps.monitor.publish): per deployment and
+    """The version page's Production section (tasks.steps.monitor.drift.publish): per deployment and
     domain, promised E with its interval, scraped E (the deployment's) and per-request E (the
     domain's), and the monitor's alerts and rollbacks."""
     def e(value) -> str:

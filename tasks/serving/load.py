@@ -15,7 +15,7 @@ so that a caller can tell a level a neighbour slowed.
 
 A request that fails (HTTP error, an error chunk, a dropped connection) is recorded failed with its
 error; a level that runs past its deadline is cut ("timeout"), its requests in flight cancelled.
-Nothing here decides what a result means (tasks.steps.load_check does).
+Nothing here decides what a result means (tasks.steps.checks.load_check does).
 """
 
 from __future__ import annotations

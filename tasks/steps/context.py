@@ -17,11 +17,11 @@ from ..db.store import Store
 from ..registry.drafts import registered_drafts
 from ..registry.registry import Registry
 from ..settings import Settings
-from .candidates import build_drafters, candidate_label, parse_candidate
-from .draft_training import trained_request_ids
-from .offline_estimate import load_sample_requests
+from .drafters.candidates import build_drafters, candidate_label, parse_candidate
+from .drafters.draft_training import trained_request_ids
+from .estimate.offline_estimate import load_sample_requests
 from .spec import RunSpec, freeze_candidates, stored_candidates, stored_drafts  # noqa: F401 - re-exported
-from .suffix_index import domain_drafters, indexed_request_ids
+from .drafters.suffix_index import domain_drafters, indexed_request_ids
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,6 @@ class RunContext:
 
     def domain_drafters(self, domain: str) -> dict:
         """The run's candidates for one domain: a suffix candidate without an index of its own
-        gets the run's index of this domain (tasks.steps.suffix_index)."""
+        gets the run's index of this domain (tasks.steps.drafters.suffix_index)."""
         return domain_drafters(self.drafters, self.run_id, domain, self.store, self.fingerprint,
                                self.tokenizer, self.model)

@@ -28,20 +28,20 @@ from ..registry.tracking import CHAMPION, alias_version, load_version_config
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool
 from ..settings import worker_name
-from .confirm import confirm_domain
+from .checks.confirm import confirm_domain
 from .context import RunContext, RunSpec, loaded_model
 from ..registry.run_results import profile_check
-from .costs import (describe_device, describe_hardware, hardware_of, load_costs, measure_or_reuse,
-                    profile_check_text)
-from .engine_check import _dtype, engine_check
-from .engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
-from .engine_validate import engine_validate_run
+from .costs.costs import describe_device, describe_hardware, hardware_of, load_costs
+from .costs.reuse import measure_or_reuse, profile_check_text
+from .checks.engine_check import _dtype, engine_check
+from .costs.engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
+from .checks.engine_validate import engine_validate_run
 from .failures import record_domain_failure
-from .load_check import load_check
-from .offline_estimate import estimate_domains
-from .plan import plan_domain
-from .quality import check_result_table
-from .validate import validate_domain, validate_run
+from .checks.load_check import load_check
+from .estimate.offline_estimate import estimate_domains
+from .plan.plan import plan_domain
+from .traffic.quality import check_result_table
+from .checks.validate import validate_domain, validate_run
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def step_profile(spec, new_profile: bool = False) -> dict:
     """The run's cost profile: the stored one the settings name (plan_hardware_profile), else the
     newest stored profile of this worker's hardware, engine, dtype and target that passed its
     checks, covers the run and is younger than profile_max_age_days, copied under the run's id,
-    else one measured here under the timing lock (tasks.steps.costs.measure_or_reuse).
+    else one measured here under the timing lock (tasks.steps.costs.reuse.measure_or_reuse).
     new_profile: measure whatever is stored (the DAG Param new_profile, `specdec evaluate
     --new-profile`).
 
@@ -276,7 +276,7 @@ def served_engine_check(spec) -> dict:
             log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
                         result["skipped"])
         if not result["skipped"]:
-            # under load, at the batch sizes the schedules claim (tasks.steps.load_check)
+            # under load, at the batch sizes the schedules claim (tasks.steps.checks.load_check)
             result["load_check"] = load_check(context, pool)
     return json.loads(json.dumps(result, default=str))
 
@@ -296,14 +296,14 @@ def serving_pool(context):
 
 
 def step_load_check(spec) -> dict:
-    """The load check alone (tasks.steps.load_check), on the run's config as it stands."""
+    """The load check alone (tasks.steps.checks.load_check), on the run's config as it stands."""
     spec = RunSpec.of(spec)
     return json.loads(json.dumps(load_check(RunContext.build(spec)), default=str))
 
 
 def step_engine_validate(spec, domains: list[str] | None = None, speculative_config: dict | None = None,
                          mended: bool = True) -> dict:
-    """The sampling test on vLLM's OpenAI server alone (tasks.steps.engine_validate)."""
+    """The sampling test on vLLM's OpenAI server alone (tasks.steps.checks.engine_validate)."""
     spec = RunSpec.of(spec)
     context = RunContext.build(spec)
     planned = domain_names(context.store, spec.run_id)

@@ -27,9 +27,9 @@ from ..db.store import Store
 from ..registry.gate import gates_of
 from ..registry.run_results import low_acceptance
 from ..registry.version_page import gates_summary, version_url
-from .quality import check_traffic_sample
+from .traffic.quality import check_traffic_sample
 from .spec import RunSpec, freeze_candidates
-from .traffic_sample import sample_traffic
+from .traffic.traffic_sample import sample_traffic
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,10 @@ def __dir__() -> list[str]:
 
 
 def step_sample(spec) -> dict:
-    """Draw the run's sample and freeze its candidates (tasks.steps.spec.freeze_candidates) into the
-    spec and into the run's eval_runs.params. Output: the sample (tasks.steps.traffic_sample.sample_traffic)
-    and "spec", the frozen spec as a dict: the spec every later step of the run takes."""
+    """Draw the run's sample and freeze its candidates (tasks.steps.spec.freeze_candidates) into the spec
+    and into the run's eval_runs.params. Output: the sample
+    (tasks.steps.traffic.traffic_sample.sample_traffic) and "spec", the frozen spec as a dict: the spec
+    every later step of the run takes."""
     spec = RunSpec.of(spec)
     settings = spec.settings()
     spec = freeze_candidates(spec, settings)
@@ -82,7 +83,7 @@ def step_check(spec) -> dict:
 
 
 def step_engine_check(spec) -> dict:
-    """Serve each domain the plan turns on with its exported config on vLLM (tasks.steps.engine_check);
+    """Serve each domain the plan turns on with its exported config on vLLM (tasks.steps.checks.engine_check);
     a domain whose engine check fails is turned off before register."""
     spec = RunSpec.of(spec)
     settings = spec.settings()

@@ -19,7 +19,7 @@ from .spec import RunSpec
 log = logging.getLogger(__name__)
 
 ENGINE_COLUMNS = {"engine_status": "status", "engine_e": "engine_e", "engine_estimate_e": "estimate_e",
-                  "engine_passed": "passed"}     # the engine check (tasks.steps.engine_check) on vLLM
+                  "engine_passed": "passed"}     # the engine check (tasks.steps.checks.engine_check) on vLLM
 TABLE_COLUMNS = ("domain", "status", "drafter", "k", "max_batch_size", "mean_accepted_length",
                  "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
                  "measured_speedup", "gap", "enabled", "validation", "promotable", "reason",

@@ -20,7 +20,7 @@ PL_DRAFT = {1: 0.05, 2: 0.1, 4: 0.2}                       # per round
 
 
 def cost_table(step=STEP, verify=VERIFY, ls=LS_DRAFT, pl=PL_DRAFT, name="test-gpu"):
-    from tasks.steps.costs import CostTable
+    from tasks.steps.costs.costs import CostTable
 
     return CostTable(name, "costs-run", dict(step),
                      {b: {k + 1: r * step[b] for k, r in enumerate(ratios)} for b, ratios in verify.items()},
@@ -30,7 +30,7 @@ def cost_table(step=STEP, verify=VERIFY, ls=LS_DRAFT, pl=PL_DRAFT, name="test-gp
 def add_estimate(db_url, run_id, domain, spec, k, e, lo, hi, share, requests=30) -> None:
     from sqlalchemy import insert
 
-    from tasks.steps.candidates import candidate_label
+    from tasks.steps.drafters.candidates import candidate_label
     from tasks.db.models import AcceptanceEstimate
 
     execute(db_url, insert(AcceptanceEstimate).values(
@@ -64,7 +64,7 @@ EMBEDDED_CPU_OVERHEAD = {"plain": 0.01037, PL: 0.02662}
 def store_embedded_cpu_profile(store, model, name: str = "embedded-cpu") -> str:
     """Store the profile above as the hardware `model` runs on here (so confirm times against it)
     under `name`, as `specdec profile import` would; returns the name to plan with."""
-    from tasks.steps.costs import CostTable, describe_hardware, store_costs
+    from tasks.steps.costs.costs import CostTable, describe_hardware, store_costs
 
     table = CostTable(name, f"{name}-profile", {1: EMBEDDED_CPU_STEP}, {1: dict(EMBEDDED_CPU_VERIFY)},
                       {drafter: {1: s} for drafter, s in EMBEDDED_CPU_DRAFT.items()},

@@ -117,11 +117,11 @@ def live_evidence(db_url: str, run_id: str, domain: str, measured: float, predic
 def engine_sampling(db_url: str, run_id: str, domain: str, status: str = "passed", rows: int = 300,
                     positions: int = 6, min_p: float = 0.021, control: bool | None = None,
                     shared_from: str | None = None, k: int = 3) -> None:
-    """What the sampling test on vLLM leaves for a domain (tasks.steps.engine_validate, stored by
+    """What the sampling test on vLLM leaves for a domain (tasks.steps.checks.engine_validate, stored by
     its own _store: a row that does not pass also marks the domain failed and unpromotable).
     status: passed | failed | engine_differs | error (error: the server could not run, no
     figures); control: the plain server's verdict where it ran."""
-    from tasks.steps.engine_validate import EngineSamplingResult, _store
+    from tasks.steps.checks.engine_validate import EngineSamplingResult, _store
 
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
     passed = status == "passed"

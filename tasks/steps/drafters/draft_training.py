@@ -4,7 +4,7 @@
   or pooled; split train / validation / held-out by hashes of (training id, request id). The
   split is recorded in draft_training_requests, and an evaluation never scores the training rows
   of a draft it evaluates (tasks.steps.pipeline excludes them).
-- Kinds: one typed recipe each (tasks.steps.draft_recipes): `draft_model` (a small causal LM),
+- Kinds: one typed recipe each (tasks.steps.drafters.draft_recipes): `draft_model` (a small causal LM),
   `head` (a draft head on the target's hidden states) or `eagle3` (an EAGLE-3 head saved in the
   speculators format vLLM and SGLang load); each recipe trains itself (its train()). All share
   the data (TrainingData), split, optimiser loop, checkpoints and registration below; a version's
@@ -38,19 +38,19 @@ from specdec_core.estimate import (LoggedRequest, in_heldout, in_validation,  # 
                                    round_robin, split_hash, validation_key)
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
-from ..db import queries_drafts as q
-from ..db.queries_window import newest_request_at
-from ..db.store import Store
-from ..errors import SampleError
-from ..registry.drafts import (CANDIDATE_ALIAS, draft_candidates, draft_model_name,  # noqa: F401 - re-exported
-                               registered_drafts)
-from ..registry.tracking import experiment_for_target
-from ..registry.registry import Registry
-from ..paths import check_identifier, home_path
-from ..settings import DEFAULT_MODEL
-from ..timeutil import utcnow
+from ...db import queries_drafts as q
+from ...db.queries_window import newest_request_at
+from ...db.store import Store
+from ...errors import SampleError
+from ...registry.drafts import (CANDIDATE_ALIAS, draft_candidates,  # noqa: F401 - re-exported
+                                draft_model_name, registered_drafts)
+from ...registry.tracking import experiment_for_target
+from ...registry.registry import Registry
+from ...paths import check_identifier, home_path
+from ...settings import DEFAULT_MODEL
+from ...timeutil import utcnow
 from .draft_recipes import DraftModelRecipe, DraftRecipe, DraftTrainingError, TrainingData, TrainingRun
-from .offline_estimate import request_token_ids
+from ..estimate.offline_estimate import request_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _stored_requests(store: Store, fingerprint: str, tokenizer, domains, start, 
                      end=None):
     """[(LoggedRequest, the logged request it was generated from or None)] of this target's
     stored rows since `start`: production traffic, or (generated) the rows the target generated
-    (tasks.steps.traffic_generate)."""
+    (tasks.steps.traffic.traffic_generate)."""
     requests = []
     for row in q.target_traffic_rows(store, fingerprint, domains, start, generated, end):
         prompt, response = request_token_ids(row, tokenizer)
@@ -77,7 +77,7 @@ def training_requests(store: Store, fingerprint: str, tokenizer=None, domains=No
     """(requests [LoggedRequest], (window start, end)) of this target's stored production traffic
     (rows the target generated are never among them: generated_requests). The window ends at the
     newest request stamped at most future_tolerance_hours after now, as an evaluation's does
-    (tasks.steps.traffic_sample.resolve_window): rows stamped later (a skewed clock) are left out."""
+    (tasks.steps.traffic.traffic_sample.resolve_window): rows stamped later (a skewed clock) are left out."""
     tolerance = store.settings.sample.future_tolerance_hours
     newest, future = newest_request_at(store, utcnow() + timedelta(hours=tolerance))
     if future:
@@ -103,7 +103,7 @@ def training_requests(store: Store, fingerprint: str, tokenizer=None, domains=No
 def generated_requests(store: Store, fingerprint: str, tokenizer=None, domains=None,
                        start=None) -> list[tuple[LoggedRequest, str]]:
     """[(request, the logged request it was generated from)] of the rows this target generated
-    for training (tasks.steps.traffic_generate) since `start`."""
+    for training (tasks.steps.traffic.traffic_generate) since `start`."""
     return _stored_requests(store, fingerprint, tokenizer, domains, start or datetime(1970, 1, 1),
                             True)
 
@@ -210,7 +210,7 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
                              device: str | None = None, model=None, tokenizer=None,
                              register: bool = True, progress: bool = True) -> dict:
     """Build the data, train the recipe (resuming a previous attempt of the same id), register.
-    recipe: what to train (tasks.steps.draft_recipes; default DraftModelRecipe()); data: which
+    recipe: what to train (tasks.steps.drafters.draft_recipes; default DraftModelRecipe()); data: which
     rows (default TrainingData()). Output: {"train_id", "train_requests", "heldout_requests",
     "best", "steps", "best_dir", "model_uri", "version", "fingerprint", "kind",
     "generated_requests", "result"}."""

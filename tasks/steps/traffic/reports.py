@@ -19,10 +19,10 @@ from datetime import date, datetime
 from decimal import Decimal
 from pathlib import Path
 
-from ..db.queries_reports import run_report_sql
-from ..db.store import Store
-from ..errors import UnknownReport
-from ..settings import specdec_home
+from ...db.queries_reports import run_report_sql
+from ...db.store import Store
+from ...errors import UnknownReport
+from ...settings import specdec_home
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def sql_dir() -> Path:
     candidates = []
     if os.environ.get(SQL_DIR_ENV):
         candidates.append(Path(os.environ[SQL_DIR_ENV]))
-    candidates.append(Path(__file__).resolve().parents[2] / "sql")
+    candidates.append(Path(__file__).resolve().parents[3] / "sql")
     candidates.append(Path(sys.prefix) / "share" / "specdec-rollout" / "sql")
     for candidate in candidates:
         if candidate.is_dir() and any(candidate.glob("*.sql")):

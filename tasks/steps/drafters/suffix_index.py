@@ -24,16 +24,16 @@ from specdec_core.drafters import output_size
 from specdec_core.suffix import SuffixIndex
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
-from ..db.queries_suffix import (domain_traffic, newest_in_domain, production_domains,
-                                 replace_index_requests, run_window_and_sample)
-from ..db.store import Store
-from ..errors import SpecdecTaskError
-from ..registry.config_schema import target_slug
-from ..registry.tracking import experiment_for_target
-from ..registry.registry import Registry
-from ..paths import home_path
-from ..timeutil import utcnow
-from .offline_estimate import request_token_ids
+from ...db.queries_suffix import (domain_traffic, newest_in_domain, production_domains,
+                                  replace_index_requests, run_window_and_sample)
+from ...db.store import Store
+from ...errors import SpecdecTaskError
+from ...registry.config_schema import target_slug
+from ...registry.tracking import experiment_for_target
+from ...registry.registry import Registry
+from ...paths import home_path
+from ...timeutil import utcnow
+from ..estimate.offline_estimate import request_token_ids
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 from specdec_core.train_config import TrainConfig
 
-from ..errors import SpecdecTaskError
+from ...errors import SpecdecTaskError
 
 
 class DraftTrainingError(SpecdecTaskError, ValueError):

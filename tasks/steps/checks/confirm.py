@@ -40,14 +40,14 @@ from tqdm.auto import tqdm
 from specdec_core import SpecDecoder, SpecStats
 from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
-from ..db.queries_live import run_hardware, store_live_measurement
-from ..db.queries_runs import domain_config
-from ..db.store import Store
-from ..registry.live_check import LiveVerdict, judge_live
-from ..settings import Settings, worker_name
-from .costs import (CostProfileError, HardwareMismatch, describe_hardware, hardware_text, run_costs,
-                    same_hardware, timing_lock)
-from .plan import speedup_factor
+from ...db.queries_live import run_hardware, store_live_measurement
+from ...db.queries_runs import domain_config
+from ...db.store import Store
+from ...registry.live_check import LiveVerdict, judge_live
+from ...settings import Settings, worker_name
+from ..costs.costs import (CostProfileError, HardwareMismatch, describe_hardware, hardware_text, run_costs,
+                           same_hardware, timing_lock)
+from ..plan.plan import speedup_factor
 
 log = logging.getLogger(__name__)
 

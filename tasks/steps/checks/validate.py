@@ -31,18 +31,18 @@ from specdec_core import SamplingParams
 from specdec_core.validation import (DEFAULT_VALIDATION_SAMPLING, compare_fingerprints, fingerprint_id,
                                      greedy_check, sampling_check, target_fingerprint)
 
-from ..db.queries_runs import domain_config
-from ..db.queries_validations import (fingerprint_run, other_sampling_tests, replace_validations,
-                                      sampling_results, set_domain_verdict, set_run_target)
-from ..db.store import Store
-from ..serving import environment as serving_env
-from ..settings import Settings
+from ...db.queries_runs import domain_config
+from ...db.queries_validations import (fingerprint_run, other_sampling_tests, replace_validations,
+                                       sampling_results, set_domain_verdict, set_run_target)
+from ...db.store import Store
+from ...serving import environment as serving_env
+from ...settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 def engine_sampling_gates(settings: Settings) -> bool:
-    """Whether the sampling test on vLLM (tasks.steps.engine_validate, run by the engine check)
+    """Whether the sampling test on vLLM (tasks.steps.checks.engine_validate, run by the engine check)
     gates this run's promotion in place of the own-engine one: the engine check and its sampling
     test are on and a serving environment exists."""
     return settings.engine.check and settings.engine.sampling and serving_env.available(settings)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from specdec_core.errors import SpecDecError
 
-from ..errors import SpecdecTaskError
+from ...errors import SpecdecTaskError
 
 if TYPE_CHECKING:
-    from ..registry.registry import Registry
+    from ...registry.registry import Registry
 
 KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head", "eagle3")   # = specdec_core.factory.DRAFTER_KINDS
 # drafters that search on the host once per round (their cost is per round, not per token)

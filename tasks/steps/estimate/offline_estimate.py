@@ -12,11 +12,11 @@ import logging
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, estimate_acceptance
 
-from ..db.queries_estimates import replace_acceptance_estimates, sampled_requests
-from ..db.store import Store
-from ..errors import SampleError
-from ..settings import Settings
-from ..timeutil import utcnow
+from ...db.queries_estimates import replace_acceptance_estimates, sampled_requests
+from ...db.store import Store
+from ...errors import SampleError
+from ...settings import Settings
+from ...timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -34,14 +34,14 @@ from specdec_core import SamplingParams
 from specdec_core.estimate import in_heldout, in_validation
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
-from ..db.queries_traffic import (generated_count, generated_sources, insert_generated, target_domains,
-                                  target_rows)
-from ..db.store import Store
-from ..errors import SampleError, SpecdecTaskError
-from ..settings import DEFAULT_MODEL, load_settings
-from ..timeutil import utcnow
-from .offline_estimate import request_token_ids
-from .traffic_import import Normalizer
+from ...db.queries_traffic import (generated_count, generated_sources, insert_generated, target_domains,
+                                   target_rows)
+from ...db.store import Store
+from ...errors import SampleError, SpecdecTaskError
+from ...settings import DEFAULT_MODEL, load_settings
+from ...timeutil import utcnow
+from ..estimate.offline_estimate import request_token_ids
+from .traffic_rows import Normalizer
 from .traffic_sample import selection_key
 
 log = logging.getLogger(__name__)

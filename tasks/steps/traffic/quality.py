@@ -24,11 +24,11 @@ import re
 from dataclasses import dataclass
 
 import pandas as pd
-from ..db.queries_quality import (replace_quality_results, result_rows, sample_rows, sampling_params,
-                                  set_run_checked, store_data_docs)
-from ..db.store import Store
-from ..errors import QualityGateFailed, SampleError
-from ..settings import Settings
+from ...db.queries_quality import (replace_quality_results, result_rows, sample_rows, sampling_params,
+                                   set_run_checked, store_data_docs)
+from ...db.store import Store
+from ...errors import QualityGateFailed, SampleError
+from ...settings import Settings
 from .traffic_sample import SAMPLE_SUITE
 
 log = logging.getLogger(__name__)

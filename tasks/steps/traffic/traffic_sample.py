@@ -14,13 +14,13 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
-from ..db.queries_samples import domains_where, record_sample, request_ids_where, window_condition
-from ..db.queries_window import newest_request_at
-from ..db.store import Store
-from ..errors import SampleError
-from ..paths import check_identifier
-from ..settings import Settings
-from ..timeutil import utcnow
+from ...db.queries_samples import domains_where, record_sample, request_ids_where, window_condition
+from ...db.queries_window import newest_request_at
+from ...db.store import Store
+from ...errors import SampleError
+from ...paths import check_identifier
+from ...settings import Settings
+from ...timeutil import utcnow
 
 log = logging.getLogger(__name__)
 

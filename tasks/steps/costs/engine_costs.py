@@ -37,7 +37,7 @@ The profile's hardware description names the engine (`details.engine`: name, ver
 sampler mends the engine needed), its name says so (vllm-<version>-<device>), and its check
 flags spreads beyond `profile_max_spread` and ngram engines that proposed less than half of K.
 It is stored with its key (engine "vllm" and its version, the CPU and threads, the dtype, the
-served target's fingerprint; tasks.steps.costs.profile_key) like our engine's; `specdec profile
+served target's fingerprint; tasks.steps.costs.costs.profile_key) like our engine's; `specdec profile
 measure --engine vllm` always measures afresh.
 """
 
@@ -52,19 +52,20 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..db.queries_costs import hardware_rows_newest_first
-from ..db.store import Store
-from ..errors import EngineTimeout, ServingProbeError
-from ..registry.config_schema import DrafterSpec
-from ..registry.vllm_export import speculative_config
-from ..serving import environment as serving_env
-from ..serving.scripts.vllm_probe import clean_pairs, pooled_spread, ratio_interval
-from ..paths import check_identifier, home_path
-from ..settings import Settings
-from ..timeutil import utcnow
-from .candidates import HOST_DRAFTERS, candidate_label, parse_candidate
+from ...db.queries_costs import hardware_rows_newest_first
+from ...db.store import Store
+from ...errors import EngineTimeout, ServingProbeError
+from ...registry.config_schema import DrafterSpec
+from ...registry.vllm_export import speculative_config
+from ...serving import environment as serving_env
+from ...serving.scripts.vllm_probe import clean_pairs, pooled_spread, ratio_interval
+from ...paths import check_identifier, home_path
+from ...settings import Settings
+from ...timeutil import utcnow
+from ..drafters.candidates import HOST_DRAFTERS, candidate_label, parse_candidate
 from .costs import (CostTable, _slug, describe_device, load_costs, profile_key, profile_provenance,
-                    reusable_profile, reuse_costs, store_costs, timing_lock)
+                    store_costs, timing_lock)
+from .reuse import reusable_profile, reuse_costs
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None,
     answers, engines = _time_engines(run_id, plan, settings, progress)
     table, hardware, version = _vllm_table(run_id, plan, answers, engines, settings, k_max, draft_k,
                                            steps, name)
-    # its key (tasks.steps.costs.profile_key): vLLM's version, and the fingerprint written beside
+    # its key (tasks.steps.costs.costs.profile_key): vLLM's version, and the fingerprint written beside
     # the served directory (None for a directory that is not one of ours: never reused)
     store_costs(store, run_id, hardware, table, profile_key(
         hardware, "vllm", version, serving_env.served_fingerprint(plan.model_dir)))
@@ -316,7 +317,7 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
     """The run's cost profile of the serving engine: the newest stored vLLM profile of this
     vLLM version, CPU, dtype and served target that passed its checks, is younger than
     profile_max_age_days and covers the run (the candidates vLLM serves), copied under `run_id`
-    (tasks.steps.costs.reuse_costs); else one measured here (profile_vllm). new_profile: measure
+    (tasks.steps.costs.reuse.reuse_costs); else one measured here (profile_vllm). new_profile: measure
     whatever is stored. Output: profile_vllm's (or reuse_costs's), with "profile" saying which."""
     settings = settings or store.settings
     k_max = k_max or settings.plan.k_max

@@ -2,7 +2,7 @@
 named hardware, by batch size (CostTable), and the readers of the stored profiles.
 
 The planner, the monitor, the engine check and the load check price rounds with it; none of them
-measures anything, so this module imports no torch (the measuring is tasks.steps.costs, which
+measures anything, so this module imports no torch (the measuring is tasks.steps.costs.costs, which
 re-exports these names). A hardware description is a device and dtype: timings are comparable
 only within one (same_hardware); confirm refuses the others (HardwareMismatch).
 """
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..db.queries_costs import cost_profile_rows, hardware_row
-from ..db.queries_runs import run_hardware_profile
-from ..db.store import Store
-from ..errors import SpecdecTaskError
+from ...db.queries_costs import cost_profile_rows, hardware_row
+from ...db.queries_runs import run_hardware_profile
+from ...db.store import Store
+from ...errors import SpecdecTaskError
 
 
 class CostProfileError(SpecdecTaskError, LookupError):
@@ -63,7 +63,7 @@ class CostTable:
 
     @property
     def noisy(self) -> bool:
-        """Whether the profile failed its consistency or spread checks (tasks.steps.plan then turns no
+        """Whether the profile failed its consistency or spread checks (tasks.steps.plan.plan then turns no
         domain on from it that the champion has off)."""
         return bool(self.check) and self.check.get("status") == "noisy"
 

@@ -38,15 +38,15 @@ import torch
 from specdec_core import SamplingParams
 from specdec_core.validation import SamplingReport, position_tests
 
-from ..db.queries_engine_checks import fail_own_sampling_domains, mark_validation_failed, planned_domains
-from ..db.store import Store
-from ..errors import EngineTimeout, InvalidValue, ServingProbeError
-from ..registry.run_config import build_config
-from ..registry.vllm_export import vllm_export
-from ..serving import environment as serving_env
-from ..serving.server import ServerPool, VllmServer
-from ..settings import Settings
-from ..db.queries_validations import replace_validations
+from ...db.queries_engine_checks import fail_own_sampling_domains, mark_validation_failed, planned_domains
+from ...db.store import Store
+from ...errors import EngineTimeout, InvalidValue, ServingProbeError
+from ...registry.run_config import build_config
+from ...registry.vllm_export import vllm_export
+from ...serving import environment as serving_env
+from ...serving.server import ServerPool, VllmServer
+from ...settings import Settings
+from ...db.queries_validations import replace_validations
 from .validate import validation_context, validation_samplings
 
 log = logging.getLogger(__name__)

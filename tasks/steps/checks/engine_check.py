@@ -27,9 +27,9 @@ line, or the timeout naming the engine's log). Such a domain is turned off in th
 with the reason. A drafter without a vLLM equivalent is reported, not gated.
 
 Then, with `engine_sampling` on, the sampling test on vLLM's OpenAI server
-(tasks.steps.engine_validate) for every domain the replay passed, on one server per drafter
+(tasks.steps.checks.engine_validate) for every domain the replay passed, on one server per drafter
 method (vllm_export.deployment_specs), each request asking its domain's K; a domain that fails
-it is turned off ("lossy"). A run planned on vLLM's costs (tasks.steps.engine_costs.plans_on_vllm) gets its live
+it is turned off ("lossy"). A run planned on vLLM's costs (tasks.steps.costs.engine_costs.plans_on_vllm) gets its live
 check here: vLLM's decode-phase speedup on the replayed requests, plain and config, judged by
 confirm's live_verdict and stored as the run's live measurement; a veto turns the domain off.
 
@@ -57,22 +57,22 @@ import numpy as np
 
 from specdec_core.estimate import LoggedRequest
 
-from ..db.queries_engine_checks import (enabled_domains, replace_engine_checks,
-                                        replace_live_measurement, run_hardware_details)
-from ..db.store import Store
-from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.live_check import LiveVerdict
-from ..registry.registry import Registry
-from ..registry.vllm_export import deployment_specs, method_deployments
-from ..serving import environment as serving_env
-from ..serving.server import ServerPool, log_dir
-from ..settings import Settings
-from . import acceptance
+from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks,
+                                         replace_live_measurement, run_hardware_details)
+from ...db.store import Store
+from ...errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ...registry.live_check import LiveVerdict
+from ...registry.registry import Registry
+from ...registry.vllm_export import deployment_specs, method_deployments
+from ...serving import environment as serving_env
+from ...serving.server import ServerPool, log_dir
+from ...settings import Settings
+from ..estimate import acceptance
 from .confirm import live_verdict, offline_totals, truncated
-from .costs import CostProfileError, CostTable
-from .engine_costs import engine_profile, profile_engine
+from ..costs.costs import CostProfileError, CostTable
+from ..costs.engine_costs import engine_profile, profile_engine
 from .engine_validate import own_sampling_gates, served_export, validate_on_engine
-from .plan import speedup_factor
+from ..plan.plan import speedup_factor
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def local_spec(spec: dict | None, registry: Registry | None = None) -> dict | No
     registry: where it is registered (default Registry.open())."""
     if spec is None or not str(spec.get("model") or "").startswith("models:/"):
         return spec
-    from .draft_training import resolve_model_uri   # imported here: MLflow, for URIs only
+    from ..drafters.draft_training import resolve_model_uri   # imported here: MLflow, for URIs only
 
     return dict(spec, model=resolve_model_uri(spec["model"], registry))
 
@@ -625,7 +625,7 @@ def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict
                     row: dict, settings: Settings) -> dict | None:
     """The live check of a run planned on vLLM's costs, on vLLM: per replayed request, the decode
     phase of the plain engine and of the config's (vLLM's own timestamps), judged by the same rule
-    as our engine's confirm step (tasks.steps.confirm.live_verdict: slower than plain decoding, the
+    as our engine's confirm step (tasks.steps.checks.confirm.live_verdict: slower than plain decoding, the
     interval's upper end below min_speedup, a veto for a domain turning on). None without both
     engines' timings. Output: {"per_request", "verdict"}."""
     served, base = spec_answer.get("requests") or {}, plain.get("requests") or {}

@@ -23,9 +23,9 @@ within hysteresis". Without it a domain near the minimum flips on and off from r
 sampling noise alone, and every flip is a new config version to review.
 
 A noisy cost profile (CostTable.noisy: it failed its consistency or spread checks, see
-tasks.steps.costs.check_costs) turns no domain on that the champion has off: its reason says "cost
+tasks.steps.costs.costs.check_costs) turns no domain on that the champion has off: its reason says "cost
 profile too noisy: ..." and how to plan with a stored profile instead. The live check after the
-plan can veto an "on" as well (tasks.steps.confirm.live_verdict).
+plan can veto an "on" as well (tasks.steps.checks.confirm.live_verdict).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..db.queries_plans import domain_estimates, store_plan
-from ..db.store import Store
-from ..settings import Settings
-from ..registry.figures import interval_at_bar
-from .candidates import HOST_DRAFTERS
-from .cost_table import CostProfileError, CostTable
+from ...db.queries_plans import domain_estimates, store_plan
+from ...db.store import Store
+from ...settings import Settings
+from ...registry.figures import interval_at_bar
+from ..drafters.candidates import HOST_DRAFTERS
+from ..costs.cost_table import CostProfileError, CostTable
 
 log = logging.getLogger(__name__)
 

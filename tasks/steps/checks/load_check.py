@@ -19,7 +19,7 @@ of the domain's logged requests outside the run's sample (the newest the estimat
 holds): a serving deployment's tree holds the domain's history, and so does the index the
 estimate is priced on; measured on a tree without it, suffix decoding drafts little. A wave side a neighbour slowed (CPU of other processes read from /proc) is served again
 (load_retries), and a level's interval leaves out the pairs a neighbour reached where at
-least 5 clean ones remain (tasks.steps.confirm.judged_pairs). A K 0 request
+least 5 clean ones remain (tasks.steps.checks.confirm.judged_pairs). A K 0 request
 on that server still pays the drafter's host search (vLLM proposes for the whole batch; the cut
 is made after), so the control is what the deployment serves its off domains with
 (tasks.serving.load: asyncio + httpx). Per level and server: output tokens/s (over the level's
@@ -27,7 +27,7 @@ wall time), time to first token and inter-token latency p50/p95, failed requests
 server vLLM's vllm:spec_decode_* counter deltas from /metrics (E = 1 + accepted / drafts, and the
 acceptance rate per position) beside the same requests' per-request metrics summed (they must be
 equal). The measured speedup is the config's decode-phase tokens/s over the plain one on the same
-requests, with its 95% interval by bootstrap over them (tasks.steps.confirm.speedup_interval);
+requests, with its 95% interval by bootstrap over them (tasks.steps.checks.confirm.speedup_interval);
 the predicted one is vLLM's cost profile at that batch size (the engine check's profile, the
 estimate of these requests at that level's K).
 
@@ -52,24 +52,24 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..db.queries_load import domains_on, engine_versions, load_checks, store_load_check
-from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
-from ..registry.vllm_export import batch_schedule, deployment_specs
-from ..serving import environment as serving_env
-from ..serving.load import inter_token_latencies, merge_levels, run_level
-from ..serving.server import ServerPool, log_dir
-from ..settings import Settings
-from .acceptance import accepted_per_position, mean_accepted_length, position_rates
+from ...db.queries_load import domains_on, engine_versions, load_checks, store_load_check
+from ...errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ...registry.vllm_export import batch_schedule, deployment_specs
+from ...serving import environment as serving_env
+from ...serving.load import inter_token_latencies, merge_levels, run_level
+from ...serving.server import ServerPool, log_dir
+from ...settings import Settings
+from ..estimate.acceptance import accepted_per_position, mean_accepted_length, position_rates
 from .confirm import judged_pairs, offline_totals, speedup_interval, truncated
-from .costs import CostTable
+from ..costs.costs import CostTable
 from .engine_check import _dtype, end_slot, local_spec, predicted_speedup
-from .engine_costs import engine_profile
+from ..costs.engine_costs import engine_profile
 from .engine_validate import BLOCK_SIZE, served_export
-from .suffix_index import run_history
+from ..drafters.suffix_index import run_history
 
 log = logging.getLogger(__name__)
 
-# the servers the engine check's sampling test uses (tasks.steps.engine_validate): with one pool
+# the servers the engine check's sampling test uses (tasks.steps.checks.engine_validate): with one pool
 # for both, a config's server starts once for the sampling test and the load check
 SERVER = {"block_size": BLOCK_SIZE}
 

@@ -1,0 +1,2 @@
+"""Production talks back: serving deployments scraped, their acceptance checked against the
+champion's promise. Importing this package imports none of its modules."""
