@@ -364,10 +364,15 @@ def test_vllms_own_cost_profile_is_stored_and_the_planner_reads_it(engine_run):
     assert [e["config"] for e in profile["engines"]] == ["ngram"]
     timings = profile["engines"][0]["timings"]
     assert {t["k"] for t in timings} == {0, 1, 3} and profile["engines"][0]["repeats"] >= 2
+    # a later round times only the ratios still open: a repeat may hold no batch-1 greedy pair
+    checked = 0
     for repeat in {t["repeat"] for t in timings}:
         drafted = {t["k"]: t["drafted"] for t in timings if t["repeat"] == repeat
                    and t["batch_size"] == 1 and t["sampling"] == "greedy"}
-        assert drafted[0] == 0 and drafted.get(3, 1) > 0, drafted     # K 0: no drafts at all
+        if drafted:
+            assert drafted[0] == 0 and drafted.get(3, 1) > 0, drafted     # K 0: no drafts at all
+            checked += 1
+    assert checked >= 1
     assert hardware["details"]["engine"]["paired"] is True
     costs = load_costs(hardware["name"], Store.open(engine_run["url"]))
     assert costs.batch_sizes == [1, 2] and all(costs.k_max(b) == 3 for b in (1, 2))
