@@ -40,7 +40,8 @@ from tasks.settings import load_settings  # noqa: E402
 from tasks.steps.drafters.candidates import build_drafters, candidate_label, parse_candidate  # noqa: E402
 from specdec_core.estimate import in_heldout  # noqa: E402
 from tasks.steps.estimate.acceptance import mean_accepted_length  # noqa: E402
-from tasks.steps.checks.engine_check import engine_check, inside_output  # noqa: E402
+from tasks.steps.checks.engine_check import engine_check  # noqa: E402
+from tasks.steps.checks.engine_compare import inside_output  # noqa: E402
 from tasks.timeutil import utcnow  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"

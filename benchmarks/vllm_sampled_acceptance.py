@@ -4,7 +4,7 @@ For prompt lookup (vLLM's `ngram`, no draft probabilities) the rule accepts draf
 probability p_target(x) under the request's temperature and top_p. This script replays a run's
 sampled requests (without top_k: vLLM 0.32's CPU build dies on those under speculation) through
 vLLM in the serving environment, places each of vLLM's drafted steps along vLLM's own output
-(tasks.steps.checks.engine_check.engine_walk: the same proposer), and sets beside each step's realised
+(tasks.steps.checks.engine_compare.engine_walk: the same proposer), and sets beside each step's realised
 first-draft acceptance the probability the rule gives it there: p_target(first draft | vLLM's own
 context), from the target in this process. Same text, same context: the two totals must agree up
 to binomial noise.
@@ -30,7 +30,7 @@ def main() -> int:
     from specdec_core.drafters import PromptLookup
     from specdec_core.sampling import logits_to_probs
     from tasks.serving import environment as serving_env
-    from tasks.steps.checks.engine_check import engine_walk
+    from tasks.steps.checks.engine_compare import engine_walk
     from tasks.db.store import Store
     from tasks.steps.estimate.offline_estimate import load_sample_requests
     from tasks.settings import load_settings

@@ -55,8 +55,6 @@ def test_every_engine_module_has_a_layer_and_imports_only_from_its_own_and_lower
         assert not upward, f"{module} imports {upward} from a layer above its own"
 
 
-# the two checks another change is splitting on its own (issue 84): exempt from the size bound until then
-STEPS_OVER_500 = {"checks/engine_check.py", "checks/load_check.py"}
 
 
 def test_the_steps_are_split_by_phase_into_small_modules_each_with_a_layer():
@@ -75,7 +73,7 @@ def test_the_steps_are_split_by_phase_into_small_modules_each_with_a_layer():
         init = ast.parse((steps / package / "__init__.py").read_text())
         assert ast.get_docstring(init) and len(init.body) == 1, package     # a docstring, no import
     long = {str(p.relative_to(steps)) for p in steps.rglob("*.py") if len(p.read_text().splitlines()) > 500}
-    assert long <= STEPS_OVER_500, long - STEPS_OVER_500
+    assert not long, long
 
 
 def test_both_cache_kinds_keep_the_kv_cache_protocol():

@@ -843,7 +843,7 @@ def test_vllm_profile_prices_sampled_requests_apart_and_plans_a_domains_mix():
     import numpy as np
 
     from specdec_core.estimate import RoundTotals
-    from tasks.steps.checks.engine_check import predicted_speedup
+    from tasks.steps.checks.engine_compare import predicted_speedup
     from tasks.steps.costs.engine_costs import _table
 
     ngram = (_paired(1, 0, 0.040, 50, 0.0) + _paired(1, 1, 0.044, 50, 1.0) + _paired(1, 3, 0.048, 50, 3.0)

@@ -10,7 +10,9 @@ import pytest
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, RoundTotals
 from tasks.db.store import Store
-from tasks.steps.checks.engine_check import batch_one_k, compare_request, domain_verdict, engine_check
+from tasks.steps.checks.engine_check import engine_check
+from tasks.steps.checks.engine_compare import compare_request, domain_verdict
+from tasks.steps.checks.engine_replay import batch_one_k
 
 
 def _request(response, greedy=True):
@@ -99,7 +101,7 @@ def test_no_serving_environment_skips_with_how_to_make_one(db_url, tmp_path):
 def test_drafts_vllm_accepts_past_the_response_are_left_out():
     from specdec_core.drafters import PromptLookup
 
-    from tasks.steps.checks.engine_check import engine_walk
+    from tasks.steps.checks.engine_compare import engine_walk
 
     # the prompt repeats: after the first answer token, lookup proposes the next three, and
     # vLLM (K = 3 whatever max_tokens leaves) accepts all three, the last one past the response
@@ -122,7 +124,7 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
     from specdec_core.drafters import DraftModel
 
     from .helpers.models import tiny_llama
-    from tasks.steps.checks.engine_check import contiguous_steps
+    from tasks.steps.checks.engine_compare import contiguous_steps
 
     # 6 tokens: the prefill's, then steps at 1 (2 accepted + its own: 1..3) and at 4 (3 accepted
     # drafts, of which 4 and 5 are in the output and the third past it)
@@ -160,7 +162,7 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
 
 
 def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypatch):
-    from tasks.steps.checks import engine_check as check
+    from tasks.steps.checks import engine_compare, engine_replay
     from tasks.steps.drafters import draft_training
 
     fetched = []
@@ -170,15 +172,15 @@ def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypat
         return f"/home/drafts/{uri.removeprefix('models:/')}"
     monkeypatch.setattr(draft_training, "resolve_model_uri", resolve)
     spec = {"method": "eagle3", "model": "models:/tiny-eagle3/2", "num_speculative_tokens": 3}
-    assert check.local_spec(spec) == dict(spec, model="/home/drafts/tiny-eagle3/2")
+    assert engine_replay.local_spec(spec) == dict(spec, model="/home/drafts/tiny-eagle3/2")
     assert spec["model"] == "models:/tiny-eagle3/2"              # the exported config keeps the URI
     # a directory, a method without a model and no speculation: as they are, nothing fetched
     local = {"method": "draft_model", "model": "/ckpt/draft", "num_speculative_tokens": 2}
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
-    assert check.local_spec(local) == local and check.local_spec(ngram) == ngram
-    assert check.local_spec(None) is None
+    assert engine_replay.local_spec(local) == local and engine_replay.local_spec(ngram) == ngram
+    assert engine_replay.local_spec(None) is None
     assert fetched == ["models:/tiny-eagle3/2"]
-    assert "eagle3" in check.EXACT_METHODS
+    assert "eagle3" in engine_compare.EXACT_METHODS
 
 
 def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
@@ -362,7 +364,8 @@ def test_configs_differing_in_k_only_share_one_engine_each_request_asking_its_do
     # them the same way, on one engine started as that deployment (its largest K), each request
     # asking its domain's K
     from tasks.settings import load_settings
-    from tasks.steps.checks.engine_check import PLAIN, _paired_items, _plan_check
+    from tasks.steps.checks.engine_check import _plan_check
+    from tasks.steps.checks.engine_replay import PLAIN, paired_items
 
     suffix = {"method": "suffix", "suffix_decoding_max_tree_depth": 24}
     exported = {"unsupported": {}, "speculative_config": {
@@ -378,6 +381,6 @@ def test_configs_differing_in_k_only_share_one_engine_each_request_asking_its_do
     run = next(run for run in plan.engines if run.spec["method"] == "suffix")
     assert run.spec == dict(suffix, num_speculative_tokens=8)
     assert [run.spec_of(d)["num_speculative_tokens"] for d in run.domains] == [8, 7, 4]
-    items = _paired_items([(0, requests["chat"][0], 8), (0, requests["json"][0], 7)])
+    items = paired_items([(0, requests["chat"][0], 8), (0, requests["json"][0], 7)])
     assert [(item["id"], item.get("k")) for item in items] == [
         ("chat-0", 8), (PLAIN + "chat-0", 0), ("json-0", 7), (PLAIN + "json-0", 0)]

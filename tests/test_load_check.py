@@ -21,8 +21,8 @@ import pytest
 from tasks.db.store import Store
 from tasks.serving import environment as serving_env
 from tasks.settings import load_settings
-from tasks.steps.checks.load_check import (counters_match, cut_schedule, exported_schedule, level_row,
-                                           request_sums)
+from tasks.steps.checks.load_levels import (counters_match, cut_schedule, exported_schedule,
+                                            level_row, request_sums)
 
 REQUIRED = os.environ.get("SPECDEC_REQUIRE_SERVING") == "1"
 needs_server = pytest.mark.skipif(not REQUIRED and not serving_env.available(),
@@ -66,7 +66,7 @@ def test_the_schedule_keeps_k_only_up_to_the_largest_level_that_pays_and_every_o
 
 
 def test_a_level_pays_by_its_interval_and_one_still_straddling_the_bar_by_its_point():
-    from tasks.steps.checks.load_check import level_verdict as verdict, pays
+    from tasks.steps.checks.load_levels import level_verdict as verdict, pays
 
     settings = load_settings(plan_min_speedup=1.1)
     sure = _level(2, 1.3, 1.12, 1.5, None)
@@ -85,13 +85,13 @@ def test_a_level_pays_by_its_interval_and_one_still_straddling_the_bar_by_its_po
     assert not pays(dict(sure, failed=1), settings, champion_on=False)
     assert not pays(dict(sure, measured_speedup_lo=None), settings, champion_on=False)
     # the reason says an unsure level was decided by its point
-    from tasks.steps.checks.load_check import level_text
+    from tasks.steps.checks.load_levels import level_text
     assert level_text(dict(straddling, verdict="unsure", requests=24)).endswith(
         "at 2 concurrent requests, unsure after 24 requests: the point estimate decides")
 
 
 def test_more_requests_never_repeat_one_the_level_or_a_suffix_server_holds():
-    from tasks.steps.checks.load_check import _more
+    from tasks.steps.checks.load_waves import _more
 
     items = [{"id": f"r{n}", "request_id": f"r{n % 6}"} for n in range(10)]   # r0-r5, then repeats
     assert [i["id"] for i in _more(items, {"r0", "r1"}, 3)] == ["r2", "r3", "r4"]
@@ -332,18 +332,18 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkey
     import signal
 
     import tasks.serving.load as load
-    import tasks.steps.checks.load_check as load_check_step
-    from tasks.steps.checks.load_check import level_items, measure_domain
+    import tasks.steps.checks.load_waves as load_waves_step
+    from tasks.steps.checks.load_waves import level_items, measure_domain
 
     pool = served["pool"]
     spec = served["result"]["domains"]["count"]["speculative_config"]
     settings = load_settings(load_levels=(1, 2), load_requests=8, load_timeout_s=120)
     items = level_items(_requests("count", ["count"] * 8), 8, 400)
-    server = pool.get(spec, **load_check_step.SERVER)     # the server measure_domain asks the pool for
+    server = pool.get(spec, **load_waves_step.SERVER)     # the server measure_domain asks the pool for
     # the kill lands when the config server has streamed its first chunk of the level: mid-level
     # for certain (a request of it is still streaming), whatever the machine's load
     streaming, killed = {}, []
-    real_run_level, real_chunk_event = load_check_step.run_level, load._chunk_event
+    real_run_level, real_chunk_event = load_waves_step.run_level, load._chunk_event
 
     def run_level(level_server, *args, **kwargs):
         streaming["server"] = level_server
@@ -356,7 +356,7 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkey
             killed.append(True)
         return real_chunk_event(*args)
 
-    monkeypatch.setattr(load_check_step, "run_level", run_level)
+    monkeypatch.setattr(load_waves_step, "run_level", run_level)
     monkeypatch.setattr(load, "_chunk_event", chunk_event)
     outcome = measure_domain(pool, spec, [(2, 4)], items, settings)
     assert killed                                   # the first wave (K 0) was cut mid-stream
@@ -369,7 +369,7 @@ def test_a_suffix_server_serves_each_level_its_own_requests_others_share_them():
     # a server that learns from what it serves (suffix decoding) would draft a request's own
     # response at the second level it is served at: each level takes the next requests, wrapping
     # round only where the domain has too few; other methods serve every level the same ones
-    from tasks.steps.checks.load_check import level_slices
+    from tasks.steps.checks.load_waves import level_slices
 
     items = [{"id": f"r{n}"} for n in range(10)]
     levels = [(1, 4), (2, 4), (4, 2)]
@@ -387,14 +387,15 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
     # the first plain and config waves read as if a neighbour took 9 cores meanwhile: each side
     # is served again (an n-gram server drafts the same proposals twice) and the clean retry
     # kept, so the level's pairs are not marked contended
-    import tasks.steps.checks.load_check as load_check_step
-    from tasks.steps.checks.load_check import level_items, level_row, measure_domain
+    import tasks.steps.checks.load_waves as load_waves_step
+    from tasks.steps.checks.load_levels import level_row
+    from tasks.steps.checks.load_waves import level_items, measure_domain
 
     spec = served["result"]["domains"]["count"]["speculative_config"]
     settings = load_settings(load_levels=(1, 2), load_requests=1, load_retries=2)
     items = level_items(_requests("count", ["count"]), 1, TOKENS)
     calls = []
-    real_run_level = load_check_step.run_level
+    real_run_level = load_waves_step.run_level
 
     def run_level(server, wave, *args, **kwargs):
         result = real_run_level(server, wave, *args, **kwargs)
@@ -405,7 +406,7 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
             result["other_cores"] = 0.0
         return result
 
-    monkeypatch.setattr(load_check_step, "run_level", run_level)
+    monkeypatch.setattr(load_waves_step, "run_level", run_level)
     outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings)
     assert outcome["failure"] is None
     # plain and config (asking the level's K, 4), then each again once (the retries are clean:
@@ -424,7 +425,8 @@ def test_a_level_straddling_the_bar_is_served_more_requests_until_settled_or_out
     # settle says "unsure" after every look: the level takes load_requests (1) at a time up
     # to load_more_requests (2) more, each a request it did not serve yet, and stops there;
     # one that settles at the first look serves only its own
-    from tasks.steps.checks.load_check import level_items, level_row, measure_domain
+    from tasks.steps.checks.load_levels import level_row
+    from tasks.steps.checks.load_waves import level_items, measure_domain
 
     spec = served["result"]["domains"]["count"]["speculative_config"]
     settings = load_settings(load_requests=1, load_more_requests=2, load_retries=0)
@@ -448,7 +450,7 @@ def test_a_level_straddling_the_bar_is_served_more_requests_until_settled_or_out
 
 
 def test_history_items_are_the_rows_cut_at_max_tokens_at_their_logged_sampling():
-    from tasks.steps.checks.load_check import history_items
+    from tasks.steps.checks.load_waves import history_items
 
     rows = [(SimpleNamespace(id="json-9", temperature=0.7, top_k=None, top_p=0.9), [5, 6, 7], [1] * 40),
             (SimpleNamespace(id="json-8", temperature=None, top_k=3, top_p=None), [5], [1, 2])]
@@ -465,8 +467,8 @@ def test_a_suffix_server_is_served_the_domains_history_at_k0_before_its_first_le
     # a suffix server's tree grows from what it serves: the domain's history (requests outside
     # the sample) goes first, all at once at K 0 (no drafts), then the level, the config's wave
     # first; a server of another method is served no history
-    import tasks.steps.checks.load_check as load_check_step
-    from tasks.steps.checks.load_check import history_items, level_items, measure_domain
+    import tasks.steps.checks.load_waves as load_waves_step
+    from tasks.steps.checks.load_waves import history_items, level_items, measure_domain
 
     suffix = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 16,
               "suffix_decoding_min_token_prob": 0.1, "suffix_decoding_max_spec_factor": 1.0}
@@ -476,7 +478,7 @@ def test_a_suffix_server_is_served_the_domains_history_at_k0_before_its_first_le
     items = level_items(_requests("count", ["count"]), 1, TOKENS)
     settings = load_settings(load_requests=1, load_retries=0)
     calls = []
-    real_run_level = load_check_step.run_level
+    real_run_level = load_waves_step.run_level
 
     def run_level(server, wave, concurrency, *args, **kwargs):
         result = real_run_level(server, wave, concurrency, *args, **kwargs)
@@ -484,7 +486,7 @@ def test_a_suffix_server_is_served_the_domains_history_at_k0_before_its_first_le
                       result["counters"]))
         return result
 
-    monkeypatch.setattr(load_check_step, "run_level", run_level)
+    monkeypatch.setattr(load_waves_step, "run_level", run_level)
     outcome = measure_domain(served["pool"], suffix, [(1, 4)], items, settings, history=history)
     assert outcome["failure"] is None and outcome["history"] == 3
     ids, ks, concurrency, counters = calls[0]
@@ -507,7 +509,7 @@ def test_a_running_server_of_the_method_at_a_larger_k_serves_a_smaller_ks_reques
     # one server per drafter method: asked with share, the pool hands a running server of the
     # same method and parameters at a K at least the asked one (each request asks its K);
     # another parameter or a larger K is not covered
-    from tasks.steps.checks.load_check import SERVER
+    from tasks.steps.checks.load_waves import SERVER
 
     pool = served["pool"]
     suffix = {"method": "suffix", "suffix_decoding_max_tree_depth": 16,

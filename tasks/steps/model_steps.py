@@ -33,7 +33,8 @@ from .context import RunContext, RunSpec, loaded_model
 from ..registry.run_results import profile_check
 from .costs.costs import describe_device, describe_hardware, hardware_of, load_costs
 from .costs.reuse import measure_or_reuse, profile_check_text
-from .checks.engine_check import _dtype, engine_check
+from .checks.engine_check import engine_check
+from .checks.engine_replay import dtype_of
 from .costs.engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
 from .checks.engine_validate import engine_validate_run
 from .failures import record_domain_failure
@@ -290,7 +291,7 @@ def serving_pool(context):
     except ServingEnvUnavailable:
         yield None
         return
-    with ServerPool(context.spec.run_id, model_dir, dtype=_dtype(context.model),
+    with ServerPool(context.spec.run_id, model_dir, dtype=dtype_of(context.model),
                     settings=context.settings) as pool:
         yield pool
 

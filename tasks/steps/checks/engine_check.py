@@ -1,10 +1,11 @@
 """The engine check: what we promote, served by the engine our users run, before it is registered.
 
-For every domain the plan turns on, the domain's exported vLLM config (tasks.registry.vllm_export) is started in
-the serving environment (tasks.serving.environment) and the domain's requests are replayed with their
-logged sampling parameters and lengths, one at a time. Which requests: the domain's confirm
-requests first, then the sample's next ones in draw order (engine_check_requests in all), each cut
-at confirm_max_new_tokens.
+For every domain the plan turns on, the domain's exported vLLM config (tasks.registry.vllm_export)
+is started in the serving environment (tasks.serving.environment) and the domain's requests are
+replayed with their logged sampling parameters and lengths, one at a time (the engines and their
+items: tasks.steps.checks.engine_replay; the comparison: tasks.steps.checks.engine_compare). Which
+requests: the domain's confirm requests first, then the sample's next ones in draw order
+(engine_check_requests in all), each cut at confirm_max_new_tokens.
 
 What it reads: vLLM's own counts, per request and per verify step (drafted and accepted tokens,
 `per_request_spec_decode_metrics="detailed"`), and its vllm:spec_decode_* counters.
@@ -28,10 +29,11 @@ with the reason. A drafter without a vLLM equivalent is reported, not gated.
 
 Then, with `engine_sampling` on, the sampling test on vLLM's OpenAI server
 (tasks.steps.checks.engine_validate) for every domain the replay passed, on one server per drafter
-method (vllm_export.deployment_specs), each request asking its domain's K; a domain that fails
-it is turned off ("lossy"). A run planned on vLLM's costs (tasks.steps.costs.engine_costs.plans_on_vllm) gets its live
-check here: vLLM's decode-phase speedup on the replayed requests, plain and config, judged by
-confirm's live_verdict and stored as the run's live measurement; a veto turns the domain off.
+method (vllm_export.deployment_specs), each request asking its domain's K; a domain that fails it
+is turned off ("lossy"). A run planned on vLLM's costs
+(tasks.steps.costs.engine_costs.plans_on_vllm) gets its live check here: vLLM's decode-phase
+speedup on the replayed requests, plain and config, judged by confirm's live_verdict and stored as
+the run's live measurement; a veto turns the domain off.
 
 Cost: one engine per drafter method (domains whose configs differ in K only share it, as
 one deployment serves them: tasks.registry.vllm_export.method_deployments, at the largest K of
@@ -51,251 +53,26 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
-
-from specdec_core.estimate import LoggedRequest
-
-from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks,
-                                         replace_live_measurement, run_hardware_details)
+from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks, replace_live_measurement,
+                                         run_hardware_details)
 from ...db.store import Store
-from ...errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
+from ...errors import ServingEnvUnavailable
 from ...registry.live_check import LiveVerdict
-from ...registry.registry import Registry
 from ...registry.vllm_export import deployment_specs, method_deployments
 from ...serving import environment as serving_env
 from ...serving.server import ServerPool, log_dir
 from ...settings import Settings
-from ..estimate import acceptance
-from .confirm import live_verdict, offline_totals, truncated
-from ..costs.costs import CostProfileError, CostTable
+from .confirm import live_verdict
+from ..costs.costs import CostTable
 from ..costs.engine_costs import engine_profile, profile_engine
 from .engine_validate import own_sampling_gates, served_export, validate_on_engine
-from ..plan.plan import speedup_factor
+from .engine_compare import domain_row, rows_decode_tokens_per_s, rows_tokens_per_s
+from .engine_replay import (batch_one_k, pick_requests, local_spec, EngineRun, paired_items, split_plain,
+                            replay_history, HISTORY_BATCH, serve_replay, dtype_of)
 
 log = logging.getLogger(__name__)
-
-
-def batch_one_k(spec: dict) -> int:
-    """The K a vLLM config drafts at batch size 1 (its schedule's first range, else its K)."""
-    for first, last, k in spec.get("num_speculative_tokens_per_batch_size") or []:
-        if first <= 1 <= last:
-            return int(k)
-    return int(spec["num_speculative_tokens"])
-
-
-def pick_requests(requests: list, confirm_ids: list[str], count: int, max_new_tokens: int) -> list:
-    """The confirm requests first, then the sample's next ones in draw order; each cut at
-    max_new_tokens (requests of fewer than 2 response tokens have no round to compare)."""
-    confirmed = set(confirm_ids)
-    usable = [r for r in requests if len(r.response_ids) >= 2]
-    chosen = [r for r in usable if r.request_id in confirmed]
-    chosen += [r for r in usable if r.request_id not in confirmed][:max(0, count - len(chosen))]
-    return [truncated(r, min(len(r.response_ids), max_new_tokens)) for r in chosen[:count]]
-
-
-def end_slot(request):
-    """The request with one slot past its response, so the estimate walks the rounds the way the
-    engine does: our rounds keep room for the bonus token inside the response (the last token is
-    always the target's), while vLLM drafts up to K tokens whatever is left before max_tokens, so
-    the response's last token can be an accepted draft. The slot's token is never drafted nor
-    counted as a drafted step; only its own round (no drafts) and its token are added, which E
-    per drafted step does not read."""
-    response = list(request.response_ids)
-    return LoggedRequest(request.request_id, request.prompt_ids, response + response[-1:],
-                         request.sampling, request.domain)
-
-
-def _item(request, index: int) -> dict:
-    sampling = request.sampling
-    return {"id": request.request_id, "prompt_ids": [int(t) for t in request.prompt_ids],
-            "max_tokens": len(request.response_ids), "temperature": float(sampling.temperature),
-            "top_k": int(sampling.top_k), "top_p": float(sampling.top_p), "seed": index}
-
-
-# vLLM proposes what our drafter proposes, token for token (eagle3: the same checkpoint, read
-# the same way -- tests/test_vllm_serving.py holds our reading to speculators' and to vLLM's)
-EXACT_METHODS = ("ngram", "draft_model", "eagle3")
-
-
-def local_spec(spec: dict | None, registry: Registry | None = None) -> dict | None:
-    """The config as the probe's engine loads it: a drafter checkpoint given as a registered
-    models:/ URI (draft_model, eagle3) downloaded first -- vLLM reads local directories and
-    Hugging Face ids, not MLflow URIs. The export (and the engine check's rows) keep the URI.
-    registry: where it is registered (default Registry.open())."""
-    if spec is None or not str(spec.get("model") or "").startswith("models:/"):
-        return spec
-    from ..drafters.draft_training import resolve_model_uri   # imported here: MLflow, for URIs only
-
-    return dict(spec, model=resolve_model_uri(spec["model"], registry))
-
-
-def engine_walk(prompt_ids, output, drafted: list[int], accepted: list[int], drafter,
-                k: int) -> list[int] | None:
-    """Where each of vLLM's drafted steps started along its own output: walk the output with the
-    same proposer (vLLM's per-request counts list only the steps that had drafts); a step with
-    no proposal emits one token. None when the walk and vLLM's steps disagree (a proposal of
-    another length, or steps left over)."""
-    sequence = np.asarray(list(prompt_ids) + list(output), dtype=np.int64)
-    starts, t, step = [], 1, 0
-    while t < len(output):
-        proposal = drafter.propose_tokens(sequence[: len(prompt_ids) + t], k)
-        if len(proposal) == 0:
-            t += 1
-            continue
-        if step >= len(drafted) or drafted[step] != len(proposal):
-            return None
-        starts.append(t)
-        t += accepted[step] + 1
-        step += 1
-    return starts if step == len(drafted) else None
-
-
-def contiguous_steps(length: int, drafted: list[int], accepted: list[int]) -> list[int] | None:
-    """Where each of vLLM's drafted steps started along an output of `length` tokens when every
-    decode step drafted (a model drafter: draft_model, eagle3): the first after the prefill's
-    token, each next one after the last step's accepted drafts and its own token. None when the
-    steps do not end inside the output (not every step drafted, or counts of another request)."""
-    starts, t = [], 1
-    for d, a in zip(drafted, accepted):
-        if d <= 0 or t >= length:
-            return None
-        starts.append(t)
-        t += a + 1
-    return starts if starts and t >= length else None
-
-
-def placed_steps(request, output, drafted: list[int], accepted: list[int], drafter, k: int | None,
-                 exact: bool) -> list[int] | None:
-    """Where vLLM's drafted steps started along its output, where they can be placed: only where
-    vLLM proposes what our drafter does (exact), with a host drafter by walking the output
-    (engine_walk), with a model drafter one step after the other (contiguous_steps)."""
-    if drafter is None or not exact:
-        return None
-    if drafter.walks_text:
-        return engine_walk(request.prompt_ids, output, drafted, accepted, drafter, k)
-    return contiguous_steps(len(output), drafted, accepted)
-
-
-def compare_request(request, engine_answer: dict, offline, exact: bool = True,
-                    drafter=None, k: int | None = None) -> dict:
-    """One request: vLLM's per-step counts beside the estimate's expected rounds. exact: the
-    engine's drafter proposes what ours does (not so for suffix decoding, whose tree vLLM builds
-    from the requests it served), so a greedy request whose output equals the log must have equal
-    counts. vLLM drafts K tokens in its last rounds whatever max_tokens leaves, and counts drafts
-    accepted past the end (then cut), which the estimate, walking the response, never sees: where
-    its steps can be placed along its output (placed_steps) the drafts accepted inside the output
-    are counted too (engine_accepted_in_output and per position), and those are what E and the
-    greedy counts compare."""
-    logged = [int(t) for t in request.response_ids]
-    output = engine_answer["token_ids"]
-    drafted = engine_answer.get("drafted") or []
-    accepted = engine_answer.get("accepted") or []
-    first_difference = next((i for i, (a, b) in enumerate(zip(output, logged)) if a != b),
-                            None if len(output) == len(logged) else min(len(output), len(logged)))
-    steps = sum(1 for d in drafted if d > 0)
-    width = max(drafted, default=0)
-
-    def per_position(counts: list[int]) -> list[int]:
-        """Per draft position i, the drafted steps that accepted draft i."""
-        return [sum(1 for a, d in zip(counts, drafted) if d > 0 and a > i) for i in range(width)]
-
-    starts = placed_steps(request, output, drafted, accepted, drafter, k, exact)
-    inside = None if starts is None else [min(a, len(output) - t) for a, t in zip(accepted, starts)]
-    row = {"request_id": request.request_id, "greedy": bool(request.sampling.greedy),
-           "tokens": len(output), "seconds": engine_answer["seconds"],
-           "decode_s": engine_answer.get("decode_s"),
-           "equal_to_log": first_difference is None, "first_difference": first_difference,
-           "engine_steps": steps, "engine_accepted": int(sum(accepted)),
-           "engine_accepted_per_pos": per_position(accepted),
-           "engine_accepted_in_output": None if inside is None else int(sum(inside)),
-           "engine_accepted_per_pos_in_output": None if inside is None else per_position(inside),
-           "engine_accepted_in_log": None, "estimate_steps": None, "estimate_accepted": None,
-           "estimate_accepted_per_pos": None, "counts_equal": None}
-    if offline is None:
-        return row
-    row["estimate_steps"] = float(offline.rounds - offline.widths[0])
-    row["estimate_accepted"] = float(offline.accepted.sum())
-    row["estimate_accepted_per_pos"] = [float(a) for a in offline.accepted]
-    if not (exact and row["greedy"] and row["equal_to_log"]):
-        return row
-    if drafter is not None and drafter.walks_text and starts is None:
-        row["counts_equal"] = False          # vLLM's steps are not the ones our proposer walks
-        return row
-    in_log = inside_output(row, "engine_accepted")
-    row["engine_accepted_in_log"] = int(in_log)
-    row["counts_equal"] = (round(row["estimate_accepted"]) == in_log
-                           and round(row["estimate_steps"]) == steps)
-    return row
-
-
-def inside_output(row: dict, key: str):
-    """A request's engine count inside its output where its steps were placed, else vLLM's own."""
-    placed = row.get(f"{key}_in_output")
-    return row[key] if placed is None else placed
-
-
-def position_rates(rows: list[dict], which: str, k: int) -> list[float]:
-    """Per position, accepted / drafted steps over the rows ("engine": inside the outputs where
-    the steps were placed, see inside_output; "estimate"); zeros without drafted steps."""
-    steps = sum(r[f"{which}_steps"] or 0 for r in rows)
-    per_pos = np.zeros(k)
-    for r in rows:
-        values = (inside_output(r, f"{which}_accepted_per_pos") or [])[:k]
-        per_pos[:len(values)] += values
-    return acceptance.position_rates(per_pos, steps) or [0.0] * k
-
-
-def estimate_interval(rows: list[dict], samples: int = 2000, seed: int = 0) -> tuple:
-    """The estimate's E over the requests and its 95% interval by bootstrap over them."""
-    rows = [r for r in rows if r["estimate_steps"] is not None]
-    return acceptance.mean_length_interval([r["estimate_accepted"] for r in rows],
-                                           [r["estimate_steps"] for r in rows], samples, seed)
-
-
-def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None = None) -> dict:
-    """E, interval, rates, greedy counts and the gate of one domain's replayed requests.
-    gated: None, or why E is reported but not gated (passed stays None)."""
-    estimate_e, lo, hi = estimate_interval(rows)
-    engine_e = acceptance.mean_accepted_length(sum(inside_output(r, "engine_accepted") for r in rows),
-                                               sum(r["engine_steps"] for r in rows))
-    greedy = [r for r in rows if r["counts_equal"] is not None]
-    out = {"requests": len(rows), "k": k, "estimate_e": estimate_e, "estimate_e_lo": lo,
-           "estimate_e_hi": hi, "engine_e": engine_e,
-           "estimate_rates": position_rates(rows, "estimate", k),
-           "engine_rates": position_rates(rows, "engine", k),
-           "greedy_checked": len(greedy), "greedy_equal": sum(1 for r in greedy if r["counts_equal"])}
-    if engine_e is None or lo is None:
-        out.update(status="ok", passed=None, reason="no drafts on these requests: nothing to compare")
-        return out
-    floor = lo * (1.0 - tolerance)
-    text = (f"vLLM E {engine_e:.2f} vs estimate {estimate_e:.2f} [{lo:.2f}, {hi:.2f}] on "
-            f"{len(rows)} requests at K={k}")
-    if engine_e < floor:
-        out.update(status="below", passed=False, reason=(
-            f"engine check: {text}: below the interval by more than "
-            f"{100 * tolerance:.0f}% (engine_check_tolerance)"))
-    else:
-        out.update(status="ok", passed=True, reason=f"engine check: {text}")
-    if gated is not None:
-        out.update(passed=None, reason=f"{out['reason']} (reported, not gated: {gated})")
-    return out
-
-
-@dataclass
-class EngineRun:
-    """One engine of the check: its name (spec-N), the vLLM config it starts with (its
-    deployment's: the drafter method at the largest K of its domains), the domains whose
-    requests it replays and each domain's own config (its K asked per request)."""
-    name: str
-    spec: dict | None
-    domains: list[str]
-    specs: dict[str, dict] = field(default_factory=dict)
-
-    def spec_of(self, domain: str) -> dict | None:
-        """The domain's own vLLM config (the engine's where none was given)."""
-        return self.specs.get(domain, self.spec)
 
 
 @dataclass
@@ -397,50 +174,11 @@ def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: d
     # one engine per deployment (tasks.registry.vllm_export.method_deployments: one per drafter
     # method, at the largest K of its domains, each domain's K asked per request, as production
     # serves them) and no plain engine: every request is served twice, at K 0 (the plain
-    # control) and at its domain's K (_paired_items)
+    # control) and at its domain's K (paired_items)
     engines = [EngineRun(f"spec-{n}", deployment["speculative_config"], deployment["domains"],
                          {d: specs[d] for d in deployment["domains"]})
                for n, deployment in enumerate(method_deployments(specs, ""))]
     return CheckPlan(on, picked, engines, rows)
-
-
-PLAIN = "plain::"      # the id prefix of a request's K 0 twin
-
-
-def _paired_items(requests: list[tuple[int, object, int | None]]) -> list[dict]:
-    """Each (index, request, K) twice on the config's engine, one after the other: at K (its
-    domain's, asked per request; None: the engine's), then at K 0 (its id prefixed PLAIN), so
-    that the speedup pairs the same request on the same engine moments apart. The config's
-    request comes first: it is then served exactly as it would be alone (a suffix engine's
-    tree learns from every response, and a twin served first would hand the other its prompt's
-    cached blocks, whose prefill rounds differently); the K 0 twin's
-    cached prompt shortens its prefill only, which the decode-phase speedup leaves out."""
-    items = []
-    for index, request, k in requests:
-        spec_item = dict(_item(request, index), **({} if k is None else {"k": k}))
-        items += [spec_item, dict(spec_item, id=PLAIN + spec_item["id"], k=0)]
-    return items
-
-
-def split_plain(answer: dict) -> dict:
-    """The K 0 twins' answers taken out of an engine's answer: {"requests": {id: answer}}."""
-    requests = answer.get("requests") or {}
-    plain = {key[len(PLAIN):]: requests.pop(key) for key in [k for k in requests if k.startswith(PLAIN)]}
-    return {"requests": plain}
-
-
-def _history_items(run: EngineRun, picked: dict, requests_by_domain: dict,
-                   settings: Settings) -> list[dict]:
-    """The requests a suffix engine serves before the replay (its tree grows from them): per
-    domain, up to engine_check_history of the sample's requests not replayed."""
-    history = []
-    if run.spec is not None and run.spec["method"] == "suffix" and settings.engine.check_history:
-        for d in run.domains:
-            replayed = {r.request_id for r in picked[d]}
-            history += [_item(r, i) for i, r in enumerate(
-                [r for r in requests_by_domain.get(d, []) if r.request_id not in replayed]
-                [:settings.engine.check_history])]
-    return history
 
 
 def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> Served:
@@ -448,9 +186,9 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
     says how it went (ok, refused, unresolved, timeout, died) and how long it took."""
     settings, spec, domains = context.settings, run.spec, run.domains
     # (each request seeded by its place in its domain's pick)
-    items = _paired_items([(i, r, batch_one_k(run.spec_of(d)))
+    items = paired_items([(i, r, batch_one_k(run.spec_of(d)))
                            for d in domains for i, r in enumerate(picked[d])])
-    history = _history_items(run, picked, context.requests_by_domain, settings)
+    history = replay_history(run, picked, context.requests_by_domain, settings)
     what = f"run {context.run_id}, domains {', '.join(domains)} ({run.name} engine)"
     log.info("%s: starting vLLM with %s; %d requests%s", what,
              json.dumps(spec) if spec else "no speculation", len(items),
@@ -465,9 +203,9 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
         answer = {"failed": ("unresolved", f"the drafter's checkpoint {spec['model']} could not "
                                            f"be fetched for the engine: {type(exc).__name__}: {exc}")}
     else:
-        answer = _serve(serving_env, settings, what, directory / f"{log_name}.log",
+        answer = serve_replay(serving_env, settings, what, directory / f"{log_name}.log",
                         {"model": str(context.model_dir), "speculative_config": served, "requests": items,
-                         "history": history, "dtype": _dtype(context.target_model),
+                         "history": history, "dtype": dtype_of(context.target_model),
                          "contention_cores": settings.profile.contention_cores,
                          "retries": settings.engine.check_retries,
                          # a request whose step is this much over its K's fastest was slowed
@@ -496,7 +234,7 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
 def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: CheckPlan,
                  drafters_by_domain: dict, profiles: dict) -> dict[str, dict]:
     """The rows of the domains one speculative engine served: failed as a whole where the engine
-    did (its reason), else each domain's comparison with the estimate (_domain_row). profiles:
+    did (its reason), else each domain's comparison with the estimate (domain_row). profiles:
     the serving engine's cost profiles by version, filled as versions are met."""
     answer, record, reason = served.answer, served.record, served.reason
     rows = {}
@@ -515,7 +253,7 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
             continue
         on = plan.on[domain]
         drafter = drafters_by_domain[domain][on["drafter"]][1]
-        rows[domain] = {**base, **_domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter,
+        rows[domain] = {**base, **domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter,
                                               context.target_model, served.history, record["log"],
                                               context.settings, on, costs)}
         if record["mends"]:
@@ -531,8 +269,8 @@ def _add_plain_figures(rows: dict, picked: dict, plain: dict) -> None:
         if domain in rows and plain.get("requests"):
             replayed = [plain["requests"][r.request_id] for r in picked[domain]
                         if r.request_id in plain["requests"]]
-            rows[domain]["plain_tokens_per_s"] = _tokens_per_s(replayed)
-            plain_decode = _decode_tokens_per_s(replayed)
+            rows[domain]["plain_tokens_per_s"] = rows_tokens_per_s(replayed)
+            plain_decode = rows_decode_tokens_per_s(replayed)
             rows[domain]["plain_decode_tokens_per_s"] = plain_decode
             spec_decode = rows[domain].get("spec_decode_tokens_per_s")
             rows[domain]["measured_speedup"] = (spec_decode / plain_decode
@@ -576,7 +314,7 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported:
     if not tested:
         return sampling
     own = pool is None
-    pool = pool or ServerPool(context.run_id, context.model_dir, dtype=_dtype(context.target_model),
+    pool = pool or ServerPool(context.run_id, context.model_dir, dtype=dtype_of(context.target_model),
                               settings=context.settings)
     try:
         # on one server per drafter method, as the replay and production serve them
@@ -682,151 +420,6 @@ def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict
 def _mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
-
-
-HISTORY_BATCH = 16   # the most history requests the engine serves at once (not measured)
-RESTARTS = 5      # fresh engines after a request killed one, before the rest is left unserved
-
-
-def _serve(serving_env, settings: Settings, what: str, log_path, request: dict) -> dict:
-    """One engine's replay; a request that kills the engine is recorded with vLLM's error and a
-    fresh engine (a new process: vLLM does not start twice in one) serves the requests after it,
-    at most RESTARTS times. Output: the probe's answer with died: [{request, error}], unserved:
-    [ids], starts: engines started, counters summed; or {"failed": (status, reason)}."""
-    history, items = list(request.get("history", [])), list(request["requests"])
-    total = {"requests": {}, "died": [], "unserved": [], "counters": None, "starts": 0}
-    while True:
-        threads = serving_env.free_cpus()
-        try:
-            # the CPUs a neighbour uses are left to it, and it may use them without marking
-            # a request contended (spare_cores)
-            answer = serving_env.run_engine(dict(request, history=history, requests=items,
-                                                 spare_cores=threads["spare"]),
-                                            log_path.with_suffix(f".{total['starts']}.log")
-                                            if total["starts"] else log_path,
-                                            settings.engine.check_timeout_s, what, settings,
-                                            threads=threads["bind"])
-        except (EngineTimeout, ServingProbeError) as exc:
-            return {**total, "failed": ("timeout" if isinstance(exc, EngineTimeout) else "died",
-                                        str(exc))}
-        total["starts"] += 1
-        if answer.get("refused"):
-            return {**total, **answer, "died": total["died"]}
-        total.setdefault("vllm", answer.get("vllm"))
-        total.setdefault("start_s", answer.get("start_s"))
-        total.setdefault("mends", answer.get("mends") or [])
-        total["requests"].update(answer["requests"])
-        if answer.get("counters"):
-            total["counters"] = _add_counters(total["counters"], answer["counters"])
-        dead = answer.get("died")
-        if not dead:
-            return total
-        total["died"].append(dead)
-        ids = [str(item["id"]) for item in history + items]
-        after = ids.index(dead["request"]) + 1
-        history, items = history[after:], items[max(0, after - len(history)):]
-        if not items:
-            return total
-        if total["starts"] > RESTARTS:
-            total["unserved"] = [str(item["id"]) for item in items]
-            return total
-
-
-def _add_counters(total: dict | None, more: dict) -> dict:
-    if total is None:
-        return dict(more)
-    width = max(len(total["accepted_per_pos"]), len(more["accepted_per_pos"]))
-
-    def padded(values):
-        return list(values) + [0] * (width - len(values))
-    return {"drafts": total["drafts"] + more["drafts"],
-            "draft_tokens": total["draft_tokens"] + more["draft_tokens"],
-            "accepted_tokens": total["accepted_tokens"] + more["accepted_tokens"],
-            "accepted_per_pos": [a + b for a, b in zip(padded(total["accepted_per_pos"]),
-                                                       padded(more["accepted_per_pos"]))]}
-
-
-def _domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, history: int,
-                log_path: str, settings: Settings, planned: dict | None = None,
-                costs: CostTable | None = None) -> dict:
-    """One domain's comparison of what its engine served with the estimate of the same requests
-    at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
-    figures on the requests that were served."""
-    k = batch_one_k(spec)
-    offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked], k)
-    served = [r for r in picked if r.request_id in offline and r.request_id in answer["requests"]]
-    compared = [compare_request(r, answer["requests"][r.request_id], offline.get(r.request_id),
-                                exact=spec["method"] in EXACT_METHODS, drafter=drafter, k=k)
-                for r in picked if r.request_id in answer["requests"]]
-    ungated = None
-    if spec["method"] == "suffix":
-        ungated = (f"vLLM's suffix tree held the {history} requests served before the replay, the "
-                   "estimate's index the run's whole history; a serving vLLM grows its tree from "
-                   "all it serves")
-    row = {**domain_verdict(compared, k, settings.engine.check_tolerance, ungated),
-           "per_request": compared, "spec_tokens_per_s": _tokens_per_s(compared),
-           "spec_decode_tokens_per_s": _decode_tokens_per_s(compared),
-           "predicted_speedup": predicted_speedup(
-               costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
-               [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])}
-    ids = {r.request_id for r in picked}
-    failed = [d for d in answer.get("died") or [] if d["request"] in ids]
-    unserved = [i for i in answer.get("unserved") or [] if i in ids]
-    if failed or unserved:
-        first = failed[0] if failed else None
-        row.update(status="died", passed=False, reason=(
-            f"engine check: the engine died on {len(failed)} of {len(picked)} requests"
-            + (f" ({len(unserved)} left unserved)" if unserved else "")
-            + (f", first on request {first['request']}: {first['error']}" if first else "")
-            + f"; its log: {log_path}. On the {len(compared)} it served: "
-            + row["reason"].removeprefix("engine check: "))[:2000])
-    return row
-
-
-def _dtype(model) -> str:
-    dtype = next(model.parameters()).dtype
-    return str(dtype).removeprefix("torch.")
-
-
-def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: dict | None,
-                      totals: list, sampled: list[bool] | None = None, batch_size: int = 1) -> float | None:
-    """The speedup the serving engine's cost profile predicts for these requests (their
-    estimate's rounds, RoundTotals; sampled: whether each samples, priced with the profile's
-    sampled steps where it has them) at one batch size: their plain decoding time over their
-    rounds' time, as the planner prices them. None without a profile that prices the drafter at
-    that batch size."""
-    if costs is None or label is None or not totals or batch_size not in costs.target_step:
-        return None
-    if label not in costs.draft_step and (drafter_spec or {}).get("kind") == "prompt_lookup":
-        # vLLM's ngram search is inside the profile's verify steps, whatever its n
-        costs.draft_step[label] = {b: 0.0 for b in costs.batch_sizes}
-    tables = {False: costs, True: costs.for_sampling(1.0)}
-    plain = spec = 0.0
-    try:
-        for t, is_sampled in zip(totals, sampled or [False] * len(totals)):
-            if not t.rounds:
-                continue
-            table = tables[bool(is_sampled)]
-            step = table.target_step[batch_size]
-            plain += t.tokens * step
-            spec += t.rounds / speedup_factor(label, drafter_spec, t.width_share, table, batch_size) * step
-    except (CostProfileError, KeyError):
-        return None
-    return plain / spec if spec > 0 else None
-
-
-def _decode_tokens_per_s(rows: list[dict]) -> float | None:
-    """Decode-phase tokens/s (first token to last, vLLM's own timestamps; prefill left out)."""
-    rows = [r for r in rows if r.get("decode_s")]
-    tokens = sum((len(r["token_ids"]) if "token_ids" in r else r["tokens"]) - 1 for r in rows)
-    seconds = sum(r["decode_s"] for r in rows)
-    return tokens / seconds if seconds > 0 else None
-
-
-def _tokens_per_s(rows: list[dict]) -> float | None:
-    tokens = sum(len(r["token_ids"]) if "token_ids" in r else r["tokens"] for r in rows)
-    seconds = sum(r["seconds"] for r in rows)
-    return tokens / seconds if seconds > 0 else None
 
 
 COLUMNS = ("engine_version", "speculative_config", "status", "passed", "reason", "requests", "k",
