@@ -19,8 +19,11 @@ Errors, by what a retry can change:
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import contextmanager
+
+from sqlalchemy import exc as sa
 
 from ..errors import DatabaseUnavailable, RegistryUnavailable, SampleError, SpecdecTaskError
 from ..masking import mask_text
@@ -100,9 +103,6 @@ def _outage_here(exc: BaseException) -> bool:
         return True
     if isinstance(exc, (ConnectionError, TimeoutError)):    # refused, reset, socket timeouts
         return True
-    # imported here: SQLAlchemy (~0.4 s): the CLI imports this module at start-up
-    from sqlalchemy import exc as sa
-
     if isinstance(exc, (sa.DisconnectionError, sa.TimeoutError)):
         return True
     if isinstance(exc, sa.DBAPIError) and (exc.connection_invalidated or (
@@ -287,8 +287,6 @@ def monitor_targets(deployments: list[str], port: int = 8000) -> dict[str, str]:
     underscores; its host, port and scheme), else http://NAME:port, the service that
     `specdec config export --format compose` writes for it on the Compose network."""
     # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
-    import json
-
     from airflow.sdk import BaseHook, Variable
     from airflow.sdk.exceptions import AirflowNotFoundException
 
