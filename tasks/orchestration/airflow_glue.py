@@ -2,9 +2,10 @@
 the specdec database from the Airflow connection, and which errors fail a task at once and which
 are left to the task's retries.
 
-Importing this module loads no Airflow, engine (torch) or database code, so a DAG file's parse
-stays light; Airflow is imported inside the functions that need it. DEFAULT_MODEL is the engine's
-(specdec_core.home, which imports no torch).
+Importing this module loads no Airflow, engine (torch) or database code (tasks.db; of SQLAlchemy,
+which Airflow loads anyway, only its exceptions), so a DAG file's parse stays light; Airflow is
+imported inside the functions that need it. DEFAULT_MODEL is the engine's (specdec_core.home,
+which imports no torch).
 
 Errors, by what a retry can change:
 - an outage of specdec's database or of the tracking server (DatabaseUnavailable; SQLAlchemy
