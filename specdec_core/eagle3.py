@@ -28,6 +28,8 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from .drafters import output_size
 from .errors import TokenizerMismatch
@@ -217,8 +219,6 @@ class Eagle3Head(DraftHead):
     def save(self, directory: str | Path, meta: dict | None = None, k: int = 3,
              verifier: str | None = None) -> Path:
         """Write config.json + model.safetensors (meta: kept under "specdec" in config.json)."""
-        from safetensors.torch import save_file
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         save_file(self.export_state(), str(directory / WEIGHTS))
@@ -231,9 +231,6 @@ class Eagle3Head(DraftHead):
     def load(cls, directory: str | Path, target: torch.nn.Module) -> "Eagle3Head":
         """An EAGLE-3 checkpoint (speculators format) attached to `target`, which must have the
         width, vocabulary and depth it was trained for."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         try:
             config = json.loads((directory / CONFIG).read_text())

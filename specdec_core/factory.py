@@ -8,6 +8,7 @@ import torch
 from .drafters import DraftModel, Drafter, LayerSkip, PromptLookup, SuffixDrafter
 from .eagle3 import Eagle3Head
 from .head import DraftHead, HeadDrafter
+from .models import load_model
 
 DRAFTER_KINDS = ("prompt_lookup", "suffix", "layer_skip", "draft_model", "head", "eagle3")
 
@@ -29,8 +30,6 @@ def make_drafter(kind: str, params: dict | None, target_model: torch.nn.Module,
     if kind == "layer_skip":
         return LayerSkip(target_model, **params)
     if kind == "draft_model":
-        from .models import load_model
-
         if "model" not in params:
             raise ValueError("draft_model needs params {'model': <HF id, path or GGUF file>}")
         weight = next(target_model.parameters())

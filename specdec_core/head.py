@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from .cache import SequenceCache
 from .drafters import Drafter, draft_chain, output_size
@@ -152,8 +154,6 @@ class DraftHead(torch.nn.Module):
 
     # -- files ---------------------------------------------------------------------------------
     def save(self, directory: str | Path, meta: dict | None = None) -> Path:
-        from safetensors.torch import save_file
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous().cpu() for k, v in self.own_state().items()},
@@ -169,9 +169,6 @@ class DraftHead(torch.nn.Module):
     def load(cls, directory: str | Path, target: torch.nn.Module) -> "DraftHead":
         """A saved head attached to `target` (which must have the width and vocabulary it was
         trained for)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         config_path, weights = directory / "head_config.json", directory / "head.safetensors"
         try:

@@ -10,6 +10,7 @@ Cache: $SPECDEC_HOME/models ($SPECDEC_HOME defaults to ./.specdec).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from .errors import EmbeddedModelUnavailable, ModelNotFound
 from .home import DEFAULT_MODEL, EMBEDDED_MODELS, EmbeddedModel, models_dir, specdec_home  # noqa: F401 - re-exported
@@ -77,8 +79,6 @@ def save_transformers_dir(model, tokenizer, directory: Path) -> None:
     embeddings are stored under the input embedding's name (a loader that ties them, vLLM's
     included, reads that one and skips the output layer's).
     """
-    from safetensors.torch import save_file
-
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -121,8 +121,6 @@ def _first_line(exc: BaseException) -> str:
 def check_model_dir(path: Path) -> None:
     """ModelNotFound unless `path` holds a config.json that names a model type: the cheap check a
     command makes before its expensive steps (a folder of anything else fails in one line)."""
-    import json
-
     config = path / "config.json"
     if not config.is_file():
         raise ModelNotFound(f"directory {str(path)!r} has no config.json: not a transformers model "

@@ -15,6 +15,7 @@ from rich.table import Table
 from specdec_core.errors import SpecDecError
 from specdec_core.home import DEFAULT_MODEL
 
+from ..db.engine import database_error, is_disk_full, resolve_database_url
 from ..errors import InvalidValue, SpecdecTaskError
 from ..masking import mask_text, printable
 from ..paths import check_identifier
@@ -241,8 +242,6 @@ def _known_failure(exc: Exception, args) -> int:
     """2 with one line on stderr for MLflow's refusals and a full disk (database or files);
     anything else is re-raised (a traceback: a bug to report)."""
     from mlflow.exceptions import MlflowException
-
-    from ..db.engine import database_error, is_disk_full, resolve_database_url
 
     if isinstance(exc, MlflowException) and not is_disk_full(exc):
         errors.print(f"[red]error:[/red] MLflow: {escape(printable(mask_text(' '.join(str(exc.message).split()))[:500]))}")

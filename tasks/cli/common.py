@@ -9,7 +9,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..db.store import Store
 from ..errors import InvalidValue
+from ..registry.registry import Registry
 from .console import emit
 
 MAX_DAYS = 100_000                   # about 274 years: the most days any window or age may span
@@ -102,10 +104,6 @@ def url_arg(parser: argparse.ArgumentParser) -> None:
 def open_store(args, settings=None):
     """The command's Store: --url (else the settings', else the default), its database checked to
     be migrated (tasks.db.store.Store.open): where a command resolves the database, once."""
-    # imported here: the CLI imports every command module at start-up; the database loads for
-    # the commands that use it
-    from ..db.store import Store
-
     return Store.open(getattr(args, "url", None), settings)
 
 
@@ -113,9 +111,6 @@ def open_registry(args, store=None):
     """The command's Registry: --tracking-uri (else $MLFLOW_TRACKING_URI, else the default under
     $SPECDEC_HOME), never `store`'s database (tasks.registry.registry.Registry.open): where a
     command resolves the tracking store, once. Nothing is contacted until it is used."""
-    # imported here: the CLI imports every command module at start-up
-    from ..registry.registry import Registry
-
     return Registry.open(getattr(args, "tracking_uri", None), store)
 
 

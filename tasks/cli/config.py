@@ -7,17 +7,22 @@ import json
 import os
 from pathlib import Path
 
+import yaml
 from rich.markup import escape
 from rich.table import Table
 
 from specdec_core.home import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
 
 from ..errors import DatabaseNotMigrated, DatabaseUnavailable, DiskFull, InvalidValue
+from ..registry.compose_export import compose_export
 from ..registry.config_schema import config_model_name
+from ..registry.gate import gates_of
 from ..registry.sglang_export import sglang_export
 from ..registry.trtllm_export import trtllm_export
+from ..registry.version_page import GATE_RESULTS, champion_audit, description_text
 from ..registry.vllm_export import vllm_export
 from ..serving.environment import SERVED_MARK
+from ..settings import load_settings
 from .common import open_registry, open_store, output_file, print_json, tracking_uri_arg, url_arg
 from .console import emit, make_console
 
@@ -33,9 +38,6 @@ def print_gates(result: dict) -> None:
     table = Table(title=escape(f"gates for version {result['version']}"), title_justify="left")
     for column in ("gate", "result", "figure"):
         table.add_column(column)
-    from ..registry.gate import gates_of
-    from ..registry.version_page import GATE_RESULTS
-
     for gate in gates_of(result["gates"]):
         word = GATE_RESULTS[gate.outcome]
         table.add_row(gate.name, word if word != "FAIL" else "[red]FAIL[/red]", escape(gate.figure))
@@ -47,9 +49,6 @@ def print_gates(result: dict) -> None:
 
 def _champion_audit(args, shown: dict) -> dict | None:
     """The audit of the champion when the shown version is it (tasks.registry.version_page)."""
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.version_page import champion_audit
-
     if "champion" not in shown["aliases"]:
         return None
     try:
@@ -68,9 +67,6 @@ def _warn_ungated(audit: dict | None) -> None:
 
 
 def cmd_show(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.version_page import description_text
-
     shown = open_registry(args).show_version(_name(args), args.which)
     audit = _champion_audit(args, shown)
     if args.json:
@@ -165,12 +161,6 @@ def _deliver(args, text: str, version: str) -> int:
 def _export_compose(args, config, version: str) -> int:
     """The Compose override of the version's vLLM deployments (tasks.registry.compose_export):
     to --output, else stdout."""
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    import yaml
-
-    from ..registry.compose_export import compose_export
-    from ..settings import load_settings
-
     text = yaml.safe_dump(compose_export(config, _name(args), version,
                                          load_settings().engine.serving_image,
                                          target_path=args.model_dir), sort_keys=False)

@@ -5,7 +5,12 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
+from ..db import current_revision, display_url, head_revision, resolve_database_url, upgrade
 from ..settings import load_settings
+from ..steps.traffic.reports import cell_text, format_report, list_reports, run_report
+from ..steps.traffic.traffic_import import (EXIT_QUARANTINED, import_traffic, purge_request, purge_traffic,
+                                            sample_traffic_path)
+from ..steps.traffic.traffic_sample import sample_traffic
 from .common import days, open_store, per_domain_args, print_json, url_arg
 from .console import emit, make_console
 
@@ -14,18 +19,12 @@ console = make_console()
 
 # ------------------------------------------------------------------------------------------------
 def cmd_db_upgrade(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db import upgrade
-
     result = upgrade(args.url)
     console.print(f"database {escape(result['url'])}: schema {result['from'] or '(none)'} -> {result['to']}")
     return 0
 
 
 def cmd_db_current(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db import current_revision, display_url, head_revision, resolve_database_url
-
     current, head = current_revision(args.url), head_revision()
     state = "up to date" if current == head else "run `specdec db upgrade`"
     console.print(f"database {escape(display_url(resolve_database_url(args.url)))}: "
@@ -34,9 +33,6 @@ def cmd_db_current(args) -> int:
 
 
 def cmd_traffic_import(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic.traffic_import import EXIT_QUARANTINED, import_traffic, sample_traffic_path
-
     if args.sample == (args.file is not None):
         raise SystemExit("specdec traffic import: give FILE or --sample (the shipped sample), not both")
     path = sample_traffic_path() if args.sample else args.file
@@ -72,9 +68,6 @@ def cmd_traffic_import(args) -> int:
 
 
 def cmd_traffic_purge(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic.traffic_import import purge_request, purge_traffic
-
     verb = "would delete" if args.dry_run else "deleted"
     if args.request_id is not None:
         purge_request(args.request_id, open_store(args), dry_run=args.dry_run)
@@ -87,9 +80,6 @@ def cmd_traffic_purge(args) -> int:
 
 
 def cmd_traffic_sample(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic.traffic_sample import sample_traffic
-
     window = (args.start, args.end) if args.start or args.end else args.days
     if (args.start is None) != (args.end is None):
         raise SystemExit("specdec traffic sample: give both --start and --end, or --days")
@@ -116,9 +106,6 @@ def cmd_traffic_check(args) -> int:
 
 
 def cmd_report(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.traffic.reports import cell_text, format_report, list_reports, run_report
-
     if args.list or not args.name:
         for name, question in list_reports().items():
             console.print(f"[bold]{name}[/bold]: {escape(question)}")

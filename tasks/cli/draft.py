@@ -14,6 +14,7 @@ from specdec_core.home import DEFAULT_MODEL
 
 from ..paths import check_identifier
 from ..steps.drafters.draft_recipes import KINDS, TRAINING_DEFAULTS, recipe_and_data
+from ..timeutil import default_run_id
 from .common import days, open_registry, open_store, print_json, tracking_uri_arg, url_arg
 from .console import make_console
 
@@ -58,7 +59,6 @@ def train_recipe(args):
 def cmd_train(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.drafters.draft_training import train_draft_from_traffic
-    from ..timeutil import default_run_id
 
     if args.id is not None:
         check_identifier(args.id, "draft id")      # before the target is loaded
@@ -86,7 +86,6 @@ def cmd_train(args) -> int:
 
 def cmd_generate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..timeutil import default_run_id
     from ..steps.traffic.traffic_generate import generate_traffic
 
     run_id = args.id or "generate__" + default_run_id().split("__")[1].replace(":", "-")

@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import json
+
 from rich.markup import escape
 from rich.table import Table
 
-from ..registry.run_results import engine_speedup_text
+from ..db.queries_engine_checks import planned_domains
+from ..db.queries_load import load_checks
+from ..db.queries_runs import run_target
+from ..registry.run_results import engine_checks, engine_speedup_text
+from ..serving import environment as serving_env
 from .common import open_store, print_json, url_arg
 from .console import make_console
 
@@ -42,7 +48,6 @@ def engine_rich_table(run_id: str, rows: list[dict]) -> Table:
 
 def cmd_check(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.run_results import engine_checks
     from ..steps.context import RunSpec
     from ..steps.pipeline import step_engine_check
 
@@ -88,9 +93,6 @@ def engine_sampling_table(run_id: str, rows: dict) -> Table:
 
 def cmd_validate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    import json
-
-    from ..db.queries_engine_checks import planned_domains
     from ..steps.context import RunSpec
     from ..steps.checks.engine_validate import validation_domains
     from ..steps.pipeline import step_engine_validate
@@ -130,8 +132,6 @@ def cmd_validate(args) -> int:
 
 def _run_target(run_id: str, store, target: str | None) -> str | None:
     """The run's target (or `target`); None, with an error line, when the run does not exist."""
-    from ..db.queries_runs import run_target
-
     found = target or run_target(store, run_id)
     if found is None:
         make_console(stderr=True).print(f"[red]error:[/red] run {escape(run_id)} does not exist in "
@@ -140,10 +140,6 @@ def _run_target(run_id: str, store, target: str | None) -> str | None:
 
 
 def cmd_show(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db.queries_load import load_checks
-    from ..registry.run_results import engine_checks
-
     store = open_store(args)
     rows = engine_checks(args.run_id, store)
     loads = load_checks(store, args.run_id)
@@ -213,8 +209,6 @@ def print_load_verdicts(loads: dict) -> None:
 
 def cmd_load(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db.queries_load import load_checks
-    from ..serving import environment as serving_env
     from ..steps.context import RunSpec
     from ..steps.pipeline import step_load_check
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 from rich.markup import escape
@@ -11,9 +12,14 @@ from rich.table import Table
 from specdec_core.home import DEFAULT_MODEL
 
 from ..paths import check_identifier
+from ..registry.run_config import validation_text
+from ..registry.run_view import (HEADERS, alert_markdown, below_bar_markdown, build_run_view, engine_state,
+                                 reason_line, table_rows)
 from ..settings import load_settings
 from ..steps.drafters.candidates import build_drafters
+from ..timeutil import default_run_id
 from .common import days, k_value, open_registry, open_store, per_domain_args, print_json, tracking_uri_arg, url_arg
+from .config import print_gates
 from .console import make_console
 
 console = make_console()
@@ -22,9 +28,6 @@ console = make_console()
 def evaluation_rich_table(view, seconds: float | None = None, hardware: str | None = None) -> Table:
     """The run's per-domain table in the terminal: the same rows as the version page and
     `reports/domains.md` (tasks.registry.run_view.table_rows of the run's RunView)."""
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.run_view import HEADERS, table_rows
-
     config = view.config
     took = "" if seconds is None else f" ({seconds:.0f} s)"
     table = Table(title=escape(f"run {view.run_id}: {config.target.id} on "
@@ -39,9 +42,6 @@ def evaluation_rich_table(view, seconds: float | None = None, hardware: str | No
 
 def print_run(view, seconds: float | None = None, hardware: str | None = None) -> None:
     """The table, then why each domain is on or off and the engine check's state, as on the page."""
-    from ..registry.run_config import validation_text
-    from ..registry.run_view import below_bar_markdown, alert_markdown, engine_state, reason_line
-
     console.print(evaluation_rich_table(view, seconds, hardware))
     notes = below_bar_markdown(view) + alert_markdown(view)
     if notes:
@@ -56,10 +56,7 @@ def print_run(view, seconds: float | None = None, hardware: str | None = None) -
 
 def cmd_evaluate(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
-    import signal
-
     from ..steps.evaluate import RunInterrupted, evaluate
-    from ..timeutil import default_run_id
 
     run_id = default_run_id() if args.run_id is None else check_identifier(args.run_id, "run id")
     settings = load_settings(plan_hardware_profile=args.hardware_profile)
@@ -82,8 +79,6 @@ def cmd_evaluate(args) -> int:
     if args.json:
         print_json(result)
         return _failed_domains_status(result)
-    from ..registry.run_view import build_run_view
-
     print_run(build_run_view(result["run_id"], open_store(args, settings), settings), result["seconds"])
     from ..steps.costs.reuse import profile_check_text
 
@@ -100,8 +95,6 @@ def cmd_evaluate(args) -> int:
         if audit.get("gated") is False:
             make_console(stderr=True).print(f"[red]WARNING:[/red] {escape(audit['detail'])}")
     if result["promoted"]:
-        from .config import print_gates
-
         print_gates(result["promoted"])
     return _failed_domains_status(result)
 
@@ -135,7 +128,6 @@ def _profile_model(args):
 def cmd_profile_measure(args) -> int:
     # imported here: the CLI imports every command module at start-up; this loads for its command only
     from ..steps.costs.costs import profile_costs
-    from ..timeutil import default_run_id
 
     if args.run_id is not None:
         check_identifier(args.run_id, "run id")

@@ -22,11 +22,18 @@ from rich.markup import escape
 
 from specdec_core.home import DEFAULT_MODEL
 
+from ..db import upgrade
+from ..db.store import Store
 from ..errors import InvalidValue, RegistryError
 from ..masking import mask_text, mask_url, printable
 from ..orchestration.airflow_glue import TIMING_POOL
 from ..registry.config_schema import config_model_name, target_slug
+from ..registry.registry import Registry
+from ..registry.run_results import profile_check
+from ..registry.run_view import build_run_view
 from ..settings import DATABASE_URL_ENV, load_settings, specdec_home
+from ..steps.run_table import evaluation_table
+from ..steps.traffic.traffic_import import import_traffic, sample_traffic_path
 from .common import json_object
 from .console import make_console
 from .evaluation import print_run
@@ -265,11 +272,6 @@ def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None
     console.print(f"[bold]1/4[/bold] Airflow metadata database and pool under {env['AIRFLOW_HOME']}")
     prepare_airflow(env)
     console.print("[bold]2/4[/bold] specdec database and the shipped traffic")
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..db import upgrade
-    from ..db.store import Store
-    from ..steps.traffic.traffic_import import import_traffic, sample_traffic_path
-
     upgrade()
     report = import_traffic(sample_traffic_path(), Store.open(), progress=False)
     console.print(f"      {report['inserted']} new requests ({report['rows_read']} read, {report['skipped_existing']} already stored)")
@@ -317,12 +319,7 @@ def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
     UI links."""
     console.print("[bold]4/4[/bold] results")
 
-    from ..registry.registry import Registry
-    from ..registry.run_results import profile_check
     from ..steps.costs.reuse import profile_check_text
-    from ..steps.run_table import evaluation_table
-    from ..db.store import Store
-    from ..registry.run_view import build_run_view
 
     settings = load_settings()
     store = Store.open(settings=settings)

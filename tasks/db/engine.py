@@ -7,6 +7,7 @@ version table, `specdec_alembic_version`, but the schemas must stay apart).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -264,8 +265,6 @@ _DISK_FULL = ("database or disk is full", "no space left on device", "disk full"
 def is_disk_full(exc: BaseException) -> bool:
     """Whether a database or file error says the disk is full (SQLite's SQLITE_FULL, PostgreSQL's
     disk_full 53100 or a failed extend, an OSError ENOSPC)."""
-    import errno
-
     original = getattr(exc, "orig", exc)
     if isinstance(original, OSError) and original.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
@@ -304,8 +303,6 @@ def upgrade(url: str | None = None, revision: str = "head") -> dict:
     before = None
     try:
         with engine.begin() as connection:
-            from alembic.runtime.migration import MigrationContext
-
             before = MigrationContext.configure(
                 connection, opts={"version_table": VERSION_TABLE}).get_current_revision()
             config = _alembic_config(url)

@@ -2,9 +2,10 @@
 the specdec database from the Airflow connection, and which errors fail a task at once and which
 are left to the task's retries.
 
-Importing this module loads no Airflow, engine (torch) or database code, so a DAG file's parse
-stays light; Airflow is imported inside the functions that need it. DEFAULT_MODEL is the engine's
-(specdec_core.home, which imports no torch).
+Importing this module loads no Airflow, engine (torch) or database code (tasks.db; of SQLAlchemy,
+which Airflow loads anyway, only its exceptions), so a DAG file's parse stays light; Airflow is
+imported inside the functions that need it. DEFAULT_MODEL is the engine's (specdec_core.home,
+which imports no torch).
 
 Errors, by what a retry can change:
 - an outage of specdec's database or of the tracking server (DatabaseUnavailable; SQLAlchemy
@@ -19,8 +20,11 @@ Errors, by what a retry can change:
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import contextmanager
+
+from sqlalchemy import exc as sa
 
 from ..errors import DatabaseUnavailable, RegistryUnavailable, SampleError, SpecdecTaskError
 from ..masking import mask_text
@@ -100,9 +104,6 @@ def _outage_here(exc: BaseException) -> bool:
         return True
     if isinstance(exc, (ConnectionError, TimeoutError)):    # refused, reset, socket timeouts
         return True
-    # imported here: SQLAlchemy (~0.4 s): the CLI imports this module at start-up
-    from sqlalchemy import exc as sa
-
     if isinstance(exc, (sa.DisconnectionError, sa.TimeoutError)):
         return True
     if isinstance(exc, sa.DBAPIError) and (exc.connection_invalidated or (
@@ -287,8 +288,6 @@ def monitor_targets(deployments: list[str], port: int = 8000) -> dict[str, str]:
     underscores; its host, port and scheme), else http://NAME:port, the service that
     `specdec config export --format compose` writes for it on the Compose network."""
     # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
-    import json
-
     from airflow.sdk import BaseHook, Variable
     from airflow.sdk.exceptions import AirflowNotFoundException
 

@@ -25,9 +25,10 @@ from ..db.store import Store
 from ..errors import RegistryError
 from ..masking import mask_url
 from ..settings import specdec_home
+from .config_schema import SpecdecConfig, config_model_name
+from .run_config import run_row
 
 if TYPE_CHECKING:
-    from .config_schema import SpecdecConfig
     from .tracking import RegistryClient
 
 
@@ -112,8 +113,6 @@ class Registry:
                          store: Store | None = None) -> tuple[str | None, "SpecdecConfig | None"]:
         """(version, config) of the champion of the target (of `run_id`'s target, read from
         `store`, when target_id is None)."""
-        from .config_schema import config_model_name
-        from .run_config import run_row
         from .tracking import CHAMPION, alias_version, load_version_config
 
         if target_id is None:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
@@ -130,8 +131,6 @@ def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12) -> 
     the CPUs a neighbour uses are left to it. Output: {"cpus": [...], "others": cores, "spare":
     CPUs left to the others, "bind": "0,2" for VLLM_CPU_OMP_THREADS_BIND, or None where every
     allowed CPU is used (vLLM's own binding)}."""
-    import time
-
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     readings = [_cpu_times()]
     for _ in range(max(1, slices)):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from ..errors import EngineTimeout, ServingProbeError
 from ..paths import home_path
@@ -263,8 +264,6 @@ def spec_decode_counters(text: str, max_positions: int | None = None) -> dict:
     over label sets; the per-position counter by its `position` label). max_positions: a position
     label of max_positions or more (or below 0) raises PositionOutOfRange, before any list of
     that length is made. A value that is not a whole number is returned as the float it is."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
     per_pos: dict[int, float] = {}
     for family in text_string_to_metric_families(text):

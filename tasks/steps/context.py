@@ -13,6 +13,9 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from specdec_core import load_model
+from specdec_core.validation import fingerprint_id, target_fingerprint
+
 from ..db.store import Store
 from ..registry.drafts import registered_drafts
 from ..registry.registry import Registry
@@ -45,13 +48,9 @@ def loaded_model(target: str, device: str | None = None):
 def _model_entry(target: str, device: str | None) -> dict:
     entry = _MODELS.get((target, device))
     if entry is None:
-        from specdec_core import load_model  # torch and transformers: only the steps that run the model
-
         model, tokenizer = load_model(target, device=device)
         entry = _MODELS[(target, device)] = {"model": model, "tokenizer": tokenizer}
     if "fingerprint" not in entry:    # a digest of every weight: computed once per process
-        from specdec_core.validation import fingerprint_id, target_fingerprint
-
         entry["target_fingerprint"] = target_fingerprint(entry["model"])
         entry["fingerprint"] = fingerprint_id(entry["target_fingerprint"])
     return entry

@@ -14,7 +14,10 @@ import logging
 from contextlib import contextmanager
 from datetime import datetime
 
+import torch
 from mlflow.exceptions import MlflowException
+
+from specdec_core.models import default_device, default_dtype
 
 from ..db.queries_runs import (domain_names, finish_inputs, has_live_measurement, has_sampling_test,
                                run_hardware_profile, run_params, set_run_status)
@@ -126,10 +129,6 @@ def worker_hardware(spec: RunSpec, measured: dict | None = None) -> dict:
     elif model is not None:
         hardware = describe_hardware(model)
     else:
-        import torch
-
-        from specdec_core.models import default_device, default_dtype
-
         device = torch.device(spec.device) if spec.device else default_device()
         hardware = describe_device(device, default_dtype(device))
     hardware.update(worker=worker_name(), measured=measured is not None)

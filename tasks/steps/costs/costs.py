@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from specdec_core import SpecDecoder
 from specdec_core.drafters import output_size
 from specdec_core.profile import CostSampler
+from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ...db.queries_costs import replace_cost_profile
 from ...db.store import Store
@@ -261,8 +262,6 @@ def profile_costs(run_id: str, target, drafters: dict, store: Store,
     # which engine the costs describe: static caches, CUDA graphs, compiled forwards
     hardware["details"]["engine"] = SpecDecoder(target, None).engine()
     if fingerprint is None:
-        from specdec_core.validation import fingerprint_id, target_fingerprint
-
         fingerprint = fingerprint_id(target_fingerprint(target))
     key = profile_key(hardware, "specdec", specdec_engine_version(hardware["details"]["engine"]),
                       fingerprint)

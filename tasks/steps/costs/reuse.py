@@ -14,6 +14,7 @@ import time
 from datetime import datetime, timedelta
 
 from specdec_core import SpecDecoder
+from specdec_core.validation import fingerprint_id, target_fingerprint
 
 from ...db.queries_costs import passed_checks_of_key
 from ...db.store import Store
@@ -118,8 +119,6 @@ def measure_or_reuse(run_id: str, target, drafters: dict, store: Store,
     settings = settings or store.settings
     k_max = k_max or settings.plan.k_max
     if fingerprint is None:
-        from specdec_core.validation import fingerprint_id, target_fingerprint
-
         fingerprint = fingerprint_id(target_fingerprint(target))
     hardware = describe_hardware(target)
     key = profile_key(hardware, "specdec", specdec_engine_version(SpecDecoder(target, None).engine()),

@@ -10,7 +10,9 @@ domain, built for the run) or `suffix:index=models:/specdec-suffix-<target>/3` (
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdec_core.errors import SpecDecError
@@ -79,9 +81,6 @@ def checkpoint_kind(path) -> str | None:
     """The drafter kind whose checkpoint a directory holds: "head" (head_config.json), "eagle3"
     (config.json in the speculators EAGLE-3 format) or "draft_model" (another config.json); None
     for anything else (an HF id, a GGUF file, a missing path: the loader says what is wrong)."""
-    import json
-    from pathlib import Path
-
     directory = Path(str(path))
     if (directory / "head_config.json").is_file():
         return "head"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
-from specdec_core import SamplingParams
+from specdec_core import SamplingParams, load_model
 from specdec_core.estimate import (LoggedRequest, in_heldout, in_validation,  # noqa: F401 - in_heldout re-exported
                                    round_robin, split_hash, validation_key)
 from specdec_core.validation import fingerprint_id, target_fingerprint
@@ -217,9 +217,6 @@ def train_draft_from_traffic(train_id: str, recipe: DraftRecipe | None = None,
     check_identifier(train_id, "draft id")     # it names $SPECDEC_HOME/drafts/<train_id>
     recipe, data = recipe or DraftModelRecipe(), data or TrainingData()
     if model is None:
-        # imported here: loading a target by name loads transformers; a caller's model does not
-        from specdec_core import load_model
-
         model, tokenizer = load_model(target, device=device)
     fingerprint = fingerprint_id(target_fingerprint(model))
     recipe = recipe.prepare(model, target)

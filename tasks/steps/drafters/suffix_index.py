@@ -154,8 +154,6 @@ def build_and_register(target: str, domain: str, store: Store,
     days up to the newest request, or all) and register it as a version of
     specdec-suffix-<target> with its lineage. Output: {model_uri, version, requests, tokens}."""
     if model is None:
-        from specdec_core import load_model
-
         model, tokenizer = load_model(target, device="cpu")
 
     fingerprint = fingerprint_id(target_fingerprint(model))

@@ -21,13 +21,17 @@ what the champion promised, drift alerts and automatic rollback.
 from __future__ import annotations
 
 import logging
+import tempfile
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from ...db import queries_monitor as q
 from ...errors import RegistryError
 from ...registry.compose_export import deployments
 from ...registry.config_schema import SpecdecConfig
+from ...registry.plots import _pyplot, production_figure
 from ...registry.promotion import rollback
+from ...registry.version_page import production_markdown, write_production
 from ...timeutil import utcnow
 from ..estimate.acceptance import mean_accepted_length
 from ..costs.cost_table import CostProfileError, CostTable
@@ -231,12 +235,6 @@ def publish(ctx: MonitorContext, version: str, at: datetime) -> str | None:
     """The version page's Production section (per deployment and domain, promised beside scraped
     and per-request E; the alerts and rollbacks) and its plot over time (`plots/production_e.png`
     of the version's run). Returns the plot's artifact path; None without scrapes."""
-    import tempfile
-    from pathlib import Path
-
-    from ...registry.plots import _pyplot, production_figure
-    from ...registry.version_page import production_markdown, write_production
-
     rows = [r for r in q.scrapes(ctx.store, config_version=version, until=at)
             if r["config_name"] == ctx.config_name]
     if not rows:

@@ -30,7 +30,10 @@ from __future__ import annotations
 import hashlib
 import logging
 
-from specdec_core import SamplingParams
+import torch
+from tqdm.auto import tqdm
+
+from specdec_core import SamplingParams, SpecDecoder, load_model
 from specdec_core.estimate import in_heldout, in_validation
 from specdec_core.validation import fingerprint_id, target_fingerprint
 
@@ -90,8 +93,6 @@ def generate_traffic(run_id: str, domains, count: int, target: str = DEFAULT_MOD
         raise TypeError("generate_traffic: pass the Store (tasks.db.store.Store.open) to read the "
                         "logged traffic from and store the generated rows in")
     if model is None:
-        from specdec_core import load_model
-
         model, tokenizer = load_model(target, device=device)
     fingerprint = fingerprint_id(target_fingerprint(model))
     if isinstance(domains, str):
@@ -153,11 +154,6 @@ def _batches(rows, tokenizer, batch_size: int, max_new_tokens: int):
 
 def _generate(store: Store, run_id, rows, model, tokenizer, fingerprint, batch_size, max_new_tokens,
               seed, redact, progress, domain) -> int:
-    import torch
-    from tqdm.auto import tqdm
-
-    from specdec_core import SpecDecoder
-
     if not rows:
         return 0
     decoder = SpecDecoder(model, None)

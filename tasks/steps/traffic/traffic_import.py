@@ -40,6 +40,7 @@ from importlib import resources
 from pathlib import Path
 
 from sqlalchemy.exc import DBAPIError
+from tqdm import tqdm
 
 from ...db.engine import database_error
 from ...db.queries_monitor import insert_request_metrics
@@ -234,9 +235,6 @@ def import_traffic(path: str | Path, store: Store, settings: Settings | None = N
     Raises TrafficFileError when the file cannot be read at all, DatabaseUnavailable /
     DatabaseNotMigrated when the database is not ready.
     """
-    # imported here: tqdm: the data commands load no torch (tests/test_store.py)
-    from tqdm import tqdm
-
     settings = settings or store.settings
     path = Path(path)
     if path.is_dir():
