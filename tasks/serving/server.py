@@ -287,6 +287,11 @@ def spec_decode_counters(text: str, max_positions: int | None = None) -> dict:
     return out
 
 
+def _pool_key(spec: dict | None, mended: bool, max_num_seqs: int | None, block_size: int | None) -> str:
+    """A pool's key of one server: its arguments as sorted JSON."""
+    return json.dumps([spec, mended, max_num_seqs, block_size], sort_keys=True)
+
+
 class ServerPool:
     """The servers of one run, started on first use and reused (see the module's docstring)."""
 
@@ -309,19 +314,20 @@ class ServerPool:
     def running(self, spec: dict | None, mended: bool = True, max_num_seqs: int | None = None,
                 block_size: int | None = None, share: bool = False) -> bool:
         """Whether the server `get` would return with these arguments is running now."""
-        server = self.servers.get(json.dumps([spec, mended, max_num_seqs, block_size], sort_keys=True))
+        server = self.servers.get(_pool_key(spec, mended, max_num_seqs, block_size))
         if share and (server is None or not server.alive()):
-            server = self._covering(spec, mended, max_num_seqs, block_size)
+            server = self._covering(spec, mended, max_num_seqs, block_size)[1]
         return server is not None and server.alive()
 
     def _covering(self, spec: dict | None, mended: bool, max_num_seqs: int | None,
-                  block_size: int | None) -> VllmServer | None:
+                  block_size: int | None) -> tuple[str | None, VllmServer | None]:
         """A running server of the same drafter method and parameters at a K at least `spec`'s,
         neither with a schedule by batch size, and with K per request: it serves `spec`'s
         requests when they ask their K (one deployment per method serves every K up to its
-        own: tasks.registry.vllm_export.method_deployments)."""
+        own: tasks.registry.vllm_export.method_deployments). Output: (its pool key, it), or
+        (None, None)."""
         if not spec or spec.get("num_speculative_tokens_per_batch_size"):
-            return None
+            return None, None
         def rest(s):
             return {k: v for k, v in s.items() if k != "num_speculative_tokens"}
         for key, server in self.servers.items():
@@ -329,10 +335,10 @@ class ServerPool:
             if (other and not other.get("num_speculative_tokens_per_batch_size")
                     and rest(other) == rest(spec)
                     and int(other["num_speculative_tokens"]) >= int(spec["num_speculative_tokens"])
-                    and key == json.dumps([other, mended, max_num_seqs, block_size], sort_keys=True)
+                    and key == _pool_key(other, mended, max_num_seqs, block_size)
                     and server.alive() and server.k_per_request()):
-                return server
-        return None
+                return key, server
+        return None, None
 
     def get(self, spec: dict | None, mended: bool = True, max_num_seqs: int | None = None,
             block_size: int | None = None, share: bool = False) -> VllmServer:
@@ -340,14 +346,13 @@ class ServerPool:
         to start is not tried again in this pool (its error is raised again). share: a running
         server of the same method at a larger K will do (_covering; the caller asks each
         request's K)."""
-        key = json.dumps([spec, mended, max_num_seqs, block_size], sort_keys=True)
+        key = _pool_key(spec, mended, max_num_seqs, block_size)
         if key in self.failures:
             raise ServingProbeError(self.failures[key])
         server = self.servers.get(key)
         if share and (server is None or not server.alive()):
-            covering = self._covering(spec, mended, max_num_seqs, block_size)
+            held, covering = self._covering(spec, mended, max_num_seqs, block_size)
             if covering is not None:
-                held = next(k for k, s in self.servers.items() if s is covering)
                 self.used = [k for k in self.used if k != held] + [held]
                 return covering
         if key in self.used:
