@@ -246,10 +246,32 @@ def test_a_job_and_every_thread_it_starts_stay_on_the_cpus_it_was_bound_to(serve
     done = serving_env._run(load_settings(engine_fork_server=False), Path(sys.executable), [str(script)],
                             dict(os.environ, SPECDEC_PIN_CPUS=str(first)), "", 30)
     assert done.stdout == f"[{first}] [{first}]\n"
-    # what an engine's environment asks for: OpenMP threads bound, the whole process pinned,
-    # except a suffix engine's (its proposer's busy thread must not share the loop's CPU)
-    assert serving_env.thread_env("1", {"method": "ngram"}) == {
-        "VLLM_CPU_OMP_THREADS_BIND": "1", "SPECDEC_PIN_CPUS": "1"}
-    assert serving_env.thread_env("1", None) == {"VLLM_CPU_OMP_THREADS_BIND": "1", "SPECDEC_PIN_CPUS": "1"}
-    assert serving_env.thread_env("1", {"method": "suffix"}) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
-    assert serving_env.thread_env(None, {"method": "ngram"}) == {}
+    # what an engine's environment asks for: one OpenMP thread per CPU given, and the whole
+    # process pinned there (a suffix engine's as well)
+    assert serving_env.thread_env("1") == {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1",
+                                           "SPECDEC_PIN_CPUS": "1"}
+    assert serving_env.thread_env("0-2,5") == {"VLLM_CPU_OMP_THREADS_BIND": "0-2,5",
+                                               "OMP_NUM_THREADS": "4", "SPECDEC_PIN_CPUS": "0-2,5"}
+    assert serving_env.thread_env(None) == {}
+
+
+@pytest.mark.parametrize("fork_server", [True, False])
+def test_an_engine_given_one_cpu_runs_one_openmp_thread_on_it(preload, tmp_path, monkeypatch, fork_server):
+    # vLLM's in-process engine never binds its OpenMP threads: torch keeps the thread count it
+    # read when it loaded (in a fork server's fork, the server's), and two threads on the one CPU
+    # an engine was given stalled every parallel region (a suffix engine beside a spun core: about
+    # 1 token/s). The machine's own count in the environment, as where nothing sets it
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr(forks, "PRELOAD", ("torch",))
+    script = tmp_path / "threads.py"
+    script.write_text("import os, torch\nprint(torch.get_num_threads(), sorted(os.sched_getaffinity(0)))\n")
+    first = min(os.sched_getaffinity(0))
+    env = dict(os.environ, **serving_env.thread_env(str(first)))
+    done = serving_env._run(load_settings(engine_fork_server=fork_server), Path(sys.executable),
+                            [str(script)], env, "", 120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"1 [{first}]\n"
+    # left to vLLM (every CPU free): the environment's own count, unpinned
+    done = serving_env._run(load_settings(engine_fork_server=fork_server), Path(sys.executable),
+                            [str(script)], dict(os.environ, **serving_env.thread_env(None)), "", 120)
+    assert done.stdout == f"2 {sorted(os.sched_getaffinity(0))}\n"

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..settings import Settings, load_settings
 from . import forks
-from .scripts.fork_server import pin_cpus
+from .scripts.fork_server import cpu_list, pin_cpus
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "scripts" / "vllm_probe.py"
@@ -153,19 +153,21 @@ def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12) -> 
 PIN_VARIABLE = "SPECDEC_PIN_CPUS"      # the CPUs a whole engine process is kept on (fork_server.py)
 
 
-def thread_env(threads: str | None, spec: dict | None) -> dict:
-    """The environment that puts an engine on the CPUs `threads` names ("0,2"; None: vLLM's own
-    choice): its OpenMP threads bound there (VLLM_CPU_OMP_THREADS_BIND), and the whole process
-    kept there (PIN_VARIABLE: vLLM leaves its engine loop unbound, and on a neighbour's CPU it
-    stalled one batch in five 4 to 11 times over). Not a suffix engine's whole process: its
-    proposer keeps a thread of its own busy beside the engine loop, and kept on the loop's one
-    CPU it slowed every step about 30 times (1.4 s a step against 50 ms; busy 1, this round)."""
+def thread_env(threads: str | None) -> dict:
+    """The environment that puts an engine on the CPUs `threads` names ("0,2"; None: every CPU,
+    vLLM's own choice): as many OpenMP threads as CPUs (OMP_NUM_THREADS, read when torch loads:
+    the fork server keys its forks on it, tasks/serving/forks.py), and the whole process kept
+    there (PIN_VARIABLE). vLLM's in-process engine, and its server's engine core, never bind
+    their OpenMP threads themselves (VLLM_CPU_OMP_THREADS_BIND is read only where vLLM starts
+    worker processes of its own, and is set for those): left at the machine's count, an engine
+    given one CPU ran two OpenMP threads on it, each parallel region waiting for the one the
+    scheduler had not run, and a suffix engine beside a spun core served about 1 token/s (spun 1,
+    last series: the replay timed out at 900 s; 320-980 ms a step against 40-70 ms quiet).
+    With one thread per CPU it ran 55-95 ms a step."""
     if not threads:
         return {}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": threads}
-    if (spec or {}).get("method") != "suffix":
-        env[PIN_VARIABLE] = threads
-    return env
+    return {"VLLM_CPU_OMP_THREADS_BIND": threads, "OMP_NUM_THREADS": str(len(cpu_list(threads))),
+            PIN_VARIABLE: threads}
 
 
 def pinned(bind: str | None):
@@ -193,13 +195,13 @@ def run_engine(request: dict, log_path: Path, timeout_s: float, what: str,
                threads: str | None = None) -> dict:
     """One engine in the serving environment (vllm_probe.py replay, or `command`): started with the request's
     speculative config, in-process (no engine-core child to leave behind), its log written to
-    `log_path`, its OpenMP threads on the CPUs `threads` names (VLLM_CPU_OMP_THREADS_BIND; None:
+    `log_path`, on the CPUs `threads` names, one OpenMP thread each (thread_env; None:
     vLLM's choice). Past `timeout_s` it is killed: EngineTimeout names `what` and the log."""
     python = serving_python(settings)
     settings = settings or load_settings()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE=str(settings.engine.kv_cache_gib))
-    env.update(thread_env(threads, request.get("speculative_config")))
+    env.update(thread_env(threads))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         done = _run(settings, python, [str(PROBE), command], env, json.dumps(request), timeout_s,

@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fork_server.py"
 # read by vLLM (or our plugin) only when an engine starts: a job may set them per process
-PER_JOB = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "SPECDEC_VLLM_MENDS",
-           "SPECDEC_VLLM_PLAN")
+PER_JOB = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+           "SPECDEC_VLLM_MENDS", "SPECDEC_VLLM_PLAN")
 IMPORT_TIME = ("VLLM_", "PYTHON", "OMP_", "MKL_", "KMP_", "CUDA_", "TORCH", "LD_")
 READY_TIMEOUT_S = 300.0
 # what the fork server imports: vLLM, its offline engine (`from vllm import LLM` alone is 11 s of

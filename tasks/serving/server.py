@@ -110,7 +110,7 @@ class VllmServer:
         env[MENDS_OFF] = "1" if self.mended else "0"
         if self.plan_path is not None:
             env[PLAN_VARIABLE] = str(self.plan_path)
-        env.update(environment.thread_env(self.threads, self.spec))
+        env.update(environment.thread_env(self.threads))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = serve_command(python, self.model_dir, self.spec, self.port, self.dtype,
                                 self.max_model_len, self.max_num_seqs, block_size=self.block_size)

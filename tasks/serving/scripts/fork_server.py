@@ -48,16 +48,21 @@ def _say(message: dict) -> None:
 
 def pin_cpus(bind: str | None) -> None:
     """Keep this process, and every thread it starts, on the CPUs of a SPECDEC_PIN_CPUS list ("0,2"
-    or "0-3", the engine's VLLM_CPU_OMP_THREADS_BIND where the job pins the whole process): vLLM binds only its OpenMP threads, and its other threads (the engine
-    loop, the API server) left on a neighbour's CPU stall each step. Other forms ("all", NUMA
+    or "0-3"): vLLM's in-process engine binds none of its threads (its OpenMP threads, the engine
+    loop, the API server), and one left on a neighbour's CPU stalls each step. Other forms ("all", NUMA
     groups with "|") leave the affinity as it is."""
     if not bind or bind == "all" or "|" in bind or not hasattr(os, "sched_setaffinity"):
         return
-    cpus = set()
+    os.sched_setaffinity(0, cpu_list(bind))
+
+
+def cpu_list(bind: str) -> list[int]:
+    """The CPUs of a "0,2" or "0-3" list."""
+    cpus: set[int] = set()
     for part in bind.split(","):
         low, _, high = part.partition("-")
         cpus.update(range(int(low), int(high or low) + 1))
-    os.sched_setaffinity(0, cpus)
+    return sorted(cpus)
 
 
 def _child(job: dict) -> None:
