@@ -78,13 +78,24 @@ def counters_match(counters: dict | None, sums: dict | None) -> bool | None:
             and padded(counters["accepted_per_pos"]) == padded(sums["accepted_per_pos"]))
 
 
-def _side(level: dict) -> dict:
+@dataclass(frozen=True)
+class _Side:
+    """One side's figures at a level (plain or config), for its LoadLevel: output tokens/s over
+    the level's wall time, TTFT and ITL (p50, p95), failed requests."""
+
+    tokens_per_s: float | None
+    ttft: tuple[float | None, float | None]
+    itl: tuple[float | None, float | None]
+    failed: int
+
+
+def _side(level: dict) -> _Side:
     ok = [r for r in level["requests"] if r["ok"]]
     ttft = _percentiles([r["ttft_s"] for r in ok])
     itl = _percentiles([gap for r in ok for gap in inter_token_latencies(r["chunks"])])
     tokens = sum(len(r["token_ids"]) for r in ok)
-    return {"tokens_per_s": tokens / level["wall_s"] if level["wall_s"] > 0 and ok else None,
-            "ttft": ttft, "itl": itl, "failed": len(level["requests"]) - len(ok)}
+    return _Side(tokens / level["wall_s"] if level["wall_s"] > 0 and ok else None, ttft, itl,
+                 len(level["requests"]) - len(ok))
 
 
 def level_row(concurrency: int, k: int, plain: dict, config: dict) -> LoadLevel:
@@ -106,18 +117,18 @@ def level_row(concurrency: int, k: int, plain: dict, config: dict) -> LoadLevel:
     drafts = (counters or {}).get("drafts") or 0
     return LoadLevel(
         concurrency=concurrency, k=k, requests=len(config["requests"]),
-        failed=left["failed"] + right["failed"],
-        plain_tokens_per_s=left["tokens_per_s"], spec_tokens_per_s=right["tokens_per_s"],
+        failed=left.failed + right.failed,
+        plain_tokens_per_s=left.tokens_per_s, spec_tokens_per_s=right.tokens_per_s,
         measured_speedup=interval["measured"], measured_speedup_lo=interval["lo"],
         measured_speedup_hi=interval["hi"],
-        plain_ttft_p50_s=left["ttft"][0], plain_ttft_p95_s=left["ttft"][1],
-        spec_ttft_p50_s=right["ttft"][0], spec_ttft_p95_s=right["ttft"][1],
-        plain_itl_p50_s=left["itl"][0], plain_itl_p95_s=left["itl"][1],
-        spec_itl_p50_s=right["itl"][0], spec_itl_p95_s=right["itl"][1],
+        plain_ttft_p50_s=left.ttft[0], plain_ttft_p95_s=left.ttft[1],
+        spec_ttft_p50_s=right.ttft[0], spec_ttft_p95_s=right.ttft[1],
+        plain_itl_p50_s=left.itl[0], plain_itl_p95_s=left.itl[1],
+        spec_itl_p50_s=right.itl[0], spec_itl_p95_s=right.itl[1],
         engine_e=mean_accepted_length(counters["accepted_tokens"], drafts) if drafts else None,
         engine_rates=position_rates(counters["accepted_per_pos"], drafts) if drafts else None,
         counters=counters, request_sums=sums,
-        counters_equal=counters_match(counters, sums) if not right["failed"] else None,
+        counters_equal=counters_match(counters, sums) if not right.failed else None,
         per_request=pairs)
 
 
