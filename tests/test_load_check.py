@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
+from tasks.db.load_records import DomainLoad, LoadLevel
 from tasks.db.store import Store
 from tasks.serving import environment as serving_env
 from tasks.settings import load_settings
@@ -32,8 +34,8 @@ BEYOND = 1 << 20
 
 
 def _level(concurrency, speedup, lo, hi, pays, failed=0):
-    return {"concurrency": concurrency, "measured_speedup": speedup, "measured_speedup_lo": lo,
-            "measured_speedup_hi": hi, "pays": pays, "failed": failed, "requests": 8}
+    return LoadLevel(concurrency=concurrency, measured_speedup=speedup, measured_speedup_lo=lo,
+                     measured_speedup_hi=hi, pays=pays, failed=failed, requests=8)
 
 
 def test_the_schedule_keeps_k_only_up_to_the_largest_level_that_pays_and_every_one_below():
@@ -45,24 +47,24 @@ def test_the_schedule_keeps_k_only_up_to_the_largest_level_that_pays_and_every_o
     rows = [_level(1, 1.6, 1.3, 1.9, True), _level(2, 1.4, 1.2, 1.6, True),
             _level(4, 0.94, 0.88, 1.01, False), _level(8, 1.3, 1.15, 1.4, True)]
     verdict = cut_schedule(config, rows, settings)
-    assert verdict["status"] == "cut" and verdict["largest"] == 2
-    assert verdict["changes"]["k_schedule"] == [[1, 1, 4], [2, 2, 3]]
-    assert verdict["changes"]["max_batch_size"] == 2
-    assert "0.94x [0.88, 1.01] at 4 concurrent requests" in verdict["reason"]
-    assert exported_schedule(dict(config, **verdict["changes"])) == [[1, 1, 4], [2, 2, 3], [3, BEYOND, 0]]
+    assert verdict.status == "cut" and verdict.largest == 2
+    assert verdict.changes["k_schedule"] == [[1, 1, 4], [2, 2, 3]]
+    assert verdict.changes["max_batch_size"] == 2
+    assert "0.94x [0.88, 1.01] at 4 concurrent requests" in verdict.reason
+    assert exported_schedule(dict(config, **verdict.changes)) == [[1, 1, 4], [2, 2, 3], [3, BEYOND, 0]]
     # paying nowhere: off, with the first level's figure as the reason
     off = cut_schedule(config, [_level(1, 0.94, 0.9, 0.99, False), _level(2, 1.5, 1.2, 1.8, True)], settings)
-    assert off["status"] == "off" and off["changes"]["enabled"] is False
-    assert off["changes"]["k_schedule"] is None and off["reason"].startswith(
+    assert off.status == "off" and off.changes["enabled"] is False
+    assert off.changes["k_schedule"] is None and off.reason.startswith(
         "load check: 0.94x [0.90, 0.99] at 1 concurrent request does not pay min_speedup 1.10x")
-    assert "Planner: planned on" in off["changes"]["reason"]
+    assert "Planner: planned on" in off.changes["reason"]
     # every level pays: nothing changes
     fine = cut_schedule(config, rows[:2], settings)
-    assert fine["status"] == "ok" and fine["changes"] == {}
+    assert fine.status == "ok" and fine.changes == {}
     # a config of one K up to a cut-off (schema 1, or suffix decoding) gets a lower cut-off
     single = cut_schedule({"k": 3, "k_schedule": None, "max_batch_size": 8}, rows, settings)
-    assert single["changes"] == {"k_schedule": None, "max_batch_size": 2,
-                                 "reason": single["changes"]["reason"]}
+    assert single.changes == {"k_schedule": None, "max_batch_size": 2,
+                              "reason": single.changes["reason"]}
 
 
 def test_a_level_pays_by_its_interval_and_one_still_straddling_the_bar_by_its_point():
@@ -77,16 +79,16 @@ def test_a_level_pays_by_its_interval_and_one_still_straddling_the_bar_by_its_po
     straddling = _level(2, 1.2, 1.02, 1.4, None)
     assert verdict(straddling, settings, champion_on=False) == "unsure"
     assert pays(straddling, settings, champion_on=False)
-    assert not pays(dict(straddling, measured_speedup=1.05), settings, champion_on=False)
+    assert not pays(replace(straddling, measured_speedup=1.05), settings, champion_on=False)
     # on in the champion (hysteresis): a lower end over 1.0 and an upper end over 1.1 pay
     assert verdict(straddling, settings, champion_on=True) == "pays"
-    assert verdict(dict(straddling, measured_speedup_lo=0.97), settings, champion_on=True) == "unsure"
+    assert verdict(replace(straddling, measured_speedup_lo=0.97), settings, champion_on=True) == "unsure"
     # a failed request, or no figure, never pays
-    assert not pays(dict(sure, failed=1), settings, champion_on=False)
-    assert not pays(dict(sure, measured_speedup_lo=None), settings, champion_on=False)
+    assert not pays(replace(sure, failed=1), settings, champion_on=False)
+    assert not pays(replace(sure, measured_speedup_lo=None), settings, champion_on=False)
     # the reason says an unsure level was decided by its point
     from tasks.steps.checks.load_levels import level_text
-    assert level_text(dict(straddling, verdict="unsure", requests=24)).endswith(
+    assert level_text(replace(straddling, verdict="unsure", requests=24)).endswith(
         "at 2 concurrent requests, unsure after 24 requests: the point estimate decides")
 
 
@@ -151,21 +153,21 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
         config = {"requests": [_served(9, spec_gap, spec), _served(9, spec_gap, spec)], "wall_s": 1.0,
                   "counters": counters}
         row = level_row(concurrency, 4, plain, config)
-        row.update(predicted_speedup=1.5, pays=concurrency == 1)
-        levels.append(row)
-    assert levels[0]["measured_speedup"] == pytest.approx(2.0) and levels[0]["counters_equal"] is True
-    assert levels[0]["engine_e"] == pytest.approx(3.0) and levels[0]["engine_rates"] == [1.0, 0.75, 0.25, 0.0]
+        levels.append(replace(row, predicted_speedup=1.5, pays=concurrency == 1))
+    assert levels[0].measured_speedup == pytest.approx(2.0) and levels[0].counters_equal is True
+    assert levels[0].engine_e == pytest.approx(3.0) and levels[0].engine_rates == [1.0, 0.75, 0.25, 0.0]
     config_row = {"k": 4, "k_schedule": [[1, 1, 4], [2, 2, 4]], "max_batch_size": 2, "reason": "planned on"}
     verdict = cut_schedule(config_row, levels, load_settings())
-    record = {"status": verdict["status"], "passed": True, "reason": verdict["reason"],
-              "schedule_before": exported_schedule(config_row),
-              "schedule_after": exported_schedule(dict(config_row, **verdict["changes"])),
-              "max_level_paying": verdict["largest"], "spec_log": "/logs/spec.log", "plain_log": "/logs/plain.log"}
-    store_load_check(store, "r-load", {"code": record}, {"code": levels}, {"code": verdict["changes"]})
-    store_load_check(store, "r-load", {"code": record}, {"code": levels}, {})     # a re-run replaces
+    record = DomainLoad(domain="code", status=verdict.status, passed=True, reason=verdict.reason,
+                        schedule_before=exported_schedule(config_row),
+                        schedule_after=exported_schedule(dict(config_row, **verdict.changes)),
+                        max_level_paying=verdict.largest, spec_log="/logs/spec.log",
+                        plain_log="/logs/plain.log", levels=tuple(levels))
+    store_load_check(store, "r-load", {"code": record}, {"code": verdict.changes})
+    store_load_check(store, "r-load", {"code": record}, {})     # a re-run replaces
     stored = load_checks(store, "r-load")["code"]
-    assert [level["concurrency"] for level in stored["levels"]] == [1, 2]
-    assert stored["schedule_after"] == [[1, 1, 4], [2, BEYOND, 0]]
+    assert [level.concurrency for level in stored.levels] == [1, 2]
+    assert stored.schedule_after == [[1, 1, 4], [2, BEYOND, 0]]
     with engine.connect() as connection:
         cut = connection.execute(select(DomainConfig.k_schedule, DomainConfig.max_batch_size).where(
             DomainConfig.run_id == "r-load")).one()
@@ -187,8 +189,40 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
     assert [level["concurrency"] for level in table[0]["load_check"]["levels"]] == [1, 2]
     from tasks.registry.load_results import load_check_text, load_markdown
 
-    assert load_check_text(table[0]["load_check"]) == "c1 2.00x, c2 0.40x x; K>0 up to 1"
+    summary = DomainLoad.from_json(table[0]["load_check"])
+    assert load_check_text(summary) == "c1 2.00x, c2 0.40x x; K>0 up to 1"
     assert "| code | 2 | 4 |" in load_markdown(load_checks(store, "r-load"))
+    _round_trips(store, "r-load")
+
+
+def _round_trips(store, run_id: str) -> None:
+    """The run's stored load check read back, as the tables hold it and as the step returns it
+    (the XCom value), goes through from_json and to_json unchanged, key for key and byte for byte."""
+    from sqlalchemy import select
+
+    from tasks.db.models import LoadCheckDomain, LoadCheckLevel
+    from tasks.db.queries_load import load_checks
+    from tasks.steps.checks.load_check import load_check_json
+
+    for per_request in (False, True):
+        returned = json.loads(json.dumps(load_check_json(
+            {"skipped": None, "domains": load_checks(store, run_id, per_request=per_request)}), default=str))
+        assert returned["domains"]
+        for check in returned["domains"].values():
+            again = DomainLoad.from_json(check).to_json()
+            assert json.dumps(again) == json.dumps(check)
+            assert all(("per_request" in level) is per_request for level in check["levels"])
+    with store.connect() as connection:
+        domains = [dict(row) for row in connection.execute(
+            select(LoadCheckDomain).where(LoadCheckDomain.run_id == run_id)).mappings()]
+        levels = [dict(row) for row in connection.execute(
+            select(LoadCheckLevel).where(LoadCheckLevel.run_id == run_id)).mappings()]
+    for row in domains:       # the tables' rows: the records' keys, in the columns' order
+        assert DomainLoad.from_json({**row, "levels": []}).to_json() == {**row, "levels": []}
+        assert list(DomainLoad.from_json(row).to_json())[:-1] == list(row)
+    for row in levels:
+        assert LoadLevel.from_json(row).to_json() == row
+        assert list(LoadLevel.from_json(row).to_json()) == list(row)
 
 
 # --- on vLLM's OpenAI server: one pool of servers for the module -------------------------------
@@ -272,18 +306,20 @@ def served(tmp_path_factory):
 @pytest.mark.integration
 def test_two_levels_are_measured_and_metrics_counters_equal_the_per_request_sums(served):
     check = served["result"]["domains"]["count"]
-    assert check["status"] == "ok" and check["passed"] is True
-    assert [level["concurrency"] for level in check["levels"]] == [1, 2]
-    for level in check["levels"]:
-        assert level["failed"] == 0 and level["requests"] == level["concurrency"]
-        assert level["plain_tokens_per_s"] > 0 and level["spec_tokens_per_s"] > 0
-        assert level["spec_itl_p50_s"] is not None and level["spec_ttft_p95_s"] is not None
+    assert check.status == "ok" and check.passed is True
+    assert [level.concurrency for level in check.levels] == [1, 2]
+    for level in check.levels:
+        assert level.failed == 0 and level.requests == level.concurrency
+        assert level.plain_tokens_per_s > 0 and level.spec_tokens_per_s > 0
+        assert level.spec_itl_p50_s is not None and level.spec_ttft_p95_s is not None
         # vLLM's /metrics deltas of the level equal the same requests' per-request metrics summed
-        assert level["counters"]["drafts"] > 0 and level["counters"]["accepted_tokens"] > 0
-        assert level["counters"] == level["request_sums"] and level["counters_equal"] is True
+        assert level.counters["drafts"] > 0 and level.counters["accepted_tokens"] > 0
+        assert level.counters == level.request_sums and level.counters_equal is True
         # the target continues what the n-grams propose: E from /metrics is above 1
-        assert level["engine_e"] > 1.0 and len(level["engine_rates"]) == 4
-    assert check["schedule_after"] == check["schedule_before"] == [[1, 1, 4], [2, 2, 4], [3, BEYOND, 0]]
+        assert level.engine_e > 1.0 and len(level.engine_rates) == 4
+    assert check.schedule_after == check.schedule_before == [[1, 1, 4], [2, 2, 4], [3, BEYOND, 0]]
+    # what vLLM measured, stored and read back, round-trips through the records' JSON unchanged
+    _round_trips(served["context"].store, "r1")
 
 
 @needs_server
@@ -294,14 +330,14 @@ def test_a_level_that_does_not_pay_cuts_the_schedule_and_one_paying_nowhere_is_o
 
     crowded = served["result"]["domains"]["crowded"]
     # level 1: its first request, served; level 2: a second one the server refuses (too long)
-    assert [(level["concurrency"], level["failed"], level["pays"]) for level in crowded["levels"]] == [
+    assert [(level.concurrency, level.failed, level.pays) for level in crowded.levels] == [
         (1, 0, True), (2, 2, False)]
-    assert crowded["status"] == "cut" and crowded["max_level_paying"] == 1
-    assert "at 2 concurrent requests (2 of 4 requests failed)" in crowded["reason"]
-    assert crowded["schedule_after"] == [[1, 1, 4], [2, BEYOND, 0]]
+    assert crowded.status == "cut" and crowded.max_level_paying == 1
+    assert "at 2 concurrent requests (2 of 4 requests failed)" in crowded.reason
+    assert crowded.schedule_after == [[1, 1, 4], [2, BEYOND, 0]]
     overlong = served["result"]["domains"]["overlong"]
-    assert overlong["status"] == "off" and overlong["passed"] is False
-    assert overlong["reason"].startswith("load check: no speedup measured at 1 concurrent request")
+    assert overlong.status == "off" and overlong.passed is False
+    assert overlong.reason.startswith("load check: no speedup measured at 1 concurrent request")
     # the exported config follows the measurement
     exported = vllm_export(build_config("r1", Store.open(served["url"])))["speculative_config"]
     assert exported["crowded"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, BEYOND, 0]]
@@ -317,8 +353,8 @@ def test_a_server_that_does_not_start_leaves_the_domain_off_naming_its_log(serve
     from tasks.db.models import DomainConfig
 
     refused = served["result"]["domains"]["refused"]
-    assert refused["status"] == "failed" and refused["passed"] is False and refused["levels"] == []
-    assert "the config server did not start" in refused["reason"] and ".log" in refused["reason"]
+    assert refused.status == "failed" and refused.passed is False and refused.levels == ()
+    assert "the config server did not start" in refused.reason and ".log" in refused.reason
     with served["context"].engine.connect() as connection:
         enabled = dict(connection.execute(select(DomainConfig.domain, DomainConfig.enabled)
                                           .where(DomainConfig.run_id == "r1")).all())
@@ -336,7 +372,7 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkey
     from tasks.steps.checks.load_waves import level_items, measure_domain
 
     pool = served["pool"]
-    spec = served["result"]["domains"]["count"]["speculative_config"]
+    spec = served["result"]["domains"]["count"].speculative_config
     settings = load_settings(load_levels=(1, 2), load_requests=8, load_timeout_s=120)
     items = level_items(_requests("count", ["count"] * 8), 8, 400)
     server = pool.get(spec, **load_waves_step.SERVER)     # the server measure_domain asks the pool for
@@ -360,8 +396,8 @@ def test_a_server_killed_mid_level_fails_the_level_naming_its_log(served, monkey
     monkeypatch.setattr(load, "_chunk_event", chunk_event)
     outcome = measure_domain(pool, spec, [(2, 4)], items, settings)
     assert killed                                   # the first wave (K 0) was cut mid-stream
-    status, reason = outcome["failure"]
-    assert status == "died" and outcome["levels"] == []
+    status, reason = outcome.failure
+    assert status == "died" and outcome.levels == []
     assert "the config server died at 2 concurrent requests" in reason and str(server.log_path) in reason
 
 
@@ -391,7 +427,7 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
     from tasks.steps.checks.load_levels import level_row
     from tasks.steps.checks.load_waves import level_items, measure_domain
 
-    spec = served["result"]["domains"]["count"]["speculative_config"]
+    spec = served["result"]["domains"]["count"].speculative_config
     settings = load_settings(load_levels=(1, 2), load_requests=1, load_retries=2)
     items = level_items(_requests("count", ["count"]), 1, TOKENS)
     calls = []
@@ -408,15 +444,15 @@ def test_a_wave_a_neighbour_slowed_is_served_again_and_the_cleaner_one_kept(serv
 
     monkeypatch.setattr(load_waves_step, "run_level", run_level)
     outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings)
-    assert outcome["failure"] is None
+    assert outcome.failure is None
     # plain and config (asking the level's K, 4), then each again once (the retries are clean:
     # no second retry)
     assert calls == [0, 4, 0, 4]
-    level, k, plain, config, chosen = outcome["levels"][0]
+    level, k, plain, config, chosen = outcome.levels[0]
     assert (level, k, [item["id"] for item in chosen]) == (1, 4, [items[0]["id"]])
     row = level_row(level, k, plain, config)
-    assert [pair["contended"] for pair in row["per_request"]] == [False]
-    assert row["counters"] == row["request_sums"]       # the kept wave's own /metrics delta
+    assert [pair["contended"] for pair in row.per_request] == [False]
+    assert row.counters == row.request_sums       # the kept wave's own /metrics delta
 
 
 @needs_server
@@ -428,25 +464,25 @@ def test_a_level_straddling_the_bar_is_served_more_requests_until_settled_or_out
     from tasks.steps.checks.load_levels import level_row
     from tasks.steps.checks.load_waves import level_items, measure_domain
 
-    spec = served["result"]["domains"]["count"]["speculative_config"]
+    spec = served["result"]["domains"]["count"].speculative_config
     settings = load_settings(load_requests=1, load_more_requests=2, load_retries=0)
     items = level_items(_requests("count", ["count"] * 4), 4, TOKENS)
     looked = []
 
     def unsure(row):
-        looked.append(row["requests"])
+        looked.append(row.requests)
         return "unsure"
 
     outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings, settle=unsure)
-    assert outcome["failure"] is None and looked == [1, 2]
-    level, k, plain, config, chosen = outcome["levels"][0]
+    assert outcome.failure is None and looked == [1, 2]
+    level, k, plain, config, chosen = outcome.levels[0]
     assert [item["id"] for item in chosen] == [item["id"] for item in items[:3]]
     row = level_row(level, k, plain, config)
-    assert row["requests"] == 3 and len(row["per_request"]) == 3 and row["failed"] == 0
-    assert [p["request_id"] for p in row["per_request"]] == [item["id"] for item in items[:3]]
+    assert row.requests == 3 and len(row.per_request) == 3 and row.failed == 0
+    assert [p["request_id"] for p in row.per_request] == [item["id"] for item in items[:3]]
 
     settled = measure_domain(served["pool"], spec, [(1, 4)], items, settings, settle=lambda row: "pays")
-    assert [item["id"] for item in settled["levels"][0][4]] == [items[0]["id"]]
+    assert [item["id"] for item in settled.levels[0][4]] == [items[0]["id"]]
 
 
 def test_history_items_are_the_rows_cut_at_max_tokens_at_their_logged_sampling():
@@ -488,18 +524,18 @@ def test_a_suffix_server_is_served_the_domains_history_at_k0_before_its_first_le
 
     monkeypatch.setattr(load_waves_step, "run_level", run_level)
     outcome = measure_domain(served["pool"], suffix, [(1, 4)], items, settings, history=history)
-    assert outcome["failure"] is None and outcome["history"] == 3
+    assert outcome.failure is None and outcome.history == 3
     ids, ks, concurrency, counters = calls[0]
     assert ids == ["history:old-0", "history:old-1", "history:old-2"] and ks == [0, 0, 0]
     assert concurrency == 3
     assert counters["drafts"] == 0 and counters["draft_tokens"] == 0
     assert [(c[0], c[1]) for c in calls[1:]] == [([items[0]["id"]], [4]), ([items[0]["id"]], [0])]
-    assert len(outcome["levels"]) == 1
+    assert len(outcome.levels) == 1
 
     calls.clear()
-    spec = served["result"]["domains"]["count"]["speculative_config"]
+    spec = served["result"]["domains"]["count"].speculative_config
     outcome = measure_domain(served["pool"], spec, [(1, 4)], items, settings, history=history)
-    assert outcome["failure"] is None and outcome["history"] == 0
+    assert outcome.failure is None and outcome.history == 0
     assert not any(i.startswith("old-") or i.startswith("history:") for c in calls for i in c[0])
 
 

@@ -8,6 +8,7 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
+from ..db.load_records import DomainLoad
 from ..db.queries_engine_checks import planned_domains
 from ..db.queries_load import load_checks
 from ..db.queries_runs import run_target
@@ -162,23 +163,23 @@ LOAD_FIELDS = ("concurrency", "k", "requests", "failed", "plain_tokens_per_s", "
                "plain_itl_p95_s", "spec_itl_p50_s", "spec_itl_p95_s", "counters")
 
 
-def load_json(check: dict | None) -> dict | None:
+def load_json(check: DomainLoad | None) -> dict | None:
     """One domain's load check as `engine show --format json` prints it: its verdict, schedules
     and one row per concurrency level."""
     if check is None:
         return None
-    return {"status": check.get("status"), "passed": check.get("passed"), "reason": check.get("reason"),
-            "schedule_before": check.get("schedule_before"), "schedule_after": check.get("schedule_after"),
-            "max_level_paying": check.get("max_level_paying"), "plain_log": check.get("plain_log"),
-            "spec_log": check.get("spec_log"),
-            "levels": [{key: level.get(key) for key in LOAD_FIELDS} for level in check["levels"]]}
+    return {"status": check.status, "passed": check.passed, "reason": check.reason,
+            "schedule_before": check.schedule_before, "schedule_after": check.schedule_after,
+            "max_level_paying": check.max_level_paying, "plain_log": check.plain_log,
+            "spec_log": check.spec_log,
+            "levels": [{key: getattr(level, key) for key in LOAD_FIELDS} for level in check.levels]}
 
 
 def _ms(value) -> str:
     return "-" if value is None else f"{1000 * value:.0f}"
 
 
-def load_rich_table(run_id: str, loads: dict) -> Table:
+def load_rich_table(run_id: str, loads: dict[str, DomainLoad]) -> Table:
     table = Table(title=escape(f"run {run_id}: load check on vLLM's OpenAI server (streamed, "
                                "plain vs config, same requests)"), title_justify="left")
     for column in ("domain", "conc.", "K", "tokens/s plain", "tokens/s config", "speedup [95% CI]",
@@ -186,25 +187,25 @@ def load_rich_table(run_id: str, loads: dict) -> Table:
                    "pays"):
         table.add_column(column, justify="left" if column == "domain" else "right")
     for domain, check in sorted(loads.items()):
-        for level in check["levels"]:
-            table.add_row(escape(domain), str(level["concurrency"]), str(level["k"]),
-                          _x(level["plain_tokens_per_s"], 1), _x(level["spec_tokens_per_s"], 1),
-                          "-" if level["measured_speedup"] is None else
-                          f"{level['measured_speedup']:.2f}x [{level['measured_speedup_lo']:.2f}, "
-                          f"{level['measured_speedup_hi']:.2f}]",
-                          _x(level["predicted_speedup"]),
-                          f"{_ms(level['plain_itl_p50_s'])}/{_ms(level['plain_itl_p95_s'])}",
-                          f"{_ms(level['spec_itl_p50_s'])}/{_ms(level['spec_itl_p95_s'])}",
-                          _x(level["engine_e"]), str(level["failed"]),
-                          {True: "yes", False: "no"}.get(level["pays"], "-"))
+        for level in check.levels:
+            table.add_row(escape(domain), str(level.concurrency), str(level.k),
+                          _x(level.plain_tokens_per_s, 1), _x(level.spec_tokens_per_s, 1),
+                          "-" if level.measured_speedup is None else
+                          f"{level.measured_speedup:.2f}x [{level.measured_speedup_lo:.2f}, "
+                          f"{level.measured_speedup_hi:.2f}]",
+                          _x(level.predicted_speedup),
+                          f"{_ms(level.plain_itl_p50_s)}/{_ms(level.plain_itl_p95_s)}",
+                          f"{_ms(level.spec_itl_p50_s)}/{_ms(level.spec_itl_p95_s)}",
+                          _x(level.engine_e), str(level.failed),
+                          {True: "yes", False: "no"}.get(level.pays, "-"))
     return table
 
 
-def print_load_verdicts(loads: dict) -> None:
+def print_load_verdicts(loads: dict[str, DomainLoad]) -> None:
     """Per domain: its verdict, the exported schedule before and after the cut, the reason."""
     for domain, check in sorted(loads.items()):
-        console.print(escape(f"  {domain} ({check.get('status')}): schedule {check.get('schedule_before')} "
-                             f"-> {check.get('schedule_after')}; {check.get('reason')}"))
+        console.print(escape(f"  {domain} ({check.status}): schedule {check.schedule_before} "
+                             f"-> {check.schedule_after}; {check.reason}"))
 
 
 def cmd_load(args) -> int:
@@ -229,7 +230,7 @@ def cmd_load(args) -> int:
     else:
         console.print(load_rich_table(args.run_id, loads))
         print_load_verdicts(loads)
-    return 0 if all(c.get("passed") is not False for c in loads.values()) else 1
+    return 0 if all(c.passed is not False for c in loads.values()) else 1
 
 
 def register(sub) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from sqlalchemy import delete, insert, select, update
 
 from ..timeutil import utcnow
+from .load_records import DomainLoad
 from .models import DomainConfig, EngineCheck, LoadCheckDomain, LoadCheckLevel
 from .store import Store
 
@@ -33,11 +34,11 @@ def engine_versions(store: Store, run_id: str) -> dict[str, dict]:
                                               .where(EngineCheck.run_id == run_id))}
 
 
-def store_load_check(store: Store, run_id: str, domains: dict[str, dict], levels: dict[str, list],
+def store_load_check(store: Store, run_id: str, domains: dict[str, DomainLoad],
                      changes: dict[str, dict]) -> None:
-    """One transaction: the run's load check rows of these domains replaced; domain_configs
-    updated where `changes` says (per domain: the columns to set, e.g. a cut k_schedule, or
-    enabled False with the reason)."""
+    """One transaction: the run's load check rows of these domains (each with its levels)
+    replaced; domain_configs updated where `changes` says (per domain: the columns to set, e.g. a
+    cut k_schedule, or enabled False with the reason)."""
     now = utcnow()
     with store.begin() as connection:
         names = list(domains)
@@ -45,11 +46,12 @@ def store_load_check(store: Store, run_id: str, domains: dict[str, dict], levels
                                                         & LoadCheckLevel.domain.in_(names)))
         connection.execute(delete(LoadCheckDomain).where((LoadCheckDomain.run_id == run_id)
                                                          & LoadCheckDomain.domain.in_(names)))
-        for domain, row in domains.items():
+        for domain, check in domains.items():
+            row = check.to_json()
             connection.execute(insert(LoadCheckDomain).values(
                 run_id=run_id, domain=domain, created_at=now,
                 **{column: row.get(column) for column in DOMAIN_COLUMNS}))
-            for level in levels.get(domain, []):
+            for level in row["levels"]:
                 connection.execute(insert(LoadCheckLevel).values(
                     run_id=run_id, domain=domain, created_at=now,
                     **{column: level.get(column) for column in LEVEL_COLUMNS}))
@@ -59,9 +61,9 @@ def store_load_check(store: Store, run_id: str, domains: dict[str, dict], levels
                     (DomainConfig.run_id == run_id) & (DomainConfig.domain == domain)).values(**values))
 
 
-def load_checks(store: Store, run_id: str, per_request: bool = False) -> dict[str, dict]:
-    """The run's load check by domain: its load_check_domains row with "levels", its
-    load_check_levels rows by concurrency (per_request: with each level's requests)."""
+def load_checks(store: Store, run_id: str, per_request: bool = False) -> dict[str, DomainLoad]:
+    """The run's load check by domain: its load_check_domains row with its load_check_levels
+    rows by concurrency (per_request: with each level's requests)."""
     with store.connect() as connection:
         out = {row["domain"]: {**dict(row), "levels": []} for row in connection.execute(
             select(LoadCheckDomain).where(LoadCheckDomain.run_id == run_id)
@@ -72,7 +74,7 @@ def load_checks(store: Store, run_id: str, per_request: bool = False) -> dict[st
             if not per_request:
                 level.pop("per_request", None)
             out.setdefault(row["domain"], {"domain": row["domain"], "levels": []})["levels"].append(level)
-    return out
+    return {domain: DomainLoad.from_json(check) for domain, check in out.items()}
 
 
 SUMMARY_FIELDS = ("concurrency", "k", "measured_speedup", "measured_speedup_lo", "measured_speedup_hi",
@@ -83,9 +85,9 @@ def load_summaries(store: Store, run_id: str) -> dict[str, dict]:
     """Per domain, its load check in short (status, passed, the schedules, the largest level
     paying, the reason and per level the speedup, its interval, the predicted one, E): what
     `specdec evaluate`'s table carries."""
-    return {domain: {"status": check.get("status"), "passed": check.get("passed"),
-                     "reason": check.get("reason"), "max_level_paying": check.get("max_level_paying"),
-                     "schedule_before": check.get("schedule_before"),
-                     "schedule_after": check.get("schedule_after"),
-                     "levels": [{key: level[key] for key in SUMMARY_FIELDS} for level in check["levels"]]}
+    return {domain: {"status": check.status, "passed": check.passed, "reason": check.reason,
+                     "max_level_paying": check.max_level_paying,
+                     "schedule_before": check.schedule_before, "schedule_after": check.schedule_after,
+                     "levels": [{key: getattr(level, key) for key in SUMMARY_FIELDS}
+                                for level in check.levels]}
             for domain, check in load_checks(store, run_id).items()}

@@ -3,30 +3,31 @@ text per domain for `specdec evaluate`'s table, and the markdown section of the 
 
 from __future__ import annotations
 
+from ..db.load_records import DomainLoad, LoadLevel
 
-def speedup_cell(level: dict) -> str:
+
+def speedup_cell(level: LoadLevel) -> str:
     """"1.32x [1.10, 1.51]" (or "-")."""
-    if level.get("measured_speedup") is None:
+    if level.measured_speedup is None:
         return "-"
-    return (f"{level['measured_speedup']:.2f}x [{level['measured_speedup_lo']:.2f}, "
-            f"{level['measured_speedup_hi']:.2f}]")
+    return f"{level.measured_speedup:.2f}x [{level.measured_speedup_lo:.2f}, {level.measured_speedup_hi:.2f}]"
 
 
-def load_check_text(summary: dict | None) -> str:
+def load_check_text(check: DomainLoad | None) -> str:
     """One domain's load check in a table cell: speedup per concurrency level (x: does not pay),
     then where the schedule was cut ("c1 1.32x, c2 0.94x x; K>0 up to 1")."""
-    if not summary:
+    if check is None:
         return "-"
-    levels = ", ".join(f"c{level['concurrency']} "
-                       + ("-" if level.get("measured_speedup") is None else f"{level['measured_speedup']:.2f}x")
-                       + ("" if level.get("pays") else " x") for level in summary.get("levels") or [])
-    status = summary.get("status")
-    tail = {"cut": f"K>0 up to {summary.get('max_level_paying')}", "off": "off",
+    levels = ", ".join(f"c{level.concurrency} "
+                       + ("-" if level.measured_speedup is None else f"{level.measured_speedup:.2f}x")
+                       + ("" if level.pays else " x") for level in check.levels)
+    status = check.status
+    tail = {"cut": f"K>0 up to {check.max_level_paying}", "off": "off",
             "ok": "pays"}.get(status, f"{status}: not promotable")
     return f"{levels}; {tail}" if levels else tail
 
 
-def load_markdown(loads: dict[str, dict], not_run: str | None = None) -> str:
+def load_markdown(loads: dict[str, DomainLoad], not_run: str | None = None) -> str:
     """The version page's section: per domain and level, plain and config tokens/s, the measured
     speedup with its interval, the predicted one, ITL p50/p95, E from vLLM's /metrics; then the
     exported schedule before and after the cut. not_run: why it did not run (the one reason,
@@ -40,16 +41,16 @@ def load_markdown(loads: dict[str, dict], not_run: str | None = None) -> str:
     def num(value, digits=1, scale=1.0):
         return "-" if value is None else f"{scale * value:.{digits}f}"
     for domain, check in sorted(loads.items()):
-        for level in check.get("levels") or []:
+        for level in check.levels:
             lines.append(
-                f"| {domain} | {level['concurrency']} | {level['k']} | {num(level['plain_tokens_per_s'])} "
-                f"| {num(level['spec_tokens_per_s'])} | {speedup_cell(level)} "
-                f"| {num(level['predicted_speedup'], 2)} "
-                f"| {num(level['plain_itl_p50_s'], 0, 1000)}/{num(level['plain_itl_p95_s'], 0, 1000)} "
-                f"| {num(level['spec_itl_p50_s'], 0, 1000)}/{num(level['spec_itl_p95_s'], 0, 1000)} "
-                f"| {num(level['engine_e'], 2)} | {level['failed']} | {'yes' if level['pays'] else 'no'} |")
+                f"| {domain} | {level.concurrency} | {level.k} | {num(level.plain_tokens_per_s)} "
+                f"| {num(level.spec_tokens_per_s)} | {speedup_cell(level)} "
+                f"| {num(level.predicted_speedup, 2)} "
+                f"| {num(level.plain_itl_p50_s, 0, 1000)}/{num(level.plain_itl_p95_s, 0, 1000)} "
+                f"| {num(level.spec_itl_p50_s, 0, 1000)}/{num(level.spec_itl_p95_s, 0, 1000)} "
+                f"| {num(level.engine_e, 2)} | {level.failed} | {'yes' if level.pays else 'no'} |")
     lines.append("")
     for domain, check in sorted(loads.items()):
-        lines.append(f"- **{domain}** ({check.get('status')}): schedule `{check.get('schedule_before')}` -> "
-                     f"`{check.get('schedule_after')}`; {check.get('reason')}")
+        lines.append(f"- **{domain}** ({check.status}): schedule `{check.schedule_before}` -> "
+                     f"`{check.schedule_after}`; {check.reason}")
     return "\n".join(lines)

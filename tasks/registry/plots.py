@@ -11,13 +11,16 @@ is a footnote), legends outside the data, fonts of 10 pt and up.
 - calibration.png: the cost model's calibration, predicted against measured speedup on the same
   requests, one marker per domain with the measurement's 95% interval as an error bar.
 
-The figure builders take plain rows (dicts) and return matplotlib Figures; `write_plots` saves
-them. matplotlib is imported inside them (about 1.4 s): only the plots pay it.
+The figure builders take plain rows (dicts; the load check's: its records, tasks.db.load_records)
+and return matplotlib Figures; `write_plots` saves them. matplotlib is imported inside them (about
+1.4 s): only the plots pay it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from ..db.load_records import DomainLoad
 
 TITLE_FONT, TEXT_FONT, FOOT_FONT = 13, 11, 9
 MARKERS = "osD^vP*Xh<>"
@@ -279,13 +282,13 @@ def production_figure(points: list[dict], promises: dict[str, dict], events: lis
     return fig
 
 
-def load_speedup_figure(loads: dict[str, dict], min_speedup: float, run_id: str):
+def load_speedup_figure(loads: dict[str, DomainLoad], min_speedup: float, run_id: str):
     """The load check (load_check_speedup.png): one panel per domain, the measured speedup on
     vLLM's OpenAI server against the number of concurrent requests with its 95% interval, the
     speedup vLLM's cost profile predicts at that batch size, the `plan_min_speedup` threshold and the
     plain-decoding line; levels that do not pay are hollow."""
     plt = _pyplot()
-    domains = sorted(d for d, check in loads.items() if check.get("levels"))
+    domains = sorted(d for d, check in loads.items() if check.levels)
     columns = min(3, len(domains))
     rows = -(-len(domains) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns + 1, 3.6 * rows + 1),
@@ -293,26 +296,26 @@ def load_speedup_figure(loads: dict[str, dict], min_speedup: float, run_id: str)
     for ax in axes.flat[len(domains):]:
         ax.set_visible(False)
     for ax, domain in zip(axes.flat, domains):
-        levels = [level for level in loads[domain]["levels"] if level.get("measured_speedup") is not None]
-        sizes = [level["concurrency"] for level in levels]
-        measured = [level["measured_speedup"] for level in levels]
-        errors = [[m - level["measured_speedup_lo"] for m, level in zip(measured, levels)],
-                  [level["measured_speedup_hi"] - m for m, level in zip(measured, levels)]]
+        levels = [level for level in loads[domain].levels if level.measured_speedup is not None]
+        sizes = [level.concurrency for level in levels]
+        measured = [level.measured_speedup for level in levels]
+        errors = [[m - level.measured_speedup_lo for m, level in zip(measured, levels)],
+                  [level.measured_speedup_hi - m for m, level in zip(measured, levels)]]
         ax.errorbar(sizes, measured, yerr=errors, marker="o", capsize=4, label="measured [95% CI]")
         for size, value, level in zip(sizes, measured, levels):
-            if not level.get("pays"):
+            if not level.pays:
                 ax.plot([size], [value], marker="o", markersize=11, markerfacecolor="white",
                         color="tab:red", linestyle="none")
-        predicted = [(level["concurrency"], level["predicted_speedup"]) for level in loads[domain]["levels"]
-                     if level.get("predicted_speedup") is not None]
+        predicted = [(level.concurrency, level.predicted_speedup) for level in loads[domain].levels
+                     if level.predicted_speedup is not None]
         if predicted:
             ax.plot(*zip(*predicted), marker="s", linestyle="--", label="predicted (vLLM profile)")
         ax.axhline(min_speedup, color="tab:green", lw=0.9, linestyle=":", label=f"min_speedup {min_speedup:g}x")
         ax.axhline(1.0, color="grey", lw=0.9, label="plain decoding")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({level["concurrency"] for level in loads[domain]["levels"]}) or [1])
+        ax.set_xticks(sorted({level.concurrency for level in loads[domain].levels}) or [1])
         ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
-        ax.set_title(f"{domain} ({loads[domain].get('status')})", fontsize=TEXT_FONT)
+        ax.set_title(f"{domain} ({loads[domain].status})", fontsize=TEXT_FONT)
         ax.set_xlabel("concurrent requests", fontsize=TEXT_FONT)
         ax.set_ylabel("speedup", fontsize=TEXT_FONT)
         ax.tick_params(labelsize=TEXT_FONT)
@@ -324,9 +327,10 @@ def load_speedup_figure(loads: dict[str, dict], min_speedup: float, run_id: str)
     return fig
 
 
-def write_load_plot(run_id: str, loads: dict[str, dict], min_speedup: float, directory: Path) -> list[Path]:
+def write_load_plot(run_id: str, loads: dict[str, DomainLoad], min_speedup: float,
+                    directory: Path) -> list[Path]:
     """Save load_speedup_figure as load_check_speedup.png in `directory` (none without a level)."""
-    if not any(check.get("levels") for check in loads.values()):
+    if not any(check.levels for check in loads.values()):
         return []
     plt = _pyplot()
     fig = load_speedup_figure(loads, min_speedup, run_id)

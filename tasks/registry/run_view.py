@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..db.load_records import DomainLoad
 from ..db.queries_registry import view_rows
 from ..db.store import Store
 from ..settings import Settings
@@ -38,7 +39,7 @@ class DomainView:
     validation_test: dict | None = None   # the sampling test on our engine
     engine_sampling: dict | None = None   # ... and on vLLM
     engine: dict | None = None            # the engine_checks row
-    load: dict | None = None              # the load check's summary on vLLM's server (levels)
+    load: DomainLoad | None = None        # the load check on vLLM's server (its levels)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RunView:
     min_speedup: float
     tolerance: float
     acceptance_alert: float
-    loads: dict = field(default_factory=dict)   # the load check by domain (queries_load.load_checks)
+    loads: dict[str, DomainLoad] = field(default_factory=dict)   # by domain (queries_load.load_checks)
     fingerprint_passed: bool | None = None      # the run's target-fingerprint check (None: not recorded)
     load_check_on: bool = True                  # the setting load_check
 

@@ -41,7 +41,7 @@ from .checks.engine_replay import dtype_of
 from .costs.engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
 from .checks.engine_validate import engine_validate_run
 from .failures import record_domain_failure
-from .checks.load_check import load_check
+from .checks.load_check import load_check, load_check_json
 from .estimate.offline_estimate import estimate_domains
 from .plan.plan import plan_domain
 from .traffic.quality import check_result_table
@@ -277,7 +277,7 @@ def served_engine_check(spec) -> dict:
                         result["skipped"])
         if not result["skipped"]:
             # under load, at the batch sizes the schedules claim (tasks.steps.checks.load_check)
-            result["load_check"] = load_check(context, pool)
+            result["load_check"] = load_check_json(load_check(context, pool))
     return json.loads(json.dumps(result, default=str))
 
 
@@ -298,7 +298,7 @@ def serving_pool(context):
 def step_load_check(spec) -> dict:
     """The load check alone (tasks.steps.checks.load_check), on the run's config as it stands."""
     spec = RunSpec.of(spec)
-    return json.loads(json.dumps(load_check(RunContext.build(spec)), default=str))
+    return json.loads(json.dumps(load_check_json(load_check(RunContext.build(spec))), default=str))
 
 
 def step_engine_validate(spec, domains: list[str] | None = None, speculative_config: dict | None = None,

@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
+from ...db.load_records import DomainLoad
 from ...db.queries_load import domains_on, engine_versions, load_checks, store_load_check
 from ...errors import ServingEnvUnavailable
 from ...registry.vllm_export import deployment_specs
@@ -61,7 +63,7 @@ from .engine_validate import served_export
 from ..drafters.suffix_index import run_history
 from .load_levels import (k_at, claimed_k, exported_schedule, level_row, level_verdict, pays, level_text,
                           cut_schedule, predicted_at)
-from .load_waves import SERVER, level_items, history_items, measure_domain
+from .load_waves import SERVER, DomainMeasurement, level_items, history_items, measure_domain
 
 log = logging.getLogger(__name__)
 
@@ -84,40 +86,38 @@ def _predictions(context, domain: str, config: dict, items: list[dict], ks: set[
     return out
 
 
-def _domain_result(context, domain: str, config: dict, spec: dict, measured: dict, costs,
-                   items: list[dict]) -> tuple[dict, list[dict], dict]:
-    """(load_check_domains row, level rows, domain_configs changes) of one measured domain."""
+def _domain_result(context, domain: str, config: dict, spec: dict, measured: DomainMeasurement, costs,
+                   items: list[dict]) -> tuple[DomainLoad, dict]:
+    """(the load check's record, domain_configs changes) of one measured domain."""
     settings = context.settings
+    champion_on = bool(config.get("champion_on"))
     rows = []
-    for level, k, plain, served, chosen in measured["levels"]:
+    for level, k, plain, served, chosen in measured.levels:
         row = level_row(level, k, plain, served)
         totals, sampled = _predictions(context, domain, config, chosen, {k}, costs).get(k, ([], []))
-        row["predicted_speedup"] = predicted_at(costs, config["drafter"], config.get("drafter_spec"),
-                                                totals, sampled, level)
-        row["verdict"] = level_verdict(row, settings, bool(config.get("champion_on")))
-        row["pays"] = pays(row, settings, bool(config.get("champion_on")))
-        rows.append(row)
-    before = exported_schedule(config)
-    record = {"speculative_config": spec, "schedule_before": before,
-              "plain_log": measured["logs"].get("plain"), "spec_log": measured["logs"].get("config")}
-    if measured["failure"] is not None:
-        status, reason = measured["failure"]
+        predicted = predicted_at(costs, config["drafter"], config.get("drafter_spec"), totals, sampled, level)
+        rows.append(replace(row, predicted_speedup=predicted, pays=pays(row, settings, champion_on),
+                            verdict=level_verdict(row, settings, champion_on)))
+    record = DomainLoad(domain=domain, speculative_config=spec, schedule_before=exported_schedule(config),
+                        plain_log=measured.logs.get("plain"), spec_log=measured.logs.get("config"),
+                        levels=tuple(rows))
+    if measured.failure is not None:
+        status, reason = measured.failure
         measured_text = "; ".join(level_text(r) for r in rows)
         reason = f"{reason}{'; measured before: ' + measured_text if rows else ''}"[:2000]
         changes = {"enabled": False, "max_batch_size": None, "k_schedule": None,
                    "reason": f"{reason}; not promotable as on, the domain is off. "
                              f"Planner: {config.get('reason') or '-'}"[:2000]}
-        record.update(status=status, passed=False, reason=reason, schedule_after=None,
-                      max_level_paying=None)
-        return record, rows, changes
+        return replace(record, status=status, passed=False, reason=reason, schedule_after=None,
+                       max_level_paying=None), changes
     verdict = cut_schedule(config, rows, settings)
-    after = dict(config, **verdict["changes"])
-    primed = (f" (the suffix server first served {measured['history']} of the domain's logged "
-              f"requests outside the sample)" if measured.get("history") else "")
-    record.update(status=verdict["status"], passed=verdict["status"] != "off",
-                  reason=(verdict["reason"] + primed)[:2000], max_level_paying=verdict["largest"],
-                  schedule_after=exported_schedule(after) if after.get("enabled") else None)
-    return record, rows, verdict["changes"]
+    after = dict(config, **verdict.changes)
+    primed = (f" (the suffix server first served {measured.history} of the domain's logged "
+              f"requests outside the sample)" if measured.history else "")
+    record = replace(record, status=verdict.status, passed=verdict.status != "off",
+                     reason=(verdict.reason + primed)[:2000], max_level_paying=verdict.largest,
+                     schedule_after=exported_schedule(after) if after.get("enabled") else None)
+    return record, verdict.changes
 
 
 def _planned(context, on: dict, exported: dict) -> dict:
@@ -146,13 +146,13 @@ def _planned(context, on: dict, exported: dict) -> dict:
 
 
 def _measure(context, pool: ServerPool, server: dict, levels: list, items: list, config: dict,
-             history: list[dict]) -> dict:
+             history: list[dict]) -> DomainMeasurement:
     try:
         served = local_spec(server)
     except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
-        return {"levels": [], "logs": {}, "failure": (
+        return DomainMeasurement(failure=(
             "failed", f"load check: the drafter's checkpoint {server.get('model')} could not be "
-                      f"fetched for the server: {type(exc).__name__}: {exc}")}
+                      f"fetched for the server: {type(exc).__name__}: {exc}"))
     champion_on = bool(config.get("champion_on"))
     return measure_domain(pool, served, levels, items, context.settings,
                           settle=lambda row: level_verdict(row, context.settings, champion_on),
@@ -162,7 +162,7 @@ def _measure(context, pool: ServerPool, server: dict, levels: list, items: list,
 def load_check(context, pool: ServerPool | None = None) -> dict:
     """Run the load check of one run (see the module's docstring) with a RunContext (pool: the
     servers to use, else a pool of the run's own, closed at the end). Output: {"skipped": line
-    or None, "domains": {domain: its load_check_domains row with "levels"}}."""
+    or None, "domains": {domain: its DomainLoad as stored}} (load_check_json: as JSON)."""
     settings, run_id = context.settings, context.spec.run_id
     if not settings.load.check:
         return {"skipped": "load check off (setting load_check)", "domains": {}}
@@ -176,7 +176,7 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
     planned = _planned(context, on, exported)
     versions = engine_versions(context.store, run_id)
     profiles: dict = {}
-    records, level_rows, changes = {}, {}, {}
+    records, changes = {}, {}
     own = pool is None
     pool = pool or ServerPool(run_id, model_dir, dtype=dtype_of(context.model), settings=settings,
                               directory=log_dir(run_id) / "load")
@@ -190,13 +190,18 @@ def load_check(context, pool: ServerPool | None = None) -> dict:
             version = (versions.get(domain) or {}).get("engine_version")
             if version and version not in profiles:
                 profiles[version] = engine_profile(context.store, version, settings.engine.profile)
-            records[domain], level_rows[domain], changes[domain] = _domain_result(
+            records[domain], changes[domain] = _domain_result(
                 context, domain, on[domain], spec, measured, profiles.get(version), items)
-            (log.warning if records[domain]["passed"] is False else log.info)(
-                "run %s, domain %s: %s", run_id, domain, records[domain]["reason"])
+            (log.warning if records[domain].passed is False else log.info)(
+                "run %s, domain %s: %s", run_id, domain, records[domain].reason)
     finally:
         if own:
             pool.close()
     if records:
-        store_load_check(context.store, run_id, records, level_rows, changes)
+        store_load_check(context.store, run_id, records, changes)
     return {"skipped": None, "domains": load_checks(context.store, run_id)}
+
+
+def load_check_json(result: dict) -> dict:
+    """load_check's output as the steps return it (Airflow's XCom): each domain's record as JSON."""
+    return {**result, "domains": {domain: check.to_json() for domain, check in result["domains"].items()}}

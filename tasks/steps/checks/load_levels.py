@@ -4,10 +4,12 @@ schedule cut to the largest level up to which every level pays."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 
+from ...db.load_records import LoadLevel
 from ...registry.vllm_export import batch_schedule
 from ...serving.load import inter_token_latencies
 from ...settings import Settings
@@ -76,18 +78,29 @@ def counters_match(counters: dict | None, sums: dict | None) -> bool | None:
             and padded(counters["accepted_per_pos"]) == padded(sums["accepted_per_pos"]))
 
 
-def _side(level: dict) -> dict:
+@dataclass(frozen=True)
+class _Side:
+    """One side's figures at a level (plain or config), for its LoadLevel: output tokens/s over
+    the level's wall time, TTFT and ITL (p50, p95), failed requests."""
+
+    tokens_per_s: float | None
+    ttft: tuple[float | None, float | None]
+    itl: tuple[float | None, float | None]
+    failed: int
+
+
+def _side(level: dict) -> _Side:
     ok = [r for r in level["requests"] if r["ok"]]
     ttft = _percentiles([r["ttft_s"] for r in ok])
     itl = _percentiles([gap for r in ok for gap in inter_token_latencies(r["chunks"])])
     tokens = sum(len(r["token_ids"]) for r in ok)
-    return {"tokens_per_s": tokens / level["wall_s"] if level["wall_s"] > 0 and ok else None,
-            "ttft": ttft, "itl": itl, "failed": len(level["requests"]) - len(ok)}
+    return _Side(tokens / level["wall_s"] if level["wall_s"] > 0 and ok else None, ttft, itl,
+                 len(level["requests"]) - len(ok))
 
 
-def level_row(concurrency: int, k: int, plain: dict, config: dict) -> dict:
+def level_row(concurrency: int, k: int, plain: dict, config: dict) -> LoadLevel:
     """One level's figures from the plain and the config's run_level outputs (see the module's
-    docstring); `pays` and `predicted_speedup` are set by the caller."""
+    docstring); `pays`, `verdict` and `predicted_speedup` are set by the caller."""
     pairs = []
     for p, s in zip(plain["requests"], config["requests"]):
         if p["ok"] and s["ok"] and p["decode_s"] and s["decode_s"]:
@@ -102,42 +115,43 @@ def level_row(concurrency: int, k: int, plain: dict, config: dict) -> dict:
     counters = config.get("counters")
     sums = request_sums([r for r in config["requests"] if r["ok"]])
     drafts = (counters or {}).get("drafts") or 0
-    return {"concurrency": concurrency, "k": k, "requests": len(config["requests"]),
-            "failed": left["failed"] + right["failed"],
-            "plain_tokens_per_s": left["tokens_per_s"], "spec_tokens_per_s": right["tokens_per_s"],
-            "measured_speedup": interval["measured"], "measured_speedup_lo": interval["lo"],
-            "measured_speedup_hi": interval["hi"],
-            "plain_ttft_p50_s": left["ttft"][0], "plain_ttft_p95_s": left["ttft"][1],
-            "spec_ttft_p50_s": right["ttft"][0], "spec_ttft_p95_s": right["ttft"][1],
-            "plain_itl_p50_s": left["itl"][0], "plain_itl_p95_s": left["itl"][1],
-            "spec_itl_p50_s": right["itl"][0], "spec_itl_p95_s": right["itl"][1],
-            "engine_e": mean_accepted_length(counters["accepted_tokens"], drafts) if drafts else None,
-            "engine_rates": position_rates(counters["accepted_per_pos"], drafts) if drafts else None,
-            "counters": counters, "request_sums": sums,
-            "counters_equal": counters_match(counters, sums) if not right["failed"] else None,
-            "per_request": pairs}
+    return LoadLevel(
+        concurrency=concurrency, k=k, requests=len(config["requests"]),
+        failed=left.failed + right.failed,
+        plain_tokens_per_s=left.tokens_per_s, spec_tokens_per_s=right.tokens_per_s,
+        measured_speedup=interval["measured"], measured_speedup_lo=interval["lo"],
+        measured_speedup_hi=interval["hi"],
+        plain_ttft_p50_s=left.ttft[0], plain_ttft_p95_s=left.ttft[1],
+        spec_ttft_p50_s=right.ttft[0], spec_ttft_p95_s=right.ttft[1],
+        plain_itl_p50_s=left.itl[0], plain_itl_p95_s=left.itl[1],
+        spec_itl_p50_s=right.itl[0], spec_itl_p95_s=right.itl[1],
+        engine_e=mean_accepted_length(counters["accepted_tokens"], drafts) if drafts else None,
+        engine_rates=position_rates(counters["accepted_per_pos"], drafts) if drafts else None,
+        counters=counters, request_sums=sums,
+        counters_equal=counters_match(counters, sums) if not right.failed else None,
+        per_request=pairs)
 
 
-def level_verdict(row: dict, settings: Settings, champion_on: bool) -> str:
+def level_verdict(row: LoadLevel, settings: Settings, champion_on: bool) -> str:
     """What a measured level's interval says against the bar: "pays" (its lower end clears
     min_speedup, or 1.0 for a domain on in the champion with hysteresis, and its upper end
     min_speedup), "below" (its upper end under min_speedup, or a request failed, or no figure),
     else "unsure" (the interval straddles the bar: more requests may settle it)."""
-    if row["failed"] or row["measured_speedup_lo"] is None:
+    if row.failed or row.measured_speedup_lo is None:
         return "below"
     bar, lower = settings.plan.min_speedup, _lower_bar(settings, champion_on)
-    if row["measured_speedup_lo"] >= lower and row["measured_speedup_hi"] >= bar:
+    if row.measured_speedup_lo >= lower and row.measured_speedup_hi >= bar:
         return "pays"
-    return "below" if row["measured_speedup_hi"] < bar else "unsure"
+    return "below" if row.measured_speedup_hi < bar else "unsure"
 
 
-def pays(row: dict, settings: Settings, champion_on: bool) -> bool:
+def pays(row: LoadLevel, settings: Settings, champion_on: bool) -> bool:
     """Whether a measured level pays: its verdict, and where that is still "unsure" after the
     level's extra requests (load_more_requests), its point estimate against the bar."""
     said = level_verdict(row, settings, champion_on)
     if said != "unsure":
         return said == "pays"
-    return row["measured_speedup"] >= _lower_bar(settings, champion_on)
+    return row.measured_speedup >= _lower_bar(settings, champion_on)
 
 
 def _lower_bar(settings: Settings, champion_on: bool) -> float:
@@ -146,50 +160,60 @@ def _lower_bar(settings: Settings, champion_on: bool) -> float:
     return 1.0 if champion_on and settings.plan.hysteresis else settings.plan.min_speedup
 
 
-def level_text(row: dict) -> str:
+def level_text(row: LoadLevel) -> str:
     """"0.94x [0.88, 1.01] at 4 concurrent requests" (or why it has no figure)."""
-    where = f"at {row['concurrency']} concurrent request{'s' if row['concurrency'] != 1 else ''}"
-    failed = f" ({row['failed']} of {2 * row['requests']} requests failed)" if row["failed"] else ""
-    if row["measured_speedup"] is None:
+    where = f"at {row.concurrency} concurrent request{'s' if row.concurrency != 1 else ''}"
+    failed = f" ({row.failed} of {2 * row.requests} requests failed)" if row.failed else ""
+    if row.measured_speedup is None:
         return f"no speedup measured {where}{failed}"
-    unsure = (f", unsure after {row['requests']} requests: the point estimate decides"
-              if row.get("verdict") == "unsure" else "")
-    return (f"{row['measured_speedup']:.2f}x [{row['measured_speedup_lo']:.2f}, "
-            f"{row['measured_speedup_hi']:.2f}] {where}{failed}{unsure}")
+    unsure = (f", unsure after {row.requests} requests: the point estimate decides"
+              if row.verdict == "unsure" else "")
+    return (f"{row.measured_speedup:.2f}x [{row.measured_speedup_lo:.2f}, "
+            f"{row.measured_speedup_hi:.2f}] {where}{failed}{unsure}")
 
 
-def cut_schedule(config: dict, rows: list[dict], settings: Settings) -> dict:
-    """The schedule that follows the measurement. rows: the measured levels (with "pays"), by
-    concurrency. Output: {status: ok | cut | off, largest: the largest level up to which every
-    level pays (None: none), reason, changes: the domain_configs columns to set}."""
-    rows = sorted(rows, key=lambda r: r["concurrency"])
+@dataclass(frozen=True)
+class ScheduleCut:
+    """What a domain's measured levels do to its schedule (cut_schedule), for the load check's
+    record of the domain: ok | cut | off, the largest level up to which every level pays (None:
+    none), the reason, the domain_configs columns to set."""
+
+    status: str
+    largest: int | None
+    reason: str
+    changes: dict
+
+
+def cut_schedule(config: dict, rows: list[LoadLevel], settings: Settings) -> ScheduleCut:
+    """The schedule that follows the measurement. rows: the measured levels (with `pays`), by
+    concurrency."""
+    rows = sorted(rows, key=lambda r: r.concurrency)
     largest, failing = None, None
     for row in rows:
-        if not row["pays"]:
+        if not row.pays:
             failing = row
             break
-        largest = row["concurrency"]
+        largest = row.concurrency
     if failing is None:
         paid = ", ".join(level_text(r) for r in rows)
-        return {"status": "ok", "largest": largest, "changes": {},
-                "reason": f"load check: pays at every level measured ({paid})" if rows else
-                          "load check: no level measured"}
+        return ScheduleCut("ok", largest, f"load check: pays at every level measured ({paid})" if rows else
+                           "load check: no level measured", {})
     bar = (f"min_speedup {settings.plan.min_speedup:.2f}x" + (" (hysteresis: lower end 1.0, upper end "
                                                          "min_speedup)" if config.get("champion_on")
                                                          and settings.plan.hysteresis else ""))
     text = f"load check: {level_text(failing)} does not pay {bar}"
     if largest is None:
-        return {"status": "off", "largest": None, "reason": text, "changes": {
+        return ScheduleCut("off", None, text, {
             "enabled": False, "max_batch_size": None, "k_schedule": None,
             "reason": (f"{text}; not promotable as on, the domain is off. "
-                       f"Planner: {config.get('reason') or '-'}")[:2000]}}
+                       f"Planner: {config.get('reason') or '-'}")[:2000]})
     schedule = [[int(first), min(int(last), largest), int(k)]
                 for first, last, k in (config.get("k_schedule") or [[1, largest, config["k"]]])
                 if int(first) <= largest]
     text = f"{text}: K > 0 up to batch size {largest} only"
-    return {"status": "cut", "largest": largest, "reason": text, "changes": {
+    return ScheduleCut("cut", largest, text, {
         "k_schedule": schedule if config.get("k_schedule") else None,
-        "max_batch_size": largest, "reason": f"{text}. {config.get('reason') or ''}"[:2000]}}
+        "max_batch_size": largest, "reason": f"{text}. {config.get('reason') or ''}"[:2000]})
 
 
 def predicted_at(costs: CostTable | None, label: str, drafter_spec: dict | None, totals: list,

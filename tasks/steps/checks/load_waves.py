@@ -6,6 +6,7 @@ while a level straddles the bar."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from ...errors import EngineTimeout, ServingProbeError
 from ...serving.load import merge_levels, run_level
@@ -20,6 +21,20 @@ log = logging.getLogger(__name__)
 # the servers the engine check's sampling test uses (tasks.steps.checks.engine_validate): with one
 # pool for both, a method's server starts once for the sampling test and the load check
 SERVER = {"block_size": BLOCK_SIZE}
+
+
+@dataclass
+class DomainMeasurement:
+    """What measure_domain served for one domain, for the load check's record of it
+    (load_check._domain_result): per level (level, K, plain, config, requests) both sides' merged
+    run_level outputs and the requests served; the failure ((status, reason) of a server that did
+    not start, hung or died, else None); the server's log ({plain, config}); how many history
+    requests a suffix server was served first. Filled level by level as measure_domain serves."""
+
+    levels: list[tuple] = field(default_factory=list)
+    failure: tuple[str, str] | None = None
+    logs: dict = field(default_factory=dict)
+    history: int = 0
 
 
 def level_items(requests: list, count: int, max_tokens: int) -> list[dict]:
@@ -157,7 +172,7 @@ def _serve_history(server, history: list[dict], settings: Settings) -> dict | No
 
 
 def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], items: list[dict],
-                   settings: Settings, settle=None, history: list[dict] | None = None) -> dict:
+                   settings: Settings, settle=None, history: list[dict] | None = None) -> DomainMeasurement:
     """The levels of one domain on the server of `spec` (its method's deployment, or a running
     one of that method at a larger K: ServerPool.get's share), K per request: at each (level, K)
     the requests in waves of the level's size, each wave served twice, at K 0 (plain) and at K,
@@ -171,18 +186,16 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     (level_verdict): while a level is "unsure", up to load_more_requests more of `items`
     are served at it, load_requests at a time, none of a request the level (a suffix
     server: any level) served or will serve. history (a suffix server only): requests served at
-    K 0 before the first level (history_items). Output: {levels: [(level, K, plain, config,
-    requests)], failure: (status, reason) or None, logs: {plain, config}, history: how many
-    history requests were served}."""
-    out: dict = {"levels": [], "failure": None, "logs": {}, "history": 0}
+    K 0 before the first level (history_items)."""
+    out = DomainMeasurement()
     try:
         server = pool.get(spec, **SERVER, share=True)
     except (EngineTimeout, ServingProbeError) as exc:
-        out["failure"] = _failure("config", None, 0, None, exc, settings)
+        out.failure = _failure("config", None, 0, None, exc, settings)
         return out
-    out["logs"] = {"plain": str(server.log_path), "config": str(server.log_path)}
+    out.logs = {"plain": str(server.log_path), "config": str(server.log_path)}
     if not server.k_per_request():
-        out["failure"] = ("failed", "load check: the config server has no K per request (the specdec "
+        out.failure = ("failed", "load check: the config server has no K per request (the specdec "
                                     "plugin is not in the serving environment: run `make serving-env`); "
                                     f"its log: {server.log_path}")
         return out
@@ -191,10 +204,10 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
     history = history if learns else []
     failed = _serve_history(server, history or [], settings)
     if failed is not None:
-        out["failure"] = _failure("history", server, len(history), failed, None, settings)
+        out.failure = _failure("history", server, len(history), failed, None, settings)
         server.stop()
         return out
-    out["history"] = len(history or [])
+    out.history = len(history or [])
     bases = level_slices(items, levels, settings.load.requests, learns)
     held = {item["request_id"] for chosen in bases for item in chosen}   # a suffix server's, in the end
     for (level, k), chosen in zip(levels, bases):
@@ -207,7 +220,7 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
                                   first=len(sides["plain"]))
             if failed is not None:
                 which, result = failed
-                out["failure"] = _failure(which, server, level, result, None, settings)
+                out.failure = _failure(which, server, level, result, None, settings)
                 server.stop()       # a hung server is not left running; the pool restarts it
                 return out
             batch = []
@@ -224,6 +237,6 @@ def measure_domain(pool: ServerPool, spec: dict, levels: list[tuple[int, int]], 
                          len(batch))
                 served_items += batch
                 held |= {item["request_id"] for item in batch}
-        out["levels"].append((level, k, merge_levels(sides["plain"]), merge_levels(sides["config"]),
-                              served_items))
+        out.levels.append((level, k, merge_levels(sides["plain"]), merge_levels(sides["config"]),
+                           served_items))
     return out
