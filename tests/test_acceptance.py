@@ -2,7 +2,7 @@
 
 import pytest
 
-from tasks.steps.estimate.acceptance import (accepted_per_position, mean_accepted_length,
+from tasks.steps.estimate.acceptance import (acceptance_rate, accepted_per_position, mean_accepted_length,
                                              mean_length_interval, position_rates)
 
 
@@ -14,6 +14,16 @@ def test_mean_accepted_length_is_one_plus_accepted_per_draft():
 def test_mean_accepted_length_without_drafts_is_none():
     # no drafted step: E is undefined, not 1
     assert mean_accepted_length(0, 0) is None
+
+
+def test_acceptance_rate_is_accepted_per_drafted_token():
+    # 600 tokens drafted, 150 of them accepted
+    assert acceptance_rate(150, 600) == 0.25
+
+
+def test_acceptance_rate_without_draft_tokens_is_none():
+    # nothing drafted (or no counter): no rate, not 0
+    assert acceptance_rate(0, 0) is None and acceptance_rate(None, None) is None
 
 
 def test_position_rates_divide_each_position_by_drafts():

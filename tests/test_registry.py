@@ -319,6 +319,12 @@ def test_rollback_restores_the_previous_champion(db_url, tracking, target_id):
         rollback(name, Store.open(db_url), registry=Registry.open(tracking))
     assert champion_of(tracking, name) == "1"
     assert [r["action"] for r in promotions(db_url)].count("rollback") == 1
+    # a tracking URI passed by position (uri's place before, the Registry's now): deprecated,
+    # and the Registry still opened from it
+    with pytest.warns(DeprecationWarning, match="in registry's place is deprecated"), \
+            pytest.raises(RegistryError, match="replaced no earlier champion"):
+        rollback(name, Store.open(db_url), tracking)
+    assert champion_of(tracking, name) == "1"
 
 
 @pytest.mark.integration
@@ -643,6 +649,10 @@ def test_the_registry_is_resolved_once_and_opens_its_client_on_first_use(tmp_pat
         registry.show_version("specdec-config-none")
     with pytest.raises(TypeError, match="not both"):
         rollback("specdec-config-none", store, uri=registry.uri, registry=registry)
+    with pytest.raises(TypeError, match="not both"):      # the Registry by position, and uri=
+        rollback("specdec-config-none", store, registry, uri=registry.uri)
+    with pytest.raises(TypeError, match="not both"):
+        rollback("specdec-config-none", store, registry.uri, uri=registry.uri)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -179,15 +179,16 @@ def promotion_reason(config: SpecdecConfig, version: str, gates: list[Gate], for
     return reason
 
 
-def promote(name: str, version: str, store: Store, uri: str | None = None,
+def promote(name: str, version: str, store: Store, registry: Registry | None = None,
             force: bool = False, actor: str | None = None, expected_champion: str | None = "current",
-            settings: Settings | None = None, *, registry: Registry | None = None) -> dict:
+            settings: Settings | None = None, *, uri: str | None = None) -> dict:
     """Gate and move `champion` to `version` (compare-and-set).
 
     expected_champion: the champion the caller's gates compared against ("current": whatever is
     champion now; None: there was none). store: specdec's database; registry: the MLflow
     tracking store (tasks.registry.registry.Registry; both opened by the caller; default:
-    Registry.open()). uri: deprecated, a tracking URI to open the Registry from.
+    Registry.open()). uri: deprecated, a tracking URI to open the Registry from (so is a URI
+    string passed by position).
     Output: {"promoted", "forced", "gates" (their JSON, Gate.to_json), "reason", ...}.
     """
     settings = settings or load_settings()
@@ -249,9 +250,9 @@ def promote(name: str, version: str, store: Store, uri: str | None = None,
             "champion_before": before, "gates": gates_json(gates), "reason": reason}
 
 
-def rollback(name: str, store: Store, uri: str | None = None,
+def rollback(name: str, store: Store, registry: Registry | None = None,
              actor: str | None = None, expected_champion: str | None = "current",
-             evidence: dict | None = None, *, registry: Registry | None = None) -> dict:
+             evidence: dict | None = None, *, uri: str | None = None) -> dict:
     """Move `champion` back to the version it replaced (from the promotions table), compare-and-set
     inside alias_lock. expected_champion: the champion the caller means to roll back ("current":
     whatever it is when the lock is taken); a different champion refuses with RegistryError.
@@ -260,7 +261,8 @@ def rollback(name: str, store: Store, uri: str | None = None,
     evidence: why (the production monitor's window, tasks.steps.monitor.drift): kept in the audit row's
     gates and its reason. store: specdec's database; registry: the MLflow tracking store
     (tasks.registry.registry.Registry; both opened by the caller; default: Registry.open()).
-    uri: deprecated, a tracking URI to open the Registry from."""
+    uri: deprecated, a tracking URI to open the Registry from (so is a URI string passed by
+    position)."""
     mlflow_client = registry_of(registry, uri, store).client
     actor = actor or current_user()
     with alias_lock(store, name) as tx:

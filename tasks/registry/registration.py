@@ -308,14 +308,15 @@ def track_evaluation(run_id: str, store: Store, registry: Registry,
     return TrackedRun(mlflow_run_id, experiment_id, existing is not None, view)
 
 
-def register_config(run_id: str, store: Store, uri: str | None = None,
+def register_config(run_id: str, store: Store, registry: Registry | None = None,
                     settings: Settings | None = None, actor: str | None = None,
-                    started_at: datetime | None = None, *, registry: Registry | None = None) -> dict:
+                    started_at: datetime | None = None, *, uri: str | None = None) -> dict:
     """Track the run, register its config/ artifact as a version (reused on retry), alias challenger.
 
     store: specdec's database; registry: the MLflow tracking store (tasks.registry.registry.
     Registry; both opened by the caller; default: Registry.open()). uri: deprecated, for callers
-    outside this repository: a tracking URI to open the Registry from (DeprecationWarning).
+    outside this repository: a tracking URI to open the Registry from (DeprecationWarning; so is
+    a URI string passed by position, where the Registry now goes).
     Output: {"name", "version", "reused", "champion_version" (the gates' reference), "validation",
     "gates" (their JSON, Gate.to_json), ...}.
     """

@@ -45,11 +45,19 @@ def tracking_uri(uri: str | None = None, store: Store | str | None = None) -> st
     return uri
 
 
-def registry_of(registry: "Registry | None" = None, uri: str | None = None,
+def registry_of(registry: "Registry | str | None" = None, uri: str | None = None,
                 store: Store | str | None = None) -> "Registry":
     """The Registry a public function works with: `registry` (opened by the caller), else one
     opened from `uri` -- the deprecated keyword of register_config, promote and rollback, kept for
-    callers outside this repository. Refuses specdec's own database (`store`'s) either way."""
+    callers outside this repository, as is a URI string passed where the Registry now goes (the
+    place `uri` had). Refuses specdec's own database (`store`'s) either way."""
+    if isinstance(registry, str):         # a caller that passed the URI by position
+        if uri is not None:
+            raise TypeError("pass registry= (tasks.registry.registry.Registry) or uri=, not both")
+        warnings.warn("a tracking URI in registry's place is deprecated: pass "
+                      "registry=Registry.open(uri) (tasks.registry.registry)",
+                      DeprecationWarning, stacklevel=3)
+        return Registry.open(registry, store)
     if registry is not None:
         if uri is not None:
             raise TypeError("pass registry= (tasks.registry.registry.Registry) or uri=, not both")

@@ -67,6 +67,7 @@ from ...settings import Settings
 from .confirm import live_verdict
 from ..costs.costs import CostTable
 from ..costs.engine_costs import engine_profile, profile_engine
+from ..estimate.acceptance import acceptance_rate
 from .engine_validate import own_sampling_gates, served_export, validate_on_engine
 from .engine_compare import domain_row, rows_decode_tokens_per_s, rows_tokens_per_s
 from .engine_replay import (batch_one_k, pick_requests, local_spec, EngineRun, paired_items, split_plain,
@@ -399,8 +400,7 @@ def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict
     record = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": row.get("k") or config["k"],
               "batch_size": 1, "requests": len(per_request),
               "tokens": sum(r["spec_tokens"] + 1 for r in per_request),
-              "acceptance_rate": (counters["accepted_tokens"] / counters["draft_tokens"]
-                                  if counters.get("draft_tokens") else None),
+              "acceptance_rate": acceptance_rate(counters.get("accepted_tokens"), counters.get("draft_tokens")),
               "mean_accepted_length": row.get("engine_e"),
               "plain_tokens_per_s": row.get("plain_decode_tokens_per_s"),
               "spec_tokens_per_s": row.get("spec_decode_tokens_per_s"),

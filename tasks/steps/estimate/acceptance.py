@@ -7,6 +7,8 @@ the monitor) are derived here and nowhere else:
 - mean accepted length E = 1 + accepted / drafts, where drafts counts the verify steps that had
   drafts (vLLM's definition: a step in which the drafter proposed nothing is not a draft);
   None without drafts.
+- the acceptance rate = accepted / draft tokens: the share of drafted tokens the target accepted
+  (vLLM's num_accepted_tokens / num_draft_tokens); None without draft tokens.
 - the rate at draft position i = accepted at i / drafts: the share of drafted steps whose draft i
   was accepted (vLLM's num_accepted_tokens_per_pos / num_drafts).
 - accepted per position from an acceptance histogram (histogram[j]: steps that accepted exactly j
@@ -28,6 +30,12 @@ def mean_accepted_length(accepted: float, drafts: float) -> float | None:
     """E = 1 + accepted / drafts; None without drafts (drafts <= 0)."""
     accepted, drafts = float(accepted), float(drafts)
     return 1.0 + accepted / drafts if drafts > 0 else None
+
+
+def acceptance_rate(accepted: float, draft_tokens: float) -> float | None:
+    """accepted / draft_tokens: the share of drafted tokens accepted; None without draft tokens
+    (draft_tokens 0 or None)."""
+    return accepted / draft_tokens if draft_tokens else None
 
 
 def position_rates(accepted_per_pos: Sequence[float], drafts: float, width: int | None = None,
