@@ -316,6 +316,12 @@ class EngineSettings(_Group):
         "on the engine, is served again up to this many times after the replay, its better "
         "timing kept; the live check's interval is over the pairs neither of whose twins was "
         "contended or slowed where at least 5 are left"))
+    check_budget_s: float | None = Field(default=480.0, gt=0, description=(
+        "seconds one engine's replay may spend serving (after its start and history), shared "
+        "out over its domains in turn (one that ends early leaves its time to the next): a "
+        "domain's pairs not started within its share are left out and named, its check decided "
+        "on those served (a machine whose other processes leave the engine one slow CPU); None: "
+        "no budget, engine_check_timeout_s only"))
     check_timeout_s: float = Field(default=900.0, gt=0, description=(
         "one engine's start and replay; past it the engine is killed and its domains fail the "
         "check, naming the engine log"))

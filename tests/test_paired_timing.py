@@ -132,3 +132,39 @@ def test_a_replayed_request_far_slower_a_step_than_its_ks_fastest_is_marked_slow
     assert answer["plain::b"]["slowed"] is False and answer["b"]["slowed"] is True
     probe.mark_slowed(items, answer, None)
     assert not any(row["slowed"] for row in answer.values())
+
+
+def test_an_engine_timed_on_fewer_cpus_than_the_machine_is_named_in_the_profiles_notes():
+    # one OpenMP thread per CPU given (environment.thread_env): an engine left one CPU by a
+    # neighbour times a 1-thread engine's steps, which the profile's check says
+    from tasks.serving.environment import choose_cpus
+    from tasks.steps.costs.engine_costs import thread_notes
+
+    shared = choose_cpus({0: 0.9, 1: 0.05})          # a neighbour on CPU 0
+    alone = choose_cpus({0: 0.02, 1: 0.05})
+    notes = thread_notes([{"config": "ngram", "threads": shared}, {"config": "suffix", "threads": alone}])
+    assert notes == ["ngram: timed on 1 of 2 CPUs (other processes kept 0.95 cores busy): "
+                     "a 1-thread engine's costs"]
+
+
+def test_a_replays_budget_is_shared_out_over_its_domains_in_turn(probe):
+    # each domain's pairs start within its cumulative share: one that ends early leaves its
+    # time to the next ones; no budget, no limit
+    items = [{"id": "c0", "group": "code"}, {"id": "plain::c0", "group": "code"},
+             {"id": "j0", "group": "json"}, {"id": "j1", "group": "json"}, {"id": "s0", "group": "summarize"}]
+    assert probe.budget_shares(items, 300.0) == {"code": 100.0, "json": 200.0, "summarize": 300.0}
+    assert probe.budget_shares(items, None) == {}
+
+
+def test_a_domain_whose_pairs_the_budget_left_out_is_decided_on_those_served_or_named_contended():
+    from tasks.settings import load_settings
+    from tasks.steps.checks.engine_compare import left_out
+
+    settings = load_settings(engine_check_budget_s=240)
+    row = {"status": "ok", "passed": True, "reason": "engine check: vLLM E 2.10 vs estimate 2.00"}
+    partly = left_out(row, 3, 8, settings)
+    assert "passed" not in partly and partly["reason"].startswith("engine check: vLLM E 2.10")
+    assert "3 of 8 requests left out" in partly["reason"] and "engine_check_budget_s, 240 s" in partly["reason"]
+    wholly = left_out(row, 8, 8, settings)
+    assert wholly["status"] == "contended" and wholly["passed"] is None
+    assert "all 8 requests left out" in wholly["reason"]

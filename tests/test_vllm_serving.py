@@ -167,6 +167,30 @@ def test_replay_serves_a_slowed_k0_twin_again_though_proc_saw_no_neighbour(servi
     assert plain["token_ids"] == drafted["token_ids"]          # greedy, lossless
 
 
+def test_a_replay_past_its_budget_leaves_out_the_pairs_not_started_and_names_them(serving, tiny_dir, tmp_path):
+    # a budget already spent when the first pair would start (a machine whose other processes
+    # left the engine too little CPU): no pair of either domain starts, each is named left out,
+    # and the replay ends without serving their K 0 twins or any retry
+    spec = vllm_export(parse_config({
+        "schema_version": 2, "target": {"id": "tiny", "fingerprint": "sha256:0"},
+        "hardware_profile": "cpu", "run_id": "r", "created_at": "2026-11-24T00:00:00",
+        "domains": {"ngram": domain("prompt_lookup", {"max_ngram": 3, "min_ngram": 1}, 3)},
+        "default": {"enabled": False}}), target_path=str(tiny_dir))["speculative_config"]["ngram"]
+    pattern = np.random.default_rng(3).integers(3, 200, 10).tolist()
+    items = []
+    for group in ("a", "b"):
+        request = {"id": f"{group}0", "prompt_ids": pattern * 3, "max_tokens": 8, "temperature": 0.0,
+                   "k": 3, "group": group}
+        items += [request, dict(request, id=f"plain::{group}0", k=0)]
+    request = {"model": str(tiny_dir), "speculative_config": spec, "requests": items, "dtype": "float32",
+               "contention_cores": 100.0, "retries": 2, "budget_s": 1e-9}
+    answer = serving_env.run_engine(request, tmp_path / "spent.log", 600, "spent replay")
+    assert answer["died"] is None and answer["requests"] == {} and answer["left_out"] == ["a0", "b0"]
+    # no budget: every pair served, none left out
+    answer = serving_env.run_engine(dict(request, budget_s=None), tmp_path / "whole.log", 600, "replay")
+    assert set(answer["requests"]) == {"a0", "plain::a0", "b0", "plain::b0"} and answer["left_out"] == []
+
+
 def test_ngram_proposals_equal_vllms(serving):
     rng = np.random.default_rng(0)
     sequences = []

@@ -310,7 +310,7 @@ class EngineCheck(Base):
     engine: Mapped[str] = mapped_column(String(32))                 # vllm
     engine_version: Mapped[str | None] = mapped_column(String(64))
     speculative_config: Mapped[dict | None] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(32))     # ok | below | unsupported | refused | died | timeout
+    status: Mapped[str] = mapped_column(String(32))     # ok | below | unsupported | refused | died | timeout | contended
     passed: Mapped[bool | None] = mapped_column(Boolean)
     reason: Mapped[str | None] = mapped_column(String(2000))
     requests: Mapped[int | None] = mapped_column(Integer)

@@ -10,12 +10,12 @@ Commands:
   ngram           {min_n, max_n, k, sequences: [[token, ...], ...]} -> {proposals: [[...], ...]}:
                   what vLLM's `ngram` proposer proposes after each whole sequence
   replay          {model, speculative_config (null: plain), requests: [{id, prompt_ids, max_tokens,
-                  temperature, top_k, top_p, seed}], history: [...], max_model_len, max_num_seqs,
-                  dtype, together}
+                  temperature, top_k, top_p, seed, k, group}], history: [...], max_model_len,
+                  max_num_seqs, dtype, together, budget_s}
                   -> {start_s, vllm, requests: {id: {token_ids, seconds, decode_s, drafted,
                   accepted}},
                   counters: {drafts, draft_tokens, accepted_tokens, accepted_per_pos}, refused,
-                  died: {request, error}, mends: [line, ...]}: one engine
+                  died: {request, error}, mends: [line, ...], left_out: [ids]}: one engine
                   started with the config, the history served first in one call (batched up to
                   max_num_seqs, not measured), then the requests one at a time (together: all
                   in one call, batched, answering only their token_ids); per request, vLLM's
@@ -24,7 +24,9 @@ Commands:
                   request that kills the engine ends the replay there, with vLLM's error (the
                   caller starts a fresh process for the requests after it); the parts of vLLM's
                   CPU sampler found broken are mended by the specdec_vllm_mends plugin (its lines
-                  in "mends"), unless the request says "mend": false
+                  in "mends"), unless the request says "mend": false; a pair (a request and
+                  its "plain::" K 0 twin) not started within its group's share of budget_s
+                  (budget_shares) is left out
   time-steps      decode steps of one engine timed at batch sizes (see time_steps)
   time-paired     decode steps of one engine timed at K 0 and every K in alternating batches,
                   K per request (the plugin), repeated until the ratios settle (see time_paired)
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -157,7 +160,17 @@ def replay(request: dict) -> dict:
         return answer
     hz = os.sysconf("SC_CLK_TCK")
     limit = float(request.get("contention_cores", 0.25)) + float(request.get("spare_cores", 0.0))
+    shares = budget_shares(request["requests"], request.get("budget_s"))
+    began, leaving = time.perf_counter(), False
+    answer["left_out"] = []
     for item, measured in items:
+        if measured and not str(item["id"]).startswith(PLAIN):
+            # a pair starts only inside its group's share of the budget (its K 0 twin follows it)
+            leaving = time.perf_counter() - began > shares.get(str(item.get("group")), float("inf"))
+            if leaving:
+                answer["left_out"].append(str(item["id"]))
+        if measured and leaving:
+            continue
         try:
             served = _served_one(llm, item, hz, limit)
         except Exception as exc:  # noqa: BLE001 - the engine died on this request: said, and stop
@@ -171,9 +184,24 @@ def replay(request: dict) -> dict:
     if not answer["died"]:
         slack = request.get("slowed")
         mark_slowed(request["requests"], answer["requests"], slack)
-        _serve_contended_again(llm, request, answer, hz, limit, slack)
+        if not answer["left_out"]:        # a spent budget serves nothing more
+            _serve_contended_again(llm, request, answer, hz, limit, slack)
     answer["counters"] = _counters(llm) if spec else None
     return answer
+
+
+PLAIN = "plain::"      # the id prefix of a request's K 0 twin (tasks/steps/checks/engine_replay.py)
+
+
+def budget_shares(items: list[dict], budget_s: float | None) -> dict[str, float]:
+    """Per group of the replayed items (its domain), in their order, the seconds from the
+    replay's first measured request past which none of its pairs starts: the budget shared out
+    evenly and cumulatively, so a group that ends early leaves its time to the next ones. None:
+    no budget (every pair is served)."""
+    if budget_s is None:
+        return {}
+    groups = list(dict.fromkeys(str(item.get("group")) for item in items))
+    return {group: float(budget_s) * (i + 1) / len(groups) for i, group in enumerate(groups)}
 
 
 def replay_step(served: dict | None) -> float | None:
@@ -206,8 +234,6 @@ def _served_one(llm, item: dict, hz: int, limit: float) -> dict:
     """One request served alone and timed: its tokens, wall and decode-phase seconds (vLLM's own
     timestamps), its drafts per step, and the CPU other processes took meanwhile (cores; over
     `limit`: contended)."""
-    import time
-
     cpu0, began = cpu_jiffies(), time.perf_counter()
     [result] = llm.generate([_prompt(item)], _sampling_params(item), use_tqdm=False)
     cpu1, wall = cpu_jiffies(), time.perf_counter() - began
@@ -286,8 +312,6 @@ def _prompt(item: dict):
 def _start(request: dict, spec, max_num_seqs: int, answer: dict):
     """An engine for the request's model with `spec` (None: plain), in this process; its start
     time, and any mends, in `answer`. None when vLLM refuses the config (answer["refused"])."""
-    import time
-
     from vllm import LLM
 
     mends = _mends()
@@ -346,8 +370,6 @@ def time_steps(request: dict) -> dict:
     decode_s: from the batch's last first token to its last token (vLLM's engine-core
     timestamps); steps: the most decode steps of any request of the batch (they decode
     together)."""
-    import time
-
     import vllm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -552,8 +574,6 @@ def time_paired(request: dict) -> dict:
     (open_ratios) gets one more pair, until none is open after at least min_repeats clean pairs
     each, or max_repeats rounds, or budget_s of timing (checked after each whole round; two
     rounds are always made)."""
-    import time
-
     import vllm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

@@ -209,6 +209,9 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
                          "history": history, "dtype": dtype_of(context.target_model),
                          "contention_cores": settings.profile.contention_cores,
                          "retries": settings.engine.check_retries,
+                         # seconds of serving shared out over the domains; the pairs not started
+                         # within a domain's share are left out and named (engine_compare)
+                         "budget_s": settings.engine.check_budget_s,
                          # a request whose step is this much over its K's fastest was slowed
                          "slowed": settings.profile.slowed,
                          # the history is served batched; the replay one request at a time
@@ -227,6 +230,8 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
         reason = None
         if answer["died"]:
             record["status"] = f"died on {len(answer['died'])} requests (started again)"
+        if answer.get("left_out"):
+            record["left_out"] = len(answer["left_out"])
     log.info("%s: %s in %.0f s (engine start %s)", what, record["status"], record["seconds"],
              "-" if record["start_s"] is None else f"{record['start_s']:.1f} s")
     return Served(record, answer, reason, len(history))

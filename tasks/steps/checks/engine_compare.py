@@ -195,6 +195,9 @@ def domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, hi
                costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
                [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])}
     ids = {r.request_id for r in picked}
+    spent = [i for i in answer.get("left_out") or [] if i in ids]
+    if spent:
+        row.update(left_out(row, len(spent), len(picked), settings))
     failed = [d for d in answer.get("died") or [] if d["request"] in ids]
     unserved = [i for i in answer.get("unserved") or [] if i in ids]
     if failed or unserved:
@@ -206,6 +209,20 @@ def domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, hi
             + f"; its log: {log_path}. On the {len(compared)} it served: "
             + row["reason"].removeprefix("engine check: "))[:2000])
     return row
+
+
+def left_out(row: dict, count: int, picked: int, settings: Settings) -> dict:
+    """A domain some of whose pairs the replay's budget left out (the machine's other processes
+    left the engine too little CPU): decided on the requests served, saying how many were left
+    out; with none served it is not gated ("contended": neither passed nor failed, the estimate
+    and the load check decide), the reason naming the contention."""
+    budget = (f"the replay's budget (engine_check_budget_s, {settings.engine.check_budget_s:.0f} s "
+              f"shared over its engine's domains) ran out: other processes left the engine too "
+              f"little CPU")
+    if count >= picked:
+        return {"status": "contended", "passed": None,
+                "reason": f"engine check: not measured, all {picked} requests left out: {budget}"}
+    return {"reason": f"{row['reason']}; {count} of {picked} requests left out: {budget}"[:2000]}
 
 
 def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: dict | None,

@@ -11,6 +11,7 @@ from specdec_core.estimate import LoggedRequest
 from ...errors import EngineTimeout, ServingProbeError
 from ...registry.registry import Registry
 from ...serving import environment as serving_env
+from ...serving.scripts.vllm_probe import PLAIN     # the id prefix of a request's K 0 twin
 from ...settings import Settings
 from .confirm import truncated
 
@@ -79,12 +80,10 @@ class EngineRun:
         return self.specs.get(domain, self.spec)
 
 
-PLAIN = "plain::"      # the id prefix of a request's K 0 twin
-
-
 def paired_items(requests: list[tuple[int, object, int | None]]) -> list[dict]:
     """Each (index, request, K) twice on the config's engine, one after the other: at K (its
-    domain's, asked per request; None: the engine's), then at K 0 (its id prefixed PLAIN), so
+    domain's, asked per request; None: the engine's), then at K 0 (its id prefixed PLAIN), each
+    item in its domain's group (the replay's budget is shared out by group), so
     that the speedup pairs the same request on the same engine moments apart. The config's
     request comes first: it is then served exactly as it would be alone (a suffix engine's
     tree learns from every response, and a twin served first would hand the other its prompt's
@@ -92,7 +91,7 @@ def paired_items(requests: list[tuple[int, object, int | None]]) -> list[dict]:
     cached prompt shortens its prefill only, which the decode-phase speedup leaves out."""
     items = []
     for index, request, k in requests:
-        spec_item = dict(_item(request, index), **({} if k is None else {"k": k}))
+        spec_item = dict(_item(request, index), group=request.domain, **({} if k is None else {"k": k}))
         items += [spec_item, dict(spec_item, id=PLAIN + spec_item["id"], k=0)]
     return items
 
@@ -128,9 +127,10 @@ def serve_replay(serving_env, settings: Settings, what: str, log_path, request: 
     """One engine's replay; a request that kills the engine is recorded with vLLM's error and a
     fresh engine (a new process: vLLM does not start twice in one) serves the requests after it,
     at most RESTARTS times. Output: the probe's answer with died: [{request, error}], unserved:
-    [ids], starts: engines started, counters summed; or {"failed": (status, reason)}."""
+    [ids], left_out: [ids of the pairs the budget left out], starts: engines started, counters
+    summed; or {"failed": (status, reason)}."""
     history, items = list(request.get("history", [])), list(request["requests"])
-    total = {"requests": {}, "died": [], "unserved": [], "counters": None, "starts": 0}
+    total = {"requests": {}, "died": [], "unserved": [], "left_out": [], "counters": None, "starts": 0}
     while True:
         threads = serving_env.free_cpus()
         try:
@@ -152,6 +152,7 @@ def serve_replay(serving_env, settings: Settings, what: str, log_path, request: 
         total.setdefault("start_s", answer.get("start_s"))
         total.setdefault("mends", answer.get("mends") or [])
         total["requests"].update(answer["requests"])
+        total["left_out"] += answer.get("left_out") or []
         if answer.get("counters"):
             total["counters"] = _add_counters(total["counters"], answer["counters"])
         dead = answer.get("died")
