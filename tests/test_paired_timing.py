@@ -134,17 +134,15 @@ def test_a_replayed_request_far_slower_a_step_than_its_ks_fastest_is_marked_slow
     assert not any(row["slowed"] for row in answer.values())
 
 
-def test_an_engine_timed_on_fewer_cpus_than_the_machine_is_named_in_the_profiles_notes():
+def test_an_engine_timed_on_fewer_cpus_than_the_machine_is_named_as_a_smaller_engine():
     # one OpenMP thread per CPU given (environment.thread_env): an engine left one CPU by a
-    # neighbour times a 1-thread engine's steps, which the profile's check says
-    from tasks.serving.environment import choose_cpus
-    from tasks.steps.costs.engine_costs import thread_notes
+    # neighbour times a 1-thread engine's steps, which the profile's check notes say
+    from tasks.serving.environment import choose_cpus, fewer_cpus
 
     shared = choose_cpus({0: 0.9, 1: 0.05})          # a neighbour on CPU 0
-    alone = choose_cpus({0: 0.02, 1: 0.05})
-    notes = thread_notes([{"config": "ngram", "threads": shared}, {"config": "suffix", "threads": alone}])
-    assert notes == ["ngram: timed on 1 of 2 CPUs (other processes kept 0.95 cores busy): "
-                     "a 1-thread engine's costs"]
+    assert fewer_cpus(shared) == ("timed on 1 of 2 CPUs (other processes kept 0.95 cores busy): "
+                                  "a 1-thread engine's costs")
+    assert fewer_cpus(choose_cpus({0: 0.02, 1: 0.05})) is None and fewer_cpus(None) is None
 
 
 def test_a_replays_budget_is_shared_out_over_its_domains_in_turn(probe):

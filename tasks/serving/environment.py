@@ -179,6 +179,18 @@ def pinned(bind: str | None):
     return lambda: pin_cpus(bind)
 
 
+def fewer_cpus(threads: dict | None) -> str | None:
+    """What an engine given free_cpus's `threads` ran on, where that is fewer CPUs than this
+    process may use (other processes kept the rest busy): one OpenMP thread per CPU
+    (thread_env), so what it timed is a smaller engine's steps than the hardware class names,
+    and the ratios the planner reads can differ from a quiet machine's. None: every CPU."""
+    if not (threads or {}).get("bind"):
+        return None
+    cpus = len(threads.get("cpus") or [])
+    return (f"timed on {cpus} of {cpus + threads.get('spare', 0)} CPUs (other processes kept "
+            f"{threads.get('others', 0):.2f} cores busy): a {cpus}-thread engine's costs")
+
+
 def choose_cpus(used: dict[int, float], margin: float = 0.25, others: float | None = None) -> dict:
     """free_cpus's choice from each allowed CPU's busy share: the CPUs less ceil(others - margin)
     of them, at least one, the least busy first (others: the cores other processes take, by

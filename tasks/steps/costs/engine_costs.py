@@ -253,7 +253,9 @@ def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list
     naming vLLM. Output: (table, hardware, vLLM's version)."""
     sizes, ks = plan.sizes, plan.ks
     table, reasons, notes = _table(answers, plan.runs, k_max, sizes, draft_k, settings)
-    notes += thread_notes(engines)
+    # an engine a neighbour left fewer CPUs timed a smaller engine's steps (environment.thread_env)
+    notes += [f"{e['config']}: {serving_env.fewer_cpus(e['threads'])}" for e in engines
+              if serving_env.fewer_cpus(e.get("threads"))]
     for label in plan.lookups:
         table.draft_step[label] = {b: 0.0 for b in sizes}
     version = answers[NGRAM]["vllm"]
@@ -277,22 +279,6 @@ def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list
                                "context_len": settings.profile.context_len,
                                "timed_context": plan.context}}
     return table, hardware, version
-
-
-def thread_notes(engines: list[dict]) -> list[str]:
-    """A note for each engine timed on fewer CPUs than this process may use (other processes kept
-    the rest busy): its OpenMP threads were that many, one per CPU (environment.thread_env), so
-    its step costs are those of a smaller engine than the hardware class names, and the ratios
-    the planner reads can differ from a quiet machine's."""
-    notes = []
-    for engine in engines:
-        threads = engine.get("threads") or {}
-        if threads.get("bind"):
-            cpus = threads.get("cpus") or []
-            notes.append(f"{engine['config']}: timed on {len(cpus)} of {len(cpus) + threads.get('spare', 0)} "
-                         f"CPUs (other processes kept {threads.get('others', 0):.2f} cores busy): "
-                         f"a {len(cpus)}-thread engine's costs")
-    return notes
 
 
 def plans_on_vllm(settings: Settings, target: str | None = None) -> bool:
