@@ -144,15 +144,20 @@ def test_replay_serves_the_history_batched_and_measures_only_the_requests(servin
     assert answer["counters"]["drafts"] > 0
 
 
-def test_replay_serves_a_slowed_k0_twin_again_though_proc_saw_no_neighbour(serving, tiny_dir, tmp_path):
-    # no request is contended (a limit of 100 cores), but a negative slack marks every timing
-    # slowed: the K 0 twin is served again twice after the replay, the request that drafts
-    # never (its drafts and the counters stay as the replay gave them)
-    spec = vllm_export(parse_config({
+def ngram_spec(tiny_dir) -> dict:
+    """The vLLM config of a prompt-lookup domain at K 3 on the tiny target (its export)."""
+    return vllm_export(parse_config({
         "schema_version": 2, "target": {"id": "tiny", "fingerprint": "sha256:0"},
         "hardware_profile": "cpu", "run_id": "r", "created_at": "2026-11-24T00:00:00",
         "domains": {"ngram": domain("prompt_lookup", {"max_ngram": 3, "min_ngram": 1}, 3)},
         "default": {"enabled": False}}), target_path=str(tiny_dir))["speculative_config"]["ngram"]
+
+
+def test_replay_serves_a_slowed_k0_twin_again_though_proc_saw_no_neighbour(serving, tiny_dir, tmp_path):
+    # no request is contended (a limit of 100 cores), but a negative slack marks every timing
+    # slowed: the K 0 twin is served again twice after the replay, the request that drafts
+    # never (its drafts and the counters stay as the replay gave them)
+    spec = ngram_spec(tiny_dir)
     pattern = np.random.default_rng(2).integers(3, 200, 10).tolist()
     request = {"id": "r0", "prompt_ids": pattern * 3, "max_tokens": 16, "temperature": 0.0, "k": 3}
     twin = dict(request, id="plain::r0", k=0)
@@ -171,11 +176,7 @@ def test_a_replay_past_its_budget_leaves_out_the_pairs_not_started_and_names_the
     # a budget already spent when the first pair would start (a machine whose other processes
     # left the engine too little CPU): no pair of either domain starts, each is named left out,
     # and the replay ends without serving their K 0 twins or any retry
-    spec = vllm_export(parse_config({
-        "schema_version": 2, "target": {"id": "tiny", "fingerprint": "sha256:0"},
-        "hardware_profile": "cpu", "run_id": "r", "created_at": "2026-11-24T00:00:00",
-        "domains": {"ngram": domain("prompt_lookup", {"max_ngram": 3, "min_ngram": 1}, 3)},
-        "default": {"enabled": False}}), target_path=str(tiny_dir))["speculative_config"]["ngram"]
+    spec = ngram_spec(tiny_dir)
     pattern = np.random.default_rng(3).integers(3, 200, 10).tolist()
     items = []
     for group in ("a", "b"):
