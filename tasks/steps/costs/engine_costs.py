@@ -254,8 +254,7 @@ def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list
     sizes, ks = plan.sizes, plan.ks
     table, reasons, notes = _table(answers, plan.runs, k_max, sizes, draft_k, settings)
     # an engine a neighbour left fewer CPUs timed a smaller engine's steps (environment.thread_env)
-    notes += [f"{e['config']}: {serving_env.fewer_cpus(e['threads'])}" for e in engines
-              if serving_env.fewer_cpus(e.get("threads"))]
+    notes += [f"{e['config']}: {note}" for e in engines if (note := serving_env.fewer_cpus(e.get("threads")))]
     for label in plan.lookups:
         table.draft_step[label] = {b: 0.0 for b in sizes}
     version = answers[NGRAM]["vllm"]
