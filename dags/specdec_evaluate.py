@@ -5,7 +5,7 @@ Daily, when `specdec_retrain_draft` registers a new draft (asset `specdec://draf
 `specdec_monitor` finds production acceptance below the champion's promise (asset
 `specdec://alerts/production-drift`), or on demand from the trigger form, for the target model:
 
-1. **sample** logged traffic per domain over the time window (seeded by the run id);
+1. **sample** logged traffic per domain over the time window (the same requests for the same traffic);
 2. **check** it with Great Expectations: table-level failures stop the run; a domain below its
    minimum is *insufficient* and keeps the champion's setting;
 3. **profile** target step, verify(K) and draft steps on this worker (pool `specdec_timing`,

@@ -129,6 +129,11 @@ class SampleSettings(_Group):
     max_per_domain: int = Field(default=30, ge=1, description=(
         "sized for the 2-core CPU (an evaluation scores tens of requests per domain per minute); "
         "raise it on a GPU"))
+    draw: Literal["stable", "per_run"] = Field(default="stable", description=(
+        "which requests a run draws: stable (each request keyed by its id alone: runs over the "
+        "same window draw the same requests, and a later window keeps the requests still in it, "
+        "so a decision changes with the traffic and the costs, not with the draw) or per_run "
+        "(keyed by the run id as well: every run a new draw of the window)"))
 
     @model_validator(mode="after")
     def _ordered(self) -> "SampleSettings":
@@ -442,7 +447,7 @@ NAMES: dict[str, tuple[str, str]] = {f"{group}_{field}": (group, field)
 # the environment, the settings file, overrides and Settings.value(), each with a DeprecationWarning.
 DEPRECATED_ALIASES: dict[str, str] = {
     **{field: f"{group}_{field}" for group in ("traffic", "quality") for field in GROUPS[group].model_fields},
-    **{field: f"sample_{field}" for field in SampleSettings.model_fields if field != "window_days"},
+    **{field: f"sample_{field}" for field in SampleSettings.model_fields if field not in ("window_days", "draw")},
     **{field: f"plan_{field}" for field in PlanSettings.model_fields if field not in ("k_max", "engine")},
     "eval_k_max": "plan_k_max",
     **{f"confirm_{field}": f"live_{field}" for field in ("requests", "max_new_tokens", "tolerance")},

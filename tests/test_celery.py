@@ -394,7 +394,7 @@ def test_celery_workers_by_queue_then_the_same_results_as_an_in_process_run(
     celery, in_process = _results(db_url, celery_run), _results(db_url, in_process_run)
     assert set(celery["plans"]) == set(DOMAINS)
     assert celery["estimates"].keys() == in_process["estimates"].keys() and celery["estimates"]
-    # the same requests, drawn in another order (the run id seeds the draw): estimated in request
+    # the same requests (the draw is the same for the same traffic): estimated in request
     # id order, so the same batches. Counts are equal; rates and speedups sum the target's float32
     # probabilities, which another process's thread count and CPU kernels add up in another order
     # (1.2e-6 relative seen): the margin allows for that, not for one token more or less accepted

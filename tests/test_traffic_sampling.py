@@ -1,4 +1,5 @@
-"""Per-domain sampling: deterministic per run id, window relative to the newest request, re-runs
+"""Per-domain sampling: the same requests for every run over the same traffic (or, per_run, a
+draw of its own per run id), window relative to the newest request, re-runs
 replace only the run's own rows."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from sqlalchemy import create_engine, select
 from tasks.db.models import EvalRun, EvalSample
 from tasks.db.store import Store
 from tasks.errors import SampleError
+from tasks.settings import load_settings
 from tasks.steps.traffic.traffic_sample import sample_traffic
 from tasks.steps.traffic.traffic_import import import_traffic
 
@@ -43,18 +45,42 @@ def samples(db_url, run_id) -> list[tuple[str, str, int]]:
     return [tuple(row) for row in rows]
 
 
-def test_same_run_id_same_sample_other_run_id_other_sample(db_url, jsonl_file, make_request):
-    # the draw is seeded by the run id: repeatable, and a different id draws differently
+def test_runs_over_the_same_traffic_draw_the_same_requests_and_a_later_window_keeps_those_still_in_it(
+        db_url, jsonl_file, make_request):
+    # the stable draw (the default): the request id alone keys it, so two runs measure the same
+    # requests; traffic added later displaces a drawn request only with a smaller key
     load(db_url, jsonl_file, traffic_rows(make_request, {"qa": 60, "code": 40}))
     first = sample_traffic("run-a", store=Store.open(db_url), max_per_domain=10, min_per_domain=5)
     drawn = samples(db_url, "run-a")
-    again = sample_traffic("run-a", store=Store.open(db_url), max_per_domain=10, min_per_domain=5)
-    assert samples(db_url, "run-a") == drawn and again["domains"] == first["domains"]
     sample_traffic("run-b", store=Store.open(db_url), max_per_domain=10, min_per_domain=5)
-    other = samples(db_url, "run-b")
-    assert {r for _, r, _ in other} != {r for _, r, _ in drawn}
+    assert samples(db_url, "run-b") == drawn
     assert first["domains"] == {"code": {"available": 40, "sampled": 10, "status": "ok"},
                                 "qa": {"available": 60, "sampled": 10, "status": "ok"}}
+    later = traffic_rows(make_request, {"qa": 60}, start=START + timedelta(days=5))
+    load(db_url, jsonl_file, [{**row, "id": f"later-{i}"} for i, row in enumerate(later)],
+         name="later.jsonl")
+    sample_traffic("run-c", store=Store.open(db_url), max_per_domain=10, min_per_domain=5,
+                   domains=["qa"], window=(START, START + timedelta(days=30)))
+    before = {r for d, r, _ in drawn if d == "qa"}
+    after = {r for _, r, _ in samples(db_url, "run-c")}
+    assert after != before and 0 < len(after & before) < 10
+    assert all(r in before or r.startswith("later-") for r in after)
+
+
+def test_a_per_run_draw_repeats_for_its_run_id_and_draws_anew_for_another(db_url, jsonl_file, make_request):
+    # sample_draw "per_run": the run id keys the draw as well
+    per_run = load_settings({}, sample_draw="per_run")
+    load(db_url, jsonl_file, traffic_rows(make_request, {"qa": 60, "code": 40}))
+    first = sample_traffic("run-a", store=Store.open(db_url), max_per_domain=10, min_per_domain=5,
+                           settings=per_run)
+    drawn = samples(db_url, "run-a")
+    again = sample_traffic("run-a", store=Store.open(db_url), max_per_domain=10, min_per_domain=5,
+                           settings=per_run)
+    assert samples(db_url, "run-a") == drawn and again["domains"] == first["domains"]
+    sample_traffic("run-b", store=Store.open(db_url), max_per_domain=10, min_per_domain=5, settings=per_run)
+    assert {r for _, r, _ in samples(db_url, "run-b")} != {r for _, r, _ in drawn}
+    stable = sample_traffic("run-c", store=Store.open(db_url), max_per_domain=10, min_per_domain=5)
+    assert stable["domains"] == first["domains"]
 
 
 def test_sample_does_not_depend_on_storage_order(db_url, jsonl_file, make_request, tmp_path):

@@ -1,9 +1,15 @@
 """Stratified per-domain sample of stored traffic for one evaluation run (recorded in eval_samples).
 
-Deterministic for a run id: each request gets the key sha256(run_id, request_id) and a domain's
-sample is the max_per_domain requests with the smallest keys in the window. The draw therefore
-does not depend on the database's row order, and streaming the candidate ids through a bounded
-heap keeps memory at O(max_per_domain) whatever the traffic volume.
+Each request gets a key, and a domain's sample is the max_per_domain requests with the smallest
+keys in the window. By default (settings.sample.draw "stable") the key is sha256 of the request id
+alone: a uniform draw of the window that every run over the same traffic repeats, and that a
+later window changes only by the requests that entered or left it. Two runs over the same
+traffic then measure the same requests, so their decisions differ only where the costs differ:
+drawn anew each run ("per_run", the key sha256(run_id, request_id)), a domain whose speedup is
+near the bar turned on in one run and off in the next on the draw alone (30 of the shipped
+sample's 110 requests a domain; the replay's measured speedups moved with it). Either way the
+draw does not depend on the database's row order, and streaming the candidate ids through a
+bounded heap keeps memory at O(max_per_domain) whatever the traffic volume.
 """
 
 from __future__ import annotations
@@ -30,6 +36,15 @@ SAMPLE_SUITE = "traffic_sample"
 def selection_key(run_id: str, request_id: str) -> bytes:
     """The order in which a run draws requests: smaller keys first."""
     return hashlib.sha256(f"{run_id}\x00{request_id}".encode("utf-8")).digest()
+
+
+STABLE_DRAW = "stable-draw"     # the key's prefix in a stable draw, in place of a run id
+
+
+def draw_seed(run_id: str, draw: str) -> str:
+    """What keys a run's draw (selection_key's first argument): the run id where every run draws
+    anew ("per_run"), else one fixed seed, so that runs over the same traffic draw alike."""
+    return run_id if draw == "per_run" else STABLE_DRAW
 
 
 def _as_datetime(value, name: str) -> datetime:
@@ -93,7 +108,7 @@ def sample_traffic(run_id: str, store: Store, domains: list[str] | None = None,
                    settings: Settings | None = None) -> dict:
     """Draw and record the run's sample: per domain up to max_per_domain requests in the window.
 
-    Inputs: run id (seeds the draw), the Store, domains (default: every domain with traffic in
+    Inputs: run id (the sample's key; it seeds the draw where settings.sample.draw is "per_run"), the Store, domains (default: every domain with traffic in
     the window), window (see resolve_window), min/max per domain (default: settings), model (only
     requests answered by this target; default: all). A domain with fewer than min_per_domain
     requests is "insufficient" (still recorded; the quality step and the planner decide).
@@ -105,6 +120,7 @@ def sample_traffic(run_id: str, store: Store, domains: list[str] | None = None,
     settings = settings or store.settings
     min_rows, max_rows = _sample_limits(settings, min_per_domain, max_per_domain, domains)
 
+    seed = draw_seed(run_id, settings.sample.draw)
     start, end, future = resolve_window(store, window, settings)
     with store.transaction() as tx:
         # production traffic only: rows the target generated for training are never sampled
@@ -113,7 +129,7 @@ def sample_traffic(run_id: str, store: Store, domains: list[str] | None = None,
             domains = domains_where(tx, in_window)
         draw = Draw()
         for domain in sorted(set(domains)):
-            available, chosen = _draw_domain(tx, in_window, run_id, domain, max_rows)
+            available, chosen = _draw_domain(tx, in_window, seed, domain, max_rows)
             draw.sample_rows += [{"run_id": run_id, "request_id": request_id, "domain": domain,
                                   "position": position}
                                  for position, request_id in enumerate(chosen)]
@@ -121,7 +137,7 @@ def sample_traffic(run_id: str, store: Store, domains: list[str] | None = None,
                                        "status": "ok" if len(chosen) >= min_rows else "insufficient"}
         _record_sample(tx, run_id, draw, start, end,
                        {"domains": sorted(draw.per_domain), "min_per_domain": min_rows,
-                        "max_per_domain": max_rows, "model": model})
+                        "max_per_domain": max_rows, "model": model, "draw": settings.sample.draw})
 
     per_domain = draw.per_domain
     insufficient = sorted(d for d, info in per_domain.items() if info["status"] == "insufficient")
@@ -148,15 +164,16 @@ def _sample_limits(settings: Settings, min_per_domain: int | None, max_per_domai
     return min_rows, max_rows
 
 
-def _draw_domain(tx, in_window, run_id: str, domain: str,
+def _draw_domain(tx, in_window, seed: str, domain: str,
                  max_rows: int) -> tuple[int, list[str]]:
     """One domain's draw: (requests available in the window, the max_rows request ids with the
-    smallest selection keys, in ascending key order), streamed through a bounded heap."""
+    smallest selection keys under `seed` (draw_seed), in ascending key order), streamed through a
+    bounded heap."""
     heap: list[tuple[bytes, str]] = []    # max-heap by key (negated): the smallest keys stay
     available = 0
     for request_id in request_ids_where(tx, in_window, domain):
         available += 1
-        key = bytes(255 - b for b in selection_key(run_id, request_id))
+        key = bytes(255 - b for b in selection_key(seed, request_id))
         if len(heap) < max_rows:
             heapq.heappush(heap, (key, request_id))
         elif key > heap[0][0]:
