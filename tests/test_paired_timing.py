@@ -145,6 +145,25 @@ def test_an_engine_timed_on_fewer_cpus_than_the_machine_is_named_as_a_smaller_en
     assert fewer_cpus(choose_cpus({0: 0.02, 1: 0.05})) is None and fewer_cpus(None) is None
 
 
+def test_a_profiles_engines_run_as_many_threads_as_its_first_and_its_name_says_how_many():
+    # a suffix engine's draft step is its step less the ngram engine's: both must be the same
+    # size, whatever a neighbour does between their starts; a profile of 1-thread engines is
+    # keyed apart from the whole machine's, so a quiet run never reuses it
+    from tasks.serving.environment import choose_cpus
+    from tasks.steps.costs.costs import profile_key
+    from tasks.steps.costs.vllm_hardware import engine_threads, vllm_hardware
+
+    assert choose_cpus({0: 0.9, 1: 0.05}, count=2) == {"cpus": [0, 1], "others": 0.95, "spare": 0, "bind": None}
+    assert choose_cpus({0: 0.02, 1: 0.05}, count=1) == {"cpus": [0], "others": 0.07, "spare": 1, "bind": "0"}
+    assert choose_cpus({0: 0.9, 1: 0.05, 2: 0.0}, count=5)["cpus"] == [0, 1, 2]
+    busy = [{"threads": choose_cpus({0: 0.9, 1: 0.05})}, {"threads": choose_cpus({0: 0.9, 1: 0.05}, count=1)}]
+    assert engine_threads(busy) == 1 and engine_threads([{"threads": choose_cpus({0: 0.0, 1: 0.0})}]) is None
+    whole, small = vllm_hardware("0.32.0", "float32"), vllm_hardware("0.32.0", "float32", threads=1)
+    assert "cpu-1t" in small["name"] and "(1 threads)" in small["device"]
+    if "cpu-1t" not in whole["name"]:       # a machine of more than one thread
+        assert profile_key(small, "vllm", "0.32.0", "f") != profile_key(whole, "vllm", "0.32.0", "f")
+
+
 def test_a_replays_budget_is_shared_out_over_its_domains_in_turn(probe):
     # each domain's pairs start within its cumulative share: one that ends early leaves its
     # time to the next ones; no budget, no limit

@@ -120,7 +120,8 @@ def _cpu_times() -> dict[int, tuple[int, int]]:
     return out
 
 
-def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12) -> dict:
+def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12,
+              count: int | None = None) -> dict:
     """The CPUs an engine started now should run its threads on: over `sample_s` (this process
     idle meanwhile) in `slices`, other processes kept `others` cores busy (read from /proc/stat:
     the mean, or the second busiest slice where that is more, so that a neighbour working in
@@ -130,7 +131,8 @@ def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12) -> 
     given, each step waiting for the slowest: one CPU taken by a neighbour stalls them all, so
     the CPUs a neighbour uses are left to it. Output: {"cpus": [...], "others": cores, "spare":
     CPUs left to the others, "bind": "0,2" for VLLM_CPU_OMP_THREADS_BIND, or None where every
-    allowed CPU is used (vLLM's own binding)}."""
+    allowed CPU is used (vLLM's own binding)}. count: that many CPUs (the least busy) whatever
+    the others use, where an engine must be the same size as one started before it."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     readings = [_cpu_times()]
     for _ in range(max(1, slices)):
@@ -147,7 +149,7 @@ def free_cpus(sample_s: float = 6.0, margin: float = 0.25, slices: int = 12) -> 
     used = {cpu: share(first, last, cpu) for cpu in cpus}
     busiest = sorted(sum(share(a, b, cpu) for cpu in cpus) for a, b in zip(readings, readings[1:]))
     burst = busiest[-2] if len(busiest) > 1 else busiest[-1]
-    return choose_cpus(used, margin, others=max(sum(used.values()), burst))
+    return choose_cpus(used, margin, others=max(sum(used.values()), burst), count=count)
 
 
 PIN_VARIABLE = "SPECDEC_PIN_CPUS"      # the CPUs a whole engine process is kept on (fork_server.py)
@@ -191,12 +193,15 @@ def fewer_cpus(threads: dict | None) -> str | None:
             f"{threads.get('others', 0):.2f} cores busy): a {cpus}-thread engine's costs")
 
 
-def choose_cpus(used: dict[int, float], margin: float = 0.25, others: float | None = None) -> dict:
+def choose_cpus(used: dict[int, float], margin: float = 0.25, others: float | None = None,
+                count: int | None = None) -> dict:
     """free_cpus's choice from each allowed CPU's busy share: the CPUs less ceil(others - margin)
-    of them, at least one, the least busy first (others: the cores other processes take, by
-    default the shares' sum)."""
+    of them (or `count` of them), at least one, the least busy first (others: the cores other
+    processes take, by default the shares' sum)."""
     others = sum(used.values()) if others is None else others
-    count = max(1, len(used) - max(0, math.ceil(others - margin)))
+    if count is None:
+        count = len(used) - max(0, math.ceil(others - margin))
+    count = min(max(1, count), len(used))
     cpus = sorted(sorted(used, key=lambda cpu: used[cpu])[:count])
     return {"cpus": cpus, "others": round(others, 2), "spare": len(used) - count,
             "bind": ",".join(map(str, cpus)) if count < len(used) else None}

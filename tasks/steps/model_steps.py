@@ -38,7 +38,8 @@ from .costs.costs import describe_device, describe_hardware, hardware_of, load_c
 from .costs.reuse import measure_or_reuse, profile_check_text
 from .checks.engine_check import engine_check
 from .checks.engine_replay import dtype_of
-from .costs.engine_costs import plans_on_vllm, profile_engine, vllm_profile_or_reuse
+from .costs.engine_costs import plans_on_vllm, vllm_profile_or_reuse
+from .costs.vllm_hardware import profile_engine
 from .checks.engine_validate import engine_validate_run
 from .failures import record_domain_failure
 from .checks.load_check import load_check, load_check_json

@@ -66,7 +66,8 @@ from ...serving.server import ServerPool, log_dir
 from ...settings import Settings
 from .confirm import live_verdict
 from ..costs.costs import CostTable
-from ..costs.engine_costs import engine_profile, profile_engine
+from ..costs.engine_costs import engine_profile
+from ..costs.vllm_hardware import profile_engine
 from ..estimate.acceptance import acceptance_rate
 from .engine_validate import own_sampling_gates, served_export, validate_on_engine
 from .engine_compare import domain_row, rows_decode_tokens_per_s, rows_tokens_per_s

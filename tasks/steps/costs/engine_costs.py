@@ -63,9 +63,10 @@ from ...paths import check_identifier, home_path
 from ...settings import Settings
 from ...timeutil import utcnow
 from ..drafters.candidates import HOST_DRAFTERS, candidate_label, parse_candidate
-from .costs import (CostTable, _slug, describe_device, load_costs, profile_key, profile_provenance,
-                    store_costs, timing_lock)
+from .costs import (CostTable, _slug, load_costs, profile_key, profile_provenance, store_costs,
+                    timing_lock)
 from .reuse import reusable_profile, reuse_costs
+from .vllm_hardware import engine_threads, served_dtype, vllm_hardware
 
 log = logging.getLogger(__name__)
 
@@ -207,15 +208,17 @@ def _engine_request(plan: VllmProfilePlan, run: tuple, settings: Settings, spare
 def _time_engines(run_id: str, plan: VllmProfilePlan, settings: Settings,
                   progress: bool) -> tuple[dict, list[dict]]:
     """Start each planned engine in turn (under the timing lock, its threads on the CPUs free
-    now) and collect its paired timings. Output: (the probe's answer by label, [{config,
-    speculative_config, start_s, seconds, mends, repeats, contended, stopped, threads}])."""
+    when the first starts: every engine as many, as a suffix engine's draft step is its step
+    less the ngram engine's) and collect its paired timings. Output: (the probe's answer by
+    label, [{config, speculative_config, start_s, seconds, mends, repeats, contended, stopped,
+    threads}])."""
     directory = home_path("engine_profiles", run_id)
     answers, engines = {}, []
     with timing_lock(), tqdm(total=len(plan.runs), disable=not progress, desc="vLLM engines") as bar:
         for run in plan.runs:
             label, spec = run[0], run[1]
             what = f"profile {run_id}: vLLM {label}"
-            threads = serving_env.free_cpus()
+            threads = serving_env.free_cpus(count=len(engines[0]["threads"]["cpus"]) if engines else None)
             log.info("%s: starting (%s) on CPUs %s (other processes used %.2f cores)", what,
                      json.dumps(spec), ",".join(map(str, threads["cpus"])), threads["others"])
             began = time.perf_counter()
@@ -258,7 +261,7 @@ def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list
     for label in plan.lookups:
         table.draft_step[label] = {b: 0.0 for b in sizes}
     version = answers[NGRAM]["vllm"]
-    hardware = vllm_hardware(version, plan.dtype, name)
+    hardware = vllm_hardware(version, plan.dtype, name, engine_threads(engines))
     table.hardware_profile = hardware["name"]
     hardware = {**hardware, "details": {**hardware["details"], "engine": {
                     "name": "vllm", "version": version, "enforce_eager": True,
@@ -288,28 +291,6 @@ def plans_on_vllm(settings: Settings, target: str | None = None) -> bool:
         return settings.plan.engine == "vllm"
     return (settings.engine.check and serving_env.available(settings)
             and (target is None or serving_env.servable(target)))
-
-
-def profile_engine(hardware: dict | None) -> str:
-    """Which engine a cost profile's hardware description times: "vllm" or "specdec"."""
-    engine = ((hardware or {}).get("details") or {}).get("engine") or {}
-    return "vllm" if isinstance(engine, dict) and engine.get("name") == "vllm" else "specdec"
-
-
-def vllm_hardware(version: str, dtype: str, name: str | None = None) -> dict:
-    """The hardware description of a vLLM profile on this CPU: {name (vllm-<version>-<cpu>),
-    device ("vLLM <version>, <cpu device>"), dtype, details}."""
-    hardware = describe_device("cpu", dtype)
-    return {"name": name or _slug(f"vllm-{version}-{hardware['name']}"),
-            "device": f"vLLM {version}, {hardware['device']}", "dtype": dtype,
-            "details": dict(hardware["details"])}
-
-
-def served_dtype(model_dir) -> str:
-    """The dtype a vLLM engine serves the directory's model in (its config's; float32 otherwise)."""
-    model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    return {"bfloat16": "bfloat16", "float16": "float16"}.get(
-        str(model_config.get("torch_dtype") or model_config.get("dtype")), "float32")
 
 
 def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None,
