@@ -60,18 +60,18 @@ def _rows(engine_accepted, estimate_accepted, steps=10, n=8):
 
 def test_gate_fails_a_domain_below_the_interval_beyond_the_tolerance():
     fine = domain_verdict(_rows(6, 6), k=1, tolerance=0.05)
-    assert fine["passed"] is True and fine["status"] == "ok"
-    assert fine["engine_e"] == pytest.approx(1.6)
-    assert fine["estimate_e_lo"] <= fine["estimate_e"] <= fine["estimate_e_hi"]
+    assert fine.passed is True and fine.status == "ok"
+    assert fine.comparison.engine_e == pytest.approx(1.6)
+    assert fine.comparison.estimate_e_lo <= fine.comparison.estimate_e <= fine.comparison.estimate_e_hi
     low = domain_verdict(_rows(2, 6), k=1, tolerance=0.05)
-    assert low["passed"] is False and low["status"] == "below"
-    assert "engine_check_tolerance" in low["reason"] and "1.20" in low["reason"]
+    assert low.passed is False and low.status == "below"
+    assert "engine_check_tolerance" in low.reason and "1.20" in low.reason
     # within the tolerance under the interval: passes
     edge = domain_verdict(_rows(6, 6), k=1, tolerance=0.05)
-    lo = edge["estimate_e_lo"]
+    lo = edge.comparison.estimate_e_lo
     just = domain_verdict(_rows(round((lo * 0.97 - 1) * 10), 6), k=1, tolerance=0.05)
-    assert just["engine_e"] < lo and just["passed"] is True
-    assert "| d | below |" in engine_section([{"domain": "d", **low}])
+    assert just.comparison.engine_e < lo and just.passed is True
+    assert "| d | below |" in engine_section([{"domain": "d", **low.to_json()}])
 
 
 def engine_section(rows: list[dict]) -> str:
@@ -143,16 +143,16 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
     assert (row["engine_accepted_per_pos"], row["engine_accepted_per_pos_in_output"]) == ([2, 2, 1], [2, 2, 0])
     # E and the per-position rates compare the drafts inside the output with the estimate's:
     # 1 + 4 / 2 on both sides (vLLM's own count would give 3.5)
-    verdict = domain_verdict([row], k=3, tolerance=0.0)
-    assert verdict["engine_e"] == pytest.approx(3.0) == verdict["estimate_e"]
-    assert verdict["engine_rates"] == pytest.approx([1.0, 1.0, 0.0]) == verdict["estimate_rates"]
+    verdict = domain_verdict([row], k=3, tolerance=0.0).comparison
+    assert verdict.engine_e == pytest.approx(3.0) == verdict.estimate_e
+    assert verdict.engine_rates == pytest.approx([1.0, 1.0, 0.0]) == verdict.estimate_rates
     # a sampled request is placed and counted the same way (its counts are not compared one by one)
     sampled = compare_request(_request(output, greedy=False), answer, offline, exact=True, drafter=drafter, k=3)
     assert sampled["engine_accepted_in_output"] == 4 and sampled["counts_equal"] is None
     # where vLLM does not propose what ours does (suffix), nothing is placed: vLLM's own count
     other = compare_request(_request(output), answer, offline, exact=False, drafter=drafter, k=3)
     assert other["engine_accepted_in_output"] is None
-    assert domain_verdict([other], k=3, tolerance=0.0)["engine_e"] == pytest.approx(3.5)
+    assert domain_verdict([other], k=3, tolerance=0.0).comparison.engine_e == pytest.approx(3.5)
     # without the drafter (nothing to place the steps by) the raw count is compared: a mismatch
     assert compare_request(_request(output), answer, offline, exact=True)["counts_equal"] is False
     # one accepted draft more inside the output is still a mismatch
@@ -199,18 +199,18 @@ def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
 
     config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.5}
     settings = load_settings({}, plan_min_speedup=1.1)
-    slow = vllm_live_check("d", config, requests, served(1.25), plain, {"predicted_speedup": 1.5}, settings)
+    slow = vllm_live_check("d", config, requests, served(1.25), plain, 1.5, settings)
     assert slow["verdict"]["verdict"] == "veto" and slow["verdict"]["engine"] == "vllm"
     assert slow["verdict"]["reason"].startswith("on vLLM: live check: 0.7")
     assert "slower than plain decoding" in slow["verdict"]["reason"]
     assert len(slow["per_request"]) == 6 and slow["verdict"]["requests"] == 6
-    fast = vllm_live_check("d", config, requests, served(0.5), plain, {"predicted_speedup": 1.5}, settings)
+    fast = vllm_live_check("d", config, requests, served(0.5), plain, 1.5, settings)
     assert fast["verdict"]["verdict"] == "pass" and fast["verdict"]["lo"] > 1.1
     # on in the champion: the same measurement is a flag (the live_check gate fails), not a veto
-    kept = vllm_live_check("d", dict(config, champion_on=True), requests, served(1.25), plain, {}, settings)
+    kept = vllm_live_check("d", dict(config, champion_on=True), requests, served(1.25), plain, None, settings)
     assert kept["verdict"]["verdict"] == "flag"
     # no timings of one engine: no verdict
-    assert vllm_live_check("d", config, requests, served(0.5), {"requests": {}}, {}, settings) is None
+    assert vllm_live_check("d", config, requests, served(0.5), {"requests": {}}, None, settings) is None
 
 
 def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_ones_remain():
@@ -231,7 +231,7 @@ def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_
                          for i, r in enumerate(requests)}}
     config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.4}
     settings = load_settings({}, plan_min_speedup=1.1)
-    live = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 1.4}, settings)
+    live = vllm_live_check("d", config, requests, spec, plain, 1.4, settings)
     verdict = live["verdict"]
     assert verdict["verdict"] == "pass" and verdict["requests"] == 6 and verdict["contended"] == 2
     assert verdict["lo"] > 1.3 and "2 of 8 pairs contended, left out" in verdict["reason"]
@@ -239,7 +239,7 @@ def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_
     # with every pair contended there is nothing cleaner to judge on: all are used, and said
     for row in spec["requests"].values():
         row["contended"] = True
-    crowded = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 1.4}, settings)
+    crowded = vllm_live_check("d", config, requests, spec, plain, 1.4, settings)
     assert crowded["verdict"]["requests"] == 8
     assert "8 of 8 pairs contended, all used: too few clean ones" in crowded["verdict"]["reason"]
     assert crowded["verdict"]["measured"] < 1.0
@@ -261,7 +261,7 @@ def test_vllms_live_check_leaves_out_pairs_with_a_slowed_twin_as_it_does_contend
                          for i, r in enumerate(requests)}}
     config = {"enabled": True, "champion_on": False, "predicted_speedup": 2.5}
     settings = load_settings({}, plan_min_speedup=1.1)
-    live = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 2.5}, settings)
+    live = vllm_live_check("d", config, requests, spec, plain, 2.5, settings)
     assert [row["contended"] for row in live["per_request"]] == [True, True] + [False] * 6
     verdict = live["verdict"]
     assert verdict["requests"] == 6 and verdict["contended"] == 2

@@ -53,8 +53,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ...db.engine_records import EngineCheckRow, PlainFigures, ServedBy, rows_json
 from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks, replace_live_measurement,
                                          run_hardware_details)
 from ...db.store import Store
@@ -83,7 +84,7 @@ class CheckPlan:
     on: dict[str, dict]
     picked: dict[str, list]
     engines: list[EngineRun]
-    rows: dict[str, dict]
+    rows: dict[str, EngineCheckRow]
 
 
 @dataclass
@@ -145,13 +146,13 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         plain["requests"].update(split_plain(served.answer)["requests"])
         answers[run.name] = served.answer
         rows.update(_engine_rows(context, run, served, plan, drafters_by_domain, profiles))
-    _add_plain_figures(rows, plan.picked, plain)
+    rows = _add_plain_figures(rows, plan.picked, plain)
     if planned_on_vllm(store, run_id):
-        _live_checks(context, plan, rows, answers, plain)
-    sampling = _sampling_test(context, plan, rows, exported, pool)
+        rows = _live_checks(context, plan, rows, answers, plain)
+    rows, sampling = _sampling_test(context, plan, rows, exported, pool)
     _store(store, run_id, on, rows, settings)
     _log_outcome(run_id, rows, engines)
-    return {"skipped": None, "domains": rows, "engines": engines, "sampling": sampling}
+    return {"skipped": None, "domains": rows_json(rows), "engines": engines, "sampling": sampling}
 
 
 def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: dict,
@@ -159,15 +160,14 @@ def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: d
     """The requests each domain replays and the engines serving them: one per drafter method
     (its domains' configs differ in K only); a domain without a vLLM config gets its row here
     (unsupported, not gated)."""
-    rows: dict[str, dict] = {}
+    rows: dict[str, EngineCheckRow] = {}
     specs: dict[str, dict] = {}
     picked: dict[str, list] = {}
     for domain in sorted(on):
         spec = exported["speculative_config"].get(domain)
         if spec is None:
-            rows[domain] = {"status": "unsupported", "passed": None, "speculative_config": None,
-                            "reason": "engine check: " + exported["unsupported"].get(
-                                domain, "no vLLM config")}
+            rows[domain] = EngineCheckRow(status="unsupported", passed=None, reason="engine check: "
+                                          + exported["unsupported"].get(domain, "no vLLM config"))
             continue
         picked[domain] = pick_requests(requests_by_domain.get(domain, []), confirmed.get(domain, []),
                                        settings.engine.check_requests, settings.live.max_new_tokens)
@@ -238,7 +238,7 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
 
 
 def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: CheckPlan,
-                 drafters_by_domain: dict, profiles: dict) -> dict[str, dict]:
+                 drafters_by_domain: dict, profiles: dict) -> dict[str, EngineCheckRow]:
     """The rows of the domains one speculative engine served: failed as a whole where the engine
     did (its reason), else each domain's comparison with the estimate (domain_row). profiles:
     the serving engine's cost profiles by version, filled as versions are met."""
@@ -249,76 +249,88 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
             profiles[answer["vllm"]] = engine_profile(context.store, answer["vllm"],
                                                       context.settings.engine.profile)
         costs = profiles.get(answer.get("vllm"))
-        base = {"speculative_config": run.spec_of(domain), "log_path": record["log"],
-                "engine_version": answer.get("vllm"), "start_s": record["start_s"],
-                "counters": answer.get("counters"),
-                "engine_profile": None if costs is None else costs.hardware_profile}
+        by = ServedBy(log_path=record["log"], engine_version=answer.get("vllm"), start_s=record["start_s"],
+                      counters=answer.get("counters"),
+                      engine_profile=None if costs is None else costs.hardware_profile)
         if reason is not None:
-            rows[domain] = {**base, "status": record["status"], "passed": False,
-                            "reason": f"engine check: {reason}"[:2000]}
+            rows[domain] = EngineCheckRow(status=record["status"], passed=False, served=by,
+                                          speculative_config=run.spec_of(domain),
+                                          reason=f"engine check: {reason}"[:2000])
             continue
         on = plan.on[domain]
         drafter = drafters_by_domain[domain][on["drafter"]][1]
-        rows[domain] = {**base, **domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter,
-                                              context.target_model, served.history, record["log"],
-                                              context.settings, on, costs)}
+        row = domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter, context.target_model,
+                         served.history, record["log"], context.settings, on, costs)
         if record["mends"]:
-            rows[domain]["reason"] = (f"{rows[domain]['reason']} (served with {len(record['mends'])} "
-                                      "mend of vLLM's CPU build, named in the task log)")[:2000]
+            row = replace(row, reason=(f"{row.reason} (served with {len(record['mends'])} "
+                                       "mend of vLLM's CPU build, named in the task log)")[:2000])
+        rows[domain] = replace(row, speculative_config=run.spec_of(domain), served=by)
     return rows
 
 
-def _add_plain_figures(rows: dict, picked: dict, plain: dict) -> None:
-    """The plain engine's tokens/s on each domain's replayed requests, beside the config's, and
-    the decode-phase speedup between them (for information)."""
+def _add_plain_figures(rows: dict[str, EngineCheckRow], picked: dict,
+                       plain: dict) -> dict[str, EngineCheckRow]:
+    """The rows with the plain engine's tokens/s on each domain's replayed requests, beside the
+    config's, and the decode-phase speedup between them (for information)."""
+    out = dict(rows)
     for domain in picked:
         if domain in rows and plain.get("requests"):
             replayed = [plain["requests"][r.request_id] for r in picked[domain]
                         if r.request_id in plain["requests"]]
-            rows[domain]["plain_tokens_per_s"] = rows_tokens_per_s(replayed)
             plain_decode = rows_decode_tokens_per_s(replayed)
-            rows[domain]["plain_decode_tokens_per_s"] = plain_decode
-            spec_decode = rows[domain].get("spec_decode_tokens_per_s")
-            rows[domain]["measured_speedup"] = (spec_decode / plain_decode
-                                                if spec_decode and plain_decode else None)
+            comparison = rows[domain].comparison
+            spec_decode = None if comparison is None else comparison.spec_decode_tokens_per_s
+            out[domain] = replace(rows[domain], plain=PlainFigures(
+                plain_tokens_per_s=rows_tokens_per_s(replayed), plain_decode_tokens_per_s=plain_decode,
+                measured_speedup=spec_decode / plain_decode if spec_decode and plain_decode else None))
+    return out
 
 
-def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict, answers: dict,
-                 plain: dict) -> None:
+def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict[str, EngineCheckRow], answers: dict,
+                 plain: dict) -> dict[str, EngineCheckRow]:
     """The run planned on vLLM's costs: the live check is vLLM's speedup on these requests, stored
-    as the run's live measurement; a veto fails the domain's row."""
+    as the run's live measurement; a veto fails the domain's row. The rows with their checks."""
     engine_of = {d: run.name for run in plan.engines if run.name != "plain" for d in run.domains}
+    out = dict(rows)
     for domain in plan.picked:
         row = rows.get(domain)
-        if row is None or row.get("passed") is False or domain not in engine_of:
+        if row is None or row.passed is False or row.comparison is None or domain not in engine_of:
             continue
         live = vllm_live_check(domain, plan.on[domain], plan.picked[domain],
-                               answers.get(engine_of[domain]) or {}, plain, row, context.settings)
+                               answers.get(engine_of[domain]) or {}, plain, row.predicted_speedup,
+                               context.settings)
         if live is not None:
             _store_live(context.store, context.run_id, domain, plan.on[domain], live, row,
                         context.settings)
-            row["live_check"] = live["verdict"]
-            if live["verdict"].get("measured") is not None:
-                # the figure judged: over the pairs no neighbour reached (confirm.judged_pairs)
-                row["measured_speedup"] = live["verdict"]["measured"]
-            if LiveVerdict.read(live["verdict"]["verdict"]) is LiveVerdict.VETO:
-                row.update(status="below", passed=False,
-                           reason=f"engine check: {live['verdict']['reason']}; "
-                                  f"{row['reason'].removeprefix('engine check: ')}"[:2000])
+            out[domain] = _judged(row, live["verdict"])
+    return out
 
 
-def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported: dict,
-                   pool: ServerPool | None = None) -> dict:
+def _judged(row: EngineCheckRow, verdict: dict) -> EngineCheckRow:
+    """The row with its live check's verdict: the figure judged as its measured speedup, over the
+    pairs no neighbour reached (confirm.judged_pairs); failed on a veto."""
+    row = replace(row, live_check=verdict)
+    if verdict.get("measured") is not None:
+        row = replace(row, plain=replace(row.plain or PlainFigures(), measured_speedup=verdict["measured"]))
+    if LiveVerdict.read(verdict["verdict"]) is LiveVerdict.VETO:
+        row = replace(row, status="below", passed=False,
+                      reason=f"engine check: {verdict['reason']}; "
+                             f"{row.reason.removeprefix('engine check: ')}"[:2000])
+    return row
+
+
+def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict[str, EngineCheckRow], exported: dict,
+                   pool: ServerPool | None = None) -> tuple[dict[str, EngineCheckRow], dict]:
     """With engine_sampling on, the sampling test on vLLM's OpenAI server for every domain the
     replay passed; a domain that fails it is turned off ("lossy", or "died" on an error).
-    Output: {domain: EngineSamplingResult.to_dict()}."""
+    Output: the rows with the test's verdicts, and {domain: EngineSamplingResult.to_dict()}."""
     sampling = {}
     if not context.settings.engine.sampling:
-        return sampling
+        return rows, sampling
     tested = {d: exported["speculative_config"][d] for d in plan.picked
-              if rows.get(d, {}).get("passed") is not False}
+              if d not in rows or rows[d].passed is not False}
     if not tested:
-        return sampling
+        return rows, sampling
     own = pool is None
     pool = pool or ServerPool(context.run_id, context.model_dir, dtype=dtype_of(context.target_model),
                               settings=context.settings)
@@ -331,16 +343,17 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported:
     finally:
         if own:
             pool.close()
+    out = dict(rows)
     for domain, result in results.items():
         sampling[domain] = result.to_dict()
         if not result.passed:
-            rows[domain].update(status="lossy" if result.status != "error" else "died",
-                                passed=False,
-                                reason=f"engine check: {result.reason}; {rows[domain]['reason']}"[:2000])
-    return sampling
+            out[domain] = replace(rows[domain], status="lossy" if result.status != "error" else "died",
+                                  passed=False,
+                                  reason=f"engine check: {result.reason}; {rows[domain].reason}"[:2000])
+    return out, sampling
 
 
-def _log_outcome(run_id: str, rows: dict, engines: list[dict]) -> None:
+def _log_outcome(run_id: str, rows: dict[str, EngineCheckRow], engines: list[dict]) -> None:
     """The task log's account of the check: mends of vLLM's CPU build, greedy requests whose
     counts differ from the estimate's, and each domain's verdict."""
     mends = sorted({m for record in engines for m in record.get("mends") or []})
@@ -348,7 +361,7 @@ def _log_outcome(run_id: str, rows: dict, engines: list[dict]) -> None:
         log.warning("run %s: vLLM's CPU sampler was mended in %d engine(s) before serving: %s", run_id,
                     sum(1 for record in engines if record.get("mends")), " ".join(mends))
     for domain, row in sorted(rows.items()):
-        for item in row.get("per_request") or []:
+        for item in (row.comparison.per_request if row.comparison else None) or []:
             if item["counts_equal"] is False:
                 log.error("run %s, domain %s, request %s: vLLM's greedy output equals the log but it "
                           "accepted %s drafts inside it in %d drafted steps, the estimate %.0f in "
@@ -356,8 +369,8 @@ def _log_outcome(run_id: str, rows: dict, engines: list[dict]) -> None:
                           item["engine_accepted_in_log"] if item["engine_accepted_in_log"] is not None
                           else "(steps not placeable)", item["engine_steps"],
                           item["estimate_accepted"], item["estimate_steps"])
-        (log.warning if row.get("passed") is False else log.info)("run %s, domain %s: %s", run_id,
-                                                                   domain, row["reason"])
+        (log.warning if row.passed is False else log.info)("run %s, domain %s: %s", run_id,
+                                                            domain, row.reason)
 
 
 def planned_on_vllm(store: Store, run_id: str) -> bool:
@@ -366,12 +379,13 @@ def planned_on_vllm(store: Store, run_id: str) -> bool:
 
 
 def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict, plain: dict,
-                    row: dict, settings: Settings) -> dict | None:
+                    predicted: float | None, settings: Settings) -> dict | None:
     """The live check of a run planned on vLLM's costs, on vLLM: per replayed request, the decode
     phase of the plain engine and of the config's (vLLM's own timestamps), judged by the same rule
     as our engine's confirm step (tasks.steps.checks.confirm.live_verdict: slower than plain decoding, the
     interval's upper end below min_speedup, a veto for a domain turning on). None without both
-    engines' timings. Output: {"per_request", "verdict"}."""
+    engines' timings. predicted: the speedup vLLM's cost profile predicts for the requests.
+    Output: {"per_request", "verdict"}."""
     served, base = spec_answer.get("requests") or {}, plain.get("requests") or {}
     per_request = []
     for request in requests:
@@ -388,27 +402,28 @@ def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict
                                              for flag in ("contended", "slowed"))})
     if not per_request:
         return None
-    verdict = live_verdict(per_request, config, settings, row.get("predicted_speedup"))
+    verdict = live_verdict(per_request, config, settings, predicted)
     verdict["engine"] = "vllm"
     verdict["reason"] = "on vLLM: " + verdict["reason"]
     return {"per_request": per_request, "verdict": verdict}
 
 
-def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict, row: dict,
+def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict, row: EngineCheckRow,
                 settings: Settings) -> None:
     """The vLLM live check as the run's live measurement of the domain (live_measurements and
     domain_configs' measured_speedup and live_check: what the live_check gate and the page read)."""
     verdict, per_request = live["verdict"], live["per_request"]
-    same = row.get("predicted_speedup")
+    compared, plain, served = row.comparison, row.plain or PlainFigures(), row.served or ServedBy()
+    same = compared.predicted_speedup
     measured = verdict.get("measured")
-    counters = row.get("counters") or {}
-    record = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": row.get("k") or config["k"],
+    counters = served.counters or {}
+    record = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": compared.k or config["k"],
               "batch_size": 1, "requests": len(per_request),
               "tokens": sum(r["spec_tokens"] + 1 for r in per_request),
               "acceptance_rate": acceptance_rate(counters.get("accepted_tokens"), counters.get("draft_tokens")),
-              "mean_accepted_length": row.get("engine_e"),
-              "plain_tokens_per_s": row.get("plain_decode_tokens_per_s"),
-              "spec_tokens_per_s": row.get("spec_decode_tokens_per_s"),
+              "mean_accepted_length": compared.engine_e,
+              "plain_tokens_per_s": plain.plain_decode_tokens_per_s,
+              "spec_tokens_per_s": compared.spec_decode_tokens_per_s,
               "predicted_speedup": config.get("predicted_speedup"), "measured_speedup": measured,
               "plain_latency_s": _mean([r["plain_latency_s"] for r in per_request]),
               "spec_latency_s": _mean([r["spec_latency_s"] for r in per_request]),
@@ -416,7 +431,7 @@ def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict
               "cost_model_error": measured / same - 1.0 if measured is not None and same else None,
               "gap": (abs(measured / same - 1.0) > settings.live.tolerance
                       if measured is not None and same else None),
-              "per_request": per_request, "hardware": {"engine": "vllm", "version": row.get("engine_version")},
+              "per_request": per_request, "hardware": {"engine": "vllm", "version": served.engine_version},
               "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
     with store.transaction() as tx:
         replace_live_measurement(tx, record, verdict)
@@ -427,20 +442,10 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-COLUMNS = ("engine_version", "speculative_config", "status", "passed", "reason", "requests", "k",
-           "estimate_e", "estimate_e_lo", "estimate_e_hi", "engine_e", "estimate_rates",
-           "engine_rates", "greedy_checked", "greedy_equal", "plain_tokens_per_s",
-           "spec_tokens_per_s", "plain_decode_tokens_per_s", "spec_decode_tokens_per_s",
-           "measured_speedup", "predicted_speedup", "engine_profile", "start_s", "counters",
-           "per_request", "log_path")
-
-
-def _store(store: Store, run_id: str, on: dict, rows: dict, settings: Settings) -> None:
+def _store(store: Store, run_id: str, on: dict, rows: dict[str, EngineCheckRow], settings: Settings) -> None:
     """One transaction: the run's engine_checks rows replaced, gated domains turned off."""
-    off = {domain: (f"{row['reason']}; not promotable as on, the domain is off. "
+    off = {domain: (f"{row.reason}; not promotable as on, the domain is off. "
                     f"Planner: {on[domain]['reason']}")[:2000]
-           for domain, row in rows.items() if row.get("passed") is False}
+           for domain, row in rows.items() if row.passed is False}
     with store.transaction() as tx:
-        replace_engine_checks(tx, run_id,
-                              {domain: {column: row.get(column) for column in COLUMNS}
-                               for domain, row in rows.items()}, off)
+        replace_engine_checks(tx, run_id, {domain: row.columns() for domain, row in rows.items()}, off)

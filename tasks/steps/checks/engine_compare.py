@@ -4,8 +4,11 @@ per domain, a domain's verdict, and the speedup vLLM's cost profile predicts for
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from ...db.engine_records import Comparison, EngineCheckRow
 from ...settings import Settings
 from ..estimate import acceptance
 from .confirm import offline_totals
@@ -142,38 +145,38 @@ def estimate_interval(rows: list[dict], samples: int = 2000, seed: int = 0) -> t
                                            [r["estimate_steps"] for r in rows], samples, seed)
 
 
-def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None = None) -> dict:
+def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None = None) -> EngineCheckRow:
     """E, interval, rates, greedy counts and the gate of one domain's replayed requests.
     gated: None, or why E is reported but not gated (passed stays None)."""
     estimate_e, lo, hi = estimate_interval(rows)
     engine_e = acceptance.mean_accepted_length(sum(inside_output(r, "engine_accepted") for r in rows),
                                                sum(r["engine_steps"] for r in rows))
     greedy = [r for r in rows if r["counts_equal"] is not None]
-    out = {"requests": len(rows), "k": k, "estimate_e": estimate_e, "estimate_e_lo": lo,
-           "estimate_e_hi": hi, "engine_e": engine_e,
-           "estimate_rates": position_rates(rows, "estimate", k),
-           "engine_rates": position_rates(rows, "engine", k),
-           "greedy_checked": len(greedy), "greedy_equal": sum(1 for r in greedy if r["counts_equal"])}
+    comparison = Comparison(requests=len(rows), k=k, estimate_e=estimate_e, estimate_e_lo=lo,
+                            estimate_e_hi=hi, engine_e=engine_e,
+                            estimate_rates=position_rates(rows, "estimate", k),
+                            engine_rates=position_rates(rows, "engine", k), greedy_checked=len(greedy),
+                            greedy_equal=sum(1 for r in greedy if r["counts_equal"]))
     if engine_e is None or lo is None:
-        out.update(status="ok", passed=None, reason="no drafts on these requests: nothing to compare")
-        return out
+        return EngineCheckRow(status="ok", passed=None, comparison=comparison,
+                              reason="no drafts on these requests: nothing to compare")
     floor = lo * (1.0 - tolerance)
     text = (f"vLLM E {engine_e:.2f} vs estimate {estimate_e:.2f} [{lo:.2f}, {hi:.2f}] on "
             f"{len(rows)} requests at K={k}")
     if engine_e < floor:
-        out.update(status="below", passed=False, reason=(
+        out = EngineCheckRow(status="below", passed=False, comparison=comparison, reason=(
             f"engine check: {text}: below the interval by more than "
             f"{100 * tolerance:.0f}% (engine_check_tolerance)"))
     else:
-        out.update(status="ok", passed=True, reason=f"engine check: {text}")
+        out = EngineCheckRow(status="ok", passed=True, comparison=comparison, reason=f"engine check: {text}")
     if gated is not None:
-        out.update(passed=None, reason=f"{out['reason']} (reported, not gated: {gated})")
+        out = replace(out, passed=None, reason=f"{out.reason} (reported, not gated: {gated})")
     return out
 
 
 def domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, history: int,
                 log_path: str, settings: Settings, planned: dict | None = None,
-                costs: CostTable | None = None) -> dict:
+                costs: CostTable | None = None) -> EngineCheckRow:
     """One domain's comparison of what its engine served with the estimate of the same requests
     at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
     figures on the requests that were served."""
@@ -188,30 +191,31 @@ def domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, hi
         ungated = (f"vLLM's suffix tree held the {history} requests served before the replay, the "
                    "estimate's index the run's whole history; a serving vLLM grows its tree from "
                    "all it serves")
-    row = {**domain_verdict(compared, k, settings.engine.check_tolerance, ungated),
-           "per_request": compared, "spec_tokens_per_s": rows_tokens_per_s(compared),
-           "spec_decode_tokens_per_s": rows_decode_tokens_per_s(compared),
-           "predicted_speedup": predicted_speedup(
-               costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
-               [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])}
+    row = domain_verdict(compared, k, settings.engine.check_tolerance, ungated)
+    row = replace(row, comparison=replace(
+        row.comparison, per_request=compared, spec_tokens_per_s=rows_tokens_per_s(compared),
+        spec_decode_tokens_per_s=rows_decode_tokens_per_s(compared),
+        predicted_speedup=predicted_speedup(
+            costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
+            [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])))
     ids = {r.request_id for r in picked}
     spent = [i for i in answer.get("left_out") or [] if i in ids]
     if spent:
-        row.update(left_out(row, len(spent), len(picked), settings))
+        row = left_out(row, len(spent), len(picked), settings)
     failed = [d for d in answer.get("died") or [] if d["request"] in ids]
     unserved = [i for i in answer.get("unserved") or [] if i in ids]
     if failed or unserved:
         first = failed[0] if failed else None
-        row.update(status="died", passed=False, reason=(
+        row = replace(row, status="died", passed=False, reason=(
             f"engine check: the engine died on {len(failed)} of {len(picked)} requests"
             + (f" ({len(unserved)} left unserved)" if unserved else "")
             + (f", first on request {first['request']}: {first['error']}" if first else "")
             + f"; its log: {log_path}. On the {len(compared)} it served: "
-            + row["reason"].removeprefix("engine check: "))[:2000])
+            + row.reason.removeprefix("engine check: "))[:2000])
     return row
 
 
-def left_out(row: dict, count: int, picked: int, settings: Settings) -> dict:
+def left_out(row: EngineCheckRow, count: int, picked: int, settings: Settings) -> EngineCheckRow:
     """A domain some of whose pairs the replay's budget left out (the machine's other processes
     left the engine too little CPU): decided on the requests served, saying how many were left
     out; with none served it is not gated ("contended": neither passed nor failed, the estimate
@@ -220,9 +224,9 @@ def left_out(row: dict, count: int, picked: int, settings: Settings) -> dict:
               f"shared over its engine's domains) ran out: other processes left the engine too "
               f"little CPU")
     if count >= picked:
-        return {"status": "contended", "passed": None,
-                "reason": f"engine check: not measured, all {picked} requests left out: {budget}"}
-    return {"reason": f"{row['reason']}; {count} of {picked} requests left out: {budget}"[:2000]}
+        return replace(row, status="contended", passed=None,
+                       reason=f"engine check: not measured, all {picked} requests left out: {budget}")
+    return replace(row, reason=f"{row.reason}; {count} of {picked} requests left out: {budget}"[:2000])
 
 
 def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: dict | None,
