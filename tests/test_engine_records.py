@@ -10,7 +10,8 @@ import pytest
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest
-from tasks.db.engine_records import COLUMNS, EngineCheckRow, ServedBy
+from tasks.db.engine_records import COLUMNS, EngineCheckRow, EngineRecord, ServedBy
+from tasks.serving.replay_answer import ReplayAnswer, ServedRequest
 
 CONFIG = {"method": "ngram", "prompt_lookup_max": 3, "num_speculative_tokens": 2}
 COUNTERS = {"drafts": 6, "draft_tokens": 12, "accepted_tokens": 6, "accepted_per_pos": [4, 2]}
@@ -71,7 +72,7 @@ def test_the_check_builds_the_rows_it_returned_as_dicts():
                   served=ServedBy(**SERVED))
     row = replace(row, comparison=replace(row.comparison, spec_decode_tokens_per_s=50.0))
     request = LoggedRequest("q1", [1], [2, 3], SamplingParams(), "code")
-    plain = {"requests": {"q1": {"token_ids": [2, 3, 4, 5, 6], "seconds": 1.0, "decode_s": 0.8}}}
+    plain = {"q1": ServedRequest(token_ids=[2, 3, 4, 5, 6], seconds=1.0, decode_s=0.8)}
     figured = _add_plain_figures({"code": row}, {"code": [request]}, plain)["code"]
     assert row.plain is None                                   # the phase's input is left as it was
     out = figured.to_json()
@@ -100,3 +101,43 @@ def test_stored_rows_read_back_into_the_records_they_were(db_url):
     for domain, record in rows.items():
         assert {column: stored[domain][column] for column in COLUMNS} == record.columns()
         assert EngineCheckRow.from_json(stored[domain]).columns() == record.columns()
+
+
+def test_an_engine_record_leaves_out_left_out_where_no_pair_was():
+    record = {"engine": "spec-0", "domains": ["code"], "speculative_config": CONFIG, "log": "/l/spec-code.log",
+              "start_s": 3.5, "status": "ok", "seconds": 40.2, "starts": 1, "mends": []}
+    assert EngineRecord.from_json(record).to_json() == record
+    assert EngineRecord.from_json(dict(record, left_out=2)).to_json() == dict(record, left_out=2)
+
+
+# one engine's answer as the probe prints it (vllm_probe.replay), the engine dying on b0
+PROBE = {"vllm": "0.11.0", "start_s": 9.0, "refused": None, "mends": ["sampler"],
+         "counters": {"drafts": 2, "draft_tokens": 6, "accepted_tokens": 3, "accepted_per_pos": [2, 1]},
+         "requests": {"a0": {"token_ids": [1, 2, 3], "seconds": 0.3, "decode_s": 0.2, "drafted": [3],
+                             "accepted": [1], "other_cores": 0.01, "contended": False, "served": 1,
+                             "own_cores": 0.98, "slowed": False},
+                      "plain::a0": {"token_ids": [1, 2, 3], "seconds": 0.5, "decode_s": 0.4, "drafted": None,
+                                    "accepted": None, "other_cores": 0.5, "contended": True, "served": 2,
+                                    "own_cores": 0.9, "slowed": True}},
+         "left_out": ["c0"], "died": {"request": "b0", "error": "RuntimeError: boom"}}
+
+
+def test_the_probes_replay_answer_is_read_once_and_summed_over_engines():
+    first = ReplayAnswer.from_probe(PROBE)
+    assert first.requests["plain::a0"] == ServedRequest(**PROBE["requests"]["plain::a0"])
+    assert first.died == [PROBE["died"]] and first.left_out == ["c0"]
+    # the engine started again after b0 serves the rest: its requests, counters, death added;
+    # vLLM's version, start and mends stay the first engine's
+    again = ReplayAnswer.from_probe({"vllm": "0.11.0", "start_s": 8.0, "refused": None, "mends": [], "died": None,
+                                     "counters": {"drafts": 1, "draft_tokens": 3, "accepted_tokens": 3,
+                                                  "accepted_per_pos": [1, 1, 1]},
+                                     "requests": {"d0": {"token_ids": [4], "seconds": 0.1}}})
+    total = ReplayAnswer(starts=0).then(first).then(again)
+    assert (total.starts, total.start_s, total.mends, total.vllm) == (2, 9.0, ["sampler"], "0.11.0")
+    assert sorted(total.requests) == ["a0", "d0", "plain::a0"] and total.died == [PROBE["died"]]
+    assert total.counters == {"drafts": 3, "draft_tokens": 9, "accepted_tokens": 6, "accepted_per_pos": [3, 2, 1]}
+    served, plain = total.without_plain()
+    assert sorted(served.requests) == ["a0", "d0"] and list(plain) == ["a0"] and plain["a0"].served == 2
+    assert sorted(total.requests) == ["a0", "d0", "plain::a0"]      # the answer itself is left as it was
+    # a request the probe answered without timings (served together): its tokens only
+    assert ServedRequest.from_probe({"token_ids": [7, 8]}) == ServedRequest(token_ids=[7, 8])

@@ -13,7 +13,7 @@ and, column by column (COLUMNS), what the engine_checks table stores."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # the engine_checks columns a row fills (the table's others: run_id, domain, engine, created_at)
@@ -123,6 +123,35 @@ class EngineCheckRow:
                    speculative_config=row.get("speculative_config"), served=_read(ServedBy, row),
                    comparison=_read(Comparison, row), plain=_read(PlainFigures, row),
                    live_check=row.get("live_check"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRecord:
+    """One engine of the check as the step reports it ("engines"): its name, the domains it
+    replayed, the config it started with, its log, vLLM's start seconds, how it went (ok,
+    refused, unresolved, timeout, died, or died on N requests and started again), its seconds,
+    the engines started, the mends of vLLM's CPU build, and how many pairs the replay's budget
+    left out (None: none)."""
+
+    engine: str
+    domains: list[str]
+    speculative_config: dict | None
+    log: str
+    start_s: float | None = None
+    status: str = "ok"
+    seconds: float | None = None
+    starts: int | None = None
+    mends: list[str] = field(default_factory=list)
+    left_out: int | None = None
+
+    def to_json(self) -> dict:
+        """The record as the step returns it (left_out only where pairs were left out)."""
+        out = _json(self)
+        return out if self.left_out else {k: v for k, v in out.items() if k != "left_out"}
+
+    @classmethod
+    def from_json(cls, row: dict) -> EngineRecord:
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
 
 
 def rows_json(rows: dict[str, EngineCheckRow]) -> dict[str, dict[str, Any]]:

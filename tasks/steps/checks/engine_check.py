@@ -55,7 +55,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from ...db.engine_records import EngineCheckRow, PlainFigures, ServedBy, rows_json
+from ...db.engine_records import EngineCheckRow, EngineRecord, PlainFigures, ServedBy, rows_json
 from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks, replace_live_measurement,
                                          run_hardware_details)
 from ...db.store import Store
@@ -63,6 +63,7 @@ from ...errors import ServingEnvUnavailable
 from ...registry.live_check import LiveVerdict
 from ...registry.vllm_export import deployment_specs, method_deployments
 from ...serving import environment as serving_env
+from ...serving.replay_answer import ReplayAnswer, ServedRequest
 from ...serving.server import ServerPool, log_dir
 from ...settings import Settings
 from .confirm import live_verdict
@@ -70,8 +71,8 @@ from ..costs.costs import CostTable
 from ..costs.engine_costs import engine_profile, profile_engine
 from ..estimate.acceptance import acceptance_rate
 from .engine_validate import own_sampling_gates, served_export, validate_on_engine
-from .engine_compare import domain_row, rows_decode_tokens_per_s, rows_tokens_per_s
-from .engine_replay import (batch_one_k, pick_requests, local_spec, EngineRun, paired_items, split_plain,
+from .engine_compare import domain_row, served_decode_tokens_per_s, served_tokens_per_s
+from .engine_replay import (batch_one_k, pick_requests, local_spec, EngineRun, paired_items,
                             replay_history, HISTORY_BATCH, serve_replay, dtype_of)
 
 log = logging.getLogger(__name__)
@@ -87,12 +88,12 @@ class CheckPlan:
     rows: dict[str, EngineCheckRow]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Served:
     """One engine's replay: its record (the output's engines entry), the probe's answer, why the
     engine failed as a whole (None: it served) and how many history requests it served first."""
-    record: dict
-    answer: dict
+    record: EngineRecord
+    answer: ReplayAnswer
     reason: str | None
     history: int
 
@@ -139,12 +140,14 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     engines, answers = [], {}
     profiles: dict[str, CostTable | None] = {}      # the serving engine's cost profile, by version
     directory = log_dir(run_id)
-    plain: dict = {"requests": {}}
+    plain: dict[str, ServedRequest] = {}           # the K 0 twins, by their request's id
     for run in plan.engines:
         served = _replay(context, run, plan.picked, directory)
         engines.append(served.record)
-        plain["requests"].update(split_plain(served.answer)["requests"])
-        answers[run.name] = served.answer
+        answer, twins = served.answer.without_plain()
+        served = replace(served, answer=answer)
+        plain.update(twins)
+        answers[run.name] = answer
         rows.update(_engine_rows(context, run, served, plan, drafters_by_domain, profiles))
     rows = _add_plain_figures(rows, plan.picked, plain)
     if planned_on_vllm(store, run_id):
@@ -152,7 +155,8 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     rows, sampling = _sampling_test(context, plan, rows, exported, pool)
     _store(store, run_id, on, rows, settings)
     _log_outcome(run_id, rows, engines)
-    return {"skipped": None, "domains": rows_json(rows), "engines": engines, "sampling": sampling}
+    return {"skipped": None, "domains": rows_json(rows), "engines": [e.to_json() for e in engines],
+            "sampling": sampling}
 
 
 def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: dict,
@@ -195,16 +199,14 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
              json.dumps(spec) if spec else "no speculation", len(items),
              f" after {len(history)} of history" if history else "")
     began = time.perf_counter()
-    log_name = "plain" if spec is None else "spec-" + "+".join(domains)[:100]
-    record = {"engine": run.name, "domains": domains, "speculative_config": spec,
-              "log": str(directory / f"{log_name}.log"), "start_s": None, "status": "ok"}
+    log_path = directory / ("plain.log" if spec is None else f"spec-{'+'.join(domains)[:100]}.log")
     try:
         served = local_spec(spec)
     except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
-        answer = {"failed": ("unresolved", f"the drafter's checkpoint {spec['model']} could not "
-                                           f"be fetched for the engine: {type(exc).__name__}: {exc}")}
+        answer = ReplayAnswer(failed=("unresolved", f"the drafter's checkpoint {spec['model']} could not "
+                                                    f"be fetched for the engine: {type(exc).__name__}: {exc}"))
     else:
-        answer = serve_replay(serving_env, settings, what, directory / f"{log_name}.log",
+        answer = serve_replay(serving_env, settings, what, log_path,
                         {"model": str(context.model_dir), "speculative_config": served, "requests": items,
                          "history": history, "dtype": dtype_of(context.target_model),
                          "contention_cores": settings.profile.contention_cores,
@@ -216,25 +218,27 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
                          "slowed": settings.profile.slowed,
                          # the history is served batched; the replay one request at a time
                          "max_num_seqs": max(1, min(len(history), HISTORY_BATCH))})
-    record["seconds"] = round(time.perf_counter() - began, 1)
-    record["start_s"] = answer.get("start_s")
-    record["starts"] = answer.get("starts")
-    record["mends"] = answer.get("mends") or []
-    for mend in record["mends"]:
+    record = EngineRecord(engine=run.name, domains=domains, speculative_config=spec,
+                          log=str(log_path), start_s=answer.start_s, starts=answer.starts,
+                          seconds=round(time.perf_counter() - began, 1), mends=answer.mends)
+    for mend in record.mends:
         log.info("%s: %s", what, mend)
-    if answer.get("failed"):
-        record["status"], reason = answer["failed"]
-    elif answer.get("refused"):
-        record["status"], reason = "refused", f"vLLM refused the config: {answer['refused']}"
-    else:
-        reason = None
-        if answer["died"]:
-            record["status"] = f"died on {len(answer['died'])} requests (started again)"
-        if answer.get("left_out"):
-            record["left_out"] = len(answer["left_out"])
-    log.info("%s: %s in %.0f s (engine start %s)", what, record["status"], record["seconds"],
-             "-" if record["start_s"] is None else f"{record['start_s']:.1f} s")
+    record, reason = _outcome(record, answer)
+    log.info("%s: %s in %.0f s (engine start %s)", what, record.status, record.seconds,
+             "-" if record.start_s is None else f"{record.start_s:.1f} s")
     return Served(record, answer, reason, len(history))
+
+
+def _outcome(record: EngineRecord, answer: ReplayAnswer) -> tuple[EngineRecord, str | None]:
+    """How the engine's replay went (the record's status, pairs left out) and why it failed as a
+    whole (None: it served)."""
+    if answer.failed:
+        return replace(record, status=answer.failed[0]), answer.failed[1]
+    if answer.refused:
+        return replace(record, status="refused"), f"vLLM refused the config: {answer.refused}"
+    if answer.died:
+        record = replace(record, status=f"died on {len(answer.died)} requests (started again)")
+    return replace(record, left_out=len(answer.left_out) or None), None
 
 
 def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: CheckPlan,
@@ -245,49 +249,48 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
     answer, record, reason = served.answer, served.record, served.reason
     rows = {}
     for domain in run.domains:
-        if answer.get("vllm") and answer["vllm"] not in profiles:
-            profiles[answer["vllm"]] = engine_profile(context.store, answer["vllm"],
-                                                      context.settings.engine.profile)
-        costs = profiles.get(answer.get("vllm"))
-        by = ServedBy(log_path=record["log"], engine_version=answer.get("vllm"), start_s=record["start_s"],
-                      counters=answer.get("counters"),
+        if answer.vllm and answer.vllm not in profiles:
+            profiles[answer.vllm] = engine_profile(context.store, answer.vllm, context.settings.engine.profile)
+        costs = profiles.get(answer.vllm)
+        by = ServedBy(log_path=record.log, engine_version=answer.vllm, start_s=record.start_s,
+                      counters=answer.counters,
                       engine_profile=None if costs is None else costs.hardware_profile)
         if reason is not None:
-            rows[domain] = EngineCheckRow(status=record["status"], passed=False, served=by,
+            rows[domain] = EngineCheckRow(status=record.status, passed=False, served=by,
                                           speculative_config=run.spec_of(domain),
                                           reason=f"engine check: {reason}"[:2000])
             continue
         on = plan.on[domain]
         drafter = drafters_by_domain[domain][on["drafter"]][1]
         row = domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter, context.target_model,
-                         served.history, record["log"], context.settings, on, costs)
-        if record["mends"]:
-            row = replace(row, reason=(f"{row.reason} (served with {len(record['mends'])} "
+                         served.history, record.log, context.settings, on, costs)
+        if record.mends:
+            row = replace(row, reason=(f"{row.reason} (served with {len(record.mends)} "
                                        "mend of vLLM's CPU build, named in the task log)")[:2000])
         rows[domain] = replace(row, speculative_config=run.spec_of(domain), served=by)
     return rows
 
 
 def _add_plain_figures(rows: dict[str, EngineCheckRow], picked: dict,
-                       plain: dict) -> dict[str, EngineCheckRow]:
-    """The rows with the plain engine's tokens/s on each domain's replayed requests, beside the
-    config's, and the decode-phase speedup between them (for information)."""
+                       plain: dict[str, ServedRequest]) -> dict[str, EngineCheckRow]:
+    """The rows with the plain engine's tokens/s on each domain's replayed requests (plain: the
+    K 0 twins by their request's id), beside the config's, and the decode-phase speedup between
+    them (for information)."""
     out = dict(rows)
     for domain in picked:
-        if domain in rows and plain.get("requests"):
-            replayed = [plain["requests"][r.request_id] for r in picked[domain]
-                        if r.request_id in plain["requests"]]
-            plain_decode = rows_decode_tokens_per_s(replayed)
+        if domain in rows and plain:
+            replayed = [plain[r.request_id] for r in picked[domain] if r.request_id in plain]
+            plain_decode = served_decode_tokens_per_s(replayed)
             comparison = rows[domain].comparison
             spec_decode = None if comparison is None else comparison.spec_decode_tokens_per_s
             out[domain] = replace(rows[domain], plain=PlainFigures(
-                plain_tokens_per_s=rows_tokens_per_s(replayed), plain_decode_tokens_per_s=plain_decode,
+                plain_tokens_per_s=served_tokens_per_s(replayed), plain_decode_tokens_per_s=plain_decode,
                 measured_speedup=spec_decode / plain_decode if spec_decode and plain_decode else None))
     return out
 
 
-def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict[str, EngineCheckRow], answers: dict,
-                 plain: dict) -> dict[str, EngineCheckRow]:
+def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict[str, EngineCheckRow],
+                 answers: dict[str, ReplayAnswer], plain: dict[str, ServedRequest]) -> dict[str, EngineCheckRow]:
     """The run planned on vLLM's costs: the live check is vLLM's speedup on these requests, stored
     as the run's live measurement; a veto fails the domain's row. The rows with their checks."""
     engine_of = {d: run.name for run in plan.engines if run.name != "plain" for d in run.domains}
@@ -297,7 +300,8 @@ def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict[str, EngineC
         if row is None or row.passed is False or row.comparison is None or domain not in engine_of:
             continue
         live = vllm_live_check(domain, plan.on[domain], plan.picked[domain],
-                               answers.get(engine_of[domain]) or {}, plain, row.predicted_speedup,
+                               answers.get(engine_of[domain], ReplayAnswer()).requests, plain,
+                               row.predicted_speedup,
                                context.settings)
         if live is not None:
             _store_live(context.store, context.run_id, domain, plan.on[domain], live, row,
@@ -353,13 +357,13 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict[str, Engin
     return out, sampling
 
 
-def _log_outcome(run_id: str, rows: dict[str, EngineCheckRow], engines: list[dict]) -> None:
+def _log_outcome(run_id: str, rows: dict[str, EngineCheckRow], engines: list[EngineRecord]) -> None:
     """The task log's account of the check: mends of vLLM's CPU build, greedy requests whose
     counts differ from the estimate's, and each domain's verdict."""
-    mends = sorted({m for record in engines for m in record.get("mends") or []})
+    mends = sorted({m for record in engines for m in record.mends})
     if mends:
         log.warning("run %s: vLLM's CPU sampler was mended in %d engine(s) before serving: %s", run_id,
-                    sum(1 for record in engines if record.get("mends")), " ".join(mends))
+                    sum(1 for record in engines if record.mends), " ".join(mends))
     for domain, row in sorted(rows.items()):
         for item in (row.comparison.per_request if row.comparison else None) or []:
             if item["counts_equal"] is False:
@@ -378,28 +382,27 @@ def planned_on_vllm(store: Store, run_id: str) -> bool:
     return profile_engine({"details": run_hardware_details(store, run_id)}) == "vllm"
 
 
-def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict, plain: dict,
-                    predicted: float | None, settings: Settings) -> dict | None:
+def vllm_live_check(domain: str, config: dict, requests: list, served: dict[str, ServedRequest],
+                    plain: dict[str, ServedRequest], predicted: float | None, settings: Settings) -> dict | None:
     """The live check of a run planned on vLLM's costs, on vLLM: per replayed request, the decode
-    phase of the plain engine and of the config's (vLLM's own timestamps), judged by the same rule
-    as our engine's confirm step (tasks.steps.checks.confirm.live_verdict: slower than plain decoding, the
-    interval's upper end below min_speedup, a veto for a domain turning on). None without both
-    engines' timings. predicted: the speedup vLLM's cost profile predicts for the requests.
+    phase of the plain engine and of the config's (vLLM's own timestamps; served: the config's
+    requests by id, plain: their K 0 twins), judged by the same rule as our engine's confirm
+    step (tasks.steps.checks.confirm.live_verdict: slower than plain decoding, the interval's
+    upper end below min_speedup, a veto for a domain turning on). None without both engines'
+    timings. predicted: the speedup vLLM's cost profile predicts for the requests.
     Output: {"per_request", "verdict"}."""
-    served, base = spec_answer.get("requests") or {}, plain.get("requests") or {}
     per_request = []
     for request in requests:
-        spec, flat = served.get(request.request_id), base.get(request.request_id)
-        if not spec or not flat or not spec.get("decode_s") or not flat.get("decode_s"):
+        spec, flat = served.get(request.request_id), plain.get(request.request_id)
+        if not spec or not flat or not spec.decode_s or not flat.decode_s:
             continue
         per_request.append({"request_id": request.request_id,
-                            "plain_tokens": len(flat["token_ids"]) - 1, "plain_decode_s": flat["decode_s"],
-                            "spec_tokens": len(spec["token_ids"]) - 1, "spec_decode_s": spec["decode_s"],
-                            "plain_latency_s": flat.get("seconds"), "spec_latency_s": spec.get("seconds"),
+                            "plain_tokens": flat.tokens - 1, "plain_decode_s": flat.decode_s,
+                            "spec_tokens": spec.tokens - 1, "spec_decode_s": spec.decode_s,
+                            "plain_latency_s": flat.seconds, "spec_latency_s": spec.seconds,
                             # a twin that ran beside other processes' CPU, or slowed (a step
                             # over profile_slowed past its K's fastest on the engine)
-                            "contended": any(twin.get(flag) for twin in (spec, flat)
-                                             for flag in ("contended", "slowed"))})
+                            "contended": any(twin.contended or twin.slowed for twin in (spec, flat))})
     if not per_request:
         return None
     verdict = live_verdict(per_request, config, settings, predicted)

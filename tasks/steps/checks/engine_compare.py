@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 
 from ...db.engine_records import Comparison, EngineCheckRow
+from ...serving.replay_answer import ReplayAnswer, ServedRequest
 from ...settings import Settings
 from ..estimate import acceptance
 from .confirm import offline_totals
@@ -69,7 +70,7 @@ def placed_steps(request, output, drafted: list[int], accepted: list[int], draft
     return contiguous_steps(len(output), drafted, accepted)
 
 
-def compare_request(request, engine_answer: dict, offline, exact: bool = True,
+def compare_request(request, engine_answer: ServedRequest, offline, exact: bool = True,
                     drafter=None, k: int | None = None) -> dict:
     """One request: vLLM's per-step counts beside the estimate's expected rounds. exact: the
     engine's drafter proposes what ours does (not so for suffix decoding, whose tree vLLM builds
@@ -80,9 +81,9 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     are counted too (engine_accepted_in_output and per position), and those are what E and the
     greedy counts compare."""
     logged = [int(t) for t in request.response_ids]
-    output = engine_answer["token_ids"]
-    drafted = engine_answer.get("drafted") or []
-    accepted = engine_answer.get("accepted") or []
+    output = engine_answer.token_ids
+    drafted = engine_answer.drafted or []
+    accepted = engine_answer.accepted or []
     first_difference = next((i for i, (a, b) in enumerate(zip(output, logged)) if a != b),
                             None if len(output) == len(logged) else min(len(output), len(logged)))
     steps = sum(1 for d in drafted if d > 0)
@@ -95,8 +96,8 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     starts = placed_steps(request, output, drafted, accepted, drafter, k, exact)
     inside = None if starts is None else [min(a, len(output) - t) for a, t in zip(accepted, starts)]
     row = {"request_id": request.request_id, "greedy": bool(request.sampling.greedy),
-           "tokens": len(output), "seconds": engine_answer["seconds"],
-           "decode_s": engine_answer.get("decode_s"),
+           "tokens": len(output), "seconds": engine_answer.seconds,
+           "decode_s": engine_answer.decode_s,
            "equal_to_log": first_difference is None, "first_difference": first_difference,
            "engine_steps": steps, "engine_accepted": int(sum(accepted)),
            "engine_accepted_per_pos": per_position(accepted),
@@ -174,7 +175,7 @@ def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None
     return out
 
 
-def domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, history: int,
+def domain_row(picked: list, answer: ReplayAnswer, spec: dict, drafter, target_model, history: int,
                 log_path: str, settings: Settings, planned: dict | None = None,
                 costs: CostTable | None = None) -> EngineCheckRow:
     """One domain's comparison of what its engine served with the estimate of the same requests
@@ -182,10 +183,10 @@ def domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, hi
     figures on the requests that were served."""
     k = batch_one_k(spec)
     offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked], k)
-    served = [r for r in picked if r.request_id in offline and r.request_id in answer["requests"]]
-    compared = [compare_request(r, answer["requests"][r.request_id], offline.get(r.request_id),
+    served = [r for r in picked if r.request_id in offline and r.request_id in answer.requests]
+    compared = [compare_request(r, answer.requests[r.request_id], offline.get(r.request_id),
                                 exact=spec["method"] in EXACT_METHODS, drafter=drafter, k=k)
-                for r in picked if r.request_id in answer["requests"]]
+                for r in picked if r.request_id in answer.requests]
     ungated = None
     if spec["method"] == "suffix":
         ungated = (f"vLLM's suffix tree held the {history} requests served before the replay, the "
@@ -199,11 +200,11 @@ def domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, hi
             costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
             [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])))
     ids = {r.request_id for r in picked}
-    spent = [i for i in answer.get("left_out") or [] if i in ids]
+    spent = [i for i in answer.left_out if i in ids]
     if spent:
         row = left_out(row, len(spent), len(picked), settings)
-    failed = [d for d in answer.get("died") or [] if d["request"] in ids]
-    unserved = [i for i in answer.get("unserved") or [] if i in ids]
+    failed = [d for d in answer.died if d["request"] in ids]
+    unserved = [i for i in answer.unserved if i in ids]
     if failed or unserved:
         first = failed[0] if failed else None
         row = replace(row, status="died", passed=False, reason=(
@@ -257,14 +258,25 @@ def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: 
 
 
 def rows_decode_tokens_per_s(rows: list[dict]) -> float | None:
-    """Decode-phase tokens/s (first token to last, vLLM's own timestamps; prefill left out)."""
-    rows = [r for r in rows if r.get("decode_s")]
-    tokens = sum((len(r["token_ids"]) if "token_ids" in r else r["tokens"]) - 1 for r in rows)
-    seconds = sum(r["decode_s"] for r in rows)
-    return tokens / seconds if seconds > 0 else None
+    """Decode-phase tokens/s of compared requests (compare_request's rows: first token to last,
+    vLLM's own timestamps; prefill left out)."""
+    return _per_s([(r["tokens"] - 1, r["decode_s"]) for r in rows if r.get("decode_s")])
 
 
 def rows_tokens_per_s(rows: list[dict]) -> float | None:
-    tokens = sum(len(r["token_ids"]) if "token_ids" in r else r["tokens"] for r in rows)
-    seconds = sum(r["seconds"] for r in rows)
-    return tokens / seconds if seconds > 0 else None
+    """Tokens/s of compared requests, wall time."""
+    return _per_s([(r["tokens"], r["seconds"]) for r in rows])
+
+
+def served_decode_tokens_per_s(served: list[ServedRequest]) -> float | None:
+    """Decode-phase tokens/s of requests as vLLM served them (see rows_decode_tokens_per_s)."""
+    return _per_s([(s.tokens - 1, s.decode_s) for s in served if s.decode_s])
+
+
+def served_tokens_per_s(served: list[ServedRequest]) -> float | None:
+    return _per_s([(s.tokens, s.seconds) for s in served])
+
+
+def _per_s(counts: list[tuple[int, float]]) -> float | None:
+    seconds = sum(s for _, s in counts)
+    return sum(t for t, _ in counts) / seconds if seconds > 0 else None
