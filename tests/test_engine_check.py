@@ -4,12 +4,15 @@ environment. The check against the real vLLM is in test_vllm_serving.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, RoundTotals
 from tasks.db.store import Store
+from tasks.serving.replay_answer import ServedRequest
 from tasks.steps.checks.engine_check import engine_check
 from tasks.steps.checks.engine_compare import compare_request, domain_verdict
 from tasks.steps.checks.engine_replay import batch_one_k
@@ -33,7 +36,7 @@ def test_batch_one_k_reads_the_schedule():
 def test_compare_request_counts_drafted_steps_only():
     response = [5, 6, 7, 8, 9, 10]
     # vLLM: 3 verify steps had drafts (2 accepted, then 0, then 1), one step none
-    answer = {"token_ids": response, "seconds": 1.0, "drafted": [3, 0, 3, 3], "accepted": [2, 0, 0, 1]}
+    answer = ServedRequest(token_ids=response, seconds=1.0, drafted=[3, 0, 3, 3], accepted=[2, 0, 0, 1])
     # the estimate: 4 rounds, one of them without drafts (width 0), accepted 2 / 1 at positions 0 / 1
     offline = _totals([2, 1, 0], rounds=4, widths=[1, 0, 0, 3])
     row = compare_request(_request(response), answer, offline)
@@ -42,10 +45,10 @@ def test_compare_request_counts_drafted_steps_only():
     assert row["estimate_steps"] == 3 and row["estimate_accepted"] == 3
     assert row["equal_to_log"] and row["counts_equal"] is True
     # one accepted draft more on vLLM's side: a mismatch, named by the request
-    row = compare_request(_request(response), dict(answer, accepted=[3, 0, 0, 1]), offline)
+    row = compare_request(_request(response), replace(answer, accepted=[3, 0, 0, 1]), offline)
     assert row["counts_equal"] is False
     # an output that departs from the log: reported at its first differing position, not compared
-    row = compare_request(_request(response), dict(answer, token_ids=[5, 6, 0, 8, 9, 10]), offline)
+    row = compare_request(_request(response), replace(answer, token_ids=[5, 6, 0, 8, 9, 10]), offline)
     assert row["first_difference"] == 2 and row["counts_equal"] is None
     # a sampled request is compared in expectation only
     assert compare_request(_request(response, greedy=False), answer, offline)["counts_equal"] is None
@@ -60,18 +63,18 @@ def _rows(engine_accepted, estimate_accepted, steps=10, n=8):
 
 def test_gate_fails_a_domain_below_the_interval_beyond_the_tolerance():
     fine = domain_verdict(_rows(6, 6), k=1, tolerance=0.05)
-    assert fine["passed"] is True and fine["status"] == "ok"
-    assert fine["engine_e"] == pytest.approx(1.6)
-    assert fine["estimate_e_lo"] <= fine["estimate_e"] <= fine["estimate_e_hi"]
+    assert fine.passed is True and fine.status == "ok"
+    assert fine.comparison.engine_e == pytest.approx(1.6)
+    assert fine.comparison.estimate_e_lo <= fine.comparison.estimate_e <= fine.comparison.estimate_e_hi
     low = domain_verdict(_rows(2, 6), k=1, tolerance=0.05)
-    assert low["passed"] is False and low["status"] == "below"
-    assert "engine_check_tolerance" in low["reason"] and "1.20" in low["reason"]
+    assert low.passed is False and low.status == "below"
+    assert "engine_check_tolerance" in low.reason and "1.20" in low.reason
     # within the tolerance under the interval: passes
     edge = domain_verdict(_rows(6, 6), k=1, tolerance=0.05)
-    lo = edge["estimate_e_lo"]
+    lo = edge.comparison.estimate_e_lo
     just = domain_verdict(_rows(round((lo * 0.97 - 1) * 10), 6), k=1, tolerance=0.05)
-    assert just["engine_e"] < lo and just["passed"] is True
-    assert "| d | below |" in engine_section([{"domain": "d", **low}])
+    assert just.comparison.engine_e < lo and just.passed is True
+    assert "| d | below |" in engine_section([{"domain": "d", **low.to_json()}])
 
 
 def engine_section(rows: list[dict]) -> str:
@@ -109,7 +112,7 @@ def test_drafts_vllm_accepts_past_the_response_are_left_out():
     drafter = PromptLookup(max_ngram=3, min_ngram=1)
     assert engine_walk(prompt, output, [3], [3], drafter, 3) == [1]
     assert engine_walk(prompt, output, [2], [2], drafter, 3) is None     # another proposal length
-    answer = {"token_ids": output, "seconds": 1.0, "drafted": [3], "accepted": [3]}
+    answer = ServedRequest(token_ids=output, seconds=1.0, drafted=[3], accepted=[3])
     offline = _totals([1, 1, 0], rounds=1, widths=[0, 0, 1, 0])         # the estimate: 2 in the log
     request = LoggedRequest("q1", prompt, output, SamplingParams(), "d")
     row = compare_request(request, answer, offline, exact=True, drafter=drafter, k=3)
@@ -134,7 +137,7 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
     assert contiguous_steps(6, [3, 3, 3], [2, 3, 0]) is None    # a step starts past its end
     assert contiguous_steps(6, [3, 0], [2, 0]) is None          # a step without drafts
     drafter = DraftModel(tiny_llama(layers=1))
-    answer = {"token_ids": output, "seconds": 1.0, "drafted": [3, 3], "accepted": [2, 3]}
+    answer = ServedRequest(token_ids=output, seconds=1.0, drafted=[3, 3], accepted=[2, 3])
     offline = _totals([2, 2, 0], rounds=2, widths=[0, 0, 0, 2])
     row = compare_request(_request(output), answer, offline, exact=True, drafter=drafter, k=3)
     assert row["engine_accepted"] == 5 and row["engine_accepted_in_log"] == 4
@@ -143,20 +146,20 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
     assert (row["engine_accepted_per_pos"], row["engine_accepted_per_pos_in_output"]) == ([2, 2, 1], [2, 2, 0])
     # E and the per-position rates compare the drafts inside the output with the estimate's:
     # 1 + 4 / 2 on both sides (vLLM's own count would give 3.5)
-    verdict = domain_verdict([row], k=3, tolerance=0.0)
-    assert verdict["engine_e"] == pytest.approx(3.0) == verdict["estimate_e"]
-    assert verdict["engine_rates"] == pytest.approx([1.0, 1.0, 0.0]) == verdict["estimate_rates"]
+    verdict = domain_verdict([row], k=3, tolerance=0.0).comparison
+    assert verdict.engine_e == pytest.approx(3.0) == verdict.estimate_e
+    assert verdict.engine_rates == pytest.approx([1.0, 1.0, 0.0]) == verdict.estimate_rates
     # a sampled request is placed and counted the same way (its counts are not compared one by one)
     sampled = compare_request(_request(output, greedy=False), answer, offline, exact=True, drafter=drafter, k=3)
     assert sampled["engine_accepted_in_output"] == 4 and sampled["counts_equal"] is None
     # where vLLM does not propose what ours does (suffix), nothing is placed: vLLM's own count
     other = compare_request(_request(output), answer, offline, exact=False, drafter=drafter, k=3)
     assert other["engine_accepted_in_output"] is None
-    assert domain_verdict([other], k=3, tolerance=0.0)["engine_e"] == pytest.approx(3.5)
+    assert domain_verdict([other], k=3, tolerance=0.0).comparison.engine_e == pytest.approx(3.5)
     # without the drafter (nothing to place the steps by) the raw count is compared: a mismatch
     assert compare_request(_request(output), answer, offline, exact=True)["counts_equal"] is False
     # one accepted draft more inside the output is still a mismatch
-    more = dict(answer, token_ids=output + [11], accepted=[2, 3])
+    more = replace(answer, token_ids=output + [11], accepted=[2, 3])
     longer = compare_request(_request(output + [11]), more, offline, exact=True, drafter=drafter, k=3)
     assert longer["engine_accepted_in_log"] == 5 and longer["counts_equal"] is False
 
@@ -183,6 +186,11 @@ def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypat
     assert "eagle3" in engine_compare.EXACT_METHODS
 
 
+def _served(rows: dict) -> dict:
+    """{request id: ServedRequest} of the probe's JSON rows."""
+    return {key: ServedRequest.from_probe(row) for key, row in rows.items()}
+
+
 def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
     # the live check of a run planned on vLLM's costs: the replayed requests' decode phases on
     # vLLM, judged by confirm's rule (one rule for both engines)
@@ -190,27 +198,27 @@ def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
     from tasks.steps.checks.engine_check import vllm_live_check
 
     requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(6)]
-    plain = {"requests": {r.request_id: {"token_ids": list(range(33)), "decode_s": 1.0, "seconds": 1.1}
-                          for r in requests}}
+    plain = _served({r.request_id: {"token_ids": list(range(33)), "decode_s": 1.0, "seconds": 1.1}
+                     for r in requests})
 
     def served(decode_s):
-        return {"requests": {r.request_id: {"token_ids": list(range(33)), "decode_s": decode_s + i * 0.01,
-                                            "seconds": decode_s + 0.1} for i, r in enumerate(requests)}}
+        return _served({r.request_id: {"token_ids": list(range(33)), "decode_s": decode_s + i * 0.01,
+                                       "seconds": decode_s + 0.1} for i, r in enumerate(requests)})
 
     config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.5}
     settings = load_settings({}, plan_min_speedup=1.1)
-    slow = vllm_live_check("d", config, requests, served(1.25), plain, {"predicted_speedup": 1.5}, settings)
+    slow = vllm_live_check("d", config, requests, served(1.25), plain, 1.5, settings)
     assert slow["verdict"]["verdict"] == "veto" and slow["verdict"]["engine"] == "vllm"
     assert slow["verdict"]["reason"].startswith("on vLLM: live check: 0.7")
     assert "slower than plain decoding" in slow["verdict"]["reason"]
     assert len(slow["per_request"]) == 6 and slow["verdict"]["requests"] == 6
-    fast = vllm_live_check("d", config, requests, served(0.5), plain, {"predicted_speedup": 1.5}, settings)
+    fast = vllm_live_check("d", config, requests, served(0.5), plain, 1.5, settings)
     assert fast["verdict"]["verdict"] == "pass" and fast["verdict"]["lo"] > 1.1
     # on in the champion: the same measurement is a flag (the live_check gate fails), not a veto
-    kept = vllm_live_check("d", dict(config, champion_on=True), requests, served(1.25), plain, {}, settings)
+    kept = vllm_live_check("d", dict(config, champion_on=True), requests, served(1.25), plain, None, settings)
     assert kept["verdict"]["verdict"] == "flag"
     # no timings of one engine: no verdict
-    assert vllm_live_check("d", config, requests, served(0.5), {"requests": {}}, {}, settings) is None
+    assert vllm_live_check("d", config, requests, served(0.5), {}, None, settings) is None
 
 
 def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_ones_remain():
@@ -222,24 +230,23 @@ def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_
 
     requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(8)]
     slowed = {"q0", "q1"}
-    plain = {"requests": {r.request_id: {"token_ids": list(range(33)), "seconds": 1.1,
-                                         "decode_s": 0.3 if r.request_id in slowed else 1.0,
-                                         "contended": False} for r in requests}}
-    spec = {"requests": {r.request_id: {"token_ids": list(range(33)), "seconds": 1.0,
-                                        "decode_s": (3.0 if r.request_id in slowed else 0.7) + 0.01 * i,
-                                        "contended": r.request_id in slowed}
-                         for i, r in enumerate(requests)}}
+    plain = _served({r.request_id: {"token_ids": list(range(33)), "seconds": 1.1,
+                                    "decode_s": 0.3 if r.request_id in slowed else 1.0,
+                                    "contended": False} for r in requests})
+    spec = _served({r.request_id: {"token_ids": list(range(33)), "seconds": 1.0,
+                                   "decode_s": (3.0 if r.request_id in slowed else 0.7) + 0.01 * i,
+                                   "contended": r.request_id in slowed}
+                    for i, r in enumerate(requests)})
     config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.4}
     settings = load_settings({}, plan_min_speedup=1.1)
-    live = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 1.4}, settings)
+    live = vllm_live_check("d", config, requests, spec, plain, 1.4, settings)
     verdict = live["verdict"]
     assert verdict["verdict"] == "pass" and verdict["requests"] == 6 and verdict["contended"] == 2
     assert verdict["lo"] > 1.3 and "2 of 8 pairs contended, left out" in verdict["reason"]
     assert sum(row["contended"] for row in live["per_request"]) == 2
     # with every pair contended there is nothing cleaner to judge on: all are used, and said
-    for row in spec["requests"].values():
-        row["contended"] = True
-    crowded = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 1.4}, settings)
+    spec = {key: replace(row, contended=True) for key, row in spec.items()}
+    crowded = vllm_live_check("d", config, requests, spec, plain, 1.4, settings)
     assert crowded["verdict"]["requests"] == 8
     assert "8 of 8 pairs contended, all used: too few clean ones" in crowded["verdict"]["reason"]
     assert crowded["verdict"]["measured"] < 1.0
@@ -252,16 +259,16 @@ def test_vllms_live_check_leaves_out_pairs_with_a_slowed_twin_as_it_does_contend
     from tasks.steps.checks.engine_check import vllm_live_check
 
     requests = [LoggedRequest(f"q{i}", [1, 2, 3], [4, 5], SamplingParams(), "d") for i in range(8)]
-    plain = {"requests": {r.request_id: {"token_ids": list(range(47)), "seconds": 2.0,
-                                         "decode_s": 4.5 if i < 2 else 1.8 + 0.01 * i,
-                                         "contended": False, "slowed": i < 2}
-                          for i, r in enumerate(requests)}}
-    spec = {"requests": {r.request_id: {"token_ids": list(range(47)), "seconds": 1.0,
-                                        "decode_s": 0.6 + 0.01 * i, "contended": False, "slowed": False}
-                         for i, r in enumerate(requests)}}
+    plain = _served({r.request_id: {"token_ids": list(range(47)), "seconds": 2.0,
+                                    "decode_s": 4.5 if i < 2 else 1.8 + 0.01 * i,
+                                    "contended": False, "slowed": i < 2}
+                     for i, r in enumerate(requests)})
+    spec = _served({r.request_id: {"token_ids": list(range(47)), "seconds": 1.0,
+                                   "decode_s": 0.6 + 0.01 * i, "contended": False, "slowed": False}
+                    for i, r in enumerate(requests)})
     config = {"enabled": True, "champion_on": False, "predicted_speedup": 2.5}
     settings = load_settings({}, plan_min_speedup=1.1)
-    live = vllm_live_check("d", config, requests, spec, plain, {"predicted_speedup": 2.5}, settings)
+    live = vllm_live_check("d", config, requests, spec, plain, 2.5, settings)
     assert [row["contended"] for row in live["per_request"]] == [True, True] + [False] * 6
     verdict = live["verdict"]
     assert verdict["requests"] == 6 and verdict["contended"] == 2

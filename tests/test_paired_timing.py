@@ -175,13 +175,15 @@ def test_a_replays_budget_is_shared_out_over_its_domains_in_turn(probe):
 
 def test_a_domain_whose_pairs_the_budget_left_out_is_decided_on_those_served_or_named_contended():
     from tasks.settings import load_settings
+    from tasks.db.engine_records import EngineCheckRow
     from tasks.steps.checks.engine_compare import left_out
 
     settings = load_settings(engine_check_budget_s=240)
-    row = {"status": "ok", "passed": True, "reason": "engine check: vLLM E 2.10 vs estimate 2.00"}
+    row = EngineCheckRow(status="ok", passed=True, reason="engine check: vLLM E 2.10 vs estimate 2.00")
     partly = left_out(row, 3, 8, settings)
-    assert "passed" not in partly and partly["reason"].startswith("engine check: vLLM E 2.10")
-    assert "3 of 8 requests left out" in partly["reason"] and "engine_check_budget_s, 240 s" in partly["reason"]
+    assert (partly.status, partly.passed) == ("ok", True)
+    assert partly.reason.startswith("engine check: vLLM E 2.10")
+    assert "3 of 8 requests left out" in partly.reason and "engine_check_budget_s, 240 s" in partly.reason
     wholly = left_out(row, 8, 8, settings)
-    assert wholly["status"] == "contended" and wholly["passed"] is None
-    assert "all 8 requests left out" in wholly["reason"]
+    assert wholly.status == "contended" and wholly.passed is None
+    assert "all 8 requests left out" in wholly.reason

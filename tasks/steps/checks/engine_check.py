@@ -53,8 +53,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ...db.engine_records import EngineCheckRow, EngineRecord, PlainFigures, ServedBy, rows_json
 from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks, replace_live_measurement,
                                          run_hardware_details)
 from ...db.store import Store
@@ -62,6 +63,7 @@ from ...errors import ServingEnvUnavailable
 from ...registry.live_check import LiveVerdict
 from ...registry.vllm_export import deployment_specs, method_deployments
 from ...serving import environment as serving_env
+from ...serving.replay_answer import ReplayAnswer, ServedRequest
 from ...serving.server import ServerPool, log_dir
 from ...settings import Settings
 from .confirm import live_verdict
@@ -70,8 +72,8 @@ from ..costs.engine_costs import engine_profile
 from ..costs.vllm_hardware import profile_engine
 from ..estimate.acceptance import acceptance_rate
 from .engine_validate import own_sampling_gates, served_export, validate_on_engine
-from .engine_compare import domain_row, rows_decode_tokens_per_s, rows_tokens_per_s
-from .engine_replay import (batch_one_k, pick_requests, local_spec, EngineRun, paired_items, split_plain,
+from .engine_compare import domain_row, served_decode_tokens_per_s, served_tokens_per_s
+from .engine_replay import (batch_one_k, pick_requests, local_spec, EngineRun, paired_items,
                             replay_history, HISTORY_BATCH, serve_replay, dtype_of)
 
 log = logging.getLogger(__name__)
@@ -84,15 +86,15 @@ class CheckPlan:
     on: dict[str, dict]
     picked: dict[str, list]
     engines: list[EngineRun]
-    rows: dict[str, dict]
+    rows: dict[str, EngineCheckRow]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Served:
     """One engine's replay: its record (the output's engines entry), the probe's answer, why the
     engine failed as a whole (None: it served) and how many history requests it served first."""
-    record: dict
-    answer: dict
+    record: EngineRecord
+    answer: ReplayAnswer
     reason: str | None
     history: int
 
@@ -139,20 +141,23 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
     engines, answers = [], {}
     profiles: dict[str, CostTable | None] = {}      # the serving engine's cost profile, by version
     directory = log_dir(run_id)
-    plain: dict = {"requests": {}}
+    plain: dict[str, ServedRequest] = {}           # the K 0 twins, by their request's id
     for run in plan.engines:
         served = _replay(context, run, plan.picked, directory)
         engines.append(served.record)
-        plain["requests"].update(split_plain(served.answer)["requests"])
-        answers[run.name] = served.answer
+        answer, twins = served.answer.without_plain()
+        served = replace(served, answer=answer)
+        plain.update(twins)
+        answers[run.name] = answer
         rows.update(_engine_rows(context, run, served, plan, drafters_by_domain, profiles))
-    _add_plain_figures(rows, plan.picked, plain)
+    rows = _add_plain_figures(rows, plan.picked, plain)
     if planned_on_vllm(store, run_id):
-        _live_checks(context, plan, rows, answers, plain)
-    sampling = _sampling_test(context, plan, rows, exported, pool)
+        rows = _live_checks(context, plan, rows, answers, plain)
+    rows, sampling = _sampling_test(context, plan, rows, exported, pool)
     _store(store, run_id, on, rows, settings)
     _log_outcome(run_id, rows, engines)
-    return {"skipped": None, "domains": rows, "engines": engines, "sampling": sampling}
+    return {"skipped": None, "domains": rows_json(rows), "engines": [e.to_json() for e in engines],
+            "sampling": sampling}
 
 
 def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: dict,
@@ -160,15 +165,14 @@ def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: d
     """The requests each domain replays and the engines serving them: one per drafter method
     (its domains' configs differ in K only); a domain without a vLLM config gets its row here
     (unsupported, not gated)."""
-    rows: dict[str, dict] = {}
+    rows: dict[str, EngineCheckRow] = {}
     specs: dict[str, dict] = {}
     picked: dict[str, list] = {}
     for domain in sorted(on):
         spec = exported["speculative_config"].get(domain)
         if spec is None:
-            rows[domain] = {"status": "unsupported", "passed": None, "speculative_config": None,
-                            "reason": "engine check: " + exported["unsupported"].get(
-                                domain, "no vLLM config")}
+            rows[domain] = EngineCheckRow(status="unsupported", passed=None, reason="engine check: "
+                                          + exported["unsupported"].get(domain, "no vLLM config"))
             continue
         picked[domain] = pick_requests(requests_by_domain.get(domain, []), confirmed.get(domain, []),
                                        settings.engine.check_requests, settings.live.max_new_tokens)
@@ -196,16 +200,14 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
              json.dumps(spec) if spec else "no speculation", len(items),
              f" after {len(history)} of history" if history else "")
     began = time.perf_counter()
-    log_name = "plain" if spec is None else "spec-" + "+".join(domains)[:100]
-    record = {"engine": run.name, "domains": domains, "speculative_config": spec,
-              "log": str(directory / f"{log_name}.log"), "start_s": None, "status": "ok"}
+    log_path = directory / ("plain.log" if spec is None else f"spec-{'+'.join(domains)[:100]}.log")
     try:
         served = local_spec(spec)
     except Exception as exc:  # noqa: BLE001 - the registry's or the download's own error
-        answer = {"failed": ("unresolved", f"the drafter's checkpoint {spec['model']} could not "
-                                           f"be fetched for the engine: {type(exc).__name__}: {exc}")}
+        answer = ReplayAnswer(failed=("unresolved", f"the drafter's checkpoint {spec['model']} could not "
+                                                    f"be fetched for the engine: {type(exc).__name__}: {exc}"))
     else:
-        answer = serve_replay(serving_env, settings, what, directory / f"{log_name}.log",
+        answer = serve_replay(serving_env, settings, what, log_path,
                         {"model": str(context.model_dir), "speculative_config": served, "requests": items,
                          "history": history, "dtype": dtype_of(context.target_model),
                          "contention_cores": settings.profile.contention_cores,
@@ -217,109 +219,123 @@ def _replay(context: CheckContext, run: EngineRun, picked: dict, directory) -> S
                          "slowed": settings.profile.slowed,
                          # the history is served batched; the replay one request at a time
                          "max_num_seqs": max(1, min(len(history), HISTORY_BATCH))})
-    record["seconds"] = round(time.perf_counter() - began, 1)
-    record["start_s"] = answer.get("start_s")
-    record["starts"] = answer.get("starts")
-    record["mends"] = answer.get("mends") or []
-    for mend in record["mends"]:
+    record = EngineRecord(engine=run.name, domains=domains, speculative_config=spec,
+                          log=str(log_path), start_s=answer.start_s, starts=answer.starts,
+                          seconds=round(time.perf_counter() - began, 1), mends=answer.mends)
+    for mend in record.mends:
         log.info("%s: %s", what, mend)
-    if answer.get("failed"):
-        record["status"], reason = answer["failed"]
-    elif answer.get("refused"):
-        record["status"], reason = "refused", f"vLLM refused the config: {answer['refused']}"
-    else:
-        reason = None
-        if answer["died"]:
-            record["status"] = f"died on {len(answer['died'])} requests (started again)"
-        if answer.get("left_out"):
-            record["left_out"] = len(answer["left_out"])
-    log.info("%s: %s in %.0f s (engine start %s)", what, record["status"], record["seconds"],
-             "-" if record["start_s"] is None else f"{record['start_s']:.1f} s")
+    record, reason = _outcome(record, answer)
+    log.info("%s: %s in %.0f s (engine start %s)", what, record.status, record.seconds,
+             "-" if record.start_s is None else f"{record.start_s:.1f} s")
     return Served(record, answer, reason, len(history))
 
 
+def _outcome(record: EngineRecord, answer: ReplayAnswer) -> tuple[EngineRecord, str | None]:
+    """How the engine's replay went (the record's status, pairs left out) and why it failed as a
+    whole (None: it served)."""
+    if answer.failed:
+        return replace(record, status=answer.failed[0]), answer.failed[1]
+    if answer.refused:
+        return replace(record, status="refused"), f"vLLM refused the config: {answer.refused}"
+    if answer.died:
+        record = replace(record, status=f"died on {len(answer.died)} requests (started again)")
+    return replace(record, left_out=len(answer.left_out) or None), None
+
+
 def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: CheckPlan,
-                 drafters_by_domain: dict, profiles: dict) -> dict[str, dict]:
+                 drafters_by_domain: dict, profiles: dict) -> dict[str, EngineCheckRow]:
     """The rows of the domains one speculative engine served: failed as a whole where the engine
     did (its reason), else each domain's comparison with the estimate (domain_row). profiles:
     the serving engine's cost profiles by version, filled as versions are met."""
     answer, record, reason = served.answer, served.record, served.reason
     rows = {}
     for domain in run.domains:
-        if answer.get("vllm") and answer["vllm"] not in profiles:
-            profiles[answer["vllm"]] = engine_profile(context.store, answer["vllm"],
-                                                      context.settings.engine.profile)
-        costs = profiles.get(answer.get("vllm"))
-        base = {"speculative_config": run.spec_of(domain), "log_path": record["log"],
-                "engine_version": answer.get("vllm"), "start_s": record["start_s"],
-                "counters": answer.get("counters"),
-                "engine_profile": None if costs is None else costs.hardware_profile}
+        if answer.vllm and answer.vllm not in profiles:
+            profiles[answer.vllm] = engine_profile(context.store, answer.vllm, context.settings.engine.profile)
+        costs = profiles.get(answer.vllm)
+        by = ServedBy(log_path=record.log, engine_version=answer.vllm, start_s=record.start_s,
+                      counters=answer.counters,
+                      engine_profile=None if costs is None else costs.hardware_profile)
         if reason is not None:
-            rows[domain] = {**base, "status": record["status"], "passed": False,
-                            "reason": f"engine check: {reason}"[:2000]}
+            rows[domain] = EngineCheckRow(status=record.status, passed=False, served=by,
+                                          speculative_config=run.spec_of(domain),
+                                          reason=f"engine check: {reason}"[:2000])
             continue
         on = plan.on[domain]
         drafter = drafters_by_domain[domain][on["drafter"]][1]
-        rows[domain] = {**base, **domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter,
-                                              context.target_model, served.history, record["log"],
-                                              context.settings, on, costs)}
-        if record["mends"]:
-            rows[domain]["reason"] = (f"{rows[domain]['reason']} (served with {len(record['mends'])} "
-                                      "mend of vLLM's CPU build, named in the task log)")[:2000]
+        row = domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter, context.target_model,
+                         served.history, record.log, context.settings, on, costs)
+        if record.mends:
+            row = replace(row, reason=(f"{row.reason} (served with {len(record.mends)} "
+                                       "mend of vLLM's CPU build, named in the task log)")[:2000])
+        rows[domain] = replace(row, speculative_config=run.spec_of(domain), served=by)
     return rows
 
 
-def _add_plain_figures(rows: dict, picked: dict, plain: dict) -> None:
-    """The plain engine's tokens/s on each domain's replayed requests, beside the config's, and
-    the decode-phase speedup between them (for information)."""
+def _add_plain_figures(rows: dict[str, EngineCheckRow], picked: dict,
+                       plain: dict[str, ServedRequest]) -> dict[str, EngineCheckRow]:
+    """The rows with the plain engine's tokens/s on each domain's replayed requests (plain: the
+    K 0 twins by their request's id), beside the config's, and the decode-phase speedup between
+    them (for information)."""
+    out = dict(rows)
     for domain in picked:
-        if domain in rows and plain.get("requests"):
-            replayed = [plain["requests"][r.request_id] for r in picked[domain]
-                        if r.request_id in plain["requests"]]
-            rows[domain]["plain_tokens_per_s"] = rows_tokens_per_s(replayed)
-            plain_decode = rows_decode_tokens_per_s(replayed)
-            rows[domain]["plain_decode_tokens_per_s"] = plain_decode
-            spec_decode = rows[domain].get("spec_decode_tokens_per_s")
-            rows[domain]["measured_speedup"] = (spec_decode / plain_decode
-                                                if spec_decode and plain_decode else None)
+        if domain in rows and plain:
+            replayed = [plain[r.request_id] for r in picked[domain] if r.request_id in plain]
+            plain_decode = served_decode_tokens_per_s(replayed)
+            comparison = rows[domain].comparison
+            spec_decode = None if comparison is None else comparison.spec_decode_tokens_per_s
+            out[domain] = replace(rows[domain], plain=PlainFigures(
+                plain_tokens_per_s=served_tokens_per_s(replayed), plain_decode_tokens_per_s=plain_decode,
+                measured_speedup=spec_decode / plain_decode if spec_decode and plain_decode else None))
+    return out
 
 
-def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict, answers: dict,
-                 plain: dict) -> None:
+def _live_checks(context: CheckContext, plan: CheckPlan, rows: dict[str, EngineCheckRow],
+                 answers: dict[str, ReplayAnswer], plain: dict[str, ServedRequest]) -> dict[str, EngineCheckRow]:
     """The run planned on vLLM's costs: the live check is vLLM's speedup on these requests, stored
-    as the run's live measurement; a veto fails the domain's row."""
+    as the run's live measurement; a veto fails the domain's row. The rows with their checks."""
     engine_of = {d: run.name for run in plan.engines if run.name != "plain" for d in run.domains}
+    out = dict(rows)
     for domain in plan.picked:
         row = rows.get(domain)
-        if row is None or row.get("passed") is False or domain not in engine_of:
+        if row is None or row.passed is False or row.comparison is None or domain not in engine_of:
             continue
         live = vllm_live_check(domain, plan.on[domain], plan.picked[domain],
-                               answers.get(engine_of[domain]) or {}, plain, row, context.settings)
+                               answers.get(engine_of[domain], ReplayAnswer()).requests, plain,
+                               row.predicted_speedup,
+                               context.settings)
         if live is not None:
             _store_live(context.store, context.run_id, domain, plan.on[domain], live, row,
                         context.settings)
-            row["live_check"] = live["verdict"]
-            if live["verdict"].get("measured") is not None:
-                # the figure judged: over the pairs no neighbour reached (confirm.judged_pairs)
-                row["measured_speedup"] = live["verdict"]["measured"]
-            if LiveVerdict.read(live["verdict"]["verdict"]) is LiveVerdict.VETO:
-                row.update(status="below", passed=False,
-                           reason=f"engine check: {live['verdict']['reason']}; "
-                                  f"{row['reason'].removeprefix('engine check: ')}"[:2000])
+            out[domain] = _judged(row, live["verdict"])
+    return out
 
 
-def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported: dict,
-                   pool: ServerPool | None = None) -> dict:
+def _judged(row: EngineCheckRow, verdict: dict) -> EngineCheckRow:
+    """The row with its live check's verdict: the figure judged as its measured speedup, over the
+    pairs no neighbour reached (confirm.judged_pairs); failed on a veto."""
+    row = replace(row, live_check=verdict)
+    if verdict.get("measured") is not None:
+        row = replace(row, plain=replace(row.plain or PlainFigures(), measured_speedup=verdict["measured"]))
+    if LiveVerdict.read(verdict["verdict"]) is LiveVerdict.VETO:
+        row = replace(row, status="below", passed=False,
+                      reason=f"engine check: {verdict['reason']}; "
+                             f"{row.reason.removeprefix('engine check: ')}"[:2000])
+    return row
+
+
+def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict[str, EngineCheckRow], exported: dict,
+                   pool: ServerPool | None = None) -> tuple[dict[str, EngineCheckRow], dict]:
     """With engine_sampling on, the sampling test on vLLM's OpenAI server for every domain the
     replay passed; a domain that fails it is turned off ("lossy", or "died" on an error).
-    Output: {domain: EngineSamplingResult.to_dict()}."""
+    Output: the rows with the test's verdicts, and {domain: EngineSamplingResult.to_dict()}."""
     sampling = {}
     if not context.settings.engine.sampling:
-        return sampling
+        return rows, sampling
     tested = {d: exported["speculative_config"][d] for d in plan.picked
-              if rows.get(d, {}).get("passed") is not False}
+              if d not in rows or rows[d].passed is not False}
     if not tested:
-        return sampling
+        return rows, sampling
     own = pool is None
     pool = pool or ServerPool(context.run_id, context.model_dir, dtype=dtype_of(context.target_model),
                               settings=context.settings)
@@ -332,24 +348,25 @@ def _sampling_test(context: CheckContext, plan: CheckPlan, rows: dict, exported:
     finally:
         if own:
             pool.close()
+    out = dict(rows)
     for domain, result in results.items():
         sampling[domain] = result.to_dict()
         if not result.passed:
-            rows[domain].update(status="lossy" if result.status != "error" else "died",
-                                passed=False,
-                                reason=f"engine check: {result.reason}; {rows[domain]['reason']}"[:2000])
-    return sampling
+            out[domain] = replace(rows[domain], status="lossy" if result.status != "error" else "died",
+                                  passed=False,
+                                  reason=f"engine check: {result.reason}; {rows[domain].reason}"[:2000])
+    return out, sampling
 
 
-def _log_outcome(run_id: str, rows: dict, engines: list[dict]) -> None:
+def _log_outcome(run_id: str, rows: dict[str, EngineCheckRow], engines: list[EngineRecord]) -> None:
     """The task log's account of the check: mends of vLLM's CPU build, greedy requests whose
     counts differ from the estimate's, and each domain's verdict."""
-    mends = sorted({m for record in engines for m in record.get("mends") or []})
+    mends = sorted({m for record in engines for m in record.mends})
     if mends:
         log.warning("run %s: vLLM's CPU sampler was mended in %d engine(s) before serving: %s", run_id,
-                    sum(1 for record in engines if record.get("mends")), " ".join(mends))
+                    sum(1 for record in engines if record.mends), " ".join(mends))
     for domain, row in sorted(rows.items()):
-        for item in row.get("per_request") or []:
+        for item in (row.comparison.per_request if row.comparison else None) or []:
             if item["counts_equal"] is False:
                 log.error("run %s, domain %s, request %s: vLLM's greedy output equals the log but it "
                           "accepted %s drafts inside it in %d drafted steps, the estimate %.0f in "
@@ -357,8 +374,8 @@ def _log_outcome(run_id: str, rows: dict, engines: list[dict]) -> None:
                           item["engine_accepted_in_log"] if item["engine_accepted_in_log"] is not None
                           else "(steps not placeable)", item["engine_steps"],
                           item["estimate_accepted"], item["estimate_steps"])
-        (log.warning if row.get("passed") is False else log.info)("run %s, domain %s: %s", run_id,
-                                                                   domain, row["reason"])
+        (log.warning if row.passed is False else log.info)("run %s, domain %s: %s", run_id,
+                                                            domain, row.reason)
 
 
 def planned_on_vllm(store: Store, run_id: str) -> bool:
@@ -366,50 +383,51 @@ def planned_on_vllm(store: Store, run_id: str) -> bool:
     return profile_engine({"details": run_hardware_details(store, run_id)}) == "vllm"
 
 
-def vllm_live_check(domain: str, config: dict, requests: list, spec_answer: dict, plain: dict,
-                    row: dict, settings: Settings) -> dict | None:
+def vllm_live_check(domain: str, config: dict, requests: list, served: dict[str, ServedRequest],
+                    plain: dict[str, ServedRequest], predicted: float | None, settings: Settings) -> dict | None:
     """The live check of a run planned on vLLM's costs, on vLLM: per replayed request, the decode
-    phase of the plain engine and of the config's (vLLM's own timestamps), judged by the same rule
-    as our engine's confirm step (tasks.steps.checks.confirm.live_verdict: slower than plain decoding, the
-    interval's upper end below min_speedup, a veto for a domain turning on). None without both
-    engines' timings. Output: {"per_request", "verdict"}."""
-    served, base = spec_answer.get("requests") or {}, plain.get("requests") or {}
+    phase of the plain engine and of the config's (vLLM's own timestamps; served: the config's
+    requests by id, plain: their K 0 twins), judged by the same rule as our engine's confirm
+    step (tasks.steps.checks.confirm.live_verdict: slower than plain decoding, the interval's
+    upper end below min_speedup, a veto for a domain turning on). None without both engines'
+    timings. predicted: the speedup vLLM's cost profile predicts for the requests.
+    Output: {"per_request", "verdict"}."""
     per_request = []
     for request in requests:
-        spec, flat = served.get(request.request_id), base.get(request.request_id)
-        if not spec or not flat or not spec.get("decode_s") or not flat.get("decode_s"):
+        spec, flat = served.get(request.request_id), plain.get(request.request_id)
+        if not spec or not flat or not spec.decode_s or not flat.decode_s:
             continue
         per_request.append({"request_id": request.request_id,
-                            "plain_tokens": len(flat["token_ids"]) - 1, "plain_decode_s": flat["decode_s"],
-                            "spec_tokens": len(spec["token_ids"]) - 1, "spec_decode_s": spec["decode_s"],
-                            "plain_latency_s": flat.get("seconds"), "spec_latency_s": spec.get("seconds"),
+                            "plain_tokens": flat.tokens - 1, "plain_decode_s": flat.decode_s,
+                            "spec_tokens": spec.tokens - 1, "spec_decode_s": spec.decode_s,
+                            "plain_latency_s": flat.seconds, "spec_latency_s": spec.seconds,
                             # a twin that ran beside other processes' CPU, or slowed (a step
                             # over profile_slowed past its K's fastest on the engine)
-                            "contended": any(twin.get(flag) for twin in (spec, flat)
-                                             for flag in ("contended", "slowed"))})
+                            "contended": any(twin.contended or twin.slowed for twin in (spec, flat))})
     if not per_request:
         return None
-    verdict = live_verdict(per_request, config, settings, row.get("predicted_speedup"))
+    verdict = live_verdict(per_request, config, settings, predicted)
     verdict["engine"] = "vllm"
     verdict["reason"] = "on vLLM: " + verdict["reason"]
     return {"per_request": per_request, "verdict": verdict}
 
 
-def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict, row: dict,
+def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict, row: EngineCheckRow,
                 settings: Settings) -> None:
     """The vLLM live check as the run's live measurement of the domain (live_measurements and
     domain_configs' measured_speedup and live_check: what the live_check gate and the page read)."""
     verdict, per_request = live["verdict"], live["per_request"]
-    same = row.get("predicted_speedup")
+    compared, plain, served = row.comparison, row.plain or PlainFigures(), row.served or ServedBy()
+    same = compared.predicted_speedup
     measured = verdict.get("measured")
-    counters = row.get("counters") or {}
-    record = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": row.get("k") or config["k"],
+    counters = served.counters or {}
+    record = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": compared.k or config["k"],
               "batch_size": 1, "requests": len(per_request),
               "tokens": sum(r["spec_tokens"] + 1 for r in per_request),
               "acceptance_rate": acceptance_rate(counters.get("accepted_tokens"), counters.get("draft_tokens")),
-              "mean_accepted_length": row.get("engine_e"),
-              "plain_tokens_per_s": row.get("plain_decode_tokens_per_s"),
-              "spec_tokens_per_s": row.get("spec_decode_tokens_per_s"),
+              "mean_accepted_length": compared.engine_e,
+              "plain_tokens_per_s": plain.plain_decode_tokens_per_s,
+              "spec_tokens_per_s": compared.spec_decode_tokens_per_s,
               "predicted_speedup": config.get("predicted_speedup"), "measured_speedup": measured,
               "plain_latency_s": _mean([r["plain_latency_s"] for r in per_request]),
               "spec_latency_s": _mean([r["spec_latency_s"] for r in per_request]),
@@ -417,7 +435,7 @@ def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict
               "cost_model_error": measured / same - 1.0 if measured is not None and same else None,
               "gap": (abs(measured / same - 1.0) > settings.live.tolerance
                       if measured is not None and same else None),
-              "per_request": per_request, "hardware": {"engine": "vllm", "version": row.get("engine_version")},
+              "per_request": per_request, "hardware": {"engine": "vllm", "version": served.engine_version},
               "measured_speedup_lo": verdict.get("lo"), "measured_speedup_hi": verdict.get("hi")}
     with store.transaction() as tx:
         replace_live_measurement(tx, record, verdict)
@@ -428,20 +446,10 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-COLUMNS = ("engine_version", "speculative_config", "status", "passed", "reason", "requests", "k",
-           "estimate_e", "estimate_e_lo", "estimate_e_hi", "engine_e", "estimate_rates",
-           "engine_rates", "greedy_checked", "greedy_equal", "plain_tokens_per_s",
-           "spec_tokens_per_s", "plain_decode_tokens_per_s", "spec_decode_tokens_per_s",
-           "measured_speedup", "predicted_speedup", "engine_profile", "start_s", "counters",
-           "per_request", "log_path")
-
-
-def _store(store: Store, run_id: str, on: dict, rows: dict, settings: Settings) -> None:
+def _store(store: Store, run_id: str, on: dict, rows: dict[str, EngineCheckRow], settings: Settings) -> None:
     """One transaction: the run's engine_checks rows replaced, gated domains turned off."""
-    off = {domain: (f"{row['reason']}; not promotable as on, the domain is off. "
+    off = {domain: (f"{row.reason}; not promotable as on, the domain is off. "
                     f"Planner: {on[domain]['reason']}")[:2000]
-           for domain, row in rows.items() if row.get("passed") is False}
+           for domain, row in rows.items() if row.passed is False}
     with store.transaction() as tx:
-        replace_engine_checks(tx, run_id,
-                              {domain: {column: row.get(column) for column in COLUMNS}
-                               for domain, row in rows.items()}, off)
+        replace_engine_checks(tx, run_id, {domain: row.columns() for domain, row in rows.items()}, off)

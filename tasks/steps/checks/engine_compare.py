@@ -4,8 +4,12 @@ per domain, a domain's verdict, and the speedup vLLM's cost profile predicts for
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from ...db.engine_records import Comparison, EngineCheckRow
+from ...serving.replay_answer import ReplayAnswer, ServedRequest
 from ...settings import Settings
 from ..estimate import acceptance
 from .confirm import offline_totals
@@ -66,7 +70,7 @@ def placed_steps(request, output, drafted: list[int], accepted: list[int], draft
     return contiguous_steps(len(output), drafted, accepted)
 
 
-def compare_request(request, engine_answer: dict, offline, exact: bool = True,
+def compare_request(request, engine_answer: ServedRequest, offline, exact: bool = True,
                     drafter=None, k: int | None = None) -> dict:
     """One request: vLLM's per-step counts beside the estimate's expected rounds. exact: the
     engine's drafter proposes what ours does (not so for suffix decoding, whose tree vLLM builds
@@ -77,9 +81,9 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     are counted too (engine_accepted_in_output and per position), and those are what E and the
     greedy counts compare."""
     logged = [int(t) for t in request.response_ids]
-    output = engine_answer["token_ids"]
-    drafted = engine_answer.get("drafted") or []
-    accepted = engine_answer.get("accepted") or []
+    output = engine_answer.token_ids
+    drafted = engine_answer.drafted or []
+    accepted = engine_answer.accepted or []
     first_difference = next((i for i, (a, b) in enumerate(zip(output, logged)) if a != b),
                             None if len(output) == len(logged) else min(len(output), len(logged)))
     steps = sum(1 for d in drafted if d > 0)
@@ -92,8 +96,8 @@ def compare_request(request, engine_answer: dict, offline, exact: bool = True,
     starts = placed_steps(request, output, drafted, accepted, drafter, k, exact)
     inside = None if starts is None else [min(a, len(output) - t) for a, t in zip(accepted, starts)]
     row = {"request_id": request.request_id, "greedy": bool(request.sampling.greedy),
-           "tokens": len(output), "seconds": engine_answer["seconds"],
-           "decode_s": engine_answer.get("decode_s"),
+           "tokens": len(output), "seconds": engine_answer.seconds,
+           "decode_s": engine_answer.decode_s,
            "equal_to_log": first_difference is None, "first_difference": first_difference,
            "engine_steps": steps, "engine_accepted": int(sum(accepted)),
            "engine_accepted_per_pos": per_position(accepted),
@@ -142,76 +146,77 @@ def estimate_interval(rows: list[dict], samples: int = 2000, seed: int = 0) -> t
                                            [r["estimate_steps"] for r in rows], samples, seed)
 
 
-def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None = None) -> dict:
+def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None = None) -> EngineCheckRow:
     """E, interval, rates, greedy counts and the gate of one domain's replayed requests.
     gated: None, or why E is reported but not gated (passed stays None)."""
     estimate_e, lo, hi = estimate_interval(rows)
     engine_e = acceptance.mean_accepted_length(sum(inside_output(r, "engine_accepted") for r in rows),
                                                sum(r["engine_steps"] for r in rows))
     greedy = [r for r in rows if r["counts_equal"] is not None]
-    out = {"requests": len(rows), "k": k, "estimate_e": estimate_e, "estimate_e_lo": lo,
-           "estimate_e_hi": hi, "engine_e": engine_e,
-           "estimate_rates": position_rates(rows, "estimate", k),
-           "engine_rates": position_rates(rows, "engine", k),
-           "greedy_checked": len(greedy), "greedy_equal": sum(1 for r in greedy if r["counts_equal"])}
+    comparison = Comparison(requests=len(rows), k=k, estimate_e=estimate_e, estimate_e_lo=lo,
+                            estimate_e_hi=hi, engine_e=engine_e,
+                            estimate_rates=position_rates(rows, "estimate", k),
+                            engine_rates=position_rates(rows, "engine", k), greedy_checked=len(greedy),
+                            greedy_equal=sum(1 for r in greedy if r["counts_equal"]))
     if engine_e is None or lo is None:
-        out.update(status="ok", passed=None, reason="no drafts on these requests: nothing to compare")
-        return out
+        return EngineCheckRow(status="ok", passed=None, comparison=comparison,
+                              reason="no drafts on these requests: nothing to compare")
     floor = lo * (1.0 - tolerance)
     text = (f"vLLM E {engine_e:.2f} vs estimate {estimate_e:.2f} [{lo:.2f}, {hi:.2f}] on "
             f"{len(rows)} requests at K={k}")
     if engine_e < floor:
-        out.update(status="below", passed=False, reason=(
+        out = EngineCheckRow(status="below", passed=False, comparison=comparison, reason=(
             f"engine check: {text}: below the interval by more than "
             f"{100 * tolerance:.0f}% (engine_check_tolerance)"))
     else:
-        out.update(status="ok", passed=True, reason=f"engine check: {text}")
+        out = EngineCheckRow(status="ok", passed=True, comparison=comparison, reason=f"engine check: {text}")
     if gated is not None:
-        out.update(passed=None, reason=f"{out['reason']} (reported, not gated: {gated})")
+        out = replace(out, passed=None, reason=f"{out.reason} (reported, not gated: {gated})")
     return out
 
 
-def domain_row(picked: list, answer: dict, spec: dict, drafter, target_model, history: int,
+def domain_row(picked: list, answer: ReplayAnswer, spec: dict, drafter, target_model, history: int,
                 log_path: str, settings: Settings, planned: dict | None = None,
-                costs: CostTable | None = None) -> dict:
+                costs: CostTable | None = None) -> EngineCheckRow:
     """One domain's comparison of what its engine served with the estimate of the same requests
     at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
     figures on the requests that were served."""
     k = batch_one_k(spec)
     offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked], k)
-    served = [r for r in picked if r.request_id in offline and r.request_id in answer["requests"]]
-    compared = [compare_request(r, answer["requests"][r.request_id], offline.get(r.request_id),
+    served = [r for r in picked if r.request_id in offline and r.request_id in answer.requests]
+    compared = [compare_request(r, answer.requests[r.request_id], offline.get(r.request_id),
                                 exact=spec["method"] in EXACT_METHODS, drafter=drafter, k=k)
-                for r in picked if r.request_id in answer["requests"]]
+                for r in picked if r.request_id in answer.requests]
     ungated = None
     if spec["method"] == "suffix":
         ungated = (f"vLLM's suffix tree held the {history} requests served before the replay, the "
                    "estimate's index the run's whole history; a serving vLLM grows its tree from "
                    "all it serves")
-    row = {**domain_verdict(compared, k, settings.engine.check_tolerance, ungated),
-           "per_request": compared, "spec_tokens_per_s": rows_tokens_per_s(compared),
-           "spec_decode_tokens_per_s": rows_decode_tokens_per_s(compared),
-           "predicted_speedup": predicted_speedup(
-               costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
-               [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])}
+    row = domain_verdict(compared, k, settings.engine.check_tolerance, ungated)
+    row = replace(row, comparison=replace(
+        row.comparison, per_request=compared, spec_tokens_per_s=rows_tokens_per_s(compared),
+        spec_decode_tokens_per_s=rows_decode_tokens_per_s(compared),
+        predicted_speedup=predicted_speedup(
+            costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
+            [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])))
     ids = {r.request_id for r in picked}
-    spent = [i for i in answer.get("left_out") or [] if i in ids]
+    spent = [i for i in answer.left_out if i in ids]
     if spent:
-        row.update(left_out(row, len(spent), len(picked), settings))
-    failed = [d for d in answer.get("died") or [] if d["request"] in ids]
-    unserved = [i for i in answer.get("unserved") or [] if i in ids]
+        row = left_out(row, len(spent), len(picked), settings)
+    failed = [d for d in answer.died if d["request"] in ids]
+    unserved = [i for i in answer.unserved if i in ids]
     if failed or unserved:
         first = failed[0] if failed else None
-        row.update(status="died", passed=False, reason=(
+        row = replace(row, status="died", passed=False, reason=(
             f"engine check: the engine died on {len(failed)} of {len(picked)} requests"
             + (f" ({len(unserved)} left unserved)" if unserved else "")
             + (f", first on request {first['request']}: {first['error']}" if first else "")
             + f"; its log: {log_path}. On the {len(compared)} it served: "
-            + row["reason"].removeprefix("engine check: "))[:2000])
+            + row.reason.removeprefix("engine check: "))[:2000])
     return row
 
 
-def left_out(row: dict, count: int, picked: int, settings: Settings) -> dict:
+def left_out(row: EngineCheckRow, count: int, picked: int, settings: Settings) -> EngineCheckRow:
     """A domain some of whose pairs the replay's budget left out (the machine's other processes
     left the engine too little CPU): decided on the requests served, saying how many were left
     out; with none served it is not gated ("contended": neither passed nor failed, the estimate
@@ -220,9 +225,9 @@ def left_out(row: dict, count: int, picked: int, settings: Settings) -> dict:
               f"shared over its engine's domains) ran out: other processes left the engine too "
               f"little CPU")
     if count >= picked:
-        return {"status": "contended", "passed": None,
-                "reason": f"engine check: not measured, all {picked} requests left out: {budget}"}
-    return {"reason": f"{row['reason']}; {count} of {picked} requests left out: {budget}"[:2000]}
+        return replace(row, status="contended", passed=None,
+                       reason=f"engine check: not measured, all {picked} requests left out: {budget}")
+    return replace(row, reason=f"{row.reason}; {count} of {picked} requests left out: {budget}"[:2000])
 
 
 def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: dict | None,
@@ -253,14 +258,25 @@ def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: 
 
 
 def rows_decode_tokens_per_s(rows: list[dict]) -> float | None:
-    """Decode-phase tokens/s (first token to last, vLLM's own timestamps; prefill left out)."""
-    rows = [r for r in rows if r.get("decode_s")]
-    tokens = sum((len(r["token_ids"]) if "token_ids" in r else r["tokens"]) - 1 for r in rows)
-    seconds = sum(r["decode_s"] for r in rows)
-    return tokens / seconds if seconds > 0 else None
+    """Decode-phase tokens/s of compared requests (compare_request's rows: first token to last,
+    vLLM's own timestamps; prefill left out)."""
+    return _per_s([(r["tokens"] - 1, r["decode_s"]) for r in rows if r.get("decode_s")])
 
 
 def rows_tokens_per_s(rows: list[dict]) -> float | None:
-    tokens = sum(len(r["token_ids"]) if "token_ids" in r else r["tokens"] for r in rows)
-    seconds = sum(r["seconds"] for r in rows)
-    return tokens / seconds if seconds > 0 else None
+    """Tokens/s of compared requests, wall time."""
+    return _per_s([(r["tokens"], r["seconds"]) for r in rows])
+
+
+def served_decode_tokens_per_s(served: list[ServedRequest]) -> float | None:
+    """Decode-phase tokens/s of requests as vLLM served them (see rows_decode_tokens_per_s)."""
+    return _per_s([(s.tokens - 1, s.decode_s) for s in served if s.decode_s])
+
+
+def served_tokens_per_s(served: list[ServedRequest]) -> float | None:
+    return _per_s([(s.tokens, s.seconds) for s in served])
+
+
+def _per_s(counts: list[tuple[int, float]]) -> float | None:
+    seconds = sum(s for _, s in counts)
+    return sum(t for t, _ in counts) / seconds if seconds > 0 else None

@@ -4,13 +4,14 @@ served in the serving environment, started again after a request that killed it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdec_core.estimate import LoggedRequest
 
 from ...errors import EngineTimeout, ServingProbeError
 from ...registry.registry import Registry
 from ...serving import environment as serving_env
+from ...serving.replay_answer import ReplayAnswer
 from ...serving.scripts.vllm_probe import PLAIN     # the id prefix of a request's K 0 twin
 from ...settings import Settings
 from .confirm import truncated
@@ -96,13 +97,6 @@ def paired_items(requests: list[tuple[int, object, int | None]]) -> list[dict]:
     return items
 
 
-def split_plain(answer: dict) -> dict:
-    """The K 0 twins' answers taken out of an engine's answer: {"requests": {id: answer}}."""
-    requests = answer.get("requests") or {}
-    plain = {key[len(PLAIN):]: requests.pop(key) for key in [k for k in requests if k.startswith(PLAIN)]}
-    return {"requests": plain}
-
-
 def replay_history(run: EngineRun, picked: dict, requests_by_domain: dict,
                    settings: Settings) -> list[dict]:
     """The requests a suffix engine serves before the replay (its tree grows from them): per
@@ -123,64 +117,37 @@ HISTORY_BATCH = 16   # the most history requests the engine serves at once (not 
 RESTARTS = 5      # fresh engines after a request killed one, before the rest is left unserved
 
 
-def serve_replay(serving_env, settings: Settings, what: str, log_path, request: dict) -> dict:
+def serve_replay(serving_env, settings: Settings, what: str, log_path, request: dict) -> ReplayAnswer:
     """One engine's replay; a request that kills the engine is recorded with vLLM's error and a
     fresh engine (a new process: vLLM does not start twice in one) serves the requests after it,
-    at most RESTARTS times. Output: the probe's answer with died: [{request, error}], unserved:
-    [ids], left_out: [ids of the pairs the budget left out], starts: engines started, counters
-    summed; or {"failed": (status, reason)}."""
+    at most RESTARTS times. Output: the probe's answers read once and summed over the engines
+    (ReplayAnswer: died, unserved, left_out, starts, counters), or failed: (status, reason)."""
     history, items = list(request.get("history", [])), list(request["requests"])
-    total = {"requests": {}, "died": [], "unserved": [], "left_out": [], "counters": None, "starts": 0}
+    total = ReplayAnswer(starts=0)
     while True:
         threads = serving_env.free_cpus()
         try:
             # the CPUs a neighbour uses are left to it, and it may use them without marking
             # a request contended (spare_cores)
-            answer = serving_env.run_engine(dict(request, history=history, requests=items,
-                                                 spare_cores=threads["spare"]),
-                                            log_path.with_suffix(f".{total['starts']}.log")
-                                            if total["starts"] else log_path,
-                                            settings.engine.check_timeout_s, what, settings,
-                                            threads=threads["bind"])
+            answer = ReplayAnswer.from_probe(serving_env.run_engine(
+                dict(request, history=history, requests=items, spare_cores=threads["spare"]),
+                log_path.with_suffix(f".{total.starts}.log") if total.starts else log_path,
+                settings.engine.check_timeout_s, what, settings, threads=threads["bind"]))
         except (EngineTimeout, ServingProbeError) as exc:
-            return {**total, "failed": ("timeout" if isinstance(exc, EngineTimeout) else "died",
-                                        str(exc))}
-        total["starts"] += 1
-        if answer.get("refused"):
-            return {**total, **answer, "died": total["died"]}
-        total.setdefault("vllm", answer.get("vllm"))
-        total.setdefault("start_s", answer.get("start_s"))
-        total.setdefault("mends", answer.get("mends") or [])
-        total["requests"].update(answer["requests"])
-        total["left_out"] += answer.get("left_out") or []
-        if answer.get("counters"):
-            total["counters"] = _add_counters(total["counters"], answer["counters"])
-        dead = answer.get("died")
-        if not dead:
+            return replace(total, failed=("timeout" if isinstance(exc, EngineTimeout) else "died", str(exc)))
+        if answer.refused:
+            return replace(answer, starts=total.starts + 1, died=total.died, unserved=total.unserved,
+                           left_out=total.left_out)
+        total = total.then(answer)
+        if not answer.died:
             return total
-        total["died"].append(dead)
         ids = [str(item["id"]) for item in history + items]
-        after = ids.index(dead["request"]) + 1
+        after = ids.index(answer.died[0]["request"]) + 1
         history, items = history[after:], items[max(0, after - len(history)):]
         if not items:
             return total
-        if total["starts"] > RESTARTS:
-            total["unserved"] = [str(item["id"]) for item in items]
-            return total
-
-
-def _add_counters(total: dict | None, more: dict) -> dict:
-    if total is None:
-        return dict(more)
-    width = max(len(total["accepted_per_pos"]), len(more["accepted_per_pos"]))
-
-    def padded(values):
-        return list(values) + [0] * (width - len(values))
-    return {"drafts": total["drafts"] + more["drafts"],
-            "draft_tokens": total["draft_tokens"] + more["draft_tokens"],
-            "accepted_tokens": total["accepted_tokens"] + more["accepted_tokens"],
-            "accepted_per_pos": [a + b for a, b in zip(padded(total["accepted_per_pos"]),
-                                                       padded(more["accepted_per_pos"]))]}
+        if total.starts > RESTARTS:
+            return replace(total, unserved=[str(item["id"]) for item in items])
 
 
 def dtype_of(model) -> str:
