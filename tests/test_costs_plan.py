@@ -699,11 +699,9 @@ def wide_console(monkeypatch):
     """Print the CLI's tables without wrapping (capsys is not a terminal: rich would use 80 columns)."""
     from rich.console import Console
 
-    import tasks.cli.app
-    import tasks.cli.evaluation
+    import tasks.cli.profile
 
-    monkeypatch.setattr(tasks.cli.evaluation, "console", Console(width=400))
-    monkeypatch.setattr(tasks.cli.app, "console", Console(width=400))
+    monkeypatch.setattr(tasks.cli.profile, "console", Console(width=400))
 
 
 def test_cli_profile_export_import_show(db_url, target, drafters, tmp_path, capsys, wide_console):

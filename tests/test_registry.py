@@ -1017,10 +1017,9 @@ def test_serving_reader_survives_a_stopped_tracking_server(db_url, tmp_path, mlf
 def test_cli_config_register_show_export_promote(db_url, tracking, target_id, capsys, monkeypatch):
     from rich.console import Console
 
-    from tasks.cli import app, config, main
+    from tasks.cli import config, main
 
     monkeypatch.setattr(config, "console", Console(width=400))   # no wrapping at 80 columns
-    monkeypatch.setattr(app, "console", Console(width=400))
     common = ["--target", target_id, "--tracking-uri", tracking]
     finished_run(db_url, "run-1", {"json": {}, "chat": {"enabled": False}}, target_id=target_id)
     assert main(["config", "register", "run-1", *common, "--url", db_url]) == 0

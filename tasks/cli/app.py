@@ -1,175 +1,38 @@
-"""The `specdec` command line: the root parser, `generate` and `compare`; the other command groups
-register themselves from their own modules."""
+"""The `specdec` command line: the root parser (each command group's parser from its module in
+tasks.cli.parsers), logging, and one line for each known failure. A command's own module is
+imported only when that command runs (tasks.cli.parsers.Command): the start-up stays light."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import traceback
 
 from rich.markup import escape
-from rich.table import Table
 
 from specdec_core.errors import SpecDecError
-from specdec_core.home import DEFAULT_MODEL
 
 from ..db.engine import database_error, is_disk_full, resolve_database_url
 from ..errors import InvalidValue, SpecdecTaskError
 from ..masking import mask_text, printable
 from ..paths import check_identifier
 from ..registry.mlflow_scope import SUPPRESS_RUN_URL_ENV, mlflow_settings
-from ..steps.drafters.candidates import CandidateError, candidate_label, parse_candidate
-from . import config, data, draft, engine, evaluation, main_job, monitor
-from .console import MaskingStream, emit, flush_stdout, make_console
-from .prompts import PromptFileError, encode, load_prompts
+from .console import MaskingStream, flush_stdout, make_console
+from .parsers import compare, config, data, draft, engine, evaluation, main_job, monitor
+from .prompts import PromptFileError
 
-console = make_console()
 errors = make_console(stderr=True)     # errors and warnings: stdout carries only results
 
 
-def parse_drafter(text: str) -> tuple[str, dict]:
-    """'prompt_lookup', 'layer_skip:num_layers=8', 'draft_model:model=PATH' -> (kind, params)."""
-    try:
-        spec = parse_candidate(text)
-    except CandidateError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return spec["kind"], spec["params"]
-
-
-def drafter_label(kind: str, params: dict) -> str:
-    return candidate_label({"kind": kind, "params": params})
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"target: HF id, local dir, GGUF file or {DEFAULT_MODEL} (default)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def _sampling(args):
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from specdec_core import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-
-
-def cmd_generate(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from specdec_core import SpecDecoder, load_model
-    from specdec_core.factory import make_drafter
-
-    model, tokenizer = load_model(args.model, device=args.device)
-    drafter = None
-    if args.drafter:
-        kind, params = args.drafter
-        drafter = make_drafter(kind, params, model, tokenizer)
-    decoder = SpecDecoder(model, drafter, k=args.k, tokenizer=tokenizer)
-    ids, mask = encode(tokenizer, [args.prompt], chat=not args.no_chat, device=model.device)
-    run = decoder.generate if drafter is not None else decoder.generate_plain
-    result = run(ids, max_new_tokens=args.max_new_tokens, sampling=_sampling(args), seed=args.seed,
-                 attention_mask=mask, eos_token_id=tokenizer.eos_token_id)
-    text = tokenizer.decode(result.tokens[0, : result.num_tokens[0]], skip_special_tokens=True)
-    emit(text)
-    stats = ("plain " if drafter is None else drafter_label(*args.drafter) + f" k={args.k} ") \
-        + result.stats.summary()
-    if args.stats_to_stderr:
-        print(stats, file=sys.stderr)
-    else:
-        emit(stats)
-    return 0
-
-
-def cmd_compare(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from specdec_core import load_model
-    from specdec_core.factory import make_drafter
-
-    from .compare import compare
-
-    prompts = load_prompts(args.prompts)
-    if args.domains:
-        wanted = set(args.domains.split(","))
-        prompts = [p for p in prompts if p.domain in wanted]
-        if not prompts:
-            raise PromptFileError(f"no prompt has a domain in {sorted(wanted)}")
-    model, tokenizer = load_model(args.model, device=args.device)
-    specs = args.drafter or [("prompt_lookup", {"k": 8}), ("layer_skip", {"num_layers": 8, "k": 2})]
-    drafters = {}
-    for kind, params in specs:
-        params = dict(params)
-        drafter_k = int(params.pop("k", args.k))
-        drafters[drafter_label(kind, params) + f" k={drafter_k}"] = (
-            make_drafter(kind, params, model, tokenizer), drafter_k)
-    widths = None
-    if not args.no_calibrate:
-        from specdec_core.profile import calibrate_verify_widths
-
-        widths = calibrate_verify_widths(model, max(k for _, k in drafters.values()) + 1)
-    rows = compare(model, tokenizer, drafters, prompts, k=args.k,
-                   max_new_tokens=args.max_new_tokens, sampling=_sampling(args), seed=args.seed,
-                   verify_widths=widths)
-    if args.format == "json":
-        emit(json.dumps([row.to_dict() for row in rows], indent=2))
-        return 0
-    table = Table(title=f"{args.model}: plain vs drafters, {len(prompts)} prompts, batch 1, "
-                        "decode phase")
-    for column in ("domain", "contender", "decode tok/s", "acceptance rate",
-                   "mean accepted length", "speedup"):
-        table.add_column(column, justify="left" if column in ("domain", "contender") else "right",
-                         no_wrap=column == "contender")
-    for row in rows:
-        plain = row.contender == "plain"
-        table.add_row(row.domain, row.contender, f"{row.stats.decode_tokens_per_s:.1f}",
-                      "-" if plain else f"{row.stats.acceptance_rate:.3f}",
-                      "-" if plain else f"{row.stats.mean_accepted_length:.2f}",
-                      f"{row.speedup:.2f}x")
-    console.print(table)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The whole `specdec` parser, built from the light parser modules (tasks.cli.parsers): a
+    command's own module is imported only when it runs."""
     parser = argparse.ArgumentParser(prog="specdec", description="The `specdec` command line.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate for one prompt: text, then a stats line")
-    _add_model_args(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--drafter", type=parse_drafter, default=None,
-                     help="prompt_lookup | layer_skip[:num_layers=N] | draft_model:model=SPEC "
-                          "(default: plain decoding)")
-    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--stats-to-stderr", action="store_true")
-    gen.set_defaults(func=cmd_generate)
-
-    cmp_ = sub.add_parser("compare", help="plain vs each drafter on a prompt set: a table")
-    _add_model_args(cmp_)
-    cmp_.add_argument("--prompts", default=None,
-                      help="a .jsonl ({prompt, domain?, id?}) or .txt file (default: built-in set)")
-    cmp_.add_argument("--domains", default=None, help="comma-separated domains to keep")
-    cmp_.add_argument("--drafter", type=parse_drafter, action="append",
-                      help="repeatable; k=N in the params gives that drafter its own K (default: "
-                           "prompt_lookup:k=8 and layer_skip:num_layers=8,k=2)")
-    cmp_.add_argument("--no-calibrate", action="store_true",
-                      help="do not measure verify-pass widths (by default a verify pass runs at the "
-                           "cheapest measured width >= the one needed; outputs are unchanged)")
-    cmp_.add_argument("--format", choices=["table", "json"], default="table")
-    cmp_.set_defaults(func=cmd_compare)
-    data.register(sub)
-    evaluation.register(sub)
-    config.register(sub)
-    main_job.register(sub)
-    draft.register(sub)
-    engine.register(sub)
-    monitor.register(sub)
+    for group in (compare, data, evaluation, config, main_job, draft, engine, monitor):
+        group.register(sub)
     return parser
 
 

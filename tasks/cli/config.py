@@ -1,4 +1,5 @@
-"""`specdec config show|register|promote|rollback|export`: the config registry (MLflow)."""
+"""`specdec config show|register|promote|rollback|export`: the config registry (MLflow); the
+parsers: tasks.cli.parsers.config."""
 
 from __future__ import annotations
 
@@ -11,19 +12,21 @@ import yaml
 from rich.markup import escape
 from rich.table import Table
 
-from specdec_core.home import DEFAULT_MODEL, EMBEDDED_MODELS, models_dir
+from specdec_core.home import EMBEDDED_MODELS, models_dir
 
 from ..errors import DatabaseNotMigrated, DatabaseUnavailable, DiskFull, InvalidValue
 from ..registry.compose_export import compose_export
 from ..registry.config_schema import config_model_name
 from ..registry.gate import gates_of
+from ..registry.promotion import promote, rollback
+from ..registry.registration import register_config
 from ..registry.sglang_export import sglang_export
 from ..registry.trtllm_export import trtllm_export
 from ..registry.version_page import GATE_RESULTS, champion_audit, description_text
 from ..registry.vllm_export import vllm_export
 from ..serving.environment import SERVED_MARK
 from ..settings import load_settings
-from .common import open_registry, open_store, output_file, print_json, tracking_uri_arg, url_arg
+from .common import open_registry, open_store, print_json
 from .console import emit, make_console
 
 console = make_console()
@@ -80,9 +83,6 @@ def cmd_show(args) -> int:
 
 
 def cmd_register(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.registration import register_config
-
     store = open_store(args)
     result = register_config(args.run_id, store, registry=open_registry(args, store))
     console.print(f"{result['name']} version {result['version']} "
@@ -92,9 +92,6 @@ def cmd_register(args) -> int:
 
 
 def cmd_promote(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.promotion import promote
-
     expected = "current" if args.expected_champion is None else (
         None if args.expected_champion == "none" else args.expected_champion)
     store = open_store(args)
@@ -105,9 +102,6 @@ def cmd_promote(args) -> int:
 
 
 def cmd_rollback(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..registry.promotion import rollback
-
     store = open_store(args)
     result = rollback(_name(args), store, registry=open_registry(args, store),
                       expected_champion=args.expected_champion or "current")
@@ -116,7 +110,6 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_export(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
     registry = open_registry(args)
     shown = registry.show_version(_name(args), args.which)
     _warn_ungated(_champion_audit(args, shown))      # stdout stays the JSON
@@ -175,53 +168,3 @@ def _served_dir(target: str) -> str | None:
     directory = models_dir() / target.lower() / "transformers"
     return str(directory.resolve()) if target.lower() in EMBEDDED_MODELS and (
         directory / SERVED_MARK).exists() else None
-
-
-def register(sub) -> None:
-    config = sub.add_parser("config", help="the promoted config in the MLflow registry")
-    c_sub = config.add_subparsers(dest="config_command", required=True)
-
-    def common(parser, url: bool = False):
-        parser.add_argument("--target", default=DEFAULT_MODEL, help="target id (names the registered model)")
-        tracking_uri_arg(parser)
-        if url:
-            url_arg(parser)
-
-    show = c_sub.add_parser("show", help="a version: aliases, tags, description (per-domain table)")
-    show.add_argument("which", nargs="?", default="champion", help="champion | challenger | VERSION")
-    show.add_argument("--json", action="store_true")
-    common(show, url=True)
-    show.set_defaults(func=cmd_show)
-    reg = c_sub.add_parser("register", help="track a run in MLflow and register its config (challenger)")
-    reg.add_argument("run_id")
-    common(reg, url=True)
-    reg.set_defaults(func=cmd_register)
-    prom = c_sub.add_parser("promote", help="gate, then move the champion alias (compare-and-set)")
-    prom.add_argument("version")
-    prom.add_argument("--force", action="store_true", help="promote past failed gates (recorded)")
-    prom.add_argument("--expected-champion", default=None,
-                      help="the champion version the gates were reviewed against ('none' if none); "
-                           "refused if it has changed")
-    common(prom, url=True)
-    prom.set_defaults(func=cmd_promote)
-    back = c_sub.add_parser("rollback", help="champion back to the version it replaced")
-    back.add_argument("--expected-champion", default=None, metavar="N",
-                      help="roll back only if version N is still the champion (default: whatever is)")
-    common(back, url=True)
-    back.set_defaults(func=cmd_rollback)
-    export = c_sub.add_parser("export", help="a version as JSON, or as each serving engine's "
-                                             "speculative settings per domain")
-    export.add_argument("which", nargs="?", default="champion")
-    export.add_argument("--format", choices=["json", "vllm", "trtllm", "sglang", "compose"],
-                        default="json",
-                        help="json: the config; vllm / trtllm: each engine's speculative_config "
-                             "per domain (K by batch size in the engine's own key); sglang: the "
-                             "launch_server flags per domain (one K per server); compose: a Docker "
-                             "Compose override with one vLLM service per deployment (profile serving)")
-    export.add_argument("--output", type=output_file("--output"), default=None, help="the file to write, in a folder that exists (any format; default: stdout)")
-    export.add_argument("--model-dir", default=None,
-                        help="vllm / sglang / compose: the target directory the server loads (default: the embedded "
-                             "default's served copy under $SPECDEC_HOME/models once the engine check "
-                             "wrote it, else the target id)")
-    common(export, url=True)
-    export.set_defaults(func=cmd_export)

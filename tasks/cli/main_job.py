@@ -27,14 +27,15 @@ from ..db.store import Store
 from ..errors import InvalidValue, RegistryError
 from ..masking import mask_text, mask_url, printable
 from ..orchestration.airflow_glue import TIMING_POOL
+from ..orchestration.airflow_logs import recording, write_task_logs
 from ..registry.config_schema import config_model_name, target_slug
 from ..registry.registry import Registry
 from ..registry.run_results import profile_check
 from ..registry.run_view import build_run_view
 from ..settings import DATABASE_URL_ENV, load_settings, specdec_home
+from ..steps.costs.reuse import profile_check_text
 from ..steps.run_table import evaluation_table
 from ..steps.traffic.traffic_import import import_traffic, sample_traffic_path
-from .common import json_object
 from .console import make_console
 from .evaluation import print_run
 
@@ -297,8 +298,6 @@ def _run_dag(console, env: dict, conf: dict | None, promote: bool):
     progress = _TaskProgress(console)
     progress_logger.addHandler(progress)
     progress_logger.setLevel(logging.INFO)
-    from ..orchestration.airflow_logs import recording, write_task_logs
-
     try:
         with recording() as recorder:
             dag_run = dag.test(run_conf={"promote": promote, **(conf or {})})
@@ -318,8 +317,6 @@ def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
     """Step 4/4 of a run that succeeded: its table, the profile's check, the champion and the
     UI links."""
     console.print("[bold]4/4[/bold] results")
-
-    from ..steps.costs.reuse import profile_check_text
 
     settings = load_settings()
     store = Store.open(settings=settings)
@@ -351,10 +348,6 @@ def _results(console, env: dict, dag_run, states: dict, started: float) -> dict:
             "champion": champion, "task_states": states, "profile_check": check}
 
 
-def register(sub) -> None:
-    parser = sub.add_parser("main-job", help="the README's main job: specdec_evaluate through Airflow's "
-                                             "dag.test() on the embedded default and shipped traffic")
-    parser.add_argument("--no-promote", action="store_true", help="register only (alias challenger)")
-    parser.add_argument("--conf", type=json_object("--conf"), default=None, help="JSON run conf for specdec_evaluate's Params")
-    parser.set_defaults(func=lambda args: 0 if run(args.conf,
-                                                   promote=not args.no_promote)["state"] == "success" else 1)
+def cmd_main_job(args) -> int:
+    """`specdec main-job`: 0 when the run succeeded, else 1."""
+    return 0 if run(args.conf, promote=not args.no_promote)["state"] == "success" else 1

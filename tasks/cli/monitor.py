@@ -1,15 +1,15 @@
 """`specdec monitor scrape|check|show`: production acceptance from the serving engines, beside the
-champion's promise (tasks.steps.monitor; docs/monitoring.md)."""
+champion's promise (tasks.steps.monitor; docs/monitoring.md); the parsers: tasks.cli.parsers.monitor."""
 
 from __future__ import annotations
-
 
 from rich.markup import escape
 from rich.table import Table
 
-from specdec_core.home import DEFAULT_MODEL
-
-from .common import open_registry, open_store, print_json, tracking_uri_arg, url_arg, utc_time
+from ..steps.monitor.drift import check
+from ..steps.monitor.monitor import MonitorContext, show
+from ..steps.monitor.scrape import scrape
+from .common import open_registry, open_store, print_json
 from .console import make_console
 
 console = make_console()
@@ -17,9 +17,6 @@ errors = make_console(stderr=True)
 
 
 def _context(args):
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor.monitor import MonitorContext
-
     store = open_store(args)
     return MonitorContext.open(store, open_registry(args, store), args.target)
 
@@ -35,10 +32,6 @@ def _print_events(events: list[dict]) -> None:
 
 
 def cmd_scrape(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor.drift import check
-    from ..steps.monitor.scrape import scrape
-
     ctx = _context(args)
     row = scrape(ctx, args.url_to_scrape, args.deployment)
     result = {"scrape": row}
@@ -57,9 +50,6 @@ def cmd_scrape(args) -> int:
 
 
 def cmd_check(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor.drift import check
-
     result = check(_context(args))
     if args.json:
         print_json(result)
@@ -75,9 +65,6 @@ def cmd_check(args) -> int:
 
 
 def cmd_show(args) -> int:
-    # imported here: the CLI imports every command module at start-up; this loads for its command only
-    from ..steps.monitor.monitor import show
-
     store = open_store(args)
     result = show(store, store.settings, args.deployment, since=args.since, until=args.until)
     if args.json:
@@ -108,37 +95,3 @@ def cmd_show(args) -> int:
     for event in result["events"]:
         console.print(f"{event['window_end']:%H:%M:%S} {event['kind']}: {escape(event['reason'] or '')}")
     return 0
-
-
-def register(sub) -> None:
-    monitor = sub.add_parser("monitor", help="production acceptance from the serving engines")
-    m_sub = monitor.add_subparsers(dest="monitor_command", required=True)
-
-    def common(parser, database: str = "--url"):
-        parser.add_argument("--target", default=DEFAULT_MODEL, help="target id (names the registered model)")
-        tracking_uri_arg(parser)
-        if database == "--url":
-            url_arg(parser)
-        else:        # `monitor scrape --url` names the server
-            parser.add_argument(database, dest="url", default=None,
-                                help="specdec's database URL (default: $SPECDEC_DATABASE_URL, else "
-                                     "sqlite:///$SPECDEC_HOME/specdec.db)")
-        parser.add_argument("--json", action="store_true")
-
-    scrape = m_sub.add_parser("scrape", help="store a vLLM server's spec-decode counter deltas, then check")
-    scrape.add_argument("--url", dest="url_to_scrape", required=True, metavar="URL",
-                        help="the server (http://host:port) or its /metrics")
-    scrape.add_argument("--deployment", required=True,
-                        help="the deployment's name (`specdec config export --format compose` names them)")
-    scrape.add_argument("--no-check", action="store_true", help="store only: no drift check")
-    common(scrape, database="--db-url")
-    scrape.set_defaults(func=cmd_scrape)
-    check = m_sub.add_parser("check", help="drift alert and automatic rollback over the window")
-    common(check)
-    check.set_defaults(func=cmd_check)
-    show = m_sub.add_parser("show", help="per deployment and domain: production vs promised")
-    show.add_argument("--deployment", default=None)
-    show.add_argument("--since", type=utc_time("--since"), default=None, help="ISO time (UTC); default: the monitor window")
-    show.add_argument("--until", type=utc_time("--until"), default=None, help="ISO time (UTC); default: now")
-    common(show)
-    show.set_defaults(func=cmd_show)

@@ -19,11 +19,11 @@ Commands:
 from __future__ import annotations
 
 import sys
+from importlib.metadata import version
+from pathlib import Path
 
 
 def versions(_request: dict) -> dict:
-    from importlib.metadata import version
-
     import speculators.models.eagle3  # noqa: F401 - it imports
     import torch
     import transformers
@@ -33,8 +33,6 @@ def versions(_request: dict) -> dict:
 
 
 def logits(request: dict) -> dict:
-    from pathlib import Path
-
     import torch
     from safetensors import safe_open
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig

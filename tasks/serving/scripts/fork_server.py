@@ -31,13 +31,16 @@ started it is gone, it stops the jobs still running (SIGTERM to each process gro
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import sys
 import time
+import traceback
 
 GRACE_S = 10.0
 
@@ -91,13 +94,9 @@ def _child(job: dict) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         status = _run(list(job["argv"]))
     except BaseException:  # noqa: BLE001 - whatever the job raised is its failure, printed as Python would
-        import traceback
-
         traceback.print_exc()
     finally:
         try:
-            import atexit
-
             atexit._run_exitfuncs()      # what the job registered, as an interpreter's exit runs it
             sys.stdout.flush()
             sys.stderr.flush()
@@ -115,8 +114,6 @@ def _title(title: str) -> None:
 
 
 def _run(argv: list[str]) -> int:
-    import runpy
-
     try:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]

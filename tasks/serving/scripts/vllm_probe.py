@@ -34,9 +34,12 @@ Commands:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
+import traceback
+from importlib.metadata import entry_points
 from pathlib import Path
 
 
@@ -126,8 +129,6 @@ def _with_mends(command):
 
 
 def replay(request: dict) -> dict:
-    import traceback
-
     import vllm
 
     spec = request.get("speculative_config")
@@ -280,8 +281,6 @@ def _serve_contended_again(llm, request: dict, answer: dict, hz: int, limit: flo
 def _generate_all(llm, items: list[dict], answer: dict, blame: str):
     """The items' results from one call (the engine batches them up to max_num_seqs); None when
     the engine died, with vLLM's error in answer["died"] under the request id `blame`."""
-    import traceback
-
     try:
         return llm.generate([_prompt(item) for item in items],
                             [_sampling_params(item) for item in items], use_tqdm=False)
@@ -335,8 +334,6 @@ def _start(request: dict, spec, max_num_seqs: int, answer: dict):
 
 
 def _plugin_installed() -> bool:
-    from importlib.metadata import entry_points
-
     return any(e.value.startswith("specdec_vllm_mends") for e in entry_points(group="vllm.general_plugins"))
 
 
@@ -517,8 +514,6 @@ def pooled_spread(timings: list[dict], groups: dict, contended: bool = False,
     two clean pairs or more: 1.4826 x the median absolute deviation of the log ratios from their
     own ratio's median, each widened by sqrt(n / (n - 1)); degrees of freedom: the pairs less the
     ratios. (0, 0) where no ratio has two pairs."""
-    import math
-
     residuals, pairs, ratios = [], 0, 0
     for group, ks in groups.items():
         for k in ks:

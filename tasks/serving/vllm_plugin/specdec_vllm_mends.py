@@ -46,8 +46,13 @@ batch size.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import json
 import logging
 import os
+
+import torch     # loaded already: vLLM imports it before it loads its plugins
 
 MARK = "specdec mend:"
 OFF_VARIABLE = "SPECDEC_VLLM_MENDS"
@@ -81,8 +86,6 @@ def _said(line: str) -> None:
 def expand_keeping_dtype(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
     """What vLLM's expand_batch_to_tokens computes, for any dtype: each request's value
     (replace_from read as replace_to) repeated over its draft tokens."""
-    import torch
-
     ends = cu_num_tokens.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
@@ -93,8 +96,6 @@ def expand_keeping_dtype(x, cu_num_tokens, num_tokens: int, replace_from=0, repl
 
 def expand_is_broken(expand) -> bool:
     """Whether `expand` loses a float32 value (what vLLM 0.32's CPU kernel does)."""
-    import torch
-
     probe = torch.tensor([0.7, 0.25], dtype=torch.float32)
     cu = torch.tensor([3, 5], dtype=torch.int32)
     expected = torch.tensor([0.7] * 3 + [0.25] * 2)
@@ -118,8 +119,6 @@ def top_k_top_p_allowing_empty(original):
 
 
 def top_k_fails_on_empty(apply) -> bool:
-    import torch
-
     try:
         apply(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64), None)
     except RuntimeError:
@@ -137,8 +136,6 @@ def mend_empty_top_k(module) -> list[str]:
 
 # --- seeded requests ------------------------------------------------------------------------------
 def cpu_offsets_refused() -> bool:
-    import torch
-
     try:
         torch.Generator(device="cpu").get_offset()
     except RuntimeError:
@@ -147,8 +144,6 @@ def cpu_offsets_refused() -> bool:
 
 
 def _offset_free_class():
-    import torch
-
     class OffsetFreeGenerator(torch.Generator):
         """A CPU generator whose offset rewind is skipped (see the module's docstring)."""
 
@@ -262,8 +257,6 @@ def read_plan(path: str) -> dict:
     """{"method", "domains": {name: triples}, "default": triples} from a plan file, or from the
     plan itself where SPECDEC_VLLM_PLAN holds the JSON (it starts with "{"); PlanError naming the
     file and what is wrong."""
-    import json
-
     try:
         text = path if path.lstrip().startswith("{") else open(path, encoding="utf-8").read()
         if path.lstrip().startswith("{"):
@@ -306,8 +299,6 @@ def cut_drafts(drafts, k: int | None):
 
 def _limited(scheduler, draft_token_ids, plan):
     """draft_token_ids with each request's drafts cut to its K (a new object; the same type)."""
-    import dataclasses
-
     batch = len(getattr(scheduler, "running", ()) or ())
     kept = []
     for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
@@ -320,9 +311,6 @@ def _limited(scheduler, draft_token_ids, plan):
 
 def scheduler_as_expected(scheduler_class, draft_class) -> str | None:
     """None when vLLM's scheduler takes drafts the way the cut expects; else what differs."""
-    import dataclasses
-    import inspect
-
     fields = {f.name for f in dataclasses.fields(draft_class)} if dataclasses.is_dataclass(draft_class) else set()
     if fields != {"req_ids", "draft_token_ids"}:
         return f"DraftTokenIds has fields {sorted(fields)}, not req_ids and draft_token_ids"
