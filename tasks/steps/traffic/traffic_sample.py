@@ -7,7 +7,7 @@ later window changes only by the requests that entered or left it. Two runs over
 traffic then measure the same requests, so their decisions differ only where the costs differ:
 drawn anew each run ("per_run", the key sha256(run_id, request_id)), a domain whose speedup is
 near the bar turned on in one run and off in the next on the draw alone (30 of the shipped
-sample's 110 requests a domain: four runs planned on one stored profile turned on four different
+sample's 110 requests a domain: four runs planned on one stored profile turned on three different
 sets of domains; docs/evaluation.md). Either way the
 draw does not depend on the database's row order, and streaming the candidate ids through a
 bounded heap keeps memory at O(max_per_domain) whatever the traffic volume.
