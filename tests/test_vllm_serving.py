@@ -446,7 +446,10 @@ def test_a_run_planned_on_vllms_costs_is_live_checked_on_vllm(engine_run):
     assert "live_check" not in first             # planned on no vLLM profile: reported only
     verdict = again["live_check"]
     assert verdict["engine"] == "vllm" and verdict["reason"].startswith("on vLLM: live check:")
-    assert verdict["requests"] == again["requests"] and verdict["lo"] <= verdict["measured"] <= verdict["hi"]
+    # judged on the pairs served, less those a neighbour reached where 5 or more are left
+    left_out = verdict["contended"] if verdict["requests"] < again["requests"] else 0
+    assert verdict["requests"] == again["requests"] - left_out and verdict["requests"] >= 1
+    assert verdict["lo"] <= verdict["measured"] <= verdict["hi"]
     assert verdict["measured"] == pytest.approx(again["measured_speedup"], rel=1e-6)
     with ensure_ready(engine_run["url"]).connect() as connection:
         live = connection.execute(select(LiveMeasurement).where(LiveMeasurement.domain == "loops")).one()
