@@ -456,7 +456,10 @@ def test_a_run_planned_on_vllms_costs_is_live_checked_on_vllm(engine_run):
         config = connection.execute(select(DomainConfig).where(DomainConfig.domain == "loops")).one()
     assert live.measured_speedup == pytest.approx(verdict["measured"])
     assert live.predicted_same_requests == pytest.approx(again["predicted_speedup"])
-    assert live.hardware["engine"] == "vllm" and len(live.per_request) == verdict["requests"]
+    # every pair is stored, the contended ones marked: the verdict's are the unmarked ones
+    assert live.hardware["engine"] == "vllm" and len(live.per_request) == again["requests"]
+    judged = [r for r in live.per_request if not (left_out and r.get("contended"))]
+    assert len(judged) == verdict["requests"]
     assert config.live_check["engine"] == "vllm" and config.measured_speedup == pytest.approx(verdict["measured"])
 
 
