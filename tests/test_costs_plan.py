@@ -238,12 +238,14 @@ def test_plan_on_a_profile_with_sampled_steps_prices_the_domains_share_of_sample
     now = datetime(2026, 1, 1)
     execute(db_url, insert(EvalRun), [{"run_id": "plan-run", "created_at": now, "updated_at": now,
                                       "status": "running"}])
-    # 3 of the domain's 4 sampled requests sample (temperature > 0)
+    # 3 of the domain's 4 sampled requests sample (temperature > 0), 2 of them with top-p: those
+    # pay the profile's sampled steps; one at its temperature with top-k only costs as greedy ones
     execute(db_url, insert(TrafficRequest), [
         {"id": f"r{i}", "requested_at": now, "domain": "qa", "domain_source": "row", "prompt": "p",
-         "response": "r", "temperature": t, "model": "m", "prompt_chars": 1, "response_chars": 1,
-         "content_hash": f"h{i}", "source_file": "f", "source_line": i, "imported_at": now}
-        for i, t in enumerate((0.0, 0.7, 1.0, 0.3))])
+         "response": "r", "temperature": t, "top_p": p, "top_k": k, "model": "m", "prompt_chars": 1,
+         "response_chars": 1, "content_hash": f"h{i}", "source_file": "f", "source_line": i,
+         "imported_at": now}
+        for i, (t, p, k) in enumerate(((0.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.9, 0), (0.3, 1.0, 50)))])
     execute(db_url, insert(EvalSample), [{"run_id": "plan-run", "request_id": f"r{i}", "domain": "qa",
                                           "position": i} for i in range(4)])
     greedy = cost_table()
@@ -256,8 +258,8 @@ def test_plan_on_a_profile_with_sampled_steps_prices_the_domains_share_of_sample
     mixed = plan_domain("plan-run", "qa", sampled, Store.open(db_url), settings=settings())
     assert (plain["drafter"], plain["k"]) == (mixed["drafter"], mixed["k"]) == (PL, 2)
     # PL K=2 at b=1: half the rounds draft nothing (a plain step, priced alike), half verify K = 2
-    # at 0.75 x 0.4 = 0.3 steps more: 1.25 + 0.15
-    assert mixed["predicted_speedup"] == pytest.approx(2.0 / (1.25 + 0.15))
+    # at 0.5 (the top-p share) x 0.4 = 0.2 steps more: 1.25 + 0.1
+    assert mixed["predicted_speedup"] == pytest.approx(2.0 / (1.25 + 0.1))
     assert plain["predicted_speedup"] == pytest.approx(2.0 / 1.25)
 
 
@@ -832,6 +834,19 @@ def test_vllm_profile_pairs_contended_repeats_only_where_no_clean_ones_are_left(
                                                                           contended={0, 1, 2})
     table, _, notes = _table({"ngram": {"timings": ngram}}, runs, 1, [1], 1, load_settings())
     assert table.verify[1][1] == pytest.approx(0.044) and any("other processes" in n for n in notes)
+
+
+def test_only_requests_that_sample_with_top_p_pay_a_serving_engines_sampled_steps():
+    # vLLM's top-p sorts the vocabulary at each verified position; temperature alone or top-k
+    # only cost about what greedy does (benchmarks/results/sampled_costs.md)
+    from specdec_core.sampling import SamplingParams
+    from tasks.steps.checks.engine_compare import pays_sampled
+
+    assert pays_sampled(SamplingParams(temperature=0.7, top_p=0.9))
+    assert pays_sampled(SamplingParams(temperature=0.8, top_k=50, top_p=0.95))
+    assert not pays_sampled(SamplingParams(temperature=1.0))
+    assert not pays_sampled(SamplingParams(temperature=0.8, top_k=50))
+    assert not pays_sampled(SamplingParams(temperature=0.0, top_p=0.9))      # greedy: argmax
 
 
 def test_vllm_profile_prices_sampled_requests_apart_and_plans_a_domains_mix():

@@ -26,11 +26,10 @@ console = make_console()
 
 
 def cmd_check(args) -> int:
-    store = open_store(args)
-    url = store.url
-    target = _run_target(args.run_id, store, args.target)
+    store, target = _store_and_target(args)
     if target is None:
         return 2
+    url = store.url
     overrides = {"engine_check": True}       # asked for by name: on whatever the environment says
     if args.required:
         overrides["engine_check_required"] = True
@@ -67,11 +66,10 @@ def engine_sampling_table(run_id: str, rows: dict) -> Table:
 
 
 def cmd_validate(args) -> int:
-    store = open_store(args)
-    url = store.url
-    target = _run_target(args.run_id, store, args.target)
+    store, target = _store_and_target(args)
     if target is None:
         return 2
+    url = store.url
     spec_config = None
     if args.speculative_config is not None:
         try:
@@ -100,21 +98,22 @@ def cmd_validate(args) -> int:
     return 0 if all(row["passed"] for row in result["domains"].values()) else 1
 
 
-def _run_target(run_id: str, store, target: str | None) -> str | None:
-    """The run's target (or `target`); None, with an error line, when the run does not exist."""
-    found = target or run_target(store, run_id)
+def _store_and_target(args):
+    """(the store args name, the run's target or --target); target None, with an error line, when
+    the run does not exist."""
+    store = open_store(args)
+    found = args.target or run_target(store, args.run_id)
     if found is None:
-        make_console(stderr=True).print(f"[red]error:[/red] run {escape(run_id)} does not exist in "
+        make_console(stderr=True).print(f"[red]error:[/red] run {escape(args.run_id)} does not exist in "
                                         f"{escape(store.display_url)}: evaluate it first")
-    return found
+    return store, found
 
 
 def cmd_load(args) -> int:
-    store = open_store(args)
-    url = store.url
-    target = _run_target(args.run_id, store, args.target)
+    store, target = _store_and_target(args)
     if target is None:
         return 2
+    url = store.url
     serving_env.working_python()    # asked for by name: no serving python is an error, not a skip
     result = step_load_check(RunSpec(run_id=args.run_id, target=target, db_url=url,
                                      overrides={"load_check": True}))

@@ -14,6 +14,7 @@ from ...settings import Settings
 from ..estimate import acceptance
 from .confirm import offline_totals
 from ..costs.costs import CostProfileError, CostTable
+from ..costs.cost_table import pays_sampled_steps
 from ..plan.plan import speedup_factor
 from .engine_replay import batch_one_k, end_slot
 
@@ -198,7 +199,7 @@ def domain_row(picked: list, answer: ReplayAnswer, spec: dict, drafter, target_m
         spec_decode_tokens_per_s=rows_decode_tokens_per_s(compared),
         predicted_speedup=predicted_speedup(
             costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
-            [offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])))
+            [offline[r.request_id] for r in served], [pays_sampled(r.sampling) for r in served])))
     ids = {r.request_id for r in picked}
     spent = [i for i in answer.left_out if i in ids]
     if spent:
@@ -230,11 +231,17 @@ def left_out(row: EngineCheckRow, count: int, picked: int, settings: Settings) -
     return replace(row, reason=f"{row.reason}; {count} of {picked} requests left out: {budget}"[:2000])
 
 
+def pays_sampled(sampling) -> bool:
+    """Whether a request (its SamplingParams) pays a serving engine's sampled steps
+    (tasks.steps.costs.cost_table.pays_sampled_steps: it samples with top-p)."""
+    return pays_sampled_steps(sampling.temperature, sampling.top_k, sampling.top_p)
+
+
 def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: dict | None,
                       totals: list, sampled: list[bool] | None = None, batch_size: int = 1) -> float | None:
     """The speedup the serving engine's cost profile predicts for these requests (their
-    estimate's rounds, RoundTotals; sampled: whether each samples, priced with the profile's
-    sampled steps where it has them) at one batch size: their plain decoding time over their
+    estimate's rounds, RoundTotals; sampled: whether each pays the profile's sampled steps,
+    pays_sampled, priced with them where the profile has them) at one batch size: their plain decoding time over their
     rounds' time, as the planner prices them. None without a profile that prices the drafter at
     that batch size."""
     if costs is None or label is None or not totals or batch_size not in costs.target_step:

@@ -57,6 +57,7 @@ from ...serving import environment as serving_env
 from ...serving.server import ServerPool, log_dir
 from .confirm import offline_totals, truncated
 from ..costs.costs import CostTable
+from .engine_compare import pays_sampled
 from .engine_replay import dtype_of, end_slot, local_spec
 from ..costs.engine_costs import engine_profile
 from .engine_validate import served_export
@@ -82,7 +83,7 @@ def _predictions(context, domain: str, config: dict, items: list[dict], ks: set[
     for k in sorted(k for k in ks if k > 0):
         offline = offline_totals(context.model, drafter, requests, k)
         served = [r for r in requests if r.request_id in offline]
-        out[k] = ([offline[r.request_id] for r in served], [not r.sampling.greedy for r in served])
+        out[k] = ([offline[r.request_id] for r in served], [pays_sampled(r.sampling) for r in served])
     return out
 
 

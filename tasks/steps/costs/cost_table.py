@@ -37,6 +37,19 @@ def hardware_text(hardware: dict) -> str:
     return f"{hardware.get('device')} {hardware.get('dtype')}{worker}"
 
 
+def pays_sampled_steps(temperature: float | None, top_k: int | None = 0,
+                       top_p: float | None = 1.0) -> bool:
+    """Whether a request costs what a serving engine's profile times as its sampled steps
+    (sampled_step, sampled_verify: requests at top-p 0.9): it samples (temperature > 0) with
+    top-p below 1. vLLM's top-p sorts the vocabulary at every position a step verifies, K + 1 rows
+    in a round, which is most of what a sampled step costs over a greedy one; a request sampling
+    at its temperature alone, or with top-k only, costs about what a greedy one does (measured on
+    this CPU, the embedded default, benchmarks/results/sampled_costs.md: at K 8 and batch 1 a
+    top-p round cost 2.65 greedy steps, a temperature-only one 1.64 and a top-k one 1.88, a greedy
+    one 1.46-1.61), so it is priced with the greedy steps."""
+    return bool(temperature) and temperature > 0 and top_p is not None and top_p < 1.0
+
+
 @dataclass
 class CostTable:
     """Seconds per component of one hardware profile, by batch size."""
@@ -130,7 +143,8 @@ class CostTable:
             ) from None
 
     def for_sampling(self, sampled_share: float) -> "CostTable":
-        """The table for traffic of which `sampled_share` of the requests sample (temperature > 0):
+        """The table for traffic of which `sampled_share` of the requests pay the sampled steps
+        (pays_sampled_steps: they sample with top-p):
         each step and verify pass the blend (1 - share) x greedy + share x sampled where the profile
         timed sampled requests (linear in K between the K timed), itself where it did not."""
         share = min(max(float(sampled_share), 0.0), 1.0)

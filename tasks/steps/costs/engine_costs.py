@@ -28,8 +28,12 @@ round for each ratio not settled yet, within `profile_engine_budget_s` (docs/eva
   batches; between those, the sampled extra over greedy is linear in K and in the batch size. vLLM's rejection sampler does
   more for a sampled request (the K + 1 positions' distributions, top-p over them): on this CPU a
   sampled ngram step cost 15-20% more than a greedy one while plain steps cost about the same, so
-  a greedy-only profile over-predicted half-sampled traffic. The planner and the engine check
-  price each request, or a domain's share of sampled requests, with them (CostTable.for_sampling).
+  a greedy-only profile over-predicted half-sampled traffic. What costs is top-p, which sorts the
+  vocabulary at each verified position: the planner and the engine check price each request that
+  samples with top-p, or a domain's share of them, with these figures (CostTable.for_sampling),
+  and a request sampling at its temperature alone or with top-k only with the greedy ones
+  (pays_sampled_steps: at K 8 and batch 1 a round at temperature 0.7 alone cost 1.64 greedy
+  steps, with top-p 0.9 2.65, a greedy one 1.61; benchmarks/results/sampled_costs.md).
 - No round overhead apart: vLLM's per-step work outside the forward passes is inside the steps
   timed.
 
@@ -46,7 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +109,7 @@ class VllmProfilePlan:
     runs: list[tuple]
     lookups: set[str]
     base: dict
+    sampled: dict = field(default_factory=lambda: dict(SAMPLED))
 
 
 # Student's t, two-sided 95%, by degrees of freedom (0 unused; the last serves every larger one)
@@ -115,12 +120,13 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None,
                  store: Store, name: str | None = None,
                  settings: Settings | None = None, k_max: int | None = None, batch_sizes=None,
                  ks: list[int] | None = None, draft_k: int = 3, steps: int = 8,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, sampled: dict | None = None) -> dict:
     """Time vLLM's decode steps for `target` in the serving environment and store them as a cost
     profile (see the module's docstring). ks: the K values timed on the ngram engine (default 1,
     2, 4, 8, ... and k_max; the others are interpolated linearly between measured neighbours);
     candidates: drafters whose vLLM config gets an engine of its own for its draft step; steps:
-    decode steps per timed batch at every K.
+    decode steps per timed batch at every K; sampled: the sampling its sampled steps are timed at
+    (default SAMPLED, what pays_sampled_steps prices with them).
 
     Output: {"run_id", "hardware_profile": {name, device, dtype, details}, "costs": rows, "check",
     "seconds", "engines": [{config, start_s, seconds, mends, repeats, stopped}]}."""
@@ -133,6 +139,7 @@ def profile_vllm(run_id: str, target: str, candidates: list[str] | None,
                 | {1, k_max})
     plan = _plan_vllm_profile(run_id, target, candidates, settings, k_max, sizes, ks, draft_k,
                               steps)
+    plan.sampled = dict(sampled or SAMPLED)
     started = time.perf_counter()
     answers, engines = _time_engines(run_id, plan, settings, progress)
     table, hardware, version = _vllm_table(run_id, plan, answers, engines, settings, k_max, draft_k,
@@ -198,7 +205,7 @@ def _engine_request(plan: VllmProfilePlan, run: tuple, settings: Settings, spare
     budget = settings.profile.engine_budget_s * (3.0 if label == NGRAM else 1.0) / sum(weights)
     samplings = {"greedy": {}}
     if label == NGRAM:      # sampled requests at the smallest and largest K (linear between)
-        samplings["sampled"] = {**SAMPLED, "batch_sizes": plan.sampled_sizes,
+        samplings["sampled"] = {**plan.sampled, "batch_sizes": plan.sampled_sizes,
                                 "ks": sorted({ks[0], ks[-1]})}
     return dict(plan.base, speculative_config=spec, ks=ks, samplings=samplings, budget_s=budget,
                 max_repeats=max(settings.profile.repeats * settings.profile.attempts * 3, 3),
@@ -267,7 +274,7 @@ def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list
                     "name": "vllm", "version": version, "enforce_eager": True,
                     "mends": sorted({m for e in engines for m in e["mends"]}),
                     "ngram_ks": ks, "sampled_ks": sorted({ks[0], ks[-1]}), "paired": True,
-                    "sampled_batch_sizes": plan.sampled_sizes, "sampled": SAMPLED,
+                    "sampled_batch_sizes": plan.sampled_sizes, "sampled": plan.sampled,
                     "draft_k": draft_k, "steps": steps,
                     "context_len": plan.context}}}
     table.check = {"status": "noisy" if reasons else "ok", "reasons": reasons, "notes": notes,

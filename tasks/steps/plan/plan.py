@@ -38,7 +38,7 @@ from ...db.store import Store
 from ...settings import Settings
 from ...registry.figures import interval_at_bar
 from ..drafters.candidates import HOST_DRAFTERS
-from ..costs.cost_table import CostProfileError, CostTable
+from ..costs.cost_table import CostProfileError, CostTable, pays_sampled_steps
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +155,11 @@ class _Policy:
 def _load_estimates(store: Store, run_id: str, domain: str, costs: CostTable) -> tuple[list[dict], CostTable]:
     """The run's acceptance_estimates rows of the domain (by drafter, K), and the cost table to
     plan it with (a profile that prices sampled requests apart: at the domain's mix)."""
-    estimates, share = domain_estimates(store, run_id, domain, with_share=costs.sampled_timed)
-    if costs.sampled_timed:
-        # a profile that prices sampled requests apart (a serving engine's): the domain's mix
-        costs = costs.for_sampling(share)
+    estimates, sampling = domain_estimates(store, run_id, domain, with_sampling=costs.sampled_timed)
+    if costs.sampled_timed and sampling:
+        # a profile that prices sampled requests apart (a serving engine's): the domain's mix of
+        # requests that pay its sampled steps (top-p) and those that cost as greedy ones
+        costs = costs.for_sampling(sum(pays_sampled_steps(*row) for row in sampling) / len(sampling))
     return estimates, costs
 
 
