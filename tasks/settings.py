@@ -181,6 +181,12 @@ class PlanSettings(_Group):
     min_speedup: float = Field(default=1.1, gt=0, description=(
         "policy: a domain is on only when the lower end of its predicted speedup's 95% interval "
         "clears this"))
+    k_tolerance: float = Field(default=0.02, ge=0, lt=1, description=(
+        "the planner takes the smallest K of the chosen drafter whose predicted speedup is within "
+        "this share of the best one's (at every profiled batch size alike): past a few tokens a "
+        "suffix or prompt-lookup drafter's curve is flat to within 1%, so its argmax K is the "
+        "cost profile's noise (measured: json K 4 in one run, K 7 in the next, 0.7% apart); 0: the "
+        "best, whatever it buys"))
     estimate_batch_size: int = Field(default=4, ge=1)
     bootstrap_samples: int = Field(default=1000, ge=100)
     acceptance_alert: float = Field(default=1.2, ge=1.0, description=(
@@ -448,7 +454,7 @@ NAMES: dict[str, tuple[str, str]] = {f"{group}_{field}": (group, field)
 DEPRECATED_ALIASES: dict[str, str] = {
     **{field: f"{group}_{field}" for group in ("traffic", "quality") for field in GROUPS[group].model_fields},
     **{field: f"sample_{field}" for field in SampleSettings.model_fields if field not in ("window_days", "draw")},
-    **{field: f"plan_{field}" for field in PlanSettings.model_fields if field not in ("k_max", "engine")},
+    **{field: f"plan_{field}" for field in PlanSettings.model_fields if field not in ("k_max", "engine", "k_tolerance")},
     "eval_k_max": "plan_k_max",
     **{f"confirm_{field}": f"live_{field}" for field in ("requests", "max_new_tokens", "tolerance")},
     **{field: f"validation_{field}" for field in ("greedy_check_requests", "greedy_check_tokens")},

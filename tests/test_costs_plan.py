@@ -305,6 +305,28 @@ def test_k_schedule_picks_the_best_paying_k_at_each_batch_size():
     assert k_schedule(estimates, cost_table(), lambda lo, hi: lo >= 5) == [[1, 1, 0], [2, 2, 0], [3, 4, 0]]
 
 
+def test_the_plan_takes_the_smallest_k_within_k_tolerance_of_the_best(db_url):
+    from tasks.steps.plan.plan import smallest_near_best
+
+    # PL at b=1: K=1 costs 0.05 + 1.2 = 1.25 a round, E 1.6: 1.280x; K=2 costs 0.05 + 1.4 = 1.45,
+    # E 1.87: 1.290x, 0.8% better: within the default 2%, so K=1; with plan_k_tolerance 0, K=2.
+    # Neither pays at b=2 (1.00x, 0.89x)
+    add_estimate(db_url, "plan-run", "json", PL_SPEC, 1, 1.6, 1.5, 1.7, [0.0, 1.0])
+    add_estimate(db_url, "plan-run", "json", PL_SPEC, 2, 1.87, 1.75, 2.0, [0.0, 0.0, 1.0])
+    near = plan_domain("plan-run", "json", cost_table(), Store.open(db_url), settings=settings())
+    assert (near["enabled"], near["drafter"], near["k"]) == (True, PL, 1)
+    assert near["k_schedule"] == [[1, 1, 1], [2, 2, 0], [3, 4, 0]]
+    assert near["predicted_speedup"] == pytest.approx(1.6 / 1.25)
+    best = plan_domain("plan-run", "json", cost_table(), Store.open(db_url),
+                       settings=settings(plan_k_tolerance=0.0))
+    assert (best["k"], best["k_schedule"]) == (2, [[1, 1, 2], [2, 2, 0], [3, 4, 0]])
+    assert best["predicted_speedup"] == pytest.approx(1.87 / 1.45)
+    # a K that buys more than the tolerance is taken; nothing to choose from: 0
+    assert smallest_near_best([(1, 1.28), (2, 1.32), (4, 1.33)], 0.02) == 2
+    assert smallest_near_best([(1, 1.28), (2, 1.32), (4, 1.33)], 0.0) == 4
+    assert smallest_near_best([], 0.02) == 0
+
+
 def test_plan_fills_predicted_speedups_of_the_estimates(db_url):
     seed_qa(db_url)
     plan_domain("plan-run", "qa", cost_table(), Store.open(db_url), settings=settings())

@@ -11,8 +11,10 @@ o_plain per step; both measured by the cost profile (profile.measure_round_overh
 steps. Predicted speedup = E(K) (1 + o_plain) / (cost_b + o_b); its interval is E's interval over
 the same cost (the model of docs/design.md's E(K) / (K c + v(K)), with the widths the traffic
 actually drafts and the overhead a GPU does not hide).
-The (drafter, K) with the best prediction at batch size 1 among those whose interval's lower end
-clears the policy minimum is chosen (the best prediction overall when none does); the domain
+The drafter with the best prediction at batch size 1 among those whose interval's lower end
+clears the policy minimum is chosen (the best prediction overall when none does), at its smallest
+K whose prediction is within settings.plan.k_tolerance of its best (a suffix or prompt-lookup
+drafter's curve is flat past a few tokens, and its argmax K there is the profile's noise); the domain
 turns on only when that lower end clears the minimum and the sample is large enough; max_batch_size is the
 largest profiled batch size up to which the lower end still clears it.
 
@@ -80,25 +82,37 @@ def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, 
             estimate["mean_accepted_length_hi"] * factor * (1 + cost))
 
 
-def k_schedule(estimates: list[dict], costs: CostTable, pays) -> list[list[int]]:
+def smallest_near_best(candidates: list[tuple[int, float]], tolerance: float) -> int:
+    """The smallest K among (K, predicted) whose prediction is within `tolerance` (a share) of the
+    best one's: a larger K that buys less than that is noise in the costs, not a gain (setting
+    plan_k_tolerance). 0 for none."""
+    if not candidates:
+        return 0
+    best = max(predicted for _, predicted in candidates)
+    return min(k for k, predicted in candidates if predicted >= best * (1.0 - tolerance))
+
+
+def k_schedule(estimates: list[dict], costs: CostTable, pays, tolerance: float = 0.0) -> list[list[int]]:
     """K by batch size for one drafter: [[first, last, K], ...] over the profiled batch sizes. Each
-    range ends at a profiled size b and starts after the previous one, and its K is the one with
-    the best predicted speedup at b among those that pay there (pays(lo, hi)): costs grow with the
-    batch, so what pays at b pays below it. 0 from the first size where none pays; the largest
-    profiled size ends the schedule (beyond it nothing was measured: serving stays off)."""
+    range ends at a profiled size b and starts after the previous one, and its K is the smallest
+    within `tolerance` of the best predicted speedup at b among those that pay there (pays(lo,
+    hi); smallest_near_best): costs grow with the batch, so what pays at b pays below it. 0 from
+    the first size where none pays; the largest profiled size ends the schedule (beyond it
+    nothing was measured: serving stays off)."""
     sizes = costs.batch_sizes
     schedule, stopped = [], False
     for index, b in enumerate(sizes):
-        best = (0, 0.0)
+        paying = []
         if not stopped:
             for estimate in estimates:
                 if estimate["k"] > costs.k_max(b):
                     continue
                 predicted, lo, hi = speedups(estimate, costs, b)
-                if pays(lo, hi) and predicted > best[1]:
-                    best = (estimate["k"], predicted)
-        stopped = stopped or best[0] == 0
-        schedule.append([1 if index == 0 else sizes[index - 1] + 1, b, best[0]])
+                if pays(lo, hi):
+                    paying.append((estimate["k"], predicted))
+        k = smallest_near_best(paying, tolerance)
+        stopped = stopped or k == 0
+        schedule.append([1 if index == 0 else sizes[index - 1] + 1, b, k])
     return schedule
 
 
@@ -142,6 +156,7 @@ class _Policy:
     status: str           # the sample's verdict for the domain: "ok" or "insufficient"
     currently_on: bool    # on in the champion config
     keeps: bool           # settings.plan.hysteresis and on in the champion: the wider band applies
+    k_tolerance: float = 0.0    # settings.plan.k_tolerance: the smallest K within it of the best
 
     def pays(self, lo: float, hi: float) -> bool:
         """The interval's lower end clears the minimum."""
@@ -164,13 +179,14 @@ def _load_estimates(store: Store, run_id: str, domain: str, costs: CostTable) ->
 
 
 def _price_estimates(estimates: list[dict], costs: CostTable, policy: _Policy) -> _Pricing:
-    """Predicted speedups of every estimate at the smallest profiled batch size, and the best
-    prediction among those whose interval clears the bar (else among those hysteresis keeps on,
-    else overall): a K whose wide interval misses the bar must not turn the domain off when a
-    smaller K clears it."""
+    """Predicted speedups of every estimate at the smallest profiled batch size, and the choice:
+    among those whose interval clears the bar (else among those hysteresis keeps on, else all),
+    the drafter with the best prediction and, of its Ks there, the smallest within
+    policy.k_tolerance of its best (smallest_near_best): a K whose wide interval misses the bar
+    must not turn the domain off when a smaller K clears it, and a larger K that buys less than
+    the tolerance is not taken for the cost profile's noise."""
     batch_size = costs.batch_sizes[0]
-    updates, unpriced = [], set()
-    best = best_paying = best_kept = None
+    updates, unpriced, priced = [], set(), []
     for estimate in estimates:
         if estimate["k"] > costs.k_max(batch_size):
             continue
@@ -184,15 +200,19 @@ def _price_estimates(estimates: list[dict], costs: CostTable, policy: _Policy) -
             continue
         updates.append({"id": estimate["id"], "predicted_speedup": candidate.predicted,
                         "predicted_speedup_lo": candidate.lo, "predicted_speedup_hi": candidate.hi})
-        if best is None or candidate.predicted > best.predicted:
-            best = candidate
-        if policy.pays(candidate.lo, candidate.hi) and (
-                best_paying is None or candidate.predicted > best_paying.predicted):
-            best_paying = candidate
-        if policy.keeps and policy.within_band(candidate.lo, candidate.hi) and (
-                best_kept is None or candidate.predicted > best_kept.predicted):
-            best_kept = candidate
-    return _Pricing(updates, best_paying or best_kept or best, unpriced)
+        priced.append(candidate)
+    paying = [c for c in priced if policy.pays(c.lo, c.hi)]
+    kept = [c for c in priced if policy.keeps and policy.within_band(c.lo, c.hi)]
+    return _Pricing(updates, _choose(paying or kept or priced, policy.k_tolerance), unpriced)
+
+
+def _choose(candidates: list[_Priced], tolerance: float) -> _Priced | None:
+    """The best candidate's drafter, at its smallest K within `tolerance` of its best."""
+    if not candidates:
+        return None
+    drafter = max(candidates, key=lambda c: c.predicted).estimate["drafter"]
+    own = {c.estimate["k"]: c for c in candidates if c.estimate["drafter"] == drafter}
+    return own[smallest_near_best([(k, c.predicted) for k, c in own.items()], tolerance)]
 
 
 def _empty_row(run_id: str, domain: str, samples: int, policy: _Policy) -> dict:
@@ -224,7 +244,8 @@ def _fill_choice(row: dict, choice: _Priced, estimates: list[dict], costs: CostT
         pays = policy.within_band
     if row["max_batch_size"] is not None:      # on: the schedule says up to which batch size
         row["k_schedule"] = k_schedule(
-            [e for e in estimates if e["drafter"] == estimate["drafter"]], costs, pays)
+            [e for e in estimates if e["drafter"] == estimate["drafter"]], costs, pays,
+            policy.k_tolerance)
         row["max_batch_size"] = max(last for _, last, k in row["k_schedule"] if k > 0)
     return bool(kept)
 
@@ -284,7 +305,8 @@ def plan_domain(run_id: str, domain: str, costs: CostTable, store: Store,
     settings = settings or store.settings
     policy = _Policy(min_speedup=settings.plan.min_speedup if min_speedup is None else min_speedup,
                      status=status, currently_on=bool(currently_on),
-                     keeps=bool(settings.plan.hysteresis and currently_on))
+                     keeps=bool(settings.plan.hysteresis and currently_on),
+                     k_tolerance=settings.plan.k_tolerance)
     estimates, costs = _load_estimates(store, run_id, domain, costs)
     pricing = _price_estimates(estimates, costs, policy)
     if samples is None:
