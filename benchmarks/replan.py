@@ -50,7 +50,7 @@ def replan(home: Path, tolerance: float) -> dict[str, dict]:
         store = Store.open(f"sqlite:///{copy}", settings=settings)
         costs = load_costs(profile, store)
         out = {domain: plan_domain(run_id, domain, costs, store, settings=settings,
-                                   status="ok" if status != "insufficient" else status,
+                                   status=status,
                                    currently_on=champion_on)
                for domain, (status, champion_on) in sorted(domains.items())}
         store.engine.dispose()
