@@ -153,6 +153,83 @@ def test_speedups_of_an_estimate_by_hand():
     assert speedups(estimate, cost_table(), 2)[0] == pytest.approx(2.0 / cost_b2)
 
 
+def test_a_host_drafters_own_rounds_price_it_in_place_of_verify_plus_its_draft_step():
+    suffix = "suffix(max_depth=24)"
+    estimate = {"drafter": suffix, "drafter_spec": {"kind": "suffix", "params": {"max_depth": 24}},
+                "draft_width_share": [0.25, 0.25, 0.5], "k": 2, "mean_accepted_length": 2.0,
+                "mean_accepted_length_lo": 1.9, "mean_accepted_length_hi": 2.1}
+    costs = cost_table()
+    costs.draft_step[suffix] = {b: 0.3 * STEP[b] for b in STEP}     # the two-engine difference
+    costs.check = {"status": "ok", "details": {"paired": True}}
+    costs.spread.update({("verify", None, 2, 1): 0.02, ("verify", None, 1, 1): 0.02})
+    by_difference = 0.25 * (0.3 + 1) + 0.25 * (0.3 + 1.2) + 0.5 * (0.3 + 1.4)
+    assert speedups(estimate, costs, 1)[0] == pytest.approx(2.0 / by_difference)
+    # its rounds timed in its own engine: r(1) 1.1, r(2) 1.25 over its K 0 step, search inside
+    costs.draft_round = {suffix: {1: {1: 1.1 * STEP[1], 2: 1.25 * STEP[1]}}}
+    costs.spread.update({("draft_round", suffix, 1, 1): 0.03, ("draft_round", suffix, 2, 1): 0.07})
+    assert costs.round_ratios(suffix, 1) == pytest.approx([1.1, 1.25])
+    assert costs.round_ratios(suffix, 2) is None and costs.round_ratios(PL, 1) is None
+    own = 0.25 * 1.0 + 0.25 * 1.1 + 0.5 * 1.25
+    predicted, lo, hi = speedups(estimate, costs, 1)
+    assert predicted == pytest.approx(2.0 / own)
+    # the interval carries its own rounds' half-width, not verify's
+    assert costs.cost_halfwidth(2, 1, suffix) == pytest.approx(0.07)
+    assert costs.cost_halfwidth(2, 1) == pytest.approx(0.02)
+    assert lo == pytest.approx(1.9 / own * (1 - 0.07)) and hi == pytest.approx(2.1 / own * 1.07)
+    # where it has none (batch 2), verify plus its draft step, as before
+    assert speedups(estimate, costs, 2)[0] == pytest.approx(
+        2.0 / (0.25 * (0.3 + 1) + 0.25 * (0.3 + 1.5) + 0.5 * (0.3 + 2.0)))
+    again = CostTable.from_rows(costs.hardware_profile, costs.run_id, costs.rows())
+    assert again.draft_round == costs.draft_round
+    assert again.spread[("draft_round", suffix, 2, 1)] == pytest.approx(0.07)
+    # sampled requests pay on its rounds the extra the ngram engine's verify paid
+    costs.sampled_step = {1: STEP[1]}
+    costs.sampled_verify = {1: {1: 1.3 * STEP[1], 2: 1.6 * STEP[1]}}
+    sampled = costs.for_sampling(0.5)
+    assert sampled.round_ratios(suffix, 1) == pytest.approx([1.1 + 0.05, 1.25 + 0.1])
+    assert costs.round_ratios(suffix, 1) == pytest.approx([1.1, 1.25])     # the table is not changed
+
+
+def _paired_batches(engine_steps: dict[int, list[float]], b: int = 1, k_drafts: bool = True) -> list[dict]:
+    """The probe's time-paired rows of one engine at batch size b: pair i times K 0 and every K
+    once, each step the given seconds (every step drafting K where k_drafts)."""
+    rows = []
+    for pair in range(len(engine_steps[0])):
+        for k, steps in engine_steps.items():
+            rows.append({"batch_size": b, "sampling": "greedy", "k": k, "repeat": pair, "pair": pair,
+                         "decode_s": steps[pair] * 10, "steps": 10, "contended": False,
+                         "drafted": 10 * b * k if k_drafts else 0})
+    return rows
+
+
+def test_a_vllm_profile_prices_a_suffix_round_from_its_own_engine_not_a_difference_of_two():
+    from tasks.steps.costs.engine_costs import NGRAM, _table
+
+    suffix = "suffix(max_depth=24)"
+    spec = {"kind": "suffix", "params": {"max_depth": 24}}
+    # the ngram engine's process: K 0 20 ms, K 1 24 ms, K 2 26 ms; the suffix engine's process runs
+    # 10% slower at every K but K 0 (another process's level): a difference of the two would read
+    # its search as 0.2-0.3 steps, its own ratios say what its rounds cost in its process
+    ngram = _paired_batches({0: [0.020, 0.0201, 0.0199], 1: [0.024, 0.0241, 0.0239],
+                             2: [0.026, 0.0261, 0.0259]})
+    own = _paired_batches({0: [0.021, 0.0211, 0.0209], 1: [0.0288, 0.0289, 0.0287],
+                           2: [0.0315, 0.0316, 0.0314]})
+    runs = [(NGRAM, {}, None, [1, 2]), (suffix, {}, spec, [1, 2])]
+    table, reasons, _ = _table({NGRAM: {"timings": ngram}, suffix: {"timings": own}}, runs, 2, [1], 2,
+                               load_settings())
+    assert not reasons
+    assert table.verify_ratios(1) == pytest.approx([1.2, 1.3], rel=0.01)
+    assert table.round_ratios(suffix, 1) == pytest.approx([0.0288 / 0.021, 0.0315 / 0.021], rel=0.01)
+    assert table.draft_ratio(suffix, 1) == pytest.approx(0.0315 / 0.021 - 1.3, rel=0.05)
+    assert table.spread[("draft_round", suffix, 2, 1)] < 0.05
+    # a model drafter (one K) gets no rounds of its own
+    model = {"kind": "draft_model", "params": {"model": "d"}}
+    runs = [(NGRAM, {}, None, [1, 2]), ("draft", {}, model, [2])]
+    table, _, _ = _table({NGRAM: {"timings": ngram}, "draft": {"timings": own}}, runs, 2, [1], 2,
+                         load_settings())
+    assert table.draft_round == {} and table.round_ratios("draft", 1) is None
+
+
 def test_speedups_include_the_round_overhead_and_plain_decodings_own():
     estimate = {"drafter": PL, "drafter_spec": PL_SPEC, "draft_width_share": [0.5, 0.0, 0.5],
                 "mean_accepted_length": 2.0, "mean_accepted_length_lo": 1.9, "mean_accepted_length_hi": 2.1}

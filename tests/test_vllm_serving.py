@@ -338,7 +338,8 @@ def engine_run(serving, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_HOME", str(base / "home"))
         # vLLM's own cost profile, stored first: the engine check predicts its speedups from it
-        profile = profile_vllm("vllm-costs", str(target_dir), ["prompt_lookup:max_ngram=3,min_ngram=1"],
+        profile = profile_vllm("vllm-costs", str(target_dir), ["prompt_lookup:max_ngram=3,min_ngram=1",
+                                                               "suffix:max_depth=16"],
                                Store.open(url), k_max=3, batch_sizes=[1, 2], ks=[1, 3], steps=8,
                                settings=load_settings(profile_repeats=2, profile_engine_budget_s=20),
                                progress=False)
@@ -385,8 +386,8 @@ def test_vllms_own_cost_profile_is_stored_and_the_planner_reads_it(engine_run):
     assert engine["version"] == engine_run["result"]["domains"]["loops"]["engine_version"]
     assert hardware["name"].startswith("vllm-") and hardware["device"].startswith("vLLM ")
     # one engine, K per request: K 0 (the plain step), K = 1 and 3 in alternating batches (K = 2
-    # interpolated between them), every figure a ratio paired inside one repeat
-    assert [e["config"] for e in profile["engines"]] == ["ngram"]
+    # interpolated between them), every figure a ratio paired inside one repeat; and suffix's own
+    assert [e["config"] for e in profile["engines"]] == ["ngram", "suffix(max_depth=16)"]
     timings = profile["engines"][0]["timings"]
     assert {t["k"] for t in timings} == {0, 1, 3} and profile["engines"][0]["repeats"] >= 2
     # a later round times only the ratios still open: a repeat may hold no batch-1 greedy pair
@@ -407,6 +408,12 @@ def test_vllms_own_cost_profile_is_stored_and_the_planner_reads_it(engine_run):
         assert costs.target_step[b] > 0 and all(v > 0 for v in verify.values())
         # vLLM's ngram search is inside its steps: prompt lookup's own draft step is 0
         assert costs.draft_ratio("prompt_lookup(max_ngram=3,min_ngram=1)", b) == 0.0
+        # suffix's rounds timed in its own engine at K 1 and 3 (and draft_k), K 2 between them
+        rounds = costs.draft_round["suffix(max_depth=16)"][b]
+        assert sorted(rounds) == [1, 2, 3] and all(r > 0 for r in rounds.values())
+        assert len(costs.round_ratios("suffix(max_depth=16)", b)) == 3
+    suffix = profile["engines"][1]["timings"]
+    assert {t["k"] for t in suffix} == {0, 1, 3} and any(t["drafted"] for t in suffix if t["k"] == 3)
     assert profile["check"]["status"] in ("ok", "noisy")
     assert all(isinstance(reason, str) for reason in profile["check"]["reasons"])
 

@@ -67,6 +67,10 @@ class CostTable:
     # {batch: s} and {batch: {K: s}}, at the batch sizes and K timed; see for_sampling()
     sampled_step: dict[int, float] = field(default_factory=dict)
     sampled_verify: dict[int, dict[int, float]] = field(default_factory=dict)
+    # a host drafter's whole round at K (its search and the verify pass), timed in its own serving
+    # engine beside that engine's K 0 step and stored as that ratio x target_step: {drafter:
+    # {batch: {K: s}}}; where a drafter has them its rounds are priced with them (round_ratios)
+    draft_round: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
     # interquartile range / median of each figure's repeated timings, keyed as rows() are:
     # (component, drafter, k, batch_size); draft steps and overheads over the target step
     spread: dict[tuple, float] = field(default_factory=dict)
@@ -93,21 +97,23 @@ class CostTable:
         95% half-width over the ratio, which the plan's interval carries (cost_halfwidth)."""
         return bool(((self.check or {}).get("details") or {}).get("paired"))
 
-    def cost_halfwidth(self, k: int, batch_size: int) -> float:
-        """The relative 95% half-width of verify(K) at a batch size in a paired profile (the
-        nearest K timed at or around K, the wider of the two, greedy or sampled); 0 in any other
-        profile."""
+    def cost_halfwidth(self, k: int, batch_size: int, drafter: str | None = None) -> float:
+        """The relative 95% half-width of a round at K at a batch size in a paired profile: of
+        verify(K), or of the drafter's own rounds where it has them (round_ratios), and of the
+        sampled verify(K) where timed (the nearest K timed at or around K, the widest); 0 in any
+        other profile."""
         if not self.paired or k <= 0:
             return 0.0
+        own = drafter if self.round_ratios(drafter or "", batch_size) else None
         widths = [0.0]
-        for name in ("verify", "sampled_verify"):     # greedy, and sampled where timed
-            timed = sorted(kk for (component, _, kk, b) in self.spread
-                           if component == name and b == batch_size and kk)
+        for name, label in (("draft_round", own) if own else ("verify", None), ("sampled_verify", None)):
+            timed = sorted(kk for (component, who, kk, b) in self.spread
+                           if component == name and who == label and b == batch_size and kk)
             if timed:
                 below = max((kk for kk in timed if kk <= k), default=timed[0])
                 above = min((kk for kk in timed if kk >= k), default=timed[-1])
-                widths += [self.spread[(name, None, below, batch_size)],
-                           self.spread[(name, None, above, batch_size)]]
+                widths += [self.spread[(name, label, below, batch_size)],
+                           self.spread[(name, label, above, batch_size)]]
         return max(widths)
 
     @property
@@ -124,6 +130,16 @@ class CostTable:
         step = self.target_step[batch_size]
         verify = self.verify[batch_size]
         return [max(verify[k] / step, 1.0) for k in range(1, max(verify) + 1)]
+
+    def round_ratios(self, drafter: str, batch_size: int) -> list[float] | None:
+        """[r(1), r(2), ...]: the drafter's whole round at K over a K 0 step of its own engine, at
+        least 1 (as verify_ratios), where the profile timed its rounds (draft_round); None where
+        it did not (the round is then verify(K) plus its draft step)."""
+        rounds = self.draft_round.get(drafter, {}).get(batch_size)
+        if not rounds:
+            return None
+        step = self.target_step[batch_size]
+        return [max(rounds[k] / step, 1.0) for k in range(1, max(rounds) + 1)]
 
     def draft_ratio(self, drafter: str, batch_size: int) -> float:
         """t_draft / t_step at this batch size (per token for models, per round for prompt lookup).
@@ -151,6 +167,8 @@ class CostTable:
         if share == 0.0 or not self.sampled_step:
             return self
         steps, verify = dict(self.target_step), {b: dict(v) for b, v in self.verify.items()}
+        rounds = {label: {b: dict(v) for b, v in per_batch.items()}
+                  for label, per_batch in self.draft_round.items()}
         for b, sampled in self.sampled_step.items():
             if b not in steps:
                 continue
@@ -160,8 +178,12 @@ class CostTable:
             for k in verify.get(b, {}):
                 if known:
                     at_k = float(np.interp(k, known, [timed[x] for x in known]))
+                    # a drafter's own round pays the sampled extra the ngram engine's verify did
+                    for per_batch in rounds.values():
+                        if k in per_batch.get(b, {}):
+                            per_batch[b][k] += share * (at_k - verify[b][k])
                     verify[b][k] = (1 - share) * verify[b][k] + share * at_k
-        return replace(self, target_step=steps, verify=verify)
+        return replace(self, target_step=steps, verify=verify, draft_round=rounds)
 
     @property
     def sampled_timed(self) -> bool:
@@ -205,6 +227,11 @@ class CostTable:
             for k, s in per_k.items():
                 out.append({"component": "sampled_verify", "drafter": None, "k": k, "batch_size": b,
                             "seconds": s})
+        for drafter, per_batch in self.draft_round.items():
+            for b, per_k in per_batch.items():
+                for k, s in per_k.items():
+                    out.append({"component": "draft_round", "drafter": drafter, "k": k,
+                                "batch_size": b, "seconds": s})
         return out
 
     @classmethod
@@ -228,6 +255,8 @@ class CostTable:
                 table.sampled_step[b] = s
             elif row["component"] == "sampled_verify":
                 table.sampled_verify.setdefault(b, {})[int(row["k"])] = s
+            elif row["component"] == "draft_round":
+                table.draft_round.setdefault(row["drafter"], {}).setdefault(b, {})[int(row["k"])] = s
             else:
                 raise CostProfileError(f"cost profile {hardware_profile!r}: unknown component "
                                        f"{row['component']!r}")

@@ -19,9 +19,17 @@ round for each ratio not settled yet, within `profile_engine_budget_s` (docs/eva
   (acceptance only changes how many steps a request takes, which is counted): no synthetic
   acceptance is needed (vLLM's synthetic mode is not implemented in its CPU sampler). The ngram search is in this figure, so prompt lookup's own
   draft step is 0.
-- draft_step(drafter, b): for every other candidate vLLM serves, one engine at K = `draft_k`:
-  (its step - the ngram step at that K), per round for host drafters (suffix), per draft token
-  for models (an EAGLE-3 head, a draft model).
+- draft_round(drafter, b, K): for a host drafter vLLM serves (suffix), one engine of its own at
+  the largest K, timing K 0 and every K of the ladder as the ngram engine does: its whole round
+  at K (its search and the verify pass) over its own K 0 step, in one process. The planner
+  prices that drafter's rounds with these ratios (CostTable.round_ratios), not with verify(K)
+  plus a draft step: that sum takes a difference of two engines' ratios, each process's level
+  off by several percent from the next one's (benchmarks/results/sampled_costs.md), and it read
+  0-0.29 steps for the same suffix search across eight profiles.
+- draft_step(drafter, b): for every other candidate vLLM serves, its engine's ratio at K =
+  `draft_k` less the ngram engine's at that K (0 at the least), per round for host drafters
+  (shown, and used by profiles measured before draft_round), per draft token for models (an
+  EAGLE-3 head, a draft model: one engine at draft_k).
 - sampled_step(b), sampled_verify(b, K): the same for sampled requests (SAMPLED: temperature 0.7,
   top-p 0.9), timed in the plain engine and the ngram engines at the smallest, middle and largest
   K, at the smallest and largest batch size, in the same engines and alternating with the greedy
@@ -164,8 +172,9 @@ def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, s
                        k_max: int, sizes: list[int], ks: list[int], draft_k: int,
                        steps: int) -> VllmProfilePlan:
     """The served model, its prompts and the engines to time: ngram at k_max (K 0, the plain
-    step, and every K of `ks`, K per request), and one per candidate with another vLLM method
-    (K 0 and draft_k); a candidate without a vLLM config is left out with a warning."""
+    step, and every K of `ks`, K per request), and one per candidate with another vLLM method:
+    a host drafter's (suffix) at k_max timing K 0 and every K of `ks` and draft_k, a model
+    drafter's K 0 and draft_k; a candidate without a vLLM config is left out with a warning."""
     serving_env.serving_python(settings)
     model_dir = serving_env.served_model_dir(target)
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -187,22 +196,32 @@ def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, s
         if spec["kind"] == "prompt_lookup":
             lookups.add(candidate_label(spec))     # the ngram engine's own search: draft step 0
             continue
-        served = speculative_config(DrafterSpec(kind=spec["kind"], params=spec["params"]), draft_k)
+        # a host drafter's engine times every K of the ladder (its own rounds, at its largest K
+        # and K per request, as it is served); a model drafter's one K
+        ladder = spec["kind"] in HOST_DRAFTERS
+        served = speculative_config(DrafterSpec(kind=spec["kind"], params=spec["params"]),
+                                    k_max if ladder else draft_k)
         if served is None:
             log.warning("profile %s: %s has no vLLM equivalent: no draft step measured for it",
                         run_id, text)
             continue
-        runs.append((candidate_label(spec), served, spec, [draft_k]))
+        runs.append((candidate_label(spec), served, spec, sorted(set(ks) | {draft_k}) if ladder else [draft_k]))
     return VllmProfilePlan(model_dir, dtype, context, sizes, ks, sorted({sizes[0], sizes[-1]}),
                            runs, lookups, base)
 
 
+def _budget_weight(run: tuple) -> float:
+    """An engine's share of the timing budget, relative: the ngram engine (every K, greedy and
+    sampled) 3, a host drafter's ladder (every K, greedy) 2, one K 1."""
+    return 3.0 if run[0] == NGRAM else 2.0 if len(run[3]) > 1 else 1.0
+
+
 def _engine_request(plan: VllmProfilePlan, run: tuple, settings: Settings, spare: int = 0) -> dict:
     """The probe's time-paired request of one engine: its Ks and samplings, and its share of the
-    timing budget (the ngram engine, which times every K, three times another's)."""
+    timing budget (_budget_weight)."""
     label, spec, _, ks = run
-    weights = [3.0 if r[0] == NGRAM else 1.0 for r in plan.runs]
-    budget = settings.profile.engine_budget_s * (3.0 if label == NGRAM else 1.0) / sum(weights)
+    weights = [_budget_weight(r) for r in plan.runs]
+    budget = settings.profile.engine_budget_s * _budget_weight(run) / sum(weights)
     samplings = {"greedy": {}}
     if label == NGRAM:      # sampled requests at the smallest and largest K (linear between)
         samplings["sampled"] = {**plan.sampled, "batch_sizes": plan.sampled_sizes,
@@ -376,7 +395,8 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
            settings: Settings) -> tuple[CostTable, list[str], list[str]]:
     """(table, reasons it is noisy, notes) from the engines' paired timings: the ngram engine's
     K 0 step is the target step; verify(K) its paired ratio at K times that step (interpolated
-    between the K timed); another method's draft step its paired ratio at draft_k less the ngram
+    between the K timed); a host drafter's draft_round(K) its own engine's paired ratio at K times
+    that step, likewise; another method's draft step its paired ratio at draft_k less the ngram
     engine's at that K, times the step. Each figure's spread is its ratio's 95% half-width over
     the ratio. A ratio whose half-width is over ratio_halfwidth is a note: the plan's interval
     carries it (a busy machine makes the plan cautious, never silent); a step cheaper at a
@@ -423,16 +443,23 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
             table.sampled_verify[b] = {k: sampled * r for k, r in _shaped(
                 {k: ratio(ngram, NGRAM, b, "sampled", k, "sampled_verify") for k in timed},
                 table.spread, "sampled_verify", b, notes, settings.profile.verify_dip).items()}
-        for label, _, spec, _ in runs[1:]:
-            own = ratio(answers[label]["timings"], label, b, "greedy", draft_k, "draft_step", label)
+        for label, _, spec, timed in runs[1:]:
+            timings = answers[label]["timings"]
+            own = ratio(timings, label, b, "greedy", draft_k, "draft_step", label)
             extra = max(own - table.verify[b][draft_k] / step, 0.0) * step
             table.draft_step.setdefault(label, {})[b] = extra if spec["kind"] in HOST_DRAFTERS else extra / draft_k
+            if len(timed) > 1:      # a host drafter's own rounds, every K in its own engine
+                rounds = _shaped({k: ratio(timings, label, b, "greedy", k, "draft_round", label) for k in timed},
+                                 table.spread, "draft_round", b, notes, settings.profile.verify_dip, label)
+                known = sorted(rounds)
+                table.draft_round.setdefault(label, {})[b] = {
+                    k: step * float(np.interp(k, known, [rounds[x] for x in known])) for k in range(1, k_max + 1)}
     _fill_sampled(table, sizes)
     return table, reasons, notes
 
 
 def _shaped(ratios: dict[int, float], spread: dict, component: str, b: int, notes: list[str],
-            dip: float) -> dict[int, float]:
+            dip: float, drafter: str | None = None) -> dict[int, float]:
     """The ratios with the shape costs must have: a step may be cheaper at a larger K by up to
     `dip` (profile_verify_dip: CPU matrix kernels change path with the width, repeatably) or
     within both intervals. Cheaper beyond that (the probe measured both Ks again until the budget
@@ -443,10 +470,10 @@ def _shaped(ratios: dict[int, float], spread: dict, component: str, b: int, note
     for k in sorted(ratios):
         value = ratios[k]
         if peak[0] is not None and value < peak[1] * (1 - dip):
-            key = (component, None, k, b)
+            key = (component, drafter, k, b)
             low = value * (1 + spread[key])
-            if low < peak[1] * (1 - dip) * (1 - spread[(component, None, peak[0], b)]):
-                notes.append(f"{component} at batch {b}: K={k} ({value:.3f}) cheaper than K={peak[0]} "
+            if low < peak[1] * (1 - dip) * (1 - spread[(component, drafter, peak[0], b)]):
+                notes.append(f"{component}{f' of {drafter}' if drafter else ''} at batch {b}: K={k} ({value:.3f}) cheaper than K={peak[0]} "
                              f"({peak[1]:.3f}) by more than {dip:.0%} beyond both intervals; priced "
                              f"at K={peak[0]}'s")
                 spread[key] = min(max(spread[key], (peak[1] - value) / peak[1]), 9.99)

@@ -74,7 +74,13 @@ def _coverage_gaps(table: CostTable, sizes: list[int], k_max: int, drafters) -> 
     # each drafter's own figure (not a kind's, as draft_ratio allows a serving engine's profile)
     lacking = [label for label in drafters
                if any(b not in table.draft_step.get(label, {}) for b in sizes)]
-    return f"no draft step for {lacking}" if lacking else ""
+    if lacking:
+        return f"no draft step for {lacking}"
+    # a serving engine's profile prices a host drafter (suffix) with its own rounds: one measured
+    # before they were timed would price it by a difference of two engines
+    lacking = [label for label in drafters if table.paired and label.startswith("suffix")
+               and any(table.round_ratios(label, b) is None for b in sizes)]
+    return f"no rounds of its own timed for {lacking}" if lacking else ""
 
 
 def reuse_costs(run_id: str, source: dict, store: Store) -> dict:

@@ -64,8 +64,12 @@ def speedup_factor(drafter: str, drafter_spec: dict | None, width_share: list[fl
     predicted speedup = E x this (see the module docstring)."""
     # a host drafter (prompt lookup, suffix) pays one search per round, not one step per token
     per_round = (drafter_spec or {}).get("kind") in HOST_DRAFTERS
-    cost = round_cost(width_share, costs.verify_ratios(batch_size),
-                      costs.draft_ratio(drafter, batch_size), per_round)
+    own = costs.round_ratios(drafter, batch_size)
+    if own is not None:     # its whole rounds, timed in its own engine: the search is inside them
+        cost = round_cost(width_share, own, 0.0, per_round)
+    else:
+        cost = round_cost(width_share, costs.verify_ratios(batch_size),
+                          costs.draft_ratio(drafter, batch_size), per_round)
     plain, overhead = costs.overhead_ratios(drafter, batch_size)
     return (1.0 + plain) / (cost + overhead)
 
@@ -76,7 +80,7 @@ def speedups(estimate: dict, costs: CostTable, batch_size: int) -> tuple[float, 
     ratio at that K: CostTable.cost_halfwidth)."""
     factor = speedup_factor(estimate["drafter"], estimate["drafter_spec"],
                             estimate["draft_width_share"], costs, batch_size)
-    cost = min(costs.cost_halfwidth(int(estimate.get("k") or 0), batch_size), 0.9)
+    cost = min(costs.cost_halfwidth(int(estimate.get("k") or 0), batch_size, estimate["drafter"]), 0.9)
     return (estimate["mean_accepted_length"] * factor,
             estimate["mean_accepted_length_lo"] * factor * (1 - cost),
             estimate["mean_accepted_length_hi"] * factor * (1 + cost))
