@@ -1,8 +1,8 @@
 """K per request on one vLLM server (the project's plugin), on the embedded default: one ngram
 server started at K 8 with a plan (json K 8, chat K 0) serves a mixed batch, and the sampling test
 runs on that same server at K 0, 1 and 8 (each request asking its K); then what a K 0 request
-costs on that server against a plain server (the n-gram search vLLM still runs for it), the same
-requests one at a time on both, alternating. Prints and writes
+costs on that server and on a suffix server against a plain server (the host search vLLM still
+runs for it), the same requests one at a time on the three, the order rotating. Prints and writes
 benchmarks/results/k_per_request.md: per request of the mixed batch, the K it asked and vLLM's own
 per-request figures (steps, drafts, accepted, the longest draft of a step); per K, the sampling
 test's G-tests and smallest p against its bound, and the drafts the server made meanwhile.
@@ -26,6 +26,8 @@ sys.path.insert(0, str(REPO))
 
 NGRAM_8 = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PLAN = {"method": "ngram", "domains": {"json": 8, "chat": 0}, "default": 0}
+SUFFIX_8 = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
+            "suffix_decoding_min_token_prob": 0.1, "suffix_decoding_max_spec_factor": 1.0}
 
 
 def mixed_batch(server, requests: dict, tokens: int) -> list[dict]:
@@ -46,30 +48,38 @@ def mixed_batch(server, requests: dict, tokens: int) -> list[dict]:
     return rows
 
 
-def k0_against_plain(spec_server, plain_server, requests: list, tokens: int, rounds: int) -> dict:
-    """Decode-phase seconds per token of the same requests at K 0 on the speculative server and on
-    the plain one, one at a time, the order alternating; the ratio (K 0 over plain) per pair."""
+def k0_against_plain(spec_servers: dict, plain_server, requests: list, tokens: int, rounds: int) -> dict:
+    """Decode-phase seconds per token of the same requests at K 0 on each speculative server and on
+    the plain one, one at a time, the order rotating; per server, the ratio (K 0 over plain) per
+    pair: {name: {pairs, median, low, high}}."""
     from tasks.serving.load import run_level
 
-    ratios = []
+    ratios: dict = {name: [] for name in spec_servers}
+    servers = [(name, server, 0) for name, server in spec_servers.items()] + [(None, plain_server, None)]
     for n in range(rounds):
         for request in requests:
             item = {"id": request.request_id, "prompt_ids": request.prompt_ids, "max_tokens": tokens,
                     "temperature": 0.0}
-            order = [(spec_server, 0), (plain_server, None)]
             seconds = {}
-            for server, k in (order if n % 2 == 0 else order[::-1]):
+            shift = n % len(servers)
+            for name, server, k in servers[shift:] + servers[:shift]:
                 [done] = run_level(server, [dict(item, k=k)], 1, 300.0)["requests"]
-                seconds[server is spec_server] = done["decode_s"] / max(len(done["token_ids"]) - 1, 1)
-            ratios.append(seconds[True] / seconds[False])
-    ratios.sort()
-    return {"pairs": len(ratios), "median": ratios[len(ratios) // 2], "low": ratios[0], "high": ratios[-1]}
+                seconds[name] = done["decode_s"] / max(len(done["token_ids"]) - 1, 1)
+            for name in spec_servers:
+                ratios[name].append(seconds[name] / seconds[None])
+    out = {}
+    for name, values in ratios.items():
+        values.sort()
+        out[name] = {"pairs": len(values), "median": values[len(values) // 2], "low": values[0],
+                     "high": values[-1]}
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--k0-rounds", type=int, default=4, help="rounds of the K 0 against plain pairs")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "k_per_request.md"))
     args = parser.parse_args()
 
@@ -108,8 +118,11 @@ def main() -> int:
         log_lines = [line for line in server.log_path.read_text().splitlines() if "k-per-request" in line][:1]
         plain = VllmServer(str(model_dir), None, work / "plain.log", dtype="float32", max_num_seqs=16,
                            block_size=BLOCK_SIZE, settings=settings)
-        with plain:
-            k0 = k0_against_plain(server, plain, requests["json"] + requests["chat"], args.tokens, 3)
+        suffix = VllmServer(str(model_dir), SUFFIX_8, work / "suffix.log", dtype="float32",
+                            max_num_seqs=16, block_size=BLOCK_SIZE, settings=settings)
+        with plain, suffix:
+            k0 = k0_against_plain({"ngram": server, "suffix": suffix}, plain,
+                                  requests["json"] + requests["chat"], args.tokens, args.k0_rounds)
     seconds = time.perf_counter() - began
     lines = ["# K per request on one vLLM server", "",
              f"Command: `.venv/bin/python benchmarks/k_per_request.py --rows {args.rows} --tokens {args.tokens}`; "
@@ -128,13 +141,16 @@ def main() -> int:
               "| K | G-tests | smallest p | bound | passed | drafts during the test |", "|---|---|---|---|---|---|"]
     lines += [f"| {t['k']} | {t['tests']} | {t['min_p']:.3g} | {t['bound']:.2g} | {t['passed']} | {t['drafts']} |"
               for t in tests]
-    lines += ["", "## A K 0 request on the ngram server against a plain server", "",
+    lines += ["", "## A K 0 request on a speculative server against a plain server", "",
               f"The same {len(requests['json']) + len(requests['chat'])} requests, greedy, {args.tokens} tokens, one "
-              f"at a time on each, the order alternating, {k0['pairs']} pairs: decode seconds per token "
-              f"at K 0 over plain's: median {k0['median']:.3f} (range {k0['low']:.3f}-{k0['high']:.3f}).",
-              "This is what the engine check's and the load check's plain control pays beside a plain "
-              "deployment (vLLM runs the n-gram search for every request; the plugin cuts the drafts "
-              "after it)."]
+              f"at a time on each of three servers (ngram at K 8, suffix at K 8 `{json.dumps(SUFFIX_8)}`, "
+              f"plain), the order rotating; decode seconds per token at K 0 over plain's, per pair:", "",
+              "| server | pairs | median | range |", "|---|---|---|---|"]
+    lines += [f"| {name} | {r['pairs']} | {r['median']:.3f} | {r['low']:.3f}-{r['high']:.3f} |"
+              for name, r in k0.items()]
+    lines += ["", "This is what the engine check's and the load check's plain control (K 0 on the "
+              "config's own server) pays beside a plain deployment: vLLM runs the proposer's host "
+              "search for every request and the plugin cuts the drafts after it."]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)
