@@ -11,6 +11,7 @@ import pytest
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, RoundTotals
+from tasks.db.domain_records import PlannedDomain
 from tasks.db.store import Store
 from tasks.serving.replay_answer import ServedRequest
 from tasks.steps.checks.engine_check import engine_check
@@ -205,7 +206,7 @@ def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
         return _served({r.request_id: {"token_ids": list(range(33)), "decode_s": decode_s + i * 0.01,
                                        "seconds": decode_s + 0.1} for i, r in enumerate(requests)})
 
-    config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.5}
+    config = PlannedDomain(domain="d", enabled=True, champion_on=False, predicted_speedup=1.5)
     settings = load_settings({}, plan_min_speedup=1.1)
     slow = vllm_live_check("d", config, requests, served(1.25), plain, 1.5, settings)
     assert slow["verdict"]["verdict"] == "veto" and slow["verdict"]["engine"] == "vllm"
@@ -215,7 +216,7 @@ def test_a_run_planned_on_vllm_is_vetoed_by_vllms_own_speedup():
     fast = vllm_live_check("d", config, requests, served(0.5), plain, 1.5, settings)
     assert fast["verdict"]["verdict"] == "pass" and fast["verdict"]["lo"] > 1.1
     # on in the champion: the same measurement is a flag (the live_check gate fails), not a veto
-    kept = vllm_live_check("d", dict(config, champion_on=True), requests, served(1.25), plain, None, settings)
+    kept = vllm_live_check("d", replace(config, champion_on=True), requests, served(1.25), plain, None, settings)
     assert kept["verdict"]["verdict"] == "flag"
     # no timings of one engine: no verdict
     assert vllm_live_check("d", config, requests, served(0.5), {}, None, settings) is None
@@ -237,7 +238,7 @@ def test_vllms_live_check_leaves_out_pairs_a_neighbour_reached_while_five_clean_
                                    "decode_s": (3.0 if r.request_id in slowed else 0.7) + 0.01 * i,
                                    "contended": r.request_id in slowed}
                     for i, r in enumerate(requests)})
-    config = {"enabled": True, "champion_on": False, "predicted_speedup": 1.4}
+    config = PlannedDomain(domain="d", enabled=True, champion_on=False, predicted_speedup=1.4)
     settings = load_settings({}, plan_min_speedup=1.1)
     live = vllm_live_check("d", config, requests, spec, plain, 1.4, settings)
     verdict = live["verdict"]
@@ -266,7 +267,7 @@ def test_vllms_live_check_leaves_out_pairs_with_a_slowed_twin_as_it_does_contend
     spec = _served({r.request_id: {"token_ids": list(range(47)), "seconds": 1.0,
                                    "decode_s": 0.6 + 0.01 * i, "contended": False, "slowed": False}
                     for i, r in enumerate(requests)})
-    config = {"enabled": True, "champion_on": False, "predicted_speedup": 2.5}
+    config = PlannedDomain(domain="d", enabled=True, champion_on=False, predicted_speedup=2.5)
     settings = load_settings({}, plan_min_speedup=1.1)
     live = vllm_live_check("d", config, requests, spec, plain, 2.5, settings)
     assert [row["contended"] for row in live["per_request"]] == [True, True] + [False] * 6
@@ -382,7 +383,7 @@ def test_configs_differing_in_k_only_share_one_engine_each_request_asking_its_do
         "code": {"method": "ngram", "prompt_lookup_max": 3, "num_speculative_tokens": 8}}}
     requests = {d: [LoggedRequest(f"{d}-{n}", [1, 2, 3], [4, 5, 6], SamplingParams(), d) for n in range(2)]
                 for d in exported["speculative_config"]}
-    plan = _plan_check({d: {} for d in requests}, {}, exported, requests, load_settings())
+    plan = _plan_check({d: PlannedDomain(domain=d) for d in requests}, {}, exported, requests, load_settings())
     assert sorted((run.spec["method"], run.domains) for run in plan.engines) == [
         ("ngram", ["code"]), ("suffix", ["chat", "json", "summarize"])]
     run = next(run for run in plan.engines if run.spec["method"] == "suffix")

@@ -10,6 +10,7 @@ import pytest
 
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest
+from tasks.db.domain_records import PlannedDomain
 from tasks.db.engine_records import COLUMNS, EngineCheckRow, EngineRecord, ServedBy
 from tasks.serving.replay_answer import ReplayAnswer, ServedRequest
 
@@ -94,13 +95,35 @@ def test_stored_rows_read_back_into_the_records_they_were(db_url):
 
     store = Store.open(db_url)
     rows = {kind.replace(" ", "-").replace(",", ""): EngineCheckRow.from_json(row) for kind, row in ROWS.items()}
-    on = {domain: {"reason": "planned"} for domain in rows}
+    on = {domain: PlannedDomain(domain=domain, reason="planned") for domain in rows}
     _store(store, "r1", on, rows, load_settings())
     stored = {row["domain"]: row for row in engine_check_rows(store, "r1")}
     assert sorted(stored) == sorted(rows)
     for domain, record in rows.items():
         assert {column: stored[domain][column] for column in COLUMNS} == record.columns()
         assert EngineCheckRow.from_json(stored[domain]).columns() == record.columns()
+
+
+def test_a_runs_planned_domains_read_back_as_records(db_url):
+    from tasks.db.queries_engine_checks import enabled_domains, planned_domains
+    from tasks.db.store import Store
+
+    from .helpers.registry import LABEL, SPEC, finished_run
+
+    finished_run(db_url, "r1", {"chat": {"champion_on": True}, "code": {"enabled": False},
+                                "json": {"status": "insufficient"}})
+    store = Store.open(db_url)
+    planned = planned_domains(store, "r1")
+    assert sorted(planned) == ["chat", "code", "json"]
+    assert planned["chat"] == PlannedDomain(domain="chat", enabled=True, drafter=LABEL, k=3, drafter_spec=SPEC,
+                                            predicted_speedup=1.6, champion_on=True, reason="test row")
+    assert planned["code"].enabled is False and planned["code"].drafter is None
+    assert planned["chat"].to_json() == {"domain": "chat", "enabled": True, "drafter": LABEL, "k": 3,
+                                         "drafter_spec": SPEC, "predicted_speedup": 1.6,
+                                         "champion_on": True, "reason": "test row"}
+    # on with a drafter and status ok only
+    on, confirmed = enabled_domains(store, "r1")
+    assert on == {"chat": planned["chat"]} and confirmed == {}
 
 
 def test_an_engine_record_leaves_out_left_out_where_no_pair_was():

@@ -8,22 +8,23 @@ from __future__ import annotations
 from sqlalchemy import delete, insert, select, update
 
 from ..timeutil import utcnow
+from .domain_records import PlannedDomain
 from .models import DomainConfig, EngineCheck, EvalRun, HardwareProfile, LiveMeasurement, Validation
 from .store import Store, Unit
 
 
-def planned_domains(store: Store, run_id: str) -> dict[str, dict]:
-    """{domain: its domain_configs row} of the run (every planned domain)."""
+def planned_domains(store: Store, run_id: str) -> dict[str, PlannedDomain]:
+    """{domain: its domain_configs row, as a PlannedDomain} of the run (every planned domain)."""
     with store.connect() as connection:
-        return {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
-            DomainConfig.run_id == run_id)).mappings()}
+        return {row["domain"]: PlannedDomain.from_row(row) for row in connection.execute(
+            select(DomainConfig).where(DomainConfig.run_id == run_id)).mappings()}
 
 
-def enabled_domains(store: Store, run_id: str) -> tuple[dict[str, dict], dict[str, list[str]]]:
-    """The run's domains turned on with a drafter (their domain_configs rows), and per domain the
-    request ids its confirm step measured."""
+def enabled_domains(store: Store, run_id: str) -> tuple[dict[str, PlannedDomain], dict[str, list[str]]]:
+    """The run's domains turned on with a drafter (their domain_configs rows, as PlannedDomains),
+    and per domain the request ids its confirm step measured."""
     with store.connect() as connection:
-        on = {row["domain"]: dict(row) for row in connection.execute(select(DomainConfig).where(
+        on = {row["domain"]: PlannedDomain.from_row(row) for row in connection.execute(select(DomainConfig).where(
             (DomainConfig.run_id == run_id) & (DomainConfig.status == "ok")
             & DomainConfig.enabled.is_(True) & DomainConfig.drafter.is_not(None))).mappings()}
         confirmed = {row.domain: [r["request_id"] for r in row.per_request or []] for row in

@@ -110,9 +110,9 @@ def deployments_seen(store: Store, since: datetime | None = None) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # promises
 def planned_estimates(store: Store, run_id: str, domains: list[str]) -> dict[str, dict]:
-    """Per domain of a run: its domain_configs row (drafter label, K, drafter spec, E; read by
-    queries_engine_checks.planned_domains) and the acceptance estimate of that drafter at that K
-    (E, its interval, the rounds' width shares)."""
+    """Per domain of a run: its planned domain (PlannedDomain.to_json: drafter label, K, drafter
+    spec, ...; read by queries_engine_checks.planned_domains) and the acceptance estimate of that
+    drafter at that K (E, its interval, the rounds' width shares)."""
     rows = planned_domains(store, run_id)
     out: dict[str, dict] = {}
     with store.connect() as connection:
@@ -122,9 +122,9 @@ def planned_estimates(store: Store, run_id: str, domains: list[str]) -> dict[str
                 continue
             estimate = connection.execute(select(AcceptanceEstimate).where(
                 (AcceptanceEstimate.run_id == run_id) & (AcceptanceEstimate.domain == domain)
-                & (AcceptanceEstimate.drafter == planned["drafter"])
-                & (AcceptanceEstimate.k == planned["k"]))).mappings().first()
-            out[domain] = {"planned": dict(planned), "estimate": dict(estimate) if estimate else None}
+                & (AcceptanceEstimate.drafter == planned.drafter)
+                & (AcceptanceEstimate.k == planned.k))).mappings().first()
+            out[domain] = {"planned": planned.to_json(), "estimate": dict(estimate) if estimate else None}
     return out
 
 

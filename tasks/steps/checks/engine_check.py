@@ -55,6 +55,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from ...db.domain_records import PlannedDomain
 from ...db.engine_records import EngineCheckRow, EngineRecord, PlainFigures, ServedBy, rows_json
 from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks, replace_live_measurement,
                                          run_hardware_details)
@@ -81,9 +82,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CheckPlan:
-    """What the check serves: the domains turned on (their domain_configs rows), the requests
+    """What the check serves: the domains turned on (their PlannedDomains), the requests
     picked per domain, the engines in order, and the rows already decided (no vLLM config)."""
-    on: dict[str, dict]
+    on: dict[str, PlannedDomain]
     picked: dict[str, list]
     engines: list[EngineRun]
     rows: dict[str, EngineCheckRow]
@@ -160,7 +161,7 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             "sampling": sampling}
 
 
-def _plan_check(on: dict, confirmed: dict, exported: dict, requests_by_domain: dict,
+def _plan_check(on: dict[str, PlannedDomain], confirmed: dict, exported: dict, requests_by_domain: dict,
                 settings: Settings) -> CheckPlan:
     """The requests each domain replays and the engines serving them: one per drafter method
     (its domains' configs differ in K only); a domain without a vLLM config gets its row here
@@ -262,7 +263,7 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
                                           reason=f"engine check: {reason}"[:2000])
             continue
         on = plan.on[domain]
-        drafter = drafters_by_domain[domain][on["drafter"]][1]
+        drafter = drafters_by_domain[domain][on.drafter][1]
         row = domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter, context.target_model,
                          served.history, record.log, context.settings, on, costs)
         if record.mends:
@@ -383,7 +384,7 @@ def planned_on_vllm(store: Store, run_id: str) -> bool:
     return profile_engine({"details": run_hardware_details(store, run_id)}) == "vllm"
 
 
-def vllm_live_check(domain: str, config: dict, requests: list, served: dict[str, ServedRequest],
+def vllm_live_check(domain: str, config: PlannedDomain, requests: list, served: dict[str, ServedRequest],
                     plain: dict[str, ServedRequest], predicted: float | None, settings: Settings) -> dict | None:
     """The live check of a run planned on vLLM's costs, on vLLM: per replayed request, the decode
     phase of the plain engine and of the config's (vLLM's own timestamps; served: the config's
@@ -406,14 +407,16 @@ def vllm_live_check(domain: str, config: dict, requests: list, served: dict[str,
                             "contended": any(twin.contended or twin.slowed for twin in (spec, flat))})
     if not per_request:
         return None
-    verdict = live_verdict(per_request, config, settings, predicted)
+    # confirm's rule reads the plan's columns from the domain_configs row (enabled, champion_on,
+    # predicted_speedup): the record's JSON has them by the same names
+    verdict = live_verdict(per_request, config.to_json(), settings, predicted)
     verdict["engine"] = "vllm"
     verdict["reason"] = "on vLLM: " + verdict["reason"]
     return {"per_request": per_request, "verdict": verdict}
 
 
-def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict, row: EngineCheckRow,
-                settings: Settings) -> None:
+def _store_live(store: Store, run_id: str, domain: str, config: PlannedDomain, live: dict,
+                row: EngineCheckRow, settings: Settings) -> None:
     """The vLLM live check as the run's live measurement of the domain (live_measurements and
     domain_configs' measured_speedup and live_check: what the live_check gate and the page read)."""
     verdict, per_request = live["verdict"], live["per_request"]
@@ -421,14 +424,14 @@ def _store_live(store: Store, run_id: str, domain: str, config: dict, live: dict
     same = compared.predicted_speedup
     measured = verdict.get("measured")
     counters = served.counters or {}
-    record = {"run_id": run_id, "domain": domain, "drafter": config["drafter"], "k": compared.k or config["k"],
+    record = {"run_id": run_id, "domain": domain, "drafter": config.drafter, "k": compared.k or config.k,
               "batch_size": 1, "requests": len(per_request),
               "tokens": sum(r["spec_tokens"] + 1 for r in per_request),
               "acceptance_rate": acceptance_rate(counters.get("accepted_tokens"), counters.get("draft_tokens")),
               "mean_accepted_length": compared.engine_e,
               "plain_tokens_per_s": plain.plain_decode_tokens_per_s,
               "spec_tokens_per_s": compared.spec_decode_tokens_per_s,
-              "predicted_speedup": config.get("predicted_speedup"), "measured_speedup": measured,
+              "predicted_speedup": config.predicted_speedup, "measured_speedup": measured,
               "plain_latency_s": _mean([r["plain_latency_s"] for r in per_request]),
               "spec_latency_s": _mean([r["spec_latency_s"] for r in per_request]),
               "predicted_same_requests": same,
@@ -446,10 +449,11 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _store(store: Store, run_id: str, on: dict, rows: dict[str, EngineCheckRow], settings: Settings) -> None:
+def _store(store: Store, run_id: str, on: dict[str, PlannedDomain], rows: dict[str, EngineCheckRow],
+           settings: Settings) -> None:
     """One transaction: the run's engine_checks rows replaced, gated domains turned off."""
     off = {domain: (f"{row.reason}; not promotable as on, the domain is off. "
-                    f"Planner: {on[domain]['reason']}")[:2000]
+                    f"Planner: {on[domain].reason}")[:2000]
            for domain, row in rows.items() if row.passed is False}
     with store.transaction() as tx:
         replace_engine_checks(tx, run_id, {domain: row.columns() for domain, row in rows.items()}, off)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ...db.domain_records import PlannedDomain
 from ...db.engine_records import Comparison, EngineCheckRow
 from ...serving.replay_answer import ReplayAnswer, ServedRequest
 from ...settings import Settings
@@ -177,7 +178,7 @@ def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None
 
 
 def domain_row(picked: list, answer: ReplayAnswer, spec: dict, drafter, target_model, history: int,
-                log_path: str, settings: Settings, planned: dict | None = None,
+                log_path: str, settings: Settings, planned: PlannedDomain | None = None,
                 costs: CostTable | None = None) -> EngineCheckRow:
     """One domain's comparison of what its engine served with the estimate of the same requests
     at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
@@ -198,7 +199,8 @@ def domain_row(picked: list, answer: ReplayAnswer, spec: dict, drafter, target_m
         row.comparison, per_request=compared, spec_tokens_per_s=rows_tokens_per_s(compared),
         spec_decode_tokens_per_s=rows_decode_tokens_per_s(compared),
         predicted_speedup=predicted_speedup(
-            costs, (planned or {}).get("drafter"), (planned or {}).get("drafter_spec"),
+            costs, None if planned is None else planned.drafter,
+            None if planned is None else planned.drafter_spec,
             [offline[r.request_id] for r in served], [pays_sampled(r.sampling) for r in served])))
     ids = {r.request_id for r in picked}
     spent = [i for i in answer.left_out if i in ids]

@@ -38,6 +38,7 @@ import torch
 from specdec_core import SamplingParams
 from specdec_core.validation import SamplingReport, position_tests
 
+from ...db.domain_records import PlannedDomain
 from ...db.queries_engine_checks import fail_own_sampling_domains, mark_validation_failed, planned_domains
 from ...db.store import Store
 from ...errors import EngineTimeout, InvalidValue, ServingProbeError
@@ -168,12 +169,12 @@ def _seed(run_id: str, settings: Settings, domain: str) -> int:
 
 
 def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, specs: dict,
-                       requests_by_domain: dict, planned: dict, settings: Settings,
+                       requests_by_domain: dict, planned: dict[str, PlannedDomain], settings: Settings,
                        mended: bool = True, save: bool = True,
                        servers: dict | None = None) -> dict[str, EngineSamplingResult]:
     """The sampling test on vLLM of each domain in `specs` ({domain: speculative config}), with
     the same server at K 0 as control; stored (check "engine_sampling"), and a domain that does not pass
-    marked failed and unpromotable in domain_configs. planned: {domain: its domain_configs row}.
+    marked failed and unpromotable in domain_configs. planned: {domain: its PlannedDomain}.
     A server that cannot start or dies: the domain's status is "error" (not promotable), the
     reason naming the server's log. save=False: nothing stored (a power test). servers: {domain:
     the speculative config of the server to test it on} (its method's one deployment,
@@ -208,7 +209,7 @@ def validate_on_engine(run_id: str, store: Store, pool: ServerPool, target, spec
                 run_id, domain, pool, target, spec, context, samplings, rows, length, settings,
                 controls, base, mended, request_id, served)
         if save:
-            _store(store, run_id, results[domain], planned.get(domain) or {}, spec, request_id)
+            _store(store, run_id, results[domain], planned.get(domain), spec, request_id)
     return results
 
 
@@ -270,10 +271,10 @@ def own_sampling_gates(store: Store, run_id: str) -> list[str]:
         return fail_own_sampling_domains(tx, run_id)
 
 
-def _store(store: Store, run_id: str, result: EngineSamplingResult, planned: dict, spec: dict,
-           request_id) -> None:
+def _store(store: Store, run_id: str, result: EngineSamplingResult, planned: PlannedDomain | None,
+           spec: dict, request_id) -> None:
     details = result.details.get("config") or {}
-    row = {"domain": result.domain, "drafter": planned.get("drafter"),
+    row = {"domain": result.domain, "drafter": None if planned is None else planned.drafter,
            "k": int(spec.get("num_speculative_tokens", 0)) if spec else None,
            "request_id": request_id, "passed": result.passed,
            "statistic": min(details.get("statistic", 0.0), 1e308) if details else None,
@@ -298,7 +299,7 @@ def served_export(run_id: str, store: Store, target: str, model_dir) -> dict:
     return vllm_export(config, target_path=str(model_dir))
 
 
-def validation_domains(planned: dict, run_id: str, domains: list[str] | None,
+def validation_domains(planned: dict[str, PlannedDomain], run_id: str, domains: list[str] | None,
                        speculative_config: dict | None) -> list[str]:
     """The domains `specdec engine validate` tests: `domains`, else every planned one with a
     speculative_config given, else the ones the run turns on. InvalidValue (one line, before any
@@ -315,7 +316,7 @@ def validation_domains(planned: dict, run_id: str, domains: list[str] | None,
         return list(domains)
     if speculative_config is not None:
         return sorted(planned)
-    chosen = sorted(d for d, row in planned.items() if row["enabled"])
+    chosen = sorted(d for d, row in planned.items() if row.enabled)
     if not chosen:
         raise InvalidValue(f"run {run_id} turns no domain on: nothing to validate; name one with "
                            f"--domain (its domains: {known})")
@@ -338,7 +339,7 @@ def engine_validate_run(run_id: str, target: str, target_model, requests_by_doma
         specs = {d: speculative_config for d in (domains or sorted(planned))}
     else:
         exported = served_export(run_id, store, target, model_dir)["speculative_config"]
-        chosen = domains or sorted(d for d, row in planned.items() if row["enabled"])
+        chosen = domains or sorted(d for d, row in planned.items() if row.enabled)
         specs = {d: exported[d] for d in chosen if exported.get(d)}
     dtype = str(next(target_model.parameters()).dtype).removeprefix("torch.")
     with ServerPool(run_id, model_dir, dtype=dtype, settings=settings) as pool:
