@@ -156,3 +156,110 @@ def test_a_neighbour_working_in_bursts_is_counted_whatever_phase_the_sampling_ca
         neighbour.kill()
         neighbour.wait()
     assert seen["others"] >= 0.5 and seen["spare"] >= 1 and len(seen["cpus"]) == len(os.sched_getaffinity(0)) - seen["spare"]
+
+
+class NgramProposer:            # vLLM 0.32's ngram proposer as the skip relies on it: an empty row is not searched
+    def __init__(self):
+        self.searched = []
+
+    def propose(self, sampled_token_ids):
+        valid_ngram_requests = []
+        for i, sampled_ids in enumerate(sampled_token_ids):
+            num_sampled_ids = len(sampled_ids)
+            if not num_sampled_ids:
+                continue
+            valid_ngram_requests.append(i)
+        self.searched.append(valid_ngram_requests)
+        return [[7, 7] if i in valid_ngram_requests else [] for i in range(len(sampled_token_ids))]
+
+
+class SuffixCache:
+    def __init__(self):
+        self.added, self.speculated, self.active_requests = [], [], {"a", "b", "c"}
+
+    def add_active_response(self, req_id, ids):
+        self.added.append(req_id)
+
+    def speculate(self, req_id, pattern, **kwargs):
+        self.speculated.append(req_id)
+        return SimpleNamespace(token_ids=[9, 9, 9])
+
+
+class SuffixDecodingProposer:   # ... and its suffix proposer: the response added, then speculate per request id
+    def __init__(self):
+        self.suffix_cache = SuffixCache()
+
+    def propose(self, req_ids, sampled_token_ids):
+        draft_token_ids = []
+        for req_id, sampled_ids in zip(req_ids, sampled_token_ids):
+            if not sampled_ids:
+                draft_token_ids.append([])
+                continue
+            self.suffix_cache.add_active_response(req_id, sampled_ids)
+            draft_token_ids.append(self.suffix_cache.speculate(req_id, [], max_spec_tokens=8).token_ids)
+        assert self.suffix_cache.active_requests       # the cache's other attributes reach through
+        return draft_token_ids
+
+
+def runner_class():
+    class Runner:               # the model runner's proposal, as vLLM 0.32 dispatches it
+        def __init__(self, method, requests):
+            self.speculative_config = SimpleNamespace(method=method)
+            self.requests = requests
+            self.input_batch = SimpleNamespace(req_ids=list(requests))
+            self.drafter = NgramProposer() if method == "ngram" else SuffixDecodingProposer()
+
+        def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *rest):
+            spec_config = self.speculative_config
+            if spec_config.method == "ngram":
+                return self.drafter.propose(sampled_token_ids)
+            elif spec_config.method == "suffix":
+                return self.drafter.propose(self.input_batch.req_ids, sampled_token_ids)
+    return Runner
+
+
+def test_a_request_at_k_0_is_not_searched_by_the_ngram_or_suffix_proposer():
+    plan = {"method": "ngram", "domains": {"chat": [(1, 8, 0)]}, "default": [(1, 8, 4)]}
+    Runner = runner_class()
+    assert plugin.enable_proposal_skip(Runner, plan) == [plugin.SKIP_LINE]
+    requests = {"a": request(specdec_domain="json"), "b": request(specdec_domain="chat"), "c": request(specdec_k=0)}
+    ngram = Runner("ngram", requests)
+    sampled = [[1], [2], [3]]
+    assert ngram.propose_draft_token_ids(None, sampled, "more") == [[7, 7], [], []]
+    assert ngram.drafter.searched == [[0]] and sampled == [[1], [2], [3]]    # the caller's list untouched
+    suffix = Runner("suffix", requests)
+    assert suffix.propose_draft_token_ids(None, sampled) == [[9, 9, 9], [], []]
+    cache = suffix.drafter.suffix_cache
+    assert isinstance(cache, SuffixCache)                 # the proposer's own cache back in place
+    assert cache.added == ["a", "b", "c"] and cache.speculated == ["a"]   # the tree still learns from b, c
+    # nothing at K 0 (or another method): vLLM's proposal as it is
+    everyone = Runner("ngram", {"a": request(specdec_k=3), "d": request()})
+    assert everyone.propose_draft_token_ids(None, [[1], [2]]) == [[7, 7], [7, 7]]
+    assert plugin.enable_proposal_skip(Runner, plan) == []          # wrapped once
+
+
+def test_a_proposal_that_is_not_the_code_the_skip_expects_is_left_as_it_is(caplog):
+    class Other:
+        def propose_draft_token_ids(self, scheduler_output, sampled_token_ids):
+            return [[1]] * len(sampled_token_ids)
+
+    lines = plugin.enable_proposal_skip(Other, None)
+    assert "pay the proposer's search" in lines[0] and "spec_config.method" in lines[0]
+    assert not getattr(Other.propose_draft_token_ids, "specdec_skip", False)
+    # a runner as expected, with a proposer that searches another way: checked at its first
+    # proposal, said once, and served as vLLM proposes
+    Runner = runner_class()
+
+    class Searching(NgramProposer):
+        def propose(self, sampled_token_ids):
+            self.searched.append(list(range(len(sampled_token_ids))))
+            return [[5]] * len(sampled_token_ids)
+
+    assert plugin.enable_proposal_skip(Runner, None) == [plugin.SKIP_LINE]
+    runner = Runner("ngram", {"a": request(specdec_k=0)})
+    runner.drafter = Searching()
+    with caplog.at_level("WARNING"):
+        assert runner.propose_draft_token_ids(None, [[1]]) == [[5]] and runner.drafter.searched == [[0]]
+        assert runner.propose_draft_token_ids(None, [[1]]) == [[5]]
+    said = [r.getMessage() for r in caplog.records if "pay the proposer's search" in r.getMessage()]
+    assert len(said) == 1 and "Searching.propose lacks" in said[0], said

@@ -237,6 +237,8 @@ def test_one_server_serves_each_request_the_k_it_asks_in_one_mixed_batch(tiny, t
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda ask: server.complete(tiny[2], max_tokens=32, **ask), asks))
     json_, chat, two, zero = map(_drafts, answers)
+    # the chat and K 0 requests were not searched (the plugin says so at start)
+    assert "K 0 requests skip the proposer's host search" in server.log_path.read_text()
     assert json_["num_draft_tokens"] > 0 and len(json_["acceptance_histogram"]) == 9, json_
     assert chat["num_draft_tokens"] == 0 and chat["num_spec_steps"] == 0, chat
     assert zero["num_draft_tokens"] == 0, zero
@@ -244,6 +246,28 @@ def test_one_server_serves_each_request_the_k_it_asks_in_one_mixed_batch(tiny, t
     assert 0 < two["num_draft_tokens"] <= 2 * two["num_spec_steps"], two
     assert not any(two["acceptance_histogram"][3:]), two
     assert not server.alive()
+
+
+def test_a_suffix_server_learns_from_a_k_0_response_it_did_not_search_for(tiny, tmp_path):
+    # the plugin skips the suffix search for a K 0 request, but its response still goes into the
+    # server's tree: the target continues x with x + 1, so a K 0 request ending in 7 answers 8..23,
+    # and a later request ending in 7 (another prompt) is drafted from that answer, while one
+    # ending in 40 (41..56, nowhere in the tree) is not
+    from tasks.serving.server import VllmServer
+
+    suffix = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 16,
+              "suffix_decoding_min_token_prob": 0.1, "suffix_decoding_max_spec_factor": 1.0}
+    server = VllmServer(str(tiny[0]), suffix, tmp_path / "suffix.log", dtype="float32",
+                        max_model_len=512, max_num_seqs=4)
+    with server:
+        history = server.complete([50, 3, 61, 30, 7], max_tokens=16, k=0)
+        learned = _drafts(server.complete([44, 19, 58, 7], max_tokens=16, k=4))
+        unseen = _drafts(server.complete([44, 19, 58, 40], max_tokens=16, k=4))
+    assert history["choices"][0]["token_ids"][:4] == [8, 9, 10, 11], history["choices"][0]
+    assert _drafts(history)["num_draft_tokens"] == 0
+    assert learned["num_accepted_draft_tokens"] >= 8, learned
+    assert unseen["num_accepted_draft_tokens"] <= 2, unseen
+    assert "K 0 requests skip the proposer's host search" in server.log_path.read_text()
 
 
 def test_the_sampling_test_passes_at_k_0_1_and_the_largest_k_on_one_server(tiny, pool):

@@ -36,7 +36,9 @@ each request's drafts (`Scheduler.update_draft_token_ids`, and its async-schedul
 request gets at most its K of the drafts vLLM's proposer made (so never more than vLLM's own
 schedule for the batch size), and verification is unchanged, so the output distribution is too.
 The scheduler's code is checked first; where it is not the code this cut expects, or the plan file
-cannot be read, the server refuses to start with one line saying so.
+cannot be read, the server refuses to start with one line saying so. A request at K 0 is also kept
+out of an ngram or suffix proposer's host search (enable_proposal_skip), which vLLM runs for the
+whole batch before the cut: a suffix request's response still goes into the tree.
 
 A plan (a file, or its JSON itself in the variable): {"method": vLLM's method name, "domains": {NAME:
 [[lo, hi, K], ...]}, "default": [[lo, hi, K], ...]} with inclusive batch-size ranges as in vLLM's
@@ -350,8 +352,117 @@ def enable_k_per_request(scheduler_class, draft_class, plan: dict | None) -> lis
     return [K_PER_REQUEST + (f"; plan {where}: domains {sorted(plan['domains'])}" if plan else "")]
 
 
+# --- a K 0 request skips the proposer's search ------------------------------------------------------
+SKIP_LINE = "K 0 requests skip the proposer's host search (ngram, suffix)"
+
+
+class _NoDraft:
+    """What the suffix cache's speculate answers for a request at K 0: no tokens."""
+    token_ids: list = []
+
+
+class _SkippingCache:
+    """The suffix proposer's cache for one proposal: speculate answers nothing for the requests
+    at K 0 (their responses are still added to the tree: a suffix server learns from every
+    response it serves); everything else is the cache's own."""
+
+    def __init__(self, cache, skip: set):
+        self._cache, self._skip = cache, skip
+
+    def speculate(self, req_id, *args, **kwargs):
+        return _NoDraft() if req_id in self._skip else self._cache.speculate(req_id, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def zero_k_rows(runner, plan: dict | None) -> dict[int, str]:
+    """{row of the runner's input batch: request id} of the requests whose K is 0 this step (their
+    specdec_k, or their domain's K in the plan at this batch size: request_k)."""
+    req_ids = list(getattr(runner.input_batch, "req_ids", ()) or ())
+    rows = {}
+    for i, req_id in enumerate(req_ids):
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        if state is not None and request_k(getattr(params, "extra_args", None), plan, len(req_ids)) == 0:
+            rows[i] = req_id
+    return rows
+
+
+RUNNER_NEEDS = ('spec_config.method == "ngram"', 'spec_config.method == "suffix"', "self.drafter.propose(")
+PROPOSER_NEEDS = {"ngram": ("if not num_sampled_ids", "valid_ngram_requests.append(i)"),
+                  "suffix": ("if not sampled_ids", "self.suffix_cache.add_active_response(",
+                             "self.suffix_cache.speculate(")}
+
+
+def code_lacks(method, needles) -> str | None:
+    """None when the method's source holds every needle; else what it lacks."""
+    source = inspect.getsource(method)
+    missing = [needle for needle in needles if needle not in source]
+    return f"{method.__qualname__} lacks {missing[0]!r}" if missing else None
+
+
+def enable_proposal_skip(runner_class, plan: dict | None) -> list[str]:
+    """Wrap the model runner's proposal so that a request at K 0 is not searched: vLLM proposes
+    for the whole batch and the cut (enable_k_per_request) comes after, so a K 0 request on an
+    ngram or suffix server paid the search a plain server does not. ngram: its row goes to the
+    proposer with no sampled tokens (the proposer's own skip, as for a partial prefill); suffix:
+    the response is added to the tree as before, and speculate answers nothing for it. Drafts
+    of the other requests, and verification, are unchanged. The runner's code is checked now; the
+    proposer's at its first proposal (importing vLLM's proposers while plugins load breaks its
+    kernel registration), and where it is not the code the skip expects, one line says so and
+    K 0 requests pay the search as before."""
+    take = runner_class.propose_draft_token_ids
+    if getattr(take, "specdec_skip", False):
+        return []
+    differs = code_lacks(take, RUNNER_NEEDS)
+    if differs:
+        return [f"K 0 requests pay the proposer's search: vLLM's code is not what the skip expects ({differs})"]
+    checked: dict = {}          # proposer class: whether its code is what the skip expects
+
+    def skips(drafter, method) -> bool:
+        kind = type(drafter)
+        if kind not in checked:
+            differs = code_lacks(kind.propose, PROPOSER_NEEDS[method])
+            checked[kind] = differs is None
+            if differs:
+                _logger().warning("%s K 0 requests pay the proposer's search: vLLM's code is not what "
+                                  "the skip expects (%s)", K_MARK, differs)
+        return checked[kind]
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        method = getattr(self.speculative_config, "method", None)
+        skip = ({} if method not in PROPOSER_NEEDS or not isinstance(sampled_token_ids, list)
+                else zero_k_rows(self, plan))
+        if not skip or not skips(self.drafter, method):
+            return take(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        if method == "ngram":
+            sampled_token_ids = [[] if i in skip else ids for i, ids in enumerate(sampled_token_ids)]
+            return take(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        cache = self.drafter.suffix_cache
+        self.drafter.suffix_cache = _SkippingCache(cache, set(skip.values()))
+        try:
+            return take(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        finally:
+            self.drafter.suffix_cache = cache
+
+    propose_draft_token_ids.specdec_skip = True
+    runner_class.propose_draft_token_ids = propose_draft_token_ids
+    return [SKIP_LINE]
+
+
+def proposal_skip(plan: dict | None) -> list[str]:
+    """The skip on vLLM's model runner (enable_proposal_skip)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as exc:
+        return [f"K 0 requests pay the proposer's search: no model runner to wrap ({exc})"]
+    return enable_proposal_skip(GPUModelRunner, plan)
+
+
 def k_per_request() -> list[str]:
-    """K per request on vLLM's scheduler, with the plan file where one is named."""
+    """K per request on vLLM's scheduler, with the plan file where one is named, and the
+    proposer's search skipped for requests at K 0."""
     where = os.environ.get(PLAN_VARIABLE, "").strip()
     plan = read_plan(where) if where else None
     try:
@@ -359,7 +470,8 @@ def k_per_request() -> list[str]:
         from vllm.v1.outputs import DraftTokenIds
     except ImportError as exc:
         raise PlanError(f"specdec: K per request cannot be set on this vLLM (no v1 scheduler: {exc})") from None
-    return enable_k_per_request(Scheduler, DraftTokenIds, plan)
+    lines = enable_k_per_request(Scheduler, DraftTokenIds, plan)
+    return lines + (proposal_skip(plan) if lines else [])
 
 
 def register() -> None:
