@@ -13,6 +13,7 @@ test's G-tests and smallest p against its bound, and the drafts the server made 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -46,6 +47,21 @@ def mixed_batch(server, requests: dict, tokens: int) -> list[dict]:
                      "longest": (spec["num_draft_tokens"] // spec["num_spec_steps"]) if spec["num_spec_steps"] else 0,
                      "histogram": histogram})
     return rows
+
+
+@contextlib.contextmanager
+def skip_off(variable: str, servers):
+    """Start the servers with the plugin's skip of K 0 requests off (the variable at "0" while
+    they start; each server reads it once), and stop them at the end."""
+    os.environ[variable] = "0"
+    try:
+        with contextlib.ExitStack() as stack:
+            for server in servers:
+                stack.enter_context(server)
+            os.environ.pop(variable, None)
+            yield
+    finally:
+        os.environ.pop(variable, None)
 
 
 def k0_against_plain(spec_servers: dict, plain_server, requests: list, tokens: int, rounds: int) -> dict:
@@ -86,6 +102,7 @@ def main() -> int:
     from specdec_core import load_model
     from tasks.serving.environment import served_model_dir
     from tasks.serving.server import VllmServer
+    from tasks.serving.vllm_plugin.specdec_vllm_mends import SKIP_VARIABLE
     from tasks.settings import load_settings
     from tasks.steps.checks.engine_validate import BLOCK_SIZE, engine_report
     from tasks.steps.checks.validate import validation_context, validation_samplings
@@ -120,8 +137,14 @@ def main() -> int:
                            block_size=BLOCK_SIZE, settings=settings)
         suffix = VllmServer(str(model_dir), SUFFIX_8, work / "suffix.log", dtype="float32",
                             max_num_seqs=16, block_size=BLOCK_SIZE, settings=settings)
-        with plain, suffix:
-            k0 = k0_against_plain({"ngram": server, "suffix": suffix}, plain,
+        # the same two methods with the plugin's skip off: K 0 requests searched, as vLLM does
+        searched = {name: VllmServer(str(model_dir), config, work / f"{name}-searched.log", dtype="float32",
+                                     max_num_seqs=16, block_size=BLOCK_SIZE, settings=settings)
+                    for name, config in (("ngram", NGRAM_8), ("suffix", SUFFIX_8))}
+        with plain, suffix, skip_off(SKIP_VARIABLE, searched.values()):
+            k0 = k0_against_plain({"ngram": server, "suffix": suffix,
+                                   "ngram, K 0 searched": searched["ngram"],
+                                   "suffix, K 0 searched": searched["suffix"]}, plain,
                                   requests["json"] + requests["chat"], args.tokens, args.k0_rounds)
     seconds = time.perf_counter() - began
     lines = ["# K per request on one vLLM server", "",
@@ -143,14 +166,17 @@ def main() -> int:
               for t in tests]
     lines += ["", "## A K 0 request on a speculative server against a plain server", "",
               f"The same {len(requests['json']) + len(requests['chat'])} requests, greedy, {args.tokens} tokens, one "
-              f"at a time on each of three servers (ngram at K 8, suffix at K 8 `{json.dumps(SUFFIX_8)}`, "
-              f"plain), the order rotating; decode seconds per token at K 0 over plain's, per pair:", "",
+              f"at a time on each of five servers (ngram at K 8 and suffix at K 8 `{json.dumps(SUFFIX_8)}`, "
+              f"each with the plugin's skip of K 0 requests and with it off ({SKIP_VARIABLE}=0: "
+              f"K 0 requests searched, as vLLM does), and plain), the order rotating; decode "
+              f"seconds per token at K 0 over plain's, per pair:", "",
               "| server | pairs | median | range |", "|---|---|---|---|"]
     lines += [f"| {name} | {r['pairs']} | {r['median']:.3f} | {r['low']:.3f}-{r['high']:.3f} |"
               for name, r in k0.items()]
     lines += ["", "This is what the engine check's and the load check's plain control (K 0 on the "
-              "config's own server) pays beside a plain deployment: vLLM runs the proposer's host "
-              "search for every request and the plugin cuts the drafts after it."]
+              "config's own server) pays beside a plain deployment, with the plugin's skip and "
+              "without it (vLLM runs the proposer's host search for the whole batch and the cut "
+              "comes after)."]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

@@ -354,6 +354,7 @@ def enable_k_per_request(scheduler_class, draft_class, plan: dict | None) -> lis
 
 # --- a K 0 request skips the proposer's search ------------------------------------------------------
 SKIP_LINE = "K 0 requests skip the proposer's host search (ngram, suffix)"
+SKIP_VARIABLE = "SPECDEC_VLLM_K0_SKIP"       # "0": K 0 requests are searched as vLLM does (to compare)
 
 
 class _NoDraft:
@@ -471,7 +472,11 @@ def k_per_request() -> list[str]:
     except ImportError as exc:
         raise PlanError(f"specdec: K per request cannot be set on this vLLM (no v1 scheduler: {exc})") from None
     lines = enable_k_per_request(Scheduler, DraftTokenIds, plan)
-    return lines + (proposal_skip(plan) if lines else [])
+    if not lines:
+        return lines
+    if os.environ.get(SKIP_VARIABLE, "1").strip() == "0":
+        return lines + [f"K 0 requests pay the proposer's search ({SKIP_VARIABLE}=0)"]
+    return lines + proposal_skip(plan)
 
 
 def register() -> None:
