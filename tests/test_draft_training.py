@@ -389,7 +389,7 @@ def test_eagle3_without_vocab_size_drafts_over_the_full_vocabulary(tmp_path):
     from safetensors.torch import load_file
 
     from specdec_core.eagle3 import Eagle3Head
-    from tasks.steps.drafters.draft_recipes import eagle3_head
+    from tasks.steps.drafters.draft_engine import eagle3_head
 
     target = tiny_llama(seed=0)
     head = eagle3_head(target, [], None, [1, 3])

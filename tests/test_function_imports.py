@@ -51,7 +51,7 @@ AS_THEY_ARE = ("specdec_core/profile.py", "specdec_core/train.py")
 
 # every function-level import counted, VLLM_ENV and AS_THEY_ARE included (issue 84's goal: at
 # most 80); lower it as imports move to the top, never raise it
-MAX_FUNCTION_IMPORTS = 118
+MAX_FUNCTION_IMPORTS = 92
 
 
 def _files() -> list[Path]:

@@ -258,15 +258,21 @@ def failure_text(run_id: str, failed: list[dict], logs: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def _dag_bag(env: dict):
+    """The DAG folder of `env` parsed (Airflow's DagBag); call it once `env` is in os.environ."""
+    # imported here: Airflow reads its configuration when imported, once the caller has set `env`
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=env["AIRFLOW__CORE__DAGS_FOLDER"])
+
+
 def run(conf: dict | None = None, promote: bool = True, dags_folder: Path | None = None) -> dict:
     console = make_console()
     home = specdec_home().resolve()
     env = airflow_environment(home, dags_folder or default_dags_folder())
     if conf:        # a value of the wrong type: one line before any work
         os.environ.update(env)
-        from airflow.dag_processing.dagbag import DagBag
-
-        check_conf(DagBag(dag_folder=env["AIRFLOW__CORE__DAGS_FOLDER"]).dags["specdec_evaluate"], conf)
+        check_conf(_dag_bag(env).dags["specdec_evaluate"], conf)
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
     started = time.perf_counter()
@@ -291,9 +297,7 @@ def _run_dag(console, env: dict, conf: dict | None, promote: bool):
     """specdec_evaluate through dag.test(), its tasks' progress printed: (dag_run, the log
     recorder, task states by task id, the task log files written for the UI)."""
     console.print("[bold]3/4[/bold] specdec_evaluate through dag.test() (about 12 minutes on 2 CPU cores)")
-    from airflow.dag_processing.dagbag import DagBag
-
-    dag = DagBag(dag_folder=env["AIRFLOW__CORE__DAGS_FOLDER"]).get_dag("specdec_evaluate")
+    dag = _dag_bag(env).get_dag("specdec_evaluate")
     progress_logger = logging.getLogger("airflow.sdk.definitions.dag")
     progress = _TaskProgress(console)
     progress_logger.addHandler(progress)

@@ -58,6 +58,15 @@ __all__ = ["CHAMPION_URI", "DATABASE_CONNECTION", "DEFAULT_MODEL", "DEPRECATED_P
            "setting_default", "task_errors"]
 
 
+def _airflow_sdk():
+    """airflow.sdk, its exceptions (airflow.sdk.exceptions) loaded, imported by the first function
+    that needs it: Airflow costs ~0.9 s and reads its configuration when imported, and
+    `specdec main-job` imports this module before it sets AIRFLOW_HOME."""
+    import airflow.sdk.exceptions
+
+    return airflow.sdk
+
+
 def queues() -> tuple[str, str]:
     """(cpu queue, gpu queue): the Airflow queues of database/registry tasks and of the tasks that
     run the model, from the settings ($SPECDEC_QUEUES_CPU, $SPECDEC_QUEUES_GPU; defaults `default`
@@ -70,13 +79,10 @@ def connection_database_url() -> str | None:
     """The URL of the Airflow connection `specdec_db`; None when it is not defined. The steps
     resolve None as everywhere else (tasks.db.engine.resolve_database_url: $SPECDEC_DATABASE_URL,
     else the SQLite default)."""
-    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
-    from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException
-
+    sdk = _airflow_sdk()
     try:
-        return BaseHook.get_connection(DATABASE_CONNECTION).get_uri()
-    except AirflowNotFoundException:
+        return sdk.BaseHook.get_connection(DATABASE_CONNECTION).get_uri()
+    except sdk.exceptions.AirflowNotFoundException:
         return None
 
 
@@ -136,9 +142,7 @@ def is_outage(exc: BaseException) -> bool:
 def task_errors():
     """Around a task's work: outages and unknown errors propagate (the task's retries apply);
     other user-facing errors fail the task at once."""
-    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
-    from airflow.sdk.exceptions import AirflowFailException
-
+    sdk = _airflow_sdk()
     try:
         yield
     except SpecdecTaskError as exc:
@@ -147,7 +151,7 @@ def task_errors():
                         type(exc).__name__, mask_text(str(exc)))
             raise
         log.error("failed at once, no retry: %s: %s", type(exc).__name__, mask_text(str(exc)))   # in the task log
-        raise AirflowFailException(f"{type(exc).__name__}: {mask_text(str(exc))}") from exc
+        raise sdk.exceptions.AirflowFailException(f"{type(exc).__name__}: {mask_text(str(exc))}") from exc
 
 
 def current_params(params, conf: dict | None) -> dict:
@@ -230,10 +234,7 @@ MAP_LABEL = "{{ specdec_label }}"
 def label_mapped(label: str) -> None:
     """Inside a mapped task: its map index shows as `label` (map_index_template MAP_LABEL), e.g.
     the domain it ran for."""
-    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
-    from airflow.sdk import get_current_context
-
-    get_current_context()["specdec_label"] = label
+    _airflow_sdk().get_current_context()["specdec_label"] = label
 
 
 def run_spec() -> dict:
@@ -241,14 +242,11 @@ def run_spec() -> dict:
     argument: an argument is an edge from sample to every task that takes it, and the graph was a
     web of them; wire_in_order's chain orders the tasks. Where sample did not complete the task
     ends skipped saying so (the run fails at its last task, domain_failures)."""
-    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
-    from airflow.sdk import get_current_context
-    from airflow.sdk.exceptions import AirflowSkipException
-
-    spec = get_current_context()["ti"].xcom_pull(task_ids="sample", map_indexes=-1)
+    sdk = _airflow_sdk()
+    spec = sdk.get_current_context()["ti"].xcom_pull(task_ids="sample", map_indexes=-1)
     if spec is None:
-        raise AirflowSkipException("sample did not complete: the run has no spec (see the sample "
-                                   "task's log)")
+        raise sdk.exceptions.AirflowSkipException("sample did not complete: the run has no spec "
+                                                  "(see the sample task's log)")
     return spec
 
 
@@ -258,9 +256,7 @@ def domain_step_failed(steps: tuple[str, ...]) -> str | None:
     succeed for this task's domain ("estimate failed"), or None. The per-domain tasks wait for
     each other as whole tasks (all_done) and check their own domain here, so one domain's failure
     stays in that domain."""
-    from airflow.sdk import get_current_context
-
-    ti = get_current_context()["ti"]
+    ti = _airflow_sdk().get_current_context()["ti"]
     states = ti.get_task_states(dag_id=ti.dag_id, map_index=ti.map_index, task_ids=list(steps),
                                 run_ids=[ti.run_id]).get(ti.run_id, {})
     for step in steps:
@@ -287,11 +283,8 @@ def monitor_targets(deployments: list[str], port: int = 8000) -> dict[str, str]:
     it does not name is not scraped), else a connection MONITOR_CONNECTION_PREFIX + name (dashes as
     underscores; its host, port and scheme), else http://NAME:port, the service that
     `specdec config export --format compose` writes for it on the Compose network."""
-    # imported here: Airflow: costs ~0.9 s and the CLI imports this module at start-up
-    from airflow.sdk import BaseHook, Variable
-    from airflow.sdk.exceptions import AirflowNotFoundException
-
-    raw = Variable.get(MONITOR_VARIABLE, default=None)
+    sdk = _airflow_sdk()
+    raw = sdk.Variable.get(MONITOR_VARIABLE, default=None)
     if raw:
         targets = json.loads(raw) if isinstance(raw, str) else raw
         if not isinstance(targets, dict):
@@ -301,8 +294,8 @@ def monitor_targets(deployments: list[str], port: int = 8000) -> dict[str, str]:
     out = {}
     for name in deployments:
         try:
-            conn = BaseHook.get_connection(MONITOR_CONNECTION_PREFIX + name.replace("-", "_"))
+            conn = sdk.BaseHook.get_connection(MONITOR_CONNECTION_PREFIX + name.replace("-", "_"))
             out[name] = f"{conn.schema or 'http'}://{conn.host}:{conn.port or port}"
-        except AirflowNotFoundException:
+        except sdk.exceptions.AirflowNotFoundException:
             out[name] = f"http://{name}:{port}"
     return out

@@ -32,6 +32,13 @@ if TYPE_CHECKING:
     from .tracking import RegistryClient
 
 
+def _tracking():
+    """tasks.registry.tracking, imported by the first call that needs it (it loads MLflow)."""
+    from . import tracking
+
+    return tracking
+
+
 def tracking_uri(uri: str | None = None, store: Store | str | None = None) -> str:
     """The MLflow tracking URI to use; refuses specdec's own database (`store`'s, when given).
     store: the Store; a database URL string is still taken from the steps that hold no Store yet
@@ -98,9 +105,7 @@ class Registry:
         """The store's RegistryClient, made (and the store checked) on first use; a failure is not
         kept, so that a later call tries again."""
         if "client" not in self._opened:
-            from .tracking import client      # MLflow: loaded by the first call that needs it
-
-            self._opened["client"] = client(self.uri)
+            self._opened["client"] = _tracking().client(self.uri)
         return self._opened["client"]
 
     def local_store_missing(self) -> bool:
@@ -111,9 +116,7 @@ class Registry:
     def check_reachable(self) -> str:
         """Raise RegistryError (one line) unless the tracking store answers now; the URI
         otherwise. Run before expensive work that ends by registering."""
-        from .tracking import fail_fast
-
-        with fail_fast():
+        with _tracking().fail_fast():
             self.client.search_registered_models(max_results=1)
         return self.uri
 
@@ -121,31 +124,27 @@ class Registry:
                          store: Store | None = None) -> tuple[str | None, "SpecdecConfig | None"]:
         """(version, config) of the champion of the target (of `run_id`'s target, read from
         `store`, when target_id is None)."""
-        from .tracking import CHAMPION, alias_version, load_version_config
-
+        tracking = _tracking()
         if target_id is None:
             target_id = run_row(store, run_id)["target_id"]
         name = config_model_name(target_id)
-        version = alias_version(self.client, name, CHAMPION)
+        version = tracking.alias_version(self.client, name, tracking.CHAMPION)
         if version is None:
             return None, None
-        return version, load_version_config(self.client, name, version)
+        return version, tracking.load_version_config(self.client, name, version)
 
     def show_version(self, name: str, which: str = "champion") -> dict:
         """{name, version, aliases, tags, description, config} of an alias or a version number."""
-        from .tracking import alias_version, load_version_config
-
+        tracking = _tracking()
         mlflow_client = self.client
-        version = which if which.isdigit() else alias_version(mlflow_client, name, which)
+        version = which if which.isdigit() else tracking.alias_version(mlflow_client, name, which)
         if version is None:
             raise RegistryError(f"{name} has no version with alias {which!r}")
         detail = mlflow_client.get_model_version(name, version)
         return {"name": name, "version": version, "aliases": list(detail.aliases or []),
                 "tags": dict(detail.tags or {}), "description": detail.description,
-                "config": json.loads(load_version_config(mlflow_client, name, version).to_json())}
+                "config": json.loads(tracking.load_version_config(mlflow_client, name, version).to_json())}
 
     def version_config(self, name: str, version: str) -> "SpecdecConfig":
         """The config.json version `version` of `name` was registered from."""
-        from .tracking import load_version_config
-
-        return load_version_config(self.client, name, version)
+        return _tracking().load_version_config(self.client, name, version)

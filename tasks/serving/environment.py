@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from specdec_core.home import EMBEDDED_MODELS, models_dir
+
 from ..errors import EngineTimeout, ServingEnvUnavailable, ServingProbeError
 from ..settings import Settings, load_settings
 from . import forks
@@ -269,9 +271,6 @@ def served_model_dir(target: str) -> Path:
     form serving engines load (the architecture named, tied embeddings under the input
     embedding's name) with the weights' fingerprint in `specdec_served.json` beside them. Any
     other target: its own transformers directory, as it is."""
-    # imported here: torch: the CLI's config commands import it
-    from specdec_core.models import EMBEDDED_MODELS, models_dir
-
     if target.lower() in EMBEDDED_MODELS:
         directory = models_dir() / target.lower() / "transformers"
         if not (directory / SERVED_MARK).exists():
@@ -287,9 +286,6 @@ def served_model_dir(target: str) -> Path:
 def servable(target: str) -> bool:
     """Whether served_model_dir can give a serving engine `target` (the embedded default, or a
     transformers directory), without writing anything."""
-    # imported here: torch: the CLI's config commands import it
-    from specdec_core.models import EMBEDDED_MODELS
-
     path = Path(target).expanduser()
     return target.lower() in EMBEDDED_MODELS or (path.is_dir() and (path / "config.json").exists())
 

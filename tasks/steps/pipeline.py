@@ -39,11 +39,16 @@ MODEL_STEPS = ("step_profile", "step_estimate", "step_confirm", "step_validate",
                "champion_domains_on", "run_profile_name")
 
 
+def _model_steps():
+    """tasks.steps.model_steps, imported on first use: it loads the engine (torch) and MLflow."""
+    from . import model_steps
+
+    return model_steps
+
+
 def __getattr__(name: str):
     if name in MODEL_STEPS:
-        from . import model_steps
-
-        return getattr(model_steps, name)
+        return getattr(_model_steps(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -98,9 +103,7 @@ def step_engine_check(spec) -> dict:
         record_engine_check_skip(store, spec.run_id, line)     # the page says so
         log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id, line)
         return {"skipped": line, "domains": {}, "engines": []}
-    from .model_steps import served_engine_check     # the model and vLLM: only when the check is on
-
-    return served_engine_check(spec)
+    return _model_steps().served_engine_check(spec)     # the model and vLLM: only when the check is on
 
 
 def step_register(spec, started_at=None) -> dict:

@@ -25,12 +25,12 @@ SCHEDULED_RETRAINING is the weekly retraining's deliberate choice (dags/specdec_
 Params): longer training on a bounded window.
 
 Importing this module loads no torch (a DAG file's parse reads the defaults); each train() loads
-the engine's training code when it runs.
+the engine's training code (tasks.steps.drafters.draft_engine) when it runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -41,6 +41,15 @@ from ...errors import SpecdecTaskError
 
 class DraftTrainingError(SpecdecTaskError, ValueError):
     """Draft training cannot run on this input (no traffic, another vocabulary, bad sizes)."""
+
+
+def _engine():
+    """tasks.steps.drafters.draft_engine: the recipes' builds and training on the target, imported
+    by the first recipe that trains or checks one (it loads torch; this module's defaults are read
+    at a DAG file's parse)."""
+    from . import draft_engine
+
+    return draft_engine
 
 
 def training_config(**values) -> TrainConfig:
@@ -133,13 +142,7 @@ class DraftModelRecipe(DraftRecipe):
         return f"{target} (first {self.num_layers} layers)"
 
     def train(self, run: TrainingRun):
-        # imported here: this module's defaults are read at a DAG file's parse (no torch)
-        from specdec_core.train import init_draft_from_target, train_draft
-
-        draft = init_draft_from_target(run.model, num_layers=self.num_layers,
-                                       hidden_size=self.hidden_size)
-        return train_draft(draft, run.model, run.train, run.evaluation, self.config, run.directory,
-                           progress=run.progress, report=run.report)
+        return _engine().train_draft_model(self, run)
 
 
 def _check_unroll(unroll: int) -> None:
@@ -167,38 +170,7 @@ class HeadRecipe(DraftRecipe):
         return f"{target} (draft head, {_vocabulary(self.vocab_size)})"
 
     def train(self, run: TrainingRun):
-        # imported here: this module's defaults are read at a DAG file's parse (no torch)
-        from specdec_core.drafters import output_size
-        from specdec_core.head import DraftHead
-        from specdec_core.train import head_vocabulary, train_head
-
-        ids = (None if self.vocab_size is None
-               else head_vocabulary(run.train, self.vocab_size, output_size(run.model)))
-        head = DraftHead(run.model, vocab_ids=ids)
-        return train_head(head, run.model, run.train, run.evaluation, self.config, run.directory,
-                          progress=run.progress, unroll=self.unroll, report=run.report)
-
-
-def eagle3_head(model, train: list, vocab_size: int | None, layer_ids: list[int] | None = None):
-    """An untrained EAGLE-3 head for `model` whose draft vocabulary is the `vocab_size` most
-    frequent tokens of the training rows' responses (all of the target's ids when None)."""
-    # imported here: this module's defaults are read at a DAG file's parse (no torch)
-    import torch
-
-    from specdec_core.drafters import output_size
-    from specdec_core.eagle3 import Eagle3Head
-    from specdec_core.train import head_vocabulary
-
-    full = output_size(model)
-    if vocab_size is not None and vocab_size < 1:
-        raise DraftTrainingError(f"vocab_size {vocab_size}: give at least 1 token (or none: the "
-                                 "full vocabulary)")
-    ids = (torch.arange(full) if vocab_size is None
-           else head_vocabulary(train, vocab_size, full, responses_only=True))
-    try:
-        return Eagle3Head(model, vocab_ids=ids, layer_ids=layer_ids)
-    except ValueError as exc:          # layer ids outside the target
-        raise DraftTrainingError(f"eagle3: {exc}") from exc
+        return _engine().train_draft_head(self, run)
 
 
 @dataclass(frozen=True)
@@ -215,18 +187,7 @@ class Eagle3Recipe(DraftRecipe):
 
     def prepare(self, model, target: str) -> "Eagle3Recipe":
         """layer_ids resolved (recorded as used, not as "default") and checked against the target."""
-        # imported here: this module's defaults are read at a DAG file's parse (no torch)
-        from specdec_core.eagle3 import default_layer_ids
-        from specdec_core.tap import decoder_layers
-
-        depth = len(decoder_layers(model))
-        layer_ids = list(self.layer_ids) if self.layer_ids is not None else default_layer_ids(depth)
-        if (not layer_ids or any(not 0 <= i <= depth for i in layer_ids)
-                or layer_ids != sorted(set(layer_ids))):
-            raise DraftTrainingError(f"layer_ids {layer_ids}: distinct, ascending, each in 0..{depth} "
-                                     f"(id i: the input of layer i; {depth}: the last layer's "
-                                     f"output) for target {target}")
-        return replace(self, layer_ids=tuple(layer_ids))
+        return _engine().prepare_eagle3(self, model, target)
 
     def params(self) -> dict:
         return {"vocab_size": self.vocab_size, "unroll": self.unroll,
@@ -237,22 +198,7 @@ class Eagle3Recipe(DraftRecipe):
         return f"{target} (EAGLE-3 head, {_vocabulary(self.vocab_size)})"
 
     def train(self, run: TrainingRun):
-        # imported here: this module's defaults are read at a DAG file's parse (no torch)
-        from specdec_core.train import train_head
-
-        layer_ids = None if self.layer_ids is None else list(self.layer_ids)
-        head = eagle3_head(run.model, run.train, self.vocab_size, layer_ids)
-        result = train_head(head, run.model, run.train, run.evaluation, self.config, run.directory,
-                            progress=run.progress, unroll=self.unroll, report=run.report)
-        if result.best_dir is not None:
-            # the kept checkpoint, rewritten with what serving reads: the planned K (k_max where
-            # nothing paid) and the target as the verifier, plus its lineage
-            best = type(head).load(result.best_dir, run.model)
-            best.save(result.best_dir, k=result.best["k"] or self.config.k_max, verifier=run.target,
-                      meta={"train_id": run.train_id, "target_fingerprint": run.fingerprint,
-                            "best_step": result.best_step, "unroll": self.unroll,
-                            "vocab_from": "responses", "train_requests": len(run.train)})
-        return result
+        return _engine().train_eagle3(self, run)
 
 
 RECIPES: dict[str, type[DraftRecipe]] = {recipe.kind: recipe for recipe in
