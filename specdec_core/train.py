@@ -800,7 +800,6 @@ def train_head(head, target: torch.nn.Module, train: list[LoggedRequest],
 def measure_head_step(head, target, context_len: int = 128, repeats: int = 5) -> float:
     """One draft step of the head (a one-position pass on its cache: fuse, layer, norm, output
     head) / one target step, both measured here at batch 1."""
-    import time
 
     from .cache import SequenceCache
     from .profile import measure_forward_costs
