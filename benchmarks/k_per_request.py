@@ -150,7 +150,8 @@ def main() -> int:
                                            requests["json"] + requests["chat"], args.tokens, args.k0_rounds))
     seconds = time.perf_counter() - began
     lines = ["# K per request on one vLLM server", "",
-             f"Command: `.venv/bin/python benchmarks/k_per_request.py --rows {args.rows} --tokens {args.tokens}`; "
+             f"Command: `.venv/bin/python benchmarks/k_per_request.py --rows {args.rows} --tokens {args.tokens} "
+             f"--k0-rounds {args.k0_rounds}`; "
              f"vLLM's CPU build, the embedded default, one ngram server at K 8 with the plan "
              f"`{json.dumps(PLAN)}`; {seconds:.0f} s; load average at the end "
              + " / ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1, 5, 15 minutes).", "",
