@@ -60,9 +60,12 @@ def cmd_profile_measure(args) -> int:
 def cmd_profile_show(args) -> int:
     store = open_store(args)
     costs = load_costs(args.name, store, getattr(args, "run", None))
+    hardware = hardware_of(costs.hardware_profile, store)
+    paired = costs.paired or bool(((hardware or {}).get("details") or {}).get("engine", {}).get("paired"))
+    spread = ("its 95% half-width over the ratio: paired timings" if paired else
+              "interquartile range / median; draft and overhead: over the step")
     table = Table(title=escape(f"cost profile {costs.hardware_profile} (run {costs.run_id}): "
-                               "ratios to one target step, each with its spread (interquartile "
-                               "range / median; draft and overhead: over the step)"),
+                               f"ratios to one target step, each with its spread ({spread})"),
                   title_justify="left")
     table.add_column("batch", justify="right")
     table.add_column("target step ms", justify="right")
@@ -118,7 +121,6 @@ def cmd_profile_show(args) -> int:
             rounds.add_row(str(b), *[cell(f"{r:.2f}", ("draft_round", label, k, b))
                                      for k, r in enumerate(ratios, 1)])
         console.print(rounds)
-    hardware = hardware_of(costs.hardware_profile, store)
     if hardware is not None:
         engine = hardware["details"].get("engine")
         console.print(escape(f"hardware: {hardware['device']} {hardware['dtype']}; engine: "
