@@ -230,6 +230,19 @@ def test_a_vllm_profile_prices_a_suffix_round_from_its_own_engine_not_a_differen
     assert table.draft_round == {} and table.round_ratios("draft", 1) is None
 
 
+def test_a_serving_profile_without_a_suffix_drafters_own_rounds_is_not_reused():
+    from tasks.steps.costs.reuse import _coverage_gaps
+
+    suffix = "suffix(max_depth=24)"
+    costs = cost_table()
+    costs.draft_step[suffix] = {b: 0.0 for b in STEP}
+    assert _coverage_gaps(costs, [1, 2, 4], 2, [suffix]) == ""         # our engine's profile
+    costs.sampled_step = {1: STEP[1]}                                   # a serving engine's
+    assert _coverage_gaps(costs, [1, 2, 4], 2, [suffix]) == f"no rounds of its own timed for {[suffix]}"
+    costs.draft_round = {suffix: {b: {1: 1.1 * STEP[b], 2: 1.2 * STEP[b]} for b in STEP}}
+    assert _coverage_gaps(costs, [1, 2, 4], 2, [suffix]) == ""
+
+
 def test_speedups_include_the_round_overhead_and_plain_decodings_own():
     estimate = {"drafter": PL, "drafter_spec": PL_SPEC, "draft_width_share": [0.5, 0.0, 0.5],
                 "mean_accepted_length": 2.0, "mean_accepted_length_lo": 1.9, "mean_accepted_length_hi": 2.1}

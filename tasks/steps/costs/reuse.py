@@ -76,9 +76,10 @@ def _coverage_gaps(table: CostTable, sizes: list[int], k_max: int, drafters) -> 
                if any(b not in table.draft_step.get(label, {}) for b in sizes)]
     if lacking:
         return f"no draft step for {lacking}"
-    # a serving engine's profile prices a host drafter (suffix) with its own rounds: one measured
-    # before they were timed would price it by a difference of two engines
-    lacking = [label for label in drafters if table.paired and label.startswith("suffix")
+    # a serving engine's profile (it prices sampled requests apart) prices a host drafter (suffix)
+    # with its own rounds: one measured before they were timed would price it by a difference of
+    # two engines
+    lacking = [label for label in drafters if table.sampled_timed and label.startswith("suffix")
                and any(table.round_ratios(label, b) is None for b in sizes)]
     return f"no rounds of its own timed for {lacking}" if lacking else ""
 
