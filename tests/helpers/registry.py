@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import create_engine, insert
 
+from tasks.db.domain_records import PlannedDomain
 from tasks.db.store import Store
 from tasks.db.models import AcceptanceEstimate, DomainConfig, EvalRun, LiveMeasurement, Validation
 from tasks.registry.promotion import promote
@@ -149,7 +150,7 @@ def engine_sampling(db_url: str, run_id: str, domain: str, status: str = "passed
                      "status": status, "reason": reason, "seconds": 1.0, "config": summary(passed),
                      "report": {}, "control": None if control is None else summary(control),
                      "shared_from": shared_from})
-    _store(Store.open(db_url), run_id, result, {"drafter": LABEL}, spec, f"{domain}-1")
+    _store(Store.open(db_url), run_id, result, PlannedDomain(domain=domain, drafter=LABEL), spec, f"{domain}-1")
 
 
 def register(run_id: str, db_url: str, uri: str) -> dict:

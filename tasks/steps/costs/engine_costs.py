@@ -15,33 +15,23 @@ round for each ratio not settled yet, within `profile_engine_budget_s` (docs/eva
   matching proposes K tokens in every step whatever the target answers: the step verifies K
   drafts (where it found none, the step was a plain one: the verify step is solved from the
   share of steps that drafted and the plain step). vLLM verifies every proposed token, accepted
-  or not, so the step's cost depends on how many were proposed, not on how many are accepted
-  (acceptance only changes how many steps a request takes, which is counted): no synthetic
-  acceptance is needed (vLLM's synthetic mode is not implemented in its CPU sampler). The ngram search is in this figure, so prompt lookup's own
-  draft step is 0.
-- draft_round(drafter, b, K): for a host drafter vLLM serves (suffix), one engine of its own at
-  the largest K, timing K 0 and every K of the ladder as the ngram engine does: its whole round
-  at K (its search and the verify pass) over its own K 0 step, in one process. The planner
-  prices that drafter's rounds with these ratios (CostTable.round_ratios), not with verify(K)
-  plus a draft step: that sum takes a difference of two engines' ratios, each process's level
-  off by several percent from the next one's (benchmarks/results/sampled_costs.md), and it read
-  0-0.29 steps for the same suffix search across eight profiles.
-- draft_step(drafter, b): for every other candidate vLLM serves, its engine's ratio at K =
-  `draft_k` less the ngram engine's at that K (0 at the least), per round for host drafters
-  (shown, and used by profiles measured before draft_round), per draft token for models (an
-  EAGLE-3 head, a draft model: one engine at draft_k).
+  or not, so the step's cost depends on how many were proposed: no synthetic acceptance is needed
+  (nor implemented in vLLM's CPU sampler). The ngram search is in this figure: prompt lookup's
+  own draft step is 0.
+- draft_round(drafter, b, K): a host drafter's (suffix) engine times every K as the ngram one
+  does; its whole round at K over its own K 0 step prices its rounds (CostTable.round_ratios),
+  not verify(K) plus a difference of two processes' ratios (docs/evaluation.md).
+- draft_step(drafter, b): another candidate's ratio at `draft_k` less the ngram engine's (0 at
+  the least), per round for host drafters, per draft token for models (one engine at draft_k).
 - sampled_step(b), sampled_verify(b, K): the same for sampled requests (SAMPLED: temperature 0.7,
-  top-p 0.9), timed in the plain engine and the ngram engines at the smallest, middle and largest
-  K, at the smallest and largest batch size, in the same engines and alternating with the greedy
-  batches; between those, the sampled extra over greedy is linear in K and in the batch size. vLLM's rejection sampler does
-  more for a sampled request (the K + 1 positions' distributions, top-p over them): on this CPU a
-  sampled ngram step cost 15-20% more than a greedy one while plain steps cost about the same, so
-  a greedy-only profile over-predicted half-sampled traffic. What costs is top-p, which sorts the
-  vocabulary at each verified position: the planner and the engine check price each request that
-  samples with top-p, or a domain's share of them, with these figures (CostTable.for_sampling),
-  and a request sampling at its temperature alone or with top-k only with the greedy ones
-  (pays_sampled_steps: at K 8 and batch 1 a round at temperature 0.7 alone cost 1.64 greedy
-  steps, with top-p 0.9 2.65, a greedy one 1.61; benchmarks/results/sampled_costs.md).
+  top-p 0.9) in the ngram engine at the smallest and largest K and batch size, alternating with
+  the greedy batches; between those, the sampled extra over greedy is linear in K and in the
+  batch size. What costs is top-p, which sorts the vocabulary at each verified position: the
+  planner and the engine check price each request that samples with top-p, or a domain's share
+  of them, with these figures (CostTable.for_sampling), and a request sampling at its
+  temperature alone or with top-k only with the greedy ones (pays_sampled_steps: at K 8 and
+  batch 1 a round at temperature 0.7 alone cost 1.64 greedy steps, with top-p 0.9 2.65, a
+  greedy one 1.61; benchmarks/results/sampled_costs.md).
 - No round overhead apart: vLLM's per-step work outside the forward passes is inside the steps
   timed.
 
@@ -172,9 +162,9 @@ def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, s
                        k_max: int, sizes: list[int], ks: list[int], draft_k: int,
                        steps: int) -> VllmProfilePlan:
     """The served model, its prompts and the engines to time: ngram at k_max (K 0, the plain
-    step, and every K of `ks`, K per request), and one per candidate with another vLLM method:
-    a host drafter's (suffix) at k_max timing K 0 and every K of `ks` and draft_k, a model
-    drafter's K 0 and draft_k; a candidate without a vLLM config is left out with a warning."""
+    step, and every K of `ks`, K per request), and one per candidate with another vLLM method (a
+    host drafter's at k_max: K 0, `ks` and draft_k; a model's: K 0 and draft_k); a candidate
+    without a vLLM config is left out with a warning."""
     serving_env.serving_python(settings)
     model_dir = serving_env.served_model_dir(target)
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -196,9 +186,7 @@ def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, s
         if spec["kind"] == "prompt_lookup":
             lookups.add(candidate_label(spec))     # the ngram engine's own search: draft step 0
             continue
-        # a host drafter's engine times every K of the ladder (its own rounds, at its largest K
-        # and K per request, as it is served); a model drafter's one K
-        ladder = spec["kind"] in HOST_DRAFTERS
+        ladder = spec["kind"] in HOST_DRAFTERS      # its own rounds at every K, as it is served
         served = speculative_config(DrafterSpec(kind=spec["kind"], params=spec["params"]),
                                     k_max if ladder else draft_k)
         if served is None:
@@ -211,8 +199,7 @@ def _plan_vllm_profile(run_id: str, target: str, candidates: list[str] | None, s
 
 
 def _budget_weight(run: tuple) -> float:
-    """An engine's share of the timing budget, relative: the ngram engine (every K, greedy and
-    sampled) 3, a host drafter's ladder (every K, greedy) 2, one K 1."""
+    """An engine's share of the timing budget: ngram 3, a host drafter's ladder 2, one K 1."""
     return 3.0 if run[0] == NGRAM else 2.0 if len(run[3]) > 1 else 1.0
 
 
@@ -451,9 +438,8 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
             if len(timed) > 1:      # a host drafter's own rounds, every K in its own engine
                 rounds = _shaped({k: ratio(timings, label, b, "greedy", k, "draft_round", label) for k in timed},
                                  table.spread, "draft_round", b, notes, settings.profile.verify_dip, label)
-                known = sorted(rounds)
-                table.draft_round.setdefault(label, {})[b] = {
-                    k: step * float(np.interp(k, known, [rounds[x] for x in known])) for k in range(1, k_max + 1)}
+                table.draft_round.setdefault(label, {})[b] = {k: step * float(np.interp(
+                    k, sorted(rounds), [rounds[x] for x in sorted(rounds)])) for k in range(1, k_max + 1)}
     _fill_sampled(table, sizes)
     return table, reasons, notes
 
