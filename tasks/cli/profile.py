@@ -57,6 +57,21 @@ def cmd_profile_measure(args) -> int:
     return cmd_profile_show(args)
 
 
+def _rounds_table(costs, label: str, k_max: int, cell) -> Table:
+    """A host drafter's whole rounds, timed in its own engine: r(K) by batch size."""
+    rounds = Table(title=escape(f"{label}'s whole rounds, timed in its own engine (the planner "
+                                "prices its rounds with them): r(K) = its round at K / its K 0 step"),
+                   title_justify="left")
+    rounds.add_column("batch", justify="right")
+    for k in range(1, k_max + 1):
+        rounds.add_column(f"r({k})", justify="right")
+    for b in costs.batch_sizes:
+        ratios = costs.round_ratios(label, b) or []
+        rounds.add_row(str(b), *[cell(f"{r:.2f}", ("draft_round", label, k, b))
+                                 for k, r in enumerate(ratios, 1)])
+    return rounds
+
+
 def cmd_profile_show(args) -> int:
     store = open_store(args)
     costs = load_costs(args.name, store, getattr(args, "run", None))
@@ -110,17 +125,7 @@ def cmd_profile_show(args) -> int:
                               if k in costs.sampled_verify.get(b, {}) else "-" for k in timed_ks])
         console.print(sampled)
     for label in sorted(costs.draft_round):
-        rounds = Table(title=escape(f"{label}'s whole rounds, timed in its own engine (the planner "
-                                    "prices its rounds with them): r(K) = its round at K / its K 0 step"),
-                       title_justify="left")
-        rounds.add_column("batch", justify="right")
-        for k in range(1, k_max + 1):
-            rounds.add_column(f"r({k})", justify="right")
-        for b in costs.batch_sizes:
-            ratios = costs.round_ratios(label, b) or []
-            rounds.add_row(str(b), *[cell(f"{r:.2f}", ("draft_round", label, k, b))
-                                     for k, r in enumerate(ratios, 1)])
-        console.print(rounds)
+        console.print(_rounds_table(costs, label, k_max, cell))
     if hardware is not None:
         engine = hardware["details"].get("engine")
         console.print(escape(f"hardware: {hardware['device']} {hardware['dtype']}; engine: "
