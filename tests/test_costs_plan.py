@@ -243,6 +243,41 @@ def test_a_serving_profile_without_a_suffix_drafters_own_rounds_is_not_reused():
     assert _coverage_gaps(costs, [1, 2, 4], 2, [suffix]) == ""
 
 
+def test_a_stored_paired_profile_reads_back_paired_so_the_plan_carries_its_intervals(db_url):
+    # a serving engine's profile stores paired ratios with their 95% half-widths: read back from
+    # the database, it must still say so, or the plan's interval drops the cost's
+    from tasks.steps.costs.costs import store_costs
+
+    costs = cost_table(name="vllm-test")
+    costs.spread.update({("verify", None, 1, 1): 0.04, ("verify", None, 2, 1): 0.06})
+    costs.check = {"status": "ok", "reasons": [], "attempts": 3, "max_spread": 0.06,
+                   "details": {"paired": True, "engines": [{"config": "ngram", "timings": []}]}}
+    hardware = {"name": "vllm-test", "device": "vLLM 0 cpu", "dtype": "float32", "details": {}}
+    store_costs(Store.open(db_url), "costs-run", hardware, costs)
+    again = load_costs("vllm-test", Store.open(db_url))
+    assert again.paired and again.check["details"] == {"paired": True}
+    assert again.cost_halfwidth(2, 1) == pytest.approx(0.06)
+    costs.check = {"status": "ok", "reasons": [], "attempts": 3, "max_spread": 0.06, "details": {}}
+    store_costs(Store.open(db_url), "costs-run", hardware, costs)
+    assert not load_costs("vllm-test", Store.open(db_url)).paired
+
+
+def test_a_rounds_halfwidth_takes_the_sampled_verifys_by_the_share_of_requests_that_pay_it():
+    # a noisy sampled verify at K 1 widens a plan's interval only as far as its traffic samples
+    # with top-p: greedy traffic keeps verify's own half-width, at every K
+    costs = cost_table(name="vllm-test")
+    costs.check = {"status": "ok", "details": {"paired": True}}
+    costs.spread.update({("verify", None, 1, 1): 0.02, ("verify", None, 4, 1): 0.03,
+                         ("sampled_verify", None, 1, 1): 0.20, ("sampled_verify", None, 4, 1): 0.04})
+    costs.sampled_step = {1: 1.5 * STEP[1]}
+    costs.sampled_verify = {1: {1: 1.6 * STEP[1], 4: 2.0 * STEP[1]}}
+    assert costs.cost_halfwidth(2, 1) == pytest.approx(0.03)            # not blended: greedy
+    assert costs.for_sampling(0.0).cost_halfwidth(2, 1) == pytest.approx(0.03)
+    assert costs.for_sampling(0.25).cost_halfwidth(2, 1) == pytest.approx(0.75 * 0.03 + 0.25 * 0.20)
+    assert costs.for_sampling(1.0).cost_halfwidth(4, 1) == pytest.approx(0.04)
+    assert costs.for_sampling(1.0).cost_halfwidth(0, 1) == 0.0
+
+
 def test_speedups_include_the_round_overhead_and_plain_decodings_own():
     estimate = {"drafter": PL, "drafter_spec": PL_SPEC, "draft_width_share": [0.5, 0.0, 0.5],
                 "mean_accepted_length": 2.0, "mean_accepted_length_lo": 1.9, "mean_accepted_length_hi": 2.1}

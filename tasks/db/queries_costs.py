@@ -72,9 +72,15 @@ def cost_profile_rows(store: Store, hardware_profile: str, run_id: str | None):
         known = connection.execute(select(HardwareProfile.name)).scalars().all()
         check = None if run_id is None else connection.execute(
             select(CostProfileCheck.status, CostProfileCheck.reasons, CostProfileCheck.attempts,
-                   CostProfileCheck.max_spread)
+                   CostProfileCheck.max_spread, CostProfileCheck.details)
             .where((CostProfileCheck.hardware_profile == hardware_profile)
                    & (CostProfileCheck.run_id == run_id))).mappings().first()
+    if check is not None:
+        # of the details (the engines' timings and more), only whether its figures are paired
+        # ratios with intervals, which the plan's interval then carries (CostTable.paired)
+        check = dict(check)
+        details = check.pop("details") or {}
+        check["details"] = {"paired": bool(details.get("paired"))} if isinstance(details, dict) else {}
     return run_id, rows, known, check
 
 

@@ -77,6 +77,9 @@ class CostTable:
     # the profile's own check (check_costs): {status: ok | noisy, reasons, attempts, max_spread};
     # None for profiles measured or imported without one
     check: dict | None = None
+    # the share of requests the table is blended for (for_sampling): how much of a round's
+    # half-width is the sampled verify's (cost_halfwidth)
+    sampled_share: float = 0.0
 
     @property
     def noisy(self) -> bool:
@@ -99,22 +102,30 @@ class CostTable:
 
     def cost_halfwidth(self, k: int, batch_size: int, drafter: str | None = None) -> float:
         """The relative 95% half-width of a round at K at a batch size in a paired profile: of
-        verify(K), or of the drafter's own rounds where it has them (round_ratios), and of the
-        sampled verify(K) where timed (the nearest K timed at or around K, the widest); 0 in any
-        other profile."""
+        verify(K), or of the drafter's own rounds where it has them (round_ratios), blended with
+        the sampled verify(K)'s by the share of requests that pay it (for_sampling's share, 0 in a
+        table not blended); at a K between two timed ones, the wider of the two. 0 in any other
+        profile."""
         if not self.paired or k <= 0:
             return 0.0
         own = drafter if self.round_ratios(drafter or "", batch_size) else None
-        widths = [0.0]
-        for name, label in (("draft_round", own) if own else ("verify", None), ("sampled_verify", None)):
-            timed = sorted(kk for (component, who, kk, b) in self.spread
-                           if component == name and who == label and b == batch_size and kk)
-            if timed:
-                below = max((kk for kk in timed if kk <= k), default=timed[0])
-                above = min((kk for kk in timed if kk >= k), default=timed[-1])
-                widths += [self.spread[(name, label, below, batch_size)],
-                           self.spread[(name, label, above, batch_size)]]
-        return max(widths)
+        main = self._timed_halfwidth("draft_round" if own else "verify", own, k, batch_size)
+        if self.sampled_share <= 0.0:
+            return main
+        sampled = self._timed_halfwidth("sampled_verify", None, k, batch_size)
+        return (1.0 - self.sampled_share) * main + self.sampled_share * sampled
+
+    def _timed_halfwidth(self, component: str, label: str | None, k: int, batch_size: int) -> float:
+        """The wider spread of the two timed K around K (below and above; the nearest where K is
+        outside them) of one component at a batch size; 0 where none is timed."""
+        timed = sorted(kk for (name, who, kk, b) in self.spread
+                       if name == component and who == label and b == batch_size and kk)
+        if not timed:
+            return 0.0
+        below = max((kk for kk in timed if kk <= k), default=timed[0])
+        above = min((kk for kk in timed if kk >= k), default=timed[-1])
+        return max(self.spread[(component, label, below, batch_size)],
+                   self.spread[(component, label, above, batch_size)])
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -183,7 +194,7 @@ class CostTable:
                         if k in per_batch.get(b, {}):
                             per_batch[b][k] += share * (at_k - verify[b][k])
                     verify[b][k] = (1 - share) * verify[b][k] + share * at_k
-        return replace(self, target_step=steps, verify=verify, draft_round=rounds)
+        return replace(self, target_step=steps, verify=verify, draft_round=rounds, sampled_share=share)
 
     @property
     def sampled_timed(self) -> bool:
