@@ -1,6 +1,7 @@
 """Reads and writes of the load check (tasks.steps.checks.load_check): load_check_domains and
 load_check_levels, and the domain_configs a cut schedule changes. Every function takes the
-Store; writes are one transaction each, and a re-run of a run id replaces its own rows."""
+Store (load_checks_in: a Unit of it, to read inside the caller's transaction); writes are one
+transaction each, and a re-run of a run id replaces its own rows."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from sqlalchemy import delete, insert, select, update
 from ..timeutil import utcnow
 from .load_records import DomainLoad
 from .models import DomainConfig, EngineCheck, LoadCheckDomain, LoadCheckLevel
-from .store import Store
+from .store import Store, Unit
 
 LEVEL_COLUMNS = tuple(c.name for c in LoadCheckLevel.__table__.columns
                       if c.name not in ("run_id", "domain", "created_at"))
@@ -65,15 +66,20 @@ def load_checks(store: Store, run_id: str, per_request: bool = False) -> dict[st
     """The run's load check by domain: its load_check_domains row with its load_check_levels
     rows by concurrency (per_request: with each level's requests)."""
     with store.connect() as connection:
-        out = {row["domain"]: {**dict(row), "levels": []} for row in connection.execute(
-            select(LoadCheckDomain).where(LoadCheckDomain.run_id == run_id)
-            .order_by(LoadCheckDomain.domain)).mappings()}
-        for row in connection.execute(select(LoadCheckLevel).where(LoadCheckLevel.run_id == run_id)
-                                      .order_by(LoadCheckLevel.domain, LoadCheckLevel.concurrency)).mappings():
-            level = dict(row)
-            if not per_request:
-                level.pop("per_request", None)
-            out.setdefault(row["domain"], {"domain": row["domain"], "levels": []})["levels"].append(level)
+        return load_checks_in(Unit(store, connection), run_id, per_request)
+
+
+def load_checks_in(tx: Unit, run_id: str, per_request: bool = False) -> dict[str, DomainLoad]:
+    """load_checks read inside the caller's unit of work (a registration's reads: one transaction)."""
+    out = {row["domain"]: {**dict(row), "levels": []} for row in tx.execute(
+        select(LoadCheckDomain).where(LoadCheckDomain.run_id == run_id)
+        .order_by(LoadCheckDomain.domain)).mappings()}
+    for row in tx.execute(select(LoadCheckLevel).where(LoadCheckLevel.run_id == run_id)
+                          .order_by(LoadCheckLevel.domain, LoadCheckLevel.concurrency)).mappings():
+        level = dict(row)
+        if not per_request:
+            level.pop("per_request", None)
+        out.setdefault(row["domain"], {"domain": row["domain"], "levels": []})["levels"].append(level)
     return {domain: DomainLoad.from_json(check) for domain, check in out.items()}
 
 

@@ -14,8 +14,8 @@ from sqlalchemy import select
 
 from .models import (AcceptanceEstimate, CostProfile, CostProfileCheck, DataDocsPage, DomainConfig,
                      EngineCheck, EvalRun, LiveMeasurement, QualityResult, Validation)
-from .queries_load import load_checks
-from .queries_run_view import engine_check_skip
+from .queries_load import load_checks_in
+from .queries_run_view import engine_check_skip_in
 from .store import Store, Unit
 
 ENGINE_SAMPLING = "engine_sampling"      # check_name of the vLLM sampling test (steps.checks.engine_validate)
@@ -151,37 +151,32 @@ def _fingerprint_passed(tx: Unit, run_id: str) -> bool | None:
 
 
 def view_rows(store: Store, run_id: str) -> dict:
-    """What a run's view shows (tasks.registry.run_view.build_run_view), read once: {"evidence"
-    (evidence_rows), "engine_checks" (engine_check_rows), "planned" (planned_acceptance),
-    "profile" (profile_check_row), "fingerprint_passed" (the recorded target-fingerprint check;
-    None: not recorded), "loads" (queries_load.load_checks), "engine_skipped"
-    (queries_run_view.engine_check_skip)}."""
+    """What a run's view shows (tasks.registry.run_view.build_run_view), read once, in one
+    transaction: {"evidence" (evidence_rows), "engine_checks" (engine_check_rows), "planned"
+    (planned_acceptance), "profile" (profile_check_row), "fingerprint_passed" (the recorded
+    target-fingerprint check; None: not recorded), "loads" (queries_load.load_checks),
+    "engine_skipped" (queries_run_view.engine_check_skip)}."""
     with store.transaction() as tx:
-        rows = _view_rows(tx, run_id)
-    return {**rows, **_engine_reads(store, run_id)}
+        return _view_rows(tx, run_id)
 
 
 def _view_rows(tx: Unit, run_id: str) -> dict:
     return {"evidence": _evidence(tx, run_id), "engine_checks": _engine_checks(tx, run_id),
             "planned": _planned_acceptance(tx, run_id),
             "profile": _profile_check(tx, run_id),
-            "fingerprint_passed": _fingerprint_passed(tx, run_id)}
-
-
-def _engine_reads(store: Store, run_id: str) -> dict:
-    return {"loads": load_checks(store, run_id),
-            "engine_skipped": engine_check_skip(store, run_id)}
+            "fingerprint_passed": _fingerprint_passed(tx, run_id),
+            "loads": load_checks_in(tx, run_id),
+            "engine_skipped": engine_check_skip_in(tx, run_id)}
 
 
 def registration_rows(store: Store, run_id: str) -> dict:
-    """What registering a run reads of it, once (tasks.registry.registration): {"run" (eval_run),
-    "domain_configs", "data_docs" (data_docs_rows), "view" (view_rows), and tracked_rows' keys}."""
+    """What registering a run reads of it, once, in one transaction (tasks.registry.registration):
+    {"run" (eval_run), "domain_configs", "data_docs" (data_docs_rows), "view" (view_rows), and
+    tracked_rows' keys}."""
     with store.transaction() as tx:
-        rows = {"run": _eval_run(tx, run_id), "domain_configs": _domain_configs(tx, run_id),
+        return {"run": _eval_run(tx, run_id), "domain_configs": _domain_configs(tx, run_id),
                 "data_docs": _data_docs(tx, run_id), **_tracked(tx, run_id),
                 "view": _view_rows(tx, run_id)}
-    rows["view"].update(_engine_reads(store, run_id))
-    return rows
 
 
 def tracked_rows(store: Store, run_id: str) -> dict:

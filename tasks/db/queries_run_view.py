@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlalchemy import select, update
 
 from .models import EvalRun
-from .store import Store
+from .store import Store, Unit
 
 ENGINE_CHECK_SKIPPED = "engine_check_skipped"
 
@@ -31,5 +31,10 @@ def record_engine_check_skip(store: Store, run_id: str, reason: str | None) -> N
 def engine_check_skip(store: Store, run_id: str) -> str | None:
     """Why the run's engine check was skipped; None when it ran or nothing was recorded."""
     with store.connect() as connection:
-        params = connection.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
+        return engine_check_skip_in(Unit(store, connection), run_id)
+
+
+def engine_check_skip_in(tx: Unit, run_id: str) -> str | None:
+    """engine_check_skip read inside the caller's unit of work (a registration's reads)."""
+    params = tx.execute(select(EvalRun.params).where(EvalRun.run_id == run_id)).scalar()
     return (params or {}).get(ENGINE_CHECK_SKIPPED)
