@@ -159,6 +159,12 @@ def gates_for(config: SpecdecConfig, champion: SpecdecConfig | None, settings: S
     check, and the engine_check gate (run_view.engine_gate: whether the config ran on the serving
     engine). view: the run's RunView when the caller built it already."""
     view = view or build_run_view(config.run_id, store, settings, config=config)
+    return view_gates(config, champion, settings, view)
+
+
+def view_gates(config: SpecdecConfig, champion: SpecdecConfig | None, settings: Settings,
+               view: RunView) -> list[Gate]:
+    """gates_for from the run's view already built (its evidence read), without the store."""
     gates = check_gates(config, champion, settings, view.fingerprint_passed,
                         evidence={d.name: {"live": d.live} for d in view.domains},
                         profile_noisy=view.profile is not None and view.profile["status"] == "noisy")

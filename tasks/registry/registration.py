@@ -24,19 +24,20 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
+from ..db.queries_promotions import last_champion_move
 from ..db.queries_registry import registration_rows
 from ..db.store import Store
 from ..errors import DiskFull
 from ..settings import Settings, load_settings
 from .config_schema import SpecdecConfig, config_model_name
 from .gate import gates_json
-from .promotion import current_user, gates_for, record_promotion
+from .promotion import current_user, record_promotion, view_gates
 from .run_config import config_of, finished_run, turns_nothing_on, validation_text
-from .run_view import RunView, alert_markdown, build_run_view, engine_state, run_markdown
+from .run_view import RunView, alert_markdown, engine_state, run_markdown, run_view_of
 from .plots import write_load_plot, write_plots
 from .registry import Registry, registry_of
 from .tracking import CHALLENGER, RUN_TAG, experiment_for_target, find_run
-from .version_page import champion_audit, version_page_markdown
+from .version_page import champion_audit_of, version_page_markdown
 
 log = logging.getLogger(__name__)
 NOTE_TAG = "mlflow.note.content"     # MLflow's run description (markdown, shown on the run's page)
@@ -255,7 +256,7 @@ def track_evaluation(run_id: str, store: Store, registry: Registry,
     if champion is None:
         champion = registry.current_champion(target_id=eval_run["target_id"])
     config = config_of(eval_run, read["domain_configs"], champion=champion[1])
-    view = build_run_view(run_id, store, settings, config=config, read=read["view"])
+    view = run_view_of(run_id, config, read["view"], settings)       # read: no second read
     experiment_id = experiment_for_target(mlflow_client, config.target.id)
     existing = find_run(mlflow_client, experiment_id, run_id)
     if existing is None:
@@ -337,8 +338,9 @@ def register_config(run_id: str, store: Store, registry: Registry | None = None,
             mlflow_client.create_registered_model(
                 name, description=f"specdec speculative-decoding configs of target {config.target.id}")
         existing = mlflow_client.search_model_versions(f"name='{name}' and tag.run_id='{run_id}'")
-        audit = champion_audit(store, name, champion_version)
-        gates = gates_for(config, champion, settings, store, view=view)
+        last_move = None if champion_version is None else last_champion_move(store, name)
+        audit = champion_audit_of(champion_version, last_move)
+        gates = view_gates(config, champion, settings, view)      # the view tracked: not read again
 
         def describe(version: str) -> str:
             return version_page_markdown(view, version, gates, audit, champion, champion_version)

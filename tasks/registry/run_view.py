@@ -71,7 +71,12 @@ def build_run_view(run_id: str, store: Store, settings: Settings,
     """The run's view from the store; config: the run's config when the caller built it already;
     read: the run's rows when the caller read them already (tasks.db.queries_registry.view_rows)."""
     config = config or build_config(run_id, store, champion=champion)
-    read = read or view_rows(store, run_id)
+    return run_view_of(run_id, config, read or view_rows(store, run_id), settings)
+
+
+def run_view_of(run_id: str, config: SpecdecConfig, read: dict, settings: Settings) -> RunView:
+    """build_run_view from what was read already, without the store: the run's config and its
+    rows (tasks.db.queries_registry.view_rows, or registration_rows' "view")."""
     evidence = evidence_of(read["evidence"])
     rows = {row["domain"]: row for row in read["engine_checks"]}
     loads = read["loads"]

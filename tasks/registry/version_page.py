@@ -232,9 +232,14 @@ def refresh_champion_lines(mlflow_client, name: str, champion: str | None, how: 
 def champion_audit(store: Store, name: str, champion: str | None) -> dict:
     """{"champion", "gated", "detail"}: whether the champion alias was last moved by specdec onto
     this version (a promote or rollback row), i.e. through the gates or a recorded rollback."""
+    return champion_audit_of(champion, None if champion is None else last_champion_move(store, name))
+
+
+def champion_audit_of(champion: str | None, last) -> dict:
+    """champion_audit from the champion's version and the newest champion move read already
+    (queries_promotions.last_champion_move; None: specdec never moved it), without the store."""
     if champion is None:
         return {"champion": None, "gated": True, "detail": "no champion"}
-    last = last_champion_move(store, name)
     if last is not None and str(last.config_version) == str(champion):
         how = "forced past failed gates" if last.forced else (
             "passed the gates" if last.action == "promote" else "restored by rollback")
