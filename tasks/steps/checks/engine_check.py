@@ -368,13 +368,13 @@ def _log_outcome(run_id: str, rows: dict[str, EngineCheckRow], engines: list[Eng
                     sum(1 for record in engines if record.mends), " ".join(mends))
     for domain, row in sorted(rows.items()):
         for item in (row.comparison.per_request if row.comparison else None) or []:
-            if item["counts_equal"] is False:
+            if item.counts_equal is False:
                 log.error("run %s, domain %s, request %s: vLLM's greedy output equals the log but it "
                           "accepted %s drafts inside it in %d drafted steps, the estimate %.0f in "
-                          "%.0f", run_id, domain, item["request_id"],
-                          item["engine_accepted_in_log"] if item["engine_accepted_in_log"] is not None
-                          else "(steps not placeable)", item["engine_steps"],
-                          item["estimate_accepted"], item["estimate_steps"])
+                          "%.0f", run_id, domain, item.request_id,
+                          item.engine_accepted_in_log if item.engine_accepted_in_log is not None
+                          else "(steps not placeable)", item.engine_steps,
+                          item.estimate_accepted, item.estimate_steps)
         (log.warning if row.passed is False else log.info)("run %s, domain %s: %s", run_id,
                                                             domain, row.reason)
 
