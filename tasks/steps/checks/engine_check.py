@@ -161,6 +161,16 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             "sampling": sampling}
 
 
+def engine_check_in(context, domains: list[str], pool: ServerPool | None = None) -> dict:
+    """engine_check of `domains` (the ones the plan turns on) with a RunContext
+    (tasks.steps.context): each domain's candidates and requests as the run's context gives
+    them, its target, store and settings; pool: as engine_check's."""
+    return engine_check(context.run_id, context.spec.target, context.model,
+                        {d: context.domain_drafters(d) for d in domains},
+                        {d: context.domain_requests(d)[0] for d in domains},
+                        context.store, settings=context.settings, pool=pool)
+
+
 def _plan_check(on: dict[str, PlannedDomain], confirmed: dict, exported: dict, requests_by_domain: dict,
                 settings: Settings) -> CheckPlan:
     """The requests each domain replays and the engines serving them: one per drafter method

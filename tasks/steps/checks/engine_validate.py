@@ -40,6 +40,7 @@ from specdec_core.validation import SamplingReport, position_tests
 
 from ...db.domain_records import PlannedDomain
 from ...db.queries_engine_checks import fail_own_sampling_domains, mark_validation_failed, planned_domains
+from ...db.queries_runs import domain_names
 from ...db.store import Store
 from ...errors import EngineTimeout, InvalidValue, ServingProbeError
 from ...registry.run_config import build_config
@@ -349,3 +350,16 @@ def engine_validate_run(run_id: str, target: str, target_model, requests_by_doma
         servers = [{"server": s.name, "log": str(s.log_path), "start_s": s.start_s, "mends": s.mends()}
                    for s in pool.servers.values()]
     return {"domains": {d: r.to_dict() for d, r in results.items()}, "servers": servers}
+
+
+def engine_validate_in(context, domains: list[str] | None = None, speculative_config: dict | None = None,
+                       mended: bool = True) -> dict:
+    """engine_validate_run with a RunContext (tasks.steps.context): the requests of `domains`
+    (else of every planned domain) as the run's context gives them, its target, store and
+    settings."""
+    planned = domain_names(context.store, context.run_id)
+    chosen = [d for d in (domains or planned) if d in planned]
+    return engine_validate_run(context.run_id, context.spec.target, context.model,
+                               {d: context.domain_requests(d)[0] for d in chosen},
+                               context.store, settings=context.settings, domains=domains,
+                               speculative_config=speculative_config, mended=mended)
