@@ -4,8 +4,8 @@ finish, the engine check when it is on, the load check and the sampling test on 
 They load torch, transformers and the engine (tasks.steps.context builds each step's
 RunContext: the target, its tokenizer and the candidate drafters, loaded once per process). Each
 step hands its phase the RunContext and its domain (confirm_in, validate_in, estimate_in) or
-domains (validate_run_in, engine_check_in, engine_validate_in); serving_pool is where the
-engine check's vLLM servers are set up (shared with its load check).
+domains (validate_run_in, engine_check_in, engine_validate_in); serving_pool is where a run's
+vLLM servers are set up (the engine check with its load check, the engine validate step).
 tasks.steps.pipeline holds the steps that touch only the database and the registry and makes
 these its attributes too; callers import them from there.
 """
@@ -289,7 +289,10 @@ def step_load_check(spec) -> dict:
 
 def step_engine_validate(spec, domains: list[str] | None = None, speculative_config: dict | None = None,
                          mended: bool = True) -> dict:
-    """The sampling test on vLLM's OpenAI server alone (tasks.steps.checks.engine_validate)."""
+    """The sampling test on vLLM's OpenAI server alone (tasks.steps.checks.engine_validate), on
+    the run's serving pool (serving_pool)."""
     context = RunContext.build(RunSpec.of(spec))
-    result = engine_validate_in(context, domains, speculative_config=speculative_config, mended=mended)
+    with serving_pool(context) as pool:
+        result = engine_validate_in(context, domains, speculative_config=speculative_config,
+                                    mended=mended, pool=pool)
     return json.loads(json.dumps(result, default=str))
