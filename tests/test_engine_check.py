@@ -12,6 +12,7 @@ import pytest
 from specdec_core import SamplingParams
 from specdec_core.estimate import LoggedRequest, RoundTotals
 from tasks.db.domain_records import PlannedDomain
+from tasks.db.engine_records import ComparedRequest
 from tasks.db.store import Store
 from tasks.serving.replay_answer import ServedRequest
 from tasks.steps.checks.engine_check import engine_check
@@ -41,25 +42,25 @@ def test_compare_request_counts_drafted_steps_only():
     # the estimate: 4 rounds, one of them without drafts (width 0), accepted 2 / 1 at positions 0 / 1
     offline = _totals([2, 1, 0], rounds=4, widths=[1, 0, 0, 3])
     row = compare_request(_request(response), answer, offline)
-    assert row["engine_steps"] == 3 and row["engine_accepted"] == 3
-    assert row["engine_accepted_per_pos"] == [2, 1, 0]
-    assert row["estimate_steps"] == 3 and row["estimate_accepted"] == 3
-    assert row["equal_to_log"] and row["counts_equal"] is True
+    assert row.engine_steps == 3 and row.engine_accepted == 3
+    assert row.engine_accepted_per_pos == [2, 1, 0]
+    assert row.estimate_steps == 3 and row.estimate_accepted == 3
+    assert row.equal_to_log and row.counts_equal is True
     # one accepted draft more on vLLM's side: a mismatch, named by the request
     row = compare_request(_request(response), replace(answer, accepted=[3, 0, 0, 1]), offline)
-    assert row["counts_equal"] is False
+    assert row.counts_equal is False
     # an output that departs from the log: reported at its first differing position, not compared
     row = compare_request(_request(response), replace(answer, token_ids=[5, 6, 0, 8, 9, 10]), offline)
-    assert row["first_difference"] == 2 and row["counts_equal"] is None
+    assert row.first_difference == 2 and row.counts_equal is None
     # a sampled request is compared in expectation only
-    assert compare_request(_request(response, greedy=False), answer, offline)["counts_equal"] is None
+    assert compare_request(_request(response, greedy=False), answer, offline).counts_equal is None
 
 
 def _rows(engine_accepted, estimate_accepted, steps=10, n=8):
-    return [{"engine_accepted": engine_accepted, "engine_steps": steps,
-             "engine_accepted_per_pos": [engine_accepted], "estimate_accepted": estimate_accepted + 0.5 * (i % 2),
-             "estimate_steps": float(steps), "estimate_accepted_per_pos": [estimate_accepted],
-             "counts_equal": None} for i in range(n)]
+    return [ComparedRequest(request_id=f"q{i}", engine_accepted=engine_accepted, engine_steps=steps,
+                            engine_accepted_per_pos=[engine_accepted],
+                            estimate_accepted=estimate_accepted + 0.5 * (i % 2), estimate_steps=float(steps),
+                            estimate_accepted_per_pos=[estimate_accepted], counts_equal=None) for i in range(n)]
 
 
 def test_gate_fails_a_domain_below_the_interval_beyond_the_tolerance():
@@ -117,8 +118,8 @@ def test_drafts_vllm_accepts_past_the_response_are_left_out():
     offline = _totals([1, 1, 0], rounds=1, widths=[0, 0, 1, 0])         # the estimate: 2 in the log
     request = LoggedRequest("q1", prompt, output, SamplingParams(), "d")
     row = compare_request(request, answer, offline, exact=True, drafter=drafter, k=3)
-    assert row["engine_accepted"] == 3 and row["engine_accepted_in_log"] == 2
-    assert row["counts_equal"] is True
+    assert row.engine_accepted == 3 and row.engine_accepted_in_log == 2
+    assert row.counts_equal is True
 
 
 def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
@@ -141,10 +142,10 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
     answer = ServedRequest(token_ids=output, seconds=1.0, drafted=[3, 3], accepted=[2, 3])
     offline = _totals([2, 2, 0], rounds=2, widths=[0, 0, 0, 2])
     row = compare_request(_request(output), answer, offline, exact=True, drafter=drafter, k=3)
-    assert row["engine_accepted"] == 5 and row["engine_accepted_in_log"] == 4
-    assert row["counts_equal"] is True
-    assert row["engine_accepted_in_output"] == 4
-    assert (row["engine_accepted_per_pos"], row["engine_accepted_per_pos_in_output"]) == ([2, 2, 1], [2, 2, 0])
+    assert row.engine_accepted == 5 and row.engine_accepted_in_log == 4
+    assert row.counts_equal is True
+    assert row.engine_accepted_in_output == 4
+    assert (row.engine_accepted_per_pos, row.engine_accepted_per_pos_in_output) == ([2, 2, 1], [2, 2, 0])
     # E and the per-position rates compare the drafts inside the output with the estimate's:
     # 1 + 4 / 2 on both sides (vLLM's own count would give 3.5)
     verdict = domain_verdict([row], k=3, tolerance=0.0).comparison
@@ -152,17 +153,17 @@ def test_drafts_a_model_drafter_had_accepted_past_the_response_are_left_out():
     assert verdict.engine_rates == pytest.approx([1.0, 1.0, 0.0]) == verdict.estimate_rates
     # a sampled request is placed and counted the same way (its counts are not compared one by one)
     sampled = compare_request(_request(output, greedy=False), answer, offline, exact=True, drafter=drafter, k=3)
-    assert sampled["engine_accepted_in_output"] == 4 and sampled["counts_equal"] is None
+    assert sampled.engine_accepted_in_output == 4 and sampled.counts_equal is None
     # where vLLM does not propose what ours does (suffix), nothing is placed: vLLM's own count
     other = compare_request(_request(output), answer, offline, exact=False, drafter=drafter, k=3)
-    assert other["engine_accepted_in_output"] is None
+    assert other.engine_accepted_in_output is None
     assert domain_verdict([other], k=3, tolerance=0.0).comparison.engine_e == pytest.approx(3.5)
     # without the drafter (nothing to place the steps by) the raw count is compared: a mismatch
-    assert compare_request(_request(output), answer, offline, exact=True)["counts_equal"] is False
+    assert compare_request(_request(output), answer, offline, exact=True).counts_equal is False
     # one accepted draft more inside the output is still a mismatch
     more = replace(answer, token_ids=output + [11], accepted=[2, 3])
     longer = compare_request(_request(output + [11]), more, offline, exact=True, drafter=drafter, k=3)
-    assert longer["engine_accepted_in_log"] == 5 and longer["counts_equal"] is False
+    assert longer.engine_accepted_in_log == 5 and longer.counts_equal is False
 
 
 def test_a_registered_checkpoint_is_fetched_before_the_engine_loads_it(monkeypatch):

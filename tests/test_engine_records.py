@@ -6,19 +6,25 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from specdec_core import SamplingParams
-from specdec_core.estimate import LoggedRequest
+from specdec_core.estimate import LoggedRequest, RoundTotals
 from tasks.db.domain_records import PlannedDomain
-from tasks.db.engine_records import COLUMNS, EngineCheckRow, EngineRecord, ServedBy
+from tasks.db.engine_records import COLUMNS, ComparedRequest, EngineCheckRow, EngineRecord, ServedBy
 from tasks.serving.replay_answer import ReplayAnswer, ServedRequest
 
 CONFIG = {"method": "ngram", "prompt_lookup_max": 3, "num_speculative_tokens": 2}
 COUNTERS = {"drafts": 6, "draft_tokens": 12, "accepted_tokens": 6, "accepted_per_pos": [4, 2]}
 SERVED = {"log_path": "/home/engine_checks/r1/spec-code.log", "engine_version": "0.11.0",
           "start_s": 12.5, "counters": COUNTERS, "engine_profile": "cpu-vllm"}
+# one request as compare_request made it (a dict before ComparedRequest: its keys, in their order)
 PER_REQUEST = [{"request_id": "q1", "greedy": True, "tokens": 5, "seconds": 0.5, "decode_s": 0.4,
+                "equal_to_log": True, "first_difference": None, "engine_steps": 2, "engine_accepted": 3,
+                "engine_accepted_per_pos": [2, 1], "engine_accepted_in_output": 2,
+                "engine_accepted_per_pos_in_output": [2, 0], "engine_accepted_in_log": 2,
+                "estimate_steps": 2.0, "estimate_accepted": 2.0, "estimate_accepted_per_pos": [2.0, 0.0],
                 "counts_equal": True}]
 COMPARED = {"requests": 6, "k": 2, "estimate_e": 2.0, "estimate_e_lo": 1.8, "estimate_e_hi": 2.2,
             "engine_e": 2.0, "estimate_rates": [0.7, 0.3], "engine_rates": [0.67, 0.33],
@@ -51,6 +57,22 @@ def test_each_kind_of_row_round_trips_key_for_key(kind):
     assert record.to_json() == row
     assert EngineCheckRow.from_json(record.to_json()) == record
     assert record.columns() == {column: row.get(column) for column in COLUMNS}
+    if record.comparison is not None:       # its requests read back as records
+        assert record.comparison.per_request == [ComparedRequest(**PER_REQUEST[0])]
+
+
+def test_a_compared_request_is_the_json_compare_request_returned():
+    from tasks.steps.checks.engine_compare import compare_request, inside_output
+
+    request = LoggedRequest("q1", [1, 2, 3], [5, 6, 7, 8, 9, 10], SamplingParams(), "d")
+    answer = ServedRequest(token_ids=[5, 6, 7, 8, 9, 10], seconds=1.0, drafted=[3, 0, 3, 3], accepted=[2, 0, 0, 1])
+    offline = RoundTotals(tokens=0.0, rounds=4, reached=np.zeros(3), accepted=np.asarray([2.0, 1.0, 0.0]),
+                          widths=np.asarray([1.0, 0.0, 0.0, 3.0]))
+    row = compare_request(request, answer, offline)
+    assert list(row.to_json()) == list(PER_REQUEST[0])
+    assert row.to_json()["counts_equal"] is True and ComparedRequest.from_json(row.to_json()) == row
+    assert row.engine_accepted_inside == inside_output(row.to_json(), "engine_accepted") == 3
+    assert list(compare_request(request, answer, None).to_json()) == list(PER_REQUEST[0])
 
 
 def test_the_check_builds_the_rows_it_returned_as_dicts():
@@ -60,9 +82,9 @@ def test_the_check_builds_the_rows_it_returned_as_dicts():
     from tasks.steps.checks.engine_check import _add_plain_figures, _judged
     from tasks.steps.checks.engine_compare import domain_verdict, left_out
 
-    rows = [{"engine_accepted": 6, "engine_steps": 6, "engine_accepted_per_pos": [6],
-             "estimate_accepted": 6.0 + 0.5 * (i % 2), "estimate_steps": 6.0,
-             "estimate_accepted_per_pos": [6.0], "counts_equal": None} for i in range(6)]
+    rows = [ComparedRequest(request_id=f"q{i}", engine_accepted=6, engine_steps=6, engine_accepted_per_pos=[6],
+                            estimate_accepted=6.0 + 0.5 * (i % 2), estimate_steps=6.0,
+                            estimate_accepted_per_pos=[6.0], counts_equal=None) for i in range(6)]
     verdict = domain_verdict(rows, k=1, tolerance=0.05)
     assert set(verdict.to_json()) == {"speculative_config", "requests", "k", "estimate_e", "estimate_e_lo",
                                       "estimate_e_hi", "engine_e", "estimate_rates", "engine_rates",

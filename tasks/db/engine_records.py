@@ -5,7 +5,8 @@ parts each kind of row has, so that a row's key set says how far the domain got:
   (a domain without a vLLM config: these only, status "unsupported");
 - a domain an engine was started for: what the engine said of itself (ServedBy: its log, version,
   start, counters, cost profile); where the engine failed as a whole, nothing more;
-- a domain the engine served: the comparison with the estimate (Comparison);
+- a domain the engine served: the comparison with the estimate (Comparison), with each replayed
+  request's counts beside the estimate's (ComparedRequest);
 - where the plain twins were served: their figures and the measured speedup (PlainFigures);
 - a run planned on vLLM's costs: the live check's verdict (live_check).
 Their JSON (to_json, from_json) is the rows' shape key for key: what the step returns (XCom),
@@ -13,7 +14,7 @@ and, column by column (COLUMNS), what the engine_checks table stores."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 # the engine_checks columns a row fills (the table's others: run_id, domain, engine, created_at)
@@ -46,13 +47,64 @@ class ServedBy:
     counters: dict | None = None
     engine_profile: str | None = None           # the cost profile's hardware name
 
+    def to_json(self) -> dict:
+        return _json(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComparedRequest:
+    """One replayed request's counts (engine_compare.compare_request): vLLM's output beside the
+    logged response (equal, or the first position they differ at), its tokens, wall and
+    decode-phase seconds, vLLM's drafted steps and accepted drafts (in all and per position), those
+    inside its output where its steps could be placed (None: not placed), and, with the estimate's
+    expected rounds on the request, the estimate's steps and accepted drafts and, for a greedy
+    request whose output equals the log, whether the counts are equal (the drafts vLLM accepted
+    inside the log beside them). Fields in the order of the JSON's keys."""
+
+    request_id: str
+    greedy: bool = False
+    tokens: int = 0
+    seconds: float | None = None
+    decode_s: float | None = None
+    equal_to_log: bool = False
+    first_difference: int | None = None
+    engine_steps: int = 0
+    engine_accepted: int = 0
+    engine_accepted_per_pos: list[int] = field(default_factory=list)
+    engine_accepted_in_output: int | None = None
+    engine_accepted_per_pos_in_output: list[int] | None = None
+    engine_accepted_in_log: int | None = None
+    estimate_steps: float | None = None
+    estimate_accepted: float | None = None
+    estimate_accepted_per_pos: list[float] | None = None
+    counts_equal: bool | None = None
+
+    @property
+    def engine_accepted_inside(self) -> int:
+        """vLLM's accepted drafts inside the output where its steps were placed, else its own count."""
+        return self.engine_accepted if self.engine_accepted_in_output is None else self.engine_accepted_in_output
+
+    @property
+    def engine_per_pos_inside(self) -> list[int]:
+        """Per position, likewise (engine_accepted_inside)."""
+        placed = self.engine_accepted_per_pos_in_output
+        return self.engine_accepted_per_pos if placed is None else placed
+
+    def to_json(self) -> dict:
+        return _json(self)
+
+    @classmethod
+    def from_json(cls, row: dict) -> ComparedRequest:
+        """The request from its JSON (to_json's shape; a key it lacks keeps its default)."""
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
+
 
 @dataclass(frozen=True, kw_only=True)
 class Comparison:
     """vLLM's counts on the domain's replayed requests beside the estimate's: E with the
     estimate's 95% interval, rates per position, the greedy requests checked and equal, the
-    per-request rows (engine_compare.compare_request), the config's tokens/s and the speedup
-    vLLM's cost profile predicts for the requests."""
+    requests compared (ComparedRequest, engine_compare.compare_request), the config's tokens/s and
+    the speedup vLLM's cost profile predicts for the requests."""
 
     requests: int = 0
     k: int | None = None
@@ -64,10 +116,23 @@ class Comparison:
     engine_rates: list | None = None
     greedy_checked: int = 0
     greedy_equal: int = 0
-    per_request: list | None = None
+    per_request: list[ComparedRequest] | None = None
     spec_tokens_per_s: float | None = None
     spec_decode_tokens_per_s: float | None = None
     predicted_speedup: float | None = None
+
+    def to_json(self) -> dict:
+        """The part's keys, per_request as each request's to_json."""
+        out = _json(self)
+        return out if self.per_request is None else {
+            **out, "per_request": [request.to_json() for request in self.per_request]}
+
+    @classmethod
+    def read(cls, row: dict) -> Comparison | None:
+        """The part of a row (_read), per_request read back into ComparedRequests."""
+        part = _read(cls, row)
+        return part if part is None or part.per_request is None else replace(
+            part, per_request=[ComparedRequest.from_json(request) for request in part.per_request])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +143,9 @@ class PlainFigures:
     plain_tokens_per_s: float | None = None
     plain_decode_tokens_per_s: float | None = None
     measured_speedup: float | None = None
+
+    def to_json(self) -> dict:
+        return _json(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +175,7 @@ class EngineCheckRow:
         """The row as the step returns it: the parts it has, flat (no key of a part it lacks)."""
         out = {"speculative_config": self.speculative_config}
         for part in (self.served, self.comparison, self.plain):
-            out.update(_json(part) if part is not None else {})
+            out.update(part.to_json() if part is not None else {})
         out.update(status=self.status, passed=self.passed, reason=self.reason)
         return out if self.live_check is None else {**out, "live_check": self.live_check}
 
@@ -121,7 +189,7 @@ class EngineCheckRow:
         """A row from to_json's shape, or a stored engine_checks row (every part present)."""
         return cls(status=row["status"], passed=row["passed"], reason=row["reason"],
                    speculative_config=row.get("speculative_config"), served=_read(ServedBy, row),
-                   comparison=_read(Comparison, row), plain=_read(PlainFigures, row),
+                   comparison=Comparison.read(row), plain=_read(PlainFigures, row),
                    live_check=row.get("live_check"))
 
 

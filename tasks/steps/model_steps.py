@@ -2,7 +2,10 @@
 finish, the engine check when it is on, the load check and the sampling test on vLLM.
 
 They load torch, transformers and the engine (tasks.steps.context builds each step's
-RunContext: the target, its tokenizer and the candidate drafters, loaded once per process).
+RunContext: the target, its tokenizer and the candidate drafters, loaded once per process). Each
+step hands its phase the RunContext and its domain (confirm_in, validate_in, estimate_in) or
+domains (validate_run_in, engine_check_in, engine_validate_in); serving_pool is where a run's
+vLLM servers are set up (the engine check with its load check, the engine validate step).
 tasks.steps.pipeline holds the steps that touch only the database and the registry and makes
 these its attributes too; callers import them from there.
 """
@@ -31,22 +34,22 @@ from ..registry.tracking import CHAMPION, alias_version, load_version_config
 from ..serving import environment as serving_env
 from ..serving.server import ServerPool
 from ..settings import worker_name
-from .checks.confirm import confirm_domain
+from .checks.confirm import confirm_in
 from .context import RunContext, RunSpec, loaded_model
 from ..registry.run_results import profile_check
 from .costs.costs import describe_device, describe_hardware, hardware_of, load_costs
-from .costs.reuse import measure_or_reuse, profile_check_text
-from .checks.engine_check import engine_check
+from .costs.reuse import measure_or_reuse_in, profile_check_text
+from .checks.engine_check import engine_check_in
 from .checks.engine_replay import dtype_of
 from .costs.engine_costs import plans_on_vllm, vllm_profile_or_reuse
 from .costs.vllm_hardware import profile_engine
-from .checks.engine_validate import engine_validate_run
+from .checks.engine_validate import engine_validate_in
 from .failures import record_domain_failure
 from .checks.load_check import load_check, load_check_json
-from .estimate.offline_estimate import estimate_domains
+from .estimate.offline_estimate import estimate_in
 from .plan.plan import plan_domain
 from .traffic.quality import check_result_table
-from .checks.validate import validate_domain, validate_run
+from .checks.validate import validate_in, validate_run_in
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +76,7 @@ def step_profile(spec, new_profile: bool = False) -> dict:
                                          k_max=settings.plan.k_max, new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
     elif name is None:
-        context = RunContext.build(spec)
-        measured = measure_or_reuse(spec.run_id, context.model,
-                                    {label: d for label, (_, d) in context.drafters.items()},
-                                    context.store, settings=settings, k_max=settings.plan.k_max,
-                                    tokenizer=context.tokenizer, fingerprint=context.fingerprint,
-                                    new_profile=new_profile)
+        measured = measure_or_reuse_in(RunContext.build(spec), new_profile=new_profile)
         name = measured["hardware_profile"]["name"]
     costs = load_costs(name, store)
     if measured is not None:
@@ -150,8 +148,7 @@ def step_estimate(spec, domain: str, profile) -> dict:
                     len(excluded["other_fingerprint"]))
         return _plain(plan_domain(run_id, domain, costs, context.store, settings=settings,
                                   status="insufficient", samples=len(requests)))
-    estimate_domains(run_id, context.model, context.domain_drafters(domain), {domain: requests},
-                     context.store, settings=settings, k_max=settings.plan.k_max, progress=False)
+    estimate_in(context, domain)
     return _plain(plan_domain(run_id, domain, costs, context.store, settings=settings,
                               samples=len(requests),
                               currently_on=domain in champion_domains_on(context.registry, context.spec)))
@@ -194,9 +191,7 @@ def step_confirm(spec, domain: str) -> dict:
                "this engine")
         log.info("run %s, domain %s: %s", context.run_id, domain, why)
         return {"skipped": why}
-    requests, _ = context.domain_requests(domain)
-    row = confirm_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
-                         requests, context.store, settings=context.settings, progress=False)
+    row = confirm_in(context, domain)
     if row is None:
         why = "nothing to measure: no planned drafter, no requests, or no comparable hardware"
         log.info("run %s, domain %s: %s", context.run_id, domain, why)
@@ -206,10 +201,7 @@ def step_confirm(spec, domain: str) -> dict:
 
 def step_validate(spec, domain: str) -> dict:
     """The sampling test of one domain's planned drafter (or the run's shared result for it)."""
-    context = RunContext.build(spec)
-    requests, _ = context.domain_requests(domain)
-    return validate_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
-                           requests, context.store, settings=context.settings)
+    return validate_in(RunContext.build(spec), domain)
 
 
 def step_finish(spec, insufficient: list[str] | None = None) -> dict:
@@ -235,11 +227,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
             record_domain_failure(spec, domain, "its confirm or validate step did not complete", store)
             failed.append(domain)
     ok_domains = domain_names(store, run_id, status="ok")
-    requests, excluded = ({}, {}) if not ok_domains else context.sample_requests(ok_domains)
-    verdicts = validate_run(run_id, context.model, context.tokenizer, context.drafters,
-                            requests, target_id=spec.target, store=context.store, settings=settings,
-                            excluded=excluded, fingerprint=context.target_fingerprint,
-                            drafters_by_domain={d: context.domain_drafters(d) for d in ok_domains})
+    verdicts, excluded = validate_run_in(context, ok_domains)
     tables = ["domain_configs"]
     if ok_domains:
         tables.append("acceptance_estimates")
@@ -268,10 +256,7 @@ def served_engine_check(spec) -> dict:
     # one serving set-up for the sampling test and the load check: a config's OpenAI server
     # starts once for both (closed here, whatever happens)
     with serving_pool(context) as pool:
-        result = engine_check(spec.run_id, spec.target, context.model,
-                              {d: context.domain_drafters(d) for d in domains},
-                              {d: context.domain_requests(d)[0] for d in domains},
-                              context.store, settings=context.settings, pool=pool)
+        result = engine_check_in(context, domains, pool=pool)
         record_engine_check_skip(context.store, spec.run_id, result["skipped"])
         if result["skipped"]:
             log.warning("run %s: %s: the config is NOT checked on the serving engine", spec.run_id,
@@ -304,13 +289,10 @@ def step_load_check(spec) -> dict:
 
 def step_engine_validate(spec, domains: list[str] | None = None, speculative_config: dict | None = None,
                          mended: bool = True) -> dict:
-    """The sampling test on vLLM's OpenAI server alone (tasks.steps.checks.engine_validate)."""
-    spec = RunSpec.of(spec)
-    context = RunContext.build(spec)
-    planned = domain_names(context.store, spec.run_id)
-    chosen = [d for d in (domains or planned) if d in planned]
-    result = engine_validate_run(spec.run_id, spec.target, context.model,
-                                 {d: context.domain_requests(d)[0] for d in chosen},
-                                 context.store, settings=context.settings, domains=domains,
-                                 speculative_config=speculative_config, mended=mended)
+    """The sampling test on vLLM's OpenAI server alone (tasks.steps.checks.engine_validate), on
+    the run's serving pool (serving_pool)."""
+    context = RunContext.build(RunSpec.of(spec))
+    with serving_pool(context) as pool:
+        result = engine_validate_in(context, domains, speculative_config=speculative_config,
+                                    mended=mended, pool=pool)
     return json.loads(json.dumps(result, default=str))

@@ -313,6 +313,14 @@ def confirm_domain(run_id: str, domain: str, target, drafters: dict, requests: l
     return row
 
 
+def confirm_in(context, domain: str, progress: bool = False) -> dict | None:
+    """confirm_domain with a RunContext (tasks.steps.context): the domain's requests and
+    candidates as the run's context gives them, its store and settings."""
+    requests, _ = context.domain_requests(domain)
+    return confirm_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
+                          requests, context.store, settings=context.settings, progress=progress)
+
+
 def _request_record(request, results: dict, offline, cost_of, new_tokens: int) -> dict:
     """Predicted and measured speedup of one confirm request side by side, and for a greedy row
     whether its live rounds equal the offline estimate's."""

@@ -161,6 +161,16 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             "sampling": sampling}
 
 
+def engine_check_in(context, domains: list[str], pool: ServerPool | None = None) -> dict:
+    """engine_check of `domains` (the ones the plan turns on) with a RunContext
+    (tasks.steps.context): each domain's candidates and requests as the run's context gives
+    them, its target, store and settings; pool: as engine_check's."""
+    return engine_check(context.run_id, context.spec.target, context.model,
+                        {d: context.domain_drafters(d) for d in domains},
+                        {d: context.domain_requests(d)[0] for d in domains},
+                        context.store, settings=context.settings, pool=pool)
+
+
 def _plan_check(on: dict[str, PlannedDomain], confirmed: dict, exported: dict, requests_by_domain: dict,
                 settings: Settings) -> CheckPlan:
     """The requests each domain replays and the engines serving them: one per drafter method
@@ -368,13 +378,13 @@ def _log_outcome(run_id: str, rows: dict[str, EngineCheckRow], engines: list[Eng
                     sum(1 for record in engines if record.mends), " ".join(mends))
     for domain, row in sorted(rows.items()):
         for item in (row.comparison.per_request if row.comparison else None) or []:
-            if item["counts_equal"] is False:
+            if item.counts_equal is False:
                 log.error("run %s, domain %s, request %s: vLLM's greedy output equals the log but it "
                           "accepted %s drafts inside it in %d drafted steps, the estimate %.0f in "
-                          "%.0f", run_id, domain, item["request_id"],
-                          item["engine_accepted_in_log"] if item["engine_accepted_in_log"] is not None
-                          else "(steps not placeable)", item["engine_steps"],
-                          item["estimate_accepted"], item["estimate_steps"])
+                          "%.0f", run_id, domain, item.request_id,
+                          item.engine_accepted_in_log if item.engine_accepted_in_log is not None
+                          else "(steps not placeable)", item.engine_steps,
+                          item.estimate_accepted, item.estimate_steps)
         (log.warning if row.passed is False else log.info)("run %s, domain %s: %s", run_id,
                                                             domain, row.reason)
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 
 from ...db.domain_records import PlannedDomain
-from ...db.engine_records import Comparison, EngineCheckRow
+from ...db.engine_records import ComparedRequest, Comparison, EngineCheckRow
 from ...serving.replay_answer import ReplayAnswer, ServedRequest
 from ...settings import Settings
 from ..estimate import acceptance
@@ -73,7 +73,7 @@ def placed_steps(request, output, drafted: list[int], accepted: list[int], draft
 
 
 def compare_request(request, engine_answer: ServedRequest, offline, exact: bool = True,
-                    drafter=None, k: int | None = None) -> dict:
+                    drafter=None, k: int | None = None) -> ComparedRequest:
     """One request: vLLM's per-step counts beside the estimate's expected rounds. exact: the
     engine's drafter proposes what ours does (not so for suffix decoding, whose tree vLLM builds
     from the requests it served), so a greedy request whose output equals the log must have equal
@@ -97,69 +97,69 @@ def compare_request(request, engine_answer: ServedRequest, offline, exact: bool 
 
     starts = placed_steps(request, output, drafted, accepted, drafter, k, exact)
     inside = None if starts is None else [min(a, len(output) - t) for a, t in zip(accepted, starts)]
-    row = {"request_id": request.request_id, "greedy": bool(request.sampling.greedy),
-           "tokens": len(output), "seconds": engine_answer.seconds,
-           "decode_s": engine_answer.decode_s,
-           "equal_to_log": first_difference is None, "first_difference": first_difference,
-           "engine_steps": steps, "engine_accepted": int(sum(accepted)),
-           "engine_accepted_per_pos": per_position(accepted),
-           "engine_accepted_in_output": None if inside is None else int(sum(inside)),
-           "engine_accepted_per_pos_in_output": None if inside is None else per_position(inside),
-           "engine_accepted_in_log": None, "estimate_steps": None, "estimate_accepted": None,
-           "estimate_accepted_per_pos": None, "counts_equal": None}
+    row = ComparedRequest(request_id=request.request_id, greedy=bool(request.sampling.greedy),
+                          tokens=len(output), seconds=engine_answer.seconds, decode_s=engine_answer.decode_s,
+                          equal_to_log=first_difference is None, first_difference=first_difference,
+                          engine_steps=steps, engine_accepted=int(sum(accepted)),
+                          engine_accepted_per_pos=per_position(accepted),
+                          engine_accepted_in_output=None if inside is None else int(sum(inside)),
+                          engine_accepted_per_pos_in_output=None if inside is None else per_position(inside))
     if offline is None:
         return row
-    row["estimate_steps"] = float(offline.rounds - offline.widths[0])
-    row["estimate_accepted"] = float(offline.accepted.sum())
-    row["estimate_accepted_per_pos"] = [float(a) for a in offline.accepted]
-    if not (exact and row["greedy"] and row["equal_to_log"]):
+    row = replace(row, estimate_steps=float(offline.rounds - offline.widths[0]),
+                  estimate_accepted=float(offline.accepted.sum()),
+                  estimate_accepted_per_pos=[float(a) for a in offline.accepted])
+    if not (exact and row.greedy and row.equal_to_log):
         return row
     if drafter is not None and drafter.walks_text and starts is None:
-        row["counts_equal"] = False          # vLLM's steps are not the ones our proposer walks
-        return row
-    in_log = inside_output(row, "engine_accepted")
-    row["engine_accepted_in_log"] = int(in_log)
-    row["counts_equal"] = (round(row["estimate_accepted"]) == in_log
-                           and round(row["estimate_steps"]) == steps)
-    return row
+        return replace(row, counts_equal=False)      # vLLM's steps are not the ones our proposer walks
+    in_log = row.engine_accepted_inside
+    return replace(row, engine_accepted_in_log=int(in_log),
+                   counts_equal=(round(row.estimate_accepted) == in_log and round(row.estimate_steps) == steps))
 
 
 def inside_output(row: dict, key: str):
-    """A request's engine count inside its output where its steps were placed, else vLLM's own."""
+    """A request's engine count inside its output where its steps were placed, else vLLM's own,
+    from its JSON (a ComparedRequest's to_json, as the step returns it; the record itself:
+    engine_accepted_inside, engine_per_pos_inside)."""
     placed = row.get(f"{key}_in_output")
     return row[key] if placed is None else placed
 
 
-def position_rates(rows: list[dict], which: str, k: int) -> list[float]:
+def position_rates(rows: list[ComparedRequest], which: str, k: int) -> list[float]:
     """Per position, accepted / drafted steps over the rows ("engine": inside the outputs where
-    the steps were placed, see inside_output; "estimate"); zeros without drafted steps."""
-    steps = sum(r[f"{which}_steps"] or 0 for r in rows)
+    the steps were placed, see ComparedRequest.engine_per_pos_inside; "estimate"); zeros without
+    drafted steps."""
+    engine = which == "engine"
+    steps = sum((r.engine_steps if engine else r.estimate_steps) or 0 for r in rows)
     per_pos = np.zeros(k)
     for r in rows:
-        values = (inside_output(r, f"{which}_accepted_per_pos") or [])[:k]
+        values = ((r.engine_per_pos_inside if engine else r.estimate_accepted_per_pos) or [])[:k]
         per_pos[:len(values)] += values
     return acceptance.position_rates(per_pos, steps) or [0.0] * k
 
 
-def estimate_interval(rows: list[dict], samples: int = 2000, seed: int = 0) -> tuple:
+def estimate_interval(rows: list[ComparedRequest], samples: int = 2000, seed: int = 0) -> tuple:
     """The estimate's E over the requests and its 95% interval by bootstrap over them."""
-    rows = [r for r in rows if r["estimate_steps"] is not None]
-    return acceptance.mean_length_interval([r["estimate_accepted"] for r in rows],
-                                           [r["estimate_steps"] for r in rows], samples, seed)
+    rows = [r for r in rows if r.estimate_steps is not None]
+    return acceptance.mean_length_interval([r.estimate_accepted for r in rows],
+                                           [r.estimate_steps for r in rows], samples, seed)
 
 
-def domain_verdict(rows: list[dict], k: int, tolerance: float, gated: str | None = None) -> EngineCheckRow:
-    """E, interval, rates, greedy counts and the gate of one domain's replayed requests.
+def domain_verdict(rows: list[ComparedRequest], k: int, tolerance: float,
+                   gated: str | None = None) -> EngineCheckRow:
+    """E, interval, rates, greedy counts and the gate of one domain's replayed requests
+    (compare_request's).
     gated: None, or why E is reported but not gated (passed stays None)."""
     estimate_e, lo, hi = estimate_interval(rows)
-    engine_e = acceptance.mean_accepted_length(sum(inside_output(r, "engine_accepted") for r in rows),
-                                               sum(r["engine_steps"] for r in rows))
-    greedy = [r for r in rows if r["counts_equal"] is not None]
+    engine_e = acceptance.mean_accepted_length(sum(r.engine_accepted_inside for r in rows),
+                                               sum(r.engine_steps for r in rows))
+    greedy = [r for r in rows if r.counts_equal is not None]
     comparison = Comparison(requests=len(rows), k=k, estimate_e=estimate_e, estimate_e_lo=lo,
                             estimate_e_hi=hi, engine_e=engine_e,
                             estimate_rates=position_rates(rows, "estimate", k),
                             engine_rates=position_rates(rows, "engine", k), greedy_checked=len(greedy),
-                            greedy_equal=sum(1 for r in greedy if r["counts_equal"]))
+                            greedy_equal=sum(1 for r in greedy if r.counts_equal))
     if engine_e is None or lo is None:
         return EngineCheckRow(status="ok", passed=None, comparison=comparison,
                               reason="no drafts on these requests: nothing to compare")
@@ -266,15 +266,15 @@ def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: 
     return plain / spec if spec > 0 else None
 
 
-def rows_decode_tokens_per_s(rows: list[dict]) -> float | None:
+def rows_decode_tokens_per_s(rows: list[ComparedRequest]) -> float | None:
     """Decode-phase tokens/s of compared requests (compare_request's rows: first token to last,
     vLLM's own timestamps; prefill left out)."""
-    return _per_s([(r["tokens"] - 1, r["decode_s"]) for r in rows if r.get("decode_s")])
+    return _per_s([(r.tokens - 1, r.decode_s) for r in rows if r.decode_s])
 
 
-def rows_tokens_per_s(rows: list[dict]) -> float | None:
+def rows_tokens_per_s(rows: list[ComparedRequest]) -> float | None:
     """Tokens/s of compared requests, wall time."""
-    return _per_s([(r["tokens"], r["seconds"]) for r in rows])
+    return _per_s([(r.tokens, r.seconds) for r in rows])
 
 
 def served_decode_tokens_per_s(served: list[ServedRequest]) -> float | None:

@@ -40,6 +40,7 @@ from specdec_core.validation import SamplingReport, position_tests
 
 from ...db.domain_records import PlannedDomain
 from ...db.queries_engine_checks import fail_own_sampling_domains, mark_validation_failed, planned_domains
+from ...db.queries_runs import domain_names
 from ...db.store import Store
 from ...errors import EngineTimeout, InvalidValue, ServingProbeError
 from ...registry.run_config import build_config
@@ -326,10 +327,12 @@ def validation_domains(planned: dict[str, PlannedDomain], run_id: str, domains: 
 def engine_validate_run(run_id: str, target: str, target_model, requests_by_domain: dict,
                         store: Store, settings: Settings | None = None,
                         domains: list[str] | None = None, speculative_config: dict | None = None,
-                        mended: bool = True) -> dict:
+                        mended: bool = True, pool: ServerPool | None = None) -> dict:
     """`specdec engine validate`: the sampling test on vLLM of a run's configs alone (the domains
     it turns on, or `domains`). speculative_config: served instead of the run's (a power test:
     nothing is stored, the run's verdicts stay as they are). mended=False: vLLM as it ships.
+    pool: the run's servers (tasks.steps.model_steps.serving_pool), left to the caller to close;
+    else a pool of its own, closed at the end.
     Output: {"domains": {domain: EngineSamplingResult.to_dict()}, "servers": [...]}."""
     settings = settings or store.settings
     model_dir = serving_env.served_model_dir(target)
@@ -341,11 +344,30 @@ def engine_validate_run(run_id: str, target: str, target_model, requests_by_doma
         exported = served_export(run_id, store, target, model_dir)["speculative_config"]
         chosen = domains or sorted(d for d, row in planned.items() if row.enabled)
         specs = {d: exported[d] for d in chosen if exported.get(d)}
-    dtype = str(next(target_model.parameters()).dtype).removeprefix("torch.")
-    with ServerPool(run_id, model_dir, dtype=dtype, settings=settings) as pool:
+    own = pool is None
+    if own:
+        dtype = str(next(target_model.parameters()).dtype).removeprefix("torch.")
+        pool = ServerPool(run_id, model_dir, dtype=dtype, settings=settings)
+    try:
         results = validate_on_engine(run_id, store, pool, target_model, specs, requests_by_domain,
                                      planned, settings, mended=mended,
                                      save=speculative_config is None)
         servers = [{"server": s.name, "log": str(s.log_path), "start_s": s.start_s, "mends": s.mends()}
                    for s in pool.servers.values()]
+    finally:
+        if own:
+            pool.close()
     return {"domains": {d: r.to_dict() for d, r in results.items()}, "servers": servers}
+
+
+def engine_validate_in(context, domains: list[str] | None = None, speculative_config: dict | None = None,
+                       mended: bool = True, pool: ServerPool | None = None) -> dict:
+    """engine_validate_run with a RunContext (tasks.steps.context): the requests of `domains`
+    (else of every planned domain) as the run's context gives them, its target, store and
+    settings; pool: as engine_validate_run's."""
+    planned = domain_names(context.store, context.run_id)
+    chosen = [d for d in (domains or planned) if d in planned]
+    return engine_validate_run(context.run_id, context.spec.target, context.model,
+                               {d: context.domain_requests(d)[0] for d in chosen},
+                               context.store, settings=context.settings, domains=domains,
+                               speculative_config=speculative_config, mended=mended, pool=pool)

@@ -217,6 +217,14 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     return _run_sampling_test(store, target, requests, test, settings, check_kwargs)
 
 
+def validate_in(context, domain: str) -> dict:
+    """validate_domain with a RunContext (tasks.steps.context): the domain's requests and
+    candidates as the run's context gives them, its store and settings."""
+    requests, _ = context.domain_requests(domain)
+    return validate_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
+                           requests, context.store, settings=context.settings)
+
+
 @dataclass
 class _FingerprintCheck:
     """The run's fingerprint check: its verdict, why it failed, the last run that measured the
@@ -347,3 +355,16 @@ def validate_run(run_id: str, target, tokenizer, drafters: dict, requests_by_dom
     return {"fingerprint": {"id": fid, "passed": checked.passed, "reasons": checked.reasons,
                             "previous_run": checked.previous_run},
             "greedy": {row["domain"]: row["passed"] for row in greedy_rows}, "domains": verdicts}
+
+
+def validate_run_in(context, domains: list[str]) -> tuple[dict, dict]:
+    """validate_run with a RunContext (tasks.steps.context) over `domains` (the run's ok ones):
+    their sample as the context reads it, the run's candidates and each domain's, the target's
+    fingerprint. Output: (validate_run's output, the sample's excluded rows by reason)."""
+    requests, excluded = ({}, {}) if not domains else context.sample_requests(domains)
+    verdicts = validate_run(context.run_id, context.model, context.tokenizer, context.drafters,
+                            requests, target_id=context.spec.target, store=context.store,
+                            settings=context.settings, excluded=excluded,
+                            fingerprint=context.target_fingerprint,
+                            drafters_by_domain={d: context.domain_drafters(d) for d in domains})
+    return verdicts, excluded

@@ -167,3 +167,13 @@ def profile_check_text(check: dict | None) -> str:
         head += ("; too noisy to turn a domain on: " + "; ".join(check.get("reasons") or [])
                  + ". Plan with a stored profile: --hardware-profile NAME")
     return head
+
+
+def measure_or_reuse_in(context, new_profile: bool = False) -> dict:
+    """measure_or_reuse with a RunContext (tasks.steps.context): the run's target, candidates
+    ({label: drafter}), tokenizer and fingerprint, its store and settings (k_max: the plan's)."""
+    return measure_or_reuse(context.run_id, context.model,
+                            {label: d for label, (_, d) in context.drafters.items()},
+                            context.store, settings=context.settings,
+                            k_max=context.settings.plan.k_max, tokenizer=context.tokenizer,
+                            fingerprint=context.fingerprint, new_profile=new_profile)

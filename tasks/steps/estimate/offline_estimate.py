@@ -150,3 +150,13 @@ def estimate_domains(run_id: str, target, drafters: dict, requests_by_domain: di
         replace_acceptance_estimates(tx, run_id, list(requests_by_domain), rows)
     log.info("run %s: %d acceptance estimates over %d domains", run_id, len(rows), len(out))
     return out
+
+
+def estimate_in(context, domain: str, progress: bool = False) -> dict:
+    """estimate_domains of one domain with a RunContext (tasks.steps.context): the domain's
+    requests and candidates as the run's context gives them, its store and settings (k_max: the
+    plan's)."""
+    requests, _ = context.domain_requests(domain)
+    return estimate_domains(context.run_id, context.model, context.domain_drafters(domain),
+                            {domain: requests}, context.store, settings=context.settings,
+                            k_max=context.settings.plan.k_max, progress=progress)
