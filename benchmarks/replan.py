@@ -68,7 +68,7 @@ def cell(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("homes", nargs="+", type=Path)
-    parser.add_argument("--k-tolerance", default="0,0.02", help="comma-separated plan_k_tolerance values")
+    parser.add_argument("--k-tolerance", default="0.02,0.05", help="comma-separated plan_k_tolerance values")
     args = parser.parse_args()
     tolerances = [float(t) for t in args.k_tolerance.split(",")]
     plans = {(home.name, t): replan(home, t) for home in args.homes for t in tolerances}

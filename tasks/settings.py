@@ -181,12 +181,14 @@ class PlanSettings(_Group):
     min_speedup: float = Field(default=1.1, gt=0, description=(
         "policy: a domain is on only when the lower end of its predicted speedup's 95% interval "
         "clears this"))
-    k_tolerance: float = Field(default=0.02, ge=0, lt=1, description=(
+    k_tolerance: float = Field(default=0.05, ge=0, lt=1, description=(
         "the planner takes the smallest K of the chosen drafter whose predicted speedup is within "
         "this share of the best one's (at every profiled batch size alike): past a few tokens a "
         "suffix or prompt-lookup drafter's curve is flat to within 1%, so its argmax K is the "
-        "cost profile's noise (measured: json K 4 in one run, K 7 in the next, 0.7% apart); 0: the "
-        "best, whatever it buys"))
+        "cost profile's noise (measured: json K 4 in one run, K 7 in the next, 0.7% apart). 5%, "
+        "the half-width a paired cost ratio is timed to (profile_ratio_halfwidth): at 2%, six "
+        "runs of one traffic planned json at K 4 to 6, at 5% K 3 to 4; 0: the best, whatever it "
+        "buys"))
     estimate_batch_size: int = Field(default=4, ge=1)
     bootstrap_samples: int = Field(default=1000, ge=100)
     acceptance_alert: float = Field(default=1.2, ge=1.0, description=(

@@ -434,7 +434,7 @@ def test_the_plan_takes_the_smallest_k_within_k_tolerance_of_the_best(db_url):
     from tasks.steps.plan.plan import smallest_near_best
 
     # PL at b=1: K=1 costs 0.05 + 1.2 = 1.25 a round, E 1.6: 1.280x; K=2 costs 0.05 + 1.4 = 1.45,
-    # E 1.87: 1.290x, 0.8% better: within the default 2%, so K=1; with plan_k_tolerance 0, K=2.
+    # E 1.87: 1.290x, 0.8% better: within the default 5%, so K=1; with plan_k_tolerance 0, K=2.
     # Neither pays at b=2 (1.00x, 0.89x)
     add_estimate(db_url, "plan-run", "json", PL_SPEC, 1, 1.6, 1.5, 1.7, [0.0, 1.0])
     add_estimate(db_url, "plan-run", "json", PL_SPEC, 2, 1.87, 1.75, 2.0, [0.0, 0.0, 1.0])
