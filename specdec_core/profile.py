@@ -13,8 +13,11 @@ import numpy as np
 import torch
 
 from .cache import SequenceCache
-from .decoder import prepare_for_decoding
+from .decoder import SpecDecoder, prepare_for_decoding
+from .drafters import DraftModel, HostDrafter
 from .graphs import synchronize
+from .records import DecodeState
+from .sampling import SamplingParams
 from .static_cache import StaticSequenceCache, bucket_length, resolve_compile, static_by_default
 
 
@@ -135,8 +138,6 @@ def measure_host_draft_cost(drafter, k: int, context_len: int = 256, batch_size:
     else:
         pattern = rng.integers(0, 30_000, size=max(8, context_len // 8))
         sequences = [np.resize(pattern, context_len)] * batch_size
-    from .records import DecodeState
-
     prompts = torch.from_numpy(np.stack(sequences).astype(np.int64))
     state = DecodeState(prompts, torch.ones_like(prompts), torch.full((batch_size,), prompts.shape[1]),
                         torch.zeros((batch_size, k + 1), dtype=torch.long),
@@ -178,8 +179,6 @@ class CostSampler:
                  context_len: int = 256, seed: int = 0, static: bool | str = "auto",
                  cuda_graphs: bool | str = "auto", compile: bool | str = "auto",
                  overhead_tokens: int = 12):
-        from .drafters import DraftModel, HostDrafter
-
         self.target, self.drafters, self.k_max = target, dict(drafters), int(k_max)
         for model in (target, *(m for d in self.drafters.values() for m in d.cached_models())):
             prepare_for_decoding(model)      # as the decodes below (SpecDecoder's defaults) do
@@ -361,8 +360,6 @@ class _OverheadProbe:
 
     def __init__(self, target: torch.nn.Module, drafter, k: int, batch_size: int, context_len: int,
                  new_tokens: int = 12, seed: int = 0):
-        from .decoder import SpecDecoder
-
         device = next(target.parameters()).device
         generator = torch.Generator().manual_seed(seed)
         vocab = target.get_output_embeddings().weight.shape[0]
@@ -379,8 +376,6 @@ class _OverheadProbe:
     def run(self, seed: int) -> tuple[float, list[int], list[int]]:
         """(seconds of the decode phase minus the proposals, verify width of each round, rows of
         each round: on dynamic caches finished rows leave the batch)."""
-        from .sampling import SamplingParams
-
         run = self.decoder.generate_plain if self.plain else self.decoder.generate
         result = run(self.prompts, self.new_tokens, sampling=SamplingParams(), seed=seed)
         stats = result.stats

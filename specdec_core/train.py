@@ -30,11 +30,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
+from .cache import SequenceCache
 from .drafters import DraftModel, output_size
 from .errors import TokenizerMismatch
 from .estimate import LoggedRequest, estimate_acceptance
+from .graphs import graphed_module
+from .head import HeadDrafter, HiddenTap, target_features
 from .planner import optimal_k
 from .train_config import TrainConfig   # defined torch-free there; specdec_core.train.TrainConfig as before
 
@@ -196,8 +200,6 @@ def evaluate_drafter(drafter, target, heldout: list[LoggedRequest], k_max: int,
 
 
 def _save(draft, directory: Path) -> None:
-    from safetensors.torch import save_model
-
     directory.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(directory)
     save_model(draft, str(directory / "model.safetensors"))
@@ -279,8 +281,6 @@ class _DraftTrainee(Trainee):
         _save(self.module, directory)
 
     def load(self, directory):
-        from safetensors.torch import load_model
-
         load_model(self.module, str(directory / "model.safetensors"))
 
 
@@ -487,8 +487,6 @@ def head_chain_passes(head, feats: torch.Tensor, next_tokens: torch.Tensor, vali
     features [B, T, H]: step 0 is the teacher-forced pass; at step w, position j feeds on the
     head's own step-(w-1) output at j - 1 (what a live round that started after j - w drafts).
     Step w runs as one forward over all steps so far, under chain_attention_mask."""
-    from .head import HiddenTap
-
     out = []
     width = feats.shape[1]
     embeds = [head.inputs(feats, next_tokens)]
@@ -664,8 +662,6 @@ class _HeadTrainee(Trainee):
         return [p for _, p in self.module.own_named_parameters()]
 
     def prepare(self, config, progress) -> None:
-        from .head import target_features
-
         if self.cache:
             return
         head = self.module
@@ -701,8 +697,6 @@ class _HeadTrainee(Trainee):
         batch = self.cache.batch(picks, device, width=max(self.cache.lengths) - 1)
         graphed = self.graphed.get(len(picks))
         if graphed is None:
-            from .graphs import graphed_module
-
             try:
                 graphed = self.graphed[len(picks)] = graphed_module(_BatchLoss(self), batch)
             except Exception as exc:       # noqa: BLE001 -- the eager step still trains
@@ -735,8 +729,6 @@ class _HeadTrainee(Trainee):
         return total / self.unroll
 
     def evaluate(self):
-        from .head import HeadDrafter
-
         scores = evaluate_drafter(HeadDrafter(self.module), self.target, self.heldout,
                                   self.config.k_max, *self.costs)
         scores["heldout_kl"] = head_heldout_kl(self.module, self.target, self.heldout,
@@ -757,8 +749,6 @@ class _HeadTrainee(Trainee):
 def head_heldout_kl(head, target, requests: list[LoggedRequest], max_length: int = 512) -> float:
     """Mean KL(p_target || q_head) over the held-out responses' positions (full vocabulary; a
     reduced head's mass outside its ids counts through q's smoothing floor of 1e-30)."""
-    from .head import target_features
-
     total, count = 0.0, 0
     device = next(head.parameters()).device
     for request in requests:
@@ -801,7 +791,6 @@ def measure_head_step(head, target, context_len: int = 128, repeats: int = 5) ->
     """One draft step of the head (a one-position pass on its cache: fuse, layer, norm, output
     head) / one target step, both measured here at batch 1."""
 
-    from .cache import SequenceCache
     from .profile import measure_forward_costs
 
     device = next(target.parameters()).device

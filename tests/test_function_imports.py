@@ -46,12 +46,15 @@ DEFERRED = {
 # modules whose local imports stay as they are, whatever they import: at the top of
 # specdec_core.profile they changed the costs the draft training measures (its held-out report
 # differed between a run and its resumption in tests/test_draft_training.py, 3 runs in 5), and
-# specdec_core.train times the same forwards: to be looked into before either moves
+# specdec_core.train times the same forwards: to be looked into before either moves. Since moved
+# to their tops: the imports of modules each one loaded already (profile's records, drafters,
+# decoder, sampling; train's graphs) and train's head, cache and safetensors (the draft engine
+# loads them before it); train's `.profile` (static_cache, the decoder) stays local
 AS_THEY_ARE = ("specdec_core/profile.py", "specdec_core/train.py")
 
 # every function-level import counted, VLLM_ENV and AS_THEY_ARE included (issue 84's goal: at
 # most 80); lower it as imports move to the top, never raise it
-MAX_FUNCTION_IMPORTS = 92
+MAX_FUNCTION_IMPORTS = 79
 
 
 def _files() -> list[Path]:

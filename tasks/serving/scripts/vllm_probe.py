@@ -1,6 +1,7 @@
 """Runs inside the serving environment (vLLM's own virtual environment), never in the pipeline's:
 `SERVING_PYTHON vllm_probe.py COMMAND` reads a JSON request on stdin and writes one JSON answer on
-stdout (vLLM's logs go to stderr). It imports vLLM and the standard library only.
+stdout (vLLM's logs go to stderr). It imports vLLM, numpy (one of vLLM's own requirements) and the
+standard library only.
 
 Commands:
   versions        {} -> {vllm, torch, transformers}
@@ -42,6 +43,8 @@ import traceback
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import numpy as np
+
 
 def versions(_request: dict) -> dict:
     import torch
@@ -76,7 +79,6 @@ def check_configs(request: dict) -> dict:
 
 
 def ngram(request: dict) -> dict:
-    import numpy as np
     from vllm.v1.spec_decode import ngram_proposer
 
     find = ngram_proposer._find_longest_matched_ngram_and_propose_tokens
