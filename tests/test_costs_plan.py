@@ -18,6 +18,7 @@ from tasks.steps.costs.costs import (CostProfileError, CostTable, describe_hardw
 from tasks.steps.costs.transfer import FILE_FORMAT, export_costs, import_costs
 from tasks.db.models import AcceptanceEstimate, CostProfile, DomainConfig, HardwareProfile
 from tasks.db.store import Store
+from tasks.serving.paired_answer import PairedAnswer
 from tasks.steps.plan.plan import plan_domain, round_cost, speedups
 from tasks.settings import load_settings
 
@@ -190,6 +191,11 @@ def test_a_host_drafters_own_rounds_price_it_in_place_of_verify_plus_its_draft_s
     assert costs.round_ratios(suffix, 1) == pytest.approx([1.1, 1.25])     # the table is not changed
 
 
+def _answer(timings: list[dict]) -> PairedAnswer:
+    """One engine's time-paired answer with these rows, as _time_engines hands it to _table."""
+    return PairedAnswer.from_json({"timings": timings})
+
+
 def _paired_batches(engine_steps: dict[int, list[float]], b: int = 1, k_drafts: bool = True) -> list[dict]:
     """The probe's time-paired rows of one engine at batch size b: pair i times K 0 and every K
     once, each step the given seconds (every step drafting K where k_drafts)."""
@@ -215,7 +221,7 @@ def test_a_vllm_profile_prices_a_suffix_round_from_its_own_engine_not_a_differen
     own = _paired_batches({0: [0.021, 0.0211, 0.0209], 1: [0.0288, 0.0289, 0.0287],
                            2: [0.0315, 0.0316, 0.0314]})
     runs = [(NGRAM, {}, None, [1, 2]), (suffix, {}, spec, [1, 2])]
-    table, reasons, _ = _table({NGRAM: {"timings": ngram}, suffix: {"timings": own}}, runs, 2, [1], 2,
+    table, reasons, _ = _table({NGRAM: _answer(ngram), suffix: _answer(own)}, runs, 2, [1], 2,
                                load_settings())
     assert not reasons
     assert table.verify_ratios(1) == pytest.approx([1.2, 1.3], rel=0.01)
@@ -225,7 +231,7 @@ def test_a_vllm_profile_prices_a_suffix_round_from_its_own_engine_not_a_differen
     # a model drafter (one K) gets no rounds of its own
     model = {"kind": "draft_model", "params": {"model": "d"}}
     runs = [(NGRAM, {}, None, [1, 2]), ("draft", {}, model, [2])]
-    table, _, _ = _table({NGRAM: {"timings": ngram}, "draft": {"timings": own}}, runs, 2, [1], 2,
+    table, _, _ = _table({NGRAM: _answer(ngram), "draft": _answer(own)}, runs, 2, [1], 2,
                          load_settings())
     assert table.draft_round == {} and table.round_ratios("draft", 1) is None
 
@@ -915,7 +921,7 @@ def test_vllm_profile_prices_verify_from_pairs_inside_one_engine_and_other_draft
              + _paired(1, 3, [0.052, 0.052, 0.078], 50, 1.5))
     # an EAGLE-3 head at K = 3: its ratio 1.75 less verify(3)'s 1.6, over 3 draft tokens
     head = _paired(1, 0, 0.040, 50, 0.0) + _paired(1, 3, 0.070, 50, 3.0)
-    answers = {"ngram": {"timings": ngram}, "eagle3(model=/h)": {"timings": head}}
+    answers = {"ngram": _answer(ngram), "eagle3(model=/h)": _answer(head)}
     runs = [("ngram", {}, None, [1, 3]),
             ("eagle3(model=/h)", {"method": "eagle3"}, {"kind": "eagle3", "params": {"model": "/h"}}, [3])]
     table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
@@ -927,15 +933,15 @@ def test_vllm_profile_prices_verify_from_pairs_inside_one_engine_and_other_draft
     assert reasons == [] and notes == []             # every pair the same ratio: settled
     assert table.spread[("verify", None, 3, 1)] == pytest.approx(0.0, abs=1e-9)
     # ratios that scatter: a note past ratio_halfwidth (the plan's interval carries it)
-    answers["ngram"] = {"timings": ngram[:6] + _paired(1, 3, [0.052, 0.056, 0.090], 50, 1.5)}
+    answers["ngram"] = _answer(ngram[:6] + _paired(1, 3, [0.052, 0.056, 0.090], 50, 1.5))
     table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
     assert reasons == [] and any("ngram K=3 at batch 1" in n for n in notes), notes
     # one pair far off among agreeing ones moves neither the figure nor its interval (the median
     # and a robust spread): a batch the machine slowed is not the cost
-    answers["ngram"] = {"timings": ngram[:6] + _paired(1, 3, [0.052, 0.052, 0.150], 50, 1.5)}
+    answers["ngram"] = _answer(ngram[:6] + _paired(1, 3, [0.052, 0.052, 0.150], 50, 1.5))
     table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
     assert table.verify[1][3] == pytest.approx(0.064) and reasons == [] and notes == []
-    answers["ngram"] = {"timings": ngram[:6] + _paired(1, 3, [0.052, 0.120, 0.060], 50, 1.5)}
+    answers["ngram"] = _answer(ngram[:6] + _paired(1, 3, [0.052, 0.120, 0.060], 50, 1.5))
     table, reasons, notes = _table(answers, runs, 3, [1], 3, load_settings())
     assert reasons == [] and any("ngram K=3 at batch 1" in n for n in notes), notes
     # ... and the predicted speedup's interval widens by the cost's (a paired profile)
@@ -951,14 +957,14 @@ def test_vllm_profile_never_prices_a_larger_k_below_a_smaller_one_beyond_their_i
     # with the width, repeatably), priced as measured
     ngram = (_paired(1, 0, 0.040, 50, 0.0) + _paired(1, 1, 0.060, 50, 1.0)
              + _paired(1, 2, 0.053, 50, 2.0))
-    table, reasons, _ = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 2])], 2, [1], 2,
+    table, reasons, _ = _table({"ngram": _answer(ngram)}, [("ngram", {}, None, [1, 2])], 2, [1], 2,
                                load_settings())
     assert table.verify[1][2] == pytest.approx(0.053) and reasons == []
     # 33% cheaper: beyond the dip and both intervals, priced at K 1's (the dearer: a busy machine
     # slows a batch, never speeds one up), named, and its spread covers the gap; the profile is
     # not refused for it (the plan's interval carries it)
     ngram = ngram[:6] + _paired(1, 2, 0.040, 50, 2.0)
-    table, reasons, notes = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 2])], 2, [1],
+    table, reasons, notes = _table({"ngram": _answer(ngram)}, [("ngram", {}, None, [1, 2])], 2, [1],
                                    2, load_settings())
     assert table.verify[1][2] == pytest.approx(table.verify[1][1]) == pytest.approx(0.060)
     assert reasons == [] and any("K=2" in n and "cheaper than K=1" in n for n in notes), notes
@@ -974,12 +980,12 @@ def test_vllm_profile_pairs_contended_repeats_only_where_no_clean_ones_are_left(
     # repeats 0 and 1 clean; repeat 2 contended with a ratio far off: left out
     ngram = _paired(1, 0, 0.040, 50, 0.0, contended={2}) + _paired(1, 1, [0.044, 0.044, 0.090], 50, 1.0,
                                                                     contended={2})
-    table, _, notes = _table({"ngram": {"timings": ngram}}, runs, 1, [1], 1, load_settings())
+    table, _, notes = _table({"ngram": _answer(ngram)}, runs, 1, [1], 1, load_settings())
     assert table.verify[1][1] == pytest.approx(0.044) and not any("other processes" in n for n in notes)
     # every repeat contended: all are paired, and the note says so
     ngram = _paired(1, 0, 0.040, 50, 0.0, contended={0, 1, 2}) + _paired(1, 1, 0.044, 50, 1.0,
                                                                           contended={0, 1, 2})
-    table, _, notes = _table({"ngram": {"timings": ngram}}, runs, 1, [1], 1, load_settings())
+    table, _, notes = _table({"ngram": _answer(ngram)}, runs, 1, [1], 1, load_settings())
     assert table.verify[1][1] == pytest.approx(0.044) and any("other processes" in n for n in notes)
 
 
@@ -1010,7 +1016,7 @@ def test_vllm_profile_prices_sampled_requests_apart_and_plans_a_domains_mix():
              + _paired(1, 0, 0.042, 50, 0.0, "sampled") + _paired(1, 1, 0.050, 50, 1.0, "sampled")
              # sampled: half the steps proposed 3, 0.059 = 0.5 * verify(3) + 0.5 * 0.042
              + _paired(1, 3, 0.059, 50, 1.5, "sampled"))
-    table, reasons, _ = _table({"ngram": {"timings": ngram}}, [("ngram", {}, None, [1, 3])], 3, [1], 3,
+    table, reasons, _ = _table({"ngram": _answer(ngram)}, [("ngram", {}, None, [1, 3])], 3, [1], 3,
                                load_settings())
     assert reasons == []
     assert table.target_step[1] == pytest.approx(0.040) and table.verify[1][3] == pytest.approx(0.048)

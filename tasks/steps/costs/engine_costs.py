@@ -60,6 +60,7 @@ from ...errors import EngineTimeout, ServingProbeError
 from ...registry.config_schema import DrafterSpec
 from ...registry.vllm_export import speculative_config
 from ...serving import environment as serving_env
+from ...serving.paired_answer import PairedAnswer, PairedTiming
 from ...serving.scripts.vllm_probe import clean_pairs, pooled_spread, ratio_interval
 from ...paths import check_identifier, home_path
 from ...settings import Settings
@@ -219,12 +220,12 @@ def _engine_request(plan: VllmProfilePlan, run: tuple, settings: Settings, spare
 
 
 def _time_engines(run_id: str, plan: VllmProfilePlan, settings: Settings,
-                  progress: bool) -> tuple[dict, list[dict]]:
+                  progress: bool) -> tuple[dict[str, PairedAnswer], list[dict]]:
     """Start each planned engine in turn (under the timing lock, its threads on the CPUs free
     when the first starts: every engine as many, as a suffix engine's draft step is its step
     less the ngram engine's) and collect its paired timings. Output: (the probe's answer by
-    label, [{config, speculative_config, start_s, seconds, mends, repeats, contended, stopped,
-    threads}])."""
+    label, read once here into a PairedAnswer, [{config, speculative_config, start_s, seconds,
+    mends, repeats, contended, stopped, threads, timings (the probe's JSON, as stored)}])."""
     directory = home_path("engine_profiles", run_id)
     answers, engines = {}, []
     with timing_lock(), tqdm(total=len(plan.runs), disable=not progress, desc="vLLM engines") as bar:
@@ -236,33 +237,33 @@ def _time_engines(run_id: str, plan: VllmProfilePlan, settings: Settings,
                      json.dumps(spec), ",".join(map(str, threads["cpus"])), threads["others"])
             began = time.perf_counter()
             try:
-                answer = serving_env.run_engine(
+                answer = PairedAnswer.from_json(serving_env.run_engine(
                     _engine_request(plan, run, settings, threads["spare"]), directory / (_slug(label) + ".log"),
                     settings.engine.check_timeout_s, what, settings, command="time-paired",
-                    threads=threads["bind"])
+                    threads=threads["bind"]))
             except (EngineTimeout, ServingProbeError) as exc:
                 raise ServingProbeError(f"{exc}") from None
-            if answer.get("refused"):
-                raise ServingProbeError(f"{what}: vLLM refused the config: {answer['refused']}")
-            if not answer.get("k_per_request"):
+            if answer.refused:
+                raise ServingProbeError(f"{what}: vLLM refused the config: {answer.refused}")
+            if not answer.k_per_request:
                 raise ServingProbeError(f"{what}: the serving environment's vLLM has no K per "
                                         "request (the specdec plugin): run `make serving-env`")
-            repeats = 1 + max((t["repeat"] for t in answer["timings"]), default=-1)
-            contended = len({t.get("pair", t["repeat"]) for t in answer["timings"] if t["contended"]})
-            engines.append({"config": label, "speculative_config": spec, "start_s": answer["start_s"],
+            repeats, contended = answer.repeats, answer.contended_pairs
+            engines.append({"config": label, "speculative_config": spec, "start_s": answer.start_s,
                             "seconds": round(time.perf_counter() - began, 1),
-                            "mends": answer.get("mends") or [], "repeats": repeats,
-                            "contended": contended, "stopped": answer["stopped"],
-                            "threads": threads, "timings": answer["timings"]})
+                            "mends": answer.mends or [], "repeats": repeats,
+                            "contended": contended, "stopped": answer.stopped,
+                            # the check's JSON details store the probe's rows as it wrote them
+                            "threads": threads, "timings": answer.timings_json()})
             answers[label] = answer
             bar.update(1)
             log.info("%s: %d rounds (%d pairs with other processes on the CPU), %s, in %.0f s (engine "
-                     "start %.1f s)", what, repeats, contended, answer["stopped"],
-                     engines[-1]["seconds"], answer["start_s"])
+                     "start %.1f s)", what, repeats, contended, answer.stopped,
+                     engines[-1]["seconds"], answer.start_s)
     return answers, engines
 
 
-def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list[dict],
+def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict[str, PairedAnswer], engines: list[dict],
                 settings: Settings, k_max: int, draft_k: int, steps: int,
                 name: str | None) -> tuple[CostTable, dict, str]:
     """The cost table of the engines' paired timings, its check and the hardware description
@@ -273,7 +274,7 @@ def _vllm_table(run_id: str, plan: VllmProfilePlan, answers: dict, engines: list
     notes += [f"{e['config']}: {note}" for e in engines if (note := serving_env.fewer_cpus(e.get("threads")))]
     for label in plan.lookups:
         table.draft_step[label] = {b: 0.0 for b in sizes}
-    version = answers[NGRAM]["vllm"]
+    version = answers[NGRAM].vllm
     hardware = vllm_hardware(version, plan.dtype, name, engine_threads(engines))
     table.hardware_profile = hardware["name"]
     hardware = {**hardware, "details": {**hardware["details"], "engine": {
@@ -340,7 +341,7 @@ def vllm_profile_or_reuse(run_id: str, target: str, candidates: list[str] | None
                         settings=settings, k_max=k_max, progress=progress)
 
 
-def _pairs(timings: list[dict], b: int, sampling: str, k: int,
+def _pairs(timings: list[PairedTiming], b: int, sampling: str, k: int,
            slack: float | None = None) -> tuple[list[float], bool]:
     """(verify(K) over the K 0 step timed beside it, per pair; whether contended pairs were
     used): the pairs neither of whose batches was contended (/proc) nor slowed (a step more than
@@ -348,18 +349,20 @@ def _pairs(timings: list[dict], b: int, sampling: str, k: int,
     two or more, else every pair not slowed (a neighbour that stayed is on both sides of each;
     one such pair is priced with the engine's pooled spread), else every pair.
     Timings without a `pair` (an earlier probe's) pair by repeat."""
+    rows = [t.to_json() for t in timings]       # the probe's clean_pairs reads its own rows (dicts)
     for contended, slowed, least in ((False, slack, 2), (True, slack, 1), (True, None, 0)):
-        pairs = clean_pairs(timings, (b, sampling), k, contended, slowed)
+        pairs = clean_pairs(rows, (b, sampling), k, contended, slowed)
         if len(pairs) >= least:
-            return [_verify_ratio(at_k, plain, k) for at_k, plain in pairs], contended
+            return [_verify_ratio(PairedTiming.from_json(at_k), PairedTiming.from_json(plain), k)
+                    for at_k, plain in pairs], contended
     return [], True
 
 
-def _verify_ratio(at_k: dict, plain: dict, k: int) -> float:
+def _verify_ratio(at_k: PairedTiming, plain: PairedTiming, k: int) -> float:
     """verify(K) over the K 0 step from one pair: a step in which the n-gram search found
     nothing is a plain step, so the measured ratio is share x v + (1 - share), solved for v."""
-    ratio = (at_k["decode_s"] / at_k["steps"]) / (plain["decode_s"] / plain["steps"])
-    share = min(at_k["drafted"] / max(at_k["steps"] * at_k["batch_size"] * k, 1), 1.0) if k else 1.0
+    ratio = at_k.step_s / plain.step_s
+    share = min(at_k.drafted / max(at_k.steps * at_k.batch_size * k, 1), 1.0) if k else 1.0
     return ratio if share >= 1.0 or share <= 0 else max((ratio - (1 - share)) / share, ratio)
 
 
@@ -369,16 +372,15 @@ def _interval(values: list[float], pooled: tuple[float, int] | None = None) -> t
     return ratio_interval(list(values), pooled)
 
 
-def _k0_step(timings: list[dict], b: int, sampling: str) -> float:
-    steps = [t["decode_s"] / t["steps"] for t in timings
-             if t["batch_size"] == b and t["sampling"] == sampling and t["k"] == 0 and t["steps"]
-             and t["decode_s"]]
+def _k0_step(timings: list[PairedTiming], b: int, sampling: str) -> float:
+    steps = [t.step_s for t in timings
+             if t.batch_size == b and t.sampling == sampling and t.k == 0 and t.steps and t.decode_s]
     if not steps:
         raise ServingProbeError(f"the engine timed no decode step at batch size {b}")
     return float(np.median(steps))
 
 
-def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int,
+def _table(answers: dict[str, PairedAnswer], runs: list, k_max: int, sizes: list[int], draft_k: int,
            settings: Settings) -> tuple[CostTable, list[str], list[str]]:
     """(table, reasons it is noisy, notes) from the engines' paired timings: the ngram engine's
     K 0 step is the target step; verify(K) its paired ratio at K times that step (interpolated
@@ -391,16 +393,12 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
     table = CostTable("", "", {}, {}, {}, {})
     reasons, notes = [], []
     halfwidth = settings.profile.ratio_halfwidth
-    ngram = answers[NGRAM]["timings"]
-
+    ngram = answers[NGRAM].timings
     slack = settings.profile.slowed
-    pooled = {}                 # each engine's spread pooled over its ratios (the probe's rule)
-    for label, answer in answers.items():
-        timings = answer["timings"]
-        groups: dict = {}
-        for t in timings:
-            groups.setdefault((t["batch_size"], t["sampling"]), set()).add(t["k"])
-        pooled[label] = pooled_spread(timings, {g: sorted(ks) for g, ks in groups.items()}, slack=slack)
+    # each engine's spread pooled over its ratios (the probe's rule: its pooled_spread reads the
+    # probe's own rows, dicts)
+    pooled = {label: pooled_spread(answer.timings_json(), answer.groups(), slack=slack)
+              for label, answer in answers.items()}
 
     def ratio(timings, label, b, sampling, k, component, drafter=None) -> float:
         pairs, contended = _pairs(timings, b, sampling, k, slack)
@@ -424,14 +422,14 @@ def _table(answers: dict, runs: list, k_max: int, sizes: list[int], draft_k: int
         known = sorted(measured)
         table.verify[b] = {k: step * float(np.interp(k, known, [measured[x] for x in known]))
                            for k in range(1, k_max + 1)}
-        if any(t["sampling"] == "sampled" and t["batch_size"] == b for t in ngram):
+        if any(t.sampling == "sampled" and t.batch_size == b for t in ngram):
             sampled = table.sampled_step[b] = _k0_step(ngram, b, "sampled")
-            timed = sorted({t["k"] for t in ngram if t["sampling"] == "sampled" and t["batch_size"] == b} - {0})
+            timed = sorted({t.k for t in ngram if t.sampling == "sampled" and t.batch_size == b} - {0})
             table.sampled_verify[b] = {k: sampled * r for k, r in _shaped(
                 {k: ratio(ngram, NGRAM, b, "sampled", k, "sampled_verify") for k in timed},
                 table.spread, "sampled_verify", b, notes, settings.profile.verify_dip).items()}
         for label, _, spec, timed in runs[1:]:
-            timings = answers[label]["timings"]
+            timings = answers[label].timings
             own = ratio(timings, label, b, "greedy", draft_k, "draft_step", label)
             extra = max(own - table.verify[b][draft_k] / step, 0.0) * step
             table.draft_step.setdefault(label, {})[b] = extra if spec["kind"] in HOST_DRAFTERS else extra / draft_k
