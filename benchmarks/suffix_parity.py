@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sqlite3
 import subprocess
@@ -52,8 +53,6 @@ def dump_home(home: Path, positions: bool) -> dict:
     proposer's draft at every response position."""
     os.environ["SPECDEC_HOME"] = str(home)
     from tasks.db.queries_suffix import run_window_and_sample
-    from tasks.steps.checks.confirm import offline_totals, truncated
-    from tasks.steps.checks.engine_replay import end_slot
     from tasks.steps.context import RunContext
     from tasks.steps.drafters.suffix_index import _indexable
     from tasks.steps.spec import RunSpec
@@ -81,8 +80,8 @@ def dump_home(home: Path, positions: bool) -> dict:
         out["domains"][domain] = {
             "history": [[int(t) for t in response] for _, _, response in rows], "primed": primed,
             "params": {"min_token_prob": drafter.min_token_prob, "max_spec_factor": drafter.max_spec_factor},
-            "levels": [_level(context.model, drafter, by_id, c, k, json.loads(per), truncated, end_slot,
-                              offline_totals, positions) for c, k, per in levels[domain]]}
+            "levels": [_level(context.model, drafter, by_id, c, k, json.loads(per), positions)
+                       for c, k, per in levels[domain]]}
     context.store.engine.dispose()
     return out
 
@@ -93,10 +92,11 @@ def _primed(reason: str) -> int:
     return int(reason.split(marker, 1)[1].split()[0]) if marker in reason else 0
 
 
-def _level(model, drafter, by_id, concurrency, k, per_request, truncated, end_slot, offline_totals,
-           positions: bool) -> dict:
-    from specdec_core.suffix import propose_path
+def _level(model, drafter, by_id, concurrency, k, per_request, positions: bool) -> dict:
     import numpy as np
+    from specdec_core.suffix import propose_path
+    from tasks.steps.checks.confirm import offline_totals, truncated
+    from tasks.steps.checks.engine_replay import end_slot
 
     requests = [(r, end_slot(truncated(by_id[r["request_id"].split("#")[0]], r["spec_tokens"]))) for r in per_request]
     ours = offline_totals(model, drafter, [q for _, q in requests], k)
@@ -214,11 +214,13 @@ def arctic(dump: dict) -> dict:
     return json.loads(done.stdout)
 
 
-def served_totals(r: dict) -> list[float]:
-    """(tokens, rounds) vLLM served: rounds = emitted less accepted, at least its drafts (vLLM
-    counts drafts accepted past a request's max_tokens: benchmarks/load_decompose.py)."""
-    spec, tokens = r["served"], r["spec_tokens"] - 1
-    return [tokens, max(tokens - (spec.get("accepted_tokens") or 0), spec.get("drafts") or 0, 1)]
+def served_totals(r: dict, k: int) -> list[float]:
+    """(tokens, rounds) vLLM served (load_decompose.served_totals: rounds are the emitted tokens
+    less the accepted, at least the drafts)."""
+    from load_decompose import served_totals as totals
+
+    served = totals({"spec": r["served"], "spec_tokens": r["spec_tokens"]}, k)
+    return [served.tokens, served.rounds]
 
 
 def e_of(pairs: list) -> float | None:
@@ -239,7 +241,7 @@ def rows_of(dump: dict, replay: dict) -> list[dict]:
                              "n": len(chosen), "ours": e_of([r["ours"] for r, _ in chosen]),
                              "arctic_index": e_of([a["index"] for _, a in chosen]),
                              "arctic_server": e_of([a["server"] for _, a in chosen]),
-                             "served": e_of([served_totals(r) for r, _ in chosen])})
+                             "served": e_of([served_totals(r, level["k"]) for r, _ in chosen])})
     return rows
 
 
@@ -283,7 +285,6 @@ def table(rows: list[dict], parity: list[dict], first: str) -> str:
     everything = [r for r in rows if r["requests"] == "all" and r["ours"]]
     for key, name in (("arctic_index", "Arctic, index history"), ("arctic_server", "Arctic, server's history"),
                       ("served", "vLLM served")):
-        import math
         errors = [abs(math.log(r[key] / r["ours"])) for r in everything if r[key]]
         lines.append(f"- {name}: {sum(errors) / len(errors):.1%} over {len(errors)} levels" if errors else f"- {name}: -")
     lines += ["", f"Position by position ({first}, teacher-forced, both on the index's history):", "",
