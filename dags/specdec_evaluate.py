@@ -218,8 +218,9 @@ def specdec_evaluate():
     # a skipped confirm is no reason to skip the sampling test; a failed estimate or confirm is
     @task(retries=0, map_index_template=MAP_LABEL, queue=GPU_QUEUE, trigger_rule="all_done")
     def validate(domain: str) -> str:
-        """A domain that is off has no sampling test, nor one whose estimate or confirm failed:
-        ends skipped with the reason."""
+        """A domain that is off has no sampling test, nor one whose estimate or confirm failed,
+        nor any where the test on vLLM gates (the engine check runs it): ends skipped with the
+        reason."""
         from tasks.steps.pipeline import step_validate
 
         label_mapped(domain)
@@ -229,6 +230,8 @@ def specdec_evaluate():
                                        "the domain as failed; the champion's setting is kept)")
         with task_errors():
             result = step_validate(run_spec(), domain)
+        if result.get("skipped"):
+            raise AirflowSkipException(f"{domain}: sampling test on our engine not run: {result['skipped']}")
         if result["validation"] == "not_needed":
             raise AirflowSkipException(f"{domain}: sampling test not run: the domain is off (the "
                                        "tests run only for a domain on)")

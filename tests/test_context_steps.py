@@ -70,6 +70,8 @@ def test_the_run_wide_entries_hand_on_the_contexts_fields(monkeypatch):
     monkeypatch.setattr(validate, "validate_run", recorder(calls, {"domains": {}}))
     monkeypatch.setattr(reuse, "measure_or_reuse", recorder(calls, {"profile": {}}))
     monkeypatch.setattr(engine_check, "engine_check", recorder(calls, {"skipped": None}))
+    # the planned domains, on or off: a suffix engine's history is every one's traffic
+    monkeypatch.setattr(engine_check, "domain_names", lambda store, run_id, status=None: ["json", "qa"])
     assert validate.validate_run_in(context, ["qa"]) == ({"domains": {}}, {"too_long": ["x"]})
     assert validate.validate_run_in(context, []) == ({"domains": {}}, {})
     reuse.measure_or_reuse_in(context, new_profile=True)
@@ -83,7 +85,8 @@ def test_the_run_wide_entries_hand_on_the_contexts_fields(monkeypatch):
                         {"settings": context.settings, "k_max": 3, "tokenizer": "tokenizer",
                          "fingerprint": "fid", "new_profile": True})
     assert calls[3] == (("r1", "the-target", context.model, {"qa": {"drafter-qa": ("spec", "drafter")}},
-                         {"qa": ["request-qa"]}, "store"), {"settings": context.settings, "pool": "pool"})
+                         {"json": ["request-json"], "qa": ["request-qa"]}, "store"),
+                        {"settings": context.settings, "pool": "pool"})
 
 
 def test_engine_validate_takes_the_planned_domains_requests(monkeypatch):
@@ -118,3 +121,17 @@ def test_the_engine_validate_step_serves_on_the_runs_serving_pool(monkeypatch, t
     monkeypatch.setattr(model_steps.serving_env, "served_model_dir", unavailable)
     model_steps.step_engine_validate(context.spec)
     assert calls[1][1]["pool"] is None
+
+
+def test_the_validate_step_leaves_our_sampling_test_to_vllms_where_that_one_gates(monkeypatch):
+    # where the sampling test on vLLM gates (the engine check runs it), the validate step runs
+    # none of its own and says so; where it does not, the domain's own test runs
+    calls, context = [], FakeContext()
+    monkeypatch.setattr(model_steps.RunContext, "build", staticmethod(lambda spec: context))
+    monkeypatch.setattr(model_steps, "validate_in", recorder(calls, {"validation": "passed"}))
+    monkeypatch.setattr(model_steps, "engine_sampling_gates", lambda settings: True)
+    skipped = model_steps.step_validate(context.spec, "qa")
+    assert calls == [] and "sampling test on vLLM's OpenAI server gates" in skipped["skipped"]
+    monkeypatch.setattr(model_steps, "engine_sampling_gates", lambda settings: False)
+    assert model_steps.step_validate(context.spec, "qa") == {"validation": "passed"}
+    assert calls == [((context, "qa"), {})]

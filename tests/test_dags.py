@@ -749,6 +749,11 @@ def test_tasks_that_did_nothing_end_skipped_with_the_reason(db_url, monkeypatch)
                         raising=False)
     with pytest.raises(AirflowSkipException, match="json: sampling test not run: the domain is off"):
         validate("json")
+    # where the sampling test on vLLM gates, the step runs none on our engine: skipped, not green
+    monkeypatch.setattr(pipeline, "step_validate", lambda spec, domain: {"skipped": "vLLM's test gates"},
+                        raising=False)
+    with pytest.raises(AirflowSkipException, match="json: sampling test on our engine not run: vLLM's test gates"):
+        validate("json")
     task = dag.get_task("validate")
     assert task.trigger_rule == "all_done" and "confirm" in task.upstream_task_ids
 

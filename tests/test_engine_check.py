@@ -306,6 +306,48 @@ def test_where_the_check_cannot_run_the_own_engine_sampling_test_gates_again(db_
     assert (rows["code"].validation, rows["code"].promotable) == ("passed", True)
 
 
+def test_where_vllms_test_cannot_take_a_domain_ours_runs_then_and_gates(db_url, tmp_path, monkeypatch):
+    # the validate step left our sampling test to vLLM's; the engine check cannot run, so ours
+    # runs now for each domain on without one (json) -- not for one that has it (code), nor
+    # for one that is off (qa) -- and a failure there makes the domain unpromotable
+    from sqlalchemy import insert, select
+
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import DomainConfig, Validation
+    from tasks.settings import load_settings
+    from tasks.steps.checks import engine_validate
+    from tasks.timeutil import utcnow
+
+    engine = ensure_ready(db_url)
+    now = utcnow()
+    with engine.begin() as connection:
+        for domain, enabled in (("json", True), ("code", True), ("qa", False)):
+            connection.execute(insert(DomainConfig).values(
+                run_id="r1", domain=domain, enabled=enabled, status="ok", drafter="prompt_lookup", k=2,
+                validation="passed" if enabled else "not_needed", promotable=enabled, created_at=now))
+        connection.execute(insert(Validation).values(
+            run_id="r1", check_name="sampling", domain="code", passed=True, created_at=now))
+    tested = []
+
+    def own_test(run_id, domain, target, drafters, requests, store, settings=None):
+        tested.append((run_id, domain, target, drafters, requests))
+        with store.transaction() as tx:
+            tx.execute(insert(Validation).values(run_id=run_id, check_name="sampling", domain=domain,
+                                                 passed=False, created_at=utcnow()))
+
+    monkeypatch.setattr(engine_validate, "validate_domain", own_test)
+    drafters = {d: {f"pl-{d}": ("spec", "drafter")} for d in ("json", "code")}
+    result = engine_check("r1", "smollm2-135m-instruct", "target", drafters,
+                          {"json": ["json-1"], "code": ["code-1"], "qa": ["qa-1"]}, Store.open(db_url),
+                          settings=load_settings(engine_serving_python=str(tmp_path / "none" / "python")))
+    assert result["skipped"]
+    assert tested == [("r1", "json", "target", drafters["json"], ["json-1"])]
+    with engine.connect() as connection:
+        rows = {r.domain: r for r in connection.execute(select(DomainConfig))}
+    assert (rows["json"].validation, rows["json"].promotable) == ("failed", False)
+    assert (rows["code"].validation, rows["code"].promotable) == ("passed", True)
+
+
 def test_engine_validate_refuses_what_it_cannot_serve_before_starting_anything(db_url, capsys):
     from sqlalchemy import insert
 
@@ -366,6 +408,25 @@ def test_each_domain_is_served_by_its_methods_one_deployment_at_the_largest_k():
                        "code": dict(ngram, num_speculative_tokens=5),
                        "qa": dict(suffix, suffix_decoding_max_tree_depth=8, num_speculative_tokens=2),
                        "off": None}
+
+
+def test_a_suffix_engines_history_is_every_planned_domains_traffic_at_k_0():
+    # vLLM keeps one suffix tree for all requests: the history is each planned domain's (the
+    # off ones too) requests that are not replayed, all at K 0, so that the tree is the same
+    # whatever the plan turned on and at whatever K; an ngram engine has none
+    from tasks.settings import load_settings
+    from tasks.steps.checks.engine_replay import EngineRun, replay_history
+
+    requests = {d: [LoggedRequest(f"{d}-{n}", [1, 2, 3], [4, 5, 6], SamplingParams(temperature=0.7), d)
+                    for n in range(4)] for d in ("json", "chat", "code")}
+    picked = {"json": requests["json"][:1], "code": requests["code"][:2]}       # chat: off
+    settings = load_settings(engine_check_history=2)
+    suffix = EngineRun("spec-0", {"method": "suffix", "num_speculative_tokens": 4}, ["code", "json"])
+    history = replay_history(suffix, picked, requests, settings)
+    assert [item["id"] for item in history] == ["chat-0", "chat-1", "code-2", "code-3", "json-1", "json-2"]
+    assert {item["k"] for item in history} == {0} and history[0]["temperature"] == pytest.approx(0.7)
+    ngram = EngineRun("spec-1", {"method": "ngram", "num_speculative_tokens": 4}, ["code"])
+    assert replay_history(ngram, picked, requests, settings) == []
 
 
 def test_configs_differing_in_k_only_share_one_engine_each_request_asking_its_domains_k():

@@ -195,6 +195,48 @@ def test_stored_levels_are_shown_as_json_in_the_sql_report_and_in_evaluates_tabl
     _round_trips(store, "r-load")
 
 
+def test_the_served_prediction_prices_the_tokens_vllm_served_not_the_logged_ones(monkeypatch):
+    # a sampled request draws its response anew on the server: the second prediction walks the
+    # config side's tokens of each request (its first serving where it was served twice; a
+    # failed one left out), with the same drafter, K, cost profile and batch size
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+    from tasks.steps.checks import load_check
+    from tasks.steps.checks.engine_compare import pays_sampled
+
+    logged = [LoggedRequest(f"q{n}", [1, 2, 3], [9, 9, 9, 9], SamplingParams(temperature=0.7), "d")
+              for n in range(3)]
+    context = SimpleNamespace(model="target", domain_requests=lambda domain: (logged, {}),
+                              domain_drafters=lambda domain: {"suffix": ("spec", "the-drafter")})
+    chosen = [{"id": "q0", "request_id": "q0"}, {"id": "q1", "request_id": "q1"},
+              {"id": "q2", "request_id": "q2"}, {"id": "q0#1", "request_id": "q0"}]
+    served = {"requests": [{"id": "q0", "ok": True, "token_ids": [4, 5, 6]},
+                           {"id": "q1", "ok": False, "token_ids": []},
+                           {"id": "q2", "ok": True, "token_ids": [7, 8]},
+                           {"id": "q0#1", "ok": True, "token_ids": [1, 1, 1]}]}
+    walked, priced = [], []
+
+    def offline(target, drafter, requests, k):
+        walked.append((target, drafter, k, {r.request_id: list(r.response_ids) for r in requests}))
+        return {r.request_id: f"totals-{r.request_id}" for r in requests}
+
+    def predicted(costs, label, spec, totals, sampled, batch_size):
+        priced.append((costs, label, spec, totals, sampled, batch_size))
+        return 1.25
+
+    monkeypatch.setattr(load_check, "offline_totals", offline)
+    monkeypatch.setattr(load_check, "predicted_at", predicted)
+    config = {"drafter": "suffix", "drafter_spec": {"kind": "suffix"}}
+    assert load_check._served_prediction(context, "d", config, served, chosen, 3, 2, "costs") == 1.25
+    # each served response with its end slot (the last token once more), as the logged ones get
+    assert walked == [("target", "the-drafter", 3, {"q0": [4, 5, 6, 6], "q2": [7, 8, 8]})]
+    sampled = pays_sampled(logged[0].sampling)        # each request's own sampling, as logged
+    assert priced == [("costs", "suffix", {"kind": "suffix"}, ["totals-q0", "totals-q2"], [sampled] * 2, 2)]
+    # no cost profile, or a level served at K 0: nothing to predict
+    assert load_check._served_prediction(context, "d", config, served, chosen, 3, 2, None) is None
+    assert load_check._served_prediction(context, "d", config, served, chosen, 0, 2, "costs") is None
+
+
 def _round_trips(store, run_id: str) -> None:
     """The run's stored load check read back, as the tables hold it and as the step returns it
     (the XCom value), goes through from_json and to_json unchanged, key for key and byte for byte."""

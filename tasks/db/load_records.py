@@ -46,6 +46,7 @@ class LoadLevel:
     counters_equal: bool | None = None
     per_request: list | None = None               # None: not read (queries_load.load_checks)
     created_at: Any = None                        # a datetime from the table, text from JSON
+    predicted_served_speedup: float | None = None   # the same, along the tokens vLLM served
     verdict: str | None = None                    # level_verdict's word while the run decides; not stored
 
     def to_json(self) -> dict:

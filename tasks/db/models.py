@@ -601,6 +601,8 @@ class LoadCheckLevel(Base):
     counters_equal: Mapped[bool | None] = mapped_column(Boolean)
     per_request: Mapped[list | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # 0017: the predicted speedup along the tokens vLLM served (not the logged responses)
+    predicted_served_speedup: Mapped[float | None] = mapped_column(Float)
 
 
 # Tables whose rows belong to one run (deleted and rewritten when that run's step re-runs).

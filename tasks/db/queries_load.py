@@ -84,7 +84,7 @@ def load_checks_in(tx: Unit, run_id: str, per_request: bool = False) -> dict[str
 
 
 SUMMARY_FIELDS = ("concurrency", "k", "measured_speedup", "measured_speedup_lo", "measured_speedup_hi",
-                  "predicted_speedup", "pays", "engine_e", "failed")
+                  "predicted_speedup", "predicted_served_speedup", "pays", "engine_e", "failed")
 
 
 def load_summaries(store: Store, run_id: str) -> dict[str, dict]:

@@ -229,8 +229,10 @@ def sampling_lines(view: RunView) -> list[str]:
     lines = []
     for d in view.domains:
         if d.engine_sampling:
+            own = (own_sampling_text(d.validation_test) if d.validation_test
+                   else "not run (the test on vLLM gates)")
             line = (f"- **{d.name}**: sampling test on vLLM: {engine_sampling_text(d.engine_sampling)}; "
-                    f"own engine: {own_sampling_text(d.validation_test)}")
+                    f"own engine: {own}")
             if not d.engine_sampling.get("passed") and d.engine_sampling.get("reason"):
                 line += f". {d.engine_sampling['reason']}"
             lines.append(line)

@@ -49,7 +49,7 @@ from .checks.load_check import load_check, load_check_json
 from .estimate.offline_estimate import estimate_in
 from .plan.plan import plan_domain
 from .traffic.quality import check_result_table
-from .checks.validate import validate_in, validate_run_in
+from .checks.validate import engine_sampling_gates, validate_in, validate_run_in
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +200,18 @@ def step_confirm(spec, domain: str) -> dict:
 
 
 def step_validate(spec, domain: str) -> dict:
-    """The sampling test of one domain's planned drafter (or the run's shared result for it)."""
-    return validate_in(RunContext.build(spec), domain)
+    """The sampling test of one domain's planned drafter on our engine (or the run's shared
+    result for it); none where the sampling test on vLLM gates the run (the engine check runs
+    it on the server that serves the config, and runs ours only for a domain vLLM's cannot
+    test: tasks.steps.checks.engine_validate.own_sampling_fallback). Output: the test, or
+    {"skipped": why nothing was tested}."""
+    context = RunContext.build(spec)
+    if engine_sampling_gates(context.settings):
+        why = ("the sampling test on vLLM's OpenAI server gates this run (in the engine check); "
+               "ours runs there only for a domain vLLM's cannot test")
+        log.info("run %s, domain %s: sampling test on our engine not run: %s", context.run_id, domain, why)
+        return {"skipped": why}
+    return validate_in(context, domain)
 
 
 def step_finish(spec, insufficient: list[str] | None = None) -> dict:
@@ -223,7 +233,7 @@ def step_finish(spec, insufficient: list[str] | None = None) -> dict:
             record_domain_failure(spec, domain, "no plan was stored (its estimate step failed)", store)
             failed.append(domain)
         elif config["status"] == "ok" and config["enabled"] and config["validation"] is None \
-                and not has_sampling_test(store, run_id, domain):
+                and not has_sampling_test(store, run_id, domain) and not engine_sampling_gates(settings):
             record_domain_failure(spec, domain, "its confirm or validate step did not complete", store)
             failed.append(domain)
     ok_domains = domain_names(store, run_id, status="ok")

@@ -30,7 +30,9 @@ with the reason. A drafter without a vLLM equivalent is reported, not gated.
 Then, with `engine_sampling` on, the sampling test on vLLM's OpenAI server
 (tasks.steps.checks.engine_validate) for every domain the replay passed, on one server per drafter
 method (vllm_export.deployment_specs), each request asking its domain's K; a domain that fails it
-is turned off ("lossy"). A run planned on vLLM's costs
+is turned off ("lossy"); a domain on that it cannot take (no vLLM config), or every domain on
+where the check is skipped, gets the sampling test on our engine here instead, which the
+validate step left out (engine_validate.own_sampling_fallback). A run planned on vLLM's costs
 (tasks.steps.costs.engine_costs.plans_on_vllm) gets its live check here: vLLM's decode-phase
 speedup on the replayed requests, plain and config, judged by confirm's live_verdict and stored as
 the run's live measurement; a veto turns the domain off.
@@ -57,6 +59,7 @@ from dataclasses import dataclass, replace
 
 from ...db.domain_records import PlannedDomain
 from ...db.engine_records import EngineCheckRow, EngineRecord, PlainFigures, ServedBy, rows_json
+from ...db.queries_runs import domain_names
 from ...db.queries_engine_checks import (enabled_domains, replace_engine_checks, replace_live_measurement,
                                          run_hardware_details)
 from ...db.store import Store
@@ -72,7 +75,7 @@ from ..costs.costs import CostTable
 from ..costs.engine_costs import engine_profile
 from ..costs.vllm_hardware import profile_engine
 from ..estimate.acceptance import acceptance_rate
-from .engine_validate import own_sampling_gates, served_export, validate_on_engine
+from .engine_validate import own_sampling_fallback, served_export, validate_on_engine
 from .engine_compare import domain_row, served_decode_tokens_per_s, served_tokens_per_s
 from .engine_replay import (batch_one_k, pick_requests, local_spec, EngineRun, paired_items,
                             replay_history, HISTORY_BATCH, serve_replay, dtype_of)
@@ -132,7 +135,8 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
             raise
         line = f"engine check skipped: {exc}"
         log.warning("run %s: %s", run_id, line)
-        own_sampling_gates(store, run_id)
+        own_sampling_fallback(store, run_id, enabled_domains(store, run_id)[0], target_model,
+                              drafters_by_domain, requests_by_domain, settings)
         return {"skipped": line, "domains": {}, "engines": [], "sampling": {}}
     context = CheckContext(run_id, store, model_dir, target_model, requests_by_domain, settings)
     on, confirmed = enabled_domains(store, run_id)
@@ -156,6 +160,9 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
         rows = _live_checks(context, plan, rows, answers, plain)
     rows, sampling = _sampling_test(context, plan, rows, exported, pool)
     _store(store, run_id, on, rows, settings)
+    own_sampling_fallback(store, run_id, [d for d in on if d not in sampling and (
+        d not in rows or rows[d].passed is not False)], target_model, drafters_by_domain,
+        requests_by_domain, settings)
     _log_outcome(run_id, rows, engines)
     return {"skipped": None, "domains": rows_json(rows), "engines": [e.to_json() for e in engines],
             "sampling": sampling}
@@ -163,11 +170,13 @@ def engine_check(run_id: str, target: str, target_model, drafters_by_domain: dic
 
 def engine_check_in(context, domains: list[str], pool: ServerPool | None = None) -> dict:
     """engine_check of `domains` (the ones the plan turns on) with a RunContext
-    (tasks.steps.context): each domain's candidates and requests as the run's context gives
-    them, its target, store and settings; pool: as engine_check's."""
+    (tasks.steps.context): each domain's candidates as the run's context gives them, the
+    requests of every domain it planned (status ok: the off ones are a suffix engine's history
+    too, engine_replay.replay_history), its target, store and settings; pool: as engine_check's."""
+    sampled = sorted(set(domains) | set(domain_names(context.store, context.run_id, status="ok")))
     return engine_check(context.run_id, context.spec.target, context.model,
                         {d: context.domain_drafters(d) for d in domains},
-                        {d: context.domain_requests(d)[0] for d in domains},
+                        {d: context.domain_requests(d)[0] for d in sampled},
                         context.store, settings=context.settings, pool=pool)
 
 

@@ -100,13 +100,17 @@ def paired_items(requests: list[tuple[int, object, int | None]]) -> list[dict]:
 def replay_history(run: EngineRun, picked: dict, requests_by_domain: dict,
                    settings: Settings) -> list[dict]:
     """The requests a suffix engine serves before the replay (its tree grows from them): per
-    domain, up to engine_check_history of the sample's requests not replayed."""
+    domain of requests_by_domain -- every domain sampled, on or off, as one deployment serving
+    all routes sees them --, up to engine_check_history of the sample's requests not replayed,
+    each at K 0. vLLM's tree is one for all requests, so a domain's figures would otherwise
+    depend on which other domains the plan turned on and at what K their history was drafted
+    (a drafted round draws its tokens differently from a plain one)."""
     history = []
     if run.spec is not None and run.spec["method"] == "suffix" and settings.engine.check_history:
-        for d in run.domains:
-            replayed = {r.request_id for r in picked[d]}
-            history += [_item(r, i) for i, r in enumerate(
-                [r for r in requests_by_domain.get(d, []) if r.request_id not in replayed]
+        for d in sorted(requests_by_domain):
+            replayed = {r.request_id for r in picked.get(d, [])}
+            history += [dict(_item(r, i), k=0) for i, r in enumerate(
+                [r for r in requests_by_domain[d] if r.request_id not in replayed]
                 [:settings.engine.check_history])]
     return history
 

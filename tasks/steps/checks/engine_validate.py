@@ -40,7 +40,7 @@ from specdec_core.validation import SamplingReport, position_tests
 
 from ...db.domain_records import PlannedDomain
 from ...db.queries_engine_checks import fail_own_sampling_domains, mark_validation_failed, planned_domains
-from ...db.queries_runs import domain_names
+from ...db.queries_runs import domain_names, has_sampling_test
 from ...db.store import Store
 from ...errors import EngineTimeout, InvalidValue, ServingProbeError
 from ...registry.run_config import build_config
@@ -49,7 +49,7 @@ from ...serving import environment as serving_env
 from ...serving.server import ServerPool, VllmServer
 from ...settings import Settings
 from ...db.queries_validations import replace_validations
-from .validate import validation_context, validation_samplings
+from .validate import validate_domain, validation_context, validation_samplings
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,22 @@ def own_sampling_gates(store: Store, run_id: str) -> list[str]:
     The domains so marked."""
     with store.transaction() as tx:
         return fail_own_sampling_domains(tx, run_id)
+
+
+def own_sampling_fallback(store: Store, run_id: str, domains, target_model, drafters_by_domain: dict,
+                          requests_by_domain: dict, settings: Settings) -> list[str]:
+    """Where the sampling test on vLLM gates in place of ours (the validate step then leaves
+    ours out) but cannot test a domain that is on -- the engine check skipped, or the domain's
+    drafter has no vLLM config --, ours runs now for each such domain without one
+    (validate_domain), and gates: own_sampling_gates. domains: the domains so left untested.
+    The domains marked failed."""
+    for domain in sorted(domains):
+        if domain in drafters_by_domain and not has_sampling_test(store, run_id, domain):
+            log.info("run %s, domain %s: vLLM's sampling test cannot test it: the test on our engine "
+                     "runs in its place", run_id, domain)
+            validate_domain(run_id, domain, target_model, drafters_by_domain[domain],
+                            requests_by_domain.get(domain, []), store, settings=settings)
+    return own_sampling_gates(store, run_id)
 
 
 def _store(store: Store, run_id: str, result: EngineSamplingResult, planned: PlannedDomain | None,

@@ -28,7 +28,10 @@ failed requests; on the config's server vLLM's vllm:spec_decode_* counter deltas
 metrics summed (they must be equal). The measured speedup is the config's decode-phase tokens/s
 over the plain one on the same requests, with its 95% interval by bootstrap over them
 (tasks.steps.checks.confirm.speedup_interval); the predicted one is vLLM's cost profile at that
-batch size (the engine check's profile, the estimate of these requests at that level's K).
+batch size (the engine check's profile, the estimate of these requests at that level's K), and
+beside it the same prediction along what vLLM served (predicted_served_speedup): a sampled
+request draws its response anew on the server, and its acceptance with it, which the logged
+response cannot foresee (benchmarks/results/suffix_parity.md).
 
 A level pays when none of its requests failed and its interval's lower end clears min_speedup
 (a domain on in the champion config, with hysteresis: its lower end clears 1.0 and its upper end
@@ -48,6 +51,8 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import replace
+
+from specdec_core.estimate import LoggedRequest
 
 from ...db.load_records import DomainLoad
 from ...db.queries_load import domains_on, engine_versions, load_checks, store_load_check
@@ -87,6 +92,33 @@ def _predictions(context, domain: str, config: dict, items: list[dict], ks: set[
     return out
 
 
+def _served_prediction(context, domain: str, config: dict, served: dict, chosen: list[dict], k: int,
+                       level: int, costs: CostTable | None) -> float | None:
+    """The level's speedup predicted along what vLLM served (the config side's tokens of each
+    request, its first serving where it was served twice) in place of the logged responses: the
+    same acceptance estimate and cost profile, without the draw a sampled request makes anew
+    on the server (another response than the logged one, so another acceptance). None without
+    a vLLM cost profile or a served request."""
+    if costs is None or k <= 0:
+        return None
+    drafter = context.domain_drafters(domain)[config["drafter"]][1]
+    by_id = {r.request_id: r for r in context.domain_requests(domain)[0]}
+    request_of = {str(item["id"]): item["request_id"] for item in chosen}
+    requests = {}
+    for result in served["requests"]:
+        request_id = request_of.get(str(result["id"]))
+        if request_id in by_id and request_id not in requests and result["ok"] and len(result["token_ids"]) >= 2:
+            logged = by_id[request_id]
+            requests[request_id] = end_slot(LoggedRequest(request_id, logged.prompt_ids, list(result["token_ids"]),
+                                                          logged.sampling, logged.domain))
+    offline = offline_totals(context.model, drafter, list(requests.values()), k)
+    kept = [r for r in requests.values() if r.request_id in offline]
+    if not kept:
+        return None
+    return predicted_at(costs, config["drafter"], config.get("drafter_spec"),
+                        [offline[r.request_id] for r in kept], [pays_sampled(r.sampling) for r in kept], level)
+
+
 def _domain_result(context, domain: str, config: dict, spec: dict, measured: DomainMeasurement, costs,
                    items: list[dict]) -> tuple[DomainLoad, dict]:
     """(the load check's record, domain_configs changes) of one measured domain."""
@@ -97,6 +129,8 @@ def _domain_result(context, domain: str, config: dict, spec: dict, measured: Dom
         row = level_row(level, k, plain, served)
         totals, sampled = _predictions(context, domain, config, chosen, {k}, costs).get(k, ([], []))
         predicted = predicted_at(costs, config["drafter"], config.get("drafter_spec"), totals, sampled, level)
+        row = replace(row, predicted_served_speedup=_served_prediction(context, domain, config, served, chosen,
+                                                                       k, level, costs))
         rows.append(replace(row, predicted_speedup=predicted, pays=pays(row, settings, champion_on),
                             verdict=level_verdict(row, settings, champion_on)))
     record = DomainLoad(domain=domain, speculative_config=spec, schedule_before=exported_schedule(config),
