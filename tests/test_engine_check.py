@@ -306,6 +306,33 @@ def test_where_the_check_cannot_run_the_own_engine_sampling_test_gates_again(db_
     assert (rows["code"].validation, rows["code"].promotable) == ("passed", True)
 
 
+def test_a_deferred_sampling_test_runs_nothing_and_leaves_no_earlier_try_behind(db_url):
+    # where vLLM's test gates, the validate step defers ours for a domain on: nothing is drawn,
+    # and a test stored by an earlier try of the same run id is removed (the engine check's
+    # fallback would otherwise take it for this try's); a domain off is still "not needed"
+    from sqlalchemy import insert, select
+
+    from tasks.db.engine import ensure_ready
+    from tasks.db.models import Validation
+    from tasks.steps.checks.validate import validate_domain
+    from tasks.timeutil import utcnow
+
+    from .helpers.registry import finished_run
+
+    finished_run(db_url, "r1", {"json": {}, "chat": {"enabled": False}})
+    engine = ensure_ready(db_url)
+    with engine.begin() as connection:
+        for domain in ("json", "chat"):
+            connection.execute(insert(Validation).values(run_id="r1", check_name="sampling", domain=domain,
+                                                         passed=True, created_at=utcnow()))
+    store = Store.open(db_url)
+    # no target, drafters or requests: a test that ran would fail on them
+    assert validate_domain("r1", "json", None, {}, [], store, defer=True)["validation"] == "deferred"
+    assert validate_domain("r1", "chat", None, {}, [], store, defer=True)["validation"] == "not_needed"
+    with engine.connect() as connection:
+        assert connection.execute(select(Validation).where(Validation.check_name == "sampling")).all() == []
+
+
 def test_where_vllms_test_cannot_take_a_domain_ours_runs_then_and_gates(db_url, tmp_path, monkeypatch):
     # the validate step left our sampling test to vLLM's; the engine check cannot run, so ours
     # runs now for each domain on without one (json) -- not for one that has it (code), nor

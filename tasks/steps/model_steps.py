@@ -49,7 +49,7 @@ from .checks.load_check import load_check, load_check_json
 from .estimate.offline_estimate import estimate_in
 from .plan.plan import plan_domain
 from .traffic.quality import check_result_table
-from .checks.validate import engine_sampling_gates, validate_in, validate_run_in
+from .checks.validate import DEFERRED, engine_sampling_gates, validate_in, validate_run_in
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +206,8 @@ def step_validate(spec, domain: str) -> dict:
     test: tasks.steps.checks.engine_validate.own_sampling_fallback). Output: the test, or
     {"skipped": why nothing was tested}."""
     context = RunContext.build(spec)
-    if engine_sampling_gates(context.settings):
-        why = ("the sampling test on vLLM's OpenAI server gates this run (in the engine check); "
-               "ours runs there only for a domain vLLM's cannot test")
-        log.info("run %s, domain %s: sampling test on our engine not run: %s", context.run_id, domain, why)
-        return {"skipped": why}
-    return validate_in(context, domain)
+    result = validate_in(context, domain, defer=engine_sampling_gates(context.settings))
+    return {"skipped": DEFERRED} if result["validation"] == "deferred" else result
 
 
 def step_finish(spec, insufficient: list[str] | None = None) -> dict:

@@ -41,6 +41,10 @@ from ...settings import Settings
 log = logging.getLogger(__name__)
 
 
+DEFERRED = ("the sampling test on vLLM's OpenAI server gates this run (in the engine check); ours "
+            "runs there only for a domain vLLM's cannot test")
+
+
 def engine_sampling_gates(settings: Settings) -> bool:
     """Whether the sampling test on vLLM (tasks.steps.checks.engine_validate, run by the engine check)
     gates this run's promotion in place of the own-engine one: the engine check and its sampling
@@ -190,7 +194,7 @@ def _run_sampling_test(store: Store, target, requests: list, test: _SamplingTest
 
 def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
                     store: Store, settings: Settings | None = None,
-                    check_kwargs: dict | None = None) -> dict:
+                    check_kwargs: dict | None = None, defer: bool = False) -> dict:
     """Run (or share) the sampling test of the domain's planned setting; store it.
 
     The test is the domain's own: its planned drafter at K in {1, planned K} (K = 1 covers the
@@ -199,17 +203,25 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     run whose test has the same key -- drafter (as that domain uses it), planned K and sampling
     settings -- and never when `validation_per_domain`; the stored details say "shared_from".
     check_kwargs: extra arguments of sampling_check (fault injection: specdec_core.faults).
-    Output: {"domain", "validation": passed | failed | not_needed, "shared_from", "failures",
-    "key", "seconds"}.
+    defer: the sampling test on vLLM gates this run (engine_sampling_gates): a domain on gets
+    none here ("deferred"; the engine check runs it where vLLM's cannot take the domain:
+    tasks.steps.checks.engine_validate.own_sampling_fallback).
+    Output: {"domain", "validation": passed | failed | not_needed | deferred, "shared_from",
+    "failures", "key", "seconds"}; a stored test of the domain from an earlier try of the run
+    is removed where none is run.
     """
     settings = settings or store.settings
     config = domain_config(store, run_id, domain)
-    if config is None or not config["enabled"]:
+    off = config is None or not config["enabled"]
+    if off or defer:
         with store.transaction() as tx:
             replace_validations(tx, run_id, "sampling", domain, [])
-        log.info("run %s, domain %s: sampling test not needed (the domain is off)", run_id, domain)
-        return {"domain": domain, "validation": "not_needed", "shared_from": None, "failures": [],
-                "key": None, "seconds": 0.0}
+        if off:
+            log.info("run %s, domain %s: sampling test not needed (the domain is off)", run_id, domain)
+        else:
+            log.info("run %s, domain %s: sampling test on our engine not run: %s", run_id, domain, DEFERRED)
+        return {"domain": domain, "validation": "not_needed" if off else "deferred", "shared_from": None,
+                "failures": [], "key": None, "seconds": 0.0}
     test = _sampling_test(run_id, domain, config, drafters, requests, settings)
     shared = None if settings.validation.per_domain else _shared_test(store, test)
     if shared is not None:
@@ -217,12 +229,14 @@ def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: 
     return _run_sampling_test(store, target, requests, test, settings, check_kwargs)
 
 
-def validate_in(context, domain: str) -> dict:
+def validate_in(context, domain: str, defer: bool = False) -> dict:
     """validate_domain with a RunContext (tasks.steps.context): the domain's requests and
-    candidates as the run's context gives them, its store and settings."""
+    candidates as the run's context gives them, its store and settings; defer: as
+    validate_domain's."""
     requests, _ = context.domain_requests(domain)
     return validate_domain(context.run_id, domain, context.model, context.domain_drafters(domain),
-                           requests, context.store, settings=context.settings)
+                           requests, context.store, settings=context.settings,
+                           **({"defer": True} if defer else {}))
 
 
 @dataclass
