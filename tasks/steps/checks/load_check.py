@@ -74,22 +74,25 @@ from .load_waves import SERVER, DomainMeasurement, level_items, history_items, m
 log = logging.getLogger(__name__)
 
 
-def _predictions(context, domain: str, config: dict, items: list[dict], ks: set[int],
-                 costs: CostTable | None) -> dict[int, tuple]:
-    """{K: (totals, sampled)} of the domain's streamed requests at each measured K (only with a
-    vLLM cost profile to price them)."""
-    if costs is None:
-        return {}
+def _predicted(context, domain: str, config: dict, requests: list, k: int, level: int,
+               costs: CostTable | None) -> float | None:
+    """The speedup vLLM's cost profile predicts for these requests at the level's batch size: the
+    estimate of the planned drafter at K along their responses, priced as the engine check prices
+    its requests (predicted_at). None without a profile, at K 0 or without a request."""
+    if costs is None or k <= 0 or not requests:
+        return None
     drafter = context.domain_drafters(domain)[config["drafter"]][1]
+    offline = offline_totals(context.model, drafter, requests, k)
+    kept = [r for r in requests if r.request_id in offline]
+    return predicted_at(costs, config["drafter"], config.get("drafter_spec"),
+                        [offline[r.request_id] for r in kept], [pays_sampled(r.sampling) for r in kept], level)
+
+
+def _logged_requests(context, domain: str, items: list[dict]) -> list:
+    """The level's streamed requests as logged, each cut where it was served."""
     by_id = {r.request_id: r for r in context.domain_requests(domain)[0]}
-    requests = [end_slot(truncated(by_id[i], n)) for i, n in
-                dict.fromkeys((item["request_id"], item["max_tokens"]) for item in items)]
-    out = {}
-    for k in sorted(k for k in ks if k > 0):
-        offline = offline_totals(context.model, drafter, requests, k)
-        served = [r for r in requests if r.request_id in offline]
-        out[k] = ([offline[r.request_id] for r in served], [pays_sampled(r.sampling) for r in served])
-    return out
+    return [end_slot(truncated(by_id[i], n)) for i, n in
+            dict.fromkeys((item["request_id"], item["max_tokens"]) for item in items)]
 
 
 def _served_prediction(context, domain: str, config: dict, served: dict, chosen: list[dict], k: int,
@@ -101,7 +104,6 @@ def _served_prediction(context, domain: str, config: dict, served: dict, chosen:
     a vLLM cost profile or a served request."""
     if costs is None or k <= 0:
         return None
-    drafter = context.domain_drafters(domain)[config["drafter"]][1]
     by_id = {r.request_id: r for r in context.domain_requests(domain)[0]}
     request_of = {str(item["id"]): item["request_id"] for item in chosen}
     requests = {}
@@ -111,12 +113,7 @@ def _served_prediction(context, domain: str, config: dict, served: dict, chosen:
             logged = by_id[request_id]
             requests[request_id] = end_slot(LoggedRequest(request_id, logged.prompt_ids, list(result["token_ids"]),
                                                           logged.sampling, logged.domain))
-    offline = offline_totals(context.model, drafter, list(requests.values()), k)
-    kept = [r for r in requests.values() if r.request_id in offline]
-    if not kept:
-        return None
-    return predicted_at(costs, config["drafter"], config.get("drafter_spec"),
-                        [offline[r.request_id] for r in kept], [pays_sampled(r.sampling) for r in kept], level)
+    return _predicted(context, domain, config, list(requests.values()), k, level, costs)
 
 
 def _domain_result(context, domain: str, config: dict, spec: dict, measured: DomainMeasurement, costs,
@@ -127,8 +124,7 @@ def _domain_result(context, domain: str, config: dict, spec: dict, measured: Dom
     rows = []
     for level, k, plain, served, chosen in measured.levels:
         row = level_row(level, k, plain, served)
-        totals, sampled = _predictions(context, domain, config, chosen, {k}, costs).get(k, ([], []))
-        predicted = predicted_at(costs, config["drafter"], config.get("drafter_spec"), totals, sampled, level)
+        predicted = _predicted(context, domain, config, _logged_requests(context, domain, chosen), k, level, costs)
         row = replace(row, predicted_served_speedup=_served_prediction(context, domain, config, served, chosen,
                                                                        k, level, costs))
         rows.append(replace(row, predicted_speedup=predicted, pays=pays(row, settings, champion_on),
