@@ -60,6 +60,11 @@ def test_rounds_stop_settled_on_budget_or_with_a_neighbour_that_stayed(probe):
     assert probe._stop_reason(request, steady[:4], groups, 2, 10.0) is None       # two clean pairs
     assert probe._stop_reason(request, steady[:4], groups, 2, 150.0) == "budget"
     assert probe._stop_reason(request, steady[:2], groups, 1, 150.0) is None      # two rounds always
+    # a round its pairs' last timings say would end past the budget is not begun; one that ends
+    # inside it is
+    assert probe._stop_reason(request, steady[:4], groups, 2, 90.0, 45.0) == "budget"
+    assert probe._stop_reason(request, steady[:4], groups, 2, 90.0, 5.0) is None
+    assert probe._stop_reason(request, steady[:2], groups, 1, 90.0, 45.0) is None  # two rounds always
     # every pair contended, all alike: after 2 x min_repeats rounds they are used, and said
     busy = [r for p in range(6) for r in pair_rows(p, 1, 0.040, 0.044, repeat=p, contended=(True, True))]
     assert probe._stop_reason(request, busy[:10], groups, 5, 10.0) is None

@@ -569,8 +569,9 @@ def time_paired(request: dict) -> dict:
     see the same machine; each batch's other processes' CPU is read from /proc (a contended
     batch's pair is not counted while clean ones are). Rounds: every ratio not settled yet
     (open_ratios) gets one more pair, until none is open after at least min_repeats clean pairs
-    each, or max_repeats rounds, or budget_s of timing (checked after each whole round; two
-    rounds are always made)."""
+    each, or max_repeats rounds, or budget_s of timing (checked after each whole round, and no
+    round begun that its pairs' last timings say would end past it; two rounds are always
+    made)."""
     import vllm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -618,16 +619,20 @@ def time_paired(request: dict) -> dict:
                 run(b, name, k, 8)
     began, repeat, pair = time.monotonic(), 0, 0
     todo = [((b, name), k) for b, name in groups for k in group_ks[(b, name)] if k > 0]
+    took: dict = {}                    # each pair's seconds in the round it was last timed
     while answer["stopped"] is None:
-        for (b, name), k in todo:
+        for item in todo:
+            (b, name), k = item
+            started = time.monotonic()
             for at in ((0, k) if pair % 2 == 0 else (k, 0)):
                 answer["timings"].append(timed(b, name, at, repeat, pair))
+            took[item] = time.monotonic() - started
             pair += 1
         repeat += 1
+        following = _still_open(request, answer["timings"], group_ks, repeat, todo)
         answer["stopped"] = _stop_reason(request, answer["timings"], group_ks, repeat,
-                                         time.monotonic() - began)
-        if answer["stopped"] is None:
-            todo = _still_open(request, answer["timings"], group_ks, repeat, todo)
+                                         time.monotonic() - began, sum(took[i] for i in following))
+        todo = following
     answer["seconds"] = time.monotonic() - began
     return answer
 
@@ -649,13 +654,16 @@ def _mostly_contended(timings: list[dict]) -> bool:
 
 
 def _stop_reason(request: dict, timings: list[dict], group_ks: dict, repeat: int,
-                 spent: float) -> str | None:
-    """Why time_paired stops after `repeat` whole rounds (None: it goes on)."""
+                 spent: float, following_s: float = 0.0) -> str | None:
+    """Why time_paired stops after `repeat` whole rounds (None: it goes on). following_s: what
+    the next round's pairs took when last timed; a round that would end past the budget is not
+    begun (beside a busy neighbour a round of the ngram engine took 45 s, and one begun a
+    second short of the budget ran 45 s past it)."""
     least, most = int(request.get("min_repeats", 3)), int(request.get("max_repeats", 30))
     halfwidth, dip = float(request["halfwidth"]), float(request.get("dip", 0.0))
     slack = request.get("slowed")
     # whole rounds only, and at least two (an interval needs two pairs), whatever the budget
-    if repeat >= 2 and spent >= float(request["budget_s"]):
+    if repeat >= 2 and spent + following_s > float(request["budget_s"]):
         return "budget"
     if repeat >= most:
         return "max_repeats"
