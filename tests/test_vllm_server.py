@@ -99,6 +99,30 @@ def test_the_unmended_server_is_flagged_past_the_first_position(tiny, pool):
     assert {t.position for t in report.failures} & {1, 2}, report.failures
 
 
+def test_a_failed_draw_is_drawn_again_on_fresh_rows_and_fails_the_config_only_if_that_does(tiny, pool):
+    # the unmended server (a gross fault): its first draw fails, the confirmation of twice the
+    # rows fails too, and the reason names both; the K 0 control is drawn at the confirmation's rows
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+    from tasks.settings import load_settings
+    from tasks.steps.checks.engine_validate import validate_on_engine
+
+    _, model, context = tiny
+    requests = {"json": [LoggedRequest(f"json-{i}", context[:96], context[96:], sampling, "json")
+                         for i, sampling in enumerate((SamplingParams(temperature=1.0),
+                                                       SamplingParams(temperature=0.7, top_p=0.9)))]}
+    settings = load_settings(engine_sampling_rows=300, validation_confirm_factor=2, validation_alpha=0.01)
+    result = validate_on_engine("r-confirm", None, pool, model, {"json": NGRAM}, requests, {}, settings,
+                                mended=False, save=False)["json"]
+    assert not result.passed and result.status in ("failed", "engine_differs"), result.reason
+    assert result.details["first"]["passed"] is False and result.details["first"]["rows"] == 300
+    assert result.rows == result.details["config"]["rows"] == 600
+    assert "the first draw of 300 rows failed at" in result.reason
+    assert "confirmation of 600 fresh rows failed too" in result.reason, result.reason
+    if result.details["control"] is not None:
+        assert result.details["control"]["rows"] == 600
+
+
 def test_seeded_requests_neither_kill_the_server_nor_lose_their_seed(tiny, pool):
     from tasks.steps.checks.engine_validate import BLOCK_SIZE
 
@@ -145,6 +169,12 @@ def test_the_verdict_needs_the_plain_control_to_blame_the_config():
         return SamplingReport(alpha=0.01, rows_per_test=300, tests=[test])
 
     assert verdict(report(0.5), None)[:2] == ("passed", True)
+    # a confirmation that passes clears a first draw that failed, and says so
+    status, passed, reason = verdict(report(0.5), None, first=report(1e-5))
+    assert (status, passed) == ("passed", True)
+    assert "passed on confirmation" in reason and "first draw of 300 rows failed at T1 position 2" in reason
+    status, passed, reason = verdict(report(1e-9), report(0.5), first=report(1e-5))
+    assert (status, passed) == ("failed", False) and "confirmation of 300 fresh rows failed too" in reason
     status, passed, reason = verdict(report(1e-9), report(0.5))
     assert (status, passed) == ("failed", False)
     assert "position 2" in reason and "G=40.0" in reason and "same server at K 0 passes" in reason
