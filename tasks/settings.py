@@ -287,8 +287,8 @@ class ValidationSettings(_Group):
         "continuations per (K, sampling) in the sampling test; 2000 on a GPU"))
     alpha: float = Field(default=0.01, gt=0, lt=1, description="false-alarm rate of one check")
     confirm_factor: int = Field(default=4, ge=0, description=(
-        "a sampling test on the serving engine that fails is drawn again, afresh, at this many "
-        "times its rows, and the config fails only where that confirmation fails too (a lossless "
+        "a sampling test (ours, or on the serving engine) that fails is drawn again, afresh, at "
+        "this many times its rows, and the config fails only where that confirmation fails too (a lossless "
         "config then fails about alpha squared of the time, not alpha; a gross fault fails both); "
         "0: the first draw decides"))
     seed: int | None = Field(default=None, ge=0, description=(

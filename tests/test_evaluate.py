@@ -124,6 +124,15 @@ def test_failing_sampling_test_makes_the_domain_unpromotable(tiny_db, tiny_targe
     failure = verdict["failures"][0]
     assert failure["domain"] == "qa" and failure["position"] in (0, 1, 2)
     assert failure["p_value"] < failure["threshold"] and failure["statistic"] > 0
+    # the failed first draw was drawn again afresh at 4 times the rows (validation_confirm_factor),
+    # which failed too and decided
+    engine = create_engine(tiny_db)
+    with engine.connect() as connection:
+        details = connection.execute(select(Validation.details).where(
+            Validation.run_id == "broken", Validation.domain == "qa", Validation.check_name == "sampling")).scalar_one()
+    engine.dispose()
+    assert details["first"]["rows"] == 400 and not details["first"]["passed"] and details["first"]["failures"]
+    assert details["report"]["rows_per_test"] == 1600
     summary = validate_run("broken", tiny_target, None, drafters, requests, target_id="tiny",
                            store=Store.open(tiny_db), settings=settings)
     assert summary["domains"]["qa"] == "failed"

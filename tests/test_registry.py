@@ -1255,7 +1255,7 @@ def test_version_page_shows_the_sampling_test_on_vllm_beside_the_own_engines(db_
     assert evidence["json"]["engine_sampling"] == {
         "engine": "vllm", "status": "passed", "passed": True, "rows": 300, "positions": 6,
         "min_p": 0.021, "reason": "vLLM sampling test passed: 6 G-tests of 300 rows, smallest p 0.021",
-        "control": None, "shared_from": None}
+        "control": None, "shared_from": None, "first": None}
     assert evidence["chat"]["engine_sampling"]["control"] == "passed"
     assert evidence["qa"]["engine_sampling"] is None and evidence["qa"]["validation"]["min_p"] == 0.5
     registered = register("run-1", db_url, tracking)
@@ -1274,6 +1274,27 @@ def test_version_page_shows_the_sampling_test_on_vllm_beside_the_own_engines(db_
     assert "| failed | NOT CHECKED |" in rows["chat"] and "| passed | NOT CHECKED |" in rows["json"]
     assert "| 25 | FAILED (300 rows, 6 tests, p>=1e-09, plain server passed) |" in details["chat"]
     assert "| 25 | passed (300 rows, 6 tests, p>=0.021) |" in details["json"]
+
+
+def test_a_sampling_test_passed_on_confirmation_says_its_first_draw_failed(db_url, tracking, target_id):
+    # the first draw of 300 rows failed, 1200 fresh rows passed and decided (validation_confirm_factor)
+    from tasks.registry.run_results import domain_evidence, own_sampling_text
+
+    name = config_model_name(target_id)
+    finished_run(db_url, "run-1", {"json": {}}, target_id=target_id)
+    live_evidence(db_url, "run-1", "json", 1.52, 1.46, (1.35, 1.70), requests=6)
+    engine_sampling(db_url, "run-1", "json", rows=1200, min_p=0.016, first_rows=300)
+    evidence = domain_evidence("run-1", Store.open(db_url))
+    assert evidence["json"]["engine_sampling"]["first"] == "first draw of 300 rows failed"
+    registered = register("run-1", db_url, tracking)
+    assert registered["validation"] == "passed"
+    lines = page_text(client(tracking).get_model_version(name, registered["version"]).description).splitlines()
+    assert ("- json: sampling test on vLLM: passed on confirmation (1200 rows, 6 tests, p>=0.016, first draw "
+            "of 300 rows failed); own engine: passed (p>=0.5)") in lines
+    assert own_sampling_text({"passed": True, "min_p": 0.2, "first": "first draw of 300 rows failed"}) == (
+        "passed on confirmation (p>=0.2, first draw of 300 rows failed)")
+    assert own_sampling_text({"passed": False, "min_p": 1e-6, "first": "first draw of 300 rows failed"}) == (
+        "FAILED (p>=1e-06, first draw of 300 rows failed)")
 
 
 def test_live_check_gate_is_unsure_not_silent_on_noise_and_reports_when_not_enforced(db_url):

@@ -105,7 +105,7 @@ def evidence_of(rows: dict) -> dict[str, dict]:
             "validation": None if test is None else {
                 "shared_from": details.get("shared_from"), "k": test.k, "ks": details.get("ks"),
                 "samplings": details.get("samplings"), "request_id": test.request_id,
-                "passed": test.passed, "min_p": test.p_value},
+                "passed": test.passed, "min_p": test.p_value, "first": _first(details)},
             "engine_sampling": on_engine.get(domain)}
     return out
 
@@ -124,8 +124,15 @@ def _engine_sampling(rows) -> dict[str, dict]:
             "passed": row.passed, "rows": summary.get("rows"), "positions": summary.get("positions"),
             "min_p": row.p_value, "reason": details.get("reason"),
             "control": None if control is None else ("passed" if control.get("passed") else "failed"),
-            "shared_from": details.get("shared_from")}
+            "shared_from": details.get("shared_from"), "first": _first(details)}
     return out
+
+
+def _first(details: dict) -> str | None:
+    """"first draw of 300 rows failed" where the test's deciding draws were a confirmation
+    (validation_confirm_factor), else None."""
+    first = details.get("first")
+    return None if not first else f"first draw of {first.get('rows')} rows failed"
 
 
 def engine_sampling_tests(run_id: str, store: Store) -> dict[str, dict]:
@@ -133,7 +140,8 @@ def engine_sampling_tests(run_id: str, store: Store) -> dict[str, dict]:
     "engine_sampling", written by tasks.steps.checks.engine_validate): {engine, status (passed | failed |
     engine_differs | error), passed, rows (per test), positions (G-tests), min_p (the smallest p
     over them), reason, control (the plain server's verdict, "passed" | "failed", None where it
-    did not run), shared_from}. A test that could not run ("error") has no rows, positions nor
+    did not run), shared_from, first ("first draw of N rows failed" where a confirmation
+    decided, else None)}. A test that could not run ("error") has no rows, positions nor
     min_p."""
     return _engine_sampling(q.engine_sampling_rows(store, run_id))
 
@@ -144,7 +152,8 @@ ENGINE_SAMPLING_STATUS = {"passed": "passed", "failed": "FAILED", "engine_differ
 
 def engine_sampling_text(test: dict | None) -> str:
     """One domain's sampling test on vLLM in a cell: "passed (300 rows, 6 tests, p>=0.021)",
-    "FAILED (..., plain server passed)", "ERROR (could not run)"; "-" when there is none."""
+    "passed on confirmation (1200 rows, ..., first draw of 300 rows failed)", "FAILED (...,
+    plain server passed)", "ERROR (could not run)"; "-" when there is none."""
     if not test:
         return "-"
     status = test.get("status") or ("passed" if test.get("passed") else "failed")
@@ -154,11 +163,13 @@ def engine_sampling_text(test: dict | None) -> str:
     figures = [f"{test['rows']} rows", f"{test['positions']} tests"]
     if test.get("min_p") is not None:
         figures.append(f"p>={test['min_p']:.2g}")
+    if test.get("first"):
+        figures.append(test["first"])
     if test.get("control"):
         figures.append(f"plain server {test['control']}")
     if test.get("shared_from"):
         figures.append(f"shared from {test['shared_from']}")
-    return f"{word} ({', '.join(figures)})"
+    return f"{word}{' on confirmation' if test.get('first') and test.get('passed') else ''} ({', '.join(figures)})"
 
 
 def own_sampling_text(test: dict | None) -> str:
@@ -167,9 +178,12 @@ def own_sampling_text(test: dict | None) -> str:
     if not test:
         return "not run"
     figures = [] if test.get("min_p") is None else [f"p>={test['min_p']:.2g}"]
+    if test.get("first"):
+        figures.append(test["first"])
     if test.get("shared_from"):
         figures.append(f"shared from {test['shared_from']}")
-    return ("passed" if test.get("passed") else "FAILED") + (f" ({', '.join(figures)})" if figures else "")
+    word = ("passed" if test.get("passed") else "FAILED") + (" on confirmation" if test.get("first") and test.get("passed") else "")
+    return word + (f" ({', '.join(figures)})" if figures else "")
 
 
 def low_acceptance(run_id: str, threshold: float, store: Store) -> list[dict]:

@@ -117,11 +117,12 @@ def live_evidence(db_url: str, run_id: str, domain: str, measured: float, predic
 
 def engine_sampling(db_url: str, run_id: str, domain: str, status: str = "passed", rows: int = 300,
                     positions: int = 6, min_p: float = 0.021, control: bool | None = None,
-                    shared_from: str | None = None, k: int = 3) -> None:
+                    shared_from: str | None = None, k: int = 3, first_rows: int | None = None) -> None:
     """What the sampling test on vLLM leaves for a domain (tasks.steps.checks.engine_validate, stored by
     its own _store: a row that does not pass also marks the domain failed and unpromotable).
     status: passed | failed | engine_differs | error (error: the server could not run, no
-    figures); control: the plain server's verdict where it ran."""
+    figures); control: the plain server's verdict where it ran; first_rows: the rows of a failed
+    first draw whose confirmation (these figures) decided."""
     from tasks.steps.checks.engine_validate import EngineSamplingResult, _store
 
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
@@ -149,6 +150,7 @@ def engine_sampling(db_url: str, run_id: str, domain: str, status: str = "passed
                      "log": "x.log", "tokens": 8, "context_tokens": 40, "samplings": [],
                      "status": status, "reason": reason, "seconds": 1.0, "config": summary(passed),
                      "report": {}, "control": None if control is None else summary(control),
+                     "first": None if first_rows is None else dict(summary(False), rows=first_rows),
                      "shared_from": shared_from})
     _store(Store.open(db_url), run_id, result, PlannedDomain(domain=domain, drafter=LABEL), spec, f"{domain}-1")
 

@@ -142,7 +142,8 @@ def _store_shared(store: Store, test: _SamplingTest, shared) -> dict:
                                            "p_value")}
     row.update(domain=domain, details={"shared_from": shared["domain"], "key": test.key, "ks": test.ks,
                                        "samplings": test.key["samplings"],
-                                       "failures": (shared["details"] or {}).get("failures", [])})
+                                       "failures": (shared["details"] or {}).get("failures", []),
+                                       "first": (shared["details"] or {}).get("first")})
     with store.transaction() as tx:
         replace_validations(tx, run_id, "sampling", domain, [row])
     log.info("run %s, domain %s: sampling test of %s shared from %s (same drafter, K and sampling "
@@ -161,10 +162,14 @@ def _run_sampling_test(store: Store, target, requests: list, test: _SamplingTest
     request_id, context = validation_context(target, requests)
     stem = run_id if settings.validation.seed is None else f"seed-{settings.validation.seed}"
     seed = int.from_bytes(hashlib.sha256(f"{stem}/{domain}".encode()).digest()[:4], "big") % (2 ** 31)
-    report = sampling_check(target, test.drafter, context, ks=tuple(test.ks),
-                            samplings=tuple(test.samplings), rows=settings.validation.rows,
-                            alpha=settings.validation.alpha, seed=seed,
-                            chunk=settings.validation.rows, **(check_kwargs or {}))
+    rows = settings.validation.rows
+    first, report = None, _draw(target, test, context, rows, settings, seed, check_kwargs)
+    if not report.passed and settings.validation.confirm_factor:
+        # drawn again afresh at more rows, and that decides (validation_confirm_factor)
+        rows *= settings.validation.confirm_factor
+        log.warning("run %s, domain %s: the sampling test's first draw failed; drawing %d fresh rows "
+                    "to confirm it", run_id, domain, rows)
+        first, report = report, _draw(target, test, context, rows, settings, seed + 1, check_kwargs)
     seconds = time.perf_counter() - started
     failures = [{"domain": domain, "k": t.k, "sampling": t.sampling, "position": t.position,
                  "statistic": t.statistic, "p_value": t.p_value, "threshold": t.threshold}
@@ -176,20 +181,36 @@ def _run_sampling_test(store: Store, target, requests: list, test: _SamplingTest
            "p_value": worst.p_value,
            "details": {"shared_from": None, "key": test.key, "ks": test.ks,
                        "samplings": test.key["samplings"], "context_tokens": len(context),
-                       "seconds": seconds, "failures": failures, "report": report.to_dict()}}
+                       "seconds": seconds, "failures": failures, "report": report.to_dict(),
+                       "first": None if first is None else _first_draw(first)}}
     with store.transaction() as tx:
         replace_validations(tx, run_id, "sampling", domain, [row])
     log.info("run %s, domain %s: sampling test of %s from request %s (%d context tokens): %s; %d "
              "G-tests of %d rows, smallest p %.3g (threshold %.3g); %.1f s", run_id, domain, test.what,
-             request_id, len(context), "passed" if report.passed else "FAILED", len(report.tests),
-             settings.validation.rows, worst.p_value, worst.threshold, seconds)
+             request_id, len(context), ("passed" if report.passed else "FAILED") + (
+                 "" if first is None else " on confirmation (the first draw failed)"), len(report.tests),
+             report.rows_per_test, worst.p_value, worst.threshold, seconds)
     if failures:
-        first = failures[0]
+        failed = failures[0]
         log.error("run %s, domain %s: sampling test FAILED at K=%d %s position %d: G=%.1f, p=%.2g < %.2g",
-                  run_id, domain, first["k"], first["sampling"], first["position"], first["statistic"],
-                  first["p_value"], first["threshold"])
+                  run_id, domain, failed["k"], failed["sampling"], failed["position"], failed["statistic"],
+                  failed["p_value"], failed["threshold"])
     return {"domain": domain, "validation": "passed" if report.passed else "failed",
             "shared_from": None, "failures": failures, "key": test.key, "seconds": seconds}
+
+
+def _draw(target, test: _SamplingTest, context, rows: int, settings: Settings, seed: int, check_kwargs):
+    """One draw of the domain's sampling test: `rows` per (K, sampling)."""
+    return sampling_check(target, test.drafter, context, ks=tuple(test.ks), samplings=tuple(test.samplings),
+                          rows=rows, alpha=settings.validation.alpha, seed=seed,
+                          chunk=settings.validation.rows, **(check_kwargs or {}))
+
+
+def _first_draw(report) -> dict:
+    """A failed first draw as the stored details keep it beside its confirmation."""
+    return {"rows": report.rows_per_test, "passed": report.passed,
+            "failures": [{"k": t.k, "sampling": t.sampling, "position": t.position, "statistic": t.statistic,
+                          "p_value": t.p_value, "threshold": t.threshold} for t in report.failures]}
 
 
 def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: list,
