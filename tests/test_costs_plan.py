@@ -284,6 +284,49 @@ def test_a_rounds_halfwidth_takes_the_sampled_verifys_by_the_share_of_requests_t
     assert costs.for_sampling(1.0).cost_halfwidth(0, 1) == 0.0
 
 
+def test_one_top_p_request_makes_its_whole_batch_pay_the_sampled_steps():
+    # vLLM's sampler sorts every row's logits where any request of the batch samples with top-p:
+    # at batch b a share s of top-p requests is paid by 1 - (1 - s)^b of the batches
+    import numpy as np
+
+    from specdec_core.estimate import RoundTotals
+    from tasks.steps.checks.engine_compare import predicted_speedup
+    from tasks.steps.costs.cost_table import batch_share
+
+    assert batch_share(0.25, 1) == pytest.approx(0.25)
+    assert batch_share(0.25, 8) == pytest.approx(1 - 0.75 ** 8)
+    assert batch_share(0.0, 8) == 0.0 and batch_share(1.0, 2) == 1.0
+    costs = cost_table(name="vllm-test")
+    costs.check = {"status": "ok", "details": {"paired": True}}
+    costs.sampled_step = {b: 1.5 * STEP[b] for b in STEP}
+    # a sampled round costs 1.3 times a greedy one's share of its own step
+    costs.sampled_verify = {b: {k + 1: 1.3 * r * 1.5 * STEP[b] for k, r in enumerate(VERIFY[b])} for b in STEP}
+    costs.spread.update({("verify", None, 2, 4): 0.02, ("sampled_verify", None, 2, 4): 0.10})
+    mixed = costs.for_sampling(0.25)
+    for b in (1, 2, 4):
+        share = 1 - 0.75 ** b
+        assert mixed.target_step[b] == pytest.approx((1 - share) * STEP[b] + share * 1.5 * STEP[b])
+        assert mixed.verify[b][2] == pytest.approx((1 - share) * costs.verify[b][2]
+                                                   + share * costs.sampled_verify[b][2])
+    assert mixed.cost_halfwidth(2, 4) == pytest.approx((0.75 ** 4) * 0.02 + (1 - 0.75 ** 4) * 0.10)
+    # the engine and load checks: at batch 1 each request at its own sampling, above it every
+    # request at its batches' mix (a greedy request beside a top-p one pays the sampled steps)
+    label, spec = "prompt_lookup(max_ngram=3,min_ngram=1)", {"kind": "prompt_lookup", "params": {}}
+    totals = [RoundTotals(tokens=30.0, rounds=15.0, reached=np.zeros(2), accepted=np.zeros(2),
+                          widths=np.array([0.0, 0.0, 15.0])) for _ in range(4)]
+    sampled = [True, False, False, False]
+    one_each = [predicted_speedup(costs, label, spec, [t], [s], 1) for t, s in zip(totals, sampled)]
+    steps = [(1.5 if s else 1.0) * STEP[1] for s in sampled]           # each request's own plain step
+    assert predicted_speedup(costs, label, spec, totals, sampled, 1) == pytest.approx(
+        sum(30 * step for step in steps) / sum(30 * step / x for step, x in zip(steps, one_each)))
+    assert one_each[0] < one_each[1] == one_each[2]
+    mixed_four = predicted_speedup(costs, label, spec, totals, sampled, 4)
+    assert mixed_four == pytest.approx(predicted_speedup(costs.for_sampling(0.25), label, spec, totals,
+                                                         [False] * 4, 4))
+    assert mixed_four < predicted_speedup(costs, label, spec, totals, [False] * 4, 4)
+    assert mixed_four > predicted_speedup(costs, label, spec, totals, [True] * 4, 4)
+
+
 def test_speedups_include_the_round_overhead_and_plain_decodings_own():
     estimate = {"drafter": PL, "drafter_spec": PL_SPEC, "draft_width_share": [0.5, 0.0, 0.5],
                 "mean_accepted_length": 2.0, "mean_accepted_length_lo": 1.9, "mean_accepted_length_hi": 2.1}

@@ -50,6 +50,15 @@ def pays_sampled_steps(temperature: float | None, top_k: int | None = 0,
     return bool(temperature) and temperature > 0 and top_p is not None and top_p < 1.0
 
 
+def batch_share(sampled_share: float, batch_size: int) -> float:
+    """The share of batches of `batch_size` requests that pay the sampled steps when
+    `sampled_share` of the requests sample with top-p: those holding at least one of them,
+    1 - (1 - share)^b (one at batch 1; a domain whose requests are a quarter top-p pays them in
+    nine batches of ten at batch 8)."""
+    share = min(max(float(sampled_share), 0.0), 1.0)
+    return 1.0 - (1.0 - share) ** max(int(batch_size), 1)
+
+
 @dataclass
 class CostTable:
     """Seconds per component of one hardware profile, by batch size."""
@@ -113,7 +122,8 @@ class CostTable:
         if self.sampled_share <= 0.0:
             return main
         sampled = self._timed_halfwidth("sampled_verify", None, k, batch_size)
-        return (1.0 - self.sampled_share) * main + self.sampled_share * sampled
+        share = batch_share(self.sampled_share, batch_size)
+        return (1.0 - share) * main + share * sampled
 
     def _timed_halfwidth(self, component: str, label: str | None, k: int, batch_size: int) -> float:
         """The wider spread of the two timed K around K (below and above; the nearest where K is
@@ -172,8 +182,11 @@ class CostTable:
     def for_sampling(self, sampled_share: float) -> "CostTable":
         """The table for traffic of which `sampled_share` of the requests pay the sampled steps
         (pays_sampled_steps: they sample with top-p):
-        each step and verify pass the blend (1 - share) x greedy + share x sampled where the profile
-        timed sampled requests (linear in K between the K timed), itself where it did not."""
+        each step and verify pass the blend (1 - s_b) x greedy + s_b x sampled where the profile
+        timed sampled requests (linear in K between the K timed), itself where it did not. s_b
+        (batch_share) is the share of batches of b requests that hold one that samples with top-p:
+        vLLM's sampler then sorts the logits of every row of the batch (its top-p takes the whole
+        batch's tensor), so the batch pays the sampled step whatever its other requests ask."""
         share = min(max(float(sampled_share), 0.0), 1.0)
         if share == 0.0 or not self.sampled_step:
             return self
@@ -183,6 +196,7 @@ class CostTable:
         for b, sampled in self.sampled_step.items():
             if b not in steps:
                 continue
+            share = batch_share(sampled_share, b)
             steps[b] = (1 - share) * steps[b] + share * sampled
             timed = self.sampled_verify.get(b) or {}
             known = sorted(timed)
@@ -194,7 +208,8 @@ class CostTable:
                         if k in per_batch.get(b, {}):
                             per_batch[b][k] += share * (at_k - verify[b][k])
                     verify[b][k] = (1 - share) * verify[b][k] + share * at_k
-        return replace(self, target_step=steps, verify=verify, draft_round=rounds, sampled_share=share)
+        return replace(self, target_step=steps, verify=verify, draft_round=rounds,
+                       sampled_share=min(max(float(sampled_share), 0.0), 1.0))
 
     @property
     def sampled_timed(self) -> bool:
