@@ -241,12 +241,13 @@ class ProfileSettings(_Group):
         "target fingerprint, covers the run's batch sizes, K and candidates, and is younger "
         "than this many days; else it measures one (0: always measure; `specdec evaluate "
         "--new-profile` and the DAG Param `new_profile` force a measurement)"))
-    engine_budget_s: float = Field(default=150.0, gt=0, description=(
+    engine_budget_s: float = Field(default=180.0, gt=0, description=(
         "seconds a serving engine's cost profile may spend timing (engine starts apart): each "
         "drafter method's engine times pairs of a plain (K 0) batch and a batch at K, one more "
         "pair a round for every ratio whose 95% interval is not yet within ratio_halfwidth, "
-        "until none is left or this budget is spent (the ngram engine three shares, another "
-        "method's one)"))
+        "until none is left or this budget is spent (the ngram engine three shares, a host "
+        "drafter's ladder two, another method's one); no round is begun that its pairs' last "
+        "timings say would end past it"))
     ratio_halfwidth: float = Field(default=0.05, gt=0, lt=1, description=(
         "a serving engine's cost ratio (a step at K over the K 0 step of the same engine) is "
         "settled when its 95% interval's half-width is at most this share of it"))
