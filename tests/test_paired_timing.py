@@ -65,6 +65,10 @@ def test_rounds_stop_settled_on_budget_or_with_a_neighbour_that_stayed(probe):
     assert probe._stop_reason(request, steady[:4], groups, 2, 90.0, 45.0) == "budget"
     assert probe._stop_reason(request, steady[:4], groups, 2, 90.0, 5.0) is None
     assert probe._stop_reason(request, steady[:2], groups, 1, 90.0, 45.0) is None  # two rounds always
+    # an engine asked for three rounds (the ngram engine: profile_repeats) gets them whatever the budget
+    thrice = dict(request, min_rounds=3)
+    assert probe._stop_reason(thrice, steady[:4], groups, 2, 150.0, 45.0) is None
+    assert probe._stop_reason(thrice, steady, groups, 3, 150.0, 45.0) == "budget"
     # every pair contended, all alike: after 2 x min_repeats rounds they are used, and said
     busy = [r for p in range(6) for r in pair_rows(p, 1, 0.040, 0.044, repeat=p, contended=(True, True))]
     assert probe._stop_reason(request, busy[:10], groups, 5, 10.0) is None
@@ -192,3 +196,18 @@ def test_a_domain_whose_pairs_the_budget_left_out_is_decided_on_those_served_or_
     wholly = left_out(row, 8, 8, settings)
     assert wholly.status == "contended" and wholly.passed is None
     assert "all 8 requests left out" in wholly.reason
+
+
+def test_the_ngram_engine_is_asked_for_profile_repeats_rounds_and_a_suffix_engine_for_two():
+    # the ngram engine's steps price every plain step and sampled request: a busy machine's
+    # budget must not cut it to two rounds; a suffix engine's share is its own
+    from tasks.settings import load_settings
+    from tasks.steps.costs.engine_costs import NGRAM, VllmProfilePlan, _engine_request
+
+    runs = [(NGRAM, {"method": "ngram"}, None, [1, 2, 4, 8]),
+            ("suffix", {"method": "suffix"}, None, [1, 2, 3, 4, 8])]
+    plan = VllmProfilePlan("m", "float32", 256, [1, 2, 4, 8], [1, 2, 4, 8], [1, 8], runs, set(), {})
+    settings = load_settings(profile_repeats=3, profile_engine_budget_s=180)
+    ngram, suffix = (_engine_request(plan, run, settings) for run in runs)
+    assert (ngram["min_rounds"], suffix["min_rounds"]) == (3, 2)
+    assert (ngram["budget_s"], suffix["budget_s"]) == pytest.approx((108.0, 72.0))

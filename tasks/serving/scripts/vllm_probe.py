@@ -560,7 +560,7 @@ def open_ratios(timings: list[dict], groups: dict, halfwidth: float, least: int,
 
 def time_paired(request: dict) -> dict:
     """{model, speculative_config (its largest K), prompts, batch_sizes, ks, samplings, steps,
-    max_model_len, dtype, budget_s, halfwidth, min_repeats, max_repeats, contention_cores} ->
+    max_model_len, dtype, budget_s, min_rounds, halfwidth, min_repeats, max_repeats, contention_cores} ->
     {vllm, start_s, refused, mends, k_per_request, stopped, seconds, timings: [{batch_size,
     sampling, k, repeat, pair, decode_s, steps, tokens, drafted, accepted, wall_s, other_cores,
     contended}]}: one engine, K per request (the plugin's vllm_xargs specdec_k), each batch asked
@@ -570,8 +570,8 @@ def time_paired(request: dict) -> dict:
     batch's pair is not counted while clean ones are). Rounds: every ratio not settled yet
     (open_ratios) gets one more pair, until none is open after at least min_repeats clean pairs
     each, or max_repeats rounds, or budget_s of timing (checked after each whole round, and no
-    round begun that its pairs' last timings say would end past it; two rounds are always
-    made)."""
+    round begun that its pairs' last timings say would end past it; min_rounds, at least two,
+    are always made)."""
     import vllm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -662,8 +662,9 @@ def _stop_reason(request: dict, timings: list[dict], group_ks: dict, repeat: int
     least, most = int(request.get("min_repeats", 3)), int(request.get("max_repeats", 30))
     halfwidth, dip = float(request["halfwidth"]), float(request.get("dip", 0.0))
     slack = request.get("slowed")
-    # whole rounds only, and at least two (an interval needs two pairs), whatever the budget
-    if repeat >= 2 and spent + following_s > float(request["budget_s"]):
+    # whole rounds only, and at least min_rounds (two: an interval needs two pairs), whatever
+    # the budget
+    if repeat >= max(int(request.get("min_rounds", 2)), 2) and spent + following_s > float(request["budget_s"]):
         return "budget"
     if repeat >= most:
         return "max_repeats"
