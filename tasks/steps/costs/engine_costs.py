@@ -214,9 +214,7 @@ def _engine_request(plan: VllmProfilePlan, run: tuple, settings: Settings, spare
     if label == NGRAM:      # sampled requests at the smallest and largest K (linear between)
         samplings["sampled"] = {**plan.sampled, "batch_sizes": plan.sampled_sizes,
                                 "ks": sorted({ks[0], ks[-1]})}
-    # the ngram engine's steps price every plain step and every sampled request: the budget
-    # never cuts it before profile_repeats rounds (two rounds of a busy machine's pairs left a
-    # plan's intervals under the bar for domains a quiet machine turns on)
+    # the ngram engine prices every plain step and sampled request: never cut before profile_repeats rounds
     return dict(plan.base, speculative_config=spec, ks=ks, samplings=samplings, budget_s=budget,
                 min_rounds=settings.profile.repeats if label == NGRAM else 2,
                 max_repeats=max(settings.profile.repeats * settings.profile.attempts * 3, 3),
