@@ -7,7 +7,10 @@ Each level also stores vLLM's own per-request spec-decode counters (drafts, draf
 accepted tokens). This re-prices every stored level with those counters in place of the offline
 acceptance: the same cost profile, the same requests, the acceptance vLLM actually had. Where
 that figure is close to the measured speedup and the stored prediction is not, the miss is the
-offline acceptance estimate; where both miss, it is the cost model at that batch size.
+offline acceptance estimate; where both miss, it is the cost model at that batch size, and the
+last two columns set the level's measured costs beside the priced ones: the plain step (the K 0
+side's decode seconds per token) against the profile's, and a round at K over the plain step
+against the ratio the re-priced prediction implies.
 
 Nothing is timed or served: it reads the homes benchmarks/busy_neighbour.py left behind.
 
@@ -76,9 +79,28 @@ def levels(home: Path) -> list[dict]:
         totals = [served_totals(r, level["k"]) for r in served]
         sampled = [r["request_id"] in sampled_ids for r in served]
         served_e = sum(t.tokens for t in totals) / max(sum(t.rounds for t in totals), 1e-9)
-        out.append(dict(level, home=home.name, served_e=served_e,
-                        with_served=predicted_speedup(costs, label, spec, totals, sampled, level["concurrency"])))
+        with_served = predicted_speedup(costs, label, spec, totals, sampled, level["concurrency"])
+        out.append(dict(level, home=home.name, served_e=served_e, with_served=with_served,
+                        **step_costs(served, totals, costs, sampled, level["concurrency"], served_e, with_served)))
     return out
+
+
+def step_costs(served: list[dict], totals: list, costs, sampled: list[bool], batch: int, served_e: float,
+               with_served: float | None) -> dict:
+    """The level's cost side, measured beside priced: the plain step (decode seconds per token of
+    the K 0 side) against the profile's at the level's batch size and top-p mix, and a round at K
+    over the plain step (the config side's decode seconds per round, rounds = tokens - accepted)
+    against the one the re-priced prediction implies (E over the predicted speedup)."""
+    plain_tokens = sum(r["plain_tokens"] for r in served)
+    rounds = sum(t.rounds for t in totals)
+    if not served or not plain_tokens or not rounds:
+        return {"plain_ms": None, "profile_plain_ms": None, "round_ratio": None, "profile_round_ratio": None}
+    plain_step = sum(r["plain_decode_s"] for r in served) / plain_tokens
+    mixed = costs.for_sampling(sum(sampled) / len(sampled)) if sampled else costs
+    return {"plain_ms": 1000 * plain_step,
+            "profile_plain_ms": 1000 * mixed.target_step[batch] if batch in mixed.target_step else None,
+            "round_ratio": sum(r["spec_decode_s"] for r in served) / rounds / plain_step,
+            "profile_round_ratio": served_e / with_served if with_served else None}
 
 
 def within(predicted, measured, share=0.15) -> str:
@@ -93,13 +115,17 @@ def main() -> None:
     args = parser.parse_args()
     rows = [row for home in args.homes for row in levels(home)]
     print("| run | domain | concurrent | K | measured | predicted (offline acceptance) | within 15% "
-          "| predicted (vLLM's acceptance) | within 15% | vLLM tokens/round |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| predicted (vLLM's acceptance) | within 15% | vLLM tokens/round | plain step ms, measured "
+          "/ profile | round / plain step, measured / priced |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fmt = lambda x: "-" if x is None else f"{x:.2f}x"    # noqa: E731
+        num = lambda x, f: "-" if x is None else format(x, f)    # noqa: E731
         print(f"| {r['home']} | {r['domain']} | {r['concurrency']} | {r['k']} | {fmt(r['measured_speedup'])} "
               f"| {fmt(r['predicted_speedup'])} | {within(r['predicted_speedup'], r['measured_speedup'])} "
-              f"| {fmt(r['with_served'])} | {within(r['with_served'], r['measured_speedup'])} | {r['served_e']:.2f} |")
+              f"| {fmt(r['with_served'])} | {within(r['with_served'], r['measured_speedup'])} | {r['served_e']:.2f} "
+              f"| {num(r['plain_ms'], '.1f')} / {num(r['profile_plain_ms'], '.1f')} "
+              f"| {num(r['round_ratio'], '.2f')} / {num(r['profile_round_ratio'], '.2f')} |")
     for key, name in (("predicted_speedup", "offline acceptance"), ("with_served", "vLLM's acceptance")):
         hits = sum(within(r[key], r["measured_speedup"]) == "yes" for r in rows)
         print(f"\npredicted from {name}: within 15% at {hits} of {len(rows)} levels")
