@@ -251,12 +251,13 @@ def predicted_speedup(costs: CostTable | None, label: str | None, drafter_spec: 
     if label not in costs.draft_step and (drafter_spec or {}).get("kind") == "prompt_lookup":
         # vLLM's ngram search is inside the profile's verify steps, whatever its n
         costs.draft_step[label] = {b: 0.0 for b in costs.batch_sizes}
-    tables = {False: costs, True: costs.for_sampling(1.0)}
     if batch_size > 1 and sampled and any(sampled):
         # one request that samples with top-p makes its whole batch pay the sampled steps
         # (CostTable.for_sampling): above batch 1 every request is priced at the batches' mix
         mixed = costs.for_sampling(sum(map(bool, sampled)) / len(sampled))
         tables = {False: mixed, True: mixed}
+    else:
+        tables = {False: costs, True: costs.for_sampling(1.0)}
     plain = spec = 0.0
     try:
         for t, is_sampled in zip(totals, sampled or [False] * len(totals)):

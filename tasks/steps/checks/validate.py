@@ -171,9 +171,7 @@ def _run_sampling_test(store: Store, target, requests: list, test: _SamplingTest
                     "to confirm it", run_id, domain, rows)
         first, report = report, _draw(target, test, context, rows, settings, seed + 1, check_kwargs)
     seconds = time.perf_counter() - started
-    failures = [{"domain": domain, "k": t.k, "sampling": t.sampling, "position": t.position,
-                 "statistic": t.statistic, "p_value": t.p_value, "threshold": t.threshold}
-                for t in report.failures]
+    failures = [{"domain": domain, **failure} for failure in _failures(report)]
     worst = min(report.tests, key=lambda t: t.p_value)
     row = {"domain": domain, "drafter": test.label, "k": test.k, "request_id": request_id,
            "passed": report.passed,
@@ -206,11 +204,15 @@ def _draw(target, test: _SamplingTest, context, rows: int, settings: Settings, s
                           chunk=settings.validation.rows, **(check_kwargs or {}))
 
 
+def _failures(report) -> list[dict]:
+    """A draw's failed G-tests as the stored details keep them."""
+    return [{"k": t.k, "sampling": t.sampling, "position": t.position, "statistic": t.statistic,
+             "p_value": t.p_value, "threshold": t.threshold} for t in report.failures]
+
+
 def _first_draw(report) -> dict:
     """A failed first draw as the stored details keep it beside its confirmation."""
-    return {"rows": report.rows_per_test, "passed": report.passed,
-            "failures": [{"k": t.k, "sampling": t.sampling, "position": t.position, "statistic": t.statistic,
-                          "p_value": t.p_value, "threshold": t.threshold} for t in report.failures]}
+    return {"rows": report.rows_per_test, "passed": report.passed, "failures": _failures(report)}
 
 
 def validate_domain(run_id: str, domain: str, target, drafters: dict, requests: list,

@@ -187,8 +187,8 @@ class CostTable:
         (batch_share) is the share of batches of b requests that hold one that samples with top-p:
         vLLM's sampler then sorts the logits of every row of the batch (its top-p takes the whole
         batch's tensor), so the batch pays the sampled step whatever its other requests ask."""
-        share = min(max(float(sampled_share), 0.0), 1.0)
-        if share == 0.0 or not self.sampled_step:
+        clamped = min(max(float(sampled_share), 0.0), 1.0)
+        if clamped == 0.0 or not self.sampled_step:
             return self
         steps, verify = dict(self.target_step), {b: dict(v) for b, v in self.verify.items()}
         rounds = {label: {b: dict(v) for b, v in per_batch.items()}
@@ -196,7 +196,7 @@ class CostTable:
         for b, sampled in self.sampled_step.items():
             if b not in steps:
                 continue
-            share = batch_share(sampled_share, b)
+            share = batch_share(clamped, b)
             steps[b] = (1 - share) * steps[b] + share * sampled
             timed = self.sampled_verify.get(b) or {}
             known = sorted(timed)
@@ -208,8 +208,7 @@ class CostTable:
                         if k in per_batch.get(b, {}):
                             per_batch[b][k] += share * (at_k - verify[b][k])
                     verify[b][k] = (1 - share) * verify[b][k] + share * at_k
-        return replace(self, target_step=steps, verify=verify, draft_round=rounds,
-                       sampled_share=min(max(float(sampled_share), 0.0), 1.0))
+        return replace(self, target_step=steps, verify=verify, draft_round=rounds, sampled_share=clamped)
 
     @property
     def sampled_timed(self) -> bool:
