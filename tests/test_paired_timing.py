@@ -75,6 +75,29 @@ def test_rounds_stop_settled_on_budget_or_with_a_neighbour_that_stayed(probe):
     assert probe._stop_reason(request, busy, groups, 6, 10.0) == "settled_contended"
 
 
+def test_a_budget_cut_still_gives_the_smallest_batch_its_first_rounds(probe):
+    # busy 20's suffix engine: cut by the budget after two rounds, its batch 1 ratios 17-37% wide
+    # and summarize off; with first_rounds 3 the open batch 1 pairs get a third round, and only they
+    groups = {(1, "greedy"): [0, 1, 2], (8, "greedy"): [0, 1, 2]}
+    todo = [((b, "greedy"), k) for b in (1, 8) for k in (1, 2)]
+    rows, pair = [], 0
+    for repeat, wobble in enumerate((1.0, 1.3)):
+        for b in (1, 8):
+            for k in (1, 2):
+                rows += pair_rows(pair, k, 0.040, 0.040 * (1 + 0.1 * k) * wobble, batch=b, repeat=repeat)
+                pair += 1
+    request = {"halfwidth": 0.05, "min_repeats": 3, "max_repeats": 30, "budget_s": 70.0, "dip": 0.25}
+    took = {item: 10.0 for item in todo}
+    assert probe._next_round(request, rows, groups, 2, todo, 78.0, took, 1) == ("budget", todo)
+    third = dict(request, first_rounds=3)
+    assert probe._next_round(third, rows, groups, 2, todo, 78.0, took, 1) == (None, todo[:2])
+    # after the third round the budget stops them
+    rows += [r for k in (1, 2) for r in pair_rows(pair + k, k, 0.040, 0.040 * (1 + 0.1 * k), repeat=2)]
+    assert probe._next_round(third, rows, groups, 3, todo[:2], 81.0, took, 1)[0] == "budget"
+    # inside the budget nothing changes: every open pair goes on
+    assert probe._next_round(third, rows[:-4], groups, 2, todo, 10.0, took, 1) == (None, todo)
+
+
 def test_the_next_round_times_only_the_ratios_still_open(probe):
     groups = {(1, "greedy"): [0, 1, 2]}
     request = {"halfwidth": 0.05, "min_repeats": 3, "dip": 0.25}
@@ -198,7 +221,7 @@ def test_a_domain_whose_pairs_the_budget_left_out_is_decided_on_those_served_or_
     assert "all 8 requests left out" in wholly.reason
 
 
-def test_the_ngram_engine_is_asked_for_profile_repeats_rounds_and_a_suffix_engine_for_two():
+def test_the_ngram_engine_is_asked_for_profile_repeats_rounds_and_a_suffix_engine_for_two_beyond_batch_1():
     # the ngram engine's steps price every plain step and sampled request: a busy machine's
     # budget must not cut it to two rounds; a suffix engine's share is its own
     from tasks.settings import load_settings
@@ -210,4 +233,5 @@ def test_the_ngram_engine_is_asked_for_profile_repeats_rounds_and_a_suffix_engin
     settings = load_settings(profile_repeats=3, profile_engine_budget_s=180)
     ngram, suffix = (_engine_request(plan, run, settings) for run in runs)
     assert (ngram["min_rounds"], suffix["min_rounds"]) == (3, 2)
+    assert ngram["first_rounds"] == suffix["first_rounds"] == 3       # batch 1: where domains turn on
     assert (ngram["budget_s"], suffix["budget_s"]) == pytest.approx((108.0, 72.0))

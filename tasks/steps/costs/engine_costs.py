@@ -32,8 +32,7 @@ round for each ratio not settled yet, within `profile_engine_budget_s` (docs/eva
   temperature alone or with top-k only with the greedy ones (pays_sampled_steps: at K 8 and
   batch 1 a round at temperature 0.7 alone cost 1.64 greedy steps, with top-p 0.9 2.65, a
   greedy one 1.61; benchmarks/results/sampled_costs.md).
-- No round overhead apart: vLLM's per-step work outside the forward passes is inside the steps
-  timed.
+- No round overhead apart: vLLM's work outside the forward passes is inside the steps timed.
 
 The profile's hardware description names the engine (`details.engine`: name, version, the CPU
 sampler mends the engine needed), its name says so (vllm-<version>-<device>), and its check
@@ -111,7 +110,6 @@ class VllmProfilePlan:
     sampled: dict = field(default_factory=lambda: dict(SAMPLED))
 
 
-# Student's t, two-sided 95%, by degrees of freedom (0 unused; the last serves every larger one)
 NGRAM = "ngram"          # the label of the n-gram engine: plain (K 0) and verify(K) for every K
 
 
@@ -214,9 +212,11 @@ def _engine_request(plan: VllmProfilePlan, run: tuple, settings: Settings, spare
     if label == NGRAM:      # sampled requests at the smallest and largest K (linear between)
         samplings["sampled"] = {**plan.sampled, "batch_sizes": plan.sampled_sizes,
                                 "ks": sorted({ks[0], ks[-1]})}
-    # the ngram engine prices every plain step and sampled request: never cut before profile_repeats rounds
+    # never cut before profile_repeats rounds: the ngram engine (it prices every plain step and
+    # sampled request), and any engine's batch 1 pairs (the plan turns domains on there)
     return dict(plan.base, speculative_config=spec, ks=ks, samplings=samplings, budget_s=budget,
                 min_rounds=settings.profile.repeats if label == NGRAM else 2,
+                first_rounds=settings.profile.repeats,
                 max_repeats=max(settings.profile.repeats * settings.profile.attempts * 3, 3),
                 spare_cores=spare)
 
