@@ -1091,3 +1091,42 @@ def test_a_profile_that_prices_prompt_lookup_as_a_kind_prices_every_prompt_looku
     assert table.draft_ratio("prompt_lookup(max_ngram=3,min_ngram=1)", 1) == 0.0
     with pytest.raises(CostProfileError):
         table.draft_ratio("layer_skip(num_layers=9)", 1)
+
+
+def test_a_ladder_that_one_line_fits_is_priced_on_the_line_and_one_that_bends_as_timed():
+    """tasks.steps.costs.k_ladder: where one line fits every timed K's ratio within its own
+    interval, the line prices every K, narrower than any one K's interval; a ladder it misses, or
+    one of two Ks, is priced as timed (linear between)."""
+    from tasks.steps.costs.k_ladder import fit_line, ladder
+
+    # a suffix engine's rounds at batch 1: 1.10 + 0.02 K, K 3 timed 4% low by chance (inside its
+    # 6% interval): as timed, K 3 would look cheaper than K 2, and the plan's K follows it
+    line = {k: 1.10 + 0.02 * k for k in (1, 2, 3, 4, 8)}
+    timed = {**line, 3: line[3] * 0.96}
+    widths = {k: 0.06 for k in timed}
+    priced, spreads = ladder(timed, widths, 8)
+    assert spreads is not None and set(spreads) == set(timed)
+    assert priced[3] > priced[2] and all(priced[k + 1] > priced[k] for k in range(1, 8))
+    assert all(abs(priced[k] / line[k] - 1) < 0.02 for k in line)
+    assert all(spreads[k] < widths[k] for k in timed)        # every pair of the ladder behind each K
+    # the same K 3 12% low, outside its interval: not a line; as timed, interpolated between
+    bent = {**line, 3: line[3] * 0.88}
+    priced, spreads = ladder(bent, widths, 8)
+    assert spreads is None and priced[3] == pytest.approx(bent[3])
+    assert priced[6] == pytest.approx((bent[4] + bent[8]) / 2)
+    # two Ks: any line fits them, so it says nothing; an unbounded interval: no line
+    assert ladder({1: 1.1, 8: 1.3}, {1: 0.05, 8: 0.05}, 8)[1] is None
+    assert fit_line(timed, {**widths, 8: float("inf")}) is None
+
+
+def test_vllm_profile_prices_a_straight_ladder_on_its_line_and_says_so():
+    from tasks.steps.costs.engine_costs import _table
+
+    # verify at K 1, 2, 4 and 8 on a line (1.05 + 0.025 K), every pair alike: one line, named
+    ngram = _paired(1, 0, 0.040, 50, 0.0)
+    for k in (1, 2, 4, 8):
+        ngram += _paired(1, k, 0.040 * (1.05 + 0.025 * k), 50, float(k))
+    table, reasons, notes = _table({"ngram": _answer(ngram)}, [("ngram", {}, None, [1, 2, 4, 8])], 8, [1],
+                                   3, load_settings())
+    assert reasons == [] and any("one line" in n and "verify at batch 1" in n for n in notes), notes
+    assert table.verify[1][6] == pytest.approx(0.040 * (1.05 + 0.025 * 6), rel=1e-3)

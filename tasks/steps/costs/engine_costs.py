@@ -67,6 +67,7 @@ from ...timeutil import utcnow
 from ..drafters.candidates import HOST_DRAFTERS, candidate_label, parse_candidate
 from .costs import (CostTable, _slug, load_costs, profile_key, profile_provenance, store_costs,
                     timing_lock)
+from .k_ladder import ladder, shaped
 from .reuse import reusable_profile, reuse_costs
 from .vllm_hardware import engine_threads, served_dtype, vllm_hardware
 
@@ -385,8 +386,9 @@ def _k0_step(timings: list[PairedTiming], b: int, sampling: str) -> float:
 def _table(answers: dict[str, PairedAnswer], runs: list, k_max: int, sizes: list[int], draft_k: int,
            settings: Settings) -> tuple[CostTable, list[str], list[str]]:
     """(table, reasons it is noisy, notes) from the engines' paired timings: the ngram engine's
-    K 0 step is the target step; verify(K) its paired ratio at K times that step (interpolated
-    between the K timed); a host drafter's draft_round(K) its own engine's paired ratio at K times
+    K 0 step is the target step; verify(K) its paired ratio at K times that step (at every K on
+    one line through the Ks timed where it fits them all, else linear between them: k_ladder);
+    a host drafter's draft_round(K) its own engine's paired ratio at K times
     that step, likewise; another method's draft step its paired ratio at draft_k less the ngram
     engine's at that K, times the step. Each figure's spread is its ratio's 95% half-width over
     the ratio. A ratio whose half-width is over ratio_halfwidth is a note: the plan's interval
@@ -416,18 +418,26 @@ def _table(answers: dict[str, PairedAnswer], runs: list, k_max: int, sizes: list
             notes.append(f"{what}: paired over repeats with other processes on the CPU")
         return mean
 
+    lines = []
+
+    def priced(measured: dict, component: str, label: str | None, b: int) -> dict:
+        """Seconds at every K from 1 to k_max: one line where it fits the ladder (k_ladder)."""
+        at, widths = ladder(measured, {k: table.spread[(component, label, k, b)] for k in measured}, k_max)
+        if widths:
+            table.spread.update({(component, label, k, b): min(w, 9.99) for k, w in widths.items()})
+            lines.append(f"{component}{f' of {label}' if label else ''} at batch {b}")
+        return {k: table.target_step[b] * r for k, r in at.items()}
+
     for b in sizes:
         step = table.target_step[b] = _k0_step(ngram, b, "greedy")
         table.spread[("target_step", None, None, b)] = 0.0
-        measured = _shaped({k: ratio(ngram, NGRAM, b, "greedy", k, "verify") for k in runs[0][3]},
-                           table.spread, "verify", b, notes, settings.profile.verify_dip)
-        known = sorted(measured)
-        table.verify[b] = {k: step * float(np.interp(k, known, [measured[x] for x in known]))
-                           for k in range(1, k_max + 1)}
+        table.verify[b] = priced(shaped({k: ratio(ngram, NGRAM, b, "greedy", k, "verify") for k in runs[0][3]},
+                                         table.spread, "verify", b, notes, settings.profile.verify_dip),
+                                 "verify", None, b)
         if any(t.sampling == "sampled" and t.batch_size == b for t in ngram):
             sampled = table.sampled_step[b] = _k0_step(ngram, b, "sampled")
             timed = sorted({t.k for t in ngram if t.sampling == "sampled" and t.batch_size == b} - {0})
-            table.sampled_verify[b] = {k: sampled * r for k, r in _shaped(
+            table.sampled_verify[b] = {k: sampled * r for k, r in shaped(
                 {k: ratio(ngram, NGRAM, b, "sampled", k, "sampled_verify") for k in timed},
                 table.spread, "sampled_verify", b, notes, settings.profile.verify_dip).items()}
         for label, _, spec, timed in runs[1:]:
@@ -436,38 +446,13 @@ def _table(answers: dict[str, PairedAnswer], runs: list, k_max: int, sizes: list
             extra = max(own - table.verify[b][draft_k] / step, 0.0) * step
             table.draft_step.setdefault(label, {})[b] = extra if spec["kind"] in HOST_DRAFTERS else extra / draft_k
             if len(timed) > 1:      # a host drafter's own rounds, every K in its own engine
-                rounds = _shaped({k: ratio(timings, label, b, "greedy", k, "draft_round", label) for k in timed},
+                rounds = shaped({k: ratio(timings, label, b, "greedy", k, "draft_round", label) for k in timed},
                                  table.spread, "draft_round", b, notes, settings.profile.verify_dip, label)
-                table.draft_round.setdefault(label, {})[b] = {k: step * float(np.interp(
-                    k, sorted(rounds), [rounds[x] for x in sorted(rounds)])) for k in range(1, k_max + 1)}
+                table.draft_round.setdefault(label, {})[b] = priced(rounds, "draft_round", label, b)
     _fill_sampled(table, sizes)
+    if lines:
+        notes.append("priced on one line through their timed Ks: " + ", ".join(lines))
     return table, reasons, notes
-
-
-def _shaped(ratios: dict[int, float], spread: dict, component: str, b: int, notes: list[str],
-            dip: float, drafter: str | None = None) -> dict[int, float]:
-    """The ratios with the shape costs must have: a step may be cheaper at a larger K by up to
-    `dip` (profile_verify_dip: CPU matrix kernels change path with the width, repeatably) or
-    within both intervals. Cheaper beyond that (the probe measured both Ks again until the budget
-    ran out) is never used as measured: the larger K is priced at the smaller K's figure (the
-    dearer one: a busy machine slows batches, it never speeds one up, so the plan errs towards
-    plain decoding), its spread widened to cover the gap, and a note names it."""
-    out, peak = {}, (None, 0.0)
-    for k in sorted(ratios):
-        value = ratios[k]
-        if peak[0] is not None and value < peak[1] * (1 - dip):
-            key = (component, drafter, k, b)
-            low = value * (1 + spread[key])
-            if low < peak[1] * (1 - dip) * (1 - spread[(component, drafter, peak[0], b)]):
-                notes.append(f"{component}{f' of {drafter}' if drafter else ''} at batch {b}: K={k} ({value:.3f}) cheaper than K={peak[0]} "
-                             f"({peak[1]:.3f}) by more than {dip:.0%} beyond both intervals; priced "
-                             f"at K={peak[0]}'s")
-                spread[key] = min(max(spread[key], (peak[1] - value) / peak[1]), 9.99)
-                value = peak[1]
-        out[k] = value
-        if value >= peak[1]:
-            peak = (k, value)
-    return out
 
 
 def _fill_sampled(table: CostTable, sizes: list[int]) -> None:
