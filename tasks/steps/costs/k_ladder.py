@@ -28,17 +28,19 @@ def ladder(ratios: dict[int, float], halfwidths: dict[int, float], k_max: int) -
     95% half-width of that ratio}. The line needs three timed Ks or more, finite half-widths, and
     every timed ratio within its own interval of it."""
     known = sorted(ratios)
-    measured = {k: float(np.interp(k, known, [ratios[x] for x in known])) for k in range(1, k_max + 1)}
+    ks = range(1, k_max + 1)
     line = fit_line(ratios, halfwidths)
     if line is None:
-        return measured, None
-    at, width = line
-    return {k: at(k) for k in range(1, k_max + 1)}, {k: width(k) / at(k) for k in known}
+        return {k: float(np.interp(k, known, [ratios[x] for x in known])) for k in ks}, None
+    coefficients, covariance = line
+    at = {k: float(coefficients[0] + coefficients[1] * k) for k in ks}
+    # the line's absolute 95% half-width at K, over its figure there
+    return at, {k: float(np.sqrt([1.0, k] @ covariance @ [1.0, k])) / at[k] for k in known}
 
 
-def fit_line(ratios: dict[int, float], halfwidths: dict[int, float]):
-    """(the line's ratio at K, its absolute 95% half-width at K) as two functions, or None where
-    it does not fit (see ladder)."""
+def fit_line(ratios: dict[int, float], halfwidths: dict[int, float]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(intercept and slope, their covariance in 95% half-width units) of the weighted
+    least-squares line through the timed ratios, or None where it does not fit (see ladder)."""
     known = sorted(ratios)
     if len(known) < 3:
         return None
@@ -52,19 +54,9 @@ def fit_line(ratios: dict[int, float], halfwidths: dict[int, float]):
     # each ratio's half-width as its own scale: the line's covariance in half-width units
     covariance = np.linalg.inv(x.T @ (x * weights[:, None]))
     coefficients = covariance @ (x.T @ (weights * y))
-    if np.any(np.abs(x @ coefficients - y) > half):
+    if np.any(np.abs(x @ coefficients - y) > half) or coefficients[0] + coefficients[1] <= 0:
         return None
-
-    def at(k: float) -> float:
-        return float(coefficients[0] + coefficients[1] * k)
-
-    def width(k: float) -> float:
-        point = np.array([1.0, float(k)])
-        return float(np.sqrt(point @ covariance @ point))
-
-    if at(1) <= 0:
-        return None
-    return at, width
+    return coefficients, covariance
 
 
 def shaped(ratios: dict[int, float], spread: dict, component: str, b: int, notes: list[str],
