@@ -601,3 +601,100 @@ def test_a_running_server_of_the_method_at_a_larger_k_serves_a_smaller_ks_reques
     assert not pool.running(dict(suffix, num_speculative_tokens=5), **SERVER, share=True)
     # the one it handed is the one used last: starting another stops the others first
     assert pool.used[-1] == next(key for key, server in pool.servers.items() if server is four)
+
+
+def _drawn_requests():
+    """A domain's logged requests for the drawn-pricing tests: prompts ending in a repeated chunk
+    (prompt lookup drafts from it), responses that copy the chunk (accepted often) or not."""
+    import torch
+
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+
+    from .helpers.models import VOCAB
+
+    torch.manual_seed(5)
+    chunk = torch.randint(3, VOCAB, (6,)).tolist()
+    ways = {"g": SamplingParams(), "a": SamplingParams(temperature=0.7, top_p=0.9),
+            "b": SamplingParams(temperature=1.0)}
+    rows = []
+    for name, way, copies in [("g0", "g", True), ("a0", "a", False), ("a1", "a", True), ("a2", "a", True),
+                              ("a3", "a", False), ("b0", "b", False), ("b1", "b", False)]:
+        prompt = torch.randint(3, VOCAB, (5,)).tolist() + chunk + torch.randint(3, VOCAB, (3,)).tolist() + chunk[:2]
+        response = (chunk[2:] + chunk) if copies else torch.randint(3, VOCAB, (10,)).tolist()
+        rows.append(LoggedRequest(name, prompt, response + torch.randint(3, VOCAB, (6,)).tolist(), ways[way], "d"))
+    return rows
+
+
+def test_a_sampled_request_is_priced_at_the_mean_of_the_requests_sampled_as_it_is():
+    # a greedy request is served its logged tokens again: priced along them; a sampled one draws
+    # anew: priced at the mean rounds per token of the domain's requests of its way of sampling
+    # (cut where the check cuts), or of all sampled ones where its way has fewer than MIN_CLASS
+    from specdec_core import PromptLookup
+    from tasks.steps.checks import drawn
+    from tasks.steps.checks.confirm import offline_totals, truncated
+    from tasks.steps.checks.engine_replay import end_slot
+
+    from .helpers.models import tiny_llama
+
+    target, drafter, k, cut = tiny_llama(seed=0), PromptLookup(max_ngram=3), 3, 12
+    domain = _drawn_requests()
+    cut_of = {r.request_id: end_slot(truncated(r, min(len(r.response_ids), cut))) for r in domain}
+    asked = [cut_of["g0"], cut_of["a0"], cut_of["b0"]]
+    own = offline_totals(target, drafter, asked, k)
+    cache = {}
+    priced = drawn.priced_totals(target, drafter, asked, domain, k, cut, cache)
+
+    def per_token(ids):
+        totals = offline_totals(target, drafter, [cut_of[i] for i in ids], k)
+        return sum(t.rounds for t in totals.values()) / sum(t.tokens for t in totals.values())
+
+    assert drawn.MIN_CLASS == 3
+    assert (priced["g0"].tokens, priced["g0"].rounds) == (own["g0"].tokens, own["g0"].rounds)
+    for request_id, pool in (("a0", ["a0", "a1", "a2", "a3"]),                    # 4 sampled alike
+                             ("b0", ["a0", "a1", "a2", "a3", "b0", "b1"])):       # 2: all sampled
+        assert priced[request_id].tokens == own[request_id].tokens
+        assert priced[request_id].rounds / priced[request_id].tokens == pytest.approx(per_token(pool))
+        assert priced[request_id].widths.sum() == pytest.approx(priced[request_id].rounds)
+    # the copying draws of a0's way make its price better than its own draw, which copied nothing;
+    # b0's way alone would be priced as its own draw, all sampled ones better, a0's way better still
+    assert priced["a0"].rounds < priced["b0"].rounds < own["b0"].rounds == own["a0"].rounds
+    # the pools are read once per K and cut, kept in the caller's cache
+    assert list(cache) == [(k, cut)]
+    again = drawn.priced_totals(target, drafter, asked, [], k, cut, cache)
+    assert again["b0"].rounds == pytest.approx(priced["b0"].rounds)
+    # greedy requests alone: the estimate along them, no pool read
+    alone = drawn.priced_totals(target, drafter, [cut_of["g0"]], domain, k, cut, {})
+    assert (alone["g0"].tokens, alone["g0"].rounds) == (own["g0"].tokens, own["g0"].rounds)
+
+
+def test_the_load_checks_prediction_prices_sampled_requests_at_their_pool(monkeypatch):
+    # the level's prediction (pools given) reads the domain's logged requests at the load check's
+    # cut; the prediction along what vLLM served (pools None) walks the served tokens as they are
+    from specdec_core import SamplingParams
+    from specdec_core.estimate import LoggedRequest
+    from tasks.steps.checks import load_check
+
+    logged = [LoggedRequest("q0", [1, 2, 3], [9, 9, 9], SamplingParams(temperature=0.7), "d")]
+    settings = load_settings(load_max_tokens=24)
+    context = SimpleNamespace(model="target", settings=settings, domain_requests=lambda domain: (logged, {}),
+                              domain_drafters=lambda domain: {"suffix": ("spec", "the-drafter")})
+    calls = []
+
+    def priced(target, drafter, requests, domain_requests, k, max_tokens, cache):
+        calls.append(("priced", domain_requests, max_tokens, cache))
+        return {"q0": "pooled"}
+
+    def offline(target, drafter, requests, k):
+        calls.append(("offline",))
+        return {"q0": "own"}
+
+    monkeypatch.setattr(load_check, "priced_totals", priced)
+    monkeypatch.setattr(load_check, "offline_totals", offline)
+    monkeypatch.setattr(load_check, "predicted_at", lambda costs, label, spec, totals, sampled, level: totals)
+    config = {"drafter": "suffix", "drafter_spec": {"kind": "suffix"}}
+    pools = {}
+    assert load_check._predicted(context, "d", config, logged, 3, 2, "costs", pools) == ["pooled"]
+    assert calls == [("priced", logged, 24, pools)]
+    assert load_check._predicted(context, "d", config, logged, 3, 2, "costs") == ["own"]
+    assert calls[-1] == ("offline",)

@@ -284,7 +284,8 @@ def _engine_rows(context: CheckContext, run: EngineRun, served: Served, plan: Ch
         on = plan.on[domain]
         drafter = drafters_by_domain[domain][on.drafter][1]
         row = domain_row(plan.picked[domain], answer, run.spec_of(domain), drafter, context.target_model,
-                         served.history, record.log, context.settings, on, costs)
+                         served.history, record.log, context.settings, on, costs,
+                         context.requests_by_domain.get(domain, []))
         if record.mends:
             row = replace(row, reason=(f"{row.reason} (served with {len(record.mends)} "
                                        "mend of vLLM's CPU build, named in the task log)")[:2000])

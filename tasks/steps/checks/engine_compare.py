@@ -14,6 +14,7 @@ from ...serving.replay_answer import ReplayAnswer, ServedRequest
 from ...settings import Settings
 from ..estimate import acceptance
 from .confirm import offline_totals
+from .drawn import priced_totals
 from ..costs.costs import CostProfileError, CostTable
 from ..costs.cost_table import pays_sampled_steps
 from ..plan.plan import speedup_factor
@@ -179,12 +180,17 @@ def domain_verdict(rows: list[ComparedRequest], k: int, tolerance: float,
 
 def domain_row(picked: list, answer: ReplayAnswer, spec: dict, drafter, target_model, history: int,
                 log_path: str, settings: Settings, planned: PlannedDomain | None = None,
-                costs: CostTable | None = None) -> EngineCheckRow:
+                costs: CostTable | None = None, domain_requests: list | None = None) -> EngineCheckRow:
     """One domain's comparison of what its engine served with the estimate of the same requests
     at the engine's batch-1 K; a domain the engine died on (or left unserved) fails, with its
-    figures on the requests that were served."""
+    figures on the requests that were served. The speedup predicted for them prices a sampled
+    request at the mean of the domain's logged requests sampled as it is (domain_requests, the
+    run's sample of the domain; tasks.steps.checks.drawn), where they are given."""
     k = batch_one_k(spec)
-    offline = offline_totals(target_model, drafter, [end_slot(r) for r in picked], k)
+    slotted = [end_slot(r) for r in picked]
+    offline = offline_totals(target_model, drafter, slotted, k)
+    priced = offline if domain_requests is None else priced_totals(
+        target_model, drafter, slotted, domain_requests, k, settings.live.max_new_tokens, own=offline)
     served = [r for r in picked if r.request_id in offline and r.request_id in answer.requests]
     compared = [compare_request(r, answer.requests[r.request_id], offline.get(r.request_id),
                                 exact=spec["method"] in EXACT_METHODS, drafter=drafter, k=k)
@@ -201,7 +207,7 @@ def domain_row(picked: list, answer: ReplayAnswer, spec: dict, drafter, target_m
         predicted_speedup=predicted_speedup(
             costs, None if planned is None else planned.drafter,
             None if planned is None else planned.drafter_spec,
-            [offline[r.request_id] for r in served], [pays_sampled(r.sampling) for r in served])))
+            [priced[r.request_id] for r in served], [pays_sampled(r.sampling) for r in served])))
     ids = {r.request_id for r in picked}
     spent = [i for i in answer.left_out if i in ids]
     if spent:

@@ -28,10 +28,12 @@ failed requests; on the config's server vLLM's vllm:spec_decode_* counter deltas
 metrics summed (they must be equal). The measured speedup is the config's decode-phase tokens/s
 over the plain one on the same requests, with its 95% interval by bootstrap over them
 (tasks.steps.checks.confirm.speedup_interval); the predicted one is vLLM's cost profile at that
-batch size (the engine check's profile, the estimate of these requests at that level's K), and
-beside it the same prediction along what vLLM served (predicted_served_speedup): a sampled
-request draws its response anew on the server, and its acceptance with it, which the logged
-response cannot foresee (benchmarks/results/suffix_parity.md).
+batch size (the engine check's profile, the estimate of these requests at that level's K: a
+greedy request's along its logged response, which the server serves again; a sampled one's the
+mean of the domain's logged requests sampled as it is, tasks.steps.checks.drawn, since it draws
+its response anew on the server, and its acceptance with it), and beside it the same prediction
+along what vLLM served (predicted_served_speedup), which knows the draws
+(benchmarks/results/suffix_parity.md).
 
 A level pays when none of its requests failed and its interval's lower end clears min_speedup
 (a domain on in the champion config, with hysteresis: its lower end clears 1.0 and its upper end
@@ -61,6 +63,7 @@ from ...registry.vllm_export import deployment_specs
 from ...serving import environment as serving_env
 from ...serving.server import ServerPool, log_dir
 from .confirm import offline_totals, truncated
+from .drawn import priced_totals
 from ..costs.costs import CostTable
 from .engine_compare import pays_sampled
 from .engine_replay import dtype_of, end_slot, local_spec
@@ -75,14 +78,21 @@ log = logging.getLogger(__name__)
 
 
 def _predicted(context, domain: str, config: dict, requests: list, k: int, level: int,
-               costs: CostTable | None) -> float | None:
+               costs: CostTable | None, pools: dict | None = None) -> float | None:
     """The speedup vLLM's cost profile predicts for these requests at the level's batch size: the
     estimate of the planned drafter at K along their responses, priced as the engine check prices
-    its requests (predicted_at). None without a profile, at K 0 or without a request."""
+    its requests (predicted_at). pools: None, the estimate along each response as given (the
+    served prediction); else a sampled request is priced at the mean of the domain's logged
+    requests sampled as it is (tasks.steps.checks.drawn, pools its cache). None without a
+    profile, at K 0 or without a request."""
     if costs is None or k <= 0 or not requests:
         return None
     drafter = context.domain_drafters(domain)[config["drafter"]][1]
-    offline = offline_totals(context.model, drafter, requests, k)
+    if pools is None:
+        offline = offline_totals(context.model, drafter, requests, k)
+    else:
+        offline = priced_totals(context.model, drafter, requests, context.domain_requests(domain)[0], k,
+                                context.settings.load.max_tokens, pools)
     kept = [r for r in requests if r.request_id in offline]
     return predicted_at(costs, config["drafter"], config.get("drafter_spec"),
                         [offline[r.request_id] for r in kept], [pays_sampled(r.sampling) for r in kept], level)
@@ -121,10 +131,11 @@ def _domain_result(context, domain: str, config: dict, spec: dict, measured: Dom
     """(the load check's record, domain_configs changes) of one measured domain."""
     settings = context.settings
     champion_on = bool(config.get("champion_on"))
-    rows = []
+    rows, pools = [], {}
     for level, k, plain, served, chosen in measured.levels:
         row = level_row(level, k, plain, served)
-        predicted = _predicted(context, domain, config, _logged_requests(context, domain, chosen), k, level, costs)
+        predicted = _predicted(context, domain, config, _logged_requests(context, domain, chosen), k, level, costs,
+                               pools)
         row = replace(row, predicted_served_speedup=_served_prediction(context, domain, config, served, chosen,
                                                                        k, level, costs))
         rows.append(replace(row, predicted_speedup=predicted, pays=pays(row, settings, champion_on),
